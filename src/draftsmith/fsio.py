@@ -1,0 +1,130 @@
+"""Atomic, checksummed file I/O: every artefact write in draftsmith goes through here.
+
+A stage can be killed at any moment, so nothing is ever written in place: data goes to a temp file in the
+same directory, is fsynced, then renamed over the target (rename is atomic on POSIX).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from draftsmith.errors import DraftsmithError
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _explain_os_error(path: Path, err: OSError) -> DraftsmithError:
+    if err.errno == errno.ENOSPC:
+        return DraftsmithError(f"{path}: no space left on device; free disk space and run the same command again to resume")
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return DraftsmithError(f"{path}: cannot write here ({os.strerror(err.errno)}); choose a writable --output")
+    return DraftsmithError(f"{path}: {os.strerror(err.errno) if err.errno else err}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temp path beside `path`; on success it is fsynced and renamed onto `path`."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+    except OSError as err:
+        raise _explain_os_error(path, err) from None
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        tmp_path.unlink(missing_ok=True)
+        raise _explain_os_error(path, err) from None
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """Build a whole directory beside `path` and rename it into place only when complete.
+
+    A later stage can therefore never see a half-written output: either the directory exists whole, or
+    not at all (a leftover `.name.partial-*` is removed by the next run).
+    """
+    path = Path(path)
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(f".{path.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=parent))
+    except OSError as err:
+        raise _explain_os_error(path, err) from None
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync_dir(parent)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _explain_os_error(path, err) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) so two processes never fill the same cache entry or store."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -1,0 +1,148 @@
+"""Find, identify and load a target model; tap its layers in vLLM's layer-id convention.
+
+Layer ids (DESIGN.md): 0 = embeddings, k = output of decoder layer k-1 (the residual stream before the final
+norm), N = the last decoder layer's output, un-normalised.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith import assets
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsio import sha256_bytes
+from draftsmith.manifest import TargetIdentity
+
+# Config keys that change nothing about the computation (bookkeeping written by save_pretrained).
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
+                         "quantization_config", "use_cache"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+
+
+def resolve_target(spec: str | Path | None) -> Path:
+    """Turn what the user typed into a local HF directory (converting a GGUF file once)."""
+    if spec is None or str(spec) == "":
+        return assets.default_target_dir()
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DraftsmithError(f"{path}: GGUF file does not exist")
+        return assets.converted_gguf_dir(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DraftsmithError(f"{path}: not a Hugging Face model directory (no config.json)")
+        return path
+    if path.exists():
+        raise DraftsmithError(f"{path}: expected an HF model directory, a .gguf file or a hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(str(spec), local_files_only=True))
+    except Exception:  # noqa: BLE001 - any hub failure means "not in the local cache"
+        raise DraftsmithError(
+            f"target {spec!r}: not a local directory or .gguf file, and not in the local Hugging Face cache "
+            "(draftsmith never downloads from a hub at run time; download it first, e.g. `hf download`)") from None
+    return local
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise DraftsmithError(f"{path}/config.json: cannot read target config ({err})") from None
+
+
+def _text_config(config: dict) -> dict:
+    """Multimodal configs nest the language model's config; everything we need lives there."""
+    return config.get("text_config") or config
+
+
+def target_identity(path: Path) -> TargetIdentity:
+    """Hashes and sizes that let every later stage refuse inputs made for another target."""
+    path = Path(path)
+    config = read_config(path)
+    text = _text_config(config)
+    stable = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
+    tok_hash = sha256_bytes(b"".join((path / name).read_bytes() for name in _TOKENIZER_FILES if (path / name).is_file()))
+    try:
+        return TargetIdentity(
+            path=str(path.resolve()),
+            architecture=(config.get("architectures") or ["unknown"])[0],
+            config_hash=sha256_bytes(json.dumps(stable, sort_keys=True).encode()),
+            tokenizer_hash=tok_hash,
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            vocab_size=int(text["vocab_size"]),
+        )
+    except KeyError as err:
+        raise DraftsmithError(f"{path}/config.json: missing {err}; is this a decoder-only causal LM?") from None
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's usual low / middle / high taps, in vLLM's convention."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise DraftsmithError(f"aux layer ids {bad} out of range: the target has layer ids 0..{num_layers}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise DraftsmithError(f"aux layer ids {layer_ids} contain duplicates")
+    return sorted(layer_ids)
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise DraftsmithError(f"{path}: cannot load the tokenizer ({err})".replace("\n", " ")) from None
+
+
+def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                trust_remote_code: bool = False) -> nn.Module:
+    """The target as a transformers causal LM in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise DraftsmithError(f"{path}: cannot load the target model ({err})".replace("\n", " ")) from None
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise DraftsmithError(f"{type(model).__name__}: cannot find the decoder layers (model.model.layers)")
+    return layers
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)
+    return inner.norm
+
+
+def embed_tokens(model: nn.Module) -> nn.Embedding:
+    return model.get_input_embeddings()
+
+
+def lm_head(model: nn.Module) -> nn.Linear:
+    return model.get_output_embeddings()
