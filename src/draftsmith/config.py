@@ -116,3 +116,11 @@ def save_resolved_config(cfg: StageConfig, directory: Path) -> None:
     """Every stage writes the config it actually ran with beside its output."""
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     atomic_write_text(Path(directory) / RESOLVED_CONFIG_NAME, text)
+
+
+class StageResult(BaseModel):
+    """What a stage's `run` returns: where its output is, and a short summary the CLI prints as a table."""
+
+    stage: str
+    output: Path
+    summary: dict[str, Any] = Field(default_factory=dict)

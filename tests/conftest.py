@@ -1,0 +1,99 @@
+"""Shared fixtures: one tiny random target for fast unit tests, the real default assets for slow ones.
+
+The tiny target is a real Llama (transformers) with a real byte-level BPE tokenizer and a ChatML chat
+template, built from a config in a second, so unit tests exercise the same code paths as the real model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens with a small model and verifies them with the target.",
+    "Hello! How can I help you today? I am a helpful assistant.",
+    "def add(a, b):\n    return a + b\n",
+    "system user assistant: Paris is the capital of France. 1 2 3 4 5 6 7 8 9 10",
+    "What is the meaning of life? Explain in three sentences, please.",
+] * 20
+
+
+def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, vocab_size: int = 320):
+    """A real byte-level BPE fast tokenizer trained on a tiny corpus (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<pad>", unk_token=None)
+    fast.chat_template = chat_template
+    return fast
+
+
+def build_tiny_target(path: Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0,
+                      chat_template: str = CHATML_TEMPLATE) -> Path:
+    """Save a tiny random Llama target with its tokenizer as an HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer(chat_template)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama target (4 layers, hidden 64, ChatML) as an HF directory."""
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="session")
+def default_target_dir() -> Path:
+    """The real SmolLM2-135M-Instruct (fetched and converted into the draftsmith cache on first use)."""
+    from draftsmith import assets
+
+    return assets.default_target_dir()
+
+
+@pytest.fixture(scope="session")
+def sharegpt_file() -> Path:
+    from draftsmith import assets
+
+    return assets.sharegpt_path()
+
+
+@pytest.fixture(scope="session")
+def mtbench_file() -> Path:
+    from draftsmith import assets
+
+    return assets.mtbench_path()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads():
+    """Keep tests deterministic and polite on a 2-core machine."""
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield
