@@ -1,0 +1,331 @@
+"""The prepared data set: token ids, assistant loss masks and token counts, the only module that reads or writes it.
+
+On disk (see docs/formats.md, "Prepared data set")::
+
+    manifest.json                 PreparedManifest (kind "prepared")
+    config.yaml                   the resolved PrepareConfig the set was made with (when a stage wrote it)
+    shard-00000.safetensors       input_ids int32 [T], loss_mask uint8 [T], offsets int64 [n+1]
+    shard-00001.safetensors       ... (samples first_sample .. first_sample+n-1 of the set)
+    token_counts.safetensors      counts int64 [vocab]: how often each target token id is loss-masked
+
+Sample i of a shard is `input_ids[offsets[i]:offsets[i+1]]`. Shards are memory-mapped, so a set larger than
+memory is never loaded whole, and `lengths` comes from the offsets without touching any token.
+The whole directory is built beside its final place and renamed into it only when complete.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import json
+import struct
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsio import atomic_dir, atomic_path, sha256_file
+from draftsmith.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+
+TOKEN_COUNTS_NAME = "token_counts.safetensors"
+_SHARD_TENSORS = {"input_ids": np.int32, "loss_mask": np.uint8, "offsets": np.int64}
+_ST_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
+
+
+class PreparedShard(BaseModel):
+    """One shard file: samples `first_sample .. first_sample + num_samples - 1` of the set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: str
+    sha256: str
+    num_samples: int
+    num_tokens: int
+    first_sample: int
+    num_bytes: int = 0
+
+
+class PreparedManifest(Manifest):
+    """What a prepared set holds and which target / chat template it was tokenised for."""
+
+    kind: str = "prepared"
+    target: TargetIdentity
+    chat_template_hash: str
+    num_samples: int
+    num_tokens: int
+    num_loss_tokens: int
+    max_length: int
+    overflow: str = "truncate"
+    num_truncated: int = 0
+    shards: list[PreparedShard]
+    token_counts_file: str = TOKEN_COUNTS_NAME
+    token_counts_sha256: str = ""
+    skipped: dict[str, int] = Field(default_factory=dict)
+    damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
+    sources: list[str] = Field(default_factory=list)
+    stats: dict[str, Any] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------- writing
+
+
+def _as_numpy(value: Any, dtype: type, what: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"sample {what} must be 1-D, got shape {arr.shape}")
+    return arr.astype(dtype, copy=False)
+
+
+def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    with atomic_path(path) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
+
+
+def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity, *, chat_template_hash: str,
+                   max_length: int, skipped: dict[str, int] | None = None, sources: list[str] | None = None,
+                   shard_samples: int = 2048, config: Any = None, **extra: Any) -> PreparedManifest:
+    """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask") as a prepared set at `output`.
+
+    `samples` is consumed as a stream, one shard in memory at a time. `skipped` may be a dict the caller keeps
+    filling while the stream runs (it is read after the last sample). `config` (a StageConfig) is saved as
+    config.yaml inside the set. `extra` are further PreparedManifest fields (overflow, num_truncated, damaged,
+    stats). Raises DraftsmithError when there is no sample at all; nothing is left at `output` on any failure.
+    """
+    output = Path(output)
+    vocab = int(target.vocab_size)
+    counts = np.zeros(vocab, dtype=np.int64)
+    shards: list[PreparedShard] = []
+    num_tokens = num_loss = 0
+
+    with atomic_dir(output) as tmp:
+        ids_buf: list[np.ndarray] = []
+        mask_buf: list[np.ndarray] = []
+
+        def flush() -> None:
+            nonlocal num_tokens
+            lengths = np.fromiter((len(a) for a in ids_buf), dtype=np.int64, count=len(ids_buf))
+            offsets = np.zeros(len(ids_buf) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            name = f"shard-{len(shards):05d}.safetensors"
+            _write_safetensors(tmp / name, {"input_ids": np.concatenate(ids_buf), "loss_mask": np.concatenate(mask_buf),
+                                            "offsets": offsets})
+            first = shards[-1].first_sample + shards[-1].num_samples if shards else 0
+            shards.append(PreparedShard(file=name, sha256=sha256_file(tmp / name), num_samples=len(ids_buf),
+                                        num_tokens=int(offsets[-1]), first_sample=first,
+                                        num_bytes=(tmp / name).stat().st_size))
+            num_tokens += int(offsets[-1])
+            ids_buf.clear()
+            mask_buf.clear()
+
+        for index, sample in enumerate(samples):
+            ids = _as_numpy(sample["input_ids"], np.int64, "input_ids")
+            mask = _as_numpy(sample["loss_mask"], np.uint8, "loss_mask")
+            if len(ids) != len(mask):
+                raise ValueError(f"sample {index}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+            if len(ids) == 0:
+                raise ValueError(f"sample {index}: empty input_ids")
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise DraftsmithError(
+                    f"sample {index}: token id {int(ids.max())} is outside the target's vocabulary of {vocab} "
+                    f"(config.json vocab_size); the tokenizer does not belong to target {target.path}")
+            masked = ids[mask.astype(bool)]
+            counts += np.bincount(masked, minlength=vocab)
+            num_loss += len(masked)
+            ids_buf.append(ids.astype(np.int32))
+            mask_buf.append((mask != 0).astype(np.uint8))
+            if len(ids_buf) >= shard_samples:
+                flush()
+        if ids_buf:
+            flush()
+        if not shards:
+            raise DraftsmithError(f"{output}: no usable samples to write" + (
+                f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else ""))
+
+        _write_safetensors(tmp / TOKEN_COUNTS_NAME, {"counts": counts})
+        manifest = PreparedManifest(
+            target=target, chat_template_hash=chat_template_hash, max_length=max_length,
+            num_samples=shards[-1].first_sample + shards[-1].num_samples, num_tokens=num_tokens,
+            num_loss_tokens=num_loss, shards=shards, token_counts_sha256=sha256_file(tmp / TOKEN_COUNTS_NAME),
+            skipped=dict(skipped or {}), sources=list(sources or []), **extra)
+        if config is not None:
+            from draftsmith.config import save_resolved_config
+
+            save_resolved_config(config, tmp)
+        write_manifest(tmp, manifest)
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------------- reading
+
+
+def _memmap_safetensors(path: Path, expected: dict[str, type]) -> dict[str, np.ndarray]:
+    """Memory-map the named 1-D tensors of a safetensors file, checking header, dtypes and sizes."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("file is shorter than a safetensors header")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(size - 8, 100_000_000):
+                raise ValueError("header length is out of range")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: shard file is missing; the prepared set is incomplete, run prepare again") from None
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise DraftsmithError(f"{path}: not a readable safetensors file ({err}); the prepared set is damaged, "
+                              "run prepare again") from None
+    base = 8 + header_len
+    out: dict[str, np.ndarray] = {}
+    for name, dtype in expected.items():
+        info = header.get(name)
+        if (not isinstance(info, dict) or _ST_DTYPES.get(info.get("dtype")) is not dtype
+                or len(info.get("shape", ())) != 1):
+            raise DraftsmithError(f"{path}: tensor {name!r} is missing or has the wrong dtype/shape; the prepared "
+                                  "set is damaged, run prepare again")
+        start, end = info["data_offsets"]
+        count = int(info["shape"][0])
+        if end - start != count * np.dtype(dtype).itemsize or base + end > size:
+            raise DraftsmithError(f"{path}: tensor {name!r} runs past the end of the file (truncated shard); "
+                                  "run prepare again")
+        out[name] = (np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=(count,)) if count
+                     else np.zeros(0, dtype=dtype))
+    return out
+
+
+class PreparedDataset(collections.abc.Sequence):
+    """Random access to a prepared set: `ds[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "sample_id": i}."""
+
+    def __init__(self, path: Path, manifest: PreparedManifest):
+        self.path = Path(path)
+        self.manifest = manifest
+        self._starts = np.array([s.first_sample for s in manifest.shards] + [manifest.num_samples], dtype=np.int64)
+        self._shards: list[dict[str, np.ndarray]] | None = None
+        self._open_shards()
+        self.lengths = np.concatenate([np.diff(s["offsets"]) for s in self._shards]).astype(np.int64)
+
+    def _open_shards(self) -> None:
+        shards = []
+        expected_first = 0
+        for shard in self.manifest.shards:
+            file = self.path / shard.file
+            if shard.first_sample != expected_first:
+                raise DraftsmithError(f"{self.path}/{MANIFEST_NAME}: shard {shard.file} starts at sample "
+                                      f"{shard.first_sample}, expected {expected_first}; the manifest is damaged")
+            expected_first += shard.num_samples
+            if shard.num_bytes and file.is_file() and file.stat().st_size != shard.num_bytes:
+                raise DraftsmithError(f"{file}: size {file.stat().st_size} bytes, manifest says {shard.num_bytes} "
+                                      "(truncated or replaced shard); run prepare again")
+            arrays = _memmap_safetensors(file, _SHARD_TENSORS)
+            offsets = arrays["offsets"]
+            if (len(offsets) != shard.num_samples + 1 or int(offsets[0]) != 0
+                    or int(offsets[-1]) != shard.num_tokens or len(arrays["input_ids"]) != shard.num_tokens
+                    or len(arrays["loss_mask"]) != shard.num_tokens or bool(np.any(np.diff(offsets) <= 0))):
+                raise DraftsmithError(f"{file}: offsets do not match the manifest ({shard.num_samples} samples, "
+                                      f"{shard.num_tokens} tokens); the prepared set is damaged, run prepare again")
+            shards.append(arrays)
+        self._shards = shards
+
+    # Memory maps do not survive pickling well (DataLoader workers under spawn): re-open them after unpickling.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_shards"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open_shards()
+
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a prepared set of {len(self)} samples")
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        arrays = self._shards[k]  # type: ignore[index]
+        j = i - int(self._starts[k])
+        a, b = int(arrays["offsets"][j]), int(arrays["offsets"][j + 1])
+        return {
+            "input_ids": torch.from_numpy(np.array(arrays["input_ids"][a:b], dtype=np.int64)),
+            "loss_mask": torch.from_numpy(np.array(arrays["loss_mask"][a:b], dtype=np.bool_)),
+            "sample_id": i,
+        }
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    def token_counts(self) -> torch.Tensor:
+        """How often each target token id is loss-masked in this set: int64 [vocab]."""
+        arrays = _memmap_safetensors(self.path / self.manifest.token_counts_file, {"counts": np.int64})
+        counts = arrays["counts"]
+        if len(counts) != self.manifest.target.vocab_size:
+            raise DraftsmithError(f"{self.path / self.manifest.token_counts_file}: {len(counts)} counts for a "
+                                  f"vocabulary of {self.manifest.target.vocab_size}; the prepared set is damaged")
+        return torch.from_numpy(np.array(counts, dtype=np.int64))
+
+    def verify(self) -> None:
+        """Re-hash every shard and the token counts; DraftsmithError naming the first damaged file."""
+        files = [(s.file, s.sha256) for s in self.manifest.shards]
+        if self.manifest.token_counts_sha256:
+            files.append((self.manifest.token_counts_file, self.manifest.token_counts_sha256))
+        for name, digest in files:
+            file = self.path / name
+            if not file.is_file():
+                raise DraftsmithError(f"{file}: missing; the prepared set is incomplete, run prepare again")
+            if sha256_file(file) != digest:
+                raise DraftsmithError(f"{file}: sha256 does not match the manifest (damaged shard); run prepare again")
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return f"PreparedDataset({str(self.path)!r}, samples={m.num_samples}, tokens={m.num_tokens})"
+
+
+def open_prepared(path: Path, verify: bool = False) -> PreparedDataset:
+    """Open a prepared set (checking its structure; `verify=True` also re-hashes every file)."""
+    path = Path(path)
+    if not path.exists():
+        raise DraftsmithError(f"{path}: prepared data set does not exist; run `draftsmith prepare` first")
+    if not path.is_dir():
+        raise DraftsmithError(f"{path}: expected a prepared data set directory, got a file")
+    if not (path / MANIFEST_NAME).is_file():
+        raise DraftsmithError(f"{path}: not a prepared data set (no {MANIFEST_NAME}); "
+                              "point at the output directory of `draftsmith prepare`")
+    manifest = read_manifest(path, PreparedManifest)
+    if not manifest.shards or sum(s.num_samples for s in manifest.shards) != manifest.num_samples:
+        raise DraftsmithError(f"{path}/{MANIFEST_NAME}: shard sample counts do not add up to {manifest.num_samples}; "
+                              "the manifest is damaged")
+    dataset = PreparedDataset(path, manifest)
+    if verify:
+        dataset.verify()
+    return dataset
+
+
+def split_indices(n: int, eval_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Deterministic train / held-out split of sample ids 0..n-1 (both sorted), shared by trainer and evaluator.
+
+    The held-out part has round(n * eval_fraction) samples, at least one when eval_fraction > 0 and n >= 2,
+    and never all of them.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DraftsmithError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+    n_eval = int(round(n * eval_fraction))
+    if eval_fraction > 0 and n >= 2:
+        n_eval = max(1, n_eval)
+    n_eval = min(n_eval, max(n - 1, 0))
+    order = np.random.default_rng(seed).permutation(n)
+    held_out = sorted(int(i) for i in order[:n_eval])
+    train = sorted(int(i) for i in order[n_eval:])
+    return train, held_out

@@ -1,0 +1,150 @@
+"""The prepared data set format: round trip, sharding, memory-mapped reads, damage detection, the split."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.manifest import TargetIdentity
+from draftsmith.prepared import PreparedManifest, open_prepared, split_indices, write_prepared
+
+VOCAB = 50
+
+
+def _target() -> TargetIdentity:
+    return TargetIdentity(path="/tmp/t", architecture="LlamaForCausalLM", config_hash="c", tokenizer_hash="t",
+                          num_layers=4, hidden_size=64, vocab_size=VOCAB)
+
+
+def _samples(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(1, 30))
+        ids = rng.integers(0, VOCAB, size=length)
+        mask = rng.integers(0, 2, size=length)
+        out.append({"input_ids": torch.tensor(ids), "loss_mask": mask.tolist()})
+    return out
+
+
+def _write(path, samples, **kw):
+    return write_prepared(path, samples, _target(), chat_template_hash="h", max_length=64, **kw)
+
+
+def test_round_trip_across_shards(tmp_path):
+    samples = _samples(23)
+    manifest = _write(tmp_path / "p", iter(samples), shard_samples=5, skipped={"no assistant turn": 2},
+                      sources=["a.json"])
+    assert [s.num_samples for s in manifest.shards] == [5, 5, 5, 5, 3]
+    assert [s.first_sample for s in manifest.shards] == [0, 5, 10, 15, 20]
+    ds = open_prepared(tmp_path / "p")
+    assert isinstance(ds.manifest, PreparedManifest) and ds.manifest.kind == "prepared"
+    assert len(ds) == 23 and ds.manifest.skipped == {"no assistant turn": 2} and ds.manifest.sources == ["a.json"]
+    for i, s in enumerate(samples):
+        item = ds[i]
+        assert item["sample_id"] == i
+        assert item["input_ids"].dtype == torch.long and item["loss_mask"].dtype == torch.bool
+        assert item["input_ids"].tolist() == s["input_ids"].tolist()
+        assert item["loss_mask"].tolist() == [bool(x) for x in s["loss_mask"]]
+    assert ds[-1]["sample_id"] == 22
+    with pytest.raises(IndexError):
+        ds[23]
+    assert ds.lengths.dtype == np.int64 and ds.lengths.tolist() == [len(s["input_ids"]) for s in samples]
+    assert ds.manifest.num_tokens == int(ds.lengths.sum())
+
+
+def test_token_counts_count_only_loss_masked_tokens(tmp_path):
+    samples = _samples(40, seed=3)
+    manifest = _write(tmp_path / "p", samples)
+    expected = torch.zeros(VOCAB, dtype=torch.long)
+    for s in samples:
+        ids = s["input_ids"][torch.tensor(s["loss_mask"], dtype=torch.bool)]
+        expected += torch.bincount(ids, minlength=VOCAB)
+    ds = open_prepared(tmp_path / "p")
+    assert torch.equal(ds.token_counts(), expected)
+    assert manifest.num_loss_tokens == int(expected.sum())
+
+
+def test_shards_are_memory_mapped_and_pickle(tmp_path):
+    _write(tmp_path / "p", _samples(8))
+    ds = open_prepared(tmp_path / "p")
+    assert isinstance(ds._shards[0]["input_ids"], np.memmap)
+    clone = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(clone[3]["input_ids"], ds[3]["input_ids"])
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    def broken():
+        yield from _samples(3)
+        raise RuntimeError("tokenizer crashed")
+
+    with pytest.raises(RuntimeError):
+        _write(tmp_path / "p", broken(), shard_samples=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_samples_is_a_clear_error(tmp_path):
+    with pytest.raises(DraftsmithError, match="no usable samples.*no assistant turn 4"):
+        _write(tmp_path / "p", [], skipped={"no assistant turn": 4})
+    assert not (tmp_path / "p").exists()
+
+
+def test_token_id_outside_vocab_is_refused(tmp_path):
+    with pytest.raises(DraftsmithError, match="outside the target's vocabulary"):
+        _write(tmp_path / "p", [{"input_ids": [1, VOCAB], "loss_mask": [1, 1]}])
+
+
+def test_open_rejects_what_is_not_a_prepared_set(tmp_path):
+    with pytest.raises(DraftsmithError, match="does not exist"):
+        open_prepared(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DraftsmithError, match="not a prepared data set"):
+        open_prepared(tmp_path / "empty")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text(json.dumps({"kind": "store"}))
+    with pytest.raises(DraftsmithError, match="'store' artefact, expected 'prepared'"):
+        open_prepared(tmp_path / "other")
+
+
+def test_missing_shard_is_named(tmp_path):
+    _write(tmp_path / "p", _samples(10), shard_samples=4)
+    (tmp_path / "p" / "shard-00001.safetensors").unlink()
+    with pytest.raises(DraftsmithError, match="shard-00001.safetensors.*missing"):
+        open_prepared(tmp_path / "p")
+
+
+def test_truncated_shard_is_named(tmp_path):
+    _write(tmp_path / "p", _samples(10), shard_samples=4)
+    shard = tmp_path / "p" / "shard-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-7])
+    with pytest.raises(DraftsmithError, match="shard-00002.safetensors"):
+        open_prepared(tmp_path / "p")
+
+
+def test_flipped_byte_is_caught_by_verify(tmp_path):
+    _write(tmp_path / "p", _samples(10), shard_samples=4)
+    shard = tmp_path / "p" / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    open_prepared(tmp_path / "p")  # structure is still fine
+    with pytest.raises(DraftsmithError, match="shard-00000.safetensors: sha256"):
+        open_prepared(tmp_path / "p", verify=True)
+
+
+def test_split_indices_is_deterministic_and_disjoint():
+    train, held = split_indices(100, 0.1, seed=7)
+    assert len(held) == 10 and len(train) == 90
+    assert sorted(train + held) == list(range(100))
+    assert split_indices(100, 0.1, seed=7) == (train, held)
+    assert split_indices(100, 0.1, seed=8) != (train, held)
+    assert len(split_indices(5, 0.01)[1]) == 1
+    assert split_indices(1, 0.5) == ([0], [])
+    assert split_indices(10, 0.0) == (list(range(10)), [])
+    with pytest.raises(DraftsmithError):
+        split_indices(10, 1.0)
