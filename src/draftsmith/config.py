@@ -108,8 +108,9 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dic
     except ValidationError as err:
         first = err.errors()[0]
         option = ".".join(str(p) for p in first["loc"]) or "config"
+        option = f"--{option.replace('_', '-')}" if option in cls.model_fields else option
         where = f"{config_file}: " if config_file else ""
-        raise DraftsmithError(f"{where}option {option!r}: {first['msg']} (got {first.get('input')!r})") from None
+        raise DraftsmithError(f"{where}option {option}: {first['msg']} (got {first.get('input')!r})") from None
 
 
 def save_resolved_config(cfg: StageConfig, directory: Path) -> None:

@@ -1,0 +1,219 @@
+"""The `draftsmith` command: a thin typer shell over each stage's `run(cfg)`.
+
+Each stage's options are generated from its pydantic config (config.py), so a config field and its
+`--option` can never drift apart. User mistakes (DraftsmithError) print one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Optional
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from draftsmith import __version__, config
+from draftsmith.errors import DraftsmithError
+
+app = typer.Typer(
+    name="draftsmith",
+    help="Train EAGLE-3 draft models for Hugging Face causal LMs and ship them to vLLM.\n\n"
+    "Pipeline: prepare -> extract -> train -> export -> evaluate (or `quickstart` for all of it).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+store_app = typer.Typer(help="Work with hidden-state stores: verify checksums, merge stores from many writers.",
+                        no_args_is_help=True)
+app.add_typer(store_app, name="store")
+console = Console()
+err_console = Console(stderr=True)
+
+NOT_BUILT_EXIT = 2
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    """Run a stage, turning user errors into one line and an interrupt into a resume hint."""
+    try:
+        return fn()
+    except DraftsmithError as err:
+        raise _fail(str(err)) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted; run the same command again to resume where it stopped", 130) from None
+
+
+def _print_result(result: config.StageResult) -> None:
+    table = Table(title=f"draftsmith {result.stage}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in result.summary.items():
+        table.add_row(str(key), _fmt(value))
+    table.add_row("output", str(result.output))
+    console.print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return str(value)
+
+
+# ---- options generated from pydantic fields -------------------------------------------------------------
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
+    """(annotation, default) for one config field; every default is None so only given flags override."""
+    annotation = _unwrap_optional(field.annotation)
+    origin = typing.get_origin(annotation)
+    help_text = field.description or ""
+    default = field.get_default(call_default_factory=True)
+    if default not in (None, [], ""):
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        help_text += f"  [default: {shown}]"
+    flag = "--" + name.replace("_", "-")
+    kwargs: dict[str, Any] = {"help": help_text, "show_default": False}
+    if annotation is bool:
+        decl = typer.Option(f"{flag}/--no-{name.replace('_', '-')}", **kwargs)
+        return Optional[bool], decl
+    if origin is Literal:
+        py_type: Any = annotation
+    elif origin in (list, tuple):
+        kwargs["help"] = help_text + "  (comma-separated)"
+        py_type = str
+    elif annotation in (int, float, str, Path):
+        py_type = annotation
+    else:
+        py_type = str
+    if positional:
+        return Optional[py_type], typer.Argument(None, help=kwargs["help"], show_default=False)
+    return Optional[py_type], typer.Option(flag, **kwargs)
+
+
+def _stage_command(name: str, config_name: str, runner: str, help_text: str, positional: tuple[str, ...] = ()) -> None:
+    """Register `draftsmith NAME` from the config class `config.<config_name>` and `module:function` runner."""
+    cfg_cls: type[BaseModel] | None = getattr(config, config_name, None)
+    if cfg_cls is None:  # the stage's config does not exist yet in this version
+
+        @app.command(name, help=help_text + "\n\n(Not built yet in this version of draftsmith.)")
+        def _not_built() -> None:
+            raise _fail(f"`draftsmith {name}` is not built yet in draftsmith {__version__}", NOT_BUILT_EXIT)
+
+        return
+
+    params = [inspect.Parameter(
+        "config_file", inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")],
+    )]
+    for field_name, field in cfg_cls.model_fields.items():
+        annotation, decl = _option(field_name, field, field_name in positional)
+        params.append(inspect.Parameter(field_name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[annotation, decl]))
+
+    def command(**kwargs: Any) -> None:
+        config_file = kwargs.pop("config_file")
+        cfg = _call(lambda: config.load_config(cfg_cls, config_file, kwargs))
+        module_name, fn_name = runner.split(":")
+        try:
+            run = getattr(importlib.import_module(module_name), fn_name)
+        except (ModuleNotFoundError, AttributeError):
+            raise _fail(f"`draftsmith {name}` is not built yet in draftsmith {__version__}", NOT_BUILT_EXIT) from None
+        _print_result(_call(lambda: run(cfg)))
+
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__name__ = name
+    app.command(name, help=help_text)(command)
+
+
+_stage_command("prepare", "PrepareConfig", "draftsmith.data.prepare:run",
+               "Render conversations with the target's chat template into token shards with assistant loss masks.")
+_stage_command("extract", "ExtractConfig", "draftsmith.extract:run",
+               "Run the target over a prepared set and store its aux-layer hidden states (transformers or vLLM).")
+_stage_command("train", "TrainConfig", "draftsmith.train:run",
+               "Train an EAGLE-3 draft with training-time test, from a store (offline) or a prepared set (online).")
+_stage_command("export", "ExportConfig", "draftsmith.export:run",
+               "Write a trained draft as a vLLM, SGLang or speculators model directory.", positional=("checkpoint",))
+_stage_command("evaluate", "EvaluateConfig", "draftsmith.evaluate:run",
+               "Measure acceptance length and speed-up by real speculative decoding (reference decoder or vLLM).")
+_stage_command("quickstart", "QuickstartConfig", "draftsmith.quickstart:run",
+               "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate.")
+
+
+@app.command("doctor")
+def doctor() -> None:
+    """Show versions, hardware, cached default assets, and what the installed vLLM can do."""
+    from draftsmith import doctor as doctor_module
+
+    _call(lambda: doctor_module.run(console))
+
+
+@app.command("inspect")
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="Any draftsmith artefact directory (prepared set, store, checkpoint, export).")],
+    sample: Annotated[Optional[int], typer.Option("--sample", "-s", help="Show sample i of a prepared set or store.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (for scripts).")] = False,
+) -> None:
+    """Show an artefact's manifest, or one sample with its loss-masked span highlighted."""
+    from draftsmith import inspection
+
+    _call(lambda: inspection.run(path, sample=sample, as_json=as_json, console=console))
+
+
+@store_app.command("verify")
+def store_verify(path: Annotated[Path, typer.Argument(help="Hidden-state store directory.")]) -> None:
+    """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens."""
+    from draftsmith import store
+
+    report = _call(lambda: store.verify_store(path))
+    console.print(report)
+    if not getattr(report, "ok", True):
+        raise typer.Exit(1)
+
+
+@store_app.command("merge")
+def store_merge(
+    inputs: Annotated[list[Path], typer.Argument(help="Stores to merge (same target, layers and dtype).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Merged store directory to create.")],
+) -> None:
+    """Join stores written by several workers (`extract --shard i/n`) into one."""
+    from draftsmith import store
+
+    console.print(_call(lambda: store.merge_stores(inputs, output)))
+
+
+@app.command("version")
+def version() -> None:
+    """Print draftsmith's version."""
+    console.print(__version__)
+
+
+def main() -> None:  # pragma: no cover - entry point
+    sys.exit(app())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
