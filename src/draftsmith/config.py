@@ -119,6 +119,63 @@ def save_resolved_config(cfg: StageConfig, directory: Path) -> None:
     atomic_write_text(Path(directory) / RESOLVED_CONFIG_NAME, text)
 
 
+class ExportConfig(StageConfig):
+    checkpoint: Path = Field(Path("runs/train"), description=(
+        "A draft checkpoint (output of `draftsmith train`, or one of its checkpoint directories)."))
+    format: Literal["vllm", "sglang", "speculators"] = Field("vllm", description=(
+        "Output format: vllm (LlamaForCausalLMEagle3), sglang (same weights, SGLang's layer-id convention) "
+        "or speculators (speculators_model_type eagle3)."))
+    output: Path = Field(Path("runs/export"), description="Directory to write the exported draft to (replaced whole).")
+    target: str | None = Field(None, description=(
+        "Target the draft will serve with; default: the one recorded in the checkpoint. A target that differs "
+        "from the checkpoint's is refused."))
+    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Weight dtype of model.safetensors.")
+    speculative_tokens: int = Field(3, ge=1, le=16, description=(
+        "Draft tokens per round written into the config (speculators proposal method)."))
+    report: Path | None = Field(None, description=(
+        "An evaluation report (report.json of `draftsmith evaluate`) whose measured acceptance goes in README.md."))
+
+
+class EvaluateConfig(StageConfig):
+    draft: Path = Field(Path("runs/export"), description=(
+        "The draft: an exported directory (`draftsmith export`) or a training checkpoint."))
+    engine: Literal["hf", "vllm"] = Field("hf", description=(
+        "hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine."))
+    target: str | None = Field(None, description=(
+        "Target model; default: the one the draft was trained for. A target that differs is refused."))
+    output: Path = Field(Path("runs/eval"), description="Directory for report.json, report.md and the PNG charts.")
+    prompts: str = Field("mt-bench", description=(
+        "Prompt set: mt-bench (the embedded 80 questions), a ShareGPT JSON / messages JSONL file, or a prepared "
+        "data set directory (its held-out split is used)."))
+    num_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the set.")
+    eval_fraction: float = Field(0.02, ge=0.0, lt=1.0, description=(
+        "Held-out fraction of a prepared data set (must match the one training used)."))
+    split_seed: int = Field(0, description="Seed of the train / held-out split of a prepared set (as in training).")
+    max_new_tokens: int = Field(256, ge=1, description="Tokens generated per prompt.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
+    k: list[int] = Field(default_factory=lambda: [3], description=(
+        "Draft tokens per round (num_speculative_tokens); several values are measured one after another."))
+    baseline: bool = Field(True, description="Also decode with the target alone, for the speed-up.")
+    seed: int = Field(0, description="Random seed for sampling (temperature > 0).")
+    device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "Compute dtype; auto: float32 for the hf engine on CPU, bfloat16 otherwise."))
+    max_model_len: int | None = Field(None, ge=16, description=(
+        "vLLM context limit; default: longest prompt + max_new_tokens + k."))
+    vllm_kv_cache_gb: float = Field(2.0, gt=0, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
+    trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
+
+    _split = field_validator("k", mode="before")(_split_list)
+
+    @field_validator("k")
+    @classmethod
+    def _check_k(cls, value: list[int]) -> list[int]:
+        if not value or any(k < 1 or k > 16 for k in value):
+            raise ValueError("k needs one or more values in 1..16")
+        return sorted(set(value))
+
+
 class StageResult(BaseModel):
     """What a stage's `run` returns: where its output is, and a short summary the CLI prints as a table."""
 
