@@ -110,7 +110,7 @@ def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
     else:
         py_type = str
     if positional:
-        return Optional[py_type], typer.Argument(None, help=kwargs["help"], show_default=False)
+        return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False)
     return Optional[py_type], typer.Option(flag, **kwargs)
 
 

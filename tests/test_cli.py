@@ -1,0 +1,84 @@
+"""The CLI shell: generated options, config files, one-line errors, not-built stages."""
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from draftsmith import config
+from draftsmith.cli import app
+from draftsmith.errors import DraftsmithError
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("command", ["prepare", "extract", "train", "export", "evaluate", "quickstart", "doctor",
+                                     "inspect", "store"])
+def test_every_command_has_help(command):
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
+
+
+def test_prepare_help_lists_config_fields():
+    out = runner.invoke(app, ["prepare", "--help"], terminal_width=200).output
+    for flag in ("--config", "--data", "--target", "--max-length", "--overflow", "--output"):
+        assert flag in out
+
+
+def test_yaml_then_flags(tmp_path):
+    cfg_file = tmp_path / "prep.yaml"
+    cfg_file.write_text(yaml.safe_dump({"max_length": 512, "overflow": "drop", "data": ["a.json", "b.jsonl"]}))
+    cfg = config.load_config(config.PrepareConfig, cfg_file, {"max_length": 1024, "overflow": None})
+    assert cfg.max_length == 1024 and cfg.overflow == "drop" and cfg.data == ["a.json", "b.jsonl"]
+    assert config.load_config(config.PrepareConfig, None, {"data": "x.json, y.json"}).data == ["x.json", "y.json"]
+
+
+def test_bad_config_values_are_one_line_errors(tmp_path):
+    with pytest.raises(DraftsmithError, match="--max-length"):
+        config.load_config(config.PrepareConfig, None, {"max_length": 3})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_lenght: 10\n")
+    with pytest.raises(DraftsmithError, match="bad.yaml.*max_lenght"):
+        config.load_config(config.PrepareConfig, bad, {})
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(DraftsmithError, match="mapping"):
+        config.load_config(config.PrepareConfig, bad, {})
+    with pytest.raises(DraftsmithError, match="does not exist"):
+        config.load_config(config.PrepareConfig, tmp_path / "missing.yaml", {})
+
+
+def test_cli_prints_user_errors_without_traceback():
+    result = runner.invoke(app, ["prepare", "--max-length", "3"])
+    assert result.exit_code == 1
+    assert "error:" in result.output and "Traceback" not in result.output
+
+
+def test_invalid_choice_is_rejected_by_the_cli():
+    result = runner.invoke(app, ["extract", "--backend", "tensorrt"])
+    assert result.exit_code == 2
+
+
+def test_shard_syntax_is_checked():
+    with pytest.raises(DraftsmithError, match="i/n"):
+        config.load_config(config.ExtractConfig, None, {"shard": "3"})
+    with pytest.raises(DraftsmithError, match="0 <= i < n"):
+        config.load_config(config.ExtractConfig, None, {"shard": "4/4"})
+    assert config.parse_shard("1/4") == (1, 4)
+
+
+def test_resolved_config_is_written(tmp_path):
+    cfg = config.PrepareConfig(max_length=100)
+    config.save_resolved_config(cfg, tmp_path)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["max_length"] == 100
+
+
+def test_inspect_on_a_non_artefact_is_a_user_error(tmp_path):
+    result = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 1 and "not a draftsmith artefact" in result.output
+
+
+def test_doctor_reports_versions():
+    result = runner.invoke(app, ["doctor"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for word in ("python", "torch", "transformers", "vllm", "asset: sharegpt-v3"):
+        assert word in result.output

@@ -1,0 +1,61 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from draftsmith import targets
+from draftsmith.errors import DraftsmithError
+
+
+def test_identity_reads_sizes_from_config(tiny_target_dir):
+    ident = targets.target_identity(tiny_target_dir)
+    assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (4, 64, 320)
+    assert ident.architecture == "LlamaForCausalLM"
+    assert len(ident.config_hash) == 64 and len(ident.tokenizer_hash) == 64
+
+
+def test_identity_ignores_bookkeeping_but_not_weights_shape(tiny_target_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "0.0.0"
+    (copy / "config.json").write_text(json.dumps(config))
+    a, b = targets.target_identity(tiny_target_dir), targets.target_identity(copy)
+    assert a.mismatch(b) is None
+    config["hidden_size"] = 128
+    (copy / "config.json").write_text(json.dumps(config))
+    assert "config_hash" in targets.target_identity(copy).mismatch(a)
+
+
+def test_default_aux_layers_follow_eagle3():
+    assert targets.default_aux_layer_ids(30) == [2, 15, 27]
+    assert targets.default_aux_layer_ids(32) == [2, 16, 29]
+
+
+def test_layer_id_checks():
+    assert targets.check_layer_ids([15, 2, 27], 30) == [2, 15, 27]
+    with pytest.raises(DraftsmithError, match="out of range"):
+        targets.check_layer_ids([2, 31], 30)
+    with pytest.raises(DraftsmithError, match="duplicates"):
+        targets.check_layer_ids([2, 2], 30)
+
+
+def test_resolve_target_errors_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DraftsmithError, match="no config.json"):
+        targets.resolve_target(tmp_path / "empty")
+    with pytest.raises(DraftsmithError, match="GGUF file does not exist"):
+        targets.resolve_target(tmp_path / "missing.gguf")
+    with pytest.raises(DraftsmithError, match="not in the local Hugging Face cache"):
+        targets.resolve_target("no-such-org/no-such-model-xyz")
+
+
+def test_load_target_and_layer_accessors(tiny_target_dir):
+    model = targets.load_target(tiny_target_dir)
+    assert len(targets.decoder_layers(model)) == 4
+    assert targets.embed_tokens(model).weight.shape == (320, 64)
+    assert targets.lm_head(model).weight.shape == (320, 64)
+    assert not any(p.requires_grad for p in model.parameters())
+    x = torch.randn(1, 3, 64)
+    assert targets.final_norm(model)(x).shape == x.shape
