@@ -45,6 +45,8 @@ class PrepareConfig(StageConfig):
     max_samples: int | None = Field(None, ge=1, description="Stop after this many good conversations.")
     num_workers: int = Field(0, ge=0, description="Tokeniser processes; 0 means one per CPU core.")
     shard_samples: int = Field(2048, ge=1, description="Conversations per output shard.")
+    chat_template: Path | None = Field(None, description=(
+        "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
     trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
 
     _split = field_validator("data", mode="before")(_split_list)
@@ -60,6 +62,10 @@ class ExtractConfig(StageConfig):
     dtype: Literal["bf16", "fp8"] = Field("bf16", description="Storage dtype of hidden states (fp8: e4m3 + scales).")
     device: str = Field("auto", description="Device for the hf backend: auto, cpu, cuda, cuda:1 ...")
     token_budget: int = Field(8192, ge=1, description="Tokens per forward batch (samples are bucketed by length).")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "dtype the target runs in for the hf backend; auto = bfloat16 on GPU, float32 on CPU."))
+    shard_size_mb: float = Field(256.0, gt=0, description=(
+        "Store shard size in MiB; a crash loses at most one unwritten shard per worker."))
     shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
     max_samples: int | None = Field(None, ge=1, description="Extract only the first N samples of the prepared set.")
     vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
@@ -174,6 +180,53 @@ class EvaluateConfig(StageConfig):
         if not value or any(k < 1 or k > 16 for k in value):
             raise ValueError("k needs one or more values in 1..16")
         return sorted(set(value))
+
+
+class TrainConfig(StageConfig):
+    data: Path = Field(Path("runs/store"), description=(
+        "Training data: a hidden-state store (trains offline) or a prepared data set (trains online: the target "
+        "runs inside the trainer, nothing is written to disk)."))
+    output: Path = Field(Path("runs/draft"), description="Run directory: checkpoints, metrics.jsonl, config.yaml.")
+    target: str | None = Field(None, description="Target model; default: the one the data was made for.")
+    aux_layer_ids: list[int] | None = Field(None, description=(
+        "Aux layers in vLLM's convention. Offline: must match the store (default: the store's). Online: "
+        "default 2,N//2,N-3."))
+    draft_vocab_size: int = Field(32000, ge=2, description=(
+        "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary)."))
+    num_layers: int = Field(1, ge=1, description="Decoder layers in the draft (EAGLE-3 uses 1).")
+    ttt_steps: int = Field(7, ge=1, description="Training-time-test steps unrolled per position.")
+    step_weight: float = Field(0.8, gt=0, description="Loss weight of TTT step k is step_weight**k.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    epochs: int = Field(1, ge=1, description="Passes over the training split.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    token_budget: int = Field(4096, ge=16, description=(
+        "Tokens per micro-batch per process (batch size x longest sample, padding included)."))
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps of the learning rate.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of --lr.")
+    clip: float = Field(0.5, ge=0, description="Gradient-norm clipping (0 disables).")
+    noise_std: float = Field(0.0, ge=0, description="Std of Gaussian noise added to the target features.")
+    eval_fraction: float = Field(0.02, ge=0, lt=1, description="Held-out fraction of samples evaluated each epoch.")
+    eval_every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
+    save_every: int = Field(500, ge=1, description="Write a checkpoint every N optimizer steps (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Step checkpoints kept on disk (best/ is kept apart).")
+    log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
+    max_samples: int | None = Field(None, ge=1, description="Use only the first N samples of the data.")
+    seed: int = Field(0, description="Seed for initialisation, data order and feature noise.")
+    distributed: Literal["ddp", "fsdp2"] = Field("ddp", description="Data parallelism under torchrun.")
+    resume: bool = Field(True, description="Continue from the latest checkpoint in --output when there is one.")
+    force: bool = Field(False, description=(
+        "Resume even if hyper-parameters differ from the checkpoint's (prints what changed)."))
+    lm_head_init: Literal["target", "random"] = Field("target", description=(
+        "Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly."))
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:1 ... (torchrun: each rank uses its local GPU).")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
+        "auto: bf16 autocast on GPU, fp32 on CPU."))
+    trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
+
+    _split = field_validator("aux_layer_ids", mode="before")(_split_list)
 
 
 class StageResult(BaseModel):

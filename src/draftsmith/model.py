@@ -1,0 +1,337 @@
+"""The EAGLE-3 draft model (vLLM `Eagle3LlamaForCausalLM` compatible weights).
+
+Reads top to bottom: config -> norm and rotary helpers -> attention -> MLP -> decoder layer -> the draft.
+
+    features  = fc(cat(aux_1, aux_2, aux_3))                 # [B, T, 3H] -> [B, T, H], step 0 only
+    layer 0   : x = cat(input_layernorm(embed(ids)), hidden_norm(h))   # [B, T, 2H] into q/k/v
+                h = h + attn(x); h = h + mlp(post_attention_layernorm(h))
+    layer i>0 : a plain pre-norm Llama layer over h
+    logits    = lm_head(norm(h))                             # draft vocabulary; h (pre-norm) feeds the next step
+
+State-dict names: `embed_tokens.weight`, `fc.weight`, `layers.{i}.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
+vLLM's format is the same with `layers.0.` spelled `midlayer.` and no embedding (export renames).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+
+
+class DraftConfig(BaseModel):
+    """Everything that fixes the draft's shapes; saved in every checkpoint manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    hidden_act: Literal["silu"] = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    max_position_embeddings: int = 2048
+    target_hidden_size: int
+    vocab_size: int  # the target's vocabulary (embedding rows, t2d length)
+    draft_vocab_size: int
+    num_layers: int = 1
+    num_aux_layers: int = 3
+
+    @classmethod
+    def from_target_config(cls, config: dict, draft_vocab_size: int, num_layers: int = 1,
+                           num_aux_layers: int = 3) -> "DraftConfig":
+        """Copy the decoder-layer shapes and RoPE of a (Llama-like) target's config.json."""
+        text = config.get("text_config") or config
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        if text.get("hidden_act", "silu") != "silu":
+            raise DraftsmithError(f"target hidden_act {text.get('hidden_act')!r}: the EAGLE-3 draft supports silu only")
+        rope = dict(text.get("rope_parameters") or {})
+        if not rope:  # transformers 4 style
+            rope = dict(text.get("rope_scaling") or {})
+            rope.setdefault("rope_type", rope.pop("type", "default"))
+            rope["rope_theta"] = float(text.get("rope_theta", 10000.0))
+        vocab = int(text["vocab_size"])
+        return cls(
+            hidden_size=hidden, intermediate_size=int(text["intermediate_size"]), num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads), rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+            attention_bias=bool(text.get("attention_bias", False)), mlp_bias=bool(text.get("mlp_bias", False)),
+            rope_parameters=rope, max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            target_hidden_size=hidden, vocab_size=vocab, draft_vocab_size=min(draft_vocab_size, vocab),
+            num_layers=num_layers, num_aux_layers=num_aux_layers,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- norm and RoPE
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: DraftConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim/2] and the cos/sin scale, from the target's RoPE parameters."""
+    rope = config.rope_parameters
+    rope_type = rope.get("rope_type", "default")
+    dim = config.head_dim
+    if rope_type == "default":
+        theta = float(rope.get("rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise DraftsmithError(f"target RoPE type {rope_type!r} is not supported by the draft")
+    hf = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                     head_dim=dim, max_position_embeddings=config.max_position_embeddings, rope_parameters=rope)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        inv_freq, self.scale = rope_inverse_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Training-time-test attention without a [T, T*(k+1)] mask.
+
+    q [B, Hq, T, D] is step k = len(keys) - 1. keys/values[j] [B, Hkv, T, D] are the keys of step j. Query t attends
+    causally to step-0 keys s <= t, and to the keys of steps 1..k at its own position t (the draft's own chain).
+    Step 0 is plain causal SDPA; for k > 0 the [T, T] step-0 scores and the k diagonal scores share one softmax.
+    """
+    b, hq, t, d = q.shape
+    hkv = keys[0].shape[1]
+    if len(keys) == 1:
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=hq != hkv)
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    qg = q.view(b, hkv, g, t, d)  # grouped query heads share one kv head, no copy of K/V
+    k0, v0 = keys[0][:, :, None], values[0][:, :, None]  # [B, Hkv, 1, T, D]
+    scores0 = torch.matmul(qg, k0.transpose(-1, -2)) * scale  # [B, Hkv, g, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril_()
+    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    kd = torch.stack(keys[1:], dim=-2)[:, :, None]  # [B, Hkv, 1, T, k, D]
+    vd = torch.stack(values[1:], dim=-2)[:, :, None]
+    scores_d = (qg.unsqueeze(-2) * kd).sum(-1) * scale  # [B, Hkv, g, T, k]
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax under bf16, fp64 stays fp64
+    probs = torch.softmax(torch.cat((scores0, scores_d), dim=-1), dim=-1, dtype=softmax_dtype).to(q.dtype)
+    p0, pd = probs[..., :t], probs[..., t:]
+    out = torch.matmul(p0, v0) + (pd.unsqueeze(-1) * vd).sum(-2)  # [B, Hkv, g, T, D]
+    return out.view(b, hq, t, d)
+
+
+def naive_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Reference: every step's keys side by side, masked by an explicit [T, T*(k+1)] mask (tests, benchmark)."""
+    b, hq, t, d = q.shape
+    hkv = keys[0].shape[1]
+    k_all = torch.cat(keys, dim=2).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T*(k+1), D]
+    v_all = torch.cat(values, dim=2).repeat_interleave(hq // hkv, dim=1)
+    idx = torch.arange(t, device=q.device)
+    causal = idx[None, :] <= idx[:, None]  # [T, T]
+    diagonal = idx[None, :] == idx[:, None]
+    mask = torch.cat([causal] + [diagonal] * (len(keys) - 1), dim=1)  # [T, T*(k+1)]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Decoding: the S new queries are the last S positions of the K/V (past + new); causal with that offset."""
+    s, total = q.shape[2], k.shape[2]
+    mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril_(diagonal=total - s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DraftConfig, input_size: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                            config.head_dim)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list, mode: str) -> torch.Tensor:
+        """cache: this layer's list of (k, v). mode "ttt": one entry per TTT step; "decode": one growing entry."""
+        q, k, v = self.project(x, cos, sin)
+        if mode == "ttt":
+            cache.append((k, v))
+            out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
+        elif mode == "naive":
+            cache.append((k, v))
+            out = naive_ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
+        else:
+            if cache:
+                k, v = torch.cat((cache[0][0], k), dim=2), torch.cat((cache[0][1], v), dim=2)
+                cache[0] = (k, v)
+            else:
+                cache.append((k, v))
+            out = cached_attention(q, k, v)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+# ---------------------------------------------------------------------------------------------- MLP and layer
+
+class MLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Layer 0 reads cat(input_layernorm(embed), hidden_norm(h)) (2H) with residual h; later layers are plain Llama."""
+
+    def __init__(self, config: DraftConfig, first: bool):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.first = first
+        self.input_layernorm = RMSNorm(h, eps)
+        if first:
+            self.hidden_norm = RMSNorm(h, eps)
+        self.self_attn = Attention(config, 2 * h if first else h)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(config)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: list, mode: str) -> torch.Tensor:
+        if self.first:
+            x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
+        else:
+            x = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(x, cos, sin, cache, mode)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# ---------------------------------------------------------------------------------------------- the draft
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, first=i == 0) for i in range(config.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary.
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target: sorted target ids [draft_vocab] -> fills d2t and t2d."""
+        ids = torch.as_tensor(draft_to_target, dtype=torch.int64, device=self.d2t.device)
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, config says {self.config.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Small normal init for trainable weights, ones for norms (the Llama convention)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    @classmethod
+    def from_target(cls, config: DraftConfig, target: nn.Module, draft_to_target: torch.Tensor,
+                    lm_head_init: str = "target", seed: int = 0) -> "Eagle3Draft":
+        """A fresh draft: frozen embedding copied from the target, lm_head from the target's draft-vocab rows."""
+        from draftsmith import targets
+
+        draft = cls(config)
+        draft.init_weights(seed)
+        draft.set_draft_vocab(draft_to_target)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(targets.embed_tokens(target).weight.float())
+            if lm_head_init == "target":
+                head = targets.lm_head(target).weight
+                draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
+        return draft
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, num_aux * H_target] (aux layers concatenated in id order) -> [B, T, H]."""
+        return self.fc(aux_hidden)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                caches: list[list], mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step. input_ids [B, T], hidden [B, T, H] (fused features or the previous step's output).
+
+        Returns (logits over the draft vocabulary [B, T, Vd], hidden_prenorm [B, T, H] for the next step).
+        caches: one list per layer (start with `[[] for _ in layers]`). mode "ttt" (training), "naive" (the
+        explicit-mask reference) or "decode" (K/V cache grows along the sequence).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(position_ids, hidden.dtype)
+        for layer, cache in zip(self.layers, caches):
+            hidden = layer(embeds, hidden, cos, sin, cache, mode)
+        return self.lm_head(self.norm(hidden)), hidden
