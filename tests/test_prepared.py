@@ -148,3 +148,14 @@ def test_split_indices_is_deterministic_and_disjoint():
     assert split_indices(10, 0.0) == (list(range(10)), [])
     with pytest.raises(DraftsmithError):
         split_indices(10, 1.0)
+
+
+def test_write_replaces_a_prepared_set_but_nothing_else(tmp_path):
+    _write(tmp_path / "p", _samples(4))
+    _write(tmp_path / "p", _samples(6))
+    assert len(open_prepared(tmp_path / "p")) == 6
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(DraftsmithError, match="not a prepared data set; refusing"):
+        _write(tmp_path / "precious", _samples(2))
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"

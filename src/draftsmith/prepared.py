@@ -63,6 +63,7 @@ class PreparedManifest(Manifest):
     token_counts_file: str = TOKEN_COUNTS_NAME
     token_counts_sha256: str = ""
     skipped: dict[str, int] = Field(default_factory=dict)
+    skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
     damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
     sources: list[str] = Field(default_factory=list)
     stats: dict[str, Any] = Field(default_factory=dict)
@@ -87,6 +88,23 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
 
 
+def _check_replaceable(output: Path) -> None:
+    """Only an empty directory or an earlier prepared set may be replaced: never delete a user's other files."""
+    if not output.exists():
+        return
+    if output.is_dir() and not any(output.iterdir()):
+        return
+    if output.is_dir() and (output / MANIFEST_NAME).is_file():
+        try:
+            kind = json.loads((output / MANIFEST_NAME).read_text(encoding="utf-8")).get("kind")
+        except (OSError, ValueError):
+            kind = None
+        if kind == "prepared":
+            return
+    raise DraftsmithError(f"{output}: exists and is not a prepared data set; refusing to replace it. "
+                          "Choose another --output or remove it first")
+
+
 def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity, *, chat_template_hash: str,
                    max_length: int, skipped: dict[str, int] | None = None, sources: list[str] | None = None,
                    shard_samples: int = 2048, config: Any = None, **extra: Any) -> PreparedManifest:
@@ -98,6 +116,7 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
     stats). Raises DraftsmithError when there is no sample at all; nothing is left at `output` on any failure.
     """
     output = Path(output)
+    _check_replaceable(output)
     vocab = int(target.vocab_size)
     counts = np.zeros(vocab, dtype=np.int64)
     shards: list[PreparedShard] = []

@@ -1,0 +1,240 @@
+"""The `prepare` stage: conversations -> token ids + assistant loss masks + token counts (a prepared data set).
+
+    records (readers) -> normalised messages (chat.normalize_conversation)      main process, in file order
+      -> rendered, tokenised, masked (chat.ChatEncoder)                          worker processes, in batches
+      -> shards + token counts + manifest (prepared.write_prepared)              main process, in file order
+
+Sample ids therefore follow input order whatever the number of workers. Every record that does not become a
+sample is counted by reason (summary and manifest), with the first example of each reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from draftsmith import assets
+from draftsmith.config import PrepareConfig, StageResult
+from draftsmith.data.chat import ChatEncoder, Skip, normalize_conversation
+from draftsmith.data.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
+from draftsmith.data.vocab import coverage_report
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsio import sha256_bytes
+from draftsmith.prepared import write_prepared
+from draftsmith.targets import load_tokenizer, resolve_target, target_identity
+
+BATCH = 16            # conversations per task sent to a worker
+IN_FLIGHT_PER_WORKER = 4
+SUMMARY_VOCAB_SIZES = (8192, 16384, 32000)
+
+
+@dataclass
+class _Tally:
+    records: int = 0
+    conversations: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    skip_examples: dict[str, str] = field(default_factory=dict)
+    damaged: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.skip_examples.setdefault(reason, f"{where}: {detail}")
+        if reason == DAMAGED_TAIL:
+            self.damaged.append(f"{where}: {detail}")
+
+
+# ------------------------------------------------------------------------------------------------ workers
+
+_ENCODER: ChatEncoder | None = None
+
+
+def _init_worker(encoder: ChatEncoder) -> None:
+    global _ENCODER
+    _ENCODER = encoder
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _encode_batch(batch: list[tuple[str, Any]], encoder: ChatEncoder | None = None) -> list[tuple[str, Any]]:
+    """(where, messages | Skip) items -> (where, Encoded | Skip) items, order kept."""
+    encoder = encoder or _ENCODER
+    out = []
+    for where, item in batch:
+        if not isinstance(item, Skip):
+            try:
+                item = encoder.encode(item)
+            except Skip as skip:
+                item = skip
+        out.append((where, item))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+
+
+def _batches(sources: list[Source], progress_cb) -> Iterator[list[tuple[str, Any]]]:
+    """Normalised conversations (or counted skips) from every source, in order, in batches."""
+    batch: list[tuple[str, Any]] = []
+    done_bytes = 0
+    for source in sources:
+        name = source.path.name
+        for record in iter_source(source):
+            where = f"{name} record {record.index}"
+            if record.bad is not None:
+                item: Any = Skip(record.bad, record.detail)
+            else:
+                try:
+                    item = normalize_conversation(record.data)
+                except Skip as skip:
+                    item = skip
+            batch.append((where, item))
+            if len(batch) >= BATCH:
+                progress_cb(done_bytes + (record.offset or 0))
+                yield batch
+                batch = []
+        done_bytes += source.size
+    if batch:
+        yield batch
+    progress_cb(done_bytes)
+
+
+def _encoded_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int) -> Iterator[list]:
+    """Run `_encode_batch` over `batches`, in order, on `workers` processes (inline when workers == 1)."""
+    if workers <= 1:
+        for batch in batches:
+            yield _encode_batch(batch, encoder)
+        return
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(encoder,))
+    try:
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _chat_template(cfg: PrepareConfig, tokenizer: Any, target_dir: Path) -> str:
+    if cfg.chat_template is not None:
+        path = Path(cfg.chat_template)
+        if not path.is_file():
+            raise DraftsmithError(f"{path}: chat template file does not exist (option chat_template)")
+        return path.read_text(encoding="utf-8")
+    try:
+        template = tokenizer.get_chat_template()
+    except ValueError:
+        template = None
+    if not template:
+        raise DraftsmithError(f"{target_dir}: the target's tokenizer has no chat template; pass one with "
+                              "--chat-template FILE.jinja")
+    return template
+
+
+def _progress(total_bytes: int | None, max_samples: int | None):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]prepare[/]"), BarColumn(), TextColumn("{task.fields[conversations]:,} conversations"),
+        TextColumn("{task.fields[rate]:,.0f} conv/s"), TextColumn("{task.fields[tok_rate]:,.0f} tok/s"),
+        TimeElapsedColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), disable=not sys.stderr.isatty(), transient=False)
+    task = progress.add_task("prepare", total=max_samples or total_bytes, conversations=0, rate=0.0, tok_rate=0.0)
+    return progress, task
+
+
+def _available_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def run(cfg: PrepareConfig) -> StageResult:
+    """Prepare `cfg.data` (default: the embedded ShareGPT) for `cfg.target` (default: embedded SmolLM2)."""
+    started = time.perf_counter()
+    target_dir = resolve_target(cfg.target)
+    identity = target_identity(target_dir)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
+    template = _chat_template(cfg, tokenizer, target_dir)
+    sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
+    encoder = ChatEncoder(tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow)
+    workers = max(1, cfg.num_workers or _available_cores())
+
+    tally = _Tally()
+    stats: dict[str, Any] = {}
+    total_bytes = sum(s.size for s in sources)
+    progress, task = _progress(total_bytes, cfg.max_samples)
+    t0 = time.perf_counter()
+
+    def on_bytes(done: int) -> None:
+        if not cfg.max_samples:
+            progress.update(task, completed=min(done, total_bytes))
+
+    def samples() -> Iterator[dict]:
+        for batch in _encoded_batches(_batches(sources, on_bytes), encoder, workers):
+            for where, item in batch:
+                if cfg.max_samples and tally.conversations >= cfg.max_samples:
+                    break
+                tally.records += 1
+                if isinstance(item, Skip):
+                    tally.skip(item.reason, where, item.detail)
+                    continue
+                tally.conversations += 1
+                tally.tokens += len(item.input_ids)
+                tally.loss_tokens += int(item.loss_mask.sum())
+                tally.truncated += item.truncated
+                yield {"input_ids": item.input_ids, "loss_mask": item.loss_mask}
+            elapsed = max(time.perf_counter() - t0, 1e-9)
+            progress.update(task, conversations=tally.conversations, rate=tally.conversations / elapsed,
+                            tok_rate=tally.tokens / elapsed,
+                            **({"completed": tally.conversations} if cfg.max_samples else {}))
+            if cfg.max_samples and tally.conversations >= cfg.max_samples:
+                break
+        seconds = max(time.perf_counter() - t0, 1e-9)
+        stats.update(records=tally.records, truncated=tally.truncated, workers=workers,
+                     seconds=round(seconds, 2), conversations_per_s=round(tally.conversations / seconds, 1),
+                     tokens_per_s=round(tally.tokens / seconds, 1))
+
+    with progress:
+        manifest = write_prepared(
+            cfg.output, samples(), identity, chat_template_hash=sha256_bytes(template.encode("utf-8")),
+            max_length=cfg.max_length, skipped=tally.skipped, sources=[str(s.path) for s in sources],
+            shard_samples=cfg.shard_samples, config=cfg, overflow=cfg.overflow, damaged=tally.damaged,
+            skip_examples=tally.skip_examples, stats=stats)
+
+    from draftsmith.prepared import open_prepared
+
+    counts = open_prepared(cfg.output).token_counts()
+    summary: dict[str, Any] = {
+        "output": str(cfg.output),
+        "target": identity.path,
+        "records read": tally.records,
+        "conversations": manifest.num_samples,
+        "tokens": manifest.num_tokens,
+        "loss tokens": manifest.num_loss_tokens,
+        "truncated": tally.truncated,
+        "skipped": sum(tally.skipped.values()),
+    }
+    for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
+        summary[f"skipped: {reason}"] = count
+    if tally.damaged:
+        summary["damaged input"] = "; ".join(tally.damaged)
+    for size, cover in coverage_report(counts, SUMMARY_VOCAB_SIZES):
+        summary[f"draft vocab {size} covers"] = f"{cover:.2%}"
+    summary.update({"shards": len(manifest.shards), "workers": workers,
+                    "conversations/s": stats["conversations_per_s"], "tokens/s": stats["tokens_per_s"],
+                    "seconds (total)": round(time.perf_counter() - started, 1)})
+    return StageResult(stage="prepare", output=Path(cfg.output), summary=summary)

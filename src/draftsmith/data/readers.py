@@ -1,0 +1,298 @@
+"""Read conversation records from ShareGPT JSON, JSON Lines, parquet / arrow files and `datasets` directories.
+
+Every reader yields `Record`s in file order. A record that cannot be read (a bad JSON line, the damaged tail of
+a file cut off mid-record) is yielded as a `Record` whose `bad` says why, so the caller counts it; nothing is
+dropped silently. Problems that make a whole input unusable (missing file, mixed formats, a JSON array with a
+syntax error in the middle) raise DraftsmithError naming the file and record.
+
+JSON arrays are parsed as a stream of records, so a 100 MB file is never held as one Python object and a file
+cut off mid-record keeps every complete record before the cut.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from draftsmith.errors import DraftsmithError
+
+JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
+FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
+DAMAGED_TAIL = "damaged tail (file cut off mid-record)"
+_CHUNK = 1 << 22
+
+
+@dataclass
+class Record:
+    source: str           # the file (or dataset directory) it came from
+    index: int            # 0-based record index within that source
+    data: Any = None      # the parsed record (None when bad)
+    bad: str | None = None     # counted reason when the record could not be read
+    detail: str = ""      # one line saying exactly what was wrong
+    offset: int | None = None  # bytes of the source consumed so far (for progress), when known
+
+
+@dataclass
+class Source:
+    path: Path
+    format: str  # "json" (array or lines), "parquet", "arrow", "dataset" (a `datasets.save_to_disk` directory)
+
+    @property
+    def size(self) -> int:
+        if self.path.is_file():
+            return self.path.stat().st_size
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _directory_sources(directory: Path) -> list[Source]:
+    if _is_saved_dataset(directory):
+        return [Source(directory, "dataset")]
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in FORMAT_OF_SUFFIX
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    if not files:
+        raise DraftsmithError(f"{directory}: no .json / .jsonl / .parquet / .arrow files in this directory")
+    by_format: dict[str, list[Path]] = {}
+    for f in files:
+        by_format.setdefault(FORMAT_OF_SUFFIX[f.suffix.lower()], []).append(f)
+    if len(by_format) > 1:
+        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_format.items()))
+        raise DraftsmithError(
+            f"{directory}: directory mixes formats ({counts} files); keep one format per directory, or list the "
+            f"files you mean comma-separated in --data")
+    (fmt, paths), = by_format.items()
+    return [Source(p, fmt) for p in paths]
+
+
+def expand_sources(specs: list[str | Path]) -> list[Source]:
+    """Files, directories and glob patterns -> the input files, each with its format. Raises for missing paths."""
+    sources: list[Source] = []
+    for spec in specs:
+        text = str(spec)
+        if any(c in text for c in "*?["):
+            matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
+            if not matches:
+                raise DraftsmithError(f"{text}: no file matches this pattern")
+            paths = matches
+        else:
+            paths = [Path(text).expanduser()]
+        for path in paths:
+            if path.is_dir():
+                sources.extend(_directory_sources(path))
+            elif path.is_file():
+                fmt = FORMAT_OF_SUFFIX.get(path.suffix.lower(), "json")
+                sources.append(Source(path, fmt))
+            elif not path.exists():
+                raise DraftsmithError(f"{path}: input file does not exist")
+            else:
+                raise DraftsmithError(f"{path}: not a regular file or directory")
+    return sources
+
+
+def iter_source(source: Source) -> Iterator[Record]:
+    if source.format == "json":
+        return _iter_json(source.path)
+    if source.format == "parquet":
+        return _iter_parquet(source.path)
+    return _iter_datasets(source)
+
+
+# ------------------------------------------------------------------------------------------------ JSON
+
+
+def _decoder():
+    # surrogateescape keeps going past bytes that are not UTF-8; the record holding them is then skipped by
+    # normalize_conversation ("not valid UTF-8") instead of failing the whole file.
+    return codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+
+
+def _iter_json(path: Path) -> Iterator[Record]:
+    try:
+        f = open(path, "rb")
+    except OSError as err:
+        raise DraftsmithError(f"{path}: cannot open ({err.strerror})") from None
+    with f:
+        head = f.read(_CHUNK)
+        text = _decoder().decode(head, final=False).lstrip("\ufeff \t\r\n")
+        if not text:
+            raise DraftsmithError(f"{path}: file is empty")
+        f.seek(0)
+        if text[0] == "[":
+            yield from _iter_json_array(path, f)
+        elif text[0] == "{":
+            yield from _iter_json_lines(path, f)
+        else:
+            raise DraftsmithError(f"{path}: record 0: invalid JSON (starts with {text[0]!r}); expected a JSON array "
+                                  "of conversations or JSON Lines")
+
+
+def _iter_json_lines(path: Path, f) -> Iterator[Record]:
+    index = 0
+    offset = 0
+    for line_no, raw in enumerate(f, start=1):
+        offset += len(raw)
+        line = raw.decode("utf-8", errors="surrogateescape").strip().lstrip("\ufeff")
+        if not line:
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as err:
+            if not raw.endswith(b"\n") and line_no > 1:
+                yield Record(str(path), index, bad=DAMAGED_TAIL, offset=offset,
+                             detail=f"line {line_no} (the last) is cut off: {err.msg}")
+            else:
+                yield Record(str(path), index, bad="invalid JSON", offset=offset,
+                             detail=f"line {line_no}: {err.msg} at column {err.colno}")
+            index += 1
+            continue
+        yield Record(str(path), index, data, offset=offset)
+        index += 1
+
+
+_PARTIAL_VALUE = re.compile(r"\s*(t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?|[-+0-9.eE]*)\s*")
+
+
+def _runs_out(err: json.JSONDecodeError, buf: str) -> bool:
+    """Did the parser stop because the text ended (more may follow), rather than at a real syntax error?"""
+    if err.msg.startswith("Unterminated string"):
+        return True
+    rest = buf[err.pos:]
+    if err.msg.startswith("Invalid \\uXXXX escape") and len(rest) <= 6:
+        return True
+    return _PARTIAL_VALUE.fullmatch(rest) is not None
+
+
+def _iter_json_array(path: Path, f) -> Iterator[Record]:
+    """Stream the elements of a top-level JSON array, keeping every complete one of a file cut off mid-way."""
+    decoder = json.JSONDecoder()
+    text_decoder = _decoder()
+    buf = ""
+    pos = 0
+    consumed_chars = 0  # characters dropped from the front of buf
+    eof = False
+    bytes_read = 0
+    index = 0
+
+    def more() -> bool:
+        nonlocal buf, pos, consumed_chars, eof, bytes_read
+        if eof:
+            return False
+        chunk = f.read(_CHUNK)
+        bytes_read += len(chunk)
+        if not chunk:
+            eof = True
+            buf += text_decoder.decode(b"", final=True)
+            return False
+        buf = buf[pos:] + text_decoder.decode(chunk)
+        consumed_chars += pos
+        pos = 0
+        return True
+
+    def skip_ws() -> bool:
+        """Advance past whitespace; False at end of input."""
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
+                pos += 1
+            if pos < len(buf):
+                return True
+            if not more():
+                return False
+
+    def where() -> str:
+        return f"character {consumed_chars + pos}"
+
+    skip_ws()
+    pos += 1  # the opening "["
+    expect_comma = False
+    while True:
+        if not skip_ws():
+            yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
+                         detail=f"file ends at byte {bytes_read} without closing the array after record {index - 1}")
+            return
+        ch = buf[pos]
+        if ch == "]":
+            return
+        if expect_comma:
+            if ch != ",":
+                raise DraftsmithError(f"{path}: record {index}: invalid JSON at {where()}: expected ',' or ']' "
+                                      f"between records, found {ch!r}")
+            pos += 1
+            if not skip_ws():
+                yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
+                             detail=f"file ends at byte {bytes_read} right after record {index - 1}")
+                return
+        start = pos
+        while True:
+            try:
+                data, end = decoder.raw_decode(buf, start)
+                break
+            except json.JSONDecodeError as err:
+                near_end = _runs_out(err, buf)
+                if near_end and more():
+                    start = pos  # `more` re-based the buffer on pos
+                    continue
+                if near_end:  # and at end of file: the record was cut off
+                    lost = len(buf) - start
+                    yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
+                                 detail=f"record {index} is cut off at byte {bytes_read} of the file "
+                                        f"({lost} characters of it present)")
+                    return
+                raise DraftsmithError(f"{path}: record {index}: invalid JSON at character "
+                                      f"{consumed_chars + err.pos}: {err.msg}") from None
+        pos = end
+        yield Record(str(path), index, data, offset=max(0, bytes_read - (len(buf) - pos)))
+        index += 1
+        expect_comma = True
+        if pos > _CHUNK:  # keep the buffer small
+            buf = buf[pos:]
+            consumed_chars += pos
+            pos = 0
+
+
+# ------------------------------------------------------------------------------------------------ parquet / arrow
+
+
+def _iter_parquet(path: Path) -> Iterator[Record]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DraftsmithError(f"{path}: not a readable parquet file ({err})") from None
+    index = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield Record(str(path), index, row)
+            index += 1
+
+
+def _iter_datasets(source: Source) -> Iterator[Record]:
+    import datasets
+
+    try:
+        if source.format == "dataset":
+            ds = datasets.load_from_disk(str(source.path))
+            if isinstance(ds, datasets.DatasetDict):
+                if "train" not in ds:
+                    raise DraftsmithError(f"{source.path}: a DatasetDict without a 'train' split "
+                                          f"(splits: {', '.join(ds)}); point --data at one split's directory")
+                ds = ds["train"]
+        else:
+            ds = datasets.Dataset.from_file(str(source.path))
+    except DraftsmithError:
+        raise
+    except Exception as err:  # noqa: BLE001 - `datasets` raises many types for an unreadable file
+        raise DraftsmithError(f"{source.path}: `datasets` cannot read this ({type(err).__name__}: {err})"
+                              .replace("\n", " ")) from None
+    for index, row in enumerate(ds):
+        yield Record(str(source.path), index, row)
