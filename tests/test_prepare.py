@@ -97,7 +97,7 @@ def test_overflow_drop_and_truncate(tmp_path, tiny_target_dir):
     assert dropped.summary["conversations"] == 1 and dropped.summary["skipped: longer than max_length"] == 1
     kept = _prepare(tmp_path, tiny_target_dir, [data], max_length=64, overflow="truncate")
     ds = open_prepared(tmp_path / "out")
-    assert kept.summary["truncated"] == 1 and ds.manifest.stats["truncated"] == 1
+    assert kept.summary["truncated"] == 1 and ds.manifest.num_truncated == 1
     assert ds.lengths.tolist()[0] == 64 and bool(ds[0]["loss_mask"][-1])
 
 

@@ -58,6 +58,12 @@ def test_round_trip_across_shards(tmp_path):
     assert ds.manifest.num_tokens == int(ds.lengths.sum())
 
 
+def test_truncated_samples_are_counted(tmp_path):
+    samples = _samples(5)
+    samples[1]["truncated"] = samples[3]["truncated"] = True
+    assert _write(tmp_path / "p", samples).num_truncated == 2
+
+
 def test_token_counts_count_only_loss_masked_tokens(tmp_path):
     samples = _samples(40, seed=3)
     manifest = _write(tmp_path / "p", samples)

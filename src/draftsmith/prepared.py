@@ -108,11 +108,12 @@ def _check_replaceable(output: Path) -> None:
 def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity, *, chat_template_hash: str,
                    max_length: int, skipped: dict[str, int] | None = None, sources: list[str] | None = None,
                    shard_samples: int = 2048, config: Any = None, **extra: Any) -> PreparedManifest:
-    """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask") as a prepared set at `output`.
+    """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool)
+    as a prepared set at `output`.
 
     `samples` is consumed as a stream, one shard in memory at a time. `skipped` may be a dict the caller keeps
     filling while the stream runs (it is read after the last sample). `config` (a StageConfig) is saved as
-    config.yaml inside the set. `extra` are further PreparedManifest fields (overflow, num_truncated, damaged,
+    config.yaml inside the set. `extra` are further PreparedManifest fields (overflow, damaged, skip_examples,
     stats). Raises DraftsmithError when there is no sample at all; nothing is left at `output` on any failure.
     """
     output = Path(output)
@@ -120,7 +121,7 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
     vocab = int(target.vocab_size)
     counts = np.zeros(vocab, dtype=np.int64)
     shards: list[PreparedShard] = []
-    num_tokens = num_loss = 0
+    num_tokens = num_loss = num_truncated = 0
 
     with atomic_dir(output) as tmp:
         ids_buf: list[np.ndarray] = []
@@ -156,6 +157,7 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
             masked = ids[mask.astype(bool)]
             counts += np.bincount(masked, minlength=vocab)
             num_loss += len(masked)
+            num_truncated += bool(sample.get("truncated", False))
             ids_buf.append(ids.astype(np.int32))
             mask_buf.append((mask != 0).astype(np.uint8))
             if len(ids_buf) >= shard_samples:
@@ -170,7 +172,8 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
         manifest = PreparedManifest(
             target=target, chat_template_hash=chat_template_hash, max_length=max_length,
             num_samples=shards[-1].first_sample + shards[-1].num_samples, num_tokens=num_tokens,
-            num_loss_tokens=num_loss, shards=shards, token_counts_sha256=sha256_file(tmp / TOKEN_COUNTS_NAME),
+            num_loss_tokens=num_loss, num_truncated=num_truncated, shards=shards,
+            token_counts_sha256=sha256_file(tmp / TOKEN_COUNTS_NAME),
             skipped=dict(skipped or {}), sources=list(sources or []), **extra)
         if config is not None:
             from draftsmith.config import save_resolved_config

@@ -196,7 +196,7 @@ def run(cfg: PrepareConfig) -> StageResult:
                 tally.tokens += len(item.input_ids)
                 tally.loss_tokens += int(item.loss_mask.sum())
                 tally.truncated += item.truncated
-                yield {"input_ids": item.input_ids, "loss_mask": item.loss_mask}
+                yield {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "truncated": item.truncated}
             elapsed = max(time.perf_counter() - t0, 1e-9)
             progress.update(task, conversations=tally.conversations, rate=tally.conversations / elapsed,
                             tok_rate=tally.tokens / elapsed,
@@ -204,7 +204,7 @@ def run(cfg: PrepareConfig) -> StageResult:
             if cfg.max_samples and tally.conversations >= cfg.max_samples:
                 break
         seconds = max(time.perf_counter() - t0, 1e-9)
-        stats.update(records=tally.records, truncated=tally.truncated, workers=workers,
+        stats.update(records=tally.records, workers=workers,
                      seconds=round(seconds, 2), conversations_per_s=round(tally.conversations / seconds, 1),
                      tokens_per_s=round(tally.tokens / seconds, 1))
 
