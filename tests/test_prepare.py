@@ -177,7 +177,8 @@ def test_cut_off_file_keeps_complete_records_and_reports_the_damaged_tail(tmp_pa
     assert result.summary["skipped: damaged tail (file cut off mid-record)"] == 1
     assert "d.json record 2" in result.summary["damaged input"]
     manifest = open_prepared(tmp_path / "out").manifest
-    assert len(manifest.damaged) == 1 and manifest.damaged[0].startswith("d.json record 2: record 2 is cut off")
+    assert len(manifest.damaged) == 1
+    assert manifest.damaged[0].startswith("d.json record 2: cut off by the end of the file")
 
 
 def test_nothing_usable_is_an_error_and_leaves_no_output(tmp_path, tiny_target_dir):

@@ -199,7 +199,8 @@ def _memmap_safetensors(path: Path, expected: dict[str, type]) -> dict[str, np.n
                 raise ValueError("header length is out of range")
             header = json.loads(f.read(header_len))
     except FileNotFoundError:
-        raise DraftsmithError(f"{path}: shard file is missing; the prepared set is incomplete, run prepare again") from None
+        raise DraftsmithError(f"{path}: shard file is missing; the prepared set is incomplete, "
+                              "run prepare again") from None
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise DraftsmithError(f"{path}: not a readable safetensors file ({err}); the prepared set is damaged, "
                               "run prepare again") from None
@@ -222,7 +223,10 @@ def _memmap_safetensors(path: Path, expected: dict[str, type]) -> dict[str, np.n
 
 
 class PreparedDataset(collections.abc.Sequence):
-    """Random access to a prepared set: `ds[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "sample_id": i}."""
+    """Random access to a prepared set.
+
+    `ds[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "sample_id": i}; `ds.lengths` -> int64 [N].
+    """
 
     def __init__(self, path: Path, manifest: PreparedManifest):
         self.path = Path(path)

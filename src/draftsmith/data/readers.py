@@ -243,8 +243,8 @@ def _iter_json_array(path: Path, f) -> Iterator[Record]:
                 if near_end:  # and at end of file: the record was cut off
                     lost = len(buf) - start
                     yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
-                                 detail=f"record {index} is cut off at byte {bytes_read} of the file "
-                                        f"({lost} characters of it present)")
+                                 detail=f"cut off by the end of the file at byte {bytes_read} "
+                                        f"({lost} characters of the record present)")
                     return
                 raise DraftsmithError(f"{path}: record {index}: invalid JSON at character "
                                       f"{consumed_chars + err.pos}: {err.msg}") from None

@@ -74,7 +74,8 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> Draf
     )
 
 
-def coverage_report(token_counts: torch.Tensor, sizes: tuple[int, ...] = DEFAULT_REPORT_SIZES) -> list[tuple[int, float]]:
+def coverage_report(token_counts: torch.Tensor,
+                    sizes: tuple[int, ...] = DEFAULT_REPORT_SIZES) -> list[tuple[int, float]]:
     """(draft vocab size, loss-masked token coverage) for each size, capped at the target vocabulary size."""
     counts = _counts(token_counts)
     cumulative = np.cumsum(counts[_ranked_ids(counts)])
