@@ -61,7 +61,8 @@ def _print_result(result: config.StageResult) -> None:
     table.add_column()
     for key, value in result.summary.items():
         table.add_row(str(key), _fmt(value))
-    table.add_row("output", str(result.output))
+    if "output" not in result.summary:
+        table.add_row("output", str(result.output))
     console.print(table)
 
 

@@ -72,6 +72,11 @@ class ExtractConfig(StageConfig):
         "vLLM extraction strategy; auto picks what the installed vLLM supports (see `draftsmith doctor`)."))
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
     data_parallel_size: int = Field(1, ge=1, description="vLLM data parallel size.")
+    vllm_compile: bool = Field(True, description=(
+        "Let vLLM compile the target (connector strategy; slow start-up on CPU). The direct strategy always runs "
+        "uncompiled."))
+    vllm_max_model_len: int | None = Field(None, ge=16, description=(
+        "vLLM context length; default: the longest prepared sample + 1."))
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
 
     _split = field_validator("aux_layer_ids", mode="before")(_split_list)
@@ -126,8 +131,8 @@ def save_resolved_config(cfg: StageConfig, directory: Path) -> None:
 
 
 class ExportConfig(StageConfig):
-    checkpoint: Path = Field(Path("runs/train"), description=(
-        "A draft checkpoint (output of `draftsmith train`, or one of its checkpoint directories)."))
+    checkpoint: Path = Field(Path("runs/draft"), description=(
+        "A draft checkpoint: a `draftsmith train` run directory (its best/, else newest step) or a checkpoint dir."))
     format: Literal["vllm", "sglang", "speculators"] = Field("vllm", description=(
         "Output format: vllm (LlamaForCausalLMEagle3), sglang (same weights, SGLang's layer-id convention) "
         "or speculators (speculators_model_type eagle3)."))
@@ -227,6 +232,23 @@ class TrainConfig(StageConfig):
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
 
     _split = field_validator("aux_layer_ids", mode="before")(_split_list)
+
+
+class QuickstartConfig(StageConfig):
+    output: Path = Field(Path("runs/quickstart"), description=(
+        "Run directory; each stage writes a sub-directory, and a second run continues where the first stopped."))
+    budget: Literal["small", "medium", "large"] = Field("small", description=(
+        "small: about 15 minutes on a 2-core CPU; medium and large use more data and steps (a GPU helps)."))
+    target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
+    data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
+    engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
+        "Evaluation engine: auto uses vLLM when it is installed, the reference decoder otherwise."))
+    k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="Draft lengths to evaluate.")
+    num_prompts: int | None = Field(None, ge=1, description="MT-bench prompts to evaluate; default per budget.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Tokens generated per prompt; default per budget.")
+    device: str = Field("auto", description="auto, cpu, cuda ...")
+
+    _split = field_validator("data", "k", mode="before")(_split_list)
 
 
 class StageResult(BaseModel):
