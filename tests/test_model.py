@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftsmith import targets
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.model import DraftConfig, Eagle3Draft, KVCache
 
 
 def _config(**kw) -> DraftConfig:
@@ -60,8 +60,8 @@ def test_cached_decoding_equals_full_forward():
     ids = torch.randint(0, 50, (2, 9))
     hidden = torch.randn(2, 9, 32, dtype=torch.float64)
     pos = torch.arange(9).expand(2, 9)
-    full_logits, full_hidden = draft(ids, hidden, pos, [[] for _ in draft.layers])
-    caches = [[] for _ in draft.layers]
+    full_logits, full_hidden = draft(ids, hidden, pos)
+    caches = KVCache(2)
     a, ha = draft(ids[:, :5], hidden[:, :5], pos[:, :5], caches)
     b, hb = draft(ids[:, 5:], hidden[:, 5:], pos[:, 5:], caches)
     torch.testing.assert_close(torch.cat((a, b), 1), full_logits)
@@ -89,7 +89,7 @@ def test_plain_layer_and_rope_match_transformers_llama():
     expected = hf_layer(x, attention_mask=mask, position_embeddings=(cos, sin), position_ids=pos)
     expected = expected[0] if isinstance(expected, tuple) else expected
     ours_cos, ours_sin = draft.rotary(pos, torch.float64)
-    ours = draft.layers[1](None, x, ours_cos, ours_sin, [], "decode")
+    ours = draft.layers[1](None, x, ours_cos, ours_sin, KVCache(2), "decode")
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)  # both norm and RoPE run in fp32 inside
 
 

@@ -157,7 +157,7 @@ def test_kl_is_zero_and_acceptance_one_when_draft_equals_target():
     mask = torch.ones(1, 9, dtype=torch.bool)
     with torch.no_grad():
         step0_ids = torch.nn.functional.pad(ids[:, 1:], (0, 1))
-        logits, _ = draft(step0_ids, draft.fuse(aux), torch.arange(9)[None], [[]], mode="ttt")
+        logits, _ = draft(step0_ids, draft.fuse(aux), torch.arange(9)[None], mode="ttt")
     q = torch.softmax(logits, -1)  # step 0's q at t is trained towards p_{t+1}: shift by one
     probs = torch.cat((q[:, :1], q[:, :-1]), 1)
     top = probs.argmax(-1)

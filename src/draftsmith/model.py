@@ -179,6 +179,17 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+class KVCache:
+    """Keys/values of each layer: one (k, v) per TTT step ("ttt"/"naive"), or one growing entry ("decode").
+
+    A plain object (not a list) on purpose: wrappers such as FSDP2 rebuild list/tuple arguments of a wrapped
+    layer's forward, which would silently drop what the layer appends.
+    """
+
+    def __init__(self, num_layers: int):
+        self.layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+
+
 class Attention(nn.Module):
     def __init__(self, config: DraftConfig, input_size: int):
         super().__init__()
@@ -234,10 +245,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Layer 0 reads cat(input_layernorm(embed), hidden_norm(h)) (2H) with residual h; later layers are plain Llama."""
 
-    def __init__(self, config: DraftConfig, first: bool):
+    def __init__(self, config: DraftConfig, layer_idx: int):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.first = first
+        self.layer_idx = layer_idx
+        self.first = first = layer_idx == 0
         self.input_layernorm = RMSNorm(h, eps)
         if first:
             self.hidden_norm = RMSNorm(h, eps)
@@ -245,12 +257,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(config)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: list, mode: str) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: KVCache, mode: str) -> torch.Tensor:
         if self.first:
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
         else:
             x = self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(x, cos, sin, cache, mode)
+        hidden = hidden + self.self_attn(x, cos, sin, cache.layers[self.layer_idx], mode)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -264,7 +276,7 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
         self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, first=i == 0) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
@@ -323,15 +335,17 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                caches: list[list], mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache | None = None, mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step. input_ids [B, T], hidden [B, T, H] (fused features or the previous step's output).
 
         Returns (logits over the draft vocabulary [B, T, Vd], hidden_prenorm [B, T, H] for the next step).
-        caches: one list per layer (start with `[[] for _ in layers]`). mode "ttt" (training), "naive" (the
-        explicit-mask reference) or "decode" (K/V cache grows along the sequence).
+        cache: `KVCache(num_layers)` kept across calls (None: a fresh one). mode "ttt" (training), "naive" (the
+        explicit-mask reference) or "decode" (the K/V cache grows along the sequence).
         """
+        if cache is None:
+            cache = KVCache(len(self.layers))
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        for layer, cache in zip(self.layers, caches):
+        for layer in self.layers:
             hidden = layer(embeds, hidden, cos, sin, cache, mode)
         return self.lm_head(self.norm(hidden)), hidden

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.model import Eagle3Draft
+from draftsmith.model import Eagle3Draft, KVCache
 
 # Target logits are materialised for at most this many elements at a time (a 150k vocabulary stays bounded).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
@@ -99,7 +99,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
     mask_f = loss_mask.to(torch.float32)
     if normaliser is None:
         normaliser = step_counts(loss_mask, ttt_steps)
-    caches = [[] for _ in draft.layers]
+    cache = KVCache(len(draft.layers))
     hidden = draft.fuse(aux_hidden)  # [B, T, H]
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     d2t = draft.d2t
@@ -107,7 +107,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
     kl_sum, correct, accept_sum, count = (torch.zeros(ttt_steps, dtype=torch.float64) for _ in range(4))
     for k in range(ttt_steps):
         ids, p, neg_ent, mass, tgt_argmax, mask = step_views(k, input_ids, mask_f, target)
-        logits, hidden = draft(ids, hidden, positions + k, caches, mode=mode)  # [B, T, Vd], [B, T, H]
+        logits, hidden = draft(ids, hidden, positions + k, cache, mode=mode)  # [B, T, Vd], [B, T, H]
         n = p.shape[1]
         if n == 0:
             continue
@@ -144,3 +144,16 @@ def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Ten
         "acceptance_length": round(length, 5),
         "tokens": int(count[0]) if len(count) else 0,
     }
+
+
+class TTTModel(nn.Module):
+    """The draft behind one forward call (what DDP / FSDP2 wrap): forward(...) = ttt_forward(draft, ...)."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, input_ids, loss_mask, aux_hidden, target, ttt_steps, step_weight=0.8, normaliser=None,
+                mode="ttt") -> TTTResult:
+        return ttt_forward(self.draft, input_ids, loss_mask, aux_hidden, target, ttt_steps, step_weight, normaliser,
+                           mode)

@@ -1,0 +1,133 @@
+"""Training throughput of the EAGLE-3 draft with our TTT attention vs the explicit-mask reference, same run.
+
+Dimensions come from the default target's config (SmolLM2-135M-Instruct: hidden 576, 9 heads / 3 KV heads, vocab
+49152) with a 32000-token draft vocabulary; features and target head are random (throughput does not depend on
+values). One timed unit = one optimizer step (target distribution, 7 TTT steps forward + backward, AdamW).
+
+    python benchmarks/train.py --quick          # seq 1024, 1 warm-up + 2 timed steps per variant
+Last line: JSON with tokens_per_s, peak_rss_mb, ratio_vs_naive (full step), attention_ratio_vs_naive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+
+from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.train.ttt import TTTModel, target_distribution
+
+FALLBACK_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                   "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 8192,
+                   "rope_theta": 100000.0, "hidden_act": "silu"}
+
+
+def default_target_config() -> tuple[dict, str]:
+    try:
+        from draftsmith import assets, targets
+
+        return targets.read_config(assets.default_target_dir()), "default target config"
+    except Exception:  # noqa: BLE001 - offline machine without the cache: same numbers, written down
+        return FALLBACK_CONFIG, "built-in SmolLM2-135M dimensions"
+
+
+def make(seq: int, ttt_steps: int, draft_vocab: int, seed: int = 0):
+    config, source = default_target_config()
+    cfg = DraftConfig.from_target_config(config, draft_vocab)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    draft.init_weights(seed)
+    draft.set_draft_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size]).values)
+    h = cfg.hidden_size
+    norm = torch.nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+    head_weight = torch.randn(cfg.vocab_size, h) * 0.05
+    ids = torch.randint(0, cfg.vocab_size, (1, seq))
+    mask = torch.ones(1, seq, dtype=torch.bool)
+    mask[:, : seq // 4] = False
+    hidden = torch.randn(1, seq, 4, h)
+    return cfg, source, draft, norm, head_weight, ids, mask, hidden
+
+
+def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden, ttt_steps: int, mode: str,
+               warmup: int, steps: int) -> float:
+    """Seconds per optimizer step (median of `steps`)."""
+    aux = hidden[:, :, :-1].flatten(2)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        target = target_distribution(hidden[:, :, -1], norm, head_weight, model.draft.draft_to_target)
+        out = model(ids, mask, aux, target, ttt_steps, 0.8, None, mode=mode)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int) -> float:
+    """Seconds for the attention of all TTT steps, forward + backward, at the draft's head shapes."""
+    from draftsmith.model import naive_ttt_attention, ttt_attention
+
+    fn = ttt_attention if mode == "ttt" else naive_ttt_attention
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    times = []
+    for _ in range(repeats + 1):
+        qs = [torch.randn(1, hq, seq, d, requires_grad=True) for _ in range(ttt_steps)]
+        ks = [torch.randn(1, hkv, seq, d, requires_grad=True) for _ in range(ttt_steps)]
+        vs = [torch.randn(1, hkv, seq, d, requires_grad=True) for _ in range(ttt_steps)]
+        t0 = time.perf_counter()
+        total = sum(fn(qs[k], ks[:k + 1], vs[:k + 1]).square().mean() for k in range(ttt_steps))
+        total.backward()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="seq 1024, 2 timed steps per variant")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps = args.steps or (2 if args.quick else 5)
+
+    cfg, source, draft, norm, head_weight, ids, mask, hidden = make(args.seq, args.ttt_steps, args.draft_vocab)
+    model = TTTModel(draft)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    results, rss = {}, {}
+    for mode in ("ttt", "naive"):  # ours first: its peak RSS is read before the reference runs
+        results[mode] = time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, mode,
+                                   warmup=1, steps=steps)
+        rss[mode] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    attn = {mode: time_attention(cfg, args.seq, args.ttt_steps, mode, repeats=steps) for mode in ("ttt", "naive")}
+    tokens = args.seq
+    row = "{:<34} {:>12} {:>12}"
+    print(f"draft for {source}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, "
+          f"target vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}; seq {args.seq}, TTT steps "
+          f"{args.ttt_steps}, torch threads {torch.get_num_threads()}")
+    print(row.format("", "ours (TTT)", "explicit mask"))
+    print(row.format("train step: s", f"{results['ttt']:.3f}", f"{results['naive']:.3f}"))
+    print(row.format("train step: tokens/s", f"{tokens / results['ttt']:.1f}", f"{tokens / results['naive']:.1f}"))
+    print(row.format("attention fwd+bwd (all steps): s", f"{attn['ttt']:.3f}", f"{attn['naive']:.3f}"))
+    summary = {
+        "tokens_per_s": round(tokens / results["ttt"], 1),
+        "naive_tokens_per_s": round(tokens / results["naive"], 1),
+        "peak_rss_mb": round(rss["ttt"], 1),
+        "naive_peak_rss_mb": round(rss["naive"], 1),
+        "ratio_vs_naive": round(results["naive"] / results["ttt"], 3),
+        "attention_ratio_vs_naive": round(attn["naive"] / attn["ttt"], 3),
+        "seq": args.seq, "ttt_steps": args.ttt_steps, "draft_vocab": cfg.draft_vocab_size,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""The trainer: offline (store) and online (target inside) training on a tiny random target, checkpoints, resume,
+and the faults the issue lists."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.config import ExtractConfig, TrainConfig
+from draftsmith.errors import DraftsmithError
+from draftsmith.prepared import open_prepared, write_prepared
+from draftsmith.targets import target_identity
+from draftsmith.train import checkpoint, trainer
+from draftsmith.train.data import OnlineSource, TokenBudgetSampler, collate, fetch
+
+
+def _samples(n: int, seed: int = 0, vocab: int = 320, lo: int = 12, hi: int = 40) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(lo, hi))
+        ids = rng.integers(4, vocab, size=length)
+        mask = np.zeros(length, dtype=np.int64)
+        mask[length // 3:] = 1  # the "assistant" part
+        out.append({"input_ids": ids, "loss_mask": mask})
+    return out
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tiny_target_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("train") / "prepared"
+    write_prepared(path, _samples(24), target_identity(tiny_target_dir), chat_template_hash="tiny", max_length=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store_dir(prepared_dir, tiny_target_dir):
+    from draftsmith import extract
+
+    out = prepared_dir.parent / "store"
+    extract.run(ExtractConfig(prepared=prepared_dir, output=out, target=str(tiny_target_dir), device="cpu",
+                              aux_layer_ids=[1, 2, 3]), show_progress=False)
+    return out
+
+
+def _cfg(data, out, **kw) -> TrainConfig:
+    base = dict(data=data, output=out, draft_vocab_size=320, ttt_steps=3, lr=3e-3, warmup_steps=2, token_budget=256,
+                eval_fraction=0.15, log_every=1, save_every=1000, device="cpu", seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+
+def test_sampler_packs_within_budget_is_deterministic_and_splits_by_rank():
+    lengths = np.random.default_rng(0).integers(5, 100, size=200)
+    s = TokenBudgetSampler(range(200), lengths, token_budget=300, seed=1)
+    batches = s.batches(0)
+    assert all(len(b) * max(lengths[b]) <= 300 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(200))  # every sample once per epoch
+    assert batches == TokenBudgetSampler(range(200), lengths, 300, seed=1).batches(0)
+    assert batches != s.batches(1)
+    r0 = TokenBudgetSampler(range(200), lengths, 300, seed=1, rank=0, world_size=2).batches(0)
+    r1 = TokenBudgetSampler(range(200), lengths, 300, seed=1, rank=1, world_size=2).batches(0)
+    assert len(r0) == len(r1) and not {i for b in r0 for i in b} & {i for b in r1 for i in b}
+
+
+def test_sample_longer_than_budget_and_empty_set_are_refused():
+    with pytest.raises(DraftsmithError, match="sample 2 has 90 tokens, more than --token-budget 64"):
+        TokenBudgetSampler(range(3), np.array([10, 20, 90]), token_budget=64)
+    with pytest.raises(DraftsmithError, match="empty"):
+        TokenBudgetSampler([], np.array([10]), token_budget=64)
+
+
+# ---------------------------------------------------------------------------------------------- offline / online
+
+def test_offline_and_online_give_the_same_batch_and_loss(tiny_target_dir, prepared_dir, store_dir):
+    from draftsmith import store as store_mod
+
+    store = store_mod.open(store_dir)
+    prepared = open_prepared(prepared_dir)
+    s = trainer.setup(_cfg(store_dir, prepared_dir.parent / "unused"), torch.device("cpu"))
+    ids = [0, 3, 5]
+    offline = fetch(store, [store.index_of(i) for i in ids])
+    online = OnlineSource(s.target, store.layer_ids)(fetch(prepared, ids))
+    assert torch.equal(offline.input_ids, online.input_ids) and torch.equal(offline.loss_mask, online.loss_mask)
+    real = offline.loss_mask | (offline.input_ids != 0)
+    # the store keeps bf16: the online fp32 states round to the stored ones
+    torch.testing.assert_close(online.hidden_states.bfloat16().float()[real], offline.hidden_states[real],
+                               atol=1e-2, rtol=1e-2)
+    cfg = _cfg(store_dir, prepared_dir.parent / "unused")
+    from draftsmith.model import DraftConfig, Eagle3Draft
+    from draftsmith.targets import final_norm, lm_head, read_config
+    from draftsmith.train.ttt import TTTModel
+
+    dcfg = DraftConfig.from_target_config(read_config(tiny_target_dir), 320, 1, 3)
+    draft = Eagle3Draft.from_target(dcfg, s.target, s.draft_to_target)
+    head = trainer.TargetHead(final_norm(s.target), lm_head(s.target).weight, draft.draft_to_target)
+    model = TTTModel(draft)
+    with torch.no_grad():
+        a = trainer.batch_forward(model, head, offline, cfg, None)
+        b = trainer.batch_forward(model, head, online, cfg, None)
+        exact = trainer.batch_forward(model, head, type(online)(online.input_ids, online.loss_mask,
+                                      online.hidden_states.bfloat16().float(), online.sample_ids, online.lengths),
+                                      cfg, None)
+    torch.testing.assert_close(a.loss, b.loss, rtol=2e-2, atol=0)
+    torch.testing.assert_close(a.loss, exact.loss, rtol=1e-3, atol=0)  # same states -> same loss
+    assert torch.equal(a.count, b.count)
+
+
+def test_overfitting_a_few_samples_drives_step0_accuracy_up(tiny_target_dir, tmp_path):
+    """A random target is nearly uniform (argmax is noise), so sharpen its lm_head to give it real preferences."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sharp = tmp_path / "sharp-target"
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200)
+    model.save_pretrained(sharp)
+    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(sharp)
+    path = tmp_path / "prep"
+    write_prepared(path, _samples(2, seed=5, lo=20, hi=24), target_identity(sharp), chat_template_hash="t",
+                   max_length=64)
+    out = tmp_path / "run"
+    result = trainer.run(_cfg(path, out, eval_fraction=0.0, max_steps=60, lr=1e-2, ttt_steps=1, warmup_steps=0,
+                              schedule="constant", clip=0.0, log_every=10))
+    train = _metrics(out)
+    assert train[-1]["acc"][0] > 0.95, train[-1]
+    assert train[0]["acc"][0] < 0.5  # it really learned
+    assert result.summary["steps"] == 60
+    draft, manifest = checkpoint.load_checkpoint(out)
+    assert manifest.step == 60 and manifest.aux_layer_ids == [1, 2]  # shallow target: default ids kept once
+
+
+def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_path):
+    out = tmp_path / "run"
+    result = trainer.run(_cfg(store_dir, out, epochs=6, eval_every=None))
+    evals = [m for m in _metrics(out) if m["type"] == "eval"]
+    assert len(evals) == 6  # one evaluation per epoch
+    assert evals[-1]["acceptance_length"] > evals[0]["acceptance_length"]
+    assert result.summary["best acceptance length (sim.)"] == max(e["acceptance_length"] for e in evals)
+    draft, manifest = checkpoint.load_checkpoint(out)  # best/
+    assert manifest.kind == "checkpoint" and manifest.aux_layer_ids == [1, 2, 3]
+    assert manifest.best_acceptance_length == result.summary["best acceptance length (sim.)"]
+    assert manifest.draft.draft_vocab_size == 320 and manifest.data_kind == "store"
+    assert draft.fc.weight.shape == (64, 192) and not draft.training
+    latest = checkpoint.latest_checkpoint(out)
+    d2, m2 = checkpoint.load_checkpoint(latest)
+    assert m2.step == result.summary["steps"]
+    assert "optimizer" in checkpoint.load_training_state(latest)
+    assert (out / "config.yaml").is_file()
+
+
+def test_resume_after_a_crash_gives_the_same_loss_curve(prepared_dir, tmp_path, monkeypatch):
+    cfg = dict(max_steps=8, save_every=3, noise_std=0.05, eval_every=4, grad_accum=2)
+    full = tmp_path / "full"
+    trainer.run(_cfg(prepared_dir, full, **cfg))
+    crashed = tmp_path / "crashed"
+
+    def crash(step):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "_on_step_end", crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run(_cfg(prepared_dir, crashed, **cfg))
+    monkeypatch.setattr(trainer, "_on_step_end", lambda step: None)
+    assert checkpoint.latest_checkpoint(crashed).name == "step-00000003"
+    result = trainer.run(_cfg(prepared_dir, crashed, **cfg))
+    assert result.summary["resumed from"].endswith("step-00000003")
+    a = [(m["type"], m["step"], m["loss"]) for m in _metrics(full)]
+    b = [(m["type"], m["step"], m["loss"]) for m in _metrics(crashed)]
+    assert [x[:2] for x in a] == [x[:2] for x in b]
+    np.testing.assert_allclose([x[2] for x in a], [x[2] for x in b], rtol=1e-6)
+
+
+def test_resume_with_changed_hyperparameters_is_refused_unless_forced(prepared_dir, tmp_path):
+    out = tmp_path / "run"
+    trainer.run(_cfg(prepared_dir, out, max_steps=2))
+    with pytest.raises(DraftsmithError, match=r"other hyper-parameters \(lr: 0.003 -> 0.001"):
+        trainer.run(_cfg(prepared_dir, out, max_steps=3, lr=1e-3))
+    with pytest.warns(UserWarning, match="changed hyper-parameters"):
+        result = trainer.run(_cfg(prepared_dir, out, max_steps=3, lr=1e-3, force=True))
+    assert result.summary["steps"] == 3
+    with pytest.raises(DraftsmithError, match="already holds a training run"):
+        trainer.run(_cfg(prepared_dir, out, max_steps=3, resume=False))
+
+
+# ---------------------------------------------------------------------------------------------- faults
+
+def test_store_for_other_layers_or_target_is_refused(store_dir, tmp_path):
+    with pytest.raises(DraftsmithError, match=r"holds aux layers \[1, 2, 3\] but --aux-layer-ids asks for \[1, 2, 4\]"):
+        trainer.run(_cfg(store_dir, tmp_path / "a", aux_layer_ids=[1, 2, 4]))
+    from tests.conftest import build_tiny_target
+
+    other = build_tiny_target(tmp_path / "other", hidden_size=32)
+    with pytest.raises(DraftsmithError, match="was made for another target"):
+        trainer.run(_cfg(store_dir, tmp_path / "b", target=str(other)))
+
+
+def test_nan_features_stop_naming_step_and_sample_and_keep_the_checkpoint(store_dir, tmp_path, monkeypatch):
+    from draftsmith import store as store_mod
+
+    out = tmp_path / "run"
+    real_open = store_mod.open
+
+    class Poisoned:
+        def __init__(self, store):
+            self._s = store
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+        def __len__(self):
+            return len(self._s)
+
+        def __getitem__(self, i):
+            item = self._s[i]
+            if item["sample_id"] == 7:
+                item["hidden_states"] = item["hidden_states"].clone()
+                item["hidden_states"][3, 0, 5] = float("nan")
+            return item
+
+    monkeypatch.setattr(store_mod, "open", lambda p, dtype=torch.float32: Poisoned(real_open(p, dtype)))
+    with pytest.raises(DraftsmithError, match=r"step \d+: sample 7 has NaN/Inf hidden states") as err:
+        trainer.run(_cfg(store_dir, out, epochs=3, save_every=1, eval_fraction=0.0))
+    last = checkpoint.latest_checkpoint(out)
+    assert last is not None and str(last) in str(err.value)
+    checkpoint.load_checkpoint(last)  # the last good checkpoint is whole
+
+
+def test_nan_loss_stops(prepared_dir, tmp_path, monkeypatch):
+    from draftsmith.train import ttt
+
+    real = ttt.ttt_forward
+
+    def bad(*a, **k):
+        r = real(*a, **k)
+        r.loss = r.loss * float("nan")
+        return r
+
+    monkeypatch.setattr(ttt, "ttt_forward", bad)
+    with pytest.raises(DraftsmithError, match=r"step 1: loss is NaN/Inf on samples \["):
+        trainer.run(_cfg(prepared_dir, tmp_path / "run", max_steps=2))
+
+
+def test_disk_full_while_checkpointing_keeps_the_last_good_one(prepared_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    calls = {"n": 0}
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(DraftsmithError, match="no space left on device.*last good checkpoint is .*step-00000002"):
+        trainer.run(_cfg(prepared_dir, out, max_steps=6, save_every=2, eval_fraction=0.0))
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-00000002"]
+    assert not list((out / "checkpoints").glob(".*partial*"))
+    checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out))
+
+
+def test_data_that_is_not_a_store_or_prepared_set(tmp_path):
+    (tmp_path / "x").mkdir()
+    with pytest.raises(DraftsmithError, match="must be a hidden-state store"):
+        trainer.run(_cfg(tmp_path / "x", tmp_path / "run"))
