@@ -1,0 +1,129 @@
+"""Evaluation prompt sets, rendered with the target's chat template into token ids.
+
+    mt-bench           the 80 MT-bench questions shipped with draftsmith's default assets (first turn of each)
+    FILE               ShareGPT JSON / messages JSONL (anything `draftsmith prepare` reads): the conversation up to
+                       its first assistant turn; records with `turns` (MT-bench style) or `prompt` work too
+    DIR (prepared)     a prepared data set: the samples of its held-out split (`prepared.split_indices`, the same
+                       split the trainer holds out), cut before the first assistant token
+
+Every prompt ends with the template's generation prompt, so the target starts its answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.manifest import MANIFEST_NAME, TargetIdentity
+
+MTBENCH = "mt-bench"
+
+
+@dataclass
+class Prompt:
+    id: str
+    token_ids: list[int]
+
+
+def _messages_of(record: Any) -> list[dict[str, str]] | None:
+    """The chat messages before the first assistant turn, or None if the record holds no usable prompt."""
+    from draftsmith.data.chat import ROLE_ALIASES
+
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
+        return [{"role": "user", "content": record["turns"][0]}]
+    if isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        return [{"role": "user", "content": record["prompt"]}]
+    turns = next((record[k] for k in ("conversations", "conversation", "messages") if k in record), None)
+    if not isinstance(turns, list):
+        return None
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None
+        role = ROLE_ALIASES.get(str(turn.get("from", turn.get("role", ""))).strip().lower())
+        text = next((turn[k] for k in ("value", "content", "text") if isinstance(turn.get(k), str)), None)
+        if role is None or text is None:
+            return None
+        if role == "assistant":
+            break
+        messages.append({"role": role, "content": text})
+    return messages if any(m["role"] == "user" and m["content"].strip() for m in messages) else None
+
+
+def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Chat template + generation prompt -> token ids (the template supplies any BOS itself)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DraftsmithError("the target's tokenizer has no chat template; evaluation prompts need one")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _from_file(path: Path, tokenizer: Any, limit: int | None) -> list[Prompt]:
+    from draftsmith.data.readers import expand_sources, iter_source
+
+    prompts: list[Prompt] = []
+    for source in expand_sources([path]):
+        for record in iter_source(source):
+            if record.bad is not None:
+                continue
+            messages = _messages_of(record.data)
+            if messages is None:
+                continue
+            rid = record.data.get("question_id", record.data.get("id", record.index))
+            prompts.append(Prompt(id=str(rid), token_ids=render(tokenizer, messages)))
+            if limit is not None and len(prompts) >= limit:
+                return prompts
+    if not prompts:
+        raise DraftsmithError(f"{path}: no usable prompt (expected ShareGPT `conversations`, `messages`, MT-bench "
+                              "`turns` or `prompt` records with a user turn)")
+    return prompts
+
+
+def _from_prepared(path: Path, target: TargetIdentity | None, limit: int | None, eval_fraction: float,
+                   split_seed: int) -> list[Prompt]:
+    from draftsmith.prepared import open_prepared, split_indices
+
+    dataset = open_prepared(path)
+    if target is not None:
+        problem = dataset.manifest.target.mismatch(target)
+        if problem:
+            raise DraftsmithError(f"{path}: prepared for another target ({problem}); use a prepared set of the "
+                                  "draft's target")
+    _, held_out = split_indices(len(dataset), eval_fraction, split_seed)
+    if not held_out:
+        raise DraftsmithError(f"{path}: no held-out samples with --eval-fraction {eval_fraction}; raise it")
+    prompts: list[Prompt] = []
+    for i in held_out:
+        sample = dataset[i]
+        mask = sample["loss_mask"]
+        if not bool(mask.any()):
+            continue
+        first = int(mask.nonzero()[0])
+        if first == 0:
+            continue
+        prompts.append(Prompt(id=f"sample-{i}", token_ids=sample["input_ids"][:first].tolist()))
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise DraftsmithError(f"{path}: the held-out split has no sample with an assistant turn")
+    return prompts
+
+
+def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = None, num_prompts: int | None = None,
+                 eval_fraction: float = 0.02, split_seed: int = 0) -> list[Prompt]:
+    """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them."""
+    if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
+        from draftsmith.assets import mtbench_path
+
+        return _from_file(mtbench_path(), tokenizer, num_prompts)
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / MANIFEST_NAME).is_file():
+        return _from_prepared(path, target, num_prompts, eval_fraction, split_seed)
+    if not path.exists():
+        raise DraftsmithError(f"--prompts {spec}: no such file or directory (use mt-bench, a ShareGPT/JSONL file, or "
+                              "a prepared data set directory)")
+    return _from_file(path, tokenizer, num_prompts)

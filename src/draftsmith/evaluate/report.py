@@ -1,0 +1,120 @@
+"""The evaluation report: report.json (everything measured), report.md (a readable summary) and two PNG charts
+(per-position acceptance; τ and speed-up against k), written atomically into the output directory."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.fsio import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+ACCEPTANCE_PNG = "acceptance_per_position.png"
+TAU_PNG = "tau_speedup_vs_k.png"
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def acceptance_chart(runs: list[dict], title: str) -> bytes:
+    """Grouped bars: acceptance rate at each draft position, one colour per k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(runs))
+    for j, run in enumerate(runs):
+        rates = run["acceptance_per_pos"]
+        xs = [i + 1 + (j - (len(runs) - 1) / 2) * width for i in range(len(rates))]
+        ax.bar(xs, rates, width=width, label=f"k={run['k']} (τ={run['tau']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (fraction of rounds)")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(1, max(len(r["acceptance_per_pos"]) for r in runs) + 1))
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def tau_speedup_chart(runs: list[dict], title: str) -> bytes:
+    """τ (left axis) and speed-up over the target alone (right axis) against k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = [r["k"] for r in runs]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ks, [r["tau"] for r in runs], "o-", color="tab:blue", label="τ (mean acceptance length)")
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("τ", color="tab:blue")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    speedups = [r.get("speedup") for r in runs]
+    if any(s is not None for s in speedups):
+        ax2 = ax.twinx()
+        ax2.plot(ks, [s if s is not None else float("nan") for s in speedups], "s--", color="tab:orange",
+                 label="speed-up")
+        ax2.axhline(1.0, color="tab:orange", alpha=0.3, lw=1)
+        ax2.set_ylabel("speed-up vs target alone", color="tab:orange")
+    ax.set_title(title)
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def markdown(report: dict[str, Any]) -> str:
+    base = report.get("baseline")
+    lines = [
+        f"# Speculative decoding: {report['engine']} engine",
+        "",
+        f"- target: `{report['target']}`",
+        f"- draft: `{report['draft']}`",
+        f"- prompts: {report['prompts']} ({report['num_prompts']} prompts), max {report['max_new_tokens']} new tokens, "
+        f"temperature {report['temperature']}",
+    ]
+    if report.get("vllm_version"):
+        lines.append(f"- vLLM {report['vllm_version']}")
+    if base:
+        lines.append(f"- target alone: {base['tokens_per_s']:.1f} tokens/s ({base['num_new_tokens']} tokens in "
+                     f"{base['elapsed_s']:.1f} s)")
+    lines += ["", "| k | τ | acceptance per position | tokens/s | speed-up | rounds |", "|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        per_pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
+        speedup = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "–"
+        lines.append(f"| {r['k']} | {r['tau']:.3f} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
+                     f"{r['num_rounds']} |")
+    if report.get("lossless") is not None:
+        lines += ["", f"Greedy outputs identical to the target alone: {report['lossless']}"]
+    lines += ["", "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length).", "",
+              f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
+    return "\n".join(lines)
+
+
+def write_report(output: Path, report: dict[str, Any]) -> dict[str, Path]:
+    """Write report.json, report.md and the two charts; returns their paths."""
+    output = Path(output)
+    title = f"{Path(str(report['draft'])).name} on {Path(str(report['target'])).name} ({report['engine']})"
+    paths = {"json": output / REPORT_JSON, "markdown": output / REPORT_MD,
+             "acceptance_chart": output / ACCEPTANCE_PNG, "tau_chart": output / TAU_PNG}
+    atomic_write_json(paths["json"], report)
+    atomic_write_text(paths["markdown"], markdown(report))
+    atomic_write_bytes(paths["acceptance_chart"], acceptance_chart(report["runs"], title))
+    atomic_write_bytes(paths["tau_chart"], tau_speedup_chart(report["runs"], title))
+    return paths
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    return json.loads((path / REPORT_JSON if path.is_dir() else path).read_text(encoding="utf-8"))

