@@ -1,0 +1,260 @@
+"""What every extraction backend shares: checking inputs, choosing this worker's samples, batching by length,
+resuming, a background store writer, the progress bar and the summary. Nothing here knows about an engine.
+
+A backend's `run(cfg)` reads like this::
+
+    plan = common.plan_extraction(cfg)                       # prepared set + target checked, layer ids, my samples
+    spec = common.store_spec(plan, backend="vllm", compute_dtype="bfloat16")
+    with common.open_writer(plan, spec) as writer:           # create or resume; refuses a store of another kind
+        todo = common.pending_sample_ids(plan, writer)       # my samples minus those already in the store
+        with common.BackgroundWriter(writer) as sink, common.progress_bar(...) as bar:
+            for batch in ...: sink.submit([(sample_id, input_ids, loss_mask, hidden_states[T, L, H]), ...])
+    return common.result(cfg, plan, writer, seconds)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from draftsmith import store as store_module
+from draftsmith.config import ExtractConfig, StageResult, parse_shard
+from draftsmith.errors import DraftsmithError
+from draftsmith.manifest import TargetIdentity
+from draftsmith.targets import check_layer_ids, default_aux_layer_ids, resolve_target, target_identity
+
+
+@dataclass
+class ExtractionPlan:
+    """The checked inputs of one extraction worker."""
+
+    cfg: ExtractConfig
+    dataset: Any  # draftsmith.prepared.PreparedDataset
+    target_dir: Path
+    target: TargetIdentity
+    layer_ids: list[int]  # aux ids, then N
+    sample_ids: list[int]  # this worker's slice of the prepared set
+    worker: tuple[int, int]
+    lengths: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, np.int64))  # of the whole set
+
+    @property
+    def num_layers(self) -> int:
+        return self.target.num_layers
+
+
+def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The store's layer ids: the aux ids (default 2, N//2, N-3) sorted, then N."""
+    if aux_layer_ids:
+        aux = check_layer_ids([int(i) for i in aux_layer_ids], num_layers)
+    else:  # on a very shallow target the defaults collide (N=4: 2, 2, 1): keep each once
+        aux = check_layer_ids(sorted({i for i in default_aux_layer_ids(num_layers) if 0 <= i < num_layers}), num_layers)
+    if num_layers in aux:
+        raise DraftsmithError(f"aux layer ids {aux}: leave out {num_layers} (the last layer); the store always keeps it")
+    return aux + [num_layers]
+
+
+def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_samples: int | None = None) -> list[int]:
+    """Worker i of n takes every n-th sample id starting at i, among the first `max_samples`."""
+    i, n = parse_shard(shard) if isinstance(shard, str) else shard
+    total = num_samples if max_samples is None else min(num_samples, max_samples)
+    return list(range(i, total, n))
+
+
+def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
+    """Open the prepared set, find the target and check they belong together; pick this worker's samples."""
+    from draftsmith.prepared import open_prepared
+
+    dataset = open_prepared(cfg.prepared)
+    made_for = dataset.manifest.target
+    if cfg.target is not None:
+        target_dir = resolve_target(cfg.target)
+    else:
+        target_dir = Path(made_for.path)
+        if not (target_dir / "config.json").is_file():
+            raise DraftsmithError(f"{cfg.prepared}: was made for target {made_for.path}, which is no longer there; "
+                                  "pass --target with that model's new location")
+    identity = target_identity(target_dir)
+    diff = made_for.mismatch(identity)
+    if diff:
+        raise DraftsmithError(f"{cfg.prepared}: was prepared for another target or tokenizer than {target_dir} "
+                              f"({diff}); run `draftsmith prepare --target {target_dir}` or pass the --target it was "
+                              "made for")
+    layer_ids = resolve_layer_ids(cfg.aux_layer_ids, identity.num_layers)
+    return ExtractionPlan(cfg=cfg, dataset=dataset, target_dir=target_dir, target=identity, layer_ids=layer_ids,
+                          sample_ids=select_sample_ids(len(dataset), cfg.shard, cfg.max_samples),
+                          worker=parse_shard(cfg.shard), lengths=np.asarray(dataset.lengths, dtype=np.int64))
+
+
+def store_spec(plan: ExtractionPlan, *, backend: str, compute_dtype: str) -> store_module.StoreSpec:
+    return store_module.StoreSpec(target=plan.target, prepared=store_module.prepared_ref(plan.dataset),
+                                  layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size, dtype=plan.cfg.dtype,
+                                  backend=backend, compute_dtype=compute_dtype)
+
+
+def open_writer(plan: ExtractionPlan, spec: store_module.StoreSpec,
+                backend_info: dict[str, Any] | None = None) -> store_module.StoreWriter:
+    """Create or resume the output store as this worker; then save the resolved config beside it."""
+    from draftsmith.config import save_resolved_config
+
+    writer = store_module.create_or_resume(plan.cfg.output, spec, worker=plan.worker,
+                                           shard_bytes=int(plan.cfg.shard_size_mb * (1 << 20)),
+                                           backend_info=backend_info)
+    try:
+        save_resolved_config(plan.cfg, plan.cfg.output)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer
+
+
+def pending_sample_ids(plan: ExtractionPlan, writer: store_module.StoreWriter) -> list[int]:
+    done = writer.done_sample_ids()
+    return [i for i in plan.sample_ids if i not in done]
+
+
+def plan_batches(sample_ids: Sequence[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:
+    """Longest first, then greedily as many as fit `token_budget` padded tokens (a longer sample goes alone).
+
+    The plan depends only on the ids and lengths, so a resumed run (see `pending_batches`) forms the very same
+    batches and computes bit-identical states.
+    """
+    order = sorted(sample_ids, key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def pending_batches(batches: list[list[int]], done: set[int]) -> list[list[int]]:
+    """The batch plan minus samples already stored (whole batches disappear; a partial one shrinks)."""
+    out = [[i for i in b if i not in done] for b in batches]
+    return [b for b in out if b]
+
+
+class BackgroundWriter:
+    """Feeds a StoreWriter from a thread, so disk writes overlap the next forward pass.
+
+    `submit(items, ready=None)` queues a batch of (sample_id, input_ids, loss_mask, hidden_states[T, L, H]) or
+    (..., hidden_states, scales); `ready` (e.g. a CUDA event's `synchronize`) is called in the thread before the
+    tensors are read. A shard is written only between submitted batches. An error in the thread (full disk ...)
+    is raised again in the caller's thread at the next `submit` or at exit.
+    """
+
+    def __init__(self, writer: store_module.StoreWriter, max_pending: int = 2):
+        self.writer = writer
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="draftsmith-store-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue
+            items, ready = job
+            try:
+                if ready is not None:
+                    ready()
+                for item in items:
+                    self.writer.add(*item, flush_if_full=False)
+                self.writer.maybe_flush()
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                self._error = err
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def submit(self, items: list[tuple], ready: Any = None) -> None:
+        self._raise()
+        self._queue.put((items, ready))
+
+    def close(self) -> None:
+        """Wait for everything queued to be handed to the writer (it still needs its own close/flush)."""
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+
+    def __enter__(self) -> "BackgroundWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):
+                self._error = self._error or RuntimeError("aborted")  # drop what is queued
+                self._queue.put(None)
+                self._thread.join()
+
+
+@contextlib.contextmanager
+def progress_bar(total_tokens: int, description: str = "extract", enabled: bool = True) -> Iterator[Any]:
+    """A rich progress bar on stderr counting tokens, with tokens/s and ETA; yields `advance(tokens)`."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+    from rich.text import Text
+
+    class TokensPerSecond(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text(f"{speed:,.0f} tok/s" if speed else "- tok/s", style="progress.data.speed")
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TokensPerSecond(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    with Progress(*columns, console=Console(stderr=True), transient=False, speed_estimate_period=60) as progress:
+        task = progress.add_task(description, total=total_tokens)
+        yield lambda n: progress.advance(task, n)
+
+
+def result(plan: ExtractionPlan, writer: store_module.StoreWriter, seconds: float, *, tokens: int,
+           skipped: int, extra: dict[str, Any] | None = None) -> StageResult:
+    """The stage summary: this run's work and the store's totals."""
+    manifest = store_module.read_manifest(plan.cfg.output, store_module.StoreManifest)
+    stored_bytes = sum(s.num_bytes for s in manifest.shards)
+    summary: dict[str, Any] = {
+        "samples this run": writer.samples_written,
+        "samples already stored": skipped,
+        "tokens this run": tokens,
+        "tokens/s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        "time (s)": round(seconds, 1),
+        "store samples": manifest.num_samples,
+        "store tokens": manifest.num_tokens,
+        "bytes per token": round(stored_bytes / manifest.num_tokens, 1) if manifest.num_tokens else 0.0,
+        "layer ids": ",".join(map(str, manifest.layer_ids)),
+        "dtype": manifest.dtype,
+        "worker": f"{plan.worker[0]}/{plan.worker[1]}",
+    }
+    summary.update(extra or {})
+    if writer.recovered:
+        summary["recovered"] = "; ".join(writer.recovered)
+    return StageResult(stage="extract", output=Path(plan.cfg.output), summary=summary)
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start

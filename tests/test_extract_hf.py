@@ -1,0 +1,331 @@
+"""The transformers extraction backend: states equal an independent transformers computation, padding is
+harmless, resume after interruptions and kill -9 gives the same store, workers and merge, refusals."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_tiny_target
+from draftsmith import extract, store
+from draftsmith.config import ExtractConfig
+from draftsmith.errors import DraftsmithError
+from draftsmith.extract import common, hf
+from draftsmith.prepared import write_prepared
+from draftsmith.targets import load_target, target_identity
+
+NUM_SAMPLES = 24
+
+
+def _write_set(path: Path, target_dir: Path, n: int = NUM_SAMPLES, seed: int = 0, max_len: int = 60) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(n):
+        T = int(torch.randint(3, max_len, (1,), generator=g))
+        samples.append({"input_ids": torch.randint(0, 320, (T,), generator=g),
+                        "loss_mask": torch.rand(T, generator=g) > 0.4})
+    write_prepared(path, samples, target_identity(target_dir), chat_template_hash="tiny", max_length=max_len)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_prepared(tmp_path_factory, tiny_target_dir) -> Path:
+    return _write_set(tmp_path_factory.mktemp("prepared") / "set", tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    return load_target(tiny_target_dir)
+
+
+def _cfg(prepared: Path, output: Path, **kw) -> ExtractConfig:
+    fields = dict(prepared=prepared, output=output, token_budget=160, shard_size_mb=0.02, device="cpu")
+    fields.update(kw)
+    return ExtractConfig(**fields)
+
+
+def _reference(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """An independent computation: transformers' own output_hidden_states, one unpadded sample at a time.
+
+    hidden_states[k] (k < N) is the output of decoder layer k-1; transformers ties hidden_states[N] to the
+    *normalised* last state, so the un-normalised layer N is read with that tie switched off.
+    """
+    N = model.config.num_hidden_layers
+    with torch.no_grad():
+        tied = model(input_ids[None], output_hidden_states=True).hidden_states
+        model.config.tie_last_hidden_states = False
+        try:
+            untied = model(input_ids[None], output_hidden_states=True).hidden_states
+        finally:
+            del model.config.tie_last_hidden_states
+    assert torch.allclose(model.model.norm(untied[N]), tied[N], atol=1e-5)  # really the pre-norm state
+    assert not torch.allclose(untied[N], tied[N], atol=1e-3)
+    return torch.stack([untied[k][0] if k == N else tied[k][0] for k in layer_ids], dim=1)  # [T, L, H]
+
+
+def _assert_stores_identical(a: Path, b: Path) -> None:
+    sa, sb = store.open(a, dtype=torch.bfloat16), store.open(b, dtype=torch.bfloat16)
+    assert sa.sample_ids.tolist() == sb.sample_ids.tolist()
+    for k in range(len(sa)):
+        x, y = sa[k], sb[k]
+        assert x["sample_id"] == y["sample_id"]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        assert torch.equal(x["hidden_states"].view(torch.int16), y["hidden_states"].view(torch.int16)), k
+
+
+def test_capture_equals_transformers_output_hidden_states(tiny_model):
+    ids = torch.randint(0, 320, (1, 37), generator=torch.Generator().manual_seed(1))
+    layer_ids = [0, 1, 2, 3, 4]
+    got = hf.capture_hidden_states(tiny_model, ids, None, layer_ids)
+    assert got.shape == (1, 37, 5, 64) and got.dtype == torch.float32
+    torch.testing.assert_close(got[0], _reference(tiny_model, ids[0], layer_ids), rtol=1e-5, atol=1e-5)
+    # the last layer is un-normalised, and the final norm + LM head on it give transformers' logits
+    with torch.no_grad():
+        logits = tiny_model(ids).logits
+        torch.testing.assert_close(tiny_model.lm_head(tiny_model.model.norm(got[:, :, -1])), logits,
+                                   rtol=1e-4, atol=1e-4)
+    # a subset stops early and still matches
+    part = hf.capture_hidden_states(tiny_model, ids, None, [2, 0], dtype=torch.bfloat16)
+    assert part.dtype == torch.bfloat16
+    assert torch.equal(part[0, :, 0], got[0, :, 2].bfloat16()) and torch.equal(part[0, :, 1], got[0, :, 0].bfloat16())
+    with pytest.raises(ValueError, match="out of range"):
+        hf.capture_hidden_states(tiny_model, ids, None, [5])
+
+
+def test_right_padding_does_not_change_real_tokens(tiny_model):
+    g = torch.Generator().manual_seed(2)
+    samples = [{"input_ids": torch.randint(0, 320, (n,), generator=g)} for n in (31, 7, 18, 1)]
+    ids, mask = hf.pad_batch(samples)
+    assert ids.shape == (4, 31) and mask.sum().item() == 57
+    for attention_mask in (None, mask):
+        batched = hf.capture_hidden_states(tiny_model, ids, attention_mask, [0, 2, 4])
+        for b, s in enumerate(samples):
+            alone = hf.capture_hidden_states(tiny_model, s["input_ids"][None], None, [0, 2, 4])
+            n = len(s["input_ids"])
+            torch.testing.assert_close(batched[b, :n], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_plan_batches_buckets_by_length_within_the_budget():
+    import numpy as np
+
+    lengths = np.array([5, 50, 7, 49, 6, 200, 8])
+    batches = common.plan_batches(range(7), lengths, token_budget=100)
+    assert batches == [[5], [1, 3], [6, 2, 4, 0]]  # longest first; an over-budget sample goes alone
+    assert all(len(b) * lengths[b[0]] <= 100 for b in batches[1:])
+    assert common.pending_batches(batches, {1, 5, 2}) == [[3], [6, 4, 0]]
+    assert common.select_sample_ids(10, "1/3") == [1, 4, 7]
+    assert common.select_sample_ids(10, "0/2", max_samples=5) == [0, 2, 4]
+    assert common.resolve_layer_ids(None, 30) == [2, 15, 27, 30]
+    assert common.resolve_layer_ids(None, 4) == [1, 2, 4]  # colliding defaults kept once
+    assert common.resolve_layer_ids([3, 1], 4) == [1, 3, 4]
+    with pytest.raises(DraftsmithError, match="leave out 4"):
+        common.resolve_layer_ids([1, 4], 4)
+    with pytest.raises(DraftsmithError, match="out of range"):
+        common.resolve_layer_ids([9], 4)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_prepared, tiny_model, dtype):
+    result = extract.run(_cfg(tiny_prepared, tmp_path / "s", dtype=dtype, aux_layer_ids=[0, 1, 3]),
+                         show_progress=False)
+    assert result.summary["samples this run"] == NUM_SAMPLES and result.summary["dtype"] == dtype
+    st = store.open(tmp_path / "s")
+    assert st.layer_ids == [0, 1, 3, 4] and len(st) == NUM_SAMPLES and len(st.manifest.shards) > 2
+    assert st.manifest.prepared.path == str(tiny_prepared.resolve()) and st.manifest.backend == "hf"
+    assert (tmp_path / "s" / "config.yaml").is_file()
+    from draftsmith.prepared import open_prepared
+
+    ds = open_prepared(tiny_prepared)
+    assert st.lengths.tolist() == ds.lengths.tolist()
+    for k in range(len(st)):
+        item = st[k]
+        assert torch.equal(item["input_ids"], ds[k]["input_ids"]) and torch.equal(item["loss_mask"], ds[k]["loss_mask"])
+        ref = _reference(tiny_model, item["input_ids"], st.layer_ids)
+        if dtype == "bf16":  # one bf16 rounding of the fp32 state (batching may move the fp32 value by ~1e-6)
+            torch.testing.assert_close(item["hidden_states"], ref, rtol=2 ** -8, atol=1e-5)
+        else:
+            scale = ref.abs().amax(-1, keepdim=True) / store.FP8_MAX
+            assert ((item["hidden_states"] - ref).abs() <= torch.maximum(ref.abs() / 16, scale / 1024) * 1.01 + 1e-5).all()
+    assert store.verify_store(tmp_path / "s").ok
+
+
+def test_rerun_resumes_and_interrupted_run_equals_uninterrupted(tmp_path, tiny_prepared, monkeypatch):
+    extract.run(_cfg(tiny_prepared, tmp_path / "ref"), show_progress=False)
+    again = extract.run(_cfg(tiny_prepared, tmp_path / "ref"), show_progress=False)
+    assert again.summary["samples this run"] == 0 and again.summary["samples already stored"] == NUM_SAMPLES
+
+    real = hf.capture_hidden_states
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "capture_hidden_states", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
+    monkeypatch.undo()
+    partial = len(store.open(tmp_path / "s"))
+    assert 0 < partial < NUM_SAMPLES
+    result = extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
+    assert result.summary["samples already stored"] == partial
+    _assert_stores_identical(tmp_path / "s", tmp_path / "ref")
+
+
+def test_full_disk_gives_a_clear_message_and_resume_completes(tmp_path, tiny_prepared, monkeypatch):
+    real = store._write_file
+    calls = {"n": 0}
+
+    def full(path, data):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, data)
+
+    monkeypatch.setattr(store, "_write_file", full)
+    with pytest.raises(DraftsmithError, match="no space left on device"):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
+    monkeypatch.undo()
+    assert len(store.open(tmp_path / "s")) > 0
+    extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
+    extract.run(_cfg(tiny_prepared, tmp_path / "ref"), show_progress=False)
+    _assert_stores_identical(tmp_path / "s", tmp_path / "ref")
+
+
+def test_workers_fill_one_store_or_separate_stores_that_merge(tmp_path, tiny_prepared):
+    for i in range(3):
+        extract.run(_cfg(tiny_prepared, tmp_path / "shared", shard=f"{i}/3"), show_progress=False)
+        extract.run(_cfg(tiny_prepared, tmp_path / f"w{i}", shard=f"{i}/3"), show_progress=False)
+    assert store.open(tmp_path / "w1").sample_ids.tolist() == list(range(1, NUM_SAMPLES, 3))
+    merged = store.merge_stores([tmp_path / f"w{i}" for i in range(3)], tmp_path / "merged")
+    assert merged.sample_ids.tolist() == list(range(NUM_SAMPLES))
+    _assert_stores_identical(tmp_path / "merged", tmp_path / "shared")
+    assert store.verify_store(tmp_path / "merged").ok
+
+
+def test_refuses_a_prepared_set_for_another_target_or_tokenizer(tmp_path, tiny_prepared):
+    deeper = build_tiny_target(tmp_path / "deeper", num_layers=5)
+    with pytest.raises(DraftsmithError, match="another target or tokenizer.*num_layers|config_hash"):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s", target=str(deeper)), show_progress=False)
+    other_template = build_tiny_target(tmp_path / "tmpl", chat_template="{{ messages[0]['content'] }}")
+    with pytest.raises(DraftsmithError, match="tokenizer_hash"):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s", target=str(other_template)), show_progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("change, words", [(dict(aux_layer_ids=[1, 3]), "layer_ids"), (dict(dtype="fp8"), "dtype"),
+                                           (dict(compute_dtype="bfloat16"), "compute_dtype")])
+def test_refuses_an_existing_store_made_differently(tmp_path, tiny_prepared, change, words):
+    extract.run(_cfg(tiny_prepared, tmp_path / "s", max_samples=4), show_progress=False)
+    with pytest.raises(DraftsmithError, match=f"existing store was made differently.*{words}"):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s", **change), show_progress=False)
+    other = _write_set(tmp_path / "other-set", Path(store.open(tmp_path / "s").manifest.target.path), seed=7)
+    with pytest.raises(DraftsmithError, match="prepared set"):
+        extract.run(_cfg(other, tmp_path / "s"), show_progress=False)
+
+
+def test_read_only_output(tmp_path, tiny_prepared, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(DraftsmithError, match="cannot write here"):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
+
+
+def test_vllm_backend_missing_is_a_clear_error(tmp_path, tiny_prepared, monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def missing(name, *args):
+        if name == "draftsmith.extract.vllm":
+            raise ModuleNotFoundError("No module named 'draftsmith.extract.vllm'", name=name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(DraftsmithError, match="no vLLM backend"):
+        extract.run(_cfg(tiny_prepared, tmp_path / "s", backend="vllm"))
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(int(sys.argv[3]))
+    from draftsmith.extract import run
+    from draftsmith.config import ExtractConfig
+    run(ExtractConfig(prepared=sys.argv[1], output=sys.argv[2], token_budget=96, shard_size_mb=0.005, device="cpu"),
+        show_progress=False)
+""")
+
+
+def _stored_samples(path: Path) -> int:
+    try:
+        return store.read_manifest(path, store.StoreManifest).num_samples
+    except DraftsmithError:
+        return -1
+
+
+@pytest.mark.slow  # four fresh Python processes importing transformers: ~40 s idle, minutes on a busy machine
+def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_target_dir):
+    prepared = _write_set(tmp_path / "set", tiny_target_dir, n=40, seed=3, max_len=90)
+    script = tmp_path / "extract_script.py"
+    script.write_text(_KILL_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(store.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+
+    def start(output: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(prepared), str(output), str(torch.get_num_threads())],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    rng = random.Random(1234)
+    out = tmp_path / "s"
+    partial_after_kill = []
+    for _ in range(3):
+        proc = start(out)
+        before = _stored_samples(out)
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and _stored_samples(out) <= before and time.monotonic() < deadline:
+            time.sleep(0.01)  # wait until this run has written at least one shard ...
+        time.sleep(rng.uniform(0.0, 0.4))  # ... then kill it at a random moment of the work
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=240)
+        partial_after_kill.append(_stored_samples(out))
+    assert sum(0 < n < 40 for n in partial_after_kill) >= 2, partial_after_kill  # the kills landed mid-extraction
+    final = start(out)
+    _, err = final.communicate(timeout=240)
+    assert final.returncode == 0, err[-2000:]
+    assert store.verify_store(out).ok and store.verify_store(out).orphans == []
+    extract.run(ExtractConfig(prepared=prepared, output=tmp_path / "ref", token_budget=96, shard_size_mb=0.005,
+                              device="cpu"), show_progress=False)
+    _assert_stores_identical(out, tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_default_target_store_equals_transformers(tmp_path, default_target_dir, sharegpt_file):
+    from draftsmith.config import PrepareConfig
+    from draftsmith.data import prepare
+
+    prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=6, max_length=256, output=tmp_path / "p"))
+    extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=1024),
+                show_progress=False)
+    st = store.open(tmp_path / "s")
+    assert st.layer_ids == [2, 15, 27, 30] and st.manifest.hidden_size == 576
+    model = load_target(default_target_dir)
+    for k in range(len(st)):
+        item = st[k]
+        ref = _reference(model, item["input_ids"], st.layer_ids)
+        torch.testing.assert_close(item["hidden_states"], ref, rtol=2 ** -7, atol=1e-3)
+    assert store.verify_store(tmp_path / "s").ok
