@@ -1,0 +1,54 @@
+"""vLLM extraction throughput against the same vLLM doing plain prefill (max_tokens=1) on the same prompts.
+
+    .venv/bin/python benchmarks/extract_vllm.py --quick            # 60 ShareGPT conversations, uncompiled
+    .venv/bin/python benchmarks/extract_vllm.py -n 300 --compile   # the full table (vLLM compiles: slow start on CPU)
+
+Prints a table, then as its last line a JSON object with tokens_per_s (extraction, engine start-up excluded),
+prefill_tokens_per_s (a plain engine with the same knobs, started after the extraction engine is shut down) and
+ratio_vs_prefill (goal >= 0.85). benchmarks/extract.py --backend vllm calls the same function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="60 conversations")
+    parser.add_argument("-n", type=int, default=300, help="conversations (default 300)")
+    parser.add_argument("--prepared", type=Path, help="an existing prepared set (default: prepare ShareGPT now)")
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--strategy", default="auto", choices=["auto", "connector", "direct"])
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile (minutes of start-up on CPU)")
+    parser.add_argument("--token-budget", type=int, default=8192, help="vLLM max_num_batched_tokens")
+    args = parser.parse_args()
+    n = 60 if args.quick else args.n
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+    from draftsmith.extract.vllm import benchmark
+
+    with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
+        prepared = args.prepared
+        if prepared is None:
+            from draftsmith import assets
+            from draftsmith.config import PrepareConfig
+            from draftsmith.data import prepare
+
+            prepared = Path(tmp) / "prepared"
+            prepare.run(PrepareConfig(data=[str(assets.sharegpt_path())], max_samples=n, max_length=args.max_length,
+                                      output=prepared))
+        result = benchmark(prepared, n, strategy=args.strategy, compile=args.compile, token_budget=args.token_budget)
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value}", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

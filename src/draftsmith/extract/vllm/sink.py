@@ -1,0 +1,131 @@
+"""Inside vLLM's worker process: hand each finished request's hidden states to the draftsmith store.
+
+Both strategies end here. The connector (connector.py) and the direct taps (direct.py) know only vLLM; this
+module knows only the store. One `StoreSink` lives per worker process (module global, see `activate`); on
+tensor-parallel ranks other than 0 it swallows the states, so exactly one writer per engine writes.
+
+The sink checks each request's token ids against the prepared set before storing (a request routed to the wrong
+sample id would otherwise poison the store silently) and writes through a background thread, so disk writes
+overlap the next forward pass. `worker.py` exposes its progress and close to the driver via collective_rpc.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args["kv_transfer_params"]
+
+
+class StoreSink:
+    """Writes [T, L, H] states of finished requests into the store as writer `worker` (i/n)."""
+
+    def __init__(self, config: dict[str, Any], *, writes: bool = True):
+        from draftsmith import store as store_module
+        from draftsmith.extract import common
+        from draftsmith.prepared import open_prepared
+
+        self.config = config
+        self.writes = writes
+        self.received = 0
+        self.written_tokens = 0
+        self.error: str | None = None
+        self._lock = threading.Lock()
+        self.layer_ids = list(config["spec"]["layer_ids"])
+        self._writer = None
+        self._background = None
+        if not writes:
+            return
+        self.dataset = open_prepared(Path(config["prepared"]))
+        spec = store_module.StoreSpec.model_validate(config["spec"])
+        worker = tuple(config["worker"])
+        self._writer = store_module.create_or_resume(Path(config["store"]), spec, worker=worker,
+                                                     shard_bytes=int(config["shard_bytes"]),
+                                                     backend_info=config.get("backend_info"))
+        self._background = common.BackgroundWriter(self._writer, max_pending=8)
+
+    def put(self, sample_id: int, token_ids: Any, states: torch.Tensor) -> None:
+        """Store one request's states [T, L, H] (any device; copied to the CPU here, no pinned memory)."""
+        with self._lock:
+            self.received += 1
+            if not self.writes or self.error is not None:
+                return
+            try:
+                row = self.dataset[int(sample_id)]
+                ids = torch.as_tensor(row["input_ids"]).to(torch.int64)
+                got = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids).to(torch.int64)
+                if got.shape != ids.shape or not torch.equal(got.cpu(), ids):
+                    raise RuntimeError(f"request for sample {sample_id} carried other token ids than the prepared set")
+                if tuple(states.shape) != (ids.shape[0], len(self.layer_ids), states.shape[-1]):
+                    raise RuntimeError(f"sample {sample_id}: captured states {tuple(states.shape)}, expected "
+                                       f"[{ids.shape[0]}, {len(self.layer_ids)}, H]")
+                host = states.detach().to("cpu").contiguous()
+                self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), host)])
+                self.written_tokens += int(ids.shape[0])
+            except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
+                self.error = f"{type(err).__name__}: {err}"
+
+    def progress(self) -> dict[str, Any]:
+        return {"received": self.received, "error": self.error, "writes": self.writes}
+
+    def close(self) -> dict[str, Any]:
+        """Flush everything to the store and release the writer; returns what was written."""
+        out: dict[str, Any] = {"received": self.received, "error": self.error, "samples_written": 0}
+        if self._writer is None:
+            return out
+        try:
+            self._background.close()
+            if self.error is None:
+                self._writer.close()
+            else:
+                self._writer.abort()
+        except BaseException as err:  # noqa: BLE001
+            out["error"] = self.error = f"{type(err).__name__}: {err}"
+            self._writer.abort()
+        out["samples_written"] = self._writer.samples_written
+        out["shards_written"] = self._writer.shards_written
+        out["recovered"] = list(self._writer.recovered)
+        self._writer = None
+        return out
+
+
+_ACTIVE: StoreSink | None = None
+
+
+def activate(config: dict[str, Any], *, writes: bool = True) -> StoreSink:
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = StoreSink(config, writes=writes)
+    return _ACTIVE
+
+
+def active() -> StoreSink | None:
+    return _ACTIVE
+
+
+def deactivate() -> dict[str, Any]:
+    global _ACTIVE
+    sink, _ACTIVE = _ACTIVE, None
+    return sink.close() if sink is not None else {"received": 0, "error": None, "samples_written": 0}
+
+
+def for_data_parallel_rank(config: dict[str, Any], dp_rank: int) -> dict[str, Any]:
+    """Engine `dp_rank` of `dp_size` within worker i/n writes as worker i*dp_size + dp_rank of n*dp_size."""
+    config = dict(config)
+    dp_size = int(config.get("dp_size", 1))
+    i, n = config["worker"]
+    config["worker"] = [i * dp_size + int(dp_rank or 0), n * dp_size]
+    return config
+
+
+def is_writer_rank() -> bool:
+    """Tensor-parallel rank 0 writes; the other ranks hold the same states and stay silent."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 - not initialised: a single process
+        return True

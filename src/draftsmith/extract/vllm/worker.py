@@ -1,0 +1,33 @@
+"""The worker extension vLLM mixes into its worker class (`worker_extension_cls`), reached via `LLM.collective_rpc`.
+
+The driver uses it with both strategies: to install the direct taps (direct strategy), to poll how many requests
+the sink has received, and to flush and close the store writer before vLLM shuts down. Method names carry a
+`draftsmith_` prefix because vLLM refuses an extension that shadows a worker attribute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftsmith.extract.vllm import sink as sink_module
+
+EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
+
+
+class DraftsmithWorkerExtension:
+    def draftsmith_install_direct(self, config: dict[str, Any], tap: dict[str, Any]) -> bool:
+        """Direct strategy: open the sink and tap the model runner (see direct.install)."""
+        from draftsmith.extract.vllm import direct
+
+        dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)  # type: ignore[attr-defined]
+        config = sink_module.for_data_parallel_rank(config, dp_rank)
+        sink = sink_module.activate(config, writes=sink_module.is_writer_rank())
+        direct.install(self.model_runner, sink, **tap)  # type: ignore[attr-defined]
+        return True
+
+    def draftsmith_progress(self) -> dict[str, Any]:
+        sink = sink_module.active()
+        return sink.progress() if sink is not None else {"received": 0, "error": None, "writes": False}
+
+    def draftsmith_close(self) -> dict[str, Any]:
+        return sink_module.deactivate()

@@ -1,0 +1,264 @@
+"""The vLLM backend on the real default target and real ShareGPT samples, against the transformers backend.
+
+Each vLLM start costs a minute or more on this CPU, so the module starts as few engines as it can:
+connector strategy: one run killed with SIGKILL mid-extraction, one resumed run that finishes the store;
+direct strategy (forced, as CI runs it on a vLLM that would pick the connector): workers 1/2 and 0/2 into one store.
+Both finished stores are compared with the transformers backend's store of the same 20 samples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import store
+from draftsmith.config import ExtractConfig, PrepareConfig
+from draftsmith.errors import DraftsmithError
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+NUM_SAMPLES = 20
+MAX_LENGTH = 128  # tokens per conversation: keeps each vLLM run short on a 2-core CPU
+# Both stores keep bf16, so even identical computations differ by two bf16 roundings: per token and layer the
+# relative L2 error is then below 2**-7. vLLM computes in float32 on CPUs without bf16 instructions (like
+# transformers here) and in bf16 elsewhere; a bf16 computation's error grows with depth (every layer rounds to 8
+# mantissa bits; measured up to ~0.07 at layer 30 of this target), which 2**-3 bounds with a margin.
+MIN_COSINE = 0.995
+MAX_REL_ERR = {"float32": 2 ** -7, "bfloat16": 2 ** -3}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, sharegpt_file, default_target_dir) -> Path:
+    from draftsmith.data import prepare
+
+    out = tmp_path_factory.mktemp("vllm") / "prepared"
+    prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=NUM_SAMPLES, max_length=MAX_LENGTH, output=out,
+                              num_workers=1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_store(prepared, tmp_path_factory) -> Path:
+    from draftsmith import extract
+
+    out = tmp_path_factory.mktemp("vllm") / "hf"
+    extract.run(ExtractConfig(prepared=prepared, output=out, backend="hf", device="cpu", token_budget=2048),
+                show_progress=False)
+    return out
+
+
+def _cfg(prepared: Path, output: Path, **kw) -> ExtractConfig:
+    return ExtractConfig(prepared=prepared, output=output, backend="vllm", vllm_compile=False, **kw)
+
+
+def assert_matches_hf(vllm_path: Path, hf_path: Path) -> dict[str, float]:
+    ours, ref = store.open(vllm_path), store.open(hf_path)
+    assert len(ours) == len(ref) == NUM_SAMPLES
+    assert ours.layer_ids == ref.layer_ids == [2, 15, 27, 30]
+    assert ours.manifest.backend == "vllm" and ours.manifest.compute_dtype in ("bfloat16", "float32")
+    worst_cos, worst_rel = 1.0, 0.0
+    for k in range(NUM_SAMPLES):
+        a, b = ours[k], ref[k]
+        assert torch.equal(a["input_ids"], b["input_ids"]), k
+        assert torch.equal(a["loss_mask"], b["loss_mask"]), k
+        x, y = a["hidden_states"].double(), b["hidden_states"].double()  # [T, L, H]
+        assert x.shape == y.shape
+        cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)  # [T, L]
+        rel = (x - y).norm(dim=-1) / y.norm(dim=-1)
+        worst_cos, worst_rel = min(worst_cos, cos.min().item()), max(worst_rel, rel.max().item())
+    assert worst_cos >= MIN_COSINE, worst_cos
+    assert worst_rel <= MAX_REL_ERR[ours.manifest.compute_dtype], worst_rel
+    report = store.verify_store(vllm_path)
+    assert report.ok and report.orphans == []
+    return {"cos": worst_cos, "rel": worst_rel}
+
+
+_KILL_SCRIPT = """
+import sys
+from pathlib import Path
+from draftsmith.config import ExtractConfig
+from draftsmith.extract.vllm import run
+
+if __name__ == "__main__":
+    run(ExtractConfig(prepared=Path(sys.argv[1]), output=Path(sys.argv[2]), backend="vllm", vllm_compile=False,
+                      vllm_strategy="connector", shard_size_mb=0.05), show_progress=False)
+"""
+
+
+def _stored(path: Path) -> int:
+    try:
+        return store.read_manifest(path, store.StoreManifest).num_samples
+    except DraftsmithError:
+        return -1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, hf_store):
+    out = tmp_path / "connector"
+    script = tmp_path / "extract_vllm_script.py"
+    script.write_text(_KILL_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(prepared), str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and _stored(out) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the vLLM worker has committed a few shards ...
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)  # ... then kill the driver, the engine and its worker at once
+    _, err = proc.communicate(timeout=60)
+    partial = _stored(out)
+    assert 3 <= partial < NUM_SAMPLES, (partial, err[-3000:])
+
+    from draftsmith.extract.vllm import run
+
+    result = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)
+    assert result.summary["samples already stored"] == partial
+    assert result.summary["samples this run"] == NUM_SAMPLES - partial
+    assert "connector" in result.summary["backend"]
+    worst = assert_matches_hf(out, hf_store)
+    print("connector vs hf:", worst)
+    again = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)  # nothing left: no engine
+    assert again.summary["samples this run"] == 0 and again.summary["samples already stored"] == NUM_SAMPLES
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepared, hf_store):
+    from draftsmith.extract.vllm import run
+
+    out = tmp_path / "direct"
+    first = run(_cfg(prepared, out, vllm_strategy="direct", shard="1/2"), show_progress=False)
+    assert first.summary["samples this run"] == NUM_SAMPLES // 2 and "direct" in first.summary["backend"]
+    assert store.read_manifest(out, store.StoreManifest).sample_ids() == set(range(1, NUM_SAMPLES, 2))
+    second = run(_cfg(prepared, out, vllm_strategy="direct", shard="0/2"), show_progress=False)
+    assert second.summary["samples this run"] == NUM_SAMPLES // 2
+    writers = {s.writer for s in store.read_manifest(out, store.StoreManifest).shards}
+    assert writers == {"s0of2", "s1of2"}
+    worst = assert_matches_hf(out, hf_store)
+    print("direct vs hf:", worst)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_a_store_of_another_kind_is_refused_before_vllm_starts(tmp_path, prepared, hf_store):
+    from draftsmith.extract.vllm import run
+
+    with pytest.raises(DraftsmithError, match="made differently.*backend"):
+        run(_cfg(prepared, hf_store), show_progress=False)
+
+
+# ------------------------------------------------------------------------------ the pieces, without an engine
+
+
+class _Sink:
+    writes = True
+
+    def __init__(self):
+        self.got: dict[int, tuple[list[int], torch.Tensor]] = {}
+
+    def put(self, sample_id, token_ids, states):
+        self.got[sample_id] = (list(token_ids), states)
+
+
+class _Batch:
+    def __init__(self, req_ids):
+        self.req_ids, self.num_reqs = list(req_ids), len(req_ids)
+
+
+class _Runner:
+    """What direct.install touches on vLLM's GPUModelRunner."""
+
+    def __init__(self, num_layers=6, hidden=4):
+        self.num_layers, self.hidden = num_layers, hidden
+        self.aux = None
+        self.use_aux_hidden_state_outputs = False
+        self.execute_model_state = None
+        runner = self
+
+        class Model:
+            def set_aux_hidden_state_layers(self, layers):
+                runner.aux = layers
+
+        self.model = Model()
+
+    def get_model(self):
+        return self.model
+
+    def execute_model(self, scheduler_output):
+        rows = []  # row r of the batch holds value (request number, position) in every layer
+        for req_id in self.input_batch.req_ids:
+            n = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            start = scheduler_output.start[req_id]
+            rows += [[float(req_id[1:]), float(p)] for p in range(start, start + n)]
+        batch = torch.tensor(rows + [[-1.0, -1.0]] * 3)  # padded like vLLM's input buffers
+        layers = [batch * 0 + batch + 100 * k for k in self.aux]
+        self.execute_model_state = type("State", (), {"aux_hidden_states": layers})()
+        return None
+
+
+class _NewReq:
+    def __init__(self, req_id, sample_id, prompt):
+        self.req_id, self.prompt_token_ids = req_id, prompt
+        self.sampling_params = type("P", (), {"extra_args": {"kv_transfer_params": {"draftsmith_sample_id": sample_id}}})()
+
+
+class _Step:
+    def __init__(self, new, counts, start):
+        self.scheduled_new_reqs, self.num_scheduled_tokens, self.start = new, counts, start
+
+
+def test_direct_tap_cuts_rows_per_request_and_joins_chunked_prefills():
+    from draftsmith.extract.vllm import direct
+
+    runner, sink = _Runner(), _Sink()
+    direct.install(runner, sink, layer_ids=[2, 3, 6], num_layers=6, convention="output", two_phase=True)
+    assert runner.aux == (2, 3, 6) and runner.use_aux_hidden_state_outputs
+    # step 1: r1 (5 tokens) whole, r2 (7 tokens) first 3; step 2: r2's last 4 after a request without a sample id
+    runner.input_batch = _Batch(["r1", "r2"])
+    runner.execute_model(_Step([_NewReq("r1", 10, [1] * 5), _NewReq("r2", 11, [2] * 7)], {"r1": 5, "r2": 3},
+                               {"r1": 0, "r2": 0}))
+    assert list(sink.got) == [10]
+    runner.input_batch = _Batch(["r3", "r2"])
+    plain = _NewReq("r3", 0, [3] * 2)
+    plain.sampling_params.extra_args = {}
+    runner.execute_model(_Step([plain], {"r3": 2, "r2": 4}, {"r3": 0, "r2": 3}))
+    assert sorted(sink.got) == [10, 11]
+    for sample_id, req, length in ((10, 1, 5), (11, 2, 7)):
+        ids, states = sink.got[sample_id]
+        assert ids == [req] * length and states.shape == (length, 3, 2)  # [T, L, H]
+        for j, k in enumerate([2, 3, 6]):
+            expected = torch.stack([torch.full((length,), float(req)), torch.arange(length, dtype=torch.float)], 1)
+            torch.testing.assert_close(states[:, j], expected + 100 * k)
+
+
+def test_direct_maps_layer_ids_of_the_older_convention():
+    from draftsmith.extract.vllm.direct import vllm_aux_ids
+
+    assert vllm_aux_ids([2, 15, 27, 30], 30, "output") == ([2, 15, 27, 30], [])
+    assert vllm_aux_ids([0, 2, 15, 27, 30], 30, "input") == ([2, 15, 27], [0, 30])
+
+
+@needs_vllm
+def test_connector_gathers_a_requests_rows_from_the_hidden_state_cache():
+    from draftsmith.extract.vllm.connector import gather_rows
+
+    blocks, layers, block_size, hidden = 6, 3, 4, 5
+    cache = torch.randn(blocks, layers, block_size, hidden)
+    block_ids, T = [4, 1, 3], 10
+    rows = gather_rows(cache, block_ids, T, layers)
+    assert rows.shape == (T, layers, hidden)
+    for t in range(T):
+        torch.testing.assert_close(rows[t], cache[block_ids[t // block_size], :, t % block_size])
+    flipped = cache.transpose(1, 2).contiguous()  # [blocks, block_size, L, H]
+    torch.testing.assert_close(gather_rows(flipped, block_ids, T, layers), rows)
