@@ -260,3 +260,64 @@ def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(tmp
         else:  # truncated: the last span is cut short
             assert spans[:-1] == answers[: len(spans) - 1] and answers[len(spans) - 1].startswith(spans[-1])
     assert checked >= 15
+
+
+def test_killed_run_resumes_from_its_last_shard(tmp_path, tiny_target_dir, monkeypatch):
+    from draftsmith.data import chat
+
+    records = [_conv(f"question {i}", f"answer {i}") for i in range(40)]
+    records[5] = BAD_RECORDS["unknown role"]
+    records[33] = BAD_RECORDS["empty turn"]
+    data = _write_json(tmp_path / "d.json", records)
+    reference = run(PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "ref",
+                                  num_workers=1, shard_samples=8))
+
+    calls = {"n": 0, "die_at": 30}
+    real_encode = chat.ChatEncoder.encode
+
+    def dying_encode(self, messages):
+        calls["n"] += 1
+        if calls["n"] == calls["die_at"]:
+            raise KeyboardInterrupt  # as a kill in the middle of the run
+        return real_encode(self, messages)
+
+    monkeypatch.setattr(chat.ChatEncoder, "encode", dying_encode)
+    cfg = PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "out", num_workers=1,
+                        shard_samples=8)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg)
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.resume").is_dir()
+    saved_shards = len(list((tmp_path / ".out.resume").glob("shard-*.safetensors")))
+    assert saved_shards >= 1
+    calls.update(n=0, die_at=-1)
+    result = run(cfg)
+    assert calls["n"] == 38 - 8 * saved_shards  # only the conversations after the complete shards are encoded again
+    assert result.summary["resumed after records"] == 8 * saved_shards + 1  # record 5 was skipped
+    ds, ref = open_prepared(tmp_path / "out", verify=True), open_prepared(tmp_path / "ref")
+    assert ds.manifest.skipped == ref.manifest.skipped == {"unknown role": 1, "empty turn": 1}
+    assert ds.manifest.num_tokens == ref.manifest.num_tokens and len(ds) == len(ref) == 38
+    assert ds.manifest.stats["records"] == 40
+    for i in range(len(ds)):
+        assert torch.equal(ds[i]["input_ids"], ref[i]["input_ids"])
+        assert torch.equal(ds[i]["loss_mask"], ref[i]["loss_mask"])
+
+
+def test_changed_options_start_over_instead_of_resuming(tmp_path, tiny_target_dir, monkeypatch):
+    from draftsmith.data import chat
+
+    data = _write_json(tmp_path / "d.json", [_conv(f"q {i}", f"a {i}") for i in range(20)])
+    real_encode = chat.ChatEncoder.encode
+    calls = {"n": 0}
+
+    def dying_encode(self, messages):
+        calls["n"] += 1
+        if calls["n"] == 15:
+            raise KeyboardInterrupt
+        return real_encode(self, messages)
+
+    monkeypatch.setattr(chat.ChatEncoder, "encode", dying_encode)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(tmp_path, tiny_target_dir, [data], shard_samples=4)
+    monkeypatch.setattr(chat.ChatEncoder, "encode", real_encode)
+    result = _prepare(tmp_path, tiny_target_dir, [data], shard_samples=4, max_length=512)
+    assert "resumed after records" not in result.summary and result.summary["conversations"] == 20

@@ -165,3 +165,37 @@ def test_write_replaces_a_prepared_set_but_nothing_else(tmp_path):
     with pytest.raises(DraftsmithError, match="not a prepared data set; refusing"):
         _write(tmp_path / "precious", _samples(2))
     assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+
+
+def test_resumable_write_continues_after_an_interruption(tmp_path):
+    from draftsmith.prepared import resume_point
+
+    samples = _samples(25, seed=4)
+    samples[3]["truncated"] = samples[21]["truncated"] = True
+    state = {"n": 0}
+
+    def interrupted():
+        for i, s in enumerate(samples):
+            if i == 23:
+                raise KeyboardInterrupt
+            state["n"] = i + 1
+            yield s
+
+    with pytest.raises(KeyboardInterrupt):
+        _write(tmp_path / "p", interrupted(), shard_samples=10, fingerprint="job", checkpoint=lambda: dict(state))
+    assert not (tmp_path / "p").exists()
+    assert resume_point(tmp_path / "p", "other job") is None
+    saved = resume_point(tmp_path / "p", "job")
+    assert saved == {"n": 20}  # the state when the second shard was completed
+    manifest = _write(tmp_path / "p", iter(samples[saved["n"]:]), shard_samples=10, fingerprint="job",
+                      checkpoint=lambda: {}, resume=True)
+    assert [s.num_samples for s in manifest.shards] == [10, 10, 5] and manifest.num_truncated == 2
+    _write(tmp_path / "ref", samples, shard_samples=10)
+    got, ref = open_prepared(tmp_path / "p", verify=True), open_prepared(tmp_path / "ref")
+    assert not (tmp_path / ".p.resume").exists() and not (tmp_path / "p" / "resume.json").exists()
+    assert torch.equal(got.token_counts(), ref.token_counts())
+    assert got.manifest.num_loss_tokens == ref.manifest.num_loss_tokens
+    for i in range(25):
+        assert torch.equal(got[i]["input_ids"], ref[i]["input_ids"])
+    with pytest.raises(DraftsmithError, match="nothing to resume"):
+        _write(tmp_path / "q", samples, fingerprint="job", resume=True)

@@ -48,6 +48,8 @@ class PrepareConfig(StageConfig):
     chat_template: Path | None = Field(None, description=(
         "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
     trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
+    resume: bool = Field(True, description=(
+        "Continue an interrupted run with the same inputs and options from its last complete shard."))
 
     _split = field_validator("data", mode="before")(_split_list)
 

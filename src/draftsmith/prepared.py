@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import collections.abc
 import json
+import os
+import shutil
 import struct
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_dir, atomic_path, sha256_file
+from draftsmith.fsio import atomic_dir, atomic_path, atomic_write_json, sha256_file
 from draftsmith.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
+RESUME_NAME = "resume.json"
 _SHARD_TENSORS = {"input_ids": np.int32, "loss_mask": np.uint8, "offsets": np.int64}
 _ST_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
 
@@ -105,81 +108,178 @@ def _check_replaceable(output: Path) -> None:
                           "Choose another --output or remove it first")
 
 
+def _resume_dir(output: Path) -> Path:
+    return output.parent / f".{output.name}.resume"
+
+
+def _load_resume(work: Path, fingerprint: str) -> dict | None:
+    """The progress record of an interrupted resumable write of the same job, if its shards are all there."""
+    try:
+        data = json.loads((work / RESUME_NAME).read_text(encoding="utf-8"))
+        if data.get("fingerprint") != fingerprint:
+            return None
+        shards = [PreparedShard.model_validate(s) for s in data["shards"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for shard in shards:
+        file = work / shard.file
+        if not file.is_file() or file.stat().st_size != shard.num_bytes:
+            return None
+    return data
+
+
+def resume_point(output: Path, fingerprint: str) -> dict | None:
+    """The caller's `checkpoint()` state saved with the last complete shard of an interrupted
+    `write_prepared(output, ..., fingerprint=fingerprint)`, or None when there is nothing to resume."""
+    data = _load_resume(_resume_dir(Path(output)), fingerprint)
+    return data["state"] if data else None
+
+
+class _ShardWriter:
+    """Buffers samples and writes them as numbered shards into `directory`."""
+
+    def __init__(self, directory: Path, target: TargetIdentity, shard_samples: int,
+                 shards: list[PreparedShard] | None = None, num_truncated: int = 0):
+        self.directory = directory
+        self.target = target
+        self.shard_samples = shard_samples
+        self.shards = list(shards or [])
+        self.num_truncated = num_truncated
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards) + len(self.ids)
+
+    def add(self, sample: dict) -> bool:
+        """Buffer one sample; True when that completed a shard (now on disk)."""
+        index = self.num_samples
+        vocab = int(self.target.vocab_size)
+        ids = _as_numpy(sample["input_ids"], np.int64, "input_ids")
+        mask = _as_numpy(sample["loss_mask"], np.uint8, "loss_mask")
+        if len(ids) != len(mask):
+            raise ValueError(f"sample {index}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+        if len(ids) == 0:
+            raise ValueError(f"sample {index}: empty input_ids")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise DraftsmithError(
+                f"sample {index}: token id {int(ids.max())} is outside the target's vocabulary of {vocab} "
+                f"(config.json vocab_size); the tokenizer does not belong to target {self.target.path}")
+        self.num_truncated += bool(sample.get("truncated", False))
+        self.ids.append(ids.astype(np.int32))
+        self.masks.append((mask != 0).astype(np.uint8))
+        if len(self.ids) >= self.shard_samples:
+            self.flush()
+            return True
+        return False
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        lengths = np.fromiter((len(a) for a in self.ids), dtype=np.int64, count=len(self.ids))
+        offsets = np.zeros(len(self.ids) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        path = self.directory / name
+        _write_safetensors(path, {"input_ids": np.concatenate(self.ids), "loss_mask": np.concatenate(self.masks),
+                                  "offsets": offsets})
+        first = self.shards[-1].first_sample + self.shards[-1].num_samples if self.shards else 0
+        self.shards.append(PreparedShard(file=name, sha256=sha256_file(path), num_samples=len(self.ids),
+                                         num_tokens=int(offsets[-1]), first_sample=first,
+                                         num_bytes=path.stat().st_size))
+        self.ids.clear()
+        self.masks.clear()
+
+    def token_counts(self) -> np.ndarray:
+        """Loss-masked token counts over every shard written, read back from the shards."""
+        counts = np.zeros(int(self.target.vocab_size), dtype=np.int64)
+        for shard in self.shards:
+            arrays = _memmap_safetensors(self.directory / shard.file, _SHARD_TENSORS)
+            counts += np.bincount(arrays["input_ids"][arrays["loss_mask"].astype(bool)],
+                                  minlength=len(counts)).astype(np.int64)
+        return counts
+
+
+def _write_all(directory: Path, writer: _ShardWriter, samples: Iterable[dict], on_shard, *, output: Path,
+               chat_template_hash: str, max_length: int, skipped: dict[str, int] | None, sources: list[str] | None,
+               config: Any, extra: dict[str, Any]) -> PreparedManifest:
+    for sample in samples:
+        if writer.add(sample) and on_shard is not None:
+            on_shard(writer)
+    writer.flush()
+    shards = writer.shards
+    if not shards:
+        raise DraftsmithError(f"{output}: no usable samples to write" + (
+            f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else ""))
+    counts = writer.token_counts()
+    _write_safetensors(directory / TOKEN_COUNTS_NAME, {"counts": counts})
+    manifest = PreparedManifest(
+        target=writer.target, chat_template_hash=chat_template_hash, max_length=max_length,
+        num_samples=writer.num_samples, num_tokens=sum(s.num_tokens for s in shards),
+        num_loss_tokens=int(counts.sum()), num_truncated=writer.num_truncated, shards=shards,
+        token_counts_sha256=sha256_file(directory / TOKEN_COUNTS_NAME),
+        skipped=dict(skipped or {}), sources=list(sources or []), **extra)
+    if config is not None:
+        from draftsmith.config import save_resolved_config
+
+        save_resolved_config(config, directory)
+    write_manifest(directory, manifest)
+    return manifest
+
+
 def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity, *, chat_template_hash: str,
                    max_length: int, skipped: dict[str, int] | None = None, sources: list[str] | None = None,
-                   shard_samples: int = 2048, config: Any = None, **extra: Any) -> PreparedManifest:
+                   shard_samples: int = 2048, config: Any = None, fingerprint: str | None = None,
+                   checkpoint: Callable[[], dict] | None = None, resume: bool = False,
+                   **extra: Any) -> PreparedManifest:
     """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool)
     as a prepared set at `output`.
 
     `samples` is consumed as a stream, one shard in memory at a time. `skipped` may be a dict the caller keeps
     filling while the stream runs (it is read after the last sample). `config` (a StageConfig) is saved as
     config.yaml inside the set. `extra` are further PreparedManifest fields (overflow, damaged, skip_examples,
-    stats). Raises DraftsmithError when there is no sample at all; nothing is left at `output` on any failure.
+    stats). Raises DraftsmithError when there is no sample at all. Nothing appears at `output` until the set
+    is complete.
+
+    Resumable writes: with a `fingerprint` (naming the job: inputs and options), the set is built in
+    `.NAME.resume` beside `output`, and after every shard the caller's `checkpoint()` state is saved with it.
+    A failed or killed run leaves that directory; `resume_point(output, fingerprint)` then returns the saved
+    state, and a call with `resume=True` keeps the shards written so far and takes `samples` as the ones that
+    follow them.
     """
     output = Path(output)
     _check_replaceable(output)
-    vocab = int(target.vocab_size)
-    counts = np.zeros(vocab, dtype=np.int64)
-    shards: list[PreparedShard] = []
-    num_tokens = num_loss = num_truncated = 0
+    fields = dict(output=output, chat_template_hash=chat_template_hash, max_length=max_length, skipped=skipped,
+                  sources=sources, config=config, extra=extra)
+    if fingerprint is None:
+        with atomic_dir(output) as tmp:
+            return _write_all(tmp, _ShardWriter(tmp, target, shard_samples), samples, None, **fields)
 
-    with atomic_dir(output) as tmp:
-        ids_buf: list[np.ndarray] = []
-        mask_buf: list[np.ndarray] = []
+    work = _resume_dir(output)
+    previous = _load_resume(work, fingerprint) if resume else None
+    if resume and previous is None:
+        raise DraftsmithError(f"{work}: nothing to resume for this job; run without resume")
+    if previous is None:
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            work.mkdir(parents=True)
+        except OSError as err:
+            raise DraftsmithError(f"{work}: cannot create ({err.strerror}); choose a writable --output") from None
+    writer = _ShardWriter(work, target, shard_samples,
+                          shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else None,
+                          num_truncated=previous["num_truncated"] if previous else 0)
 
-        def flush() -> None:
-            nonlocal num_tokens
-            lengths = np.fromiter((len(a) for a in ids_buf), dtype=np.int64, count=len(ids_buf))
-            offsets = np.zeros(len(ids_buf) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            name = f"shard-{len(shards):05d}.safetensors"
-            _write_safetensors(tmp / name, {"input_ids": np.concatenate(ids_buf), "loss_mask": np.concatenate(mask_buf),
-                                            "offsets": offsets})
-            first = shards[-1].first_sample + shards[-1].num_samples if shards else 0
-            shards.append(PreparedShard(file=name, sha256=sha256_file(tmp / name), num_samples=len(ids_buf),
-                                        num_tokens=int(offsets[-1]), first_sample=first,
-                                        num_bytes=(tmp / name).stat().st_size))
-            num_tokens += int(offsets[-1])
-            ids_buf.clear()
-            mask_buf.clear()
+    def on_shard(w: _ShardWriter) -> None:
+        atomic_write_json(work / RESUME_NAME, {
+            "fingerprint": fingerprint, "shards": [s.model_dump() for s in w.shards],
+            "num_truncated": w.num_truncated, "state": checkpoint() if checkpoint else {}})
 
-        for index, sample in enumerate(samples):
-            ids = _as_numpy(sample["input_ids"], np.int64, "input_ids")
-            mask = _as_numpy(sample["loss_mask"], np.uint8, "loss_mask")
-            if len(ids) != len(mask):
-                raise ValueError(f"sample {index}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
-            if len(ids) == 0:
-                raise ValueError(f"sample {index}: empty input_ids")
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise DraftsmithError(
-                    f"sample {index}: token id {int(ids.max())} is outside the target's vocabulary of {vocab} "
-                    f"(config.json vocab_size); the tokenizer does not belong to target {target.path}")
-            masked = ids[mask.astype(bool)]
-            counts += np.bincount(masked, minlength=vocab)
-            num_loss += len(masked)
-            num_truncated += bool(sample.get("truncated", False))
-            ids_buf.append(ids.astype(np.int32))
-            mask_buf.append((mask != 0).astype(np.uint8))
-            if len(ids_buf) >= shard_samples:
-                flush()
-        if ids_buf:
-            flush()
-        if not shards:
-            raise DraftsmithError(f"{output}: no usable samples to write" + (
-                f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else ""))
-
-        _write_safetensors(tmp / TOKEN_COUNTS_NAME, {"counts": counts})
-        manifest = PreparedManifest(
-            target=target, chat_template_hash=chat_template_hash, max_length=max_length,
-            num_samples=shards[-1].first_sample + shards[-1].num_samples, num_tokens=num_tokens,
-            num_loss_tokens=num_loss, num_truncated=num_truncated, shards=shards,
-            token_counts_sha256=sha256_file(tmp / TOKEN_COUNTS_NAME),
-            skipped=dict(skipped or {}), sources=list(sources or []), **extra)
-        if config is not None:
-            from draftsmith.config import save_resolved_config
-
-            save_resolved_config(config, tmp)
-        write_manifest(tmp, manifest)
+    manifest = _write_all(work, writer, samples, on_shard, **fields)
+    (work / RESUME_NAME).unlink(missing_ok=True)
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(work, output)
     return manifest
 
 

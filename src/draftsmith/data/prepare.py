@@ -6,11 +6,16 @@
 
 Sample ids therefore follow input order whatever the number of workers. Every record that does not become a
 sample is counted by reason (summary and manifest), with the first example of each reason.
+
+A killed or failed run keeps the shards it completed (in `.NAME.resume` beside the output, with the tallies
+up to the last of them); the same command run again reads past those records and continues from there.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import multiprocessing
 import os
 import sys
@@ -26,7 +31,7 @@ from draftsmith.data.readers import DAMAGED_TAIL, Source, expand_sources, iter_s
 from draftsmith.data.vocab import coverage_report
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsio import sha256_bytes
-from draftsmith.prepared import write_prepared
+from draftsmith.prepared import resume_point, write_prepared
 from draftsmith.targets import load_tokenizer, resolve_target, target_identity
 
 BATCH = 16            # conversations per task sent to a worker
@@ -80,13 +85,18 @@ def _encode_batch(batch: list[tuple[str, Any]], encoder: ChatEncoder | None = No
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
-def _batches(sources: list[Source], progress_cb) -> Iterator[list[tuple[str, Any]]]:
-    """Normalised conversations (or counted skips) from every source, in order, in batches."""
+def _batches(sources: list[Source], progress_cb, skip_records: int = 0) -> Iterator[list[tuple[str, Any]]]:
+    """Normalised conversations (or counted skips) from every source, in order, in batches; the first
+    `skip_records` records (already in the shards of an interrupted run) are read past."""
     batch: list[tuple[str, Any]] = []
     done_bytes = 0
+    seen = 0
     for source in sources:
         name = source.path.name
         for record in iter_source(source):
+            seen += 1
+            if seen <= skip_records:
+                continue
             where = f"{name} record {record.index}"
             if record.bad is not None:
                 item: Any = Skip(record.bad, record.detail)
@@ -162,6 +172,22 @@ def _available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def _fingerprint(cfg: PrepareConfig, identity: Any, template: str, sources: list[Source]) -> str:
+    """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
+    def stamp(path: Path) -> list:
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+    job = {
+        "options": cfg.model_dump(mode="json", exclude={"num_workers", "resume", "output"}),
+        "target": identity.model_dump(exclude={"path"}),
+        "template": sha256_bytes(template.encode("utf-8")),
+        "sources": [stamp(s.path) for s in sources],
+        "format": 1,
+    }
+    return sha256_bytes(json.dumps(job, sort_keys=True).encode("utf-8"))
+
+
 def run(cfg: PrepareConfig) -> StageResult:
     """Prepare `cfg.data` (default: the embedded ShareGPT) for `cfg.target` (default: embedded SmolLM2)."""
     started = time.perf_counter()
@@ -174,6 +200,12 @@ def run(cfg: PrepareConfig) -> StageResult:
     workers = max(1, cfg.num_workers or _available_cores())
 
     tally = _Tally()
+    fingerprint = _fingerprint(cfg, identity, template, sources)
+    state = resume_point(cfg.output, fingerprint) if cfg.resume else None
+    if state:
+        for key, value in state["tally"].items():
+            setattr(tally, key, value)
+    resumed = (tally.records, tally.conversations, tally.tokens)
     stats: dict[str, Any] = {}
     total_bytes = sum(s.size for s in sources)
     progress, task = _progress(total_bytes, cfg.max_samples)
@@ -184,7 +216,7 @@ def run(cfg: PrepareConfig) -> StageResult:
             progress.update(task, completed=min(done, total_bytes))
 
     def samples() -> Iterator[dict]:
-        for batch in _encoded_batches(_batches(sources, on_bytes), encoder, workers):
+        for batch in _encoded_batches(_batches(sources, on_bytes, skip_records=resumed[0]), encoder, workers):
             for where, item in batch:
                 if cfg.max_samples and tally.conversations >= cfg.max_samples:
                     break
@@ -198,22 +230,25 @@ def run(cfg: PrepareConfig) -> StageResult:
                 tally.truncated += item.truncated
                 yield {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "truncated": item.truncated}
             elapsed = max(time.perf_counter() - t0, 1e-9)
-            progress.update(task, conversations=tally.conversations, rate=tally.conversations / elapsed,
-                            tok_rate=tally.tokens / elapsed,
+            progress.update(task, conversations=tally.conversations,
+                            rate=(tally.conversations - resumed[1]) / elapsed,
+                            tok_rate=(tally.tokens - resumed[2]) / elapsed,
                             **({"completed": tally.conversations} if cfg.max_samples else {}))
             if cfg.max_samples and tally.conversations >= cfg.max_samples:
                 break
         seconds = max(time.perf_counter() - t0, 1e-9)
-        stats.update(records=tally.records, workers=workers,
-                     seconds=round(seconds, 2), conversations_per_s=round(tally.conversations / seconds, 1),
-                     tokens_per_s=round(tally.tokens / seconds, 1))
+        stats.update(records=tally.records, workers=workers, resumed_after_records=resumed[0],
+                     seconds=round(seconds, 2),
+                     conversations_per_s=round((tally.conversations - resumed[1]) / seconds, 1),
+                     tokens_per_s=round((tally.tokens - resumed[2]) / seconds, 1))
 
     with progress:
         manifest = write_prepared(
             cfg.output, samples(), identity, chat_template_hash=sha256_bytes(template.encode("utf-8")),
             max_length=cfg.max_length, skipped=tally.skipped, sources=[str(s.path) for s in sources],
             shard_samples=cfg.shard_samples, config=cfg, overflow=cfg.overflow, damaged=tally.damaged,
-            skip_examples=tally.skip_examples, stats=stats)
+            skip_examples=tally.skip_examples, stats=stats,
+            fingerprint=fingerprint, checkpoint=lambda: {"tally": dataclasses.asdict(tally)}, resume=bool(state))
 
     from draftsmith.prepared import open_prepared
 
@@ -222,6 +257,7 @@ def run(cfg: PrepareConfig) -> StageResult:
         "output": str(cfg.output),
         "target": identity.path,
         "records read": tally.records,
+        **({"resumed after records": resumed[0]} if resumed[0] else {}),
         "conversations": manifest.num_samples,
         "tokens": manifest.num_tokens,
         "loss tokens": manifest.num_loss_tokens,
