@@ -9,7 +9,7 @@ A backend's `run(cfg)` reads like this::
         todo = common.pending_sample_ids(plan, writer)       # my samples minus those already in the store
         with common.BackgroundWriter(writer) as sink, common.progress_bar(...) as bar:
             for batch in ...: sink.submit([(sample_id, input_ids, loss_mask, hidden_states[T, L, H]), ...])
-    return common.result(cfg, plan, writer, seconds)
+    return common.result(plan, writer, seconds, tokens=..., skipped=..., work_seconds=...)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from draftsmith import store as store_module
 from draftsmith.config import ExtractConfig, StageResult, parse_shard
 from draftsmith.errors import DraftsmithError
-from draftsmith.manifest import TargetIdentity
+from draftsmith.manifest import TargetIdentity, read_manifest
 from draftsmith.targets import check_layer_ids, default_aux_layer_ids, resolve_target, target_identity
 
 
@@ -227,16 +227,21 @@ def progress_bar(total_tokens: int, description: str = "extract", enabled: bool 
 
 
 def result(plan: ExtractionPlan, writer: store_module.StoreWriter, seconds: float, *, tokens: int,
-           skipped: int, extra: dict[str, Any] | None = None) -> StageResult:
-    """The stage summary: this run's work and the store's totals."""
-    manifest = store_module.read_manifest(plan.cfg.output, store_module.StoreManifest)
+           skipped: int, work_seconds: float | None = None, extra: dict[str, Any] | None = None) -> StageResult:
+    """The stage summary: this run's work and the store's totals.
+
+    `seconds` is the whole run; `work_seconds` the extraction itself (engine start-up excluded), used for tokens/s.
+    """
+    work_seconds = seconds if work_seconds is None else work_seconds
+    manifest = read_manifest(plan.cfg.output, store_module.StoreManifest)
     stored_bytes = sum(s.num_bytes for s in manifest.shards)
     summary: dict[str, Any] = {
         "samples this run": writer.samples_written,
         "samples already stored": skipped,
         "tokens this run": tokens,
-        "tokens/s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        "tokens/s": round(tokens / work_seconds, 1) if work_seconds > 0 else 0.0,
         "time (s)": round(seconds, 1),
+        "extraction time (s)": round(work_seconds, 1),
         "store samples": manifest.num_samples,
         "store tokens": manifest.num_tokens,
         "bytes per token": round(stored_bytes / manifest.num_tokens, 1) if manifest.num_tokens else 0.0,
@@ -251,6 +256,12 @@ def result(plan: ExtractionPlan, writer: store_module.StoreWriter, seconds: floa
 
 
 class Timer:
+    """Wall-clock seconds of a `with` block (0 until it has run)."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.seconds = 0.0
+
     def __enter__(self) -> "Timer":
         self.start = time.perf_counter()
         self.seconds = 0.0

@@ -138,11 +138,14 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         batches = common.pending_batches(common.plan_batches(plan.sample_ids, plan.lengths, cfg.token_budget),
                                          writer.done_sample_ids())
         tokens = int(sum(int(plan.lengths[i]) for b in batches for i in b))
+        work = common.Timer()
         if batches:
             model = load_target(plan.target_dir, dtype=compute_dtype, device=device,
                                 trust_remote_code=cfg.trust_remote_code)
-            _extract(model, plan, batches, writer, device, tokens, show_progress)
-    return common.result(plan, writer, timer.seconds, tokens=tokens, skipped=skipped,
+            with work:
+                _extract(model, plan, batches, writer, device, tokens, show_progress)
+                writer.flush()
+    return common.result(plan, writer, timer.seconds, tokens=tokens, skipped=skipped, work_seconds=work.seconds,
                          extra={"backend": f"hf ({device}, {spec.compute_dtype})"})
 
 
