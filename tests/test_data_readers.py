@@ -195,3 +195,24 @@ def test_a_cut_at_any_byte_keeps_every_complete_record(tmp_path, small_chunks):
         expected_good = sum(end <= cut for end in complete_ends)
         assert [r.data for r in out if r.bad is None] == records[:expected_good], cut
         assert out[-1].bad == DAMAGED_TAIL, cut
+
+
+def test_a_single_json_document_holding_a_list_of_conversations(tmp_path):
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps({"version": 2, "data": [_conv(0), _conv(1)]}, indent=2))
+    assert [r.data for r in _read(path)] == [_conv(0), _conv(1)]
+    path.write_text(json.dumps(_conv(3), indent=2))  # one pretty-printed conversation
+    assert [r.data for r in _read(path)] == [_conv(3)]
+    path.write_text(json.dumps({"a": [_conv(0)], "b": [_conv(1)]}, indent=2))
+    with pytest.raises(DraftsmithError, match="neither a conversation nor holds one list"):
+        _read(path)
+    path.write_text('{\n  "data": [1, 2,\n}')
+    with pytest.raises(DraftsmithError, match="doc.json: record 0: invalid JSON at line 3"):
+        _read(path)
+
+
+def test_json_lines_with_a_damaged_first_line_is_still_json_lines(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"conversations": [\n' + json.dumps(_conv(1)) + "\n" + json.dumps(_conv(2)) + "\n")
+    out = _read(path)
+    assert [r.bad for r in out] == ["invalid JSON", None, None] and out[2].data == _conv(2)

@@ -127,11 +127,48 @@ def _iter_json(path: Path) -> Iterator[Record]:
         f.seek(0)
         if text[0] == "[":
             yield from _iter_json_array(path, f)
-        elif text[0] == "{":
+        elif text[0] == "{" and _looks_like_json_lines(text):
             yield from _iter_json_lines(path, f)
+        elif text[0] == "{":
+            yield from _iter_json_document(path, f)
         else:
             raise DraftsmithError(f"{path}: record 0: invalid JSON (starts with {text[0]!r}); expected a JSON array "
                                   "of conversations or JSON Lines")
+
+
+def _looks_like_json_lines(text: str) -> bool:
+    """Does one of the first few lines hold a whole JSON object (JSON Lines, even with a damaged first line)?"""
+    lines = [line.strip() for line in text.split("\n", 6)[:6] if line.strip()]
+    for line in lines[:5]:
+        try:
+            if isinstance(json.loads(line), dict):
+                return True
+        except json.JSONDecodeError:
+            continue
+    return False
+
+
+_RECORD_KEYS = ("conversations", "conversation", "messages")
+
+
+def _iter_json_document(path: Path, f) -> Iterator[Record]:
+    """One JSON object spread over many lines: a single conversation, or an object holding one list of them
+    (e.g. {"data": [...]})."""
+    try:
+        doc = json.loads(f.read().decode("utf-8", errors="surrogateescape"))
+    except json.JSONDecodeError as err:
+        raise DraftsmithError(f"{path}: record 0: invalid JSON at line {err.lineno} column {err.colno}: "
+                              f"{err.msg}") from None
+    if any(k in doc for k in _RECORD_KEYS):
+        yield Record(str(path), 0, doc)
+        return
+    lists = [k for k, v in doc.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+    if len(lists) != 1:
+        raise DraftsmithError(f"{path}: a JSON object that is neither a conversation nor holds one list of them "
+                              f"(keys: {', '.join(map(str, doc))}); expected a JSON array of conversations "
+                              "or JSON Lines")
+    for index, record in enumerate(doc[lists[0]]):
+        yield Record(str(path), index, record)
 
 
 def _iter_json_lines(path: Path, f) -> Iterator[Record]:
