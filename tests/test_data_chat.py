@@ -186,3 +186,20 @@ def test_unusable_records_are_skipped_with_a_reason(record, reason):
     with pytest.raises(Skip) as info:
         normalize_conversation(record)
     assert info.value.reason == reason
+
+
+def test_leading_assistant_turns_can_be_dropped_instead_of_skipping():
+    from draftsmith.data.chat import leading_assistant_turns
+
+    record = {"conversations": [{"from": "system", "value": "S"}, {"from": "gpt", "value": "a0"},
+                                {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q"},
+                                {"from": "gpt", "value": "a2"}]}
+    with pytest.raises(Skip):
+        normalize_conversation(record)
+    assert normalize_conversation(record, "drop") == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a2"}]
+    assert leading_assistant_turns(normalize_conversation(record, "keep")) == 2
+    only_assistant_then_user = {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "q"}]}
+    with pytest.raises(Skip) as info:
+        normalize_conversation(only_assistant_then_user, "drop")
+    assert info.value.reason == "no assistant turn"

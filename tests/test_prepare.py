@@ -321,3 +321,16 @@ def test_changed_options_start_over_instead_of_resuming(tmp_path, tiny_target_di
     monkeypatch.setattr(chat.ChatEncoder, "encode", real_encode)
     result = _prepare(tmp_path, tiny_target_dir, [data], shard_samples=4, max_length=512)
     assert "resumed after records" not in result.summary and result.summary["conversations"] == 20
+
+
+def test_leading_assistant_drop_keeps_the_rest_and_counts_it(tmp_path, tiny_target_dir):
+    data = _write_json(tmp_path / "d.json", [_conv(), BAD_RECORDS["starts with the assistant"]])
+    result = _prepare(tmp_path, tiny_target_dir, [data], leading_assistant="drop")
+    assert result.summary["conversations"] == 2 and result.summary["skipped"] == 0
+    assert result.summary["leading assistant turns dropped"] == 1
+    ds = open_prepared(tmp_path / "out")
+    assert ds.manifest.stats["leading_assistant_turns_dropped"] == 1
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    assert [tok.decode(r) for r in masked_spans(ds[1]["input_ids"], ds[1]["loss_mask"])] == ["yes<|im_end|>"]

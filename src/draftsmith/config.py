@@ -42,6 +42,9 @@ class PrepareConfig(StageConfig):
     max_length: int = Field(2048, ge=16, description="Longest tokenised conversation kept, in tokens.")
     overflow: Literal["truncate", "drop"] = Field("truncate", description=(
         "What to do with a conversation longer than --max-length: cut it, or skip it (counted)."))
+    leading_assistant: Literal["skip", "drop"] = Field("skip", description=(
+        "A conversation whose first turn (after any system turn) is the assistant's: skip it (counted), or drop "
+        "its assistant turns before the first user turn and keep the rest (counted in the summary)."))
     max_samples: int | None = Field(None, ge=1, description="Stop after this many good conversations.")
     num_workers: int = Field(0, ge=0, description="Tokeniser processes; 0 means one per CPU core.")
     shard_samples: int = Field(2048, ge=1, description="Conversations per output shard.")

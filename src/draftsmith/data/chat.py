@@ -68,11 +68,24 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
-def normalize_conversation(record: Any) -> list[Message]:
+def leading_assistant_turns(messages: list[Message]) -> int:
+    """How many assistant turns come before the first user turn (system turns aside)."""
+    n = 0
+    for m in messages:
+        if m["role"] == "user":
+            break
+        n += m["role"] == "assistant"
+    return n
+
+
+def normalize_conversation(record: Any, leading_assistant: str = "skip") -> list[Message]:
     """A record (ShareGPT `conversations: [{from, value}]` or `messages: [{role, content}]`) -> chat messages.
 
     Roles become user / assistant / system; turns after the last assistant turn are dropped (they carry no
-    loss). Raises Skip with a counted reason for anything that is not a usable conversation.
+    loss). A conversation that starts with the assistant is skipped, or with `leading_assistant="drop"` loses
+    its assistant turns before the first user turn (the caller counts them with `leading_assistant_turns`), or
+    with "keep" is left as it is.
+    Raises Skip with a counted reason for anything that is not a usable conversation.
     """
     if not isinstance(record, dict):
         raise Skip("not a JSON object", f"record is a {type(record).__name__}, not an object")
@@ -98,13 +111,15 @@ def normalize_conversation(record: Any) -> list[Message]:
         if not text.strip():
             raise Skip("empty turn", f"turn {t} ({canonical}) is empty or whitespace only")
         messages.append({"role": canonical, "content": text})
+    if leading_assistant != "keep" and leading_assistant_turns(messages):
+        if leading_assistant == "skip":
+            raise Skip("starts with the assistant", "the first non-system turn is the assistant's")
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+        messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
     while messages and messages[-1]["role"] != "assistant":
         messages.pop()
     if not messages:
         raise Skip("no assistant turn", "no turn is from the assistant")
-    first = next(m["role"] for m in messages if m["role"] != "system")
-    if first == "assistant":
-        raise Skip("starts with the assistant", "the first non-system turn is the assistant's")
     return messages
 
 

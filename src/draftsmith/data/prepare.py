@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from draftsmith import assets
 from draftsmith.config import PrepareConfig, StageResult
-from draftsmith.data.chat import ChatEncoder, Skip, normalize_conversation
+from draftsmith.data.chat import ChatEncoder, Skip, leading_assistant_turns, normalize_conversation
 from draftsmith.data.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
 from draftsmith.data.vocab import coverage_report
 from draftsmith.errors import DraftsmithError
@@ -46,6 +46,7 @@ class _Tally:
     tokens: int = 0
     loss_tokens: int = 0
     truncated: int = 0
+    leading_assistant_dropped: int = 0  # conversations that lost their leading assistant turns (option "drop")
     skipped: dict[str, int] = field(default_factory=dict)
     skip_examples: dict[str, str] = field(default_factory=dict)
     damaged: list[str] = field(default_factory=list)
@@ -68,27 +69,29 @@ def _init_worker(encoder: ChatEncoder) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _encode_batch(batch: list[tuple[str, Any]], encoder: ChatEncoder | None = None) -> list[tuple[str, Any]]:
-    """(where, messages | Skip) items -> (where, Encoded | Skip) items, order kept."""
+def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> list[tuple]:
+    """(where, messages | Skip, note) items -> (where, Encoded | Skip, note) items, order kept."""
     encoder = encoder or _ENCODER
     out = []
-    for where, item in batch:
+    for where, item, note in batch:
         if not isinstance(item, Skip):
             try:
                 item = encoder.encode(item)
             except Skip as skip:
                 item = skip
-        out.append((where, item))
+        out.append((where, item, note))
     return out
 
 
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
-def _batches(sources: list[Source], progress_cb, skip_records: int = 0) -> Iterator[list[tuple[str, Any]]]:
-    """Normalised conversations (or counted skips) from every source, in order, in batches; the first
-    `skip_records` records (already in the shards of an interrupted run) are read past."""
-    batch: list[tuple[str, Any]] = []
+def _batches(sources: list[Source], progress_cb, skip_records: int = 0,
+             leading_assistant: str = "skip") -> Iterator[list[tuple]]:
+    """(where, normalised conversation or counted Skip, leading assistant turns dropped) from every source, in
+    order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
+    past."""
+    batch: list[tuple] = []
     done_bytes = 0
     seen = 0
     for source in sources:
@@ -98,14 +101,17 @@ def _batches(sources: list[Source], progress_cb, skip_records: int = 0) -> Itera
             if seen <= skip_records:
                 continue
             where = f"{name} record {record.index}"
+            dropped = 0
             if record.bad is not None:
                 item: Any = Skip(record.bad, record.detail)
             else:
                 try:
-                    item = normalize_conversation(record.data)
+                    item = normalize_conversation(record.data, leading_assistant)
+                    if leading_assistant == "drop":
+                        dropped = leading_assistant_turns(normalize_conversation(record.data, "keep"))
                 except Skip as skip:
                     item = skip
-            batch.append((where, item))
+            batch.append((where, item, dropped))
             if len(batch) >= BATCH:
                 progress_cb(done_bytes + (record.offset or 0))
                 yield batch
@@ -216,8 +222,9 @@ def run(cfg: PrepareConfig) -> StageResult:
             progress.update(task, completed=min(done, total_bytes))
 
     def samples() -> Iterator[dict]:
-        for batch in _encoded_batches(_batches(sources, on_bytes, skip_records=resumed[0]), encoder, workers):
-            for where, item in batch:
+        batches = _batches(sources, on_bytes, skip_records=resumed[0], leading_assistant=cfg.leading_assistant)
+        for batch in _encoded_batches(batches, encoder, workers):
+            for where, item, dropped in batch:
                 if cfg.max_samples and tally.conversations >= cfg.max_samples:
                     break
                 tally.records += 1
@@ -225,6 +232,7 @@ def run(cfg: PrepareConfig) -> StageResult:
                     tally.skip(item.reason, where, item.detail)
                     continue
                 tally.conversations += 1
+                tally.leading_assistant_dropped += dropped > 0
                 tally.tokens += len(item.input_ids)
                 tally.loss_tokens += int(item.loss_mask.sum())
                 tally.truncated += item.truncated
@@ -238,6 +246,7 @@ def run(cfg: PrepareConfig) -> StageResult:
                 break
         seconds = max(time.perf_counter() - t0, 1e-9)
         stats.update(records=tally.records, workers=workers, resumed_after_records=resumed[0],
+                     leading_assistant_turns_dropped=tally.leading_assistant_dropped,
                      seconds=round(seconds, 2),
                      conversations_per_s=round((tally.conversations - resumed[1]) / seconds, 1),
                      tokens_per_s=round((tally.tokens - resumed[2]) / seconds, 1))
@@ -262,6 +271,8 @@ def run(cfg: PrepareConfig) -> StageResult:
         "tokens": manifest.num_tokens,
         "loss tokens": manifest.num_loss_tokens,
         "truncated": tally.truncated,
+        **({"leading assistant turns dropped": tally.leading_assistant_dropped}
+           if cfg.leading_assistant == "drop" else {}),
         "skipped": sum(tally.skipped.values()),
     }
     for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
