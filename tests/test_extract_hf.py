@@ -318,8 +318,8 @@ def test_default_target_store_equals_transformers(tmp_path, default_target_dir, 
     from draftsmith.config import PrepareConfig
     from draftsmith.data import prepare
 
-    prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=6, max_length=256, output=tmp_path / "p"))
-    extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=1024),
+    prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=3, max_length=96, output=tmp_path / "p"))
+    extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=512),
                 show_progress=False)
     st = store.open(tmp_path / "s")
     assert st.layer_ids == [2, 15, 27, 30] and st.manifest.hidden_size == 576
