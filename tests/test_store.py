@@ -79,6 +79,8 @@ def test_bf16_round_trip_is_exact_and_ordered_by_sample_id(tmp_path):
     f32 = store.open(tmp_path / "s")[3]["hidden_states"]
     assert f32.dtype == torch.float32 and f32.shape == (len(samples[3]["input_ids"]), L, H)
     assert st.index_of(5) == 5
+    a, b = st[5]["hidden_states"], st[5]["hidden_states"]  # bf16 read as bf16: views of one memory map, no copy
+    assert a.data_ptr() == b.data_ptr() and torch.equal(a, b)
     with pytest.raises(IndexError):
         st[12]
     for info in st.manifest.shards:  # manifest ranges and checksums describe the files
