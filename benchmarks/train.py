@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 
 import torch
@@ -65,6 +66,7 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
         optimizer.zero_grad(set_to_none=True)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        print(f"  {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
     return sorted(times)[len(times) // 2]
 
 

@@ -31,19 +31,36 @@ def _samples(n: int, seed: int = 0, vocab: int = 320, lo: int = 12, hi: int = 40
     return out
 
 
+def _sharpen(source, dest, scale: float = 200.0):
+    """A random target is nearly uniform (its argmax is noise): scale its lm_head so it has real preferences."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(source).save_pretrained(dest)
+    return dest
+
+
 @pytest.fixture(scope="module")
-def prepared_dir(tiny_target_dir, tmp_path_factory):
+def sharp_target_dir(tiny_target_dir, tmp_path_factory):
+    return _sharpen(tiny_target_dir, tmp_path_factory.mktemp("sharp-target"))
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(sharp_target_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("train") / "prepared"
-    write_prepared(path, _samples(24), target_identity(tiny_target_dir), chat_template_hash="tiny", max_length=64)
+    write_prepared(path, _samples(24), target_identity(sharp_target_dir), chat_template_hash="tiny", max_length=64)
     return path
 
 
 @pytest.fixture(scope="module")
-def store_dir(prepared_dir, tiny_target_dir):
+def store_dir(prepared_dir, sharp_target_dir):
     from draftsmith import extract
 
     out = prepared_dir.parent / "store"
-    extract.run(ExtractConfig(prepared=prepared_dir, output=out, target=str(tiny_target_dir), device="cpu",
+    extract.run(ExtractConfig(prepared=prepared_dir, output=out, target=str(sharp_target_dir), device="cpu",
                               aux_layer_ids=[1, 2, 3]), show_progress=False)
     return out
 
@@ -83,7 +100,7 @@ def test_sample_longer_than_budget_and_empty_set_are_refused():
 
 # ---------------------------------------------------------------------------------------------- offline / online
 
-def test_offline_and_online_give_the_same_batch_and_loss(tiny_target_dir, prepared_dir, store_dir):
+def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepared_dir, store_dir):
     from draftsmith import store as store_mod
 
     store = store_mod.open(store_dir)
@@ -102,7 +119,7 @@ def test_offline_and_online_give_the_same_batch_and_loss(tiny_target_dir, prepar
     from draftsmith.targets import final_norm, lm_head, read_config
     from draftsmith.train.ttt import TTTModel
 
-    dcfg = DraftConfig.from_target_config(read_config(tiny_target_dir), 320, 1, 3)
+    dcfg = DraftConfig.from_target_config(read_config(sharp_target_dir), 320, 1, 3)
     draft = Eagle3Draft.from_target(dcfg, s.target, s.draft_to_target)
     head = trainer.TargetHead(final_norm(s.target), lm_head(s.target).weight, draft.draft_to_target)
     model = TTTModel(draft)
@@ -117,18 +134,9 @@ def test_offline_and_online_give_the_same_batch_and_loss(tiny_target_dir, prepar
     assert torch.equal(a.count, b.count)
 
 
-def test_overfitting_a_few_samples_drives_step0_accuracy_up(tiny_target_dir, tmp_path):
-    """A random target is nearly uniform (argmax is noise), so sharpen its lm_head to give it real preferences."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    sharp = tmp_path / "sharp-target"
-    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(200)
-    model.save_pretrained(sharp)
-    AutoTokenizer.from_pretrained(tiny_target_dir).save_pretrained(sharp)
+def test_overfitting_a_few_samples_drives_step0_accuracy_up(sharp_target_dir, tmp_path):
     path = tmp_path / "prep"
-    write_prepared(path, _samples(2, seed=5, lo=20, hi=24), target_identity(sharp), chat_template_hash="t",
+    write_prepared(path, _samples(2, seed=5, lo=20, hi=24), target_identity(sharp_target_dir), chat_template_hash="t",
                    max_length=64)
     out = tmp_path / "run"
     result = trainer.run(_cfg(path, out, eval_fraction=0.0, max_steps=60, lr=1e-2, ttt_steps=1, warmup_steps=0,
@@ -143,10 +151,11 @@ def test_overfitting_a_few_samples_drives_step0_accuracy_up(tiny_target_dir, tmp
 
 def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_path):
     out = tmp_path / "run"
-    result = trainer.run(_cfg(store_dir, out, epochs=6, eval_every=None))
+    result = trainer.run(_cfg(store_dir, out, epochs=4, eval_every=None))
     evals = [m for m in _metrics(out) if m["type"] == "eval"]
-    assert len(evals) == 6  # one evaluation per epoch
-    assert evals[-1]["acceptance_length"] > evals[0]["acceptance_length"]
+    assert len(evals) == 4  # one evaluation per epoch
+    train = [m for m in _metrics(out) if m["type"] == "train"]
+    assert train[-1]["loss"] < 0.7 * train[0]["loss"]  # random-token samples: held-out accuracy cannot rise here
     assert result.summary["best acceptance length (sim.)"] == max(e["acceptance_length"] for e in evals)
     draft, manifest = checkpoint.load_checkpoint(out)  # best/
     assert manifest.kind == "checkpoint" and manifest.aux_layer_ids == [1, 2, 3]
@@ -161,7 +170,7 @@ def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_pat
 
 
 def test_resume_after_a_crash_gives_the_same_loss_curve(prepared_dir, tmp_path, monkeypatch):
-    cfg = dict(max_steps=8, save_every=3, noise_std=0.05, eval_every=4, grad_accum=2)
+    cfg = dict(max_steps=7, save_every=3, noise_std=0.05, eval_every=4, grad_accum=2, ttt_steps=2)
     full = tmp_path / "full"
     trainer.run(_cfg(prepared_dir, full, **cfg))
     crashed = tmp_path / "crashed"
@@ -200,7 +209,7 @@ def test_resume_with_changed_hyperparameters_is_refused_unless_forced(prepared_d
 def test_store_for_other_layers_or_target_is_refused(store_dir, tmp_path):
     with pytest.raises(DraftsmithError, match=r"holds aux layers \[1, 2, 3\] but --aux-layer-ids asks for \[1, 2, 4\]"):
         trainer.run(_cfg(store_dir, tmp_path / "a", aux_layer_ids=[1, 2, 4]))
-    from tests.conftest import build_tiny_target
+    from conftest import build_tiny_target
 
     other = build_tiny_target(tmp_path / "other", hidden_size=32)
     with pytest.raises(DraftsmithError, match="was made for another target"):
@@ -223,9 +232,13 @@ def test_nan_features_stop_naming_step_and_sample_and_keep_the_checkpoint(store_
         def __len__(self):
             return len(self._s)
 
+        reads = 0
+
         def __getitem__(self, i):
             item = self._s[i]
             if item["sample_id"] == 7:
+                Poisoned.reads += 1
+            if item["sample_id"] == 7 and Poisoned.reads > 1:  # fine in epoch 0, NaN in epoch 1
                 item["hidden_states"] = item["hidden_states"].clone()
                 item["hidden_states"][3, 0, 5] = float("nan")
             return item

@@ -88,7 +88,7 @@ def setup(cfg: TrainConfig, device: torch.device) -> Setup:
     from draftsmith.data.vocab import build_draft_vocab
     from draftsmith.prepared import open_prepared
 
-    kind = read_manifest_json(cfg.data).get("kind") if Path(cfg.data).is_dir() else None
+    kind = read_manifest_json(cfg.data).get("kind") if (Path(cfg.data) / "manifest.json").is_file() else None
     if kind not in ("store", "prepared"):
         raise DraftsmithError(f"{cfg.data}: --data must be a hidden-state store (`draftsmith extract`) or a prepared "
                               f"data set (`draftsmith prepare`), found {kind or 'no draftsmith artefact'}")
@@ -255,6 +255,7 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                          draft_vocab_coverage=s.coverage, data=str(Path(cfg.data).resolve()), data_kind=s.data_kind,
                          eval_fraction=cfg.eval_fraction, split_seed=cfg.seed, hyperparameters=cfg.model_dump(mode="json"))
     last_eval: dict = {}
+    last_eval_step = -1
     last_saved = resumed_from
 
     def load(ids: list[int]) -> Batch:
@@ -282,9 +283,10 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         return path
 
     def evaluate() -> dict:
-        nonlocal best_len, last_eval
-        if not s.eval_ids:
-            return {}
+        nonlocal best_len, last_eval, last_eval_step
+        if not s.eval_ids or last_eval_step == step:
+            return last_eval
+        last_eval_step = step
         model.eval()
         eval_sampler = TokenBudgetSampler(s.eval_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank,
                                           info.world_size, shuffle=False) if len(s.eval_ids) >= info.world_size else None
@@ -312,11 +314,11 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
             while sampler.position < n_steps and step < total_steps:
                 micro_ids = batches[sampler.position * cfg.grad_accum:(sampler.position + 1) * cfg.grad_accum]
                 micro = [load(ids) for ids in micro_ids]
-                for mb in micro:
-                    bad = _nonfinite_sample(mb)
-                    if bad is not None:
-                        raise DraftsmithError(f"step {step + 1}: sample {bad} has NaN/Inf hidden states; stopped "
-                                              f"(last good checkpoint: {last_saved}); re-extract or drop that sample")
+                bad = next((x for x in map(_nonfinite_sample, micro) if x is not None), None)
+                if distributed.all_reduce_sum(torch.tensor([float(bad is not None)]), info).item() > 0:
+                    where = f"sample {bad}" if bad is not None else "a sample on another rank"
+                    raise DraftsmithError(f"step {step + 1}: {where} has NaN/Inf hidden states; stopped (last good "
+                                          f"checkpoint: {last_saved or 'none yet'}); re-extract or drop that sample")
                 normaliser = distributed.all_reduce_sum(
                     sum(step_counts(mb.loss_mask, cfg.ttt_steps).cpu() for mb in micro), info)
                 lr = lr_at(step, cfg, total_steps)
@@ -328,12 +330,14 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                     with (contextlib.nullcontext() if sync else model.no_sync()), _autocast(device, cfg.precision):
                         noise_seed = hash((cfg.seed, step, info.rank, j)) & 0x7FFFFFFF
                         r = batch_forward(model, head, mb, cfg, normaliser, noise_seed)
+                        bad_ranks = distributed.all_reduce_sum(torch.tensor([float(not torch.isfinite(r.loss))]), info)
+                        if bad_ranks.item() > 0:  # every rank stops together (no rank left waiting in backward)
+                            where = f"samples {mb.sample_ids[:8]}" if not torch.isfinite(r.loss) else "another rank"
+                            raise DraftsmithError(
+                                f"step {step + 1}: loss is NaN/Inf on {where}; stopped (last good checkpoint: "
+                                f"{last_saved or 'none yet'}); lower --lr or check the data")
                         (r.loss * info.world_size).backward()
                     sums += torch.stack((r.kl_sum, r.correct, r.accept_sum, r.count))
-                    if not torch.isfinite(r.loss):
-                        raise DraftsmithError(f"step {step + 1}: loss is NaN/Inf on samples {mb.sample_ids[:8]}; "
-                                              f"stopped (last good checkpoint: {last_saved}); lower --lr or check "
-                                              "the data")
                 grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.clip) if cfg.clip > 0
                              else torch.zeros(()))
                 optimizer.step()
@@ -350,17 +354,21 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                                    "grad_norm": float(grad_norm), "tokens_seen": tokens,
                                    "tokens_per_s": round(tok_s, 1), **last_train})
                 progress.update(step, tok_s, last_train)
-                if cfg.eval_every and step % cfg.eval_every == 0:
+                end_of_epoch = sampler.position >= n_steps
+                if end_of_epoch or (cfg.eval_every and step % cfg.eval_every == 0):
                     evaluate()
+                if end_of_epoch:  # before any checkpoint, so a resume never repeats the epoch's end
+                    epoch += 1
+                    sampler.epoch, sampler.position = epoch, 0
                 if step % cfg.save_every == 0 and step < total_steps:
                     last_saved = save()
                 _on_step_end(step)
-            if sampler.position >= n_steps:
-                evaluate()
+                if end_of_epoch:
+                    break
+            if n_steps == 0:  # an epoch packed into fewer batches than --grad-accum: skip it
                 epoch += 1
                 sampler.epoch, sampler.position = epoch, 0
-        if not last_eval:
-            evaluate()
+        evaluate()  # no-op when this step was just evaluated
         last_saved = save()
     finally:
         progress.close()
