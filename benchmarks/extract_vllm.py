@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--prepared", type=Path, help="an existing prepared set (default: prepare ShareGPT now)")
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--strategy", default="auto", choices=["auto", "connector", "direct"])
-    parser.add_argument("--compile", action="store_true", help="let vLLM compile (minutes of start-up on CPU)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="let vLLM compile (default: on GPUs only; minutes of start-up on CPU)")
     parser.add_argument("--token-budget", type=int, default=8192, help="vLLM max_num_batched_tokens")
     args = parser.parse_args()
     n = 60 if args.quick else args.n

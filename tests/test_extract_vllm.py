@@ -89,7 +89,7 @@ from draftsmith.extract.vllm import run
 
 if __name__ == "__main__":
     run(ExtractConfig(prepared=Path(sys.argv[1]), output=Path(sys.argv[2]), backend="vllm", vllm_compile=False,
-                      vllm_strategy="connector", shard_size_mb=0.05), show_progress=False)
+                      vllm_strategy="connector", shard_size_mb=0.05, token_budget=256), show_progress=False)
 """
 
 

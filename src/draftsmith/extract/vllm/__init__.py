@@ -57,14 +57,12 @@ def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink
 def run(cfg: ExtractConfig, *, show_progress: bool = True, timings: dict[str, float] | None = None) -> StageResult:
     """Fill (or resume) cfg.output with the target's hidden states computed by vLLM."""
     from draftsmith.extract import common
-    from draftsmith.extract.vllm.driver import Engine
+    from draftsmith.extract.vllm.driver import Engine, resolve_dtype
     from draftsmith.extract.vllm.probe import probe
 
     plan = common.plan_extraction(cfg)
     report = probe(architecture=plan.target.architecture, resolve_config=False)
     strategy = choose_strategy(cfg.vllm_strategy, report)
-    from draftsmith.extract.vllm.driver import resolve_dtype
-
     spec = common.store_spec(plan, backend="vllm", compute_dtype=resolve_dtype(cfg.compute_dtype, report.facts.platform))
     backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
                     "platform": report.facts.platform}
@@ -83,26 +81,32 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True, timings: dict[str, fl
     tokens = sum(len(ids) for _, ids in prompts)
     sink_config = _sink_config(cfg, plan, spec, backend_info)
     with Engine(_engine_spec(cfg, plan, report, strategy, sink_config, todo)) as engine:
-        with common.progress_bar(tokens, f"extract (vllm {strategy})", enabled=show_progress) as advance:
-            seconds = engine.generate(prompts, on_finished=advance)
-        engine.wait_for_sink(len(prompts))
-        reports = engine.close_sink()
-        seconds_total = seconds
-        if timings is not None:
-            timings.update({"engine_start_s": engine.start_seconds, "generate_s": seconds})
+        with common.Timer() as timer:  # from the first prompt until the last shard is in the store
+            with common.progress_bar(tokens, f"extract (vllm {strategy})", enabled=show_progress) as advance:
+                engine.generate(prompts, on_finished=advance)
+            engine.wait_for_sink(len(prompts))
+            reports = engine.close_sink()
+    if timings is not None:
+        timings.update({"engine_start_s": engine.start_seconds, "extract_s": timer.seconds})
     writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
     writer.recovered = [note for r in reports for note in r.get("recovered", [])]
     extra["engine start (s)"] = round(engine.start_seconds, 1)
-    return common.result(plan, writer, seconds_total, tokens=tokens, skipped=skipped, extra=extra)
+    return common.result(plan, writer, timer.seconds, tokens=tokens, skipped=skipped, extra=extra)
 
 
-def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: bool = True,
+def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: bool | None = None,
               token_budget: int = 8192, output: Path | None = None) -> dict[str, Any]:
     """Extraction throughput vs the same vLLM doing plain max_tokens=1 prefill of the same prompts, same run.
 
-    Returns tokens_per_s (extraction, engine start-up excluded), prefill_tokens_per_s (a plain engine with the
-    same knobs, no capture), ratio_vs_prefill, and the strategy. Engines are started one after the other.
+    Returns tokens_per_s (extraction from the first prompt until the last shard is stored; engine start-up
+    excluded), prefill_tokens_per_s (a plain engine with the same knobs and no capture, started after the
+    extraction engine is shut down), ratio_vs_prefill, and the strategy. `compile` None: vLLM compiles on GPUs,
+    not on CPUs (its inductor compilation takes minutes there); both engines use the same setting.
     """
+    if compile is None:
+        from draftsmith.extract.vllm.probe import probe as _probe
+
+        compile = _probe(resolve_config=False).facts.platform not in ("cpu", None)
     from draftsmith.extract import common
     from draftsmith.extract.vllm.driver import Engine
     from draftsmith.extract.vllm.probe import probe
@@ -118,15 +122,15 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
         report = probe(architecture=plan.target.architecture, resolve_config=False)
         prompts = [(i, plan.dataset[i]["input_ids"].tolist()) for i in plan.sample_ids]
         plain = _engine_spec(cfg, plan, report, "plain", {}, plan.sample_ids)
-        plain.compile = compile if "connector" in result.summary["backend"] else False  # same compile as extraction
+        plain.compile = compile and "connector" in result.summary["backend"]  # direct always runs uncompiled
         with Engine(plain) as engine:
             prefill_s = engine.generate(prompts, tag=False)
-    tokens_per_s = tokens / timings["generate_s"] if timings.get("generate_s") else math.nan
+    tokens_per_s = tokens / timings["extract_s"] if timings.get("extract_s") else math.nan
     prefill_per_s = tokens / prefill_s if prefill_s else math.nan
     return {"backend": "vllm", "strategy": result.summary["backend"], "samples": len(prompts), "tokens": tokens,
             "tokens_per_s": round(tokens_per_s, 1), "prefill_tokens_per_s": round(prefill_per_s, 1),
             "ratio_vs_prefill": round(tokens_per_s / prefill_per_s, 3) if prefill_per_s else math.nan,
-            "engine_start_s": round(timings.get("engine_start_s", math.nan), 1)}
+            "compiled": plain.compile, "engine_start_s": round(timings.get("engine_start_s", math.nan), 1)}
 
 
 __all__ = ["benchmark", "choose_strategy", "run"]
