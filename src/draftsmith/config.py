@@ -68,7 +68,8 @@ class ExtractConfig(StageConfig):
     device: str = Field("auto", description="Device for the hf backend: auto, cpu, cuda, cuda:1 ...")
     token_budget: int = Field(8192, ge=1, description="Tokens per forward batch (samples are bucketed by length).")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "dtype the target runs in for the hf backend; auto = bfloat16 on GPU, float32 on CPU."))
+        "dtype the target runs in; auto = bfloat16 on GPU, float32 on CPU (vLLM: bfloat16 also on CPUs with bf16 "
+        "instructions)."))
     shard_size_mb: float = Field(256.0, gt=0, description=(
         "Store shard size in MiB; a crash loses at most one unwritten shard per worker."))
     shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
