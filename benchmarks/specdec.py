@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/specdec.py --draft runs/export --k 1,2,3,4,5 --num-prompts 20
 
 Without --draft it uses a small draft trained once for the default target (prepare 120 ShareGPT conversations,
-60 online training steps; cached under $DRAFTSMITH_CACHE/bench/, a few minutes the first time on a 2-core CPU).
+30 online training steps; cached under $DRAFTSMITH_CACHE/bench/, a few minutes the first time on a 2-core CPU).
 `--random-draft` measures an untrained draft instead (τ ≈ 1: the cost of drafting with nothing accepted).
 
 Prints a table, then as its last line JSON with `tau` and `speedup` (tokens/s with the draft over tokens/s of the
@@ -26,7 +26,7 @@ QUICK_DRAFT_VERSION = "v1"
 
 
 def quick_trained_draft() -> Path:
-    """A small draft for the default target, trained once and cached (prepare + 60 online TTT steps)."""
+    """A small draft for the default target, trained once and cached (prepare + 30 online TTT steps)."""
     from draftsmith import assets
     from draftsmith.config import PrepareConfig, TrainConfig
     from draftsmith.data.prepare import run as prepare
@@ -37,11 +37,12 @@ def quick_trained_draft() -> Path:
     with file_lock(assets.cache_dir() / "locks" / f"specdec-draft-{QUICK_DRAFT_VERSION}.lock"):
         if not (root / "run" / "best" / "manifest.json").is_file():
             print(f"training a small draft for the default target into {root} (once) ...", file=sys.stderr)
-            prepare(PrepareConfig(data=[str(assets.sharegpt_path())], output=root / "prepared", max_length=256,
-                                  max_samples=120))
-            train(TrainConfig(data=root / "prepared", output=root / "run", draft_vocab_size=8000, ttt_steps=3, lr=1e-3,
-                              warmup_steps=4, token_budget=1024, max_steps=60, eval_every=20, eval_fraction=0.05,
-                              log_every=10, device="cpu"))
+            if not (root / "prepared" / "manifest.json").is_file():
+                prepare(PrepareConfig(data=[str(assets.sharegpt_path())], output=root / "prepared", max_length=256,
+                                      max_samples=120))
+            train(TrainConfig(data=root / "prepared", output=root / "run", draft_vocab_size=8000, ttt_steps=3, lr=2e-3,
+                              warmup_steps=3, token_budget=512, max_steps=30, eval_every=10, eval_fraction=0.05,
+                              log_every=5, device="cpu"))
     return root / "run"
 
 

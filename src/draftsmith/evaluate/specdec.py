@@ -126,15 +126,17 @@ class DraftRunner:
         self.reset()
 
     def reset(self) -> None:
-        self.caches: list[list] = [[] for _ in self.draft.layers]
+        from draftsmith.model import KVCache
+
+        self.cache = KVCache(len(self.draft.layers))
         self.length = 0
 
     def crop(self, length: int) -> None:
         """Forget every K/V entry from position `length` on."""
-        for cache in self.caches:
-            if cache:
-                k, v = cache[0]
-                cache[0] = (k[:, :, :length], v[:, :, :length])
+        for entries in self.cache.layers:
+            if entries:
+                k, v = entries[0]
+                entries[0] = (k[:, :, :length], v[:, :, :length])
         self.length = min(self.length, length)
 
     @torch.inference_mode()
@@ -146,8 +148,8 @@ class DraftRunner:
         embeds = d.embed_tokens(ids[None]).to(hidden.dtype)  # [1, T, H]
         cos, sin = d.rotary(positions, hidden.dtype)
         h = hidden[None]
-        for layer, cache in zip(d.layers, self.caches):
-            h = layer(embeds, h, cos, sin, cache, "decode")
+        for layer in d.layers:
+            h = layer(embeds, h, cos, sin, self.cache, "decode")
         self.length += len(ids)
         last = h[0, -1]
         return d.lm_head(d.norm(last)).float(), last

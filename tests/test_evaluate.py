@@ -1,0 +1,148 @@
+"""`draftsmith evaluate` with the reference decoder: prompt sets, the report and charts, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith import evaluate, export, targets
+from draftsmith.config import EvaluateConfig
+from draftsmith.errors import DraftsmithError
+from draftsmith.evaluate.prompts import load_prompts
+from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG
+from draftsmith.model import DraftConfig, Eagle3Draft
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one thread is ~20x faster than two on a busy 2-core machine (no OpenMP spinning)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_target_dir, tmp_path_factory):
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    model = targets.load_target(tiny_target_dir)
+    dc = DraftConfig.from_target_config(config, draft_vocab_size=128)
+    draft = Eagle3Draft.from_target(dc, model, torch.arange(0, 256, 2))
+    arch = export.DraftArch.from_draft_config(dc, [1, 2, 4])
+    out = tmp_path_factory.mktemp("eval") / "export"
+    export.write_export(out, export.canonical_tensors(draft), arch, "vllm",
+                        target=targets.target_identity(tiny_target_dir), verifier_architectures=["LlamaForCausalLM"],
+                        dtype="fp32")
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    rows = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello! How are you?"},
+                      {"role": "assistant", "content": "Fine."}]},
+        {"conversations": [{"from": "human", "value": "What is the capital of France?"}]},
+        {"turns": ["Explain speculative decoding.", "Shorter, please."]},
+        {"not a": "conversation"},
+        {"prompt": "def add(a, b):"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_prompts_from_a_file_are_chat_rendered_up_to_the_first_answer(tiny_target_dir, prompt_file):
+    tokenizer = targets.load_tokenizer(tiny_target_dir)
+    prompts = load_prompts(str(prompt_file), tokenizer)
+    assert len(prompts) == 4  # the record without a conversation is skipped
+    texts = [tokenizer.decode(p.token_ids) for p in prompts]
+    assert texts[0] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello! How are you?<|im_end|>\n"
+                        "<|im_start|>assistant\n")
+    assert "Fine." not in texts[0]
+    assert all(t.endswith("<|im_start|>assistant\n") for t in texts)
+    assert "Shorter" not in texts[2]  # MT-bench style: the first turn
+    assert len(load_prompts(str(prompt_file), tokenizer, num_prompts=2)) == 2
+
+
+def test_mtbench_prompts(tiny_target_dir, mtbench_file):
+    prompts = load_prompts("mt-bench", targets.load_tokenizer(tiny_target_dir))
+    assert len(prompts) == 80 and prompts[0].id == "81"
+
+
+def test_prompts_from_a_prepared_sets_held_out_split(tiny_target_dir, tmp_path):
+    from draftsmith.prepared import split_indices, write_prepared
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(20):
+        ids = rng.integers(4, 300, size=30)
+        mask = np.zeros(30, dtype=np.int64)
+        mask[10 + i % 5:] = 1
+        samples.append({"input_ids": ids, "loss_mask": mask})
+    identity = targets.target_identity(tiny_target_dir)
+    write_prepared(tmp_path / "prep", samples, identity, chat_template_hash="t", max_length=64)
+    tokenizer = targets.load_tokenizer(tiny_target_dir)
+    prompts = load_prompts(str(tmp_path / "prep"), tokenizer, target=identity, eval_fraction=0.2, split_seed=3)
+    _, held_out = split_indices(20, 0.2, 3)
+    assert [p.id for p in prompts] == [f"sample-{i}" for i in held_out]
+    for p, i in zip(prompts, held_out):
+        assert p.token_ids == samples[i]["input_ids"][: 10 + i % 5].tolist()  # cut before the first answer token
+    other = identity.model_copy(update={"config_hash": "other"})
+    with pytest.raises(DraftsmithError, match="prepared for another target"):
+        load_prompts(str(tmp_path / "prep"), tokenizer, target=other)
+
+
+def test_evaluate_hf_writes_report_and_charts(exported, prompt_file, tmp_path):
+    out = tmp_path / "eval"
+    result = evaluate.run(EvaluateConfig(draft=exported, prompts=str(prompt_file), num_prompts=3, max_new_tokens=12,
+                                         k=[1, 3], output=out, device="cpu"))
+    report = json.loads((out / REPORT_JSON).read_text())
+    assert report["engine"] == "hf" and report["num_prompts"] == 3
+    assert [r["k"] for r in report["runs"]] == [1, 3]
+    for run in report["runs"]:
+        assert run["tau"] >= 1.0 and len(run["acceptance_per_pos"]) == run["k"]
+        assert run["num_new_tokens"] == 36 or run["num_new_tokens"] == report["baseline"]["num_new_tokens"]
+        assert run["speedup"] > 0
+    assert report["lossless"] == {"k=1": "3/3 prompts", "k=3": "3/3 prompts"}
+    for png in (ACCEPTANCE_PNG, TAU_PNG):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    md = (out / REPORT_MD).read_text()
+    assert "| k | τ |" in md and ACCEPTANCE_PNG in md
+    assert result.summary["k=3 τ"] == round(report["runs"][1]["tau"], 3)
+    assert (out / "config.yaml").is_file()
+
+
+def test_evaluate_refuses_a_draft_for_another_target(exported, prompt_file, tmp_path):
+    from conftest import build_tiny_target
+
+    wide = build_tiny_target(tmp_path / "wide", hidden_size=128)
+    with pytest.raises(DraftsmithError, match=r"another target \(hidden size 64 != 128"):
+        evaluate.run(EvaluateConfig(draft=exported, target=str(wide), prompts=str(prompt_file), output=tmp_path / "e"))
+    deeper = build_tiny_target(tmp_path / "deeper", num_layers=5)  # same shapes, another model
+    with pytest.raises(DraftsmithError, match=r"trained for target .*, not .*deeper \(config_hash"):
+        evaluate.run(EvaluateConfig(draft=exported, target=str(deeper), prompts=str(prompt_file),
+                                    output=tmp_path / "e"))
+
+
+def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_file, tmp_path):
+    from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
+
+    source = export.load_draft(exported)
+    model = targets.load_target(tiny_target_dir)
+    draft = evaluate.build_draft_module(source, model, torch.device("cpu"), torch.float32)
+    manifest = CheckpointManifest(target=source.target, aux_layer_ids=source.arch.aux_layer_ids,
+                                  draft=source.arch.to_draft_config(), step=3)
+    save_checkpoint(tmp_path / "run", manifest, draft.state_dict(), None, best=True)
+    from_ckpt = export.load_draft(tmp_path / "run")
+    assert from_ckpt.arch == source.arch
+    for name, t in source.tensors.items():
+        assert torch.equal(from_ckpt.tensors[name], t), name
+    evaluate.run(EvaluateConfig(draft=tmp_path / "run", prompts=str(prompt_file), num_prompts=1, max_new_tokens=6,
+                                k=[2], output=tmp_path / "e", baseline=False))
+    report = json.loads((tmp_path / "e" / REPORT_JSON).read_text())
+    assert report["baseline"] is None and report["runs"][0]["speedup"] is None
