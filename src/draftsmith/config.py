@@ -243,8 +243,9 @@ class TrainConfig(StageConfig):
 class QuickstartConfig(StageConfig):
     output: Path = Field(Path("runs/quickstart"), description=(
         "Run directory; each stage writes a sub-directory, and a second run continues where the first stopped."))
-    budget: Literal["small", "medium", "large"] = Field("small", description=(
-        "small: about 15 minutes on a 2-core CPU; medium and large use more data and steps (a GPU helps)."))
+    budget: Literal["tiny", "small", "medium", "large"] = Field("small", description=(
+        "small: about 15 minutes on a 2-core CPU; medium and large use more data and steps (a GPU helps); "
+        "tiny: a few-minute smoke test of the whole path."))
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(

@@ -1,0 +1,186 @@
+"""`draftsmith quickstart`: prepare -> extract -> train -> export -> evaluate on the embedded default, resumably.
+
+Each stage writes its own sub-directory and is itself resumable; `quickstart.json` records which stages have
+finished, so a run killed at any point and started again skips what is done and continues the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+
+from draftsmith.config import (EvaluateConfig, ExportConfig, ExtractConfig, PrepareConfig, QuickstartConfig,
+                               StageResult, TrainConfig, save_resolved_config)
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsio import atomic_write_json
+
+STATE_NAME = "quickstart.json"
+STAGES = ("prepare", "extract", "train", "export", "evaluate")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much data and training each budget buys; `expected_s` drives the ETA until stages report real times."""
+
+    conversations: int
+    max_length: int
+    epochs: int
+    max_steps: int | None
+    token_budget: int
+    ttt_steps: int
+    draft_vocab_size: int
+    lr: float
+    num_prompts: int
+    max_new_tokens: int
+    expected_s: tuple[float, float, float, float, float]
+
+
+BUDGETS: dict[str, Budget] = {
+    # A smoke test of the whole path in a few minutes (CI's end-to-end test); τ is not meaningful at this size.
+    "tiny": Budget(conversations=40, max_length=512, epochs=1, max_steps=30, token_budget=2048, ttt_steps=2,
+                   draft_vocab_size=4096, lr=1e-3, num_prompts=2, max_new_tokens=24,
+                   expected_s=(20, 30, 60, 10, 60)),
+    # Sized on a 2-core x86-64 CPU to finish in about 15 minutes (docs/benchmarks.md has the measured run).
+    "small": Budget(conversations=1200, max_length=1024, epochs=2, max_steps=None, token_budget=4096, ttt_steps=3,
+                    draft_vocab_size=16384, lr=1e-3, num_prompts=10, max_new_tokens=96,
+                    expected_s=(40, 150, 480, 10, 150)),
+    "medium": Budget(conversations=6000, max_length=2048, epochs=3, max_steps=None, token_budget=8192, ttt_steps=5,
+                     draft_vocab_size=32000, lr=5e-4, num_prompts=40, max_new_tokens=192,
+                     expected_s=(120, 900, 3600, 10, 600)),
+    "large": Budget(conversations=17000, max_length=2048, epochs=5, max_steps=None, token_budget=16384, ttt_steps=7,
+                    draft_vocab_size=32000, lr=3e-4, num_prompts=80, max_new_tokens=256,
+                    expected_s=(300, 2400, 14400, 10, 1200)),
+}
+
+
+def _load_state(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {"finished": {}}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise DraftsmithError(f"{path}: damaged quickstart state; delete it to start the run over") from None
+
+
+def _evaluation_engine(requested: str) -> tuple[str, str]:
+    """(engine, why) — vLLM when installed and asked for (or auto), else the reference decoder."""
+    from draftsmith.evaluate.vllm_runner import vllm_available
+
+    missing = vllm_available()
+    if requested == "hf":
+        return "hf", "reference decoder (asked for)"
+    if missing is None:
+        return "vllm", "vLLM is installed"
+    if requested == "vllm":
+        raise DraftsmithError(f"--engine vllm: {missing}")
+    return "hf", f"reference decoder ({missing})"
+
+
+def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
+    """Each stage's config for this quickstart run (written beside the outputs, loadable with --config)."""
+    b = BUDGETS[cfg.budget]
+    out = Path(cfg.output)
+    return {
+        "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
+                                 max_samples=b.conversations),
+        "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
+        "train": TrainConfig(data=out / "store", output=out / "train", epochs=b.epochs, max_steps=b.max_steps,
+                             token_budget=b.token_budget, ttt_steps=b.ttt_steps, draft_vocab_size=b.draft_vocab_size,
+                             lr=b.lr, warmup_steps=20, device=cfg.device, save_every=100),
+        "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
+                               speculative_tokens=3),
+        "evaluate": EvaluateConfig(draft=out / "export", engine=engine, output=out / "eval", prompts="mt-bench",
+                                   num_prompts=cfg.num_prompts or b.num_prompts, k=cfg.k,
+                                   max_new_tokens=cfg.max_new_tokens or b.max_new_tokens, temperature=0.0,
+                                   device=cfg.device),
+    }
+
+
+def _runner(stage: str) -> Callable[[Any], StageResult]:
+    if stage == "prepare":
+        from draftsmith.data.prepare import run
+    elif stage == "extract":
+        from draftsmith.extract import run
+    elif stage == "train":
+        from draftsmith.train import run
+    elif stage == "export":
+        from draftsmith.export import run
+    else:
+        from draftsmith.evaluate import run
+    return run
+
+
+def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
+    """Seconds left: the budget's expected stage times, scaled by how fast the finished stages actually ran."""
+    expected = dict(zip(STAGES, budget.expected_s))
+    done = state["finished"]
+    scale = (sum(v["seconds"] for v in done.values()) / sum(expected[s] for s in done)) if done else 1.0
+    return scale * sum(expected[s] for s in remaining)
+
+
+def serve_command(target_dir: Path, export_dir: Path, k: int = 3) -> str:
+    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k})
+    return f"vllm serve {shlex.quote(str(target_dir))} --speculative-config {shlex.quote(spec)}"
+
+
+def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
+    console = console or Console(stderr=True)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_NAME
+    state = _load_state(state_path)
+    if state.get("budget", cfg.budget) != cfg.budget:
+        raise DraftsmithError(f"{out}: was started with --budget {state['budget']}; use another --output or the same budget")
+    state["budget"] = cfg.budget
+    engine, engine_why = _evaluation_engine(cfg.engine)
+    configs = stage_configs(cfg, engine)
+    save_resolved_config(cfg, out)
+    budget = BUDGETS[cfg.budget]
+    started = time.perf_counter()
+    for index, stage in enumerate(STAGES, start=1):
+        remaining = [s for s in STAGES if s not in state["finished"]]
+        if stage in state["finished"]:
+            console.print(f"[dim][{index}/{len(STAGES)}] {stage}: finished earlier, skipped[/]")
+            continue
+        elapsed = time.perf_counter() - started
+        note = f" — evaluating with {engine_why}" if stage == "evaluate" else ""
+        console.rule(f"[bold][{index}/{len(STAGES)}] {stage}[/]  elapsed {elapsed / 60:.1f} min, "
+                     f"about {_eta(budget, state, remaining) / 60:.0f} min left{note}")
+        t0 = time.perf_counter()
+        result = _runner(stage)(configs[stage])
+        state["finished"][stage] = {"seconds": round(time.perf_counter() - t0, 1), "output": str(result.output),
+                                    "summary": json.loads(json.dumps(result.summary, default=str))}
+        atomic_write_json(state_path, state)
+    summary = _summary(cfg, configs, state, engine_why)
+    return StageResult(stage="quickstart", output=out, summary=summary)
+
+
+def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any], engine_why: str) -> dict[str, Any]:
+    from draftsmith.evaluate.report import read_report
+    from draftsmith.prepared import open_prepared
+
+    finished = state["finished"]
+    prepared = open_prepared(configs["prepare"].output).manifest
+    report = read_report(Path(configs["evaluate"].output) / "report.json")
+    target_dir = Path(prepared.target.path)
+    summary: dict[str, Any] = {
+        "data": f"{prepared.num_samples:,} ShareGPT conversations, {prepared.num_tokens:,} tokens"
+        if not cfg.data else f"{prepared.num_samples:,} conversations, {prepared.num_tokens:,} tokens",
+        "training time": f"{finished['train']['seconds'] / 60:.1f} min",
+        "total time": f"{sum(v['seconds'] for v in finished.values()) / 60:.1f} min",
+        "evaluation": f"{engine_why}; MT-bench first turns, {report['num_prompts']} prompts, temperature 0",
+    }
+    for r in report["runs"]:
+        speed = f", speed-up {r['speedup']:.2f}x" if r.get("speedup") else ""
+        per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
+        summary[f"k={r['k']}"] = f"τ {r['tau']:.2f}{speed}; acceptance per position {per_pos}"
+    summary["exported draft"] = str(configs["export"].output)
+    summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
+    summary["serve it"] = serve_command(target_dir, Path(configs["export"].output).resolve())
+    return summary
