@@ -146,3 +146,31 @@ def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_
                                 k=[2], output=tmp_path / "e", baseline=False))
     report = json.loads((tmp_path / "e" / REPORT_JSON).read_text())
     assert report["baseline"] is None and report["runs"][0]["speedup"] is None
+
+
+def test_vllm_counters_become_decode_stats():
+    """The worker sums vLLM's spec-decode counters and takes deltas over the timed call; τ as vLLM defines it."""
+    from types import SimpleNamespace as NS
+
+    from draftsmith.evaluate.vllm_runner import stats_from_vllm
+    from draftsmith.evaluate.vllm_worker import _delta, read_spec_metrics
+
+    class FakeLLM:
+        def __init__(self, drafts, accepted, per_pos):
+            self.metrics = [NS(name="vllm:spec_decode_num_drafts", value=drafts),
+                            NS(name="vllm:spec_decode_num_draft_tokens", value=3 * drafts),
+                            NS(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                            NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
+                            NS(name="vllm:num_requests_running", value=1)]
+
+        def get_metrics(self):
+            return self.metrics
+
+    before = read_spec_metrics(FakeLLM(2, 1, [1, 0, 0]))
+    after = read_spec_metrics(FakeLLM(12, 16, [9, 5, 2]))
+    spec = _delta(after, before)
+    assert spec == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 15,
+                    "num_accepted_tokens_per_pos": [8, 5, 2]}
+    stats = stats_from_vllm({"spec": spec, "outputs": [[1] * 20, [2] * 5], "elapsed_s": 5.0}, 3, 2)
+    assert stats.tau == 2.5 and stats.acceptance_per_pos == [0.8, 0.5, 0.2]
+    assert stats.num_new_tokens == 25 and stats.tokens_per_s == 5.0
