@@ -62,7 +62,7 @@ def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trai
     out = tmp_path / "export"
     export.run(ExportConfig(checkpoint=trained_run, format="vllm", output=out))
     common = dict(draft=out, prompts="mt-bench", num_prompts=4, max_new_tokens=48, k=[3], dtype="float32",
-                  vllm_kv_cache_gb=1.0, vllm_timeout_s=1200)
+                  vllm_kv_cache_gb=1, vllm_timeout_s=1200)
     hf = evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
     vl = evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
     hf_report = json.loads((tmp_path / "hf" / "report.json").read_text())

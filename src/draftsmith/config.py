@@ -179,7 +179,7 @@ class EvaluateConfig(StageConfig):
         "Compute dtype; auto: float32 for the hf engine on CPU, bfloat16 otherwise."))
     max_model_len: int | None = Field(None, ge=16, description=(
         "vLLM context limit; default: longest prompt + max_new_tokens + k."))
-    vllm_kv_cache_gb: float = Field(2.0, gt=0, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_kv_cache_gb: int = Field(2, ge=1, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
 

@@ -29,7 +29,7 @@ def vllm_available() -> str | None:
 
 
 def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,
-             temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: float, timeout_s: int,
+             temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: int, timeout_s: int,
              workdir: Path, trust_remote_code: bool = False, name: str = "vllm") -> dict:
     """One vLLM generation job in a child process; returns the worker's result dict."""
     workdir = Path(workdir)
@@ -45,7 +45,7 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
     result_file = Path(request["result"])
     result_file.unlink(missing_ok=True)
     log_file = workdir / f"{name}.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gb)))  # vLLM parses an integer
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     with open(log_file, "w", encoding="utf-8") as log:
         try:
@@ -56,7 +56,8 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
                                   "--vllm-timeout-s or use fewer prompts / --max-new-tokens") from None
     if proc.returncode != 0 or not result_file.is_file():
         tail = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        reason = next((line for line in reversed(tail) if "Error" in line or "error" in line), tail[-1] if tail else "")
+        reason = next((line for line in reversed(tail) if "rror" in line and "errors.pydantic.dev" not in line
+                       and not line.lstrip().startswith("raise")), tail[-1] if tail else "")
         raise DraftsmithError(f"vLLM failed (exit {proc.returncode}): {reason.strip()[:300]} (full log: {log_file})")
     return json.loads(result_file.read_text(encoding="utf-8"))
 

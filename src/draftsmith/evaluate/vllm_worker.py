@@ -54,7 +54,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 def main(request_file: str) -> None:
     request = json.loads(Path(request_file).read_text(encoding="utf-8"))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(request.get("kv_cache_gb", 2)))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(request.get("kv_cache_gb", 2))))
     import vllm
     from vllm import LLM, SamplingParams
 
