@@ -110,22 +110,29 @@ def test_loss_mask_is_aligned_with_the_predicted_token_at_every_step():
     assert step_counts(loss_mask, 5).tolist() == [5, 5, 5, 5, 4]
 
 
-def test_masked_positions_get_no_gradient():
-    """Only scored positions reach the loss: the logits of a position whose predicted token is masked get no grad."""
+def test_only_the_target_position_of_a_scored_token_reaches_the_loss():
+    """x_6 is the only assistant token. Every step k predicts it from t = 4 - k towards p_5, so the loss depends on
+    the target's distribution at position 5 only (an off-by-one would read p_4 or p_6)."""
     draft = _tiny_draft()
     ids = torch.randint(0, 40, (1, 10), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.zeros(1, 10, dtype=torch.bool)
-    loss_mask[0, 6] = True  # only x_6 is an assistant token
-    target = _random_target(1, 10, 16)
-    captured = []
-    orig = draft.lm_head.forward
-    draft.lm_head.forward = lambda h: captured.append(orig(h)) or (captured[-1].retain_grad(), captured[-1])[1]
-    out = ttt_forward(draft, ids, loss_mask, torch.randn(1, 10, 96), target, ttt_steps=3)
-    out.loss.backward()
-    for k, logits in enumerate(captured):
-        nonzero = logits.grad[0].abs().sum(-1).nonzero().flatten().tolist()
-        assert nonzero == [6 - k - 2], (k, nonzero)  # step k at t predicts x_{t+k+2}
-    assert out.count.tolist() == [1, 1, 1]
+    loss_mask[0, 6] = True
+    aux = torch.randn(1, 10, 96, generator=torch.Generator().manual_seed(1))
+    base = _random_target(1, 10, 16)
+
+    def loss_with(position):
+        probs = base.probs.clone()
+        if position is not None:
+            probs[0, position] = torch.softmax(torch.randn(16, generator=torch.Generator().manual_seed(9)), -1)
+        target = TargetDistribution(probs, (probs * probs.log()).sum(-1), base.mass, base.argmax)
+        with torch.no_grad():
+            return ttt_forward(draft, ids, loss_mask, aux, target, ttt_steps=3)
+
+    ref = loss_with(None)
+    assert ref.count.tolist() == [1, 1, 1]
+    for j in range(10):
+        changed = not torch.allclose(loss_with(j).loss, ref.loss)
+        assert changed == (j == 5), j
 
 
 def test_target_distribution_matches_the_target_model_and_is_chunk_invariant(tiny_target_dir):

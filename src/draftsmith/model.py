@@ -334,11 +334,11 @@ class Eagle3Draft(nn.Module):
         """[B, T, num_aux * H_target] (aux layers concatenated in id order) -> [B, T, H]."""
         return self.fc(aux_hidden)
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache | None = None, mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step. input_ids [B, T], hidden [B, T, H] (fused features or the previous step's output).
+    def forward_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                       cache: KVCache | None = None, mode: str = "decode") -> torch.Tensor:
+        """One draft step up to the pre-norm hidden state [B, T, H] (what the next step reads). input_ids [B, T],
+        hidden [B, T, H] (fused features or the previous step's output).
 
-        Returns (logits over the draft vocabulary [B, T, Vd], hidden_prenorm [B, T, H] for the next step).
         cache: `KVCache(num_layers)` kept across calls (None: a fresh one). mode "ttt" (training), "naive" (the
         explicit-mask reference) or "decode" (the K/V cache grows along the sequence).
         """
@@ -348,4 +348,14 @@ class Eagle3Draft(nn.Module):
         cos, sin = self.rotary(position_ids, hidden.dtype)
         for layer in self.layers:
             hidden = layer(embeds, hidden, cos, sin, cache, mode)
-        return self.lm_head(self.norm(hidden)), hidden
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [..., H] -> logits over the draft vocabulary [..., Vd]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache | None = None, mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (logits over the draft vocabulary [B, T, Vd], pre-norm hidden [B, T, H])."""
+        hidden = self.forward_hidden(input_ids, hidden, position_ids, cache, mode)
+        return self.logits(hidden), hidden

@@ -91,7 +91,8 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
                 normaliser: torch.Tensor | None = None, mode: str = "ttt") -> TTTResult:
     """Unroll `ttt_steps` draft steps over a right-padded batch.
 
-    input_ids/loss_mask [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order). normaliser [K]
+    input_ids/loss_mask [B, T] (the mask is 0/1: a position is scored or not); aux_hidden [B, T, num_aux * H] (aux
+    layers concatenated in id order). normaliser [K]
     is the number of scored positions per step over everything averaged together (default: this batch), so gradients
     summed over micro-batches and ranks equal the gradient of one combined batch.
     """
@@ -107,22 +108,26 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Te
     kl_sum, correct, accept_sum, count = (torch.zeros(ttt_steps, dtype=torch.float64) for _ in range(4))
     for k in range(ttt_steps):
         ids, p, neg_ent, mass, tgt_argmax, mask = step_views(k, input_ids, mask_f, target)
-        logits, hidden = draft(ids, hidden, positions + k, cache, mode=mode)  # [B, T, Vd], [B, T, H]
+        hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode)  # [B, T, H], feeds step k+1
         n = p.shape[1]
         if n == 0:
             continue
-        logq = torch.log_softmax(logits[:, :n], dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-        kl = neg_ent - (p * logq).sum(-1)  # [B, n] forward KL(p || q) over the draft vocabulary
-        step_loss = (kl * mask).sum()
+        # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
+        sel = mask > 0  # [B, n]
+        logq = torch.log_softmax(draft.logits(hidden[:, :n][sel]), dim=-1,
+                                 dtype=torch.promote_types(hidden.dtype, torch.float32))  # [N, Vd]
+        p_sel = p[sel]
+        kl = neg_ent[sel] - (p_sel * logq).sum(-1)  # [N] forward KL(p || q) over the draft vocabulary
+        step_loss = kl.sum()
         loss = loss + (step_weight ** k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
         with torch.no_grad():
             draft_top = logq.argmax(-1)
             draft_top_target = draft_top + d2t[draft_top]
-            accept = torch.minimum(p * mass[..., None], logq.exp()).sum(-1)
+            accept = torch.minimum(p_sel * mass[sel][:, None], logq.exp()).sum(-1)
             kl_sum[k] = step_loss.detach().double().cpu()
-            correct[k] = ((draft_top_target == tgt_argmax).float() * mask).sum().double().cpu()
-            accept_sum[k] = (accept * mask).sum().double().cpu()
-            count[k] = mask.sum().double().cpu()
+            correct[k] = (draft_top_target == tgt_argmax[sel]).sum().double().cpu()
+            accept_sum[k] = accept.sum().double().cpu()
+            count[k] = sel.sum().double().cpu()
     return TTTResult(loss=loss, kl_sum=kl_sum, correct=correct, accept_sum=accept_sum, count=count)
 
 
