@@ -63,22 +63,26 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    cpu = {"forward": 0.0, "extraction": 0.0}  # CPU seconds of the whole process (all threads) per pass
+
     def forward(chunk: list[list[int]]) -> float:
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         for batch in chunk:
             ids, _ = hf.pad_batch([plan.dataset[i] for i in batch])
             hf.forward_only(model, ids)
         sync()
+        cpu["forward"] += time.process_time() - cpu0
         return time.perf_counter() - start
 
     spec = common.store_spec(plan, backend="hf", compute_dtype=str(compute_dtype).removeprefix("torch."))
     writer = common.open_writer(plan, spec)
 
     def extraction(chunk: list[list[int]], last: bool) -> float:
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         hf._extract(model, plan, chunk, writer, device, 0, show_progress=False)
         if last:
             writer.close()
+        cpu["extraction"] += time.process_time() - cpu0
         return time.perf_counter() - start
 
     chunk_size = max(1, len(batches) // args.chunks)
@@ -117,6 +121,8 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
         "forward_s": round(fwd_s, 2),
         "extraction_s": round(ext_s, 2),
         "cpu_s_both": round(cpu_s, 1),
+        "cpu_s_forward": round(cpu["forward"], 1),
+        "cpu_s_extraction": round(cpu["extraction"], 1),
         "load_average": round(os.getloadavg()[0], 2),
         "tokens_per_s": round(tokens / ext_s, 1),
         "forward_tokens_per_s": round(tokens / fwd_s, 1),
