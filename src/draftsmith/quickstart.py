@@ -43,8 +43,8 @@ class Budget:
 
 BUDGETS: dict[str, Budget] = {
     # A smoke test of the whole path in a few minutes (CI's end-to-end test); τ is not meaningful at this size.
-    "tiny": Budget(conversations=40, max_length=512, epochs=1, max_steps=30, token_budget=2048, ttt_steps=2,
-                   draft_vocab_size=4096, lr=1e-3, num_prompts=2, max_new_tokens=24,
+    "tiny": Budget(conversations=32, max_length=384, epochs=1, max_steps=24, token_budget=2048, ttt_steps=2,
+                   draft_vocab_size=4096, lr=1e-3, num_prompts=1, max_new_tokens=24,
                    expected_s=(20, 30, 60, 10, 60)),
     # Sized on a 2-core x86-64 CPU to finish in about 15 minutes (docs/benchmarks.md has the measured run).
     "small": Budget(conversations=1200, max_length=1024, epochs=2, max_steps=None, token_budget=4096, ttt_steps=3,

@@ -110,7 +110,9 @@ def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | to
                 trust_remote_code: bool = False) -> nn.Module:
     """The target as a transformers causal LM in eval mode with gradients off."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # our own progress display is the one a user reads
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:

@@ -1,0 +1,82 @@
+"""End to end: a reduced quickstart on the real default assets, then a resume that redoes nothing."""
+
+import json
+import time
+
+import pytest
+
+from draftsmith import quickstart
+from draftsmith.config import QuickstartConfig
+from draftsmith.errors import DraftsmithError
+
+
+def test_serve_command_is_copy_pasteable(tmp_path):
+    cmd = quickstart.serve_command(tmp_path / "target dir", tmp_path / "export", k=3)
+    assert cmd.startswith("vllm serve ") and "--speculative-config" in cmd
+    spec = json.loads(cmd.split("--speculative-config ")[1].strip("'"))
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 3}
+    assert "'" in cmd.split("--speculative-config")[0]  # the path with a space is quoted
+
+
+def test_stage_configs_chain_outputs_to_inputs(tmp_path):
+    cfgs = quickstart.stage_configs(QuickstartConfig(output=tmp_path, budget="small"), engine="hf")
+    assert cfgs["extract"].prepared == cfgs["prepare"].output
+    assert cfgs["train"].data == cfgs["extract"].output
+    assert cfgs["export"].checkpoint == cfgs["train"].output
+    assert cfgs["evaluate"].draft == cfgs["export"].output and cfgs["evaluate"].temperature == 0.0
+
+
+def test_budget_change_on_an_existing_run_is_refused(tmp_path):
+    (tmp_path / quickstart.STATE_NAME).write_text(json.dumps({"finished": {}, "budget": "medium"}))
+    with pytest.raises(DraftsmithError, match="--budget medium"):
+        quickstart.run(QuickstartConfig(output=tmp_path, budget="small", engine="hf"))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    cfg = QuickstartConfig(output=tmp_path_factory.mktemp("quickstart") / "qs", budget="tiny", engine="hf", k=[1, 3])
+    return cfg, quickstart.run(cfg)
+
+
+@pytest.mark.slow
+def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
+    cfg, result = tiny_run
+    out = cfg.output
+    for artefact in ("prepared/manifest.json", "store/manifest.json", "export/config.json",
+                     "export/model.safetensors", "eval/report.json", "eval/report.md",
+                     "eval/acceptance_per_position.png", "quickstart.json", "config.yaml"):
+        assert (out / artefact).is_file(), artefact
+    report = json.loads((out / "eval" / "report.json").read_text())
+    taus = {r["k"]: r["tau"] for r in report["runs"]}
+    assert set(taus) == {1, 3} and taus[3] > 1.0
+    assert result.summary["serve it"].startswith("vllm serve")
+    state = json.loads((out / "quickstart.json").read_text())
+    assert set(state["finished"]) == set(quickstart.STAGES)
+
+    # Killed after training: only export and evaluate run again; the rest is reused as it is.
+    del state["finished"]["export"], state["finished"]["evaluate"]
+    (out / "quickstart.json").write_text(json.dumps(state))
+    store_manifest = (out / "store" / "manifest.json").read_text()
+    again = quickstart.run(cfg)
+    assert (out / "store" / "manifest.json").read_text() == store_manifest
+    assert again.summary["data"] == result.summary["data"]
+
+    # A finished run started again redoes nothing.
+    t0 = time.perf_counter()
+    quickstart.run(cfg)
+    assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
+    pytest.importorskip("vllm")
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate import run as evaluate
+
+    cfg, _ = tiny_run
+    result = evaluate(EvaluateConfig(draft=cfg.output / "export", engine="vllm", output=tmp_path / "vllm-eval",
+                                     num_prompts=1, max_new_tokens=16, k=[3], baseline=False))
+    report = json.loads((tmp_path / "vllm-eval" / "report.json").read_text())
+    assert report["runs"][0]["k"] == 3 and report["runs"][0]["tau"] >= 1.0
+    assert result.summary["engine"] == "vllm"
