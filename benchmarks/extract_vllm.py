@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/extract_vllm.py -n 300 --compile   # the full table (vLLM compiles: slow start on CPU)
 
 Prints a table, then as its last line a JSON object with tokens_per_s (extraction, engine start-up excluded),
-prefill_tokens_per_s (a plain engine with the same knobs, started after the extraction engine is shut down) and
-ratio_vs_prefill (goal >= 0.85). benchmarks/extract.py --backend vllm calls the same function.
+prefill_tokens_per_s (a plain engine with the same knobs, no capture) and
+ratio_vs_prefill (goal >= 0.85). Both engines are up at once and take turns on the same chunks of prompts, so a
+busy machine slows both alike. benchmarks/extract.py --backend vllm calls the same function.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="let vLLM compile (default: on GPUs only; minutes of start-up on CPU)")
     parser.add_argument("--token-budget", type=int, default=8192, help="vLLM max_num_batched_tokens")
+    parser.add_argument("--chunks", type=int, default=4, help="alternating plain / extraction chunks")
     args = parser.parse_args()
     n = 60 if args.quick else args.n
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -44,7 +46,8 @@ def main() -> None:
             prepared = Path(tmp) / "prepared"
             prepare.run(PrepareConfig(data=[str(assets.sharegpt_path())], max_samples=n, max_length=args.max_length,
                                       output=prepared))
-        result = benchmark(prepared, n, strategy=args.strategy, compile=args.compile, token_budget=args.token_budget)
+        result = benchmark(prepared, n, strategy=args.strategy, compile=args.compile, token_budget=args.token_budget,
+                           chunks=args.chunks)
     width = max(len(k) for k in result)
     for key, value in result.items():
         print(f"{key:<{width}}  {value}", file=sys.stderr)

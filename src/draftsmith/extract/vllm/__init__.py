@@ -54,83 +54,121 @@ def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink
                       trust_remote_code=cfg.trust_remote_code, sink_config=sink_config)
 
 
-def run(cfg: ExtractConfig, *, show_progress: bool = True, timings: dict[str, float] | None = None) -> StageResult:
+class _Job:
+    """A checked vLLM extraction: plan, probe, strategy, store spec and the samples still to do."""
+
+    def __init__(self, cfg: ExtractConfig):
+        from draftsmith.extract import common
+        from draftsmith.extract.vllm.driver import resolve_dtype
+        from draftsmith.extract.vllm.probe import probe
+
+        self.cfg = cfg
+        self.plan = plan = common.plan_extraction(cfg)
+        self.report = report = probe(architecture=plan.target.architecture, resolve_config=False)
+        self.strategy = choose_strategy(cfg.vllm_strategy, report)
+        dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
+        self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
+        backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": self.strategy,
+                        "platform": report.facts.platform}
+        # Open as this worker once: checks the store is of the same kind, recovers crash leftovers, saves
+        # config.yaml and tells what is done. The lock is then let go: inside vLLM the sink becomes this writer.
+        self.writer = common.open_writer(plan, self.spec, backend_info)
+        try:
+            self.todo = common.pending_sample_ids(plan, self.writer)
+        finally:
+            self.writer.close()
+        self.skipped = len(plan.sample_ids) - len(self.todo)
+        self.sink_config = _sink_config(cfg, plan, self.spec, backend_info)
+        self.label = f"vllm {report.facts.version} ({self.strategy}, {report.facts.platform})"
+
+    def prompts(self) -> list[tuple[int, list[int]]]:
+        return [(i, self.plan.dataset[i]["input_ids"].tolist()) for i in self.todo]
+
+    def engine_spec(self, strategy: str | None = None):
+        config = self.sink_config if strategy is None else {}
+        return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo)
+
+    def result(self, seconds: float, tokens: int, reports: list[dict[str, Any]], engine_start_s: float) -> StageResult:
+        from draftsmith.extract import common
+
+        self.writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
+        self.writer.recovered = [note for r in reports for note in r.get("recovered", [])]
+        extra = {"backend": self.label, "engine start (s)": round(engine_start_s, 1)}
+        return common.result(self.plan, self.writer, seconds, tokens=tokens, skipped=self.skipped, extra=extra)
+
+
+def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) cfg.output with the target's hidden states computed by vLLM."""
     from draftsmith.extract import common
-    from draftsmith.extract.vllm.driver import Engine, resolve_dtype
-    from draftsmith.extract.vllm.probe import probe
+    from draftsmith.extract.vllm.driver import Engine
 
-    plan = common.plan_extraction(cfg)
-    report = probe(architecture=plan.target.architecture, resolve_config=False)
-    strategy = choose_strategy(cfg.vllm_strategy, report)
-    spec = common.store_spec(plan, backend="vllm", compute_dtype=resolve_dtype(cfg.compute_dtype, report.facts.platform))
-    backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
-                    "platform": report.facts.platform}
-    # Open as this worker once: checks the store is of the same kind, recovers crash leftovers, saves config.yaml
-    # and tells what is done. The lock is then let go: inside vLLM, the sink becomes this worker's writer.
-    writer = common.open_writer(plan, spec, backend_info)
-    try:
-        todo = common.pending_sample_ids(plan, writer)
-    finally:
-        writer.close()
-    skipped = len(plan.sample_ids) - len(todo)
-    extra = {"backend": f"vllm {report.facts.version} ({strategy}, {report.facts.platform})"}
-    if not todo:
-        return common.result(plan, writer, 0.0, tokens=0, skipped=skipped, extra=extra)
-    prompts = [(i, plan.dataset[i]["input_ids"].tolist()) for i in todo]
+    job = _Job(cfg)
+    if not job.todo:
+        return job.result(0.0, 0, [], 0.0)
+    prompts = job.prompts()
     tokens = sum(len(ids) for _, ids in prompts)
-    sink_config = _sink_config(cfg, plan, spec, backend_info)
-    with Engine(_engine_spec(cfg, plan, report, strategy, sink_config, todo)) as engine:
+    with Engine(job.engine_spec()) as engine:
         with common.Timer() as timer:  # from the first prompt until the last shard is in the store
-            with common.progress_bar(tokens, f"extract (vllm {strategy})", enabled=show_progress) as advance:
+            with common.progress_bar(tokens, f"extract (vllm {job.strategy})", enabled=show_progress) as advance:
                 engine.generate(prompts, on_finished=advance)
             engine.wait_for_sink(len(prompts))
             reports = engine.close_sink()
-    if timings is not None:
-        timings.update({"engine_start_s": engine.start_seconds, "extract_s": timer.seconds})
-    writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
-    writer.recovered = [note for r in reports for note in r.get("recovered", [])]
-    extra["engine start (s)"] = round(engine.start_seconds, 1)
-    return common.result(plan, writer, timer.seconds, tokens=tokens, skipped=skipped, extra=extra)
+    return job.result(timer.seconds, tokens, reports, engine.start_seconds)
 
 
 def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: bool | None = None,
-              token_budget: int = 8192, output: Path | None = None) -> dict[str, Any]:
+              token_budget: int = 8192, chunks: int = 4, output: Path | None = None) -> dict[str, Any]:
     """Extraction throughput vs the same vLLM doing plain max_tokens=1 prefill of the same prompts, same run.
 
-    Returns tokens_per_s (extraction from the first prompt until the last shard is stored; engine start-up
-    excluded), prefill_tokens_per_s (a plain engine with the same knobs and no capture, started after the
-    extraction engine is shut down), ratio_vs_prefill, and the strategy. `compile` None: vLLM compiles on GPUs,
+    Two engines with the same knobs are up at once: the extraction engine and a plain one (no capture). The
+    prompts are cut into `chunks`, and each chunk runs on the plain engine, then is extracted, so a busy machine
+    slows both alike. tokens_per_s counts extraction from each chunk's first prompt until its states reached the
+    sink, plus the final flush of the store; engine start-up is excluded. `compile` None: vLLM compiles on GPUs,
     not on CPUs (its inductor compilation takes minutes there); both engines use the same setting.
     """
-    if compile is None:
-        from draftsmith.extract.vllm.probe import probe as _probe
-
-        compile = _probe(resolve_config=False).facts.platform not in ("cpu", None)
     from draftsmith.extract import common
     from draftsmith.extract.vllm.driver import Engine
-    from draftsmith.extract.vllm.probe import probe
 
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-bench-") as tmp:
         out = Path(output) if output is not None else Path(tmp) / "store"
         cfg = ExtractConfig(prepared=Path(prepared), output=out, backend="vllm", max_samples=n,
-                            vllm_strategy=strategy, vllm_compile=compile, token_budget=token_budget)
-        timings: dict[str, float] = {}
-        result = run(cfg, show_progress=False, timings=timings)
-        tokens = int(result.summary["tokens this run"])
-        plan = common.plan_extraction(cfg)
-        report = probe(architecture=plan.target.architecture, resolve_config=False)
-        prompts = [(i, plan.dataset[i]["input_ids"].tolist()) for i in plan.sample_ids]
-        plain = _engine_spec(cfg, plan, report, "plain", {}, plan.sample_ids)
-        plain.compile = compile and "connector" in result.summary["backend"]  # direct always runs uncompiled
-        with Engine(plain) as engine:
-            prefill_s = engine.generate(prompts, tag=False)
-    tokens_per_s = tokens / timings["extract_s"] if timings.get("extract_s") else math.nan
-    prefill_per_s = tokens / prefill_s if prefill_s else math.nan
-    return {"backend": "vllm", "strategy": result.summary["backend"], "samples": len(prompts), "tokens": tokens,
+                            vllm_strategy=strategy, token_budget=token_budget)
+        job = _Job(cfg)
+        if compile is None:
+            compile = job.report.facts.platform not in ("cpu", None)
+        job.cfg.vllm_compile = compile
+        prompts = job.prompts()
+        tokens = sum(len(ids) for _, ids in prompts)
+        size = math.ceil(len(prompts) / max(1, chunks))
+        parts = [prompts[k:k + size] for k in range(0, len(prompts), size)]
+        extract_s = prefill_s = 0.0
+        with Engine(job.engine_spec()) as extractor:
+            plain_spec = job.engine_spec("plain")
+            plain_spec.compile = compile and job.strategy == "connector"  # direct always runs uncompiled
+            with Engine(plain_spec) as plain:
+                done = 0
+                for part in parts:
+                    prefill_s += plain.generate(part, tag=False)
+                    with common.Timer() as timer:
+                        extractor.generate(part)
+                        done += len(part)
+                        extractor.wait_for_sink(done)
+                    extract_s += timer.seconds
+            with common.Timer() as timer:
+                extractor.close_sink()
+            extract_s += timer.seconds
+        stored = _stored_samples(out)
+    tokens_per_s, prefill_per_s = tokens / extract_s, tokens / prefill_s
+    return {"backend": "vllm", "strategy": job.label, "samples": len(prompts), "stored": stored, "tokens": tokens,
             "tokens_per_s": round(tokens_per_s, 1), "prefill_tokens_per_s": round(prefill_per_s, 1),
-            "ratio_vs_prefill": round(tokens_per_s / prefill_per_s, 3) if prefill_per_s else math.nan,
-            "compiled": plain.compile, "engine_start_s": round(timings.get("engine_start_s", math.nan), 1)}
+            "ratio_vs_prefill": round(tokens_per_s / prefill_per_s, 3), "compiled": plain_spec.compile,
+            "chunks": len(parts), "engine_start_s": round(extractor.start_seconds, 1)}
+
+
+def _stored_samples(path: Path) -> int:
+    from draftsmith import store
+
+    return len(store.open(path))
 
 
 __all__ = ["benchmark", "choose_strategy", "run"]
