@@ -10,7 +10,7 @@ for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
 from __future__ import annotations
 
 import random
-import tempfile
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
 
         dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
         max_len = cfg.max_model_len or (max(len(p.token_ids) for p in prompts) + cfg.max_new_tokens + max(cfg.k) + 8)
-        workdir = Path(tempfile.mkdtemp(prefix=".vllm-", dir=output))
+        workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
+        shutil.rmtree(workdir, ignore_errors=True)
         draft_dir = _vllm_draft_dir(cfg, source, identity, workdir)
         common = dict(target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, seed=cfg.seed, dtype=dtype_name, max_model_len=max_len,
