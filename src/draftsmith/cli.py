@@ -185,11 +185,15 @@ def inspect_command(
 
 
 @store_app.command("verify")
-def store_verify(path: Annotated[Path, typer.Argument(help="Hidden-state store directory.")]) -> None:
+def store_verify(
+    path: Annotated[Path, typer.Argument(help="Hidden-state store directory.")],
+    repair: Annotated[bool, typer.Option("--repair", help=(
+        "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."))] = False,
+) -> None:
     """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens."""
     from draftsmith import store
 
-    report = _call(lambda: store.verify_store(path))
+    report = _call(lambda: store.verify_store(path, repair=repair))
     console.print(report)
     if not getattr(report, "ok", True):
         raise typer.Exit(1)
