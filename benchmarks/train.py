@@ -67,7 +67,7 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         print(f"  {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2] if times else 0.0
 
 
 def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int) -> float:
@@ -104,11 +104,18 @@ def main() -> None:
     cfg, source, draft, norm, head_weight, ids, mask, hidden = make(args.seq, args.ttt_steps, args.draft_vocab)
     model = TTTModel(draft)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    results, rss = {}, {}
-    for mode in ("ttt", "naive"):  # ours first: its peak RSS is read before the reference runs
-        results[mode] = time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, mode,
-                                   warmup=1, steps=steps)
-        rss[mode] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # Ours first (its peak RSS is read before the reference ever runs), then both interleaved so that a
+    # change in machine load hits both alike; each variant's time is the median of its timed steps.
+    times: dict[str, list[float]] = {"ttt": [], "naive": []}
+    time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, "ttt", warmup=1, steps=0)
+    rss = {"ttt": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, "naive", warmup=1, steps=0)
+    rss["naive"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for _ in range(steps):
+        for mode in ("ttt", "naive"):
+            times[mode].append(time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps,
+                                          mode, warmup=0, steps=1))
+    results = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
     attn = {mode: time_attention(cfg, args.seq, args.ttt_steps, mode, repeats=steps) for mode in ("ttt", "naive")}
     tokens = args.seq
     row = "{:<34} {:>12} {:>12}"
