@@ -92,6 +92,15 @@ def mtbench_file() -> Path:
     return assets.mtbench_path()
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models: one thread is ~20x faster than two on a busy 2-core machine (no OpenMP spinning)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_threads():
     """Keep tests deterministic and polite on a 2-core machine."""

@@ -18,13 +18,7 @@ from draftsmith.model import DraftConfig, Eagle3Draft
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is ~20x faster than two on a busy 2-core machine (no OpenMP spinning)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from draftsmith.model import DraftConfig, Eagle3Draft
 AUX = [1, 2, 4]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is ~20x faster than two on a busy 2-core machine (no OpenMP spinning)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_draft(target_dir, draft_vocab_size=96, seed=0):
@@ -128,7 +122,7 @@ def test_speculators_reader_in_vllm_accepts_the_config(tmp_path, tiny_draft):
 # ---------------------------------------------------------------------------------------------- refusals
 
 
-def _refuses(tmp_path, tiny_draft, tensors, match):
+def _assert_refused(tmp_path, tiny_draft, tensors, match):
     _, arch, _, identity = tiny_draft
     with pytest.raises(DraftsmithError, match=match):
         export.write_export(tmp_path / "bad", tensors, arch, "vllm", target=identity, verifier_architectures=[])
@@ -138,27 +132,27 @@ def _refuses(tmp_path, tiny_draft, tensors, match):
 def test_refuses_wrong_shape(tmp_path, tiny_draft):
     tensors = dict(tiny_draft[2])
     tensors["fc.weight"] = torch.zeros(64, 3 * 128)
-    _refuses(tmp_path, tiny_draft, tensors, r"fc\.weight has shape \(64, 384\).*\(64, 192\)")
+    _assert_refused(tmp_path, tiny_draft, tensors, r"fc\.weight has shape \(64, 384\).*\(64, 192\)")
 
 
 def test_refuses_missing_and_unexpected_tensors(tmp_path, tiny_draft):
     tensors = dict(tiny_draft[2])
     del tensors["midlayer.hidden_norm.weight"]
-    _refuses(tmp_path, tiny_draft, tensors, r"missing tensor.*hidden_norm")
+    _assert_refused(tmp_path, tiny_draft, tensors, r"missing tensor.*hidden_norm")
     tensors = dict(tiny_draft[2], **{"midlayer.self_attn.q_norm.weight": torch.ones(16)})
-    _refuses(tmp_path, tiny_draft, tensors, r"unexpected tensor.*q_norm")
+    _assert_refused(tmp_path, tiny_draft, tensors, r"unexpected tensor.*q_norm")
 
 
 def test_refuses_bad_dtype_nan_and_vocab_maps(tmp_path, tiny_draft):
     base = tiny_draft[2]
-    _refuses(tmp_path, tiny_draft, dict(base, d2t=base["d2t"].int()), r"d2t is torch.int32")
+    _assert_refused(tmp_path, tiny_draft, dict(base, d2t=base["d2t"].int()), r"d2t is torch.int32")
     nan = base["norm.weight"].clone()
     nan[0] = float("nan")
-    _refuses(tmp_path, tiny_draft, dict(base, **{"norm.weight": nan}), r"NaN")
-    _refuses(tmp_path, tiny_draft, dict(base, d2t=base["d2t"] + 10_000), r"outside the target vocabulary")
+    _assert_refused(tmp_path, tiny_draft, dict(base, **{"norm.weight": nan}), r"NaN")
+    _assert_refused(tmp_path, tiny_draft, dict(base, d2t=base["d2t"] + 10_000), r"outside the target vocabulary")
     t2d = base["t2d"].clone()
     t2d[~t2d.clone()] = True
-    _refuses(tmp_path, tiny_draft, dict(base, t2d=t2d), r"t2d does not mark")
+    _assert_refused(tmp_path, tiny_draft, dict(base, t2d=t2d), r"t2d does not mark")
 
 
 def test_refuses_draft_for_another_target(tmp_path, tiny_draft):

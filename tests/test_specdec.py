@@ -14,13 +14,7 @@ from draftsmith.evaluate.specdec import (DecodeStats, DraftRunner, TargetRunner,
 from draftsmith.model import DraftConfig, Eagle3Draft
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is ~20x faster than two on a busy 2-core machine (no OpenMP spinning)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_draft(target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0) -> Eagle3Draft:
