@@ -121,8 +121,10 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
     from draftsmith.extract.vllm import run
 
     result = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)
-    assert result.summary["samples already stored"] == partial
-    assert result.summary["samples this run"] == NUM_SAMPLES - partial
+    already = result.summary["samples already stored"]
+    if already != partial:  # the kill landed between a shard's rename and the manifest update: adopted, not redone
+        assert already > partial and "adopted shard" in result.summary.get("recovered", ""), result.summary
+    assert already < NUM_SAMPLES and result.summary["samples this run"] == NUM_SAMPLES - already
     assert "connector" in result.summary["backend"]
     worst = assert_matches_hf(out, hf_store)
     print("connector vs hf:", worst)

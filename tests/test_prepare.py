@@ -334,3 +334,22 @@ def test_leading_assistant_drop_keeps_the_rest_and_counts_it(tmp_path, tiny_targ
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     assert [tok.decode(r) for r in masked_spans(ds[1]["input_ids"], ds[1]["loss_mask"])] == ["yes<|im_end|>"]
+
+
+def test_stopping_early_with_large_batches_in_flight_does_not_hang():
+    """An early stop (max_samples) while the pool's feeder thread is mid-way through sending a batch larger than
+    the pipe buffer used to deadlock in Pool.terminate (a CI run sat 30 minutes on it)."""
+    import threading
+
+    from draftsmith.data.chat import Skip
+    from draftsmith.data.prepare import _encoded_batches
+
+    big = "x" * 2_000_000  # Skips pass through the workers untouched: only the payload size matters here
+    batches = ([(f"record {i}", Skip("test", big), 0)] for i in range(40))
+    for attempt in range(3):
+        encoded = _encoded_batches(batches, None, workers=2)
+        assert next(encoded)[0][1].detail == big
+        closer = threading.Thread(target=encoded.close, daemon=True)
+        closer.start()
+        closer.join(timeout=60)
+        assert not closer.is_alive(), f"closing the pool hung (attempt {attempt})"

@@ -139,8 +139,23 @@ def _encoded_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int
         while pending:
             yield pending.popleft().get()
     finally:
-        pool.terminate()
-        pool.join()
+        _stop(pool, pending)
+
+
+def _stop(pool: Any, pending: collections.deque) -> None:
+    """Stop the pool after letting in-flight tasks finish (an early stop, e.g. `max_samples`, leaves some).
+
+    Terminating at once can deadlock: when the pool's feeder thread is half-way through writing a task larger than
+    the pipe buffer, the terminated workers never drain it and `terminate()` waits on that thread for ever.
+    """
+    deadline = time.monotonic() + 120
+    for result in pending:
+        result.wait(max(0.0, deadline - time.monotonic()))
+    if all(result.ready() for result in pending):
+        pool.close()  # idle feeder: a clean shutdown
+    else:
+        pool.terminate()  # a worker died with its task: nothing else would finish it
+    pool.join()
 
 
 def _chat_template(cfg: PrepareConfig, tokenizer: Any, target_dir: Path) -> str:

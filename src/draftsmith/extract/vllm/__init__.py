@@ -78,6 +78,7 @@ class _Job:
         finally:
             self.writer.close()
         self.skipped = len(plan.sample_ids) - len(self.todo)
+        self.recovered = list(self.writer.recovered)  # what opening the store cleaned up or adopted
         self.sink_config = _sink_config(cfg, plan, self.spec, backend_info)
         self.label = f"vllm {report.facts.version} ({self.strategy}, {report.facts.platform})"
 
@@ -92,7 +93,7 @@ class _Job:
         from draftsmith.extract import common
 
         self.writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
-        self.writer.recovered = [note for r in reports for note in r.get("recovered", [])]
+        self.writer.recovered = self.recovered + [note for r in reports for note in r.get("recovered", [])]
         extra = {"backend": self.label, "engine start (s)": round(engine_start_s, 1)}
         return common.result(self.plan, self.writer, seconds, tokens=tokens, skipped=self.skipped, extra=extra)
 
