@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,47 @@ def test_budget_change_on_an_existing_run_is_refused(tmp_path):
     (tmp_path / quickstart.STATE_NAME).write_text(json.dumps({"finished": {}, "budget": "medium"}))
     with pytest.raises(DraftsmithError, match="--budget medium"):
         quickstart.run(QuickstartConfig(output=tmp_path, budget="small", engine="hf"))
+
+
+def test_recipe_sections_override_the_budget_and_are_validated(tmp_path):
+    cfg = QuickstartConfig(output=tmp_path, budget="small", train={"lr": 3e-4, "ttt_steps": 5},
+                           evaluate={"max_new_tokens": 17})
+    cfgs = quickstart.stage_configs(cfg, engine="hf")
+    assert cfgs["train"].lr == 3e-4 and cfgs["train"].ttt_steps == 5
+    assert cfgs["train"].draft_vocab_size == quickstart.BUDGETS["small"].draft_vocab_size  # the rest: the budget's
+    assert cfgs["evaluate"].max_new_tokens == 17 and cfgs["evaluate"].draft == cfgs["export"].output
+    with pytest.raises(DraftsmithError, match=r"^quickstart section train: option ttt_stepz: Extra inputs"):
+        quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"ttt_stepz": 5}), engine="hf")
+    with pytest.raises(DraftsmithError, match="quickstart section train: option --lr: Input should be greater"):
+        quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"lr": -1}), engine="hf")
+    with pytest.raises(DraftsmithError, match="section extract: option output is set by the quickstart itself"):
+        quickstart.stage_configs(QuickstartConfig(output=tmp_path, extract={"output": "elsewhere"}), engine="hf")
+
+
+def test_online_trains_from_the_prepared_set(tmp_path):
+    cfgs = quickstart.stage_configs(QuickstartConfig(output=tmp_path, online=True), engine="hf")
+    assert cfgs["train"].data == cfgs["prepare"].output
+    (tmp_path / quickstart.STATE_NAME).write_text(json.dumps({"finished": {}, "budget": "small", "online": False}))
+    with pytest.raises(DraftsmithError, match="--online False"):
+        quickstart.run(QuickstartConfig(output=tmp_path, online=True, engine="hf"))
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_recipe_loads_with_config(recipe, tmp_path):
+    from draftsmith.config import load_config
+
+    cfg = load_config(QuickstartConfig, recipe, {"output": tmp_path})
+    cfgs = quickstart.stage_configs(cfg, engine="vllm")
+    assert cfgs["evaluate"].draft == cfgs["export"].output
+    assert (cfgs["train"].data == cfgs["prepare"].output) == cfg.online
+
+
+def test_the_quickstart_recipe_is_the_default_run():
+    from draftsmith.config import load_config
+
+    recipe = load_config(QuickstartConfig, Path(__file__).parents[1] / "recipes" / "quickstart.yaml", {})
+    assert quickstart.stage_configs(recipe, "vllm") == quickstart.stage_configs(QuickstartConfig(), "vllm")
 
 
 @pytest.fixture(scope="module")

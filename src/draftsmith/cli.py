@@ -131,6 +131,8 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
         annotation=Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")],
     )]
     for field_name, field in cfg_cls.model_fields.items():
+        if typing.get_origin(field.annotation) is dict:
+            continue  # a YAML-only section (a recipe's per-stage options): no flag for it
         annotation, decl = _option(field_name, field, field_name in positional)
         params.append(inspect.Parameter(field_name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                         annotation=Annotated[annotation, decl]))
@@ -161,7 +163,9 @@ _stage_command("export", "ExportConfig", "draftsmith.export:run",
 _stage_command("evaluate", "EvaluateConfig", "draftsmith.evaluate:run",
                "Measure acceptance length and speed-up by real speculative decoding (reference decoder or vLLM).")
 _stage_command("quickstart", "QuickstartConfig", "draftsmith.quickstart:run",
-               "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate.")
+               "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate, resumable."
+               "\n\nA --config recipe (see recipes/) may also hold one section per stage, e.g. `train: {lr: 5.0e-4}`, "
+               "whose options go on top of what --budget chose.")
 
 
 @app.command("doctor")

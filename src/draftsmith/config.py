@@ -120,13 +120,17 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dic
             raise DraftsmithError(f"{config_file}: expected a mapping of option: value at the top level")
         data.update(loaded)
     data.update({k: v for k, v in overrides.items() if v is not None})
+    return validate_config(cls, data, f"{config_file}: " if config_file else "")
+
+
+def validate_config(cls: type[StageConfig], data: dict[str, Any], where: str = "") -> StageConfig:
+    """`cls(**data)`, or a one-line error naming the option; `where` prefixes it (file, recipe section)."""
     try:
         return cls.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         option = ".".join(str(p) for p in first["loc"]) or "config"
         option = f"--{option.replace('_', '-')}" if option in cls.model_fields else option
-        where = f"{config_file}: " if config_file else ""
         raise DraftsmithError(f"{where}option {option}: {first['msg']} (got {first.get('input')!r})") from None
 
 
@@ -254,6 +258,15 @@ class QuickstartConfig(StageConfig):
     num_prompts: int | None = Field(None, ge=1, description="MT-bench prompts to evaluate; default per budget.")
     max_new_tokens: int | None = Field(None, ge=1, description="Tokens generated per prompt; default per budget.")
     device: str = Field("auto", description="auto, cpu, cuda ...")
+    online: bool = Field(False, description=(
+        "Train straight from the prepared set (the target runs inside the trainer) instead of extracting a store."))
+    # Recipe sections (YAML only): options of one stage on top of what the budget chose, e.g. `train: {lr: 3e-4}`.
+    # The paths that chain the stages together are the quickstart's and cannot be set here.
+    prepare: dict[str, Any] = Field(default_factory=dict, description="YAML only: PrepareConfig options.")
+    extract: dict[str, Any] = Field(default_factory=dict, description="YAML only: ExtractConfig options.")
+    train: dict[str, Any] = Field(default_factory=dict, description="YAML only: TrainConfig options.")
+    export: dict[str, Any] = Field(default_factory=dict, description="YAML only: ExportConfig options.")
+    evaluate: dict[str, Any] = Field(default_factory=dict, description="YAML only: EvaluateConfig options.")
 
     _split = field_validator("data", "k", mode="before")(_split_list)
 

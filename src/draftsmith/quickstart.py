@@ -16,7 +16,7 @@ from typing import Any, Callable
 from rich.console import Console
 
 from draftsmith.config import (EvaluateConfig, ExportConfig, ExtractConfig, PrepareConfig, QuickstartConfig,
-                               StageResult, TrainConfig, save_resolved_config)
+                               StageResult, TrainConfig, save_resolved_config, validate_config)
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsio import atomic_write_json
 
@@ -82,15 +82,34 @@ def _evaluation_engine(requested: str) -> tuple[str, str]:
     return "hf", f"reference decoder ({missing})"
 
 
+# The options that chain the stages together: a recipe section may not move them.
+_CHAINED = {"prepare": {"output"}, "extract": {"prepared", "output"}, "train": {"data", "output"},
+            "export": {"checkpoint", "output"}, "evaluate": {"draft", "output"}}
+
+
 def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
-    """Each stage's config for this quickstart run (written beside the outputs, loadable with --config)."""
+    """Each stage's config for this quickstart run: the budget's choices, then the recipe's sections on top."""
+    configs = _budget_configs(cfg, engine)
+    for stage, base in configs.items():
+        section = getattr(cfg, stage)
+        moved = sorted(_CHAINED[stage] & section.keys())
+        if moved:
+            raise DraftsmithError(f"quickstart section {stage}: option {moved[0]} is set by the quickstart itself "
+                                  "(it chains the stages); use --output to place the run")
+        if section:
+            configs[stage] = validate_config(type(base), {**base.model_dump(), **section},
+                                             f"quickstart section {stage}: ")
+    return configs
+
+
+def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     b = BUDGETS[cfg.budget]
     out = Path(cfg.output)
     return {
         "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
                                  max_samples=b.conversations),
         "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
-        "train": TrainConfig(data=out / "store", output=out / "train", epochs=b.epochs, max_steps=b.max_steps,
+        "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train", epochs=b.epochs, max_steps=b.max_steps,
                              token_budget=b.token_budget, ttt_steps=b.ttt_steps, draft_vocab_size=b.draft_vocab_size,
                              lr=b.lr, warmup_steps=20, device=cfg.device, save_every=100),
         "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
@@ -135,22 +154,26 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_NAME
     state = _load_state(state_path)
-    if state.get("budget", cfg.budget) != cfg.budget:
-        raise DraftsmithError(f"{out}: was started with --budget {state['budget']}; use another --output or the same budget")
-    state["budget"] = cfg.budget
+    for option in ("budget", "online"):  # what decides the stages' shape; the stages check their own options
+        value = getattr(cfg, option)
+        if state.get(option, value) != value:
+            raise DraftsmithError(f"{out}: was started with --{option} {state[option]}; use another --output "
+                                  f"or the same --{option}")
+        state[option] = value
     engine, engine_why = _evaluation_engine(cfg.engine)
     configs = stage_configs(cfg, engine)
     save_resolved_config(cfg, out)
     budget = BUDGETS[cfg.budget]
     started = time.perf_counter()
-    for index, stage in enumerate(STAGES, start=1):
-        remaining = [s for s in STAGES if s not in state["finished"]]
+    stages = [s for s in STAGES if not (cfg.online and s == "extract")]  # online: the trainer runs the target
+    for index, stage in enumerate(stages, start=1):
+        remaining = [s for s in stages if s not in state["finished"]]
         if stage in state["finished"]:
-            console.print(f"[dim][{index}/{len(STAGES)}] {stage}: finished earlier, skipped[/]")
+            console.print(f"[dim][{index}/{len(stages)}] {stage}: finished earlier, skipped[/]")
             continue
         elapsed = time.perf_counter() - started
         note = f" — evaluating with {engine_why}" if stage == "evaluate" else ""
-        console.rule(f"[bold][{index}/{len(STAGES)}] {stage}[/]  elapsed {elapsed / 60:.1f} min, "
+        console.rule(f"[bold][{index}/{len(stages)}] {stage}[/]  elapsed {elapsed / 60:.1f} min, "
                      f"about {_eta(budget, state, remaining) / 60:.0f} min left{note}")
         t0 = time.perf_counter()
         result = _runner(stage)(configs[stage])
