@@ -82,3 +82,14 @@ def test_doctor_reports_versions():
     assert result.exit_code == 0, result.output
     for word in ("python", "torch", "transformers", "vllm", "asset: sharegpt-v3"):
         assert word in result.output
+
+
+def test_python_dash_m_runs_the_cli():
+    """`torchrun -m draftsmith train ...` relies on the package being runnable as a module."""
+    import subprocess
+    import sys
+
+    from draftsmith import __version__
+
+    out = subprocess.run([sys.executable, "-m", "draftsmith", "version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == __version__, out.stderr[-2000:]
