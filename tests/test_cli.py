@@ -93,3 +93,20 @@ def test_python_dash_m_runs_the_cli():
 
     out = subprocess.run([sys.executable, "-m", "draftsmith", "version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == __version__, out.stderr[-2000:]
+
+
+def test_commands_are_printed_whole_below_the_table(monkeypatch):
+    """A serve command wrapped or cut by the table's width would not paste; it goes out on one line."""
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from draftsmith import cli
+    from draftsmith.config import StageResult
+
+    monkeypatch.setattr(cli, "console", Console(width=60, record=True, file=io.StringIO()))
+    cmd = "vllm serve /models/" + "x" * 90 + " --speculative-config '{\"method\": \"eagle3\"}'"
+    cli._print_result(StageResult(stage="s", output=Path("o"), summary={"a": 1}, commands={"serve it": cmd}))
+    lines = cli.console.export_text().splitlines()
+    assert cmd in lines and "serve it:" in lines

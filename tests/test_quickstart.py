@@ -91,7 +91,7 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
     report = json.loads((out / "eval" / "report.json").read_text())
     taus = {r["k"]: r["tau"] for r in report["runs"]}
     assert set(taus) == {1, 3} and taus[3] > 1.0
-    assert result.summary["serve it"].startswith("vllm serve")
+    assert result.commands["serve the draft with vLLM"].startswith("vllm serve")
     state = json.loads((out / "quickstart.json").read_text())
     assert set(state["finished"]) == set(quickstart.STAGES)
 
@@ -122,3 +122,26 @@ def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
     report = json.loads((tmp_path / "vllm-eval" / "report.json").read_text())
     assert report["runs"][0]["k"] == 3 and report["runs"][0]["tau"] >= 1.0
     assert result.summary["engine"] == "vllm"
+
+
+def test_tau_for_k_not_run_is_read_off_the_longest_run():
+    runs = [{"k": 3, "tau": 2.1, "speedup": 1.4, "acceptance_per_pos": [0.6, 0.3, 0.2]},
+            {"k": 5, "tau": 2.3, "speedup": None, "acceptance_per_pos": [0.62, 0.33, 0.2, 0.1, 0.05]}]
+    lines = quickstart.tau_lines(runs)
+    assert list(lines) == ["k=1", "k=2", "k=3", "k=4", "k=5"]
+    assert lines["k=1"] == "τ 1.62 (read off the k=5 run)" and lines["k=2"] == "τ 1.95 (read off the k=5 run)"
+    assert lines["k=3"] == "τ 2.10, speed-up 1.40x; acceptance per position 0.60 0.30 0.20"  # measured, as is
+    assert lines["k=4"].startswith("τ 2.25 (read off") and lines["k=5"].startswith("τ 2.30; acceptance")
+
+
+def test_evaluation_uses_vllm_exactly_when_it_is_installed(monkeypatch):
+    from draftsmith.evaluate import vllm_runner
+
+    monkeypatch.setattr(vllm_runner, "vllm_available", lambda: "0.32.0")
+    assert quickstart._evaluation_engine("auto") == ("vllm", "vLLM 0.32.0")
+    assert quickstart._evaluation_engine("vllm")[0] == "vllm"
+    assert quickstart._evaluation_engine("hf") == ("hf", "reference decoder (asked for)")
+    monkeypatch.setattr(vllm_runner, "vllm_available", lambda: None)
+    assert quickstart._evaluation_engine("auto") == ("hf", "reference decoder (vLLM is not installed)")
+    with pytest.raises(DraftsmithError, match="--engine vllm: vLLM is not installed"):
+        quickstart._evaluation_engine("vllm")

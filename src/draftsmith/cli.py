@@ -64,6 +64,9 @@ def _print_result(result: config.StageResult) -> None:
     if "output" not in result.summary:
         table.add_row("output", str(result.output))
     console.print(table)
+    for label, command in result.commands.items():
+        console.print(f"[bold]{label}:[/]")
+        console.print(command, soft_wrap=True, markup=False, highlight=False)
 
 
 def _fmt(value: Any) -> str:

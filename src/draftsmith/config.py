@@ -254,7 +254,9 @@ class QuickstartConfig(StageConfig):
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
         "Evaluation engine: auto uses vLLM when it is installed, the reference decoder otherwise."))
-    k: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5], description="Draft lengths to evaluate.")
+    k: list[int] = Field(default_factory=list, description=(
+        "Draft lengths to evaluate, one engine start each (default per budget: small 5, medium and large 1..5); "
+        "the summary reads τ for every shorter k off the longest run's per-position acceptance."))
     num_prompts: int | None = Field(None, ge=1, description="MT-bench prompts to evaluate; default per budget.")
     max_new_tokens: int | None = Field(None, ge=1, description="Tokens generated per prompt; default per budget.")
     device: str = Field("auto", description="auto, cpu, cuda ...")
@@ -277,3 +279,5 @@ class StageResult(BaseModel):
     stage: str
     output: Path
     summary: dict[str, Any] = Field(default_factory=dict)
+    # Shell commands for the user to copy (e.g. how to serve the draft): printed in full below the table, unwrapped.
+    commands: dict[str, str] = Field(default_factory=dict)
