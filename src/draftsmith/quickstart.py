@@ -112,9 +112,10 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
         "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
                                  max_samples=b.conversations),
         "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
-        "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train", epochs=b.epochs, max_steps=b.max_steps,
-                             token_budget=b.token_budget, ttt_steps=b.ttt_steps, draft_vocab_size=b.draft_vocab_size,
-                             lr=b.lr, warmup_steps=20, device=cfg.device, save_every=100),
+        "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train",
+                             epochs=b.epochs, max_steps=b.max_steps, token_budget=b.token_budget, ttt_steps=b.ttt_steps,
+                             draft_vocab_size=b.draft_vocab_size, lr=b.lr, warmup_steps=20, device=cfg.device,
+                             save_every=100),
         "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
                                speculative_tokens=3),
         "evaluate": EvaluateConfig(draft=out / "export", engine=engine, output=out / "eval", prompts="mt-bench",
@@ -183,8 +184,7 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
         state["finished"][stage] = {"seconds": round(time.perf_counter() - t0, 1), "output": str(result.output),
                                     "summary": json.loads(json.dumps(result.summary, default=str))}
         atomic_write_json(state_path, state)
-    summary = _summary(cfg, configs, state, engine_why)
-    serve = summary.pop("serve it")
+    summary, serve = _summary(cfg, configs, state, engine_why)
     return StageResult(stage="quickstart", output=out, summary=summary, commands={"serve the draft with vLLM": serve})
 
 
@@ -210,7 +210,9 @@ def tau_lines(runs: list[dict[str, Any]]) -> dict[str, str]:
     return lines
 
 
-def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any], engine_why: str) -> dict[str, Any]:
+def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any],
+             engine_why: str) -> tuple[dict[str, Any], str]:
+    """(the summary table, the command that serves the exported draft)."""
     from draftsmith.evaluate.report import read_report
     from draftsmith.prepared import open_prepared
 
@@ -228,5 +230,4 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
     summary.update(tau_lines(report["runs"]))
     summary["exported draft"] = str(configs["export"].output)
     summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
-    summary["serve it"] = serve_command(target_dir, Path(configs["export"].output).resolve())
-    return summary
+    return summary, serve_command(target_dir, Path(configs["export"].output).resolve())
