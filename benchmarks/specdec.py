@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-QUICK_DRAFT_VERSION = "v1"
+QUICK_DRAFT_VERSION = "v2"  # v2: target identities no longer hash tokenizer_config.json loading keys
 
 
 def quick_trained_draft() -> Path:

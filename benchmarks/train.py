@@ -5,6 +5,7 @@ Dimensions come from the default target's config (SmolLM2-135M-Instruct: hidden 
 values). One timed unit = one optimizer step (target distribution, 7 TTT steps forward + backward, AdamW).
 
     python benchmarks/train.py --quick          # seq 1024, 1 warm-up + 2 timed steps per variant
+    python benchmarks/train.py --device cuda --seq 8192   # on a GPU: bf16 autocast, as the trainer runs there
 Last line: JSON with tokens_per_s (whole training step, ours), peak_rss_mb, ratio_vs_naive (tokens/s of our TTT
 attention over the explicit-mask reference: all TTT steps, forward + backward, at the draft's head shapes) and
 step_ratio_vs_naive (the same for the whole optimizer step, where the lm_head matmuls dilute the difference).
@@ -13,6 +14,7 @@ step_ratio_vs_naive (the same for the whole optimizer step, where the lm_head ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import sys
@@ -37,7 +39,7 @@ def default_target_config() -> tuple[dict, str]:
         return FALLBACK_CONFIG, "built-in SmolLM2-135M dimensions"
 
 
-def make(seq: int, ttt_steps: int, draft_vocab: int, seed: int = 0):
+def make(seq: int, ttt_steps: int, draft_vocab: int, device: torch.device, seed: int = 0):
     config, source = default_target_config()
     cfg = DraftConfig.from_target_config(config, draft_vocab)
     torch.manual_seed(seed)
@@ -51,7 +53,18 @@ def make(seq: int, ttt_steps: int, draft_vocab: int, seed: int = 0):
     mask = torch.ones(1, seq, dtype=torch.bool)
     mask[:, : seq // 4] = False
     hidden = torch.randn(1, seq, 4, h)
-    return cfg, source, draft, norm, head_weight, ids, mask, hidden
+    moved = [x.to(device) for x in (draft, norm, head_weight, ids, mask, hidden)]
+    return cfg, source, *moved
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: torch.device):
+    """bf16 autocast on a GPU, as the trainer runs there; fp32 on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden, ttt_steps: int, mode: str,
@@ -60,34 +73,51 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
     aux = hidden[:, :, :-1].flatten(2)
     times = []
     for i in range(warmup + steps):
+        _sync(hidden.device)
         t0 = time.perf_counter()
-        target = target_distribution(hidden[:, :, -1], norm, head_weight, model.draft.draft_to_target)
-        out = model(ids, mask, aux, target, ttt_steps, 0.8, None, mode=mode)
+        with _autocast(hidden.device):
+            target = target_distribution(hidden[:, :, -1], norm, head_weight, model.draft.draft_to_target)
+            out = model(ids, mask, aux, target, ttt_steps, 0.8, None, mode=mode)
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _sync(hidden.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         print(f"  {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
     return sorted(times)[len(times) // 2] if times else 0.0
 
 
-def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int) -> float:
+def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int,
+                   device: torch.device) -> float:
     """Seconds for the attention of all TTT steps, forward + backward, at the draft's head shapes."""
     from draftsmith.model import naive_ttt_attention, ttt_attention
 
     fn = ttt_attention if mode == "ttt" else naive_ttt_attention
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     times = []
     for _ in range(repeats + 1):
-        qs = [torch.randn(1, hq, seq, d, requires_grad=True) for _ in range(ttt_steps)]
-        ks = [torch.randn(1, hkv, seq, d, requires_grad=True) for _ in range(ttt_steps)]
-        vs = [torch.randn(1, hkv, seq, d, requires_grad=True) for _ in range(ttt_steps)]
+        qs, ks, vs = ([torch.randn(1, heads, seq, d, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(ttt_steps)] for heads in (hq, hkv, hkv))
+        _sync(device)
         t0 = time.perf_counter()
-        total = sum(fn(qs[k], ks[:k + 1], vs[:k + 1]).square().mean() for k in range(ttt_steps))
+        total = sum(fn(qs[k], ks[:k + 1], vs[:k + 1]).float().square().mean() for k in range(ttt_steps))
         total.backward()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def _peak_mb(device: torch.device) -> float:
+    """Peak process RSS on CPU; peak allocated GPU memory on a GPU (what limits the batch there)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def main() -> None:
@@ -98,32 +128,36 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]; on a GPU the step runs under bf16 autocast")
     args = parser.parse_args()
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or (2 if args.quick else 5)
 
-    cfg, source, draft, norm, head_weight, ids, mask, hidden = make(args.seq, args.ttt_steps, args.draft_vocab)
+    cfg, source, draft, norm, head_weight, ids, mask, hidden = make(args.seq, args.ttt_steps, args.draft_vocab, device)
     model = TTTModel(draft)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     # Ours first (its peak RSS is read before the reference ever runs), then both interleaved so that a
     # change in machine load hits both alike; each variant's time is the median of its timed steps.
     times: dict[str, list[float]] = {"ttt": [], "naive": []}
     time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, "ttt", warmup=1, steps=0)
-    rss = {"ttt": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    rss = {"ttt": _peak_mb(device)}
+    if device.type == "cuda":  # RSS only grows; the GPU's peak can be reset so the reference gets its own
+        torch.cuda.reset_peak_memory_stats(device)
     time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, "naive", warmup=1, steps=0)
-    rss["naive"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss["naive"] = _peak_mb(device)
     for _ in range(steps):
         for mode in ("ttt", "naive"):
             times[mode].append(time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps,
                                           mode, warmup=0, steps=1))
     results = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
-    attn = {mode: time_attention(cfg, args.seq, args.ttt_steps, mode, repeats=steps) for mode in ("ttt", "naive")}
+    attn = {mode: time_attention(cfg, args.seq, args.ttt_steps, mode, steps, device) for mode in ("ttt", "naive")}
     tokens = args.seq
     row = "{:<34} {:>12} {:>12}"
     print(f"draft for {source}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, "
           f"target vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}; seq {args.seq}, TTT steps "
-          f"{args.ttt_steps}, torch threads {torch.get_num_threads()}")
+          f"{args.ttt_steps}, device {_device_name(device)}, torch threads {torch.get_num_threads()}")
     print(row.format("", "ours (TTT)", "explicit mask"))
     print(row.format("train step: s", f"{results['ttt']:.3f}", f"{results['naive']:.3f}"))
     print(row.format("train step: tokens/s", f"{tokens / results['ttt']:.1f}", f"{tokens / results['naive']:.1f}"))
@@ -137,6 +171,7 @@ def main() -> None:
         "ratio_vs_naive": round(attn["naive"] / attn["ttt"], 3),
         "step_ratio_vs_naive": round(results["naive"] / results["ttt"], 3),
         "seq": args.seq, "ttt_steps": args.ttt_steps, "draft_vocab": cfg.draft_vocab_size,
+        "device": _device_name(device),
     }
     print(json.dumps(summary))
 

@@ -28,6 +28,21 @@ def test_identity_ignores_bookkeeping_but_not_weights_shape(tiny_target_dir, tmp
     assert "config_hash" in targets.target_identity(copy).mismatch(a)
 
 
+def test_identity_ignores_how_the_tokenizer_was_loaded(tiny_target_dir, tmp_path):
+    # save_pretrained under HF_HUB_OFFLINE=1 writes "local_files_only": true; the same target must stay the same
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target_dir, copy)
+    config_file = copy / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(local_files_only=not config.get("local_files_only", False), name_or_path="/somewhere/else")
+    config_file.write_text(json.dumps(config, indent=4))
+    reference = targets.target_identity(tiny_target_dir)
+    assert targets.target_identity(copy).mismatch(reference) is None
+    config["eos_token"] = "<not-the-same>"  # what the tokenizer does still counts
+    config_file.write_text(json.dumps(config))
+    assert "tokenizer_hash" in targets.target_identity(copy).mismatch(reference)
+
+
 def test_default_aux_layers_follow_eagle3():
     assert targets.default_aux_layer_ids(30) == [2, 15, 27]
     assert targets.default_aux_layer_ids(32) == [2, 16, 29]

@@ -22,6 +22,11 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_o
                          "quantization_config", "use_cache"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+# tokenizer_config.json keys that record how the tokenizer was loaded, not how it tokenises: save_pretrained writes
+# e.g. "local_files_only": true under HF_HUB_OFFLINE=1, which must not make the same target "another target".
+_VOLATILE_TOKENIZER_KEYS = {"local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision", "token",
+                            "use_auth_token", "force_download", "proxies", "subfolder", "_from_auto", "tokenizer_file",
+                            "trust_remote_code"}
 
 
 def resolve_target(spec: str | Path | None) -> Path:
@@ -62,13 +67,29 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def _tokenizer_file_bytes(file: Path) -> bytes:
+    """The file's bytes, except tokenizer_config.json: its content without loading-time bookkeeping."""
+    data = file.read_bytes()
+    if file.name != "tokenizer_config.json":
+        return data
+    try:
+        config = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return data
+    if not isinstance(config, dict):
+        return data
+    stable = {k: v for k, v in config.items() if k not in _VOLATILE_TOKENIZER_KEYS}
+    return json.dumps(stable, sort_keys=True).encode()
+
+
 def target_identity(path: Path) -> TargetIdentity:
     """Hashes and sizes that let every later stage refuse inputs made for another target."""
     path = Path(path)
     config = read_config(path)
     text = _text_config(config)
     stable = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
-    tok_hash = sha256_bytes(b"".join((path / name).read_bytes() for name in _TOKENIZER_FILES if (path / name).is_file()))
+    tok_hash = sha256_bytes(b"".join(_tokenizer_file_bytes(path / name) for name in _TOKENIZER_FILES
+                                     if (path / name).is_file()))
     try:
         return TargetIdentity(
             path=str(path.resolve()),
