@@ -289,3 +289,48 @@ def test_data_that_is_not_a_store_or_prepared_set(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(DraftsmithError, match="must be a hidden-state store"):
         trainer.run(_cfg(tmp_path / "x", tmp_path / "run"))
+
+
+# ---------------------------------------------------------------------------------------------- --init-from
+
+def test_init_from_an_export_continues_from_its_weights_and_vocabulary(prepared_dir, sharp_target_dir, tmp_path):
+    from draftsmith import export
+    from draftsmith.config import ExportConfig
+
+    first = tmp_path / "first"
+    trainer.run(_cfg(prepared_dir, first, max_steps=3, draft_vocab_size=200))
+    export.run(ExportConfig(checkpoint=first, output=tmp_path / "export", dtype="fp32"))
+    exported = export.load_draft(tmp_path / "export")
+
+    second = tmp_path / "second"  # a learning rate too small to move anything: the start is the export itself
+    result = trainer.run(_cfg(prepared_dir, second, max_steps=1, lr=1e-20, warmup_steps=0, schedule="constant",
+                              init_from=tmp_path / "export"))
+    assert result.summary["started from"] == str(tmp_path / "export")
+    draft, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(second))
+    assert manifest.draft.draft_vocab_size == 200  # the draft's own vocabulary, not --draft-vocab-size 320
+    again = export.canonical_tensors(draft)
+    assert again.keys() == exported.tensors.keys()
+    for name, tensor in exported.tensors.items():
+        torch.testing.assert_close(again[name], tensor, msg=name)
+    fresh = trainer.initial_draft(_cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200),
+                                  trainer.setup(_cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200),
+                                                torch.device("cpu")))[0]
+    assert not torch.equal(export.canonical_tensors(fresh)["fc.weight"], exported.tensors["fc.weight"])
+
+
+def test_init_from_a_draft_for_other_layers_or_target_or_nothing_is_refused(prepared_dir, tmp_path):
+    first = tmp_path / "first"
+    trainer.run(_cfg(prepared_dir, first, max_steps=1, aux_layer_ids=[1, 2, 3]))
+    with pytest.raises(DraftsmithError, match=r"fuses aux layers \[1, 2, 3\].*gives \[1, 2\]; pass --aux-layer-ids"):
+        trainer.run(_cfg(prepared_dir, tmp_path / "a", init_from=first))
+    with pytest.raises(DraftsmithError, match="1 decoder layer"):
+        trainer.run(_cfg(prepared_dir, tmp_path / "b", init_from=first, aux_layer_ids=[1, 2, 3], num_layers=2))
+    with pytest.raises(DraftsmithError, match="does not exist"):
+        trainer.run(_cfg(prepared_dir, tmp_path / "c", init_from=tmp_path / "missing"))
+    from conftest import build_tiny_target
+
+    other = build_tiny_target(tmp_path / "other", hidden_size=32)
+    other_prepared = tmp_path / "other-prepared"
+    write_prepared(other_prepared, _samples(8), target_identity(other), chat_template_hash="t", max_length=64)
+    with pytest.raises(DraftsmithError, match=r"--init-from .*: draft was built for another target \(hidden size 64 != 32"):
+        trainer.run(_cfg(other_prepared, tmp_path / "d", init_from=first, aux_layer_ids=[1, 2, 3]))

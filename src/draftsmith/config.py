@@ -234,6 +234,10 @@ class TrainConfig(StageConfig):
     resume: bool = Field(True, description="Continue from the latest checkpoint in --output when there is one.")
     force: bool = Field(False, description=(
         "Resume even if hyper-parameters differ from the checkpoint's (prints what changed)."))
+    init_from: Path | None = Field(None, description=(
+        "Start from an existing draft (an exported directory in any format, or a training checkpoint) instead of a "
+        "fresh one, e.g. to adapt a released draft to your data. Its layers, draft vocabulary and aux layers are kept "
+        "(--draft-vocab-size and --lm-head-init do not apply); it must be a draft for this target."))
     lm_head_init: Literal["target", "random"] = Field("target", description=(
         "Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly."))
     device: str = Field("auto", description="auto, cpu, cuda, cuda:1 ... (torchrun: each rank uses its local GPU).")

@@ -438,6 +438,16 @@ def module_state_dict(tensors: dict[str, torch.Tensor], embed_weight: torch.Tens
     return state
 
 
+def draft_module(source: "DraftSource", embed_weight: torch.Tensor) -> torch.nn.Module:
+    """draftsmith.model.Eagle3Draft (fp32, CPU) holding the draft's weights and the target's embedding."""
+    from draftsmith.model import Eagle3Draft
+
+    draft = Eagle3Draft(source.arch.to_draft_config())
+    state = module_state_dict(source.tensors, embed_weight.detach().cpu())
+    draft.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}, strict=True)
+    return draft
+
+
 def arch_from_model(model: torch.nn.Module, manifest: Any) -> DraftArch:
     """DraftArch from the draft module's DraftConfig and the checkpoint's aux layer ids."""
     cfg = model.config

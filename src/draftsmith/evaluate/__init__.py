@@ -47,12 +47,7 @@ def resolve_evaluation_target(spec: str | None, source: export.DraftSource, wher
 def build_draft_module(source: export.DraftSource, target_model: torch.nn.Module, device: torch.device,
                        dtype: torch.dtype) -> torch.nn.Module:
     """draftsmith.model.Eagle3Draft holding the draft's weights, with the target's embedding."""
-    from draftsmith.model import Eagle3Draft
-
-    draft = Eagle3Draft(source.arch.to_draft_config())
-    state = export.module_state_dict(source.tensors, targets.embed_tokens(target_model).weight.detach())
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
-    draft.load_state_dict(state, strict=True)
+    draft = export.draft_module(source, targets.embed_tokens(target_model).weight)
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

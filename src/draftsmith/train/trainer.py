@@ -68,6 +68,7 @@ class Setup:
     train_ids: list[int]
     eval_ids: list[int]
     lengths: np.ndarray
+    token_counts: torch.Tensor
     notes: list[str] = field(default_factory=list)
 
 
@@ -140,7 +141,39 @@ def setup(cfg: TrainConfig, device: torch.device) -> Setup:
     vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, identity.vocab_size))
     online = OnlineSource(target, aux + [identity.num_layers]) if kind == "prepared" else None
     return Setup(dataset, kind, target_path, identity, aux, target, online, vocab.draft_to_target, vocab.coverage,
-                 train_ids, eval_ids, lengths)
+                 train_ids, eval_ids, lengths, torch.as_tensor(counts))
+
+
+def initial_draft(cfg: TrainConfig, s: Setup) -> tuple[Eagle3Draft, DraftConfig, float]:
+    """(draft, its config, draft-vocab coverage of the data): a fresh draft, or the one --init-from names."""
+    if cfg.init_from is None:
+        draft_cfg = DraftConfig.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size,
+                                                   cfg.num_layers, len(s.aux_layer_ids))
+        draft = Eagle3Draft.from_target(draft_cfg, s.target, s.draft_to_target, cfg.lm_head_init, cfg.seed)
+        return draft, draft_cfg, s.coverage
+    from draftsmith import export
+
+    where = f"--init-from {cfg.init_from}"
+    if not Path(cfg.init_from).exists():
+        raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
+    source = export.load_draft(cfg.init_from)
+    export.check_arch_against_target(source.arch, s.identity, where)
+    problem = s.identity.mismatch(source.target)
+    if problem:
+        raise DraftsmithError(f"{where}: the draft was trained for target {source.target.path}, not {s.target_path} "
+                              f"({problem}); start from a draft for this target")
+    if sorted(source.arch.aux_layer_ids) != s.aux_layer_ids:
+        fix = ("extract a store with those layers" if s.data_kind == "store"
+               else f"pass --aux-layer-ids {','.join(map(str, source.arch.aux_layer_ids))}")
+        raise DraftsmithError(f"{where}: the draft fuses aux layers {source.arch.aux_layer_ids}, the training data "
+                              f"gives {s.aux_layer_ids}; {fix}")
+    if source.arch.num_hidden_layers != cfg.num_layers:
+        raise DraftsmithError(f"{where}: the draft has {source.arch.num_hidden_layers} decoder layer(s), --num-layers "
+                              f"asks for {cfg.num_layers}; drop the option or start from a matching draft")
+    draft = export.draft_module(source, targets.embed_tokens(s.target).weight.float())
+    counts = s.token_counts.to(torch.float64)
+    coverage = float(counts[draft.draft_to_target].sum() / counts.sum().clamp(min=1))
+    return draft, draft.config, coverage
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -202,9 +235,8 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     device, out = info.device, Path(cfg.output)
     torch.manual_seed(cfg.seed)
     s = setup(cfg, device)
-    draft_cfg = DraftConfig.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size,
-                                               cfg.num_layers, len(s.aux_layer_ids))
-    draft = Eagle3Draft.from_target(draft_cfg, s.target, s.draft_to_target, cfg.lm_head_init, cfg.seed).to(device)
+    draft, draft_cfg, coverage = initial_draft(cfg, s)
+    draft = draft.to(device)
     head = TargetHead(targets.final_norm(s.target), targets.lm_head(s.target).weight, draft.draft_to_target)
     sampler = TokenBudgetSampler(s.train_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size)
     max_epochs = cfg.epochs if cfg.max_steps is None else 1 << 30  # --max-steps overrides --epochs
@@ -252,7 +284,7 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         out.mkdir(parents=True, exist_ok=True)
         save_resolved_config(cfg, out)
     base_manifest = dict(target=s.identity, aux_layer_ids=s.aux_layer_ids, draft=draft_cfg,
-                         draft_vocab_coverage=s.coverage, data=str(Path(cfg.data).resolve()), data_kind=s.data_kind,
+                         draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()), data_kind=s.data_kind,
                          eval_fraction=cfg.eval_fraction, split_seed=cfg.seed, hyperparameters=cfg.model_dump(mode="json"))
     last_eval: dict = {}
     last_eval_step = -1
@@ -382,9 +414,11 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         "final acceptance length (sim.)": last_eval.get("acceptance_length", last_train.get("acceptance_length")),
         "best acceptance length (sim.)": best_len,
         "per-step acc": last_eval.get("acc", last_train.get("acc")),
-        "draft vocab coverage": round(s.coverage, 4),
+        "draft vocab coverage": round(coverage, 4),
         "checkpoint": str(last_saved),
     }
+    if cfg.init_from is not None:
+        summary["started from"] = str(cfg.init_from)
     if resumed_from:
         summary["resumed from"] = str(resumed_from)
     return StageResult(stage="train", output=out, summary=summary)
