@@ -214,7 +214,9 @@ def _nonfinite_sample(batch: Batch) -> int | None:
 
 def _changed_hyperparameters(saved: dict, cfg: TrainConfig) -> list[str]:
     now = cfg.model_dump(mode="json")
-    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in now if k not in _RESUMABLE_CHANGES and saved.get(k) != now[k]]
+    # An option added after the checkpoint was written is not a change.
+    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in now if k not in _RESUMABLE_CHANGES and k in saved
+            and saved[k] != now[k]]
 
 
 # ---------------------------------------------------------------------------------------------- the loop
