@@ -145,3 +145,7 @@ def test_evaluation_uses_vllm_exactly_when_it_is_installed(monkeypatch):
     assert quickstart._evaluation_engine("auto") == ("hf", "reference decoder (vLLM is not installed)")
     with pytest.raises(DraftsmithError, match="--engine vllm: vLLM is not installed"):
         quickstart._evaluation_engine("vllm")
+    # a finished evaluation's engine is read from the state, without probing vLLM again
+    monkeypatch.setattr(vllm_runner, "vllm_available", lambda: pytest.fail("probed vLLM after the evaluation"))
+    finished = {"finished": {"evaluate": {}}, "engine": {"engine": "vllm", "why": "vLLM 0.32.0"}}
+    assert quickstart._evaluation_engine("auto", finished) == ("vllm", "vLLM 0.32.0")

@@ -71,10 +71,14 @@ def _load_state(path: Path) -> dict[str, Any]:
         raise DraftsmithError(f"{path}: damaged quickstart state; delete it to start the run over") from None
 
 
-def _evaluation_engine(requested: str) -> tuple[str, str]:
-    """(engine, why) — vLLM when installed and asked for (or auto), else the reference decoder."""
+def _evaluation_engine(requested: str, state: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(engine, why) — vLLM when installed and asked for (or auto), else the reference decoder. Once the evaluate
+    stage has finished, the engine it used (recorded in the state) is the answer: no vLLM import probe (~10 s)."""
     from draftsmith.evaluate.vllm_runner import vllm_available
 
+    recorded = (state or {}).get("engine")
+    if recorded and "evaluate" in (state or {}).get("finished", {}):
+        return recorded["engine"], recorded["why"]
     if requested == "hf":
         return "hf", "reference decoder (asked for)"
     version = vllm_available()
@@ -164,7 +168,8 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
             raise DraftsmithError(f"{out}: was started with --{option} {state[option]}; use another --output "
                                   f"or the same --{option}")
         state[option] = value
-    engine, engine_why = _evaluation_engine(cfg.engine)
+    engine, engine_why = _evaluation_engine(cfg.engine, state)
+    state["engine"] = {"engine": engine, "why": engine_why}
     configs = stage_configs(cfg, engine)
     save_resolved_config(cfg, out)
     budget = BUDGETS[cfg.budget]
