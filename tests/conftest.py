@@ -45,7 +45,7 @@ def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, vocab_size: int =
 
 
 def build_tiny_target(path: Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0,
-                      chat_template: str = CHATML_TEMPLATE) -> Path:
+                      chat_template: str = CHATML_TEMPLATE, tie_word_embeddings: bool = False) -> Path:
     """Save a tiny random Llama target with its tokenizer as an HF directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +53,7 @@ def build_tiny_target(path: Path, *, num_layers: int = 4, hidden_size: int = 64,
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)

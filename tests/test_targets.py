@@ -74,3 +74,28 @@ def test_load_target_and_layer_accessors(tiny_target_dir):
     assert not any(p.requires_grad for p in model.parameters())
     x = torch.randn(1, 3, 64)
     assert targets.final_norm(model)(x).shape == x.shape
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_parts_equal_the_whole_models_without_its_layers(tmp_path, tied):
+    from conftest import build_tiny_target
+
+    path = build_tiny_target(tmp_path / "t", tie_word_embeddings=tied)
+    full, head = targets.load_target(path), targets.load_target_head(path)
+    assert isinstance(head, targets.TargetHeadParts) and not hasattr(head, "model")  # no decoder layers
+    for part in (targets.embed_tokens, targets.final_norm, targets.lm_head):
+        a, b = part(full).state_dict(), part(head).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part.__name__
+    assert (targets.lm_head(head).weight is targets.embed_tokens(head).weight) == tied
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+def test_head_parts_fall_back_to_the_whole_model_for_other_layouts(tmp_path):
+    from conftest import build_tiny_target
+    from safetensors.torch import load_file
+
+    path = build_tiny_target(tmp_path / "t")
+    state = load_file(str(path / "model.safetensors"))
+    torch.save(state, path / "pytorch_model.bin")  # a .bin checkpoint: no tensor can be read by name
+    (path / "model.safetensors").unlink()
+    assert not isinstance(targets.load_target_head(path), targets.TargetHeadParts)

@@ -108,7 +108,9 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
     s = trainer.setup(_cfg(store_dir, prepared_dir.parent / "unused"), torch.device("cpu"))
     ids = [0, 3, 5]
     offline = fetch(store, [store.index_of(i) for i in ids])
-    online = OnlineSource(s.target, store.layer_ids)(fetch(prepared, ids))
+    from draftsmith.targets import load_target
+
+    online = OnlineSource(load_target(sharp_target_dir), store.layer_ids)(fetch(prepared, ids))
     assert torch.equal(offline.input_ids, online.input_ids) and torch.equal(offline.loss_mask, online.loss_mask)
     real = offline.loss_mask | (offline.input_ids != 0)
     # the store keeps bf16: the online fp32 states round to the stored ones
@@ -167,6 +169,14 @@ def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_pat
     assert m2.step == result.summary["steps"]
     assert "optimizer" in checkpoint.load_training_state(latest)
     assert (out / "config.yaml").is_file()
+
+
+def test_offline_training_never_loads_the_targets_decoder_layers(store_dir, tmp_path, monkeypatch):
+    from draftsmith import targets
+
+    monkeypatch.setattr(targets, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
+    result = trainer.run(_cfg(store_dir, tmp_path / "run", max_steps=2))
+    assert result.summary["steps"] == 2
 
 
 def test_resume_after_a_crash_gives_the_same_loss_curve(prepared_dir, tmp_path, monkeypatch):

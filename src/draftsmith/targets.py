@@ -142,6 +142,75 @@ def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | to
     return model
 
 
+class TargetHeadParts(nn.Module):
+    """A target's embedding, final norm and lm_head without its decoder layers: all that training from a store
+    touches (an 8B target's layers are ~15 GB the offline trainer would load and never run)."""
+
+    def __init__(self, embed: nn.Embedding, norm: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.embed_tokens, self.norm, self.lm_head = embed, norm, head
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+
+def _safetensors_names(path: Path) -> dict[str, Path] | None:
+    """tensor name -> file for a safetensors checkpoint (single file or sharded with an index), else None."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        return None
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     trust_remote_code: bool = False) -> nn.Module:
+    """Only the embedding, final norm and lm_head, read by name from the safetensors files; the whole target
+    (load_target) when the checkpoint is not laid out so (other formats, renamed or missing tensors)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        files = _safetensors_names(Path(path))
+    except Exception:  # noqa: BLE001 - anything unusual: the whole model, which reports its own errors
+        files = None
+    if files is None:
+        return load_target(path, dtype, device, trust_remote_code)
+    parts = {"embed": embed_tokens(skeleton), "norm": final_norm(skeleton), "head": lm_head(skeleton)}
+    module_names = {id(m): n for n, m in skeleton.named_modules()}
+    tied = parts["head"].weight is parts["embed"].weight
+    loaded: dict[str, nn.Module] = {}
+    for key, module in parts.items():
+        prefix = module_names[id(module)]
+        if key == "head" and tied:  # the embedding's weight, loaded above
+            loaded[key] = parts["head"].to_empty(device="cpu")
+            continue
+        names = {k: f"{prefix}.{k}" for k in module.state_dict()}
+        if any(name not in files for name in names.values()):
+            return load_target(path, dtype, device, trust_remote_code)
+        state = {}
+        for k, name in names.items():
+            with safe_open(str(files[name]), framework="pt") as f:
+                state[k] = f.get_tensor(name)
+        loaded[key] = module.to_empty(device="cpu")
+        loaded[key].load_state_dict(state, strict=True)
+    if tied:
+        loaded["head"].weight = loaded["embed"].weight
+    head = TargetHeadParts(loaded["embed"], loaded["norm"], loaded["head"])
+    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -129,7 +129,9 @@ def setup(cfg: TrainConfig, device: torch.device) -> Setup:
         raise DraftsmithError(f"{cfg.data}: was made for another target than {target_path} ({diff}); pass the "
                               "matching --target or prepare/extract the data for this one")
     dtype = torch.bfloat16 if device.type == "cuda" and kind == "prepared" else torch.float32
-    target = targets.load_target(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    # From a store only the embedding, final norm and lm_head are used: the decoder layers stay on disk.
+    load = targets.load_target if kind == "prepared" else targets.load_target_head
+    target = load(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
 
     if cfg.max_samples is not None:
         sample_ids, lengths = sample_ids[:cfg.max_samples], lengths[:cfg.max_samples]
