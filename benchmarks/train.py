@@ -23,7 +23,7 @@ import time
 import torch
 
 from draftsmith.model import DraftConfig, Eagle3Draft
-from draftsmith.train.ttt import TTTModel, target_distribution
+from draftsmith.train.ttt import TTTModel, needed_positions, target_distribution
 
 FALLBACK_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 8192,
@@ -76,7 +76,8 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
         _sync(hidden.device)
         t0 = time.perf_counter()
         with _autocast(hidden.device):
-            target = target_distribution(hidden[:, :, -1], norm, head_weight, model.draft.draft_to_target)
+            target = target_distribution(hidden[:, :, -1], norm, head_weight, model.draft.draft_to_target,
+                                         needed=needed_positions(mask))  # as the trainer does
             out = model(ids, mask, aux, target, ttt_steps, 0.8, None, mode=mode)
         out.loss.backward()
         optimizer.step()

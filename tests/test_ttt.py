@@ -155,6 +155,35 @@ def test_target_distribution_matches_the_target_model_and_is_chunk_invariant(tin
     torch.testing.assert_close(dist.mass, torch.softmax(logits, -1)[..., draft_ids].sum(-1), atol=1e-5, rtol=1e-4)
 
 
+def test_target_head_on_needed_positions_only_gives_the_same_ttt_result():
+    from draftsmith.train.ttt import needed_positions
+
+    draft = _tiny_draft()
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 40, (2, 12), generator=gen)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, 5:] = True
+    mask[1, 3:7] = True  # a second assistant turn ends mid-sample: positions after it are not needed
+    aux = torch.randn(2, 12, 96, generator=gen)
+    last = torch.randn(2, 12, 32, generator=gen)
+    norm, weight = torch.nn.RMSNorm(32), torch.randn(40, 32, generator=gen)
+    needed = needed_positions(mask)
+    assert needed[0].tolist() == [False] * 4 + [True] * 7 + [False]
+    assert needed[1].tolist() == [False] * 2 + [True] * 4 + [False] * 6
+    full = target_distribution(last, norm, weight, draft.draft_to_target)
+    part = target_distribution(last, norm, weight, draft.draft_to_target, needed=needed, chunk_elements=80)
+    for name in ("probs", "neg_entropy", "mass", "argmax"):
+        a, b = getattr(full, name), getattr(part, name)
+        torch.testing.assert_close(b[needed], a[needed])
+        assert not b[~needed].any(), name  # never computed
+    with torch.no_grad():
+        a = ttt_forward(draft, ids, mask, aux, full, ttt_steps=3)
+        b = ttt_forward(draft, ids, mask, aux, part, ttt_steps=3)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)  # other chunking: float rounding only
+    for name in ("kl_sum", "correct", "accept_sum", "count"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6)
+
+
 def test_kl_is_zero_and_acceptance_one_when_draft_equals_target():
     """With the target set to the draft's own distribution the KL is 0, top-1 agrees and sum min(p, q) is 1."""
     draft = _tiny_draft()

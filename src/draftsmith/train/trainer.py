@@ -32,7 +32,8 @@ from draftsmith.manifest import read_manifest_json
 from draftsmith.model import DraftConfig, Eagle3Draft
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.data import Batch, OnlineSource, TokenBudgetSampler, fetch, token_counts_from
-from draftsmith.train.ttt import TTTModel, TTTResult, step_counts, summarise, target_distribution
+from draftsmith.train.ttt import (TTTModel, TTTResult, needed_positions, step_counts, summarise,
+                                  target_distribution)
 
 METRICS_FILE = "metrics.jsonl"
 # Options that may change between a run and its resume without changing what is being trained.
@@ -50,8 +51,9 @@ class TargetHead:
     weight: torch.Tensor
     draft_to_target: torch.Tensor
 
-    def __call__(self, last_hidden: torch.Tensor):
-        return target_distribution(last_hidden, self.norm, self.weight, self.draft_to_target)
+    def __call__(self, last_hidden: torch.Tensor, loss_mask: torch.Tensor | None = None):
+        needed = None if loss_mask is None else needed_positions(loss_mask)
+        return target_distribution(last_hidden, self.norm, self.weight, self.draft_to_target, needed=needed)
 
 
 @dataclass
@@ -205,8 +207,8 @@ def batch_forward(model: TTTModel | nn.Module, head: TargetHead, batch: Batch, c
     if cfg.noise_std > 0 and noise_seed is not None:
         gen = torch.Generator(device=hs.device).manual_seed(noise_seed)
         aux = aux + cfg.noise_std * torch.randn(aux.shape, generator=gen, device=hs.device, dtype=aux.dtype)
-    return model(batch.input_ids, batch.loss_mask, aux, head(hs[:, :, -1]), cfg.ttt_steps, cfg.step_weight,
-                 normaliser)
+    return model(batch.input_ids, batch.loss_mask, aux, head(hs[:, :, -1], batch.loss_mask), cfg.ttt_steps,
+                 cfg.step_weight, normaliser)
 
 
 def _nonfinite_sample(batch: Batch) -> int | None:

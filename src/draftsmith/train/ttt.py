@@ -30,18 +30,31 @@ class TargetDistribution:
     argmax: torch.Tensor  # [B, T] target argmax over the FULL vocabulary (target ids)
 
 
+def needed_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: positions j whose p_j some TTT step is scored against, i.e. loss_mask[j + 1] (any step k reads
+    p_{t+k+1} only where loss_mask[t+k+2]). On chat data about a quarter of positions are not needed."""
+    return F.pad(loss_mask[:, 1:].bool(), (0, 1))
+
+
 @torch.no_grad()
 def target_distribution(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head_weight: torch.Tensor,
-                        draft_to_target: torch.Tensor, chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> TargetDistribution:
-    """p_j from layer N (un-normalised) through the target's final norm and lm_head, a few tokens at a time."""
+                        draft_to_target: torch.Tensor, chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
+                        needed: torch.Tensor | None = None) -> TargetDistribution:
+    """p_j from layer N (un-normalised) through the target's final norm and lm_head, a few tokens at a time.
+
+    With `needed` [B, T] only those positions go through the head (the target's full-vocabulary matmul is a large
+    part of a training step); the others are left zero, and nothing reads them.
+    """
     b, t, h = last_hidden.shape
     flat = last_hidden.reshape(b * t, h)
+    rows = None if needed is None else needed.reshape(-1).nonzero().squeeze(1)
+    work = flat if rows is None else flat[rows]
     vocab = lm_head_weight.shape[0]
     chunk = max(1, chunk_elements // vocab)
     probs, neg_ent, mass, argmax = [], [], [], []
     ids = draft_to_target.to(lm_head_weight.device)
-    for start in range(0, flat.shape[0], chunk):
-        x = final_norm(flat[start:start + chunk].to(lm_head_weight.dtype))
+    for start in range(0, work.shape[0], chunk):
+        x = final_norm(work[start:start + chunk].to(lm_head_weight.dtype))
         logits = (x @ lm_head_weight.T).float()  # [chunk, V]
         full_logp = torch.log_softmax(logits, dim=-1)
         argmax.append(logits.argmax(-1))
@@ -51,9 +64,17 @@ def target_distribution(last_hidden: torch.Tensor, final_norm: nn.Module, lm_hea
         probs.append(p)
         neg_ent.append((p * logp).sum(-1))
         mass.append(full_logp[:, ids].exp().sum(-1))
-    return TargetDistribution(
-        probs=torch.cat(probs).view(b, t, -1), neg_entropy=torch.cat(neg_ent).view(b, t),
-        mass=torch.cat(mass).view(b, t), argmax=torch.cat(argmax).view(b, t))
+    device = last_hidden.device
+    parts = [torch.cat(x) if x else torch.zeros(0, *shape, dtype=dtype, device=device)
+             for x, shape, dtype in ((probs, (ids.numel(),), torch.float32), (neg_ent, (), torch.float32),
+                                     (mass, (), torch.float32), (argmax, (), torch.int64))]
+    if rows is not None:  # scatter the computed rows back into full-size tensors
+        full = [torch.zeros(b * t, *x.shape[1:], dtype=x.dtype, device=x.device) for x in parts]
+        for dest, src in zip(full, parts):
+            dest[rows] = src
+        parts = full
+    return TargetDistribution(probs=parts[0].view(b, t, -1), neg_entropy=parts[1].view(b, t),
+                              mass=parts[2].view(b, t), argmax=parts[3].view(b, t))
 
 
 def step_views(k: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetDistribution):
