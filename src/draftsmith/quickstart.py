@@ -47,12 +47,12 @@ BUDGETS: dict[str, Budget] = {
     "tiny": Budget(conversations=32, max_length=384, epochs=1, max_steps=24, token_budget=2048, ttt_steps=2,
                    draft_vocab_size=4096, lr=1e-3, num_prompts=1, max_new_tokens=24, k=(3,),
                    expected_s=(20, 30, 60, 10, 60)),
-    # Sized on a 2-core x86-64 CPU (AVX2, fp32) to finish within 15 minutes: ~55k tokens extracted at ~270 tok/s,
-    # two epochs of training at ~285 tok/s, then one vLLM run at k = 5 beside the target alone (a vLLM start costs
-    # about a minute on such a CPU; docs/benchmarks.md has the measured runs).
+    # Sized on a 2-core x86-64 CPU (AVX2, fp32) to finish within 15 minutes: ~55k tokens extracted at ~285 tok/s,
+    # two epochs of training at ~335 tok/s, then one vLLM run at k = 5 beside the target alone (a vLLM start costs
+    # about a minute on such a CPU; docs/benchmarks.md has the measured runs: 13 min).
     "small": Budget(conversations=120, max_length=512, epochs=2, max_steps=None, token_budget=1024, ttt_steps=3,
                     draft_vocab_size=8192, lr=2e-3, num_prompts=5, max_new_tokens=64, k=(5,),
-                    expected_s=(10, 205, 375, 1, 240)),
+                    expected_s=(10, 190, 320, 1, 270)),
     "medium": Budget(conversations=6000, max_length=2048, epochs=3, max_steps=None, token_budget=8192, ttt_steps=5,
                      draft_vocab_size=32000, lr=5e-4, num_prompts=40, max_new_tokens=192, k=(1, 2, 3, 4, 5),
                      expected_s=(120, 900, 3600, 10, 600)),
