@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--minutes", type=float, default=5.0, help="training time (probe excluded)")
     parser.add_argument("--prepared", type=Path, help="a prepared set (default: all of ShareGPT, prepared now)")
+    parser.add_argument("--target", help="target directory (default: the one the prepared set was made for)")
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--max-samples", type=int, default=None, help="conversations to prepare / train on")
     parser.add_argument("--draft-vocab", type=int, default=32000)
@@ -53,7 +54,7 @@ def main() -> None:
     if prepared is None:
         prepared = work / "prepared"
         prepare.run(PrepareConfig(output=prepared, max_length=args.max_length, max_samples=args.max_samples))
-    common = dict(data=prepared, draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps,
+    common = dict(data=prepared, target=args.target, draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps,
                   token_budget=args.token_budget, lr=args.lr, warmup_steps=30, device=args.device, log_every=10,
                   max_samples=args.max_samples, resume=False, force=True)
 
@@ -71,7 +72,8 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     export.run(ExportConfig(checkpoint=work / "train", output=work / "export"))
     ks = sorted({int(k) for k in args.k.split(",")})
-    report = evaluation.run(EvaluateConfig(draft=work / "export", engine="hf", output=work / "eval", k=ks,
+    report = evaluation.run(EvaluateConfig(draft=work / "export", engine="hf", target=args.target,
+                                           output=work / "eval", k=ks,
                                            num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                                            baseline=False, device=args.device))
     runs = json.loads((work / "eval" / "report.json").read_text())["runs"]
