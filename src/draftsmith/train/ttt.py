@@ -47,34 +47,27 @@ def target_distribution(last_hidden: torch.Tensor, final_norm: nn.Module, lm_hea
     """
     b, t, h = last_hidden.shape
     flat = last_hidden.reshape(b * t, h)
-    rows = None if needed is None else needed.reshape(-1).nonzero().squeeze(1)
-    work = flat if rows is None else flat[rows]
-    vocab = lm_head_weight.shape[0]
-    chunk = max(1, chunk_elements // vocab)
-    probs, neg_ent, mass, argmax = [], [], [], []
     ids = draft_to_target.to(lm_head_weight.device)
-    for start in range(0, work.shape[0], chunk):
-        x = final_norm(work[start:start + chunk].to(lm_head_weight.dtype))
+    device = last_hidden.device
+    rows = torch.arange(b * t, device=device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
+    # Filled chunk by chunk at the computed rows; rows not needed stay zero.
+    probs = torch.zeros(b * t, ids.numel(), device=device)
+    neg_ent, mass = torch.zeros(b * t, device=device), torch.zeros(b * t, device=device)
+    argmax = torch.zeros(b * t, dtype=torch.int64, device=device)
+    chunk = max(1, chunk_elements // lm_head_weight.shape[0])
+    for start in range(0, rows.numel(), chunk):
+        at = rows[start:start + chunk]
+        x = final_norm(flat[at].to(lm_head_weight.dtype))
         logits = (x @ lm_head_weight.T).float()  # [chunk, V]
         full_logp = torch.log_softmax(logits, dim=-1)
-        argmax.append(logits.argmax(-1))
-        sub = logits[:, ids]  # [chunk, Vd]
-        logp = torch.log_softmax(sub, dim=-1)
+        argmax[at] = logits.argmax(-1)
+        logp = torch.log_softmax(logits[:, ids], dim=-1)  # [chunk, Vd]
         p = logp.exp()
-        probs.append(p)
-        neg_ent.append((p * logp).sum(-1))
-        mass.append(full_logp[:, ids].exp().sum(-1))
-    device = last_hidden.device
-    parts = [torch.cat(x) if x else torch.zeros(0, *shape, dtype=dtype, device=device)
-             for x, shape, dtype in ((probs, (ids.numel(),), torch.float32), (neg_ent, (), torch.float32),
-                                     (mass, (), torch.float32), (argmax, (), torch.int64))]
-    if rows is not None:  # scatter the computed rows back into full-size tensors
-        full = [torch.zeros(b * t, *x.shape[1:], dtype=x.dtype, device=x.device) for x in parts]
-        for dest, src in zip(full, parts):
-            dest[rows] = src
-        parts = full
-    return TargetDistribution(probs=parts[0].view(b, t, -1), neg_entropy=parts[1].view(b, t),
-                              mass=parts[2].view(b, t), argmax=parts[3].view(b, t))
+        probs[at] = p
+        neg_ent[at] = (p * logp).sum(-1)
+        mass[at] = full_logp[:, ids].exp().sum(-1)
+    return TargetDistribution(probs=probs.view(b, t, -1), neg_entropy=neg_ent.view(b, t), mass=mass.view(b, t),
+                              argmax=argmax.view(b, t))
 
 
 def step_views(k: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetDistribution):
