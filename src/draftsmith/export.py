@@ -477,6 +477,16 @@ def training_summary(manifest: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- stage
 
 
+def require_draft_for_target(source: DraftSource, identity: TargetIdentity, target_path: Path | str, where: str,
+                             advice: str) -> None:
+    """Refuse a draft whose shapes do not fit this target or that was trained for another one."""
+    check_arch_against_target(source.arch, identity, where)
+    problem = identity.mismatch(source.target)
+    if problem:
+        raise DraftsmithError(f"{where}: draft was trained for target {source.target.path}, not {target_path} "
+                              f"({problem}); {advice}")
+
+
 def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[TargetIdentity, list[str], dict]:
     """The target to record in the export: the given one (refused unless it is the draft's) or the recorded one."""
     from draftsmith.targets import read_config, resolve_target, target_identity
@@ -486,11 +496,7 @@ def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[Tar
         return recorded, [recorded.architecture], {}
     path = resolve_target(spec if spec is not None else recorded.path)
     identity = target_identity(path)
-    check_arch_against_target(source.arch, identity, where)
-    problem = identity.mismatch(recorded)
-    if problem:
-        raise DraftsmithError(f"{where}: draft was trained for target {recorded.path}, not {path} ({problem}); "
-                              "export a draft trained for this target")
+    require_draft_for_target(source, identity, path, where, "export a draft trained for this target")
     config = read_config(path)
     text = config.get("text_config") or config
     special = {k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if text.get(k) is not None}

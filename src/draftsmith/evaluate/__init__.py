@@ -36,11 +36,7 @@ def resolve_evaluation_target(spec: str | None, source: export.DraftSource, wher
         raise DraftsmithError(f"{where}: the draft's target {recorded.path} is not on this machine; pass --target")
     path = targets.resolve_target(spec if spec is not None else recorded.path)
     identity = targets.target_identity(path)
-    export.check_arch_against_target(source.arch, identity, where)
-    problem = identity.mismatch(recorded)
-    if problem:
-        raise DraftsmithError(f"{where}: draft was trained for target {recorded.path}, not {path} ({problem}); "
-                              "evaluate it with the target it was trained for")
+    export.require_draft_for_target(source, identity, path, where, "evaluate it with the target it was trained for")
     return path, identity
 
 

@@ -161,11 +161,7 @@ def initial_draft(cfg: TrainConfig, s: Setup) -> tuple[Eagle3Draft, DraftConfig,
     if not Path(cfg.init_from).exists():
         raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
     source = export.load_draft(cfg.init_from)
-    export.check_arch_against_target(source.arch, s.identity, where)
-    problem = s.identity.mismatch(source.target)
-    if problem:
-        raise DraftsmithError(f"{where}: the draft was trained for target {source.target.path}, not {s.target_path} "
-                              f"({problem}); start from a draft for this target")
+    export.require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
     if sorted(source.arch.aux_layer_ids) != s.aux_layer_ids:
         fix = ("extract a store with those layers" if s.data_kind == "store"
                else f"pass --aux-layer-ids {','.join(map(str, source.arch.aux_layer_ids))}")
