@@ -27,9 +27,9 @@ from pathlib import Path
 
 
 def _prepared(work: Path, n: int, max_length: int) -> Path:
-    from draftsmith import assets
+    from draftsmith.core import assets
     from draftsmith.config import PrepareConfig
-    from draftsmith.data import prepare
+    from draftsmith.prepare import stage as prepare
 
     path = work / f"prepared-{n}-{max_length}"
     if not (path / "manifest.json").is_file():
@@ -41,10 +41,11 @@ def _prepared(work: Path, n: int, max_length: int) -> Path:
 def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
     import torch
 
-    from draftsmith import store
+    from draftsmith.extract import store
     from draftsmith.config import ExtractConfig
     from draftsmith.extract import common, hf
-    from draftsmith.targets import load_target, resolve_device
+from draftsmith.core import capture
+    from draftsmith.core.targets import load_target, resolve_device
 
     output = work / "store-bf16"
     cfg = ExtractConfig(prepared=prepared, output=output, device=args.device, token_budget=args.token_budget)
@@ -57,7 +58,7 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
     batches = common.plan_batches(plan.sample_ids, plan.lengths, cfg.token_budget)
     tokens = int(plan.lengths[plan.sample_ids].sum())
     padded = sum(len(b) * int(plan.lengths[b[0]]) for b in batches)
-    hf.forward_only(model, torch.zeros(1, 16, dtype=torch.long))  # first call pays lazy imports / kernel set-up
+    capture.forward_only(model, torch.zeros(1, 16, dtype=torch.long))  # first call pays lazy imports / kernel set-up
 
     def sync() -> None:
         if device.type == "cuda":
@@ -69,7 +70,7 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
         start, cpu0 = time.perf_counter(), time.process_time()
         for batch in chunk:
             ids, _ = hf.pad_batch([plan.dataset[i] for i in batch])
-            hf.forward_only(model, ids)
+            capture.forward_only(model, ids)
         sync()
         cpu["forward"] += time.process_time() - cpu0
         return time.perf_counter() - start

@@ -39,9 +39,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
         prepared = args.prepared
         if prepared is None:
-            from draftsmith import assets
             from draftsmith.config import PrepareConfig
-            from draftsmith.data import prepare
+            from draftsmith.core import assets
+            from draftsmith.prepare import stage as prepare
 
             prepared = Path(tmp) / "prepared"
             prepare.run(PrepareConfig(data=[str(assets.sharegpt_path())], max_samples=n, max_length=args.max_length,

@@ -36,8 +36,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from draftsmith.config import PrepareConfig
-    from draftsmith.data.prepare import run
-    from draftsmith.prepared import open_prepared
+    from draftsmith.prepare.dataset import open_prepared
+    from draftsmith.prepare.stage import run
 
     limit = args.conversations or (2000 if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:

@@ -27,10 +27,10 @@ QUICK_DRAFT_VERSION = "v2"  # v2: target identities no longer hash tokenizer_con
 
 def quick_trained_draft() -> Path:
     """A small draft for the default target, trained once and cached (prepare + 30 online TTT steps)."""
-    from draftsmith import assets
     from draftsmith.config import PrepareConfig, TrainConfig
-    from draftsmith.data.prepare import run as prepare
-    from draftsmith.fsio import file_lock
+    from draftsmith.core import assets
+    from draftsmith.core.fsio import file_lock
+    from draftsmith.prepare.stage import run as prepare
     from draftsmith.train import run as train
 
     root = assets.cache_dir() / "bench" / f"specdec-draft-{QUICK_DRAFT_VERSION}"
@@ -48,15 +48,16 @@ def quick_trained_draft() -> Path:
 
 def random_draft_source(target_path: Path, draft_vocab_size: int = 8000):
     """An untrained draft (random weights, lm_head from the target's rows) as a DraftSource."""
-    from draftsmith import export, targets
-    from draftsmith.model import DraftConfig, Eagle3Draft
+    from draftsmith import export
+    from draftsmith.core import layers, targets
+    from draftsmith.train.model import DraftConfig, Eagle3Draft
 
     config = json.loads((target_path / "config.json").read_text())
     model = targets.load_target(target_path)
     dc = DraftConfig.from_target_config(config, draft_vocab_size=draft_vocab_size)
     ids = torch.linspace(0, dc.vocab_size - 1, dc.draft_vocab_size).round().long()
     draft = Eagle3Draft.from_target(dc, model, ids)
-    aux = targets.default_aux_layer_ids(config["num_hidden_layers"])
+    aux = layers.default_aux_layer_ids(config["num_hidden_layers"])
     return export.DraftSource(arch=export.DraftArch.from_draft_config(dc, aux), tensors=export.canonical_tensors(draft),
                               target=targets.target_identity(target_path), origin=Path("random"), training={})
 
@@ -74,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from draftsmith import export, targets
+    from draftsmith import export
+    from draftsmith.core import targets
     from draftsmith.evaluate import build_draft_module, evaluate_reference, resolve_evaluation_target
     from draftsmith.evaluate.prompts import load_prompts
 

@@ -43,11 +43,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="keep runs here (default: a temp dir)")
     args = parser.parse_args()
 
-    from draftsmith import export
     from draftsmith import evaluate as evaluation
+    from draftsmith import export
     from draftsmith.config import EvaluateConfig, ExportConfig, PrepareConfig, TrainConfig
-    from draftsmith.data import prepare
-    from draftsmith.train import trainer
+    from draftsmith.prepare import stage as prepare
+    from draftsmith.train import stage as trainer
 
     work = args.work or Path(tempfile.mkdtemp(prefix="draftsmith-tau-"))
     prepared = args.prepared

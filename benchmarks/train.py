@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.train.model import DraftConfig, Eagle3Draft
 from draftsmith.train.ttt import TTTModel, needed_positions, target_distribution
 
 FALLBACK_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -32,7 +32,7 @@ FALLBACK_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention
 
 def default_target_config() -> tuple[dict, str]:
     try:
-        from draftsmith import assets, targets
+        from draftsmith.core import assets, targets
 
         return targets.read_config(assets.default_target_dir()), "default target config"
     except Exception:  # noqa: BLE001 - offline machine without the cache: same numbers, written down
@@ -92,7 +92,7 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
 def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int,
                    device: torch.device) -> float:
     """Seconds for the attention of all TTT steps, forward + backward, at the draft's head shapes."""
-    from draftsmith.model import naive_ttt_attention, ttt_attention
+    from draftsmith.train.model import naive_ttt_attention, ttt_attention
 
     fn = ttt_attention if mode == "ttt" else naive_ttt_attention
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

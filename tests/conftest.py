@@ -73,21 +73,21 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_target_dir() -> Path:
     """The real SmolLM2-135M-Instruct (fetched and converted into the draftsmith cache on first use)."""
-    from draftsmith import assets
+    from draftsmith.core import assets
 
     return assets.default_target_dir()
 
 
 @pytest.fixture(scope="session")
 def sharegpt_file() -> Path:
-    from draftsmith import assets
+    from draftsmith.core import assets
 
     return assets.sharegpt_path()
 
 
 @pytest.fixture(scope="session")
 def mtbench_file() -> Path:
-    from draftsmith import assets
+    from draftsmith.core import assets
 
     return assets.mtbench_path()
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import assets
-from draftsmith.errors import DraftsmithError
+from draftsmith.core import assets
+from draftsmith.core.errors import DraftsmithError
 
 
 def _wheel_bytes(member: str, payload: bytes) -> bytes:

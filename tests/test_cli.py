@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from draftsmith import config
 from draftsmith.cli import app
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 runner = CliRunner()
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import CHATML_TEMPLATE, build_tiny_tokenizer
 
-from draftsmith.data.chat import ChatEncoder, Skip, masked_spans, normalize_conversation
+from draftsmith.prepare.chat import ChatEncoder, Skip, masked_spans, normalize_conversation
 
 # A SmolLM2-like ChatML template: a default system prompt when the conversation brings none.
 SMOL_CHATML = (
@@ -189,7 +189,7 @@ def test_unusable_records_are_skipped_with_a_reason(record, reason):
 
 
 def test_leading_assistant_turns_can_be_dropped_instead_of_skipping():
-    from draftsmith.data.chat import leading_assistant_turns
+    from draftsmith.prepare.chat import leading_assistant_turns
 
     record = {"conversations": [{"from": "system", "value": "S"}, {"from": "gpt", "value": "a0"},
                                 {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q"},

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from draftsmith.data import readers
-from draftsmith.data.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.prepare import readers
+from draftsmith.prepare.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
 
 
 def _conv(i: int) -> dict:

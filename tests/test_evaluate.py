@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith import evaluate, export, targets
+from draftsmith import evaluate, export
 from draftsmith.config import EvaluateConfig
-from draftsmith.errors import DraftsmithError
+from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.train.model import DraftConfig, Eagle3Draft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -69,7 +70,7 @@ def test_mtbench_prompts(tiny_target_dir, mtbench_file):
 
 
 def test_prompts_from_a_prepared_sets_held_out_split(tiny_target_dir, tmp_path):
-    from draftsmith.prepared import split_indices, write_prepared
+    from draftsmith.prepare.dataset import split_indices, write_prepared
 
     rng = np.random.default_rng(0)
     samples = []

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import evaluate, export, targets
+from draftsmith import evaluate, export
 from draftsmith.config import EvaluateConfig, ExportConfig
+from draftsmith.core import targets
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith import export, targets
+from draftsmith import export
 from draftsmith.config import ExportConfig
-from draftsmith.errors import DraftsmithError
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.model import DraftConfig, Eagle3Draft
 
 AUX = [1, 2, 4]
 

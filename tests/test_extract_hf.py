@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import build_tiny_target
-from draftsmith import extract, store
+
+from draftsmith import extract
 from draftsmith.config import ExtractConfig
-from draftsmith.errors import DraftsmithError
-from draftsmith.extract import common, hf
-from draftsmith.prepared import write_prepared
-from draftsmith.targets import load_target, target_identity
+from draftsmith.core import capture, layers
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import load_target, target_identity
+from draftsmith.extract import common, hf, store
+from draftsmith.prepare.dataset import write_prepared
 
 NUM_SAMPLES = 24
 
@@ -86,7 +87,7 @@ def _assert_stores_identical(a: Path, b: Path) -> None:
 def test_capture_equals_transformers_output_hidden_states(tiny_model):
     ids = torch.randint(0, 320, (1, 37), generator=torch.Generator().manual_seed(1))
     layer_ids = [0, 1, 2, 3, 4]
-    got = hf.capture_hidden_states(tiny_model, ids, None, layer_ids)
+    got = capture.capture_hidden_states(tiny_model, ids, None, layer_ids)
     assert got.shape == (1, 37, 5, 64) and got.dtype == torch.float32
     torch.testing.assert_close(got[0], _reference(tiny_model, ids[0], layer_ids), rtol=1e-5, atol=1e-5)
     # the last layer is un-normalised, and the final norm + LM head on it give transformers' logits
@@ -95,11 +96,11 @@ def test_capture_equals_transformers_output_hidden_states(tiny_model):
         torch.testing.assert_close(tiny_model.lm_head(tiny_model.model.norm(got[:, :, -1])), logits,
                                    rtol=1e-4, atol=1e-4)
     # a subset stops early and still matches
-    part = hf.capture_hidden_states(tiny_model, ids, None, [2, 0], dtype=torch.bfloat16)
+    part = capture.capture_hidden_states(tiny_model, ids, None, [2, 0], dtype=torch.bfloat16)
     assert part.dtype == torch.bfloat16
     assert torch.equal(part[0, :, 0], got[0, :, 2].bfloat16()) and torch.equal(part[0, :, 1], got[0, :, 0].bfloat16())
     with pytest.raises(ValueError, match="out of range"):
-        hf.capture_hidden_states(tiny_model, ids, None, [5])
+        capture.capture_hidden_states(tiny_model, ids, None, [5])
 
 
 def test_right_padding_does_not_change_real_tokens(tiny_model):
@@ -108,9 +109,9 @@ def test_right_padding_does_not_change_real_tokens(tiny_model):
     ids, mask = hf.pad_batch(samples)
     assert ids.shape == (4, 31) and mask.sum().item() == 57
     for attention_mask in (None, mask):
-        batched = hf.capture_hidden_states(tiny_model, ids, attention_mask, [0, 2, 4])
+        batched = capture.capture_hidden_states(tiny_model, ids, attention_mask, [0, 2, 4])
         for b, s in enumerate(samples):
-            alone = hf.capture_hidden_states(tiny_model, s["input_ids"][None], None, [0, 2, 4])
+            alone = capture.capture_hidden_states(tiny_model, s["input_ids"][None], None, [0, 2, 4])
             n = len(s["input_ids"])
             torch.testing.assert_close(batched[b, :n], alone[0], rtol=1e-5, atol=1e-5)
 
@@ -125,13 +126,13 @@ def test_plan_batches_buckets_by_length_within_the_budget():
     assert common.pending_batches(batches, {1, 5, 2}) == [[3], [6, 4, 0]]
     assert common.select_sample_ids(10, "1/3") == [1, 4, 7]
     assert common.select_sample_ids(10, "0/2", max_samples=5) == [0, 2, 4]
-    assert common.resolve_layer_ids(None, 30) == [2, 15, 27, 30]
-    assert common.resolve_layer_ids(None, 4) == [1, 2, 4]  # colliding defaults kept once
-    assert common.resolve_layer_ids([3, 1], 4) == [1, 3, 4]
+    assert layers.resolve_layer_ids(None, 30) == [2, 15, 27, 30]
+    assert layers.resolve_layer_ids(None, 4) == [1, 2, 4]  # colliding defaults kept once
+    assert layers.resolve_layer_ids([3, 1], 4) == [1, 3, 4]
     with pytest.raises(DraftsmithError, match="leave out 4"):
-        common.resolve_layer_ids([1, 4], 4)
+        layers.resolve_layer_ids([1, 4], 4)
     with pytest.raises(DraftsmithError, match="out of range"):
-        common.resolve_layer_ids([9], 4)
+        layers.resolve_layer_ids([9], 4)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
@@ -143,7 +144,7 @@ def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_pre
     assert st.layer_ids == [0, 1, 3, 4] and len(st) == NUM_SAMPLES and len(st.manifest.shards) > 2
     assert st.manifest.prepared.path == str(tiny_prepared.resolve()) and st.manifest.backend == "hf"
     assert (tmp_path / "s" / "config.yaml").is_file()
-    from draftsmith.prepared import open_prepared
+    from draftsmith.prepare.dataset import open_prepared
 
     ds = open_prepared(tiny_prepared)
     assert st.lengths.tolist() == ds.lengths.tolist()
@@ -164,7 +165,7 @@ def test_rerun_resumes_and_interrupted_run_equals_uninterrupted(tmp_path, tiny_p
     again = extract.run(_cfg(tiny_prepared, tmp_path / "ref"), show_progress=False)
     assert again.summary["samples this run"] == 0 and again.summary["samples already stored"] == NUM_SAMPLES
 
-    real = hf.capture_hidden_states
+    real = capture.capture_hidden_states
     calls = {"n": 0}
 
     def interrupted(*args, **kwargs):
@@ -316,7 +317,7 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
 @pytest.mark.slow
 def test_default_target_store_equals_transformers(tmp_path, default_target_dir, sharegpt_file):
     from draftsmith.config import PrepareConfig
-    from draftsmith.data import prepare
+    from draftsmith.prepare import stage as prepare
 
     prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=3, max_length=96, output=tmp_path / "p"))
     extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=512),

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith import store
 from draftsmith.config import ExtractConfig, PrepareConfig
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract import store
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -37,7 +37,7 @@ MAX_REL_ERR = {"float32": 2 ** -7, "bfloat16": 2 ** -3}
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, sharegpt_file, default_target_dir) -> Path:
-    from draftsmith.data import prepare
+    from draftsmith.prepare import stage as prepare
 
     out = tmp_path_factory.mktemp("vllm") / "prepared"
     prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=NUM_SAMPLES, max_length=MAX_LENGTH, output=out,

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from draftsmith import targets
-from draftsmith.model import DraftConfig, Eagle3Draft, KVCache
+from draftsmith.core import targets
+from draftsmith.train.model import DraftConfig, Eagle3Draft, KVCache
 
 
 def _config(**kw) -> DraftConfig:

@@ -10,10 +10,10 @@ import yaml
 from conftest import build_tiny_target
 
 from draftsmith.config import PrepareConfig
-from draftsmith.data.chat import masked_spans
-from draftsmith.data.prepare import run
-from draftsmith.errors import DraftsmithError
-from draftsmith.prepared import open_prepared
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.prepare.chat import masked_spans
+from draftsmith.prepare.dataset import open_prepared
+from draftsmith.prepare.stage import run
 
 
 def _conv(question: str = "What is the capital of France?", answer: str = "Paris is the capital of France.") -> dict:
@@ -222,9 +222,9 @@ def test_output_that_is_not_a_prepared_set_is_not_replaced(tmp_path, tiny_target
 @pytest.mark.slow
 def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(tmp_path, default_target_dir,
                                                                               sharegpt_file):
-    from draftsmith.data.chat import Skip, normalize_conversation
-    from draftsmith.data.readers import Source, iter_source
-    from draftsmith.targets import load_tokenizer
+    from draftsmith.core.targets import load_tokenizer
+    from draftsmith.prepare.chat import Skip, normalize_conversation
+    from draftsmith.prepare.readers import Source, iter_source
 
     result = run(PrepareConfig(output=tmp_path / "out", max_samples=200, num_workers=2))
     assert result.summary["conversations"] == 200
@@ -263,7 +263,7 @@ def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(tmp
 
 
 def test_killed_run_resumes_from_its_last_shard(tmp_path, tiny_target_dir, monkeypatch):
-    from draftsmith.data import chat
+    from draftsmith.prepare import chat
 
     records = [_conv(f"question {i}", f"answer {i}") for i in range(40)]
     records[5] = BAD_RECORDS["unknown role"]
@@ -303,7 +303,7 @@ def test_killed_run_resumes_from_its_last_shard(tmp_path, tiny_target_dir, monke
 
 
 def test_changed_options_start_over_instead_of_resuming(tmp_path, tiny_target_dir, monkeypatch):
-    from draftsmith.data import chat
+    from draftsmith.prepare import chat
 
     data = _write_json(tmp_path / "d.json", [_conv(f"q {i}", f"a {i}") for i in range(20)])
     real_encode = chat.ChatEncoder.encode
@@ -341,8 +341,8 @@ def test_stopping_early_with_large_batches_in_flight_does_not_hang():
     the pipe buffer used to deadlock in Pool.terminate (a CI run sat 30 minutes on it)."""
     import threading
 
-    from draftsmith.data.chat import Skip
-    from draftsmith.data.prepare import _encoded_batches
+    from draftsmith.prepare.chat import Skip
+    from draftsmith.prepare.stage import _encoded_batches
 
     big = "x" * 2_000_000  # Skips pass through the workers untouched: only the payload size matters here
     batches = ([(f"record {i}", Skip("test", big), 0)] for i in range(40))

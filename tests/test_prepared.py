@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.manifest import TargetIdentity
-from draftsmith.prepared import PreparedManifest, open_prepared, split_indices, write_prepared
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.manifest import TargetIdentity
+from draftsmith.prepare.dataset import PreparedManifest, open_prepared, split_indices, write_prepared
 
 VOCAB = 50
 
@@ -168,7 +168,7 @@ def test_write_replaces_a_prepared_set_but_nothing_else(tmp_path):
 
 
 def test_resumable_write_continues_after_an_interruption(tmp_path):
-    from draftsmith.prepared import resume_point
+    from draftsmith.prepare.dataset import resume_point
 
     samples = _samples(25, seed=4)
     samples[3]["truncated"] = samples[21]["truncated"] = True

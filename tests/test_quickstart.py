@@ -8,7 +8,7 @@ import pytest
 
 from draftsmith import quickstart
 from draftsmith.config import QuickstartConfig
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 
 def test_serve_command_is_copy_pasteable(tmp_path):

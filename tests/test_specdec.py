@@ -8,11 +8,16 @@ import math
 import pytest
 import torch
 
-from draftsmith import targets
-from draftsmith.evaluate.specdec import (DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate,
-                                         verify_chain)
-from draftsmith.model import DraftConfig, Eagle3Draft
-
+from draftsmith.core import layers, targets
+from draftsmith.evaluate.specdec import (
+    DecodeStats,
+    DraftRunner,
+    TargetRunner,
+    plain_generate,
+    speculative_generate,
+    verify_chain,
+)
+from draftsmith.train.model import DraftConfig, Eagle3Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +57,7 @@ def chi2_stat(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5
 def tiny(tiny_target_dir):
     model = targets.load_target(tiny_target_dir)
     n = model.config.num_hidden_layers
-    return tiny_target_dir, model, TargetRunner(model, targets.default_aux_layer_ids(n))
+    return tiny_target_dir, model, TargetRunner(model, layers.default_aux_layer_ids(n))
 
 
 PROMPTS = [[1, 5, 9, 33, 7, 100, 20], [3, 44, 12], list(range(40, 90))]
@@ -188,7 +193,7 @@ def test_speculative_sampling_matches_target_next_token_distribution(tmp_path):
     model = targets.load_target(target_dir)
     with torch.no_grad():  # a peaky target so the test has power; the draft disagrees with it
         targets.lm_head(model).weight.mul_(60.0)
-    runner = TargetRunner(model, targets.default_aux_layer_ids(model.config.num_hidden_layers))
+    runner = TargetRunner(model, layers.default_aux_layer_ids(model.config.num_hidden_layers))
     draft = DraftRunner(random_draft(target_dir, model, seed=5, head_scale=200.0))
     prompt = torch.tensor([1, 5, 9, 33, 7])
     temperature = 1.0
@@ -229,7 +234,7 @@ def test_greedy_lossless_on_default_target_with_random_draft(default_target_dir,
 
     model = targets.load_target(default_target_dir)
     tokenizer = targets.load_tokenizer(default_target_dir)
-    runner = TargetRunner(model, targets.default_aux_layer_ids(model.config.num_hidden_layers))
+    runner = TargetRunner(model, layers.default_aux_layer_ids(model.config.num_hidden_layers))
     draft = DraftRunner(random_draft(default_target_dir, model, draft_vocab_size=4096))
     for prompt in load_prompts("mt-bench", tokenizer, num_prompts=2):
         ids = torch.tensor(prompt.token_ids)

@@ -10,9 +10,9 @@ import pickle
 import pytest
 import torch
 
-from draftsmith import store
-from draftsmith.errors import DraftsmithError
-from draftsmith.manifest import TargetIdentity
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.manifest import TargetIdentity
+from draftsmith.extract import store
 
 L, H = 3, 16
 

@@ -4,8 +4,8 @@ import shutil
 import pytest
 import torch
 
-from draftsmith import targets
-from draftsmith.errors import DraftsmithError
+from draftsmith.core import layers, targets
+from draftsmith.core.errors import DraftsmithError
 
 
 def test_identity_reads_sizes_from_config(tiny_target_dir):
@@ -44,16 +44,16 @@ def test_identity_ignores_how_the_tokenizer_was_loaded(tiny_target_dir, tmp_path
 
 
 def test_default_aux_layers_follow_eagle3():
-    assert targets.default_aux_layer_ids(30) == [2, 15, 27]
-    assert targets.default_aux_layer_ids(32) == [2, 16, 29]
+    assert layers.default_aux_layer_ids(30) == [2, 15, 27]
+    assert layers.default_aux_layer_ids(32) == [2, 16, 29]
 
 
 def test_layer_id_checks():
-    assert targets.check_layer_ids([15, 2, 27], 30) == [2, 15, 27]
+    assert layers.check_layer_ids([15, 2, 27], 30) == [2, 15, 27]
     with pytest.raises(DraftsmithError, match="out of range"):
-        targets.check_layer_ids([2, 31], 30)
+        layers.check_layer_ids([2, 31], 30)
     with pytest.raises(DraftsmithError, match="duplicates"):
-        targets.check_layer_ids([2, 2], 30)
+        layers.check_layer_ids([2, 2], 30)
 
 
 def test_resolve_target_errors_are_one_line(tmp_path):

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from draftsmith.config import ExtractConfig, TrainConfig
-from draftsmith.errors import DraftsmithError
-from draftsmith.prepared import open_prepared, write_prepared
-from draftsmith.targets import target_identity
-from draftsmith.train import checkpoint, trainer
-from draftsmith.train.data import OnlineSource, TokenBudgetSampler, collate, fetch
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import target_identity
+from draftsmith.prepare.dataset import open_prepared, write_prepared
+from draftsmith.train import checkpoint
+from draftsmith.train import stage as trainer
+from draftsmith.train.batches import OnlineSource, TokenBudgetSampler, collate, fetch
 
 
 def _samples(n: int, seed: int = 0, vocab: int = 320, lo: int = 12, hi: int = 40) -> list[dict]:
@@ -101,14 +102,14 @@ def test_sample_longer_than_budget_and_empty_set_are_refused():
 # ---------------------------------------------------------------------------------------------- offline / online
 
 def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepared_dir, store_dir):
-    from draftsmith import store as store_mod
+    from draftsmith.extract import store as store_mod
 
     store = store_mod.open(store_dir)
     prepared = open_prepared(prepared_dir)
     s = trainer.setup(_cfg(store_dir, prepared_dir.parent / "unused"), torch.device("cpu"))
     ids = [0, 3, 5]
     offline = fetch(store, [store.index_of(i) for i in ids])
-    from draftsmith.targets import load_target
+    from draftsmith.core.targets import load_target
 
     online = OnlineSource(load_target(sharp_target_dir), store.layer_ids)(fetch(prepared, ids))
     assert torch.equal(offline.input_ids, online.input_ids) and torch.equal(offline.loss_mask, online.loss_mask)
@@ -117,8 +118,8 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
     torch.testing.assert_close(online.hidden_states.bfloat16().float()[real], offline.hidden_states[real],
                                atol=1e-2, rtol=1e-2)
     cfg = _cfg(store_dir, prepared_dir.parent / "unused")
-    from draftsmith.model import DraftConfig, Eagle3Draft
-    from draftsmith.targets import final_norm, lm_head, read_config
+    from draftsmith.core.targets import final_norm, lm_head, read_config
+    from draftsmith.train.model import DraftConfig, Eagle3Draft
     from draftsmith.train.ttt import TTTModel
 
     dcfg = DraftConfig.from_target_config(read_config(sharp_target_dir), 320, 1, 3)
@@ -172,7 +173,7 @@ def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_pat
 
 
 def test_offline_training_never_loads_the_targets_decoder_layers(store_dir, tmp_path, monkeypatch):
-    from draftsmith import targets
+    from draftsmith.core import targets
 
     monkeypatch.setattr(targets, "load_target", lambda *a, **k: pytest.fail("loaded the whole target"))
     result = trainer.run(_cfg(store_dir, tmp_path / "run", max_steps=2))
@@ -238,7 +239,7 @@ def test_store_for_other_layers_or_target_is_refused(store_dir, tmp_path):
 
 
 def test_nan_features_stop_naming_step_and_sample_and_keep_the_checkpoint(store_dir, tmp_path, monkeypatch):
-    from draftsmith import store as store_mod
+    from draftsmith.extract import store as store_mod
 
     out = tmp_path / "run"
     real_open = store_mod.open

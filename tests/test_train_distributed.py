@@ -19,7 +19,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 _GRAD_SCRIPT = textwrap.dedent('''
     import sys, torch
     from draftsmith.config import TrainConfig
-    from draftsmith.train import distributed, trainer
+    from draftsmith.train import distributed, stage as trainer
     from draftsmith.train.ttt import TTTModel, step_counts
     sys.path.insert(0, sys.argv[3])
     from test_train_distributed import make_problem
@@ -46,9 +46,9 @@ _GRAD_SCRIPT = textwrap.dedent('''
 def make_problem():
     """A deterministic draft, target head and four batches of different lengths (shared with the torchrun script)."""
     from draftsmith.config import TrainConfig
-    from draftsmith.model import DraftConfig, Eagle3Draft
-    from draftsmith.train.data import collate
-    from draftsmith.train.trainer import TargetHead
+    from draftsmith.train.batches import collate
+    from draftsmith.train.model import DraftConfig, Eagle3Draft
+    from draftsmith.train.stage import TargetHead
 
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -69,7 +69,7 @@ def make_problem():
 
 
 def _single_process_grads():
-    from draftsmith.train import trainer
+    from draftsmith.train import stage as trainer
     from draftsmith.train.ttt import TTTModel, step_counts
 
     draft, head, batches, cfg = make_problem()
@@ -103,8 +103,8 @@ def test_two_process_gradients_equal_the_combined_batch(tmp_path, strategy):
 def test_torchrun_trainer_end_to_end_rank0_writes(tiny_target_dir, tmp_path):
     import numpy as np
 
-    from draftsmith.prepared import write_prepared
-    from draftsmith.targets import target_identity
+    from draftsmith.core.targets import target_identity
+    from draftsmith.prepare.dataset import write_prepared
 
     rng = np.random.default_rng(0)
     samples = [{"input_ids": rng.integers(4, 300, 20), "loss_mask": np.r_[np.zeros(8), np.ones(12)].astype(int)}

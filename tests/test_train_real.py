@@ -12,7 +12,7 @@ from draftsmith.config import PrepareConfig, TrainConfig
 
 @pytest.mark.slow
 def test_online_training_on_the_default_target_raises_acceptance_length(default_target_dir, sharegpt_file, tmp_path):
-    from draftsmith.data.prepare import run as prepare
+    from draftsmith.prepare.stage import run as prepare
     from draftsmith.train import checkpoint, run
 
     prepare(PrepareConfig(data=[str(sharegpt_file)], target=str(default_target_dir), output=tmp_path / "prepared",

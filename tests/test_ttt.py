@@ -7,10 +7,16 @@ import json
 import pytest
 import torch
 
-from draftsmith import targets
-from draftsmith.model import DraftConfig, Eagle3Draft, naive_ttt_attention, ttt_attention
-from draftsmith.train.ttt import (TargetDistribution, step_counts, step_views, summarise, target_distribution,
-                                  ttt_forward)
+from draftsmith.core import targets
+from draftsmith.train.model import DraftConfig, Eagle3Draft, naive_ttt_attention, ttt_attention
+from draftsmith.train.ttt import (
+    TargetDistribution,
+    step_counts,
+    step_views,
+    summarise,
+    target_distribution,
+    ttt_forward,
+)
 
 
 def _explicit_reference(q, keys, values):

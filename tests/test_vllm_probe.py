@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import choose_strategy
 from draftsmith.extract.vllm.probe import INSTALL_HINT, directory_importer, probe, render_probe_table
-from draftsmith.errors import DraftsmithError
 
 # --------------------------------------------------------------------------------------------------- fake trees
 

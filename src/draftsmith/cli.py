@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from draftsmith import __version__, config
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 app = typer.Typer(
     name="draftsmith",
@@ -155,7 +155,7 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
     app.command(name, help=help_text)(command)
 
 
-_stage_command("prepare", "PrepareConfig", "draftsmith.data.prepare:run",
+_stage_command("prepare", "PrepareConfig", "draftsmith.prepare:run",
                "Render conversations with the target's chat template into token shards with assistant loss masks.")
 _stage_command("extract", "ExtractConfig", "draftsmith.extract:run",
                "Run the target over a prepared set and store its aux-layer hidden states (transformers or vLLM).")
@@ -198,7 +198,7 @@ def store_verify(
         "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."))] = False,
 ) -> None:
     """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens."""
-    from draftsmith import store
+    from draftsmith.extract import store
 
     report = _call(lambda: store.verify_store(path, repair=repair))
     console.print(report)
@@ -212,7 +212,7 @@ def store_merge(
     output: Annotated[Path, typer.Option("--output", "-o", help="Merged store directory to create.")],
 ) -> None:
     """Join stores written by several workers (`extract --shard i/n`) into one."""
-    from draftsmith import store
+    from draftsmith.extract import store
 
     console.print(_call(lambda: store.merge_stores(inputs, output)))
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_write_text
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_write_text
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 

@@ -9,7 +9,8 @@ import platform
 from rich.console import Console
 from rich.table import Table
 
-from draftsmith import __version__, assets
+from draftsmith import __version__
+from draftsmith.core import assets
 
 
 def _version_of(module: str) -> str:

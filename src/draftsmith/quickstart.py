@@ -15,10 +15,19 @@ from typing import Any, Callable
 
 from rich.console import Console
 
-from draftsmith.config import (EvaluateConfig, ExportConfig, ExtractConfig, PrepareConfig, QuickstartConfig,
-                               StageResult, TrainConfig, save_resolved_config, validate_config)
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_write_json
+from draftsmith.config import (
+    EvaluateConfig,
+    ExportConfig,
+    ExtractConfig,
+    PrepareConfig,
+    QuickstartConfig,
+    StageResult,
+    TrainConfig,
+    save_resolved_config,
+    validate_config,
+)
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_write_json
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
@@ -131,13 +140,13 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
 
 def _runner(stage: str) -> Callable[[Any], StageResult]:
     if stage == "prepare":
-        from draftsmith.data.prepare import run
+        from draftsmith.prepare.stage import run
     elif stage == "extract":
         from draftsmith.extract import run
     elif stage == "train":
         from draftsmith.train import run
     elif stage == "export":
-        from draftsmith.export import run
+        from draftsmith.export.formats import run
     else:
         from draftsmith.evaluate import run
     return run
@@ -219,7 +228,7 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
              engine_why: str) -> tuple[dict[str, Any], str]:
     """(the summary table, the command that serves the exported draft)."""
     from draftsmith.evaluate.report import read_report
-    from draftsmith.prepared import open_prepared
+    from draftsmith.prepare.dataset import open_prepared
 
     finished = state["finished"]
     prepared = open_prepared(configs["prepare"].output).manifest

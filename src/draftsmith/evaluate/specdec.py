@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith import targets
+from draftsmith.core import targets
 
 
 @dataclass
@@ -126,7 +126,7 @@ class DraftRunner:
         self.reset()
 
     def reset(self) -> None:
-        from draftsmith.model import KVCache
+        from draftsmith.train.model import KVCache
 
         self.cache = KVCache(len(self.draft.layers))
         self.length = 0

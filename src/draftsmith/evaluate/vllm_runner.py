@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.specdec import DecodeStats
 
 

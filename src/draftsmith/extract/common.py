@@ -25,11 +25,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from draftsmith import store as store_module
 from draftsmith.config import ExtractConfig, StageResult, parse_shard
-from draftsmith.errors import DraftsmithError
-from draftsmith.manifest import TargetIdentity, read_manifest
-from draftsmith.targets import check_layer_ids, default_aux_layer_ids, resolve_target, target_identity
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.layers import resolve_layer_ids
+from draftsmith.core.manifest import TargetIdentity, read_manifest
+from draftsmith.core.targets import resolve_target, target_identity
+from draftsmith.extract import store as store_module
 
 
 @dataclass
@@ -37,7 +38,7 @@ class ExtractionPlan:
     """The checked inputs of one extraction worker."""
 
     cfg: ExtractConfig
-    dataset: Any  # draftsmith.prepared.PreparedDataset
+    dataset: Any  # draftsmith.prepare.dataset.PreparedDataset
     target_dir: Path
     target: TargetIdentity
     layer_ids: list[int]  # aux ids, then N
@@ -50,17 +51,6 @@ class ExtractionPlan:
         return self.target.num_layers
 
 
-def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
-    """The store's layer ids: the aux ids (default 2, N//2, N-3) sorted, then N."""
-    if aux_layer_ids:
-        aux = check_layer_ids([int(i) for i in aux_layer_ids], num_layers)
-    else:  # on a very shallow target the defaults collide (N=4: 2, 2, 1): keep each once
-        aux = check_layer_ids(sorted({i for i in default_aux_layer_ids(num_layers) if 0 <= i < num_layers}), num_layers)
-    if num_layers in aux:
-        raise DraftsmithError(f"aux layer ids {aux}: leave out {num_layers} (the last layer); the store always keeps it")
-    return aux + [num_layers]
-
-
 def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_samples: int | None = None) -> list[int]:
     """Worker i of n takes every n-th sample id starting at i, among the first `max_samples`."""
     i, n = parse_shard(shard) if isinstance(shard, str) else shard
@@ -70,7 +60,7 @@ def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_sample
 
 def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
     """Open the prepared set, find the target and check they belong together; pick this worker's samples."""
-    from draftsmith.prepared import open_prepared
+    from draftsmith.prepare.dataset import open_prepared
 
     dataset = open_prepared(cfg.prepared)
     made_for = dataset.manifest.target
@@ -210,8 +200,15 @@ def progress_bar(total_tokens: int, description: str = "extract", enabled: bool 
         yield lambda n: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.text import Text
 
     class TokensPerSecond(ProgressColumn):

@@ -17,90 +17,12 @@ import torch
 from torch import nn
 
 from draftsmith.config import ExtractConfig, StageResult
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.capture import capture_hidden_states
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import load_target, resolve_device
 from draftsmith.extract import common
-from draftsmith.targets import decoder_layers, load_target, resolve_device
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class _StopForward(Exception):
-    """Raised by the hook of the deepest layer needed, when the layers after it are not needed."""
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack without the LM head (so no [B, T, vocab] logits are ever computed)."""
-    get_decoder = getattr(model, "get_decoder", None)
-    return get_decoder() if callable(get_decoder) else model
-
-
-def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                          layer_ids: Sequence[int], *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Hidden states of `layer_ids` (vLLM convention) for a batch: [B, T, L, H] on the model's device.
-
-    `input_ids` [B, T]; `attention_mask` [B, T] (1 = real token) or None for unpadded / right-padded batches.
-    `dtype` is the dtype of the returned tensor (default: the model's). The last layer id N is un-normalised.
-    Layers after the deepest one asked for are not run.
-    """
-    layers = decoder_layers(model)
-    num_layers = len(layers)
-    bad = [k for k in layer_ids if not 0 <= k <= num_layers]
-    if bad:
-        raise ValueError(f"layer ids {bad} out of range 0..{num_layers}")
-    first = next(model.parameters())
-    B, T = input_ids.shape
-    H = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0) or None
-    out: torch.Tensor | None = None
-    deepest = max(layer_ids)
-
-    def store(j: int, hidden: torch.Tensor) -> None:
-        nonlocal out
-        if out is None:
-            out = torch.empty(B, T, len(layer_ids), H or hidden.shape[-1], dtype=dtype or hidden.dtype,
-                              device=hidden.device)
-        out[:, :, j].copy_(hidden)
-
-    def pre_hook(j):
-        def hook(module, args, kwargs):
-            store(j, args[0] if args else kwargs["hidden_states"])
-        return hook
-
-    def post_hook(j, stop):
-        def hook(module, args, output):
-            store(j, output[0] if isinstance(output, (tuple, list)) else output)
-            if stop:
-                raise _StopForward
-        return hook
-
-    handles = []
-    try:
-        for j, k in enumerate(layer_ids):
-            if k == 0:
-                handles.append(layers[0].register_forward_pre_hook(pre_hook(j), with_kwargs=True))
-            else:
-                stop = k == deepest and k < num_layers
-                handles.append(layers[k - 1].register_forward_hook(post_hook(j, stop)))
-        with torch.no_grad():
-            try:
-                _base_model(model)(input_ids=input_ids.to(first.device),
-                                   attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                                   use_cache=False)
-            except _StopForward:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert out is not None
-    return out
-
-
-def forward_only(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-    """The same decoder-stack forward pass with no capture (the benchmark's baseline)."""
-    first = next(model.parameters())
-    with torch.no_grad():
-        _base_model(model)(input_ids=input_ids.to(first.device),
-                           attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                           use_cache=False)
 
 
 def pad_batch(samples: Sequence[dict], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +83,7 @@ def _extract(model: nn.Module, plan: common.ExtractionPlan, batches: list[list[i
             ready = None
             scales = None
             if on_gpu:  # encode on the GPU (half the copy for fp8), copy to pinned memory without waiting
-                from draftsmith.store import encode_hidden_states
+                from draftsmith.extract.store import encode_hidden_states
 
                 states, scales = encode_hidden_states(states, plan.cfg.dtype)
                 host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
@@ -182,4 +104,4 @@ def _extract(model: nn.Module, plan: common.ExtractionPlan, batches: list[list[i
             advance(int(attention_mask.sum()))
 
 
-__all__ = ["capture_hidden_states", "forward_only", "pad_batch", "run", "resolve_compute_dtype"]
+__all__ = ["pad_batch", "run", "resolve_compute_dtype"]

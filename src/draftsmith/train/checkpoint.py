@@ -24,14 +24,19 @@ from typing import Any
 
 import torch
 from pydantic import Field
-
 from safetensors.torch import load_file, save_file
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_dir, sha256_file
-from draftsmith.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, read_manifest_json, \
-    write_manifest
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_dir, sha256_file
+from draftsmith.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    TargetIdentity,
+    read_manifest,
+    read_manifest_json,
+    write_manifest,
+)
+from draftsmith.train.model import DraftConfig, Eagle3Draft
 
 CHECKPOINTS_DIR = "checkpoints"
 BEST_DIR = "best"

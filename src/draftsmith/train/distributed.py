@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 
 @dataclass
@@ -111,11 +111,6 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     optimizer.load_state_dict(state)
 
 
-def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
-
-
 def broadcast_error(message: str | None, info: DistInfo) -> str | None:
     """Share rank 0's error (e.g. a failed checkpoint write) so every rank stops together."""
     if not info.enabled:
@@ -126,5 +121,8 @@ def broadcast_error(message: str | None, info: DistInfo) -> str | None:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Leave the process group together: a rank that tears gloo down while another is still in a collective's
+    tail aborts ("terminate called without an active exception"), so every rank waits at a barrier first."""
     if info.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

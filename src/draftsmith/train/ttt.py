@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.model import Eagle3Draft, KVCache
+from draftsmith.train.model import Eagle3Draft, KVCache
 
 # Target logits are materialised for at most this many elements at a time (a 150k vocabulary stays bounded).
 LOGIT_CHUNK_ELEMENTS = 1 << 24

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.config import ExtractConfig, StageResult
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 
 def choose_strategy(asked: str, report: Any) -> str:
@@ -167,7 +167,7 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
 
 
 def _stored_samples(path: Path) -> int:
-    from draftsmith import store
+    from draftsmith.extract import store
 
     return len(store.open(path))
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.connector import EXTRA_CONFIG_KEY
 from draftsmith.extract.vllm.probe import ProbeFacts

@@ -420,7 +420,7 @@ def _resolve_async_scheduling(target: str | Path | None) -> bool | None:
         from vllm.engine.arg_utils import EngineArgs
 
         if target is None:
-            from draftsmith import assets
+            from draftsmith.core import assets
 
             target = assets.default_target_dir()
         config = EngineArgs(model=str(target)).create_engine_config()

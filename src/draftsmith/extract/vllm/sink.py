@@ -24,9 +24,9 @@ class StoreSink:
     """Writes [T, L, H] states of finished requests into the store as writer `worker` (i/n)."""
 
     def __init__(self, config: dict[str, Any], *, writes: bool = True):
-        from draftsmith import store as store_module
         from draftsmith.extract import common
-        from draftsmith.prepared import open_prepared
+        from draftsmith.extract import store as store_module
+        from draftsmith.prepare.dataset import open_prepared
 
         self.config = config
         self.writes = writes

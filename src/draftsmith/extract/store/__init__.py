@@ -40,9 +40,16 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_dir, atomic_path, file_lock, sha256_bytes, sha256_file
-from draftsmith.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, read_manifest_json, write_manifest
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_dir, atomic_path, file_lock, sha256_bytes, sha256_file
+from draftsmith.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    TargetIdentity,
+    read_manifest,
+    read_manifest_json,
+    write_manifest,
+)
 
 StorageDtype = Literal["bf16", "fp8"]
 FORMAT_NAME = "draftsmith-store"
@@ -147,7 +154,7 @@ class StoreManifest(StoreSpec, Manifest):
 
 
 def prepared_ref(dataset: Any) -> PreparedRef:
-    """Identity of a prepared set (a `draftsmith.prepared.PreparedDataset`) that survives copying it elsewhere."""
+    """Identity of a prepared set (a `draftsmith.prepare.dataset.PreparedDataset`) that survives copying it elsewhere."""
     m = dataset.manifest
     data = {"shards": [s.sha256 for s in m.shards], "num_samples": m.num_samples,
             "target": m.target.config_hash, "tokenizer": m.target.tokenizer_hash,

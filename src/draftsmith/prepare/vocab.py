@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 DEFAULT_REPORT_SIZES = (4096, 8192, 16384, 32000, 65536)
 

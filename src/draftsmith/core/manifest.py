@@ -16,8 +16,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draftsmith import __version__
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_write_text
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_write_text
 
 MANIFEST_NAME = "manifest.json"
 

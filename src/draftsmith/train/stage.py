@@ -24,16 +24,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftsmith import targets
 from draftsmith.config import StageResult, TrainConfig, save_resolved_config
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_write_text
-from draftsmith.manifest import read_manifest_json
-from draftsmith.model import DraftConfig, Eagle3Draft
+from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_write_text
+from draftsmith.core.manifest import read_manifest_json
 from draftsmith.train import checkpoint, distributed
-from draftsmith.train.data import Batch, OnlineSource, TokenBudgetSampler, fetch, token_counts_from
-from draftsmith.train.ttt import (TTTModel, TTTResult, needed_positions, step_counts, summarise,
-                                  target_distribution)
+from draftsmith.train.batches import Batch, OnlineSource, TokenBudgetSampler, fetch, token_counts_from
+from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.ttt import TTTModel, TTTResult, needed_positions, step_counts, summarise, target_distribution
 
 METRICS_FILE = "metrics.jsonl"
 # Options that may change between a run and its resume without changing what is being trained.
@@ -76,7 +75,7 @@ class Setup:
 
 def _split(sample_ids: np.ndarray, total: int, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     """Held-out split by sample id (the same split the evaluator reproduces from eval_fraction and seed)."""
-    from draftsmith.prepared import split_indices
+    from draftsmith.prepare.dataset import split_indices
 
     _, held = split_indices(total, cfg.eval_fraction, cfg.seed)
     held_set = set(held)
@@ -87,9 +86,9 @@ def _split(sample_ids: np.ndarray, total: int, cfg: TrainConfig) -> tuple[list[i
 
 def setup(cfg: TrainConfig, device: torch.device) -> Setup:
     """Open the data (store or prepared set), check it against the target, load the target, pick the draft vocab."""
-    from draftsmith import store as store_mod
-    from draftsmith.data.vocab import build_draft_vocab
-    from draftsmith.prepared import open_prepared
+    from draftsmith.extract import store as store_mod
+    from draftsmith.prepare.dataset import open_prepared
+    from draftsmith.prepare.vocab import build_draft_vocab
 
     kind = read_manifest_json(cfg.data).get("kind") if (Path(cfg.data) / "manifest.json").is_file() else None
     if kind not in ("store", "prepared"):
@@ -115,7 +114,7 @@ def setup(cfg: TrainConfig, device: torch.device) -> Setup:
     else:
         dataset = open_prepared(cfg.data)
         identity = dataset.manifest.target
-        from draftsmith.extract.common import resolve_layer_ids  # the same default the extract stage uses
+        from draftsmith.core.layers import resolve_layer_ids  # the same default the extract stage uses
 
         aux = resolve_layer_ids(cfg.aux_layer_ids, identity.num_layers)[:-1]
         sample_ids = np.arange(len(dataset), dtype=np.int64)

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.extract.hf import capture_hidden_states
+from draftsmith.core.capture import capture_hidden_states
+from draftsmith.core.errors import DraftsmithError
 
 
 @dataclass

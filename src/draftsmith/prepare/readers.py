@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}

@@ -21,8 +21,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_dir, atomic_path, file_lock, sha256_file
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_dir, atomic_path, file_lock, sha256_file
 
 
 @dataclass(frozen=True)

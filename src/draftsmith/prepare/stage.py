@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from draftsmith import assets
 from draftsmith.config import PrepareConfig, StageResult
-from draftsmith.data.chat import ChatEncoder, Skip, leading_assistant_turns, normalize_conversation
-from draftsmith.data.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
-from draftsmith.data.vocab import coverage_report
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import sha256_bytes
-from draftsmith.prepared import resume_point, write_prepared
-from draftsmith.targets import load_tokenizer, resolve_target, target_identity
+from draftsmith.core import assets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import sha256_bytes
+from draftsmith.core.targets import load_tokenizer, resolve_target, target_identity
+from draftsmith.prepare.chat import ChatEncoder, Skip, leading_assistant_turns, normalize_conversation
+from draftsmith.prepare.dataset import resume_point, write_prepared
+from draftsmith.prepare.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
+from draftsmith.prepare.vocab import coverage_report
 
 BATCH = 16            # conversations per task sent to a worker
 IN_FLIGHT_PER_WORKER = 4
@@ -274,7 +274,7 @@ def run(cfg: PrepareConfig) -> StageResult:
             skip_examples=tally.skip_examples, stats=stats,
             fingerprint=fingerprint, checkpoint=lambda: {"tally": dataclasses.asdict(tally)}, resume=bool(state))
 
-    from draftsmith.prepared import open_prepared
+    from draftsmith.prepare.dataset import open_prepared
 
     counts = open_prepared(cfg.output).token_counts()
     summary: dict[str, Any] = {

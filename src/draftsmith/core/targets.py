@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftsmith import assets
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import sha256_bytes
-from draftsmith.manifest import TargetIdentity
+from draftsmith.core import assets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import sha256_bytes
+from draftsmith.core.manifest import TargetIdentity
 
 # Config keys that change nothing about the computation (bookkeeping written by save_pretrained).
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
@@ -102,20 +102,6 @@ def target_identity(path: Path) -> TargetIdentity:
         )
     except KeyError as err:
         raise DraftsmithError(f"{path}/config.json: missing {err}; is this a decoder-only causal LM?") from None
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's usual low / middle / high taps, in vLLM's convention."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
-    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
-    if bad:
-        raise DraftsmithError(f"aux layer ids {bad} out of range: the target has layer ids 0..{num_layers}")
-    if len(set(layer_ids)) != len(layer_ids):
-        raise DraftsmithError(f"aux layer ids {layer_ids} contain duplicates")
-    return sorted(layer_ids)
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 
 class DraftConfig(BaseModel):
@@ -315,7 +315,7 @@ class Eagle3Draft(nn.Module):
     def from_target(cls, config: DraftConfig, target: nn.Module, draft_to_target: torch.Tensor,
                     lm_head_init: str = "target", seed: int = 0) -> "Eagle3Draft":
         """A fresh draft: frozen embedding copied from the target, lm_head from the target's draft-vocab rows."""
-        from draftsmith import targets
+        from draftsmith.core import targets
 
         draft = cls(config)
         draft.init_weights(seed)

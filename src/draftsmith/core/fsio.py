@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

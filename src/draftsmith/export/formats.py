@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith import __version__
 from draftsmith.config import ExportConfig, StageResult, save_resolved_config
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_dir, sha256_file
-from draftsmith.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_dir, sha256_file
+from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
 
 Format = Literal["vllm", "sglang", "speculators"]
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
@@ -79,7 +79,7 @@ class DraftArch(BaseModel):
 
     def to_draft_config(self) -> Any:
         """The draftsmith.model.DraftConfig that builds a module with these shapes."""
-        from draftsmith.model import DraftConfig
+        from draftsmith.train.model import DraftConfig
 
         return DraftConfig(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
@@ -427,7 +427,7 @@ def canonical_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _canonical_name(name: str) -> str:
-    """draftsmith.model names -> vLLM names: `layers.0.` is spelled `midlayer.`."""
+    """draftsmith.train.model names -> vLLM names: `layers.0.` is spelled `midlayer.`."""
     return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
 
@@ -440,7 +440,7 @@ def module_state_dict(tensors: dict[str, torch.Tensor], embed_weight: torch.Tens
 
 def draft_module(source: "DraftSource", embed_weight: torch.Tensor) -> torch.nn.Module:
     """draftsmith.model.Eagle3Draft (fp32, CPU) holding the draft's weights and the target's embedding."""
-    from draftsmith.model import Eagle3Draft
+    from draftsmith.train.model import Eagle3Draft
 
     draft = Eagle3Draft(source.arch.to_draft_config())
     state = module_state_dict(source.tensors, embed_weight.detach().cpu())
@@ -489,7 +489,7 @@ def require_draft_for_target(source: DraftSource, identity: TargetIdentity, targ
 
 def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[TargetIdentity, list[str], dict]:
     """The target to record in the export: the given one (refused unless it is the draft's) or the recorded one."""
-    from draftsmith.targets import read_config, resolve_target, target_identity
+    from draftsmith.core.targets import read_config, resolve_target, target_identity
 
     recorded = source.target
     if spec is None and not (Path(recorded.path) / "config.json").is_file():

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsio import atomic_dir, atomic_path, atomic_write_json, sha256_file
-from draftsmith.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_json, sha256_file
+from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
 RESUME_NAME = "resume.json"

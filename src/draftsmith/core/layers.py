@@ -1,0 +1,44 @@
+"""Layer ids: the one place that knows what "layer k" of a target means, its defaults and its checks.
+
+The convention is vLLM's (since 0.18), used everywhere in draftsmith -- stores, checkpoints, exports, the CLI:
+
+    0        the embeddings (the input of decoder layer 0)
+    k        the output of decoder layer k-1: the residual stream `hidden + residual`, before the final norm
+    N        the last decoder layer's output, un-normalised (N = num_hidden_layers)
+
+transformers' `output_hidden_states[k]` is the same tensor for k < N; its entry N has gone through the final norm,
+so id N is taken from the last decoder layer's output instead (core/capture.py, evaluate/specdec.py). A store keeps
+the aux ids (ascending) and then N, so the trainer can rebuild the target's distribution through its final norm and
+lm_head; a draft fuses the aux ids in that order. SGLang numbers layers one lower (its id k = output of layer k).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from draftsmith.core.errors import DraftsmithError
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's usual low / middle / high taps, in vLLM's convention."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise DraftsmithError(f"aux layer ids {bad} out of range: the target has layer ids 0..{num_layers}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise DraftsmithError(f"aux layer ids {layer_ids} contain duplicates")
+    return sorted(layer_ids)
+
+
+def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The store's layer ids: the aux ids (default 2, N//2, N-3) sorted, then N."""
+    if aux_layer_ids:
+        aux = check_layer_ids([int(i) for i in aux_layer_ids], num_layers)
+    else:  # on a very shallow target the defaults collide (N=4: 2, 2, 1): keep each once
+        aux = check_layer_ids(sorted({i for i in default_aux_layer_ids(num_layers) if 0 <= i < num_layers}), num_layers)
+    if num_layers in aux:
+        raise DraftsmithError(f"aux layer ids {aux}: leave out {num_layers} (the last layer); the store always keeps it")
+    return aux + [num_layers]

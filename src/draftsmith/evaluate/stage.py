@@ -1,0 +1,187 @@
+"""`draftsmith evaluate`: measure a draft by real speculative decoding, with the reference decoder or vLLM.
+
+    run(cfg: EvaluateConfig) -> StageResult
+
+The draft is an export directory (any format) or a training checkpoint; the target is the one it was trained
+for (a different one is refused). For each k the same prompts are decoded with the draft, and once without it
+for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from draftsmith import export
+from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
+from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.manifest import TargetIdentity
+from draftsmith.evaluate.prompts import Prompt, load_prompts
+from draftsmith.evaluate.report import write_report
+from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
+
+__all__ = ["run", "build_draft_module", "resolve_evaluation_target", "evaluate_reference"]
+
+
+def resolve_evaluation_target(spec: str | None, source: export.DraftSource, where: str) -> tuple[Path, TargetIdentity]:
+    """The target to decode with: the given one (refused if the draft was built for another) or the recorded one."""
+    recorded = source.target
+    if spec is None and not (Path(recorded.path) / "config.json").is_file():
+        raise DraftsmithError(f"{where}: the draft's target {recorded.path} is not on this machine; pass --target")
+    path = targets.resolve_target(spec if spec is not None else recorded.path)
+    identity = targets.target_identity(path)
+    export.require_draft_for_target(source, identity, path, where, "evaluate it with the target it was trained for")
+    return path, identity
+
+
+def build_draft_module(source: export.DraftSource, target_model: torch.nn.Module, device: torch.device,
+                       dtype: torch.dtype) -> torch.nn.Module:
+    """draftsmith.model.Eagle3Draft holding the draft's weights, with the target's embedding."""
+    draft = export.draft_module(source, targets.embed_tokens(target_model).weight)
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _eos_ids(tokenizer: Any, target_path: Path) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = target_path / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
+    return ids
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=True)
+
+
+def evaluate_reference(target_model: torch.nn.Module, draft: torch.nn.Module, aux_layer_ids: list[int],
+                       prompts: list[Prompt], ks: list[int], *, max_new_tokens: int, temperature: float, seed: int,
+                       eos_ids: set[int], baseline: bool = True, device: torch.device = torch.device("cpu"),
+                       show_progress: bool = False) -> dict[str, Any]:
+    """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs."""
+    target = TargetRunner(target_model, aux_layer_ids)
+    drafter = DraftRunner(draft)
+    tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
+    # Warm-up (allocator, kernels): not timed, so the first measured run is not penalised.
+    speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos_ids)
+    plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
+    result: dict[str, Any] = {"runs": {}, "outputs": {}}
+    with _progress() as progress:
+        jobs = ([0] if baseline else []) + list(ks)
+        for k in jobs:
+            task = progress.add_task(f"k={k}" if k else "target alone", total=len(prompts), visible=show_progress)
+            generator = torch.Generator(device=device).manual_seed(seed)
+            total = DecodeStats(k=k)
+            outputs = []
+            for ids in tensors:
+                if k == 0:
+                    gen = plain_generate(target, ids, max_new_tokens, temperature, eos_ids, generator)
+                else:
+                    gen = speculative_generate(target, drafter, ids, k, max_new_tokens, temperature, eos_ids, generator)
+                total.add(gen.stats)
+                outputs.append(gen.tokens)
+                progress.advance(task)
+            result["runs"][k] = total
+            result["outputs"][k] = outputs
+    return result
+
+
+def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | None, list[dict]]:
+    base = stats.get(0)
+    runs = []
+    for k in ks:
+        d = stats[k].to_dict()
+        d["speedup"] = (stats[k].tokens_per_s / base.tokens_per_s) if base and base.tokens_per_s > 0 else None
+        runs.append(d)
+    return (base.to_dict() if base else None), runs
+
+
+def _vllm_draft_dir(cfg: EvaluateConfig, source: export.DraftSource, identity: TargetIdentity, workdir: Path) -> Path:
+    """An export vLLM can load: the given one if it is vllm/speculators, else a vllm export written for the run."""
+    if export.is_export(cfg.draft) and export.read_export(cfg.draft).manifest.format in ("vllm", "speculators"):
+        return Path(cfg.draft)
+    out = workdir / "vllm-draft"
+    export.write_export(out, source.tensors, source.arch, "vllm", target=identity,
+                        verifier_architectures=[identity.architecture], dtype="bf16",
+                        source_checkpoint=str(source.origin), training=source.training)
+    return out
+
+
+def run(cfg: EvaluateConfig) -> StageResult:
+    """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
+    source = export.load_draft(cfg.draft)
+    target_path, identity = resolve_evaluation_target(cfg.target, source, str(cfg.draft))
+    tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
+    prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
+                           eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed)
+    output = Path(cfg.output)
+    output.mkdir(parents=True, exist_ok=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    report: dict[str, Any] = {
+        "engine": cfg.engine, "target": str(target_path), "draft": str(cfg.draft), "prompts": cfg.prompts,
+        "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+        "aux_layer_ids": source.arch.aux_layer_ids, "draft_vocab_size": source.arch.draft_vocab_size,
+    }
+    if cfg.engine == "hf":
+        device = targets.resolve_device(cfg.device)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            cfg.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
+        target_model = targets.load_target(target_path, dtype=dtype, device=device,
+                                           trust_remote_code=cfg.trust_remote_code)
+        draft = build_draft_module(source, target_model, device, dtype)
+        measured = evaluate_reference(target_model, draft, source.arch.aux_layer_ids, prompts, cfg.k,
+                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                                      eos_ids=_eos_ids(tokenizer, target_path), baseline=cfg.baseline,
+                                      device=device, show_progress=True)
+        stats = measured["runs"]
+        if cfg.temperature == 0 and cfg.baseline:
+            base_out = measured["outputs"][0]
+            report["lossless"] = {f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/"
+                                             f"{len(prompts)} prompts" for k in cfg.k}
+        report["dtype"] = str(dtype).removeprefix("torch.")
+    else:
+        from draftsmith.evaluate import vllm_runner
+
+        dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+        max_len = cfg.max_model_len or (max(len(p.token_ids) for p in prompts) + cfg.max_new_tokens + max(cfg.k) + 8)
+        workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
+        shutil.rmtree(workdir, ignore_errors=True)
+        draft_dir = _vllm_draft_dir(cfg, source, identity, workdir)
+        common = dict(target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
+                      temperature=cfg.temperature, seed=cfg.seed, dtype=dtype_name, max_model_len=max_len,
+                      kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
+                      trust_remote_code=cfg.trust_remote_code)
+        stats = {}
+        if cfg.baseline:
+            res = vllm_runner.run_vllm(draft=None, k=0, name="baseline", **common)
+            stats[0] = vllm_runner.stats_from_vllm(res, 0, len(prompts))
+        for k in cfg.k:
+            res = vllm_runner.run_vllm(draft=draft_dir, k=k, name=f"k{k}", **common)
+            stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
+            report["vllm_version"] = res.get("vllm_version")
+        report["dtype"] = dtype_name
+    report["baseline"], report["runs"] = _run_dicts(stats, cfg.k)
+    paths = write_report(output, report)
+    save_resolved_config(cfg, output)
+    summary: dict[str, Any] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({len(prompts)})"}
+    if report["baseline"]:
+        summary["target alone tokens/s"] = round(report["baseline"]["tokens_per_s"], 2)
+    for r in report["runs"]:
+        summary[f"k={r['k']} τ"] = round(r["tau"], 3)
+        summary[f"k={r['k']} acceptance/pos"] = [round(a, 3) for a in r["acceptance_per_pos"]]
+        if r.get("speedup") is not None:
+            summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)
+    summary["report"] = str(paths["markdown"])
+    return StageResult(stage="evaluate", output=output, summary=summary)
