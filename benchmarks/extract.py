@@ -27,8 +27,8 @@ from pathlib import Path
 
 
 def _prepared(work: Path, n: int, max_length: int) -> Path:
-    from draftsmith.core import assets
     from draftsmith.config import PrepareConfig
+    from draftsmith.core import assets
     from draftsmith.prepare import stage as prepare
 
     path = work / f"prepared-{n}-{max_length}"
@@ -41,11 +41,10 @@ def _prepared(work: Path, n: int, max_length: int) -> Path:
 def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
     import torch
 
-    from draftsmith.extract import store
     from draftsmith.config import ExtractConfig
-    from draftsmith.extract import common, hf
-from draftsmith.core import capture
+    from draftsmith.core import capture
     from draftsmith.core.targets import load_target, resolve_device
+    from draftsmith.extract import common, hf, store
 
     output = work / "store-bf16"
     cfg = ExtractConfig(prepared=prepared, output=output, device=args.device, token_budget=args.token_budget)

@@ -17,7 +17,7 @@ from draftsmith.core.targets import target_identity
 from draftsmith.prepare.dataset import open_prepared, write_prepared
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
-from draftsmith.train.batches import OnlineSource, TokenBudgetSampler, collate, fetch
+from draftsmith.train.batches import OnlineSource, TokenBudgetSampler, fetch
 
 
 def _samples(n: int, seed: int = 0, vocab: int = 320, lo: int = 12, hi: int = 40) -> list[dict]:

@@ -112,11 +112,12 @@ def test_torchrun_trainer_end_to_end_rank0_writes(tiny_target_dir, tmp_path):
     write_prepared(tmp_path / "prep", samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f'''
+        import sys
         from draftsmith.config import TrainConfig
         from draftsmith.train import run
         r = run(TrainConfig(data="{tmp_path / 'prep'}", output="{tmp_path / 'run'}", draft_vocab_size=300,
                             ttt_steps=2, token_budget=40, max_steps=3, eval_fraction=0.2, log_every=1, device="cpu"))
-        print("RESULT", r.summary["steps"])
+        sys.stdout.write(f"RESULT {{r.summary['steps']}}\\n")  # one write: the two ranks' lines never interleave
     '''))
     proc = _torchrun([str(script)], tmp_path)
     assert proc.stdout.count("RESULT 3") == 2

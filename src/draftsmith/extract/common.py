@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from draftsmith.config import ExtractConfig, StageResult, parse_shard
 from draftsmith.core.errors import DraftsmithError

@@ -10,7 +10,6 @@ padding never reaches a real token's state.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import torch
