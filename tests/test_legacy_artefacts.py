@@ -1,0 +1,73 @@
+"""Artefacts made by draftsmith 0.1.0 before the stage packages (commit db7d796, tests/data/legacy-0.1.0/make.py)
+still load with today's code: prepared set, bf16 and fp8 stores, a checkpoint (resumable) and the three exports."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.config import EvaluateConfig, ExportConfig, TrainConfig
+from draftsmith.core.targets import target_identity
+
+LEGACY = Path(__file__).parent / "data" / "legacy-0.1.0"
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory, tiny_target_dir) -> Path:
+    """A writable copy (resume and verify may add files) whose target is the tests' tiny target."""
+    root = tmp_path_factory.mktemp("legacy") / "legacy"
+    shutil.copytree(LEGACY, root)
+    return root
+
+
+def test_prepared_set_and_stores_load(legacy, tiny_target_dir):
+    from draftsmith.extract import store
+    from draftsmith.prepare.dataset import open_prepared
+
+    prepared = open_prepared(legacy / "prepared", verify=True)
+    assert prepared.manifest.target.mismatch(target_identity(tiny_target_dir)) is None
+    assert len(prepared) == 12 and prepared[0]["loss_mask"].any()
+    for dtype in ("bf16", "fp8"):
+        s = store.open(legacy / f"store-{dtype}")
+        assert len(s) == 12 and s.layer_ids == [1, 2, 4]
+        item = s[3]
+        assert torch.equal(item["input_ids"], prepared[item["sample_id"]]["input_ids"])
+        assert item["hidden_states"].shape == (len(item["input_ids"]), 3, 64)
+        assert torch.isfinite(item["hidden_states"]).all()
+        assert store.verify_store(legacy / f"store-{dtype}").ok
+
+
+def test_checkpoint_and_exports_load_and_agree(legacy):
+    from draftsmith import export
+
+    source = export.load_draft(legacy / "train")
+    for fmt in ("vllm", "sglang", "speculators"):
+        exported = export.load_draft(legacy / f"export-{fmt}")
+        assert exported.arch == source.arch
+        assert exported.tensors.keys() == source.tensors.keys()
+        for name, tensor in source.tensors.items():
+            assert torch.equal(exported.tensors[name], tensor), (fmt, name)
+
+
+def test_legacy_checkpoint_exports_and_resumes(legacy, tiny_target_dir, tmp_path):
+    from draftsmith import export
+    from draftsmith.train import run as train
+
+    export.run(ExportConfig(checkpoint=legacy / "train", target=str(tiny_target_dir), output=tmp_path / "export"))
+    assert export.read_export(tmp_path / "export").manifest.arch.draft_vocab_size == 64
+    result = train(TrainConfig(data=legacy / "store-bf16", target=str(tiny_target_dir), output=legacy / "train",
+                               max_steps=2, token_budget=256, ttt_steps=2, draft_vocab_size=64, warmup_steps=1,
+                               save_every=2, keep_checkpoints=1, eval_fraction=0.2))
+    assert result.summary["steps"] == 2 and "resumed from" in result.summary
+
+
+def test_legacy_export_evaluates(legacy, tiny_target_dir, tmp_path):
+    from draftsmith import evaluate
+
+    result = evaluate.run(EvaluateConfig(draft=legacy / "export-speculators", target=str(tiny_target_dir),
+                                         engine="hf", prompts=str(legacy / "prepared"), eval_fraction=0.2,
+                                         max_new_tokens=6, k=[2], output=tmp_path / "eval"))
+    assert result.summary["k=2 τ"] >= 1.0
