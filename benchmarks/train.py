@@ -92,7 +92,7 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
 def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int,
                    device: torch.device) -> float:
     """Seconds for the attention of all TTT steps, forward + backward, at the draft's head shapes."""
-    from draftsmith.train.model import naive_ttt_attention, ttt_attention
+    from draftsmith.train.attention import naive_ttt_attention, ttt_attention
 
     fn = ttt_attention if mode == "ttt" else naive_ttt_attention
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

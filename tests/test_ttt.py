@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draftsmith.core import targets
-from draftsmith.train.model import DraftConfig, Eagle3Draft, naive_ttt_attention, ttt_attention
+from draftsmith.train.attention import naive_ttt_attention, ttt_attention
+from draftsmith.train.model import DraftConfig, Eagle3Draft
 from draftsmith.train.ttt import (
     TargetDistribution,
     step_counts,

@@ -17,9 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from conftest import build_tiny_target  # noqa: E402
+from draftsmith.data.prepare import run as prepare  # noqa: E402
 
 from draftsmith import config as C  # noqa: E402
-from draftsmith.data.prepare import run as prepare  # noqa: E402
 from draftsmith.export import run as export  # noqa: E402
 from draftsmith.extract import run as extract  # noqa: E402
 from draftsmith.train import run as train  # noqa: E402
