@@ -48,18 +48,18 @@ def quick_trained_draft() -> Path:
 
 def random_draft_source(target_path: Path, draft_vocab_size: int = 8000):
     """An untrained draft (random weights, lm_head from the target's rows) as a DraftSource."""
-    from draftsmith import export
     from draftsmith.core import layers, targets
-    from draftsmith.train.model import DraftConfig, Eagle3Draft
+    from draftsmith.train.drafts import DraftSource
+    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
     config = json.loads((target_path / "config.json").read_text())
     model = targets.load_target(target_path)
-    dc = DraftConfig.from_target_config(config, draft_vocab_size=draft_vocab_size)
-    ids = torch.linspace(0, dc.vocab_size - 1, dc.draft_vocab_size).round().long()
-    draft = Eagle3Draft.from_target(dc, model, ids)
     aux = layers.default_aux_layer_ids(config["num_hidden_layers"])
-    return export.DraftSource(arch=export.DraftArch.from_draft_config(dc, aux), tensors=export.canonical_tensors(draft),
-                              target=targets.target_identity(target_path), origin=Path("random"), training={})
+    spec = DraftSpec.from_target_config(config, draft_vocab_size, 1, aux)
+    ids = torch.linspace(0, spec.vocab_size - 1, spec.draft_vocab_size).round().long()
+    draft = Eagle3Draft.from_target(spec, model, ids)
+    return DraftSource(spec=spec, tensors=draft_tensors(draft.state_dict()),
+                       target=targets.target_identity(target_path), origin=Path("random"), training={})
 
 
 def main() -> None:
@@ -75,10 +75,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from draftsmith import export
     from draftsmith.core import targets
     from draftsmith.evaluate import build_draft_module, evaluate_reference, resolve_evaluation_target
     from draftsmith.evaluate.prompts import load_prompts
+    from draftsmith.train.drafts import load_draft
 
     ks = [int(x) for x in args.k.split(",")] if args.k else ([3] if args.quick else [1, 2, 3, 4, 5])
     num_prompts = args.num_prompts or (4 if args.quick else 20)
@@ -89,7 +89,7 @@ def main() -> None:
         draft_name = "random (untrained)"
     else:
         path = args.draft or quick_trained_draft()
-        source = export.load_draft(path)
+        source = load_draft(path)
         draft_name = str(path)
     target_path, _ = resolve_evaluation_target(args.target, source, draft_name)
     model = targets.load_target(target_path)
@@ -98,7 +98,7 @@ def main() -> None:
     draft = build_draft_module(source, model, torch.device("cpu"), torch.float32)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     start = time.perf_counter()
-    measured = evaluate_reference(model, draft, source.arch.aux_layer_ids, prompts, ks, max_new_tokens=max_new,
+    measured = evaluate_reference(model, draft, source.spec.aux_layer_ids, prompts, ks, max_new_tokens=max_new,
                                   temperature=0.0, seed=0, eos_ids=eos, baseline=True)
     wall = time.perf_counter() - start
     base = measured["runs"][0]

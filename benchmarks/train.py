@@ -22,12 +22,12 @@ import time
 
 import torch
 
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import TTTModel, needed_positions, target_distribution
 
 FALLBACK_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                    "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 8192,
-                   "rope_theta": 100000.0, "hidden_act": "silu"}
+                   "rope_theta": 100000.0, "hidden_act": "silu", "num_hidden_layers": 30}
 
 
 def default_target_config() -> tuple[dict, str]:
@@ -41,7 +41,7 @@ def default_target_config() -> tuple[dict, str]:
 
 def make(seq: int, ttt_steps: int, draft_vocab: int, device: torch.device, seed: int = 0):
     config, source = default_target_config()
-    cfg = DraftConfig.from_target_config(config, draft_vocab)
+    cfg = DraftSpec.from_target_config(config, draft_vocab, 1, [2, 15, 27])  # three aux layers, as trained
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     draft.init_weights(seed)
@@ -89,7 +89,7 @@ def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden,
     return sorted(times)[len(times) // 2] if times else 0.0
 
 
-def time_attention(cfg: DraftConfig, seq: int, ttt_steps: int, mode: str, repeats: int,
+def time_attention(cfg: DraftSpec, seq: int, ttt_steps: int, mode: str, repeats: int,
                    device: torch.device) -> float:
     """Seconds for the attention of all TTT steps, forward + backward, at the draft's head shapes."""
     from draftsmith.train.attention import naive_ttt_attention, ttt_attention

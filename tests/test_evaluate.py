@@ -14,7 +14,8 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.drafts import load_draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -26,11 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def exported(tiny_target_dir, tmp_path_factory):
     config = json.loads((tiny_target_dir / "config.json").read_text())
     model = targets.load_target(tiny_target_dir)
-    dc = DraftConfig.from_target_config(config, draft_vocab_size=128)
-    draft = Eagle3Draft.from_target(dc, model, torch.arange(0, 256, 2))
-    arch = export.DraftArch.from_draft_config(dc, [1, 2, 4])
+    spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 4])
+    draft = Eagle3Draft.from_target(spec, model, torch.arange(0, 256, 2))
     out = tmp_path_factory.mktemp("eval") / "export"
-    export.write_export(out, export.canonical_tensors(draft), arch, "vllm",
+    export.write_export(out, draft_tensors(draft.state_dict()), spec, "vllm",
                         target=targets.target_identity(tiny_target_dir), verifier_architectures=["LlamaForCausalLM"],
                         dtype="fp32")
     return out
@@ -127,14 +127,13 @@ def test_evaluate_refuses_a_draft_for_another_target(exported, prompt_file, tmp_
 def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_file, tmp_path):
     from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
 
-    source = export.load_draft(exported)
+    source = load_draft(exported)
     model = targets.load_target(tiny_target_dir)
     draft = evaluate.build_draft_module(source, model, torch.device("cpu"), torch.float32)
-    manifest = CheckpointManifest(target=source.target, aux_layer_ids=source.arch.aux_layer_ids,
-                                  draft=source.arch.to_draft_config(), step=3)
+    manifest = CheckpointManifest(target=source.target, draft=source.spec, step=3)
     save_checkpoint(tmp_path / "run", manifest, draft.state_dict(), None, best=True)
-    from_ckpt = export.load_draft(tmp_path / "run")
-    assert from_ckpt.arch == source.arch
+    from_ckpt = load_draft(tmp_path / "run")
+    assert from_ckpt.spec == source.spec
     for name, t in source.tensors.items():
         assert torch.equal(from_ckpt.tensors[name], t), name
     evaluate.run(EvaluateConfig(draft=tmp_path / "run", prompts=str(prompt_file), num_prompts=1, max_new_tokens=6,

@@ -19,6 +19,7 @@ from draftsmith.config import EvaluateConfig, ExportConfig
 from draftsmith.core import targets
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
+from draftsmith.train.drafts import load_draft
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def trained_run(default_target_dir) -> Path:
 def real(default_target_dir, trained_run):
     model = targets.load_target(default_target_dir)
     tokenizer = targets.load_tokenizer(default_target_dir)
-    source = export.load_draft(trained_run)
+    source = load_draft(trained_run)
     draft = evaluate.build_draft_module(source, model, torch.device("cpu"), torch.float32)
     return model, tokenizer, source, draft
 
@@ -44,7 +45,7 @@ def real(default_target_dir, trained_run):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_lossless_on_default_target_with_trained_draft(real, k):
     model, tokenizer, source, draft = real
-    runner = TargetRunner(model, source.arch.aux_layer_ids)
+    runner = TargetRunner(model, source.spec.aux_layer_ids)
     drafter = DraftRunner(draft)
     accepted = 0
     for prompt in load_prompts("mt-bench", tokenizer, num_prompts=2):

@@ -12,7 +12,8 @@ from draftsmith import export
 from draftsmith.config import ExportConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.drafts import load_draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
 AUX = [1, 2, 4]
 
@@ -23,34 +24,44 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make_draft(target_dir, draft_vocab_size=96, seed=0):
     config = json.loads((target_dir / "config.json").read_text())
     model = targets.load_target(target_dir)
-    dc = DraftConfig.from_target_config(config, draft_vocab_size=draft_vocab_size)
+    spec = DraftSpec.from_target_config(config, draft_vocab_size, 1, AUX)
     ids = torch.linspace(0, config["vocab_size"] - 1, draft_vocab_size).round().long()
-    return Eagle3Draft.from_target(dc, model, ids, seed=seed), dc
+    return Eagle3Draft.from_target(spec, model, ids, seed=seed), spec
 
 
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_target_dir):
-    draft, dc = make_draft(tiny_target_dir)
-    arch = export.DraftArch.from_draft_config(dc, AUX)
-    return draft, arch, export.canonical_tensors(draft), targets.target_identity(tiny_target_dir)
+    draft, spec = make_draft(tiny_target_dir)
+    return draft, spec, draft_tensors(draft.state_dict()), targets.target_identity(tiny_target_dir)
 
 
 def write(tmp_path, tiny_draft, fmt, **kw):
-    _, arch, tensors, identity = tiny_draft
+    _, spec, tensors, identity = tiny_draft
     out = tmp_path / fmt
-    export.write_export(out, tensors, arch, fmt, target=identity, verifier_architectures=["LlamaForCausalLM"], **kw)
+    export.write_export(out, tensors, spec, fmt, target=identity, verifier_architectures=["LlamaForCausalLM"], **kw)
     return out
 
 
-def test_canonical_names_are_vllms(tiny_draft):
-    _, arch, tensors, _ = tiny_draft
+def test_draft_tensors_are_the_modules_names(tiny_draft):
+    _, spec, tensors, _ = tiny_draft
     assert "embed_tokens.weight" not in tensors  # servers share the target's embedding
-    assert set(tensors) == set(arch.expected_shapes())
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
-            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= set(tensors)
-    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * arch.hidden_size
-    assert tensors["fc.weight"].shape == (arch.hidden_size, 3 * arch.target_hidden_size)
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight",
+            "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= set(tensors)
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * spec.hidden_size
+    assert tensors["fc.weight"].shape == (spec.hidden_size, 3 * spec.target_hidden_size)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+
+
+def test_vllm_loads_the_vllm_files_names_into_the_modules_names(tmp_path, tiny_draft):
+    """vLLM's own Eagle-3 loader renames the vllm format's weights to exactly the module's names (before it stacks
+    q/k/v and gate/up into its fused layers): the module's names are vLLM's."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.llama_eagle3 import LlamaModel
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    rename = WeightsMapper(orig_to_new_substr=LlamaModel.hf_to_vllm_mapper.orig_to_new_substr)
+    in_file = load_file(str(write(tmp_path, tiny_draft, "vllm") / "model.safetensors"))
+    assert {rename.map_name(name) for name in in_file} == set(tiny_draft[2])
 
 
 def test_vllm_format(tmp_path, tiny_draft):
@@ -96,10 +107,11 @@ def test_speculators_format(tmp_path, tiny_draft, tiny_target_dir):
 
 @pytest.mark.parametrize("fmt", export.FORMATS)
 def test_round_trip(tmp_path, tiny_draft, fmt):
-    _, arch, tensors, identity = tiny_draft
+    _, spec, tensors, identity = tiny_draft
     out = write(tmp_path, tiny_draft, fmt, dtype="fp32")
-    back = export.read_export(out)
-    assert back.manifest.format == fmt and back.arch == arch and back.manifest.target == identity
+    back = load_draft(out)
+    assert export.read_export_manifest(out).format == fmt
+    assert back.spec == spec and back.target == identity and back.origin == out
     assert set(back.tensors) == set(tensors)
     for name, t in tensors.items():
         assert torch.equal(back.tensors[name], t), name
@@ -124,9 +136,9 @@ def test_speculators_reader_in_vllm_accepts_the_config(tmp_path, tiny_draft):
 
 
 def _assert_refused(tmp_path, tiny_draft, tensors, match):
-    _, arch, _, identity = tiny_draft
+    _, spec, _, identity = tiny_draft
     with pytest.raises(DraftsmithError, match=match):
-        export.write_export(tmp_path / "bad", tensors, arch, "vllm", target=identity, verifier_architectures=[])
+        export.write_export(tmp_path / "bad", tensors, spec, "vllm", target=identity, verifier_architectures=[])
     assert not (tmp_path / "bad").exists()  # nothing half-written
 
 
@@ -138,9 +150,9 @@ def test_refuses_wrong_shape(tmp_path, tiny_draft):
 
 def test_refuses_missing_and_unexpected_tensors(tmp_path, tiny_draft):
     tensors = dict(tiny_draft[2])
-    del tensors["midlayer.hidden_norm.weight"]
+    del tensors["layers.0.hidden_norm.weight"]
     _assert_refused(tmp_path, tiny_draft, tensors, r"missing tensor.*hidden_norm")
-    tensors = dict(tiny_draft[2], **{"midlayer.self_attn.q_norm.weight": torch.ones(16)})
+    tensors = dict(tiny_draft[2], **{"layers.0.self_attn.q_norm.weight": torch.ones(16)})
     _assert_refused(tmp_path, tiny_draft, tensors, r"unexpected tensor.*q_norm")
 
 
@@ -159,20 +171,20 @@ def test_refuses_bad_dtype_nan_and_vocab_maps(tmp_path, tiny_draft):
 def test_refuses_draft_for_another_target(tmp_path, tiny_draft):
     from conftest import build_tiny_target
 
-    _, arch, tensors, _ = tiny_draft
+    _, spec, tensors, _ = tiny_draft
     other = targets.target_identity(build_tiny_target(tmp_path / "wide", hidden_size=128))
     with pytest.raises(DraftsmithError, match=r"another target.*hidden size 64 != 128"):
-        export.write_export(tmp_path / "x", tensors, arch, "vllm", target=other, verifier_architectures=[])
+        export.write_export(tmp_path / "x", tensors, spec, "vllm", target=other, verifier_architectures=[])
     small_vocab = other.model_copy(update={"hidden_size": 64, "vocab_size": 300})
     with pytest.raises(DraftsmithError, match=r"vocab 320 != 300"):
-        export.write_export(tmp_path / "x", tensors, arch, "vllm", target=small_vocab, verifier_architectures=[])
+        export.write_export(tmp_path / "x", tensors, spec, "vllm", target=small_vocab, verifier_architectures=[])
 
 
 def test_sglang_refuses_embedding_layer_id(tmp_path, tiny_draft):
-    _, arch, tensors, identity = tiny_draft
-    arch0 = arch.model_copy(update={"aux_layer_ids": [0, 2, 4]})
+    _, spec, tensors, identity = tiny_draft
+    spec0 = spec.model_copy(update={"aux_layer_ids": [0, 2, 4]})
     with pytest.raises(DraftsmithError, match="layer id 0"):
-        export.write_export(tmp_path / "s", tensors, arch0, "sglang", target=identity, verifier_architectures=[])
+        export.write_export(tmp_path / "s", tensors, spec0, "sglang", target=identity, verifier_architectures=[])
 
 
 def test_read_export_detects_damage(tmp_path, tiny_draft):
@@ -180,28 +192,43 @@ def test_read_export_detects_damage(tmp_path, tiny_draft):
     with open(out / "model.safetensors", "r+b") as f:
         f.seek(-8, 2)
         f.write(b"\x00" * 8)
-    with pytest.raises(DraftsmithError, match="sha256"):
-        export.read_export(out)
+    with pytest.raises(DraftsmithError, match="sha256 does not match .*manifest.json; the export is damaged"):
+        load_draft(out)
 
 
 # ---------------------------------------------------------------------------------------------- the stage
 
 
-def save_checkpoint_for(run_dir, target_dir, draft, dc, aux=AUX):
+def save_checkpoint_for(run_dir, target_dir, draft, spec):
     from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
 
-    manifest = CheckpointManifest(target=targets.target_identity(target_dir), aux_layer_ids=aux, draft=dc, step=7,
-                                  data="unit-test", best_acceptance_length=1.5)
+    manifest = CheckpointManifest(target=targets.target_identity(target_dir), draft=spec, step=7, data="unit-test",
+                                  best_acceptance_length=1.5)
     return save_checkpoint(run_dir, manifest, draft.state_dict(), None, best=True)
 
 
+def test_checkpoint_holds_the_draft_but_not_the_targets_embedding(tmp_path, tiny_target_dir, tiny_draft):
+    from draftsmith.train.checkpoint import load_checkpoint
+
+    draft, spec, tensors, _ = tiny_draft
+    best = save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, spec)
+    assert set(load_file(str(best / "model.safetensors"))) == set(tensors)  # no embed_tokens.weight
+    manifest = json.loads((best / "manifest.json").read_text())
+    assert manifest["draft"] == spec.model_dump() and "aux_layer_ids" not in manifest  # one DraftSpec, no copies
+    assert "training" not in manifest  # derived from the checkpoint's own fields on read
+    back, read = load_checkpoint(tmp_path / "run")
+    assert read.draft == spec and read.training == {"data": "unit-test", "step": 7, "best_acceptance_length": 1.5}
+    assert all(torch.equal(back[name], t) for name, t in tensors.items())
+
+
 def test_run_exports_a_checkpoint(tmp_path, tiny_target_dir, tiny_draft):
-    draft, arch, tensors, _ = tiny_draft
-    save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, arch.to_draft_config())
+    draft, spec, tensors, _ = tiny_draft
+    save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, spec)
     result = export.run(ExportConfig(checkpoint=tmp_path / "run", format="vllm", output=tmp_path / "out"))
     assert result.summary["format"] == "vllm" and result.summary["aux layers"] == AUX
-    back = export.read_export(tmp_path / "out")
-    assert back.manifest.training["step"] == 7 and back.manifest.source_checkpoint == str(tmp_path / "run")
+    back, manifest = load_draft(tmp_path / "out"), export.read_export_manifest(tmp_path / "out")
+    assert manifest.training["step"] == 7 and manifest.source_checkpoint == str(tmp_path / "run")
+    assert back.training == manifest.training and manifest.draft == spec
     assert (tmp_path / "out" / "config.yaml").is_file()
     for name, t in tensors.items():
         expected = t.to(torch.bfloat16) if t.is_floating_point() else t
@@ -209,11 +236,19 @@ def test_run_exports_a_checkpoint(tmp_path, tiny_target_dir, tiny_draft):
     assert "best_acceptance_length" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_run_exports_an_export_in_another_format(tmp_path, tiny_draft):
+    out = write(tmp_path, tiny_draft, "sglang", dtype="fp32", training={"step": 3})
+    export.run(ExportConfig(checkpoint=out, format="speculators", output=tmp_path / "again", dtype="fp32"))
+    again = load_draft(tmp_path / "again")
+    assert again.training == {"step": 3} and again.spec == tiny_draft[1]
+    assert all(torch.equal(again.tensors[name], t) for name, t in tiny_draft[2].items())
+
+
 def test_run_refuses_checkpoint_for_another_target(tmp_path, tiny_target_dir, tiny_draft):
     from conftest import build_tiny_target
 
-    draft, arch, _, _ = tiny_draft
-    save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, arch.to_draft_config())
+    draft, spec, _, _ = tiny_draft
+    save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, spec)
     other = build_tiny_target(tmp_path / "wide", hidden_size=128)
     with pytest.raises(DraftsmithError, match=r"another target \(hidden size 64 != 128\)"):
         export.run(ExportConfig(checkpoint=tmp_path / "run", output=tmp_path / "out", target=str(other)))

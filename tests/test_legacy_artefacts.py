@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from draftsmith.config import EvaluateConfig, ExportConfig, TrainConfig
 from draftsmith.core.targets import target_identity
@@ -41,27 +42,54 @@ def test_prepared_set_and_stores_load(legacy, tiny_target_dir):
 
 
 def test_checkpoint_and_exports_load_and_agree(legacy):
-    from draftsmith import export
+    """The old manifests (a checkpoint's DraftConfig beside its aux_layer_ids, an export's DraftArch) read as one
+    DraftSpec; the checkpoint's embedding (the target's) is left out; the tensors agree bit for bit."""
+    from draftsmith.train.drafts import load_draft
 
-    source = export.load_draft(legacy / "train")
+    source = load_draft(legacy / "train")
+    assert source.spec.aux_layer_ids == [1, 2] and source.spec.num_hidden_layers == 1
+    assert "embed_tokens.weight" not in source.tensors and source.training["step"] == 2
     for fmt in ("vllm", "sglang", "speculators"):
-        exported = export.load_draft(legacy / f"export-{fmt}")
-        assert exported.arch == source.arch
+        exported = load_draft(legacy / f"export-{fmt}")
+        assert exported.spec == source.spec
+        assert exported.training["step"] == 2
         assert exported.tensors.keys() == source.tensors.keys()
         for name, tensor in source.tensors.items():
             assert torch.equal(exported.tensors[name], tensor), (fmt, name)
 
 
+@pytest.mark.parametrize("artefact, change, stage", [
+    ("train/best", {"draft": {"attention_bias": True}}, "train"),
+    ("export-vllm", {"arch": {"norm_before_residual": True}}, "export"),
+])
+def test_what_cannot_load_is_refused_with_the_stage_to_rerun(legacy, tmp_path, artefact, change, stage):
+    import json
+
+    from draftsmith.core.errors import DraftsmithError
+    from draftsmith.train.drafts import load_draft
+
+    copy = tmp_path / "old"
+    shutil.copytree(legacy / artefact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for key, fields in change.items():
+        manifest[key].update(fields)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DraftsmithError, match=rf"made by an older draftsmith .*; re-run `draftsmith {stage}`"):
+        load_draft(copy)
+
+
 def test_legacy_checkpoint_exports_and_resumes(legacy, tiny_target_dir, tmp_path):
     from draftsmith import export
     from draftsmith.train import run as train
+    from draftsmith.train.checkpoint import latest_checkpoint
 
     export.run(ExportConfig(checkpoint=legacy / "train", target=str(tiny_target_dir), output=tmp_path / "export"))
-    assert export.read_export(tmp_path / "export").manifest.arch.draft_vocab_size == 64
+    assert export.read_export_manifest(tmp_path / "export").draft.draft_vocab_size == 64
     result = train(TrainConfig(data=legacy / "store-bf16", target=str(tiny_target_dir), output=legacy / "train",
                                max_steps=2, token_budget=256, ttt_steps=2, draft_vocab_size=64, warmup_steps=1,
                                save_every=2, keep_checkpoints=1, eval_fraction=0.2))
     assert result.summary["steps"] == 2 and "resumed from" in result.summary
+    assert "embed_tokens.weight" not in load_file(str(latest_checkpoint(legacy / "train") / "model.safetensors"))
 
 
 def test_legacy_export_evaluates(legacy, tiny_target_dir, tmp_path):

@@ -17,16 +17,21 @@ from draftsmith.evaluate.specdec import (
     speculative_generate,
     verify_chain,
 )
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def aux_ids(num_layers: int) -> list[int]:
+    """The default aux layers, each once (a shallow target's defaults collide), as the trainer picks them."""
+    return layers.resolve_layer_ids(None, num_layers)[:-1]
 
 
 def random_draft(target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0) -> Eagle3Draft:
     config = json.loads((target_dir / "config.json").read_text())
     vocab = config["vocab_size"]
     dvs = draft_vocab_size or vocab
-    dc = DraftConfig.from_target_config(config, draft_vocab_size=dvs)
+    dc = DraftSpec.from_target_config(config, dvs, 1, aux_ids(config["num_hidden_layers"]))
     ids = torch.linspace(0, vocab - 1, dvs).round().long().unique()
     assert len(ids) == dvs
     draft = Eagle3Draft.from_target(dc, target_model, ids, lm_head_init="random", seed=seed)
@@ -57,7 +62,7 @@ def chi2_stat(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5
 def tiny(tiny_target_dir):
     model = targets.load_target(tiny_target_dir)
     n = model.config.num_hidden_layers
-    return tiny_target_dir, model, TargetRunner(model, layers.default_aux_layer_ids(n))
+    return tiny_target_dir, model, TargetRunner(model, aux_ids(n))
 
 
 PROMPTS = [[1, 5, 9, 33, 7, 100, 20], [3, 44, 12], list(range(40, 90))]
@@ -91,7 +96,7 @@ class NoisyOracle(DraftRunner):
     def step(self, ids, hidden):
         _, last = super().step(ids, hidden)
         position = self.length - 1  # the last position just read predicts the token at position + 2
-        vocab = self.draft.config.draft_vocab_size
+        vocab = self.draft.spec.draft_vocab_size
         want = self.full[position + 2] if position + 2 < len(self.full) else 0
         if float(torch.rand((), generator=self.rng)) < self.error:
             want = (want + 1 + int(torch.randint(0, vocab - 1, (), generator=self.rng))) % vocab
@@ -135,12 +140,12 @@ def test_draft_kv_cache_matches_full_forward(tiny):
     draft = random_draft(target_dir, model, seed=3)
     torch.manual_seed(0)
     t = 12
-    ids = torch.randint(0, draft.config.vocab_size, (t,))
-    hidden = torch.randn(t, draft.config.hidden_size)
+    ids = torch.randint(0, draft.spec.vocab_size, (t,))
+    hidden = torch.randn(t, draft.spec.hidden_size)
     full_logits, full_hidden = draft(ids[None], hidden[None], torch.arange(t)[None])
     runner = DraftRunner(draft)
     runner.step(ids[:5], hidden[:5])
-    runner.step(torch.tensor([7]), torch.randn(1, draft.config.hidden_size))  # a speculative step ...
+    runner.step(torch.tensor([7]), torch.randn(1, draft.spec.hidden_size))  # a speculative step ...
     runner.crop(5)  # ... forgotten again
     logits, last = runner.step(ids[5:9], hidden[5:9])
     torch.testing.assert_close(logits, full_logits[0, 8].float(), rtol=1e-4, atol=1e-5)
@@ -193,7 +198,7 @@ def test_speculative_sampling_matches_target_next_token_distribution(tmp_path):
     model = targets.load_target(target_dir)
     with torch.no_grad():  # a peaky target so the test has power; the draft disagrees with it
         targets.lm_head(model).weight.mul_(60.0)
-    runner = TargetRunner(model, layers.default_aux_layer_ids(model.config.num_hidden_layers))
+    runner = TargetRunner(model, aux_ids(model.config.num_hidden_layers))
     draft = DraftRunner(random_draft(target_dir, model, seed=5, head_scale=200.0))
     prompt = torch.tensor([1, 5, 9, 33, 7])
     temperature = 1.0
@@ -234,7 +239,7 @@ def test_greedy_lossless_on_default_target_with_random_draft(default_target_dir,
 
     model = targets.load_target(default_target_dir)
     tokenizer = targets.load_tokenizer(default_target_dir)
-    runner = TargetRunner(model, layers.default_aux_layer_ids(model.config.num_hidden_layers))
+    runner = TargetRunner(model, aux_ids(model.config.num_hidden_layers))
     draft = DraftRunner(random_draft(default_target_dir, model, draft_vocab_size=4096))
     for prompt in load_prompts("mt-bench", tokenizer, num_prompts=2):
         ids = torch.tensor(prompt.token_ids)

@@ -119,11 +119,11 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
                                atol=1e-2, rtol=1e-2)
     cfg = _cfg(store_dir, prepared_dir.parent / "unused")
     from draftsmith.core.targets import final_norm, lm_head, read_config
-    from draftsmith.train.model import DraftConfig, Eagle3Draft
+    from draftsmith.train.model import DraftSpec, Eagle3Draft
     from draftsmith.train.ttt import TTTModel
 
-    dcfg = DraftConfig.from_target_config(read_config(sharp_target_dir), 320, 1, 3)
-    draft = Eagle3Draft.from_target(dcfg, s.target, s.draft_to_target)
+    spec = DraftSpec.from_target_config(read_config(sharp_target_dir), 320, 1, s.aux_layer_ids)
+    draft = Eagle3Draft.from_target(spec, s.target, s.draft_to_target)
     head = trainer.TargetHead(final_norm(s.target), lm_head(s.target).weight, draft.draft_to_target)
     model = TTTModel(draft)
     with torch.no_grad():
@@ -148,8 +148,8 @@ def test_overfitting_a_few_samples_drives_step0_accuracy_up(sharp_target_dir, tm
     assert train[-1]["acc"][0] > 0.95, train[-1]
     assert train[0]["acc"][0] < 0.5  # it really learned (step 1)
     assert result.summary["steps"] == 60
-    draft, manifest = checkpoint.load_checkpoint(out)
-    assert manifest.step == 60 and manifest.aux_layer_ids == [1, 2]  # shallow target: default ids kept once
+    _, manifest = checkpoint.load_checkpoint(out)
+    assert manifest.step == 60 and manifest.draft.aux_layer_ids == [1, 2]  # shallow target: default ids kept once
 
 
 def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_path):
@@ -160,11 +160,11 @@ def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_pat
     train = [m for m in _metrics(out) if m["type"] == "train"]
     assert train[-1]["loss"] < 0.7 * train[0]["loss"]  # random-token samples: held-out accuracy cannot rise here
     assert result.summary["best acceptance length (sim.)"] == max(e["acceptance_length"] for e in evals)
-    draft, manifest = checkpoint.load_checkpoint(out)  # best/
-    assert manifest.kind == "checkpoint" and manifest.aux_layer_ids == [1, 2, 3]
+    tensors, manifest = checkpoint.load_checkpoint(out)  # best/
+    assert manifest.kind == "checkpoint" and manifest.draft.aux_layer_ids == [1, 2, 3]
     assert manifest.best_acceptance_length == result.summary["best acceptance length (sim.)"]
     assert manifest.draft.draft_vocab_size == 320 and manifest.data_kind == "store"
-    assert draft.fc.weight.shape == (64, 192) and not draft.training
+    assert tensors["fc.weight"].shape == (64, 192) and "embed_tokens.weight" not in tensors
     latest = checkpoint.latest_checkpoint(out)
     d2, m2 = checkpoint.load_checkpoint(latest)
     assert m2.step == result.summary["steps"]
@@ -318,26 +318,27 @@ def test_data_that_is_not_a_store_or_prepared_set(tmp_path):
 def test_init_from_an_export_continues_from_its_weights_and_vocabulary(prepared_dir, sharp_target_dir, tmp_path):
     from draftsmith import export
     from draftsmith.config import ExportConfig
+    from draftsmith.train.drafts import load_draft
+    from draftsmith.train.model import draft_tensors
 
     first = tmp_path / "first"
     trainer.run(_cfg(prepared_dir, first, max_steps=3, draft_vocab_size=200))
     export.run(ExportConfig(checkpoint=first, output=tmp_path / "export", dtype="fp32"))
-    exported = export.load_draft(tmp_path / "export")
+    exported = load_draft(tmp_path / "export")
 
     second = tmp_path / "second"  # a learning rate too small to move anything: the start is the export itself
     result = trainer.run(_cfg(prepared_dir, second, max_steps=1, lr=1e-20, warmup_steps=0, schedule="constant",
                               init_from=tmp_path / "export"))
     assert result.summary["started from"] == str(tmp_path / "export")
-    draft, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(second))
+    again, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(second))
     assert manifest.draft.draft_vocab_size == 200  # the draft's own vocabulary, not --draft-vocab-size 320
-    again = export.canonical_tensors(draft)
     assert again.keys() == exported.tensors.keys()
     for name, tensor in exported.tensors.items():
         torch.testing.assert_close(again[name], tensor, msg=name)
     fresh = trainer.initial_draft(_cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200),
                                   trainer.setup(_cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200),
                                                 torch.device("cpu")))[0]
-    assert not torch.equal(export.canonical_tensors(fresh)["fc.weight"], exported.tensors["fc.weight"])
+    assert not torch.equal(draft_tensors(fresh.state_dict())["fc.weight"], exported.tensors["fc.weight"])
 
 
 def test_init_from_a_draft_for_other_layers_or_target_or_nothing_is_refused(prepared_dir, tmp_path):

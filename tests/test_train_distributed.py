@@ -47,12 +47,14 @@ def make_problem():
     """A deterministic draft, target head and four batches of different lengths (shared with the torchrun script)."""
     from draftsmith.config import TrainConfig
     from draftsmith.train.batches import collate
-    from draftsmith.train.model import DraftConfig, Eagle3Draft
+    from draftsmith.train.model import DraftSpec, Eagle3Draft
     from draftsmith.train.stage import TargetHead
 
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      target_hidden_size=32, vocab_size=60, draft_vocab_size=30, num_layers=2)
+    cfg = DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    num_hidden_layers=2, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
+                    vocab_size=60, draft_vocab_size=30, aux_layer_ids=[1, 2, 3])
     draft = Eagle3Draft(cfg)
     draft.init_weights(0)
     draft.set_draft_vocab(torch.arange(0, 60, 2))

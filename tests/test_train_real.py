@@ -24,7 +24,7 @@ def test_online_training_on_the_default_target_raises_acceptance_length(default_
     evals = [e for e in evals if e["type"] == "eval"]
     assert len(evals) >= 3
     assert evals[-1]["acceptance_length"] > evals[0]["acceptance_length"], evals
-    draft, manifest = checkpoint.load_checkpoint(tmp_path / "run")
-    assert manifest.target.num_layers == 30 and manifest.aux_layer_ids == [2, 15, 27]
-    assert draft.lm_head.weight.shape == (8000, 576)
+    tensors, manifest = checkpoint.load_checkpoint(tmp_path / "run")
+    assert manifest.target.num_layers == 30 and manifest.draft.aux_layer_ids == [2, 15, 27]
+    assert tensors["lm_head.weight"].shape == (8000, 576)
     assert result.summary["steps"] == 24

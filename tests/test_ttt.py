@@ -7,7 +7,7 @@ import torch
 
 from draftsmith.core import targets
 from draftsmith.train.attention import naive_ttt_attention, ttt_attention
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import (
     TargetDistribution,
     step_counts,
@@ -53,9 +53,10 @@ def test_ttt_attention_equals_explicit_mask_values_and_gradients(t, steps):
 
 
 def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0):
-    cfg = DraftConfig(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=hidden // 4, target_hidden_size=hidden, vocab_size=vocab, draft_vocab_size=draft_vocab,
-                      num_layers=layers)
+    cfg = DraftSpec(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=hidden // 4, num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu",
+                    max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    target_hidden_size=hidden, vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layer_ids=[1, 2, 3])
     draft = Eagle3Draft(cfg)
     draft.init_weights(seed)
     with torch.no_grad():

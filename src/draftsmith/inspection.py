@@ -12,16 +12,15 @@ from rich.text import Text
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import read_manifest_json
+from draftsmith.core.targets import load_tokenizer
+from draftsmith.extract import store
+from draftsmith.prepare.dataset import open_prepared
 
 
 def _open_samples(path: Path, kind: str):
     if kind == "prepared":
-        from draftsmith.prepare.dataset import open_prepared
-
         return open_prepared(path)
     if kind == "store":
-        from draftsmith.extract import store
-
         return store.open(path)
     raise DraftsmithError(f"{path}: a {kind!r} artefact has no samples; drop --sample to see its manifest")
 
@@ -72,8 +71,6 @@ def run(path: Path, *, sample: int | None, as_json: bool, console: Console) -> N
     if as_json:
         print(json.dumps({"sample_id": int(item.get("sample_id", sample)), "input_ids": input_ids, "loss_mask": loss_mask}))
         return
-    from draftsmith.core.targets import load_tokenizer
-
     tokenizer = load_tokenizer(Path(samples.manifest.target.path))
     console.print(f"[bold]{path}[/] sample {sample}: {len(input_ids)} tokens, {sum(loss_mask)} loss-masked "
                   "([bold green]trained on[/], [dim]context[/])")

@@ -146,7 +146,7 @@ def _runner(stage: str) -> Callable[[Any], StageResult]:
     elif stage == "train":
         from draftsmith.train import run
     elif stage == "export":
-        from draftsmith.export.formats import run
+        from draftsmith.export import run
     else:
         from draftsmith.evaluate import run
     return run

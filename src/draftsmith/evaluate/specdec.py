@@ -30,8 +30,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from draftsmith.core import targets
+from draftsmith.train.model import Eagle3Draft, KVCache
 
 
 @dataclass
@@ -97,9 +99,7 @@ class TargetRunner:
     def _grab_last(self, module, args, output) -> None:
         self._last = output[0] if isinstance(output, tuple) else output
 
-    def new_cache(self):
-        from transformers import DynamicCache
-
+    def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
@@ -118,16 +118,14 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """The draft (draftsmith.model.Eagle3Draft) decoding with its own KV cache, one position at a time or many."""
+    """The draft (Eagle3Draft) decoding with its own KV cache, one position at a time or many."""
 
-    def __init__(self, draft: nn.Module):
+    def __init__(self, draft: Eagle3Draft):
         self.draft = draft
         self.draft_to_target = draft.draft_to_target
         self.reset()
 
     def reset(self) -> None:
-        from draftsmith.train.model import KVCache
-
         self.cache = KVCache(len(self.draft.layers))
         self.length = 0
 
@@ -143,16 +141,10 @@ class DraftRunner:
     def step(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T], hidden [T, H] at positions length..length+T-1 -> (draft logits of the last position [Vd],
         pre-norm hidden state of the last position [H])."""
-        d = self.draft
         positions = torch.arange(self.length, self.length + len(ids), device=ids.device)[None]
-        embeds = d.embed_tokens(ids[None]).to(hidden.dtype)  # [1, T, H]
-        cos, sin = d.rotary(positions, hidden.dtype)
-        h = hidden[None]
-        for layer in d.layers:
-            h = layer(embeds, h, cos, sin, self.cache, "decode")
+        logits, h = self.draft(ids[None], hidden[None], positions, self.cache, mode="decode", logits_to_keep=1)
         self.length += len(ids)
-        last = h[0, -1]
-        return d.lm_head(d.norm(last)).float(), last
+        return logits[0, -1].float(), h[0, -1]
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

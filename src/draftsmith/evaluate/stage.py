@@ -9,6 +9,7 @@ for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -22,28 +23,30 @@ from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
+from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, load_prompts
 from draftsmith.evaluate.report import write_report
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
+from draftsmith.train.drafts import DraftSource, draft_module, load_draft, require_draft_for_target
 
 __all__ = ["run", "build_draft_module", "resolve_evaluation_target", "evaluate_reference"]
 
 
-def resolve_evaluation_target(spec: str | None, source: export.DraftSource, where: str) -> tuple[Path, TargetIdentity]:
+def resolve_evaluation_target(spec: str | None, source: DraftSource, where: str) -> tuple[Path, TargetIdentity]:
     """The target to decode with: the given one (refused if the draft was built for another) or the recorded one."""
     recorded = source.target
     if spec is None and not (Path(recorded.path) / "config.json").is_file():
         raise DraftsmithError(f"{where}: the draft's target {recorded.path} is not on this machine; pass --target")
     path = targets.resolve_target(spec if spec is not None else recorded.path)
     identity = targets.target_identity(path)
-    export.require_draft_for_target(source, identity, path, where, "evaluate it with the target it was trained for")
+    require_draft_for_target(source, identity, path, where, "evaluate it with the target it was trained for")
     return path, identity
 
 
-def build_draft_module(source: export.DraftSource, target_model: torch.nn.Module, device: torch.device,
+def build_draft_module(source: DraftSource, target_model: torch.nn.Module, device: torch.device,
                        dtype: torch.dtype) -> torch.nn.Module:
-    """draftsmith.model.Eagle3Draft holding the draft's weights, with the target's embedding."""
-    draft = export.draft_module(source, targets.embed_tokens(target_model).weight)
+    """Eagle3Draft holding the draft's weights, with the target's embedding, on `device` in `dtype`."""
+    draft = draft_module(source, targets.embed_tokens(target_model).weight)
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -53,8 +56,6 @@ def _eos_ids(tokenizer: Any, target_path: Path) -> set[int]:
         ids.add(int(tokenizer.eos_token_id))
     gen = target_path / "generation_config.json"
     if gen.is_file():
-        import json
-
         value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
         ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
     return ids
@@ -107,12 +108,13 @@ def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | Non
     return (base.to_dict() if base else None), runs
 
 
-def _vllm_draft_dir(cfg: EvaluateConfig, source: export.DraftSource, identity: TargetIdentity, workdir: Path) -> Path:
+def _vllm_draft_dir(cfg: EvaluateConfig, source: DraftSource, identity: TargetIdentity, workdir: Path) -> Path:
     """An export vLLM can load: the given one if it is vllm/speculators, else a vllm export written for the run."""
-    if export.is_export(cfg.draft) and export.read_export(cfg.draft).manifest.format in ("vllm", "speculators"):
+    manifest = export.read_export_manifest(cfg.draft)
+    if manifest is not None and manifest.format in ("vllm", "speculators"):
         return Path(cfg.draft)
     out = workdir / "vllm-draft"
-    export.write_export(out, source.tensors, source.arch, "vllm", target=identity,
+    export.write_export(out, source.tensors, source.spec, "vllm", target=identity,
                         verifier_architectures=[identity.architecture], dtype="bf16",
                         source_checkpoint=str(source.origin), training=source.training)
     return out
@@ -120,7 +122,7 @@ def _vllm_draft_dir(cfg: EvaluateConfig, source: export.DraftSource, identity: T
 
 def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
-    source = export.load_draft(cfg.draft)
+    source = load_draft(cfg.draft)
     target_path, identity = resolve_evaluation_target(cfg.target, source, str(cfg.draft))
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
@@ -132,7 +134,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
     report: dict[str, Any] = {
         "engine": cfg.engine, "target": str(target_path), "draft": str(cfg.draft), "prompts": cfg.prompts,
         "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-        "aux_layer_ids": source.arch.aux_layer_ids, "draft_vocab_size": source.arch.draft_vocab_size,
+        "aux_layer_ids": source.spec.aux_layer_ids, "draft_vocab_size": source.spec.draft_vocab_size,
     }
     if cfg.engine == "hf":
         device = targets.resolve_device(cfg.device)
@@ -141,7 +143,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
         target_model = targets.load_target(target_path, dtype=dtype, device=device,
                                            trust_remote_code=cfg.trust_remote_code)
         draft = build_draft_module(source, target_model, device, dtype)
-        measured = evaluate_reference(target_model, draft, source.arch.aux_layer_ids, prompts, cfg.k,
+        measured = evaluate_reference(target_model, draft, source.spec.aux_layer_ids, prompts, cfg.k,
                                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
                                       eos_ids=_eos_ids(tokenizer, target_path), baseline=cfg.baseline,
                                       device=device, show_progress=True)
@@ -152,8 +154,6 @@ def run(cfg: EvaluateConfig) -> StageResult:
                                              f"{len(prompts)} prompts" for k in cfg.k}
         report["dtype"] = str(dtype).removeprefix("torch.")
     else:
-        from draftsmith.evaluate import vllm_runner
-
         dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
         max_len = cfg.max_model_len or (max(len(p.token_ids) for p in prompts) + cfg.max_new_tokens + max(cfg.k) + 8)
         workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)

@@ -1,18 +1,7 @@
-"""The export stage: a trained draft -> a vLLM, SGLang or speculators model directory (formats.py)."""
+"""The export stage: a trained draft -> a vLLM, SGLang or speculators model directory (stage.py runs it,
+formats.py writes the formats; drafts are read back by draftsmith.train.drafts.load_draft)."""
 
-from draftsmith.export.formats import (
-                                       FORMATS,
-                                       DraftArch,
-                                       DraftSource,
-                                       canonical_tensors,
-                                       draft_module,
-                                       is_export,
-                                       load_draft,
-                                       read_export,
-                                       require_draft_for_target,
-                                       run,
-                                       write_export,
-)
+from draftsmith.export.formats import FORMATS, ExportManifest, read_export_manifest, write_export
+from draftsmith.export.stage import run
 
-__all__ = ["FORMATS", "DraftArch", "DraftSource", "canonical_tensors", "draft_module", "is_export", "load_draft",
-           "read_export", "require_draft_for_target", "run", "write_export"]
+__all__ = ["FORMATS", "ExportManifest", "read_export_manifest", "run", "write_export"]

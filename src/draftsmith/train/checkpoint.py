@@ -1,4 +1,5 @@
-"""Training checkpoints: the only module that reads or writes them.
+"""Training checkpoints: the only module that reads or writes them; and `DraftManifest`, what every draft
+directory records (a checkpoint here, an export in draftsmith.export).
 
 Run directory layout (`draftsmith train --output RUN`):
 
@@ -6,13 +7,15 @@ Run directory layout (`draftsmith train --output RUN`):
     RUN/metrics.jsonl                    one JSON line per logged step / evaluation
     RUN/checkpoints/step-00000100/       one directory per saved step (the newest `keep_checkpoints` are kept)
         manifest.json                    CheckpointManifest (kind "checkpoint")
-        model.safetensors                the whole draft in fp32: embed_tokens, fc, layers.*, norm, lm_head, d2t, t2d
+        model.safetensors                the draft in fp32: fc, layers.*, norm, lm_head, d2t, t2d (module names);
+                                         never the embedding, which is the target's (reloaded from it)
         training_state.pt                optimizer, sampler position, RNG states, counters (torch.load weights_only)
     RUN/best/                            manifest.json + model.safetensors of the best evaluation so far
 
 Each directory is built beside its final name and renamed into place (fsio.atomic_dir), so a crash or a full disk
 leaves the previous checkpoint whole. `load_checkpoint(path)` accepts RUN (best/, else the newest step), best/ or
-a step directory and returns (Eagle3Draft, CheckpointManifest): what export and evaluation need.
+a step directory and returns the draft's tensors and the CheckpointManifest; `draftsmith.train.drafts.load_draft`
+turns any draft directory into a draft.
 """
 
 from __future__ import annotations
@@ -23,35 +26,73 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
-from draftsmith.core.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    TargetIdentity,
-    read_manifest,
-    read_manifest_json,
-    write_manifest,
-)
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+from draftsmith.train.model import DraftSpec, draft_tensors
 
 CHECKPOINTS_DIR = "checkpoints"
 BEST_DIR = "best"
-MODEL_FILE = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointManifest(Manifest):
-    """What a draft checkpoint is: for which target, which aux layers, which draft vocabulary, how trained."""
+class DraftManifest(Manifest):
+    """The fields every draft directory (training checkpoint, export in any format) records: for which target,
+    which draft, the checksums of its files, how it was trained. Read as this base, any draft directory's manifest
+    gives what `load_draft` needs; CheckpointManifest and the export's manifest add their own fields."""
+
+    model_config = ConfigDict(extra="ignore")  # the base reads any draft directory; the subclasses forbid extras
+
+    kind: str = Field("", description="checkpoint or export (set by each subclass)")
+    format_version: int = 2
+    target: TargetIdentity
+    draft: DraftSpec
+    files: dict[str, str] = Field(default_factory=dict, description="sha256 of each file in the directory")
+    training: dict[str, Any] = Field(default_factory=dict, description="how the draft was trained, in a few lines "
+                                     "(README.md): data, step, tokens, evaluation")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_format_1(cls, data: Any) -> Any:
+        """Manifests of draftsmith 0.1 (format_version 1), converted on read: a checkpoint's `draft` was a
+        DraftConfig (num_layers, num_aux_layers, attention_bias, mlp_bias) beside a top-level `aux_layer_ids`;
+        an export's `arch` (a DraftArch, with norm_before_residual) and `weights_file` + `weights_sha256`."""
+        if not isinstance(data, dict) or data.get("format_version", 2) >= 2:  # written, or built here
+            return data
+        data = dict(data, format_version=2)
+        if "arch" in data:  # an export
+            draft = dict(data.pop("arch"))
+            if draft.pop("norm_before_residual", False):
+                raise ValueError("made by an older draftsmith with norm_before_residual, which this one does not "
+                                 "build; re-run `draftsmith export`")
+            weights = data.pop("weights_file", WEIGHTS_FILE)
+            if "weights_sha256" in data:
+                data["files"] = {weights: data.pop("weights_sha256")}
+        else:  # a checkpoint
+            draft = dict(data.get("draft") or {})
+            aux = list(data.pop("aux_layer_ids", None) or [])
+            if draft.pop("attention_bias", False) or draft.pop("mlp_bias", False):
+                raise ValueError("made by an older draftsmith with attention/MLP biases, which no EAGLE-3 format "
+                                 "carries; re-run `draftsmith train`")
+            if draft.pop("num_aux_layers", len(aux)) != len(aux):
+                raise ValueError(f"aux_layer_ids {aux} do not match draft.num_aux_layers; the checkpoint is damaged")
+            draft["num_hidden_layers"] = draft.pop("num_layers", 1)
+            draft["aux_layer_ids"] = aux
+        data["draft"] = draft
+        return data
+
+
+class CheckpointManifest(DraftManifest):
+    """What a draft checkpoint is: for which target, which draft (its aux layers and vocabulary), how trained."""
+
+    model_config = ConfigDict(extra="forbid")
 
     kind: str = "checkpoint"
-    target: TargetIdentity
-    aux_layer_ids: list[int] = Field(description="vLLM convention; the order the fc input concatenates them")
-    draft: DraftConfig
     draft_vocab_coverage: float = Field(0.0, description="fraction of loss-masked training tokens in the draft vocab")
     data: str = Field("", description="store or prepared set trained on")
     data_kind: str = Field("", description="store (offline) or prepared (online)")
@@ -63,7 +104,21 @@ class CheckpointManifest(Manifest):
     metrics: dict[str, Any] = Field(default_factory=dict, description="latest evaluation (acc, accept, length)")
     best_acceptance_length: float | None = None
     hyperparameters: dict[str, Any] = Field(default_factory=dict, description="the resolved TrainConfig")
-    files: dict[str, str] = Field(default_factory=dict, description="sha256 of each file in the directory")
+    training: dict[str, Any] = Field(default_factory=dict, exclude=True,
+                                     description="summary of the fields above (not written: derived on read)")
+
+    @model_validator(mode="after")
+    def _summarise(self) -> "CheckpointManifest":
+        summary: dict[str, Any] = {}
+        for key in ("data", "data_kind", "step", "epoch", "tokens", "best_acceptance_length", "draft_vocab_coverage"):
+            value = getattr(self, key)
+            if value not in (None, "", 0, 0.0):
+                summary[key] = round(value, 4) if isinstance(value, float) else value
+        for key, value in self.metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                summary[f"eval {key}"] = round(float(value), 4)
+        self.training = summary
+        return self
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -87,12 +142,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def save_checkpoint(run_dir: Path, manifest: CheckpointManifest, model_state: dict[str, torch.Tensor],
                     training_state: dict | None, keep: int = 2, best: bool = False) -> Path:
-    """Write a step checkpoint (with training state) or, with best=True, RUN/best (weights only). Atomic."""
+    """Write a step checkpoint (with training state) or, with best=True, RUN/best (weights only). Atomic.
+    model_state: the draft's state dict; the target's embedding in it is not written."""
     target = Path(run_dir) / BEST_DIR if best else step_dir(run_dir, manifest.step)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in draft_tensors(model_state).items()}
     with atomic_dir(target) as tmp:
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "draftsmith": "eagle3-draft"})
-        files = {MODEL_FILE: sha256_file(tmp / MODEL_FILE)}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "draftsmith": "eagle3-draft"})
+        files = {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}
         if training_state is not None and not best:
             torch.save(training_state, tmp / STATE_FILE)
             files[STATE_FILE] = sha256_file(tmp / STATE_FILE)
@@ -104,7 +160,7 @@ def save_checkpoint(run_dir: Path, manifest: CheckpointManifest, model_state: di
 
 
 def resolve(path: Path) -> Path:
-    """A run directory -> its best/ (else newest step); a checkpoint directory -> itself."""
+    """A run directory -> its best/ (else newest step); a checkpoint (or any artefact) directory -> itself."""
     path = Path(path)
     if not path.is_dir():
         raise DraftsmithError(f"{path}: checkpoint does not exist; point at a `draftsmith train` output directory")
@@ -118,37 +174,26 @@ def resolve(path: Path) -> Path:
     return latest
 
 
-def read_checkpoint_manifest(path: Path) -> CheckpointManifest:
-    return read_manifest(resolve(path), CheckpointManifest)
-
-
-def load_model_state(directory: Path, manifest: CheckpointManifest, verify: bool = True) -> dict[str, torch.Tensor]:
-    file = Path(directory) / MODEL_FILE
+def read_weights(directory: Path, manifest: DraftManifest, verify: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of a draft directory's model.safetensors (checksum checked against its manifest), as written;
+    an embedding that older checkpoints carry is dropped (it is the target's)."""
+    file = Path(directory) / WEIGHTS_FILE
     if not file.is_file():
-        raise DraftsmithError(f"{file}: missing; the checkpoint is incomplete")
-    if verify and manifest.files.get(MODEL_FILE) and sha256_file(file) != manifest.files[MODEL_FILE]:
-        raise DraftsmithError(f"{file}: sha256 does not match its manifest (damaged checkpoint)")
+        raise DraftsmithError(f"{file}: missing; the {manifest.kind} is incomplete")
+    if verify and manifest.files.get(WEIGHTS_FILE) and sha256_file(file) != manifest.files[WEIGHTS_FILE]:
+        raise DraftsmithError(f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the "
+                              f"{manifest.kind} is damaged")
     try:
-        return load_file(str(file))
+        return draft_tensors(load_file(str(file)))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
-        raise DraftsmithError(f"{file}: cannot read ({err}); the checkpoint is damaged") from None
+        raise DraftsmithError(f"{file}: cannot read ({err}); the {manifest.kind} is damaged") from None
 
 
-def load_checkpoint(path: Path, device: str | torch.device = "cpu",
-                    verify: bool = True) -> tuple[Eagle3Draft, CheckpointManifest]:
-    """The trained draft (eval mode, fp32) and its manifest, from a run directory or a checkpoint directory."""
+def load_checkpoint(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], CheckpointManifest]:
+    """The draft's tensors (module names, no embedding) and the manifest, from a run or a checkpoint directory."""
     directory = resolve(path)
-    data = read_manifest_json(directory)
-    if data.get("kind") != "checkpoint":
-        raise DraftsmithError(f"{directory}: is a {data.get('kind')!r} artefact, expected a draftsmith checkpoint")
     manifest = read_manifest(directory, CheckpointManifest)
-    state = load_model_state(directory, manifest, verify)
-    draft = Eagle3Draft(manifest.draft)
-    missing, unexpected = draft.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise DraftsmithError(f"{directory}/{MODEL_FILE}: weights do not match the manifest's draft config "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return draft.to(device).eval(), manifest
+    return read_weights(directory, manifest, verify), manifest
 
 
 def load_training_state(directory: Path) -> dict:

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model (vLLM `Eagle3LlamaForCausalLM` compatible weights).
 
-Reads top to bottom: config -> norm and rotary helpers -> attention -> MLP -> decoder layer -> the draft.
+Reads top to bottom: spec -> norm and rotary helpers -> attention -> MLP -> decoder layer -> the draft.
 
     features  = fc(cat(aux_1, aux_2, aux_3))                 # [B, T, 3H] -> [B, T, H], step 0 only
     layer 0   : x = cat(input_layernorm(embed(ids)), hidden_norm(h))   # [B, T, 2H] into q/k/v
@@ -8,8 +8,9 @@ Reads top to bottom: config -> norm and rotary helpers -> attention -> MLP -> de
     layer i>0 : a plain pre-norm Llama layer over h
     logits    = lm_head(norm(h))                             # draft vocabulary; h (pre-norm) feeds the next step
 
-State-dict names: `embed_tokens.weight`, `fc.weight`, `layers.{i}.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
-vLLM's format is the same with `layers.0.` spelled `midlayer.` and no embedding (export renames).
+State-dict names are vLLM's own module names: `embed_tokens.weight`, `fc.weight`, `layers.{i}.*`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d` (vLLM's loader maps the `midlayer.` of its files to `layers.0.`). The embedding is
+the target's, frozen: `draft_tensors` leaves it out of everything saved, and it is reloaded from the target.
 """
 
 from __future__ import annotations
@@ -18,15 +19,23 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.layers import check_layer_ids
 from draftsmith.train.attention import cached_attention, naive_ttt_attention, ttt_attention
 
+# The target's token embedding: part of the module, never of what is saved (checkpoints, exports).
+EMBEDDING = "embed_tokens.weight"
 
-class DraftConfig(BaseModel):
-    """Everything that fixes the draft's shapes; saved in every checkpoint manifest."""
+
+class DraftSpec(BaseModel):
+    """Everything that fixes the draft's shapes, named as in vLLM's / HF's Llama config; built from the target's
+    config (`from_target_config`) and recorded in every checkpoint and export manifest."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -35,41 +44,57 @@ class DraftConfig(BaseModel):
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    rms_norm_eps: float = 1e-5
-    hidden_act: Literal["silu"] = "silu"
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
-    max_position_embeddings: int = 2048
-    target_hidden_size: int
-    vocab_size: int  # the target's vocabulary (embedding rows, t2d length)
+    num_hidden_layers: int = Field(ge=1, description="the draft's decoder layers")
+    rms_norm_eps: float
+    hidden_act: Literal["silu"]
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any] = Field(description="the target's RoPE, transformers 5 style")
+    vocab_size: int = Field(description="the target's vocabulary (embedding rows, t2d length)")
     draft_vocab_size: int
-    num_layers: int = 1
-    num_aux_layers: int = 3
+    target_hidden_size: int
+    aux_layer_ids: list[int] = Field(description="vLLM's layer ids (0 = embeddings, k = output of decoder layer "
+                                     "k-1) in the order fc concatenates them; eagle_aux_hidden_state_layer_ids")
 
     @classmethod
-    def from_target_config(cls, config: dict, draft_vocab_size: int, num_layers: int = 1,
-                           num_aux_layers: int = 3) -> "DraftConfig":
-        """Copy the decoder-layer shapes and RoPE of a (Llama-like) target's config.json."""
+    def from_target_config(cls, config: dict, draft_vocab_size: int, num_hidden_layers: int,
+                           aux_layer_ids: list[int]) -> "DraftSpec":
+        """The draft for a target, from the target's config.json alone: its decoder-layer shapes, norm eps, RoPE
+        and vocabulary (the draft vocabulary is clipped to it).
+
+        Llama-like configs (Llama, Qwen3), MoE configs (`intermediate_size` is the dense MLP's), multi-head latent
+        attention (DeepSeek-V3, Kimi-K2: the draft's heads are `hidden_size / num_attention_heads` wide, with
+        num_key_value_heads K/V heads, else as many as query heads) and multimodal wrappers (`text_config`).
+        """
         text = config.get("text_config") or config
-        hidden = int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                               "rms_norm_eps", "max_position_embeddings", "vocab_size") if text.get(k) is None]
+        if missing:
+            raise DraftsmithError(f"target config: no {', '.join(missing)}; the EAGLE-3 draft copies these from a "
+                                  "Llama-like decoder config (text_config for a multimodal model)")
+        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         if text.get("hidden_act", "silu") != "silu":
-            raise DraftsmithError(f"target hidden_act {text.get('hidden_act')!r}: the EAGLE-3 draft supports silu only")
+            raise DraftsmithError(f"target config: hidden_act {text['hidden_act']!r}; the EAGLE-3 draft supports silu "
+                                  "only")
+        # An MLA config's head_dim (when transformers writes one) is the RoPE part of its query/key heads.
+        head_dim = text.get("head_dim") if "kv_lora_rank" not in text else None
+        if not head_dim and hidden % heads:
+            raise DraftsmithError(f"target config: hidden_size {hidden} is not a multiple of num_attention_heads "
+                                  f"{heads} and there is no head_dim")
         rope = dict(text.get("rope_parameters") or {})
         if not rope:  # transformers 4 style
             rope = dict(text.get("rope_scaling") or {})
             rope.setdefault("rope_type", rope.pop("type", "default"))
             rope["rope_theta"] = float(text.get("rope_theta", 10000.0))
         vocab = int(text["vocab_size"])
+        check_layer_ids(list(aux_layer_ids), int(text["num_hidden_layers"]))
         return cls(
             hidden_size=hidden, intermediate_size=int(text["intermediate_size"]), num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads), rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            attention_bias=bool(text.get("attention_bias", False)), mlp_bias=bool(text.get("mlp_bias", False)),
-            rope_parameters=rope, max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-            target_hidden_size=hidden, vocab_size=vocab, draft_vocab_size=min(draft_vocab_size, vocab),
-            num_layers=num_layers, num_aux_layers=num_aux_layers,
+            head_dim=int(head_dim or hidden // heads), num_hidden_layers=num_hidden_layers,
+            rms_norm_eps=float(text["rms_norm_eps"]), hidden_act="silu",
+            max_position_embeddings=int(text["max_position_embeddings"]), rope_parameters=rope, vocab_size=vocab,
+            draft_vocab_size=min(draft_vocab_size, vocab), target_hidden_size=hidden,
+            aux_layer_ids=[int(i) for i in aux_layer_ids],
         )
 
 
@@ -88,29 +113,26 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inverse_frequencies(config: DraftConfig) -> tuple[torch.Tensor, float]:
+def rope_inverse_frequencies(spec: DraftSpec) -> tuple[torch.Tensor, float]:
     """inv_freq [head_dim/2] and the cos/sin scale, from the target's RoPE parameters."""
-    rope = config.rope_parameters
+    rope = spec.rope_parameters
     rope_type = rope.get("rope_type", "default")
-    dim = config.head_dim
+    dim = spec.head_dim
     if rope_type == "default":
         theta = float(rope.get("rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise DraftsmithError(f"target RoPE type {rope_type!r} is not supported by the draft")
-    hf = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                     head_dim=dim, max_position_embeddings=config.max_position_embeddings, rope_parameters=rope)
+    hf = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                     head_dim=dim, max_position_embeddings=spec.max_position_embeddings, rope_parameters=rope)
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
     return inv_freq.float(), float(scale)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: DraftConfig):
+    def __init__(self, spec: DraftSpec):
         super().__init__()
-        inv_freq, self.scale = rope_inverse_frequencies(config)
+        inv_freq, self.scale = rope_inverse_frequencies(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,15 +165,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DraftConfig, input_size: int):
+    def __init__(self, spec: DraftSpec, input_size: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                            config.head_dim)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_attention_heads, spec.num_key_value_heads,
+                                                            spec.head_dim)
+        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
@@ -183,12 +204,12 @@ class Attention(nn.Module):
 # ---------------------------------------------------------------------------------------------- MLP and layer
 
 class MLP(nn.Module):
-    def __init__(self, config: DraftConfig):
+    def __init__(self, spec: DraftSpec):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        h, i = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -197,17 +218,17 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Layer 0 reads cat(input_layernorm(embed), hidden_norm(h)) (2H) with residual h; later layers are plain Llama."""
 
-    def __init__(self, config: DraftConfig, layer_idx: int):
+    def __init__(self, spec: DraftSpec, layer_idx: int):
         super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
+        h, eps = spec.hidden_size, spec.rms_norm_eps
         self.layer_idx = layer_idx
         self.first = first = layer_idx == 0
         self.input_layernorm = RMSNorm(h, eps)
         if first:
             self.hidden_norm = RMSNorm(h, eps)
-        self.self_attn = Attention(config, 2 * h if first else h)
+        self.self_attn = Attention(spec, 2 * h if first else h)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(spec)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: KVCache, mode: str) -> torch.Tensor:
         if self.first:
@@ -221,26 +242,26 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------------------------- the draft
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, config: DraftConfig):
+    def __init__(self, spec: DraftSpec):
         super().__init__()
-        self.config = config
-        h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
-        self.fc = nn.Linear(config.num_aux_layers * config.target_hidden_size, h, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config)
+        self.spec = spec
+        h = spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, h, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(spec)
         # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary.
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
 
     def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
         """draft_to_target: sorted target ids [draft_vocab] -> fills d2t and t2d."""
         ids = torch.as_tensor(draft_to_target, dtype=torch.int64, device=self.d2t.device)
-        if ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"draft vocabulary has {ids.numel()} ids, config says {self.config.draft_vocab_size}")
+        if ids.numel() != self.spec.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, the spec says {self.spec.draft_vocab_size}")
         self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
@@ -258,18 +279,14 @@ class Eagle3Draft(nn.Module):
             with torch.no_grad():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
     @classmethod
-    def from_target(cls, config: DraftConfig, target: nn.Module, draft_to_target: torch.Tensor,
+    def from_target(cls, spec: DraftSpec, target: nn.Module, draft_to_target: torch.Tensor,
                     lm_head_init: str = "target", seed: int = 0) -> "Eagle3Draft":
         """A fresh draft: frozen embedding copied from the target, lm_head from the target's draft-vocab rows."""
-        from draftsmith.core import targets
-
-        draft = cls(config)
+        draft = cls(spec)
         draft.init_weights(seed)
         draft.set_draft_vocab(draft_to_target)
         with torch.no_grad():
@@ -279,8 +296,10 @@ class Eagle3Draft(nn.Module):
                 draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
         return draft
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.parameters() if p.requires_grad]
+    def load_draft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load the draft's own tensors (`draft_tensors` of a state dict: all of it but the target's embedding,
+        which stays as it is), strictly."""
+        self.load_state_dict({**tensors, EMBEDDING: self.embed_tokens.weight}, strict=True)
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, num_aux * H_target] (aux layers concatenated in id order) -> [B, T, H]."""
@@ -307,7 +326,14 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache | None = None, mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step: (logits over the draft vocabulary [B, T, Vd], pre-norm hidden [B, T, H])."""
+                cache: KVCache | None = None, mode: str = "decode",
+                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step: (logits over the draft vocabulary [B, T, Vd], pre-norm hidden [B, T, H]).
+        logits_to_keep > 0: logits of the last that many positions only (as in transformers)."""
         hidden = self.forward_hidden(input_ids, hidden, position_ids, cache, mode)
-        return self.logits(hidden), hidden
+        return self.logits(hidden[:, -logits_to_keep:]), hidden
+
+
+def draft_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a draft saves of its state dict: everything but the target's embedding."""
+    return {name: tensor for name, tensor in state_dict.items() if name != EMBEDDING}

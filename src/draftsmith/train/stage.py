@@ -31,7 +31,8 @@ from draftsmith.core.fsio import atomic_write_text
 from draftsmith.core.manifest import read_manifest_json
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch, OnlineSource, TokenBudgetSampler, fetch, token_counts_from
-from draftsmith.train.model import DraftConfig, Eagle3Draft
+from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import TTTModel, TTTResult, needed_positions, step_counts, summarise, target_distribution
 
 METRICS_FILE = "metrics.jsonl"
@@ -147,32 +148,30 @@ def setup(cfg: TrainConfig, device: torch.device) -> Setup:
                  train_ids, eval_ids, lengths, torch.as_tensor(counts))
 
 
-def initial_draft(cfg: TrainConfig, s: Setup) -> tuple[Eagle3Draft, DraftConfig, float]:
-    """(draft, its config, draft-vocab coverage of the data): a fresh draft, or the one --init-from names."""
+def initial_draft(cfg: TrainConfig, s: Setup) -> tuple[Eagle3Draft, DraftSpec, float]:
+    """(draft, its spec, draft-vocab coverage of the data): a fresh draft, or the one --init-from names."""
     if cfg.init_from is None:
-        draft_cfg = DraftConfig.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size,
-                                                   cfg.num_layers, len(s.aux_layer_ids))
-        draft = Eagle3Draft.from_target(draft_cfg, s.target, s.draft_to_target, cfg.lm_head_init, cfg.seed)
-        return draft, draft_cfg, s.coverage
-    from draftsmith import export
-
+        spec = DraftSpec.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size, cfg.num_layers,
+                                            s.aux_layer_ids)
+        draft = Eagle3Draft.from_target(spec, s.target, s.draft_to_target, cfg.lm_head_init, cfg.seed)
+        return draft, spec, s.coverage
     where = f"--init-from {cfg.init_from}"
     if not Path(cfg.init_from).exists():
         raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
-    source = export.load_draft(cfg.init_from)
-    export.require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
-    if sorted(source.arch.aux_layer_ids) != s.aux_layer_ids:
+    source = load_draft(cfg.init_from)
+    require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
+    if sorted(source.spec.aux_layer_ids) != s.aux_layer_ids:
         fix = ("extract a store with those layers" if s.data_kind == "store"
-               else f"pass --aux-layer-ids {','.join(map(str, source.arch.aux_layer_ids))}")
-        raise DraftsmithError(f"{where}: the draft fuses aux layers {source.arch.aux_layer_ids}, the training data "
+               else f"pass --aux-layer-ids {','.join(map(str, source.spec.aux_layer_ids))}")
+        raise DraftsmithError(f"{where}: the draft fuses aux layers {source.spec.aux_layer_ids}, the training data "
                               f"gives {s.aux_layer_ids}; {fix}")
-    if source.arch.num_hidden_layers != cfg.num_layers:
-        raise DraftsmithError(f"{where}: the draft has {source.arch.num_hidden_layers} decoder layer(s), --num-layers "
+    if source.spec.num_hidden_layers != cfg.num_layers:
+        raise DraftsmithError(f"{where}: the draft has {source.spec.num_hidden_layers} decoder layer(s), --num-layers "
                               f"asks for {cfg.num_layers}; drop the option or start from a matching draft")
-    draft = export.draft_module(source, targets.embed_tokens(s.target).weight.float())
+    draft = draft_module(source, targets.embed_tokens(s.target).weight)
     counts = s.token_counts.to(torch.float64)
     coverage = float(counts[draft.draft_to_target].sum() / counts.sum().clamp(min=1))
-    return draft, draft.config, coverage
+    return draft, source.spec, coverage
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -236,7 +235,7 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     device, out = info.device, Path(cfg.output)
     torch.manual_seed(cfg.seed)
     s = setup(cfg, device)
-    draft, draft_cfg, coverage = initial_draft(cfg, s)
+    draft, spec, coverage = initial_draft(cfg, s)
     draft = draft.to(device)
     head = TargetHead(targets.final_norm(s.target), targets.lm_head(s.target).weight, draft.draft_to_target)
     sampler = TokenBudgetSampler(s.train_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size)
@@ -264,10 +263,9 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                                       "resume with the same ones, pass --force to continue anyway, or use another --output")
             if changed and info.is_main:
                 warnings.warn(f"resuming {latest} with changed hyper-parameters: {'; '.join(changed)}", stacklevel=1)
-            if manifest.target.mismatch(s.identity) or manifest.aux_layer_ids != s.aux_layer_ids:
+            if manifest.target.mismatch(s.identity) or manifest.draft.aux_layer_ids != s.aux_layer_ids:
                 raise DraftsmithError(f"{latest}: was trained for another target or aux layers; use another --output")
-            state = checkpoint.load_model_state(latest, manifest)
-            draft.load_state_dict(state)
+            draft.load_draft_tensors(checkpoint.read_weights(latest, manifest))
             training_state = checkpoint.load_training_state(latest)
             step, epoch, tokens = training_state["step"], training_state["epoch"], training_state["tokens"]
             best_len = training_state.get("best_acceptance_length")
@@ -284,9 +282,9 @@ def _train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_resolved_config(cfg, out)
-    base_manifest = dict(target=s.identity, aux_layer_ids=s.aux_layer_ids, draft=draft_cfg,
-                         draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()), data_kind=s.data_kind,
-                         eval_fraction=cfg.eval_fraction, split_seed=cfg.seed, hyperparameters=cfg.model_dump(mode="json"))
+    base_manifest = dict(target=s.identity, draft=spec, draft_vocab_coverage=coverage,
+                         data=str(Path(cfg.data).resolve()), data_kind=s.data_kind, eval_fraction=cfg.eval_fraction,
+                         split_seed=cfg.seed, hyperparameters=cfg.model_dump(mode="json"))
     last_eval: dict = {}
     last_eval_step = -1
     last_saved = resumed_from
