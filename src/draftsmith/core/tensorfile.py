@@ -1,0 +1,169 @@
+"""One safetensors file, read through `safetensors.safe_open`: the shard reader of the prepared set and the store.
+
+`TensorFile(path, remedy)` opens a file once to check it (safetensors validates the header: JSON, dtypes,
+offsets, and that the data covers the file exactly) and keeps what it found as plain data: the file's identity,
+every tensor's dtype and shape, the metadata. Reading goes through a `safe_open` handle that lives in a small
+per-process cache, never in the object, so a `TensorFile` (and a reader holding many) pickles into DataLoader
+worker processes as a few strings and numbers; each process opens the file on its first read, and a file replaced
+since it was checked is refused there instead of read.
+
+With `framework="pt"` on the CPU, `safe_open` maps the file into one torch storage (`UntypedStorage.from_file`):
+`get_tensor` is a view of the page cache, not a copy. `rows(name, a, b)` slices that view (a few microseconds;
+a `get_slice` read costs some 20), so reading a sample copies nothing; `read(name)` returns an owned copy, for the
+small tensors a reader keeps. Views share the process's mapping of the file: copy one before changing it in place.
+
+Every problem with a file is one `DraftsmithError` line: the path, what is wrong, then the caller's `remedy`
+(e.g. "run `draftsmith prepare` again").
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from draftsmith.core.errors import DraftsmithError
+
+MAX_OPEN_FILES = 64  # safe_open handles kept per process (least recently used closed first)
+
+TensorInfo = tuple[str, tuple[int, ...]]  # safetensors dtype name ("BF16", "F8_E4M3", "I32", "BOOL", ...), shape
+
+
+class _Handles:
+    """This process's open files: (path, identity) -> (safe_open handle, whole-tensor views taken from it)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        self.open: collections.OrderedDict[tuple, tuple[object, dict[str, torch.Tensor]]] = collections.OrderedDict()
+
+    def get(self, key: tuple) -> tuple[object, dict[str, torch.Tensor]] | None:
+        # no lock on this path (once per read): each OrderedDict call is atomic under the GIL, and a key another
+        # thread evicts meanwhile only skips the recency update
+        entry = self.open.get(key)
+        if entry is not None:
+            try:
+                self.open.move_to_end(key)
+            except KeyError:
+                pass
+        return entry
+
+    def put(self, key: tuple, handle: object) -> tuple[object, dict[str, torch.Tensor]]:
+        with self.lock:
+            entry = self.open.setdefault(key, (handle, {}))
+            self.open.move_to_end(key)
+            while len(self.open) > self.capacity:
+                self.open.popitem(last=False)
+            return entry
+
+    def drop(self, key: tuple) -> None:
+        with self.lock:
+            self.open.pop(key, None)
+
+    def clear(self) -> None:
+        # a forked child (a DataLoader worker) opens its own handles; the lock may be held by a parent thread
+        self.lock = threading.Lock()
+        self.open.clear()
+
+
+_HANDLES = _Handles(MAX_OPEN_FILES)
+os.register_at_fork(after_in_child=_HANDLES.clear)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class TensorFile:
+    """A checked safetensors file: `tensors` (name -> (dtype, shape)), `metadata`, `size`; reads by name.
+
+    `what` names the file in messages ("shard file"); `remedy` says what to do about a damaged one.
+    `expected_bytes` (from a manifest) turns a file of another size into a "truncated or replaced" error.
+    """
+
+    def __init__(self, path: Path, remedy: str, *, what: str = "file", expected_bytes: int | None = None):
+        self.path = Path(path)
+        self.remedy = remedy
+        self.what = what
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise self.error(f"{what} is missing") from None
+        except OSError as err:
+            raise self.error(f"not a readable {what} ({err.strerror or err})") from None
+        self.size = int(st.st_size)
+        if expected_bytes is not None and self.size != expected_bytes:
+            raise self.error(f"{self.size} bytes, expected {expected_bytes} (truncated or replaced {what})")
+        self._key = (str(self.path), *_identity(st))
+        handle = self._handle()
+        self.metadata: dict[str, str] = dict(handle.metadata() or {})
+        self.tensors: dict[str, TensorInfo] = {}
+        for name in handle.keys():
+            info = handle.get_slice(name)
+            self.tensors[name] = (info.get_dtype(), tuple(int(d) for d in info.get_shape()))
+
+    def error(self, problem: str) -> DraftsmithError:
+        """The one-line error for a problem with this file."""
+        return DraftsmithError(f"{self.path}: {problem}; {self.remedy}")
+
+    def _open(self):
+        try:
+            st = os.stat(self.path)
+            if _identity(st) != self._key[1:]:
+                raise self.error(f"changed on disk since it was first opened (replaced or rewritten {self.what})")
+            return safe_open(str(self.path), framework="pt", device="cpu")
+        except FileNotFoundError:
+            raise self.error(f"{self.what} is missing") from None
+        except (OSError, SafetensorError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise self.error(f"not a readable {self.what} ({reason})") from None
+
+    def _entry(self) -> tuple[object, dict[str, torch.Tensor]]:
+        return _HANDLES.get(self._key) or _HANDLES.put(self._key, self._open())
+
+    def _handle(self):
+        return self._entry()[0]
+
+    def close(self) -> None:
+        """Let this process's handle go (the next read opens the file again)."""
+        _HANDLES.drop(self._key)
+
+    # -- checking
+    def expect(self, name: str, dtype: str, shape: tuple[int | None, ...]) -> tuple[int, ...]:
+        """The shape of tensor `name` after checking its dtype and shape (None: any size in that dimension)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise self.error(f"tensor {name!r} is missing (damaged {self.what})")
+        got_dtype, got_shape = info
+        if got_dtype != dtype or len(got_shape) != len(shape) or any(
+                want is not None and want != got for want, got in zip(shape, got_shape)):
+            want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+            raise self.error(f"tensor {name!r} is {got_dtype} {list(got_shape)}, expected {dtype} {want} "
+                             f"(damaged {self.what})")
+        return got_shape
+
+    # -- reading
+    def view(self, name: str) -> torch.Tensor:
+        """The whole tensor as a view of this process's mapping of the file (no copy; do not modify it)."""
+        handle, views = _HANDLES.get(self._key) or self._entry()
+        tensor = views.get(name)
+        if tensor is None:
+            if name not in self.tensors:
+                raise self.error(f"tensor {name!r} is missing (damaged {self.what})")
+            tensor = views[name] = handle.get_tensor(name)
+        return tensor
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of a tensor (a view: no copy, do not modify it)."""
+        return self.view(name)[start:stop]
+
+    def read(self, name: str) -> torch.Tensor:
+        """A (small) tensor read whole into memory of its own."""
+        return self.view(name).clone()
+
+    def __repr__(self) -> str:
+        return f"TensorFile({str(self.path)!r}, tensors={sorted(self.tensors)})"
