@@ -186,7 +186,7 @@ def test_rerun_resumes_and_interrupted_run_equals_uninterrupted(tmp_path, tiny_p
 
 
 def test_full_disk_gives_a_clear_message_and_resume_completes(tmp_path, tiny_prepared, monkeypatch):
-    real = store._write_file
+    real = store.shards._write_file
     calls = {"n": 0}
 
     def full(path, data):
@@ -195,7 +195,7 @@ def test_full_disk_gives_a_clear_message_and_resume_completes(tmp_path, tiny_pre
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(path, data)
 
-    monkeypatch.setattr(store, "_write_file", full)
+    monkeypatch.setattr(store.shards, "_write_file", full)
     with pytest.raises(DraftsmithError, match="no space left on device"):
         extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
     monkeypatch.undo()

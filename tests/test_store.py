@@ -85,8 +85,6 @@ def test_bf16_round_trip_is_exact_and_ordered_by_sample_id(tmp_path):
         st[12]
     for info in st.manifest.shards:  # manifest ranges and checksums describe the files
         assert (tmp_path / "s" / info.file).stat().st_size == info.num_bytes
-    again = pickle.loads(pickle.dumps(st))  # DataLoader workers
-    assert torch.equal(again[4]["hidden_states"], st[4]["hidden_states"])
 
 
 def test_fp8_round_trip_error_bound_and_half_the_bytes(tmp_path):
@@ -112,6 +110,53 @@ def test_fp8_round_trip_error_bound_and_half_the_bytes(tmp_path):
     assert 0.5 < store.bytes_per_token(_spec(dtype="fp8", **big)) / store.bytes_per_token(_spec(**big)) < 0.51
     bf16 = store.open(tmp_path / "fp8", dtype=torch.bfloat16)[2]["hidden_states"]
     assert bf16.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_storage_dtype_reads_decode_to_the_float32_reads(tmp_path, dtype):
+    samples = _samples()
+    _fill(tmp_path / "s", samples, spec=_spec(dtype=dtype))
+    raw, f32 = store.open(tmp_path / "s", dtype=None), store.open(tmp_path / "s")
+    assert raw.storage_dtype == (torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn)
+    for k in range(len(raw)):
+        item, ref = raw[k], f32[k]
+        assert item["hidden_states"].dtype == raw.storage_dtype and item["sample_id"] == ref["sample_id"]
+        assert torch.equal(item["input_ids"], ref["input_ids"]) and torch.equal(item["loss_mask"], ref["loss_mask"])
+        scales = item.get("hidden_scales")
+        assert (scales is None) == (dtype == "bf16")
+        if scales is not None:
+            assert scales.dtype == torch.float32 and scales.shape == item["hidden_states"].shape[:2]
+        assert torch.equal(store.decode_hidden_states(item["hidden_states"], scales), ref["hidden_states"])
+        data, want_scales = store.encode_hidden_states(samples[item["sample_id"]]["hidden_states"], dtype)
+        assert _same_bits(item["hidden_states"], data)  # exactly what was stored
+        assert (want_scales is None and scales is None) or torch.equal(scales, want_scales)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_pickles_and_reads_in_dataloader_workers(tmp_path, dtype):
+    from draftsmith.core import tensorfile
+
+    samples = _samples()
+    _fill(tmp_path / "s", samples, spec=_spec(dtype=dtype))
+    for read_as in (torch.float32, None):
+        st = store.open(tmp_path / "s", dtype=read_as)
+        data = pickle.dumps(st)
+        tensorfile._HANDLES.clear()  # as in a fresh (spawned) process: no shard open yet
+        clone = pickle.loads(data)
+        for i in (0, 5, 11):
+            a, b = clone[i], st[i]
+            assert a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a if k != "sample_id")
+        items = list(torch.utils.data.DataLoader(st, batch_size=None, num_workers=2))
+        assert [it["sample_id"] for it in items] == list(range(12))
+        for it in items:
+            ref = st[it["sample_id"]]
+            assert it.keys() == ref.keys() and all(_same_bits(it[k], ref[k]) for k in ref if k != "sample_id")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal for any dtype (it has no fp8 kernel)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
 
 
 def test_resume_skips_done_samples_and_refuses_duplicates(tmp_path):
@@ -194,7 +239,7 @@ def test_two_live_writers_of_one_slice_are_refused_but_slices_share_a_store(tmp_
 
 
 def _full_disk_once(monkeypatch, name="_write_file"):
-    real = getattr(store, name)
+    real = getattr(store.shards, name)
     calls = {"n": 0}
 
     def failing(path, data):
@@ -206,7 +251,7 @@ def _full_disk_once(monkeypatch, name="_write_file"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(path, data)
 
-    monkeypatch.setattr(store, name, failing)
+    monkeypatch.setattr(store.shards, name, failing)
 
 
 def test_full_disk_gives_a_clear_message_and_a_correct_resume(tmp_path, monkeypatch):
@@ -224,7 +269,7 @@ def test_full_disk_gives_a_clear_message_and_a_correct_resume(tmp_path, monkeypa
 
 def test_crash_between_shard_rename_and_manifest_update_adopts_the_orphan(tmp_path, monkeypatch):
     samples = _samples()
-    real = store.write_manifest
+    real = store.writer.write_manifest
     calls = {"n": 0}
 
     def failing(directory, manifest):
@@ -233,7 +278,7 @@ def test_crash_between_shard_rename_and_manifest_update_adopts_the_orphan(tmp_pa
             raise OSError(errno.ENOSPC, "no space")
         return real(directory, manifest)
 
-    monkeypatch.setattr(store, "write_manifest", failing)
+    monkeypatch.setattr(store.writer, "write_manifest", failing)
     with pytest.raises(OSError):
         _fill(tmp_path / "s", samples)
     monkeypatch.undo()

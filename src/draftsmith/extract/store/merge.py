@@ -1,0 +1,82 @@
+"""Joining stores of the same kind (`draftsmith store merge`), e.g. those of `extract --shard i/n` workers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import _explain_os_error, atomic_dir, sha256_file
+from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from draftsmith.extract.store import reader
+from draftsmith.extract.store.reader import HiddenStateStore
+from draftsmith.extract.store.schema import LOCK_DIR, SHARD_DIR, ShardInfo, StoreManifest
+from draftsmith.extract.store.shards import shard_name
+
+
+def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> HiddenStateStore:
+    """Join stores of the same kind (e.g. written by `extract --shard i/n` workers) into a new store at `output`.
+
+    Shard files are hard-linked when possible (they are never modified in place) and copied otherwise; copies are
+    checked against the recorded sha256. Refuses stores of different targets / prepared sets / layers / dtype,
+    and overlapping sample ids. The merged store is built beside `output` and renamed into place when complete.
+    """
+    inputs = [Path(p) for p in inputs]
+    output = Path(output)
+    if not inputs:
+        raise DraftsmithError("store merge: give at least one input store")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise DraftsmithError(f"{output}: already exists; merge into a new directory")
+    if output.resolve() in {p.resolve() for p in inputs}:
+        raise DraftsmithError(f"{output}: is also an input; merge into a new directory")
+    manifests = []
+    for p in inputs:
+        if not (p / MANIFEST_NAME).is_file():
+            raise DraftsmithError(f"{p}: not a hidden-state store (no {MANIFEST_NAME})")
+        manifests.append(read_manifest(p, StoreManifest))
+    first = manifests[0]
+    for p, m in zip(inputs[1:], manifests[1:]):
+        diff = first.spec().mismatch(m.spec())
+        if diff:
+            raise DraftsmithError(f"{p}: cannot merge with {inputs[0]}: {diff}")
+    owner: dict[int, Path] = {}
+    for p, m in zip(inputs, manifests):
+        for i in sorted(m.sample_ids()):
+            if i in owner:
+                raise DraftsmithError(f"{p}: sample {i} is also in {owner[i]}; stores to merge must hold disjoint "
+                                      "samples (use the same --shard i/n split for every worker)")
+            owner[i] = p
+    shards: list[ShardInfo] = []
+    try:
+        with atomic_dir(output) as tmp:
+            (tmp / SHARD_DIR).mkdir()
+            (tmp / LOCK_DIR).mkdir()
+            for k, (p, m) in enumerate(zip(inputs, manifests)):
+                for info in m.shards:
+                    src = p / info.file
+                    name = shard_name(f"merged{k}", len(shards))
+                    dst = tmp / SHARD_DIR / name
+                    if not src.is_file() or src.stat().st_size != info.num_bytes:
+                        raise DraftsmithError(f"{src}: missing or of the wrong size; run `draftsmith store verify` on {p}")
+                    linked = False
+                    if link:
+                        with contextlib.suppress(OSError):
+                            os.link(src, dst)
+                            linked = True
+                    if not linked:
+                        shutil.copyfile(src, dst)
+                        if sha256_file(dst) != info.sha256:
+                            raise DraftsmithError(f"{src}: sha256 does not match its manifest (damaged shard); run "
+                                                  f"`draftsmith store verify --repair` on {p}")
+                    shards.append(info.model_copy(update={"file": f"{SHARD_DIR}/{name}"}))
+            merged = StoreManifest(**first.spec().model_dump(), shards=shards,
+                                   num_samples=sum(s.num_samples for s in shards),
+                                   num_tokens=sum(s.num_tokens for s in shards),
+                                   backend_info={**first.backend_info, "merged_from": [str(p) for p in inputs]})
+            write_manifest(tmp, merged)
+    except OSError as err:
+        raise _explain_os_error(output, err) from None
+    return reader.open(output)

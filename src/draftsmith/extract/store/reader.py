@@ -1,0 +1,140 @@
+"""Reading a store: random access to its samples, in sample-id order, in float32, bf16 or the storage dtype.
+
+`open` checks cheaply (every shard present with its recorded size, headers, dtypes, shapes, sample ids and counts
+against the manifest); `verify_store` is the expensive check. The reader is plain data (the manifest, a few numpy
+index arrays and one `TensorFile` per shard), so it pickles into DataLoader workers; each process opens the shard
+files itself on first read (draftsmith.core.tensorfile).
+"""
+
+from __future__ import annotations
+
+import collections.abc
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.manifest import MANIFEST_NAME, read_manifest
+from draftsmith.core.tensorfile import TensorFile
+from draftsmith.extract.store import shards
+from draftsmith.extract.store.codec import TORCH_DTYPES, decode_hidden_states
+from draftsmith.extract.store.schema import StoreManifest, sample_ranges
+from draftsmith.extract.store.verify import VerifyReport, verify_store
+
+
+class HiddenStateStore(collections.abc.Sequence):
+    """Random access to a store, samples in sample-id order.
+
+    `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "hidden_states": Tensor[T, L, H],
+    "sample_id": int}. hidden_states come as `dtype`; with `dtype=None` as stored (`storage_dtype`: bf16, or
+    float8_e4m3fn with its per-row scales as "hidden_scales": f32 [T, L]; `decode_hidden_states` turns them into
+    floats on any device). Tensors in the storage dtype are views of the shard files: copy before changing them.
+    `lengths` / `sample_ids` are numpy int64 arrays read without touching any state.
+    """
+
+    def __init__(self, path: Path, manifest: StoreManifest, dtype: torch.dtype | None = torch.float32):
+        self.path = Path(path)
+        self.manifest = manifest
+        self.dtype = dtype
+        spec = manifest.spec()
+        self._shards: list[TensorFile] = []
+        ids, owner, starts, lengths = [], [], [], []
+        for k, info in enumerate(manifest.shards):
+            shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes)
+            index = shards.check_shard(shard, spec)
+            if len(index.sample_ids) != info.num_samples or index.num_tokens != info.num_tokens or sample_ranges(
+                    index.sample_ids) != [tuple(r) for r in info.sample_ranges]:
+                raise shard.error("holds other samples than the manifest says (damaged store)")
+            self._shards.append(shard)
+            ids.extend(index.sample_ids)
+            owner.append(np.full(len(index.sample_ids), k, dtype=np.int64))
+            starts.append(index.offsets[:-1])
+            lengths.append(np.diff(index.offsets))
+        order = np.argsort(np.asarray(ids, dtype=np.int64), kind="stable")
+        self.sample_ids = np.asarray(ids, dtype=np.int64)[order]
+        if len(self.sample_ids) and bool((np.diff(self.sample_ids) == 0).any()):
+            dup = int(self.sample_ids[:-1][np.diff(self.sample_ids) == 0][0])
+            raise DraftsmithError(f"{self.path}: sample {dup} is in two shards (damaged store); run "
+                                  "`draftsmith store verify --repair`")
+
+        def joined(parts: list[np.ndarray]) -> np.ndarray:
+            return (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))[order]
+
+        self.lengths = joined(lengths)
+        self._owner = joined(owner)  # which shard holds sample i
+        self._start = joined(starts)  # its first row there
+        if len(self.sample_ids) != manifest.num_samples or int(self.lengths.sum()) != manifest.num_tokens:
+            raise DraftsmithError(f"{self.path}/{MANIFEST_NAME}: totals do not match its shards (damaged manifest); "
+                                  "run `draftsmith store verify --repair`")
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.manifest.layer_ids)
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return list(self.manifest.layer_ids[:-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest.num_tokens
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.manifest.dtype]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def index_of(self, sample_id: int) -> int:
+        """Position of a sample id in this store (KeyError when absent)."""
+        k = int(np.searchsorted(self.sample_ids, sample_id))
+        if k == len(self.sample_ids) or int(self.sample_ids[k]) != sample_id:
+            raise KeyError(f"sample {sample_id} is not in store {self.path}")
+        return k
+
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
+        shard = self._shards[self._owner[i]]
+        a = int(self._start[i])
+        b = a + int(self.lengths[i])
+        data = shard.rows("hidden_states", a, b)
+        scales = shard.rows("hidden_scales", a, b) if self.manifest.dtype == "fp8" else None
+        item = {
+            "input_ids": shard.rows("input_ids", a, b).long(),
+            "loss_mask": shard.rows("loss_mask", a, b),
+            "hidden_states": data if self.dtype is None else decode_hidden_states(data, scales, self.dtype),
+            "sample_id": int(self.sample_ids[i]),
+        }
+        if self.dtype is None and scales is not None:
+            item["hidden_scales"] = scales
+        return item
+
+    def verify(self, nonfinite: bool = True) -> VerifyReport:
+        return verify_store(self.path, nonfinite=nonfinite)
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (f"HiddenStateStore({str(self.path)!r}, samples={m.num_samples}, tokens={m.num_tokens}, "
+                f"layer_ids={m.layer_ids}, dtype={m.dtype}, shards={len(m.shards)})")
+
+
+def open(path: Path, dtype: torch.dtype | None = torch.float32) -> HiddenStateStore:  # noqa: A001 - store.open
+    """Open a store for reading; hidden states come back as `dtype`, or as stored with `dtype=None`.
+
+    Cheap checks only (sizes, headers, dtypes, shapes, counts).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise DraftsmithError(f"{path}: hidden-state store does not exist; run `draftsmith extract` first")
+    if not (path / MANIFEST_NAME).is_file():
+        raise DraftsmithError(f"{path}: not a hidden-state store (no {MANIFEST_NAME}); point at the output of "
+                              "`draftsmith extract`")
+    return HiddenStateStore(path, read_manifest(path, StoreManifest), dtype)
