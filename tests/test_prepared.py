@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from draftsmith.core import tensorfile
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, split_indices, write_prepared
@@ -76,12 +77,20 @@ def test_token_counts_count_only_loss_masked_tokens(tmp_path):
     assert manifest.num_loss_tokens == int(expected.sum())
 
 
-def test_shards_are_memory_mapped_and_pickle(tmp_path):
-    _write(tmp_path / "p", _samples(8))
+def test_pickles_and_reads_in_dataloader_workers(tmp_path):
+    _write(tmp_path / "p", _samples(30), shard_samples=7)
     ds = open_prepared(tmp_path / "p")
-    assert isinstance(ds._shards[0]["input_ids"], np.memmap)
-    clone = pickle.loads(pickle.dumps(ds))
-    assert torch.equal(clone[3]["input_ids"], ds[3]["input_ids"])
+    data = pickle.dumps(ds)
+    tensorfile._HANDLES.clear()  # as in a fresh (spawned) process: no file open yet
+    clone = pickle.loads(data)
+    for i in (0, 3, 29):
+        assert torch.equal(clone[i]["input_ids"], ds[i]["input_ids"])
+        assert torch.equal(clone[i]["loss_mask"], ds[i]["loss_mask"])
+    items = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    assert [it["sample_id"] for it in items] == list(range(30))
+    for it in items:
+        assert torch.equal(it["input_ids"], ds[it["sample_id"]]["input_ids"])
+        assert torch.equal(it["loss_mask"], ds[it["sample_id"]]["loss_mask"])
 
 
 def test_failed_write_leaves_nothing(tmp_path):
@@ -130,6 +139,27 @@ def test_truncated_shard_is_named(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-7])
     with pytest.raises(DraftsmithError, match="shard-00002.safetensors"):
         open_prepared(tmp_path / "p")
+
+
+def test_shard_or_counts_of_the_wrong_kind_are_named(tmp_path):
+    from safetensors.numpy import save_file
+
+    _write(tmp_path / "p", _samples(10), shard_samples=4)
+    manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    T = manifest["shards"][1]["num_tokens"]
+    shard = tmp_path / "p" / "shard-00001.safetensors"
+    save_file({"input_ids": np.zeros(T, np.int32), "loss_mask": np.zeros(T, np.int64),  # mask stored as int64
+               "offsets": np.array([0, 1, 2, 3, T])}, str(shard))
+    manifest["shards"][1]["num_bytes"] = 0  # as an older manifest without sizes: the header check must catch it
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DraftsmithError, match=rf"shard-00001.safetensors: tensor 'loss_mask' is I64 \[{T}\], "
+                                              rf"expected U8 \[{T}\] .*run `draftsmith prepare` again"):
+        open_prepared(tmp_path / "p")
+
+    _write(tmp_path / "q", _samples(10))
+    save_file({"counts": np.zeros(VOCAB - 1, np.int64)}, str(tmp_path / "q" / "token_counts.safetensors"))
+    with pytest.raises(DraftsmithError, match=rf"token_counts.safetensors: tensor 'counts' is I64 \[{VOCAB - 1}\]"):
+        open_prepared(tmp_path / "q").token_counts()
 
 
 def test_flipped_byte_is_caught_by_verify(tmp_path):

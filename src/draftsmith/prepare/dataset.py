@@ -8,33 +8,37 @@ On disk (see docs/formats.md, "Prepared data set")::
     shard-00001.safetensors       ... (samples first_sample .. first_sample+n-1 of the set)
     token_counts.safetensors      counts int64 [vocab]: how often each target token id is loss-masked
 
-Sample i of a shard is `input_ids[offsets[i]:offsets[i+1]]`. Shards are memory-mapped, so a set larger than
-memory is never loaded whole, and `lengths` comes from the offsets without touching any token.
+Sample i of a shard is `input_ids[offsets[i]:offsets[i+1]]`. Shards are read through
+`draftsmith.core.tensorfile` (safetensors maps them into memory), so a set larger than memory is never loaded
+whole, `lengths` comes from the offsets without touching any token, and a `PreparedDataset` pickles into
+DataLoader workers as plain data (each process opens the files on its first read).
 The whole directory is built beside its final place and renamed into it only when complete.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections.abc
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.numpy import save_file
 
+from draftsmith.config import save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_json, sha256_file
 from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+from draftsmith.core.tensorfile import TensorFile
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
 RESUME_NAME = "resume.json"
-_SHARD_TENSORS = {"input_ids": np.int32, "loss_mask": np.uint8, "offsets": np.int64}
-_ST_DTYPES = {"I32": np.int32, "U8": np.uint8, "I64": np.int64}
+REMEDY = "run `draftsmith prepare` again to rebuild the prepared set"
 
 
 class PreparedShard(BaseModel):
@@ -85,8 +89,6 @@ def _as_numpy(value: Any, dtype: type, what: str) -> np.ndarray:
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
-
     with atomic_path(path) as tmp:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
 
@@ -195,9 +197,10 @@ class _ShardWriter:
         """Loss-masked token counts over every shard written, read back from the shards."""
         counts = np.zeros(int(self.target.vocab_size), dtype=np.int64)
         for shard in self.shards:
-            arrays = _memmap_safetensors(self.directory / shard.file, _SHARD_TENSORS)
-            counts += np.bincount(arrays["input_ids"][arrays["loss_mask"].astype(bool)],
-                                  minlength=len(counts)).astype(np.int64)
+            file = _open_shard(self.directory / shard.file)
+            ids = file.view("input_ids").numpy()
+            counts += np.bincount(ids[file.view("loss_mask").numpy().astype(bool)], minlength=len(counts))
+            file.close()
         return counts
 
 
@@ -221,8 +224,6 @@ def _write_all(directory: Path, writer: _ShardWriter, samples: Iterable[dict], o
         token_counts_sha256=sha256_file(directory / TOKEN_COUNTS_NAME),
         skipped=dict(skipped or {}), sources=list(sources or []), **extra)
     if config is not None:
-        from draftsmith.config import save_resolved_config
-
         save_resolved_config(config, directory)
     write_manifest(directory, manifest)
     return manifest
@@ -286,40 +287,16 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
 # --------------------------------------------------------------------------------------------------- reading
 
 
-def _memmap_safetensors(path: Path, expected: dict[str, type]) -> dict[str, np.ndarray]:
-    """Memory-map the named 1-D tensors of a safetensors file, checking header, dtypes and sizes."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("file is shorter than a safetensors header")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(size - 8, 100_000_000):
-                raise ValueError("header length is out of range")
-            header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise DraftsmithError(f"{path}: shard file is missing; the prepared set is incomplete, "
-                              "run prepare again") from None
-    except (OSError, ValueError, UnicodeDecodeError) as err:
-        raise DraftsmithError(f"{path}: not a readable safetensors file ({err}); the prepared set is damaged, "
-                              "run prepare again") from None
-    base = 8 + header_len
-    out: dict[str, np.ndarray] = {}
-    for name, dtype in expected.items():
-        info = header.get(name)
-        if (not isinstance(info, dict) or _ST_DTYPES.get(info.get("dtype")) is not dtype
-                or len(info.get("shape", ())) != 1):
-            raise DraftsmithError(f"{path}: tensor {name!r} is missing or has the wrong dtype/shape; the prepared "
-                                  "set is damaged, run prepare again")
-        start, end = info["data_offsets"]
-        count = int(info["shape"][0])
-        if end - start != count * np.dtype(dtype).itemsize or base + end > size:
-            raise DraftsmithError(f"{path}: tensor {name!r} runs past the end of the file (truncated shard); "
-                                  "run prepare again")
-        out[name] = (np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=(count,)) if count
-                     else np.zeros(0, dtype=dtype))
-    return out
+def _open_shard(path: Path, shard: PreparedShard | None = None) -> TensorFile:
+    """A shard file, checked: input_ids I32 [T], loss_mask U8 [T], offsets I64 [n+1] (against `shard`, the
+    manifest's record, when given)."""
+    file = TensorFile(path, REMEDY, what="shard file", expected_bytes=shard.num_bytes if shard and shard.num_bytes
+                      else None)
+    T = shard.num_tokens if shard else None
+    file.expect("input_ids", "I32", (T,))
+    file.expect("loss_mask", "U8", (T,))
+    file.expect("offsets", "I64", (shard.num_samples + 1 if shard else None,))
+    return file
 
 
 class PreparedDataset(collections.abc.Sequence):
@@ -331,42 +308,23 @@ class PreparedDataset(collections.abc.Sequence):
     def __init__(self, path: Path, manifest: PreparedManifest):
         self.path = Path(path)
         self.manifest = manifest
-        self._starts = np.array([s.first_sample for s in manifest.shards] + [manifest.num_samples], dtype=np.int64)
-        self._shards: list[dict[str, np.ndarray]] | None = None
-        self._open_shards()
-        self.lengths = np.concatenate([np.diff(s["offsets"]) for s in self._shards]).astype(np.int64)
-
-    def _open_shards(self) -> None:
-        shards = []
+        self._starts = [s.first_sample for s in manifest.shards]  # shard k holds samples _starts[k]..
+        self._files: list[TensorFile] = []
+        self._offsets: list[np.ndarray] = []
         expected_first = 0
-        for shard in self.manifest.shards:
-            file = self.path / shard.file
+        for shard in manifest.shards:
             if shard.first_sample != expected_first:
                 raise DraftsmithError(f"{self.path}/{MANIFEST_NAME}: shard {shard.file} starts at sample "
                                       f"{shard.first_sample}, expected {expected_first}; the manifest is damaged")
             expected_first += shard.num_samples
-            if shard.num_bytes and file.is_file() and file.stat().st_size != shard.num_bytes:
-                raise DraftsmithError(f"{file}: size {file.stat().st_size} bytes, manifest says {shard.num_bytes} "
-                                      "(truncated or replaced shard); run prepare again")
-            arrays = _memmap_safetensors(file, _SHARD_TENSORS)
-            offsets = arrays["offsets"]
-            if (len(offsets) != shard.num_samples + 1 or int(offsets[0]) != 0
-                    or int(offsets[-1]) != shard.num_tokens or len(arrays["input_ids"]) != shard.num_tokens
-                    or len(arrays["loss_mask"]) != shard.num_tokens or bool(np.any(np.diff(offsets) <= 0))):
-                raise DraftsmithError(f"{file}: offsets do not match the manifest ({shard.num_samples} samples, "
-                                      f"{shard.num_tokens} tokens); the prepared set is damaged, run prepare again")
-            shards.append(arrays)
-        self._shards = shards
-
-    # Memory maps do not survive pickling well (DataLoader workers under spawn): re-open them after unpickling.
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_shards"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._open_shards()
+            file = _open_shard(self.path / shard.file, shard)
+            offsets = file.read("offsets").numpy()
+            if int(offsets[0]) != 0 or int(offsets[-1]) != shard.num_tokens or bool(np.any(np.diff(offsets) <= 0)):
+                raise file.error(f"offsets do not match the manifest ({shard.num_samples} samples, "
+                                 f"{shard.num_tokens} tokens)")
+            self._files.append(file)
+            self._offsets.append(offsets)
+        self.lengths = np.concatenate([np.diff(o) for o in self._offsets]).astype(np.int64)
 
     def __len__(self) -> int:
         return self.manifest.num_samples
@@ -379,13 +337,13 @@ class PreparedDataset(collections.abc.Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a prepared set of {len(self)} samples")
-        k = int(np.searchsorted(self._starts, i, side="right")) - 1
-        arrays = self._shards[k]  # type: ignore[index]
-        j = i - int(self._starts[k])
-        a, b = int(arrays["offsets"][j]), int(arrays["offsets"][j + 1])
-        return {
-            "input_ids": torch.from_numpy(np.array(arrays["input_ids"][a:b], dtype=np.int64)),
-            "loss_mask": torch.from_numpy(np.array(arrays["loss_mask"][a:b], dtype=np.bool_)),
+        k = bisect.bisect_right(self._starts, i) - 1
+        file, offsets = self._files[k], self._offsets[k]
+        j = i - self._starts[k]
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        return {  # numpy converts a few dozen values faster than torch dispatches
+            "input_ids": torch.from_numpy(file.view("input_ids").numpy()[a:b].astype(np.int64)),
+            "loss_mask": torch.from_numpy(file.view("loss_mask").numpy()[a:b].astype(np.bool_)),
             "sample_id": i,
         }
 
@@ -395,12 +353,11 @@ class PreparedDataset(collections.abc.Sequence):
 
     def token_counts(self) -> torch.Tensor:
         """How often each target token id is loss-masked in this set: int64 [vocab]."""
-        arrays = _memmap_safetensors(self.path / self.manifest.token_counts_file, {"counts": np.int64})
-        counts = arrays["counts"]
-        if len(counts) != self.manifest.target.vocab_size:
-            raise DraftsmithError(f"{self.path / self.manifest.token_counts_file}: {len(counts)} counts for a "
-                                  f"vocabulary of {self.manifest.target.vocab_size}; the prepared set is damaged")
-        return torch.from_numpy(np.array(counts, dtype=np.int64))
+        file = TensorFile(self.path / self.manifest.token_counts_file, REMEDY, what="token-count file")
+        file.expect("counts", "I64", (self.manifest.target.vocab_size,))
+        counts = file.read("counts")
+        file.close()
+        return counts
 
     def verify(self) -> None:
         """Re-hash every shard and the token counts; DraftsmithError naming the first damaged file."""
