@@ -3,47 +3,258 @@
 At TTT step k the query at position t attends causally to the step-0 keys s <= t and to its own keys of steps 1..k
 at position t (the draft's own chain); see ttt.py for the alignment. `ttt_attention` is what training runs,
 `naive_ttt_attention` the explicit-mask reference it is tested against, `cached_attention` what decoding runs.
+
+Memory is linear in T, forward and backward: no [T, T] tensor is kept. Step k > 0 splits the softmax in two parts
+and merges them exactly through their log-sum-exps:
+
+    o0, lse0 = causal attention over the step-0 keys        # fused kernel with a differentiable LSE
+    s_j      = q_t . k_j[t] * scale,  j = 1..k             # one score per diagonal key
+    L        = logsumexp(lse0, s_1, ..., s_k)
+    out      = exp(lse0 - L) * o0 + sum_j exp(s_j - L) * v_j[t]
+
+The causal part runs through `flex_attention` (compiled, a causal block mask) on CUDA, or through
+`ChunkedCausalAttention`, a flash-attention-style autograd Function over query chunks, everywhere else (the CPU
+SDPA kernels return no differentiable LSE, and flex_attention has no CPU backward). `DRAFTSMITH_TTT_KERNEL=chunked`
+(or `flex`) overrides the choice.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=True
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - depends on the torch build
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        AuxRequest = None
+    except ImportError:
+        flex_attention = create_block_mask = AuxRequest = None
+
+# Query rows per chunk of ChunkedCausalAttention: each chunk holds a few [B, Hq, CHUNK, T] fp32 score buffers.
+CHUNK = 128
+KERNELS = ("auto", "flex", "chunked")
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Training-time-test attention without a [T, T*(k+1)] mask.
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
+                  kernel: str | None = None) -> torch.Tensor:
+    """Training-time-test attention, memory-linear in T (forward and backward).
 
-    q [B, Hq, T, D] is step k = len(keys) - 1. keys/values[j] [B, Hkv, T, D] are the keys of step j. Query t attends
-    causally to step-0 keys s <= t, and to the keys of steps 1..k at its own position t (the draft's own chain).
-    Step 0 is plain causal SDPA; for k > 0 the [T, T] step-0 scores and the k diagonal scores share one softmax.
+    q [B, Hq, T, D] is step k = len(keys) - 1. keys/values[j] [B, Hkv, T, D] are the keys of step j (Hq a multiple
+    of Hkv). Query t attends causally to step-0 keys s <= t, and to the keys of steps 1..k at its own position t.
+    kernel: "flex" (CUDA), "chunked" (anywhere) or "auto" (default, or $DRAFTSMITH_TTT_KERNEL): how the causal
+    part runs; step 0 is plain causal SDPA either way.
     """
-    b, hq, t, d = q.shape
+    hq, d = q.shape[1], q.shape[3]
     hkv = keys[0].shape[1]
     if len(keys) == 1:
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=hq != hkv)
-    g = hq // hkv
+    kernel = kernel or os.environ.get("DRAFTSMITH_TTT_KERNEL", "auto")
+    if kernel not in KERNELS:
+        raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
+    if kernel == "auto":
+        kernel = "flex" if q.is_cuda and flex_attention is not None else "chunked"
+    # Under autocast every input goes to the autocast dtype (SDPA does the same); LSEs and weights stay fp32.
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = functools.reduce(torch.promote_types, [x.dtype for x in (q, *keys, *values)])
+    q = q.to(dtype)
+    keys, values = [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
     scale = 1.0 / math.sqrt(d)
-    qg = q.view(b, hkv, g, t, d)  # grouped query heads share one kv head, no copy of K/V
-    k0, v0 = keys[0][:, :, None], values[0][:, :, None]  # [B, Hkv, 1, T, D]
-    scores0 = torch.matmul(qg, k0.transpose(-1, -2)) * scale  # [B, Hkv, g, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril_()
-    scores0 = scores0.masked_fill(~causal, float("-inf"))
-    kd = torch.stack(keys[1:], dim=-2)[:, :, None]  # [B, Hkv, 1, T, k, D]
-    vd = torch.stack(values[1:], dim=-2)[:, :, None]
-    scores_d = (qg.unsqueeze(-2) * kd).sum(-1) * scale  # [B, Hkv, g, T, k]
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax under bf16, fp64 stays fp64
-    probs = torch.softmax(torch.cat((scores0, scores_d), dim=-1), dim=-1, dtype=softmax_dtype).to(q.dtype)
-    p0, pd = probs[..., :t], probs[..., t:]
-    out = torch.matmul(p0, v0) + (pd.unsqueeze(-1) * vd).sum(-2)  # [B, Hkv, g, T, D]
-    return out.view(b, hq, t, d)
+    with torch.autocast(device_type, enabled=False):
+        if kernel == "flex":
+            o0, lse0 = flex_causal_attention(q, keys[0], values[0], scale)
+        else:
+            o0, lse0 = chunked_causal_attention(q, keys[0], values[0], scale)
+        return merge_diagonal(q, o0, lse0, keys[1:], values[1:], scale)
 
+
+def merge_diagonal(q: torch.Tensor, o0: torch.Tensor, lse0: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Add the diagonal keys to a causal attention's output, exactly: q [B, Hq, T, D]; o0 [B, Hq, T, D] and its
+    lse0 [B, Hq, T] (fp32, differentiable); keys/values[j] [B, Hkv, T, D], one score each per query position."""
+    b, hq, t, d = q.shape
+    hkv = keys[0].shape[1]
+    g = hq // hkv
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 under bf16, fp64 stays fp64
+    qg = q.view(b, hkv, g, t, d)  # grouped query heads share one kv head, no copy of K/V
+    lse0 = lse0.view(b, hkv, g, t).to(acc)
+    # One score per (query, diagonal key): the product is a temporary, only q and k are kept for backward.
+    scores = [(qg * k[:, :, None]).sum(-1, dtype=acc) * scale for k in keys]  # k x [B, Hkv, g, T]
+    lse = torch.logsumexp(torch.stack([lse0, *scores], dim=-1), dim=-1)  # [B, Hkv, g, T]
+    out = o0.view(b, hkv, g, t, d) * torch.exp(lse0 - lse)[..., None]  # promotes to fp32; keeps o0 as it is
+    for s, v in zip(scores, values):
+        out = out + torch.exp(s - lse)[..., None] * v[:, :, None]  # [B, Hkv, g, T, D]
+    return out.to(q.dtype).view(b, hq, t, d)
+
+
+# ---------------------------------------------------------------------------------------------- causal + LSE, CUDA
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_block_mask(t: int, device: str):
+    return create_block_mask(_causal, None, None, t, t, device=device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Compiled, flex_attention runs fused Triton kernels (forward and backward, LSE gradient included); eager it
+    # would materialise the scores. Automatic dynamic shapes: a second sequence length recompiles once, dynamic.
+    return torch.compile(flex_attention)
+
+
+def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention through flex_attention: (out [B, Hq, T, D], lse [B, Hq, T] fp32), both differentiable.
+    compiled=False runs eager (tests: forward only on CPU, where flex_attention has no backward)."""
+    if flex_attention is None:
+        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
+    t = q.shape[2]
+    fn = _compiled_flex_attention() if compiled else flex_attention
+    kwargs = dict(block_mask=_causal_block_mask(t, str(q.device)), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if AuxRequest is not None:
+        out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
+    return fn(q, k, v, return_lse=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- causal + LSE, chunked
+
+def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                             chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention by query chunks: (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] fp32 or fp64), both
+    differentiable; memory linear in T (a chunk's scores are the only [*, T] buffers, forward and backward)."""
+    return ChunkedCausalAttention.apply(q, k, v, scale, chunk or CHUNK)
+
+
+class ChunkedCausalAttention(torch.autograd.Function):
+    """Flash-attention style in plain PyTorch: the forward keeps only the output and the LSE of each query; the
+    backward recomputes each chunk's probabilities from q, k and the LSE.
+
+    Chunk [c0, c1) of queries sees keys [0, c1) only (causal), so about half of the [T, T] work is skipped. The
+    g query heads of a kv head are stacked along the rows: one batched matmul per chunk, K/V never repeated.
+    Scores come out of the matmul in the input dtype (bf16 like the dense kernel it replaces), softmax, LSE and
+    the dk/dv accumulators are fp32 (fp64 stays fp64).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, chunk):
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qg = q.view(b, hkv, g, t, d)
+        out = q.new_empty(b, hkv, g, t, d)
+        lse = torch.empty(b, hkv, g, t, dtype=acc, device=q.device)
+        for c0 in range(0, t, chunk):
+            c1 = min(c0 + chunk, t)
+            p = _chunk_scores(qg, k, c0, c1, scale, acc)  # [B, Hkv, g, C, c1] fp32
+            m = p.amax(-1, keepdim=True)
+            p.sub_(m).exp_()
+            z = p.sum(-1, keepdim=True)
+            p.div_(z)
+            lse[:, :, :, c0:c1] = (m + z.log()).squeeze(-1)
+            n = c1 - c0
+            o = torch.matmul(p.to(q.dtype).view(b, hkv, g * n, c1), v[:, :, :c1])  # [B, Hkv, g*C, D]
+            out[:, :, :, c0:c1] = o.view(b, hkv, g, n, d)
+        out, lse = out.view(b, hq, t, d), lse.view(b, hq, t)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, chunk = ctx.scale, ctx.chunk
+        b, hq, t, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        acc = lse.dtype
+        qg = q.view(b, hkv, g, t, d)
+        do = grad_out.to(q.dtype).reshape(b, hkv, g, t, d)
+        # dS = P * (dP - delta): delta = rowsum(dO * O) from the output, minus the LSE's own gradient (dL/dS = P).
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1) - grad_lse.to(acc)
+        delta = delta.view(b, hkv, g, t, 1)
+        lse = lse.view(b, hkv, g, t, 1)
+        dq = torch.empty(b, hkv, g, t, d, dtype=q.dtype, device=q.device)
+        dk = torch.zeros(b, hkv, t, d, dtype=acc, device=q.device)
+        dv = torch.zeros(b, hkv, t, d, dtype=acc, device=q.device)
+        for c0 in range(0, t, chunk):
+            c1 = min(c0 + chunk, t)
+            n = c1 - c0
+            p = _chunk_scores(qg, k, c0, c1, scale, acc)
+            p.sub_(lse[:, :, :, c0:c1]).exp_()  # the forward's probabilities, [B, Hkv, g, C, c1]
+            do_c = do[:, :, :, c0:c1].reshape(b, hkv, g * n, d)
+            p_rows = p.to(q.dtype).view(b, hkv, g * n, c1)
+            dv[:, :, :c1] += torch.matmul(p_rows.transpose(-1, -2), do_c)  # [B, Hkv, c1, D]
+            ds = torch.matmul(do_c, v[:, :, :c1].transpose(-1, -2)).view(b, hkv, g, n, c1).to(acc)  # dP
+            ds.sub_(delta[:, :, :, c0:c1]).mul_(p)
+            ds_rows = ds.to(q.dtype).view(b, hkv, g * n, c1)
+            dq[:, :, :, c0:c1] = (torch.matmul(ds_rows, k[:, :, :c1]) * scale).view(b, hkv, g, n, d)
+            q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d)
+            dk[:, :, :c1] += torch.matmul(ds_rows.transpose(-1, -2), q_c) * scale
+        return dq.view(b, hq, t, d), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _chunk_scores(qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """Scaled, causally masked scores of query rows [c0, c1) against keys [0, c1): [B, Hkv, g, C, c1] in `acc`."""
+    b, hkv, g, _, d = qg.shape
+    n = c1 - c0
+    q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d)  # [B, Hkv, g*C, D]
+    s = torch.matmul(q_c, k[:, :, :c1].transpose(-1, -2)).view(b, hkv, g, n, c1).to(acc)
+    s.mul_(scale)
+    # Only the last n keys can be in a row's future: key c0 + j is masked for query c0 + i when j > i.
+    future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
+    s[..., c0:].masked_fill_(future, float("-inf"))
+    return s
+
+
+# ---------------------------------------------------------------------------------------------- checkpointing
+
+def ttt_layer_call(layer, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache, mode: str, checkpointed: bool = False) -> torch.Tensor:
+    """`layer(embeds, hidden, cos, sin, cache, mode)`, optionally under activation checkpointing.
+
+    Checkpointed, the layer's activations (projections, attention, MLP) are dropped after the forward and
+    recomputed during the backward; only its inputs, its output and the (k, v) it appends to the cache are kept.
+    The layer appends to `cache.layers[layer.layer_idx]`, a side effect a recomputation must not repeat, so the
+    checkpointed call runs on a private cache holding this layer's earlier entries (the same tensors) and the
+    new (k, v) is appended to the real cache afterwards. Only for modes whose cache grows by one entry per call
+    ("ttt", "naive"); without grad there is nothing to save, so the call is plain.
+    """
+    if not (checkpointed and torch.is_grad_enabled()):
+        return layer(embeds, hidden, cos, sin, cache, mode)
+    idx = layer.layer_idx
+    earlier = [x for kv in cache.layers[idx] for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
+
+    def run(embeds, hidden, cos, sin, *flat):
+        private = type(cache)(len(cache.layers))
+        private.layers[idx] = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        out = layer(embeds, hidden, cos, sin, private, mode)
+        k, v = private.layers[idx][-1]
+        return out, k, v
+
+    out, k, v = checkpoint(run, embeds, hidden, cos, sin, *earlier, use_reentrant=False)
+    cache.layers[idx].append((k, v))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- reference, decoding
 
 def naive_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """Reference: every step's keys side by side, masked by an explicit [T, T*(k+1)] mask (tests, benchmark)."""
-    b, hq, t, d = q.shape
+    hq, t = q.shape[1:3]
     hkv = keys[0].shape[1]
     k_all = torch.cat(keys, dim=2).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T*(k+1), D]
     v_all = torch.cat(values, dim=2).repeat_interleave(hq // hkv, dim=1)
