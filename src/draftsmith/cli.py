@@ -165,6 +165,10 @@ _stage_command("export", "ExportConfig", "draftsmith.export:run",
                "Write a trained draft as a vLLM, SGLang or speculators model directory.", positional=("checkpoint",))
 _stage_command("evaluate", "EvaluateConfig", "draftsmith.evaluate:run",
                "Measure acceptance length and speed-up by real speculative decoding (reference decoder or vLLM).")
+_stage_command("serve", "ServeConfig", "draftsmith.serve:run",
+               "Serve a draft with its target: vLLM's OpenAI-compatible server with EAGLE-3 speculative decoding."
+               "\n\nListens on 127.0.0.1:8000 unless --host / --port say otherwise; Ctrl-C or SIGTERM stops it. "
+               "Other `vllm serve` options go in --vllm-args.", positional=("draft",))
 _stage_command("quickstart", "QuickstartConfig", "draftsmith.quickstart:run",
                "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate, resumable."
                "\n\nA --config recipe (see recipes/) may also hold one section per stage, e.g. `train: {lr: 5.0e-4}`, "

@@ -285,3 +285,32 @@ class StageResult(BaseModel):
     summary: dict[str, Any] = Field(default_factory=dict)
     # Shell commands for the user to copy (e.g. how to serve the draft): printed in full below the table, unwrapped.
     commands: dict[str, str] = Field(default_factory=dict)
+
+
+class ServeConfig(StageConfig):
+    draft: Path = Field(Path("runs/export"), description=(
+        "The draft: an exported directory (any format), a training run or a checkpoint. One vLLM cannot load as it "
+        "is (a run or checkpoint, an SGLang export) is written as a vLLM export into a temporary directory first."))
+    target: str | None = Field(None, description=(
+        "Target model; default: the one the draft was trained for. A target that differs is refused before vLLM "
+        "starts."))
+    num_speculative_tokens: int | None = Field(None, ge=1, le=16, description=(
+        "Draft tokens per step; default: the export's own (`draftsmith export --speculative-tokens`), else 3."))
+    host: str = Field("127.0.0.1", description=(
+        "Address to listen on; 0.0.0.0 serves every network interface (then set --api-key)."))
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    api_key: str | None = Field(None, description=(
+        "Answer only requests that carry this key (Authorization: Bearer KEY); vLLM also reads VLLM_API_KEY."))
+    served_model_name: str | None = Field(None, description=(
+        "The model name clients send; default: vLLM's, the target's path."))
+    max_model_len: int | None = Field(None, ge=16, description="Context length; default: the target's.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Weight and compute dtype; auto: vLLM's choice for the target and the device."))
+    kv_cache_gb: int | None = Field(None, ge=1, description=(
+        "vLLM on CPU: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE); default: VLLM_CPU_KVCACHE_SPACE when it "
+        "is set, else 2."))
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU NUMA nodes) to split the target over.")
+    trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
+    vllm_args: str | None = Field(None, description=(
+        "More `vllm serve` options, passed on as they are, in one quoted string, e.g. "
+        "--vllm-args '--enforce-eager --max-num-seqs 8' (--vllm-args --help=all lists them)."))

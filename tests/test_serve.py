@@ -1,0 +1,297 @@
+"""`draftsmith serve`: the draft is checked and made loadable before vLLM starts; then a real vLLM (CPU) server
+with the draft answers OpenAI chat requests exactly as the target alone would at temperature 0, with accepted
+draft tokens in its /metrics, and stops on SIGTERM leaving no process behind.
+
+The real-server test uses the small draft benchmarks/specdec.py trains once per machine for the default target
+(as tests/test_evaluate_real.py does); it is a training checkpoint, so serving it also exercises the conversion
+to a vLLM export.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from draftsmith import export, serve
+from draftsmith.cli import app
+from draftsmith.config import ServeConfig
+from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
+from draftsmith.train.drafts import DraftSource, load_draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+AUX = [1, 2, 4]
+
+
+def _tiny_source(target_dir: Path) -> DraftSource:
+    config = json.loads((target_dir / "config.json").read_text())
+    spec = DraftSpec.from_target_config(config, 96, 1, AUX)
+    ids = torch.linspace(0, config["vocab_size"] - 1, 96).round().long()
+    draft = Eagle3Draft.from_target(spec, targets.load_target(target_dir), ids)
+    return DraftSource(spec=spec, tensors=draft_tensors(draft.state_dict()), target=targets.target_identity(target_dir),
+                       origin=Path("unit-test"), training={})
+
+
+def _write(source: DraftSource, out: Path, fmt: str, **kw) -> Path:
+    export.write_export(out, source.tensors, source.spec, fmt, target=source.target,
+                        verifier_architectures=["LlamaForCausalLM"], **kw)
+    return out
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """Fail the test if draftsmith would start vLLM."""
+    def refuse(command, env):
+        raise AssertionError(f"vLLM was started: {command}")
+
+    monkeypatch.setattr(serve, "serve_until_stopped", refuse)
+
+
+def test_a_draft_for_another_target_is_refused_before_vllm_starts(tmp_path, tiny_target_dir, no_vllm, one_thread):
+    from conftest import build_tiny_target
+
+    draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
+    other = build_tiny_target(tmp_path / "deeper", num_layers=6)  # same shapes fit, but another model
+    result = CliRunner().invoke(app, ["serve", str(draft), "--target", str(other)])
+    assert result.exit_code == 1, result.output
+    message = result.output.strip()
+    assert "\n" not in message and message.startswith("error:")
+    assert f"draft was trained for target {tiny_target_dir}, not {other}" in message
+    assert "serve it with the target it was trained for" in message
+
+    wide = build_tiny_target(tmp_path / "wide", hidden_size=128)
+    with pytest.raises(DraftsmithError, match=r"another target \(hidden size 64 != 128"):
+        serve.run(ServeConfig(draft=draft, target=str(wide)))
+
+
+def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+    source = _tiny_source(tiny_target_dir)
+    manifest = CheckpointManifest(target=source.target, draft=source.spec, step=1, data="unit-test")
+    save_checkpoint(tmp_path / "run", manifest, source.tensors, None, best=True)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    seen = {}
+
+    def fake_serve(command, env):  # what vLLM would get, while it would be running
+        argv = command[len(serve.SERVER):]
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        back = load_draft(Path(spec["model"]))
+        seen.update(argv=argv, spec=spec, format=export.read_export_manifest(Path(spec["model"])).format, env=env)
+        for name, t in source.tensors.items():
+            assert torch.equal(back.tensors[name], t.to(torch.bfloat16) if t.is_floating_point() else t), name
+        return 0
+
+    monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
+    result = serve.run(ServeConfig(draft=tmp_path / "run", port=8123, kv_cache_gb=3, dtype="float32",
+                                   api_key="sesame", vllm_args="--enforce-eager --max-num-seqs 4"))
+    argv = seen["argv"]
+    assert argv[0] == str(tiny_target_dir) and seen["format"] == "vllm"
+    assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "3" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    assert seen["env"]["VLLM_API_KEY"] == "sesame" and "sesame" not in argv  # not on the process list
+    assert seen["spec"]["method"] == "eagle3" and seen["spec"]["num_speculative_tokens"] == 3  # checkpoint: 3
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
+    assert argv[argv.index("--dtype") + 1] == "float32" and argv[-3:] == ["--enforce-eager", "--max-num-seqs", "4"]
+    assert not Path(seen["spec"]["model"]).exists()  # the temporary export is gone once the server has stopped
+    assert result.summary["address"] == "http://127.0.0.1:8123/v1"
+
+
+def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+    source = _tiny_source(tiny_target_dir)
+    seen = {}
+
+    def fake_serve(command, env):
+        seen["spec"] = json.loads(command[command.index("--speculative-config") + 1])
+        seen["format"] = export.read_export_manifest(Path(seen["spec"]["model"])).format
+        return 0
+
+    monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
+    for fmt, k, expected in (("vllm", None, 5), ("speculators", 2, 2)):
+        draft = _write(source, tmp_path / fmt, fmt, speculative_tokens=5)
+        serve.run(ServeConfig(draft=draft, num_speculative_tokens=k))
+        assert seen["spec"] == {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": expected}
+    sglang = _write(source, tmp_path / "sglang", "sglang", speculative_tokens=4)
+    serve.run(ServeConfig(draft=sglang))
+    assert Path(seen["spec"]["model"]) != sglang.resolve() and seen["format"] == "vllm"  # SGLang's layer ids differ
+    assert seen["spec"]["num_speculative_tokens"] == 4
+
+
+def test_a_failed_server_is_one_line(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+    draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
+    monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: 2)
+    with pytest.raises(DraftsmithError, match="vLLM's server exited with status 2; its messages are above"):
+        serve.run(ServeConfig(draft=draft))
+
+
+# A stand-in for vLLM 0.32 while its engine starts: the first SIGTERM is lost (its ZMQ socket context swallows
+# the KeyboardInterrupt), the second one stops it; its "engine" child ignores SIGTERM altogether.
+STUBBORN_SERVER = """
+import os, signal, subprocess, sys, time
+engine = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                             "open(%r, 'w').write('up'); time.sleep(600)"])
+open(%r, "w").write(str(engine.pid))
+lost = []
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0) if lost else lost.append(1))
+time.sleep(600)
+"""
+
+
+def test_a_lost_sigterm_is_sent_again_and_nothing_is_left(tmp_path, monkeypatch):
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setattr(serve, "STOP_GRACE_S", (1.0, 1.0))
+    up, pid_file = tmp_path / "engine-up", tmp_path / "engine.pid"
+    command = [sys.executable, "-c", STUBBORN_SERVER % (str(up), str(pid_file))]
+
+    def sigterm_once_the_engine_is_up():
+        deadline = time.monotonic() + 60
+        while not up.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to draftsmith, as a service manager would
+
+    killer = threading.Thread(target=sigterm_once_the_engine_is_up)
+    killer.start()
+    started = time.monotonic()
+    with serve._sigterm_interrupts():
+        status = serve.serve_until_stopped(command, dict(os.environ))
+    killer.join()
+    assert status is None  # stopped, not exited on its own
+    assert time.monotonic() - started < 30
+    assert not _running([int(pid_file.read_text())], psutil)  # SIGKILLed with the server's process group
+
+
+# ----------------------------------------------------------------------------------------- the real server
+
+
+def _running(pids: list[int], psutil, timeout_s: float = 30) -> list[int]:
+    """The pids still running after up to timeout_s (an orphan killed but not yet reaped by init counts as gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"draftsmith serve exited with {proc.returncode} before serving:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(2)
+    pytest.fail(f"draftsmith serve did not answer {url} within {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+def _spec_counters(metrics_text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name.startswith("vllm:spec_decode_num_"):
+            out[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, default_target_dir):
+    psutil = pytest.importorskip("psutil")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("vllm")
+    from draftsmith.evaluate.prompts import render
+    from draftsmith.evaluate.specdec import TargetRunner, plain_generate
+
+    spec = importlib.util.spec_from_file_location("bench_specdec", ROOT / "benchmarks" / "specdec.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    draft = bench.quick_trained_draft()  # a training checkpoint for the default target
+
+    port, key = _free_port(), "test-key"
+    tmp = tmp_path / "tmp"  # the server's temporary directory: its vLLM export of the checkpoint goes here
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), VLLM_LOGGING_LEVEL="WARNING")
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "draftsmith", "serve", str(draft), "--port", str(port), "--api-key", key,
+               "--dtype", "float32", "--kv-cache-gb", "1", "--max-model-len", "1024",
+               "--vllm-args", "--enforce-eager --max-num-seqs 2"]
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    family: list[int] = []
+    try:
+        _wait_until_up(proc, f"http://127.0.0.1:{port}/health", log)
+        family += [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]  # the server, vLLM's engine...
+        assert len(family) >= 2, "draftsmith runs vLLM's server in a child process, and vLLM its engine in another"
+        assert len(list(tmp.glob("draftsmith-serve-*"))) == 1  # the checkpoint, written as a vLLM export
+
+        with pytest.raises(urllib.error.HTTPError) as refused:  # --api-key is enforced
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+        assert refused.value.code == 401
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, timeout=300)
+        model_name = client.models.list().data[0].id
+        tokenizer = targets.load_tokenizer(default_target_dir)
+        target = TargetRunner(targets.load_target(default_target_dir), [])
+        generation = json.loads((default_target_dir / "generation_config.json").read_text())
+        eos = {tokenizer.eos_token_id, generation["eos_token_id"]}  # vLLM stops at both
+        questions = ["What is the capital of France? Answer in one sentence.",
+                     "Write a short poem about the sea.",
+                     "Explain what a hash table is to a beginner."]
+        for question in questions:
+            messages = [{"role": "user", "content": question}]
+            reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0,
+                                                   max_tokens=40, extra_body={"return_token_ids": True})
+            prompt_ids = reply.model_extra["prompt_token_ids"]
+            served = reply.choices[0].model_extra["token_ids"]
+            assert prompt_ids == render(tokenizer, messages)  # the server renders the target's chat template
+            alone = plain_generate(target, torch.tensor(prompt_ids), 40, 0.0, eos).tokens
+            assert served == alone, (question, tokenizer.decode(served), tokenizer.decode(alone))
+            assert reply.choices[0].message.content == tokenizer.decode(alone, skip_special_tokens=True)
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            counters = _spec_counters(response.read().decode())
+        assert counters["vllm:spec_decode_num_drafts"] > 0
+        assert counters["vllm:spec_decode_num_draft_tokens"] == 3 * counters["vllm:spec_decode_num_drafts"]
+        assert counters["vllm:spec_decode_num_accepted_tokens"] > 0, counters
+
+        proc.send_signal(signal.SIGTERM)  # to draftsmith alone, as a service manager does
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+        assert not _running(family, psutil), "left behind"
+        assert list(tmp.glob("draftsmith-serve-*")) == []  # the temporary vLLM export is removed
+    finally:  # whatever happened above, leave nothing running
+        for pid in [proc.pid, *family]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
