@@ -1,6 +1,8 @@
 """End to end: a reduced quickstart on the real default assets, then a resume that redoes nothing."""
 
 import json
+import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -11,12 +13,17 @@ from draftsmith.config import QuickstartConfig
 from draftsmith.core.errors import DraftsmithError
 
 
-def test_serve_command_is_copy_pasteable(tmp_path):
-    cmd = quickstart.serve_command(tmp_path / "target dir", tmp_path / "export", k=3)
+def test_serve_commands_are_copy_pasteable(tmp_path):
+    served, gpu_only = quickstart.serve_commands(tmp_path / "target dir", tmp_path / "export dir", k=4).items()
+    assert "draftsmith serve" in served[1] and "GPU install of real vLLM" in gpu_only[0]
+    program, *args = shlex.split(served[1])
+    assert shutil.which(program)  # a shell in this directory finds it (`draftsmith` on PATH, else its path)
+    assert args[-2:] == ["serve", str(tmp_path / "export dir")]  # the path with a space is quoted
+    cmd = gpu_only[1]
     assert cmd.startswith("vllm serve ") and "--speculative-config" in cmd
-    spec = json.loads(cmd.split("--speculative-config ")[1].strip("'"))
-    assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 3}
-    assert "'" in cmd.split("--speculative-config")[0]  # the path with a space is quoted
+    spec = json.loads(shlex.split(cmd)[-1])
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "export dir"), "num_speculative_tokens": 4}
+    assert shlex.split(cmd)[2] == str(tmp_path / "target dir")
 
 
 def test_stage_configs_chain_outputs_to_inputs(tmp_path):
@@ -91,7 +98,8 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
     report = json.loads((out / "eval" / "report.json").read_text())
     taus = {r["k"]: r["tau"] for r in report["runs"]}
     assert set(taus) == {1, 3} and taus[3] > 1.0
-    assert result.commands["serve the draft with vLLM"].startswith("vllm serve")
+    served, gpu_only = result.commands.values()
+    assert served.endswith(f"draftsmith serve {out / 'export'}") and gpu_only.startswith("vllm serve")
     state = json.loads((out / "quickstart.json").read_text())
     assert set(state["finished"]) == set(quickstart.STAGES)
 

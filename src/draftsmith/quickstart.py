@@ -7,7 +7,6 @@ finished, so a run killed at any point and started again skips what is done and 
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from draftsmith.config import (
 )
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
+from draftsmith.serve import serve_command, vllm_serve_command
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
@@ -160,9 +160,11 @@ def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
     return scale * sum(expected[s] for s in remaining)
 
 
-def serve_command(target_dir: Path, export_dir: Path, k: int = 3) -> str:
-    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k})
-    return f"vllm serve {shlex.quote(str(target_dir))} --speculative-config {shlex.quote(spec)}"
+def serve_commands(target_dir: Path, export_dir: Path, k: int = 3) -> dict[str, str]:
+    """The commands printed below the summary: `draftsmith serve` (every vLLM install), then `vllm serve`."""
+    return {"serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)": serve_command(export_dir),
+            "or, with a GPU install of real vLLM (`pip install vllm`), vLLM's own command":
+                vllm_serve_command(target_dir, export_dir, k)}
 
 
 def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
@@ -198,8 +200,8 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
         state["finished"][stage] = {"seconds": round(time.perf_counter() - t0, 1), "output": str(result.output),
                                     "summary": json.loads(json.dumps(result.summary, default=str))}
         atomic_write_json(state_path, state)
-    summary, serve = _summary(cfg, configs, state, engine_why)
-    return StageResult(stage="quickstart", output=out, summary=summary, commands={"serve the draft with vLLM": serve})
+    summary, commands = _summary(cfg, configs, state, engine_why)
+    return StageResult(stage="quickstart", output=out, summary=summary, commands=commands)
 
 
 def tau_lines(runs: list[dict[str, Any]]) -> dict[str, str]:
@@ -225,8 +227,8 @@ def tau_lines(runs: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any],
-             engine_why: str) -> tuple[dict[str, Any], str]:
-    """(the summary table, the command that serves the exported draft)."""
+             engine_why: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the summary table, the commands that serve the exported draft)."""
     from draftsmith.evaluate.report import read_report
     from draftsmith.prepare.dataset import open_prepared
 
@@ -244,4 +246,5 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
     summary.update(tau_lines(report["runs"]))
     summary["exported draft"] = str(configs["export"].output)
     summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
-    return summary, serve_command(target_dir, Path(configs["export"].output).resolve())
+    return summary, serve_commands(target_dir, Path(configs["export"].output).resolve(),
+                                   configs["export"].speculative_tokens)
