@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import DraftsmithError
@@ -68,8 +69,8 @@ class DraftManifest(Manifest):
         if "arch" in data:  # an export
             draft = dict(data.pop("arch"))
             if draft.pop("norm_before_residual", False):
-                raise ValueError("made by an older draftsmith with norm_before_residual, which this one does not "
-                                 "build; re-run `draftsmith export`")
+                raise PydanticCustomError("older_draftsmith", "made by an older draftsmith with norm_before_residual, "
+                                          "which this one does not build; re-run `draftsmith export`")
             weights = data.pop("weights_file", WEIGHTS_FILE)
             if "weights_sha256" in data:
                 data["files"] = {weights: data.pop("weights_sha256")}
@@ -77,10 +78,11 @@ class DraftManifest(Manifest):
             draft = dict(data.get("draft") or {})
             aux = list(data.pop("aux_layer_ids", None) or [])
             if draft.pop("attention_bias", False) or draft.pop("mlp_bias", False):
-                raise ValueError("made by an older draftsmith with attention/MLP biases, which no EAGLE-3 format "
-                                 "carries; re-run `draftsmith train`")
+                raise PydanticCustomError("older_draftsmith", "made by an older draftsmith with attention/MLP biases, "
+                                          "which no EAGLE-3 format carries; re-run `draftsmith train`")
             if draft.pop("num_aux_layers", len(aux)) != len(aux):
-                raise ValueError(f"aux_layer_ids {aux} do not match draft.num_aux_layers; the checkpoint is damaged")
+                raise PydanticCustomError("damaged", "aux_layer_ids {aux} do not match draft.num_aux_layers; the "
+                                          "checkpoint is damaged", {"aux": aux})
             draft["num_hidden_layers"] = draft.pop("num_layers", 1)
             draft["aux_layer_ids"] = aux
         data["draft"] = draft
