@@ -79,7 +79,7 @@ def test_ttt_attention_equals_the_explicit_references_in_float64(monkeypatch, b,
 
 @pytest.mark.parametrize("b,hq,hkv,t,d,steps", [(1, 4, 1, 300, 16, 3), (2, 6, 3, 77, 32, 7), (1, 2, 2, 256, 8, 2)])
 def test_ttt_attention_equals_the_mask_reference_in_float32(b, hq, hkv, t, d, steps):
-    """The default chunk (T = 300 is past one chunk of 256 and not a multiple of it)."""
+    """The default chunk size (128 or 256: T = 300 spans several chunks and is not a multiple of one)."""
     q, keys, values = _inputs(b, hq, hkv, t, d, steps, dtype=torch.float32, seed=t)
     ours = ttt_attention(q, keys, values)
     ref = naive_ttt_attention(q, keys, values)
@@ -112,6 +112,17 @@ def test_flex_causal_attention_forward_matches_the_chunked_kernel():
     ref_out, ref_lse = chunked_causal_attention(q, k, v, 0.25, chunk=16)
     torch.testing.assert_close(out, ref_out, **F64)
     torch.testing.assert_close(lse, ref_lse, **F64)
+
+
+@pytest.mark.skipif(attention.flex_attention is None, reason="no flex_attention in this torch")
+@pytest.mark.parametrize("t", [1, 5, 128, 129, 300, 1024, 1100])
+def test_causal_block_mask_equals_create_block_mask(t):
+    ours = attention.causal_block_mask(t, "cpu")
+    ref = flex_module.create_block_mask(lambda b, h, q, k: q >= k, None, None, t, t, device="cpu")
+    assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, field), getattr(ref, field)), field
 
 
 @pytest.mark.skipif(attention.flex_attention is None, reason="no flex_attention in this torch")
@@ -204,17 +215,21 @@ def test_what_backward_keeps_grows_linearly_in_t():
 
 def test_bf16_autocast_matches_the_float32_reference():
     """Mixed inputs as the model makes them under autocast (q, k fp32 after RoPE, v bf16): computed in bf16 with an
-    fp32 softmax/LSE, the output is bf16 and within bf16 rounding of the fp32 reference; grads reach the leaves."""
+    fp32 softmax/LSE, output and gradients are within bf16 rounding of the fp32 reference."""
     q, keys, values = _inputs(1, 4, 2, 70, 16, 4, dtype=torch.float32, seed=9)
-    values_bf16 = [v.detach().bfloat16().requires_grad_() for v in values]
+    values = [v.detach().bfloat16().requires_grad_() for v in values]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = ttt_attention(q, keys, values_bf16)
+        ours = ttt_attention(q, keys, values)
     assert ours.dtype == torch.bfloat16
-    ref = naive_ttt_attention(q, keys, [v.detach().float() for v in values_bf16])
+    values32 = [v.detach().float().requires_grad_() for v in values]
+    ref = naive_ttt_attention(q, keys, values32)
     torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=3e-2)
-    ours.float().sum().backward()
-    assert q.grad.dtype == torch.float32 and values_bf16[1].grad.dtype == torch.bfloat16
-    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, *keys, *values_bf16))
+    w = torch.randn(ours.shape, generator=torch.Generator().manual_seed(4))
+    got = _grads(ours.float(), w, [q, *keys, *values])
+    want = _grads(ref, w, [q, *keys, *values32])
+    assert got[0].dtype == torch.float32 and got[-1].dtype == torch.bfloat16  # each leaf's own dtype
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a.float(), r, atol=5e-2, rtol=5e-2)
 
 
 def _cuda_leaf(x):
@@ -241,6 +256,28 @@ def test_cuda_kernels_match_the_reference(kernel, t):
     torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
     for a, r in zip(_grads(low.float(), w, inputs), _grads(ref, w, inputs)):
         torch.testing.assert_close(a, r, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_flex_stays_fused_across_many_sequence_lengths():
+    """Batches change T every step. After a dozen distinct lengths (past torch.compile's recompile limit, were
+    each one a recompile) the flex path still runs fused: its peak stays under one bf16 [Hq, T, T] score tensor,
+    which a fallback to eager flex_attention would exceed (it materialises fp32 scores)."""
+    heads, last = 8, 4096
+
+    def run(t):
+        q, keys, values = _inputs(1, heads, 2, t, 64, 3, dtype=torch.bfloat16, seed=t)
+        q, keys, values = _cuda_leaf(q), [_cuda_leaf(k) for k in keys], [_cuda_leaf(v) for v in values]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ttt_attention(q, keys, values, kernel="flex").float().sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    for t in (100, 130, 257, 400, 513, 640, 777, 900, 1000, 1500, 2047, 3000):
+        run(t)
+    assert run(last) < heads * last * last * 2
 
 
 # ---------------------------------------------------------------------------------------------- checkpointing

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=True
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 except ImportError:  # pragma: no cover - depends on the torch build
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
         AuxRequest = None
     except ImportError:
-        flex_attention = create_block_mask = AuxRequest = None
+        flex_attention = BlockMask = AuxRequest = None
 
 # Query rows per chunk of ChunkedCausalAttention: each chunk holds a few [B, Hq, CHUNK, T] fp32 score buffers.
 CHUNK = 128
@@ -103,8 +103,23 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_block_mask(t: int, device: str):
-    return create_block_mask(_causal, None, None, t, t, device=device)
+def causal_block_mask(t: int, device: str, block: int = 128):
+    """The causal BlockMask of create_block_mask(causal, None, None, t, t), built from its [T/128, T/128] block
+    layout: create_block_mask would evaluate the mask over [T, T] (or compile that)."""
+    n = -(-t // block)
+    i = torch.arange(n, device=device)
+    partial = i[:, None] == i[None, :]  # [n, n] q block x kv block: the diagonal blocks need the mask
+    full = i[:, None] > i[None, :]  # below it every pair is causal
+    if t % block:  # the last q block has padding rows: create_block_mask counts its blocks as partial
+        partial[-1] |= full[-1]
+        full[-1] = False
+
+    def ordered(m):  # per q block: how many kv blocks, and their indices first (ascending), then the rest
+        order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
+        return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=_causal,
+                                    seq_lengths=(t, t))
 
 
 @functools.cache
@@ -122,7 +137,7 @@ def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
     t = q.shape[2]
     fn = _compiled_flex_attention() if compiled else flex_attention
-    kwargs = dict(block_mask=_causal_block_mask(t, str(q.device)), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    kwargs = dict(block_mask=causal_block_mask(t, str(q.device)), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if AuxRequest is not None:
         out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
         return out, aux.lse
@@ -159,15 +174,14 @@ class ChunkedCausalAttention(torch.autograd.Function):
         lse = torch.empty(b, hkv, g, t, dtype=acc, device=q.device)
         for c0 in range(0, t, chunk):
             c1 = min(c0 + chunk, t)
-            p = _chunk_scores(qg, k, c0, c1, scale, acc)  # [B, Hkv, g, C, c1] fp32
-            m = p.amax(-1, keepdim=True)
-            p.sub_(m).exp_()
-            z = p.sum(-1, keepdim=True)
-            p.div_(z)
-            lse[:, :, :, c0:c1] = (m + z.log()).squeeze(-1)
             n = c1 - c0
+            p, _ = _chunk_scores(qg, k, c0, c1, scale, acc)  # [B, Hkv, g, C, c1]
+            m = p.amax(-1, keepdim=True)
+            p.sub_(m).exp_()  # unnormalised: the division goes to the [C, D] output instead
+            z = p.sum(-1, keepdim=True)
+            lse[:, :, :, c0:c1] = (m + z.log()).squeeze(-1)
             o = torch.matmul(p.to(q.dtype).view(b, hkv, g * n, c1), v[:, :, :c1])  # [B, Hkv, g*C, D]
-            out[:, :, :, c0:c1] = o.view(b, hkv, g, n, d)
+            out[:, :, :, c0:c1] = (o.view(b, hkv, g, n, d).to(acc) / z).to(q.dtype)
         out, lse = out.view(b, hq, t, d), lse.view(b, hq, t)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.chunk = scale, chunk
@@ -193,7 +207,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
         for c0 in range(0, t, chunk):
             c1 = min(c0 + chunk, t)
             n = c1 - c0
-            p = _chunk_scores(qg, k, c0, c1, scale, acc)
+            p, q_c = _chunk_scores(qg, k, c0, c1, scale, acc)
             p.sub_(lse[:, :, :, c0:c1]).exp_()  # the forward's probabilities, [B, Hkv, g, C, c1]
             do_c = do[:, :, :, c0:c1].reshape(b, hkv, g * n, d)
             p_rows = p.to(q.dtype).view(b, hkv, g * n, c1)
@@ -202,22 +216,22 @@ class ChunkedCausalAttention(torch.autograd.Function):
             ds.sub_(delta[:, :, :, c0:c1]).mul_(p)
             ds_rows = ds.to(q.dtype).view(b, hkv, g * n, c1)
             dq[:, :, :, c0:c1] = (torch.matmul(ds_rows, k[:, :, :c1]) * scale).view(b, hkv, g, n, d)
-            q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d)
-            dk[:, :, :c1] += torch.matmul(ds_rows.transpose(-1, -2), q_c) * scale
+            dk[:, :, :c1] += torch.matmul(ds_rows.transpose(-1, -2), q_c)  # q_c carries the scale
         return dq.view(b, hq, t, d), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _chunk_scores(qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """Scaled, causally masked scores of query rows [c0, c1) against keys [0, c1): [B, Hkv, g, C, c1] in `acc`."""
+def _chunk_scores(qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: float,
+                  acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows [c0, c1) against keys [0, c1): (scaled, causally masked scores [B, Hkv, g, C, c1] in `acc`, the
+    scaled query rows [B, Hkv, g*C, D])."""
     b, hkv, g, _, d = qg.shape
     n = c1 - c0
-    q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d)  # [B, Hkv, g*C, D]
+    q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d) * scale  # the scale on [C, D] rather than on [C, T]
     s = torch.matmul(q_c, k[:, :, :c1].transpose(-1, -2)).view(b, hkv, g, n, c1).to(acc)
-    s.mul_(scale)
     # Only the last n keys can be in a row's future: key c0 + j is masked for query c0 + i when j > i.
     future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
     s[..., c0:].masked_fill_(future, float("-inf"))
-    return s
+    return s, q_c
 
 
 # ---------------------------------------------------------------------------------------------- checkpointing
@@ -235,6 +249,8 @@ def ttt_layer_call(layer, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch
     """
     if not (checkpointed and torch.is_grad_enabled()):
         return layer(embeds, hidden, cos, sin, cache, mode)
+    if mode not in ("ttt", "naive"):
+        raise ValueError(f"checkpointing a layer call needs a TTT cache (one entry per call), not mode {mode!r}")
     idx = layer.layer_idx
     earlier = [x for kv in cache.layers[idx] for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
 
