@@ -326,7 +326,8 @@ def same_draft_vocab(a: Path, b: Path) -> bool:
 
 
 def draftsmith_source() -> dict:
-    """Which draftsmith ran: its package path and the repository's HEAD (the tree may hold uncommitted work)."""
+    """Which draftsmith ran: its package path and the repository's HEAD at the start (the tree may hold others'
+    uncommitted work; to measure a commit, run with PYTHONPATH=<`git archive` of it>/src)."""
     import draftsmith
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
@@ -362,15 +363,23 @@ def profile_both(args, py: Path, store: Path, peer_data: Path, target: str, n_tr
     run([sys.executable, str(PEERS / "draftsmith_profile.py"), "train", "--data", str(store), "--output",
          str(out / "ours-run"), "--draft-vocab-size", str(DRAFT_VOCAB), "--ttt-steps", str(TTT_STEPS),
          "--token-budget", str(SEQ_LEN), "--lr", str(args.ours_lr), "--warmup-steps", str(args.ours_warmup),
-         "--eval-fraction", str(args.eval_fraction), "--max-steps", "8", "--device", "cpu"],
+         "--eval-fraction", str(args.eval_fraction), "--max-steps", "8", "--log-every", "1", "--device", "cpu"],
         log_file=out / "ours.log", env=env)
     run([str(py), str(PEERS / "speculators_train.py")] + peer_args(target, peer_data, out / "peer-run", n_train, n,
                                                                    1, max_steps=8),
-        log_file=out / "peer.log", env=env)
+        log_file=out / "peer.log", env=dict(env, STEP_LOG=str(out / "peer-run" / "steps.jsonl")))
     result = {}
-    for name, key in (("draftsmith", "ours"), ("speculators", "peer")):
+    for name, key, steps in (("draftsmith", "ours", out / "ours-run" / "metrics.jsonl"),
+                             ("speculators", "peer", out / "peer-run" / "steps.jsonl")):
         f = out / f"{name}.json"
         result[key] = json.loads(f.read_text()) if f.is_file() else None
+        if result[key] and steps.is_file():  # tokens of the timed steps (3..6): profile_hook's window
+            seen = {r["step"]: r["tokens_seen"] for r in map(json.loads, steps.read_text().splitlines())
+                    if r.get("type") == "train"}
+            if 2 in seen and 6 in seen:
+                per_step = (seen[6] - seen[2]) / 4
+                result[key]["tokens_per_step"] = per_step
+                result[key]["tokens_per_s"] = round(per_step / result[key]["step_s"], 1)
     result["tables"] = str(out)
     return result
 
@@ -399,7 +408,7 @@ def main() -> None:
     args.epochs = args.epochs or (1 if args.quick else 2)
     args.num_prompts = args.num_prompts or (10 if args.quick else 80)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
-    started, load_start = time.perf_counter(), loadavg()
+    started, load_start, source = time.perf_counter(), loadavg(), draftsmith_source()
     work = args.work or cache_dir() / "bench" / "vs-speculators" / "run"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -461,7 +470,7 @@ def main() -> None:
         "train_ours": speeds["ours"], "train_peer": speeds["peer"],
         "profile": profile,
         "settings": {
-            "peer": SPECULATORS, "draftsmith": draftsmith_source(), "conversations": n, "tokens": manifest["num_tokens"], "train_samples": len(train),
+            "peer": SPECULATORS, "draftsmith": source, "conversations": n, "tokens": manifest["num_tokens"], "train_samples": len(train),
             "held_out_samples": len(held), "epochs": args.epochs, "seq_len": SEQ_LEN, "draft_vocab": DRAFT_VOCAB,
             "ttt_steps": TTT_STEPS, "num_layers": NUM_LAYERS, "ours_lr": args.ours_lr,
             "ours_warmup": args.ours_warmup, "slice_s": args.slice_s, "threads": args.threads, "k": args.k,
