@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/extract.py --quick                 # 300 ShareGPT conversations, cut to 128 tokens
     .venv/bin/python benchmarks/extract.py --max-length 2048       # the same conversations at full length
     .venv/bin/python benchmarks/extract.py --quick --backend vllm  # the vLLM backend's own benchmark
+    .venv/bin/python benchmarks/extract.py --quick --backend vllm --target tiny:deepseek_v3 --tensor-parallel-size 2
 
 hf backend: the default target (SmolLM2-135M-Instruct) is loaded once. Its batches (the extraction plan:
 longest first, `--token-budget` padded tokens each) are split into chunks; each chunk runs both as a plain
@@ -11,8 +12,14 @@ full extraction (hooks on the kept layers, bf16 encoding, background writer, sha
 alternating which goes first, so a change of machine load hits both alike. Then the bf16 store is re-encoded
 as fp8 (no forward needed) to measure fp8's bytes per token.
 
-Prints a table on stderr, then as its LAST line a JSON object with tokens_per_s, forward_tokens_per_s,
-ratio_vs_forward (goal >= 0.90) and bytes_per_token for bf16 and fp8.
+`--target` takes a model directory or `tiny:FAMILY`, a tiny random checkpoint shaped like a served model, built by
+tests/families.py (llama, qwen3, qwen3_moe, deepseek_v3, kimi_k25); the prepared set is made for that target.
+`--tensor-parallel-size` runs the vLLM backend's engines with tensor parallelism (on a CPU draftsmith binds each
+rank's threads to its share of the CPUs).
+
+Prints a table on stderr, then as its LAST line a JSON object: hf backend: tokens_per_s, forward_tokens_per_s,
+ratio_vs_forward (goal >= 0.90) and bytes_per_token for bf16 and fp8; vllm backend: tokens_per_s,
+prefill_tokens_per_s and ratio_vs_prefill.
 """
 
 from __future__ import annotations
@@ -26,15 +33,31 @@ import time
 from pathlib import Path
 
 
-def _prepared(work: Path, n: int, max_length: int) -> Path:
+def _target(spec: str | None, work: Path) -> str | None:
+    """A model directory as given, or `tiny:FAMILY` built once under `work` by tests/families.py."""
+    if not spec or not spec.startswith("tiny:"):
+        return spec
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import families
+
+    name = spec.removeprefix("tiny:")
+    if name not in families.FAMILIES:
+        sys.exit(f"--target {spec}: unknown family; one of {', '.join(families.FAMILIES)}")
+    path = work / f"target-{name}"
+    if not (path / "config.json").is_file():
+        families.build(name, path)
+    return str(path)
+
+
+def _prepared(work: Path, n: int, max_length: int, target: str | None = None) -> Path:
     from draftsmith.config import PrepareConfig
     from draftsmith.core import assets
     from draftsmith.prepare import stage as prepare
 
-    path = work / f"prepared-{n}-{max_length}"
+    path = work / (f"prepared-{n}-{max_length}" + (f"-{Path(target).name}" if target else ""))
     if not (path / "manifest.json").is_file():
         prepare.run(PrepareConfig(data=[str(assets.sharegpt_path())], max_samples=n, max_length=max_length,
-                                  output=path))
+                                  output=path, target=target))
     return path
 
 
@@ -48,6 +71,8 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
 
     output = work / "store-bf16"
     cfg = ExtractConfig(prepared=prepared, output=output, device=args.device, token_budget=args.token_budget)
+    if args.tensor_parallel_size > 1:
+        sys.exit("--tensor-parallel-size: the hf backend runs on one device; use --backend vllm")
     plan = common.plan_extraction(cfg)
     device = resolve_device(cfg.device)
     compute_dtype = hf.resolve_compute_dtype(cfg.compute_dtype, device)
@@ -138,7 +163,8 @@ def _bench_vllm(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
         from draftsmith.extract.vllm import benchmark
     except ImportError as err:
         sys.exit(f"--backend vllm: the vLLM backend's benchmark is not available ({err})")
-    return benchmark(prepared, args.n, token_budget=args.token_budget)
+    return benchmark(prepared, args.n, token_budget=args.token_budget, tensor_parallel_size=args.tensor_parallel_size,
+                     compute_dtype=args.compute_dtype)
 
 
 def main() -> None:
@@ -149,6 +175,10 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=None, help="tokens per conversation (default 2048; "
                         "128 with --quick)")
     parser.add_argument("--prepared", type=Path, help="an existing prepared set (default: prepare ShareGPT now)")
+    parser.add_argument("--target", help="model directory or tiny:FAMILY (default: the embedded SmolLM2)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend: tensor parallel size")
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="vllm backend: dtype the target runs in (auto: bf16 where the CPU/GPU has it)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--chunks", type=int, default=6, help="alternating forward / extraction chunks")
@@ -164,7 +194,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        prepared = args.prepared or _prepared(work, args.n, max_length)
+        target = _target(args.target, work)
+        prepared = args.prepared or _prepared(work, args.n, max_length, target)
         for stale in ("store-bf16", "store-fp8"):
             import shutil
 

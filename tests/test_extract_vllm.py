@@ -224,7 +224,8 @@ def test_direct_tap_cuts_rows_per_request_and_joins_chunked_prefills():
     from draftsmith.extract.vllm import direct
 
     runner, sink = _Runner(), _Sink()
-    direct.install(runner, sink, layer_ids=[2, 3, 6], num_layers=6, convention="output", two_phase=True)
+    direct.install(runner, sink, layer_ids=[2, 3, 6], num_layers=6, reaches_embeddings=True, reaches_last=True,
+                   two_phase=True)
     assert runner.aux == (2, 3, 6) and runner.use_aux_hidden_state_outputs
     # step 1: r1 (5 tokens) whole, r2 (7 tokens) first 3; step 2: r2's last 4 after a request without a sample id
     runner.input_batch = _Batch(["r1", "r2"])
@@ -244,11 +245,12 @@ def test_direct_tap_cuts_rows_per_request_and_joins_chunked_prefills():
             torch.testing.assert_close(states[:, j], expected + 100 * k)
 
 
-def test_direct_maps_layer_ids_of_the_older_convention():
+def test_direct_taps_the_ids_vllm_does_not_reach_itself():
     from draftsmith.extract.vllm.direct import vllm_aux_ids
 
-    assert vllm_aux_ids([2, 15, 27, 30], 30, "output") == ([2, 15, 27, 30], [])
-    assert vllm_aux_ids([0, 2, 15, 27, 30], 30, "input") == ([2, 15, 27], [0, 30])
+    assert vllm_aux_ids([2, 15, 27, 30], 30, True, True) == ([2, 15, 27, 30], [])  # "output" (Llama, Qwen3)
+    assert vllm_aux_ids([0, 2, 15, 27, 30], 30, False, False) == ([2, 15, 27], [0, 30])  # older "input"
+    assert vllm_aux_ids([0, 2, 30], 30, False, True) == ([2, 30], [0])  # DeepSeek-V2/V3: N appended, no 0
 
 
 @needs_vllm
@@ -264,3 +266,40 @@ def test_connector_gathers_a_requests_rows_from_the_hidden_state_cache():
         torch.testing.assert_close(rows[t], cache[block_ids[t // block_size], :, t % block_size])
     flipped = cache.transpose(1, 2).contiguous()  # [blocks, block_size, L, H]
     torch.testing.assert_close(gather_rows(flipped, block_ids, T, layers), rows)
+
+
+@needs_vllm
+def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
+    """MLA in float32 on CPU: the CPU_MLA backend (vLLM prefers AMX MLA where the CPU has AMX, bf16 only); a
+    multimodal wrapper: language_model_only; TP x DP on CPU: VLLM_CPU_OMP_THREADS_BIND split over the allowed
+    CPUs, only while the engine starts and only when unset; an in-process engine: one in-process worker."""
+    from draftsmith.extract.vllm import driver
+    from draftsmith.extract.vllm.probe import ProbeFacts
+
+    facts = ProbeFacts(installed=True, platform="cpu", language_model_only=True, cpu_mla_backend="CPU_MLA",
+                       runner_v2_switch=True)
+    spec = driver.EngineSpec(target_dir="/t", strategy="direct", facts=facts, max_model_len=64,
+                             max_num_batched_tokens=256, dtype="float32", mla=True, multimodal=True,
+                             tensor_parallel_size=2)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    kwargs = driver.engine_kwargs(spec)
+    assert kwargs["attention_backend"] == "CPU_MLA" and kwargs["language_model_only"] is True
+    assert kwargs["tensor_parallel_size"] == 2 and "distributed_executor_backend" not in kwargs
+    for changed in (dict(dtype="bfloat16"), dict(mla=False), dict(facts=facts.model_copy(update={"platform": "cuda"}))):
+        assert "attention_backend" not in driver.engine_kwargs(spec.__class__(**{**spec.__dict__, **changed}))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(driver.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    env = driver.engine_environment(spec)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3" and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    with driver._environment(env):
+        assert driver.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in driver.os.environ  # nothing left behind for the next engine
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own binding wins
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in driver.engine_environment(spec)
+    assert driver.cpu_thread_binding(3, [0, 1, 2, 3, 4, 5, 6]) == "0-2|3-4|5-6"
+    assert driver.cpu_thread_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
+    with pytest.raises(DraftsmithError, match="= 4 vLLM CPU workers, but this process may use only 2 CPUs"):
+        driver.cpu_thread_binding(4, [0, 1])
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    single = spec.__class__(**{**spec.__dict__, "tensor_parallel_size": 1})
+    assert driver.engine_kwargs(single)["distributed_executor_backend"] == "uni"

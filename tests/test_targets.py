@@ -99,3 +99,58 @@ def test_head_parts_fall_back_to_the_whole_model_for_other_layouts(tmp_path):
     torch.save(state, path / "pytorch_model.bin")  # a .bin checkpoint: no tensor can be read by name
     (path / "model.safetensors").unlink()
     assert not isinstance(targets.load_target_head(path), targets.TargetHeadParts)
+
+
+# ------------------------------------------------------------------------------------------ every family
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25"])
+def test_the_module_tree_of_every_family(name, one_thread):
+    from families import PUBLISHED, target_dir
+
+    path = target_dir(name)
+    model = targets.load_target(path)
+    backbone, layers = targets.text_backbone(model)
+    text = targets.text_config(targets.read_config(path))
+    assert len(layers) == len(targets.decoder_layers(model)) == text["num_hidden_layers"] == 4
+    assert targets.embed_tokens(model) is backbone.get_input_embeddings()
+    assert targets.final_norm(model) is backbone.norm  # the backbone's one norm, found by its type
+    assert targets.lm_head(model).weight.shape == (320, 128)
+    ident = targets.target_identity(path)
+    assert ident.architecture == PUBLISHED[name]["architectures"][0]  # a wrapper keeps its own name ...
+    assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (4, 128, 320)  # ... and its text sizes
+    assert targets.is_multimodal_wrapper(targets.read_config(path)) == (name == "kimi_k25")
+    if name == "kimi_k25":  # the text backbone inside the multimodal model, not the vision tower
+        assert backbone is model.model.language_model and type(model).__name__ == "Kimi_K25ForConditionalGeneration"
+    # the head parts of a store-trained draft: read by name, or the whole model where names differ (Kimi-K2.5's
+    # checkpoint names are not its module names), equal either way
+    head = targets.load_target_head(path)
+    assert isinstance(head, targets.TargetHeadParts) == (name != "kimi_k25")
+    for part in (targets.embed_tokens, targets.final_norm, targets.lm_head):
+        a, b = part(model).state_dict(), part(head).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, part.__name__)
+
+
+def test_a_model_without_a_readable_decoder_stack_is_refused_in_one_line():
+    from transformers import LlamaConfig
+
+    class Odd(torch.nn.Module):  # layers not beside the embedding
+        def __init__(self):
+            super().__init__()
+            self.config = LlamaConfig(num_hidden_layers=2)
+            self.embed = torch.nn.Embedding(10, 4)
+            self.blocks = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
+
+        def get_input_embeddings(self):
+            return self.embed
+
+        def get_output_embeddings(self):
+            return None
+
+    for accessor in (targets.decoder_layers, targets.final_norm, targets.lm_head):
+        with pytest.raises(DraftsmithError, match="Odd: cannot find") as err:
+            accessor(Odd())
+        assert "\n" not in str(err.value)
+    with pytest.raises(DraftsmithError, match="cannot find decoder layers"):
+        targets.decoder_layers(targets.TargetHeadParts(torch.nn.Embedding(3, 2), torch.nn.LayerNorm(2),
+                                                       torch.nn.Linear(2, 3)))

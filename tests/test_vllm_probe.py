@@ -309,3 +309,133 @@ def test_installed_vllm_table_field_by_field():
     assert report.strategy == "connector" and report.usable == {"connector": True, "direct": True}
     text = _render(report)
     assert "strategy: connector" in text and "extract_hidden_states method" in text
+
+
+# ------------------------------------------------------------------------------------------ per architecture
+
+# A vLLM laid out like 0.32 for the families beyond Llama: a Qwen3 class whose stack inherits its forward from
+# another module's class, a DeepSeek class that builds its stack from a class attribute and appends the last
+# layer's output, and a multimodal wrapper that builds a registered language model.
+FAMILY_TREE = {
+    **OLD_WITH_EXTRACT,
+    "vllm/__init__.py": '__version__ = "0.32.0"\n',
+    "vllm/model_executor/models/registry.py": "EXTRA_MODELS = {'Eagle3LlamaForCausalLM': ('llama_eagle3', "
+                                              "'Eagle3LlamaForCausalLM'), 'ExtractHiddenStatesModel': "
+                                              "('extract_hidden_states', 'ExtractHiddenStatesModel'), "
+                                              "'Qwen3ForCausalLM': ('qwen3', 'Qwen3ForCausalLM'), "
+                                              "'DeepseekV3ForCausalLM': ('deepseek_v2', 'DeepseekV3ForCausalLM'), "
+                                              "'DeepseekV2ForCausalLM': ('deepseek_v2', 'DeepseekV2ForCausalLM'), "
+                                              "'KimiK25ForConditionalGeneration': ('kimi_k25', "
+                                              "'KimiK25ForConditionalGeneration')}\n"
+                                              + textwrap.dedent(COMMON["vllm/model_executor/models/registry.py"]),
+    "vllm/model_executor/models/qwen2.py": """
+        class Qwen2Model:
+            def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+                aux_hidden_states = []
+                self._maybe_add_hidden_state(aux_hidden_states, self.start_layer, hidden_states, residual)
+                for idx, layer in enumerate(self.layers):
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                    self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
+                return hidden_states, aux_hidden_states
+    """,
+    "vllm/model_executor/models/qwen3.py": """
+        Qwen2Model = _draftsmith_import("vllm.model_executor.models.qwen2").Qwen2Model
+        class Qwen3Model(Qwen2Model):
+            pass
+        class Qwen3ForCausalLM:
+            supports_eagle3 = True
+            def __init__(self, vllm_config, prefix=""):
+                self.model = Qwen3Model(vllm_config=vllm_config, prefix=prefix)
+            def set_aux_hidden_state_layers(self, layers):
+                self.model.aux_hidden_state_layers = layers
+    """,
+    "vllm/model_executor/models/deepseek_v2.py": """
+        class DeepseekV2Model:
+            def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+                aux_hidden_states = []
+                for idx, layer in enumerate(self.layers):
+                    if idx in self.aux_hidden_state_layers:
+                        aux_hidden_states.append(hidden_states + residual)
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                if self.end_layer in self.aux_hidden_state_layers:
+                    aux_hidden_states.append(hidden_states + residual)
+                return hidden_states, aux_hidden_states
+        class DeepseekV2ForCausalLM:
+            supports_eagle3 = True
+            model_cls = DeepseekV2Model
+            def __init__(self, vllm_config, prefix=""):
+                self.model = self.model_cls(vllm_config=vllm_config, prefix=prefix)
+            def set_aux_hidden_state_layers(self, layers):
+                self.model.aux_hidden_state_layers = layers
+        class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+            pass
+    """,
+    "vllm/model_executor/models/kimi_k25.py": """
+        def init_vllm_registered_model(**kwargs):
+            return None
+        class KimiK25ForConditionalGeneration:
+            supports_eagle3 = True
+            def __init__(self, vllm_config, prefix=""):
+                self.language_model = init_vllm_registered_model(
+                    vllm_config=vllm_config,
+                    hf_config=vllm_config.model_config.hf_config.text_config,
+                    prefix=prefix + "language_model",
+                    architectures=["DeepseekV2ForCausalLM"],
+                )
+            def set_aux_hidden_state_layers(self, layers):
+                self.language_model.set_aux_hidden_state_layers(layers)
+    """,
+}
+
+
+def test_each_architecture_is_followed_to_the_forward_of_its_decoder_stack(tmp_path):
+    importer = directory_importer(write_tree(tmp_path / "tree", FAMILY_TREE))
+    qwen3 = probe(importer, architecture="Qwen3ForCausalLM", resolve_config=False)
+    assert qwen3.support.decoder_stack == "Qwen3Model"  # its forward is Qwen2Model's, in another module
+    assert (qwen3.facts.layer_convention, qwen3.support.reachable) == ("output", "0..N")
+    assert qwen3.strategy == "connector"
+    ds = probe(importer, architecture="DeepseekV3ForCausalLM", resolve_config=False)
+    assert ds.support.decoder_stack == "DeepseekV2Model"  # built from the class attribute model_cls
+    assert (ds.facts.layer_convention, ds.support.reachable) == ("input", "1..N")
+    assert ds.strategy == "connector" and ds.usable == {"connector": True, "direct": True}
+    assert ds.capability("layer-index convention").found == ("k = input of layer k, N = last layer's output; "
+                                                              "0 not reachable")
+    assert choose_strategy("auto", ds, [2, 15, 27, 30]) == "connector"
+    assert choose_strategy("auto", ds, [0, 15, 30]) == "direct"  # direct taps the embeddings itself
+    with pytest.raises(DraftsmithError, match="connector: not possible.*do not include layer id 0"):
+        choose_strategy("connector", ds, [0, 15, 30])
+    kimi = probe(importer, architecture="KimiK25ForConditionalGeneration", resolve_config=False)
+    assert kimi.support.language_model == "DeepseekV2ForCausalLM"  # the literal it builds, not the config's
+    assert (kimi.support.decoder_stack, kimi.support.reachable) == ("DeepseekV2Model", "1..N")
+    assert any("multimodal wrapper around DeepseekV2ForCausalLM" in n for n in kimi.support.notes)
+    missing = probe(importer, architecture="MambaForCausalLM", resolve_config=False)
+    assert missing.support.registered is False and missing.strategy is None
+    assert "MambaForCausalLM cannot return aux hidden states" in missing.reason
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_installed_vllm_rows_per_architecture():
+    """The rows docs/vllm-compat.md and `draftsmith doctor` show, on the installed vLLM."""
+    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, architecture_row, probe_architectures
+
+    reports = {r.architecture: r for r in probe_architectures(list(TESTED_ARCHITECTURES))}
+    expected = {  # architecture: (decoder stack, language model, ids vLLM reaches)
+        "LlamaForCausalLM": ("LlamaModel", None, "0..N"),
+        "Qwen3ForCausalLM": ("Qwen3Model", None, "0..N"),
+        "Qwen3MoeForCausalLM": ("Qwen3MoeModel", None, "0..N"),
+        "DeepseekV3ForCausalLM": ("DeepseekV2Model", None, "1..N"),
+        "KimiK25ForConditionalGeneration": ("DeepseekV2Model", "DeepseekV2ForCausalLM", "1..N"),
+    }
+    for arch, (stack, language_model, reach) in expected.items():
+        r = reports[arch]
+        s = r.support
+        assert (s.registered, s.supports_eagle3, s.aux_setter) == (True, True, "set_aux_hidden_state_layers"), arch
+        assert (s.decoder_stack, s.language_model, s.reachable) == (stack, language_model, reach), arch
+        assert r.strategy == "connector" and r.usable == {"connector": True, "direct": True}, arch
+        row = architecture_row(r)
+        assert row["connector"] == ("yes" if reach == "0..N" else "yes (ids >= 1; id 0 asked for: direct)"), arch
+    assert reports["KimiK25ForConditionalGeneration"].facts.language_model_only
+    assert reports["DeepseekV3ForCausalLM"].facts.cpu_mla_backend == "CPU_MLA"
+    table = _render(reports["DeepseekV3ForCausalLM"])
+    assert "SupportsEagle3 on DeepseekV3ForCausalLM" in table

@@ -176,11 +176,20 @@ _stage_command("quickstart", "QuickstartConfig", "draftsmith.quickstart:run",
 
 
 @app.command("doctor")
-def doctor() -> None:
-    """Show versions, hardware, cached default assets, and what the installed vLLM can do."""
+def doctor(
+    target: Annotated[Optional[str], typer.Option("--target", help=(
+        "A target's model directory or its config.json alone: add its vLLM row and what its store and its "
+        "draft's training will take (from the config, no weights read)."))] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Tokens of the data set to size the store for.")]
+    = None,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help=(
+        "GPUs the target's weights are split over, for the per-GPU weight size."))] = 1,
+) -> None:
+    """Show versions, hardware, cached default assets, what the installed vLLM can do per architecture, and a
+    target's sizes."""
     from draftsmith import doctor as doctor_module
 
-    _call(lambda: doctor_module.run(console))
+    _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size))
 
 
 @app.command("inspect")

@@ -76,8 +76,12 @@ class ExtractConfig(StageConfig):
     max_samples: int | None = Field(None, ge=1, description="Extract only the first N samples of the prepared set.")
     vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
         "vLLM extraction strategy; auto picks what the installed vLLM supports (see `draftsmith doctor`)."))
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
-    data_parallel_size: int = Field(1, ge=1, description="vLLM data parallel size.")
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "vLLM tensor parallel size (one store writer per engine: rank 0). On CPU, draftsmith splits the allowed "
+        "CPUs among the ranks (VLLM_CPU_OMP_THREADS_BIND) unless that is set."))
+    data_parallel_size: int = Field(1, ge=1, description=(
+        "vLLM data parallel size: engines in one vLLM, each its own store writer (or run --shard i/n per engine "
+        "and `draftsmith store merge` the stores)."))
     vllm_compile: bool = Field(True, description=(
         "Let vLLM compile the target (connector strategy; slow start-up on CPU). The direct strategy always runs "
         "uncompiled."))

@@ -1,16 +1,23 @@
-"""`draftsmith doctor`: what is installed, what hardware there is, and which extraction strategy will work."""
+"""`draftsmith doctor`: what is installed, what hardware there is, which extraction strategy will work for which
+architecture, and -- given a target's config.json -- what its store and its draft's training will cost."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from draftsmith import __version__
-from draftsmith.core import assets
+from draftsmith.config import ExtractConfig, TrainConfig
+from draftsmith.core import assets, sizing
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.layers import resolve_layer_ids
+from draftsmith.core.targets import read_config
 
 
 def _version_of(module: str) -> str:
@@ -45,16 +52,93 @@ def environment_rows() -> list[tuple[str, str]]:
     return rows
 
 
-def run(console: Console) -> None:
+def read_target_config(target: str | Path) -> dict:
+    """A target's config.json: from its directory, or the file itself (planning a target not downloaded yet)."""
+    path = Path(target).expanduser()
+    if path.is_file():
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise DraftsmithError(f"{path}: cannot read target config ({err})") from None
+    if path.is_dir():
+        return read_config(path)
+    raise DraftsmithError(f"--target {target}: neither a model directory nor a config.json file")
+
+
+def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size: int = 1,
+                aux_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None,
+                token_budget: int | None = None, ttt_steps: int | None = None) -> list[tuple[str, str]]:
+    """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults."""
+    from draftsmith.train.model import DraftSpec  # doctor sits above every stage
+
+    shape = sizing.target_shape(config)
+    train = TrainConfig()
+    layer_ids = resolve_layer_ids(aux_layer_ids or ExtractConfig().aux_layer_ids, shape.num_layers)
+    aux = layer_ids[:-1]
+    draft = DraftSpec.from_target_config(config, draft_vocab_size or train.draft_vocab_size, train.num_layers, aux)
+    memory = sizing.training_memory(draft, token_budget=token_budget or train.token_budget,
+                                    ttt_steps=ttt_steps or train.ttt_steps)
+    tp = max(1, tensor_parallel_size)
+    moe = (f"; MoE: {shape.moe_layers} of {shape.num_layers} layers, {shape.experts} experts, "
+           f"{shape.experts_per_token} per token" + (f" + {shape.shared_experts} shared" if shape.shared_experts
+                                                     else "") if shape.moe_layers else "")
+    def weights(devices: int) -> str:
+        return ", ".join(f"{name} {sizing.human_bytes(sizing.weight_bytes(shape.params, size, devices))}"
+                         for name, size in (("bf16", 2), ("fp8", 1), ("int4", 0.5)))
+
+    rows = [
+        ("text backbone", f"{shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary {shape.vocab_size}, "
+                          f"{'multi-head latent' if shape.attention == 'mla' else 'GQA'} attention{moe}"),
+        ("parameters", f"{sizing.human_count(shape.params)} ({sizing.human_count(shape.active_params)} per token)"),
+        ("weights", weights(1) + (f"; per GPU at TP={tp}: " + weights(tp) if tp > 1 else "")),
+    ]
+    per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
+    rows.append(("store layer ids", f"{','.join(map(str, layer_ids))} (aux {','.join(map(str, aux))}, then N)"))
+    rows.append(("store bytes per token", f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} "
+                                          f"({len(layer_ids)} layers x {shape.hidden_size})"))
+    for count in ([tokens] if tokens else []) + [1_000_000]:
+        rows.append((f"store for {count:,} tokens", f"bf16 {sizing.human_bytes(count * per_token['bf16'])}, "
+                                                  f"fp8 {sizing.human_bytes(count * per_token['fp8'])}"))
+    rows.append(("draft", f"{sizing.human_count(memory.draft_params)} trainable parameters (1 layer, hidden "
+                          f"{draft.hidden_size}, {draft.num_attention_heads} heads x {draft.head_dim}, "
+                          f"{draft.num_key_value_heads} KV heads, MLP {draft.intermediate_size}, draft vocabulary "
+                          f"{draft.draft_vocab_size})"))
+    rows.append(("draft training memory (estimate)",
+                 f"{sizing.human_bytes(memory.total)} per GPU at {token_budget or train.token_budget} tokens per "
+                 f"micro-batch, {ttt_steps or train.ttt_steps} TTT steps: weights + AdamW "
+                 f"{sizing.human_bytes(memory.weights_and_optimizer)}, target embedding + head (bf16) "
+                 f"{sizing.human_bytes(memory.target_head)}, activations {sizing.human_bytes(memory.activations)}"))
+    return rows
+
+
+def run(console: Console, *, target: str | None = None, tokens: int | None = None,
+        tensor_parallel_size: int = 1) -> None:
     table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     for key, value in environment_rows():
         table.add_row(key, value)
     console.print(table)
+    config = read_target_config(target) if target else None
+    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
     try:
         from draftsmith.extract.vllm import probe
     except ImportError:
         console.print("vLLM capability probe: not built yet in this version")
-        return
-    console.print(probe.render_probe_table(probe.probe()))
+    else:
+        console.print(probe.render_probe_table(probe.probe(architecture=architecture, config=config)))
+        archs = list(probe.TESTED_ARCHITECTURES)
+        if architecture not in archs:
+            archs.insert(0, architecture)
+        reports = probe.probe_architectures(archs, configs={architecture: config} if config else None)
+        console.print(probe.render_architecture_table(reports))
+    if config is not None:
+        sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
+        sizes.add_column(style="bold")
+        sizes.add_column()
+        for key, value in sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size):
+            sizes.add_row(key, value)
+        console.print(sizes)
+
+
+__all__ = ["environment_rows", "read_target_config", "run", "sizing_rows"]

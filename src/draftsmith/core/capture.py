@@ -2,7 +2,13 @@
 
 Used by the hf extraction backend (a store on disk) and by online training (states straight into the trainer).
 Forward hooks on exactly the layers asked for copy their outputs into one preallocated [B, T, L, H] tensor; the
-LM head never runs, and layers after the deepest one asked for are not run either.
+LM head never runs, and layers after the deepest one asked for are not run either. Only the text backbone runs
+(core/targets.py finds it: model.model of a causal LM, the language model inside a multimodal wrapper).
+
+A transformers decoder layer returns the residual stream after its own residual additions (a tensor, or a tuple
+whose first element it is), for every family draftsmith runs -- Llama, Qwen3, Qwen3-MoE, DeepSeek-V3 (MLA + MoE),
+Kimi-K2.5's backbone -- so id k is the output of layer k-1 and id N, taken from the last layer's output, is the
+un-normalised state (the backbone applies the final norm after it).
 """
 
 from __future__ import annotations
@@ -12,17 +18,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from draftsmith.core.targets import decoder_layers
+from draftsmith.core.targets import text_backbone
 
 
 class _StopForward(Exception):
     """Raised by the hook of the deepest layer needed, when the layers after it are not needed."""
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack without the LM head (so no [B, T, vocab] logits are ever computed)."""
-    get_decoder = getattr(model, "get_decoder", None)
-    return get_decoder() if callable(get_decoder) else model
 
 
 def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -33,14 +33,14 @@ def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_m
     `dtype` is the dtype of the returned tensor (default: the model's). The last layer id N is un-normalised.
     Layers after the deepest one asked for are not run.
     """
-    layers = decoder_layers(model)
+    backbone, layers = text_backbone(model)
     num_layers = len(layers)
     bad = [k for k in layer_ids if not 0 <= k <= num_layers]
     if bad:
         raise ValueError(f"layer ids {bad} out of range 0..{num_layers}")
     first = next(model.parameters())
     B, T = input_ids.shape
-    H = int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0) or None
+    H = int(getattr(getattr(backbone, "config", None), "hidden_size", 0) or 0) or None
     out: torch.Tensor | None = None
     deepest = max(layer_ids)
 
@@ -73,9 +73,9 @@ def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_m
                 handles.append(layers[k - 1].register_forward_hook(post_hook(j, stop)))
         with torch.no_grad():
             try:
-                _base_model(model)(input_ids=input_ids.to(first.device),
-                                   attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                                   use_cache=False)
+                backbone(input_ids=input_ids.to(first.device),
+                         attention_mask=None if attention_mask is None else attention_mask.to(first.device),
+                         use_cache=False)
             except _StopForward:
                 pass
     finally:
@@ -89,6 +89,6 @@ def forward_only(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     """The same decoder-stack forward pass with no capture (the benchmark's baseline)."""
     first = next(model.parameters())
     with torch.no_grad():
-        _base_model(model)(input_ids=input_ids.to(first.device),
-                           attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                           use_cache=False)
+        text_backbone(model)[0](input_ids=input_ids.to(first.device),
+                                attention_mask=None if attention_mask is None else attention_mask.to(first.device),
+                                use_cache=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,9 +63,15 @@ def read_config(path: Path) -> dict:
         raise DraftsmithError(f"{path}/config.json: cannot read target config ({err})") from None
 
 
-def _text_config(config: dict) -> dict:
-    """Multimodal configs nest the language model's config; everything we need lives there."""
-    return config.get("text_config") or config
+def text_config(config: dict) -> dict:
+    """The language model's part of a config.json: a multimodal wrapper's `text_config`, else the config itself."""
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def is_multimodal_wrapper(config: dict) -> bool:
+    """A config whose language model is nested (`text_config`) inside a wrapper with other towers (vision ...)."""
+    return isinstance(config.get("text_config"), dict)
 
 
 def _tokenizer_file_bytes(file: Path) -> bytes:
@@ -86,7 +93,7 @@ def target_identity(path: Path) -> TargetIdentity:
     """Hashes and sizes that let every later stage refuse inputs made for another target."""
     path = Path(path)
     config = read_config(path)
-    text = _text_config(config)
+    text = text_config(config)
     stable = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
     tok_hash = sha256_bytes(b"".join(_tokenizer_file_bytes(path / name) for name in _TOKENIZER_FILES
                                      if (path / name).is_file()))
@@ -113,18 +120,33 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
         raise DraftsmithError(f"{path}: cannot load the tokenizer ({err})".replace("\n", " ")) from None
 
 
+def auto_model_class(config: Any):
+    """The transformers auto class that builds this target with its LM head: AutoModelForCausalLM, or for a
+    multimodal wrapper whose config it does not map (Kimi-K2.5, ...) AutoModelForImageTextToText, whose model holds
+    the language model and the head."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping or getattr(config, "auto_map", {}).get(auto.__name__):
+            return auto
+    return AutoModelForCausalLM  # its own error names the config class
+
+
 def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 trust_remote_code: bool = False) -> nn.Module:
-    """The target as a transformers causal LM in eval mode with gradients off."""
-    from transformers import AutoModelForCausalLM
+    """The target with its LM head (a causal LM, or the multimodal model around one) in eval mode, gradients off."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress display is the one a user reads
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_pretrained(path, config=config, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise DraftsmithError(f"{path}: cannot load the target model ({err})".replace("\n", " ")) from None
     model.to(device).eval().requires_grad_(False)
+    decoder_layers(model)  # a model whose decoder stack cannot be found is refused here, in one line
     return model
 
 
@@ -162,12 +184,12 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
     """Only the embedding, final norm and lm_head, read by name from the safetensors files; the whole target
     (load_target) when the checkpoint is not laid out so (other formats, renamed or missing tensors)."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            skeleton = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
         files = _safetensors_names(Path(path))
     except Exception:  # noqa: BLE001 - anything unusual: the whole model, which reports its own errors
         files = None
@@ -203,24 +225,73 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# ------------------------------------------------------------------------------------------ the module tree
+#
+# Where the decoder layers, the final norm and the head are is read from the model itself, not from a list of
+# architecture names: the text backbone is the module that holds the model's input embedding next to a list of
+# exactly num_hidden_layers modules (model.model for a causal LM, model.model.language_model for Kimi-K2.5 and
+# other multimodal wrappers); the final norm is the backbone's one normalisation child; the head is the model's
+# output embedding. A model where any of these is ambiguous or missing is refused in one line.
+
+
+def _num_hidden_layers(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    return int(n) if n is not None else None
+
+
+def _cannot(model: nn.Module, what: str) -> DraftsmithError:
+    return DraftsmithError(f"{type(model).__name__}: cannot find {what} in the model's module tree (draftsmith "
+                           "needs a decoder-only text backbone: an input embedding beside a list of "
+                           "num_hidden_layers decoder layers, a final norm and an LM head)")
+
+
+def text_backbone(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """(the text decoder stack, its list of decoder layers), found in the module tree."""
+    if isinstance(model, TargetHeadParts):
+        raise _cannot(model, "decoder layers (only the embedding, final norm and head were loaded)")
+    get_embed = getattr(model, "get_input_embeddings", None)
+    embed = get_embed() if callable(get_embed) else None
+    n = _num_hidden_layers(model)
+    if embed is None or n is None:
+        raise _cannot(model, "the input embedding or config.num_hidden_layers")
+    for module in model.modules():  # pre-order: the shallowest match first
+        children = list(module.children())
+        if not any(child is embed for child in children):
+            continue
+        stacks = [c for c in children if isinstance(c, nn.ModuleList) and len(c) == n]
+        if len(stacks) == 1:
+            return module, stacks[0]
+    raise _cannot(model, f"a list of {n} decoder layers beside the input embedding")
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", model)
-    inner = getattr(inner, "language_model", inner)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise DraftsmithError(f"{type(model).__name__}: cannot find the decoder layers (model.model.layers)")
-    return layers
+    return text_backbone(model)[1]
 
 
 def final_norm(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "model", model)
-    inner = getattr(inner, "language_model", inner)
-    return inner.norm
+    """The norm applied to the last decoder layer's output before the LM head."""
+    if isinstance(model, TargetHeadParts):
+        return model.norm
+    backbone, layers = text_backbone(model)
+    norms = [c for c in backbone.children() if c is not layers and "norm" in type(c).__name__.lower()]
+    if len(norms) != 1:
+        raise _cannot(model, f"the final norm (the backbone {type(backbone).__name__} has {len(norms)} norm modules)")
+    return norms[0]
 
 
 def embed_tokens(model: nn.Module) -> nn.Embedding:
-    return model.get_input_embeddings()
+    embed = model.get_input_embeddings()
+    if embed is None:
+        raise _cannot(model, "the input embedding")
+    return embed
 
 
 def lm_head(model: nn.Module) -> nn.Linear:
-    return model.get_output_embeddings()
+    head = model.get_output_embeddings()
+    if head is None:
+        raise _cannot(model, "the LM head (get_output_embeddings() is None)")
+    return head

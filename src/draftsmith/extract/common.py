@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from draftsmith.config import ExtractConfig, StageResult, parse_shard
+from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest
@@ -107,6 +109,20 @@ def open_writer(plan: ExtractionPlan, spec: store_module.StoreSpec,
 def pending_sample_ids(plan: ExtractionPlan, writer: store_module.StoreWriter) -> list[int]:
     done = writer.done_sample_ids()
     return [i for i in plan.sample_ids if i not in done]
+
+
+def check_disk_space(plan: ExtractionPlan, spec: store_module.StoreSpec, sample_ids: Sequence[int]) -> int:
+    """Refuse, in one line and before any engine starts, a store the output's disk cannot hold; returns the bytes
+    the pending samples will take (core/sizing.py)."""
+    tokens = int(sum(int(plan.lengths[i]) for i in sample_ids))
+    needed = sizing.store_bytes(tokens, spec.hidden_size, len(spec.layer_ids), spec.dtype, samples=len(sample_ids))
+    where = Path(plan.cfg.output).resolve()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    sizing.check_disk(needed, shutil.disk_usage(where).free, where=f"--output {plan.cfg.output}",
+                      what=(f"the store of {len(sample_ids):,} samples ({tokens:,} tokens x {len(spec.layer_ids)} "
+                            f"layers x {spec.hidden_size} in {spec.dtype})"))
+    return needed
 
 
 def plan_batches(sample_ids: Sequence[int], lengths: np.ndarray, token_budget: int) -> list[list[int]]:

@@ -59,6 +59,7 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         batches = common.pending_batches(common.plan_batches(plan.sample_ids, plan.lengths, cfg.token_budget),
                                          writer.done_sample_ids())
         tokens = int(sum(int(plan.lengths[i]) for b in batches for i in b))
+        common.check_disk_space(plan, spec, todo)
         work = common.Timer()
         if batches:
             model = load_target(plan.target_dir, dtype=compute_dtype, device=device,

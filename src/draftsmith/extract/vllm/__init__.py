@@ -19,19 +19,29 @@ from typing import Any
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 
 
-def choose_strategy(asked: str, report: Any) -> str:
-    """`auto` -> what the probe picked; a forced strategy must be usable here, else a one-line reason."""
+def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None) -> str:
+    """`auto` -> what the probe picked for these store layer ids; a forced strategy must be usable here, else a
+    one-line reason. The connector needs every id among vLLM's own aux states: asked for id 0 on an architecture
+    whose aux states start at 1 (DeepSeek-V3, Kimi-K2.5), auto falls back to direct, which taps the embeddings."""
     if not report.facts.installed:
         raise DraftsmithError(f"--backend vllm: {report.reason}")
+    usable, why = dict(report.usable), {name: report.why_not(name) for name in report.usable}
+    if layer_ids and 0 in layer_ids and not report.facts.reaches_embeddings and usable.get("connector"):
+        usable["connector"] = False
+        why["connector"] = f"vLLM's aux states of {report.architecture} do not include layer id 0 (the embeddings)"
     if asked == "auto":
-        if report.strategy is None:
-            raise DraftsmithError(f"--backend vllm: {report.reason}")
-        return report.strategy
-    if not report.usable.get(asked, False):
+        for name in ("connector", "direct"):
+            if usable.get(name):
+                return name
+        raise DraftsmithError(f"--backend vllm: {report.reason}" if report.strategy is None else
+                              f"--backend vllm: no strategy fits layer ids {layer_ids} here ({why['connector']}; "
+                              f"direct: {why['direct']})")
+    if not usable.get(asked, False):
         raise DraftsmithError(f"--vllm-strategy {asked}: not possible with this vLLM {report.facts.version} "
-                              f"({report.why_not(asked)}); use --vllm-strategy auto or see `draftsmith doctor`")
+                              f"({why.get(asked, '')}); use --vllm-strategy auto or see `draftsmith doctor`")
     return asked
 
 
@@ -46,7 +56,9 @@ def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink
     from draftsmith.extract.vllm.driver import EngineSpec, resolve_dtype
 
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
+    config = read_config(plan.target_dir)
     return EngineSpec(target_dir=str(plan.target_dir), strategy=strategy, facts=report.facts,
+                      mla="kv_lora_rank" in text_config(config), multimodal=is_multimodal_wrapper(config),
                       max_model_len=cfg.vllm_max_model_len or longest + 1,
                       max_num_batched_tokens=cfg.token_budget, tensor_parallel_size=cfg.tensor_parallel_size,
                       data_parallel_size=cfg.data_parallel_size, compile=cfg.vllm_compile,
@@ -64,8 +76,9 @@ class _Job:
 
         self.cfg = cfg
         self.plan = plan = common.plan_extraction(cfg)
-        self.report = report = probe(architecture=plan.target.architecture, resolve_config=False)
-        self.strategy = choose_strategy(cfg.vllm_strategy, report)
+        self.report = report = probe(architecture=plan.target.architecture, resolve_config=False,
+                                     config=read_config(plan.target_dir))
+        self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids)
         dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
         self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
         backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": self.strategy,
@@ -77,6 +90,7 @@ class _Job:
             self.todo = common.pending_sample_ids(plan, self.writer)
         finally:
             self.writer.close()
+        common.check_disk_space(plan, self.spec, self.todo)
         self.skipped = len(plan.sample_ids) - len(self.todo)
         self.recovered = list(self.writer.recovered)  # what opening the store cleaned up or adopted
         self.sink_config = _sink_config(cfg, plan, self.spec, backend_info)
@@ -118,14 +132,16 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
 
 
 def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: bool | None = None,
-              token_budget: int = 8192, chunks: int = 4, output: Path | None = None) -> dict[str, Any]:
+              token_budget: int = 8192, chunks: int = 4, output: Path | None = None, tensor_parallel_size: int = 1,
+              compute_dtype: str = "auto") -> dict[str, Any]:
     """Extraction throughput vs the same vLLM doing plain max_tokens=1 prefill of the same prompts, same run.
 
     Two engines with the same knobs are up at once: the extraction engine and a plain one (no capture). The
     prompts are cut into `chunks`, and each chunk runs on the plain engine, then is extracted, so a busy machine
     slows both alike. tokens_per_s counts extraction from each chunk's first prompt until its states reached the
     sink, plus the final flush of the store; engine start-up is excluded. `compile` None: vLLM compiles on GPUs,
-    not on CPUs (its inductor compilation takes minutes there); both engines use the same setting.
+    not on CPUs (its inductor compilation takes minutes there); both engines use the same setting, the same
+    tensor parallel size and compute dtype.
     """
     from draftsmith.extract import common
     from draftsmith.extract.vllm.driver import Engine
@@ -133,7 +149,8 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-bench-") as tmp:
         out = Path(output) if output is not None else Path(tmp) / "store"
         cfg = ExtractConfig(prepared=Path(prepared), output=out, backend="vllm", max_samples=n,
-                            vllm_strategy=strategy, token_budget=token_budget)
+                            vllm_strategy=strategy, token_budget=token_budget,
+                            tensor_parallel_size=tensor_parallel_size, compute_dtype=compute_dtype)
         job = _Job(cfg)
         if compile is None:
             compile = job.report.facts.platform not in ("cpu", None)
@@ -160,7 +177,8 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
             extract_s += timer.seconds
         stored = _stored_samples(out)
     tokens_per_s, prefill_per_s = tokens / extract_s, tokens / prefill_s
-    return {"backend": "vllm", "strategy": job.label, "samples": len(prompts), "stored": stored, "tokens": tokens,
+    return {"backend": "vllm", "strategy": job.label, "target": job.plan.target.architecture,
+            "tensor_parallel_size": tensor_parallel_size, "samples": len(prompts), "stored": stored, "tokens": tokens,
             "tokens_per_s": round(tokens_per_s, 1), "prefill_tokens_per_s": round(prefill_per_s, 1),
             "ratio_vs_prefill": round(tokens_per_s / prefill_per_s, 3), "compiled": plain_spec.compile,
             "chunks": len(parts), "engine_start_s": round(extractor.start_seconds, 1)}

@@ -11,7 +11,13 @@ Installed in the worker through the worker extension (worker.py) once the engine
    `num_scheduled_tokens[req_id]` rows), chunks of a prefill split over several steps are joined, and a request
    whose whole prompt has been seen goes to the store sink.
 
-Which of these applies comes from the probe (layer convention, two-phase), not from a version number. The driver
+Ids vLLM's aux machinery cannot reach for the architecture (the probe reads which: id 0 under the "input"
+convention, and N where the stack does not append its last output) are tapped here with forward hooks on the
+decoder stack's embedding and last layer (`hidden + residual`, the un-normalised stream). The decoder stack is
+found in the vLLM model's module tree (the module holding `embed_tokens` and `layers`; inside a multimodal
+wrapper, its language model's).
+
+Which of these applies comes from the probe (layer reach, two-phase), not from a version number. The driver
 runs this strategy with the model uncompiled (the taps are set after start-up, when a compiled graph would
 already be fixed), async scheduling off, prefix caching off (a cached prefix skips its forward pass), and on the
 V1 model runner where vLLM has a switch for it.
@@ -26,17 +32,24 @@ import torch
 from draftsmith.extract.vllm.sink import SAMPLE_ID_KEY, StoreSink
 
 
-def vllm_aux_ids(layer_ids: list[int], num_layers: int, convention: str) -> tuple[list[int], list[int]]:
+def vllm_aux_ids(layer_ids: list[int], num_layers: int, reaches_embeddings: bool,
+                 reaches_last: bool) -> tuple[list[int], list[int]]:
     """Store ids -> (ids vLLM's aux machinery captures, ids draftsmith must tap itself)."""
-    if convention == "output":
-        return list(layer_ids), []
-    own = [k for k in layer_ids if k == 0 or k == num_layers]
-    return [k for k in layer_ids if 0 < k < num_layers], own
+    own = [k for k in layer_ids if (k == 0 and not reaches_embeddings) or (k == num_layers and not reaches_last)]
+    return [k for k in layer_ids if k not in own], own
+
+
+def decoder_stack(model: Any) -> Any:
+    """The vLLM model's decoder stack: the first module (pre-order) with `embed_tokens` and `layers`."""
+    for module in model.modules():
+        if hasattr(module, "embed_tokens") and hasattr(module, "layers"):
+            return module
+    raise RuntimeError(f"draftsmith direct: no module with embed_tokens and layers in {type(model).__name__}")
 
 
 class _Tap:
-    def __init__(self, runner: Any, sink: StoreSink, layer_ids: list[int], num_layers: int, convention: str,
-                 two_phase: bool):
+    def __init__(self, runner: Any, sink: StoreSink, layer_ids: list[int], num_layers: int, reaches_embeddings: bool,
+                 reaches_last: bool, two_phase: bool):
         self.runner = runner
         self.sink = sink
         self.layer_ids = list(layer_ids)
@@ -45,16 +58,16 @@ class _Tap:
         self.last_aux: list[torch.Tensor] | None = None
         self.own: dict[int, torch.Tensor] = {}
         model = runner.get_model()
-        aux_ids, own_ids = vllm_aux_ids(self.layer_ids, num_layers, convention)
+        aux_ids, own_ids = vllm_aux_ids(self.layer_ids, num_layers, reaches_embeddings, reaches_last)
         self.aux_ids, self.own_ids = aux_ids, own_ids
         if aux_ids:
             model.set_aux_hidden_state_layers(tuple(aux_ids))
             runner.use_aux_hidden_state_outputs = True
-        for k in own_ids:  # older convention: the embeddings and the last layer's output are tapped here
+        for k in own_ids:  # ids vLLM does not reach: the embeddings and / or the last layer's output
             self._hook(model, k, num_layers)
 
     def _hook(self, model: Any, k: int, num_layers: int) -> None:
-        inner = getattr(model, "model", model)
+        inner = decoder_stack(model)
         if k == 0:
             inner.embed_tokens.register_forward_hook(lambda m, a, out: self.own.__setitem__(0, out))
         else:
@@ -112,10 +125,10 @@ class _Tap:
             offset += n
 
 
-def install(runner: Any, sink: StoreSink, *, layer_ids: list[int], num_layers: int, convention: str,
-            two_phase: bool) -> _Tap:
+def install(runner: Any, sink: StoreSink, *, layer_ids: list[int], num_layers: int, reaches_embeddings: bool,
+            reaches_last: bool, two_phase: bool) -> _Tap:
     """Tap `runner` (vLLM's GPUModelRunner or a subclass, e.g. the CPU runner) so finished prompts reach `sink`."""
-    tap = _Tap(runner, sink, layer_ids, num_layers, convention, two_phase)
+    tap = _Tap(runner, sink, layer_ids, num_layers, reaches_embeddings, reaches_last, two_phase)
     execute_model = runner.execute_model
 
     def tapped_execute_model(scheduler_output, *args, **kwargs):

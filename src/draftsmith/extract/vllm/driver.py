@@ -12,6 +12,7 @@ benchmark scripts all are.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -43,6 +44,14 @@ class EngineSpec:
     dtype: str = "bfloat16"
     trust_remote_code: bool = False
     sink_config: dict[str, Any] = field(default_factory=dict)
+    mla: bool = False  # the target uses multi-head latent attention (its text config has kv_lora_rank)
+    multimodal: bool = False  # the target is a multimodal wrapper around its language model (text_config)
+
+
+def in_process() -> bool:
+    """vLLM's engine runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's own switch): no engine-core
+    and worker processes to spawn, which saves most of an engine's start-up on a CPU (the tests use it)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
 
 
 def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
@@ -59,6 +68,13 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
         "seed": 0,
         "worker_extension_cls": worker_module.EXTENSION,
     }
+    if in_process() and spec.tensor_parallel_size * spec.data_parallel_size == 1:
+        kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
+    if spec.multimodal and spec.facts.language_model_only:
+        kwargs["language_model_only"] = True  # text prompts only: no vision tower to load or profile
+    if spec.mla and spec.facts.platform == "cpu" and spec.dtype != "bfloat16" and spec.facts.cpu_mla_backend:
+        # vLLM prefers its AMX MLA kernels where the CPU has AMX, and they take bf16 weights only
+        kwargs["attention_backend"] = spec.facts.cpu_mla_backend
     if spec.strategy == "connector":
         layer_ids = spec.sink_config["spec"]["layer_ids"]
         kwargs["speculative_config"] = {
@@ -96,23 +112,68 @@ def resolve_dtype(asked: str, platform: str | None) -> str:
     return "bfloat16"
 
 
-def _prepare_environment(spec: EngineSpec) -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KV_CACHE_GIB)
+def cpu_thread_binding(world: int, allowed: Sequence[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers (data x tensor parallel ranks): the CPUs this process may
+    use, split into `world` contiguous groups ("0|1" for 2 workers on 2 CPUs, "0-3|4-7" on 8)."""
+    cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    if len(cpus) < world:
+        raise DraftsmithError(f"--tensor-parallel-size x --data-parallel-size = {world} vLLM CPU workers, but this "
+                              f"process may use only {len(cpus)} CPUs; use fewer workers or set "
+                              "VLLM_CPU_OMP_THREADS_BIND yourself (CPU lists per worker, separated by '|')")
+    per, extra = divmod(len(cpus), world)
+    groups, start = [], 0
+    for rank in range(world):
+        size = per + (rank < extra)
+        group = cpus[start:start + size]
+        start += size
+        contiguous = group[-1] - group[0] == len(group) - 1
+        groups.append(f"{group[0]}-{group[-1]}" if contiguous and len(group) > 1 else ",".join(map(str, group)))
+    return "|".join(groups)
+
+
+def engine_environment(spec: EngineSpec) -> dict[str, str]:
+    """Environment variables the engine starts with (its worker processes inherit them): only those not set."""
+    env = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KV_CACHE_GIB
+    world = spec.tensor_parallel_size * spec.data_parallel_size
+    if spec.facts.platform == "cpu" and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's automatic binding gives each CPU worker a NUMA node of its own, which one-socket machines lack
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world)
     if spec.strategy == "direct" and spec.facts.runner_v2_switch:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the taps know the V1 runner (GPUModelRunner)
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the taps know the V1 runner (GPUModelRunner)
+    return env
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """`env` on top of os.environ while vLLM starts (it spawns its processes then), the old values after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class Engine:
     """A started vLLM with draftsmith's extension; `close()` shuts it down and frees its processes."""
 
     def __init__(self, spec: EngineSpec):
-        _prepare_environment(spec)
-        from vllm import LLM
+        from vllm import LLM, envs
 
+        self.steps_itself = False
         self.spec = spec
         start = time.perf_counter()
         try:
-            self.llm = LLM(**engine_kwargs(spec))
+            with _environment(engine_environment(spec)):
+                if hasattr(envs, "disable_envs_cache"):  # an earlier engine here froze vLLM's view of os.environ
+                    envs.disable_envs_cache()
+                self.llm = LLM(**engine_kwargs(spec))
         except DraftsmithError:
             raise
         except Exception as err:
@@ -121,9 +182,12 @@ class Engine:
         if spec.strategy == "direct":
             tap = {"layer_ids": spec.sink_config["spec"]["layer_ids"],
                    "num_layers": spec.sink_config["spec"]["target"]["num_layers"],
-                   "convention": spec.facts.layer_convention, "two_phase": spec.facts.two_phase}
+                   "reaches_embeddings": spec.facts.reaches_embeddings, "reaches_last": spec.facts.reaches_last,
+                   "two_phase": spec.facts.two_phase}
             self.llm.collective_rpc("draftsmith_install_direct", args=(spec.sink_config, tap))
         self.start_seconds = time.perf_counter() - start
+        # in-process engine core (no loop of its own between our steps): the driver steps it while it waits
+        self.steps_itself = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__ == "InprocClient"
 
     def generate(self, prompts: Sequence[tuple[int, Sequence[int]]], *, tag: bool = True,
                  on_finished: Callable[[int], None] | None = None) -> float:
@@ -169,7 +233,10 @@ class Engine:
             if time.monotonic() > deadline:
                 raise DraftsmithError(f"vLLM worker stored {received} of {expected} samples before timing out; "
                                       "run extract again to resume")
-            time.sleep(0.05)
+            if self.steps_itself:  # nothing else runs the engine's loop: step it, so finished requests reach the sink
+                self.llm.llm_engine.step()
+            else:
+                time.sleep(0.05)
 
     def close_sink(self) -> list[dict[str, Any]]:
         reports = self.llm.collective_rpc("draftsmith_close")
@@ -189,6 +256,10 @@ class Engine:
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
         del llm
+        if self.steps_itself:  # the engine lived in this process: its process groups and memory go with it
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
         gc.collect()
 
     def __enter__(self) -> "Engine":

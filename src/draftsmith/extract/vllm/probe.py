@@ -7,6 +7,13 @@ Every later touch of vLLM internals (connector.py, direct.py, driver.py) is guar
     report = probe()                      # the installed vLLM (or "not installed")
     report.strategy                       # "connector", "direct" or None (then report.reason says why)
     render_probe_table(report)            # a rich Table for `draftsmith doctor`
+    probe_architectures([...])            # one ArchitectureSupport per target architecture (doctor's second table)
+    render_architecture_table(reports)
+
+Per architecture the probe follows the registry's class to the decoder stack whose forward pass it reads: the class
+`self.model = ...` builds (Qwen3ForCausalLM -> Qwen3Model, whose forward is Qwen2Model's), or, for a multimodal
+wrapper, the language model it builds with `init_vllm_registered_model(..., architectures=[...])` (Kimi-K2.5 ->
+DeepseekV2ForCausalLM). Which layer ids vLLM's aux states reach there decides what each strategy can do.
 
 `probe(importer=...)` takes any `name -> module` function, so tests run it on fake module trees shaped like older
 vLLM releases (`directory_importer(root)` loads such a tree from plain .py files without touching sys.modules).
@@ -35,8 +42,12 @@ INSTALL_HINT = ("install vLLM >= 0.17 for the connector strategy (GPU: `pip inst
 
 # Layer-index conventions an installed vLLM can have (what aux id k captures on a decoder-only model).
 #   "output": 0 = embeddings, k = output of decoder layer k-1, N = last layer's output (draftsmith's own)
-#   "input":  k = input of decoder layer k (= output of layer k-1 for 1 <= k < N); 0 and N are never captured
+#   "input":  k = input of decoder layer k (= output of layer k-1 for 1 <= k < N); 0 is never captured (the
+#             stream has no residual yet), N only where the stack also appends its last output
+#             (`if self.end_layer in self.aux_hidden_state_layers`, as vLLM's DeepSeek-V2/V3 model does)
 LayerConvention = Literal["output", "input", "unknown"]
+TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
+                        "KimiK25ForConditionalGeneration")  # the families tests/test_families.py runs
 
 
 class Capability(BaseModel):
@@ -67,9 +78,40 @@ class ProbeFacts(BaseModel):
     async_scheduling_resolved: bool | None = None
     block_hasher: bool = False
     layer_convention: LayerConvention = "unknown"
+    reaches_embeddings: bool = False  # aux id 0 (the embeddings) can be captured by vLLM itself
+    reaches_last: bool = False  # aux id N (the last layer's output, un-normalised) can be captured by vLLM itself
     eagle3_on_platform: bool = False
     worker_extension: bool = False  # ParallelConfig.worker_extension_cls + LLM.collective_rpc
     runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (direct hooks the V1 runner)
+    language_model_only: bool = False  # EngineArgs.language_model_only: a multimodal wrapper runs without its towers
+    cpu_mla_backend: str | None = None  # the attention backend that runs MLA in float32 on CPU ("CPU_MLA")
+
+
+class ArchitectureSupport(BaseModel):
+    """What this vLLM can do for one target architecture (a row of doctor's architecture table)."""
+
+    architecture: str
+    registered: bool = False
+    vllm_class: str | None = None  # module.Class the registry maps the architecture to
+    language_model: str | None = None  # a multimodal wrapper: the text architecture it builds inside
+    decoder_stack: str | None = None  # the class whose forward pass was read for the layer convention
+    supports_eagle3: bool = False
+    aux_setter: str | None = None
+    aux_default_getter: str | None = None
+    layer_convention: LayerConvention = "unknown"
+    reaches_embeddings: bool = False
+    reaches_last: bool = False
+    usable: dict[str, bool] = Field(default_factory=dict, description="strategy -> usable for the default layer ids")
+    notes: list[str] = Field(default_factory=list, description="one line each: a limit and what draftsmith does")
+
+    @property
+    def reachable(self) -> str:
+        """The aux ids vLLM itself can capture, in words."""
+        if self.layer_convention == "unknown":
+            return "unknown"
+        first = "0" if self.reaches_embeddings else "1"
+        last = "N" if self.reaches_last else "N-1"
+        return f"{first}..{last}"
 
 
 class ProbeReport(BaseModel):
@@ -79,6 +121,7 @@ class ProbeReport(BaseModel):
     strategy: Strategy | None
     reason: str = Field(description="why this strategy, or in plain words why none fits and what to install")
     usable: dict[str, bool] = Field(default_factory=dict, description="strategy name -> usable here")
+    support: ArchitectureSupport | None = Field(None, description="the target architecture's own findings")
 
     def capability(self, name: str) -> Capability:
         for cap in self.capabilities:
@@ -227,12 +270,13 @@ def _registered_archs(importer: Importer) -> tuple[set[str], Callable[[str], tup
 
 
 def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCausalLM",
-          target: str | Path | None = None, resolve_config: bool = True) -> ProbeReport:
+          target: str | Path | None = None, resolve_config: bool = True, config: dict | None = None) -> ProbeReport:
     """Inspect the vLLM that `importer` finds (default: the installed one) and choose an extraction strategy.
 
-    `architecture` is the target's class name (config.json "architectures"[0]). With `resolve_config` and a real
-    vLLM, the probe also builds vLLM's engine config for `target` (default: draftsmith's embedded target) to see
-    what `async_scheduling` resolves to on this platform (a few seconds).
+    `architecture` is the target's class name (config.json "architectures"[0]); `config` that config.json, when
+    known (a wrapper's text_config names its language model when the vLLM source does not). With `resolve_config`
+    and a real vLLM, the probe also builds vLLM's engine config for `target` (default: draftsmith's embedded
+    target) to see what `async_scheduling` resolves to on this platform (a few seconds).
     """
     importer = importer or default_importer
     facts = ProbeFacts()
@@ -251,7 +295,7 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
     platform = getattr(platforms, "current_platform", None)
     facts.platform = str(getattr(platform, "device_type", None) or getattr(platform, "device_name", "") or "unknown")
 
-    archs, load_arch = _registered_archs(importer)
+    archs, _ = _registered_archs(importer)
 
     # 1. vLLM's own extract_hidden_states speculative method
     spec_mod = _try(importer, "vllm.config.speculative")
@@ -279,26 +323,16 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         ok=facts.connector_module_path and base is not None,
         meaning="vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path"))
 
-    # 3. SupportsEagle3 and the aux-layer setter on the target's architecture
-    iface = _try(importer, "vllm.model_executor.models.interfaces")
-    supports_eagle3 = getattr(iface, "supports_eagle3", None)
-    target_cls, target_module = load_arch(architecture)
-    if target_cls is not None and supports_eagle3 is not None:
-        try:
-            facts.supports_eagle3 = bool(supports_eagle3(target_cls))
-        except Exception:  # noqa: BLE001
-            facts.supports_eagle3 = False
-    if target_cls is not None:
-        facts.aux_setter = "set_aux_hidden_state_layers" if hasattr(target_cls, "set_aux_hidden_state_layers") else None
-        for getter in ("get_eagle3_default_aux_hidden_state_layers", "get_eagle3_aux_hidden_state_layers"):
-            if hasattr(target_cls, getter):
-                facts.aux_default_getter = getter
-                break
+    # 3. SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)
+    support = inspect_architecture(importer, architecture, config=config)
+    facts.supports_eagle3 = support.supports_eagle3
+    facts.aux_setter, facts.aux_default_getter = support.aux_setter, support.aux_default_getter
     caps.append(Capability(
         name=f"SupportsEagle3 on {architecture}",
-        found=("not registered in vLLM" if target_cls is None else
+        found=("not registered in vLLM" if not support.registered else
                f"{'yes' if facts.supports_eagle3 else 'no'}; setter {facts.aux_setter or 'missing'}; "
-               f"defaults {facts.aux_default_getter or 'missing'}"),
+               f"defaults {facts.aux_default_getter or 'missing'}"
+               + (f"; language model {support.language_model}" if support.language_model else "")),
         ok=facts.supports_eagle3 and facts.aux_setter is not None,
         meaning="the target can return aux hidden states; both strategies need it"))
 
@@ -351,15 +385,16 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         meaning=("requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no "
                  "prompt skips its forward pass, and builds no Request itself")))
 
-    # 7. layer-index convention
-    facts.layer_convention = _layer_convention(target_module, target_cls)
+    # 7. layer-index convention (read from the forward pass of the architecture's decoder stack)
+    facts.layer_convention = support.layer_convention
+    facts.reaches_embeddings, facts.reaches_last = support.reaches_embeddings, support.reaches_last
     caps.append(Capability(
         name="layer-index convention",
-        found={"output": "0 = embeddings, k = output of layer k-1, N reachable",
-               "input": "k = input of layer k; 0 and N not reachable",
-               "unknown": "could not tell from the source"}[facts.layer_convention],
+        found=_convention_words(support),
         ok=facts.layer_convention != "unknown",
         meaning=("same as draftsmith's store: ids pass through unchanged" if facts.layer_convention == "output" else
+                 "ids 1..N pass through unchanged; id 0 (the embeddings) is tapped by direct"
+                 if facts.reaches_last else
                  "direct maps ids 1..N-1 and taps the embeddings and the last layer itself"
                  if facts.layer_convention == "input" else "no strategy can place the layers safely")))
 
@@ -373,6 +408,27 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
                f"yes on {facts.platform}" if on_platform else f"not on {facts.platform}"),
         ok=on_platform,
         meaning="`draftsmith evaluate` can measure a trained draft inside this vLLM"))
+
+    # engine knobs for other families: multimodal wrappers without their towers, MLA in float32 on CPU
+    engine_args = getattr(_try(importer, "vllm.engine.arg_utils"), "EngineArgs", None)
+    engine_fields = _fields(engine_args) if engine_args is not None else {}
+    facts.language_model_only = "language_model_only" in engine_fields
+    backends = getattr(_try(importer, "vllm.v1.attention.backends.registry"), "AttentionBackendEnum", None)
+    facts.cpu_mla_backend = ("CPU_MLA" if backends is not None and "CPU_MLA" in getattr(backends, "__members__", {})
+                             and "attention_backend" in engine_fields else None)
+    caps.append(Capability(
+        name="multimodal wrapper: language_model_only",
+        found="yes (EngineArgs.language_model_only)" if facts.language_model_only else "no",
+        ok=None,
+        meaning=("a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision "
+                 "tower" if facts.language_model_only else "a multimodal wrapper's towers are loaded too")))
+    caps.append(Capability(
+        name="MLA attention in float32 on CPU",
+        found=(f"{facts.cpu_mla_backend} backend, set with EngineArgs.attention_backend" if facts.cpu_mla_backend
+               else "no CPU_MLA backend / attention_backend field"),
+        ok=None,
+        meaning=("DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take bf16 only)"
+                 if facts.cpu_mla_backend else "an MLA target on CPU runs on whatever vLLM picks")))
 
     # worker extension (how direct gets into the worker)
     par_mod = _try(importer, "vllm.config.parallel")
@@ -389,19 +445,147 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         ok=facts.worker_extension,
         meaning="direct installs its taps in the worker through worker_extension_cls and LLM.collective_rpc"))
 
-    return _choose(facts, caps, architecture)
+    report = _choose(facts, caps, architecture)
+    report.support = support
+    support.usable = dict(report.usable)
+    support.notes = _notes(facts, support, config)
+    return report
 
 
-def _layer_convention(module: ModuleType | None, target_cls: Any) -> LayerConvention:
-    """Read the forward pass of the target's decoder stack (its module's source) to see where aux states are taken."""
-    text = _source(module) if module is not None else ""
-    if not text and target_cls is not None:
-        text = _source(target_cls)
+# ------------------------------------------------------------------------------------------- per architecture
+
+
+def inspect_architecture(importer: Importer | None, architecture: str, *, config: dict | None = None,
+                         _depth: int = 0) -> ArchitectureSupport:
+    """Registry class, SupportsEagle3, and which layer ids vLLM's aux states reach for one architecture."""
+    importer = importer or default_importer
+    support = ArchitectureSupport(architecture=architecture)
+    iface = _try(importer, "vllm.model_executor.models.interfaces")
+    supports_eagle3 = getattr(iface, "supports_eagle3", None)
+    _, load_arch = _registered_archs(importer)
+    cls, module = load_arch(architecture)
+    if cls is None:
+        return support
+    support.registered = True
+    support.vllm_class = f"{getattr(cls, '__module__', '?').rsplit('.', 1)[-1]}.{cls.__name__}"
+    if supports_eagle3 is not None:
+        try:
+            support.supports_eagle3 = bool(supports_eagle3(cls))
+        except Exception:  # noqa: BLE001
+            support.supports_eagle3 = False
+    support.aux_setter = "set_aux_hidden_state_layers" if hasattr(cls, "set_aux_hidden_state_layers") else None
+    for getter in ("get_eagle3_default_aux_hidden_state_layers", "get_eagle3_aux_hidden_state_layers"):
+        if hasattr(cls, getter):
+            support.aux_default_getter = getter
+            break
+    init = _init_source(cls)
+    inner_arch = _wrapped_architecture(init, config)
+    if inner_arch and inner_arch != architecture and _depth < 3:  # a wrapper: the language model's stack decides
+        inner = inspect_architecture(importer, inner_arch, config=None, _depth=_depth + 1)
+        support.language_model = inner_arch
+        support.decoder_stack = inner.decoder_stack
+        support.layer_convention = inner.layer_convention
+        support.reaches_embeddings, support.reaches_last = inner.reaches_embeddings, inner.reaches_last
+        return support
+    stack, text = _decoder_stack(cls, module, init)
+    support.decoder_stack = stack
+    if not text:  # no stack class found: the whole module's source, as before
+        text = _source(module) if module is not None else ""
+        if not text:
+            text = _source(cls)
+    support.layer_convention, support.reaches_embeddings, support.reaches_last = _layer_convention(text)
+    return support
+
+
+def probe_architectures(architectures: list[str], importer: Importer | None = None,
+                        configs: dict[str, dict] | None = None) -> list[ProbeReport]:
+    """One probe per architecture (the vLLM-wide rows are the same in each; `.support` differs)."""
+    configs = configs or {}
+    return [probe(importer, architecture=a, resolve_config=False, config=configs.get(a)) for a in architectures]
+
+
+def _init_source(cls: Any) -> str:
+    """Source of the first __init__ in the class's MRO that the class itself defines (not nn.Module's)."""
+    for klass in getattr(cls, "__mro__", [cls]):
+        init = klass.__dict__.get("__init__")
+        if init is not None and getattr(klass, "__module__", "").split(".")[0] not in ("torch", "builtins"):
+            return _source(init)
+    return ""
+
+
+def _wrapped_architecture(init: str, config: dict | None) -> str | None:
+    """A multimodal wrapper's language model architecture: the literal it passes to init_vllm_registered_model,
+    else its config's text_config architecture."""
+    call = re.search(r"init_vllm_registered_model\(", init)
+    if call is None:
+        return None
+    named = re.search(r"architectures\s*=\s*\[\s*[\"'](\w+)[\"']", init[call.end():call.end() + 600])
+    if named:
+        return named.group(1)
+    text = (config or {}).get("text_config") or {}
+    archs = text.get("architectures") if isinstance(text, dict) else None
+    return archs[0] if archs else None
+
+
+def _global(cls: Any, module: ModuleType | None, name: str) -> Any:
+    found = getattr(module, name, None) if module is not None else None
+    if found is None:
+        init = next((k.__dict__["__init__"] for k in getattr(cls, "__mro__", []) if "__init__" in k.__dict__), None)
+        found = getattr(init, "__globals__", {}).get(name)
+    return found
+
+
+def _decoder_stack(cls: Any, module: ModuleType | None, init: str) -> tuple[str | None, str]:
+    """(name, forward source) of the decoder stack the target builds as `self.model = ...`: a class by name
+    (`Qwen3Model(...)`), a class attribute (`self.model_cls(...)`), or a builder method (`self._init_model(...)`,
+    which returns `LlamaModel(...)`)."""
+    found = re.search(r"self\.model\s*=\s*(self\.)?(\w+)\s*\(", init)
+    if found is None:
+        return None, ""
+    stack = getattr(cls, found.group(2), None) if found.group(1) else _global(cls, module, found.group(2))
+    if stack is not None and not isinstance(stack, type):  # a builder method: the class it returns
+        built = re.search(r"return\s+(\w+)\s*\(", _source(stack))
+        stack = _global(cls, module, built.group(1)) if built else None
+    forward = getattr(stack, "forward", None) if isinstance(stack, type) else None
+    return (stack.__name__, _source(forward)) if forward is not None else (None, "")
+
+
+def _layer_convention(text: str) -> tuple[LayerConvention, bool, bool]:
+    """(convention, reaches id 0, reaches id N) from the decoder stack's forward source."""
     if re.search(r"_maybe_add_hidden_state\([^)]*idx\s*\+\s*1", text, re.S):
-        return "output"
+        return "output", True, True
     if re.search(r"if\s+idx\s+in\s+self\.aux_hidden_state_layers", text):
-        return "input"
-    return "unknown"
+        last = re.search(r"if\s+(self\.end_layer|len\(self\.layers\))\s+in\s+self\.aux_hidden_state_layers", text)
+        return "input", False, last is not None
+    return "unknown", False, False
+
+
+def _convention_words(support: ArchitectureSupport) -> str:
+    if support.layer_convention == "output":
+        return "0 = embeddings, k = output of layer k-1, N reachable"
+    if support.layer_convention == "input":
+        return ("k = input of layer k, N = last layer's output; 0 not reachable" if support.reaches_last else
+                "k = input of layer k; 0 and N not reachable")
+    return "could not tell from the source"
+
+
+def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None) -> list[str]:
+    """One line per limit of this architecture in this vLLM, with what draftsmith does about it."""
+    notes = []
+    if support.registered and support.layer_convention != "unknown" and not support.reaches_embeddings:
+        notes.append("aux id 0 (embeddings) is not among vLLM's aux states: asked for, it is tapped by the direct "
+                     "strategy (auto picks direct)")
+    if support.registered and support.layer_convention == "input" and not support.reaches_last:
+        notes.append("the last layer's output is not among vLLM's aux states: direct taps it itself; no connector")
+    if support.language_model:
+        notes.append(f"multimodal wrapper around {support.language_model}: "
+                     + ("started with language_model_only (no vision tower)" if facts.language_model_only else
+                        "this vLLM has no language_model_only: its towers are loaded too"))
+    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
+    if text and "kv_lora_rank" in text:
+        notes.append("multi-head latent attention" + (f": float32 on CPU runs on the {facts.cpu_mla_backend} backend"
+                                                      if facts.cpu_mla_backend else ""))
+    return notes
 
 
 def _eagle_on_platform(platform: Any, name: str | None) -> bool:
@@ -441,7 +625,9 @@ def _choose(facts: ProbeFacts, caps: list[Capability], architecture: str) -> Pro
         missing["connector"].append("no extract_hidden_states speculative method")
     if not facts.connector_module_path:
         missing["connector"].append("KV connectors cannot be loaded from a module path")
-    if facts.layer_convention != "output":
+    if facts.layer_convention == "unknown":
+        missing["connector"].append("the layer-index convention could not be read from the model's source")
+    elif not facts.reaches_last:
         missing["connector"].append("its layer ids cannot reach the last layer's output")
     if not eagle:
         for name in missing:
@@ -491,4 +677,39 @@ def render_probe_table(report: ProbeReport):
     return table
 
 
-__all__ = ["Capability", "ProbeFacts", "ProbeReport", "directory_importer", "probe", "render_probe_table"]
+def architecture_row(report: ProbeReport) -> dict[str, str]:
+    """One architecture's row in words: what vLLM reaches, what each strategy does, and the notes."""
+    s = report.support or ArchitectureSupport(architecture=report.architecture)
+    if not s.registered:
+        return {"architecture": s.architecture, "vLLM class": "not registered", "aux ids vLLM reaches": "-",
+                "connector": "no", "direct": "no", "notes": "not in this vLLM's model registry: use --backend hf"}
+
+    def cell(name: str) -> str:
+        if not report.usable.get(name):
+            return "no: " + report.why_not(name)
+        if name == "connector" and not s.reaches_embeddings:
+            return "yes (ids >= 1; id 0 asked for: direct)"
+        return "yes"
+
+    stack = s.decoder_stack or "?"
+    cls = s.vllm_class + (f" -> {s.language_model}" if s.language_model else "") + f" ({stack}.forward)"
+    return {"architecture": s.architecture, "vLLM class": cls, "aux ids vLLM reaches": s.reachable,
+            "connector": cell("connector"), "direct": cell("direct"), "notes": "; ".join(s.notes) or "-"}
+
+
+def render_architecture_table(reports: list[ProbeReport]):
+    """doctor's second table: one row per target architecture."""
+    from rich.table import Table
+
+    table = Table(title="vLLM extraction per target architecture (found by inspection)", title_justify="left")
+    rows = [architecture_row(r) for r in reports]
+    for column in (rows[0] if rows else {"architecture": ""}):
+        table.add_column(column, style="bold" if column == "architecture" else None)
+    for row in rows:
+        table.add_row(*row.values())
+    return table
+
+
+__all__ = ["ArchitectureSupport", "Capability", "ProbeFacts", "ProbeReport", "TESTED_ARCHITECTURES",
+           "architecture_row", "directory_importer", "inspect_architecture", "probe", "probe_architectures",
+           "render_architecture_table", "render_probe_table"]

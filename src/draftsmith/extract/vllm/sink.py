@@ -96,7 +96,11 @@ _ACTIVE: StoreSink | None = None
 
 
 def activate(config: dict[str, Any], *, writes: bool = True) -> StoreSink:
+    """The worker's sink for `config`: the one already open for it, else a new one (a sink left open for another
+    store by an engine that died in this process is closed first, keeping what it had stored)."""
     global _ACTIVE
+    if _ACTIVE is not None and (_ACTIVE.config != config or _ACTIVE.writes != writes):
+        deactivate()
     if _ACTIVE is None:
         _ACTIVE = StoreSink(config, writes=writes)
     return _ACTIVE

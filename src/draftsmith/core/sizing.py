@@ -1,0 +1,234 @@
+"""Big-target arithmetic from a config.json alone: what the target weighs, what its store takes on disk, and what
+training its draft takes in memory -- before any weight is read or any token is run.
+
+    shape = target_shape(config)                    # sizes of the text backbone (a wrapper's text_config)
+    shape.params, shape.active_params               # parameters in all, and those one token runs through (MoE)
+    store_bytes_per_token(shape.hidden_size, 4, "bf16")   # one token's row in the store (layer ids: aux + N)
+    training_memory(draft, token_budget=8192, ...)  # the draft's training: parameters, optimizer, target head,
+                                                    # activations (an estimate, see the function)
+
+`draftsmith doctor --target DIR` prints these for a target; `draftsmith extract` refuses, in one line, a store the
+disk cannot hold (extract/common.py). The published configs the tests check this against are in tests/families.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from draftsmith.core.errors import DraftsmithError
+
+StorageDtype = Literal["bf16", "fp8"]
+# Besides its states, a stored token keeps its input id (int32) and loss-mask flag (bool).
+TOKEN_OVERHEAD_BYTES = 4 + 1
+GiB = float(1 << 30)
+
+
+class TargetShape(BaseModel):
+    """The text backbone's sizes, read from config.json (a multimodal wrapper's `text_config`)."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    params: int = Field(description="parameters of the text backbone with embedding and LM head")
+    active_params: int = Field(description="parameters one token runs through (MoE: routed experts per token only)")
+    attention: Literal["mha/gqa", "mla"]
+    moe_layers: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    tied_embeddings: bool = False
+
+
+def _text(config: dict) -> dict:
+    nested = config.get("text_config")
+    return nested if isinstance(nested, dict) else config
+
+
+def _need(text: dict, *keys: str) -> list[int]:
+    missing = [k for k in keys if text.get(k) is None]
+    if missing:
+        raise DraftsmithError(f"target config: no {', '.join(missing)}; the size arithmetic reads these from a "
+                              "decoder-only config.json (text_config for a multimodal model)")
+    return [int(text[k]) for k in keys]
+
+
+def _attention_params(text: dict, hidden: int) -> tuple[int, str]:
+    heads = int(text["num_attention_heads"])
+    if "kv_lora_rank" in text:  # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+        rope, nope = int(text["qk_rope_head_dim"]), int(text["qk_nope_head_dim"])
+        v_dim, kv_rank = int(text["v_head_dim"]), int(text["kv_lora_rank"])
+        q_rank = text.get("q_lora_rank")
+        q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)  # (their norms: see target_shape)
+        return q + kv + heads * v_dim * hidden, "mla"
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    params = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+    if text.get("attention_bias"):
+        params += heads * head_dim + 2 * kv_heads * head_dim
+    if text.get("model_type", "").startswith("qwen3"):  # per-head q / k RMS norms
+        params += 2 * head_dim
+    return params, "mha/gqa"
+
+
+def _moe_layer_ids(text: dict, num_layers: int) -> list[int]:
+    """Which decoder layers are MoE: DeepSeek-style (first_k_dense_replace, moe_layer_freq) or Qwen-MoE-style
+    (decoder_sparse_step, mlp_only_layers)."""
+    if text.get("n_routed_experts"):
+        first = int(text.get("first_k_dense_replace") or 0)
+        freq = int(text.get("moe_layer_freq") or 1)
+        return [i for i in range(num_layers) if i >= first and i % freq == 0]
+    if text.get("num_experts") or text.get("num_local_experts"):
+        step = int(text.get("decoder_sparse_step") or 1)
+        dense = set(text.get("mlp_only_layers") or [])
+        return [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+    return []
+
+
+def target_shape(config: dict) -> TargetShape:
+    """Parameters and sizes of the target's text backbone from its config.json (no weights read)."""
+    text = _text(config)
+    hidden, num_layers, vocab, intermediate = _need(text, "hidden_size", "num_hidden_layers", "vocab_size",
+                                                    "intermediate_size")
+    _need(text, "num_attention_heads")
+    attention, kind = _attention_params(text, hidden)
+    norms = 2 * hidden  # input_layernorm, post_attention_layernorm
+    if kind == "mla":  # kv_a_layernorm, q_a_layernorm
+        norms += int(text["kv_lora_rank"]) + int(text.get("q_lora_rank") or 0)
+    moe = _moe_layer_ids(text, num_layers)
+    experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
+    per_token = int(text.get("num_experts_per_tok") or 0)
+    shared = int(text.get("n_shared_experts") or 0)
+    expert_width = int(text.get("moe_intermediate_size") or intermediate)
+    dense_mlp = 3 * hidden * intermediate
+    expert_mlp = 3 * hidden * expert_width
+    router = experts * hidden + (experts if text.get("topk_method") == "noaux_tc" else 0)
+    moe_all = experts * expert_mlp + shared * expert_mlp + router
+    moe_active = per_token * expert_mlp + shared * expert_mlp + router
+    layers_all = num_layers * (attention + norms) + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_all
+    layers_active = num_layers * (attention + norms) + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_active
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    embeddings = vocab * hidden * (1 if tied else 2) + hidden  # embedding, LM head, final norm
+    return TargetShape(hidden_size=hidden, num_layers=num_layers, vocab_size=vocab,
+                       params=layers_all + embeddings, active_params=layers_active + embeddings, attention=kind,
+                       moe_layers=len(moe), experts=experts if moe else 0, experts_per_token=per_token if moe else 0,
+                       shared_experts=shared if moe else 0, tied_embeddings=tied)
+
+
+def weight_bytes(params: int, bytes_per_param: float, tensor_parallel_size: int = 1) -> float:
+    """Bytes of weights per device with the weights split evenly over `tensor_parallel_size` devices."""
+    return params * bytes_per_param / max(1, tensor_parallel_size)
+
+
+# --------------------------------------------------------------------------------------------------- the store
+
+
+def state_bytes_per_token(hidden_size: int, num_layer_ids: int, dtype: StorageDtype) -> int:
+    """One token's stored states: [L, H] in bf16, or fp8 e4m3 plus one float32 scale per layer."""
+    if dtype == "bf16":
+        return num_layer_ids * hidden_size * 2
+    return num_layer_ids * hidden_size + 4 * num_layer_ids
+
+
+def store_bytes_per_token(hidden_size: int, num_layer_ids: int, dtype: StorageDtype) -> int:
+    """One token's whole row in the store: its states, input id and loss-mask flag."""
+    return state_bytes_per_token(hidden_size, num_layer_ids, dtype) + TOKEN_OVERHEAD_BYTES
+
+
+def store_bytes(tokens: int, hidden_size: int, num_layer_ids: int, dtype: StorageDtype, samples: int = 0) -> int:
+    """Disk a store of `tokens` tokens takes (shard headers and per-sample offsets included as 16 bytes a sample)."""
+    return tokens * store_bytes_per_token(hidden_size, num_layer_ids, dtype) + 16 * samples
+
+
+def check_disk(needed: int, free: int, *, where: str, what: str) -> None:
+    """Refuse, in one line, to start writing `needed` bytes where only `free` are left (a 2 % margin kept)."""
+    if needed > free * 0.98:
+        raise DraftsmithError(f"{where}: {what} needs {needed / GiB:,.1f} GiB but only {free / GiB:,.1f} GiB are "
+                              "free there; free some space, write elsewhere (--output), store fp8 (--dtype fp8, "
+                              "half of bf16) or extract fewer samples (--max-samples / --shard)")
+
+
+# --------------------------------------------------------------------------------------------------- training
+
+
+class DraftShape(Protocol):
+    """What the memory estimate reads of a draft spec (train/model.py's DraftSpec has these fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]
+
+
+def draft_params(draft: DraftShape) -> int:
+    """Trainable parameters of an EAGLE-3 draft: fc over the aux layers, its decoder layers (the first takes
+    [embedding, features] = 2H into q/k/v), the final norm and the draft-vocabulary LM head. The token embedding
+    is the target's, frozen (counted in `training_memory` as the target head)."""
+    H, inner = draft.hidden_size, draft.intermediate_size
+    q, kv = draft.num_attention_heads * draft.head_dim, draft.num_key_value_heads * draft.head_dim
+    fc = len(draft.aux_layer_ids) * draft.target_hidden_size * H
+    mlp = 3 * H * inner
+    first = 2 * H * (q + 2 * kv) + q * H + mlp + 3 * H  # input_layernorm, hidden_norm, post_attention_layernorm
+    later = H * (q + 2 * kv) + q * H + mlp + 2 * H
+    return fc + first + (draft.num_hidden_layers - 1) * later + H + H * draft.draft_vocab_size
+
+
+class TrainingMemory(BaseModel):
+    """Bytes per training process (one GPU) for a draft, by part. An estimate: activations are counted per token
+    and TTT step from the layer's widths, not measured; allocator slack and CUDA context come on top."""
+
+    draft_params: int
+    weights_and_optimizer: float = Field(description="fp32 master weights, gradients and AdamW's two moments")
+    target_head: float = Field(description="the target's frozen embedding, final norm and LM head")
+    activations: float = Field(description="saved activations, logits and target distributions at the token budget")
+    total: float
+
+
+def training_memory(draft: DraftShape, *, token_budget: int, ttt_steps: int = 7, activation_bytes: int = 2,
+                    frozen_bytes: int = 2) -> TrainingMemory:
+    """Memory one training process needs for `draft` at `token_budget` tokens per micro-batch.
+
+    activations per token and TTT step: the layer's saved tensors (~10 H + 4 I values: norms, q/k/v, attention
+    output, the MLP's gate/up/activation) in `activation_bytes`, plus draft-vocabulary logits and their gradient in
+    float32; per token once: the target's distribution over the draft vocabulary (float32) and the stored aux
+    features (bf16). `frozen_bytes`: 2 for the bf16 target head on a GPU, 4 for float32 on a CPU.
+    """
+    params = draft_params(draft)
+    optimizer = params * (4 + 4 + 8)
+    head = frozen_bytes * (2 * draft.vocab_size * draft.target_hidden_size + draft.target_hidden_size)
+    per_step = activation_bytes * (10 * draft.hidden_size + 4 * draft.intermediate_size) + 8 * draft.draft_vocab_size
+    features = 2 * len(draft.aux_layer_ids) * draft.target_hidden_size
+    per_token = ttt_steps * per_step + 4 * draft.draft_vocab_size + features
+    activations = float(token_budget * per_token)
+    return TrainingMemory(draft_params=params, weights_and_optimizer=float(optimizer), target_head=float(head),
+                          activations=activations, total=float(optimizer + head + activations))
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'; binary units, three significant figures."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    k = 0 if n < 1024 else min(len(units) - 1, int(math.log(n, 1024)))
+    value = n / 1024 ** k
+    return f"{value:.0f} {units[k]}" if k == 0 else f"{value:.3g} {units[k]}"
+
+
+def human_count(n: float) -> str:
+    """8_030_261_248 -> '8.03B'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+__all__ = ["TargetShape", "TrainingMemory", "check_disk", "draft_params", "human_bytes", "human_count",
+           "state_bytes_per_token", "store_bytes", "store_bytes_per_token", "target_shape", "training_memory",
+           "weight_bytes"]

@@ -1,0 +1,137 @@
+"""core/sizing.py: the big-target arithmetic on the published configs (tests/families.py), tied to real modules.
+
+The parameter counts are checked against the models' published totals and, on the tiny family checkpoints (the
+same configs, shrunk), against the parameters transformers actually builds; the draft's count against the draft
+module; the store's bytes against the store's own layout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from families import FAMILIES, PUBLISHED, target_dir
+
+from draftsmith.core import sizing
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.layers import resolve_layer_ids
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("llama", 8_030_261_248, 8_030_261_248),      # Llama-3.1-8B: 8.03B, as its model card says
+    ("qwen3", 8_190_735_360, 8_190_735_360),      # Qwen3-8B: 8.2B
+    ("qwen3_moe", 30.5e9, 3.3e9),                 # Qwen3-30B-A3B: 30.5B total, 3.3B activated
+    ("deepseek_v3", 671e9, 37e9),                 # DeepSeek-V3: 671B total, 37B activated (MTP module aside)
+    ("kimi_k25", 1.03e12, 32.9e9),                # Kimi-K2's backbone: "1T total, 32B activated"
+])
+def test_parameter_counts_match_the_published_totals(name, total, active):
+    shape = sizing.target_shape(PUBLISHED[name])
+    assert shape.params == pytest.approx(total, rel=0.01) and shape.active_params == pytest.approx(active, rel=0.03)
+    text = PUBLISHED[name].get("text_config") or PUBLISHED[name]
+    assert (shape.hidden_size, shape.num_layers) == (text["hidden_size"], text["num_hidden_layers"])
+    assert shape.attention == ("mla" if "kv_lora_rank" in text else "mha/gqa")
+
+
+def test_the_moe_layer_pattern_is_read_from_the_config():
+    ds, kimi, qwen = (sizing.target_shape(PUBLISHED[n]) for n in ("deepseek_v3", "kimi_k25", "qwen3_moe"))
+    assert (ds.moe_layers, ds.experts, ds.experts_per_token, ds.shared_experts) == (58, 256, 8, 1)  # 3 dense first
+    assert (kimi.moe_layers, kimi.experts, kimi.shared_experts) == (60, 384, 1)  # 1 dense first
+    assert (qwen.moe_layers, qwen.experts, qwen.shared_experts) == (48, 128, 0)
+    assert sizing.target_shape({**PUBLISHED["qwen3_moe"], "mlp_only_layers": [0, 1]}).moe_layers == 46
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_parameter_count_equals_what_transformers_builds(name):
+    from draftsmith.core import targets
+
+    path = target_dir(name)
+    model = targets.load_target(path)
+    backbone, _ = targets.text_backbone(model)
+    built = {id(p): p for p in backbone.parameters()} | {id(p): p for p in targets.lm_head(model).parameters()}
+    # DeepSeek's router bias is a buffer in transformers, a tensor of the checkpoint (and a parameter in vLLM)
+    bias = [b for n, b in backbone.named_buffers() if n.endswith("e_score_correction_bias")]
+    config = json.loads((path / "config.json").read_text())
+    assert sizing.target_shape(config).params == sum(p.numel() for p in [*built.values(), *bias])
+
+
+def test_store_bytes_per_token_for_kimi_k25_and_the_stores_own_layout():
+    from draftsmith.extract import store
+
+    shape = sizing.target_shape(PUBLISHED["kimi_k25"])
+    layer_ids = resolve_layer_ids(None, shape.num_layers)
+    assert layer_ids == [2, 30, 58, 61]
+    bf16, fp8 = (sizing.state_bytes_per_token(7168, 4, d) for d in ("bf16", "fp8"))
+    assert (bf16, fp8) == (4 * 7168 * 2, 4 * 7168 + 4 * 4)
+    for dtype, states in (("bf16", bf16), ("fp8", fp8)):
+        spec = type("Spec", (), {"layer_ids": layer_ids, "hidden_size": 7168, "dtype": dtype})()
+        assert store.bytes_per_token(spec) == states  # the store's own arithmetic
+        assert sizing.store_bytes_per_token(7168, 4, dtype) == states + 5  # + input id (int32) + loss-mask flag
+    assert sizing.store_bytes(1_000_000, 7168, 4, "bf16") == 57_349_000_000  # 53.4 GiB per million tokens
+
+
+def test_store_bytes_equal_a_real_stores_files(tmp_path, tiny_target_dir):
+    """The estimate the disk check uses against the bytes a store really writes (shard headers included)."""
+    from draftsmith import extract
+    from draftsmith.config import ExtractConfig
+    from draftsmith.core.targets import target_identity
+    from draftsmith.extract import store
+    from draftsmith.prepare.dataset import write_prepared
+
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(0, 320, (int(n),), generator=g),
+                "loss_mask": torch.ones(int(n), dtype=torch.bool)} for n in torch.randint(20, 200, (30,), generator=g)]
+    write_prepared(tmp_path / "p", samples, target_identity(tiny_target_dir), chat_template_hash="x", max_length=200)
+    for dtype in ("bf16", "fp8"):
+        extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / dtype, device="cpu", dtype=dtype),
+                    show_progress=False)
+        manifest = store.open(tmp_path / dtype).manifest
+        written = sum(s.num_bytes for s in manifest.shards)
+        estimate = sizing.store_bytes(manifest.num_tokens, 64, len(manifest.layer_ids), dtype, samples=30)
+        assert estimate >= written * 0.99 and estimate <= written * 1.05, (dtype, estimate, written)
+
+
+def test_the_draft_parameter_count_equals_the_draft_module():
+    from draftsmith.train.model import DraftSpec, Eagle3Draft
+
+    config = {**PUBLISHED["qwen3"], "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 500}
+    for layers in (1, 2):
+        spec = DraftSpec.from_target_config(config, draft_vocab_size=200, num_hidden_layers=layers,
+                                            aux_layer_ids=[2, 18, 33])
+        draft = Eagle3Draft(spec)
+        trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+        assert sizing.draft_params(spec) == trainable
+
+
+def test_training_memory_for_kimi_k25_draft():
+    from draftsmith.train.model import DraftSpec
+
+    spec = DraftSpec.from_target_config(PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1,
+                                        aux_layer_ids=[2, 30, 58])
+    memory = sizing.training_memory(spec, token_budget=4096, ttt_steps=7)
+    assert memory.draft_params == pytest.approx(1.14e9, rel=0.01)
+    assert memory.weights_and_optimizer == 16 * memory.draft_params  # fp32 weights, grads, two AdamW moments
+    assert memory.target_head == 2 * (2 * 163840 * 7168 + 7168)  # embedding + LM head + norm, bf16
+    assert 20 * sizing.GiB < memory.total < 80 * sizing.GiB  # fits one 80 GB GPU at this budget
+    double = sizing.training_memory(spec, token_budget=8192, ttt_steps=7)
+    assert double.activations == pytest.approx(2 * memory.activations)
+    assert double.weights_and_optimizer == memory.weights_and_optimizer
+
+
+def test_a_store_that_does_not_fit_is_refused_in_one_line():
+    sizing.check_disk(100, 1000, where="--output x", what="the store")
+    with pytest.raises(DraftsmithError, match=r"--output x: the store needs 2\.0 GiB but only 1\.0 GiB are") as err:
+        sizing.check_disk(2 << 30, 1 << 30, where="--output x", what="the store")
+    assert "\n" not in str(err.value) and "--dtype fp8" in str(err.value)
+
+
+def test_a_config_without_sizes_is_a_clear_error():
+    with pytest.raises(DraftsmithError, match="target config: no hidden_size"):
+        sizing.target_shape({"architectures": ["Foo"], "num_hidden_layers": 2})
+
+
+def test_human_units():
+    assert sizing.human_bytes(512) == "512 B" and sizing.human_bytes(1536) == "1.5 KiB"
+    assert sizing.human_bytes(57_349_000_000) == "53.4 GiB"
+    assert sizing.human_count(8_030_261_248) == "8.03B" and sizing.human_count(1.03e12) == "1.03T"
