@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from draftsmith import quickstart
+from draftsmith.export import serve_commands
 from draftsmith.config import QuickstartConfig
 from draftsmith.core.errors import DraftsmithError
 
 
 def test_serve_commands_are_copy_pasteable(tmp_path):
-    served, gpu_only = quickstart.serve_commands(tmp_path / "target dir", tmp_path / "export dir", k=4).items()
+    served, gpu_only = serve_commands(tmp_path / "target dir", tmp_path / "export dir", k=4).items()
     assert "draftsmith serve" in served[1] and "GPU install of real vLLM" in gpu_only[0]
     program, *args = shlex.split(served[1])
     assert shutil.which(program)  # a shell in this directory finds it (`draftsmith` on PATH, else its path)

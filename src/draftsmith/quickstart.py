@@ -27,7 +27,7 @@ from draftsmith.config import (
 )
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
-from draftsmith.serve import serve_command, vllm_serve_command
+from draftsmith.export.formats import serve_commands
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
@@ -158,13 +158,6 @@ def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
     done = state["finished"]
     scale = (sum(v["seconds"] for v in done.values()) / sum(expected[s] for s in done)) if done else 1.0
     return scale * sum(expected[s] for s in remaining)
-
-
-def serve_commands(target_dir: Path, export_dir: Path, k: int = 3) -> dict[str, str]:
-    """The commands printed below the summary: `draftsmith serve` (every vLLM install), then `vllm serve`."""
-    return {"serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)": serve_command(export_dir),
-            "or, with a GPU install of real vLLM (`pip install vllm`), vLLM's own command":
-                vllm_serve_command(target_dir, export_dir, k)}
 
 
 def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:

@@ -21,26 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from draftsmith import export
 from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
 from draftsmith.core import targets
-from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.manifest import TargetIdentity
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, load_prompts
 from draftsmith.evaluate.report import write_report
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
-from draftsmith.train.drafts import DraftSource, draft_module, load_draft, require_draft_for_target
+from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
 
-__all__ = ["run", "build_draft_module", "resolve_evaluation_target", "evaluate_reference"]
-
-
-def resolve_evaluation_target(spec: str | None, source: DraftSource, where: str) -> tuple[Path, TargetIdentity]:
-    """The target to decode with: the given one (refused if the draft was built for another) or the recorded one."""
-    recorded = source.target
-    if spec is None and not (Path(recorded.path) / "config.json").is_file():
-        raise DraftsmithError(f"{where}: the draft's target {recorded.path} is not on this machine; pass --target")
-    path = targets.resolve_target(spec if spec is not None else recorded.path)
-    identity = targets.target_identity(path)
-    require_draft_for_target(source, identity, path, where, "evaluate it with the target it was trained for")
-    return path, identity
+__all__ = ["run", "build_draft_module", "evaluate_reference"]
 
 
 def build_draft_module(source: DraftSource, target_model: torch.nn.Module, device: torch.device,
@@ -108,22 +95,10 @@ def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | Non
     return (base.to_dict() if base else None), runs
 
 
-def _vllm_draft_dir(cfg: EvaluateConfig, source: DraftSource, identity: TargetIdentity, workdir: Path) -> Path:
-    """An export vLLM can load: the given one if it is vllm/speculators, else a vllm export written for the run."""
-    manifest = export.read_export_manifest(cfg.draft)
-    if manifest is not None and manifest.format in ("vllm", "speculators"):
-        return Path(cfg.draft)
-    out = workdir / "vllm-draft"
-    export.write_export(out, source.tensors, source.spec, "vllm", target=identity,
-                        verifier_architectures=[identity.architecture], dtype="bf16",
-                        source_checkpoint=str(source.origin), training=source.training)
-    return out
-
-
 def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
     source = load_draft(cfg.draft)
-    target_path, identity = resolve_evaluation_target(cfg.target, source, str(cfg.draft))
+    target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
                            eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed)
@@ -158,7 +133,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
         max_len = cfg.max_model_len or (max(len(p.token_ids) for p in prompts) + cfg.max_new_tokens + max(cfg.k) + 8)
         workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
         shutil.rmtree(workdir, ignore_errors=True)
-        draft_dir = _vllm_draft_dir(cfg, source, identity, workdir)
+        draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
         common = dict(target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, seed=cfg.seed, dtype=dtype_name, max_model_len=max_len,
                       kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,

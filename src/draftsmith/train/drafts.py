@@ -18,6 +18,7 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json
+from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.train import checkpoint
 from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
@@ -107,6 +108,18 @@ def require_draft_for_target(source: DraftSource, identity: TargetIdentity, targ
     if problem:
         raise DraftsmithError(f"{where}: draft was trained for target {source.target.path}, not {target_path} "
                               f"({problem}); {advice}")
+
+
+def resolve_draft_target(spec: str | None, source: DraftSource, where: str, use: str) -> tuple[Path, TargetIdentity]:
+    """The target a draft runs with: `spec` (refused unless the draft was trained for it) or the recorded one, which
+    must still be on this machine. `use` finishes the refusal's advice ("evaluate it", "serve it" ...)."""
+    recorded = source.target
+    if spec is None and not (Path(recorded.path) / "config.json").is_file():
+        raise DraftsmithError(f"{where}: the draft's target {recorded.path} is not on this machine; pass --target")
+    path = resolve_target(spec if spec is not None else recorded.path)
+    identity = target_identity(path)
+    require_draft_for_target(source, identity, path, where, f"{use} with the target it was trained for")
+    return path, identity
 
 
 # ---------------------------------------------------------------------------------------------- loading
