@@ -88,4 +88,5 @@ def read_manifest(directory: Path, cls: type[M]) -> M:
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
-        raise DraftsmithError(f"{directory}/{MANIFEST_NAME}: field {loc}: {first['msg']}") from None
+        where = f"field {loc}: " if loc else ""  # a model-level validator names no field
+        raise DraftsmithError(f"{directory}/{MANIFEST_NAME}: {where}{first['msg']}") from None
