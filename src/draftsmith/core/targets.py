@@ -165,24 +165,44 @@ class TargetHeadParts(nn.Module):
         return self.lm_head
 
 
-def _safetensors_names(path: Path) -> dict[str, Path] | None:
-    """tensor name -> file for a safetensors checkpoint (single file or sharded with an index), else None."""
+def _safetensors_names(path: Path) -> dict[str, tuple[Path, str]] | None:
+    """tensor name -> (file, name) for a safetensors checkpoint (single file or sharded with an index), else None."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        return {name: (path / file, name) for name, file in json.loads(index.read_text())["weight_map"].items()}
     single = path / "model.safetensors"
     if not single.is_file():
         return None
     with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return {name: (single, name) for name in f.keys()}
+
+
+def _renamed_checkpoint_names(model: nn.Module, files: dict[str, tuple[Path, str]]) -> dict[str, tuple[Path, str]]:
+    """The checkpoint's tensors under the module names transformers loads them as (its conversion mapping for the
+    model type: Kimi-K2.5's `language_model.model.embed_tokens` is `model.language_model.embed_tokens`); empty
+    when this transformers has no such mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        if not renamings:
+            return {}
+        return {rename_source_key(name, renamings, converters)[0]: where for name, where in files.items()}
+    except Exception:  # noqa: BLE001 - transformers' internals moved: names as they are (or the whole model)
+        return {}
 
 
 def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                      trust_remote_code: bool = False) -> nn.Module:
-    """Only the embedding, final norm and lm_head, read by name from the safetensors files; the whole target
-    (load_target) when the checkpoint is not laid out so (other formats, renamed or missing tensors)."""
+    """Only the embedding, final norm and lm_head, read by name from the safetensors files (a checkpoint whose
+    names are not the module's, like Kimi-K2.5's `language_model.model.*`, through transformers' own load-time
+    renaming); the whole target (load_target) when the checkpoint is not laid out so (other formats, missing
+    tensors)."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -195,6 +215,7 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
         files = None
     if files is None:
         return load_target(path, dtype, device, trust_remote_code)
+    files = {**_renamed_checkpoint_names(skeleton, files), **files}  # module name -> (file, checkpoint name)
     parts = {"embed": embed_tokens(skeleton), "norm": final_norm(skeleton), "head": lm_head(skeleton)}
     module_names = {id(m): n for n, m in skeleton.named_modules()}
     tied = parts["head"].weight is parts["embed"].weight
@@ -209,8 +230,9 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
             return load_target(path, dtype, device, trust_remote_code)
         state = {}
         for k, name in names.items():
-            with safe_open(str(files[name]), framework="pt") as f:
-                state[k] = f.get_tensor(name)
+            file, stored = files[name]
+            with safe_open(str(file), framework="pt") as f:
+                state[k] = f.get_tensor(stored)
         loaded[key] = module.to_empty(device="cpu")
         loaded[key].load_state_dict(state, strict=True)
     if tied:

@@ -573,8 +573,8 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
     """One line per limit of this architecture in this vLLM, with what draftsmith does about it."""
     notes = []
     if support.registered and support.layer_convention != "unknown" and not support.reaches_embeddings:
-        notes.append("aux id 0 (embeddings) is not among vLLM's aux states: asked for, it is tapped by the direct "
-                     "strategy (auto picks direct)")
+        notes.append("aux id 0 (embeddings) is not among vLLM's aux states: asked for, extraction taps it with the "
+                     "direct strategy (auto picks direct), but vLLM cannot feed it to an EAGLE-3 draft of this target")
     if support.registered and support.layer_convention == "input" and not support.reaches_last:
         notes.append("the last layer's output is not among vLLM's aux states: direct taps it itself; no connector")
     if support.language_model:
