@@ -282,6 +282,7 @@ def train_both(args, py: Path, store: Path, peer_data: Path, target: str, n_trai
             tail = "\n".join((work / f"{job.name}.log").read_text(errors="replace").splitlines()[-25:])
             raise SystemExit(f"{job.name} trainer failed (exit {codes[job.name]}):\n{tail}")
     log(f"  both trained in {time.perf_counter() - t0:.0f} s wall")
+    (work / "timeline.json").write_text(json.dumps({j.name: j.records for j in jobs}))  # (running s, log line)
     return {j.name: j.throughput() for j in jobs}, {j.name: j.records for j in jobs}
 
 
@@ -424,6 +425,7 @@ def main() -> None:
     speeds, records = train_both(args, py, store, peer_data, target, len(train), n, work)
     for name in ("ours", "peer"):
         log(f"  {name}: {speeds[name]}")
+    (work / "speeds.json").write_text(json.dumps(speeds))
 
     log("exporting draftsmith's draft (vllm, speculators formats)")
     ckpt = ours_checkpoint(work / "ours")
@@ -438,6 +440,8 @@ def main() -> None:
                target, "--threads", str(args.threads), str(ours_spec), str(peer_ckpt)])
     held_out = json.loads(out.strip().splitlines()[-1])
     acc_ours, acc_peer = held_out[str(ours_spec)], held_out[str(peer_ckpt)]
+    log(f"  step 0..2 accuracy: ours {acc_ours['acc']}, peer {acc_peer['acc']}")
+    (work / "held_out.json").write_text(json.dumps(held_out))
 
     taus: dict = {}
     if not args.skip_vllm:

@@ -49,6 +49,7 @@ class _StepLog(logging.Handler):
 
     def __init__(self, path: str):
         super().__init__()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
         self.tokens = 0
         self.step = 0
