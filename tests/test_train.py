@@ -102,38 +102,32 @@ def test_sample_longer_than_budget_and_empty_set_are_refused():
 # ---------------------------------------------------------------------------------------------- offline / online
 
 def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepared_dir, store_dir):
+    from draftsmith.core.targets import final_norm, lm_head, load_target
     from draftsmith.extract import store as store_mod
+    from draftsmith.train.setup import initial_draft, open_data, split
+    from draftsmith.train.ttt import TargetHead, TTTModel
 
-    store = store_mod.open(store_dir)
+    store = store_mod.open(store_dir, dtype=None)  # as the trainer reads it: bf16 views, decoded in the step
     prepared = open_prepared(prepared_dir)
-    s = trainer.setup(_cfg(store_dir, prepared_dir.parent / "unused"), torch.device("cpu"))
+    cfg = _cfg(store_dir, prepared_dir.parent / "unused")
+    s = open_data(cfg, torch.device("cpu"))
     ids = [0, 3, 5]
-    offline = fetch(store, [store.index_of(i) for i in ids])
-    from draftsmith.core.targets import load_target
-
-    online = OnlineSource(load_target(sharp_target_dir), store.layer_ids)(fetch(prepared, ids))
+    offline = fetch(store, [store.index_of(i) for i in ids], cfg.ttt_steps)
+    online = OnlineSource(load_target(sharp_target_dir), store.layer_ids)(fetch(prepared, ids, cfg.ttt_steps))
     assert torch.equal(offline.input_ids, online.input_ids) and torch.equal(offline.loss_mask, online.loss_mask)
+    assert offline.hidden_states.dtype == torch.bfloat16 and online.hidden_states.dtype == torch.float32
     real = offline.loss_mask | (offline.input_ids != 0)
     # the store keeps bf16: the online fp32 states round to the stored ones
-    torch.testing.assert_close(online.hidden_states.bfloat16().float()[real], offline.hidden_states[real],
-                               atol=1e-2, rtol=1e-2)
-    cfg = _cfg(store_dir, prepared_dir.parent / "unused")
-    from draftsmith.core.targets import final_norm, lm_head, read_config
-    from draftsmith.train.model import DraftSpec, Eagle3Draft
-    from draftsmith.train.ttt import TTTModel
-
-    spec = DraftSpec.from_target_config(read_config(sharp_target_dir), 320, 1, s.aux_layer_ids)
-    draft = Eagle3Draft.from_target(spec, s.target, s.draft_to_target)
-    head = trainer.TargetHead(final_norm(s.target), lm_head(s.target).weight, draft.draft_to_target)
+    torch.testing.assert_close(online.hidden_states.bfloat16()[real], offline.hidden_states[real], atol=1e-2,
+                               rtol=1e-2)
+    draft, _, _ = initial_draft(cfg, s, split(s, cfg)[0])
+    head = TargetHead(final_norm(s.target), lm_head(s.target).weight, draft.draft_to_target)
     model = TTTModel(draft)
+    rounded = type(online)(**{**online.__dict__, "hidden_states": online.hidden_states.bfloat16()})
     with torch.no_grad():
-        a = trainer.batch_forward(model, head, offline, cfg, None)
-        b = trainer.batch_forward(model, head, online, cfg, None)
-        exact = trainer.batch_forward(model, head, type(online)(online.input_ids, online.loss_mask,
-                                      online.hidden_states.bfloat16().float(), online.sample_ids, online.lengths),
-                                      cfg, None)
+        a, b, exact = (trainer.forward(model, head, x, cfg, torch.float32, None, True) for x in (offline, online, rounded))
     torch.testing.assert_close(a.loss, b.loss, rtol=2e-2, atol=0)
-    torch.testing.assert_close(a.loss, exact.loss, rtol=1e-3, atol=0)  # same states -> same loss
+    torch.testing.assert_close(a.loss, exact.loss, rtol=1e-6, atol=0)  # same states -> same loss
     assert torch.equal(a.count, b.count)
 
 
@@ -185,15 +179,17 @@ def test_resume_after_a_crash_gives_the_same_loss_curve(prepared_dir, tmp_path, 
     full = tmp_path / "full"
     trainer.run(_cfg(prepared_dir, full, **cfg))
     crashed = tmp_path / "crashed"
+    real_lr_at = trainer.lr_at
 
-    def crash(step):
+    def crash(step, *args):  # the schedule is read at the start of every step: step 6 never runs
         if step == 5:
             raise KeyboardInterrupt
+        return real_lr_at(step, *args)
 
-    monkeypatch.setattr(trainer, "_on_step_end", crash)
+    monkeypatch.setattr(trainer, "lr_at", crash)
     with pytest.raises(KeyboardInterrupt):
         trainer.run(_cfg(prepared_dir, crashed, **cfg))
-    monkeypatch.setattr(trainer, "_on_step_end", lambda step: None)
+    monkeypatch.setattr(trainer, "lr_at", real_lr_at)
     assert checkpoint.latest_checkpoint(crashed).name == "step-00000003"
     result = trainer.run(_cfg(prepared_dir, crashed, **cfg))
     assert result.summary["resumed from"].endswith("step-00000003")
@@ -260,12 +256,13 @@ def test_nan_features_stop_naming_step_and_sample_and_keep_the_checkpoint(store_
             item = self._s[i]
             if item["sample_id"] == 7:
                 Poisoned.reads += 1
-            if item["sample_id"] == 7 and Poisoned.reads > 1:  # fine in epoch 0, NaN in epoch 1
+            if item["sample_id"] == 7 and Poisoned.reads > 2:  # read to count the vocabulary, fine in epoch 0
                 item["hidden_states"] = item["hidden_states"].clone()
                 item["hidden_states"][3, 0, 5] = float("nan")
             return item
 
     monkeypatch.setattr(store_mod, "open", lambda p, dtype=torch.float32: Poisoned(real_open(p, dtype)))
+    Poisoned.reads = 0
     with pytest.raises(DraftsmithError, match=r"step \d+: sample 7 has NaN/Inf hidden states") as err:
         trainer.run(_cfg(store_dir, out, epochs=3, save_every=1, eval_fraction=0.0))
     last = checkpoint.latest_checkpoint(out)
@@ -335,9 +332,11 @@ def test_init_from_an_export_continues_from_its_weights_and_vocabulary(prepared_
     assert again.keys() == exported.tensors.keys()
     for name, tensor in exported.tensors.items():
         torch.testing.assert_close(again[name], tensor, msg=name)
-    fresh = trainer.initial_draft(_cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200),
-                                  trainer.setup(_cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200),
-                                                torch.device("cpu")))[0]
+    from draftsmith.train.setup import initial_draft, open_data, split
+
+    cfg = _cfg(prepared_dir, tmp_path / "x", draft_vocab_size=200)
+    source = open_data(cfg, torch.device("cpu"))
+    fresh = initial_draft(cfg, source, split(source, cfg)[0])[0]
     assert not torch.equal(draft_tensors(fresh.state_dict())["fc.weight"], exported.tensors["fc.weight"])
 
 
@@ -357,3 +356,47 @@ def test_init_from_a_draft_for_other_layers_or_target_or_nothing_is_refused(prep
     write_prepared(other_prepared, _samples(8), target_identity(other), chat_template_hash="t", max_length=64)
     with pytest.raises(DraftsmithError, match=r"--init-from .*: draft was built for another target \(hidden size 64 != 32"):
         trainer.run(_cfg(other_prepared, tmp_path / "d", init_from=first, aux_layer_ids=[1, 2, 3]))
+
+
+# ---------------------------------------------------------------------------------------------- split and vocabulary
+
+def test_held_out_split_has_its_own_seed_is_recorded_and_read_back_by_evaluate(prepared_dir, tmp_path):
+    from draftsmith import export
+    from draftsmith.config import ExportConfig
+    from draftsmith.core.targets import load_tokenizer
+    from draftsmith.evaluate.prompts import held_out_split, load_prompts
+    from draftsmith.prepare.dataset import split_indices
+    from draftsmith.train.drafts import load_draft
+
+    out = tmp_path / "run"
+    trainer.run(_cfg(prepared_dir, out, max_steps=1, eval_fraction=0.25, split_seed=5, seed=1))
+    _, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out))
+    assert (manifest.eval_fraction, manifest.split_seed) == (0.25, 5)
+    export.run(ExportConfig(checkpoint=out, output=tmp_path / "export"))
+    source = load_draft(tmp_path / "export")
+    split = held_out_split(None, None, source.training)
+    assert split == {"eval_fraction": 0.25, "split_seed": 5}
+    assert held_out_split(0.5, 2, source.training) == {"eval_fraction": 0.5, "split_seed": 2}  # given: as given
+    prompts = load_prompts(str(prepared_dir), load_tokenizer(manifest.target.path), **split)
+    held = split_indices(24, 0.25, 5)[1]
+    assert held != split_indices(24, 0.25, 1)[1]  # not the training seed's split
+    assert {p.id for p in prompts} <= {f"sample-{i}" for i in held} and prompts
+
+
+def test_draft_vocabulary_is_counted_on_the_training_split_only(sharp_target_dir, tmp_path):
+    from draftsmith.prepare.dataset import split_indices
+
+    samples = _samples(20, seed=3, vocab=60)
+    held = split_indices(20, 0.2, 0)[1]
+    for i in held:  # tokens 300..309 appear in the held-out samples alone, more often than any other
+        samples[i]["input_ids"][-10:] = np.arange(300, 310)
+        samples[i]["input_ids"] = np.concatenate([samples[i]["input_ids"], np.arange(300, 310).repeat(4)])
+        samples[i]["loss_mask"] = np.concatenate([samples[i]["loss_mask"], np.ones(40, dtype=np.int64)])
+    path = tmp_path / "prep"
+    write_prepared(path, samples, target_identity(sharp_target_dir), chat_template_hash="t", max_length=128)
+    out = tmp_path / "run"
+    trainer.run(_cfg(path, out, max_steps=1, eval_fraction=0.2, draft_vocab_size=64))
+    tensors, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out))
+    in_vocab = set((torch.arange(64) + tensors["d2t"]).tolist())
+    assert not in_vocab & set(range(300, 310))
+    assert set(range(4, 60)) <= in_vocab  # the training split's tokens

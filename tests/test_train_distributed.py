@@ -1,5 +1,5 @@
-"""torchrun --nproc-per-node 2 (gloo, CPU): DDP / FSDP2 gradients equal one process on the combined batch, and the
-trainer runs end to end with only rank 0 writing."""
+"""torchrun --nproc-per-node 2 (gloo, CPU): DDP / FSDP2 gradients equal one process on the combined batch, the
+trainer gives one process's loss curve under both with gradient accumulation, and only rank 0 writes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from draftsmith.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -30,8 +32,10 @@ _GRAD_SCRIPT = textwrap.dedent('''
     model = distributed.wrap(TTTModel(draft), info)
     mine = batches[info.rank::info.world_size]
     norm = distributed.all_reduce_sum(sum(step_counts(b.loss_mask, cfg.ttt_steps) for b in mine), info)
-    for b in mine:
-        (trainer.batch_forward(model, head, b, cfg, norm).loss * info.world_size).backward()
+    for j, b in enumerate(mine):
+        with distributed.grad_sync(model, info, j == len(mine) - 1):  # one reduction, after the last micro-batch
+            (trainer.forward(model, head, b, cfg, torch.float32, norm, True).loss * info.world_size).backward()
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "embed_tokens" in n)
     grads = {}
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -48,7 +52,7 @@ def make_problem():
     from draftsmith.config import TrainConfig
     from draftsmith.train.batches import collate
     from draftsmith.train.model import DraftSpec, Eagle3Draft
-    from draftsmith.train.stage import TargetHead
+    from draftsmith.train.ttt import TargetHead
 
     torch.manual_seed(0)
     cfg = DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -66,7 +70,7 @@ def make_problem():
         items = [{"input_ids": torch.randint(0, 60, (n - j,), generator=gen),
                   "loss_mask": torch.rand(n - j, generator=gen) > 0.3,
                   "hidden_states": torch.randn(n - j, 4, 32, generator=gen), "sample_id": 10 * i + j} for j in range(2)]
-        batches.append(collate(items))
+        batches.append(collate(items, 3))
     return draft, head, batches, TrainConfig(ttt_steps=3, device="cpu")
 
 
@@ -78,7 +82,7 @@ def _single_process_grads():
     model = TTTModel(draft)
     norm = sum(step_counts(b.loss_mask, cfg.ttt_steps) for b in batches)
     for b in batches:
-        trainer.batch_forward(model, head, b, cfg, norm).loss.backward()
+        trainer.forward(model, head, b, cfg, torch.float32, norm, True).loss.backward()
     return {n.replace("draft.", ""): p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -100,6 +104,62 @@ def test_two_process_gradients_equal_the_combined_batch(tmp_path, strategy):
     assert got.keys() == expected.keys() and "fc.weight" in got
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _train_script(tmp_path: Path, prepared: Path, out: Path, **options) -> Path:
+    script = tmp_path / f"train-{out.name}.py"
+    script.write_text(textwrap.dedent(f'''
+        import sys
+        from draftsmith.config import TrainConfig
+        from draftsmith.train import run
+        r = run(TrainConfig(data="{prepared}", output="{out}", **{options!r}))
+        sys.stdout.write(f"RESULT {{r.summary['steps']}}\\n")  # one write: the two ranks' lines never interleave
+    '''))
+    return script
+
+
+def _losses(run: Path) -> list[tuple[int, int, float]]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(m["step"], m["tokens_seen"], m["loss"]) for m in lines if m["type"] == "train"]
+
+
+def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp_path):
+    """Four optimizer steps of 4 micro-batches each: one process with --grad-accum 4, two with --grad-accum 2
+    (every rank reads every other batch of the same packing, so each step sees the same samples)."""
+    import numpy as np
+
+    from draftsmith.core.targets import target_identity
+    from draftsmith.prepare.dataset import write_prepared
+    from draftsmith.train import run
+
+    rng = np.random.default_rng(3)
+    samples = [{"input_ids": rng.integers(4, 300, n), "loss_mask": (rng.random(n) > 0.3).astype(int)}
+               for n in rng.integers(12, 30, 48)]
+    prepared = tmp_path / "prep"
+    write_prepared(prepared, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
+    common = dict(draft_vocab_size=300, ttt_steps=3, token_budget=64, max_steps=4, eval_fraction=0.0, log_every=1,
+                  lr=3e-3, warmup_steps=1, device="cpu", save_every=1000)
+    torch.set_num_threads(1)
+    run(TrainConfig(data=prepared, output=tmp_path / "one", grad_accum=4, **common))
+    one = _losses(tmp_path / "one")
+    assert [s for s, _, _ in one] == [1, 2, 3, 4]
+    for strategy in ("ddp", "fsdp2"):
+        out = tmp_path / strategy
+        script = _train_script(tmp_path, prepared, out, grad_accum=2, distributed=strategy, **common)
+        assert _torchrun([str(script)], tmp_path).stdout.count("RESULT 4") == 2
+        two = _losses(out)
+        assert [(s, t) for s, t, _ in two] == [(s, t) for s, t, _ in one], strategy  # the same tokens per step
+        np.testing.assert_allclose([x for _, _, x in two], [x for _, _, x in one], rtol=1e-5, err_msg=strategy)
+    assert one[-1][2] < one[0][2]  # it trains
+
+
+def test_auto_picks_ddp_for_a_one_layer_draft_and_fsdp2_for_a_huge_head():
+    from draftsmith.train import distributed
+
+    draft, _, _, _ = make_problem()
+    assert distributed.choose_strategy("auto", draft, 30) == "ddp"
+    assert distributed.choose_strategy("auto", draft, 131072) == "fsdp2"
+    assert distributed.choose_strategy("fsdp2", draft, 30) == "fsdp2"
 
 
 def test_torchrun_trainer_end_to_end_rank0_writes(tiny_target_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""TTT: loss-mask alignment, the target distribution, loss normalisation and metrics."""
+"""TTT: loss-mask alignment (the host-built StepIndex), the target distribution, the fused KL, loss normalisation
+and metrics."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from draftsmith.core import targets
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import (
     TargetDistribution,
+    TargetHead,
+    TargetKL,
     step_counts,
-    step_views,
+    step_index,
     summarise,
     target_distribution,
     ttt_forward,
@@ -30,11 +33,18 @@ def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0):
     return draft
 
 
-def _random_target(b, t, vocab_d, seed=0):
+def _random_probs(b, t, vocab_d, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    probs = torch.softmax(torch.randn(b, t, vocab_d, generator=gen) * 2, -1)
-    return TargetDistribution(probs=probs, neg_entropy=(probs * probs.log()).sum(-1),
-                              mass=torch.full((b, t), 0.9), argmax=torch.randint(0, 40, (b, t), generator=gen))
+    return torch.softmax(torch.randn(b, t, vocab_d, generator=gen, dtype=dtype) * 2, -1)
+
+
+def _compact(probs: torch.Tensor, index, mass=0.9, argmax=None) -> TargetDistribution:
+    """A [B, T, Vd] distribution at the index's needed rows (what TargetHead returns)."""
+    p = probs.flatten(0, 1)[index.needed]
+    n = p.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    top = argmax.flatten()[index.needed] if argmax is not None else torch.randint(0, 40, (n,), generator=gen)
+    return TargetDistribution(p, (p * p.log()).sum(-1), torch.full((n,), mass, dtype=p.dtype), top)
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -44,41 +54,50 @@ def test_full_ttt_forward_matches_naive_reference(layers):
     ids = torch.randint(0, 40, (2, 12), generator=gen)
     mask = torch.rand(2, 12, generator=gen) > 0.3
     aux = torch.randn(2, 12, 96, dtype=torch.float64, generator=gen)
-    target = _random_target(2, 12, 16)
-    target = TargetDistribution(*(x.double() if x.is_floating_point() else x for x in
-                                  (target.probs, target.neg_entropy, target.mass, target.argmax)))
+    index = step_index(mask.numpy(), 5)
+    target = _compact(_random_probs(2, 12, 16, dtype=torch.float64), index)
     results = {}
     for mode in ("ttt", "naive"):
         draft.zero_grad()
-        out = ttt_forward(draft, ids, mask, aux, target, ttt_steps=5, mode=mode)
+        out = ttt_forward(draft, ids, aux, target, index, ttt_steps=5, mode=mode)
         out.loss.backward()
         results[mode] = (out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
     (a, ga), (b, gb) = results["ttt"], results["naive"]
     torch.testing.assert_close(a.loss, b.loss)
-    torch.testing.assert_close(a.correct, b.correct)
+    torch.testing.assert_close(a.sums, b.sums)
     assert ga.keys() == gb.keys() and "fc.weight" in ga
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], msg=name)
 
 
 def test_loss_mask_is_aligned_with_the_predicted_token_at_every_step():
-    """Hand-built: tokens 100..111; assistant tokens are 105..108 and 111; a perfect target predicts x_{j+1} at j."""
+    """Hand-built: tokens 100..111; assistant tokens are 105..108 and 111; step k at t reads x_{t+k+1}, is scored
+    where x_{t+k+2} is an assistant token, and reads the target's p_{t+k+1}."""
     x = torch.arange(100, 112)[None]  # [1, 12]
     loss_mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1]], dtype=torch.bool)
-    argmax = torch.cat((x[:, 1:], torch.tensor([[0]])), 1)  # target's top-1 at j is x_{j+1}
-    target = TargetDistribution(probs=torch.zeros(1, 12, 3), neg_entropy=torch.zeros(1, 12), mass=torch.ones(1, 12),
-                                argmax=argmax)
+    index = step_index(loss_mask.numpy(), 6)
+    assert index.needed.tolist() == [4, 5, 6, 7, 10]  # p_j is read where x_{j+1} is an assistant token
     for k in range(6):
-        ids, _, _, _, tgt, mask = step_views(k, x, loss_mask, target)
-        n = 12 - k - 2
-        assert tgt.shape[1] == mask.shape[1] == n
-        for t in range(n):
-            assert ids[0, t] == x[0, t + k + 1]  # step k at t reads x_{t+k+1}
-            assert tgt[0, t] == x[0, t + k + 2]  # ... and predicts x_{t+k+2}
-            # the weight is the predicted token's own mask: 1 exactly for the assistant tokens
-            assert bool(mask[0, t]) == (int(tgt[0, t]) in (105, 106, 107, 108, 111)), (k, t)
-    # step counts: positions whose predicted token is an assistant token
-    assert step_counts(loss_mask, 5).tolist() == [5, 5, 5, 5, 4]
+        rows = index.scored[k].tolist()
+        assert all(t < 12 - k - 2 for t in rows)
+        predicted = [int(x[0, t + k + 2]) for t in rows]
+        expected = [int(x[0, t + k + 2]) for t in range(12 - k - 2) if int(x[0, t + k + 2]) in (105, 106, 107, 108,
+                                                                                                    111)]
+        assert predicted == expected, k
+        assert [int(index.needed[i]) for i in index.target[k]] == [t + k + 1 for t in rows], k
+    assert index.counts.tolist() == [5, 5, 5, 5, 4, 3]
+    assert step_counts(loss_mask, 6).tolist() == index.counts.tolist()
+
+
+def test_step_index_rows_stay_inside_their_sample():
+    mask = torch.rand(3, 9, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[2, 5:] = False  # padding
+    index = step_index(mask.numpy(), 4)
+    for k in range(4):
+        b, t = index.scored[k] // 9, index.scored[k] % 9
+        assert bool(mask[b, t + k + 2].all())
+        j = index.needed[index.target[k]]
+        assert torch.equal(j // 9, b) and torch.equal(j % 9, t + k + 1)
 
 
 def test_only_the_target_position_of_a_scored_token_reaches_the_loss():
@@ -89,15 +108,15 @@ def test_only_the_target_position_of_a_scored_token_reaches_the_loss():
     loss_mask = torch.zeros(1, 10, dtype=torch.bool)
     loss_mask[0, 6] = True
     aux = torch.randn(1, 10, 96, generator=torch.Generator().manual_seed(1))
-    base = _random_target(1, 10, 16)
+    base = _random_probs(1, 10, 16)
+    index = step_index(loss_mask.numpy(), 3)
 
     def loss_with(position):
-        probs = base.probs.clone()
+        probs = base.clone()
         if position is not None:
             probs[0, position] = torch.softmax(torch.randn(16, generator=torch.Generator().manual_seed(9)), -1)
-        target = TargetDistribution(probs, (probs * probs.log()).sum(-1), base.mass, base.argmax)
         with torch.no_grad():
-            return ttt_forward(draft, ids, loss_mask, aux, target, ttt_steps=3)
+            return ttt_forward(draft, ids, aux, _compact(probs, index), index, ttt_steps=3)
 
     ref = loss_with(None)
     assert ref.count.tolist() == [1, 1, 1]
@@ -113,46 +132,57 @@ def test_target_distribution_matches_the_target_model_and_is_chunk_invariant(tin
     layers = targets.decoder_layers(target)
     hook = layers[-1].register_forward_hook(lambda m, a, o: captured.setdefault("h", o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():
-        logits = target(ids).logits
+        logits = target(ids).logits.flatten(0, 1)
     hook.remove()
+    rows = captured["h"].flatten(0, 1)
     draft_ids = torch.arange(0, 300, 3)
-    head = targets.lm_head(target).weight
-    dist = target_distribution(captured["h"], targets.final_norm(target), head, draft_ids)
-    small = target_distribution(captured["h"], targets.final_norm(target), head, draft_ids, chunk_elements=500)
+    weight, norm = targets.lm_head(target).weight, targets.final_norm(target)
+    dist = target_distribution(rows, norm, weight, weight[draft_ids])
+    small = target_distribution(rows, norm, weight, weight[draft_ids], chunk_elements=500)
     expected = torch.softmax(logits[..., draft_ids], -1)
     torch.testing.assert_close(dist.probs, expected, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(small.probs, dist.probs)
     assert torch.equal(dist.argmax, logits.argmax(-1))
     torch.testing.assert_close(dist.mass, torch.softmax(logits, -1)[..., draft_ids].sum(-1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dist.neg_entropy, (expected * expected.log()).sum(-1), atol=1e-5, rtol=1e-4)
+    lean = target_distribution(rows, norm, weight, weight[draft_ids], full=False)
+    assert lean.mass is None and lean.argmax is None
+    assert torch.equal(lean.probs, dist.probs) and torch.equal(lean.neg_entropy, dist.neg_entropy)  # the loss's
 
 
-def test_target_head_on_needed_positions_only_gives_the_same_ttt_result():
-    from draftsmith.train.ttt import needed_positions
-
-    draft = _tiny_draft()
+def test_target_head_reads_the_needed_rows_only():
     gen = torch.Generator().manual_seed(11)
-    ids = torch.randint(0, 40, (2, 12), generator=gen)
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[0, 5:] = True
     mask[1, 3:7] = True  # a second assistant turn ends mid-sample: positions after it are not needed
-    aux = torch.randn(2, 12, 96, generator=gen)
+    index = step_index(mask.numpy(), 3)
     last = torch.randn(2, 12, 32, generator=gen)
-    norm, weight = torch.nn.RMSNorm(32), torch.randn(40, 32, generator=gen)
-    needed = needed_positions(mask)
-    assert needed[0].tolist() == [False] * 4 + [True] * 7 + [False]
-    assert needed[1].tolist() == [False] * 2 + [True] * 4 + [False] * 6
-    full = target_distribution(last, norm, weight, draft.draft_to_target)
-    part = target_distribution(last, norm, weight, draft.draft_to_target, needed=needed, chunk_elements=80)
-    for name in ("probs", "neg_entropy", "mass", "argmax"):
-        a, b = getattr(full, name), getattr(part, name)
-        torch.testing.assert_close(b[needed], a[needed])
-        assert not b[~needed].any(), name  # never computed
-    with torch.no_grad():
-        a = ttt_forward(draft, ids, mask, aux, full, ttt_steps=3)
-        b = ttt_forward(draft, ids, mask, aux, part, ttt_steps=3)
-    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)  # other chunking: float rounding only
-    for name in ("kl_sum", "correct", "accept_sum", "count"):
-        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-5, atol=1e-6)
+    norm, weight, ids = torch.nn.RMSNorm(32), torch.randn(40, 32, generator=gen), torch.arange(0, 32, 2)
+    head = TargetHead(norm, weight, ids)
+    assert index.needed.tolist() == [4, 5, 6, 7, 8, 9, 10] + [12 + j for j in (2, 3, 4, 5)]
+    part = head(last, index)
+    nan_elsewhere = last.clone()
+    nan_elsewhere.view(24, 32)[[j for j in range(24) if j not in index.needed.tolist()]] = float("nan")
+    torch.testing.assert_close(head(nan_elsewhere, index).probs, part.probs)  # nothing else is read
+    dense = torch.softmax(norm(last.flatten(0, 1)) @ weight[ids].T, -1)[index.needed]
+    torch.testing.assert_close(part.probs, dense, atol=1e-6, rtol=1e-5)
+    strided = torch.randn(2, 12, 4, 32, generator=gen)
+    strided[:, :, -1] = last
+    torch.testing.assert_close(head(strided[:, :, -1], index).probs, part.probs)  # a layer of [B, T, L, H]
+
+
+def test_fused_kl_matches_log_softmax_and_its_gradient():
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(7, 11, dtype=torch.float64, generator=gen, requires_grad=True)
+    probs = torch.softmax(torch.randn(9, 11, dtype=torch.float64, generator=gen), -1)
+    rows = torch.tensor([0, 3, 3, 8, 1, 2, 5])
+    neg_ent = (probs * probs.log()).sum(-1)
+    kl = TargetKL.apply(z, probs, rows, neg_ent)
+    reference = (probs[rows] * (probs[rows].log() - torch.log_softmax(z, -1))).sum(-1)
+    torch.testing.assert_close(kl, reference)
+    assert torch.autograd.gradcheck(lambda z: TargetKL.apply(z, probs, rows, neg_ent), (z,))
+    half = TargetKL.apply(z.detach().bfloat16().requires_grad_(), probs.float(), rows, neg_ent.float())
+    assert half.dtype == torch.float32  # bf16 logits are summed in fp32
 
 
 def test_kl_is_zero_and_acceptance_one_when_draft_equals_target():
@@ -168,12 +198,14 @@ def test_kl_is_zero_and_acceptance_one_when_draft_equals_target():
     q = torch.softmax(logits, -1)  # step 0's q at t is trained towards p_{t+1}: shift by one
     probs = torch.cat((q[:, :1], q[:, :-1]), 1)
     top = probs.argmax(-1)
-    target = TargetDistribution(probs=probs, neg_entropy=(probs * probs.log()).sum(-1), mass=torch.ones(1, 9),
-                                argmax=top + draft.d2t[top])
-    out = ttt_forward(draft, ids, mask, aux, target, ttt_steps=1)
+    index = step_index(mask.numpy(), 1)
+    target = _compact(probs, index, mass=1.0, argmax=top + draft.d2t[top])
+    out = ttt_forward(draft, ids, aux, target, index, ttt_steps=1)
     assert abs(out.loss.item()) < 1e-5
-    assert out.correct[0] == out.count[0] == 7
-    torch.testing.assert_close(out.accept_sum[0], out.count[0], atol=1e-4, rtol=0)
+    assert out.sums[1, 0] == out.count[0] == 7
+    torch.testing.assert_close(out.sums[2, 0], out.count[0], atol=1e-4, rtol=0)
+    lean = ttt_forward(draft, ids, aux, target, index, ttt_steps=1, metrics=False)
+    assert torch.equal(lean.loss, out.loss) and lean.sums[1:3].abs().sum() == 0  # no metrics, the same loss
 
 
 def test_split_batches_with_a_shared_normaliser_give_the_combined_gradient():
@@ -182,14 +214,15 @@ def test_split_batches_with_a_shared_normaliser_give_the_combined_gradient():
     ids = torch.randint(0, 40, (4, 11), generator=gen)
     mask = torch.rand(4, 11, generator=gen) > 0.4
     aux = torch.randn(4, 11, 96, generator=gen)
-    target = _random_target(4, 11, 16)
+    probs = _random_probs(4, 11, 16)
 
     def grads(parts):
         draft.zero_grad()
         norm = step_counts(mask, 3)
         for sl in parts:
-            part = TargetDistribution(*(x[sl] for x in (target.probs, target.neg_entropy, target.mass, target.argmax)))
-            ttt_forward(draft, ids[sl], mask[sl], aux[sl], part, 3, normaliser=norm).loss.backward()
+            index = step_index(mask[sl].numpy(), 3)
+            ttt_forward(draft, ids[sl], aux[sl], _compact(probs[sl], index), index, 3,
+                        normaliser=norm).loss.backward()
         return draft.fc.weight.grad.clone()
 
     torch.testing.assert_close(grads([slice(0, 4)]), grads([slice(0, 1), slice(1, 4)]), atol=1e-6, rtol=1e-5)

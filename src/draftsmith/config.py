@@ -173,9 +173,10 @@ class EvaluateConfig(StageConfig):
         "Prompt set: mt-bench (the embedded 80 questions), a ShareGPT JSON / messages JSONL file, or a prepared "
         "data set directory (its held-out split is used)."))
     num_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the set.")
-    eval_fraction: float = Field(0.02, ge=0.0, lt=1.0, description=(
-        "Held-out fraction of a prepared data set (must match the one training used)."))
-    split_seed: int = Field(0, description="Seed of the train / held-out split of a prepared set (as in training).")
+    eval_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
+        "Held-out fraction of a prepared data set; default: the one the draft was trained with (else 0.02)."))
+    split_seed: int | None = Field(None, description=(
+        "Seed of the train / held-out split of a prepared set; default: the draft's (else 0)."))
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
     k: list[int] = Field(default_factory=lambda: [3], description=(
@@ -228,13 +229,25 @@ class TrainConfig(StageConfig):
     clip: float = Field(0.5, ge=0, description="Gradient-norm clipping (0 disables).")
     noise_std: float = Field(0.0, ge=0, description="Std of Gaussian noise added to the target features.")
     eval_fraction: float = Field(0.02, ge=0, lt=1, description="Held-out fraction of samples evaluated each epoch.")
+    split_seed: int = Field(0, description=(
+        "Seed of the train / held-out split (by sample id; recorded in the checkpoint, so `draftsmith evaluate "
+        "--prompts PREPARED` holds out the same samples)."))
     eval_every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
     save_every: int = Field(500, ge=1, description="Write a checkpoint every N optimizer steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Step checkpoints kept on disk (best/ is kept apart).")
     log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     max_samples: int | None = Field(None, ge=1, description="Use only the first N samples of the data.")
     seed: int = Field(0, description="Seed for initialisation, data order and feature noise.")
-    distributed: Literal["ddp", "fsdp2"] = Field("ddp", description="Data parallelism under torchrun.")
+    distributed: Literal["auto", "ddp", "fsdp2"] = Field("auto", description=(
+        "Data parallelism under torchrun: ddp (every rank holds the draft), fsdp2 (sharded), or auto: fsdp2 only "
+        "for a draft whose weights, gradients and AdamW state pass 16 GiB or whose head has 128k+ tokens."))
+    num_workers: int | None = Field(None, ge=0, description=(
+        "DataLoader worker processes per rank that read and pad batches ahead; default: a few on a GPU, 0 on a CPU."))
+    compile: bool = Field(False, description=(
+        "torch.compile the draft's decoder layers (their forward and backward) in the TTT step."))
+    activation_checkpointing: bool = Field(False, description=(
+        "Recompute each TTT step's layer activations in the backward instead of keeping them (less memory, "
+        "about a third more compute)."))
     resume: bool = Field(True, description="Continue from the latest checkpoint in --output when there is one.")
     force: bool = Field(False, description=(
         "Resume even if hyper-parameters differ from the checkpoint's (prints what changed)."))

@@ -4,7 +4,8 @@
     FILE               ShareGPT JSON / messages JSONL (anything `draftsmith prepare` reads): the conversation up to
                        its first assistant turn; records with `turns` (MT-bench style) or `prompt` work too
     DIR (prepared)     a prepared data set: the samples of its held-out split (`prepared.split_indices`, the same
-                       split the trainer holds out), cut before the first assistant token
+                       split the trainer holds out: its eval fraction and split seed are read from the draft's
+                       training record unless given), cut before the first assistant token
 
 Every prompt ends with the template's generation prompt, so the target starts its answer.
 """
@@ -111,6 +112,13 @@ def _from_prepared(path: Path, target: TargetIdentity | None, limit: int | None,
     if not prompts:
         raise DraftsmithError(f"{path}: the held-out split has no sample with an assistant turn")
     return prompts
+
+
+def held_out_split(eval_fraction: float | None, split_seed: int | None, training: dict[str, Any]) -> dict[str, Any]:
+    """The held-out split to evaluate on: what the user passed, else what the draft was trained with (its manifest's
+    `training` record: every checkpoint, and the exports made from it), else draftsmith's defaults (0.02, seed 0)."""
+    return {"eval_fraction": eval_fraction if eval_fraction is not None else training.get("eval_fraction", 0.02),
+            "split_seed": split_seed if split_seed is not None else training.get("split_seed", 0)}
 
 
 def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = None, num_prompts: int | None = None,

@@ -22,7 +22,7 @@ from draftsmith import export
 from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
 from draftsmith.core import targets
 from draftsmith.evaluate import vllm_runner
-from draftsmith.evaluate.prompts import Prompt, load_prompts
+from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
 from draftsmith.evaluate.report import write_report
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
@@ -101,7 +101,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
-                           eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed)
+                           **held_out_split(cfg.eval_fraction, cfg.split_seed, source.training))
     output = Path(cfg.output)
     output.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)

@@ -1,65 +1,118 @@
-"""Where training batches come from: a token-budget sampler, padding collation, and the two feature sources.
+"""Where training batches come from: a token-budget sampler, a torch DataLoader over it, and the two feature sources.
 
-Offline: the hidden-state store already holds the aux layers and layer N for every sample.
-Online: the target runs inside the trainer (transformers) and the same layers are captured with the hf extraction
-backend's forward hooks (`draftsmith.extract.hf.capture_hidden_states`); nothing touches the disk. Both produce
-the same `Batch`.
+Offline: the hidden-state store already holds the aux layers and layer N for every sample; it is read in its storage
+dtype (bf16, or fp8 with per-row scales) as views of the shard files, padded once by `collate` (which also builds
+the batch's `StepIndex` on the host) and decoded only on the device (`Batch.features`). Online: the target runs
+inside the trainer (transformers) and the same layers are captured with forward hooks
+(`draftsmith.core.capture.capture_hidden_states`); nothing touches the disk. Both produce the same `Batch`.
+
+The DataLoader's sampler (`EpochPlan`) yields one key per micro-batch, epoch after epoch from a resume position;
+its workers (`--num-workers`) read and collate ahead, into pinned memory on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+import os
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract.store import decode_hidden_states
+from draftsmith.train.ttt import StepIndex, step_index
 
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, T] int64, right-padded with 0
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
-    hidden_states: torch.Tensor | None  # [B, T, L, H]: aux layers then layer N (None until the online target ran)
+    hidden_states: torch.Tensor | None  # [B, T, L, H] aux layers then layer N, as stored (None until the online
+    #                                     target ran)
+    hidden_scales: torch.Tensor | None  # [B, T, L] float32: fp8 stores' per-row scales, else None
+    index: StepIndex  # the rows each TTT step reads (built on the host)
     sample_ids: list[int]
     lengths: list[int]
+    epoch: int = 0  # where the sampler put it: epoch, optimizer step in the epoch, the epoch's last step
+    position: int = 0
+    last: bool = False
 
     @property
     def num_tokens(self) -> int:
         return int(sum(self.lengths))
 
-    def to(self, device: torch.device) -> "Batch":
-        hs = self.hidden_states.to(device, non_blocking=True) if self.hidden_states is not None else None
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), hs, self.sample_ids, self.lengths)
+    def _tensors(self, fn) -> "Batch":
+        hs, sc = self.hidden_states, self.hidden_scales
+        return replace(self, input_ids=fn(self.input_ids), loss_mask=fn(self.loss_mask),
+                       hidden_states=None if hs is None else fn(hs), hidden_scales=None if sc is None else fn(sc),
+                       index=self.index.map(fn))
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        return self._tensors(lambda x: x.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":  # the DataLoader's pin-memory thread calls this
+        return self._tensors(torch.Tensor.pin_memory)
+
+    def features(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux layers concatenated in id order [B, T, (L-1) * H], layer N [B, T, H]) in `dtype`, decoded on the
+        batch's device."""
+        hs, sc = self.hidden_states, self.hidden_scales
+        b, t, layers, h = hs.shape
+        aux = decode_hidden_states(hs[:, :, :-1], None if sc is None else sc[:, :, :-1], dtype)
+        last = decode_hidden_states(hs[:, :, -1], None if sc is None else sc[:, :, -1], dtype)
+        return aux.reshape(b, t, (layers - 1) * h), last
+
+    def finite(self) -> torch.Tensor:
+        """[B] bool on the device (no host sync): the sample's stored hidden states hold no NaN/Inf (an fp8 row
+        with a non-finite value has a non-finite scale)."""
+        x = self.hidden_scales if self.hidden_scales is not None else self.hidden_states
+        return torch.isfinite(x).flatten(1).all(1)
 
 
-def collate(items: Sequence[dict]) -> Batch:
-    """Right-pad samples to the longest: causal attention never lets a real position see the padding."""
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors are copied and zeroed as bytes (not every fp8 kernel exists on every device)."""
+    return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
+
+
+def collate(items: Sequence[dict], ttt_steps: int) -> Batch:
+    """Right-pad samples to the longest (causal attention never lets a real position see the padding) and build
+    the batch's StepIndex. Hidden states keep the dtype they come in; one sample is not copied at all."""
     lengths = [int(it["input_ids"].shape[0]) for it in items]
     b, t = len(items), max(lengths)
     input_ids = torch.zeros(b, t, dtype=torch.int64)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    hidden = None
-    if "hidden_states" in items[0]:
-        _, layers, h = items[0]["hidden_states"].shape
-        hidden = torch.zeros(b, t, layers, h, dtype=items[0]["hidden_states"].dtype)
     for i, (it, n) in enumerate(zip(items, lengths)):
         input_ids[i, :n] = it["input_ids"]
         loss_mask[i, :n] = it["loss_mask"].bool()
-        if hidden is not None:
-            hidden[i, :n] = it["hidden_states"]
-    return Batch(input_ids, loss_mask, hidden, [int(it["sample_id"]) for it in items], lengths)
+    padded = []
+    for key in ("hidden_states", "hidden_scales"):
+        if key not in items[0]:
+            padded.append(None)
+        elif b == 1:
+            padded.append(items[0][key][None])
+        else:
+            first = items[0][key]
+            out = torch.empty((b, t, *first.shape[1:]), dtype=first.dtype)
+            for i, (it, n) in enumerate(zip(items, lengths)):
+                _bytes(out[i, :n]).copy_(_bytes(it[key]))
+                _bytes(out[i, n:]).zero_()
+            padded.append(out)
+    return Batch(input_ids, loss_mask, padded[0], padded[1], step_index(loss_mask.numpy(), ttt_steps),
+                 [int(it["sample_id"]) for it in items], lengths)
 
+
+# ---------------------------------------------------------------------------------------------- sampling
 
 class TokenBudgetSampler:
     """Deterministic per-epoch batches of dataset indices, each at most `token_budget` tokens once padded.
 
     Each epoch: shuffle (seed, epoch), sort by length inside windows (little padding, still random), pack greedily,
-    shuffle the batch order, keep a multiple of world_size and give rank r every world_size-th batch. The state is
-    (epoch, position) only, so a resumed run sees exactly the batches an uninterrupted one would.
+    shuffle the batch order, keep a multiple of world_size and give rank r every world_size-th batch. Batches are a
+    pure function of (seed, epoch), so a resumed run sees exactly the batches an uninterrupted one would.
     """
 
     WINDOW = 512  # samples sorted together
@@ -80,7 +133,6 @@ class TokenBudgetSampler:
                 f"sample {i} has {int(self.lengths[i])} tokens, more than --token-budget {token_budget} "
                 f"({len(too_long)} such samples); raise --token-budget to at least {int(self.lengths.max())} "
                 "or prepare the data with a smaller --max-length")
-        self.epoch, self.position = 0, 0
 
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of epoch `epoch`."""
@@ -106,39 +158,118 @@ class TokenBudgetSampler:
         usable = len(batches) // self.world_size * self.world_size
         return batches[self.rank:usable:self.world_size]
 
-    def __len__(self) -> int:
-        return len(self.batches(self.epoch))
+    def steps_in(self, epoch: int, grad_accum: int) -> int:
+        """Optimizer steps of an epoch: its micro-batches in groups of grad_accum, a smaller rest dropped."""
+        return len(self.batches(epoch)) // grad_accum
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+@dataclass(frozen=True)
+class MicroBatchKey:
+    ids: tuple[int, ...]
+    epoch: int
+    position: int  # the optimizer step of the epoch
+    last: bool  # the epoch's last step
+
+
+class EpochPlan(Sampler):
+    """The run's micro-batches from (epoch, position) on, epoch after epoch (`epochs` None: no end): grad_accum
+    per optimizer step, each epoch's rest of fewer than grad_accum dropped."""
+
+    def __init__(self, sampler: TokenBudgetSampler, grad_accum: int, epoch: int = 0, position: int = 0,
+                 epochs: int | None = None):
+        self.sampler, self.grad_accum, self.start, self.epochs = sampler, grad_accum, (epoch, position), epochs
+
+    def __iter__(self) -> Iterator[MicroBatchKey]:
+        (epoch, position), empty = self.start, 0
+        while (self.epochs is None or epoch < self.epochs) and empty < 100:
+            batches = self.sampler.batches(epoch)
+            n = len(batches) // self.grad_accum
+            empty = 0 if n else empty + 1
+            for p in range(position, n):
+                for j in range(self.grad_accum):
+                    yield MicroBatchKey(tuple(batches[p * self.grad_accum + j]), epoch, p, p == n - 1)
+            epoch, position = epoch + 1, 0
+
+
+class MicroBatches(Dataset):
+    """dataset + ttt_steps -> collated batches by MicroBatchKey (what the DataLoader's workers run)."""
+
+    def __init__(self, dataset, ttt_steps: int):
+        self.dataset, self.ttt_steps = dataset, ttt_steps
+
+    def __getitem__(self, key: MicroBatchKey) -> Batch:
+        batch = collate([self.dataset[i] for i in key.ids], self.ttt_steps)
+        return replace(batch, epoch=key.epoch, position=key.position, last=key.last)
+
+
+def default_num_workers(device: torch.device, local_world_size: int = 1) -> int:
+    """Loader processes per rank: a few on a GPU (the step must never wait for the data); none on a CPU, where
+    reading and padding cost a few milliseconds a step and a worker would take a core from the matmuls."""
+    if device.type != "cuda":
+        return 0
+    return max(1, min(4, (os.cpu_count() or 2) // max(1, local_world_size) - 1))
+
+
+class TrainData:
+    """The training and evaluation micro-batches, on the device (online: with the target's hidden states)."""
+
+    def __init__(self, dataset, train: TokenBudgetSampler, evaluation: TokenBudgetSampler | None, ttt_steps: int,
+                 grad_accum: int, device: torch.device, num_workers: int, online: "OnlineSource | None" = None):
+        self.dataset, self.train, self.evaluation = dataset, train, evaluation
+        self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
+        self.num_workers, self.online = num_workers, online
+
+    def steps(self, epoch: int, position: int, epochs: int | None) -> Iterator[list[Batch]]:
+        """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
+        micro: list[Batch] = []
+        for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs)):
+            micro.append(self._ready(batch))
+            if len(micro) == self.grad_accum:
+                yield micro
+                micro = []
+
+    def eval_batches(self) -> Iterator[Batch]:
+        if self.evaluation is not None:
+            for batch in self._loader(EpochPlan(self.evaluation, 1, epochs=1)):
+                yield self._ready(batch)
+
+    def _ready(self, batch: Batch) -> Batch:
+        batch = batch.to(self.device, non_blocking=True)
+        return self.online(batch) if self.online is not None else batch
+
+    def _loader(self, plan: EpochPlan) -> DataLoader:
+        workers = self.num_workers
+        return DataLoader(MicroBatches(self.dataset, self.ttt_steps), sampler=plan, batch_size=None,
+                          num_workers=workers, pin_memory=self.device.type == "cuda",
+                          prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0))
 
 
 # ---------------------------------------------------------------------------------------------- online capture
 
 class OnlineSource:
-    """Fills a batch's hidden states by running the target (the online mode of the trainer)."""
+    """Fills a batch's hidden states by running the target (the online mode of the trainer), in its dtype."""
 
     def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
         self.target, self.layer_ids = target, list(layer_ids)
 
     def __call__(self, batch: Batch) -> Batch:
         # right-padded: causal attention keeps padding out of every real position, so no attention mask is needed
-        hs = capture_hidden_states(self.target, batch.input_ids, None, self.layer_ids, dtype=torch.float32)
-        return Batch(batch.input_ids, batch.loss_mask, hs, batch.sample_ids, batch.lengths)
+        hs = capture_hidden_states(self.target, batch.input_ids, None, self.layer_ids)
+        return replace(batch, hidden_states=hs, hidden_scales=None)
 
 
-def fetch(dataset, ids: list[int]) -> Batch:
-    return collate([dataset[i] for i in ids])
+def fetch(dataset, ids: list[int], ttt_steps: int = 1) -> Batch:
+    return collate([dataset[i] for i in ids], ttt_steps)
 
 
-def token_counts_from(dataset, vocab_size: int) -> torch.Tensor:
-    """Loss-masked token counts [vocab] computed from the samples themselves (when no prepared set is at hand)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for i in range(len(dataset)):
-        item = dataset[i]
-        ids = item["input_ids"][item["loss_mask"].bool()]
-        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+def token_counts(dataset, indices: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Loss-masked token counts [vocab] of the samples `indices` (the training split), read from the samples."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for a in range(0, len(indices), 4096):
+        parts = []
+        for i in indices[a:a + 4096]:
+            item = dataset[int(i)]
+            parts.append(item["input_ids"][item["loss_mask"].bool()].numpy())
+        if parts:
+            counts += np.bincount(np.concatenate(parts), minlength=vocab_size)[:vocab_size]
     return counts

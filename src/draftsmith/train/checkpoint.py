@@ -9,19 +9,23 @@ Run directory layout (`draftsmith train --output RUN`):
         manifest.json                    CheckpointManifest (kind "checkpoint")
         model.safetensors                the draft in fp32: fc, layers.*, norm, lm_head, d2t, t2d (module names);
                                          never the embedding, which is the target's (reloaded from it)
-        training_state.pt                optimizer, sampler position, RNG states, counters (torch.load weights_only)
+        training_state.pt                the RunState, optimizer, sampler position, RNG states (torch.load weights_only)
     RUN/best/                            manifest.json + model.safetensors of the best evaluation so far
 
 Each directory is built beside its final name and renamed into place (fsio.atomic_dir), so a crash or a full disk
-leaves the previous checkpoint whole. `load_checkpoint(path)` accepts RUN (best/, else the newest step), best/ or
+leaves the previous checkpoint whole; a directory being replaced (best/, or a step written again) and a checkpoint
+being dropped are first renamed out of the way, so no half-deleted one is ever seen under a checkpoint's name. `load_checkpoint(path)` accepts RUN (best/, else the newest step), best/ or
 a step directory and returns the draft's tensors and the CheckpointManifest; `draftsmith.train.drafts.load_draft`
 turns any draft directory into a draft.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,7 @@ BEST_DIR = "best"
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FORMAT = 2
 
 
 class DraftManifest(Manifest):
@@ -116,11 +121,76 @@ class CheckpointManifest(DraftManifest):
             value = getattr(self, key)
             if value not in (None, "", 0, 0.0):
                 summary[key] = round(value, 4) if isinstance(value, float) else value
+        if self.data:  # the held-out split, which `draftsmith evaluate --prompts PREPARED` reproduces from an export
+            summary["eval_fraction"], summary["split_seed"] = self.eval_fraction, self.split_seed
         for key, value in self.metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 summary[f"eval {key}"] = round(float(value), 4)
         self.training = summary
         return self
+
+
+@dataclass
+class RunState:
+    """Where a training run stands, saved with every step checkpoint. One step counter: the position in the epoch
+    is derived (step - epoch_start, the step at which `epoch` began)."""
+
+    step: int = 0
+    epoch: int = 0
+    epoch_start: int = 0
+    tokens: int = 0  # tokens trained on, all ranks (updated whenever metrics are reduced: before every save)
+    best: float | None = None  # best held-out acceptance length so far
+    last_eval: dict[str, Any] = field(default_factory=dict)
+    last_eval_step: int = -1
+
+    @property
+    def position(self) -> int:
+        return self.step - self.epoch_start
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states a run's randomness could come from: torch's CPU generator and every CUDA device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_state(run: RunState, optimizer_state: dict, sampler_seed: int) -> dict[str, Any]:
+    """What training_state.pt holds: the RunState, the optimizer, the RNG states and the sampler's position."""
+    return {"format": STATE_FORMAT, "run": asdict(run), "optimizer": optimizer_state, "rng": rng_state(),
+            "sampler": {"epoch": run.epoch, "position": run.position, "seed": sampler_seed}}
+
+
+def run_state(saved: dict[str, Any]) -> RunState:
+    """The RunState of a loaded training state (this format, or draftsmith 0.1's flat counters)."""
+    if "run" in saved:
+        return RunState(**saved["run"])
+    sampler = saved["sampler"]
+    return RunState(step=saved["step"], epoch=sampler["epoch"], epoch_start=saved["step"] - sampler["position"],
+                    tokens=saved["tokens"], best=saved.get("best_acceptance_length"))
+
+
+def saved_rng(saved: dict[str, Any]) -> dict[str, Any]:
+    return saved["rng"] if "rng" in saved else {"torch": saved["rng_torch"], "cuda": []}
+
+
+def _move_aside(path: Path) -> Path | None:
+    """Rename a directory out of the way (atomic); it is deleted afterwards, or by the next save if killed."""
+    if not path.exists():
+        return None
+    aside = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(path, aside)
+    return aside
+
+
+def _remove_stale(root: Path) -> None:
+    for stale in root.glob(".*.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -149,14 +219,17 @@ def save_checkpoint(run_dir: Path, manifest: CheckpointManifest, model_state: di
     target = Path(run_dir) / BEST_DIR if best else step_dir(run_dir, manifest.step)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in draft_tensors(model_state).items()}
     with atomic_dir(target) as tmp:
+        _remove_stale(target.parent)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "draftsmith": "eagle3-draft"})
         files = {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}
         if training_state is not None and not best:
             torch.save(training_state, tmp / STATE_FILE)
             files[STATE_FILE] = sha256_file(tmp / STATE_FILE)
         write_manifest(tmp, manifest.model_copy(update={"files": files}))
-    if not best:
-        for old in list_checkpoints(run_dir)[:-keep]:
+        replaced = _move_aside(target)  # atomic_dir renames tmp into the freed name
+    removed = [replaced] + ([_move_aside(old) for old in list_checkpoints(run_dir)[:-keep]] if not best else [])
+    for old in removed:
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     return target
 

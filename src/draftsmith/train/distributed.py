@@ -1,18 +1,39 @@
 """torchrun support: process group set-up, model wrapping (DDP or FSDP2), reductions, full state dicts.
 
+DDP for drafts whose weights, gradients and AdamW state fit on every GPU (the one-layer drafts: the default);
+FSDP2 (`fully_shard` per decoder layer and around the whole) when they would not (`choose_strategy`). Under both
+the target's frozen embedding is the one thing never communicated: every rank reads it from the target itself, DDP
+ignores it and FSDP2 leaves it out of its shards (`ignored_params`), so it is neither broadcast nor all-gathered.
+Gradient accumulation communicates once per optimizer step: `grad_sync(model, info, last)` is DDP's `no_sync`,
+or FSDP2's `set_requires_gradient_sync`, on every micro-batch but the last.
+
 One process (no torchrun) is world size 1 and every helper here is then a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
-from draftsmith.core.errors import DraftsmithError
+STRATEGIES = ("auto", "ddp", "fsdp2")
+# auto picks FSDP2 when the draft's trainable state (fp32 weights + gradients + two AdamW moments, 16 bytes a
+# parameter) passes this, or its vocabulary head is this wide: e.g. a full 128k+-token draft vocabulary.
+FSDP_STATE_BYTES = 16 << 30
+FSDP_VOCAB = 131072
+EMBEDDING = "draft.embed_tokens.weight"
 
 
 @dataclass
@@ -21,7 +42,7 @@ class DistInfo:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    strategy: str = "ddp"
+    strategy: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -32,7 +53,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def init(device: str, strategy: str = "ddp") -> DistInfo:
+def init(device: str, strategy: str = "auto") -> DistInfo:
     """Read torchrun's environment; start gloo (CPU) or nccl (GPU) when there is more than one process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -50,22 +71,43 @@ def init(device: str, strategy: str = "ddp") -> DistInfo:
     return DistInfo(rank, world, local, dev, strategy)
 
 
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def choose_strategy(requested: str, draft: nn.Module, draft_vocab_size: int) -> str:
+    """ddp or fsdp2 for `--distributed auto|ddp|fsdp2` (see FSDP_STATE_BYTES)."""
+    if requested != "auto":
+        return requested
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    return "fsdp2" if 16 * trainable > FSDP_STATE_BYTES or draft_vocab_size >= FSDP_VOCAB else "ddp"
+
+
 def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
-    """DDP (default) or FSDP2 `fully_shard` around a TTTModel; the model itself when single-process."""
+    """DDP or FSDP2 `fully_shard` around a TTTModel (info.strategy, already chosen); the model itself when
+    single-process. The frozen embedding stays out of both (module docstring)."""
     if not info.enabled:
         return model
+    embedding = model.get_parameter(EMBEDDING)
     if info.strategy == "fsdp2":
-        try:
-            from torch.distributed.fsdp import fully_shard
-        except ImportError:  # pragma: no cover - older torch
-            raise DraftsmithError("--distributed fsdp2 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard)") from None
         for layer in model.draft.layers:
             fully_shard(layer)
-        fully_shard(model)
+        fully_shard(model, ignored_params={embedding})
         return model
-    from torch.nn.parallel import DistributedDataParallel
+    # The embedding is every rank's own copy of the target's, and d2t / t2d never change: nothing to broadcast.
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [EMBEDDING])
+    return DistributedDataParallel(model, broadcast_buffers=False)  # single-device module: device_ids stays None
 
-    return DistributedDataParallel(model)  # a single-device module: device_ids stays None
+
+def grad_sync(model: nn.Module, info: DistInfo, sync: bool):
+    """Context for one micro-batch's forward + backward: gradients are reduced across ranks only when `sync`
+    (the step's last micro-batch); before, each rank accumulates its own."""
+    if not info.enabled:
+        return contextlib.nullcontext()
+    if info.strategy == "fsdp2":
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else model.no_sync()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -73,20 +115,27 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum over ranks (in place on a copy; float64 CPU tensors go through the process group's device)."""
+    """Sum over ranks, on a copy on the process group's device, returned on t's device (no host sync on CUDA)."""
     if not info.enabled:
         return t
-    x = t.to(info.device).clone()
+    x = t.to(info.device, copy=True)
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x.to(t.device)
+
+
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's `obj` (a few picklable values: what a rank found wrong), on every rank."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def full_model_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
     """The draft's whole state dict on CPU, names without the wrapper's `draft.` (gathers FSDP2 shards: every rank
     must call this)."""
     if info.enabled and info.strategy == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = unwrap(model).state_dict()
@@ -95,8 +144,6 @@ def full_model_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
     if info.enabled and info.strategy == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         return get_optimizer_state_dict(model, optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return optimizer.state_dict()
@@ -104,8 +151,6 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, inf
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, info: DistInfo) -> None:
     if info.enabled and info.strategy == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
         return
     optimizer.load_state_dict(state)

@@ -27,7 +27,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids
-from draftsmith.train.attention import cached_attention, naive_ttt_attention, ttt_attention
+from draftsmith.train.attention import cached_attention, naive_ttt_attention, ttt_attention, ttt_layer_call
 
 # The target's token embedding: part of the module, never of what is saved (checkpoints, exports).
 EMBEDDING = "embed_tokens.weight"
@@ -306,19 +306,20 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden)
 
     def forward_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                       cache: KVCache | None = None, mode: str = "decode") -> torch.Tensor:
+                       cache: KVCache | None = None, mode: str = "decode", checkpointed: bool = False) -> torch.Tensor:
         """One draft step up to the pre-norm hidden state [B, T, H] (what the next step reads). input_ids [B, T],
         hidden [B, T, H] (fused features or the previous step's output).
 
         cache: `KVCache(num_layers)` kept across calls (None: a fresh one). mode "ttt" (training), "naive" (the
-        explicit-mask reference) or "decode" (the K/V cache grows along the sequence).
+        explicit-mask reference) or "decode" (the K/V cache grows along the sequence). checkpointed (training
+        modes): each layer's activations are recomputed in the backward instead of kept (`ttt_layer_call`).
         """
         if cache is None:
             cache = KVCache(len(self.layers))
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(embeds, hidden, cos, sin, cache, mode)
+            hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

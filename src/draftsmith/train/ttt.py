@@ -5,13 +5,21 @@ state at position j (layer N) gives p_j, its distribution of token x_{j+1}. At T
   - reads the embedding of x_{t+k+1} and the fused target features f_t (k = 0) or its own step k-1 output at t,
   - sits at RoPE position t+k and attends causally to step-0 keys s <= t plus its own keys of steps 1..k at t,
   - predicts token x_{t+k+2}: it is trained towards p_{t+k+1}, with weight loss_mask[t+k+2] (the predicted token's).
-So step k has T-k-2 scored positions.
+So step k has T-k-2 candidate positions, of which the loss-masked ones are scored.
+
+No host synchronisation inside a step: which rows are scored at each step, and which rows of the target's
+distribution they read, are index tensors built on the host with the batch (`step_index`, called by the collate
+function), so every gather below has a size known before the step runs. Metrics are summed on the device; the
+metrics that need the target's full vocabulary (its top-1 and the mass inside the draft vocabulary) are computed
+only when asked for (logged steps, evaluation): the loss needs the draft vocabulary alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,134 +28,216 @@ from draftsmith.train.model import Eagle3Draft, KVCache
 
 # Target logits are materialised for at most this many elements at a time (a 150k vocabulary stays bounded).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
+# Rows of TTTResult.sums.
+KL, CORRECT, ACCEPT, COUNT = range(4)
 
+
+# ---------------------------------------------------------------------------------------------- host-side index
+
+@dataclass
+class StepIndex:
+    """Rows of a padded batch [B, T], flattened to b * T + t, that a TTT step reads (built on the host)."""
+
+    needed: torch.Tensor  # [N] int64: rows j whose target distribution p_j some step is scored against
+    scored: list[torch.Tensor]  # per step k, [N_k] int64: rows t scored at step k (loss_mask[t+k+2])
+    target: list[torch.Tensor]  # per step k, [N_k] int64: where row t+k+1 sits in `needed`
+    counts: torch.Tensor  # [K] float64: N_k, the scored positions per step
+
+    def map(self, fn) -> "StepIndex":
+        """The same index with fn applied to every tensor (e.g. a move to the device)."""
+        return StepIndex(fn(self.needed), [fn(x) for x in self.scored], [fn(x) for x in self.target], fn(self.counts))
+
+
+def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int) -> StepIndex:
+    """The rows each TTT step reads, from a [B, T] 0/1 loss mask (numpy, on the host: no device work).
+
+    Step k scores position t (t < T-k-2) when loss_mask[t+k+2] and trains it towards p_{t+k+1}; p_j is needed when
+    loss_mask[j+1] (so every target row a step reads is in `needed`, and padding is never read).
+    """
+    mask = np.asarray(loss_mask, dtype=bool)
+    b, t = mask.shape
+    needed = np.zeros((b, t), dtype=bool)
+    needed[:, :-1] = mask[:, 1:]
+    flat_needed = needed.reshape(-1)
+    rank = np.cumsum(flat_needed) - 1  # position of each needed row in `needed`
+    scored, target, counts = [], [], []
+    for k in range(ttt_steps):
+        n = max(t - k - 2, 0)
+        sel = np.zeros((b, t), dtype=bool)
+        sel[:, :n] = mask[:, k + 2:k + 2 + n]
+        rows = np.flatnonzero(sel)
+        scored.append(torch.from_numpy(rows.astype(np.int64)))
+        target.append(torch.from_numpy(rank[rows + k + 1].astype(np.int64)))  # t + k + 1 < T: the same sample
+        counts.append(len(rows))
+    return StepIndex(torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)), scored, target,
+                     torch.tensor(counts, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------- the target's side
 
 @dataclass
 class TargetDistribution:
-    probs: torch.Tensor  # [B, T, Vd] the target's p_j restricted to the draft vocabulary, renormalised (fp32)
-    neg_entropy: torch.Tensor  # [B, T] sum_v probs log probs (so KL = neg_entropy - sum probs log q)
-    mass: torch.Tensor  # [B, T] target probability mass inside the draft vocabulary
-    argmax: torch.Tensor  # [B, T] target argmax over the FULL vocabulary (target ids)
+    """The target's p_j at the needed rows (StepIndex.needed), compact: row i is needed[i]."""
 
-
-def needed_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: positions j whose p_j some TTT step is scored against, i.e. loss_mask[j + 1] (any step k reads
-    p_{t+k+1} only where loss_mask[t+k+2]). On chat data about a quarter of positions are not needed."""
-    return F.pad(loss_mask[:, 1:].bool(), (0, 1))
+    probs: torch.Tensor  # [N, Vd] p_j restricted to the draft vocabulary, renormalised (fp32)
+    neg_entropy: torch.Tensor  # [N] sum_v probs log probs (so KL = neg_entropy - sum probs log q)
+    mass: torch.Tensor | None = None  # [N] target probability mass inside the draft vocabulary (full=True)
+    argmax: torch.Tensor | None = None  # [N] target argmax over the FULL vocabulary, target ids (full=True)
 
 
 @torch.no_grad()
-def target_distribution(last_hidden: torch.Tensor, final_norm: nn.Module, lm_head_weight: torch.Tensor,
-                        draft_to_target: torch.Tensor, chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
-                        needed: torch.Tensor | None = None) -> TargetDistribution:
-    """p_j from layer N (un-normalised) through the target's final norm and lm_head, a few tokens at a time.
+def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weight: torch.Tensor,
+                        draft_weight: torch.Tensor, *, full: bool = True,
+                        chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> TargetDistribution:
+    """p_j from layer-N states `rows` [N, H] (un-normalised) through the target's final norm and lm_head.
 
-    With `needed` [B, T] only those positions go through the head (the target's full-vocabulary matmul is a large
-    part of a training step); the others are left zero, and nothing reads them.
+    The loss needs the draft vocabulary only: `draft_weight` [Vd, H] is the lm_head's draft-vocabulary rows, a
+    [N, Vd] matmul. full=True also runs the whole lm_head for the metrics (the target's top-1, the mass inside
+    the draft vocabulary); probs are computed the same way either way. A few rows at a time (bounded logits).
     """
-    b, t, h = last_hidden.shape
-    flat = last_hidden.reshape(b * t, h)
-    ids = draft_to_target.to(lm_head_weight.device)
-    device = last_hidden.device
-    rows = torch.arange(b * t, device=device) if needed is None else needed.reshape(-1).nonzero().squeeze(1)
-    # Filled chunk by chunk at the computed rows; rows not needed stay zero.
-    probs = torch.zeros(b * t, ids.numel(), device=device)
-    neg_ent, mass = torch.zeros(b * t, device=device), torch.zeros(b * t, device=device)
-    argmax = torch.zeros(b * t, dtype=torch.int64, device=device)
-    chunk = max(1, chunk_elements // lm_head_weight.shape[0])
-    for start in range(0, rows.numel(), chunk):
-        at = rows[start:start + chunk]
-        x = final_norm(flat[at].to(lm_head_weight.dtype))
-        logits = (x @ lm_head_weight.T).float()  # [chunk, V]
-        full_logp = torch.log_softmax(logits, dim=-1)
-        argmax[at] = logits.argmax(-1)
-        logp = torch.log_softmax(logits[:, ids], dim=-1)  # [chunk, Vd]
+    n, device = rows.shape[0], rows.device
+    probs = torch.empty(n, draft_weight.shape[0], device=device)
+    neg_ent = torch.empty(n, device=device)
+    mass = torch.empty(n, device=device) if full else None
+    argmax = torch.empty(n, dtype=torch.int64, device=device) if full else None
+    width = lm_head_weight.shape[0] if full else draft_weight.shape[0]
+    chunk = max(1, chunk_elements // width)
+    for a in range(0, n, chunk):
+        x = final_norm(rows[a:a + chunk].to(lm_head_weight.dtype))
+        logits = (x @ draft_weight.T).float()  # [chunk, Vd]
+        logp = torch.log_softmax(logits, dim=-1)
         p = logp.exp()
-        probs[at] = p
-        neg_ent[at] = (p * logp).sum(-1)
-        mass[at] = full_logp[:, ids].exp().sum(-1)
-    return TargetDistribution(probs=probs.view(b, t, -1), neg_entropy=neg_ent.view(b, t), mass=mass.view(b, t),
-                              argmax=argmax.view(b, t))
+        probs[a:a + chunk] = p
+        neg_ent[a:a + chunk] = (p * logp).sum(-1)
+        if full:
+            all_logits = (x @ lm_head_weight.T).float()  # [chunk, V]
+            argmax[a:a + chunk] = all_logits.argmax(-1)
+            mass[a:a + chunk] = torch.exp(torch.logsumexp(logits, -1) - torch.logsumexp(all_logits, -1))
+    return TargetDistribution(probs, neg_ent, mass, argmax)
 
 
-def step_views(k: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, target: TargetDistribution):
-    """What step k sees and is scored against, over its scored positions t = 0..T-k-3.
+class TargetHead:
+    """The target's final norm and lm_head: layer-N states -> the target's distribution over the draft vocabulary,
+    at the rows a batch needs. Keeps the lm_head's draft-vocabulary rows (a [Vd, H] copy, made once)."""
 
-    Returns (input ids [B, T] for the forward: x_{t+k+1}, zero-padded), and for the scored positions:
-    (target probs p_{t+k+1}, neg-entropy, mass, target argmax, mask = loss_mask[t+k+2]).
-    """
-    t = input_ids.shape[1]
-    ids = F.pad(input_ids[:, k + 1:], (0, k + 1))
-    n = max(t - k - 2, 0)
-    sl = slice(k + 1, k + 1 + n)
-    return (ids, target.probs[:, sl], target.neg_entropy[:, sl], target.mass[:, sl], target.argmax[:, sl],
-            loss_mask[:, k + 2:k + 2 + n])
+    def __init__(self, norm: nn.Module, weight: torch.Tensor, draft_to_target: torch.Tensor):
+        self.norm, self.weight = norm, weight
+        self.draft_weight = weight[draft_to_target.to(weight.device)].contiguous()
+
+    def __call__(self, last_hidden: torch.Tensor, index: StepIndex, full: bool = True) -> TargetDistribution:
+        """last_hidden [B, T, H] (any strides: only the needed rows are read)."""
+        b, t, h = last_hidden.shape
+        rows = last_hidden.reshape(b * t, h) if last_hidden.is_contiguous() else last_hidden.flatten(0, 1)
+        return target_distribution(rows.index_select(0, index.needed), self.norm, self.weight, self.draft_weight,
+                                   full=full)
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+class TargetKL(torch.autograd.Function):
+    """KL(p || softmax(z)) per row from the draft's logits z [N, V] and the target's probs[rows] [N, V], fused:
+    forward neg_entropy - sum p z + logsumexp(z), backward (softmax(z) - p) * grad. No log-softmax [N, V] is kept
+    (or made), and the gathered p is not saved: the backward gathers it again from the shared `probs`."""
+
+    @staticmethod
+    def forward(ctx, z, probs, rows, neg_entropy):
+        acc = torch.promote_types(z.dtype, torch.float32)  # bf16 logits are summed in fp32; fp64 stays fp64
+        zf = z.to(acc)
+        lse = torch.logsumexp(zf, dim=-1)
+        p = probs.index_select(0, rows).to(acc)
+        kl = neg_entropy.index_select(0, rows).to(acc) - (p * zf).sum(-1) + lse
+        ctx.save_for_backward(z, probs, rows, lse)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, probs, rows, lse = ctx.saved_tensors
+        dz = torch.exp(z.to(lse.dtype) - lse[:, None])
+        dz.sub_(probs.index_select(0, rows).to(lse.dtype)).mul_(grad[:, None].to(lse.dtype))
+        return dz.to(z.dtype), None, None, None
+
+
+def target_kl(z: torch.Tensor, target: TargetDistribution, rows: torch.Tensor) -> torch.Tensor:
+    """[N] forward KL(p_rows || softmax(z)) over the draft vocabulary."""
+    return TargetKL.apply(z, target.probs, rows, target.neg_entropy)
 
 
 def step_counts(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
-    """Scored (loss-masked) positions per TTT step [K] — the loss normaliser, summed over ranks and micro-batches."""
+    """Scored (loss-masked) positions per TTT step [K] (StepIndex.counts without the rows)."""
     t = loss_mask.shape[1]
-    return torch.stack([loss_mask[:, k + 2:].sum() if k + 2 < t else loss_mask.new_zeros(()).sum()
-                        for k in range(ttt_steps)]).double()
+    return torch.tensor([float(loss_mask[:, k + 2:].sum()) if k + 2 < t else 0.0 for k in range(ttt_steps)],
+                        dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------- the unrolled draft
+
+def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_steps: int,
+                      mode: str = "ttt", checkpointed: bool = False) -> Iterator[torch.Tensor]:
+    """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring)."""
+    b, t = input_ids.shape
+    cache = KVCache(len(draft.layers))
+    hidden = draft.fuse(aux_hidden)  # [B, T, H]
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    for k in range(ttt_steps):
+        ids = F.pad(input_ids[:, k + 1:], (0, k + 1))  # step k at t reads x_{t+k+1}
+        hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed)
+        yield hidden  # feeds step k+1
 
 
 @dataclass
 class TTTResult:
     loss: torch.Tensor  # scalar to backpropagate: sum_k w_k * sum_t mask * KL / normaliser_k
-    kl_sum: torch.Tensor  # [K] sum of masked KL per step (detached, fp64)
-    correct: torch.Tensor  # [K] masked positions where the draft's top-1 equals the target's (full-vocab) top-1
-    accept_sum: torch.Tensor  # [K] sum of expected acceptance sum_v min(p_target, q_draft)
-    count: torch.Tensor  # [K] masked positions
+    sums: torch.Tensor  # [4, K] float64 on the device, detached: KL sum, correct top-1 (metrics only), expected
+    #                     acceptance sum_v min(p_target, q_draft) (metrics only), scored positions
+
+    @property
+    def kl_sum(self) -> torch.Tensor:
+        return self.sums[KL]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.sums[COUNT]
 
 
-def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
-                target: TargetDistribution, ttt_steps: int, step_weight: float = 0.8,
-                normaliser: torch.Tensor | None = None, mode: str = "ttt") -> TTTResult:
-    """Unroll `ttt_steps` draft steps over a right-padded batch.
+def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target: TargetDistribution,
+                index: StepIndex, ttt_steps: int, step_weight: float = 0.8, normaliser: torch.Tensor | None = None,
+                metrics: bool = True, mode: str = "ttt", checkpointed: bool = False) -> TTTResult:
+    """Unroll `ttt_steps` draft steps over a right-padded batch and score them against the target.
 
-    input_ids/loss_mask [B, T] (the mask is 0/1: a position is scored or not); aux_hidden [B, T, num_aux * H] (aux
-    layers concatenated in id order). normaliser [K]
-    is the number of scored positions per step over everything averaged together (default: this batch), so gradients
-    summed over micro-batches and ranks equal the gradient of one combined batch.
+    input_ids [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order); `index` the batch's
+    StepIndex, on the device. normaliser [K] is the number of scored positions per step over everything averaged
+    together (default: this batch), so gradients summed over micro-batches and ranks equal the gradient of one
+    combined batch. metrics=False skips the top-1 and acceptance sums (they need the target's full vocabulary).
     """
-    b, t = input_ids.shape
-    mask_f = loss_mask.to(torch.float32)
-    if normaliser is None:
-        normaliser = step_counts(loss_mask, ttt_steps)
-    cache = KVCache(len(draft.layers))
-    hidden = draft.fuse(aux_hidden)  # [B, T, H]
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    device = input_ids.device
+    normaliser = (index.counts if normaliser is None else normaliser).to(device)
     d2t = draft.d2t
+    sums = torch.zeros(4, ttt_steps, dtype=torch.float64, device=device)
+    sums[COUNT] = index.counts.to(device)
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
-    kl_sum, correct, accept_sum, count = (torch.zeros(ttt_steps, dtype=torch.float64) for _ in range(4))
-    for k in range(ttt_steps):
-        ids, p, neg_ent, mass, tgt_argmax, mask = step_views(k, input_ids, mask_f, target)
-        hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode)  # [B, T, H], feeds step k+1
-        n = p.shape[1]
-        if n == 0:
+    steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed)
+    for k, hidden in enumerate(steps):
+        rows, at = index.scored[k], index.target[k]
+        if rows.numel() == 0:  # a shape: known on the host
             continue
         # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
-        sel = mask > 0  # [B, n]
-        logq = torch.log_softmax(draft.logits(hidden[:, :n][sel]), dim=-1,
-                                 dtype=torch.promote_types(hidden.dtype, torch.float32))  # [N, Vd]
-        p_sel = p[sel]
-        kl = neg_ent[sel] - (p_sel * logq).sum(-1)  # [N] forward KL(p || q) over the draft vocabulary
-        step_loss = kl.sum()
+        z = draft.logits(hidden.flatten(0, 1).index_select(0, rows))  # [N_k, Vd]
+        step_loss = target_kl(z, target, at).sum()
         loss = loss + (step_weight ** k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
-        with torch.no_grad():
-            draft_top = logq.argmax(-1)
-            draft_top_target = draft_top + d2t[draft_top]
-            accept = torch.minimum(p_sel * mass[sel][:, None], logq.exp()).sum(-1)
-            kl_sum[k] = step_loss.detach().double().cpu()
-            correct[k] = (draft_top_target == tgt_argmax[sel]).sum().double().cpu()
-            accept_sum[k] = accept.sum().double().cpu()
-            count[k] = sel.sum().double().cpu()
-    return TTTResult(loss=loss, kl_sum=kl_sum, correct=correct, accept_sum=accept_sum, count=count)
+        sums[KL, k] = step_loss.detach()
+        if metrics:
+            with torch.no_grad():
+                top = z.argmax(-1)
+                sums[CORRECT, k] = (top + d2t[top] == target.argmax.index_select(0, at)).sum()
+                p = target.probs.index_select(0, at) * target.mass.index_select(0, at)[:, None]
+                sums[ACCEPT, k] = torch.minimum(p, torch.softmax(z.float(), dim=-1)).sum()
+    return TTTResult(loss=loss, sums=sums)
 
 
 def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Tensor, count: torch.Tensor,
               step_weight: float) -> dict:
     """Per-step accuracy / expected acceptance / KL and the simulated acceptance length 1 + sum_k prod_{i<=k} acc_i."""
+    kl_sum, correct, accept_sum, count = (x.detach().double().cpu() for x in (kl_sum, correct, accept_sum, count))
     n = count.clamp(min=1)
     acc = (correct / n).tolist()
     length, run = 1.0, 1.0
@@ -172,7 +262,7 @@ class TTTModel(nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, input_ids, loss_mask, aux_hidden, target, ttt_steps, step_weight=0.8, normaliser=None,
-                mode="ttt") -> TTTResult:
-        return ttt_forward(self.draft, input_ids, loss_mask, aux_hidden, target, ttt_steps, step_weight, normaliser,
-                           mode)
+    def forward(self, input_ids, aux_hidden, target, index, ttt_steps, step_weight=0.8, normaliser=None,
+                metrics=True, mode="ttt", checkpointed=False) -> TTTResult:
+        return ttt_forward(self.draft, input_ids, aux_hidden, target, index, ttt_steps, step_weight, normaliser,
+                           metrics, mode, checkpointed)
