@@ -1,0 +1,105 @@
+"""kill -9 at random moments of a training run, each time resumed: the run ends with the same final checkpoint
+(bit-identical tensors) and the same loss curve as an uninterrupted one.
+
+The trainer runs in forked child processes of this one (torch and the tiny target already imported: a child starts
+in milliseconds), online on a tiny random target, with every feature that has state to resume: gradient
+accumulation, feature noise, evaluation (best/), several checkpoints kept, an epoch boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.config import TrainConfig
+from draftsmith.core.targets import target_identity
+from draftsmith.prepare.dataset import write_prepared
+from draftsmith.train import checkpoint
+from draftsmith.train import stage as trainer
+
+KILLS = 10
+
+
+def _train_child(cfg: TrainConfig) -> None:
+    torch.set_num_threads(1)  # deterministic and fast on a tiny model
+    trainer.run(cfg)
+
+
+def _start(cfg: TrainConfig) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("fork").Process(target=_train_child, args=(cfg,), daemon=True)
+    proc.start()
+    return proc
+
+
+def _curve(run) -> list[tuple]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(m["type"], m["step"], m["loss"], m.get("tokens_seen"), m["acc"]) for m in lines]
+
+
+def _final(run) -> dict[str, torch.Tensor]:
+    last = checkpoint.latest_checkpoint(run)
+    tensors = load_file(str(last / checkpoint.WEIGHTS_FILE))
+    state = checkpoint.load_training_state(last)
+    for i, per_param in state["optimizer"]["state"].items():
+        for key, value in per_param.items():
+            tensors[f"optimizer.{i}.{key}"] = value
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_target_dir, tmp_path_factory):
+    rng = np.random.default_rng(0)
+    samples = []
+    for n in rng.integers(14, 40, 40):
+        mask = np.zeros(n, dtype=np.int64)
+        mask[n // 3:] = 1
+        samples.append({"input_ids": rng.integers(4, 300, n), "loss_mask": mask})
+    path = tmp_path_factory.mktemp("kill") / "prepared"
+    write_prepared(path, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
+    return path
+
+
+def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_path):
+    def cfg(out):
+        return TrainConfig(data=prepared, output=out, draft_vocab_size=300, ttt_steps=2, token_budget=96,
+                           grad_accum=2, epochs=2, noise_std=0.05, eval_fraction=0.1, eval_every=3, save_every=2,
+                           keep_checkpoints=2, log_every=1, lr=3e-3, warmup_steps=2, device="cpu")
+
+    reference = tmp_path / "reference"
+    t0 = time.monotonic()
+    proc = _start(cfg(reference))
+    proc.join(120)
+    assert proc.exitcode == 0
+    duration = time.monotonic() - t0
+
+    killed = tmp_path / "killed"
+    rng = random.Random(1234)
+    kills = 0
+    for _ in range(KILLS):
+        proc = _start(cfg(killed))
+        proc.join(rng.uniform(0.05, duration))
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.join()
+    proc = _start(cfg(killed))  # and once more, to the end
+    proc.join(120)
+    assert proc.exitcode == 0
+    assert kills >= KILLS // 2  # most kills landed mid-run (the others found it finished)
+
+    assert _curve(killed) == _curve(reference)
+    ref, got = _final(reference), _final(killed)
+    assert ref.keys() == got.keys() and "fc.weight" in ref and any(k.startswith("optimizer.") for k in ref)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+    for path in checkpoint.list_checkpoints(killed) + [killed / checkpoint.BEST_DIR]:
+        checkpoint.load_checkpoint(path)  # every checkpoint on disk is whole
