@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--prompts", type=int, default=40, help="MT-bench prompts")
+    parser.add_argument("--prompt-set", default="mt-bench", help="prompts evaluated (draftsmith evaluate --prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", default="3", help="comma-separated draft lengths to measure")
     parser.add_argument("--work", type=Path, help="keep runs here (default: a temp dir)")
@@ -73,7 +74,7 @@ def main() -> None:
     export.run(ExportConfig(checkpoint=work / "train", output=work / "export"))
     ks = sorted({int(k) for k in args.k.split(",")})
     report = evaluation.run(EvaluateConfig(draft=work / "export", engine="hf", target=args.target,
-                                           output=work / "eval", k=ks,
+                                           output=work / "eval", k=ks, prompts=args.prompt_set,
                                            num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                                            baseline=False, device=args.device))
     runs = json.loads((work / "eval" / "report.json").read_text())["runs"]
@@ -87,7 +88,7 @@ def main() -> None:
         print(f"{step:>6} {tokens:>12,.0f} {acc:>11.3f} {tau:>18.3f}")
     for r in runs:
         per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
-        print(f"MT-bench ({args.prompts} prompts x {args.max_new_tokens} tokens), k={r['k']}: τ {r['tau']:.2f}; "
+        print(f"{args.prompt_set} ({args.prompts} prompts x {args.max_new_tokens} tokens), k={r['k']}: τ {r['tau']:.2f}; "
               f"acceptance per position {per_pos}")
     print(json.dumps({"device": args.device, "tokens_per_s": result.summary["tokens/s"],
                       "tokens": result.summary["tokens"], "train_s": round(train_s, 1),

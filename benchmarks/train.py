@@ -1,14 +1,21 @@
-"""Training throughput of the EAGLE-3 draft with our TTT attention vs the explicit-mask reference, same run.
+"""Training-step throughput and peak memory across sequence lengths, for the quickstart's draft and an 8B-shaped one.
 
-Dimensions come from the default target's config (SmolLM2-135M-Instruct: hidden 576, 9 heads / 3 KV heads, vocab
-49152) with a 32000-token draft vocabulary; features and target head are random (throughput does not depend on
-values). One timed unit = one optimizer step (target distribution, 7 TTT steps forward + backward, AdamW).
+One timed unit = one optimizer step at batch 1, exactly as the trainer runs it: the collate's StepIndex, the
+target's distribution from layer N (draft vocabulary; the full vocabulary too on a logged step, one in
+--log-every), the TTT unroll forward + backward, gradient clipping, AdamW. Features and weights are random
+(throughput and memory do not depend on values). Shapes:
+    quickstart  the default target's draft (hidden 576, 9/3 heads, target vocab 49152), draft vocab 8192, 3 TTT steps
+    8b          Llama-3.1-8B-shaped (hidden 4096, 32/8 heads x 128, MLP 14336, target vocab 128256), draft vocab
+                32000, 7 TTT steps
+Every (shape, T) runs in a fresh process, so its peak memory is its own: on CPU the peak RSS over the steps above
+the RSS before them (VmHWM, reset through /proc/self/clear_refs: the steps' own memory), on a GPU
+torch.cuda.max_memory_allocated above the memory allocated before them. `ratio_vs_naive` is the same step
+with the explicit-mask attention reference (mode "naive", dense [T, T*(k+1)] scores) over ours, at the quickstart
+shape and T 1024; `growth_8b` is (peak(4T) - peak(2T)) / (peak(2T) - peak(T)) over the 8b sweep (2 = linear).
 
-    python benchmarks/train.py --quick          # seq 1024, 1 warm-up + 2 timed steps per variant
-    python benchmarks/train.py --device cuda --seq 8192   # on a GPU: bf16 autocast, as the trainer runs there
-Last line: JSON with tokens_per_s (whole training step, ours), peak_rss_mb, ratio_vs_naive (tokens/s of our TTT
-attention over the explicit-mask reference: all TTT steps, forward + backward, at the draft's head shapes) and
-step_ratio_vs_naive (the same for the whole optimizer step, where the lm_head matmuls dilute the difference).
+    python benchmarks/train.py                       # quickstart T 512..8192, 8b T 1024..4096, CPU fp32
+    python benchmarks/train.py --shape 8b --seqs 2048,8192 --device cuda --dtype bf16 [--compile]
+Last line: JSON with tokens_per_s_by_T, peak_mb_by_T (per shape), growth_8b and ratio_vs_naive.
 """
 
 from __future__ import annotations
@@ -16,45 +23,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import resource
+import subprocess
 import sys
 import time
 
 import torch
 
 from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import TTTModel, needed_positions, target_distribution
+from draftsmith.train.ttt import TargetHead, TTTModel, step_index
 
-FALLBACK_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
-                   "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 8192,
-                   "rope_theta": 100000.0, "hidden_act": "silu", "num_hidden_layers": 30}
-
-
-def default_target_config() -> tuple[dict, str]:
-    try:
-        from draftsmith.core import assets, targets
-
-        return targets.read_config(assets.default_target_dir()), "default target config"
-    except Exception:  # noqa: BLE001 - offline machine without the cache: same numbers, written down
-        return FALLBACK_CONFIG, "built-in SmolLM2-135M dimensions"
-
-
-def make(seq: int, ttt_steps: int, draft_vocab: int, device: torch.device, seed: int = 0):
-    config, source = default_target_config()
-    cfg = DraftSpec.from_target_config(config, draft_vocab, 1, [2, 15, 27])  # three aux layers, as trained
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg)
-    draft.init_weights(seed)
-    draft.set_draft_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size]).values)
-    h = cfg.hidden_size
-    norm = torch.nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-    head_weight = torch.randn(cfg.vocab_size, h) * 0.05
-    ids = torch.randint(0, cfg.vocab_size, (1, seq))
-    mask = torch.ones(1, seq, dtype=torch.bool)
-    mask[:, : seq // 4] = False
-    hidden = torch.randn(1, seq, 4, h)
-    moved = [x.to(device) for x in (draft, norm, head_weight, ids, mask, hidden)]
-    return cfg, source, *moved
+SHAPES = {
+    "quickstart": dict(config={"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                               "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+                               "max_position_embeddings": 8192, "rope_theta": 100000.0, "hidden_act": "silu",
+                               "num_hidden_layers": 30},
+                       draft_vocab=8192, ttt_steps=3, aux=[2, 15, 27]),
+    "8b": dict(config={"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": 128256,
+                       "max_position_embeddings": 131072, "rope_theta": 500000.0, "hidden_act": "silu",
+                       "num_hidden_layers": 32},
+               draft_vocab=32000, ttt_steps=7, aux=[2, 16, 29]),
+}
+SHAPES["tiny"] = dict(config={**SHAPES["quickstart"]["config"], "hidden_size": 64, "intermediate_size": 128,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320},
+                      draft_vocab=128, ttt_steps=2, aux=[2, 15, 27])  # the GPU check's CPU rehearsal
+DEFAULT_SEQS = {"quickstart": [512, 1024, 2048, 4096, 8192], "8b": [1024, 2048, 4096], "tiny": [64, 128]}
 
 
 def _sync(device: torch.device) -> None:
@@ -62,118 +55,149 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _autocast(device: torch.device):
-    """bf16 autocast on a GPU, as the trainer runs there; fp32 on CPU."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
-def time_steps(model: TTTModel, optimizer, norm, head_weight, ids, mask, hidden, ttt_steps: int, mode: str,
-               warmup: int, steps: int) -> float:
-    """Seconds per optimizer step (median of `steps`)."""
-    aux = hidden[:, :, :-1].flatten(2)
+def _reset_peak_rss() -> None:
+    """Linux: make VmHWM (peak RSS) restart from the current RSS, so the peak read later is the step's."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: torch.device, dtype: str,
+            compile_layers: str | None, checkpointed: bool, log_every: int) -> dict:
+    """One (shape, T) in this process: seconds per step (median) and the step's peak memory."""
+    s = SHAPES[shape]
+    spec = DraftSpec.from_target_config(s["config"], s["draft_vocab"], 1, s["aux"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        draft = Eagle3Draft(spec)
+        norm = torch.nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        head_weight = torch.randn(spec.vocab_size, spec.hidden_size) * 0.05
+    draft.init_weights(0)
+    draft.set_draft_vocab(torch.sort(torch.randperm(spec.vocab_size)[:spec.draft_vocab_size]).values)
+    if compile_layers:  # a torch.compile backend (inductor; eager only traces, for rehearsals)
+        for layer in draft.layers:
+            layer.compile(dynamic=True, backend=compile_layers)
+    head = TargetHead(norm, head_weight, draft.draft_to_target)
+    model = TTTModel(draft)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None)
+    ids = torch.randint(0, spec.vocab_size, (1, seq))
+    mask = torch.ones(1, seq, dtype=torch.bool)
+    mask[:, : seq // 4] = False  # a prompt: a quarter of the positions are not scored
+    index = step_index(mask.numpy(), s["ttt_steps"]).map(lambda x: x.to(device))
+    ids = ids.to(device)
+    store_dtype = torch.bfloat16  # as a store keeps it; decoded on the device
+    hidden = torch.randn(1, seq, len(s["aux"]) + 1, spec.hidden_size, device=device, dtype=store_dtype)
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext())
+    _sync(device)
+    _reset_peak_rss()
+    base = _status_mb("VmRSS:")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) / 2**20
     times = []
     for i in range(warmup + steps):
-        _sync(hidden.device)
+        _sync(device)
         t0 = time.perf_counter()
-        with _autocast(hidden.device):
-            target = target_distribution(hidden[:, :, -1], norm, head_weight, model.draft.draft_to_target,
-                                         needed=needed_positions(mask))  # as the trainer does
-            out = model(ids, mask, aux, target, ttt_steps, 0.8, None, mode=mode)
+        with autocast:
+            aux = hidden[:, :, :-1].to(compute).reshape(1, seq, -1)
+            target = head(hidden[:, :, -1].to(compute), index, full=i % log_every == 0)
+            out = model(ids, aux, target, index, s["ttt_steps"], 0.8, None, i % log_every == 0, mode=mode,
+                        checkpointed=checkpointed)
         out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(hidden.device)
+        _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        print(f"  {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s", file=sys.stderr, flush=True)
-    return sorted(times)[len(times) // 2] if times else 0.0
-
-
-def time_attention(cfg: DraftSpec, seq: int, ttt_steps: int, mode: str, repeats: int,
-                   device: torch.device) -> float:
-    """Seconds for the attention of all TTT steps, forward + backward, at the draft's head shapes."""
-    from draftsmith.train.attention import naive_ttt_attention, ttt_attention
-
-    fn = ttt_attention if mode == "ttt" else naive_ttt_attention
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    times = []
-    for _ in range(repeats + 1):
-        qs, ks, vs = ([torch.randn(1, heads, seq, d, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(ttt_steps)] for heads in (hq, hkv, hkv))
-        _sync(device)
-        t0 = time.perf_counter()
-        total = sum(fn(qs[k], ks[:k + 1], vs[:k + 1]).float().square().mean() for k in range(ttt_steps))
-        total.backward()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[len(times[1:]) // 2]
-
-
-def _peak_mb(device: torch.device) -> float:
-    """Peak process RSS on CPU; peak allocated GPU memory on a GPU (what limits the batch there)."""
+        print(f"  {shape} T={seq} {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s",
+              file=sys.stderr, flush=True)
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 - base
+    else:
+        peak = _status_mb("VmHWM:") - base
+    median = sorted(times)[len(times) // 2]
+    return {"shape": shape, "seq": seq, "mode": mode, "s_per_step": round(median, 3),
+            "tokens_per_s": round(seq / median, 1), "peak_mb": round(peak, 1)}
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+def _child(args, shape: str, seq: int, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", shape, str(seq), mode, "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--log-every", str(args.log_every)]
+    cmd += ["--compile", args.compile] * bool(args.compile) + ["--checkpointing"] * args.checkpointing
+    cmd += ["--threads", str(args.threads)] if args.threads else []
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"{shape} T={seq} {mode}: failed ({proc.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+        return {"shape": shape, "seq": seq, "mode": mode, "error": proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="seq 1024, 2 timed steps per variant")
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--ttt-steps", type=int, default=7)
-    parser.add_argument("--draft-vocab", type=int, default=32000)
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--shape", choices=[*SHAPES, "both"], default="both", help="both: quickstart and 8b")
+    parser.add_argument("--seqs", help="comma-separated sequence lengths (default per shape)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                        help="torch.compile the draft's decoder layers (backend: inductor, or eager to only trace)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each TTT step")
+    parser.add_argument("--no-naive", action="store_true", help="skip the explicit-mask reference")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]; on a GPU the step runs under bf16 autocast")
+    parser.add_argument("--child", nargs=3, metavar=("SHAPE", "T", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps = args.steps or (2 if args.quick else 5)
-
-    cfg, source, draft, norm, head_weight, ids, mask, hidden = make(args.seq, args.ttt_steps, args.draft_vocab, device)
-    model = TTTModel(draft)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    # Ours first (its peak RSS is read before the reference ever runs), then both interleaved so that a
-    # change in machine load hits both alike; each variant's time is the median of its timed steps.
-    times: dict[str, list[float]] = {"ttt": [], "naive": []}
-    time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, "ttt", warmup=1, steps=0)
-    rss = {"ttt": _peak_mb(device)}
-    if device.type == "cuda":  # RSS only grows; the GPU's peak can be reset so the reference gets its own
-        torch.cuda.reset_peak_memory_stats(device)
-    time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps, "naive", warmup=1, steps=0)
-    rss["naive"] = _peak_mb(device)
-    for _ in range(steps):
-        for mode in ("ttt", "naive"):
-            times[mode].append(time_steps(model, optimizer, norm, head_weight, ids, mask, hidden, args.ttt_steps,
-                                          mode, warmup=0, steps=1))
-    results = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
-    attn = {mode: time_attention(cfg, args.seq, args.ttt_steps, mode, steps, device) for mode in ("ttt", "naive")}
-    tokens = args.seq
-    row = "{:<34} {:>12} {:>12}"
-    print(f"draft for {source}: hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads}, "
-          f"target vocab {cfg.vocab_size}, draft vocab {cfg.draft_vocab_size}; seq {args.seq}, TTT steps "
-          f"{args.ttt_steps}, device {_device_name(device)}, torch threads {torch.get_num_threads()}")
-    print(row.format("", "ours (TTT)", "explicit mask"))
-    print(row.format("train step: s", f"{results['ttt']:.3f}", f"{results['naive']:.3f}"))
-    print(row.format("train step: tokens/s", f"{tokens / results['ttt']:.1f}", f"{tokens / results['naive']:.1f}"))
-    print(row.format("attention fwd+bwd (all steps): s", f"{attn['ttt']:.3f}", f"{attn['naive']:.3f}"))
-    print(row.format("attention: tokens/s", f"{tokens / attn['ttt']:.1f}", f"{tokens / attn['naive']:.1f}"))
-    summary = {
-        "tokens_per_s": round(tokens / results["ttt"], 1),
-        "naive_tokens_per_s": round(tokens / results["naive"], 1),
-        "peak_rss_mb": round(rss["ttt"], 1),
-        "naive_peak_rss_mb": round(rss["naive"], 1),
-        "ratio_vs_naive": round(attn["naive"] / attn["ttt"], 3),
-        "step_ratio_vs_naive": round(results["naive"] / results["ttt"], 3),
-        "seq": args.seq, "ttt_steps": args.ttt_steps, "draft_vocab": cfg.draft_vocab_size,
-        "device": _device_name(device),
-    }
+    if args.child:
+        shape, seq, mode = args.child
+        print(json.dumps(measure(shape, int(seq), args.steps, args.warmup, mode, torch.device(args.device),
+                                 args.dtype, args.compile, args.checkpointing, args.log_every)))
+        return
+    shapes = ["quickstart", "8b"] if args.shape == "both" else [args.shape]
+    rows = []
+    for shape in shapes:
+        seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else DEFAULT_SEQS[shape]
+        for seq in seqs:
+            rows.append(_child(args, shape, seq, "ttt"))
+    naive = None
+    if "quickstart" in shapes and not args.no_naive:
+        ours = next((r for r in rows if r["shape"] == "quickstart" and r["seq"] == 1024 and "error" not in r), None)
+        ours = ours or _child(args, "quickstart", 1024, "ttt")
+        naive = _child(args, "quickstart", 1024, "naive")
+    print(f"device {args.device}, {args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, "
+          f"torch threads {args.threads or torch.get_num_threads()}, batch 1")
+    print(f"{'shape':>10} {'T':>6} {'s/step':>8} {'tokens/s':>9} {'peak MB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:>10} {r['seq']:>6} failed: {r['error']}")
+        else:
+            print(f"{r['shape']:>10} {r['seq']:>6} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_mb']:>9.0f}")
+    summary: dict = {"device": args.device, "dtype": args.dtype, "compile": args.compile,
+                     "tokens_per_s_by_T": {}, "peak_mb_by_T": {}}
+    for shape in shapes:
+        ok = [r for r in rows if r["shape"] == shape and "error" not in r]
+        summary["tokens_per_s_by_T"][shape] = {r["seq"]: r["tokens_per_s"] for r in ok}
+        summary["peak_mb_by_T"][shape] = {r["seq"]: r["peak_mb"] for r in ok}
+    peaks = summary["peak_mb_by_T"].get("8b", {})
+    seqs = sorted(peaks)
+    if len(seqs) >= 3 and seqs[1] == 2 * seqs[0] and seqs[2] == 2 * seqs[1]:
+        summary["growth_8b"] = round((peaks[seqs[2]] - peaks[seqs[1]]) / (peaks[seqs[1]] - peaks[seqs[0]]), 3)
+        print(f"8b peak growth ({seqs[1]} -> {seqs[2]}) / ({seqs[0]} -> {seqs[1]}): {summary['growth_8b']} "
+              "(2 = linear, 4 = quadratic)")
+    if naive is not None and "error" not in naive and "error" not in ours:
+        summary["ratio_vs_naive"] = round(naive["s_per_step"] / ours["s_per_step"], 3)
+        summary["naive_peak_mb_1024"] = naive["peak_mb"]
+        print(f"quickstart T=1024: explicit-mask reference {naive['s_per_step']:.2f} s/step, ours "
+              f"{ours['s_per_step']:.2f}: ratio {summary['ratio_vs_naive']}")
     print(json.dumps(summary))
 
 

@@ -8,7 +8,11 @@ is measured between the run's first and last metrics lines (elapsed = tokens_see
 both counted from the loop's start), so start-up and the first steps are left out. Rounds alternate
 ours, main, ours, main, ...; each side's figure is the median of its rounds.
 
-    python benchmarks/train_vs_main.py [--store DIR] [--steps 20] [--log-every 5] [--rounds 2]
+    python benchmarks/train_vs_main.py [--store DIR] [--steps 20] [--log-every 5] [--rounds 2] [--wait-policy PASSIVE]
+
+As shipped, this tree's trainer lets OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, set on import when
+unset: see draftsmith/train/__init__.py) and the baseline's spin; --wait-policy PASSIVE gives both the same
+policy, which leaves the difference the training step itself makes.
 
 Without --store the quickstart's store is made once in --work (prepare + extract, a few minutes on 2 cores).
 Last line: JSON with tokens_per_s_ours, tokens_per_s_main, ratio, final_loss_ours, final_loss_main, the loss
@@ -45,10 +49,13 @@ def quickstart_store(work: Path) -> Path:
     return store
 
 
-def run_once(src: Path, store: Path, out: Path, steps: int, log_every: int, threads: int | None) -> dict:
+def run_once(src: Path, store: Path, out: Path, steps: int, log_every: int, threads: int | None,
+             wait_policy: str | None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    if wait_policy:
+        env["OMP_WAIT_POLICY"] = wait_policy
     cmd = [sys.executable, "-m", "draftsmith", "train", "--data", str(store), "--output", str(out), "--max-steps",
            str(steps), "--log-every", str(log_every), "--force", "--no-resume", *SHAPES]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -71,6 +78,9 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
+    parser.add_argument("--wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
+                        help="OMP_WAIT_POLICY for both (default: unset, each tree as shipped: this one's trainer "
+                             "sets PASSIVE when unset)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     store = args.store or quickstart_store(args.work)
@@ -79,7 +89,8 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name, src in trees.items():
-            res = run_once(src, store, args.work / f"{name}-{r}", args.steps, args.log_every, args.threads)
+            res = run_once(src, store, args.work / f"{name}-{r}", args.steps, args.log_every, args.threads,
+                           args.wait_policy)
             loads.append(os.getloadavg()[0])
             results[name].append(res)
             print(f"round {r + 1} {name}: {res['tokens_per_s']:.1f} tokens/s, losses {res['losses']} "
@@ -96,7 +107,8 @@ def main() -> None:
                       "final_loss_main": results["main"][-1]["losses"][-1],
                       "loss_curve_ours": results["ours"][-1]["losses"], "loss_curve_main": results["main"][-1]["losses"],
                       "logged_steps": results["ours"][-1]["steps"], "rounds": args.rounds, "steps": args.steps,
-                      "load_avg": [round(min(loads), 1), round(max(loads), 1)], "store": str(store)}))
+                      "load_avg": [round(min(loads), 1), round(max(loads), 1)], "store": str(store),
+                      "wait_policy": args.wait_policy or "as shipped"}))
 
 
 if __name__ == "__main__":

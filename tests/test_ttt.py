@@ -235,3 +235,28 @@ def test_summary_and_simulated_acceptance_length():
     assert s["acceptance_length"] == pytest.approx(1 + 0.8 + 0.8 * 0.5)
     assert s["loss"] == pytest.approx(0.2 + 0.5 * 0.4)
     assert s["accept"] == [0.9, 0.6]
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_mlp_on_live_rows_only_gives_the_same_loss_and_gradients(layers):
+    draft = _tiny_draft(layers=layers).double()
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 40, (3, 13), generator=gen)
+    mask = torch.rand(3, 13, generator=gen) > 0.5
+    mask[2, 8:] = False  # padding
+    aux = torch.randn(3, 13, 96, dtype=torch.float64, generator=gen)
+    index = step_index(mask.numpy(), 4)
+    assert all(len(index.live[k]) < 39 for k in range(4))  # something is skipped
+    assert all(set(index.scored[k].tolist()) <= set(index.live[k].tolist()) for k in range(4))
+    target = _compact(_random_probs(3, 13, 16, dtype=torch.float64), index)
+    results = []
+    for live in (False, True):
+        draft.zero_grad()
+        out = ttt_forward(draft, ids, aux, target, index, ttt_steps=4, live_rows=live)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(b.loss, a.loss)
+    torch.testing.assert_close(b.sums, a.sums)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], msg=name)

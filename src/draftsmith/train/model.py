@@ -230,13 +230,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(spec)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: KVCache, mode: str) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: KVCache, mode: str,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (training): the positions (of [B*T]) anything downstream reads; the MLP, position-wise, runs on those
+        alone and the others keep the attention's output (nothing reads them)."""
         if self.first:
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
         else:
             x = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(x, cos, sin, cache.layers[self.layer_idx], mode)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if rows is None:
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        flat = hidden.flatten(0, 1)
+        update = self.mlp(self.post_attention_layernorm(flat.index_select(0, rows)))
+        return flat.index_add(0, rows, update).view_as(hidden)
 
 
 # ---------------------------------------------------------------------------------------------- the draft
@@ -306,20 +313,25 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux_hidden)
 
     def forward_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                       cache: KVCache | None = None, mode: str = "decode", checkpointed: bool = False) -> torch.Tensor:
+                       cache: KVCache | None = None, mode: str = "decode", checkpointed: bool = False,
+                       rows: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """One draft step up to the pre-norm hidden state [B, T, H] (what the next step reads). input_ids [B, T],
         hidden [B, T, H] (fused features or the previous step's output).
 
         cache: `KVCache(num_layers)` kept across calls (None: a fresh one). mode "ttt" (training), "naive" (the
         explicit-mask reference) or "decode" (the K/V cache grows along the sequence). checkpointed (training
         modes): each layer's activations are recomputed in the backward instead of kept (`ttt_layer_call`).
+        rows (training, not checkpointed): per layer, the positions whose output is read downstream, or None.
         """
         if cache is None:
             cache = KVCache(len(self.layers))
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)
+        for i, layer in enumerate(self.layers):
+            if rows is not None and rows[i] is not None and not checkpointed:
+                hidden = layer(embeds, hidden, cos, sin, cache, mode, rows[i])
+            else:
+                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

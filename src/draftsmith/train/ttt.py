@@ -42,10 +42,12 @@ class StepIndex:
     scored: list[torch.Tensor]  # per step k, [N_k] int64: rows t scored at step k (loss_mask[t+k+2])
     target: list[torch.Tensor]  # per step k, [N_k] int64: where row t+k+1 sits in `needed`
     counts: torch.Tensor  # [K] float64: N_k, the scored positions per step
+    live: list[torch.Tensor]  # per step k, int64: rows whose step-k output is read (scored at a step >= k)
 
     def map(self, fn) -> "StepIndex":
         """The same index with fn applied to every tensor (e.g. a move to the device)."""
-        return StepIndex(fn(self.needed), [fn(x) for x in self.scored], [fn(x) for x in self.target], fn(self.counts))
+        return StepIndex(fn(self.needed), [fn(x) for x in self.scored], [fn(x) for x in self.target], fn(self.counts),
+                         [fn(x) for x in self.live])
 
 
 def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int) -> StepIndex:
@@ -60,7 +62,7 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int) -> StepInde
     needed[:, :-1] = mask[:, 1:]
     flat_needed = needed.reshape(-1)
     rank = np.cumsum(flat_needed) - 1  # position of each needed row in `needed`
-    scored, target, counts = [], [], []
+    scored, target, counts, sels = [], [], [], []
     for k in range(ttt_steps):
         n = max(t - k - 2, 0)
         sel = np.zeros((b, t), dtype=bool)
@@ -69,8 +71,13 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int) -> StepInde
         scored.append(torch.from_numpy(rows.astype(np.int64)))
         target.append(torch.from_numpy(rank[rows + k + 1].astype(np.int64)))  # t + k + 1 < T: the same sample
         counts.append(len(rows))
+        sels.append(sel)
+    live, later = [], np.zeros((b, t), dtype=bool)
+    for sel in reversed(sels):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
+        later |= sel
+        live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
     return StepIndex(torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)), scored, target,
-                     torch.tensor(counts, dtype=torch.float64))
+                     torch.tensor(counts, dtype=torch.float64), live)
 
 
 # ---------------------------------------------------------------------------------------------- the target's side
@@ -172,15 +179,25 @@ def step_counts(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- the unrolled draft
 
 def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_steps: int,
-                      mode: str = "ttt", checkpointed: bool = False) -> Iterator[torch.Tensor]:
-    """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring)."""
+                      mode: str = "ttt", checkpointed: bool = False,
+                      index: StepIndex | None = None) -> Iterator[torch.Tensor]:
+    """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring).
+
+    With the batch's `index`, a layer's MLP runs only on the positions read later (`StepIndex.live`): the rows
+    scored at this step or a later one (about a third fewer on chat data). Not at step 0 below the last layer,
+    whose outputs are the next layer's step-0 keys, read by every later position. The hidden states of the other
+    rows then differ, and nothing reads them.
+    """
     b, t = input_ids.shape
     cache = KVCache(len(draft.layers))
     hidden = draft.fuse(aux_hidden)  # [B, T, H]
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    last = len(draft.layers) - 1
     for k in range(ttt_steps):
         ids = F.pad(input_ids[:, k + 1:], (0, k + 1))  # step k at t reads x_{t+k+1}
-        hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed)
+        rows = None if index is None else [index.live[k] if k or i == last else None for i in range(last + 1)]
+        hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed,
+                                      rows=rows)
         yield hidden  # feeds step k+1
 
 
@@ -201,13 +218,15 @@ class TTTResult:
 
 def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target: TargetDistribution,
                 index: StepIndex, ttt_steps: int, step_weight: float = 0.8, normaliser: torch.Tensor | None = None,
-                metrics: bool = True, mode: str = "ttt", checkpointed: bool = False) -> TTTResult:
+                metrics: bool = True, mode: str = "ttt", checkpointed: bool = False,
+                live_rows: bool = True) -> TTTResult:
     """Unroll `ttt_steps` draft steps over a right-padded batch and score them against the target.
 
     input_ids [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order); `index` the batch's
     StepIndex, on the device. normaliser [K] is the number of scored positions per step over everything averaged
     together (default: this batch), so gradients summed over micro-batches and ranks equal the gradient of one
     combined batch. metrics=False skips the top-1 and acceptance sums (they need the target's full vocabulary).
+    live_rows: each layer's MLP runs only where its output is read (`ttt_hidden_states`); the loss is the same.
     """
     device = input_ids.device
     normaliser = (index.counts if normaliser is None else normaliser).to(device)
@@ -215,11 +234,10 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     sums = torch.zeros(4, ttt_steps, dtype=torch.float64, device=device)
     sums[COUNT] = index.counts.to(device)
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
-    steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed)
+    steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed,
+                              index if live_rows else None)
     for k, hidden in enumerate(steps):
-        rows, at = index.scored[k], index.target[k]
-        if rows.numel() == 0:  # a shape: known on the host
-            continue
+        rows, at = index.scored[k], index.target[k]  # may be empty: the lm_head still joins the graph (DDP)
         # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
         z = draft.logits(hidden.flatten(0, 1).index_select(0, rows))  # [N_k, Vd]
         step_loss = target_kl(z, target, at).sum()
