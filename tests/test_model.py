@@ -70,14 +70,19 @@ KIMI_K2_5 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type":
     # MoE: the dense MLP size, not an expert's
     (QWEN3_30B_A3B, dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
                          head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_type="default")),
-    # MLA: no head_dim or num_key_value_heads keys
-    (DEEPSEEK_V3, dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=128, num_key_value_heads=128,
-                       head_dim=56, vocab_size=129280, rms_norm_eps=1e-6, rope_type="yarn")),
+    # MLA: no head shape to copy (7168 / 128 heads = 56, a size vLLM's CPU attention refuses): the draft's own,
+    # 128-wide heads, hidden / 128 of them, 8 KV heads
+    (DEEPSEEK_V3, dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=56, num_key_value_heads=8,
+                       head_dim=128, vocab_size=129280, rms_norm_eps=1e-6, rope_type="yarn")),
     # as transformers saves it: its head_dim is qk_rope_head_dim, the RoPE part of a head, not a head size
-    ({**DEEPSEEK_V3, "head_dim": 64, "num_key_value_heads": 128}, dict(head_dim=56, num_key_value_heads=128)),
-    (KIMI_K2_5, dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=112,
+    ({**DEEPSEEK_V3, "head_dim": 64, "num_key_value_heads": 128}, dict(head_dim=128, num_attention_heads=56,
+                                                                       num_key_value_heads=8)),
+    (KIMI_K2_5, dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
                      vocab_size=163840, rms_norm_eps=1e-5, max_position_embeddings=262144, rope_type="yarn")),
-], ids=["llama-3.1", "qwen3", "qwen3-moe", "deepseek-v3", "deepseek-v3-transformers", "kimi-k2.5"])
+    # no head_dim and heads that do not divide the hidden size: the draft's own shape too (64-wide heads here)
+    ({**QWEN3_8B, "head_dim": None, "hidden_size": 4160, "num_attention_heads": 30},
+     dict(head_dim=64, num_attention_heads=65, num_key_value_heads=5)),
+], ids=["llama-3.1", "qwen3", "qwen3-moe", "deepseek-v3", "deepseek-v3-transformers", "kimi-k2.5", "odd-heads"])
 def test_spec_from_published_target_configs(config, expected):
     spec = DraftSpec.from_target_config(config, 32000, 1, [2, 20, 27])
     got = spec.model_dump()
@@ -95,13 +100,19 @@ def test_spec_from_published_target_configs(config, expected):
 @pytest.mark.parametrize("change, match", [
     ({"hidden_size": None}, r"^target config: no hidden_size; .*text_config"),
     ({"hidden_act": "gelu"}, r"hidden_act 'gelu'.*silu only"),
-    ({"head_dim": None, "num_attention_heads": 30}, r"hidden_size 4096 is not a multiple of num_attention_heads 30"),
+    ({"head_dim": None, "hidden_size": 4100, "num_attention_heads": 30},
+     r"hidden_size 4100 is not a multiple of 64, so the EAGLE-3 draft has no head size"),
+    # vLLM serves MLA targets' aux states from before each layer: no layer id 0 for their drafts
+    ({**DEEPSEEK_V3, "num_hidden_layers": 61, "aux_layer_ids": [0, 30, 58]},
+     r"^draft: aux layer ids \[0, 30, 58\] include 0 \(the embeddings\), which vLLM cannot hand an EAGLE-3 draft of "
+     r"DeepseekV3ForCausalLM .*e\.g\. the defaults 2,30,58"),
     ({"num_hidden_layers": 8}, r"aux layer ids \[20, 27\] out of range: the target has layer ids 0..8"),
 ])
 def test_spec_refuses_a_config_it_cannot_use(change, match):
     config = {k: v for k, v in {**QWEN3_8B, **change}.items() if v is not None}
+    aux = config.pop("aux_layer_ids", [2, 20, 27])
     with pytest.raises(DraftsmithError, match=match):
-        DraftSpec.from_target_config(config, 32000, 1, [2, 20, 27])
+        DraftSpec.from_target_config(config, 32000, 1, aux)
 
 
 def test_state_dict_names_are_the_vllm_names():

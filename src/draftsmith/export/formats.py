@@ -13,7 +13,8 @@ manifest.json. Every format holds the same tensors; they differ in names and in 
                  speculators_config (algorithm, proposal_methods, default_proposal_method, verifier).
                  Weights use layers.0.* (the module's own names) instead of midlayer.*.
 
-All three write norm_before_residual: false, because vLLM's speculators reader defaults it to true. None of them
+All three write norm_before_residual: false, because vLLM's speculators reader defaults it to true, and
+num_aux_hidden_states (the aux layers fc fuses), from which vLLM sizes fc (else 3, whatever the layer ids say). None of them
 carries the embedding: the servers share the target's. The writer checks every tensor name, shape and dtype
 against the spec and the spec against the target before anything is written, and refuses a mismatch; the output
 directory appears whole or not at all. `manifest.json` (kind "export", an ExportManifest) records the target
@@ -37,7 +38,9 @@ from safetensors.torch import save_file
 from draftsmith import __version__
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
+from draftsmith.core.layers import check_servable_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json, write_manifest
+from draftsmith.core.targets import read_config
 from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
 from draftsmith.train.drafts import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
 from draftsmith.train.model import DraftSpec
@@ -95,6 +98,9 @@ def _llama_config(spec: DraftSpec) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
+        # vLLM sizes the draft's fc from this (or eagle_config's ids), not from eagle_aux_hidden_state_layer_ids:
+        # without it a draft fusing other than 3 aux layers does not load
+        "num_aux_hidden_states": len(spec.aux_layer_ids),
     }
 
 
@@ -195,6 +201,8 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
         raise DraftsmithError(f"format sglang: SGLang's EAGLE-3 draft has exactly one decoder layer, this draft has "
                               f"{spec.num_hidden_layers}; export as vllm or speculators")
     check_spec_against_target(spec, target, "export")
+    if fmt in VLLM_LOADABLE and (Path(target.path) / "config.json").is_file():  # refuse what vLLM cannot serve
+        check_servable_layer_ids(spec.aux_layer_ids, read_config(Path(target.path)), f"export {fmt}")
     validate_tensors(tensors, spec, where="export")
     config = format_config(spec, fmt, verifier=target.path, verifier_architectures=verifier_architectures,
                            speculative_tokens=speculative_tokens, dtype=dtype, special_tokens=special_tokens or {})

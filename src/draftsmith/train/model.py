@@ -26,7 +26,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.layers import check_layer_ids
+from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.train.attention import cached_attention, naive_ttt_attention, ttt_attention, ttt_layer_call
 
 # The target's token embedding: part of the module, never of what is saved (checkpoints, exports).
@@ -62,8 +62,15 @@ class DraftSpec(BaseModel):
         and vocabulary (the draft vocabulary is clipped to it).
 
         Llama-like configs (Llama, Qwen3), MoE configs (`intermediate_size` is the dense MLP's), multi-head latent
-        attention (DeepSeek-V3, Kimi-K2: the draft's heads are `hidden_size / num_attention_heads` wide, with
-        num_key_value_heads K/V heads, else as many as query heads) and multimodal wrappers (`text_config`).
+        attention (DeepSeek-V3, Kimi-K2) and multimodal wrappers (`text_config`). Attention: the target's own head
+        shape where it has a usable one (head_dim, else hidden_size / num_attention_heads, with its
+        num_key_value_heads); an MLA config has none (its head_dim, when transformers writes one, is only the RoPE
+        part of a latent head, and 7168 / 128 heads = 56 is a head size vLLM's CPU attention refuses), so the draft
+        gets `draft_attention_shape(hidden_size)`. RoPE: the target's parameters (type, theta, scaling) applied to
+        the draft's own head size -- for DeepSeek/Kimi the yarn of the target's 64-wide RoPE part on 128-wide draft
+        heads; transformers (training, the reference decoder) and vLLM's Llama-EAGLE-3 layer compute the same
+        tables from it (tests/test_families.py compares them). Aux layer ids vLLM could not serve the draft with
+        are refused (`check_servable_layer_ids`).
         """
         text = config.get("text_config") or config
         missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
@@ -75,11 +82,11 @@ class DraftSpec(BaseModel):
         if text.get("hidden_act", "silu") != "silu":
             raise DraftsmithError(f"target config: hidden_act {text['hidden_act']!r}; the EAGLE-3 draft supports silu "
                                   "only")
-        # An MLA config's head_dim (when transformers writes one) is the RoPE part of its query/key heads.
-        head_dim = text.get("head_dim") if "kv_lora_rank" not in text else None
-        if not head_dim and hidden % heads:
-            raise DraftsmithError(f"target config: hidden_size {hidden} is not a multiple of num_attention_heads "
-                                  f"{heads} and there is no head_dim")
+        if "kv_lora_rank" not in text and (text.get("head_dim") or hidden % heads == 0):
+            kv_heads = int(text.get("num_key_value_heads") or heads)
+            head_dim = int(text.get("head_dim") or hidden // heads)
+        else:  # multi-head latent attention, or heads that do not divide the hidden size
+            heads, kv_heads, head_dim = cls.draft_attention_shape(hidden)
         rope = dict(text.get("rope_parameters") or {})
         if not rope:  # transformers 4 style
             rope = dict(text.get("rope_scaling") or {})
@@ -87,15 +94,35 @@ class DraftSpec(BaseModel):
             rope["rope_theta"] = float(text.get("rope_theta", 10000.0))
         vocab = int(text["vocab_size"])
         check_layer_ids(list(aux_layer_ids), int(text["num_hidden_layers"]))
+        check_servable_layer_ids(list(aux_layer_ids), config, "draft")
         return cls(
             hidden_size=hidden, intermediate_size=int(text["intermediate_size"]), num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim or hidden // heads), num_hidden_layers=num_hidden_layers,
+            num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=num_hidden_layers,
             rms_norm_eps=float(text["rms_norm_eps"]), hidden_act="silu",
             max_position_embeddings=int(text["max_position_embeddings"]), rope_parameters=rope, vocab_size=vocab,
             draft_vocab_size=min(draft_vocab_size, vocab), target_hidden_size=hidden,
             aux_layer_ids=[int(i) for i in aux_layer_ids],
         )
+
+    @staticmethod
+    def draft_attention_shape(hidden_size: int) -> tuple[int, int, int]:
+        """(heads, KV heads, head_dim) of a draft whose target has no attention shape the draft can copy.
+
+        head_dim 128 when hidden_size is a multiple of 128, else 64: head sizes every vLLM attention backend takes
+        (CPU and GPU). heads = hidden_size / head_dim, so q and o stay hidden x hidden as in a Llama layer. KV heads:
+        the largest divisor of heads up to 8 (grouped-query attention with Llama-3's 8 KV heads; with heads a multiple
+        of 8, both split evenly over a tensor-parallel group of 8). DeepSeek-V3, Kimi-K2/K2.5 (hidden 7168): 56 heads
+        x 128 with 8 KV heads, a seventh of full multi-head attention's K/V weights (the target's 128 or 64 heads
+        would give 56- or 112-wide heads).
+        """
+        head_dim = 128 if hidden_size % 128 == 0 else 64
+        if hidden_size % head_dim:
+            raise DraftsmithError(f"target config: hidden_size {hidden_size} is not a multiple of 64, so the EAGLE-3 "
+                                  "draft has no head size of its own (64 or 128) for it, and the config gives none to "
+                                  "copy (head_dim, or num_attention_heads dividing hidden_size)")
+        heads = hidden_size // head_dim
+        kv_heads = max(d for d in range(1, min(8, heads) + 1) if heads % d == 0)
+        return heads, kv_heads, head_dim
 
 
 # ---------------------------------------------------------------------------------------------- norm and RoPE
