@@ -110,13 +110,42 @@ def test_training_memory_for_kimi_k25_draft():
     spec = DraftSpec.from_target_config(PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1,
                                         aux_layer_ids=[2, 30, 58])
     memory = sizing.training_memory(spec, token_budget=4096, ttt_steps=7)
-    assert memory.draft_params == pytest.approx(1.14e9, rel=0.01)
+    # 56 heads x 128 with 8 KV heads (MLA has no head shape to copy): fc 3 x 7168 x 7168, q/k/v from 2H, o, MLP,
+    # norms, a 32000-row head
+    assert (spec.num_attention_heads, spec.head_dim, spec.num_key_value_heads) == (56, 128, 8)
+    H = 7168
+    assert memory.draft_params == 3 * H * H + 2 * H * (H + 2 * 1024) + H * H + 3 * H * 18432 + 4 * H + 32000 * H
     assert memory.weights_and_optimizer == 16 * memory.draft_params  # fp32 weights, grads, two AdamW moments
     assert memory.target_head == 2 * (2 * 163840 * 7168 + 7168)  # embedding + LM head + norm, bf16
     assert 20 * sizing.GiB < memory.total < 80 * sizing.GiB  # fits one 80 GB GPU at this budget
     double = sizing.training_memory(spec, token_budget=8192, ttt_steps=7)
     assert double.activations == pytest.approx(2 * memory.activations)
     assert double.weights_and_optimizer == memory.weights_and_optimizer
+
+
+def test_training_fit_says_whether_a_gpu_holds_the_draft_and_the_largest_token_budget():
+    from draftsmith.doctor import sizing_rows, training_fit_line
+    from draftsmith.train.model import DraftSpec
+
+    spec = DraftSpec.from_target_config(PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1,
+                                        aux_layer_ids=[2, 30, 58])
+    memory = sizing.training_memory(spec, token_budget=4096, ttt_steps=7)
+    fit = sizing.training_fit(spec, 80 * sizing.GiB, token_budget=4096, ttt_steps=7)
+    assert fit.fits and fit.needed_bytes == memory.total and fit.usable_bytes == pytest.approx(72 * sizing.GiB)
+    at_most = sizing.training_memory(spec, token_budget=fit.max_token_budget, ttt_steps=7).total
+    beyond = sizing.training_memory(spec, token_budget=fit.max_token_budget + 1, ttt_steps=7).total
+    assert at_most <= fit.usable_bytes < beyond  # the largest budget that fits, exactly
+    small = sizing.training_fit(spec, 24 * sizing.GiB, token_budget=4096, ttt_steps=7)
+    assert not small.fits and 0 < small.max_token_budget < 4096
+    assert sizing.training_fit(spec, 8 * sizing.GiB, token_budget=4096, ttt_steps=7).max_token_budget == 0
+
+    rows = dict(sizing_rows(PUBLISHED["kimi_k25"], gpu_memory_gb=80))
+    assert rows["fits one 80 GiB GPU?"].startswith(f"yes: {sizing.human_bytes(memory.total)} of the 72 GiB usable")
+    assert f"up to {fit.max_token_budget:,} fits" in rows["fits one 80 GiB GPU?"]
+    line = training_fit_line(spec, 24, token_budget=4096, ttt_steps=7)
+    assert line.startswith("no: ") and f"up to {small.max_token_budget:,} fits" in line and "\n" not in line
+    assert "alone do not fit" in training_fit_line(spec, 8, token_budget=4096, ttt_steps=7)
+    assert not any(k.startswith("fits") for k in dict(sizing_rows(PUBLISHED["kimi_k25"])))  # only when asked
 
 
 def test_a_store_that_does_not_fit_is_refused_in_one_line():

@@ -184,12 +184,16 @@ def doctor(
     = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help=(
         "GPUs the target's weights are split over, for the per-GPU weight size."))] = 1,
+    gpu_memory_gb: Annotated[Optional[float], typer.Option("--gpu-memory-gb", help=(
+        "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's training fits it "
+        "and the largest --token-budget that does."))] = None,
 ) -> None:
     """Show versions, hardware, cached default assets, what the installed vLLM can do per architecture, and a
     target's sizes."""
     from draftsmith import doctor as doctor_module
 
-    _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size))
+    _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
+                                    gpu_memory_gb=gpu_memory_gb))
 
 
 @app.command("inspect")

@@ -67,8 +67,10 @@ def read_target_config(target: str | Path) -> dict:
 
 def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size: int = 1,
                 aux_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None,
-                token_budget: int | None = None, ttt_steps: int | None = None) -> list[tuple[str, str]]:
-    """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults."""
+                token_budget: int | None = None, ttt_steps: int | None = None,
+                gpu_memory_gb: float | None = None) -> list[tuple[str, str]]:
+    """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults.
+    `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB."""
     from draftsmith.train.model import DraftSpec  # doctor sits above every stage
 
     shape = sizing.target_shape(config)
@@ -108,11 +110,30 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
                  f"micro-batch, {ttt_steps or train.ttt_steps} TTT steps: weights + AdamW "
                  f"{sizing.human_bytes(memory.weights_and_optimizer)}, target embedding + head (bf16) "
                  f"{sizing.human_bytes(memory.target_head)}, activations {sizing.human_bytes(memory.activations)}"))
+    if gpu_memory_gb is not None:
+        rows.append((f"fits one {gpu_memory_gb:g} GiB GPU?", training_fit_line(
+            draft, gpu_memory_gb, token_budget=token_budget or train.token_budget,
+            ttt_steps=ttt_steps or train.ttt_steps)))
     return rows
 
 
+def training_fit_line(draft, gpu_memory_gb: float, *, token_budget: int, ttt_steps: int) -> str:
+    """One line: whether the draft's training (one process) fits a GPU of `gpu_memory_gb` GiB (`sizing.training_fit`,
+    10 % kept for the CUDA context and allocator slack), and the largest --token-budget that does."""
+    fit = sizing.training_fit(draft, gpu_memory_gb * sizing.GiB, token_budget=token_budget, ttt_steps=ttt_steps)
+    usage = (f"{sizing.human_bytes(fit.needed_bytes)} of the {sizing.human_bytes(fit.usable_bytes)} usable "
+             f"(90 %) at --token-budget {token_budget}")
+    if fit.max_token_budget < 16:
+        return (f"no: {usage}, and the weights, AdamW state and target head alone do not fit; use a GPU with more "
+                "memory or shard the draft (--distributed fsdp2 under torchrun)")
+    most = f"--token-budget up to {fit.max_token_budget:,} fits"
+    if fit.fits:
+        return f"yes: {usage}; {most}"
+    return f"no: {usage}; {most} (raise --grad-accum to keep the batch)"
+
+
 def run(console: Console, *, target: str | None = None, tokens: int | None = None,
-        tensor_parallel_size: int = 1) -> None:
+        tensor_parallel_size: int = 1, gpu_memory_gb: float | None = None) -> None:
     table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -136,9 +157,10 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
         sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
         sizes.add_column(style="bold")
         sizes.add_column()
-        for key, value in sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size):
+        for key, value in sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
+                                      gpu_memory_gb=gpu_memory_gb):
             sizes.add_row(key, value)
         console.print(sizes)
 
 
-__all__ = ["environment_rows", "read_target_config", "run", "sizing_rows"]
+__all__ = ["environment_rows", "read_target_config", "run", "sizing_rows", "training_fit_line"]

@@ -213,6 +213,31 @@ def training_memory(draft: DraftShape, *, token_budget: int, ttt_steps: int = 7,
                           activations=activations, total=float(optimizer + head + activations))
 
 
+class TrainingFit(BaseModel):
+    """Whether one training process fits a GPU of a given size (`training_fit`)."""
+
+    gpu_bytes: float
+    usable_bytes: float = Field(description="what the estimate may take: the GPU less headroom for the CUDA "
+                                "context and allocator slack")
+    needed_bytes: float
+    fits: bool
+    max_token_budget: int = Field(description="the largest tokens per micro-batch that fit (0: not even the "
+                                  "weights, optimizer and target head do)")
+
+
+def training_fit(draft: DraftShape, gpu_bytes: float, *, token_budget: int, ttt_steps: int = 7,
+                 headroom: float = 0.1) -> TrainingFit:
+    """Whether `training_memory` at `token_budget` fits a GPU of `gpu_bytes`, keeping `headroom` (a fraction) for
+    what the estimate leaves out, and the largest token budget that would (activations grow linearly with it)."""
+    memory = training_memory(draft, token_budget=token_budget, ttt_steps=ttt_steps)
+    usable = gpu_bytes * (1.0 - headroom)
+    fixed = memory.weights_and_optimizer + memory.target_head
+    per_token = memory.activations / token_budget
+    max_budget = max(0, int((usable - fixed) // per_token)) if usable > fixed else 0
+    return TrainingFit(gpu_bytes=gpu_bytes, usable_bytes=usable, needed_bytes=memory.total,
+                       fits=memory.total <= usable, max_token_budget=max_budget)
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'; binary units, three significant figures."""
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
@@ -229,6 +254,6 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
-__all__ = ["TargetShape", "TrainingMemory", "check_disk", "draft_params", "human_bytes", "human_count",
-           "state_bytes_per_token", "store_bytes", "store_bytes_per_token", "target_shape", "training_memory",
-           "weight_bytes"]
+__all__ = ["TargetShape", "TrainingFit", "TrainingMemory", "check_disk", "draft_params", "human_bytes",
+           "human_count", "state_bytes_per_token", "store_bytes", "store_bytes_per_token", "target_shape",
+           "training_fit", "training_memory", "weight_bytes"]
