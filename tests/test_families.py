@@ -1,17 +1,26 @@
-"""Every target family (tests/families.py) through every extraction path, each store checked against another.
+"""Every target family (tests/families.py) through every stage, each result checked against another.
 
-Per family: prepare with the family's chat template; the hf store against transformers' own output_hidden_states;
-then in real vLLM the connector store (the whole set) and the direct store (written as two data-parallel shards,
-`--shard 0/2` and `1/2`, by two engines, merged with `store merge`), each against the hf store: identical
-input_ids, cosine >= 0.999 per token and layer (float32 compute on both sides; both stores keep bf16). Tensor
-parallelism: TP=2 stores of Kimi-K2.5 (connector) and Qwen3-MoE (direct) against the TP=1 stores.
+Extraction, per family: prepare with the family's chat template; the hf store against transformers' own
+output_hidden_states; then in real vLLM the connector store (the whole set) and the direct store (written as two
+data-parallel shards, `--shard 0/2` and `1/2`, by two engines, merged with `store merge`), each against the hf
+store: identical input_ids, cosine >= 0.999 per token and layer (float32 compute on both sides; both stores keep
+bf16). Tensor parallelism: TP=2 stores of Kimi-K2.5 (connector) and Qwen3-MoE (direct) against the TP=1 stores.
+
+Drafts, per family: a few training steps offline (from the hf store) and online (from the prepared set), exports
+in the vllm and speculators formats, the reference decoder (evaluate/specdec.py) lossless with the draft, and
+real vLLM EAGLE-3 speculative decoding at temperature 0 in float32: the output token ids identical to the same
+engine settings without the draft (and to the reference decoder's target alone), vLLM's spec-decode counters > 0
+and its acceptance per draft position equal to the reference decoder's (the same proposals: the draft's RoPE,
+aux layers and vocabulary mapping read the same in both). The targets' heads are sharpened
+(`families.build(..., head_scale=HEAD_SCALE)`), so greedy tokens are decisive and no kernel's last bits flip them.
 
 Engine start-up is most of a vLLM test's time on a CPU, so the TP=1 engines run in this process (vLLM's own
 VLLM_ENABLE_V1_MULTIPROCESSING=0, a few seconds each instead of ~45 s); TP=2 needs worker processes and runs as
 users run it. tests/test_extract_vllm.py covers the multi-process layout for TP=1 on the real default target.
 
-With DRAFTSMITH_COMPAT_RESULTS=FILE set, the cells measured here (worst cosine, strategy used) are written to FILE
-as JSON: docs/vllm-compat.md's architecture table is filled from it.
+With DRAFTSMITH_COMPAT_RESULTS=FILE set, the cells measured here (worst cosine, strategy used, τ, or why a cell
+cannot pass and the fallback) are written to FILE as JSON: docs/vllm-compat.md's architecture table is filled
+from it.
 """
 
 from __future__ import annotations
@@ -22,14 +31,16 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from families import FAMILIES, MLA_FAMILIES, PUBLISHED, TINY_OVERRIDES, target_dir
+from families import FAMILIES, MLA_FAMILIES, PUBLISHED, TINY_OVERRIDES, target_dir, tiny_config
 
-from draftsmith import extract
-from draftsmith.config import ExtractConfig, PrepareConfig
+from draftsmith import export, extract, train
+from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainConfig
 from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import store
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -37,6 +48,11 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 MIN_COSINE = 0.999
 NUM_CONVERSATIONS = 10
 MAX_LENGTH = 192
+HEAD_SCALE = 50.0  # lm_head x 50: greedy tokens far from ties
+TRAIN_STEPS = 20  # per draft: enough that the drafts get tokens accepted on these targets
+SPEC_K = 3  # draft tokens per round
+NUM_PROMPTS = 3  # decoding: the first assistant turn's prompt of the first prepared samples
+NEW_TOKENS = 24
 CONVERSATIONS = [
     [{"role": "system", "content": "You are a helpful assistant."},
      {"role": "user", "content": "What is the capital of France?"},
@@ -70,12 +86,27 @@ def _tiny_models_on_one_thread(one_thread):
     yield
 
 
-def engines_in_process(name: str) -> bool:
-    """Whether `name`'s TP=1 engines can run in this process. vLLM 0.32's in-process worker start scans every
-    loaded module for Triton kernels to override and fails on llvmlite's objects, which vLLM's Kimi-K2.5 image
-    processor loads (through numba): Kimi-K2.5's engines, and any engine after llvmlite is loaded here, run in
-    worker processes instead (vLLM's default, ~45 s a start on this CPU)."""
-    return name != "kimi_k25" and "llvmlite.binding.ffi" not in sys.modules
+def family_target(name: str) -> Path:
+    """The tiny `name` target every test here uses: built once per session, its head sharpened (HEAD_SCALE)."""
+    return target_dir(name, head_scale=HEAD_SCALE)
+
+
+@contextlib.contextmanager
+def _kernel_scan_safe():
+    """vLLM 0.32's in-process worker start rebinds its Triton kernels by scanning the namespace of every loaded
+    module and fails on llvmlite's `binding.ffi.lib` (a lazy library whose every attribute, `__dict__` included, is
+    a function wrapper), which vLLM's Kimi-K2.5 image processor loads through numba. numba is imported first (the
+    engine would load it half-way through its start) and `llvmlite.binding.ffi` is kept out of sys.modules while the
+    engine runs; the module itself, and everything holding it, are untouched."""
+    if importlib.util.find_spec("numba") is not None:
+        import numba  # noqa: F401 - loaded now, not during the engine's start
+
+    hidden = sys.modules.pop("llvmlite.binding.ffi", None)
+    try:
+        yield
+    finally:
+        if hidden is not None:
+            sys.modules["llvmlite.binding.ffi"] = hidden
 
 
 @contextlib.contextmanager
@@ -92,7 +123,8 @@ def in_process_vllm(on: bool = True):
         else:
             os.environ[key] = value
     try:
-        yield
+        with _kernel_scan_safe() if on else contextlib.nullcontext():
+            yield
     finally:
         for key, value in saved.items():
             if value is None:
@@ -107,7 +139,8 @@ class Matrix:
     def __init__(self, root: Path, chats: Path):
         self.root, self.chats = root, chats
         self.results: dict[str, dict[str, dict]] = {}
-        self._made: dict[tuple, Path] = {}
+        self.summaries: dict[tuple, dict] = {}
+        self._made: dict[tuple, Any] = {}
 
     def prepared(self, name: str) -> Path:
         key = ("prepared", name)
@@ -115,8 +148,8 @@ class Matrix:
             from draftsmith.prepare import stage as prepare
 
             out = self.root / name / "prepared"
-            prepare.run(PrepareConfig(data=[str(self.chats)], target=str(target_dir(name)), max_length=MAX_LENGTH,
-                                      output=out, num_workers=1))
+            prepare.run(PrepareConfig(data=[str(self.chats)], target=str(family_target(name)),
+                                      max_length=MAX_LENGTH, output=out, num_workers=1))
             self._made[key] = out
         return self._made[key]
 
@@ -135,11 +168,71 @@ class Matrix:
         key = ("vllm", name, strategy, shard, tp)
         if key not in self._made:
             out = output or self.root / name / f"{strategy}-tp{tp}-{shard.replace('/', 'of')}"
-            with in_process_vllm(tp == 1 and engines_in_process(name)):
+            with in_process_vllm(tp == 1):
                 result = run(ExtractConfig(prepared=self.prepared(name), output=out, backend="vllm",
                                            vllm_compile=False, vllm_strategy=strategy, compute_dtype="float32",
                                            shard=shard, tensor_parallel_size=tp), show_progress=False)
             assert result.summary["samples this run"] > 0 and f"({strategy}," in result.summary["backend"]
+            self._made[key] = out
+        return self._made[key]
+
+    def draft(self, name: str, data: str) -> Path:
+        """A draft trained TRAIN_STEPS steps: `data` "store" (offline, from the hf store) or "prepared" (online, the
+        target in the trainer). Its run summary is in `self.summaries`."""
+        key = ("draft", name, data)
+        if key not in self._made:
+            out = self.root / name / f"draft-{data}"
+            source = self.hf(name) if data == "store" else self.prepared(name)
+            result = train.run(TrainConfig(
+                data=source, output=out, max_steps=TRAIN_STEPS, lr=3e-3, warmup_steps=0, schedule="constant",
+                token_budget=2048, draft_vocab_size=256, ttt_steps=3, eval_fraction=0.0, save_every=10 ** 6,
+                device="cpu", precision="fp32", seed=0))
+            self.summaries[key] = result.summary
+            self._made[key] = out
+        return self._made[key]
+
+    def export(self, name: str, fmt: str, data: str = "store") -> Path:
+        """The `data`-trained draft exported in format `fmt`, float32 weights (vLLM runs exactly these)."""
+        key = ("export", name, fmt, data)
+        if key not in self._made:
+            out = self.root / name / f"export-{fmt}-{data}"
+            export.run(ExportConfig(checkpoint=self.draft(name, data), format=fmt, output=out, dtype="fp32",
+                                    speculative_tokens=SPEC_K))
+            self._made[key] = out
+        return self._made[key]
+
+    def prompts(self, name: str) -> list[list[int]]:
+        """The prompt of the first assistant turn (the generation prompt included) of the first NUM_PROMPTS samples."""
+        from draftsmith.prepare.dataset import open_prepared
+
+        ds = open_prepared(self.prepared(name))
+        out = []
+        for k in range(NUM_PROMPTS):
+            ids, mask = ds[k]["input_ids"], ds[k]["loss_mask"]
+            out.append(ids[: int(mask.nonzero()[0])].tolist())
+        return out
+
+    def reference(self, name: str, fmt: str = "vllm", data: str = "store") -> dict:
+        """The reference decoder (transformers, float32) with an exported draft: the target's own greedy tokens,
+        the speculative ones, and the acceptance counts, over `prompts(name)`."""
+        key = ("reference", name, fmt, data)
+        if key not in self._made:
+            from draftsmith.evaluate import build_draft_module
+            from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
+            from draftsmith.train.drafts import load_draft
+
+            source = load_draft(self.export(name, fmt, data))
+            model = targets.load_target(family_target(name))
+            draft = build_draft_module(source, model, torch.device("cpu"), torch.float32)
+            runner, drafter = TargetRunner(model, source.spec.aux_layer_ids), DraftRunner(draft)
+            out = {"plain": [], "spec": [], "rounds": 0, "accepted_per_pos": [0] * SPEC_K}
+            for ids in self.prompts(name):
+                prompt = torch.tensor(ids)
+                out["plain"].append(plain_generate(runner, prompt, NEW_TOKENS).tokens)
+                gen = speculative_generate(runner, drafter, prompt, SPEC_K, NEW_TOKENS)
+                out["spec"].append(gen.tokens)
+                out["rounds"] += gen.stats.num_rounds
+                out["accepted_per_pos"] = [a + b for a, b in zip(out["accepted_per_pos"], gen.stats.accepted_per_pos)]
             self._made[key] = out
         return self._made[key]
 
@@ -178,7 +271,7 @@ def compare(ours: Path, ref: Path) -> float:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_targets_keep_the_published_structure(name):
-    path = target_dir(name)
+    path = family_target(name)
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == PUBLISHED[name]["architectures"]
     text, published = targets.text_config(config), targets.text_config(PUBLISHED[name])
@@ -210,7 +303,7 @@ def test_prepare_renders_each_familys_chat_template(matrix, name):
 
     ds = open_prepared(matrix.prepared(name))
     assert len(ds) == NUM_CONVERSATIONS
-    tokenizer = targets.load_tokenizer(target_dir(name))
+    tokenizer = targets.load_tokenizer(family_target(name))
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     for k in range(len(ds)):
         ids, mask = ds[k]["input_ids"], ds[k]["loss_mask"]
@@ -224,7 +317,7 @@ def test_hf_store_equals_transformers_and_layer_n_is_the_unnormalised_last_layer
     """The hf store against transformers' own output_hidden_states (ids k < N) and, for id N, the last layer's
     output: through the final norm and the head it gives the model's logits."""
     st = store.open(matrix.hf(name))
-    model = targets.load_target(target_dir(name))
+    model = targets.load_target(family_target(name))
     N = len(targets.decoder_layers(model))
     assert st.layer_ids[-1] == N and st.manifest.target.architecture == PUBLISHED[name]["architectures"][0]
     for k in range(3):
@@ -260,7 +353,7 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
                max_samples=4)
     with pytest.raises(DraftsmithError, match="connector: not possible.*do not include layer id 0"):
         run(ExtractConfig(output=tmp_path / "forced", vllm_strategy="connector", **cfg), show_progress=False)
-    with in_process_vllm(engines_in_process(name)):
+    with in_process_vllm():
         result = run(ExtractConfig(output=tmp_path / "auto", **cfg), show_progress=False)
     assert "(direct," in result.summary["backend"]
     cos = compare(tmp_path / "auto", hf)
@@ -284,11 +377,6 @@ def test_vllm_connector_and_direct_stores_equal_the_hf_store(matrix, tmp_path, n
     assert {s.writer for s in store.open(connector).manifest.shards} == {"s0of1"}
     matrix.record(name, "vLLM extract (connector)", ok=True, worst_cosine=round(cos, 6))
 
-    if not engines_in_process(name):  # engine starts cost ~45 s each here: direct over the whole set in one
-        cos = compare(matrix.vllm(name, "direct"), hf)
-        assert cos >= MIN_COSINE, (name, "direct", cos)
-        matrix.record(name, "vLLM extract (direct)", ok=True, worst_cosine=round(cos, 6))
-        return
     # direct, as two data-parallel workers (--shard 0/2, 1/2: two engines), merged into one store
     halves = [matrix.vllm(name, "direct", shard=f"{i}/2") for i in range(2)]
     assert {s.writer for s in store.open(halves[1]).manifest.shards} == {"s1of2"}
@@ -298,6 +386,222 @@ def test_vllm_connector_and_direct_stores_equal_the_hf_store(matrix, tmp_path, n
     assert cos >= MIN_COSINE, (name, "direct", cos)
     matrix.record(name, "vLLM extract (direct)", ok=True, worst_cosine=round(cos, 6))
     matrix.record(name, "data parallel (--shard i/n, merged)", ok=True, worst_cosine=round(cos, 6))
+
+
+# ------------------------------------------------------------------------------------------ drafts
+
+
+def _vllm_head_sizes() -> list[int] | None:
+    """The head sizes vLLM's CPU attention backend takes (the draft's layer runs on it here), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_draft_gets_an_attention_shape_vllm_runs(name):
+    """The target's own head shape where it has one; MLA targets (no usable head_dim: 7168 / 128 heads = 56, which
+    vLLM's CPU attention refuses) get 128-wide heads, hidden / 128 of them, 8 KV heads. Checked on the published
+    config and on the tiny one, against the head sizes vLLM's CPU attention takes."""
+    from draftsmith.train.model import DraftSpec
+
+    sizes = _vllm_head_sizes()
+    for config in (PUBLISHED[name], tiny_config(name, 320)):
+        text = targets.text_config(config)
+        spec = DraftSpec.from_target_config(config, 256, 1, [1, 2])
+        assert spec.num_attention_heads % spec.num_key_value_heads == 0
+        if name in MLA_FAMILIES:
+            assert spec.head_dim == 128 and spec.num_attention_heads * 128 == text["hidden_size"]
+            assert spec.num_key_value_heads == min(8, spec.num_attention_heads)
+        else:  # the target's own
+            assert (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim) == (
+                text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"])
+        if sizes is not None:
+            assert spec.head_dim in sizes, (name, spec.head_dim, sizes)
+    published = DraftSpec.from_target_config(PUBLISHED[name], 32000, 1, [2, 20, 27])
+    kv = published.num_key_value_heads  # TP=8: heads split evenly, K/V heads split or replicated
+    assert published.num_attention_heads % 8 == 0 and (kv % 8 == 0 or 8 % kv == 0), published
+
+
+def test_mla_drafts_refuse_aux_id_0_at_train_and_export(matrix, tmp_path):
+    """vLLM takes an MLA target's aux states before each decoder layer (none before layer 0): a draft fusing id 0
+    could not be served, so training (offline from such a store, online with --aux-layer-ids) and export refuse it
+    in one line. Llama's vLLM stack reaches id 0: the same store trains there."""
+    from draftsmith.export.formats import write_export
+    from draftsmith.train.drafts import load_draft
+
+    cfg = dict(max_steps=1, warmup_steps=0, token_budget=512, draft_vocab_size=64, ttt_steps=1, eval_fraction=0.0,
+               device="cpu", precision="fp32")
+    for name in ("deepseek_v3", "kimi_k25", "llama"):
+        st = tmp_path / name / "store"
+        extract.run(ExtractConfig(prepared=matrix.prepared(name), output=st, device="cpu", aux_layer_ids=[0, 2],
+                                  max_samples=2), show_progress=False)
+        if name == "llama":
+            train.run(TrainConfig(data=st, output=tmp_path / name / "run", **cfg))
+            break
+        arch = PUBLISHED[name]["architectures"][0]
+        for data, extra in ((st, {}), (matrix.prepared(name), {"aux_layer_ids": [0, 2]})):
+            with pytest.raises(DraftsmithError, match=rf"^draft: aux layer ids \[0, 2\] include 0 \(the embeddings\), "
+                               rf"which vLLM cannot hand an EAGLE-3 draft of {arch} .* use ids 1\.\.4") as err:
+                train.run(TrainConfig(data=data, output=tmp_path / name / "run", **cfg, **extra))
+            assert "\n" not in str(err.value)
+        source = load_draft(matrix.draft(name, "store"))  # a draft of this target, made to fuse id 0
+        spec = source.spec.model_copy(update={"aux_layer_ids": [0, 2]})
+        for fmt in ("vllm", "speculators"):
+            with pytest.raises(DraftsmithError, match=rf"^export {fmt}: aux layer ids \[0, 2\] include 0"):
+                write_export(tmp_path / name / fmt, source.tensors, spec, fmt, target=source.target,
+                             verifier_architectures=[arch])
+            assert not (tmp_path / name / fmt).exists()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_trains_offline_and_online_and_exports(matrix, name):
+    """A few steps from the hf store (offline) and from the prepared set (online); the offline draft exported as
+    vllm, the online one as speculators: each reads back as the trained tensors, and config.json describes the
+    target's text backbone (Kimi-K2.5: its language model inside the wrapper)."""
+    from draftsmith.train.drafts import load_draft
+
+    text = targets.text_config(targets.read_config(family_target(name)))
+    for data in ("store", "prepared"):
+        matrix.draft(name, data)
+        summary = matrix.summaries[("draft", name, data)]
+        assert summary["steps"] == TRAIN_STEPS and torch.isfinite(torch.tensor(summary["train loss"])), summary
+    cells = {}
+    for fmt, data in (("vllm", "store"), ("speculators", "prepared")):
+        out = matrix.export(name, fmt, data)
+        trained, exported = load_draft(matrix.draft(name, data)), load_draft(out)
+        assert exported.spec == trained.spec and set(exported.tensors) == set(trained.tensors)
+        assert all(torch.equal(exported.tensors[k], trained.tensors[k]) for k in trained.tensors)  # fp32 export
+        config = json.loads((out / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        assert config["eagle_aux_hidden_state_layer_ids"] == trained.spec.aux_layer_ids
+        assert layer["num_aux_hidden_states"] == len(trained.spec.aux_layer_ids)  # what vLLM sizes fc from
+        assert config["target_hidden_size"] == text["hidden_size"] and layer["vocab_size"] == text["vocab_size"]
+        assert layer["head_dim"] in (_vllm_head_sizes() or [layer["head_dim"]])
+        if fmt == "speculators":
+            verifier = config["speculators_config"]["verifier"]
+            assert verifier["architectures"] == PUBLISHED[name]["architectures"]
+        cells[fmt] = data
+    steps = {d: matrix.summaries[("draft", name, d)]["steps"] for d in ("store", "prepared")}
+    spec = load_draft(matrix.draft(name, "store")).spec
+    matrix.record(name, "train", ok=True, offline_steps=steps["store"], online_steps=steps["prepared"],
+                  draft_attention=f"{spec.num_attention_heads} x {spec.head_dim}, {spec.num_key_value_heads} KV",
+                  rope=spec.rope_parameters.get("rope_type"))
+    matrix.record(name, "export", ok=True, formats=sorted(cells))
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_drafts_rope_reads_the_same_in_vllm(matrix, name):
+    """The draft's RoPE is the target's parameters (DeepSeek/Kimi: yarn with mscale/mscale_all_dim) on the draft's
+    own head size. vLLM reads the exported config.json (and the speculators one) through its own config loader and
+    builds its rotary table from it: cos/sin equal draftsmith's (training, reference decoder) at every position.
+    (The lossless test cannot see a disagreement: acceptance would just drop.)"""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.transformers_utils.config import get_config
+
+    from draftsmith.train.drafts import load_draft
+    from draftsmith.train.model import RotaryEmbedding
+
+    for fmt, data in (("vllm", "store"), ("speculators", "prepared")):
+        out = matrix.export(name, fmt, data)
+        spec = load_draft(out).spec
+        hf = get_config(str(out), trust_remote_code=False)
+        assert (hf.head_dim, hf.num_attention_heads, hf.num_key_value_heads) == (
+            spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads)
+        with set_current_vllm_config(VllmConfig()):
+            rope = get_rope(hf.head_dim, max_position=hf.max_position_embeddings, is_neox_style=True,
+                            rope_parameters=hf.rope_parameters, dtype=torch.float32)
+        table = rope.cos_sin_cache[: spec.max_position_embeddings].float()  # [P, D]: cos halves, then sin halves
+        cos, sin = RotaryEmbedding(spec)(torch.arange(len(table))[None], torch.float32)
+        half = spec.head_dim // 2
+        # float32 angles up to 2048 rad: last-bit differences of inv_freq grow to ~1e-4; a different RoPE (type,
+        # frequencies, yarn ramp or attention factor) differs by far more
+        torch.testing.assert_close(table[:, :half], cos[0, :, :half], rtol=0, atol=1e-3)
+        torch.testing.assert_close(table[:, half:], sin[0, :, :half], rtol=0, atol=1e-3)
+        assert hf.rope_parameters["rope_type"] == spec.rope_parameters["rope_type"]
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_decoding_engine_starts_each_target_as_extraction_does(monkeypatch, name):
+    """evaluate's vLLM engine gets the target's knobs from the same probe findings as the extraction engines:
+    language_model_only for Kimi-K2.5's wrapper, the CPU MLA backend for MLA in float32 (not in bf16); the draft as
+    EAGLE-3 speculator; one in-process worker in vLLM's in-process mode."""
+    from draftsmith.evaluate import vllm_worker
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    request = dict(target=str(family_target(name)), dtype="float32", max_model_len=64, seed=0, k=2, draft="/d")
+    kwargs = vllm_worker.engine_kwargs(request)
+    assert kwargs["speculative_config"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}
+    assert kwargs["distributed_executor_backend"] == "uni" and kwargs["dtype"] == "float32"
+    assert kwargs.get("language_model_only", False) == (name == "kimi_k25")
+    assert kwargs.get("attention_backend") == ("CPU_MLA" if name in MLA_FAMILIES else None)
+    assert "attention_backend" not in vllm_worker.engine_kwargs({**request, "dtype": "bfloat16", "draft": None})
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_reference_decoder_is_lossless_with_the_trained_draft(matrix, name):
+    """Greedy speculative decoding in the reference decoder gives the target's own tokens, and the trained draft
+    gets some of its proposals accepted."""
+    ref = matrix.reference(name)
+    assert ref["spec"] == ref["plain"] and all(len(t) == NEW_TOKENS for t in ref["plain"])
+    accepted = sum(ref["accepted_per_pos"])
+    assert ref["rounds"] > 0 and accepted > 0, ref
+    matrix.record(name, "reference decoder lossless", ok=True, k=SPEC_K, tau=round(1 + accepted / ref["rounds"], 3))
+
+
+# The KV cache block sizes of vLLM 0.32's CPU attention backends: CPU_MLA (the float32 MLA reference) only 16, the
+# draft's CPU_ATTN multiples of 32. An MLA target and a Llama-style EAGLE-3 draft share one KV cache group, so no
+# block size fits both: the engine stops at KV cache set-up, after the target and the draft (weights, shared
+# embedding, aux layers) have loaded. On CPUs with AMX, vLLM's bf16 AMX_MLA backend takes multiples of 32.
+MLA_ON_CPU = r"No common block size for \d+ \(CPU_MLA: \[16\]; CPU_ATTN: \[MultipleOf\(32\)\]\)"
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", FAMILIES)
+def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
+    """vLLM EAGLE-3 speculative decoding with the exported draft, temperature 0, float32: the same tokens as the
+    same engine settings without the draft (lossless; the batched verification of k+1 positions is a different
+    computation from one token at a time, so this is the comparison that can fail) and as the reference decoder's
+    target alone; vLLM's counters show the draft ran, and its acceptance per position is the reference decoder's
+    exactly (vLLM computes the same proposals: RoPE, aux layers, fc, vocabulary mapping agree)."""
+    from draftsmith.evaluate import vllm_worker
+
+    draft = matrix.export(name, "vllm")
+    request = dict(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
+                   max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
+                   max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
+    ref = matrix.reference(name)
+    if name in MLA_FAMILIES:
+        with in_process_vllm(), pytest.raises(ValueError, match=MLA_ON_CPU):
+            vllm_worker.run({**request, "draft": str(draft)})
+        matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=False,
+                      reason="vLLM 0.32 on CPU in float32: CPU_MLA's KV blocks of 16 vs the draft's CPU attention "
+                             "(multiples of 32); the engine loads target and draft, then stops at KV cache set-up",
+                      fallback="reference decoder lossless (tau above); bf16 on CPUs with AMX (AMX_MLA) or a GPU")
+        return
+    with in_process_vllm():
+        plain = vllm_worker.run({**request, "draft": None})
+        spec = vllm_worker.run({**request, "draft": str(draft)})
+    assert spec["outputs"] == plain["outputs"], name  # lossless
+    assert plain["outputs"] == ref["plain"], name  # the reference decoder's target alone
+    counters = spec["spec"]
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
+    assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
+    assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
+        ref["rounds"], ref["accepted_per_pos"]), (counters, ref)
+    matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=True, k=SPEC_K, prompts=NUM_PROMPTS,
+                  new_tokens=NEW_TOKENS, drafts=counters["num_drafts"],
+                  accepted_per_pos=counters["num_accepted_tokens_per_pos"],
+                  tau=round(1 + counters["num_accepted_tokens"] / counters["num_drafts"], 3),
+                  same_acceptance_as_reference=True)
 
 
 # ------------------------------------------------------------------------------------------ vLLM, TP=2

@@ -415,6 +415,23 @@ def test_each_architecture_is_followed_to_the_forward_of_its_decoder_stack(tmp_p
 
 @pytest.mark.vllm
 @needs_vllm
+def test_the_served_layer_id_rule_agrees_with_the_installed_vllm():
+    """Training and export decide from a config alone (core.layers.reaches_embeddings_when_served) whether a draft
+    may fuse id 0; the probe reads the same fact in the installed vLLM's source. They agree on every tested family,
+    so a vLLM whose MLA stack learns to reach the embeddings makes this test fail (and the rule can go)."""
+    from families import PUBLISHED
+
+    from draftsmith.core.layers import reaches_embeddings_when_served
+    from draftsmith.extract.vllm.probe import probe_architectures
+
+    configs = {config["architectures"][0]: config for config in PUBLISHED.values()}
+    for report in probe_architectures(list(configs)):
+        config = configs[report.architecture]
+        assert reaches_embeddings_when_served(config) == report.support.reaches_embeddings, report.architecture
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_installed_vllm_rows_per_architecture():
     """The rows docs/vllm-compat.md and `draftsmith doctor` show, on the installed vLLM."""
     from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, architecture_row, probe_architectures

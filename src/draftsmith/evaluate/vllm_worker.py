@@ -5,18 +5,29 @@ from a real file with a `__main__` guard; `vllm_runner.py` launches this file an
 Everything vLLM-specific about the evaluation lives here and in vllm_runner.py (STYLE.md, habit 5).
 
 The request names the target, the draft (or none, for the baseline), k, the prompts as token ids and the
-sampling settings. The result holds each prompt's output token ids, the wall time of the timed `generate`
+sampling settings (optional: max_num_seqs, ignore_eos to generate max_new_tokens whatever the target writes). The result holds each prompt's output token ids, the wall time of the timed `generate`
 call (a short warm-up run before it is not timed), and the deltas of the `vllm:spec_decode_*` counters that
 `LLM.get_metrics()` reports over the timed call.
+
+`run(request)` does one job in the calling process (`main` wraps it in the request and result files); with vLLM's
+VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine runs in that process too, which is how tests/test_families.py
+affords one engine per family and measurement. The target starts as the extraction engines start it
+(`target_engine_kwargs`: a multimodal wrapper with language_model_only, MLA in float32 on CPU with the CPU MLA
+backend).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
+from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
 
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -52,34 +63,85 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
-def main(request_file: str) -> None:
-    request = json.loads(Path(request_file).read_text(encoding="utf-8"))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(request.get("kv_cache_gb", 2))))
-    import vllm
-    from vllm import LLM, SamplingParams
+def in_process() -> bool:
+    """vLLM's engine core runs in this process (its own VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
 
-    kwargs: dict = dict(model=request["target"], dtype=request["dtype"], max_model_len=request["max_model_len"],
-                        seed=request["seed"], disable_log_stats=False, enforce_eager=request.get("enforce_eager", True),
-                        trust_remote_code=request.get("trust_remote_code", False), max_num_seqs=request.get("max_num_seqs", 1))
+
+def engine_kwargs(request: dict) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments for a request: the target, what it needs to start here (the probe's findings),
+    and the draft as EAGLE-3 speculator with k tokens per round."""
+    config = read_config(Path(request["target"]))
+    facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
+                  resolve_config=False).facts
+    kwargs: dict[str, Any] = dict(
+        model=request["target"], dtype=request["dtype"], max_model_len=request["max_model_len"], seed=request["seed"],
+        disable_log_stats=False, enforce_eager=request.get("enforce_eager", True),
+        trust_remote_code=request.get("trust_remote_code", False), max_num_seqs=request.get("max_num_seqs", 1))
+    kwargs.update(target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
+                                       multimodal=is_multimodal_wrapper(config), dtype=request["dtype"]))
+    if in_process():
+        kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
     if request.get("draft"):
         kwargs["speculative_config"] = {"method": "eagle3", "model": request["draft"],
                                         "num_speculative_tokens": request["k"]}
-    llm = LLM(**kwargs)
-    params = SamplingParams(temperature=request["temperature"], max_tokens=request["max_new_tokens"],
-                            seed=request["seed"] if request["temperature"] > 0 else None)
-    prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up, not timed
-    before = read_spec_metrics(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    after = read_spec_metrics(llm)
-    result = {
-        "vllm_version": vllm.__version__,
-        "elapsed_s": elapsed,
-        "outputs": [list(o.outputs[0].token_ids) for o in outputs],
-        "spec": _delta(after, before),
-    }
+    return kwargs
+
+
+def run(request: dict) -> dict:
+    """One generation job in this process: start the engine, warm up, the timed `generate`, the counters' deltas;
+    the engine is shut down before returning."""
+    import vllm
+    from vllm import LLM, SamplingParams, envs
+
+    if hasattr(envs, "disable_envs_cache"):  # an earlier engine in this process froze vLLM's view of os.environ
+        envs.disable_envs_cache()
+    try:
+        llm = LLM(**engine_kwargs(request))
+    except BaseException:
+        if in_process():  # a half-started engine here leaves its process group behind for the next one
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        raise
+    try:
+        params = SamplingParams(temperature=request["temperature"], max_tokens=request["max_new_tokens"],
+                                seed=request["seed"] if request["temperature"] > 0 else None,
+                                ignore_eos=bool(request.get("ignore_eos", False)))
+        prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+        before = read_spec_metrics(llm)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        after = read_spec_metrics(llm)
+        return {"vllm_version": vllm.__version__, "elapsed_s": elapsed,
+                "outputs": [list(o.outputs[0].token_ids) for o in outputs], "spec": _delta(after, before)}
+    finally:
+        _shutdown(llm)
+
+
+def _shutdown(llm) -> None:
+    """Stop the engine core (and its processes); an in-process engine's process groups and memory go with it."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    steps_here = type(core).__name__ == "InprocClient"
+    if core is not None and hasattr(core, "shutdown"):
+        try:
+            core.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+    del llm, core
+    if steps_here:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def main(request_file: str) -> None:
+    request = json.loads(Path(request_file).read_text(encoding="utf-8"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(request.get("kv_cache_gb", 2))))
+    result = run(request)
     tmp = Path(request["result"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")
     os.replace(tmp, request["result"])

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.connector import EXTRA_CONFIG_KEY
-from draftsmith.extract.vllm.probe import ProbeFacts
+from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_kwargs
 from draftsmith.extract.vllm.sink import SAMPLE_ID_KEY
 
 DEFAULT_CPU_KV_CACHE_GIB = "2"
@@ -70,11 +70,8 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
     }
     if in_process() and spec.tensor_parallel_size * spec.data_parallel_size == 1:
         kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
-    if spec.multimodal and spec.facts.language_model_only:
-        kwargs["language_model_only"] = True  # text prompts only: no vision tower to load or profile
-    if spec.mla and spec.facts.platform == "cpu" and spec.dtype != "bfloat16" and spec.facts.cpu_mla_backend:
-        # vLLM prefers its AMX MLA kernels where the CPU has AMX, and they take bf16 weights only
-        kwargs["attention_backend"] = spec.facts.cpu_mla_backend
+    # language_model_only for a multimodal wrapper, the CPU MLA backend for MLA in float32 on CPU
+    kwargs.update(target_engine_kwargs(spec.facts, mla=spec.mla, multimodal=spec.multimodal, dtype=spec.dtype))
     if spec.strategy == "connector":
         layer_ids = spec.sink_config["spec"]["layer_ids"]
         kwargs["speculative_config"] = {

@@ -497,6 +497,20 @@ def inspect_architecture(importer: Importer | None, architecture: str, *, config
     return support
 
 
+def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments a target needs whatever its engine runs (extraction, EAGLE-3 speculative
+    decoding), each guarded by a finding: a multimodal wrapper (Kimi-K2.5: `multimodal`) starts with
+    language_model_only=True (text prompts only: no vision tower to load or profile); a multi-head latent attention
+    target (`mla`: a kv_lora_rank in its text config) computing in float32 on a CPU gets the CPU MLA backend (vLLM
+    prefers its AMX MLA kernels where the CPU has AMX, and they take bf16 weights only)."""
+    kwargs: dict[str, Any] = {}
+    if multimodal and facts.language_model_only:
+        kwargs["language_model_only"] = True
+    if mla and facts.platform == "cpu" and dtype != "bfloat16" and facts.cpu_mla_backend:
+        kwargs["attention_backend"] = facts.cpu_mla_backend
+    return kwargs
+
+
 def probe_architectures(architectures: list[str], importer: Importer | None = None,
                         configs: dict[str, dict] | None = None) -> list[ProbeReport]:
     """One probe per architecture (the vLLM-wide rows are the same in each; `.support` differs)."""
