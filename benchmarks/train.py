@@ -67,7 +67,7 @@ def _reset_peak_rss() -> None:
 
 
 def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: torch.device, dtype: str,
-            compile_layers: str | None, checkpointed: bool, log_every: int) -> dict:
+            compile_layers: str | None, checkpointed: bool, log_every: int, lean: bool = False) -> dict:
     """One (shape, T) in this process: seconds per step (median) and the step's peak memory."""
     s = SHAPES[shape]
     spec = DraftSpec.from_target_config(s["config"], s["draft_vocab"], 1, s["aux"])
@@ -81,10 +81,14 @@ def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: to
     if compile_layers:  # a torch.compile backend (inductor; eager only traces, for rehearsals)
         for layer in draft.layers:
             layer.compile(dynamic=True, backend=compile_layers)
+    if lean:  # the frozen tensors in bf16 and no optimizer state: what stays the same at every T, made smaller
+        head_weight = head_weight.bfloat16()
+        draft.embed_tokens.weight.data = draft.embed_tokens.weight.data.bfloat16()
     head = TargetHead(norm, head_weight, draft.draft_to_target)
     model = TTTModel(draft)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None)
+    optimizer = (torch.optim.SGD(params, lr=1e-4) if lean else
+                 torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None))
     ids = torch.randint(0, spec.vocab_size, (1, seq))
     mask = torch.ones(1, seq, dtype=torch.bool)
     mask[:, : seq // 4] = False  # a prompt: a quarter of the positions are not scored
@@ -131,6 +135,7 @@ def _child(args, shape: str, seq: int, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--child", shape, str(seq), mode, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--log-every", str(args.log_every)]
     cmd += ["--compile", args.compile] * bool(args.compile) + ["--checkpointing"] * args.checkpointing
+    cmd += ["--lean"] * args.lean
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -152,6 +157,8 @@ def main() -> None:
                         help="torch.compile the draft's decoder layers (backend: inductor, or eager to only trace)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each TTT step")
     parser.add_argument("--no-naive", action="store_true", help="skip the explicit-mask reference")
+    parser.add_argument("--lean", action="store_true", help="frozen embedding and target head in bf16, SGD instead "
+                        "of AdamW: less memory that does not depend on T (to fit the 8b sweep in a small RAM)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--child", nargs=3, metavar=("SHAPE", "T", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -160,7 +167,7 @@ def main() -> None:
     if args.child:
         shape, seq, mode = args.child
         print(json.dumps(measure(shape, int(seq), args.steps, args.warmup, mode, torch.device(args.device),
-                                 args.dtype, args.compile, args.checkpointing, args.log_every)))
+                                 args.dtype, args.compile, args.checkpointing, args.log_every, args.lean)))
         return
     shapes = ["quickstart", "8b"] if args.shape == "both" else [args.shape]
     rows = []
@@ -174,6 +181,7 @@ def main() -> None:
         ours = ours or _child(args, "quickstart", 1024, "ttt")
         naive = _child(args, "quickstart", 1024, "naive")
     print(f"device {args.device}, {args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, "
+          f"lean {args.lean}, "
           f"torch threads {args.threads or torch.get_num_threads()}, batch 1")
     print(f"{'shape':>10} {'T':>6} {'s/step':>8} {'tokens/s':>9} {'peak MB':>9}")
     for r in rows:
@@ -182,6 +190,7 @@ def main() -> None:
         else:
             print(f"{r['shape']:>10} {r['seq']:>6} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_mb']:>9.0f}")
     summary: dict = {"device": args.device, "dtype": args.dtype, "compile": args.compile,
+                     "checkpointing": args.checkpointing, "lean": args.lean,
                      "tokens_per_s_by_T": {}, "peak_mb_by_T": {}}
     for shape in shapes:
         ok = [r for r in rows if r["shape"] == shape and "error" not in r]

@@ -38,7 +38,9 @@ except ImportError:  # pragma: no cover - depends on the torch build
         flex_attention = BlockMask = AuxRequest = None
 
 # Query rows per chunk of ChunkedCausalAttention: each chunk holds a few [B, Hq, CHUNK, T] fp32 score buffers.
-CHUNK = 128
+# benchmarks/ttt_memory.py --sweep-chunk, CPU: 32..64 fastest at the default target's shapes and at the 8B-shaped
+# draft's (T 1024..4096); 256 and more up to 2.5x slower (buffers out of cache), 16 slower again (per-op cost).
+CHUNK = 64
 KERNELS = ("auto", "flex", "chunked")
 
 
