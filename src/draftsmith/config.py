@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
@@ -51,6 +58,54 @@ class PrepareConfig(StageConfig):
     chat_template: Path | None = Field(None, description=(
         "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
     trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
+    resume: bool = Field(True, description=(
+        "Continue an interrupted run with the same inputs and options from its last complete shard."))
+
+    _split = field_validator("data", mode="before")(_split_list)
+
+
+class RegenerateConfig(StageConfig):
+    data: list[str] = Field(default_factory=list, description=(
+        "Conversations whose assistant turns the target answers anew: whatever `draftsmith prepare` reads. "
+        "Comma-separated. Default: the embedded ShareGPT."))
+    target: str | None = Field(None, description=(
+        "Target model that writes the answers: an HF directory, a hub id in the local HF cache, or a .gguf file. "
+        "Default: the embedded SmolLM2-135M-Instruct."))
+    output: Path = Field(Path("runs/regenerated"), description=(
+        "Directory to write the regenerated conversations to (messages JSONL shards that `draftsmith prepare "
+        "--data` reads, and a manifest)."))
+    engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
+        "Engine that generates: transformers `generate`, or vLLM's batched generation; auto: vLLM when it is "
+        "installed."))
+    max_new_tokens: int = Field(512, ge=1, description=(
+        "Longest answer per assistant turn, in tokens; an answer cut there is marked truncated."))
+    max_length: int = Field(2048, ge=16, description=(
+        "Longest conversation in tokens (prompt + answer); a later turn whose prompt already fills it ends the "
+        "conversation before that turn (counted)."))
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of tokens "
+                         "whose probability adds up to top_p.")
+    seed: int = Field(0, description=(
+        "Random seed for sampling (temperature > 0): vLLM seeds each answer, transformers each batch."))
+    think: Literal["keep", "drop"] = Field("keep", description=(
+        "Reasoning models: keep the <think>...</think> reasoning in the answers, or drop it (an answer cut off "
+        "before its reasoning ends is then skipped, counted)."))
+    leading_assistant: Literal["skip", "drop"] = Field("skip", description=(
+        "A conversation whose first turn (after any system turn) is the assistant's: skip it (counted), or drop "
+        "its assistant turns before the first user turn and answer the rest."))
+    max_samples: int | None = Field(None, ge=1, description="Stop after this many regenerated conversations.")
+    shard_samples: int = Field(128, ge=1, description=(
+        "Conversations per output shard; a killed run keeps its complete shards. Twice as many are generated at "
+        "once (raise it on a GPU)."))
+    chat_template: Path | None = Field(None, description=(
+        "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
+    device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Compute dtype; auto: bfloat16 on GPU, float32 on CPU."))
+    hf_batch_size: int = Field(16, ge=1, description="hf engine: answers per `generate` call.")
+    vllm_kv_cache_gb: int = Field(2, ge=1, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
+    trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
     resume: bool = Field(True, description=(
         "Continue an interrupted run with the same inputs and options from its last complete shard."))
 
@@ -283,6 +338,9 @@ class QuickstartConfig(StageConfig):
     device: str = Field("auto", description="auto, cpu, cuda ...")
     online: bool = Field(False, description=(
         "Train straight from the prepared set (the target runs inside the trainer) instead of extracting a store."))
+    regenerate: bool = Field(False, description=(
+        "Train on the target's own answers: regenerate the data's assistant turns with the target first, then "
+        "prepare the regenerated set (a `regenerate:` recipe section holds its options and turns it on)."))
     # Recipe sections (YAML only): options of one stage on top of what the budget chose, e.g. `train: {lr: 3e-4}`.
     # The paths that chain the stages together are the quickstart's and cannot be set here.
     prepare: dict[str, Any] = Field(default_factory=dict, description="YAML only: PrepareConfig options.")
@@ -290,8 +348,19 @@ class QuickstartConfig(StageConfig):
     train: dict[str, Any] = Field(default_factory=dict, description="YAML only: TrainConfig options.")
     export: dict[str, Any] = Field(default_factory=dict, description="YAML only: ExportConfig options.")
     evaluate: dict[str, Any] = Field(default_factory=dict, description="YAML only: EvaluateConfig options.")
+    regenerate_options: dict[str, Any] = Field(default_factory=dict, description=(
+        "YAML only: RegenerateConfig options (written as the `regenerate:` section)."))
 
     _split = field_validator("data", "k", mode="before")(_split_list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _regenerate_section(cls, data: Any) -> Any:
+        """`regenerate: {temperature: 0.7}` in a recipe: regenerate, with these options."""
+        if isinstance(data, dict) and isinstance(data.get("regenerate"), dict):
+            data = {**data, "regenerate": True,
+                    "regenerate_options": {**data.get("regenerate_options", {}), **data["regenerate"]}}
+        return data
 
 
 class StageResult(BaseModel):

@@ -20,6 +20,7 @@ from draftsmith.config import (
     ExtractConfig,
     PrepareConfig,
     QuickstartConfig,
+    RegenerateConfig,
     StageResult,
     TrainConfig,
     save_resolved_config,
@@ -31,6 +32,8 @@ from draftsmith.export.formats import serve_commands
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
+# `--regenerate` runs one more stage first; its expected time (vLLM, default target, 2-core CPU) drives the ETA.
+REGENERATE_S_PER_CONVERSATION = 3.0
 
 
 @dataclass(frozen=True)
@@ -99,16 +102,17 @@ def _evaluation_engine(requested: str, state: dict[str, Any] | None = None) -> t
 
 
 # The options that chain the stages together: a recipe section may not move them.
-_CHAINED = {"prepare": {"output"}, "extract": {"prepared", "output"}, "train": {"data", "output"},
-            "export": {"checkpoint", "output"}, "evaluate": {"draft", "output"}}
+_CHAINED = {"regenerate": {"output"}, "prepare": {"output"}, "extract": {"prepared", "output"},
+            "train": {"data", "output"}, "export": {"checkpoint", "output"}, "evaluate": {"draft", "output"}}
 
 
 def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     """Each stage's config for this quickstart run: the budget's choices, then the recipe's sections on top."""
     configs = _budget_configs(cfg, engine)
     for stage, base in configs.items():
-        section = getattr(cfg, stage)
-        moved = sorted(_CHAINED[stage] & section.keys())
+        section = cfg.regenerate_options if stage == "regenerate" else getattr(cfg, stage)
+        chained = _CHAINED[stage] | ({"data"} if stage == "prepare" and cfg.regenerate else set())
+        moved = sorted(chained & section.keys())
         if moved:
             raise DraftsmithError(f"quickstart section {stage}: option {moved[0]} is set by the quickstart itself "
                                   "(it chains the stages); use --output to place the run")
@@ -121,7 +125,7 @@ def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
 def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     b = BUDGETS[cfg.budget]
     out = Path(cfg.output)
-    return {
+    configs = {
         "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
                                  max_samples=b.conversations),
         "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
@@ -136,10 +140,18 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
                                    max_new_tokens=cfg.max_new_tokens or b.max_new_tokens, temperature=0.0,
                                    device=cfg.device),
     }
+    if cfg.regenerate:  # the target answers the data's user turns first, and prepare reads its answers
+        configs = {"regenerate": RegenerateConfig(
+            data=cfg.data, target=cfg.target, output=out / "regenerated", engine="vllm" if engine == "vllm" else "hf",
+            max_length=b.max_length, max_samples=b.conversations, shard_samples=32, device=cfg.device), **configs}
+        configs["prepare"].data = [str(out / "regenerated")]
+    return configs
 
 
 def _runner(stage: str) -> Callable[[Any], StageResult]:
-    if stage == "prepare":
+    if stage == "regenerate":
+        from draftsmith.prepare.regenerate import run
+    elif stage == "prepare":
         from draftsmith.prepare.stage import run
     elif stage == "extract":
         from draftsmith.extract import run
@@ -154,7 +166,7 @@ def _runner(stage: str) -> Callable[[Any], StageResult]:
 
 def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
     """Seconds left: the budget's expected stage times, scaled by how fast the finished stages actually ran."""
-    expected = dict(zip(STAGES, budget.expected_s))
+    expected = dict(zip(STAGES, budget.expected_s), regenerate=budget.conversations * REGENERATE_S_PER_CONVERSATION)
     done = state["finished"]
     scale = (sum(v["seconds"] for v in done.values()) / sum(expected[s] for s in done)) if done else 1.0
     return scale * sum(expected[s] for s in remaining)
@@ -166,7 +178,7 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_NAME
     state = _load_state(state_path)
-    for option in ("budget", "online"):  # what decides the stages' shape; the stages check their own options
+    for option in ("budget", "online", "regenerate"):  # what shapes the stages; the stages check their own options
         value = getattr(cfg, option)
         if state.get(option, value) != value:
             raise DraftsmithError(f"{out}: was started with --{option} {state[option]}; use another --output "
@@ -179,6 +191,7 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
     budget = BUDGETS[cfg.budget]
     started = time.perf_counter()
     stages = [s for s in STAGES if not (cfg.online and s == "extract")]  # online: the trainer runs the target
+    stages = ["regenerate"] * cfg.regenerate + stages
     for index, stage in enumerate(stages, start=1):
         remaining = [s for s in stages if s not in state["finished"]]
         if stage in state["finished"]:
@@ -230,8 +243,8 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
     report = read_report(Path(configs["evaluate"].output) / "report.json")
     target_dir = Path(prepared.target.path)
     summary: dict[str, Any] = {
-        "data": f"{prepared.num_samples:,} ShareGPT conversations, {prepared.num_tokens:,} tokens"
-        if not cfg.data else f"{prepared.num_samples:,} conversations, {prepared.num_tokens:,} tokens",
+        "data": f"{prepared.num_samples:,} {'conversations' if cfg.data else 'ShareGPT conversations'}"
+                f"{', answers regenerated by the target' if cfg.regenerate else ''}, {prepared.num_tokens:,} tokens",
         "training time": f"{finished['train']['seconds'] / 60:.1f} min",
         "total time": f"{sum(v['seconds'] for v in finished.values()) / 60:.1f} min",
         "evaluation": f"{engine_why}; MT-bench first turns, {report['num_prompts']} prompts, temperature 0",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 # A string no chat template or conversation contains (private-use code points around a name).
 SENTINEL = "\ue000draftsmith-turn\ue001"
@@ -33,6 +34,7 @@ ROLE_ALIASES = {
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool", "function": "tool", "observation": "tool",  # a tool's result: context, never trained on
 }
 _TURN_KEYS = ("conversations", "conversation", "messages")
 _ROLE_KEYS = ("from", "role")
@@ -78,13 +80,13 @@ def leading_assistant_turns(messages: list[Message]) -> int:
     return n
 
 
-def normalize_conversation(record: Any, leading_assistant: str = "skip") -> list[Message]:
+def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_trailing: bool = False) -> list[Message]:
     """A record (ShareGPT `conversations: [{from, value}]` or `messages: [{role, content}]`) -> chat messages.
 
-    Roles become user / assistant / system; turns after the last assistant turn are dropped (they carry no
-    loss). A conversation that starts with the assistant is skipped, or with `leading_assistant="drop"` loses
-    its assistant turns before the first user turn (the caller counts them with `leading_assistant_turns`), or
-    with "keep" is left as it is.
+    Roles become user / assistant / system / tool; turns after the last assistant turn are dropped (they carry
+    no loss) unless `keep_trailing` (`draftsmith regenerate` answers them). A conversation that starts with the
+    assistant is skipped, or with `leading_assistant="drop"` loses its assistant turns before the first user turn
+    (the caller counts them with `leading_assistant_turns`), or with "keep" is left as it is.
     Raises Skip with a counted reason for anything that is not a usable conversation.
     """
     if not isinstance(record, dict):
@@ -116,7 +118,7 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip") -> list
             raise Skip("starts with the assistant", "the first non-system turn is the assistant's")
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
         messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
-    while messages and messages[-1]["role"] != "assistant":
+    while messages and messages[-1]["role"] != "assistant" and not keep_trailing:
         messages.pop()
     if not messages:
         raise Skip("no assistant turn", "no turn is from the assistant")
@@ -158,8 +160,6 @@ class ChatEncoder:
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
-
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
                                                       add_generation_prompt=add_generation_prompt)

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.manifest import MANIFEST_NAME
 
 JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -57,7 +61,8 @@ def _directory_sources(directory: Path) -> list[Source]:
     if _is_saved_dataset(directory):
         return [Source(directory, "dataset")]
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in FORMAT_OF_SUFFIX
-                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+                   and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+                   and p != directory / MANIFEST_NAME)  # an artefact's own manifest (`draftsmith regenerate`'s set)
     if not files:
         raise DraftsmithError(f"{directory}: no .json / .jsonl / .parquet / .arrow files in this directory")
     by_format: dict[str, list[Path]] = {}
@@ -299,9 +304,6 @@ def _iter_json_array(path: Path, f) -> Iterator[Record]:
 
 
 def _iter_parquet(path: Path) -> Iterator[Record]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:

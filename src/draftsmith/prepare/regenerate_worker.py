@@ -1,0 +1,94 @@
+"""Generate answers with vLLM in a process of its own: `python -m draftsmith.prepare.regenerate_worker`.
+
+vLLM may start processes with `spawn`, which re-imports the main module, so it must run from a real file with a
+`__main__` guard. `regenerate.py` starts this file once per run and talks to it over its stdin and stdout, one
+JSON object a line:
+
+    stdin, first line   the engine: {"target", "dtype", "max_model_len", "seed", "tensor_parallel_size",
+                        "trust_remote_code", "stop_token_ids", "temperature", "top_p"}
+    stdout, once ready  {"ready": true, "vllm_version": "0.32.0"}
+    stdin, any time     a request: {"id", "prompt": [token ids], "max_tokens", "seed"}
+    stdout, as they end {"outputs": [{"id", "token_ids", "finish_reason": "stop" | "length"}, ...]}
+
+Requests go into vLLM's engine as they arrive (`LLMEngine.add_request` + `step`, the loop `LLM.generate` runs), so
+continuous batching keeps the batch full: the next turn of a conversation is asked for as soon as its previous
+answer is back, while the other conversations keep generating. The prompts come rendered with the target's chat
+template and tokenised (what `LLM.chat` does inside), so both of draftsmith's engines see the same tokens.
+Everything else printed here (vLLM's own logs) goes to stderr, which the parent writes to a log file.
+
+The worker dies with its parent (PR_SET_PDEATHSIG) and runs vLLM's engine core in this same process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), so a `kill -9` of `draftsmith regenerate` leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+
+import torch
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent closes stdin on exit, which ends the loop below
+        pass
+    if os.getppid() == 1:  # the parent died before the call above
+        sys.exit(1)
+
+
+def _read_requests(inbox: queue.Queue) -> None:
+    for line in sys.stdin:
+        inbox.put(json.loads(line))
+    inbox.put(None)  # stdin closed: the parent is done (or gone)
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)  # vLLM prints to stdout too: keep the reply channel for replies only
+    _die_with_parent()
+    engine = json.loads(sys.stdin.readline())
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = LLM(model=engine["target"], dtype=engine["dtype"], max_model_len=engine["max_model_len"],
+              seed=engine["seed"], tensor_parallel_size=engine["tensor_parallel_size"],
+              trust_remote_code=engine["trust_remote_code"], enforce_eager=not torch.cuda.is_available(),
+              disable_log_stats=True)
+    core = llm.llm_engine
+    replies.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_requests, args=(inbox,), daemon=True).start()
+    sampled = engine["temperature"] > 0
+    while True:
+        waiting = [inbox.get()] if not core.has_unfinished_requests() else []
+        while True:
+            try:
+                waiting.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for request in waiting:
+            if request is None:
+                return
+            params = SamplingParams(temperature=engine["temperature"], top_p=engine["top_p"],
+                                    max_tokens=request["max_tokens"], seed=request["seed"] if sampled else None,
+                                    stop_token_ids=engine["stop_token_ids"], detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            core.add_request(str(request["id"]), {"prompt_token_ids": request["prompt"]}, params)
+        finished = [{"id": int(out.request_id), "token_ids": list(out.outputs[0].token_ids),
+                     "finish_reason": out.outputs[0].finish_reason} for out in core.step() if out.finished]
+        if finished:
+            replies.write(json.dumps({"outputs": finished}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
