@@ -248,7 +248,11 @@ def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = No
     `head_scale` multiplies the lm_head so random logits are far from flat (greedy tokens then do not flip on
     last-bit differences, e.g. a tensor-parallel all-reduce order).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
 
     path = Path(path)
     if name == "llama":

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 from conftest import CHATML_TEMPLATE, build_tiny_tokenizer
 
-from draftsmith.prepare.chat import ChatEncoder, Skip, masked_spans, normalize_conversation
+from draftsmith.prepare.chat import (
+    ChatEncoder,
+    Skip,
+    masked_spans,
+    normalize_conversation,
+)
 
 # A SmolLM2-like ChatML template: a default system prompt when the conversation brings none.
 SMOL_CHATML = (

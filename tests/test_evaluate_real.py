@@ -18,7 +18,12 @@ from draftsmith import evaluate, export
 from draftsmith.config import EvaluateConfig, ExportConfig
 from draftsmith.core import targets
 from draftsmith.evaluate.prompts import load_prompts
-from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
+from draftsmith.evaluate.specdec import (
+    DraftRunner,
+    TargetRunner,
+    plain_generate,
+    speculative_generate,
+)
 from draftsmith.train.drafts import load_draft
 
 pytestmark = pytest.mark.slow

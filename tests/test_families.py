@@ -35,7 +35,14 @@ from typing import Any
 
 import pytest
 import torch
-from families import FAMILIES, MLA_FAMILIES, PUBLISHED, TINY_OVERRIDES, target_dir, tiny_config
+from families import (
+    FAMILIES,
+    MLA_FAMILIES,
+    PUBLISHED,
+    TINY_OVERRIDES,
+    target_dir,
+    tiny_config,
+)
 
 from draftsmith import export, extract, train
 from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainConfig
@@ -218,7 +225,12 @@ class Matrix:
         key = ("reference", name, fmt, data)
         if key not in self._made:
             from draftsmith.evaluate import build_draft_module
-            from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
+            from draftsmith.evaluate.specdec import (
+                DraftRunner,
+                TargetRunner,
+                plain_generate,
+                speculative_generate,
+            )
             from draftsmith.train.drafts import load_draft
 
             source = load_draft(self.export(name, fmt, data))

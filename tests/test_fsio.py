@@ -5,7 +5,14 @@ from pathlib import Path
 import pytest
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_json, file_lock, sha256_bytes, sha256_file
+from draftsmith.core.fsio import (
+    atomic_dir,
+    atomic_path,
+    atomic_write_json,
+    file_lock,
+    sha256_bytes,
+    sha256_file,
+)
 
 
 def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):

@@ -9,7 +9,14 @@ import torch
 
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.model import EMBEDDING, DraftSpec, Eagle3Draft, KVCache, draft_tensors, rope_inverse_frequencies
+from draftsmith.train.model import (
+    EMBEDDING,
+    DraftSpec,
+    Eagle3Draft,
+    KVCache,
+    draft_tensors,
+    rope_inverse_frequencies,
+)
 
 
 def _spec(**kw) -> DraftSpec:
@@ -171,7 +178,10 @@ def test_cached_decoding_equals_full_forward():
 def test_plain_layer_and_rope_match_transformers_llama():
     """Layer i>0 is a plain Llama layer: same output as transformers' LlamaDecoderLayer with the same weights."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
 
     cfg = _spec(num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     draft = Eagle3Draft(cfg).double()

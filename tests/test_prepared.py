@@ -12,7 +12,12 @@ import torch
 from draftsmith.core import tensorfile
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
-from draftsmith.prepare.dataset import PreparedManifest, open_prepared, split_indices, write_prepared
+from draftsmith.prepare.dataset import (
+    PreparedManifest,
+    open_prepared,
+    split_indices,
+    write_prepared,
+)
 
 VOCAB = 50
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from draftsmith import quickstart
-from draftsmith.export import serve_commands
 from draftsmith.config import QuickstartConfig
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.export import serve_commands
 
 
 def test_serve_commands_are_copy_pasteable(tmp_path):

@@ -15,7 +15,12 @@ from rich.console import Console
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import choose_strategy
-from draftsmith.extract.vllm.probe import INSTALL_HINT, directory_importer, probe, render_probe_table
+from draftsmith.extract.vllm.probe import (
+    INSTALL_HINT,
+    directory_importer,
+    probe,
+    render_probe_table,
+)
 
 # --------------------------------------------------------------------------------------------------- fake trees
 
@@ -434,7 +439,11 @@ def test_the_served_layer_id_rule_agrees_with_the_installed_vllm():
 @needs_vllm
 def test_installed_vllm_rows_per_architecture():
     """The rows docs/vllm-compat.md and `draftsmith doctor` show, on the installed vLLM."""
-    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, architecture_row, probe_architectures
+    from draftsmith.extract.vllm.probe import (
+        TESTED_ARCHITECTURES,
+        architecture_row,
+        probe_architectures,
+    )
 
     reports = {r.architecture: r for r in probe_architectures(list(TESTED_ARCHITECTURES))}
     expected = {  # architecture: (decoder stack, language model, ids vLLM reaches)

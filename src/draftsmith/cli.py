@@ -155,6 +155,9 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
     app.command(name, help=help_text)(command)
 
 
+_stage_command("regenerate", "RegenerateConfig", "draftsmith.prepare.regenerate:run",
+               "Have the target answer the conversations' user turns itself (vLLM or transformers), so the draft "
+               "trains on the target's own answers; writes messages JSONL that `draftsmith prepare --data` reads.")
 _stage_command("prepare", "PrepareConfig", "draftsmith.prepare:run",
                "Render conversations with the target's chat template into token shards with assistant loss masks.")
 _stage_command("extract", "ExtractConfig", "draftsmith.extract:run",
@@ -190,8 +193,7 @@ def doctor(
 ) -> None:
     """Show versions, hardware, cached default assets, what the installed vLLM can do per architecture, and a
     target's sizes."""
-    from draftsmith import doctor as doctor_module
-
+    doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
     _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
                                     gpu_memory_gb=gpu_memory_gb))
 
@@ -203,8 +205,7 @@ def inspect_command(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (for scripts).")] = False,
 ) -> None:
     """Show an artefact's manifest, or one sample with its loss-masked span highlighted."""
-    from draftsmith import inspection
-
+    inspection = importlib.import_module("draftsmith.inspection")
     _call(lambda: inspection.run(path, sample=sample, as_json=as_json, console=console))
 
 
@@ -215,8 +216,7 @@ def store_verify(
         "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."))] = False,
 ) -> None:
     """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens."""
-    from draftsmith.extract import store
-
+    store = importlib.import_module("draftsmith.extract.store")
     report = _call(lambda: store.verify_store(path, repair=repair))
     console.print(report)
     if not getattr(report, "ok", True):
@@ -229,8 +229,7 @@ def store_merge(
     output: Annotated[Path, typer.Option("--output", "-o", help="Merged store directory to create.")],
 ) -> None:
     """Join stores written by several workers (`extract --shard i/n`) into one."""
-    from draftsmith.extract import store
-
+    store = importlib.import_module("draftsmith.extract.store")
     console.print(_call(lambda: store.merge_stores(inputs, output)))
 
 

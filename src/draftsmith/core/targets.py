@@ -11,7 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+)
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
+from transformers.utils import logging as hf_logging
 
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
@@ -46,7 +61,6 @@ def resolve_target(spec: str | Path | None) -> Path:
     if path.exists():
         raise DraftsmithError(f"{path}: expected an HF model directory, a .gguf file or a hub id")
     try:
-        from huggingface_hub import snapshot_download
 
         local = Path(snapshot_download(str(spec), local_files_only=True))
     except Exception:  # noqa: BLE001 - any hub failure means "not in the local cache"
@@ -112,8 +126,6 @@ def target_identity(path: Path) -> TargetIdentity:
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
@@ -124,7 +136,6 @@ def auto_model_class(config: Any):
     """The transformers auto class that builds this target with its LM head: AutoModelForCausalLM, or for a
     multimodal wrapper whose config it does not map (Kimi-K2.5, ...) AutoModelForImageTextToText, whose model holds
     the language model and the head."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
         if type(config) in auto._model_mapping or getattr(config, "auto_map", {}).get(auto.__name__):
@@ -135,8 +146,6 @@ def auto_model_class(config: Any):
 def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 trust_remote_code: bool = False) -> nn.Module:
     """The target with its LM head (a causal LM, or the multimodal model around one) in eval mode, gradients off."""
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress display is the one a user reads
     try:
@@ -167,7 +176,6 @@ class TargetHeadParts(nn.Module):
 
 def _safetensors_names(path: Path) -> dict[str, tuple[Path, str]] | None:
     """tensor name -> (file, name) for a safetensors checkpoint (single file or sharded with an index), else None."""
-    from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -184,8 +192,6 @@ def _renamed_checkpoint_names(model: nn.Module, files: dict[str, tuple[Path, str
     model type: Kimi-K2.5's `language_model.model.embed_tokens` is `model.language_model.embed_tokens`); empty
     when this transformers has no such mapping."""
     try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -203,8 +209,6 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
     names are not the module's, like Kimi-K2.5's `language_model.model.*`, through transformers' own load-time
     renaming); the whole target (load_target) when the checkpoint is not laid out so (other formats, missing
     tensors)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

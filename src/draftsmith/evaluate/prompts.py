@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.assets import mtbench_path
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
+from draftsmith.prepare.chat import ROLE_ALIASES
+from draftsmith.prepare.dataset import open_prepared, split_indices
+from draftsmith.prepare.readers import expand_sources, iter_source
 
 MTBENCH = "mt-bench"
 
@@ -30,7 +34,6 @@ class Prompt:
 
 def _messages_of(record: Any) -> list[dict[str, str]] | None:
     """The chat messages before the first assistant turn, or None if the record holds no usable prompt."""
-    from draftsmith.prepare.chat import ROLE_ALIASES
 
     if not isinstance(record, dict):
         return None
@@ -64,8 +67,6 @@ def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _from_file(path: Path, tokenizer: Any, limit: int | None) -> list[Prompt]:
-    from draftsmith.prepare.readers import expand_sources, iter_source
-
     prompts: list[Prompt] = []
     for source in expand_sources([path]):
         for record in iter_source(source):
@@ -86,7 +87,6 @@ def _from_file(path: Path, tokenizer: Any, limit: int | None) -> list[Prompt]:
 
 def _from_prepared(path: Path, target: TargetIdentity | None, limit: int | None, eval_fraction: float,
                    split_seed: int) -> list[Prompt]:
-    from draftsmith.prepare.dataset import open_prepared, split_indices
 
     dataset = open_prepared(path)
     if target is not None:
@@ -125,7 +125,6 @@ def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = N
                  eval_fraction: float = 0.02, split_seed: int = 0) -> list[Prompt]:
     """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them."""
     if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
-        from draftsmith.core.assets import mtbench_path
 
         return _from_file(mtbench_path(), tokenizer, num_prompts)
     path = Path(spec).expanduser()

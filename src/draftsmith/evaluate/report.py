@@ -8,7 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.fsio import atomic_write_bytes, atomic_write_json, atomic_write_text
+from draftsmith.core.fsio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+)
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from draftsmith import export
 from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
@@ -24,8 +30,19 @@ from draftsmith.core import targets
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
 from draftsmith.evaluate.report import write_report
-from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
-from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
+from draftsmith.evaluate.specdec import (
+    DecodeStats,
+    DraftRunner,
+    TargetRunner,
+    plain_generate,
+    speculative_generate,
+)
+from draftsmith.train.drafts import (
+    DraftSource,
+    draft_module,
+    load_draft,
+    resolve_draft_target,
+)
 
 __all__ = ["run", "build_draft_module", "evaluate_reference"]
 

@@ -39,10 +39,20 @@ from draftsmith import __version__
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
 from draftsmith.core.layers import check_servable_layer_ids
-from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json, write_manifest
+from draftsmith.core.manifest import (
+    TargetIdentity,
+    read_manifest,
+    read_manifest_json,
+    write_manifest,
+)
 from draftsmith.core.targets import read_config
 from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
-from draftsmith.train.drafts import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
+from draftsmith.train.drafts import (
+    DraftSource,
+    check_spec_against_target,
+    spell_layer0,
+    validate_tensors,
+)
 from draftsmith.train.model import DraftSpec
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")

@@ -24,14 +24,31 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 
-from draftsmith.config import ExtractConfig, StageResult, parse_shard
+from draftsmith.config import (
+    ExtractConfig,
+    StageResult,
+    parse_shard,
+    save_resolved_config,
+)
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest
 from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
+from draftsmith.prepare.dataset import open_prepared
 
 
 @dataclass
@@ -61,7 +78,6 @@ def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_sample
 
 def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
     """Open the prepared set, find the target and check they belong together; pick this worker's samples."""
-    from draftsmith.prepare.dataset import open_prepared
 
     dataset = open_prepared(cfg.prepared)
     made_for = dataset.manifest.target
@@ -93,7 +109,6 @@ def store_spec(plan: ExtractionPlan, *, backend: str, compute_dtype: str) -> sto
 def open_writer(plan: ExtractionPlan, spec: store_module.StoreSpec,
                 backend_info: dict[str, Any] | None = None) -> store_module.StoreWriter:
     """Create or resume the output store as this worker; then save the resolved config beside it."""
-    from draftsmith.config import save_resolved_config
 
     writer = store_module.create_or_resume(plan.cfg.output, spec, worker=plan.worker,
                                            shard_bytes=int(plan.cfg.shard_size_mb * (1 << 20)),
@@ -214,17 +229,6 @@ def progress_bar(total_tokens: int, description: str = "extract", enabled: bool 
     if not enabled:
         yield lambda n: None
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
 
     class TokensPerSecond(ProgressColumn):
         def render(self, task) -> Text:

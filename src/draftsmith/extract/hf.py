@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import transformers
 from torch import nn
 
 from draftsmith.config import ExtractConfig, StageResult
@@ -20,6 +21,7 @@ from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target, resolve_device
 from draftsmith.extract import common
+from draftsmith.extract.store import encode_hidden_states
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +46,6 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) the store at cfg.output with the target's kept layers over cfg.prepared."""
-    import transformers
 
     plan = common.plan_extraction(cfg)
     device = resolve_device(cfg.device)
@@ -83,7 +84,6 @@ def _extract(model: nn.Module, plan: common.ExtractionPlan, batches: list[list[i
             ready = None
             scales = None
             if on_gpu:  # encode on the GPU (half the copy for fp8), copy to pinned memory without waiting
-                from draftsmith.extract.store import encode_hidden_states
 
                 states, scales = encode_hidden_states(states, plan.cfg.dtype)
                 host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)

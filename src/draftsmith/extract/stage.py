@@ -10,12 +10,12 @@ import importlib
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract import hf
 
 
 def run(cfg: ExtractConfig, **kwargs) -> StageResult:
     """Extract with the backend cfg.backend names; returns where the store is and a summary."""
     if cfg.backend == "hf":
-        from draftsmith.extract import hf
 
         return hf.run(cfg, **kwargs)
     if cfg.backend == "vllm":

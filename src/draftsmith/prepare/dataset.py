@@ -33,7 +33,13 @@ from safetensors.numpy import save_file
 from draftsmith.config import save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_json, sha256_file
-from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+from draftsmith.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    TargetIdentity,
+    read_manifest,
+    write_manifest,
+)
 from draftsmith.core.tensorfile import TensorFile
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"

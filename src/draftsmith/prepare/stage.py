@@ -24,13 +24,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
 from draftsmith.config import PrepareConfig, StageResult
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.targets import load_tokenizer, resolve_target, target_identity
-from draftsmith.prepare.chat import ChatEncoder, Skip, leading_assistant_turns, normalize_conversation
-from draftsmith.prepare.dataset import resume_point, write_prepared
+from draftsmith.prepare.chat import (
+    ChatEncoder,
+    Skip,
+    leading_assistant_turns,
+    normalize_conversation,
+)
+from draftsmith.prepare.dataset import open_prepared, resume_point, write_prepared
 from draftsmith.prepare.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
 from draftsmith.prepare.vocab import coverage_report
 
@@ -175,9 +189,6 @@ def _chat_template(cfg: PrepareConfig, tokenizer: Any, target_dir: Path) -> str:
 
 
 def _progress(total_bytes: int | None, max_samples: int | None):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
     progress = Progress(
         TextColumn("[bold]prepare[/]"), BarColumn(), TextColumn("{task.fields[conversations]:,} conversations"),
         TextColumn("{task.fields[rate]:,.0f} conv/s"), TextColumn("{task.fields[tok_rate]:,.0f} tok/s"),
@@ -273,8 +284,6 @@ def run(cfg: PrepareConfig) -> StageResult:
             shard_samples=cfg.shard_samples, config=cfg, overflow=cfg.overflow, damaged=tally.damaged,
             skip_examples=tally.skip_examples, stats=stats,
             fingerprint=fingerprint, checkpoint=lambda: {"tally": dataclasses.asdict(tally)}, resume=bool(state))
-
-    from draftsmith.prepare.dataset import open_prepared
 
     counts = open_prepared(cfg.output).token_counts()
     summary: dict[str, Any] = {

@@ -36,7 +36,13 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
-from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest, write_manifest
+from draftsmith.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    TargetIdentity,
+    read_manifest,
+    write_manifest,
+)
 from draftsmith.train.model import DraftSpec, draft_tensors
 
 CHECKPOINTS_DIR = "checkpoints"

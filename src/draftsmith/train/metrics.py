@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text

@@ -27,7 +27,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
-from draftsmith.train.attention import cached_attention, naive_ttt_attention, ttt_attention, ttt_layer_call
+from draftsmith.train.attention import (
+    cached_attention,
+    naive_ttt_attention,
+    ttt_attention,
+    ttt_layer_call,
+)
 
 # The target's token embedding: part of the module, never of what is saved (checkpoints, exports).
 EMBEDDING = "embed_tokens.weight"

@@ -27,7 +27,13 @@ from draftsmith.extract import store as store_mod
 from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train import checkpoint, distributed
-from draftsmith.train.batches import OnlineSource, TokenBudgetSampler, TrainData, default_num_workers, token_counts
+from draftsmith.train.batches import (
+    OnlineSource,
+    TokenBudgetSampler,
+    TrainData,
+    default_num_workers,
+    token_counts,
+)
 from draftsmith.train.checkpoint import RunState
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
 from draftsmith.train.model import DraftSpec, Eagle3Draft

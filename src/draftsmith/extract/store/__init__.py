@@ -19,7 +19,11 @@ Shard files are read through `draftsmith.core.tensorfile`, as the prepared set's
 from __future__ import annotations
 
 from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from draftsmith.extract.store.codec import FP8_MAX, decode_hidden_states, encode_hidden_states
+from draftsmith.extract.store.codec import (
+    FP8_MAX,
+    decode_hidden_states,
+    encode_hidden_states,
+)
 from draftsmith.extract.store.merge import merge_stores
 from draftsmith.extract.store.reader import HiddenStateStore, open
 from draftsmith.extract.store.schema import (

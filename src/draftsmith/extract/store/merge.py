@@ -13,7 +13,12 @@ from draftsmith.core.fsio import _explain_os_error, atomic_dir, sha256_file
 from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from draftsmith.extract.store import reader
 from draftsmith.extract.store.reader import HiddenStateStore
-from draftsmith.extract.store.schema import LOCK_DIR, SHARD_DIR, ShardInfo, StoreManifest
+from draftsmith.extract.store.schema import (
+    LOCK_DIR,
+    SHARD_DIR,
+    ShardInfo,
+    StoreManifest,
+)
 from draftsmith.extract.store.shards import shard_name
 
 

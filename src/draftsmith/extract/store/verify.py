@@ -14,7 +14,13 @@ from draftsmith.core.fsio import file_lock, sha256_file
 from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from draftsmith.core.tensorfile import TensorFile
 from draftsmith.extract.store import shards
-from draftsmith.extract.store.schema import LOCK_DIR, SHARD_DIR, StorageDtype, StoreManifest, sample_ranges
+from draftsmith.extract.store.schema import (
+    LOCK_DIR,
+    SHARD_DIR,
+    StorageDtype,
+    StoreManifest,
+    sample_ranges,
+)
 
 
 class VerifyReport(BaseModel):

@@ -19,8 +19,19 @@ import torch
 
 from draftsmith.config import parse_shard
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import _explain_os_error, atomic_path, file_lock, sha256_bytes, sha256_file
-from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, read_manifest_json, write_manifest
+from draftsmith.core.fsio import (
+    _explain_os_error,
+    atomic_path,
+    file_lock,
+    sha256_bytes,
+    sha256_file,
+)
+from draftsmith.core.manifest import (
+    MANIFEST_NAME,
+    read_manifest,
+    read_manifest_json,
+    write_manifest,
+)
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.codec import TORCH_DTYPES, encode_hidden_states
 from draftsmith.extract.store.schema import (

@@ -20,6 +20,9 @@ from typing import Any
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
+from draftsmith.extract import common, store
+from draftsmith.extract.vllm import probe as probing
+from draftsmith.extract.vllm.driver import Engine, EngineSpec, resolve_dtype
 
 
 def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None) -> str:
@@ -53,7 +56,6 @@ def _sink_config(cfg: ExtractConfig, plan: Any, spec: Any, backend_info: dict[st
 
 def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink_config: dict[str, Any],
                  sample_ids: list[int]):
-    from draftsmith.extract.vllm.driver import EngineSpec, resolve_dtype
 
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
     config = read_config(plan.target_dir)
@@ -70,13 +72,9 @@ class _Job:
     """A checked vLLM extraction: plan, probe, strategy, store spec and the samples still to do."""
 
     def __init__(self, cfg: ExtractConfig):
-        from draftsmith.extract import common
-        from draftsmith.extract.vllm.driver import resolve_dtype
-        from draftsmith.extract.vllm.probe import probe
-
         self.cfg = cfg
         self.plan = plan = common.plan_extraction(cfg)
-        self.report = report = probe(architecture=plan.target.architecture, resolve_config=False,
+        self.report = report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
                                      config=read_config(plan.target_dir))
         self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids)
         dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
@@ -104,8 +102,6 @@ class _Job:
         return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo)
 
     def result(self, seconds: float, tokens: int, reports: list[dict[str, Any]], engine_start_s: float) -> StageResult:
-        from draftsmith.extract import common
-
         self.writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
         self.writer.recovered = self.recovered + [note for r in reports for note in r.get("recovered", [])]
         extra = {"backend": self.label, "engine start (s)": round(engine_start_s, 1)}
@@ -114,8 +110,6 @@ class _Job:
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) cfg.output with the target's hidden states computed by vLLM."""
-    from draftsmith.extract import common
-    from draftsmith.extract.vllm.driver import Engine
 
     job = _Job(cfg)
     if not job.todo:
@@ -143,8 +137,6 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
     not on CPUs (its inductor compilation takes minutes there); both engines use the same setting, the same
     tensor parallel size and compute dtype.
     """
-    from draftsmith.extract import common
-    from draftsmith.extract.vllm.driver import Engine
 
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-bench-") as tmp:
         out = Path(output) if output is not None else Path(tmp) / "store"
@@ -185,8 +177,6 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
 
 
 def _stored_samples(path: Path) -> int:
-    from draftsmith.extract import store
-
     return len(store.open(path))
 
 

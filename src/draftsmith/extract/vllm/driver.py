@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.connector import EXTRA_CONFIG_KEY
@@ -99,7 +101,6 @@ def resolve_dtype(asked: str, platform: str | None) -> str:
     if asked != "auto":
         return asked
     if platform == "cpu":
-        import torch
 
         try:
             native_bf16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -33,6 +33,9 @@ from types import ModuleType
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
+from rich.table import Table
+
+from draftsmith.core import assets
 
 Importer = Callable[[str], ModuleType]
 Strategy = Literal["connector", "direct"]
@@ -618,8 +621,6 @@ def _resolve_async_scheduling(target: str | Path | None) -> bool | None:
         from vllm.engine.arg_utils import EngineArgs
 
         if target is None:
-            from draftsmith.core import assets
-
             target = assets.default_target_dir()
         config = EngineArgs(model=str(target)).create_engine_config()
         return bool(config.scheduler_config.async_scheduling)
@@ -673,7 +674,6 @@ def _choose(facts: ProbeFacts, caps: list[Capability], architecture: str) -> Pro
 
 def render_probe_table(report: ProbeReport):
     """The probe as a rich Table: capability, found, usable, meaning; the chosen strategy in the caption."""
-    from rich.table import Table
 
     table = Table(title="vLLM extraction capabilities (found by inspection)", title_justify="left")
     table.add_column("capability", style="bold")
@@ -713,7 +713,6 @@ def architecture_row(report: ProbeReport) -> dict[str, str]:
 
 def render_architecture_table(reports: list[ProbeReport]):
     """doctor's second table: one row per target architecture."""
-    from rich.table import Table
 
     table = Table(title="vLLM extraction per target architecture (found by inspection)", title_justify="left")
     rows = [architecture_row(r) for r in reports]

@@ -17,6 +17,10 @@ from typing import Any
 
 import torch
 
+from draftsmith.extract import common
+from draftsmith.extract import store as store_module
+from draftsmith.prepare.dataset import open_prepared
+
 SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args["kv_transfer_params"]
 
 
@@ -24,10 +28,6 @@ class StoreSink:
     """Writes [T, L, H] states of finished requests into the store as writer `worker` (i/n)."""
 
     def __init__(self, config: dict[str, Any], *, writes: bool = True):
-        from draftsmith.extract import common
-        from draftsmith.extract import store as store_module
-        from draftsmith.prepare.dataset import open_prepared
-
         self.config = config
         self.writes = writes
         self.received = 0

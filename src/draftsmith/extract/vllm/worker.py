@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from draftsmith.extract.vllm import direct
 from draftsmith.extract.vllm import sink as sink_module
 
 EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
@@ -17,7 +18,6 @@ EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
 class DraftsmithWorkerExtension:
     def draftsmith_install_direct(self, config: dict[str, Any], tap: dict[str, Any]) -> bool:
         """Direct strategy: open the sink and tap the model runner (see direct.install)."""
-        from draftsmith.extract.vllm import direct
 
         dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)  # type: ignore[attr-defined]
         config = sink_module.for_data_parallel_rank(config, dp_rank)
