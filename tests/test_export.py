@@ -217,7 +217,8 @@ def test_checkpoint_holds_the_draft_but_not_the_targets_embedding(tmp_path, tiny
     assert manifest["draft"] == spec.model_dump() and "aux_layer_ids" not in manifest  # one DraftSpec, no copies
     assert "training" not in manifest  # derived from the checkpoint's own fields on read
     back, read = load_checkpoint(tmp_path / "run")
-    assert read.draft == spec and read.training == {"data": "unit-test", "step": 7, "best_acceptance_length": 1.5}
+    assert read.draft == spec and read.training == {"data": "unit-test", "step": 7, "best_acceptance_length": 1.5,
+                                                   "eval_fraction": 0.0, "split_seed": 0}
     assert all(torch.equal(back[name], t) for name, t in tensors.items())
 
 

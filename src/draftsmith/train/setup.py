@@ -41,7 +41,8 @@ from draftsmith.train.ttt import TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.
 RESUMABLE_CHANGES = {"resume", "force", "device", "log_every", "save_every", "eval_every", "keep_checkpoints",
-                     "output", "data", "target", "num_workers", "compile", "activation_checkpointing"}
+                     "output", "data", "target", "num_workers", "compile", "activation_checkpointing",
+                     "distributed"}  # checkpoints hold full state dicts: DDP and FSDP2 resume each other
 
 
 @dataclass
