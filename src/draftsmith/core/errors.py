@@ -1,6 +1,6 @@
 """The one exception type for mistakes a user can fix.
 
-Anything else that escapes is our bug and keeps its traceback (STYLE.md, habit 6).
+Anything else that escapes is our bug and keeps its traceback (docs/architecture.md, user errors).
 """
 
 

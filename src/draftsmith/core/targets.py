@@ -1,6 +1,6 @@
 """Find, identify and load a target model; tap its layers in vLLM's layer-id convention.
 
-Layer ids (DESIGN.md): 0 = embeddings, k = output of decoder layer k-1 (the residual stream before the final
+Layer ids (docs/architecture.md): 0 = embeddings, k = output of decoder layer k-1 (the residual stream before the final
 norm), N = the last decoder layer's output, un-normalised.
 """
 

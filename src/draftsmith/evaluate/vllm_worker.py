@@ -2,7 +2,7 @@
 
 vLLM starts its engine core with the `spawn` method, which re-imports the main module, so it must be started
 from a real file with a `__main__` guard; `vllm_runner.py` launches this file and reads back RESULT.json.
-Everything vLLM-specific about the evaluation lives here and in vllm_runner.py (STYLE.md, habit 5).
+Everything vLLM-specific about the evaluation lives here and in vllm_runner.py (docs/architecture.md, engine coupling).
 
 The request names the target, the draft (or none, for the baseline), k, the prompts as token ids and the
 sampling settings (optional: max_num_seqs, ignore_eos to generate max_new_tokens whatever the target writes). The result holds each prompt's output token ids, the wall time of the timed `generate`

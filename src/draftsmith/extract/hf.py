@@ -1,6 +1,6 @@
 """The transformers extraction backend: run the target on CPU or GPU and keep only the layers the store needs.
 
-Layer ids follow vLLM's convention (DESIGN.md): 0 = the hidden state entering decoder layer 0 (the embeddings),
+Layer ids are vLLM's (docs/architecture.md): 0 = the hidden state entering decoder layer 0 (the embeddings),
 k = the output of decoder layer k-1 (the residual stream), N = the last decoder layer's output *before* the
 final norm. Forward hooks on exactly those layers copy their outputs into one preallocated [B, T, L, H] tensor;
 the LM head never runs. Samples are sorted by length and packed into batches of at most `token_budget` padded

@@ -1,6 +1,6 @@
 """The draft vocabulary: the target token ids a draft model predicts, chosen by loss-masked token frequency.
 
-DESIGN.md: the `draft_vocab_size` most frequent target ids among loss-masked tokens, sorted by id;
+docs/architecture.md: the `draft_vocab_size` most frequent target ids among loss-masked tokens, sorted by id;
 `d2t[i] = target_id(i) - i` (int64 offsets, what vLLM reads) and `t2d` a bool mask over the target vocabulary.
 Ties in frequency go to the lower token id, so the choice is deterministic.
 """

@@ -1,6 +1,6 @@
 """Training-time test (TTT): the unrolled draft forward, the target's distribution, the loss and the metrics.
 
-Alignment (DESIGN.md; the reference implementations shipped an off-by-one here). Tokens x_0..x_{T-1}; the target's
+Alignment (docs/architecture.md; reference implementations had an off-by-one here). Tokens x_0..x_{T-1}; the target's
 state at position j (layer N) gives p_j, its distribution of token x_{j+1}. At TTT step k the draft at position t
   - reads the embedding of x_{t+k+1} and the fused target features f_t (k = 0) or its own step k-1 output at t,
   - sits at RoPE position t+k and attends causally to step-0 keys s <= t plus its own keys of steps 1..k at t,
