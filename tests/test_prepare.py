@@ -141,7 +141,7 @@ def test_bad_record_is_a_counted_skip_in_summary_and_manifest(tmp_path, tiny_tar
     assert result.summary[f"skipped: {reason}"] == 1 and result.summary["skipped"] == 1
     manifest = open_prepared(tmp_path / "out").manifest
     assert manifest.skipped == {reason: 1}
-    assert manifest.skip_examples[reason].startswith("d.json record 1: ")
+    assert manifest.skip_examples[reason].startswith(f"{data} record 1: ")
 
 
 def test_invalid_json_line_is_a_counted_skip(tmp_path, tiny_target_dir):
@@ -149,7 +149,7 @@ def test_invalid_json_line_is_a_counted_skip(tmp_path, tiny_target_dir):
     data.write_text(json.dumps(_conv()) + "\n{\"conversations\": [\n" + json.dumps(_conv()) + "\n")
     result = _prepare(tmp_path, tiny_target_dir, [data])
     assert result.summary["conversations"] == 2 and result.summary["skipped: invalid JSON"] == 1
-    assert open_prepared(tmp_path / "out").manifest.skip_examples["invalid JSON"].startswith("d.jsonl record 1: line 2")
+    assert open_prepared(tmp_path / "out").manifest.skip_examples["invalid JSON"].startswith(f"{data} record 1: line 2")
 
 
 def test_invalid_json_in_an_array_is_a_one_line_error_and_leaves_no_output(tmp_path, tiny_target_dir):
@@ -178,12 +178,12 @@ def test_cut_off_file_keeps_complete_records_and_reports_the_damaged_tail(tmp_pa
     assert "d.json record 2" in result.summary["damaged input"]
     manifest = open_prepared(tmp_path / "out").manifest
     assert len(manifest.damaged) == 1
-    assert manifest.damaged[0].startswith("d.json record 2: cut off by the end of the file")
+    assert manifest.damaged[0].startswith(f"{data} record 2: cut off by the end of the file")
 
 
 def test_nothing_usable_is_an_error_and_leaves_no_output(tmp_path, tiny_target_dir):
     data = _write_json(tmp_path / "d.json", [BAD_RECORDS["no assistant turn"]] * 3)
-    with pytest.raises(DraftsmithError, match="no usable samples.*no assistant turn 3"):
+    with pytest.raises(DraftsmithError, match=r"d.json: 0 of 3 records usable: no assistant turn 3 \(first: record 0: "):
         _prepare(tmp_path, tiny_target_dir, [data])
     assert not (tmp_path / "out").exists()
 

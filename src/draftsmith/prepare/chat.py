@@ -70,6 +70,11 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
+def _json_kind(value: Any) -> str:
+    return {str: "string", bool: "boolean", int: "number", float: "number", list: "array", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def leading_assistant_turns(messages: list[Message]) -> int:
     """How many assistant turns come before the first user turn (system turns aside)."""
     n = 0
@@ -90,12 +95,14 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
     Raises Skip with a counted reason for anything that is not a usable conversation.
     """
     if not isinstance(record, dict):
-        raise Skip("not a JSON object", f"record is a {type(record).__name__}, not an object")
-    turns = next((record[k] for k in _TURN_KEYS if k in record), None)
-    if turns is None:
+        raise Skip("not a JSON object", f"record is a JSON {_json_kind(record)}, not an object")
+    key = next((k for k in _TURN_KEYS if k in record), None)
+    if key is None:
         raise Skip("no conversations", f"no {' / '.join(_TURN_KEYS)} field (keys: {', '.join(map(str, record))})")
+    turns = record[key]
     if not isinstance(turns, list) or not turns:
-        raise Skip("no conversations", "conversation list is empty or not a list")
+        raise Skip("no conversations", f"{key} is an empty list" if isinstance(turns, list)
+                   else f"{key} is a JSON {_json_kind(turns)}, not a list of turns")
     messages: list[Message] = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -104,10 +111,12 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
         canonical = ROLE_ALIASES.get(str(role).strip().lower()) if isinstance(role, str) else None
         if canonical is None:
             raise Skip("unknown role", f"turn {t} has role {role!r}")
-        raw = next((turn[k] for k in _TEXT_KEYS if k in turn), None)
-        text = _text_of(raw)
+        text_key = next((k for k in _TEXT_KEYS if k in turn), None)
+        text = _text_of(turn[text_key]) if text_key else None
         if text is None:
-            raise Skip("turn without text", f"turn {t} ({canonical}) has no text content")
+            raise Skip("turn without text", f"turn {t} ({canonical}) has no {' / '.join(_TEXT_KEYS)} field"
+                       if text_key is None else f"turn {t} ({canonical}): {text_key} is a JSON "
+                       f"{_json_kind(turn[text_key])}, not text")
         if _SURROGATE.search(text):
             raise Skip("not valid UTF-8", f"turn {t} ({canonical}) holds bytes that are not valid UTF-8")
         if not text.strip():

@@ -64,7 +64,10 @@ def _directory_sources(directory: Path) -> list[Source]:
                    and not any(part.startswith(".") for part in p.relative_to(directory).parts)
                    and p != directory / MANIFEST_NAME)  # an artefact's own manifest (`draftsmith regenerate`'s set)
     if not files:
-        raise DraftsmithError(f"{directory}: no .json / .jsonl / .parquet / .arrow files in this directory")
+        kind = _artefact_kind(directory)
+        raise DraftsmithError(f"{directory}: " + (
+            f"is a draftsmith {kind!r} artefact, not conversations; --data takes JSON / JSONL / parquet / arrow files "
+            "or a directory of them" if kind else "no .json / .jsonl / .parquet / .arrow files in this directory"))
     by_format: dict[str, list[Path]] = {}
     for f in files:
         by_format.setdefault(FORMAT_OF_SUFFIX[f.suffix.lower()], []).append(f)
@@ -75,6 +78,15 @@ def _directory_sources(directory: Path) -> list[Source]:
             f"files you mean comma-separated in --data")
     (fmt, paths), = by_format.items()
     return [Source(p, fmt) for p in paths]
+
+
+def _artefact_kind(directory: Path) -> str | None:
+    """The `kind` of the draftsmith artefact `directory` is (its manifest.json), if it is one."""
+    try:
+        kind = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(kind) if kind else None
 
 
 def expand_sources(specs: list[str | Path]) -> list[Source]:
@@ -137,8 +149,31 @@ def _iter_json(path: Path) -> Iterator[Record]:
         elif text[0] == "{":
             yield from _iter_json_document(path, f)
         else:
-            raise DraftsmithError(f"{path}: record 0: invalid JSON (starts with {text[0]!r}); expected a JSON array "
-                                  "of conversations or JSON Lines")
+            raise DraftsmithError(f"{path}: {_not_json_reason(head, text)}; expected a JSON array of conversations "
+                                  "or JSON Lines (UTF-8)")
+
+
+_UTF16_32_BOMS = {codecs.BOM_UTF32_LE: "UTF-32", codecs.BOM_UTF32_BE: "UTF-32", codecs.BOM_UTF16_LE: "UTF-16",
+                  codecs.BOM_UTF16_BE: "UTF-16"}  # UTF-32 LE starts like UTF-16 LE: checked first
+
+
+def _not_json_reason(head: bytes, text: str) -> str:
+    """Why a file that starts with neither '[' nor '{' is not read, in a few words."""
+    encoding = next((name for bom, name in _UTF16_32_BOMS.items() if head.startswith(bom)), None)
+    if encoding:
+        return f"file is {encoding} text; convert it to UTF-8 (iconv -f {encoding} -t UTF-8)"
+    if b"\0" in head[:1024] or _SURROGATES.search(text[:1024]):
+        return f"not a text file (starts with bytes {head[:8].hex(' ')})"
+    first = text.split("\n", 1)[0].strip()
+    try:
+        value = json.loads(first)
+    except ValueError:
+        return f"invalid JSON (the text starts with {first[:40]!r})"
+    kind = {str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+    return f"holds a JSON {kind} ({first[:40]!r}), not a list of conversations"
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 def _looks_like_json_lines(text: str) -> bool:
@@ -307,7 +342,7 @@ def _iter_parquet(path: Path) -> Iterator[Record]:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise DraftsmithError(f"{path}: not a readable parquet file ({err})") from None
+        raise DraftsmithError(f"{path}: not a readable parquet file ({err})".replace("\n", " ")) from None
     index = 0
     for batch in pf.iter_batches(batch_size=1024):
         for row in batch.to_pylist():

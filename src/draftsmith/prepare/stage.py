@@ -5,7 +5,9 @@
       -> shards + token counts + manifest (prepared.write_prepared)              main process, in file order
 
 Sample ids therefore follow input order whatever the number of workers. Every record that does not become a
-sample is counted by reason (summary and manifest), with the first example of each reason.
+sample is counted by reason (summary and manifest), with the first example of each reason, and per input file: a
+file none of whose records is usable is named in a warning line of the summary, and when no file gives a single
+conversation the error names every file with its counts and reasons.
 
 A killed or failed run keeps the shards it completed (in `.NAME.resume` beside the output, with the tallies
 up to the last of them); the same command run again reads past those records and continues from there.
@@ -39,6 +41,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.targets import load_tokenizer, resolve_target, target_identity
 from draftsmith.prepare.chat import (
+    ROLE_ALIASES,
     ChatEncoder,
     Skip,
     leading_assistant_turns,
@@ -64,12 +67,55 @@ class _Tally:
     skipped: dict[str, int] = field(default_factory=dict)
     skip_examples: dict[str, str] = field(default_factory=dict)
     damaged: list[str] = field(default_factory=list)
+    # per input file: {"records", "usable", "skipped": {reason: count}, "first": "record i: detail"}
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def skip(self, reason: str, where: str, detail: str) -> None:
+    def _file(self, source: str) -> dict[str, Any]:
+        return self.files.setdefault(source, {"records": 0, "usable": 0, "skipped": {}, "first": ""})
+
+    def use(self, source: str) -> None:
+        counts = self._file(source)
+        counts["records"] += 1
+        counts["usable"] += 1
+
+    def skip(self, reason: str, source: str, index: int, detail: str) -> None:
+        where = f"{source} record {index}"
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         self.skip_examples.setdefault(reason, f"{where}: {detail}")
         if reason == DAMAGED_TAIL:
             self.damaged.append(f"{where}: {detail}")
+        counts = self._file(source)
+        counts["records"] += 1
+        counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
+        counts["first"] = counts["first"] or f"record {index}: {detail}"
+
+
+_HINTS = {
+    "no conversations": "a record needs `conversations: [{from, value}]` or `messages: [{role, content}]`",
+    "unknown role": f"roles are {', '.join(sorted(ROLE_ALIASES))}",
+    "starts with the assistant": "--leading-assistant drop keeps the rest of such conversations",
+    "no assistant turn": "only assistant turns are trained on: a conversation needs at least one",
+}
+
+
+def _file_counts(counts: dict[str, Any] | None) -> str:
+    """`0 of 12 records usable: no assistant turn 12 (first: record 0: no turn is from the assistant)`"""
+    if not counts or not counts["records"]:
+        return "holds no records"
+    line = f"{counts['usable']} of {counts['records']} records usable"
+    if counts["skipped"]:
+        line += ": " + ", ".join(f"{reason} {n}" for reason, n in sorted(counts["skipped"].items(),
+                                                                         key=lambda kv: -kv[1]))
+    return line + (f" (first: {counts['first']})" if counts["first"] else "")
+
+
+def _nothing_usable(sources: list[Source], tally: _Tally) -> DraftsmithError:
+    """The error when no input file gave a single conversation: every file with its own counts and reasons."""
+    lines = [f"{s.path}: {_file_counts(tally.files.get(str(s.path)))}" for s in sources]
+    hint = "".join(f"; {text}" for reason, text in _HINTS.items() if reason in tally.skipped)
+    if len(lines) == 1:
+        return DraftsmithError(lines[0] + hint)
+    return DraftsmithError(f"no usable conversation in {len(lines)} input files: " + "; ".join(lines) + hint)
 
 
 # ------------------------------------------------------------------------------------------------ workers
@@ -102,19 +148,18 @@ def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> lis
 
 def _batches(sources: list[Source], progress_cb, skip_records: int = 0,
              leading_assistant: str = "skip") -> Iterator[list[tuple]]:
-    """(where, normalised conversation or counted Skip, leading assistant turns dropped) from every source, in
-    order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
+    """(where: (file, record index), normalised conversation or counted Skip, leading assistant turns dropped)
+    from every source, in order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
     past."""
     batch: list[tuple] = []
     done_bytes = 0
     seen = 0
     for source in sources:
-        name = source.path.name
         for record in iter_source(source):
             seen += 1
             if seen <= skip_records:
                 continue
-            where = f"{name} record {record.index}"
+            where = (str(source.path), record.index)
             dropped = 0
             if record.bad is not None:
                 item: Any = Skip(record.bad, record.detail)
@@ -255,8 +300,9 @@ def run(cfg: PrepareConfig) -> StageResult:
                     break
                 tally.records += 1
                 if isinstance(item, Skip):
-                    tally.skip(item.reason, where, item.detail)
+                    tally.skip(item.reason, *where, item.detail)
                     continue
+                tally.use(where[0])
                 tally.conversations += 1
                 tally.leading_assistant_dropped += dropped > 0
                 tally.tokens += len(item.input_ids)
@@ -270,6 +316,8 @@ def run(cfg: PrepareConfig) -> StageResult:
                             **({"completed": tally.conversations} if cfg.max_samples else {}))
             if cfg.max_samples and tally.conversations >= cfg.max_samples:
                 break
+        if not tally.conversations:
+            raise _nothing_usable(sources, tally)
         seconds = max(time.perf_counter() - t0, 1e-9)
         stats.update(records=tally.records, workers=workers, resumed_after_records=resumed[0],
                      leading_assistant_turns_dropped=tally.leading_assistant_dropped,
@@ -303,6 +351,11 @@ def run(cfg: PrepareConfig) -> StageResult:
         summary[f"skipped: {reason}"] = count
     if tally.damaged:
         summary["damaged input"] = "; ".join(tally.damaged)
+    read_all = not (cfg.max_samples and tally.conversations >= cfg.max_samples)
+    per_file = not state or "files" in state["tally"]  # a run resumed from an older draftsmith has no file counts
+    for source in map(str, (s.path for s in sources)) if read_all and per_file else ():
+        if not tally.files.get(source, {}).get("usable"):
+            summary[f"warning: {source}"] = _file_counts(tally.files.get(source))
     for size, cover in coverage_report(counts, SUMMARY_VOCAB_SIZES):
         summary[f"draft vocab {size} covers"] = f"{cover:.2%}"
     summary.update({"shards": len(manifest.shards), "workers": workers,
