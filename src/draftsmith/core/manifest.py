@@ -89,4 +89,5 @@ def read_manifest(directory: Path, cls: type[M]) -> M:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         where = f"field {loc}: " if loc else ""  # a model-level validator names no field
-        raise DraftsmithError(f"{directory}/{MANIFEST_NAME}: {where}{first['msg']}") from None
+        raise DraftsmithError(f"{directory}/{MANIFEST_NAME}: {where}{first['msg']}; this {expected or 'artefact'} "
+                              "manifest is damaged or was not written by draftsmith") from None

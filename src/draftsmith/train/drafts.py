@@ -132,6 +132,9 @@ def load_draft(path: Path) -> DraftSource:
     if not path.exists():
         raise DraftsmithError(f"{path}: does not exist; pass a `draftsmith train` run or checkpoint directory, or "
                               "an exported draft")
+    if not path.is_dir():
+        raise DraftsmithError(f"{path}: is a file, not a draft directory; pass a `draftsmith train` run or "
+                              "checkpoint directory, or an exported draft")
     directory = checkpoint.resolve(path)
     kind = read_manifest_json(directory).get("kind")
     if kind == "checkpoint":

@@ -89,8 +89,10 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     """Open the data (store or prepared set), check it against the target, load what of the target is needed."""
     kind = read_manifest_json(cfg.data).get("kind") if (Path(cfg.data) / "manifest.json").is_file() else None
     if kind not in ("store", "prepared"):
+        found = (f"a {kind!r} artefact" if kind else "a directory without manifest.json" if Path(cfg.data).is_dir()
+                 else "a file" if Path(cfg.data).exists() else "nothing: it does not exist")
         raise DraftsmithError(f"{cfg.data}: --data must be a hidden-state store (`draftsmith extract`) or a prepared "
-                              f"data set (`draftsmith prepare`), found {kind or 'no draftsmith artefact'}")
+                              f"data set (`draftsmith prepare`), found {found}")
     if kind == "store":
         dataset = store_mod.open(cfg.data, dtype=None)  # bf16 / fp8 views of the shards, decoded on the device
         identity, aux = dataset.manifest.target, list(dataset.aux_layer_ids)
