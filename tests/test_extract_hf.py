@@ -262,10 +262,30 @@ def test_vllm_backend_missing_is_a_clear_error(tmp_path, tiny_prepared, monkeypa
 
 
 _KILL_SCRIPT = textwrap.dedent("""
-    import sys, torch
+    import os, sys, time, torch
     torch.set_num_threads(int(sys.argv[3]))
-    from draftsmith.extract import run
+    from draftsmith.extract import common, hf, run
     from draftsmith.config import ExtractConfig
+
+    # progress for the parent: one line as each batch starts; with --hold the last batch waits to be killed, so a
+    # kill never finds the run finished however fast the machine is
+    hold, seen, total = sys.argv[4] == "hold", [0], [0]
+    pending, capture = common.pending_batches, hf.capture_hidden_states
+
+    def counted(*args):
+        batches = pending(*args)
+        total[0] = len(batches)
+        print("batches", total[0], flush=True)
+        return batches
+
+    def reporting(*args, **kwargs):
+        seen[0] += 1
+        print("batch", seen[0], flush=True)
+        if hold and seen[0] == total[0]:
+            time.sleep(600)
+        return capture(*args, **kwargs)
+
+    common.pending_batches, hf.capture_hidden_states = counted, reporting
     run(ExtractConfig(prepared=sys.argv[1], output=sys.argv[2], token_budget=96, shard_size_mb=0.005, device="cpu"),
         show_progress=False)
 """)
@@ -278,6 +298,14 @@ def _stored_samples(path: Path) -> int:
         return -1
 
 
+def _read_until(proc: subprocess.Popen, word: str) -> int:
+    """The number on the child's next line starting with `word` (the child reports `batches N`, `batch k`)."""
+    while line := proc.stdout.readline():
+        if line.startswith(word + " "):
+            return int(line.split()[1])
+    raise AssertionError(f"the extraction child ended before reporting {word!r}")
+
+
 @pytest.mark.slow  # four fresh Python processes importing transformers: ~40 s idle, minutes on a busy machine
 def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_target_dir):
     prepared = _write_set(tmp_path / "set", tiny_target_dir, n=40, seed=3, max_len=90)
@@ -286,28 +314,34 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(store.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
 
-    def start(output: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(script), str(prepared), str(output), str(torch.get_num_threads())],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def start(output: Path, hold: bool) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(prepared), str(output), str(torch.get_num_threads()),
+                                 "hold" if hold else "run"], env=env, stdout=subprocess.PIPE,
+                                stderr=(tmp_path / "stderr.txt").open("a"), text=True)
 
     rng = random.Random(1234)
     out = tmp_path / "s"
     partial_after_kill = []
-    for _ in range(3):
-        proc = start(out)
-        before = _stored_samples(out)
+    for _ in range(3):  # kill at a random batch of the work left, a random fraction of a batch into it
+        before = max(_stored_samples(out), 0)
+        proc = start(out, hold=True)
+        batches = _read_until(proc, "batches")
+        assert batches >= 2, batches
+        for _ in range(rng.randint(2, max(2, batches // 2))):  # and leave work for the next run
+            _read_until(proc, "batch")
         deadline = time.monotonic() + 240
-        while proc.poll() is None and _stored_samples(out) <= before and time.monotonic() < deadline:
-            time.sleep(0.01)  # wait until this run has written at least one shard ...
-        time.sleep(rng.uniform(0.0, 0.4))  # ... then kill it at a random moment of the work
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
+        while _stored_samples(out) <= before and time.monotonic() < deadline:
+            time.sleep(0.005)  # this run has stored a shard (the last batch waits for the kill: never finished)
+        time.sleep(rng.uniform(0.0, 0.05))
+        assert proc.poll() is None, "the extraction child finished before it was killed"
+        os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=240)
         partial_after_kill.append(_stored_samples(out))
-    assert sum(0 < n < 40 for n in partial_after_kill) >= 2, partial_after_kill  # the kills landed mid-extraction
-    final = start(out)
-    _, err = final.communicate(timeout=240)
-    assert final.returncode == 0, err[-2000:]
+    assert partial_after_kill == sorted(partial_after_kill) and partial_after_kill[0] > 0, partial_after_kill
+    assert partial_after_kill[-1] < 40, partial_after_kill  # every kill landed mid-extraction
+    final = start(out, hold=False)
+    final.communicate(timeout=240)
+    assert final.returncode == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
     assert store.verify_store(out).ok and store.verify_store(out).orphans == []
     extract.run(ExtractConfig(prepared=prepared, output=tmp_path / "ref", token_budget=96, shard_size_mb=0.005,
                               device="cpu"), show_progress=False)

@@ -4,6 +4,11 @@
 The trainer runs in forked child processes of this one (torch and the tiny target already imported: a child starts
 in milliseconds), online on a tiny random target, with every feature that has state to resume: gradient
 accumulation, feature noise, evaluation (best/), several checkpoints kept, an epoch boundary.
+
+The kill moments are defined by the run's own progress, not by the clock, so that every kill lands mid-run on a
+machine of any speed: the child reports each logged step through a pipe; kill k waits for the k-th of ten random
+steps of the run (sorted) and then for a random fraction of a step; and a child that reaches its final checkpoint
+before the kill waits there to be killed, so no kill ever finds the run finished.
 """
 
 from __future__ import annotations
@@ -25,19 +30,50 @@ from draftsmith.core.targets import target_identity
 from draftsmith.prepare.dataset import write_prepared
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
+from draftsmith.train.metrics import MetricsSink
 
 KILLS = 10
 
 
-def _train_child(cfg: TrainConfig) -> None:
+def _train_child(cfg: TrainConfig, conn, hold: bool) -> None:
     torch.set_num_threads(1)  # deterministic and fast on a tiny model
+    write, save = MetricsSink.write, trainer.save
+
+    def reporting_write(self, record: dict) -> None:
+        write(self, record)
+        if record["type"] == "train":
+            conn.send(record["step"])  # after the line is on disk
+
+    def holding_save(r, last_saved, best=False):
+        if hold and not best and r.state.step >= r.total_steps:  # the final checkpoint: wait here for the kill
+            conn.send("final")
+            time.sleep(600)
+        return save(r, last_saved, best)
+
+    MetricsSink.write, trainer.save = reporting_write, holding_save  # this child's copies only (forked)
     trainer.run(cfg)
 
 
-def _start(cfg: TrainConfig) -> multiprocessing.Process:
-    proc = multiprocessing.get_context("fork").Process(target=_train_child, args=(cfg,), daemon=True)
+def _start(cfg: TrainConfig, hold: bool = False):
+    receive, send = multiprocessing.Pipe(duplex=False)
+    proc = multiprocessing.get_context("fork").Process(target=_train_child, args=(cfg, send, hold), daemon=True)
     proc.start()
-    return proc
+    send.close()
+    return proc, receive
+
+
+def _steps(receive, until: int | None = None) -> int:
+    """Read the child's reports until it reports step `until` (or its final checkpoint); the last step seen."""
+    last = 0
+    while True:
+        assert receive.poll(120), "the training child stopped reporting"
+        try:
+            got = receive.recv()
+        except EOFError:
+            return last
+        if got == "final" or (until is not None and got >= until):
+            return last if got == "final" else got
+        last = got
 
 
 def _curve(run) -> list[tuple]:
@@ -75,26 +111,29 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_p
                            keep_checkpoints=2, log_every=1, lr=3e-3, warmup_steps=2, device="cpu")
 
     reference = tmp_path / "reference"
-    t0 = time.monotonic()
-    proc = _start(cfg(reference))
+    proc, receive = _start(cfg(reference))
+    total = _steps(receive)
     proc.join(120)
-    assert proc.exitcode == 0
-    duration = time.monotonic() - t0
+    assert proc.exitcode == 0 and total > KILLS
 
     killed = tmp_path / "killed"
     rng = random.Random(1234)
-    kills = 0
-    for _ in range(KILLS):
-        proc = _start(cfg(killed))
-        proc.join(rng.uniform(0.05, duration))
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
-            kills += 1
+    moments = sorted(rng.sample(range(1, total), KILLS))  # the steps after which the kills come
+    reached = []
+    for step in moments:
+        proc, receive = _start(cfg(killed), hold=True)
+        reached.append(_steps(receive, until=step))
+        time.sleep(rng.uniform(0.0, 0.02))  # and a random fraction of a step (forward, backward, a save...)
+        assert proc.is_alive()  # mid-run: a child at its final checkpoint waits for the kill
+        os.kill(proc.pid, signal.SIGKILL)
         proc.join()
-    proc = _start(cfg(killed))  # and once more, to the end
+        assert proc.exitcode == -signal.SIGKILL
+    proc, receive = _start(cfg(killed))  # and once more, to the end
+    _steps(receive)
     proc.join(120)
     assert proc.exitcode == 0
-    assert kills >= KILLS // 2  # most kills landed mid-run (the others found it finished)
+    assert all(got >= step for got, step in zip(reached, moments)), (moments, reached)  # kills spread over the run
+    print(f"kills after steps {reached} of {total}")
 
     assert _curve(killed) == _curve(reference)
     ref, got = _final(reference), _final(killed)

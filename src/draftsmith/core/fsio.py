@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -49,6 +50,28 @@ def _explain_os_error(path: Path, err: OSError) -> DraftsmithError:
     return DraftsmithError(f"{path}: {os.strerror(err.errno) if err.errno else err}")
 
 
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The OSError behind a failed write that a library reported as its own error: safetensors' "I/O error: No
+    space left on device (os error 28)", or an OSError in the exception's cause or context. None: not a disk error."""
+    seen: BaseException | None = err
+    while seen is not None and not isinstance(seen, DraftsmithError):
+        if isinstance(seen, OSError) and seen.errno:
+            return seen
+        if found := re.search(r"\(os error (\d+)\)", str(seen)):
+            return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _explain_write_failure(path: Path, err: BaseException) -> BaseException:
+    """What a failed atomic write raises: a one-line DraftsmithError for a disk problem, else the error itself."""
+    if isinstance(err, OSError):
+        return _explain_os_error(path, err)
+    if isinstance(err, Exception) and not isinstance(err, DraftsmithError) and (os_err := _os_error_in(err)):
+        return _explain_os_error(path, os_err)
+    return err
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success it is fsynced and renamed onto `path`."""
@@ -66,12 +89,12 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
         _fsync_dir(path.parent)
-    except OSError as err:
+    except BaseException as err:  # a full disk may come as an OSError or as a library's own error type
         tmp_path.unlink(missing_ok=True)
-        raise _explain_os_error(path, err) from None
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
+        explained = _explain_write_failure(path, err)
+        if explained is err:
+            raise
+        raise explained from None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -109,12 +132,12 @@ def atomic_dir(path: Path) -> Iterator[Path]:
             shutil.rmtree(path)
         os.replace(tmp, path)
         _fsync_dir(parent)
-    except OSError as err:
+    except BaseException as err:  # a full disk may come as an OSError or as a library's own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _explain_os_error(path, err) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        explained = _explain_write_failure(path, err)
+        if explained is err:
+            raise
+        raise explained from None
 
 
 @contextlib.contextmanager

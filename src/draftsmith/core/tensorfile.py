@@ -12,6 +12,11 @@ With `framework="pt"` on the CPU, `safe_open` maps the file into one torch stora
 a `get_slice` read costs some 20), so reading a sample copies nothing; `read(name)` returns an owned copy, for the
 small tensors a reader keeps. Views share the process's mapping of the file: copy one before changing it in place.
 
+With `sha256` (the manifest's checksum) the file's bytes are hashed once, on the first read of a data tensor in a
+process (a file checked before a fork, e.g. by the DataLoader's parent, is not hashed again in its workers): a
+flipped byte anywhere is refused there, and reads after it cost nothing more. Small index tensors read while opening
+(`read(name, verify=False)`) do not wait for the hash.
+
 Every problem with a file is one `DraftsmithError` line: the path, what is wrong, then the caller's `remedy`
 (e.g. "run `draftsmith prepare` again").
 """
@@ -27,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import sha256_file
 
 MAX_OPEN_FILES = 64  # safe_open handles kept per process (least recently used closed first)
 
@@ -72,6 +78,7 @@ class _Handles:
 
 _HANDLES = _Handles(MAX_OPEN_FILES)
 os.register_at_fork(after_in_child=_HANDLES.clear)
+_VERIFIED: set[tuple] = set()  # (path, identity) of the files whose sha256 matched (kept across a fork)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -82,13 +89,16 @@ class TensorFile:
     """A checked safetensors file: `tensors` (name -> (dtype, shape)), `metadata`, `size`; reads by name.
 
     `what` names the file in messages ("shard file"); `remedy` says what to do about a damaged one.
-    `expected_bytes` (from a manifest) turns a file of another size into a "truncated or replaced" error.
+    `expected_bytes` (from a manifest) turns a file of another size into a "truncated or replaced" error;
+    `sha256` (from a manifest) is checked on the first data read in each process.
     """
 
-    def __init__(self, path: Path, remedy: str, *, what: str = "file", expected_bytes: int | None = None):
+    def __init__(self, path: Path, remedy: str, *, what: str = "file", expected_bytes: int | None = None,
+                 sha256: str | None = None):
         self.path = Path(path)
         self.remedy = remedy
         self.what = what
+        self.sha256 = sha256
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -146,14 +156,29 @@ class TensorFile:
                              f"(damaged {self.what})")
         return got_shape
 
+    def verify(self) -> None:
+        """Hash the file against `sha256` (once per process and file version); DraftsmithError when it differs."""
+        if self.sha256 is None or self._key in _VERIFIED:
+            return
+        try:
+            digest = sha256_file(self.path)
+        except OSError as err:
+            raise self.error(f"not a readable {self.what} ({err.strerror or err})") from None
+        if digest != self.sha256:
+            raise self.error(f"sha256 does not match the manifest (a flipped byte: damaged or replaced {self.what})")
+        _VERIFIED.add(self._key)
+
     # -- reading
-    def view(self, name: str) -> torch.Tensor:
-        """The whole tensor as a view of this process's mapping of the file (no copy; do not modify it)."""
+    def view(self, name: str, verify: bool = True) -> torch.Tensor:
+        """The whole tensor as a view of this process's mapping of the file (no copy; do not modify it).
+        The first view of a tensor in a process checks the file's sha256 first, unless `verify=False`."""
         handle, views = _HANDLES.get(self._key) or self._entry()
         tensor = views.get(name)
         if tensor is None:
             if name not in self.tensors:
                 raise self.error(f"tensor {name!r} is missing (damaged {self.what})")
+            if verify:
+                self.verify()
             tensor = views[name] = handle.get_tensor(name)
         return tensor
 
@@ -161,9 +186,9 @@ class TensorFile:
         """Rows start..stop-1 of a tensor (a view: no copy, do not modify it)."""
         return self.view(name)[start:stop]
 
-    def read(self, name: str) -> torch.Tensor:
-        """A (small) tensor read whole into memory of its own."""
-        return self.view(name).clone()
+    def read(self, name: str, verify: bool = True) -> torch.Tensor:
+        """A (small) tensor read whole into memory of its own (`verify=False`: without waiting for the sha256)."""
+        return self.view(name, verify).clone()
 
     def __repr__(self) -> str:
         return f"TensorFile({str(self.path)!r}, tensors={sorted(self.tensors)})"

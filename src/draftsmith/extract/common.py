@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -162,13 +163,27 @@ def pending_batches(batches: list[list[int]], done: set[int]) -> list[list[int]]
     return [b for b in out if b]
 
 
+def check_finite(writer: store_module.StoreWriter, item: tuple) -> None:
+    """Stop at a sample whose hidden states hold a NaN/Inf, naming it and its layers (an fp8 item: its scales, which
+    are non-finite exactly when a value was); the samples before it stay stored and the run resumes after a fix."""
+    values = item[4] if len(item) > 4 and item[4] is not None else item[3]
+    finite = torch.isfinite(values.float() if values.dtype.itemsize == 1 else values)
+    if bool(finite.all()):
+        return
+    per_layer = finite.reshape(finite.shape[0], finite.shape[1], -1).all(dim=2).all(dim=0).tolist()
+    layers = [layer for layer, ok in zip(writer.spec.layer_ids, per_layer) if not ok]
+    raise DraftsmithError(f"{writer.path}: sample {int(item[0])} has NaN/Inf hidden states (layer ids {layers}); "
+                          "the store keeps what was written before it. Check the target's weights or try "
+                          "--compute-dtype float32, then run the same command again to resume")
+
+
 class BackgroundWriter:
     """Feeds a StoreWriter from a thread, so disk writes overlap the next forward pass.
 
     `submit(items, ready=None)` queues a batch of (sample_id, input_ids, loss_mask, hidden_states[T, L, H]) or
     (..., hidden_states, scales); `ready` (e.g. a CUDA event's `synchronize`) is called in the thread before the
-    tensors are read. A shard is written only between submitted batches. An error in the thread (full disk ...)
-    is raised again in the caller's thread at the next `submit` or at exit.
+    tensors are read. A shard is written only between submitted batches. An error in the thread (full disk, a
+    sample with NaN/Inf states: `check_finite`) is raised again in the caller's thread at the next `submit` or at exit.
     """
 
     def __init__(self, writer: store_module.StoreWriter, max_pending: int = 2):
@@ -190,6 +205,7 @@ class BackgroundWriter:
                 if ready is not None:
                     ready()
                 for item in items:
+                    check_finite(self.writer, item)
                     self.writer.add(*item, flush_if_full=False)
                 self.writer.maybe_flush()
             except BaseException as err:  # noqa: BLE001 - handed to the caller's thread

@@ -297,7 +297,7 @@ def _open_shard(path: Path, shard: PreparedShard | None = None) -> TensorFile:
     """A shard file, checked: input_ids I32 [T], loss_mask U8 [T], offsets I64 [n+1] (against `shard`, the
     manifest's record, when given)."""
     file = TensorFile(path, REMEDY, what="shard file", expected_bytes=shard.num_bytes if shard and shard.num_bytes
-                      else None)
+                      else None, sha256=shard.sha256 if shard else None)  # hashed on the first read of its tokens
     T = shard.num_tokens if shard else None
     file.expect("input_ids", "I32", (T,))
     file.expect("loss_mask", "U8", (T,))
@@ -324,7 +324,7 @@ class PreparedDataset(collections.abc.Sequence):
                                       f"{shard.first_sample}, expected {expected_first}; the manifest is damaged")
             expected_first += shard.num_samples
             file = _open_shard(self.path / shard.file, shard)
-            offsets = file.read("offsets").numpy()
+            offsets = file.read("offsets", verify=False).numpy()
             if int(offsets[0]) != 0 or int(offsets[-1]) != shard.num_tokens or bool(np.any(np.diff(offsets) <= 0)):
                 raise file.error(f"offsets do not match the manifest ({shard.num_samples} samples, "
                                  f"{shard.num_tokens} tokens)")
@@ -359,7 +359,8 @@ class PreparedDataset(collections.abc.Sequence):
 
     def token_counts(self) -> torch.Tensor:
         """How often each target token id is loss-masked in this set: int64 [vocab]."""
-        file = TensorFile(self.path / self.manifest.token_counts_file, REMEDY, what="token-count file")
+        file = TensorFile(self.path / self.manifest.token_counts_file, REMEDY, what="token-count file",
+                          sha256=self.manifest.token_counts_sha256 or None)
         file.expect("counts", "I64", (self.manifest.target.vocab_size,))
         counts = file.read("counts")
         file.close()

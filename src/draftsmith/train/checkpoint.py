@@ -229,7 +229,8 @@ def save_checkpoint(run_dir: Path, manifest: CheckpointManifest, model_state: di
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "draftsmith": "eagle3-draft"})
         files = {WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)}
         if training_state is not None and not best:
-            torch.save(training_state, tmp / STATE_FILE)
+            with open(tmp / STATE_FILE, "wb") as f:  # a file object: a full disk raises OSError, not torch's own
+                torch.save(training_state, f)
             files[STATE_FILE] = sha256_file(tmp / STATE_FILE)
         write_manifest(tmp, manifest.model_copy(update={"files": files}))
         replaced = _move_aside(target)  # atomic_dir renames tmp into the freed name
@@ -278,11 +279,36 @@ def load_checkpoint(path: Path, verify: bool = True) -> tuple[dict[str, torch.Te
 
 
 def load_training_state(directory: Path) -> dict:
-    """Optimizer/sampler/RNG state of a step checkpoint; tensors and plain containers only (weights_only=True)."""
+    """Optimizer/sampler/RNG state of a step checkpoint (checksum checked against its manifest); tensors and plain
+    containers only (weights_only=True)."""
     file = Path(directory) / STATE_FILE
     if not file.is_file():
         raise DraftsmithError(f"{file}: missing; this checkpoint cannot be resumed (best/ holds weights only)")
+    digest = read_manifest(directory, CheckpointManifest).files.get(STATE_FILE)
+    if digest and sha256_file(file) != digest:
+        raise DraftsmithError(f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the checkpoint is "
+                              "damaged (delete this step directory to resume from the one before)")
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged or foreign file
         raise DraftsmithError(f"{file}: cannot read training state ({type(err).__name__}); damaged checkpoint") from None
+
+
+def verify_checkpoint(path: Path) -> list[Path]:
+    """Re-hash every file a draft directory's manifest lists (a run: best/ and every step checkpoint); returns the
+    directories checked, or raises DraftsmithError naming the first damaged or missing file."""
+    path = Path(path)
+    directories = [path] if (path / MANIFEST_NAME).is_file() else (
+        [path / BEST_DIR] if (path / BEST_DIR / MANIFEST_NAME).is_file() else []) + list_checkpoints(path)
+    if not directories:
+        resolve(path)  # the one-line error for a directory that holds no checkpoint
+    for directory in directories:
+        manifest = read_manifest(directory, DraftManifest)
+        for name, digest in manifest.files.items():
+            file = directory / name
+            if not file.is_file():
+                raise DraftsmithError(f"{file}: missing; the {manifest.kind or 'checkpoint'} is incomplete")
+            if sha256_file(file) != digest:
+                raise DraftsmithError(f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the "
+                                      f"{manifest.kind or 'checkpoint'} is damaged")
+    return directories

@@ -1,9 +1,10 @@
 """Reading a store: random access to its samples, in sample-id order, in float32, bf16 or the storage dtype.
 
 `open` checks cheaply (every shard present with its recorded size, headers, dtypes, shapes, sample ids and counts
-against the manifest); `verify_store` is the expensive check. The reader is plain data (the manifest, a few numpy
-index arrays and one `TensorFile` per shard), so it pickles into DataLoader workers; each process opens the shard
-files itself on first read (draftsmith.core.tensorfile).
+against the manifest); a shard's sha256 is checked on the first read of its data in a process (a flipped byte is
+refused naming the shard, and reading stays a view of the page cache after that); `verify_store` checks all of it.
+The reader is plain data (the manifest, a few numpy index arrays and one `TensorFile` per shard), so it pickles
+into DataLoader workers; each process opens the shard files itself on first read (draftsmith.core.tensorfile).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class HiddenStateStore(collections.abc.Sequence):
         self._shards: list[TensorFile] = []
         ids, owner, starts, lengths = [], [], [], []
         for k, info in enumerate(manifest.shards):
-            shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes)
+            shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes, sha256=info.sha256)
             index = shards.check_shard(shard, spec)
             if len(index.sample_ids) != info.num_samples or index.num_tokens != info.num_tokens or sample_ranges(
                     index.sample_ids) != [tuple(r) for r in info.sample_ranges]:
