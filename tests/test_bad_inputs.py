@@ -243,6 +243,7 @@ def wrong(tmp_path_factory, prepared_dir) -> dict[str, Path]:
     a kind no stage takes, and a prepared set (a real artefact, for the stages that take another)."""
     root = tmp_path_factory.mktemp("wrong")
     (root / "a-file.txt").write_text("hello")
+    (root / "useless.json").write_text(json.dumps([{"foo": 1}]))
     (root / "plain-dir").mkdir()
     (root / "plain-dir" / "notes.txt").write_text("x")
     for name, text in {"bad-json": "{not json", "other-kind": json.dumps({"kind": "banana", "version": 1}),
@@ -251,7 +252,7 @@ def wrong(tmp_path_factory, prepared_dir) -> dict[str, Path]:
         (root / name / "manifest.json").write_text(text)
     return {"missing": root / "missing", "file": root / "a-file.txt", "plain dir": root / "plain-dir",
             "bad manifest": root / "bad-json", "other kind": root / "other-kind",
-            "fake checkpoint": root / "fake-checkpoint", "prepared": prepared_dir}
+            "fake checkpoint": root / "fake-checkpoint", "prepared": prepared_dir, "useless": root / "useless.json"}
 
 
 # command -> how the input is passed; then (input, what the line says besides the path) for each wrong input
@@ -285,7 +286,8 @@ STAGES = {
     "regenerate": (["regenerate", "--engine", "hf", "--data", "{}"], {
         "missing": "input file does not exist", "file": "invalid JSON (the text starts with 'hello')",
         "plain dir": "no .json / .jsonl / .parquet / .arrow files",
-        "prepared": "is a draftsmith 'prepared' artefact, not conversations"}),
+        "prepared": "is a draftsmith 'prepared' artefact, not conversations",
+        "useless": "no usable conversations to regenerate (skipped: no conversations 1; first: "}),
 }
 STAGE_CASES = [(command, kind) for command, (_, kinds) in STAGES.items() for kind in kinds]
 

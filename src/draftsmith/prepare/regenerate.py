@@ -803,8 +803,9 @@ def run(cfg: RegenerateConfig) -> StageResult:
         tally.skip(*skipped)
     tally.records += len(regenerator.tail)
     if not shards:
-        raise DraftsmithError(f"{output}: no usable conversations to regenerate" + (
-            f" (skipped: {', '.join(f'{k} {v}' for k, v in tally.skipped.items())})" if tally.skipped else ""))
+        raise DraftsmithError(f"{', '.join(str(s.path) for s in sources)}: no usable conversations to regenerate" + (
+            f" (skipped: {', '.join(f'{k} {v}' for k, v in tally.skipped.items())}; first: "
+            f"{next(iter(tally.skip_examples.values()), '')})" if tally.skipped else ""))
 
     seconds = time.perf_counter() - started
     manifest = RegeneratedManifest(
