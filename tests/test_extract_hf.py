@@ -314,11 +314,24 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(store.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
 
-    def start(output: Path, hold: bool) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(script), str(prepared), str(output), str(torch.get_num_threads()),
-                                 "hold" if hold else "run"], env=env, stdout=subprocess.PIPE,
-                                stderr=(tmp_path / "stderr.txt").open("a"), text=True)
+    children = []
 
+    def start(output: Path, hold: bool) -> subprocess.Popen:
+        children.append(subprocess.Popen([sys.executable, str(script), str(prepared), str(output),
+                                          str(torch.get_num_threads()), "hold" if hold else "run"], env=env,
+                                         stdout=subprocess.PIPE, stderr=(tmp_path / "stderr.txt").open("a"), text=True))
+        return children[-1]
+
+    try:
+        _kill_and_resume(start, tmp_path, prepared)
+    finally:
+        for child in children:  # a failed check leaves no child waiting to be killed
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def _kill_and_resume(start, tmp_path: Path, prepared: Path) -> None:
     rng = random.Random(1234)
     out = tmp_path / "s"
     partial_after_kill = []

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemaini
 from rich.progress import Progress as RichProgress
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import atomic_write_text
+from draftsmith.core.fsio import _explain_os_error, atomic_write_text
 from draftsmith.train import distributed
 from draftsmith.train.ttt import TTTResult
 
@@ -105,8 +105,11 @@ class MetricsSink:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # a line cut off by a full disk is dropped by the resume
+        except OSError as err:
+            raise _explain_os_error(self.path, err) from None
         if self._tb is not None:
             kind, step = record.get("type", "train"), record["step"]
             for key in ("loss", "acceptance_length", "lr", "tokens_per_s", "grad_norm"):

@@ -1,0 +1,96 @@
+"""Faults in every stage (issue 15), each injected by benchmarks/faults.py on a tiny random target: a flipped byte in
+a prepared shard, a store shard and a checkpoint's files, NaN hidden states in extraction and a NaN loss in
+training, a full disk (a real size-limited tmpfs, filled by another writer mid-stage) during extract, train and
+export; and the vLLM engine process killed during extraction. Each must be survived: a one-line error naming the
+file, sample or step, nothing half-written left, and the next run ending as an undisturbed one would (no sample
+lost or duplicated). kill -9 during training and extraction: tests/test_train_faults.py, tests/test_extract_hf.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_dir, atomic_path
+from draftsmith.core.targets import target_identity
+from draftsmith.prepare.dataset import write_prepared
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "faults.py")
+faults = importlib.util.module_from_spec(_spec)
+sys.modules["bench_faults"] = faults  # its dataclasses look their module up
+_spec.loader.exec_module(faults)
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+def _prepared(path: Path, target_dir: Path, n: int = 40) -> Path:
+    rng = np.random.default_rng(0)
+    samples = []
+    for length in rng.integers(14, 60, n):
+        mask = np.zeros(length, dtype=np.int64)
+        mask[length // 3:] = 1
+        samples.append({"input_ids": rng.integers(4, 300, length), "loss_mask": mask})
+    write_prepared(path, samples, target_identity(target_dir), chat_template_hash="t", max_length=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bench(tiny_target_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults")
+    return faults.Bench(work, _prepared(work / "prepared", tiny_target_dir), token_budget=96, draft_vocab_size=300)
+
+
+@pytest.mark.parametrize("name", ["flip-prepared-shard", "flip-store-shard", "flip-checkpoint-weights",
+                                  "flip-training-state", "nan-hidden-states", "nan-loss", "full-disk-extract",
+                                  "full-disk-train", "full-disk-export"])
+def test_fault_is_survived(bench, name):
+    if name.startswith("full-disk") and faults.mount_problem():
+        pytest.skip(f"a size-limited tmpfs is needed: {faults.mount_problem()}")
+    outcome = faults.run_fault(bench, name)
+    assert outcome.injected and outcome.survived, outcome.detail
+    assert outcome.lost == 0 and not outcome.traceback, outcome
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(28, "No space left on device"),
+    RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors'
+])
+def test_a_full_disk_in_any_library_is_one_line_and_leaves_nothing(tmp_path, failure):
+    for context in (atomic_dir, atomic_path):
+        with pytest.raises(DraftsmithError, match=r"x: no space left on device; free disk space"):
+            with context(tmp_path / "x"):
+                raise failure
+        assert list(tmp_path.iterdir()) == []
+    with pytest.raises(KeyError):  # anything else keeps its traceback
+        with atomic_dir(tmp_path / "x"):
+            raise KeyError("a bug")
+
+
+def test_nan_states_in_a_fp8_item_are_found_through_its_scales(tmp_path):
+    from draftsmith.extract import common
+
+    class Writer:
+        path, spec = tmp_path, type("Spec", (), {"layer_ids": [1, 2, 4]})()
+
+    states = torch.zeros(5, 3, 8, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(5, 3)
+    common.check_finite(Writer(), (7, None, None, states, scales))
+    scales[2, 1] = float("inf")
+    with pytest.raises(DraftsmithError, match=r"sample 7 has NaN/Inf hidden states \(layer ids \[2\]\)"):
+        common.check_finite(Writer(), (7, None, None, states, scales))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_engine_killed_mid_extraction_is_one_line_and_resumes(bench):
+    outcome = faults.run_fault(bench, "kill-vllm-engine")
+    assert outcome.injected and outcome.survived, outcome.detail
+    assert outcome.lost == 0 and not outcome.traceback, outcome
