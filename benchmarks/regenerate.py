@@ -35,7 +35,7 @@ def main() -> None:
 
     from draftsmith.config import RegenerateConfig
     from draftsmith.core import assets
-    from draftsmith.prepare import regenerate
+    from draftsmith.prepare import regenerate, regenerated_set
     from draftsmith.prepare.chat import Skip, normalize_conversation
     from draftsmith.prepare.readers import Source, iter_source
 
@@ -61,7 +61,7 @@ def main() -> None:
             started = time.perf_counter()
             regenerate.run(cfg)
             wall = time.perf_counter() - started
-            m = regenerate.open_regenerated(cfg.output)
+            m = regenerated_set.open_regenerated(cfg.output)
             results[engine] = {
                 "engine": m.generator.engine_version, "dtype": m.generator.dtype,
                 "conversations": m.num_conversations, "answers": m.num_assistant_turns,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -27,7 +28,12 @@ from draftsmith.config import (
     load_config,
 )
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.prepare import regenerate
+from draftsmith.prepare import (
+    regenerate,
+    regenerate_conversations,
+    regenerate_engines,
+    regenerated_set,
+)
 from draftsmith.prepare.chat import masked_spans
 from draftsmith.prepare.dataset import open_prepared
 from draftsmith.prepare.stage import run as prepare
@@ -99,7 +105,7 @@ class FakeEngine:
     """Stands in for the transformers engine: answers "re:<the last turn's text>" (or `answer(text)`), every
     request waiting at once, and keeps each call's prompts, decoded, so a test sees exactly what the engine got."""
 
-    calls: list[list[str]] = []
+    calls: ClassVar[list[list[str]]] = []
     answer = None
     started = 0
 
@@ -132,7 +138,7 @@ def fake_engine(monkeypatch):
     monkeypatch.setattr(FakeEngine, "calls", [])
     monkeypatch.setattr(FakeEngine, "answer", None)
     monkeypatch.setattr(FakeEngine, "started", 0)
-    monkeypatch.setattr(regenerate, "_HFEngine", FakeEngine)
+    monkeypatch.setattr(regenerate_engines, "HFEngine", FakeEngine)
     return FakeEngine
 
 
@@ -149,7 +155,7 @@ CONVERSATIONS = [
 def test_each_turn_is_generated_given_the_regenerated_history(tmp_path, tiny_target_dir, fake_engine):
     data = _write(tmp_path / "d.json", CONVERSATIONS)
     result = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out"))
-    records = list(regenerate.read_conversations(tmp_path / "out"))
+    records = list(regenerated_set.read_conversations(tmp_path / "out"))
     assert [r["messages"] for r in records] == [
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
          {"role": "assistant", "content": "re:Hi"}, {"role": "user", "content": "More?"},
@@ -168,7 +174,7 @@ def test_each_turn_is_generated_given_the_regenerated_history(tmp_path, tiny_tar
     assert fake_engine.calls[1][0] == second  # turn 2 saw the regenerated turn 1, not the data's
     assert "old" not in "".join(fake_engine.calls[1])
     assert result.summary["conversations"] == 4 and result.summary["answers generated"] == 7
-    manifest = regenerate.open_regenerated(tmp_path / "out")
+    manifest = regenerated_set.open_regenerated(tmp_path / "out")
     assert manifest.generator.engine == "hf" and manifest.generator.target.path == str(tiny_target_dir.resolve())
     assert manifest.sources[0].path == str(data) and len(manifest.sources[0].sha256) == 64
     assert manifest.sampling.temperature == 0.0 and manifest.num_assistant_turns == 7
@@ -190,7 +196,7 @@ def test_think_blocks_are_kept_or_dropped_in_the_record_and_the_history(tmp_path
     data = _write(tmp_path / "d.json", [_msgs(("user", "a"), ("assistant", "x"), ("user", "b")),
                                         _msgs(("user", "cut"))])
     result = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out", think=think, max_new_tokens=30))
-    records = list(regenerate.read_conversations(tmp_path / "out"))
+    records = list(regenerated_set.read_conversations(tmp_path / "out"))
     first = records[0]["messages"][1]["content"]
     if think == "keep":
         assert first == "<think>hmm </think>\n\nre:a" and "<think>hmm </think>" in fake_engine.calls[1][0]
@@ -214,11 +220,11 @@ def test_a_long_conversation_does_not_hold_up_the_others(tmp_path, tiny_target_d
     result = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out", shard_samples=2))
     # 4 in flight at a time (twice the shard size), and the short ones are answered while the long one goes on,
     # up to 4 open shards (conversations 0..7); the rest follow once the long one's shard is written.
-    assert regenerate._Regenerator.OPEN_SHARDS == 4
+    assert regenerate_conversations.Regenerator.OPEN_SHARDS == 4
     assert len(fake_engine.calls[0]) == 4 and len(fake_engine.calls) == 14
     assert all("long" in call[0] for call in fake_engine.calls[:12])
     assert sum(len(call) for call in fake_engine.calls[:12]) == 12 + 7  # beside it: the 7 short ones of 0..7
-    out = list(regenerate.read_conversations(tmp_path / "out"))
+    out = list(regenerated_set.read_conversations(tmp_path / "out"))
     assert [r["messages"][0]["content"] for r in out] == ["long 0"] + [
         f"short {i}" for i in range(14) if i % 4 != 1]  # input order, skipped ones left out
     assert len(out[0]["messages"]) == 24 and out[0]["messages"][-1] == {"role": "assistant", "content": "re:long 11"}
@@ -230,9 +236,9 @@ def test_max_samples_keeps_the_first_good_conversations_and_an_interrupted_run_r
         tmp_path, tiny_target_dir, fake_engine, monkeypatch):
     fake_engine.answer = lambda last: "" if last == "empty" else f"re:{last}"
     data = _write(tmp_path / "d.json", _mixed_records())
-    options = dict(shard_samples=2, max_samples=6)
+    options = {"shard_samples": 2, "max_samples": 6}
     reference = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "ref", **options))
-    ref = list(regenerate.read_conversations(tmp_path / "ref"))
+    ref = list(regenerated_set.read_conversations(tmp_path / "ref"))
     assert [r["messages"][0]["content"] for r in ref] == ["long 0", "short 0", "short 2", "short 3", "short 4",
                                                          "short 6"]
     for stop_at in (2, 5, 9):  # interrupted at several points of the window, then resumed
@@ -250,21 +256,21 @@ def test_max_samples_keeps_the_first_good_conversations_and_an_interrupted_run_r
             regenerate.run(_cfg(data, tiny_target_dir, out, **options))
         monkeypatch.setattr(FakeEngine, "results", real_results)
         resumed = regenerate.run(_cfg(data, tiny_target_dir, out, **options))
-        assert list(regenerate.read_conversations(out)) == ref, stop_at
-        ours, theirs = regenerate.open_regenerated(out), regenerate.open_regenerated(tmp_path / "ref")
+        assert list(regenerated_set.read_conversations(out)) == ref, stop_at
+        ours, theirs = regenerated_set.open_regenerated(out), regenerated_set.open_regenerated(tmp_path / "ref")
         assert (ours.skipped, ours.skip_examples, ours.stats["records"]) == (
             theirs.skipped, theirs.skip_examples, theirs.stats["records"]), stop_at
         assert resumed.summary["conversations"] == reference.summary["conversations"] == 6
 
 
 def test_answer_text():
-    assert regenerate.answer_text("<think>a</think>\n\nB", "p", "drop") == "B"
-    assert regenerate.answer_text("<think>a</think>\n\nB", "p", "keep") == "<think>a</think>\n\nB"
-    assert regenerate.answer_text("<think>still going", "p", "drop") is None
-    assert regenerate.answer_text("no reasoning", "p", "drop") == "no reasoning"
+    assert regenerate_conversations.answer_text("<think>a</think>\n\nB", "p", "drop") == "B"
+    assert regenerate_conversations.answer_text("<think>a</think>\n\nB", "p", "keep") == "<think>a</think>\n\nB"
+    assert regenerate_conversations.answer_text("<think>still going", "p", "drop") is None
+    assert regenerate_conversations.answer_text("no reasoning", "p", "drop") == "no reasoning"
     # a generation prompt that opens the block itself: the stored turn holds the whole block
-    assert regenerate.answer_text("a</think>B", "<|assistant|><think>\n", "keep") == "<think>\na</think>B"
-    assert regenerate.answer_text("a</think>B", "<|assistant|><think>\n", "drop") == "B"
+    assert regenerate_conversations.answer_text("a</think>B", "<|assistant|><think>\n", "keep") == "<think>\na</think>B"
+    assert regenerate_conversations.answer_text("a</think>B", "<|assistant|><think>\n", "drop") == "B"
 
 
 def test_truncations_and_cuts_at_max_length_are_marked_and_counted(tmp_path, answering_target, one_thread):
@@ -274,8 +280,8 @@ def test_truncations_and_cuts_at_max_length_are_marked_and_counted(tmp_path, ans
     records.append(_msgs(("user", long_turn * 2), ("assistant", "z")))
     data = _write(tmp_path / "d.jsonl", records)
     result = regenerate.run(_cfg(data, answering_target, tmp_path / "out", max_new_tokens=12, max_length=72))
-    out = list(regenerate.read_conversations(tmp_path / "out"))
-    manifest = regenerate.open_regenerated(tmp_path / "out")
+    out = list(regenerated_set.read_conversations(tmp_path / "out"))
+    manifest = regenerated_set.open_regenerated(tmp_path / "out")
     assert len(out) == 9 and manifest.skipped == {"prompt longer than max_length": 1}
     assert manifest.skip_examples["prompt longer than max_length"].startswith("d.jsonl record 9: ")
     cut = [r for r in out if r["regenerated"]["cut_at_max_length"]]
@@ -303,7 +309,7 @@ def test_bad_records_are_counted_by_reason_with_where_they_are(tmp_path, tiny_ta
                     + json.dumps(_msgs(("system", "only a system prompt"))) + "\n"
                     + json.dumps(_msgs(("user", "also fine"))) + "\n" + '{"messages": [{"role": "us', encoding="utf-8")
     result = regenerate.run(_cfg(path, tiny_target_dir, tmp_path / "out"))
-    manifest = regenerate.open_regenerated(tmp_path / "out")
+    manifest = regenerated_set.open_regenerated(tmp_path / "out")
     assert manifest.num_conversations == 2 and result.summary["records read"] == 6
     assert manifest.skipped == {"invalid JSON": 1, "unknown role": 1, "no user turn": 1,
                                 "damaged tail (file cut off mid-record)": 1}
@@ -314,7 +320,7 @@ def test_bad_records_are_counted_by_reason_with_where_they_are(tmp_path, tiny_ta
 
 def test_user_mistakes_are_one_line(tmp_path, tiny_target_dir, monkeypatch):
     data = _write(tmp_path / "d.json", CONVERSATIONS)
-    monkeypatch.setattr(regenerate, "_vllm_version", lambda: None)
+    monkeypatch.setattr(regenerate_engines, "vllm_version", lambda: None)
     with pytest.raises(DraftsmithError, match=r"^--engine vllm: vLLM is not installed"):
         regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out", engine="vllm"))
     (tmp_path / "mine").mkdir()
@@ -337,7 +343,7 @@ def test_a_finished_set_is_not_regenerated_again(tmp_path, tiny_target_dir, fake
     assert (tmp_path / "out" / "manifest.json").read_text() == before
     changed = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out", max_new_tokens=3))  # another job
     assert fake_engine.started == 2 and "already complete" not in changed.summary
-    assert regenerate.open_regenerated(tmp_path / "out").sampling.max_new_tokens == 3
+    assert regenerated_set.open_regenerated(tmp_path / "out").sampling.max_new_tokens == 3
 
 
 def _stored_shards(out: Path) -> int:
@@ -353,7 +359,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, answering_targ
                      ("user", "And times two?"), ("assistant", "y")) for i in range(48)]
     records[7] = {"conversations": [{"from": "narrator", "value": "x"}]}  # a counted skip before the kill
     data = _write(tmp_path / "d.json", records)
-    options = dict(max_new_tokens=16, shard_samples=4, hf_batch_size=4)
+    options = {"max_new_tokens": 16, "shard_samples": 4, "hf_batch_size": 4}
     reference = regenerate.run(_cfg(data, target, tmp_path / "ref", **options))
 
     out = tmp_path / "out"
@@ -373,8 +379,8 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, answering_targ
 
     resumed = regenerate.run(_cfg(data, target, out, **options))
     assert resumed.summary["resumed after records"] >= 8  # the complete shards were read past, not redone
-    assert list(regenerate.read_conversations(out)) == list(regenerate.read_conversations(tmp_path / "ref"))
-    ours, ref = regenerate.open_regenerated(out), regenerate.open_regenerated(tmp_path / "ref")
+    assert list(regenerated_set.read_conversations(out)) == list(regenerated_set.read_conversations(tmp_path / "ref"))
+    ours, ref = regenerated_set.open_regenerated(out), regenerated_set.open_regenerated(tmp_path / "ref")
     assert [s.sha256 for s in ours.shards] == [s.sha256 for s in ref.shards]
     assert ours.skipped == ref.skipped == {"unknown role": 1}
     assert ours.num_conversations == ref.num_conversations == reference.summary["conversations"] == 47
@@ -384,7 +390,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, answering_targ
 def test_quickstart_regenerates_before_prepare(tmp_path):
     assert "regenerate" not in quickstart.stage_configs(QuickstartConfig(output=tmp_path), "hf")  # off by default
     cfgs = quickstart.stage_configs(QuickstartConfig(output=tmp_path, budget="small", regenerate=True), "vllm")
-    assert list(cfgs)[0] == "regenerate" and cfgs["regenerate"].engine == "vllm"
+    assert next(iter(cfgs)) == "regenerate" and cfgs["regenerate"].engine == "vllm"
     assert cfgs["prepare"].data == [str(cfgs["regenerate"].output)]
     assert cfgs["regenerate"].max_samples == quickstart.BUDGETS["small"].conversations
     on_hf = quickstart.stage_configs(QuickstartConfig(output=tmp_path, regenerate=True), "hf")
@@ -414,16 +420,16 @@ def test_vllm_and_transformers_agree_on_greedy_answers(tmp_path, answering_targe
                      ("user", "And times two?"), ("assistant", "y")) for i in range(6)] + CONVERSATIONS + [
         _msgs(("user", f"Hello {i}"), ("assistant", "x"), ("user", "More?")) for i in range(4)]
     data = _write(tmp_path / "d.json", records)
-    options = dict(max_new_tokens=24, max_length=160, shard_samples=8)
+    options = {"max_new_tokens": 24, "max_length": 160, "shard_samples": 8}
     hf = regenerate.run(_cfg(data, target, tmp_path / "hf", **options))
     vllm = regenerate.run(_cfg(data, target, tmp_path / "vllm", **{**options, "engine": "vllm"}))
     assert vllm.summary["engine"].startswith("vllm ") and hf.summary["engine"].startswith("transformers ")
-    ours = list(regenerate.read_conversations(tmp_path / "vllm"))
-    ref = list(regenerate.read_conversations(tmp_path / "hf"))
+    ours = list(regenerated_set.read_conversations(tmp_path / "vllm"))
+    ref = list(regenerated_set.read_conversations(tmp_path / "hf"))
     assert len(ours) == len(ref) == 14
     assert ours == ref
     lengths = [n for r in ref for n in r["regenerated"]["new_tokens"]]
     assert len(set(map(json.dumps, (r["messages"][-1]["content"] for r in ref)))) > 3  # answers differ
     assert any(n < 24 for n in lengths) and any(n == 24 for n in lengths), lengths  # ended and truncated
-    assert regenerate.open_regenerated(tmp_path / "vllm").generator.dtype == "float32"
-    assert (tmp_path / "vllm" / regenerate.LOG_NAME).is_file()
+    assert regenerated_set.open_regenerated(tmp_path / "vllm").generator.dtype == "float32"
+    assert (tmp_path / "vllm" / regenerate_engines.LOG_NAME).is_file()

@@ -1,8 +1,8 @@
 """Generate answers with vLLM in a process of its own: `python -m draftsmith.prepare.regenerate_worker`.
 
 vLLM may start processes with `spawn`, which re-imports the main module, so it must run from a real file with a
-`__main__` guard. `regenerate.py` starts this file once per run and talks to it over its stdin and stdout, one
-JSON object a line:
+`__main__` guard. `regenerate_engines.py` starts this file once per run and talks to it over its stdin and stdout,
+one JSON object a line:
 
     stdin, first line   the engine: {"target", "dtype", "max_model_len", "seed", "tensor_parallel_size",
                         "trust_remote_code", "stop_token_ids", "temperature", "top_p"}

