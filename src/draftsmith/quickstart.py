@@ -10,10 +10,11 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 
+from draftsmith import evaluate, export, extract, prepare, train
 from draftsmith.config import (
     EvaluateConfig,
     ExportConfig,
@@ -28,7 +29,11 @@ from draftsmith.config import (
 )
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
+from draftsmith.evaluate import vllm_runner
+from draftsmith.evaluate.report import read_report
 from draftsmith.export.formats import serve_commands
+from draftsmith.prepare import regenerate
+from draftsmith.prepare.dataset import open_prepared
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
@@ -86,14 +91,12 @@ def _load_state(path: Path) -> dict[str, Any]:
 def _evaluation_engine(requested: str, state: dict[str, Any] | None = None) -> tuple[str, str]:
     """(engine, why) — vLLM when installed and asked for (or auto), else the reference decoder. Once the evaluate
     stage has finished, the engine it used (recorded in the state) is the answer: no vLLM import probe (~10 s)."""
-    from draftsmith.evaluate.vllm_runner import vllm_available
-
     recorded = (state or {}).get("engine")
     if recorded and "evaluate" in (state or {}).get("finished", {}):
         return recorded["engine"], recorded["why"]
     if requested == "hf":
         return "hf", "reference decoder (asked for)"
-    version = vllm_available()
+    version = vllm_runner.vllm_available()
     if version is not None:
         return "vllm", f"vLLM {version}"
     if requested == "vllm":
@@ -148,20 +151,9 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     return configs
 
 
-def _runner(stage: str) -> Callable[[Any], StageResult]:
-    if stage == "regenerate":
-        from draftsmith.prepare.regenerate import run
-    elif stage == "prepare":
-        from draftsmith.prepare.stage import run
-    elif stage == "extract":
-        from draftsmith.extract import run
-    elif stage == "train":
-        from draftsmith.train import run
-    elif stage == "export":
-        from draftsmith.export import run
-    else:
-        from draftsmith.evaluate import run
-    return run
+# Each stage's module, whose `run(cfg) -> StageResult` the quickstart calls.
+_STAGE_MODULES = {"regenerate": regenerate, "prepare": prepare, "extract": extract, "train": train, "export": export,
+                  "evaluate": evaluate}
 
 
 def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
@@ -202,7 +194,7 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
         console.rule(f"[bold][{index}/{len(stages)}] {stage}[/]  elapsed {elapsed / 60:.1f} min, "
                      f"about {_eta(budget, state, remaining) / 60:.0f} min left{note}")
         t0 = time.perf_counter()
-        result = _runner(stage)(configs[stage])
+        result = _STAGE_MODULES[stage].run(configs[stage])
         state["finished"][stage] = {"seconds": round(time.perf_counter() - t0, 1), "output": str(result.output),
                                     "summary": json.loads(json.dumps(result.summary, default=str))}
         atomic_write_json(state_path, state)
@@ -235,9 +227,6 @@ def tau_lines(runs: list[dict[str, Any]]) -> dict[str, str]:
 def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any],
              engine_why: str) -> tuple[dict[str, Any], dict[str, str]]:
     """(the summary table, the commands that serve the exported draft)."""
-    from draftsmith.evaluate.report import read_report
-    from draftsmith.prepare.dataset import open_prepared
-
     finished = state["finished"]
     prepared = open_prepared(configs["prepare"].output).manifest
     report = read_report(Path(configs["evaluate"].output) / "report.json")
