@@ -37,8 +37,9 @@ from draftsmith.prepare.dataset import open_prepared
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
-# `--regenerate` runs one more stage first; its expected time (vLLM, default target, 2-core CPU) drives the ETA.
-REGENERATE_S_PER_CONVERSATION = 3.0
+# `--regenerate` runs one more stage first; its expected time (vLLM, default target, 2-core CPU) drives the ETA:
+# 32 conversations, every turn, max length 512, took 439 s there (docs/benchmarks.md, "Regenerate").
+REGENERATE_S_PER_CONVERSATION = 13.0
 
 
 @dataclass(frozen=True)
