@@ -80,7 +80,7 @@ class Outcome:
 
 
 class Bench:
-    """The artefacts every fault starts from: a prepared set, its store, an undisturbed training run and export."""
+    """The artefacts every fault starts from: a prepared set, its store and an undisturbed training run."""
 
     def __init__(self, work: Path, prepared: Path, *, token_budget: int = 256, draft_vocab_size: int = 512,
                  epochs: int = 2, vllm_env: dict[str, str] | None = None):
@@ -90,9 +90,14 @@ class Bench:
         self.store = self.work / "store"
         if not (self.store / "manifest.json").is_file():
             extract.run(self.extract_cfg(self.store), show_progress=False)
-        self.run = self.work / "reference-run"
-        if checkpoint.latest_checkpoint(self.run) is None:
-            trainer.run(self.train_cfg(self.run))
+
+    @property
+    def run(self) -> Path:
+        """The undisturbed training run (trained on first use)."""
+        run = self.work / "reference-run"
+        if checkpoint.latest_checkpoint(run) is None:
+            trainer.run(self.train_cfg(run))
+        return run
 
     def extract_cfg(self, output: Path, **kw) -> ExtractConfig:
         fields = {"prepared": self.prepared, "output": output, "token_budget": self.token_budget,
@@ -533,8 +538,10 @@ def kill_vllm_engine(b: Bench, min_stored: int = 2) -> Outcome:
         raise NotSurvived("the driver hung after its engine died") from None
     if not victims:
         return Outcome("kill-vllm-engine", "extract", injected=False, detail=f"no engine to kill: {err[-300:]}")
-    last = [line for line in err.splitlines() if line.strip()][-1:] or [""]
-    check(proc.returncode == 1 and last[0].startswith("error:"), f"not a one-line error: {err[-800:]}")
+    (b.work / "kill-vllm-engine.stderr").write_text(err)
+    errors = [line.strip() for line in err.splitlines() if line.startswith("error:")]
+    check(proc.returncode == 1 and len(errors) == 1 and not child_traceback(err) and "died" in errors[0],
+          f"not one error line (exit {proc.returncode}): {errors or err[-300:]}")
     partial = _stored(out)
     final = subprocess.run(command, capture_output=True, text=True, env=env)
     check(final.returncode == 0, f"the resumed run failed: {final.stderr[-800:]}")
@@ -546,7 +553,7 @@ def kill_vllm_engine(b: Bench, min_stored: int = 2) -> Outcome:
         check(torch.equal(resumed[k]["input_ids"], reference[k]["input_ids"]), f"sample {k}: other tokens")
     return Outcome("kill-vllm-engine", "extract", survived=True, lost=store_lost(out, b.num_samples),
                    traceback=child_traceback(final.stderr),
-                   detail=f"{last[0][:90]} ({partial} stored); resumed")
+                   detail=f"{errors[0].split(': ', 2)[-1][:70]}... ({partial} stored); resumed")
 
 
 FAULTS: dict[str, tuple[str, Callable[[Bench], Outcome]]] = {
@@ -598,7 +605,7 @@ def print_table(outcomes: list[Outcome]) -> None:
     Console(stderr=True, width=200).print(table)
 
 
-def _prepare_default(work: Path, n: int, max_length: int) -> Path:
+def prepare_default(work: Path, n: int, max_length: int) -> Path:
     from draftsmith.config import PrepareConfig
     from draftsmith.core import assets
     from draftsmith.prepare import stage as prepare
@@ -625,7 +632,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        bench = Bench(work, _prepare_default(work, args.samples, args.max_length))
+        bench = Bench(work, prepare_default(work, args.samples, args.max_length))
         print(f"set-up {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         outcomes = []
         for name in names:

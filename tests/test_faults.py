@@ -90,7 +90,9 @@ def test_nan_states_in_a_fp8_item_are_found_through_its_scales(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 @needs_vllm
-def test_vllm_engine_killed_mid_extraction_is_one_line_and_resumes(bench):
+def test_vllm_engine_killed_mid_extraction_is_one_line_and_resumes(default_target_dir, tmp_path):
+    # the real default target, 16 short conversations: two engine starts (killed, resumed), one short extraction
+    bench = faults.Bench(tmp_path, faults.prepare_default(tmp_path, 16, 128), token_budget=512)
     outcome = faults.run_fault(bench, "kill-vllm-engine")
     assert outcome.injected and outcome.survived, outcome.detail
     assert outcome.lost == 0 and not outcome.traceback, outcome

@@ -8,6 +8,11 @@ finished it waits until the worker-side sink has received them all, then has the
 
 vLLM must be started from a real script (its worker processes are spawned, not forked); the CLI, pytest and the
 benchmark scripts all are.
+
+An engine whose processes die under the driver (killed, out of memory) would leave vLLM's client waiting forever
+for their answer, so every call into a multiprocess engine runs in a thread while the driver watches the processes
+that vLLM started: one that is gone stops the run with one line (the store keeps every shard its worker committed,
+and the next run resumes from there).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -158,6 +164,43 @@ def _environment(env: dict[str, str]):
                 os.environ[key] = value
 
 
+def _processes() -> dict[int, tuple[int, str]]:
+    """Live processes (not zombies) of this machine: pid -> (parent pid, name); empty without /proc."""
+    found: dict[int, tuple[int, str]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{entry.name}/stat", encoding="utf-8", errors="replace") as f:
+                        stat = f.read()
+                    name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+                    if fields[0] != "Z":
+                        found[int(entry.name)] = (int(fields[1]), name)
+    return found
+
+
+def _command(pid: int) -> str:
+    """A process's command line ("VLLM::EngineCore", a worker's name), "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def engine_processes() -> dict[int, str]:
+    """The live processes below this one (vLLM's engine core and workers, once started): pid -> name."""
+    table = _processes()
+    below, todo = {}, [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, name) in table.items():
+            if ppid == parent and pid not in below:
+                below[pid] = name
+                todo.append(pid)
+    return below
+
+
 class Engine:
     """A started vLLM with draftsmith's extension; `close()` shuts it down and frees its processes."""
 
@@ -167,6 +210,7 @@ class Engine:
         self.steps_itself = False
         self.spec = spec
         start = time.perf_counter()
+        before = engine_processes()
         try:
             with _environment(engine_environment(spec)):
                 if hasattr(envs, "disable_envs_cache"):  # an earlier engine here froze vLLM's view of os.environ
@@ -186,10 +230,50 @@ class Engine:
         self.start_seconds = time.perf_counter() - start
         # in-process engine core (no loop of its own between our steps): the driver steps it while it waits
         self.steps_itself = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__ == "InprocClient"
+        # the processes vLLM started for this engine (multiprocessing's resource tracker is no engine process)
+        self.watched = {pid: (_command(pid).split(" ")[0] or name) for pid, name in engine_processes().items()
+                        if pid not in before and "resource_tracker" not in _command(pid)}
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args)` in a thread while the engine's processes are watched; one that died stops it in one line."""
+        if not self.watched:
+            return fn(*args, **kwargs)
+        outcome: list[Any] = []
+
+        def call() -> None:
+            try:
+                outcome.append((True, fn(*args, **kwargs)))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                outcome.append((False, err))
+
+        def dead() -> list[str]:
+            alive = _processes()
+            return [f"{name} (pid {pid})" for pid, name in self.watched.items() if pid not in alive]
+
+        thread = threading.Thread(target=call, name="draftsmith-vllm-call", daemon=True)
+        thread.start()
+        while thread.is_alive() and not dead():
+            thread.join(0.25)
+        thread.join(2.0 if thread.is_alive() else None)  # vLLM's own error, if any; else the thread stays blocked
+        gone = dead()
+        if gone and (thread.is_alive() or not outcome[0][0]):
+            self.watched = {}
+            store = self.spec.sink_config.get("store", "the store")
+            raise DraftsmithError(f"{store}: the vLLM engine process {gone[0]} died during extraction (killed, or "
+                                  "out of memory); the store keeps every shard its worker committed: run the same "
+                                  "command again to resume")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def generate(self, prompts: Sequence[tuple[int, Sequence[int]]], *, tag: bool = True,
                  on_finished: Callable[[int], None] | None = None) -> float:
         """Prefill every (sample_id, token_ids) with max_tokens=1, many in flight; returns the seconds it took."""
+        return self._guarded(self._generate, prompts, tag, on_finished)
+
+    def _generate(self, prompts: Sequence[tuple[int, Sequence[int]]], tag: bool,
+                  on_finished: Callable[[int], None] | None) -> float:
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
@@ -219,6 +303,9 @@ class Engine:
 
     def wait_for_sink(self, expected: int, timeout_s: float = 600.0) -> None:
         """Block until the worker-side sink has received `expected` requests (or raise its error)."""
+        self._guarded(self._wait_for_sink, expected, timeout_s)
+
+    def _wait_for_sink(self, expected: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             reports = self.llm.collective_rpc("draftsmith_progress")
@@ -237,7 +324,7 @@ class Engine:
                 time.sleep(0.05)
 
     def close_sink(self) -> list[dict[str, Any]]:
-        reports = self.llm.collective_rpc("draftsmith_close")
+        reports = self._guarded(self.llm.collective_rpc, "draftsmith_close")
         errors = [r["error"] for r in reports if r.get("error")]
         if errors:
             raise DraftsmithError(f"vLLM worker could not finish the store: {errors[0]}")
