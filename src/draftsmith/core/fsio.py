@@ -15,8 +15,9 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 
@@ -151,3 +152,32 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------- resumable directory writes
+
+RESUME_NAME = "resume.json"
+
+
+def resume_dir(output: Path) -> Path:
+    """Where an artefact for `output` is built shard by shard before it is renamed into place."""
+    output = Path(output)
+    return output.parent / f".{output.name}.resume"
+
+
+def load_resume(work: Path, fingerprint: str, shard_model: Any) -> dict | None:
+    """The progress record (`resume.json`: fingerprint, shards, the caller's state) of an interrupted write of the
+    same job in `work`, if its shards validate as `shard_model` (a pydantic model with `file` and `num_bytes`) and
+    every one is there whole; else None."""
+    try:
+        data = json.loads((Path(work) / RESUME_NAME).read_text(encoding="utf-8"))
+        if data.get("fingerprint") != fingerprint:
+            return None
+        shards = [shard_model.model_validate(s) for s in data["shards"]]
+    except (OSError, ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
+        return None
+    for shard in shards:
+        file = Path(work) / shard.file
+        if not file.is_file() or file.stat().st_size != shard.num_bytes:
+            return None
+    return data

@@ -35,7 +35,7 @@ class TargetIdentity(BaseModel):
     hidden_size: int
     vocab_size: int
 
-    def mismatch(self, other: "TargetIdentity") -> str | None:
+    def mismatch(self, other: TargetIdentity) -> str | None:
         """The first field that makes two targets incompatible (path alone may differ), or None."""
         for field in ("config_hash", "tokenizer_hash", "num_layers", "hidden_size", "vocab_size"):
             a, b = getattr(self, field), getattr(other, field)
@@ -48,7 +48,7 @@ class WriterInfo(BaseModel):
     draftsmith_version: str = __version__
     host: str = Field(default_factory=socket.gethostname)
     python: str = Field(default_factory=platform.python_version)
-    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
 
 
 class Manifest(BaseModel):
@@ -76,6 +76,22 @@ def read_manifest_json(directory: Path) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DraftsmithError(f"{path}: manifest is not valid JSON ({err}); the artefact is damaged") from None
+
+
+def check_replaceable(output: Path, kind: str, what: str) -> None:
+    """Only an empty directory or an earlier artefact of this `kind` may be replaced at `output`: never delete a
+    user's other files. `what` names the artefact in the error ("a prepared data set")."""
+    output = Path(output)
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    if output.is_dir() and (output / MANIFEST_NAME).is_file():
+        try:
+            if read_manifest_json(output).get("kind") == kind:
+                return
+        except DraftsmithError:
+            pass
+    raise DraftsmithError(f"{output}: exists and is not {what}; refusing to replace it. "
+                          "Choose another --output or remove it first")
 
 
 def read_manifest(directory: Path, cls: type[M]) -> M:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import bisect
 import collections.abc
-import json
 import os
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,18 +32,26 @@ from safetensors.numpy import save_file
 
 from draftsmith.config import save_resolved_config
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_json, sha256_file
+from draftsmith.core.fsio import (
+    RESUME_NAME,
+    atomic_dir,
+    atomic_path,
+    atomic_write_json,
+    load_resume,
+    resume_dir,
+    sha256_file,
+)
 from draftsmith.core.manifest import (
     MANIFEST_NAME,
     Manifest,
     TargetIdentity,
+    check_replaceable,
     read_manifest,
     write_manifest,
 )
 from draftsmith.core.tensorfile import TensorFile
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
-RESUME_NAME = "resume.json"
 REMEDY = "run `draftsmith prepare` again to rebuild the prepared set"
 
 
@@ -99,47 +107,10 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
 
 
-def _check_replaceable(output: Path) -> None:
-    """Only an empty directory or an earlier prepared set may be replaced: never delete a user's other files."""
-    if not output.exists():
-        return
-    if output.is_dir() and not any(output.iterdir()):
-        return
-    if output.is_dir() and (output / MANIFEST_NAME).is_file():
-        try:
-            kind = json.loads((output / MANIFEST_NAME).read_text(encoding="utf-8")).get("kind")
-        except (OSError, ValueError):
-            kind = None
-        if kind == "prepared":
-            return
-    raise DraftsmithError(f"{output}: exists and is not a prepared data set; refusing to replace it. "
-                          "Choose another --output or remove it first")
-
-
-def _resume_dir(output: Path) -> Path:
-    return output.parent / f".{output.name}.resume"
-
-
-def _load_resume(work: Path, fingerprint: str) -> dict | None:
-    """The progress record of an interrupted resumable write of the same job, if its shards are all there."""
-    try:
-        data = json.loads((work / RESUME_NAME).read_text(encoding="utf-8"))
-        if data.get("fingerprint") != fingerprint:
-            return None
-        shards = [PreparedShard.model_validate(s) for s in data["shards"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    for shard in shards:
-        file = work / shard.file
-        if not file.is_file() or file.stat().st_size != shard.num_bytes:
-            return None
-    return data
-
-
 def resume_point(output: Path, fingerprint: str) -> dict | None:
     """The caller's `checkpoint()` state saved with the last complete shard of an interrupted
     `write_prepared(output, ..., fingerprint=fingerprint)`, or None when there is nothing to resume."""
-    data = _load_resume(_resume_dir(Path(output)), fingerprint)
+    data = load_resume(resume_dir(Path(output)), fingerprint, PreparedShard)
     return data["state"] if data else None
 
 
@@ -256,15 +227,15 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
     follow them.
     """
     output = Path(output)
-    _check_replaceable(output)
+    check_replaceable(output, "prepared", "a prepared data set")
     fields = dict(output=output, chat_template_hash=chat_template_hash, max_length=max_length, skipped=skipped,
                   sources=sources, config=config, extra=extra)
     if fingerprint is None:
         with atomic_dir(output) as tmp:
             return _write_all(tmp, _ShardWriter(tmp, target, shard_samples), samples, None, **fields)
 
-    work = _resume_dir(output)
-    previous = _load_resume(work, fingerprint) if resume else None
+    work = resume_dir(output)
+    previous = load_resume(work, fingerprint, PreparedShard) if resume else None
     if resume and previous is None:
         raise DraftsmithError(f"{work}: nothing to resume for this job; run without resume")
     if previous is None:

@@ -50,7 +50,7 @@ from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.readers import Source, expand_sources
 from draftsmith.prepare.regenerate_conversations import Regenerator, Tally, read_records
 from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, Sampling
-from draftsmith.prepare.stage import _chat_template, _fingerprint
+from draftsmith.prepare.stage import chat_template_of, job_fingerprint
 
 
 def _progress(max_samples: int | None):
@@ -96,7 +96,7 @@ def run(cfg: RegenerateConfig) -> StageResult:
     target_dir = resolve_target(cfg.target)
     identity = target_identity(target_dir)
     tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
-    template = _chat_template(cfg, tokenizer, target_dir)
+    template = chat_template_of(cfg, tokenizer, target_dir)
     sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
     eos = engines.eos_token_ids(tokenizer, target_dir)
     engine_name, engine_version = engines.engine_choice(cfg)
@@ -106,7 +106,7 @@ def run(cfg: RegenerateConfig) -> StageResult:
     positions = read_config(target_dir).get("max_position_embeddings")
     max_length = min(cfg.max_length, int(positions)) if positions else cfg.max_length
     fingerprint = sha256_bytes(json.dumps({
-        "job": _fingerprint(cfg, identity, template, sources), "engine": engine_version, "dtype": dtype,
+        "job": job_fingerprint(cfg, identity, template, sources), "engine": engine_version, "dtype": dtype,
         "device": device.type, "eos": eos, "format": 1}).encode("utf-8"))
 
     regenerated_set.check_replaceable(output)

@@ -25,19 +25,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith.config import RegenerateConfig, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import atomic_write_json, atomic_write_text, sha256_file
+from draftsmith.core.fsio import (
+    RESUME_NAME,
+    atomic_write_json,
+    atomic_write_text,
+    load_resume,
+    resume_dir,
+    sha256_file,
+)
 from draftsmith.core.manifest import (
-    MANIFEST_NAME,
     Manifest,
     TargetIdentity,
     read_manifest,
-    read_manifest_json,
     write_manifest,
 )
-from draftsmith.prepare.dataset import _resume_dir
+from draftsmith.core.manifest import check_replaceable as manifest_check_replaceable
 from draftsmith.prepare.readers import Source
-
-RESUME_NAME = "resume.json"
 
 
 class RegeneratedShard(BaseModel):
@@ -130,17 +133,8 @@ def read_conversations(path: Path) -> Iterator[dict]:
 
 
 def check_replaceable(output: Path) -> None:
-    """Only an empty directory or an earlier regenerated set may be replaced: never delete a user's other files."""
-    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
-        return
-    if output.is_dir() and (output / MANIFEST_NAME).is_file():
-        try:
-            if read_manifest_json(output).get("kind") == "regenerated":
-                return
-        except DraftsmithError:
-            pass
-    raise DraftsmithError(f"{output}: exists and is not a regenerated data set; refusing to replace it. "
-                          "Choose another --output or remove it first")
+    """Only an empty directory or an earlier regenerated set may be replaced."""
+    manifest_check_replaceable(output, "regenerated", "a regenerated data set")
 
 
 def finished_set(output: Path, fingerprint: str) -> RegeneratedManifest | None:
@@ -155,27 +149,11 @@ def finished_set(output: Path, fingerprint: str) -> RegeneratedManifest | None:
 # --------------------------------------------------------------------------------------------------- writing
 
 
-def _load_resume(work: Path, fingerprint: str) -> dict | None:
-    """The progress of an interrupted run of the same job, if all its shards are there."""
-    try:
-        data = json.loads((work / RESUME_NAME).read_text(encoding="utf-8"))
-        if data.get("fingerprint") != fingerprint:
-            return None
-        shards = [RegeneratedShard.model_validate(s) for s in data["shards"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    for shard in shards:
-        file = work / shard.file
-        if not file.is_file() or file.stat().st_size != shard.num_bytes:
-            return None
-    return data
-
-
 def open_work(output: Path, fingerprint: str, resume: bool) -> tuple[Path, list[RegeneratedShard], dict | None]:
     """(the directory the set is built in, its complete shards, the tallies saved with them) for the job
     `fingerprint`: an interrupted run's when `resume` finds one, else an empty new directory."""
-    work = _resume_dir(output)
-    state = _load_resume(work, fingerprint) if resume else None
+    work = resume_dir(output)
+    state = load_resume(work, fingerprint, RegeneratedShard) if resume else None
     if state is None:
         shutil.rmtree(work, ignore_errors=True)
         try:

@@ -217,7 +217,8 @@ def _stop(pool: Any, pending: collections.deque) -> None:
     pool.join()
 
 
-def _chat_template(cfg: PrepareConfig, tokenizer: Any, target_dir: Path) -> str:
+def chat_template_of(cfg: PrepareConfig, tokenizer: Any, target_dir: Path) -> str:
+    """The chat template a job renders with: --chat-template FILE, else the target tokenizer's own."""
     if cfg.chat_template is not None:
         path = Path(cfg.chat_template)
         if not path.is_file():
@@ -249,7 +250,7 @@ def _available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _fingerprint(cfg: PrepareConfig, identity: Any, template: str, sources: list[Source]) -> str:
+def job_fingerprint(cfg: PrepareConfig, identity: Any, template: str, sources: list[Source]) -> str:
     """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
     def stamp(path: Path) -> list:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -271,13 +272,13 @@ def run(cfg: PrepareConfig) -> StageResult:
     target_dir = resolve_target(cfg.target)
     identity = target_identity(target_dir)
     tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
-    template = _chat_template(cfg, tokenizer, target_dir)
+    template = chat_template_of(cfg, tokenizer, target_dir)
     sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
     encoder = ChatEncoder(tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow)
     workers = max(1, cfg.num_workers or _available_cores())
 
     tally = _Tally()
-    fingerprint = _fingerprint(cfg, identity, template, sources)
+    fingerprint = job_fingerprint(cfg, identity, template, sources)
     state = resume_point(cfg.output, fingerprint) if cfg.resume else None
     if state:
         for key, value in state["tally"].items():
