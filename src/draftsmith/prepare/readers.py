@@ -114,6 +114,17 @@ def expand_sources(specs: list[str | Path]) -> list[Source]:
     return sources
 
 
+def records_after(sources: list[Source], skip_records: int = 0) -> Iterator[tuple[Source, Record]]:
+    """(source, record) for every record of every source, in order, past the first `skip_records` (those already
+    in the shards of an interrupted run)."""
+    seen = 0
+    for source in sources:
+        for record in iter_source(source):
+            seen += 1
+            if seen > skip_records:
+                yield source, record
+
+
 def iter_source(source: Source) -> Iterator[Record]:
     if source.format == "json":
         return _iter_json(source.path)

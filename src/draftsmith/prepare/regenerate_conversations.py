@@ -28,7 +28,7 @@ from draftsmith.prepare.chat import (
     leading_assistant_turns,
     normalize_conversation,
 )
-from draftsmith.prepare.readers import DAMAGED_TAIL, Source, iter_source
+from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE), re.DOTALL)
@@ -140,23 +140,18 @@ def read_records(sources: list[Source], skip_records: int, leading_assistant: st
     """Every record of every source, in order, as ("skip", reason, where, detail) or ("conversation", turns,
     where, leading assistant turns dropped); the first `skip_records` (already in the shards of an interrupted run)
     are read past."""
-    seen = 0
-    for source in sources:
-        for record in iter_source(source):
-            seen += 1
-            if seen <= skip_records:
-                continue
-            where = f"{source.path.name} record {record.index}"
-            if record.bad is not None:
-                yield "skip", record.bad, where, record.detail
-                continue
-            try:
-                messages = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
-                dropped = leading_assistant == "drop" and leading_assistant_turns(
-                    normalize_conversation(record.data, "keep", keep_trailing=True)) > 0
-                yield "conversation", _turns_to_answer(messages), where, dropped
-            except Skip as skip:
-                yield "skip", skip.reason, where, skip.detail
+    for source, record in records_after(sources, skip_records):
+        where = f"{source.path.name} record {record.index}"
+        if record.bad is not None:
+            yield "skip", record.bad, where, record.detail
+            continue
+        try:
+            messages = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
+            dropped = leading_assistant == "drop" and leading_assistant_turns(
+                normalize_conversation(record.data, "keep", keep_trailing=True)) > 0
+            yield "conversation", _turns_to_answer(messages), where, dropped
+        except Skip as skip:
+            yield "skip", skip.reason, where, skip.detail
 
 
 class Regenerator:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import os
@@ -48,7 +49,12 @@ from draftsmith.prepare.chat import (
     normalize_conversation,
 )
 from draftsmith.prepare.dataset import open_prepared, resume_point, write_prepared
-from draftsmith.prepare.readers import DAMAGED_TAIL, Source, expand_sources, iter_source
+from draftsmith.prepare.readers import (
+    DAMAGED_TAIL,
+    Source,
+    expand_sources,
+    records_after,
+)
 from draftsmith.prepare.vocab import coverage_report
 
 BATCH = 16            # conversations per task sent to a worker
@@ -152,33 +158,27 @@ def _batches(sources: list[Source], progress_cb, skip_records: int = 0,
     from every source, in order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
     past."""
     batch: list[tuple] = []
-    done_bytes = 0
-    seen = 0
-    for source in sources:
-        for record in iter_source(source):
-            seen += 1
-            if seen <= skip_records:
-                continue
-            where = (str(source.path), record.index)
-            dropped = 0
-            if record.bad is not None:
-                item: Any = Skip(record.bad, record.detail)
-            else:
-                try:
-                    item = normalize_conversation(record.data, leading_assistant)
-                    if leading_assistant == "drop":
-                        dropped = leading_assistant_turns(normalize_conversation(record.data, "keep"))
-                except Skip as skip:
-                    item = skip
-            batch.append((where, item, dropped))
-            if len(batch) >= BATCH:
-                progress_cb(done_bytes + (record.offset or 0))
-                yield batch
-                batch = []
-        done_bytes += source.size
+    before = dict(zip(map(id, sources), itertools.accumulate((s.size for s in sources), initial=0)))  # bytes ahead
+    for source, record in records_after(sources, skip_records):
+        where = (str(source.path), record.index)
+        dropped = 0
+        if record.bad is not None:
+            item: Any = Skip(record.bad, record.detail)
+        else:
+            try:
+                item = normalize_conversation(record.data, leading_assistant)
+                if leading_assistant == "drop":
+                    dropped = leading_assistant_turns(normalize_conversation(record.data, "keep"))
+            except Skip as skip:
+                item = skip
+        batch.append((where, item, dropped))
+        if len(batch) >= BATCH:
+            progress_cb(before[id(source)] + (record.offset or 0))
+            yield batch
+            batch = []
     if batch:
         yield batch
-    progress_cb(done_bytes)
+    progress_cb(sum(s.size for s in sources))
 
 
 def _encoded_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int) -> Iterator[list]:
