@@ -81,6 +81,17 @@ os.register_at_fork(after_in_child=_HANDLES.clear)
 _VERIFIED: set[tuple] = set()  # (path, identity) of the files whose sha256 matched (kept across a fork)
 
 
+def sample_position(i: int, n: int, what: str) -> int:
+    """Sample `i` of a set of `n` as a position 0..n-1 (negative counts from the end, as in a list); an
+    IndexError naming `what` ("a store") otherwise."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"sample {i} out of range for {what} of {n} samples")
+    return i
+
+
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 

@@ -49,7 +49,7 @@ from draftsmith.core.manifest import (
     read_manifest,
     write_manifest,
 )
-from draftsmith.core.tensorfile import TensorFile
+from draftsmith.core.tensorfile import TensorFile, sample_position
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
 REMEDY = "run `draftsmith prepare` again to rebuild the prepared set"
@@ -309,11 +309,7 @@ class PreparedDataset(collections.abc.Sequence):
     def __getitem__(self, i: int) -> dict:  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range for a prepared set of {len(self)} samples")
+        i = sample_position(i, len(self), "a prepared set")
         k = bisect.bisect_right(self._starts, i) - 1
         file, offsets = self._files[k], self._offsets[k]
         j = i - self._starts[k]

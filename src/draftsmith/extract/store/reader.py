@@ -17,7 +17,7 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, read_manifest
-from draftsmith.core.tensorfile import TensorFile
+from draftsmith.core.tensorfile import TensorFile, sample_position
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.codec import TORCH_DTYPES, decode_hidden_states
 from draftsmith.extract.store.schema import StoreManifest, sample_ranges
@@ -98,11 +98,7 @@ class HiddenStateStore(collections.abc.Sequence):
     def __getitem__(self, i: int) -> dict:  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range for a store of {len(self)} samples")
+        i = sample_position(i, len(self), "a store")
         shard = self._shards[self._owner[i]]
         a = int(self._start[i])
         b = a + int(self.lengths[i])
