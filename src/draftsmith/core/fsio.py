@@ -165,6 +165,15 @@ def resume_dir(output: Path) -> Path:
     return output.parent / f".{output.name}.resume"
 
 
+def fresh_dir(path: Path) -> None:
+    """An empty directory at `path` (what was there is removed); one line naming it when it cannot be made."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        Path(path).mkdir(parents=True)
+    except OSError as err:
+        raise DraftsmithError(f"{path}: cannot create ({err.strerror}); choose a writable --output") from None
+
+
 def load_resume(work: Path, fingerprint: str, shard_model: Any) -> dict | None:
     """The progress record (`resume.json`: fingerprint, shards, the caller's state) of an interrupted write of the
     same job in `work`, if its shards validate as `shard_model` (a pydantic model with `file` and `num_bytes`) and

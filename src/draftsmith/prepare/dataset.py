@@ -37,6 +37,7 @@ from draftsmith.core.fsio import (
     atomic_dir,
     atomic_path,
     atomic_write_json,
+    fresh_dir,
     load_resume,
     resume_dir,
     sha256_file,
@@ -239,11 +240,7 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
     if resume and previous is None:
         raise DraftsmithError(f"{work}: nothing to resume for this job; run without resume")
     if previous is None:
-        shutil.rmtree(work, ignore_errors=True)
-        try:
-            work.mkdir(parents=True)
-        except OSError as err:
-            raise DraftsmithError(f"{work}: cannot create ({err.strerror}); choose a writable --output") from None
+        fresh_dir(work)
     writer = _ShardWriter(work, target, shard_samples,
                           shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else None,
                           num_truncated=previous["num_truncated"] if previous else 0)

@@ -29,6 +29,7 @@ from draftsmith.core.fsio import (
     RESUME_NAME,
     atomic_write_json,
     atomic_write_text,
+    fresh_dir,
     load_resume,
     resume_dir,
     sha256_file,
@@ -155,11 +156,7 @@ def open_work(output: Path, fingerprint: str, resume: bool) -> tuple[Path, list[
     work = resume_dir(output)
     state = load_resume(work, fingerprint, RegeneratedShard) if resume else None
     if state is None:
-        shutil.rmtree(work, ignore_errors=True)
-        try:
-            work.mkdir(parents=True)
-        except OSError as err:
-            raise DraftsmithError(f"{work}: cannot create ({err.strerror}); choose a writable --output") from None
+        fresh_dir(work)
         return work, [], None
     return work, [RegeneratedShard.model_validate(s) for s in state["shards"]], state["tally"]
 
