@@ -158,3 +158,15 @@ def test_evaluation_uses_vllm_exactly_when_it_is_installed(monkeypatch):
     monkeypatch.setattr(vllm_runner, "vllm_available", lambda: pytest.fail("probed vLLM after the evaluation"))
     finished = {"finished": {"evaluate": {}}, "engine": {"engine": "vllm", "why": "vLLM 0.32.0"}}
     assert quickstart._evaluation_engine("auto", finished) == ("vllm", "vLLM 0.32.0")
+
+
+def test_eta_is_not_thrown_off_by_a_quick_first_stage_and_follows_a_slow_long_one():
+    budget = quickstart.BUDGETS["small"]
+    rest = ["extract", "train", "export", "evaluate"]
+    planned = quickstart._eta(budget, {"finished": {}}, rest)
+    assert planned == sum(budget.expected_s[1:])
+    after_quick_prepare = quickstart._eta(budget, {"finished": {"prepare": {"seconds": 2.0}}}, rest)
+    assert 0.9 * planned < after_quick_prepare < planned  # a 2 s prepare (10 s expected) once said 1 min of 12
+    slow = {"prepare": {"seconds": 10.0}, "extract": {"seconds": 2.0 * budget.expected_s[1]}}
+    after_slow_extract = quickstart._eta(budget, {"finished": slow}, rest[1:])
+    assert 1.5 * sum(budget.expected_s[2:]) < after_slow_extract < 2.0 * sum(budget.expected_s[2:])

@@ -157,11 +157,18 @@ _STAGE_MODULES = {"regenerate": regenerate, "prepare": prepare, "extract": extra
                   "evaluate": evaluate}
 
 
+# Seconds of expected stage time the ETA's speed estimate leans on before any stage has run: a quick first stage
+# (prepare takes seconds) must not scale the long ones down (a 2-second prepare made "about 1 min left" of 12).
+ETA_PRIOR_S = 120.0
+
+
 def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
-    """Seconds left: the budget's expected stage times, scaled by how fast the finished stages actually ran."""
+    """Seconds left: the budget's expected stage times, scaled by how fast the finished stages ran against theirs
+    (shrunk towards 1 by ETA_PRIOR_S, so that short stages move it little and long ones a lot)."""
     expected = dict(zip(STAGES, budget.expected_s), regenerate=budget.conversations * REGENERATE_S_PER_CONVERSATION)
-    done = state["finished"]
-    scale = (sum(v["seconds"] for v in done.values()) / sum(expected[s] for s in done)) if done else 1.0
+    done = [s for s in state["finished"] if s in expected]
+    actual = sum(state["finished"][s]["seconds"] for s in done)
+    scale = (actual + ETA_PRIOR_S) / (sum(expected[s] for s in done) + ETA_PRIOR_S)
     return scale * sum(expected[s] for s in remaining)
 
 
