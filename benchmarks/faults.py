@@ -306,7 +306,7 @@ def nan_hidden_states(b: Bench) -> Outcome:
     extract.run(b.extract_cfg(out), show_progress=False)
     check(stores_equal(out, b.store), "the resumed store differs from an undisturbed one")
     return Outcome("nan-hidden-states", "extract", survived=True, lost=store_lost(out, b.num_samples),
-                   detail=message.split(";")[0][-60:])
+                   detail=message[message.index(f"sample {victim} "):].split(";")[0])
 
 
 def nan_loss(b: Bench) -> Outcome:
@@ -331,11 +331,16 @@ def nan_loss(b: Bench) -> Outcome:
     return Outcome("nan-loss", "train", survived=True, detail=message.split(";")[0])
 
 
-def _full_disk(b: Bench, name: str, stage: str, body: Callable[[Path], str]) -> Outcome:
+def _megabytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()) >> 20
+
+
+def _full_disk(b: Bench, name: str, stage: str, body: Callable[[Path], str], needs: Path) -> Outcome:
+    """`body(disk)` on a tmpfs twice the size of `needs` (an undisturbed artefact of the stage), plus 32 MiB."""
     problem = mount_problem()
     if problem:
         return Outcome(name, stage, injected=False, detail=problem)
-    with small_disk(b.work / name, 96) as disk:
+    with small_disk(b.work / name, 2 * _megabytes(needs) + 32) as disk:
         detail = body(disk)
     return Outcome(name, stage, survived=True, detail=detail)
 
@@ -365,7 +370,7 @@ def full_disk_extract(b: Bench) -> Outcome:
         lost[0] = store_lost(out, b.num_samples)
         return f"stopped with {partial} samples stored; resumed"
 
-    outcome = _full_disk(b, "full-disk-extract", "extract", body)
+    outcome = _full_disk(b, "full-disk-extract", "extract", body, b.store)
     outcome.lost = lost[0]
     return outcome
 
@@ -391,7 +396,7 @@ def full_disk_train(b: Bench) -> Outcome:
         check(runs_equal(run, b.run), "the resumed run differs from an undisturbed one")
         return f"stopped at {message.split('training stopped at ')[-1].split(';')[0]}; {len(checked)} whole; resumed"
 
-    return _full_disk(b, "full-disk-train", "train", body)
+    return _full_disk(b, "full-disk-train", "train", body, b.run)
 
 
 def full_disk_export(b: Bench) -> Outcome:
@@ -413,7 +418,7 @@ def full_disk_export(b: Bench) -> Outcome:
         load_draft(second)
         return "previous export whole, no partial directory; exported after freeing space"
 
-    return _full_disk(b, "full-disk-export", "export", body)
+    return _full_disk(b, "full-disk-export", "export", body, b.run / checkpoint.BEST_DIR)
 
 
 _TRAIN_CHILD = ("import json, sys\nfrom draftsmith.config import TrainConfig\nfrom draftsmith.train import stage\n"

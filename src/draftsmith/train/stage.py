@@ -153,7 +153,8 @@ def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
         try:
             checkpoint.save_checkpoint(r.cfg.output, manifest, weights, training, r.cfg.keep_checkpoints, best)
         except DraftsmithError as err:
-            error = f"{err} (training stopped at step {state.step}; the last good checkpoint is {last_saved})"
+            error = (f"{err} (training stopped at step {state.step}; the last good checkpoint is "
+                     f"{last_saved or 'none yet'})")
     error = distributed.broadcast_error(error, info)
     if error:
         raise DraftsmithError(error)
