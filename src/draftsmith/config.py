@@ -368,7 +368,8 @@ class QuickstartConfig(StageConfig):
     output: Path = Field(Path("runs/quickstart"), description=(
         "Run directory; each stage writes a sub-directory, and a second run continues where the first stopped."))
     budget: Literal["tiny", "small", "medium", "large"] = Field("small", description=(
-        "small: about 15 minutes on a 2-core CPU; medium and large use more data and steps (a GPU helps); "
+        "small: about 15 minutes on a 2-core CPU; medium: about 80 minutes there (8.7x the tokens); large: the "
+        "whole embedded ShareGPT, for a GPU; "
         "tiny: a few-minute smoke test of the whole path."))
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")

@@ -71,9 +71,14 @@ BUDGETS: dict[str, Budget] = {
     "small": Budget(conversations=120, max_length=512, epochs=2, max_steps=None, token_budget=1024, ttt_steps=3,
                     draft_vocab_size=8192, lr=2e-3, num_prompts=5, max_new_tokens=64, k=(5,),
                     expected_s=(10, 190, 320, 1, 270)),
-    "medium": Budget(conversations=6000, max_length=2048, epochs=3, max_steps=None, token_budget=8192, ttt_steps=5,
-                     draft_vocab_size=32000, lr=5e-4, num_prompts=40, max_new_tokens=192, k=(1, 2, 3, 4, 5),
-                     expected_s=(120, 900, 3600, 10, 600)),
+    # About 80 minutes on the same CPU, from the rates measured there (docs/benchmarks.md, "Quickstart"): 600
+    # conversations up to 1,024 tokens are 464k tokens, ~26 min to extract at ~300 tok/s; two epochs at ~340 tok/s
+    # ~45 min; 20 MT-bench prompts x 128 tokens ~10 min. The small budget's shapes, 8.7x its tokens.
+    "medium": Budget(conversations=600, max_length=1024, epochs=2, max_steps=None, token_budget=2048, ttt_steps=3,
+                     draft_vocab_size=8192, lr=1e-3, num_prompts=20, max_new_tokens=128, k=(5,),
+                     expected_s=(15, 1550, 2750, 2, 600)),
+    # For a GPU: the whole embedded ShareGPT (~13M tokens at 2,048), 7 TTT steps, a 32k draft vocabulary. Its
+    # expected times are a guess for one GPU, not measured yet (no GPU has been lent); on a 2-core CPU it takes days.
     "large": Budget(conversations=17000, max_length=2048, epochs=5, max_steps=None, token_budget=16384, ttt_steps=7,
                     draft_vocab_size=32000, lr=3e-4, num_prompts=80, max_new_tokens=256, k=(1, 2, 3, 4, 5),
                     expected_s=(300, 2400, 14400, 10, 1200)),
