@@ -96,3 +96,28 @@ def test_vllm_engine_killed_mid_extraction_is_one_line_and_resumes(default_targe
     outcome = faults.run_fault(bench, "kill-vllm-engine")
     assert outcome.injected and outcome.survived, outcome.detail
     assert outcome.lost == 0 and not outcome.traceback, outcome
+
+
+def test_a_file_is_hashed_on_its_first_data_read_only(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from draftsmith.core import tensorfile
+    from draftsmith.core.fsio import sha256_file
+
+    path = tmp_path / "f.safetensors"
+    save_file({"index": torch.arange(4), "data": torch.ones(64, 8)}, str(path))
+    digest, hashed = sha256_file(path), []
+    monkeypatch.setattr(tensorfile, "sha256_file", lambda p: hashed.append(p) or sha256_file(p))
+    file = tensorfile.TensorFile(path, "rebuild it", sha256=digest)
+    file.read("index", verify=False)  # an index read while opening does not wait for the hash
+    assert hashed == []
+    for a in range(0, 64, 8):
+        file.rows("data", a, a + 8)
+    file.close()
+    file.rows("data", 0, 1)  # opened again in this process: already checked
+    assert hashed == [path]
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(DraftsmithError, match=rf"^{path}: sha256 does not match the manifest .*; rebuild it$"):
+        tensorfile.TensorFile(path, "rebuild it", sha256=digest).view("data")
