@@ -109,6 +109,12 @@ def test_evaluate_hf_writes_report_and_charts(exported, prompt_file, tmp_path):
     md = (out / REPORT_MD).read_text()
     assert "| k | τ |" in md and ACCEPTANCE_PNG in md
     assert result.summary["k=3 τ"] == round(report["runs"][1]["tau"], 3)
+    for run in report["runs"]:  # τ per prompt, and its interval over them around the whole run's τ
+        assert len(run["per_prompt"]) == 3 and sum(r for r, _ in run["per_prompt"]) == run["num_rounds"]
+        assert sum(a for _, a in run["per_prompt"]) == run["num_accepted"]
+        low, high = run["tau_95"]
+        assert 1.0 <= low <= run["tau"] <= high <= 1 + run["k"]
+    assert "τ 95 % interval" in md
     assert (out / "config.yaml").is_file()
 
 
@@ -168,3 +174,19 @@ def test_vllm_counters_become_decode_stats():
     stats = stats_from_vllm({"spec": spec, "outputs": [[1] * 20, [2] * 5], "elapsed_s": 5.0}, 3, 2)
     assert stats.tau == 2.5 and stats.acceptance_per_pos == [0.8, 0.5, 0.2]
     assert stats.num_new_tokens == 25 and stats.tokens_per_s == 5.0
+
+
+def test_tau_interval_over_prompts():
+    """The bootstrap interval: none for one prompt, tight for prompts that agree, wide for prompts that differ."""
+    from draftsmith.evaluate.specdec import DecodeStats
+
+    one = DecodeStats(k=3, num_prompts=1, num_rounds=10, num_accepted=5)
+    assert one.tau_interval() is None
+    alike, mixed = DecodeStats(k=3), DecodeStats(k=3)
+    for i in range(20):
+        alike.add(DecodeStats(k=3, num_prompts=1, num_rounds=10, num_accepted=5))
+        mixed.add(DecodeStats(k=3, num_prompts=1, num_rounds=10, num_accepted=0 if i % 2 else 10))
+    assert alike.tau == mixed.tau == 1.5 and len(alike.per_prompt) == 20
+    assert alike.tau_interval() == (1.5, 1.5)
+    low, high = mixed.tau_interval()
+    assert 1.2 < low < 1.5 < high < 1.8

@@ -83,3 +83,6 @@ def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trai
     assert hf_report["runs"][0]["num_accepted"] > 0 and run["num_accepted"] > 0  # both engines accept tokens
     assert abs(tau_vllm - tau_hf) / tau_hf <= 0.05, (tau_hf, tau_vllm)
     assert hf.summary["k=3 τ"] and vl.summary["k=3 τ"]
+    # vLLM's per-request counters add up to its engine counters, and give τ an interval over the 4 prompts
+    assert [sum(c) for c in zip(*run["per_prompt"])] == [run["num_rounds"], run["num_accepted"]]
+    assert run["tau_95"][0] <= run["tau"] <= run["tau_95"][1]

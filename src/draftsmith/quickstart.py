@@ -233,7 +233,8 @@ def tau_lines(runs: list[dict[str, Any]]) -> dict[str, str]:
             continue
         speed = f", speed-up {r['speedup']:.2f}x" if r.get("speedup") else ""
         per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
-        lines[f"k={k}"] = f"τ {r['tau']:.2f}{speed}; acceptance per position {per_pos}"
+        interval = f" (95 % over prompts {r['tau_95'][0]:.2f}..{r['tau_95'][1]:.2f})" if r.get("tau_95") else ""
+        lines[f"k={k}"] = f"τ {r['tau']:.2f}{interval}{speed}; acceptance per position {per_pos}"
     return lines
 
 

@@ -93,15 +93,18 @@ def markdown(report: dict[str, Any]) -> str:
     if base:
         lines.append(f"- target alone: {base['tokens_per_s']:.1f} tokens/s ({base['num_new_tokens']} tokens in "
                      f"{base['elapsed_s']:.1f} s)")
-    lines += ["", "| k | τ | acceptance per position | tokens/s | speed-up | rounds |", "|---|---|---|---|---|---|"]
+    lines += ["", "| k | τ | τ 95 % interval (over prompts) | acceptance per position | tokens/s | speed-up | rounds |",
+              "|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         per_pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
         speedup = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "–"
-        lines.append(f"| {r['k']} | {r['tau']:.3f} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
+        interval = f"{r['tau_95'][0]:.3f} – {r['tau_95'][1]:.3f}" if r.get("tau_95") else "–"
+        lines.append(f"| {r['k']} | {r['tau']:.3f} | {interval} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
                      f"{r['num_rounds']} |")
     if report.get("lossless") is not None:
         lines += ["", f"Greedy outputs identical to the target alone: {report['lossless']}"]
-    lines += ["", "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length).", "",
+    lines += ["", "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length); its interval is a "
+              "bootstrap over the prompts (2,000 resamples).", "",
               f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
     return "\n".join(lines)
 

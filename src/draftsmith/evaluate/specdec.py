@@ -48,6 +48,8 @@ class DecodeStats:
     num_draft_tokens: int = 0
     num_accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # (rounds, accepted draft tokens) of each prompt, in order, where the engine reports them per prompt
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.accepted_per_pos) < self.k:
@@ -66,7 +68,22 @@ class DecodeStats:
     def tokens_per_s(self) -> float:
         return self.num_new_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    def tau_interval(self, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+        """A `level` bootstrap interval of τ over the prompts (resampled with replacement, τ of each resample as
+        the whole run's: total accepted over total rounds); None with fewer than two prompts' counts."""
+        if len(self.per_prompt) < 2:
+            return None
+        counts = torch.tensor(self.per_prompt, dtype=torch.float64)
+        picks = torch.randint(len(counts), (resamples, len(counts)), generator=torch.Generator().manual_seed(seed))
+        rounds, accepted = counts[picks].sum(dim=1).unbind(-1)
+        taus = (1.0 + accepted / rounds.clamp(min=1)).sort().values
+        tail = (1.0 - level) / 2
+        return float(taus[int(tail * (resamples - 1))]), float(taus[int((1 - tail) * (resamples - 1))])
+
     def add(self, other: "DecodeStats") -> None:
+        """Count another run in; a one-prompt run without per-prompt counts is one prompt."""
+        self.per_prompt += other.per_prompt or ([(other.num_rounds, other.num_accepted)]
+                                                if other.num_prompts <= 1 and other.num_rounds else [])
         self.num_prompts += other.num_prompts
         self.num_new_tokens += other.num_new_tokens
         self.elapsed_s += other.elapsed_s
@@ -76,8 +93,9 @@ class DecodeStats:
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]
 
     def to_dict(self) -> dict:
+        interval = self.tau_interval()
         return {**asdict(self), "tau": self.tau, "acceptance_per_pos": self.acceptance_per_pos,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s, "tau_95": list(interval) if interval else None}
 
 
 # ---------------------------------------------------------------------------------------------- target side

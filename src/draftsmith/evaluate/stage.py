@@ -172,6 +172,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
         summary["target alone tokens/s"] = round(report["baseline"]["tokens_per_s"], 2)
     for r in report["runs"]:
         summary[f"k={r['k']} τ"] = round(r["tau"], 3)
+        if r.get("tau_95"):
+            summary[f"k={r['k']} τ 95 % interval"] = f"{r['tau_95'][0]:.3f} .. {r['tau_95'][1]:.3f} (over prompts)"
         summary[f"k={r['k']} acceptance/pos"] = [round(a, 3) for a in r["acceptance_per_pos"]]
         if r.get("speedup") is not None:
             summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)

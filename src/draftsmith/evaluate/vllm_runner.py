@@ -71,4 +71,4 @@ def stats_from_vllm(result: dict, k: int, num_prompts: int) -> DecodeStats:
         k=k, num_prompts=num_prompts, num_new_tokens=sum(len(o) for o in result["outputs"]),
         elapsed_s=float(result["elapsed_s"]), num_rounds=int(spec["num_drafts"]),
         num_draft_tokens=int(spec["num_draft_tokens"]), num_accepted=int(spec["num_accepted_tokens"]),
-        accepted_per_pos=per_pos)
+        accepted_per_pos=per_pos, per_prompt=[tuple(c) for c in result.get("per_prompt") or []])

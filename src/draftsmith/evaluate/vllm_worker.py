@@ -18,6 +18,7 @@ backend).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -85,7 +86,16 @@ def engine_kwargs(request: dict) -> dict[str, Any]:
     if request.get("draft"):
         kwargs["speculative_config"] = {"method": "eagle3", "model": request["draft"],
                                         "num_speculative_tokens": request["k"]}
+        if "per_request_spec_decode_metrics" in _engine_fields():  # τ per prompt, for its interval over prompts
+            kwargs["per_request_spec_decode_metrics"] = "summary"
     return kwargs
+
+
+def _engine_fields() -> set[str]:
+    """The options vllm.EngineArgs takes in the installed vLLM."""
+    import vllm
+
+    return {f.name for f in dataclasses.fields(vllm.EngineArgs)}
 
 
 def run(request: dict) -> dict:
@@ -116,9 +126,23 @@ def run(request: dict) -> dict:
         elapsed = time.perf_counter() - start
         after = read_spec_metrics(llm)
         return {"vllm_version": vllm.__version__, "elapsed_s": elapsed,
-                "outputs": [list(o.outputs[0].token_ids) for o in outputs], "spec": _delta(after, before)}
+                "outputs": [list(o.outputs[0].token_ids) for o in outputs], "spec": _delta(after, before),
+                "per_prompt": _per_prompt_counts(outputs)}
     finally:
         _shutdown(llm)
+
+
+def _per_prompt_counts(outputs: list) -> list[list[int]] | None:
+    """[rounds, accepted draft tokens] of each prompt, from the per-request metrics vLLM keeps when asked
+    (`per_request_spec_decode_metrics`); None when it kept none (the baseline, or a vLLM without them)."""
+    counts = []
+    for out in outputs:
+        metrics = getattr(out.outputs[0], "spec_decode_metrics", None)
+        if metrics is None:
+            return None
+        histogram = list(metrics.histogram)
+        counts.append([sum(histogram), sum(j * n for j, n in enumerate(histogram))])
+    return counts
 
 
 def _shutdown(llm) -> None:
