@@ -70,7 +70,7 @@ BUDGETS: dict[str, Budget] = {
     # about a minute on such a CPU; docs/benchmarks.md has the measured runs: 13 min).
     "small": Budget(conversations=120, max_length=512, epochs=2, max_steps=None, token_budget=1024, ttt_steps=3,
                     draft_vocab_size=8192, lr=2e-3, num_prompts=5, max_new_tokens=64, k=(5,),
-                    expected_s=(10, 190, 320, 1, 270)),
+                    expected_s=(10, 190, 320, 1, 120)),
     # About 80 minutes on the same CPU, from the rates measured there (docs/benchmarks.md, "Quickstart"): 600
     # conversations up to 1,024 tokens are 464k tokens, ~26 min to extract at ~300 tok/s; two epochs at ~340 tok/s
     # ~45 min; 20 MT-bench prompts x 128 tokens ~10 min. The small budget's shapes, 8.7x its tokens.
