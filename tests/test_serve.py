@@ -295,3 +295,26 @@ def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, d
             except ProcessLookupError:
                 pass
         proc.wait()
+
+
+def test_the_target_gets_the_flags_its_engines_need(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+    """A multimodal wrapper starts language-model-only and an MLA target in float32 on a CPU gets the CPU MLA
+    backend, as extraction and evaluation start them; --vllm-args still come last and can override them."""
+    pytest.importorskip("vllm")
+    draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
+    seen = {}
+    monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: seen.update(argv=command) or 0)
+    serve.run(ServeConfig(draft=draft))
+    assert "--language-model-only" not in seen["argv"] and "--attention-backend" not in seen["argv"]  # a Llama
+    asked = {}
+
+    def engine_kwargs(facts, *, mla, multimodal, dtype):
+        asked.update(mla=mla, multimodal=multimodal, dtype=dtype)
+        return {"language_model_only": True, "attention_backend": "CPU_MLA"}
+
+    monkeypatch.setattr(serve, "target_engine_kwargs", engine_kwargs)
+    serve.run(ServeConfig(draft=draft, dtype="float32", vllm_args="--max-num-seqs 2"))
+    argv = seen["argv"]
+    assert asked == {"mla": False, "multimodal": False, "dtype": "float32"}
+    assert "--language-model-only" in argv and argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
+    assert argv.index("--attention-backend") < argv.index("--max-num-seqs")

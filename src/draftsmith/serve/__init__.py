@@ -39,7 +39,9 @@ from rich.console import Console
 from draftsmith.config import ServeConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
+from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export import read_export_manifest, vllm_loadable
+from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
 from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_target
 
 __all__ = ["run", "vllm_serve_args"]
@@ -74,7 +76,8 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k) as draft_dir:
         console.print(f"serving {draft} (k={k}) with {target_path.name} at {url} once vLLM has started; "
                       "Ctrl-C stops it", highlight=False, soft_wrap=True)
-        status = serve_until_stopped([*SERVER, *vllm_serve_args(cfg, target_path, draft_dir, k)], env)
+        argv = vllm_serve_args(cfg, target_path, draft_dir, k, target_flags(target_path, cfg.dtype))
+        status = serve_until_stopped([*SERVER, *argv], env)
     if status not in (None, 0):
         raise DraftsmithError(f"vLLM's server exited with status {status}; its messages are above")
     return StageResult(stage="serve", output=draft, summary={
@@ -89,12 +92,29 @@ def _vllm_draft_dir(draft: Path, source: DraftSource, identity: TargetIdentity, 
         yield vllm_loadable(draft, source, identity, Path(tmp) / "draft", speculative_tokens=k)
 
 
-def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int) -> list[str]:
-    """The `vllm serve` arguments for this config (--vllm-args last, so they can override the rest; the API key
-    goes to vLLM in VLLM_API_KEY)."""
+def target_flags(target_path: Path, dtype: str) -> list[str]:
+    """The `vllm serve` flags this target needs in the installed vLLM, as extraction and evaluation start it
+    (probe.target_engine_kwargs): a multimodal wrapper such as Kimi-K2.5 --language-model-only (no vision tower),
+    an MLA target in float32 on a CPU --attention-backend CPU_MLA."""
+    config = read_config(target_path)
+    facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
+                  resolve_config=False).facts
+    kwargs = target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
+                                  multimodal=is_multimodal_wrapper(config), dtype=dtype)
+    flags: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
+
+
+def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int,
+                    flags: list[str] = ()) -> list[str]:
+    """The `vllm serve` arguments for this config (the target's own flags, then --vllm-args last, so they can
+    override the rest; the API key goes to vLLM in VLLM_API_KEY)."""
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     argv = [str(target_path), "--speculative-config", json.dumps(spec), "--host", cfg.host, "--port", str(cfg.port),
-            "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+            "--tensor-parallel-size", str(cfg.tensor_parallel_size), *flags]
     if cfg.dtype != "auto":
         argv += ["--dtype", cfg.dtype]
     if cfg.max_model_len is not None:
