@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 _GRAD_SCRIPT = textwrap.dedent('''
-    import sys, torch
+    import gc, sys, torch
     from draftsmith.config import TrainConfig
     from draftsmith.train import distributed, stage as trainer
     from draftsmith.train.ttt import TTTModel, step_counts
@@ -43,6 +43,11 @@ _GRAD_SCRIPT = textwrap.dedent('''
             grads[name.replace("module.", "").replace("draft.", "")] = g.detach().clone()
     if info.rank == 0:
         torch.save(grads, sys.argv[2])
+    # Release the wrapped model (DDP's reducer, FSDP's state) before the process group goes, as the trainer does by
+    # returning from train(): a global one is freed at interpreter exit, after the group, and gloo then aborts
+    # ("terminate called without an active exception") now and then.
+    del model, draft, grads, batches, mine
+    gc.collect()
     distributed.shutdown(info)
 ''')
 

@@ -13,6 +13,7 @@ One process (no torchrun) is world size 1 and every helper here is then a no-op.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 
@@ -167,7 +168,9 @@ def broadcast_error(message: str | None, info: DistInfo) -> str | None:
 
 def shutdown(info: DistInfo) -> None:
     """Leave the process group together: a rank that tears gloo down while another is still in a collective's
-    tail aborts ("terminate called without an active exception"), so every rank waits at a barrier first."""
+    tail aborts ("terminate called without an active exception"), so every rank waits at a barrier first; what
+    still holds gloo work (a wrapped model in a reference cycle) is collected before the group goes."""
     if info.enabled and dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
