@@ -6,6 +6,7 @@ template, built from a config in a second, so unit tests exercise the same code 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -76,6 +77,17 @@ def default_target_dir() -> Path:
     from draftsmith.core import assets
 
     return assets.default_target_dir()
+
+
+@pytest.fixture(scope="session")
+def trained_run(default_target_dir) -> Path:
+    """A small draft for the default target that benchmarks/specdec.py trains once per machine (120 ShareGPT
+    conversations, 30 online steps, cached under $DRAFTSMITH_CACHE/bench/): a training run directory."""
+    spec = importlib.util.spec_from_file_location("bench_specdec", Path(__file__).parents[1] / "benchmarks" /
+                                                  "specdec.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.quick_trained_draft()
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,7 @@ steps, cached under $DRAFTSMITH_CACHE/bench/): a few minutes the first time, the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,15 +25,6 @@ from draftsmith.evaluate.specdec import (
 from draftsmith.train.drafts import load_draft
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def trained_run(default_target_dir) -> Path:
-    spec = importlib.util.spec_from_file_location("bench_specdec", ROOT / "benchmarks" / "specdec.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.quick_trained_draft()
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from draftsmith.evaluate.specdec import DraftRunner
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import ttt_hidden_states
 
-ROOT = Path(__file__).resolve().parents[1]
 TTT_STEPS = 4
 
 
@@ -66,14 +63,6 @@ def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
-
-
-@pytest.fixture(scope="module")
-def trained_run(default_target_dir) -> Path:
-    spec = importlib.util.spec_from_file_location("bench_specdec", ROOT / "benchmarks" / "specdec.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.quick_trained_draft()
 
 
 # Tolerance: vLLM's CPU kernels and transformers' round differently in float32, so now and then the target's greedy

@@ -9,7 +9,6 @@ to a vLLM export.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -35,7 +34,6 @@ from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
 from draftsmith.train.drafts import DraftSource, load_draft
 from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
-ROOT = Path(__file__).resolve().parents[1]
 AUX = [1, 2, 4]
 
 
@@ -225,17 +223,14 @@ def _spec_counters(metrics_text: str) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, default_target_dir):
+def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, default_target_dir, trained_run):
     psutil = pytest.importorskip("psutil")
     openai = pytest.importorskip("openai")
     pytest.importorskip("vllm")
     from draftsmith.evaluate.prompts import render
     from draftsmith.evaluate.specdec import TargetRunner, plain_generate
 
-    spec = importlib.util.spec_from_file_location("bench_specdec", ROOT / "benchmarks" / "specdec.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    draft = bench.quick_trained_draft()  # a training checkpoint for the default target
+    draft = trained_run  # a training checkpoint for the default target
 
     port, key = _free_port(), "test-key"
     tmp = tmp_path / "tmp"  # the server's temporary directory: its vLLM export of the checkpoint goes here
