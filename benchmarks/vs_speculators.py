@@ -22,8 +22,8 @@ What it does:
  4. Held-out step-0..2 accuracy of both final drafts on the same held-out samples, by one evaluator and one
     definition (peers/speculators_eval.py: draftsmith's definition, both drafts run by speculators' model code;
     draftsmith's draft via `export --format speculators`); each trainer's own held-out numbers are kept beside.
- 5. τ in vLLM (k = 3, temperature 0, MT-bench first turns; peers/vllm_tau.py, the measurement `draftsmith evaluate
-    --engine vllm` makes): draftsmith's `export --format vllm` directory and speculators' own checkpoint directory.
+ 5. τ in vLLM (k = 3, temperature 0, MT-bench first turns; draftsmith.evaluate.vllm_runner, the measurement
+    `draftsmith evaluate --engine vllm` makes): draftsmith's `export --format vllm` directory and speculators' own checkpoint directory.
  6. --profile: each trainer again for 8 steps with peers/profile_hook.py (phase times and a torch profiler table).
 
 Last line: JSON with tokens_per_s_ours, tokens_per_s_peer, ratio (ours / peer), acc_ours, acc_peer (step 0..2),
@@ -338,20 +338,21 @@ def draftsmith_source() -> dict:
 
 
 def vllm_tau(draft: Path, target: str, prompts: list[list[int]], args, work: Path, name: str) -> dict:
-    request = {"target": target, "draft": str(draft), "k": args.k, "prompts": prompts,
-               "max_new_tokens": args.max_new_tokens, "dtype": "float32", "seed": 0,
-               "max_model_len": max(map(len, prompts)) + args.max_new_tokens + args.k + 8,
-               "max_num_seqs": args.vllm_max_num_seqs, "result": str(work / f"vllm-{name}.result.json")}
-    req = work / f"vllm-{name}.request.json"
-    req.write_text(json.dumps(request))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_cache_gb))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    """τ of one EAGLE-3 draft directory in vLLM, measured as `draftsmith evaluate --engine vllm` measures it (its
+    worker process, vLLM's own spec-decode counters over the timed call)."""
+    from draftsmith.evaluate.vllm_runner import run_vllm, stats_from_vllm
+
     t0 = time.perf_counter()
-    run([sys.executable, str(PEERS / "vllm_tau.py"), str(req)], log_file=work / f"vllm-{name}.log", env=env,
-        timeout=args.vllm_timeout_s)
-    result = json.loads(Path(request["result"]).read_text())
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    return result
+    result = run_vllm(target=Path(target), draft=draft, prompts=prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                      temperature=0.0, seed=0, dtype="float32",
+                      max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 8,
+                      kv_cache_gb=args.vllm_kv_cache_gb, timeout_s=args.vllm_timeout_s, workdir=work,
+                      name=f"vllm-{name}", max_num_seqs=args.vllm_max_num_seqs)
+    stats = stats_from_vllm(result, args.k, len(prompts))
+    return {"tau": stats.tau, "drafts": stats.num_rounds, "accepted": stats.num_accepted,
+            "acceptance_per_pos": stats.acceptance_per_pos, "new_tokens": stats.num_new_tokens,
+            "elapsed_s": stats.elapsed_s, "tokens_per_s": stats.tokens_per_s, "outputs": result["outputs"],
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def profile_both(args, py: Path, store: Path, peer_data: Path, target: str, n_train: int, n: int, work: Path) -> dict:
