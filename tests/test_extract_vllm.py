@@ -294,7 +294,7 @@ def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
     monkeypatch.setattr(driver.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     env = driver.engine_environment(spec)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3" and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    with driver._environment(env):
+    with driver.environment(env):
         assert driver.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in driver.os.environ  # nothing left behind for the next engine
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own binding wins

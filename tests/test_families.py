@@ -49,6 +49,7 @@ from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainC
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import store
+from draftsmith.extract.vllm import driver
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -123,21 +124,8 @@ def in_process_vllm(on: bool = True):
     env = ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
            if on else {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "VLLM_CPU_OMP_THREADS_BIND": None,
                        "VLLM_CPU_KVCACHE_SPACE": "1"})
-    saved = {k: os.environ.get(k) for k in env}
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        with _kernel_scan_safe() if on else contextlib.nullcontext():
-            yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with driver.environment(env), _kernel_scan_safe() if on else contextlib.nullcontext():
+        yield
 
 
 class Matrix:

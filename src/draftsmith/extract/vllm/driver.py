@@ -150,18 +150,23 @@ def engine_environment(spec: EngineSpec) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]):
-    """`env` on top of os.environ while vLLM starts (it spawns its processes then), the old values after."""
+def environment(env: dict[str, str | None]):
+    """`env` on top of os.environ (None: unset) while vLLM starts (it spawns its processes then), the old values
+    after."""
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
+
+    def apply(values: dict[str, str | None]) -> None:
+        for key, value in values.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+    apply(env)
+    try:
+        yield
+    finally:
+        apply(saved)
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -212,7 +217,7 @@ class Engine:
         start = time.perf_counter()
         before = engine_processes()
         try:
-            with _environment(engine_environment(spec)):
+            with environment(engine_environment(spec)):
                 if hasattr(envs, "disable_envs_cache"):  # an earlier engine here froze vLLM's view of os.environ
                     envs.disable_envs_cache()
                 self.llm = LLM(**engine_kwargs(spec))
