@@ -18,7 +18,6 @@ backend).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -86,16 +85,9 @@ def engine_kwargs(request: dict) -> dict[str, Any]:
     if request.get("draft"):
         kwargs["speculative_config"] = {"method": "eagle3", "model": request["draft"],
                                         "num_speculative_tokens": request["k"]}
-        if "per_request_spec_decode_metrics" in _engine_fields():  # τ per prompt, for its interval over prompts
+        if facts.per_request_spec_metrics:  # τ per prompt, for its interval over prompts
             kwargs["per_request_spec_decode_metrics"] = "summary"
     return kwargs
-
-
-def _engine_fields() -> set[str]:
-    """The options vllm.EngineArgs takes in the installed vLLM."""
-    import vllm
-
-    return {f.name for f in dataclasses.fields(vllm.EngineArgs)}
 
 
 def run(request: dict) -> dict:

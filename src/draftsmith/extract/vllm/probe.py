@@ -89,6 +89,7 @@ class ProbeFacts(BaseModel):
     runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (direct hooks the V1 runner)
     language_model_only: bool = False  # EngineArgs.language_model_only: a multimodal wrapper runs without its towers
     cpu_mla_backend: str | None = None  # the attention backend that runs MLA in float32 on CPU ("CPU_MLA")
+    per_request_spec_metrics: bool = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
 
 
 class ProbeReport(BaseModel):
@@ -340,6 +341,7 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
     engine_args = getattr(_try(importer, "vllm.engine.arg_utils"), "EngineArgs", None)
     engine_fields = _fields(engine_args) if engine_args is not None else {}
     facts.language_model_only = "language_model_only" in engine_fields
+    facts.per_request_spec_metrics = "per_request_spec_decode_metrics" in engine_fields
     backends = getattr(_try(importer, "vllm.v1.attention.backends.registry"), "AttentionBackendEnum", None)
     facts.cpu_mla_backend = ("CPU_MLA" if backends is not None and "CPU_MLA" in getattr(backends, "__members__", {})
                              and "attention_backend" in engine_fields else None)
