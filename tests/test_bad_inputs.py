@@ -34,7 +34,7 @@ def _jsonl(*records: object) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in records).encode()
 
 
-def _one_line_error(result, *needles: str) -> str:
+def assert_one_line_error(result, *needles: str) -> str:
     """The command failed with exit code 1 and exactly one `error:` line holding every needle."""
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit), repr(result.exception)  # a DraftsmithError, not a crash
@@ -109,29 +109,29 @@ def test_a_malformed_file_is_one_line_naming_file_record_and_reason(tmp_path, ti
     path = tmp_path / "in" / name
     path.parent.mkdir()
     path.write_bytes(contents(tmp_path) if callable(contents) else contents)
-    line = _one_line_error(_prepare(tmp_path, tiny_target_dir, path), f"{path}: ", *needles)
+    line = assert_one_line_error(_prepare(tmp_path, tiny_target_dir, path), f"{path}: ", *needles)
     assert str(tmp_path / "out") not in line  # the input is named, not the output directory
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_paths_and_empty_directories_are_one_line(tmp_path, tiny_target_dir):
-    _one_line_error(_prepare(tmp_path, tiny_target_dir, tmp_path / "nope.json"),
+    assert_one_line_error(_prepare(tmp_path, tiny_target_dir, tmp_path / "nope.json"),
                     f"{tmp_path / 'nope.json'}: input file does not exist")
-    _one_line_error(_prepare(tmp_path, tiny_target_dir, f"{tmp_path}/nothing-*.jsonl"),
+    assert_one_line_error(_prepare(tmp_path, tiny_target_dir, f"{tmp_path}/nothing-*.jsonl"),
                     f"{tmp_path}/nothing-*.jsonl: no file matches this pattern")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("not data")
-    _one_line_error(_prepare(tmp_path, tiny_target_dir, tmp_path / "empty"),
+    assert_one_line_error(_prepare(tmp_path, tiny_target_dir, tmp_path / "empty"),
                     f"{tmp_path / 'empty'}: no .json / .jsonl / .parquet / .arrow files")
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     (mixed / "a.jsonl").write_bytes(_jsonl(_conv()))
     (mixed / "b.parquet").write_bytes(_parquet_bytes(pa.table({"text": ["a"]}), tmp_path))
-    _one_line_error(_prepare(tmp_path, tiny_target_dir, mixed), f"{mixed}: directory mixes formats")
+    assert_one_line_error(_prepare(tmp_path, tiny_target_dir, mixed), f"{mixed}: directory mixes formats")
 
 
 def test_a_prepared_set_given_as_conversations_is_named(tmp_path, tiny_target_dir, prepared_dir):
-    _one_line_error(_prepare(tmp_path, tiny_target_dir, prepared_dir),
+    assert_one_line_error(_prepare(tmp_path, tiny_target_dir, prepared_dir),
                     f"{prepared_dir}: is a draftsmith 'prepared' artefact, not conversations")
 
 
@@ -140,7 +140,7 @@ def test_several_useless_files_are_each_named_with_their_counts(tmp_path, tiny_t
     a.write_bytes(_jsonl(*[_msgs(("user", "hi"))] * 3))
     b.write_text(json.dumps([{"foo": 1}]))
     c.write_text("[]")
-    line = _one_line_error(_prepare(tmp_path, tiny_target_dir, a, b, c), "no usable conversation in 3 input files",
+    line = assert_one_line_error(_prepare(tmp_path, tiny_target_dir, a, b, c), "no usable conversation in 3 input files",
                            f"{a}: 0 of 3 records usable: no assistant turn 3",
                            f"{b}: 0 of 1 records usable: no conversations 1", f"{c}: holds no records")
     assert str(tmp_path / "out") not in line
@@ -211,17 +211,17 @@ def test_a_broken_config_file_is_one_line_naming_file_and_key(tmp_path, command,
     path = tmp_path / "options.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     result = runner.invoke(app, [command, "--config", str(path), "--output", str(tmp_path / "out")])
-    _one_line_error(result, f"{path}: ", expected[command])
+    assert_one_line_error(result, f"{path}: ", expected[command])
 
 
 @pytest.mark.parametrize("command", ["prepare", "train"])
 def test_a_missing_or_directory_config_and_a_wrong_flag_beside_a_good_file(tmp_path, command):
-    _one_line_error(runner.invoke(app, [command, "--config", str(tmp_path / "none.yaml")]),
+    assert_one_line_error(runner.invoke(app, [command, "--config", str(tmp_path / "none.yaml")]),
                     f"{tmp_path / 'none.yaml'}: config file does not exist")
-    _one_line_error(runner.invoke(app, [command, "--config", str(tmp_path)]), f"{tmp_path}: is a directory")
+    assert_one_line_error(runner.invoke(app, [command, "--config", str(tmp_path)]), f"{tmp_path}: is a directory")
     good = tmp_path / "good.yaml"
     good.write_text("seed: 3\n")
-    line = _one_line_error(runner.invoke(app, [command, "--config", str(good), "--max-samples", "0"]),
+    line = assert_one_line_error(runner.invoke(app, [command, "--config", str(good), "--max-samples", "0"]),
                            "option --max-samples: Input should be greater than or equal to 1")
     assert str(good) not in line  # the flag is wrong, not the file
 
@@ -307,5 +307,5 @@ def test_the_wrong_input_to_a_stage_is_one_line_naming_path_and_reason(tmp_path,
         args += ["--target", str(tiny_target_dir)]
     in_manifest = kind == "bad manifest" or "Field required" in reasons[kind]  # the manifest itself is named
     path = wrong[kind] / "manifest.json" if in_manifest else wrong[kind]
-    _one_line_error(runner.invoke(app, args), f"{path}: ", reasons[kind])
+    assert_one_line_error(runner.invoke(app, args), f"{path}: ", reasons[kind])
     assert not (tmp_path / "out").exists()

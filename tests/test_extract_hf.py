@@ -323,7 +323,7 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
         return children[-1]
 
     try:
-        _kill_and_resume(start, tmp_path, prepared)
+        assert_kill_and_resume_equals_a_plain_run(start, tmp_path, prepared)
     finally:
         for child in children:  # a failed check leaves no child waiting to be killed
             if child.poll() is None:
@@ -331,7 +331,7 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
                 child.wait()
 
 
-def _kill_and_resume(start, tmp_path: Path, prepared: Path) -> None:
+def assert_kill_and_resume_equals_a_plain_run(start, tmp_path: Path, prepared: Path) -> None:
     rng = random.Random(1234)
     out = tmp_path / "s"
     partial_after_kill = []
