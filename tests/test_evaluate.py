@@ -190,3 +190,19 @@ def test_tau_interval_over_prompts():
     assert alike.tau_interval() == (1.5, 1.5)
     low, high = mixed.tau_interval()
     assert 1.2 < low < 1.5 < high < 1.8
+
+
+def test_vllm_context_fits_the_targets_own_context():
+    """vLLM's max_model_len for an evaluation: the longest prompt + new tokens + k (+8), cut at the target's declared
+    context (generation then stops there, as the target alone would); a prompt leaving no room for one new token is
+    refused in one line naming the prompt file and the prompt."""
+    from draftsmith.evaluate.prompts import Prompt
+    from draftsmith.evaluate.stage import _engine_context
+
+    cfg = EvaluateConfig(draft="d", prompts="prompts.jsonl", max_new_tokens=64, k=[3, 5])
+    prompts = [Prompt("a", [1] * 100), Prompt("b", [1] * 2000)]
+    assert _engine_context(prompts, cfg, None) == 2000 + 64 + 5 + 8
+    assert _engine_context(prompts, cfg, 4096) == 2000 + 64 + 5 + 8
+    assert _engine_context(prompts, cfg, 2048) == 2048  # the target's whole context, no more
+    with pytest.raises(DraftsmithError, match=r"prompts.jsonl: prompt 1 has 2000 tokens, no room .* context of 2000"):
+        _engine_context(prompts, cfg, 2000)

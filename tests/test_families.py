@@ -29,6 +29,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,78 @@ def test_vllm_connector_and_direct_stores_equal_the_hf_store(matrix, tmp_path, n
     assert cos >= MIN_COSINE, (name, "direct", cos)
     matrix.record(name, "vLLM extract (direct)", ok=True, worst_cosine=round(cos, 6))
     matrix.record(name, "data parallel (--shard i/n, merged)", ok=True, worst_cosine=round(cos, 6))
+
+
+FULL_CONTEXT = 256  # the target's max_position_embeddings and the prepared set's max_length alike
+
+
+@pytest.fixture(scope="module")
+def full_context(tmp_path_factory) -> dict[str, Path]:
+    """A Qwen3 target declaring a context of FULL_CONTEXT positions, prepared with --max-length FULL_CONTEXT from
+    conversations longer than that (truncated there), and its hf store."""
+    from families import build
+
+    from draftsmith.prepare import stage as prepare
+
+    root = tmp_path_factory.mktemp("full-context")
+    target = build("qwen3", root / "target", head_scale=HEAD_SCALE)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = FULL_CONTEXT
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    long_answer = " ".join(f"step {i}: add {i} and {i + 1}." for i in range(60))
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [
+        [{"role": "user", "content": "Count for me."}, {"role": "assistant", "content": long_answer}],
+        CONVERSATIONS[0], [{"role": "user", "content": "Again."}, {"role": "assistant", "content": long_answer}]]))
+    prepared = root / "prepared"
+    prepare.run(PrepareConfig(data=[str(chats)], target=str(target), max_length=FULL_CONTEXT, output=prepared,
+                              num_workers=1))
+    hf = root / "hf"
+    extract.run(ExtractConfig(prepared=prepared, output=hf, device="cpu", token_budget=512), show_progress=False)
+    return {"target": target, "prepared": prepared, "hf": hf}
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("strategy", ["connector", "direct"])
+def test_vllm_extracts_samples_that_fill_the_targets_whole_context(full_context, tmp_path, strategy):
+    """Prepared samples as long as the target's declared context (a 2,048-context model prepared with the default
+    --max-length 2048): each prompt goes to vLLM with max_tokens=1, one position past the context that is sampled
+    and never fed back; both strategies take them and the stores equal the hf store."""
+    from draftsmith.extract.vllm import run
+    from draftsmith.prepare.dataset import open_prepared
+
+    ds = open_prepared(full_context["prepared"])
+    lengths = [len(ds[k]["input_ids"]) for k in range(len(ds))]
+    assert max(lengths) == FULL_CONTEXT and min(lengths) < FULL_CONTEXT, lengths
+    with in_process_vllm():
+        result = run(ExtractConfig(prepared=full_context["prepared"], output=tmp_path / strategy, backend="vllm",
+                                   vllm_compile=False, vllm_strategy=strategy, compute_dtype="float32"),
+                     show_progress=False)
+    assert result.summary["samples this run"] == len(ds)
+    cos = compare(tmp_path / strategy, full_context["hf"])
+    assert cos >= MIN_COSINE, (strategy, cos)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_extraction_refuses_samples_longer_than_the_targets_context(full_context, tmp_path):
+    """A set prepared with a --max-length above the target's context: one line naming the set and the length to
+    prepare with, before any engine starts."""
+    from draftsmith.extract.vllm import run
+    from draftsmith.prepare import stage as prepare
+
+    shrunk = tmp_path / "target"
+    shutil.copytree(full_context["target"], shrunk)
+    config = json.loads((shrunk / "config.json").read_text())
+    (shrunk / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=FULL_CONTEXT // 2)))
+    prepared = tmp_path / "prepared"
+    prepare.run(PrepareConfig(data=[str(full_context["prepared"].parent / "chats.jsonl")], target=str(shrunk),
+                              max_length=FULL_CONTEXT, output=prepared, num_workers=1))
+    with pytest.raises(DraftsmithError, match=f"{prepared}: a sample of {FULL_CONTEXT} tokens is longer than the "
+                                              f"target's context \\({FULL_CONTEXT // 2} positions"):
+        run(ExtractConfig(prepared=prepared, output=tmp_path / "store", backend="vllm", vllm_strategy="direct",
+                          compute_dtype="float32"), show_progress=False)
 
 
 # ------------------------------------------------------------------------------------------ drafts

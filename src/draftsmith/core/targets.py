@@ -88,6 +88,21 @@ def is_multimodal_wrapper(config: dict) -> bool:
     return isinstance(config.get("text_config"), dict)
 
 
+# Keys a config.json may declare its context length under (the first present wins, as in the engines that read them).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def context_length(config: dict) -> int | None:
+    """The positions the target declares (its language model's `max_position_embeddings` or an older key); None
+    when the config names none."""
+    text = text_config(config)
+    for key in _CONTEXT_KEYS:
+        value = text.get(key, config.get(key))
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _tokenizer_file_bytes(file: Path) -> bytes:
     """The file's bytes, except tokenizer_config.json: its content without loading-time bookkeeping."""
     data = file.read_bytes()

@@ -27,6 +27,7 @@ from rich.progress import (
 from draftsmith import export
 from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
 from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
 from draftsmith.evaluate.report import write_report
@@ -112,6 +113,20 @@ def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | Non
     return (base.to_dict() if base else None), runs
 
 
+def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
+    """vLLM's max_model_len for these prompts: room for the longest prompt, its new tokens and a draft's k, never past
+    the target's own context (`context`: generation then stops at the context, as the target alone would); a prompt
+    that leaves no room for one new token is refused in one line."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i].token_ids))
+    wanted = len(prompts[longest].token_ids) + cfg.max_new_tokens + max(cfg.k) + 8
+    if context is None or wanted <= context:
+        return wanted
+    if len(prompts[longest].token_ids) >= context:
+        raise DraftsmithError(f"{cfg.prompts}: prompt {longest} has {len(prompts[longest].token_ids)} tokens, no room "
+                              f"for a new one in the target's context of {context} positions; use shorter prompts")
+    return context
+
+
 def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
     source = load_draft(cfg.draft)
@@ -147,7 +162,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
         report["dtype"] = str(dtype).removeprefix("torch.")
     else:
         dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
-        max_len = cfg.max_model_len or (max(len(p.token_ids) for p in prompts) + cfg.max_new_tokens + max(cfg.k) + 8)
+        max_len = cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(
+            targets.read_config(target_path)))
         workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
         shutil.rmtree(workdir, ignore_errors=True)
         draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")

@@ -38,6 +38,7 @@ from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.targets import (
+    context_length,
     load_tokenizer,
     read_config,
     resolve_device,
@@ -103,7 +104,7 @@ def run(cfg: RegenerateConfig) -> StageResult:
     device = resolve_device(cfg.device) if engine_name == "hf" else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     dtype = engines.dtype_name(cfg, device)
-    positions = read_config(target_dir).get("max_position_embeddings")
+    positions = context_length(read_config(target_dir))
     max_length = min(cfg.max_length, int(positions)) if positions else cfg.max_length
     fingerprint = sha256_bytes(json.dumps({
         "job": job_fingerprint(cfg, identity, template, sources), "engine": engine_version, "dtype": dtype,

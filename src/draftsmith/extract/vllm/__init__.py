@@ -19,7 +19,7 @@ from typing import Any
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
+from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_config, text_config
 from draftsmith.extract import common, store
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.driver import Engine, EngineSpec, resolve_dtype
@@ -59,9 +59,17 @@ def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink
 
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
     config = read_config(plan.target_dir)
+    context = context_length(config)
+    if context is not None and longest > context and cfg.vllm_max_model_len is None:
+        raise DraftsmithError(f"{cfg.prepared}: a sample of {longest} tokens is longer than the target's context "
+                              f"({context} positions in its config.json); prepare again with --max-length {context}")
+    # Each prompt is sent with max_tokens=1: vLLM wants room for that one sampled token, which is never fed back (the
+    # request ends there), so a sample filling the whole context needs one position past it, allowed explicitly.
+    max_model_len = cfg.vllm_max_model_len or longest + 1
     return EngineSpec(target_dir=str(plan.target_dir), strategy=strategy, facts=report.facts,
                       mla="kv_lora_rank" in text_config(config), multimodal=is_multimodal_wrapper(config),
-                      max_model_len=cfg.vllm_max_model_len or longest + 1,
+                      max_model_len=max_model_len,
+                      past_context=context is not None and max_model_len == longest + 1 > context,
                       max_num_batched_tokens=cfg.token_budget, tensor_parallel_size=cfg.tensor_parallel_size,
                       data_parallel_size=cfg.data_parallel_size, compile=cfg.vllm_compile,
                       dtype=resolve_dtype(cfg.compute_dtype, report.facts.platform),

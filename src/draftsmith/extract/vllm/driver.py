@@ -54,6 +54,7 @@ class EngineSpec:
     sink_config: dict[str, Any] = field(default_factory=dict)
     mla: bool = False  # the target uses multi-head latent attention (its text config has kv_lora_rank)
     multimodal: bool = False  # the target is a multimodal wrapper around its language model (text_config)
+    past_context: bool = False  # max_model_len is the target's context + 1: the sampled token's position, never fed
 
 
 def in_process() -> bool:
@@ -144,6 +145,8 @@ def engine_environment(spec: EngineSpec) -> dict[str, str]:
     if spec.facts.platform == "cpu" and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's automatic binding gives each CPU worker a NUMA node of its own, which one-socket machines lack
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world)
+    if spec.past_context:  # vLLM refuses a max_model_len above the config's without its own switch
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if spec.strategy == "direct" and spec.facts.runner_v2_switch:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the taps know the V1 runner (GPUModelRunner)
     return env
