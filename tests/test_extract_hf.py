@@ -58,17 +58,19 @@ def _cfg(prepared: Path, output: Path, **kw) -> ExtractConfig:
 def _reference(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
     """An independent computation: transformers' own output_hidden_states, one unpadded sample at a time.
 
-    hidden_states[k] (k < N) is the output of decoder layer k-1; transformers ties hidden_states[N] to the
-    *normalised* last state, so the un-normalised layer N is read with that tie switched off.
+    hidden_states[k] (k < N) is the output of decoder layer k-1; transformers (4.x and 5) ties hidden_states[N] to
+    the *normalised* last state, so the un-normalised layer N is read from the last decoder layer's own output.
     """
     N = model.config.num_hidden_layers
-    with torch.no_grad():
-        tied = model(input_ids[None], output_hidden_states=True).hidden_states
-        model.config.tie_last_hidden_states = False
-        try:
-            untied = model(input_ids[None], output_hidden_states=True).hidden_states
-        finally:
-            del model.config.tie_last_hidden_states
+    last: list[torch.Tensor] = []
+    handle = model.model.layers[-1].register_forward_hook(
+        lambda _m, _args, out: last.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            tied = model(input_ids[None], output_hidden_states=True).hidden_states
+    finally:
+        handle.remove()
+    untied = {N: last[0]}
     assert torch.allclose(model.model.norm(untied[N]), tied[N], atol=1e-5)  # really the pre-norm state
     assert not torch.allclose(untied[N], tied[N], atol=1e-3)
     return torch.stack([untied[k][0] if k == N else tied[k][0] for k in layer_ids], dim=1)  # [T, L, H]

@@ -17,19 +17,31 @@ LEGACY = Path(__file__).parent / "data" / "legacy-0.1.0"
 
 
 @pytest.fixture(scope="module")
-def legacy(tmp_path_factory, tiny_target_dir) -> Path:
-    """A writable copy (resume and verify may add files) whose target is the tests' tiny target."""
+def legacy(tmp_path_factory) -> Path:
+    """A writable copy (resume and verify may add files)."""
     root = tmp_path_factory.mktemp("legacy") / "legacy"
-    shutil.copytree(LEGACY, root)
+    shutil.copytree(LEGACY, root, ignore=shutil.ignore_patterns("target"))
     return root
 
 
-def test_prepared_set_and_stores_load(legacy, tiny_target_dir):
+@pytest.fixture(scope="module")
+def legacy_target(tmp_path_factory, tiny_target_dir) -> Path:
+    """The target the artefacts were made for: the tests' tiny target as transformers 5 saved it (its config and
+    tokenizer files are kept in legacy-0.1.0/target/; the weights, deterministic, are the tiny target's). Under
+    transformers 4.x, whose save_pretrained writes other tokenizer bytes (another target by identity), this is a
+    transformers-5 directory read by 4.x, as a user's target may be."""
+    path = tmp_path_factory.mktemp("legacy-target") / "target"
+    shutil.copytree(LEGACY / "target", path)
+    shutil.copy(tiny_target_dir / "model.safetensors", path / "model.safetensors")
+    return path
+
+
+def test_prepared_set_and_stores_load(legacy, legacy_target):
     from draftsmith.extract import store
     from draftsmith.prepare.dataset import open_prepared
 
     prepared = open_prepared(legacy / "prepared", verify=True)
-    assert prepared.manifest.target.mismatch(target_identity(tiny_target_dir)) is None
+    assert prepared.manifest.target.mismatch(target_identity(legacy_target)) is None
     assert len(prepared) == 12 and prepared[0]["loss_mask"].any()
     for dtype in ("bf16", "fp8"):
         s = store.open(legacy / f"store-{dtype}")
@@ -78,24 +90,24 @@ def test_what_cannot_load_is_refused_with_the_stage_to_rerun(legacy, tmp_path, a
         load_draft(copy)
 
 
-def test_legacy_checkpoint_exports_and_resumes(legacy, tiny_target_dir, tmp_path):
+def test_legacy_checkpoint_exports_and_resumes(legacy, legacy_target, tmp_path):
     from draftsmith import export
     from draftsmith.train import run as train
     from draftsmith.train.checkpoint import latest_checkpoint
 
-    export.run(ExportConfig(checkpoint=legacy / "train", target=str(tiny_target_dir), output=tmp_path / "export"))
+    export.run(ExportConfig(checkpoint=legacy / "train", target=str(legacy_target), output=tmp_path / "export"))
     assert export.read_export_manifest(tmp_path / "export").draft.draft_vocab_size == 64
-    result = train(TrainConfig(data=legacy / "store-bf16", target=str(tiny_target_dir), output=legacy / "train",
+    result = train(TrainConfig(data=legacy / "store-bf16", target=str(legacy_target), output=legacy / "train",
                                max_steps=2, token_budget=256, ttt_steps=2, draft_vocab_size=64, warmup_steps=1,
                                save_every=2, keep_checkpoints=1, eval_fraction=0.2))
     assert result.summary["steps"] == 2 and "resumed from" in result.summary
     assert "embed_tokens.weight" not in load_file(str(latest_checkpoint(legacy / "train") / "model.safetensors"))
 
 
-def test_legacy_export_evaluates(legacy, tiny_target_dir, tmp_path):
+def test_legacy_export_evaluates(legacy, legacy_target, tmp_path):
     from draftsmith import evaluate
 
-    result = evaluate.run(EvaluateConfig(draft=legacy / "export-speculators", target=str(tiny_target_dir),
+    result = evaluate.run(EvaluateConfig(draft=legacy / "export-speculators", target=str(legacy_target),
                                          engine="hf", prompts=str(legacy / "prepared"), eval_fraction=0.2,
                                          max_new_tokens=6, k=[2], output=tmp_path / "eval"))
     assert result.summary["k=2 τ"] >= 1.0

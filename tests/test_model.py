@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from draftsmith.core import targets
+from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.model import (
     EMBEDDING,
@@ -187,7 +187,8 @@ def test_plain_layer_and_rope_match_transformers_llama():
     draft = Eagle3Draft(cfg).double()
     draft.init_weights(3)
     hf_cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 500.0}, vocab_size=50)
+                         head_dim=8, vocab_size=50,
+                         **hfcompat.rope_config_kwargs(LlamaConfig, {"rope_type": "default", "rope_theta": 500.0}))
     hf_cfg._attn_implementation = "sdpa"
     hf_layer = LlamaDecoderLayer(hf_cfg, layer_idx=1).double().eval()
     hf_layer.load_state_dict({k[len("layers.1."):]: v for k, v in draft.state_dict().items()

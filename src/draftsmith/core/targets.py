@@ -19,16 +19,11 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
-)
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
-    WeightConverter,
-    WeightRenaming,
-    rename_source_key,
+    PreTrainedTokenizerFast,
 )
 from transformers.utils import logging as hf_logging
 
-from draftsmith.core import assets
+from draftsmith.core import assets, hfcompat
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
@@ -114,6 +109,7 @@ def _tokenizer_file_bytes(file: Path) -> bytes:
         return data
     if not isinstance(config, dict):
         return data
+    config = hfcompat.canonical_tokenizer_config(config)  # one name for the fast tokenizer, whoever wrote it
     stable = {k: v for k, v in config.items() if k not in _VOLATILE_TOKENIZER_KEYS}
     return json.dumps(stable, sort_keys=True).encode()
 
@@ -123,7 +119,8 @@ def target_identity(path: Path) -> TargetIdentity:
     path = Path(path)
     config = read_config(path)
     text = text_config(config)
-    stable = {k: v for k, v in sorted(config.items()) if k not in _VOLATILE_CONFIG_KEYS}
+    # canonical: the same target whichever transformers wrote it (or made it portable, hfcompat)
+    stable = {k: v for k, v in sorted(hfcompat.canonical_config(config).items()) if k not in _VOLATILE_CONFIG_KEYS}
     tok_hash = sha256_bytes(b"".join(_tokenizer_file_bytes(path / name) for name in _TOKENIZER_FILES
                                      if (path / name).is_file()))
     try:
@@ -141,9 +138,13 @@ def target_identity(path: Path) -> TargetIdentity:
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The target's tokenizer; one saved by transformers 5 (`tokenizer_class: TokenizersBackend`, a class 4.x lacks)
+    loads in transformers 4.x as what it is, the fast tokenizer of its tokenizer.json."""
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
+        if hfcompat.fast_tokenizer_under_unknown_name(Path(path)):
+            return PreTrainedTokenizerFast.from_pretrained(path)
         raise DraftsmithError(f"{path}: cannot load the tokenizer ({err})".replace("\n", " ")) from None
 
 
@@ -202,27 +203,44 @@ def _safetensors_names(path: Path) -> dict[str, tuple[Path, str]] | None:
         return {name: (single, name) for name in f.keys()}
 
 
-def _renamed_checkpoint_names(model: nn.Module, files: dict[str, tuple[Path, str]]) -> dict[str, tuple[Path, str]]:
-    """The checkpoint's tensors under the module names transformers loads them as (its conversion mapping for the
-    model type: Kimi-K2.5's `language_model.model.embed_tokens` is `model.language_model.embed_tokens`); empty
-    when this transformers has no such mapping."""
-    try:
+def _tensor_shapes(files: dict[str, tuple[Path, str]]) -> dict[str, tuple[int, ...]]:
+    """checkpoint name -> shape, read from the safetensors headers (no tensor data)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in {file for file, _ in files.values()}:
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return {name: shapes[stored] for name, (_, stored) in files.items() if stored in shapes}
 
-        transforms = get_model_conversion_mapping(model)
-        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        if not renamings:
-            return {}
-        return {rename_source_key(name, renamings, converters)[0]: where for name, where in files.items()}
-    except Exception:  # noqa: BLE001 - transformers' internals moved: names as they are (or the whole model)
-        return {}
+
+def _checkpoint_name(module_name: str, shape: tuple[int, ...], files: dict[str, tuple[Path, str]],
+                     shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The checkpoint tensor a module parameter loads from: its own name, else the one tensor of its shape that ends
+    in the same module and parameter name and shares the most name parts with it (Kimi-K2.5 stores the module's
+    `model.language_model.norm.weight` as `language_model.model.norm.weight` and `lm_head.weight` as
+    `language_model.lm_head.weight`); None when no tensor, or more than one, fits (the caller loads the whole
+    model then). Read from the checkpoint itself, so it needs no transformers-version-specific renaming table."""
+
+    if module_name in files:
+        return module_name
+    parts = module_name.split(".")
+    best: list[tuple[int, str]] = []
+    for name in files:
+        other = name.split(".")
+        if other[-2:] != parts[-2:] or shapes.get(name) != shape:
+            continue
+        shared = sum(min(parts.count(p), other.count(p)) for p in set(parts))
+        best.append((shared - abs(len(other) - len(parts)), name))
+    best.sort(reverse=True)
+    if not best or (len(best) > 1 and best[0][0] == best[1][0]):
+        return None
+    return best[0][1]
 
 
 def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                      trust_remote_code: bool = False) -> nn.Module:
     """Only the embedding, final norm and lm_head, read by name from the safetensors files (a checkpoint whose
-    names are not the module's, like Kimi-K2.5's `language_model.model.*`, through transformers' own load-time
-    renaming); the whole target (load_target) when the checkpoint is not laid out so (other formats, missing
+    names are not the module's, like Kimi-K2.5's `language_model.model.*`, matched by _checkpoint_name); the whole
+    target (load_target) when the checkpoint is not laid out so (other formats, missing
     tensors)."""
 
     try:
@@ -234,7 +252,7 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
         files = None
     if files is None:
         return load_target(path, dtype, device, trust_remote_code)
-    files = {**_renamed_checkpoint_names(skeleton, files), **files}  # module name -> (file, checkpoint name)
+    shapes = _tensor_shapes(files)
     parts = {"embed": embed_tokens(skeleton), "norm": final_norm(skeleton), "head": lm_head(skeleton)}
     module_names = {id(m): n for n, m in skeleton.named_modules()}
     tied = parts["head"].weight is parts["embed"].weight
@@ -244,8 +262,9 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
         if key == "head" and tied:  # the embedding's weight, loaded above
             loaded[key] = parts["head"].to_empty(device="cpu")
             continue
-        names = {k: f"{prefix}.{k}" for k in module.state_dict()}
-        if any(name not in files for name in names.values()):
+        names = {k: _checkpoint_name(f"{prefix}.{k}", tuple(t.shape), files, shapes)
+                 for k, t in module.state_dict().items()}
+        if any(name is None for name in names.values()):
             return load_target(path, dtype, device, trust_remote_code)
         state = {}
         for k, name in names.items():

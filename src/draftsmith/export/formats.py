@@ -36,6 +36,7 @@ from pydantic import ConfigDict, Field
 from safetensors.torch import save_file
 
 from draftsmith import __version__
+from draftsmith.core import hfcompat
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
 from draftsmith.core.layers import check_servable_layer_ids
@@ -103,7 +104,7 @@ def _llama_config(spec: DraftSpec) -> dict[str, Any]:
         "hidden_act": spec.hidden_act,
         "max_position_embeddings": spec.max_position_embeddings,
         "rope_parameters": dict(spec.rope_parameters),
-        **({"rope_theta": spec.rope_parameters["rope_theta"]} if "rope_theta" in spec.rope_parameters else {}),
+        **hfcompat.legacy_rope_keys(spec.rope_parameters),  # what vLLM's transformers 4.x (vLLM <= 0.19) reads
         "vocab_size": spec.vocab_size,
         "attention_bias": False,
         "mlp_bias": False,

@@ -362,7 +362,11 @@ def _iter_parquet(path: Path) -> Iterator[Record]:
 
 
 def _iter_datasets(source: Source) -> Iterator[Record]:
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise DraftsmithError(f"{source.path}: reading a `datasets` directory or file needs the `datasets` package, "
+                              "which is not installed: pip install datasets (or draftsmith[datasets])") from None
 
     try:
         if source.format == "dataset":

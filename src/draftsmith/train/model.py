@@ -24,7 +24,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from draftsmith.core import targets
+from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.train.attention import (
@@ -92,11 +92,7 @@ class DraftSpec(BaseModel):
             head_dim = int(text.get("head_dim") or hidden // heads)
         else:  # multi-head latent attention, or heads that do not divide the hidden size
             heads, kv_heads, head_dim = cls.draft_attention_shape(hidden)
-        rope = dict(text.get("rope_parameters") or {})
-        if not rope:  # transformers 4 style
-            rope = dict(text.get("rope_scaling") or {})
-            rope.setdefault("rope_type", rope.pop("type", "default"))
-            rope["rope_theta"] = float(text.get("rope_theta", 10000.0))
+        rope = hfcompat.rope_parameters_of(text)  # written by transformers 4 or 5
         vocab = int(text["vocab_size"])
         check_layer_ids(list(aux_layer_ids), int(text["num_hidden_layers"]))
         check_servable_layer_ids(list(aux_layer_ids), config, "draft")
@@ -156,7 +152,8 @@ def rope_inverse_frequencies(spec: DraftSpec) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise DraftsmithError(f"target RoPE type {rope_type!r} is not supported by the draft")
     hf = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                     head_dim=dim, max_position_embeddings=spec.max_position_embeddings, rope_parameters=rope)
+                     head_dim=dim, max_position_embeddings=spec.max_position_embeddings,
+                     **hfcompat.rope_config_kwargs(LlamaConfig, rope))
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
     return inv_freq.float(), float(scale)
 
