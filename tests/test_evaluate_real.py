@@ -1,5 +1,5 @@
 """The real default target (SmolLM2-135M-Instruct) with a trained draft: lossless greedy speculative decoding in the
-reference decoder, and real vLLM 0.32 (CPU) serving the exported draft with the same acceptance length.
+reference decoder, and real vLLM (CPU) serving the exported draft with the same acceptance length.
 
 The draft is the small one benchmarks/specdec.py trains once per machine (120 ShareGPT conversations, 30 online
 steps, cached under $DRAFTSMITH_CACHE/bench/): a few minutes the first time, then free.
@@ -22,6 +22,7 @@ from draftsmith.evaluate.specdec import (
     plain_generate,
     speculative_generate,
 )
+from draftsmith.extract.vllm.probe import probe
 from draftsmith.train.drafts import load_draft
 
 pytestmark = pytest.mark.slow
@@ -55,6 +56,10 @@ def test_greedy_lossless_on_default_target_with_trained_draft(real, k):
 def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trained_run, tmp_path):
     """Export -> real vLLM (CPU) loads draft + target and runs EAGLE-3; τ within 5% of the reference decoder's."""
     pytest.importorskip("vllm")
+    facts = probe().facts
+    if not facts.eagle3_on_platform:
+        pytest.skip(f"EAGLE-3 does not run on vLLM {facts.version} here (tests/test_vllm_release_engines.py tests "
+                    "the refusal)")
     out = tmp_path / "export"
     export.run(ExportConfig(checkpoint=trained_run, format="vllm", output=out))
     common = dict(draft=out, prompts="mt-bench", num_prompts=4, max_new_tokens=48, k=[3], dtype="float32",
@@ -72,6 +77,7 @@ def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trai
     assert hf_report["runs"][0]["num_accepted"] > 0 and run["num_accepted"] > 0  # both engines accept tokens
     assert abs(tau_vllm - tau_hf) / tau_hf <= 0.05, (tau_hf, tau_vllm)
     assert hf.summary["k=3 τ"] and vl.summary["k=3 τ"]
-    # vLLM's per-request counters add up to its engine counters, and give τ an interval over the 4 prompts
-    assert [sum(c) for c in zip(*run["per_prompt"])] == [run["num_rounds"], run["num_accepted"]]
-    assert run["tau_95"][0] <= run["tau"] <= run["tau_95"][1]
+    if facts.per_request_spec_metrics:  # vLLM's per-request counters (0.32 has them, 0.28 not)
+        # add up to its engine counters, and give τ an interval over the 4 prompts
+        assert [sum(c) for c in zip(*run["per_prompt"])] == [run["num_rounds"], run["num_accepted"]]
+        assert run["tau_95"][0] <= run["tau"] <= run["tau_95"][1]

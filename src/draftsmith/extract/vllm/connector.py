@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from draftsmith.extract.vllm import sink as sink_module
+from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY
 
 try:  # connectors that declare SupportsHMA get one block list per KV cache group (hybrid allocator)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
@@ -37,7 +38,6 @@ except ImportError:  # pragma: no cover - older vLLM: plain block lists
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-EXTRA_CONFIG_KEY = "draftsmith"
 CACHE_LAYER_PREFIX = "cache_only_layers"
 
 

@@ -94,9 +94,10 @@ class _Tap:
     def after_execute(self, scheduler_output: Any) -> None:
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
             params = getattr(new, "sampling_params", None)
-            extra = (getattr(params, "extra_args", None) or {}).get("kv_transfer_params") or {}
-            if SAMPLE_ID_KEY in extra:
-                self.requests[new.req_id] = (int(extra[SAMPLE_ID_KEY]), list(new.prompt_token_ids), [])
+            extra = getattr(params, "extra_args", None) or {}
+            sample_id = extra.get(SAMPLE_ID_KEY, (extra.get("kv_transfer_params") or {}).get(SAMPLE_ID_KEY))
+            if sample_id is not None:
+                self.requests[new.req_id] = (int(sample_id), list(new.prompt_token_ids), [])
         counts = scheduler_output.num_scheduled_tokens
         if not counts:
             return

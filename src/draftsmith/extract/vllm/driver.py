@@ -2,9 +2,10 @@
 
 The driver process never sees a hidden state: it submits each pending sample's token ids as a prompt with
 `max_tokens=1` (the prefill computes every layer; one token is sampled and the request ends), keeps many requests
-in flight, and tags each with its sample id in `SamplingParams.extra_args["kv_transfer_params"]`, which reaches
-the connector (request.kv_transfer_params) and the direct taps (new request data) alike. When every request has
-finished it waits until the worker-side sink has received them all, then has the writer flush and close.
+in flight, and tags each with its sample id in `SamplingParams.extra_args`: under "kv_transfer_params" for the
+connector (vLLM hands that to it as request.kv_transfer_params), at the top level for the direct taps, which read
+the new request data (kv_transfer_params without a connector makes vLLM warn once per request). When every
+request has finished it waits until the worker-side sink has received them all, then has the writer flush and close.
 
 vLLM must be started from a real script (its worker processes are spawned, not forked); the CLI, pytest and the
 benchmark scripts all are.
@@ -29,9 +30,8 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
-from draftsmith.extract.vllm.connector import EXTRA_CONFIG_KEY
 from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_kwargs
-from draftsmith.extract.vllm.sink import SAMPLE_ID_KEY
+from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY
 
 DEFAULT_CPU_KV_CACHE_GIB = "2"
 IN_FLIGHT = 1024  # requests handed to vLLM ahead of what it is computing
@@ -100,6 +100,13 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
     elif not spec.compile:
         kwargs["enforce_eager"] = True
     return kwargs
+
+
+def tag_request(strategy: str, sample_id: int) -> dict[str, Any]:
+    """`SamplingParams.extra_args` carrying a sample id to where the strategy reads it (see the module docstring)."""
+    if strategy == "connector":
+        return {"kv_transfer_params": {SAMPLE_ID_KEY: sample_id}}
+    return {SAMPLE_ID_KEY: sample_id}
 
 
 def resolve_dtype(asked: str, platform: str | None) -> str:
@@ -293,7 +300,7 @@ class Engine:
         while pending or in_flight:
             while pending and len(in_flight) < IN_FLIGHT:
                 sample_id, ids = pending.pop()
-                extra = {"kv_transfer_params": {SAMPLE_ID_KEY: int(sample_id)}} if tag else None
+                extra = tag_request(self.spec.strategy, int(sample_id)) if tag else None
                 params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
                 request_id = f"ds-{counter}"
                 counter += 1

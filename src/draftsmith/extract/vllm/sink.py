@@ -21,7 +21,8 @@ from draftsmith.extract import common
 from draftsmith.extract import store as store_module
 from draftsmith.prepare.dataset import open_prepared
 
-SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args["kv_transfer_params"]
+SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args (under "kv_transfer_params": connector)
+EXTRA_CONFIG_KEY = "draftsmith"  # the sink config in KVTransferConfig.kv_connector_extra_config
 
 
 class StoreSink:
