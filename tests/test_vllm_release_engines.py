@@ -121,3 +121,33 @@ def test_where_the_probe_says_eagle3_does_not_run_vllm_itself_refuses_it(report,
     log = (tmp_path / "run" / "refused.log").read_text().lower()
     assert any("error" in line and "spec" in line for line in log.splitlines()), str(err.value)  # its own reason
     _say("vllm itself refuses eagle3", error=str(err.value)[:200])
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_doctor_in_this_environment_agrees_with_the_hand_read_release_table(family, tmp_path):
+    """`draftsmith doctor --target CONFIG --json`, run as a user runs it in the environment of this vLLM (a fresh
+    process; the probe reads the installed vLLM's source): its facts and its strategy for a Llama and a DeepSeek-V3
+    target equal what was read by hand from this release's files (tests/data/vllm_releases.json)."""
+    import subprocess
+    import sys
+
+    from families import PUBLISHED
+    from vllm_releases import releases
+
+    version = probe().facts.version
+    release = next((r for r in releases() if r["version"] == version), None)
+    if release is None:
+        pytest.skip(f"vLLM {version} is not among the hand-read releases")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PUBLISHED[family]))
+    architecture = PUBLISHED[family]["architectures"][0]
+    done = subprocess.run([sys.executable, "-m", "draftsmith.cli", "doctor", "--target", str(config), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout)["vllm"]
+    assert found["architecture"] == architecture
+    assert found["strategy"] == release["architectures"][architecture]["strategy"], found["reason"]
+    wrong = {k: (found["facts"].get(k), v) for k, v in release["facts"].items()
+             if k != "async_scheduling_resolved" and found["facts"].get(k) != v}
+    assert not wrong, wrong
+    _say(f"doctor {family}", strategy=found["strategy"])
