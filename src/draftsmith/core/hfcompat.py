@@ -103,24 +103,25 @@ def canonical_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def read_json_object(file: Path) -> dict[str, Any] | None:
+    """A JSON file holding an object (config.json, tokenizer_config.json), None when it is missing or is not one."""
+    try:
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def fast_tokenizer_under_unknown_name(path: Path) -> bool:
     """Whether a directory's tokenizer is a plain tokenizer.json under a fast-tokenizer class name this transformers
     does not have (TokenizersBackend in 4.x), so PreTrainedTokenizerFast reads it as what it is."""
-    try:
-        name = json.loads((Path(path) / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return False
+    name = (read_json_object(Path(path) / "tokenizer_config.json") or {}).get("tokenizer_class")
     return name in _FAST_TOKENIZER_ALIASES and not has_class(name) and (Path(path) / "tokenizer.json").is_file()
 
 
 def _rewrite_json(file: Path, transform) -> bool:
-    if not file.is_file():
-        return False
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    if not isinstance(data, dict):
+    data = read_json_object(file)
+    if data is None:
         return False
     new = transform(data)
     if new == data:
@@ -149,11 +150,8 @@ def is_portable(path: Path) -> bool:
     """Whether make_portable would leave the directory as it is."""
     path = Path(path)
     for name, transform in (("config.json", portable_config), ("tokenizer_config.json", portable_tokenizer_config)):
-        try:
-            data = json.loads((path / name).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(data, dict) and transform(data) != data:
+        data = read_json_object(path / name)
+        if data is not None and transform(data) != data:
             return False
     return True
 

@@ -281,7 +281,7 @@ def _probe(located: Located | None, tree: SourceTree | None, *, architecture: st
     # 8. EAGLE-3 speculative decoding on this platform
     facts.speculative_on_platform = not _runner_refuses_speculation(tree, facts.platform)
     eagle3 = "eagle3" in methods and "Eagle3LlamaForCausalLM" in registry
-    on_platform, why = _eagle_on_platform(tree, facts.platform) if eagle3 else (False, "")
+    on_platform, why = _eagle_on_platform(tree, facts) if eagle3 else (False, "")
     facts.eagle3_on_platform = on_platform
     caps.append(Capability(
         name="EAGLE-3 speculative decoding",
@@ -368,15 +368,15 @@ def _runner_refuses_speculation(tree: SourceTree, platform: str | None) -> bool:
     return "assert self.speculative_config is None" in " ".join(init.split())
 
 
-def _eagle_on_platform(tree: SourceTree, platform: str | None) -> tuple[bool, str]:
+def _eagle_on_platform(tree: SourceTree, facts: ProbeFacts) -> tuple[bool, str]:
     """(EAGLE-3 runs on this platform, why not). GPUs run vLLM's Triton kernels; the CPU runs EAGLE only where its
-    model runner accepts a speculative config and vLLM replaces the Triton kernels EAGLE uses with its own (in the
-    CPU platform's register_triton_kernel_overrides, or in the CPU model runner itself)."""
-    if platform in ("cuda", "rocm", "xpu"):
+    model runner accepts a speculative config (facts.speculative_on_platform) and vLLM replaces the Triton kernels
+    EAGLE uses with its own (in the CPU platform's register_triton_kernel_overrides, or in the CPU model runner)."""
+    if facts.platform in ("cuda", "rocm", "xpu"):
         return True, ""
-    if platform != "cpu":
+    if facts.platform != "cpu":
         return False, "a platform the source does not name"
-    if _runner_refuses_speculation(tree, platform):
+    if not facts.speculative_on_platform:
         return False, "the CPU model runner refuses speculative decoding"
     runner = _class(tree, "CPUModelRunner")
     overrides = tree.segment(_method(tree, _class(tree, "CpuPlatform"), "register_triton_kernel_overrides"))
