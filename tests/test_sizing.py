@@ -164,3 +164,44 @@ def test_human_units():
     assert sizing.human_bytes(512) == "512 B" and sizing.human_bytes(1536) == "1.5 KiB"
     assert sizing.human_bytes(57_349_000_000) == "53.4 GiB"
     assert sizing.human_count(8_030_261_248) == "8.03B" and sizing.human_count(1.03e12) == "1.03T"
+
+
+def test_the_online_spool_for_kimi_k25_at_20000_tokens_a_second():
+    """bound = rate x lead x row x 4/3: the engines fill 3 of the 4 chunks ahead while the trainer reads the 4th."""
+    row = sizing.store_bytes_per_token(7168, 4, "bf16")
+    assert row == 57_349 and sizing.SPOOL_CHUNKS == 4
+    bound = sizing.spool_bytes(row, 20_000, 60)
+    assert bound == 20_000 * 60 * 57_349 * 4 // 3 == 91_758_400_000  # 85.46 GiB
+    assert bound / sizing.GiB == pytest.approx(85.457, abs=1e-3)
+    assert bound * (sizing.SPOOL_CHUNKS - 1) / sizing.SPOOL_CHUNKS == 20_000 * 60 * row  # 3 chunks = 60 s ahead
+    assert sizing.spool_bytes(sizing.store_bytes_per_token(7168, 4, "fp8"), 20_000, 60) == 45_908_800_000
+    assert sizing.spool_bytes(row, 20_000, 30) == bound // 2 and sizing.spool_bytes(10, 1, 0.3) == 4  # rounded up
+    assert sizing.min_spool_bytes(row, 4096 * 2 * 8) == 4 * 65_536 * row  # budget x grad_accum x world, 4 chunks
+    with pytest.raises(DraftsmithError, match="must all be > 0") as err:
+        sizing.spool_bytes(row, 0)
+    assert "\n" not in str(err.value)
+
+
+def test_doctor_rows_for_the_online_spool():
+    from draftsmith.doctor import check_online, sizing_rows
+
+    rows = dict(sizing_rows(PUBLISHED["kimi_k25"], tokens=50_000_000, online_rate=20_000))
+    spool = rows["online spool (20,000 tok/s, 60 s lead)"]
+    assert spool.startswith("85.5 GiB bf16 / 42.8 GiB fp8: --spool-gb 85.5 (--spool-dtype fp8: --spool-gb 42.8)")
+    assert spool.endswith("vs the offline store of 50,000,000 tokens: 2.61 TiB bf16 / 1.3 TiB fp8")
+    assert "4,096 tokens a step" in rows["online spool floor"] and "896 MiB bf16" in rows["online spool floor"]
+    # a slow trainer: the floor (4 chunks of one step) wins over the lead
+    slow = dict(sizing_rows(PUBLISHED["kimi_k25"], online_rate=10, spool_lead_s=1, token_budget=16384))
+    floor = sizing.min_spool_bytes(57_349, 16384)
+    assert slow["online spool (10 tok/s, 1 s lead)"].startswith(f"{sizing.human_bytes(floor)} bf16")
+    assert "vs the offline" not in slow["online spool (10 tok/s, 1 s lead)"]
+    plain = dict(sizing_rows(PUBLISHED["kimi_k25"]))
+    assert plain["online spool"] == "--online-rate TOKENS_PER_S: the spool `train --engine vllm` needs"
+    assert "online spool floor" not in plain
+    for bad, match in (({"online_rate": -5, "target": "x"}, "--online-rate -5: must be > 0"),
+                       ({"online_rate": 100, "target": "x", "spool_lead_s": 0}, "--spool-lead-s 0: must be > 0"),
+                       ({"online_rate": 100, "target": None}, "give --target too")):
+        with pytest.raises(DraftsmithError, match=match):
+            check_online(bad["target"], bad["online_rate"], bad.get("spool_lead_s", 60.0))
+    big = dict(sizing_rows(PUBLISHED["kimi_k25"], online_rate=1.5e6, spool_lead_s=2.5))
+    assert "online spool (1,500,000 tok/s, 2.5 s lead)" in big

@@ -190,6 +190,12 @@ def doctor(
     gpu_memory_gb: Annotated[Optional[float], typer.Option("--gpu-memory-gb", help=(
         "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's training fits it "
         "and the largest --token-budget that does."))] = None,
+    online_rate: Annotated[Optional[float], typer.Option("--online-rate", metavar="TOKENS_PER_S", help=(
+        "Training tokens per second the trainer consumes (all ranks together): with --target, the --spool-gb "
+        "that `train --engine vllm` needs for it, in bf16 and fp8."))] = None,
+    spool_lead_s: Annotated[float, typer.Option("--spool-lead-s", metavar="SECONDS", help=(
+        "How far ahead of the trainer the engines may run, in seconds of its consumption, for --online-rate."))]
+    = 60.0,
     vllm_source: Annotated[Optional[Path], typer.Option("--vllm-source", help=(
         "Probe the vLLM source in this directory instead of the installed vLLM: a site-packages, an unpacked "
         "wheel, a checkout, or the vllm package itself (read, never imported; no runtime step)."))] = None,
@@ -205,7 +211,7 @@ def doctor(
     doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
     _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
                                     gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime,
-                                    as_json=as_json))
+                                    as_json=as_json, online_rate=online_rate, spool_lead_s=spool_lead_s))
 
 
 @app.command("inspect")

@@ -1,5 +1,6 @@
 """`draftsmith doctor`: what is installed, what hardware there is, which extraction strategy will work for which
-architecture, and -- given a target's config.json -- what its store and its draft's training will cost.
+architecture, and -- given a target's config.json -- what its store and its draft's training will cost (and, with
+`--online-rate`, the spool that online training from vLLM engines needs).
 
 vLLM is never imported here: the probe reads its source (the installed one, or any tree given with --vllm-source),
 so doctor is fast and prints no vLLM log line. `--runtime` adds the one fact only a running vLLM can tell (what
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import platform
 from pathlib import Path
@@ -83,9 +85,11 @@ def read_target_config(target: str | Path) -> dict:
 def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size: int = 1,
                 aux_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None,
                 token_budget: int | None = None, ttt_steps: int | None = None,
-                gpu_memory_gb: float | None = None) -> list[tuple[str, str]]:
+                gpu_memory_gb: float | None = None, online_rate: float | None = None,
+                spool_lead_s: float = 60.0) -> list[tuple[str, str]]:
     """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults.
-    `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB."""
+    `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB. `online_rate`
+    (training tokens/s, all ranks): the spool `train --engine vllm` needs for a `spool_lead_s` engine lead."""
 
     shape = sizing.target_shape(config)
     train = TrainConfig()
@@ -115,6 +119,8 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
     for count in ([tokens] if tokens else []) + [1_000_000]:
         rows.append((f"store for {count:,} tokens", f"bf16 {sizing.human_bytes(count * per_token['bf16'])}, "
                                                   f"fp8 {sizing.human_bytes(count * per_token['fp8'])}"))
+    rows.extend(spool_rows(per_token, online_rate, spool_lead_s, tokens=tokens,
+                           tokens_per_step=token_budget or train.token_budget))
     rows.append(("draft", f"{sizing.human_count(memory.draft_params)} trainable parameters (1 layer, hidden "
                           f"{draft.hidden_size}, {draft.num_attention_heads} heads x {draft.head_dim}, "
                           f"{draft.num_key_value_heads} KV heads, MLP {draft.intermediate_size}, draft vocabulary "
@@ -129,6 +135,45 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
             draft, gpu_memory_gb, token_budget=token_budget or train.token_budget,
             ttt_steps=ttt_steps or train.ttt_steps)))
     return rows
+
+
+def spool_rows(per_token: dict[str, int], online_rate: float | None, lead_s: float, *, tokens: int | None,
+               tokens_per_step: int) -> list[tuple[str, str]]:
+    """The online spool rows: the `--spool-gb` for `online_rate` training tokens/s with the engines `lead_s` seconds
+    ahead (`sizing.spool_bytes`, never below 4 chunks of one step of `tokens_per_step`), in bf16 and fp8, beside the
+    offline store of `tokens`; without a rate, one row saying how to ask. `per_token`: the store row by dtype."""
+    if online_rate is None:
+        return [("online spool", "--online-rate TOKENS_PER_S: the spool `train --engine vllm` needs")]
+    floor = {d: sizing.min_spool_bytes(b, tokens_per_step) for d, b in per_token.items()}
+    bound = {d: max(sizing.spool_bytes(b, online_rate, lead_s), floor[d]) for d, b in per_token.items()}
+    flag = {d: f"{math.ceil(b / sizing.GiB * 10) / 10:g}" for d, b in bound.items()}  # GiB, rounded up
+    line = (f"{sizing.human_bytes(bound['bf16'])} bf16 / {sizing.human_bytes(bound['fp8'])} fp8: --spool-gb "
+            f"{flag['bf16']} (--spool-dtype fp8: --spool-gb {flag['fp8']})")
+    if tokens:
+        line += (f"; vs the offline store of {tokens:,} tokens: {sizing.human_bytes(tokens * per_token['bf16'])} "
+                 f"bf16 / {sizing.human_bytes(tokens * per_token['fp8'])} fp8")
+    least = (f"{sizing.SPOOL_CHUNKS} chunks of one optimizer step, {tokens_per_step:,} tokens a step (--token-budget "
+             f"x --grad-accum x ranks): {sizing.human_bytes(floor['bf16'])} bf16 / "
+             f"{sizing.human_bytes(floor['fp8'])} fp8")
+    return [(f"online spool ({_number(online_rate)} tok/s, {_number(lead_s)} s lead)", line),
+            ("online spool floor", least)]
+
+
+def _number(x: float) -> str:
+    """20000.0 -> '20,000', 2.5 -> '2.5' (never an exponent)."""
+    return f"{x:,.0f}" if x == int(x) else f"{x:,.2f}".rstrip("0")
+
+
+def check_online(target: str | None, online_rate: float | None, spool_lead_s: float) -> None:
+    """One line for an --online-rate / --spool-lead-s doctor cannot size a spool from."""
+    if online_rate is not None and online_rate <= 0:
+        raise DraftsmithError(f"--online-rate {online_rate:g}: must be > 0 (training tokens per second the "
+                              "trainer consumes, all ranks together)")
+    if spool_lead_s <= 0:
+        raise DraftsmithError(f"--spool-lead-s {spool_lead_s:g}: must be > 0 (seconds the engines may run ahead)")
+    if online_rate is not None and target is None:
+        raise DraftsmithError("--online-rate: give --target too (the spool's rows come from the target's hidden "
+                              "size)")
 
 
 def training_fit_line(draft, gpu_memory_gb: float, *, token_budget: int, ttt_steps: int) -> str:
@@ -148,11 +193,12 @@ def training_fit_line(draft, gpu_memory_gb: float, *, token_budget: int, ttt_ste
 
 def report(*, target: str | None = None, tokens: int | None = None, tensor_parallel_size: int = 1,
            gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
-           runtime: bool = False) -> dict:
+           runtime: bool = False, online_rate: float | None = None, spool_lead_s: float = 60.0) -> dict:
     """Everything doctor finds, as one JSON-ready dict: {"draftsmith", "environment", "vllm": {source, version,
     platform, architecture, facts, strategy, reason, usable, capabilities}, "architectures": [one per architecture:
     its table row (architecture, "vLLM class", "aux ids vLLM reaches", connector, direct, notes), strategy, usable,
     support], "target": {path, architecture, sizes} when a target is given}."""
+    check_online(target, online_rate, spool_lead_s)
     config = read_target_config(target) if target else None
     architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
     main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
@@ -169,7 +215,8 @@ def report(*, target: str | None = None, tokens: int | None = None, tensor_paral
     }
     if config is not None:
         out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizing_rows(
-            config, tokens=tokens, tensor_parallel_size=tensor_parallel_size, gpu_memory_gb=gpu_memory_gb))}
+            config, tokens=tokens, tensor_parallel_size=tensor_parallel_size, gpu_memory_gb=gpu_memory_gb,
+            online_rate=online_rate, spool_lead_s=spool_lead_s))}
     return out
 
 
@@ -182,14 +229,18 @@ def _architecture_reports(architecture: str, config: dict | None, vllm_source: s
 
 def run(console: Console, *, target: str | None = None, tokens: int | None = None,
         tensor_parallel_size: int = 1, gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
-        runtime: bool = False, as_json: bool = False) -> None:
+        runtime: bool = False, as_json: bool = False, online_rate: float | None = None,
+        spool_lead_s: float = 60.0) -> None:
     """Print doctor's tables (or, `as_json`, the one JSON object of `report`). `vllm_source`: probe that vLLM tree
-    instead of the installed one (no runtime step); `runtime`: build the installed vLLM's engine config too."""
+    instead of the installed one (no runtime step); `runtime`: build the installed vLLM's engine config too;
+    `online_rate`, `spool_lead_s`: the target's online spool rows (`spool_rows`)."""
+    check_online(target, online_rate, spool_lead_s)  # a bad rate is one line before anything is printed
     if vllm_source is not None:
         package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed
     if as_json:
         console.out(json.dumps(report(target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                      gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime),
+                                      gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime,
+                                      online_rate=online_rate, spool_lead_s=spool_lead_s),
                                indent=2), highlight=False)
         return
     table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
@@ -208,9 +259,11 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
         sizes.add_column(style="bold")
         sizes.add_column()
         for key, value in sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                      gpu_memory_gb=gpu_memory_gb):
+                                      gpu_memory_gb=gpu_memory_gb, online_rate=online_rate,
+                                      spool_lead_s=spool_lead_s):
             sizes.add_row(key, value)
         console.print(sizes)
 
 
-__all__ = ["environment_rows", "read_target_config", "report", "run", "sizing_rows", "training_fit_line"]
+__all__ = ["check_online", "environment_rows", "read_target_config", "report", "run", "sizing_rows", "spool_rows",
+           "training_fit_line"]

@@ -6,6 +6,7 @@ training its draft takes in memory -- before any weight is read or any token is 
     store_bytes_per_token(shape.hidden_size, 4, "bf16")   # one token's row in the store (layer ids: aux + N)
     training_memory(draft, token_budget=8192, ...)  # the draft's training: parameters, optimizer, target head,
                                                     # activations (an estimate, see the function)
+    spool_bytes(bytes_per_token, 20_000, 60)        # online training: the spool bound for a 60 s engine lead
 
 `draftsmith doctor --target DIR` prints these for a target; `draftsmith extract` refuses, in one line, a store the
 disk cannot hold (extract/common.py). The published configs the tests check this against are in tests/families.py.
@@ -143,6 +144,35 @@ def store_bytes(tokens: int, hidden_size: int, num_layer_ids: int, dtype: Storag
     return tokens * store_bytes_per_token(hidden_size, num_layer_ids, dtype) + 16 * samples
 
 
+# --------------------------------------------------------------------------------------------------- the spool
+
+# Online training (`train --engine vllm`) reads its hidden states from a bounded spool of at most this many chunks:
+# small stores, each holding the samples of a run of consecutive optimizer steps, at most spool_bytes / SPOOL_CHUNKS.
+SPOOL_CHUNKS = 4
+
+
+def spool_bytes(bytes_per_token: int, tokens_per_s: float, lead_s: float = 60.0) -> int:
+    """The spool bound (`--spool-gb`) that lets the engines run `lead_s` seconds of the trainer's consumption
+    ahead of it, the trainer reading `tokens_per_s` training tokens a second (all ranks together) of rows of
+    `bytes_per_token` (`store_bytes_per_token`: the aux and last layers' states in the spool's dtype, input id and
+    loss-mask flag).
+
+    The engines may fill SPOOL_CHUNKS - 1 = 3 chunks ahead while the trainer reads the 4th, so the lead is 3/4 of
+    the bound: bound = ceil(tokens_per_s * lead_s * bytes_per_token * 4 / 3). The bound must also hold 4 chunks of
+    at least one optimizer step each (`min_spool_bytes`); take the larger of the two."""
+    if tokens_per_s <= 0 or lead_s <= 0 or bytes_per_token <= 0:
+        raise DraftsmithError(f"spool size: the rate ({tokens_per_s:g} tokens/s), lead ({lead_s:g} s) and bytes "
+                              f"per token ({bytes_per_token}) must all be > 0")
+    ahead = SPOOL_CHUNKS - 1
+    return math.ceil(tokens_per_s * lead_s * bytes_per_token * SPOOL_CHUNKS / ahead)
+
+
+def min_spool_bytes(bytes_per_token: int, tokens_per_step: int) -> int:
+    """The smallest spool bound: SPOOL_CHUNKS chunks of one optimizer step each, `tokens_per_step` = token_budget x
+    grad_accum x world tokens a step (a chunk never splits a step)."""
+    return SPOOL_CHUNKS * tokens_per_step * bytes_per_token
+
+
 def check_disk(needed: int, free: int, *, where: str, what: str) -> None:
     """Refuse, in one line, to start writing `needed` bytes where only `free` are left (a 2 % margin kept)."""
     if needed > free * 0.98:
@@ -254,6 +284,6 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
-__all__ = ["TargetShape", "TrainingFit", "TrainingMemory", "check_disk", "draft_params", "human_bytes",
-           "human_count", "state_bytes_per_token", "store_bytes", "store_bytes_per_token", "target_shape",
-           "training_fit", "training_memory", "weight_bytes"]
+__all__ = ["SPOOL_CHUNKS", "TargetShape", "TrainingFit", "TrainingMemory", "check_disk", "draft_params",
+           "human_bytes", "human_count", "min_spool_bytes", "spool_bytes", "state_bytes_per_token", "store_bytes",
+           "store_bytes_per_token", "target_shape", "training_fit", "training_memory", "weight_bytes"]
