@@ -360,8 +360,31 @@ class TrainConfig(StageConfig):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "auto: bf16 autocast on GPU, fp32 on CPU."))
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
+    engine: Literal["hf", "vllm"] = Field("hf", description=(
+        "Online training (--data is a prepared set): hf runs the target inside the trainer (transformers); vllm "
+        "starts vLLM engines that extract the hidden states the trainer needs next into a bounded spool."))
+    spool: Path | None = Field(None, description=(
+        "--engine vllm: the spool directory, on local disk or /dev/shm (default: OUTPUT/spool)."))
+    spool_gb: float = Field(1.0, gt=0, description=(
+        "--engine vllm: the most the spool may hold on disk, in GiB; the engines wait when it is full "
+        "(`draftsmith doctor --online-rate` says what a rate needs)."))
+    spool_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
+        "--engine vllm: storage dtype of the spooled hidden states (and of the --keep-epoch0 store)."))
+    keep_epoch0: Path | None = Field(None, description=(
+        "--engine vllm: also keep epoch 0's hidden states (and the held-out split's) in this hidden-state store; "
+        "later epochs read them from there instead of the engines, and `train --data` can use it offline later."))
+    engine_tensor_parallel_size: int = Field(1, ge=1, description="--engine vllm: vLLM tensor parallel size.")
+    engine_data_parallel_size: int = Field(1, ge=1, description=(
+        "--engine vllm: vLLM data parallel size (engines in one vLLM, each writing its share of every chunk)."))
+    engine_devices: list[int] | None = Field(None, description=(
+        "--engine vllm on GPUs: the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
+        "trainer's; default: the GPUs after those the trainer's processes on this node use."))
+    vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
+        "--engine vllm: how vLLM hands over the states (see `draftsmith doctor`)."))
+    vllm_compile: bool = Field(True, description=(
+        "--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."))
 
-    _split = field_validator("aux_layer_ids", mode="before")(_split_list)
+    _split = field_validator("aux_layer_ids", "engine_devices", mode="before")(_split_list)
 
 
 class QuickstartConfig(StageConfig):

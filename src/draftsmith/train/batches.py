@@ -88,21 +88,25 @@ def collate(items: Sequence[dict], ttt_steps: int) -> Batch:
     for i, (it, n) in enumerate(zip(items, lengths)):
         input_ids[i, :n] = it["input_ids"]
         loss_mask[i, :n] = it["loss_mask"].bool()
-    padded = []
-    for key in ("hidden_states", "hidden_scales"):
-        if key not in items[0]:
-            padded.append(None)
-        elif b == 1:
-            padded.append(items[0][key][None])
-        else:
-            first = items[0][key]
-            out = torch.empty((b, t, *first.shape[1:]), dtype=first.dtype)
-            for i, (it, n) in enumerate(zip(items, lengths)):
-                _bytes(out[i, :n]).copy_(_bytes(it[key]))
-                _bytes(out[i, n:]).zero_()
-            padded.append(out)
-    return Batch(input_ids, loss_mask, padded[0], padded[1], step_index(loss_mask.numpy(), ttt_steps),
+    hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
+    return Batch(input_ids, loss_mask, hs, sc, step_index(loss_mask.numpy(), ttt_steps),
                  [int(it["sample_id"]) for it in items], lengths)
+
+
+def pad_rows(items: Sequence[dict], key: str, t: int, copy: bool = True) -> torch.Tensor | None:
+    """items[i][key] ([T_i, ...]) right-padded with zeros to [B, t, ...] in their own dtype (None when absent); one
+    item is not copied unless `copy`."""
+    if key not in items[0]:
+        return None
+    first = items[0][key]
+    if len(items) == 1 and first.shape[0] == t and not copy:
+        return first[None]
+    out = torch.empty((len(items), t, *first.shape[1:]), dtype=first.dtype)
+    for i, it in enumerate(items):
+        n = int(it[key].shape[0])
+        _bytes(out[i, :n]).copy_(_bytes(it[key]))
+        _bytes(out[i, n:]).zero_()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -237,6 +241,21 @@ class TrainData:
         batch = batch.to(self.device, non_blocking=True)
         return self.online(batch) if self.online is not None else batch
 
+    def metrics(self) -> dict:
+        """What the feature source reports beside the loss (the online engines' rates and spool), for the log."""
+        return self.online.metrics() if self.online is not None else {}
+
+    def describe(self, metrics: dict) -> str:
+        """Those metrics for the progress line ("" when there are none)."""
+        return self.online.describe(metrics) if self.online is not None else ""
+
+    def summary(self) -> dict:
+        return self.online.summary() if self.online is not None else {}
+
+    def close(self, completed: bool) -> None:
+        if self.online is not None:
+            self.online.close(completed)
+
     def _loader(self, plan: EpochPlan) -> DataLoader:
         workers = self.num_workers
         return DataLoader(MicroBatches(self.dataset, self.ttt_steps), sampler=plan, batch_size=None,
@@ -251,6 +270,18 @@ class OnlineSource:
 
     def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
         self.target, self.layer_ids = target, list(layer_ids)
+
+    def metrics(self) -> dict:
+        return {}
+
+    def describe(self, metrics: dict) -> str:
+        return ""
+
+    def summary(self) -> dict:
+        return {}
+
+    def close(self, completed: bool) -> None:
+        pass
 
     def __call__(self, batch: Batch) -> Batch:
         # right-padded: causal attention keeps padding out of every real position, so no attention mask is needed

@@ -25,6 +25,7 @@ from draftsmith.train import distributed
 from draftsmith.train.ttt import TTTResult
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # one line per optimizer step: the sample ids rank 0 trained on, in order
 
 
 @dataclass
@@ -86,7 +87,7 @@ class MetricsSink:
     """metrics.jsonl (and TensorBoard when installed), rank 0 only; a resume drops lines after its step (and a
     line a killed run left half-written)."""
 
-    def __init__(self, path: Path, enabled: bool, keep_through_step: int):
+    def __init__(self, path: Path, enabled: bool, keep_through_step: int, tensorboard: bool = True):
         self.path, self.enabled, self._tb = path, enabled, None
         if not enabled:
             return
@@ -96,6 +97,8 @@ class MetricsSink:
                     if _step_of(line) is not None and _step_of(line) <= keep_through_step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
         self._file = open(path, "a", encoding="utf-8")
+        if not tensorboard:
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -150,7 +153,8 @@ class Progress:
         self._task = self._bar.add_task("train", total=total, info="")
         self._bar.start()
 
-    def update(self, step: int, tokens_per_s: float | None = None, stats: dict | None = None) -> None:
+    def update(self, step: int, tokens_per_s: float | None = None, stats: dict | None = None,
+               extra: str = "") -> None:
         if self._bar is None:
             return
         if stats is None:
@@ -158,7 +162,7 @@ class Progress:
             return
         acc = " ".join(f"{a:.2f}" for a in stats.get("acc", [])[:4])
         self._bar.update(self._task, completed=step,
-                         info=f"{tokens_per_s:,.0f} tok/s  loss {stats.get('loss', 0):.3f}  acc {acc}")
+                         info=f"{tokens_per_s:,.0f} tok/s  loss {stats.get('loss', 0):.3f}  acc {acc}{extra}")
 
     def close(self) -> None:
         if self._bar is not None:

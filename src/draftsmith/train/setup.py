@@ -35,14 +35,18 @@ from draftsmith.train.batches import (
     token_counts,
 )
 from draftsmith.train.checkpoint import RunState
+from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.
+# Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size
+# change where the states are computed, not which.
 RESUMABLE_CHANGES = {"resume", "force", "device", "log_every", "save_every", "eval_every", "keep_checkpoints",
                      "output", "data", "target", "num_workers", "compile", "activation_checkpointing",
-                     "distributed"}  # checkpoints hold full state dicts: DDP and FSDP2 resume each other
+                     "distributed", "spool", "spool_gb", "engine_tensor_parallel_size", "engine_data_parallel_size",
+                     "engine_devices", "vllm_strategy", "vllm_compile", "keep_epoch0"}
 
 
 @dataclass
@@ -93,6 +97,9 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
                  else "a file" if Path(cfg.data).exists() else "nothing: it does not exist")
         raise DraftsmithError(f"{cfg.data}: --data must be a hidden-state store (`draftsmith extract`) or a prepared "
                               f"data set (`draftsmith prepare`), found {found}")
+    if kind == "store" and cfg.engine == "vllm":
+        raise DraftsmithError(f"{cfg.data}: is a hidden-state store, which trains offline; --engine vllm trains from "
+                              "a prepared set (`draftsmith prepare`), extracting its states while it trains")
     if kind == "store":
         dataset = store_mod.open(cfg.data, dtype=None)  # bf16 / fp8 views of the shards, decoded on the device
         identity, aux = dataset.manifest.target, list(dataset.aux_layer_ids)
@@ -117,9 +124,11 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     if diff:
         raise DraftsmithError(f"{cfg.data}: was made for another target than {target_path} ({diff}); pass the "
                               "matching --target or prepare/extract the data for this one")
-    dtype = torch.bfloat16 if device.type == "cuda" and kind == "prepared" else torch.float32
-    # From a store only the embedding, final norm and lm_head are used: the decoder layers stay on disk.
-    load = targets.load_target if kind == "prepared" else targets.load_target_head
+    in_trainer = kind == "prepared" and cfg.engine == "hf"  # the whole target runs here
+    dtype = torch.bfloat16 if device.type == "cuda" and in_trainer else torch.float32
+    # From a store (or vLLM engines) only the embedding, final norm and lm_head are used: the decoder layers stay
+    # on disk.
+    load = targets.load_target if in_trainer else targets.load_target_head
     target = load(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if cfg.max_samples is not None:
@@ -281,7 +290,15 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
         checkpoint.restore_rng(checkpoint.saved_rng(saved))
     workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(
         device, distributed.local_world_size())
-    online = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers]) if s.kind == "prepared" else None
+    online = None
+    if s.kind == "prepared" and cfg.engine == "vllm":
+        ranks = [TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
+                 for r in range(info.world_size)]
+        online = EngineSource(cfg, info, s.dataset, ranks, eval_ids if evaluation is not None else [], s.lengths,
+                              s.aux_layer_ids, s.identity.num_layers, s.identity.hidden_size,
+                              (state.step, state.epoch, state.position), total_steps, epochs)
+    elif s.kind == "prepared":
+        online = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
     data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, online)
     base = dict(target=s.identity, draft=spec, draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()),
                 data_kind=s.kind, eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed,

@@ -1,6 +1,6 @@
 """`draftsmith train`: build the run (train/setup.py), then one explicit training loop (nanoGPT style).
 
-    batch -> (online: run the target) -> target distribution -> TTT forward -> loss -> backward
+    batch -> (online: run the target, or read the vLLM engines' spool) -> target distribution -> TTT forward -> loss -> backward
           -> clip -> AdamW step -> learning-rate schedule -> log -> evaluate / checkpoint
 
 Gradients are exact under grad accumulation and DDP: each micro-batch's loss is divided by the number of scored
@@ -22,7 +22,7 @@ from draftsmith.config import StageResult, TrainConfig, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
-from draftsmith.train.metrics import METRICS_FILE, MetricsSink, Progress, StepStats
+from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
 from draftsmith.train.setup import Run, autocast_dtype, build, lr_at
 from draftsmith.train.ttt import TargetHead, TTTResult, summarise
 
@@ -44,7 +44,9 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         out.mkdir(parents=True, exist_ok=True)
         save_resolved_config(cfg, out)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
+    ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
     stats, progress = StepStats(cfg.ttt_steps, info.device), Progress(r.total_steps, info.is_main)
+    completed = False
     last_saved, last_train = str(r.resumed_from) if r.resumed_from else None, {}
     t0, tokens_at_start = time.perf_counter(), state.tokens
     steps = r.data.steps(state.epoch, state.position, r.epochs)
@@ -69,6 +71,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
+            ledger.write({"step": state.step, "epoch": micro[0].epoch, "position": micro[0].position,
+                          "samples": [i for mb in micro for i in mb.sample_ids]})
             if micro[-1].last:  # before any checkpoint, so a resume never repeats the epoch's end
                 state.epoch, state.epoch_start = state.epoch + 1, state.step
             evaluate_now = micro[-1].last or bool(cfg.eval_every and state.step % cfg.eval_every == 0)
@@ -78,11 +82,11 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 state.tokens += tokens
                 tok_s = (state.tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
                 if logged:
-                    last_train = summarise(*sums, cfg.step_weight)
+                    last_train, source = summarise(*sums, cfg.step_weight), r.data.metrics()
                     sink.write({"type": "train", "step": state.step, "epoch": micro[0].epoch, "lr": lr,
                                 "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                                "tokens_seen": state.tokens, "tokens_per_s": round(tok_s, 1), **last_train})
-                    progress.update(state.step, tok_s, last_train)
+                                "tokens_seen": state.tokens, "tokens_per_s": round(tok_s, 1), **last_train, **source})
+                    progress.update(state.step, tok_s, last_train, r.data.describe(source))
             progress.update(state.step)
             if evaluate_now:
                 evaluate(r, sink, micro[0].epoch)
@@ -92,10 +96,13 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
             state.tokens += stats.reduce(info, last_saved)[1]
         evaluate(r, sink, state.epoch)  # no-op when this step was just evaluated
         last_saved = save(r, last_saved)
+        completed = True
     finally:
         steps.close()  # the DataLoader's workers stop
+        r.data.close(completed)  # online engines stop; a completed run's spool is emptied
         progress.close()
         sink.close()
+        ledger.close()
     return StageResult(stage="train", output=out, summary=_summary(r, last_train, last_saved, tokens_at_start,
                                                                   time.perf_counter() - t0))
 
@@ -165,6 +172,7 @@ def _summary(r: Run, last_train: dict, last_saved: str | None, tokens_at_start: 
     state, cfg = r.state, r.cfg
     summary = {
         "mode": "offline (store)" if r.data_kind == "store" else "online (target in the trainer)",
+        **r.data.summary(),
         "steps": state.step, "epochs": state.epoch, "tokens": state.tokens,
         "tokens/s": round((state.tokens - tokens_at_start) / max(elapsed, 1e-9), 1),
         "train loss": last_train.get("loss"),

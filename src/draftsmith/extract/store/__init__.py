@@ -24,7 +24,7 @@ from draftsmith.extract.store.codec import (
     decode_hidden_states,
     encode_hidden_states,
 )
-from draftsmith.extract.store.merge import merge_stores
+from draftsmith.extract.store.merge import absorb_store, merge_stores
 from draftsmith.extract.store.reader import HiddenStateStore, open
 from draftsmith.extract.store.schema import (
     DEFAULT_SHARD_BYTES,
@@ -44,6 +44,6 @@ from draftsmith.extract.store.verify import VerifyReport, verify_store
 from draftsmith.extract.store.writer import StoreWriter, create_or_resume, worker_tag
 
 __all__ = ["StoreSpec", "StoreManifest", "ShardInfo", "PreparedRef", "StoreWriter", "HiddenStateStore", "VerifyReport",
-           "create_or_resume", "open", "verify_store", "merge_stores", "prepared_ref", "encode_hidden_states",
+           "create_or_resume", "open", "verify_store", "merge_stores", "absorb_store", "prepared_ref", "encode_hidden_states",
            "decode_hidden_states", "worker_tag", "bytes_per_token", "FP8_MAX", "StorageDtype", "DEFAULT_SHARD_BYTES",
            "FORMAT_NAME", "FORMAT_VERSION", "SHARD_DIR", "LOCK_DIR", "MANIFEST_NAME", "read_manifest", "write_manifest"]

@@ -20,6 +20,22 @@ from draftsmith.extract.store.schema import (
     StoreManifest,
 )
 from draftsmith.extract.store.shards import shard_name
+from draftsmith.extract.store.writer import _add_shards, create_or_resume
+
+
+def _place(src: Path, dst: Path, info: ShardInfo, store: Path, link: bool) -> None:
+    """A shard file of `store` at `dst`: hard-linked when possible (shards are never modified in place), else copied
+    and checked against its recorded sha256."""
+    if not src.is_file() or src.stat().st_size != info.num_bytes:
+        raise DraftsmithError(f"{src}: missing or of the wrong size; run `draftsmith store verify` on {store}")
+    if link:
+        with contextlib.suppress(OSError):
+            os.link(src, dst)
+            return
+    shutil.copyfile(src, dst)
+    if sha256_file(dst) != info.sha256:
+        raise DraftsmithError(f"{src}: sha256 does not match its manifest (damaged shard); run "
+                              f"`draftsmith store verify --repair` on {store}")
 
 
 def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> HiddenStateStore:
@@ -64,18 +80,7 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
                     src = p / info.file
                     name = shard_name(f"merged{k}", len(shards))
                     dst = tmp / SHARD_DIR / name
-                    if not src.is_file() or src.stat().st_size != info.num_bytes:
-                        raise DraftsmithError(f"{src}: missing or of the wrong size; run `draftsmith store verify` on {p}")
-                    linked = False
-                    if link:
-                        with contextlib.suppress(OSError):
-                            os.link(src, dst)
-                            linked = True
-                    if not linked:
-                        shutil.copyfile(src, dst)
-                        if sha256_file(dst) != info.sha256:
-                            raise DraftsmithError(f"{src}: sha256 does not match its manifest (damaged shard); run "
-                                                  f"`draftsmith store verify --repair` on {p}")
+                    _place(src, dst, info, p, link)
                     shards.append(info.model_copy(update={"file": f"{SHARD_DIR}/{name}"}))
             merged = StoreManifest(**first.spec().model_dump(), shards=shards,
                                    num_samples=sum(s.num_samples for s in shards),
@@ -85,3 +90,28 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
     except OSError as err:
         raise _explain_os_error(output, err) from None
     return reader.open(output)
+
+
+def absorb_store(store: Path, part: Path, tag: str) -> int:
+    """Add the samples of store `part` (an online spool chunk) that `store` lacks to `store`, created with the part's
+    spec when new: its shard files hard-linked (or copied), named after `tag`, then recorded in the manifest, so a
+    crash in between leaves an orphan the next writer adopts. Returns the samples added."""
+    manifest = read_manifest(part, StoreManifest)
+    writer = create_or_resume(store, manifest.spec(), backend_info=manifest.backend_info)
+    try:
+        done, added = writer.done_sample_ids(), []
+        for k, info in enumerate(manifest.shards):
+            if any(i in done for a, b in info.sample_ranges for i in range(a, b)):
+                continue
+            name = shard_name(tag, k)
+            dst = Path(store) / SHARD_DIR / name
+            dst.unlink(missing_ok=True)
+            _place(Path(part) / info.file, dst, info, Path(part), link=True)
+            added.append(info.model_copy(update={"file": f"{SHARD_DIR}/{name}", "writer": tag}))
+        if added:
+            _add_shards(Path(store), added)
+    except OSError as err:
+        raise _explain_os_error(Path(store), err) from None
+    finally:
+        writer.close()
+    return sum(i.num_samples for i in added)

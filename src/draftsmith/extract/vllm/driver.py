@@ -273,7 +273,7 @@ class Engine:
         gone = dead()
         if gone and (thread.is_alive() or not outcome[0][0]):
             self.watched = {}
-            store = self.spec.sink_config.get("store", "the store")
+            store = self.spec.sink_config.get("store") or "the online spool"
             raise DraftsmithError(f"{store}: the vLLM engine process {gone[0]} died during extraction (killed, or "
                                   "out of memory); the store keeps every shard its worker committed: run the same "
                                   "command again to resume")
@@ -337,6 +337,18 @@ class Engine:
                 self.llm.llm_engine.step()
             else:
                 time.sleep(0.05)
+
+    def open_store(self, path: str) -> None:
+        """Online training: the sink writes into the store at `path` (the spool's next chunk) from now on."""
+        self._guarded(self.llm.collective_rpc, "draftsmith_open_store", args=(str(path),))
+
+    def finish_store(self) -> list[dict[str, Any]]:
+        """Flush and close the store `open_store` opened (every writer rank's report); the sink stays open."""
+        reports = self._guarded(self.llm.collective_rpc, "draftsmith_finish_store")
+        errors = [r["error"] for r in reports if r.get("error")]
+        if errors:
+            raise DraftsmithError(f"vLLM worker could not write hidden states to the spool: {errors[0]}")
+        return reports
 
     def close_sink(self) -> list[dict[str, Any]]:
         reports = self._guarded(self.llm.collective_rpc, "draftsmith_close")

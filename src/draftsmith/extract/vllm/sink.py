@@ -41,18 +41,37 @@ class StoreSink:
         if not writes:
             return
         self.dataset = open_prepared(Path(config["prepared"]))
-        spec = store_module.StoreSpec.model_validate(config["spec"])
-        worker = tuple(config["worker"])
-        self._writer = store_module.create_or_resume(Path(config["store"]), spec, worker=worker,
-                                                     shard_bytes=int(config["shard_bytes"]),
-                                                     backend_info=config.get("backend_info"))
+        self.spec = store_module.StoreSpec.model_validate(config["spec"])
+        if config.get("store") is not None:
+            self._open(Path(config["store"]))
+
+    def _open(self, path: Path) -> None:
+        self._writer = store_module.create_or_resume(path, self.spec, worker=tuple(self.config["worker"]),
+                                                     shard_bytes=int(self.config["shard_bytes"]),
+                                                     backend_info=self.config.get("backend_info"))
         self._background = common.BackgroundWriter(self._writer, max_pending=8)
+
+    def open_store(self, path: str) -> None:
+        """Write from now on into the store at `path` (the online spool's next chunk): the counters start at 0.
+        A store still open is finished first."""
+        with self._lock:
+            if self._writer is not None:
+                self._finish()
+            self.received, self.written_tokens = 0, 0
+            if self.writes and self.error is None:
+                try:
+                    self._open(Path(path))
+                except BaseException as err:  # noqa: BLE001 - reported to the driver
+                    self.error = f"{type(err).__name__}: {err}"
 
     def put(self, sample_id: int, token_ids: Any, states: torch.Tensor) -> None:
         """Store one request's states [T, L, H] (any device; copied to the CPU here, no pinned memory)."""
         with self._lock:
             self.received += 1
             if not self.writes or self.error is not None:
+                return
+            if self._writer is None:
+                self.error = f"request for sample {sample_id} arrived with no store open"
                 return
             try:
                 row = self.dataset[int(sample_id)]
@@ -72,8 +91,17 @@ class StoreSink:
     def progress(self) -> dict[str, Any]:
         return {"received": self.received, "error": self.error, "writes": self.writes}
 
+    def finish_store(self) -> dict[str, Any]:
+        """Flush and close the store being written (the sink stays, for the next `open_store`)."""
+        with self._lock:
+            return self._finish()
+
     def close(self) -> dict[str, Any]:
         """Flush everything to the store and release the writer; returns what was written."""
+        with self._lock:
+            return self._finish()
+
+    def _finish(self) -> dict[str, Any]:
         out: dict[str, Any] = {"received": self.received, "error": self.error, "samples_written": 0}
         if self._writer is None:
             return out

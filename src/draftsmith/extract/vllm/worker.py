@@ -1,7 +1,8 @@
 """The worker extension vLLM mixes into its worker class (`worker_extension_cls`), reached via `LLM.collective_rpc`.
 
 The driver uses it with both strategies: to install the direct taps (direct strategy), to poll how many requests
-the sink has received, and to flush and close the store writer before vLLM shuts down. Method names carry a
+the sink has received, to flush and close the store writer before vLLM shuts down, and (online training) to
+point the sink at the spool's next chunk and finish it. Method names carry a
 `draftsmith_` prefix because vLLM refuses an extension that shadows a worker attribute.
 """
 
@@ -31,3 +32,15 @@ class DraftsmithWorkerExtension:
 
     def draftsmith_close(self) -> dict[str, Any]:
         return sink_module.deactivate()
+
+    def draftsmith_open_store(self, path: str) -> bool:
+        """Online training: the sink writes the spool's next chunk into the store at `path`."""
+        sink = sink_module.active()
+        if sink is None:
+            return False
+        sink.open_store(path)
+        return True
+
+    def draftsmith_finish_store(self) -> dict[str, Any]:
+        sink = sink_module.active()
+        return sink.finish_store() if sink is not None else {"received": 0, "error": None, "samples_written": 0}
