@@ -364,7 +364,8 @@ class TrainConfig(StageConfig):
         "Online training (--data is a prepared set): hf runs the target inside the trainer (transformers); vllm "
         "starts vLLM engines that extract the hidden states the trainer needs next into a bounded spool."))
     spool: Path | None = Field(None, description=(
-        "--engine vllm: the spool directory, on local disk or /dev/shm (default: OUTPUT/spool)."))
+        "--engine vllm: the spool directory, on local disk or /dev/shm; under torchrun on several nodes a path "
+        "every rank sees (default: OUTPUT/spool)."))
     spool_gb: float = Field(1.0, gt=0, description=(
         "--engine vllm: the most the spool may hold on disk, in GiB; the engines wait when it is full "
         "(`draftsmith doctor --online-rate` says what a rate needs)."))
@@ -377,10 +378,14 @@ class TrainConfig(StageConfig):
     engine_data_parallel_size: int = Field(1, ge=1, description=(
         "--engine vllm: vLLM data parallel size (engines in one vLLM, each writing its share of every chunk)."))
     engine_devices: list[int] | None = Field(None, description=(
-        "--engine vllm on GPUs: the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
-        "trainer's; default: the GPUs after those the trainer's processes on this node use."))
+        "--engine vllm: on GPUs, the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
+        "trainer's (default: the GPUs after those the trainer's processes on this node use); on a CPU, the cores "
+        "the engines are bound to while the trainer keeps the others (default: both share every core)."))
     vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
         "--engine vllm: how vLLM hands over the states (see `draftsmith doctor`)."))
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "--engine vllm: dtype the target runs in inside vLLM, as `extract --compute-dtype` (auto: bfloat16 on GPUs "
+        "and on CPUs with bf16 instructions, else float32)."))
     vllm_compile: bool = Field(True, description=(
         "--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."))
 

@@ -3,8 +3,9 @@ chunks, the engine process, and the feature source that fills each batch's hidde
 
     plan     the run's optimizer steps from the resume point on, exactly as the samplers give them to every rank,
              packed per epoch into chunks of at most bound / SPOOL_CHUNKS bytes (and the held-out split's chunk)
-    engine   `python -m draftsmith.extract.vllm.feed SPOOL` started by rank 0, on its own GPUs (or sharing the CPU
-             cores); restarted when it dies, up to ENGINE_RESTARTS times without a new chunk
+    engine   `python -m draftsmith.extract.vllm.feed SPOOL` started by rank 0, on its own GPUs (on a CPU: sharing its
+             cores, or on the cores --engine-devices names while the trainer keeps the rest); restarted when it dies,
+             up to ENGINE_RESTARTS times without a new chunk
     read     a batch's states come from its chunk (waiting until it is ready) or from the --keep-epoch0 store; a
              chunk is deleted once every rank has moved past it (epoch 0's and the held-out split's are first
              linked into the --keep-epoch0 store)
@@ -16,6 +17,7 @@ order. The spool itself is `draftsmith.extract.spool`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -34,6 +36,7 @@ from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
 from draftsmith.extract.spool import EVAL_CHUNK, LOG_FILE, TRAINER_LOCK, Chunk, Spool
+from draftsmith.extract.vllm.driver import cpu_thread_binding
 from draftsmith.train import distributed
 from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
 
@@ -41,8 +44,25 @@ ENGINE_MODULE = "draftsmith.extract.vllm.feed"
 ENGINE_RESTARTS = 3
 
 
+def engine_cpus(cfg: TrainConfig) -> list[int] | None:
+    """On a CPU, the cores --engine-devices gives the engines (None: engines and trainer share every core); this
+    process (the trainer) keeps the others."""
+    if not cfg.engine_devices:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    engines = sorted(set(cfg.engine_devices))
+    outside = [c for c in engines if c not in allowed]
+    rest = [c for c in allowed if c not in engines]
+    if outside or not rest:
+        raise DraftsmithError(f"--engine-devices {','.join(map(str, engines))}: on a CPU these are cores, and "
+                              f"{f'core(s) {outside} are not among' if outside else 'they take every one of'} the "
+                              f"cores this process may use ({','.join(map(str, allowed))}); leave the trainer at "
+                              "least one")
+    return engines
+
+
 def engine_devices(cfg: TrainConfig, info: distributed.DistInfo) -> list[int] | None:
-    """The GPUs the engines run on (None on a CPU: the processes share its cores), disjoint from the trainer's."""
+    """The GPUs the engines run on (None on a CPU), disjoint from the trainer's."""
     if info.device.type != "cuda":
         return None
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -68,6 +88,12 @@ def _steps_of_epoch(samplers: Sequence[TokenBudgetSampler], epoch: int, grad_acc
             for p in range(n)]
 
 
+def _round_up(x: float) -> float:
+    """`x` rounded up to three significant digits (a bound suggested must be enough)."""
+    scale = 10.0 ** (2 - math.floor(math.log10(x)))
+    return math.ceil(x * scale) / scale
+
+
 def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evaluation: Sequence[int],
                 lengths: Any, layers: int, hidden: int, bound: int, start: tuple[int, int, int], total_steps: int,
                 epochs: int | None, kept: set[int]) -> list[Chunk]:
@@ -83,7 +109,9 @@ def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evalua
 
     keep = cfg.keep_epoch0 is not None
     eval_chunk = chunk(EVAL_CHUNK, -1, 0, 0, list(evaluation), kept if keep else set()) if len(evaluation) else None
-    limit = (bound - (eval_chunk.estimate if eval_chunk else 0)) // SPOOL_CHUNKS
+    # the held-out chunk's whole size, kept or not, so the chunk boundaries do not move once it is kept
+    held_out = size(list(evaluation)) if len(evaluation) else 0
+    limit = (bound - held_out) // SPOOL_CHUNKS
     step, epoch, position = start
     chunks: list[Chunk] = []
     epoch0 = set(kept)
@@ -93,11 +121,11 @@ def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evalua
             break
         sizes = [size(ids) for ids in steps]
         if max(sizes) > limit:
-            need = (max(sizes) * SPOOL_CHUNKS + (eval_chunk.estimate if eval_chunk else 0)) / GiB
-            raise DraftsmithError(f"--spool-gb {cfg.spool_gb:g}: one optimizer step takes up to {max(sizes) / GiB:.3f} "
+            need = _round_up((max(sizes) * SPOOL_CHUNKS + held_out) / GiB)
+            raise DraftsmithError(f"--spool-gb {cfg.spool_gb:g}: one optimizer step takes up to {max(sizes) / GiB:.3g} "
                                   f"GiB of hidden states and the spool holds {SPOOL_CHUNKS} chunks of at least one "
                                   f"step{' besides the held-out split' if eval_chunk else ''}; raise --spool-gb to "
-                                  f"{need:.2f} or more, or lower --token-budget / --grad-accum")
+                                  f"{need:g} or more, or lower --token-budget / --grad-accum")
         for first, last in spool_mod.pack_steps(list(zip(steps, sizes)), limit):
             if last < position:  # read before the resume point
                 continue
@@ -135,6 +163,7 @@ class EngineSource:
         self.from_engine = {c.name: set(c.engine_ids) for c in self.chunks}
         self.eval_chunk = next((c for c in self.chunks if c.name == EVAL_CHUNK), None)
         self.open_chunks: dict[str, Any] = {}
+        self.consumed: set[str] = set()
         self.current: Chunk | None = None
         self.keep_reader = None
         self.proc: subprocess.Popen | None = None
@@ -142,6 +171,11 @@ class EngineSource:
         self.waited = self._waited_at_log = 0.0
         self._log_time = time.perf_counter()
         self._lock = None
+        self.cpus = engine_cpus(cfg) if info.device.type != "cuda" else None
+        if self.cpus:  # the trainer keeps the other cores
+            rest = sorted(set(os.sched_getaffinity(0)) - set(self.cpus))
+            os.sched_setaffinity(0, rest)
+            torch.set_num_threads(len(rest))
         error = None
         if info.is_main:
             try:
@@ -172,8 +206,7 @@ class EngineSource:
                     self.spool.remove(name)
             self.spool.clean(set(wanted))
             self.spool.write_job({"extract": self._extract_config().model_dump(mode="json"), "bound": self.bound,
-                                  "devices": engine_devices(self.cfg, self.info)})
-            self.spool.write_plan(self.chunks)
+                                  "devices": engine_devices(self.cfg, self.info), "cpus": self.cpus})
             self.spool.write_status({"pid": 0, "waiting": "start"})
         if any(c.from_engine and not self.spool.is_ready(c.name) for c in self.chunks):
             self._spawn()
@@ -193,13 +226,19 @@ class EngineSource:
                              aux_layer_ids=self.layer_ids[:-1], dtype=cfg.spool_dtype,
                              tensor_parallel_size=cfg.engine_tensor_parallel_size,
                              data_parallel_size=cfg.engine_data_parallel_size, vllm_strategy=cfg.vllm_strategy,
-                             vllm_compile=cfg.vllm_compile, trust_remote_code=cfg.trust_remote_code)
+                             vllm_compile=cfg.vllm_compile, compute_dtype=cfg.engine_dtype,
+                             trust_remote_code=cfg.trust_remote_code)
 
     def _spawn(self) -> None:
+        """Start the engine process on the chunks not yet read (a restarted one must not redo deleted ones)."""
+        self.spool.write_plan([c for c in self.chunks if c.name not in self.consumed])
         env = dict(os.environ)
-        devices = self.spool.read_job().get("devices")
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        job = self.spool.read_job()
+        if job.get("devices") is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job["devices"]))
+        if job.get("cpus"):  # vLLM binds its CPU workers' threads there (the engine process takes those cores)
+            world = self.cfg.engine_tensor_parallel_size * self.cfg.engine_data_parallel_size
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, job["cpus"])
         with open(self.spool.path / LOG_FILE, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, str(self.spool.path)], env=env,
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -300,6 +339,7 @@ class EngineSource:
     def _finish(self, chunk: Chunk) -> None:
         """Every micro-batch of `chunk` was read: delete it (once every rank has)."""
         self.open_chunks.pop(chunk.name, None)
+        self.consumed.add(chunk.name)
         if chunk.from_engine:
             self.spool.consume(chunk.name, self.info.rank, self.info.world_size)
 

@@ -51,6 +51,8 @@ def watch_parent(parent: int, status: FeedStatus, spool: Spool) -> None:
 
 def feed(spool: Spool, status: FeedStatus) -> None:
     job = spool.read_job()
+    if job.get("cpus"):  # the cores the trainer left to the engine (it runs on the others)
+        os.sched_setaffinity(0, job["cpus"])
     cfg = ExtractConfig.model_validate(job["extract"])
     spool.bound = int(job["bound"])
     chunks = [c for c in spool.read_plan() if c.from_engine and not spool.is_ready(c.name)]

@@ -1,0 +1,280 @@
+"""`draftsmith train --engine vllm` with real vLLM on this CPU, run as a user runs it (the CLI, in a process of its
+own, vLLM's engine in the engine process):
+
+- online-from-engine equals offline-from-store (`extract --backend vllm`, then `train --data STORE`) on the default
+  target: the same samples in the same order (samples.jsonl), the same loss and held-out curves, equal final weights;
+  while the spool, bound to less than a tenth of the store, is measured every few milliseconds and stays under it;
+- kill -9 of the engine process (the trainer restarts it), of the trainer (its engine process exits by itself) and
+  of the whole job, each resumed by the same command: every sample once per epoch, final weights equal the
+  uninterrupted run's;
+- --keep-epoch0 across an epoch boundary: epoch 1 comes from the kept store, not the engines; the curve equals the
+  offline one and the kept store trains offline;
+- a DeepSeek-V3 target (MLA, MoE) through the same path equals its offline run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.extract import store
+from draftsmith.extract.spool import Spool, disk_bytes, read_feed_status
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
+
+NUM_SAMPLES = 160
+MAX_LENGTH = 128
+STEPS = 24
+# Small steps (about two samples each) so that four chunks of one step and the held-out chunk fit in under a tenth
+# of the whole store.
+TRAIN = ["--token-budget", "256", "--draft-vocab-size", "2000", "--warmup-steps", "2", "--log-every", "1",
+         "--eval-every", "8", "--save-every", "4", "--device", "cpu", "--no-vllm-compile",
+         "--engine-dtype", "float32"]
+# float32 in vLLM on both sides: `auto` is bfloat16 on CPUs with bf16 instructions, float32 on others
+EXTRACT = ["--backend", "vllm", "--no-vllm-compile", "--compute-dtype", "float32"]
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def draftsmith(*args: str | Path, check: bool = True, log: Path | None = None):
+    """The CLI in a process of its own: run to the end (and checked), or, with `log`, started (its stderr into
+    `log`) and returned."""
+    cmd = [sys.executable, "-m", "draftsmith", *map(str, args)]
+    env = {**os.environ, **ENV}
+    if log is not None:
+        with open(log, "a") as err:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    last = sorted((run / "checkpoints").glob("step-*"))[-1]
+    return load_file(str(last / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def assert_once_per_epoch(run: Path) -> None:
+    seen: dict[int, list[int]] = {}
+    for line in read_jsonl(run / "samples.jsonl"):
+        seen.setdefault(line["epoch"], []).extend(line["samples"])
+    for epoch, ids in seen.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample was trained on twice"
+
+
+class SpoolWatch:
+    """The bytes on disk under a spool directory, sampled every 5 ms from a thread for as long as it runs."""
+
+    def __init__(self, path: Path):
+        self.path, self.peak, self.samples, self._stop = path, 0, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.path.is_dir():
+                self.peak = max(self.peak, disk_bytes(self.path))
+                self.samples += 1
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine")
+
+
+@pytest.fixture(scope="module")
+def prepared(work, sharegpt_file, default_target_dir) -> Path:
+    draftsmith("prepare", "--data", sharegpt_file, "--max-samples", NUM_SAMPLES, "--max-length", MAX_LENGTH,
+               "--output", work / "prepared")
+    return work / "prepared"
+
+
+@pytest.fixture(scope="module")
+def offline(work, prepared) -> dict:
+    """extract --backend vllm, then train --data STORE."""
+    draftsmith("extract", "--prepared", prepared, "--output", work / "store", *EXTRACT)
+    draftsmith("train", "--data", work / "store", "--output", work / "offline", "--max-steps", STEPS, *TRAIN)
+    return {"run": work / "offline", "store_bytes": disk_bytes(work / "store")}
+
+
+@pytest.fixture(scope="module")
+def online(work, prepared, offline) -> dict:
+    """train --engine vllm with a spool bound of a twelfth of the store, the spool measured while it runs."""
+    bound_gb = offline["store_bytes"] / 12 / (1 << 30)
+    run = work / "online"
+    watch = SpoolWatch(run / "spool")
+    done = draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", f"{bound_gb:.6f}", "--output",
+                      run, "--max-steps", STEPS, *TRAIN)
+    return {"run": run, "peak": watch.stop(), "samples": watch.samples, "bound": int(bound_gb * (1 << 30)),
+            "stdout": done.stdout, "bound_gb": bound_gb}
+
+
+def test_online_from_engine_equals_offline_from_store_under_a_tenth_of_its_disk(offline, online):
+    on, off = online["run"], offline["run"]
+    # the same samples in the same order
+    assert read_jsonl(on / "samples.jsonl") == read_jsonl(off / "samples.jsonl")
+    assert len(read_jsonl(on / "samples.jsonl")) == STEPS
+    # the same curves: train loss at every step, every held-out evaluation
+    curve = {k: [] for k in ("on", "off")}
+    for key, run in (("on", on), ("off", off)):
+        for line in read_jsonl(run / "metrics.jsonl"):
+            curve[key].append((line["type"], line["step"], line["loss"], line.get("acceptance_length"),
+                               tuple(line.get("acc", ()))))
+    assert [c[:2] for c in curve["on"]] == [c[:2] for c in curve["off"]]
+    assert sum(c[0] == "eval" for c in curve["on"]) >= 3
+    for a, b in zip(curve["on"], curve["off"]):
+        assert a[2] == pytest.approx(b[2], rel=1e-5, abs=1e-6), (a, b)
+        assert a[4] == pytest.approx(b[4], abs=1e-6), (a, b)
+    assert_same_weights(on, off)
+    # the disk: the bound is under a tenth of the store, and the measured peak stays under the bound
+    assert online["bound"] < offline["store_bytes"] / 10
+    assert online["samples"] > 100, "the spool was hardly sampled"
+    assert 0 < online["peak"] <= online["bound"], (online["peak"], online["bound"])
+    # the run reports it, and leaves no chunk behind
+    metrics = [m for m in read_jsonl(on / "metrics.jsonl") if m["type"] == "train"]
+    assert all(m["spool_bytes"] <= online["bound"] for m in metrics)
+    assert metrics[-1]["extract_tokens_per_s"] > 0 and {m["waiting"] for m in metrics} <= {
+        "trainer", "engines (spool full)", "trainer (engine starting)", "none"}
+    assert "online (vLLM engines, spool)" in online["stdout"]
+    assert not any((on / "spool" / "chunks").iterdir())
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the trainer ended before {what} (exit code {proc.returncode})")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _steps_done(run: Path) -> int:
+    path = run / "samples.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work, prepared, online):
+    run = work / "faults"
+    args = ("train", "--data", prepared, "--engine", "vllm", "--spool-gb", f"{online['bound_gb']:.6f}", "--output",
+            run, "--max-steps", STEPS, *TRAIN)
+    spool, log = Spool(run / "spool"), work / "faults.log"
+
+    # 1. the engine process dies mid-run: the trainer restarts it and finishes nothing short
+    trainer = draftsmith(*args, log=log)
+    _wait_for(lambda: read_feed_status(spool).chunks_done >= 2 and not read_feed_status(spool).done, trainer,
+              "two chunks")
+    engine = read_feed_status(spool).pid
+    os.kill(engine, signal.SIGKILL)
+    # 2. then the trainer dies, after a checkpoint: its engine process exits by itself
+    _wait_for(lambda: _steps_done(run) >= 10, trainer, "step 10")
+    engine = read_feed_status(spool).pid
+    trainer.kill()
+    trainer.wait()
+    err = log.read_text()
+    assert "restarting it (1 of 3)" in err, err[-2000:]
+    deadline = time.monotonic() + 30
+    while _alive(engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(engine), "the engine process outlived its trainer"
+    # 3. the same command resumes; then the whole job is killed at once
+    trainer = draftsmith(*args, log=log)
+    _wait_for(lambda: _steps_done(run) >= 17 and read_feed_status(spool).pid not in (0, engine), trainer, "step 17")
+    engine = read_feed_status(spool).pid
+    trainer.kill()
+    os.kill(engine, signal.SIGKILL)
+    trainer.wait()
+    # 4. the same command finishes the run
+    draftsmith(*args)
+    assert_once_per_epoch(run)
+    assert read_jsonl(run / "samples.jsonl") == read_jsonl(online["run"] / "samples.jsonl")
+    assert_same_weights(run, online["run"])
+
+
+def test_keep_epoch0_feeds_later_epochs_and_trains_offline(work, sharegpt_file):
+    prepared, kept = work / "prepared-small", work / "kept"
+    draftsmith("prepare", "--data", sharegpt_file, "--max-samples", 24, "--max-length", MAX_LENGTH, "--output",
+               prepared)
+    draftsmith("extract", "--prepared", prepared, "--output", work / "store-small", *EXTRACT)
+    options = ["--epochs", "2", *TRAIN]
+    draftsmith("train", "--data", work / "store-small", "--output", work / "offline-2ep", *options)
+    done = draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--keep-epoch0", kept,
+                      "--output", work / "online-2ep", *options)
+    epochs = {line["epoch"] for line in read_jsonl(work / "online-2ep" / "samples.jsonl")}
+    assert epochs == {0, 1}
+    assert read_jsonl(work / "online-2ep" / "samples.jsonl") == read_jsonl(work / "offline-2ep" / "samples.jsonl")
+    assert_same_weights(work / "online-2ep", work / "offline-2ep")
+    # epoch 1 and the held-out split came from the kept store: the engines computed epoch 0 (and the held-out
+    # split) only
+    status = json.loads((work / "online-2ep" / "spool" / "status.json").read_text())
+    epoch0 = {i for line in read_jsonl(work / "online-2ep" / "samples.jsonl") if line["epoch"] == 0
+              for i in line["samples"]}
+    kept_store = store.open(kept)
+    assert epoch0 <= set(kept_store.sample_ids.tolist())
+    lengths = {int(i): int(n) for i, n in zip(kept_store.sample_ids, kept_store.lengths)}
+    assert status["tokens"] == sum(lengths.values()), "the engines computed samples outside epoch 0 / held-out"
+    assert store.verify_store(kept).ok
+    # the kept store is an ordinary store: it trains offline
+    draftsmith("train", "--data", kept, "--output", work / "from-kept", "--max-steps", 2, *TRAIN)
+    assert "kept epoch 0 in" in done.stdout
+
+
+def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    import families
+    from test_families import CONVERSATIONS
+
+    target = families.target_dir("deepseek_v3")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
+                             for i in range(24)))
+    prepared = tmp_path / "prepared"
+    draftsmith("prepare", "--data", chats, "--target", target, "--max-length", 192, "--output", prepared)
+    draftsmith("extract", "--prepared", prepared, "--output", tmp_path / "store", *EXTRACT)
+    options = ["--max-steps", "8", "--token-budget", "512", "--draft-vocab-size", "256", "--log-every", "1",
+               "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
+    draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "offline", *options)
+    draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output",
+               tmp_path / "online", *options)
+    assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")
+    on = [m["loss"] for m in read_jsonl(tmp_path / "online" / "metrics.jsonl")]
+    off = [m["loss"] for m in read_jsonl(tmp_path / "offline" / "metrics.jsonl")]
+    assert on == pytest.approx(off, rel=1e-5)
+    assert_same_weights(tmp_path / "online", tmp_path / "offline")
