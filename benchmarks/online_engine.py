@@ -224,7 +224,8 @@ def main() -> None:
     parser.add_argument("--engine-cores", default=None, help=(
         "CPU only: split the cores as disjoint devices, e.g. 0 on a 2-core machine: A's extract runs on these "
         "cores and A's train on the others; B gets --engine-devices CORES (its trainer keeps the others). "
-        "Default: every stage uses every core (B's engine and trainer share them)."))
+        "Default: each of A's stages uses every core; B runs as draftsmith does by default (on a CPU its engine "
+        "on the first half of the cores, its trainer on the rest)."))
     args = parser.parse_args()
 
     import torch
@@ -329,7 +330,8 @@ def main() -> None:
         result = {
             "target": pm.target.architecture, "samples": pm.num_samples, "prepared_tokens": pm.num_tokens,
             "max_length": pm.max_length, "seed": args.seed, "vllm_compile": compile_,
-            "cores": {"engine": engine_cores, "trainer": rest_cores} if engine_cores else "shared",
+            "cores": ({"engine": engine_cores, "trainer": rest_cores} if engine_cores
+                      else "A: every core; B: draftsmith's default"),
             "train_options": " ".join(train_opts), "store_estimate_bytes": store_estimate, "prepare_s": prepare_s,
             "offline": offline, "online": online,
             "ratio_vs_slower_stage": ratio(online["tokens_per_s"], min(stage_rates)) if ok and all(stage_rates)

@@ -577,3 +577,47 @@ def test_a_crash_between_link_and_manifest_is_adopted_without_duplicates(tmp_pat
     assert len(list((kept / "shards").glob("part-*.safetensors"))) == 1 + len(infos)
     assert store.absorb_store(kept, c, tag=tag) == 0
     _assert_holds(kept, a, c)
+
+
+def test_engine_cores_on_a_cpu_are_checked_against_the_cores_this_process_may_use():
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.engine_source import engine_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    # default: the engines on the first half of the cores, the trainer on the rest (one core: shared)
+    assert engine_cpus(TrainConfig(engine="vllm")) == (allowed[:len(allowed) // 2] or None)
+    if len(allowed) > 1:
+        assert engine_cpus(TrainConfig(engine="vllm", engine_devices=[allowed[0]])) == [allowed[0]]
+    with pytest.raises(DraftsmithError, match="take every one of the cores") as err:
+        engine_cpus(TrainConfig(engine="vllm", engine_devices=allowed))
+    assert "\n" not in str(err.value)
+    with pytest.raises(DraftsmithError, match=r"core\(s\) \[4096\] are not among"):
+        engine_cpus(TrainConfig(engine="vllm", engine_devices=[4096]))
+
+
+def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_first(tmp_path, monkeypatch):
+    """A trainer killed after the engine ran ahead, resumed from an earlier checkpoint: the chunks the spool still
+    holds far ahead must go, or the engine (writing in plan order) would wait for room the trainer never frees."""
+    from draftsmith.config import TrainConfig
+    from draftsmith.extract.spool import Chunk
+    from draftsmith.train import engine_source
+
+    spool = Spool(tmp_path / "spool", bound=10_000)
+    spool.create()
+    chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(6)]
+    for c in chunks[1:]:  # c0 was consumed before the kill; c1..c5 are ready
+        (spool.chunk_path(c.name)).mkdir(parents=True)
+        (spool.chunk_path(c.name) / "manifest.json").write_text("{}")
+    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
+    source.spool, source.bound, source.chunks = spool, 10_000, chunks
+    source.cfg, source.info, source.layer_ids = TrainConfig(engine="vllm"), None, []
+    source._chunk_matches = lambda c: True
+    source._extract_config = lambda: TrainConfig()
+    source.cpus, source.consumed, source.proc = None, set(), None
+    spawned = []
+    source._spawn = lambda: spawned.append(True)
+    monkeypatch.setattr(engine_source, "engine_devices", lambda cfg, info: None)
+    source._start()
+    # c0 (missing), c1, c2 fit in 10,000 bytes (3 x 3,000); c3.. are removed
+    assert [c.name for c in chunks if spool.is_ready(c.name)] == ["c1", "c2"]
+    assert spawned

@@ -47,10 +47,18 @@ EXTRACT = ["--backend", "vllm", "--no-vllm-compile", "--compute-dtype", "float32
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def draftsmith(*args: str | Path, check: bool = True, log: Path | None = None):
+# On a CPU the online trainer runs on the cores the engine leaves it (the second half); torch's CPU kernels may round
+# differently with another number of threads, so the offline runs it is compared with train on the same cores.
+ALLOWED = sorted(os.sched_getaffinity(0))
+TRAINER_CORES = ALLOWED[len(ALLOWED) // 2:] if len(ALLOWED) > 1 else ALLOWED
+
+
+def draftsmith(*args: str | Path, check: bool = True, log: Path | None = None, trainer_cores: bool = False):
     """The CLI in a process of its own: run to the end (and checked), or, with `log`, started (its stderr into
-    `log`) and returned."""
+    `log`) and returned; `trainer_cores`: on the cores an online trainer keeps."""
     cmd = [sys.executable, "-m", "draftsmith", *map(str, args)]
+    if trainer_cores:
+        cmd = ["taskset", "-c", ",".join(map(str, TRAINER_CORES)), *cmd]
     env = {**os.environ, **ENV}
     if log is not None:
         with open(log, "a") as err:
@@ -122,7 +130,8 @@ def prepared(work, sharegpt_file, default_target_dir) -> Path:
 def offline(work, prepared) -> dict:
     """extract --backend vllm, then train --data STORE."""
     draftsmith("extract", "--prepared", prepared, "--output", work / "store", *EXTRACT)
-    draftsmith("train", "--data", work / "store", "--output", work / "offline", "--max-steps", STEPS, *TRAIN)
+    draftsmith("train", "--data", work / "store", "--output", work / "offline", "--max-steps", STEPS, *TRAIN,
+               trainer_cores=True)
     return {"run": work / "offline", "store_bytes": disk_bytes(work / "store")}
 
 
@@ -173,7 +182,10 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300
     while not predicate():
         if proc.poll() is not None:
             raise AssertionError(f"the trainer ended before {what} (exit code {proc.returncode})")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() > deadline:
+            proc.kill()  # its engine process follows it
+            proc.wait()
+            raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
 
 
@@ -234,7 +246,7 @@ def test_keep_epoch0_feeds_later_epochs_and_trains_offline(work, sharegpt_file):
                prepared)
     draftsmith("extract", "--prepared", prepared, "--output", work / "store-small", *EXTRACT)
     options = ["--epochs", "2", *TRAIN]
-    draftsmith("train", "--data", work / "store-small", "--output", work / "offline-2ep", *options)
+    draftsmith("train", "--data", work / "store-small", "--output", work / "offline-2ep", *options, trainer_cores=True)
     done = draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--keep-epoch0", kept,
                       "--output", work / "online-2ep", *options)
     epochs = {line["epoch"] for line in read_jsonl(work / "online-2ep" / "samples.jsonl")}
@@ -270,7 +282,7 @@ def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
     draftsmith("extract", "--prepared", prepared, "--output", tmp_path / "store", *EXTRACT)
     options = ["--max-steps", "8", "--token-budget", "512", "--draft-vocab-size", "256", "--log-every", "1",
                "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
-    draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "offline", *options)
+    draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "offline", *options, trainer_cores=True)
     draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output",
                tmp_path / "online", *options)
     assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")

@@ -380,7 +380,7 @@ class TrainConfig(StageConfig):
     engine_devices: list[int] | None = Field(None, description=(
         "--engine vllm: on GPUs, the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
         "trainer's (default: the GPUs after those the trainer's processes on this node use); on a CPU, the cores "
-        "the engines are bound to while the trainer keeps the others (default: both share every core)."))
+        "the engines are bound to while the trainer keeps the others (default: the first half of the cores)."))
     vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
         "--engine vllm: how vLLM hands over the states (see `draftsmith doctor`)."))
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(

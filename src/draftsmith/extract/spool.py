@@ -221,6 +221,17 @@ class Spool:
                 mark.unlink(missing_ok=True)
         return removed
 
+    def drop_leftovers(self) -> list[str]:
+        """Remove what a killed engine or trainer left half-done (partial and half-deleted chunks); only the engine
+        process holding the engine lock calls this, so nothing live is removed."""
+        removed = []
+        if self.chunks.is_dir():
+            for entry in sorted(self.chunks.iterdir()):
+                if entry.name.startswith("."):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry.name)
+        return removed
+
     def wait_for_space(self, needed: int, stop: Any = None, on_wait: Any = None) -> None:
         """Block until `needed` more bytes fit under the bound (`on_wait(used)` while waiting, `stop()` true: give
         up)."""

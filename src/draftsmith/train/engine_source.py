@@ -3,9 +3,9 @@ chunks, the engine process, and the feature source that fills each batch's hidde
 
     plan     the run's optimizer steps from the resume point on, exactly as the samplers give them to every rank,
              packed per epoch into chunks of at most bound / SPOOL_CHUNKS bytes (and the held-out split's chunk)
-    engine   `python -m draftsmith.extract.vllm.feed SPOOL` started by rank 0, on its own GPUs (on a CPU: sharing its
-             cores, or on the cores --engine-devices names while the trainer keeps the rest); restarted when it dies,
-             up to ENGINE_RESTARTS times without a new chunk
+    engine   `python -m draftsmith.extract.vllm.feed SPOOL` started by rank 0, on its own GPUs (on a CPU: on half the
+             cores, or those --engine-devices names, the trainer on the rest); restarted when it dies, up to
+             ENGINE_RESTARTS times without a new chunk
     read     a batch's states come from its chunk (waiting until it is ready) or from the --keep-epoch0 store; a
              chunk is deleted once every rank has moved past it (epoch 0's and the held-out split's are first
              linked into the --keep-epoch0 store)
@@ -45,11 +45,12 @@ ENGINE_RESTARTS = 3
 
 
 def engine_cpus(cfg: TrainConfig) -> list[int] | None:
-    """On a CPU, the cores --engine-devices gives the engines (None: engines and trainer share every core); this
-    process (the trainer) keeps the others."""
-    if not cfg.engine_devices:
-        return None
+    """On a CPU, the cores the engines run on: those --engine-devices names, by default the first half of the cores
+    this process may use (None on one core: they share it); this process (the trainer) keeps the others. Sharing
+    every core oversubscribes them: on 2 cores the split trains 1.26x faster (docs/benchmarks.md)."""
     allowed = sorted(os.sched_getaffinity(0))
+    if not cfg.engine_devices:
+        return allowed[:len(allowed) // 2] or None
     engines = sorted(set(cfg.engine_devices))
     outside = [c for c in engines if c not in allowed]
     rest = [c for c in allowed if c not in engines]
@@ -148,7 +149,8 @@ def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evalua
 class EngineSource:
     """Fills each batch's hidden states from the spool that rank 0's engine process fills (see the module)."""
 
-    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, dataset: Any, samplers: Sequence[TokenBudgetSampler],
+    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, dataset: Any,
+                 samplers: Sequence[TokenBudgetSampler],
                  evaluation: Sequence[int], lengths: Any, aux_layer_ids: list[int], num_layers: int, hidden: int,
                  start: tuple[int, int, int], total_steps: int, epochs: int | None):
         self.cfg, self.info, self.dataset = cfg, info, dataset
@@ -159,7 +161,8 @@ class EngineSource:
         self.chunks = plan_chunks(cfg, samplers, evaluation, lengths, len(self.layer_ids), hidden, self.bound, start,
                                   total_steps, epochs, self._kept_ids())
         self.eval_ids = set(int(i) for i in evaluation)
-        self.by_step = {(c.epoch, p): c for c in self.chunks if c.name != EVAL_CHUNK for p in range(c.first, c.last + 1)}
+        self.by_step = {(c.epoch, p): c for c in self.chunks if c.name != EVAL_CHUNK
+                        for p in range(c.first, c.last + 1)}
         self.from_engine = {c.name: set(c.engine_ids) for c in self.chunks}
         self.eval_chunk = next((c for c in self.chunks if c.name == EVAL_CHUNK), None)
         self.open_chunks: dict[str, Any] = {}
@@ -200,7 +203,14 @@ class EngineSource:
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(self.spool.lock(TRAINER_LOCK))
         with self.spool.lock(spool_mod.ENGINE_LOCK, wait_s=30.0):  # an engine of a killed trainer is gone
-            wanted = {c.name: c for c in self.chunks if c.from_engine}
+            # Ready chunks are kept only within the plan's first bound's worth: the engine writes in plan order, so
+            # chunks a crash left further ahead would leave no room for the ones the trainer needs first.
+            wanted, room = {}, self.bound
+            for c in (c for c in self.chunks if c.from_engine):
+                room -= c.estimate
+                if room < 0:
+                    break
+                wanted[c.name] = c
             for name in list(wanted):
                 if self.spool.is_ready(name) and not self._chunk_matches(wanted[name]):
                     self.spool.remove(name)
@@ -236,7 +246,7 @@ class EngineSource:
         job = self.spool.read_job()
         if job.get("devices") is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job["devices"]))
-        if job.get("cpus"):  # vLLM binds its CPU workers' threads there (the engine process takes those cores)
+        if job.get("cpus") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # vLLM binds its threads there
             world = self.cfg.engine_tensor_parallel_size * self.cfg.engine_data_parallel_size
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, job["cpus"])
         with open(self.spool.path / LOG_FILE, "ab") as log:
@@ -366,7 +376,8 @@ class EngineSource:
 
     def summary(self) -> dict:
         status = spool_mod.read_feed_status(self.spool)
-        return {"mode": "online (vLLM engines, spool)", "spool": str(self.spool.path), "spool bound (bytes)": self.bound,
+        return {"mode": "online (vLLM engines, spool)", "spool": str(self.spool.path),
+                "spool bound (bytes)": self.bound,
                 "spool peak (bytes)": max(self.spool.peak, status.peak), "extraction tokens/s":
                 round(status.tokens_per_s, 1), "trainer waited (s)": round(self.waited, 1),
                 "engine restarts": self.total_restarts, **({"kept epoch 0 in": str(self.keep)} if self.keep else {})}

@@ -55,6 +55,7 @@ def feed(spool: Spool, status: FeedStatus) -> None:
         os.sched_setaffinity(0, job["cpus"])
     cfg = ExtractConfig.model_validate(job["extract"])
     spool.bound = int(job["bound"])
+    spool.drop_leftovers()  # a killed engine's partial chunk would count against the bound
     chunks = [c for c in spool.read_plan() if c.from_engine and not spool.is_ready(c.name)]
     if not chunks:
         status.done = True
