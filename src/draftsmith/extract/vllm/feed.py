@@ -32,20 +32,26 @@ from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.driver import Engine, engine_processes, resolve_dtype
 
 
+def _exit_with_engine(status: FeedStatus, spool: Spool, why: str, code: int) -> None:
+    """Kill vLLM's processes (its engine core and workers would outlive this one) and exit now."""
+    for pid in engine_processes():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    status.error = why
+    with contextlib.suppress(Exception):
+        spool.write_status(vars(status))
+    os._exit(code)
+
+
 def watch_parent(parent: int, status: FeedStatus, spool: Spool) -> None:
-    """Exit (with vLLM's processes) once the trainer that started this process is gone."""
+    """Exit (with vLLM's processes) once the trainer that started this process is gone, or on SIGTERM."""
 
     def loop() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        for pid in engine_processes():
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        status.error = "the trainer is gone"
-        with contextlib.suppress(Exception):
-            spool.write_status(vars(status))
-        os._exit(3)
+        _exit_with_engine(status, spool, "the trainer is gone", 3)
 
+    signal.signal(signal.SIGTERM, lambda *_: _exit_with_engine(status, spool, "stopped (SIGTERM)", 143))
     threading.Thread(target=loop, name="draftsmith-watch-trainer", daemon=True).start()
 
 
