@@ -621,3 +621,45 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     # c0 (missing), c1, c2 fit in 10,000 bytes (3 x 3,000); c3.. are removed
     assert [c.name for c in chunks if spool.is_ready(c.name)] == ["c1", "c2"]
     assert spawned
+
+
+class _Exited:
+    def __init__(self, code: int):
+        self.returncode, self.pid = code, -1
+
+    def poll(self):
+        return self.returncode
+
+
+def _exited_source(tmp_path, status: dict, code: int):
+    from draftsmith.extract.spool import Chunk
+    from draftsmith.train import engine_source
+
+    spool = Spool(tmp_path / "spool", bound=10_000)
+    spool.create()
+    spool.write_status(status)
+    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
+    source.spool, source.proc, source.restarts, source.total_restarts = spool, _Exited(code), 0, 0
+    source._stop_engine = lambda: None
+    spawned = []
+    source._spawn = lambda: spawned.append(True)
+    return source, Chunk("c0", 0, 0, 0, [1], [1], 10, 100), spawned
+
+
+def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_once(tmp_path, capsys):
+    # killed (signal, the status of a started engine): restarted, and the user told so
+    source, chunk, spawned = _exited_source(tmp_path / "a", {"pid": 7, "extra": {"engine start (s)": 3.0}}, -9)
+    source._engine_exited(chunk)
+    assert spawned and source.restarts == 1 and "restarting it (1 of 3)" in capsys.readouterr().err
+    # an error before vLLM started (a strategy the installed vLLM lacks, say) would be the same again: no restart
+    source, chunk, spawned = _exited_source(tmp_path / "b", {"pid": 7, "error": "--vllm-strategy connector: not "
+                                                             "possible with this vLLM", "extra": {}}, 1)
+    with pytest.raises(DraftsmithError, match="stopped before chunk c0 .--vllm-strategy connector: not possible") as e:
+        source._engine_exited(chunk)
+    assert not spawned and "\n" not in str(e.value)
+    # restarts run out: one line naming the chunk and the log
+    source, chunk, spawned = _exited_source(tmp_path / "c", {"pid": 7, "extra": {"engine start (s)": 3.0}}, -9)
+    source.restarts = 3
+    with pytest.raises(DraftsmithError, match="feed.log; run the same command again"):
+        source._engine_exited(chunk)
+    assert not spawned

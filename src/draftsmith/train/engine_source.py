@@ -17,6 +17,7 @@ order. The spool itself is `draftsmith.extract.spool`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import signal
@@ -200,6 +201,9 @@ class EngineSource:
         return {int(i) for i in store_mod.open(self.keep, dtype=None).sample_ids}
 
     def _start(self) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise DraftsmithError("--engine vllm: vLLM is not installed in this environment; install it (README: "
+                                  "\"Install into your vLLM environment\"), or train with --engine hf or from a store")
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(self.spool.lock(TRAINER_LOCK))
         with self.spool.lock(spool_mod.ENGINE_LOCK, wait_s=30.0):  # an engine of a killed trainer is gone
@@ -300,7 +304,8 @@ class EngineSource:
             return
         self._stop_engine()
         why = status.error or f"exit code {code}; {self.spool.log_tail() or 'no output'}"
-        if self.restarts >= ENGINE_RESTARTS or status.done:
+        setup_failed = bool(status.error) and "engine start (s)" not in status.extra  # the same again on a restart
+        if self.restarts >= ENGINE_RESTARTS or status.done or setup_failed:
             raise DraftsmithError(f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
                                   f"see {self.spool.path / LOG_FILE}; run the same command again to resume")
         self.restarts += 1
