@@ -290,3 +290,40 @@ def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
     off = [m["loss"] for m in read_jsonl(tmp_path / "offline" / "metrics.jsonl")]
     assert on == pytest.approx(off, rel=1e-5)
     assert_same_weights(tmp_path / "online", tmp_path / "offline")
+
+
+def test_torchrun_two_ranks_read_one_engine_as_from_a_store(tmp_path):
+    """torchrun --nproc-per-node 2 (gloo): rank 0 starts the one engine process, both ranks read their own
+    micro-batches from the same chunks (the last to read one deletes it); the curve equals two ranks on a store."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import families
+    from test_families import CONVERSATIONS
+
+    target = families.target_dir("llama")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
+                             for i in range(32)))
+    prepared = tmp_path / "prepared"
+    draftsmith("prepare", "--data", chats, "--target", target, "--max-length", 192, "--output", prepared)
+    draftsmith("extract", "--prepared", prepared, "--output", tmp_path / "store", *EXTRACT)
+    options = ["--max-steps", "6", "--token-budget", "256", "--draft-vocab-size", "256", "--log-every", "1",
+               "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
+                "draftsmith"]
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
+    cores = ["taskset", "-c", ",".join(map(str, TRAINER_CORES))]
+    for name, data in (("offline", ["--data", str(tmp_path / "store")]),
+                       ("online", ["--data", str(prepared), "--engine", "vllm", "--spool-gb", "0.05"])):
+        cmd = (cores if name == "offline" else []) + torchrun + ["train", *data, "--output", str(tmp_path / name),
+                                                                 *options]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    on = [(m["type"], m["step"], m["tokens_seen"] if "tokens_seen" in m else None, m["loss"])
+          for m in read_jsonl(tmp_path / "online" / "metrics.jsonl")]
+    off = [(m["type"], m["step"], m["tokens_seen"] if "tokens_seen" in m else None, m["loss"])
+           for m in read_jsonl(tmp_path / "offline" / "metrics.jsonl")]
+    assert [x[:3] for x in on] == [x[:3] for x in off]  # the same steps over the same tokens of both ranks
+    assert [x[3] for x in on] == pytest.approx([x[3] for x in off], rel=1e-5)
+    assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")
+    assert not any((tmp_path / "online" / "spool" / "chunks").iterdir())  # every chunk read by both, then deleted
+    assert not any((tmp_path / "online" / "spool" / "consumed").iterdir())
