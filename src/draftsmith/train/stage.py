@@ -71,8 +71,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
-            ledger.write({"step": state.step, "epoch": micro[0].epoch, "position": micro[0].position,
-                          "samples": [i for mb in micro for i in mb.sample_ids]})
+            ledger.write({"type": "samples", "step": state.step, "epoch": micro[0].epoch,
+                          "position": micro[0].position, "samples": [i for mb in micro for i in mb.sample_ids]})
             if micro[-1].last:  # before any checkpoint, so a resume never repeats the epoch's end
                 state.epoch, state.epoch_start = state.epoch + 1, state.step
             evaluate_now = micro[-1].last or bool(cfg.eval_every and state.step % cfg.eval_every == 0)
