@@ -617,6 +617,7 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     spawned = []
     source._spawn = lambda: spawned.append(True)
     monkeypatch.setattr(engine_source, "engine_devices", lambda cfg, info: None)
+    monkeypatch.setattr(engine_source.importlib.util, "find_spec", lambda name: True)  # as if vLLM were installed
     source._start()
     # c0 (missing), c1, c2 fit in 10,000 bytes (3 x 3,000); c3.. are removed
     assert [c.name for c in chunks if spool.is_ready(c.name)] == ["c1", "c2"]
