@@ -268,18 +268,25 @@ def test_keep_epoch0_feeds_later_epochs_and_trains_offline(work, sharegpt_file):
     assert "kept epoch 0 in" in done.stdout
 
 
-def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
+def family_data(name: str, conversations: int, tmp_path: Path) -> Path:
+    """A prepared set of the tiny `name` target from tests/families.py, and its store (`extract --backend vllm`) at
+    tmp_path / "store"; returns the prepared set."""
     sys.path.insert(0, str(Path(__file__).parent))
     import families
     from test_families import CONVERSATIONS
 
-    target = families.target_dir("deepseek_v3")
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
-                             for i in range(24)))
+                             for i in range(conversations)))
     prepared = tmp_path / "prepared"
-    draftsmith("prepare", "--data", chats, "--target", target, "--max-length", 192, "--output", prepared)
+    draftsmith("prepare", "--data", chats, "--target", families.target_dir(name), "--max-length", 192, "--output",
+               prepared)
     draftsmith("extract", "--prepared", prepared, "--output", tmp_path / "store", *EXTRACT)
+    return prepared
+
+
+def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
+    prepared = family_data("deepseek_v3", 24, tmp_path)
     options = ["--max-steps", "8", "--token-budget", "512", "--draft-vocab-size", "256", "--log-every", "1",
                "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
     draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "offline", *options, trainer_cores=True)
@@ -295,17 +302,7 @@ def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
 def test_torchrun_two_ranks_read_one_engine_as_from_a_store(tmp_path):
     """torchrun --nproc-per-node 2 (gloo): rank 0 starts the one engine process, both ranks read their own
     micro-batches from the same chunks (the last to read one deletes it); the curve equals two ranks on a store."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import families
-    from test_families import CONVERSATIONS
-
-    target = families.target_dir("llama")
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
-                             for i in range(32)))
-    prepared = tmp_path / "prepared"
-    draftsmith("prepare", "--data", chats, "--target", target, "--max-length", 192, "--output", prepared)
-    draftsmith("extract", "--prepared", prepared, "--output", tmp_path / "store", *EXTRACT)
+    prepared = family_data("llama", 32, tmp_path)
     options = ["--max-steps", "6", "--token-budget", "256", "--draft-vocab-size", "256", "--log-every", "1",
                "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
     torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",

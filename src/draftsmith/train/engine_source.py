@@ -226,13 +226,12 @@ class EngineSource:
             self._spawn()
 
     def _chunk_matches(self, chunk: Chunk) -> bool:
-        manifest = read_manifest_json(self.spool.chunk_path(chunk.name))
         try:
             reader = store_mod.open(self.spool.chunk_path(chunk.name), dtype=None)
         except DraftsmithError:
             return False
         return (sorted(int(i) for i in reader.sample_ids) == sorted(chunk.engine_ids)
-                and manifest.get("dtype") == self.cfg.spool_dtype and list(reader.layer_ids) == self.layer_ids)
+                and reader.manifest.dtype == self.cfg.spool_dtype and list(reader.layer_ids) == self.layer_ids)
 
     def _extract_config(self) -> ExtractConfig:
         cfg = self.cfg

@@ -92,12 +92,8 @@ class StoreSink:
         return {"received": self.received, "error": self.error, "writes": self.writes}
 
     def finish_store(self) -> dict[str, Any]:
-        """Flush and close the store being written (the sink stays, for the next `open_store`)."""
-        with self._lock:
-            return self._finish()
-
-    def close(self) -> dict[str, Any]:
-        """Flush everything to the store and release the writer; returns what was written."""
+        """Flush everything to the store and release the writer; returns what was written. The sink stays, for
+        the next `open_store` (online training) or for `deactivate`."""
         with self._lock:
             return self._finish()
 
@@ -142,7 +138,7 @@ def active() -> StoreSink | None:
 def deactivate() -> dict[str, Any]:
     global _ACTIVE
     sink, _ACTIVE = _ACTIVE, None
-    return sink.close() if sink is not None else {"received": 0, "error": None, "samples_written": 0}
+    return sink.finish_store() if sink is not None else {"received": 0, "error": None, "samples_written": 0}
 
 
 def for_data_parallel_rank(config: dict[str, Any], dp_rank: int) -> dict[str, Any]:
