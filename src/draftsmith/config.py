@@ -313,8 +313,17 @@ class TrainConfig(StageConfig):
     draft_vocab_size: int = Field(32000, ge=2, description=(
         "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary)."))
     num_layers: int = Field(1, ge=1, description="Decoder layers in the draft (EAGLE-3 uses 1).")
-    ttt_steps: int = Field(7, ge=1, description="Training-time-test steps unrolled per position.")
+    method: Literal["eagle3", "peagle"] = Field("eagle3", description=(
+        "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); peagle: "
+        "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting)."))
+    ttt_steps: int = Field(7, ge=1, description=(
+        "Training-time-test steps unrolled per position (peagle: the parallel depths trained, the most tokens a "
+        "round is meant to propose)."))
     step_weight: float = Field(0.8, gt=0, description="Loss weight of TTT step k is step_weight**k.")
+    cod_ratio: float = Field(0.8, gt=0, le=1, description=(
+        "peagle: COD sampling, depth k >= 1 scores about ratio**k of its positions (1: every position)."))
+    cod_floor: float = Field(0.2, ge=0, le=1, description=(
+        "peagle: COD sampling keeps at least this fraction of each depth's positions."))
     lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     epochs: int = Field(1, ge=1, description="Passes over the training split.")

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.store import decode_hidden_states
-from draftsmith.train.ttt import StepIndex, step_index
+from draftsmith.train.ttt import COD, StepIndex, step_index
 
 
 @dataclass
@@ -78,9 +78,10 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
 
 
-def collate(items: Sequence[dict], ttt_steps: int) -> Batch:
+def collate(items: Sequence[dict], ttt_steps: int, cod: COD | None = None, epoch: int = 0) -> Batch:
     """Right-pad samples to the longest (causal attention never lets a real position see the padding) and build
-    the batch's StepIndex. Hidden states keep the dtype they come in; one sample is not copied at all."""
+    the batch's StepIndex (P-EAGLE training: with its COD sampling of epoch `epoch`). Hidden states keep the dtype
+    they come in; one sample is not copied at all."""
     lengths = [int(it["input_ids"].shape[0]) for it in items]
     b, t = len(items), max(lengths)
     input_ids = torch.zeros(b, t, dtype=torch.int64)
@@ -89,8 +90,9 @@ def collate(items: Sequence[dict], ttt_steps: int) -> Batch:
         input_ids[i, :n] = it["input_ids"]
         loss_mask[i, :n] = it["loss_mask"].bool()
     hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
-    return Batch(input_ids, loss_mask, hs, sc, step_index(loss_mask.numpy(), ttt_steps),
-                 [int(it["sample_id"]) for it in items], lengths)
+    ids = [int(it["sample_id"]) for it in items]
+    return Batch(input_ids, loss_mask, hs, sc, step_index(loss_mask.numpy(), ttt_steps, cod, ids, epoch), ids,
+                 lengths)
 
 
 def pad_rows(items: Sequence[dict], key: str, t: int, copy: bool = True) -> torch.Tensor | None:
@@ -198,11 +200,11 @@ class EpochPlan(Sampler):
 class MicroBatches(Dataset):
     """dataset + ttt_steps -> collated batches by MicroBatchKey (what the DataLoader's workers run)."""
 
-    def __init__(self, dataset, ttt_steps: int):
-        self.dataset, self.ttt_steps = dataset, ttt_steps
+    def __init__(self, dataset, ttt_steps: int, cod: COD | None = None):
+        self.dataset, self.ttt_steps, self.cod = dataset, ttt_steps, cod
 
     def __getitem__(self, key: MicroBatchKey) -> Batch:
-        batch = collate([self.dataset[i] for i in key.ids], self.ttt_steps)
+        batch = collate([self.dataset[i] for i in key.ids], self.ttt_steps, self.cod, key.epoch)
         return replace(batch, epoch=key.epoch, position=key.position, last=key.last)
 
 
@@ -218,15 +220,16 @@ class TrainData:
     """The training and evaluation micro-batches, on the device (online: with the target's hidden states)."""
 
     def __init__(self, dataset, train: TokenBudgetSampler, evaluation: TokenBudgetSampler | None, ttt_steps: int,
-                 grad_accum: int, device: torch.device, num_workers: int, online: "OnlineSource | None" = None):
-        self.dataset, self.train, self.evaluation = dataset, train, evaluation
+                 grad_accum: int, device: torch.device, num_workers: int, online: "OnlineSource | None" = None,
+                 cod: COD | None = None):
+        self.dataset, self.train, self.evaluation, self.cod = dataset, train, evaluation, cod
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
         self.num_workers, self.online = num_workers, online
 
     def steps(self, epoch: int, position: int, epochs: int | None) -> Iterator[list[Batch]]:
         """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
         micro: list[Batch] = []
-        for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs)):
+        for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs), self.cod):
             micro.append(self._ready(batch))
             if len(micro) == self.grad_accum:
                 yield micro
@@ -256,9 +259,10 @@ class TrainData:
         if self.online is not None:
             self.online.close(completed)
 
-    def _loader(self, plan: EpochPlan) -> DataLoader:
+    def _loader(self, plan: EpochPlan, cod: COD | None = None) -> DataLoader:
+        """Evaluation scores every anchor at every depth (no COD)."""
         workers = self.num_workers
-        return DataLoader(MicroBatches(self.dataset, self.ttt_steps), sampler=plan, batch_size=None,
+        return DataLoader(MicroBatches(self.dataset, self.ttt_steps, cod), sampler=plan, batch_size=None,
                           num_workers=workers, pin_memory=self.device.type == "cuda",
                           prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0))
 

@@ -59,6 +59,10 @@ class DraftSpec(BaseModel):
     target_hidden_size: int
     aux_layer_ids: list[int] = Field(description="vLLM's layer ids (0 = embeddings, k = output of decoder layer "
                                      "k-1) in the order fc concatenates them; eagle_aux_hidden_state_layer_ids")
+    parallel_drafting: bool = Field(False, description="P-EAGLE: the draft proposes all k tokens of a round in one "
+                                    "forward, its slots after the first reading mask_token_id and mask_hidden")
+    mask_token_id: int | None = Field(None, description="P-EAGLE: the target token id a parallel slot reads "
+                                      "(config.json's ptd_token_id, what vLLM's parallel drafting embeds)")
 
     @classmethod
     def from_target_config(cls, config: dict, draft_vocab_size: int, num_hidden_layers: int,
@@ -289,6 +293,8 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec)
+        if spec.parallel_drafting:  # P-EAGLE: the aux features every parallel slot reads (vLLM's mask_hidden)
+            self.mask_hidden = nn.Parameter(torch.zeros(1, len(spec.aux_layer_ids) * spec.target_hidden_size))
         # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary.
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
@@ -340,6 +346,10 @@ class Eagle3Draft(nn.Module):
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[B, T, num_aux * H_target] (aux layers concatenated in id order) -> [B, T, H]."""
         return self.fc(aux_hidden)
+
+    def mask_features(self) -> torch.Tensor:
+        """P-EAGLE: fc(mask_hidden) [1, H], the fused features of every parallel slot (vLLM fuses it the same way)."""
+        return self.fuse(self.mask_hidden)
 
     def forward_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                        cache: KVCache | None = None, mode: str = "decode", checkpointed: bool = False,

@@ -38,7 +38,7 @@ from draftsmith.train.checkpoint import RunState
 from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
 from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import TargetHead, TTTModel
+from draftsmith.train.ttt import COD, TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.
 # Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size
@@ -174,6 +174,37 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Ea
     return draft, source.spec, coverage
 
 
+def mask_token_id(target_config: dict) -> int:
+    """The token a P-EAGLE draft's parallel slots read (config.json's ptd_token_id): the target's pad token, else its
+    first end-of-sequence token, else 0. Its embedding is the target's, frozen; mask_hidden is what is learned."""
+    text = target_config.get("text_config") or target_config
+    for key in ("pad_token_id", "eos_token_id"):
+        value = text.get(key, target_config.get(key))
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None and 0 <= int(value) < int(text["vocab_size"]):
+            return int(value)
+    return 0
+
+
+def with_method(draft: Eagle3Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict,
+                ) -> tuple[Eagle3Draft, DraftSpec]:
+    """The draft for --method: a P-EAGLE draft gains mask_hidden (seeded small normal, like a fresh draft's weights;
+    e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept."""
+    parallel = cfg.method == "peagle"
+    if spec.parallel_drafting == parallel:
+        return draft, spec
+    spec = spec.model_copy(update=dict(parallel_drafting=parallel,
+                                       mask_token_id=mask_token_id(target_config) if parallel else None))
+    new = Eagle3Draft(spec)
+    tensors = {k: v for k, v in draft.state_dict().items() if k != "mask_hidden"}
+    if parallel:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        tensors["mask_hidden"] = torch.randn(new.mask_hidden.shape, generator=gen) * 0.02
+    new.load_state_dict(tensors, strict=True)
+    return new, spec
+
+
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     """Linear warm-up, then cosine / linear decay to min_lr_ratio * lr (a pure function of the step)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -265,6 +296,7 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     s = open_data(cfg, device)
     train_ids, eval_ids = split(s, cfg)
     draft, spec, coverage = initial_draft(cfg, s, train_ids)
+    draft, spec = with_method(draft, spec, cfg, targets.read_config(s.target_path))
     train = TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size)
     evaluation = (TokenBudgetSampler(eval_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size,
                                      shuffle=False) if len(eval_ids) >= info.world_size else None)
@@ -299,7 +331,8 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
                               (state.step, state.epoch, state.position), total_steps, epochs)
     elif s.kind == "prepared":
         online = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
-    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, online)
+    cod = COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed) if spec.parallel_drafting else None
+    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, online, cod)
     base = dict(target=s.identity, draft=spec, draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()),
                 data_kind=s.kind, eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed,
                 hyperparameters=cfg.model_dump(mode="json"))

@@ -7,6 +7,13 @@ state at position j (layer N) gives p_j, its distribution of token x_{j+1}. At T
   - predicts token x_{t+k+2}: it is trained towards p_{t+k+1}, with weight loss_mask[t+k+2] (the predicted token's).
 So step k has T-k-2 candidate positions, of which the loss-masked ones are scored.
 
+P-EAGLE (`DraftSpec.parallel_drafting`, parallel drafting in vLLM): step 0 is EAGLE-3's; at depth k >= 1 the slot at
+position t+k reads the mask token's embedding and fc(mask_hidden) instead of x_{t+k+1} and step k-1's output, and
+still attends to step-0 keys s <= t plus its own anchor's slots of depths 1..k (the same attention as TTT, so the
+same memory-linear kernels), and predicts x_{t+k+2}: what vLLM's k-th parallel proposal from prefix 0..t+1 is.
+COD sampling (`step_index(..., cod=...)`) scores only a subset of the anchors at each depth >= 1: about
+n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head then run on those rows alone.
+
 No host synchronisation inside a step: which rows are scored at each step, and which rows of the target's
 distribution they read, are index tensors built on the host with the batch (`step_index`, called by the collate
 function), so every gather below has a size known before the step runs. Metrics are summed on the device; the
@@ -17,7 +24,8 @@ only when asked for (logged steps, evaluation): the loss needs the draft vocabul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+import math
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -50,16 +58,38 @@ class StepIndex:
                          [fn(x) for x in self.live])
 
 
-def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int) -> StepIndex:
+@dataclass(frozen=True)
+class COD:
+    """P-EAGLE's COD sampling of the anchors each depth k >= 1 scores: of depth k's n candidates (loss-masked),
+    keep ceil(n * ratio**k), at least ceil(n * floor) (and at most n). Which ones: per sample, the candidates with
+    the smallest of one random priority per position, drawn from (seed, epoch, sample id) -- so the kept sets
+    shrink nested-wise with depth, and a resumed run draws the same ones."""
+
+    ratio: float
+    floor: float
+    seed: int = 0
+
+    def keep(self, n: int, k: int) -> int:
+        if k == 0 or n == 0:
+            return n
+        return min(n, max(math.ceil(n * self.ratio ** k - 1e-9), math.ceil(n * self.floor - 1e-9)))
+
+
+def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | None = None,
+               sample_ids: Sequence[int] = (), epoch: int = 0) -> StepIndex:
     """The rows each TTT step reads, from a [B, T] 0/1 loss mask (numpy, on the host: no device work).
 
     Step k scores position t (t < T-k-2) when loss_mask[t+k+2] and trains it towards p_{t+k+1}; p_j is needed when
-    loss_mask[j+1] (so every target row a step reads is in `needed`, and padding is never read).
+    loss_mask[j+1] (so every target row a step reads is in `needed`, and padding is never read). With `cod`
+    (P-EAGLE), depth k >= 1 scores only COD.keep of each sample's candidates (`sample_ids` seed the choice).
     """
     mask = np.asarray(loss_mask, dtype=bool)
     b, t = mask.shape
     needed = np.zeros((b, t), dtype=bool)
     needed[:, :-1] = mask[:, 1:]
+    priority = None
+    if cod is not None:  # one random priority per position of each sample
+        priority = np.stack([np.random.default_rng([cod.seed, epoch, int(i)]).random(t) for i in sample_ids])
     flat_needed = needed.reshape(-1)
     rank = np.cumsum(flat_needed) - 1  # position of each needed row in `needed`
     scored, target, counts, sels = [], [], [], []
@@ -67,6 +97,13 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int) -> StepInde
         n = max(t - k - 2, 0)
         sel = np.zeros((b, t), dtype=bool)
         sel[:, :n] = mask[:, k + 2:k + 2 + n]
+        if priority is not None and k:
+            for row in range(b):
+                candidates = np.flatnonzero(sel[row])
+                keep = cod.keep(len(candidates), k)
+                if keep < len(candidates):
+                    dropped = candidates[np.argsort(priority[row, candidates], kind="stable")[keep:]]
+                    sel[row, dropped] = False
         rows = np.flatnonzero(sel)
         scored.append(torch.from_numpy(rows.astype(np.int64)))
         target.append(torch.from_numpy(rank[rows + k + 1].astype(np.int64)))  # t + k + 1 < T: the same sample
@@ -193,12 +230,19 @@ def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
     hidden = draft.fuse(aux_hidden)  # [B, T, H]
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     last = len(draft.layers) - 1
+    parallel = draft.spec.parallel_drafting
+    if parallel:  # P-EAGLE: every slot of depth >= 1 reads the mask token and fc(mask_hidden), not step k-1
+        mask_ids = torch.full_like(input_ids, draft.spec.mask_token_id)
+        mask_hidden = draft.mask_features().to(hidden.dtype).expand(b, t, -1)
     for k in range(ttt_steps):
-        ids = F.pad(input_ids[:, k + 1:], (0, k + 1))  # step k at t reads x_{t+k+1}
+        if parallel and k:
+            ids, hidden = mask_ids, mask_hidden
+        else:
+            ids = F.pad(input_ids[:, k + 1:], (0, k + 1))  # step k at t reads x_{t+k+1}
         rows = None if index is None else [index.live[k] if k or i == last else None for i in range(last + 1)]
         hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed,
                                       rows=rows)
-        yield hidden  # feeds step k+1
+        yield hidden  # EAGLE-3: feeds step k+1
 
 
 @dataclass
@@ -270,6 +314,7 @@ def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Ten
         "accept": [round(float(x), 5) for x in (accept_sum / n)],
         "acceptance_length": round(length, 5),
         "tokens": int(count[0]) if len(count) else 0,
+        "scored": [int(x) for x in count],  # per step (P-EAGLE: per depth, after COD sampling)
     }
 
 
