@@ -128,9 +128,11 @@ def _losses(run: Path) -> list[tuple[int, int, float]]:
     return [(m["step"], m["tokens_seen"], m["loss"]) for m in lines if m["type"] == "train"]
 
 
-def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp_path):
+@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp_path, method):
     """Four optimizer steps of 4 micro-batches each: one process with --grad-accum 4, two with --grad-accum 2
-    (every rank reads every other batch of the same packing, so each step sees the same samples)."""
+    (every rank reads every other batch of the same packing, so each step sees the same samples). P-EAGLE too: its
+    mask_hidden is one more parameter of the root module (sharded by FSDP2 with fc and the head)."""
     import numpy as np
 
     from draftsmith.core.targets import target_identity
@@ -143,7 +145,7 @@ def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp
     prepared = tmp_path / "prep"
     write_prepared(prepared, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
     common = dict(draft_vocab_size=300, ttt_steps=3, token_budget=64, max_steps=4, eval_fraction=0.0, log_every=1,
-                  lr=3e-3, warmup_steps=1, device="cpu", save_every=1000)
+                  lr=3e-3, warmup_steps=1, device="cpu", save_every=1000, method=method)
     torch.set_num_threads(1)
     run(TrainConfig(data=prepared, output=tmp_path / "one", grad_accum=4, **common))
     one = _losses(tmp_path / "one")

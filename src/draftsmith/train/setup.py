@@ -192,6 +192,9 @@ def with_method(draft: Eagle3Draft, spec: DraftSpec, cfg: TrainConfig, target_co
     """The draft for --method: a P-EAGLE draft gains mask_hidden (seeded small normal, like a fresh draft's weights;
     e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept."""
     parallel = cfg.method == "peagle"
+    if parallel and cfg.ttt_steps < 2:
+        raise DraftsmithError(f"--method peagle --ttt-steps {cfg.ttt_steps}: P-EAGLE trains depth 0 and the parallel "
+                              "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)")
     if spec.parallel_drafting == parallel:
         return draft, spec
     spec = spec.model_copy(update=dict(parallel_drafting=parallel,
