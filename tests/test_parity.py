@@ -3,6 +3,8 @@
 - Training-time test == decoding: TTT step k at position t is exactly the k-th step the reference decoder
   (evaluate/specdec.py's DraftRunner, the path where the draft feeds on its own hidden state) takes from the prefix
   0..t, when it is fed the same tokens: logits and hidden states, float64, k = 0..3.
+- The same for P-EAGLE: depth d at anchor t of training (mask-token slots) is exactly the d-th proposal of the
+  reference decoder's one parallel forward from the prefix 0..t (DraftRunner.step_parallel), d = 0..3.
 - draftsmith == vLLM: the exported draft proposes in vLLM what draftsmith's module proposes on the same features:
   vLLM's per-position accepted counts at temperature 0 equal the reference decoder's on the same prompts (float32),
   within the tolerance stated in the test (one vLLM start).
@@ -22,13 +24,14 @@ from draftsmith.train.ttt import ttt_hidden_states
 TTT_STEPS = 4
 
 
-def _tiny_draft(layers: int) -> Eagle3Draft:
+def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
     spec = DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                      num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
-                     vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3])
+                     vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3],
+                     parallel_drafting=parallel, mask_token_id=47 if parallel else None)
     draft = Eagle3Draft(spec)
-    draft.init_weights(3)
+    draft.init_weights(3)  # mask_hidden too (a parameter): random and non-zero
     with torch.no_grad():
         draft.embed_tokens.weight.normal_(generator=torch.Generator().manual_seed(4))
         for p in draft.parameters():  # larger weights than the init's: the steps differ clearly from each other
@@ -60,6 +63,32 @@ def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
                 expected = draft.logits(steps[k][t])
             # the runner hands its logits out in float32: equal up to that rounding
             torch.testing.assert_close(logits, expected.float(), rtol=1e-6, atol=1e-6, msg=f"logits t={t} k={k}")
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers):
+    draft = _tiny_draft(layers, parallel=True)
+    assert draft.mask_hidden.abs().min() > 0
+    t_len = 14
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 50, (t_len,), generator=gen)
+    aux = torch.randn(t_len, 96, dtype=torch.float64, generator=gen)
+    with torch.no_grad():
+        depths = [h[0] for h in ttt_hidden_states(draft, ids[None], aux[None], TTT_STEPS)]  # d x [T, H]
+    for a in range(TTT_STEPS):  # a real test: every depth is its own prediction (the mask slots are not inert)
+        for b in range(a + 1, TTT_STEPS):
+            assert not torch.allclose(depths[a], depths[b], rtol=1e-3, atol=1e-3), (a, b)
+    runner = DraftRunner(draft)
+    fused = runner.fuse(aux)
+    for t in range(t_len - 1):  # the prefix 0..t reads x_1..x_{t+1}; the parallel slots read no token of the data
+        runner.reset()
+        logits, hidden = runner.step_parallel(ids[1:t + 2], fused[:t + 1], TTT_STEPS)
+        assert runner.length == t + TTT_STEPS
+        for d in range(TTT_STEPS):
+            torch.testing.assert_close(hidden[d], depths[d][t], rtol=1e-12, atol=1e-12, msg=f"hidden t={t} d={d}")
+            with torch.no_grad():
+                expected = draft.logits(depths[d][t])
+            torch.testing.assert_close(logits[d], expected.float(), rtol=1e-6, atol=1e-6, msg=f"logits t={t} d={d}")
 
 
 # ---------------------------------------------------------------------------------------------- vLLM

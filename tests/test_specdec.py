@@ -27,11 +27,16 @@ def aux_ids(num_layers: int) -> list[int]:
     return layers.resolve_layer_ids(None, num_layers)[:-1]
 
 
-def random_draft(target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0) -> Eagle3Draft:
+def random_draft(target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0,
+                 parallel=False) -> Eagle3Draft:
+    """A random draft of the target (its embedding); parallel: a P-EAGLE one (random mask_hidden, the pad token
+    as its mask token)."""
     config = json.loads((target_dir / "config.json").read_text())
     vocab = config["vocab_size"]
     dvs = draft_vocab_size or vocab
     dc = DraftSpec.from_target_config(config, dvs, 1, aux_ids(config["num_hidden_layers"]))
+    if parallel:
+        dc = dc.model_copy(update={"parallel_drafting": True, "mask_token_id": config["pad_token_id"]})
     ids = torch.linspace(0, vocab - 1, dvs).round().long().unique()
     assert len(ids) == dvs
     draft = Eagle3Draft.from_target(dc, target_model, ids, lm_head_init="random", seed=seed)
@@ -217,6 +222,197 @@ def test_speculative_sampling_matches_target_next_token_distribution(tmp_path):
         counts[out.tokens[1]] += 1
         rejected += out.stats.accepted_per_pos[0] == 0
     assert rejected > n // 10  # the residual distribution was exercised
+    stat, df = chi2_stat(counts, marginal)
+    assert df >= 5
+    assert stat < chi2_critical(df)
+
+
+# ---------------------------------------------------------------------------------------------- P-EAGLE
+
+
+def count_forwards(module) -> list[int]:
+    """A one-element counter of the module's forward calls."""
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_parallel_greedy_with_random_draft_is_lossless(tiny, k):
+    target_dir, model, runner = tiny
+    draft = DraftRunner(random_draft(target_dir, model, draft_vocab_size=200, parallel=True))
+    assert draft.parallel
+    for prompt in PROMPTS:
+        ids = torch.tensor(prompt)
+        base = plain_generate(runner, ids, 30)
+        spec = speculative_generate(runner, draft, ids, k, 30)
+        assert spec.tokens == base.tokens
+        assert spec.stats.num_rounds >= 1 and spec.stats.num_draft_tokens == k * spec.stats.num_rounds
+
+
+def test_parallel_round_is_one_draft_forward(tiny):
+    """P-EAGLE's point: a round of k proposals costs one draft forward (EAGLE-3: k)."""
+    target_dir, model, runner = tiny
+    ids = torch.tensor(PROMPTS[0])
+    k = 4
+    for parallel, per_round in ((True, 1), (False, k)):
+        draft = random_draft(target_dir, model, draft_vocab_size=200, parallel=parallel)
+        calls = count_forwards(draft)
+        spec = speculative_generate(runner, DraftRunner(draft), ids, k, 20)
+        assert calls[0] == per_round * spec.stats.num_rounds, parallel
+
+
+def test_parallel_draft_without_mask_token_is_one_line(tiny):
+    from draftsmith.core.errors import DraftsmithError
+
+    target_dir, model, _ = tiny
+    draft = random_draft(target_dir, model, draft_vocab_size=200, parallel=True)
+    draft.spec = draft.spec.model_copy(update={"mask_token_id": None})
+    with pytest.raises(DraftsmithError, match="mask_token_id"):
+        DraftRunner(draft)
+
+
+class ParallelNoisyOracle(DraftRunner):
+    """NoisyOracle for a P-EAGLE draft: after its real parallel forward, slot d proposes the target's greedy token
+    at its position, wrong with probability `error`."""
+
+    def __init__(self, draft, full_sequence: list[int], error: float, seed: int = 0):
+        super().__init__(draft)
+        self.full = full_sequence
+        self.error = error
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def step_parallel(self, ids, hidden, k):
+        _, last = super().step_parallel(ids, hidden, k)
+        first = self.length - k  # the last real position: its slot predicts the token at first + 2
+        vocab = self.draft.spec.draft_vocab_size
+        logits = torch.full((k, vocab), -10.0)
+        for d in range(k):
+            want = self.full[first + d + 2] if first + d + 2 < len(self.full) else 0
+            if float(torch.rand((), generator=self.rng)) < self.error:
+                want = (want + 1 + int(torch.randint(0, vocab - 1, (), generator=self.rng))) % vocab
+            logits[d, want] = 10.0
+        return logits, last
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_parallel_greedy_with_partly_right_draft_is_lossless_and_counts_acceptance(tiny, k):
+    target_dir, model, runner = tiny
+    draft = random_draft(target_dir, model, parallel=True)  # full vocabulary: draft id == target id
+    for prompt in PROMPTS:
+        ids = torch.tensor(prompt)
+        base = plain_generate(runner, ids, 40)
+        spec = speculative_generate(runner, ParallelNoisyOracle(draft, prompt + base.tokens, 0.3, seed=k), ids, k, 40)
+        assert spec.tokens == base.tokens
+        s = spec.stats
+        assert s.tau > 1.3 and s.num_accepted == sum(s.accepted_per_pos)
+        assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:]))
+        assert s.num_accepted + s.num_rounds >= len(spec.tokens) - 1
+    perfect = ParallelNoisyOracle(draft, PROMPTS[0] + plain_generate(runner, torch.tensor(PROMPTS[0]), 41).tokens, 0.0)
+    spec = speculative_generate(runner, perfect, torch.tensor(PROMPTS[0]), k, 41)
+    assert spec.stats.acceptance_per_pos == [1.0] * k and spec.stats.tau == k + 1
+
+
+class RecordingDraft(DraftRunner):
+    """Records each round's parallel proposals with the last real position they were drafted from."""
+
+    def __init__(self, draft):
+        super().__init__(draft)
+        self.rounds: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def step_parallel(self, ids, hidden, k):
+        logits, last = super().step_parallel(ids, hidden, k)
+        self.rounds.append((self.length - k, logits, last))
+        return logits, last
+
+
+def test_parallel_rounds_propose_what_a_fresh_draft_proposes_from_the_whole_prefix(tiny_target_dir):
+    """Across rounds (the draft's cache cropped, the parallel slots' positions rewritten from the target's states),
+    each round's proposals equal one parallel forward of a fresh draft over the whole prefix (float64)."""
+    model = targets.load_target(tiny_target_dir).double()
+    target = TargetRunner(model, aux_ids(model.config.num_hidden_layers))
+    draft = random_draft(tiny_target_dir, model, draft_vocab_size=200, parallel=True).double()
+    k = 3
+    recorder = RecordingDraft(draft)
+    base = plain_generate(target, torch.tensor(PROMPTS[0]), 40)
+    # a partly right oracle would bypass the logits checked here: take the rounds' real proposals as they come
+    spec = speculative_generate(target, recorder, torch.tensor(PROMPTS[0]), k, 40)
+    assert spec.tokens == base.tokens and len(recorder.rounds) == spec.stats.num_rounds > 1
+    seq = torch.tensor(PROMPTS[0] + spec.tokens)
+    _, aux = target.forward(seq, target.new_cache(), want_aux=True)
+    fresh = DraftRunner(draft)
+    fused = fresh.fuse(aux)
+    for t, logits, last in recorder.rounds:
+        fresh.reset()
+        want_logits, want_last = fresh.step_parallel(seq[1:t + 2], fused[:t + 1], k)
+        torch.testing.assert_close(last, want_last, rtol=1e-9, atol=1e-9, msg=f"t={t}")
+        torch.testing.assert_close(logits, want_logits, msg=f"t={t}")
+
+
+class TargetFirstSlot(DraftRunner):
+    """A P-EAGLE draft whose first slot proposes from the target's own distribution (so it is always accepted and
+    every round reaches the parallel slot's proposal), its second from half the draft's own distribution, half the
+    target's after the first slot's likeliest token (so the parallel proposal is accepted now and then, and
+    rejected now and then). For temperature 1."""
+
+    def __init__(self, draft, model, first_token: int):
+        super().__init__(draft)
+        self.model, self.first = model, first_token
+        self.read: list[int] = []  # the token read at each position of the draft's cache
+
+    def reset(self):
+        super().reset()
+        self.read = []
+
+    def crop(self, length):
+        super().crop(length)
+        self.read = self.read[:length]
+
+    def step_parallel(self, ids, hidden, k):
+        logits, last = super().step_parallel(ids, hidden, k)
+        self.read += ids.tolist() + [-1] * (k - 1)
+        prefix = torch.tensor([self.first] + self.read[:len(self.read) - k + 1])
+        logits = logits.clone()
+        logits[0] = self.model(input_ids=prefix[None]).logits[0, -1].float()
+        after = torch.cat([prefix, logits[0].argmax()[None]])
+        target_next = torch.softmax(self.model(input_ids=after[None]).logits[0, -1].float(), -1)
+        logits[1] = (0.5 * torch.softmax(logits[1], -1) + 0.5 * target_next).log()
+        return logits, last
+
+
+def test_parallel_speculative_sampling_matches_target_distribution(tmp_path):
+    """End to end at temperature 1 (k=2): the 3rd generated token, which the parallel slot proposes each round
+    (accepted or rejected: the draft's half disagrees with the target), follows the target's own marginal distribution
+    (chi-square, p=0.001)."""
+    from conftest import build_tiny_target
+
+    target_dir = build_tiny_target(tmp_path / "peaky", seed=1)
+    model = targets.load_target(target_dir)
+    with torch.no_grad():
+        targets.lm_head(model).weight.mul_(60.0)
+    runner = TargetRunner(model, aux_ids(model.config.num_hidden_layers))
+    prompt = [1, 5, 9, 33, 7]
+    draft = TargetFirstSlot(random_draft(target_dir, model, seed=5, head_scale=200.0, parallel=True), model, prompt[0])
+    with torch.no_grad():  # p(x3) = sum over (x1, x2) of p(x1) p(x2 | x1) p(x3 | x1, x2), pairs of mass < 1e-7 left out
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
+        x1 = (p1 > 1e-7).nonzero()[:, 0]
+        p2 = torch.softmax(model(input_ids=torch.cat([torch.tensor(prompt).repeat(len(x1), 1), x1[:, None]], 1))
+                           .logits[:, -1].double(), -1) * p1[x1, None]
+        pairs = (p2 > 1e-7).nonzero()
+        rows = torch.cat([torch.tensor(prompt).repeat(len(pairs), 1), x1[pairs[:, 0], None], pairs[:, 1:]], 1)
+        p3 = torch.softmax(model(input_ids=rows).logits[:, -1].double(), -1)
+        marginal = (p2[pairs[:, 0], pairs[:, 1], None] * p3).sum(0).float()
+    assert abs(float(marginal.sum()) - 1.0) < 1e-4
+    gen = torch.Generator().manual_seed(0)
+    n = 600
+    counts = torch.zeros(marginal.numel())
+    rejected = 0
+    for _ in range(n):
+        out = speculative_generate(runner, draft, torch.tensor(prompt), 2, 3, temperature=1.0, generator=gen)
+        counts[out.tokens[2]] += 1
+        assert out.stats.accepted_per_pos[0] == out.stats.num_rounds == 1  # the first slot: the target's own p
+        rejected += out.stats.accepted_per_pos[1] == 0
+    assert n // 10 < rejected < n - n // 10  # the parallel slot's proposal was accepted, and its residual sampled
     stat, df = chi2_stat(counts, marginal)
     assert df >= 5
     assert stat < chi2_critical(df)

@@ -7,6 +7,12 @@ One round, with the sequence S = prompt + generated tokens and the target's KV c
              pending positions p (embedding of S[p+1], fc(aux states of the target at p)), then runs k-1 more
              steps on its own output (embedding of its previous token, its own pre-norm hidden state), proposing
              d_1..d_k. Its speculative K/V entries are dropped again after the round.
+             P-EAGLE (`DraftSpec.parallel_drafting`, vLLM's parallel drafting): one draft forward per round
+             instead of k. Behind the pending positions it reads k-1 parallel slots at positions L..L+k-2, each
+             the embedding of the mask token and fc(mask_hidden), attending causally like any other position;
+             d_i is the output of the slot at position L-2+i (the last pending one, then the parallel ones),
+             so no proposal waits for the one before it. The parallel slots' K/V entries are dropped too: next
+             round the target's own features of those positions are read there instead.
     verify   the target reads [S[-1], d_1..d_k] at positions L..L+k in one forward: k+1 next-token
              distributions p_0..p_k and the aux states of those positions.
     accept   greedy: d_i is accepted while it equals argmax p_{i-1}; then the target's own token follows
@@ -33,6 +39,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.core import targets
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.model import Eagle3Draft, KVCache
 
 
@@ -136,11 +143,16 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """The draft (Eagle3Draft) decoding with its own KV cache, one position at a time or many."""
+    """The draft (Eagle3Draft) decoding with its own KV cache, one position at a time or many; a P-EAGLE draft
+    (`parallel`) proposes a whole round in one forward (`step_parallel`)."""
 
     def __init__(self, draft: Eagle3Draft):
         self.draft = draft
         self.draft_to_target = draft.draft_to_target
+        self.parallel = draft.spec.parallel_drafting
+        if self.parallel and draft.spec.mask_token_id is None:
+            raise DraftsmithError("the draft drafts in parallel (P-EAGLE) but names no mask token: its spec "
+                                  "needs mask_token_id (config.json: ptd_token_id)")
         self.reset()
 
     def reset(self) -> None:
@@ -163,6 +175,20 @@ class DraftRunner:
         logits, h = self.draft(ids[None], hidden[None], positions, self.cache, mode="decode", logits_to_keep=1)
         self.length += len(ids)
         return logits[0, -1].float(), h[0, -1]
+
+    @torch.inference_mode()
+    def step_parallel(self, ids: torch.Tensor, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE: ids [T], hidden [T, H] at positions length..length+T-1, then k-1 parallel slots (the mask
+        token, fc(mask_hidden)) behind them, all in one forward -> (draft logits of the last k positions [k, Vd],
+        their pre-norm hidden states [k, H]); row d is proposal d. The cache grows by T + k - 1."""
+        extra = k - 1
+        mask_ids = torch.full((extra,), self.draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
+        mask_hidden = self.draft.mask_features().to(hidden.dtype).expand(extra, -1)
+        ids, hidden = torch.cat((ids, mask_ids)), torch.cat((hidden, mask_hidden))
+        positions = torch.arange(self.length, self.length + len(ids), device=ids.device)[None]
+        logits, h = self.draft(ids[None], hidden[None], positions, self.cache, mode="decode", logits_to_keep=k)
+        self.length += len(ids)
+        return logits[0].float(), h[0, -k:]
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -273,13 +299,19 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
     vocab = logits.shape[-1]
     while not done:
         length = len(seq) - 1  # positions in the target's cache
-        # 1) draft: read the pending positions with the target's features, then run on its own output.
+        # 1) draft: read the pending positions with the target's features, then run on its own output
+        #    (P-EAGLE: read them and the k-1 parallel slots in one forward, a proposal from each of the last k).
         draft.crop(pending_start)
         ids = torch.tensor(seq[pending_start + 1:], device=device)
-        draft_logits, hidden = draft.step(ids, draft.fuse(pending_aux))
+        if draft.parallel:
+            slot_logits, _ = draft.step_parallel(ids, draft.fuse(pending_aux), k)
+        else:
+            draft_logits, hidden = draft.step(ids, draft.fuse(pending_aux))
         chain: list[int] = []
         chain_probs: list[torch.Tensor] | None = [] if temperature > 0 else None
         for i in range(k):
+            if draft.parallel:
+                draft_logits = slot_logits[i]
             if temperature == 0:
                 token = int(draft.draft_to_target[int(draft_logits.argmax())])
             else:
@@ -289,7 +321,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
                 q[draft.draft_to_target] = q_draft
                 chain_probs.append(q)  # type: ignore[union-attr]
             chain.append(token)
-            if i < k - 1:
+            if i < k - 1 and not draft.parallel:
                 draft_logits, hidden = draft.step(torch.tensor([token], device=device), hidden[None])
         # 2) verify all k in one target forward.
         verify_ids = torch.tensor([seq[-1]] + chain, device=device)
