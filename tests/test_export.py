@@ -254,3 +254,129 @@ def test_run_refuses_checkpoint_for_another_target(tmp_path, tiny_target_dir, ti
     with pytest.raises(DraftsmithError, match=r"another target \(hidden size 64 != 128\)"):
         export.run(ExportConfig(checkpoint=tmp_path / "run", output=tmp_path / "out", target=str(other)))
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- P-EAGLE
+
+MASK_TOKEN = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_peagle(tiny_target_dir, tiny_draft):
+    """The tiny draft as a P-EAGLE draft: its spec with parallel drafting and a mask token, plus mask_hidden."""
+    _, spec, tensors, identity = tiny_draft
+    spec = spec.model_copy(update={"parallel_drafting": True, "mask_token_id": MASK_TOKEN})
+    mask = torch.randn(1, len(AUX) * spec.target_hidden_size, generator=torch.Generator().manual_seed(1))
+    return None, spec, {**tensors, "mask_hidden": mask}, identity
+
+
+def test_peagle_vllm_export_holds_mask_hidden_and_names_the_mask_token(tmp_path, tiny_peagle):
+    from draftsmith.export.formats import vllm_speculative_config
+
+    tensors = tiny_peagle[2]
+    out = write(tmp_path, tiny_peagle, "vllm", speculative_tokens=4)
+    config = json.loads((out / "config.json").read_text())
+    assert config["ptd_token_id"] == MASK_TOKEN and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 3 * 64) and weights["mask_hidden"].dtype == torch.bfloat16
+    assert torch.equal(weights["mask_hidden"], tensors["mask_hidden"].to(torch.bfloat16))
+    readme = (out / "README.md").read_text()
+    assert "P-EAGLE" in readme and '"parallel_drafting": true' in readme and "'parallel_drafting': True" in readme
+    assert vllm_speculative_config(out, 4) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 4,
+                                               "parallel_drafting": True}
+    plain = write(tmp_path / "eagle3", _eagle3(tiny_peagle), "vllm")
+    assert "ptd_token_id" not in json.loads((plain / "config.json").read_text())
+    assert vllm_speculative_config(plain, 4) == {"method": "eagle3", "model": str(plain), "num_speculative_tokens": 4}
+    assert "parallel_drafting" not in (plain / "README.md").read_text()
+
+
+def _eagle3(peagle):
+    """The P-EAGLE fixture's draft without parallel drafting (the EAGLE-3 draft it was made from)."""
+    _, spec, tensors, identity = peagle
+    return None, spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None}), {
+        k: v for k, v in tensors.items() if k != "mask_hidden"}, identity
+
+
+def test_vllm_loads_a_peagle_exports_names(tmp_path, tiny_peagle):
+    """vLLM's Eagle-3 loader: every name of the file maps to the module's, mask_hidden (its own buffer) included."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.llama_eagle3 import LlamaModel
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    rename = WeightsMapper(orig_to_new_substr=LlamaModel.hf_to_vllm_mapper.orig_to_new_substr)
+    in_file = load_file(str(write(tmp_path, tiny_peagle, "vllm") / "model.safetensors"))
+    assert {rename.map_name(name) for name in in_file} == set(tiny_peagle[2])
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_peagle_round_trip(tmp_path, tiny_peagle, fmt):
+    _, spec, tensors, identity = tiny_peagle
+    out = write(tmp_path, tiny_peagle, fmt, dtype="fp32")
+    back = load_draft(out)
+    assert back.spec == spec and back.spec.parallel_drafting and back.spec.mask_token_id == MASK_TOKEN
+    assert set(back.tensors) == set(tensors) and back.target == identity
+    assert all(torch.equal(back.tensors[name], t) for name, t in tensors.items())
+    again = tmp_path / "again"  # and once more through the stage, from the export
+    export.run(ExportConfig(checkpoint=out, format="vllm", output=again, dtype="fp32"))
+    assert load_draft(again).spec == spec
+
+
+def test_peagle_checkpoint_round_trips_through_export(tmp_path, tiny_target_dir, tiny_peagle):
+    from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
+
+    _, spec, tensors, identity = tiny_peagle
+    manifest = CheckpointManifest(target=identity, draft=spec, step=2, data="unit-test")
+    save_checkpoint(tmp_path / "run", manifest, tensors, None, best=True)
+    assert load_draft(tmp_path / "run").spec == spec
+    result = export.run(ExportConfig(checkpoint=tmp_path / "run", format="vllm", output=tmp_path / "out",
+                                     speculative_tokens=5))
+    assert result.summary["parallel drafting"] == f"P-EAGLE, mask token {MASK_TOKEN}"
+    assert all('"parallel_drafting": true' in c for c in result.commands.values() if c.startswith("vllm serve"))
+    assert export.read_export_manifest(tmp_path / "out").draft == spec
+
+
+def test_an_export_read_as_its_config_serves_it(tmp_path, tiny_peagle):
+    """A P-EAGLE export whose manifest's spec does not say so (written before DraftSpec knew parallel drafting):
+    config.json's mask token and mask_hidden in the weights make it the P-EAGLE draft vLLM serves."""
+    _, spec, tensors, _ = tiny_peagle
+    out = write(tmp_path, tiny_peagle, "vllm", dtype="fp32")
+    manifest = json.loads((out / "manifest.json").read_text())
+    for key in ("parallel_drafting", "mask_token_id"):
+        manifest["draft"].pop(key)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    back = load_draft(out)
+    assert back.spec == spec and set(back.tensors) == set(tensors)
+
+
+def test_peagle_refusals_are_one_line(tmp_path, tiny_peagle):
+    _, spec, tensors, identity = tiny_peagle
+    with pytest.raises(DraftsmithError) as err:
+        export.write_export(tmp_path / "s", tensors, spec, "sglang", target=identity, verifier_architectures=[])
+    assert str(err.value) == ("format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; "
+                              "export as vllm")
+    no_token = spec.model_copy(update={"mask_token_id": None})
+    with pytest.raises(DraftsmithError, match=r"mask_token_id None is not a target token id \(0\.\.319\)"):
+        export.write_export(tmp_path / "v", tensors, no_token, "vllm", target=identity, verifier_architectures=[])
+    with pytest.raises(DraftsmithError, match=r"missing tensor\(s\) \['mask_hidden'\] for a 1-layer P-EAGLE draft"):
+        export.write_export(tmp_path / "v", _eagle3(tiny_peagle)[2], spec, "vllm", target=identity,
+                            verifier_architectures=[])
+    assert not any((tmp_path / d).exists() for d in ("s", "v"))
+
+
+def test_peagle_speculators_format_is_speculators_peagle(tmp_path, tiny_peagle):
+    """speculators has a P-EAGLE type of its own (speculators_model_type and algorithm "peagle", mask_token_id),
+    which vLLM's reader turns into its Eagle-3 Llama draft with the mask token as pard_token and parallel drafting
+    on."""
+    out = write(tmp_path, tiny_peagle, "speculators", speculative_tokens=4)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["speculators_config"]["algorithm"] == "peagle"
+    assert config["architectures"] == ["PEagleSpeculator"] and config["mask_token_id"] == MASK_TOKEN
+    assert "layers.0.self_attn.q_proj.weight" in load_file(str(out / "model.safetensors"))
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    pre = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(config)))
+    assert pre["architectures"] == ["PeagleLlamaForCausalLM"] and pre["pard_token"] == MASK_TOKEN
+    assert pre["norm_before_residual"] is False and pre["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert SpeculatorsConfig.extract_vllm_speculative_config(config) == {
+        "method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}

@@ -137,6 +137,33 @@ def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_t
     assert seen["spec"]["num_speculative_tokens"] == 4
 
 
+def test_a_peagle_draft_is_served_with_parallel_drafting(tmp_path, tiny_target_dir, monkeypatch, one_thread,
+                                                         engine_checks_pass):
+    """A P-EAGLE draft (mask_hidden in its weights) gets `"parallel_drafting": true` in vLLM's speculative config,
+    served as it is (vllm, speculators) or through the temporary vLLM export (a checkpoint); an EAGLE-3 one never."""
+    source = _tiny_source(tiny_target_dir)
+    spec = source.spec.model_copy(update={"parallel_drafting": True, "mask_token_id": 3})
+    peagle = DraftSource(spec=spec, tensors={**source.tensors, "mask_hidden": torch.zeros(1, 3 * 64)},
+                         target=source.target, origin=Path("unit-test"), training={})
+    seen = {}
+
+    def fake_serve(command, env):
+        seen["spec"] = json.loads(command[command.index("--speculative-config") + 1])
+        seen["parallel"] = load_draft(Path(seen["spec"]["model"])).spec.parallel_drafting
+        return 0
+
+    monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
+    save_checkpoint(tmp_path / "run", CheckpointManifest(target=peagle.target, draft=spec, step=1, data="unit-test"),
+                    peagle.tensors, None, best=True)
+    for draft in (_write(peagle, tmp_path / "vllm", "vllm"), _write(peagle, tmp_path / "speculators", "speculators"),
+                  tmp_path / "run"):
+        serve.run(ServeConfig(draft=draft))
+        assert seen["spec"]["parallel_drafting"] is True and seen["parallel"], draft
+        assert seen["spec"]["method"] == "eagle3" and seen["spec"]["num_speculative_tokens"] == 3
+    serve.run(ServeConfig(draft=_write(source, tmp_path / "eagle3", "vllm")))
+    assert "parallel_drafting" not in seen["spec"] and not seen["parallel"]
+
+
 def test_a_failed_server_is_one_line(tmp_path, tiny_target_dir, monkeypatch, one_thread, engine_checks_pass):
     draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
     monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: 2)

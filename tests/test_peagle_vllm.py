@@ -1,0 +1,153 @@
+"""P-EAGLE drafts in real vLLM (CPU): trained with `--method peagle`, exported, served with parallel drafting.
+
+For each target below a P-EAGLE draft is trained a few steps, exported in the vllm format (float32 weights), and
+decoded by vLLM with `"parallel_drafting": true` (all k proposals of a round from one draft forward) at
+temperature 0 in float32:
+
+- lossless: vLLM's output token ids with the draft equal the same engine's without it;
+- the draft ran: vLLM's spec-decode counters > 0, k draft tokens per round, some accepted;
+- the same proposals as draftsmith's reference decoder (evaluate/specdec.py, drafting in parallel for a P-EAGLE
+  draft): vLLM's accepted counts per draft position equal the reference decoder's on the same prompts, so vLLM's
+  parallel slots read what training trained (mask token, fc(mask_hidden), positions, attention).
+
+(a) the default target through `draftsmith evaluate --engine vllm` (a P-EAGLE draft started from the cached
+    EAGLE-3 draft of tests/conftest.py's `trained_run`, so its first position gets tokens accepted after two steps);
+    the tolerance is tests/test_parity.py's (float32 kernels of vLLM and transformers may part at a near-tie).
+(b) the MoE family qwen3_moe (tests/families.py, its head sharpened so greedy tokens are decisive): exact equality,
+    as tests/test_families.py's EAGLE-3 decoding test. (DeepSeek-V3's MLA does not run with an EAGLE-3 draft in
+    vLLM 0.32 on CPU in float32: see MLA_ON_CPU there.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_families import (
+    CONVERSATIONS,
+    MAX_LENGTH,
+    NEW_TOKENS,
+    NUM_CONVERSATIONS,
+    NUM_PROMPTS,
+    SPEC_K,
+    Matrix,
+    in_process_vllm,
+    needs_vllm,
+)
+from test_parity import ACCEPTED_TOLERANCE
+
+from draftsmith import evaluate, export, train
+from draftsmith.config import EvaluateConfig, ExportConfig, TrainConfig
+from draftsmith.train.drafts import load_draft
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
+
+K = 4  # (a): draft tokens per round
+PEAGLE_STEPS = 2  # (a): steps from the EAGLE-3 draft (mask_hidden starts from the seed's small normal)
+MOE_STEPS = 20  # (b): steps of a fresh draft on the tiny target (what tests/test_families.py gives its drafts)
+MOE = "qwen3_moe"
+
+
+def _spec_config(export_dir: Path) -> dict:
+    from draftsmith.evaluate import vllm_worker
+
+    return vllm_worker.engine_kwargs({"target": str(load_draft(export_dir).target.path), "dtype": "float32",
+                                      "max_model_len": 64, "seed": 0, "k": 3, "draft": str(export_dir)}
+                                     )["speculative_config"]
+
+
+# ---------------------------------------------------------------------------------------- (a) default target
+
+
+@pytest.fixture(scope="module")
+def peagle_export(trained_run, tmp_path_factory) -> Path:
+    """The cached EAGLE-3 draft turned P-EAGLE (`--init-from` it, `--method peagle`) and trained PEAGLE_STEPS steps
+    online on its own prepared set; exported vllm, float32."""
+    root = tmp_path_factory.mktemp("peagle-default")
+    train.run(TrainConfig(data=Path(trained_run).parent / "prepared", output=root / "run", init_from=trained_run,
+                          method="peagle", ttt_steps=K, max_steps=PEAGLE_STEPS, token_budget=256, lr=1e-4,
+                          warmup_steps=0, schedule="constant", eval_fraction=0.0, save_every=10 ** 6, device="cpu",
+                          precision="fp32", seed=0))
+    out = root / "export"
+    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32",
+                            speculative_tokens=K))
+    return out
+
+
+def test_vllm_drafts_in_parallel_losslessly_with_the_reference_acceptance(peagle_export, tmp_path, monkeypatch):
+    spec = load_draft(peagle_export).spec
+    assert spec.parallel_drafting and spec.mask_token_id is not None
+    config = json.loads((peagle_export / "config.json").read_text())
+    assert config["ptd_token_id"] == spec.mask_token_id
+    assert _spec_config(peagle_export)["parallel_drafting"] is True
+    # the engines in their worker process (one process per measurement, as evaluate runs them), without vLLM's
+    # engine-core process of their own: most of a start on a CPU
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    common = dict(draft=peagle_export, prompts="mt-bench", num_prompts=4, max_new_tokens=32, k=[K], dtype="float32",
+                  temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
+    evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
+    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
+    hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
+    results = {name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
+               for name in ("baseline", f"k{K}")}
+    assert results[f"k{K}"]["outputs"] == results["baseline"]["outputs"]  # lossless
+    assert all(len(o) > 0 for o in results["baseline"]["outputs"])
+    assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == K * vl["num_rounds"], vl
+    assert len(vl["accepted_per_pos"]) == K and hf["num_accepted"] > 0 and vl["num_accepted"] > 0, (hf, vl)
+    rounds = max(hf["num_rounds"], vl["num_rounds"])
+    assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
+    for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
+        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])
+
+
+# ---------------------------------------------------------------------------------------- (b) an MoE family
+
+
+class PeagleMatrix(Matrix):
+    """tests/test_families.py's prepared sets, stores, exports and reference decodes, with P-EAGLE drafts."""
+
+    def draft(self, name: str, data: str) -> Path:
+        key = ("draft", name, data)
+        if key not in self._made:
+            assert data == "store"
+            out = self.root / name / "peagle-draft"
+            result = train.run(TrainConfig(
+                data=self.hf(name), output=out, method="peagle", max_steps=MOE_STEPS, lr=3e-3, warmup_steps=0,
+                schedule="constant", token_budget=2048, draft_vocab_size=256, ttt_steps=SPEC_K, eval_fraction=0.0,
+                save_every=10 ** 6, device="cpu", precision="fp32", seed=0))
+            self.summaries[key] = result.summary
+            self._made[key] = out
+        return self._made[key]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> PeagleMatrix:
+    root = tmp_path_factory.mktemp("peagle-moe")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
+                             for i in range(NUM_CONVERSATIONS)))
+    return PeagleMatrix(root, chats)
+
+
+def test_vllm_parallel_drafting_on_an_moe_target_is_lossless_with_the_reference_acceptance(moe, one_thread):
+    from draftsmith.evaluate import vllm_worker
+
+    draft = moe.export(MOE, "vllm")
+    assert load_draft(draft).spec.parallel_drafting and _spec_config(draft)["parallel_drafting"] is True
+    ref = moe.reference(MOE)
+    assert ref["spec"] == ref["plain"]  # the reference decoder, drafting in parallel, is lossless too
+    request = dict(target=str(load_draft(draft).target.path), prompts=moe.prompts(MOE), k=SPEC_K,
+                   max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
+                   max_model_len=MAX_LENGTH + NEW_TOKENS + 2 * SPEC_K + 8, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
+    with in_process_vllm():
+        plain = vllm_worker.run({**request, "draft": None})
+        spec = vllm_worker.run({**request, "draft": str(draft)})
+    assert spec["outputs"] == plain["outputs"]  # lossless
+    assert plain["outputs"] == ref["plain"]  # the reference decoder's target alone
+    counters = spec["spec"]
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
+    assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
+    assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
+        ref["rounds"], ref["accepted_per_pos"]), (counters, ref)
