@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The trainer's GPU check (issue 13): 8B-shaped training throughput and peak memory at T 2048 and 8192 (bf16,
-# torch.compile off and on), and the default target's τ after a few minutes of online training; prints a markdown
-# table for docs/benchmarks.md. Sized for <= 8 minutes on one H200.
+# torch.compile off and on), the default target's τ after a few minutes of online training, and P-EAGLE against
+# EAGLE-3 on one store (benchmarks/peagle_vs_eagle3.py: τ, draft ms per round, tokens/s per k; vLLM too where it is
+# installed); prints a markdown table for docs/benchmarks.md. Sized for <= 8 minutes on one H200 before the P-EAGLE
+# step, which adds ~3 (two small drafts, the reference decoder at k 2..8; each vLLM engine start ~1 min more).
 #
 #   bash benchmarks/gpu_check.sh                         # on the GPU machine (device cuda)
 #   bash benchmarks/gpu_check.sh --device cpu --tiny     # the rehearsal (CI): the same steps on tiny shapes, < 1 min
@@ -106,7 +108,26 @@ else
     | tee "$OUT/tau.txt"
 fi
 
-# 3. The table for docs/benchmarks.md.
+# 3. P-EAGLE vs EAGLE-3: one store, the same training tokens and draft shape; per k τ, draft time and tokens/s.
+if [ "$TINY" = 1 ]; then
+  PEAGLE_ARGS=(--device "$DEVICE" --engines hf --work "$OUT/peagle" --prepared "$OUT/tiny/prepared"
+               --target "$OUT/tiny/target" --prompt-set "$OUT/tiny/prepared" --k 2,3 --epochs 1 --steps 2
+               --draft-vocab 128 --token-budget 256 --prompts 1 --max-new-tokens 8)
+else
+  PEAGLE_ARGS=(--device "$DEVICE" --work "$OUT/peagle" --k 2..8 --vllm-k 2,4,8 --samples 200 --epochs 2
+               --prompts 8 --max-new-tokens 128)
+  if [ -n "$TAU_PREPARED" ]; then PEAGLE_ARGS+=(--prepared "$TAU_PREPARED"); fi
+  if [ -n "$TAU_TARGET" ]; then PEAGLE_ARGS+=(--target "$TAU_TARGET"); fi
+fi
+if [ "$HAVE_ASSETS" = 1 ]; then
+  OMP_NUM_THREADS=$([ "$TINY" = 1 ] && echo 1 || echo "${OMP_NUM_THREADS:-8}") \
+    "$PY" "$REPO/benchmarks/peagle_vs_eagle3.py" "${PEAGLE_ARGS[@]}" 2> "$OUT/peagle.log" | tee "$OUT/peagle.txt"
+else
+  echo "peagle: skipped (no default target in \${DRAFTSMITH_CACHE:-~/.cache/draftsmith}; pass --tau-target)" \
+    | tee "$OUT/peagle.txt"
+fi
+
+# 4. The table for docs/benchmarks.md.
 "$PY" - "$OUT" "$(( $(date +%s) - START ))" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -132,4 +153,21 @@ if tau is None:
 else:
     print(f"\nτ after {tau['train_s']:.0f} s of online training ({tau['tokens']:,} tokens at "
           f"{tau['tokens_per_s']:,.0f} tokens/s): " + ", ".join(f"k={k}: {v:.2f}" for k, v in tau["tau"].items()))
+peagle = last_json("peagle.txt")
+if peagle is None:
+    print(f"\nP-EAGLE vs EAGLE-3: {(out / 'peagle.txt').read_text().strip() or 'no result (see peagle.log)'}")
+else:
+    print(f"\nP-EAGLE vs EAGLE-3 ({peagle['train']['eagle3']['tokens']} training tokens each, TTT/depths "
+          f"{peagle['ttt_steps']}, {peagle['dtype']}; draft ms = time per round inside the draft):\n")
+    print("| engine | k | τ EAGLE-3 | τ P-EAGLE | draft ms EAGLE-3 | draft ms P-EAGLE | tokens/s EAGLE-3 | "
+          "tokens/s P-EAGLE |")
+    print("|---|---|---|---|---|---|---|---|")
+    for engine, res in peagle["engines"].items():
+        if "error" in res:
+            print(f"| {engine} | {res['error']} | | | | | | |"); continue
+        e3, pe = res["methods"]["eagle3"], res["methods"]["peagle"]
+        for k in e3:
+            cells = [f"{r[k][key]:.3f}" if r[k].get(key) is not None else "–"
+                     for key in ("tau", "draft_ms_per_round", "tokens_per_s") for r in (e3, pe)]
+            print(f"| {engine} | {k} | " + " | ".join(cells) + " |")
 EOF

@@ -64,6 +64,19 @@ def test_online_trains_from_the_prepared_set(tmp_path):
         quickstart.run(QuickstartConfig(output=tmp_path, online=True, engine="hf"))
 
 
+def test_method_peagle_changes_the_train_stage_only(tmp_path):
+    default = quickstart.stage_configs(QuickstartConfig(output=tmp_path), engine="vllm")
+    peagle = quickstart.stage_configs(QuickstartConfig(output=tmp_path, method="peagle"), engine="vllm")
+    assert default["train"].method == "eagle3" and peagle["train"].method == "peagle"
+    assert peagle["train"].model_copy(update={"method": "eagle3"}) == default["train"]  # the budget's shapes
+    assert all(peagle[s] == default[s] for s in default if s != "train")  # export / evaluate read the draft
+    with pytest.raises(DraftsmithError, match=r"^quickstart section train: option method is the quickstart's own"):
+        quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"method": "peagle"}), engine="hf")
+    (tmp_path / quickstart.STATE_NAME).write_text(json.dumps({"finished": {}, "budget": "small", "method": "eagle3"}))
+    with pytest.raises(DraftsmithError, match="was started with --method eagle3"):
+        quickstart.run(QuickstartConfig(output=tmp_path, method="peagle", engine="hf"))
+
+
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_every_recipe_loads_with_config(recipe, tmp_path):
@@ -141,6 +154,14 @@ def test_tau_for_k_not_run_is_read_off_the_longest_run():
     assert lines["k=1"] == "τ 1.62 (read off the k=5 run)" and lines["k=2"] == "τ 1.95 (read off the k=5 run)"
     assert lines["k=3"] == "τ 2.10, speed-up 1.40x; acceptance per position 0.60 0.30 0.20"  # measured, as is
     assert lines["k=4"].startswith("τ 2.25 (read off") and lines["k=5"].startswith("τ 2.30; acceptance")
+
+
+def test_tau_lines_of_a_peagle_draft_mark_the_k_past_its_trained_depths():
+    runs = [{"k": 4, "tau": 1.9, "speedup": None, "acceptance_per_pos": [0.5, 0.3, 0.1, 0.0]}]
+    lines = quickstart.tau_lines(runs, depths_trained=3)
+    assert lines["k=3"] == "τ 1.90 (read off the k=4 run)"
+    assert lines["k=4"] == "τ 1.90; acceptance per position 0.50 0.30 0.10 0.00 — past the 3 depths trained"
+    assert quickstart.tau_lines(runs)["k=4"] == "τ 1.90; acceptance per position 0.50 0.30 0.10 0.00"
 
 
 def test_evaluation_uses_vllm_exactly_when_it_is_installed(monkeypatch):

@@ -408,13 +408,17 @@ class QuickstartConfig(StageConfig):
         "small: about 15 minutes on a 2-core CPU; medium: about 80 minutes there (8.7x the tokens); large: the "
         "whole embedded ShareGPT, for a GPU; "
         "tiny: a few-minute smoke test of the whole path."))
+    method: Literal["eagle3", "peagle"] = Field("eagle3", description=(
+        "The draft trained and evaluated: eagle3, or peagle (P-EAGLE: every token of a round in one draft forward, "
+        "served by vLLM with parallel_drafting); the budget's shapes either way."))
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
         "Evaluation engine: auto uses vLLM when it is installed, the reference decoder otherwise."))
     k: list[int] = Field(default_factory=list, description=(
-        "Draft lengths to evaluate, one engine start each (default per budget: small 5, medium and large 1..5); "
-        "the summary reads τ for every shorter k off the longest run's per-position acceptance."))
+        "Draft lengths to evaluate, one engine start each (default per budget: tiny 3, small and medium 5, large "
+        "1..5); the summary reads τ for every shorter k off the longest run's per-position acceptance (for P-EAGLE "
+        "too: a parallel round's first proposals do not depend on k)."))
     num_prompts: int | None = Field(None, ge=1, description="MT-bench prompts to evaluate; default per budget.")
     max_new_tokens: int | None = Field(None, ge=1, description="Tokens generated per prompt; default per budget.")
     device: str = Field("auto", description="auto, cpu, cuda ...")

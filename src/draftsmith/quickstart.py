@@ -2,6 +2,8 @@
 
 Each stage writes its own sub-directory and is itself resumable; `quickstart.json` records which stages have
 finished, so a run killed at any point and started again skips what is done and continues the rest.
+`--method peagle` trains a P-EAGLE draft on the same budget instead of an EAGLE-3 one; the other stages read the
+method from the draft itself.
 """
 
 from __future__ import annotations
@@ -125,6 +127,9 @@ def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
         if moved:
             raise DraftsmithError(f"quickstart section {stage}: option {moved[0]} is set by the quickstart itself "
                                   "(it chains the stages); use --output to place the run")
+        if stage == "train" and "method" in section:  # one place, which the resume check reads too
+            raise DraftsmithError("quickstart section train: option method is the quickstart's own --method; set "
+                                  "`method:` at the top of the recipe")
         if section:
             configs[stage] = validate_config(type(base), {**base.model_dump(), **section},
                                              f"quickstart section {stage}: ")
@@ -139,7 +144,8 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
                                  max_samples=b.conversations),
         "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
         "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train",
-                             epochs=b.epochs, max_steps=b.max_steps, token_budget=b.token_budget, ttt_steps=b.ttt_steps,
+                             method=cfg.method, epochs=b.epochs, max_steps=b.max_steps, token_budget=b.token_budget,
+                             ttt_steps=b.ttt_steps,
                              draft_vocab_size=b.draft_vocab_size, lr=b.lr, warmup_steps=20, device=cfg.device,
                              save_every=100),
         "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
@@ -183,7 +189,7 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_NAME
     state = _load_state(state_path)
-    for option in ("budget", "online", "regenerate"):  # what shapes the stages; the stages check their own options
+    for option in ("budget", "online", "regenerate", "method"):  # what shapes the stages; each checks its own options
         value = getattr(cfg, option)
         if state.get(option, value) != value:
             raise DraftsmithError(f"{out}: was started with --{option} {state[option]}; use another --output "
@@ -215,26 +221,36 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
     return StageResult(stage="quickstart", output=out, summary=summary, commands=commands)
 
 
-def tau_lines(runs: list[dict[str, Any]]) -> dict[str, str]:
+def tau_lines(runs: list[dict[str, Any]], depths_trained: int | None = None) -> dict[str, str]:
     """One line per k = 1..max(k): measured runs as they are; a k not run is read off the longest run.
 
     At temperature 0 position i of a k-token draft is accepted only when positions < i were, so vLLM's
     per-position acceptance a_i of the longest run gives τ(k) ≈ 1 + a_1 + ... + a_k for every shorter k
-    without another engine start (the draft start points differ slightly between runs).
+    without another engine start (the draft start points differ slightly between runs: a k=2 round that accepts
+    both tokens ends where a k=5 round goes on, so the rounds of the two runs start at different positions).
+
+    The shortcut holds for a P-EAGLE draft as well, to the same approximation. Its d-th proposal is the output of
+    the slot at position t+d, which attends causally to the real slots up to t and to the parallel slots t+1..t+d-1;
+    every parallel slot reads the same input (the mask token's embedding, fc(mask_hidden)) whatever k is, and the
+    slots after t+d, the only ones a longer k adds, are masked out. So proposals 1..d of a round are the same for
+    every k >= d, in vLLM (its drafting kernel lays the k-1 parallel slots after the real ones, causal attention)
+    and in the reference decoder alike; only floating-point rounding of a forward over more slots can differ.
+    `depths_trained` (P-EAGLE: its TTT depths) marks the k past them: those slots were never trained.
     """
     by_k = {r["k"]: r for r in runs}
     longest = by_k[max(by_k)] if by_k else None
     lines: dict[str, str] = {}
     for k in range(1, max(by_k, default=0) + 1):
         r = by_k.get(k)
+        past = f" — past the {depths_trained} depths trained" if depths_trained and k > depths_trained else ""
         if r is None:
             derived = 1 + sum(longest["acceptance_per_pos"][:k])
-            lines[f"k={k}"] = f"τ {derived:.2f} (read off the k={longest['k']} run)"
+            lines[f"k={k}"] = f"τ {derived:.2f} (read off the k={longest['k']} run){past}"
             continue
         speed = f", speed-up {r['speedup']:.2f}x" if r.get("speedup") else ""
         per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
         interval = f" (95 % over prompts {r['tau_95'][0]:.2f}..{r['tau_95'][1]:.2f})" if r.get("tau_95") else ""
-        lines[f"k={k}"] = f"τ {r['tau']:.2f}{interval}{speed}; acceptance per position {per_pos}"
+        lines[f"k={k}"] = f"τ {r['tau']:.2f}{interval}{speed}; acceptance per position {per_pos}{past}"
     return lines
 
 
@@ -252,7 +268,11 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
         "total time": f"{sum(v['seconds'] for v in finished.values()) / 60:.1f} min",
         "evaluation": f"{engine_why}; MT-bench first turns, {report['num_prompts']} prompts, temperature 0",
     }
-    summary.update(tau_lines(report["runs"]))
+    train = configs["train"]
+    parallel = train.method == "peagle"
+    summary["draft"] = (f"P-EAGLE (all k tokens of a round in one draft forward), {train.ttt_steps} depths trained"
+                        if parallel else f"EAGLE-3, {train.ttt_steps} TTT steps")
+    summary.update(tau_lines(report["runs"], train.ttt_steps if parallel else None))
     summary["exported draft"] = str(configs["export"].output)
     summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
     return summary, serve_commands(target_dir, Path(configs["export"].output).resolve(),

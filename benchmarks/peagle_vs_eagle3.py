@@ -1,0 +1,545 @@
+"""P-EAGLE against EAGLE-3, side by side: one store, the same training tokens and draft shape, then per k the
+acceptance length τ, the draft's time per round and end-to-end tokens/s, in vLLM and in the reference decoder.
+
+  1. prepare --samples ShareGPT conversations of the default target (or use --prepared) and extract ONE store
+  2. train an EAGLE-3 draft and a P-EAGLE draft on that store with the same options, --method aside: same seed,
+     token budget and steps, so the same batches and training tokens; --ttt-steps defaults to the largest k (the
+     P-EAGLE draft's depths trained, so that no measured k reaches an untrained slot); both exported for vLLM
+  3. reference decoder (this process): the target alone once, then each draft at every k on the same prompts,
+     temperature 0. Draft time per round = wall time spent inside the draft's forwards and its fc (module hooks on
+     Eagle3Draft and Eagle3Draft.fc, the outermost call only, CUDA-synchronised on a GPU) over the rounds; the
+     forwards per round are counted too (P-EAGLE: 1, its point; EAGLE-3: k)
+  4. vLLM (`draftsmith evaluate --engine vllm`, one engine start per (method, k), the target alone once): τ from
+     vLLM's spec-decode counters, tokens/s of the timed generate call. vLLM exposes no drafting-time metric, so its
+     evaluation worker is started through this file (`--vllm-job`), which runs the engine in-process
+     (VLLM_ENABLE_V1_MULTIPROCESSING=0, every run alike, the baseline too) and times the model runner's
+     propose_draft_token_ids over the timed generate call only (perf_counter on a CPU, CUDA events on a GPU): the
+     whole drafting step, input preparation included. It also records whether vLLM's drafter ran with
+     parallel_drafting on, so a P-EAGLE draft that vLLM silently drafted as EAGLE-3 shows as such.
+
+    .venv/bin/python benchmarks/peagle_vs_eagle3.py --quick             # a few minutes: k 2,4 (vLLM at k 4 only)
+    .venv/bin/python benchmarks/peagle_vs_eagle3.py                     # k 2..8 in both engines (an hour on 2 cores)
+    .venv/bin/python benchmarks/peagle_vs_eagle3.py --engines hf --k 2,4,8 --work runs/peagle-bench
+
+Progress and a table go to stderr; the LAST stdout line is one JSON object: per engine, per method, per k, τ,
+acceptance per position, tokens/s, speed-up, draft ms per round (and forwards per round), lossless. An engine that
+cannot run (vLLM not installed, or failing) is one line in the table and an `error` in the JSON. τ and lossless do
+not depend on the machine; the times do, so the JSON records the 1-minute load average at the start and the end (a
+2-core machine shared with other work gave 4x slower and erratic times in a rehearsal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+METHODS = ("eagle3", "peagle")
+WORKER_MODULE = "draftsmith.evaluate.vllm_worker"  # what vllm_runner starts; --vllm-job wraps it
+TIMING_SUFFIX = ".draft_time.json"  # written beside the worker's result file
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_ks(text: str) -> list[int]:
+    """"2..8" or "2,4,8" (or a mix, "2,4..6") -> sorted distinct k >= 1."""
+    ks: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("..")
+        ks.update(range(int(lo), int(hi or lo) + 1))
+    if not ks or min(ks) < 1:
+        raise SystemExit(f"--k {text}: draft lengths are integers >= 1, e.g. 2..8 or 2,4,8")
+    return sorted(ks)
+
+
+# ---------------------------------------------------------------------------------------------- timers
+
+
+class SpanTimer:
+    """Sums the wall time of spans. On a GPU each span is a pair of CUDA events, resolved (one synchronize) only
+    when read, so timing does not stall an engine that runs ahead of the host."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._pending: list[tuple[Any, Any]] = []
+        self._marks: list[tuple[float, int]] = []
+
+    @contextmanager
+    def span(self, cuda: bool = False):
+        if cuda:
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((start, end))
+                self.calls += 1
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+    def resolve(self) -> tuple[float, int]:
+        """(seconds, calls) so far."""
+        if self._pending:
+            import torch
+
+            torch.cuda.synchronize()
+            self.seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1000.0
+            self._pending = []
+        return self.seconds, self.calls
+
+    def mark(self) -> None:
+        self._marks.append(self.resolve())
+
+    def between_marks(self, first: int = 0, second: int = 1) -> tuple[float, int] | None:
+        """(seconds, calls) between two marks, None when they were not both made."""
+        if len(self._marks) <= max(first, second):
+            return None
+        (s0, c0), (s1, c1) = self._marks[first], self._marks[second]
+        return s1 - s0, c1 - c0
+
+
+class ModuleTimer:
+    """Wall time inside the forwards of some modules (hooks), the outermost call only: a module called from within
+    another timed one is not counted twice. `forwards` counts the calls of the first module (the draft itself)."""
+
+    def __init__(self, modules: list[Any]) -> None:
+        import torch
+
+        self._torch = torch
+        self._depth = 0
+        self._t0 = 0.0
+        self.seconds = 0.0
+        self.forwards = 0
+        self._cuda = any(p.is_cuda for p in modules[0].parameters())
+        self._handles = []
+        for i, module in enumerate(modules):
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._leave_first if i == 0 else self._leave))
+
+    def reset(self) -> None:
+        self.seconds, self.forwards = 0.0, 0
+
+    def _sync(self) -> None:
+        if self._cuda:
+            self._torch.cuda.synchronize()
+
+    def _enter(self, module, args) -> None:
+        if self._depth == 0:
+            self._sync()
+            self._t0 = time.perf_counter()
+        self._depth += 1
+
+    def _leave(self, module, args, output) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._sync()
+            self.seconds += time.perf_counter() - self._t0
+
+    def _leave_first(self, module, args, output) -> None:
+        self.forwards += 1
+        self._leave(module, args, output)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------- vLLM job wrapper
+
+
+class _WorkerThroughThisFile:
+    """Stands in for vllm_runner's `subprocess` module while this benchmark evaluates: the evaluation worker is
+    started through `--vllm-job` of this file; every other call passes through to the real module."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def run(cmd, *args, **kwargs):
+        cmd = list(cmd)
+        if cmd[1:3] == ["-m", WORKER_MODULE]:
+            cmd = [cmd[0], str(Path(__file__).resolve()), "--vllm-job", *cmd[3:]]
+        return subprocess.run(cmd, *args, **kwargs)  # noqa: PLW1510 - the caller's own arguments
+
+
+@contextmanager
+def timed_vllm_worker():
+    from draftsmith.evaluate import vllm_runner
+
+    real = vllm_runner.subprocess
+    vllm_runner.subprocess = _WorkerThroughThisFile()
+    try:
+        yield
+    finally:
+        vllm_runner.subprocess = real
+
+
+def timing_path(result_file: Path) -> Path:
+    return Path(result_file).with_suffix(TIMING_SUFFIX)
+
+
+def vllm_job(request_file: str) -> None:
+    """The evaluation worker, in-process, with the drafting step timed over the timed generate call (between the
+    worker's two readings of the spec-decode counters, which bracket exactly that call)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from draftsmith.evaluate import vllm_worker
+
+    timer = SpanTimer()
+    seen: dict[str, Any] = {"parallel_drafting": None}
+    propose = GPUModelRunner.propose_draft_token_ids
+
+    def timed_propose(self, *args, **kwargs):
+        seen["parallel_drafting"] = bool(getattr(getattr(self, "drafter", None), "parallel_drafting", False))
+        with timer.span(cuda=getattr(self.device, "type", "cpu") == "cuda"):
+            return propose(self, *args, **kwargs)
+
+    GPUModelRunner.propose_draft_token_ids = timed_propose
+    read_counters = vllm_worker.read_spec_metrics
+
+    def read_and_mark(llm):
+        timer.mark()
+        return read_counters(llm)
+
+    vllm_worker.read_spec_metrics = read_and_mark
+    vllm_worker.main(request_file)
+    request = json.loads(Path(request_file).read_text(encoding="utf-8"))
+    timed = timer.between_marks()
+    out = {"draft_s": timed[0] if timed else None, "draft_calls": timed[1] if timed else None, **seen}
+    timing_path(Path(request["result"])).write_text(json.dumps(out), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def per_k_row(stats: Any, base_tps: float | None, draft_s: float | None, draft_calls: int | None,
+              forwards: int | None = None, lossless: bool | None = None, parallel: bool | None = None) -> dict:
+    """One (method, k) cell: τ, acceptance per position, tokens/s, speed-up, draft ms per round. `draft_calls`
+    (vLLM): its drafting steps, which the time is divided by: one per round, plus the one after each prompt's
+    prefill and a last one whose proposals are never verified; without it (the reference decoder drafts exactly
+    once per round, its first round reading the prompt as vLLM's first drafting step does) the rounds."""
+    rounds = stats.num_rounds
+    steps = draft_calls if draft_calls else rounds
+    row = {"tau": round(stats.tau, 4), "acceptance_per_pos": [round(a, 4) for a in stats.acceptance_per_pos],
+           "tokens_per_s": round(stats.tokens_per_s, 3),
+           "speedup": round(stats.tokens_per_s / base_tps, 4) if base_tps else None,
+           "rounds": rounds, "round_ms": round(1000 * stats.elapsed_s / rounds, 3) if rounds else None,
+           "draft_ms_per_round": round(1000 * draft_s / steps, 3) if draft_s is not None and steps else None}
+    if draft_calls is not None:
+        row["draft_calls"] = draft_calls
+    if forwards is not None:
+        row["draft_forwards_per_round"] = round(forwards / rounds, 3) if rounds else None
+    if lossless is not None:
+        row["lossless"] = lossless
+    if parallel is not None:
+        row["vllm_parallel_drafting"] = parallel
+    return row
+
+
+def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str, num_prompts: int, ks: list[int],
+                     max_new_tokens: int, device_name: str, dtype_name: str) -> dict:
+    """The reference decoder: the target alone, then each draft at each k, on the same prompts, timed."""
+    import torch
+
+    from draftsmith.core import targets
+    from draftsmith.evaluate import build_draft_module
+    from draftsmith.evaluate.prompts import held_out_split, load_prompts
+    from draftsmith.evaluate.specdec import (
+        DecodeStats,
+        DraftRunner,
+        TargetRunner,
+        plain_generate,
+        speculative_generate,
+    )
+    from draftsmith.evaluate.stage import _eos_ids
+
+    device = targets.resolve_device(device_name)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    model = targets.load_target(target_path, dtype=dtype, device=device)
+    tokenizer = targets.load_tokenizer(target_path)
+    eos = _eos_ids(tokenizer, target_path)
+    first = next(iter(sources.values()))
+    prompts = load_prompts(prompt_set, tokenizer, target=first.target, num_prompts=num_prompts,
+                           **held_out_split(None, None, first.training))  # what `evaluate` decodes too
+    tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
+    target = TargetRunner(model, first.spec.aux_layer_ids)
+
+    def decode(k: int, drafter: Any = None) -> tuple[Any, list[list[int]]]:
+        total, outputs = DecodeStats(k=k), []
+        for ids in tensors:
+            gen = (plain_generate(target, ids, max_new_tokens, 0.0, eos) if drafter is None else
+                   speculative_generate(target, drafter, ids, k, max_new_tokens, 0.0, eos))
+            total.add(gen.stats)
+            outputs.append(gen.tokens)
+        return total, outputs
+
+    plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos)  # warm-up, not timed
+    log(f"reference decoder: target alone, {len(prompts)} prompts x {max_new_tokens} tokens ...")
+    base, base_out = decode(0)
+    result: dict[str, Any] = {"num_prompts": len(prompts), "dtype": dtype_name, "device": str(device),
+                              "target_alone_tokens_per_s": round(base.tokens_per_s, 3), "methods": {}}
+    for method, source in sources.items():
+        draft = build_draft_module(source, model, device, dtype)
+        drafter = DraftRunner(draft)
+        speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos)  # warm-up
+        timer = ModuleTimer([draft, draft.fc])
+        rows = {}
+        for k in ks:
+            timer.reset()
+            stats, outputs = decode(k, drafter)
+            rows[str(k)] = per_k_row(stats, base.tokens_per_s, timer.seconds, None, forwards=timer.forwards,
+                                     lossless=outputs == base_out)
+            log(f"reference decoder: {method} k={k}: τ {stats.tau:.3f}, draft "
+                f"{rows[str(k)]['draft_ms_per_round']} ms/round, {rows[str(k)]['draft_forwards_per_round']} "
+                f"forwards/round")
+        timer.remove()
+        result["methods"][method] = rows
+    return result
+
+
+def vllm_engine(work: Path, exports: dict[str, Path], prompt_set: str, num_prompts: int, ks: list[int],
+                max_new_tokens: int, dtype_name: str, timeout_s: int) -> dict:
+    """vLLM: `evaluate --engine vllm` per method (one engine start per k, the target alone once, with the EAGLE-3
+    draft's evaluation), the worker timed through this file."""
+    from draftsmith import evaluate
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate.specdec import DecodeStats
+
+    result: dict[str, Any] = {"dtype": dtype_name, "methods": {}}
+    baseline_out = None
+    base_tps = None
+    for i, (method, export_dir) in enumerate(exports.items()):
+        out = work / f"eval-vllm-{method}"
+        log(f"vLLM: {method}, k {','.join(map(str, ks))}{' and the target alone' if i == 0 else ''} "
+            f"(one engine start each) ...")
+        t0 = time.perf_counter()
+        with timed_vllm_worker():
+            evaluate.run(EvaluateConfig(draft=export_dir, engine="vllm", output=out, prompts=prompt_set,
+                                        num_prompts=num_prompts, k=ks, max_new_tokens=max_new_tokens,
+                                        temperature=0.0, dtype=dtype_name, baseline=i == 0, vllm_timeout_s=timeout_s))
+        log(f"vLLM: {method} done in {time.perf_counter() - t0:.0f} s")
+        report = json.loads((out / "report.json").read_text())
+        workdir = out / "vllm"
+        if i == 0:
+            baseline = json.loads((workdir / "baseline.result.json").read_text())
+            baseline_out = baseline["outputs"]
+            base_tps = report["baseline"]["tokens_per_s"]
+            result["target_alone_tokens_per_s"] = round(base_tps, 3)
+            result["vllm_version"] = report.get("vllm_version")
+            result["num_prompts"] = report["num_prompts"]
+        rows = {}
+        for run in report["runs"]:
+            k = run["k"]
+            res = json.loads((workdir / f"k{k}.result.json").read_text())
+            timing_file = timing_path(workdir / f"k{k}.result.json")
+            timing = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
+            stats = DecodeStats(k=k, num_new_tokens=run["num_new_tokens"], elapsed_s=run["elapsed_s"],
+                                num_rounds=run["num_rounds"], num_accepted=run["num_accepted"],
+                                accepted_per_pos=run["accepted_per_pos"])
+            rows[str(k)] = per_k_row(stats, base_tps, timing.get("draft_s"), timing.get("draft_calls"),
+                                     lossless=res["outputs"] == baseline_out if baseline_out is not None else None,
+                                     parallel=timing.get("parallel_drafting"))
+        result["methods"][method] = rows
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def table(results: dict, ks: dict[str, list[int]]) -> str:
+    """Side by side per engine and k: τ, draft ms/round, tokens/s of EAGLE-3 | P-EAGLE."""
+    lines = []
+    for engine, res in results.items():
+        if "error" in res:
+            lines.append(f"{engine}: {res['error']}")
+            continue
+        lines.append(f"{engine}: target alone {res['target_alone_tokens_per_s']:.2f} tokens/s, "
+                     f"{res.get('num_prompts')} prompts, {res.get('dtype')}")
+        lines.append(f"{'k':>3} | {'τ e3':>6} {'τ pe':>6} | {'draft ms e3':>11} {'draft ms pe':>11} | "
+                     f"{'tok/s e3':>8} {'tok/s pe':>8} | {'lossless':>8}")
+        for k in ks[engine]:
+            e3, pe = (res["methods"].get(m, {}).get(str(k), {}) for m in METHODS)
+
+            def cell(row, key, fmt):
+                return format(row[key], fmt) if row.get(key) is not None else "–"
+
+            lossless = "/".join("yes" if r.get("lossless") else ("no" if r.get("lossless") is False else "–")
+                                for r in (e3, pe))
+            lines.append(f"{k:>3} | {cell(e3, 'tau', '6.3f')} {cell(pe, 'tau', '6.3f')} | "
+                         f"{cell(e3, 'draft_ms_per_round', '11.2f')} {cell(pe, 'draft_ms_per_round', '11.2f')} | "
+                         f"{cell(e3, 'tokens_per_s', '8.2f')} {cell(pe, 'tokens_per_s', '8.2f')} | {lossless:>8}")
+    return "\n".join(lines)
+
+
+def failure(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few minutes: small data and steps, k 2,4, vLLM k 4")
+    parser.add_argument("--k", help="draft lengths, e.g. 2..8 or 2,4,8 (default 2..8; quick 2,4)")
+    parser.add_argument("--vllm-k", help="draft lengths measured in vLLM (default: --k; quick 4)")
+    parser.add_argument("--engines", default="hf,vllm", help="hf (reference decoder) and/or vllm")
+    parser.add_argument("--prepared", type=Path, help="a prepared set (default: ShareGPT prepared now)")
+    parser.add_argument("--target", help="target directory (default: the prepared set's, the embedded SmolLM2)")
+    parser.add_argument("--samples", type=int, help="conversations prepared (default 120; quick 24)")
+    parser.add_argument("--max-length", type=int, help="tokens per conversation (default 512; quick 256)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the epochs'; quick 12)")
+    parser.add_argument("--ttt-steps", type=int, help="TTT steps / P-EAGLE depths (default: the largest k)")
+    parser.add_argument("--token-budget", type=int, default=1024)
+    parser.add_argument("--draft-vocab", type=int, help="draft vocabulary (default 8192; quick 2048)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--prompts", type=int, help="prompts decoded (default 5; quick 2)")
+    parser.add_argument("--prompt-set", default="mt-bench", help="prompts (draftsmith evaluate --prompts)")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 64; quick 24)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="both engines: float32 or bfloat16 (auto: float32 on a CPU)")
+    parser.add_argument("--threads", type=int, help=(
+        "torch threads in this process (default: torch's, which follows OMP_NUM_THREADS; on a busy 2-core machine "
+        "one thread is much faster for small models than two)"))
+    parser.add_argument("--vllm-timeout-s", type=int, default=1200)
+    parser.add_argument("--work", type=Path, help="keep everything here (default: a temp dir)")
+    parser.add_argument("--vllm-job", help=argparse.SUPPRESS)  # internal: the timed evaluation worker
+    args = parser.parse_args()
+    if args.vllm_job:
+        vllm_job(args.vllm_job)
+        return
+
+    quick = args.quick
+    ks = parse_ks(args.k or ("2,4" if quick else "2..8"))
+    vllm_ks = parse_ks(args.vllm_k or ("4" if quick else ",".join(map(str, ks))))
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - {"hf", "vllm"})
+    if unknown:
+        raise SystemExit(f"--engines: unknown engine {unknown[0]} (hf, vllm)")
+    samples = args.samples or (24 if quick else 120)
+    max_length = args.max_length or (256 if quick else 512)
+    steps = args.steps or (12 if quick else None)
+    ttt_steps = args.ttt_steps or max(ks + (vllm_ks if "vllm" in engines else []))
+    draft_vocab = args.draft_vocab or (2048 if quick else 8192)
+    num_prompts = args.prompts or (2 if quick else 5)
+    max_new = args.max_new_tokens or (24 if quick else 64)
+
+    import torch
+
+    from draftsmith import export, extract, prepare, train
+    from draftsmith.config import (
+        ExportConfig,
+        ExtractConfig,
+        PrepareConfig,
+        TrainConfig,
+    )
+    from draftsmith.core import targets
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.train.drafts import load_draft, resolve_draft_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    device = targets.resolve_device(args.device)
+    dtype_name = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
+    work = args.work or Path(tempfile.mkdtemp(prefix="draftsmith-peagle-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    log(f"work directory {work}")
+
+    prepared = args.prepared
+    if prepared is None:
+        prepared = work / "prepared"
+        prepare.run(PrepareConfig(output=prepared, target=args.target, max_length=max_length, max_samples=samples))
+    t0 = time.perf_counter()
+    extract.run(ExtractConfig(prepared=prepared, output=work / "store", backend="hf", device=args.device,
+                              target=args.target))
+    extract_s = time.perf_counter() - t0
+    log(f"one store for both drafts: {work / 'store'} ({extract_s:.0f} s)")
+
+    trained: dict[str, dict] = {}
+    exports: dict[str, Path] = {}
+    for method in METHODS:  # everything but --method the same: the same batches, tokens and shapes
+        log(f"training the {method} draft ({steps or f'{args.epochs} epochs of'} steps, TTT {ttt_steps}) ...")
+        t0 = time.perf_counter()
+        result = train.run(TrainConfig(data=work / "store", output=work / f"train-{method}", method=method,
+                                       epochs=args.epochs, max_steps=steps, token_budget=args.token_budget,
+                                       ttt_steps=ttt_steps, draft_vocab_size=draft_vocab, lr=args.lr, warmup_steps=20,
+                                       device=args.device, seed=0, save_every=10**6, resume=False, force=True))
+        train_s = time.perf_counter() - t0
+        export.run(ExportConfig(checkpoint=work / f"train-{method}", format="vllm", output=work / f"export-{method}",
+                                speculative_tokens=max(ks)))
+        exports[method] = work / f"export-{method}"
+        trained[method] = {"train_s": round(train_s, 1), "tokens": result.summary.get("tokens"),
+                           "tokens_per_s": result.summary.get("tokens/s")}
+        log(f"{method}: {trained[method]['tokens']} training tokens in {train_s:.0f} s")
+    sources = {m: load_draft(exports[m]) for m in METHODS}
+    shapes = {m: s.spec.model_dump(exclude={"parallel_drafting", "mask_token_id"}) for m, s in sources.items()}
+    same = {"tokens": trained["eagle3"]["tokens"] == trained["peagle"]["tokens"],
+            "draft_shape": shapes["eagle3"] == shapes["peagle"],
+            "peagle_is_parallel": bool(sources["peagle"].spec.parallel_drafting)}
+    if not all(same.values()):
+        log(f"WARNING: the two drafts are not a like-for-like pair: {same}")
+
+    target_path, _ = resolve_draft_target(args.target, sources["eagle3"], str(exports["eagle3"]), "evaluate it")
+    results: dict[str, dict] = {}
+    ks_by_engine = {"hf": ks, "vllm": vllm_ks}
+    for engine in engines:
+        t0 = time.perf_counter()
+        try:
+            if engine == "hf":
+                results[engine] = reference_engine(target_path, sources, args.prompt_set, num_prompts, ks, max_new,
+                                                   args.device, dtype_name)
+            else:
+                version = vllm_runner.vllm_available()
+                if version is None:
+                    results[engine] = {"error": "skipped: vLLM is not installed (or does not import)"}
+                    continue
+                results[engine] = vllm_engine(work, exports, args.prompt_set, num_prompts, vllm_ks, max_new,
+                                              dtype_name, args.vllm_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - one engine failing is a line in the report, not the end
+            results[engine] = {"error": failure(exc)}
+            log(f"{engine}: FAILED: {results[engine]['error']}")
+        results[engine]["wall_s"] = round(time.perf_counter() - t0, 1)
+
+    log("")
+    data = f"{args.prepared}" if args.prepared else f"{samples} conversations x {max_length}"
+    log(f"P-EAGLE vs EAGLE-3 (e3 | pe), {data}, TTT/depths {ttt_steps}, draft vocab "
+        f"{draft_vocab}, {max_new} new tokens, temperature 0; draft ms = time per round inside the draft")
+    log(table(results, ks_by_engine))
+    print(json.dumps({"work": str(work), "target": str(target_path), "device": str(device), "dtype": dtype_name,
+                      "samples": None if args.prepared else samples,
+                      "max_length": None if args.prepared else max_length,
+                      "threads": torch.get_num_threads(), "ttt_steps": ttt_steps,
+                      "draft_vocab_size": draft_vocab, "max_new_tokens": max_new, "extract_s": round(extract_s, 1),
+                      "train": trained, "same": same, "engines": results,
+                      "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+                      "wall_s": round(time.perf_counter() - started, 1)}))
+
+
+if __name__ == "__main__":
+    main()
