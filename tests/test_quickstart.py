@@ -68,7 +68,10 @@ def test_method_peagle_changes_the_train_stage_only(tmp_path):
     default = quickstart.stage_configs(QuickstartConfig(output=tmp_path), engine="vllm")
     peagle = quickstart.stage_configs(QuickstartConfig(output=tmp_path, method="peagle"), engine="vllm")
     assert default["train"].method == "eagle3" and peagle["train"].method == "peagle"
-    assert peagle["train"].model_copy(update={"method": "eagle3"}) == default["train"]  # the budget's shapes
+    # the budget's shapes, with a parallel depth trained for every evaluated k (small: k 5)
+    assert peagle["train"].ttt_steps == max(default["evaluate"].k) == 5 > default["train"].ttt_steps
+    assert peagle["train"].model_copy(update={"method": "eagle3", "ttt_steps": default["train"].ttt_steps}) == \
+        default["train"]
     assert all(peagle[s] == default[s] for s in default if s != "train")  # export / evaluate read the draft
     with pytest.raises(DraftsmithError, match=r"^quickstart section train: option method is the quickstart's own"):
         quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"method": "peagle"}), engine="hf")

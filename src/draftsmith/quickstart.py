@@ -145,7 +145,8 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
         "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
         "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train",
                              method=cfg.method, epochs=b.epochs, max_steps=b.max_steps, token_budget=b.token_budget,
-                             ttt_steps=b.ttt_steps,
+                             # P-EAGLE: every evaluated k reaches trained parallel slots (at least 2 depths)
+                             ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
                              draft_vocab_size=b.draft_vocab_size, lr=b.lr, warmup_steps=20, device=cfg.device,
                              save_every=100),
         "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
