@@ -410,7 +410,8 @@ class QuickstartConfig(StageConfig):
         "tiny: a few-minute smoke test of the whole path."))
     method: Literal["eagle3", "peagle"] = Field("eagle3", description=(
         "The draft trained and evaluated: eagle3, or peagle (P-EAGLE: every token of a round in one draft forward, "
-        "served by vLLM with parallel_drafting); the budget's shapes either way (peagle trains a parallel depth for every evaluated k)."))
+        "served by vLLM with parallel_drafting); the budget's shapes either way (peagle trains a parallel depth for "
+        "every evaluated k)."))
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
