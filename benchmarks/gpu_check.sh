@@ -100,13 +100,20 @@ cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "drafts
 print(int(any((cache / "targets").glob("SmolLM2-135M-Instruct*")) and (cache / "files" / "sharegpt-v3").is_dir()))
 EOF
 )
-if [ "$HAVE_ASSETS" = 1 ]; then
-  OMP_NUM_THREADS=$([ "$TINY" = 1 ] && echo 1 || echo "${OMP_NUM_THREADS:-8}") \
-    "$PY" "$REPO/benchmarks/tau_vs_tokens.py" "${TAU_ARGS[@]}" 2> "$OUT/tau.log" | tee "$OUT/tau.txt"
-else
-  echo "tau: skipped (no default target in \${DRAFTSMITH_CACHE:-~/.cache/draftsmith}; pass --tau-target)" \
-    | tee "$OUT/tau.txt"
-fi
+# with_assets NAME SCRIPT ARGS...: a benchmark of the default assets (skipped in one line without them), its stderr in
+# $OUT/NAME.log and its stdout in $OUT/NAME.txt; one thread per process on the --tiny rehearsal
+with_assets() {
+  local name=$1 script=$2
+  shift 2
+  if [ "$HAVE_ASSETS" = 1 ]; then
+    OMP_NUM_THREADS=$([ "$TINY" = 1 ] && echo 1 || echo "${OMP_NUM_THREADS:-8}") \
+      "$PY" "$REPO/benchmarks/$script" "$@" 2> "$OUT/$name.log" | tee "$OUT/$name.txt"
+  else
+    echo "$name: skipped (no default target in \${DRAFTSMITH_CACHE:-~/.cache/draftsmith}; pass --tau-target)" \
+      | tee "$OUT/$name.txt"
+  fi
+}
+with_assets tau tau_vs_tokens.py "${TAU_ARGS[@]}"
 
 # 3. P-EAGLE vs EAGLE-3: one store, the same training tokens and draft shape; per k τ, draft time and tokens/s.
 if [ "$TINY" = 1 ]; then
@@ -119,13 +126,7 @@ else
   if [ -n "$TAU_PREPARED" ]; then PEAGLE_ARGS+=(--prepared "$TAU_PREPARED"); fi
   if [ -n "$TAU_TARGET" ]; then PEAGLE_ARGS+=(--target "$TAU_TARGET"); fi
 fi
-if [ "$HAVE_ASSETS" = 1 ]; then
-  OMP_NUM_THREADS=$([ "$TINY" = 1 ] && echo 1 || echo "${OMP_NUM_THREADS:-8}") \
-    "$PY" "$REPO/benchmarks/peagle_vs_eagle3.py" "${PEAGLE_ARGS[@]}" 2> "$OUT/peagle.log" | tee "$OUT/peagle.txt"
-else
-  echo "peagle: skipped (no default target in \${DRAFTSMITH_CACHE:-~/.cache/draftsmith}; pass --tau-target)" \
-    | tee "$OUT/peagle.txt"
-fi
+with_assets peagle peagle_vs_eagle3.py "${PEAGLE_ARGS[@]}"
 
 # 4. The table for docs/benchmarks.md.
 "$PY" - "$OUT" "$(( $(date +%s) - START ))" <<'EOF'

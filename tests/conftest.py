@@ -65,6 +65,24 @@ def build_tiny_target(path: Path, *, num_layers: int = 4, hidden_size: int = 64,
     return path
 
 
+def write_random_prepared(path: Path, target_dir: Path, count: int, lo: int, hi: int, seed: int = 0) -> Path:
+    """A prepared set of `count` random samples for the tiny target, lengths in [lo, hi), the last two thirds of
+    each loss-masked (the "assistant" part)."""
+    import numpy as np
+
+    from draftsmith.core.targets import target_identity
+    from draftsmith.prepare.dataset import write_prepared
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for n in rng.integers(lo, hi, count):
+        mask = np.zeros(n, dtype=np.int64)
+        mask[n // 3:] = 1
+        samples.append({"input_ids": rng.integers(4, 300, n), "loss_mask": mask})
+    write_prepared(path, samples, target_identity(target_dir), chat_template_hash="t", max_length=64)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A tiny random Llama target (4 layers, hidden 64, ChatML) as an HF directory."""

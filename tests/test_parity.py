@@ -40,13 +40,18 @@ def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
     return draft.double().eval()
 
 
+def _inputs(seed: int, t_len: int = 14) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids [T] and aux features [T, 3 x 32] (float64) for _tiny_draft."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (t_len,), generator=gen)
+    return ids, torch.randn(t_len, 96, dtype=torch.float64, generator=gen)
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
     draft = _tiny_draft(layers)
-    t_len = 14
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 50, (t_len,), generator=gen)
-    aux = torch.randn(t_len, 96, dtype=torch.float64, generator=gen)
+    ids, aux = _inputs(seed=5)
+    t_len = len(ids)
     with torch.no_grad():
         steps = [h[0] for h in ttt_hidden_states(draft, ids[None], aux[None], TTT_STEPS)]  # k x [T, H]
     assert not torch.allclose(steps[1], steps[2])
@@ -69,10 +74,8 @@ def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
 def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers):
     draft = _tiny_draft(layers, parallel=True)
     assert draft.mask_hidden.abs().min() > 0
-    t_len = 14
-    gen = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, 50, (t_len,), generator=gen)
-    aux = torch.randn(t_len, 96, dtype=torch.float64, generator=gen)
+    ids, aux = _inputs(seed=6)
+    t_len = len(ids)
     with torch.no_grad():
         depths = [h[0] for h in ttt_hidden_states(draft, ids[None], aux[None], TTT_STEPS)]  # d x [T, H]
     for a in range(TTT_STEPS):  # a real test: every depth is its own prediction (the mask slots are not inert)

@@ -10,11 +10,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import write_random_prepared
 from safetensors.torch import load_file
 
 from draftsmith.config import TrainConfig
-from draftsmith.core.targets import target_identity
-from draftsmith.prepare.dataset import write_prepared
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.setup import mask_token_id
@@ -44,7 +43,6 @@ def _draft(layers: int = 1) -> Eagle3Draft:
 
 
 def test_cod_keeps_ratio_to_the_depth_of_each_depths_candidates_with_a_floor():
-    rng = np.random.default_rng(0)
     mask = np.zeros((3, 60), dtype=bool)
     for row, (start, end) in enumerate([(10, 60), (5, 40), (20, 55)]):
         mask[row, start:end] = True  # right-padded samples of different lengths
@@ -72,7 +70,6 @@ def test_cod_keeps_ratio_to_the_depth_of_each_depths_candidates_with_a_floor():
     for keep_all in (COD(1.0, 0.0), COD(0.3, 1.0)):
         same = step_index(mask, 6, keep_all, sample_ids=[11, 12, 13])
         assert torch.equal(same.counts, full.counts)
-    assert rng is not None
 
 
 def test_cod_kept_anchors_shrink_nested_with_depth():
@@ -125,15 +122,7 @@ def test_a_parallel_depths_loss_reaches_mask_hidden_and_not_through_the_previous
 
 @pytest.fixture(scope="module")
 def prepared(tiny_target_dir, tmp_path_factory):
-    rng = np.random.default_rng(0)
-    samples = []
-    for n in rng.integers(20, 48, 24):
-        mask = np.zeros(n, dtype=np.int64)
-        mask[n // 3:] = 1
-        samples.append({"input_ids": rng.integers(4, 300, n), "loss_mask": mask})
-    path = tmp_path_factory.mktemp("peagle") / "prepared"
-    write_prepared(path, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
-    return path
+    return write_random_prepared(tmp_path_factory.mktemp("peagle") / "prepared", tiny_target_dir, 24, 20, 48)
 
 
 def _cfg(data, out, **kw) -> TrainConfig:

@@ -20,14 +20,12 @@ import random
 import signal
 import time
 
-import numpy as np
 import pytest
 import torch
+from conftest import write_random_prepared
 from safetensors.torch import load_file
 
 from draftsmith.config import TrainConfig
-from draftsmith.core.targets import target_identity
-from draftsmith.prepare.dataset import write_prepared
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.metrics import MetricsSink
@@ -93,15 +91,7 @@ def _final(run) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def prepared(tiny_target_dir, tmp_path_factory):
-    rng = np.random.default_rng(0)
-    samples = []
-    for n in rng.integers(14, 40, 40):
-        mask = np.zeros(n, dtype=np.int64)
-        mask[n // 3:] = 1
-        samples.append({"input_ids": rng.integers(4, 300, n), "loss_mask": mask})
-    path = tmp_path_factory.mktemp("kill") / "prepared"
-    write_prepared(path, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
-    return path
+    return write_random_prepared(tmp_path_factory.mktemp("kill") / "prepared", tiny_target_dir, 40, 14, 40)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "peagle"])

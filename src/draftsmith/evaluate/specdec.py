@@ -171,10 +171,8 @@ class DraftRunner:
     def step(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T], hidden [T, H] at positions length..length+T-1 -> (draft logits of the last position [Vd],
         pre-norm hidden state of the last position [H])."""
-        positions = torch.arange(self.length, self.length + len(ids), device=ids.device)[None]
-        logits, h = self.draft(ids[None], hidden[None], positions, self.cache, mode="decode", logits_to_keep=1)
-        self.length += len(ids)
-        return logits[0, -1].float(), h[0, -1]
+        logits, h = self._forward(ids, hidden, keep=1)
+        return logits[-1], h[-1]
 
     @torch.inference_mode()
     def step_parallel(self, ids: torch.Tensor, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,11 +182,15 @@ class DraftRunner:
         extra = k - 1
         mask_ids = torch.full((extra,), self.draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
         mask_hidden = self.draft.mask_features().to(hidden.dtype).expand(extra, -1)
-        ids, hidden = torch.cat((ids, mask_ids)), torch.cat((hidden, mask_hidden))
+        return self._forward(torch.cat((ids, mask_ids)), torch.cat((hidden, mask_hidden)), keep=k)
+
+    def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward of ids [T], hidden [T, H] at positions length..length+T-1 (the cache grows by T) ->
+        (float32 logits [keep, Vd], pre-norm hidden states [keep, H]) of the last `keep` positions."""
         positions = torch.arange(self.length, self.length + len(ids), device=ids.device)[None]
-        logits, h = self.draft(ids[None], hidden[None], positions, self.cache, mode="decode", logits_to_keep=k)
+        logits, h = self.draft(ids[None], hidden[None], positions, self.cache, mode="decode", logits_to_keep=keep)
         self.length += len(ids)
-        return logits[0].float(), h[0, -k:]
+        return logits[0].float(), h[0, -keep:]
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -313,8 +313,8 @@ def vllm_speculative_config(draft_dir: Path | str, k: int, parallel: bool | None
     config.json (what vLLM itself reads), so the draft decides wherever it came from; no config.json: EAGLE-3."""
     if parallel is None:
         try:
-            config = json.loads((Path(draft_dir) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
+            config = read_config(Path(draft_dir))
+        except DraftsmithError:
             config = {}
         parallel = parallel_drafting(config)
     spec: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}

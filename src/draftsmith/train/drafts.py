@@ -10,7 +10,6 @@ SGLang's files spell layer 0 `midlayer.`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json
-from draftsmith.core.targets import resolve_target, target_identity
+from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.train import checkpoint
 from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
@@ -161,8 +160,8 @@ def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, t
     if "mask_hidden" not in tensors or (spec.parallel_drafting and spec.mask_token_id is not None):
         return spec
     try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        config = read_config(directory)
+    except DraftsmithError:
         return spec
     token = next((config[k] for k in ("ptd_token_id", "mask_token_id", "pard_token") if config.get(k) is not None),
                  None)

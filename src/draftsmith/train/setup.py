@@ -177,7 +177,7 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Ea
 def mask_token_id(target_config: dict) -> int:
     """The token a P-EAGLE draft's parallel slots read (config.json's ptd_token_id): the target's pad token, else its
     first end-of-sequence token, else 0. Its embedding is the target's, frozen; mask_hidden is what is learned."""
-    text = target_config.get("text_config") or target_config
+    text = targets.text_config(target_config)
     for key in ("pad_token_id", "eos_token_id"):
         value = text.get(key, target_config.get(key))
         if isinstance(value, list):
