@@ -195,7 +195,7 @@ class _Batch:
 
 
 class _Runner:
-    """What direct.install touches on vLLM's GPUModelRunner."""
+    """What taps.install touches on vLLM's GPUModelRunner."""
 
     def __init__(self, num_layers=6, hidden=4):
         self.num_layers, self.hidden = num_layers, hidden
@@ -236,12 +236,19 @@ class _Step:
         self.scheduled_new_reqs, self.num_scheduled_tokens, self.start = new, counts, start
 
 
-def test_direct_tap_cuts_rows_per_request_and_joins_chunked_prefills():
-    from draftsmith.extract.vllm import direct
+def _plan(**kw):
+    from draftsmith.extract.vllm.taps import TapPlan
+
+    base = dict(strategy="direct", layer_ids=[2, 3, 6], num_layers=6, stack_class=None, vllm_ids=[2, 3, 6],
+                hook_ids=[], stream_arg=1, two_phase=True)
+    return TapPlan(**{**base, **kw})
+
+
+def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills():
+    from draftsmith.extract.vllm import taps
 
     runner, sink = _Runner(), _Sink()
-    direct.install(runner, sink, layer_ids=[2, 3, 6], num_layers=6, reaches_embeddings=True, reaches_last=True,
-                   two_phase=True)
+    taps.install(runner, sink, _plan())
     assert runner.aux == (2, 3, 6) and runner.use_aux_hidden_state_outputs
     # step 1: r1 (5 tokens) whole, r2 (7 tokens) first 3; step 2: r2's last 4 after a request without a sample id
     runner.input_batch = _Batch(["r1", "r2"])
@@ -262,12 +269,88 @@ def test_direct_tap_cuts_rows_per_request_and_joins_chunked_prefills():
             torch.testing.assert_close(states[:, j], expected + 100 * k)
 
 
-def test_direct_taps_the_ids_vllm_does_not_reach_itself():
-    from draftsmith.extract.vllm.direct import vllm_aux_ids
+def test_runner_taps_hook_the_ids_vllm_does_not_reach_itself():
+    from draftsmith.extract.vllm.taps import vllm_aux_ids
 
     assert vllm_aux_ids([2, 15, 27, 30], 30, True, True) == ([2, 15, 27, 30], [])  # "output" (Llama, Qwen3)
     assert vllm_aux_ids([0, 2, 15, 27, 30], 30, False, False) == ([2, 15, 27], [0, 30])  # older "input"
     assert vllm_aux_ids([0, 2, 30], 30, False, True) == ([2, 30], [0])  # DeepSeek-V2/V3: N appended, no 0
+
+
+class _PairLayer(torch.nn.Module):
+    """vLLM's decoder layer contract: (positions, hidden, residual) -> (new hidden, residual), with the fused
+    add-norm updating `residual` in place as vLLM's kernel does (a tap holding a reference would see it change)."""
+
+    def __init__(self, seed: int, hidden: int = 8):
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+        torch.nn.init.normal_(self.proj.weight, generator=torch.Generator().manual_seed(seed))
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+        else:
+            residual.add_(hidden_states)  # in place, as fused_add_rms_norm
+        return torch.tanh(self.proj(residual)), residual
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.start_layer, self.end_layer = 0, n
+        self.layers = torch.nn.ModuleList(_PairLayer(i) for i in range(n))
+
+    def forward(self, x):
+        hidden, residual = x, None
+        for layer in self.layers:
+            hidden, residual = layer(None, hidden, residual)
+        return hidden + residual
+
+
+def test_layer_hooks_read_the_residual_stream_as_hf_output_hidden_states_would():
+    """id 0: the stream entering the first layer (copied before an in-place add reaches it); id k: layer k-1's
+    hidden + residual. The expected values come from running the layers by hand, one at a time, on copies."""
+    from draftsmith.extract.vllm.taps import LayerHooks
+
+    torch.manual_seed(0)
+    stack, x = _Stack(), torch.randn(5, 8)
+    stream, expected = x.clone(), {0: x.clone()}
+    for k, layer in enumerate(stack.layers, start=1):
+        hidden, residual = layer(None, stream.clone(), None)  # on a fresh residual: the stream is hidden + residual
+        stream = hidden + residual
+        expected[k] = stream
+    assert not torch.allclose(expected[1], expected[2])  # the layers do change the stream
+    hooks = LayerHooks(stack, [0, 1, 3, 4], num_layers=4, stream_arg=1)
+    stack(x.clone())
+    got = hooks.take()
+    assert sorted(got) == [0, 1, 3, 4] and hooks.take() == {}
+    for k in got:
+        torch.testing.assert_close(got[k], expected[k])
+    with pytest.raises(RuntimeError, match="layer id 5 outside 0..4"):
+        LayerHooks(stack, [5], num_layers=4, stream_arg=1)
+
+
+def test_layer_hooks_take_the_stream_by_keyword_and_one_tensor_layers():
+    """Qwen3-Next calls its layers with keywords; a layer returning one tensor hands that on (copied)."""
+    from draftsmith.extract.vllm.taps import LayerHooks
+
+    class KwStack(_Stack):
+        def forward(self, x):
+            hidden, residual = x, None
+            for layer in self.layers:
+                hidden, residual = layer(positions=None, hidden_states=hidden, residual=residual)
+            return hidden
+
+    stack, x = KwStack(2), torch.randn(3, 8)
+    hooks = LayerHooks(stack, [0, 2], num_layers=2, stream_arg="hidden_states")
+    stack(x.clone())
+    got = hooks.take()
+    torch.testing.assert_close(got[0], x)
+    single = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    single.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+    hooks = LayerHooks(single, [1], num_layers=1, stream_arg=0)
+    out = single.layers[0](x)
+    torch.testing.assert_close(hooks.take()[1], out)
 
 
 @needs_vllm

@@ -101,8 +101,24 @@ OLD_ONE_PHASE = {
     "vllm/model_executor/models/llama.py": """
         from torch import nn
         from vllm.model_executor.models.interfaces import SupportsEagle3
+        from vllm.model_executor.models.utils import make_layers
+
+        class LlamaDecoderLayer(nn.Module):
+            def forward(self, positions, hidden_states, residual):
+                if residual is None:
+                    residual = hidden_states
+                    hidden_states = self.input_layernorm(hidden_states)
+                else:
+                    hidden_states, residual = self.input_layernorm(hidden_states, residual)
+                hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+                hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+                return self.mlp(hidden_states), residual
 
         class LlamaModel(nn.Module):
+            def __init__(self, *, vllm_config, prefix="", layer_type=LlamaDecoderLayer):
+                self.start_layer, self.end_layer, self.layers = make_layers(
+                    vllm_config.model_config.hf_config.num_hidden_layers,
+                    lambda prefix: layer_type(vllm_config=vllm_config, prefix=prefix), prefix=f"{prefix}.layers")
             def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
                 hidden_states, residual = self.embed_tokens(input_ids), None
                 aux_hidden_states = []
@@ -308,9 +324,10 @@ def test_old_one_phase_vllm_picks_direct(tmp_path):
     assert f.connector_module_path is True and f.connector_takes_kv_cache_config is False
     assert f.worker_extension is True and f.runner_v2_switch is False
     assert f.eagle3_on_platform is True
-    assert f.language_model_only is False and f.cpu_mla_backend is None
+    assert f.language_model_only is None and f.cpu_mla_backend is None  # no EngineArgs in this tree: unknown
+    assert f.unknown["language_model_only"] == "no class EngineArgs in vllm/engine/arg_utils.py"
     assert report.strategy == "direct"
-    assert report.usable == {"connector": False, "direct": True}
+    assert report.usable == {"connector": False, "direct": True, "taps": True}
     assert "no extract_hidden_states" in report.reason
     assert report.capability("two-phase execute_model / sample_tokens").found == "no: one-phase execute_model"
     assert report.support.decoder_stack == "LlamaModel"  # through the builder method _init_model
@@ -382,9 +399,10 @@ def test_nothing_usable_gives_a_plain_explanation(tmp_path):
     report = _fake(tmp_path, NOTHING_USABLE)
     assert report.facts.installed and report.facts.version == "0.6.3"
     assert report.facts.platform == "unknown"
-    assert report.strategy is None and report.usable == {"connector": False, "direct": False}
+    assert report.strategy is None and report.usable == {"connector": False, "direct": False, "taps": False}
     for words in ("no extraction strategy fits this vLLM 0.6.3", "no extract_hidden_states",
-                  "LlamaForCausalLM cannot return aux hidden states", "no worker_extension_cls", INSTALL_HINT,
+                  "LlamaForCausalLM cannot return aux hidden states", "worker_extension unknown (no class ParallelConfig",
+                  INSTALL_HINT,
                   "--backend hf"):
         assert words in report.reason
     assert report.capability("layer-index convention").ok is False
@@ -455,7 +473,7 @@ def test_installed_vllm_table_field_by_field():
     assert rows["worker extension + collective_rpc"].ok is True
     assert f.two_phase and f.runner_forward_hook == "_model_forward" and f.runner_v2_switch
     assert f.async_scheduling_resolved is False
-    assert report.strategy == "connector" and report.usable == {"connector": True, "direct": True}
+    assert report.strategy == "connector" and report.usable == {"connector": True, "direct": True, "taps": True}
     text = _render(report)
     assert "strategy: connector" in text and "extract_hidden_states method" in text
     assert "INFO" not in text and "WARNING" not in text
@@ -512,7 +530,21 @@ FAMILY_TREE = {
     """,
     "vllm/model_executor/models/deepseek_v2.py": """
         from .interfaces import SupportsEagle3 as _Eagle3
+        from .utils import make_layers
+        class DeepseekV2DecoderLayer:
+            def forward(self, positions, hidden_states, residual):
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+                hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+                if hidden_states.dtype == torch.float16:
+                    hidden_states *= 1.0 / self.routed_scaling_factor
+                    if self.layer_idx == 0:
+                        residual *= 1.0 / self.routed_scaling_factor
+                hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+                return self.mlp(hidden_states), residual
         class DeepseekV2Model:
+            def __init__(self, *, vllm_config, prefix=""):
+                self.start_layer, self.end_layer, self.layers = make_layers(
+                    61, lambda prefix: DeepseekV2DecoderLayer(vllm_config, prefix), prefix=f"{prefix}.layers")
             def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
                 aux_hidden_states = []
                 for idx, layer in enumerate(self.layers):
@@ -569,6 +601,14 @@ FAMILY_TREE = {
                 overrides = {"vllm.v1.spec_decode.utils.eagle_prepare_inputs_padded_kernel": None}
     """,
     "vllm/envs.py": "environment_variables = {'VLLM_USE_V2_MODEL_RUNNER': lambda: False}\n",
+    "vllm/v1/worker/cpu_model_runner.py": """
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        class CPUModelRunner(GPUModelRunner):
+            def __init__(self, vllm_config, device):
+                super().__init__(vllm_config, device)
+                # Note: speculative decoding is now supported on CPU with C++ native impls
+                self.use_cuda_graph = False
+    """,
 }
 
 
@@ -590,7 +630,8 @@ def test_each_architecture_is_followed_to_the_forward_of_its_decoder_stack(tmp_p
     assert ds.support.decoder_stack == "DeepseekV2Model"  # built from the class attribute model_cls
     assert ds.support.supports_eagle3  # SupportsEagle3 imported under another name, inherited from V2
     assert (ds.facts.layer_convention, ds.support.reachable) == ("input", "1..N")
-    assert ds.strategy == "connector" and ds.usable == {"connector": True, "direct": True}
+    assert ds.strategy == "connector" and ds.usable == {"connector": True, "direct": True, "taps": True}
+    assert ds.facts.taps_float16_rescale and ds.support.taps.float16_rescale.startswith("models/deepseek_v2.py:")
     assert ds.capability("layer-index convention").found == ("k = input of layer k, N = last layer's output; "
                                                               "0 not reachable")
     assert choose_strategy("auto", ds, [2, 15, 27, 30]) == "connector"
@@ -663,10 +704,261 @@ def test_installed_vllm_rows_per_architecture():
         s = r.support
         assert (s.registered, s.supports_eagle3, s.aux_setter) == (True, True, "set_aux_hidden_state_layers"), arch
         assert (s.decoder_stack, s.language_model, s.reachable) == (stack, language_model, reach), arch
-        assert r.strategy == "connector" and r.usable == {"connector": True, "direct": True}, arch
+        assert r.strategy == "connector" and r.usable == {"connector": True, "direct": True, "taps": True}, arch
         row = architecture_row(r)
-        assert row["connector"] == ("yes" if reach == "0..N" else "yes (ids >= 1; id 0 asked for: direct)"), arch
+        assert row["connector"] == ("yes" if reach == "0..N" else "yes (ids >= 1; id 0 asked for: direct or taps)"), arch
     assert reports["KimiK25ForConditionalGeneration"].facts.language_model_only
     assert reports["DeepseekV3ForCausalLM"].facts.cpu_mla_backend == "CPU_MLA"
     table = _render(reports["DeepseekV3ForCausalLM"])
     assert "SupportsEagle3 on DeepseekV3ForCausalLM" in table
+
+
+# ------------------------------------------------------------------------------------------ unknown, not guessed
+
+# Each rule of the probe on a tree where its evidence moved, was renamed, or changed form. The fact reads unknown
+# (None, with what was looked for in facts.unknown), a strategy that needs it is not chosen, and the reason names it.
+
+
+def _edit(files: dict[str, str], path: str, old: str | None = None, new: str = "") -> dict[str, str]:
+    """A copy of the tree with `old` replaced by `new` in `path` (old None: the whole file replaced by `new`; new
+    None: the file removed)."""
+    out = dict(files)
+    if old is None:
+        if new is None:
+            del out[path]
+        else:
+            out[path] = new
+        return out
+    assert old in out[path], (path, old)
+    out[path] = out[path].replace(old, new)
+    return out
+
+
+RUNNER_MOVED = _edit(FAMILY_TREE, "vllm/v1/worker/cpu_model_runner.py", None, None)
+ASSERT_REWORDED = _edit(CPU_OLD_LAYOUT, "vllm/v1/worker/cpu_model_runner.py",
+                        'assert self.speculative_config is None, "spec decode is not supported."',
+                        'if self.speculative_config is not None:\n                    raise NotImplementedError("no spec decode")')
+
+
+@pytest.mark.parametrize(("files", "fact", "looked_for"), [
+    (RUNNER_MOVED, "speculative_on_platform", "no class CPUModelRunner in vllm/v1/worker/cpu_model_runner.py"),
+    (ASSERT_REWORDED, "speculative_on_platform", "not as the known `assert self.speculative_config is None`"),
+], ids=["runner moved", "assert reworded"])
+def test_a_cpu_runner_whose_refusal_cannot_be_read_is_unknown_not_accepting(tmp_path, files, fact, looked_for):
+    """The old rule failed open: no CPUModelRunner, or its assert reworded, read as "takes speculative configs"."""
+    report = _fake(tmp_path, files)
+    f = report.facts
+    assert getattr(f, fact) is None and looked_for in f.unknown[fact]
+    assert f.eagle3_on_platform is None and report.capability("EAGLE-3 speculative decoding").unknown
+    assert report.capability("EAGLE-3 speculative decoding").found.startswith("unknown: ")
+    if f.extract_hidden_states:  # the connector needs the runner to take its speculative config
+        assert not report.usable["connector"] and "speculative_on_platform unknown" in report.why_not("connector")
+    assert "[yellow]unknown" not in _render(report) and "unknown" in _render(report)
+
+
+def test_an_eagle_word_in_the_cpu_runner_is_no_kernel_replacement(tmp_path):
+    """A method named after EAGLE-3's aux states is no replacement of EAGLE's Triton kernels; only an assignment or
+    override of an `eagle..._kernel` is."""
+    runner = '''
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        class CPUModelRunner(GPUModelRunner):
+            def __init__(self, vllm_config, device):
+                super().__init__(vllm_config, device)
+            def load_model(self):
+                self._setup_eagle3_aux_hidden_state_outputs()
+    '''
+    files = _edit(_edit(FAMILY_TREE, "vllm/v1/worker/cpu_model_runner.py", None, runner), "vllm/platforms/cpu.py",
+                  "eagle_prepare_inputs_padded_kernel", "compute_slot_mapping_kernel")
+    report = _fake(tmp_path, files)
+    assert report.facts.eagle3_on_platform is False
+    assert report.capability("EAGLE-3 speculative decoding").found == (
+        "not on cpu (no CPU replacement of EAGLE's Triton kernels)")
+    replaced = _edit(files, "vllm/v1/worker/cpu_model_runner.py", "self._setup_eagle3_aux_hidden_state_outputs()",
+                     "vllm.v1.spec_decode.utils.eagle_step_slot_mapping_metadata_kernel = cpu_tl.kernel")
+    assert _fake(tmp_path / "replaced", replaced).facts.eagle3_on_platform is True
+
+
+ENUM_METHODS = """
+    import enum
+    class SpeculativeMethod(str, enum.Enum):
+        NGRAM = "ngram"
+        EAGLE3 = "eagle3"
+        EXTRACT_HIDDEN_STATES = "extract_hidden_states"
+"""
+
+
+@pytest.mark.parametrize(("methods", "connector"), [(ENUM_METHODS, True),
+                                                    ("SpeculativeMethod = build_literal(METHODS)\n", None)],
+                         ids=["enum", "unreadable"])
+def test_speculative_methods_as_an_enum_are_read_and_an_unreadable_form_is_unknown(tmp_path, methods, connector):
+    """The old rule failed closed: an Enum yielded no strings, silently ruling out EAGLE-3 and the connector."""
+    report = _fake(tmp_path, _edit(FAMILY_TREE, "vllm/config/speculative.py", None, methods),
+                   architecture="Qwen3ForCausalLM")
+    f = report.facts
+    if connector:
+        assert f.extract_hidden_states is True and f.eagle3_on_platform is True and report.strategy == "connector"
+        return
+    assert f.extract_hidden_states is None and f.eagle3_on_platform is None
+    assert "neither a Literal of strings nor an Enum" in f.unknown["extract_hidden_states"]
+    assert report.strategy == "direct" and "extract_hidden_states unknown (SpeculativeMethod" in report.reason
+
+
+def test_a_name_bound_twice_is_read_as_python_leaves_it(tmp_path):
+    """The last binding wins (the old reader kept the first); an except handler's fallback does not replace the
+    import before it."""
+    files = _edit(FAMILY_TREE, "vllm/config/scheduler.py", None, """
+        from dataclasses import dataclass
+        @dataclass
+        class _Legacy:
+            async_scheduling: bool = False
+        SchedulerConfig = _Legacy
+        try:
+            from vllm.config._scheduler_v2 import SchedulerConfig
+        except ImportError:
+            SchedulerConfig = _Legacy
+    """)
+    files["vllm/config/_scheduler_v2.py"] = """
+        from dataclasses import dataclass
+        @dataclass
+        class SchedulerConfig:
+            async_scheduling: bool | None = None
+    """
+    f = _fake(tmp_path, files).facts
+    assert (f.async_scheduling_field, f.async_scheduling_default) == (True, "None")  # the v2 class, not _Legacy
+
+
+def test_a_target_without_self_model_has_an_unknown_stack_not_a_guess_from_the_module(tmp_path):
+    """The old rule fell back to regexes over the whole module when `self.model = ...` was not found."""
+    files = _edit(FAMILY_TREE, "vllm/model_executor/models/qwen3.py",
+                  "self.model = Qwen3Model(vllm_config=vllm_config, prefix=prefix)",
+                  "self.decoder = Qwen3Model(vllm_config=vllm_config, prefix=prefix)")
+    report = _fake(tmp_path, files, architecture="Qwen3ForCausalLM")
+    f = report.facts
+    assert report.support.decoder_stack is None and f.layer_convention == "unknown"
+    assert f.layer_taps is None
+    looked_for = "no `self.model = <class>(...)` in the __init__ of Qwen3ForCausalLM (models/qwen3.py) or its bases"
+    assert f.unknown["layer_convention"] == looked_for == f.unknown["layer_taps"]
+    assert report.strategy is None
+    assert f"layer_convention unknown ({looked_for})" in report.reason
+    assert report.capability("layer-index convention").found == f"unknown: {looked_for}"
+
+
+@pytest.mark.parametrize(("old", "new", "looked_for"), [
+    ("for idx, layer in enumerate(self.layers):\n                hidden_states, residual = layer(",
+     "for idx in range(3):\n                hidden_states, residual = self.block(",
+     "no `for ... in ...self.layers...` loop in Qwen3Model.forward (models/qwen2.py)"),
+    ("hidden_states, residual = layer(positions, hidden_states, residual)",
+     "hidden_states, residual = layer(positions, self.stream, residual)",
+     "the stream `hidden_states` is not an argument of the layer call"),
+    ("hidden_states, residual = layer(positions, hidden_states, residual)",
+     "hidden_states, residual = layer(positions, hidden_states, residual)\n"
+     "                hidden_states = hidden_states * self.scale",
+     "the loop changes the stream besides the layer call (models/qwen2.py:"),
+], ids=["loop renamed", "stream moved", "stream rescaled in the loop"])
+def test_layer_taps_whose_evidence_moved_are_not_offered(tmp_path, old, new, looked_for):
+    files = _edit(QWEN2_TAPS, "vllm/model_executor/models/qwen2.py", old, new)
+    report = _fake(tmp_path, files, architecture="Qwen3ForCausalLM")
+    assert _fake(tmp_path / "as-is", QWEN2_TAPS, architecture="Qwen3ForCausalLM").usable["taps"]  # the control
+    f = report.facts
+    assert f.layer_taps is None and looked_for in f.unknown["layer_taps"]
+    assert not report.usable["taps"] and "layer_taps unknown" in report.why_not("taps")
+    assert report.capability("layer taps on Qwen3ForCausalLM").found.startswith("unknown: ")
+    with pytest.raises(DraftsmithError, match="--vllm-strategy taps: not possible.*layer_taps unknown"):
+        choose_strategy("taps", report)
+
+
+def test_a_layer_rescaling_its_residual_outside_float16_is_not_tapped(tmp_path):
+    files = _edit(QWEN2_TAPS, "vllm/model_executor/models/qwen2.py", "residual = hidden_states\n",
+                  "residual = hidden_states\n                residual = residual * self.residual_scale\n")
+    f = _fake(tmp_path, files, architecture="Qwen3ForCausalLM").facts
+    assert f.layer_taps is None
+    assert "Qwen3DecoderLayer.forward rescales the stream outside a float16 branch (models/qwen2.py:" in f.unknown[
+        "layer_taps"]
+
+
+def test_a_stack_rescaling_in_float16_is_tapped_in_other_dtypes_only(tmp_path):
+    """DeepSeek's float16 overflow guard (`residual *= 1 / routed_scaling_factor` on layer 0) leaves vLLM's stream
+    scaled in float16: every strategy refuses float16 for it; bfloat16 and float32 run."""
+    report = _fake(tmp_path, FAMILY_TREE, architecture="DeepseekV3ForCausalLM")
+    assert report.facts.layer_taps and report.facts.taps_float16_rescale
+    assert "float16 rescales the stream (models/deepseek_v2.py:" in report.capability(
+        "layer taps on DeepseekV3ForCausalLM").found
+    for dtype in ("float32", "bfloat16"):
+        assert choose_strategy("taps", report, [0, 30], dtype) == "taps"
+    with pytest.raises(DraftsmithError, match="rescales its stream in float16 .*extract in bfloat16 or float32"):
+        choose_strategy("auto", report, [2, 30], "float16")
+
+
+def test_the_layer_taps_need_no_eagle3_support(tmp_path):
+    """The seed's case: DeepSeek-V3 in a vLLM whose deepseek_v2.py has no SupportsEagle3 (0.11.1-0.16.0): neither
+    connector nor direct, but the taps read the stack and are chosen; the worker plan hooks every store layer."""
+    from draftsmith.extract.vllm import taps
+
+    files = _edit(_edit(FAMILY_TREE, "vllm/model_executor/models/deepseek_v2.py",
+                        "class DeepseekV2ForCausalLM(_Eagle3):", "class DeepseekV2ForCausalLM:"),
+                  "vllm/model_executor/models/deepseek_v2.py",
+                  "            def set_aux_hidden_state_layers(self, layers):\n"
+                  "                self.model.aux_hidden_state_layers = layers\n", "")
+    report = _fake(tmp_path, files, architecture="DeepseekV3ForCausalLM")
+    assert report.facts.supports_eagle3 is False and report.strategy == "taps"
+    assert report.usable == {"connector": False, "direct": False, "taps": True}
+    assert choose_strategy("auto", report, [0, 2, 30], "bfloat16") == "taps"
+    plan = taps.plan("taps", [0, 2, 30], 30, report.facts, report.support)
+    assert (plan.vllm_ids, plan.hook_ids, plan.stack_class, plan.stream_arg) == ([], [0, 2, 30], "DeepseekV2Model", 1)
+
+
+# Qwen3's stack (Qwen2Model) with an __init__ making its layers the way vLLM 0.32's does: the layer class a parameter
+# of the base's __init__, passed by the subclass as its class attribute.
+QWEN2_TAPS = _edit(FAMILY_TREE, "vllm/model_executor/models/qwen2.py", None, """
+    from .utils import make_layers
+    class Qwen2DecoderLayer:
+        def forward(self, positions, hidden_states, residual):
+            if residual is None:
+                residual = hidden_states
+                hidden_states = self.input_layernorm(hidden_states)
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            return self.mlp(hidden_states), residual
+    class Qwen2Model:
+        def __init__(self, *, vllm_config, prefix="", decoder_layer_type=Qwen2DecoderLayer):
+            self.start_layer, self.end_layer, self.layers = make_layers(
+                28, lambda prefix: decoder_layer_type(config=None, prefix=prefix), prefix=f"{prefix}.layers")
+        def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+            aux_hidden_states = []
+            self._maybe_add_hidden_state(aux_hidden_states, self.start_layer, hidden_states, residual)
+            for idx, layer in enumerate(self.layers):
+                hidden_states, residual = layer(positions, hidden_states, residual)
+                self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
+            return hidden_states, aux_hidden_states
+""")
+QWEN2_TAPS["vllm/model_executor/models/qwen3.py"] = QWEN2_TAPS["vllm/model_executor/models/qwen3.py"].replace(
+    "class Qwen3Model(Qwen2Model):\n            pass", """class Qwen3DecoderLayer(Qwen2DecoderLayer):
+            pass
+        class Qwen3Model(Qwen2Model):
+            decoder_layer_type = Qwen3DecoderLayer
+            def __init__(self, *, vllm_config, prefix=""):
+                super().__init__(vllm_config=vllm_config, prefix=prefix, decoder_layer_type=self.decoder_layer_type)""")
+QWEN2_TAPS["vllm/model_executor/models/qwen3.py"] = QWEN2_TAPS["vllm/model_executor/models/qwen3.py"].replace(
+    "from .qwen2 import Qwen2Model", "from .qwen2 import Qwen2DecoderLayer, Qwen2Model")
+
+
+def test_the_layer_class_is_followed_through_a_subclass_s_super_call(tmp_path):
+    report = _fake(tmp_path, QWEN2_TAPS, architecture="Qwen3ForCausalLM")
+    taps = report.support.taps
+    assert taps.placeable and taps.layer_classes == ["Qwen3DecoderLayer"]
+    assert taps.loop.startswith("models/qwen2.py:") and "for idx, layer in enumerate(self.layers):" in taps.loop
+    assert (taps.layer_returns, taps.stream_arg, taps.float16_rescale) == ("pair", 1, None)
+
+
+def test_a_model_runner_that_moved_leaves_both_runner_strategies_unchosen(tmp_path):
+    files = _edit(FAMILY_TREE, "vllm/v1/worker/gpu_model_runner.py", None, None)
+    files["vllm/v1/worker/gpu_runner/runner.py"] = files.pop("vllm/v1/worker/cpu_model_runner.py")
+    report = _fake(tmp_path, files)
+    f = report.facts
+    assert f.two_phase is None and f.runner_execute_model is None
+    assert f.unknown["two_phase"] == "no class GPUModelRunner in vllm/v1/worker/gpu_model_runner.py"
+    assert not report.usable["direct"] and not report.usable["taps"]
+    assert "two_phase unknown (no class GPUModelRunner" in report.why_not("direct")
+    assert "runner_execute_model unknown" in report.why_not("taps")

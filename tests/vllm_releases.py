@@ -158,7 +158,8 @@ _GROUPS = {
                ("MLA in float32 on CPU", "cpu_mla_backend"), ("per-request spec metrics", "per_request_spec_metrics")],
 }
 _ARCH_ROWS = [("SupportsEagle3", "supports_eagle3"), ("setter", "aux_setter"), ("default getter", "aux_default_getter"),
-              ("convention", "layer_convention"), ("id 0", "reaches_embeddings"), ("id N", "reaches_last")]
+              ("convention", "layer_convention"), ("id 0", "reaches_embeddings"), ("id N", "reaches_last"),
+              ("layer taps (loop, layers)", "layer_taps"), ("float16 rescale", "taps_float16_rescale")]
 
 
 def _short(path: str) -> str:

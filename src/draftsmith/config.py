@@ -130,8 +130,10 @@ class ExtractConfig(StageConfig):
         "Store shard size in MiB; a crash loses at most one unwritten shard per worker."))
     shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
     max_samples: int | None = Field(None, ge=1, description="Extract only the first N samples of the prepared set.")
-    vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
-        "vLLM extraction strategy; auto picks what the installed vLLM supports (see `draftsmith doctor`)."))
+    vllm_strategy: Literal["auto", "connector", "direct", "taps"] = Field("auto", description=(
+        "vLLM extraction strategy: connector (vLLM's extract_hidden_states), direct (vLLM's EAGLE-3 aux states read "
+        "in the model runner) or taps (draftsmith's own hooks on the decoder layers: any architecture); auto picks "
+        "the first the installed vLLM supports for the target (see `draftsmith doctor`)."))
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "vLLM tensor parallel size (one store writer per engine: rank 0). On CPU, draftsmith splits the allowed "
         "CPUs among the ranks (VLLM_CPU_OMP_THREADS_BIND) unless that is set."))
@@ -139,8 +141,8 @@ class ExtractConfig(StageConfig):
         "vLLM data parallel size: engines in one vLLM, each its own store writer (or run --shard i/n per engine "
         "and `draftsmith store merge` the stores)."))
     vllm_compile: bool = Field(True, description=(
-        "Let vLLM compile the target (connector strategy; slow start-up on CPU). The direct strategy always runs "
-        "uncompiled."))
+        "Let vLLM compile the target (connector strategy; slow start-up on CPU). The direct and taps strategies "
+        "always run uncompiled."))
     vllm_max_model_len: int | None = Field(None, ge=16, description=(
         "vLLM context length; default: the longest prepared sample + 1."))
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
@@ -390,8 +392,8 @@ class TrainConfig(StageConfig):
         "--engine vllm: on GPUs, the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
         "trainer's (default: the GPUs after those the trainer's processes on this node use); on a CPU, the cores "
         "the engines are bound to while the trainer keeps the others (default: the first half of the cores)."))
-    vllm_strategy: Literal["auto", "connector", "direct"] = Field("auto", description=(
-        "--engine vllm: how vLLM hands over the states (see `draftsmith doctor`)."))
+    vllm_strategy: Literal["auto", "connector", "direct", "taps"] = Field("auto", description=(
+        "--engine vllm: how vLLM hands over the states, as `extract --vllm-strategy` (see `draftsmith doctor`)."))
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "--engine vllm: dtype the target runs in inside vLLM, as `extract --compute-dtype` (auto: bfloat16 on GPUs "
         "and on CPUs with bf16 instructions, else float32)."))

@@ -5,8 +5,10 @@
     benchmark(prepared, n)         extraction vs plain prefill throughput of the same vLLM, same prompts
 
 Strategies (see docs/vllm-compat.md): "connector" = vLLM's own extract_hidden_states method + draftsmith's KV
-connector (connector.py); "direct" = a worker extension tapping the model runner (direct.py). Both hand each
-finished request to the store sink (sink.py) inside vLLM's worker; the driver (driver.py) only feeds prompts.
+connector (connector.py); "direct" = a worker extension reading vLLM's own EAGLE-3 aux states in the model runner;
+"taps" = draftsmith's own hooks on the target's decoder layers, needing nothing of vLLM's EAGLE-3 support (both
+taps.py). All hand each finished request to the store sink (sink.py) inside vLLM's worker; the driver (driver.py)
+only feeds prompts.
 Nothing here imports vLLM at module import time, so the package loads (and the probe reports) without vLLM.
 """
 
@@ -22,26 +24,43 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_config, text_config
 from draftsmith.extract import common, store
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm.driver import Engine, EngineSpec, resolve_dtype
+from draftsmith.extract.vllm import taps
+from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, resolve_dtype
 
 
-def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None) -> str:
-    """`auto` -> what the probe picked for these store layer ids; a forced strategy must be usable here, else a
-    one-line reason. The connector needs every id among vLLM's own aux states: asked for id 0 on an architecture
-    whose aux states start at 1 (DeepSeek-V3, Kimi-K2.5), auto falls back to direct, which taps the embeddings."""
+def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None, dtype: str | None = None) -> str:
+    """`auto` -> the first strategy of probe.STRATEGIES usable for these store layer ids and compute dtype; a forced
+    strategy must be usable here, else a one-line reason. The connector needs every id among vLLM's own aux states:
+    asked for id 0 on an architecture whose aux states start at 1 (DeepSeek-V3, Kimi-K2.5), it is ruled out and
+    direct or taps hook the embeddings themselves (direct only where the layer taps can be placed). A stack that
+    rescales its stream in float16 (DeepSeek's overflow guard) gives no strategy float16 states equal to the model's."""
     if not report.facts.installed:
         raise DraftsmithError(f"--backend vllm: {report.reason}")
+    facts = report.facts
     usable, why = dict(report.usable), {name: report.why_not(name) for name in report.usable}
-    if layer_ids and 0 in layer_ids and not report.facts.reaches_embeddings and usable.get("connector"):
-        usable["connector"] = False
-        why["connector"] = f"vLLM's aux states of {report.architecture} do not include layer id 0 (the embeddings)"
+
+    def rule_out(name: str, reason: str) -> None:
+        if usable.get(name):
+            usable[name], why[name] = False, reason
+
+    own = [k for k in layer_ids or [] if k == 0 and not facts.reaches_embeddings]
+    if own:
+        rule_out("connector", f"vLLM's aux states of {report.architecture} do not include layer id 0 (the embeddings)")
+        if not facts.layer_taps:
+            rule_out("direct", "layer id 0 needs draftsmith's own hook, and the layer taps cannot be placed here ("
+                     + (facts.unknown.get("layer_taps") or "not registered") + ")")
+    if dtype == "float16" and facts.taps_float16_rescale:
+        where = report.support.taps.float16_rescale if report.support is not None else "its decoder layers"
+        for name in usable:
+            rule_out(name, f"{report.architecture}'s stack rescales its stream in float16 ({where}); extract in "
+                           "bfloat16 or float32")
     if asked == "auto":
-        for name in ("connector", "direct"):
+        for name in probing.STRATEGIES:
             if usable.get(name):
                 return name
         raise DraftsmithError(f"--backend vllm: {report.reason}" if report.strategy is None else
-                              f"--backend vllm: no strategy fits layer ids {layer_ids} here ({why['connector']}; "
-                              f"direct: {why['direct']})")
+                              f"--backend vllm: no strategy fits layer ids {layer_ids} (dtype {dtype}) here ("
+                              + "; ".join(f"{n}: {why[n]}" for n in probing.STRATEGIES) + ")")
     if not usable.get(asked, False):
         raise DraftsmithError(f"--vllm-strategy {asked}: not possible with this vLLM {report.facts.version} "
                               f"({why.get(asked, '')}); use --vllm-strategy auto or see `draftsmith doctor`")
@@ -66,7 +85,10 @@ def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink
     # Each prompt is sent with max_tokens=1: vLLM wants room for that one sampled token, which is never fed back (the
     # request ends there), so a sample filling the whole context needs one position past it, allowed explicitly.
     max_model_len = cfg.vllm_max_model_len or longest + 1
-    return EngineSpec(target_dir=str(plan.target_dir), strategy=strategy, facts=report.facts,
+    tap_plan = None
+    if strategy in RUNNER_TAPS:
+        tap_plan = taps.plan(strategy, list(plan.layer_ids), plan.num_layers, report.facts, report.support).model_dump()
+    return EngineSpec(target_dir=str(plan.target_dir), strategy=strategy, facts=report.facts, tap_plan=tap_plan,
                       mla="kv_lora_rank" in text_config(config), multimodal=is_multimodal_wrapper(config),
                       max_model_len=max_model_len,
                       past_context=context is not None and max_model_len == longest + 1 > context,
@@ -84,8 +106,8 @@ class _Job:
         self.plan = plan = common.plan_extraction(cfg)
         self.report = report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
                                      config=read_config(plan.target_dir))
-        self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids)
         dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
+        self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
         self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
         backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": self.strategy,
                         "platform": report.facts.platform}
@@ -162,7 +184,7 @@ def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: 
         extract_s = prefill_s = 0.0
         with Engine(job.engine_spec()) as extractor:
             plain_spec = job.engine_spec("plain")
-            plain_spec.compile = compile and job.strategy == "connector"  # direct always runs uncompiled
+            plain_spec.compile = compile and job.strategy == "connector"  # the runner taps always run uncompiled
             with Engine(plain_spec) as plain:
                 done = 0
                 for part in parts:

@@ -3,8 +3,8 @@
 The driver process never sees a hidden state: it submits each pending sample's token ids as a prompt with
 `max_tokens=1` (the prefill computes every layer; one token is sampled and the request ends), keeps many requests
 in flight, and tags each with its sample id in `SamplingParams.extra_args`: under "kv_transfer_params" for the
-connector (vLLM hands that to it as request.kv_transfer_params), at the top level for the direct taps, which read
-the new request data (kv_transfer_params without a connector makes vLLM warn once per request). When every
+connector (vLLM hands that to it as request.kv_transfer_params), at the top level for the runner taps (direct and
+taps strategies), which read the new request data (kv_transfer_params without a connector makes vLLM warn once per request). When every
 request has finished it waits until the worker-side sink has received them all, then has the writer flush and close.
 
 vLLM must be started from a real script (its worker processes are spawned, not forked); the CLI, pytest and the
@@ -34,6 +34,7 @@ from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_kwargs
 from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY
 
 DEFAULT_CPU_KV_CACHE_GIB = "2"
+RUNNER_TAPS = ("direct", "taps")  # the strategies that tap the model runner (taps.py)
 IN_FLIGHT = 1024  # requests handed to vLLM ahead of what it is computing
 
 
@@ -42,7 +43,7 @@ class EngineSpec:
     """What the engine is built with: the target, the strategy and vLLM's own knobs."""
 
     target_dir: str
-    strategy: str  # "connector", "direct" or "plain" (no capture: the prefill-only baseline)
+    strategy: str  # "connector", "direct", "taps" or "plain" (no capture: the prefill-only baseline)
     facts: ProbeFacts
     max_model_len: int
     max_num_batched_tokens: int
@@ -55,6 +56,7 @@ class EngineSpec:
     mla: bool = False  # the target uses multi-head latent attention (its text config has kv_lora_rank)
     multimodal: bool = False  # the target is a multimodal wrapper around its language model (text_config)
     past_context: bool = False  # max_model_len is the target's context + 1: the sampled token's position, never fed
+    tap_plan: dict[str, Any] | None = None  # direct / taps: what the worker hooks (taps.TapPlan)
 
 
 def in_process() -> bool:
@@ -93,7 +95,7 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
             "kv_connector_extra_config": {EXTRA_CONFIG_KEY: spec.sink_config}}
         if not spec.compile:
             kwargs["enforce_eager"] = True
-    elif spec.strategy == "direct":
+    elif spec.strategy in RUNNER_TAPS:
         kwargs["enforce_eager"] = True  # taps are set after start-up; a compiled graph would not see them
         if spec.facts.async_scheduling_field:
             kwargs["async_scheduling"] = False  # read each step's states before the next step is scheduled
@@ -154,7 +156,7 @@ def engine_environment(spec: EngineSpec) -> dict[str, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world)
     if spec.past_context:  # vLLM refuses a max_model_len above the config's without its own switch
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    if spec.strategy == "direct" and spec.facts.runner_v2_switch:
+    if spec.strategy in RUNNER_TAPS and spec.facts.runner_v2_switch:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the taps know the V1 runner (GPUModelRunner)
     return env
 
@@ -236,12 +238,8 @@ class Engine:
         except Exception as err:
             raise DraftsmithError(f"vLLM could not start the target {spec.target_dir} for the {spec.strategy} "
                                   f"strategy ({type(err).__name__}: {err}); see `draftsmith doctor`".replace("\n", " "))
-        if spec.strategy == "direct":
-            tap = {"layer_ids": spec.sink_config["spec"]["layer_ids"],
-                   "num_layers": spec.sink_config["spec"]["target"]["num_layers"],
-                   "reaches_embeddings": spec.facts.reaches_embeddings, "reaches_last": spec.facts.reaches_last,
-                   "two_phase": spec.facts.two_phase}
-            self.llm.collective_rpc("draftsmith_install_direct", args=(spec.sink_config, tap))
+        if spec.strategy in RUNNER_TAPS:
+            self.llm.collective_rpc("draftsmith_install_taps", args=(spec.sink_config, spec.tap_plan))
         self.start_seconds = time.perf_counter() - start
         # in-process engine core (no loop of its own between our steps): the driver steps it while it waits
         self.steps_itself = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__ == "InprocClient"

@@ -69,8 +69,8 @@ def feed(spool: Spool, status: FeedStatus) -> None:
     plan = common.plan_extraction(cfg)
     report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
                            config=read_config(plan.target_dir))
-    strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids)
     dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
+    strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
     spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
     backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
                     "platform": report.facts.platform, "online": True}

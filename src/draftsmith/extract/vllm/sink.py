@@ -1,6 +1,6 @@
 """Inside vLLM's worker process: hand each finished request's hidden states to the draftsmith store.
 
-Both strategies end here. The connector (connector.py) and the direct taps (direct.py) know only vLLM; this
+Every strategy ends here. The connector (connector.py) and the runner taps (taps.py) know only vLLM; this
 module knows only the store. One `StoreSink` lives per worker process (module global, see `activate`); on
 tensor-parallel ranks other than 0 it swallows the states, so exactly one writer per engine writes.
 

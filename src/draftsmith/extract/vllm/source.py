@@ -79,22 +79,24 @@ def _parse(path: str, mtime_ns: int, size: int) -> tuple[str, ast.Module] | None
         return None
 
 
-def _statements(body: list[ast.stmt]):
-    """Top-level statements, descending into if/else, try/except and with blocks (TYPE_CHECKING imports, fallbacks)."""
+def _statements(body: list[ast.stmt], fallback: bool = False):
+    """(statement, fallback) for the top-level statements, descending into if/else, try/except and with blocks
+    (TYPE_CHECKING imports, fallbacks). `fallback`: an `else` branch or an `except` handler, which runs only where
+    the branch before it did not."""
     for stmt in body:
         if isinstance(stmt, ast.If):
-            yield from _statements(stmt.body)
-            yield from _statements(stmt.orelse)
+            yield from _statements(stmt.body, fallback)
+            yield from _statements(stmt.orelse, True)
         elif isinstance(stmt, ast.Try):
-            yield from _statements(stmt.body)
+            yield from _statements(stmt.body, fallback)
             for handler in stmt.handlers:
-                yield from _statements(handler.body)
-            yield from _statements(stmt.orelse)
-            yield from _statements(stmt.finalbody)
+                yield from _statements(handler.body, True)
+            yield from _statements(stmt.orelse, fallback)
+            yield from _statements(stmt.finalbody, fallback)
         elif isinstance(stmt, ast.With):
-            yield from _statements(stmt.body)
+            yield from _statements(stmt.body, fallback)
         else:
-            yield stmt
+            yield stmt, fallback
 
 
 def _assigned(stmt: ast.stmt) -> list[tuple[str, ast.expr | None]]:
@@ -170,17 +172,21 @@ class SourceTree:
         return ".".join(parts + ([name] if name else []))
 
     def bindings(self, module: Module) -> dict[str, tuple]:
-        """name -> ("def", node) | ("value", expr) | ("from", module, name) | ("module", module): the first binding of
-        each name, a definition replacing an earlier plain assignment."""
+        """name -> ("def", node) | ("value", expr) | ("from", module, name) | ("module", module): each name as Python
+        leaves it bound when the module has run -- the last binding wins, except that an `else` branch or an `except`
+        handler (a fallback) does not replace what the branch before it bound."""
         if module.name in self._bindings:
             return self._bindings[module.name]
         out: dict[str, tuple] = {}
+        primary: set[str] = set()  # names bound outside a fallback
 
         def bind(name: str, what: tuple) -> None:
-            if name not in out or (what[0] == "def" and out[name][0] != "def"):
+            if not (fallback and name in primary):
                 out[name] = what
+            if not fallback:
+                primary.add(name)
 
-        for stmt in _statements(module.tree.body):
+        for stmt, fallback in _statements(module.tree.body):
             if isinstance(stmt, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 bind(stmt.name, ("def", stmt))
             elif isinstance(stmt, ast.ImportFrom):
@@ -387,7 +393,7 @@ class SourceTree:
         out: dict[str, tuple[str, str]] = {}
         if module is None:
             return out
-        for stmt in _statements(module.tree.body):
+        for stmt, _ in _statements(module.tree.body):
             for _, value in _assigned(stmt):
                 if not isinstance(value, ast.Dict):
                     continue
@@ -447,7 +453,7 @@ def _read_version(package: Path) -> str | None:
         parsed = _parse(str(path), path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
         if parsed is None:
             continue
-        for stmt in _statements(parsed[1].body):
+        for stmt, _ in _statements(parsed[1].body):
             for name, value in _assigned(stmt):
                 if name == "__version__" and isinstance(value, ast.Constant) and isinstance(value.value, str):
                     return value.value

@@ -1,8 +1,8 @@
 """The worker extension vLLM mixes into its worker class (`worker_extension_cls`), reached via `LLM.collective_rpc`.
 
-The driver uses it with both strategies: to install the direct taps (direct strategy), to poll how many requests
-the sink has received, to flush and close the store writer before vLLM shuts down, and (online training) to
-point the sink at the spool's next chunk and finish it. Method names carry a
+The driver uses it with every strategy: to install the runner taps (direct and taps strategies, taps.py), to poll
+how many requests the sink has received, to flush and close the store writer before vLLM shuts down, and (online
+training) to point the sink at the spool's next chunk and finish it. Method names carry a
 `draftsmith_` prefix because vLLM refuses an extension that shadows a worker attribute.
 """
 
@@ -10,20 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftsmith.extract.vllm import direct
+from draftsmith.extract.vllm import taps
 from draftsmith.extract.vllm import sink as sink_module
 
 EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
 
 
 class DraftsmithWorkerExtension:
-    def draftsmith_install_direct(self, config: dict[str, Any], tap: dict[str, Any]) -> bool:
-        """Direct strategy: open the sink and tap the model runner (see direct.install)."""
+    def draftsmith_install_taps(self, config: dict[str, Any], plan: dict[str, Any]) -> bool:
+        """Direct and taps strategies: open the sink and tap the model runner (see taps.install)."""
 
         dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)  # type: ignore[attr-defined]
         config = sink_module.for_data_parallel_rank(config, dp_rank)
         sink = sink_module.activate(config, writes=sink_module.is_writer_rank())
-        direct.install(self.model_runner, sink, **tap)  # type: ignore[attr-defined]
+        taps.install(self.model_runner, sink, taps.TapPlan.model_validate(plan))  # type: ignore[attr-defined]
         return True
 
     def draftsmith_progress(self) -> dict[str, Any]:
