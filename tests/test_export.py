@@ -380,3 +380,103 @@ def test_peagle_speculators_format_is_speculators_peagle(tmp_path, tiny_peagle):
     assert pre["norm_before_residual"] is False and pre["eagle_aux_hidden_state_layer_ids"] == AUX
     assert SpeculatorsConfig.extract_vllm_speculative_config(config) == {
         "method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
+
+
+# ---------------------------------------------------------------------------------------------- the P-EAGLE rule
+
+SPECULATORS_PEAGLE = {"speculators_model_type": "peagle", "transformer_layer_config": {"model_type": "llama"}}
+READINGS = [  # config.json -> the mask token vLLM's parallel drafting reads (None: an EAGLE-3 draft)
+    ({"ptd_token_id": 5}, 5),  # what draftsmith's vllm format writes
+    ({"pard_token": 6}, 6),
+    ({"mask_token_id": 7}, 7),
+    ({"mask_token_id": 7, "ptd_token_id": 5}, 7),  # vLLM reads mask_token_id first
+    ({"pard_token": 6, "ptd_token_id": 5}, 6),  # then pard_token
+    ({"mask_token_id": None, "ptd_token_id": 5}, 5),  # a null mask_token_id is passed over
+    ({"pad_token_id": 2}, None),
+    ({**SPECULATORS_PEAGLE, "mask_token_id": 4}, 4),  # speculators' own P-EAGLE type, read as pard_token
+    ({**SPECULATORS_PEAGLE, "mask_token_id": 4,  # its layer config is what vLLM's proposer reads first
+      "transformer_layer_config": {"model_type": "llama", "mask_token_id": 9}}, 9),
+    ({"speculators_model_type": "eagle3", "mask_token_id": 4, "transformer_layer_config": {}}, None),
+]
+
+
+@pytest.mark.parametrize(("config", "token"), READINGS)
+def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
+    from draftsmith.export.formats import parallel_drafting_token
+
+    assert parallel_drafting_token(config) == token
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"pard_token": None, "ptd_token_id": 5}, r"^d/config.json: pard_token None is not a token id"),
+    ({"ptd_token_id": "3"}, r"^d/config.json: ptd_token_id '3' is not a token id"),
+    ({**SPECULATORS_PEAGLE}, r"^d/config.json: a speculators P-EAGLE config .* without mask_token_id"),
+])
+def test_a_mask_token_vllm_would_misread_is_refused_in_one_line(config, message):
+    from draftsmith.export.formats import parallel_drafting_token
+
+    with pytest.raises(DraftsmithError, match=message):
+        parallel_drafting_token(config, "d/config.json")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("config", "token"), READINGS)
+def test_the_rules_order_is_the_installed_vllms(config, token):
+    """vLLM's own proposer code, given the config as vLLM reads it (a speculators one through its converter), picks
+    the same mask token, and finds none where the rule says EAGLE-3."""
+    pytest.importorskip("vllm")
+    import copy
+    import types
+
+    from transformers import PretrainedConfig
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    if "speculators_model_type" in config:
+        config = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(config))
+    proposer = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=PretrainedConfig(**config)),
+                                     pass_hidden_states_to_model=False)
+    if token is None:
+        with pytest.raises(ValueError, match="For parallel drafting, the draft model config must have"):
+            SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)
+        return
+    SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)
+    assert proposer.parallel_drafting_token_id == token
+
+
+def test_load_and_serve_follow_the_mask_token_vllm_reads(tmp_path, tiny_peagle):
+    """A vllm export whose config.json names mask_token_id beside ptd_token_id is the P-EAGLE draft with vLLM's
+    choice (mask_token_id); without either it is refused as EAGLE-3 holding mask_hidden, not misread."""
+    from draftsmith.export.formats import vllm_speculative_config
+
+    out = write(tmp_path, tiny_peagle, "vllm", dtype="fp32")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "mask_token_id": 9}))
+    back = load_draft(out)
+    assert back.spec.parallel_drafting and back.spec.mask_token_id == 9
+    assert vllm_speculative_config(out, 3)["parallel_drafting"] is True
+    del config["ptd_token_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert "parallel_drafting" not in vllm_speculative_config(out, 3)
+    with pytest.raises(DraftsmithError, match=r"names no mask token, so vLLM would serve the draft as EAGLE-3, but "
+                                              r"its weights hold a P-EAGLE draft's mask_hidden"):
+        load_draft(out)
+
+
+def test_a_config_naming_a_mask_token_without_mask_hidden_is_refused(tmp_path, tiny_draft):
+    out = write(tmp_path, tiny_draft, "vllm")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "pard_token": 3}))
+    with pytest.raises(DraftsmithError) as err:
+        load_draft(out)
+    assert str(err.value) == (f"{out / 'config.json'}: names mask token 3, so vLLM would serve the draft as P-EAGLE, "
+                              "but its weights have no mask_hidden; remove the mask token (mask_token_id, pard_token, "
+                              "ptd_token_id) or export the draft again from its training run")
+
+
+def test_a_mask_token_outside_the_targets_vocabulary_is_refused_on_load(tmp_path, tiny_peagle):
+    out = write(tmp_path, tiny_peagle, "vllm")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "ptd_token_id": 320}))
+    with pytest.raises(DraftsmithError, match=r"config.json: mask token 320 is not a target token id \(0\.\.319\)"):
+        load_draft(out)

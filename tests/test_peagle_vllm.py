@@ -57,6 +57,15 @@ def _spec_config(export_dir: Path) -> dict:
                                      )["speculative_config"]
 
 
+def test_the_probe_finds_the_parallel_drafting_these_tests_decode_with():
+    """evaluate and serve refuse a P-EAGLE draft unless the probe finds parallel drafting (vLLM >= 0.16); the
+    installed vLLM decodes below, so the probe must say so."""
+    from draftsmith.extract.vllm.probe import PARALLEL_DRAFTING_ROW, probe
+
+    report = probe(architecture="LlamaForCausalLM")
+    assert report.facts.parallel_drafting is True, report.capability(PARALLEL_DRAFTING_ROW).found
+
+
 # ---------------------------------------------------------------------------------------- (a) default target
 
 

@@ -167,21 +167,102 @@ def test_tau_lines_of_a_peagle_draft_mark_the_k_past_its_trained_depths():
     assert quickstart.tau_lines(runs)["k=4"] == "τ 1.90; acceptance per position 0.50 0.30 0.10 0.00"
 
 
-def test_evaluation_uses_vllm_exactly_when_it_is_installed(monkeypatch):
-    from draftsmith.evaluate import vllm_runner
+NO_EAGLE3_HERE = "not on cpu (the CPU model runner refuses speculative decoding)"
 
-    monkeypatch.setattr(vllm_runner, "vllm_available", lambda: "0.32.0")
-    assert quickstart._evaluation_engine("auto") == ("vllm", "vLLM 0.32.0")
-    assert quickstart._evaluation_engine("vllm")[0] == "vllm"
-    assert quickstart._evaluation_engine("hf") == ("hf", "reference decoder (asked for)")
-    monkeypatch.setattr(vllm_runner, "vllm_available", lambda: None)
-    assert quickstart._evaluation_engine("auto") == ("hf", "reference decoder (vLLM is not installed)")
-    with pytest.raises(DraftsmithError, match="--engine vllm: vLLM is not installed"):
-        quickstart._evaluation_engine("vllm")
+
+def _probe_says(monkeypatch, *, installed=True, version="0.32.0", eagle3=True, parallel_drafting=True):
+    """The probe as evaluate and quickstart call it, reading a vLLM with these facts; returns the calls' log."""
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.extract.vllm.probe import (
+        EAGLE3_ROW,
+        PARALLEL_DRAFTING_ROW,
+        Capability,
+        ProbeFacts,
+        ProbeReport,
+    )
+
+    facts = ProbeFacts(installed=installed, version=version if installed else None, platform="cpu",
+                       eagle3_on_platform=eagle3, parallel_drafting=parallel_drafting)
+    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="", capabilities=[
+        Capability(name=EAGLE3_ROW, found="yes" if eagle3 else NO_EAGLE3_HERE, ok=eagle3, meaning=""),
+        Capability(name=PARALLEL_DRAFTING_ROW, found="yes" if parallel_drafting else "no "
+                   "SpeculativeConfig.parallel_drafting", ok=parallel_drafting, meaning="")])
+    calls = []
+    monkeypatch.setattr(vllm_runner, "probe", lambda **kw: calls.append(kw) or report)
+    return calls
+
+
+def test_the_evaluation_engine_is_one_that_can_decode_the_draft_here(monkeypatch, tmp_path, tiny_target_dir):
+    def engine(engine, method="eagle3", state=None):
+        cfg = QuickstartConfig(output=tmp_path, target=str(tiny_target_dir), engine=engine, method=method)
+        return quickstart._evaluation_engine(cfg, state)
+
+    calls = _probe_says(monkeypatch, eagle3=True, parallel_drafting=False)
+    assert engine("auto") == engine("vllm") == ("vllm", "vLLM 0.32.0")
+    assert calls[0]["architecture"] == "LlamaForCausalLM"  # the target's, from its config.json
+    assert engine("hf") == ("hf", "reference decoder (asked for)") and len(calls) == 2  # hf: no probe
+    # --method peagle needs parallel drafting too
+    assert engine("auto", "peagle") == ("hf", ("reference decoder (vLLM 0.32.0 has no parallel drafting for this "
+                                               "P-EAGLE draft: no SpeculativeConfig.parallel_drafting)"))
+    with pytest.raises(DraftsmithError, match=r"^--engine vllm: vLLM 0\.32\.0 has no parallel drafting for this "
+                                              r"P-EAGLE draft \(no SpeculativeConfig\.parallel_drafting\); use a vLLM"):
+        engine("vllm", "peagle")
+    _probe_says(monkeypatch, version="0.16.0", eagle3=False)
+    assert engine("auto") == ("hf", (f"reference decoder (vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: "
+                                     f"{NO_EAGLE3_HERE})"))
+    _probe_says(monkeypatch, installed=False)
+    assert engine("auto") == ("hf", "reference decoder (vLLM is not installed)")
+    with pytest.raises(DraftsmithError, match="^--engine vllm needs vLLM, which is not installed"):
+        engine("vllm")
     # a finished evaluation's engine is read from the state, without probing vLLM again
-    monkeypatch.setattr(vllm_runner, "vllm_available", lambda: pytest.fail("probed vLLM after the evaluation"))
-    finished = {"finished": {"evaluate": {}}, "engine": {"engine": "vllm", "why": "vLLM 0.32.0"}}
-    assert quickstart._evaluation_engine("auto", finished) == ("vllm", "vLLM 0.32.0")
+    calls = _probe_says(monkeypatch)
+    finished = {"finished": {"evaluate": {}}, "engine": {"engine": "hf", "why": "reference decoder (asked for)"}}
+    assert engine("auto", state=finished) == ("hf", "reference decoder (asked for)") and not calls
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stages_stop_at_once(monkeypatch):
+    """Every stage of the quickstart raises _Stop when it is run: a test sees what happened before the first."""
+    import types
+
+    def run(cfg):
+        raise _Stop(type(cfg).__name__)
+
+    for stage in list(quickstart._STAGE_MODULES):
+        monkeypatch.setitem(quickstart._STAGE_MODULES, stage, types.SimpleNamespace(run=run))
+
+
+def test_auto_says_before_the_first_stage_which_engine_will_evaluate_and_why(monkeypatch, tmp_path, tiny_target_dir):
+    import io
+
+    from rich.console import Console
+
+    _probe_says(monkeypatch, version="0.16.0", eagle3=False)
+    _stages_stop_at_once(monkeypatch)
+    console = Console(file=io.StringIO(), width=400)
+    with pytest.raises(_Stop, match="PrepareConfig"):
+        quickstart.run(QuickstartConfig(output=tmp_path, target=str(tiny_target_dir), budget="tiny"), console)
+    printed = console.file.getvalue()
+    assert f"evaluation engine: reference decoder (vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: " \
+           f"{NO_EAGLE3_HERE})" in printed
+    assert printed.index("evaluation engine:") < printed.index("prepare")
+
+
+def test_engine_vllm_that_cannot_decode_here_is_refused_before_any_stage_runs(monkeypatch, tmp_path,
+                                                                              tiny_target_dir):
+    _probe_says(monkeypatch, version="0.16.0", eagle3=False)
+    _stages_stop_at_once(monkeypatch)
+    out = tmp_path / "qs"
+    with pytest.raises(DraftsmithError) as err:
+        quickstart.run(QuickstartConfig(output=out, target=str(tiny_target_dir), budget="tiny", engine="vllm"))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        f"--engine vllm: vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here ({NO_EAGLE3_HERE}); ")
+    assert message.endswith("or use the reference decoder (--engine hf)")
+    assert sorted(p.name for p in out.iterdir()) == []  # no stage output, no state, no resolved config
 
 
 def test_eta_is_not_thrown_off_by_a_quick_first_stage_and_follows_a_slow_long_one():

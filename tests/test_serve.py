@@ -56,7 +56,7 @@ def _write(source: DraftSource, out: Path, fmt: str, **kw) -> Path:
 def engine_checks_pass(monkeypatch):
     """The installed vLLM's checks (installed, EAGLE-3 on this platform) pass: for tests whose server is faked, so
     they run where no vLLM is installed too (tests/test_vllm_release_engines.py tests the refusal)."""
-    monkeypatch.setattr(serve, "check_eagle3", lambda target, what: None)
+    monkeypatch.setattr(serve, "check_vllm_can_serve", lambda target, what, **kw: None)
 
 
 @pytest.fixture
@@ -141,10 +141,8 @@ def test_a_peagle_draft_is_served_with_parallel_drafting(tmp_path, tiny_target_d
                                                          engine_checks_pass):
     """A P-EAGLE draft (mask_hidden in its weights) gets `"parallel_drafting": true` in vLLM's speculative config,
     served as it is (vllm, speculators) or through the temporary vLLM export (a checkpoint); an EAGLE-3 one never."""
-    source = _tiny_source(tiny_target_dir)
-    spec = source.spec.model_copy(update={"parallel_drafting": True, "mask_token_id": 3})
-    peagle = DraftSource(spec=spec, tensors={**source.tensors, "mask_hidden": torch.zeros(1, 3 * 64)},
-                         target=source.target, origin=Path("unit-test"), training={})
+    source, peagle = _tiny_source(tiny_target_dir), _peagle_source(tiny_target_dir)
+    spec = peagle.spec
     seen = {}
 
     def fake_serve(command, env):
@@ -209,6 +207,75 @@ def test_a_vllm_that_cannot_run_eagle3_is_refused_in_one_line_before_it_starts(t
     facts.installed = False
     result = CliRunner().invoke(app, ["serve", str(draft)])
     assert result.exit_code == 1 and "draftsmith serve needs vLLM, which is not installed" in result.output
+
+
+def _peagle_source(target_dir: Path) -> DraftSource:
+    """The tiny draft as a P-EAGLE draft (a mask token, mask_hidden in its weights)."""
+    source = _tiny_source(target_dir)
+    spec = source.spec.model_copy(update={"parallel_drafting": True, "mask_token_id": 3})
+    return DraftSource(spec=spec, tensors={**source.tensors, "mask_hidden": torch.zeros(1, 3 * 64)},
+                       target=source.target, origin=Path("unit-test"), training={})
+
+
+def _probe_says(monkeypatch, parallel_drafting: bool | None, found: str) -> None:
+    """The probe (as evaluate and serve call it) reading a vLLM that runs EAGLE-3 here, with or without parallel
+    drafting (None: it could not tell)."""
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.extract.vllm.probe import (
+        EAGLE3_ROW,
+        PARALLEL_DRAFTING_ROW,
+        Capability,
+        ProbeFacts,
+        ProbeReport,
+    )
+
+    facts = ProbeFacts(installed=True, version="0.15.1", platform="cpu", eagle3_on_platform=True,
+                       parallel_drafting=parallel_drafting)
+    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="", capabilities=[
+        Capability(name=EAGLE3_ROW, found="yes", ok=True, meaning=""),
+        Capability(name=PARALLEL_DRAFTING_ROW, found=found, ok=parallel_drafting, meaning="")])
+    monkeypatch.setattr(vllm_runner, "probe", lambda **kw: report)
+
+
+@pytest.mark.parametrize(("parallel", "found", "says"), [
+    (False, "no SpeculativeConfig.parallel_drafting", "vLLM 0.15.1 has no parallel drafting for this P-EAGLE draft"),
+    (None, "SpeculativeConfig not found", ("the probe could not tell whether vLLM 0.15.1 has parallel drafting "
+                                           "for this P-EAGLE draft"))])
+def test_a_peagle_draft_on_a_vllm_without_parallel_drafting_is_refused_before_an_engine_starts(
+        tmp_path, tiny_target_dir, no_vllm, monkeypatch, one_thread, parallel, found, says):
+    """evaluate --engine vllm and serve of a P-EAGLE draft stop in one line where the probe finds no parallel
+    drafting (or cannot tell), naming the version, what the probe found and what to do; no engine starts and
+    evaluate writes nothing."""
+    from draftsmith.evaluate import vllm_runner
+
+    _probe_says(monkeypatch, parallel, found)
+    monkeypatch.setattr(vllm_runner, "run_vllm", lambda **kw: pytest.fail("vLLM was started"))
+    draft = _write(_peagle_source(tiny_target_dir), tmp_path / "export", "vllm")
+    for argv, what, instead in (
+            (["serve", str(draft)], "draftsmith serve", serve.MEASURE_WITHOUT_VLLM),
+            (["evaluate", "--draft", str(draft), "--engine", "vllm", "--output", str(tmp_path / "eval"),
+              "--num-prompts", "1"], "--engine vllm", "use the reference decoder (--engine hf)")):
+        result = CliRunner().invoke(app, argv)
+        message = result.output.strip()
+        assert result.exit_code == 1 and "\n" not in message, result.output
+        assert f"{what}: {says} ({found}); use a vLLM whose `draftsmith doctor` row 'parallel drafting (P-EAGLE)' " \
+               f"says yes (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting), or {instead}" in message
+    assert not (tmp_path / "eval").exists()
+
+
+def test_parallel_drafting_is_asked_of_vllm_for_a_peagle_draft_only(tmp_path, tiny_target_dir, monkeypatch,
+                                                                    one_thread):
+    """The same vLLM without parallel drafting serves an EAGLE-3 draft; one with it serves the P-EAGLE draft."""
+    seen = {}
+    monkeypatch.setattr(serve, "target_flags", lambda target, dtype: [])
+    monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: seen.update(
+        spec=json.loads(command[command.index("--speculative-config") + 1])) or 0)
+    _probe_says(monkeypatch, False, "no SpeculativeConfig.parallel_drafting")
+    serve.run(ServeConfig(draft=_write(_tiny_source(tiny_target_dir), tmp_path / "eagle3", "vllm")))
+    assert "parallel_drafting" not in seen.pop("spec")
+    _probe_says(monkeypatch, True, "yes")
+    serve.run(ServeConfig(draft=_write(_peagle_source(tiny_target_dir), tmp_path / "peagle", "vllm")))
+    assert seen["spec"]["parallel_drafting"] is True
 
 
 def test_a_lost_sigterm_is_sent_again_and_nothing_is_left(tmp_path, monkeypatch):

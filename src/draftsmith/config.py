@@ -417,7 +417,9 @@ class QuickstartConfig(StageConfig):
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
-        "Evaluation engine: auto uses vLLM when it is installed, the reference decoder otherwise."))
+        "Evaluation engine: auto uses vLLM where the probe finds it can decode the draft here (EAGLE-3 on this "
+        "platform; parallel drafting for --method peagle), the reference decoder otherwise (the summary says why); "
+        "vllm there is refused before the first stage."))
     k: list[int] = Field(default_factory=list, description=(
         "Draft lengths to evaluate, one engine start each (default per budget: tiny 3, small and medium 5, large "
         "1..5); the summary reads τ for every shorter k off the longest run's per-position acceptance (for P-EAGLE "

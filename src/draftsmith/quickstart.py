@@ -29,6 +29,7 @@ from draftsmith.config import (
     save_resolved_config,
     validate_config,
 )
+from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
 from draftsmith.evaluate import vllm_runner
@@ -96,20 +97,24 @@ def _load_state(path: Path) -> dict[str, Any]:
         raise DraftsmithError(f"{path}: damaged quickstart state; delete it to start the run over") from None
 
 
-def _evaluation_engine(requested: str, state: dict[str, Any] | None = None) -> tuple[str, str]:
-    """(engine, why) — vLLM when installed and asked for (or auto), else the reference decoder. Once the evaluate
-    stage has finished, the engine it used (recorded in the state) is the answer: no vLLM import probe (~10 s)."""
+def _evaluation_engine(cfg: QuickstartConfig, state: dict[str, Any] | None = None) -> tuple[str, str]:
+    """(engine, why), chosen before the first stage runs. --engine hf: the reference decoder. auto: vLLM where the
+    probe finds it can decode the draft this run trains (vllm_runner.vllm_verdict: EAGLE-3 on this platform, for
+    --method peagle parallel drafting too), else the reference decoder with the probe's reason; --engine vllm there
+    is refused in one line, as `evaluate --engine vllm` would refuse it, before any stage. Once the evaluate stage
+    has finished, the engine it used (recorded in the state) is the answer, without probing again."""
     recorded = (state or {}).get("engine")
     if recorded and "evaluate" in (state or {}).get("finished", {}):
         return recorded["engine"], recorded["why"]
-    if requested == "hf":
+    if cfg.engine == "hf":
         return "hf", "reference decoder (asked for)"
-    version = vllm_runner.vllm_available()
-    if version is not None:
-        return "vllm", f"vLLM {version}"
-    if requested == "vllm":
-        raise DraftsmithError("--engine vllm: vLLM is not installed (or does not import); install the `vllm` extra")
-    return "hf", "reference decoder (vLLM is not installed)"
+    verdict = vllm_runner.vllm_verdict(targets.resolve_target(cfg.target), "--engine vllm",
+                                       parallel_drafting=cfg.method == "peagle")
+    if verdict.refusal is None:
+        return "vllm", f"vLLM {verdict.version}"
+    if cfg.engine == "vllm":
+        raise DraftsmithError(verdict.refusal)
+    return "hf", f"reference decoder ({verdict.why_not})"
 
 
 # The options that chain the stages together: a recipe section may not move them.
@@ -157,8 +162,9 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
                                    device=cfg.device),
     }
     if cfg.regenerate:  # the target answers the data's user turns first, and prepare reads its answers
+        # generating needs no speculative decoding: vLLM wherever it is installed (auto), unless hf was asked for
         configs = {"regenerate": RegenerateConfig(
-            data=cfg.data, target=cfg.target, output=out / "regenerated", engine="vllm" if engine == "vllm" else "hf",
+            data=cfg.data, target=cfg.target, output=out / "regenerated", engine="hf" if cfg.engine == "hf" else "auto",
             max_length=b.max_length, max_samples=b.conversations, shard_samples=32, device=cfg.device), **configs}
         configs["prepare"].data = [str(out / "regenerated")]
     return configs
@@ -196,8 +202,10 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
             raise DraftsmithError(f"{out}: was started with --{option} {state[option]}; use another --output "
                                   f"or the same --{option}")
         state[option] = value
-    engine, engine_why = _evaluation_engine(cfg.engine, state)
+    engine, engine_why = _evaluation_engine(cfg, state)
     state["engine"] = {"engine": engine, "why": engine_why}
+    if "evaluate" not in state["finished"]:
+        console.print(f"evaluation engine: {engine_why}", highlight=False, soft_wrap=True)
     configs = stage_configs(cfg, engine)
     save_resolved_config(cfg, out)
     budget = BUDGETS[cfg.budget]

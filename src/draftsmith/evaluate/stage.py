@@ -131,6 +131,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
     source = load_draft(cfg.draft)
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
+    if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
+        vllm_runner.check_vllm_can_serve(target_path, "--engine vllm", parallel_drafting=source.spec.parallel_drafting)
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
                            **held_out_split(cfg.eval_fraction, cfg.split_seed, source.training))
@@ -161,7 +163,6 @@ def run(cfg: EvaluateConfig) -> StageResult:
                                              f"{len(prompts)} prompts" for k in cfg.k}
         report["dtype"] = str(dtype).removeprefix("torch.")
     else:
-        vllm_runner.check_eagle3(target_path, "--engine vllm")
         dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
         max_len = cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(
             targets.read_config(target_path)))

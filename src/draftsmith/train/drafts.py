@@ -2,7 +2,9 @@
 into one `DraftSource` (spec, tensors in the module's names, target identity, origin, training summary).
 
 Below both the trainer (`train --init-from`) and draftsmith.export / draftsmith.evaluate, so it reads an export
-through the fields every draft directory records (`checkpoint.DraftManifest`) and never imports draftsmith.export.
+through the fields every draft directory records (`checkpoint.DraftManifest`); the one thing it takes from
+draftsmith.export is the rule that reads an export's config.json as P-EAGLE or not (`parallel_drafting_token`,
+imported when an export is read, as draftsmith.export imports this module).
 The tensors of a DraftSource are named as Eagle3Draft's state dict (vLLM's own module names, `layers.0.` for
 decoder layer 0) without the target's embedding; `spell_layer0` is the one rename a format needs (vLLM's and
 SGLang's files spell layer 0 `midlayer.`).
@@ -154,20 +156,34 @@ def load_draft(path: Path) -> DraftSource:
 
 
 def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, torch.Tensor]) -> DraftSpec:
-    """An export's spec as its config.json serves it: a P-EAGLE export (mask_hidden in the weights, its mask token
-    in config.json: vllm's ptd_token_id, speculators' mask_token_id) whose manifest's spec does not say so (written
-    before DraftSpec knew parallel drafting, or by hand) is read as the P-EAGLE draft vLLM would serve."""
-    if "mask_hidden" not in tensors or (spec.parallel_drafting and spec.mask_token_id is not None):
-        return spec
+    """An export's spec as vLLM serves it: P-EAGLE or not, and its mask token, are what its config.json names
+    (export.formats.parallel_drafting_token, the rule every command applies), whatever its manifest says (one
+    written before DraftSpec knew parallel drafting, a config.json edited by hand); no config.json: the manifest's.
+    Weights that do not match that reading (P-EAGLE needs mask_hidden, EAGLE-3 has none) are refused in one line."""
+    # imported here, not at the top: draftsmith.export imports this module
+    from draftsmith.export.formats import MASK_TOKEN_KEYS, parallel_drafting_token
+
     try:
         config = read_config(directory)
     except DraftsmithError:
         return spec
-    token = next((config[k] for k in ("ptd_token_id", "mask_token_id", "pard_token") if config.get(k) is not None),
-                 None)
+    where = directory / "config.json"
+    token = parallel_drafting_token(config, str(where))
+    has_mask_hidden = "mask_hidden" in tensors
     if token is None:
-        return spec
-    return spec.model_copy(update={"parallel_drafting": True, "mask_token_id": int(token)})
+        if has_mask_hidden:
+            raise DraftsmithError(f"{where}: names no mask token, so vLLM would serve the draft as EAGLE-3, but its "
+                                  "weights hold a P-EAGLE draft's mask_hidden; put its mask token back (ptd_token_id) "
+                                  "or export the draft again from its training run")
+        return spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None})
+    if not has_mask_hidden:
+        raise DraftsmithError(f"{where}: names mask token {token}, so vLLM would serve the draft as P-EAGLE, but its "
+                              f"weights have no mask_hidden; remove the mask token ({', '.join(MASK_TOKEN_KEYS)}) "
+                              "or export the draft again from its training run")
+    if token >= spec.vocab_size:
+        raise DraftsmithError(f"{where}: mask token {token} is not a target token id (0..{spec.vocab_size - 1}); "
+                              "vLLM's parallel slots embed that token")
+    return spec.model_copy(update={"parallel_drafting": True, "mask_token_id": token})
 
 
 def draft_module(source: DraftSource, embed_weight: torch.Tensor) -> Eagle3Draft:
