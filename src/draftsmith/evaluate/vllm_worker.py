@@ -30,7 +30,7 @@ from typing import Any
 
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
+from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
 
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -84,6 +84,8 @@ def engine_kwargs(request: dict) -> dict[str, Any]:
         trust_remote_code=request.get("trust_remote_code", False), max_num_seqs=request.get("max_num_seqs", 1))
     kwargs.update(target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
                                        multimodal=is_multimodal_wrapper(config), dtype=request["dtype"]))
+    for key, value in target_engine_env(facts, mla="kv_lora_rank" in text_config(config)).items():
+        os.environ.setdefault(key, value)  # read by vLLM when the engine starts, in this process
     if in_process():
         kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
     if request.get("draft"):

@@ -30,7 +30,7 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
-from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_kwargs
+from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_env, target_engine_kwargs
 from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY
 
 DEFAULT_CPU_KV_CACHE_GIB = "2"
@@ -154,6 +154,7 @@ def engine_environment(spec: EngineSpec) -> dict[str, str]:
     if spec.facts.platform == "cpu" and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's automatic binding gives each CPU worker a NUMA node of its own, which one-socket machines lack
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world)
+    env.update({k: v for k, v in target_engine_env(spec.facts, mla=spec.mla).items() if k not in os.environ})
     if spec.past_context:  # vLLM refuses a max_model_len above the config's without its own switch
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if spec.strategy in RUNNER_TAPS and spec.facts.runner_v2_switch:
@@ -282,8 +283,18 @@ class Engine:
 
     def generate(self, prompts: Sequence[tuple[int, Sequence[int]]], *, tag: bool = True,
                  on_finished: Callable[[int], None] | None = None) -> float:
-        """Prefill every (sample_id, token_ids) with max_tokens=1, many in flight; returns the seconds it took."""
-        return self._guarded(self._generate, prompts, tag, on_finished)
+        """Prefill every (sample_id, token_ids) with max_tokens=1, many in flight; returns the seconds it took. vLLM
+        failing on the target's forward pass (a kernel this platform lacks for the architecture, in this dtype) is
+        one line naming vLLM's own error."""
+        try:
+            return self._guarded(self._generate, prompts, tag, on_finished)
+        except DraftsmithError:
+            raise
+        except Exception as err:  # noqa: BLE001 - vLLM's own failure, told in one line
+            words = " ".join(str(err).split()) or "see vLLM's log above"
+            raise DraftsmithError(f"{self.spec.target_dir}: vLLM could not run the target ({self.spec.dtype}, "
+                                  f"{self.spec.strategy} strategy): {type(err).__name__}: {words[:300]}; try "
+                                  "another --compute-dtype, or --backend hf") from None
 
     def _generate(self, prompts: Sequence[tuple[int, Sequence[int]]], tag: bool,
                   on_finished: Callable[[int], None] | None) -> float:

