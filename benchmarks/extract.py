@@ -18,8 +18,8 @@ tests/families.py (llama, qwen3, qwen3_moe, deepseek_v3, kimi_k25); the prepared
 rank's threads to its share of the CPUs).
 
 Prints a table on stderr, then as its LAST line a JSON object: hf backend: tokens_per_s, forward_tokens_per_s,
-ratio_vs_forward (goal >= 0.90) and bytes_per_token for bf16 and fp8; vllm backend: tokens_per_s,
-prefill_tokens_per_s and ratio_vs_prefill.
+ratio_vs_forward (goal >= 0.90) and bytes_per_token for bf16 and fp8; vllm backend: prefill_tokens_per_s and, per
+strategy the installed vLLM offers, tokens_per_s and ratio_vs_prefill (benchmarks/extract_vllm.py's function).
 """
 
 from __future__ import annotations

@@ -402,7 +402,7 @@ READINGS = [  # config.json -> the mask token vLLM's parallel drafting reads (No
 
 @pytest.mark.parametrize(("config", "token"), READINGS)
 def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
-    from draftsmith.export.formats import parallel_drafting_token
+    from draftsmith.train.drafts import parallel_drafting_token
 
     assert parallel_drafting_token(config) == token
 
@@ -413,7 +413,7 @@ def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
     ({**SPECULATORS_PEAGLE}, r"^d/config.json: a speculators P-EAGLE config .* without mask_token_id"),
 ])
 def test_a_mask_token_vllm_would_misread_is_refused_in_one_line(config, message):
-    from draftsmith.export.formats import parallel_drafting_token
+    from draftsmith.train.drafts import parallel_drafting_token
 
     with pytest.raises(DraftsmithError, match=message):
         parallel_drafting_token(config, "d/config.json")

@@ -403,3 +403,25 @@ def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     single = spec.__class__(**{**spec.__dict__, "tensor_parallel_size": 1})
     assert driver.engine_kwargs(single)["distributed_executor_backend"] == "uni"
+
+
+def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():
+    """A kernel vLLM lacks for the architecture in this dtype fails inside its forward pass (in-process: the real
+    exception; the message is vLLM's own): one line naming the target, dtype, strategy and vLLM's error."""
+    from draftsmith.extract.vllm import driver
+    from draftsmith.extract.vllm.probe import ProbeFacts
+
+    engine = object.__new__(driver.Engine)
+    engine.spec = driver.EngineSpec(target_dir="/models/qwen3-next", strategy="taps", facts=ProbeFacts(),
+                                    max_model_len=64, max_num_batched_tokens=64, dtype="float32")
+    engine.watched = {}
+
+    def fails(*args):
+        raise AssertionError("CPU GDN attention\n requires BF16.")
+
+    engine._generate = fails
+    with pytest.raises(DraftsmithError) as err:
+        engine.generate([(0, [1, 2, 3])])
+    assert str(err.value) == ("/models/qwen3-next: vLLM could not run the target (float32, taps strategy): "
+                              "AssertionError: CPU GDN attention requires BF16.; try another --compute-dtype, or "
+                              "--backend hf")

@@ -401,7 +401,8 @@ def test_nothing_usable_gives_a_plain_explanation(tmp_path):
     assert report.facts.platform == "unknown"
     assert report.strategy is None and report.usable == {"connector": False, "direct": False, "taps": False}
     for words in ("no extraction strategy fits this vLLM 0.6.3", "no extract_hidden_states",
-                  "LlamaForCausalLM cannot return aux hidden states", "worker_extension unknown (no class ParallelConfig",
+                  "LlamaForCausalLM cannot return aux hidden states",
+                  "worker_extension unknown (no class ParallelConfig",
                   INSTALL_HINT,
                   "--backend hf"):
         assert words in report.reason
@@ -706,7 +707,8 @@ def test_installed_vllm_rows_per_architecture():
         assert (s.decoder_stack, s.language_model, s.reachable) == (stack, language_model, reach), arch
         assert r.strategy == "connector" and r.usable == {"connector": True, "direct": True, "taps": True}, arch
         row = architecture_row(r)
-        assert row["connector"] == ("yes" if reach == "0..N" else "yes (ids >= 1; id 0 asked for: direct or taps)"), arch
+        expected = "yes" if reach == "0..N" else "yes (ids >= 1; id 0 asked for: direct or taps)"
+        assert row["connector"] == expected, arch
     assert reports["KimiK25ForConditionalGeneration"].facts.language_model_only
     assert reports["DeepseekV3ForCausalLM"].facts.cpu_mla_backend == "CPU_MLA"
     table = _render(reports["DeepseekV3ForCausalLM"])
@@ -737,7 +739,8 @@ def _edit(files: dict[str, str], path: str, old: str | None = None, new: str = "
 RUNNER_MOVED = _edit(FAMILY_TREE, "vllm/v1/worker/cpu_model_runner.py", None, None)
 ASSERT_REWORDED = _edit(CPU_OLD_LAYOUT, "vllm/v1/worker/cpu_model_runner.py",
                         'assert self.speculative_config is None, "spec decode is not supported."',
-                        'if self.speculative_config is not None:\n                    raise NotImplementedError("no spec decode")')
+                        'if self.speculative_config is not None:\n'
+                        '                    raise NotImplementedError("no spec decode")')
 
 
 @pytest.mark.parametrize(("files", "fact", "looked_for"), [

@@ -290,6 +290,8 @@ class EvaluateConfig(StageConfig):
     max_model_len: int | None = Field(None, ge=16, description=(
         "vLLM context limit; default: longest prompt + max_new_tokens + k."))
     vllm_kv_cache_gb: int = Field(2, ge=1, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "--engine vllm: tensor parallel size of the decoding engine (a target that fills a node: Kimi-K2.5 at 8)."))
     vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
 

@@ -20,7 +20,8 @@ One round, with the sequence S = prompt + generated tokens and the target's KV c
              sampling (accept d_i with probability min(1, p(d_i) / q(d_i)), else sample from
              norm(max(p - q, 0))), so the output has exactly the target's distribution.
     crop     the target keeps K/V for S[-1], d_1..d_a; the draft is fed the target's aux states of those
-             a + 1 positions next round.
+             a + 1 positions next round. A cache that cannot be cut back (a hybrid target's linear-attention
+             state) is copied before the verify forward, and the copy reads S[-1], d_1..d_a instead.
 
 τ (mean acceptance length) = 1 + accepted / rounds, the accepted draft tokens plus the one token the target adds
 per round -- the same definition as vLLM's `mean acceptance length`; acceptance at position i is the fraction of
@@ -30,6 +31,7 @@ verifier accepts, even when the output is cut at --max-new-tokens or an end-of-s
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -125,7 +127,12 @@ class TargetRunner:
         self._last = output[0] if isinstance(output, tuple) else output
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        """A cache for one sequence; sliding-window layers keep their past (`activate_past_recording`, where this
+        transformers has it), so a rejected draft's entries can be cut from them too."""
+        cache = DynamicCache(config=self.model.config)
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, want_aux: bool, last_logits_only: bool = False):
@@ -247,6 +254,11 @@ def _crop_cache(cache, keep: int) -> None:
         cache.crop(-drop)
 
 
+def _croppable(cache) -> bool:
+    """Whether `cache` can be cut back after a verify forward (a linear-attention layer's recurrent state cannot)."""
+    return bool(getattr(cache, "is_croppable", True))
+
+
 @dataclass
 class Generation:
     tokens: list[int]
@@ -327,6 +339,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
                 draft_logits, hidden = draft.step(torch.tensor([token], device=device), hidden[None])
         # 2) verify all k in one target forward.
         verify_ids = torch.tensor([seq[-1]] + chain, device=device)
+        before = None if _croppable(cache) else copy.deepcopy(cache)
         target_logits, verify_aux = target.forward(verify_ids, cache, want_aux=True)
         accepted, next_token = verify_chain(target_logits, chain, chain_probs, temperature, generator)
         stats.num_rounds += 1
@@ -335,7 +348,11 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
         for i in range(accepted):
             stats.accepted_per_pos[i] += 1
         # 3) keep what was accepted; the draft reads the target's features of those positions next round.
-        _crop_cache(cache, length + accepted + 1)
+        if before is None:
+            _crop_cache(cache, length + accepted + 1)
+        elif accepted < k:  # no cut back: the copy from before the verify reads the kept tokens
+            cache = before
+            target.forward(verify_ids[: accepted + 1], cache, want_aux=False, last_logits_only=True)
         pending_start, pending_aux = length, verify_aux[: accepted + 1]
         new = chain[:accepted] + [next_token]
         out, done = _finish(out + new, max_new_tokens, eos)

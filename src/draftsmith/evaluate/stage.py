@@ -172,7 +172,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
         common = dict(target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
                       temperature=cfg.temperature, seed=cfg.seed, dtype=dtype_name, max_model_len=max_len,
                       kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
-                      trust_remote_code=cfg.trust_remote_code)
+                      trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size)
         stats = {}
         if cfg.baseline:
             res = vllm_runner.run_vllm(draft=None, k=0, name="baseline", **common)

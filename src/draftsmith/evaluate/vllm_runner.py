@@ -104,16 +104,18 @@ def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = F
 
 def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,
              temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: int, timeout_s: int,
-             workdir: Path, trust_remote_code: bool = False, name: str = "vllm", max_num_seqs: int = 1) -> dict:
-    """One vLLM generation job in a child process (`max_num_seqs` prompts decoded at once); returns the worker's
-    result dict."""
+             workdir: Path, trust_remote_code: bool = False, name: str = "vllm", max_num_seqs: int = 1,
+             tensor_parallel_size: int = 1) -> dict:
+    """One vLLM generation job in a child process (`max_num_seqs` prompts decoded at once, on
+    `tensor_parallel_size` ranks); returns the worker's result dict."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     request = {
         "target": str(target), "draft": str(draft) if draft else None, "k": k, "prompts": prompts,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "dtype": dtype,
         "max_model_len": max_model_len, "kv_cache_gb": kv_cache_gb, "trust_remote_code": trust_remote_code,
-        "max_num_seqs": max_num_seqs, "result": str(workdir / f"{name}.result.json"),
+        "max_num_seqs": max_num_seqs, "tensor_parallel_size": tensor_parallel_size,
+        "result": str(workdir / f"{name}.result.json"),
     }
     request_file = workdir / f"{name}.request.json"
     request_file.write_text(json.dumps(request), encoding="utf-8")

@@ -30,6 +30,7 @@ from typing import Any
 
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export.formats import vllm_speculative_config
+from draftsmith.extract.vllm.driver import cpu_thread_binding
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
 
 SPEC_METRICS = {
@@ -81,12 +82,15 @@ def engine_kwargs(request: dict) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=request["target"], dtype=request["dtype"], max_model_len=request["max_model_len"], seed=request["seed"],
         disable_log_stats=False, enforce_eager=request.get("enforce_eager", True),
-        trust_remote_code=request.get("trust_remote_code", False), max_num_seqs=request.get("max_num_seqs", 1))
+        trust_remote_code=request.get("trust_remote_code", False), max_num_seqs=request.get("max_num_seqs", 1),
+        tensor_parallel_size=request.get("tensor_parallel_size", 1))
     kwargs.update(target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
                                        multimodal=is_multimodal_wrapper(config), dtype=request["dtype"]))
     for key, value in target_engine_env(facts, mla="kv_lora_rank" in text_config(config)).items():
         os.environ.setdefault(key, value)  # read by vLLM when the engine starts, in this process
-    if in_process():
+    if facts.platform == "cpu" and kwargs["tensor_parallel_size"] > 1:  # one CPU group per rank, as extraction does
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(kwargs["tensor_parallel_size"]))
+    if in_process() and kwargs["tensor_parallel_size"] == 1:
         kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
     if request.get("draft"):
         kwargs["speculative_config"] = vllm_speculative_config(request["draft"], request["k"])

@@ -23,8 +23,9 @@ names its mask token: vllm's config.json `ptd_token_id`; speculators as its own 
 and algorithm "peagle", `mask_token_id`), which vLLM's reader maps to the same Eagle-3 model with `pard_token`.
 vLLM serves it only with `"parallel_drafting": true` in the speculative config (`vllm_speculative_config`, read from
 config.json, so every draftsmith command that starts vLLM passes it). SGLang has no parallel drafting: refused.
-Whether a draft directory is P-EAGLE, and its mask token, is one rule (`parallel_drafting_token`, reading config.json's
-keys in the order vLLM reads them) for the writer here, `load_draft` and every command that starts vLLM.
+Whether a draft directory is P-EAGLE, and its mask token, is one rule (train/drafts.py `parallel_drafting_token`,
+reading config.json's keys in the order vLLM reads them) for the writer here, `load_draft` and every command that
+starts vLLM.
 
 The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
 anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
@@ -62,6 +63,7 @@ from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
 from draftsmith.train.drafts import (
     DraftSource,
     check_spec_against_target,
+    parallel_drafting_token,
     spell_layer0,
     validate_tensors,
 )
@@ -220,44 +222,6 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
                   "", "SGLang numbers aux layers one lower than vLLM: `eagle_config` holds "
                   f"{[i - 1 for i in spec.aux_layer_ids]} for vLLM ids {spec.aux_layer_ids}."]
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------- P-EAGLE or not
-
-# The keys that name a P-EAGLE draft's mask token, in the order vLLM reads them from the draft's config
-# (vllm/v1/spec_decode/llm_base_proposer.py, `_init_parallel_drafting_params`): mask_token_id unless it is null, then
-# pard_token, then ptd_token_id, whenever present. (vLLM reads DFlash's dflash_config.mask_token_id and DSpark's
-# dspark_noise_token_id before pard_token: other methods' keys, which no P-EAGLE draft carries.)
-MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
-
-
-def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") -> int | None:
-    """The one rule for "is this draft P-EAGLE" (the export writer, `load_draft`, the speculative config every
-    command that starts vLLM passes): the mask token a draft directory's config.json names, as vLLM reads it; None
-    for an EAGLE-3 draft.
-
-    A speculators config is P-EAGLE exactly when its speculators_model_type is "peagle" (vLLM's reader turns that
-    type into parallel drafting itself); vLLM reads the token from the config it converts it to: the
-    transformer_layer_config, with the top-level mask_token_id as pard_token. Any other config is P-EAGLE when one
-    of MASK_TOKEN_KEYS names a token (draftsmith's vllm format writes ptd_token_id), the first in vLLM's order. A
-    key vLLM would take that holds no token id is refused in one line; `where` names the file in that message."""
-    if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "peagle":
-            return None
-        if config.get("mask_token_id") is None:
-            raise DraftsmithError(f"{where}: a speculators P-EAGLE config (speculators_model_type peagle) without "
-                                  "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
-                                  "parallel slots were trained on")
-        config = {**(config.get("transformer_layer_config") or {}), "pard_token": config["mask_token_id"]}
-    for key in MASK_TOKEN_KEYS:
-        if key not in config or (key == "mask_token_id" and config[key] is None):
-            continue
-        token = config[key]
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise DraftsmithError(f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
-                                  "P-EAGLE draft's mask token from it")
-        return token
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- write

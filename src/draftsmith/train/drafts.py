@@ -2,9 +2,9 @@
 into one `DraftSource` (spec, tensors in the module's names, target identity, origin, training summary).
 
 Below both the trainer (`train --init-from`) and draftsmith.export / draftsmith.evaluate, so it reads an export
-through the fields every draft directory records (`checkpoint.DraftManifest`); the one thing it takes from
-draftsmith.export is the rule that reads an export's config.json as P-EAGLE or not (`parallel_drafting_token`,
-imported when an export is read, as draftsmith.export imports this module).
+through the fields every draft directory records (`checkpoint.DraftManifest`). The one rule that reads a draft
+directory's config.json as P-EAGLE or not, and its mask token, lives here (`parallel_drafting_token`), for the
+export writer, `load_draft` and every command that starts vLLM alike.
 The tensors of a DraftSource are named as Eagle3Draft's state dict (vLLM's own module names, `layers.0.` for
 decoder layer 0) without the target's embedding; `spell_layer0` is the one rename a format needs (vLLM's and
 SGLang's files spell layer 0 `midlayer.`).
@@ -155,14 +155,50 @@ def load_draft(path: Path) -> DraftSource:
                        training=manifest.training)
 
 
+# ------------------------------------------------------------------------------------ P-EAGLE or not
+
+# The keys that name a P-EAGLE draft's mask token, in the order vLLM reads them from the draft's config
+# (vllm/v1/spec_decode/llm_base_proposer.py, `_init_parallel_drafting_params`): mask_token_id unless it is null, then
+# pard_token, then ptd_token_id, whenever present. (vLLM reads DFlash's dflash_config.mask_token_id and DSpark's
+# dspark_noise_token_id before pard_token: other methods' keys, which no P-EAGLE draft carries.)
+MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
+
+
+def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") -> int | None:
+    """The one rule for "is this draft P-EAGLE" (the export writer, `load_draft`, the speculative config every
+    command that starts vLLM passes): the mask token a draft directory's config.json names, as vLLM reads it; None
+    for an EAGLE-3 draft.
+
+    A speculators config is P-EAGLE exactly when its speculators_model_type is "peagle" (vLLM's reader turns that
+    type into parallel drafting itself); vLLM reads the token from the config it converts it to: the
+    transformer_layer_config, with the top-level mask_token_id as pard_token. Any other config is P-EAGLE when one
+    of MASK_TOKEN_KEYS names a token (draftsmith's vllm format writes ptd_token_id), the first in vLLM's order. A
+    key vLLM would take that holds no token id is refused in one line; `where` names the file in that message."""
+    if config.get("speculators_model_type") is not None:
+        if config["speculators_model_type"] != "peagle":
+            return None
+        if config.get("mask_token_id") is None:
+            raise DraftsmithError(f"{where}: a speculators P-EAGLE config (speculators_model_type peagle) without "
+                                  "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
+                                  "parallel slots were trained on")
+        config = {**(config.get("transformer_layer_config") or {}), "pard_token": config["mask_token_id"]}
+    for key in MASK_TOKEN_KEYS:
+        if key not in config or (key == "mask_token_id" and config[key] is None):
+            continue
+        token = config[key]
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise DraftsmithError(f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
+                                  "P-EAGLE draft's mask token from it")
+        return token
+    return None
+
+
+
 def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, torch.Tensor]) -> DraftSpec:
     """An export's spec as vLLM serves it: P-EAGLE or not, and its mask token, are what its config.json names
-    (export.formats.parallel_drafting_token, the rule every command applies), whatever its manifest says (one
+    (parallel_drafting_token, the rule every command applies), whatever its manifest says (one
     written before DraftSpec knew parallel drafting, a config.json edited by hand); no config.json: the manifest's.
     Weights that do not match that reading (P-EAGLE needs mask_hidden, EAGLE-3 has none) are refused in one line."""
-    # imported here, not at the top: draftsmith.export imports this module
-    from draftsmith.export.formats import MASK_TOKEN_KEYS, parallel_drafting_token
-
     try:
         config = read_config(directory)
     except DraftsmithError:

