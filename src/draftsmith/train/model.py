@@ -97,6 +97,7 @@ class DraftSpec(BaseModel):
         else:  # multi-head latent attention, or heads that do not divide the hidden size
             heads, kv_heads, head_dim = cls.draft_attention_shape(hidden)
         rope = hfcompat.rope_parameters_of(text)  # written by transformers 4 or 5
+        rope.pop("partial_rotary_factor", None)  # the draft rotates its whole head (Qwen3-Next's target: 1/4)
         vocab = int(text["vocab_size"])
         check_layer_ids(list(aux_layer_ids), int(text["num_hidden_layers"]))
         check_servable_layer_ids(list(aux_layer_ids), config, "draft")
