@@ -10,6 +10,10 @@ Each family keeps the structure of the model people serve and shrinks only its s
                  expert and noaux_tc grouped routing (DeepSeek-V3)
     kimi_k25     KimiK25ForConditionalGeneration: Kimi-K2's DeepSeek-V3 text backbone inside a multimodal wrapper
                  (vision tower + projector), as Kimi-K2.5 ships
+    gpt_oss      GptOssForCausalLM: sliding-window and full attention layers alternating, attention sinks, biased
+                 q/k/v/o, MoE with top-k routing and a clamped SwiGLU, YaRN rope; harmony chat format (gpt-oss-20b)
+    qwen3_next   Qwen3NextForCausalLM: hybrid attention, three gated delta-net (linear attention) layers to one
+                 gated full attention layer with partial rope, MoE with a gated shared expert (Qwen3-Next-80B-A3B)
 
 `PUBLISHED[name]` is the real model's config.json (the fields that shape the computation, as published); the tiny
 config is that dict with widths, depth, experts and vocabulary overridden (`TINY_OVERRIDES`), so everything else
@@ -97,6 +101,32 @@ PUBLISHED: dict[str, dict[str, Any]] = {
                           "merge_kernel_size": [2, 2]},
         "tie_word_embeddings": False,
     },
+    # openai/gpt-oss-20b (its mxfp4 quantization_config left out: the tiny checkpoints are float32). The window is
+    # on the even layers, as layer_types says and as vLLM's gpt_oss.py assumes (`layer_idx % 2 == 0`, it does not
+    # read layer_types).
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12, "swiglu_limit": 7.0,
+        "vocab_size": 201088, "max_position_embeddings": 131072, "initial_context_length": 4096,
+        "rms_norm_eps": 1e-05, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "attention_bias": True, "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "hidden_act": "silu",
+    },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: layer i is full attention when (i + 1) % full_attention_interval == 0,
+    # gated delta-net otherwise; every layer MoE (512 experts, top-10) plus a shared expert
+    "qwen3_next": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+        "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "num_hidden_layers": 48, "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512,
+        "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "vocab_size": 151936, "max_position_embeddings": 262144, "rms_norm_eps": 1e-06, "rope_theta": 10000000,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+    },
 }
 
 # What the tiny checkpoints change (vocab_size is the tokenizer's). Head sizes stay ones vLLM's CPU kernels take
@@ -123,7 +153,27 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
                                                   "original_max_position_embeddings": 512, "beta_fast": 32.0,
                                                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
                  "vision_config": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                   "intermediate_size": 128}},
+                                   "intermediate_size": 128},
+                 # the projector's input norm is as wide as the vision tower (transformers' default, 1152, is the
+                 # published tower's; vLLM sizes it from vision_config.hidden_size)
+                 "projection_hidden_size": 64},
+    # 8 experts, top-2; a 32-token window (shorter than the test samples, so it masks something); YaRN rescaled
+    # to the tiny context as for DeepSeek
+    "gpt_oss": {"hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "experts_per_token": 2, "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 2048,
+                "initial_context_length": 512,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 512}},
+    # three delta-net layers then one full attention layer (the published interval); two value heads per key head
+    # as published; 8 experts, top-2. Delta-net head sizes 64: vLLM's CPU kernel takes 64 and 128, not 32 (and runs
+    # only in bfloat16: "CPU GDN attention requires BF16.").
+    "qwen3_next": {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                   "max_position_embeddings": 2048},
 }
 
 # ------------------------------------------------------------------------------------------- tokenizers, templates
@@ -160,6 +210,19 @@ KIMI_TEMPLATE = (
     "{{ message['content'] + '<|im_end|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"
 )
+# gpt-oss's harmony template, simplified: `<|start|>role<|message|>content<|end|>` turns (no default system or
+# developer turn, no analysis channel, no tools); an assistant turn answers on the final channel, and a
+# conversation that ends with an assistant turn ends with <|return|> (the end of generation, what the model learns
+# to emit; earlier assistant turns keep <|end|>). The generation prompt is `<|start|>assistant`: the model writes
+# its channel itself.
+HARMONY_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] }}"
+    "{% if loop.last and not add_generation_prompt %}{{ '<|return|>' }}{% else %}{{ '<|end|>' }}{% endif %}"
+    "{% else %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -180,19 +243,29 @@ TOKENIZERS: dict[str, TokenizerSpec] = {
     "kimi_k25": TokenizerSpec(("[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
                                "<|im_system|>", "<|im_middle|>", "<|media_pad|>"), bos="[BOS]", eos="<|im_end|>",
                               pad="[PAD]", chat_template=KIMI_TEMPLATE),
+    "gpt_oss": TokenizerSpec(("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                              "<|start|>", "<|end|>", "<|message|>", "<|call|>"), bos="<|startoftext|>",
+                             eos="<|return|>", pad="<|endoftext|>", chat_template=HARMONY_TEMPLATE),
 }
-TOKENIZERS["qwen3_moe"] = TOKENIZERS["qwen3"]
+TOKENIZERS["qwen3_moe"] = TOKENIZERS["qwen3_next"] = TOKENIZERS["qwen3"]
 
 # Files a checkpoint ships besides config, weights and tokenizer. vLLM builds Kimi-K2.5's multimodal processing
-# info when it reads the config (even with language_model_only), which reads preprocessor_config.json: this is
-# Kimi-K2.5's media_proc_cfg without the auto_map to its remote code (vLLM has its own processor for it).
+# info when it reads the config (even with language_model_only), which reads preprocessor_config.json: Kimi-K2.5's
+# media_proc_cfg and, as the published checkpoint has it, an auto_map to the image processor it ships as remote
+# code. vLLM >= 0.28 brings its own processor for it; vLLM 0.16 loads the remote one (trust_remote_code=True even for
+# text prompts), here a stand-in (REMOTE_CODE).
 EXTRA_FILES: dict[str, dict[str, Any]] = {
-    "kimi_k25": {"preprocessor_config.json": {"media_proc_cfg": {
-        "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
-        "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
-        "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}}},
+    "kimi_k25": {"preprocessor_config.json": {
+        "media_proc_cfg": {
+            "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
+            "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
+            "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"},
+        "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"}}},
 }
+# Remote code a checkpoint ships, from tests/data/<family>/: Kimi-K2.5's image processor (a stand-in that sizes
+# media as vLLM asks and returns zero pixels: text prompts only).
+REMOTE_CODE: dict[str, tuple[str, ...]] = {"kimi_k25": ("kimi_k25_vision_processing.py",)}
 
 
 def build_tokenizer(spec: TokenizerSpec, vocab_size: int = 320):
@@ -215,7 +288,7 @@ def build_tokenizer(spec: TokenizerSpec, vocab_size: int = 320):
 
 # ------------------------------------------------------------------------------------------- the builders
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k25", "gpt_oss", "qwen3_next")
 MLA_FAMILIES = ("deepseek_v3", "kimi_k25")
 
 
@@ -244,7 +317,8 @@ def _token_ids(tokenizer, config: dict[str, Any]) -> None:
 
 def unsupported(name: str) -> str | None:
     """Why the installed transformers cannot build the `name` family (it does not know the model type), else None:
-    Kimi-K2.5's wrapper (kimi_k25) exists in transformers 5 only, so its tests skip under transformers 4.57."""
+    Kimi-K2.5's wrapper (kimi_k25) exists in transformers 5 only, so its tests skip under transformers 4.57
+    (gpt_oss came in 4.55, qwen3_next in 4.57)."""
     from transformers import AutoConfig
 
     model_type = PUBLISHED[name]["model_type"]
@@ -255,11 +329,13 @@ def unsupported(name: str) -> str | None:
     return None
 
 
-def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = None) -> Path:
+def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = None,
+          overrides: dict[str, Any] | None = None) -> Path:
     """Save the tiny random `name` target with its tokenizer as an HF directory at `path`.
 
     `head_scale` multiplies the lm_head so random logits are far from flat (greedy tokens then do not flip on
-    last-bit differences, e.g. a tensor-parallel all-reduce order).
+    last-bit differences, e.g. a tensor-parallel all-reduce order). `overrides` changes the tiny config further
+    (merged like TINY_OVERRIDES, e.g. {"n_group": 1, "topk_group": 1}: DeepSeek-V3 with Kimi-K2's routing).
     """
     from transformers import (
         AutoConfig,
@@ -283,7 +359,7 @@ def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = No
         return path
     spec = TOKENIZERS[name]
     tokenizer = build_tokenizer(spec)
-    config_dict = tiny_config(name, len(tokenizer))
+    config_dict = _merge(tiny_config(name, len(tokenizer)), overrides or {})
     _token_ids(tokenizer, config_dict)
     architecture = config_dict["architectures"][0]
     fields = {k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")}
@@ -291,26 +367,36 @@ def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = No
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if "text_config" in config_dict else AutoModelForCausalLM  # a wrapper
     model = auto.from_config(config, dtype=torch.float32).eval()
-    _randomise(model)
+    _randomise(model, name)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     _write_config(path, config_dict, architecture)
+    _portable_tokenizer_config(path)
     if "text_config" in config_dict:
         _published_weight_names(path)
     for file, content in EXTRA_FILES.get(name, {}).items():
         (path / file).write_text(json.dumps(content, indent=2))
+    for file in REMOTE_CODE.get(name, ()):
+        shutil.copyfile(Path(__file__).parent / "data" / name / file, path / file)
     if head_scale:
         _scale_head(path, head_scale)
     return path
 
 
-def _randomise(model: torch.nn.Module) -> None:
-    """Give zero-initialised parameters that vLLM reads (DeepSeek's router bias) small random values, so a wrong
-    mapping of them would show in the states."""
+# Parameters transformers initialises to zero that vLLM reads, by name suffix: DeepSeek's router bias (every
+# family that has one), gpt-oss's attention and expert biases (its gate_up bias interleaves gate and up as the
+# weight does).
+_ZERO_INITIALISED: dict[str, tuple[str, ...]] = {"gpt_oss": ("_proj.bias", "_proj_bias")}
+
+
+def _randomise(model: torch.nn.Module, family: str) -> None:
+    """Give zero-initialised parameters that vLLM reads small random values, so a wrong mapping of them would show
+    in the states."""
+    suffixes = ("e_score_correction_bias", *_ZERO_INITIALISED.get(family, ()))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(suffixes):
                 param.normal_(0.0, 0.02)
 
 
@@ -319,7 +405,10 @@ def _write_config(path: Path, published_shape: dict[str, Any], architecture: str
 
     transformers names Kimi-K2.5's class `Kimi_K25ForConditionalGeneration`; the checkpoint (and vLLM's registry)
     say `KimiK25ForConditionalGeneration`. Keys transformers' DeepseekV3Config does not keep (`topk_method`,
-    `scoring_func` ...) are written back as published, since vLLM reads them.
+    `scoring_func` ...) are written back as published, since vLLM reads them. So are a wrapper's text `rope_theta`
+    and `rope_scaling`, which transformers 5 saves as `rope_parameters` only: vLLM 0.16 reads Kimi-K2.5's text
+    config with transformers 4.57's DeepseekV3Config, which would take the default theta and no YaRN (transformers 5
+    reads both spellings alike).
     """
     file = path / "config.json"
     saved = json.loads(file.read_text())
@@ -329,26 +418,42 @@ def _write_config(path: Path, published_shape: dict[str, Any], architecture: str
         theirs = saved if section is None else saved.get(section)
         if not isinstance(ours, dict) or not isinstance(theirs, dict):
             continue
-        for key in ("topk_method", "scoring_func", "moe_layer_freq"):
+        for key in ("topk_method", "scoring_func", "moe_layer_freq") + (("rope_theta", "rope_scaling") if section
+                                                                         else ()):
             if key in ours:
                 theirs.setdefault(key, ours[key])
     file.write_text(json.dumps(saved, indent=2, sort_keys=True))
 
 
 def _published_weight_names(path: Path) -> None:
-    """Kimi-K2.5's tensor names as its checkpoint has them (`language_model.model.layers.N`, `mm_projector.*`).
+    """Kimi-K2.5's tensor names as its checkpoint has them (`language_model.model.layers.N`, `mm_projector.*`,
+    `vision_tower.patch_embed.*`).
 
     transformers reverses its load-time renaming on save, including a `blocks -> layers` rule meant for the vision
-    tower, so it writes the text layers as `language_model.model.blocks.N`, which vLLM does not know. transformers
-    loads both spellings to the same model.
+    tower, so it writes the text layers as `language_model.model.blocks.N`, and the vision tower's patch embedding
+    as `vision_tower.encoder.patch_embed.*`; vLLM knows neither. transformers loads both spellings to the same model.
     """
     from safetensors.torch import load_file, save_file
 
     file = path / "model.safetensors"
     state = load_file(str(file))
     renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
-               .replace("model.mm_projector.", "mm_projector."): v for k, v in state.items()}
+               .replace("model.mm_projector.", "mm_projector.")
+               .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): v
+               for k, v in state.items()}
     save_file(renamed, str(file), metadata={"format": "pt"})
+
+
+def _portable_tokenizer_config(path: Path) -> None:
+    """tokenizer_config.json naming the class every transformers >= 4.57 reads: transformers 5 saves its fast
+    tokenizer as `TokenizersBackend`, a name 4.57 (vLLM 0.11-0.19's) does not know, and a checkpoint built in the
+    main venv is read by the release venvs' vLLM (tests/test_vllm_release_engines.py). Both load the same
+    tokenizer.json."""
+    file = path / "tokenizer_config.json"
+    saved = json.loads(file.read_text())
+    if saved.get("tokenizer_class") == "TokenizersBackend":
+        saved["tokenizer_class"] = "PreTrainedTokenizerFast"
+        file.write_text(json.dumps(saved, indent=2, sort_keys=True))
 
 
 def _scale_head(path: Path, factor: float) -> None:

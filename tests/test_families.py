@@ -1,10 +1,12 @@
 """Every target family (tests/families.py) through every stage, each result checked against another.
 
 Extraction, per family: prepare with the family's chat template; the hf store against transformers' own
-output_hidden_states; then in real vLLM the connector store (the whole set) and the direct store (written as two
-data-parallel shards, `--shard 0/2` and `1/2`, by two engines, merged with `store merge`), each against the hf
-store: identical input_ids, cosine >= 0.999 per token and layer (float32 compute on both sides; both stores keep
-bf16). Tensor parallelism: TP=2 stores of Kimi-K2.5 (connector) and Qwen3-MoE (direct) against the TP=1 stores.
+output_hidden_states; then in real vLLM a store per strategy the probe offers (connector, direct and the layer
+taps; Llama's direct store written as two data-parallel shards, `--shard 0/2` and `1/2`, by two engines, merged
+with `store merge`), each against the hf store: identical input_ids, cosine >= 0.999 per token and layer (float32
+compute on both sides; both stores keep bf16). Qwen3-Next, which vLLM's CPU build runs only in bfloat16: the
+float32 refusal is one line with vLLM's own error, and the bf16 stores are compared. Tensor parallelism: TP=2
+stores of Kimi-K2.5 (connector) and Qwen3-MoE (taps) against the TP=1 stores.
 
 Drafts, per family: a few training steps offline (from the hf store) and online (from the prepared set), exports
 in the vllm and speculators formats, the reference decoder (evaluate/specdec.py) lossless with the draft, and
@@ -29,6 +31,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -49,6 +52,7 @@ from draftsmith import export, extract, train
 from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.extract import store
 from draftsmith.extract.vllm import driver
 
@@ -158,15 +162,16 @@ class Matrix:
             self._made[key] = out
         return self._made[key]
 
-    def vllm(self, name: str, strategy: str, *, shard: str = "0/1", tp: int = 1, output: Path | None = None) -> Path:
+    def vllm(self, name: str, strategy: str, *, shard: str = "0/1", tp: int = 1, output: Path | None = None,
+             dtype: str = "float32") -> Path:
         from draftsmith.extract.vllm import run
 
-        key = ("vllm", name, strategy, shard, tp)
+        key = ("vllm", name, strategy, shard, tp, dtype)
         if key not in self._made:
-            out = output or self.root / name / f"{strategy}-tp{tp}-{shard.replace('/', 'of')}"
+            out = output or self.root / name / f"{strategy}-tp{tp}-{shard.replace('/', 'of')}-{dtype}"
             with in_process_vllm(tp == 1):
                 result = run(ExtractConfig(prepared=self.prepared(name), output=out, backend="vllm",
-                                           vllm_compile=False, vllm_strategy=strategy, compute_dtype="float32",
+                                           vllm_compile=False, vllm_strategy=strategy, compute_dtype=dtype,
                                            shard=shard, tensor_parallel_size=tp), show_progress=False)
             assert result.summary["samples this run"] > 0 and f"({strategy}," in result.summary["backend"]
             self._made[key] = out
@@ -362,31 +367,72 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
     matrix.record(name, "aux id 0", ok=True, worst_cosine=round(cos, 6), strategy="direct (auto)")
 
 
+# vLLM 0.32's CPU build runs Qwen3-Next's gated delta-net only in bfloat16 (vllm/model_executor/layers/mamba/ops/cpu/
+# gdn_attention.py: `assert mixed_qkv.dtype == torch.bfloat16, "CPU GDN attention requires BF16."`): the probe reads
+# that assert, extraction in float32 is refused in one line with vLLM's words before an engine starts, and the
+# family's states are compared in bfloat16 where the CPU computes it natively.
+FLOAT32_REFUSED = {"qwen3_next": "AssertionError: CPU GDN attention requires BF16."}
+BF16_MIN_COSINE = 0.98  # bfloat16 compute against the float32 hf store: rounding that grows with depth
+
+
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("name", FAMILIES)
-def test_vllm_connector_and_direct_stores_equal_the_hf_store(matrix, tmp_path, name):
+def test_vllm_stores_of_every_offered_strategy_equal_the_hf_store(matrix, tmp_path, name):
+    """Each strategy the probe offers for the family (connector, direct, taps: all three on every family in vLLM
+    0.32) fills a store equal to the hf store; direct, for Llama, as two data-parallel workers (--shard 0/2, 1/2:
+    two engines) merged into one store."""
     from draftsmith.extract.vllm import probe
 
-    hf = matrix.hf(name)
     report = probe.probe(architecture=PUBLISHED[name]["architectures"][0], resolve_config=False)
-    strategy = report.strategy
-    assert strategy == "connector"  # the probe's choice for the default layer ids, on every family
-    connector = matrix.vllm(name, "connector")
-    cos = compare(connector, hf)
-    assert cos >= MIN_COSINE, (name, "connector", cos)
-    assert {s.writer for s in store.open(connector).manifest.shards} == {"s0of1"}
-    matrix.record(name, "vLLM extract (connector)", ok=True, worst_cosine=round(cos, 6))
+    offered = [s for s in probe.STRATEGIES if report.usable[s]]
+    assert offered == ["connector", "direct", "taps"] and report.strategy == "connector", report.reason
+    if name in FLOAT32_REFUSED:
+        _float32_refused_then_bf16(matrix, name, report)
+        return
+    hf = matrix.hf(name)
+    for strategy in offered:
+        if strategy == "direct" and name == "llama":
+            halves = [matrix.vllm(name, "direct", shard=f"{i}/2") for i in range(2)]
+            assert {s.writer for s in store.open(halves[1]).manifest.shards} == {"s1of2"}
+            store.merge_stores(halves, tmp_path / "merged")
+            assert store.verify_store(tmp_path / "merged").ok
+            ours = tmp_path / "merged"
+            matrix.record(name, "data parallel (--shard i/n, merged)", ok=True,
+                          worst_cosine=round(compare(ours, hf), 6))
+        else:
+            ours = matrix.vllm(name, strategy)
+            assert {s.writer for s in store.open(ours).manifest.shards} == {"s0of1"}
+        assert len(store.open(ours)) == len(store.open(hf))
+        cos = compare(ours, hf)
+        assert cos >= MIN_COSINE, (name, strategy, cos)
+        matrix.record(name, f"vLLM extract ({strategy})", ok=True, worst_cosine=round(cos, 6))
 
-    # direct, as two data-parallel workers (--shard 0/2, 1/2: two engines), merged into one store
-    halves = [matrix.vllm(name, "direct", shard=f"{i}/2") for i in range(2)]
-    assert {s.writer for s in store.open(halves[1]).manifest.shards} == {"s1of2"}
-    merged = store.merge_stores(halves, tmp_path / "merged")
-    assert store.verify_store(tmp_path / "merged").ok and len(merged) == len(store.open(hf))
-    cos = compare(tmp_path / "merged", hf)
-    assert cos >= MIN_COSINE, (name, "direct", cos)
-    matrix.record(name, "vLLM extract (direct)", ok=True, worst_cosine=round(cos, 6))
-    matrix.record(name, "data parallel (--shard i/n, merged)", ok=True, worst_cosine=round(cos, 6))
+
+def _float32_refused_then_bf16(matrix, name: str, report) -> None:
+    """A family vLLM's CPU build cannot run in float32: extraction stops in one line naming vLLM's own error; in
+    bfloat16 (where this CPU computes it natively) the taps store equals the connector's (both vLLM's own
+    computation, read two ways) and follows the float32 hf store as closely as bf16 allows."""
+    from draftsmith.extract.vllm.driver import resolve_dtype
+
+    words = FLOAT32_REFUSED[name].split(": ", 1)[1]
+    assert report.facts.cpu_bfloat16_only.startswith(repr(words)), report.facts.cpu_bfloat16_only
+    assert any(words in note for note in report.support.notes)  # doctor's architecture row says it
+    with pytest.raises(DraftsmithError) as err:
+        matrix.vllm(name, "taps")
+    message = str(err.value)
+    assert "\n" not in message and f"on a CPU in bfloat16 only (it asserts {words!r}" in message, message
+    assert message.endswith("not in float32; use --compute-dtype bfloat16, or --backend hf"), message
+    matrix.record(name, "vLLM extract (float32)", ok=False, reason=FLOAT32_REFUSED[name], fallback="hf backend")
+    if resolve_dtype("auto", report.facts.platform) != "bfloat16":
+        return  # vLLM's auto dtype here is float32: this CPU has no native bf16 for the bf16 half
+    taps, connector = matrix.vllm(name, "taps", dtype="bfloat16"), matrix.vllm(name, "connector", dtype="bfloat16")
+    same = compare(taps, connector)
+    assert same >= 0.9999, same
+    cos = compare(taps, matrix.hf(name))
+    assert cos >= BF16_MIN_COSINE, cos
+    matrix.record(name, "vLLM extract (bf16: taps, connector)", ok=True, taps_vs_connector=round(same, 6),
+                  worst_cosine_vs_hf_fp32=round(cos, 6))
 
 
 FULL_CONTEXT = 256  # the target's max_position_embeddings and the prepared set's max_length alike
@@ -493,7 +539,8 @@ def test_the_draft_gets_an_attention_shape_vllm_runs(name):
                 text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"])
         if sizes is not None:
             assert spec.head_dim in sizes, (name, spec.head_dim, sizes)
-    published = DraftSpec.from_target_config(PUBLISHED[name], 32000, 1, [2, 20, 27])
+    num_layers = targets.text_config(PUBLISHED[name])["num_hidden_layers"]
+    published = DraftSpec.from_target_config(PUBLISHED[name], 32000, 1, default_aux_layer_ids(num_layers))
     kv = published.num_key_value_heads  # TP=8: heads split evenly, K/V heads split or replicated
     assert published.num_attention_heads % 8 == 0 and (kv % 8 == 0 or 8 % kv == 0), published
 
@@ -652,6 +699,16 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
                    max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
                    max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
     ref = matrix.reference(name)
+    if name in FLOAT32_REFUSED:  # evaluate refuses before any engine starts, in vLLM's own words
+        from draftsmith.evaluate import vllm_runner
+
+        words = FLOAT32_REFUSED[name].split(": ", 1)[1]
+        with pytest.raises(DraftsmithError, match=re.escape(f"(it asserts {words!r}")):
+            vllm_runner.check_vllm_can_serve(family_target(name), "--engine vllm", dtype="float32")
+        matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=False,
+                      reason=f"vLLM 0.32 on CPU in float32: {FLOAT32_REFUSED[name]}",
+                      fallback="reference decoder lossless (tau above); bf16 where the CPU has it, or a GPU")
+        return
     if name in MLA_FAMILIES:
         with in_process_vllm(), pytest.raises(ValueError, match=MLA_ON_CPU):
             vllm_worker.run({**request, "draft": str(draft)})
@@ -682,15 +739,12 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
 
 @pytest.mark.vllm
 @needs_vllm
-@pytest.mark.parametrize("name, strategy", [("qwen3_moe", "direct"), ("kimi_k25", "connector")])
+@pytest.mark.parametrize("name, strategy", [("qwen3_moe", "taps"), ("kimi_k25", "connector")])
 def test_tensor_parallel_2_store_equals_the_tp1_store(matrix, name, strategy):
     """TP=2 in worker processes (VLLM_CPU_OMP_THREADS_BIND is set by draftsmith when unset): exactly one writer,
-    the same samples, states equal to TP=1's."""
-    tp1 = matrix.vllm(name, "connector") if strategy == "connector" else None
-    if tp1 is None:  # the direct TP=1 store of the whole set: the two merged halves
-        tp1 = matrix.root / name / "direct-tp1-merged"
-        if not tp1.exists():
-            store.merge_stores([matrix.vllm(name, "direct", shard=f"{i}/2") for i in range(2)], tp1)
+    the same samples, states equal to TP=1's. (The layer taps run on every rank, each holding the whole stream
+    after vLLM's all-reduce; only rank 0 writes.)"""
+    tp1 = matrix.vllm(name, strategy)
     tp2 = matrix.vllm(name, strategy, tp=2)  # VLLM_CPU_OMP_THREADS_BIND unset: draftsmith splits the CPUs
     manifest = store.open(tp2).manifest
     assert {s.writer for s in manifest.shards} == {"s0of1"}  # rank 1 wrote nothing
