@@ -164,7 +164,7 @@ def test_target_runner_aux_states_follow_vllm_layer_ids(tiny):
     n = model.config.num_hidden_layers
     runner = TargetRunner(model, [0, 2, n])
     ids = torch.tensor([4, 8, 15, 16, 23])
-    logits, aux = runner.forward(ids, runner.new_cache(), want_aux=True)
+    logits, aux, _ = runner.forward(ids, runner.new_cache(), want_aux=True)
     h = model.config.hidden_size
     out = model(input_ids=ids[None], output_hidden_states=True)
     torch.testing.assert_close(aux[:, :h], out.hidden_states[0][0])  # id 0 = embeddings
@@ -339,7 +339,7 @@ def test_parallel_rounds_propose_what_a_fresh_draft_proposes_from_the_whole_pref
     spec = speculative_generate(target, recorder, torch.tensor(PROMPTS[0]), k, 40)
     assert spec.tokens == base.tokens and len(recorder.rounds) == spec.stats.num_rounds > 1
     seq = torch.tensor(PROMPTS[0] + spec.tokens)
-    _, aux = target.forward(seq, target.new_cache(), want_aux=True)
+    _, aux, _ = target.forward(seq, target.new_cache(), want_aux=True)
     fresh = DraftRunner(draft)
     fused = fresh.fuse(aux)
     for t, logits, last in recorder.rounds:

@@ -119,6 +119,7 @@ class TargetRunner:
         layers = targets.decoder_layers(model)
         self.num_layers = len(layers)
         self._last: torch.Tensor | None = None
+        self.stepwise = False  # continue a cached sequence one token at a time (new_cache says when)
         if self.num_layers in self.aux_layer_ids:
             # HF's hidden_states[N] is after the final norm; vLLM's id N is the last layer's raw output.
             layers[-1].register_forward_hook(self._grab_last)
@@ -126,24 +127,41 @@ class TargetRunner:
     def _grab_last(self, module, args, output) -> None:
         self._last = output[0] if isinstance(output, tuple) else output
 
-    def new_cache(self) -> DynamicCache:
-        """A cache for one sequence; sliding-window layers keep their past (`activate_past_recording`, where this
-        transformers has it), so a rejected draft's entries can be cut from them too."""
+    def new_cache(self) -> DynamicCache | None:
+        """A cache for one sequence that a rejected draft's entries can be cut from, or None where the model builds
+        its own on the first forward (`forward` returns it).
+
+        Sliding-window layers keep their past (`activate_past_recording`, transformers 5). transformers 4.x has no
+        such switch and its sliding layers refuse a cut once the window is full, so there every layer keeps all its
+        entries and the attention mask alone keeps the window; its stateful models (Qwen3-Next's gated delta-net
+        cache) build a cache class of their own and restart their recurrent state on any chunk longer than one
+        token after the prefill, so `forward` continues them one token at a time."""
         cache = DynamicCache(config=self.model.config)
         if hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()
-        return cache
+            return cache
+        if getattr(self.model, "_is_stateful", False):
+            self.stepwise = True
+            return None
+        return DynamicCache() if any(getattr(cache, "is_sliding", ())) else cache
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, want_aux: bool, last_logits_only: bool = False):
-        """ids [T] -> (logits float32 [T or 1, V], aux [T, n_aux * H] or None). The cache grows by T."""
+        """ids [T] -> (logits float32 [T or 1, V], aux [T, n_aux * H] or None, the cache). The cache grows by T;
+        given None, the model builds one."""
+        if self.stepwise and cache is not None and len(ids) > 1:
+            steps = [self.forward(ids[i:i + 1], cache, want_aux) for i in range(len(ids))]
+            logits = torch.cat([step[0] for step in steps])
+            aux = torch.cat([step[1] for step in steps]) if want_aux else None
+            return (logits[-1:] if last_logits_only else logits), aux, steps[-1][2]
         out = self.model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=want_aux,
                          logits_to_keep=1 if last_logits_only else 0)
         logits = out.logits[0].float()
+        cache = out.past_key_values
         if not want_aux:
-            return logits, None
+            return logits, None, cache
         states = [self._last if i == self.num_layers else out.hidden_states[i] for i in self.aux_layer_ids]
-        return logits, torch.cat(states, dim=-1)[0]
+        return logits, torch.cat(states, dim=-1)[0], cache
 
 
 # ---------------------------------------------------------------------------------------------- draft side
@@ -256,7 +274,7 @@ def _crop_cache(cache, keep: int) -> None:
 
 def _croppable(cache) -> bool:
     """Whether `cache` can be cut back after a verify forward (a linear-attention layer's recurrent state cannot)."""
-    return bool(getattr(cache, "is_croppable", True))
+    return bool(getattr(cache, "is_croppable", hasattr(cache, "crop")))
 
 
 @dataclass
@@ -279,8 +297,7 @@ def plain_generate(target: TargetRunner, prompt: torch.Tensor, max_new_tokens: i
                    eos_ids: set[int] | frozenset = frozenset(), generator: torch.Generator | None = None) -> Generation:
     """The target alone, one token per forward, with its KV cache (the baseline for the speed-up)."""
     start = time.perf_counter()
-    cache = target.new_cache()
-    logits, _ = target.forward(prompt, cache, want_aux=False, last_logits_only=True)
+    logits, _, cache = target.forward(prompt, target.new_cache(), want_aux=False, last_logits_only=True)
     out: list[int] = []
     while True:
         row = logits[-1]
@@ -288,7 +305,7 @@ def plain_generate(target: TargetRunner, prompt: torch.Tensor, max_new_tokens: i
         out, done = _finish(out, max_new_tokens, set(eos_ids))
         if done:
             break
-        logits, _ = target.forward(torch.tensor([out[-1]], device=prompt.device), cache, want_aux=False)
+        logits, _, cache = target.forward(torch.tensor([out[-1]], device=prompt.device), cache, want_aux=False)
     stats = DecodeStats(k=0, num_prompts=1, num_new_tokens=len(out), elapsed_s=time.perf_counter() - start)
     return Generation(out, stats)
 
@@ -301,8 +318,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
     device = prompt.device
     stats = DecodeStats(k=k, num_prompts=1)
     eos = set(eos_ids)
-    cache = target.new_cache()
-    logits, aux = target.forward(prompt, cache, want_aux=True, last_logits_only=True)
+    logits, aux, cache = target.forward(prompt, target.new_cache(), want_aux=True, last_logits_only=True)
     row = logits[-1]
     first = int(row.argmax()) if temperature == 0 else _sample(target_probs(row, temperature), generator)
     out, done = _finish([first], max_new_tokens, eos)
@@ -340,7 +356,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
         # 2) verify all k in one target forward.
         verify_ids = torch.tensor([seq[-1]] + chain, device=device)
         before = None if _croppable(cache) else copy.deepcopy(cache)
-        target_logits, verify_aux = target.forward(verify_ids, cache, want_aux=True)
+        target_logits, verify_aux, cache = target.forward(verify_ids, cache, want_aux=True)
         accepted, next_token = verify_chain(target_logits, chain, chain_probs, temperature, generator)
         stats.num_rounds += 1
         stats.num_draft_tokens += k
@@ -351,8 +367,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
         if before is None:
             _crop_cache(cache, length + accepted + 1)
         elif accepted < k:  # no cut back: the copy from before the verify reads the kept tokens
-            cache = before
-            target.forward(verify_ids[: accepted + 1], cache, want_aux=False, last_logits_only=True)
+            _, _, cache = target.forward(verify_ids[: accepted + 1], before, want_aux=False, last_logits_only=True)
         pending_start, pending_aux = length, verify_aux[: accepted + 1]
         new = chain[:accepted] + [next_token]
         out, done = _finish(out + new, max_new_tokens, eos)
