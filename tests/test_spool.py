@@ -624,6 +624,34 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     assert spawned
 
 
+def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer_reads_meanwhile(tmp_path):
+    """The race CI met: a resumed trainer reads the chunks a killed engine left ready and deletes them while its new
+    engine process is still importing vLLM; that process reads the plan then, finds them missing, and must not redo
+    them (the spool would fill with chunks no one reads, the engine waiting for room, the trainer for the next)."""
+    from draftsmith.extract.spool import Chunk
+    from draftsmith.train import engine_source
+
+    spool = Spool(tmp_path / "spool", bound=10_000)
+    spool.create()
+    chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(5)]
+    for c in chunks[:2]:  # left ready by the killed engine
+        spool.chunk_path(c.name).mkdir(parents=True)
+        (spool.chunk_path(c.name) / "manifest.json").write_text("{}")
+    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
+    source.spool, source.chunks, source.consumed = spool, chunks, set()
+    source.cfg = source.proc = None
+    spool.write_job({})
+    started = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_source.subprocess, "Popen", lambda *a, **k: started.append(a) or _Exited(0))
+        source._spawn()
+    assert started
+    for c in chunks[:2]:  # the trainer reads them before the engine process reads its plan
+        spool.consume(c.name, 0, 1)
+    assert not any(spool.is_ready(c.name) for c in chunks)
+    assert [c.name for c in spool.read_plan()] == ["c2", "c3", "c4"]
+
+
 class _Exited:
     def __init__(self, code: int):
         self.returncode, self.pid = code, -1

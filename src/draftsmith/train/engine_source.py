@@ -243,8 +243,11 @@ class EngineSource:
                              trust_remote_code=cfg.trust_remote_code)
 
     def _spawn(self) -> None:
-        """Start the engine process on the chunks not yet read (a restarted one must not redo deleted ones)."""
-        self.spool.write_plan([c for c in self.chunks if c.name not in self.consumed])
+        """Start the engine process on the chunks neither read nor ready. A ready chunk stays out of its plan: the
+        process reads the plan only once vLLM has imported, seconds on, and by then the trainer may have read and
+        deleted it; redone, it would fill the spool with chunks no one reads while the trainer waits for the next."""
+        self.spool.write_plan([c for c in self.chunks
+                               if c.name not in self.consumed and not self.spool.is_ready(c.name)])
         env = dict(os.environ)
         job = self.spool.read_job()
         if job.get("devices") is not None:
