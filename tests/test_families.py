@@ -258,18 +258,23 @@ def matrix(tmp_path_factory, chats):
         Path(out).write_text(json.dumps(old, indent=2, sort_keys=True))
 
 
-def compare(ours: Path, ref: Path) -> float:
-    """Worst per-token, per-layer cosine of two stores of the same samples (after checking ids, masks, layers)."""
+def cosines(ours: Path, ref: Path) -> torch.Tensor:
+    """Every per-token, per-layer cosine of two stores of the same samples (after checking ids, masks, layers)."""
     a, b = store.open(ours), store.open(ref)
     assert a.sample_ids.tolist() == b.sample_ids.tolist() and len(a) > 0
     assert a.layer_ids == b.layer_ids
-    worst = 1.0
+    rows = []
     for k in range(len(a)):
         x, y = a[k], b[k]
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"]), k
-        cos = torch.nn.functional.cosine_similarity(x["hidden_states"].double(), y["hidden_states"].double(), dim=-1)
-        worst = min(worst, cos.min().item())
-    return worst
+        rows.append(torch.nn.functional.cosine_similarity(x["hidden_states"].double(), y["hidden_states"].double(),
+                                                          dim=-1).flatten())
+    return torch.cat(rows)
+
+
+def compare(ours: Path, ref: Path) -> float:
+    """Worst per-token, per-layer cosine of two stores of the same samples."""
+    return cosines(ours, ref).min().item()
 
 
 # ------------------------------------------------------------------------------------------ the builders
@@ -426,13 +431,18 @@ def _float32_refused_then_bf16(matrix, name: str, report) -> None:
     matrix.record(name, "vLLM extract (float32)", ok=False, reason=FLOAT32_REFUSED[name], fallback="hf backend")
     if resolve_dtype("auto", report.facts.platform) != "bfloat16":
         return  # vLLM's auto dtype here is float32: this CPU has no native bf16 for the bf16 half
+    # Two engines in bfloat16 are not one computation: the kernels' rounding follows how a step's batch is laid
+    # out, and where it tips a near-tie of the router the token takes other experts (measured on an AMX CPU: 3 % of
+    # rows under 0.9999, the worst 0.983, now in one strategy's store, now in the other's, each as far from the
+    # float32 hf store). So: almost every row the same, and the worst no further than bf16 against float32.
     taps, connector = matrix.vllm(name, "taps", dtype="bfloat16"), matrix.vllm(name, "connector", dtype="bfloat16")
-    same = compare(taps, connector)
-    assert same >= 0.9999, same
-    cos = compare(taps, matrix.hf(name))
+    same = cosines(taps, connector)
+    agree = (same >= 0.9999).double().mean().item()
+    assert agree >= 0.9 and same.min().item() >= BF16_MIN_COSINE, (agree, same.min().item())
+    cos = min(compare(taps, matrix.hf(name)), compare(connector, matrix.hf(name)))
     assert cos >= BF16_MIN_COSINE, cos
-    matrix.record(name, "vLLM extract (bf16: taps, connector)", ok=True, taps_vs_connector=round(same, 6),
-                  worst_cosine_vs_hf_fp32=round(cos, 6))
+    matrix.record(name, "vLLM extract (bf16: taps, connector)", ok=True, rows_alike=round(agree, 4),
+                  worst_taps_vs_connector=round(same.min().item(), 6), worst_cosine_vs_hf_fp32=round(cos, 6))
 
 
 FULL_CONTEXT = 256  # the target's max_position_embeddings and the prepared set's max_length alike
