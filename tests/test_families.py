@@ -85,12 +85,16 @@ CONVERSATIONS = [
 ]
 
 
+def write_chats(path: Path, count: int = NUM_CONVERSATIONS) -> Path:
+    """A chat file of `count` conversations, CONVERSATIONS in turn."""
+    path.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
+                            for i in range(count)))
+    return path
+
+
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
-    rows = [CONVERSATIONS[i % len(CONVERSATIONS)] for i in range(NUM_CONVERSATIONS)]
-    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    return path
+    return write_chats(tmp_path_factory.mktemp("chats") / "chats.jsonl")
 
 
 @pytest.fixture(autouse=True)
@@ -258,8 +262,9 @@ def matrix(tmp_path_factory, chats):
         Path(out).write_text(json.dumps(old, indent=2, sort_keys=True))
 
 
-def cosines(ours: Path, ref: Path) -> torch.Tensor:
-    """Every per-token, per-layer cosine of two stores of the same samples (after checking ids, masks, layers)."""
+def cosines(ours: Path, ref: Path) -> tuple[list[int], torch.Tensor]:
+    """(layer ids, every token's cosine at each of them [tokens, L]) of two stores of the same samples, after checking
+    that they hold the same samples, token ids, masks and layer ids, and that the reference's states are not zero."""
     a, b = store.open(ours), store.open(ref)
     assert a.sample_ids.tolist() == b.sample_ids.tolist() and len(a) > 0
     assert a.layer_ids == b.layer_ids
@@ -267,14 +272,21 @@ def cosines(ours: Path, ref: Path) -> torch.Tensor:
     for k in range(len(a)):
         x, y = a[k], b[k]
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"]), k
-        rows.append(torch.nn.functional.cosine_similarity(x["hidden_states"].double(), y["hidden_states"].double(),
-                                                          dim=-1).flatten())
-    return torch.cat(rows)
+        hx, hy = x["hidden_states"].double(), y["hidden_states"].double()  # [T, L, H]
+        assert hy.norm(dim=-1).min() > 0, k
+        rows.append(torch.nn.functional.cosine_similarity(hx, hy, dim=-1))
+    return list(a.layer_ids), torch.cat(rows)
 
 
 def compare(ours: Path, ref: Path) -> float:
     """Worst per-token, per-layer cosine of two stores of the same samples."""
-    return cosines(ours, ref).min().item()
+    return cosines(ours, ref)[1].min().item()
+
+
+def per_layer_cosine(ours: Path, ref: Path) -> dict[int, float]:
+    """Worst per-token cosine at each layer id of two stores of the same samples."""
+    layer_ids, cos = cosines(ours, ref)
+    return dict(zip(layer_ids, cos.min(dim=0).values.tolist()))
 
 
 # ------------------------------------------------------------------------------------------ the builders
@@ -377,6 +389,11 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
 # that assert, extraction in float32 is refused in one line with vLLM's words before an engine starts, and the
 # family's states are compared in bfloat16 where the CPU computes it natively.
 FLOAT32_REFUSED = {"qwen3_next": "AssertionError: CPU GDN attention requires BF16."}
+
+
+def refusal_words(name: str) -> str:
+    """The message of vLLM's assert that refuses the family in float32 (without the exception's name)."""
+    return FLOAT32_REFUSED[name].split(": ", 1)[1]
 BF16_MIN_COSINE = 0.98  # bfloat16 compute against the float32 hf store: rounding that grows with depth
 
 
@@ -403,8 +420,6 @@ def test_vllm_stores_of_every_offered_strategy_equal_the_hf_store(matrix, tmp_pa
             store.merge_stores(halves, tmp_path / "merged")
             assert store.verify_store(tmp_path / "merged").ok
             ours = tmp_path / "merged"
-            matrix.record(name, "data parallel (--shard i/n, merged)", ok=True,
-                          worst_cosine=round(compare(ours, hf), 6))
         else:
             ours = matrix.vllm(name, strategy)
             assert {s.writer for s in store.open(ours).manifest.shards} == {"s0of1"}
@@ -412,15 +427,17 @@ def test_vllm_stores_of_every_offered_strategy_equal_the_hf_store(matrix, tmp_pa
         cos = compare(ours, hf)
         assert cos >= MIN_COSINE, (name, strategy, cos)
         matrix.record(name, f"vLLM extract ({strategy})", ok=True, worst_cosine=round(cos, 6))
+        if ours == tmp_path / "merged":
+            matrix.record(name, "data parallel (--shard i/n, merged)", ok=True, worst_cosine=round(cos, 6))
 
 
 def _float32_refused_then_bf16(matrix, name: str, report) -> None:
     """A family vLLM's CPU build cannot run in float32: extraction stops in one line naming vLLM's own error; in
-    bfloat16 (where this CPU computes it natively) the taps store equals the connector's (both vLLM's own
-    computation, read two ways) and follows the float32 hf store as closely as bf16 allows."""
+    bfloat16 (where this CPU computes it natively) the taps store agrees with the connector's (both vLLM's own
+    computation, read two ways) and both follow the float32 hf store as closely as bf16 allows."""
     from draftsmith.extract.vllm.driver import resolve_dtype
 
-    words = FLOAT32_REFUSED[name].split(": ", 1)[1]
+    words = refusal_words(name)
     assert report.facts.cpu_bfloat16_only.startswith(repr(words)), report.facts.cpu_bfloat16_only
     assert any(words in note for note in report.support.notes)  # doctor's architecture row says it
     with pytest.raises(DraftsmithError) as err:
@@ -436,7 +453,7 @@ def _float32_refused_then_bf16(matrix, name: str, report) -> None:
     # rows under 0.9999, the worst 0.983, now in one strategy's store, now in the other's, each as far from the
     # float32 hf store). So: almost every row the same, and the worst no further than bf16 against float32.
     taps, connector = matrix.vllm(name, "taps", dtype="bfloat16"), matrix.vllm(name, "connector", dtype="bfloat16")
-    same = cosines(taps, connector)
+    same = cosines(taps, connector)[1]
     agree = (same >= 0.9999).double().mean().item()
     assert agree >= 0.9 and same.min().item() >= BF16_MIN_COSINE, (agree, same.min().item())
     cos = min(compare(taps, matrix.hf(name)), compare(connector, matrix.hf(name)))
@@ -712,7 +729,7 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
     if name in FLOAT32_REFUSED:  # evaluate refuses before any engine starts, in vLLM's own words
         from draftsmith.evaluate import vllm_runner
 
-        words = FLOAT32_REFUSED[name].split(": ", 1)[1]
+        words = refusal_words(name)
         with pytest.raises(DraftsmithError, match=re.escape(f"(it asserts {words!r}")):
             vllm_runner.check_vllm_can_serve(family_target(name), "--engine vllm", dtype="float32")
         matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=False,

@@ -25,15 +25,14 @@ from pathlib import Path
 
 import pytest
 from test_families import (
-    CONVERSATIONS,
     MAX_LENGTH,
     NEW_TOKENS,
-    NUM_CONVERSATIONS,
     NUM_PROMPTS,
     SPEC_K,
     Matrix,
     in_process_vllm,
     needs_vllm,
+    write_chats,
 )
 from test_parity import ACCEPTED_TOLERANCE
 
@@ -134,10 +133,7 @@ class PeagleMatrix(Matrix):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> PeagleMatrix:
     root = tmp_path_factory.mktemp("peagle-moe")
-    chats = root / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
-                             for i in range(NUM_CONVERSATIONS)))
-    return PeagleMatrix(root, chats)
+    return PeagleMatrix(root, write_chats(root / "chats.jsonl"))
 
 
 def test_vllm_parallel_drafting_on_an_moe_target_is_lossless_with_the_reference_acceptance(moe, one_thread):

@@ -273,11 +273,9 @@ def family_data(name: str, conversations: int, tmp_path: Path) -> Path:
     tmp_path / "store"; returns the prepared set."""
     sys.path.insert(0, str(Path(__file__).parent))
     import families
-    from test_families import CONVERSATIONS
+    from test_families import write_chats
 
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
-                             for i in range(conversations)))
+    chats = write_chats(tmp_path / "chats.jsonl", conversations)
     prepared = tmp_path / "prepared"
     draftsmith("prepare", "--data", chats, "--target", families.target_dir(name), "--max-length", 192, "--output",
                prepared)

