@@ -139,13 +139,19 @@ def target_identity(path: Path) -> TargetIdentity:
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The target's tokenizer; one saved by transformers 5 (`tokenizer_class: TokenizersBackend`, a class 4.x lacks)
-    loads in transformers 4.x as what it is, the fast tokenizer of its tokenizer.json."""
+    loads in transformers 4.x as what it is, the fast tokenizer of its tokenizer.json.
+
+    Decoding gives the tokens' own text: `clean_up_tokenization_spaces` is off whatever the tokenizer's config says
+    (transformers 4.x honours a `true` there and drops the space before "'", "," or "n't", so a regenerated answer
+    would no longer be the text the target wrote; transformers 5 and vLLM's detokenizer never clean up)."""
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        if hfcompat.fast_tokenizer_under_unknown_name(Path(path)):
-            return PreTrainedTokenizerFast.from_pretrained(path)
-        raise DraftsmithError(f"{path}: cannot load the tokenizer ({err})".replace("\n", " ")) from None
+        if not hfcompat.fast_tokenizer_under_unknown_name(Path(path)):
+            raise DraftsmithError(f"{path}: cannot load the tokenizer ({err})".replace("\n", " ")) from None
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def auto_model_class(config: Any):
