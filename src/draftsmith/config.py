@@ -7,6 +7,7 @@ The CLI builds each sub-command's options from these models (cli.py), so a field
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -316,14 +317,26 @@ class TrainConfig(StageConfig):
         "default 2,N//2,N-3."))
     draft_vocab_size: int = Field(32000, ge=2, description=(
         "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary)."))
-    num_layers: int = Field(1, ge=1, description="Decoder layers in the draft (EAGLE-3 uses 1).")
-    method: Literal["eagle3", "peagle"] = Field("eagle3", description=(
+    num_layers: int | None = Field(None, ge=1, description=(
+        "Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash)."))
+    method: Literal["eagle3", "peagle", "dflash"] = Field("eagle3", description=(
         "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); peagle: "
-        "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting)."))
+        "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "
+        "dflash: a block drafter, the anchor and block-size - 1 mask tokens denoised in one forward (vLLM's dflash "
+        "method), reading --num-layers target layers spread over the stack (default aux layers)."))
     ttt_steps: int = Field(7, ge=1, description=(
         "Training-time-test steps unrolled per position (peagle: the parallel depths trained, the most tokens a "
-        "round is meant to propose)."))
-    step_weight: float = Field(0.8, gt=0, description="Loss weight of TTT step k is step_weight**k.")
+        "round is meant to propose; dflash: block-size - 1, set from it)."))
+    step_weight: float = Field(0.8, gt=0, description=(
+        "Loss weight of TTT step k is step_weight**k (dflash: exp(-1 / loss-decay), set from it)."))
+    block_size: int = Field(16, ge=2, le=64, description=(
+        "dflash: positions per block, the anchor and block-size - 1 mask tokens; vLLM proposes block-size - 1 "
+        "tokens a round."))
+    anchors_per_sample: int = Field(512, ge=1, description=(
+        "dflash: blocks trained per sample, their anchors drawn at random among the answer's tokens (fewer on a "
+        "CPU: each costs block-size queries over the sample's context)."))
+    loss_decay: float = Field(7.0, gt=0, description=(
+        "dflash: block position j (1 .. block-size - 1) weighs exp(-(j - 1) / loss-decay) in the loss."))
     cod_ratio: float = Field(0.8, gt=0, le=1, description=(
         "peagle: COD sampling, depth k >= 1 scores about ratio**k of its positions (1: every position)."))
     cod_floor: float = Field(0.2, ge=0, le=1, description=(
@@ -403,6 +416,23 @@ class TrainConfig(StageConfig):
         "--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."))
 
     _split = field_validator("aux_layer_ids", "engine_devices", mode="before")(_split_list)
+
+    @model_validator(mode="after")
+    def _method_shapes(self) -> "TrainConfig":
+        """The per-method defaults: --num-layers (1, DFlash 5); a DFlash run's TTT steps are its block positions
+        and its step weight exp(-1 / loss-decay) (refused when set to something else)."""
+        if self.num_layers is None:
+            object.__setattr__(self, "num_layers", 5 if self.method == "dflash" else 1)
+        if self.method == "dflash":
+            steps, weight = self.block_size - 1, math.exp(-1.0 / self.loss_decay)
+            if "ttt_steps" in self.model_fields_set and self.ttt_steps != steps:
+                raise ValueError(f"--method dflash trains block-size - 1 = {steps} positions; drop --ttt-steps "
+                                 f"{self.ttt_steps} or set --block-size {self.ttt_steps + 1}")
+            if "step_weight" in self.model_fields_set and abs(self.step_weight - weight) > 1e-12:
+                raise ValueError("--method dflash weighs its block positions by --loss-decay; drop --step-weight")
+            object.__setattr__(self, "ttt_steps", steps)
+            object.__setattr__(self, "step_weight", weight)
+        return self
 
 
 class QuickstartConfig(StageConfig):

@@ -29,6 +29,17 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def dflash_aux_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """A DFlash draft's target layers, spread as the reference DFlash drafts spread them: `count` outputs of decoder
+    layers 1 .. N-3 evenly (one: the middle layer's), in vLLM's convention (the reference's `target_layer_ids` + 1;
+    Qwen3-8B, 36 layers: target layers 1, 9, 17, 25, 33 = ids 2, 10, 18, 26, 34). On a shallow target the spread
+    collides: each id is kept once."""
+    if count == 1:
+        return [num_layers // 2 + 1]
+    start, end = 1, max(num_layers - 3, 1)
+    return sorted({int(round(start + i * (end - start) / (count - 1))) + 1 for i in range(count)})
+
+
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     bad = [i for i in layer_ids if not 0 <= i <= num_layers]
     if bad:

@@ -63,6 +63,7 @@ from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
 from draftsmith.train.drafts import (
     DraftSource,
     check_spec_against_target,
+    dflash_block_size,
     parallel_drafting_token,
     spell_layer0,
     validate_tensors,
@@ -71,6 +72,7 @@ from draftsmith.train.model import DraftSpec
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's qwen3_dflash.DFlashQwen3ForCausalLM
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_PEAGLE_ARCHITECTURE = "PEagleSpeculator"
 LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
@@ -129,10 +131,41 @@ def _llama_config(spec: DraftSpec) -> dict[str, Any]:
     }
 
 
+def _dflash_config(spec: DraftSpec, num_target_layers: int) -> dict[str, Any]:
+    """A DFlash draft's decoder as vLLM's qwen3_dflash reads it (the reference layout): a Qwen3 config, the target's
+    vocabulary, and dflash_config with the mask token and the target layers, numbered as decoder-layer outputs
+    (vLLM's ids minus one; vLLM adds the one back, vllm#40727)."""
+    llama = _llama_config(spec)
+    del llama["num_aux_hidden_states"]
+    return {**llama, "model_type": "qwen3", "num_target_layers": num_target_layers, "block_size": spec.block_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "dflash_config": {"mask_token_id": spec.mask_token_id,
+                              "target_layer_ids": [i - 1 for i in spec.aux_layer_ids]}}
+
+
 def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architectures: list[str],
-                  speculative_tokens: int, dtype: str, special_tokens: dict[str, Any]) -> dict[str, Any]:
+                  speculative_tokens: int, dtype: str, special_tokens: dict[str, Any],
+                  num_target_layers: int = 0) -> dict[str, Any]:
     """config.json for one format."""
     torch_dtype = str(_DTYPES[dtype]).removeprefix("torch.")
+    if spec.method == "dflash":
+        qwen3 = {**_dflash_config(spec, num_target_layers), **special_tokens, "torch_dtype": torch_dtype}
+        if fmt == "vllm":
+            return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
+        if fmt == "speculators":  # vLLM's reader (speculators/algos.py update_dflash) builds the vllm config above
+            return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+                    "torch_dtype": torch_dtype, "transformer_layer_config": qwen3,
+                    "draft_vocab_size": spec.vocab_size, "target_hidden_size": spec.target_hidden_size,
+                    "aux_hidden_state_layer_ids": list(spec.aux_layer_ids), "mask_token_id": spec.mask_token_id,
+                    "block_size": spec.block_size,
+                    "speculators_config": {
+                        "algorithm": "dflash",
+                        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                        "default_proposal_method": "greedy",
+                        "verifier": {"name_or_path": verifier, "architectures": verifier_architectures}},
+                    "draftsmith_version": __version__}
+        raise DraftsmithError("format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through "
+                              "its own draft layout, not this one); export as vllm or speculators")
     llama = {**_llama_config(spec), **special_tokens}
     if fmt in ("vllm", "sglang"):
         config = {"architectures": [VLLM_ARCHITECTURE], **llama, "torch_dtype": torch_dtype,
@@ -176,7 +209,7 @@ def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architec
 def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
     spec, target = manifest.draft, manifest.target
     lines = [
-        f"# {'P-EAGLE (parallel drafting)' if spec.parallel_drafting else 'EAGLE-3'} draft for "
+        f"# {'P-EAGLE (parallel drafting)' if spec.parallel_drafting else spec.kind} draft for "
         f"{Path(target.path).name}",
         "",
         f"Exported by draftsmith {__version__} in the **{fmt}** format.",
@@ -235,6 +268,11 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
     the whole directory in format `fmt` atomically."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if spec.method == "dflash":
+        if fmt == "sglang":
+            raise DraftsmithError("format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
+                                  "through its own draft layout, not this one); export as vllm or speculators")
+        speculative_tokens = spec.block_size - 1  # a round is one block: the masks after the anchor
     if spec.parallel_drafting:
         if fmt == "sglang":
             raise DraftsmithError("format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE "
@@ -250,13 +288,14 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
         check_servable_layer_ids(spec.aux_layer_ids, read_config(Path(target.path)), f"export {fmt}")
     validate_tensors(tensors, spec, where="export")
     config = format_config(spec, fmt, verifier=target.path, verifier_architectures=verifier_architectures,
-                           speculative_tokens=speculative_tokens, dtype=dtype, special_tokens=special_tokens or {})
+                           speculative_tokens=speculative_tokens, dtype=dtype, special_tokens=special_tokens or {},
+                           num_target_layers=target.num_layers)
     named = parallel_drafting_token(config)
     if named != (spec.mask_token_id if spec.parallel_drafting else None):  # a bug: the writer and the rule disagree
         raise AssertionError(f"format {fmt}: config.json would name mask token {named}, the spec "
                              f"{spec.mask_token_id if spec.parallel_drafting else None}")
     out_tensors = {}
-    for name, t in spell_layer0(tensors, LAYER0_PREFIX[fmt]).items():
+    for name, t in spell_layer0(tensors, "layers.0." if spec.method == "dflash" else LAYER0_PREFIX[fmt]).items():
         t = t.detach().to("cpu")
         if t.is_floating_point():
             t = t.to(_DTYPES[dtype])
@@ -313,11 +352,14 @@ def vllm_speculative_config(draft_dir: Path | str, k: int, parallel: bool | None
     token per forward; with it, an EAGLE-3 draft is refused). `parallel` None: read from the directory's
     config.json (parallel_drafting_token, as vLLM reads it), so the draft decides wherever it came from; no
     config.json: EAGLE-3."""
+    try:
+        config = read_config(Path(draft_dir))
+    except DraftsmithError:
+        config = {}
+    block = dflash_block_size(config, str(Path(draft_dir) / "config.json"))
+    if block is not None:  # DFlash: one block a round, whatever k was asked
+        return {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": block - 1}
     if parallel is None:
-        try:
-            config = read_config(Path(draft_dir))
-        except DraftsmithError:
-            config = {}
         parallel = parallel_drafting_token(config, str(Path(draft_dir) / "config.json")) is not None
     spec: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
     if parallel:

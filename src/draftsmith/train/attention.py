@@ -288,3 +288,64 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     s, total = q.shape[2], k.shape[2]
     mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril_(diagonal=total - s)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------- DFlash blocks
+
+# Block queries per chunk of `block_attention` (whole blocks: a chunk holds max(1, BLOCK_CHUNK // S) anchors).
+BLOCK_CHUNK = 64
+
+
+def anchor_chunks(num_anchors: int, block_size: int) -> list[tuple[int, int]]:
+    """The anchor ranges [a0, a1) `block_attention` runs one at a time."""
+    step = max(1, BLOCK_CHUNK // block_size)
+    return [(a0, min(a0 + step, num_anchors)) for a0 in range(0, num_anchors, step)]
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.Tensor,
+                    v_context: torch.Tensor, limits: torch.Tensor, chunk_limits: list[int]) -> torch.Tensor:
+    """DFlash training attention, memory-linear in the context and the anchors (forward and backward).
+
+    q [B, Hq, A*S, D] and the block's k / v [B, Hkv, A*S, D] hold A blocks of S positions, block a at rows
+    a*S .. a*S+S-1; k_context / v_context [B, Hkv, T, D]; limits [B, A]: block a sees context keys s < limits[b, a]
+    (its anchor position) and every key of its own block, in any order. chunk_limits: per chunk of
+    `anchor_chunks(A, S)`, the largest limit in it over the batch (known on the host: no sync). Each chunk is one
+    masked SDPA over [its context prefix, its blocks' keys], recomputed in the backward (checkpointed) so only the
+    chunk's scores ever exist.
+    """
+    b, hq, rows, d = q.shape
+    num_anchors = limits.shape[1]
+    s = rows // num_anchors
+    outs = []
+    for (a0, a1), kmax in zip(anchor_chunks(num_anchors, s), chunk_limits):
+        args = (q[:, :, a0 * s:a1 * s], k[:, :, a0 * s:a1 * s], v[:, :, a0 * s:a1 * s], k_context[:, :, :kmax],
+                v_context[:, :, :kmax], limits[:, a0:a1])
+        if torch.is_grad_enabled() and q.requires_grad:
+            outs.append(checkpoint(_block_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_block_chunk(*args))
+    return torch.cat(outs, dim=2)
+
+
+def _block_chunk(q, k, v, k_context, v_context, limits) -> torch.Tensor:
+    """c blocks of S queries against [the context prefix, their own blocks' keys], by one masked SDPA."""
+    b, _, rows, _ = q.shape
+    c, kmax = limits.shape[1], k_context.shape[2]
+    s = rows // c
+    block_of = torch.arange(rows, device=q.device) // s  # [c*S] the block of each query / block key
+    context = torch.arange(kmax, device=q.device)[None, None, :] < limits[:, block_of, None]  # [B, c*S, kmax]
+    own = (block_of[:, None] == block_of[None, :]).expand(b, rows, rows)  # [B, c*S, c*S]
+    mask = torch.cat((context, own), dim=-1)[:, None]  # [B, 1, c*S, kmax + c*S]
+    return F.scaled_dot_product_attention(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2),
+                                          attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def naive_block_attention(q, k, v, k_context, v_context, limits) -> torch.Tensor:
+    """Reference for `block_attention`: every block's queries against all keys, one explicit [A*S, T + A*S] mask."""
+    return _block_chunk(q, k, v, k_context, v_context, limits)
+
+
+def full_attention(q, k, v, k_context, v_context) -> torch.Tensor:
+    """Decoding a DFlash round: the block's queries see every cached context key and the whole block."""
+    return F.scaled_dot_product_attention(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2),
+                                          enable_gqa=q.shape[1] != k.shape[1])

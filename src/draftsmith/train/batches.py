@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.store import decode_hidden_states
-from draftsmith.train.ttt import COD, StepIndex, step_index
+from draftsmith.train.ttt import COD, Anchors, BlockIndex, StepIndex, batch_index
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Batch:
     hidden_states: torch.Tensor | None  # [B, T, L, H] aux layers then layer N, as stored (None until the online
     #                                     target ran)
     hidden_scales: torch.Tensor | None  # [B, T, L] float32: fp8 stores' per-row scales, else None
-    index: StepIndex  # the rows each TTT step reads (built on the host)
+    index: StepIndex | BlockIndex  # the rows each TTT step (DFlash: block position) reads, built on the host
     sample_ids: list[int]
     lengths: list[int]
     epoch: int = 0  # where the sampler put it: epoch, optimizer step in the epoch, the epoch's last step
@@ -78,10 +78,10 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
 
 
-def collate(items: Sequence[dict], ttt_steps: int, cod: COD | None = None, epoch: int = 0) -> Batch:
+def collate(items: Sequence[dict], ttt_steps: int, sampling: COD | Anchors | None = None, epoch: int = 0) -> Batch:
     """Right-pad samples to the longest (causal attention never lets a real position see the padding) and build
-    the batch's StepIndex (P-EAGLE training: with its COD sampling of epoch `epoch`). Hidden states keep the dtype
-    they come in; one sample is not copied at all."""
+    the batch's index (P-EAGLE training: with its COD sampling of epoch `epoch`; DFlash: its blocks, `Anchors`).
+    Hidden states keep the dtype they come in; one sample is not copied at all."""
     lengths = [int(it["input_ids"].shape[0]) for it in items]
     b, t = len(items), max(lengths)
     input_ids = torch.zeros(b, t, dtype=torch.int64)
@@ -91,7 +91,7 @@ def collate(items: Sequence[dict], ttt_steps: int, cod: COD | None = None, epoch
         loss_mask[i, :n] = it["loss_mask"].bool()
     hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
     ids = [int(it["sample_id"]) for it in items]
-    return Batch(input_ids, loss_mask, hs, sc, step_index(loss_mask.numpy(), ttt_steps, cod, ids, epoch), ids,
+    return Batch(input_ids, loss_mask, hs, sc, batch_index(loss_mask.numpy(), ttt_steps, sampling, ids, epoch), ids,
                  lengths)
 
 
@@ -200,11 +200,11 @@ class EpochPlan(Sampler):
 class MicroBatches(Dataset):
     """dataset + ttt_steps -> collated batches by MicroBatchKey (what the DataLoader's workers run)."""
 
-    def __init__(self, dataset, ttt_steps: int, cod: COD | None = None):
-        self.dataset, self.ttt_steps, self.cod = dataset, ttt_steps, cod
+    def __init__(self, dataset, ttt_steps: int, sampling: COD | Anchors | None = None):
+        self.dataset, self.ttt_steps, self.sampling = dataset, ttt_steps, sampling
 
     def __getitem__(self, key: MicroBatchKey) -> Batch:
-        batch = collate([self.dataset[i] for i in key.ids], self.ttt_steps, self.cod, key.epoch)
+        batch = collate([self.dataset[i] for i in key.ids], self.ttt_steps, self.sampling, key.epoch)
         return replace(batch, epoch=key.epoch, position=key.position, last=key.last)
 
 
@@ -221,15 +221,15 @@ class TrainData:
 
     def __init__(self, dataset, train: TokenBudgetSampler, evaluation: TokenBudgetSampler | None, ttt_steps: int,
                  grad_accum: int, device: torch.device, num_workers: int, online: "OnlineSource | None" = None,
-                 cod: COD | None = None):
-        self.dataset, self.train, self.evaluation, self.cod = dataset, train, evaluation, cod
+                 sampling: COD | Anchors | None = None):
+        self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
         self.num_workers, self.online = num_workers, online
 
     def steps(self, epoch: int, position: int, epochs: int | None) -> Iterator[list[Batch]]:
         """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
         micro: list[Batch] = []
-        for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs), self.cod):
+        for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs), self.sampling):
             micro.append(self._ready(batch))
             if len(micro) == self.grad_accum:
                 yield micro
@@ -237,7 +237,8 @@ class TrainData:
 
     def eval_batches(self) -> Iterator[Batch]:
         if self.evaluation is not None:
-            for batch in self._loader(EpochPlan(self.evaluation, 1, epochs=1)):
+            blocks = self.sampling if isinstance(self.sampling, Anchors) else None
+            for batch in self._loader(EpochPlan(self.evaluation, 1, epochs=1), blocks):
                 yield self._ready(batch)
 
     def _ready(self, batch: Batch) -> Batch:
@@ -259,10 +260,10 @@ class TrainData:
         if self.online is not None:
             self.online.close(completed)
 
-    def _loader(self, plan: EpochPlan, cod: COD | None = None) -> DataLoader:
-        """Evaluation scores every anchor at every depth (no COD)."""
+    def _loader(self, plan: EpochPlan, sampling: COD | Anchors | None = None) -> DataLoader:
+        """Evaluation scores every anchor at every depth (no COD); DFlash's the same blocks every time (epoch 0)."""
         workers = self.num_workers
-        return DataLoader(MicroBatches(self.dataset, self.ttt_steps, cod), sampler=plan, batch_size=None,
+        return DataLoader(MicroBatches(self.dataset, self.ttt_steps, sampling), sampler=plan, batch_size=None,
                           num_workers=workers, pin_memory=self.device.type == "cuda",
                           prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0))
 

@@ -22,7 +22,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json
 from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.train import checkpoint
-from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+from draftsmith.train.model import DFlashDraft, DraftSpec, Eagle3Draft, draft_class, draft_tensors
 
 LAYER0_SPELLINGS = ("layers.0.", "midlayer.")
 
@@ -55,10 +55,10 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
     """Refuse (DraftsmithError) any missing, unexpected, mis-shaped or mis-typed tensor, or a broken d2t/t2d.
     The expected names, shapes and dtypes are the module's own (built on the meta device: no memory)."""
     with torch.device("meta"):
-        expected = draft_tensors(Eagle3Draft(spec).state_dict())
+        expected = draft_tensors(draft_class(spec)(spec).state_dict())
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
-    kind = "P-EAGLE" if spec.parallel_drafting else "EAGLE-3"
+    kind = spec.kind
     if missing:
         raise DraftsmithError(f"{where}: missing tensor(s) {missing[:4]} for a {spec.num_hidden_layers}-layer {kind} "
                               "draft; the weights do not match the draft's spec")
@@ -78,6 +78,8 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
                 raise DraftsmithError(f"{where}: tensor {name} is {t.dtype}, expected floating point weights")
             if not torch.isfinite(t).all():
                 raise DraftsmithError(f"{where}: tensor {name} holds NaN or Inf; refusing to export a broken draft")
+    if spec.method == "dflash":  # the target's vocabulary: no d2t / t2d
+        return
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     target_ids = torch.arange(spec.draft_vocab_size, dtype=torch.int64) + d2t
     if target_ids.min() < 0 or target_ids.max() >= spec.vocab_size:
@@ -145,7 +147,8 @@ def load_draft(path: Path) -> DraftSource:
     elif kind == "export":
         manifest = read_manifest(directory, checkpoint.DraftManifest)
         tensors = checkpoint.read_weights(directory, manifest)
-        manifest.draft = _parallel_from_config(directory, manifest.draft, tensors)
+        manifest.draft = (_dflash_from_config(directory, manifest.draft) if manifest.draft.method == "dflash" else
+                          _parallel_from_config(directory, manifest.draft, tensors))
     else:
         raise DraftsmithError(f"{directory}: is a {kind!r} artefact, not a draft; pass a `draftsmith train` run or "
                               "checkpoint directory, or an exported draft")
@@ -194,6 +197,43 @@ def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") 
 
 
 
+def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int | None:
+    """The one rule for "is this draft DFlash" (`load_draft`, the speculative config every command that starts vLLM
+    passes): its block size, read from a draft directory's config.json (vLLM's layout: a `dflash_config`, the block
+    size beside it; speculators': speculators_model_type "dflash"); None for an EAGLE-3 or P-EAGLE draft. vLLM drafts
+    block_size - 1 tokens a round with it."""
+    kind = config.get("speculators_model_type")
+    if kind is not None and kind != "dflash":
+        return None
+    layer = (config.get("transformer_layer_config") or {}) if kind == "dflash" else config
+    if kind is None and "dflash_config" not in config:
+        return None
+    size = config.get("block_size", layer.get("block_size", (layer.get("dflash_config") or {}).get("block_size")))
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise DraftsmithError(f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
+                              "a round, so the config must say the block size the draft was trained with")
+    return size
+
+
+def _dflash_from_config(directory: Path, spec: DraftSpec) -> DraftSpec:
+    """An exported DFlash draft's spec as vLLM serves it: the mask token and block size its config.json names."""
+    try:
+        config = read_config(directory)
+    except DraftsmithError:
+        return spec
+    where = directory / "config.json"
+    size = dflash_block_size(config, str(where))
+    if size is None:
+        raise DraftsmithError(f"{where}: is not a DFlash config (no dflash_config), but the weights are a DFlash "
+                              "draft's; export the draft again from its training run")
+    layer = config.get("transformer_layer_config") or config
+    token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < spec.vocab_size:
+        raise DraftsmithError(f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
+                              f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block")
+    return spec.model_copy(update={"block_size": size, "mask_token_id": token})
+
+
 def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, torch.Tensor]) -> DraftSpec:
     """An export's spec as vLLM serves it: P-EAGLE or not, and its mask token, are what its config.json names
     (parallel_drafting_token, the rule every command applies), whatever its manifest says (one
@@ -222,10 +262,18 @@ def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, t
     return spec.model_copy(update={"parallel_drafting": True, "mask_token_id": token})
 
 
-def draft_module(source: DraftSource, embed_weight: torch.Tensor) -> Eagle3Draft:
-    """Eagle3Draft (fp32, CPU) holding the draft's weights and the target's embedding `embed_weight`."""
-    draft = Eagle3Draft(source.spec)
-    with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embed_weight)
+def draft_module(source: DraftSource, embed_weight: torch.Tensor,
+                 head_weight: torch.Tensor | None = None) -> Eagle3Draft | DFlashDraft:
+    """The draft's module (fp32, CPU) holding its weights and the target's embedding `embed_weight` (DFlash: and the
+    target's lm_head `head_weight`, which it uses as its own)."""
+    if source.spec.method == "dflash":
+        if head_weight is None:
+            raise ValueError("a DFlash draft needs the target's lm_head")
+        draft = DFlashDraft(source.spec)
+        draft.set_target(embed_weight, head_weight)
+    else:
+        draft = Eagle3Draft(source.spec)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(embed_weight)
     draft.load_draft_tensors(source.tensors)
     return draft

@@ -21,7 +21,7 @@ from torch import nn
 from draftsmith.config import TrainConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.layers import resolve_layer_ids
+from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
 from draftsmith.extract import store as store_mod
 from draftsmith.prepare.dataset import open_prepared, split_indices
@@ -37,8 +37,8 @@ from draftsmith.train.batches import (
 from draftsmith.train.checkpoint import RunState
 from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
-from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import COD, TargetHead, TTTModel
+from draftsmith.train.model import DFlashDraft, DraftSpec, Eagle3Draft
+from draftsmith.train.ttt import COD, Anchors, TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.
 # Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size
@@ -115,7 +115,9 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     else:
         dataset = open_prepared(cfg.data)
         identity = dataset.manifest.target
-        aux = resolve_layer_ids(cfg.aux_layer_ids, identity.num_layers)[:-1]  # extract's default
+        aux = resolve_layer_ids(cfg.aux_layer_ids or (dflash_aux_layer_ids(identity.num_layers, cfg.num_layers)
+                                                      if cfg.method == "dflash" else None),
+                                identity.num_layers)[:-1]  # extract's default (DFlash: its spread)
         sample_ids, total = np.arange(len(dataset), dtype=np.int64), len(dataset)
     if len(dataset) == 0:
         raise DraftsmithError(f"{cfg.data}: the data set is empty; prepare/extract some conversations first")
@@ -150,6 +152,12 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Ea
     if int(counts.sum()) == 0:
         raise DraftsmithError(f"{cfg.data}: no loss-masked (assistant) tokens in the training split; nothing to "
                               "train on")
+    if cfg.init_from is None and cfg.method == "dflash":  # the target's vocabulary and lm_head
+        config = targets.read_config(s.target_path)
+        spec = DraftSpec.from_target_config(config, s.identity.vocab_size, cfg.num_layers, s.aux_layer_ids)
+        spec = spec.model_copy(update=dict(method="dflash", block_size=cfg.block_size,
+                                           mask_token_id=mask_token_id(config)))
+        return DFlashDraft.from_target(spec, s.target, cfg.seed), spec, 1.0
     if cfg.init_from is None:
         vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, s.identity.vocab_size))
         spec = DraftSpec.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size, cfg.num_layers,
@@ -161,6 +169,10 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Ea
         raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
     source = load_draft(cfg.init_from)
     require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
+    if (source.spec.method == "dflash") != (cfg.method == "dflash"):
+        raise DraftsmithError(f"{where}: a {source.spec.kind} draft cannot start a --method {cfg.method} run (the "
+                              "architectures differ); start a fresh draft or from a "
+                              f"{'DFlash' if cfg.method == 'dflash' else 'EAGLE-3 / P-EAGLE'} draft")
     if sorted(source.spec.aux_layer_ids) != s.aux_layer_ids:
         fix = ("extract a store with those layers" if s.kind == "store"
                else f"pass --aux-layer-ids {','.join(map(str, source.spec.aux_layer_ids))}")
@@ -169,7 +181,7 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Ea
     if source.spec.num_hidden_layers != cfg.num_layers:
         raise DraftsmithError(f"{where}: the draft has {source.spec.num_hidden_layers} decoder layer(s), --num-layers "
                               f"asks for {cfg.num_layers}; drop the option or start from a matching draft")
-    draft = draft_module(source, targets.embed_tokens(s.target).weight)
+    draft = draft_module(source, targets.embed_tokens(s.target).weight, targets.lm_head(s.target).weight)
     coverage = float(counts[draft.draft_to_target.numpy()].sum() / max(int(counts.sum()), 1))
     return draft, source.spec, coverage
 
@@ -190,7 +202,14 @@ def mask_token_id(target_config: dict) -> int:
 def with_method(draft: Eagle3Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict,
                 ) -> tuple[Eagle3Draft, DraftSpec]:
     """The draft for --method: a P-EAGLE draft gains mask_hidden (seeded small normal, like a fresh draft's weights;
-    e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept."""
+    e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept. A DFlash
+    draft stays one (its block size is --block-size's; `initial_draft` refuses to turn one method into the other)."""
+    if spec.method == "dflash":
+        if spec.block_size == cfg.block_size:
+            return draft, spec
+        spec = spec.model_copy(update={"block_size": cfg.block_size})
+        draft.spec = spec
+        return draft, spec
     parallel = cfg.method == "peagle"
     if parallel and cfg.ttt_steps < 2:
         raise DraftsmithError(f"--method peagle --ttt-steps {cfg.ttt_steps}: P-EAGLE trains depth 0 and the parallel "
@@ -334,8 +353,9 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
                               (state.step, state.epoch, state.position), total_steps, epochs)
     elif s.kind == "prepared":
         online = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
-    cod = COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed) if spec.parallel_drafting else None
-    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, online, cod)
+    sampling = (Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed) if spec.method == "dflash" else
+                COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed) if spec.parallel_drafting else None)
+    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, online, sampling)
     base = dict(target=s.identity, draft=spec, draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()),
                 data_kind=s.kind, eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed,
                 hyperparameters=cfg.model_dump(mode="json"))

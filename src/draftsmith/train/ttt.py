@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.train.model import Eagle3Draft, KVCache
+from draftsmith.train.attention import anchor_chunks, block_attention, naive_block_attention
+from draftsmith.train.model import DFlashDraft, Eagle3Draft, KVCache
 
 # Target logits are materialised for at most this many elements at a time (a 150k vocabulary stays bounded).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
@@ -115,6 +116,88 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | 
         live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
     return StepIndex(torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)), scored, target,
                      torch.tensor(counts, dtype=torch.float64), live)
+
+
+@dataclass(frozen=True)
+class Anchors:
+    """DFlash's anchor sampling: per sample, up to `per_sample` block starts drawn without replacement from the
+    positions a that can anchor a block (a >= 1, so the block has a context; loss_mask[a] and loss_mask[a+1]: the
+    anchor is a token the target wrote, as vLLM's bonus token is, and the first proposal is scored), from one
+    generator per (seed, epoch, sample id): the same blocks on a resume."""
+
+    block_size: int
+    per_sample: int
+    seed: int = 0
+
+    def draw(self, mask: np.ndarray, epoch: int, sample_id: int) -> np.ndarray:
+        valid = np.zeros(len(mask), dtype=bool)
+        valid[1:-1] = mask[1:-1] & mask[2:]
+        candidates = np.flatnonzero(valid)
+        if len(candidates) > self.per_sample:
+            rng = np.random.default_rng([self.seed, epoch, int(sample_id)])
+            candidates = np.sort(rng.choice(candidates, self.per_sample, replace=False))
+        return candidates
+
+
+@dataclass
+class BlockIndex:
+    """What a DFlash batch reads, built on the host: the blocks (anchors) and, per block position j = 1..S-1 (the
+    "steps" of the metrics), the block rows scored and the target rows they are scored against."""
+
+    needed: torch.Tensor  # [N] int64: rows b * T + i whose target distribution p_i some block position is scored on
+    scored: list[torch.Tensor]  # per position j-1, [N_j] int64: rows (b * A + a) * S + j of the block hidden states
+    target: list[torch.Tensor]  # per position j-1, [N_j] int64: where row b * T + anchor + j - 1 sits in `needed`
+    counts: torch.Tensor  # [S-1] float64: N_j
+    anchors: torch.Tensor  # [B, A] int64: block starts, ascending per sample (padding: 1, never scored)
+    chunk_limits: list[int]  # per chunk of attention.anchor_chunks(A, S): its largest anchor over the batch
+
+    def map(self, fn) -> "BlockIndex":
+        return BlockIndex(fn(self.needed), [fn(x) for x in self.scored], [fn(x) for x in self.target],
+                          fn(self.counts), fn(self.anchors), self.chunk_limits)
+
+
+def block_index(loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_ids: Sequence[int] = (),
+                epoch: int = 0) -> BlockIndex:
+    """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block position reads.
+
+    Block position j of the block at anchor a proposes x_{a+j}: it is scored when a + j < T and loss_mask[a+j], and
+    trained towards p_{a+j-1} (the target's distribution of that token), the same alignment as every method."""
+    mask = np.asarray(loss_mask, dtype=bool)
+    b, t = mask.shape
+    size = anchors.block_size
+    ids = list(sample_ids) or list(range(b))
+    drawn = [anchors.draw(mask[row], epoch, ids[row]) for row in range(b)]
+    num = max(1, max(len(d) for d in drawn))
+    starts = np.ones((b, num), dtype=np.int64)
+    live = np.zeros((b, num), dtype=bool)
+    for row, d in enumerate(drawn):
+        starts[row, :len(d)], live[row, :len(d)] = d, True
+    j = np.arange(1, size)
+    pos = starts[:, :, None] + j[None, None, :]  # [B, A, S-1] the proposed token's position
+    scored = live[:, :, None] & (pos < t)
+    scored &= np.take_along_axis(mask, np.minimum(pos, t - 1).reshape(b, -1), axis=1).reshape(pos.shape)
+    rows_needed = np.zeros(b * t, dtype=bool)
+    flat_target = (np.arange(b)[:, None, None] * t + pos - 1)  # row of p_{a+j-1}
+    rows_needed[flat_target[scored]] = True
+    rank = np.cumsum(rows_needed) - 1
+    block_rows = (np.arange(b)[:, None, None] * num + np.arange(num)[None, :, None]) * size + j[None, None, :]
+    out_scored, out_target, counts = [], [], []
+    for k in range(size - 1):
+        sel = scored[:, :, k]
+        out_scored.append(torch.from_numpy(block_rows[:, :, k][sel].astype(np.int64)))
+        out_target.append(torch.from_numpy(rank[flat_target[:, :, k][sel]].astype(np.int64)))
+        counts.append(int(sel.sum()))
+    limits = [int(starts[:, a0:a1].max()) for a0, a1 in anchor_chunks(num, size)]
+    return BlockIndex(torch.from_numpy(np.flatnonzero(rows_needed).astype(np.int64)), out_scored, out_target,
+                      torch.tensor(counts, dtype=torch.float64), torch.from_numpy(starts), limits)
+
+
+def batch_index(loss_mask: np.ndarray, ttt_steps: int, sampling: "COD | Anchors | None", sample_ids: Sequence[int],
+                epoch: int) -> "StepIndex | BlockIndex":
+    """The index a batch's method reads: DFlash blocks (`sampling` is Anchors) or TTT steps (P-EAGLE's COD)."""
+    if isinstance(sampling, Anchors):
+        return block_index(loss_mask, sampling, sample_ids, epoch)
+    return step_index(loss_mask, ttt_steps, sampling, sample_ids, epoch)
 
 
 # ---------------------------------------------------------------------------------------------- the target's side
@@ -245,6 +328,30 @@ def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
         yield hidden  # EAGLE-3: feeds step k+1
 
 
+def dflash_hidden_states(draft: DFlashDraft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, index: BlockIndex,
+                         checkpointed: bool = False, attention: str = "chunked") -> Iterator[torch.Tensor]:
+    """DFlash: the blocks' pre-norm hidden states [B, A*S, H] from one draft forward, once per block position j
+    (the rows of position j are `index.scored[j-1]`). Block a sits at positions anchor .. anchor + S - 1, reads
+    [x_anchor, mask, ...] and sees the context s < anchor: what vLLM's round from prefix 0..anchor computes.
+    attention "naive": one explicit mask over every block (tests)."""
+    b, t = input_ids.shape
+    anchors = index.anchors
+    size = draft.spec.block_size
+    block_ids = draft.block_ids(input_ids.gather(1, anchors)).flatten(1)  # [B, A*S]
+    block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    if attention == "naive":
+        def attend(q, k, v, kc, vc):
+            return naive_block_attention(q, k, v, kc, vc, anchors)
+    else:
+        def attend(q, k, v, kc, vc):
+            return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits)
+    hidden = draft.forward_hidden(block_ids, block_positions, draft.context(aux_hidden), positions, attend,
+                                  checkpointed=checkpointed)
+    for _ in range(size - 1):
+        yield hidden
+
+
 @dataclass
 class TTTResult:
     loss: torch.Tensor  # scalar to backpropagate: sum_k w_k * sum_t mask * KL / normaliser_k
@@ -278,8 +385,12 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     sums = torch.zeros(4, ttt_steps, dtype=torch.float64, device=device)
     sums[COUNT] = index.counts.to(device)
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
-    steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed,
-                              index if live_rows else None)
+    if isinstance(draft, DFlashDraft):  # one forward; block position j is "step" j-1
+        steps = dflash_hidden_states(draft, input_ids, aux_hidden, index, checkpointed,
+                                     "naive" if mode == "naive" else "chunked")
+    else:
+        steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed,
+                                  index if live_rows else None)
     for k, hidden in enumerate(steps):
         rows, at = index.scored[k], index.target[k]  # may be empty: the lm_head still joins the graph (DDP)
         # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
