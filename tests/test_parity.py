@@ -94,6 +94,47 @@ def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers
             torch.testing.assert_close(logits[d], expected.float(), rtol=1e-6, atol=1e-6, msg=f"logits t={t} d={d}")
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(layers):
+    import numpy as np
+
+    from draftsmith.train.model import DFlashDraft
+    from draftsmith.train.ttt import Anchors, block_index, dflash_hidden_states
+
+    size = 4
+    spec = _tiny_draft(layers).spec.model_copy(update=dict(method="dflash", block_size=size, mask_token_id=47,
+                                                            draft_vocab_size=50))
+    draft = DFlashDraft(spec)
+    draft.init_weights(3)
+    gen = torch.Generator().manual_seed(4)
+    draft.set_target(torch.randn(50, 32, generator=gen), torch.randn(50, 32, generator=gen))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.mul_(8.0 if p.ndim == 2 else 1.0)
+    draft = draft.double().eval()
+    ids, aux = _inputs(seed=7, t_len=16)
+    index = block_index(np.ones((1, 16), dtype=bool), Anchors(size, 100), [0])  # every anchor 1..14
+    anchors = index.anchors[0].tolist()
+    assert anchors == list(range(1, 15))
+    with torch.no_grad():
+        hidden = next(dflash_hidden_states(draft, ids[None], aux[None], index))[0].view(len(anchors), size, -1)
+        trained = draft.logits(hidden[:, 1:])  # [A, S-1, V]: block position j proposes x_{a+j}
+    assert not torch.allclose(trained[:, 0], trained[:, 1], rtol=1e-3, atol=1e-3)  # positions differ
+    runner = DraftRunner(draft)
+    fused = runner.fuse(aux)
+    for n, t in enumerate(anchors):
+        runner.reset()
+        if t >= 2:  # an earlier round: its context stays, its block leaves nothing behind
+            u = t // 2
+            runner.step_block(fused[:u], int(ids[u]), size - 1)
+            runner.crop(u)
+            logits = runner.step_block(fused[u:t], int(ids[t]), size - 1)
+        else:
+            logits = runner.step_block(fused[:t], int(ids[t]), size - 1)
+        assert runner.length == t
+        torch.testing.assert_close(logits, trained[n].float(), rtol=1e-6, atol=1e-6, msg=f"anchor {t}")
+
+
 # ---------------------------------------------------------------------------------------------- vLLM
 
 

@@ -13,6 +13,10 @@ One round, with the sequence S = prompt + generated tokens and the target's KV c
              d_i is the output of the slot at position L-2+i (the last pending one, then the parallel ones),
              so no proposal waits for the one before it. The parallel slots' K/V entries are dropped too: next
              round the target's own features of those positions are read there instead.
+             DFlash (`DraftSpec.method` "dflash", vLLM's dflash method): the pending positions' fused features
+             join the draft's context (each layer's K/V of them kept), then the block [S[-1], mask x k] at
+             positions L..L+k runs in one forward, seeing the whole context and itself; d_i is the output of
+             block position i. The block's own K/V are not kept.
     verify   the target reads [S[-1], d_1..d_k] at positions L..L+k in one forward: k+1 next-token
              distributions p_0..p_k and the aux states of those positions.
     accept   greedy: d_i is accepted while it equals argmax p_{i-1}; then the target's own token follows
@@ -42,7 +46,8 @@ from transformers import DynamicCache
 
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.model import Eagle3Draft, KVCache
+from draftsmith.train.attention import full_attention
+from draftsmith.train.model import DFlashDraft, Eagle3Draft, KVCache
 
 
 @dataclass
@@ -171,10 +176,11 @@ class DraftRunner:
     """The draft (Eagle3Draft) decoding with its own KV cache, one position at a time or many; a P-EAGLE draft
     (`parallel`) proposes a whole round in one forward (`step_parallel`)."""
 
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: Eagle3Draft | DFlashDraft):
         self.draft = draft
         self.draft_to_target = draft.draft_to_target
-        self.parallel = draft.spec.parallel_drafting
+        self.block = draft.spec.method == "dflash"  # DFlash: a round is one block (`step_block`)
+        self.parallel = draft.spec.parallel_drafting or self.block
         if self.parallel and draft.spec.mask_token_id is None:
             raise DraftsmithError("the draft drafts in parallel (P-EAGLE) but names no mask token: its spec "
                                   "needs mask_token_id (config.json: ptd_token_id)")
@@ -208,6 +214,30 @@ class DraftRunner:
         mask_ids = torch.full((extra,), self.draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
         mask_hidden = self.draft.mask_features().to(hidden.dtype).expand(extra, -1)
         return self._forward(torch.cat((ids, mask_ids)), torch.cat((hidden, mask_hidden)), keep=k)
+
+    @torch.inference_mode()
+    def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
+        """DFlash, as vLLM lays a round out: the fused target features [T, H] (`fuse`) of positions
+        length..length+T-1 join the context (each layer's K/V of them are kept, as vLLM writes them into the draft's
+        cache), then the block [anchor, mask x k] at the positions after them runs in one forward, seeing the whole
+        context and itself -> float32 logits [k, V] of the masks, row d-1 proposal d. The block leaves nothing
+        in the cache."""
+        d = self.draft
+        context = d.hidden_norm(features)[None]
+        positions = torch.arange(self.length, self.length + context.shape[1], device=features.device)[None]
+        cos, sin = d.rotary(positions, context.dtype)
+        for layer, entries in zip(d.layers, self.cache.layers):
+            k_new, v_new = layer.self_attn.keys_values(context, cos, sin)
+            if entries:
+                k_new, v_new = torch.cat((entries[0][0], k_new), dim=2), torch.cat((entries[0][1], v_new), dim=2)
+                entries[0] = (k_new, v_new)
+            else:
+                entries.append((k_new, v_new))
+        self.length += context.shape[1]
+        block = d.block_ids(torch.tensor([anchor], device=features.device), k + 1)
+        block_positions = torch.arange(self.length, self.length + k + 1, device=features.device)[None]
+        hidden = d.forward_hidden(block, block_positions, [e[0] for e in self.cache.layers], None, full_attention)
+        return d.logits(hidden[0, 1:]).float()
 
     def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ids [T], hidden [T, H] at positions length..length+T-1 (the cache grows by T) ->
@@ -333,7 +363,9 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
         #    (P-EAGLE: read them and the k-1 parallel slots in one forward, a proposal from each of the last k).
         draft.crop(pending_start)
         ids = torch.tensor(seq[pending_start + 1:], device=device)
-        if draft.parallel:
+        if draft.block:  # DFlash: the pending features join the context, the block [S[-1], masks] proposes k
+            slot_logits = draft.step_block(draft.fuse(pending_aux), seq[-1], k)
+        elif draft.parallel:
             slot_logits, _ = draft.step_parallel(ids, draft.fuse(pending_aux), k)
         else:
             draft_logits, hidden = draft.step(ids, draft.fuse(pending_aux))

@@ -50,8 +50,9 @@ __all__ = ["run", "build_draft_module", "evaluate_reference"]
 
 def build_draft_module(source: DraftSource, target_model: torch.nn.Module, device: torch.device,
                        dtype: torch.dtype) -> torch.nn.Module:
-    """Eagle3Draft holding the draft's weights, with the target's embedding, on `device` in `dtype`."""
-    draft = draft_module(source, targets.embed_tokens(target_model).weight)
+    """The draft's module holding its weights, with the target's embedding (DFlash: and lm_head), on `device` in
+    `dtype`."""
+    draft = draft_module(source, targets.embed_tokens(target_model).weight, targets.lm_head(target_model).weight)
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
@@ -130,6 +131,8 @@ def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | N
 def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
     source = load_draft(cfg.draft)
+    if source.spec.method == "dflash":  # a round is one block: block_size - 1 proposals, as vLLM drafts it
+        cfg = cfg.model_copy(update={"k": [source.spec.block_size - 1]})
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
         vllm_runner.check_vllm_can_serve(target_path, "--engine vllm", parallel_drafting=source.spec.parallel_drafting,

@@ -519,9 +519,9 @@ class DFlashDraft(nn.Module):
         """The context every layer projects its keys and values from: hidden_norm(fc(aux)) [B, T, H]."""
         return self.hidden_norm(self.fc(aux_hidden))
 
-    def block_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """[..., S]: each anchor token followed by block_size - 1 mask tokens."""
-        masks = anchor_ids.new_full((*anchor_ids.shape, self.spec.block_size - 1), self.spec.mask_token_id)
+    def block_ids(self, anchor_ids: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """[..., S]: each anchor token followed by S - 1 mask tokens (S: `size`, default the block size)."""
+        masks = anchor_ids.new_full((*anchor_ids.shape, (size or self.spec.block_size) - 1), self.spec.mask_token_id)
         return torch.cat((anchor_ids[..., None], masks), dim=-1)
 
     def forward_hidden(self, block_ids: torch.Tensor, block_positions: torch.Tensor, context: torch.Tensor,

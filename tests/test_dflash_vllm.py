@@ -1,0 +1,94 @@
+"""DFlash drafts in real vLLM 0.32 (CPU): trained with `--method dflash`, exported in vLLM's reference layout and
+decoded by vLLM's `dflash` method at temperature 0 in float32.
+
+The draft memorises what the target writes for the evaluated prompts (their greedy continuations are its training
+set, every anchor of them a block), so it is accepted deep into a block; only then does comparing per-position
+acceptance say anything about the layout (a draft that is accepted nowhere past position 1 passes with a wrong
+mask or slot layout). Then:
+
+- lossless: vLLM's output token ids with the draft equal the same engine's without it;
+- the draft ran: spec-decode counters > 0, block_size - 1 draft tokens a round, acceptance at positions >= 2;
+- the same proposals as draftsmith's reference decoder (evaluate/specdec.py's DFlash round): vLLM's accepted
+  counts per position equal the reference decoder's on the same prompts, within tests/test_parity.py's tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_families import needs_vllm
+from test_parity import ACCEPTED_TOLERANCE
+
+from draftsmith import evaluate, export, train
+from draftsmith.config import EvaluateConfig, ExportConfig, TrainConfig
+from draftsmith.train.drafts import load_draft
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
+
+BLOCK = 4  # the anchor and 3 masks: vLLM drafts 3 tokens a round
+PROMPTS, NEW_TOKENS = 4, 32
+
+
+def memorised_prepared(target_dir: Path, out: Path) -> Path:
+    """The evaluated MT-bench prompts followed by the target's own greedy continuation, as a prepared set whose
+    loss mask covers the continuation."""
+    from draftsmith.core import targets
+    from draftsmith.evaluate.prompts import load_prompts
+    from draftsmith.evaluate.specdec import TargetRunner, plain_generate
+    from draftsmith.prepare.dataset import write_prepared
+
+    tokenizer = targets.load_tokenizer(target_dir)
+    model = targets.load_target(target_dir, dtype=torch.float32)
+    runner = TargetRunner(model, [])
+    samples = []
+    for prompt in load_prompts("mt-bench", tokenizer, num_prompts=PROMPTS):
+        ids = torch.tensor(prompt.token_ids)
+        answer = plain_generate(runner, ids, NEW_TOKENS + 8).tokens
+        mask = np.r_[np.zeros(len(ids), dtype=np.int64), np.ones(len(answer), dtype=np.int64)]
+        samples.extend([{"input_ids": np.r_[ids.numpy(), answer], "loss_mask": mask}] * 4)
+    write_prepared(out, samples, targets.target_identity(target_dir), chat_template_hash="mt-bench",
+                   max_length=512)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dflash_export(default_target_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dflash-default")
+    prepared = memorised_prepared(default_target_dir, root / "prepared")
+    train.run(TrainConfig(data=prepared, output=root / "run", method="dflash", block_size=BLOCK, num_layers=1,
+                          anchors_per_sample=64, max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5,
+                          schedule="constant", eval_fraction=0.0, save_every=10 ** 6, device="cpu",
+                          precision="fp32", seed=0))
+    out = root / "export"
+    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32"))
+    return out
+
+
+def test_vllm_decodes_a_dflash_draft_losslessly_with_the_reference_acceptance(dflash_export, tmp_path,
+                                                                               monkeypatch):
+    spec = load_draft(dflash_export).spec
+    config = json.loads((dflash_export / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and spec.block_size == BLOCK
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    common = dict(draft=dflash_export, prompts="mt-bench", num_prompts=PROMPTS, max_new_tokens=NEW_TOKENS, k=[9],
+                  dtype="float32", temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
+    evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
+    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
+    k = BLOCK - 1  # whatever k was asked: a round is one block
+    hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
+    assert hf["k"] == vl["k"] == k
+    results = {name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
+               for name in ("baseline", f"k{k}")}
+    assert results[f"k{k}"]["outputs"] == results["baseline"]["outputs"]  # lossless
+    assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == k * vl["num_rounds"], vl
+    assert len(vl["accepted_per_pos"]) == k and hf["accepted_per_pos"][2] > 0 and vl["accepted_per_pos"][2] > 0, \
+        (hf, vl)  # accepted deep into the block: the comparison below can fail on a wrong layout
+    rounds = max(hf["num_rounds"], vl["num_rounds"])
+    assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
+    for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
+        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])
