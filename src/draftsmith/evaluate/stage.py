@@ -136,6 +136,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
         vllm_runner.check_vllm_can_serve(target_path, "--engine vllm", parallel_drafting=source.spec.parallel_drafting,
+                                         dflash=source.spec.method == "dflash",
                                          dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype)
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,

