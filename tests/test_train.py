@@ -222,10 +222,30 @@ def test_resume_of_a_checkpoint_from_before_an_option_existed(prepared_dir, tmp_
     assert result.summary["steps"] == 2 and "resumed from" in result.summary
 
 
+def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(store_dir, prepared_dir,
+                                                                                sharp_target_dir, tmp_path):
+    """One store serves several methods (EAGLE-3's layers, DFlash's spread): --aux-layer-ids picks a subset, and
+    training reads exactly what a store of those layers alone gives."""
+    from draftsmith import extract
+
+    only = tmp_path / "store13"
+    extract.run(ExtractConfig(prepared=prepared_dir, output=only, target=str(sharp_target_dir), device="cpu",
+                              aux_layer_ids=[1, 3]), show_progress=False)
+    subset, alone = tmp_path / "subset", tmp_path / "alone"
+    trainer.run(_cfg(store_dir, subset, aux_layer_ids=[3, 1], max_steps=3))
+    trainer.run(_cfg(only, alone, max_steps=3))
+    a, b = ([m["loss"] for m in _metrics(x) if m["type"] == "train"] for x in (subset, alone))
+    assert len(a) == 3 and a == b
+    tensors, manifest = checkpoint.load_checkpoint(subset)
+    assert manifest.draft.aux_layer_ids == [1, 3] and tensors["fc.weight"].shape[1] == 2 * 64
+    for name, value in checkpoint.load_checkpoint(alone)[0].items():
+        torch.testing.assert_close(tensors[name], value)
+
+
 # ---------------------------------------------------------------------------------------------- faults
 
 def test_store_for_other_layers_or_target_is_refused(store_dir, tmp_path):
-    with pytest.raises(DraftsmithError, match=r"holds aux layers \[1, 2, 3\] but --aux-layer-ids asks for \[1, 2, 4\]"):
+    with pytest.raises(DraftsmithError, match=r"holds aux layers \[1, 2, 3\] but --aux-layer-ids asks for \[1, 2, 4\] \(\[4\] not"):
         trainer.run(_cfg(store_dir, tmp_path / "a", aux_layer_ids=[1, 2, 4]))
     from conftest import build_tiny_target
 

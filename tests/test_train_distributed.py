@@ -128,7 +128,7 @@ def _losses(run: Path) -> list[tuple[int, int, float]]:
     return [(m["step"], m["tokens_seen"], m["loss"]) for m in lines if m["type"] == "train"]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash"])
 def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp_path, method):
     """Four optimizer steps of 4 micro-batches each: one process with --grad-accum 4, two with --grad-accum 2
     (every rank reads every other batch of the same packing, so each step sees the same samples). P-EAGLE too: its
@@ -144,8 +144,9 @@ def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp
                for n in rng.integers(12, 30, 48)]
     prepared = tmp_path / "prep"
     write_prepared(prepared, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
-    common = dict(draft_vocab_size=300, ttt_steps=3, token_budget=64, max_steps=4, eval_fraction=0.0, log_every=1,
-                  lr=3e-3, warmup_steps=1, device="cpu", save_every=1000, method=method)
+    shape = dict(block_size=4, anchors_per_sample=8, num_layers=2) if method == "dflash" else dict(ttt_steps=3)
+    common = dict(draft_vocab_size=300, token_budget=64, max_steps=4, eval_fraction=0.0, log_every=1, lr=3e-3,
+                  warmup_steps=1, device="cpu", save_every=1000, method=method, **shape)
     torch.set_num_threads(1)
     run(TrainConfig(data=prepared, output=tmp_path / "one", grad_accum=4, **common))
     one = _losses(tmp_path / "one")

@@ -94,13 +94,16 @@ def prepared(tiny_target_dir, tmp_path_factory):
     return write_random_prepared(tmp_path_factory.mktemp("kill") / "prepared", tiny_target_dir, 40, 14, 40)
 
 
-@pytest.mark.parametrize("method", ["eagle3", "peagle"])
+@pytest.mark.parametrize("method", ["eagle3", "peagle", "dflash"])
 def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_path, method):
-    def cfg(out):  # peagle: 3 depths, COD sampling drawn per (epoch, sample): a resume must draw the same anchors
-        return TrainConfig(data=prepared, output=out, draft_vocab_size=300, ttt_steps=2 if method == "eagle3" else 3,
-                           token_budget=96, grad_accum=2, epochs=2, noise_std=0.05, eval_fraction=0.1, eval_every=3,
-                           save_every=2, keep_checkpoints=2, log_every=1, lr=3e-3, warmup_steps=2, device="cpu",
-                           method=method, cod_ratio=0.6, cod_floor=0.2)
+    def cfg(out):  # peagle: 3 depths, COD sampling drawn per (epoch, sample): a resume must draw the same anchors;
+        #            dflash: blocks of 4 at anchors drawn per (epoch, sample), the same on a resume
+        shape = (dict(block_size=4, anchors_per_sample=6, num_layers=2) if method == "dflash" else
+                 dict(ttt_steps=2 if method == "eagle3" else 3))
+        return TrainConfig(data=prepared, output=out, draft_vocab_size=300, token_budget=96, grad_accum=2, epochs=2,
+                           noise_std=0.05, eval_fraction=0.1, eval_every=3, save_every=2, keep_checkpoints=2,
+                           log_every=1, lr=3e-3, warmup_steps=2, device="cpu", method=method, cod_ratio=0.6,
+                           cod_floor=0.2, **shape)
 
     reference = tmp_path / "reference"
     proc, receive = _start(cfg(reference))
@@ -130,7 +133,7 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_p
     assert _curve(killed) == _curve(reference)
     ref, got = _final(reference), _final(killed)
     assert ref.keys() == got.keys() and "fc.weight" in ref and any(k.startswith("optimizer.") for k in ref)
-    assert ("mask_hidden" in ref) == (method == "peagle")
+    assert ("mask_hidden" in ref) == (method == "peagle") and ("hidden_norm.weight" in ref) == (method == "dflash")
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
     for path in checkpoint.list_checkpoints(killed) + [killed / checkpoint.BEST_DIR]:

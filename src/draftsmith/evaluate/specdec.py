@@ -46,7 +46,6 @@ from transformers import DynamicCache
 
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.attention import full_attention
 from draftsmith.train.model import DFlashDraft, Eagle3Draft, KVCache
 
 
@@ -218,26 +217,16 @@ class DraftRunner:
     @torch.inference_mode()
     def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
         """DFlash, as vLLM lays a round out: the fused target features [T, H] (`fuse`) of positions
-        length..length+T-1 join the context (each layer's K/V of them are kept, as vLLM writes them into the draft's
-        cache), then the block [anchor, mask x k] at the positions after them runs in one forward, seeing the whole
-        context and itself -> float32 logits [k, V] of the masks, row d-1 proposal d. The block leaves nothing
-        in the cache."""
-        d = self.draft
-        context = d.hidden_norm(features)[None]
-        positions = torch.arange(self.length, self.length + context.shape[1], device=features.device)[None]
-        cos, sin = d.rotary(positions, context.dtype)
-        for layer, entries in zip(d.layers, self.cache.layers):
-            k_new, v_new = layer.self_attn.keys_values(context, cos, sin)
-            if entries:
-                k_new, v_new = torch.cat((entries[0][0], k_new), dim=2), torch.cat((entries[0][1], v_new), dim=2)
-                entries[0] = (k_new, v_new)
-            else:
-                entries.append((k_new, v_new))
-        self.length += context.shape[1]
-        block = d.block_ids(torch.tensor([anchor], device=features.device), k + 1)
-        block_positions = torch.arange(self.length, self.length + k + 1, device=features.device)[None]
-        hidden = d.forward_hidden(block, block_positions, [e[0] for e in self.cache.layers], None, full_attention)
-        return d.logits(hidden[0, 1:]).float()
+        length..length+T-1 join the context (their K/V kept), then the block [anchor, mask x k] at the positions
+        after them, in one draft forward (DFlashDraft.forward) -> float32 logits [k, V] of the masks, row d-1
+        proposal d."""
+        device, t = features.device, features.shape[0]
+        feature_positions = torch.arange(self.length, self.length + t, device=device)[None]
+        self.length += t
+        block = self.draft.block_ids(torch.tensor([anchor], device=device), k + 1)
+        block_positions = torch.arange(self.length, self.length + k + 1, device=device)[None]
+        logits, _ = self.draft(block, block_positions, features[None], feature_positions, self.cache)
+        return logits[0, 1:].float()
 
     def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ids [T], hidden [T, H] at positions length..length+T-1 (the cache grows by T) ->

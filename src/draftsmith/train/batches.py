@@ -294,6 +294,27 @@ class OnlineSource:
         return replace(batch, hidden_states=hs, hidden_scales=None)
 
 
+class LayerSubset:
+    """A hidden-state store read through some of its layers: item i's hidden_states (and fp8 scales) keep the
+    layer positions `layers` only ([T, L', H]); everything else is the store's."""
+
+    def __init__(self, store, layers: Sequence[int]):
+        self.store, self.layers = store, list(layers)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def __getitem__(self, i: int) -> dict:
+        item = dict(self.store[i])
+        for key in ("hidden_states", "hidden_scales"):
+            if item.get(key) is not None:
+                item[key] = item[key][:, self.layers]
+        return item
+
+
 def fetch(dataset, ids: list[int], ttt_steps: int = 1) -> Batch:
     return collate([dataset[i] for i in ids], ttt_steps)
 
@@ -301,6 +322,8 @@ def fetch(dataset, ids: list[int], ttt_steps: int = 1) -> Batch:
 def token_counts(dataset, indices: Sequence[int], vocab_size: int) -> np.ndarray:
     """Loss-masked token counts [vocab] of the samples `indices` (the training split), read from the samples."""
     counts = np.zeros(vocab_size, dtype=np.int64)
+    if isinstance(dataset, LayerSubset):  # the tokens alone: no hidden state sliced (read) for them
+        dataset = dataset.store
     for a in range(0, len(indices), 4096):
         parts = []
         for i in indices[a:a + 4096]:

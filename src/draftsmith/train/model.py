@@ -30,6 +30,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.train.attention import (
     cached_attention,
+    full_attention,
     naive_ttt_attention,
     ttt_attention,
     ttt_layer_call,
@@ -448,10 +449,12 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(spec)
 
-    def forward(self, hidden: torch.Tensor, cos, sin, context_kv: tuple[torch.Tensor, torch.Tensor], attend
-                ) -> torch.Tensor:
-        """hidden [B, Q, H] (the block positions); attend(q, k_block, v_block, k_context, v_context) -> [B, Hq, Q, D]
-        decides who sees what (training: each block its own prefix, `block_attention`; decoding: everything)."""
+    def forward(self, hidden: torch.Tensor, cos, sin, context, attend) -> torch.Tensor:
+        """hidden [B, Q, H] (the block positions); context: (features [B, T, H], cos, sin) whose K/V this layer
+        projects (inside its forward: FSDP2 has the layer's weights gathered only there), or the cached (k, v) of
+        decoding; attend(q, k_block, v_block, k_context, v_context) -> [B, Hq, Q, D] decides who sees what
+        (training: each block its own prefix, `block_attention`; decoding: everything)."""
+        context_kv = self.self_attn.keys_values(*context) if len(context) == 3 else context
         x = self.input_layernorm(hidden)
         k, v = self.self_attn.keys_values(x, cos, sin)
         out = attend(self.self_attn.query(x, cos, sin), k, v, *context_kv)
@@ -533,12 +536,30 @@ class DFlashDraft(nn.Module):
         if torch.is_tensor(context):
             cos_c, sin_c = self.rotary(context_positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            kv = (layer.self_attn.keys_values(context, cos_c, sin_c) if torch.is_tensor(context) else context[i])
+            kv = (context, cos_c, sin_c) if torch.is_tensor(context) else context[i]
             if checkpointed and torch.is_grad_enabled():
                 hidden = checkpoint(layer, hidden, cos, sin, kv, attend, use_reentrant=False)
             else:
                 hidden = layer(hidden, cos, sin, kv, attend)
         return hidden
+
+    def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor,
+                feature_positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoding one DFlash round as vLLM runs it: the fused target features [B, T, H] (`fuse`) at
+        feature_positions [B, T] join the context -- each layer's K/V of them appended to `cache` (vLLM writes them
+        into the draft's KV cache) --, then the block [B, S] at block_positions sees the whole cached context and
+        itself, in one forward -> (logits [B, S, V], pre-norm hidden [B, S, H]). The block leaves nothing behind."""
+        context = self.hidden_norm(features)
+        cos, sin = self.rotary(feature_positions, context.dtype)
+        for layer, entries in zip(self.layers, cache.layers):
+            k, v = layer.self_attn.keys_values(context, cos, sin)
+            if entries:
+                entries[0] = (torch.cat((entries[0][0], k), dim=2), torch.cat((entries[0][1], v), dim=2))
+            else:
+                entries.append((k, v))
+        hidden = self.forward_hidden(block_ids, block_positions, [e[0] for e in cache.layers], None,
+                                     full_attention)
+        return self.logits(hidden), hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., H] -> logits over the target's vocabulary [..., V] (the target's lm_head)."""

@@ -28,6 +28,7 @@ from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import (
+    LayerSubset,
     OnlineSource,
     TokenBudgetSampler,
     TrainData,
@@ -107,8 +108,15 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
             raise DraftsmithError(f"{cfg.data}: the store's last layer is {dataset.layer_ids[-1]}, not the target's "
                                   f"last layer {identity.num_layers}; extract again with draftsmith")
         if cfg.aux_layer_ids is not None and sorted(cfg.aux_layer_ids) != aux:
-            raise DraftsmithError(f"{cfg.data}: the store holds aux layers {aux} but --aux-layer-ids asks for "
-                                  f"{sorted(cfg.aux_layer_ids)}; extract a store with those layers or drop the option")
+            missing = sorted(set(cfg.aux_layer_ids) - set(aux))
+            if missing:
+                raise DraftsmithError(f"{cfg.data}: the store holds aux layers {aux} but --aux-layer-ids asks for "
+                                      f"{sorted(cfg.aux_layer_ids)} ({missing} not among them); extract a store with "
+                                      "those layers or drop the option")
+            # a subset: one store trains drafts of several methods (e.g. EAGLE-3's 3 layers, DFlash's 5)
+            wanted = sorted(set(int(i) for i in cfg.aux_layer_ids))
+            dataset = LayerSubset(dataset, [aux.index(i) for i in wanted] + [len(aux)])
+            aux = wanted
         sample_ids = np.asarray(dataset.sample_ids, dtype=np.int64)
         prepared = dataset.manifest.prepared
         total = prepared.num_samples if prepared else int(sample_ids.max(initial=-1)) + 1
