@@ -108,6 +108,38 @@ def trained_run(default_target_dir) -> Path:
     return module.quick_trained_draft()
 
 
+# What a memorising draft learns: the first MEMORISED_PROMPTS MT-bench prompts and the target's greedy answers.
+MEMORISED_PROMPTS, MEMORISED_TOKENS = 4, 40
+
+
+@pytest.fixture(scope="session")
+def memorised_prepared(default_target_dir, tmp_path_factory) -> Path:
+    """A prepared set of the default target: the first MEMORISED_PROMPTS MT-bench prompts (what `evaluate --prompts
+    mt-bench --num-prompts 4` decodes), each followed by the target's own greedy answer (MEMORISED_TOKENS tokens,
+    loss-masked), four times over. A draft trained on it is accepted deep into a round on those prompts, so tests
+    comparing per-position acceptance between engines compare more than position 1 (where a wrong slot or mask
+    layout still agrees)."""
+    import numpy as np
+
+    from draftsmith.core import targets
+    from draftsmith.evaluate.prompts import load_prompts
+    from draftsmith.evaluate.specdec import TargetRunner, plain_generate
+    from draftsmith.prepare.dataset import write_prepared
+
+    tokenizer = targets.load_tokenizer(default_target_dir)
+    runner = TargetRunner(targets.load_target(default_target_dir, dtype=torch.float32), [])
+    samples = []
+    for prompt in load_prompts("mt-bench", tokenizer, num_prompts=MEMORISED_PROMPTS):
+        ids = np.asarray(prompt.token_ids, dtype=np.int64)
+        answer = plain_generate(runner, torch.from_numpy(ids), MEMORISED_TOKENS).tokens
+        mask = np.r_[np.zeros(len(ids), dtype=np.int64), np.ones(len(answer), dtype=np.int64)]
+        samples.extend([{"input_ids": np.r_[ids, answer], "loss_mask": mask}] * 4)
+    out = tmp_path_factory.mktemp("memorised") / "prepared"
+    write_prepared(out, samples, targets.target_identity(default_target_dir), chat_template_hash="mt-bench",
+                   max_length=512)
+    return out
+
+
 @pytest.fixture(scope="session")
 def sharegpt_file() -> Path:
     from draftsmith.core import assets

@@ -1,8 +1,8 @@
 """DFlash drafts in real vLLM 0.32 (CPU): trained with `--method dflash`, exported in vLLM's reference layout and
 decoded by vLLM's `dflash` method at temperature 0 in float32.
 
-The draft memorises what the target writes for the evaluated prompts (their greedy continuations are its training
-set, every anchor of them a block), so it is accepted deep into a block; only then does comparing per-position
+The draft memorises what the target writes for the evaluated prompts (conftest's memorised_prepared: their greedy
+continuations are its training set, every anchor of them a block), so it is accepted deep into a block; only then does comparing per-position
 acceptance say anything about the layout (a draft that is accepted nowhere past position 1 passes with a wrong
 mask or slot layout). Then:
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
+from conftest import MEMORISED_PROMPTS
 from test_families import needs_vllm
 from test_parity import ACCEPTED_TOLERANCE
 
@@ -30,36 +29,15 @@ from draftsmith.train.drafts import load_draft
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
 
 BLOCK = 4  # the anchor and 3 masks: vLLM drafts 3 tokens a round
-PROMPTS, NEW_TOKENS = 4, 32
-
-
-def memorised_prepared(target_dir: Path, out: Path) -> Path:
-    """The evaluated MT-bench prompts followed by the target's own greedy continuation, as a prepared set whose
-    loss mask covers the continuation."""
-    from draftsmith.core import targets
-    from draftsmith.evaluate.prompts import load_prompts
-    from draftsmith.evaluate.specdec import TargetRunner, plain_generate
-    from draftsmith.prepare.dataset import write_prepared
-
-    tokenizer = targets.load_tokenizer(target_dir)
-    model = targets.load_target(target_dir, dtype=torch.float32)
-    runner = TargetRunner(model, [])
-    samples = []
-    for prompt in load_prompts("mt-bench", tokenizer, num_prompts=PROMPTS):
-        ids = torch.tensor(prompt.token_ids)
-        answer = plain_generate(runner, ids, NEW_TOKENS + 8).tokens
-        mask = np.r_[np.zeros(len(ids), dtype=np.int64), np.ones(len(answer), dtype=np.int64)]
-        samples.extend([{"input_ids": np.r_[ids.numpy(), answer], "loss_mask": mask}] * 4)
-    write_prepared(out, samples, targets.target_identity(target_dir), chat_template_hash="mt-bench",
-                   max_length=512)
-    return out
+PROMPTS, NEW_TOKENS = MEMORISED_PROMPTS, 32
 
 
 @pytest.fixture(scope="module")
-def dflash_export(default_target_dir, tmp_path_factory) -> Path:
+def dflash_export(memorised_prepared, tmp_path_factory) -> Path:
+    """A DFlash draft that memorised the target's answers to the evaluated prompts (conftest's memorised_prepared),
+    trained online (the target in the trainer), exported vllm in float32."""
     root = tmp_path_factory.mktemp("dflash-default")
-    prepared = memorised_prepared(default_target_dir, root / "prepared")
-    train.run(TrainConfig(data=prepared, output=root / "run", method="dflash", block_size=BLOCK, num_layers=1,
+    train.run(TrainConfig(data=memorised_prepared, output=root / "run", method="dflash", block_size=BLOCK, num_layers=1,
                           anchors_per_sample=64, max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5,
                           schedule="constant", eval_fraction=0.0, save_every=10 ** 6, device="cpu",
                           precision="fp32", seed=0))

@@ -10,9 +10,10 @@ temperature 0 in float32:
   draft): vLLM's accepted counts per draft position equal the reference decoder's on the same prompts, so vLLM's
   parallel slots read what training trained (mask token, fc(mask_hidden), positions, attention).
 
-(a) the default target through `draftsmith evaluate --engine vllm` (a P-EAGLE draft started from the cached
-    EAGLE-3 draft of tests/conftest.py's `trained_run`, so its first position gets tokens accepted after two steps);
-    the tolerance is tests/test_parity.py's (float32 kernels of vLLM and transformers may part at a near-tie).
+(a) the default target through `draftsmith evaluate --engine vllm`: a P-EAGLE draft that memorised the target's
+    answers to the evaluated prompts (tests/conftest.py's `memorised_prepared`), so its parallel slots are accepted
+    past position 1 and the per-position comparison can fail on a wrong slot layout; the tolerance is
+    tests/test_parity.py's (float32 kernels of vLLM and transformers may part at a near-tie).
 (b) the MoE family qwen3_moe (tests/families.py, its head sharpened so greedy tokens are decisive): exact equality,
     as tests/test_families.py's EAGLE-3 decoding test. (DeepSeek-V3's MLA does not run with an EAGLE-3 draft in
     vLLM 0.32 on CPU in float32: see MLA_ON_CPU there.)
@@ -43,7 +44,7 @@ from draftsmith.train.drafts import load_draft
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
 
 K = 4  # (a): draft tokens per round
-PEAGLE_STEPS = 2  # (a): steps from the EAGLE-3 draft (mask_hidden starts from the seed's small normal)
+PEAGLE_STEPS = 60  # (a): steps of a fresh draft on the memorised answers
 MOE_STEPS = 20  # (b): steps of a fresh draft on the tiny target (what tests/test_families.py gives its drafts)
 MOE = "qwen3_moe"
 
@@ -69,13 +70,14 @@ def test_the_probe_finds_the_parallel_drafting_these_tests_decode_with():
 
 
 @pytest.fixture(scope="module")
-def peagle_export(trained_run, tmp_path_factory) -> Path:
-    """The cached EAGLE-3 draft turned P-EAGLE (`--init-from` it, `--method peagle`) and trained PEAGLE_STEPS steps
-    online on its own prepared set; exported vllm, float32."""
+def peagle_export(memorised_prepared, tmp_path_factory) -> Path:
+    """A P-EAGLE draft that memorised the target's answers to the evaluated prompts (conftest's memorised_prepared),
+    trained PEAGLE_STEPS steps online (the target in the trainer), so its parallel slots are accepted past position 1;
+    exported vllm, float32."""
     root = tmp_path_factory.mktemp("peagle-default")
-    train.run(TrainConfig(data=Path(trained_run).parent / "prepared", output=root / "run", init_from=trained_run,
-                          method="peagle", ttt_steps=K, max_steps=PEAGLE_STEPS, token_budget=256, lr=1e-4,
-                          warmup_steps=0, schedule="constant", eval_fraction=0.0, save_every=10 ** 6, device="cpu",
+    train.run(TrainConfig(data=memorised_prepared, output=root / "run", method="peagle", ttt_steps=K,
+                          max_steps=PEAGLE_STEPS, token_budget=1024, draft_vocab_size=2048, lr=3e-3, warmup_steps=5,
+                          schedule="constant", cod_ratio=1.0, eval_fraction=0.0, save_every=10 ** 6, device="cpu",
                           precision="fp32", seed=0))
     out = root / "export"
     export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32",
@@ -103,7 +105,8 @@ def test_vllm_drafts_in_parallel_losslessly_with_the_reference_acceptance(peagle
     assert results[f"k{K}"]["outputs"] == results["baseline"]["outputs"]  # lossless
     assert all(len(o) > 0 for o in results["baseline"]["outputs"])
     assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == K * vl["num_rounds"], vl
-    assert len(vl["accepted_per_pos"]) == K and hf["num_accepted"] > 0 and vl["num_accepted"] > 0, (hf, vl)
+    assert len(vl["accepted_per_pos"]) == K and hf["accepted_per_pos"][1] > 0 and vl["accepted_per_pos"][1] > 0, \
+        (hf, vl)  # parallel slots accepted (position 2 on): the comparison below can fail on a wrong slot layout
     rounds = max(hf["num_rounds"], vl["num_rounds"])
     assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
     for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
