@@ -98,6 +98,39 @@ def test_the_quickstart_recipe_is_the_default_run():
     assert quickstart.stage_configs(recipe, "vllm") == quickstart.stage_configs(QuickstartConfig(), "vllm")
 
 
+def test_method_dflash_extracts_its_layers_and_trains_its_blocks(tmp_path, default_target_dir):
+    default = quickstart.stage_configs(QuickstartConfig(output=tmp_path), engine="vllm")
+    dflash = quickstart.stage_configs(QuickstartConfig(output=tmp_path, method="dflash"), engine="vllm")
+    block, layers, anchors = quickstart.BUDGETS["small"].dflash
+    assert block == max(default["evaluate"].k) + 1  # a round of block - 1 tokens: the budget's k
+    train = dflash["train"]
+    assert (train.method, train.block_size, train.num_layers, train.anchors_per_sample, train.ttt_steps) == \
+        ("dflash", block, layers, anchors, block - 1)
+    assert dflash["extract"].aux_layer_ids == [2, 28] and default["extract"].aux_layer_ids is None  # 30 layers
+    assert train.token_budget == default["train"].token_budget and train.epochs == default["train"].epochs
+    assert all(dflash[s] == default[s] for s in ("prepare", "export", "evaluate"))  # they read the draft
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_tiny_quickstart_dflash_runs_end_to_end_and_prints_tau_per_k(tmp_path):
+    """`quickstart --method dflash` on the default target: vLLM (0.32 serves DFlash here) evaluates the block drafter
+    it trained; the summary has τ for every k up to the block's."""
+    pytest.importorskip("vllm")
+    cfg = QuickstartConfig(output=tmp_path / "qs", budget="tiny", method="dflash", engine="auto")
+    result = quickstart.run(cfg)
+    block = quickstart.BUDGETS["tiny"].dflash[0]
+    report = json.loads((cfg.output / "eval" / "report.json").read_text())
+    assert report["engine"] == "vllm" and [r["k"] for r in report["runs"]] == [block - 1]
+    assert report["runs"][0]["num_rounds"] > 0
+    assert [f"k={k}" in result.summary for k in range(1, block)] == [True] * (block - 1)
+    assert result.summary["draft"].startswith(f"DFlash, blocks of {block}")
+    config = json.loads((cfg.output / "export" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    served, gpu_only = result.commands.values()
+    assert '"method": "dflash"' in gpu_only and f'"num_speculative_tokens": {block - 1}' in gpu_only
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     cfg = QuickstartConfig(output=tmp_path_factory.mktemp("quickstart") / "qs", budget="tiny", engine="hf", k=[1, 3])

@@ -442,10 +442,11 @@ class QuickstartConfig(StageConfig):
         "small: about 15 minutes on a 2-core CPU; medium: about 80 minutes there (8.7x the tokens); large: the "
         "whole embedded ShareGPT, for a GPU; "
         "tiny: a few-minute smoke test of the whole path."))
-    method: Literal["eagle3", "peagle"] = Field("eagle3", description=(
-        "The draft trained and evaluated: eagle3, or peagle (P-EAGLE: every token of a round in one draft forward, "
-        "served by vLLM with parallel_drafting); the budget's shapes either way (peagle trains a parallel depth for "
-        "every evaluated k)."))
+    method: Literal["eagle3", "peagle", "dflash"] = Field("eagle3", description=(
+        "The draft trained and evaluated: eagle3, peagle (P-EAGLE: every token of a round in one draft forward, "
+        "served by vLLM with parallel_drafting) or dflash (a block drafter: the anchor and block - 1 masks in one "
+        "forward, vLLM's dflash method); the budget's shapes either way (peagle trains a parallel depth for every "
+        "evaluated k; dflash: blocks of the evaluated k + 1 on a CPU budget, the peers' defaults on large)."))
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
     engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(

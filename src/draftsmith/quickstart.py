@@ -2,8 +2,9 @@
 
 Each stage writes its own sub-directory and is itself resumable; `quickstart.json` records which stages have
 finished, so a run killed at any point and started again skips what is done and continues the rest.
-`--method peagle` trains a P-EAGLE draft on the same budget instead of an EAGLE-3 one; the other stages read the
-method from the draft itself.
+`--method peagle` trains a P-EAGLE draft on the same budget instead of an EAGLE-3 one, `--method dflash` a DFlash
+block drafter (its store holds the DFlash layers; the budget's `dflash` shapes); the other stages read the method
+from the draft itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from draftsmith import evaluate, export, extract, prepare, train
+from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.config import (
     EvaluateConfig,
     ExportConfig,
@@ -61,25 +63,28 @@ class Budget:
     max_new_tokens: int
     k: tuple[int, ...]  # draft lengths evaluated, one engine start each; shorter ones are read off the longest
     expected_s: tuple[float, float, float, float, float]
+    # --method dflash: (block size, decoder layers = target layers read, anchors per sample); the block is the
+    # largest k + 1 on a CPU (a round drafts block - 1 tokens), the peers' defaults on a GPU
+    dflash: tuple[int, int, int] = (16, 5, 512)
 
 
 BUDGETS: dict[str, Budget] = {
     # A smoke test of the whole path in a few minutes (CI's end-to-end test); τ is not meaningful at this size.
     "tiny": Budget(conversations=32, max_length=384, epochs=1, max_steps=24, token_budget=2048, ttt_steps=2,
                    draft_vocab_size=4096, lr=1e-3, num_prompts=1, max_new_tokens=24, k=(3,),
-                   expected_s=(20, 30, 60, 10, 60)),
+                   expected_s=(20, 30, 60, 10, 60), dflash=(4, 1, 16)),
     # Sized on a 2-core x86-64 CPU (AVX2, fp32) to finish within 15 minutes: ~55k tokens extracted at ~285 tok/s,
     # two epochs of training at ~335 tok/s, then one vLLM run at k = 5 beside the target alone (a vLLM start costs
     # about a minute on such a CPU; docs/benchmarks.md has the measured runs: 13 min).
     "small": Budget(conversations=120, max_length=512, epochs=2, max_steps=None, token_budget=1024, ttt_steps=3,
                     draft_vocab_size=8192, lr=2e-3, num_prompts=5, max_new_tokens=64, k=(5,),
-                    expected_s=(10, 190, 320, 1, 120)),
+                    expected_s=(10, 190, 320, 1, 120), dflash=(6, 2, 48)),
     # About 80 minutes on the same CPU, from the rates measured there (docs/benchmarks.md, "Quickstart"): 600
     # conversations up to 1,024 tokens are 464k tokens, ~26 min to extract at ~300 tok/s; two epochs at ~340 tok/s
     # ~45 min; 20 MT-bench prompts x 128 tokens ~10 min. The small budget's shapes, 8.7x its tokens.
     "medium": Budget(conversations=600, max_length=1024, epochs=2, max_steps=None, token_budget=2048, ttt_steps=3,
                      draft_vocab_size=8192, lr=1e-3, num_prompts=20, max_new_tokens=128, k=(5,),
-                     expected_s=(15, 1550, 2750, 2, 600)),
+                     expected_s=(15, 1550, 2750, 2, 600), dflash=(6, 3, 96)),
     # For a GPU: the whole embedded ShareGPT (~13M tokens at 2,048), 7 TTT steps, a 32k draft vocabulary. Its
     # expected times are a guess for one GPU, not measured yet (no GPU has been lent); on a 2-core CPU it takes days.
     "large": Budget(conversations=17000, max_length=2048, epochs=5, max_steps=None, token_budget=16384, ttt_steps=7,
@@ -100,16 +105,17 @@ def _load_state(path: Path) -> dict[str, Any]:
 def _evaluation_engine(cfg: QuickstartConfig, state: dict[str, Any] | None = None) -> tuple[str, str]:
     """(engine, why), chosen before the first stage runs. --engine hf: the reference decoder. auto: vLLM where the
     probe finds it can decode the draft this run trains (vllm_runner.vllm_verdict: EAGLE-3 on this platform, for
-    --method peagle parallel drafting too), else the reference decoder with the probe's reason; --engine vllm there
-    is refused in one line, as `evaluate --engine vllm` would refuse it, before any stage. Once the evaluate stage
-    has finished, the engine it used (recorded in the state) is the answer, without probing again."""
+    --method peagle parallel drafting too, for --method dflash the dflash method), else the reference decoder with the
+    probe's reason; --engine vllm there is refused in one line, as `evaluate --engine vllm` would refuse it, before
+    any stage. Once the evaluate stage has finished, the engine it used (recorded in the state) is the answer,
+    without probing again."""
     recorded = (state or {}).get("engine")
     if recorded and "evaluate" in (state or {}).get("finished", {}):
         return recorded["engine"], recorded["why"]
     if cfg.engine == "hf":
         return "hf", "reference decoder (asked for)"
     verdict = vllm_runner.vllm_verdict(targets.resolve_target(cfg.target), "--engine vllm",
-                                       parallel_drafting=cfg.method == "peagle")
+                                       parallel_drafting=cfg.method == "peagle", dflash=cfg.method == "dflash")
     if verdict.refusal is None:
         return "vllm", f"vLLM {verdict.version}"
     if cfg.engine == "vllm":
@@ -144,16 +150,25 @@ def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
 def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     b = BUDGETS[cfg.budget]
     out = Path(cfg.output)
+    if cfg.method == "dflash":  # its blocks, layers and anchors; the store holds the layers it reads
+        block, layers, anchors = b.dflash
+        num_layers = int(targets.text_config(targets.read_config(targets.resolve_target(cfg.target)))
+                         ["num_hidden_layers"])
+        store_layers: list[int] | None = dflash_aux_layer_ids(num_layers, layers)
+        shape: dict[str, Any] = dict(block_size=block, num_layers=layers, anchors_per_sample=anchors)
+    else:
+        # P-EAGLE: every evaluated k reaches trained parallel slots (at least 2 depths)
+        store_layers = None
+        shape = dict(ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
+                     draft_vocab_size=b.draft_vocab_size)
     configs = {
         "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
                                  max_samples=b.conversations),
-        "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device),
+        "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device,
+                                 aux_layer_ids=store_layers),
         "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train",
                              method=cfg.method, epochs=b.epochs, max_steps=b.max_steps, token_budget=b.token_budget,
-                             # P-EAGLE: every evaluated k reaches trained parallel slots (at least 2 depths)
-                             ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
-                             draft_vocab_size=b.draft_vocab_size, lr=b.lr, warmup_steps=20, device=cfg.device,
-                             save_every=100),
+                             lr=b.lr, warmup_steps=20, device=cfg.device, save_every=100, **shape),
         "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
                                speculative_tokens=3),
         "evaluate": EvaluateConfig(draft=out / "export", engine=engine, output=out / "eval", prompts="mt-bench",
@@ -280,7 +295,10 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
     train = configs["train"]
     parallel = train.method == "peagle"
     summary["draft"] = (f"P-EAGLE (all k tokens of a round in one draft forward), {train.ttt_steps} depths trained"
-                        if parallel else f"EAGLE-3, {train.ttt_steps} TTT steps")
+                        if parallel else
+                        f"DFlash, blocks of {train.block_size} ({train.block_size - 1} tokens a round, one draft "
+                        f"forward), {train.num_layers} layers, {train.anchors_per_sample} blocks per sample"
+                        if train.method == "dflash" else f"EAGLE-3, {train.ttt_steps} TTT steps")
     summary.update(tau_lines(report["runs"], train.ttt_steps if parallel else None))
     summary["exported draft"] = str(configs["export"].output)
     summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
