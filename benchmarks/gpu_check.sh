@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The trainer's GPU check (issue 13): 8B-shaped training throughput and peak memory at T 2048 and 8192 (bf16,
-# torch.compile off and on), the default target's τ after a few minutes of online training, and P-EAGLE against
-# EAGLE-3 on one store (benchmarks/peagle_vs_eagle3.py: τ, draft ms per round, tokens/s per k; vLLM too where it is
-# installed); prints a markdown table for docs/benchmarks.md. Sized for <= 8 minutes on one H200 before the P-EAGLE
-# step, which adds ~3 (two small drafts, the reference decoder at k 2..8; each vLLM engine start ~1 min more).
+# torch.compile off and on), the default target's τ after a few minutes of online training, and EAGLE-3, P-EAGLE
+# and DFlash on one store (benchmarks/methods.py: τ, draft ms per round, tokens/s per k; vLLM too where it is
+# installed); prints a markdown table for docs/benchmarks.md. Sized for <= 8 minutes on one H200 before the methods
+# step, which adds ~4 (three small drafts, the reference decoder at k 2..8; each vLLM engine start ~1 min more).
 #
 #   bash benchmarks/gpu_check.sh                         # on the GPU machine (device cuda)
 #   bash benchmarks/gpu_check.sh --device cpu --tiny     # the rehearsal (CI): the same steps on tiny shapes, < 1 min
@@ -115,18 +115,18 @@ with_assets() {
 }
 with_assets tau tau_vs_tokens.py "${TAU_ARGS[@]}"
 
-# 3. P-EAGLE vs EAGLE-3: one store, the same training tokens and draft shape; per k τ, draft time and tokens/s.
+# 3. EAGLE-3, P-EAGLE and DFlash: one store, the same training tokens; per k τ, draft time and tokens/s.
 if [ "$TINY" = 1 ]; then
   PEAGLE_ARGS=(--device "$DEVICE" --engines hf --work "$OUT/peagle" --prepared "$OUT/tiny/prepared"
                --target "$OUT/tiny/target" --prompt-set "$OUT/tiny/prepared" --k 2,3 --epochs 1 --steps 2
-               --draft-vocab 128 --token-budget 256 --prompts 1 --max-new-tokens 8)
+               --draft-vocab 128 --token-budget 256 --prompts 1 --max-new-tokens 8 --dflash-layers 1 --anchors 4)
 else
   PEAGLE_ARGS=(--device "$DEVICE" --work "$OUT/peagle" --k 2..8 --vllm-k 2,4,8 --samples 200 --epochs 2
-               --prompts 8 --max-new-tokens 128)
+               --prompts 8 --max-new-tokens 128 --dflash-layers 5 --anchors 512)
   if [ -n "$TAU_PREPARED" ]; then PEAGLE_ARGS+=(--prepared "$TAU_PREPARED"); fi
   if [ -n "$TAU_TARGET" ]; then PEAGLE_ARGS+=(--target "$TAU_TARGET"); fi
 fi
-with_assets peagle peagle_vs_eagle3.py "${PEAGLE_ARGS[@]}"
+with_assets peagle methods.py "${PEAGLE_ARGS[@]}"
 
 # 4. The table for docs/benchmarks.md.
 "$PY" - "$OUT" "$(( $(date +%s) - START ))" <<'EOF'
@@ -156,19 +156,21 @@ else:
           f"{tau['tokens_per_s']:,.0f} tokens/s): " + ", ".join(f"k={k}: {v:.2f}" for k, v in tau["tau"].items()))
 peagle = last_json("peagle.txt")
 if peagle is None:
-    print(f"\nP-EAGLE vs EAGLE-3: {(out / 'peagle.txt').read_text().strip() or 'no result (see peagle.log)'}")
+    print(f"\nEAGLE-3, P-EAGLE, DFlash: {(out / 'peagle.txt').read_text().strip() or 'no result (see peagle.log)'}")
 else:
-    print(f"\nP-EAGLE vs EAGLE-3 ({peagle['train']['eagle3']['tokens']} training tokens each, TTT/depths "
-          f"{peagle['ttt_steps']}, {peagle['dtype']}; draft ms = time per round inside the draft):\n")
-    print("| engine | k | τ EAGLE-3 | τ P-EAGLE | draft ms EAGLE-3 | draft ms P-EAGLE | tokens/s EAGLE-3 | "
-          "tokens/s P-EAGLE |")
-    print("|---|---|---|---|---|---|---|---|")
+    methods = ("eagle3", "peagle", "dflash")
+    print(f"\nEAGLE-3 | P-EAGLE | DFlash ({peagle['train']['eagle3']['tokens']} training tokens each, TTT/depths "
+          f"{peagle['ttt_steps']}, DFlash block {peagle['dflash']['block_size']} x {peagle['dflash']['layers']} "
+          f"layers, {peagle['dtype']}; draft ms = time per round inside the draft):\n")
+    print("| engine | k | " + " | ".join(f"{what} {m}" for what in ("τ", "draft ms", "tokens/s") for m in methods)
+          + " |")
+    print("|---|---|" + "---|" * 9)
     for engine, res in peagle["engines"].items():
         if "error" in res:
-            print(f"| {engine} | {res['error']} | | | | | | |"); continue
-        e3, pe = res["methods"]["eagle3"], res["methods"]["peagle"]
-        for k in e3:
-            cells = [f"{r[k][key]:.3f}" if r[k].get(key) is not None else "–"
-                     for key in ("tau", "draft_ms_per_round", "tokens_per_s") for r in (e3, pe)]
+            print(f"| {engine} | {res['error']} |" + " |" * 9); continue
+        rows = [res["methods"].get(m, {}) for m in methods]
+        for k in sorted({k for r in rows for k in r}, key=int):
+            cells = [f"{r[k][key]:.3f}" if k in r and r[k].get(key) is not None else "–"
+                     for key in ("tau", "draft_ms_per_round", "tokens_per_s") for r in rows]
             print(f"| {engine} | {k} | " + " | ".join(cells) + " |")
 EOF

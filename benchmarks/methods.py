@@ -1,25 +1,31 @@
-"""P-EAGLE against EAGLE-3, side by side: one store, the same training tokens and draft shape, then per k the
-acceptance length τ, the draft's time per round and end-to-end tokens/s, in vLLM and in the reference decoder.
+"""EAGLE-3, P-EAGLE and DFlash side by side: one store, the same training tokens, then per k the acceptance length
+τ, the draft's time per round and end-to-end tokens/s, in vLLM and in the reference decoder.
 
-  1. prepare --samples ShareGPT conversations of the default target (or use --prepared) and extract ONE store
-  2. train an EAGLE-3 draft and a P-EAGLE draft on that store with the same options, --method aside: same seed,
-     token budget and steps, so the same batches and training tokens; --ttt-steps defaults to the largest k (the
-     P-EAGLE draft's depths trained, so that no measured k reaches an untrained slot); both exported for vLLM
+  1. prepare --samples ShareGPT conversations of the default target (or use --prepared) and extract ONE store holding
+     the layers of every method: EAGLE-3's default aux layers (2, N/2, N-3) and DFlash's spread (its
+     --dflash-layers target layers, `core.layers.dflash_aux_layer_ids`)
+  2. train the three drafts on that store with the same seed, token budget and steps, so the same batches and
+     training tokens, each reading its own layers of the store (`train --aux-layer-ids`, a subset): EAGLE-3 and
+     P-EAGLE with one decoder layer and --ttt-steps (default the largest k: every measured k reaches a trained
+     P-EAGLE depth), DFlash with --dflash-layers layers, blocks of the largest k + 1 and --anchors blocks per
+     sample; all three exported for vLLM
   3. reference decoder (this process): the target alone once, then each draft at every k on the same prompts,
-     temperature 0. Draft time per round = wall time spent inside the draft's forwards and its fc (module hooks on
-     Eagle3Draft and Eagle3Draft.fc, the outermost call only, CUDA-synchronised on a GPU) over the rounds; the
-     forwards per round are counted too (P-EAGLE: 1, its point; EAGLE-3: k)
+     temperature 0 (DFlash at k: a block of k + 1, the anchor and k masks). Draft time per round = wall time spent
+     inside the draft's forwards and its fc (module hooks on the draft and its fc, the outermost call only,
+     CUDA-synchronised on a GPU) over the rounds; the forwards per round are counted too (P-EAGLE and DFlash: 1,
+     their point; EAGLE-3: k)
   4. vLLM (`draftsmith evaluate --engine vllm`, one engine start per (method, k), the target alone once): τ from
-     vLLM's spec-decode counters, tokens/s of the timed generate call. vLLM exposes no drafting-time metric, so its
-     evaluation worker is started through this file (`--vllm-job`), which runs the engine in-process
+     vLLM's spec-decode counters, tokens/s of the timed generate call. DFlash is served at its block only (vLLM
+     drafts block_size - 1 tokens a round: the largest k). vLLM exposes no drafting-time metric, so its evaluation
+     worker is started through this file (`--vllm-job`), which runs the engine in-process
      (VLLM_ENABLE_V1_MULTIPROCESSING=0, every run alike, the baseline too) and times the model runner's
      propose_draft_token_ids over the timed generate call only (perf_counter on a CPU, CUDA events on a GPU): the
      whole drafting step, input preparation included. It also records whether vLLM's drafter ran with
      parallel_drafting on, so a P-EAGLE draft that vLLM silently drafted as EAGLE-3 shows as such.
 
-    .venv/bin/python benchmarks/peagle_vs_eagle3.py --quick             # a few minutes: k 2,4 (vLLM at k 4 only)
-    .venv/bin/python benchmarks/peagle_vs_eagle3.py                     # k 2..8 in both engines (an hour on 2 cores)
-    .venv/bin/python benchmarks/peagle_vs_eagle3.py --engines hf --k 2,4,8 --work runs/peagle-bench
+    .venv/bin/python benchmarks/methods.py --quick             # a few minutes: k 2,4 (vLLM at k 4 only)
+    .venv/bin/python benchmarks/methods.py                     # k 2..8 in both engines (an hour or more on 2 cores)
+    .venv/bin/python benchmarks/methods.py --engines hf --k 2,4,8 --work runs/methods-bench
 
 Progress and a table go to stderr; the LAST stdout line is one JSON object: per engine, per method, per k, τ,
 acceptance per position, tokens/s, speed-up, draft ms per round (and forwards per round), lossless. An engine that
@@ -41,7 +47,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-METHODS = ("eagle3", "peagle")
+METHODS = ("eagle3", "peagle", "dflash")
+SHORT = {"eagle3": "e3", "peagle": "pe", "dflash": "df"}  # the table's column names
 WORKER_MODULE = "draftsmith.evaluate.vllm_worker"  # what vllm_runner starts; --vllm-job wraps it
 TIMING_SUFFIX = ".draft_time.json"  # written beside the worker's result file
 
@@ -287,10 +294,12 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
     prompts = load_prompts(prompt_set, tokenizer, target=first.target, num_prompts=num_prompts,
                            **held_out_split(None, None, first.training))  # what `evaluate` decodes too
     tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
-    target = TargetRunner(model, first.spec.aux_layer_ids)
+    plain = TargetRunner(model, [])
+    runners: dict[Any, Any] = {}  # each draft's target runner hands it the aux layers that draft reads
 
     def decode(k: int, drafter: Any = None) -> tuple[Any, list[list[int]]]:
         total, outputs = DecodeStats(k=k), []
+        target = runners[drafter] if drafter is not None else plain
         for ids in tensors:
             gen = (plain_generate(target, ids, max_new_tokens, 0.0, eos) if drafter is None else
                    speculative_generate(target, drafter, ids, k, max_new_tokens, 0.0, eos))
@@ -298,7 +307,7 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
             outputs.append(gen.tokens)
         return total, outputs
 
-    plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos)  # warm-up, not timed
+    plain_generate(plain, tensors[0], min(8, max_new_tokens), 0.0, eos)  # warm-up, not timed
     log(f"reference decoder: target alone, {len(prompts)} prompts x {max_new_tokens} tokens ...")
     base, base_out = decode(0)
     result: dict[str, Any] = {"num_prompts": len(prompts), "dtype": dtype_name, "device": str(device),
@@ -306,7 +315,8 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
     for method, source in sources.items():
         draft = build_draft_module(source, model, device, dtype)
         drafter = DraftRunner(draft)
-        speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos)  # warm-up
+        runners[drafter] = TargetRunner(model, source.spec.aux_layer_ids)
+        speculative_generate(runners[drafter], drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos)
         timer = ModuleTimer([draft, draft.fc])
         rows = {}
         for k in ks:
@@ -372,27 +382,30 @@ def vllm_engine(work: Path, exports: dict[str, Path], prompt_set: str, num_promp
 
 
 def table(results: dict, ks: dict[str, list[int]]) -> str:
-    """Side by side per engine and k: τ, draft ms/round, tokens/s of EAGLE-3 | P-EAGLE."""
+    """Side by side per engine and k: τ, draft ms/round, tokens/s of each method (– where a method has no run at
+    that k: DFlash in vLLM runs at its block only)."""
     lines = []
+    names = [SHORT[m] for m in METHODS]
     for engine, res in results.items():
         if "error" in res:
             lines.append(f"{engine}: {res['error']}")
             continue
         lines.append(f"{engine}: target alone {res['target_alone_tokens_per_s']:.2f} tokens/s, "
                      f"{res.get('num_prompts')} prompts, {res.get('dtype')}")
-        lines.append(f"{'k':>3} | {'τ e3':>6} {'τ pe':>6} | {'draft ms e3':>11} {'draft ms pe':>11} | "
-                     f"{'tok/s e3':>8} {'tok/s pe':>8} | {'lossless':>8}")
+        lines.append(f"{'k':>3} | " + " ".join(f"{'τ ' + n:>6}" for n in names) + " | "
+                     + " ".join(f"{'draft ms ' + n:>11}" for n in names) + " | "
+                     + " ".join(f"{'tok/s ' + n:>8}" for n in names) + f" | {'lossless':>11}")
+
+        def cell(row, key, fmt, width):
+            return format(row[key], fmt) if row.get(key) is not None else f"{'–':>{width}}"
+
         for k in ks[engine]:
-            e3, pe = (res["methods"].get(m, {}).get(str(k), {}) for m in METHODS)
-
-            def cell(row, key, fmt):
-                return format(row[key], fmt) if row.get(key) is not None else "–"
-
+            rows = [res["methods"].get(m, {}).get(str(k), {}) for m in METHODS]
             lossless = "/".join("yes" if r.get("lossless") else ("no" if r.get("lossless") is False else "–")
-                                for r in (e3, pe))
-            lines.append(f"{k:>3} | {cell(e3, 'tau', '6.3f')} {cell(pe, 'tau', '6.3f')} | "
-                         f"{cell(e3, 'draft_ms_per_round', '11.2f')} {cell(pe, 'draft_ms_per_round', '11.2f')} | "
-                         f"{cell(e3, 'tokens_per_s', '8.2f')} {cell(pe, 'tokens_per_s', '8.2f')} | {lossless:>8}")
+                                for r in rows)
+            lines.append(f"{k:>3} | " + " ".join(cell(r, "tau", "6.3f", 6) for r in rows) + " | "
+                         + " ".join(cell(r, "draft_ms_per_round", "11.2f", 11) for r in rows) + " | "
+                         + " ".join(cell(r, "tokens_per_s", "8.2f", 8) for r in rows) + f" | {lossless:>11}")
     return "\n".join(lines)
 
 
@@ -414,6 +427,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps", type=int, help="optimizer steps (default: the epochs'; quick 12)")
     parser.add_argument("--ttt-steps", type=int, help="TTT steps / P-EAGLE depths (default: the largest k)")
+    parser.add_argument("--dflash-layers", type=int, default=2, help=(
+        "DFlash: decoder layers, and target layers it reads (the reference: 5; default 2 on this benchmark's CPU "
+        "budget)"))
+    parser.add_argument("--anchors", type=int, help="DFlash: blocks per sample (default 64; quick 16)")
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--draft-vocab", type=int, help="draft vocabulary (default 8192; quick 2048)")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -446,6 +463,7 @@ def main() -> None:
     ttt_steps = args.ttt_steps or max(ks + (vllm_ks if "vllm" in engines else []))
     draft_vocab = args.draft_vocab or (2048 if quick else 8192)
     num_prompts = args.prompts or (2 if quick else 5)
+    anchors = args.anchors or (16 if quick else 64)
     max_new = args.max_new_tokens or (24 if quick else 64)
 
     import torch
@@ -458,7 +476,9 @@ def main() -> None:
         TrainConfig,
     )
     from draftsmith.core import targets
+    from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
     from draftsmith.evaluate import vllm_runner
+    from draftsmith.prepare.dataset import open_prepared
     from draftsmith.train.drafts import load_draft, resolve_draft_target
 
     if args.threads:
@@ -466,7 +486,7 @@ def main() -> None:
     load_before = os.getloadavg()
     device = targets.resolve_device(args.device)
     dtype_name = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
-    work = args.work or Path(tempfile.mkdtemp(prefix="draftsmith-peagle-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="draftsmith-methods-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     log(f"work directory {work}")
@@ -475,35 +495,43 @@ def main() -> None:
     if prepared is None:
         prepared = work / "prepared"
         prepare.run(PrepareConfig(output=prepared, target=args.target, max_length=max_length, max_samples=samples))
+    num_layers = open_prepared(prepared).manifest.target.num_layers
+    layers = {"eagle3": resolve_layer_ids(None, num_layers)[:-1],
+              "dflash": dflash_aux_layer_ids(num_layers, args.dflash_layers)}
+    layers["peagle"] = layers["eagle3"]
     t0 = time.perf_counter()
     extract.run(ExtractConfig(prepared=prepared, output=work / "store", backend="hf", device=args.device,
-                              target=args.target))
+                              target=args.target, aux_layer_ids=sorted(set(layers["eagle3"]) | set(layers["dflash"]))))
     extract_s = time.perf_counter() - t0
-    log(f"one store for both drafts: {work / 'store'} ({extract_s:.0f} s)")
+    log(f"one store for the three drafts: {work / 'store'} ({extract_s:.0f} s)")
 
     trained: dict[str, dict] = {}
     exports: dict[str, Path] = {}
-    for method in METHODS:  # everything but --method the same: the same batches, tokens and shapes
-        log(f"training the {method} draft ({steps or f'{args.epochs} epochs of'} steps, TTT {ttt_steps}) ...")
+    for method in METHODS:  # the same batches and tokens; each its own layers of the store and its own shape
+        shape = (dict(num_layers=args.dflash_layers, block_size=ttt_steps + 1, anchors_per_sample=anchors)
+                 if method == "dflash" else dict(ttt_steps=ttt_steps, draft_vocab_size=draft_vocab))
+        log(f"training the {method} draft ({steps or f'{args.epochs} epochs of'} steps, {shape}) ...")
         t0 = time.perf_counter()
         result = train.run(TrainConfig(data=work / "store", output=work / f"train-{method}", method=method,
-                                       epochs=args.epochs, max_steps=steps, token_budget=args.token_budget,
-                                       ttt_steps=ttt_steps, draft_vocab_size=draft_vocab, lr=args.lr, warmup_steps=20,
-                                       device=args.device, seed=0, save_every=10**6, resume=False, force=True))
+                                       aux_layer_ids=layers[method], epochs=args.epochs, max_steps=steps,
+                                       token_budget=args.token_budget, lr=args.lr, warmup_steps=20,
+                                       device=args.device, seed=0, save_every=10**6, resume=False, force=True,
+                                       **shape))
         train_s = time.perf_counter() - t0
         export.run(ExportConfig(checkpoint=work / f"train-{method}", format="vllm", output=work / f"export-{method}",
-                                speculative_tokens=max(ks)))
+                                speculative_tokens=ttt_steps))
         exports[method] = work / f"export-{method}"
         trained[method] = {"train_s": round(train_s, 1), "tokens": result.summary.get("tokens"),
                            "tokens_per_s": result.summary.get("tokens/s")}
         log(f"{method}: {trained[method]['tokens']} training tokens in {train_s:.0f} s")
     sources = {m: load_draft(exports[m]) for m in METHODS}
     shapes = {m: s.spec.model_dump(exclude={"parallel_drafting", "mask_token_id"}) for m, s in sources.items()}
-    same = {"tokens": trained["eagle3"]["tokens"] == trained["peagle"]["tokens"],
+    same = {"tokens": len({trained[m]["tokens"] for m in METHODS}) == 1,
             "draft_shape": shapes["eagle3"] == shapes["peagle"],
-            "peagle_is_parallel": bool(sources["peagle"].spec.parallel_drafting)}
+            "peagle_is_parallel": bool(sources["peagle"].spec.parallel_drafting),
+            "dflash_block": sources["dflash"].spec.block_size == ttt_steps + 1}
     if not all(same.values()):
-        log(f"WARNING: the two drafts are not a like-for-like pair: {same}")
+        log(f"WARNING: the drafts are not a like-for-like set: {same}")
 
     target_path, _ = resolve_draft_target(args.target, sources["eagle3"], str(exports["eagle3"]), "evaluate it")
     results: dict[str, dict] = {}
@@ -528,13 +556,16 @@ def main() -> None:
 
     log("")
     data = f"{args.prepared}" if args.prepared else f"{samples} conversations x {max_length}"
-    log(f"P-EAGLE vs EAGLE-3 (e3 | pe), {data}, TTT/depths {ttt_steps}, draft vocab "
-        f"{draft_vocab}, {max_new} new tokens, temperature 0; draft ms = time per round inside the draft")
+    log(f"EAGLE-3 | P-EAGLE | DFlash (e3 pe df), {data}, TTT/depths {ttt_steps}, DFlash block {ttt_steps + 1} x "
+        f"{args.dflash_layers} layers, draft vocab {draft_vocab} (DFlash: the target's), {max_new} new tokens, "
+        "temperature 0; draft ms = time per round inside the draft")
     log(table(results, ks_by_engine))
     print(json.dumps({"work": str(work), "target": str(target_path), "device": str(device), "dtype": dtype_name,
                       "samples": None if args.prepared else samples,
                       "max_length": None if args.prepared else max_length,
                       "threads": torch.get_num_threads(), "ttt_steps": ttt_steps,
+                      "dflash": {"block_size": ttt_steps + 1, "layers": args.dflash_layers,
+                                 "anchors_per_sample": anchors, "aux_layer_ids": layers["dflash"]},
                       "draft_vocab_size": draft_vocab, "max_new_tokens": max_new, "extract_s": round(extract_s, 1),
                       "train": trained, "same": same, "engines": results,
                       "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],

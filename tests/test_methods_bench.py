@@ -1,4 +1,4 @@
-"""benchmarks/peagle_vs_eagle3.py's measuring parts, without training or an engine: the k lists, the timers (a
+"""benchmarks/methods.py's measuring parts, without training or an engine: the k lists, the timers (a
 nested call counted once, the draft's forwards counted), the worker swap that times vLLM's drafting step (only
 the evaluation worker is rerouted; only the timed generate call is counted), and the side-by-side table."""
 
@@ -21,7 +21,7 @@ from draftsmith.evaluate import vllm_runner, vllm_worker
 from draftsmith.evaluate.specdec import DecodeStats
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_peagle", ROOT / "benchmarks" / "peagle_vs_eagle3.py")
+_spec = importlib.util.spec_from_file_location("bench_methods", ROOT / "benchmarks" / "methods.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
@@ -80,7 +80,7 @@ def test_only_the_evaluation_worker_is_started_through_the_benchmark(monkeypatch
         vllm_runner.subprocess.run([sys.executable, "-m", bench.WORKER_MODULE, "r.json"], timeout=5)
         vllm_runner.subprocess.run([sys.executable, "-c", "import vllm"])
     assert vllm_runner.subprocess is subprocess
-    assert started[0] == [sys.executable, str(ROOT / "benchmarks" / "peagle_vs_eagle3.py"), "--vllm-job", "r.json"]
+    assert started[0] == [sys.executable, str(ROOT / "benchmarks" / "methods.py"), "--vllm-job", "r.json"]
     assert started[1] == [sys.executable, "-c", "import vllm"]
 
 
@@ -137,7 +137,7 @@ def test_rows_and_the_side_by_side_table():
     text = bench.table(results, {"hf": [2], "vllm": [2]})
     lines = text.splitlines()
     assert lines[0].startswith("hf: target alone 5.00 tokens/s, 2 prompts, float32")
-    assert lines[2].split("|")[1].split() == ["1.800", "1.800"]
-    assert lines[2].split("|")[2].split() == ["25.00", "–"]
-    assert lines[2].split("|")[4].strip() == "yes/–"
+    assert lines[2].split("|")[1].split() == ["1.800", "1.800", "–"]  # no DFlash run at this k
+    assert lines[2].split("|")[2].split() == ["25.00", "–", "–"]
+    assert lines[2].split("|")[4].strip() == "yes/–/–"
     assert lines[-1] == "vllm: skipped: vLLM is not installed (or does not import)"
