@@ -17,7 +17,7 @@ from draftsmith.evaluate.specdec import (
     speculative_generate,
     verify_chain,
 )
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.train.model import DFlashDraft, DraftSpec, Eagle3Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -442,3 +442,97 @@ def test_greedy_lossless_on_default_target_with_random_draft(default_target_dir,
         base = plain_generate(runner, ids, 24)
         spec = speculative_generate(runner, draft, ids, k, 24)
         assert spec.tokens == base.tokens
+
+
+# ---------------------------------------------------------------------------------------------- DFlash
+
+
+def random_dflash(target_dir, target_model, block_size: int = 4, seed: int = 0, layers: int = 1) -> DFlashDraft:
+    """A random DFlash draft of the target (its embedding and lm_head), the pad token as its mask token."""
+    config = json.loads((target_dir / "config.json").read_text())
+    spec = DraftSpec.from_target_config(config, config["vocab_size"], layers, aux_ids(config["num_hidden_layers"]))
+    spec = spec.model_copy(update={"method": "dflash", "block_size": block_size,
+                                   "mask_token_id": config["pad_token_id"]})
+    return DFlashDraft.from_target(spec, target_model, seed).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_dflash_greedy_with_random_draft_is_lossless_one_forward_a_round(tiny, k):
+    target_dir, model, runner = tiny
+    dflash = random_dflash(target_dir, model, block_size=k + 1)
+    draft = DraftRunner(dflash)
+    assert draft.block and draft.parallel
+    calls, rounds = count_forwards(dflash), 0
+    for prompt in PROMPTS:
+        base = plain_generate(runner, torch.tensor(prompt), 30)
+        spec = speculative_generate(runner, draft, torch.tensor(prompt), k, 30)
+        assert spec.tokens == base.tokens
+        assert spec.stats.num_draft_tokens == k * spec.stats.num_rounds
+        rounds += spec.stats.num_rounds
+    assert calls[0] == rounds > 0  # one draft forward a round, whatever k
+
+
+class RecordingBlocks(DraftRunner):
+    """Records each DFlash round's proposals with the position of its anchor."""
+
+    def __init__(self, draft):
+        super().__init__(draft)
+        self.rounds: list[tuple[int, int, torch.Tensor]] = []
+
+    def step_block(self, features, anchor, k):
+        logits = super().step_block(features, anchor, k)
+        self.rounds.append((self.length, anchor, logits))
+        return logits
+
+
+def test_dflash_rounds_propose_what_a_fresh_draft_proposes_from_the_whole_prefix(tiny_target_dir):
+    """Across rounds (the context cache cropped to the verified positions, the rejected positions' features read
+    again from the target), each round's proposals equal one block of a fresh draft over the whole prefix (float64)."""
+    model = targets.load_target(tiny_target_dir).double()
+    target = TargetRunner(model, aux_ids(model.config.num_hidden_layers))
+    draft = random_dflash(tiny_target_dir, model, block_size=4, layers=2).double()
+    k = 3
+    recorder = RecordingBlocks(draft)
+    base = plain_generate(target, torch.tensor(PROMPTS[0]), 40)
+    spec = speculative_generate(target, recorder, torch.tensor(PROMPTS[0]), k, 40)
+    assert spec.tokens == base.tokens and len(recorder.rounds) == spec.stats.num_rounds > 1
+    seq = torch.tensor(PROMPTS[0] + spec.tokens)
+    _, aux, _ = target.forward(seq, target.new_cache(), want_aux=True)
+    fresh = DraftRunner(draft)
+    fused = fresh.fuse(aux)
+    for t, anchor, logits in recorder.rounds:
+        assert anchor == int(seq[t])  # the anchor: the last token, at the position after the context
+        fresh.reset()
+        torch.testing.assert_close(logits, fresh.step_block(fused[:t], anchor, k), msg=f"t={t}")
+
+
+def test_dflash_speculative_sampling_matches_target_next_token_distribution(tmp_path):
+    """At temperature 1 (k=2): the 2nd generated token under DFlash rounds (a random block drafter, often
+    rejected) follows the target's own marginal distribution (chi-square, p=0.001)."""
+    from conftest import build_tiny_target
+
+    target_dir = build_tiny_target(tmp_path / "peaky", seed=1)
+    model = targets.load_target(target_dir)
+    with torch.no_grad():
+        targets.lm_head(model).weight.mul_(60.0)
+    runner = TargetRunner(model, aux_ids(model.config.num_hidden_layers))
+    draft = DraftRunner(random_dflash(target_dir, model, block_size=3, seed=5))
+    prompt = torch.tensor([1, 5, 9, 33, 7])
+    with torch.no_grad():
+        p1 = torch.softmax(model(input_ids=prompt[None]).logits[0, -1].float(), -1)
+        vocab = p1.numel()
+        batch = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = torch.softmax(model(input_ids=batch).logits[:, -1].float(), -1)
+    marginal = (p1[:, None] * p2).sum(0)
+    gen = torch.Generator().manual_seed(0)
+    n = 600
+    counts = torch.zeros(vocab)
+    rejected = 0
+    for _ in range(n):
+        out = speculative_generate(runner, draft, prompt, 2, 2, temperature=1.0, generator=gen)
+        counts[out.tokens[1]] += 1
+        rejected += out.stats.accepted_per_pos[0] == 0
+    assert rejected > n // 10  # the residual distribution was exercised
+    stat, df = chi2_stat(counts, marginal)
+    assert df >= 5
+    assert stat < chi2_critical(df)
