@@ -193,3 +193,36 @@ def test_an_eagle3_draft_cannot_start_a_dflash_run(prepared, tmp_path):
                      block_size=16, anchors_per_sample=512))
     with pytest.raises(DraftsmithError, match="architectures differ"):
         trainer.run(_cfg(prepared, tmp_path / "dflash", init_from=eagle))
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.attention, "flex_attention"), reason="no flex_attention in this torch")
+@pytest.mark.parametrize("kernel", ["chunked", "flex"])
+def test_block_attention_kernels_equal_the_explicit_mask_forward_and_backward(kernel, monkeypatch):
+    """Both kernels of the DFlash block attention against the explicit [A*S, T + A*S] mask, gradients included.
+    flex (CUDA's) runs eager here through flex_attention's reference backward (CPU refuses it unless its device check
+    is lifted)."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from draftsmith.train import attention
+
+    if kernel == "flex":
+        if not hasattr(flex_module, "_validate_device"):
+            pytest.skip("this torch's flex_attention has no device check to lift")
+        monkeypatch.setattr(flex_module, "_validate_device", lambda *a: None)
+        monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_module.flex_attention)
+    gen = torch.Generator().manual_seed(8)
+    b, hq, hkv, t, s, d = 2, 4, 2, 50, 4, 8
+    mask = np.ones((b, t), dtype=bool)
+    mask[1, 40:] = False
+    index = block_index(mask, Anchors(s, 20, 0), [0, 1])
+    rows = index.anchors.shape[1] * s
+    tensors = [torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
+               for shape in ((b, hq, rows, d), (b, hkv, rows, d), (b, hkv, rows, d), (b, hkv, t, d), (b, hkv, t, d))]
+    ours = attention.block_attention(*tensors, index.anchors, index.chunk_limits, kernel=kernel)
+    ref = attention.naive_block_attention(*tensors, index.anchors)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    weights = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+    for x, y in zip(torch.autograd.grad((ours * weights).sum(), tensors),
+                    torch.autograd.grad((ref * weights).sum(), tensors)):
+        assert x.abs().sum() > 0
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)

@@ -138,7 +138,10 @@ def in_process_vllm(on: bool = True):
 
 
 class Matrix:
-    """Prepared sets, stores and results per family, built once per module and shared by its tests."""
+    """Prepared sets, stores and results per family, built once per module and shared by its tests. A subclass
+    trains drafts of another method by its `draft_options` (TrainConfig options over the EAGLE-3 ones here)."""
+
+    draft_options: dict[str, Any] = {}
 
     def __init__(self, root: Path, chats: Path):
         self.root, self.chats = root, chats
@@ -186,12 +189,12 @@ class Matrix:
         target in the trainer). Its run summary is in `self.summaries`."""
         key = ("draft", name, data)
         if key not in self._made:
-            out = self.root / name / f"draft-{data}"
+            out = self.root / name / f"draft-{data}-{self.draft_options.get('method', 'eagle3')}"
             source = self.hf(name) if data == "store" else self.prepared(name)
-            result = train.run(TrainConfig(
+            result = train.run(TrainConfig(**{**dict(
                 data=source, output=out, max_steps=TRAIN_STEPS, lr=3e-3, warmup_steps=0, schedule="constant",
-                token_budget=2048, draft_vocab_size=256, ttt_steps=3, eval_fraction=0.0, save_every=10 ** 6,
-                device="cpu", precision="fp32", seed=0))
+                token_budget=2048, draft_vocab_size=256, ttt_steps=SPEC_K, eval_fraction=0.0, save_every=10 ** 6,
+                device="cpu", precision="fp32", seed=0), **self.draft_options}))
             self.summaries[key] = result.summary
             self._made[key] = out
         return self._made[key]
@@ -703,6 +706,31 @@ def test_reference_decoder_is_lossless_with_the_trained_draft(matrix, name):
     matrix.record(name, "reference decoder lossless", ok=True, k=SPEC_K, tau=round(1 + accepted / ref["rounds"], 3))
 
 
+def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path, max_model_len: int | None = None) -> dict:
+    """vLLM (in-process, float32, temperature 0) decodes the family's prompts with the exported `draft`: the same
+    tokens as the same engine alone (lossless) and as the reference decoder's target alone; its counters show the
+    draft ran (SPEC_K tokens a round, some accepted) and equal the reference decoder's rounds and acceptance per
+    position exactly. Returns vLLM's spec-decode counters."""
+    from draftsmith.evaluate import vllm_worker
+
+    ref = matrix.reference(name)
+    request = dict(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
+                   max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
+                   max_model_len=max_model_len or MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS,
+                   ignore_eos=True)
+    with in_process_vllm():
+        plain = vllm_worker.run({**request, "draft": None})
+        spec = vllm_worker.run({**request, "draft": str(draft)})
+    assert spec["outputs"] == plain["outputs"], name  # lossless
+    assert plain["outputs"] == ref["plain"], name  # the reference decoder's target alone
+    counters = spec["spec"]
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
+    assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
+    assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
+        ref["rounds"], ref["accepted_per_pos"]), (counters, ref)
+    return counters
+
+
 # The KV cache block sizes of vLLM 0.32's CPU attention backends: CPU_MLA (the float32 MLA reference) only 16, the
 # draft's CPU_ATTN multiples of 32. An MLA target and a Llama-style EAGLE-3 draft share one KV cache group, so no
 # block size fits both: the engine stops at KV cache set-up, after the target and the draft (weights, shared
@@ -744,16 +772,7 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
                              "(multiples of 32); the engine loads target and draft, then stops at KV cache set-up",
                       fallback="reference decoder lossless (tau above); bf16 on CPUs with AMX (AMX_MLA) or a GPU")
         return
-    with in_process_vllm():
-        plain = vllm_worker.run({**request, "draft": None})
-        spec = vllm_worker.run({**request, "draft": str(draft)})
-    assert spec["outputs"] == plain["outputs"], name  # lossless
-    assert plain["outputs"] == ref["plain"], name  # the reference decoder's target alone
-    counters = spec["spec"]
-    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
-    assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
-    assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
-        ref["rounds"], ref["accepted_per_pos"]), (counters, ref)
+    counters = vllm_decodes_as_the_reference(matrix, name, draft)
     matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=True, k=SPEC_K, prompts=NUM_PROMPTS,
                   new_tokens=NEW_TOKENS, drafts=counters["num_drafts"],
                   accepted_per_pos=counters["num_accepted_tokens_per_pos"],

@@ -144,6 +144,39 @@ def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(
 ACCEPTED_TOLERANCE = 0.05
 
 
+def evaluate_in_both_engines(draft, tmp_path, monkeypatch, k: int, deep: int, num_prompts: int = 4,
+                             max_new_tokens: int = 32) -> tuple[dict, dict]:
+    """`draftsmith evaluate` of `draft` on the default target's first MT-bench prompts, temperature 0, float32, with
+    the reference decoder and with vLLM (in its worker process, without an engine-core process of its own: most of
+    a start on a CPU): vLLM lossless against itself without the draft, k tokens a round, the reference decoder's
+    rounds and per-position acceptance within ACCEPTED_TOLERANCE -- after both accepted proposals at position `deep`
+    + 1 (a comparison of acceptance that is zero past position 1 passes with a wrong slot or mask layout). Returns
+    both reports' runs."""
+    from draftsmith import evaluate
+    from draftsmith.config import EvaluateConfig
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    common = dict(draft=draft, prompts="mt-bench", num_prompts=num_prompts, max_new_tokens=max_new_tokens, k=[k],
+                  dtype="float32", temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
+    evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
+    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
+    hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
+    k = vl["k"]  # a DFlash draft's block decides
+    results = {name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
+               for name in ("baseline", f"k{k}")}
+    assert results[f"k{k}"]["outputs"] == results["baseline"]["outputs"]  # lossless
+    assert all(len(o) > 0 for o in results["baseline"]["outputs"])
+    assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == k * vl["num_rounds"], vl
+    assert len(vl["accepted_per_pos"]) == k, vl
+    assert hf["accepted_per_pos"][deep] > 0 and vl["accepted_per_pos"][deep] > 0, (hf, vl)  # deep into a round
+    rounds = max(hf["num_rounds"], vl["num_rounds"])
+    assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
+    for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
+        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])
+    return hf, vl
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_accepts_what_the_reference_decoder_accepts(trained_run, tmp_path):

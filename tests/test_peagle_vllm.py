@@ -25,20 +25,20 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import MEMORISED_PROMPTS
 from test_families import (
     MAX_LENGTH,
     NEW_TOKENS,
-    NUM_PROMPTS,
     SPEC_K,
     Matrix,
-    in_process_vllm,
     needs_vllm,
+    vllm_decodes_as_the_reference,
     write_chats,
 )
-from test_parity import ACCEPTED_TOLERANCE
+from test_parity import evaluate_in_both_engines
 
-from draftsmith import evaluate, export, train
-from draftsmith.config import EvaluateConfig, ExportConfig, TrainConfig
+from draftsmith import export, train
+from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.train.drafts import load_draft
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
@@ -91,26 +91,8 @@ def test_vllm_drafts_in_parallel_losslessly_with_the_reference_acceptance(peagle
     config = json.loads((peagle_export / "config.json").read_text())
     assert config["ptd_token_id"] == spec.mask_token_id
     assert _spec_config(peagle_export)["parallel_drafting"] is True
-    # the engines in their worker process (one process per measurement, as evaluate runs them), without vLLM's
-    # engine-core process of their own: most of a start on a CPU
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    common = dict(draft=peagle_export, prompts="mt-bench", num_prompts=4, max_new_tokens=32, k=[K], dtype="float32",
-                  temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
-    evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
-    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
-    hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
-    results = {name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
-               for name in ("baseline", f"k{K}")}
-    assert results[f"k{K}"]["outputs"] == results["baseline"]["outputs"]  # lossless
-    assert all(len(o) > 0 for o in results["baseline"]["outputs"])
-    assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == K * vl["num_rounds"], vl
-    assert len(vl["accepted_per_pos"]) == K and hf["accepted_per_pos"][1] > 0 and vl["accepted_per_pos"][1] > 0, \
-        (hf, vl)  # parallel slots accepted (position 2 on): the comparison below can fail on a wrong slot layout
-    rounds = max(hf["num_rounds"], vl["num_rounds"])
-    assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
-    for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
-        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])
+    # the parallel slots accepted (position 2 on), then the same acceptance per position in both engines
+    evaluate_in_both_engines(peagle_export, tmp_path, monkeypatch, K, deep=1, num_prompts=MEMORISED_PROMPTS)
 
 
 # ---------------------------------------------------------------------------------------- (b) an MoE family
@@ -119,18 +101,7 @@ def test_vllm_drafts_in_parallel_losslessly_with_the_reference_acceptance(peagle
 class PeagleMatrix(Matrix):
     """tests/test_families.py's prepared sets, stores, exports and reference decodes, with P-EAGLE drafts."""
 
-    def draft(self, name: str, data: str) -> Path:
-        key = ("draft", name, data)
-        if key not in self._made:
-            assert data == "store"
-            out = self.root / name / "peagle-draft"
-            result = train.run(TrainConfig(
-                data=self.hf(name), output=out, method="peagle", max_steps=MOE_STEPS, lr=3e-3, warmup_steps=0,
-                schedule="constant", token_budget=2048, draft_vocab_size=256, ttt_steps=SPEC_K, eval_fraction=0.0,
-                save_every=10 ** 6, device="cpu", precision="fp32", seed=0))
-            self.summaries[key] = result.summary
-            self._made[key] = out
-        return self._made[key]
+    draft_options = dict(method="peagle", max_steps=MOE_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -140,22 +111,8 @@ def moe(tmp_path_factory) -> PeagleMatrix:
 
 
 def test_vllm_parallel_drafting_on_an_moe_target_is_lossless_with_the_reference_acceptance(moe, one_thread):
-    from draftsmith.evaluate import vllm_worker
-
     draft = moe.export(MOE, "vllm")
     assert load_draft(draft).spec.parallel_drafting and _spec_config(draft)["parallel_drafting"] is True
     ref = moe.reference(MOE)
     assert ref["spec"] == ref["plain"]  # the reference decoder, drafting in parallel, is lossless too
-    request = dict(target=str(load_draft(draft).target.path), prompts=moe.prompts(MOE), k=SPEC_K,
-                   max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
-                   max_model_len=MAX_LENGTH + NEW_TOKENS + 2 * SPEC_K + 8, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
-    with in_process_vllm():
-        plain = vllm_worker.run({**request, "draft": None})
-        spec = vllm_worker.run({**request, "draft": str(draft)})
-    assert spec["outputs"] == plain["outputs"]  # lossless
-    assert plain["outputs"] == ref["plain"]  # the reference decoder's target alone
-    counters = spec["spec"]
-    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
-    assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
-    assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
-        ref["rounds"], ref["accepted_per_pos"]), (counters, ref)
+    vllm_decodes_as_the_reference(moe, MOE, draft, max_model_len=MAX_LENGTH + NEW_TOKENS + 2 * SPEC_K + 8)

@@ -295,6 +295,20 @@ def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
     off = [m["loss"] for m in read_jsonl(tmp_path / "offline" / "metrics.jsonl")]
     assert on == pytest.approx(off, rel=1e-5)
     assert_same_weights(tmp_path / "online", tmp_path / "offline")
+    # a DFlash draft of the seed's backbone, from the same store and from the engines' spool: the same curve
+    from draftsmith.extract import store
+
+    layers = ",".join(map(str, store.open(tmp_path / "store").aux_layer_ids))
+    dflash = [*options, "--method", "dflash", "--block-size", "4", "--num-layers", "1", "--anchors-per-sample", "16",
+              "--aux-layer-ids", layers]
+    draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "dflash-offline", *dflash,
+               trainer_cores=True)
+    draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output",
+               tmp_path / "dflash-online", *dflash)
+    on, off = ([m["loss"] for m in read_jsonl(tmp_path / f"dflash-{run}" / "metrics.jsonl")]
+               for run in ("online", "offline"))
+    assert len(on) >= 8 and on == pytest.approx(off, rel=1e-5)
+    assert_same_weights(tmp_path / "dflash-online", tmp_path / "dflash-offline")
 
 
 def test_torchrun_two_ranks_read_one_engine_as_from_a_store(tmp_path):

@@ -303,16 +303,23 @@ def anchor_chunks(num_anchors: int, block_size: int) -> list[tuple[int, int]]:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.Tensor,
-                    v_context: torch.Tensor, limits: torch.Tensor, chunk_limits: list[int]) -> torch.Tensor:
+                    v_context: torch.Tensor, limits: torch.Tensor, chunk_limits: list[int], *,
+                    kernel: str | None = None) -> torch.Tensor:
     """DFlash training attention, memory-linear in the context and the anchors (forward and backward).
 
     q [B, Hq, A*S, D] and the block's k / v [B, Hkv, A*S, D] hold A blocks of S positions, block a at rows
     a*S .. a*S+S-1; k_context / v_context [B, Hkv, T, D]; limits [B, A]: block a sees context keys s < limits[b, a]
-    (its anchor position) and every key of its own block, in any order. chunk_limits: per chunk of
-    `anchor_chunks(A, S)`, the largest limit in it over the batch (known on the host: no sync). Each chunk is one
-    masked SDPA over [its context prefix, its blocks' keys], recomputed in the backward (checkpointed) so only the
-    chunk's scores ever exist.
+    (its anchor position) and every key of its own block, in any order. kernel (as `ttt_attention`'s, default
+    $DRAFTSMITH_TTT_KERNEL or auto): "flex" (CUDA: `flex_block_attention`, fused) or "chunked": per chunk of
+    `anchor_chunks(A, S)` (chunk_limits: its largest limit over the batch, known on the host: no sync) one masked
+    SDPA over [its context prefix, its blocks' keys], recomputed in the backward (checkpointed) so only the chunk's
+    scores ever exist.
     """
+    kernel = kernel or os.environ.get("DRAFTSMITH_TTT_KERNEL", "auto")
+    if kernel not in KERNELS:
+        raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
+    if kernel == "flex" or (kernel == "auto" and q.is_cuda and flex_attention is not None):
+        return flex_block_attention(q, k, v, k_context, v_context, limits)
     b, hq, rows, d = q.shape
     num_anchors = limits.shape[1]
     s = rows // num_anchors
@@ -338,6 +345,28 @@ def _block_chunk(q, k, v, k_context, v_context, limits) -> torch.Tensor:
     mask = torch.cat((context, own), dim=-1)[:, None]  # [B, 1, c*S, kmax + c*S]
     return F.scaled_dot_product_attention(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2),
                                           attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool = True) -> torch.Tensor:
+    """`block_attention` through flex_attention (CUDA: fused kernels, forward and backward): the queries against
+    [context, every block] with the mask as a mask_mod. Its BlockMask is built by create_block_mask over the
+    [A*S, T + A*S] grid at 128 x 128 granularity (block-sparse: a block's context prefix and its own tile).
+    compiled=False runs eager (tests, on a CPU)."""
+    if flex_attention is None:
+        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, _, rows, _ = q.shape
+    t, s = k_context.shape[2], rows // limits.shape[1]
+
+    def visible(bi, h, qi, kvi):
+        block = qi // s
+        return torch.where(kvi < t, kvi < limits[bi, block], (kvi - t) // s == block)
+
+    mask = create_block_mask(visible, b, None, rows, t + rows, device=str(q.device))
+    fn = _compiled_flex_attention() if compiled else flex_attention
+    return fn(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2), block_mask=mask,
+              enable_gqa=q.shape[1] != k.shape[1])
 
 
 def naive_block_attention(q, k, v, k_context, v_context, limits) -> torch.Tensor:

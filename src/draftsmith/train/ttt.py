@@ -329,11 +329,12 @@ def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
 
 
 def dflash_hidden_states(draft: DFlashDraft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, index: BlockIndex,
-                         checkpointed: bool = False, attention: str = "chunked") -> Iterator[torch.Tensor]:
+                         checkpointed: bool = False, attention: str = "auto") -> Iterator[torch.Tensor]:
     """DFlash: the blocks' pre-norm hidden states [B, A*S, H] from one draft forward, once per block position j
     (the rows of position j are `index.scored[j-1]`). Block a sits at positions anchor .. anchor + S - 1, reads
     [x_anchor, mask, ...] and sees the context s < anchor: what vLLM's round from prefix 0..anchor computes.
-    attention "naive": one explicit mask over every block (tests)."""
+    attention: `block_attention`'s kernel ("auto", "flex", "chunked"), or "naive": one explicit mask over every
+    block (tests)."""
     b, t = input_ids.shape
     anchors = index.anchors
     size = draft.spec.block_size
@@ -345,7 +346,7 @@ def dflash_hidden_states(draft: DFlashDraft, input_ids: torch.Tensor, aux_hidden
             return naive_block_attention(q, k, v, kc, vc, anchors)
     else:
         def attend(q, k, v, kc, vc):
-            return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits)
+            return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits, kernel=attention)
     hidden = draft.forward_hidden(block_ids, block_positions, draft.context(aux_hidden), positions, attend,
                                   checkpointed=checkpointed)
     for _ in range(size - 1):
@@ -387,7 +388,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
     if isinstance(draft, DFlashDraft):  # one forward; block position j is "step" j-1
         steps = dflash_hidden_states(draft, input_ids, aux_hidden, index, checkpointed,
-                                     "naive" if mode == "naive" else "chunked")
+                                     "naive" if mode == "naive" else "auto")
     else:
         steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed,
                                   index if live_rows else None)
