@@ -226,7 +226,7 @@ class DraftRunner:
         block = self.draft.block_ids(torch.tensor([anchor], device=device), k + 1)
         block_positions = torch.arange(self.length, self.length + k + 1, device=device)[None]
         logits, _ = self.draft(block, block_positions, features[None], feature_positions, self.cache)
-        return logits[0, 1:].float()
+        return logits[0].float()
 
     def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ids [T], hidden [T, H] at positions length..length+T-1 (the cache grows by T) ->

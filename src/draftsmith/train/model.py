@@ -548,7 +548,8 @@ class DFlashDraft(nn.Module):
         """Decoding one DFlash round as vLLM runs it: the fused target features [B, T, H] (`fuse`) at
         feature_positions [B, T] join the context -- each layer's K/V of them appended to `cache` (vLLM writes them
         into the draft's KV cache) --, then the block [B, S] at block_positions sees the whole cached context and
-        itself, in one forward -> (logits [B, S, V], pre-norm hidden [B, S, H]). The block leaves nothing behind."""
+        itself, in one forward -> (logits of the mask positions [B, S-1, V], the proposals; pre-norm hidden
+        [B, S, H]). The block leaves nothing behind."""
         context = self.hidden_norm(features)
         cos, sin = self.rotary(feature_positions, context.dtype)
         for layer, entries in zip(self.layers, cache.layers):
@@ -559,7 +560,7 @@ class DFlashDraft(nn.Module):
                 entries.append((k, v))
         hidden = self.forward_hidden(block_ids, block_positions, [e[0] for e in cache.layers], None,
                                      full_attention)
-        return self.logits(hidden), hidden
+        return self.logits(hidden[:, 1:]), hidden  # the anchor's own output proposes nothing
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., H] -> logits over the target's vocabulary [..., V] (the target's lm_head)."""

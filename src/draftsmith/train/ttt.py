@@ -14,6 +14,11 @@ same memory-linear kernels), and predicts x_{t+k+2}: what vLLM's k-th parallel p
 COD sampling (`step_index(..., cod=...)`) scores only a subset of the anchors at each depth >= 1: about
 n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head then run on those rows alone.
 
+DFlash (`DFlashDraft`, `DraftSpec.method` "dflash") runs one forward per batch instead of the unrolled steps: blocks
+[x_a, mask x (S-1)] at sampled anchors a (`Anchors`, `block_index`), block position j trained towards p_{a+j-1} with
+weight step_weight**(j-1) (exp(-(j-1)/loss_decay)); the metrics call block position j "step" j-1, so every number
+below (KL, accuracy, acceptance per step) reads the same for all three methods.
+
 No host synchronisation inside a step: which rows are scored at each step, and which rows of the target's
 distribution they read, are index tensors built on the host with the batch (`step_index`, called by the collate
 function), so every gather below has a size known before the step runs. Metrics are summed on the device; the
