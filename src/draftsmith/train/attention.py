@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=True
-    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - depends on the torch build
     try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
         AuxRequest = None
     except ImportError:
-        flex_attention = BlockMask = AuxRequest = None
+        flex_attention = BlockMask = AuxRequest = create_block_mask = None
 
 # Query rows per chunk of ChunkedCausalAttention: each chunk holds a few [B, Hq, CHUNK, T] fp32 score buffers.
 # benchmarks/ttt_memory.py --sweep-chunk, CPU: 32..64 fastest at the default target's shapes and at the 8B-shaped
@@ -354,8 +354,6 @@ def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool =
     compiled=False runs eager (tests, on a CPU)."""
     if flex_attention is None:
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
-    from torch.nn.attention.flex_attention import create_block_mask
-
     b, _, rows, _ = q.shape
     t, s = k_context.shape[2], rows // limits.shape[1]
 
