@@ -226,3 +226,22 @@ def test_block_attention_kernels_equal_the_explicit_mask_forward_and_backward(ke
                     torch.autograd.grad((ref * weights).sum(), tensors)):
         assert x.abs().sum() > 0
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
+
+
+def test_a_whole_vocabulary_head_is_used_as_it_is_with_the_same_distribution():
+    """DFlash drafts over the target's whole vocabulary: TargetHead keeps the lm_head itself (no [V, H] copy) and
+    the full-vocabulary metrics reuse the draft-vocabulary logits; the distribution is the one of a copied head."""
+    from draftsmith.train.ttt import target_distribution
+
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(50, 32, generator=gen)
+    rows = torch.randn(7, 32, generator=gen)
+    head = TargetHead(torch.nn.Identity(), weight, torch.arange(50))
+    assert head.draft_weight is weight
+    assert TargetHead(torch.nn.Identity(), weight, torch.arange(0, 50, 2)).draft_weight.shape == (25, 32)
+    ours = target_distribution(rows, torch.nn.Identity(), weight, head.draft_weight)
+    copied = target_distribution(rows, torch.nn.Identity(), weight, weight.clone())
+    for a, b in ((ours.probs, copied.probs), (ours.neg_entropy, copied.neg_entropy), (ours.mass, copied.mass),
+                 (ours.argmax, copied.argmax)):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ours.mass, torch.ones(7))

@@ -202,17 +202,23 @@ def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int
     passes): its block size, read from a draft directory's config.json (vLLM's layout: a `dflash_config`, the block
     size beside it; speculators': speculators_model_type "dflash"); None for an EAGLE-3 or P-EAGLE draft. vLLM drafts
     block_size - 1 tokens a round with it."""
-    kind = config.get("speculators_model_type")
-    if kind is not None and kind != "dflash":
-        return None
-    layer = (config.get("transformer_layer_config") or {}) if kind == "dflash" else config
-    if kind is None and "dflash_config" not in config:
+    layer = _dflash_layer_config(config)
+    if layer is None:
         return None
     size = config.get("block_size", layer.get("block_size", (layer.get("dflash_config") or {}).get("block_size")))
     if not isinstance(size, int) or isinstance(size, bool) or size < 2:
         raise DraftsmithError(f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
                               "a round, so the config must say the block size the draft was trained with")
     return size
+
+
+def _dflash_layer_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The drafter's own config inside a DFlash config.json (vLLM's layout: the file itself; speculators': its
+    transformer_layer_config), None when the file is no DFlash config."""
+    kind = config.get("speculators_model_type")
+    if kind is not None:
+        return (config.get("transformer_layer_config") or {}) if kind == "dflash" else None
+    return config if "dflash_config" in config else None
 
 
 def _dflash_from_config(directory: Path, spec: DraftSpec) -> DraftSpec:
@@ -226,8 +232,7 @@ def _dflash_from_config(directory: Path, spec: DraftSpec) -> DraftSpec:
     if size is None:
         raise DraftsmithError(f"{where}: is not a DFlash config (no dflash_config), but the weights are a DFlash "
                               "draft's; export the draft again from its training run")
-    layer = config.get("transformer_layer_config") or config
-    token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
+    token = (_dflash_layer_config(config).get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < spec.vocab_size:
         raise DraftsmithError(f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
                               f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block")

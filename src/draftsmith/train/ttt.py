@@ -241,8 +241,8 @@ def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weigh
         p = logp.exp()
         probs[a:a + chunk] = p
         neg_ent[a:a + chunk] = (p * logp).sum(-1)
-        if full:
-            all_logits = (x @ lm_head_weight.T).float()  # [chunk, V]
+        if full:  # a draft of the target's whole vocabulary (DFlash) has these logits already
+            all_logits = logits if draft_weight is lm_head_weight else (x @ lm_head_weight.T).float()  # [chunk, V]
             argmax[a:a + chunk] = all_logits.argmax(-1)
             mass[a:a + chunk] = torch.exp(torch.logsumexp(logits, -1) - torch.logsumexp(all_logits, -1))
     return TargetDistribution(probs, neg_ent, mass, argmax)
@@ -250,11 +250,14 @@ def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weigh
 
 class TargetHead:
     """The target's final norm and lm_head: layer-N states -> the target's distribution over the draft vocabulary,
-    at the rows a batch needs. Keeps the lm_head's draft-vocabulary rows (a [Vd, H] copy, made once)."""
+    at the rows a batch needs. Keeps the lm_head's draft-vocabulary rows (a [Vd, H] copy, made once), or the lm_head
+    itself when the draft vocabulary is the target's whole one in order (DFlash)."""
 
     def __init__(self, norm: nn.Module, weight: torch.Tensor, draft_to_target: torch.Tensor):
         self.norm, self.weight = norm, weight
-        self.draft_weight = weight[draft_to_target.to(weight.device)].contiguous()
+        ids = draft_to_target.to(weight.device)
+        whole = ids.numel() == weight.shape[0] and torch.equal(ids, torch.arange(ids.numel(), device=ids.device))
+        self.draft_weight = weight if whole else weight[ids].contiguous()
 
     def __call__(self, last_hidden: torch.Tensor, index: StepIndex, full: bool = True) -> TargetDistribution:
         """last_hidden [B, T, H] (any strides: only the needed rows are read)."""
