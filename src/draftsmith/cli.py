@@ -164,6 +164,9 @@ _stage_command("extract", "ExtractConfig", "draftsmith.extract:run",
                "Run the target over a prepared set and store its aux-layer hidden states (transformers or vLLM).")
 _stage_command("train", "TrainConfig", "draftsmith.train:run",
                "Train an EAGLE-3 draft with training-time test, from a store (offline) or a prepared set (online).")
+_stage_command("feed", "FeedConfig", "draftsmith.extract.vllm.feed:run",
+               "The engine side of online training on another node: a vLLM engine that computes the chunks a "
+               "`train --engine vllm --remote-engines` trainer plans and publishes them to its --spool (Mooncake).")
 _stage_command("export", "ExportConfig", "draftsmith.export:run",
                "Write a trained draft as a vLLM, SGLang or speculators model directory.", positional=("checkpoint",))
 _stage_command("evaluate", "EvaluateConfig", "draftsmith.evaluate:run",

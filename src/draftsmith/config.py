@@ -389,11 +389,19 @@ class TrainConfig(StageConfig):
     engine: Literal["hf", "vllm"] = Field("hf", description=(
         "Online training (--data is a prepared set): hf runs the target inside the trainer (transformers); vllm "
         "starts vLLM engines that extract the hidden states the trainer needs next into a bounded spool."))
-    spool: Path | None = Field(None, description=(
-        "--engine vllm: the spool directory, on local disk or /dev/shm; under torchrun on several nodes a path "
-        "every rank sees (default: OUTPUT/spool)."))
+    spool: str | None = Field(None, description=(
+        "--engine vllm: where the engines hand over the states: a directory on local disk or /dev/shm (under "
+        "torchrun on several nodes, a path every rank sees; default OUTPUT/spool), or a Mooncake store: mooncake "
+        "(draftsmith starts a master on loopback) or mooncake://HOST:PORT/RUN (a running master; RUN, optional, "
+        "names the run's keys; no shared filesystem needed)."))
+    remote_engines: bool = Field(False, description=(
+        "--engine vllm: the engines run elsewhere, started there by `draftsmith feed --spool SPOOL` (the engine "
+        "node's command); the trainer starts none and waits for them."))
+    stall_timeout_s: float = Field(1800.0, gt=0, description=(
+        "--engine vllm: end the run, naming the side and its log, when the engines (waited for by the trainer) or "
+        "the trainer (waited for by the engines) report no progress for this many seconds."))
     spool_gb: float = Field(1.0, gt=0, description=(
-        "--engine vllm: the most the spool may hold on disk, in GiB; the engines wait when it is full "
+        "--engine vllm: the most the spool may hold (on disk, or in Mooncake), in GiB; the engines wait when it is full "
         "(`draftsmith doctor --online-rate` says what a rate needs)."))
     spool_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "--engine vllm: storage dtype of the spooled hidden states (and of the --keep-epoch0 store)."))
@@ -433,6 +441,25 @@ class TrainConfig(StageConfig):
             object.__setattr__(self, "ttt_steps", steps)
             object.__setattr__(self, "step_weight", weight)
         return self
+
+
+class FeedConfig(StageConfig):
+    spool: str = Field("mooncake://127.0.0.1:50051", description=(
+        "The trainer's --spool: mooncake://HOST:PORT/RUN (its Mooncake master and run; /RUN optional), or a "
+        "directory both nodes see."))
+    prepared: Path | None = Field(None, description=(
+        "This node's copy of the trainer's prepared set (default: the path in the trainer's job); checked to be "
+        "the same set."))
+    target: str | None = Field(None, description=(
+        "This node's path of the target (default: the one in the trainer's job)."))
+    scratch: Path | None = Field(None, description=(
+        "Local directory the engine writes each chunk into before publishing it (default: a directory in TMPDIR)."))
+    segment_gb: float | None = Field(None, gt=0, description=(
+        "GiB of this node's memory the engine lends Mooncake for the chunks (default: the trainer's --spool-gb "
+        "with room under Mooncake's eviction watermark)."))
+    stall_timeout_s: float = Field(1800.0, gt=0, description=(
+        "Stop, naming the trainer, when it reports no progress for this many seconds while the engine waits "
+        "(also how long to wait for the trainer's job)."))
 
 
 class QuickstartConfig(StageConfig):

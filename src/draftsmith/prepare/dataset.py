@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import collections.abc
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterable
@@ -345,6 +346,14 @@ class PreparedDataset(collections.abc.Sequence):
     def __repr__(self) -> str:
         m = self.manifest
         return f"PreparedDataset({str(self.path)!r}, samples={m.num_samples}, tokens={m.num_tokens})"
+
+
+def prepared_digest(path: Path) -> str:
+    """One hash naming a prepared set's contents (its shards' and token counts' sha256 from the manifest): the same
+    on every node that holds a copy of it."""
+    manifest = open_prepared(path).manifest
+    parts = [f"{s.file}:{s.sha256}:{s.num_samples}" for s in manifest.shards] + [manifest.token_counts_sha256]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def open_prepared(path: Path, verify: bool = False) -> PreparedDataset:

@@ -1,17 +1,23 @@
 """Online training from live vLLM engines (`draftsmith train --data PREPARED --engine vllm`): the plan of spool
-chunks, the engine process, and the feature source that fills each batch's hidden states from the spool.
+chunks, the engine process and the feature source that fills each batch's hidden states from the spool.
 
-    plan     the run's optimizer steps from the resume point on, exactly as the samplers give them to every rank,
-             packed per epoch into chunks of at most bound / SPOOL_CHUNKS bytes (and the held-out split's chunk)
-    engine   `python -m draftsmith.extract.vllm.feed SPOOL` started by rank 0, on its own GPUs (on a CPU: on half the
-             cores, or those --engine-devices names, the trainer on the rest); restarted when it dies, up to
-             ENGINE_RESTARTS times without a new chunk
-    read     a batch's states come from its chunk (waiting until it is ready) or from the --keep-epoch0 store; a
-             chunk is deleted once every rank has moved past it (epoch 0's and the held-out split's are first
-             linked into the --keep-epoch0 store)
+    plan     `plan_chunks`: the run's optimizer steps from the resume point on, exactly as the samplers give them to
+             every rank, packed per epoch into chunks of at most bound / SPOOL_CHUNKS bytes (and the held-out
+             split's chunk); pure
+    engine   `engine_process.EngineProcess`, started by rank 0 on its own GPUs or cores and restarted when it dies
+             (with --remote-engines an operator starts it on another node, `draftsmith feed`); rank 0 watches it,
+             the transport (restarting a Mooncake master it started) and the progress both sides report
+    read     `EngineSource`: a batch's states come from its chunk, fetched from the spool into a directory the rank
+             reads (waiting until it is ready), or from the --keep-epoch0 store; a chunk is removed once every rank
+             has moved past it; the held-out split's chunk is copied out by every rank once and removed at once
+
+The spool is a directory or a Mooncake store (`draftsmith.extract.spool`), both behind the same two roles. Neither
+side waits forever: the trainer ends the run in one line naming the engine process and its log when it reports no
+progress for --stall-timeout-s, and a lost chunk (a restarted Mooncake master) is asked for again in a new plan
+generation, never trained on twice or skipped.
 
 The batches are the offline ones: the same samplers over the same prepared set, so the same samples in the same
-order. The spool itself is `draftsmith.extract.spool`.
+order.
 """
 
 from __future__ import annotations
@@ -20,8 +26,7 @@ import contextlib
 import importlib.util
 import math
 import os
-import signal
-import subprocess
+import shutil
 import sys
 import time
 from dataclasses import replace
@@ -31,55 +36,23 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.config import ExtractConfig, TrainConfig
+from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import read_manifest_json
 from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool import EVAL_CHUNK, LOG_FILE, TRAINER_LOCK, Chunk, Spool
-from draftsmith.extract.vllm.driver import cpu_thread_binding
+from draftsmith.extract.spool import EVAL_CHUNK, Chunk, Plan, Spool, TrainerStatus, TransportLost
+from draftsmith.prepare.dataset import prepared_digest
 from draftsmith.train import distributed
 from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
-
-ENGINE_MODULE = "draftsmith.extract.vllm.feed"
-ENGINE_RESTARTS = 3
-
-
-def engine_cpus(cfg: TrainConfig) -> list[int] | None:
-    """On a CPU, the cores the engines run on: those --engine-devices names, by default the first half of the cores
-    this process may use (None on one core: they share it); this process (the trainer) keeps the others. Sharing
-    every core oversubscribes them: on 2 cores the split trains 1.26x faster (docs/benchmarks.md)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if not cfg.engine_devices:
-        return allowed[:len(allowed) // 2] or None
-    engines = sorted(set(cfg.engine_devices))
-    outside = [c for c in engines if c not in allowed]
-    rest = [c for c in allowed if c not in engines]
-    if outside or not rest:
-        raise DraftsmithError(f"--engine-devices {','.join(map(str, engines))}: on a CPU these are cores, and "
-                              f"{f'core(s) {outside} are not among' if outside else 'they take every one of'} the "
-                              f"cores this process may use ({','.join(map(str, allowed))}); leave the trainer at "
-                              "least one")
-    return engines
-
-
-def engine_devices(cfg: TrainConfig, info: distributed.DistInfo) -> list[int] | None:
-    """The GPUs the engines run on (None on a CPU), disjoint from the trainer's."""
-    if info.device.type != "cuda":
-        return None
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [int(x) for x in env.split(",") if x.strip()] if env else list(range(torch.cuda.device_count()))
-    trainer = visible[:distributed.local_world_size()]
-    engines = list(cfg.engine_devices) if cfg.engine_devices else [d for d in visible if d not in trainer]
-    need = cfg.engine_tensor_parallel_size * cfg.engine_data_parallel_size
-    if set(engines) & set(trainer):
-        raise DraftsmithError(f"--engine-devices {','.join(map(str, engines))}: GPU(s) "
-                              f"{sorted(set(engines) & set(trainer))} also train; give the engines other GPUs")
-    if len(engines) < need:
-        raise DraftsmithError(f"--engine vllm: the engines need {need} GPU(s) (tensor x data parallel size), "
-                              f"{len(engines)} left besides the trainer's {trainer}; pass --engine-devices or train "
-                              "on fewer GPUs")
-    return engines[:need]
+from draftsmith.train.engine_process import (
+    ENGINE_RESTARTS,
+    EngineProcess,
+    engine_cpus,
+    engine_devices,
+    open_trainer_side,
+)
 
 
 def _steps_of_epoch(samplers: Sequence[TokenBudgetSampler], epoch: int, grad_accum: int) -> list[list[int]]:
@@ -148,7 +121,7 @@ def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evalua
 
 
 class EngineSource:
-    """Fills each batch's hidden states from the spool that rank 0's engine process fills (see the module)."""
+    """Fills each batch's hidden states from the spool the engine process fills (see the module)."""
 
     def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, dataset: Any,
                  samplers: Sequence[TokenBudgetSampler],
@@ -156,7 +129,6 @@ class EngineSource:
                  start: tuple[int, int, int], total_steps: int, epochs: int | None):
         self.cfg, self.info, self.dataset = cfg, info, dataset
         self.bound = int(cfg.spool_gb * GiB)
-        self.spool = Spool(Path(cfg.spool) if cfg.spool is not None else Path(cfg.output) / "spool", self.bound)
         self.keep = Path(cfg.keep_epoch0) if cfg.keep_epoch0 is not None else None
         self.layer_ids = list(aux_layer_ids) + [num_layers]
         self.chunks = plan_chunks(cfg, samplers, evaluation, lengths, len(self.layer_ids), hidden, self.bound, start,
@@ -166,24 +138,54 @@ class EngineSource:
                         for p in range(c.first, c.last + 1)}
         self.from_engine = {c.name: set(c.engine_ids) for c in self.chunks}
         self.eval_chunk = next((c for c in self.chunks if c.name == EVAL_CHUNK), None)
+        self.cache = Path(cfg.output) / "spool-cache" / f"rank{info.rank}"  # chunks this rank reads, fetched
         self.open_chunks: dict[str, Any] = {}
         self.consumed: set[str] = set()
         self.current: Chunk | None = None
         self.keep_reader = None
-        self.proc: subprocess.Popen | None = None
-        self.restarts = self.total_restarts = 0
+        self.generation = 0
+        self.step = 0
         self.waited = self._waited_at_log = 0.0
         self._log_time = time.perf_counter()
-        self._lock = None
-        self.cpus = engine_cpus(cfg) if info.device.type != "cuda" else None
-        if self.cpus:  # the trainer keeps the other cores
-            rest = sorted(set(os.sched_getaffinity(0)) - set(self.cpus))
+        self._beat = 0.0
+        self._seen = (None, time.monotonic())  # the engine status's `updated`, and when this process saw it change
+        self._answered = time.monotonic()  # when the transport last answered
+        self._lock: contextlib.ExitStack | None = None
+        self.engine: EngineProcess | None = None
+        self.last_status = None  # the engine's status as the run closed
+        self._engine_seen = spool_mod.FeedStatus()  # its last report with a pid
+        self.master = None
+        self.cpus = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
+        self._trainer_cpus = sorted(os.sched_getaffinity(0))
+        if self.cpus:  # the trainer keeps the other cores (until close)
+            rest = sorted(set(self._trainer_cpus) - set(self.cpus))
             os.sched_setaffinity(0, rest)
             torch.set_num_threads(len(rest))
         error = None
-        if info.is_main:
+        self.spool: Any = None
+        own_master = cfg.spool == spool_mod.MOONCAKE_SCHEME  # rank 0 starts it on loopback: one node
+        try:
+            if own_master and info.world_size > distributed.local_world_size():
+                error = ("--spool mooncake under torchrun on several nodes: the ranks need a master they all reach; "
+                         "start mooncake_master and give --spool mooncake://HOST:PORT")
+            elif info.is_main or not own_master:
+                self.spool, self.master = open_trainer_side(cfg, self.bound, Path(cfg.output) / "mooncake_master.log")
+        except DraftsmithError as err:
+            error = str(err)
+        error = next((e for e in distributed.gather_objects(error, info) if e), None)  # any rank's
+        if own_master and error is None and info.world_size > 1:  # the other ranks connect to rank 0's master
+            where = distributed.gather_objects(self.spool.describe() if info.is_main else None, info)[0]
             try:
-                self._start()
+                if not info.is_main:
+                    self.spool, _ = open_trainer_side(cfg.model_copy(update={"spool": where}), self.bound, Path())
+            except DraftsmithError as err:
+                error = str(err)
+            error = next((e for e in distributed.gather_objects(error, info) if e), None)
+        if error is None:
+            try:
+                self._held_locally()
+                if info.is_main:
+                    self._start()
             except DraftsmithError as err:
                 error = str(err)
         error = distributed.broadcast_error(error, info)  # the others read only once the spool is cleaned
@@ -200,125 +202,225 @@ class EngineSource:
                                   "the store an earlier run kept")
         return {int(i) for i in store_mod.open(self.keep, dtype=None).sample_ids}
 
+    def _matches(self, chunk: Chunk, info: Any) -> bool:
+        return (info is not None and sorted(info.sample_ids) == sorted(chunk.engine_ids)
+                and info.dtype == self.cfg.spool_dtype and list(info.layer_ids) == self.layer_ids)
+
+    def _held_locally(self) -> None:
+        """The held-out chunk every rank copied out on an earlier run is read from those copies (when all have it)."""
+        chunk = self.eval_chunk
+        ok = 0
+        if chunk is not None and chunk.from_engine and (self.cache / EVAL_CHUNK / "manifest.json").is_file():
+            with contextlib.suppress(DraftsmithError):
+                reader = store_mod.open(self.cache / EVAL_CHUNK, dtype=None)
+                ok = int(self._matches(chunk, spool_mod.ChunkInfo([int(i) for i in reader.sample_ids],
+                                                                  reader.manifest.dtype, list(reader.layer_ids), 0)))
+        if chunk is not None and chunk.from_engine:
+            total = int(distributed.all_reduce_sum(torch.tensor([ok]), self.info).item())
+            if total == self.info.world_size:
+                self.consumed.add(EVAL_CHUNK)
+                self.open_chunks[EVAL_CHUNK] = store_mod.open(self.cache / EVAL_CHUNK, dtype=None)
+
+    def _check_room(self) -> None:
+        """--spool-gb against the free space of the spool's filesystem (and a local engine's scratch: one chunk)."""
+        if isinstance(self.spool, Spool):
+            free = spool_mod.free_bytes(self.spool.path) + self.spool.usage()
+            if self.bound > free:
+                raise DraftsmithError(f"--spool-gb {self.cfg.spool_gb:g}: the filesystem holding --spool "
+                                      f"{self.spool.path} has {sizing.human_bytes(free)} free (/dev/shm is often "
+                                      "small in containers); lower --spool-gb or give --spool a directory on a bigger "
+                                      "filesystem")
+        elif not self.cfg.remote_engines:
+            scratch = Path(self.cfg.output) / "engine-scratch"
+            largest = max((c.estimate for c in self.chunks), default=0)
+            if largest > spool_mod.free_bytes(scratch):
+                raise DraftsmithError(f"{scratch}: the engine writes each chunk here before publishing it, and its "
+                                      f"filesystem has {sizing.human_bytes(spool_mod.free_bytes(scratch))} free for "
+                                      f"chunks of up to {sizing.human_bytes(largest)}; free space there or lower "
+                                      "--spool-gb")
+
     def _start(self) -> None:
-        if importlib.util.find_spec("vllm") is None:
+        if importlib.util.find_spec("vllm") is None and not self.cfg.remote_engines:
             raise DraftsmithError("--engine vllm: vLLM is not installed in this environment; install it (README: "
                                   "\"Install into your vLLM environment\"), or train with --engine hf or from a store")
         self._lock = contextlib.ExitStack()
-        self._lock.enter_context(self.spool.lock(TRAINER_LOCK))
-        with self.spool.lock(spool_mod.ENGINE_LOCK, wait_s=30.0):  # an engine of a killed trainer is gone
+        if isinstance(self.spool, Spool):
+            self.spool.create()
+        self._lock.enter_context(self.spool.trainer_lock())
+        self._check_room()
+        with self.spool.engine_lock(wait_s=30.0):  # an engine of a killed trainer is gone
             # Ready chunks are kept only within the plan's first bound's worth: the engine writes in plan order, so
             # chunks a crash left further ahead would leave no room for the ones the trainer needs first.
             wanted, room = {}, self.bound
-            for c in (c for c in self.chunks if c.from_engine):
+            for c in (c for c in self.chunks if c.from_engine and c.name not in self.consumed):
                 room -= c.estimate
                 if room < 0:
                     break
                 wanted[c.name] = c
             for name in list(wanted):
-                if self.spool.is_ready(name) and not self._chunk_matches(wanted[name]):
+                if self.spool.is_ready(name) and not self._matches(wanted[name], self.spool.chunk_info(name)):
                     self.spool.remove(name)
-            self.spool.clean(set(wanted))
-            self.spool.write_job({"extract": self._extract_config().model_dump(mode="json"), "bound": self.bound,
-                                  "devices": engine_devices(self.cfg, self.info), "cpus": self.cpus})
+            self.spool.clean(set(wanted), [c.name for c in self.chunks])
+            previous = self.spool.read_plan() if self._readable_plan() else None
+            self.generation = previous.generation if previous is not None else 0
+            self._write_job()
             self.spool.write_status({"pid": 0, "waiting": "start"})
-        if any(c.from_engine and not self.spool.is_ready(c.name) for c in self.chunks):
+        self._beat = 0.0
+        self._heartbeat()
+        if self.cfg.remote_engines:
+            self._write_plan()
+        elif any(c.from_engine and not self.spool.is_ready(c.name) and c.name not in self.consumed
+                 for c in self.chunks):
+            cpus = self.cpus if self.info.device.type != "cuda" else None
+            where = self.spool.describe()
+            self.engine = EngineProcess(self.cfg, where, Path(self.cfg.output) / "feed.log",
+                                        Path(self.cfg.output) / "engine-scratch", cpus,
+                                        engine_devices(self.cfg, self.info))
             self._spawn()
 
-    def _chunk_matches(self, chunk: Chunk) -> bool:
-        try:
-            reader = store_mod.open(self.spool.chunk_path(chunk.name), dtype=None)
-        except DraftsmithError:
-            return False
-        return (sorted(int(i) for i in reader.sample_ids) == sorted(chunk.engine_ids)
-                and reader.manifest.dtype == self.cfg.spool_dtype and list(reader.layer_ids) == self.layer_ids)
+    def _readable_plan(self) -> bool:
+        with contextlib.suppress(DraftsmithError, KeyError, TypeError, ValueError):
+            self.spool.read_plan()
+            return True
+        return False
+
+    def _write_job(self) -> None:
+        self.spool.write_job({"extract": self._extract_config().model_dump(mode="json"), "bound": self.bound,
+                              "devices": engine_devices(self.cfg, self.info) if not self.cfg.remote_engines else None,
+                              "cpus": self.cpus, "prepared_digest": prepared_digest(self.cfg.data),
+                              "stall_s": self.cfg.stall_timeout_s})
+
+    def _write_plan(self) -> None:
+        """A new plan generation: the chunks neither read nor ready. A ready chunk stays out of it: an engine process
+        reads the plan seconds on (once vLLM has imported), and by then the trainer may have read and deleted it;
+        redone, it would fill the spool with chunks no one reads while the trainer waits for the next."""
+        self.generation += 1
+        self.spool.write_plan(Plan([c for c in self.chunks if c.from_engine and c.name not in self.consumed
+                                    and not self.spool.is_ready(c.name)], self.generation))
 
     def _extract_config(self) -> ExtractConfig:
         cfg = self.cfg
-        return ExtractConfig(prepared=cfg.data, output=self.spool.chunks, backend="vllm", target=cfg.target,
-                             aux_layer_ids=self.layer_ids[:-1], dtype=cfg.spool_dtype,
-                             tensor_parallel_size=cfg.engine_tensor_parallel_size,
+        return ExtractConfig(prepared=Path(cfg.data).resolve(), output=Path(cfg.output) / "engine-scratch",
+                             backend="vllm", target=cfg.target, aux_layer_ids=self.layer_ids[:-1],
+                             dtype=cfg.spool_dtype, tensor_parallel_size=cfg.engine_tensor_parallel_size,
                              data_parallel_size=cfg.engine_data_parallel_size, vllm_strategy=cfg.vllm_strategy,
                              vllm_compile=cfg.vllm_compile, compute_dtype=cfg.engine_dtype,
                              trust_remote_code=cfg.trust_remote_code)
 
     def _spawn(self) -> None:
-        """Start the engine process on the chunks neither read nor ready. A ready chunk stays out of its plan: the
-        process reads the plan only once vLLM has imported, seconds on, and by then the trainer may have read and
-        deleted it; redone, it would fill the spool with chunks no one reads while the trainer waits for the next."""
-        self.spool.write_plan([c for c in self.chunks
-                               if c.name not in self.consumed and not self.spool.is_ready(c.name)])
-        env = dict(os.environ)
-        job = self.spool.read_job()
-        if job.get("devices") is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job["devices"]))
-        if job.get("cpus") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # vLLM binds its threads there
-            world = self.cfg.engine_tensor_parallel_size * self.cfg.engine_data_parallel_size
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, job["cpus"])
-        with open(self.spool.path / LOG_FILE, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, str(self.spool.path)], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        self._write_plan()
+        self.spool.write_status({"pid": 0, "waiting": "start", "generation": self.generation})
+        self._seen = (None, time.monotonic())
+        self.engine.start()
 
-    def _stop_engine(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
+    # -- watching the other side
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._beat >= 1.0:
+            self._beat = now
+            self.spool.write_trainer(TrainerStatus(step=self.step, chunks_read=len(self.consumed),
+                                                   stall_s=self.cfg.stall_timeout_s))
+
+    def _where_logged(self) -> str:
+        if self.engine is not None:
+            return str(self.engine.log)
+        status = self._engine_seen
+        return f"{status.log or 'its log'} on {status.host or 'the engine node'}"
+
+    def _watch(self, chunk: Chunk) -> None:
+        """While waiting for `chunk` (rank 0): the master, the job, the engine process and its progress."""
+        if self.master is not None and not self.master.alive():
+            print(f"draftsmith train: mooncake_master stopped (see {self.master.log}); restarting it",
+                  file=sys.stderr, flush=True)
+            self.master.restart()
+        if not self.spool.has_job():  # the store lost it (a restarted master): and with it, its chunks
+            self._write_job()
+            self._write_plan()
             return
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(OSError):  # vLLM's processes of a dead engine process, if any are left
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
+        status = spool_mod.read_feed_status(self.spool)
+        if self.engine is not None and self.engine.exited():
+            self._engine_exited(chunk, status)
+            return
+        if status.updated != self._seen[0]:  # progress, timed by this node's clock (the engine's may differ)
+            self._seen = (status.updated, time.monotonic())
+        if status.pid:
+            self._engine_seen = status  # what a stalled engine process last said (its keys may go with it)
+        by_engine = status.pid != 0  # written by an engine process since this trainer (re)started it
+        if status.waiting == "plan" and status.generation == self.generation and by_engine:
+            if not self.spool.is_ready(chunk.name):  # it finished the plan and the chunk is not there: lost
+                self._write_plan()
+                return
+        if status.error and by_engine and self.engine is None:
+            raise DraftsmithError(f"--engine vllm: the engine process on {status.host or 'the engine node'} stopped "
+                                  f"before chunk {chunk.name} ({status.error}); see {self._where_logged()}")
+        if time.monotonic() - self._seen[1] > self.cfg.stall_timeout_s:
+            last = self._engine_seen
+            who = f"the engine process (pid {last.pid} on {last.host})" if last.pid else "the engine process"
+            doing = (f"last computing chunk {last.chunk}" if last.chunk else f"last waiting for {last.waiting}"
+                     if last.waiting else "with no report yet")
+            raise DraftsmithError(f"--engine vllm: {who} has made no progress for {self.cfg.stall_timeout_s:g} s "
+                                  f"({doing}) while the trainer waits for chunk {chunk.name}; see "
+                                  f"{self._where_logged()}; run the same command again to resume")
+
+    def _engine_exited(self, chunk: Chunk, status: Any) -> None:
+        code = self.engine.proc.returncode
+        if self.spool.is_ready(chunk.name):
+            return
+        self.engine.stop()
+        why = status.error or f"exit code {code}; {self.engine.log_tail() or 'no output'}"
+        setup_failed = bool(status.error) and "engine start (s)" not in status.extra  # the same again on a restart
+        if self.engine.restarts >= ENGINE_RESTARTS or status.done or setup_failed or status.fatal:
+            raise DraftsmithError(f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
+                                  f"see {self.engine.log}; run the same command again to resume")
+        self.engine.restarts += 1
+        self.engine.total_restarts += 1
+        print(f"draftsmith train: the engine process stopped ({why[:300]}); restarting it "
+              f"({self.engine.restarts} of {ENGINE_RESTARTS})", file=sys.stderr, flush=True)
+        self._spawn()
 
     # -- reading
     def _wait(self, chunk: Chunk) -> Any:
-        """The chunk's store, once it is ready (rank 0 restarts a dead engine process meanwhile)."""
+        """The chunk's store, once it is fetched (rank 0 watches the engines and the transport meanwhile)."""
         if chunk.name in self.open_chunks:
             return self.open_chunks[chunk.name]
         if not chunk.from_engine:
             return None
         start = time.perf_counter()
-        while not self.spool.is_ready(chunk.name):
-            self.spool.usage()
-            if self.proc is not None and self.proc.poll() is not None:
-                self._engine_exited(chunk)
-            elif self.proc is None and self.info.is_main:
-                self._spawn()
+        keep = chunk.name == EVAL_CHUNK
+        while True:
+            self._heartbeat()
+            try:
+                if self.spool.is_ready(chunk.name):
+                    local = self.spool.fetch(chunk.name, self.cache / chunk.name, keep=keep)
+                    if local is not None:
+                        break
+                    if self.info.is_main:  # its index outlived its parts: removed, and asked for again
+                        self.spool.remove(chunk.name)
+                        self._write_plan()
+                if self.info.is_main:
+                    self._watch(chunk)
+                self._answered = time.monotonic()
+            except TransportLost as err:  # the master is back in a moment, or the stall limit ends the wait
+                if time.monotonic() - self._answered > self.cfg.stall_timeout_s:
+                    raise DraftsmithError(f"--spool {self.spool.describe()}: the transport has not answered for "
+                                          f"{self.cfg.stall_timeout_s:g} s ({err}); is its master running?") from None
+                time.sleep(0.5)
             time.sleep(0.02)
         self.waited += time.perf_counter() - start
-        self.restarts = 0
-        reader = store_mod.open(self.spool.chunk_path(chunk.name), dtype=None)
+        if self.engine is not None:
+            self.engine.restarts = 0
+        reader = store_mod.open(local, dtype=None)
         self.open_chunks[chunk.name] = reader
         if chunk.name == EVAL_CHUNK or chunk.epoch == 0:
-            self._absorb(chunk)
+            self._absorb(chunk, local)
+        if keep:  # every rank has its own copy: the spool's goes as soon as the last rank has one
+            self.consumed.add(chunk.name)
+            self.spool.consume(chunk.name, self.info.rank, self.info.world_size)
         return reader
 
-    def _engine_exited(self, chunk: Chunk) -> None:
-        code = self.proc.returncode
-        status = spool_mod.read_feed_status(self.spool)
-        if self.spool.is_ready(chunk.name):
-            return
-        self._stop_engine()
-        why = status.error or f"exit code {code}; {self.spool.log_tail() or 'no output'}"
-        setup_failed = bool(status.error) and "engine start (s)" not in status.extra  # the same again on a restart
-        if self.restarts >= ENGINE_RESTARTS or status.done or setup_failed:
-            raise DraftsmithError(f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
-                                  f"see {self.spool.path / LOG_FILE}; run the same command again to resume")
-        self.restarts += 1
-        self.total_restarts += 1
-        print(f"draftsmith train: the engine process stopped ({why[:300]}); restarting it "
-              f"({self.restarts} of {ENGINE_RESTARTS})", file=sys.stderr, flush=True)
-        self._spawn()
-
-    def _absorb(self, chunk: Chunk) -> None:
+    def _absorb(self, chunk: Chunk, local: Path) -> None:
         if self.keep is not None and self.info.is_main and chunk.from_engine:
-            store_mod.absorb_store(self.keep, self.spool.chunk_path(chunk.name), tag=chunk.name)
+            store_mod.absorb_store(self.keep, local, tag=chunk.name)
 
     def _kept(self, sample_id: int) -> dict:
         for attempt in range(2):
@@ -341,7 +443,9 @@ class EngineSource:
             if self.current is not None and self.current.name != chunk.name:
                 self._finish(self.current)
             self.current = chunk
+            self.step = batch.position
         reader = self._wait(chunk)
+        self._heartbeat()
         items = []
         for sid in batch.sample_ids:
             if reader is not None and sid in self.from_engine[chunk.name]:
@@ -354,11 +458,12 @@ class EngineSource:
         return replace(batch, hidden_states=hs.to(device), hidden_scales=None if sc is None else sc.to(device))
 
     def _finish(self, chunk: Chunk) -> None:
-        """Every micro-batch of `chunk` was read: delete it (once every rank has)."""
+        """Every micro-batch of `chunk` was read: delete it (once every rank has), and this rank's copy."""
         self.open_chunks.pop(chunk.name, None)
         self.consumed.add(chunk.name)
         if chunk.from_engine:
             self.spool.consume(chunk.name, self.info.rank, self.info.world_size)
+            shutil.rmtree(self.cache / chunk.name, ignore_errors=True)
 
     # -- reporting
     def metrics(self) -> dict:
@@ -381,24 +486,59 @@ class EngineSource:
         return (f"  extract {metrics['extract_tokens_per_s']:,.0f} tok/s  spool {metrics['spool_bytes'] / GiB:.2f}/"
                 f"{self.bound / GiB:.2f} GiB  waits: {metrics['waiting']}")
 
+    def _feed_status(self) -> Any:
+        """The engine process's last report (the one read at close, once the spool is closed)."""
+        return self.last_status if self.last_status is not None else spool_mod.read_feed_status(self.spool)
+
     def summary(self) -> dict:
-        status = spool_mod.read_feed_status(self.spool)
-        return {"mode": "online (vLLM engines, spool)", "spool": str(self.spool.path),
-                "spool bound (bytes)": self.bound,
+        status = self._feed_status()
+        mooncake = self.spool.remote
+        return {"mode": f"online (vLLM engines, {'Mooncake' if mooncake else 'spool'})",
+                "spool": self.spool.describe(), "spool bound (bytes)": self.bound,
                 "spool peak (bytes)": max(self.spool.peak, status.peak), "extraction tokens/s":
                 round(status.tokens_per_s, 1), "trainer waited (s)": round(self.waited, 1),
-                "engine restarts": self.total_restarts, **({"kept epoch 0 in": str(self.keep)} if self.keep else {})}
+                "engine restarts": self.engine.total_restarts if self.engine is not None else 0,
+                **({"mooncake master restarts": self.master.restarts} if self.master is not None else {}),
+                **({"kept epoch 0 in": str(self.keep)} if self.keep else {})}
 
     def close(self, completed: bool) -> None:
-        """The run ended (`completed`: normally): the last chunk is consumed, the engine stopped, and on a completed
-        run the spool's chunks removed."""
-        if completed and self.current is not None:
+        """The run ended (`completed`: normally): the last chunk is consumed, the engines told and stopped, on a
+        completed run the spool's chunks and this rank's copies removed, and the trainer's cores given back."""
+        spool = getattr(self, "spool", None)
+        if spool is not None and self.last_status is None:
+            with contextlib.suppress(Exception):
+                self.last_status = spool_mod.read_feed_status(spool)
+        if completed and self.current is not None and spool is not None:
             self._finish(self.current)
             self.current = None
-        if self.info.is_main:
-            self._stop_engine()
+        if spool is not None and self.info.is_main:
+            last = TrainerStatus(step=self.step, chunks_read=len(self.consumed), finished=completed,
+                                 stall_s=self.cfg.stall_timeout_s)
+            with contextlib.suppress(Exception):
+                if spool.remote and completed:  # where the engine process reads it once this process is gone
+                    spool.write_trainer(last, segment=getattr(self.last_status, "segment", ""))
+                else:
+                    spool.write_trainer(last)
+            if self.engine is not None:
+                self.engine.stop()
             if completed:
-                self.spool.clean(set())
+                if spool.remote:
+                    spool.finish()
+                else:
+                    spool.clean(set(), [])
+        if completed:
+            shutil.rmtree(self.cache, ignore_errors=True)
+            for empty in (self.cache.parent, Path(self.cfg.output) / "engine-scratch"):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
+        if spool is not None and spool.remote:
+            spool.close()
+        if self.master is not None:
+            self.master.stop()
+            self.master = None
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if self.cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._trainer_cpus)

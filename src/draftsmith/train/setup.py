@@ -47,7 +47,8 @@ from draftsmith.train.ttt import COD, Anchors, TargetHead, TTTModel
 RESUMABLE_CHANGES = {"resume", "force", "device", "log_every", "save_every", "eval_every", "keep_checkpoints",
                      "output", "data", "target", "num_workers", "compile", "activation_checkpointing",
                      "distributed", "spool", "spool_gb", "engine_tensor_parallel_size", "engine_data_parallel_size",
-                     "engine_devices", "vllm_strategy", "vllm_compile", "keep_epoch0"}
+                     "engine_devices", "vllm_strategy", "vllm_compile", "keep_epoch0", "remote_engines",
+                     "stall_timeout_s"}
 
 
 @dataclass

@@ -1,14 +1,18 @@
-"""The engine process of online training: one vLLM (tensor- and data-parallel as `extract` runs it) filling the
-spool's chunks in plan order (`python -m draftsmith.extract.vllm.feed SPOOL`, started by the trainer).
+"""The engine process of online training: one vLLM (tensor- and data-parallel as `extract` runs it) filling a spool's
+chunks in plan order. The trainer starts it on its own node (`python -m draftsmith.extract.vllm.feed SPOOL`), or an
+operator starts it on the engine node (`draftsmith feed --spool mooncake://HOST:PORT/RUN`).
 
-    read job.json (an ExtractConfig) and plan.json -> probe, strategy, store spec (as `extract` does)
-    start vLLM with its sink pointed at no store
-    for each chunk not ready: wait until it fits under the bound -> point the sink at chunks/.NAME.partial
-        -> prefill its samples -> wait for the sink -> finish the store -> rename it to chunks/NAME
+    connect  the spool (a directory, or a Mooncake store) -> wait for the trainer's job
+    setup    the job's ExtractConfig (its paths replaced by this node's --prepared / --target, checked to be the
+             same prepared set) -> probe, strategy, store spec (as `extract` does) -> start vLLM, its sink at no store
+    passes   for each plan generation the trainer writes: for each chunk not ready: wait until it fits under the
+             bound -> point the sink at a local directory -> prefill its samples -> finish the store -> publish it
+    end      when the trainer says the run is over (or, started by the trainer, when the trainer is gone)
 
-The process exits when its trainer does (a watcher thread sees the parent gone, kills vLLM's processes and exits),
-so a trainer killed with -9 leaves no engine behind. Its own death loses at most the chunk it was writing, a
-partial directory the next start removes.
+Neither side waits forever: waiting for room or for a plan while the trainer reports no progress for its stall limit
+ends the process with one line naming the trainer. A full disk or /dev/shm is one line naming the path and the space
+the chunk needs, marked fatal so the trainer does not restart the process into the same wall. The process's own death
+loses at most the chunk it was writing.
 """
 
 from __future__ import annotations
@@ -16,34 +20,58 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-from draftsmith.config import ExtractConfig
+from draftsmith.config import ExtractConfig, FeedConfig, StageResult
+from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.extract import common
-from draftsmith.extract.spool import ENGINE_LOCK, FeedStatus, Spool
+from draftsmith.extract.spool import (
+    STALL_S,
+    EngineSide,
+    FeedStatus,
+    Plan,
+    Spool,
+    TrainerStatus,
+    TransportLost,
+    free_bytes,
+    is_mooncake,
+    wait_for_space,
+)
+from draftsmith.extract.spool import mooncake
 from draftsmith.extract.vllm import _engine_spec, _sink_config, choose_strategy
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.driver import Engine, engine_processes, resolve_dtype
+from draftsmith.prepare.dataset import prepared_digest
 
 
-def _exit_with_engine(status: FeedStatus, spool: Spool, why: str, code: int) -> None:
+HEARTBEAT_S = 2.0
+LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss
+
+
+class Fatal(DraftsmithError):
+    """An error a restart meets again (a full disk, a segment too small, a different prepared set)."""
+
+
+def _exit_with_engine(status: FeedStatus, spool: EngineSide, why: str, code: int) -> None:
     """Kill vLLM's processes (its engine core and workers would outlive this one) and exit now."""
     for pid in engine_processes():
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     status.error = why
     with contextlib.suppress(Exception):
-        spool.write_status(vars(status))
+        spool.write_status(status)
     os._exit(code)
 
 
-def watch_parent(parent: int, status: FeedStatus, spool: Spool) -> None:
+def watch_parent(parent: int, status: FeedStatus, spool: EngineSide) -> None:
     """Exit (with vLLM's processes) once the trainer that started this process is gone, or on SIGTERM."""
 
     def loop() -> None:
@@ -55,75 +83,270 @@ def watch_parent(parent: int, status: FeedStatus, spool: Spool) -> None:
     threading.Thread(target=loop, name="draftsmith-watch-trainer", daemon=True).start()
 
 
-def feed(spool: Spool, status: FeedStatus) -> None:
-    job = spool.read_job()
-    if job.get("cpus"):  # the cores the trainer left to the engine (it runs on the others)
-        os.sched_setaffinity(0, job["cpus"])
-    cfg = ExtractConfig.model_validate(job["extract"])
-    spool.bound = int(job["bound"])
-    spool.drop_leftovers()  # a killed engine's partial chunk would count against the bound
-    chunks = [c for c in spool.read_plan() if c.from_engine and not spool.is_ready(c.name)]
-    if not chunks:
-        status.done = True
-        return
-    plan = common.plan_extraction(cfg)
-    report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
-                           config=read_config(plan.target_dir))
-    dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
-    strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
-    spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
-    backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
-                    "platform": report.facts.platform, "online": True}
-    sink_config = {**_sink_config(cfg, plan, spec, backend_info), "store": None}
-    needed = sorted({i for c in chunks for i in c.engine_ids})
-    status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}
-    status.waiting = "start"
-    spool.write_status(vars(status))
-    with Engine(_engine_spec(cfg, plan, report, strategy, sink_config, needed)) as engine:
-        status.extra["engine start (s)"] = round(engine.start_seconds, 1)
-        for chunk in chunks:
-            if spool.is_ready(chunk.name):
-                continue
+class Feeder:
+    """One engine process's run over a spool (see the module); `overrides`: this node's paths for the job's."""
 
-            def waiting(used: int) -> None:
-                if status.waiting != "space":
-                    status.waiting = "space"
-                    spool.write_status(vars(status))
+    def __init__(self, spool: EngineSide, status: FeedStatus, stall_s: float = STALL_S,
+                 overrides: dict[str, Any] | None = None):
+        self.spool, self.status, self.stall_s = spool, status, stall_s
+        self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+        self.generation: int | None = None
+        self.beat = 0.0  # when this process last reported
+        self.lock = threading.Lock()
+        self.lost: dict[str, int] = {}  # chunks the transport refused or lost, and how often
+        self.trainer: tuple[Any, float, Any] = (None, time.monotonic(), None)  # its `updated`, when seen, report
 
-            spool.wait_for_space(chunk.estimate, on_wait=waiting)
-            status.waiting, status.chunk = "", chunk.name
-            spool.write_status(vars(status))
-            start = time.perf_counter()
-            engine.open_store(str(spool.begin(chunk.name)))
-            engine.generate([(i, plan.dataset[i]["input_ids"].tolist()) for i in chunk.engine_ids])
+    # -- waiting on the trainer
+    def _read_trainer(self) -> TrainerStatus | None:
+        """The trainer's report, and when this process saw it change (timed by this node's clock)."""
+        trainer = self.spool.read_trainer()
+        if trainer is not None and trainer.updated != self.trainer[0]:
+            self.trainer = (trainer.updated, time.monotonic(), trainer)
+        return trainer
+
+    def _trainer_stalled(self, what: str) -> None:
+        """One line when the trainer has reported no progress for its stall limit while this process waits (a
+        trainer that stopped answering loses its keys too: its Mooncake segment goes with it)."""
+        self._read_trainer()
+        now = time.monotonic()
+        _, seen_at, report = self.trainer
+        limit = report.stall_s if report is not None and report.stall_s else self.stall_s
+        if now - seen_at > limit:
+            last = f"its last report at step {report.step}" if report is not None else "it has not reported yet"
+            raise Fatal(f"the trainer of {self.spool.describe()} has made no progress for {limit:g} s while the "
+                        f"engine process waits for {what} ({last}); stopping — see the trainer's log")
+
+    def _finished(self) -> bool:
+        trainer = self._read_trainer()
+        return trainer is not None and trainer.finished
+
+    def _report(self, waiting: str | None = None, **fields: Any) -> None:
+        with self.lock:
+            self.beat = time.monotonic()
+            if waiting is not None:
+                self.status.waiting = waiting
+            for k, v in fields.items():
+                setattr(self.status, k, v)
+            self.spool.write_status(self.status)
+
+    def heartbeat(self, every: float = HEARTBEAT_S) -> threading.Event:
+        """Report every `every` seconds from a thread while vLLM starts or computes a chunk (the trainer takes a
+        process that stops reporting for its stall limit for a stalled one); set the event returned to stop."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every):
+                if time.monotonic() - self.beat >= every:
+                    with contextlib.suppress(Exception):
+                        self._report()
+
+        threading.Thread(target=loop, name="draftsmith-feed-heartbeat", daemon=True).start()
+        return stop
+
+    def wait_for_job(self) -> dict[str, Any]:
+        while True:
+            with contextlib.suppress(DraftsmithError):
+                return self.spool.read_job()
+            self._trainer_stalled("its job")
+            time.sleep(0.2)
+
+    def next_plan(self) -> Plan | None:
+        """The trainer's plan once its generation is new to this process (None: the run is over)."""
+        beat = 0.0
+        while True:
+            plan = self.spool.read_plan()
+            if plan is not None and plan.generation != self.generation:
+                self.generation = plan.generation
+                self._report(generation=plan.generation)
+                return plan
+            if self._finished():
+                return None
+            self._trainer_stalled("a plan")
+            if time.monotonic() - beat > 1.0:
+                self._report("plan")
+                beat = time.monotonic()
+            time.sleep(0.1)
+
+    # -- setting up
+    def extract_config(self, job: dict[str, Any]) -> ExtractConfig:
+        cfg = ExtractConfig.model_validate(job["extract"])
+        if self.overrides:
+            cfg = cfg.model_copy(update=self.overrides)
+        want, have = job.get("prepared_digest"), prepared_digest(cfg.prepared)
+        if want and have != want:
+            raise Fatal(f"--prepared {cfg.prepared}: is not the prepared set the trainer trains on (its shards "
+                        "differ); give this node a copy of the trainer's --data")
+        return cfg
+
+    # -- the passes
+    def compute(self, engine: Engine, plan_dataset: Any, chunk: Any) -> None:
+        partial = self.spool.begin(chunk.name)
+        try:
+            self.spool.room(chunk.name, chunk.estimate)
+        except DraftsmithError as err:  # a full disk or /dev/shm: a restart meets it again
+            raise Fatal(str(err)) from None
+        start = time.perf_counter()
+        try:
+            engine.open_store(str(partial))
+            engine.generate([(i, plan_dataset[i]["input_ids"].tolist()) for i in chunk.engine_ids])
             engine.wait_for_sink(len(chunk.engine_ids))
             written = sum(r.get("samples_written", 0) for r in engine.finish_store())
-            if written != len(chunk.engine_ids):
-                raise DraftsmithError(f"chunk {chunk.name}: the engine stored {written} of {len(chunk.engine_ids)} "
-                                      "samples")
-            status.peak = max(status.peak, spool.usage())  # the chunk is whole and nothing was read yet
-            spool.publish(chunk.name)
-            status.seconds += time.perf_counter() - start
-            status.tokens += chunk.tokens
-            status.chunks_done += 1
-            spool.write_status(vars(status))
-    status.done, status.chunk = True, ""
+        except DraftsmithError as err:
+            if "No space left" in str(err) or "os error 28" in str(err) or "Errno 28" in str(err):
+                raise Fatal(f"{partial}: no space left on device writing chunk {chunk.name} (it needs up to "
+                            f"{sizing.human_bytes(chunk.estimate)}, {sizing.human_bytes(free_bytes(partial))} are "
+                            "free there); free space there or give the spool a bigger filesystem") from None
+            raise
+        if written != len(chunk.engine_ids):
+            raise DraftsmithError(f"chunk {chunk.name}: the engine stored {written} of {len(chunk.engine_ids)} "
+                                  "samples")
+        self.spool.publish(chunk.name)
+        self.status.peak = max(self.status.peak, self.spool.usage())
+        self.lost.pop(chunk.name, None)
+        self.status.seconds += time.perf_counter() - start
+        self.status.tokens += chunk.tokens
+        self.status.chunks_done += 1
+        self._report("", chunk="")
+
+    def one_pass(self, engine: Engine, dataset: Any, plan: Plan) -> None:
+        """Every chunk of `plan` not ready, in order; returns early when the trainer writes a newer plan."""
+        for chunk in plan.chunks:
+            if not chunk.from_engine or self.spool.is_ready(chunk.name):
+                continue
+            self._read_trainer()
+            newer = self.spool.read_plan()
+            if newer is not None and newer.generation != plan.generation:
+                self.generation = None  # start the new plan's pass
+                return
+
+            def waiting(used: int) -> None:
+                if self.status.waiting != "space" or time.monotonic() - self.beat > 1.0:  # alive, and why it waits
+                    self._report("space")
+                self._trainer_stalled(f"room in the spool ({sizing.human_bytes(used)} of "
+                                      f"{sizing.human_bytes(self.spool.bound or 0)} held)")
+
+            wait_for_space(self.spool, chunk.estimate, on_wait=waiting)
+            self._report("", chunk=chunk.name)
+            try:
+                self.compute(engine, dataset, chunk)
+            except TransportLost as err:  # the trainer writes a new plan; until then, wait for it
+                self.lost[chunk.name] = self.lost.get(chunk.name, 0) + 1
+                if self.lost[chunk.name] >= LOST_LIMIT:
+                    raise Fatal(f"{self.spool.describe()}: chunk {chunk.name} could not be published "
+                                f"{LOST_LIMIT} times in a row ({err}); see this process's log") from None
+                print(f"draftsmith engine process: {self.spool.describe()} lost chunk {chunk.name} ({err}); "
+                      "waiting for the trainer's next plan", file=sys.stderr, flush=True)
+                return
+
+    def run(self) -> None:
+        job = self.wait_for_job()
+        if job.get("cpus"):  # the cores the trainer left to the engine (it runs on the others)
+            os.sched_setaffinity(0, job["cpus"])
+        cfg = self.extract_config(job)
+        self.stall_s = float(job.get("stall_s") or self.stall_s)  # the trainer's limit rules the run
+        self.spool.bound = int(job["bound"])
+        self.spool.drop_leftovers()  # a killed engine's partial chunk
+        first = self.next_plan()
+        if first is None:
+            self.status.done = True
+            return
+        plan_x = common.plan_extraction(cfg)
+        report = probing.probe(architecture=plan_x.target.architecture, resolve_config=False,
+                               config=read_config(plan_x.target_dir))
+        dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
+        strategy = choose_strategy(cfg.vllm_strategy, report, plan_x.layer_ids, dtype)
+        spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
+        backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
+                        "platform": report.facts.platform, "online": True}
+        sink_config = {**_sink_config(cfg, plan_x, spec, backend_info), "store": None}
+        needed = sorted({i for c in first.chunks for i in c.engine_ids}) or [0]
+        self.status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}
+        self._report("start")
+        beating = self.heartbeat()
+        with contextlib.ExitStack() as stack:
+            stack.callback(beating.set)
+            engine = stack.enter_context(Engine(_engine_spec(cfg, plan_x, report, strategy, sink_config, needed)))
+            self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
+            plan: Plan | None = first
+            while plan is not None:
+                self.one_pass(engine, plan_x.dataset, plan)
+                plan = self.next_plan()
+        self.status.done, self.status.chunk, self.status.waiting = True, "", ""
+
+
+def _read_bound(spool: EngineSide, where: str, stall_s: float) -> int:
+    """The job's bound, once the trainer has written its job (Fatal past `stall_s`)."""
+    deadline = time.monotonic() + stall_s
+    while True:
+        with contextlib.suppress(DraftsmithError, KeyError, TypeError, ValueError):
+            return int(spool.read_job()["bound"])
+        if time.monotonic() > deadline:
+            raise Fatal(f"--spool {where}: no trainer wrote a job in {stall_s:g} s; start the trainer "
+                        "(train --engine vllm --remote-engines --spool ...) or check its address")
+        time.sleep(0.2)
+
+
+def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s: float,
+          overrides: dict[str, Any] | None, parent: int | None) -> FeedStatus:
+    """Run one engine process over the spool at `where`; its status at the end (`error` set on failure). Over
+    Mooncake it first reads the job with a small segment (the bound sizes the segment the chunks live in), then
+    mounts that one."""
+    status = FeedStatus(pid=os.getpid(), host=socket.gethostname())
+    spool: Any = None
+    try:
+        if not is_mooncake(where):
+            spool = Spool(Path(where))
+        else:
+            address = mooncake.MooncakeAddress.parse(where)
+            spool = mooncake.MooncakeSpool(address, scratch=scratch).connect()
+            bound = _read_bound(spool, where, stall_s)
+            try:
+                segment = mooncake.engine_segment(bound, segment_gb)
+            except DraftsmithError as err:
+                raise Fatal(str(err)) from None
+            spool.close()
+            spool = None
+            spool = mooncake.MooncakeSpool(address, segment=segment, scratch=scratch).connect()
+            status.segment = spool.segment_name
+        if parent is not None:
+            watch_parent(parent, status, spool)
+        status.log = os.environ.get("DRAFTSMITH_FEED_LOG", "the output of `draftsmith feed`")
+        with spool.engine_lock(wait_s=60.0):
+            Feeder(spool, status, stall_s, overrides).run()
+    except Fatal as err:
+        status.error, status.fatal = str(err), True
+    except DraftsmithError as err:
+        status.error = str(err)
+    except Exception as err:  # noqa: BLE001 - reported to the trainer in one line; the traceback is in the log
+        traceback.print_exc()
+        status.error = f"{type(err).__name__}: {err}".replace("\n", " ")
+    if spool is not None:
+        with contextlib.suppress(Exception):
+            spool.write_status(status)
+            if status.done and getattr(spool, "remote", False):  # the trainer's last word read: nothing is left
+                spool.finish(everything=True)
+    return status
+
+
+def run(cfg: FeedConfig) -> StageResult:
+    """`draftsmith feed`: the engine side of `train --engine vllm --remote-engines`, on the engine node."""
+    scratch = cfg.scratch or Path(os.environ.get("TMPDIR", "/tmp")) / f"draftsmith-feed-{os.getpid()}"
+    status = serve(cfg.spool, scratch=scratch, segment_gb=cfg.segment_gb, stall_s=cfg.stall_timeout_s,
+                   overrides={"prepared": cfg.prepared, "target": cfg.target}, parent=None)
+    if status.error:
+        raise DraftsmithError(status.error)
+    return StageResult(stage="feed", output=scratch, summary={
+        "spool": cfg.spool, "chunks computed": status.chunks_done, "tokens": status.tokens,
+        "extraction tokens/s": round(status.tokens_per_s, 1), **status.extra})
 
 
 def main(argv: list[str]) -> int:
-    spool = Spool(Path(argv[0]))
-    status = FeedStatus(pid=os.getpid())
-    watch_parent(os.getppid(), status, spool)
-    try:
-        with spool.lock(ENGINE_LOCK, wait_s=60.0):
-            feed(spool, status)
-    except DraftsmithError as err:
-        status.error = str(err)
-    except Exception as err:  # noqa: BLE001 - reported to the trainer in one line; the traceback is in feed.log
-        traceback.print_exc()
-        status.error = f"{type(err).__name__}: {err}".replace("\n", " ")
-    spool.write_status(vars(status))
-    if status.error:
+    """The trainer's child: `SPOOL [--scratch DIR]`."""
+    where = argv[0]
+    scratch = Path(argv[argv.index("--scratch") + 1]) if "--scratch" in argv else None
+    stall_s = float(argv[argv.index("--stall-s") + 1]) if "--stall-s" in argv else STALL_S
+    status = serve(where, scratch=scratch, segment_gb=None, stall_s=stall_s, overrides=None, parent=os.getppid())
+    if status.error:  # into OUTPUT/feed.log; the trainer reports it in its own line
         print(f"draftsmith engine process: {status.error}", file=sys.stderr, flush=True)
     return 1 if status.error else 0
 

@@ -1,23 +1,19 @@
-"""The online spool: the bounded directory through which live vLLM engines hand hidden states to the trainer
-(`draftsmith train --engine vllm`); the only module that reads or writes it.
+"""The directory transport of the online spool: a bounded directory, on local disk or /dev/shm (or a filesystem
+every node mounts), through which live vLLM engines hand hidden states to the trainer; the only module that reads or
+writes it.
 
     SPOOL/job.json             what the engine process runs: the ExtractConfig, the bound, the GPUs it may use
-    SPOOL/plan.json            the chunks in the order the trainer needs them (written by the trainer)
+    SPOOL/plan.json            the chunks in the order the trainer needs them, and the plan's generation (the trainer's)
     SPOOL/status.json          the engine process's progress: chunk, tokens, rate, what it waits for, its error
-    SPOOL/feed.log             the engine process's output (vLLM's log)
+    SPOOL/trainer.json         the trainer's progress (the engine process stops waiting on a trainer that makes none)
     SPOOL/chunks/NAME/         a ready chunk: a hidden-state store (draftsmith.extract.store) of its samples
     SPOOL/chunks/.NAME.partial/  a chunk being written (removed by the next start when left by a crash)
     SPOOL/consumed/NAME.rankR  rank R has read the chunk (under torchrun; the last rank deletes it)
 
-A chunk holds the samples of consecutive optimizer steps of one epoch, every rank's micro-batches, packed so its
-bytes stay under bound / SPOOL_CHUNKS (plus the held-out split's chunk "eval", which stays for the whole run). A
-chunk is published by one rename, so a reader sees it whole or not at all; the engine process starts a chunk only
-when the spool's bytes plus the chunk's are under the bound; the trainer deletes what it has read. Chunk names carry
-their epoch and steps, and chunk boundaries are counted from each epoch's first step, so a resumed run asks for the
-same chunks and a chunk a crash left whole is used as it is.
-
-Another transport (the engines on other nodes) replaces only where chunks come from: anything that publishes a
-store directory under chunks/NAME by a rename, in plan order, and keeps under the bound, feeds the same trainer.
+Only chunks/ counts against the bound (the engine's log is the trainer's OUTPUT/feed.log). A chunk is published by one
+rename, so a reader sees it whole or not at all; the engine process starts a chunk only when the spool's bytes plus
+the chunk's are under the bound and its filesystem has the room; the trainer deletes what it has read. The plan and
+the chunks are `chunks.py`'s; the Mooncake transport (`mooncake.py`) plays the same two roles.
 """
 
 from __future__ import annotations
@@ -28,61 +24,20 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
+from draftsmith.extract import store as store_mod
+from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, FeedStatus, Plan, TrainerStatus, fill_directory
 
 CHUNKS_DIR = "chunks"
 CONSUMED_DIR = "consumed"
-JOB_FILE, PLAN_FILE, STATUS_FILE, LOG_FILE = "job.json", "plan.json", "status.json", "feed.log"
-EVAL_CHUNK = "eval"
-FILE_SLACK = 3 * 4096 + 64 * 1024  # a chunk's manifest, lock and headers, and the last block of each file
+JOB_FILE, PLAN_FILE, STATUS_FILE, TRAINER_FILE = "job.json", "plan.json", "status.json", "trainer.json"
 ENGINE_LOCK, TRAINER_LOCK = ".engine.lock", ".trainer.lock"
-
-
-@dataclass
-class Chunk:
-    """Consecutive optimizer steps [first, last] of `epoch` (or the held-out split: name "eval")."""
-
-    name: str
-    epoch: int
-    first: int
-    last: int
-    sample_ids: list[int]  # every sample the trainer reads from it, in plan order
-    engine_ids: list[int]  # those the engines compute (the rest come from the --keep-epoch0 store)
-    tokens: int  # of engine_ids
-    estimate: int  # bytes on disk, at most
-
-    @property
-    def from_engine(self) -> bool:
-        return bool(self.engine_ids)
-
-
-def chunk_name(epoch: int, first: int, last: int) -> str:
-    return f"e{epoch:04d}-s{first:07d}-{last:07d}"
-
-
-def chunk_bytes(tokens: int, samples: int, hidden_size: int, num_layer_ids: int, dtype: str) -> int:
-    """The most a chunk of `samples` samples and `tokens` tokens takes on disk."""
-    return sizing.store_bytes(tokens, hidden_size, num_layer_ids, dtype, samples=samples) + FILE_SLACK
-
-
-def pack_steps(steps: Sequence[tuple[list[int], int]], limit: int) -> list[tuple[int, int]]:
-    """Consecutive steps (each: its sample ids, its bytes) grouped greedily into [first, last] runs of at most `limit`
-    bytes; a single step over the limit is refused by the caller before this."""
-    runs, first, total = [], 0, 0
-    for p, (_, size) in enumerate(steps):
-        if p > first and total + size > limit:
-            runs.append((first, p - 1))
-            first, total = p, 0
-        total += size
-    if steps:
-        runs.append((first, len(steps) - 1))
-    return runs
 
 
 def disk_bytes(path: Path) -> int:
@@ -96,13 +51,26 @@ def disk_bytes(path: Path) -> int:
     return total
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes free on the filesystem holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 class Spool:
-    """A spool directory; `bound` in bytes."""
+    """A spool directory (both roles: `chunks.EngineSide` and `chunks.TrainerSide`); `bound` in bytes."""
+
+    remote = False
 
     def __init__(self, path: Path, bound: int | None = None):
         self.path = Path(path)
         self.bound = bound
         self.peak = 0
+
+    def describe(self) -> str:
+        return str(self.path)
 
     # -- layout
     @property
@@ -119,8 +87,8 @@ class Spool:
         return (self.chunk_path(name) / "manifest.json").is_file()
 
     def usage(self) -> int:
-        """Bytes on disk now (and the highest seen by this process so far in `peak`)."""
-        used = disk_bytes(self.path) if self.path.is_dir() else 0
+        """Bytes the chunks take on disk now (and the highest seen by this process so far in `peak`)."""
+        used = disk_bytes(self.chunks) if self.chunks.is_dir() else 0
         self.peak = max(self.peak, used)
         return used
 
@@ -153,14 +121,30 @@ class Spool:
             raise DraftsmithError(f"{self.path}: no {JOB_FILE}; the trainer writes it before starting the engines")
         return job
 
-    def write_plan(self, chunks: Sequence[Chunk]) -> None:
-        self._write(PLAN_FILE, [asdict(c) for c in chunks])
+    def has_job(self) -> bool:
+        return (self.path / JOB_FILE).is_file()
 
-    def read_plan(self) -> list[Chunk]:
-        return [Chunk(**c) for c in self._read(PLAN_FILE) or []]
+    def write_plan(self, plan: Plan) -> None:
+        self._write(PLAN_FILE, {"generation": plan.generation, "chunks": [asdict(c) for c in plan.chunks]})
 
-    def write_status(self, status: dict[str, Any]) -> None:
-        self._write(STATUS_FILE, {**status, "updated": time.time()})
+    def read_plan(self) -> Plan | None:
+        data = self._read(PLAN_FILE)
+        if isinstance(data, list):  # written before plans had generations
+            return Plan([Chunk(**c) for c in data], 0)
+        return None if data is None else Plan([Chunk(**c) for c in data["chunks"]], int(data["generation"]))
+
+    def write_status(self, status: FeedStatus | dict[str, Any]) -> None:
+        data = asdict(status) if isinstance(status, FeedStatus) else dict(status)
+        self._write(STATUS_FILE, {**data, "updated": time.time()})
+
+    def write_trainer(self, status: TrainerStatus) -> None:
+        self._write(TRAINER_FILE, {**asdict(status), "updated": time.time()})
+
+    def read_trainer(self) -> TrainerStatus | None:
+        with contextlib.suppress(DraftsmithError, TypeError):
+            data = self._read(TRAINER_FILE)
+            return TrainerStatus(**data) if isinstance(data, dict) else None
+        return None
 
     def read_status(self) -> dict[str, Any]:
         with contextlib.suppress(DraftsmithError):
@@ -168,12 +152,6 @@ class Spool:
             if isinstance(status, dict):
                 return status
         return {}
-
-    def log_tail(self, lines: int = 3) -> str:
-        with contextlib.suppress(OSError):
-            text = (self.path / LOG_FILE).read_text(encoding="utf-8", errors="replace").strip().splitlines()
-            return " | ".join(line.strip() for line in text[-lines:])
-        return ""
 
     # -- chunks
     def begin(self, name: str) -> Path:
@@ -185,6 +163,41 @@ class Spool:
     def publish(self, name: str) -> None:
         """The partial chunk becomes ready, by one rename."""
         os.replace(self.partial_path(name), self.chunk_path(name))
+
+    def room(self, name: str, needed: int) -> None:
+        """One line when the spool's filesystem has less than `needed` bytes free for chunk `name` (a full disk or
+        /dev/shm: the same again on a restart)."""
+        free = free_bytes(self.chunks)
+        if free < needed:
+            raise DraftsmithError(f"{self.partial_path(name)}: the filesystem holding the spool has "
+                                  f"{sizing.human_bytes(free)} free and chunk {name} needs up to "
+                                  f"{sizing.human_bytes(needed)}; free space there or give --spool a directory on a "
+                                  "bigger filesystem")
+
+    def chunk_info(self, name: str) -> ChunkInfo | None:
+        try:
+            reader = store_mod.open(self.chunk_path(name), dtype=None)
+        except DraftsmithError:
+            return None
+        return ChunkInfo([int(i) for i in reader.sample_ids], reader.manifest.dtype, list(reader.layer_ids),
+                         disk_bytes(self.chunk_path(name)))
+
+    def fetch(self, name: str, into: Path, keep: bool = False) -> Path | None:
+        """The chunk's directory in the spool, or with `keep` a copy of it in `into` (the spool's is removed once
+        every rank has copied it)."""
+        if not self.is_ready(name):
+            return None
+        if not keep:
+            return self.chunk_path(name)
+
+        def copy(partial: Path) -> bool:
+            try:
+                shutil.copytree(self.chunk_path(name), partial)
+            except (FileNotFoundError, shutil.Error):  # removed meanwhile
+                return False
+            return True
+
+        return fill_directory(into, copy)
 
     def consume(self, name: str, rank: int, world: int) -> bool:
         """Rank `rank` has read chunk `name`; the last of `world` ranks deletes it. True when it was deleted."""
@@ -207,8 +220,9 @@ class Spool:
             r.unlink(missing_ok=True)
         return True
 
-    def clean(self, keep: set[str]) -> list[str]:
-        """Remove partial and deleted leftovers and every ready chunk not in `keep`; returns what was removed."""
+    def clean(self, keep: set[str], names: Any = ()) -> list[str]:
+        """Remove partial and deleted leftovers and every ready chunk not in `keep` (`names`, the run's chunks: all
+        of a directory's are this run's); returns what was removed."""
         removed = []
         if not self.chunks.is_dir():
             return removed
@@ -232,15 +246,11 @@ class Spool:
                     removed.append(entry.name)
         return removed
 
-    def wait_for_space(self, needed: int, stop: Any = None, on_wait: Any = None) -> None:
-        """Block until `needed` more bytes fit under the bound (`on_wait(used)` while waiting, `stop()` true: give
-        up)."""
-        while self.bound is not None and self.usage() + needed > self.bound:
-            if on_wait is not None:
-                on_wait(self.usage())
-            if stop is not None and stop():
-                return
-            time.sleep(0.05)
+    def trainer_lock(self) -> contextlib.AbstractContextManager[None]:
+        return self.lock(TRAINER_LOCK)
+
+    def engine_lock(self, wait_s: float = 0.0) -> contextlib.AbstractContextManager[None]:
+        return self.lock(ENGINE_LOCK, wait_s)
 
     @contextlib.contextmanager
     def lock(self, name: str, wait_s: float = 0.0) -> Iterator[None]:
@@ -264,30 +274,4 @@ class Spool:
             os.close(fd)
 
 
-@dataclass
-class FeedStatus:
-    """What the engine process reports in status.json."""
-
-    pid: int = 0
-    chunk: str = ""
-    chunks_done: int = 0
-    tokens: int = 0
-    seconds: float = 0.0  # computing, not waiting
-    waiting: str = ""  # "space": the spool is full; "start": the engine is starting; "" computing
-    error: str = ""
-    peak: int = 0
-    done: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def read_feed_status(spool: Spool) -> FeedStatus:
-    known = set(FeedStatus.__dataclass_fields__)
-    return FeedStatus(**{k: v for k, v in spool.read_status().items() if k in known})
-
-
-__all__ = ["Chunk", "EVAL_CHUNK", "FeedStatus", "Spool", "chunk_bytes", "chunk_name", "disk_bytes", "pack_steps",
-           "read_feed_status"]
+__all__ = ["ENGINE_LOCK", "Spool", "TRAINER_LOCK", "disk_bytes", "free_bytes"]

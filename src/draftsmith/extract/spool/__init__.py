@@ -1,0 +1,46 @@
+"""The online spool: where live vLLM engines hand the trainer the hidden states it needs next
+(`draftsmith train --engine vllm`), bounded, in chunks of consecutive optimizer steps.
+
+    chunks.py     the plan's chunks, their names and sizes, the statuses, and the two roles a transport plays
+    directory.py  a directory (local disk, /dev/shm, or a filesystem every node mounts): the default
+    mooncake.py   a Mooncake store (`--spool mooncake` / `mooncake://HOST:PORT[/RUN]`): engines and trainers on
+                  different nodes, no shared filesystem
+
+`open_spool` picks the transport from `--spool`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.extract.spool.chunks import (
+    EVAL_CHUNK,
+    STALL_S,
+    Chunk,
+    ChunkInfo,
+    EngineSide,
+    FeedStatus,
+    Plan,
+    TrainerSide,
+    TrainerStatus,
+    TransportLost,
+    chunk_bytes,
+    chunk_name,
+    pack_steps,
+    read_feed_status,
+    wait_for_space,
+)
+from draftsmith.extract.spool.directory import ENGINE_LOCK, TRAINER_LOCK, Spool, disk_bytes, free_bytes
+
+MOONCAKE_SCHEME = "mooncake"
+
+
+def is_mooncake(where: str | Path | None) -> bool:
+    """`--spool mooncake` (a master draftsmith starts on loopback) or `mooncake://HOST:PORT[/RUN]`."""
+    return where is not None and (str(where) == MOONCAKE_SCHEME or str(where).startswith(f"{MOONCAKE_SCHEME}://"))
+
+
+__all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedStatus", "MOONCAKE_SCHEME", "Plan",
+           "STALL_S", "Spool", "TRAINER_LOCK", "TrainerSide", "TrainerStatus", "TransportLost",
+           "chunk_bytes", "chunk_name",
+           "disk_bytes", "free_bytes", "is_mooncake", "pack_steps", "read_feed_status", "wait_for_space"]
