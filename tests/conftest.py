@@ -148,6 +148,15 @@ def sharegpt_file() -> Path:
 
 
 @pytest.fixture(scope="session")
+def online_reference(tmp_path_factory, sharegpt_file, default_target_dir) -> dict:
+    """The online-training tests' reference (tests/online.py): the default target's prepared set, its vLLM store
+    and the offline run on it, shared by the directory-spool and the Mooncake tests."""
+    from online import reference
+
+    return reference(tmp_path_factory.mktemp("online-reference"), sharegpt_file)
+
+
+@pytest.fixture(scope="session")
 def mtbench_file() -> Path:
     from draftsmith.core import assets
 

@@ -16,7 +16,7 @@ SRC = ROOT / "src" / "draftsmith"
 RANK = {"core": 0, "config": 1, "prepare": 2, "extract": 3, "train": 4, "export": 5, "evaluate": 6, "serve": 7}
 SHELL = 8  # cli, quickstart, doctor, inspection, __main__: may use every stage
 # vLLM, matplotlib and TensorBoard are extras; datasets takes ~0.7 s to import and only serves its own input format
-OPTIONAL_HEAVY = ("vllm", "matplotlib", "torch.utils.tensorboard", "datasets")
+OPTIONAL_HEAVY = ("vllm", "matplotlib", "torch.utils.tensorboard", "datasets", "mooncake")
 MAX_MODULE_LINES = 600
 MAX_TRAINER_FUNCTION_LINES = 80
 

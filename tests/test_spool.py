@@ -3,7 +3,9 @@ chunk into the --keep-epoch0 store (absorb_store)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
 import re
 import shutil
@@ -25,10 +27,14 @@ from draftsmith.extract.spool import (
     ENGINE_LOCK,
     EVAL_CHUNK,
     TRAINER_LOCK,
+    Chunk,
+    Plan,
     Spool,
+    TrainerStatus,
     chunk_bytes,
     chunk_name,
     disk_bytes,
+    wait_for_space,
 )
 from draftsmith.extract.store.shards import shard_name
 from draftsmith.train.batches import TokenBudgetSampler
@@ -412,10 +418,16 @@ def test_disk_bytes_counts_allocated_blocks(tmp_path):
     assert blocks["one"] > 1  # a filesystem allocates whole blocks
     assert disk_bytes(d) == blocks["one"] + max(blocks["sub/big"], 10_000) + (1 << 20)
     assert disk_bytes(tmp_path / "nothing") == 0
-    spool = Spool(d)
-    assert spool.usage() == disk_bytes(d) and spool.peak == disk_bytes(d)
-    (d / "sparse").unlink()
-    assert spool.usage() < spool.peak  # the peak stays
+    # the spool's usage is its chunks' bytes: files beside chunks/ (the job, plan and status) do not count
+    total = disk_bytes(d)
+    spool = Spool(tmp_path / "spool")
+    spool.create()
+    assert spool.usage() == 0 and Spool(tmp_path / "never-created").usage() == 0
+    d.rename(spool.chunks / chunk_name(0, 0, 1))
+    (spool.path / "status.json").write_bytes(b"x" * 50_000)
+    assert spool.usage() == total and spool.peak == total
+    (spool.chunks / chunk_name(0, 0, 1) / "sparse").unlink()
+    assert spool.usage() == total - (1 << 20) and spool.peak == total  # the peak stays
 
 
 def test_wait_for_space_blocks_until_another_thread_removes_a_chunk(tmp_path):
@@ -430,7 +442,7 @@ def test_wait_for_space_blocks_until_another_thread_removes_a_chunk(tmp_path):
     returned: list[float] = []
 
     def waiter():
-        spool.wait_for_space(needed, on_wait=seen.append)
+        wait_for_space(spool, needed, on_wait=seen.append)
         returned.append(time.monotonic())
 
     thread = threading.Thread(target=waiter, daemon=True)
@@ -447,14 +459,17 @@ def test_wait_for_space_blocks_until_another_thread_removes_a_chunk(tmp_path):
 
 
 def test_wait_for_space_gives_up_when_told_to_stop_and_never_waits_unbounded(tmp_path):
-    spool = Spool(tmp_path / "spool", bound=1)
+    spool = Spool(tmp_path / "spool", bound=1000)
     spool.create()
-    (spool.path / "f").write_bytes(b"x" * 5000)
+    (spool.path / "status.json").write_bytes(b"x" * 5000)  # beside chunks/: not held against the bound
     calls = []
+    wait_for_space(spool, 10, stop=lambda: calls.append(1) or True)
+    assert calls == []  # there was room: it never waited
+    (spool.chunks / "f").write_bytes(b"x" * 5000)
     t0 = time.monotonic()
-    spool.wait_for_space(10, stop=lambda: calls.append(1) or len(calls) >= 3)
+    wait_for_space(spool, 10, stop=lambda: calls.append(1) or len(calls) >= 3)
     assert len(calls) == 3 and time.monotonic() - t0 < 2
-    Spool(tmp_path / "spool").wait_for_space(1 << 40)  # no bound: returns at once
+    wait_for_space(Spool(tmp_path / "spool"), 1 << 40)  # no bound: returns at once
 
 
 def test_the_trainer_lock_refuses_a_second_holder_with_one_line_naming_the_spool(tmp_path):
@@ -499,8 +514,12 @@ def test_plan_job_and_status_round_trip(tmp_path):
     spool = Spool(tmp_path / "spool")
     spool.create()
     chunks = s.plan()
-    spool.write_plan(chunks)
-    assert spool.read_plan() == chunks
+    assert spool.read_plan() is None  # none written yet
+    spool.write_plan(Plan(chunks, 3))
+    assert spool.read_plan() == Plan(chunks, 3)
+    # a plan.json written before plans had generations (a bare list of chunks) reads as generation 0
+    (spool.path / "plan.json").write_text(json.dumps([dataclasses.asdict(c) for c in chunks[:2]]))
+    assert spool.read_plan() == Plan(chunks[:2], 0)
     spool.write_status({"pid": 7, "tokens": 100, "seconds": 4.0, "waiting": "space", "unknown": 1})
     status = spool_mod.read_feed_status(spool)
     assert (status.pid, status.tokens_per_s, status.waiting) == (7, 25.0, "space")
@@ -509,6 +528,54 @@ def test_plan_job_and_status_round_trip(tmp_path):
     (spool.path / "job.json").write_text("{not json")
     with pytest.raises(DraftsmithError, match="not valid JSON"):
         spool.read_job()
+
+
+def test_fetch_copies_a_ready_chunk_out_and_the_copy_outlives_the_spools(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    spool.create()
+    name = chunk_name(0, 0, 4)
+    _chunk(spool, name, range(5), seed=3)
+    want = _raw(spool.chunk_path(name))
+    into = tmp_path / "cache" / "rank0" / name
+    into.parent.mkdir(parents=True)
+    assert spool.fetch(name, into, keep=True) == into
+    assert sorted(p.name for p in into.parent.iterdir()) == [name]  # no partial copy left beside it
+    assert spool.is_ready(name)  # copied, not moved
+    assert spool.remove(name) and not spool.chunk_path(name).exists()
+    got = _raw(into)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4]
+    for i in want:
+        assert torch.equal(got[i]["hidden_states"], want[i]["hidden_states"]), i
+    # without keep, a directory spool's reader reads the chunk where it is
+    other = chunk_name(0, 5, 6)
+    _chunk(spool, other, [5, 6])
+    assert spool.fetch(other, tmp_path / "cache" / "rank0" / other) == spool.chunk_path(other)
+    assert not (tmp_path / "cache" / "rank0" / other).exists()
+    # not ready (never written, removed, or still partial): None, and nothing made in `into`
+    spool.begin(chunk_name(1, 0, 0)).mkdir()
+    for missing in (chunk_name(1, 0, 0), name, "never-there"):
+        assert spool.fetch(missing, tmp_path / "cache" / missing, keep=True) is None
+        assert spool.fetch(missing, tmp_path / "cache" / missing) is None
+        assert not (tmp_path / "cache" / missing).exists()
+
+
+def test_room_refuses_a_chunk_larger_than_the_free_space_in_one_line(tmp_path, monkeypatch):
+    from draftsmith.extract.spool import directory
+
+    spool = Spool(tmp_path / "spool")
+    spool.create()
+    name = chunk_name(0, 3, 7)
+    asked = []
+    monkeypatch.setattr(directory, "free_bytes", lambda path: asked.append(Path(path)) or 3 * 1024 ** 2)
+    spool.room(name, 3 * 1024 ** 2)  # exactly what is free: it fits
+    assert asked == [spool.chunks]
+    with pytest.raises(DraftsmithError) as err:
+        spool.room(name, 5 * 1024 ** 3)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{spool.partial_path(name)}:")
+    assert "3 MiB free" in msg and "needs up to 5 GiB" in msg and f"chunk {name}" in msg
+    with pytest.raises(DraftsmithError, match="3 MiB free"):
+        spool.room(name, 3 * 1024 ** 2 + 1)  # one byte more than is free
 
 
 # ---------------------------------------------------------------------------------------------- absorb_store
@@ -595,61 +662,111 @@ def test_engine_cores_on_a_cpu_are_checked_against_the_cores_this_process_may_us
         engine_cpus(TrainConfig(engine="vllm", engine_devices=[4096]))
 
 
+def _ready(spool: Spool, name: str) -> None:
+    """A chunk as ready as `is_ready` sees it (a manifest, no states): enough for the trainer's bookkeeping."""
+    spool.chunk_path(name).mkdir(parents=True)
+    (spool.chunk_path(name) / "manifest.json").write_text("{}")
+
+
+class _Info:
+    """One rank on a CPU (what `distributed.DistInfo` tells the source)."""
+
+    device, rank, world_size, is_main = torch.device("cpu"), 0, 1, True
+
+
+def _bare_source(spool: Spool, chunks, cfg: TrainConfig | None = None):
+    """An EngineSource with only what its spool bookkeeping reads (no data set, no samplers, no engine)."""
+    from draftsmith.train import engine_process, engine_source
+
+    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
+    source.spool, source.chunks, source.consumed = spool, chunks, set()
+    source.cfg = cfg if cfg is not None else TrainConfig(engine="vllm")
+    source.bound, source.info, source.layer_ids = spool.bound, _Info(), []
+    source.engine = source.master = source._lock = None
+    source.cpus, source.generation, source.step, source._beat = None, 0, 0, 0.0
+    source._seen = (None, time.monotonic())
+    return source
+
+
 def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_first(tmp_path, monkeypatch):
     """A trainer killed after the engine ran ahead, resumed from an earlier checkpoint: the chunks the spool still
     holds far ahead must go, or the engine (writing in plan order) would wait for room the trainer never frees."""
-    from draftsmith.config import TrainConfig
-    from draftsmith.extract.spool import Chunk
-    from draftsmith.train import engine_source
+    from draftsmith.train import engine_process, engine_source
 
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(6)]
     for c in chunks[1:]:  # c0 was consumed before the kill; c1..c5 are ready
-        (spool.chunk_path(c.name)).mkdir(parents=True)
-        (spool.chunk_path(c.name) / "manifest.json").write_text("{}")
-    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
-    source.spool, source.bound, source.chunks = spool, 10_000, chunks
-    source.cfg, source.info, source.layer_ids = TrainConfig(engine="vllm"), None, []
-    source._chunk_matches = lambda c: True
+        _ready(spool, c.name)
+    spool.write_plan(Plan(chunks, 5))  # the killed trainer's last plan generation
+    source = _bare_source(spool, chunks, TrainConfig(engine="vllm", output=tmp_path / "run"))
+    source._matches = lambda c, info: True
     source._extract_config = lambda: TrainConfig()
-    source.cpus, source.consumed, source.proc = None, set(), None
     spawned = []
     source._spawn = lambda: spawned.append(True)
     monkeypatch.setattr(engine_source, "engine_devices", lambda cfg, info: None)
+    monkeypatch.setattr(engine_source, "prepared_digest", lambda data: "digest")
     monkeypatch.setattr(engine_source.importlib.util, "find_spec", lambda name: True)  # as if vLLM were installed
-    source._start()
+    try:
+        source._start()
+    finally:
+        if source._lock is not None:
+            source._lock.close()
     # c0 (missing), c1, c2 fit in 10,000 bytes (3 x 3,000); c3.. are removed
     assert [c.name for c in chunks if spool.is_ready(c.name)] == ["c1", "c2"]
-    assert spawned
+    assert spawned and source.generation == 5  # the next plan it writes is newer than any an engine has seen
+    # the engine's log is the trainer's, beside its run: not in the spool, where it would count against the bound
+    assert isinstance(source.engine, engine_source.EngineProcess)
+    assert source.engine.log == tmp_path / "run" / "feed.log"
+    assert spool.read_job()["bound"] == 10_000
 
 
 def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer_reads_meanwhile(tmp_path):
     """The race CI met: a resumed trainer reads the chunks a killed engine left ready and deletes them while its new
     engine process is still importing vLLM; that process reads the plan then, finds them missing, and must not redo
     them (the spool would fill with chunks no one reads, the engine waiting for room, the trainer for the next)."""
-    from draftsmith.extract.spool import Chunk
-    from draftsmith.train import engine_source
+    from draftsmith.train import engine_process, engine_source
 
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(5)]
     for c in chunks[:2]:  # left ready by the killed engine
-        spool.chunk_path(c.name).mkdir(parents=True)
-        (spool.chunk_path(c.name) / "manifest.json").write_text("{}")
-    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
-    source.spool, source.chunks, source.consumed = spool, chunks, set()
-    source.cfg = source.proc = None
+        _ready(spool, c.name)
+    source = _bare_source(spool, chunks)
+    source.engine = engine_source.EngineProcess(source.cfg, str(spool.path), tmp_path / "run" / "feed.log",
+                                                tmp_path / "run" / "engine-scratch", None, None)
     spool.write_job({})
     started = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_source.subprocess, "Popen", lambda *a, **k: started.append(a) or _Exited(0))
+        mp.setattr(engine_process.subprocess, "Popen", lambda *a, **k: started.append(a[0]) or _Exited(0))
         source._spawn()
-    assert started
+    assert len(started) == 1 and str(spool.path) in started[0] and engine_process.ENGINE_MODULE in started[0]
     for c in chunks[:2]:  # the trainer reads them before the engine process reads its plan
         spool.consume(c.name, 0, 1)
     assert not any(spool.is_ready(c.name) for c in chunks)
-    assert [c.name for c in spool.read_plan()] == ["c2", "c3", "c4"]
+    plan = spool.read_plan()
+    assert [c.name for c in plan.chunks] == ["c2", "c3", "c4"] and plan.generation == 1
+
+
+def test_write_plan_starts_a_new_generation_without_the_chunks_read_or_ready(tmp_path):
+    spool = Spool(tmp_path / "spool", bound=10_000)
+    spool.create()
+    chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(5)]
+    chunks.append(Chunk("c5", 0, 5, 5, [5], [], 0, 0))  # all from the --keep-epoch0 store: not the engines'
+    source = _bare_source(spool, chunks)
+    source.generation = 4
+    source.consumed = {"c0"}
+    _ready(spool, "c1")  # published, not read yet
+    source._write_plan()
+    plan = spool.read_plan()
+    assert plan.generation == 5 and [c.name for c in plan.chunks] == ["c2", "c3", "c4"]
+    assert plan.chunks == chunks[2:5]  # whole: the engine computes them from these
+    # the trainer reads c1 and c2 meanwhile, and c3 is lost with its transport: the next generation asks for it again
+    source.consumed |= {"c1", "c2"}
+    spool.consume("c1", 0, 1)
+    source._write_plan()
+    plan = spool.read_plan()
+    assert plan.generation == 6 and [c.name for c in plan.chunks] == ["c3", "c4"]
 
 
 class _Exited:
@@ -660,35 +777,147 @@ class _Exited:
         return self.returncode
 
 
-def _exited_source(tmp_path, status: dict, code: int):
-    from draftsmith.extract.spool import Chunk
-    from draftsmith.train import engine_source
+class _FakeEngine:
+    """What the trainer's supervision reads of an `EngineProcess`, without a process."""
 
+    def __init__(self, log: Path, code: int | None):
+        self.log, self.proc = log, _Exited(code) if code is not None else None
+        self.restarts = self.total_restarts = self.stops = 0
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def log_tail(self, lines: int = 3) -> str:
+        return "the last line of its log"
+
+    def stop(self) -> None:
+        self.stops += 1
+
+
+def _exited_source(tmp_path, status: dict, code: int):
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     spool.write_status(status)
-    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
-    source.spool, source.proc, source.restarts, source.total_restarts = spool, _Exited(code), 0, 0
-    source._stop_engine = lambda: None
+    source = _bare_source(spool, [])
+    source.engine = _FakeEngine(tmp_path / "run" / "feed.log", code)
     spawned = []
     source._spawn = lambda: spawned.append(True)
     return source, Chunk("c0", 0, 0, 0, [1], [1], 10, 100), spawned
 
 
 def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_once(tmp_path, capsys):
+    def exited(source, chunk):
+        source._engine_exited(chunk, spool_mod.read_feed_status(source.spool))
+
     # killed (signal, the status of a started engine): restarted, and the user told so
     source, chunk, spawned = _exited_source(tmp_path / "a", {"pid": 7, "extra": {"engine start (s)": 3.0}}, -9)
-    source._engine_exited(chunk)
-    assert spawned and source.restarts == 1 and "restarting it (1 of 3)" in capsys.readouterr().err
+    exited(source, chunk)
+    assert spawned and source.engine.restarts == 1 and source.engine.total_restarts == 1
+    assert source.engine.stops == 1  # what is left of it (vLLM's processes) goes before the new one starts
+    err = capsys.readouterr().err
+    assert "restarting it (1 of 3)" in err and "exit code -9" in err and "the last line of its log" in err
+    # it exited after publishing the chunk the trainer waits for: nothing to do for that chunk
+    source, chunk, spawned = _exited_source(tmp_path / "ready", {"pid": 7, "extra": {"engine start (s)": 3.0}}, 0)
+    _ready(source.spool, chunk.name)
+    exited(source, chunk)
+    assert not spawned and source.engine.restarts == 0
     # an error before vLLM started (a strategy the installed vLLM lacks, say) would be the same again: no restart
     source, chunk, spawned = _exited_source(tmp_path / "b", {"pid": 7, "error": "--vllm-strategy connector: not "
                                                              "possible with this vLLM", "extra": {}}, 1)
     with pytest.raises(DraftsmithError, match="stopped before chunk c0 .--vllm-strategy connector: not possible") as e:
-        source._engine_exited(chunk)
+        exited(source, chunk)
     assert not spawned and "\n" not in str(e.value)
+    # a fatal error of a started engine (a full disk): the same wall again on a restart, so one line at once
+    full = "/dev/shm/spool/chunks/.c0.partial: the filesystem holding the spool has 1 MiB free"
+    source, chunk, spawned = _exited_source(tmp_path / "f", {"pid": 7, "error": full, "fatal": True,
+                                                             "extra": {"engine start (s)": 3.0}}, 1)
+    with pytest.raises(DraftsmithError) as e:
+        exited(source, chunk)
+    assert not spawned and source.engine.restarts == 0 and "\n" not in str(e.value)
+    assert full in str(e.value) and str(source.engine.log) in str(e.value)
     # restarts run out: one line naming the chunk and the log
     source, chunk, spawned = _exited_source(tmp_path / "c", {"pid": 7, "extra": {"engine start (s)": 3.0}}, -9)
-    source.restarts = 3
-    with pytest.raises(DraftsmithError, match="feed.log; run the same command again"):
-        source._engine_exited(chunk)
+    source.engine.restarts = 3
+    with pytest.raises(DraftsmithError, match="before chunk c0 .*/run/feed.log; run the same command again"):
+        exited(source, chunk)
     assert not spawned
+
+
+def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(tmp_path):
+    spool = Spool(tmp_path / "spool", bound=10_000)
+    spool.create()
+    spool.write_job({})
+    source = _bare_source(spool, [], TrainConfig(engine="vllm", stall_timeout_s=30))
+    source.engine = _FakeEngine(tmp_path / "run" / "feed.log", None)  # running
+    chunk = Chunk("c0", 0, 0, 0, [1], [1], 10, 100)
+    spool.write_status({"pid": 4242, "host": "engine-node", "chunk": "c0"})
+    updated = spool_mod.read_feed_status(spool).updated
+    source._seen = (updated, time.monotonic() - 29)  # unchanged, but within the limit
+    source._watch(chunk)
+    source._seen = (updated, time.monotonic() - 31)  # unchanged past the limit
+    with pytest.raises(DraftsmithError) as err:
+        source._watch(chunk)
+    msg = str(err.value)
+    assert "\n" not in msg and "no progress for 30 s" in msg and "chunk c0" in msg
+    assert "pid 4242 on engine-node" in msg and str(tmp_path / "run" / "feed.log") in msg
+    # the engine reports again: progress, whatever its clock says (an hour behind the trainer's, here)
+    spool.write_status({"pid": 4242, "host": "engine-node", "chunk": "c0"})
+    (spool.path / "status.json").write_text(json.dumps({**spool.read_status(), "updated": time.time() - 3600}))
+    source._watch(chunk)
+    assert source._seen[0] == pytest.approx(time.time() - 3600, abs=60)
+    assert time.monotonic() - source._seen[1] < 5
+
+
+def test_spool_gb_beyond_the_free_space_of_the_spools_filesystem_is_refused_in_one_line(tmp_path, monkeypatch):
+    spool = Spool(tmp_path / "shm" / "spool", bound=int(2 * GiB))
+    spool.create()
+    _chunk(spool, chunk_name(0, 0, 1), range(4))  # left by a killed run: its bytes are room for this one
+    held = spool.usage()
+    source = _bare_source(spool, [], TrainConfig(engine="vllm", spool_gb=2.0))
+    free = [int(2 * GiB) - held]
+    seen = []
+    monkeypatch.setattr(spool_mod, "free_bytes", lambda path: seen.append(Path(path)) or free[0])
+    source._check_room()  # free + held is exactly the bound
+    assert seen == [spool.path]  # the spool's own filesystem
+    free[0] -= 1
+    with pytest.raises(DraftsmithError, match="^--spool-gb 2: "):  # one byte short
+        source._check_room()
+    free[0] = int(GiB) - held
+    with pytest.raises(DraftsmithError) as err:
+        source._check_room()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("--spool-gb 2:") and f"--spool {spool.path} " in msg
+    assert "has 1 GiB free" in msg  # what there is, not what was asked for
+
+
+def test_the_engine_process_names_a_trainer_that_makes_no_progress(tmp_path):
+    from draftsmith.extract.vllm import feed
+
+    spool = Spool(tmp_path / "spool")
+    spool.create()
+    feeder = feed.Feeder(spool, spool_mod.FeedStatus(), stall_s=1800.0)
+    feeder._trainer_stalled("a plan")  # no report yet, and just started: within the limit
+    spool.write_trainer(TrainerStatus(step=41, stall_s=20.0))  # the trainer's limit is the one that counts
+    report = spool.read_trainer()
+    feeder._trainer_stalled("a plan")
+    assert feeder.trainer[0] == report.updated  # seen now
+    feeder.trainer = (report.updated, time.monotonic() - 19, report)
+    feeder._trainer_stalled("a plan")  # unchanged, within its 20 s
+    feeder.trainer = (report.updated, time.monotonic() - 21, report)
+    with pytest.raises(feed.Fatal) as err:
+        feeder._trainer_stalled("room in the spool")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"the trainer of {spool.path} has made no progress for 20 s")
+    assert "waits for room in the spool" in msg and "step 41" in msg
+    # the trainer reports again: progress (its own clock an hour behind this node's does not matter)
+    time.sleep(0.01)
+    spool.write_trainer(TrainerStatus(step=42, stall_s=20.0))
+    data = json.loads((spool.path / "trainer.json").read_text())
+    (spool.path / "trainer.json").write_text(json.dumps({**data, "updated": time.time() - 3600}))
+    feeder._trainer_stalled("room in the spool")
+    assert feeder.trainer[2].step == 42
+    # never reported, past this process's own limit
+    quiet = feed.Feeder(Spool(tmp_path / "other"), spool_mod.FeedStatus(), stall_s=5.0)
+    quiet.trainer = (None, time.monotonic() - 6, None)
+    with pytest.raises(feed.Fatal, match=r"no progress for 5 s .*\(it has not reported yet\)"):
+        quiet._trainer_stalled("its job")

@@ -20,98 +20,32 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from draftsmith.extract import store
-from draftsmith.extract.spool import Spool, disk_bytes, read_feed_status
+from draftsmith.extract.spool import Spool, read_feed_status
+from online import (
+    ENV,
+    EXTRACT,
+    MAX_LENGTH,
+    STEPS,
+    TRAIN,
+    TRAINER_CORES,
+    SpoolWatch,
+    alive,
+    assert_once_per_epoch,
+    assert_same_weights,
+    draftsmith,
+    read_jsonl,
+    steps_done,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
-
-NUM_SAMPLES = 160
-MAX_LENGTH = 128
-STEPS = 24
-# Small steps (about two samples each) so that four chunks of one step and the held-out chunk fit in under a tenth
-# of the whole store.
-TRAIN = ["--token-budget", "256", "--draft-vocab-size", "2000", "--warmup-steps", "2", "--log-every", "1",
-         "--eval-every", "8", "--save-every", "4", "--device", "cpu", "--no-vllm-compile",
-         "--engine-dtype", "float32"]
-# float32 in vLLM on both sides: `auto` is bfloat16 on CPUs with bf16 instructions, float32 on others
-EXTRACT = ["--backend", "vllm", "--no-vllm-compile", "--compute-dtype", "float32"]
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-# On a CPU the online trainer runs on the cores the engine leaves it (the second half); torch's CPU kernels may round
-# differently with another number of threads, so the offline runs it is compared with train on the same cores.
-ALLOWED = sorted(os.sched_getaffinity(0))
-TRAINER_CORES = ALLOWED[len(ALLOWED) // 2:] if len(ALLOWED) > 1 else ALLOWED
-
-
-def draftsmith(*args: str | Path, check: bool = True, log: Path | None = None, trainer_cores: bool = False):
-    """The CLI in a process of its own: run to the end (and checked), or, with `log`, started (its stderr into
-    `log`) and returned; `trainer_cores`: on the cores an online trainer keeps."""
-    cmd = [sys.executable, "-m", "draftsmith", *map(str, args)]
-    if trainer_cores:
-        cmd = ["taskset", "-c", ",".join(map(str, TRAINER_CORES)), *cmd]
-    env = {**os.environ, **ENV}
-    if log is not None:
-        with open(log, "a") as err:
-            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if check:
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    last = sorted((run / "checkpoints").glob("step-*"))[-1]
-    return load_file(str(last / "model.safetensors"))
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-
-
-def assert_once_per_epoch(run: Path) -> None:
-    seen: dict[int, list[int]] = {}
-    for line in read_jsonl(run / "samples.jsonl"):
-        seen.setdefault(line["epoch"], []).extend(line["samples"])
-    for epoch, ids in seen.items():
-        assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample was trained on twice"
-
-
-class SpoolWatch:
-    """The bytes on disk under a spool directory, sampled every 5 ms from a thread for as long as it runs."""
-
-    def __init__(self, path: Path):
-        self.path, self.peak, self.samples, self._stop = path, 0, 0, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.path.is_dir():
-                self.peak = max(self.peak, disk_bytes(self.path))
-                self.samples += 1
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +54,15 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prepared(work, sharegpt_file, default_target_dir) -> Path:
-    draftsmith("prepare", "--data", sharegpt_file, "--max-samples", NUM_SAMPLES, "--max-length", MAX_LENGTH,
-               "--output", work / "prepared")
-    return work / "prepared"
+def prepared(online_reference) -> Path:
+    return online_reference["prepared"]
 
 
 @pytest.fixture(scope="module")
-def offline(work, prepared) -> dict:
-    """extract --backend vllm, then train --data STORE."""
-    draftsmith("extract", "--prepared", prepared, "--output", work / "store", *EXTRACT)
-    draftsmith("train", "--data", work / "store", "--output", work / "offline", "--max-steps", STEPS, *TRAIN,
-               trainer_cores=True)
-    return {"run": work / "offline", "store_bytes": disk_bytes(work / "store")}
+def offline(online_reference) -> dict:
+    """extract --backend vllm, then train --data STORE (conftest's online_reference, shared with the Mooncake
+    tests)."""
+    return online_reference
 
 
 @pytest.fixture(scope="module")
@@ -177,32 +107,6 @@ def test_online_from_engine_equals_offline_from_store_under_a_tenth_of_its_disk(
     assert not any((on / "spool" / "chunks").iterdir())
 
 
-def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"the trainer ended before {what} (exit code {proc.returncode})")
-        if time.monotonic() > deadline:
-            proc.kill()  # its engine process follows it
-            proc.wait()
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def _steps_done(run: Path) -> int:
-    path = run / "samples.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work, prepared, online):
     run = work / "faults"
     args = ("train", "--data", prepared, "--engine", "vllm", "--spool-gb", f"{online['bound_gb']:.6f}", "--output",
@@ -211,24 +115,24 @@ def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work
 
     # 1. the engine process dies mid-run: the trainer restarts it and finishes nothing short
     trainer = draftsmith(*args, log=log)
-    _wait_for(lambda: read_feed_status(spool).chunks_done >= 2 and not read_feed_status(spool).done, trainer,
+    wait_for(lambda: read_feed_status(spool).chunks_done >= 2 and not read_feed_status(spool).done, trainer,
               "two chunks")
     engine = read_feed_status(spool).pid
     os.kill(engine, signal.SIGKILL)
     # 2. then the trainer dies, after a checkpoint: its engine process exits by itself
-    _wait_for(lambda: _steps_done(run) >= 10, trainer, "step 10")
+    wait_for(lambda: steps_done(run) >= 10, trainer, "step 10")
     engine = read_feed_status(spool).pid
     trainer.kill()
     trainer.wait()
     err = log.read_text()
     assert "restarting it (1 of 3)" in err, err[-2000:]
     deadline = time.monotonic() + 30
-    while _alive(engine) and time.monotonic() < deadline:
+    while alive(engine) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(engine), "the engine process outlived its trainer"
+    assert not alive(engine), "the engine process outlived its trainer"
     # 3. the same command resumes; then the whole job is killed at once
     trainer = draftsmith(*args, log=log)
-    _wait_for(lambda: _steps_done(run) >= 17 and read_feed_status(spool).pid not in (0, engine), trainer, "step 17")
+    wait_for(lambda: steps_done(run) >= 17 and read_feed_status(spool).pid not in (0, engine), trainer, "step 17")
     engine = read_feed_status(spool).pid
     trainer.kill()
     os.kill(engine, signal.SIGKILL)
