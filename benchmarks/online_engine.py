@@ -6,6 +6,10 @@ quickstart's small budget unless overridden), each stage a subprocess of the ins
   A) offline   draftsmith extract --prepared P --output STORE --backend vllm
                draftsmith train --data STORE --output RUN_A
   B) online    draftsmith train --data P --engine vllm --spool-gb G --spool RUN_B/spool --output RUN_B
+  C) Mooncake  draftsmith train --data P --engine vllm --spool-gb G --spool mooncake --output RUN_C
+               (the same, through a Mooncake master draftsmith starts on loopback; --no-mooncake skips it)
+  T) transport A's store published as one chunk by a process of its own into a Mooncake master on loopback, then
+               fetched by this one: publish and fetch GB/s (the chunk's bytes over each side's wall seconds)
 
 Wall seconds of every stage are measured here (interpreter, engine start-up and setup included); each stage's
 own "tokens/s" (its summary: start-up excluded) is reported beside them. A sampling thread sums the file sizes
@@ -22,6 +26,7 @@ Ratios (goals from issue 19):
                             (goal >= 0.8: the engines and the trainer overlap, so B runs at its slower side's pace)
     ratio_vs_end_to_end     B's tokens / B's wall s over A's train tokens / (extract wall s + train wall s)
     disk_ratio              B's measured spool peak / A's store bytes (goal <= 0.10)
+    mooncake_vs_directory   C's tokens/s / B's (the train summaries'), with each one's trainer wait beside it
 `--spool-gb` (GiB) defaults to a tenth of the estimated store size, but never less than the trainer accepts:
 SPOOL_CHUNKS chunks of one optimizer step each besides the held-out split's chunk. Prints a table on stderr; the
 LAST stdout line is one JSON object. If B cannot run (`train --engine vllm` refuses, fails, or runs in another
@@ -31,6 +36,7 @@ mode than "online (vLLM engines, spool)"), its failure is one line in the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -45,6 +51,21 @@ from pathlib import Path
 
 GiB = 2**30  # the unit of --spool-gb
 ONLINE_MODE = "online (vLLM engines, spool)"  # the train summary's "mode" of `train --engine vllm`
+MOONCAKE_MODE = "online (vLLM engines, Mooncake)"  # ... of `train --engine vllm --spool mooncake`
+PUBLISHER = """
+import json, shutil, sys, time
+from pathlib import Path
+from draftsmith.extract.spool.mooncake import MooncakeAddress, MooncakeSpool, segment_bytes
+store, address, scratch, size = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+spool = MooncakeSpool(MooncakeAddress.parse(address), segment=segment_bytes(size), scratch=scratch).connect()
+partial = spool.begin("bench")
+shutil.copytree(store, partial)
+t0 = time.perf_counter()
+spool.publish("bench")
+print(json.dumps({"publish_s": time.perf_counter() - t0}), flush=True)
+sys.stdin.readline()  # its segment holds the chunk until the reader is done
+spool.close()
+"""
 THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")  # how the CLI prints a big number: 12,345
 BOX = "│┃╭╮╰╯─━┌┐└┘╞╡═ "
 
@@ -166,6 +187,46 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def transport_throughput(store: Path, work: Path) -> dict:
+    """T: publish -> fetch of `store` as one chunk through Mooncake on loopback (see the module); or its error."""
+    try:
+        from draftsmith.extract.spool.mooncake import MooncakeAddress, MooncakeMaster, MooncakeSpool
+    except ImportError as err:
+        return {"error": f"Mooncake cannot be imported: {err}"}
+    size = tree_bytes(store)
+    master = MooncakeMaster(work / "logs" / "mooncake_master.log")
+    address = master.start()
+    publisher = None
+    try:
+        publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(store), str(address),
+                                      str(work / "publisher"), str(size)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(work / "logs" / "T publish.err", "w"),
+                                     text=True)
+        line = publisher.stdout.readline()
+        if not line:
+            return {"error": f"the publisher failed: see {work / 'logs' / 'T publish.err'}"}
+        publish_s = json.loads(line)["publish_s"]
+        reader = MooncakeSpool(MooncakeAddress.parse(str(address))).connect()
+        t0 = time.perf_counter()
+        local = reader.fetch("bench", work / "fetched")
+        fetch_s = time.perf_counter() - t0
+        reader.close()
+        if local is None or tree_bytes(local) != size:
+            return {"error": "the fetched chunk is not the published one"}
+        return {"bytes": size, "publish_s": round(publish_s, 3), "fetch_s": round(fetch_s, 3),
+                "publish_GBps": round(size / publish_s / 1e9, 3), "fetch_GBps": round(size / fetch_s / 1e9, 3)}
+    finally:
+        if publisher is not None:
+            with contextlib.suppress(OSError, ValueError):
+                publisher.stdin.write("\n")
+                publisher.stdin.flush()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                publisher.wait(30)
+        master.stop()
+        shutil.rmtree(work / "fetched", ignore_errors=True)
+        shutil.rmtree(work / "publisher", ignore_errors=True)
+
+
 def machine() -> dict:
     model = None
     try:
@@ -221,6 +282,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="work directory (default: a temp dir, deleted unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (store, runs, logs)")
     parser.add_argument("--skip-offline", action="store_true", help="run B only (no A numbers, no ratios)")
+    parser.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run C and T, through Mooncake (default: on)")
     parser.add_argument("--engine-cores", default=None, help=(
         "CPU only: split the cores as disjoint devices, e.g. 0 on a 2-core machine: A's extract runs on these "
         "cores and A's train on the others; B gets --engine-devices CORES (its trainer keeps the others). "
@@ -289,6 +352,16 @@ def main() -> None:
         b = run_stage("B online", ["train", "--data", str(prepared), "--engine", "vllm", "--spool-gb",
                                    f"{spool_gb:g}", "--spool", str(run_b / "spool"), "--output", str(run_b),
                                    *compile_flag, *split, *train_opts], env, logs, watch=run_b / "spool")
+        c = transport = None
+        if args.mooncake:
+            run_c = work / "run-mooncake"
+            c = run_stage("C mooncake", ["train", "--data", str(prepared), "--engine", "vllm", "--spool-gb",
+                                         f"{spool_gb:g}", "--spool", "mooncake", "--output", str(run_c),
+                                         *compile_flag, *split, *train_opts], env, logs)
+            if c["rc"] == 0 and c["summary"].get("mode") != MOONCAKE_MODE:
+                c["rc"], c["error"] = -1, f"ran in mode {c['summary'].get('mode')!r}, not {MOONCAKE_MODE!r}"
+            if a_extract is not None and a_extract["rc"] == 0:
+                transport = transport_throughput(store, work)
         load_after = load()
         if b["rc"] == 0 and b["summary"].get("mode") != ONLINE_MODE:
             b["rc"], b["error"] = -1, (f"ran in mode {b['summary'].get('mode')!r}, not {ONLINE_MODE!r}: this "
@@ -324,6 +397,16 @@ def main() -> None:
                   "spool_bound_bytes": s.get("spool bound (bytes)"), "spool_peak_bytes": b["disk_peak_bytes"],
                   "spool_peak_summary_bytes": s.get("spool peak (bytes)"), "spool_final_bytes": b["disk_final_bytes"],
                   "spool_samples": b["disk_samples"]}
+        online["trainer_wait_s"] = s.get("trainer waited (s)")
+        mooncake = None
+        if c is not None:
+            sc = c["summary"]
+            c_tokens = train_tokens(run_c, sc) if c["rc"] == 0 else None
+            mooncake = {"wall_s": c["wall_s"], "error": c.get("error"), "mode": sc.get("mode"), "tokens": c_tokens,
+                        "tokens_per_s_wall": rate(c_tokens, c["wall_s"]), "tokens_per_s": sc.get("tokens/s"),
+                        "extraction_tokens_per_s": sc.get("extraction tokens/s"),
+                        "trainer_wait_s": sc.get("trainer waited (s)"), "spool_peak_summary_bytes":
+                        sc.get("spool peak (bytes)"), "acceptance_length": sc.get("final acceptance length (sim.)")}
         ok = b["rc"] == 0 and bool(offline.get("end_to_end_tokens_per_s"))
         stage_rates = [offline.get("extract_tokens_per_s"), offline.get("train_tokens_per_s")]
         wall_rates = [offline.get("extract_tokens_per_s_wall"), offline.get("train_tokens_per_s_wall")]
@@ -341,6 +424,9 @@ def main() -> None:
             "ratio_vs_end_to_end": ratio(online["tokens_per_s_wall"], offline.get("end_to_end_tokens_per_s"))
             if ok else None,
             "disk_ratio": ratio(online["spool_peak_bytes"], offline.get("store_bytes")) if b["rc"] == 0 else None,
+            "mooncake": mooncake, "transport": transport,
+            "mooncake_vs_directory": ratio(mooncake["tokens_per_s"], online["tokens_per_s"])
+            if mooncake and mooncake["tokens"] and b["rc"] == 0 else None,
             "goals": {"ratio_vs_slower_stage": ">= 0.8", "disk_ratio": "<= 0.10"},
             "machine": machine(), "load_before": load_before, "load_after": load_after,
             "total_s": round(time.perf_counter() - t_all, 1),
@@ -385,6 +471,13 @@ def _print_table(r: dict) -> None:
           f"{r['online']['spool_gb']:g} GiB (summary: {mb(b['spool_bound_bytes'])}), peak measured "
           f"{mb(b['spool_peak_bytes'])} over {b['spool_samples']} samples "
           f"(summary: {mb(b['spool_peak_summary_bytes'])})", file=sys.stderr)
+    c, t = r.get("mooncake"), r.get("transport")
+    if c is not None:
+        print(f"C mooncake: {num(c['wall_s'])} s wall, {num(c['tokens_per_s'])} tok/s (B: {num(b['tokens_per_s'])}), "
+              f"trainer waited {c['trainer_wait_s']} s (B: {b['trainer_wait_s']} s); C / B tokens/s: "
+              f"{r['mooncake_vs_directory']}" + (f"   FAILED: {c['error']}" if c["error"] else ""), file=sys.stderr)
+    if t is not None:
+        print(f"T transport: {t}", file=sys.stderr)
     print(f"ratio B / slower A stage: {r['ratio_vs_slower_stage']} (wall rates: {r['ratio_vs_slower_stage_wall']}; "
           f"goal >= 0.8); B / A end to end: {r['ratio_vs_end_to_end']}; disk B / store: {r['disk_ratio']} "
           "(goal <= 0.10)", file=sys.stderr)
