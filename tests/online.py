@@ -137,3 +137,23 @@ def reference(work: Path, sharegpt_file: Path) -> dict:
     draftsmith("extract", "--prepared", prepared, "--output", store_dir, *EXTRACT)
     draftsmith("train", "--data", store_dir, "--output", run, "--max-steps", STEPS, *TRAIN, trainer_cores=True)
     return {"prepared": prepared, "store": store_dir, "run": run, "store_bytes": disk_bytes(store_dir)}
+
+
+def torchrun_offline_and_online(work: Path, store: Path, online: list[str], options: list[str]) -> tuple[list, list,
+                                                                                                       str]:
+    """`torchrun --standalone --nproc-per-node 2 -m draftsmith train` (gloo, one thread a rank) in `work`: from
+    `store` into work/offline (on the cores an online trainer keeps), then with `online` (its --data and --engine
+    options) into work/online, each checked; returns both runs' (type, step, tokens_seen, loss) per metrics line and
+    the online run's stdout."""
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
+                "draftsmith"]
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
+    cores = ["taskset", "-c", ",".join(map(str, TRAINER_CORES))]
+    for name, data in (("offline", ["--data", str(store)]), ("online", online)):
+        cmd = (cores if name == "offline" else []) + torchrun + ["train", *data, "--output", str(work / name),
+                                                                 *options]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=work)
+        assert done.returncode == 0, done.stderr[-3000:]
+    on, off = ([(m["type"], m["step"], m.get("tokens_seen"), m["loss"])
+                for m in read_jsonl(work / run / "metrics.jsonl")] for run in ("online", "offline"))
+    return on, off, done.stdout

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,12 +27,10 @@ import pytest
 from draftsmith.extract import store
 from draftsmith.extract.spool import Spool, read_feed_status
 from online import (
-    ENV,
     EXTRACT,
     MAX_LENGTH,
     STEPS,
     TRAIN,
-    TRAINER_CORES,
     SpoolWatch,
     alive,
     assert_once_per_epoch,
@@ -41,6 +38,7 @@ from online import (
     draftsmith,
     read_jsonl,
     steps_done,
+    torchrun_offline_and_online,
     wait_for,
 )
 
@@ -221,20 +219,8 @@ def test_torchrun_two_ranks_read_one_engine_as_from_a_store(tmp_path):
     prepared = family_data("llama", 32, tmp_path)
     options = ["--max-steps", "6", "--token-budget", "256", "--draft-vocab-size", "256", "--log-every", "1",
                "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
-                "draftsmith"]
-    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
-    cores = ["taskset", "-c", ",".join(map(str, TRAINER_CORES))]
-    for name, data in (("offline", ["--data", str(tmp_path / "store")]),
-                       ("online", ["--data", str(prepared), "--engine", "vllm", "--spool-gb", "0.05"])):
-        cmd = (cores if name == "offline" else []) + torchrun + ["train", *data, "--output", str(tmp_path / name),
-                                                                 *options]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-    on = [(m["type"], m["step"], m["tokens_seen"] if "tokens_seen" in m else None, m["loss"])
-          for m in read_jsonl(tmp_path / "online" / "metrics.jsonl")]
-    off = [(m["type"], m["step"], m["tokens_seen"] if "tokens_seen" in m else None, m["loss"])
-           for m in read_jsonl(tmp_path / "offline" / "metrics.jsonl")]
+    on, off, _ = torchrun_offline_and_online(tmp_path, tmp_path / "store", ["--data", str(prepared), "--engine",
+                                                                            "vllm", "--spool-gb", "0.05"], options)
     assert [x[:3] for x in on] == [x[:3] for x in off]  # the same steps over the same tokens of both ranks
     assert [x[3] for x in on] == pytest.approx([x[3] for x in off], rel=1e-5)
     assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")

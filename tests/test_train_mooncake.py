@@ -37,6 +37,7 @@ from online import (
     error_lines,
     read_jsonl,
     steps_done,
+    torchrun_offline_and_online,
     wait_for,
 )
 
@@ -161,29 +162,15 @@ def test_engine_node_and_trainer_node_share_only_the_master_and_train_as_offline
 def test_torchrun_two_ranks_fetch_from_one_engine_through_mooncake(online_reference, tmp_path):
     """rank 0 starts the master on loopback and the engine process; both ranks fetch their own micro-batches of the
     same chunks; the curve equals two ranks reading the store."""
-    import sys
-
     options = ["--max-steps", "6", "--token-budget", "256", "--draft-vocab-size", "2000", "--log-every", "1",
                "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
-                "draftsmith"]
-    from online import ENV, TRAINER_CORES
-
-    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
-    cores = ["taskset", "-c", ",".join(map(str, TRAINER_CORES))]
-    for name, data in (("offline", ["--data", str(online_reference["store"])]),
-                       ("online", ["--data", str(online_reference["prepared"]), "--engine", "vllm", "--spool",
-                                   "mooncake", "--spool-gb", BOUND_GB])):
-        cmd = (cores if name == "offline" else []) + torchrun + ["train", *data, "--output", str(tmp_path / name),
-                                                                 *options]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-    on, off = ([(m["type"], m["step"], m.get("tokens_seen"), m["loss"])
-                for m in read_jsonl(tmp_path / run / "metrics.jsonl")] for run in ("online", "offline"))
+    on, off, stdout = torchrun_offline_and_online(
+        tmp_path, online_reference["store"], ["--data", str(online_reference["prepared"]), "--engine", "vllm",
+                                              "--spool", "mooncake", "--spool-gb", BOUND_GB], options)
     assert len(on) >= 6 and [x[:3] for x in on] == [x[:3] for x in off]
     assert [x[3] for x in on] == pytest.approx([x[3] for x in off], rel=1e-5)
     assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")
-    assert "Mooncake" in done.stdout
+    assert "Mooncake" in stdout
 
 
 def test_kill_9_of_engine_master_and_trainer_each_resume_to_the_same_weights(online_reference, tmp_path):

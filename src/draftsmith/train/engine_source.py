@@ -212,9 +212,7 @@ class EngineSource:
         ok = 0
         if chunk is not None and chunk.from_engine and (self.cache / EVAL_CHUNK / "manifest.json").is_file():
             with contextlib.suppress(DraftsmithError):
-                reader = store_mod.open(self.cache / EVAL_CHUNK, dtype=None)
-                ok = int(self._matches(chunk, spool_mod.ChunkInfo([int(i) for i in reader.sample_ids],
-                                                                  reader.manifest.dtype, list(reader.layer_ids), 0)))
+                ok = int(self._matches(chunk, spool_mod.store_info(self.cache / EVAL_CHUNK)))
         if chunk is not None and chunk.from_engine:
             total = int(distributed.all_reduce_sum(torch.tensor([ok]), self.info).item())
             if total == self.info.world_size:
@@ -261,7 +259,9 @@ class EngineSource:
                 if self.spool.is_ready(name) and not self._matches(wanted[name], self.spool.chunk_info(name)):
                     self.spool.remove(name)
             self.spool.clean(set(wanted), [c.name for c in self.chunks])
-            previous = self.spool.read_plan() if self._readable_plan() else None
+            previous = None
+            with contextlib.suppress(DraftsmithError, KeyError, TypeError, ValueError):  # unreadable: start again
+                previous = self.spool.read_plan()
             self.generation = previous.generation if previous is not None else 0
             self._write_job()
             self.spool.write_status({"pid": 0, "waiting": "start"})
@@ -271,18 +271,10 @@ class EngineSource:
             self._write_plan()
         elif any(c.from_engine and not self.spool.is_ready(c.name) and c.name not in self.consumed
                  for c in self.chunks):
-            cpus = self.cpus if self.info.device.type != "cuda" else None
-            where = self.spool.describe()
-            self.engine = EngineProcess(self.cfg, where, Path(self.cfg.output) / "feed.log",
-                                        Path(self.cfg.output) / "engine-scratch", cpus,
+            self.engine = EngineProcess(self.cfg, self.spool.describe(), Path(self.cfg.output) / "feed.log",
+                                        Path(self.cfg.output) / "engine-scratch", self.cpus,
                                         engine_devices(self.cfg, self.info))
             self._spawn()
-
-    def _readable_plan(self) -> bool:
-        with contextlib.suppress(DraftsmithError, KeyError, TypeError, ValueError):
-            self.spool.read_plan()
-            return True
-        return False
 
     def _write_job(self) -> None:
         self.spool.write_job({"extract": self._extract_config().model_dump(mode="json"), "bound": self.bound,

@@ -30,7 +30,7 @@ from draftsmith.extract.spool.chunks import (
     read_feed_status,
     wait_for_space,
 )
-from draftsmith.extract.spool.directory import ENGINE_LOCK, TRAINER_LOCK, Spool, disk_bytes, free_bytes
+from draftsmith.extract.spool.directory import ENGINE_LOCK, TRAINER_LOCK, Spool, disk_bytes, free_bytes, store_info
 
 MOONCAKE_SCHEME = "mooncake"
 
@@ -43,4 +43,4 @@ def is_mooncake(where: str | Path | None) -> bool:
 __all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedStatus", "MOONCAKE_SCHEME", "Plan",
            "STALL_S", "Spool", "TRAINER_LOCK", "TrainerSide", "TrainerStatus", "TransportLost",
            "chunk_bytes", "chunk_name",
-           "disk_bytes", "free_bytes", "is_mooncake", "pack_steps", "read_feed_status", "wait_for_space"]
+           "disk_bytes", "free_bytes", "is_mooncake", "pack_steps", "read_feed_status", "store_info", "wait_for_space"]

@@ -59,6 +59,13 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def store_info(path: Path) -> ChunkInfo:
+    """What the chunk store at `path` holds (DraftsmithError when it is no readable store)."""
+    reader = store_mod.open(path, dtype=None)
+    return ChunkInfo([int(i) for i in reader.sample_ids], reader.manifest.dtype, list(reader.layer_ids),
+                     disk_bytes(path))
+
+
 class Spool:
     """A spool directory (both roles: `chunks.EngineSide` and `chunks.TrainerSide`); `bound` in bytes."""
 
@@ -176,11 +183,9 @@ class Spool:
 
     def chunk_info(self, name: str) -> ChunkInfo | None:
         try:
-            reader = store_mod.open(self.chunk_path(name), dtype=None)
+            return store_info(self.chunk_path(name))
         except DraftsmithError:
             return None
-        return ChunkInfo([int(i) for i in reader.sample_ids], reader.manifest.dtype, list(reader.layer_ids),
-                         disk_bytes(self.chunk_path(name)))
 
     def fetch(self, name: str, into: Path, keep: bool = False) -> Path | None:
         """The chunk's directory in the spool, or with `keep` a copy of it in `into` (the spool's is removed once

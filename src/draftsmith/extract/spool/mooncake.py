@@ -39,9 +39,8 @@ from typing import Any, Iterator
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract import store as store_mod
 from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, FeedStatus, Plan, TrainerStatus, TransportLost, fill_directory
-from draftsmith.extract.spool.directory import disk_bytes, free_bytes
+from draftsmith.extract.spool.directory import free_bytes, store_info
 
 PART = 16 << 20  # bytes per object: a put or get stages through the client's local buffer
 LOCAL_BUFFER = 64 << 20
@@ -386,9 +385,7 @@ class MooncakeSpool:
         """Upload the chunk's files, then its index (a reader sees the index only once every part is there); the
         local copy is removed. TransportLost when Mooncake refuses a part (what was put is removed)."""
         partial = self.partial_path(name)
-        reader = store_mod.open(partial, dtype=None)
-        info = ChunkInfo([int(i) for i in reader.sample_ids], reader.manifest.dtype, list(reader.layer_ids),
-                         disk_bytes(partial))
+        info = store_info(partial)
         files = sorted(p for p in partial.rglob("*") if p.is_file())
         entries = []
         try:

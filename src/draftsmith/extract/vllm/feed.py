@@ -129,6 +129,11 @@ class Feeder:
                 setattr(self.status, k, v)
             self.spool.write_status(self.status)
 
+    def _waiting(self, what: str) -> None:
+        """Report waiting for `what` once it starts, then every second (alive, and why it waits)."""
+        if self.status.waiting != what or time.monotonic() - self.beat > 1.0:
+            self._report(what)
+
     def heartbeat(self, every: float = HEARTBEAT_S) -> threading.Event:
         """Report every `every` seconds from a thread while vLLM starts or computes a chunk (the trainer takes a
         process that stops reporting for its stall limit for a stalled one); set the event returned to stop."""
@@ -152,7 +157,6 @@ class Feeder:
 
     def next_plan(self) -> Plan | None:
         """The trainer's plan once its generation is new to this process (None: the run is over)."""
-        beat = 0.0
         while True:
             plan = self.spool.read_plan()
             if plan is not None and plan.generation != self.generation:
@@ -162,9 +166,7 @@ class Feeder:
             if self._finished():
                 return None
             self._trainer_stalled("a plan")
-            if time.monotonic() - beat > 1.0:
-                self._report("plan")
-                beat = time.monotonic()
+            self._waiting("plan")
             time.sleep(0.1)
 
     # -- setting up
@@ -220,8 +222,7 @@ class Feeder:
                 return
 
             def waiting(used: int) -> None:
-                if self.status.waiting != "space" or time.monotonic() - self.beat > 1.0:  # alive, and why it waits
-                    self._report("space")
+                self._waiting("space")
                 self._trainer_stalled(f"room in the spool ({sizing.human_bytes(used)} of "
                                       f"{sizing.human_bytes(self.spool.bound or 0)} held)")
 
@@ -274,18 +275,6 @@ class Feeder:
         self.status.done, self.status.chunk, self.status.waiting = True, "", ""
 
 
-def _read_bound(spool: EngineSide, where: str, stall_s: float) -> int:
-    """The job's bound, once the trainer has written its job (Fatal past `stall_s`)."""
-    deadline = time.monotonic() + stall_s
-    while True:
-        with contextlib.suppress(DraftsmithError, KeyError, TypeError, ValueError):
-            return int(spool.read_job()["bound"])
-        if time.monotonic() > deadline:
-            raise Fatal(f"--spool {where}: no trainer wrote a job in {stall_s:g} s; start the trainer "
-                        "(train --engine vllm --remote-engines --spool ...) or check its address")
-        time.sleep(0.2)
-
-
 def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s: float,
           overrides: dict[str, Any] | None, parent: int | None) -> FeedStatus:
     """Run one engine process over the spool at `where`; its status at the end (`error` set on failure). Over
@@ -299,7 +288,7 @@ def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s
         else:
             address = mooncake.MooncakeAddress.parse(where)
             spool = mooncake.MooncakeSpool(address, scratch=scratch).connect()
-            bound = _read_bound(spool, where, stall_s)
+            bound = int(Feeder(spool, status, stall_s).wait_for_job()["bound"])
             try:
                 segment = mooncake.engine_segment(bound, segment_gb)
             except DraftsmithError as err:
