@@ -438,7 +438,7 @@ def _float32_refused_then_bf16(matrix, name: str, report) -> None:
     """A family vLLM's CPU build cannot run in float32: extraction stops in one line naming vLLM's own error; in
     bfloat16 (where this CPU computes it natively) the taps store agrees with the connector's (both vLLM's own
     computation, read two ways) and both follow the float32 hf store as closely as bf16 allows."""
-    from draftsmith.extract.vllm.driver import resolve_dtype
+    from draftsmith.core import hardware
 
     words = refusal_words(name)
     assert report.facts.cpu_bfloat16_only.startswith(repr(words)), report.facts.cpu_bfloat16_only
@@ -449,8 +449,8 @@ def _float32_refused_then_bf16(matrix, name: str, report) -> None:
     assert "\n" not in message and f"on a CPU in bfloat16 only (it asserts {words!r}" in message, message
     assert message.endswith("not in float32; use --compute-dtype bfloat16, or --backend hf"), message
     matrix.record(name, "vLLM extract (float32)", ok=False, reason=FLOAT32_REFUSED[name], fallback="hf backend")
-    if resolve_dtype("auto", report.facts.platform) != "bfloat16":
-        return  # vLLM's auto dtype here is float32: this CPU has no native bf16 for the bf16 half
+    if not hardware.probe().native_bf16:
+        return  # this CPU has no native bf16 for the bf16 half (vLLM's auto dtype would be float32)
     # Two engines in bfloat16 are not one computation: the kernels' rounding follows how a step's batch is laid
     # out, and where it tips a near-tie of the router the token takes other experts (measured on an AMX CPU: 3 % of
     # rows under 0.9999, the worst 0.983, now in one strategy's store, now in the other's, each as far from the

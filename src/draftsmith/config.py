@@ -125,8 +125,8 @@ class ExtractConfig(StageConfig):
     device: str = Field("auto", description="Device for the hf backend: auto, cpu, cuda, cuda:1 ...")
     token_budget: int = Field(8192, ge=1, description="Tokens per forward batch (samples are bucketed by length).")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "dtype the target runs in; auto = bfloat16 on GPU, float32 on CPU (vLLM: bfloat16 also on CPUs with bf16 "
-        "instructions)."))
+        "dtype the target runs in; auto = bfloat16 on a GPU and on a CPU that computes bf16 natively (AVX512-BF16 "
+        "or AMX), float32 on other CPUs. The choice is printed and recorded in the store's manifest."))
     shard_size_mb: float = Field(256.0, gt=0, description=(
         "Store shard size in MiB; a crash loses at most one unwritten shard per worker."))
     shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
@@ -384,7 +384,8 @@ class TrainConfig(StageConfig):
         "Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly."))
     device: str = Field("auto", description="auto, cpu, cuda, cuda:1 ... (torchrun: each rank uses its local GPU).")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
-        "auto: bf16 autocast on GPU, fp32 on CPU."))
+        "auto: bf16 autocast on a GPU and on a CPU that computes bf16 natively (AVX512-BF16 or AMX), fp32 on other "
+        "CPUs. The choice is printed and recorded in OUTPUT/config.yaml."))
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
     engine: Literal["hf", "vllm"] = Field("hf", description=(
         "Online training (--data is a prepared set): hf runs the target inside the trainer (transformers); vllm "

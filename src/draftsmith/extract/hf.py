@@ -10,6 +10,7 @@ padding never reaches a real token's state.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
@@ -17,6 +18,7 @@ import transformers
 from torch import nn
 
 from draftsmith.config import ExtractConfig, StageResult
+from draftsmith.core import hardware
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target, resolve_device
@@ -39,8 +41,8 @@ def pad_batch(samples: Sequence[dict], pad_id: int = 0) -> tuple[torch.Tensor, t
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "auto":  # bf16 on GPUs and bf16-native CPUs, fp32 on other CPUs
+        return hardware.auto_dtype(device)
     return _COMPUTE_DTYPES[name]
 
 
@@ -54,6 +56,12 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, device)
     spec = common.store_spec(plan, backend="hf", compute_dtype=str(compute_dtype).removeprefix("torch."))
     info = {"engine": f"transformers {transformers.__version__}", "torch": torch.__version__, "device": str(device)}
+    if device.type == "cpu":
+        cpu = hardware.cpu_info()
+        info["cpu"] = cpu.as_dict()
+        if cfg.compute_dtype == "auto":
+            print(f"extract: the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})",
+                  file=sys.stderr, flush=True)
     with common.Timer() as timer, common.open_writer(plan, spec, info) as writer:
         todo = common.pending_sample_ids(plan, writer)
         skipped = len(plan.sample_ids) - len(todo)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from draftsmith.config import TrainConfig
-from draftsmith.core import targets
+from draftsmith.core import hardware, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
@@ -374,5 +374,21 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
 
 
 def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
-    """bf16 autocast on GPU (or with --precision bf16), none (fp32) on CPU."""
-    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and device.type == "cuda") else None
+    """bf16 autocast with --precision bf16, and with auto on a GPU or a CPU that computes bf16 natively
+    (core.hardware); none (fp32) otherwise."""
+    if precision == "auto":
+        return torch.bfloat16 if hardware.auto_dtype(device) == torch.bfloat16 else None
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def resolved_precision(device: torch.device, precision: str) -> str:
+    """What --precision means on this device ("bf16" / "fp32"), for config.yaml and the one line train prints."""
+    return "bf16" if autocast_dtype(device, precision) is not None else "fp32"
+
+
+def precision_note(device: torch.device, precision: str) -> str:
+    resolved = resolved_precision(device, precision)
+    if precision != "auto":
+        return f"train: {resolved} (--precision {precision})"
+    where = hardware.cpu_info().describe() if device.type == "cpu" else str(device)
+    return f"train: {resolved} (--precision auto on {where})"

@@ -13,6 +13,7 @@ logged (or evaluated, or saved) step reduces them over ranks in one all-reduce.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
-from draftsmith.train.setup import Run, autocast_dtype, build, lr_at
+from draftsmith.train.setup import Run, autocast_dtype, build, lr_at, precision_note, resolved_precision
 from draftsmith.train.ttt import TargetHead, TTTResult, summarise
 
 __all__ = ["run", "METRICS_FILE"]
@@ -42,7 +43,10 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     state, model, optimizer, out = r.state, r.model, r.optimizer, Path(cfg.output)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        save_resolved_config(cfg, out)
+        # config.yaml holds what auto resolved to here (the checkpoints keep what was asked, for resuming)
+        save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}),
+                             out)
+        print(precision_note(info.device, cfg.precision), file=sys.stderr, flush=True)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
     ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
     stats, progress = StepStats(cfg.ttt_steps, info.device), Progress(r.total_steps, info.is_main)
@@ -172,6 +176,7 @@ def _summary(r: Run, last_train: dict, last_saved: str | None, tokens_at_start: 
     state, cfg = r.state, r.cfg
     summary = {
         "mode": "offline (store)" if r.data_kind == "store" else "online (target in the trainer)",
+        "precision": resolved_precision(r.info.device, cfg.precision),
         **r.data.summary(),
         "steps": state.step, "epochs": state.epoch, "tokens": state.tokens,
         "tokens/s": round((state.tokens - tokens_at_start) / max(elapsed, 1e-9), 1),

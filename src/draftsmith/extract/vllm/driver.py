@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import torch
-
+from draftsmith.core import hardware
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.probe import (
@@ -117,17 +116,12 @@ def tag_request(strategy: str, sample_id: int) -> dict[str, Any]:
 
 
 def resolve_dtype(asked: str, platform: str | None) -> str:
-    """`auto`: bfloat16 on accelerators and on CPUs with bf16 instructions; float32 on other CPUs (where vLLM's
-    bf16 kernels are emulated and many times slower)."""
+    """`auto`: bfloat16 on accelerators and on CPUs that compute bf16 natively (core.hardware); float32 on other
+    CPUs (where vLLM's bf16 kernels are emulated and many times slower)."""
     if asked != "auto":
         return asked
     if platform == "cpu":
-
-        try:
-            native_bf16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-        except AttributeError:
-            native_bf16 = False
-        return "bfloat16" if native_bf16 else "float32"
+        return str(hardware.auto_dtype("cpu")).removeprefix("torch.")
     return "bfloat16"
 
 
