@@ -4,6 +4,7 @@ choice is printed and recorded, for training and for hf extraction alike (tiny r
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,25 @@ def test_hf_extract_auto_computes_in_bf16_on_a_bf16_cpu(tiny_target_dir, tmp_pat
     cos = torch.nn.functional.cosine_similarity(a.flatten(1), b.flatten(1), dim=1)
     assert cos.min() > 0.98, cos.min()
 
+
+def test_openmp_threads_sleep_where_other_processes_run_and_spin_on_an_idle_cpu(monkeypatch):
+    import subprocess
+    import sys
+
+    from draftsmith.train import threads
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert threads._others_running() >= 1  # the spinning child is runnable
+    finally:
+        busy.kill()
+        busy.wait()
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delitem(sys.modules, "torch")  # as when the CLI imports draftsmith.train first
+    for others, policy in ((2, "PASSIVE"), (None, "PASSIVE"), (0, None)):
+        monkeypatch.setattr(threads, "_others_running", lambda o=others: o)
+        chosen, why = threads._choose_wait_policy()
+        assert chosen == policy and ("sleep" in why) and (("spin" in why) == (policy is None)), (others, why)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert threads._choose_wait_policy() == (None, "OMP_WAIT_POLICY=ACTIVE (set by the environment)")

@@ -11,13 +11,16 @@ from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import (
     TargetDistribution,
     TargetHead,
+    REDUCE_ROWS,
     TargetKL,
+    expected_acceptance,
     step_counts,
     step_index,
     summarise,
     target_distribution,
     ttt_forward,
 )
+from draftsmith.train.ttt import _top1_logsumexp
 
 
 def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0):
@@ -183,6 +186,56 @@ def test_fused_kl_matches_log_softmax_and_its_gradient():
     assert torch.autograd.gradcheck(lambda z: TargetKL.apply(z, probs, rows, neg_ent), (z,))
     half = TargetKL.apply(z.detach().bfloat16().requires_grad_(), probs.float(), rows, neg_ent.float())
     assert half.dtype == torch.float32  # bf16 logits are summed in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_sliced_reductions_equal_the_whole_tensor_ones(dtype):
+    """top-1, logsumexp, the fused KL with its gradient and the expected acceptance, computed REDUCE_ROWS rows at a
+    time, equal the same quantities over the whole tensor -- over 2.5 slices, so the slice edges are crossed."""
+    gen = torch.Generator().manual_seed(11)
+    n, vd = REDUCE_ROWS * 2 + REDUCE_ROWS // 2, 37
+    z = (3 * torch.randn(n, vd, generator=gen, dtype=torch.float64)).to(dtype)
+    top, lse = _top1_logsumexp(z)
+    wide = z.to(torch.promote_types(dtype, torch.float32))
+    assert lse.dtype == wide.dtype and torch.equal(top, z.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(wide, -1))
+    assert lse.std() > 0.1  # the rows differ: a slice mix-up would show
+    probs = torch.softmax(torch.randn(n + 9, vd, generator=gen, dtype=torch.float64), -1).to(wide.dtype)
+    rows = torch.randint(0, n + 9, (n,), generator=gen)
+    neg_ent = (probs * probs.log()).sum(-1)
+    mass = torch.rand(n + 9, generator=gen, dtype=torch.float64).to(wide.dtype)
+    leaf = z.detach().requires_grad_()
+    kl = TargetKL.apply(leaf, probs, rows, neg_ent, lse)
+    reference = (probs[rows] * (probs[rows].log() - torch.log_softmax(wide, -1))).sum(-1)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype != torch.float64 else {}
+    torch.testing.assert_close(kl, reference, **tol)
+    assert reference.min() > 0.01
+    weights = torch.rand(n, generator=gen, dtype=torch.float64).to(wide.dtype)
+    (kl * weights).sum().backward()
+    expected = ((torch.softmax(wide, -1) - probs[rows]) * weights[:, None]).to(dtype)
+    torch.testing.assert_close(leaf.grad, expected, **tol)
+    if dtype == torch.float64:
+        fresh = leaf.detach().requires_grad_()
+        assert torch.autograd.gradcheck(lambda x: TargetKL.apply(x, probs, rows, neg_ent), (fresh,))
+    target = TargetDistribution(probs, neg_ent, mass, None)
+    dense = torch.minimum(probs[rows] * mass[rows][:, None], torch.softmax(wide, -1)).sum()
+    accept = expected_acceptance(z, lse, target, rows)
+    assert accept.shape == (n,) and dense > 1
+    torch.testing.assert_close(accept.double().sum(), dense.double(), **tol)
+
+
+def test_a_bf16_target_head_keeps_its_weights_in_bf16_and_matches_autocast():
+    gen = torch.Generator().manual_seed(12)
+    norm = torch.nn.RMSNorm(32, eps=1e-5)
+    weight, ids = torch.randn(90, 32, generator=gen), torch.arange(0, 90, 2)
+    last, mask = torch.randn(2, 12, 32, generator=gen), torch.ones(2, 12, dtype=torch.bool)
+    index = step_index(mask.numpy(), 2)
+    fp32, bf16 = TargetHead(norm, weight, ids), TargetHead(norm, weight, ids, torch.bfloat16)
+    assert bf16.weight.dtype == bf16.draft_weight.dtype == torch.bfloat16 and weight.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast rounds the fp32 weights the same way
+        a, b = fp32(last.bfloat16(), index), bf16(last.bfloat16(), index)
+    assert torch.equal(a.probs, b.probs) and torch.equal(a.argmax, b.argmax) and torch.equal(a.mass, b.mass)
+    assert a.probs.dtype == torch.float32 and not torch.equal(a.probs, fp32(last, index).probs)
 
 
 def test_kl_is_zero_and_acceptance_one_when_draft_equals_target():

@@ -2,24 +2,28 @@
 (ttt.py), batches (batches.py), metrics (metrics.py), checkpoints (checkpoint.py), torchrun support
 (distributed.py) and the draft model (model.py, attention.py, drafts.py).
 
-On import, before torch is loaded (the CLI's `train` path), OpenMP is told to let idle threads sleep rather than
-spin (OMP_WAIT_POLICY=PASSIVE) unless the environment already says otherwise: on a CPU shared with other work,
-spinning threads wait for each other's time slices at every parallel region, and a training step ran about 3x
-slower on this project's busy 2-core machines (docs/benchmarks.md). The variable is removed again once torch has
-read it, so processes started later (vLLM) keep their own defaults. It changes no result, only waiting.
+On import, before torch is loaded (the CLI's `train` path), OpenMP's wait policy is chosen from how busy the CPU is
+right then, unless the environment already sets OMP_WAIT_POLICY: with other processes running (sampled from
+/proc/stat's procs_running), idle threads sleep (PASSIVE): on a CPU shared with other work, spinning threads wait
+for each other's time slices at every parallel region, and a training step ran about 3x slower on this project's
+busy 2-core machines. On an otherwise idle CPU OpenMP keeps its default (a thread spins a while before it sleeps):
+there PASSIVE costs every one of the step's few thousand parallel regions a wake-up, about 30 % of a step on a
+2-core Xeon (docs/benchmarks.md). The variable is removed again once torch has read it, so processes started later
+(vLLM) keep their own defaults. It changes no result, only waiting. train/threads.py decides; `WAIT_POLICY` says
+what and why (train prints it).
 """
 
 import os
-import sys
 
-_PASSIVE = "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules
-if _PASSIVE:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+from draftsmith.train.threads import WAIT_POLICY, WAIT_POLICY_SET
+
+if WAIT_POLICY_SET:
+    os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY_SET
 import torch  # noqa: E402 - OpenMP reads its settings once, when torch loads it
 
-if _PASSIVE:
+if WAIT_POLICY_SET:
     del os.environ["OMP_WAIT_POLICY"]
 
 from draftsmith.train.stage import run  # noqa: E402
 
-__all__ = ["run"]
+__all__ = ["run", "WAIT_POLICY"]

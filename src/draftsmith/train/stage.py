@@ -24,6 +24,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
+from draftsmith.train.threads import WAIT_POLICY
 from draftsmith.train.setup import Run, autocast_dtype, build, lr_at, precision_note, resolved_precision
 from draftsmith.train.ttt import TargetHead, TTTResult, summarise
 
@@ -46,7 +47,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         # config.yaml holds what auto resolved to here (the checkpoints keep what was asked, for resuming)
         save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}),
                              out)
-        print(precision_note(info.device, cfg.precision), file=sys.stderr, flush=True)
+        threads = f"; {WAIT_POLICY}" if info.device.type == "cpu" else ""
+        print(f"{precision_note(info.device, cfg.precision)}{threads}", file=sys.stderr, flush=True)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
     ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
     stats, progress = StepStats(cfg.ttt_steps, info.device), Progress(r.total_steps, info.is_main)
