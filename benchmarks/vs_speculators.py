@@ -17,8 +17,12 @@ What it does:
     2e-3, warm-up 20, cosine; speculators: its defaults, Muon + AdamW lr 1e-3, linear). speculators runs through
     peers/speculators_train.py (CPU patches applied at run time). Both processes live at once but only one runs:
     the other is stopped (SIGSTOP) and they take turns every --slice-s seconds, so machine load hits both alike.
+    Precision (--precision best, the default): each at its best on this CPU -- bf16 autocast where the CPU computes
+    bf16 natively (AVX512-BF16 or AMX, as torch reports it), fp32 elsewhere; the CPU and its flags go in the JSON.
     tokens/s = training tokens over the time each was running, from its second logged step to its last, without
-    the intervals holding an evaluation or checkpoint.
+    the intervals holding an evaluation or checkpoint. Each logs as it does by default: speculators every step,
+    draftsmith every 10 (--ours-log-every; a logged step of draftsmith's also runs the target's whole lm_head for
+    its full-vocabulary metrics, so --ours-log-every 1 measures it with that cost at every step).
  4. Held-out step-0..2 accuracy of both final drafts on the same held-out samples, by one evaluator and one
     definition (peers/speculators_eval.py: draftsmith's definition, both drafts run by speculators' model code;
     draftsmith's draft via `export --format speculators`); each trainer's own held-out numbers are kept beside.
@@ -137,8 +141,9 @@ def make_data(conversations: int) -> tuple[Path, Path, dict]:
     if manifest.get("num_samples") != num_samples:
         log(f"draftsmith extract: {num_samples} samples, hf backend, bf16 store (~3 min per 64 on a quiet machine)")
         t0 = time.perf_counter()
-        run(draftsmith_cmd() + ["extract", "--prepared", str(prepared), "--output", str(store), "--device", "cpu"],
-            log_file=root / "extract.log")
+        # the target in float32 on every CPU kind (`auto` would be bf16 on a bf16 CPU): the same data everywhere
+        run(draftsmith_cmd() + ["extract", "--prepared", str(prepared), "--output", str(store), "--device", "cpu",
+                                "--compute-dtype", "float32"], log_file=root / "extract.log")
         log(f"  extracted in {time.perf_counter() - t0:.0f} s")
         manifest = json.loads((store / "manifest.json").read_text())
     return prepared, store, manifest
@@ -263,10 +268,10 @@ def train_both(args, py: Path, store: Path, peer_data: Path, target: str, n_trai
         "train", "--data", str(store), "--output", str(ours_dir), "--draft-vocab-size", str(DRAFT_VOCAB),
         "--ttt-steps", str(TTT_STEPS), "--num-layers", str(NUM_LAYERS), "--token-budget", str(SEQ_LEN),
         "--lr", str(args.ours_lr), "--warmup-steps", str(args.ours_warmup), "--epochs", str(args.epochs),
-        "--eval-fraction", str(args.eval_fraction), "--log-every", "1", "--save-every", "1000000",
-        "--device", "cpu"]
+        "--eval-fraction", str(args.eval_fraction), "--log-every", str(args.ours_log_every),
+        "--save-every", "1000000", "--device", "cpu", "--precision", args.precisions["ours"]]
     peer_cmd = [str(py), str(PEERS / "speculators_train.py")] + peer_args(target, peer_data, peer_dir, n_train, n,
-                                                                         args.epochs)
+                                                                         args.epochs, args.precisions["peer"])
     peer_dir.mkdir(parents=True, exist_ok=True)
     log(f"training side by side, {args.slice_s:.0f}-second turns: draftsmith -> {ours_dir}, speculators -> {peer_dir}")
     jobs = [Job("ours", ours_cmd, ours_dir / "metrics.jsonl", work / "ours.log", env),
@@ -286,17 +291,32 @@ def train_both(args, py: Path, store: Path, peer_data: Path, target: str, n_trai
     return {j.name: j.throughput() for j in jobs}, {j.name: j.records for j in jobs}
 
 
-def peer_args(target: str, data: Path, out: Path, n_train: int, n: int, epochs: int, max_steps: int | None = None):
+def peer_args(target: str, data: Path, out: Path, n_train: int, n: int, epochs: int, hidden_states_dtype: str,
+              max_steps: int | None = None):
     args = ["--verifier-name-or-path", target, "--data-path", str(data), "--save-path", str(out / "checkpoints"),
             "--log-dir", str(out / "logs"), "--total-seq-len", str(SEQ_LEN), "--draft-vocab-size", str(DRAFT_VOCAB),
             "--ttt-steps", str(TTT_STEPS), "--num-layers", str(NUM_LAYERS), "--epochs", str(epochs),
             "--train-data-ratio", repr((n_train + 0.5) / n), "--num-workers", "0", "--on-missing", "raise",
-            # CPU: flex attention and the Triton-fused loss need a GPU; no native bf16 on this CPU
-            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype", "float32"]
+            # CPU: flex attention and the Triton-fused loss need a GPU. --hidden-states-dtype is also its autocast
+            # dtype (and the weights' dtype when it saves): bfloat16 is its default, float32 its choice on a CPU
+            # without native bf16 (best_precisions)
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype",
+            hidden_states_dtype]
     return args + (["--max-steps", str(max_steps)] if max_steps else [])
 
 
 # ---------------------------------------------------------------------------------------------- results
+
+def best_precisions(asked: str) -> dict:
+    """Each trainer's precision flag: `best` is bf16 where this CPU computes it natively (core.hardware: AVX512-BF16
+    or AMX), fp32 elsewhere (emulated bf16 is slower than fp32) -- draftsmith's `--precision auto`, speculators'
+    default `--hidden-states-dtype bfloat16` or float32. `fp32` / `bf16` force both."""
+    from draftsmith.core import hardware
+
+    bf16 = hardware.native_bf16() if asked == "best" else asked == "bf16"
+    return {"ours": "auto" if asked == "best" else asked, "peer": "bfloat16" if bf16 else "float32",
+            "resolved": "bf16" if bf16 else "fp32"}
+
 
 def last_eval(records: list, key: str = "acc") -> list | None:
     evals = [r for _, r in records if r.get("type") == "eval"]
@@ -365,10 +385,10 @@ def profile_both(args, py: Path, store: Path, peer_data: Path, target: str, n_tr
     run([sys.executable, str(PEERS / "draftsmith_profile.py"), "train", "--data", str(store), "--output",
          str(out / "ours-run"), "--draft-vocab-size", str(DRAFT_VOCAB), "--ttt-steps", str(TTT_STEPS),
          "--token-budget", str(SEQ_LEN), "--lr", str(args.ours_lr), "--warmup-steps", str(args.ours_warmup),
-         "--eval-fraction", str(args.eval_fraction), "--max-steps", "8", "--log-every", "1", "--device", "cpu"],
-        log_file=out / "ours.log", env=env)
+         "--eval-fraction", str(args.eval_fraction), "--max-steps", "8", "--log-every", "1", "--device", "cpu",
+         "--precision", args.precisions["ours"]], log_file=out / "ours.log", env=env)
     run([str(py), str(PEERS / "speculators_train.py")] + peer_args(target, peer_data, out / "peer-run", n_train, n,
-                                                                   1, max_steps=8),
+                                                                   1, args.precisions["peer"], max_steps=8),
         log_file=out / "peer.log", env=dict(env, STEP_LOG=str(out / "peer-run" / "steps.jsonl")))
     result = {}
     for name, key, steps in (("draftsmith", "ours", out / "ours-run" / "metrics.jsonl"),
@@ -394,6 +414,9 @@ def main() -> None:
     parser.add_argument("--eval-fraction", type=float, default=0.125, help="held-out fraction (draftsmith's split)")
     parser.add_argument("--ours-lr", type=float, default=2e-3, help="draftsmith lr (its quickstart small budget)")
     parser.add_argument("--ours-warmup", type=int, default=20, help="draftsmith warm-up steps (quickstart small)")
+    parser.add_argument("--ours-log-every", type=int, default=10, help=(
+        "draftsmith's --log-every (its default, 10): its logged steps also compute the metrics over the target's "
+        "full vocabulary (about 15 %% of such a step here); speculators computes its metrics at every step"))
     parser.add_argument("--slice-s", type=float, default=20.0, help="seconds each trainer runs per turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each trainer")
     parser.add_argument("--k", type=int, default=3)
@@ -404,6 +427,8 @@ def main() -> None:
     parser.add_argument("--vllm-timeout-s", type=int, default=3600)
     parser.add_argument("--skip-vllm", action="store_true", help="no τ (training and held-out accuracy only)")
     parser.add_argument("--profile", action="store_true", help="also profile each trainer (8 steps each)")
+    parser.add_argument("--precision", choices=["best", "fp32", "bf16"], default="best", help=(
+        "best: each trainer at its best precision on this CPU (bf16 where it computes bf16 natively, else fp32)"))
     parser.add_argument("--work", type=Path, help="run directory (default $DRAFTSMITH_CACHE/bench/vs-speculators/run)")
     args = parser.parse_args()
     args.conversations = args.conversations or (48 if args.quick else 240)
@@ -411,6 +436,12 @@ def main() -> None:
     args.num_prompts = args.num_prompts or (10 if args.quick else 80)
     args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 128)
     started, load_start, source = time.perf_counter(), loadavg(), draftsmith_source()
+    args.precisions = best_precisions(args.precision)
+    from draftsmith.core import hardware
+
+    cpu = hardware.cpu_info()
+    log(f"CPU: {cpu.describe()}; precision {args.precision}: draftsmith --precision {args.precisions['ours']}, "
+        f"speculators --hidden-states-dtype {args.precisions['peer']}")
     work = args.work or cache_dir() / "bench" / "vs-speculators" / "run"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -474,11 +505,12 @@ def main() -> None:
         "acc_peer_trainer_eval": last_eval(records["peer"]),
         "train_ours": speeds["ours"], "train_peer": speeds["peer"],
         "profile": profile,
+        "cpu": cpu.as_dict(), "precision": {"asked": args.precision, **args.precisions},
         "settings": {
             "peer": SPECULATORS, "draftsmith": source, "conversations": n, "tokens": manifest["num_tokens"], "train_samples": len(train),
             "held_out_samples": len(held), "epochs": args.epochs, "seq_len": SEQ_LEN, "draft_vocab": DRAFT_VOCAB,
             "ttt_steps": TTT_STEPS, "num_layers": NUM_LAYERS, "ours_lr": args.ours_lr,
-            "ours_warmup": args.ours_warmup, "slice_s": args.slice_s, "threads": args.threads, "k": args.k,
+            "ours_warmup": args.ours_warmup, "ours_log_every": args.ours_log_every, "slice_s": args.slice_s, "threads": args.threads, "k": args.k,
             "num_prompts": args.num_prompts if taus else 0, "max_new_tokens": args.max_new_tokens,
             "vllm_max_num_seqs": args.vllm_max_num_seqs, "quick": args.quick,
             "load_avg_start": load_start, "load_avg_end": loadavg(),

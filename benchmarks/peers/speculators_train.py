@@ -9,7 +9,8 @@ speculators' trainer assumes an accelerator. Nothing in its files is edited; bef
   - makes `Trainer` autocast with device type "cpu" (it picks "cuda" when `torch.accelerator` finds none);
   - makes `torch.accelerator.synchronize` a no-op when there is no accelerator (its step timer calls it).
 The benchmark passes `--draft-attn-impl sdpa --loss-implementation eager` (flex attention and the Triton-fused loss
-need a GPU) and `--hidden-states-dtype float32` (this CPU has no native bf16).
+need a GPU) and `--hidden-states-dtype` bfloat16 (its default, and its autocast dtype) where the CPU computes bf16
+natively, float32 where it does not.
 
 STEP_LOG (a path) receives one JSON line per optimizer step, {"type": "train", "step", "tokens_seen", "loss",
 "acc": [full_acc_k]}, and one per validation pass, {"type": "eval", ...}: tokens_seen counts each packed sample at
@@ -39,7 +40,7 @@ def _patch_for_cpu() -> None:
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        self.device_type = "cpu"  # autocast("cpu", float32) is a no-op; bf16 would be emulated on this CPU
+        self.device_type = "cpu"  # autocast("cpu", hidden_states_dtype): bf16 on a bf16 CPU; float32 is a no-op
 
     trainer.Trainer.__init__ = init
 
