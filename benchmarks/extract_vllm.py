@@ -69,23 +69,15 @@ def main() -> None:
 
 
 def _machine(load_before: float) -> dict:
-    """The CPU (model name and the flags that decide vLLM's kernels), cores and load, for the docs' rows."""
-    import platform
-
+    """The CPU (model name and the flags that decide vLLM's kernels: draftsmith.core.hardware), cores and load."""
     import torch
 
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    kinds = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"cpu": model, "flags": kinds, "cores": os.cpu_count(), "gpu": torch.cuda.is_available(),
-            "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
+    from draftsmith.core import hardware
+
+    cpu = hardware.probe()
+    return {"cpu": cpu.model, "flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "cores": os.cpu_count(),
+            "gpu": torch.cuda.is_available(), "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2)}
 
 
 if __name__ == "__main__":

@@ -228,18 +228,16 @@ def transport_throughput(store: Path, work: Path) -> dict:
 
 
 def machine() -> dict:
-    model = None
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), None)
-    except OSError:
-        pass
+    from draftsmith.core import hardware
+
+    cpu = hardware.probe()
     gpu = None
     if shutil.which("nvidia-smi"):
         probe = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False,
                                capture_output=True, text=True)
         gpu = probe.stdout.strip().replace("\n", ", ") or None
-    return {"cpus": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)), "cpu_model": model, "gpu": gpu}
+    return {"cpus": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)), "cpu_model": cpu.model,
+            "cpu_flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "gpu": gpu}
 
 
 def load() -> list[float]:
