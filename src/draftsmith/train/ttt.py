@@ -255,10 +255,10 @@ def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weigh
 
 
 def _top1_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax, logsumexp) of each row of `logits` [N, V] (bf16 logits reduced in fp32; fp64 stays fp64), `rows`
-    rows at a time: a slice that stays in the CPU's cache is read twice (max, then the exp-sum around it) instead
-    of materialising fp32 copies and exp temporaries of the whole [N, V] (on a 2-core CPU 5-10x faster than
-    argmax + logsumexp over a [341, 49152] chunk)."""
+    """(argmax, logsumexp) of each row of `logits` [N, V] (bf16 logits reduced in fp32; fp64 stays fp64), a slice
+    of rows at a time (`_slices`): a slice that stays in the CPU's cache is read twice (max, then the exp-sum around
+    it) instead of materialising fp32 copies and exp temporaries of the whole [N, V] (on a 2-core CPU 5-10x faster
+    than argmax + logsumexp over a [341, 49152] chunk)."""
     n, acc = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)
     top = torch.empty(n, dtype=torch.int64, device=logits.device)
     lse = torch.empty(n, dtype=acc, device=logits.device)
@@ -446,6 +446,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     """
     device = input_ids.device
     normaliser = (index.counts if normaliser is None else normaliser).to(device)
+    d2t = draft.d2t
     sums = torch.zeros(4, ttt_steps, dtype=torch.float64, device=device)
     sums[COUNT] = index.counts.to(device)
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
@@ -455,7 +456,6 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     else:
         steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed,
                                   index if live_rows else None)
-    d2t = draft.d2t
     for k, hidden in enumerate(steps):
         rows, at = index.scored[k], index.target[k]  # may be empty: the lm_head still joins the graph (DDP)
         # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
