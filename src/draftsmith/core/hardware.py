@@ -14,6 +14,7 @@ every CPU kind; a user can pin either to reproduce a run made on another machine
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -36,6 +37,9 @@ class CpuInfo:
     flags: tuple[str, ...]  # REPORTED_FLAGS this CPU has
     native_bf16: bool  # what auto acts on
     why: str  # one phrase: which probe (or override) decided
+    avx512_bf16: bool = False  # the probe's findings, whatever the override: what vLLM's CPU kernels dispatch on
+    amx: bool = False
+    avx512: bool = False
 
     def as_dict(self) -> dict:
         return {**asdict(self), "flags": list(self.flags)}
@@ -86,7 +90,9 @@ def probe() -> CpuInfo:
     kinds = [name for name, has in (("AMX-BF16", amx), ("AVX512-BF16", avx512_bf16)) if has]
     why = (f"computes bf16 natively: {' + '.join(kinds)}, per {source}" if native
            else f"no native bf16 (no AVX512-BF16 or AMX, per {source})")
-    return CpuInfo(model, capability, tuple(f for f in REPORTED_FLAGS if f in flags), native, why)
+    avx512 = capability.startswith("AVX512") or "avx512f" in flags
+    return CpuInfo(model, capability, tuple(f for f in REPORTED_FLAGS if f in flags), native, why,
+                   avx512_bf16=bool(avx512_bf16), amx=bool(amx), avx512=avx512)
 
 
 def cpu_info() -> CpuInfo:
@@ -95,8 +101,7 @@ def cpu_info() -> CpuInfo:
     forced = os.environ.get(OVERRIDE_ENV, "").strip()
     if forced in ("0", "1"):
         native = forced == "1"
-        return CpuInfo(info.model, info.torch_capability, info.flags, native,
-                       f"{OVERRIDE_ENV}={forced} (the probe says: {info.why})")
+        return dataclasses.replace(info, native_bf16=native, why=f"{OVERRIDE_ENV}={forced} (the probe says: {info.why})")
     return info
 
 

@@ -1,5 +1,7 @@
 """The evaluation report: report.json (everything measured), report.md (a readable summary) and two PNG charts
-(per-position acceptance; τ and speed-up against k), written atomically into the output directory."""
+(per-position acceptance; τ and speed-up against k), written atomically into the output directory. The charts need
+matplotlib (the `report` extra, which an install beside vLLM does not bring): without it the report is written
+without them and says, in report.md and in one line, how to get them."""
 
 from __future__ import annotations
 
@@ -18,6 +20,16 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 ACCEPTANCE_PNG = "acceptance_per_position.png"
 TAU_PNG = "tau_speedup_vs_k.png"
+CHARTS_HINT = "charts need matplotlib: pip install 'draftsmith[report]' (or matplotlib), then evaluate again"
+
+
+def charts_available() -> bool:
+    """matplotlib can be imported here (the `report` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _png(fig) -> bytes:
@@ -78,7 +90,7 @@ def tau_speedup_chart(runs: list[dict], title: str) -> bytes:
     return data
 
 
-def markdown(report: dict[str, Any]) -> str:
+def markdown(report: dict[str, Any], charts: bool = True) -> str:
     base = report.get("baseline")
     lines = [
         f"# Speculative decoding: {report['engine']} engine",
@@ -104,21 +116,25 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("lossless") is not None:
         lines += ["", f"Greedy outputs identical to the target alone: {report['lossless']}"]
     lines += ["", "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length); its interval is a "
-              "bootstrap over the prompts (2,000 resamples).", "",
-              f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
+              "bootstrap over the prompts (2,000 resamples).", ""]
+    lines += ([f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
+              if charts else [f"No charts: {CHARTS_HINT}.", ""])
     return "\n".join(lines)
 
 
 def write_report(output: Path, report: dict[str, Any]) -> dict[str, Path]:
-    """Write report.json, report.md and the two charts; returns their paths."""
+    """Write report.json, report.md and, where matplotlib is installed, the two charts; returns their paths (no
+    chart paths without matplotlib)."""
     output = Path(output)
     title = f"{Path(str(report['draft'])).name} on {Path(str(report['target'])).name} ({report['engine']})"
-    paths = {"json": output / REPORT_JSON, "markdown": output / REPORT_MD,
-             "acceptance_chart": output / ACCEPTANCE_PNG, "tau_chart": output / TAU_PNG}
+    charts = charts_available()
+    paths = {"json": output / REPORT_JSON, "markdown": output / REPORT_MD}
     atomic_write_json(paths["json"], report)
-    atomic_write_text(paths["markdown"], markdown(report))
-    atomic_write_bytes(paths["acceptance_chart"], acceptance_chart(report["runs"], title))
-    atomic_write_bytes(paths["tau_chart"], tau_speedup_chart(report["runs"], title))
+    atomic_write_text(paths["markdown"], markdown(report, charts))
+    if charts:
+        paths.update(acceptance_chart=output / ACCEPTANCE_PNG, tau_chart=output / TAU_PNG)
+        atomic_write_bytes(paths["acceptance_chart"], acceptance_chart(report["runs"], title))
+        atomic_write_bytes(paths["tau_chart"], tau_speedup_chart(report["runs"], title))
     return paths
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
-from draftsmith.evaluate.report import write_report
+from draftsmith.evaluate.report import CHARTS_HINT, write_report
 from draftsmith.evaluate.specdec import (
     DecodeStats,
     DraftRunner,
@@ -134,10 +135,11 @@ def run(cfg: EvaluateConfig) -> StageResult:
     if source.spec.method == "dflash":  # a round is one block: block_size - 1 proposals, as vLLM drafts it
         cfg = cfg.model_copy(update={"k": [source.spec.block_size - 1]})
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
+    choice = None
     if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
+        choice = vllm_runner.engine_dtype(target_path, cfg.dtype)
         vllm_runner.check_vllm_can_serve(target_path, "--engine vllm", parallel_drafting=source.spec.parallel_drafting,
-                                         dflash=source.spec.method == "dflash",
-                                         dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype)
+                                         dflash=source.spec.method == "dflash", dtype=choice.dtype)
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
                            **held_out_split(cfg.eval_fraction, cfg.split_seed, source.training))
@@ -168,25 +170,41 @@ def run(cfg: EvaluateConfig) -> StageResult:
                                              f"{len(prompts)} prompts" for k in cfg.k}
         report["dtype"] = str(dtype).removeprefix("torch.")
     else:
-        dtype_name = "bfloat16" if cfg.dtype == "auto" else cfg.dtype
+        assert choice is not None
+        if cfg.dtype == "auto":
+            print(f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})", file=sys.stderr,
+                  flush=True)
         max_len = cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(
             targets.read_config(target_path)))
         workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
         shutil.rmtree(workdir, ignore_errors=True)
         draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
         common = dict(target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature, seed=cfg.seed, dtype=dtype_name, max_model_len=max_len,
+                      temperature=cfg.temperature, seed=cfg.seed, dtype=choice.dtype, max_model_len=max_len,
                       kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
                       trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size)
         stats = {}
+
+        def decode(draft: Path | None, k: int, name: str) -> dict[str, Any]:
+            """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
+            once (DtypeChoice.fallback), saying why; the later ones keep the dtype that ran."""
+            try:
+                return vllm_runner.run_vllm(draft=draft, k=k, name=name, **common)
+            except DraftsmithError as err:
+                if choice.fallback is None or stats:
+                    raise
+                print(f"evaluate: {choice.note(str(err))}", file=sys.stderr, flush=True)
+                common["dtype"] = choice.fallback
+                return vllm_runner.run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", **common)
+
         if cfg.baseline:
-            res = vllm_runner.run_vllm(draft=None, k=0, name="baseline", **common)
+            res = decode(None, 0, "baseline")
             stats[0] = vllm_runner.stats_from_vllm(res, 0, len(prompts))
         for k in cfg.k:
-            res = vllm_runner.run_vllm(draft=draft_dir, k=k, name=f"k{k}", **common)
+            res = decode(draft_dir, k, f"k{k}")
             stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
             report["vllm_version"] = res.get("vllm_version")
-        report["dtype"] = dtype_name
+        report["dtype"] = common["dtype"]
     report["baseline"], report["runs"] = _run_dicts(stats, cfg.k)
     paths = write_report(output, report)
     save_resolved_config(cfg, output)
@@ -201,4 +219,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
         if r.get("speedup") is not None:
             summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)
     summary["report"] = str(paths["markdown"])
+    if "acceptance_chart" not in paths:
+        summary["charts"] = f"none: {CHARTS_HINT}"
+        print(f"evaluate: the report has no charts ({CHARTS_HINT})", file=sys.stderr, flush=True)
     return StageResult(stage="evaluate", output=output, summary=summary)

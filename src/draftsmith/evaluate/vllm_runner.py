@@ -28,6 +28,8 @@ from draftsmith.extract.vllm.probe import (
     EAGLE3_ROW,
     PARALLEL_DRAFTING_ROW,
     ProbeReport,
+    DtypeChoice,
+    choose_dtype,
     dtype_refusal,
     probe,
 )
@@ -111,6 +113,14 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
     rows = f"rows '{row}' and '{also}' say yes" if also else f"row '{row}' says yes"
     return VllmVerdict(facts.version, f"{why}: {found}", f"{what}: {why} ({found}); use a vLLM whose `draftsmith "
                        f"doctor` {rows}{vllm_hint}, or {instead}")
+
+
+def engine_dtype(target: Path, asked: str) -> DtypeChoice:
+    """The dtype a vLLM decoding engine of this target starts in (probe.choose_dtype: `auto` is what this vLLM runs
+    fastest and runs at all here), for evaluate, regenerate and serve alike."""
+    config = read_config(Path(target))
+    report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
+    return choose_dtype(asked, report, config)
 
 
 def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = False, dflash: bool = False,

