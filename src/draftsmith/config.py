@@ -126,7 +126,10 @@ class ExtractConfig(StageConfig):
     token_budget: int = Field(8192, ge=1, description="Tokens per forward batch (samples are bucketed by length).")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "dtype the target runs in; auto = bfloat16 on a GPU and on a CPU that computes bf16 natively (AVX512-BF16 "
-        "or AMX), float32 on other CPUs. The choice is printed and recorded in the store's manifest."))
+        "or AMX), float32 on other CPUs; with --backend vllm on a CPU, bfloat16 only where that vLLM has a bfloat16 "
+        "attention kernel for the target here (else float32; where it cannot tell, a failed start falls back to "
+        "float32 once), and a resumed store keeps its dtype. The choice is printed and recorded in the store's "
+        "manifest."))
     shard_size_mb: float = Field(256.0, gt=0, description=(
         "Store shard size in MiB; a crash loses at most one unwritten shard per worker."))
     shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
@@ -287,7 +290,8 @@ class EvaluateConfig(StageConfig):
     seed: int = Field(0, description="Random seed for sampling (temperature > 0).")
     device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
-        "Compute dtype; auto: float32 for the hf engine on CPU, bfloat16 otherwise."))
+        "Compute dtype; auto: float32 for the hf engine on CPU; for vLLM, as `extract --compute-dtype auto` (bfloat16 "
+        "on a GPU; on a CPU where it computes bf16 natively and that vLLM has the kernels, else float32)."))
     max_model_len: int | None = Field(None, ge=16, description=(
         "vLLM context limit; default: longest prompt + max_new_tokens + k."))
     vllm_kv_cache_gb: int = Field(2, ge=1, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
@@ -420,7 +424,8 @@ class TrainConfig(StageConfig):
         "--engine vllm: how vLLM hands over the states, as `extract --vllm-strategy` (see `draftsmith doctor`)."))
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "--engine vllm: dtype the target runs in inside vLLM, as `extract --compute-dtype` (auto: bfloat16 on GPUs "
-        "and on CPUs with bf16 instructions, else float32)."))
+        "and on CPUs with bf16 instructions where that vLLM has bf16 attention kernels for the target, else "
+        "float32)."))
     vllm_compile: bool = Field(True, description=(
         "--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."))
 
@@ -543,7 +548,8 @@ class ServeConfig(StageConfig):
         "The model name clients send; default: vLLM's, the target's path."))
     max_model_len: int | None = Field(None, ge=16, description="Context length; default: the target's.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "Weight and compute dtype; auto: vLLM's choice for the target and the device."))
+        "Weight and compute dtype; auto: vLLM's choice on a GPU; on a CPU as `extract --compute-dtype auto` (bfloat16 "
+        "where the CPU computes it natively and this vLLM has the kernels, else float32)."))
     kv_cache_gb: int | None = Field(None, ge=1, description=(
         "vLLM on CPU: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE); default: VLLM_CPU_KVCACHE_SPACE when it "
         "is set, else 2."))

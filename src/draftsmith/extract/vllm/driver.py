@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.probe import (
     DtypeChoice,
@@ -220,7 +221,10 @@ def start_engine(choice: DtypeChoice, spec_for: Callable[[str], EngineSpec],
         try:
             engine.prove()
         except BaseException:
+            in_process = engine.steps_itself
             engine.close()
+            if in_process:  # its worker's sink lives in this process: let go of the store it opened (nothing in it)
+                sink_module.deactivate()
             raise
         return engine
 

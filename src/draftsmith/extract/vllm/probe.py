@@ -38,6 +38,7 @@ from draftsmith.extract.vllm.architectures import (
     inspect_architecture,
     registered_models,
 )
+from draftsmith.extract.vllm.kernels import read_cpu_attention
 from draftsmith.extract.vllm.readers import (
     DFLASH_ROW,
     EAGLE3_ROW,
@@ -168,7 +169,7 @@ def _probe(located: Located | None, tree: SourceTree | None, *, architecture: st
     values: dict[str, Any] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
     unknown: dict[str, str] = {}
     rows: list[Capability] = []
-    for reader in READERS:
+    for reader in (*READERS, read_cpu_attention):
         reading = reader(tree, ctx)
         values.update(reading.facts)
         unknown.update(reading.unknown)
