@@ -123,6 +123,7 @@ class _FakeEngine:
 
     made: list[str] = []
     fails: set[str] = set()
+    steps_itself = False  # its worker in another process (no sink here to let go of)
 
     def __init__(self, spec):
         self.dtype = spec
