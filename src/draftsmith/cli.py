@@ -97,7 +97,7 @@ def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
     origin = typing.get_origin(annotation)
     help_text = field.description or ""
     default = field.get_default(call_default_factory=True)
-    if default not in (None, [], ""):
+    if default not in (None, [], "", {}):
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         help_text += f"  [default: {shown}]"
     flag = "--" + name.replace("_", "-")
@@ -135,7 +135,7 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
         annotation=Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")],
     )]
     for field_name, field in cfg_cls.model_fields.items():
-        if typing.get_origin(field.annotation) is dict:
+        if typing.get_origin(field.annotation) is dict and not (field.json_schema_extra or {}).get("json_flag"):
             continue  # a YAML-only section (a recipe's per-stage options): no flag for it
         annotation, decl = _option(field_name, field, field_name in positional)
         params.append(inspect.Parameter(field_name, inspect.Parameter.KEYWORD_ONLY, default=None,

@@ -7,6 +7,7 @@ The CLI builds each sub-command's options from these models (cli.py), so a field
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +41,18 @@ def _split_list(value: Any) -> Any:
     return value
 
 
+def _json_object(value: Any) -> Any:
+    """Accept '{"thinking": true}' from the command line as well as a YAML mapping."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError as err:
+            raise ValueError(f"not a JSON object: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError("a JSON object is needed, like '{\"thinking\": true}'")
+    return value
+
+
 class PrepareConfig(StageConfig):
     data: list[str] = Field(default_factory=list, description=(
         "Input conversations: ShareGPT JSON, messages JSONL, or anything `datasets` reads locally "
@@ -59,11 +72,16 @@ class PrepareConfig(StageConfig):
     shard_samples: int = Field(2048, ge=1, description="Conversations per output shard.")
     chat_template: Path | None = Field(None, description=(
         "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
+                                                 description=(
+        "Options the server passes to the chat template, as a JSON object (vLLM's --chat-template-kwargs): "
+        "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."))
     trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
     resume: bool = Field(True, description=(
         "Continue an interrupted run with the same inputs and options from its last complete shard."))
 
     _split = field_validator("data", mode="before")(_split_list)
+    _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
 
 
 class RegenerateConfig(StageConfig):

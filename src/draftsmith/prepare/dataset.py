@@ -133,8 +133,20 @@ class _ShardWriter:
     def num_samples(self) -> int:
         return sum(s.num_samples for s in self.shards) + len(self.ids)
 
-    def add(self, sample: dict) -> bool:
-        """Buffer one sample; True when that completed a shard (now on disk)."""
+    def add(self, sample: dict | list[dict]) -> bool:
+        """Buffer one sample, or a list of samples that must share a shard; True when that completed a shard (now
+        on disk)."""
+        if isinstance(sample, list):
+            for one in sample:
+                self._buffer(one)
+        else:
+            self._buffer(sample)
+        if len(self.ids) >= self.shard_samples:
+            self.flush()
+            return True
+        return False
+
+    def _buffer(self, sample: dict) -> None:
         index = self.num_samples
         vocab = int(self.target.vocab_size)
         ids = _as_numpy(sample["input_ids"], np.int64, "input_ids")
@@ -150,10 +162,6 @@ class _ShardWriter:
         self.num_truncated += bool(sample.get("truncated", False))
         self.ids.append(ids.astype(np.int32))
         self.masks.append((mask != 0).astype(np.uint8))
-        if len(self.ids) >= self.shard_samples:
-            self.flush()
-            return True
-        return False
 
     def flush(self) -> None:
         if not self.ids:
@@ -213,8 +221,8 @@ def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity
                    shard_samples: int = 2048, config: Any = None, fingerprint: str | None = None,
                    checkpoint: Callable[[], dict] | None = None, resume: bool = False,
                    **extra: Any) -> PreparedManifest:
-    """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool)
-    as a prepared set at `output`.
+    """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool;
+    a list of such dicts is kept in one shard) as a prepared set at `output`.
 
     `samples` is consumed as a stream, one shard in memory at a time. `skipped` may be a dict the caller keeps
     filling while the stream runs (it is read after the last sample). `config` (a StageConfig) is saved as

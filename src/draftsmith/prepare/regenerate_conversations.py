@@ -146,10 +146,13 @@ def read_records(sources: list[Source], skip_records: int, leading_assistant: st
             yield "skip", record.bad, where, record.detail
             continue
         try:
-            messages = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
+            chat = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
+            if chat.agentic:
+                raise Skip("agentic conversation", "it declares or calls tools; regenerate answers plain chat only "
+                           "(prepare trains on such conversations as they are)")
             dropped = leading_assistant == "drop" and leading_assistant_turns(
-                normalize_conversation(record.data, "keep", keep_trailing=True)) > 0
-            yield "conversation", _turns_to_answer(messages), where, dropped
+                normalize_conversation(record.data, "keep", keep_trailing=True).messages) > 0
+            yield "conversation", _turns_to_answer(chat.messages), where, dropped
         except Skip as skip:
             yield "skip", skip.reason, where, skip.detail
 

@@ -1,8 +1,11 @@
 """The `prepare` stage: conversations -> token ids + assistant loss masks + token counts (a prepared data set).
 
-    records (readers) -> normalised messages (chat.normalize_conversation)      main process, in file order
-      -> rendered, tokenised, masked (chat.ChatEncoder)                          worker processes, in batches
+    records (readers) -> normalised chats (chat.normalize_conversation)         main process, in file order
+      -> rendered, tokenised, masked samples (chat.ChatEncoder)                  worker processes, in batches
       -> shards + token counts + manifest (prepared.write_prepared)              main process, in file order
+
+A conversation is one sample, or several where its template rewrites what earlier generations saw (chat.py); a
+conversation's samples go into one shard together.
 
 Sample ids therefore follow input order whatever the number of workers. Every record that does not become a
 sample is counted by reason (summary and manifest), with the first example of each reason, and per input file: a
@@ -66,11 +69,16 @@ SUMMARY_VOCAB_SIZES = (8192, 16384, 32000)
 class _Tally:
     records: int = 0
     conversations: int = 0
+    samples: int = 0
+    generations: int = 0           # assistant generations trained on
+    agentic: int = 0               # conversations with tools, tool calls or tool results
+    one_sample_tokens: int = 0     # tokens had every conversation been one sample
     tokens: int = 0
     loss_tokens: int = 0
     truncated: int = 0
     leading_assistant_dropped: int = 0  # conversations that lost their leading assistant turns (option "drop")
     skipped: dict[str, int] = field(default_factory=dict)
+    samples_dropped: dict[str, int] = field(default_factory=dict)  # samples of usable conversations left out
     skip_examples: dict[str, str] = field(default_factory=dict)
     damaged: list[str] = field(default_factory=list)
     # per input file: {"records", "usable", "skipped": {reason: count}, "first": "record i: detail"}
@@ -136,7 +144,7 @@ def _init_worker(encoder: ChatEncoder) -> None:
 
 
 def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> list[tuple]:
-    """(where, messages | Skip, note) items -> (where, Encoded | Skip, note) items, order kept."""
+    """(where, Chat | Skip, note) items -> (where, EncodedChat | Skip, note) items, order kept."""
     encoder = encoder or _ENCODER
     out = []
     for where, item, note in batch:
@@ -168,7 +176,7 @@ def _batches(sources: list[Source], progress_cb, skip_records: int = 0,
             try:
                 item = normalize_conversation(record.data, leading_assistant)
                 if leading_assistant == "drop":
-                    dropped = leading_assistant_turns(normalize_conversation(record.data, "keep"))
+                    dropped = leading_assistant_turns(normalize_conversation(record.data, "keep").messages)
             except Skip as skip:
                 item = skip
         batch.append((where, item, dropped))
@@ -274,7 +282,8 @@ def run(cfg: PrepareConfig) -> StageResult:
     tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
     template = chat_template_of(cfg, tokenizer, target_dir)
     sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
-    encoder = ChatEncoder(tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow)
+    encoder = ChatEncoder(tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow,
+                          template_kwargs=cfg.chat_template_kwargs)
     workers = max(1, cfg.num_workers or _available_cores())
 
     tally = _Tally()
@@ -306,10 +315,19 @@ def run(cfg: PrepareConfig) -> StageResult:
                 tally.use(where[0])
                 tally.conversations += 1
                 tally.leading_assistant_dropped += dropped > 0
-                tally.tokens += len(item.input_ids)
-                tally.loss_tokens += int(item.loss_mask.sum())
-                tally.truncated += item.truncated
-                yield {"input_ids": item.input_ids, "loss_mask": item.loss_mask, "truncated": item.truncated}
+                tally.samples += len(item.samples)
+                tally.generations += item.generations
+                tally.agentic += item.agentic
+                tally.one_sample_tokens += item.one_sample_tokens
+                for reason, n in item.dropped.items():
+                    tally.samples_dropped[reason] = tally.samples_dropped.get(reason, 0) + n
+                for sample in item.samples:
+                    tally.tokens += len(sample.input_ids)
+                    tally.loss_tokens += int(sample.loss_mask.sum())
+                    tally.truncated += sample.truncated
+                # a conversation's samples are one unit: a shard (and a resume point) never splits them
+                yield [{"input_ids": x.input_ids, "loss_mask": x.loss_mask, "truncated": x.truncated}
+                       for x in item.samples]
             elapsed = max(time.perf_counter() - t0, 1e-9)
             progress.update(task, conversations=tally.conversations,
                             rate=(tally.conversations - resumed[1]) / elapsed,
@@ -320,7 +338,11 @@ def run(cfg: PrepareConfig) -> StageResult:
         if not tally.conversations:
             raise _nothing_usable(sources, tally)
         seconds = max(time.perf_counter() - t0, 1e-9)
-        stats.update(records=tally.records, workers=workers, resumed_after_records=resumed[0],
+        stats.update(records=tally.records, conversations=tally.conversations, samples=tally.samples,
+                     generations=tally.generations, agentic_conversations=tally.agentic,
+                     layout_tokens=tally.tokens, one_sample_per_conversation_tokens=tally.one_sample_tokens,
+                     samples_dropped=dict(tally.samples_dropped), chat_template_kwargs=cfg.chat_template_kwargs,
+                     workers=workers, resumed_after_records=resumed[0],
                      leading_assistant_turns_dropped=tally.leading_assistant_dropped,
                      seconds=round(seconds, 2),
                      conversations_per_s=round((tally.conversations - resumed[1]) / seconds, 1),
@@ -340,7 +362,11 @@ def run(cfg: PrepareConfig) -> StageResult:
         "target": identity.path,
         "records read": tally.records,
         **({"resumed after records": resumed[0]} if resumed[0] else {}),
-        "conversations": manifest.num_samples,
+        "conversations": tally.conversations,
+        **({"agentic conversations": tally.agentic} if tally.agentic else {}),
+        **({"samples": f"{manifest.num_samples} (generations that saw different contexts: "
+                       f"{tally.tokens / max(tally.one_sample_tokens, 1):.2f}x the tokens of one per conversation)"}
+           if manifest.num_samples != tally.conversations else {}),
         "tokens": manifest.num_tokens,
         "loss tokens": manifest.num_loss_tokens,
         "truncated": tally.truncated,
@@ -350,6 +376,8 @@ def run(cfg: PrepareConfig) -> StageResult:
     }
     for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
         summary[f"skipped: {reason}"] = count
+    for reason, count in sorted(tally.samples_dropped.items(), key=lambda kv: -kv[1]):
+        summary[f"samples left out: {reason}"] = count
     if tally.damaged:
         summary["damaged input"] = "; ".join(tally.damaged)
     read_all = not (cfg.max_samples and tally.conversations >= cfg.max_samples)

@@ -1,0 +1,229 @@
+"""prepare on agentic traffic: tool-calling, reasoning conversations read without loss and each assistant generation
+supervised exactly as the target's template renders it when it is generated.
+
+The conversations come from tests/agentic.py (OpenAI messages as a server returns them: `content: null` tool-call
+turns, arguments as JSON strings, `tools` as a list or a JSON string, reasoning in three spellings); the expected
+supervised text of every generation is written by that module by hand, not by the template.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from agentic import (
+    QWEN3_SHAPED_TEMPLATE,
+    TOOLS,
+    agentic_conversations,
+    expected_generations,
+    write_jsonl,
+)
+from conftest import build_tiny_target, build_tiny_tokenizer
+
+from draftsmith.config import PrepareConfig
+from draftsmith.prepare import run as prepare_run
+from draftsmith.prepare.chat import Chat, ChatEncoder, Skip, masked_spans, normalize_conversation
+from draftsmith.prepare.dataset import open_prepared
+
+
+@pytest.fixture(scope="module")
+def qwen3_shaped_target(tmp_path_factory):
+    """A tiny random target whose tokenizer carries a Qwen3-shaped, tool-aware chat template."""
+    return build_tiny_target(tmp_path_factory.mktemp("qwen3-shaped"), chat_template=QWEN3_SHAPED_TEMPLATE.read_text())
+
+
+def _decode(tok, ids) -> str:
+    return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _runs(tok, sample) -> list[str]:
+    return [_decode(tok, run) for run in masked_spans(sample["input_ids"].numpy(), sample["loss_mask"].numpy())]
+
+
+def test_sixty_tool_use_conversations_are_all_kept_and_supervised_as_generated(tmp_path, qwen3_shaped_target):
+    records = agentic_conversations(60)
+    assert sum(m["content"] is None for r in records for m in r["messages"]) >= 60  # content: null call turns
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
+                                       num_workers=1, max_length=4096))
+    ds = open_prepared(tmp_path / "out")
+    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    assert result.summary["skipped"] == 0 and result.summary["conversations"] == 60
+    assert result.summary["agentic conversations"] == 60
+
+    # every generation, in order, exactly once, as the template renders it at the moment it is generated
+    runs = [run for i in range(len(ds)) for run in _runs(tok, ds[i])]
+    expected = [g for r in records for g in expected_generations(r)]
+    assert len(expected) > 3 * 60
+    assert runs == expected
+    # what is never supervised: tool results, tool declarations, user and system text
+    results = [m["content"] for r in records for m in r["messages"] if m["role"] == "tool"]
+    users = [m["content"] for r in records for m in r["messages"] if m["role"] in ("user", "system")]
+    assert not any(x in run for run in runs for x in results + users + ["<tools>", "<tool_response>"])
+    # every sample declares the tools
+    for i in range(len(ds)):
+        text = _decode(tok, ds[i]["input_ids"])
+        assert "<tools>" in text and all(t["function"]["name"] in text for t in TOOLS), i
+
+    # the two-request conversations (every third) drop the first loop's reasoning once the second request comes:
+    # the first loop is trained where it was generated, the second in its own sample (one sample per loop)
+    two_requests = sum(1 for r in records if sum(m["role"] == "user" for m in r["messages"]) == 2)
+    assert two_requests == 20 and len(ds) == 60 + two_requests
+    stats = ds.manifest.stats
+    assert stats["samples"] == 80 and stats["generations"] == len(expected) and stats["agentic_conversations"] == 60
+    # the layout's cost against one sample per conversation: the first loop's context is written twice
+    assert stats["one_sample_per_conversation_tokens"] < stats["layout_tokens"] < 2 * stats["one_sample_per_conversation_tokens"]
+    assert "1." in result.summary["samples"] and "80" in result.summary["samples"]
+
+
+def test_a_tool_loop_after_one_request_is_one_sample_and_costs_no_more_tokens(tmp_path):
+    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    record = next(r for r in agentic_conversations(6) if sum(m["role"] == "user" for m in r["messages"]) == 1)
+    encoded = ChatEncoder(tok).encode(normalize_conversation(record))
+    assert len(encoded.samples) == 1 and encoded.generations == len(expected_generations(record)) >= 2
+    assert encoded.one_sample_tokens == len(encoded.samples[0].input_ids)
+
+
+def test_enable_thinking_false_keeps_the_prefilled_think_out_of_the_loss(tmp_path, qwen3_shaped_target):
+    """Qwen3 served with enable_thinking=false pre-fills an empty <think> block in the prompt: context, not
+    generation."""
+    record = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                           {"role": "assistant", "content": "Cold."}]}
+    data = write_jsonl(tmp_path / "chats.jsonl", [record])
+    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "off",
+                              num_workers=1, chat_template_kwargs='{"enable_thinking": false}'))
+    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "on",
+                              num_workers=1))
+    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    off, on = open_prepared(tmp_path / "off")[0], open_prepared(tmp_path / "on")[0]
+    assert _runs(tok, off) == ["Cold.<|im_end|>"]
+    assert _decode(tok, off["input_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nCold.<|im_end|>\n")
+    assert _runs(tok, on) == ["<think>\n\n</think>\n\nCold.<|im_end|>"]  # the model writes its (empty) reasoning
+    assert open_prepared(tmp_path / "off").manifest.stats["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+# ------------------------------------------------------------------ the same structure from every spelling
+
+
+def _without_ids(chat: Chat) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "tool_call_id"} | (
+        {"tool_calls": [{k: v for k, v in c.items() if k != "id"} for c in m["tool_calls"]]} if "tool_calls" in m
+        else {}) for m in chat.messages]
+
+
+def test_sharegpt_function_calls_and_hermes_text_read_as_openai_tool_calls():
+    arguments = {"city": "Lima", "unit": "C"}
+    openai = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Lima?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.",
+         "tool_calls": [{"id": "c0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "c0", "name": "get_weather", "content": "{\"temperature\": 19}"},
+        {"role": "assistant", "content": "19 degrees."}]}
+    sharegpt = {"tools": json.dumps([t["function"] for t in TOOLS]), "conversations": [
+        {"from": "human", "value": "Weather in Lima?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": arguments}),
+         "reasoning_content": "Use the tool."},
+        {"from": "observation", "value": "{\"temperature\": 19}"},
+        {"from": "gpt", "value": "19 degrees."}]}
+    hermes = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Lima?"},
+        {"role": "assistant", "content": "<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
+                                         + json.dumps({"name": "get_weather", "arguments": arguments})
+                                         + "\n</tool_call>"},
+        {"role": "tool", "content": "{\"temperature\": 19}"},
+        {"role": "assistant", "content": "19 degrees."}]}
+    chats = [normalize_conversation(r) for r in (openai, sharegpt, hermes)]
+    assert all(c.tools == TOOLS for c in chats)
+    assert _without_ids(chats[0]) == _without_ids(chats[1]) == _without_ids(chats[2])
+    call = chats[0].messages[1]
+    assert call == {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    assert chats[0].messages[2] == {"role": "tool", "content": "{\"temperature\": 19}", "tool_call_id": "c0",
+                                    "name": "get_weather"}
+    assert chats[1].messages[2]["name"] == "get_weather"  # the observation answers the call before it
+
+
+def test_vllms_reasoning_field_and_inline_think_are_split_the_same_way():
+    base = [{"role": "user", "content": "2 + 2?"}]
+    spelled = [{"role": "assistant", "content": "4", "reasoning_content": "Add."},
+               {"role": "assistant", "content": "4", "reasoning": "Add."},
+               {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"},
+               {"role": "assistant", "content": "Add.</think>4"}]  # DeepSeek-R1 style: the <think> was pre-filled
+    assert {json.dumps(normalize_conversation({"messages": base + [m]}).messages) for m in spelled} == {
+        json.dumps(base + [{"role": "assistant", "content": "4", "reasoning_content": "Add."}])}
+
+
+def test_a_template_without_reasoning_sees_it_inline_and_one_without_tools_is_a_counted_skip():
+    from conftest import CHATML_TEMPLATE
+
+    tok = build_tiny_tokenizer(CHATML_TEMPLATE)
+    encoder = ChatEncoder(tok)
+    assert (encoder.features.tools, encoder.features.tool_calls, encoder.features.reasoning) == (False, False, False)
+    chat = normalize_conversation({"messages": [{"role": "user", "content": "2 + 2?"},
+                                                {"role": "assistant", "content": "4", "reasoning": "Add."}]})
+    [sample] = encoder.encode(chat).samples
+    assert [_decode(tok, run) for run in masked_spans(sample.input_ids, sample.loss_mask)] == [
+        "<think>\nAdd.\n</think>\n\n4<|im_end|>"]
+    with pytest.raises(Skip) as info:
+        encoder.encode(normalize_conversation(agentic_conversations(1)[0]))
+    assert info.value.reason == "chat template without tools" and "--chat-template" in info.value.detail
+    qwen = ChatEncoder(build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text()))
+    assert (qwen.features.tools, qwen.features.tool_calls, qwen.features.reasoning) == (True, True, True)
+
+
+# ------------------------------------------------------------------ bad agentic input: counted skips naming the turn
+
+
+def _bad(kind: str) -> dict:
+    record = agentic_conversations(1)[0]
+    messages = record["messages"]
+    call_turn = next(i for i, m in enumerate(messages) if m.get("tool_calls"))
+    if kind == "arguments not JSON":
+        messages[call_turn]["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
+    elif kind == "a result for no call":
+        messages[call_turn + 1]["tool_call_id"] = "call_nobody_made"
+    elif kind == "arguments a list":
+        messages[call_turn]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"
+    elif kind == "tools not a list":
+        record["tools"] = json.dumps({"name": "get_weather"})
+    elif kind == "a role nobody knows":
+        messages[call_turn]["role"] = "planner"
+    elif kind == "a call without a name":
+        messages[call_turn]["tool_calls"][0]["function"]["name"] = ""
+    return record
+
+
+@pytest.mark.parametrize("kind, reason, detail", [
+    ("arguments not JSON", "malformed tool call", "the arguments of call"),
+    ("a result for no call", "tool result without its call", "'call_nobody_made' matches no earlier call"),
+    ("arguments a list", "malformed tool call", "arguments that are a JSON array"),
+    ("tools not a list", "malformed tools", "not a list of tools"),
+    ("a role nobody knows", "unknown role", "role 'planner'"),
+    ("a call without a name", "malformed tool call", "without a function name"),
+])
+def test_bad_agentic_records_are_counted_skips_naming_file_record_and_turn(tmp_path, qwen3_shaped_target, kind,
+                                                                           reason, detail):
+    records = agentic_conversations(3)
+    records[1] = _bad(kind)
+    data = write_jsonl(tmp_path / "chats.jsonl", records)
+    result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
+                                       num_workers=1, max_length=4096))
+    assert result.summary["conversations"] == 2 and result.summary[f"skipped: {reason}"] == 1
+    example = open_prepared(tmp_path / "out").manifest.skip_examples[reason]
+    assert example.startswith(f"{data} record 1: ") and detail in example, example
+    if kind not in ("tools not a list",):
+        assert "turn " in example  # the turn is named
+
+
+def test_regenerate_leaves_agentic_conversations_out_in_one_counted_line(tmp_path):
+    """Until regenerate answers with tools, a conversation that declares or calls tools is a counted skip there
+    (never answered as plain chat)."""
+    from draftsmith.prepare.regenerate_conversations import read_records
+    from draftsmith.prepare.readers import expand_sources
+
+    data = write_jsonl(tmp_path / "chats.jsonl", agentic_conversations(2) + [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    items = list(read_records(expand_sources([str(data)]), 0, "skip"))
+    assert [i[0] for i in items] == ["skip", "skip", "conversation"]
+    assert items[0][1] == "agentic conversation" and "tools" in items[0][3]
