@@ -47,7 +47,7 @@ def main() -> None:
             with open(prompts, "w", encoding="utf-8") as f:
                 for record in iter_source(Source(assets.sharegpt_path(), "json")):
                     try:
-                        messages = normalize_conversation(record.data)
+                        messages = normalize_conversation(record.data).messages
                     except Skip:
                         continue
                     first = next(m for m in messages if m["role"] == "user")

@@ -238,7 +238,7 @@ def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(tmp
     conversations = []
     for record in iter_source(Source(sharegpt_file, "json")):
         try:
-            conversations.append(normalize_conversation(record.data))
+            conversations.append(normalize_conversation(record.data).messages)
         except Skip:
             continue
         if len(conversations) == 40:
