@@ -227,3 +227,21 @@ def test_regenerate_leaves_agentic_conversations_out_in_one_counted_line(tmp_pat
     items = list(read_records(expand_sources([str(data)]), 0, "skip"))
     assert [i[0] for i in items] == ["skip", "skip", "conversation"]
     assert items[0][1] == "agentic conversation" and "tools" in items[0][3]
+
+
+def test_evaluate_renders_agentic_prompts_with_their_tools_as_served(tmp_path):
+    """`evaluate --prompts FILE` on agentic records: the context of each record's first answer, the record's tools
+    declared and the server's template options applied (what the target is asked in serving)."""
+    from draftsmith.evaluate.prompts import load_prompts
+
+    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    records = agentic_conversations(4)
+    data = write_jsonl(tmp_path / "agent.jsonl", records)
+    prompts = load_prompts(str(data), tok, num_prompts=3)
+    assert [p.id for p in prompts] == ["agentic-0", "agentic-1", "agentic-2"]
+    for prompt, record in zip(prompts, records):
+        text = _decode(tok, prompt.token_ids)
+        assert "<tools>" in text and all(t["function"]["name"] in text for t in TOOLS)
+        assert text.endswith(record["messages"][1]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+    [off] = load_prompts(str(data), tok, num_prompts=1, template_kwargs={"enable_thinking": False})
+    assert _decode(tok, off.token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

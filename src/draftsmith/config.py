@@ -294,7 +294,12 @@ class EvaluateConfig(StageConfig):
     output: Path = Field(Path("runs/eval"), description="Directory for report.json, report.md and the PNG charts.")
     prompts: str = Field("mt-bench", description=(
         "Prompt set: mt-bench (the embedded 80 questions), a ShareGPT JSON / messages JSONL file, or a prepared "
-        "data set directory (its held-out split is used)."))
+        "data set directory (its held-out split is used). A file's records may declare `tools` (agentic "
+        "traffic): each prompt is rendered with them, as served."))
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
+                                                 description=(
+        "Options the server passes to the chat template when it renders a prompt file, as a JSON object (vLLM's "
+        "--chat-template-kwargs), e.g. '{\"thinking\": true}' for Kimi-K2.5."))
     num_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the set.")
     eval_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
         "Held-out fraction of a prepared data set; default: the one the draft was trained with (else 0.02)."))
@@ -326,6 +331,8 @@ class EvaluateConfig(StageConfig):
         if not value or any(k < 1 or k > 16 for k in value):
             raise ValueError("k needs one or more values in 1..16")
         return sorted(set(value))
+
+    _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
 
 
 class TrainConfig(StageConfig):

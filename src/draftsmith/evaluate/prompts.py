@@ -1,8 +1,9 @@
 """Evaluation prompt sets, rendered with the target's chat template into token ids.
 
     mt-bench           the 80 MT-bench questions shipped with draftsmith's default assets (first turn of each)
-    FILE               ShareGPT JSON / messages JSONL (anything `draftsmith prepare` reads): the conversation up to
-                       its first assistant turn; records with `turns` (MT-bench style) or `prompt` work too
+    FILE               ShareGPT JSON / messages JSONL (anything `draftsmith prepare` reads, agentic records too): the
+                       conversation up to its first assistant turn, rendered with the record's `tools` and the
+                       server's template options; records with `turns` (MT-bench style) or `prompt` work too
     DIR (prepared)     a prepared data set: the samples of its held-out split (`prepared.split_indices`, the same
                        split the trainer holds out: its eval fraction and split seed are read from the draft's
                        training record unless given), cut before the first assistant token
@@ -19,7 +20,7 @@ from typing import Any
 from draftsmith.core.assets import mtbench_path
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
-from draftsmith.prepare.chat import ROLE_ALIASES
+from draftsmith.prepare.chat import ROLE_ALIASES, Skip, normalize_conversation
 from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.readers import expand_sources, iter_source
 
@@ -32,51 +33,52 @@ class Prompt:
     token_ids: list[int]
 
 
-def _messages_of(record: Any) -> list[dict[str, str]] | None:
-    """The chat messages before the first assistant turn, or None if the record holds no usable prompt."""
-
+def _prompt_of(record: Any) -> tuple[list[dict], list[dict] | None] | None:
+    """(the chat messages before the first assistant turn, the tools the record declares), or None if the record
+    holds no usable prompt. Conversations are read as `prepare` reads them (agentic ones included)."""
     if not isinstance(record, dict):
         return None
     if isinstance(record.get("turns"), list) and record["turns"] and isinstance(record["turns"][0], str):
-        return [{"role": "user", "content": record["turns"][0]}]
+        return [{"role": "user", "content": record["turns"][0]}], None
     if isinstance(record.get("prompt"), str) and record["prompt"].strip():
-        return [{"role": "user", "content": record["prompt"]}]
-    turns = next((record[k] for k in ("conversations", "conversation", "messages") if k in record), None)
+        return [{"role": "user", "content": record["prompt"]}], None
+    key = next((k for k in ("conversations", "conversation", "messages") if k in record), None)
+    turns = record.get(key)
     if not isinstance(turns, list):
         return None
-    messages: list[dict[str, str]] = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            return None
-        role = ROLE_ALIASES.get(str(turn.get("from", turn.get("role", ""))).strip().lower())
-        text = next((turn[k] for k in ("value", "content", "text") if isinstance(turn.get(k), str)), None)
-        if role is None or text is None:
-            return None
-        if role == "assistant":
-            break
-        messages.append({"role": role, "content": text})
-    return messages if any(m["role"] == "user" and m["content"].strip() for m in messages) else None
+    first = next((i for i, t in enumerate(turns) if isinstance(t, dict) and ROLE_ALIASES.get(
+        str(t.get("from", t.get("role", ""))).strip().lower()) == "assistant"), len(turns))
+    try:  # only the turns before the first answer are read: what comes after does not make the prompt unusable
+        chat = normalize_conversation({**record, key: turns[:first]}, leading_assistant="keep", keep_trailing=True)
+    except Skip:
+        return None
+    if not any(m["role"] == "user" and m["content"].strip() for m in chat.messages):
+        return None
+    return chat.messages, chat.tools
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Chat template + generation prompt -> token ids (the template supplies any BOS itself)."""
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+           template_kwargs: dict | None = None) -> list[int]:
+    """Chat template + generation prompt -> token ids (the template supplies any BOS itself), with the declared
+    tools and the server's template options."""
     if not getattr(tokenizer, "chat_template", None):
         raise DraftsmithError("the target's tokenizer has no chat template; evaluation prompts need one")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **dict(template_kwargs or {}, **({"tools": tools} if tools else {})))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _from_file(path: Path, tokenizer: Any, limit: int | None) -> list[Prompt]:
+def _from_file(path: Path, tokenizer: Any, limit: int | None, template_kwargs: dict | None = None) -> list[Prompt]:
     prompts: list[Prompt] = []
     for source in expand_sources([path]):
         for record in iter_source(source):
             if record.bad is not None:
                 continue
-            messages = _messages_of(record.data)
-            if messages is None:
+            prompt = _prompt_of(record.data)
+            if prompt is None:
                 continue
             rid = record.data.get("question_id", record.data.get("id", record.index))
-            prompts.append(Prompt(id=str(rid), token_ids=render(tokenizer, messages)))
+            prompts.append(Prompt(id=str(rid), token_ids=render(tokenizer, *prompt, template_kwargs)))
             if limit is not None and len(prompts) >= limit:
                 return prompts
     if not prompts:
@@ -122,7 +124,8 @@ def held_out_split(eval_fraction: float | None, split_seed: int | None, training
 
 
 def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = None, num_prompts: int | None = None,
-                 eval_fraction: float = 0.02, split_seed: int = 0) -> list[Prompt]:
+                 eval_fraction: float = 0.02, split_seed: int = 0,
+                 template_kwargs: dict | None = None) -> list[Prompt]:
     """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them."""
     if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
 
@@ -133,4 +136,4 @@ def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = N
     if not path.exists():
         raise DraftsmithError(f"--prompts {spec}: no such file or directory (use mt-bench, a ShareGPT/JSONL file, or "
                               "a prepared data set directory)")
-    return _from_file(path, tokenizer, num_prompts)
+    return _from_file(path, tokenizer, num_prompts, template_kwargs)

@@ -142,6 +142,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
                                          dflash=source.spec.method == "dflash", dtype=choice.dtype)
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
+                           template_kwargs=cfg.chat_template_kwargs,
                            **held_out_split(cfg.eval_fraction, cfg.split_seed, source.training))
     output = Path(cfg.output)
     output.mkdir(parents=True, exist_ok=True)
