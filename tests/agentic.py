@@ -15,6 +15,8 @@ import random
 from pathlib import Path
 
 QWEN3_SHAPED_TEMPLATE = Path(__file__).parent / "data" / "qwen3_shaped_tools.jinja"
+# the markers Qwen3's tokenizer holds as whole tokens
+QWEN3_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 TOOLS = [
     {"type": "function", "function": {
@@ -60,11 +62,12 @@ def _result(call: dict, rng: random.Random) -> str:
             "run_tests": lambda: f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed"}[call["function"]["name"]]()
 
 
-def agentic_conversations(n: int = 60, seed: int = 0) -> list[dict]:
+def agentic_conversations(n: int = 60, seed: int = 0, declare_tools: bool = True) -> list[dict]:
     """`n` multi-turn tool-use conversations: one or two user requests, each answered by a loop of 1-3 tool-calling
     assistant turns (content null or a short preface; one or two calls each) and a final answer, every assistant
-    turn with its reasoning. `tools` is a list in even records and a JSON string in odd ones; the reasoning field
-    rotates between `reasoning_content`, `reasoning` and an inline `<think>` block."""
+    turn with its reasoning. `tools` is a list in even records and a JSON string in odd ones (none without
+    `declare_tools`); the reasoning field rotates between `reasoning_content`, `reasoning` and an inline `<think>`
+    block."""
     rng = random.Random(seed)
     records = []
     for i in range(n):
@@ -82,8 +85,10 @@ def agentic_conversations(n: int = 60, seed: int = 0) -> list[dict]:
                                      "content": _result(call, rng)})
             messages.append(_with_reasoning({"role": "assistant", "content": f"Done with request {q}: all good."},
                                             "I have everything; summarise.", i))
-        tools = TOOLS if i % 2 == 0 else json.dumps(TOOLS)
-        records.append({"id": f"agentic-{i}", "tools": tools, "messages": messages})
+        record = {"id": f"agentic-{i}", "messages": messages}
+        if declare_tools:
+            record["tools"] = TOOLS if i % 2 == 0 else json.dumps(TOOLS)
+        records.append(record)
     return records
 
 
@@ -122,3 +127,34 @@ def expected_generations(record: dict) -> list[str]:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def train_tiny_agent(target_dir: Path, prepared_dir: Path, out_dir: Path, steps: int = 300, seed: int = 0) -> Path:
+    """The tiny random target at `target_dir` trained briefly on a prepared agentic set (its loss-masked tokens:
+    reasoning, tool calls, answers), so that greedy decoding writes `<think>` blocks and `<tool_call>` sections; saved
+    with its tokenizer at `out_dir`."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.prepare.dataset import open_prepared
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).float().train()
+    data = open_prepared(prepared_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
+    for step in range(steps):
+        sample = data[order[step % len(order)]]
+        ids, mask = sample["input_ids"][None], sample["loss_mask"][None]
+        labels = ids.masked_fill(~mask, -100)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval().save_pretrained(out_dir)
+    for name in Path(target_dir).iterdir():  # tokenizer files
+        if name.is_file() and not name.name.startswith(("model", "config", "generation_config")):
+            shutil.copy(name, out_dir / name.name)
+    return out_dir

@@ -33,8 +33,9 @@ _CORPUS = [
 ] * 20
 
 
-def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, vocab_size: int = 320):
-    """A real byte-level BPE fast tokenizer trained on a tiny corpus (no download)."""
+def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, vocab_size: int = 320, added_tokens: tuple = ()):
+    """A real byte-level BPE fast tokenizer trained on a tiny corpus (no download); `added_tokens` are whole tokens
+    beside it (as Qwen3's `<think>` and `<tool_call>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,15 +48,18 @@ def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, vocab_size: int =
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
                                    pad_token="<pad>", unk_token=None)
     fast.chat_template = chat_template
+    if added_tokens:
+        fast.add_tokens(list(added_tokens))
     return fast
 
 
 def build_tiny_target(path: Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0,
-                      chat_template: str = CHATML_TEMPLATE, tie_word_embeddings: bool = False) -> Path:
+                      chat_template: str = CHATML_TEMPLATE, tie_word_embeddings: bool = False,
+                      added_tokens: tuple = ()) -> Path:
     """Save a tiny random Llama target with its tokenizer as an HF directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tiny_tokenizer(chat_template)
+    tokenizer = build_tiny_tokenizer(chat_template, added_tokens=added_tokens)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,

@@ -12,6 +12,7 @@ import json
 
 import pytest
 from agentic import (
+    QWEN3_MARKERS,
     QWEN3_SHAPED_TEMPLATE,
     TOOLS,
     agentic_conversations,
@@ -29,7 +30,12 @@ from draftsmith.prepare.dataset import open_prepared
 @pytest.fixture(scope="module")
 def qwen3_shaped_target(tmp_path_factory):
     """A tiny random target whose tokenizer carries a Qwen3-shaped, tool-aware chat template."""
-    return build_tiny_target(tmp_path_factory.mktemp("qwen3-shaped"), chat_template=QWEN3_SHAPED_TEMPLATE.read_text())
+    return build_tiny_target(tmp_path_factory.mktemp("qwen3-shaped"), chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
+                             added_tokens=QWEN3_MARKERS)
+
+
+def _qwen_tokenizer():
+    return build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS)
 
 
 def _decode(tok, ids) -> str:
@@ -47,7 +53,7 @@ def test_sixty_tool_use_conversations_are_all_kept_and_supervised_as_generated(t
     result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
                                        num_workers=1, max_length=4096))
     ds = open_prepared(tmp_path / "out")
-    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    tok = _qwen_tokenizer()
     assert result.summary["skipped"] == 0 and result.summary["conversations"] == 60
     assert result.summary["agentic conversations"] == 60
 
@@ -77,7 +83,7 @@ def test_sixty_tool_use_conversations_are_all_kept_and_supervised_as_generated(t
 
 
 def test_a_tool_loop_after_one_request_is_one_sample_and_costs_no_more_tokens(tmp_path):
-    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    tok = _qwen_tokenizer()
     record = next(r for r in agentic_conversations(6) if sum(m["role"] == "user" for m in r["messages"]) == 1)
     encoded = ChatEncoder(tok).encode(normalize_conversation(record))
     assert len(encoded.samples) == 1 and encoded.generations == len(expected_generations(record)) >= 2
@@ -94,7 +100,7 @@ def test_enable_thinking_false_keeps_the_prefilled_think_out_of_the_loss(tmp_pat
                               num_workers=1, chat_template_kwargs='{"enable_thinking": false}'))
     prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "on",
                               num_workers=1))
-    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    tok = _qwen_tokenizer()
     off, on = open_prepared(tmp_path / "off")[0], open_prepared(tmp_path / "on")[0]
     assert _runs(tok, off) == ["Cold.<|im_end|>"]
     assert _decode(tok, off["input_ids"]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nCold.<|im_end|>\n")
@@ -168,7 +174,7 @@ def test_a_template_without_reasoning_sees_it_inline_and_one_without_tools_is_a_
     with pytest.raises(Skip) as info:
         encoder.encode(normalize_conversation(agentic_conversations(1)[0]))
     assert info.value.reason == "chat template without tools" and "--chat-template" in info.value.detail
-    qwen = ChatEncoder(build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text()))
+    qwen = ChatEncoder(_qwen_tokenizer())
     assert (qwen.features.tools, qwen.features.tool_calls, qwen.features.reasoning) == (True, True, True)
 
 
@@ -234,7 +240,7 @@ def test_evaluate_renders_agentic_prompts_with_their_tools_as_served(tmp_path):
     declared and the server's template options applied (what the target is asked in serving)."""
     from draftsmith.evaluate.prompts import load_prompts
 
-    tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text())
+    tok = _qwen_tokenizer()
     records = agentic_conversations(4)
     data = write_jsonl(tmp_path / "agent.jsonl", records)
     prompts = load_prompts(str(data), tok, num_prompts=3)
@@ -245,3 +251,70 @@ def test_evaluate_renders_agentic_prompts_with_their_tools_as_served(tmp_path):
         assert text.endswith(record["messages"][1]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
     [off] = load_prompts(str(data), tok, num_prompts=1, template_kwargs={"enable_thinking": False})
     assert _decode(tok, off.token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+# ------------------------------------------------------------------ evaluate: acceptance by what the target writes
+
+
+def test_the_segment_of_each_token_follows_the_markers_the_target_writes():
+    from draftsmith.evaluate.segments import Segmenter, split_rounds
+
+    tok = _qwen_tokenizer()
+    prompt = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    pieces = [("reasoning", "<think>\nplan it\n</think>"), ("content", "\n\nSure.\n"),
+              ("tool call", '<tool_call>\n{"name": "read_file", "arguments": {}}\n</tool_call>'),
+              ("content", "<|im_end|>")]
+    ids, expected = [], []
+    for segment, text in pieces:  # tokenised apart, so every token lies in one piece
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        expected += [segment] * len(piece)
+    labels = Segmenter(tok).labels(prompt, ids)
+    assert labels == expected and set(labels) == {"reasoning", "content", "tool call"}
+    # a prompt that pre-fills <think> starts the answer in reasoning
+    assert Segmenter(tok).labels(prompt + tok("<think>\n", add_special_tokens=False)["input_ids"],
+                                 tok("x</think>y", add_special_tokens=False)["input_ids"])[0] == "reasoning"
+    first_tool = expected.index("tool call")
+    counts = split_rounds(labels, [(0, 2), (3, 0), (first_tool, 1), (len(ids) - 1, 0)], k=2)
+    assert {n: (c.rounds, c.accepted, c.accepted_per_pos) for n, c in counts.items()} == {
+        "reasoning": (2, 2, [1, 1]), "tool call": (1, 1, [1, 0]), "content": (1, 0, [0, 0])}
+
+
+@pytest.fixture(scope="module")
+def tiny_agent(qwen3_shaped_target, tmp_path_factory):
+    """The Qwen3-shaped tiny target trained briefly on the agentic conversations: it writes reasoning and calls."""
+    from agentic import train_tiny_agent
+
+    root = tmp_path_factory.mktemp("tiny-agent")
+    data = write_jsonl(root / "chats.jsonl", agentic_conversations(60, declare_tools=False))  # short contexts
+    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=root / "prepared",
+                              num_workers=1, max_length=384))  # each loop's first answers: what the prompts ask
+    return train_tiny_agent(qwen3_shaped_target, root / "prepared", root / "agent")
+
+
+def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agent, tmp_path):
+    import torch
+
+    from draftsmith import evaluate, export
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.core import targets
+    from draftsmith.evaluate.report import REPORT_JSON, REPORT_MD
+    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+
+    config = json.loads((tiny_agent / "config.json").read_text())
+    spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 3])
+    draft = Eagle3Draft.from_target(spec, targets.load_target(tiny_agent), torch.arange(0, 256, 2))
+    export.write_export(tmp_path / "draft", draft_tensors(draft.state_dict()), spec, "vllm",
+                        target=targets.target_identity(tiny_agent), verifier_architectures=["LlamaForCausalLM"],
+                        dtype="fp32")
+    prompts = write_jsonl(tmp_path / "agent.jsonl", agentic_conversations(8, seed=1, declare_tools=False))
+    result = evaluate.run(EvaluateConfig(draft=tmp_path / "draft", prompts=str(prompts), max_new_tokens=64, k=[2],
+                                         output=tmp_path / "eval", device="cpu", baseline=False))
+    [run] = json.loads((tmp_path / "eval" / REPORT_JSON).read_text())["runs"]
+    segments = run["by_segment"]
+    # the target thinks, then calls a tool: both segments hold rounds, and every round is in exactly one segment
+    assert segments["reasoning"]["rounds"] > 0 and segments["tool call"]["rounds"] > 0, segments
+    assert sum(c["rounds"] for c in segments.values()) == run["num_rounds"]
+    assert sum((c["tau"] - 1) * c["rounds"] for c in segments.values() if c["rounds"]) == \
+        pytest.approx(run["num_accepted"])
+    assert "τ by segment" in " ".join(result.summary) and "| 2 | tool call |" in (tmp_path / "eval" / REPORT_MD).read_text()

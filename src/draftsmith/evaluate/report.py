@@ -113,6 +113,15 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
         interval = f"{r['tau_95'][0]:.3f} – {r['tau_95'][1]:.3f}" if r.get("tau_95") else "–"
         lines.append(f"| {r['k']} | {r['tau']:.3f} | {interval} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
                      f"{r['num_rounds']} |")
+    split = [r for r in report["runs"] if sum(bool(c["rounds"]) for c in (r.get("by_segment") or {}).values()) > 1]
+    if split:
+        lines += ["", "By what the target was writing (a round counts where its first new token falls):", "",
+                  "| k | segment | rounds | τ | acceptance per position |", "|---|---|---|---|---|"]
+        for r in split:
+            for name, c in r["by_segment"].items():
+                if c["rounds"]:
+                    per_pos = ", ".join(f"{a:.2f}" for a in c["acceptance_per_pos"])
+                    lines.append(f"| {r['k']} | {name} | {c['rounds']} | {c['tau']:.3f} | {per_pos} |")
     if report.get("lossless") is not None:
         lines += ["", f"Greedy outputs identical to the target alone: {report['lossless']}"]
     lines += ["", "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length); its interval is a "

@@ -300,6 +300,8 @@ def _croppable(cache) -> bool:
 class Generation:
     tokens: list[int]
     stats: DecodeStats
+    # each round of speculative decoding: (index in `tokens` of the first token it added, accepted draft tokens)
+    rounds: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
@@ -336,6 +338,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
     start = time.perf_counter()
     device = prompt.device
     stats = DecodeStats(k=k, num_prompts=1)
+    rounds: list[tuple[int, int]] = []
     eos = set(eos_ids)
     logits, aux, cache = target.forward(prompt, target.new_cache(), want_aux=True, last_logits_only=True)
     row = logits[-1]
@@ -391,8 +394,9 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
             _, _, cache = target.forward(verify_ids[: accepted + 1], before, want_aux=False, last_logits_only=True)
         pending_start, pending_aux = length, verify_aux[: accepted + 1]
         new = chain[:accepted] + [next_token]
+        rounds.append((len(out), accepted))
         out, done = _finish(out + new, max_new_tokens, eos)
         seq = prompt.tolist() + out
     stats.num_new_tokens = len(out)
     stats.elapsed_s = time.perf_counter() - start
-    return Generation(out, stats)
+    return Generation(out, stats, rounds)

@@ -32,6 +32,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
 from draftsmith.evaluate.report import CHARTS_HINT, write_report
+from draftsmith.evaluate.segments import Segmenter, split_rounds
 from draftsmith.evaluate.specdec import (
     DecodeStats,
     DraftRunner,
@@ -76,15 +77,16 @@ def _progress() -> Progress:
 def evaluate_reference(target_model: torch.nn.Module, draft: torch.nn.Module, aux_layer_ids: list[int],
                        prompts: list[Prompt], ks: list[int], *, max_new_tokens: int, temperature: float, seed: int,
                        eos_ids: set[int], baseline: bool = True, device: torch.device = torch.device("cpu"),
-                       show_progress: bool = False) -> dict[str, Any]:
-    """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs."""
+                       show_progress: bool = False, segmenter: Segmenter | None = None) -> dict[str, Any]:
+    """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs, and with
+    a `segmenter` each k's rounds split by what the target was writing (`segments`)."""
     target = TargetRunner(target_model, aux_layer_ids)
     drafter = DraftRunner(draft)
     tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
     # Warm-up (allocator, kernels): not timed, so the first measured run is not penalised.
     speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos_ids)
     plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
-    result: dict[str, Any] = {"runs": {}, "outputs": {}}
+    result: dict[str, Any] = {"runs": {}, "outputs": {}, "segments": {}}
     with _progress() as progress:
         jobs = ([0] if baseline else []) + list(ks)
         for k in jobs:
@@ -92,16 +94,22 @@ def evaluate_reference(target_model: torch.nn.Module, draft: torch.nn.Module, au
             generator = torch.Generator(device=device).manual_seed(seed)
             total = DecodeStats(k=k)
             outputs = []
-            for ids in tensors:
+            segments = None
+            for prompt, ids in zip(prompts, tensors):
                 if k == 0:
                     gen = plain_generate(target, ids, max_new_tokens, temperature, eos_ids, generator)
                 else:
                     gen = speculative_generate(target, drafter, ids, k, max_new_tokens, temperature, eos_ids, generator)
+                    if segmenter is not None:
+                        segments = split_rounds(segmenter.labels(prompt.token_ids, gen.tokens), gen.rounds, k,
+                                                segments)
                 total.add(gen.stats)
                 outputs.append(gen.tokens)
                 progress.advance(task)
             result["runs"][k] = total
             result["outputs"][k] = outputs
+            if segments is not None:
+                result["segments"][k] = segments
     return result
 
 
@@ -113,6 +121,11 @@ def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | Non
         d["speedup"] = (stats[k].tokens_per_s / base.tokens_per_s) if base and base.tokens_per_s > 0 else None
         runs.append(d)
     return (base.to_dict() if base else None), runs
+
+
+def _several_segments(run: dict) -> bool:
+    """The run's rounds fall in more than one segment (reasoning, content, tool call): worth showing apart."""
+    return sum(bool(c["rounds"]) for c in (run.get("by_segment") or {}).values()) > 1
 
 
 def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
@@ -163,8 +176,10 @@ def run(cfg: EvaluateConfig) -> StageResult:
         measured = evaluate_reference(target_model, draft, source.spec.aux_layer_ids, prompts, cfg.k,
                                       max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
                                       eos_ids=_eos_ids(tokenizer, target_path), baseline=cfg.baseline,
-                                      device=device, show_progress=True)
+                                      device=device, show_progress=True, segmenter=Segmenter(tokenizer))
         stats = measured["runs"]
+        by_segment = {k: {name: c.to_dict() for name, c in counts.items()}
+                      for k, counts in measured["segments"].items()}
         if cfg.temperature == 0 and cfg.baseline:
             base_out = measured["outputs"][0]
             report["lossless"] = {f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/"
@@ -185,6 +200,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
                       kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
                       trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size)
         stats = {}
+        by_segment = {}  # vLLM counts acceptance per engine, not per token
 
         def decode(draft: Path | None, k: int, name: str) -> dict[str, Any]:
             """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
@@ -207,6 +223,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
             report["vllm_version"] = res.get("vllm_version")
         report["dtype"] = common["dtype"]
     report["baseline"], report["runs"] = _run_dicts(stats, cfg.k)
+    for r in report["runs"]:  # the reference decoder's rounds by what the target was writing (segments.py)
+        r["by_segment"] = by_segment.get(r["k"])
     paths = write_report(output, report)
     save_resolved_config(cfg, output)
     summary: dict[str, Any] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({len(prompts)})"}
@@ -217,6 +235,9 @@ def run(cfg: EvaluateConfig) -> StageResult:
         if r.get("tau_95"):
             summary[f"k={r['k']} τ 95 % interval"] = f"{r['tau_95'][0]:.3f} .. {r['tau_95'][1]:.3f} (over prompts)"
         summary[f"k={r['k']} acceptance/pos"] = [round(a, 3) for a in r["acceptance_per_pos"]]
+        if _several_segments(r):
+            summary[f"k={r['k']} τ by segment"] = ", ".join(
+                f"{name} {c['tau']:.3f} ({c['rounds']} rounds)" for name, c in r["by_segment"].items() if c["rounds"])
         if r.get("speedup") is not None:
             summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)
     summary["report"] = str(paths["markdown"])

@@ -1,0 +1,108 @@
+"""What the target was writing at each generated token: reasoning, content or a tool call; and τ split that way.
+
+An agentic reasoning model's answer is a `<think>` block, then content or a tool-call section; a draft may be
+accepted far more often inside one than another (a tool call's JSON is predictable, free reasoning less so), and one
+τ over all of them hides it. The segment of a token follows the markers the target writes (and a reasoning block the
+prompt leaves open, as templates that pre-fill `<think>` do):
+
+    reasoning    from `<think>` to `</think>` (both included)
+    tool call    from a tool-call section's opening marker to its closing one: Hermes / Qwen3 `<tool_call>`,
+                 Kimi-K2 `<|tool_calls_section_begin|>`, DeepSeek-V3 `<｜tool▁calls▁begin｜>`
+    content      everything else
+
+A round of speculative decoding counts for the segment of the first token it adds (where the draft's proposals
+start). The reference decoder sees every round (evaluate --engine hf); vLLM reports acceptance per engine only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REASONING, CONTENT, TOOL_CALL = "reasoning", "content", "tool call"
+SEGMENTS = (REASONING, CONTENT, TOOL_CALL)
+# (opening marker, closing marker, segment)
+MARKERS = (
+    ("<think>", "</think>", REASONING),
+    ("<tool_call>", "</tool_call>", TOOL_CALL),
+    ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", TOOL_CALL),
+    ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", TOOL_CALL),
+)
+_TAIL = max(len(m) for pair in MARKERS for m in pair[:2])
+
+
+class Segmenter:
+    """Labels generated tokens with the segment the target was writing, from the tokenizer's text of them."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def open_at_end(self, prompt_ids: list[int]) -> str:
+        """The segment a prompt leaves open (a generation prompt that pre-fills `<think>`), else content."""
+        text = self.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        state, last = CONTENT, -1
+        for opening, closing, segment in MARKERS:
+            at_open, at_close = text.rfind(opening), text.rfind(closing)
+            if at_open > at_close and at_open > last:
+                state, last = segment, at_open
+        return state
+
+    def labels(self, prompt_ids: list[int], out_ids: list[int]) -> list[str]:
+        """The segment of each generated token: a marker belongs to the segment it opens or closes, all of its
+        tokens where the tokenizer spells it in several."""
+        state = self.open_at_end(prompt_ids)
+        text, labels, lengths = "", [], []
+        for token in out_ids:
+            piece = self._piece(token)
+            text = (text + piece)[-4 * _TAIL:]
+            labels.append(state)
+            lengths.append(len(piece))
+            for opening, closing, segment in MARKERS:
+                if state == CONTENT and text.endswith(opening):
+                    state = segment
+                    covered, i = 0, len(labels) - 1  # the marker's earlier tokens open the segment too
+                    while i >= 0 and covered < len(opening):
+                        labels[i] = segment
+                        covered += lengths[i]
+                        i -= 1
+                    break
+                if state == segment and text.endswith(closing):
+                    state = CONTENT  # the closing marker itself is still the segment's
+                    break
+        return labels
+
+
+@dataclass
+class SegmentCounts:
+    """The rounds of one segment: τ = 1 + accepted / rounds, and the acceptance at each draft position."""
+
+    k: int
+    rounds: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = list(self.accepted_per_pos) + [0] * (self.k - len(self.accepted_per_pos))
+
+    def add(self, accepted: int) -> None:
+        self.rounds += 1
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def to_dict(self) -> dict:
+        return {"rounds": self.rounds, "tau": 1.0 + self.accepted / self.rounds if self.rounds else None,
+                "acceptance_per_pos": [a / self.rounds for a in self.accepted_per_pos] if self.rounds else None}
+
+
+def split_rounds(labels: list[str], rounds: list[tuple[int, int]], k: int,
+                 into: dict[str, SegmentCounts] | None = None) -> dict[str, SegmentCounts]:
+    """Count each round `(index of its first new token, accepted draft tokens)` for that token's segment."""
+    into = into if into is not None else {s: SegmentCounts(k) for s in SEGMENTS}
+    for start, accepted in rounds:
+        if start < len(labels):
+            into[labels[start]].add(accepted)
+    return into
