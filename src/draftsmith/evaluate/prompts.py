@@ -1,6 +1,8 @@
 """Evaluation prompt sets, rendered with the target's chat template into token ids.
 
     mt-bench           the 80 MT-bench questions shipped with draftsmith's default assets (first turn of each)
+    bfcl-multi-turn    the Berkeley Function Calling Leaderboard's multi-turn tool-use tasks (prepare/bfcl.py): the
+                       first request of each, its tools declared
     FILE               ShareGPT JSON / messages JSONL (anything `draftsmith prepare` reads, agentic records too): the
                        conversation up to its first assistant turn, rendered with the record's `tools` and the
                        server's template options; records with `turns` (MT-bench style) or `prompt` work too
@@ -22,7 +24,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
 from draftsmith.prepare.chat import ROLE_ALIASES, Skip, normalize_conversation
 from draftsmith.prepare.dataset import open_prepared, split_indices
-from draftsmith.prepare.readers import expand_sources, iter_source
+from draftsmith.prepare.readers import NAMED_BFCL, expand_sources, iter_source
 
 MTBENCH = "mt-bench"
 
@@ -130,6 +132,10 @@ def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = N
     if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
 
         return _from_file(mtbench_path(), tokenizer, num_prompts)
+    if spec.strip() == NAMED_BFCL:
+        from draftsmith.prepare import bfcl
+
+        return _from_file(bfcl.conversations_path(), tokenizer, num_prompts, template_kwargs)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / MANIFEST_NAME).is_file():
         return _from_prepared(path, target, num_prompts, eval_fraction, split_seed)

@@ -89,11 +89,20 @@ def _artefact_kind(directory: Path) -> str | None:
     return str(kind) if kind else None
 
 
+NAMED_BFCL = "bfcl-multi-turn"  # prepare/bfcl.py: BFCL's multi-turn tool-use tasks as conversations
+
+
 def expand_sources(specs: list[str | Path]) -> list[Source]:
-    """Files, directories and glob patterns -> the input files, each with its format. Raises for missing paths."""
+    """Files, directories, glob patterns and named data sets (`bfcl-multi-turn`) -> the input files, each with its
+    format. Raises for missing paths."""
     sources: list[Source] = []
     for spec in specs:
         text = str(spec)
+        if text == NAMED_BFCL:  # a named data set, built into the cache on first use
+            from draftsmith.prepare import bfcl
+
+            sources.append(Source(bfcl.conversations_path(), "json"))
+            continue
         if any(c in text for c in "*?["):
             matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
             if not matches:
