@@ -56,8 +56,8 @@ def _result(call: dict, rng: random.Random) -> str:
     args = json.loads(call["function"]["arguments"])
     return {"get_weather": lambda: json.dumps({"city": args["city"], "temperature": rng.randint(-5, 35),
                                                "sky": rng.choice(["clear", "rain", "fog"])}),
-            "search_flights": lambda: json.dumps([{"flight": f"XD{rng.randint(100, 999)}", "price": rng.randint(80, 900)}
-                                                  for _ in range(rng.randint(1, 3))]),
+            "search_flights": lambda: json.dumps([{"flight": f"XD{rng.randint(100, 999)}",
+                                                   "price": rng.randint(80, 900)} for _ in range(rng.randint(1, 3))]),
             "read_file": lambda: f"# {args['path']}\nimport os\nprint(os.getcwd())\n",
             "run_tests": lambda: f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed"}[call["function"]["name"]]()
 

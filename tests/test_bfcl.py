@@ -99,4 +99,5 @@ def test_prepare_supervises_every_bfcl_call_as_the_template_writes_it(bfcl, tmp_
                                 f'{arguments}}}\n</tool_call><|im_end|>')
     assert runs == expected and len(runs) == 1142
     # that empty block is dropped from later contexts, so every call saw a context of its own: one sample each
-    assert len(ds) == 1142 and ds.manifest.stats["layout_tokens"] > ds.manifest.stats["one_sample_per_conversation_tokens"]
+    stats = ds.manifest.stats
+    assert len(ds) == 1142 and stats["layout_tokens"] > stats["one_sample_per_conversation_tokens"]

@@ -78,7 +78,8 @@ def test_sixty_tool_use_conversations_are_all_kept_and_supervised_as_generated(t
     stats = ds.manifest.stats
     assert stats["samples"] == 80 and stats["generations"] == len(expected) and stats["agentic_conversations"] == 60
     # the layout's cost against one sample per conversation: the first loop's context is written twice
-    assert stats["one_sample_per_conversation_tokens"] < stats["layout_tokens"] < 2 * stats["one_sample_per_conversation_tokens"]
+    one = stats["one_sample_per_conversation_tokens"]
+    assert one < stats["layout_tokens"] < 2 * one
     assert "1." in result.summary["samples"] and "80" in result.summary["samples"]
 
 
@@ -171,6 +172,12 @@ def test_a_template_without_reasoning_sees_it_inline_and_one_without_tools_is_a_
     [sample] = encoder.encode(chat).samples
     assert [_decode(tok, run) for run in masked_spans(sample.input_ids, sample.loss_mask)] == [
         "<think>\nAdd.\n</think>\n\n4<|im_end|>"]
+    # reasoning that came inline stays as it was written
+    written = normalize_conversation({"messages": [{"role": "user", "content": "2 + 2?"},
+                                                   {"role": "assistant", "content": "<think>Add.</think>4"}]})
+    [sample] = encoder.encode(written).samples
+    assert [_decode(tok, run) for run in masked_spans(sample.input_ids, sample.loss_mask)] == [
+        "<think>Add.</think>4<|im_end|>"]
     with pytest.raises(Skip) as info:
         encoder.encode(normalize_conversation(agentic_conversations(1)[0]))
     assert info.value.reason == "chat template without tools" and "--chat-template" in info.value.detail
@@ -317,4 +324,5 @@ def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agen
     assert sum(c["rounds"] for c in segments.values()) == run["num_rounds"]
     assert sum((c["tau"] - 1) * c["rounds"] for c in segments.values() if c["rounds"]) == \
         pytest.approx(run["num_accepted"])
-    assert "τ by segment" in " ".join(result.summary) and "| 2 | tool call |" in (tmp_path / "eval" / REPORT_MD).read_text()
+    assert "τ by segment" in " ".join(result.summary)
+    assert "| 2 | tool call |" in (tmp_path / "eval" / REPORT_MD).read_text()

@@ -328,7 +328,10 @@ def test_prepare_renders_each_familys_chat_template(matrix, name):
     from draftsmith.prepare.dataset import open_prepared
 
     ds = open_prepared(matrix.prepared(name))
-    assert len(ds) == NUM_CONVERSATIONS
+    assert ds.manifest.stats["conversations"] == NUM_CONVERSATIONS
+    # gpt-oss ends a final answer with <|return|> when it writes it, and its history shows <|end|> there: an earlier
+    # answer is trained in the text it was generated in (a sample of its own); the other templates keep their past
+    assert (len(ds) > NUM_CONVERSATIONS) == (name == "gpt_oss"), len(ds)
     tokenizer = targets.load_tokenizer(family_target(name))
     eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     for k in range(len(ds)):

@@ -22,6 +22,7 @@ from typing import Any
 from draftsmith.core.assets import mtbench_path
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
+from draftsmith.prepare import bfcl
 from draftsmith.prepare.chat import ROLE_ALIASES, Skip, normalize_conversation
 from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.readers import NAMED_BFCL, expand_sources, iter_source
@@ -133,8 +134,6 @@ def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = N
 
         return _from_file(mtbench_path(), tokenizer, num_prompts)
     if spec.strip() == NAMED_BFCL:
-        from draftsmith.prepare import bfcl
-
         return _from_file(bfcl.conversations_path(), tokenizer, num_prompts, template_kwargs)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / MANIFEST_NAME).is_file():

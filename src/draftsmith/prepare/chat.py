@@ -74,6 +74,9 @@ class Chat:
 
     messages: list[Message]
     tools: list[dict] | None = None
+    # per message: its content as written where a `<think>` block was split out of it (a template that does not read
+    # `reasoning_content` is given the text as written), else None
+    written: list[str | None] | None = None
 
     @property
     def agentic(self) -> bool:
@@ -173,8 +176,9 @@ def _split_think(text: str) -> tuple[str | None, str]:
     return before.split("<think>")[-1].strip("\n"), after.lstrip("\n")
 
 
-def _assistant(turn: dict, role: str, text: str | None, where: str) -> Message:
-    """An assistant turn: content, reasoning and tool calls, whatever form each came in."""
+def _assistant(turn: dict, role: str, text: str | None, where: str) -> tuple[Message, str | None]:
+    """An assistant turn: content, reasoning and tool calls, whatever form each came in; and the content as written
+    where an inline `<think>` block was split out of it."""
     raw_calls = turn.get("tool_calls")
     if raw_calls is None and turn.get("function_call") is not None:
         raw_calls = [turn["function_call"]]  # OpenAI's legacy single call
@@ -190,8 +194,11 @@ def _assistant(turn: dict, role: str, text: str | None, where: str) -> Message:
     reasoning = next((turn[k] for k in _REASONING_KEYS if turn.get(k) not in (None, "")), None)
     if reasoning is not None and not isinstance(reasoning, str):
         raise Skip("turn without text", f"{where}: reasoning_content is a JSON {_json_kind(reasoning)}, not text")
+    written = None
     if reasoning is None:
+        written = text
         reasoning, text = _split_think(text)
+        written = written if reasoning is not None else None
     if not text.strip() and not calls and not (reasoning or "").strip():
         raise Skip("empty turn", f"{where} is empty or whitespace only")
     message: Message = {"role": "assistant", "content": text}
@@ -199,7 +206,7 @@ def _assistant(turn: dict, role: str, text: str | None, where: str) -> Message:
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
-    return message
+    return message, written
 
 
 class _Results:
@@ -257,6 +264,7 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
     tools = _tools(record)
     results = _Results()
     messages: list[Message] = []
+    written: list[str | None] = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise Skip("malformed turn", f"turn {t} is not an object")
@@ -276,8 +284,9 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
                        if text_key is None else f"{where}: {text_key} is a JSON {_json_kind(value)}, not text")
         if text is not None and _SURROGATE.search(text):
             raise Skip("not valid UTF-8", f"{where} holds bytes that are not valid UTF-8")
+        as_written = None
         if canonical == "assistant":
-            message = _assistant(turn, raw_role, text, where)
+            message, as_written = _assistant(turn, raw_role, text, where)
             if message.get("tool_calls"):
                 results.called(message["tool_calls"])
         elif canonical == "tool":
@@ -287,16 +296,19 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
                 raise Skip("empty turn", f"{where} is empty or whitespace only")
             message = {"role": canonical, "content": text}
         messages.append(message)
+        written.append(as_written)
     if leading_assistant != "keep" and leading_assistant_turns(messages):
         if leading_assistant == "skip":
             raise Skip("starts with the assistant", "the first non-system turn is the assistant's")
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-        messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
+        kept = [i for i in range(len(messages)) if i >= first_user or messages[i]["role"] == "system"]
+        messages, written = [messages[i] for i in kept], [written[i] for i in kept]
     while messages and messages[-1]["role"] != "assistant" and not keep_trailing:
         messages.pop()
+        written.pop()
     if not messages:
         raise Skip("no assistant turn", "no turn is from the assistant")
-    return Chat(messages, tools)
+    return Chat(messages, tools, written if any(w is not None for w in written) else None)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -397,9 +409,9 @@ class ChatEncoder:
         return self._features
 
     def as_rendered(self, chat: Chat) -> list[Message]:
-        """The messages as this template is given them: reasoning inlined as `<think>` where the template does not
-        read `reasoning_content` (what a reasoning model writes without a reasoning parser). Raises Skip where the
-        template cannot show the conversation's tools or calls."""
+        """The messages as this template is given them: where the template does not read `reasoning_content`, the
+        reasoning inline as `<think>` (as written where it came inline; what a reasoning model writes without a
+        reasoning parser). Raises Skip where the template cannot show the conversation's tools or calls."""
         features = self.features
         if chat.tools and not features.tools:
             raise Skip("chat template without tools", "the chat template does not render the declared tools; pass "
@@ -410,11 +422,12 @@ class ChatEncoder:
         if features.reasoning:
             return chat.messages
         out = []
-        for m in chat.messages:
+        for i, m in enumerate(chat.messages):
             if m.get("reasoning_content") is not None:
                 reasoning = m["reasoning_content"]
+                written = chat.written[i] if chat.written else None
                 m = {k: v for k, v in m.items() if k != "reasoning_content"}
-                m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
+                m["content"] = written if written is not None else f"<think>\n{reasoning}\n</think>\n\n{m['content']}"
             out.append(m)
         return out
 

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME
+from draftsmith.prepare import bfcl
 
 JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -99,8 +100,6 @@ def expand_sources(specs: list[str | Path]) -> list[Source]:
     for spec in specs:
         text = str(spec)
         if text == NAMED_BFCL:  # a named data set, built into the cache on first use
-            from draftsmith.prepare import bfcl
-
             sources.append(Source(bfcl.conversations_path(), "json"))
             continue
         if any(c in text for c in "*?["):
