@@ -150,6 +150,24 @@ def memorised_prepared(default_target_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def memorised_store(memorised_prepared, tmp_path_factory) -> Path:
+    """memorised_prepared's hidden states (transformers, float32) with the aux layers of both EAGLE-3 / P-EAGLE
+    (extract's default) and a one-layer DFlash: the drafts that memorise it train from it offline, on the features
+    online training would compute, without a target forward at every step."""
+    from draftsmith import extract
+    from draftsmith.config import ExtractConfig
+    from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
+    from draftsmith.prepare.dataset import open_prepared
+
+    layers = open_prepared(memorised_prepared).manifest.target.num_layers
+    aux = sorted(set(resolve_layer_ids(None, layers)[:-1]) | set(dflash_aux_layer_ids(layers, 1)))
+    out = tmp_path_factory.mktemp("memorised-store") / "store"
+    extract.run(ExtractConfig(prepared=memorised_prepared, output=out, backend="hf", aux_layer_ids=aux,
+                              compute_dtype="float32", device="cpu"))
+    return out
+
+
+@pytest.fixture(scope="session")
 def sharegpt_file() -> Path:
     from draftsmith.core import assets
 

@@ -43,11 +43,17 @@ BLOCK = 4  # the anchor and 3 masks: vLLM drafts 3 tokens a round
 
 
 @pytest.fixture(scope="module")
-def dflash_export(memorised_prepared, tmp_path_factory) -> Path:
+def dflash_export(memorised_store, tmp_path_factory) -> Path:
     """A DFlash draft that memorised the target's answers to the evaluated prompts (conftest's memorised_prepared),
-    trained online (the target in the trainer), exported vllm in float32."""
+    trained offline from their store (the features online training computes: a one-layer DFlash's layer), exported
+    vllm in float32."""
+    from draftsmith.core.layers import dflash_aux_layer_ids
+    from draftsmith.extract import store
+
     root = tmp_path_factory.mktemp("dflash-default")
-    train.run(TrainConfig(data=memorised_prepared, output=root / "run", method="dflash", block_size=BLOCK, num_layers=1,
+    layers = store.open(memorised_store).manifest.target.num_layers
+    train.run(TrainConfig(data=memorised_store, aux_layer_ids=dflash_aux_layer_ids(layers, 1), output=root / "run",
+                          method="dflash", block_size=BLOCK, num_layers=1,
                           anchors_per_sample=64, max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5,
                           schedule="constant", eval_fraction=0.0, save_every=10 ** 6, device="cpu",
                           precision="fp32", seed=0))

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from test_parity import ACCEPTED_TOLERANCE
 
 from draftsmith import evaluate, export
 from draftsmith.config import EvaluateConfig, ExportConfig
@@ -54,14 +55,16 @@ def test_greedy_lossless_on_default_target_with_trained_draft(real, k):
 
 @pytest.mark.vllm
 def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trained_run, tmp_path):
-    """Export -> real vLLM (CPU) loads draft + target and runs EAGLE-3; τ within 5% of the reference decoder's."""
+    """Export (float32) -> real vLLM (CPU) loads draft + target and runs EAGLE-3: τ within 5% of the reference
+    decoder's, and the same accepted counts per draft position within tests/test_parity.py's tolerance (draftsmith
+    == vLLM: the exported draft proposes in vLLM what draftsmith's module proposes)."""
     pytest.importorskip("vllm")
     facts = probe().facts
     if not facts.eagle3_on_platform:
         pytest.skip(f"EAGLE-3 does not run on vLLM {facts.version} here (tests/test_vllm_release_engines.py tests "
                     "the refusal)")
     out = tmp_path / "export"
-    export.run(ExportConfig(checkpoint=trained_run, format="vllm", output=out))
+    export.run(ExportConfig(checkpoint=trained_run, format="vllm", output=out, dtype="fp32"))
     common = dict(draft=out, prompts="mt-bench", num_prompts=4, max_new_tokens=48, k=[3], dtype="float32",
                   vllm_kv_cache_gb=1, vllm_timeout_s=1200)
     hf = evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
@@ -76,6 +79,10 @@ def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trai
     tau_hf, tau_vllm = hf_report["runs"][0]["tau"], run["tau"]
     assert hf_report["runs"][0]["num_accepted"] > 0 and run["num_accepted"] > 0  # both engines accept tokens
     assert abs(tau_vllm - tau_hf) / tau_hf <= 0.05, (tau_hf, tau_vllm)
+    hf_run, rounds = hf_report["runs"][0], max(hf_report["runs"][0]["num_rounds"], run["num_rounds"])
+    assert abs(hf_run["num_rounds"] - run["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf_run, run)
+    for pos, (a, b) in enumerate(zip(hf_run["accepted_per_pos"], run["accepted_per_pos"])):
+        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf_run["accepted_per_pos"], run["accepted_per_pos"])
     assert hf.summary["k=3 τ"] and vl.summary["k=3 τ"]
     if facts.per_request_spec_metrics:  # vLLM's per-request counters (0.32 has them, 0.28 not)
         # add up to its engine counters, and give τ an interval over the 4 prompts

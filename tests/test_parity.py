@@ -7,7 +7,8 @@
   reference decoder's one parallel forward from the prefix 0..t (DraftRunner.step_parallel), d = 0..3.
 - draftsmith == vLLM: the exported draft proposes in vLLM what draftsmith's module proposes on the same features:
   vLLM's per-position accepted counts at temperature 0 equal the reference decoder's on the same prompts (float32),
-  within the tolerance stated in the test (one vLLM start).
+  within ACCEPTED_TOLERANCE: the EAGLE-3 draft of the default target in tests/test_evaluate_real.py (one vLLM start
+  for its τ and this), P-EAGLE and DFlash drafts through `evaluate_in_both_engines` in their own modules.
 """
 
 from __future__ import annotations
@@ -175,25 +176,3 @@ def evaluate_in_both_engines(draft, tmp_path, monkeypatch, k: int, deep: int, nu
     for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
         assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])
     return hf, vl
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_accepts_what_the_reference_decoder_accepts(trained_run, tmp_path):
-    pytest.importorskip("vllm")
-    from draftsmith import evaluate, export
-    from draftsmith.config import EvaluateConfig, ExportConfig
-
-    out = tmp_path / "export"
-    export.run(ExportConfig(checkpoint=trained_run, format="vllm", output=out, dtype="fp32"))
-    common = dict(draft=out, prompts="mt-bench", num_prompts=4, max_new_tokens=48, k=[3], dtype="float32",
-                  baseline=False, temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
-    evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", **common))
-    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", **common))  # the one vLLM start
-    hf, vl = ({r["k"]: r for r in json.loads((tmp_path / e / "report.json").read_text())["runs"]}[3]
-              for e in ("hf", "vllm"))
-    assert hf["num_accepted"] > 0 and vl["num_accepted"] > 0
-    rounds = max(hf["num_rounds"], vl["num_rounds"])
-    assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
-    for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
-        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])

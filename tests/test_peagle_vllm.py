@@ -70,12 +70,17 @@ def test_the_probe_finds_the_parallel_drafting_these_tests_decode_with():
 
 
 @pytest.fixture(scope="module")
-def peagle_export(memorised_prepared, tmp_path_factory) -> Path:
+def peagle_export(memorised_store, tmp_path_factory) -> Path:
     """A P-EAGLE draft that memorised the target's answers to the evaluated prompts (conftest's memorised_prepared),
-    trained PEAGLE_STEPS steps online (the target in the trainer), so its parallel slots are accepted past position 1;
-    exported vllm, float32."""
+    trained PEAGLE_STEPS steps offline from their store (the features online training computes, extract's default
+    layers), so its parallel slots are accepted past position 1; exported vllm, float32."""
+    from draftsmith.core.layers import resolve_layer_ids
+    from draftsmith.extract import store
+
     root = tmp_path_factory.mktemp("peagle-default")
-    train.run(TrainConfig(data=memorised_prepared, output=root / "run", method="peagle", ttt_steps=K,
+    layers = store.open(memorised_store).manifest.target.num_layers
+    train.run(TrainConfig(data=memorised_store, aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
+                          output=root / "run", method="peagle", ttt_steps=K,
                           max_steps=PEAGLE_STEPS, token_budget=1024, draft_vocab_size=2048, lr=3e-3, warmup_steps=5,
                           schedule="constant", cod_ratio=1.0, eval_fraction=0.0, save_every=10 ** 6, device="cpu",
                           precision="fp32", seed=0))
