@@ -141,6 +141,10 @@ def test_sharegpt_function_calls_and_hermes_text_read_as_openai_tool_calls():
         {"role": "tool", "content": "{\"temperature\": 19}"},
         {"role": "assistant", "content": "19 degrees."}]}
     chats = [normalize_conversation(r) for r in (openai, sharegpt, hermes)]
+    # a chat that only quotes the format (no tools declared, no tool results) keeps it as text
+    quoted = {"messages": [{"role": "user", "content": "What does a Hermes call look like?"},
+                           {"role": "assistant", "content": "Like <tool_call>{name: x}</tool_call>."}]}
+    assert normalize_conversation(quoted).messages[1] == quoted["messages"][1]
     assert all(c.tools == TOOLS for c in chats)
     assert _without_ids(chats[0]) == _without_ids(chats[1]) == _without_ids(chats[2])
     call = chats[0].messages[1]

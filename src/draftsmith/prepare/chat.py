@@ -176,9 +176,10 @@ def _split_think(text: str) -> tuple[str | None, str]:
     return before.split("<think>")[-1].strip("\n"), after.lstrip("\n")
 
 
-def _assistant(turn: dict, role: str, text: str | None, where: str) -> tuple[Message, str | None]:
-    """An assistant turn: content, reasoning and tool calls, whatever form each came in; and the content as written
-    where an inline `<think>` block was split out of it."""
+def _assistant(turn: dict, role: str, text: str | None, where: str, hermes: bool) -> tuple[Message, str | None]:
+    """An assistant turn: content, reasoning and tool calls, whatever form each came in (`<tool_call>` text only
+    with `hermes`: in a conversation that declares tools or holds tool results); and the content as written where
+    an inline `<think>` block was split out of it."""
     raw_calls = turn.get("tool_calls")
     if raw_calls is None and turn.get("function_call") is not None:
         raw_calls = [turn["function_call"]]  # OpenAI's legacy single call
@@ -189,7 +190,7 @@ def _assistant(turn: dict, role: str, text: str | None, where: str) -> tuple[Mes
         raise Skip("malformed tool call", f"{where}: tool_calls is a JSON {_json_kind(raw_calls)}, not a list")
     calls = [_call(c, f"{where}, call {i}") for i, c in enumerate(raw_calls or [])]
     text = text or ""
-    if not calls:
+    if not calls and hermes:
         text, calls = _hermes_calls(text, where)
     reasoning = next((turn[k] for k in _REASONING_KEYS if turn.get(k) not in (None, "")), None)
     if reasoning is not None and not isinstance(reasoning, str):
@@ -262,6 +263,9 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
         raise Skip("no conversations", f"{key} is an empty list" if isinstance(turns, list)
                    else f"{key} is a JSON {_json_kind(turns)}, not a list of turns")
     tools = _tools(record)
+    # `<tool_call>` text is a call only where the conversation is about tools (a chat may quote the format)
+    hermes = bool(tools) or any(isinstance(t, dict) and ROLE_ALIASES.get(str(next(
+        (t[k] for k in _ROLE_KEYS if k in t), "")).strip().lower()) == "tool" for t in turns)
     results = _Results()
     messages: list[Message] = []
     written: list[str | None] = []
@@ -286,7 +290,7 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
             raise Skip("not valid UTF-8", f"{where} holds bytes that are not valid UTF-8")
         as_written = None
         if canonical == "assistant":
-            message, as_written = _assistant(turn, raw_role, text, where)
+            message, as_written = _assistant(turn, raw_role, text, where, hermes)
             if message.get("tool_calls"):
                 results.called(message["tool_calls"])
         elif canonical == "tool":
