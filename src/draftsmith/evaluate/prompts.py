@@ -23,7 +23,7 @@ from draftsmith.core.assets import mtbench_path
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
 from draftsmith.prepare import bfcl
-from draftsmith.prepare.chat import ROLE_ALIASES, Skip, normalize_conversation
+from draftsmith.prepare.chat import Skip, normalize_conversation, role_of
 from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.readers import NAMED_BFCL, expand_sources, iter_source
 
@@ -49,8 +49,7 @@ def _prompt_of(record: Any) -> tuple[list[dict], list[dict] | None] | None:
     turns = record.get(key)
     if not isinstance(turns, list):
         return None
-    first = next((i for i, t in enumerate(turns) if isinstance(t, dict) and ROLE_ALIASES.get(
-        str(t.get("from", t.get("role", ""))).strip().lower()) == "assistant"), len(turns))
+    first = next((i for i, t in enumerate(turns) if role_of(t) == "assistant"), len(turns))
     try:  # only the turns before the first answer are read: what comes after does not make the prompt unusable
         chat = normalize_conversation({**record, key: turns[:first]}, leading_assistant="keep", keep_trailing=True)
     except Skip:

@@ -100,6 +100,18 @@ def _json_kind(value: Any) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
+def raw_role(turn: Any) -> str | None:
+    """A turn's role as written (`from` or `role`), lower-cased; None where there is no role string."""
+    role = next((turn[k] for k in _ROLE_KEYS if k in turn), None) if isinstance(turn, dict) else None
+    return role.strip().lower() if isinstance(role, str) else None
+
+
+def role_of(turn: Any) -> str | None:
+    """A turn's canonical role (user / assistant / system / tool), or None for an unknown or missing one."""
+    written = raw_role(turn)
+    return ROLE_ALIASES.get(written) if written else None
+
+
 def leading_assistant_turns(messages: list[Message]) -> int:
     """How many assistant turns come before the first user turn (system turns aside)."""
     n = 0
@@ -264,18 +276,16 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
                    else f"{key} is a JSON {_json_kind(turns)}, not a list of turns")
     tools = _tools(record)
     # `<tool_call>` text is a call only where the conversation is about tools (a chat may quote the format)
-    hermes = bool(tools) or any(isinstance(t, dict) and ROLE_ALIASES.get(str(next(
-        (t[k] for k in _ROLE_KEYS if k in t), "")).strip().lower()) == "tool" for t in turns)
+    hermes = bool(tools) or any(role_of(t) == "tool" for t in turns)
     results = _Results()
     messages: list[Message] = []
     written: list[str | None] = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise Skip("malformed turn", f"turn {t} is not an object")
-        role = next((turn[k] for k in _ROLE_KEYS if k in turn), None)
-        raw_role = str(role).strip().lower() if isinstance(role, str) else None
-        canonical = ROLE_ALIASES.get(raw_role) if raw_role else None
+        canonical = role_of(turn)
         if canonical is None:
+            role = next((turn[k] for k in _ROLE_KEYS if k in turn), None)
             raise Skip("unknown role", f"turn {t} has role {role!r}")
         where = f"turn {t} ({canonical})"
         text_key = next((k for k in _TEXT_KEYS if k in turn), None)
@@ -290,7 +300,7 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
             raise Skip("not valid UTF-8", f"{where} holds bytes that are not valid UTF-8")
         as_written = None
         if canonical == "assistant":
-            message, as_written = _assistant(turn, raw_role, text, where, hermes)
+            message, as_written = _assistant(turn, raw_role(turn), text, where, hermes)
             if message.get("tool_calls"):
                 results.called(message["tool_calls"])
         elif canonical == "tool":
