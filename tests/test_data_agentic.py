@@ -287,7 +287,7 @@ def test_the_segment_of_each_token_follows_the_markers_the_target_writes():
                                  tok("x</think>y", add_special_tokens=False)["input_ids"])[0] == "reasoning"
     first_tool = expected.index("tool call")
     counts = split_rounds(labels, [(0, 2), (3, 0), (first_tool, 1), (len(ids) - 1, 0)], k=2)
-    assert {n: (c.rounds, c.accepted, c.accepted_per_pos) for n, c in counts.items()} == {
+    assert {n: (c.num_rounds, c.num_accepted, c.accepted_per_pos) for n, c in counts.items()} == {
         "reasoning": (2, 2, [1, 1]), "tool call": (1, 1, [1, 0]), "content": (1, 0, [0, 0])}
 
 

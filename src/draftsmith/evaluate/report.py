@@ -90,6 +90,11 @@ def tau_speedup_chart(runs: list[dict], title: str) -> bytes:
     return data
 
 
+def several_segments(run: dict) -> bool:
+    """The run's rounds fall in more than one segment (reasoning, content, tool call): worth showing apart."""
+    return sum(bool(c["rounds"]) for c in (run.get("by_segment") or {}).values()) > 1
+
+
 def markdown(report: dict[str, Any], charts: bool = True) -> str:
     base = report.get("baseline")
     lines = [
@@ -113,7 +118,7 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
         interval = f"{r['tau_95'][0]:.3f} – {r['tau_95'][1]:.3f}" if r.get("tau_95") else "–"
         lines.append(f"| {r['k']} | {r['tau']:.3f} | {interval} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
                      f"{r['num_rounds']} |")
-    split = [r for r in report["runs"] if sum(bool(c["rounds"]) for c in (r.get("by_segment") or {}).values()) > 1]
+    split = [r for r in report["runs"] if several_segments(r)]
     if split:
         lines += ["", "By what the target was writing (a round counts where its first new token falls):", "",
                   "| k | segment | rounds | τ | acceptance per position |", "|---|---|---|---|---|"]

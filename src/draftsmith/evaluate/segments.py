@@ -16,8 +16,9 @@ start). The reference decoder sees every round (evaluate --engine hf); vLLM repo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+from draftsmith.evaluate.specdec import DecodeStats
 
 REASONING, CONTENT, TOOL_CALL = "reasoning", "content", "tool call"
 SEGMENTS = (REASONING, CONTENT, TOOL_CALL)
@@ -75,34 +76,18 @@ class Segmenter:
         return labels
 
 
-@dataclass
-class SegmentCounts:
-    """The rounds of one segment: τ = 1 + accepted / rounds, and the acceptance at each draft position."""
-
-    k: int
-    rounds: int = 0
-    accepted: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_pos = list(self.accepted_per_pos) + [0] * (self.k - len(self.accepted_per_pos))
-
-    def add(self, accepted: int) -> None:
-        self.rounds += 1
-        self.accepted += accepted
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-
-    def to_dict(self) -> dict:
-        return {"rounds": self.rounds, "tau": 1.0 + self.accepted / self.rounds if self.rounds else None,
-                "acceptance_per_pos": [a / self.rounds for a in self.accepted_per_pos] if self.rounds else None}
-
-
 def split_rounds(labels: list[str], rounds: list[tuple[int, int]], k: int,
-                 into: dict[str, SegmentCounts] | None = None) -> dict[str, SegmentCounts]:
+                 into: dict[str, DecodeStats] | None = None) -> dict[str, DecodeStats]:
     """Count each round `(index of its first new token, accepted draft tokens)` for that token's segment."""
-    into = into if into is not None else {s: SegmentCounts(k) for s in SEGMENTS}
+    into = into if into is not None else {s: DecodeStats(k=k) for s in SEGMENTS}
     for start, accepted in rounds:
         if start < len(labels):
-            into[labels[start]].add(accepted)
+            into[labels[start]].add_round(accepted)
     return into
+
+
+def segment_dict(stats: DecodeStats) -> dict:
+    """One segment's rounds as the report shows them: τ and the acceptance per position (None without rounds)."""
+    rounds = stats.num_rounds
+    return {"rounds": rounds, "tau": stats.tau if rounds else None,
+            "acceptance_per_pos": stats.acceptance_per_pos if rounds else None}

@@ -93,6 +93,14 @@ class DecodeStats:
         tail = (1.0 - level) / 2
         return float(taus[int(tail * (resamples - 1))]), float(taus[int((1 - tail) * (resamples - 1))])
 
+    def add_round(self, accepted: int) -> None:
+        """Count one round of k proposals whose first `accepted` were accepted."""
+        self.num_rounds += 1
+        self.num_draft_tokens += self.k
+        self.num_accepted += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
     def add(self, other: "DecodeStats") -> None:
         """Count another run in; a one-prompt run without per-prompt counts is one prompt."""
         self.per_prompt += other.per_prompt or ([(other.num_rounds, other.num_accepted)]
@@ -382,11 +390,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
         before = None if _croppable(cache) else copy.deepcopy(cache)
         target_logits, verify_aux, cache = target.forward(verify_ids, cache, want_aux=True)
         accepted, next_token = verify_chain(target_logits, chain, chain_probs, temperature, generator)
-        stats.num_rounds += 1
-        stats.num_draft_tokens += k
-        stats.num_accepted += accepted
-        for i in range(accepted):
-            stats.accepted_per_pos[i] += 1
+        stats.add_round(accepted)
         # 3) keep what was accepted; the draft reads the target's features of those positions next round.
         if before is None:
             _crop_cache(cache, length + accepted + 1)

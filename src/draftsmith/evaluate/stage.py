@@ -31,8 +31,8 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
-from draftsmith.evaluate.report import CHARTS_HINT, write_report
-from draftsmith.evaluate.segments import Segmenter, split_rounds
+from draftsmith.evaluate.report import CHARTS_HINT, several_segments, write_report
+from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
 from draftsmith.evaluate.specdec import (
     DecodeStats,
     DraftRunner,
@@ -123,11 +123,6 @@ def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | Non
     return (base.to_dict() if base else None), runs
 
 
-def _several_segments(run: dict) -> bool:
-    """The run's rounds fall in more than one segment (reasoning, content, tool call): worth showing apart."""
-    return sum(bool(c["rounds"]) for c in (run.get("by_segment") or {}).values()) > 1
-
-
 def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
     """vLLM's max_model_len for these prompts: room for the longest prompt, its new tokens and a draft's k, never past
     the target's own context (`context`: generation then stops at the context, as the target alone would); a prompt
@@ -178,7 +173,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
                                       eos_ids=_eos_ids(tokenizer, target_path), baseline=cfg.baseline,
                                       device=device, show_progress=True, segmenter=Segmenter(tokenizer))
         stats = measured["runs"]
-        by_segment = {k: {name: c.to_dict() for name, c in counts.items()}
+        by_segment = {k: {name: segment_dict(c) for name, c in counts.items()}
                       for k, counts in measured["segments"].items()}
         if cfg.temperature == 0 and cfg.baseline:
             base_out = measured["outputs"][0]
@@ -235,7 +230,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
         if r.get("tau_95"):
             summary[f"k={r['k']} τ 95 % interval"] = f"{r['tau_95'][0]:.3f} .. {r['tau_95'][1]:.3f} (over prompts)"
         summary[f"k={r['k']} acceptance/pos"] = [round(a, 3) for a in r["acceptance_per_pos"]]
-        if _several_segments(r):
+        if several_segments(r):
             summary[f"k={r['k']} τ by segment"] = ", ".join(
                 f"{name} {c['tau']:.3f} ({c['rounds']} rounds)" for name, c in r["by_segment"].items() if c["rounds"])
         if r.get("speedup") is not None:
