@@ -531,17 +531,19 @@ class ChatEncoder:
         if not groups:
             raise Skip("no assistant tokens", "the chat template rendered no assistant text")
         samples, dropped, first = [], {}, None
+        one = None  # the whole conversation as one sample: the last group's text, the final render
         for group in groups:
             try:
                 samples.append(self._encode_sample(group))
+                one = len(samples[-1].input_ids) if group is groups[-1] else None
             except Skip as skip:
                 dropped[skip.reason] = dropped.get(skip.reason, 0) + 1
                 first = first or skip
         if not samples:
             raise first
-        one = len(samples[0].input_ids) if len(groups) == 1 else len(self._tokenize(groups[-1].text, [])[0])
-        if self.max_length is not None:
-            one = min(one, self.max_length)
+        if one is None:  # the final render was left out: longer than max_length, or no assistant text in it
+            one = len(self._tokenize(groups[-1].text, [])[0])
+            one = min(one, self.max_length) if self.max_length is not None else one
         return EncodedChat(samples, sum(len(g.spans) for g in groups), one, dropped, chat.agentic)
 
 

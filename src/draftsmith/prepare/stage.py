@@ -71,7 +71,7 @@ class _Tally:
     conversations: int = 0
     samples: int = 0
     generations: int = 0           # assistant generations trained on
-    agentic: int = 0               # conversations with tools, tool calls or tool results
+    agentic: int = 0               # conversations that declare tools or call one
     one_sample_tokens: int = 0     # tokens had every conversation been one sample
     tokens: int = 0
     loss_tokens: int = 0
