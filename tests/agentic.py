@@ -36,6 +36,8 @@ TOOLS = [
         "name": "run_tests", "description": "Run the test suite and report failures.",
         "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}}}},
 ]
+# the same tools by name only: a short declaration, for the tiny targets that learn to call them
+SHORT_TOOLS = [{"type": "function", "function": {"name": t["function"]["name"]}} for t in TOOLS]
 CITIES = ["Paris", "Lyon", "Oslo", "Lima", "Kyoto", "Accra", "Quito", "Perth"]
 AIRPORTS = ["CDG", "LYS", "OSL", "LIM", "KIX", "ACC", "UIO", "PER"]
 FILES = ["src/app.py", "README.md", "setup.cfg", "tests/test_app.py"]
@@ -62,11 +64,11 @@ def _result(call: dict, rng: random.Random) -> str:
             "run_tests": lambda: f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed"}[call["function"]["name"]]()
 
 
-def agentic_conversations(n: int = 60, seed: int = 0, declare_tools: bool = True) -> list[dict]:
+def agentic_conversations(n: int = 60, seed: int = 0, declare_tools: bool = True, tools: list = TOOLS) -> list[dict]:
     """`n` multi-turn tool-use conversations: one or two user requests, each answered by a loop of 1-3 tool-calling
     assistant turns (content null or a short preface; one or two calls each) and a final answer, every assistant
     turn with its reasoning. `tools` is a list in even records and a JSON string in odd ones (none without
-    `declare_tools`); the reasoning field rotates between `reasoning_content`, `reasoning` and an inline `<think>`
+    `declare_tools`; `tools` are the declared ones); the reasoning field rotates between `reasoning_content`, `reasoning` and an inline `<think>`
     block."""
     rng = random.Random(seed)
     records = []
@@ -87,7 +89,7 @@ def agentic_conversations(n: int = 60, seed: int = 0, declare_tools: bool = True
                                             "I have everything; summarise.", i))
         record = {"id": f"agentic-{i}", "messages": messages}
         if declare_tools:
-            record["tools"] = TOOLS if i % 2 == 0 else json.dumps(TOOLS)
+            record["tools"] = tools if i % 2 == 0 else json.dumps(tools)
         records.append(record)
     return records
 
@@ -129,7 +131,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def train_tiny_agent(target_dir: Path, prepared_dir: Path, out_dir: Path, steps: int = 300, seed: int = 0) -> Path:
+def train_tiny_agent(target_dir: Path, prepared_dir: Path, out_dir: Path, steps: int = 400, seed: int = 0) -> Path:
     """The tiny random target at `target_dir` trained briefly on a prepared agentic set (its loss-masked tokens:
     reasoning, tool calls, answers), so that greedy decoding writes `<think>` blocks and `<tool_call>` sections; saved
     with its tokenizer at `out_dir`."""
@@ -143,7 +145,7 @@ def train_tiny_agent(target_dir: Path, prepared_dir: Path, out_dir: Path, steps:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(target_dir).float().train()
     data = open_prepared(prepared_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
     for step in range(steps):
         sample = data[order[step % len(order)]]

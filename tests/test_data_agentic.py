@@ -14,6 +14,7 @@ import pytest
 from agentic import (
     QWEN3_MARKERS,
     QWEN3_SHAPED_TEMPLATE,
+    SHORT_TOOLS,
     TOOLS,
     agentic_conversations,
     expected_generations,
@@ -292,15 +293,18 @@ def test_the_segment_of_each_token_follows_the_markers_the_target_writes():
 
 
 @pytest.fixture(scope="module")
-def tiny_agent(qwen3_shaped_target, tmp_path_factory):
-    """The Qwen3-shaped tiny target trained briefly on the agentic conversations: it writes reasoning and calls."""
+def tiny_agent(tmp_path_factory):
+    """A Qwen3-shaped tiny target (head_dim 32, the smallest vLLM's CPU attention takes) trained briefly on agentic
+    conversations that declare the tools by name: it writes reasoning and calls."""
     from agentic import train_tiny_agent
 
     root = tmp_path_factory.mktemp("tiny-agent")
-    data = write_jsonl(root / "chats.jsonl", agentic_conversations(60, declare_tools=False))  # short contexts
-    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=root / "prepared",
-                              num_workers=1, max_length=384))  # each loop's first answers: what the prompts ask
-    return train_tiny_agent(qwen3_shaped_target, root / "prepared", root / "agent")
+    target = build_tiny_target(root / "random", hidden_size=128, chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
+                               added_tokens=QWEN3_MARKERS)
+    data = write_jsonl(root / "chats.jsonl", agentic_conversations(60, tools=SHORT_TOOLS))
+    prepare_run(PrepareConfig(data=[str(data)], target=str(target), output=root / "prepared", num_workers=1,
+                              max_length=640))  # each loop's first answers: what the prompts ask
+    return train_tiny_agent(target, root / "prepared", root / "agent")
 
 
 def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agent, tmp_path):
@@ -318,7 +322,7 @@ def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agen
     export.write_export(tmp_path / "draft", draft_tensors(draft.state_dict()), spec, "vllm",
                         target=targets.target_identity(tiny_agent), verifier_architectures=["LlamaForCausalLM"],
                         dtype="fp32")
-    prompts = write_jsonl(tmp_path / "agent.jsonl", agentic_conversations(8, seed=1, declare_tools=False))
+    prompts = write_jsonl(tmp_path / "agent.jsonl", agentic_conversations(8, seed=1, tools=SHORT_TOOLS))
     result = evaluate.run(EvaluateConfig(draft=tmp_path / "draft", prompts=str(prompts), max_new_tokens=64, k=[2],
                                          output=tmp_path / "eval", device="cpu", baseline=False))
     [run] = json.loads((tmp_path / "eval" / REPORT_JSON).read_text())["runs"]
@@ -330,3 +334,43 @@ def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agen
         pytest.approx(run["num_accepted"])
     assert "τ by segment" in " ".join(result.summary)
     assert "| 2 | tool call |" in (tmp_path / "eval" / REPORT_MD).read_text()
+
+
+@pytest.mark.vllm
+def test_regenerate_with_vllm_writes_the_targets_calls_and_reasoning_that_prepare_reads(tiny_agent, tmp_path):
+    """Real vLLM and its parsers (hermes, qwen3): the tiny agent answers recorded tool loops; its calls come back
+    as tool_calls with the recorded results after them where the names match, and the loops it leaves end there,
+    counted."""
+    from draftsmith.config import RegenerateConfig
+    from draftsmith.prepare import regenerate, regenerated_set
+
+    data = write_jsonl(tmp_path / "loops.jsonl", agentic_conversations(12, seed=2, tools=SHORT_TOOLS))
+    result = regenerate.run(RegenerateConfig(data=[str(data)], target=str(tiny_agent), output=tmp_path / "out",
+                                             engine="vllm", tool_call_parser="hermes", reasoning_parser="qwen3",
+                                             max_new_tokens=96, max_length=1536, dtype="float32"))
+    records = list(regenerated_set.read_conversations(tmp_path / "out"))
+    summary = result.summary
+    assert summary["engine"].startswith("vllm ") and summary["conversations"] == len(records) > 0, summary
+    assert summary["conversations"] + summary["skipped"] == 12  # a first answer with a broken call: skipped, counted
+    calls = [m for r in records for m in r["messages"] if m["role"] == "assistant" and m.get("tool_calls")]
+    assert sum(len(m["tool_calls"]) for m in calls) == summary["tool calls written"] > 0
+    assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for m in calls for c in m["tool_calls"])
+    assert all(m.get("reasoning_content") for r in records for m in r["messages"] if m["role"] == "assistant")
+    # every spliced result answers a call the target made, by its id; the loops the target left are counted
+    for r in records:
+        ids: set = set()
+        for m in r["messages"]:
+            if m["role"] == "assistant":
+                ids = {c["id"] for c in m.get("tool_calls") or []}
+            elif m["role"] == "tool":
+                assert m["tool_call_id"] in ids, r
+    spliced = sum(m["role"] == "tool" for r in records for m in r["messages"])
+    left = sum("diverged" in r["regenerated"] for r in records)
+    assert spliced == summary["recorded tool results spliced"] and left == summary["tool loops ended early"]
+    assert spliced + left > 0
+    manifest = regenerated_set.open_regenerated(tmp_path / "out")
+    assert manifest.generator.tool_call_parser == "hermes" and manifest.generator.parsers_from
+
+    prepared = prepare_run(PrepareConfig(data=[str(tmp_path / "out")], target=str(tiny_agent),
+                                         output=tmp_path / "prepared", num_workers=1, max_length=4096))
+    assert prepared.summary["skipped"] == 0 and prepared.summary["conversations"] == len(records)

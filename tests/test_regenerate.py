@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from agentic import QWEN3_MARKERS, QWEN3_SHAPED_TEMPLATE, TOOLS
 from conftest import build_tiny_target
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
@@ -437,3 +438,103 @@ def test_vllm_and_transformers_agree_on_greedy_answers(tmp_path, answering_targe
     assert any(n < 24 for n in lengths) and any(n == 24 for n in lengths), lengths  # ended and truncated
     assert regenerated_set.open_regenerated(tmp_path / "vllm").generator.dtype == "float32"
     assert (tmp_path / "vllm" / regenerate_engines.LOG_NAME).is_file()
+
+
+def _agentic_records() -> list[dict]:
+    """Tool loops as recorded, whose target answers (AGENT_ANSWERS) follow, leave or break each loop."""
+    def call(name, call_id, **args):
+        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+    def loop(prompt, name, call_id, result, final="old final"):
+        return [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": None, "tool_calls": [call(name, call_id, city="Oslo")]},
+                {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
+                {"role": "assistant", "content": final}]
+
+    tools = TOOLS
+    return [
+        {"tools": tools, "messages": [{"role": "system", "content": "You are an agent."},
+                                      *loop("A weather", "get_weather", "rec_a", "sunny"),
+                                      {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "x"}]},
+        {"tools": tools, "messages": loop("B read", "read_file", "rec_b", "file text")},
+        {"tools": json.dumps(tools), "messages": [{"role": "user", "content": "C hello"},
+                                                  {"role": "assistant", "content": "hi"}]},
+        {"tools": tools, "messages": loop("D tests", "get_weather", "rec_d", "cloudy")},
+        {"tools": tools, "messages": loop("E two steps", "get_weather", "rec_e", "rainy")[:3] + [
+            {"role": "assistant", "content": None, "tool_calls": [call("search_flights", "rec_e2", origin="OSL")]},
+            {"role": "tool", "tool_call_id": "rec_e2", "content": "XD123"},
+            {"role": "assistant", "content": "booked"}]},
+        {"messages": [{"role": "user", "content": "F plain"}, {"role": "assistant", "content": "old"}]},
+        {"tools": tools, "messages": loop("G bad", "get_weather", "rec_g", "foggy")},
+    ]
+
+
+def _agent_answer(last: str) -> str:
+    """What a Qwen3-shaped reasoning target writes: a <think> block, then an answer, a call, or a broken call."""
+    called = '<tool_call>\n{{"name": "{}", "arguments": {{"city": "Paris"}}}}\n</tool_call>'.format
+    broken = '<tool_call>\n{"name": "search_flights", "arguments": {"origin": \n</tool_call>'
+    answer = {"A weather": called("get_weather"), "<tool_response>\nsunny\n</tool_response>": "It is sunny.",
+              "thanks": "You are welcome.", "B read": "I will not read it.", "C hello": called("get_weather"),
+              "D tests": called("run_tests"), "E two steps": called("get_weather"),
+              "<tool_response>\nrainy\n</tool_response>": broken, "F plain": "plain", "G bad": broken}[last]
+    return f"<think>\nabout {last[:7]}\n</think>\n\n{answer}"
+
+
+@needs_vllm  # the parsers are vLLM's
+def test_agentic_conversations_are_regenerated_with_the_recorded_results_spliced(tmp_path, fake_engine):
+    target = build_tiny_target(tmp_path / "qwen3-shaped", chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
+                               added_tokens=QWEN3_MARKERS)
+    fake_engine.answer = _agent_answer
+    data = _write(tmp_path / "agent.jsonl", _agentic_records())
+    result = regenerate.run(_cfg(data, target, tmp_path / "out", tool_call_parser="hermes", reasoning_parser="qwen3"))
+    records = {r["messages"][0]["content"] if r["messages"][0]["role"] == "user" else r["messages"][1]["content"]: r
+               for r in regenerated_set.read_conversations(tmp_path / "out")}
+    assert sorted(records) == ["A weather", "B read", "C hello", "D tests", "E two steps", "F plain"]
+
+    a = records["A weather"]
+    assert a["tools"] == TOOLS and "diverged" not in a["regenerated"]
+    call = a["messages"][2]
+    assert call["reasoning_content"] == "\nabout A weath\n" and call["content"] == "\n\n"  # as vLLM's server sends them
+    assert call["tool_calls"] == [{"id": "rec_a", "type": "function",  # hermes writes no id: the recorded one's
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert a["messages"][3] == {"role": "tool", "content": "sunny", "tool_call_id": "rec_a", "name": "get_weather"}
+    assert [m.get("content") for m in a["messages"][4:]] == ["\n\nIt is sunny.", "thanks", "\n\nYou are welcome."]
+    # the prompt after the call declares the tools and shows the target's call, then the recorded result
+    after_call = next(p for c in fake_engine.calls for p in c if p.endswith(
+        "<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"))
+    assert "<tools>" in after_call and '{"name": "get_weather", "arguments": {"city": "Paris"}}' in after_call
+    assert all("<tools>" in p for c in fake_engine.calls for p in c if "F plain" not in p)
+
+    diverged = {k: r["regenerated"].get("diverged") for k, r in records.items()}
+    assert diverged == {"A weather": None, "F plain": None,
+                        "B read": regenerate_conversations.ANSWERED_INSTEAD,
+                        "C hello": regenerate_conversations.CALLED_INSTEAD,
+                        "D tests": regenerate_conversations.CALLED_OTHERS,
+                        "E two steps": regenerate_conversations.WROTE_MALFORMED}
+    assert [m["role"] for m in records["B read"]["messages"]] == ["user", "assistant"]  # ends with the target's answer
+    assert records["D tests"]["messages"][-1]["tool_calls"][0]["function"]["name"] == "run_tests"
+    assert records["E two steps"]["messages"][-1] == {"role": "tool", "content": "rainy", "tool_call_id": "rec_e",
+                                                      "name": "get_weather"}  # the malformed answer is not kept
+    assert records["F plain"]["messages"][1] == {"role": "assistant", "content": "\n\nplain",
+                                                 "reasoning_content": "\nabout F plain\n"}
+    summary = result.summary
+    assert summary["tool calls written"] == 4 and summary["recorded tool results spliced"] == 2
+    assert summary["tool loops ended early"] == 4 and summary["skipped: target wrote a malformed tool call"] == 1
+    manifest = regenerated_set.open_regenerated(tmp_path / "out")
+    assert (manifest.generator.tool_call_parser, manifest.generator.reasoning_parser) == ("hermes", "qwen3")
+    assert manifest.generator.parsers_from == regenerate_engines.vllm_version()
+
+    # prepare reads every regenerated conversation back, calls and reasoning included
+    prepared = prepare(PrepareConfig(data=[str(tmp_path / "out")], target=str(target), output=tmp_path / "prepared",
+                                     num_workers=1))
+    ds = open_prepared(prepared.output)
+    assert ds.manifest.skipped == {} and ds.manifest.stats["conversations"] == 6
+    assert ds.manifest.stats["agentic_conversations"] == 5
+
+    # without a tool-call parser, conversations with tools are skipped, counted, and plain chat is answered
+    plain = regenerate.run(_cfg(data, target, tmp_path / "plain", reasoning_parser="qwen3"))
+    assert plain.summary["conversations"] == 1 and plain.summary["skipped: agentic conversation"] == 6
+    assert "--tool-call-parser" in regenerated_set.open_regenerated(tmp_path / "plain").skip_examples[
+        "agentic conversation"]
+    with pytest.raises(DraftsmithError, match=r"^--tool-call-parser hermes2: vLLM knows no parser of that name \("):
+        regenerate.run(_cfg(data, target, tmp_path / "bad", tool_call_parser="hermes2"))

@@ -121,6 +121,20 @@ class RegenerateConfig(StageConfig):
         "once (raise it on a GPU)."))
     chat_template: Path | None = Field(None, description=(
         "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
+                                                 description=(
+        "Options the server passes to the chat template, as a JSON object (vLLM's --chat-template-kwargs): "
+        "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."))
+    tool_call_parser: str | None = Field(None, description=(
+        "The target's tool-call format, by the name vLLM's --tool-call-parser takes (hermes for Qwen3, kimi_k2 for "
+        "Kimi-K2.5; needs vLLM installed). Conversations that declare or call tools are then answered with their "
+        "tools declared (tool_choice auto) and the target's calls read back as tool_calls; tools are not run: the "
+        "recorded results follow the target's calls where the called names match, and a loop whose calls diverge "
+        "from the recording ends there (counted by reason). Without it such conversations are skipped (counted)."))
+    reasoning_parser: str | None = Field(None, description=(
+        "The target's reasoning format, by the name vLLM's --reasoning-parser takes (qwen3, kimi_k2, deepseek_r1 "
+        "...; needs vLLM installed): the target's reasoning is stored as reasoning_content, as the server returns "
+        "it, and given back to the template in later turns."))
     device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Compute dtype; auto: bfloat16 on GPU, float32 on CPU."))
@@ -132,6 +146,7 @@ class RegenerateConfig(StageConfig):
         "Continue an interrupted run with the same inputs and options from its last complete shard."))
 
     _split = field_validator("data", mode="before")(_split_list)
+    _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
 
 
 class ExtractConfig(StageConfig):

@@ -152,7 +152,7 @@ def _tools(record: dict) -> list[dict] | None:
     return out
 
 
-def _call(raw: Any, where: str) -> dict:
+def normalize_call(raw: Any, where: str) -> dict:
     """One tool call (OpenAI {id, type, function: {name, arguments}}, or a bare {name, arguments}) with its
     arguments an object, as vLLM hands them to the chat template."""
     function = raw.get("function", raw) if isinstance(raw, dict) else None
@@ -175,7 +175,7 @@ def _hermes_calls(text: str, where: str) -> tuple[str, list[dict]]:
     (the text without them, the calls)."""
     calls = []
     for i, block in enumerate(_HERMES_CALL.findall(text)):
-        calls.append(_call(_parse_json(block.strip(), "malformed tool call", f"{where}: <tool_call> {i}"),
+        calls.append(normalize_call(_parse_json(block.strip(), "malformed tool call", f"{where}: <tool_call> {i}"),
                            f"{where}, <tool_call> {i}"))
     return (_HERMES_CALL.sub("", text).strip() if calls else text), calls
 
@@ -200,7 +200,7 @@ def _assistant(turn: dict, role: str, text: str | None, where: str, hermes: bool
         raw_calls, text = (value if isinstance(value, list) else [value]), ""
     if raw_calls is not None and not isinstance(raw_calls, list):
         raise Skip("malformed tool call", f"{where}: tool_calls is a JSON {_json_kind(raw_calls)}, not a list")
-    calls = [_call(c, f"{where}, call {i}") for i, c in enumerate(raw_calls or [])]
+    calls = [normalize_call(c, f"{where}, call {i}") for i, c in enumerate(raw_calls or [])]
     text = text or ""
     if not calls and hermes:
         text, calls = _hermes_calls(text, where)
@@ -422,10 +422,8 @@ class ChatEncoder:
                 reasoning=shows([user, {"role": "assistant", "content": "a", "reasoning_content": _PROBE}], _PROBE))
         return self._features
 
-    def as_rendered(self, chat: Chat) -> list[Message]:
-        """The messages as this template is given them: where the template does not read `reasoning_content`, the
-        reasoning inline as `<think>` (as written where it came inline; what a reasoning model writes without a
-        reasoning parser). Raises Skip where the template cannot show the conversation's tools or calls."""
+    def check_shows(self, chat: Chat) -> TemplateFeatures:
+        """This template's features; Skip where it cannot show the conversation's declared tools or its calls."""
         features = self.features
         if chat.tools and not features.tools:
             raise Skip("chat template without tools", "the chat template does not render the declared tools; pass "
@@ -433,7 +431,13 @@ class ChatEncoder:
         if any(m.get("tool_calls") for m in chat.messages) and not features.tool_calls:
             raise Skip("chat template without tool calls", "the chat template does not render tool calls; pass a "
                        "tool-aware template with --chat-template FILE")
-        if features.reasoning:
+        return features
+
+    def as_rendered(self, chat: Chat) -> list[Message]:
+        """The messages as this template is given them: where the template does not read `reasoning_content`, the
+        reasoning inline as `<think>` (as written where it came inline; what a reasoning model writes without a
+        reasoning parser). Raises Skip where the template cannot show the conversation's tools or calls."""
+        if self.check_shows(chat).reasoning:
             return chat.messages
         out = []
         for i, m in enumerate(chat.messages):

@@ -52,6 +52,7 @@ from draftsmith.prepare.readers import Source, expand_sources
 from draftsmith.prepare.regenerate_conversations import Regenerator, Tally, read_records
 from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, Sampling
 from draftsmith.prepare.stage import chat_template_of, job_fingerprint
+from draftsmith.prepare.vllm_chat import AnswerParser
 
 
 def _progress(max_samples: int | None):
@@ -79,8 +80,12 @@ def _summary(cfg: RegenerateConfig, manifest: RegeneratedManifest, resumed_recor
         "conversations cut at max_length": manifest.num_cut_conversations,
         **({"leading assistant turns dropped": manifest.stats.get("leading_assistant_turns_dropped", 0)}
            if cfg.leading_assistant == "drop" else {}),
+        **({"tool calls written": manifest.num_tool_calls, "recorded tool results spliced": manifest.num_spliced_results,
+            "tool loops ended early": sum(manifest.diverged.values())} if cfg.tool_call_parser else {}),
         "skipped": sum(manifest.skipped.values()),
     }
+    for how, count in sorted(manifest.diverged.items(), key=lambda kv: -kv[1]):
+        summary[f"ended early: {how}"] = count
     for reason, count in sorted(manifest.skipped.items(), key=lambda kv: -kv[1]):
         summary[f"skipped: {reason}"] = count
     if manifest.damaged:
@@ -108,7 +113,9 @@ def run(cfg: RegenerateConfig) -> StageResult:
     max_length = min(cfg.max_length, int(positions)) if positions else cfg.max_length
     fingerprint = sha256_bytes(json.dumps({
         "job": job_fingerprint(cfg, identity, template, sources), "engine": engine_version, "dtype": dtype,
-        "device": device.type, "eos": eos, "format": 1}).encode("utf-8"))
+        "device": device.type, "eos": eos, "format": 1,
+        **({"parsers_from": engines.vllm_version()} if cfg.tool_call_parser or cfg.reasoning_parser else {}),
+    }).encode("utf-8"))
 
     regenerated_set.check_replaceable(output)
     finished = regenerated_set.finished_set(output, fingerprint)
@@ -121,14 +128,16 @@ def run(cfg: RegenerateConfig) -> StageResult:
     tally = Tally(**saved) if saved else Tally()
     resumed_records = tally.records
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    parser = AnswerParser(tokenizer, cfg.tool_call_parser, cfg.reasoning_parser, cfg.chat_template_kwargs) if (
+        cfg.tool_call_parser or cfg.reasoning_parser) else None
 
     def start_engine() -> Any:
         return engines.start_engine(engine_name, engine_version, cfg, target_dir, device, dtype, eos, pad,
                                     max_length, work)
 
-    records = read_records(sources, resumed_records, cfg.leading_assistant)
-    regenerator = Regenerator(cfg, tokenizer, ChatEncoder(tokenizer, template), max_length, start_engine, records,
-                              tally)
+    records = read_records(sources, resumed_records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
+    encoder = ChatEncoder(tokenizer, template, template_kwargs=cfg.chat_template_kwargs)
+    regenerator = Regenerator(cfg, tokenizer, encoder, max_length, start_engine, records, tally, parser)
     progress, task = _progress(cfg.max_samples)
     try:
         with progress:
@@ -154,13 +163,16 @@ def run(cfg: RegenerateConfig) -> StageResult:
     seconds = time.perf_counter() - started
     manifest = RegeneratedManifest(
         generator=Generator(target=identity, chat_template_hash=sha256_bytes(template.encode("utf-8")),
-                            engine=engine_name, engine_version=engine_version, dtype=dtype, device=str(device)),
+                            engine=engine_name, engine_version=engine_version, dtype=dtype, device=str(device),
+                            chat_template_kwargs=cfg.chat_template_kwargs, tool_call_parser=cfg.tool_call_parser,
+                            reasoning_parser=cfg.reasoning_parser, parsers_from=engines.vllm_version() if parser else None),
         sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                           max_length=max_length, seed=cfg.seed, think=cfg.think),
         fingerprint=fingerprint, sources=regenerated_set.source_files(sources), num_conversations=tally.conversations,
         num_assistant_turns=tally.assistant_turns, num_new_tokens=tally.new_tokens,
         num_truncated_turns=tally.truncated_turns, num_truncated_conversations=tally.truncated_conversations,
-        num_cut_conversations=tally.cut_conversations, shards=shards, skipped=tally.skipped,
+        num_cut_conversations=tally.cut_conversations, num_tool_calls=tally.tool_calls,
+        num_spliced_results=tally.spliced_results, diverged=tally.diverged, shards=shards, skipped=tally.skipped,
         skip_examples=tally.skip_examples, damaged=tally.damaged,
         stats={"records": tally.records, "resumed_after_records": resumed_records,
                "leading_assistant_turns_dropped": tally.leading_assistant_dropped,

@@ -9,11 +9,18 @@
 Every assistant turn is regenerated, and a conversation that ends with a user (or tool) turn gets an answer
 appended, so a set of prompts alone works too. The prompts are rendered and tokenised here, which is what vLLM's
 `LLM.chat` does inside, so both engines (regenerate_engines.py) see exactly the same tokens.
+
+Agentic conversations (with vLLM's parsers named, vllm_chat.py): each prompt declares the record's tools, and each
+answer is read back as the server returns it (reasoning_content, content, tool_calls). Tools are not run: where the
+target calls the tools the recording called (the same names, in order), the recorded results follow its calls
+(their tool_call_id renamed to the target's calls); where it does not, the conversation ends with that answer and
+is counted by how it diverged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -22,6 +29,7 @@ from typing import Any
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import (
+    Chat,
     ChatEncoder,
     Message,
     Skip,
@@ -29,6 +37,13 @@ from draftsmith.prepare.chat import (
     normalize_conversation,
 )
 from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
+from draftsmith.prepare.vllm_chat import AnswerParser
+
+# how a regenerated tool loop left the recorded one (the conversation ends with the target's answer)
+ANSWERED_INSTEAD = "answered where the recording calls tools"
+CALLED_INSTEAD = "called tools where the recording answers"
+CALLED_OTHERS = "called other tools than the recording"
+WROTE_MALFORMED = "wrote a malformed tool call"
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE), re.DOTALL)
@@ -64,18 +79,35 @@ class Conversation:
     turns: list[dict]      # normalised source turns; every assistant turn is regenerated (content None: appended)
     before: list[tuple[str, str, str]]  # records skipped since the previous conversation: (reason, where, detail)
     leading_dropped: bool = False       # lost its assistant turns before the first user turn (leading_assistant drop)
+    tools: list[dict] | None = None     # the tools its requests declare
     out: list[Message] = field(default_factory=list)
     pos: int = 0
     truncated_turns: list[int] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
     cut: bool = False
+    diverged: str | None = None         # how the target's tool loop left the recorded one (it ends there)
+    call_ids: dict[str, str] = field(default_factory=dict)  # recorded call id -> the target's call's id
+    tool_calls: int = 0                 # calls the target made
+    spliced: int = 0                    # recorded tool results placed after the target's calls
     skip: Skip | None = None
     done: bool = False
 
     def record(self) -> dict:
-        return {"messages": self.out, "regenerated": {
-            "source": self.where, "truncated_turns": self.truncated_turns, "new_tokens": self.new_tokens,
-            "cut_at_max_length": self.cut}}
+        """The conversation as written to the set: messages in OpenAI form (a call's arguments a JSON string, the
+        content of a turn that only calls tools null), with the record's tools."""
+        return {**({"tools": self.tools} if self.tools else {}),
+                "messages": [_openai_message(m) for m in self.out], "regenerated": {
+                    "source": self.where, "truncated_turns": self.truncated_turns, "new_tokens": self.new_tokens,
+                    "cut_at_max_length": self.cut, **({"diverged": self.diverged} if self.diverged else {})}}
+
+
+def _openai_message(message: Message) -> Message:
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {"name": c["function"]["name"],
+                                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+             for c in message["tool_calls"]]
+    return {**message, "content": message["content"] or None, "tool_calls": calls}
 
 
 def _turns_to_answer(messages: list[Message]) -> list[dict]:
@@ -89,6 +121,10 @@ def _turns_to_answer(messages: list[Message]) -> list[dict]:
     if turns[-1]["role"] != "assistant":
         turns.append({"role": "assistant", "content": None})
     return turns
+
+
+def _last_assistant(messages: list[Message]) -> Message:
+    return next((m for m in reversed(messages) if m["role"] == "assistant"), {})
 
 
 @dataclass
@@ -106,6 +142,9 @@ class Tally:
     truncated_conversations: int = 0
     cut_conversations: int = 0
     leading_assistant_dropped: int = 0
+    tool_calls: int = 0
+    spliced_results: int = 0
+    diverged: dict[str, int] = field(default_factory=dict)   # conversations whose tool loop ended early, by how
     skipped: dict[str, int] = field(default_factory=dict)
     skip_examples: dict[str, str] = field(default_factory=dict)
     damaged: list[str] = field(default_factory=list)
@@ -133,13 +172,19 @@ class Tally:
         self.truncated_turns += len(conv.truncated_turns)
         self.truncated_conversations += bool(conv.truncated_turns)
         self.cut_conversations += conv.cut
+        self.tool_calls += conv.tool_calls
+        self.spliced_results += conv.spliced
+        if conv.diverged:
+            self.diverged[conv.diverged] = self.diverged.get(conv.diverged, 0) + 1
         return True
 
 
-def read_records(sources: list[Source], skip_records: int, leading_assistant: str) -> Iterator[tuple]:
+def read_records(sources: list[Source], skip_records: int, leading_assistant: str,
+                 agentic: bool = False) -> Iterator[tuple]:
     """Every record of every source, in order, as ("skip", reason, where, detail) or ("conversation", turns,
-    where, leading assistant turns dropped); the first `skip_records` (already in the shards of an interrupted run)
-    are read past."""
+    tools, where, leading assistant turns dropped); the first `skip_records` (already in the shards of an
+    interrupted run) are read past. Conversations with tools are skipped unless `agentic` (a tool-call parser is
+    named)."""
     for source, record in records_after(sources, skip_records):
         where = f"{source.path.name} record {record.index}"
         if record.bad is not None:
@@ -147,12 +192,12 @@ def read_records(sources: list[Source], skip_records: int, leading_assistant: st
             continue
         try:
             chat = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
-            if chat.agentic:
-                raise Skip("agentic conversation", "it declares or calls tools; regenerate answers plain chat only "
-                           "(prepare trains on such conversations as they are)")
+            if chat.agentic and not agentic:
+                raise Skip("agentic conversation", "it declares or calls tools; name the target's tool-call format "
+                           "with --tool-call-parser (vLLM's names: hermes for Qwen3, kimi_k2 for Kimi-K2.5)")
             dropped = leading_assistant == "drop" and leading_assistant_turns(
                 normalize_conversation(record.data, "keep", keep_trailing=True).messages) > 0
-            yield "conversation", _turns_to_answer(chat.messages), where, dropped
+            yield "conversation", _turns_to_answer(chat.messages), chat.tools, where, dropped
         except Skip as skip:
             yield "skip", skip.reason, where, skip.detail
 
@@ -170,10 +215,11 @@ class Regenerator:
     OPEN_SHARDS = 4
 
     def __init__(self, cfg: RegenerateConfig, tokenizer: Any, encoder: ChatEncoder, max_length: int, start_engine,
-                 records: Iterator[tuple], tally: Tally):
+                 records: Iterator[tuple], tally: Tally, parser: AnswerParser | None = None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.encoder = encoder
+        self.parser = parser
         self.max_length = max_length
         self._start_engine = start_engine
         self.engine: Any = None
@@ -202,10 +248,17 @@ class Regenerator:
             if item[0] == "skip":
                 before.append(item[1:])
                 continue
-            _, turns, where, dropped = item
-            conv = Conversation(where=where, index=self.taken, turns=turns, before=before, leading_dropped=dropped)
+            _, turns, tools, where, dropped = item
+            conv = Conversation(where=where, index=self.taken, turns=turns, before=before, leading_dropped=dropped,
+                                tools=tools)
             self.taken += 1
             self.live += 1
+            try:
+                self.encoder.check_shows(Chat(turns, tools))
+            except Skip as skip:
+                conv.skip = skip
+                self._finish(conv)
+                return
             self._ask(conv)
             return
         self.exhausted, self.tail = True, before
@@ -230,12 +283,17 @@ class Regenerator:
     def _prompt(self, conv: Conversation) -> tuple[list[int], str, int] | None:
         """Advance `conv` to its next assistant turn: (prompt ids, prompt text, answer limit), or None when done."""
         while conv.pos < len(conv.turns) and conv.turns[conv.pos]["role"] != "assistant":
-            conv.out.append(dict(conv.turns[conv.pos]))
+            turn = dict(conv.turns[conv.pos])
+            if turn["role"] == "tool" and _last_assistant(conv.out).get("tool_calls"):  # a result of the target's call
+                conv.spliced += 1
+                if turn.get("tool_call_id") in conv.call_ids:
+                    turn["tool_call_id"] = conv.call_ids[turn["tool_call_id"]]
+            conv.out.append(turn)
             conv.pos += 1
         if conv.pos == len(conv.turns):
             return None
         try:
-            text = self.encoder.render(conv.out, add_generation_prompt=True)
+            text = self.encoder.render(conv.out, add_generation_prompt=True, tools=conv.tools)
         except Skip as skip:
             conv.skip = skip
             return None
@@ -251,23 +309,71 @@ class Regenerator:
             conv.out, conv.cut = conv.out[:answered + 1], True
         return None
 
+    def _message(self, conv: Conversation, tokens: list[int], prompt: str) -> Message:
+        """The answer `tokens` as an assistant message (Skip where there is none to keep)."""
+        if self.parser is None:
+            content = answer_text(self.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think)
+            if content is None:
+                raise Skip("cut off inside <think>", f"turn {conv.pos}: the answer hit its limit of {len(tokens)} "
+                           "tokens before its reasoning ended (--think drop)")
+            message = {"role": "assistant", "content": content}
+        else:
+            message = self.parser.parse(self.parser.decode(tokens, conv.tools), conv.tools)
+            if self.cfg.think == "drop":
+                message.pop("reasoning_content", None)
+        if not (message["content"].strip() or message.get("tool_calls") or message.get("reasoning_content")):
+            raise Skip("empty answer", f"turn {conv.pos}: the target answered with nothing")
+        if self.parser is None:
+            return message
+        # read back as prepare will read the set (arguments objects, as vLLM hands them to the template later); a
+        # call the parser could not read stays `<tool_call>` text in the content, which fails here too
+        try:
+            return normalize_conversation({"tools": conv.tools, "messages": [{"role": "user", "content": "-"},
+                                                                               message]}).messages[-1]
+        except Skip as skip:
+            raise Skip("malformed tool call", f"turn {conv.pos}: {skip.detail}") from None
+
+    def _follow(self, conv: Conversation, message: Message) -> None:
+        """Compare the target's calls in `message` with the recorded turn's: the same names in order -> its calls
+        take the recorded ids where the model wrote none, and the recorded results will follow them; otherwise the
+        conversation ends here, counted by how it diverged."""
+        recorded = conv.turns[conv.pos]
+        calls = message.get("tool_calls", [])
+        conv.tool_calls += len(calls)
+        want = [c["function"]["name"] for c in recorded.get("tool_calls") or []]
+        got = [c["function"]["name"] for c in calls]
+        matched = got == want
+        for k, call in enumerate(calls):
+            old = recorded["tool_calls"][k].get("id") if matched else None
+            if "id" not in call:
+                call["id"] = old or f"call_{conv.index}_{conv.pos}_{k}"
+            if old and old != call["id"]:
+                conv.call_ids[old] = call["id"]
+            message["tool_calls"][k] = {"id": call["id"], **{n: v for n, v in call.items() if n != "id"}}
+        answer_slot = recorded.get("content") is None and not want  # appended after a final user or tool turn
+        if not matched and not answer_slot:
+            conv.diverged = ANSWERED_INSTEAD if not got else CALLED_INSTEAD if not want else CALLED_OTHERS
+
     def _answer(self, key: int, tokens: list[int], hit_limit: bool) -> None:
         conv, prompt = self.asked.pop(key)
         self.generated_tokens += len(tokens)
-        content = answer_text(self.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think)
-        if content is None:
-            conv.skip = Skip("cut off inside <think>", f"turn {conv.pos}: the answer hit its limit of {len(tokens)} "
-                             "tokens before its reasoning ended (--think drop)")
-        elif not content.strip():
-            conv.skip = Skip("empty answer", f"turn {conv.pos}: the target answered with nothing")
-        if conv.skip is not None:
+        try:
+            message = self._message(conv, tokens, prompt)
+        except Skip as skip:
+            if skip.reason == "malformed tool call" and any(m["role"] == "assistant" for m in conv.out):
+                conv.diverged = WROTE_MALFORMED  # the conversation ends before this answer
+            else:
+                conv.skip = Skip("target wrote a malformed tool call", skip.detail) \
+                    if skip.reason == "malformed tool call" else skip
             self._finish(conv)
             return
         if hit_limit:
             conv.truncated_turns.append(len(conv.out))
         conv.new_tokens.append(len(tokens))
-        conv.out.append({"role": "assistant", "content": content})
-        conv.pos += 1
+        if self.parser is not None:
+            self._follow(conv, message)
+        conv.out.append(message)
+        conv.pos = len(conv.turns) if conv.diverged else conv.pos + 1
         self._ask(conv)
 
     # ---- output

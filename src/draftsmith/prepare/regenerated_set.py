@@ -4,8 +4,9 @@ On disk (docs/formats.md, "Regenerated data set")::
 
     manifest.json          RegeneratedManifest (kind "regenerated"): generator, sampling, sources, counts
     config.yaml            the resolved RegenerateConfig
-    shard-00000.jsonl      {"messages": [{role, content}, ...], "regenerated": {"source", "truncated_turns",
-    shard-00001.jsonl       "new_tokens", "cut_at_max_length"}}, one conversation a line, in input order
+    shard-00000.jsonl      {"tools"?, "messages": [{role, content, reasoning_content?, tool_calls?}, ...],
+    shard-00001.jsonl       "regenerated": {"source", "truncated_turns", "new_tokens", "cut_at_max_length",
+                            "diverged"?}}, one conversation a line, in input order (messages in OpenAI form)
 
 The set is built in `.NAME.resume` beside its place: each complete shard is written there atomically, then
 `resume.json` (the job's fingerprint, the shards and the caller's tallies of exactly the records they were made
@@ -75,6 +76,10 @@ class Generator(BaseModel):
     engine_version: str    # e.g. "vllm 0.32.0", "transformers 5.19.0, torch 2.13.0+cpu"
     dtype: str
     device: str
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tool_call_parser: str | None = None   # vLLM's parser names the answers were read with
+    reasoning_parser: str | None = None
+    parsers_from: str | None = Field(None, description="the vLLM version whose parsers read the answers")
 
 
 class Sampling(BaseModel):
@@ -102,6 +107,10 @@ class RegeneratedManifest(Manifest):
     num_truncated_turns: int = Field(description="answers that hit max_new_tokens or max_length")
     num_truncated_conversations: int = Field(description="conversations with at least one truncated answer")
     num_cut_conversations: int = Field(description="conversations ended early: a later prompt filled max_length")
+    num_tool_calls: int = Field(0, description="tool calls the target wrote")
+    num_spliced_results: int = Field(0, description="recorded tool results placed after the target's calls")
+    diverged: dict[str, int] = Field(default_factory=dict, description=(
+        "conversations whose tool loop ended early, by how the target's answer left the recorded one"))
     shards: list[RegeneratedShard]
     skipped: dict[str, int] = Field(default_factory=dict)
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
