@@ -8,6 +8,7 @@ supervised text of every generation is written by that module by hand, not by th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from agentic import (
 from conftest import build_tiny_target, build_tiny_tokenizer
 
 from draftsmith.config import PrepareConfig
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.prepare import run as prepare_run
 from draftsmith.prepare.chat import Chat, ChatEncoder, Skip, masked_spans, normalize_conversation
 from draftsmith.prepare.dataset import open_prepared
@@ -374,3 +376,21 @@ def test_regenerate_with_vllm_writes_the_targets_calls_and_reasoning_that_prepar
     prepared = prepare_run(PrepareConfig(data=[str(tmp_path / "out")], target=str(tiny_agent),
                                          output=tmp_path / "prepared", num_workers=1, max_length=4096))
     assert prepared.summary["skipped"] == 0 and prepared.summary["conversations"] == len(records)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the cross-check renders with vLLM's own code")
+def test_check_with_vllm_compares_every_prompt_with_vllms_own_rendering(tmp_path, qwen3_shaped_target):
+    data = write_jsonl(tmp_path / "chats.jsonl", agentic_conversations(6))
+    result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
+                                       num_workers=1, max_length=4096, check_with_vllm=4))
+    generations = sum(len(expected_generations(r)) for r in agentic_conversations(6)[:4])
+    assert result.summary["rendering checked against"].endswith(
+        f": 4 conversations, {generations} prompts token for token the same")
+    # Served with thinking off, the template pre-fills an empty <think> block, where these records hold reasoning:
+    # the contexts draftsmith trains in are not what the server's prompts would be, and the check says where.
+    with pytest.raises(DraftsmithError, match=r"^chats.jsonl record 0: the prompt of turn 2 differs from vLLM "
+                       r"\S+'s rendering at token \d+ of \d+: draftsmith nothing \(the prompt ends there\), vLLM "):
+        prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "off",
+                                  num_workers=1, max_length=4096, check_with_vllm=4,
+                                  chat_template_kwargs={"enable_thinking": False}))
+    assert not (tmp_path / "off").exists()

@@ -79,6 +79,10 @@ class PrepareConfig(StageConfig):
         "Options the server passes to the chat template, as a JSON object (vLLM's --chat-template-kwargs): "
         "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."))
     trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
+    check_with_vllm: int = Field(0, ge=0, description=(
+        "Also render the first N usable conversations as vLLM's OpenAI server would (the installed vLLM's own "
+        "message parsing and template call; no engine is started) and stop, naming the record and the first "
+        "differing token, where a prompt's token ids differ from draftsmith's."))
     resume: bool = Field(True, description=(
         "Continue an interrupted run with the same inputs and options from its last complete shard."))
 

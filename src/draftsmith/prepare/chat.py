@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -371,6 +372,7 @@ class _Sample:
     text: str
     starts: list[int]                # where each generation starts (its context ends)
     spans: list[tuple[int, int]]     # each generation, end-of-turn marker included
+    turns: list[int]                 # each generation's message index
 
 
 class ChatEncoder:
@@ -467,9 +469,16 @@ class ChatEncoder:
                 last.text = full
                 last.starts.append(start)
                 last.spans.append((start, end))
+                last.turns.append(k)
             else:
-                samples.append(_Sample(full, [start], [(start, end)]))
+                samples.append(_Sample(full, [start], [(start, end)], [k]))
         return samples
+
+    def prompts(self, chat: Chat) -> Iterator[tuple[int, np.ndarray]]:
+        """Each generation's context as its sample holds it: (its message index, the token ids before it)."""
+        for sample in self.generations(chat):
+            for j, (k, start) in enumerate(zip(sample.turns, sample.starts)):
+                yield k, self._tokenize(sample.text[:start], [], sample.starts[:j])[0]
 
     # ------------------------------------------------------------------ tokenising
     def _tokenize(self, text: str, spans: list[tuple[int, int]],

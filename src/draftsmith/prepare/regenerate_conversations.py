@@ -20,7 +20,6 @@ is counted by how it diverged.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from draftsmith.prepare.chat import (
     normalize_conversation,
 )
 from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
-from draftsmith.prepare.vllm_chat import AnswerParser
+from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 
 # how a regenerated tool loop left the recorded one (the conversation ends with the target's answer)
 ANSWERED_INSTEAD = "answered where the recording calls tools"
@@ -96,18 +95,9 @@ class Conversation:
         """The conversation as written to the set: messages in OpenAI form (a call's arguments a JSON string, the
         content of a turn that only calls tools null), with the record's tools."""
         return {**({"tools": self.tools} if self.tools else {}),
-                "messages": [_openai_message(m) for m in self.out], "regenerated": {
+                "messages": [openai_message(m) for m in self.out], "regenerated": {
                     "source": self.where, "truncated_turns": self.truncated_turns, "new_tokens": self.new_tokens,
                     "cut_at_max_length": self.cut, **({"diverged": self.diverged} if self.diverged else {})}}
-
-
-def _openai_message(message: Message) -> Message:
-    if not message.get("tool_calls"):
-        return message
-    calls = [{**c, "function": {"name": c["function"]["name"],
-                                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-             for c in message["tool_calls"]]
-    return {**message, "content": message["content"] or None, "tool_calls": calls}
 
 
 def _turns_to_answer(messages: list[Message]) -> list[dict]:

@@ -265,13 +265,54 @@ def job_fingerprint(cfg: PrepareConfig, identity: Any, template: str, sources: l
         return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
     job = {
-        "options": cfg.model_dump(mode="json", exclude={"num_workers", "resume", "output"}),
+        "options": cfg.model_dump(mode="json", exclude={"num_workers", "resume", "output", "check_with_vllm"}),
         "target": identity.model_dump(exclude={"path"}),
         "template": sha256_bytes(template.encode("utf-8")),
         "sources": [stamp(s.path) for s in sources],
         "format": 1,
     }
     return sha256_bytes(json.dumps(job, sort_keys=True).encode("utf-8"))
+
+
+def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path,
+                    template: str) -> str:
+    """Render the first `cfg.check_with_vllm` usable conversations' prompts as vLLM's server would and compare
+    them with the contexts draftsmith trains each generation in; DraftsmithError at the first differing token."""
+    from draftsmith.prepare.vllm_chat import VllmRendering
+
+    try:
+        vllm = VllmRendering(target_dir, encoder.tokenizer, template, cfg.trust_remote_code)
+    except ImportError:
+        raise DraftsmithError("--check-with-vllm: vLLM is not installed; install it beside draftsmith (see README) "
+                              "or leave the check out") from None
+    decode = encoder.tokenizer.convert_ids_to_tokens
+    conversations = prompts = 0
+    for source, record in records_after(sources, 0):
+        if conversations == cfg.check_with_vllm:
+            break
+        if record.bad is not None:
+            continue
+        try:
+            chat = normalize_conversation(record.data, cfg.leading_assistant)
+            messages = encoder.as_rendered(chat)
+            ours = list(encoder.prompts(chat))
+        except Skip:
+            continue  # counted by the run itself
+        for k, ids in ours:
+            theirs = vllm.prompt_ids(messages[:k], chat.tools, cfg.chat_template_kwargs)
+            ids = ids.tolist()
+            if ids != theirs:
+                at = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+                show = lambda seq: (f"{seq[at]} {decode(seq[at])!r}" if at < len(seq)  # noqa: E731
+                                    else "nothing (the prompt ends there)")
+                raise DraftsmithError(
+                    f"{source.path.name} record {record.index}: the prompt of turn {k} differs from vLLM "
+                    f"{vllm.version}'s rendering at token {at} of {len(theirs)}: draftsmith {show(ids)}, vLLM "
+                    f"{show(theirs)} (draftsmith renders with apply_chat_template; check --chat-template and "
+                    "--chat-template-kwargs against the server's)")
+            prompts += 1
+        conversations += 1
+    return f"vLLM {vllm.version}: {conversations} conversations, {prompts} prompts token for token the same"
 
 
 def run(cfg: PrepareConfig) -> StageResult:
@@ -285,6 +326,7 @@ def run(cfg: PrepareConfig) -> StageResult:
     encoder = ChatEncoder(tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow,
                           template_kwargs=cfg.chat_template_kwargs)
     workers = max(1, cfg.num_workers or _available_cores())
+    checked = check_with_vllm(cfg, sources, encoder, target_dir, template) if cfg.check_with_vllm else None
 
     tally = _Tally()
     fingerprint = job_fingerprint(cfg, identity, template, sources)
@@ -364,6 +406,7 @@ def run(cfg: PrepareConfig) -> StageResult:
         **({"resumed after records": resumed[0]} if resumed[0] else {}),
         "conversations": tally.conversations,
         **({"agentic conversations": tally.agentic} if tally.agentic else {}),
+        **({"rendering checked against": checked} if checked else {}),
         **({"samples": f"{manifest.num_samples} (generations that saw different contexts: "
                        f"{tally.tokens / max(tally.one_sample_tokens, 1):.2f}x the tokens of one per conversation)"}
            if manifest.num_samples != tally.conversations else {}),

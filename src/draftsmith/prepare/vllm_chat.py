@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -128,3 +130,71 @@ class AnswerParser:
         if calls:
             message["tool_calls"] = calls
         return message
+
+
+def openai_message(message: Message) -> Message:
+    """A normalised message in OpenAI form, as a client sends it: a call's arguments a JSON string, the content of
+    a turn that only calls tools null."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {"name": c["function"]["name"],
+                                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
+             for c in message["tool_calls"]]
+    return {**message, "content": message["content"] or None, "tool_calls": calls}
+
+
+class VllmRendering:
+    """A chat request's prompt as vLLM's OpenAI server builds it, without starting an engine: the messages parsed
+    as the server parses them (`parse_chat_messages`: arguments to objects, reasoning passed as `reasoning`, tool
+    turns by `tool_call_id`), the template applied with the options vLLM resolves for it, the text tokenised
+    without special tokens added (the chat endpoint's default).
+
+    The functions moved between releases: `vllm.renderers` (0.16+: `safe_apply_chat_template`; its
+    `parse_chat_messages` since 0.19) and `vllm.entrypoints.chat_utils` (0.11: `apply_hf_chat_template`)."""
+
+    def __init__(self, target_dir: Any, tokenizer: Any, chat_template: str | None, trust_remote_code: bool = False):
+        import vllm
+        from vllm.config import ModelConfig
+
+        self.version = vllm.__version__
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        with _quiet():
+            self.model_config = ModelConfig(model=str(target_dir), tokenizer=str(target_dir),
+                                            trust_remote_code=trust_remote_code)
+        try:
+            from vllm.renderers.chat_utils import parse_chat_messages  # 0.19+
+        except ImportError:
+            from vllm.entrypoints.chat_utils import parse_chat_messages
+        try:
+            from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
+
+            def apply(conversation: list, tools: list | None, **options: Any) -> str:
+                return safe_apply_chat_template(self.model_config, tokenizer, conversation, tools=tools,
+                                                chat_template=chat_template, tokenize=False, **options)
+        except ImportError:  # 0.11 - 0.15
+            from vllm.entrypoints.chat_utils import apply_hf_chat_template, resolve_chat_template_content_format
+
+            def apply(conversation: list, tools: list | None, **options: Any) -> str:
+                return apply_hf_chat_template(tokenizer, conversation, chat_template, tools,
+                                              model_config=self.model_config, **options)  # text
+        self._parse, self._apply, self._format = parse_chat_messages, apply, resolve_chat_template_content_format
+
+    def _content_format(self, tools: list | None) -> str:
+        return self._format(self.chat_template, tools, "auto", self.tokenizer, model_config=self.model_config)
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None, template_kwargs: dict) -> list[int]:
+        """The token ids vLLM's server feeds the engine for a chat request of `messages` (normalised) and `tools`."""
+        request = []
+        for m in map(openai_message, messages):
+            if m.get("reasoning_content") is not None:  # the request field vLLM reads (0.16+ ignores the other)
+                m = {("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()}
+            request.append(m)
+        fmt = self._content_format(tools)
+        if "tokenizer" in inspect.signature(self._parse).parameters:
+            conversation = self._parse(request, self.model_config, self.tokenizer, fmt)[0]
+        else:
+            conversation = self._parse(request, self.model_config, fmt)[0]
+        with _quiet():
+            text = self._apply(conversation, tools, add_generation_prompt=True, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
