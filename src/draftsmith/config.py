@@ -114,8 +114,9 @@ class RegenerateConfig(StageConfig):
     seed: int = Field(0, description=(
         "Random seed for sampling (temperature > 0): vLLM seeds each answer, transformers each batch."))
     think: Literal["keep", "drop"] = Field("keep", description=(
-        "Reasoning models: keep the <think>...</think> reasoning in the answers, or drop it (an answer cut off "
-        "before its reasoning ends is then skipped, counted)."))
+        "Reasoning models: keep the reasoning in the answers (<think>...</think> inline, or reasoning_content with "
+        "--reasoning-parser), or drop it (without a reasoning parser, an answer cut off before its reasoning ends "
+        "is then skipped, counted)."))
     leading_assistant: Literal["skip", "drop"] = Field("skip", description=(
         "A conversation whose first turn (after any system turn) is the assistant's: skip it (counted), or drop "
         "its assistant turns before the first user turn and answer the rest."))
