@@ -538,3 +538,34 @@ def test_agentic_conversations_are_regenerated_with_the_recorded_results_spliced
         "agentic conversation"]
     with pytest.raises(DraftsmithError, match=r"^--tool-call-parser hermes2: vLLM knows no parser of that name \("):
         regenerate.run(_cfg(data, target, tmp_path / "bad", tool_call_parser="hermes2"))
+
+
+KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>")
+
+
+@needs_vllm
+def test_kimi_k2_answers_are_read_with_the_ids_the_model_wrote():
+    """Kimi-K2.5's format through vLLM's kimi_k2 parsers: reasoning, content, and calls whose ids (functions.NAME:K)
+    the model writes itself and its template shows again, so they are kept, not made up."""
+    from conftest import build_tiny_tokenizer
+
+    from draftsmith.prepare.vllm_chat import AnswerParser
+
+    tok = build_tiny_tokenizer(added_tokens=KIMI_MARKERS)
+    parser = AnswerParser(tok, "kimi_k2", "kimi_k2", {"thinking": True})
+    text = ("<think>I need the weather.</think>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>"
+            'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+            'functions.read_file:1<|tool_call_argument_begin|>{"path": "a.py"}<|tool_call_end|>'
+            "<|tool_calls_section_end|>")
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) < len(text) // 2  # the markers are single tokens
+    assert parser.decode(ids, TOOLS) == text  # kept by the detokeniser for the tool parser
+    assert parser.parse(parser.decode(ids, TOOLS), TOOLS) == {
+        "role": "assistant", "content": "Let me check.", "reasoning_content": "I need the weather.",
+        "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                       {"id": "functions.read_file:1", "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]}
+    # without declared tools the server parses no calls: the section stays in the content
+    assert "tool_calls" not in parser.parse(text, None)
