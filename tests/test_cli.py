@@ -77,12 +77,28 @@ def test_inspect_on_a_non_artefact_is_a_user_error(tmp_path):
     assert result.exit_code == 1 and "not a draftsmith artefact" in result.output
 
 
-def test_doctor_reports_versions():
-    result = runner.invoke(app, ["doctor"], terminal_width=200)
+def test_doctor_fits_one_screen_and_verbose_shows_the_full_tables():
+    import importlib.util
+    import re
+
+    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES
+
+    result = runner.invoke(app, ["doctor"], terminal_width=80)
     assert result.exit_code == 0, result.output
-    for word in ("python", "torch", "transformers", "vllm", "asset: sharegpt-v3"):
+    lines = result.output.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80, result.output
+    for word in ("Python", "torch", "transformers", "vllm", "default assets cached", "--verbose"):
         assert word in result.output
+    if importlib.util.find_spec("vllm") is not None:
+        assert re.search(r"^  strategy: (connector|direct) for LlamaForCausalLM", result.output, re.M)
+        assert "compute dtype (auto): " in result.output
+    architectures = [line.split()[0] for line in lines[lines.index(next(
+        line for line in lines if line.startswith("architectures:"))) + 1:-1]]
+    assert architectures == list(TESTED_ARCHITECTURES)  # one line each
     assert " INFO " not in result.output and " WARNING " not in result.output  # vLLM is read, never started
+    full = runner.invoke(app, ["doctor", "--verbose"], terminal_width=200)
+    assert full.exit_code == 0 and "asset: sharegpt-v3" in full.output
+    assert "vLLM extraction capabilities (found by inspection)" in full.output
 
 
 def test_doctor_json_is_one_object_with_the_probe_facts():

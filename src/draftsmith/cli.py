@@ -209,13 +209,17 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help=(
         "Print one JSON object (versions, the probe's facts, strategy and reason, one entry per architecture) "
         "and nothing else, for scripts."))] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help=(
+        "The full tables: every environment row and asset, every capability the probe read with what it found "
+        "and means, every architecture's row per strategy."))] = False,
 ) -> None:
     """Show versions, hardware, cached default assets, what vLLM can do per architecture (read from its source,
-    never imported), and a target's sizes."""
+    never imported), and a target's sizes: one screen, --verbose for the full tables."""
     doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
     _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
                                     gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime,
-                                    as_json=as_json, online_rate=online_rate, spool_lead_s=spool_lead_s))
+                                    as_json=as_json, online_rate=online_rate, spool_lead_s=spool_lead_s,
+                                    verbose=verbose))
 
 
 @app.command("inspect")

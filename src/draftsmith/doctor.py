@@ -222,7 +222,7 @@ def report(*, target: str | None = None, tokens: int | None = None, tensor_paral
     return out
 
 
-def dtype_line(report: probe.ProbeReport, config: dict) -> str:
+def dtype_line(report: probe.ProbeReport, config: dict | None) -> str:
     """The dtype `auto` starts this vLLM in for the target (extract, train --engine vllm, feed, evaluate, serve),
     and why."""
     choice = probe.choose_dtype("auto", report, config)
@@ -237,13 +237,74 @@ def _architecture_reports(architecture: str, config: dict | None, vllm_source: s
     return probe.probe_architectures(archs, vllm_source, configs={architecture: config} if config else None)
 
 
+def _say(console: Console, text: str, style: str | None = None, *, wrap: bool = False, indent: int = 0) -> None:
+    """One line of the summary, cut to the screen with an ellipsis (or, `wrap`, wrapped under its indent)."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    if wrap:
+        console.print(Padding(Text(text, style=style or ""), (0, 0, 0, indent), expand=False), highlight=False)
+    else:
+        console.print(Text(" " * indent + text, style=style or ""), no_wrap=True, overflow="ellipsis",
+                      highlight=False)
+
+
+def print_summary(console: Console, main: probe.ProbeReport, reports: list[probe.ProbeReport],
+                  target_rows: list[tuple[str, str]] | None, target: str | None, config: dict | None) -> None:
+    """doctor on one screen: versions and hardware, the strategy this vLLM takes and why, the capabilities that are
+    missing, unknown or worth knowing, one line per architecture, and the target's sizes when one is given."""
+    env = dict(environment_rows())
+    gpus = "no GPU" if env["gpus"].startswith("none") else f"GPUs: {env['gpus']}"
+    _say(console, f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']} · "
+                  f"{env['cpu cores']} CPU cores · {gpus}", "bold")
+    _say(console, f"torch {env['torch']} · transformers {env['transformers']} · vllm {env['vllm']}", indent=2)
+    assets_rows = {k.removeprefix("asset: "): v for k, v in env.items() if k.startswith("asset: ")}
+    missing = [name for name, state in assets_rows.items() if state != "cached"]
+    _say(console, f"cache {env['cache']}: {len(assets_rows) - len(missing)} of {len(assets_rows)} default assets "
+                  "cached" + (f" (fetched on first use: {', '.join(missing)})" if missing else ""), indent=2)
+    facts = main.facts
+    if not facts.installed:
+        _say(console, f"vLLM: not found ({main.reason})", "bold", wrap=True)
+    else:
+        _say(console, f"vLLM {facts.version} ({facts.platform or 'platform unknown'}), read from its source, never "
+                      "imported", "bold")
+        head = f"strategy: {main.strategy} for {main.architecture}" if main.strategy else \
+            f"no vLLM strategy for {main.architecture}"
+        _say(console, f"{head} ({main.reason})", None if main.strategy else "red", wrap=True, indent=2)
+        caps = main.capabilities
+        worth = [c for c in caps if c.unknown or c.ok is False]
+        counts = f"{sum(c.ok is True for c in caps)} as needed, {sum(c.ok is None for c in caps)} informational"
+        if worth:
+            counts += f", {sum(c.ok is False and not c.unknown for c in caps)} missing, " \
+                      f"{sum(c.unknown for c in caps)} unknown"
+        if target_rows is None:  # with a target, its sizes end with the choice for it
+            _say(console, f"compute dtype (auto): {dtype_line(main, config)}", wrap=True, indent=2)
+        _say(console, f"capabilities: {counts}", indent=2)
+        for cap in worth:
+            mark = "?" if cap.unknown else "✗"
+            _say(console, f"{mark} {cap.name}: {cap.found} — {cap.meaning}", "yellow" if cap.unknown else "red",
+                 indent=4)
+    _say(console, "architectures: strategy · aux ids vLLM reaches · notes", "bold")
+    width = max((len(r.architecture) for r in reports), default=0)
+    for r in reports:
+        row = probe.architecture_row(r)
+        _say(console, f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} "
+                      f"{row['notes'] if row['notes'] != '-' else ''}".rstrip(), indent=2)
+    if target_rows is not None:
+        _say(console, f"target {target}: sizes from its config.json", "bold")
+        for key, value in target_rows:
+            _say(console, f"{key}: {value}", wrap=True, indent=2)
+    _say(console, "the full tables: draftsmith doctor --verbose · everything for scripts: --json", "dim")
+
+
 def run(console: Console, *, target: str | None = None, tokens: int | None = None,
         tensor_parallel_size: int = 1, gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
         runtime: bool = False, as_json: bool = False, online_rate: float | None = None,
-        spool_lead_s: float = 60.0) -> None:
-    """Print doctor's tables (or, `as_json`, the one JSON object of `report`). `vllm_source`: probe that vLLM tree
-    instead of the installed one (no runtime step); `runtime`: build the installed vLLM's engine config too;
-    `online_rate`, `spool_lead_s`: the target's online spool rows (`spool_rows`)."""
+        spool_lead_s: float = 60.0, verbose: bool = False) -> None:
+    """Print doctor's summary, one screen (`verbose`: its full tables; `as_json`: the one JSON object of `report`).
+    `vllm_source`: probe that vLLM tree instead of the installed one (no runtime step); `runtime`: build the
+    installed vLLM's engine config too; `online_rate`, `spool_lead_s`: the target's online spool rows
+    (`spool_rows`)."""
     check_online(target, online_rate, spool_lead_s)  # a bad rate is one line before anything is printed
     if vllm_source is not None:
         package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed
@@ -253,17 +314,27 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
                                       online_rate=online_rate, spool_lead_s=spool_lead_s),
                                indent=2), highlight=False)
         return
+    config = read_target_config(target) if target else None
+    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
+    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
+    reports = _architecture_reports(architecture, config, vllm_source)
+    if not verbose:
+        rows = None
+        if config is not None:
+            rows = sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
+                               gpu_memory_gb=gpu_memory_gb, online_rate=online_rate, spool_lead_s=spool_lead_s)
+            if main.facts.installed:
+                rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
+        print_summary(console, main, reports, rows, target, config)
+        return
     table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     for key, value in environment_rows():
         table.add_row(key, value)
     console.print(table)
-    config = read_target_config(target) if target else None
-    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
-    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
     console.print(probe.render_probe_table(main))
-    console.print(probe.render_architecture_table(_architecture_reports(architecture, config, vllm_source)))
+    console.print(probe.render_architecture_table(reports))
     if config is not None:
         sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
         sizes.add_column(style="bold")
@@ -277,5 +348,5 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
         console.print(sizes)
 
 
-__all__ = ["check_online", "dtype_line", "environment_rows", "read_target_config", "report", "run", "sizing_rows", "spool_rows",
-           "training_fit_line"]
+__all__ = ["check_online", "dtype_line", "environment_rows", "print_summary", "read_target_config", "report", "run",
+           "sizing_rows", "spool_rows", "training_fit_line"]
