@@ -80,9 +80,8 @@ class PrepareConfig(StageConfig):
         "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."))
     trust_remote_code: bool = Field(False, description="Allow the target's own tokenizer code to run.")
     check_with_vllm: int = Field(0, ge=0, description=(
-        "Also render the first N usable conversations as vLLM's OpenAI server would (the installed vLLM's own "
-        "message parsing and template call; no engine is started) and stop, naming the record and the first "
-        "differing token, where a prompt's token ids differ from draftsmith's."))
+        "Render the first N conversations' prompts with the installed vLLM's own chat code too (no engine) and "
+        "stop, naming the record, turn and first differing token, where its token ids differ from draftsmith's."))
     resume: bool = Field(True, description=(
         "Continue an interrupted run with the same inputs and options from its last complete shard."))
 
@@ -114,9 +113,8 @@ class RegenerateConfig(StageConfig):
     seed: int = Field(0, description=(
         "Random seed for sampling (temperature > 0): vLLM seeds each answer, transformers each batch."))
     think: Literal["keep", "drop"] = Field("keep", description=(
-        "Reasoning models: keep the reasoning in the answers (<think>...</think> inline, or reasoning_content with "
-        "--reasoning-parser), or drop it (without a reasoning parser, an answer cut off before its reasoning ends "
-        "is then skipped, counted)."))
+        "Keep the reasoning in the answers (<think> inline, or reasoning_content with --reasoning-parser) or drop "
+        "it (no parser: an answer cut off before its reasoning ends is then skipped, counted)."))
     leading_assistant: Literal["skip", "drop"] = Field("skip", description=(
         "A conversation whose first turn (after any system turn) is the assistant's: skip it (counted), or drop "
         "its assistant turns before the first user turn and answer the rest."))
@@ -127,19 +125,13 @@ class RegenerateConfig(StageConfig):
     chat_template: Path | None = Field(None, description=(
         "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."))
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
-                                                 description=(
-        "Options the server passes to the chat template, as a JSON object (vLLM's --chat-template-kwargs): "
-        "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."))
+                                                 description="As for prepare: vLLM's --chat-template-kwargs.")
     tool_call_parser: str | None = Field(None, description=(
-        "The target's tool-call format, by the name vLLM's --tool-call-parser takes (hermes for Qwen3, kimi_k2 for "
-        "Kimi-K2.5; needs vLLM installed). Conversations that declare or call tools are then answered with their "
-        "tools declared (tool_choice auto) and the target's calls read back as tool_calls; tools are not run: the "
-        "recorded results follow the target's calls where the called names match, and a loop whose calls diverge "
-        "from the recording ends there (counted by reason). Without it such conversations are skipped (counted)."))
+        "vLLM's --tool-call-parser name (hermes: Qwen3, kimi_k2: Kimi-K2.5; needs vLLM): tool loops are answered "
+        "with their tools declared, calls read back as tool_calls, the recorded results after calls of the recorded "
+        "names (tools are not run); a diverging loop ends there, counted. Without it, tool chats are skipped."))
     reasoning_parser: str | None = Field(None, description=(
-        "The target's reasoning format, by the name vLLM's --reasoning-parser takes (qwen3, kimi_k2, deepseek_r1 "
-        "...; needs vLLM installed): the target's reasoning is stored as reasoning_content, as the server returns "
-        "it, and given back to the template in later turns."))
+        "vLLM's --reasoning-parser name (qwen3, kimi_k2, deepseek_r1 ...): reasoning stored as reasoning_content."))
     device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Compute dtype; auto: bfloat16 on GPU, float32 on CPU."))

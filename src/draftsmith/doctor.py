@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from draftsmith import __version__
 from draftsmith.config import ExtractConfig, TrainConfig
@@ -239,9 +241,6 @@ def _architecture_reports(architecture: str, config: dict | None, vllm_source: s
 
 def _say(console: Console, text: str, style: str | None = None, *, wrap: bool = False, indent: int = 0) -> None:
     """One line of the summary, cut to the screen with an ellipsis (or, `wrap`, wrapped under its indent)."""
-    from rich.padding import Padding
-    from rich.text import Text
-
     if wrap:
         console.print(Padding(Text(text, style=style or ""), (0, 0, 0, indent), expand=False), highlight=False)
     else:

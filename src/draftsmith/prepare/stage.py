@@ -58,6 +58,7 @@ from draftsmith.prepare.readers import (
     expand_sources,
     records_after,
 )
+from draftsmith.prepare.vllm_chat import VllmRendering
 from draftsmith.prepare.vocab import coverage_report
 
 BATCH = 16            # conversations per task sent to a worker
@@ -278,8 +279,6 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
                     template: str) -> str:
     """Render the first `cfg.check_with_vllm` usable conversations' prompts as vLLM's server would and compare
     them with the contexts draftsmith trains each generation in; DraftsmithError at the first differing token."""
-    from draftsmith.prepare.vllm_chat import VllmRendering
-
     try:
         vllm = VllmRendering(target_dir, encoder.tokenizer, template, cfg.trust_remote_code)
     except ImportError:
