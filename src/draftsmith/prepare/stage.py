@@ -284,7 +284,10 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
     except ImportError:
         raise DraftsmithError("--check-with-vllm: vLLM is not installed; install it beside draftsmith (see README) "
                               "or leave the check out") from None
-    decode = encoder.tokenizer.convert_ids_to_tokens
+    def token(seq: list[int], at: int) -> str:
+        return f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}" if at < len(seq) else \
+            "nothing (the prompt ends there)"
+
     conversations = prompts = 0
     for source, record in records_after(sources, 0):
         if conversations == cfg.check_with_vllm:
@@ -302,12 +305,10 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
             ids = ids.tolist()
             if ids != theirs:
                 at = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
-                show = lambda seq: (f"{seq[at]} {decode(seq[at])!r}" if at < len(seq)  # noqa: E731
-                                    else "nothing (the prompt ends there)")
                 raise DraftsmithError(
                     f"{source.path.name} record {record.index}: the prompt of turn {k} differs from vLLM "
-                    f"{vllm.version}'s rendering at token {at} of {len(theirs)}: draftsmith {show(ids)}, vLLM "
-                    f"{show(theirs)} (draftsmith renders with apply_chat_template; check --chat-template and "
+                    f"{vllm.version}'s rendering at token {at} of {len(theirs)}: draftsmith {token(ids, at)}, vLLM "
+                    f"{token(theirs, at)} (draftsmith renders with apply_chat_template; check --chat-template and "
                     "--chat-template-kwargs against the server's)")
             prompts += 1
         conversations += 1
