@@ -101,6 +101,46 @@ def test_head_parts_fall_back_to_the_whole_model_for_other_layouts(tmp_path):
     assert not isinstance(targets.load_target_head(path), targets.TargetHeadParts)
 
 
+def test_a_kimi_checkpoint_whose_model_code_does_not_import_gives_its_head_by_name(tmp_path, one_thread):
+    """Kimi-K2.5's own modelling code imports names newer transformers dropped: the head is then read by name and
+    shape from config.json and the safetensors index alone (no model code), equal to the model's own parts, and
+    where even that cannot be done, a whole-model load of a 594 GB checkpoint is refused in one line."""
+    from families import target_dir
+    from safetensors import safe_open
+
+    source = target_dir("kimi_k25")
+    model = targets.load_target(source)
+    path = tmp_path / "kimi"
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                          "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "configuration_kimi_k25.py").write_text(
+        "from transformers.models.llama.modeling_llama import LlamaFlashAttention2  # gone since transformers 4.48\n")
+    head = targets.load_target_head(path, trust_remote_code=True)
+    assert isinstance(head, targets.TargetHeadParts)
+    for part in (targets.embed_tokens, targets.lm_head):
+        assert torch.equal(part(model).weight, part(head).weight), part.__name__
+    x = torch.randn(2, 5, 128)
+    assert torch.allclose(targets.final_norm(model)(x), targets.final_norm(head)(x), atol=1e-6)  # its own norm's output
+    assert not torch.allclose(targets.final_norm(head)(x), x, atol=1e-2)  # (a norm that does something)
+
+    # the same checkpoint as Kimi-K2.5's index describes it (594 GB), without the final norm: refused, not loaded
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = [n for n in f.keys() if not n.endswith("model.norm.weight")]
+    (path / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": 594_000_000_000}, "weight_map": {n: "model.safetensors" for n in names}}))
+    with pytest.raises(DraftsmithError) as err:
+        targets.load_target_head(path, trust_remote_code=True)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}: the target's embedding, final norm and lm_head cannot "
+                                                       "be read by name (no language_model.model.norm.weight of shape "
+                                                       "[128] beside the embedding; the model's code did not build: ")
+    assert "LlamaFlashAttention2" in message, message
+    assert "loading the whole target (553 GiB of checkpoint) in their place is refused above 32 GiB" in message
+
+
 # ------------------------------------------------------------------------------------------ every family
 
 

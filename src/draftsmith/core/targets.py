@@ -21,9 +21,10 @@ from transformers import (
     AutoTokenizer,
     PreTrainedTokenizerFast,
 )
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import logging as hf_logging
 
-from draftsmith.core import assets, hfcompat
+from draftsmith.core import assets, hfcompat, sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
@@ -242,22 +243,98 @@ def _checkpoint_name(module_name: str, shape: tuple[int, ...], files: dict[str, 
     return best[0][1]
 
 
+# The whole target is loaded in place of its head only below this many bytes of checkpoint: a 1T-parameter target
+# in fp32 on the CPU, in every training rank, is never what was meant.
+WHOLE_TARGET_LIMIT = 32 * 2**30
+# model types whose final norm is not a plain RMSNorm (Gemma's and Qwen3-Next's scale by 1 + weight)
+_NOT_PLAIN_RMSNORM = ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next")
+
+
+def _checkpoint_bytes(path: Path, files: dict[str, tuple[Path, str]] | None) -> int:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if isinstance(total, (int, float)):
+            return int(total)
+    found = {file for file, _ in files.values()} if files else set(path.glob("*.safetensors")) | set(path.glob("*.bin"))
+    return sum(f.stat().st_size for f in found if f.is_file())
+
+
+def _whole_target(path: Path, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool,
+                  files: dict[str, tuple[Path, str]] | None, why: str) -> nn.Module:
+    """load_target in place of the head, where the target is small enough for that to be reasonable."""
+    size = _checkpoint_bytes(Path(path), files)
+    if size > WHOLE_TARGET_LIMIT:
+        raise DraftsmithError(
+            f"{path}: the target's embedding, final norm and lm_head cannot be read by name ({why}), and loading the "
+            f"whole target ({sizing.human_bytes(size)} of checkpoint) in their place is refused above "
+            f"{sizing.human_bytes(WHOLE_TARGET_LIMIT)}; a safetensors checkpoint whose config.json names hidden_size, "
+            "vocab_size and rms_norm_eps is read without its model code")
+    return load_target(path, dtype, device, trust_remote_code)
+
+
+def _head_by_name(config: dict, files: dict[str, tuple[Path, str]],
+                  shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], float, bool] | str:
+    """The head's tensors found by name and shape alone, without the model's code: ({"embed", "norm", "head"} ->
+    checkpoint name, the norm's eps, tied), or why not. The embedding is the one [vocab, hidden] `*embed_tokens.weight`,
+    the final norm the `norm.weight` beside it (Kimi-K2.5: `language_model.model.norm.weight`), the head the one
+    [vocab, hidden] `*lm_head.weight` (or the embedding, where tied)."""
+    text = text_config(config)
+    hidden, vocab, eps = text.get("hidden_size"), text.get("vocab_size"), text.get("rms_norm_eps")
+    if not isinstance(hidden, int) or not isinstance(vocab, int) or not isinstance(eps, (int, float)):
+        return "config.json names no hidden_size, vocab_size and rms_norm_eps"
+    if text.get("model_type") in _NOT_PLAIN_RMSNORM or config.get("model_type") in _NOT_PLAIN_RMSNORM:
+        return f"model type {text.get('model_type')}: its final norm is not a plain RMSNorm"
+    embeds = [n for n in files if n.endswith("embed_tokens.weight") and shapes.get(n) == (vocab, hidden)]
+    if len(embeds) != 1:
+        return f"{len(embeds)} tensors named *embed_tokens.weight of shape [{vocab}, {hidden}]"
+    norm = embeds[0].removesuffix("embed_tokens.weight") + "norm.weight"
+    if shapes.get(norm) != (hidden,):
+        return f"no {norm} of shape [{hidden}] beside the embedding"
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    heads = [n for n in files if n.endswith("lm_head.weight") and shapes.get(n) == (vocab, hidden)]
+    if len(heads) > 1 or (not heads and not tied):
+        return f"{len(heads)} tensors named *lm_head.weight of shape [{vocab}, {hidden}]"
+    return {"embed": embeds[0], "norm": norm, "head": heads[0] if heads else embeds[0]}, float(eps), tied
+
+
+def _read(files: dict[str, tuple[Path, str]], name: str) -> torch.Tensor:
+    file, stored = files[name]
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(stored)
+
+
 def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                      trust_remote_code: bool = False) -> nn.Module:
     """Only the embedding, final norm and lm_head, read by name from the safetensors files (a checkpoint whose
-    names are not the module's, like Kimi-K2.5's `language_model.model.*`, matched by _checkpoint_name); the whole
-    target (load_target) when the checkpoint is not laid out so (other formats, missing
-    tensors)."""
+    names are not the module's, like Kimi-K2.5's `language_model.model.*`, matched by _checkpoint_name). Where the
+    model's own code cannot build a skeleton (remote code that does not import with this transformers), they are
+    found by name and shape alone (_head_by_name, a plain RMSNorm). The whole target (load_target) only when the
+    checkpoint is not laid out so and is small (WHOLE_TARGET_LIMIT); a big one is refused in one line."""
 
+    path = Path(path)
+    files = _safetensors_names(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             skeleton = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
-        files = _safetensors_names(Path(path))
-    except Exception:  # noqa: BLE001 - anything unusual: the whole model, which reports its own errors
-        files = None
+    except Exception as err:  # noqa: BLE001 - the model's code did not build: read the head by name instead
+        if files is None:
+            return _whole_target(path, dtype, device, trust_remote_code, files, "not a safetensors checkpoint")
+        found = _head_by_name(read_config(path), files, _tensor_shapes(files))
+        if isinstance(found, str):
+            why = f"{found}; the model's code did not build: {type(err).__name__}: {err}".replace("\n", " ")
+            return _whole_target(path, dtype, device, trust_remote_code, files, why[:400])
+        names, eps, tied = found
+        embed_weight = _read(files, names["embed"])
+        embed = nn.Embedding(*embed_weight.shape, _weight=embed_weight)
+        norm = LlamaRMSNorm(embed_weight.shape[1], eps=eps)
+        norm.weight = nn.Parameter(_read(files, names["norm"]))
+        head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
+        head.weight = embed.weight if tied else nn.Parameter(_read(files, names["head"]))
+        return TargetHeadParts(embed, norm, head).to(device=device, dtype=dtype).eval().requires_grad_(False)
     if files is None:
-        return load_target(path, dtype, device, trust_remote_code)
+        return _whole_target(path, dtype, device, trust_remote_code, files, "not a safetensors checkpoint")
     shapes = _tensor_shapes(files)
     parts = {"embed": embed_tokens(skeleton), "norm": final_norm(skeleton), "head": lm_head(skeleton)}
     module_names = {id(m): n for n, m in skeleton.named_modules()}
@@ -270,13 +347,11 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
             continue
         names = {k: _checkpoint_name(f"{prefix}.{k}", tuple(t.shape), files, shapes)
                  for k, t in module.state_dict().items()}
-        if any(name is None for name in names.values()):
-            return load_target(path, dtype, device, trust_remote_code)
-        state = {}
-        for k, name in names.items():
-            file, stored = files[name]
-            with safe_open(str(file), framework="pt") as f:
-                state[k] = f.get_tensor(stored)
+        missing = [f"{prefix}.{k}" for k, name in names.items() if name is None]
+        if missing:
+            return _whole_target(path, dtype, device, trust_remote_code, files,
+                                 f"no one checkpoint tensor for {', '.join(missing)}")
+        state = {k: _read(files, name) for k, name in names.items()}
         loaded[key] = module.to_empty(device="cpu")
         loaded[key].load_state_dict(state, strict=True)
     if tied:
