@@ -269,6 +269,40 @@ def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills():
             torch.testing.assert_close(states[:, j], expected + 100 * k)
 
 
+def test_taps_whose_hooks_do_not_fire_fail_on_the_first_step_in_one_line():
+    """A forward that does not pass through the hooked layer modules (as a compiled graph may run) is refused on the
+    step it happens, not 600 s later by the sink's wait; a forward through them is stored."""
+    from draftsmith.extract.vllm import taps
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = _Stack(4)
+
+    for through_layers in (True, False):
+        runner, sink = _Runner(), _Sink()
+        runner.model = Model()
+
+        def execute_model(step, runner=runner, through_layers=through_layers):
+            x = torch.randn(sum(step.num_scheduled_tokens.values()), 8)
+            return runner.model.stack(x) if through_layers else x  # the second: the layers' code never runs
+
+        runner.execute_model = execute_model
+        taps.install(runner, sink, _plan(strategy="taps", layer_ids=[1, 4], num_layers=4, stack_class="_Stack",
+                                         vllm_ids=[], hook_ids=[1, 4]))
+        runner.input_batch = _Batch(["r1"])
+        step = _Step([_NewReq("r1", 7, [1] * 5, "taps")], {"r1": 5}, {"r1": 0})
+        if through_layers:
+            runner.execute_model(step)
+            assert sink.got[7][1].shape == (5, 2, 8)
+        else:
+            with pytest.raises(RuntimeError) as err:
+                runner.execute_model(step)
+            assert str(err.value).startswith("draftsmith taps: a step ran 5 tokens and the hooks on _Stack's layers "
+                                             "1, 4 did not all fire: ") and "\n" not in str(err.value)
+            assert not sink.got
+
+
 def test_runner_taps_hook_the_ids_vllm_does_not_reach_itself():
     from draftsmith.extract.vllm.taps import vllm_aux_ids
 

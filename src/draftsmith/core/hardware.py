@@ -109,6 +109,19 @@ def native_bf16() -> bool:
     return cpu_info().native_bf16
 
 
+def device_memory_bytes() -> int | None:
+    """The memory a model on one device has: the first GPU's, else this host's (MemTotal); None when unknown."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """What `auto` computes in on this device: bf16 on accelerators and bf16-native CPUs, fp32 on other CPUs."""
     kind = torch.device(device).type

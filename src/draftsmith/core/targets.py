@@ -24,7 +24,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import logging as hf_logging
 
-from draftsmith.core import assets, hfcompat, sizing
+from draftsmith.core import assets, hardware, hfcompat, sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
@@ -250,7 +250,11 @@ WHOLE_TARGET_LIMIT = 32 * 2**30
 _NOT_PLAIN_RMSNORM = ("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_next")
 
 
-def _checkpoint_bytes(path: Path, files: dict[str, tuple[Path, str]] | None) -> int:
+def checkpoint_bytes(path: Path, files: dict[str, tuple[Path, str]] | None = None) -> int:
+    """The bytes of a checkpoint's weights: its index's total_size, else the size of its weight files."""
+    path = Path(path)
+    if files is None:
+        files = _safetensors_names(path) if path.is_dir() else None
     index = path / "model.safetensors.index.json"
     if index.is_file():
         total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
@@ -263,7 +267,7 @@ def _checkpoint_bytes(path: Path, files: dict[str, tuple[Path, str]] | None) -> 
 def _whole_target(path: Path, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool,
                   files: dict[str, tuple[Path, str]] | None, why: str) -> nn.Module:
     """load_target in place of the head, where the target is small enough for that to be reasonable."""
-    size = _checkpoint_bytes(Path(path), files)
+    size = checkpoint_bytes(Path(path), files)
     if size > WHOLE_TARGET_LIMIT:
         raise DraftsmithError(
             f"{path}: the target's embedding, final norm and lm_head cannot be read by name ({why}), and loading the "
@@ -302,6 +306,13 @@ def _read(files: dict[str, tuple[Path, str]], name: str) -> torch.Tensor:
     file, stored = files[name]
     with safe_open(str(file), framework="pt") as f:
         return f.get_tensor(stored)
+
+
+def hf_backend_hint(target: Path) -> str:
+    """", or --backend hf" where the target would fit one device in transformers (twice its checkpoint: fp32 compute
+    of bf16 weights, dequantised ones), else "": a hint to load 600 GB on one device is no hint."""
+    memory = hardware.device_memory_bytes()
+    return ", or --backend hf" if memory is None or 2 * checkpoint_bytes(target) <= memory else ""
 
 
 def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -26,9 +26,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import hf_backend_hint
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.probe import (
@@ -316,7 +318,7 @@ class Engine:
             words = " ".join(str(err).split()) or "see vLLM's log above"
             raise DraftsmithError(f"{self.spec.target_dir}: vLLM could not run the target ({self.spec.dtype}, "
                                   f"{self.spec.strategy} strategy): {type(err).__name__}: {words[:300]}; try "
-                                  "another --compute-dtype, or --backend hf") from None
+                                  f"another --compute-dtype{hf_backend_hint(Path(self.spec.target_dir))}") from None
 
     def _generate(self, prompts: Sequence[tuple[int, Sequence[int]]], tag: bool,
                   on_finished: Callable[[int], None] | None) -> float:
