@@ -205,3 +205,40 @@ def test_doctor_rows_for_the_online_spool():
             check_online(bad["target"], bad["online_rate"], bad.get("spool_lead_s", 60.0))
     big = dict(sizing_rows(PUBLISHED["kimi_k25"], online_rate=1.5e6, spool_lead_s=2.5))
     assert "online spool (1,500,000 tok/s, 2.5 s lead)" in big
+
+
+# Kimi-K2.5's quantization_config as its checkpoint declares it: int4 routed experts (compressed-tensors, groups of
+# 32 with a bf16 scale each), attention, shared experts and the dense MLPs left in bf16.
+KIMI_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "group_size": 32, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def test_kimi_k25_as_stored_and_where_vllm_holds_it():
+    """The int4 checkpoint's size from its quantization_config (the published checkpoint holds about 594 GB of
+    weights), and the tensor parallel size each GPU kind needs: TP=4 does not fit a 141 GiB H200 under vLLM's 0.9
+    memory fraction (~138 GiB a GPU), TP=8 does; 80 GiB GPUs do not hold it even at TP=8."""
+    import copy
+
+    from draftsmith.core import sizing
+    from draftsmith.doctor import sizing_rows
+
+    config = copy.deepcopy(PUBLISHED["kimi_k25"])
+    config["text_config"]["quantization_config"] = KIMI_QUANTIZATION
+    stored = sizing.stored_weight_bytes(config)
+    assert stored.read and 590e9 < stored.bytes < 600e9, stored
+    assert stored.how.startswith("routed experts int4 (group 32, bf16 scales) 532 GiB; the rest bf16 ")
+    fits = {tp: sizing.vllm_fits(stored.bytes, tp, 141 * sizing.GiB) for tp in (4, 8)}
+    assert not fits[4][0] and 137 * sizing.GiB < fits[4][1] < 139 * sizing.GiB and fits[8][0]
+    assert not sizing.vllm_fits(stored.bytes, 8, 80 * sizing.GiB)[0]
+    rows = dict(sizing_rows(config, tensor_parallel_size=8))
+    assert rows["weights as stored"].startswith("553 GiB: routed experts int4")
+    assert "80 GiB (H100, A100): not at TP=8" in rows["vLLM loads it on"]
+    assert "141 GiB (H200): TP=8 (69.2 GiB per GPU of 123 GiB)" in rows["vLLM loads it on"]
+    # without a quantization_config: bf16, as before; one this arithmetic does not read says so
+    plain = sizing.stored_weight_bytes(PUBLISHED["kimi_k25"])
+    assert plain.bytes == 2 * sizing.target_shape(PUBLISHED["kimi_k25"]).params and plain.how.startswith("all bf16")
+    config["text_config"]["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    assert "not one this arithmetic reads" in dict(sizing_rows(config))["weights as stored"]

@@ -27,7 +27,7 @@ from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core import assets, sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
-from draftsmith.core.targets import read_config
+from draftsmith.core.targets import read_config, text_config
 from draftsmith.extract.vllm import probe
 from draftsmith.extract.vllm.source import locate, package_dir
 from draftsmith.train.model import DraftSpec  # doctor sits above every stage
@@ -106,7 +106,7 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
                                                      else "") if shape.moe_layers else "")
     def weights(devices: int) -> str:
         return ", ".join(f"{name} {sizing.human_bytes(sizing.weight_bytes(shape.params, size, devices))}"
-                         for name, size in (("bf16", 2), ("fp8", 1), ("int4", 0.5)))
+                         for name, size in (("bf16", 2), ("fp8", 1), ("int4 (group 32)", 0.5 + 2 / 32)))
 
     rows = [
         ("text backbone", f"{shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary {shape.vocab_size}, "
@@ -114,6 +114,11 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
         ("parameters", f"{sizing.human_count(shape.params)} ({sizing.human_count(shape.active_params)} per token)"),
         ("weights", weights(1) + (f"; per GPU at TP={tp}: " + weights(tp) if tp > 1 else "")),
     ]
+    stored = sizing.stored_weight_bytes(config)
+    if "quantization_config" in config or "quantization_config" in text_config(config):
+        rows.append(("weights as stored", f"{sizing.human_bytes(stored.bytes)}: {stored.how}" + (
+            "" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)")))
+    rows.append(("vLLM loads it on", vllm_fit_line(stored.bytes, gpu_memory_gb)))
     per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
     rows.append(("store layer ids", f"{','.join(map(str, layer_ids))} (aux {','.join(map(str, aux))}, then N)"))
     rows.append(("store bytes per token", f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} "
@@ -137,6 +142,28 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
             draft, gpu_memory_gb, token_budget=token_budget or train.token_budget,
             ttt_steps=ttt_steps or train.ttt_steps)))
     return rows
+
+
+GPU_KINDS_GIB = {"80 GiB (H100, A100)": 80.0, "141 GiB (H200)": 141.0}
+
+
+def vllm_fit_line(weights_bytes: float, gpu_memory_gb: float | None) -> str:
+    """Per GPU kind, the smallest tensor parallel size at which vLLM holds the weights (sizing.vllm_fits: 0.9 of the
+    GPU, 4 GiB left for activations and a KV cache)."""
+    kinds = dict(GPU_KINDS_GIB)
+    if gpu_memory_gb is not None:
+        kinds = {f"{gpu_memory_gb:g} GiB": gpu_memory_gb, **kinds}
+    parts = []
+    for name, gib in kinds.items():
+        sizes = [(tp, *sizing.vllm_fits(weights_bytes, tp, gib * sizing.GiB)) for tp in (1, 2, 4, 8)]
+        fit = next((s for s in sizes if s[1]), None)
+        if fit is None:
+            _, _, per, usable = sizes[-1]
+            parts.append(f"{name}: not at TP=8 ({sizing.human_bytes(per)} per GPU of {sizing.human_bytes(usable)})")
+        else:
+            tp, _, per, usable = fit
+            parts.append(f"{name}: TP={tp} ({sizing.human_bytes(per)} per GPU of {sizing.human_bytes(usable)})")
+    return "; ".join(parts) + " (0.9 of each GPU, 4 GiB kept for activations and the KV cache)"
 
 
 def spool_rows(per_token: dict[str, int], online_rate: float | None, lead_s: float, *, tokens: int | None,

@@ -15,6 +15,7 @@ disk cannot hold (extract/common.py). The published configs the tests check this
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field
@@ -41,6 +42,9 @@ class TargetShape(BaseModel):
     experts_per_token: int = 0
     shared_experts: int = 0
     tied_embeddings: bool = False
+    # the parameters of each kind of module, for sizing a checkpoint that stores them differently (quantisation)
+    kinds: dict[str, int] = Field(default_factory=dict, description="routed experts, shared experts, attention, "
+                                  "dense MLP, LM head, embedding -> parameters (norms and routers aside)")
 
 
 def _text(config: dict) -> dict:
@@ -153,10 +157,84 @@ def target_shape(config: dict) -> TargetShape:
                      + len(moe) * moe_active)
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     embeddings = vocab * hidden * (1 if tied else 2) + hidden  # embedding, LM head, final norm
+    kinds = {"routed experts": len(moe) * experts * expert_mlp, "shared experts": len(moe) * shared_mlp,
+             "attention": attention_all, "dense MLP": (num_layers - len(moe)) * dense_mlp,
+             "LM head": 0 if tied else vocab * hidden, "embedding": vocab * hidden}
     return TargetShape(hidden_size=hidden, num_layers=num_layers, vocab_size=vocab,
                        params=layers_all + embeddings, active_params=layers_active + embeddings, attention=kind,
                        moe_layers=len(moe), experts=experts if moe else 0, experts_per_token=per_token if moe else 0,
-                       shared_experts=shared if moe else 0, tied_embeddings=tied)
+                       shared_experts=shared if moe else 0, tied_embeddings=tied,
+                       kinds={k: v for k, v in kinds.items() if v})
+
+
+# A module of each kind as DeepSeek-V3 / Kimi-K2 / Llama checkpoints name it: what a quantization_config's `ignore`
+# list (names, or "re:" patterns) is matched against.
+_KIND_NAMES = {"routed experts": "model.layers.3.mlp.experts.0.down_proj",
+               "shared experts": "model.layers.3.mlp.shared_experts.down_proj",
+               "attention": "model.layers.3.self_attn.o_proj", "dense MLP": "model.layers.0.mlp.down_proj",
+               "LM head": "lm_head"}
+
+
+class StoredWeights(BaseModel):
+    """The target's weights as its checkpoint stores them (and vLLM loads them)."""
+
+    bytes: float
+    how: str = Field(description="per kind of module, how it is stored and what it takes")
+    read: bool = Field(description="False: a quantization_config this arithmetic does not read (bf16 assumed)")
+
+
+def _ignored(name: str, ignore: list) -> bool:
+    return any(name == p or (isinstance(p, str) and p.startswith("re:") and re.fullmatch(p[3:], name))
+               for p in ignore)
+
+
+def _bytes_per_weight(config: dict) -> tuple[dict[str, float], str] | None:
+    """Bytes per weight of each quantised kind and how, from quantization_config; None where it is not read."""
+    q = config.get("quantization_config") or _text(config).get("quantization_config")
+    if not isinstance(q, dict):
+        return {}, ""
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        groups = [g for g in (q.get("config_groups") or {}).values() if "Linear" in (g.get("targets") or [])]
+        weights = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+        bits, group = weights.get("num_bits"), weights.get("group_size")
+        if not isinstance(bits, int):
+            return None
+        per = bits / 8 + ((2 + (0 if weights.get("symmetric", True) else 1)) / group
+                          if weights.get("strategy") == "group" and isinstance(group, int) else 0)
+        how = f"{weights.get('type', 'int')}{bits}" + (f" (group {group}, bf16 scales)" if group else "")
+        ignore = q.get("ignore") or []
+        return {k: per for k, name in _KIND_NAMES.items() if not _ignored(name, ignore)}, how
+    if method == "fp8" and isinstance(q.get("weight_block_size"), list):  # DeepSeek-V3: every Linear but the head
+        b1, b2 = q["weight_block_size"]
+        per = 1 + 4 / (b1 * b2)
+        return {k: per for k in _KIND_NAMES if k != "LM head"}, f"fp8 (blocks {b1}x{b2}, fp32 scales)"
+    return None
+
+
+def stored_weight_bytes(config: dict) -> StoredWeights:
+    """What the weights take as stored: the kinds a quantization_config covers (compressed-tensors int groups with
+    bf16 scales, Kimi-K2.5's int4 routed experts; DeepSeek-V3's block fp8) at their bytes per weight, bf16 the rest."""
+    shape = target_shape(config)
+    read = _bytes_per_weight(config)
+    per_kind, how = read if read is not None else ({}, "")
+    quantised = sum(n * per_kind[k] for k, n in shape.kinds.items() if k in per_kind)
+    rest = shape.params - sum(n for k, n in shape.kinds.items() if k in per_kind)
+    parts = []
+    if per_kind:
+        names = [k for k in shape.kinds if k in per_kind]
+        parts.append(f"{', '.join(names)} {how} {human_bytes(quantised)}")
+    parts.append(f"{'the rest' if per_kind else 'all'} bf16 {human_bytes(2 * rest)}")
+    return StoredWeights(bytes=quantised + 2 * rest, how="; ".join(parts), read=read is not None)
+
+
+def vllm_fits(weights_bytes: float, tensor_parallel_size: int, gpu_bytes: float, memory_fraction: float = 0.9,
+              headroom: float = 4 * GiB) -> tuple[bool, float, float]:
+    """Whether vLLM loads weights of `weights_bytes` over `tensor_parallel_size` GPUs of `gpu_bytes` each: (fits,
+    weights per GPU, what vLLM may use of one GPU less `headroom` for activations and a KV cache at all)."""
+    per_gpu = weights_bytes / max(1, tensor_parallel_size)
+    usable = gpu_bytes * memory_fraction - headroom
+    return per_gpu <= usable, per_gpu, usable
 
 
 def weight_bytes(params: int, bytes_per_param: float, tensor_parallel_size: int = 1) -> float:
@@ -324,6 +402,7 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
-__all__ = ["SPOOL_CHUNKS", "TargetShape", "TrainingFit", "TrainingMemory", "check_disk", "draft_params",
-           "human_bytes", "human_count", "min_spool_bytes", "spool_bytes", "state_bytes_per_token", "store_bytes",
-           "store_bytes_per_token", "target_shape", "training_fit", "training_memory", "weight_bytes"]
+__all__ = ["SPOOL_CHUNKS", "StoredWeights", "TargetShape", "TrainingFit", "TrainingMemory", "check_disk",
+           "draft_params", "human_bytes", "human_count", "min_spool_bytes", "spool_bytes", "state_bytes_per_token",
+           "store_bytes", "store_bytes_per_token", "stored_weight_bytes", "target_shape", "training_fit",
+           "training_memory", "vllm_fits", "weight_bytes"]
