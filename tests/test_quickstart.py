@@ -308,3 +308,37 @@ def test_eta_is_not_thrown_off_by_a_quick_first_stage_and_follows_a_slow_long_on
     slow = {"prepare": {"seconds": 10.0}, "extract": {"seconds": 2.0 * budget.expected_s[1]}}
     after_slow_extract = quickstart._eta(budget, {"finished": slow}, rest[1:])
     assert 1.5 * sum(budget.expected_s[2:]) < after_slow_extract < 2.0 * sum(budget.expected_s[2:])
+
+
+def test_a_target_too_big_for_the_reference_decoder_ends_after_export_where_vllm_cannot_decode(
+        monkeypatch, tmp_path, tiny_target_dir):
+    """vLLM refuses the draft here and the target does not fit one device (Kimi-K2.5 beside vLLM 0.16): the
+    quickstart says so before its first stage and ends with the export and the command that evaluates it."""
+    import io
+    import types
+
+    from rich.console import Console
+
+    from draftsmith.config import StageResult
+    from draftsmith.core import targets
+
+    _probe_says(monkeypatch, version="0.16.0", eagle3=False)
+    monkeypatch.setattr(targets, "hf_backend_hint", lambda target: "")  # 2 x its checkpoint > this device
+    ran = []
+
+    def run(cfg):
+        ran.append(type(cfg).__name__)
+        return StageResult(stage="x", output=tmp_path, summary={})
+
+    for stage in list(quickstart._STAGE_MODULES):
+        monkeypatch.setitem(quickstart._STAGE_MODULES, stage, types.SimpleNamespace(run=run))
+    monkeypatch.setattr(quickstart, "_summary", lambda cfg, configs, state, why: ({"evaluation": why}, {}))
+    console = Console(file=io.StringIO(), width=400)
+    result = quickstart.run(QuickstartConfig(output=tmp_path / "qs", target=str(tiny_target_dir), budget="tiny"),
+                            console)
+    assert ran == ["PrepareConfig", "ExtractConfig", "TrainConfig", "ExportConfig"]
+    assert result.summary["evaluation"] == (
+        f"none here: vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: {NO_EAGLE3_HERE}, and the target "
+        "does not fit one device for the reference decoder; the run stops after export (evaluate the export where a "
+        "vLLM that can decode it is installed)")
+    assert "evaluation engine: none here: " in console.file.getvalue()
