@@ -143,6 +143,29 @@ def test_flex_path_end_to_end_with_eager_flex_backward(monkeypatch):
         torch.testing.assert_close(a, r, **F64)
 
 
+def test_the_compiled_flex_path_compiles_at_most_twice_over_many_sequence_lengths(monkeypatch):
+    """Each micro-batch has a new padded length T: our call (its block mask per T, its options) must not make dynamo
+    compile a graph per length (past its cache limit, eager flex would materialise [B, H, T, T]). Counted on a
+    backend that compiles flex here (aot_eager, forward: CPU has no flex backward); guards are the backend's own."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(flex_module.flex_attention, backend="aot_eager")
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: compiled)
+    rng = random.Random(0)
+    lengths = [rng.randint(40, 700) for _ in range(24)]
+    assert len(set(lengths)) > 20
+    for t in lengths:
+        q, k, v = torch.randn(1, 4, t, 16), torch.randn(1, 2, t, 16), torch.randn(1, 2, t, 16)
+        out, lse = flex_causal_attention(q, k, v, 0.25)
+        assert out.shape == (1, 4, t, 16) and lse.shape == (1, 4, t)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 def test_unknown_kernel_is_refused():
     q, keys, values = _inputs(1, 2, 2, 4, 4, 2)
     with pytest.raises(ValueError, match="kernel"):

@@ -124,6 +124,9 @@ def causal_block_mask(t: int, device: str, block: int = 128):
                                     seq_lengths=(t, t))
 
 
+FLEX_BUCKET = 256  # the compiled flex kernel's sequence lengths are multiples of this (two 128-blocks at least)
+
+
 @functools.cache
 def _compiled_flex_attention():
     # Compiled, flex_attention runs fused Triton kernels (forward and backward, LSE gradient included); eager it
@@ -138,12 +141,20 @@ def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if flex_attention is None:
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
     t = q.shape[2]
+    # Every micro-batch has its own padded length: rounded up to FLEX_BUCKET (zeros after the last position, which
+    # causal attention never lets a real position see), the compiled kernel meets a few shapes, not one per batch.
+    padded = -(-t // FLEX_BUCKET) * FLEX_BUCKET
+    if padded != t:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
     fn = _compiled_flex_attention() if compiled else flex_attention
-    kwargs = dict(block_mask=causal_block_mask(t, str(q.device)), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    kwargs = dict(block_mask=causal_block_mask(padded, str(q.device)), scale=scale,
+                  enable_gqa=q.shape[1] != k.shape[1])
     if AuxRequest is not None:
         out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
-        return out, aux.lse
-    return fn(q, k, v, return_lse=True, **kwargs)
+        lse = aux.lse
+    else:
+        out, lse = fn(q, k, v, return_lse=True, **kwargs)
+    return out[:, :, :t], lse[:, :, :t]
 
 
 # ---------------------------------------------------------------------------------------------- causal + LSE, chunked
