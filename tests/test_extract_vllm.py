@@ -180,13 +180,23 @@ def test_a_store_of_another_kind_is_refused_before_vllm_starts(tmp_path, prepare
 
 
 class _Sink:
+    """StoreSink's side the taps use: `to_host` (fp8: encoded before the copy, as StoreSink does) and `put`."""
+
     writes = True
 
-    def __init__(self):
+    def __init__(self, fp8: bool = False):
+        self.fp8 = fp8
         self.got: dict[int, tuple[list[int], torch.Tensor]] = {}
+        self.scales: dict[int, torch.Tensor | None] = {}
 
-    def put(self, sample_id, token_ids, states):
+    def to_host(self, states):
+        from draftsmith.extract.store.codec import encode_hidden_states
+
+        return encode_hidden_states(states, "fp8") if self.fp8 else (states.to("cpu", copy=True), None)
+
+    def put(self, sample_id, token_ids, states, scales=None):
         self.got[sample_id] = (list(token_ids), states)
+        self.scales[sample_id] = scales
 
 
 class _Batch:
@@ -244,10 +254,12 @@ def _plan(**kw):
     return TapPlan(**{**base, **kw})
 
 
-def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16 store", "fp8 store: encoded before the copy"])
+def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills(fp8):
+    from draftsmith.extract.store.codec import decode_hidden_states
     from draftsmith.extract.vllm import taps
 
-    runner, sink = _Runner(), _Sink()
+    runner, sink = _Runner(), _Sink(fp8)
     taps.install(runner, sink, _plan())
     assert runner.aux == (2, 3, 6) and runner.use_aux_hidden_state_outputs
     # step 1: r1 (5 tokens) whole, r2 (7 tokens) first 3; step 2: r2's last 4 after a request without a sample id
@@ -264,9 +276,18 @@ def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills():
     for sample_id, req, length in ((10, 1, 5), (11, 2, 7)):
         ids, states = sink.got[sample_id]
         assert ids == [req] * length and states.shape == (length, 3, 2)  # [T, L, H]
+        if fp8:  # the chunks' fp8 rows and their scales joined alike (r2 came in two steps)
+            assert states.dtype == torch.float8_e4m3fn and sink.scales[sample_id].shape == (length, 3)
+            states = decode_hidden_states(states, sink.scales[sample_id])
+        else:
+            assert sink.scales[sample_id] is None
         for j, k in enumerate([2, 3, 6]):
             expected = torch.stack([torch.full((length,), float(req)), torch.arange(length, dtype=torch.float)], 1)
-            torch.testing.assert_close(states[:, j], expected + 100 * k)
+            # fp8 e4m3: within 2^-4 of each row's largest value (which is 100 k + a few)
+            tolerance = 2 ** -4 * (100 * k + 8) if fp8 else 0.0
+            torch.testing.assert_close(states[:, j], expected + 100 * k, atol=tolerance, rtol=0)
+            if fp8:  # each row's own scale, in row order: its largest value over e4m3's 448
+                torch.testing.assert_close(sink.scales[sample_id][:, j], (expected.amax(1) + 100 * k) / 448)
 
 
 def test_taps_whose_hooks_do_not_fire_fail_on_the_first_step_in_one_line():
@@ -459,3 +480,49 @@ def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():
     assert str(err.value) == ("/models/qwen3-next: vLLM could not run the target (float32, taps strategy): "
                               "AssertionError: CPU GDN attention requires BF16.; try another --compute-dtype, or "
                               "--backend hf")
+
+
+def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_names_a_nan_sample(
+        tmp_path, tiny_target_dir):
+    """StoreSink.to_host encodes an fp8 store's states before they cross to the host: the store it writes from
+    those equals, byte for byte, the one it writes from the raw states (encoded in the writer's thread), and a NaN
+    is still found (by its row's scale) and named."""
+    from conftest import write_random_prepared
+
+    from draftsmith.core.targets import target_identity
+    from draftsmith.extract import store as store_module
+    from draftsmith.extract.vllm.sink import StoreSink
+    from draftsmith.prepare.dataset import open_prepared
+
+    prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 6, 20, 60)
+    data = open_prepared(prepared)
+    spec = store_module.StoreSpec(target=target_identity(tiny_target_dir), prepared=store_module.prepared_ref(data),
+                                  layer_ids=[2, 4], hidden_size=64, dtype="fp8", backend="vllm")
+    gen = torch.Generator().manual_seed(0)
+    states = {i: (3 * torch.randn(len(data[i]["input_ids"]), 2, 64, generator=gen)).to(torch.bfloat16)
+              for i in range(6)}
+
+    def write(path, encoded: bool, nan_in: int | None = None) -> dict:
+        sink = StoreSink({"store": str(path), "prepared": str(prepared), "spec": spec.model_dump(mode="json"),
+                          "worker": [0, 1], "shard_bytes": 1 << 20})
+        for i, x in states.items():
+            if i == nan_in:
+                x = x.clone()
+                x[5, 1, 7] = float("nan")
+            ids = data[i]["input_ids"].tolist()
+            if encoded:
+                sink.put(i, ids, *sink.to_host(x))
+            else:
+                sink.put(i, ids, x)
+        return sink.finish_store()
+
+    assert write(tmp_path / "raw", encoded=False)["samples_written"] == 6
+    assert write(tmp_path / "encoded", encoded=True)["samples_written"] == 6
+    raw, encoded = store_module.open(tmp_path / "raw", dtype=None), store_module.open(tmp_path / "encoded", dtype=None)
+    for i in range(6):
+        a, b = raw[i], encoded[i]
+        assert a["hidden_states"].dtype == torch.float8_e4m3fn
+        assert torch.equal(a["hidden_states"].view(torch.uint8), b["hidden_states"].view(torch.uint8))
+        assert torch.equal(a["hidden_scales"], b["hidden_scales"]) and a["hidden_scales"].abs().min() > 0
+    report = write(tmp_path / "nan", encoded=True, nan_in=3)
+    assert "sample 3 has NaN/Inf hidden states (layer ids [4])" in report["error"]

@@ -143,7 +143,7 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sink.writes:
             num_layers = self._num_layers or self._cache.shape[1]
             states = gather_rows(self._cache, item.block_ids, len(item.token_ids), num_layers)
-            self._sink.put(item.sample_id, item.token_ids, states)
+            self._sink.put(item.sample_id, item.token_ids, *self._sink.to_host(states))
         else:
             self._sink.put(item.sample_id, item.token_ids, torch.empty(0))
         self._done.add(item.req_id)

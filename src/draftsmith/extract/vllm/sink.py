@@ -19,6 +19,7 @@ import torch
 
 from draftsmith.extract import common
 from draftsmith.extract import store as store_module
+from draftsmith.extract.store.codec import encode_hidden_states
 from draftsmith.prepare.dataset import open_prepared
 
 SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args (under "kv_transfer_params": connector)
@@ -64,8 +65,18 @@ class StoreSink:
                 except BaseException as err:  # noqa: BLE001 - reported to the driver
                     self.error = f"{type(err).__name__}: {err}"
 
-    def put(self, sample_id: int, token_ids: Any, states: torch.Tensor) -> None:
-        """Store one request's states [T, L, H] (any device; copied to the CPU here, no pinned memory)."""
+    def to_host(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A request's states [T, L, H] as they cross to the host: for an fp8 store encoded where they are (on the
+        GPU: half the bytes cross, and the writer's thread neither encodes nor scans every value for NaN/Inf, whose
+        rows the scales mark), else as they are; (data, fp8 scales [T, L] or None), on the CPU."""
+        if self.writes and self.spec.dtype == "fp8":
+            data, scales = encode_hidden_states(states, "fp8")
+            return data.to("cpu"), scales.to("cpu")
+        return states.to("cpu", copy=True), None
+
+    def put(self, sample_id: int, token_ids: Any, states: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Store one request's states [T, L, H] (any device; copied to the CPU here, no pinned memory), or its fp8
+        states with their `scales` [T, L] from `to_host`."""
         with self._lock:
             self.received += 1
             if not self.writes or self.error is not None:
@@ -83,7 +94,8 @@ class StoreSink:
                     raise RuntimeError(f"sample {sample_id}: captured states {tuple(states.shape)}, expected "
                                        f"[{ids.shape[0]}, {len(self.layer_ids)}, H]")
                 host = states.detach().to("cpu").contiguous()
-                self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), host)])
+                item = (int(sample_id), ids, torch.as_tensor(row["loss_mask"]), host)
+                self._background.submit([item if scales is None else (*item, scales.detach().to("cpu"))])
                 self.written_tokens += int(ids.shape[0])
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
                 self.error = f"{type(err).__name__}: {err}"

@@ -129,7 +129,8 @@ class RunnerTaps:
 
     def __init__(self, runner: Any, sink: StoreSink, plan: TapPlan):
         self.runner, self.sink, self.plan = runner, sink, plan
-        self.requests: dict[str, tuple[int, list[int], list[torch.Tensor]]] = {}
+        # req id -> (sample id, prompt, its chunks so far as they crossed to the host: (states, fp8 scales or None))
+        self.requests: dict[str, tuple[int, list[int], list[tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self.last_aux: list[torch.Tensor] | None = None
         model = runner.get_model()
         if plan.vllm_ids:
@@ -189,18 +190,22 @@ class RunnerTaps:
             entry = self.requests.get(req_id)
             if entry is not None and n:
                 sample_id, prompt, chunks = entry
-                seen = sum(c.shape[0] for c in chunks)
+                seen = sum(c.shape[0] for c, _ in chunks)
                 take = min(n, len(prompt) - seen)
                 if take > 0:
                     if self.sink.writes:
                         chunk = torch.stack([h[offset:offset + take] for h in layers], dim=1)  # [take, L, H]
-                        chunks.append(chunk.to("cpu", copy=True))
+                        chunks.append(self.sink.to_host(chunk))  # fp8 encoded on the device, then copied
                     else:
-                        chunks.append(torch.empty(take, 0))
+                        chunks.append((torch.empty(take, 0), None))
                 if seen + max(take, 0) >= len(prompt):
                     del self.requests[req_id]
-                    states = torch.cat(chunks) if self.sink.writes else torch.empty(0)
-                    self.sink.put(sample_id, prompt, states)
+                    if not self.sink.writes:
+                        self.sink.put(sample_id, prompt, torch.empty(0))
+                    else:
+                        scales = [s for _, s in chunks]
+                        self.sink.put(sample_id, prompt, torch.cat([c for c, _ in chunks]),
+                                      None if scales[0] is None else torch.cat(scales))
             offset += n
 
 
