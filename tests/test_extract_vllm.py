@@ -484,13 +484,14 @@ def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():
 
 def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_names_a_nan_sample(
         tmp_path, tiny_target_dir):
-    """StoreSink.to_host encodes an fp8 store's states before they cross to the host: the store it writes from
-    those equals, byte for byte, the one it writes from the raw states (encoded in the writer's thread), and a NaN
-    is still found (by its row's scale) and named."""
+    """From a GPU, StoreSink.to_host encodes an fp8 store's states before they cross to the host: the store written
+    from those (states and scales) equals, byte for byte, the one written from the raw states (encoded in the
+    writer's thread, as on a CPU), and a NaN is found either way (by its row's scale) and named."""
     from conftest import write_random_prepared
 
     from draftsmith.core.targets import target_identity
     from draftsmith.extract import store as store_module
+    from draftsmith.extract.store.codec import encode_hidden_states
     from draftsmith.extract.vllm.sink import StoreSink
     from draftsmith.prepare.dataset import open_prepared
 
@@ -510,9 +511,10 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
                 x = x.clone()
                 x[5, 1, 7] = float("nan")
             ids = data[i]["input_ids"].tolist()
-            if encoded:
-                sink.put(i, ids, *sink.to_host(x))
+            if encoded:  # what to_host hands over from a GPU
+                sink.put(i, ids, *encode_hidden_states(x, "fp8"))
             else:
+                assert sink.to_host(x)[0] is x  # on the CPU: as they are, encoded in the writer's thread
                 sink.put(i, ids, x)
         return sink.finish_store()
 
@@ -524,5 +526,6 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
         assert a["hidden_states"].dtype == torch.float8_e4m3fn
         assert torch.equal(a["hidden_states"].view(torch.uint8), b["hidden_states"].view(torch.uint8))
         assert torch.equal(a["hidden_scales"], b["hidden_scales"]) and a["hidden_scales"].abs().min() > 0
-    report = write(tmp_path / "nan", encoded=True, nan_in=3)
-    assert "sample 3 has NaN/Inf hidden states (layer ids [4])" in report["error"]
+    for encoded in (True, False):
+        report = write(tmp_path / f"nan-{encoded}", encoded=encoded, nan_in=3)
+        assert "sample 3 has NaN/Inf hidden states (layer ids [4])" in report["error"]

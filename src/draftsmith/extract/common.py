@@ -49,6 +49,7 @@ from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest
 from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
+from draftsmith.extract.store.codec import encode_hidden_states
 from draftsmith.prepare.dataset import open_prepared
 
 
@@ -177,6 +178,15 @@ def check_finite(writer: store_module.StoreWriter, item: tuple) -> None:
                           "--compute-dtype float32, then run the same command again to resume")
 
 
+def _encoded(writer: store_module.StoreWriter, item: tuple) -> tuple:
+    """An fp8 store's item encoded once, here: check_finite then reads its scales (a row's scale is non-finite
+    exactly when a value of it is) instead of every value, and the writer stores it as it is."""
+    if writer.spec.dtype != "fp8" or (len(item) > 4 and item[4] is not None):
+        return item
+    data, scales = encode_hidden_states(item[3], "fp8")
+    return (*item[:3], data, scales)
+
+
 class BackgroundWriter:
     """Feeds a StoreWriter from a thread, so disk writes overlap the next forward pass.
 
@@ -205,6 +215,7 @@ class BackgroundWriter:
                 if ready is not None:
                     ready()
                 for item in items:
+                    item = _encoded(self.writer, item)
                     check_finite(self.writer, item)
                     self.writer.add(*item, flush_if_full=False)
                 self.writer.maybe_flush()

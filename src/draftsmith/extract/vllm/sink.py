@@ -66,13 +66,16 @@ class StoreSink:
                     self.error = f"{type(err).__name__}: {err}"
 
     def to_host(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A request's states [T, L, H] as they cross to the host: for an fp8 store encoded where they are (on the
-        GPU: half the bytes cross, and the writer's thread neither encodes nor scans every value for NaN/Inf, whose
-        rows the scales mark), else as they are; (data, fp8 scales [T, L] or None), on the CPU."""
+        """A request's states [T, L, H] (a tensor of their own, not vLLM's buffer) as they cross to the host:
+        (data, fp8 scales [T, L] or None), on the CPU. From a GPU, an fp8 store's are encoded there first: half the
+        bytes cross, and the writer's thread does not encode them. On the CPU they stay as they are: the writer's
+        thread encodes them beside the next step."""
+        if states.device.type == "cpu":
+            return states, None
         if self.writes and self.spec.dtype == "fp8":
             data, scales = encode_hidden_states(states, "fp8")
             return data.to("cpu"), scales.to("cpu")
-        return states.to("cpu", copy=True), None
+        return states.to("cpu"), None
 
     def put(self, sample_id: int, token_ids: Any, states: torch.Tensor, scales: torch.Tensor | None = None) -> None:
         """Store one request's states [T, L, H] (any device; copied to the CPU here, no pinned memory), or its fp8
