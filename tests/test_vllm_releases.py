@@ -174,8 +174,12 @@ def test_eagle3_since_names_the_first_release_read_whose_model_class_supports_ea
         return next(v for v in versions if reads[v])
 
     deepseek = {r["version"]: r["architectures"]["DeepseekV3ForCausalLM"]["supports_eagle3"] for r in RELEASES}
-    kimi = {r["version"]: probe(source_of(r), architecture="KimiK25ForConditionalGeneration",
-                                config=PUBLISHED["kimi_k25"]).support.supports_eagle3 for r in RELEASES}
+    kimi: dict[str, bool] = {}
+    for r in sorted(RELEASES, key=lambda r: tuple(map(int, r["version"].split(".")))):  # up to the first with it
+        kimi[r["version"]] = bool(probe(source_of(r), architecture="KimiK25ForConditionalGeneration",
+                                        config=PUBLISHED["kimi_k25"]).support.supports_eagle3)
+        if kimi[r["version"]]:
+            break
     assert EAGLE3_SINCE == {"DeepseekV3ForCausalLM": first(deepseek), "KimiK25ForConditionalGeneration": first(kimi)}
 
 
