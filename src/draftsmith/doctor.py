@@ -114,7 +114,7 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
         ("parameters", f"{sizing.human_count(shape.params)} ({sizing.human_count(shape.active_params)} per token)"),
         ("weights", weights(1) + (f"; per GPU at TP={tp}: " + weights(tp) if tp > 1 else "")),
     ]
-    stored = sizing.stored_weight_bytes(config)
+    stored = sizing.stored_weight_bytes(config, shape)
     if "quantization_config" in config or "quantization_config" in text_config(config):
         rows.append(("weights as stored", f"{sizing.human_bytes(stored.bytes)}: {stored.how}" + (
             "" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)")))

@@ -212,10 +212,11 @@ def _bytes_per_weight(config: dict) -> tuple[dict[str, float], str] | None:
     return None
 
 
-def stored_weight_bytes(config: dict) -> StoredWeights:
+def stored_weight_bytes(config: dict, shape: TargetShape | None = None) -> StoredWeights:
     """What the weights take as stored: the kinds a quantization_config covers (compressed-tensors int groups with
-    bf16 scales, Kimi-K2.5's int4 routed experts; DeepSeek-V3's block fp8) at their bytes per weight, bf16 the rest."""
-    shape = target_shape(config)
+    bf16 scales, Kimi-K2.5's int4 routed experts; DeepSeek-V3's block fp8) at their bytes per weight, bf16 the rest.
+    `shape`: the config's target_shape, where the caller has it."""
+    shape = shape or target_shape(config)
     read = _bytes_per_weight(config)
     per_kind, how = read if read is not None else ({}, "")
     quantised = sum(n * per_kind[k] for k, n in shape.kinds.items() if k in per_kind)

@@ -111,10 +111,10 @@ def run(cfg: RegenerateConfig) -> StageResult:
     dtype = engines.dtype_name(cfg, device)
     positions = context_length(read_config(target_dir))
     max_length = min(cfg.max_length, int(positions)) if positions else cfg.max_length
+    parsers_from = engines.vllm_version() if cfg.tool_call_parser or cfg.reasoning_parser else None
     fingerprint = sha256_bytes(json.dumps({
         "job": job_fingerprint(cfg, identity, template, sources), "engine": engine_version, "dtype": dtype,
-        "device": device.type, "eos": eos, "format": 1,
-        **({"parsers_from": engines.vllm_version()} if cfg.tool_call_parser or cfg.reasoning_parser else {}),
+        "device": device.type, "eos": eos, "format": 1, **({"parsers_from": parsers_from} if parsers_from else {}),
     }).encode("utf-8"))
 
     regenerated_set.check_replaceable(output)
@@ -165,7 +165,7 @@ def run(cfg: RegenerateConfig) -> StageResult:
         generator=Generator(target=identity, chat_template_hash=sha256_bytes(template.encode("utf-8")),
                             engine=engine_name, engine_version=engine_version, dtype=dtype, device=str(device),
                             chat_template_kwargs=cfg.chat_template_kwargs, tool_call_parser=cfg.tool_call_parser,
-                            reasoning_parser=cfg.reasoning_parser, parsers_from=engines.vllm_version() if parser else None),
+                            reasoning_parser=cfg.reasoning_parser, parsers_from=parsers_from),
         sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                           max_length=max_length, seed=cfg.seed, think=cfg.think),
         fingerprint=fingerprint, sources=regenerated_set.source_files(sources), num_conversations=tally.conversations,

@@ -306,15 +306,14 @@ class Regenerator:
             if content is None:
                 raise Skip("cut off inside <think>", f"turn {conv.pos}: the answer hit its limit of {len(tokens)} "
                            "tokens before its reasoning ended (--think drop)")
-            message = {"role": "assistant", "content": content}
-        else:
-            message = self.parser.parse(self.parser.decode(tokens, conv.tools), conv.tools)
-            if self.cfg.think == "drop":
-                message.pop("reasoning_content", None)
+            if not content.strip():
+                raise Skip("empty answer", f"turn {conv.pos}: the target answered with nothing")
+            return {"role": "assistant", "content": content}
+        message = self.parser.read(tokens, conv.tools)
+        if self.cfg.think == "drop":
+            message.pop("reasoning_content", None)
         if not (message["content"].strip() or message.get("tool_calls") or message.get("reasoning_content")):
             raise Skip("empty answer", f"turn {conv.pos}: the target answered with nothing")
-        if self.parser is None:
-            return message
         # read back as prepare will read the set (arguments objects, as vLLM hands them to the template later); a
         # call the parser could not read stays `<tool_call>` text in the content, which fails here too
         try:
@@ -335,11 +334,10 @@ class Regenerator:
         matched = got == want
         for k, call in enumerate(calls):
             old = recorded["tool_calls"][k].get("id") if matched else None
-            if "id" not in call:
-                call["id"] = old or f"call_{conv.index}_{conv.pos}_{k}"
+            if "id" not in call:  # id first, as OpenAI writes a call
+                calls[k] = call = {"id": old or f"call_{conv.index}_{conv.pos}_{k}", **call}
             if old and old != call["id"]:
                 conv.call_ids[old] = call["id"]
-            message["tool_calls"][k] = {"id": call["id"], **{n: v for n, v in call.items() if n != "id"}}
         answer_slot = recorded.get("content") is None and not want  # appended after a final user or tool turn
         if not matched and not answer_slot:
             conv.diverged = ANSWERED_INSTEAD if not got else CALLED_INSTEAD if not want else CALLED_OTHERS

@@ -70,8 +70,6 @@ class AnswerParser:
     def __init__(self, tokenizer: Any, tool_call_parser: str | None, reasoning_parser: str | None,
                  template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
-        self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
         try:
             importlib.import_module("vllm")
         except ImportError:
@@ -100,15 +98,21 @@ class AnswerParser:
             request = self._tools_probe.adjust_request(request)
         return request
 
-    def decode(self, tokens: list[int], tools: list[dict] | None) -> str:
+    def decode(self, tokens: list[int], tools: list[dict] | None, request: Any = None) -> str:
         """The answer's text as vLLM detokenises it for this request (a tool parser may keep special tokens)."""
-        return self.tokenizer.decode(tokens, skip_special_tokens=self.request(tools).skip_special_tokens)
+        request = request if request is not None else self.request(tools)
+        return self.tokenizer.decode(tokens, skip_special_tokens=request.skip_special_tokens)
 
-    def parse(self, text: str, tools: list[dict] | None) -> Message:
+    def read(self, tokens: list[int], tools: list[dict] | None) -> Message:
+        """The answer `tokens` as the server returns it: `decode`, then `parse`, for one request."""
+        request = self.request(tools)
+        return self.parse(self.decode(tokens, tools, request), tools, request)
+
+    def parse(self, text: str, tools: list[dict] | None, request: Any = None) -> Message:
         """`text` (one answer) -> {"role": "assistant", "content", "reasoning_content"?, "tool_calls"?}, the calls
         in OpenAI form; a call's id is the one the model wrote where its format carries one (Kimi's
         `functions.NAME:K`), else left out (the caller names it)."""
-        request = self.request(tools)
+        request = request if request is not None else self.request(tools)
         reasoning, content = None, text
         if self._reasoning is not None:
             reasoning, content = self._reasoning.extract_reasoning(text, request=request)
@@ -179,6 +183,8 @@ class VllmRendering:
                 return apply_hf_chat_template(tokenizer, conversation, chat_template, tools,
                                               model_config=self.model_config, **options)  # text
         self._parse, self._apply, self._format = parse_chat_messages, apply, resolve_chat_template_content_format
+        # 0.11 - 0.15 take the tokenizer too
+        self._parse_args = (tokenizer,) if "tokenizer" in inspect.signature(parse_chat_messages).parameters else ()
 
     def _content_format(self, tools: list | None) -> str:
         return self._format(self.chat_template, tools, "auto", self.tokenizer, model_config=self.model_config)
@@ -190,11 +196,7 @@ class VllmRendering:
             if m.get("reasoning_content") is not None:  # the request field vLLM reads (0.16+ ignores the other)
                 m = {("reasoning" if k == "reasoning_content" else k): v for k, v in m.items()}
             request.append(m)
-        fmt = self._content_format(tools)
-        if "tokenizer" in inspect.signature(self._parse).parameters:
-            conversation = self._parse(request, self.model_config, self.tokenizer, fmt)[0]
-        else:
-            conversation = self._parse(request, self.model_config, fmt)[0]
+        conversation = self._parse(request, self.model_config, *self._parse_args, self._content_format(tools))[0]
         with _quiet():
             text = self._apply(conversation, tools, add_generation_prompt=True, **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -166,15 +166,15 @@ class RunnerTaps:
         if not counts:
             return
         layers = self.states_of_step()
-        if layers is None and self.hooks is not None and sum(map(int, counts.values())):
+        ran = sum(map(int, counts.values()))
+        if layers is None and self.hooks is not None and ran:
             # the forward ran tokens past our hooks (a compiled or captured graph): say so now, not after the
-            # sink's wait for samples that will never come
+            # sink's wait for samples that will never come (the driver adds the --backend hf hint where it fits)
             stack = self.plan.stack_class or "decoder stack"
-            raise RuntimeError(f"draftsmith taps: a step ran {sum(map(int, counts.values()))} tokens and the hooks "
-                               f"on {stack}'s layers {', '.join(map(str, self.plan.hook_ids))} did not all fire: "
-                               "the model's forward does not pass through its layer modules here (a compiled or "
-                               "captured graph); extract with another --vllm-strategy that doctor offers, or "
-                               "--backend hf for a target that fits one device")
+            raise RuntimeError(f"draftsmith taps: a step ran {ran} tokens and the hooks on {stack}'s layers "
+                               f"{', '.join(map(str, self.plan.hook_ids))} did not all fire: the model's forward "
+                               "does not pass through its layer modules here (a compiled or captured graph); "
+                               "extract with another --vllm-strategy that doctor offers")
         if layers is None:
             return
         batch = self.runner.input_batch
