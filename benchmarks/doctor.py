@@ -19,11 +19,11 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from baseline import REPO, baseline_tree
+
 VLLM_LOG = re.compile(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d ")
 
 
@@ -43,21 +43,15 @@ def main() -> None:
     parser.add_argument("--baseline", default="de881ea")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.baseline], check=True,
-                       capture_output=True)
-        try:
-            times: dict[str, list[float]] = {"ours": [], "baseline": []}
-            logs: dict[str, int] = {}
-            for _ in range(args.rounds):
-                for side, src in (("ours", REPO / "src"), ("baseline", base / "src")):
-                    seconds, lines = run_doctor(src)
-                    times[side].append(seconds)
-                    logs[side] = max(logs.get(side, 0), lines)
-                    print(f"{side}: {seconds:.1f} s, {lines} vLLM log lines", flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], capture_output=True)
+    times: dict[str, list[float]] = {"ours": [], "baseline": []}
+    logs: dict[str, int] = {}
+    with baseline_tree(args.baseline) as base:
+        for _ in range(args.rounds):
+            for side, src in (("ours", REPO / "src"), ("baseline", base / "src")):
+                seconds, lines = run_doctor(src)
+                times[side].append(seconds)
+                logs[side] = max(logs.get(side, 0), lines)
+                print(f"{side}: {seconds:.1f} s, {lines} vLLM log lines", flush=True)
     ours, baseline = statistics.median(times["ours"]), statistics.median(times["baseline"])
     print(json.dumps({"doctor_s_ours": round(ours, 2), "doctor_s_baseline": round(baseline, 2),
                       "speedup": round(baseline / ours, 2), "baseline": args.baseline, "rounds": args.rounds,

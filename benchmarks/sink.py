@@ -23,11 +23,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from baseline import REPO, baseline_tree
+
 LAYERS, HIDDEN, REQUESTS = [2, 30, 58, 61], 7168, 4
 
 CHILD = r"""
@@ -111,19 +110,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16384)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.baseline], check=True,
-                       capture_output=True)
-        try:
-            runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
-            for _ in range(args.rounds):
-                for side, src in (("ours", REPO / "src"), ("baseline", base / "src")):
-                    out = run_side(src, args.tokens, Path(tmp))
-                    runs[side].append(out)
-                    print(f"{side}: {out['seconds']:.2f} s (the step itself {out['step_seconds']:.2f} s)", flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], capture_output=True)
+    runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
+    with baseline_tree(args.baseline) as base:
+        for _ in range(args.rounds):
+            for side, src in (("ours", REPO / "src"), ("baseline", base / "src")):
+                out = run_side(src, args.tokens, base.parent)  # the prepared set is made once, there
+                runs[side].append(out)
+                print(f"{side}: {out['seconds']:.2f} s (the step itself {out['step_seconds']:.2f} s)", flush=True)
     median = {side: statistics.median(r["seconds"] for r in rs) for side, rs in runs.items()}
     step = {side: statistics.median(r["step_seconds"] for r in rs) for side, rs in runs.items()}
     print(json.dumps({
