@@ -324,7 +324,10 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
     checkpoint is not laid out so and is small (WHOLE_TARGET_LIMIT); a big one is refused in one line."""
 
     path = Path(path)
-    files = _safetensors_names(path)
+    try:
+        files = _safetensors_names(path)
+    except Exception:  # noqa: BLE001 - an unreadable index or header: no by-name layout, as before this read moved up
+        files = None
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
