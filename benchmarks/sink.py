@@ -13,6 +13,14 @@ with `git worktree` into a temporary directory and removed after), rounds altern
     python benchmarks/sink.py [--baseline 4178c84~1] [--rounds 3] [--tokens 16384]
 
 Last line: JSON with the median seconds of each side, tokens/s of each, their ratio and the load averages.
+
+    python benchmarks/sink.py --copies --device cuda [--tokens 16384] [--rounds 5]
+
+The crossing alone, in this process (the GPU check runs it): the same step's states on the device, as the sink took
+them before (encoded there, then `.to("cpu")` into pageable memory, waiting) against `common.to_host` (encoded there,
+copied into pinned memory on a side stream): the seconds the step is held, the seconds until the bytes are on the
+host, and GB/s of the fp8 bytes. On a CPU (the rehearsal) there is no copy and no pinned memory: both rows time the
+encoding alone.
 """
 
 from __future__ import annotations
@@ -104,12 +112,63 @@ def run_side(src: Path, tokens: int, work: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def copies(tokens: int, rounds: int, device: str) -> dict:
+    """The crossing of one step's states to the host, pageable and synchronous against pinned on a side stream."""
+    import time
+
+    import torch
+
+    from draftsmith.extract import common
+    from draftsmith.extract.store.codec import encode_hidden_states
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    layers = [torch.randn(tokens, HIDDEN, device=dev).to(torch.bfloat16) for _ in LAYERS]
+    fp8_bytes = tokens * len(LAYERS) * (HIDDEN + 4)
+
+    def pageable():
+        data, scales = encode_hidden_states(torch.stack(layers, dim=1), "fp8")
+        data.to("cpu"), scales.to("cpu")
+
+    def pinned():
+        return common.to_host(layers, "fp8")
+
+    rows: dict[str, list[tuple[float, float]]] = {"pageable": [], "pinned": []}
+    for i in range(rounds + 1):  # the first round of each warms the allocators (pinned: its caching host allocator)
+        for name in rows:
+            sync()
+            start = time.perf_counter()
+            out = pageable() if name == "pageable" else pinned()
+            held = time.perf_counter() - start
+            if out is not None and out.ready is not None:
+                out.ready()
+            sync()
+            if i:
+                rows[name].append((held, time.perf_counter() - start))
+    result: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "tokens": tokens,
+                    "layers": len(LAYERS), "hidden": HIDDEN, "fp8_mb": round(fp8_bytes / 2**20, 1)}
+    for name, got in rows.items():
+        held, done = statistics.median(h for h, _ in got), statistics.median(d for _, d in got)
+        result[name] = {"step_held_s": round(held, 4), "on_host_s": round(done, 4),
+                        "gb_per_s": round(fp8_bytes / done / 1e9, 2)}
+        print(f"{name}: the step held {held * 1e3:.1f} ms, bytes on the host after {done * 1e3:.1f} ms "
+              f"({result[name]['gb_per_s']} GB/s of fp8)", flush=True)
+    result["pinned_vs_pageable"] = round(result["pageable"]["on_host_s"] / result["pinned"]["on_host_s"], 2)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="4178c84~1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--copies", action="store_true", help="the crossing alone, pageable against pinned")
+    parser.add_argument("--device", default="cuda", help="with --copies: where the states are (cuda, or cpu)")
     args = parser.parse_args()
+    if args.copies:
+        print(json.dumps(copies(args.tokens, args.rounds, args.device)))
+        return
     runs: dict[str, list[dict]] = {"ours": [], "baseline": []}
     with baseline_tree(args.baseline) as base:
         for _ in range(args.rounds):

@@ -180,7 +180,7 @@ def test_a_store_of_another_kind_is_refused_before_vllm_starts(tmp_path, prepare
 
 
 class _Sink:
-    """StoreSink's side the taps use: `to_host` (fp8: encoded before the copy, as StoreSink does) and `put`."""
+    """StoreSink's side the taps use: `to_host` (fp8: encoded as they cross, as StoreSink does) and `put`."""
 
     writes = True
 
@@ -189,14 +189,14 @@ class _Sink:
         self.got: dict[int, tuple[list[int], torch.Tensor]] = {}
         self.scales: dict[int, torch.Tensor | None] = {}
 
-    def to_host(self, states):
-        from draftsmith.extract.store.codec import encode_hidden_states
+    def to_host(self, layers):
+        from draftsmith.extract.common import to_host
 
-        return encode_hidden_states(states, "fp8") if self.fp8 else (states.to("cpu", copy=True), None)
+        return to_host(layers, "fp8" if self.fp8 else "bf16")
 
-    def put(self, sample_id, token_ids, states, scales=None):
-        self.got[sample_id] = (list(token_ids), states)
-        self.scales[sample_id] = scales
+    def put(self, sample_id, token_ids, parts):
+        self.got[sample_id] = (list(token_ids), torch.cat([p.data for p in parts]))
+        self.scales[sample_id] = None if parts[0].scales is None else torch.cat([p.scales for p in parts])
 
 
 class _Batch:
@@ -484,14 +484,15 @@ def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():
 
 def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_names_a_nan_sample(
         tmp_path, tiny_target_dir):
-    """From a GPU, StoreSink.to_host encodes an fp8 store's states before they cross to the host: the store written
-    from those (states and scales) equals, byte for byte, the one written from the raw states (encoded in the
-    writer's thread, as on a CPU), and a NaN is found either way (by its row's scale) and named."""
+    """StoreSink.to_host encodes an fp8 store's states as they cross to the host (on the CPU, in the copy out of the
+    engine's buffers; from a GPU, before it): the store written from those (states and scales) equals, byte for
+    byte, the one written from raw states (encoded in the writer's thread), and a NaN is found either way (by its
+    row's scale) and named."""
+    from draftsmith.extract.common import HostStates
     from conftest import write_random_prepared
 
     from draftsmith.core.targets import target_identity
     from draftsmith.extract import store as store_module
-    from draftsmith.extract.store.codec import encode_hidden_states
     from draftsmith.extract.vllm.sink import StoreSink
     from draftsmith.prepare.dataset import open_prepared
 
@@ -511,11 +512,12 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
                 x = x.clone()
                 x[5, 1, 7] = float("nan")
             ids = data[i]["input_ids"].tolist()
-            if encoded:  # what to_host hands over from a GPU
-                sink.put(i, ids, *encode_hidden_states(x, "fp8"))
+            if encoded:  # in two chunks, as a prefill in two steps crosses
+                parts = [sink.to_host(list(x[a:b].unbind(1))) for a, b in ((0, 7), (7, x.shape[0]))]
+                assert parts[0].data.dtype == torch.float8_e4m3fn and parts[0].scales.shape == (7, 2)
+                sink.put(i, ids, parts)
             else:
-                assert sink.to_host(x)[0] is x  # on the CPU: as they are, encoded in the writer's thread
-                sink.put(i, ids, x)
+                sink.put(i, ids, [HostStates(x)])
         return sink.finish_store()
 
     assert write(tmp_path / "raw", encoded=False)["samples_written"] == 6

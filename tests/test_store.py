@@ -245,9 +245,10 @@ def _full_disk_once(monkeypatch, name="_write_file"):
     def failing(path, data):
         calls["n"] += 1
         if calls["n"] == 2:
-            if name == "_write_file":
+            if name == "_write_file":  # data: the shard's pieces, header first
+                whole = b"".join(bytes(piece) for piece in data)
                 with open(path, "wb") as f:
-                    f.write(bytes(data)[: len(data) // 2])
+                    f.write(whole[: len(whole) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(path, data)
 
@@ -402,3 +403,60 @@ def test_merge_of_worker_stores_equals_one_store(tmp_path):
     with pytest.raises(DraftsmithError, match="already exists"):
         store.merge_stores([tmp_path / "a"], tmp_path / "m")
     assert not (tmp_path / "m3").exists() and not (tmp_path / "m4").exists()
+
+
+def test_a_shard_is_written_from_the_tensors_memory_as_safetensors_lays_it_out(tmp_path):
+    """write_shard streams the tensors' own bytes (no bytes object of the whole shard) and hashes them as they go:
+    the file parses to the same header as safetensors' own writer gives (its metadata as a dict: safetensors' order
+    of it varies run to run), its data region is byte for byte safetensors', and the sha256 and size it returns are
+    the file's."""
+    import hashlib
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    spec = _spec()
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"hidden_states": torch.randn(9, 2, spec.hidden_size, generator=gen).to(torch.float8_e4m3fn),
+               "hidden_scales": torch.rand(9, 2, generator=gen), "input_ids": torch.arange(9, dtype=torch.int32),
+               "loss_mask": torch.arange(9) % 3 > 0, "offsets": torch.tensor([0, 4, 9]),
+               "sample_ids": torch.tensor([5, 2])}
+    sha256, size = store.shards.write_shard(tmp_path / "s.safetensors", tensors, spec)
+    ours, reference = (tmp_path / "s.safetensors").read_bytes(), save(tensors, store.shards.shard_metadata(spec))
+    assert (sha256, size) == (hashlib.sha256(ours).hexdigest(), len(ours)) and size == len(reference)
+    header = struct.unpack("<Q", ours[:8])[0]
+    assert header == struct.unpack("<Q", reference[:8])[0]
+    assert json.loads(ours[8:8 + header]) == json.loads(reference[8:8 + header])
+    assert ours[8 + header:] == reference[8 + header:] and len(ours) - 8 - header > 9 * 2 * spec.hidden_size
+    in_parts = {**tensors, "hidden_states": [tensors["hidden_states"][:4], tensors["hidden_states"][4:]]}
+    assert store.shards.write_shard(tmp_path / "p.safetensors", in_parts, spec) == (sha256, size)  # the same file
+    with safe_open(tmp_path / "s.safetensors", "pt") as f:
+        assert f.metadata()["spec_fingerprint"] == spec.fingerprint()
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name).view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_fp8_encoding_in_cache_sized_blocks_equals_the_whole_tensor_formula_bit_for_bit():
+    """encode_layers_fp8 (the copy out of an engine's buffers: layers in, [T, L, H] e4m3 out, in blocks of rows on
+    the CPU) gives the bytes of the plain formula -- x / (amax / 448) in fp32 over the stacked tensor, clamped,
+    rounded -- across block boundaries, for zero rows and for NaN/Inf rows (whose scale stays non-finite)."""
+    from draftsmith.extract.store.codec import FP8_MAX, _CPU_BLOCK_VALUES, encode_layers_fp8
+
+    hidden = 4096
+    rows = 2 * _CPU_BLOCK_VALUES // hidden + 37  # three blocks, the last one short
+    gen = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(rows, hidden, generator=gen) * (10 ** k)).to(torch.bfloat16) for k in range(-2, 2)]
+    layers[0][3] = 0
+    layers[1][rows - 1, 5] = float("nan")
+    layers[2][200, 9] = float("inf")
+    x = torch.stack(layers, dim=1).float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    expected = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q, scales = encode_layers_fp8(layers)
+    assert q.shape == (rows, 4, hidden) and scales.shape == (rows, 4)
+    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scales.nan_to_num(posinf=-1.0), scale.nan_to_num(posinf=-1.0))
+    assert scales[3, 0] == 1.0 and scales[rows - 1, 1].isnan() and scales[200, 2].isinf()
+    assert q.view(torch.uint8).float().std() > 10  # not a tensor of one byte

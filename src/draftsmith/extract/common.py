@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest
 from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
-from draftsmith.extract.store.codec import encode_hidden_states
+from draftsmith.extract.store.codec import encode_hidden_states, encode_layers_fp8
 from draftsmith.prepare.dataset import open_prepared
 
 
@@ -178,9 +178,59 @@ def check_finite(writer: store_module.StoreWriter, item: tuple) -> None:
                           "--compute-dtype float32, then run the same command again to resume")
 
 
-def _encoded(writer: store_module.StoreWriter, item: tuple) -> tuple:
-    """An fp8 store's item encoded once, here: check_finite then reads its scales (a row's scale is non-finite
-    exactly when a value of it is) instead of every value, and the writer stores it as it is."""
+class HostStates(NamedTuple):
+    """Captured states [T, L, H] as they crossed to the host: the storage dtype's bytes where they were encoded
+    before the copy (fp8, with `scales` [T, L]), else the states' own dtype; `ready` waits for an asynchronous
+    copy (a CUDA event's synchronize), None when the bytes are there already."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    ready: Callable[[], Any] | None = None
+
+
+_copy_streams: dict[torch.device, Any] = {}
+
+
+def to_host(layers: Sequence[torch.Tensor], storage: str) -> HostStates:
+    """Captured layers (each [..., H]: [T, H] from an engine, [B, T, H] from a padded batch; one device; an engine
+    may reuse their memory after this returns) into one HostStates [..., L, H] for a store of `storage` dtype
+    ("fp8" or "bf16").
+
+    On the CPU this is the copy out of the engine's buffers, and for fp8 the encoding too, in one pass
+    (`encode_layers_fp8`). On a GPU the layers are stacked and, for fp8, encoded there (half the bytes cross),
+    then copied into pinned host memory on a side stream without waiting: the next forward runs while they
+    cross, and the writer's thread waits on `ready` before it reads them."""
+    device = layers[0].device
+    if device.type != "cuda":
+        if storage == "fp8":
+            return HostStates(*encode_layers_fp8(list(layers)))
+        return HostStates(torch.stack(list(layers), dim=-2))
+    data, scales = (encode_layers_fp8(list(layers)) if storage == "fp8"
+                    else (torch.stack(list(layers), dim=-2).to(torch.bfloat16), None))
+    stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
+    stream.wait_stream(torch.cuda.current_stream(device))  # the states are complete before they are copied
+    host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (data, scales)]
+    with torch.cuda.stream(stream):
+        for src, dst in zip((data, scales), host):
+            if src is not None:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)  # the caching allocator keeps them until the copy is done
+        event = torch.cuda.Event()
+        event.record(stream)
+    return HostStates(host[0], host[1], event.synchronize)
+
+
+def _joined(writer: store_module.StoreWriter, item: tuple) -> tuple:
+    """An item as the writer stores it. Its states may be a list of HostStates (a request whose prefill ran in
+    several steps): they are joined here, in the writer's thread. An fp8 store's states that crossed unencoded are
+    encoded here, once: check_finite then reads its scales (a row's scale is non-finite exactly when a value of it
+    is) instead of every value, and the writer stores it as it is."""
+    if isinstance(item[3], list):
+        parts = item[3]
+        data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
+        scales = None if parts[0].scales is None else (
+            parts[0].scales if len(parts) == 1 else torch.cat([p.scales for p in parts]))
+        item = (*item[:3], data, scales)
     if writer.spec.dtype != "fp8" or (len(item) > 4 and item[4] is not None):
         return item
     data, scales = encode_hidden_states(item[3], "fp8")
@@ -190,8 +240,8 @@ def _encoded(writer: store_module.StoreWriter, item: tuple) -> tuple:
 class BackgroundWriter:
     """Feeds a StoreWriter from a thread, so disk writes overlap the next forward pass.
 
-    `submit(items, ready=None)` queues a batch of (sample_id, input_ids, loss_mask, hidden_states[T, L, H]) or
-    (..., hidden_states, scales); `ready` (e.g. a CUDA event's `synchronize`) is called in the thread before the
+    `submit(items, ready=None)` queues a batch of (sample_id, input_ids, loss_mask, hidden_states[T, L, H]),
+    (..., hidden_states, scales) or (..., [HostStates, ...]); `ready` (e.g. a CUDA event's `synchronize`) is called in the thread before the
     tensors are read. A shard is written only between submitted batches. An error in the thread (full disk, a
     sample with NaN/Inf states: `check_finite`) is raised again in the caller's thread at the next `submit` or at exit.
     """
@@ -215,7 +265,10 @@ class BackgroundWriter:
                 if ready is not None:
                     ready()
                 for item in items:
-                    item = _encoded(self.writer, item)
+                    for part in item[3] if isinstance(item[3], list) else []:
+                        if part.ready is not None:
+                            part.ready()
+                    item = _joined(self.writer, item)
                     check_finite(self.writer, item)
                     self.writer.add(*item, flush_if_full=False)
                 self.writer.maybe_flush()

@@ -23,7 +23,6 @@ from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target, resolve_device
 from draftsmith.extract import common
-from draftsmith.extract.store import encode_hidden_states
 
 _COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,20 +88,9 @@ def _extract(model: nn.Module, plan: common.ExtractionPlan, batches: list[list[i
             samples = [plan.dataset[i] for i in batch]
             input_ids, attention_mask = pad_batch(samples)
             states = capture_hidden_states(model, input_ids, None, plan.layer_ids, dtype=storage)
-            ready = None
-            scales = None
-            if on_gpu:  # encode on the GPU (half the copy for fp8), copy to pinned memory without waiting
-
-                states, scales = encode_hidden_states(states, plan.cfg.dtype)
-                host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-                host.copy_(states, non_blocking=True)
-                if scales is not None:
-                    host_scales = torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
-                    host_scales.copy_(scales, non_blocking=True)
-                    scales = host_scales
-                event = torch.cuda.Event()
-                event.record()
-                states, ready = host, event.synchronize
+            ready = scales = None
+            if on_gpu:  # encoded on the GPU (half the copy for fp8), copied to pinned memory without waiting
+                states, scales, ready = common.to_host(states.unbind(2), plan.cfg.dtype)
             items = []
             for b, (i, s) in enumerate(zip(batch, samples)):
                 n = len(s["input_ids"])

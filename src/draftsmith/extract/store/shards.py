@@ -9,18 +9,23 @@ A shard is a safetensors file holding many samples, concatenated (docs/formats.m
     sample_ids     [S]        I64
     __metadata__              format, format_version, spec_fingerprint, dtype, layer_ids, hidden_size
 
-Files are read through `draftsmith.core.tensorfile.TensorFile`; every shard bytes are written through `_write_file`.
+Files are read through `draftsmith.core.tensorfile.TensorFile`; every shard's bytes are written through
+`_write_file`, straight from the tensors' memory (no bytes object of the whole shard), hashed as they are written.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import struct
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import save
 
 from draftsmith.core.tensorfile import TensorFile
 from draftsmith.extract.store.codec import SAFETENSORS_DTYPES
@@ -34,10 +39,22 @@ def shard_name(tag: str, seq: int) -> str:
     return f"part-{tag}-{seq:06d}.safetensors"
 
 
-def _write_file(path: Path, data: bytes | memoryview) -> None:
-    """Write all of `data` to `path`: the one place shard bytes reach the disk (tests simulate a full disk here)."""
-    with open(path, "wb") as f:
-        f.write(data)
+def _write_file(path: Path, pieces: Iterable[bytes | memoryview]) -> tuple[str, int]:
+    """Write `pieces` one after another to `path`: the one place shard bytes reach the disk (tests simulate a full
+    disk here). Returns the file's sha256 and size; each piece is hashed in a second thread while it is written
+    (hashlib and the write both release the GIL), so the hash costs no time beside the write."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="draftsmith-shard-hash") as hasher:
+        hashing = None
+        for piece in pieces:
+            if hashing is not None:
+                hashing.result()
+            hashing = hasher.submit(digest.update, piece)
+            f.write(piece)
+            size += len(piece)
+        if hashing is not None:
+            hashing.result()
+    return digest.hexdigest(), size
 
 
 def shard_metadata(spec: StoreSpec) -> dict[str, str]:
@@ -45,9 +62,33 @@ def shard_metadata(spec: StoreSpec) -> dict[str, str]:
             "dtype": spec.dtype, "layer_ids": ",".join(map(str, spec.layer_ids)), "hidden_size": str(spec.hidden_size)}
 
 
-def shard_bytes(tensors: dict[str, torch.Tensor], spec: StoreSpec) -> bytes:
-    """The safetensors file of one shard (tensors as in the module docstring), with the spec's metadata."""
-    return save({k: v.contiguous() for k, v in tensors.items()}, metadata=shard_metadata(spec))
+# safetensors' dtype names and the order its writer lays tensors out in (its Dtype enum, largest first, then name)
+_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",
+           torch.int16: "I16", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
+           torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+_ORDER = list(_DTYPES.values())
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]], spec: StoreSpec) -> tuple[str, int]:
+    """Write one shard (tensors as in the module docstring, on the CPU; a list stands for its parts concatenated on
+    the first axis, written one after another rather than joined in memory) as a safetensors file at `path`, with
+    the spec's metadata, laid out as `safetensors.torch.save` lays it out; returns (sha256, size in bytes)."""
+    parts = {name: value if isinstance(value, list) else [value] for name, value in tensors.items()}
+    ordered = sorted(parts.items(), key=lambda kv: (-_ORDER.index(_DTYPES[kv[1][0].dtype]), kv[0]))
+    header: dict[str, object] = {"__metadata__": shard_metadata(spec)}
+    views: list[memoryview] = []
+    offset = 0
+    for name, pieces in ordered:
+        first = pieces[0]
+        shape = [sum(int(p.shape[0]) for p in pieces), *first.shape[1:]] if first.dim() else []
+        start = offset
+        for piece in pieces:
+            views.append(memoryview(piece.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+            offset += len(views[-1])
+        header[name] = {"dtype": _DTYPES[first.dtype], "shape": shape, "data_offsets": [start, offset]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return _write_file(path, [struct.pack("<Q", len(text)) + text, *views])
 
 
 def open_shard(path: Path, expected_bytes: int | None = None, sha256: str | None = None) -> TensorFile:

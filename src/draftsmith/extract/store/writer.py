@@ -23,7 +23,6 @@ from draftsmith.core.fsio import (
     _explain_os_error,
     atomic_path,
     file_lock,
-    sha256_bytes,
     sha256_file,
 )
 from draftsmith.core.manifest import (
@@ -181,21 +180,20 @@ class StoreWriter:
         offsets = torch.zeros(len(buffer) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
         tensors = {
-            "hidden_states": torch.cat([b[3] for b in buffer]),
+            "hidden_states": [b[3] for b in buffer],  # written piece by piece, never joined in memory
             "input_ids": torch.cat([b[1] for b in buffer]),
             "loss_mask": torch.cat([b[2] for b in buffer]),
             "offsets": offsets,
             "sample_ids": sample_ids,
         }
         if self.spec.dtype == "fp8":
-            tensors["hidden_scales"] = torch.cat([b[4] for b in buffer])
-        data = shards.shard_bytes(tensors, self.spec)
+            tensors["hidden_scales"] = [b[4] for b in buffer]
         name = shards.shard_name(self.tag, self._next_seq)
         final = self.path / SHARD_DIR / name
         with atomic_path(final) as tmp:
-            shards._write_file(tmp, data)
+            sha256, num_bytes = shards.write_shard(tmp, tensors, self.spec)
         self._next_seq += 1
-        info = ShardInfo(file=f"{SHARD_DIR}/{name}", sha256=sha256_bytes(data), num_bytes=len(data),
+        info = ShardInfo(file=f"{SHARD_DIR}/{name}", sha256=sha256, num_bytes=num_bytes,
                          num_samples=len(buffer), num_tokens=int(offsets[-1]),
                          sample_ranges=sample_ranges(sample_ids.tolist()), writer=self.tag)
         _add_shards(self.path, [info], self.backend_info)

@@ -143,9 +143,9 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sink.writes:
             num_layers = self._num_layers or self._cache.shape[1]
             states = gather_rows(self._cache, item.block_ids, len(item.token_ids), num_layers)
-            self._sink.put(item.sample_id, item.token_ids, *self._sink.to_host(states))
+            self._sink.put(item.sample_id, item.token_ids, [self._sink.to_host(list(states.unbind(1)))])
         else:
-            self._sink.put(item.sample_id, item.token_ids, torch.empty(0))
+            self._sink.put(item.sample_id, item.token_ids, [])
         self._done.add(item.req_id)
 
     # ------------------------------------------------------------------ scheduler side

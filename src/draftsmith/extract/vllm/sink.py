@@ -19,7 +19,6 @@ import torch
 
 from draftsmith.extract import common
 from draftsmith.extract import store as store_module
-from draftsmith.extract.store.codec import encode_hidden_states
 from draftsmith.prepare.dataset import open_prepared
 
 SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args (under "kv_transfer_params": connector)
@@ -65,21 +64,17 @@ class StoreSink:
                 except BaseException as err:  # noqa: BLE001 - reported to the driver
                     self.error = f"{type(err).__name__}: {err}"
 
-    def to_host(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A request's states [T, L, H] (a tensor of their own, not vLLM's buffer) as they cross to the host:
-        (data, fp8 scales [T, L] or None), on the CPU. From a GPU, an fp8 store's are encoded there first: half the
-        bytes cross, and the writer's thread does not encode them. On the CPU they stay as they are: the writer's
-        thread encodes them beside the next step."""
-        if states.device.type == "cpu":
-            return states, None
-        if self.writes and self.spec.dtype == "fp8":
-            data, scales = encode_hidden_states(states, "fp8")
-            return data.to("cpu"), scales.to("cpu")
-        return states.to("cpu"), None
+    def to_host(self, layers: list[torch.Tensor]) -> common.HostStates:
+        """A request's captured layers (each [T, H], views of the engine's buffers, which it reuses after the step)
+        as they cross to the host, in the store's dtype where that is fp8 (`common.to_host`: on the CPU the copy
+        is the encoding; from a GPU half the bytes cross, asynchronously, into pinned memory)."""
+        if not self.writes:  # a rank that does not write: only the rows count
+            return common.HostStates(torch.empty(layers[0].shape[0], 0))
+        return common.to_host(layers, self.spec.dtype)
 
-    def put(self, sample_id: int, token_ids: Any, states: torch.Tensor, scales: torch.Tensor | None = None) -> None:
-        """Store one request's states [T, L, H] (any device; copied to the CPU here, no pinned memory), or its fp8
-        states with their `scales` [T, L] from `to_host`."""
+    def put(self, sample_id: int, token_ids: Any, parts: list[common.HostStates]) -> None:
+        """Store one request's states: its `parts` from `to_host` in token order (one per step its prefill ran
+        in; joined in the writer's thread). A sink that does not write only counts the request."""
         with self._lock:
             self.received += 1
             if not self.writes or self.error is not None:
@@ -93,12 +88,11 @@ class StoreSink:
                 got = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids).to(torch.int64)
                 if got.shape != ids.shape or not torch.equal(got.cpu(), ids):
                     raise RuntimeError(f"request for sample {sample_id} carried other token ids than the prepared set")
-                if tuple(states.shape) != (ids.shape[0], len(self.layer_ids), states.shape[-1]):
-                    raise RuntimeError(f"sample {sample_id}: captured states {tuple(states.shape)}, expected "
-                                       f"[{ids.shape[0]}, {len(self.layer_ids)}, H]")
-                host = states.detach().to("cpu").contiguous()
-                item = (int(sample_id), ids, torch.as_tensor(row["loss_mask"]), host)
-                self._background.submit([item if scales is None else (*item, scales.detach().to("cpu"))])
+                rows, shape = sum(p.data.shape[0] for p in parts), tuple(parts[0].data.shape[1:]) if parts else ()
+                if rows != ids.shape[0] or shape[:1] != (len(self.layer_ids),):
+                    raise RuntimeError(f"sample {sample_id}: captured states [{rows}, {', '.join(map(str, shape))}], "
+                                       f"expected [{ids.shape[0]}, {len(self.layer_ids)}, H]")
+                self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), list(parts))])
                 self.written_tokens += int(ids.shape[0])
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
                 self.error = f"{type(err).__name__}: {err}"

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel
 
+from draftsmith.extract.common import HostStates
 from draftsmith.extract.vllm.sink import SAMPLE_ID_KEY, StoreSink
 
 
@@ -129,8 +130,8 @@ class RunnerTaps:
 
     def __init__(self, runner: Any, sink: StoreSink, plan: TapPlan):
         self.runner, self.sink, self.plan = runner, sink, plan
-        # req id -> (sample id, prompt, its chunks so far as they crossed to the host: (states, fp8 scales or None))
-        self.requests: dict[str, tuple[int, list[int], list[tuple[torch.Tensor, torch.Tensor | None]]]] = {}
+        # req id -> (sample id, prompt, its chunks so far as they crossed to the host)
+        self.requests: dict[str, tuple[int, list[int], list[HostStates]]] = {}
         self.last_aux: list[torch.Tensor] | None = None
         model = runner.get_model()
         if plan.vllm_ids:
@@ -190,22 +191,13 @@ class RunnerTaps:
             entry = self.requests.get(req_id)
             if entry is not None and n:
                 sample_id, prompt, chunks = entry
-                seen = sum(c.shape[0] for c, _ in chunks)
+                seen = sum(c.data.shape[0] for c in chunks)
                 take = min(n, len(prompt) - seen)
                 if take > 0:
-                    if self.sink.writes:
-                        chunk = torch.stack([h[offset:offset + take] for h in layers], dim=1)  # [take, L, H]
-                        chunks.append(self.sink.to_host(chunk))  # fp8 encoded on the device, then copied
-                    else:
-                        chunks.append((torch.empty(take, 0), None))
+                    chunks.append(self.sink.to_host([h[offset:offset + take] for h in layers]))
                 if seen + max(take, 0) >= len(prompt):
                     del self.requests[req_id]
-                    if not self.sink.writes:
-                        self.sink.put(sample_id, prompt, torch.empty(0))
-                    else:
-                        scales = [s for _, s in chunks]
-                        self.sink.put(sample_id, prompt, torch.cat([c for c, _ in chunks]),
-                                      None if scales[0] is None else torch.cat(scales))
+                    self.sink.put(sample_id, prompt, chunks)
             offset += n
 
 
