@@ -313,3 +313,46 @@ def test_mlp_on_live_rows_only_gives_the_same_loss_and_gradients(layers):
     torch.testing.assert_close(b.sums, a.sums)
     for name in ga:
         torch.testing.assert_close(gb[name], ga[name], msg=name)
+
+
+def test_compiled_layers_make_a_fixed_number_of_graphs_over_many_lengths_and_match_eager(monkeypatch):
+    """`--compile` compiles each decoder layer (dynamic shapes): micro-batches of ~24 lengths and 5 TTT steps in one
+    process must not make a graph per length or per step (the cache list and the attention's per-length code stay
+    outside the layer's graph), or dynamo recompiles every step until its limit sends the layer back to eager.
+    Counted on the eager backend (it traces as inductor does, without generating code); the loss and gradients
+    equal the uncompiled draft's."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 90) for _ in range(24)]
+    assert len(set(lengths)) > 18
+    eager, compiled = _tiny_draft(layers=2), _tiny_draft(layers=2)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in compiled.layers:
+        layer.compile(dynamic=True, backend="eager")
+    graphs = []
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # not a silent fall to eager
+    for i, t in enumerate(lengths):
+        gen = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 40, (1, t), generator=gen)
+        mask = torch.rand(1, t, generator=gen) > 0.3
+        aux = torch.randn(1, t, 96, generator=gen)
+        index = step_index(mask.numpy(), 5)
+        target = _compact(_random_probs(1, t, 16, seed=i), index)
+        if i % 8 == 0:
+            outs = []
+            for draft in (eager, compiled):
+                draft.zero_grad()
+                out = ttt_forward(draft, ids, aux, target, index, ttt_steps=5)
+                out.loss.backward()
+                outs.append((out.loss, draft.fc.weight.grad.clone()))
+            torch.testing.assert_close(outs[0], outs[1])
+            assert outs[0][1].abs().sum() > 0
+        else:
+            ttt_forward(compiled, ids, aux, target, index, ttt_steps=5).loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert 0 < graphs[0] and graphs[-1] == graphs[1] <= 24, graphs  # the first two lengths make them all
+    torch._dynamo.reset()

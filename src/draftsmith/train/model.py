@@ -227,24 +227,36 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list, mode: str) -> torch.Tensor:
-        """cache: this layer's list of (k, v). mode "ttt": one entry per TTT step; "decode": one growing entry."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
+                mode: str) -> torch.Tensor:
+        """cache.layers[layer_idx]: this layer's (k, v); mode "ttt": one entry per TTT step; "decode": one growing
+        entry."""
         q, k, v = self.project(x, cos, sin)
-        if mode == "ttt":
-            cache.append((k, v))
-            out = ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
-        elif mode == "naive":
-            cache.append((k, v))
-            out = naive_ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
-        else:
-            if cache:
-                k, v = torch.cat((cache[0][0], k), dim=2), torch.cat((cache[0][1], v), dim=2)
-                cache[0] = (k, v)
-            else:
-                cache.append((k, v))
-            out = cached_attention(q, k, v)
+        out = _attend(q, k, v, cache, layer_idx, mode)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@torch.compiler.disable
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer_idx: int, mode: str) -> torch.Tensor:
+    """This step's k, v into layer `layer_idx`'s cache, and q's attention over it. Never traced into a compiled
+    layer (`--compile`): the attention brings its own compiled kernel (flex) or autograd function (chunked), and in
+    the layer's graph the cache's length and the kernels' per-length code would make dynamo compile a graph per TTT
+    step and per sequence length, until its recompile limit sends the layer back to eager. The layer passes the
+    cache object through without reading it, so its graph guards on none of it."""
+    cache = kv.layers[layer_idx]
+    if mode == "ttt":
+        cache.append((k, v))
+        return ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
+    if mode == "naive":
+        cache.append((k, v))
+        return naive_ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
+    if cache:
+        k, v = torch.cat((cache[0][0], k), dim=2), torch.cat((cache[0][1], v), dim=2)
+        cache[0] = (k, v)
+    else:
+        cache.append((k, v))
+    return cached_attention(q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- MLP and layer
@@ -284,7 +296,7 @@ class DecoderLayer(nn.Module):
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H]
         else:
             x = self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(x, cos, sin, cache.layers[self.layer_idx], mode)
+        hidden = hidden + self.self_attn(x, cos, sin, cache, self.layer_idx, mode)
         if rows is None:
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
         flat = hidden.flatten(0, 1)
