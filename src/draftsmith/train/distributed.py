@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 STRATEGIES = ("auto", "ddp", "fsdp2")
@@ -84,16 +84,23 @@ def choose_strategy(requested: str, draft: nn.Module, draft_vocab_size: int) -> 
     return "fsdp2" if 16 * trainable > FSDP_STATE_BYTES or draft_vocab_size >= FSDP_VOCAB else "ddp"
 
 
-def wrap(model: nn.Module, info: DistInfo) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None) -> nn.Module:
     """DDP or FSDP2 `fully_shard` around a TTTModel (info.strategy, already chosen); the model itself when
-    single-process. The frozen embedding stays out of both (module docstring)."""
+    single-process. The frozen embedding stays out of both (module docstring).
+
+    FSDP2: each decoder layer stays gathered from its first forward to its backward (`reshard_after_forward=False`):
+    a TTT unroll calls every layer once per step, and resharding after each would all-gather the layer again at
+    every step, in the backward and in each checkpointed recompute. `param_dtype` (the autocast dtype, bf16 on a
+    GPU) is the dtype layers are gathered and computed in -- half the all-gathered bytes --, gradients reduced in
+    fp32; None keeps the parameters' own dtype."""
     if not info.enabled:
         return model
     embedding = model.get_parameter(EMBEDDING)
     if info.strategy == "fsdp2":
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         for layer in model.draft.layers:
-            fully_shard(layer)
-        fully_shard(model, ignored_params={embedding})
+            fully_shard(layer, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(model, ignored_params={embedding}, mp_policy=policy)
         return model
     # The embedding is every rank's own copy of the target's, and d2t / t2d never change: nothing to broadcast.
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [EMBEDDING])

@@ -347,7 +347,8 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     head = TargetHead(targets.final_norm(s.target), targets.lm_head(s.target).weight, draft.draft_to_target,
                       autocast_dtype(device, cfg.precision))
     info.strategy = distributed.choose_strategy(cfg.distributed, draft, spec.draft_vocab_size)
-    model = distributed.wrap(TTTModel(draft), info)
+    gathered = autocast_dtype(device, cfg.precision) if device.type == "cuda" else None  # FSDP2's param dtype
+    model = distributed.wrap(TTTModel(draft), info, gathered)
     optimizer = make_optimizer(model, cfg, device)
     if saved is not None:
         opt_state = saved["optimizer"] if info.strategy == "fsdp2" else regroup(saved["optimizer"], optimizer, model)
