@@ -7,6 +7,13 @@
 #
 #   bash benchmarks/gpu_check.sh                         # on the GPU machine (device cuda)
 #   bash benchmarks/gpu_check.sh --device cpu --tiny     # the rehearsal (CI): the same steps on tiny shapes, < 1 min
+#   bash benchmarks/gpu_check.sh --kimi                  # the Kimi-K2.5 reference job's checks instead (~7 min): its
+#                                                        # draft step (T 4096, checkpointed, flex and chunked),
+#                                                        # variable T in one process with the compiled graph count,
+#                                                        # the extraction's host crossing pageable vs pinned, and
+#                                                        # `draftsmith train --device cuda` end to end on a tiny
+#                                                        # target; JSON in $OUT/kimi.json (rehearsal: add
+#                                                        # --device cpu --tiny)
 #   options: --minutes N (τ training time, default 2), --out DIR (logs and JSON, default a temp dir),
 #            --tau-target DIR + --tau-prepared DIR (τ on another target / prepared set)
 #
@@ -20,11 +27,12 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEVICE=cuda TINY=0 MINUTES=2 OUT="" TAU_TARGET="" TAU_PREPARED=""
+DEVICE=cuda TINY=0 KIMI=0 MINUTES=2 OUT="" TAU_TARGET="" TAU_PREPARED=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --tiny) TINY=1; shift ;;
+    --kimi) KIMI=1; shift ;;
     --minutes) MINUTES="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --tau-target) TAU_TARGET="$2"; shift 2 ;;
@@ -55,6 +63,91 @@ if dev.startswith("cuda") and not torch.cuda.is_available():
     sys.exit("gpu_check.sh: --device cuda but torch sees no GPU (pass --device cpu --tiny for the rehearsal)")
 EOF
 
+# tiny_assets DIR: the tests' tiny random Llama (real tokenizer and chat template) and a random prepared set there
+tiny_assets() {
+  "$PY" - "$1" <<'EOF'
+import sys
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, "tests")
+from conftest import build_tiny_target  # the tests' tiny random Llama with a real tokenizer and chat template
+from draftsmith.core.targets import target_identity
+from draftsmith.prepare.dataset import write_prepared
+out = Path(sys.argv[1])
+target = build_tiny_target(out / "target")
+rng = np.random.default_rng(0)
+samples = [{"input_ids": rng.integers(4, 300, 40), "loss_mask": np.r_[np.zeros(12), np.ones(28)].astype(int)}
+           for _ in range(24)]
+write_prepared(out / "prepared", samples, target_identity(target), chat_template_hash="t", max_length=64)
+EOF
+}
+
+if [ "$KIMI" = 1 ]; then
+  cd "$REPO"
+  if [ "$TINY" = 1 ]; then  # CPU: chunked only (flex has no CPU backward); the eager backend only traces
+    STEP=(--shape tiny --seqs 128 --dtype fp32 --steps 1 --warmup 1 --threads 1) KERNELS="chunked" BACKEND=eager
+    VARY=(--shape tiny --seqs 128 --vary 6 --dtype fp32 --threads 1) SINK=(--tokens 512 --rounds 1)
+  else
+    STEP=(--shape kimi --seqs 4096 --dtype bf16 --steps 2 --warmup 1) KERNELS="flex chunked" BACKEND=inductor
+    VARY=(--shape kimi --seqs 4096 --vary 12 --dtype bf16) SINK=(--tokens 16384 --rounds 5)
+  fi
+  # 1. The reference job's draft step: T 4096, activation checkpointing, each TTT attention kernel.
+  for kernel in $KERNELS; do
+    "$PY" benchmarks/train.py "${STEP[@]}" --device "$DEVICE" --checkpointing --no-naive --kernel "$kernel" \
+      2> "$OUT/kimi-step-$kernel.log" | tee "$OUT/kimi-step-$kernel.txt"
+  done
+  # 2. Micro-batches of random lengths in one process, layers compiled: the graphs dynamo made over them.
+  "$PY" benchmarks/train.py "${VARY[@]}" --device "$DEVICE" --checkpointing --compile "$BACKEND" \
+    2> "$OUT/kimi-vary.log" | tee "$OUT/kimi-vary.txt"
+  # 3. The extraction's host crossing at a Kimi-shaped step: pageable and waiting against pinned on a side stream.
+  "$PY" benchmarks/sink.py --copies --device "$DEVICE" "${SINK[@]}" 2> "$OUT/kimi-sink.log" | tee "$OUT/kimi-sink.txt"
+  # 4. draftsmith train on this device end to end (online: the tiny target runs in the trainer), then its export.
+  tiny_assets "$OUT/tiny"
+  set +e
+  "$PY" -m draftsmith train --data "$OUT/tiny/prepared" --output "$OUT/kimi-train" --device "$DEVICE" \
+    --max-steps 4 --draft-vocab-size 128 --ttt-steps 2 --token-budget 256 > "$OUT/kimi-train.txt" \
+    2> "$OUT/kimi-train.log" && "$PY" -m draftsmith export "$OUT/kimi-train" --output "$OUT/kimi-export" \
+    >> "$OUT/kimi-train.txt" 2>> "$OUT/kimi-train.log"
+  echo "train + export: exit $?" | tee -a "$OUT/kimi-train.txt"
+  set -e
+  "$PY" - "$OUT" "$(( $(date +%s) - START ))" <<'EOF'
+import json, sys
+from pathlib import Path
+out, seconds = Path(sys.argv[1]), int(sys.argv[2])
+def last_json(name):
+    path = out / name
+    lines = [x for x in path.read_text().splitlines() if x.startswith("{")] if path.exists() else []
+    return json.loads(lines[-1]) if lines else None
+steps = {p.stem.removeprefix("kimi-step-"): last_json(p.name) for p in sorted(out.glob("kimi-step-*.txt"))}
+train = (out / "kimi-train.txt").read_text()
+report = {"env": (out / "env.txt").read_text().strip(), "seconds": seconds, "step": steps,
+          "vary": last_json("kimi-vary.txt"), "sink": last_json("kimi-sink.txt"),
+          "train_end_to_end": "exit 0" in train and (out / "kimi-export").is_dir()}
+(out / "kimi.json").write_text(json.dumps(report, indent=1))
+print(f"\n{report['env']}; gpu_check.sh --kimi took {seconds} s\n")
+for kernel, r in steps.items():
+    if r is None:
+        print(f"draft step, {kernel}: no result (see kimi-step-{kernel}.log)"); continue
+    for shape, by_t in r["tokens_per_s_by_T"].items():
+        for t, tps in by_t.items():
+            print(f"draft step {shape} T {t} {kernel} {r['dtype']} checkpointed: {tps:,.0f} tokens/s, "
+                  f"peak {r['peak_mb_by_T'][shape][t]:,.0f} MB")
+v = report["vary"]
+print("variable T: no result" if v is None else
+      f"variable T ({len(v['lengths'])} lengths {min(v['lengths'])}..{max(v['lengths'])}, compiled {v['compile']}): "
+      f"{v['unique_graphs']} graphs, {v['tokens_per_s']:,.0f} tokens/s")
+k = report["sink"]
+print("host crossing: no result" if k is None else
+      f"host crossing of {k['tokens']} tokens ({k['fp8_mb']} MB fp8) on {k['device']}: pageable "
+      f"{k['pageable']['on_host_s'] * 1e3:.1f} ms (step held {k['pageable']['step_held_s'] * 1e3:.1f}), pinned "
+      f"{k['pinned']['on_host_s'] * 1e3:.1f} ms (step held {k['pinned']['step_held_s'] * 1e3:.1f}): "
+      f"{k['pinned_vs_pageable']}x")
+print(f"draftsmith train end to end: {'ok' if report['train_end_to_end'] else 'FAILED (see kimi-train.log)'}")
+print(f"JSON: {out / 'kimi.json'}")
+EOF
+  exit 0
+fi
+
 # 1. Throughput and peak memory of the training step, compile off and on.
 if [ "$TINY" = 1 ]; then
   TRAIN_ARGS=(--shape tiny --seqs 128 --device "$DEVICE" --dtype fp32 --steps 1 --warmup 1 --threads 1)
@@ -70,21 +163,7 @@ fi
 # 2. τ of the default target after $MINUTES minutes of online training (reference decoder, MT-bench).
 TAU_ARGS=(--device "$DEVICE" --minutes "$MINUTES" --work "$OUT/tau" --k 3)
 if [ "$TINY" = 1 ]; then
-  "$PY" - "$OUT/tiny" <<'EOF'
-import sys
-from pathlib import Path
-import numpy as np
-sys.path.insert(0, "tests")
-from conftest import build_tiny_target  # the tests' tiny random Llama with a real tokenizer and chat template
-from draftsmith.core.targets import target_identity
-from draftsmith.prepare.dataset import write_prepared
-out = Path(sys.argv[1])
-target = build_tiny_target(out / "target")
-rng = np.random.default_rng(0)
-samples = [{"input_ids": rng.integers(4, 300, 40), "loss_mask": np.r_[np.zeros(12), np.ones(28)].astype(int)}
-           for _ in range(24)]
-write_prepared(out / "prepared", samples, target_identity(target), chat_template_hash="t", max_length=64)
-EOF
+  tiny_assets "$OUT/tiny"
   TAU_TARGET="$OUT/tiny/target" TAU_PREPARED="$OUT/tiny/prepared"
   TAU_ARGS=(--device "$DEVICE" --minutes 0.02 --work "$OUT/tau" --k 2 --draft-vocab 128 --ttt-steps 2
             --token-budget 256 --prompts 1 --max-new-tokens 8 --prompt-set "$OUT/tiny/prepared")

@@ -7,6 +7,8 @@ target's distribution from layer N (draft vocabulary; the full vocabulary too on
     quickstart  the default target's draft (hidden 576, 9/3 heads, target vocab 49152), draft vocab 8192, 3 TTT steps
     8b          Llama-3.1-8B-shaped (hidden 4096, 32/8 heads x 128, MLP 14336, target vocab 128256), draft vocab
                 32000, 7 TTT steps
+    kimi        Kimi-K2.5-shaped (hidden 7168, 56/8 heads x 128, MLP 18432, target vocab 163840), draft vocab 32000,
+                7 TTT steps (the GPU check's reference-job step, with --checkpointing and --kernel flex / chunked)
 Every (shape, T) runs in a fresh process, so its peak memory is its own: on CPU the peak RSS over the steps above
 the RSS before them (VmHWM, reset through /proc/self/clear_refs: the steps' own memory), on a GPU
 torch.cuda.max_memory_allocated above the memory allocated before them. `ratio_vs_naive` is the same step
@@ -15,7 +17,10 @@ shape and T 1024; `growth_8b` is (peak(4T) - peak(2T)) / (peak(2T) - peak(T)) ov
 
     python benchmarks/train.py                       # quickstart T 512..8192, 8b T 1024..4096, CPU fp32
     python benchmarks/train.py --shape 8b --seqs 2048,8192 --device cuda --dtype bf16 [--compile]
-Last line: JSON with tokens_per_s_by_T, peak_mb_by_T (per shape), growth_8b and ratio_vs_naive.
+    python benchmarks/train.py --shape kimi --seqs 4096 --vary 12 --compile --device cuda --dtype bf16
+Last line: JSON with tokens_per_s_by_T, peak_mb_by_T (per shape), growth_8b and ratio_vs_naive; with --vary N, N
+steps at random lengths in [T/2, T] in one process instead (as micro-batches come), and the number of graphs the
+compiled layers and kernel made over them (`unique_graphs`: a handful, not one per length).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,10 +50,16 @@ SHAPES = {
                        "num_hidden_layers": 32},
                draft_vocab=32000, ttt_steps=7, aux=[2, 16, 29]),
 }
+SHAPES["kimi"] = dict(config={"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 56,
+                              "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 163840,
+                              "max_position_embeddings": 262144, "rope_theta": 50000.0, "hidden_act": "silu",
+                              "num_hidden_layers": 61},
+                      draft_vocab=32000, ttt_steps=7, aux=[2, 30, 58])
 SHAPES["tiny"] = dict(config={**SHAPES["quickstart"]["config"], "hidden_size": 64, "intermediate_size": 128,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320},
                       draft_vocab=128, ttt_steps=2, aux=[2, 15, 27])  # the GPU check's CPU rehearsal
-DEFAULT_SEQS = {"quickstart": [512, 1024, 2048, 4096, 8192], "8b": [1024, 2048, 4096], "tiny": [64, 128]}
+DEFAULT_SEQS = {"quickstart": [512, 1024, 2048, 4096, 8192], "8b": [1024, 2048, 4096], "kimi": [4096],
+                "tiny": [64, 128]}
 
 
 def _sync(device: torch.device) -> None:
@@ -66,9 +78,8 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: torch.device, dtype: str,
-            compile_layers: str | None, checkpointed: bool, log_every: int, lean: bool = False) -> dict:
-    """One (shape, T) in this process: seconds per step (median) and the step's peak memory."""
+def _setup(shape: str, device: torch.device, compile_layers: str | None, lean: bool):
+    """The draft, target head, optimizer and one batch of random features of length `seq`, as the trainer has them."""
     s = SHAPES[shape]
     spec = DraftSpec.from_target_config(s["config"], s["draft_vocab"], 1, s["aux"])
     torch.manual_seed(0)
@@ -89,15 +100,68 @@ def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: to
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = (torch.optim.SGD(params, lr=1e-4) if lean else
                  torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None))
+    return spec, head, model, params, optimizer
+
+
+def _batch(spec, shape: str, seq: int, device: torch.device):
+    s = SHAPES[shape]
     ids = torch.randint(0, spec.vocab_size, (1, seq))
     mask = torch.ones(1, seq, dtype=torch.bool)
     mask[:, : seq // 4] = False  # a prompt: a quarter of the positions are not scored
     index = step_index(mask.numpy(), s["ttt_steps"]).map(lambda x: x.to(device))
-    ids = ids.to(device)
     store_dtype = torch.bfloat16  # as a store keeps it; decoded on the device
     hidden = torch.randn(1, seq, len(s["aux"]) + 1, spec.hidden_size, device=device, dtype=store_dtype)
+    return ids.to(device), index, hidden
+
+
+def _step(shape, seq, head, model, params, optimizer, batch, dtype, device, mode, checkpointed, full) -> None:
+    ids, index, hidden = batch
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext())
+    with autocast:
+        aux = hidden[:, :, :-1].to(compute).reshape(1, seq, -1)
+        target = head(hidden[:, :, -1].to(compute), index, full=full)
+        out = model(ids, aux, target, index, SHAPES[shape]["ttt_steps"], 0.8, None, full, mode=mode,
+                    checkpointed=checkpointed)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def vary(shape: str, seq: int, n: int, device: torch.device, dtype: str, compile_layers: str | None,
+         checkpointed: bool) -> dict:
+    """`n` optimizer steps at random lengths in [seq/2, seq] in this process, as the trainer's micro-batches come:
+    tokens/s over them and the graphs dynamo made (a new graph per length would recompile every step and, past its
+    cache limit, fall back to eager flex with dense scores)."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    spec, head, model, params, optimizer = _setup(shape, device, compile_layers, False)
+    rng = random.Random(0)
+    lengths = [rng.randint(seq // 2, seq) for _ in range(n)]
+    tokens, start = 0, time.perf_counter()
+    for i, t in enumerate(lengths):
+        batch = _batch(spec, shape, t, device)
+        _step(shape, t, head, model, params, optimizer, batch, dtype, device, "ttt", checkpointed, False)
+        _sync(device)
+        tokens += t
+        print(f"  {shape} vary {i + 1}/{n} T={t} graphs so far {counters['stats']['unique_graphs']}",
+              file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - start
+    return {"shape": shape, "lengths": lengths, "unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1), "compile": compile_layers,
+            "kernel": os.environ.get("DRAFTSMITH_TTT_KERNEL", "auto"), "device": str(device), "dtype": dtype}
+
+
+def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: torch.device, dtype: str,
+            compile_layers: str | None, checkpointed: bool, log_every: int, lean: bool = False) -> dict:
+    """One (shape, T) in this process: seconds per step (median) and the step's peak memory."""
+    spec, head, model, params, optimizer = _setup(shape, device, compile_layers, lean)
+    batch = _batch(spec, shape, seq, device)
     _sync(device)
     _reset_peak_rss()
     base = _status_mb("VmRSS:")
@@ -108,15 +172,7 @@ def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: to
     for i in range(warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
-        with autocast:
-            aux = hidden[:, :, :-1].to(compute).reshape(1, seq, -1)
-            target = head(hidden[:, :, -1].to(compute), index, full=i % log_every == 0)
-            out = model(ids, aux, target, index, s["ttt_steps"], 0.8, None, i % log_every == 0, mode=mode,
-                        checkpointed=checkpointed)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        _step(shape, seq, head, model, params, optimizer, batch, dtype, device, mode, checkpointed, i % log_every == 0)
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -135,7 +191,7 @@ def _child(args, shape: str, seq: int, mode: str) -> dict:
     cmd = [sys.executable, __file__, "--child", shape, str(seq), mode, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--log-every", str(args.log_every)]
     cmd += ["--compile", args.compile] * bool(args.compile) + ["--checkpointing"] * args.checkpointing
-    cmd += ["--lean"] * args.lean
+    cmd += ["--lean"] * args.lean + ["--kernel", args.kernel]
     cmd += ["--threads", str(args.threads)] if args.threads else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -160,10 +216,23 @@ def main() -> None:
     parser.add_argument("--lean", action="store_true", help="frozen embedding and target head in bf16, SGD instead "
                         "of AdamW: less memory that does not depend on T (to fit the 8b sweep in a small RAM)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kernel", choices=["auto", "flex", "chunked"], default="auto",
+                        help="the TTT attention kernel (auto: flex on a GPU, chunked elsewhere)")
+    parser.add_argument("--vary", type=int, default=0, metavar="N",
+                        help="N steps at random lengths in [T/2, T] in one process; count the compiled graphs")
     parser.add_argument("--child", nargs=3, metavar=("SHAPE", "T", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    os.environ["DRAFTSMITH_TTT_KERNEL"] = args.kernel  # read by the attention at each call
+    if args.vary:
+        shape = "tiny" if args.shape == "both" else args.shape
+        seq = int(args.seqs.split(",")[-1]) if args.seqs else DEFAULT_SEQS[shape][-1]
+        result = vary(shape, seq, args.vary, torch.device(args.device), args.dtype, args.compile, args.checkpointing)
+        print(f"{shape}: {args.vary} steps at lengths {min(result['lengths'])}..{max(result['lengths'])}, "
+              f"{result['unique_graphs']} compiled graphs, {result['tokens_per_s']:.1f} tokens/s")
+        print(json.dumps(result))
+        return
     if args.child:
         shape, seq, mode = args.child
         print(json.dumps(measure(shape, int(seq), args.steps, args.warmup, mode, torch.device(args.device),
@@ -189,7 +258,7 @@ def main() -> None:
             print(f"{r['shape']:>10} {r['seq']:>6} failed: {r['error']}")
         else:
             print(f"{r['shape']:>10} {r['seq']:>6} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_mb']:>9.0f}")
-    summary: dict = {"device": args.device, "dtype": args.dtype, "compile": args.compile,
+    summary: dict = {"device": args.device, "dtype": args.dtype, "compile": args.compile, "kernel": args.kernel,
                      "checkpointing": args.checkpointing, "lean": args.lean,
                      "tokens_per_s_by_T": {}, "peak_mb_by_T": {}}
     for shape in shapes:
