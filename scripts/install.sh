@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 extras="report"; with_vllm=1; venv=".venv"; transformers_pin=""; torch_version="2.13.0"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --test) extras="test,report,datasets,mooncake" ;;
+    --test) extras="test,lint,report,datasets,mooncake" ;;
     --no-vllm) with_vllm=0 ;;
     --venv) venv="${2:?--venv needs a directory}"; shift ;;
     --transformers) transformers_pin="${2:?--transformers needs a version}"; shift ;;

@@ -756,7 +756,7 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
     request = dict(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
                    max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
                    max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
-    ref = matrix.reference(name)
+    matrix.reference(name)  # the reference decoder's run, recorded in the matrix before vLLM's
     if name in FLOAT32_REFUSED:  # evaluate refuses before any engine starts, in vLLM's own words
         from draftsmith.evaluate import vllm_runner
 

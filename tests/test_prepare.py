@@ -269,8 +269,8 @@ def test_killed_run_resumes_from_its_last_shard(tmp_path, tiny_target_dir, monke
     records[5] = BAD_RECORDS["unknown role"]
     records[33] = BAD_RECORDS["empty turn"]
     data = _write_json(tmp_path / "d.json", records)
-    reference = run(PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "ref",
-                                  num_workers=1, shard_samples=8))
+    run(PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "ref",
+        num_workers=1, shard_samples=8))
 
     calls = {"n": 0, "die_at": 30}
     real_encode = chat.ChatEncoder.encode

@@ -676,7 +676,7 @@ class _Info:
 
 def _bare_source(spool: Spool, chunks, cfg: TrainConfig | None = None):
     """An EngineSource with only what its spool bookkeeping reads (no data set, no samplers, no engine)."""
-    from draftsmith.train import engine_process, engine_source
+    from draftsmith.train import engine_source
 
     source = engine_source.EngineSource.__new__(engine_source.EngineSource)
     source.spool, source.chunks, source.consumed = spool, chunks, set()
@@ -691,7 +691,7 @@ def _bare_source(spool: Spool, chunks, cfg: TrainConfig | None = None):
 def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_first(tmp_path, monkeypatch):
     """A trainer killed after the engine ran ahead, resumed from an earlier checkpoint: the chunks the spool still
     holds far ahead must go, or the engine (writing in plan order) would wait for room the trainer never frees."""
-    from draftsmith.train import engine_process, engine_source
+    from draftsmith.train import engine_source
 
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()

@@ -120,7 +120,7 @@ def test_job_plan_and_statuses_round_trip_and_a_restarted_master_has_none(master
         # the master dies and comes back on the same port: every key is gone, and the client writes again
         master.restart()
         assert not spool.has_job() and spool.read_plan() is None
-        deadline, waited = time.monotonic() + 60, 0.0
+        deadline = time.monotonic() + 60
         while True:  # the client mounts its segment on the new master within seconds
             try:
                 spool.write_job({"bound": 5})

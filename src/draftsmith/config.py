@@ -136,7 +136,7 @@ class RegenerateConfig(StageConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Compute dtype; auto: bfloat16 on GPU, float32 on CPU."))
     hf_batch_size: int = Field(16, ge=1, description="hf engine: answers per `generate` call.")
-    vllm_kv_cache_gb: int = Field(2, ge=1, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_kv_cache_gb: int | None = Field(None, ge=1, description="vLLM on CPU: KV cache GiB; default: env's, else 2.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
     resume: bool = Field(True, description=(
@@ -332,7 +332,7 @@ class EvaluateConfig(StageConfig):
         "on a GPU; on a CPU where it computes bf16 natively and that vLLM has the kernels, else float32)."))
     max_model_len: int | None = Field(None, ge=16, description=(
         "vLLM context limit; default: longest prompt + max_new_tokens + k."))
-    vllm_kv_cache_gb: int = Field(2, ge=1, description="vLLM on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    vllm_kv_cache_gb: int | None = Field(None, ge=1, description="vLLM on CPU: KV cache GiB; default: env's, else 2.")
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "--engine vllm: tensor parallel size of the decoding engine (a target that fills a node: Kimi-K2.5 at 8)."))
     vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
@@ -591,8 +591,7 @@ class ServeConfig(StageConfig):
         "Weight and compute dtype; auto: vLLM's choice on a GPU; on a CPU as `extract --compute-dtype auto` (bfloat16 "
         "where the CPU computes it natively and this vLLM has the kernels, else float32)."))
     kv_cache_gb: int | None = Field(None, ge=1, description=(
-        "vLLM on CPU: KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE); default: VLLM_CPU_KVCACHE_SPACE when it "
-        "is set, else 2."))
+        "vLLM on CPU: KV cache size in GiB; default: what the environment gives vLLM, else 2."))
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU NUMA nodes) to split the target over.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
     vllm_args: str | None = Field(None, description=(

@@ -14,12 +14,12 @@ evaluation engine from it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.core import engine_env
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
@@ -148,7 +148,7 @@ def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = F
 
 
 def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,
-             temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: int, timeout_s: int,
+             temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: int | None, timeout_s: int,
              workdir: Path, trust_remote_code: bool = False, name: str = "vllm", max_num_seqs: int = 1,
              tensor_parallel_size: int = 1) -> dict:
     """One vLLM generation job in a child process (`max_num_seqs` prompts decoded at once, on
@@ -158,7 +158,7 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
     request = {
         "target": str(target), "draft": str(draft) if draft else None, "k": k, "prompts": prompts,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "dtype": dtype,
-        "max_model_len": max_model_len, "kv_cache_gb": kv_cache_gb, "trust_remote_code": trust_remote_code,
+        "max_model_len": max_model_len, "trust_remote_code": trust_remote_code,
         "max_num_seqs": max_num_seqs, "tensor_parallel_size": tensor_parallel_size,
         "result": str(workdir / f"{name}.result.json"),
     }
@@ -167,8 +167,7 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
     result_file = Path(request["result"])
     result_file.unlink(missing_ok=True)
     log_file = workdir / f"{name}.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gb)))  # vLLM parses an integer
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env = engine_env.worker_environment(kv_cache_gb)
     with open(log_file, "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run([sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)],

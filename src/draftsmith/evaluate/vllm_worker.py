@@ -165,7 +165,6 @@ def _shutdown(llm) -> None:
 
 def main(request_file: str) -> None:
     request = json.loads(Path(request_file).read_text(encoding="utf-8"))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(request.get("kv_cache_gb", 2))))
     result = run(request)
     tmp = Path(request["result"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")

@@ -241,9 +241,10 @@ class BackgroundWriter:
     """Feeds a StoreWriter from a thread, so disk writes overlap the next forward pass.
 
     `submit(items, ready=None)` queues a batch of (sample_id, input_ids, loss_mask, hidden_states[T, L, H]),
-    (..., hidden_states, scales) or (..., [HostStates, ...]); `ready` (e.g. a CUDA event's `synchronize`) is called in the thread before the
-    tensors are read. A shard is written only between submitted batches. An error in the thread (full disk, a
-    sample with NaN/Inf states: `check_finite`) is raised again in the caller's thread at the next `submit` or at exit.
+    (..., hidden_states, scales) or (..., [HostStates, ...]); `ready` (e.g. a CUDA event's `synchronize`), and each
+    HostStates' own, is called in the thread before the tensors are read. A shard is written only between submitted
+    batches. An error in the thread (full disk, a sample with NaN/Inf states: `check_finite`) is raised again in the
+    caller's thread at the next `submit` or at exit.
     """
 
     def __init__(self, writer: store_module.StoreWriter, max_pending: int = 2):

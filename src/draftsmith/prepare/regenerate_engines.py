@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from rich.console import Console
 from transformers import GenerationConfig
 
 from draftsmith.config import RegenerateConfig
+from draftsmith.core import engine_env
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target
 
@@ -130,8 +130,7 @@ class VLLMEngine:
     def __init__(self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int,
                  log_file: Path):
         self.log_file = log_file
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(int(cfg.vllm_kv_cache_gb)))  # vLLM parses an integer
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env = engine_env.worker_environment(cfg.vllm_kv_cache_gb)
         self._log = open(log_file, "w", encoding="utf-8")  # noqa: SIM115 - the worker's stderr until close()
         self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,

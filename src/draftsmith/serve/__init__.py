@@ -37,6 +37,7 @@ from pathlib import Path
 from rich.console import Console
 
 from draftsmith.config import ServeConfig, StageResult
+from draftsmith.core import engine_env
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
@@ -49,7 +50,6 @@ from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_targe
 __all__ = ["run", "vllm_serve_args"]
 
 DEFAULT_K = 3  # draft tokens per step when the draft does not record any (a training checkpoint)
-DEFAULT_KV_CACHE_GB = 2  # vLLM on CPU, as `draftsmith evaluate` uses
 SERVER = [sys.executable, "-m", "draftsmith.serve.server"]
 STOP_GRACE_S = (15.0, 30.0)  # seconds vLLM gets after the first and the second SIGTERM, then SIGKILL
 # What a refusal to serve offers instead ("use a vLLM whose `draftsmith doctor` row ... says yes, or ...").
@@ -68,11 +68,7 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     # P-EAGLE draft, parallel drafting; for a DFlash draft, the dflash method
     check_vllm_can_serve(target_path, "draftsmith serve", parallel_drafting=source.spec.parallel_drafting,
                          dflash=source.spec.method == "dflash", instead=MEASURE_WITHOUT_VLLM)
-    env = dict(os.environ)
-    # Read by vLLM's CPU platform only. Without it vLLM on a CPU reserves 92 % of the machine's memory and refuses
-    # to start when that much is not free.
-    if cfg.kv_cache_gb is not None or not env.get("VLLM_CPU_KVCACHE_SPACE"):
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gb or DEFAULT_KV_CACHE_GB)
+    env = dict(os.environ, **engine_env.kv_cache(cfg.kv_cache_gb))  # vLLM's own log level: the user's server
     if cfg.api_key:
         env["VLLM_API_KEY"] = cfg.api_key  # vLLM reads it there: the key stays out of the process list
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host

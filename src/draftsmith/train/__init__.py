@@ -19,7 +19,7 @@ from draftsmith.train.threads import WAIT_POLICY, WAIT_POLICY_SET
 
 if WAIT_POLICY_SET:
     os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY_SET
-import torch  # noqa: E402 - OpenMP reads its settings once, when torch loads it
+import torch  # noqa: E402, F401 - loaded here, after the wait policy: OpenMP reads its settings once
 
 if WAIT_POLICY_SET:
     del os.environ["OMP_WAIT_POLICY"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from draftsmith.core import engine_env
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import hf_backend_hint
 from draftsmith.extract.vllm import sink as sink_module
@@ -41,7 +42,6 @@ from draftsmith.extract.vllm.probe import (
 )
 from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY
 
-DEFAULT_CPU_KV_CACHE_GIB = "2"
 RUNNER_TAPS = ("direct", "taps")  # the strategies that tap the model runner (taps.py)
 IN_FLIGHT = 1024  # requests handed to vLLM ahead of what it is computing
 
@@ -140,9 +140,7 @@ def cpu_thread_binding(world: int, allowed: Sequence[int] | None = None) -> str:
 
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
     """Environment variables the engine starts with (its worker processes inherit them): only those not set."""
-    env = {}
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        env["VLLM_CPU_KVCACHE_SPACE"] = DEFAULT_CPU_KV_CACHE_GIB
+    env = engine_env.kv_cache(None)
     world = spec.tensor_parallel_size * spec.data_parallel_size
     if spec.facts.platform == "cpu" and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's automatic binding gives each CPU worker a NUMA node of its own, which one-socket machines lack
