@@ -531,3 +531,43 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
     for encoded in (True, False):
         report = write(tmp_path / f"nan-{encoded}", encoded=encoded, nan_in=3)
         assert "sample 3 has NaN/Inf hidden states (layer ids [4])" in report["error"]
+
+
+def test_a_full_disk_in_the_workers_sink_reaches_the_driver_as_its_type(tmp_path, tiny_target_dir, monkeypatch):
+    """ENOSPC where the sink's writer writes a shard is found by its errno and crosses from the worker as a flag:
+    the driver raises DiskFullError (the online feed stops on that type, not on words in a message); any other
+    failure stays a plain DraftsmithError."""
+    import errno
+
+    from conftest import write_random_prepared
+
+    from draftsmith.core.errors import DiskFullError
+    from draftsmith.core.targets import target_identity
+    from draftsmith.extract import store as store_module
+    from draftsmith.extract.common import HostStates
+    from draftsmith.extract.vllm.driver import raise_reported
+    from draftsmith.extract.vllm.sink import StoreSink
+    from draftsmith.prepare.dataset import open_prepared
+
+    prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 3, 20, 40)
+    data = open_prepared(prepared)
+    spec = store_module.StoreSpec(target=target_identity(tiny_target_dir), prepared=store_module.prepared_ref(data),
+                                  layer_ids=[2, 4], hidden_size=64, dtype="fp8", backend="vllm")
+
+    def full(path, pieces):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module.shards, "_write_file", full)
+    sink = StoreSink({"store": str(tmp_path / "store"), "prepared": str(prepared),
+                      "spec": spec.model_dump(mode="json"), "worker": [0, 1], "shard_bytes": 1 << 20})
+    for i in range(3):
+        states = torch.randn(len(data[i]["input_ids"]), 2, 64).to(torch.bfloat16)
+        sink.put(i, data[i]["input_ids"].tolist(), [HostStates(states)])
+    report = sink.finish_store()
+    assert report["disk_full"] is True and "no space left on device" in report["error"]
+    with pytest.raises(DiskFullError, match="vLLM worker could not finish the store: .*no space left on device"):
+        raise_reported([{"error": None}, report], "vLLM worker could not finish the store")
+    with pytest.raises(DraftsmithError) as other:
+        raise_reported([{"error": "RuntimeError: request for sample 3 arrived with no store open"}], "stored")
+    assert not isinstance(other.value, DiskFullError)
+    raise_reported([{"error": None, "received": 3}], "nothing to raise")

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.errors import DiskFullError, DraftsmithError
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -45,7 +45,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _explain_os_error(path: Path, err: OSError) -> DraftsmithError:
     if err.errno == errno.ENOSPC:
-        return DraftsmithError(f"{path}: no space left on device; free disk space and run the same command again to resume")
+        return DiskFullError(f"{path}: no space left on device; free disk space and run the same command again to resume")
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return DraftsmithError(f"{path}: cannot write here ({os.strerror(err.errno)}); choose a writable --output")
     return DraftsmithError(f"{path}: {os.strerror(err.errno) if err.errno else err}")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from draftsmith.core import engine_env
-from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.errors import DiskFullError, DraftsmithError
 from draftsmith.core.targets import hf_backend_hint
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import worker as worker_module
@@ -136,6 +136,15 @@ def cpu_thread_binding(world: int, allowed: Sequence[int] | None = None) -> str:
         contiguous = group[-1] - group[0] == len(group) - 1
         groups.append(f"{group[0]}-{group[-1]}" if contiguous and len(group) > 1 else ",".join(map(str, group)))
     return "|".join(groups)
+
+
+def raise_reported(reports: list[dict[str, Any]], what: str) -> None:
+    """The first error the workers' sinks reported, raised here as the type they met (DiskFullError for a full
+    disk), prefixed with `what`; nothing when none did."""
+    failed = [r for r in reports if r.get("error")]
+    if failed:
+        kind = DiskFullError if failed[0].get("disk_full") else DraftsmithError
+        raise kind(f"{what}: {failed[0]['error']}")
 
 
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
@@ -361,9 +370,7 @@ class Engine:
         deadline = time.monotonic() + timeout_s
         while True:
             reports = self.llm.collective_rpc("draftsmith_progress")
-            errors = [r["error"] for r in reports if r.get("error")]
-            if errors:
-                raise DraftsmithError(f"vLLM worker could not store hidden states: {errors[0]}")
+            raise_reported(reports, "vLLM worker could not store hidden states")
             received = sum(r["received"] for r in reports if r.get("writes"))
             if received >= expected:
                 return
@@ -382,16 +389,12 @@ class Engine:
     def finish_store(self) -> list[dict[str, Any]]:
         """Flush and close the store `open_store` opened (every writer rank's report); the sink stays open."""
         reports = self._guarded(self.llm.collective_rpc, "draftsmith_finish_store")
-        errors = [r["error"] for r in reports if r.get("error")]
-        if errors:
-            raise DraftsmithError(f"vLLM worker could not write hidden states to the spool: {errors[0]}")
+        raise_reported(reports, "vLLM worker could not write hidden states to the spool")
         return reports
 
     def close_sink(self) -> list[dict[str, Any]]:
         reports = self._guarded(self.llm.collective_rpc, "draftsmith_close")
-        errors = [r["error"] for r in reports if r.get("error")]
-        if errors:
-            raise DraftsmithError(f"vLLM worker could not finish the store: {errors[0]}")
+        raise_reported(reports, "vLLM worker could not finish the store")
         return reports
 
     def close(self) -> None:

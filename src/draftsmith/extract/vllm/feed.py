@@ -30,7 +30,7 @@ from typing import Any
 
 from draftsmith.config import ExtractConfig, FeedConfig, StageResult
 from draftsmith.core import sizing
-from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.errors import DiskFullError, DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.extract import common
 from draftsmith.extract.spool import (
@@ -193,12 +193,10 @@ class Feeder:
             engine.generate([(i, plan_dataset[i]["input_ids"].tolist()) for i in chunk.engine_ids])
             engine.wait_for_sink(len(chunk.engine_ids))
             written = sum(r.get("samples_written", 0) for r in engine.finish_store())
-        except DraftsmithError as err:
-            if "No space left" in str(err) or "os error 28" in str(err) or "Errno 28" in str(err):
-                raise Fatal(f"{partial}: no space left on device writing chunk {chunk.name} (it needs up to "
-                            f"{sizing.human_bytes(chunk.estimate)}, {sizing.human_bytes(free_bytes(partial))} are "
-                            "free there); free space there or give the spool a bigger filesystem") from None
-            raise
+        except DiskFullError:
+            raise Fatal(f"{partial}: no space left on device writing chunk {chunk.name} (it needs up to "
+                        f"{sizing.human_bytes(chunk.estimate)}, {sizing.human_bytes(free_bytes(partial))} are "
+                        "free there); free space there or give the spool a bigger filesystem") from None
         if written != len(chunk.engine_ids):
             raise DraftsmithError(f"chunk {chunk.name}: the engine stored {written} of {len(chunk.engine_ids)} "
                                   "samples")

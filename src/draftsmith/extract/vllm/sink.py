@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.core.errors import DiskFullError
 from draftsmith.extract import common
 from draftsmith.extract import store as store_module
 from draftsmith.prepare.dataset import open_prepared
@@ -34,6 +35,7 @@ class StoreSink:
         self.received = 0
         self.written_tokens = 0
         self.error: str | None = None
+        self.disk_full = False  # the error was a DiskFullError: the driver raises that type again
         self._lock = threading.Lock()
         self.layer_ids = list(config["spec"]["layer_ids"])
         self._writer = None
@@ -62,7 +64,7 @@ class StoreSink:
                 try:
                     self._open(Path(path))
                 except BaseException as err:  # noqa: BLE001 - reported to the driver
-                    self.error = f"{type(err).__name__}: {err}"
+                    self._failed(err)
 
     def to_host(self, layers: list[torch.Tensor]) -> common.HostStates:
         """A request's captured layers (each [T, H], views of the engine's buffers, which it reuses after the step)
@@ -95,10 +97,14 @@ class StoreSink:
                 self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), list(parts))])
                 self.written_tokens += int(ids.shape[0])
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
-                self.error = f"{type(err).__name__}: {err}"
+                self._failed(err)
 
     def progress(self) -> dict[str, Any]:
-        return {"received": self.received, "error": self.error, "writes": self.writes}
+        return {"received": self.received, "error": self.error, "disk_full": self.disk_full, "writes": self.writes}
+
+    def _failed(self, err: BaseException) -> None:
+        self.error = f"{type(err).__name__}: {err}"
+        self.disk_full = isinstance(err, DiskFullError)
 
     def finish_store(self) -> dict[str, Any]:
         """Flush everything to the store and release the writer; returns what was written. The sink stays, for
@@ -107,7 +113,8 @@ class StoreSink:
             return self._finish()
 
     def _finish(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"received": self.received, "error": self.error, "samples_written": 0}
+        out: dict[str, Any] = {"received": self.received, "error": self.error, "disk_full": self.disk_full,
+                               "samples_written": 0}
         if self._writer is None:
             return out
         try:
@@ -117,7 +124,8 @@ class StoreSink:
             else:
                 self._writer.abort()
         except BaseException as err:  # noqa: BLE001
-            out["error"] = self.error = f"{type(err).__name__}: {err}"
+            self._failed(err)
+            out["error"], out["disk_full"] = self.error, self.disk_full
             self._writer.abort()
         out["samples_written"] = self._writer.samples_written
         out["shards_written"] = self._writer.shards_written
