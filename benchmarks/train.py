@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -78,7 +77,7 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _setup(shape: str, device: torch.device, compile_layers: str | None, lean: bool):
+def _setup(shape: str, device: torch.device, compile_layers: str | None, lean: bool, kernel: str = "auto"):
     """The draft, target head, optimizer and one batch of random features of length `seq`, as the trainer has them."""
     s = SHAPES[shape]
     spec = DraftSpec.from_target_config(s["config"], s["draft_vocab"], 1, s["aux"])
@@ -96,7 +95,7 @@ def _setup(shape: str, device: torch.device, compile_layers: str | None, lean: b
         head_weight = head_weight.bfloat16()
         draft.embed_tokens.weight.data = draft.embed_tokens.weight.data.bfloat16()
     head = TargetHead(norm, head_weight, draft.draft_to_target)
-    model = TTTModel(draft)
+    model = TTTModel(draft, kernel)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = (torch.optim.SGD(params, lr=1e-4) if lean else
                  torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None))
@@ -130,7 +129,7 @@ def _step(shape, seq, head, model, params, optimizer, batch, dtype, device, mode
 
 
 def vary(shape: str, seq: int, n: int, device: torch.device, dtype: str, compile_layers: str | None,
-         checkpointed: bool) -> dict:
+         checkpointed: bool, kernel: str = "auto") -> dict:
     """`n` optimizer steps at random lengths in [seq/2, seq] in this process, as the trainer's micro-batches come:
     tokens/s over them and the graphs dynamo made (a new graph per length would recompile every step and, past its
     cache limit, fall back to eager flex with dense scores)."""
@@ -140,7 +139,7 @@ def vary(shape: str, seq: int, n: int, device: torch.device, dtype: str, compile
 
     torch._dynamo.reset()
     counters.clear()
-    spec, head, model, params, optimizer = _setup(shape, device, compile_layers, False)
+    spec, head, model, params, optimizer = _setup(shape, device, compile_layers, False, kernel)
     rng = random.Random(0)
     lengths = [rng.randint(seq // 2, seq) for _ in range(n)]
     tokens, start = 0, time.perf_counter()
@@ -154,13 +153,14 @@ def vary(shape: str, seq: int, n: int, device: torch.device, dtype: str, compile
     seconds = time.perf_counter() - start
     return {"shape": shape, "lengths": lengths, "unique_graphs": int(counters["stats"]["unique_graphs"]),
             "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1), "compile": compile_layers,
-            "kernel": os.environ.get("DRAFTSMITH_TTT_KERNEL", "auto"), "device": str(device), "dtype": dtype}
+            "kernel": kernel, "device": str(device), "dtype": dtype}
 
 
 def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: torch.device, dtype: str,
-            compile_layers: str | None, checkpointed: bool, log_every: int, lean: bool = False) -> dict:
+            compile_layers: str | None, checkpointed: bool, log_every: int, lean: bool = False,
+            kernel: str = "auto") -> dict:
     """One (shape, T) in this process: seconds per step (median) and the step's peak memory."""
-    spec, head, model, params, optimizer = _setup(shape, device, compile_layers, lean)
+    spec, head, model, params, optimizer = _setup(shape, device, compile_layers, lean, kernel)
     batch = _batch(spec, shape, seq, device)
     _sync(device)
     _reset_peak_rss()
@@ -224,11 +224,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.environ["DRAFTSMITH_TTT_KERNEL"] = args.kernel  # read by the attention at each call
     if args.vary:
         shape = "tiny" if args.shape == "both" else args.shape
         seq = int(args.seqs.split(",")[-1]) if args.seqs else DEFAULT_SEQS[shape][-1]
-        result = vary(shape, seq, args.vary, torch.device(args.device), args.dtype, args.compile, args.checkpointing)
+        result = vary(shape, seq, args.vary, torch.device(args.device), args.dtype, args.compile, args.checkpointing,
+                      args.kernel)
         print(f"{shape}: {args.vary} steps at lengths {min(result['lengths'])}..{max(result['lengths'])}, "
               f"{result['unique_graphs']} compiled graphs, {result['tokens_per_s']:.1f} tokens/s")
         print(json.dumps(result))
@@ -236,7 +236,8 @@ def main() -> None:
     if args.child:
         shape, seq, mode = args.child
         print(json.dumps(measure(shape, int(seq), args.steps, args.warmup, mode, torch.device(args.device),
-                                 args.dtype, args.compile, args.checkpointing, args.log_every, args.lean)))
+                                 args.dtype, args.compile, args.checkpointing, args.log_every, args.lean,
+                                 args.kernel)))
         return
     shapes = ["quickstart", "8b"] if args.shape == "both" else [args.shape]
     rows = []

@@ -356,3 +356,24 @@ def test_compiled_layers_make_a_fixed_number_of_graphs_over_many_lengths_and_mat
         graphs.append(counters["stats"]["unique_graphs"])
     assert 0 < graphs[0] and graphs[-1] == graphs[1] <= 24, graphs  # the first two lengths make them all
     torch._dynamo.reset()
+
+
+def test_the_attention_kernel_is_the_models_setting_not_the_environment(monkeypatch):
+    """`train --attention-kernel` reaches the attention through TTTModel (no environment variable read on the hot
+    path): an unknown kernel is refused there; chunked and auto give the same loss on the CPU."""
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.ttt import TTTModel
+
+    assert TrainConfig(data="d", attention_kernel="chunked").attention_kernel == "chunked"
+    draft = _tiny_draft(layers=2).double()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 40, (1, 12), generator=gen)
+    aux = torch.randn(1, 12, 96, dtype=torch.float64, generator=gen)
+    index = step_index((torch.rand(1, 12, generator=gen) > 0.3).numpy(), 3)
+    target = _compact(_random_probs(1, 12, 16, dtype=torch.float64), index)
+    monkeypatch.setenv("DRAFTSMITH_TTT_KERNEL", "flex")  # the old switch: read no more
+    losses = [TTTModel(draft, kernel)(ids, aux, target, index, 3).loss for kernel in ("chunked", "auto")]
+    torch.testing.assert_close(losses[0], losses[1])
+    assert losses[0] > 0
+    with pytest.raises(ValueError, match="TTT attention kernel 'dense'"):
+        TTTModel(draft, "dense")(ids, aux, target, index, 3)

@@ -412,14 +412,14 @@ class TrainConfig(StageConfig):
         "for a draft whose weights, gradients and AdamW state pass 16 GiB or whose head has 128k+ tokens."))
     num_workers: int | None = Field(None, ge=0, description=(
         "DataLoader worker processes per rank that read and pad batches ahead; default: a few on a GPU, 0 on a CPU."))
-    compile: bool = Field(False, description=(
-        "torch.compile the draft's decoder layers (their forward and backward) in the TTT step."))
+    compile: bool = Field(False, description="torch.compile the draft's decoder layers (forward and backward).")
+    attention_kernel: Literal["auto", "flex", "chunked"] = Field("auto", description=(
+        "The TTT attention's causal part: flex (fused, CUDA), chunked (anywhere), auto: flex on a GPU."))
     activation_checkpointing: bool = Field(False, description=(
         "Recompute each TTT step's layer activations in the backward instead of keeping them (less memory, "
         "about a third more compute)."))
     resume: bool = Field(True, description="Continue from the latest checkpoint in --output when there is one.")
-    force: bool = Field(False, description=(
-        "Resume even if hyper-parameters differ from the checkpoint's (prints what changed)."))
+    force: bool = Field(False, description="Resume even if hyper-parameters differ (prints what changed).")
     init_from: Path | None = Field(None, description=(
         "Start from an existing draft (an exported directory in any format, or a training checkpoint) instead of a "
         "fresh one, e.g. to adapt a released draft to your data. Its layers, draft vocabulary and aux layers are kept "

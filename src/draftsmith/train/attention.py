@@ -14,15 +14,14 @@ and merges them exactly through their log-sum-exps:
 
 The causal part runs through `flex_attention` (compiled, a causal block mask) on CUDA, or through
 `ChunkedCausalAttention`, a flash-attention-style autograd Function over query chunks, everywhere else (the CPU
-SDPA kernels return no differentiable LSE, and flex_attention has no CPU backward). `DRAFTSMITH_TTT_KERNEL=chunked`
-(or `flex`) overrides the choice.
+SDPA kernels return no differentiable LSE, and flex_attention has no CPU backward). `train --attention-kernel
+chunked` (or `flex`) overrides the choice.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +49,14 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 
     q [B, Hq, T, D] is step k = len(keys) - 1. keys/values[j] [B, Hkv, T, D] are the keys of step j (Hq a multiple
     of Hkv). Query t attends causally to step-0 keys s <= t, and to the keys of steps 1..k at its own position t.
-    kernel: "flex" (CUDA), "chunked" (anywhere) or "auto" (default, or $DRAFTSMITH_TTT_KERNEL): how the causal
+    kernel: "flex" (CUDA), "chunked" (anywhere) or "auto" (default; `train --attention-kernel`): how the causal
     part runs; step 0 is plain causal SDPA either way.
     """
     hq, d = q.shape[1], q.shape[3]
     hkv = keys[0].shape[1]
     if len(keys) == 1:
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=hq != hkv)
-    kernel = kernel or os.environ.get("DRAFTSMITH_TTT_KERNEL", "auto")
+    kernel = kernel or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
     if kernel == "auto":
@@ -139,7 +138,7 @@ def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     """Causal attention through flex_attention: (out [B, Hq, T, D], lse [B, Hq, T] fp32), both differentiable.
     compiled=False runs eager (tests: forward only on CPU, where flex_attention has no backward)."""
     if flex_attention is None:
-        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
+        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; train with --attention-kernel chunked")
     t = q.shape[2]
     # Every micro-batch has its own padded length: rounded up to FLEX_BUCKET (zeros after the last position, which
     # causal attention never lets a real position see), the compiled kernel meets a few shapes, not one per batch.
@@ -321,12 +320,12 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context
     q [B, Hq, A*S, D] and the block's k / v [B, Hkv, A*S, D] hold A blocks of S positions, block a at rows
     a*S .. a*S+S-1; k_context / v_context [B, Hkv, T, D]; limits [B, A]: block a sees context keys s < limits[b, a]
     (its anchor position) and every key of its own block, in any order. kernel (as `ttt_attention`'s, default
-    $DRAFTSMITH_TTT_KERNEL or auto): "flex" (CUDA: `flex_block_attention`, fused) or "chunked": per chunk of
+    auto): "flex" (CUDA: `flex_block_attention`, fused) or "chunked": per chunk of
     `anchor_chunks(A, S)` (chunk_limits: its largest limit over the batch, known on the host: no sync) one masked
     SDPA over [its context prefix, its blocks' keys], recomputed in the backward (checkpointed) so only the chunk's
     scores ever exist.
     """
-    kernel = kernel or os.environ.get("DRAFTSMITH_TTT_KERNEL", "auto")
+    kernel = kernel or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
     if kernel == "flex" or (kernel == "auto" and q.is_cuda and flex_attention is not None):
@@ -364,7 +363,7 @@ def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool =
     [A*S, T + A*S] grid at 128 x 128 granularity (block-sparse: a block's context prefix and its own tile).
     compiled=False runs eager (tests, on a CPU)."""
     if flex_attention is None:
-        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; use DRAFTSMITH_TTT_KERNEL=chunked")
+        raise RuntimeError("this torch has no torch.nn.attention.flex_attention; train with --attention-kernel chunked")
     b, _, rows, _ = q.shape
     t, s = k_context.shape[2], rows // limits.shape[1]
 

@@ -206,8 +206,9 @@ class KVCache:
     layer's forward, which would silently drop what the layer appends.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, kernel: str = "auto"):
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+        self.kernel = kernel  # the TTT attention's ("auto", "flex", "chunked": `ttt_attention`), --attention-kernel
 
 
 class Attention(nn.Module):
@@ -247,7 +248,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, laye
     cache = kv.layers[layer_idx]
     if mode == "ttt":
         cache.append((k, v))
-        return ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
+        return ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], kernel=kv.kernel)
     if mode == "naive":
         cache.append((k, v))
         return naive_ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])

@@ -45,8 +45,8 @@ from draftsmith.train.ttt import COD, Anchors, TargetHead, TTTModel
 # Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size
 # change where the states are computed, not which.
 RESUMABLE_CHANGES = {"resume", "force", "device", "log_every", "save_every", "eval_every", "keep_checkpoints",
-                     "output", "data", "target", "num_workers", "compile", "activation_checkpointing",
-                     "distributed", "spool", "spool_gb", "engine_tensor_parallel_size", "engine_data_parallel_size",
+                     "output", "data", "target", "num_workers", "compile", "attention_kernel",
+                     "activation_checkpointing", "distributed", "spool", "spool_gb", "engine_tensor_parallel_size", "engine_data_parallel_size",
                      "engine_devices", "vllm_strategy", "vllm_compile", "keep_epoch0", "remote_engines",
                      "stall_timeout_s"}
 
@@ -348,7 +348,7 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
                       autocast_dtype(device, cfg.precision))
     info.strategy = distributed.choose_strategy(cfg.distributed, draft, spec.draft_vocab_size)
     gathered = autocast_dtype(device, cfg.precision) if device.type == "cuda" else None  # FSDP2's param dtype
-    model = distributed.wrap(TTTModel(draft), info, gathered)
+    model = distributed.wrap(TTTModel(draft, cfg.attention_kernel), info, gathered)
     optimizer = make_optimizer(model, cfg, device)
     if saved is not None:
         opt_state = saved["optimizer"] if info.strategy == "fsdp2" else regroup(saved["optimizer"], optimizer, model)

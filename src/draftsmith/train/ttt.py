@@ -363,7 +363,7 @@ def step_counts(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- the unrolled draft
 
 def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_steps: int,
-                      mode: str = "ttt", checkpointed: bool = False,
+                      mode: str = "ttt", checkpointed: bool = False, kernel: str = "auto",
                       index: StepIndex | None = None) -> Iterator[torch.Tensor]:
     """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring).
 
@@ -373,7 +373,7 @@ def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
     rows then differ, and nothing reads them.
     """
     b, t = input_ids.shape
-    cache = KVCache(len(draft.layers))
+    cache = KVCache(len(draft.layers), kernel)
     hidden = draft.fuse(aux_hidden)  # [B, T, H]
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     last = len(draft.layers) - 1
@@ -435,7 +435,7 @@ class TTTResult:
 def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target: TargetDistribution,
                 index: StepIndex, ttt_steps: int, step_weight: float = 0.8, normaliser: torch.Tensor | None = None,
                 metrics: bool = True, mode: str = "ttt", checkpointed: bool = False,
-                live_rows: bool = True) -> TTTResult:
+                live_rows: bool = True, kernel: str = "auto") -> TTTResult:
     """Unroll `ttt_steps` draft steps over a right-padded batch and score them against the target.
 
     input_ids [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order); `index` the batch's
@@ -443,6 +443,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     together (default: this batch), so gradients summed over micro-batches and ranks equal the gradient of one
     combined batch. metrics=False skips the top-1 and acceptance sums (they need the target's full vocabulary).
     live_rows: each layer's MLP runs only where its output is read (`ttt_hidden_states`); the loss is the same.
+    kernel: the attention's ("auto": flex on a GPU, chunked elsewhere; `train --attention-kernel`).
     """
     device = input_ids.device
     normaliser = (index.counts if normaliser is None else normaliser).to(device)
@@ -452,9 +453,9 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
     if isinstance(draft, DFlashDraft):  # one forward; block position j is "step" j-1
         steps = dflash_hidden_states(draft, input_ids, aux_hidden, index, checkpointed,
-                                     "naive" if mode == "naive" else "auto")
+                                     "naive" if mode == "naive" else kernel)
     else:
-        steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed,
+        steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed, kernel,
                                   index if live_rows else None)
     for k, hidden in enumerate(steps):
         rows, at = index.scored[k], index.target[k]  # may be empty: the lm_head still joins the graph (DDP)
@@ -495,11 +496,12 @@ def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Ten
 class TTTModel(nn.Module):
     """The draft behind one forward call (what DDP / FSDP2 wrap): forward(...) = ttt_forward(draft, ...)."""
 
-    def __init__(self, draft: Eagle3Draft):
+    def __init__(self, draft: Eagle3Draft, kernel: str = "auto"):
         super().__init__()
         self.draft = draft
+        self.kernel = kernel  # the attention kernel (`ttt_forward`)
 
     def forward(self, input_ids, aux_hidden, target, index, ttt_steps, step_weight=0.8, normaliser=None,
                 metrics=True, mode="ttt", checkpointed=False) -> TTTResult:
         return ttt_forward(self.draft, input_ids, aux_hidden, target, index, ttt_steps, step_weight, normaliser,
-                           metrics, mode, checkpointed)
+                           metrics, mode, checkpointed, kernel=self.kernel)
