@@ -689,13 +689,15 @@ def test_the_decoding_engine_starts_each_target_as_extraction_does(monkeypatch, 
     from draftsmith.evaluate import vllm_worker
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    request = dict(target=str(family_target(name)), dtype="float32", max_model_len=64, seed=0, k=2, draft="/d")
-    kwargs = vllm_worker.engine_kwargs(request)
+    job = vllm_worker.GenerationJob(target=str(family_target(name)), dtype="float32", max_model_len=64, seed=0, k=2,
+                                    draft="/d")
+    kwargs = vllm_worker.engine_kwargs(job)
     assert kwargs["speculative_config"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}
     assert kwargs["distributed_executor_backend"] == "uni" and kwargs["dtype"] == "float32"
     assert kwargs.get("language_model_only", False) == (name == "kimi_k25")
     assert kwargs.get("attention_backend") == ("CPU_MLA" if name in MLA_FAMILIES else None)
-    assert "attention_backend" not in vllm_worker.engine_kwargs({**request, "dtype": "bfloat16", "draft": None})
+    assert "attention_backend" not in vllm_worker.engine_kwargs(job.model_copy(update={"dtype": "bfloat16",
+                                                                                      "draft": None}))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -717,13 +719,13 @@ def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path, max_mo
     from draftsmith.evaluate import vllm_worker
 
     ref = matrix.reference(name)
-    request = dict(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
-                   max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
-                   max_model_len=max_model_len or MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS,
-                   ignore_eos=True)
+    job = vllm_worker.GenerationJob(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
+                                    max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
+                                    max_model_len=max_model_len or MAX_LENGTH + NEW_TOKENS + SPEC_K + 8,
+                                    max_num_seqs=NUM_PROMPTS, ignore_eos=True)
     with in_process_vllm():
-        plain = vllm_worker.run({**request, "draft": None})
-        spec = vllm_worker.run({**request, "draft": str(draft)})
+        plain = vllm_worker.run(job)
+        spec = vllm_worker.run(job.model_copy(update={"draft": str(draft)}))
     assert spec["outputs"] == plain["outputs"], name  # lossless
     assert plain["outputs"] == ref["plain"], name  # the reference decoder's target alone
     counters = spec["spec"]
@@ -753,9 +755,10 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
     from draftsmith.evaluate import vllm_worker
 
     draft = matrix.export(name, "vllm")
-    request = dict(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
-                   max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
-                   max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
+    job = vllm_worker.GenerationJob(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
+                                    max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
+                                    max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS,
+                                    ignore_eos=True)
     matrix.reference(name)  # the reference decoder's run, recorded in the matrix before vLLM's
     if name in FLOAT32_REFUSED:  # evaluate refuses before any engine starts, in vLLM's own words
         from draftsmith.evaluate import vllm_runner
@@ -769,7 +772,7 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
         return
     if name in MLA_FAMILIES:
         with in_process_vllm(), pytest.raises(ValueError, match=MLA_ON_CPU):
-            vllm_worker.run({**request, "draft": str(draft)})
+            vllm_worker.run(job.model_copy(update={"draft": str(draft)}))
         matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=False,
                       reason="vLLM 0.32 on CPU in float32: CPU_MLA's KV blocks of 16 vs the draft's CPU attention "
                              "(multiples of 32); the engine loads target and draft, then stops at KV cache set-up",

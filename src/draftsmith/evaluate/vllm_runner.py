@@ -23,6 +23,7 @@ from draftsmith.core import engine_env
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
+from draftsmith.evaluate.vllm_worker import GenerationJob
 from draftsmith.extract.vllm.probe import (
     DFLASH_ROW,
     EAGLE3_ROW,
@@ -155,16 +156,13 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
     `tensor_parallel_size` ranks); returns the worker's result dict."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    request = {
-        "target": str(target), "draft": str(draft) if draft else None, "k": k, "prompts": prompts,
-        "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed, "dtype": dtype,
-        "max_model_len": max_model_len, "trust_remote_code": trust_remote_code,
-        "max_num_seqs": max_num_seqs, "tensor_parallel_size": tensor_parallel_size,
-        "result": str(workdir / f"{name}.result.json"),
-    }
+    job = GenerationJob(target=str(target), draft=str(draft) if draft else None, k=k, prompts=prompts,
+                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, dtype=dtype,
+                        max_model_len=max_model_len, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
+                        tensor_parallel_size=tensor_parallel_size, result=str(workdir / f"{name}.result.json"))
     request_file = workdir / f"{name}.request.json"
-    request_file.write_text(json.dumps(request), encoding="utf-8")
-    result_file = Path(request["result"])
+    request_file.write_text(job.model_dump_json(), encoding="utf-8")
+    result_file = Path(str(job.result))
     result_file.unlink(missing_ok=True)
     log_file = workdir / f"{name}.log"
     env = engine_env.worker_environment(kv_cache_gb)

@@ -4,14 +4,13 @@ vLLM starts its engine core with the `spawn` method, which re-imports the main m
 from a real file with a `__main__` guard; `vllm_runner.py` launches this file and reads back RESULT.json.
 Everything vLLM-specific about the evaluation lives here and in vllm_runner.py (docs/architecture.md, engine coupling).
 
-The request names the target, the draft (or none, for the baseline; a P-EAGLE draft runs with parallel drafting,
-as its config.json says), k, the prompts as token ids and the sampling settings (optional: max_num_seqs,
-ignore_eos to generate max_new_tokens whatever the target writes). The result holds each prompt's output token
-ids, the wall time of the timed `generate`
-call (a short warm-up run before it is not timed), and the deltas of the `vllm:spec_decode_*` counters that
-`LLM.get_metrics()` reports over the timed call.
+The job (`GenerationJob`) names the target, the draft (or none, for the baseline; a P-EAGLE draft runs with
+parallel drafting, as its config.json says), k, the prompts as token ids and the sampling settings. The result
+holds each prompt's output token ids, the wall time of the timed `generate` call (a short warm-up run before it is
+not timed), and the deltas of the `vllm:spec_decode_*` counters that `LLM.get_metrics()` reports over the timed
+call.
 
-`run(request)` does one job in the calling process (`main` wraps it in the request and result files); with vLLM's
+`run(job)` does one job in the calling process (`main` wraps it in the request and result files); with vLLM's
 VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine runs in that process too, which is how tests/test_families.py
 affords one engine per family and measurement. The target starts as the extraction engines start it
 (`target_engine_kwargs`: a multimodal wrapper with language_model_only, MLA in float32 on CPU with the CPU MLA
@@ -28,10 +27,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.driver import cpu_thread_binding
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
+
+class GenerationJob(BaseModel):
+    """One generation job, as `vllm_runner.run_vllm` writes it to REQUEST.json and this worker reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str
+    draft: str | None = None  # None: the target alone (the baseline)
+    k: int = 0  # draft tokens per round
+    prompts: list[list[int]] = []  # token ids
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    seed: int = 0
+    dtype: str = "auto"
+    max_model_len: int
+    trust_remote_code: bool = False
+    max_num_seqs: int = 1  # prompts decoded at once
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    ignore_eos: bool = False  # generate max_new_tokens whatever the target writes
+    result: str | None = None  # RESULT.json's path (`main`)
+
 
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -72,34 +95,33 @@ def in_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
 
 
-def engine_kwargs(request: dict) -> dict[str, Any]:
+def engine_kwargs(job: GenerationJob) -> dict[str, Any]:
     """`vllm.LLM` keyword arguments for a request: the target, what it needs to start here (the probe's findings),
     and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with parallel drafting, as its
     config.json says: export.vllm_speculative_config)."""
-    config = read_config(Path(request["target"]))
+    config = read_config(Path(job.target))
     facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
                   resolve_config=False).facts
     kwargs: dict[str, Any] = dict(
-        model=request["target"], dtype=request["dtype"], max_model_len=request["max_model_len"], seed=request["seed"],
-        disable_log_stats=False, enforce_eager=request.get("enforce_eager", True),
-        trust_remote_code=request.get("trust_remote_code", False), max_num_seqs=request.get("max_num_seqs", 1),
-        tensor_parallel_size=request.get("tensor_parallel_size", 1))
+        model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed, disable_log_stats=False,
+        enforce_eager=job.enforce_eager, trust_remote_code=job.trust_remote_code, max_num_seqs=job.max_num_seqs,
+        tensor_parallel_size=job.tensor_parallel_size)
     kwargs.update(target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
-                                       multimodal=is_multimodal_wrapper(config), dtype=request["dtype"]))
+                                       multimodal=is_multimodal_wrapper(config), dtype=job.dtype))
     for key, value in target_engine_env(facts, mla="kv_lora_rank" in text_config(config)).items():
         os.environ.setdefault(key, value)  # read by vLLM when the engine starts, in this process
     if facts.platform == "cpu" and kwargs["tensor_parallel_size"] > 1:  # one CPU group per rank, as extraction does
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(kwargs["tensor_parallel_size"]))
     if in_process() and kwargs["tensor_parallel_size"] == 1:
         kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
-    if request.get("draft"):
-        kwargs["speculative_config"] = vllm_speculative_config(request["draft"], request["k"])
+    if job.draft:
+        kwargs["speculative_config"] = vllm_speculative_config(job.draft, job.k)
         if facts.per_request_spec_metrics:  # τ per prompt, for its interval over prompts
             kwargs["per_request_spec_decode_metrics"] = "summary"
     return kwargs
 
 
-def run(request: dict) -> dict:
+def run(job: GenerationJob) -> dict:
     """One generation job in this process: start the engine, warm up, the timed `generate`, the counters' deltas;
     the engine is shut down before returning."""
     import vllm
@@ -108,7 +130,7 @@ def run(request: dict) -> dict:
     if hasattr(envs, "disable_envs_cache"):  # an earlier engine in this process froze vLLM's view of os.environ
         envs.disable_envs_cache()
     try:
-        llm = LLM(**engine_kwargs(request))
+        llm = LLM(**engine_kwargs(job))
     except BaseException:
         if in_process():  # a half-started engine here leaves its process group behind for the next one
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -116,10 +138,9 @@ def run(request: dict) -> dict:
             cleanup_dist_env_and_memory()
         raise
     try:
-        params = SamplingParams(temperature=request["temperature"], max_tokens=request["max_new_tokens"],
-                                seed=request["seed"] if request["temperature"] > 0 else None,
-                                ignore_eos=bool(request.get("ignore_eos", False)))
-        prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+        params = SamplingParams(temperature=job.temperature, max_tokens=job.max_new_tokens,
+                                seed=job.seed if job.temperature > 0 else None, ignore_eos=job.ignore_eos)
+        prompts = [{"prompt_token_ids": ids} for ids in job.prompts]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         before = read_spec_metrics(llm)
         start = time.perf_counter()
@@ -164,11 +185,11 @@ def _shutdown(llm) -> None:
 
 
 def main(request_file: str) -> None:
-    request = json.loads(Path(request_file).read_text(encoding="utf-8"))
-    result = run(request)
-    tmp = Path(request["result"]).with_suffix(".tmp")
+    job = GenerationJob.model_validate_json(Path(request_file).read_text(encoding="utf-8"))
+    result = run(job)
+    tmp = Path(str(job.result)).with_suffix(".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")
-    os.replace(tmp, request["result"])
+    os.replace(tmp, str(job.result))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,14 @@ from typing import Any
 import torch
 import transformers
 from rich.console import Console
+from pydantic import BaseModel
 from transformers import GenerationConfig
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.core import engine_env
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target
+from draftsmith.prepare import regenerate_worker as worker
 
 LOG_NAME = "vllm.log"
 
@@ -135,20 +137,21 @@ class VLLMEngine:
         self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      text=True, encoding="utf-8")
-        self._send({"target": str(target_dir), "dtype": dtype, "max_model_len": max_model_len, "seed": cfg.seed,
-                    "tensor_parallel_size": cfg.tensor_parallel_size, "trust_remote_code": cfg.trust_remote_code,
-                    "stop_token_ids": eos, "temperature": cfg.temperature, "top_p": cfg.top_p})
-        self._receive("start")  # {"ready": true, "vllm_version": ...} once the engine is up
+        self._send(worker.EngineOrder(target=str(target_dir), dtype=dtype, max_model_len=max_model_len,
+                                      seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
+                                      trust_remote_code=cfg.trust_remote_code, stop_token_ids=eos,
+                                      temperature=cfg.temperature, top_p=cfg.top_p))
+        worker.Ready.model_validate_json(self._receive("start"))  # once the engine is up
 
-    def _send(self, obj: dict, flush: bool = True) -> None:
+    def _send(self, message: BaseModel, flush: bool = True) -> None:
         try:
-            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.write(message.model_dump_json() + "\n")
             if flush:
                 self.proc.stdin.flush()
         except BrokenPipeError:
             self._failed("generate")
 
-    def _receive(self, what: str) -> dict:
+    def _receive(self, what: str) -> str:
         try:
             self.proc.stdin.flush()
         except BrokenPipeError:
@@ -156,7 +159,7 @@ class VLLMEngine:
         line = self.proc.stdout.readline()
         if not line:
             self._failed(what)
-        return json.loads(line)
+        return line
 
     def _failed(self, what: str) -> None:
         code = self.proc.wait(timeout=60)
@@ -169,16 +172,16 @@ class VLLMEngine:
                               f"{self.log_file}); run the same command again to resume, or use --engine hf")
 
     def submit(self, key: int, prompt: list[int], limit: int, seed: int) -> None:
-        self._send({"id": key, "prompt": prompt, "max_tokens": limit, "seed": seed}, flush=False)
+        self._send(worker.Request(id=key, prompt=prompt, max_tokens=limit, seed=seed), flush=False)
 
     def results(self) -> list[Answer]:
         """The answers that ended since the last call (waits for at least one)."""
         answers = []
-        for out in self._receive("generate")["outputs"]:
-            tokens = out["token_ids"]
-            if out["finish_reason"] == "stop" and tokens:
+        for out in worker.Finished.model_validate_json(self._receive("generate")).outputs:
+            tokens = out.token_ids
+            if out.finish_reason == "stop" and tokens:
                 tokens = tokens[:-1]  # the end-of-turn token that stopped it
-            answers.append((out["id"], tokens, out["finish_reason"] == "length"))
+            answers.append((out.id, tokens, out.finish_reason == "length"))
         return answers
 
     def close(self) -> None:

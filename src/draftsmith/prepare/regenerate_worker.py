@@ -2,13 +2,12 @@
 
 vLLM may start processes with `spawn`, which re-imports the main module, so it must run from a real file with a
 `__main__` guard. `regenerate_engines.py` starts this file once per run and talks to it over its stdin and stdout,
-one JSON object a line:
+one JSON object a line, each a message below (written and read through these models, never as loose dicts):
 
-    stdin, first line   the engine: {"target", "dtype", "max_model_len", "seed", "tensor_parallel_size",
-                        "trust_remote_code", "stop_token_ids", "temperature", "top_p"}
-    stdout, once ready  {"ready": true, "vllm_version": "0.32.0"}
-    stdin, any time     a request: {"id", "prompt": [token ids], "max_tokens", "seed"}
-    stdout, as they end {"outputs": [{"id", "token_ids", "finish_reason": "stop" | "length"}, ...]}
+    stdin, first line   the engine: `EngineOrder`
+    stdout, once ready  `Ready` (the vLLM version)
+    stdin, any time     a request: `Request` (id, prompt token ids, max_tokens, seed)
+    stdout, as they end `Finished`: the requests that ended, each `Output` (id, token ids, stop or length)
 
 Requests go into vLLM's engine as they arrive (`LLMEngine.add_request` + `step`, the loop `LLM.generate` runs), so
 continuous batching keeps the batch full: the next turn of a conversation is asked for as soon as its previous
@@ -23,7 +22,6 @@ The worker dies with its parent (PR_SET_PDEATHSIG) and runs vLLM's engine core i
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import queue
 import signal
@@ -31,8 +29,42 @@ import sys
 import threading
 
 import torch
+from pydantic import BaseModel
 
 _PR_SET_PDEATHSIG = 1
+
+
+class EngineOrder(BaseModel):
+    target: str
+    dtype: str
+    max_model_len: int
+    seed: int
+    tensor_parallel_size: int
+    trust_remote_code: bool
+    stop_token_ids: list[int]
+    temperature: float
+    top_p: float
+
+
+class Ready(BaseModel):
+    vllm_version: str
+
+
+class Request(BaseModel):
+    id: int
+    prompt: list[int]  # token ids, rendered with the target's chat template
+    max_tokens: int
+    seed: int
+
+
+class Output(BaseModel):
+    id: int
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an end-of-turn token, the last of token_ids) or "length"
+
+
+class Finished(BaseModel):
+    outputs: list[Output]
 
 
 def _die_with_parent() -> None:
@@ -46,7 +78,7 @@ def _die_with_parent() -> None:
 
 def _read_requests(inbox: queue.Queue) -> None:
     for line in sys.stdin:
-        inbox.put(json.loads(line))
+        inbox.put(Request.model_validate_json(line))
     inbox.put(None)  # stdin closed: the parent is done (or gone)
 
 
@@ -54,21 +86,20 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # vLLM prints to stdout too: keep the reply channel for replies only
     _die_with_parent()
-    engine = json.loads(sys.stdin.readline())
+    engine = EngineOrder.model_validate_json(sys.stdin.readline())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm = LLM(model=engine["target"], dtype=engine["dtype"], max_model_len=engine["max_model_len"],
-              seed=engine["seed"], tensor_parallel_size=engine["tensor_parallel_size"],
-              trust_remote_code=engine["trust_remote_code"], enforce_eager=not torch.cuda.is_available(),
-              disable_log_stats=True)
+    llm = LLM(model=engine.target, dtype=engine.dtype, max_model_len=engine.max_model_len, seed=engine.seed,
+              tensor_parallel_size=engine.tensor_parallel_size, trust_remote_code=engine.trust_remote_code,
+              enforce_eager=not torch.cuda.is_available(), disable_log_stats=True)
     core = llm.llm_engine
-    replies.write(json.dumps({"ready": True, "vllm_version": vllm.__version__}) + "\n")
+    replies.write(Ready(vllm_version=vllm.__version__).model_dump_json() + "\n")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read_requests, args=(inbox,), daemon=True).start()
-    sampled = engine["temperature"] > 0
+    sampled = engine.temperature > 0
     while True:
         waiting = [inbox.get()] if not core.has_unfinished_requests() else []
         while True:
@@ -79,15 +110,15 @@ def main() -> None:
         for request in waiting:
             if request is None:
                 return
-            params = SamplingParams(temperature=engine["temperature"], top_p=engine["top_p"],
-                                    max_tokens=request["max_tokens"], seed=request["seed"] if sampled else None,
-                                    stop_token_ids=engine["stop_token_ids"], detokenize=False,
+            params = SamplingParams(temperature=engine.temperature, top_p=engine.top_p,
+                                    max_tokens=request.max_tokens, seed=request.seed if sampled else None,
+                                    stop_token_ids=engine.stop_token_ids, detokenize=False,
                                     output_kind=RequestOutputKind.FINAL_ONLY)
-            core.add_request(str(request["id"]), {"prompt_token_ids": request["prompt"]}, params)
-        finished = [{"id": int(out.request_id), "token_ids": list(out.outputs[0].token_ids),
-                     "finish_reason": out.outputs[0].finish_reason} for out in core.step() if out.finished]
+            core.add_request(str(request.id), {"prompt_token_ids": request.prompt}, params)
+        finished = [Output(id=int(out.request_id), token_ids=list(out.outputs[0].token_ids),
+                           finish_reason=out.outputs[0].finish_reason) for out in core.step() if out.finished]
         if finished:
-            replies.write(json.dumps({"outputs": finished}) + "\n")
+            replies.write(Finished(outputs=finished).model_dump_json() + "\n")
 
 
 if __name__ == "__main__":
