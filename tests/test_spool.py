@@ -741,6 +741,16 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
         mp.setattr(engine_process.subprocess, "Popen", lambda *a, **k: started.append(a[0]) or _Exited(0))
         source._spawn()
     assert len(started) == 1 and str(spool.path) in started[0] and engine_process.ENGINE_MODULE in started[0]
+    import typer
+
+    from draftsmith.extract.vllm import feed
+
+    argv = started[0][started[0].index(engine_process.ENGINE_MODULE) + 1:]  # what the child's typer options read
+    app = typer.Typer()
+    app.command()(feed.main)  # as typer.run(main) makes it
+    params = typer.main.get_command(app).make_context("feed", list(argv)).params
+    assert params["where"] == str(spool.path) and params["log"] == str(tmp_path / "run" / "feed.log")
+    assert params["scratch"] == tmp_path / "run" / "engine-scratch" and params["stall_s"] == source.cfg.stall_timeout_s
     for c in chunks[:2]:  # the trainer reads them before the engine process reads its plan
         spool.consume(c.name, 0, 1)
     assert not any(spool.is_ready(c.name) for c in chunks)

@@ -99,7 +99,7 @@ class EngineProcess:
         self.restarts = self.total_restarts = 0
 
     def start(self) -> None:
-        env = dict(os.environ, DRAFTSMITH_FEED_LOG=str(self.log))
+        env = dict(os.environ)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
         if self.cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # vLLM binds its threads there
@@ -108,7 +108,8 @@ class EngineProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, self.where, "--scratch",
-                                          str(self.scratch), "--stall-s", str(self.cfg.stall_timeout_s)], env=env,
+                                          str(self.scratch), "--stall-s", str(self.cfg.stall_timeout_s), "--log",
+                                          str(self.log)], env=env,
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 

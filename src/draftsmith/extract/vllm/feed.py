@@ -26,7 +26,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
+
+import typer
 
 from draftsmith.config import ExtractConfig, FeedConfig, StageResult
 from draftsmith.core import sizing
@@ -281,10 +283,10 @@ class Feeder:
 
 
 def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s: float,
-          overrides: dict[str, Any] | None, parent: int | None) -> FeedStatus:
+          overrides: dict[str, Any] | None, parent: int | None, log: str | None = None) -> FeedStatus:
     """Run one engine process over the spool at `where`; its status at the end (`error` set on failure). Over
     Mooncake it first reads the job with a small segment (the bound sizes the segment the chunks live in), then
-    mounts that one."""
+    mounts that one. `log`: where this process's output goes, as the trainer names it to the user."""
     status = FeedStatus(pid=os.getpid(), host=socket.gethostname())
     spool: Any = None
     try:
@@ -304,7 +306,7 @@ def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s
             status.segment = spool.segment_name
         if parent is not None:
             watch_parent(parent, status, spool)
-        status.log = os.environ.get("DRAFTSMITH_FEED_LOG", "the output of `draftsmith feed`")
+        status.log = log or "the output of `draftsmith feed`"
         with spool.engine_lock(wait_s=60.0):
             Feeder(spool, status, stall_s, overrides).run()
     except Fatal as err:
@@ -334,16 +336,19 @@ def run(cfg: FeedConfig) -> StageResult:
         "extraction tokens/s": round(status.tokens_per_s, 1), **status.extra})
 
 
-def main(argv: list[str]) -> int:
-    """The trainer's child: `SPOOL [--scratch DIR]`."""
-    where = argv[0]
-    scratch = Path(argv[argv.index("--scratch") + 1]) if "--scratch" in argv else None
-    stall_s = float(argv[argv.index("--stall-s") + 1]) if "--stall-s" in argv else STALL_S
-    status = serve(where, scratch=scratch, segment_gb=None, stall_s=stall_s, overrides=None, parent=os.getppid())
+def main(where: Annotated[str, typer.Argument(help="The spool: a directory or mooncake://HOST:PORT/NAME.")],
+         scratch: Annotated[Optional[Path], typer.Option(help="Local staging directory.")] = None,
+         stall_s: Annotated[float, typer.Option(help="Seconds without the trainer before stopping.")] = STALL_S,
+         log: Annotated[Optional[str], typer.Option(help="Where this process's output goes (the trainer's "
+                                                         "OUTPUT/feed.log), named in its errors.")] = None) -> None:
+    """The trainer's child (`train --engine vllm`, started by train/engine_process.py): one engine process over the
+    spool, until the trainer is done or gone."""
+    status = serve(where, scratch=scratch, segment_gb=None, stall_s=stall_s, overrides=None, parent=os.getppid(),
+                   log=log)
     if status.error:  # into OUTPUT/feed.log; the trainer reports it in its own line
         print(f"draftsmith engine process: {status.error}", file=sys.stderr, flush=True)
-    return 1 if status.error else 0
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    typer.run(main)
