@@ -4,6 +4,7 @@ choice is printed and recorded, for training and for hf extraction alike (tiny r
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def test_openmp_threads_sleep_where_other_processes_run_and_spin_on_an_idle_cpu(
     import subprocess
     import sys
 
-    from draftsmith.train import threads
+    from draftsmith.core import threads
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -175,3 +176,26 @@ def test_openmp_threads_sleep_where_other_processes_run_and_spin_on_an_idle_cpu(
         assert chosen == policy and ("sleep" in why) and (("spin" in why) == (policy is None)), (others, why)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert threads._choose_wait_policy() == (None, "OMP_WAIT_POLICY=ACTIVE (set by the environment)")
+    # `draftsmith train`: chosen before the stage loads torch, gone after (processes started later keep theirs)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(threads, "_others_running", lambda: 3)
+    threads.choose()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "3 other runnable tasks" in threads.WAIT_POLICY
+    threads.release()
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_importing_the_train_stage_samples_and_sets_nothing():
+    """Behaviour at the top, not at import: `import draftsmith.train` neither reads /proc/stat nor sets
+    OMP_WAIT_POLICY (the CLI chooses it, core/threads.py)."""
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom draftsmith.core import threads\n"
+            "def sampled(*a, **k):\n    raise AssertionError('sampled at import')\n"
+            "threads._others_running = sampled\n"
+            "import draftsmith.train\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), threads.WAIT_POLICY)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None OpenMP's default (draftsmith.train used without the CLI)"

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from draftsmith import __version__, config
+from draftsmith.core import threads
 from draftsmith.core.errors import DraftsmithError
 
 app = typer.Typer(
@@ -145,10 +146,14 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
         config_file = kwargs.pop("config_file")
         cfg = _call(lambda: config.load_config(cfg_cls, config_file, kwargs))
         module_name, fn_name = runner.split(":")
+        if name == "train":  # before the stage loads torch: OpenMP reads its wait policy once, then
+            threads.choose()
         try:
             run = getattr(importlib.import_module(module_name), fn_name)
         except (ModuleNotFoundError, AttributeError):
             raise _fail(f"`draftsmith {name}` is not built yet in draftsmith {__version__}", NOT_BUILT_EXIT) from None
+        finally:
+            threads.release()
         _print_result(_call(lambda: run(cfg)))
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from draftsmith.config import StageResult, TrainConfig, save_resolved_config
+from draftsmith.core import threads as openmp
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
-from draftsmith.train.threads import WAIT_POLICY
 from draftsmith.train.setup import Run, autocast_dtype, build, lr_at, precision_note, resolved_precision
 from draftsmith.train.ttt import TargetHead, TTTResult, summarise
 
@@ -47,7 +47,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         # config.yaml holds what auto resolved to here (the checkpoints keep what was asked, for resuming)
         save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}),
                              out)
-        threads = f"; {WAIT_POLICY}" if info.device.type == "cpu" else ""
+        threads = f"; {openmp.WAIT_POLICY}" if info.device.type == "cpu" else ""
         print(f"{precision_note(info.device, cfg.precision)}{threads}", file=sys.stderr, flush=True)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
     ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
