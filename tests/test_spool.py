@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftsmith.config import TrainConfig
+from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.sizing import SPOOL_CHUNKS, GiB
@@ -28,6 +28,8 @@ from draftsmith.extract.spool import (
     EVAL_CHUNK,
     TRAINER_LOCK,
     Chunk,
+    FeedJob,
+    FeedStatus,
     Plan,
     Spool,
     TrainerStatus,
@@ -520,14 +522,26 @@ def test_plan_job_and_status_round_trip(tmp_path):
     # a plan.json written before plans had generations (a bare list of chunks) reads as generation 0
     (spool.path / "plan.json").write_text(json.dumps([dataclasses.asdict(c) for c in chunks[:2]]))
     assert spool.read_plan() == Plan(chunks[:2], 0)
-    spool.write_status({"pid": 7, "tokens": 100, "seconds": 4.0, "waiting": "space", "unknown": 1})
-    status = spool_mod.read_feed_status(spool)
+    # a status with a field this version does not know (a newer engine process's): read, the field ignored
+    (spool.path / "status.json").write_text(json.dumps({"pid": 7, "tokens": 100, "seconds": 4.0, "waiting": "space",
+                                                        "unknown": 1}))
+    status = spool.read_status()
     assert (status.pid, status.tokens_per_s, status.waiting) == (7, 25.0, "space")
-    with pytest.raises(DraftsmithError, match="no job.json"):
+    spool.write_status(FeedStatus(pid=8, waiting="plan", engine_started=True))
+    status = spool.read_status()
+    assert (status.pid, status.waiting, status.engine_started) == (8, "plan", True) and status.updated > 0
+    # a status that does not parse (`waiting` is one of four words) reads as no report yet
+    (spool.path / "status.json").write_text(json.dumps({"pid": 9, "waiting": "lunch"}))
+    assert spool.read_status() == FeedStatus()
+    with pytest.raises(DraftsmithError, match="no readable job.json"):
         spool.read_job()
     (spool.path / "job.json").write_text("{not json")
-    with pytest.raises(DraftsmithError, match="not valid JSON"):
+    with pytest.raises(DraftsmithError, match="no readable job.json"):
         spool.read_job()
+    job = FeedJob(extract=ExtractConfig(prepared=tmp_path / "prepared", backend="vllm"), bound=5_000, cpus=[1],
+                  prepared_digest="abc", stall_s=60.0)
+    spool.write_job(job)
+    assert spool.read_job() == job and spool.read_job().extract.prepared == tmp_path / "prepared"
 
 
 def test_fetch_copies_a_ready_chunk_out_and_the_copy_outlives_the_spools(tmp_path):
@@ -701,7 +715,7 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     spool.write_plan(Plan(chunks, 5))  # the killed trainer's last plan generation
     source = _bare_source(spool, chunks, TrainConfig(engine="vllm", output=tmp_path / "run"))
     source._matches = lambda c, info: True
-    source._extract_config = lambda: TrainConfig()
+    source._extract_config = lambda: ExtractConfig(backend="vllm")
     spawned = []
     source._spawn = lambda: spawned.append(True)
     monkeypatch.setattr(engine_source, "engine_devices", lambda cfg, info: None)
@@ -718,7 +732,7 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     # the engine's log is the trainer's, beside its run: not in the spool, where it would count against the bound
     assert isinstance(source.engine, engine_source.EngineProcess)
     assert source.engine.log == tmp_path / "run" / "feed.log"
-    assert spool.read_job()["bound"] == 10_000
+    assert spool.read_job().bound == 10_000
 
 
 def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer_reads_meanwhile(tmp_path):
@@ -735,7 +749,7 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
     source = _bare_source(spool, chunks)
     source.engine = engine_source.EngineProcess(source.cfg, str(spool.path), tmp_path / "run" / "feed.log",
                                                 tmp_path / "run" / "engine-scratch", None, None)
-    spool.write_job({})
+    spool.write_job(_job())
     started = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_process.subprocess, "Popen", lambda *a, **k: started.append(a[0]) or _Exited(0))
@@ -804,7 +818,11 @@ class _FakeEngine:
         self.stops += 1
 
 
-def _exited_source(tmp_path, status: dict, code: int):
+def _job() -> FeedJob:
+    return FeedJob(extract=ExtractConfig(backend="vllm"), bound=10_000)
+
+
+def _exited_source(tmp_path, status: FeedStatus, code: int):
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     spool.write_status(status)
@@ -817,36 +835,36 @@ def _exited_source(tmp_path, status: dict, code: int):
 
 def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_once(tmp_path, capsys):
     def exited(source, chunk):
-        source._engine_exited(chunk, spool_mod.read_feed_status(source.spool))
+        source._engine_exited(chunk, source.spool.read_status())
 
     # killed (signal, the status of a started engine): restarted, and the user told so
-    source, chunk, spawned = _exited_source(tmp_path / "a", {"pid": 7, "extra": {"engine start (s)": 3.0}}, -9)
+    source, chunk, spawned = _exited_source(tmp_path / "a", FeedStatus(pid=7, engine_started=True), -9)
     exited(source, chunk)
     assert spawned and source.engine.restarts == 1 and source.engine.total_restarts == 1
     assert source.engine.stops == 1  # what is left of it (vLLM's processes) goes before the new one starts
     err = capsys.readouterr().err
     assert "restarting it (1 of 3)" in err and "exit code -9" in err and "the last line of its log" in err
     # it exited after publishing the chunk the trainer waits for: nothing to do for that chunk
-    source, chunk, spawned = _exited_source(tmp_path / "ready", {"pid": 7, "extra": {"engine start (s)": 3.0}}, 0)
+    source, chunk, spawned = _exited_source(tmp_path / "ready", FeedStatus(pid=7, engine_started=True), 0)
     _ready(source.spool, chunk.name)
     exited(source, chunk)
     assert not spawned and source.engine.restarts == 0
     # an error before vLLM started (a strategy the installed vLLM lacks, say) would be the same again: no restart
-    source, chunk, spawned = _exited_source(tmp_path / "b", {"pid": 7, "error": "--vllm-strategy connector: not "
-                                                             "possible with this vLLM", "extra": {}}, 1)
+    source, chunk, spawned = _exited_source(tmp_path / "b", FeedStatus(pid=7, error="--vllm-strategy connector: not "
+                                                             "possible with this vLLM"), 1)
     with pytest.raises(DraftsmithError, match="stopped before chunk c0 .--vllm-strategy connector: not possible") as e:
         exited(source, chunk)
     assert not spawned and "\n" not in str(e.value)
     # a fatal error of a started engine (a full disk): the same wall again on a restart, so one line at once
     full = "/dev/shm/spool/chunks/.c0.partial: the filesystem holding the spool has 1 MiB free"
-    source, chunk, spawned = _exited_source(tmp_path / "f", {"pid": 7, "error": full, "fatal": True,
-                                                             "extra": {"engine start (s)": 3.0}}, 1)
+    source, chunk, spawned = _exited_source(tmp_path / "f", FeedStatus(pid=7, error=full, fatal=True,
+                                                                       engine_started=True), 1)
     with pytest.raises(DraftsmithError) as e:
         exited(source, chunk)
     assert not spawned and source.engine.restarts == 0 and "\n" not in str(e.value)
     assert full in str(e.value) and str(source.engine.log) in str(e.value)
     # restarts run out: one line naming the chunk and the log
-    source, chunk, spawned = _exited_source(tmp_path / "c", {"pid": 7, "extra": {"engine start (s)": 3.0}}, -9)
+    source, chunk, spawned = _exited_source(tmp_path / "c", FeedStatus(pid=7, engine_started=True), -9)
     source.engine.restarts = 3
     with pytest.raises(DraftsmithError, match="before chunk c0 .*/run/feed.log; run the same command again"):
         exited(source, chunk)
@@ -856,12 +874,12 @@ def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_
 def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(tmp_path):
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
-    spool.write_job({})
+    spool.write_job(_job())
     source = _bare_source(spool, [], TrainConfig(engine="vllm", stall_timeout_s=30))
     source.engine = _FakeEngine(tmp_path / "run" / "feed.log", None)  # running
     chunk = Chunk("c0", 0, 0, 0, [1], [1], 10, 100)
-    spool.write_status({"pid": 4242, "host": "engine-node", "chunk": "c0"})
-    updated = spool_mod.read_feed_status(spool).updated
+    spool.write_status(FeedStatus(pid=4242, host="engine-node", chunk="c0"))
+    updated = spool.read_status().updated
     source._seen = (updated, time.monotonic() - 29)  # unchanged, but within the limit
     source._watch(chunk)
     source._seen = (updated, time.monotonic() - 31)  # unchanged past the limit
@@ -871,8 +889,9 @@ def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(
     assert "\n" not in msg and "no progress for 30 s" in msg and "chunk c0" in msg
     assert "pid 4242 on engine-node" in msg and str(tmp_path / "run" / "feed.log") in msg
     # the engine reports again: progress, whatever its clock says (an hour behind the trainer's, here)
-    spool.write_status({"pid": 4242, "host": "engine-node", "chunk": "c0"})
-    (spool.path / "status.json").write_text(json.dumps({**spool.read_status(), "updated": time.time() - 3600}))
+    spool.write_status(FeedStatus(pid=4242, host="engine-node", chunk="c0"))
+    (spool.path / "status.json").write_text(spool.read_status().model_copy(update={"updated": time.time() - 3600})
+                                            .model_dump_json())
     source._watch(chunk)
     assert source._seen[0] == pytest.approx(time.time() - 3600, abs=60)
     assert time.monotonic() - source._seen[1] < 5

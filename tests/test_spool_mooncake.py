@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.spool import Chunk, FeedStatus, Plan, TrainerStatus, TransportLost, read_feed_status
+from draftsmith.config import ExtractConfig
+from draftsmith.extract.spool import Chunk, FeedJob, FeedStatus, Plan, TrainerStatus, TransportLost
 from test_spool import _assert_holds, _samples, _write
 
 
@@ -101,18 +102,19 @@ def test_job_plan_and_statuses_round_trip_and_a_restarted_master_has_none(master
     spool = _spool(master)
     try:
         assert not spool.has_job() and spool.read_plan() is None and spool.read_trainer() is None
-        with pytest.raises(DraftsmithError, match="no job"):
+        with pytest.raises(DraftsmithError, match="no readable job"):
             spool.read_job()
-        spool.write_job({"bound": 123, "extract": {"x": 1}})
+        job = FeedJob(extract=ExtractConfig(backend="vllm", tensor_parallel_size=2), bound=123, cpus=[0, 1])
+        spool.write_job(job)
         chunks = [Chunk(f"e0000-s{p:07d}-{p:07d}", 0, p, p, list(range(p * 400, p * 400 + 400)), [p], 5, 6)
                   for p in range(120)]  # a plan of more than one part
         spool.write_plan(Plan(chunks, 7))
         spool.write_status(FeedStatus(pid=42, chunk="c", waiting="space", segment="s"))
         spool.write_trainer(TrainerStatus(step=9, stall_s=60))
-        assert spool.read_job() == {"bound": 123, "extract": {"x": 1}} and spool.has_job()
+        assert spool.read_job() == job and spool.has_job()
         plan = spool.read_plan()
         assert plan.generation == 7 and plan.chunks == chunks
-        status = read_feed_status(spool)
+        status = spool.read_status()
         assert (status.pid, status.chunk, status.waiting, status.segment) == (42, "c", "space", "s")
         assert status.updated > 0
         trainer = spool.read_trainer()
@@ -123,12 +125,12 @@ def test_job_plan_and_statuses_round_trip_and_a_restarted_master_has_none(master
         deadline = time.monotonic() + 60
         while True:  # the client mounts its segment on the new master within seconds
             try:
-                spool.write_job({"bound": 5})
+                spool.write_job(job.model_copy(update={"bound": 5}))
                 break
             except TransportLost:
                 assert time.monotonic() < deadline, "the client never came back to the restarted master"
                 time.sleep(0.5)
-        assert spool.read_job() == {"bound": 5}
+        assert spool.read_job().bound == 5
     finally:
         spool.close()
 

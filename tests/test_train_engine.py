@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.extract import store
-from draftsmith.extract.spool import Spool, read_feed_status
+from draftsmith.extract.spool import Spool
 from online import (
     EXTRACT,
     MAX_LENGTH,
@@ -113,13 +113,13 @@ def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work
 
     # 1. the engine process dies mid-run: the trainer restarts it and finishes nothing short
     trainer = draftsmith(*args, log=log)
-    wait_for(lambda: read_feed_status(spool).chunks_done >= 2 and not read_feed_status(spool).done, trainer,
+    wait_for(lambda: spool.read_status().chunks_done >= 2 and not spool.read_status().done, trainer,
               "two chunks")
-    engine = read_feed_status(spool).pid
+    engine = spool.read_status().pid
     os.kill(engine, signal.SIGKILL)
     # 2. then the trainer dies, after a checkpoint: its engine process exits by itself
     wait_for(lambda: steps_done(run) >= 10, trainer, "step 10")
-    engine = read_feed_status(spool).pid
+    engine = spool.read_status().pid
     trainer.kill()
     trainer.wait()
     err = log.read_text()
@@ -130,8 +130,8 @@ def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work
     assert not alive(engine), "the engine process outlived its trainer"
     # 3. the same command resumes; then the whole job is killed at once
     trainer = draftsmith(*args, log=log)
-    wait_for(lambda: steps_done(run) >= 17 and read_feed_status(spool).pid not in (0, engine), trainer, "step 17")
-    engine = read_feed_status(spool).pid
+    wait_for(lambda: steps_done(run) >= 17 and spool.read_status().pid not in (0, engine), trainer, "step 17")
+    engine = spool.read_status().pid
     trainer.kill()
     os.kill(engine, signal.SIGKILL)
     trainer.wait()

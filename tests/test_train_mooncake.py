@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from draftsmith.extract.spool import Spool, read_feed_status
+from draftsmith.extract.spool import FeedStatus, Spool
 from online import (
     STEPS,
     TRAIN,
@@ -154,7 +154,7 @@ def test_engine_node_and_trainer_node_share_only_the_master_and_train_as_offline
     probe = MooncakeSpool(MooncakeAddress.parse(where)).connect()
     try:
         assert not probe.has_job() and probe.read_plan() is None
-        assert probe.read_trainer() is None and not probe.read_status()
+        assert probe.read_trainer() is None and probe.read_status() == FeedStatus()
     finally:
         probe.close()
 
@@ -318,4 +318,4 @@ def test_a_filesystem_that_fills_during_the_run_is_one_line_without_restarts(onl
     assert len(errors) == 1, errors
     assert str(spool) in errors[0] and "free" in errors[0] and "needs up to" in errors[0], errors[0]
     assert "restarting" not in log.read_text()
-    assert read_feed_status(Spool(spool)).fatal
+    assert Spool(spool).read_status().fatal

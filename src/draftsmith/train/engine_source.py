@@ -42,7 +42,7 @@ from draftsmith.core.manifest import read_manifest_json
 from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool import EVAL_CHUNK, Chunk, Plan, Spool, TrainerStatus, TransportLost
+from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedJob, FeedStatus, Plan, Spool, TrainerStatus, TransportLost
 from draftsmith.prepare.dataset import prepared_digest
 from draftsmith.train import distributed
 from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
@@ -152,8 +152,8 @@ class EngineSource:
         self._answered = time.monotonic()  # when the transport last answered
         self._lock: contextlib.ExitStack | None = None
         self.engine: EngineProcess | None = None
-        self.last_status = None  # the engine's status as the run closed
-        self._engine_seen = spool_mod.FeedStatus()  # its last report with a pid
+        self.last_status: FeedStatus | None = None  # the engine's status as the run closed
+        self._engine_seen = FeedStatus()  # its last report with a pid
         self.master = None
         self.cpus = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
         self._trainer_cpus = sorted(os.sched_getaffinity(0))
@@ -264,7 +264,7 @@ class EngineSource:
                 previous = self.spool.read_plan()
             self.generation = previous.generation if previous is not None else 0
             self._write_job()
-            self.spool.write_status({"pid": 0, "waiting": "start"})
+            self.spool.write_status(FeedStatus(waiting="start"))
         self._beat = 0.0
         self._heartbeat()
         if self.cfg.remote_engines:
@@ -277,10 +277,8 @@ class EngineSource:
             self._spawn()
 
     def _write_job(self) -> None:
-        self.spool.write_job({"extract": self._extract_config().model_dump(mode="json"), "bound": self.bound,
-                              "devices": engine_devices(self.cfg, self.info) if not self.cfg.remote_engines else None,
-                              "cpus": self.cpus, "prepared_digest": prepared_digest(self.cfg.data),
-                              "stall_s": self.cfg.stall_timeout_s})
+        self.spool.write_job(FeedJob(extract=self._extract_config(), bound=self.bound, cpus=self.cpus,
+                                     prepared_digest=prepared_digest(self.cfg.data), stall_s=self.cfg.stall_timeout_s))
 
     def _write_plan(self) -> None:
         """A new plan generation: the chunks neither read nor ready. A ready chunk stays out of it: an engine process
@@ -301,7 +299,7 @@ class EngineSource:
 
     def _spawn(self) -> None:
         self._write_plan()
-        self.spool.write_status({"pid": 0, "waiting": "start", "generation": self.generation})
+        self.spool.write_status(FeedStatus(waiting="start", generation=self.generation))
         self._seen = (None, time.monotonic())
         self.engine.start()
 
@@ -329,7 +327,7 @@ class EngineSource:
             self._write_job()
             self._write_plan()
             return
-        status = spool_mod.read_feed_status(self.spool)
+        status = self.spool.read_status()
         if self.engine is not None and self.engine.exited():
             self._engine_exited(chunk, status)
             return
@@ -354,13 +352,13 @@ class EngineSource:
                                   f"({doing}) while the trainer waits for chunk {chunk.name}; see "
                                   f"{self._where_logged()}; run the same command again to resume")
 
-    def _engine_exited(self, chunk: Chunk, status: Any) -> None:
+    def _engine_exited(self, chunk: Chunk, status: FeedStatus) -> None:
         code = self.engine.proc.returncode
         if self.spool.is_ready(chunk.name):
             return
         self.engine.stop()
         why = status.error or f"exit code {code}; {self.engine.log_tail() or 'no output'}"
-        setup_failed = bool(status.error) and "engine start (s)" not in status.extra  # the same again on a restart
+        setup_failed = bool(status.error) and not status.engine_started  # the same again on a restart
         if self.engine.restarts >= ENGINE_RESTARTS or status.done or setup_failed or status.fatal:
             raise DraftsmithError(f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
                                   f"see {self.engine.log}; run the same command again to resume")
@@ -459,7 +457,7 @@ class EngineSource:
 
     # -- reporting
     def metrics(self) -> dict:
-        status = spool_mod.read_feed_status(self.spool)
+        status = self.spool.read_status()
         now = time.perf_counter()
         interval, waited = max(now - self._log_time, 1e-9), self.waited - self._waited_at_log
         self._log_time, self._waited_at_log = now, self.waited
@@ -480,7 +478,7 @@ class EngineSource:
 
     def _feed_status(self) -> Any:
         """The engine process's last report (the one read at close, once the spool is closed)."""
-        return self.last_status if self.last_status is not None else spool_mod.read_feed_status(self.spool)
+        return self.last_status if self.last_status is not None else self.spool.read_status()
 
     def summary(self) -> dict:
         status = self._feed_status()
@@ -499,7 +497,7 @@ class EngineSource:
         spool = getattr(self, "spool", None)
         if spool is not None and self.last_status is None:
             with contextlib.suppress(Exception):
-                self.last_status = spool_mod.read_feed_status(spool)
+                self.last_status = spool.read_status()
         if completed and self.current is not None and spool is not None:
             self._finish(self.current)
             self.current = None
@@ -508,7 +506,7 @@ class EngineSource:
                                  stall_s=self.cfg.stall_timeout_s)
             with contextlib.suppress(Exception):
                 if spool.remote and completed:  # where the engine process reads it once this process is gone
-                    spool.write_trainer(last, segment=getattr(self.last_status, "segment", ""))
+                    spool.write_trainer(last, segment=self.last_status.segment if self.last_status else "")
                 else:
                     spool.write_trainer(last)
             if self.engine is not None:

@@ -19,6 +19,7 @@ from draftsmith.extract.spool.chunks import (
     Chunk,
     ChunkInfo,
     EngineSide,
+    FeedJob,
     FeedStatus,
     Plan,
     TrainerSide,
@@ -27,7 +28,6 @@ from draftsmith.extract.spool.chunks import (
     chunk_bytes,
     chunk_name,
     pack_steps,
-    read_feed_status,
     wait_for_space,
 )
 from draftsmith.extract.spool.directory import ENGINE_LOCK, TRAINER_LOCK, Spool, disk_bytes, free_bytes, store_info
@@ -40,7 +40,7 @@ def is_mooncake(where: str | Path | None) -> bool:
     return where is not None and (str(where) == MOONCAKE_SCHEME or str(where).startswith(f"{MOONCAKE_SCHEME}://"))
 
 
-__all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedStatus", "MOONCAKE_SCHEME", "Plan",
+__all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedJob", "FeedStatus", "MOONCAKE_SCHEME", "Plan",
            "STALL_S", "Spool", "TRAINER_LOCK", "TrainerSide", "TrainerStatus", "TransportLost",
            "chunk_bytes", "chunk_name",
-           "disk_bytes", "free_bytes", "is_mooncake", "pack_steps", "read_feed_status", "store_info", "wait_for_space"]
+           "disk_bytes", "free_bytes", "is_mooncake", "pack_steps", "store_info", "wait_for_space"]

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Literal, Protocol, Sequence, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from draftsmith.config import ExtractConfig
 from draftsmith.core import sizing
 
 EVAL_CHUNK = "eval"
@@ -88,17 +91,35 @@ def pack_steps(steps: Sequence[tuple[list[int], int]], limit: int) -> list[tuple
     return runs
 
 
-@dataclass
-class FeedStatus:
-    """What the engine process reports (status.json, or its key in a store); `updated` is when it last wrote."""
+Waiting = Literal["", "space", "start", "plan"]  # what an engine process waits for: nothing, room, vLLM, a plan
 
-    pid: int = 0
+
+class FeedJob(BaseModel):
+    """What the trainer asks of every engine process: written once per (re)start, read by `draftsmith feed`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    extract: ExtractConfig  # what to compute, as `draftsmith extract --backend vllm` would
+    bound: int  # bytes the spool may hold
+    cpus: list[int] | None = None  # the cores the trainer left to its local engine process (it runs on the others)
+    prepared_digest: str | None = None  # of the trainer's prepared set: an engine on another node must read the same
+    stall_s: float | None = None  # the trainer's stall limit, which rules the run
+
+
+class FeedStatus(BaseModel):
+    """What the engine process reports (status.json, or its key in a store); `updated` is when it last wrote. Fields
+    a newer engine process adds are ignored, not an error."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    pid: int = 0  # 0: written by the trainer (before an engine process reported)
     host: str = ""
     chunk: str = ""
     chunks_done: int = 0
     tokens: int = 0
     seconds: float = 0.0  # computing, not waiting
-    waiting: str = ""  # "space": the spool is full; "start": the engine is starting; "plan": for the trainer's plan
+    waiting: Waiting = ""
+    engine_started: bool = False  # vLLM started in this process: an error after it is not one of the set-up
     error: str = ""
     fatal: bool = False  # the error comes back on a restart (a full disk, a bad setup): do not restart
     peak: int = 0
@@ -107,17 +128,18 @@ class FeedStatus:
     log: str = ""  # where its output goes, on its host
     segment: str = ""  # the Mooncake segment its chunks live in (the trainer's last word goes there)
     updated: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)  # shown in the trainer's summary, never read as data
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass
-class TrainerStatus:
+class TrainerStatus(BaseModel):
     """What the trainer reports to the engines: its progress (the engines stop waiting for room when it has made
     none for the stall limit) and whether the run is over."""
+
+    model_config = ConfigDict(extra="ignore")
 
     step: int = 0
     chunks_read: int = 0
@@ -126,9 +148,25 @@ class TrainerStatus:
     updated: float = 0.0
 
 
-def read_feed_status(spool: "TrainerSide | EngineSide") -> FeedStatus:
-    known = set(FeedStatus.__dataclass_fields__)
-    return FeedStatus(**{k: v for k, v in spool.read_status().items() if k in known})
+Message = TypeVar("Message", FeedJob, FeedStatus, TrainerStatus)
+
+
+def encode(message: FeedJob | FeedStatus | TrainerStatus) -> bytes:
+    """A message as the transports carry it: JSON, stamped with the time it was written (a job has no stamp)."""
+    if isinstance(message, FeedJob):
+        return message.model_dump_json().encode()
+    return message.model_copy(update={"updated": time.time()}).model_dump_json().encode()
+
+
+def decode(kind: type[Message], data: bytes | str | None) -> Message | None:
+    """A message read back; None when there is none or it does not parse (a torn or foreign write: the writer
+    replaces it within a second)."""
+    if data is None:
+        return None
+    try:
+        return kind.model_validate_json(data)
+    except ValidationError:
+        return None
 
 
 class EngineSide(Protocol):
@@ -140,11 +178,12 @@ class EngineSide(Protocol):
     def describe(self) -> str:
         """Where the spool is, for messages (a path, or mooncake://HOST:PORT/RUN)."""
 
-    def engine_lock(self) -> ContextManager[None]:
-        """Held for the engine process's life: one engine process per spool."""
+    def engine_lock(self, wait_s: float = 0.0) -> ContextManager[None]:
+        """Held for the engine process's life: one engine process per spool (waiting up to `wait_s` for one that is
+        stopping)."""
 
-    def read_job(self) -> dict[str, Any]:
-        """The trainer's job: the ExtractConfig, the bound, the devices; a one-line error when there is none."""
+    def read_job(self) -> FeedJob:
+        """The trainer's job; a one-line error when there is none (or it does not parse)."""
 
     def read_plan(self) -> Plan | None:
         """The trainer's current plan (None: none now, e.g. the transport lost it and the trainer rewrites it)."""
@@ -187,11 +226,11 @@ class TrainerSide(Protocol):
     def trainer_lock(self) -> ContextManager[None]:
         """Held for the trainer's life: one trainer per spool."""
 
-    def engine_lock(self, wait_s: float) -> ContextManager[None]:
+    def engine_lock(self, wait_s: float = 0.0) -> ContextManager[None]:
         """Held while the trainer cleans the spool: no engine process is writing (a killed trainer's engine process
         exits by itself, within `wait_s`)."""
 
-    def write_job(self, job: dict[str, Any]) -> None: ...
+    def write_job(self, job: FeedJob) -> None: ...
 
     def read_plan(self) -> Plan | None: ...
 
@@ -202,7 +241,8 @@ class TrainerSide(Protocol):
 
     def write_trainer(self, status: TrainerStatus) -> None: ...
 
-    def read_status(self) -> dict[str, Any]: ...
+    def read_status(self) -> FeedStatus:
+        """The engine process's last report (an empty one when there is none yet)."""
 
     def chunk_info(self, name: str) -> ChunkInfo | None:
         """What ready chunk `name` holds (None: not ready or unreadable)."""

@@ -30,9 +30,19 @@ from typing import Any, Iterator
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import atomic_write_text
+from draftsmith.core.fsio import atomic_write_bytes, atomic_write_text
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, FeedStatus, Plan, TrainerStatus, fill_directory
+from draftsmith.extract.spool.chunks import (
+    Chunk,
+    ChunkInfo,
+    FeedJob,
+    FeedStatus,
+    Plan,
+    TrainerStatus,
+    decode,
+    encode,
+    fill_directory,
+)
 
 CHUNKS_DIR = "chunks"
 CONSUMED_DIR = "consumed"
@@ -119,13 +129,14 @@ class Spool:
         except ValueError as err:
             raise DraftsmithError(f"{path}: not valid JSON ({err}); delete the spool directory and start again")
 
-    def write_job(self, job: dict[str, Any]) -> None:
-        self._write(JOB_FILE, job)
+    def write_job(self, job: FeedJob) -> None:
+        atomic_write_bytes(self.path / JOB_FILE, encode(job))
 
-    def read_job(self) -> dict[str, Any]:
-        job = self._read(JOB_FILE)
-        if not isinstance(job, dict):
-            raise DraftsmithError(f"{self.path}: no {JOB_FILE}; the trainer writes it before starting the engines")
+    def read_job(self) -> FeedJob:
+        job = decode(FeedJob, self._read_bytes(JOB_FILE))
+        if job is None:
+            raise DraftsmithError(f"{self.path}: no readable {JOB_FILE}; the trainer writes it before starting the "
+                                  "engines")
         return job
 
     def has_job(self) -> bool:
@@ -140,25 +151,22 @@ class Spool:
             return Plan([Chunk(**c) for c in data], 0)
         return None if data is None else Plan([Chunk(**c) for c in data["chunks"]], int(data["generation"]))
 
-    def write_status(self, status: FeedStatus | dict[str, Any]) -> None:
-        data = asdict(status) if isinstance(status, FeedStatus) else dict(status)
-        self._write(STATUS_FILE, {**data, "updated": time.time()})
-
-    def write_trainer(self, status: TrainerStatus) -> None:
-        self._write(TRAINER_FILE, {**asdict(status), "updated": time.time()})
-
-    def read_trainer(self) -> TrainerStatus | None:
-        with contextlib.suppress(DraftsmithError, TypeError):
-            data = self._read(TRAINER_FILE)
-            return TrainerStatus(**data) if isinstance(data, dict) else None
+    def _read_bytes(self, name: str) -> bytes | None:
+        with contextlib.suppress(FileNotFoundError):
+            return (self.path / name).read_bytes()
         return None
 
-    def read_status(self) -> dict[str, Any]:
-        with contextlib.suppress(DraftsmithError):
-            status = self._read(STATUS_FILE)
-            if isinstance(status, dict):
-                return status
-        return {}
+    def write_status(self, status: FeedStatus) -> None:
+        atomic_write_bytes(self.path / STATUS_FILE, encode(status))
+
+    def read_status(self) -> FeedStatus:
+        return decode(FeedStatus, self._read_bytes(STATUS_FILE)) or FeedStatus()
+
+    def write_trainer(self, status: TrainerStatus) -> None:
+        atomic_write_bytes(self.path / TRAINER_FILE, encode(status))
+
+    def read_trainer(self) -> TrainerStatus | None:
+        return decode(TrainerStatus, self._read_bytes(TRAINER_FILE))
 
     # -- chunks
     def begin(self, name: str) -> Path:

@@ -39,7 +39,18 @@ from typing import Any, Iterator
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, FeedStatus, Plan, TrainerStatus, TransportLost, fill_directory
+from draftsmith.extract.spool.chunks import (
+    Chunk,
+    ChunkInfo,
+    FeedJob,
+    FeedStatus,
+    Plan,
+    TrainerStatus,
+    TransportLost,
+    decode,
+    encode,
+    fill_directory,
+)
 from draftsmith.extract.spool.directory import free_bytes, store_info
 
 PART = 16 << 20  # bytes per object: a put or get stages through the client's local buffer
@@ -277,13 +288,14 @@ class MooncakeSpool:
         return max(0, int(removed))
 
     # -- the job, the plan and the statuses
-    def write_job(self, job: dict[str, Any]) -> None:
-        self._put_json(self._key("job"), job)
+    def write_job(self, job: FeedJob) -> None:
+        self._put(self._key("job"), encode(job))
 
-    def read_job(self) -> dict[str, Any]:
-        job = self._get_json(self._key("job"))
-        if not isinstance(job, dict):
-            raise DraftsmithError(f"--spool {self.address}: no job; the trainer writes it before the engines start")
+    def read_job(self) -> FeedJob:
+        job = decode(FeedJob, self._get(self._key("job")))
+        if job is None:
+            raise DraftsmithError(f"--spool {self.address}: no readable job; the trainer writes it before the engines "
+                                  "start")
         return job
 
     def has_job(self) -> bool:
@@ -308,19 +320,17 @@ class MooncakeSpool:
         self.names = [c.name for c in plan.chunks]
         return plan
 
-    def write_status(self, status: FeedStatus | dict[str, Any]) -> None:
-        data = asdict(status) if isinstance(status, FeedStatus) else dict(status)
+    def write_status(self, status: FeedStatus) -> None:
         with contextlib.suppress(TransportLost):  # the trainer reads the next one
-            self._put_json(self._key("status"), {**data, "updated": time.time()})
+            self._put(self._key("status"), encode(status))
 
-    def read_status(self) -> dict[str, Any]:
-        status = self._get_json(self._key("status"))
-        return status if isinstance(status, dict) else {}
+    def read_status(self) -> FeedStatus:
+        return decode(FeedStatus, self._get(self._key("status"))) or FeedStatus()
 
     def write_trainer(self, status: TrainerStatus, segment: str = "") -> None:
         """The trainer's progress, in its own segment; or, its last word (the run is over), in the engine process's
         `segment`, which outlives the trainer's (a segment's objects go with the process that mounted it)."""
-        key, data = self._key("trainer"), json.dumps({**asdict(status), "updated": time.time()}).encode()
+        key, data = self._key("trainer"), encode(status)
         with contextlib.suppress(TransportLost):
             if not segment:
                 self._put(key, data)
@@ -340,10 +350,7 @@ class MooncakeSpool:
         return str(self.store.get_hostname())
 
     def read_trainer(self) -> TrainerStatus | None:
-        data = self._get_json(self._key("trainer"))
-        with contextlib.suppress(TypeError):
-            return TrainerStatus(**data) if isinstance(data, dict) else None
-        return None
+        return decode(TrainerStatus, self._get(self._key("trainer")))
 
     # -- chunks, the engine's side
     @contextlib.contextmanager

@@ -38,6 +38,7 @@ from draftsmith.extract import common
 from draftsmith.extract.spool import (
     STALL_S,
     EngineSide,
+    FeedJob,
     FeedStatus,
     Plan,
     Spool,
@@ -48,6 +49,7 @@ from draftsmith.extract.spool import (
     wait_for_space,
 )
 from draftsmith.extract.spool import mooncake
+from draftsmith.extract.spool.chunks import Waiting
 from draftsmith.extract.vllm import _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
@@ -122,7 +124,7 @@ class Feeder:
         trainer = self._read_trainer()
         return trainer is not None and trainer.finished
 
-    def _report(self, waiting: str | None = None, **fields: Any) -> None:
+    def _report(self, waiting: Waiting | None = None, **fields: Any) -> None:
         with self.lock:
             self.beat = time.monotonic()
             if waiting is not None:
@@ -131,7 +133,7 @@ class Feeder:
                 setattr(self.status, k, v)
             self.spool.write_status(self.status)
 
-    def _waiting(self, what: str) -> None:
+    def _waiting(self, what: Waiting) -> None:
         """Report waiting for `what` once it starts, then every second (alive, and why it waits)."""
         if self.status.waiting != what or time.monotonic() - self.beat > 1.0:
             self._report(what)
@@ -150,7 +152,7 @@ class Feeder:
         threading.Thread(target=loop, name="draftsmith-feed-heartbeat", daemon=True).start()
         return stop
 
-    def wait_for_job(self) -> dict[str, Any]:
+    def wait_for_job(self) -> FeedJob:
         while True:
             with contextlib.suppress(DraftsmithError):
                 return self.spool.read_job()
@@ -172,11 +174,11 @@ class Feeder:
             time.sleep(0.1)
 
     # -- setting up
-    def extract_config(self, job: dict[str, Any]) -> ExtractConfig:
-        cfg = ExtractConfig.model_validate(job["extract"])
+    def extract_config(self, job: FeedJob) -> ExtractConfig:
+        cfg = job.extract
         if self.overrides:
             cfg = cfg.model_copy(update=self.overrides)
-        want, have = job.get("prepared_digest"), prepared_digest(cfg.prepared)
+        want, have = job.prepared_digest, prepared_digest(cfg.prepared)
         if want and have != want:
             raise Fatal(f"--prepared {cfg.prepared}: is not the prepared set the trainer trains on (its shards "
                         "differ); give this node a copy of the trainer's --data")
@@ -241,11 +243,11 @@ class Feeder:
 
     def run(self) -> None:
         job = self.wait_for_job()
-        if job.get("cpus"):  # the cores the trainer left to the engine (it runs on the others)
-            os.sched_setaffinity(0, job["cpus"])
+        if job.cpus:  # the cores the trainer left to the engine (it runs on the others)
+            os.sched_setaffinity(0, job.cpus)
         cfg = self.extract_config(job)
-        self.stall_s = float(job.get("stall_s") or self.stall_s)  # the trainer's limit rules the run
-        self.spool.bound = int(job["bound"])
+        self.stall_s = job.stall_s or self.stall_s  # the trainer's limit rules the run
+        self.spool.bound = job.bound
         self.spool.drop_leftovers()  # a killed engine's partial chunk
         first = self.next_plan()
         if first is None:
@@ -274,6 +276,7 @@ class Feeder:
             engine, _ = start_engine(choice, spec_for, say=lambda line: print(f"draftsmith engine process: {line}",
                                                                              file=sys.stderr, flush=True))
             stack.enter_context(engine)
+            self.status.engine_started = True
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
             plan: Plan | None = first
             while plan is not None:
@@ -295,7 +298,7 @@ def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s
         else:
             address = mooncake.MooncakeAddress.parse(where)
             spool = mooncake.MooncakeSpool(address, scratch=scratch).connect()
-            bound = int(Feeder(spool, status, stall_s).wait_for_job()["bound"])
+            bound = Feeder(spool, status, stall_s).wait_for_job().bound
             try:
                 segment = mooncake.engine_segment(bound, segment_gb)
             except DraftsmithError as err:
