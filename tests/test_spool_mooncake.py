@@ -163,25 +163,6 @@ def test_the_engine_segment_holds_the_bound_and_a_smaller_one_is_refused_in_one_
     assert engine_segment(bound, suggested) >= bound / 0.8  # the suggestion is enough
 
 
-@pytest.mark.parametrize("text,host,port,run", [("mooncake://10.0.0.5:50051/kimi", "10.0.0.5", 50051, "kimi"),
-                                                ("mooncake://127.0.0.1:7000", "127.0.0.1", 7000, "draftsmith")])
-def test_addresses_parse(text, host, port, run):
-    from draftsmith.extract.spool.mooncake import MooncakeAddress
-
-    a = MooncakeAddress.parse(text)
-    assert (a.host, a.port, a.run) == (host, port, run)
-    assert MooncakeAddress.parse(str(a)) == a
-
-
-@pytest.mark.parametrize("text", ["mooncake://host", "mooncake://h:port/x", "mooncake:/h:1", "mooncake://h:1/a b"])
-def test_a_bad_address_is_one_line_naming_it(text):
-    from draftsmith.extract.spool.mooncake import MooncakeAddress
-
-    with pytest.raises(DraftsmithError) as err:
-        MooncakeAddress.parse(text)
-    assert text in str(err.value) and "\n" not in str(err.value)
-
-
 def test_an_unreachable_master_is_one_line_naming_it():
     from draftsmith.extract.spool.mooncake import MooncakeAddress, MooncakeSpool
 

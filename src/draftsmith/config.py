@@ -24,6 +24,7 @@ from pydantic import (
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
+from draftsmith.core.spool_address import check_spool
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 
@@ -309,8 +310,7 @@ class EvaluateConfig(StageConfig):
     prompts: str = Field("mt-bench", description=(
         "Prompt set: mt-bench (the embedded 80 questions), bfcl-multi-turn (200 tool-use tasks, their tools "
         "declared), a ShareGPT JSON / messages JSONL file, or a prepared data set directory (its held-out split is "
-        "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as "
-        "served."))
+        "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as served."))
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
                                                  description=(
         "Options the server passes to the chat template when it renders a prompt file, as a JSON object (vLLM's "
@@ -439,6 +439,7 @@ class TrainConfig(StageConfig):
         "torchrun on several nodes, a path every rank sees; default OUTPUT/spool), or a Mooncake store: mooncake "
         "(draftsmith starts a master on loopback) or mooncake://HOST:PORT/RUN (a running master; RUN, optional, "
         "names the run's keys; no shared filesystem needed)."))
+    _spool = field_validator("spool")(check_spool)
     remote_engines: bool = Field(False, description=(
         "--engine vllm: the engines run elsewhere, started there by `draftsmith feed --spool SPOOL` (the engine "
         "node's command); the trainer starts none and waits for them."))
@@ -464,8 +465,7 @@ class TrainConfig(StageConfig):
         "--engine vllm: how vLLM hands over the states, as `extract --vllm-strategy` (see `draftsmith doctor`)."))
     engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "--engine vllm: dtype the target runs in inside vLLM, as `extract --compute-dtype` (auto: bfloat16 on GPUs "
-        "and on CPUs with bf16 instructions where that vLLM has bf16 attention kernels for the target, else "
-        "float32)."))
+        "and on CPUs with bf16 instructions where that vLLM has bf16 attention kernels for the target, else float32)."))
     vllm_compile: bool = Field(True, description=(
         "--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."))
 
@@ -493,6 +493,7 @@ class FeedConfig(StageConfig):
     spool: str = Field("mooncake://127.0.0.1:50051", description=(
         "The trainer's --spool: mooncake://HOST:PORT/RUN (its Mooncake master and run; /RUN optional), or a "
         "directory both nodes see."))
+    _spool = field_validator("spool")(check_spool)
     prepared: Path | None = Field(None, description=(
         "This node's copy of the trainer's prepared set (default: the path in the trainer's job); checked to be "
         "the same set."))

@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.config import TrainConfig
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract import spool as spool_mod
+from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, parse_spool
 from draftsmith.extract.spool import Spool, TrainerSide
 from draftsmith.extract.spool import mooncake
 from draftsmith.extract.vllm.driver import cpu_thread_binding
@@ -68,18 +68,18 @@ def engine_devices(cfg: TrainConfig, info: distributed.DistInfo) -> list[int] | 
 
 def open_trainer_side(cfg: TrainConfig, bound: int, master_log: Path) -> tuple[TrainerSide, Any]:
     """The spool --spool names (and the Mooncake master draftsmith started for it, or None), connected."""
-    where = cfg.spool
-    if not spool_mod.is_mooncake(where):
-        return Spool(Path(where) if where is not None else Path(cfg.output) / "spool", bound), None
+    where = parse_spool(cfg.spool if cfg.spool is not None else Path(cfg.output) / "spool")
+    if isinstance(where, DirectoryAddress):
+        return Spool(where.path, bound), None
     master = None
-    if where == spool_mod.MOONCAKE_SCHEME:
+    if isinstance(where, LocalMooncake):
         if cfg.remote_engines:
             raise DraftsmithError("--spool mooncake --remote-engines: engines on other nodes need a master they can "
                                   "reach; start mooncake_master there and give --spool mooncake://HOST:PORT")
         master = mooncake.MooncakeMaster(master_log)
         address = master.start()
     else:
-        address = mooncake.MooncakeAddress.parse(where)
+        address = where
     try:
         return mooncake.MooncakeSpool(address, bound).connect(), master
     except DraftsmithError:

@@ -40,6 +40,7 @@ from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import read_manifest_json
 from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
+from draftsmith.core.spool_address import LocalMooncake, parse_spool
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
 from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedJob, FeedStatus, Plan, Spool, TrainerStatus, TransportLost
@@ -163,7 +164,7 @@ class EngineSource:
             torch.set_num_threads(len(rest))
         error = None
         self.spool: Any = None
-        own_master = cfg.spool == spool_mod.MOONCAKE_SCHEME  # rank 0 starts it on loopback: one node
+        own_master = isinstance(parse_spool(cfg.spool or "."), LocalMooncake)  # rank 0 starts it on loopback: one node
         try:
             if own_master and info.world_size > distributed.local_world_size():
                 error = ("--spool mooncake under torchrun on several nodes: the ranks need a master they all reach; "

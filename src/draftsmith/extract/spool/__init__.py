@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from draftsmith.extract.spool.chunks import (
     EVAL_CHUNK,
@@ -32,15 +31,7 @@ from draftsmith.extract.spool.chunks import (
 )
 from draftsmith.extract.spool.directory import ENGINE_LOCK, TRAINER_LOCK, Spool, disk_bytes, free_bytes, store_info
 
-MOONCAKE_SCHEME = "mooncake"
-
-
-def is_mooncake(where: str | Path | None) -> bool:
-    """`--spool mooncake` (a master draftsmith starts on loopback) or `mooncake://HOST:PORT[/RUN]`."""
-    return where is not None and (str(where) == MOONCAKE_SCHEME or str(where).startswith(f"{MOONCAKE_SCHEME}://"))
-
-
-__all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedJob", "FeedStatus", "MOONCAKE_SCHEME", "Plan",
+__all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedJob", "FeedStatus", "Plan",
            "STALL_S", "Spool", "TRAINER_LOCK", "TrainerSide", "TrainerStatus", "TransportLost",
            "chunk_bytes", "chunk_name",
-           "disk_bytes", "free_bytes", "is_mooncake", "pack_steps", "store_info", "wait_for_space"]
+           "disk_bytes", "free_bytes", "pack_steps", "store_info", "wait_for_space"]

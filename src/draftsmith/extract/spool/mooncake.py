@@ -33,12 +33,13 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.spool_address import DEFAULT_RUN, MooncakeAddress
 from draftsmith.extract.spool.chunks import (
     Chunk,
     ChunkInfo,
@@ -58,33 +59,8 @@ LOCAL_BUFFER = 64 << 20
 MIN_SEGMENT = 16 << 20  # Mooncake refuses to mount less
 CONTROL_SEGMENT = 64 << 20  # a trainer rank's segment: the job, the plan, its status and its consumed markers
 WATERMARK = 0.8  # the bound's share of the engine's segment: Mooncake evicts objects above 0.9 of a segment
-DEFAULT_RUN = "draftsmith"
 INSTALL = ("pip install 'draftsmith[mooncake]' (mooncake-transfer-engine-non-cuda) and, on Debian or Ubuntu, "
            "apt-get install libibverbs1 librdmacm1 (loaded even for TCP)")
-
-
-@dataclass(frozen=True)
-class MooncakeAddress:
-    """mooncake://HOST:PORT/RUN: the master's RPC address and the run's key prefix."""
-
-    host: str
-    port: int
-    run: str = DEFAULT_RUN
-
-    @classmethod
-    def parse(cls, text: str) -> "MooncakeAddress":
-        found = re.fullmatch(r"mooncake://([^:/]+):(\d+)(?:/([A-Za-z0-9._-]+))?/?", str(text))
-        if not found:
-            raise DraftsmithError(f"--spool {text}: expected mooncake://HOST:PORT[/RUN] (the Mooncake master's address "
-                                  "and a run name), or mooncake to have draftsmith start a master on loopback")
-        return cls(found.group(1), int(found.group(2)), found.group(3) or DEFAULT_RUN)
-
-    @property
-    def master(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def __str__(self) -> str:
-        return f"mooncake://{self.master}/{self.run}"
 
 
 def _store_class() -> Any:

@@ -33,6 +33,7 @@ import typer
 from draftsmith.config import ExtractConfig, FeedConfig, StageResult
 from draftsmith.core import sizing
 from draftsmith.core.errors import DiskFullError, DraftsmithError
+from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, SpoolAddress, parse_spool
 from draftsmith.core.targets import read_config
 from draftsmith.extract import common
 from draftsmith.extract.spool import (
@@ -45,7 +46,6 @@ from draftsmith.extract.spool import (
     TrainerStatus,
     TransportLost,
     free_bytes,
-    is_mooncake,
     wait_for_space,
 )
 from draftsmith.extract.spool import mooncake
@@ -285,7 +285,7 @@ class Feeder:
         self.status.done, self.status.chunk, self.status.waiting = True, "", ""
 
 
-def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s: float,
+def serve(where: SpoolAddress, *, scratch: Path | None, segment_gb: float | None, stall_s: float,
           overrides: dict[str, Any] | None, parent: int | None, log: str | None = None) -> FeedStatus:
     """Run one engine process over the spool at `where`; its status at the end (`error` set on failure). Over
     Mooncake it first reads the job with a small segment (the bound sizes the segment the chunks live in), then
@@ -293,11 +293,12 @@ def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s
     status = FeedStatus(pid=os.getpid(), host=socket.gethostname())
     spool: Any = None
     try:
-        if not is_mooncake(where):
-            spool = Spool(Path(where))
+        if isinstance(where, LocalMooncake):
+            raise Fatal("--spool mooncake: the engine side needs the trainer's master, mooncake://HOST:PORT[/RUN]")
+        if isinstance(where, DirectoryAddress):
+            spool = Spool(where.path)
         else:
-            address = mooncake.MooncakeAddress.parse(where)
-            spool = mooncake.MooncakeSpool(address, scratch=scratch).connect()
+            spool = mooncake.MooncakeSpool(where, scratch=scratch).connect()
             bound = Feeder(spool, status, stall_s).wait_for_job().bound
             try:
                 segment = mooncake.engine_segment(bound, segment_gb)
@@ -305,7 +306,7 @@ def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s
                 raise Fatal(str(err)) from None
             spool.close()
             spool = None
-            spool = mooncake.MooncakeSpool(address, segment=segment, scratch=scratch).connect()
+            spool = mooncake.MooncakeSpool(where, segment=segment, scratch=scratch).connect()
             status.segment = spool.segment_name
         if parent is not None:
             watch_parent(parent, status, spool)
@@ -330,7 +331,7 @@ def serve(where: str, *, scratch: Path | None, segment_gb: float | None, stall_s
 def run(cfg: FeedConfig) -> StageResult:
     """`draftsmith feed`: the engine side of `train --engine vllm --remote-engines`, on the engine node."""
     scratch = cfg.scratch or Path(os.environ.get("TMPDIR", "/tmp")) / f"draftsmith-feed-{os.getpid()}"
-    status = serve(cfg.spool, scratch=scratch, segment_gb=cfg.segment_gb, stall_s=cfg.stall_timeout_s,
+    status = serve(parse_spool(cfg.spool), scratch=scratch, segment_gb=cfg.segment_gb, stall_s=cfg.stall_timeout_s,
                    overrides={"prepared": cfg.prepared, "target": cfg.target}, parent=None)
     if status.error:
         raise DraftsmithError(status.error)
@@ -346,7 +347,7 @@ def main(where: Annotated[str, typer.Argument(help="The spool: a directory or mo
                                                          "OUTPUT/feed.log), named in its errors.")] = None) -> None:
     """The trainer's child (`train --engine vllm`, started by train/engine_process.py): one engine process over the
     spool, until the trainer is done or gone."""
-    status = serve(where, scratch=scratch, segment_gb=None, stall_s=stall_s, overrides=None, parent=os.getppid(),
+    status = serve(parse_spool(where), scratch=scratch, segment_gb=None, stall_s=stall_s, overrides=None, parent=os.getppid(),
                    log=log)
     if status.error:  # into OUTPUT/feed.log; the trainer reports it in its own line
         print(f"draftsmith engine process: {status.error}", file=sys.stderr, flush=True)
