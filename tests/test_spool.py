@@ -533,10 +533,10 @@ def test_plan_job_and_status_round_trip(tmp_path):
     # a status that does not parse (`waiting` is one of four words) reads as no report yet
     (spool.path / "status.json").write_text(json.dumps({"pid": 9, "waiting": "lunch"}))
     assert spool.read_status() == FeedStatus()
-    with pytest.raises(DraftsmithError, match="no readable job.json"):
+    with pytest.raises(DraftsmithError, match="no readable job"):
         spool.read_job()
     (spool.path / "job.json").write_text("{not json")
-    with pytest.raises(DraftsmithError, match="no readable job.json"):
+    with pytest.raises(DraftsmithError, match="no readable job"):
         spool.read_job()
     job = FeedJob(extract=ExtractConfig(prepared=tmp_path / "prepared", backend="vllm"), bound=5_000, cpus=[1],
                   prepared_digest="abc", stall_s=60.0)
@@ -574,15 +574,15 @@ def test_fetch_copies_a_ready_chunk_out_and_the_copy_outlives_the_spools(tmp_pat
 
 
 def test_room_refuses_a_chunk_larger_than_the_free_space_in_one_line(tmp_path, monkeypatch):
-    from draftsmith.extract.spool import directory
+    from draftsmith.extract.spool import chunks
 
     spool = Spool(tmp_path / "spool")
     spool.create()
     name = chunk_name(0, 3, 7)
     asked = []
-    monkeypatch.setattr(directory, "free_bytes", lambda path: asked.append(Path(path)) or 3 * 1024 ** 2)
+    monkeypatch.setattr(chunks, "free_bytes", lambda path: asked.append(Path(path)) or 3 * 1024 ** 2)
     spool.room(name, 3 * 1024 ** 2)  # exactly what is free: it fits
-    assert asked == [spool.chunks]
+    assert asked == [spool.partial_path(name)] and spool.partial_path(name).parent == spool.chunks  # staged in place
     with pytest.raises(DraftsmithError) as err:
         spool.room(name, 5 * 1024 ** 3)
     msg = str(err.value)
@@ -898,22 +898,23 @@ def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(
 
 
 def test_spool_gb_beyond_the_free_space_of_the_spools_filesystem_is_refused_in_one_line(tmp_path, monkeypatch):
+    from draftsmith.extract.spool import directory
+
     spool = Spool(tmp_path / "shm" / "spool", bound=int(2 * GiB))
     spool.create()
     _chunk(spool, chunk_name(0, 0, 1), range(4))  # left by a killed run: its bytes are room for this one
     held = spool.usage()
-    source = _bare_source(spool, [], TrainConfig(engine="vllm", spool_gb=2.0))
     free = [int(2 * GiB) - held]
     seen = []
-    monkeypatch.setattr(spool_mod, "free_bytes", lambda path: seen.append(Path(path)) or free[0])
-    source._check_room()  # free + held is exactly the bound
-    assert seen == [spool.path]  # the spool's own filesystem
+    monkeypatch.setattr(directory, "free_bytes", lambda path: seen.append(Path(path)) or free[0])
+    spool.check_capacity(int(2 * GiB), 0, tmp_path / "engine-scratch")  # free + held is exactly the bound
+    assert seen == [spool.path]  # the spool's own filesystem (the engine stages chunks inside it, not in scratch)
     free[0] -= 1
     with pytest.raises(DraftsmithError, match="^--spool-gb 2: "):  # one byte short
-        source._check_room()
+        spool.check_capacity(int(2 * GiB), 0, None)
     free[0] = int(GiB) - held
     with pytest.raises(DraftsmithError) as err:
-        source._check_room()
+        spool.check_capacity(int(2 * GiB), 0, None)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("--spool-gb 2:") and f"--spool {spool.path} " in msg
     assert "has 1 GiB free" in msg  # what there is, not what was asked for
@@ -950,3 +951,23 @@ def test_the_engine_process_names_a_trainer_that_makes_no_progress(tmp_path):
     quiet.trainer = (None, time.monotonic() - 6, None)
     with pytest.raises(feed.Fatal, match=r"no progress for 5 s .*\(it has not reported yet\)"):
         quiet._trainer_stalled("its job")
+
+
+def test_over_mooncake_a_local_engine_s_scratch_must_stage_the_largest_chunk(tmp_path, monkeypatch):
+    from draftsmith.core.spool_address import MooncakeAddress
+    from draftsmith.extract.spool import mooncake
+
+    spool = mooncake.MooncakeSpool(MooncakeAddress("127.0.0.1", 1, "run"), bound=int(10 * GiB))  # never connected
+    seen = []
+    monkeypatch.setattr(mooncake, "free_bytes", lambda path: seen.append(Path(path)) or 100 * 2**20)
+    spool.check_capacity(int(10 * GiB), 0, None)  # the engines run elsewhere; the bound lives in their segments
+    assert seen == []
+    spool.check_capacity(int(10 * GiB), 100 * 2**20, tmp_path / "scratch")  # exactly what is free
+    assert seen == [tmp_path / "scratch"]
+    with pytest.raises(DraftsmithError) as err:
+        spool.check_capacity(int(10 * GiB), 100 * 2**20 + 1, tmp_path / "scratch")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{tmp_path / 'scratch'}:") and "100 MiB free" in msg
+    # the engine side without a scratch directory cannot stage a chunk: one line naming the spool
+    with pytest.raises(DraftsmithError, match="mooncake://127.0.0.1:1/run: the engine side needs a local scratch"):
+        spool.begin("c0")

@@ -36,14 +36,13 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.config import ExtractConfig, TrainConfig
-from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import read_manifest_json
 from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
 from draftsmith.core.spool_address import LocalMooncake, parse_spool
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedJob, FeedStatus, Plan, Spool, TrainerStatus, TransportLost
+from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedJob, FeedStatus, Plan, TrainerStatus, TransportLost
 from draftsmith.prepare.dataset import prepared_digest
 from draftsmith.train import distributed
 from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
@@ -220,33 +219,15 @@ class EngineSource:
                 self.consumed.add(EVAL_CHUNK)
                 self.open_chunks[EVAL_CHUNK] = store_mod.open(self.cache / EVAL_CHUNK, dtype=None)
 
-    def _check_room(self) -> None:
-        """--spool-gb against the free space of the spool's filesystem (and a local engine's scratch: one chunk)."""
-        if isinstance(self.spool, Spool):
-            free = spool_mod.free_bytes(self.spool.path) + self.spool.usage()
-            if self.bound > free:
-                raise DraftsmithError(f"--spool-gb {self.cfg.spool_gb:g}: the filesystem holding --spool "
-                                      f"{self.spool.path} has {sizing.human_bytes(free)} free (/dev/shm is often "
-                                      "small in containers); lower --spool-gb or give --spool a directory on a bigger "
-                                      "filesystem")
-        elif not self.cfg.remote_engines:
-            scratch = Path(self.cfg.output) / "engine-scratch"
-            largest = max((c.estimate for c in self.chunks), default=0)
-            if largest > spool_mod.free_bytes(scratch):
-                raise DraftsmithError(f"{scratch}: the engine writes each chunk here before publishing it, and its "
-                                      f"filesystem has {sizing.human_bytes(spool_mod.free_bytes(scratch))} free for "
-                                      f"chunks of up to {sizing.human_bytes(largest)}; free space there or lower "
-                                      "--spool-gb")
-
     def _start(self) -> None:
         if importlib.util.find_spec("vllm") is None and not self.cfg.remote_engines:
             raise DraftsmithError("--engine vllm: vLLM is not installed in this environment; install it (README: "
                                   "\"Install into your vLLM environment\"), or train with --engine hf or from a store")
         self._lock = contextlib.ExitStack()
-        if isinstance(self.spool, Spool):
-            self.spool.create()
+        self.spool.prepare()
         self._lock.enter_context(self.spool.trainer_lock())
-        self._check_room()
+        local_engine = None if self.cfg.remote_engines else Path(self.cfg.output) / "engine-scratch"
+        self.spool.check_capacity(self.bound, max((c.estimate for c in self.chunks), default=0), local_engine)
         with self.spool.engine_lock(wait_s=30.0):  # an engine of a killed trainer is gone
             # Ready chunks are kept only within the plan's first bound's worth: the engine writes in plan order, so
             # chunks a crash left further ahead would leave no room for the ones the trainer needs first.
@@ -483,8 +464,7 @@ class EngineSource:
 
     def summary(self) -> dict:
         status = self._feed_status()
-        mooncake = self.spool.remote
-        return {"mode": f"online (vLLM engines, {'Mooncake' if mooncake else 'spool'})",
+        return {"mode": f"online (vLLM engines, {self.spool.transport})",
                 "spool": self.spool.describe(), "spool bound (bytes)": self.bound,
                 "spool peak (bytes)": max(self.spool.peak, status.peak), "extraction tokens/s":
                 round(status.tokens_per_s, 1), "trainer waited (s)": round(self.waited, 1),
@@ -506,23 +486,18 @@ class EngineSource:
             last = TrainerStatus(step=self.step, chunks_read=len(self.consumed), finished=completed,
                                  stall_s=self.cfg.stall_timeout_s)
             with contextlib.suppress(Exception):
-                if spool.remote and completed:  # where the engine process reads it once this process is gone
-                    spool.write_trainer(last, segment=self.last_status.segment if self.last_status else "")
-                else:
-                    spool.write_trainer(last)
+                segment = self.last_status.segment if completed and self.last_status else ""
+                spool.write_trainer(last, segment=segment)  # where the engine process reads it once this one is gone
             if self.engine is not None:
                 self.engine.stop()
             if completed:
-                if spool.remote:
-                    spool.finish()
-                else:
-                    spool.clean(set(), [])
+                spool.finish()
         if completed:
             shutil.rmtree(self.cache, ignore_errors=True)
             for empty in (self.cache.parent, Path(self.cfg.output) / "engine-scratch"):
                 with contextlib.suppress(OSError):
                     empty.rmdir()
-        if spool is not None and spool.remote:
+        if spool is not None:
             spool.close()
         if self.master is not None:
             self.master.stop()

@@ -9,17 +9,20 @@ first step, so a resumed run asks for the same chunks and a chunk a crash left w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Literal, Protocol, Sequence, TypeVar
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ContextManager, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from draftsmith.config import ExtractConfig
 from draftsmith.core import sizing
+from draftsmith.core.errors import DraftsmithError
 
 EVAL_CHUNK = "eval"
 FILE_SLACK = 3 * 4096 + 64 * 1024  # a chunk's manifest, lock and headers, and the last block of each file
@@ -169,99 +172,176 @@ def decode(kind: type[Message], data: bytes | str | None) -> Message | None:
         return None
 
 
-class EngineSide(Protocol):
-    """The engine process's view of a spool (`draftsmith.extract.vllm.feed`): it reads the job and the plan, computes
-    each chunk into a local directory and publishes it, never holding more than the bound."""
+class _Transport(ABC):
+    """What a transport stores for both roles: a few named messages, as bytes (encoded by `encode`, one home)."""
 
     bound: int | None
 
+    @abstractmethod
     def describe(self) -> str:
         """Where the spool is, for messages (a path, or mooncake://HOST:PORT/RUN)."""
 
+    @abstractmethod
+    def _put_message(self, name: str, data: bytes) -> None:
+        """Replace message `name` ("job", "status", "trainer")."""
+
+    @abstractmethod
+    def _get_message(self, name: str) -> bytes | None:
+        """Message `name` as last written (None: none)."""
+
+    @abstractmethod
     def engine_lock(self, wait_s: float = 0.0) -> ContextManager[None]:
-        """Held for the engine process's life: one engine process per spool (waiting up to `wait_s` for one that is
-        stopping)."""
+        """The engine process's lock: held for its life (one engine process per spool), and by the trainer while it
+        cleans the spool (a killed trainer's engine process exits by itself within `wait_s`)."""
 
-    def read_job(self) -> FeedJob:
-        """The trainer's job; a one-line error when there is none (or it does not parse)."""
-
+    @abstractmethod
     def read_plan(self) -> Plan | None:
         """The trainer's current plan (None: none now, e.g. the transport lost it and the trainer rewrites it)."""
 
-    def read_trainer(self) -> TrainerStatus | None:
-        """The trainer's last progress report."""
-
-    def write_status(self, status: FeedStatus) -> None:
-        """Replace the engine status the trainer reads."""
-
-    def drop_leftovers(self) -> list[str]:
-        """Remove what a killed engine process left half-written; returns the names removed."""
-
+    @abstractmethod
     def is_ready(self, name: str) -> bool:
         """Chunk `name` is published whole."""
 
+    @abstractmethod
     def usage(self) -> int:
         """Bytes the published chunks hold now (what the bound limits)."""
 
+    # -- lifecycle hooks: nothing unless a transport needs it
+    def finish(self, everything: bool = False) -> None:
+        """The run is over: remove what it left in the spool (`everything`: the engine process's last call, once it
+        has read the trainer's last word)."""
+
+    def close(self) -> None:
+        """Let go of the transport (a connection)."""
+
+
+class EngineSide(_Transport):
+    """The engine process's view of a spool (`draftsmith.extract.vllm.feed`): it reads the job and the plan, computes
+    each chunk into a local staging directory and publishes it, never holding more than the bound."""
+
+    staging: Path | None  # where chunks are written before they are published (None: this side cannot write)
+    room_advice: tuple[str, str]  # what the staging directory is, and how to get more room there: for an error
+
+    def read_job(self) -> FeedJob:
+        """The trainer's job; a one-line error when there is none (or it does not parse)."""
+        job = decode(FeedJob, self._get_message("job"))
+        if job is None:
+            raise DraftsmithError(f"--spool {self.describe()}: no readable job; the trainer writes it before the "
+                                  "engines start")
+        return job
+
+    def read_trainer(self) -> TrainerStatus | None:
+        """The trainer's last progress report."""
+        return decode(TrainerStatus, self._get_message("trainer"))
+
+    def write_status(self, status: FeedStatus) -> None:
+        """Replace the engine status the trainer reads (one a transport lost: the trainer reads the next)."""
+        with contextlib.suppress(TransportLost):
+            self._put_message("status", encode(status))
+
+    def partial_path(self, name: str) -> Path:
+        if self.staging is None:
+            raise DraftsmithError(f"--spool {self.describe()}: the engine side needs a local scratch directory")
+        return self.staging / f".{name}.partial"
+
     def begin(self, name: str) -> Path:
-        """A fresh local directory the sink writes chunk `name`'s store into."""
+        """A fresh staging directory the sink writes chunk `name`'s store into (one a crash left is removed)."""
+        partial = self.partial_path(name)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        return partial
 
     def room(self, name: str, needed: int) -> None:
-        """One line (DraftsmithError) when the filesystem chunk `name` is written on has less than `needed` free."""
+        """One line (DraftsmithError) when the filesystem chunk `name` is staged on has less than `needed` free (a
+        full disk or /dev/shm: the same again on a restart)."""
+        free = free_bytes(self.partial_path(name))
+        if free < needed:
+            raise DraftsmithError(f"{self.partial_path(name)}: the filesystem holding {self.room_advice[0]} has "
+                                  f"{sizing.human_bytes(free)} free and chunk {name} needs up to "
+                                  f"{sizing.human_bytes(needed)}; free space there or {self.room_advice[1]}")
 
+    def drop_leftovers(self) -> list[str]:
+        """Remove what a killed engine process left half-written in staging; returns the names removed. Only the
+        engine process holding the engine lock calls it, so nothing live is removed."""
+        removed = []
+        if self.staging is not None and self.staging.is_dir():
+            for entry in sorted(self.staging.iterdir()):
+                if entry.name.startswith("."):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry.name)
+        return removed
+
+    @abstractmethod
     def publish(self, name: str) -> None:
         """The chunk begun under `name` becomes ready, whole or not at all."""
 
 
-class TrainerSide(Protocol):
+class TrainerSide(_Transport):
     """The trainer's view of a spool (`draftsmith.train.engine_source`): it writes the job and the plan, fetches
-    each chunk it needs into a directory it reads, and removes a chunk once every rank has read it."""
+    each chunk it needs into a directory it reads, and removes a chunk once every rank has read it. It never asks
+    which transport it has: what differs is behind the hooks."""
 
-    bound: int | None
     peak: int
-    remote: bool  # chunks are copied to the trainer's side to be read
+    transport: str  # its name in the run's summary
 
-    def describe(self) -> str: ...
+    def write_job(self, job: FeedJob) -> None:
+        self._put_message("job", encode(job))
 
-    def trainer_lock(self) -> ContextManager[None]:
-        """Held for the trainer's life: one trainer per spool."""
-
-    def engine_lock(self, wait_s: float = 0.0) -> ContextManager[None]:
-        """Held while the trainer cleans the spool: no engine process is writing (a killed trainer's engine process
-        exits by itself, within `wait_s`)."""
-
-    def write_job(self, job: FeedJob) -> None: ...
-
-    def read_plan(self) -> Plan | None: ...
-
-    def has_job(self) -> bool:
-        """The job is still there (False once the transport lost it: a restarted Mooncake master)."""
-
-    def write_plan(self, plan: Plan) -> None: ...
-
-    def write_trainer(self, status: TrainerStatus) -> None: ...
+    def write_trainer(self, status: TrainerStatus, segment: str = "") -> None:
+        """The trainer's progress; with `segment` (the run is over), where the engine process reads it once this
+        process is gone (a transport whose messages outlive their writer ignores it)."""
+        with contextlib.suppress(TransportLost):  # the engines read the next one
+            self._put_message("trainer", encode(status))
 
     def read_status(self) -> FeedStatus:
         """The engine process's last report (an empty one when there is none yet)."""
+        return decode(FeedStatus, self._get_message("status")) or FeedStatus()
 
+    def prepare(self) -> None:
+        """Make the spool usable before the trainer locks it (a directory is created)."""
+
+    def check_capacity(self, bound: int, largest: int, engine_scratch: Path | None) -> None:
+        """One line when the spool cannot hold `bound` bytes, or the local engine's `engine_scratch` (None: the
+        engines run elsewhere) cannot stage a chunk of `largest` bytes."""
+
+    @abstractmethod
+    def trainer_lock(self) -> ContextManager[None]:
+        """Held for the trainer's life: one trainer per spool."""
+
+    @abstractmethod
+    def has_job(self) -> bool:
+        """The job is still there (False once the transport lost it: a restarted Mooncake master)."""
+
+    @abstractmethod
+    def write_plan(self, plan: Plan) -> None: ...
+
+    @abstractmethod
     def chunk_info(self, name: str) -> ChunkInfo | None:
         """What ready chunk `name` holds (None: not ready or unreadable)."""
 
-    def is_ready(self, name: str) -> bool: ...
-
+    @abstractmethod
     def fetch(self, name: str, into: Path, keep: bool = False) -> Path | None:
         """A local store directory holding ready chunk `name` (copied into `into` when the chunk lives elsewhere or
         `keep`: the trainer keeps its copy after the spool's is removed); None when it is not whole any more."""
 
+    @abstractmethod
     def consume(self, name: str, rank: int, world: int) -> bool:
         """Rank `rank` has read chunk `name`; the last of `world` ranks removes it. True when it was removed."""
 
+    @abstractmethod
     def remove(self, name: str) -> bool: ...
 
+    @abstractmethod
     def clean(self, keep: set[str], names: Sequence[str] = ()) -> list[str]:
         """Remove leftovers and every ready chunk of the run (`names`) not in `keep`."""
 
-    def usage(self) -> int: ...
+
+def free_bytes(path: Path) -> int:
+    """Bytes free on the filesystem holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def fill_directory(into: Path, write: Callable[[Path], bool]) -> Path | None:

@@ -32,17 +32,7 @@ from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_bytes, atomic_write_text
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool.chunks import (
-    Chunk,
-    ChunkInfo,
-    FeedJob,
-    FeedStatus,
-    Plan,
-    TrainerStatus,
-    decode,
-    encode,
-    fill_directory,
-)
+from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, EngineSide, Plan, TrainerSide, fill_directory, free_bytes
 
 CHUNKS_DIR = "chunks"
 CONSUMED_DIR = "consumed"
@@ -61,14 +51,6 @@ def disk_bytes(path: Path) -> int:
     return total
 
 
-def free_bytes(path: Path) -> int:
-    """Bytes free on the filesystem holding `path` (or its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
 def store_info(path: Path) -> ChunkInfo:
     """What the chunk store at `path` holds (DraftsmithError when it is no readable store)."""
     reader = store_mod.open(path, dtype=None)
@@ -76,10 +58,12 @@ def store_info(path: Path) -> ChunkInfo:
                      disk_bytes(path))
 
 
-class Spool:
-    """A spool directory (both roles: `chunks.EngineSide` and `chunks.TrainerSide`); `bound` in bytes."""
+class Spool(EngineSide, TrainerSide):
+    """A spool directory (both roles: `chunks.EngineSide` and `chunks.TrainerSide`); `bound` in bytes. Chunks are
+    staged and published inside it, by one rename."""
 
-    remote = False
+    transport = "spool"
+    room_advice = ("the spool", "give --spool a directory on a bigger filesystem")
 
     def __init__(self, path: Path, bound: int | None = None):
         self.path = Path(path)
@@ -97,8 +81,9 @@ class Spool:
     def chunk_path(self, name: str) -> Path:
         return self.chunks / name
 
-    def partial_path(self, name: str) -> Path:
-        return self.chunks / f".{name}.partial"
+    @property
+    def staging(self) -> Path:
+        return self.chunks
 
     def is_ready(self, name: str) -> bool:
         return (self.chunk_path(name) / "manifest.json").is_file()
@@ -108,6 +93,21 @@ class Spool:
         used = disk_bytes(self.chunks) if self.chunks.is_dir() else 0
         self.peak = max(self.peak, used)
         return used
+
+    def prepare(self) -> None:
+        self.create()
+
+    def check_capacity(self, bound: int, largest: int, engine_scratch: Path | None) -> None:
+        """The bound against the free space of the spool's filesystem (the engine stages chunks inside it)."""
+        free = free_bytes(self.path) + self.usage()
+        if bound > free:
+            raise DraftsmithError(f"--spool-gb {bound / sizing.GiB:g}: the filesystem holding --spool {self.path} has "
+                                  f"{sizing.human_bytes(free)} free (/dev/shm is often small in containers); lower "
+                                  "--spool-gb or give --spool a directory on a bigger filesystem")
+
+    def finish(self, everything: bool = False) -> None:
+        if not everything:  # the trainer's call; the files it leaves are its own to remove, not the engine's
+            self.clean(set(), [])
 
     def create(self) -> None:
         for d in (self.path, self.chunks, self.path / CONSUMED_DIR):
@@ -129,15 +129,15 @@ class Spool:
         except ValueError as err:
             raise DraftsmithError(f"{path}: not valid JSON ({err}); delete the spool directory and start again")
 
-    def write_job(self, job: FeedJob) -> None:
-        atomic_write_bytes(self.path / JOB_FILE, encode(job))
+    _FILES = {"job": JOB_FILE, "status": STATUS_FILE, "trainer": TRAINER_FILE}
 
-    def read_job(self) -> FeedJob:
-        job = decode(FeedJob, self._read_bytes(JOB_FILE))
-        if job is None:
-            raise DraftsmithError(f"{self.path}: no readable {JOB_FILE}; the trainer writes it before starting the "
-                                  "engines")
-        return job
+    def _put_message(self, name: str, data: bytes) -> None:
+        atomic_write_bytes(self.path / self._FILES[name], data)
+
+    def _get_message(self, name: str) -> bytes | None:
+        with contextlib.suppress(FileNotFoundError):
+            return (self.path / self._FILES[name]).read_bytes()
+        return None
 
     def has_job(self) -> bool:
         return (self.path / JOB_FILE).is_file()
@@ -151,43 +151,10 @@ class Spool:
             return Plan([Chunk(**c) for c in data], 0)
         return None if data is None else Plan([Chunk(**c) for c in data["chunks"]], int(data["generation"]))
 
-    def _read_bytes(self, name: str) -> bytes | None:
-        with contextlib.suppress(FileNotFoundError):
-            return (self.path / name).read_bytes()
-        return None
-
-    def write_status(self, status: FeedStatus) -> None:
-        atomic_write_bytes(self.path / STATUS_FILE, encode(status))
-
-    def read_status(self) -> FeedStatus:
-        return decode(FeedStatus, self._read_bytes(STATUS_FILE)) or FeedStatus()
-
-    def write_trainer(self, status: TrainerStatus) -> None:
-        atomic_write_bytes(self.path / TRAINER_FILE, encode(status))
-
-    def read_trainer(self) -> TrainerStatus | None:
-        return decode(TrainerStatus, self._read_bytes(TRAINER_FILE))
-
     # -- chunks
-    def begin(self, name: str) -> Path:
-        """A fresh partial directory for chunk `name` (one a crash left behind is removed)."""
-        partial = self.partial_path(name)
-        shutil.rmtree(partial, ignore_errors=True)
-        return partial
-
     def publish(self, name: str) -> None:
         """The partial chunk becomes ready, by one rename."""
         os.replace(self.partial_path(name), self.chunk_path(name))
-
-    def room(self, name: str, needed: int) -> None:
-        """One line when the spool's filesystem has less than `needed` bytes free for chunk `name` (a full disk or
-        /dev/shm: the same again on a restart)."""
-        free = free_bytes(self.chunks)
-        if free < needed:
-            raise DraftsmithError(f"{self.partial_path(name)}: the filesystem holding the spool has "
-                                  f"{sizing.human_bytes(free)} free and chunk {name} needs up to "
-                                  f"{sizing.human_bytes(needed)}; free space there or give --spool a directory on a "
-                                  "bigger filesystem")
 
     def chunk_info(self, name: str) -> ChunkInfo | None:
         try:
@@ -248,17 +215,6 @@ class Spool:
                 mark.unlink(missing_ok=True)
         return removed
 
-    def drop_leftovers(self) -> list[str]:
-        """Remove what a killed engine or trainer left half-done (partial and half-deleted chunks); only the engine
-        process holding the engine lock calls this, so nothing live is removed."""
-        removed = []
-        if self.chunks.is_dir():
-            for entry in sorted(self.chunks.iterdir()):
-                if entry.name.startswith("."):
-                    shutil.rmtree(entry, ignore_errors=True)
-                    removed.append(entry.name)
-        return removed
-
     def trainer_lock(self) -> contextlib.AbstractContextManager[None]:
         return self.lock(TRAINER_LOCK)
 
@@ -287,4 +243,4 @@ class Spool:
             os.close(fd)
 
 
-__all__ = ["ENGINE_LOCK", "Spool", "TRAINER_LOCK", "disk_bytes", "free_bytes"]
+__all__ = ["ENGINE_LOCK", "Spool", "TRAINER_LOCK", "disk_bytes"]

@@ -43,16 +43,16 @@ from draftsmith.core.spool_address import DEFAULT_RUN, MooncakeAddress
 from draftsmith.extract.spool.chunks import (
     Chunk,
     ChunkInfo,
-    FeedJob,
-    FeedStatus,
+    EngineSide,
+    TrainerSide,
+    free_bytes,
     Plan,
     TrainerStatus,
     TransportLost,
-    decode,
     encode,
     fill_directory,
 )
-from draftsmith.extract.spool.directory import free_bytes, store_info
+from draftsmith.extract.spool.directory import store_info
 
 PART = 16 << 20  # bytes per object: a put or get stages through the client's local buffer
 LOCAL_BUFFER = 64 << 20
@@ -150,16 +150,17 @@ class MooncakeMaster:
                 proc.wait(10)
 
 
-class MooncakeSpool:
+class MooncakeSpool(EngineSide, TrainerSide):
     """A run's spool in a Mooncake store (both roles: `chunks.EngineSide` with a `segment` and a local `scratch`
     directory, `chunks.TrainerSide` without); `bound` in bytes. `connect()` before use."""
 
-    remote = True
+    transport = "Mooncake"
+    room_advice = ("the engine's scratch directory", "give --scratch another directory")
 
     def __init__(self, address: MooncakeAddress, bound: int | None = None, *, segment: int = CONTROL_SEGMENT,
                  scratch: Path | None = None, local_host: str | None = None):
         self.address, self.bound, self.segment = address, bound, segment
-        self.scratch = Path(scratch) if scratch is not None else None
+        self.staging = Path(scratch) if scratch is not None else None  # the engine side's scratch directory
         self.local_host = local_host or ("127.0.0.1" if address.host in ("127.0.0.1", "localhost") else
                                          socket.gethostbyname(socket.gethostname()))
         self.peak = 0
@@ -264,15 +265,11 @@ class MooncakeSpool:
         return max(0, int(removed))
 
     # -- the job, the plan and the statuses
-    def write_job(self, job: FeedJob) -> None:
-        self._put(self._key("job"), encode(job))
+    def _put_message(self, name: str, data: bytes) -> None:
+        self._put(self._key(name), data)
 
-    def read_job(self) -> FeedJob:
-        job = decode(FeedJob, self._get(self._key("job")))
-        if job is None:
-            raise DraftsmithError(f"--spool {self.address}: no readable job; the trainer writes it before the engines "
-                                  "start")
-        return job
+    def _get_message(self, name: str) -> bytes | None:
+        return self._get(self._key(name))
 
     def has_job(self) -> bool:
         return self._exists(self._key("job"))
@@ -296,13 +293,6 @@ class MooncakeSpool:
         self.names = [c.name for c in plan.chunks]
         return plan
 
-    def write_status(self, status: FeedStatus) -> None:
-        with contextlib.suppress(TransportLost):  # the trainer reads the next one
-            self._put(self._key("status"), encode(status))
-
-    def read_status(self) -> FeedStatus:
-        return decode(FeedStatus, self._get(self._key("status"))) or FeedStatus()
-
     def write_trainer(self, status: TrainerStatus, segment: str = "") -> None:
         """The trainer's progress, in its own segment; or, its last word (the run is over), in the engine process's
         `segment`, which outlives the trainer's (a segment's objects go with the process that mounted it)."""
@@ -325,44 +315,12 @@ class MooncakeSpool:
         """This process's segment, as others name it in a ReplicateConfig."""
         return str(self.store.get_hostname())
 
-    def read_trainer(self) -> TrainerStatus | None:
-        return decode(TrainerStatus, self._get(self._key("trainer")))
-
     # -- chunks, the engine's side
     @contextlib.contextmanager
     def engine_lock(self, wait_s: float = 0.0) -> Iterator[None]:
         """Nothing to lock across nodes: one engine process per run is the operator's to keep (an engine process
         exits when the trainer finishes; a second one would compute the same chunks)."""
         yield
-
-    def partial_path(self, name: str) -> Path:
-        if self.scratch is None:
-            raise DraftsmithError(f"--spool {self.address}: the engine side needs a local scratch directory")
-        return self.scratch / f".{name}.partial"
-
-    def drop_leftovers(self) -> list[str]:
-        removed = []
-        if self.scratch is not None and self.scratch.is_dir():
-            for entry in sorted(self.scratch.iterdir()):
-                if entry.name.startswith("."):
-                    shutil.rmtree(entry, ignore_errors=True)
-                    removed.append(entry.name)
-        return removed
-
-    def begin(self, name: str) -> Path:
-        partial = self.partial_path(name)
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        return partial
-
-    def room(self, name: str, needed: int) -> None:
-        """One line when the scratch directory's filesystem has less than `needed` bytes free for chunk `name`."""
-        free = free_bytes(self.partial_path(name))
-        if free < needed:
-            raise DraftsmithError(f"{self.partial_path(name)}: the filesystem holding the engine's scratch directory "
-                                  f"has {sizing.human_bytes(free)} free and chunk {name} needs up to "
-                                  f"{sizing.human_bytes(needed)}; free space there or give --scratch another "
-                                  "directory")
 
     def publish(self, name: str) -> None:
         """Upload the chunk's files, then its index (a reader sees the index only once every part is there); the
@@ -462,6 +420,13 @@ class MooncakeSpool:
             if self.remove(name):
                 removed.append(name)
         return removed
+
+    def check_capacity(self, bound: int, largest: int, engine_scratch: Path | None) -> None:
+        """The bound lives in the engines' segments; a local engine stages each chunk in `engine_scratch` first."""
+        if engine_scratch is not None and largest > (free := free_bytes(engine_scratch)):
+            raise DraftsmithError(f"{engine_scratch}: the engine writes each chunk here before publishing it, and its "
+                                  f"filesystem has {sizing.human_bytes(free)} free for chunks of up to "
+                                  f"{sizing.human_bytes(largest)}; free space there or lower --spool-gb")
 
     def finish(self, everything: bool = False) -> None:
         """The run is over: every key of the run is removed but the trainer's status (the engines read it; removed

@@ -291,7 +291,7 @@ def serve(where: SpoolAddress, *, scratch: Path | None, segment_gb: float | None
     Mooncake it first reads the job with a small segment (the bound sizes the segment the chunks live in), then
     mounts that one. `log`: where this process's output goes, as the trainer names it to the user."""
     status = FeedStatus(pid=os.getpid(), host=socket.gethostname())
-    spool: Any = None
+    spool: EngineSide | None = None
     try:
         if isinstance(where, LocalMooncake):
             raise Fatal("--spool mooncake: the engine side needs the trainer's master, mooncake://HOST:PORT[/RUN]")
@@ -306,8 +306,8 @@ def serve(where: SpoolAddress, *, scratch: Path | None, segment_gb: float | None
                 raise Fatal(str(err)) from None
             spool.close()
             spool = None
-            spool = mooncake.MooncakeSpool(where, segment=segment, scratch=scratch).connect()
-            status.segment = spool.segment_name
+            mounted = mooncake.MooncakeSpool(where, segment=segment, scratch=scratch).connect()
+            status.segment, spool = mounted.segment_name, mounted
         if parent is not None:
             watch_parent(parent, status, spool)
         status.log = log or "the output of `draftsmith feed`"
@@ -323,7 +323,7 @@ def serve(where: SpoolAddress, *, scratch: Path | None, segment_gb: float | None
     if spool is not None:
         with contextlib.suppress(Exception):
             spool.write_status(status)
-            if status.done and getattr(spool, "remote", False):  # the trainer's last word read: nothing is left
+            if status.done:  # the trainer's last word read: nothing is left
                 spool.finish(everything=True)
     return status
 
