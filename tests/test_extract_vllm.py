@@ -428,6 +428,7 @@ def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
     """MLA in float32 on CPU: the CPU_MLA backend (vLLM prefers AMX MLA where the CPU has AMX, bf16 only); a
     multimodal wrapper: language_model_only; TP x DP on CPU: VLLM_CPU_OMP_THREADS_BIND split over the allowed
     CPUs, only while the engine starts and only when unset; an in-process engine: one in-process worker."""
+    from draftsmith.core import vllm_launch
     from draftsmith.extract.vllm import driver
     from draftsmith.extract.vllm.probe import ProbeFacts
 
@@ -437,7 +438,7 @@ def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
                              max_num_batched_tokens=256, dtype="float32", mla=True, multimodal=True,
                              tensor_parallel_size=2)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    kwargs = driver.engine_kwargs(spec)
+    kwargs = vllm_launch.llm_kwargs(driver.engine_kwargs(spec))
     assert kwargs["attention_backend"] == "CPU_MLA" and kwargs["language_model_only"] is True
     assert kwargs["tensor_parallel_size"] == 2 and "distributed_executor_backend" not in kwargs
     for changed in (dict(dtype="bfloat16"), dict(mla=False), dict(facts=facts.model_copy(update={"platform": "cuda"}))):
@@ -446,18 +447,19 @@ def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
     monkeypatch.setattr(driver.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     env = driver.engine_environment(spec)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3" and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    with driver.environment(env):
+    with vllm_launch.environment(env):
         assert driver.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2-3"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in driver.os.environ  # nothing left behind for the next engine
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")  # the user's own binding wins
     assert "VLLM_CPU_OMP_THREADS_BIND" not in driver.engine_environment(spec)
-    assert driver.cpu_thread_binding(3, [0, 1, 2, 3, 4, 5, 6]) == "0-2|3-4|5-6"
-    assert driver.cpu_thread_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
+    assert vllm_launch.cpu_thread_binding(3, [0, 1, 2, 3, 4, 5, 6]) == "0-2|3-4|5-6"
+    assert vllm_launch.cpu_thread_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
     with pytest.raises(DraftsmithError, match="= 4 vLLM CPU workers, but this process may use only 2 CPUs"):
-        driver.cpu_thread_binding(4, [0, 1])
+        vllm_launch.cpu_thread_binding(4, [0, 1])
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     single = spec.__class__(**{**spec.__dict__, "tensor_parallel_size": 1})
-    assert driver.engine_kwargs(single)["distributed_executor_backend"] == "uni"
+    assert vllm_launch.llm_kwargs(driver.engine_kwargs(single))["distributed_executor_backend"] == "uni"
+    assert "distributed_executor_backend" not in vllm_launch.llm_kwargs(driver.engine_kwargs(spec))  # two workers
 
 
 def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():

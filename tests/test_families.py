@@ -54,7 +54,7 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.extract import store
-from draftsmith.extract.vllm import driver
+from draftsmith.core import vllm_launch
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -133,7 +133,7 @@ def in_process_vllm(on: bool = True):
     env = ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
            if on else {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "VLLM_CPU_OMP_THREADS_BIND": None,
                        "VLLM_CPU_KVCACHE_SPACE": "1"})
-    with driver.environment(env), _kernel_scan_safe() if on else contextlib.nullcontext():
+    with vllm_launch.environment(env), _kernel_scan_safe() if on else contextlib.nullcontext():
         yield
 
 
@@ -691,13 +691,13 @@ def test_the_decoding_engine_starts_each_target_as_extraction_does(monkeypatch, 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     job = vllm_worker.GenerationJob(target=str(family_target(name)), dtype="float32", max_model_len=64, seed=0, k=2,
                                     draft="/d")
-    kwargs = vllm_worker.engine_kwargs(job)
+    kwargs = vllm_launch.llm_kwargs(vllm_worker.engine_launch(job)[0])
     assert kwargs["speculative_config"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}
     assert kwargs["distributed_executor_backend"] == "uni" and kwargs["dtype"] == "float32"
     assert kwargs.get("language_model_only", False) == (name == "kimi_k25")
     assert kwargs.get("attention_backend") == ("CPU_MLA" if name in MLA_FAMILIES else None)
-    assert "attention_backend" not in vllm_worker.engine_kwargs(job.model_copy(update={"dtype": "bfloat16",
-                                                                                      "draft": None}))
+    assert "attention_backend" not in vllm_worker.engine_launch(job.model_copy(update={"dtype": "bfloat16",
+                                                                                      "draft": None}))[0]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

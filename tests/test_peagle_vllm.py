@@ -52,9 +52,9 @@ MOE = "qwen3_moe"
 def _spec_config(export_dir: Path) -> dict:
     from draftsmith.evaluate import vllm_worker
 
-    return vllm_worker.engine_kwargs(vllm_worker.GenerationJob(
+    return vllm_worker.engine_launch(vllm_worker.GenerationJob(
         target=str(load_draft(export_dir).target.path), dtype="float32", max_model_len=64, seed=0, k=3,
-        draft=str(export_dir)))["speculative_config"]
+        draft=str(export_dir)))[0]["speculative_config"]
 
 
 def test_the_probe_finds_the_parallel_drafting_these_tests_decode_with():

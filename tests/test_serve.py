@@ -267,7 +267,7 @@ def test_parallel_drafting_is_asked_of_vllm_for_a_peagle_draft_only(tmp_path, ti
                                                                     one_thread):
     """The same vLLM without parallel drafting serves an EAGLE-3 draft; one with it serves the P-EAGLE draft."""
     seen = {}
-    monkeypatch.setattr(serve, "target_flags", lambda target, dtype: [])
+    monkeypatch.setattr(serve, "target_launch", lambda target, cfg: ([], {}))
     monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: seen.update(
         spec=json.loads(command[command.index("--speculative-config") + 1])) or 0)
     _probe_says(monkeypatch, False, "no SpeculativeConfig.parallel_drafting")

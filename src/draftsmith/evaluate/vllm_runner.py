@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.core import engine_env
+from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
@@ -165,7 +165,7 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
     result_file = Path(str(job.result))
     result_file.unlink(missing_ok=True)
     log_file = workdir / f"{name}.log"
-    env = engine_env.worker_environment(kv_cache_gb)
+    env = vllm_launch.worker_environment(kv_cache_gb)
     with open(log_file, "w", encoding="utf-8") as log:
         try:
             proc = subprocess.run([sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)],

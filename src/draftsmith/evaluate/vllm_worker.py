@@ -19,7 +19,6 @@ backend).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -29,9 +28,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from draftsmith.core import vllm_launch
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.extract.vllm.driver import cpu_thread_binding
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
 
 class GenerationJob(BaseModel):
@@ -90,53 +89,36 @@ def _delta(after: dict, before: dict) -> dict:
     return out
 
 
-def in_process() -> bool:
-    """vLLM's engine core runs in this process (its own VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
-
-
-def engine_kwargs(job: GenerationJob) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments for a request: the target, what it needs to start here (the probe's findings),
-    and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with parallel drafting, as its
-    config.json says: export.vllm_speculative_config)."""
+def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
+    """(`vllm.LLM` keyword arguments, the environment it starts in) for a job: the target, what it needs to start
+    here (the probe's findings), and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with
+    parallel drafting, as its config.json says: export.vllm_speculative_config)."""
     config = read_config(Path(job.target))
     facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
                   resolve_config=False).facts
+    mla = "kv_lora_rank" in text_config(config)
     kwargs: dict[str, Any] = dict(
         model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed, disable_log_stats=False,
         enforce_eager=job.enforce_eager, trust_remote_code=job.trust_remote_code, max_num_seqs=job.max_num_seqs,
         tensor_parallel_size=job.tensor_parallel_size)
-    kwargs.update(target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
-                                       multimodal=is_multimodal_wrapper(config), dtype=job.dtype))
-    for key, value in target_engine_env(facts, mla="kv_lora_rank" in text_config(config)).items():
-        os.environ.setdefault(key, value)  # read by vLLM when the engine starts, in this process
-    if facts.platform == "cpu" and kwargs["tensor_parallel_size"] > 1:  # one CPU group per rank, as extraction does
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(kwargs["tensor_parallel_size"]))
-    if in_process() and kwargs["tensor_parallel_size"] == 1:
-        kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
+    kwargs.update(target_engine_kwargs(facts, mla=mla, multimodal=is_multimodal_wrapper(config), dtype=job.dtype))
     if job.draft:
         kwargs["speculative_config"] = vllm_speculative_config(job.draft, job.k)
         if facts.per_request_spec_metrics:  # τ per prompt, for its interval over prompts
             kwargs["per_request_spec_decode_metrics"] = "summary"
-    return kwargs
+    env = vllm_launch.engine_environment(
+        cpu_workers=job.tensor_parallel_size if facts.platform == "cpu" else 1,  # one CPU group per rank
+        target_env=target_engine_env(facts, mla=mla))
+    return kwargs, env
 
 
 def run(job: GenerationJob) -> dict:
     """One generation job in this process: start the engine, warm up, the timed `generate`, the counters' deltas;
     the engine is shut down before returning."""
     import vllm
-    from vllm import LLM, SamplingParams, envs
+    from vllm import SamplingParams
 
-    if hasattr(envs, "disable_envs_cache"):  # an earlier engine in this process froze vLLM's view of os.environ
-        envs.disable_envs_cache()
-    try:
-        llm = LLM(**engine_kwargs(job))
-    except BaseException:
-        if in_process():  # a half-started engine here leaves its process group behind for the next one
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        raise
+    llm = vllm_launch.start_llm(*engine_launch(job))
     try:
         params = SamplingParams(temperature=job.temperature, max_tokens=job.max_new_tokens,
                                 seed=job.seed if job.temperature > 0 else None, ignore_eos=job.ignore_eos)
@@ -151,7 +133,7 @@ def run(job: GenerationJob) -> dict:
                 "outputs": [list(o.outputs[0].token_ids) for o in outputs], "spec": _delta(after, before),
                 "per_prompt": _per_prompt_counts(outputs)}
     finally:
-        _shutdown(llm)
+        vllm_launch.shutdown(llm)
 
 
 def _per_prompt_counts(outputs: list) -> list[list[int]] | None:
@@ -165,23 +147,6 @@ def _per_prompt_counts(outputs: list) -> list[list[int]] | None:
         histogram = list(metrics.histogram)
         counts.append([sum(histogram), sum(j * n for j, n in enumerate(histogram))])
     return counts
-
-
-def _shutdown(llm) -> None:
-    """Stop the engine core (and its processes); an in-process engine's process groups and memory go with it."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    steps_here = type(core).__name__ == "InprocClient"
-    if core is not None and hasattr(core, "shutdown"):
-        try:
-            core.shutdown()
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
-    del llm, core
-    if steps_here:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-    gc.collect()
 
 
 def main(request_file: str) -> None:

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from transformers import GenerationConfig
 
 from draftsmith.config import RegenerateConfig
-from draftsmith.core import engine_env
+from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target
 from draftsmith.prepare import regenerate_worker as worker
@@ -132,7 +132,7 @@ class VLLMEngine:
     def __init__(self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int,
                  log_file: Path):
         self.log_file = log_file
-        env = engine_env.worker_environment(cfg.vllm_kv_cache_gb)
+        env = vllm_launch.worker_environment(cfg.vllm_kv_cache_gb)
         self._log = open(log_file, "w", encoding="utf-8")  # noqa: SIM115 - the worker's stderr until close()
         self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,

@@ -31,6 +31,8 @@ import threading
 import torch
 from pydantic import BaseModel
 
+from draftsmith.core import vllm_launch
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -89,12 +91,15 @@ def main() -> None:
     engine = EngineOrder.model_validate_json(sys.stdin.readline())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm = LLM(model=engine.target, dtype=engine.dtype, max_model_len=engine.max_model_len, seed=engine.seed,
-              tensor_parallel_size=engine.tensor_parallel_size, trust_remote_code=engine.trust_remote_code,
-              enforce_eager=not torch.cuda.is_available(), disable_log_stats=True)
+    on_cpu = not torch.cuda.is_available()
+    llm = vllm_launch.start_llm(
+        dict(model=engine.target, dtype=engine.dtype, max_model_len=engine.max_model_len, seed=engine.seed,
+             tensor_parallel_size=engine.tensor_parallel_size, trust_remote_code=engine.trust_remote_code,
+             enforce_eager=on_cpu, disable_log_stats=True),
+        vllm_launch.engine_environment(cpu_workers=engine.tensor_parallel_size if on_cpu else 1))
     core = llm.llm_engine
     replies.write(Ready(vllm_version=vllm.__version__).model_dump_json() + "\n")
     inbox: queue.Queue = queue.Queue()

@@ -37,14 +37,14 @@ from pathlib import Path
 from rich.console import Console
 
 from draftsmith.config import ServeConfig, StageResult
-from draftsmith.core import engine_env
+from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.evaluate.vllm_runner import check_vllm_can_serve, engine_dtype
 from draftsmith.export import read_export_manifest, vllm_loadable
 from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.extract.vllm.probe import probe, target_engine_kwargs
+from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
 from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_target
 
 __all__ = ["run", "vllm_serve_args"]
@@ -68,9 +68,6 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     # P-EAGLE draft, parallel drafting; for a DFlash draft, the dflash method
     check_vllm_can_serve(target_path, "draftsmith serve", parallel_drafting=source.spec.parallel_drafting,
                          dflash=source.spec.method == "dflash", instead=MEASURE_WITHOUT_VLLM)
-    env = dict(os.environ, **engine_env.kv_cache(cfg.kv_cache_gb))  # vLLM's own log level: the user's server
-    if cfg.api_key:
-        env["VLLM_API_KEY"] = cfg.api_key  # vLLM reads it there: the key stays out of the process list
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
@@ -83,7 +80,11 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
                 console.print(f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
                               highlight=False, soft_wrap=True)
                 cfg = cfg.model_copy(update={"dtype": choice.dtype})
-        argv = vllm_serve_args(cfg, target_path, draft_dir, k, target_flags(target_path, cfg.dtype))
+        flags, launch_env = target_launch(target_path, cfg)
+        env = dict(os.environ, **launch_env)  # vLLM's own log level: the user's server
+        if cfg.api_key:
+            env["VLLM_API_KEY"] = cfg.api_key  # vLLM reads it there: the key stays out of the process list
+        argv = vllm_serve_args(cfg, target_path, draft_dir, k, flags)
         status = serve_until_stopped([*SERVER, *argv], env)
     if status not in (None, 0):
         raise DraftsmithError(f"vLLM's server exited with status {status}; its messages are above")
@@ -99,20 +100,24 @@ def _vllm_draft_dir(draft: Path, source: DraftSource, identity: TargetIdentity, 
         yield vllm_loadable(draft, source, identity, Path(tmp) / "draft", speculative_tokens=k)
 
 
-def target_flags(target_path: Path, dtype: str) -> list[str]:
-    """The `vllm serve` flags this target needs in the installed vLLM, as extraction and evaluation start it
-    (probe.target_engine_kwargs): a multimodal wrapper such as Kimi-K2.5 --language-model-only (no vision tower),
-    an MLA target in float32 on a CPU --attention-backend CPU_MLA."""
+def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
+    """(the `vllm serve` flags, the variables its environment needs) for this target in the installed vLLM, as
+    extraction and evaluation start it (core.vllm_launch with the probe's target_engine_kwargs / _env): a multimodal
+    wrapper such as Kimi-K2.5 --language-model-only (no vision tower), an MLA target in float32 on a CPU
+    --attention-backend CPU_MLA; the KV cache; on a CPU, one group of cores per tensor-parallel worker."""
     config = read_config(target_path)
     facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
                   resolve_config=False).facts
-    kwargs = target_engine_kwargs(facts, mla="kv_lora_rank" in text_config(config),
-                                  multimodal=is_multimodal_wrapper(config), dtype=dtype)
+    mla = "kv_lora_rank" in text_config(config)
+    kwargs = target_engine_kwargs(facts, mla=mla, multimodal=is_multimodal_wrapper(config), dtype=cfg.dtype)
     flags: list[str] = []
     for name, value in kwargs.items():
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
-    return flags
+    env = vllm_launch.engine_environment(
+        cfg.kv_cache_gb, cpu_workers=cfg.tensor_parallel_size if facts.platform == "cpu" else 1,
+        target_env=target_engine_env(facts, mla=mla))
+    return flags, env
 
 
 def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int,

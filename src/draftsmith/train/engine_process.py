@@ -20,9 +20,9 @@ import torch
 from draftsmith.config import TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, parse_spool
+from draftsmith.core.vllm_launch import THREADS_BIND_VAR, cpu_thread_binding
 from draftsmith.extract.spool import Spool, TrainerSide
 from draftsmith.extract.spool import mooncake
-from draftsmith.extract.vllm.driver import cpu_thread_binding
 from draftsmith.train import distributed
 
 ENGINE_MODULE = "draftsmith.extract.vllm.feed"
@@ -102,9 +102,9 @@ class EngineProcess:
         env = dict(os.environ)
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.devices))
-        if self.cpus and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # vLLM binds its threads there
+        if self.cpus and THREADS_BIND_VAR not in os.environ:  # vLLM binds its threads there
             world = self.cfg.engine_tensor_parallel_size * self.cfg.engine_data_parallel_size
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, self.cpus)
+            env[THREADS_BIND_VAR] = cpu_thread_binding(world, self.cpus)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, self.where, "--scratch",

@@ -20,7 +20,6 @@ and the next run resumes from there).
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import threading
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from draftsmith.core import engine_env
+from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DiskFullError, DraftsmithError
 from draftsmith.core.targets import hf_backend_hint
 from draftsmith.extract.vllm import sink as sink_module
@@ -67,12 +66,6 @@ class EngineSpec:
     tap_plan: dict[str, Any] | None = None  # direct / taps: what the worker hooks (taps.TapPlan)
 
 
-def in_process() -> bool:
-    """vLLM's engine runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's own switch): no engine-core
-    and worker processes to spawn, which saves most of an engine's start-up on a CPU (the tests use it)."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
-
-
 def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` (each engine knob guarded by what the probe found)."""
     kwargs: dict[str, Any] = {
@@ -87,8 +80,6 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
         "seed": 0,
         "worker_extension_cls": worker_module.EXTENSION,
     }
-    if in_process() and spec.tensor_parallel_size * spec.data_parallel_size == 1:
-        kwargs["distributed_executor_backend"] = "uni"  # its one worker in this process too
     # language_model_only for a multimodal wrapper, the CPU MLA backend for MLA in float32 on CPU
     kwargs.update(target_engine_kwargs(spec.facts, mla=spec.mla, multimodal=spec.multimodal, dtype=spec.dtype))
     if spec.strategy == "connector":
@@ -119,25 +110,6 @@ def tag_request(strategy: str, sample_id: int) -> dict[str, Any]:
     return {SAMPLE_ID_KEY: sample_id}
 
 
-def cpu_thread_binding(world: int, allowed: Sequence[int] | None = None) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers (data x tensor parallel ranks): the CPUs this process may
-    use, split into `world` contiguous groups ("0|1" for 2 workers on 2 CPUs, "0-3|4-7" on 8)."""
-    cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
-    if len(cpus) < world:
-        raise DraftsmithError(f"--tensor-parallel-size x --data-parallel-size = {world} vLLM CPU workers, but this "
-                              f"process may use only {len(cpus)} CPUs; use fewer workers or set "
-                              "VLLM_CPU_OMP_THREADS_BIND yourself (CPU lists per worker, separated by '|')")
-    per, extra = divmod(len(cpus), world)
-    groups, start = [], 0
-    for rank in range(world):
-        size = per + (rank < extra)
-        group = cpus[start:start + size]
-        start += size
-        contiguous = group[-1] - group[0] == len(group) - 1
-        groups.append(f"{group[0]}-{group[-1]}" if contiguous and len(group) > 1 else ",".join(map(str, group)))
-    return "|".join(groups)
-
-
 def raise_reported(reports: list[dict[str, Any]], what: str) -> None:
     """The first error the workers' sinks reported, raised here as the type they met (DiskFullError for a full
     disk), prefixed with `what`; nothing when none did."""
@@ -149,37 +121,14 @@ def raise_reported(reports: list[dict[str, Any]], what: str) -> None:
 
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
     """Environment variables the engine starts with (its worker processes inherit them): only those not set."""
-    env = engine_env.kv_cache(None)
     world = spec.tensor_parallel_size * spec.data_parallel_size
-    if spec.facts.platform == "cpu" and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        # vLLM's automatic binding gives each CPU worker a NUMA node of its own, which one-socket machines lack
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world)
-    env.update({k: v for k, v in target_engine_env(spec.facts, mla=spec.mla).items() if k not in os.environ})
+    env = vllm_launch.engine_environment(cpu_workers=world if spec.facts.platform == "cpu" else 1,
+                                         target_env=target_engine_env(spec.facts, mla=spec.mla))
     if spec.past_context:  # vLLM refuses a max_model_len above the config's without its own switch
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if spec.strategy in RUNNER_TAPS and spec.facts.runner_v2_switch:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the taps know the V1 runner (GPUModelRunner)
     return env
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str | None]):
-    """`env` on top of os.environ (None: unset) while vLLM starts (it spawns its processes then), the old values
-    after."""
-    saved = {k: os.environ.get(k) for k in env}
-
-    def apply(values: dict[str, str | None]) -> None:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-    apply(env)
-    try:
-        yield
-    finally:
-        apply(saved)
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -254,17 +203,12 @@ class Engine:
     """A started vLLM with draftsmith's extension; `close()` shuts it down and frees its processes."""
 
     def __init__(self, spec: EngineSpec):
-        from vllm import LLM, envs
-
         self.steps_itself = False
         self.spec = spec
         start = time.perf_counter()
         before = engine_processes()
         try:
-            with environment(engine_environment(spec)):
-                if hasattr(envs, "disable_envs_cache"):  # an earlier engine here froze vLLM's view of os.environ
-                    envs.disable_envs_cache()
-                self.llm = LLM(**engine_kwargs(spec))
+            self.llm = vllm_launch.start_llm(engine_kwargs(spec), engine_environment(spec))
         except DraftsmithError:
             raise
         except Exception as err:
@@ -274,7 +218,7 @@ class Engine:
             self.llm.collective_rpc("draftsmith_install_taps", args=(spec.sink_config, spec.tap_plan))
         self.start_seconds = time.perf_counter() - start
         # in-process engine core (no loop of its own between our steps): the driver steps it while it waits
-        self.steps_itself = type(getattr(self.llm.llm_engine, "engine_core", None)).__name__ == "InprocClient"
+        self.steps_itself = vllm_launch.steps_in_process(self.llm)
         # the processes vLLM started for this engine (multiprocessing's resource tracker is no engine process)
         self.watched = {pid: (_command(pid).split(" ")[0] or name) for pid, name in engine_processes().items()
                         if pid not in before and "resource_tracker" not in _command(pid)}
@@ -399,20 +343,8 @@ class Engine:
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is None:
-            return
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            try:
-                core.shutdown()
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
-        del llm
-        if self.steps_itself:  # the engine lived in this process: its process groups and memory go with it
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
-        gc.collect()
+        if llm is not None:
+            vllm_launch.shutdown(llm)
 
     def __enter__(self) -> "Engine":
         return self
