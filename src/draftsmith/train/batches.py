@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -220,11 +220,12 @@ class TrainData:
     """The training and evaluation micro-batches, on the device (online: with the target's hidden states)."""
 
     def __init__(self, dataset, train: TokenBudgetSampler, evaluation: TokenBudgetSampler | None, ttt_steps: int,
-                 grad_accum: int, device: torch.device, num_workers: int, online: "OnlineSource | None" = None,
+                 grad_accum: int, device: torch.device, num_workers: int, features: "FeatureSource | None" = None,
                  sampling: COD | Anchors | None = None):
         self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
-        self.num_workers, self.online = num_workers, online
+        self.num_workers = num_workers
+        self.features: FeatureSource = features if features is not None else StoreFeatures()
 
     def steps(self, epoch: int, position: int, epochs: int | None) -> Iterator[list[Batch]]:
         """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
@@ -242,23 +243,21 @@ class TrainData:
                 yield self._ready(batch)
 
     def _ready(self, batch: Batch) -> Batch:
-        batch = batch.to(self.device, non_blocking=True)
-        return self.online(batch) if self.online is not None else batch
+        return self.features(batch.to(self.device, non_blocking=True))
 
     def metrics(self) -> dict:
         """What the feature source reports beside the loss (the online engines' rates and spool), for the log."""
-        return self.online.metrics() if self.online is not None else {}
+        return self.features.metrics()
 
     def describe(self, metrics: dict) -> str:
         """Those metrics for the progress line ("" when there are none)."""
-        return self.online.describe(metrics) if self.online is not None else ""
+        return self.features.describe(metrics)
 
     def summary(self) -> dict:
-        return self.online.summary() if self.online is not None else {}
+        return self.features.summary()
 
     def close(self, completed: bool) -> None:
-        if self.online is not None:
-            self.online.close(completed)
+        self.features.close(completed)
 
     def _loader(self, plan: EpochPlan, sampling: COD | Anchors | None = None) -> DataLoader:
         """Evaluation scores every anchor at every depth (no COD); DFlash's the same blocks every time (epoch 0)."""
@@ -268,13 +267,33 @@ class TrainData:
                           prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0))
 
 
-# ---------------------------------------------------------------------------------------------- online capture
+# ---------------------------------------------------------------------------------------------- feature sources
 
-class OnlineSource:
-    """Fills a batch's hidden states by running the target (the online mode of the trainer), in its dtype."""
+class FeatureSource(Protocol):
+    """Where a batch's hidden states come from: the store itself (offline), the target run in the trainer, or the
+    vLLM engines' spool (`engine_source.EngineSource`). The trainer holds one and never asks which."""
 
-    def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
-        self.target, self.layer_ids = target, list(layer_ids)
+    def __call__(self, batch: Batch) -> Batch:
+        """`batch` (on the device) with its hidden states filled in."""
+
+    def metrics(self) -> dict:
+        """What it reports beside the loss, for the log ({} when nothing)."""
+
+    def describe(self, metrics: dict) -> str:
+        """Those metrics for the progress line ("" when there are none)."""
+
+    def summary(self) -> dict:
+        """Its lines in the run's summary."""
+
+    def close(self, completed: bool) -> None:
+        """The run ended (`completed`: normally)."""
+
+
+class StoreFeatures:
+    """Offline: the states came with the batch, read from the store."""
+
+    def __call__(self, batch: Batch) -> Batch:
+        return batch
 
     def metrics(self) -> dict:
         return {}
@@ -287,6 +306,13 @@ class OnlineSource:
 
     def close(self, completed: bool) -> None:
         pass
+
+
+class OnlineSource(StoreFeatures):
+    """Fills a batch's hidden states by running the target (the online mode of the trainer), in its dtype."""
+
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int]):
+        self.target, self.layer_ids = target, list(layer_ids)
 
     def __call__(self, batch: Batch) -> Batch:
         # right-padded: causal attention keeps padding out of every real position, so no attention mask is needed

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, parse
 from draftsmith.core.vllm_launch import THREADS_BIND_VAR, cpu_thread_binding
 from draftsmith.extract.spool import Spool, TrainerSide
 from draftsmith.extract.spool import mooncake
+from draftsmith.extract.spool.mooncake import MooncakeMaster
 from draftsmith.train import distributed
 
 ENGINE_MODULE = "draftsmith.extract.vllm.feed"
@@ -66,7 +66,7 @@ def engine_devices(cfg: TrainConfig, info: distributed.DistInfo) -> list[int] | 
     return engines[:need]
 
 
-def open_trainer_side(cfg: TrainConfig, bound: int, master_log: Path) -> tuple[TrainerSide, Any]:
+def open_trainer_side(cfg: TrainConfig, bound: int, master_log: Path) -> tuple[TrainerSide, MooncakeMaster | None]:
     """The spool --spool names (and the Mooncake master draftsmith started for it, or None), connected."""
     where = parse_spool(cfg.spool if cfg.spool is not None else Path(cfg.output) / "spool")
     if isinstance(where, DirectoryAddress):

@@ -42,7 +42,19 @@ from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
 from draftsmith.core.spool_address import LocalMooncake, parse_spool
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedJob, FeedStatus, Plan, TrainerStatus, TransportLost
+from draftsmith.extract.spool import (
+    EVAL_CHUNK,
+    Chunk,
+    ChunkInfo,
+    FeedJob,
+    FeedStatus,
+    Plan,
+    TrainerSide,
+    TrainerStatus,
+    TransportLost,
+)
+from draftsmith.extract.spool.mooncake import MooncakeMaster
+from draftsmith.extract.store.reader import HiddenStateStore
 from draftsmith.prepare.dataset import prepared_digest
 from draftsmith.train import distributed
 from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
@@ -139,7 +151,7 @@ class EngineSource:
         self.from_engine = {c.name: set(c.engine_ids) for c in self.chunks}
         self.eval_chunk = next((c for c in self.chunks if c.name == EVAL_CHUNK), None)
         self.cache = Path(cfg.output) / "spool-cache" / f"rank{info.rank}"  # chunks this rank reads, fetched
-        self.open_chunks: dict[str, Any] = {}
+        self.open_chunks: dict[str, HiddenStateStore] = {}
         self.consumed: set[str] = set()
         self.current: Chunk | None = None
         self.keep_reader = None
@@ -154,7 +166,7 @@ class EngineSource:
         self.engine: EngineProcess | None = None
         self.last_status: FeedStatus | None = None  # the engine's status as the run closed
         self._engine_seen = FeedStatus()  # its last report with a pid
-        self.master = None
+        self.master: MooncakeMaster | None = None
         self.cpus = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
         self._trainer_cpus = sorted(os.sched_getaffinity(0))
         if self.cpus:  # the trainer keeps the other cores (until close)
@@ -162,7 +174,7 @@ class EngineSource:
             os.sched_setaffinity(0, rest)
             torch.set_num_threads(len(rest))
         error = None
-        self.spool: Any = None
+        self.spool: TrainerSide  # once opened (close() reads it with getattr: an open that failed leaves none)
         own_master = isinstance(parse_spool(cfg.spool or "."), LocalMooncake)  # rank 0 starts it on loopback: one node
         try:
             if own_master and info.world_size > distributed.local_world_size():
@@ -202,7 +214,7 @@ class EngineSource:
                                   "the store an earlier run kept")
         return {int(i) for i in store_mod.open(self.keep, dtype=None).sample_ids}
 
-    def _matches(self, chunk: Chunk, info: Any) -> bool:
+    def _matches(self, chunk: Chunk, info: ChunkInfo | None) -> bool:
         return (info is not None and sorted(info.sample_ids) == sorted(chunk.engine_ids)
                 and info.dtype == self.cfg.spool_dtype and list(info.layer_ids) == self.layer_ids)
 
@@ -351,7 +363,7 @@ class EngineSource:
         self._spawn()
 
     # -- reading
-    def _wait(self, chunk: Chunk) -> Any:
+    def _wait(self, chunk: Chunk) -> HiddenStateStore | None:
         """The chunk's store, once it is fetched (rank 0 watches the engines and the transport meanwhile)."""
         if chunk.name in self.open_chunks:
             return self.open_chunks[chunk.name]
@@ -458,7 +470,7 @@ class EngineSource:
         return (f"  extract {metrics['extract_tokens_per_s']:,.0f} tok/s  spool {metrics['spool_bytes'] / GiB:.2f}/"
                 f"{self.bound / GiB:.2f} GiB  waits: {metrics['waiting']}")
 
-    def _feed_status(self) -> Any:
+    def _feed_status(self) -> FeedStatus:
         """The engine process's last report (the one read at close, once the spool is closed)."""
         return self.last_status if self.last_status is not None else self.spool.read_status()
 
@@ -501,7 +513,7 @@ class EngineSource:
             spool.close()
         if self.master is not None:
             self.master.stop()
-            self.master = None
+            self.master: MooncakeMaster | None = None
         if self._lock is not None:
             self._lock.close()
             self._lock = None

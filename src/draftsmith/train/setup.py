@@ -28,8 +28,10 @@ from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import (
+    FeatureSource,
     LayerSubset,
     OnlineSource,
+    StoreFeatures,
     TokenBudgetSampler,
     TrainData,
     default_num_workers,
@@ -356,18 +358,18 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
         checkpoint.restore_rng(checkpoint.saved_rng(saved))
     workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(
         device, distributed.local_world_size())
-    online = None
+    features: FeatureSource = StoreFeatures()
     if s.kind == "prepared" and cfg.engine == "vllm":
         ranks = [TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
                  for r in range(info.world_size)]
-        online = EngineSource(cfg, info, s.dataset, ranks, eval_ids if evaluation is not None else [], s.lengths,
+        features = EngineSource(cfg, info, s.dataset, ranks, eval_ids if evaluation is not None else [], s.lengths,
                               s.aux_layer_ids, s.identity.num_layers, s.identity.hidden_size,
                               (state.step, state.epoch, state.position), total_steps, epochs)
     elif s.kind == "prepared":
-        online = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
+        features = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
     sampling = (Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed) if spec.method == "dflash" else
                 COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed) if spec.parallel_drafting else None)
-    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, online, sampling)
+    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, features, sampling)
     base = dict(target=s.identity, draft=spec, draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()),
                 data_kind=s.kind, eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed,
                 hyperparameters=cfg.model_dump(mode="json"))

@@ -357,7 +357,8 @@ def fill_directory(into: Path, write: Callable[[Path], bool]) -> Path | None:
     return into
 
 
-def wait_for_space(spool: EngineSide, needed: int, stop: Any = None, on_wait: Any = None) -> None:
+def wait_for_space(spool: EngineSide, needed: int, stop: Callable[[], bool] | None = None,
+                   on_wait: Callable[[int], None] | None = None) -> None:
     """Block until `needed` more bytes fit under the spool's bound (`on_wait(used)` while waiting; `stop()` true:
     give up)."""
     while spool.bound is not None and (used := spool.usage()) + needed > spool.bound:

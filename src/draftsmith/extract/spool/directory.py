@@ -26,7 +26,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
@@ -200,7 +200,7 @@ class Spool(EngineSide, TrainerSide):
             r.unlink(missing_ok=True)
         return True
 
-    def clean(self, keep: set[str], names: Any = ()) -> list[str]:
+    def clean(self, keep: set[str], names: Sequence[str] = ()) -> list[str]:
         """Remove partial and deleted leftovers and every ready chunk not in `keep` (`names`, the run's chunks: all
         of a directory's are this run's); returns what was removed."""
         removed = []

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
@@ -412,7 +412,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
         self.sizes.pop(name, None)
         return ready
 
-    def clean(self, keep: set[str], names: Any = ()) -> list[str]:
+    def clean(self, keep: set[str], names: Sequence[str] = ()) -> list[str]:
         """Remove every ready chunk among `names` (the run's chunks) not in `keep` (those an earlier trainer's plan
         left ahead of what this one needs first)."""
         removed = []
