@@ -1,6 +1,6 @@
 """The `draftsmith` command: a thin typer shell over each stage's `run(cfg)`.
 
-Each stage's options are generated from its pydantic config (config.py), so a config field and its
+Each stage's options are generated from its pydantic config (the config package), so a config field and its
 `--option` can never drift apart. User mistakes (DraftsmithError) print one line and exit 1.
 """
 
