@@ -122,6 +122,82 @@ def test_doctor_json_is_one_object_with_the_probe_facts():
         assert all(a["vLLM class"] != "not registered" for a in report["architectures"])
 
 
+def _doctor_subprocess(*args: str, code: str | None = None, columns: int = 80):
+    """`python -m draftsmith doctor ARGS` (or `python -c CODE`) in a fresh interpreter at `columns` columns, this
+    checkout's draftsmith first on its path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import draftsmith
+
+    src = str(Path(draftsmith.__file__).resolve().parents[1])
+    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": os.pathsep.join(
+        p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    argv = ["-c", code] if code is not None else ["-m", "draftsmith", "doctor", *args]
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
+
+
+_MODULES_AFTER_DOCTOR = """
+import io, json, sys
+from rich.console import Console
+from draftsmith import doctor
+doctor.run(Console(file=io.StringIO(), width=80))
+doctor.run(Console(file=io.StringIO(), width=80), as_json=True)
+doctor.run(Console(file=io.StringIO(), width=200), verbose=True)
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "vllm"})))
+"""
+
+
+def test_doctor_at_80_columns_is_one_screen_and_loads_neither_torch_nor_transformers(tmp_path):
+    import json
+
+    from draftsmith.core import hardware
+
+    done = _doctor_subprocess()
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert 10 <= len(lines) <= 40 and max(map(len, lines)) <= 80, done.stdout
+    assert not [line for line in lines if line != line.rstrip()], "lines padded to the screen's width"
+    cpu, gpus = hardware.cpu_info(), hardware.gpu_names()
+    assert lines[1].startswith(f"  CPU {cpu.isa}, ") and ("no GPU" in lines[0]) is (not gpus), done.stdout
+    assert ("no bf16 in hardware" in lines[1]) is not (cpu.amx or cpu.avx512_bf16), lines[1]
+    assert f"auto precision: {hardware.auto_dtype_name('cuda' if gpus else 'cpu')}" in lines[1], lines[1]
+    built = _doctor_subprocess(code=_MODULES_AFTER_DOCTOR)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert json.loads(built.stdout.splitlines()[-1]) == []  # the summary, --json and --verbose alike
+    # --target loads the trainer's model code for the draft's sizes (planning.py): torch, only then
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+                                  "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+                                  "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "vocab_size": 49152,
+                                  "rope_theta": 100000.0, "hidden_act": "silu"}))
+    sized = _doctor_subprocess(code=_MODULES_AFTER_DOCTOR.replace(
+        "doctor.run(Console(file=io.StringIO(), width=80))",
+        f"doctor.run(Console(file=io.StringIO(), width=80), target={str(config)!r})"))
+    assert sized.returncode == 0 and "torch" in json.loads(sized.stdout.splitlines()[-1]), sized.stderr[-2000:]
+
+
+def test_doctor_verbose_lists_every_capability_and_json_keeps_its_environment():
+    import json
+
+    from draftsmith.doctor import environment_rows
+
+    report = json.loads(runner.invoke(app, ["doctor", "--json"]).stdout)
+    names = [cap["name"] for cap in report["vllm"]["capabilities"]]
+    assert names, report["vllm"]
+    full = _doctor_subprocess("--verbose", columns=1000)  # wide enough that no cell wraps
+    assert full.returncode == 0, full.stderr[-2000:]
+    missing = [name for name in names if name not in full.stdout]
+    assert not missing, f"--verbose lost capability rows: {missing}"
+    short = runner.invoke(app, ["doctor"], terminal_width=80).output
+    assert sum(name in short for name in names) < len(names)  # the summary counts them instead
+    keys = {"draftsmith", "python", "platform", "cpu cores", "torch", "transformers", "vllm", "gpus", "cache"}
+    assert keys <= set(report["environment"]) and set(report["environment"]) == {k for k, _ in environment_rows()}
+    assert all(k in keys or k.startswith("asset: ") for k in report["environment"])
+
+
 def test_python_dash_m_runs_the_cli():
     """`torchrun -m draftsmith train ...` relies on the package being runnable as a module."""
     import subprocess

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from draftsmith.config import ExtractConfig, TrainConfig
-from draftsmith.core import hardware
+from draftsmith.core import devices, hardware
 from draftsmith.extract import store
 from draftsmith.extract.hf import resolve_compute_dtype
 from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport, choose_dtype
@@ -38,27 +38,34 @@ def probe_cleared():
     hardware.probe.cache_clear()
 
 
-def test_torch_probe_agrees_with_the_cpus_own_flags(monkeypatch):
+def test_the_cpuinfo_probe_agrees_with_torchs_own_dispatch_probe(monkeypatch, probe_cleared):
     monkeypatch.delenv(hardware.OVERRIDE_ENV)
     flags = _cpuinfo_flags()
     assert "avx2" in flags  # every machine the project meets is x86-64 with AVX2 at least
     info = hardware.cpu_info()
     assert info.native_bf16 == bool({"avx512_bf16", "amx_bf16"} & flags), (info, sorted(flags & {"avx512_bf16"}))
+    # what torch's kernels dispatch on (when this torch can tell): the flags decide the same, without torch
+    if hasattr(torch.cpu, "_is_avx512_bf16_supported") and hasattr(torch.cpu, "_is_amx_tile_supported"):
+        assert info.avx512_bf16 == torch.cpu._is_avx512_bf16_supported()
+        assert info.amx == torch.cpu._is_amx_tile_supported()
+    assert info.avx512 == torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert set(info.flags) == set(hardware.REPORTED_FLAGS) & flags
-    assert info.torch_capability in ("AVX2", "AVX512") and info.model and info.model != "unknown CPU"
+    assert info.isa in ("AVX2", "AVX512", "AMX") and info.model and info.model != "unknown CPU"
     assert info.describe().startswith(info.model) and ("natively" in info.why) == info.native_bf16
 
 
-@pytest.mark.parametrize("flags, native", [({"avx2"}, False), ({"avx2", "avx512f"}, False),
-                                           ({"avx2", "avx512f", "avx512_bf16"}, True),
-                                           ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, True)])
-def test_without_torchs_probe_the_cpuinfo_flags_decide(monkeypatch, probe_cleared, flags, native):
+@pytest.mark.parametrize("flags, native, isa", [({"avx2"}, False, "AVX2"), ({"avx2", "avx512f"}, False, "AVX512"),
+                                                ({"avx2", "avx512f", "avx512_bf16"}, True, "AVX512"),
+                                                ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, True, "AMX"),
+                                                (set(), False, "baseline")])
+def test_the_cpuinfo_flags_decide(monkeypatch, probe_cleared, flags, native, isa):
     monkeypatch.delenv(hardware.OVERRIDE_ENV)
-    monkeypatch.setattr(hardware, "_torch_probe", lambda: None)
     monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Some CPU", flags))
     info = hardware.cpu_info()
-    assert info.native_bf16 is native and "/proc/cpuinfo" in info.why
-    assert hardware.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
+    assert info.native_bf16 is native and info.isa == isa and "/proc/cpuinfo" in info.why
+    assert hardware.auto_dtype_name("cpu") == ("bfloat16" if native else "float32")
+    assert hardware.auto_dtype_name("cuda") == "bfloat16"
+    assert devices.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
 
 
 def test_every_auto_follows_the_cpu_and_explicit_choices_do_not(monkeypatch):

@@ -124,7 +124,7 @@ def test_training_memory_for_kimi_k25_draft():
 
 
 def test_training_fit_says_whether_a_gpu_holds_the_draft_and_the_largest_token_budget():
-    from draftsmith.doctor import sizing_rows, training_fit_line
+    from draftsmith.planning import sizing_rows, training_fit_line
     from draftsmith.train.model import DraftSpec
 
     spec = DraftSpec.from_target_config(PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1,
@@ -183,7 +183,8 @@ def test_the_online_spool_for_kimi_k25_at_20000_tokens_a_second():
 
 
 def test_doctor_rows_for_the_online_spool():
-    from draftsmith.doctor import check_online, sizing_rows
+    from draftsmith.doctor import check_online
+    from draftsmith.planning import sizing_rows
 
     rows = dict(sizing_rows(PUBLISHED["kimi_k25"], tokens=50_000_000, online_rate=20_000))
     spool = rows["online spool (20,000 tok/s, 60 s lead)"]
@@ -223,7 +224,7 @@ def test_kimi_k25_as_stored_and_where_vllm_holds_it():
     import copy
 
     from draftsmith.core import sizing
-    from draftsmith.doctor import sizing_rows
+    from draftsmith.planning import sizing_rows
 
     config = copy.deepcopy(PUBLISHED["kimi_k25"])
     config["text_config"]["quantization_config"] = KIMI_QUANTIZATION

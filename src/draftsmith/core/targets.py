@@ -24,10 +24,16 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import logging as hf_logging
 
-from draftsmith.core import assets, hardware, hfcompat, sizing
+from draftsmith.core import assets, devices, hfcompat, sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
+from draftsmith.core.target_config import (  # noqa: F401 - re-exported: callers read configs from targets too
+    context_length,
+    is_multimodal_wrapper,
+    read_config,
+    text_config,
+)
 
 # Config keys that change nothing about the computation (bookkeeping written by save_pretrained).
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
@@ -64,39 +70,6 @@ def resolve_target(spec: str | Path | None) -> Path:
             f"target {spec!r}: not a local directory or .gguf file, and not in the local Hugging Face cache "
             "(draftsmith never downloads from a hub at run time; download it first, e.g. `hf download`)") from None
     return local
-
-
-def read_config(path: Path) -> dict:
-    try:
-        return json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise DraftsmithError(f"{path}/config.json: cannot read target config ({err})") from None
-
-
-def text_config(config: dict) -> dict:
-    """The language model's part of a config.json: a multimodal wrapper's `text_config`, else the config itself."""
-    nested = config.get("text_config")
-    return nested if isinstance(nested, dict) else config
-
-
-def is_multimodal_wrapper(config: dict) -> bool:
-    """A config whose language model is nested (`text_config`) inside a wrapper with other towers (vision ...)."""
-    return isinstance(config.get("text_config"), dict)
-
-
-# Keys a config.json may declare its context length under (the first present wins, as in the engines that read them).
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
-
-
-def context_length(config: dict) -> int | None:
-    """The positions the target declares (its language model's `max_position_embeddings` or an older key); None
-    when the config names none."""
-    text = text_config(config)
-    for key in _CONTEXT_KEYS:
-        value = text.get(key, config.get(key))
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def _tokenizer_file_bytes(file: Path) -> bytes:
@@ -311,7 +284,7 @@ def _read(files: dict[str, tuple[Path, str]], name: str) -> torch.Tensor:
 def hf_backend_hint(target: Path) -> str:
     """", or --backend hf" where the target would fit one device in transformers (twice its checkpoint: fp32 compute
     of bf16 weights, dequantised ones), else "": a hint to load 600 GB on one device is no hint."""
-    memory = hardware.device_memory_bytes()
+    memory = devices.device_memory_bytes()
     return ", or --backend hf" if memory is None or 2 * checkpoint_bytes(target) <= memory else ""
 
 

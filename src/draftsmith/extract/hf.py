@@ -18,7 +18,7 @@ import transformers
 from torch import nn
 
 from draftsmith.config import ExtractConfig, StageResult
-from draftsmith.core import hardware
+from draftsmith.core import devices, hardware
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target, resolve_device
@@ -41,7 +41,7 @@ def pad_batch(samples: Sequence[dict], pad_id: int = 0) -> tuple[torch.Tensor, t
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":  # bf16 on GPUs and bf16-native CPUs, fp32 on other CPUs
-        return hardware.auto_dtype(device)
+        return devices.auto_dtype(device)
     return _COMPUTE_DTYPES[name]
 
 

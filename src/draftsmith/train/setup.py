@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from draftsmith.config import TrainConfig
-from draftsmith.core import hardware, targets
+from draftsmith.core import devices, hardware, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
@@ -382,7 +382,7 @@ def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
     """bf16 autocast with --precision bf16, and with auto on a GPU or a CPU that computes bf16 natively
     (core.hardware); none (fp32) otherwise."""
     if precision == "auto":
-        return torch.bfloat16 if hardware.auto_dtype(device) == torch.bfloat16 else None
+        return torch.bfloat16 if devices.auto_dtype(device) == torch.bfloat16 else None
     return torch.bfloat16 if precision == "bf16" else None
 
 

