@@ -69,7 +69,7 @@ def chunk_name(epoch: int, first: int, last: int) -> str:
     return f"e{epoch:04d}-s{first:07d}-{last:07d}"
 
 
-def chunk_bytes(tokens: int, samples: int, hidden_size: int, num_layer_ids: int, dtype: str) -> int:
+def chunk_bytes(tokens: int, samples: int, hidden_size: int, num_layer_ids: int, dtype: sizing.StorageDtype) -> int:
     """The most a chunk of `samples` samples and `tokens` tokens takes on disk."""
     return sizing.store_bytes(tokens, hidden_size, num_layer_ids, dtype, samples=samples) + FILE_SLACK
 
@@ -126,7 +126,7 @@ class TrainerStatus:
     updated: float = 0.0
 
 
-def read_feed_status(spool: "TrainerSide | EngineSide") -> FeedStatus:
+def read_feed_status(spool: "TrainerSide") -> FeedStatus:
     known = set(FeedStatus.__dataclass_fields__)
     return FeedStatus(**{k: v for k, v in spool.read_status().items() if k in known})
 

@@ -228,7 +228,7 @@ class Spool:
     def clean(self, keep: set[str], names: Any = ()) -> list[str]:
         """Remove partial and deleted leftovers and every ready chunk not in `keep` (`names`, the run's chunks: all
         of a directory's are this run's); returns what was removed."""
-        removed = []
+        removed: list[str] = []
         if not self.chunks.is_dir():
             return removed
         for entry in sorted(self.chunks.iterdir()):

@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from draftsmith.core import engine_env
 from draftsmith.core.errors import DiskFullError, DraftsmithError
@@ -163,12 +163,12 @@ def engine_environment(spec: EngineSpec) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def environment(env: dict[str, str | None]):
+def environment(env: Mapping[str, str | None]):
     """`env` on top of os.environ (None: unset) while vLLM starts (it spawns its processes then), the old values
     after."""
     saved = {k: os.environ.get(k) for k in env}
 
-    def apply(values: dict[str, str | None]) -> None:
+    def apply(values: Mapping[str, str | None]) -> None:
         for key, value in values.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -398,7 +398,7 @@ class Engine:
         return reports
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
+        llm, self.llm = getattr(self, "llm", None), None  # type: ignore[assignment]  # closed: no call after this
         if llm is None:
             return
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
