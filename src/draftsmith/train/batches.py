@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Generator, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ class Batch:
         """(aux layers concatenated in id order [B, T, (L-1) * H], layer N [B, T, H]) in `dtype`, decoded on the
         batch's device."""
         hs, sc = self.hidden_states, self.hidden_scales
+        assert hs is not None  # filled in (online: by the source) before the states are read
         b, t, layers, h = hs.shape
         aux = decode_hidden_states(hs[:, :, :-1], None if sc is None else sc[:, :, :-1], dtype)
         last = decode_hidden_states(hs[:, :, -1], None if sc is None else sc[:, :, -1], dtype)
@@ -70,6 +71,7 @@ class Batch:
         """[B] bool on the device (no host sync): the sample's stored hidden states hold no NaN/Inf (an fp8 row
         with a non-finite value has a non-finite scale)."""
         x = self.hidden_scales if self.hidden_scales is not None else self.hidden_states
+        assert x is not None  # filled in before the states are read
         return torch.isfinite(x).flatten(1).all(1)
 
 
@@ -220,13 +222,13 @@ class TrainData:
     """The training and evaluation micro-batches, on the device (online: with the target's hidden states)."""
 
     def __init__(self, dataset, train: TokenBudgetSampler, evaluation: TokenBudgetSampler | None, ttt_steps: int,
-                 grad_accum: int, device: torch.device, num_workers: int, online: "OnlineSource | None" = None,
+                 grad_accum: int, device: torch.device, num_workers: int, online: "FeatureSource | None" = None,
                  sampling: COD | Anchors | None = None):
         self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
         self.num_workers, self.online = num_workers, online
 
-    def steps(self, epoch: int, position: int, epochs: int | None) -> Iterator[list[Batch]]:
+    def steps(self, epoch: int, position: int, epochs: int | None) -> Generator[list[Batch], None, None]:
         """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
         micro: list[Batch] = []
         for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs), self.sampling):
@@ -269,6 +271,17 @@ class TrainData:
 
 
 # ---------------------------------------------------------------------------------------------- online capture
+
+class FeatureSource(Protocol):
+    """What fills a batch's hidden states while training runs: OnlineSource (the target in this process) or
+    engine_source.EngineSource (vLLM engines through the spool)."""
+
+    def __call__(self, batch: Batch) -> Batch: ...
+    def metrics(self) -> dict: ...
+    def describe(self, metrics: dict) -> str: ...
+    def summary(self) -> dict: ...
+    def close(self, completed: bool) -> None: ...
+
 
 class OnlineSource:
     """Fills a batch's hidden states by running the target (the online mode of the trainer), in its dtype."""

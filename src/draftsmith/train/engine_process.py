@@ -71,6 +71,7 @@ def open_trainer_side(cfg: TrainConfig, bound: int, master_log: Path) -> tuple[T
     where = cfg.spool
     if not spool_mod.is_mooncake(where):
         return Spool(Path(where) if where is not None else Path(cfg.output) / "spool", bound), None
+    assert where is not None  # a mooncake spool is named
     master = None
     if where == spool_mod.MOONCAKE_SCHEME:
         if cfg.remote_engines:
