@@ -147,10 +147,10 @@ def _init_worker(encoder: ChatEncoder) -> None:
 def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> list[tuple]:
     """(where, Chat | Skip, note) items -> (where, EncodedChat | Skip, note) items, order kept."""
     encoder = encoder or _ENCODER
-    assert encoder is not None  # a pool worker's encoder is set by _init_worker
     out = []
     for where, item, note in batch:
         if not isinstance(item, Skip):
+            assert encoder is not None  # a pool worker's is set by _init_worker
             try:
                 item = encoder.encode(item)
             except Skip as skip:

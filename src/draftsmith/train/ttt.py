@@ -346,9 +346,9 @@ def expected_acceptance(z: torch.Tensor, lse: torch.Tensor, target: TargetDistri
     """[N] sum_v min(p_target(v), q_draft(v)) per row, p over the full vocabulary (probs x mass), q = softmax(z)
     from its logsumexp `lse`; a slice of rows at a time."""
     out = torch.empty(z.shape[0], dtype=lse.dtype, device=z.device)
-    assert target.mass is not None  # a full=True distribution
     step, scratch = _slices(z, lse.dtype)
     for a in range(0, z.shape[0], step):
+        assert target.mass is not None  # a full=True distribution
         b, r = a + step, rows[a:a + step]
         q = scratch[:len(r)].copy_(z[a:b]).sub_(lse[a:b, None]).exp_()
         p = target.probs.index_select(0, r).mul_(target.mass.index_select(0, r)[:, None])
