@@ -148,7 +148,7 @@ def full_model_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor
     """The draft's whole state dict on CPU, names without the wrapper's `draft.` (gathers FSDP2 shards: every rank
     must call this)."""
     if info.enabled and info.strategy == "fsdp2":
-        state: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]  # a module's: tensors
+        state: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]  # a model's: tensors only
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = unwrap(model).state_dict()

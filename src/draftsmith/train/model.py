@@ -576,7 +576,7 @@ class DFlashDraft(nn.Module):
         context = self.hidden_norm(features)
         cos, sin = self.rotary(feature_positions, context.dtype)
         for layer, entries in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.keys_values(context, cos, sin)  # type: ignore[union-attr, operator]  # a DFlashLayer
+            k, v = layer.self_attn.keys_values(context, cos, sin)  # type: ignore[union-attr, operator]  # DFlashLayers
             if entries:
                 entries[0] = (torch.cat((entries[0][0], k), dim=2), torch.cat((entries[0][1], v), dim=2))
             else:
