@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
 import typer
-from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -122,7 +121,7 @@ def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
 
 def _stage_command(name: str, config_name: str, runner: str, help_text: str, positional: tuple[str, ...] = ()) -> None:
     """Register `draftsmith NAME` from the config class `config.<config_name>` and `module:function` runner."""
-    cfg_cls: type[BaseModel] | None = getattr(config, config_name, None)
+    cfg_cls: type[config.StageConfig] | None = getattr(config, config_name, None)
     if cfg_cls is None:  # the stage's config does not exist yet in this version
 
         @app.command(name, help=help_text + "\n\n(Not built yet in this version of draftsmith.)")
@@ -136,7 +135,8 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
         annotation=Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")],
     )]
     for field_name, field in cfg_cls.model_fields.items():
-        if typing.get_origin(field.annotation) is dict and not (field.json_schema_extra or {}).get("json_flag"):
+        extra = field.json_schema_extra
+        if typing.get_origin(field.annotation) is dict and not (isinstance(extra, dict) and extra.get("json_flag")):
             continue  # a YAML-only section (a recipe's per-stage options): no flag for it
         annotation, decl = _option(field_name, field, field_name in positional)
         params.append(inspect.Parameter(field_name, inspect.Parameter.KEYWORD_ONLY, default=None,
@@ -156,7 +156,7 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
             threads.release()
         _print_result(_call(lambda: run(cfg)))
 
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by typer; functions take it
     command.__name__ = name
     app.command(name, help=help_text)(command)
 

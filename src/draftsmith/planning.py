@@ -28,6 +28,7 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
     train = TrainConfig()
     layer_ids = resolve_layer_ids(aux_layer_ids or ExtractConfig().aux_layer_ids, shape.num_layers)
     aux = layer_ids[:-1]
+    assert train.num_layers is not None  # TrainConfig's validator sets the method's default
     draft = DraftSpec.from_target_config(config, draft_vocab_size or train.draft_vocab_size, train.num_layers, aux)
     memory = sizing.training_memory(draft, token_budget=token_budget or train.token_budget,
                                     ttt_steps=ttt_steps or train.ttt_steps)

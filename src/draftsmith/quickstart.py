@@ -166,7 +166,7 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
         store_layers = None
         shape = dict(ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
                      draft_vocab_size=b.draft_vocab_size)
-    configs = {
+    configs: dict[str, Any] = {
         "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
                                  max_samples=b.conversations),
         "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device,
@@ -275,6 +275,7 @@ def tau_lines(runs: list[dict[str, Any]], depths_trained: int | None = None) -> 
         r = by_k.get(k)
         past = f" — past the {depths_trained} depths trained" if depths_trained and k > depths_trained else ""
         if r is None:
+            assert longest is not None  # by_k holds a run
             derived = 1 + sum(longest["acceptance_per_pos"][:k])
             lines[f"k={k}"] = f"τ {derived:.2f} (read off the k={longest['k']} run){past}"
             continue

@@ -63,7 +63,9 @@ def _download_wheel(pinned: PinnedWheel, dest: Path) -> Path:
     env = dict(os.environ, TMPDIR=str(pip_tmp), PIP_NO_INPUT="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    stdout = proc.stdout
+    assert stdout is not None  # PIPE
+    reader = threading.Thread(target=lambda: output.extend(stdout), daemon=True)
     reader.start()
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   transient=True, disable=not sys.stderr.isatty()) as progress:
@@ -243,10 +245,11 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         raise DraftsmithError(f"{gguf_file}: transformers cannot load this GGUF file ({err})") from None
     adds_bos = _gguf_adds_bos(gguf_file)
     if adds_bos is not None and getattr(tokenizer, "add_bos_token", adds_bos) != adds_bos:
-        tokenizer.add_bos_token = adds_bos  # transformers 4.x's GGUF Llama tokenizer ignores the file's setting
+        # transformers 4.x's GGUF Llama tokenizer ignores the file's setting
+        tokenizer.add_bos_token = adds_bos  # type: ignore[misc]  # read-only to mypy (transformers 5), settable in 4.x
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the weights are now dense; vLLM would try to re-quantise
-    model = model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' wrapper of to() hides self from mypy
     model.config.dtype = torch.bfloat16
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)

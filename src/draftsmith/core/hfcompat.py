@@ -156,7 +156,8 @@ def is_portable(path: Path) -> bool:
     return True
 
 
-def rope_config_kwargs(config_class: type, rope_parameters: dict[str, Any]) -> dict[str, Any]:
+def rope_config_kwargs(config_class: type[transformers.PretrainedConfig],
+                       rope_parameters: dict[str, Any]) -> dict[str, Any]:
     """Constructor arguments that give a transformers config class this RoPE: `rope_parameters` where the class
     takes it (transformers 5), else the transformers-4 `rope_theta` / `rope_scaling`."""
     if "rope_parameters" in inspect.signature(config_class.__init__).parameters:

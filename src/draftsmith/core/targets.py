@@ -19,6 +19,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
 )
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -140,7 +141,7 @@ def auto_model_class(config: Any):
 
 
 def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                trust_remote_code: bool = False) -> nn.Module:
+                trust_remote_code: bool = False) -> PreTrainedModel:
     """The target with its LM head (a causal LM, or the multimodal model around one) in eval mode, gradients off."""
 
     hf_logging.disable_progress_bar()  # our own progress display is the one a user reads
@@ -159,14 +160,14 @@ class TargetHeadParts(nn.Module):
     """A target's embedding, final norm and lm_head without its decoder layers: all that training from a store
     touches (an 8B target's layers are ~15 GB the offline trainer would load and never run)."""
 
-    def __init__(self, embed: nn.Embedding, norm: nn.Module, head: nn.Linear):
+    def __init__(self, embed: nn.Module, norm: nn.Module, head: nn.Module):
         super().__init__()
         self.embed_tokens, self.norm, self.lm_head = embed, norm, head
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> nn.Module:
         return self.embed_tokens
 
-    def get_output_embeddings(self) -> nn.Linear:
+    def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
 
@@ -314,7 +315,8 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
             return _whole_target(path, dtype, device, trust_remote_code, files, why[:400])
         names, eps, tied = found
         embed_weight = _read(files, names["embed"])
-        embed = nn.Embedding(*embed_weight.shape, _weight=embed_weight)
+        vocab, hidden = embed_weight.shape
+        embed = nn.Embedding(vocab, hidden, _weight=embed_weight)
         norm = LlamaRMSNorm(embed_weight.shape[1], eps=eps)
         norm.weight = nn.Parameter(_read(files, names["norm"]))
         head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
@@ -332,19 +334,19 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
         if key == "head" and tied:  # the embedding's weight, loaded above
             loaded[key] = parts["head"].to_empty(device="cpu")
             continue
-        names = {k: _checkpoint_name(f"{prefix}.{k}", tuple(t.shape), files, shapes)
-                 for k, t in module.state_dict().items()}
-        missing = [f"{prefix}.{k}" for k, name in names.items() if name is None]
+        found_names = {k: _checkpoint_name(f"{prefix}.{k}", tuple(t.shape), files, shapes)
+                       for k, t in module.state_dict().items()}
+        missing = [f"{prefix}.{k}" for k, name in found_names.items() if name is None]
         if missing:
             return _whole_target(path, dtype, device, trust_remote_code, files,
                                  f"no one checkpoint tensor for {', '.join(missing)}")
-        state = {k: _read(files, name) for k, name in names.items()}
+        state = {k: _read(files, name) for k, name in found_names.items() if name is not None}
         loaded[key] = module.to_empty(device="cpu")
         loaded[key].load_state_dict(state, strict=True)
     if tied:
         loaded["head"].weight = loaded["embed"].weight
-    head = TargetHeadParts(loaded["embed"], loaded["norm"], loaded["head"])
-    return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    head_parts = TargetHeadParts(loaded["embed"], loaded["norm"], loaded["head"])
+    return head_parts.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -412,14 +414,14 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 
 def embed_tokens(model: nn.Module) -> nn.Embedding:
-    embed = model.get_input_embeddings()
+    embed = model.get_input_embeddings()  # type: ignore[operator]  # a transformers method behind nn.Module.__getattr__
     if embed is None:
         raise _cannot(model, "the input embedding")
     return embed
 
 
 def lm_head(model: nn.Module) -> nn.Linear:
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]  # a transformers method behind nn.Module.__getattr__
     if head is None:
         raise _cannot(model, "the LM head (get_output_embeddings() is None)")
     return head

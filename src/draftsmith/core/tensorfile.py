@@ -45,9 +45,9 @@ class _Handles:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.lock = threading.Lock()
-        self.open: collections.OrderedDict[tuple, tuple[object, dict[str, torch.Tensor]]] = collections.OrderedDict()
+        self.open: collections.OrderedDict[tuple, tuple[safe_open, dict[str, torch.Tensor]]] = collections.OrderedDict()
 
-    def get(self, key: tuple) -> tuple[object, dict[str, torch.Tensor]] | None:
+    def get(self, key: tuple) -> tuple[safe_open, dict[str, torch.Tensor]] | None:
         # no lock on this path (once per read): each OrderedDict call is atomic under the GIL, and a key another
         # thread evicts meanwhile only skips the recency update
         entry = self.open.get(key)
@@ -58,7 +58,7 @@ class _Handles:
                 pass
         return entry
 
-    def put(self, key: tuple, handle: object) -> tuple[object, dict[str, torch.Tensor]]:
+    def put(self, key: tuple, handle: safe_open) -> tuple[safe_open, dict[str, torch.Tensor]]:
         with self.lock:
             entry = self.open.setdefault(key, (handle, {}))
             self.open.move_to_end(key)
@@ -143,7 +143,7 @@ class TensorFile:
             reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise self.error(f"not a readable {self.what} ({reason})") from None
 
-    def _entry(self) -> tuple[object, dict[str, torch.Tensor]]:
+    def _entry(self) -> tuple[safe_open, dict[str, torch.Tensor]]:
         return _HANDLES.get(self._key) or _HANDLES.put(self._key, self._open())
 
     def _handle(self):

@@ -41,8 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
@@ -125,7 +124,7 @@ class DecodeStats:
 class TargetRunner:
     """A transformers causal LM with a KV cache that also returns the aux states (vLLM layer ids) it computed."""
 
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int]):
+    def __init__(self, model: PreTrainedModel, aux_layer_ids: list[int]):
         self.model = model
         self.aux_layer_ids = list(aux_layer_ids)
         layers = targets.decoder_layers(model)
@@ -140,6 +139,10 @@ class TargetRunner:
 
     def _grab_last(self, module, args, output) -> None:
         self._last = output[0] if isinstance(output, tuple) else output
+
+    def _grabbed(self) -> torch.Tensor:
+        assert self._last is not None  # _grab_last ran in this forward
+        return self._last
 
     def new_cache(self) -> DynamicCache | None:
         """A cache for one sequence that a rejected draft's entries can be cut from, or None where the model builds
@@ -172,7 +175,7 @@ class TargetRunner:
         cache = out.past_key_values
         if not want_aux:
             return logits, None, cache
-        states = [self._last if i == self.num_layers else out.hidden_states[i] for i in self.aux_layer_ids]
+        states = [self._grabbed() if i == self.num_layers else out.hidden_states[i] for i in self.aux_layer_ids]
         return logits, torch.cat(states, dim=-1)[0], cache
 
 
@@ -218,8 +221,10 @@ class DraftRunner:
         token, fc(mask_hidden)) behind them, all in one forward -> (draft logits of the last k positions [k, Vd],
         their pre-norm hidden states [k, H]); row d is proposal d. The cache grows by T + k - 1."""
         extra = k - 1
-        mask_ids = torch.full((extra,), self.draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
-        mask_hidden = self.draft.mask_features().to(hidden.dtype).expand(extra, -1)
+        draft = self.draft
+        assert isinstance(draft, Eagle3Draft) and draft.spec.mask_token_id is not None  # a P-EAGLE draft
+        mask_ids = torch.full((extra,), draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
+        mask_hidden = draft.mask_features().to(hidden.dtype).expand(extra, -1)
         return self._forward(torch.cat((ids, mask_ids)), torch.cat((hidden, mask_hidden)), keep=k)
 
     @torch.inference_mode()
@@ -229,6 +234,7 @@ class DraftRunner:
         after them, in one draft forward (DFlashDraft.forward) -> float32 logits [k, V] of the masks, row d-1
         proposal d."""
         device, t = features.device, features.shape[0]
+        assert isinstance(self.draft, DFlashDraft)  # a DFlash draft's round
         feature_positions = torch.arange(self.length, self.length + t, device=device)[None]
         self.length += t
         block = self.draft.block_ids(torch.tensor([anchor], device=device), k + 1)
@@ -381,7 +387,8 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
                 token = int(draft.draft_to_target[_sample(q_draft, generator)])
                 q = torch.zeros(vocab, device=q_draft.device)
                 q[draft.draft_to_target] = q_draft
-                chain_probs.append(q)  # type: ignore[union-attr]
+                assert chain_probs is not None  # a list when temperature > 0
+                chain_probs.append(q)
             chain.append(token)
             if i < k - 1 and not draft.parallel:
                 draft_logits, hidden = draft.step(torch.tensor([token], device=device), hidden[None])

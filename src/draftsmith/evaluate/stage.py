@@ -24,6 +24,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from transformers import PreTrainedModel
 
 from draftsmith import export
 from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
@@ -46,12 +47,13 @@ from draftsmith.train.drafts import (
     load_draft,
     resolve_draft_target,
 )
+from draftsmith.train.model import DFlashDraft, Eagle3Draft
 
 __all__ = ["run", "build_draft_module", "evaluate_reference"]
 
 
 def build_draft_module(source: DraftSource, target_model: torch.nn.Module, device: torch.device,
-                       dtype: torch.dtype) -> torch.nn.Module:
+                       dtype: torch.dtype) -> Eagle3Draft | DFlashDraft:
     """The draft's module holding its weights, with the target's embedding (DFlash: and lm_head), on `device` in
     `dtype`."""
     draft = draft_module(source, targets.embed_tokens(target_model).weight, targets.lm_head(target_model).weight)
@@ -74,7 +76,7 @@ def _progress() -> Progress:
                     transient=True)
 
 
-def evaluate_reference(target_model: torch.nn.Module, draft: torch.nn.Module, aux_layer_ids: list[int],
+def evaluate_reference(target_model: PreTrainedModel, draft: Eagle3Draft | DFlashDraft, aux_layer_ids: list[int],
                        prompts: list[Prompt], ks: list[int], *, max_new_tokens: int, temperature: float, seed: int,
                        eos_ids: set[int], baseline: bool = True, device: torch.device = torch.device("cpu"),
                        show_progress: bool = False, segmenter: Segmenter | None = None) -> dict[str, Any]:
@@ -141,6 +143,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
     source = load_draft(cfg.draft)
     if source.spec.method == "dflash":  # a round is one block: block_size - 1 proposals, as vLLM drafts it
+        assert source.spec.block_size is not None  # a DFlash spec's
         cfg = cfg.model_copy(update={"k": [source.spec.block_size - 1]})
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     choice = None
@@ -190,10 +193,11 @@ def run(cfg: EvaluateConfig) -> StageResult:
         workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
         shutil.rmtree(workdir, ignore_errors=True)
         draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
-        common = dict(target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature, seed=cfg.seed, dtype=choice.dtype, max_model_len=max_len,
-                      kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
-                      trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size)
+        common: dict[str, Any] = dict(
+            target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature, seed=cfg.seed, dtype=choice.dtype, max_model_len=max_len,
+            kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
+            trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size)
         stats = {}
         by_segment = {}  # vLLM counts acceptance per engine, not per token
 

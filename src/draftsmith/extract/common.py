@@ -209,15 +209,16 @@ def to_host(layers: Sequence[torch.Tensor], storage: str) -> HostStates:
                     else (torch.stack(list(layers), dim=-2).to(torch.bfloat16), None))
     stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream(device))  # the states are complete before they are copied
-    host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (data, scales)]
+    host_data = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    host_scales = None if scales is None else torch.empty(scales.shape, dtype=scales.dtype, pin_memory=True)
     with torch.cuda.stream(stream):
-        for src, dst in zip((data, scales), host):
-            if src is not None:
+        for src, dst in ((data, host_data), (scales, host_scales)):
+            if src is not None and dst is not None:  # scales: both or neither
                 dst.copy_(src, non_blocking=True)
                 src.record_stream(stream)  # the caching allocator keeps them until the copy is done
         event = torch.cuda.Event()
         event.record(stream)
-    return HostStates(host[0], host[1], event.synchronize)
+    return HostStates(host_data, host_scales, event.synchronize)
 
 
 def _joined(writer: store_module.StoreWriter, item: tuple) -> tuple:

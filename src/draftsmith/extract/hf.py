@@ -11,7 +11,7 @@ padding never reaches a real token's state.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import transformers
@@ -54,7 +54,8 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         raise DraftsmithError(f"--device {cfg.device}: CUDA is not available here; use --device cpu")
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, device)
     spec = common.store_spec(plan, backend="hf", compute_dtype=str(compute_dtype).removeprefix("torch."))
-    info = {"engine": f"transformers {transformers.__version__}", "torch": torch.__version__, "device": str(device)}
+    info: dict[str, Any] = {"engine": f"transformers {transformers.__version__}", "torch": torch.__version__,
+                            "device": str(device)}
     if device.type == "cpu":
         cpu = hardware.cpu_info()
         info["cpu"] = cpu.as_dict()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +132,7 @@ def _parse_json(value: Any, reason: str, what: str) -> Any:
         return value
     try:
         return json.loads(value)
-    except ValueError as err:
+    except json.JSONDecodeError as err:
         raise Skip(reason, f"{what} is not valid JSON ({err.msg} at character {err.pos})") from None
 
 
@@ -189,7 +189,7 @@ def _split_think(text: str) -> tuple[str | None, str]:
     return before.split("<think>")[-1].strip("\n"), after.lstrip("\n")
 
 
-def _assistant(turn: dict, role: str, text: str | None, where: str, hermes: bool) -> tuple[Message, str | None]:
+def _assistant(turn: dict, role: str | None, text: str | None, where: str, hermes: bool) -> tuple[Message, str | None]:
     """An assistant turn: content, reasoning and tool calls, whatever form each came in (`<tool_call>` text only
     with `hermes`: in a conversation that declares tools or holds tool results); and the content as written where
     an inline `<think>` block was split out of it."""
@@ -245,11 +245,11 @@ class _Results:
         elif self.pending:
             call = self.pending[0]
         else:  # a result of a call the assistant wrote as text (ReAct's "Action: ..."): context as it is
-            message = {"role": "tool", "content": text}
+            message: Message = {"role": "tool", "content": text}
             return message | ({"name": turn["name"]} if isinstance(turn.get("name"), str) and turn["name"] else {})
         if call in self.pending:
             self.pending.remove(call)
-        message: Message = {"role": "tool", "content": text}
+        message = {"role": "tool", "content": text}
         if "id" in call:
             message["tool_call_id"] = call["id"]
         name = turn.get("name") if isinstance(turn.get("name"), str) and turn["name"] else call["function"]["name"]
@@ -482,7 +482,7 @@ class ChatEncoder:
 
     # ------------------------------------------------------------------ tokenising
     def _tokenize(self, text: str, spans: list[tuple[int, int]],
-                  cuts: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+                  cuts: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of `text` (tokenised separately on each side of every cut) and the mask of tokens inside
         `spans`."""
         bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(text)), len(text)]
@@ -515,17 +515,17 @@ class ChatEncoder:
 
     def _encode_sample(self, sample: _Sample) -> Encoded:
         text, spans, starts = sample.text, sample.spans, sample.starts
-        ids = mask = None
-        limit = self.max_length * _PREFIX_CHARS_PER_TOKEN if self.max_length is not None else None
-        if limit is not None and len(text) > limit:
-            ids, mask = self._tokenize(text[:limit], [(s, min(e, limit)) for s, e in spans if s < limit],
-                                       [c for c in starts if c < limit])
-            if len(ids) < self.max_length + _PREFIX_MARGIN:
-                ids = mask = None  # unusually many characters per token: tokenise the whole text
-        if ids is None:
-            ids, mask = self._tokenize(text, spans, starts)
-            if not mask.any():
+        encoded = None
+        if self.max_length is not None and len(text) > (limit := self.max_length * _PREFIX_CHARS_PER_TOKEN):
+            encoded = self._tokenize(text[:limit], [(s, min(e, limit)) for s, e in spans if s < limit],
+                                     [c for c in starts if c < limit])
+            if len(encoded[0]) < self.max_length + _PREFIX_MARGIN:
+                encoded = None  # unusually many characters per token: tokenise the whole text
+        if encoded is None:
+            encoded = self._tokenize(text, spans, starts)
+            if not encoded[1].any():
                 raise Skip("no assistant tokens", "the chat template rendered no assistant text")
+        ids, mask = encoded
         truncated = False
         if self.max_length is not None and len(ids) > self.max_length:
             if self.overflow == "drop":
@@ -543,7 +543,9 @@ class ChatEncoder:
         groups = self.generations(chat)
         if not groups:
             raise Skip("no assistant tokens", "the chat template rendered no assistant text")
-        samples, dropped, first = [], {}, None
+        samples: list[Encoded] = []
+        dropped: dict[str, int] = {}
+        first: Skip | None = None
         one = None  # the whole conversation as one sample: the last group's text, the final render
         for group in groups:
             try:
@@ -553,6 +555,7 @@ class ChatEncoder:
                 dropped[skip.reason] = dropped.get(skip.reason, 0) + 1
                 first = first or skip
         if not samples:
+            assert first is not None  # every group raised Skip
             raise first
         if one is None:  # the final render was left out: longer than max_length, or no assistant text in it
             one = len(self._tokenize(groups[-1].text, [])[0])

@@ -24,7 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -191,9 +191,9 @@ class _ShardWriter:
         return counts
 
 
-def _write_all(directory: Path, writer: _ShardWriter, samples: Iterable[dict], on_shard, *, output: Path,
-               chat_template_hash: str, max_length: int, skipped: dict[str, int] | None, sources: list[str] | None,
-               config: Any, extra: dict[str, Any]) -> PreparedManifest:
+def _write_all(directory: Path, writer: _ShardWriter, samples: Iterable[dict | list[dict]], on_shard, *,
+               output: Path, chat_template_hash: str, max_length: int, skipped: dict[str, int] | None,
+               sources: list[str] | None, config: Any, extra: dict[str, Any]) -> PreparedManifest:
     for sample in samples:
         if writer.add(sample) and on_shard is not None:
             on_shard(writer)
@@ -216,11 +216,11 @@ def _write_all(directory: Path, writer: _ShardWriter, samples: Iterable[dict], o
     return manifest
 
 
-def write_prepared(output: Path, samples: Iterable[dict], target: TargetIdentity, *, chat_template_hash: str,
-                   max_length: int, skipped: dict[str, int] | None = None, sources: list[str] | None = None,
-                   shard_samples: int = 2048, config: Any = None, fingerprint: str | None = None,
-                   checkpoint: Callable[[], dict] | None = None, resume: bool = False,
-                   **extra: Any) -> PreparedManifest:
+def write_prepared(output: Path, samples: Iterable[dict | list[dict]], target: TargetIdentity, *,
+                   chat_template_hash: str, max_length: int, skipped: dict[str, int] | None = None,
+                   sources: list[str] | None = None, shard_samples: int = 2048, config: Any = None,
+                   fingerprint: str | None = None, checkpoint: Callable[[], dict] | None = None,
+                   resume: bool = False, **extra: Any) -> PreparedManifest:
     """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool;
     a list of such dicts is kept in one shard) as a prepared set at `output`.
 
@@ -282,7 +282,7 @@ def _open_shard(path: Path, shard: PreparedShard | None = None) -> TensorFile:
     return file
 
 
-class PreparedDataset(collections.abc.Sequence):
+class PreparedDataset(collections.abc.Sequence[dict]):
     """Random access to a prepared set.
 
     `ds[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "sample_id": i}; `ds.lengths` -> int64 [N].
@@ -312,9 +312,14 @@ class PreparedDataset(collections.abc.Sequence):
     def __len__(self) -> int:
         return self.manifest.num_samples
 
-    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> dict: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict]: ...
+
+    def __getitem__(self, i: int | slice) -> dict | list[dict]:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
+            return [self[j] for j in range(*i.indices(len(self)))]
         i = sample_position(i, len(self), "a prepared set")
         k = bisect.bisect_right(self._starts, i) - 1
         file, offsets = self._files[k], self._offsets[k]

@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -93,7 +93,7 @@ def _artefact_kind(directory: Path) -> str | None:
 NAMED_BFCL = "bfcl-multi-turn"  # prepare/bfcl.py: BFCL's multi-turn tool-use tasks as conversations
 
 
-def expand_sources(specs: list[str | Path]) -> list[Source]:
+def expand_sources(specs: Sequence[str | Path]) -> list[Source]:
     """Files, directories, glob patterns and named data sets (`bfcl-multi-turn`) -> the input files, each with its
     format. Raises for missing paths."""
     sources: list[Source] = []

@@ -67,7 +67,7 @@ def engine_choice(cfg: RegenerateConfig) -> tuple[str, str]:
     return "hf", f"transformers {transformers.__version__}, torch {torch.__version__}"
 
 
-def dtype_name(cfg: RegenerateConfig, device: torch.device) -> str:
+def dtype_name(cfg: RegenerateConfig, device: torch.device) -> worker.Dtype:
     if cfg.dtype != "auto":
         return cfg.dtype
     return "bfloat16" if device.type == "cuda" else "float32"
@@ -110,8 +110,8 @@ class HFEngine:
         if self.sampled:
             torch.manual_seed(batch[0][3])
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=gen)
+            out = self.model.generate(  # type: ignore[operator]  # GenerationMixin's: PreTrainedModel lacks it to mypy
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen)
         answers = []
         for row, (key, _, limit, _) in enumerate(batch):
             tokens = out[row, width:].tolist()[:limit]
@@ -137,6 +137,8 @@ class VLLMEngine:
         self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
                                      text=True, encoding="utf-8")
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self._requests, self._replies = self.proc.stdin, self.proc.stdout
         self._send(worker.EngineOrder(target=str(target_dir), dtype=dtype, max_model_len=max_model_len,
                                       seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
                                       trust_remote_code=cfg.trust_remote_code, stop_token_ids=eos,
@@ -145,18 +147,18 @@ class VLLMEngine:
 
     def _send(self, message: BaseModel, flush: bool = True) -> None:
         try:
-            self.proc.stdin.write(message.model_dump_json() + "\n")
+            self._requests.write(message.model_dump_json() + "\n")
             if flush:
-                self.proc.stdin.flush()
+                self._requests.flush()
         except BrokenPipeError:
             self._failed("generate")
 
     def _receive(self, what: str) -> str:
         try:
-            self.proc.stdin.flush()
+            self._requests.flush()
         except BrokenPipeError:
             self._failed(what)
-        line = self.proc.stdout.readline()
+        line = self._replies.readline()
         if not line:
             self._failed(what)
         return line
@@ -186,7 +188,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self._requests.close()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -27,6 +27,7 @@ import queue
 import signal
 import sys
 import threading
+from typing import Literal
 
 import torch
 from pydantic import BaseModel
@@ -36,9 +37,12 @@ from draftsmith.core import vllm_launch
 _PR_SET_PDEATHSIG = 1
 
 
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
 class EngineOrder(BaseModel):
     target: str
-    dtype: str
+    dtype: Dtype
     max_model_len: int
     seed: int
     tensor_parallel_size: int
@@ -92,6 +96,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm
     from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
     from vllm.sampling_params import RequestOutputKind
 
     on_cpu = not torch.cuda.is_available()
@@ -120,8 +125,12 @@ def main() -> None:
                                     stop_token_ids=engine.stop_token_ids, detokenize=False,
                                     output_kind=RequestOutputKind.FINAL_ONLY)
             core.add_request(str(request.id), {"prompt_token_ids": request.prompt}, params)
-        finished = [Output(id=int(out.request_id), token_ids=list(out.outputs[0].token_ids),
-                           finish_reason=out.outputs[0].finish_reason) for out in core.step() if out.finished]
+        finished = []
+        for out in core.step():
+            assert isinstance(out, RequestOutput)  # what a generating engine's step returns
+            if out.finished:
+                finished.append(Output(id=int(out.request_id), token_ids=list(out.outputs[0].token_ids),
+                                       finish_reason=out.outputs[0].finish_reason))
         if finished:
             replies.write(Finished(outputs=finished).model_dump_json() + "\n")
 

@@ -39,7 +39,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from draftsmith.config import PrepareConfig, StageResult
+from draftsmith.config import PrepareConfig, RegenerateConfig, StageResult
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
@@ -150,6 +150,7 @@ def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> lis
     out = []
     for where, item, note in batch:
         if not isinstance(item, Skip):
+            assert encoder is not None  # a pool worker's is set by _init_worker
             try:
                 item = encoder.encode(item)
             except Skip as skip:
@@ -226,7 +227,7 @@ def _stop(pool: Any, pending: collections.deque) -> None:
     pool.join()
 
 
-def chat_template_of(cfg: PrepareConfig, tokenizer: Any, target_dir: Path) -> str:
+def chat_template_of(cfg: PrepareConfig | RegenerateConfig, tokenizer: Any, target_dir: Path) -> str:
     """The chat template a job renders with: --chat-template FILE, else the target tokenizer's own."""
     if cfg.chat_template is not None:
         path = Path(cfg.chat_template)
@@ -259,7 +260,7 @@ def _available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def job_fingerprint(cfg: PrepareConfig, identity: Any, template: str, sources: list[Source]) -> str:
+def job_fingerprint(cfg: PrepareConfig | RegenerateConfig, identity: Any, template: str, sources: list[Source]) -> str:
     """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
     def stamp(path: Path) -> list:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -344,7 +345,7 @@ def run(cfg: PrepareConfig) -> StageResult:
         if not cfg.max_samples:
             progress.update(task, completed=min(done, total_bytes))
 
-    def samples() -> Iterator[dict]:
+    def samples() -> Iterator[list[dict]]:
         batches = _batches(sources, on_bytes, skip_records=resumed[0], leading_assistant=cfg.leading_assistant)
         for batch in _encoded_batches(batches, encoder, workers):
             for where, item, dropped in batch:
@@ -352,7 +353,8 @@ def run(cfg: PrepareConfig) -> StageResult:
                     break
                 tally.records += 1
                 if isinstance(item, Skip):
-                    tally.skip(item.reason, *where, item.detail)
+                    source, index = where
+                    tally.skip(item.reason, source, index, item.detail)
                     continue
                 tally.use(where[0])
                 tally.conversations += 1

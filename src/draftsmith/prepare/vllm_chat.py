@@ -19,7 +19,7 @@ import importlib
 import inspect
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
@@ -156,6 +156,8 @@ class VllmRendering:
     The functions moved between releases: `vllm.renderers` (0.16+: `safe_apply_chat_template`; its
     `parse_chat_messages` since 0.19) and `vllm.entrypoints.chat_utils` (0.11: `apply_hf_chat_template`)."""
 
+    _parse: Callable[..., Any]  # parse_chat_messages, whose parameters differ between releases
+
     def __init__(self, target_dir: Any, tokenizer: Any, chat_template: str | None, trust_remote_code: bool = False):
         import vllm
         from vllm.config import ModelConfig
@@ -169,7 +171,8 @@ class VllmRendering:
         try:
             from vllm.renderers.chat_utils import parse_chat_messages  # 0.19+
         except ImportError:
-            from vllm.entrypoints.chat_utils import parse_chat_messages
+            from vllm.entrypoints.chat_utils import (  # type: ignore[import-not-found, no-redef]  # before 0.19
+                parse_chat_messages)
         try:
             from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
 
@@ -177,7 +180,8 @@ class VllmRendering:
                 return safe_apply_chat_template(self.model_config, tokenizer, conversation, tools=tools,
                                                 chat_template=chat_template, tokenize=False, **options)
         except ImportError:  # 0.11 - 0.15
-            from vllm.entrypoints.chat_utils import apply_hf_chat_template, resolve_chat_template_content_format
+            from vllm.entrypoints.chat_utils import (  # type: ignore[no-redef]  # 0.11 - 0.15
+                apply_hf_chat_template, resolve_chat_template_content_format)
 
             def apply(conversation: list, tools: list | None, **options: Any) -> str:
                 return apply_hf_chat_template(tokenizer, conversation, chat_template, tools,

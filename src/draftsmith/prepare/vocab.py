@@ -54,7 +54,7 @@ def _counts(token_counts: torch.Tensor | np.ndarray) -> np.ndarray:
     return counts.astype(np.int64)
 
 
-def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> DraftVocab:
+def build_draft_vocab(token_counts: torch.Tensor | np.ndarray, draft_vocab_size: int) -> DraftVocab:
     """Pick the `draft_vocab_size` most frequent loss-masked target ids (see module docstring)."""
     counts = _counts(token_counts)
     vocab = len(counts)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -121,7 +121,7 @@ def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[
 
 
 def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int,
-                    flags: list[str] = ()) -> list[str]:
+                    flags: Sequence[str] = ()) -> list[str]:
     """The `vllm serve` arguments for this config (the target's own flags, then --vllm-args last, so they can
     override the rest; the API key goes to vLLM in VLLM_API_KEY). A P-EAGLE draft gets parallel drafting."""
     spec = vllm_speculative_config(draft_dir, k)

@@ -42,7 +42,7 @@ def serve(argv: list[str]) -> None:
     try:  # where vLLM's program keeps its first step moved (0.28: serve.utils.api_utils; 0.16: entrypoints.utils)
         from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     except ImportError:
-        from vllm.entrypoints.utils import cli_env_setup
+        from vllm.entrypoints.utils import cli_env_setup  # type: ignore[import-not-found, no-redef]  # before 0.28
 
     cli_env_setup()  # what vLLM's program does first: worker processes are spawned, not forked
     command = ServeSubcommand()

@@ -32,9 +32,9 @@ try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=Tr
 except ImportError:  # pragma: no cover - depends on the torch build
     try:
         from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-        AuxRequest = None
+        AuxRequest = None  # type: ignore[assignment, misc]  # torch < 2.9
     except ImportError:
-        flex_attention = BlockMask = AuxRequest = create_block_mask = None
+        flex_attention = BlockMask = AuxRequest = create_block_mask = None  # type: ignore[assignment, misc]  # no flex
 
 # Query rows per chunk of ChunkedCausalAttention: each chunk holds a few [B, Hq, CHUNK, T] fp32 score buffers.
 # benchmarks/ttt_memory.py --sweep-chunk, CPU: 32..64 fastest at the default target's shapes and at the 8B-shaped
@@ -119,8 +119,10 @@ def causal_block_mask(t: int, device: str, block: int = 128):
         order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=_causal,
-                                    seq_lengths=(t, t))
+    kv_num_blocks, kv_indices = ordered(partial)
+    full_kv_num_blocks, full_kv_indices = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block,
+                                    mask_mod=_causal, seq_lengths=(t, t))
 
 
 FLEX_BUCKET = 256  # the compiled flex kernel's sequence lengths are multiples of this (two 128-blocks at least)

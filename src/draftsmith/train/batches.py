@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Iterator, Protocol, Sequence
+from typing import Generator, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ class Batch:
         """(aux layers concatenated in id order [B, T, (L-1) * H], layer N [B, T, H]) in `dtype`, decoded on the
         batch's device."""
         hs, sc = self.hidden_states, self.hidden_scales
+        assert hs is not None  # filled in (online: by the source) before the states are read
         b, t, layers, h = hs.shape
         aux = decode_hidden_states(hs[:, :, :-1], None if sc is None else sc[:, :, :-1], dtype)
         last = decode_hidden_states(hs[:, :, -1], None if sc is None else sc[:, :, -1], dtype)
@@ -70,6 +71,7 @@ class Batch:
         """[B] bool on the device (no host sync): the sample's stored hidden states hold no NaN/Inf (an fp8 row
         with a non-finite value has a non-finite scale)."""
         x = self.hidden_scales if self.hidden_scales is not None else self.hidden_states
+        assert x is not None  # filled in before the states are read
         return torch.isfinite(x).flatten(1).all(1)
 
 
@@ -227,7 +229,7 @@ class TrainData:
         self.num_workers = num_workers
         self.features: FeatureSource = features if features is not None else StoreFeatures()
 
-    def steps(self, epoch: int, position: int, epochs: int | None) -> Iterator[list[Batch]]:
+    def steps(self, epoch: int, position: int, epochs: int | None) -> Generator[list[Batch], None, None]:
         """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
         micro: list[Batch] = []
         for batch in self._loader(EpochPlan(self.train, self.grad_accum, epoch, position, epochs), self.sampling):

@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from draftsmith.train.ttt import TTTModel
 
 STRATEGIES = ("auto", "ddp", "fsdp2")
 # auto picks FSDP2 when the draft's trainable state (fp32 weights + gradients + two AdamW moments, 16 bytes a
@@ -84,7 +86,7 @@ def choose_strategy(requested: str, draft: nn.Module, draft_vocab_size: int) -> 
     return "fsdp2" if 16 * trainable > FSDP_STATE_BYTES or draft_vocab_size >= FSDP_VOCAB else "ddp"
 
 
-def wrap(model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None) -> nn.Module:
+def wrap(model: TTTModel, info: DistInfo, param_dtype: torch.dtype | None = None) -> nn.Module:
     """DDP or FSDP2 `fully_shard` around a TTTModel (info.strategy, already chosen); the model itself when
     single-process. The frozen embedding stays out of both (module docstring).
 
@@ -113,8 +115,10 @@ def grad_sync(model: nn.Module, info: DistInfo, sync: bool):
     if not info.enabled:
         return contextlib.nullcontext()
     if info.strategy == "fsdp2":
+        assert isinstance(model, FSDPModule)  # what wrap made of it
         model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+    assert isinstance(model, DistributedDataParallel)  # what wrap made of it
     return contextlib.nullcontext() if sync else model.no_sync()
 
 
@@ -144,7 +148,8 @@ def full_model_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor
     """The draft's whole state dict on CPU, names without the wrapper's `draft.` (gathers FSDP2 shards: every rank
     must call this)."""
     if info.enabled and info.strategy == "fsdp2":
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]  # a model's: tensors only
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         state = unwrap(model).state_dict()
     return {k.removeprefix("draft."): v.detach().cpu() for k, v in state.items()}

@@ -142,6 +142,7 @@ def load_draft(path: Path) -> DraftSource:
                               "checkpoint directory, or an exported draft")
     directory = checkpoint.resolve(path)
     kind = read_manifest_json(directory).get("kind")
+    manifest: checkpoint.CheckpointManifest | checkpoint.DraftManifest
     if kind == "checkpoint":
         tensors, manifest = checkpoint.load_checkpoint(directory)
     elif kind == "export":
@@ -232,7 +233,9 @@ def _dflash_from_config(directory: Path, spec: DraftSpec) -> DraftSpec:
     if size is None:
         raise DraftsmithError(f"{where}: is not a DFlash config (no dflash_config), but the weights are a DFlash "
                               "draft's; export the draft again from its training run")
-    token = (_dflash_layer_config(config).get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
+    layer = _dflash_layer_config(config)
+    assert layer is not None  # dflash_block_size found the block size in it
+    token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < spec.vocab_size:
         raise DraftsmithError(f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
                               f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block")
@@ -271,6 +274,7 @@ def draft_module(source: DraftSource, embed_weight: torch.Tensor,
                  head_weight: torch.Tensor | None = None) -> Eagle3Draft | DFlashDraft:
     """The draft's module (fp32, CPU) holding its weights and the target's embedding `embed_weight` (DFlash: and the
     target's lm_head `head_weight`, which it uses as its own)."""
+    draft: Eagle3Draft | DFlashDraft
     if source.spec.method == "dflash":
         if head_weight is None:
             raise ValueError("a DFlash draft needs the target's lm_head")

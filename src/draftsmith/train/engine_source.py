@@ -154,13 +154,14 @@ class EngineSource:
         self.open_chunks: dict[str, HiddenStateStore] = {}
         self.consumed: set[str] = set()
         self.current: Chunk | None = None
-        self.keep_reader = None
+        self.keep_reader: store_mod.HiddenStateStore | None = None
         self.generation = 0
         self.step = 0
         self.waited = self._waited_at_log = 0.0
         self._log_time = time.perf_counter()
         self._beat = 0.0
-        self._seen = (None, time.monotonic())  # the engine status's `updated`, and when this process saw it change
+        # the engine status's `updated`, and when this process saw it change
+        self._seen: tuple[float | None, float] = (None, time.monotonic())
         self._answered = time.monotonic()  # when the transport last answered
         self._lock: contextlib.ExitStack | None = None
         self.engine: EngineProcess | None = None
@@ -295,6 +296,7 @@ class EngineSource:
         self._write_plan()
         self.spool.write_status(FeedStatus(waiting="start", generation=self.generation))
         self._seen = (None, time.monotonic())
+        assert self.engine is not None  # spawned on this node
         self.engine.start()
 
     # -- watching the other side
@@ -347,19 +349,21 @@ class EngineSource:
                                   f"{self._where_logged()}; run the same command again to resume")
 
     def _engine_exited(self, chunk: Chunk, status: FeedStatus) -> None:
-        code = self.engine.proc.returncode
+        engine = self.engine
+        assert engine is not None and engine.proc is not None  # the process on this node, which exited
+        code = engine.proc.returncode
         if self.spool.is_ready(chunk.name):
             return
-        self.engine.stop()
-        why = status.error or f"exit code {code}; {self.engine.log_tail() or 'no output'}"
+        engine.stop()
+        why = status.error or f"exit code {code}; {engine.log_tail() or 'no output'}"
         setup_failed = bool(status.error) and not status.engine_started  # the same again on a restart
-        if self.engine.restarts >= ENGINE_RESTARTS or status.done or setup_failed or status.fatal:
+        if engine.restarts >= ENGINE_RESTARTS or status.done or setup_failed or status.fatal:
             raise DraftsmithError(f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
-                                  f"see {self.engine.log}; run the same command again to resume")
-        self.engine.restarts += 1
-        self.engine.total_restarts += 1
+                                  f"see {engine.log}; run the same command again to resume")
+        engine.restarts += 1
+        engine.total_restarts += 1
         print(f"draftsmith train: the engine process stopped ({why[:300]}); restarting it "
-              f"({self.engine.restarts} of {ENGINE_RESTARTS})", file=sys.stderr, flush=True)
+              f"({engine.restarts} of {ENGINE_RESTARTS})", file=sys.stderr, flush=True)
         self._spawn()
 
     # -- reading
@@ -420,6 +424,7 @@ class EngineSource:
     def __call__(self, batch: Batch) -> Batch:
         if batch.sample_ids[0] in self.eval_ids:
             chunk = self.eval_chunk
+            assert chunk is not None  # planned with the eval ids
         else:
             chunk = self.by_step.get((batch.epoch, batch.position))
             if chunk is None:
@@ -438,6 +443,7 @@ class EngineSource:
                 items.append(self._kept(sid))
         t = batch.input_ids.shape[1]
         hs, sc = (pad_rows(items, key, t) for key in ("hidden_states", "hidden_scales"))
+        assert hs is not None  # every stored sample has its states
         device = batch.input_ids.device
         return replace(batch, hidden_states=hs.to(device), hidden_scales=None if sc is None else sc.to(device))
 
@@ -513,7 +519,7 @@ class EngineSource:
             spool.close()
         if self.master is not None:
             self.master.stop()
-            self.master: MooncakeMaster | None = None
+            self.master = None
         if self._lock is not None:
             self._lock.close()
             self._lock = None

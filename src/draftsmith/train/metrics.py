@@ -94,7 +94,7 @@ class MetricsSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if _step_of(line) is not None and _step_of(line) <= keep_through_step]
+                    if (step := _step_of(line)) is not None and step <= keep_through_step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
         self._file = open(path, "a", encoding="utf-8")
         if not tensorboard:

@@ -176,6 +176,8 @@ def rope_inverse_frequencies(spec: DraftSpec) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, spec: DraftSpec):
         super().__init__()
         inv_freq, self.scale = rope_inverse_frequencies(spec)
@@ -308,6 +310,9 @@ class DecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------------------------- the draft
 
 class Eagle3Draft(nn.Module):
+    d2t: torch.Tensor  # buffers
+    t2d: torch.Tensor
+
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec
@@ -338,7 +343,7 @@ class Eagle3Draft(nn.Module):
     def draft_to_target(self) -> torch.Tensor:
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(self: Eagle3Draft | DFlashDraft, seed: int = 0) -> None:
         """Small normal init for trainable weights, ones for norms (the Llama convention)."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
@@ -364,7 +369,7 @@ class Eagle3Draft(nn.Module):
                 draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
         return draft
 
-    def load_draft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_draft_tensors(self: Eagle3Draft | DFlashDraft, tensors: dict[str, torch.Tensor]) -> None:
         """Load the draft's own tensors (`draft_tensors` of a state dict: all of it but the target's embedding,
         which stays as it is), strictly."""
         self.load_state_dict({**tensors, EMBEDDING: self.embed_tokens.weight}, strict=True)
@@ -489,6 +494,9 @@ class DFlashDraft(nn.Module):
     the identity, outside the state dict), so a saved DFlash draft is exactly vLLM's file: `fc`, `hidden_norm`,
     `layers.*`, `norm`.
     """
+    head_weight: torch.Tensor  # buffers
+    d2t: torch.Tensor
+    t2d: torch.Tensor
 
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -537,11 +545,13 @@ class DFlashDraft(nn.Module):
 
     def block_ids(self, anchor_ids: torch.Tensor, size: int | None = None) -> torch.Tensor:
         """[..., S]: each anchor token followed by S - 1 mask tokens (S: `size`, default the block size)."""
+        assert self.spec.block_size is not None and self.spec.mask_token_id is not None  # a dflash spec's
         masks = anchor_ids.new_full((*anchor_ids.shape, (size or self.spec.block_size) - 1), self.spec.mask_token_id)
         return torch.cat((anchor_ids[..., None], masks), dim=-1)
 
-    def forward_hidden(self, block_ids: torch.Tensor, block_positions: torch.Tensor, context: torch.Tensor,
-                       context_positions: torch.Tensor, attend, checkpointed: bool = False) -> torch.Tensor:
+    def forward_hidden(self, block_ids: torch.Tensor, block_positions: torch.Tensor,
+                       context: torch.Tensor | list[tuple[torch.Tensor, torch.Tensor]],
+                       context_positions: torch.Tensor | None, attend, checkpointed: bool = False) -> torch.Tensor:
         """The block's pre-norm hidden states [B, Q, H]: block_ids / block_positions [B, Q], context [B, T, H] (or
         per-layer cached (k, v) when `context` is a list: decoding) at context_positions [B, T]."""
         hidden = self.embed_tokens(block_ids).to(context.dtype if torch.is_tensor(context) else context[0][0].dtype)
@@ -566,13 +576,12 @@ class DFlashDraft(nn.Module):
         context = self.hidden_norm(features)
         cos, sin = self.rotary(feature_positions, context.dtype)
         for layer, entries in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.keys_values(context, cos, sin)
+            k, v = layer.self_attn.keys_values(context, cos, sin)  # type: ignore[union-attr, operator]  # DFlashLayers
             if entries:
                 entries[0] = (torch.cat((entries[0][0], k), dim=2), torch.cat((entries[0][1], v), dim=2))
             else:
                 entries.append((k, v))
-        hidden = self.forward_hidden(block_ids, block_positions, [e[0] for e in cache.layers], None,
-                                     full_attention)
+        hidden = self.forward_hidden(block_ids, block_positions, [e[0] for e in cache.layers], None, full_attention)
         return self.logits(hidden[:, 1:]), hidden  # the anchor's own output proposes nothing
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

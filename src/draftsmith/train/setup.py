@@ -24,7 +24,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
 from draftsmith.extract import store as store_mod
-from draftsmith.prepare.dataset import open_prepared, split_indices
+from draftsmith.prepare.dataset import PreparedDataset, open_prepared, split_indices
 from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import (
@@ -104,6 +104,7 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     if kind == "store" and cfg.engine == "vllm":
         raise DraftsmithError(f"{cfg.data}: is a hidden-state store, which trains offline; --engine vllm trains from "
                               "a prepared set (`draftsmith prepare`), extracting its states while it trains")
+    dataset: store_mod.HiddenStateStore | LayerSubset | PreparedDataset
     if kind == "store":
         dataset = store_mod.open(cfg.data, dtype=None)  # bf16 / fp8 views of the shards, decoded on the device
         identity, aux = dataset.manifest.target, list(dataset.aux_layer_ids)
@@ -126,6 +127,7 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     else:
         dataset = open_prepared(cfg.data)
         identity = dataset.manifest.target
+        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
         aux = resolve_layer_ids(cfg.aux_layer_ids or (dflash_aux_layer_ids(identity.num_layers, cfg.num_layers)
                                                       if cfg.method == "dflash" else None),
                                 identity.num_layers)[:-1]  # extract's default (DFlash: its spread)
@@ -156,13 +158,15 @@ def split(source: Source, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     return np.flatnonzero(~held_out).tolist(), np.flatnonzero(held_out).tolist()
 
 
-def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Eagle3Draft, DraftSpec, float]:
+def initial_draft(cfg: TrainConfig, s: Source,
+                  train_ids: list[int]) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec, float]:
     """(draft, its spec, draft-vocab coverage of the training split): a fresh draft whose vocabulary is counted on
     the training split, or the one --init-from names (its own vocabulary)."""
     counts = token_counts(s.dataset, train_ids, s.identity.vocab_size)
     if int(counts.sum()) == 0:
         raise DraftsmithError(f"{cfg.data}: no loss-masked (assistant) tokens in the training split; nothing to "
                               "train on")
+    assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
     if cfg.init_from is None and cfg.method == "dflash":  # the target's vocabulary and lm_head
         config = targets.read_config(s.target_path)
         spec = DraftSpec.from_target_config(config, s.identity.vocab_size, cfg.num_layers, s.aux_layer_ids)
@@ -173,8 +177,8 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Ea
         vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, s.identity.vocab_size))
         spec = DraftSpec.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size, cfg.num_layers,
                                             s.aux_layer_ids)
-        draft = Eagle3Draft.from_target(spec, s.target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed)
-        return draft, spec, vocab.coverage
+        return (Eagle3Draft.from_target(spec, s.target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed), spec,
+                vocab.coverage)
     where = f"--init-from {cfg.init_from}"
     if not Path(cfg.init_from).exists():
         raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
@@ -210,8 +214,8 @@ def mask_token_id(target_config: dict) -> int:
     return 0
 
 
-def with_method(draft: Eagle3Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict,
-                ) -> tuple[Eagle3Draft, DraftSpec]:
+def with_method(draft: Eagle3Draft | DFlashDraft, spec: DraftSpec, cfg: TrainConfig, target_config: dict,
+                ) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec]:
     """The draft for --method: a P-EAGLE draft gains mask_hidden (seeded small normal, like a fresh draft's weights;
     e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept. A DFlash
     draft stays one (its block size is --block-size's; `initial_draft` refuses to turn one method into the other)."""
@@ -254,7 +258,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> 
     """AdamW over two parameter groups: matrices decay, norm weights (and any bias: 1-d parameters) do not.
     Fused (one kernel for every parameter) on CUDA and on CPU (3x faster there than the per-tensor loop: 20 ->
     6.5 ms a step of the benchmark's draft)."""
-    decay, plain = [], []
+    decay: list[nn.Parameter] = []
+    plain: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else plain).append(p)

@@ -88,7 +88,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 state.tokens += tokens
                 tok_s = (state.tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
                 if logged:
-                    last_train, source = summarise(*sums, cfg.step_weight), r.data.metrics()
+                    kl, correct, accept, count = sums
+                    last_train, source = summarise(kl, correct, accept, count, cfg.step_weight), r.data.metrics()
                     sink.write({"type": "train", "step": state.step, "epoch": micro[0].epoch, "lr": lr,
                                 "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
                                 "tokens_seen": state.tokens, "tokens_per_s": round(tok_s, 1), **last_train, **source})
@@ -143,7 +144,8 @@ def evaluate(r: Run, sink: MetricsSink, epoch: int) -> dict:
             sums += forward(r.model, r.head, batch, r.cfg, r.dtype, None, True).sums
     sums = distributed.all_reduce_sum(sums, r.info).cpu()
     r.model.train()
-    state.last_eval, state.last_eval_step = summarise(*sums, r.cfg.step_weight), state.step
+    kl, correct, accept, count = sums
+    state.last_eval, state.last_eval_step = summarise(kl, correct, accept, count, r.cfg.step_weight), state.step
     sink.write({"type": "eval", "step": state.step, "epoch": epoch, **state.last_eval})
     if state.best is None or state.last_eval["acceptance_length"] > state.best:
         state.best = state.last_eval["acceptance_length"]
@@ -162,7 +164,7 @@ def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
         manifest = checkpoint.CheckpointManifest(**r.manifest, step=state.step, epoch=state.epoch,
                                                  tokens=state.tokens, metrics=state.last_eval,
                                                  best_acceptance_length=state.best)
-        training = None if best else checkpoint.training_state(state, opt_state, r.sampler_seed)
+        training = None if opt_state is None else checkpoint.training_state(state, opt_state, r.sampler_seed)
         try:
             checkpoint.save_checkpoint(r.cfg.output, manifest, weights, training, r.cfg.keep_checkpoints, best)
         except DraftsmithError as err:

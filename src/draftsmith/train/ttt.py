@@ -108,7 +108,7 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | 
         n = max(t - k - 2, 0)
         sel = np.zeros((b, t), dtype=bool)
         sel[:, :n] = mask[:, k + 2:k + 2 + n]
-        if priority is not None and k:
+        if cod is not None and priority is not None and k:
             for row in range(b):
                 candidates = np.flatnonzero(sel[row])
                 keep = cod.keep(len(candidates), k)
@@ -120,7 +120,8 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | 
         target.append(torch.from_numpy(rank[rows + k + 1].astype(np.int64)))  # t + k + 1 < T: the same sample
         counts.append(len(rows))
         sels.append(sel)
-    live, later = [], np.zeros((b, t), dtype=bool)
+    live: list[torch.Tensor] = []
+    later = np.zeros((b, t), dtype=bool)
     for sel in reversed(sels):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
         later |= sel
         live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
@@ -246,7 +247,7 @@ def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weigh
         p = logp.exp()
         probs[a:a + chunk] = p
         neg_ent[a:a + chunk] = (p * logp).sum(-1)
-        if full:  # a draft of the target's whole vocabulary (DFlash) has these logits already
+        if mass is not None and argmax is not None:  # full; a whole-vocabulary draft (DFlash) has these logits already
             all_logits = logits if draft_weight is lm_head_weight else x @ lm_head_weight.T  # [chunk, V]
             top, lse = _top1_logsumexp(all_logits)
             argmax[a:a + chunk] = top
@@ -292,7 +293,8 @@ class TargetHead:
         whole = ids.numel() == weight.shape[0] and torch.equal(ids, torch.arange(ids.numel(), device=ids.device))
         self.draft_weight = weight if whole else weight[ids].contiguous()
 
-    def __call__(self, last_hidden: torch.Tensor, index: StepIndex, full: bool = True) -> TargetDistribution:
+    def __call__(self, last_hidden: torch.Tensor, index: StepIndex | BlockIndex,
+                 full: bool = True) -> TargetDistribution:
         """last_hidden [B, T, H] (any strides: only the needed rows are read)."""
         b, t, h = last_hidden.shape
         rows = last_hidden.reshape(b * t, h) if last_hidden.is_contiguous() else last_hidden.flatten(0, 1)
@@ -346,6 +348,7 @@ def expected_acceptance(z: torch.Tensor, lse: torch.Tensor, target: TargetDistri
     out = torch.empty(z.shape[0], dtype=lse.dtype, device=z.device)
     step, scratch = _slices(z, lse.dtype)
     for a in range(0, z.shape[0], step):
+        assert target.mass is not None  # a full=True distribution
         b, r = a + step, rows[a:a + step]
         q = scratch[:len(r)].copy_(z[a:b]).sub_(lse[a:b, None]).exp_()
         p = target.probs.index_select(0, r).mul_(target.mass.index_select(0, r)[:, None])
@@ -379,6 +382,7 @@ def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
     last = len(draft.layers) - 1
     parallel = draft.spec.parallel_drafting
     if parallel:  # P-EAGLE: every slot of depth >= 1 reads the mask token and fc(mask_hidden), not step k-1
+        assert draft.spec.mask_token_id is not None  # a P-EAGLE spec's
         mask_ids = torch.full_like(input_ids, draft.spec.mask_token_id)
         mask_hidden = draft.mask_features().to(hidden.dtype).expand(b, t, -1)
     for k in range(ttt_steps):
@@ -402,6 +406,7 @@ def dflash_hidden_states(draft: DFlashDraft, input_ids: torch.Tensor, aux_hidden
     b, t = input_ids.shape
     anchors = index.anchors
     size = draft.spec.block_size
+    assert size is not None  # a DFlash spec's
     block_ids = draft.block_ids(input_ids.gather(1, anchors)).flatten(1)  # [B, A*S]
     block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -432,10 +437,10 @@ class TTTResult:
         return self.sums[COUNT]
 
 
-def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, target: TargetDistribution,
-                index: StepIndex, ttt_steps: int, step_weight: float = 0.8, normaliser: torch.Tensor | None = None,
-                metrics: bool = True, mode: str = "ttt", checkpointed: bool = False,
-                live_rows: bool = True, kernel: str = "auto") -> TTTResult:
+def ttt_forward(draft: Eagle3Draft | DFlashDraft, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
+                target: TargetDistribution, index: StepIndex | BlockIndex, ttt_steps: int, step_weight: float = 0.8,
+                normaliser: torch.Tensor | None = None, metrics: bool = True, mode: str = "ttt",
+                checkpointed: bool = False, live_rows: bool = True, kernel: str = "auto") -> TTTResult:
     """Unroll `ttt_steps` draft steps over a right-padded batch and score them against the target.
 
     input_ids [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order); `index` the batch's
@@ -452,9 +457,11 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
     sums[COUNT] = index.counts.to(device)
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
     if isinstance(draft, DFlashDraft):  # one forward; block position j is "step" j-1
+        assert isinstance(index, BlockIndex)  # batch_index builds one for a DFlash run
         steps = dflash_hidden_states(draft, input_ids, aux_hidden, index, checkpointed,
                                      "naive" if mode == "naive" else kernel)
     else:
+        assert isinstance(index, StepIndex)  # batch_index builds one for an EAGLE-3 / P-EAGLE run
         steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed, kernel,
                                   index if live_rows else None)
     for k, hidden in enumerate(steps):
@@ -466,6 +473,7 @@ def ttt_forward(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.T
         loss = loss + (step_weight ** k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
         sums[KL, k] = step_loss.detach()
         if metrics:
+            assert target.argmax is not None  # metrics need a full=True distribution
             sums[CORRECT, k] = (top + d2t[top] == target.argmax.index_select(0, at)).sum()
             sums[ACCEPT, k] = expected_acceptance(z.detach(), lse, target, at).sum()
     return TTTResult(loss=loss, sums=sums)
@@ -496,7 +504,7 @@ def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Ten
 class TTTModel(nn.Module):
     """The draft behind one forward call (what DDP / FSDP2 wrap): forward(...) = ttt_forward(draft, ...)."""
 
-    def __init__(self, draft: Eagle3Draft, kernel: str = "auto"):
+    def __init__(self, draft: Eagle3Draft | DFlashDraft, kernel: str = "auto"):
         super().__init__()
         self.draft = draft
         self.kernel = kernel  # the attention kernel (`ttt_forward`)

@@ -75,7 +75,7 @@ def chunk_name(epoch: int, first: int, last: int) -> str:
     return f"e{epoch:04d}-s{first:07d}-{last:07d}"
 
 
-def chunk_bytes(tokens: int, samples: int, hidden_size: int, num_layer_ids: int, dtype: str) -> int:
+def chunk_bytes(tokens: int, samples: int, hidden_size: int, num_layer_ids: int, dtype: sizing.StorageDtype) -> int:
     """The most a chunk of `samples` samples and `tokens` tokens takes on disk."""
     return sizing.store_bytes(tokens, hidden_size, num_layer_ids, dtype, samples=samples) + FILE_SLACK
 
@@ -206,6 +206,12 @@ class _Transport(ABC):
     def usage(self) -> int:
         """Bytes the published chunks hold now (what the bound limits)."""
 
+    def write_status(self, status: FeedStatus) -> None:
+        """Replace the engine status: the engine process's reports, or the trainer's reset before it starts one (one a
+        transport lost: the reader reads the next)."""
+        with contextlib.suppress(TransportLost):
+            self._put_message("status", encode(status))
+
     # -- lifecycle hooks: nothing unless a transport needs it
     def finish(self, everything: bool = False) -> None:
         """The run is over: remove what it left in the spool (`everything`: the engine process's last call, once it
@@ -233,11 +239,6 @@ class EngineSide(_Transport):
     def read_trainer(self) -> TrainerStatus | None:
         """The trainer's last progress report."""
         return decode(TrainerStatus, self._get_message("trainer"))
-
-    def write_status(self, status: FeedStatus) -> None:
-        """Replace the engine status the trainer reads (one a transport lost: the trainer reads the next)."""
-        with contextlib.suppress(TransportLost):
-            self._put_message("status", encode(status))
 
     def partial_path(self, name: str) -> Path:
         if self.staging is None:

@@ -67,6 +67,7 @@ class Spool(EngineSide, TrainerSide):
 
     def __init__(self, path: Path, bound: int | None = None):
         self.path = Path(path)
+        self.staging: Path | None = self.path / CHUNKS_DIR  # chunks are written beside the published ones
         self.bound = bound
         self.peak = 0
 
@@ -80,10 +81,6 @@ class Spool(EngineSide, TrainerSide):
 
     def chunk_path(self, name: str) -> Path:
         return self.chunks / name
-
-    @property
-    def staging(self) -> Path:
-        return self.chunks
 
     def is_ready(self, name: str) -> bool:
         return (self.chunk_path(name) / "manifest.json").is_file()
@@ -203,7 +200,7 @@ class Spool(EngineSide, TrainerSide):
     def clean(self, keep: set[str], names: Sequence[str] = ()) -> list[str]:
         """Remove partial and deleted leftovers and every ready chunk not in `keep` (`names`, the run's chunks: all
         of a directory's are this run's); returns what was removed."""
-        removed = []
+        removed: list[str] = []
         if not self.chunks.is_dir():
             return removed
         for entry in sorted(self.chunks.iterdir()):

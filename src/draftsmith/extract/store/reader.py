@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections.abc
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from draftsmith.extract.store.schema import StoreManifest, sample_ranges
 from draftsmith.extract.store.verify import VerifyReport, verify_store
 
 
-class HiddenStateStore(collections.abc.Sequence):
+class HiddenStateStore(collections.abc.Sequence[dict]):
     """Random access to a store, samples in sample-id order.
 
     `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "hidden_states": Tensor[T, L, H],
@@ -95,9 +96,14 @@ class HiddenStateStore(collections.abc.Sequence):
             raise KeyError(f"sample {sample_id} is not in store {self.path}")
         return k
 
-    def __getitem__(self, i: int) -> dict:  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> dict: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict]: ...
+
+    def __getitem__(self, i: int | slice) -> dict | list[dict]:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]  # type: ignore[return-value]
+            return [self[j] for j in range(*i.indices(len(self)))]
         i = sample_position(i, len(self), "a store")
         shard = self._shards[self._owner[i]]
         a = int(self._start[i])

@@ -83,7 +83,7 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]
         shape = [sum(int(p.shape[0]) for p in pieces), *first.shape[1:]] if first.dim() else []
         start = offset
         for piece in pieces:
-            views.append(memoryview(piece.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+            views.append(piece.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
             offset += len(views[-1])
         header[name] = {"dtype": _DTYPES[first.dtype], "shape": shape, "data_offsets": [start, offset]}
     text = json.dumps(header, separators=(",", ":")).encode()

@@ -179,7 +179,7 @@ class StoreWriter:
         lengths = torch.tensor([b[1].shape[0] for b in buffer], dtype=torch.int64)
         offsets = torch.zeros(len(buffer) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        tensors = {
+        tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {
             "hidden_states": [b[3] for b in buffer],  # written piece by piece, never joined in memory
             "input_ids": torch.cat([b[1] for b in buffer]),
             "loss_mask": torch.cat([b[2] for b in buffer]),
@@ -187,7 +187,9 @@ class StoreWriter:
             "sample_ids": sample_ids,
         }
         if self.spec.dtype == "fp8":
-            tensors["hidden_scales"] = [b[4] for b in buffer]
+            scales = [b[4] for b in buffer if b[4] is not None]
+            assert len(scales) == len(buffer)  # fp8 states come with their scales
+            tensors["hidden_scales"] = scales
         name = shards.shard_name(self.tag, self._next_seq)
         final = self.path / SHARD_DIR / name
         with atomic_path(final) as tmp:
@@ -249,14 +251,14 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:
     live: set[str] = set()
     dead: dict[str, _WriterLock] = {}
     for lock_file in sorted((path / LOCK_DIR).glob("*.lock")):
-        tag = lock_file.stem
-        if tag == "manifest" or tag == own_tag:
+        lock_tag = lock_file.stem
+        if lock_tag == "manifest" or lock_tag == own_tag:
             continue
-        lock = _WriterLock(path, tag)
+        lock = _WriterLock(path, lock_tag)
         if lock.try_acquire():
-            dead[tag] = lock
+            dead[lock_tag] = lock
         else:
-            live.add(tag)
+            live.add(lock_tag)
     try:
         def owner(name: str) -> str | None:
             m = shards.SHARD_NAME.match(name.lstrip(".").split(".safetensors")[0] + ".safetensors")

@@ -186,8 +186,8 @@ def _language_model(tree: SourceTree, cls: Found, config: dict | None) -> tuple[
         return None
     value = _self_assignment(init, "language_model")
     callee = getattr(value, "func", None)
-    if isinstance(callee, ast.Name) and callee.id == "init_vllm_registered_model":
-        named = next((kw.value for kw in value.keywords if kw.arg == "architectures"), None)  # type: ignore[union-attr]
+    if isinstance(value, ast.Call) and isinstance(callee, ast.Name) and callee.id == "init_vllm_registered_model":
+        named = next((kw.value for kw in value.keywords if kw.arg == "architectures"), None)
         if isinstance(named, ast.List) and named.elts and isinstance(named.elts[0], ast.Constant):
             return None, str(named.elts[0].value)
         text = (config or {}).get("text_config") or {}
@@ -200,7 +200,7 @@ def _language_model(tree: SourceTree, cls: Found, config: dict | None) -> tuple[
 def _init_assigning(tree: SourceTree, cls: Found, attr: str) -> Found | None:
     """The first __init__ along the MRO that assigns `self.<attr>` (a subclass may only call super().__init__)."""
     for klass in tree.mro(cls):
-        own = next((s for s in klass.node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+        own = next((s for s in klass.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
         if own is not None and _self_assignment(Found(klass.module, own), attr) is not None:
             return Found(klass.module, own)
     return None

@@ -32,7 +32,7 @@ from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY
 try:  # connectors that declare SupportsHMA get one block list per KV cache group (hybrid allocator)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # pragma: no cover - older vLLM: plain block lists
-    class SupportsHMA:  # type: ignore[no-redef]
+    class SupportsHMA:  # type: ignore[no-redef]  # a stand-in where vLLM has none
         pass
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is not None:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         else:  # older vLLM: two-argument constructor
-            super().__init__(vllm_config=vllm_config, role=role)
+            super().__init__(vllm_config=vllm_config, role=role)  # type: ignore[call-arg]  # older vLLM's signature
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._config: dict[str, Any] = dict(extra.get(EXTRA_CONFIG_KEY) or {})
         self._num_layers = len(self._config.get("spec", {}).get("layer_ids", [])) or None

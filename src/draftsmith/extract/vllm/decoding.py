@@ -120,10 +120,11 @@ def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
                        rows=[_row(PARALLEL_DRAFTING_ROW, f"unknown: {why}", False,
                                   "a P-EAGLE draft cannot be served here", unknown=True)])
     has_field = "parallel_drafting" in tree.fields(spec)
-    proposer = next((m for m in PROPOSERS if tree.module(m) is not None
-                     and "parallel_drafting" in tree.module(m).text), None)  # type: ignore[union-attr]
+    proposer = next((m for m in PROPOSERS if (module := tree.module(m)) is not None
+                     and "parallel_drafting" in module.text), None)
     value = has_field and proposer is not None
-    found = (f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)" if value else
+    found = (f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)"
+             if has_field and proposer is not None else
              "no (no parallel_drafting field on SpeculativeConfig)" if not has_field else
              "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)")
     return Reading(facts={"parallel_drafting": value}, rows=[_row(

@@ -98,10 +98,10 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     backend = _class(tree, "CPUAttentionBackend")
     sizes = _method(tree, backend, "get_supported_head_sizes")
     if sizes is not None:
-        lists = [node for node in ast.walk(sizes.node) if isinstance(node, ast.Return)
+        lists = [node.value for node in ast.walk(sizes.node) if isinstance(node, ast.Return)
                  and isinstance(node.value, ast.List)]
         if lists:
-            facts["cpu_attention_head_sizes"] = sorted(int(e.value) for e in lists[0].value.elts
+            facts["cpu_attention_head_sizes"] = sorted(int(e.value) for e in lists[0].elts
                                                        if isinstance(e, ast.Constant) and isinstance(e.value, int))
     isa = tree.find_function("_get_attn_isa", WHERE["_get_attn_isa"])
     if isa is not None:

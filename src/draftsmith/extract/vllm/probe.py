@@ -474,6 +474,7 @@ def architecture_row(report: ProbeReport) -> dict[str, str]:
         return "yes"
 
     stack = s.decoder_stack or "?"
+    assert s.vllm_class is not None  # set with registered
     cls = s.vllm_class + (f" -> {s.language_model}" if s.language_model else "") + f" ({stack}.forward)"
     return {"architecture": s.architecture, "vLLM class": cls, "aux ids vLLM reaches": s.reachable,
             **{name: cell(name) for name in STRATEGIES}, "notes": "; ".join(s.notes) or "-"}

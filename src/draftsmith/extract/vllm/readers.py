@@ -104,7 +104,7 @@ def speculative_methods(tree: SourceTree) -> tuple[frozenset[str] | None, str]:
     if found is None:
         return None, "no SpeculativeMethod in vllm/config/speculative.py or vllm/config"
     if found.is_class:
-        values = {stmt.value.value for stmt in found.node.body if isinstance(stmt, ast.Assign)
+        values = {stmt.value.value for stmt in found.body if isinstance(stmt, ast.Assign)
                   and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)}
     else:
         values = tree.literal_values(found.module.name, "SpeculativeMethod")

@@ -38,8 +38,8 @@ class StoreSink:
         self.disk_full = False  # the error was a DiskFullError: the driver raises that type again
         self._lock = threading.Lock()
         self.layer_ids = list(config["spec"]["layer_ids"])
-        self._writer = None
-        self._background = None
+        self._writer: store_module.StoreWriter | None = None
+        self._background: common.BackgroundWriter | None = None  # set with _writer
         if not writes:
             return
         self.dataset = open_prepared(Path(config["prepared"]))
@@ -48,10 +48,10 @@ class StoreSink:
             self._open(Path(config["store"]))
 
     def _open(self, path: Path) -> None:
-        self._writer = store_module.create_or_resume(path, self.spec, worker=tuple(self.config["worker"]),
-                                                     shard_bytes=int(self.config["shard_bytes"]),
-                                                     backend_info=self.config.get("backend_info"))
-        self._background = common.BackgroundWriter(self._writer, max_pending=8)
+        writer = store_module.create_or_resume(path, self.spec, worker=tuple(self.config["worker"]),
+                                               shard_bytes=int(self.config["shard_bytes"]),
+                                               backend_info=self.config.get("backend_info"))
+        self._writer, self._background = writer, common.BackgroundWriter(writer, max_pending=8)
 
     def open_store(self, path: str) -> None:
         """Write from now on into the store at `path` (the online spool's next chunk): the counters start at 0.
@@ -84,6 +84,7 @@ class StoreSink:
             if self._writer is None:
                 self.error = f"request for sample {sample_id} arrived with no store open"
                 return
+            assert self._background is not None  # set with _writer
             try:
                 row = self.dataset[int(sample_id)]
                 ids = torch.as_tensor(row["input_ids"]).to(torch.int64)
@@ -117,6 +118,7 @@ class StoreSink:
                                "samples_written": 0}
         if self._writer is None:
             return out
+        assert self._background is not None  # set with _writer
         try:
             self._background.close()
             if self.error is None:

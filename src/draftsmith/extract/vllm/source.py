@@ -63,6 +63,17 @@ class Found:
     def name(self) -> str:
         return getattr(self.node, "name", None) or self.module.name
 
+    @property
+    def body(self) -> list[ast.stmt]:
+        """The statements of a class, a function or a module."""
+        assert isinstance(self.node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)), self.node
+        return self.node.body
+
+    @property
+    def function(self) -> ast.FunctionDef | ast.AsyncFunctionDef:
+        assert isinstance(self.node, (ast.FunctionDef, ast.AsyncFunctionDef)), self.node
+        return self.node
+
 
 @dataclass(frozen=True)
 class FieldInfo:
@@ -276,6 +287,7 @@ class SourceTree:
     def bases(self, cls: Found) -> list[Found | str]:
         """A class's bases, resolved where they are in this tree; the others as their text (`nn.Module`)."""
         out: list[Found | str] = []
+        assert isinstance(cls.node, ast.ClassDef), cls.node
         for base in cls.node.bases:
             found = self.resolve(cls.module, base)
             out.append(found if found is not None and found.is_class else ast.unparse(base))
@@ -311,7 +323,7 @@ class SourceTree:
         """A method or class attribute, through the bases: a method as its def, an attribute as its assigned value
         (resolved when it names a class: `model_cls = DeepseekV2Model`)."""
         for klass in self.mro(cls):
-            for stmt in klass.node.body:
+            for stmt in klass.body:
                 if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
                     return Found(klass.module, stmt)
                 for target, value in _assigned(stmt):
@@ -331,21 +343,21 @@ class SourceTree:
         """Annotated class-body fields (dataclass, pydantic, NamedTuple) with their defaults, bases included."""
         out: dict[str, FieldInfo] = {}
         for klass in reversed(self.mro(cls)):
-            for stmt in klass.node.body:
+            for stmt in klass.body:
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                     out[stmt.target.id] = FieldInfo(ast.unparse(stmt.annotation), _default(stmt.value))
         return out
 
     def class_names(self, cls: Found) -> set[str]:
         """Names assigned in the class body (enum members: `CPU_MLA = "..."`), bases included."""
-        return {name for klass in self.mro(cls) for stmt in klass.node.body for name, _ in _assigned(stmt)}
+        return {name for klass in self.mro(cls) for stmt in klass.body for name, _ in _assigned(stmt)}
 
     # ------------------------------------------------------------------------------------------------ values
 
     def params(self, fn: Found | None) -> list[str]:
         if fn is None or not fn.is_function:
             return []
-        args = fn.node.args
+        args = fn.function.args
         return [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
 
     def segment(self, found: Found | None) -> str:
@@ -398,10 +410,12 @@ class SourceTree:
                 if not isinstance(value, ast.Dict):
                     continue
                 for key, item in zip(value.keys, value.values):
-                    if (isinstance(key, ast.Constant) and isinstance(key.value, str) and isinstance(item, ast.Tuple)
-                            and len(item.elts) >= 2 and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
-                                                            for e in item.elts[:2])):
-                        out.setdefault(key.value, (item.elts[0].value, item.elts[1].value))
+                    if not (isinstance(key, ast.Constant) and isinstance(key.value, str)
+                            and isinstance(item, ast.Tuple)):
+                        continue
+                    pair = [e.value for e in item.elts[:2] if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+                    if len(pair) == 2:
+                        out.setdefault(key.value, (pair[0], pair[1]))
         return out
 
 

@@ -78,14 +78,14 @@ def callee(tree: SourceTree, fn: Found, func: ast.expr, *, owner: Found) -> Foun
 
 
 def _param_default(fn: Found, name: str) -> ast.expr | None:
-    args = fn.node.args
+    args = fn.function.args
     positional = args.posonlyargs + args.args
     for arg, default in zip(positional[len(positional) - len(args.defaults):], args.defaults):
         if arg.arg == name:
             return default
-    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
-        if arg.arg == name and default is not None:
-            return default
+    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
+        if arg.arg == name and kw_default is not None:
+            return kw_default
     return None
 
 
@@ -131,7 +131,7 @@ def _layer_texts(tree: SourceTree) -> dict[str, str]:
                 cached[name] = path.read_text(encoding="utf-8", errors="replace")
             except OSError:
                 continue
-        tree._draftsmith_layer_texts = cached  # type: ignore[attr-defined]
+        tree._draftsmith_layer_texts = cached  # type: ignore[attr-defined]  # a cache kept on the tree it was read from
     return cached
 
 
@@ -172,6 +172,7 @@ def read_taps(tree: SourceTree, stack: Found, forward: Found) -> StackTaps:
     assign, targets = call
     taps.layer_returns = "pair" if len(targets) == 2 else "tensor"
     stream = targets[0]
+    assert isinstance(assign.value, ast.Call)  # what _layer_call finds
     taps.stream_arg = _argument_of(assign.value, stream)
     if taps.stream_arg is None:
         return _missing(taps, f"the stream `{stream}` is not an argument of the layer call ({where(forward, assign)})")
@@ -243,8 +244,9 @@ def _loop_layer(loop: ast.For) -> str | None:
 def _names(target: ast.expr) -> list[str] | None:
     if isinstance(target, ast.Name):
         return [target.id]
-    if isinstance(target, ast.Tuple) and len(target.elts) == 2 and all(isinstance(e, ast.Name) for e in target.elts):
-        return [e.id for e in target.elts]  # type: ignore[attr-defined]
+    if isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        names = [e.id for e in target.elts if isinstance(e, ast.Name)]
+        return names if len(names) == 2 else None
     return None
 
 
@@ -294,7 +296,7 @@ def _layers_made(tree: SourceTree, stack: Found) -> tuple[Found, ast.stmt, ast.e
     """(the __init__, through the MRO, that makes self.layers; that statement; the expression building one layer:
     make_layers' second argument or a ModuleList comprehension's element, None when in neither form)."""
     for klass in tree.mro(stack):
-        own = next((s for s in klass.node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+        own = next((s for s in klass.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
         if own is None:
             continue
         for node in ast.walk(own):
@@ -350,7 +352,7 @@ def _passed_by_subclass(tree: SourceTree, stack: Found, init: Found, param: str)
     """Where `init` belongs to a base of `stack`: what the subclasses between pass for `param` to super().__init__
     (Qwen3Model passes `decoder_layer_type=self.decoder_layer_type` to Qwen2Model)."""
     for klass in tree.mro(stack):
-        own = next((s for s in klass.node.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
+        own = next((s for s in klass.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None)
         if own is None or own is init.node:
             continue
         for node in ast.walk(own):

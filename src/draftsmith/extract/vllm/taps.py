@@ -95,7 +95,7 @@ class LayerHooks:
 
     def __init__(self, stack: torch.nn.Module, ids: list[int], num_layers: int, stream_arg: int | str | None):
         self.captured: dict[int, torch.Tensor] = {}
-        layers = stack.layers
+        layers: torch.nn.ModuleList = stack.layers  # type: ignore[assignment]  # nn.Module's __getattr__ hides the type
         first = getattr(stack, "start_layer", 0)
         for k in ids:
             if k == 0:

@@ -17,13 +17,16 @@ EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
 
 
 class DraftsmithWorkerExtension:
+    vllm_config: Any  # the vLLM Worker this class extends has both
+    model_runner: Any
+
     def draftsmith_install_taps(self, config: dict[str, Any], plan: dict[str, Any]) -> bool:
         """Direct and taps strategies: open the sink and tap the model runner (see taps.install)."""
 
-        dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)  # type: ignore[attr-defined]
+        dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)
         config = sink_module.for_data_parallel_rank(config, dp_rank)
         sink = sink_module.activate(config, writes=sink_module.is_writer_rank())
-        taps.install(self.model_runner, sink, taps.TapPlan.model_validate(plan))  # type: ignore[attr-defined]
+        taps.install(self.model_runner, sink, taps.TapPlan.model_validate(plan))
         return True
 
     def draftsmith_progress(self) -> dict[str, Any]:
