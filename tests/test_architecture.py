@@ -1,7 +1,7 @@
 """The layout docs/architecture.md describes is the layout of the code: every module it names exists, imports run
 one way (core <- prepare <- extract <- train <- export <- evaluate <- serve <- the shell), there is no import cycle,
-no import inside a function but of optional heavy dependencies, no module over ~600 lines, no trainer function over
-~80 lines, and nothing in src/ or docs/ points at a file outside the repository."""
+no import inside a function but of optional heavy dependencies, no module over ~700 lines and no trainer function over
+~100 lines in ruff format's layout, and nothing in src/ or docs/ points at a file outside the repository."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ RANK = {"core": 0, "config": 1, "prepare": 2, "extract": 3, "train": 4, "export"
 SHELL = 8  # cli, quickstart, doctor, inspection, __main__: may use every stage
 # vLLM, matplotlib and TensorBoard are extras; datasets takes ~0.7 s to import and only serves its own input format
 OPTIONAL_HEAVY = ("vllm", "matplotlib", "torch.utils.tensorboard", "datasets", "mooncake")
-MAX_MODULE_LINES = 600
-MAX_TRAINER_FUNCTION_LINES = 80
+# in ruff format's layout (CI checks it), whose one-argument-per-line calls and signatures make the same code about a
+# sixth longer than the dense layout the first limit, 600, was set in
+MAX_MODULE_LINES = 700
+MAX_TRAINER_FUNCTION_LINES = 100  # a screen or two in the same layout (80 in the dense one)
 
 
 def _modules() -> dict[str, Path]:
@@ -125,7 +127,7 @@ def test_trainer_functions_fit_on_a_screen():
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_TRAINER_FUNCTION_LINES:
                     long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
-    assert not long, "trainer functions over ~80 lines:\n" + "\n".join(long)
+    assert not long, f"trainer functions over ~{MAX_TRAINER_FUNCTION_LINES} lines:\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("folder", ["src", "docs"])

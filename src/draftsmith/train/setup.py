@@ -12,7 +12,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -328,6 +328,21 @@ def plan_steps(cfg: TrainConfig, sampler: TokenBudgetSampler, n_train: int, worl
     return sum(sampler.steps_in(e, cfg.grad_accum) for e in range(cfg.epochs)), cfg.epochs
 
 
+def feature_source(cfg: TrainConfig, info: distributed.DistInfo, s: Source, train_ids: Sequence[int],
+                   eval_ids: Sequence[int], state: RunState, total_steps: int, epochs: int | None) -> FeatureSource:
+    """Where the batches' hidden states come from: the store's own (offline), the target in the trainer (online), or
+    the vLLM engines through the spool (online, --engine vllm: it plans every rank's chunks, so it gets every rank's
+    sampler)."""
+    if s.kind != "prepared":
+        return StoreFeatures()
+    if cfg.engine != "vllm":
+        return OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
+    ranks = [TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
+             for r in range(info.world_size)]
+    return EngineSource(cfg, info, s.dataset, ranks, eval_ids, s.lengths, s.aux_layer_ids, s.identity.num_layers,
+                        s.identity.hidden_size, (state.step, state.epoch, state.position), total_steps, epochs)
+
+
 def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     """Everything the loop needs, resumed from the latest checkpoint of --output when there is one."""
     device = info.device
@@ -363,15 +378,8 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
         checkpoint.restore_rng(checkpoint.saved_rng(saved))
     workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(
         device, distributed.local_world_size())
-    features: FeatureSource = StoreFeatures()
-    if s.kind == "prepared" and cfg.engine == "vllm":
-        ranks = [TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
-                 for r in range(info.world_size)]
-        features = EngineSource(cfg, info, s.dataset, ranks, eval_ids if evaluation is not None else [], s.lengths,
-                              s.aux_layer_ids, s.identity.num_layers, s.identity.hidden_size,
-                              (state.step, state.epoch, state.position), total_steps, epochs)
-    elif s.kind == "prepared":
-        features = OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
+    features = feature_source(cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state,
+                              total_steps, epochs)
     sampling = (Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed) if spec.method == "dflash" else
                 COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed) if spec.parallel_drafting else None)
     data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, features, sampling)
