@@ -711,20 +711,33 @@ def test_reference_decoder_is_lossless_with_the_trained_draft(matrix, name):
     matrix.record(name, "reference decoder lossless", ok=True, k=SPEC_K, tau=round(1 + accepted / ref["rounds"], 3))
 
 
-def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path, max_model_len: int | None = None) -> dict:
+# vLLM's runs of a family's target alone (in-process), by their job (GenerationJob, the draft left out): the run a
+# draft's decode is compared with does not depend on the draft, so the qwen3_moe target's is one run of the session
+# for the EAGLE-3 draft here and the P-EAGLE and DFlash drafts of tests/test_peagle_vllm.py and
+# tests/test_dflash_vllm.py, which decode with the same job (one in-process engine start less for each of two).
+_TARGET_ALONE: dict[str, dict] = {}
+# The engines' length: the longest prompt, its new tokens and room for two rounds (a block or parallel drafter's
+# slots too), one length for every kind of draft so that their target-alone job is one.
+ENGINE_LEN = MAX_LENGTH + NEW_TOKENS + 2 * SPEC_K + 8
+
+
+def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path) -> dict:
     """vLLM (in-process, float32, temperature 0) decodes the family's prompts with the exported `draft`: the same
-    tokens as the same engine alone (lossless) and as the reference decoder's target alone; its counters show the
-    draft ran (SPEC_K tokens a round, some accepted) and equal the reference decoder's rounds and acceptance per
-    position exactly. Returns vLLM's spec-decode counters."""
+    tokens as the same engine alone (lossless; the same job less the draft, run once a session: _TARGET_ALONE) and
+    as the reference decoder's target alone; its counters show the draft ran (SPEC_K tokens a round, some accepted)
+    and equal the reference decoder's rounds and acceptance per position exactly. Returns vLLM's spec-decode
+    counters."""
     from draftsmith.evaluate import vllm_worker
 
     ref = matrix.reference(name)
     job = vllm_worker.GenerationJob(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
                                     max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
-                                    max_model_len=max_model_len or MAX_LENGTH + NEW_TOKENS + SPEC_K + 8,
-                                    max_num_seqs=NUM_PROMPTS, ignore_eos=True)
+                                    max_model_len=ENGINE_LEN, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
     with in_process_vllm():
-        plain = vllm_worker.run(job)
+        key = job.model_dump_json()
+        if key not in _TARGET_ALONE:
+            _TARGET_ALONE[key] = vllm_worker.run(job)
+        plain = _TARGET_ALONE[key]
         spec = vllm_worker.run(job.model_copy(update={"draft": str(draft)}))
     assert spec["outputs"] == plain["outputs"], name  # lossless
     assert plain["outputs"] == ref["plain"], name  # the reference decoder's target alone

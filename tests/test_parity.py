@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,14 +146,50 @@ def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(
 ACCEPTED_TOLERANCE = 0.05
 
 
+# The engine's length in evaluate_in_both_engines: room for the longest of the first 4 MT-bench prompts (87 tokens),
+# 32 new tokens, k up to 9 and evaluate's spare 8 -- one length whatever k a draft decodes with (evaluate would size
+# it by k), so that the target alone on these prompts is one and the same vLLM job for every draft compared here.
+ENGINE_LEN = 160
+
+# vLLM's target-alone runs, by their job (GenerationJob without its result path): the run a draft's is compared with
+# does not depend on the draft, so the drafts of tests/test_dflash_vllm.py and tests/test_peagle_vllm.py compare
+# theirs with one run of the session (one vLLM start and 128 target-alone tokens less for the second).
+_TARGET_ALONE: dict[str, dict] = {}
+
+
+def _target_alone(spec_request: Path, kv_cache_gb: int, timeout_s: int) -> dict:
+    """vLLM's run of the target alone by the job a draft's run decoded with (`spec_request`, its REQUEST.json), the
+    draft taken out: what `evaluate --baseline` runs beside it (the same worker, settings and prompts), run once per
+    session for every draft that decodes with the same job."""
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.evaluate.vllm_worker import GenerationJob
+
+    spec = GenerationJob.model_validate_json(spec_request.read_text())
+    assert spec.draft is not None and spec.k > 0, spec
+    alone = spec.model_copy(update={"draft": None, "k": 0, "result": None})
+    key = alone.model_dump_json()
+    if key not in _TARGET_ALONE:
+        workdir = spec_request.parent
+        result = vllm_runner.run_vllm(
+            target=Path(spec.target), draft=None, prompts=spec.prompts, k=0, max_new_tokens=spec.max_new_tokens,
+            temperature=spec.temperature, seed=spec.seed, dtype=spec.dtype, max_model_len=spec.max_model_len,
+            kv_cache_gb=kv_cache_gb, timeout_s=timeout_s, workdir=workdir, trust_remote_code=spec.trust_remote_code,
+            name="baseline", max_num_seqs=spec.max_num_seqs, tensor_parallel_size=spec.tensor_parallel_size)
+        ran = GenerationJob.model_validate_json((workdir / "baseline.request.json").read_text())
+        assert ran.model_copy(update={"result": None}) == alone, (ran, alone)  # the draft's job, less the draft
+        _TARGET_ALONE[key] = result
+    return _TARGET_ALONE[key]
+
+
 def evaluate_in_both_engines(draft, tmp_path, monkeypatch, k: int, deep: int, num_prompts: int = 4,
                              max_new_tokens: int = 32) -> tuple[dict, dict]:
     """`draftsmith evaluate` of `draft` on the default target's first MT-bench prompts, temperature 0, float32, with
     the reference decoder and with vLLM (in its worker process, without an engine-core process of its own: most of
-    a start on a CPU): vLLM lossless against itself without the draft, k tokens a round, the reference decoder's
-    rounds and per-position acceptance within ACCEPTED_TOLERANCE -- after both accepted proposals at position `deep`
-    + 1 (a comparison of acceptance that is zero past position 1 passes with a wrong slot or mask layout). Returns
-    both reports' runs."""
+    a start on a CPU): vLLM lossless against itself without the draft (the same job less the draft: _target_alone,
+    shared by the drafts that decode with the same job), k tokens a round, the reference decoder's rounds and
+    per-position acceptance within ACCEPTED_TOLERANCE -- after both accepted proposals at position `deep` + 1 (a
+    comparison of acceptance that is zero past position 1 passes with a wrong slot or mask layout). Returns both
+    reports' runs."""
     from draftsmith import evaluate
     from draftsmith.config import EvaluateConfig
 
@@ -161,13 +198,17 @@ def evaluate_in_both_engines(draft, tmp_path, monkeypatch, k: int, deep: int, nu
     common = dict(draft=draft, prompts="mt-bench", num_prompts=num_prompts, max_new_tokens=max_new_tokens, k=[k],
                   dtype="float32", temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
     evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
-    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
+    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=False, max_model_len=ENGINE_LEN,
+                                **common))
     hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
     k = vl["k"]  # a DFlash draft's block decides
-    results = {name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
-               for name in ("baseline", f"k{k}")}
+    workdir = tmp_path / "vllm" / "vllm"
+    results = {"baseline": _target_alone(workdir / f"k{k}.request.json", common["vllm_kv_cache_gb"],
+                                         common["vllm_timeout_s"]),
+               f"k{k}": json.loads((workdir / f"k{k}.result.json").read_text())}
     assert results[f"k{k}"]["outputs"] == results["baseline"]["outputs"]  # lossless
     assert all(len(o) > 0 for o in results["baseline"]["outputs"])
+    assert results["baseline"]["spec"]["num_drafts"] == 0  # the target alone
     assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == k * vl["num_rounds"], vl
     assert len(vl["accepted_per_pos"]) == k, vl
     assert hf["accepted_per_pos"][deep] > 0 and vl["accepted_per_pos"][deep] > 0, (hf, vl)  # deep into a round
