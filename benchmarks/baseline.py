@@ -17,8 +17,9 @@ def baseline_tree(commit: str) -> Iterator[Path]:
     """The tree of `commit` (its src/ goes on PYTHONPATH); its parent directory is a scratch directory too."""
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "baseline"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), commit], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), commit], check=True, capture_output=True
+        )
         try:
             yield base
         finally:

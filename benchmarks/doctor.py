@@ -30,8 +30,9 @@ VLLM_LOG = re.compile(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d ")
 def run_doctor(src: Path) -> tuple[float, int]:
     env = dict(os.environ, PYTHONPATH=str(src))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "draftsmith.cli", "doctor"], env=env, capture_output=True, text=True,
-                          cwd=src.parent)
+    done = subprocess.run(
+        [sys.executable, "-m", "draftsmith.cli", "doctor"], env=env, capture_output=True, text=True, cwd=src.parent
+    )
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"doctor failed in {src}: {done.stderr.strip().splitlines()[-1:]}")
@@ -53,10 +54,21 @@ def main() -> None:
                 logs[side] = max(logs.get(side, 0), lines)
                 print(f"{side}: {seconds:.1f} s, {lines} vLLM log lines", flush=True)
     ours, baseline = statistics.median(times["ours"]), statistics.median(times["baseline"])
-    print(json.dumps({"doctor_s_ours": round(ours, 2), "doctor_s_baseline": round(baseline, 2),
-                      "speedup": round(baseline / ours, 2), "baseline": args.baseline, "rounds": args.rounds,
-                      "vllm_log_lines_ours": logs["ours"], "vllm_log_lines_baseline": logs["baseline"],
-                      "times": times, "load_avg": os.getloadavg()}))
+    print(
+        json.dumps(
+            {
+                "doctor_s_ours": round(ours, 2),
+                "doctor_s_baseline": round(baseline, 2),
+                "speedup": round(baseline / ours, 2),
+                "baseline": args.baseline,
+                "rounds": args.rounds,
+                "vllm_log_lines_ours": logs["ours"],
+                "vllm_log_lines_baseline": logs["baseline"],
+                "times": times,
+                "load_avg": os.getloadavg(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

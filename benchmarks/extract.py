@@ -56,8 +56,11 @@ def _prepared(work: Path, n: int, max_length: int, target: str | None = None) ->
 
     path = work / (f"prepared-{n}-{max_length}" + (f"-{Path(target).name}" if target else ""))
     if not (path / "manifest.json").is_file():
-        prepare.run(PrepareConfig(data=[str(assets.sharegpt_path())], max_samples=n, max_length=max_length,
-                                  output=path, target=target))
+        prepare.run(
+            PrepareConfig(
+                data=[str(assets.sharegpt_path())], max_samples=n, max_length=max_length, output=path, target=target
+            )
+        )
     return path
 
 
@@ -111,7 +114,7 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
         return time.perf_counter() - start
 
     chunk_size = max(1, len(batches) // args.chunks)
-    chunks = [batches[i:i + chunk_size] for i in range(0, len(batches), chunk_size)]
+    chunks = [batches[i : i + chunk_size] for i in range(0, len(batches), chunk_size)]
     fwd_s = ext_s = 0.0
     cpu0 = time.process_time()
     for k, chunk in enumerate(chunks):
@@ -163,8 +166,13 @@ def _bench_vllm(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
         from draftsmith.extract.vllm import benchmark
     except ImportError as err:
         sys.exit(f"--backend vllm: the vLLM backend's benchmark is not available ({err})")
-    return benchmark(prepared, args.n, token_budget=args.token_budget, tensor_parallel_size=args.tensor_parallel_size,
-                     compute_dtype=args.compute_dtype)
+    return benchmark(
+        prepared,
+        args.n,
+        token_budget=args.token_budget,
+        tensor_parallel_size=args.tensor_parallel_size,
+        compute_dtype=args.compute_dtype,
+    )
 
 
 def main() -> None:
@@ -172,13 +180,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="300 conversations cut to 128 tokens")
     parser.add_argument("--backend", choices=["hf", "vllm"], default="hf")
     parser.add_argument("-n", type=int, default=300, help="ShareGPT conversations (default 300)")
-    parser.add_argument("--max-length", type=int, default=None, help="tokens per conversation (default 2048; "
-                        "128 with --quick)")
+    parser.add_argument(
+        "--max-length", type=int, default=None, help="tokens per conversation (default 2048; 128 with --quick)"
+    )
     parser.add_argument("--prepared", type=Path, help="an existing prepared set (default: prepare ShareGPT now)")
     parser.add_argument("--target", help="model directory or tiny:FAMILY (default: the embedded SmolLM2)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend: tensor parallel size")
-    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="vllm backend: dtype the target runs in (auto: bf16 where the CPU/GPU has it)")
+    parser.add_argument(
+        "--compute-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="vllm backend: dtype the target runs in (auto: bf16 where the CPU/GPU has it)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--chunks", type=int, default=6, help="alternating forward / extraction chunks")

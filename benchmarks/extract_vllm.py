@@ -30,10 +30,15 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=300, help="conversations (default 300)")
     parser.add_argument("--prepared", type=Path, help="an existing prepared set (default: prepare ShareGPT now)")
     parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--strategies", default=None,
-                        help="comma-separated (connector, direct, taps); default: every one offered here")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="let vLLM compile (default: on GPUs only; minutes of start-up on CPU)")
+    parser.add_argument(
+        "--strategies", default=None, help="comma-separated (connector, direct, taps); default: every one offered here"
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let vLLM compile (default: on GPUs only; minutes of start-up on CPU)",
+    )
     parser.add_argument("--token-budget", type=int, default=8192, help="vLLM max_num_batched_tokens")
     parser.add_argument("--chunks", type=int, default=4, help="alternating plain / extraction chunks")
     parser.add_argument("--target", help="model directory or tiny:FAMILY (default: the embedded SmolLM2)")
@@ -53,18 +58,30 @@ def main() -> None:
 
             prepared = _prepared(Path(tmp), n, args.max_length, _target(args.target, Path(tmp)))
         load_before = os.getloadavg()[0]
-        result = benchmark(prepared, n, strategies=args.strategies.split(",") if args.strategies else None,
-                           compile=args.compile, token_budget=args.token_budget, chunks=args.chunks,
-                           tensor_parallel_size=args.tensor_parallel_size, compute_dtype=args.compute_dtype)
+        result = benchmark(
+            prepared,
+            n,
+            strategies=args.strategies.split(",") if args.strategies else None,
+            compile=args.compile,
+            token_budget=args.token_budget,
+            chunks=args.chunks,
+            tensor_parallel_size=args.tensor_parallel_size,
+            compute_dtype=args.compute_dtype,
+        )
     rows = result["strategies"]
     if "taps" in rows and "connector" in rows:
         result["taps_vs_connector"] = round(rows["taps"]["tokens_per_s"] / rows["connector"]["tokens_per_s"], 3)
     result["machine"] = _machine(load_before)
-    print(f"{'strategy':<10} {'tokens/s':>9} {'÷ prefill':>9} {'start s':>8}  ({result['tokens']} tokens, "
-          f"prefill {result['prefill_tokens_per_s']} tokens/s)", file=sys.stderr)
+    print(
+        f"{'strategy':<10} {'tokens/s':>9} {'÷ prefill':>9} {'start s':>8}  ({result['tokens']} tokens, "
+        f"prefill {result['prefill_tokens_per_s']} tokens/s)",
+        file=sys.stderr,
+    )
     for name, row in rows.items():
-        print(f"{name:<10} {row['tokens_per_s']:>9} {row['ratio_vs_prefill']:>9} {row['engine_start_s']:>8}",
-              file=sys.stderr)
+        print(
+            f"{name:<10} {row['tokens_per_s']:>9} {row['ratio_vs_prefill']:>9} {row['engine_start_s']:>8}",
+            file=sys.stderr,
+        )
     print(json.dumps(result))
 
 
@@ -75,9 +92,15 @@ def _machine(load_before: float) -> dict:
     from draftsmith.core import hardware
 
     cpu = hardware.probe()
-    return {"cpu": cpu.model, "flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "cores": os.cpu_count(),
-            "gpu": torch.cuda.is_available(), "load_before": round(load_before, 2),
-            "load_after": round(os.getloadavg()[0], 2)}
+    return {
+        "cpu": cpu.model,
+        "flags": list(cpu.flags),
+        "native_bf16": cpu.native_bf16,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.is_available(),
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+    }
 
 
 if __name__ == "__main__":

@@ -82,8 +82,16 @@ class Outcome:
 class Bench:
     """The artefacts every fault starts from: a prepared set, its store and an undisturbed training run."""
 
-    def __init__(self, work: Path, prepared: Path, *, token_budget: int = 256, draft_vocab_size: int = 512,
-                 epochs: int = 2, vllm_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        work: Path,
+        prepared: Path,
+        *,
+        token_budget: int = 256,
+        draft_vocab_size: int = 512,
+        epochs: int = 2,
+        vllm_env: dict[str, str] | None = None,
+    ):
         self.work, self.prepared, self.token_budget = Path(work), Path(prepared), token_budget
         self.draft_vocab_size, self.epochs, self.vllm_env = draft_vocab_size, epochs, vllm_env or {}
         self.num_samples = len(open_prepared(prepared))
@@ -100,15 +108,34 @@ class Bench:
         return run
 
     def extract_cfg(self, output: Path, **kw) -> ExtractConfig:
-        fields = {"prepared": self.prepared, "output": output, "token_budget": self.token_budget,
-                  "shard_size_mb": 0.25, "device": "cpu"}
+        fields = {
+            "prepared": self.prepared,
+            "output": output,
+            "token_budget": self.token_budget,
+            "shard_size_mb": 0.25,
+            "device": "cpu",
+        }
         return ExtractConfig(**{**fields, **kw})
 
     def train_cfg(self, output: Path) -> TrainConfig:
-        return TrainConfig(data=self.store, output=output, draft_vocab_size=self.draft_vocab_size, ttt_steps=2,
-                           token_budget=self.token_budget, epochs=self.epochs, noise_std=0.05, eval_fraction=0.1,
-                           eval_every=4, save_every=2, keep_checkpoints=2, log_every=1, lr=3e-3, warmup_steps=2,
-                           device="cpu", seed=0)
+        return TrainConfig(
+            data=self.store,
+            output=output,
+            draft_vocab_size=self.draft_vocab_size,
+            ttt_steps=2,
+            token_budget=self.token_budget,
+            epochs=self.epochs,
+            noise_std=0.05,
+            eval_fraction=0.1,
+            eval_every=4,
+            save_every=2,
+            keep_checkpoints=2,
+            log_every=1,
+            lr=3e-3,
+            warmup_steps=2,
+            device="cpu",
+            seed=0,
+        )
 
     def copy(self, src: Path, name: str) -> Path:
         dst = self.work / name
@@ -118,6 +145,7 @@ class Bench:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+
 
 class NotSurvived(Exception):
     """A check after a fault failed (the fault was injected, the pipeline did not survive it)."""
@@ -151,8 +179,11 @@ def flip_data_byte(file: Path) -> None:
 
 def leftovers(root: Path) -> list[str]:
     """Temp files and half-built or half-removed directories of an atomic write under `root`."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob(".*")
-                  if p.name.endswith(".tmp") or ".partial-" in p.name or ".old-" in p.name)
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob(".*")
+        if p.name.endswith(".tmp") or ".partial-" in p.name or ".old-" in p.name
+    )
 
 
 def store_lost(path: Path, expected: int) -> int:
@@ -165,9 +196,12 @@ def stores_equal(a: Path, b: Path) -> bool:
     sa, sb = store.open(a, dtype=None), store.open(b, dtype=None)
     if sa.sample_ids.tolist() != sb.sample_ids.tolist():
         return False
-    return all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
-               and torch.equal(x["hidden_states"].view(torch.uint8), y["hidden_states"].view(torch.uint8))
-               for x, y in zip(sa, sb))
+    return all(
+        torch.equal(x["input_ids"], y["input_ids"])
+        and torch.equal(x["loss_mask"], y["loss_mask"])
+        and torch.equal(x["hidden_states"].view(torch.uint8), y["hidden_states"].view(torch.uint8))
+        for x, y in zip(sa, sb)
+    )
 
 
 def curve(run: Path) -> list[tuple]:
@@ -212,8 +246,9 @@ def mount_problem() -> str | None:
 def small_disk(path: Path, size_mb: int):
     """A tmpfs of `size_mb` MiB at `path` (unmounted afterwards)."""
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise NotSurvived(f"cannot mount a tmpfs at {path}: {done.stderr.strip()}")
     try:
@@ -239,6 +274,7 @@ def child_traceback(stderr: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------- faults
 
+
 def flip_prepared_shard(b: Bench) -> Outcome:
     path = b.copy(b.prepared, "flip-prepared")
     shard = sorted(path.glob("shard-*.safetensors"))[0]
@@ -259,8 +295,13 @@ def flip_store_shard(b: Bench) -> Outcome:
     store.verify_store(path, repair=True)
     extract.run(b.extract_cfg(path), show_progress=False)
     check(stores_equal(path, b.store), "the repaired store differs from the original")
-    return Outcome("flip-store-shard", "extract", survived=True, lost=store_lost(path, b.num_samples),
-                   detail=f"{shard.name} named on read and verify; repaired and re-extracted")
+    return Outcome(
+        "flip-store-shard",
+        "extract",
+        survived=True,
+        lost=store_lost(path, b.num_samples),
+        detail=f"{shard.name} named on read and verify; repaired and re-extracted",
+    )
 
 
 def flip_checkpoint_weights(b: Bench) -> Outcome:
@@ -299,14 +340,20 @@ def nan_hidden_states(b: Bench) -> Outcome:
         return states
 
     with patched(hf, "capture_hidden_states", poisoned) as real:
-        message = expect_error(lambda: extract.run(b.extract_cfg(out), show_progress=False), f"sample {victim} ",
-                               "NaN/Inf")
+        message = expect_error(
+            lambda: extract.run(b.extract_cfg(out), show_progress=False), f"sample {victim} ", "NaN/Inf"
+        )
     check(not leftovers(out), f"left behind: {leftovers(out)}")
     check(victim not in store.open(out).sample_ids.tolist(), "the NaN sample was stored")
     extract.run(b.extract_cfg(out), show_progress=False)
     check(stores_equal(out, b.store), "the resumed store differs from an undisturbed one")
-    return Outcome("nan-hidden-states", "extract", survived=True, lost=store_lost(out, b.num_samples),
-                   detail=message[message.index(f"sample {victim} "):].split(";")[0])
+    return Outcome(
+        "nan-hidden-states",
+        "extract",
+        survived=True,
+        lost=store_lost(out, b.num_samples),
+        detail=message[message.index(f"sample {victim} ") :].split(";")[0],
+    )
 
 
 def nan_loss(b: Bench) -> Outcome:
@@ -322,8 +369,7 @@ def nan_loss(b: Bench) -> Outcome:
         return result
 
     with patched(trainer, "forward", poisoned) as real:
-        message = expect_error(lambda: trainer.run(b.train_cfg(run)), "step 5: loss is NaN/Inf",
-                               "last good checkpoint")
+        message = expect_error(lambda: trainer.run(b.train_cfg(run)), "step 5: loss is NaN/Inf", "last good checkpoint")
     check(not leftovers(run), f"left behind: {leftovers(run)}")
     checkpoint.verify_checkpoint(run)
     trainer.run(b.train_cfg(run))
@@ -359,8 +405,9 @@ def full_disk_extract(b: Bench) -> Outcome:
             return real(path, data)
 
         with patched(store.shards, "_write_file", filling) as real:
-            expect_error(lambda: extract.run(b.extract_cfg(out), show_progress=False), str(out),
-                         "no space left on device")
+            expect_error(
+                lambda: extract.run(b.extract_cfg(out), show_progress=False), str(out), "no space left on device"
+            )
         check(not leftovers(out), f"left behind: {leftovers(out)}")
         check(store.verify_store(out).ok, "the store is not whole after the full disk")
         partial = len(store.open(out))
@@ -387,8 +434,9 @@ def full_disk_train(b: Bench) -> Outcome:
             return real(*args, **kwargs)
 
         with patched(checkpoint, "save_checkpoint", filling) as real:
-            message = expect_error(lambda: trainer.run(b.train_cfg(run)), "no space left on device",
-                                   "last good checkpoint")
+            message = expect_error(
+                lambda: trainer.run(b.train_cfg(run)), "no space left on device", "last good checkpoint"
+            )
         check(not leftovers(run), f"left behind: {leftovers(run)}")
         checked = checkpoint.verify_checkpoint(run)
         filler[0].unlink()
@@ -405,10 +453,14 @@ def full_disk_export(b: Bench) -> Outcome:
         export.run(ExportConfig(checkpoint=b.run, output=first))
         before = (first / checkpoint.WEIGHTS_FILE).read_bytes()
         filler = fill_disk(disk)
-        expect_error(lambda: export.run(ExportConfig(checkpoint=b.run, output=first, dtype="fp32")), str(first),
-                     "no space left on device")
-        expect_error(lambda: export.run(ExportConfig(checkpoint=b.run, output=second)), str(second),
-                     "no space left on device")
+        expect_error(
+            lambda: export.run(ExportConfig(checkpoint=b.run, output=first, dtype="fp32")),
+            str(first),
+            "no space left on device",
+        )
+        expect_error(
+            lambda: export.run(ExportConfig(checkpoint=b.run, output=second)), str(second), "no space left on device"
+        )
         check(not leftovers(disk), f"left behind: {leftovers(disk)}")
         check(not second.exists(), "a half-written export directory was left")
         check((first / checkpoint.WEIGHTS_FILE).read_bytes() == before, "the previous export changed")
@@ -421,8 +473,10 @@ def full_disk_export(b: Bench) -> Outcome:
     return _full_disk(b, "full-disk-export", "export", body, b.run / checkpoint.BEST_DIR)
 
 
-_TRAIN_CHILD = ("import json, sys\nfrom draftsmith.config import TrainConfig\nfrom draftsmith.train import stage\n"
-                "stage.run(TrainConfig(**json.loads(sys.argv[1])))\n")
+_TRAIN_CHILD = (
+    "import json, sys\nfrom draftsmith.config import TrainConfig\nfrom draftsmith.train import stage\n"
+    "stage.run(TrainConfig(**json.loads(sys.argv[1])))\n"
+)
 
 
 def _logged_step(run: Path) -> int:
@@ -442,8 +496,9 @@ def kill_9_train(b: Bench, kills: int = 10, seed: int = 1234) -> Outcome:
     rng = random.Random(seed)
     landed, tracebacks = 0, False
     for step in sorted(rng.sample(range(1, total - 1), min(kills, total - 2))):
-        proc = subprocess.Popen([sys.executable, "-c", _TRAIN_CHILD, cfg], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _TRAIN_CHILD, cfg], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 600
         while proc.poll() is None and _logged_step(run) < step and time.monotonic() < deadline:
             time.sleep(0.005)  # until the run has logged the kill's step ...
@@ -458,13 +513,18 @@ def kill_9_train(b: Bench, kills: int = 10, seed: int = 1234) -> Outcome:
     check(final.returncode == 0, f"the last resume failed: {final.stderr[-500:]}")
     check(runs_equal(run, b.run), "the killed-and-resumed run differs from an undisturbed one")
     checkpoint.verify_checkpoint(run)
-    return Outcome("kill-9-train", "train", injected=landed > 0, survived=True, traceback=tracebacks,
-                   detail=f"{landed} kills landed mid-run of {total} steps; final checkpoint and curve identical")
+    return Outcome(
+        "kill-9-train",
+        "train",
+        injected=landed > 0,
+        survived=True,
+        traceback=tracebacks,
+        detail=f"{landed} kills landed mid-run of {total} steps; final checkpoint and curve identical",
+    )
 
 
 def _extract_command(prepared: Path, output: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "draftsmith", "extract", "--prepared", str(prepared), "--output", str(output),
-            *extra]
+    return [sys.executable, "-m", "draftsmith", "extract", "--prepared", str(prepared), "--output", str(output), *extra]
 
 
 def _stored(path: Path) -> int:
@@ -477,8 +537,9 @@ def _stored(path: Path) -> int:
 def kill_9_extract(b: Bench, kills: int = 3, seed: int = 1234) -> Outcome:
     out = b.work / "killed-store"
     shutil.rmtree(out, ignore_errors=True)
-    command = _extract_command(b.prepared, out, "--token-budget", str(b.token_budget), "--shard-size-mb", "0.25",
-                               "--device", "cpu")
+    command = _extract_command(
+        b.prepared, out, "--token-budget", str(b.token_budget), "--shard-size-mb", "0.25", "--device", "cpu"
+    )
     rng, landed, tracebacks = random.Random(seed), 0, False
     for _ in range(kills):
         before = _stored(out)
@@ -496,8 +557,15 @@ def kill_9_extract(b: Bench, kills: int = 3, seed: int = 1234) -> Outcome:
     tracebacks |= final.returncode != 0 or child_traceback(final.stderr)
     check(final.returncode == 0, f"the last resume failed: {final.stderr[-500:]}")
     check(stores_equal(out, b.store), "the killed-and-resumed store differs from an undisturbed one")
-    return Outcome("kill-9-extract", "extract", injected=landed > 0, survived=True, traceback=tracebacks,
-                   lost=store_lost(out, b.num_samples), detail=f"{landed} kills landed mid-run; store identical")
+    return Outcome(
+        "kill-9-extract",
+        "extract",
+        injected=landed > 0,
+        survived=True,
+        traceback=tracebacks,
+        lost=store_lost(out, b.num_samples),
+        detail=f"{landed} kills landed mid-run; store identical",
+    )
 
 
 def engine_processes(pid: int) -> list[int]:
@@ -523,8 +591,19 @@ def kill_vllm_engine(b: Bench, min_stored: int = 2) -> Outcome:
         return Outcome("kill-vllm-engine", "extract", injected=False, detail="vLLM is not installed")
     out = b.work / "vllm-store"
     shutil.rmtree(out, ignore_errors=True)
-    command = _extract_command(b.prepared, out, "--backend", "vllm", "--no-vllm-compile", "--compute-dtype",
-                               "float32", "--shard-size-mb", "0.05", "--token-budget", str(b.token_budget))
+    command = _extract_command(
+        b.prepared,
+        out,
+        "--backend",
+        "vllm",
+        "--no-vllm-compile",
+        "--compute-dtype",
+        "float32",
+        "--shard-size-mb",
+        "0.05",
+        "--token-budget",
+        str(b.token_budget),
+    )
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **b.vllm_env}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine in its own process, as in production
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -545,8 +624,10 @@ def kill_vllm_engine(b: Bench, min_stored: int = 2) -> Outcome:
         return Outcome("kill-vllm-engine", "extract", injected=False, detail=f"no engine to kill: {err[-300:]}")
     (b.work / "kill-vllm-engine.stderr").write_text(err)
     errors = [line.strip() for line in err.splitlines() if line.startswith("error:")]
-    check(proc.returncode == 1 and len(errors) == 1 and not child_traceback(err) and "died" in errors[0],
-          f"not one error line (exit {proc.returncode}): {errors or err[-300:]}")
+    check(
+        proc.returncode == 1 and len(errors) == 1 and not child_traceback(err) and "died" in errors[0],
+        f"not one error line (exit {proc.returncode}): {errors or err[-300:]}",
+    )
     partial = _stored(out)
     final = subprocess.run(command, capture_output=True, text=True, env=env)
     check(final.returncode == 0, f"the resumed run failed: {final.stderr[-800:]}")
@@ -556,9 +637,14 @@ def kill_vllm_engine(b: Bench, min_stored: int = 2) -> Outcome:
     reference = store.open(b.store)
     for k in range(len(resumed)):
         check(torch.equal(resumed[k]["input_ids"], reference[k]["input_ids"]), f"sample {k}: other tokens")
-    return Outcome("kill-vllm-engine", "extract", survived=True, lost=store_lost(out, b.num_samples),
-                   traceback=child_traceback(final.stderr),
-                   detail=f"{errors[0].split(': ', 2)[-1][:70]}... ({partial} stored); resumed")
+    return Outcome(
+        "kill-vllm-engine",
+        "extract",
+        survived=True,
+        lost=store_lost(out, b.num_samples),
+        traceback=child_traceback(final.stderr),
+        detail=f"{errors[0].split(': ', 2)[-1][:70]}... ({partial} stored); resumed",
+    )
 
 
 FAULTS: dict[str, tuple[str, Callable[[Bench], Outcome]]] = {
@@ -593,8 +679,12 @@ def run_fault(b: Bench, name: str) -> Outcome:
 
 def summary(outcomes: list[Outcome]) -> dict[str, int]:
     injected = [o for o in outcomes if o.injected]
-    return {"faults_injected": len(injected), "survived": sum(o.survived for o in injected),
-            "samples_lost": sum(o.lost for o in outcomes), "tracebacks": sum(o.traceback for o in outcomes)}
+    return {
+        "faults_injected": len(injected),
+        "survived": sum(o.survived for o in injected),
+        "samples_lost": sum(o.lost for o in outcomes),
+        "tracebacks": sum(o.traceback for o in outcomes),
+    }
 
 
 def print_table(outcomes: list[Outcome]) -> None:
@@ -605,8 +695,15 @@ def print_table(outcomes: list[Outcome]) -> None:
     for column in ("fault", "stage", "injected", "survived", "samples lost", "traceback", "detail"):
         table.add_column(column)
     for o in outcomes:
-        table.add_row(o.fault, o.stage, "yes" if o.injected else "no", "yes" if o.survived else "[red]NO[/]",
-                      str(o.lost), "[red]yes[/]" if o.traceback else "no", o.detail)
+        table.add_row(
+            o.fault,
+            o.stage,
+            "yes" if o.injected else "no",
+            "yes" if o.survived else "[red]NO[/]",
+            str(o.lost),
+            "[red]yes[/]" if o.traceback else "no",
+            o.detail,
+        )
     Console(stderr=True, width=200).print(table)
 
 
@@ -617,8 +714,11 @@ def prepare_default(work: Path, n: int, max_length: int) -> Path:
 
     path = work / "prepared"
     if not (path / "manifest.json").is_file():
-        prepare.run(PrepareConfig(data=[str(assets.sharegpt_path())], max_samples=n, max_length=max_length,
-                                  output=path, num_workers=1))
+        prepare.run(
+            PrepareConfig(
+                data=[str(assets.sharegpt_path())], max_samples=n, max_length=max_length, output=path, num_workers=1
+            )
+        )
     return path
 
 
@@ -631,8 +731,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="keep the artefacts here (default: a temp dir)")
     args = parser.parse_args()
     words = [w for w in args.only.split(",") if w]
-    names = [n for n in FAULTS if (not words or any(w in n for w in words))
-             and not (args.no_vllm and n == "kill-vllm-engine")]
+    names = [
+        n
+        for n in FAULTS
+        if (not words or any(w in n for w in words)) and not (args.no_vllm and n == "kill-vllm-engine")
+    ]
     with tempfile.TemporaryDirectory(prefix="draftsmith-faults-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

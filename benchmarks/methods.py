@@ -58,7 +58,7 @@ def log(message: str) -> None:
 
 
 def parse_ks(text: str) -> list[int]:
-    """"2..8" or "2,4,8" (or a mix, "2,4..6") -> sorted distinct k >= 1."""
+    """ "2..8" or "2,4,8" (or a mix, "2,4..6") -> sorted distinct k >= 1."""
     ks: set[int] = set()
     for part in text.split(","):
         part = part.strip()
@@ -244,19 +244,30 @@ def vllm_job(request_file: str) -> None:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def per_k_row(stats: Any, base_tps: float | None, draft_s: float | None, draft_calls: int | None,
-              forwards: int | None = None, lossless: bool | None = None, parallel: bool | None = None) -> dict:
+def per_k_row(
+    stats: Any,
+    base_tps: float | None,
+    draft_s: float | None,
+    draft_calls: int | None,
+    forwards: int | None = None,
+    lossless: bool | None = None,
+    parallel: bool | None = None,
+) -> dict:
     """One (method, k) cell: τ, acceptance per position, tokens/s, speed-up, draft ms per round. `draft_calls`
     (vLLM): its drafting steps, which the time is divided by: one per round, plus the one after each prompt's
     prefill and a last one whose proposals are never verified; without it (the reference decoder drafts exactly
     once per round, its first round reading the prompt as vLLM's first drafting step does) the rounds."""
     rounds = stats.num_rounds
     steps = draft_calls if draft_calls else rounds
-    row = {"tau": round(stats.tau, 4), "acceptance_per_pos": [round(a, 4) for a in stats.acceptance_per_pos],
-           "tokens_per_s": round(stats.tokens_per_s, 3),
-           "speedup": round(stats.tokens_per_s / base_tps, 4) if base_tps else None,
-           "rounds": rounds, "round_ms": round(1000 * stats.elapsed_s / rounds, 3) if rounds else None,
-           "draft_ms_per_round": round(1000 * draft_s / steps, 3) if draft_s is not None and steps else None}
+    row = {
+        "tau": round(stats.tau, 4),
+        "acceptance_per_pos": [round(a, 4) for a in stats.acceptance_per_pos],
+        "tokens_per_s": round(stats.tokens_per_s, 3),
+        "speedup": round(stats.tokens_per_s / base_tps, 4) if base_tps else None,
+        "rounds": rounds,
+        "round_ms": round(1000 * stats.elapsed_s / rounds, 3) if rounds else None,
+        "draft_ms_per_round": round(1000 * draft_s / steps, 3) if draft_s is not None and steps else None,
+    }
     if draft_calls is not None:
         row["draft_calls"] = draft_calls
     if forwards is not None:
@@ -268,8 +279,16 @@ def per_k_row(stats: Any, base_tps: float | None, draft_s: float | None, draft_c
     return row
 
 
-def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str, num_prompts: int, ks: list[int],
-                     max_new_tokens: int, device_name: str, dtype_name: str) -> dict:
+def reference_engine(
+    target_path: Path,
+    sources: dict[str, Any],
+    prompt_set: str,
+    num_prompts: int,
+    ks: list[int],
+    max_new_tokens: int,
+    device_name: str,
+    dtype_name: str,
+) -> dict:
     """The reference decoder: the target alone, then each draft at each k, on the same prompts, timed."""
     import torch
 
@@ -291,8 +310,13 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
     tokenizer = targets.load_tokenizer(target_path)
     eos = _eos_ids(tokenizer, target_path)
     first = next(iter(sources.values()))
-    prompts = load_prompts(prompt_set, tokenizer, target=first.target, num_prompts=num_prompts,
-                           **held_out_split(None, None, first.training))  # what `evaluate` decodes too
+    prompts = load_prompts(
+        prompt_set,
+        tokenizer,
+        target=first.target,
+        num_prompts=num_prompts,
+        **held_out_split(None, None, first.training),
+    )  # what `evaluate` decodes too
     tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
     plain = TargetRunner(model, [])
     runners: dict[Any, Any] = {}  # each draft's target runner hands it the aux layers that draft reads
@@ -301,8 +325,11 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
         total, outputs = DecodeStats(k=k), []
         target = runners[drafter] if drafter is not None else plain
         for ids in tensors:
-            gen = (plain_generate(target, ids, max_new_tokens, 0.0, eos) if drafter is None else
-                   speculative_generate(target, drafter, ids, k, max_new_tokens, 0.0, eos))
+            gen = (
+                plain_generate(target, ids, max_new_tokens, 0.0, eos)
+                if drafter is None
+                else speculative_generate(target, drafter, ids, k, max_new_tokens, 0.0, eos)
+            )
             total.add(gen.stats)
             outputs.append(gen.tokens)
         return total, outputs
@@ -310,8 +337,13 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
     plain_generate(plain, tensors[0], min(8, max_new_tokens), 0.0, eos)  # warm-up, not timed
     log(f"reference decoder: target alone, {len(prompts)} prompts x {max_new_tokens} tokens ...")
     base, base_out = decode(0)
-    result: dict[str, Any] = {"num_prompts": len(prompts), "dtype": dtype_name, "device": str(device),
-                              "target_alone_tokens_per_s": round(base.tokens_per_s, 3), "methods": {}}
+    result: dict[str, Any] = {
+        "num_prompts": len(prompts),
+        "dtype": dtype_name,
+        "device": str(device),
+        "target_alone_tokens_per_s": round(base.tokens_per_s, 3),
+        "methods": {},
+    }
     for method, source in sources.items():
         draft = build_draft_module(source, model, device, dtype)
         drafter = DraftRunner(draft)
@@ -322,18 +354,29 @@ def reference_engine(target_path: Path, sources: dict[str, Any], prompt_set: str
         for k in ks:
             timer.reset()
             stats, outputs = decode(k, drafter)
-            rows[str(k)] = per_k_row(stats, base.tokens_per_s, timer.seconds, None, forwards=timer.forwards,
-                                     lossless=outputs == base_out)
-            log(f"reference decoder: {method} k={k}: τ {stats.tau:.3f}, draft "
+            rows[str(k)] = per_k_row(
+                stats, base.tokens_per_s, timer.seconds, None, forwards=timer.forwards, lossless=outputs == base_out
+            )
+            log(
+                f"reference decoder: {method} k={k}: τ {stats.tau:.3f}, draft "
                 f"{rows[str(k)]['draft_ms_per_round']} ms/round, {rows[str(k)]['draft_forwards_per_round']} "
-                f"forwards/round")
+                f"forwards/round"
+            )
         timer.remove()
         result["methods"][method] = rows
     return result
 
 
-def vllm_engine(work: Path, exports: dict[str, Path], prompt_set: str, num_prompts: int, ks: list[int],
-                max_new_tokens: int, dtype_name: str, timeout_s: int) -> dict:
+def vllm_engine(
+    work: Path,
+    exports: dict[str, Path],
+    prompt_set: str,
+    num_prompts: int,
+    ks: list[int],
+    max_new_tokens: int,
+    dtype_name: str,
+    timeout_s: int,
+) -> dict:
     """vLLM: `evaluate --engine vllm` per method (one engine start per k, the target alone once, with the EAGLE-3
     draft's evaluation), the worker timed through this file."""
     from draftsmith import evaluate
@@ -345,13 +388,27 @@ def vllm_engine(work: Path, exports: dict[str, Path], prompt_set: str, num_promp
     base_tps = None
     for i, (method, export_dir) in enumerate(exports.items()):
         out = work / f"eval-vllm-{method}"
-        log(f"vLLM: {method}, k {','.join(map(str, ks))}{' and the target alone' if i == 0 else ''} "
-            f"(one engine start each) ...")
+        log(
+            f"vLLM: {method}, k {','.join(map(str, ks))}{' and the target alone' if i == 0 else ''} "
+            f"(one engine start each) ..."
+        )
         t0 = time.perf_counter()
         with timed_vllm_worker():
-            evaluate.run(EvaluateConfig(draft=export_dir, engine="vllm", output=out, prompts=prompt_set,
-                                        num_prompts=num_prompts, k=ks, max_new_tokens=max_new_tokens,
-                                        temperature=0.0, dtype=dtype_name, baseline=i == 0, vllm_timeout_s=timeout_s))
+            evaluate.run(
+                EvaluateConfig(
+                    draft=export_dir,
+                    engine="vllm",
+                    output=out,
+                    prompts=prompt_set,
+                    num_prompts=num_prompts,
+                    k=ks,
+                    max_new_tokens=max_new_tokens,
+                    temperature=0.0,
+                    dtype=dtype_name,
+                    baseline=i == 0,
+                    vllm_timeout_s=timeout_s,
+                )
+            )
         log(f"vLLM: {method} done in {time.perf_counter() - t0:.0f} s")
         report = json.loads((out / "report.json").read_text())
         workdir = out / "vllm"
@@ -368,12 +425,22 @@ def vllm_engine(work: Path, exports: dict[str, Path], prompt_set: str, num_promp
             res = json.loads((workdir / f"k{k}.result.json").read_text())
             timing_file = timing_path(workdir / f"k{k}.result.json")
             timing = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
-            stats = DecodeStats(k=k, num_new_tokens=run["num_new_tokens"], elapsed_s=run["elapsed_s"],
-                                num_rounds=run["num_rounds"], num_accepted=run["num_accepted"],
-                                accepted_per_pos=run["accepted_per_pos"])
-            rows[str(k)] = per_k_row(stats, base_tps, timing.get("draft_s"), timing.get("draft_calls"),
-                                     lossless=res["outputs"] == baseline_out if baseline_out is not None else None,
-                                     parallel=timing.get("parallel_drafting"))
+            stats = DecodeStats(
+                k=k,
+                num_new_tokens=run["num_new_tokens"],
+                elapsed_s=run["elapsed_s"],
+                num_rounds=run["num_rounds"],
+                num_accepted=run["num_accepted"],
+                accepted_per_pos=run["accepted_per_pos"],
+            )
+            rows[str(k)] = per_k_row(
+                stats,
+                base_tps,
+                timing.get("draft_s"),
+                timing.get("draft_calls"),
+                lossless=res["outputs"] == baseline_out if baseline_out is not None else None,
+                parallel=timing.get("parallel_drafting"),
+            )
         result["methods"][method] = rows
     return result
 
@@ -390,22 +457,37 @@ def table(results: dict, ks: dict[str, list[int]]) -> str:
         if "error" in res:
             lines.append(f"{engine}: {res['error']}")
             continue
-        lines.append(f"{engine}: target alone {res['target_alone_tokens_per_s']:.2f} tokens/s, "
-                     f"{res.get('num_prompts')} prompts, {res.get('dtype')}")
-        lines.append(f"{'k':>3} | " + " ".join(f"{'τ ' + n:>6}" for n in names) + " | "
-                     + " ".join(f"{'draft ms ' + n:>11}" for n in names) + " | "
-                     + " ".join(f"{'tok/s ' + n:>8}" for n in names) + f" | {'lossless':>11}")
+        lines.append(
+            f"{engine}: target alone {res['target_alone_tokens_per_s']:.2f} tokens/s, "
+            f"{res.get('num_prompts')} prompts, {res.get('dtype')}"
+        )
+        lines.append(
+            f"{'k':>3} | "
+            + " ".join(f"{'τ ' + n:>6}" for n in names)
+            + " | "
+            + " ".join(f"{'draft ms ' + n:>11}" for n in names)
+            + " | "
+            + " ".join(f"{'tok/s ' + n:>8}" for n in names)
+            + f" | {'lossless':>11}"
+        )
 
         def cell(row, key, fmt, width):
             return format(row[key], fmt) if row.get(key) is not None else f"{'–':>{width}}"
 
         for k in ks[engine]:
             rows = [res["methods"].get(m, {}).get(str(k), {}) for m in METHODS]
-            lossless = "/".join("yes" if r.get("lossless") else ("no" if r.get("lossless") is False else "–")
-                                for r in rows)
-            lines.append(f"{k:>3} | " + " ".join(cell(r, "tau", "6.3f", 6) for r in rows) + " | "
-                         + " ".join(cell(r, "draft_ms_per_round", "11.2f", 11) for r in rows) + " | "
-                         + " ".join(cell(r, "tokens_per_s", "8.2f", 8) for r in rows) + f" | {lossless:>11}")
+            lossless = "/".join(
+                "yes" if r.get("lossless") else ("no" if r.get("lossless") is False else "–") for r in rows
+            )
+            lines.append(
+                f"{k:>3} | "
+                + " ".join(cell(r, "tau", "6.3f", 6) for r in rows)
+                + " | "
+                + " ".join(cell(r, "draft_ms_per_round", "11.2f", 11) for r in rows)
+                + " | "
+                + " ".join(cell(r, "tokens_per_s", "8.2f", 8) for r in rows)
+                + f" | {lossless:>11}"
+            )
     return "\n".join(lines)
 
 
@@ -427,9 +509,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps", type=int, help="optimizer steps (default: the epochs'; quick 12)")
     parser.add_argument("--ttt-steps", type=int, help="TTT steps / P-EAGLE depths (default: the largest k)")
-    parser.add_argument("--dflash-layers", type=int, default=2, help=(
-        "DFlash: decoder layers, and target layers it reads (the reference: 5; default 2 on this benchmark's CPU "
-        "budget)"))
+    parser.add_argument(
+        "--dflash-layers",
+        type=int,
+        default=2,
+        help=(
+            "DFlash: decoder layers, and target layers it reads (the reference: 5; default 2 on this benchmark's CPU "
+            "budget)"
+        ),
+    )
     parser.add_argument("--anchors", type=int, help="DFlash: blocks per sample (default 64; quick 16)")
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--draft-vocab", type=int, help="draft vocabulary (default 8192; quick 2048)")
@@ -439,9 +527,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 64; quick 24)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="both engines: float32 or bfloat16 (auto: float32 on a CPU)")
-    parser.add_argument("--threads", type=int, help=(
-        "torch threads in this process (default: torch's, which follows OMP_NUM_THREADS; on a busy 2-core machine "
-        "one thread is much faster for small models than two)"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help=(
+            "torch threads in this process (default: torch's, which follows OMP_NUM_THREADS; on a busy 2-core machine "
+            "one thread is much faster for small models than two)"
+        ),
+    )
     parser.add_argument("--vllm-timeout-s", type=int, default=1200)
     parser.add_argument("--work", type=Path, help="keep everything here (default: a temp dir)")
     parser.add_argument("--vllm-job", help=argparse.SUPPRESS)  # internal: the timed evaluation worker
@@ -496,40 +589,78 @@ def main() -> None:
         prepared = work / "prepared"
         prepare.run(PrepareConfig(output=prepared, target=args.target, max_length=max_length, max_samples=samples))
     num_layers = open_prepared(prepared).manifest.target.num_layers
-    layers = {"eagle3": resolve_layer_ids(None, num_layers)[:-1],
-              "dflash": dflash_aux_layer_ids(num_layers, args.dflash_layers)}
+    layers = {
+        "eagle3": resolve_layer_ids(None, num_layers)[:-1],
+        "dflash": dflash_aux_layer_ids(num_layers, args.dflash_layers),
+    }
     layers["peagle"] = layers["eagle3"]
     t0 = time.perf_counter()
-    extract.run(ExtractConfig(prepared=prepared, output=work / "store", backend="hf", device=args.device,
-                              target=args.target, aux_layer_ids=sorted(set(layers["eagle3"]) | set(layers["dflash"]))))
+    extract.run(
+        ExtractConfig(
+            prepared=prepared,
+            output=work / "store",
+            backend="hf",
+            device=args.device,
+            target=args.target,
+            aux_layer_ids=sorted(set(layers["eagle3"]) | set(layers["dflash"])),
+        )
+    )
     extract_s = time.perf_counter() - t0
     log(f"one store for the three drafts: {work / 'store'} ({extract_s:.0f} s)")
 
     trained: dict[str, dict] = {}
     exports: dict[str, Path] = {}
     for method in METHODS:  # the same batches and tokens; each its own layers of the store and its own shape
-        shape = (dict(num_layers=args.dflash_layers, block_size=ttt_steps + 1, anchors_per_sample=anchors)
-                 if method == "dflash" else dict(ttt_steps=ttt_steps, draft_vocab_size=draft_vocab))
+        shape = (
+            dict(num_layers=args.dflash_layers, block_size=ttt_steps + 1, anchors_per_sample=anchors)
+            if method == "dflash"
+            else dict(ttt_steps=ttt_steps, draft_vocab_size=draft_vocab)
+        )
         log(f"training the {method} draft ({steps or f'{args.epochs} epochs of'} steps, {shape}) ...")
         t0 = time.perf_counter()
-        result = train.run(TrainConfig(data=work / "store", output=work / f"train-{method}", method=method,
-                                       aux_layer_ids=layers[method], epochs=args.epochs, max_steps=steps,
-                                       token_budget=args.token_budget, lr=args.lr, warmup_steps=20,
-                                       device=args.device, seed=0, save_every=10**6, resume=False, force=True,
-                                       **shape))
+        result = train.run(
+            TrainConfig(
+                data=work / "store",
+                output=work / f"train-{method}",
+                method=method,
+                aux_layer_ids=layers[method],
+                epochs=args.epochs,
+                max_steps=steps,
+                token_budget=args.token_budget,
+                lr=args.lr,
+                warmup_steps=20,
+                device=args.device,
+                seed=0,
+                save_every=10**6,
+                resume=False,
+                force=True,
+                **shape,
+            )
+        )
         train_s = time.perf_counter() - t0
-        export.run(ExportConfig(checkpoint=work / f"train-{method}", format="vllm", output=work / f"export-{method}",
-                                speculative_tokens=ttt_steps))
+        export.run(
+            ExportConfig(
+                checkpoint=work / f"train-{method}",
+                format="vllm",
+                output=work / f"export-{method}",
+                speculative_tokens=ttt_steps,
+            )
+        )
         exports[method] = work / f"export-{method}"
-        trained[method] = {"train_s": round(train_s, 1), "tokens": result.summary.get("tokens"),
-                           "tokens_per_s": result.summary.get("tokens/s")}
+        trained[method] = {
+            "train_s": round(train_s, 1),
+            "tokens": result.summary.get("tokens"),
+            "tokens_per_s": result.summary.get("tokens/s"),
+        }
         log(f"{method}: {trained[method]['tokens']} training tokens in {train_s:.0f} s")
     sources = {m: load_draft(exports[m]) for m in METHODS}
     shapes = {m: s.spec.model_dump(exclude={"parallel_drafting", "mask_token_id"}) for m, s in sources.items()}
-    same = {"tokens": len({trained[m]["tokens"] for m in METHODS}) == 1,
-            "draft_shape": shapes["eagle3"] == shapes["peagle"],
-            "peagle_is_parallel": bool(sources["peagle"].spec.parallel_drafting),
-            "dflash_block": sources["dflash"].spec.block_size == ttt_steps + 1}
+    same = {
+        "tokens": len({trained[m]["tokens"] for m in METHODS}) == 1,
+        "draft_shape": shapes["eagle3"] == shapes["peagle"],
+        "peagle_is_parallel": bool(sources["peagle"].spec.parallel_drafting),
+        "dflash_block": sources["dflash"].spec.block_size == ttt_steps + 1,
+    }
     if not all(same.values()):
         log(f"WARNING: the drafts are not a like-for-like set: {same}")
 
@@ -540,15 +671,17 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             if engine == "hf":
-                results[engine] = reference_engine(target_path, sources, args.prompt_set, num_prompts, ks, max_new,
-                                                   args.device, dtype_name)
+                results[engine] = reference_engine(
+                    target_path, sources, args.prompt_set, num_prompts, ks, max_new, args.device, dtype_name
+                )
             else:
                 version = vllm_runner.vllm_available()
                 if version is None:
                     results[engine] = {"error": "skipped: vLLM is not installed (or does not import)"}
                     continue
-                results[engine] = vllm_engine(work, exports, args.prompt_set, num_prompts, vllm_ks, max_new,
-                                              dtype_name, args.vllm_timeout_s)
+                results[engine] = vllm_engine(
+                    work, exports, args.prompt_set, num_prompts, vllm_ks, max_new, dtype_name, args.vllm_timeout_s
+                )
         except Exception as exc:  # noqa: BLE001 - one engine failing is a line in the report, not the end
             results[engine] = {"error": failure(exc)}
             log(f"{engine}: FAILED: {results[engine]['error']}")
@@ -556,20 +689,40 @@ def main() -> None:
 
     log("")
     data = f"{args.prepared}" if args.prepared else f"{samples} conversations x {max_length}"
-    log(f"EAGLE-3 | P-EAGLE | DFlash (e3 pe df), {data}, TTT/depths {ttt_steps}, DFlash block {ttt_steps + 1} x "
+    log(
+        f"EAGLE-3 | P-EAGLE | DFlash (e3 pe df), {data}, TTT/depths {ttt_steps}, DFlash block {ttt_steps + 1} x "
         f"{args.dflash_layers} layers, draft vocab {draft_vocab} (DFlash: the target's), {max_new} new tokens, "
-        "temperature 0; draft ms = time per round inside the draft")
+        "temperature 0; draft ms = time per round inside the draft"
+    )
     log(table(results, ks_by_engine))
-    print(json.dumps({"work": str(work), "target": str(target_path), "device": str(device), "dtype": dtype_name,
-                      "samples": None if args.prepared else samples,
-                      "max_length": None if args.prepared else max_length,
-                      "threads": torch.get_num_threads(), "ttt_steps": ttt_steps,
-                      "dflash": {"block_size": ttt_steps + 1, "layers": args.dflash_layers,
-                                 "anchors_per_sample": anchors, "aux_layer_ids": layers["dflash"]},
-                      "draft_vocab_size": draft_vocab, "max_new_tokens": max_new, "extract_s": round(extract_s, 1),
-                      "train": trained, "same": same, "engines": results,
-                      "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-                      "wall_s": round(time.perf_counter() - started, 1)}))
+    print(
+        json.dumps(
+            {
+                "work": str(work),
+                "target": str(target_path),
+                "device": str(device),
+                "dtype": dtype_name,
+                "samples": None if args.prepared else samples,
+                "max_length": None if args.prepared else max_length,
+                "threads": torch.get_num_threads(),
+                "ttt_steps": ttt_steps,
+                "dflash": {
+                    "block_size": ttt_steps + 1,
+                    "layers": args.dflash_layers,
+                    "anchors_per_sample": anchors,
+                    "aux_layer_ids": layers["dflash"],
+                },
+                "draft_vocab_size": draft_vocab,
+                "max_new_tokens": max_new,
+                "extract_s": round(extract_s, 1),
+                "train": trained,
+                "same": same,
+                "engines": results,
+                "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+                "wall_s": round(time.perf_counter() - started, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

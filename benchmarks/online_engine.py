@@ -141,8 +141,9 @@ def failure_line(stderr: str, rc: int) -> str:
     return (errors or lines or [f"exit status {rc}, nothing on stderr"])[-1]
 
 
-def run_stage(label: str, argv: list[str], env: dict, logs: Path, watch: Path | None = None,
-              cores: str | None = None) -> dict:
+def run_stage(
+    label: str, argv: list[str], env: dict, logs: Path, watch: Path | None = None, cores: str | None = None
+) -> dict:
     """`python -m draftsmith ARGV` with its output in logs/LABEL.{out,err}: wall s, summary, error, disk peak;
     `cores`: pinned to those CPU cores (taskset -c)."""
     cmd = [sys.executable, "-m", "draftsmith", *argv]
@@ -198,10 +199,13 @@ def transport_throughput(store: Path, work: Path) -> dict:
     address = master.start()
     publisher = None
     try:
-        publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(store), str(address),
-                                      str(work / "publisher"), str(size)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=open(work / "logs" / "T publish.err", "w"),
-                                     text=True)
+        publisher = subprocess.Popen(
+            [sys.executable, "-c", PUBLISHER, str(store), str(address), str(work / "publisher"), str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(work / "logs" / "T publish.err", "w"),
+            text=True,
+        )
         line = publisher.stdout.readline()
         if not line:
             return {"error": f"the publisher failed: see {work / 'logs' / 'T publish.err'}"}
@@ -213,8 +217,13 @@ def transport_throughput(store: Path, work: Path) -> dict:
         reader.close()
         if local is None or tree_bytes(local) != size:
             return {"error": "the fetched chunk is not the published one"}
-        return {"bytes": size, "publish_s": round(publish_s, 3), "fetch_s": round(fetch_s, 3),
-                "publish_GBps": round(size / publish_s / 1e9, 3), "fetch_GBps": round(size / fetch_s / 1e9, 3)}
+        return {
+            "bytes": size,
+            "publish_s": round(publish_s, 3),
+            "fetch_s": round(fetch_s, 3),
+            "publish_GBps": round(size / publish_s / 1e9, 3),
+            "fetch_GBps": round(size / fetch_s / 1e9, 3),
+        }
     finally:
         if publisher is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -233,11 +242,18 @@ def machine() -> dict:
     cpu = hardware.probe()
     gpu = None
     if shutil.which("nvidia-smi"):
-        probe = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False,
-                               capture_output=True, text=True)
+        probe = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False, capture_output=True, text=True
+        )
         gpu = probe.stdout.strip().replace("\n", ", ") or None
-    return {"cpus": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)), "cpu_model": cpu.model,
-            "cpu_flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "gpu": gpu}
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_allowed": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu.model,
+        "cpu_flags": list(cpu.flags),
+        "native_bf16": cpu.native_bf16,
+        "gpu": gpu,
+    }
 
 
 def load() -> list[float]:
@@ -266,27 +282,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=200, help="conversations to prepare (default 200)")
     parser.add_argument("--max-length", type=int, default=None, help="default: the small budget's (512)")
-    parser.add_argument("--token-budget", type=int, default=None, help="train micro-batch tokens (default: the "
-                        "small budget's, 1024)")
-    parser.add_argument("--steps", type=int, default=None, help="train --max-steps (default: the small budget's "
-                        "2 epochs)")
-    parser.add_argument("--spool-gb", type=float, default=None, help="B's spool bound in GiB (default: a tenth of the "
-                        "estimated store, at least 4 chunks of one step)")
+    parser.add_argument(
+        "--token-budget", type=int, default=None, help="train micro-batch tokens (default: the small budget's, 1024)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="train --max-steps (default: the small budget's 2 epochs)"
+    )
+    parser.add_argument(
+        "--spool-gb",
+        type=float,
+        default=None,
+        help="B's spool bound in GiB (default: a tenth of the estimated store, at least 4 chunks of one step)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="train --device")
-    parser.add_argument("--vllm-compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="let vLLM compile the target (default: on GPUs only; minutes of start-up on CPU)")
+    parser.add_argument(
+        "--vllm-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let vLLM compile the target (default: on GPUs only; minutes of start-up on CPU)",
+    )
     parser.add_argument("--prepared", type=Path, help="an existing prepared set (default: prepare ShareGPT now)")
     parser.add_argument("--work", type=Path, help="work directory (default: a temp dir, deleted unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (store, runs, logs)")
     parser.add_argument("--skip-offline", action="store_true", help="run B only (no A numbers, no ratios)")
-    parser.add_argument("--mooncake", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run C and T, through Mooncake (default: on)")
-    parser.add_argument("--engine-cores", default=None, help=(
-        "CPU only: split the cores as disjoint devices, e.g. 0 on a 2-core machine: A's extract runs on these "
-        "cores and A's train on the others; B gets --engine-devices CORES (its trainer keeps the others). "
-        "Default: each of A's stages uses every core; B runs as draftsmith does by default (on a CPU its engine "
-        "on the first half of the cores, its trainer on the rest)."))
+    parser.add_argument(
+        "--mooncake",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run C and T, through Mooncake (default: on)",
+    )
+    parser.add_argument(
+        "--engine-cores",
+        default=None,
+        help=(
+            "CPU only: split the cores as disjoint devices, e.g. 0 on a 2-core machine: A's extract runs on these "
+            "cores and A's train on the others; B gets --engine-devices CORES (its trainer keeps the others). "
+            "Default: each of A's stages uses every core; B runs as draftsmith does by default (on a CPU its engine "
+            "on the first half of the cores, its trainer on the rest)."
+        ),
+    )
     args = parser.parse_args()
 
     import torch
@@ -320,14 +355,32 @@ def main() -> None:
         prepare_s = round(time.perf_counter() - t_all, 1)  # not a stage compared here (0 when reused)
         pm = read_manifest(prepared, PreparedManifest)
         defaults = TrainConfig.model_fields
-        spool_gb, store_estimate = default_spool_gb(prepared, token_budget, defaults["eval_fraction"].default,
-                                                    defaults["split_seed"].default)
+        spool_gb, store_estimate = default_spool_gb(
+            prepared, token_budget, defaults["eval_fraction"].default, defaults["split_seed"].default
+        )
         spool_gb = args.spool_gb or spool_gb
         compile_flag = ["--vllm-compile" if compile_ else "--no-vllm-compile"]
-        train_opts = ["--epochs", str(small.epochs), "--token-budget", str(token_budget),
-                      "--ttt-steps", str(small.ttt_steps), "--draft-vocab-size", str(small.draft_vocab_size),
-                      "--lr", str(small.lr), "--warmup-steps", "20", "--save-every", "100", "--seed", str(args.seed),
-                      "--device", args.device, "--no-resume"]
+        train_opts = [
+            "--epochs",
+            str(small.epochs),
+            "--token-budget",
+            str(token_budget),
+            "--ttt-steps",
+            str(small.ttt_steps),
+            "--draft-vocab-size",
+            str(small.draft_vocab_size),
+            "--lr",
+            str(small.lr),
+            "--warmup-steps",
+            "20",
+            "--save-every",
+            "100",
+            "--seed",
+            str(args.seed),
+            "--device",
+            args.device,
+            "--no-resume",
+        ]
         train_opts += ["--max-steps", str(args.steps)] if args.steps else []
 
         store, run_a, run_b = work / "store", work / "run-offline", work / "run-online"
@@ -341,29 +394,81 @@ def main() -> None:
         a_extract = a_train = None
         if not args.skip_offline:
             extract_env = dict(env, VLLM_CPU_OMP_THREADS_BIND=engine_cores) if engine_cores else env
-            a_extract = run_stage("A extract", ["extract", "--prepared", str(prepared), "--output", str(store),
-                                                "--backend", "vllm", *compile_flag], extract_env, logs, watch=store,
-                                  cores=engine_cores)
+            a_extract = run_stage(
+                "A extract",
+                ["extract", "--prepared", str(prepared), "--output", str(store), "--backend", "vllm", *compile_flag],
+                extract_env,
+                logs,
+                watch=store,
+                cores=engine_cores,
+            )
             if a_extract["rc"] == 0:
-                a_train = run_stage("A train", ["train", "--data", str(store), "--output", str(run_a),
-                                                *train_opts], env, logs, cores=rest_cores)
-        b = run_stage("B online", ["train", "--data", str(prepared), "--engine", "vllm", "--spool-gb",
-                                   f"{spool_gb:g}", "--spool", str(run_b / "spool"), "--output", str(run_b),
-                                   *compile_flag, *split, *train_opts], env, logs, watch=run_b / "spool")
+                a_train = run_stage(
+                    "A train",
+                    ["train", "--data", str(store), "--output", str(run_a), *train_opts],
+                    env,
+                    logs,
+                    cores=rest_cores,
+                )
+        b = run_stage(
+            "B online",
+            [
+                "train",
+                "--data",
+                str(prepared),
+                "--engine",
+                "vllm",
+                "--spool-gb",
+                f"{spool_gb:g}",
+                "--spool",
+                str(run_b / "spool"),
+                "--output",
+                str(run_b),
+                *compile_flag,
+                *split,
+                *train_opts,
+            ],
+            env,
+            logs,
+            watch=run_b / "spool",
+        )
         c = transport = None
         if args.mooncake:
             run_c = work / "run-mooncake"
-            c = run_stage("C mooncake", ["train", "--data", str(prepared), "--engine", "vllm", "--spool-gb",
-                                         f"{spool_gb:g}", "--spool", "mooncake", "--output", str(run_c),
-                                         *compile_flag, *split, *train_opts], env, logs)
+            c = run_stage(
+                "C mooncake",
+                [
+                    "train",
+                    "--data",
+                    str(prepared),
+                    "--engine",
+                    "vllm",
+                    "--spool-gb",
+                    f"{spool_gb:g}",
+                    "--spool",
+                    "mooncake",
+                    "--output",
+                    str(run_c),
+                    *compile_flag,
+                    *split,
+                    *train_opts,
+                ],
+                env,
+                logs,
+            )
             if c["rc"] == 0 and c["summary"].get("mode") != MOONCAKE_MODE:
                 c["rc"], c["error"] = -1, f"ran in mode {c['summary'].get('mode')!r}, not {MOONCAKE_MODE!r}"
             if a_extract is not None and a_extract["rc"] == 0:
                 transport = transport_throughput(store, work)
         load_after = load()
         if b["rc"] == 0 and b["summary"].get("mode") != ONLINE_MODE:
-            b["rc"], b["error"] = -1, (f"ran in mode {b['summary'].get('mode')!r}, not {ONLINE_MODE!r}: this "
-                                       "draftsmith does not train from vLLM engines yet")
+            b["rc"], b["error"] = (
+                -1,
+                (
+                    f"ran in mode {b['summary'].get('mode')!r}, not {ONLINE_MODE!r}: this "
+                    "draftsmith does not train from vLLM engines yet"
+                ),
+            )
             print(f"B online: NOT COUNTED: {b['error']}", file=sys.stderr)
 
         offline: dict = {}
@@ -372,61 +477,104 @@ def main() -> None:
             offline.update(extract_s=a_extract["wall_s"], extract_error=a_extract.get("error"))
             if a_extract["rc"] == 0:
                 sm = read_manifest(store, StoreManifest)
-                offline.update(extract_tokens=sm.num_tokens,
-                               extract_tokens_per_s_wall=rate(sm.num_tokens, a_extract["wall_s"]),
-                               extract_tokens_per_s=s.get("tokens/s"), engine_start_s=s.get("engine start (s)"),
-                               extract_backend=s.get("backend"), store_bytes=tree_bytes(store),
-                               store_peak_sampled_bytes=a_extract["disk_peak_bytes"])
+                offline.update(
+                    extract_tokens=sm.num_tokens,
+                    extract_tokens_per_s_wall=rate(sm.num_tokens, a_extract["wall_s"]),
+                    extract_tokens_per_s=s.get("tokens/s"),
+                    engine_start_s=s.get("engine start (s)"),
+                    extract_backend=s.get("backend"),
+                    store_bytes=tree_bytes(store),
+                    store_peak_sampled_bytes=a_extract["disk_peak_bytes"],
+                )
         if a_train is not None:
             s = a_train["summary"]
             tokens = train_tokens(run_a, s)
-            offline.update(train_s=a_train["wall_s"], train_error=a_train.get("error"), train_tokens=tokens,
-                           train_tokens_per_s_wall=rate(tokens, a_train["wall_s"]),
-                           train_tokens_per_s=s.get("tokens/s"), train_steps=s.get("steps"),
-                           train_acceptance_length=s.get("final acceptance length (sim.)"))
+            offline.update(
+                train_s=a_train["wall_s"],
+                train_error=a_train.get("error"),
+                train_tokens=tokens,
+                train_tokens_per_s_wall=rate(tokens, a_train["wall_s"]),
+                train_tokens_per_s=s.get("tokens/s"),
+                train_steps=s.get("steps"),
+                train_acceptance_length=s.get("final acceptance length (sim.)"),
+            )
             if a_train["rc"] == 0:
                 offline["end_to_end_tokens_per_s"] = rate(tokens, a_extract["wall_s"] + a_train["wall_s"])
         s = b["summary"]
         b_tokens = train_tokens(run_b, s) if b["rc"] == 0 else None
-        online = {"wall_s": b["wall_s"], "error": b.get("error"), "mode": s.get("mode"), "tokens": b_tokens,
-                  "tokens_per_s_wall": rate(b_tokens, b["wall_s"]), "tokens_per_s": s.get("tokens/s"),
-                  "extraction_tokens_per_s": s.get("extraction tokens/s"), "steps": s.get("steps"),
-                  "acceptance_length": s.get("final acceptance length (sim.)"), "spool_gb": spool_gb,
-                  "spool_bound_bytes": s.get("spool bound (bytes)"), "spool_peak_bytes": b["disk_peak_bytes"],
-                  "spool_peak_summary_bytes": s.get("spool peak (bytes)"), "spool_final_bytes": b["disk_final_bytes"],
-                  "spool_samples": b["disk_samples"]}
+        online = {
+            "wall_s": b["wall_s"],
+            "error": b.get("error"),
+            "mode": s.get("mode"),
+            "tokens": b_tokens,
+            "tokens_per_s_wall": rate(b_tokens, b["wall_s"]),
+            "tokens_per_s": s.get("tokens/s"),
+            "extraction_tokens_per_s": s.get("extraction tokens/s"),
+            "steps": s.get("steps"),
+            "acceptance_length": s.get("final acceptance length (sim.)"),
+            "spool_gb": spool_gb,
+            "spool_bound_bytes": s.get("spool bound (bytes)"),
+            "spool_peak_bytes": b["disk_peak_bytes"],
+            "spool_peak_summary_bytes": s.get("spool peak (bytes)"),
+            "spool_final_bytes": b["disk_final_bytes"],
+            "spool_samples": b["disk_samples"],
+        }
         online["trainer_wait_s"] = s.get("trainer waited (s)")
         mooncake = None
         if c is not None:
             sc = c["summary"]
             c_tokens = train_tokens(run_c, sc) if c["rc"] == 0 else None
-            mooncake = {"wall_s": c["wall_s"], "error": c.get("error"), "mode": sc.get("mode"), "tokens": c_tokens,
-                        "tokens_per_s_wall": rate(c_tokens, c["wall_s"]), "tokens_per_s": sc.get("tokens/s"),
-                        "extraction_tokens_per_s": sc.get("extraction tokens/s"),
-                        "trainer_wait_s": sc.get("trainer waited (s)"), "spool_peak_summary_bytes":
-                        sc.get("spool peak (bytes)"), "acceptance_length": sc.get("final acceptance length (sim.)")}
+            mooncake = {
+                "wall_s": c["wall_s"],
+                "error": c.get("error"),
+                "mode": sc.get("mode"),
+                "tokens": c_tokens,
+                "tokens_per_s_wall": rate(c_tokens, c["wall_s"]),
+                "tokens_per_s": sc.get("tokens/s"),
+                "extraction_tokens_per_s": sc.get("extraction tokens/s"),
+                "trainer_wait_s": sc.get("trainer waited (s)"),
+                "spool_peak_summary_bytes": sc.get("spool peak (bytes)"),
+                "acceptance_length": sc.get("final acceptance length (sim.)"),
+            }
         ok = b["rc"] == 0 and bool(offline.get("end_to_end_tokens_per_s"))
         stage_rates = [offline.get("extract_tokens_per_s"), offline.get("train_tokens_per_s")]
         wall_rates = [offline.get("extract_tokens_per_s_wall"), offline.get("train_tokens_per_s_wall")]
         result = {
-            "target": pm.target.architecture, "samples": pm.num_samples, "prepared_tokens": pm.num_tokens,
-            "max_length": pm.max_length, "seed": args.seed, "vllm_compile": compile_,
-            "cores": ({"engine": engine_cores, "trainer": rest_cores} if engine_cores
-                      else "A: every core; B: draftsmith's default"),
-            "train_options": " ".join(train_opts), "store_estimate_bytes": store_estimate, "prepare_s": prepare_s,
-            "offline": offline, "online": online,
-            "ratio_vs_slower_stage": ratio(online["tokens_per_s"], min(stage_rates)) if ok and all(stage_rates)
+            "target": pm.target.architecture,
+            "samples": pm.num_samples,
+            "prepared_tokens": pm.num_tokens,
+            "max_length": pm.max_length,
+            "seed": args.seed,
+            "vllm_compile": compile_,
+            "cores": (
+                {"engine": engine_cores, "trainer": rest_cores}
+                if engine_cores
+                else "A: every core; B: draftsmith's default"
+            ),
+            "train_options": " ".join(train_opts),
+            "store_estimate_bytes": store_estimate,
+            "prepare_s": prepare_s,
+            "offline": offline,
+            "online": online,
+            "ratio_vs_slower_stage": ratio(online["tokens_per_s"], min(stage_rates))
+            if ok and all(stage_rates)
             else None,
-            "ratio_vs_slower_stage_wall": ratio(online["tokens_per_s_wall"], min(wall_rates)) if ok and all(wall_rates)
+            "ratio_vs_slower_stage_wall": ratio(online["tokens_per_s_wall"], min(wall_rates))
+            if ok and all(wall_rates)
             else None,
             "ratio_vs_end_to_end": ratio(online["tokens_per_s_wall"], offline.get("end_to_end_tokens_per_s"))
-            if ok else None,
+            if ok
+            else None,
             "disk_ratio": ratio(online["spool_peak_bytes"], offline.get("store_bytes")) if b["rc"] == 0 else None,
-            "mooncake": mooncake, "transport": transport,
+            "mooncake": mooncake,
+            "transport": transport,
             "mooncake_vs_directory": ratio(mooncake["tokens_per_s"], online["tokens_per_s"])
-            if mooncake and mooncake["tokens"] and b["rc"] == 0 else None,
+            if mooncake and mooncake["tokens"] and b["rc"] == 0
+            else None,
             "goals": {"ratio_vs_slower_stage": ">= 0.8", "disk_ratio": "<= 0.10"},
-            "machine": machine(), "load_before": load_before, "load_after": load_after,
+            "machine": machine(),
+            "load_before": load_before,
+            "load_after": load_after,
             "total_s": round(time.perf_counter() - t_all, 1),
             "work": str(work) if args.keep or args.work else None,
         }
@@ -449,36 +597,68 @@ def _print_table(r: dict) -> None:
         return "-" if x is None else f"{x / 2**20:,.1f} MiB"
 
     m = r["machine"]
-    print(f"\n{r['target']}: {r['samples']} samples, {r['prepared_tokens']:,} tokens (max length {r['max_length']}), "
-          f"seed {r['seed']}, vLLM compile {r['vllm_compile']}\ntrain options: {r['train_options']}\n"
-          f"machine: {m['cpus']} CPUs ({m['cpus_allowed']} allowed) {m['cpu_model']}, GPU {m['gpu']}; "
-          f"load {r['load_before']} -> {r['load_after']}", file=sys.stderr)
-    rows = [("A extract", a.get("extract_s"), a.get("extract_tokens"), a.get("extract_tokens_per_s_wall"),
-             a.get("extract_tokens_per_s"), a.get("extract_error")),
-            ("A train", a.get("train_s"), a.get("train_tokens"), a.get("train_tokens_per_s_wall"),
-             a.get("train_tokens_per_s"), a.get("train_error")),
-            ("A end to end", (a.get("extract_s") or 0) + (a.get("train_s") or 0) or None, a.get("train_tokens"),
-             a.get("end_to_end_tokens_per_s"), None, None),
-            ("B online", b["wall_s"], b["tokens"], b["tokens_per_s_wall"], b["tokens_per_s"], b["error"])]
+    print(
+        f"\n{r['target']}: {r['samples']} samples, {r['prepared_tokens']:,} tokens (max length {r['max_length']}), "
+        f"seed {r['seed']}, vLLM compile {r['vllm_compile']}\ntrain options: {r['train_options']}\n"
+        f"machine: {m['cpus']} CPUs ({m['cpus_allowed']} allowed) {m['cpu_model']}, GPU {m['gpu']}; "
+        f"load {r['load_before']} -> {r['load_after']}",
+        file=sys.stderr,
+    )
+    rows = [
+        (
+            "A extract",
+            a.get("extract_s"),
+            a.get("extract_tokens"),
+            a.get("extract_tokens_per_s_wall"),
+            a.get("extract_tokens_per_s"),
+            a.get("extract_error"),
+        ),
+        (
+            "A train",
+            a.get("train_s"),
+            a.get("train_tokens"),
+            a.get("train_tokens_per_s_wall"),
+            a.get("train_tokens_per_s"),
+            a.get("train_error"),
+        ),
+        (
+            "A end to end",
+            (a.get("extract_s") or 0) + (a.get("train_s") or 0) or None,
+            a.get("train_tokens"),
+            a.get("end_to_end_tokens_per_s"),
+            None,
+            None,
+        ),
+        ("B online", b["wall_s"], b["tokens"], b["tokens_per_s_wall"], b["tokens_per_s"], b["error"]),
+    ]
     print(f"{'':<13} {'wall s':>8} {'tokens':>10} {'tok/s wall':>11} {'tok/s stage':>12}", file=sys.stderr)
     for name, secs, tokens, wall, stage, error in rows:
         line = f"{name:<13} {num(secs):>8} {num(tokens):>10} {num(wall):>11} {num(stage):>12}"
         print(line + (f"   FAILED: {error}" if error else ""), file=sys.stderr)
     print(f"B extraction tokens/s (summary): {num(b['extraction_tokens_per_s'])}", file=sys.stderr)
-    print(f"disk: store {mb(a.get('store_bytes'))} (estimated {mb(r['store_estimate_bytes'])}); spool bound "
-          f"{r['online']['spool_gb']:g} GiB (summary: {mb(b['spool_bound_bytes'])}), peak measured "
-          f"{mb(b['spool_peak_bytes'])} over {b['spool_samples']} samples "
-          f"(summary: {mb(b['spool_peak_summary_bytes'])})", file=sys.stderr)
+    print(
+        f"disk: store {mb(a.get('store_bytes'))} (estimated {mb(r['store_estimate_bytes'])}); spool bound "
+        f"{r['online']['spool_gb']:g} GiB (summary: {mb(b['spool_bound_bytes'])}), peak measured "
+        f"{mb(b['spool_peak_bytes'])} over {b['spool_samples']} samples "
+        f"(summary: {mb(b['spool_peak_summary_bytes'])})",
+        file=sys.stderr,
+    )
     c, t = r.get("mooncake"), r.get("transport")
     if c is not None:
-        print(f"C mooncake: {num(c['wall_s'])} s wall, {num(c['tokens_per_s'])} tok/s (B: {num(b['tokens_per_s'])}), "
-              f"trainer waited {c['trainer_wait_s']} s (B: {b['trainer_wait_s']} s); C / B tokens/s: "
-              f"{r['mooncake_vs_directory']}" + (f"   FAILED: {c['error']}" if c["error"] else ""), file=sys.stderr)
+        print(
+            f"C mooncake: {num(c['wall_s'])} s wall, {num(c['tokens_per_s'])} tok/s (B: {num(b['tokens_per_s'])}), "
+            f"trainer waited {c['trainer_wait_s']} s (B: {b['trainer_wait_s']} s); C / B tokens/s: "
+            f"{r['mooncake_vs_directory']}" + (f"   FAILED: {c['error']}" if c["error"] else ""),
+            file=sys.stderr,
+        )
     if t is not None:
         print(f"T transport: {t}", file=sys.stderr)
-    print(f"ratio B / slower A stage: {r['ratio_vs_slower_stage']} (wall rates: {r['ratio_vs_slower_stage_wall']}; "
-          f"goal >= 0.8); B / A end to end: {r['ratio_vs_end_to_end']}; disk B / store: {r['disk_ratio']} "
-          "(goal <= 0.10)", file=sys.stderr)
+    print(
+        f"ratio B / slower A stage: {r['ratio_vs_slower_stage']} (wall rates: {r['ratio_vs_slower_stage_wall']}; "
+        f"goal >= 0.8); B / A end to end: {r['ratio_vs_end_to_end']}; disk B / store: {r['disk_ratio']} "
+        "(goal <= 0.10)",
+        file=sys.stderr,
+    )
     if r["work"]:
         print(f"work directory kept: {r['work']}", file=sys.stderr)
 

@@ -41,8 +41,9 @@ def main() -> None:
 
     limit = args.conversations or (2000 if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
-        cfg = PrepareConfig(output=Path(tmp) / "prepared", max_samples=limit, num_workers=args.workers,
-                            max_length=args.max_length)
+        cfg = PrepareConfig(
+            output=Path(tmp) / "prepared", max_samples=limit, num_workers=args.workers, max_length=args.max_length
+        )
         load_before = os.getloadavg()[0]
         cpu_before = _cpu_seconds()
         started = time.perf_counter()
@@ -70,21 +71,34 @@ def main() -> None:
         ("cpu cores", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())),
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"draftsmith prepare benchmark: {limit or 'all'} ShareGPT conversations, SmolLM2 tokenizer, "
-          f"max_length {args.max_length}")
+    print(
+        f"draftsmith prepare benchmark: {limit or 'all'} ShareGPT conversations, SmolLM2 tokenizer, "
+        f"max_length {args.max_length}"
+    )
     print("-" * (width + 16))
     for key, value in rows:
         print(f"{key:<{width}}  {value:>12}")
     print("-" * (width + 16))
     sys.stdout.flush()
-    print(json.dumps({
-        "benchmark": "prepare", "conversations": s["conversations"], "tokens": s["tokens"],
-        "conversations_per_s": stats["conversations_per_s"], "tokens_per_s": stats["tokens_per_s"],
-        "pipeline_seconds": stats["seconds"], "wall_seconds": round(wall, 1), "workers": s["workers"],
-        "cpu_seconds": round(cpu, 1), "tokens_per_cpu_s": round(s["tokens"] / cpu, 1),
-        "load_average_at_start": round(load_before, 2),
-        "max_length": args.max_length, "python": platform.python_version(),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "prepare",
+                "conversations": s["conversations"],
+                "tokens": s["tokens"],
+                "conversations_per_s": stats["conversations_per_s"],
+                "tokens_per_s": stats["tokens_per_s"],
+                "pipeline_seconds": stats["seconds"],
+                "wall_seconds": round(wall, 1),
+                "workers": s["workers"],
+                "cpu_seconds": round(cpu, 1),
+                "tokens_per_cpu_s": round(s["tokens"] / cpu, 1),
+                "load_average_at_start": round(load_before, 2),
+                "max_length": args.max_length,
+                "python": platform.python_version(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

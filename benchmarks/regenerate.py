@@ -54,32 +54,56 @@ def main() -> None:
                     f.write(json.dumps({"messages": [first]}) + "\n")
             data = [str(prompts)]
         for engine in args.engines.split(","):
-            cfg = RegenerateConfig(data=data, output=Path(tmp) / engine, engine=engine, max_samples=args.conversations,
-                                   max_new_tokens=args.max_new_tokens, max_length=args.max_length, device="cpu",
-                                   shard_samples=args.shard_samples, hf_batch_size=args.hf_batch_size)
+            cfg = RegenerateConfig(
+                data=data,
+                output=Path(tmp) / engine,
+                engine=engine,
+                max_samples=args.conversations,
+                max_new_tokens=args.max_new_tokens,
+                max_length=args.max_length,
+                device="cpu",
+                shard_samples=args.shard_samples,
+                hf_batch_size=args.hf_batch_size,
+            )
             load_before = os.getloadavg()[0]
             started = time.perf_counter()
             regenerate.run(cfg)
             wall = time.perf_counter() - started
             m = regenerated_set.open_regenerated(cfg.output)
             results[engine] = {
-                "engine": m.generator.engine_version, "dtype": m.generator.dtype,
-                "conversations": m.num_conversations, "answers": m.num_assistant_turns,
-                "new_tokens": m.num_new_tokens, "truncated_answers": m.num_truncated_turns,
-                "wall_s": round(wall, 1), "generate_s": m.stats["generate_seconds"],
+                "engine": m.generator.engine_version,
+                "dtype": m.generator.dtype,
+                "conversations": m.num_conversations,
+                "answers": m.num_assistant_turns,
+                "new_tokens": m.num_new_tokens,
+                "truncated_answers": m.num_truncated_turns,
+                "wall_s": round(wall, 1),
+                "generate_s": m.stats["generate_seconds"],
                 "new_tokens_per_s": m.stats["new_tokens_per_s"],
                 "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             }
 
     what = "conversations, every turn" if args.multi_turn else "first user turns"
-    print(f"draftsmith regenerate, default target, {args.conversations} {what}, max_new_tokens "
-          f"{args.max_new_tokens}, {platform.machine()} x{os.cpu_count()}")
+    print(
+        f"draftsmith regenerate, default target, {args.conversations} {what}, max_new_tokens "
+        f"{args.max_new_tokens}, {platform.machine()} x{os.cpu_count()}"
+    )
     for engine, r in results.items():
-        print(f"  {r['engine']:<40} {r['answers']:>4} answers {r['new_tokens']:>7,} new tokens  "
-              f"generate {r['generate_s']:>7.1f} s  {r['new_tokens_per_s']:>6.1f} tok/s  wall {r['wall_s']:>6.1f} s  "
-              f"(truncated {r['truncated_answers']}, load {r['load_average'][0]} -> {r['load_average'][1]})")
-    print(json.dumps({"conversations": args.conversations, "multi_turn": args.multi_turn,
-                      "max_new_tokens": args.max_new_tokens, "engines": results}))
+        print(
+            f"  {r['engine']:<40} {r['answers']:>4} answers {r['new_tokens']:>7,} new tokens  "
+            f"generate {r['generate_s']:>7.1f} s  {r['new_tokens_per_s']:>6.1f} tok/s  wall {r['wall_s']:>6.1f} s  "
+            f"(truncated {r['truncated_answers']}, load {r['load_average'][0]} -> {r['load_average'][1]})"
+        )
+    print(
+        json.dumps(
+            {
+                "conversations": args.conversations,
+                "multi_turn": args.multi_turn,
+                "max_new_tokens": args.max_new_tokens,
+                "engines": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -105,8 +105,12 @@ print(json.dumps({"seconds": total, "step_seconds": step_s}))
 
 def run_side(src: Path, tokens: int, work: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src))
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tokens), json.dumps(LAYERS), str(HIDDEN), str(REQUESTS),
-                           str(work)], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tokens), json.dumps(LAYERS), str(HIDDEN), str(REQUESTS), str(work)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise SystemExit(f"the sink path failed in {src}: {done.stderr.strip().splitlines()[-3:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -146,14 +150,25 @@ def copies(tokens: int, rounds: int, device: str) -> dict:
             sync()
             if i:
                 rows[name].append((held, time.perf_counter() - start))
-    result: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "tokens": tokens,
-                    "layers": len(LAYERS), "hidden": HIDDEN, "fp8_mb": round(fp8_bytes / 2**20, 1)}
+    result: dict = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "tokens": tokens,
+        "layers": len(LAYERS),
+        "hidden": HIDDEN,
+        "fp8_mb": round(fp8_bytes / 2**20, 1),
+    }
     for name, got in rows.items():
         held, done = statistics.median(h for h, _ in got), statistics.median(d for _, d in got)
-        result[name] = {"step_held_s": round(held, 4), "on_host_s": round(done, 4),
-                        "gb_per_s": round(fp8_bytes / done / 1e9, 2)}
-        print(f"{name}: the step held {held * 1e3:.1f} ms, bytes on the host after {done * 1e3:.1f} ms "
-              f"({result[name]['gb_per_s']} GB/s of fp8)", flush=True)
+        result[name] = {
+            "step_held_s": round(held, 4),
+            "on_host_s": round(done, 4),
+            "gb_per_s": round(fp8_bytes / done / 1e9, 2),
+        }
+        print(
+            f"{name}: the step held {held * 1e3:.1f} ms, bytes on the host after {done * 1e3:.1f} ms "
+            f"({result[name]['gb_per_s']} GB/s of fp8)",
+            flush=True,
+        )
     result["pinned_vs_pageable"] = round(result["pageable"]["on_host_s"] / result["pinned"]["on_host_s"], 2)
     return result
 
@@ -178,14 +193,23 @@ def main() -> None:
                 print(f"{side}: {out['seconds']:.2f} s (the step itself {out['step_seconds']:.2f} s)", flush=True)
     median = {side: statistics.median(r["seconds"] for r in rs) for side, rs in runs.items()}
     step = {side: statistics.median(r["step_seconds"] for r in rs) for side, rs in runs.items()}
-    print(json.dumps({
-        "tokens": args.tokens, "layers": len(LAYERS), "hidden": HIDDEN, "store": "fp8",
-        "seconds": {k: round(v, 3) for k, v in median.items()},
-        "step_seconds": {k: round(v, 3) for k, v in step.items()},
-        "tokens_per_s": {k: round(args.tokens / v) for k, v in median.items()},
-        "speedup": round(median["baseline"] / median["ours"], 2), "baseline": args.baseline,
-        "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-    }))
+    print(
+        json.dumps(
+            {
+                "tokens": args.tokens,
+                "layers": len(LAYERS),
+                "hidden": HIDDEN,
+                "store": "fp8",
+                "seconds": {k: round(v, 3) for k, v in median.items()},
+                "step_seconds": {k: round(v, 3) for k, v in step.items()},
+                "tokens_per_s": {k: round(args.tokens / v) for k, v in median.items()},
+                "speedup": round(median["baseline"] / median["ours"], 2),
+                "baseline": args.baseline,
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

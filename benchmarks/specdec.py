@@ -38,11 +38,27 @@ def quick_trained_draft() -> Path:
         if not (root / "run" / "best" / "manifest.json").is_file():
             print(f"training a small draft for the default target into {root} (once) ...", file=sys.stderr)
             if not (root / "prepared" / "manifest.json").is_file():
-                prepare(PrepareConfig(data=[str(assets.sharegpt_path())], output=root / "prepared", max_length=256,
-                                      max_samples=120))
-            train(TrainConfig(data=root / "prepared", output=root / "run", draft_vocab_size=8000, ttt_steps=3, lr=2e-3,
-                              warmup_steps=3, token_budget=512, max_steps=30, eval_every=10, eval_fraction=0.05,
-                              log_every=5, device="cpu"))
+                prepare(
+                    PrepareConfig(
+                        data=[str(assets.sharegpt_path())], output=root / "prepared", max_length=256, max_samples=120
+                    )
+                )
+            train(
+                TrainConfig(
+                    data=root / "prepared",
+                    output=root / "run",
+                    draft_vocab_size=8000,
+                    ttt_steps=3,
+                    lr=2e-3,
+                    warmup_steps=3,
+                    token_budget=512,
+                    max_steps=30,
+                    eval_every=10,
+                    eval_fraction=0.05,
+                    log_every=5,
+                    device="cpu",
+                )
+            )
     return root / "run"
 
 
@@ -58,8 +74,13 @@ def random_draft_source(target_path: Path, draft_vocab_size: int = 8000):
     spec = DraftSpec.from_target_config(config, draft_vocab_size, 1, aux)
     ids = torch.linspace(0, spec.vocab_size - 1, spec.draft_vocab_size).round().long()
     draft = Eagle3Draft.from_target(spec, model, ids)
-    return DraftSource(spec=spec, tensors=draft_tensors(draft.state_dict()),
-                       target=targets.target_identity(target_path), origin=Path("random"), training={})
+    return DraftSource(
+        spec=spec,
+        tensors=draft_tensors(draft.state_dict()),
+        target=targets.target_identity(target_path),
+        origin=Path("random"),
+        training={},
+    )
 
 
 def main() -> None:
@@ -98,14 +119,26 @@ def main() -> None:
     draft = build_draft_module(source, model, torch.device("cpu"), torch.float32)
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     start = time.perf_counter()
-    measured = evaluate_reference(model, draft, source.spec.aux_layer_ids, prompts, ks, max_new_tokens=max_new,
-                                  temperature=0.0, seed=0, eos_ids=eos, baseline=True)
+    measured = evaluate_reference(
+        model,
+        draft,
+        source.spec.aux_layer_ids,
+        prompts,
+        ks,
+        max_new_tokens=max_new,
+        temperature=0.0,
+        seed=0,
+        eos_ids=eos,
+        baseline=True,
+    )
     wall = time.perf_counter() - start
     base = measured["runs"][0]
     lossless = all(measured["outputs"][k] == measured["outputs"][0] for k in ks)
 
-    print(f"target {target_path.name}, draft {draft_name}, {len(prompts)} MT-bench prompts, {max_new} new tokens, "
-          f"greedy, fp32, {args.threads} threads")
+    print(
+        f"target {target_path.name}, draft {draft_name}, {len(prompts)} MT-bench prompts, {max_new} new tokens, "
+        f"greedy, fp32, {args.threads} threads"
+    )
     print(f"{'k':>3} {'tau':>7} {'acceptance per position':<36} {'tok/s':>8} {'speed-up':>9}")
     print(f"{'-':>3} {'':>7} {'(target alone)':<36} {base.tokens_per_s:8.2f} {1.0:9.2f}")
     per_k = {}
@@ -114,13 +147,31 @@ def main() -> None:
         speedup = s.tokens_per_s / base.tokens_per_s
         per_pos = ", ".join(f"{a:.2f}" for a in s.acceptance_per_pos)
         print(f"{k:>3} {s.tau:7.3f} {per_pos:<36} {s.tokens_per_s:8.2f} {speedup:9.2f}")
-        per_k[str(k)] = {"tau": round(s.tau, 4), "speedup": round(speedup, 4), "tokens_per_s": round(s.tokens_per_s, 3),
-                         "acceptance_per_pos": [round(a, 4) for a in s.acceptance_per_pos]}
+        per_k[str(k)] = {
+            "tau": round(s.tau, 4),
+            "speedup": round(speedup, 4),
+            "tokens_per_s": round(s.tokens_per_s, 3),
+            "acceptance_per_pos": [round(a, 4) for a in s.acceptance_per_pos],
+        }
     first = per_k[str(ks[0])]
-    print(json.dumps({"target": target_path.name, "draft": draft_name, "k": ks[0], "tau": first["tau"],
-                      "speedup": first["speedup"], "tokens_per_s_target": round(base.tokens_per_s, 3),
-                      "tokens_per_s_spec": first["tokens_per_s"], "lossless": lossless, "num_prompts": len(prompts),
-                      "max_new_tokens": max_new, "wall_s": round(wall, 1), "per_k": per_k}))
+    print(
+        json.dumps(
+            {
+                "target": target_path.name,
+                "draft": draft_name,
+                "k": ks[0],
+                "tau": first["tau"],
+                "speedup": first["speedup"],
+                "tokens_per_s_target": round(base.tokens_per_s, 3),
+                "tokens_per_s_spec": first["tokens_per_s"],
+                "lossless": lossless,
+                "num_prompts": len(prompts),
+                "max_new_tokens": max_new,
+                "wall_s": round(wall, 1),
+                "per_k": per_k,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

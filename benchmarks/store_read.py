@@ -56,8 +56,17 @@ def build(work: Path, samples: int) -> None:
         rows.append({"input_ids": rng.integers(0, identity.vocab_size, n), "loss_mask": rng.integers(0, 2, n)})
     write_prepared(work / "prepared", rows, identity, chat_template_hash="bench", max_length=64, shard_samples=64)
     for dtype in ("bf16", "fp8"):
-        extract(ExtractConfig(prepared=work / "prepared", output=work / f"store-{dtype}", dtype=dtype,
-                              token_budget=1024, shard_size_mb=0.25, device="cpu"), show_progress=False)
+        extract(
+            ExtractConfig(
+                prepared=work / "prepared",
+                output=work / f"store-{dtype}",
+                dtype=dtype,
+                token_budget=1024,
+                shard_size_mb=0.25,
+                device="cpu",
+            ),
+            show_progress=False,
+        )
 
 
 def measure(work: Path, passes: int) -> dict:
@@ -85,8 +94,12 @@ def measure(work: Path, passes: int) -> dict:
 
     t = time.perf_counter()
     opened = [store.open(work / "store-bf16"), store.open(work / "store-fp8"), open_prepared(work / "prepared")]
-    out = {"open_ms": (time.perf_counter() - t) * 1e3, "samples": len(opened[2]),
-           "tokens": int(opened[0].num_tokens), "shards": len(opened[0].manifest.shards)}
+    out = {
+        "open_ms": (time.perf_counter() - t) * 1e3,
+        "samples": len(opened[2]),
+        "tokens": int(opened[0].num_tokens),
+        "shards": len(opened[0].manifest.shards),
+    }
     for dtype in ("bf16", "fp8"):
         out[f"store_{dtype}_f32"] = best(store.open(work / f"store-{dtype}", dtype=torch.float32))
         if raw_ok:
@@ -102,8 +115,13 @@ def measure(work: Path, passes: int) -> dict:
 
 def _run(src: Path, work: Path, passes: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    proc = subprocess.run([sys.executable, __file__, "--measure", "--work", str(work), "--passes", str(passes)],
-                          env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--measure", "--work", str(work), "--passes", str(passes)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"reading with {src} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -135,10 +153,15 @@ def main() -> None:
                     if got.get(case) is not None:
                         seen[case] = min(seen[case], got[case])
     this = results["this"]
-    print(f"{this['samples']} samples, {this['tokens']} tokens, {this['shards']} shards per store; "
-          f"best of {args.rounds} x {args.passes} passes, us per sample (open: ms)", file=sys.stderr)
-    print(f"{'case':<16}" + "".join(f"{n:>12}" for n in results) + ("       ratio" if "against" in results else ""),
-          file=sys.stderr)
+    print(
+        f"{this['samples']} samples, {this['tokens']} tokens, {this['shards']} shards per store; "
+        f"best of {args.rounds} x {args.passes} passes, us per sample (open: ms)",
+        file=sys.stderr,
+    )
+    print(
+        f"{'case':<16}" + "".join(f"{n:>12}" for n in results) + ("       ratio" if "against" in results else ""),
+        file=sys.stderr,
+    )
     ratio = {}
     for case in CASES:
         cells = [results[n].get(case) for n in results]
@@ -147,8 +170,9 @@ def main() -> None:
             ratio[case] = round(cells[0] / cells[1], 3)
             line += f"{ratio[case]:>12.2f}"
         print(line, file=sys.stderr)
-    summary = {name: {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}
-               for name, r in results.items()}
+    summary = {
+        name: {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()} for name, r in results.items()
+    }
     print(json.dumps({**summary, "ratio": ratio}))
 
 

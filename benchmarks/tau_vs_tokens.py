@@ -55,45 +55,85 @@ def main() -> None:
     if prepared is None:
         prepared = work / "prepared"
         prepare.run(PrepareConfig(output=prepared, max_length=args.max_length, max_samples=args.max_samples))
-    common = dict(data=prepared, target=args.target, draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps,
-                  token_budget=args.token_budget, lr=args.lr, warmup_steps=30, device=args.device, log_every=10,
-                  max_samples=args.max_samples, resume=False, force=True)
+    common = dict(
+        data=prepared,
+        target=args.target,
+        draft_vocab_size=args.draft_vocab,
+        ttt_steps=args.ttt_steps,
+        token_budget=args.token_budget,
+        lr=args.lr,
+        warmup_steps=30,
+        device=args.device,
+        log_every=10,
+        max_samples=args.max_samples,
+        resume=False,
+        force=True,
+    )
 
     t0 = time.perf_counter()
     trainer.run(TrainConfig(**common, output=work / "probe", max_steps=20, eval_fraction=0.0, save_every=10**6))
     probe = _train_lines(work / "probe", "train")[-1]
     tokens_per_step = probe["tokens_seen"] / probe["step"]
     steps = max(10, int(args.minutes * 60 * probe["tokens_per_s"] / tokens_per_step))
-    print(f"probe: {probe['tokens_per_s']:,.0f} tokens/s, {tokens_per_step:,.0f} tokens/step -> {steps} steps "
-          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    print(
+        f"probe: {probe['tokens_per_s']:,.0f} tokens/s, {tokens_per_step:,.0f} tokens/step -> {steps} steps "
+        f"({time.perf_counter() - t0:.0f} s)",
+        file=sys.stderr,
+    )
 
     t0 = time.perf_counter()
-    result = trainer.run(TrainConfig(**common, output=work / "train", max_steps=steps,
-                                     eval_every=max(1, steps // 6), save_every=10**6))
+    result = trainer.run(
+        TrainConfig(**common, output=work / "train", max_steps=steps, eval_every=max(1, steps // 6), save_every=10**6)
+    )
     train_s = time.perf_counter() - t0
     export.run(ExportConfig(checkpoint=work / "train", output=work / "export"))
     ks = sorted({int(k) for k in args.k.split(",")})
-    report = evaluation.run(EvaluateConfig(draft=work / "export", engine="hf", target=args.target,
-                                           output=work / "eval", k=ks, prompts=args.prompt_set,
-                                           num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                                           baseline=False, device=args.device))
+    report = evaluation.run(
+        EvaluateConfig(
+            draft=work / "export",
+            engine="hf",
+            target=args.target,
+            output=work / "eval",
+            k=ks,
+            prompts=args.prompt_set,
+            num_prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            baseline=False,
+            device=args.device,
+        )
+    )
     runs = json.loads((work / "eval" / "report.json").read_text())["runs"]
 
-    curve = [(e["step"], e["step"] * tokens_per_step, e["acc"][0], e["acceptance_length"])
-             for e in _train_lines(work / "train", "eval")]
-    print(f"online training on {prepared} ({args.device}), draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, "
-          f"lr {args.lr}, {train_s:.0f} s")
+    curve = [
+        (e["step"], e["step"] * tokens_per_step, e["acc"][0], e["acceptance_length"])
+        for e in _train_lines(work / "train", "eval")
+    ]
+    print(
+        f"online training on {prepared} ({args.device}), draft vocab {args.draft_vocab}, TTT {args.ttt_steps}, "
+        f"lr {args.lr}, {train_s:.0f} s"
+    )
     print(f"{'step':>6} {'tokens':>12} {'step-0 acc':>11} {'sim. τ (held out)':>18}")
     for step, tokens, acc, tau in curve:
         print(f"{step:>6} {tokens:>12,.0f} {acc:>11.3f} {tau:>18.3f}")
     for r in runs:
         per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
-        print(f"{args.prompt_set} ({args.prompts} prompts x {args.max_new_tokens} tokens), k={r['k']}: τ {r['tau']:.2f}; "
-              f"acceptance per position {per_pos}")
-    print(json.dumps({"device": args.device, "tokens_per_s": result.summary["tokens/s"],
-                      "tokens": result.summary["tokens"], "train_s": round(train_s, 1),
-                      "curve": [{"step": s, "tokens": round(t), "acc0": a, "sim_tau": x} for s, t, a, x in curve],
-                      "tau": {r["k"]: r["tau"] for r in runs}, "report": str(report.output)}))
+        print(
+            f"{args.prompt_set} ({args.prompts} prompts x {args.max_new_tokens} tokens), k={r['k']}: τ {r['tau']:.2f}; "
+            f"acceptance per position {per_pos}"
+        )
+    print(
+        json.dumps(
+            {
+                "device": args.device,
+                "tokens_per_s": result.summary["tokens/s"],
+                "tokens": result.summary["tokens"],
+                "train_s": round(train_s, 1),
+                "curve": [{"step": s, "tokens": round(t), "acc0": a, "sim_tau": x} for s, t, a, x in curve],
+                "tau": {r["k"]: r["tau"] for r in runs},
+                "report": str(report.output),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,27 +38,81 @@ from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import TargetHead, TTTModel, step_index
 
 SHAPES = {
-    "quickstart": dict(config={"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-                               "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "vocab_size": 49152,
-                               "max_position_embeddings": 8192, "rope_theta": 100000.0, "hidden_act": "silu",
-                               "num_hidden_layers": 30},
-                       draft_vocab=8192, ttt_steps=3, aux=[2, 15, 27]),
-    "8b": dict(config={"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-                       "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": 128256,
-                       "max_position_embeddings": 131072, "rope_theta": 500000.0, "hidden_act": "silu",
-                       "num_hidden_layers": 32},
-               draft_vocab=32000, ttt_steps=7, aux=[2, 16, 29]),
+    "quickstart": dict(
+        config={
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+            "rope_theta": 100000.0,
+            "hidden_act": "silu",
+            "num_hidden_layers": 30,
+        },
+        draft_vocab=8192,
+        ttt_steps=3,
+        aux=[2, 15, 27],
+    ),
+    "8b": dict(
+        config={
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "hidden_act": "silu",
+            "num_hidden_layers": 32,
+        },
+        draft_vocab=32000,
+        ttt_steps=7,
+        aux=[2, 16, 29],
+    ),
 }
-SHAPES["kimi"] = dict(config={"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 56,
-                              "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "vocab_size": 163840,
-                              "max_position_embeddings": 262144, "rope_theta": 50000.0, "hidden_act": "silu",
-                              "num_hidden_layers": 61},
-                      draft_vocab=32000, ttt_steps=7, aux=[2, 30, 58])
-SHAPES["tiny"] = dict(config={**SHAPES["quickstart"]["config"], "hidden_size": 64, "intermediate_size": 128,
-                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320},
-                      draft_vocab=128, ttt_steps=2, aux=[2, 15, 27])  # the GPU check's CPU rehearsal
-DEFAULT_SEQS = {"quickstart": [512, 1024, 2048, 4096, 8192], "8b": [1024, 2048, 4096], "kimi": [4096],
-                "tiny": [64, 128]}
+SHAPES["kimi"] = dict(
+    config={
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_attention_heads": 56,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 163840,
+        "max_position_embeddings": 262144,
+        "rope_theta": 50000.0,
+        "hidden_act": "silu",
+        "num_hidden_layers": 61,
+    },
+    draft_vocab=32000,
+    ttt_steps=7,
+    aux=[2, 30, 58],
+)
+SHAPES["tiny"] = dict(
+    config={
+        **SHAPES["quickstart"]["config"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 320,
+    },
+    draft_vocab=128,
+    ttt_steps=2,
+    aux=[2, 15, 27],
+)  # the GPU check's CPU rehearsal
+DEFAULT_SEQS = {
+    "quickstart": [512, 1024, 2048, 4096, 8192],
+    "8b": [1024, 2048, 4096],
+    "kimi": [4096],
+    "tiny": [64, 128],
+}
 
 
 def _sync(device: torch.device) -> None:
@@ -87,7 +141,7 @@ def _setup(shape: str, device: torch.device, compile_layers: str | None, lean: b
         norm = torch.nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         head_weight = torch.randn(spec.vocab_size, spec.hidden_size) * 0.05
     draft.init_weights(0)
-    draft.set_draft_vocab(torch.sort(torch.randperm(spec.vocab_size)[:spec.draft_vocab_size]).values)
+    draft.set_draft_vocab(torch.sort(torch.randperm(spec.vocab_size)[: spec.draft_vocab_size]).values)
     if compile_layers:  # a torch.compile backend (inductor; eager only traces, for rehearsals)
         for layer in draft.layers:
             layer.compile(dynamic=True, backend=compile_layers)
@@ -97,8 +151,11 @@ def _setup(shape: str, device: torch.device, compile_layers: str | None, lean: b
     head = TargetHead(norm, head_weight, draft.draft_to_target)
     model = TTTModel(draft, kernel)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (torch.optim.SGD(params, lr=1e-4) if lean else
-                 torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None))
+    optimizer = (
+        torch.optim.SGD(params, lr=1e-4)
+        if lean
+        else torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None)
+    )
     return spec, head, model, params, optimizer
 
 
@@ -116,20 +173,29 @@ def _batch(spec, shape: str, seq: int, device: torch.device):
 def _step(shape, seq, head, model, params, optimizer, batch, dtype, device, mode, checkpointed, full) -> None:
     ids, index, hidden = batch
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext())
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     with autocast:
         aux = hidden[:, :, :-1].to(compute).reshape(1, seq, -1)
         target = head(hidden[:, :, -1].to(compute), index, full=full)
-        out = model(ids, aux, target, index, SHAPES[shape]["ttt_steps"], 0.8, None, full, mode=mode,
-                    checkpointed=checkpointed)
+        out = model(
+            ids, aux, target, index, SHAPES[shape]["ttt_steps"], 0.8, None, full, mode=mode, checkpointed=checkpointed
+        )
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 0.5)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def vary(shape: str, seq: int, n: int, device: torch.device, dtype: str, compile_layers: str | None,
-         checkpointed: bool, kernel: str = "auto") -> dict:
+def vary(
+    shape: str,
+    seq: int,
+    n: int,
+    device: torch.device,
+    dtype: str,
+    compile_layers: str | None,
+    checkpointed: bool,
+    kernel: str = "auto",
+) -> dict:
     """`n` optimizer steps at random lengths in [seq/2, seq] in this process, as the trainer's micro-batches come:
     tokens/s over them and the graphs dynamo made (a new graph per length would recompile every step and, past its
     cache limit, fall back to eager flex with dense scores)."""
@@ -148,17 +214,39 @@ def vary(shape: str, seq: int, n: int, device: torch.device, dtype: str, compile
         _step(shape, t, head, model, params, optimizer, batch, dtype, device, "ttt", checkpointed, False)
         _sync(device)
         tokens += t
-        print(f"  {shape} vary {i + 1}/{n} T={t} graphs so far {counters['stats']['unique_graphs']}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {shape} vary {i + 1}/{n} T={t} graphs so far {counters['stats']['unique_graphs']}",
+            file=sys.stderr,
+            flush=True,
+        )
     seconds = time.perf_counter() - start
-    return {"shape": shape, "lengths": lengths, "unique_graphs": int(counters["stats"]["unique_graphs"]),
-            "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1), "compile": compile_layers,
-            "kernel": kernel, "device": str(device), "dtype": dtype}
+    return {
+        "shape": shape,
+        "lengths": lengths,
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "compile": compile_layers,
+        "kernel": kernel,
+        "device": str(device),
+        "dtype": dtype,
+    }
 
 
-def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: torch.device, dtype: str,
-            compile_layers: str | None, checkpointed: bool, log_every: int, lean: bool = False,
-            kernel: str = "auto") -> dict:
+def measure(
+    shape: str,
+    seq: int,
+    steps: int,
+    warmup: int,
+    mode: str,
+    device: torch.device,
+    dtype: str,
+    compile_layers: str | None,
+    checkpointed: bool,
+    log_every: int,
+    lean: bool = False,
+    kernel: str = "auto",
+) -> dict:
     """One (shape, T) in this process: seconds per step (median) and the step's peak memory."""
     spec, head, model, params, optimizer = _setup(shape, device, compile_layers, lean, kernel)
     batch = _batch(spec, shape, seq, device)
@@ -176,20 +264,45 @@ def measure(shape: str, seq: int, steps: int, warmup: int, mode: str, device: to
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        print(f"  {shape} T={seq} {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {shape} T={seq} {mode}: step {i + 1}/{warmup + steps} {time.perf_counter() - t0:.2f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20 - base
     else:
         peak = _status_mb("VmHWM:") - base
     median = sorted(times)[len(times) // 2]
-    return {"shape": shape, "seq": seq, "mode": mode, "s_per_step": round(median, 3),
-            "tokens_per_s": round(seq / median, 1), "peak_mb": round(peak, 1)}
+    return {
+        "shape": shape,
+        "seq": seq,
+        "mode": mode,
+        "s_per_step": round(median, 3),
+        "tokens_per_s": round(seq / median, 1),
+        "peak_mb": round(peak, 1),
+    }
 
 
 def _child(args, shape: str, seq: int, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", shape, str(seq), mode, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--log-every", str(args.log_every)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        shape,
+        str(seq),
+        mode,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--log-every",
+        str(args.log_every),
+    ]
     cmd += ["--compile", args.compile] * bool(args.compile) + ["--checkpointing"] * args.checkpointing
     cmd += ["--lean"] * args.lean + ["--kernel", args.kernel]
     cmd += ["--threads", str(args.threads)] if args.threads else []
@@ -209,17 +322,36 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                        help="torch.compile the draft's decoder layers (backend: inductor, or eager to only trace)")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile the draft's decoder layers (backend: inductor, or eager to only trace)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of each TTT step")
     parser.add_argument("--no-naive", action="store_true", help="skip the explicit-mask reference")
-    parser.add_argument("--lean", action="store_true", help="frozen embedding and target head in bf16, SGD instead "
-                        "of AdamW: less memory that does not depend on T (to fit the 8b sweep in a small RAM)")
+    parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="frozen embedding and target head in bf16, SGD instead "
+        "of AdamW: less memory that does not depend on T (to fit the 8b sweep in a small RAM)",
+    )
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--kernel", choices=["auto", "flex", "chunked"], default="auto",
-                        help="the TTT attention kernel (auto: flex on a GPU, chunked elsewhere)")
-    parser.add_argument("--vary", type=int, default=0, metavar="N",
-                        help="N steps at random lengths in [T/2, T] in one process; count the compiled graphs")
+    parser.add_argument(
+        "--kernel",
+        choices=["auto", "flex", "chunked"],
+        default="auto",
+        help="the TTT attention kernel (auto: flex on a GPU, chunked elsewhere)",
+    )
+    parser.add_argument(
+        "--vary",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N steps at random lengths in [T/2, T] in one process; count the compiled graphs",
+    )
     parser.add_argument("--child", nargs=3, metavar=("SHAPE", "T", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -227,17 +359,35 @@ def main() -> None:
     if args.vary:
         shape = "tiny" if args.shape == "both" else args.shape
         seq = int(args.seqs.split(",")[-1]) if args.seqs else DEFAULT_SEQS[shape][-1]
-        result = vary(shape, seq, args.vary, torch.device(args.device), args.dtype, args.compile, args.checkpointing,
-                      args.kernel)
-        print(f"{shape}: {args.vary} steps at lengths {min(result['lengths'])}..{max(result['lengths'])}, "
-              f"{result['unique_graphs']} compiled graphs, {result['tokens_per_s']:.1f} tokens/s")
+        result = vary(
+            shape, seq, args.vary, torch.device(args.device), args.dtype, args.compile, args.checkpointing, args.kernel
+        )
+        print(
+            f"{shape}: {args.vary} steps at lengths {min(result['lengths'])}..{max(result['lengths'])}, "
+            f"{result['unique_graphs']} compiled graphs, {result['tokens_per_s']:.1f} tokens/s"
+        )
         print(json.dumps(result))
         return
     if args.child:
         shape, seq, mode = args.child
-        print(json.dumps(measure(shape, int(seq), args.steps, args.warmup, mode, torch.device(args.device),
-                                 args.dtype, args.compile, args.checkpointing, args.log_every, args.lean,
-                                 args.kernel)))
+        print(
+            json.dumps(
+                measure(
+                    shape,
+                    int(seq),
+                    args.steps,
+                    args.warmup,
+                    mode,
+                    torch.device(args.device),
+                    args.dtype,
+                    args.compile,
+                    args.checkpointing,
+                    args.log_every,
+                    args.lean,
+                    args.kernel,
+                )
+            )
+        )
         return
     shapes = ["quickstart", "8b"] if args.shape == "both" else [args.shape]
     rows = []
@@ -250,18 +400,29 @@ def main() -> None:
         ours = next((r for r in rows if r["shape"] == "quickstart" and r["seq"] == 1024 and "error" not in r), None)
         ours = ours or _child(args, "quickstart", 1024, "ttt")
         naive = _child(args, "quickstart", 1024, "naive")
-    print(f"device {args.device}, {args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, "
-          f"lean {args.lean}, "
-          f"torch threads {args.threads or torch.get_num_threads()}, batch 1")
+    print(
+        f"device {args.device}, {args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, "
+        f"lean {args.lean}, "
+        f"torch threads {args.threads or torch.get_num_threads()}, batch 1"
+    )
     print(f"{'shape':>10} {'T':>6} {'s/step':>8} {'tokens/s':>9} {'peak MB':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:>10} {r['seq']:>6} failed: {r['error']}")
         else:
-            print(f"{r['shape']:>10} {r['seq']:>6} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_mb']:>9.0f}")
-    summary: dict = {"device": args.device, "dtype": args.dtype, "compile": args.compile, "kernel": args.kernel,
-                     "checkpointing": args.checkpointing, "lean": args.lean,
-                     "tokens_per_s_by_T": {}, "peak_mb_by_T": {}}
+            print(
+                f"{r['shape']:>10} {r['seq']:>6} {r['s_per_step']:>8.2f} {r['tokens_per_s']:>9.1f} {r['peak_mb']:>9.0f}"
+            )
+    summary: dict = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "kernel": args.kernel,
+        "checkpointing": args.checkpointing,
+        "lean": args.lean,
+        "tokens_per_s_by_T": {},
+        "peak_mb_by_T": {},
+    }
     for shape in shapes:
         ok = [r for r in rows if r["shape"] == shape and "error" not in r]
         summary["tokens_per_s_by_T"][shape] = {r["seq"]: r["tokens_per_s"] for r in ok}
@@ -270,13 +431,17 @@ def main() -> None:
     seqs = sorted(peaks)
     if len(seqs) >= 3 and seqs[1] == 2 * seqs[0] and seqs[2] == 2 * seqs[1]:
         summary["growth_8b"] = round((peaks[seqs[2]] - peaks[seqs[1]]) / (peaks[seqs[1]] - peaks[seqs[0]]), 3)
-        print(f"8b peak growth ({seqs[1]} -> {seqs[2]}) / ({seqs[0]} -> {seqs[1]}): {summary['growth_8b']} "
-              "(2 = linear, 4 = quadratic)")
+        print(
+            f"8b peak growth ({seqs[1]} -> {seqs[2]}) / ({seqs[0]} -> {seqs[1]}): {summary['growth_8b']} "
+            "(2 = linear, 4 = quadratic)"
+        )
     if naive is not None and "error" not in naive and "error" not in ours:
         summary["ratio_vs_naive"] = round(naive["s_per_step"] / ours["s_per_step"], 3)
         summary["naive_peak_mb_1024"] = naive["peak_mb"]
-        print(f"quickstart T=1024: explicit-mask reference {naive['s_per_step']:.2f} s/step, ours "
-              f"{ours['s_per_step']:.2f}: ratio {summary['ratio_vs_naive']}")
+        print(
+            f"quickstart T=1024: explicit-mask reference {naive['s_per_step']:.2f} s/step, ours "
+            f"{ours['s_per_step']:.2f}: ratio {summary['ratio_vs_naive']}"
+        )
     print(json.dumps(summary))
 
 

@@ -31,8 +31,22 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPES = ["--token-budget", "1024", "--ttt-steps", "3", "--draft-vocab-size", "8192", "--lr", "2e-3",
-          "--warmup-steps", "20", "--device", "cpu", "--save-every", "100000"]
+SHAPES = [
+    "--token-budget",
+    "1024",
+    "--ttt-steps",
+    "3",
+    "--draft-vocab-size",
+    "8192",
+    "--lr",
+    "2e-3",
+    "--warmup-steps",
+    "20",
+    "--device",
+    "cpu",
+    "--save-every",
+    "100000",
+]
 
 
 def quickstart_store(work: Path) -> Path:
@@ -49,15 +63,31 @@ def quickstart_store(work: Path) -> Path:
     return store
 
 
-def run_once(src: Path, store: Path, out: Path, steps: int, log_every: int, threads: int | None,
-             wait_policy: str | None) -> dict:
+def run_once(
+    src: Path, store: Path, out: Path, steps: int, log_every: int, threads: int | None, wait_policy: str | None
+) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     if wait_policy:
         env["OMP_WAIT_POLICY"] = wait_policy
-    cmd = [sys.executable, "-m", "draftsmith", "train", "--data", str(store), "--output", str(out), "--max-steps",
-           str(steps), "--log-every", str(log_every), "--force", "--no-resume", *SHAPES]
+    cmd = [
+        sys.executable,
+        "-m",
+        "draftsmith",
+        "train",
+        "--data",
+        str(store),
+        "--output",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--log-every",
+        str(log_every),
+        "--force",
+        "--no-resume",
+        *SHAPES,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -65,8 +95,11 @@ def run_once(src: Path, store: Path, out: Path, steps: int, log_every: int, thre
     train = [m for m in lines if m["type"] == "train"]
     first, last = train[0], train[-1]
     elapsed = [m["tokens_seen"] / m["tokens_per_s"] for m in (first, last)]
-    return {"tokens_per_s": (last["tokens_seen"] - first["tokens_seen"]) / (elapsed[1] - elapsed[0]),
-            "losses": [round(m["loss"], 6) for m in train], "steps": [m["step"] for m in train]}
+    return {
+        "tokens_per_s": (last["tokens_seen"] - first["tokens_seen"]) / (elapsed[1] - elapsed[0]),
+        "losses": [round(m["loss"], 6) for m in train],
+        "steps": [m["step"] for m in train],
+    }
 
 
 def main() -> None:
@@ -78,9 +111,13 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both (default: torch's)")
-    parser.add_argument("--wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
-                        help="OMP_WAIT_POLICY for both (default: unset, each tree as shipped: this one's trainer "
-                             "sets PASSIVE when unset)")
+    parser.add_argument(
+        "--wait-policy",
+        choices=["PASSIVE", "ACTIVE"],
+        default=None,
+        help="OMP_WAIT_POLICY for both (default: unset, each tree as shipped: this one's trainer "
+        "sets PASSIVE when unset)",
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     store = args.store or quickstart_store(args.work)
@@ -89,26 +126,42 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name, src in trees.items():
-            res = run_once(src, store, args.work / f"{name}-{r}", args.steps, args.log_every, args.threads,
-                           args.wait_policy)
+            res = run_once(
+                src, store, args.work / f"{name}-{r}", args.steps, args.log_every, args.threads, args.wait_policy
+            )
             loads.append(os.getloadavg()[0])
             results[name].append(res)
-            print(f"round {r + 1} {name}: {res['tokens_per_s']:.1f} tokens/s, losses {res['losses']} "
-                  f"(load {loads[-1]:.1f})", file=sys.stderr, flush=True)
+            print(
+                f"round {r + 1} {name}: {res['tokens_per_s']:.1f} tokens/s, losses {res['losses']} "
+                f"(load {loads[-1]:.1f})",
+                file=sys.stderr,
+                flush=True,
+            )
     rate = {name: statistics.median(x["tokens_per_s"] for x in runs) for name, runs in results.items()}
     print(f"{'':>6} {'tokens/s (median)':>18} {'rounds':>30} {'final loss':>12}")
     for name, runs in results.items():
         rounds = " ".join(f"{x['tokens_per_s']:.1f}" for x in runs)
         print(f"{name:>6} {rate[name]:>18.1f} {rounds:>30} {runs[-1]['losses'][-1]:>12.6f}")
     print(f"ratio {rate['ours'] / rate['main']:.3f}; load average {min(loads):.1f}..{max(loads):.1f}")
-    print(json.dumps({"tokens_per_s_ours": round(rate["ours"], 1), "tokens_per_s_main": round(rate["main"], 1),
-                      "ratio": round(rate["ours"] / rate["main"], 3),
-                      "final_loss_ours": results["ours"][-1]["losses"][-1],
-                      "final_loss_main": results["main"][-1]["losses"][-1],
-                      "loss_curve_ours": results["ours"][-1]["losses"], "loss_curve_main": results["main"][-1]["losses"],
-                      "logged_steps": results["ours"][-1]["steps"], "rounds": args.rounds, "steps": args.steps,
-                      "load_avg": [round(min(loads), 1), round(max(loads), 1)], "store": str(store),
-                      "wait_policy": args.wait_policy or "as shipped"}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s_ours": round(rate["ours"], 1),
+                "tokens_per_s_main": round(rate["main"], 1),
+                "ratio": round(rate["ours"] / rate["main"], 3),
+                "final_loss_ours": results["ours"][-1]["losses"][-1],
+                "final_loss_main": results["main"][-1]["losses"][-1],
+                "loss_curve_ours": results["ours"][-1]["losses"],
+                "loss_curve_main": results["main"][-1]["losses"],
+                "logged_steps": results["ours"][-1]["steps"],
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "load_avg": [round(min(loads), 1), round(max(loads), 1)],
+                "store": str(store),
+                "wait_policy": args.wait_policy or "as shipped",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

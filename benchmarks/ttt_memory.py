@@ -47,6 +47,7 @@ SHAPES = {
 
 # ---------------------------------------------------------------------------------------------- one run (worker)
 
+
 def load_kernel(kernel: str, chunk: int | None):
     if kernel == "main":  # the baseline tree is first on PYTHONPATH (set by the parent)
         try:
@@ -84,7 +85,7 @@ def make_inputs(cfg: dict):
 def fwd_bwd(fn, qs, keys, values, leaves) -> float:
     """Forward of every TTT step's attention, one backward through all of them; seconds."""
     start = time.perf_counter()
-    outs = [fn(qs[k], keys[:k + 1], values[:k + 1]) for k in range(len(qs))]
+    outs = [fn(qs[k], keys[: k + 1], values[: k + 1]) for k in range(len(qs))]
     sum(o.sum() for o in outs).backward()
     for x in (x for group in leaves for x in group):
         x.grad = None
@@ -118,12 +119,14 @@ def worker(cfg: dict) -> dict:
     else:
         base_mb = current_rss_mb()
     times = [round(fwd_bwd(fn, *inputs), 4) for _ in range(cfg["iters"])]
-    peak_mb = (torch.cuda.max_memory_allocated() / 2**20 if cuda
-               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak_mb = (
+        torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     return {"peak_mb": round(peak_mb, 1), "base_mb": round(base_mb, 1), "seconds": times}
 
 
 # ---------------------------------------------------------------------------------------------- driver
+
 
 def run_worker(cfg: dict, main_src: str) -> dict | None:
     env = dict(os.environ)
@@ -135,11 +138,11 @@ def run_worker(cfg: dict, main_src: str) -> dict | None:
         # glibc serves blocks under its (dynamic, up to 32 MB) mmap threshold from heaps it seldom returns, so peak
         # RSS would follow fragmentation rather than live tensors; a fixed 64 kB threshold maps and unmaps them all.
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(cfg)], env=env, capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        print(f"  {cfg['kernel']} T={cfg['t']}: failed (rc {proc.returncode}) {proc.stderr.strip()[-300:]}",
-              flush=True)
+        print(f"  {cfg['kernel']} T={cfg['t']}: failed (rc {proc.returncode}) {proc.stderr.strip()[-300:]}", flush=True)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -180,17 +183,24 @@ def memory(args, common) -> dict:
             if kernel != "ttt" and len(known) >= 2:  # quadratic extrapolation: doubling T adds 4x what it added
                 predicted = known[-1] + 4 * (known[-1] - known[-2])
                 if predicted > 0.8 * free_mb(args.device):
-                    print(f"  {kernel} T={t}: skipped, ~{predicted:.0f} MB predicted, {free_mb(args.device):.0f} "
-                          f"MB free", flush=True)
+                    print(
+                        f"  {kernel} T={t}: skipped, ~{predicted:.0f} MB predicted, {free_mb(args.device):.0f} MB free",
+                        flush=True,
+                    )
                     peaks[t], stopped = None, True
                     continue
-            res = run_worker(dict(common, kernel=kernel, t=t, steps=7, iters=1, rss=args.device == "cpu",
-                                  **SHAPES["8b"]), args.main_src)
+            res = run_worker(
+                dict(common, kernel=kernel, t=t, steps=7, iters=1, rss=args.device == "cpu", **SHAPES["8b"]),
+                args.main_src,
+            )
             peaks[t] = res["peak_mb"] if res else None
             stopped = res is None
             if res:
-                print(f"  {kernel} T={t}: peak {res['peak_mb']:.0f} MB (base {res['base_mb']:.0f}), "
-                      f"fwd+bwd {res['seconds'][0]:.2f} s, load {load()}", flush=True)
+                print(
+                    f"  {kernel} T={t}: peak {res['peak_mb']:.0f} MB (base {res['base_mb']:.0f}), "
+                    f"fwd+bwd {res['seconds'][0]:.2f} s, load {load()}",
+                    flush=True,
+                )
         result[kernel] = {"peak_mb": {str(t): p for t, p in peaks.items()}, "growth_ratio": growth_ratios(peaks)}
     return result
 
@@ -200,8 +210,12 @@ def speed(args, common) -> dict:
     for threads in args.threads:
         for steps in (3, 7):
             key = f"steps_{steps}" + (f"_threads_{threads}" if threads else "")
-            res = run_worker(dict(common, kernel="pair", t=1024, steps=steps, iters=args.iters, threads=threads,
-                                  **SHAPES["default"]), args.main_src)
+            res = run_worker(
+                dict(
+                    common, kernel="pair", t=1024, steps=steps, iters=args.iters, threads=threads, **SHAPES["default"]
+                ),
+                args.main_src,
+            )
             if res is None:
                 result[key] = None
                 continue
@@ -209,9 +223,12 @@ def speed(args, common) -> dict:
             row = {f"{k}_tokens_per_s": round(common["batch"] * 1024 / v, 1) for k, v in med.items()}
             row["speedup"] = round(med["main"] / med["ttt"], 3)
             row["load"] = load()
-            print(f"  speed, {steps} TTT steps, threads {threads or torch.get_num_threads()}: median of "
-                  f"{args.iters}, tokens/s main {row['main_tokens_per_s']}, ttt {row['ttt_tokens_per_s']} "
-                  f"(x{row['speedup']}), load {row['load']}", flush=True)
+            print(
+                f"  speed, {steps} TTT steps, threads {threads or torch.get_num_threads()}: median of "
+                f"{args.iters}, tokens/s main {row['main_tokens_per_s']}, ttt {row['ttt_tokens_per_s']} "
+                f"(x{row['speedup']}), load {row['load']}",
+                flush=True,
+            )
             result[key] = row
     return result
 
@@ -221,8 +238,19 @@ def sweep_chunk(args, common) -> dict:
     for name, t, steps in (("default", 1024, 7), ("8b", 1024, 3)):
         row = {}
         for chunk in (32, 64, 128, 256, 512):
-            res = run_worker(dict(common, kernel="ttt", t=t, steps=steps, iters=args.iters, chunk=chunk,
-                                  threads=args.threads[0], **SHAPES[name]), args.main_src)
+            res = run_worker(
+                dict(
+                    common,
+                    kernel="ttt",
+                    t=t,
+                    steps=steps,
+                    iters=args.iters,
+                    chunk=chunk,
+                    threads=args.threads[0],
+                    **SHAPES[name],
+                ),
+                args.main_src,
+            )
             row[str(chunk)] = round(statistics.median(res["seconds"][1:]), 4) if res else None
         print(f"  chunk sweep {name} T={t} steps={steps}: seconds {row}, load {load()}", flush=True)
         result[f"{name}_T{t}_steps{steps}"] = row
@@ -238,11 +266,19 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=["ttt", "main", "naive"])
     parser.add_argument("--main-src", default="/tmp/main-db7d796/src")
     parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--threads", type=int, nargs="+", default=[0],
-                        help="torch threads in the speed workers (0: torch's default); one speed run per value")
-    parser.add_argument("--omp-wait-policy", choices=("active", "passive"),
-                        help="OMP_WAIT_POLICY of the workers: on a CPU shared with other jobs, libgomp's spinning "
-                             "waits (the default) can make every multi-threaded op wait for a descheduled thread")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="torch threads in the speed workers (0: torch's default); one speed run per value",
+    )
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=("active", "passive"),
+        help="OMP_WAIT_POLICY of the workers: on a CPU shared with other jobs, libgomp's spinning "
+        "waits (the default) can make every multi-threaded op wait for a descheduled thread",
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--sweep-chunk", action="store_true")
@@ -252,8 +288,14 @@ def main() -> None:
         return
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     common = dict(device=args.device, dtype=dtype, batch=1, omp_wait_policy=args.omp_wait_policy)
-    report = {"device": args.device, "dtype": dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "omp_wait_policy": args.omp_wait_policy, "load_before": load()}
+    report = {
+        "device": args.device,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": args.omp_wait_policy,
+        "load_before": load(),
+    }
     if args.device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
     if not Path(args.main_src).is_dir():

@@ -81,8 +81,9 @@ def run(cmd: list[str], *, log_file: Path | None = None, env: dict | None = None
         out = proc.stdout + proc.stderr
     else:
         with open(log_file, "w", encoding="utf-8") as f:
-            proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                                  check=False)
+            proc = subprocess.run(
+                cmd, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False
+            )
         out = log_file.read_text(encoding="utf-8", errors="replace")
     if proc.returncode != 0:
         tail = "\n".join(out.strip().splitlines()[-25:])
@@ -91,6 +92,7 @@ def run(cmd: list[str], *, log_file: Path | None = None, env: dict | None = None
 
 
 # ---------------------------------------------------------------------------------------------- the peer's venv
+
 
 def peer_python() -> Path:
     """The peer venv's python, made on first use (under a lock: two benchmarks may start at once)."""
@@ -123,6 +125,7 @@ def peer_python() -> Path:
 
 # ---------------------------------------------------------------------------------------------- data
 
+
 def draftsmith_cmd() -> list[str]:
     return [sys.executable, "-m", "draftsmith"]
 
@@ -134,16 +137,32 @@ def make_data(conversations: int) -> tuple[Path, Path, dict]:
     root.mkdir(parents=True, exist_ok=True)
     if not (prepared / "manifest.json").is_file():
         log(f"draftsmith prepare: {conversations} embedded ShareGPT conversations, max length {SEQ_LEN}")
-        run(draftsmith_cmd() + ["prepare", "--max-length", str(SEQ_LEN), "--max-samples", str(conversations),
-                                "--output", str(prepared)], log_file=root / "prepare.log")
+        run(
+            draftsmith_cmd()
+            + ["prepare", "--max-length", str(SEQ_LEN), "--max-samples", str(conversations), "--output", str(prepared)],
+            log_file=root / "prepare.log",
+        )
     num_samples = json.loads((prepared / "manifest.json").read_text())["num_samples"]
     manifest = json.loads((store / "manifest.json").read_text()) if (store / "manifest.json").is_file() else {}
     if manifest.get("num_samples") != num_samples:
         log(f"draftsmith extract: {num_samples} samples, hf backend, bf16 store (~3 min per 64 on a quiet machine)")
         t0 = time.perf_counter()
         # the target in float32 on every CPU kind (`auto` would be bf16 on a bf16 CPU): the same data everywhere
-        run(draftsmith_cmd() + ["extract", "--prepared", str(prepared), "--output", str(store), "--device", "cpu",
-                                "--compute-dtype", "float32"], log_file=root / "extract.log")
+        run(
+            draftsmith_cmd()
+            + [
+                "extract",
+                "--prepared",
+                str(prepared),
+                "--output",
+                str(store),
+                "--device",
+                "cpu",
+                "--compute-dtype",
+                "float32",
+            ],
+            log_file=root / "extract.log",
+        )
         log(f"  extracted in {time.perf_counter() - t0:.0f} s")
         manifest = json.loads((store / "manifest.json").read_text())
     return prepared, store, manifest
@@ -171,6 +190,7 @@ def make_peer_data(py: Path, store: Path, train: list[int], held: list[int]) -> 
 
 
 # ---------------------------------------------------------------------------------------------- side by side
+
 
 class Job:
     """A trainer process that runs only while it holds the turn (SIGSTOP / SIGCONT on its process group)."""
@@ -206,7 +226,7 @@ class Job:
         with open(self.step_log, "rb") as f:
             f.seek(self._pos)
             chunk = f.read()
-        complete = chunk[:chunk.rfind(b"\n") + 1]
+        complete = chunk[: chunk.rfind(b"\n") + 1]
         self._pos += len(complete)
         for line in complete.decode("utf-8").splitlines():
             if line.strip():
@@ -235,10 +255,15 @@ class Job:
                 steps += 1
             prev, dirty = (t, rec), False
         train = [r for _, r in self.records if r.get("type") == "train"]
-        return {"tokens_per_s": round(tokens / seconds, 1) if seconds else None, "timed_steps": steps,
-                "timed_s": round(seconds, 1), "steps": len(train),
-                "tokens_seen": train[-1]["tokens_seen"] if train else 0, "active_s": round(self.active, 1),
-                "load_avg_while_running": round(sum(self.loads) / len(self.loads), 2) if self.loads else None}
+        return {
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+            "timed_steps": steps,
+            "timed_s": round(seconds, 1),
+            "steps": len(train),
+            "tokens_seen": train[-1]["tokens_seen"] if train else 0,
+            "active_s": round(self.active, 1),
+            "load_avg_while_running": round(sum(self.loads) / len(self.loads), 2) if self.loads else None,
+        }
 
 
 def side_by_side(jobs: list[Job], slice_s: float) -> None:
@@ -265,18 +290,51 @@ def train_both(args, py: Path, store: Path, peer_data: Path, target: str, n_trai
     ours_dir, peer_dir = work / "ours", work / "peer"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     ours_cmd = draftsmith_cmd() + [
-        "train", "--data", str(store), "--output", str(ours_dir), "--draft-vocab-size", str(DRAFT_VOCAB),
-        "--ttt-steps", str(TTT_STEPS), "--num-layers", str(NUM_LAYERS), "--token-budget", str(SEQ_LEN),
-        "--lr", str(args.ours_lr), "--warmup-steps", str(args.ours_warmup), "--epochs", str(args.epochs),
-        "--eval-fraction", str(args.eval_fraction), "--log-every", str(args.ours_log_every),
-        "--save-every", "1000000", "--device", "cpu", "--precision", args.precisions["ours"]]
-    peer_cmd = [str(py), str(PEERS / "speculators_train.py")] + peer_args(target, peer_data, peer_dir, n_train, n,
-                                                                         args.epochs, args.precisions["peer"])
+        "train",
+        "--data",
+        str(store),
+        "--output",
+        str(ours_dir),
+        "--draft-vocab-size",
+        str(DRAFT_VOCAB),
+        "--ttt-steps",
+        str(TTT_STEPS),
+        "--num-layers",
+        str(NUM_LAYERS),
+        "--token-budget",
+        str(SEQ_LEN),
+        "--lr",
+        str(args.ours_lr),
+        "--warmup-steps",
+        str(args.ours_warmup),
+        "--epochs",
+        str(args.epochs),
+        "--eval-fraction",
+        str(args.eval_fraction),
+        "--log-every",
+        str(args.ours_log_every),
+        "--save-every",
+        "1000000",
+        "--device",
+        "cpu",
+        "--precision",
+        args.precisions["ours"],
+    ]
+    peer_cmd = [str(py), str(PEERS / "speculators_train.py")] + peer_args(
+        target, peer_data, peer_dir, n_train, n, args.epochs, args.precisions["peer"]
+    )
     peer_dir.mkdir(parents=True, exist_ok=True)
     log(f"training side by side, {args.slice_s:.0f}-second turns: draftsmith -> {ours_dir}, speculators -> {peer_dir}")
-    jobs = [Job("ours", ours_cmd, ours_dir / "metrics.jsonl", work / "ours.log", env),
-            Job("peer", peer_cmd, peer_dir / "steps.jsonl", work / "peer.log",
-                dict(env, STEP_LOG=str(peer_dir / "steps.jsonl")))]
+    jobs = [
+        Job("ours", ours_cmd, ours_dir / "metrics.jsonl", work / "ours.log", env),
+        Job(
+            "peer",
+            peer_cmd,
+            peer_dir / "steps.jsonl",
+            work / "peer.log",
+            dict(env, STEP_LOG=str(peer_dir / "steps.jsonl")),
+        ),
+    ]
     t0 = time.perf_counter()
     try:
         side_by_side(jobs, args.slice_s)
@@ -291,21 +349,56 @@ def train_both(args, py: Path, store: Path, peer_data: Path, target: str, n_trai
     return {j.name: j.throughput() for j in jobs}, {j.name: j.records for j in jobs}
 
 
-def peer_args(target: str, data: Path, out: Path, n_train: int, n: int, epochs: int, hidden_states_dtype: str,
-              max_steps: int | None = None):
-    args = ["--verifier-name-or-path", target, "--data-path", str(data), "--save-path", str(out / "checkpoints"),
-            "--log-dir", str(out / "logs"), "--total-seq-len", str(SEQ_LEN), "--draft-vocab-size", str(DRAFT_VOCAB),
-            "--ttt-steps", str(TTT_STEPS), "--num-layers", str(NUM_LAYERS), "--epochs", str(epochs),
-            "--train-data-ratio", repr((n_train + 0.5) / n), "--num-workers", "0", "--on-missing", "raise",
-            # CPU: flex attention and the Triton-fused loss need a GPU. --hidden-states-dtype is also its autocast
-            # dtype (and the weights' dtype when it saves): bfloat16 is its default, float32 its choice on a CPU
-            # without native bf16 (best_precisions)
-            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--hidden-states-dtype",
-            hidden_states_dtype]
+def peer_args(
+    target: str,
+    data: Path,
+    out: Path,
+    n_train: int,
+    n: int,
+    epochs: int,
+    hidden_states_dtype: str,
+    max_steps: int | None = None,
+):
+    args = [
+        "--verifier-name-or-path",
+        target,
+        "--data-path",
+        str(data),
+        "--save-path",
+        str(out / "checkpoints"),
+        "--log-dir",
+        str(out / "logs"),
+        "--total-seq-len",
+        str(SEQ_LEN),
+        "--draft-vocab-size",
+        str(DRAFT_VOCAB),
+        "--ttt-steps",
+        str(TTT_STEPS),
+        "--num-layers",
+        str(NUM_LAYERS),
+        "--epochs",
+        str(epochs),
+        "--train-data-ratio",
+        repr((n_train + 0.5) / n),
+        "--num-workers",
+        "0",
+        "--on-missing",
+        "raise",
+        # CPU: flex attention and the Triton-fused loss need a GPU. --hidden-states-dtype is also its autocast
+        # dtype (and the weights' dtype when it saves): bfloat16 is its default, float32 its choice on a CPU
+        # without native bf16 (best_precisions)
+        "--draft-attn-impl",
+        "sdpa",
+        "--loss-implementation",
+        "eager",
+        "--hidden-states-dtype",
+        hidden_states_dtype,
+    ]
     return args + (["--max-steps", str(max_steps)] if max_steps else [])
 
 
 # ---------------------------------------------------------------------------------------------- results
+
 
 def best_precisions(asked: str) -> dict:
     """Each trainer's precision flag: `best` is bf16 where this CPU computes it natively (core.hardware: AVX512-BF16
@@ -314,8 +407,11 @@ def best_precisions(asked: str) -> dict:
     from draftsmith.core import hardware
 
     bf16 = hardware.native_bf16() if asked == "best" else asked == "bf16"
-    return {"ours": "auto" if asked == "best" else asked, "peer": "bfloat16" if bf16 else "float32",
-            "resolved": "bf16" if bf16 else "fp32"}
+    return {
+        "ours": "auto" if asked == "best" else asked,
+        "peer": "bfloat16" if bf16 else "float32",
+        "resolved": "bf16" if bf16 else "fp32",
+    }
 
 
 def last_eval(records: list, key: str = "acc") -> list | None:
@@ -351,10 +447,14 @@ def draftsmith_source() -> dict:
     uncommitted work; to measure a commit, run with PYTHONPATH=<`git archive` of it>/src)."""
     import draftsmith
 
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                          check=False)
-    return {"path": str(Path(draftsmith.__file__).parent), "head": head.stdout.strip() or None,
-            "version": getattr(draftsmith, "__version__", None)}
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=False
+    )
+    return {
+        "path": str(Path(draftsmith.__file__).parent),
+        "head": head.stdout.strip() or None,
+        "version": getattr(draftsmith, "__version__", None),
+    }
 
 
 def vllm_tau(draft: Path, target: str, prompts: list[list[int]], args, work: Path, name: str) -> dict:
@@ -363,16 +463,34 @@ def vllm_tau(draft: Path, target: str, prompts: list[list[int]], args, work: Pat
     from draftsmith.evaluate.vllm_runner import run_vllm, stats_from_vllm
 
     t0 = time.perf_counter()
-    result = run_vllm(target=Path(target), draft=draft, prompts=prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                      temperature=0.0, seed=0, dtype="float32",
-                      max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 8,
-                      kv_cache_gb=args.vllm_kv_cache_gb, timeout_s=args.vllm_timeout_s, workdir=work,
-                      name=f"vllm-{name}", max_num_seqs=args.vllm_max_num_seqs)
+    result = run_vllm(
+        target=Path(target),
+        draft=draft,
+        prompts=prompts,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0,
+        seed=0,
+        dtype="float32",
+        max_model_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 8,
+        kv_cache_gb=args.vllm_kv_cache_gb,
+        timeout_s=args.vllm_timeout_s,
+        workdir=work,
+        name=f"vllm-{name}",
+        max_num_seqs=args.vllm_max_num_seqs,
+    )
     stats = stats_from_vllm(result, args.k, len(prompts))
-    return {"tau": stats.tau, "drafts": stats.num_rounds, "accepted": stats.num_accepted,
-            "acceptance_per_pos": stats.acceptance_per_pos, "new_tokens": stats.num_new_tokens,
-            "elapsed_s": stats.elapsed_s, "tokens_per_s": stats.tokens_per_s, "outputs": result["outputs"],
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "tau": stats.tau,
+        "drafts": stats.num_rounds,
+        "accepted": stats.num_accepted,
+        "acceptance_per_pos": stats.acceptance_per_pos,
+        "new_tokens": stats.num_new_tokens,
+        "elapsed_s": stats.elapsed_s,
+        "tokens_per_s": stats.tokens_per_s,
+        "outputs": result["outputs"],
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def profile_both(args, py: Path, store: Path, peer_data: Path, target: str, n_train: int, n: int, work: Path) -> dict:
@@ -382,22 +500,58 @@ def profile_both(args, py: Path, store: Path, peer_data: Path, target: str, n_tr
     out.mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), PROFILE=str(out))
     log(f"profiling each trainer for 8 steps -> {out}")
-    run([sys.executable, str(PEERS / "draftsmith_profile.py"), "train", "--data", str(store), "--output",
-         str(out / "ours-run"), "--draft-vocab-size", str(DRAFT_VOCAB), "--ttt-steps", str(TTT_STEPS),
-         "--token-budget", str(SEQ_LEN), "--lr", str(args.ours_lr), "--warmup-steps", str(args.ours_warmup),
-         "--eval-fraction", str(args.eval_fraction), "--max-steps", "8", "--log-every", "1", "--device", "cpu",
-         "--precision", args.precisions["ours"]], log_file=out / "ours.log", env=env)
-    run([str(py), str(PEERS / "speculators_train.py")] + peer_args(target, peer_data, out / "peer-run", n_train, n,
-                                                                   1, args.precisions["peer"], max_steps=8),
-        log_file=out / "peer.log", env=dict(env, STEP_LOG=str(out / "peer-run" / "steps.jsonl")))
+    run(
+        [
+            sys.executable,
+            str(PEERS / "draftsmith_profile.py"),
+            "train",
+            "--data",
+            str(store),
+            "--output",
+            str(out / "ours-run"),
+            "--draft-vocab-size",
+            str(DRAFT_VOCAB),
+            "--ttt-steps",
+            str(TTT_STEPS),
+            "--token-budget",
+            str(SEQ_LEN),
+            "--lr",
+            str(args.ours_lr),
+            "--warmup-steps",
+            str(args.ours_warmup),
+            "--eval-fraction",
+            str(args.eval_fraction),
+            "--max-steps",
+            "8",
+            "--log-every",
+            "1",
+            "--device",
+            "cpu",
+            "--precision",
+            args.precisions["ours"],
+        ],
+        log_file=out / "ours.log",
+        env=env,
+    )
+    run(
+        [str(py), str(PEERS / "speculators_train.py")]
+        + peer_args(target, peer_data, out / "peer-run", n_train, n, 1, args.precisions["peer"], max_steps=8),
+        log_file=out / "peer.log",
+        env=dict(env, STEP_LOG=str(out / "peer-run" / "steps.jsonl")),
+    )
     result = {}
-    for name, key, steps in (("draftsmith", "ours", out / "ours-run" / "metrics.jsonl"),
-                             ("speculators", "peer", out / "peer-run" / "steps.jsonl")):
+    for name, key, steps in (
+        ("draftsmith", "ours", out / "ours-run" / "metrics.jsonl"),
+        ("speculators", "peer", out / "peer-run" / "steps.jsonl"),
+    ):
         f = out / f"{name}.json"
         result[key] = json.loads(f.read_text()) if f.is_file() else None
         if result[key] and steps.is_file():  # tokens of the timed steps (3..6): profile_hook's window
-            seen = {r["step"]: r["tokens_seen"] for r in map(json.loads, steps.read_text().splitlines())
-                    if r.get("type") == "train"}
+            seen = {
+                r["step"]: r["tokens_seen"]
+                for r in map(json.loads, steps.read_text().splitlines())
+                if r.get("type") == "train"
+            }
             if 2 in seen and 6 in seen:
                 per_step = (seen[6] - seen[2]) / 4
                 result[key]["tokens_per_step"] = per_step
@@ -414,9 +568,15 @@ def main() -> None:
     parser.add_argument("--eval-fraction", type=float, default=0.125, help="held-out fraction (draftsmith's split)")
     parser.add_argument("--ours-lr", type=float, default=2e-3, help="draftsmith lr (its quickstart small budget)")
     parser.add_argument("--ours-warmup", type=int, default=20, help="draftsmith warm-up steps (quickstart small)")
-    parser.add_argument("--ours-log-every", type=int, default=10, help=(
-        "draftsmith's --log-every (its default, 10): its logged steps also compute the metrics over the target's "
-        "full vocabulary (about 15 %% of such a step here); speculators computes its metrics at every step"))
+    parser.add_argument(
+        "--ours-log-every",
+        type=int,
+        default=10,
+        help=(
+            "draftsmith's --log-every (its default, 10): its logged steps also compute the metrics over the target's "
+            "full vocabulary (about 15 %% of such a step here); speculators computes its metrics at every step"
+        ),
+    )
     parser.add_argument("--slice-s", type=float, default=20.0, help="seconds each trainer runs per turn")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each trainer")
     parser.add_argument("--k", type=int, default=3)
@@ -427,8 +587,12 @@ def main() -> None:
     parser.add_argument("--vllm-timeout-s", type=int, default=3600)
     parser.add_argument("--skip-vllm", action="store_true", help="no τ (training and held-out accuracy only)")
     parser.add_argument("--profile", action="store_true", help="also profile each trainer (8 steps each)")
-    parser.add_argument("--precision", choices=["best", "fp32", "bf16"], default="best", help=(
-        "best: each trainer at its best precision on this CPU (bf16 where it computes bf16 natively, else fp32)"))
+    parser.add_argument(
+        "--precision",
+        choices=["best", "fp32", "bf16"],
+        default="best",
+        help=("best: each trainer at its best precision on this CPU (bf16 where it computes bf16 natively, else fp32)"),
+    )
     parser.add_argument("--work", type=Path, help="run directory (default $DRAFTSMITH_CACHE/bench/vs-speculators/run)")
     args = parser.parse_args()
     args.conversations = args.conversations or (48 if args.quick else 240)
@@ -440,8 +604,10 @@ def main() -> None:
     from draftsmith.core import hardware
 
     cpu = hardware.cpu_info()
-    log(f"CPU: {cpu.describe()}; precision {args.precision}: draftsmith --precision {args.precisions['ours']}, "
-        f"speculators --hidden-states-dtype {args.precisions['peer']}")
+    log(
+        f"CPU: {cpu.describe()}; precision {args.precision}: draftsmith --precision {args.precisions['ours']}, "
+        f"speculators --hidden-states-dtype {args.precisions['peer']}"
+    )
     work = args.work or cache_dir() / "bench" / "vs-speculators" / "run"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -468,8 +634,22 @@ def main() -> None:
 
     log("held-out accuracy of both drafts (one evaluator)")
     rows = ",".join(str(i) for i in range(len(train), n))
-    out = run([str(py), str(PEERS / "speculators_eval.py"), "--data", str(peer_data), "--rows", rows, "--target",
-               target, "--threads", str(args.threads), str(ours_spec), str(peer_ckpt)])
+    out = run(
+        [
+            str(py),
+            str(PEERS / "speculators_eval.py"),
+            "--data",
+            str(peer_data),
+            "--rows",
+            rows,
+            "--target",
+            target,
+            "--threads",
+            str(args.threads),
+            str(ours_spec),
+            str(peer_ckpt),
+        ]
+    )
     held_out = json.loads(out.strip().splitlines()[-1])
     acc_ours, acc_peer = held_out[str(ours_spec)], held_out[str(peer_ckpt)]
     log(f"  step 0..2 accuracy: ours {acc_ours['acc']}, peer {acc_peer['acc']}")
@@ -485,37 +665,62 @@ def main() -> None:
         for name, draft in (("ours", ours_vllm), ("peer", peer_ckpt)):
             log(f"vLLM: τ of {name} ({draft}), {len(prompts)} prompts x {args.max_new_tokens} tokens, k={args.k}")
             taus[name] = vllm_tau(draft, target, prompts, args, work, name)
-            log(f"  τ {taus[name]['tau']:.3f}, acceptance per position "
-                f"{[round(a, 3) for a in taus[name]['acceptance_per_pos']]} ({taus[name]['wall_s']} s)")
+            log(
+                f"  τ {taus[name]['tau']:.3f}, acceptance per position "
+                f"{[round(a, 3) for a in taus[name]['acceptance_per_pos']]} ({taus[name]['wall_s']} s)"
+            )
 
     profile = profile_both(args, py, store, peer_data, target, len(train), n, work) if args.profile else None
 
     ours_s, peer_s = speeds["ours"]["tokens_per_s"], speeds["peer"]["tokens_per_s"]
     summary = {
-        "tokens_per_s_ours": ours_s, "tokens_per_s_peer": peer_s,
+        "tokens_per_s_ours": ours_s,
+        "tokens_per_s_peer": peer_s,
         "ratio": round(ours_s / peer_s, 3) if ours_s and peer_s else None,
-        "acc_ours": acc_ours["acc"], "acc_peer": acc_peer["acc"],
+        "acc_ours": acc_ours["acc"],
+        "acc_peer": acc_peer["acc"],
         "tau_ours": round(taus["ours"]["tau"], 4) if taus else None,
         "tau_peer": round(taus["peer"]["tau"], 4) if taus else None,
         "acceptance_per_pos_ours": [round(a, 4) for a in taus["ours"]["acceptance_per_pos"]] if taus else None,
         "acceptance_per_pos_peer": [round(a, 4) for a in taus["peer"]["acceptance_per_pos"]] if taus else None,
-        "held_out_positions": acc_ours["count"], "same_draft_vocab": same_draft_vocab(ours_spec, peer_ckpt),
+        "held_out_positions": acc_ours["count"],
+        "same_draft_vocab": same_draft_vocab(ours_spec, peer_ckpt),
         "acc_ours_trainer_eval": last_eval(records["ours"]),
-        "acc_peer_own_metric": acc_peer["acc_own_metric"], "acc_ours_peer_metric": acc_ours["acc_own_metric"],
+        "acc_peer_own_metric": acc_peer["acc_own_metric"],
+        "acc_ours_peer_metric": acc_ours["acc_own_metric"],
         "acc_peer_trainer_eval": last_eval(records["peer"]),
-        "train_ours": speeds["ours"], "train_peer": speeds["peer"],
+        "train_ours": speeds["ours"],
+        "train_peer": speeds["peer"],
         "profile": profile,
-        "cpu": cpu.as_dict(), "precision": {"asked": args.precision, **args.precisions},
+        "cpu": cpu.as_dict(),
+        "precision": {"asked": args.precision, **args.precisions},
         "settings": {
-            "peer": SPECULATORS, "draftsmith": source, "conversations": n, "tokens": manifest["num_tokens"], "train_samples": len(train),
-            "held_out_samples": len(held), "epochs": args.epochs, "seq_len": SEQ_LEN, "draft_vocab": DRAFT_VOCAB,
-            "ttt_steps": TTT_STEPS, "num_layers": NUM_LAYERS, "ours_lr": args.ours_lr,
-            "ours_warmup": args.ours_warmup, "ours_log_every": args.ours_log_every, "slice_s": args.slice_s,
-            "threads": args.threads, "k": args.k,
-            "num_prompts": args.num_prompts if taus else 0, "max_new_tokens": args.max_new_tokens,
-            "vllm_max_num_seqs": args.vllm_max_num_seqs, "quick": args.quick,
-            "load_avg_start": load_start, "load_avg_end": loadavg(),
-            "wall_s": round(time.perf_counter() - started, 1), "work": str(work)},
+            "peer": SPECULATORS,
+            "draftsmith": source,
+            "conversations": n,
+            "tokens": manifest["num_tokens"],
+            "train_samples": len(train),
+            "held_out_samples": len(held),
+            "epochs": args.epochs,
+            "seq_len": SEQ_LEN,
+            "draft_vocab": DRAFT_VOCAB,
+            "ttt_steps": TTT_STEPS,
+            "num_layers": NUM_LAYERS,
+            "ours_lr": args.ours_lr,
+            "ours_warmup": args.ours_warmup,
+            "ours_log_every": args.ours_log_every,
+            "slice_s": args.slice_s,
+            "threads": args.threads,
+            "k": args.k,
+            "num_prompts": args.num_prompts if taus else 0,
+            "max_new_tokens": args.max_new_tokens,
+            "vllm_max_num_seqs": args.vllm_max_num_seqs,
+            "quick": args.quick,
+            "load_avg_start": load_start,
+            "load_avg_end": loadavg(),
+            "wall_s": round(time.perf_counter() - started, 1),
+            "work": str(work),
+        },
     }
     print(json.dumps(summary))
 

@@ -19,22 +19,50 @@ QWEN3_SHAPED_TEMPLATE = Path(__file__).parent / "data" / "qwen3_shaped_tools.jin
 QWEN3_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                        "unit": {"type": "string", "enum": ["C", "F"]}},
-                       "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "search_flights", "description": "Flights between two airports on a date.",
-        "parameters": {"type": "object", "properties": {"origin": {"type": "string"}, "destination": {"type": "string"},
-                                                        "date": {"type": "string"}},
-                       "required": ["origin", "destination", "date"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a text file from the workspace.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
-    {"type": "function", "function": {
-        "name": "run_tests", "description": "Run the test suite and report failures.",
-        "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_flights",
+            "description": "Flights between two airports on a date.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                },
+                "required": ["origin", "destination", "date"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file from the workspace.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite and report failures.",
+            "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}},
+        },
+    },
 ]
 # the same tools by name only: a short declaration, for the tiny targets that learn to call them
 SHORT_TOOLS = [{"type": "function", "function": {"name": t["function"]["name"]}} for t in TOOLS]
@@ -45,23 +73,35 @@ FILES = ["src/app.py", "README.md", "setup.cfg", "tests/test_app.py"]
 
 def _call(rng: random.Random, n: int, turn: int, index: int) -> dict:
     name = rng.choice(["get_weather", "search_flights", "read_file", "run_tests"])
-    args = {"get_weather": lambda: {"city": rng.choice(CITIES), "unit": rng.choice("CF")},
-            "search_flights": lambda: {"origin": rng.choice(AIRPORTS), "destination": rng.choice(AIRPORTS),
-                                       "date": f"2026-0{rng.randint(1, 9)}-1{rng.randint(0, 9)}"},
-            "read_file": lambda: {"path": rng.choice(FILES)},
-            "run_tests": lambda: {"pattern": rng.choice(["test_app", "test_io", ""])}}[name]()
-    return {"id": f"call_{n}_{turn}_{index}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args)}}
+    args = {
+        "get_weather": lambda: {"city": rng.choice(CITIES), "unit": rng.choice("CF")},
+        "search_flights": lambda: {
+            "origin": rng.choice(AIRPORTS),
+            "destination": rng.choice(AIRPORTS),
+            "date": f"2026-0{rng.randint(1, 9)}-1{rng.randint(0, 9)}",
+        },
+        "read_file": lambda: {"path": rng.choice(FILES)},
+        "run_tests": lambda: {"pattern": rng.choice(["test_app", "test_io", ""])},
+    }[name]()
+    return {
+        "id": f"call_{n}_{turn}_{index}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
 
 
 def _result(call: dict, rng: random.Random) -> str:
     args = json.loads(call["function"]["arguments"])
-    return {"get_weather": lambda: json.dumps({"city": args["city"], "temperature": rng.randint(-5, 35),
-                                               "sky": rng.choice(["clear", "rain", "fog"])}),
-            "search_flights": lambda: json.dumps([{"flight": f"XD{rng.randint(100, 999)}",
-                                                   "price": rng.randint(80, 900)} for _ in range(rng.randint(1, 3))]),
-            "read_file": lambda: f"# {args['path']}\nimport os\nprint(os.getcwd())\n",
-            "run_tests": lambda: f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed"}[call["function"]["name"]]()
+    return {
+        "get_weather": lambda: json.dumps(
+            {"city": args["city"], "temperature": rng.randint(-5, 35), "sky": rng.choice(["clear", "rain", "fog"])}
+        ),
+        "search_flights": lambda: json.dumps(
+            [{"flight": f"XD{rng.randint(100, 999)}", "price": rng.randint(80, 900)} for _ in range(rng.randint(1, 3))]
+        ),
+        "read_file": lambda: f"# {args['path']}\nimport os\nprint(os.getcwd())\n",
+        "run_tests": lambda: f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed",
+    }[call["function"]["name"]]()
 
 
 def agentic_conversations(n: int = 60, seed: int = 0, declare_tools: bool = True, tools: list = TOOLS) -> list[dict]:
@@ -75,18 +115,39 @@ def agentic_conversations(n: int = 60, seed: int = 0, declare_tools: bool = True
     for i in range(n):
         messages: list[dict] = [{"role": "system", "content": "You are an agent. Use the tools when they help."}]
         for q in range(1 + (i % 3 == 0)):
-            messages.append({"role": "user", "content": f"Request {q} of conversation {i}: please check "
-                                                        f"{rng.choice(CITIES)} and {rng.choice(FILES)}."})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": f"Request {q} of conversation {i}: please check "
+                    f"{rng.choice(CITIES)} and {rng.choice(FILES)}.",
+                }
+            )
             for turn in range(rng.randint(1, 3)):
                 calls = [_call(rng, i, 10 * q + turn, k) for k in range(rng.randint(1, 2))]
                 preface = None if rng.random() < 0.7 else f"Checking step {turn}."
-                messages.append(_with_reasoning({"role": "assistant", "content": preface, "tool_calls": calls},
-                                                f"Step {turn}: I need {calls[0]['function']['name']}.", i))
+                messages.append(
+                    _with_reasoning(
+                        {"role": "assistant", "content": preface, "tool_calls": calls},
+                        f"Step {turn}: I need {calls[0]['function']['name']}.",
+                        i,
+                    )
+                )
                 for call in calls:
-                    messages.append({"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
-                                     "content": _result(call, rng)})
-            messages.append(_with_reasoning({"role": "assistant", "content": f"Done with request {q}: all good."},
-                                            "I have everything; summarise.", i))
+                    messages.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": call["id"],
+                            "name": call["function"]["name"],
+                            "content": _result(call, rng),
+                        }
+                    )
+            messages.append(
+                _with_reasoning(
+                    {"role": "assistant", "content": f"Done with request {q}: all good."},
+                    "I have everything; summarise.",
+                    i,
+                )
+            )
         record = {"id": f"agentic-{i}", "messages": messages}
         if declare_tools:
             record["tools"] = tools if i % 2 == 0 else json.dumps(tools)
@@ -120,8 +181,9 @@ def expected_generations(record: dict) -> list[str]:
         text = f"<think>\n{reasoning}\n</think>\n\n{content}"
         for k, call in enumerate(message.get("tool_calls") or []):
             arguments = json.dumps(json.loads(call["function"]["arguments"]), ensure_ascii=False)
-            text += ("\n" if k or content else "") + \
-                f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": {arguments}}}\n</tool_call>'
+            text += (
+                "\n" if k or content else ""
+            ) + f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": {arguments}}}\n</tool_call>'
         out.append(text + "<|im_end|>")
     return out
 

@@ -42,29 +42,47 @@ def build_tiny_tokenizer(chat_template: str = CHATML_TEMPLATE, vocab_size: int =
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                   pad_token="<pad>", unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<pad>", unk_token=None
+    )
     fast.chat_template = chat_template
     if added_tokens:
         fast.add_tokens(list(added_tokens))
     return fast
 
 
-def build_tiny_target(path: Path, *, num_layers: int = 4, hidden_size: int = 64, seed: int = 0,
-                      chat_template: str = CHATML_TEMPLATE, tie_word_embeddings: bool = False,
-                      added_tokens: tuple = ()) -> Path:
+def build_tiny_target(
+    path: Path,
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    seed: int = 0,
+    chat_template: str = CHATML_TEMPLATE,
+    tie_word_embeddings: bool = False,
+    added_tokens: tuple = (),
+) -> Path:
     """Save a tiny random Llama target with its tokenizer as an HF directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tiny_tokenizer(chat_template, added_tokens=added_tokens)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -86,7 +104,7 @@ def write_random_prepared(path: Path, target_dir: Path, count: int, lo: int, hi:
     samples = []
     for n in rng.integers(lo, hi, count):
         mask = np.zeros(n, dtype=np.int64)
-        mask[n // 3:] = 1
+        mask[n // 3 :] = 1
         samples.append({"input_ids": rng.integers(4, 300, n), "loss_mask": mask})
     write_prepared(path, samples, target_identity(target_dir), chat_template_hash="t", max_length=64)
     return path
@@ -110,8 +128,9 @@ def default_target_dir() -> Path:
 def trained_run(default_target_dir) -> Path:
     """A small draft for the default target that benchmarks/specdec.py trains once per machine (120 ShareGPT
     conversations, 30 online steps, cached under $DRAFTSMITH_CACHE/bench/): a training run directory."""
-    spec = importlib.util.spec_from_file_location("bench_specdec", Path(__file__).parents[1] / "benchmarks" /
-                                                  "specdec.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_specdec", Path(__file__).parents[1] / "benchmarks" / "specdec.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module.quick_trained_draft()
@@ -144,8 +163,9 @@ def memorised_prepared(default_target_dir, tmp_path_factory) -> Path:
         mask = np.r_[np.zeros(len(ids), dtype=np.int64), np.ones(len(answer), dtype=np.int64)]
         samples.extend([{"input_ids": np.r_[ids, answer], "loss_mask": mask}] * 4)
     out = tmp_path_factory.mktemp("memorised") / "prepared"
-    write_prepared(out, samples, targets.target_identity(default_target_dir), chat_template_hash="mt-bench",
-                   max_length=512)
+    write_prepared(
+        out, samples, targets.target_identity(default_target_dir), chat_template_hash="mt-bench", max_length=512
+    )
     return out
 
 
@@ -162,8 +182,16 @@ def memorised_store(memorised_prepared, tmp_path_factory) -> Path:
     layers = open_prepared(memorised_prepared).manifest.target.num_layers
     aux = sorted(set(resolve_layer_ids(None, layers)[:-1]) | set(dflash_aux_layer_ids(layers, 1)))
     out = tmp_path_factory.mktemp("memorised-store") / "store"
-    extract.run(ExtractConfig(prepared=memorised_prepared, output=out, backend="hf", aux_layer_ids=aux,
-                              compute_dtype="float32", device="cpu"))
+    extract.run(
+        ExtractConfig(
+            prepared=memorised_prepared,
+            output=out,
+            backend="hf",
+            aux_layer_ids=aux,
+            compute_dtype="float32",
+            device="cpu",
+        )
+    )
     return out
 
 

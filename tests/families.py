@@ -44,136 +44,366 @@ import torch
 PUBLISHED: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.1-8B-Instruct
     "llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
     },
     # Qwen/Qwen3-8B
     "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
     },
     # Qwen/Qwen3-30B-A3B
     "qwen3_moe": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "tie_word_embeddings": False,
-        "hidden_act": "silu", "attention_bias": False,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
     },
     # deepseek-ai/DeepSeek-V3 (its fp8 quantization_config left out: the tiny checkpoints are float32)
     "deepseek_v3": {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-        "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-        "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
-        "moe_layer_freq": 1, "vocab_size": 129280, "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-06,
         "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
     },
     # moonshotai/Kimi-K2.5: Kimi-K2's text backbone (a DeepSeek-V3 with 384 experts, 64 heads, one dense layer)
     # in a multimodal wrapper; the vision tower is transformers' Kimi_K25VisionConfig default.
     "kimi_k25": {
-        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
         "text_config": {
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
-            "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-            "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384,
-            "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.827,
-            "first_k_dense_replace": 1, "moe_layer_freq": 1, "vocab_size": 163840, "max_position_embeddings": 262144,
-            "rms_norm_eps": 1e-05, "rope_theta": 50000.0,
-            "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-            "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "kimi_k2",
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 64,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 384,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.827,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "vocab_size": 163840,
+            "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 50000.0,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 64.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "attention_bias": False,
         },
-        "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "hidden_size": 1152,
-                          "num_hidden_layers": 27, "num_attention_heads": 16, "intermediate_size": 4304,
-                          "merge_kernel_size": [2, 2]},
+        "vision_config": {
+            "model_type": "kimi_k25_vision",
+            "patch_size": 14,
+            "hidden_size": 1152,
+            "num_hidden_layers": 27,
+            "num_attention_heads": 16,
+            "intermediate_size": 4304,
+            "merge_kernel_size": [2, 2],
+        },
         "tie_word_embeddings": False,
     },
     # openai/gpt-oss-20b (its mxfp4 quantization_config left out: the tiny checkpoints are float32). The window is
     # on the even layers, as layer_types says and as vLLM's gpt_oss.py assumes (`layer_idx % 2 == 0`, it does not
     # read layer_types).
     "gpt_oss": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
-        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
-        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12, "swiglu_limit": 7.0,
-        "vocab_size": 201088, "max_position_embeddings": 131072, "initial_context_length": 4096,
-        "rms_norm_eps": 1e-05, "rope_theta": 150000,
-        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 4096},
-        "attention_bias": True, "router_aux_loss_coef": 0.9, "tie_word_embeddings": False, "hidden_act": "silu",
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "swiglu_limit": 7.0,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "attention_bias": True,
+        "router_aux_loss_coef": 0.9,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
     },
     # Qwen/Qwen3-Next-80B-A3B-Instruct: layer i is full attention when (i + 1) % full_attention_interval == 0,
     # gated delta-net otherwise; every layer MoE (512 experts, top-10) plus a shared expert
     "qwen3_next": {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
-        "intermediate_size": 5120, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-        "num_hidden_layers": 48, "full_attention_interval": 4, "num_attention_heads": 16, "num_key_value_heads": 2,
-        "head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512,
-        "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "vocab_size": 151936, "max_position_embeddings": 262144, "rms_norm_eps": 1e-06, "rope_theta": 10000000,
-        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_hidden_layers": 48,
+        "full_attention_interval": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000000,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
     },
 }
 
 # What the tiny checkpoints change (vocab_size is the tokenizer's). Head sizes stay ones vLLM's CPU kernels take
 # (>= 32; MLA: kv_lora_rank + qk_rope_head_dim = 576 exactly as published).
 _TINY_DEEPSEEK = {
-    "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 2048,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 2048,
 }
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
-    "llama": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2048},
-    "qwen3": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2048},
-    "qwen3_moe": {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_hidden_layers": 4,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
-                  "num_experts_per_tok": 2, "max_position_embeddings": 2048},
+    "llama": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 2048,
+    },
+    "qwen3": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 2048,
+    },
+    "qwen3_moe": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 2048,
+    },
     # 8 experts in 2 groups, the best group kept: grouped routing as in V3, first layer dense, three MoE layers
-    "deepseek_v3": {**_TINY_DEEPSEEK, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
-                    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 512,
-                                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}},
-    "kimi_k25": {"text_config": {**_TINY_DEEPSEEK,
-                                 "rope_scaling": {"type": "yarn", "factor": 4.0,
-                                                  "original_max_position_embeddings": 512, "beta_fast": 32.0,
-                                                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
-                 "vision_config": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                   "intermediate_size": 128},
-                 # the projector's input norm is as wide as the vision tower (transformers' default, 1152, is the
-                 # published tower's; vLLM sizes it from vision_config.hidden_size)
-                 "projection_hidden_size": 64},
+    "deepseek_v3": {
+        **_TINY_DEEPSEEK,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    },
+    "kimi_k25": {
+        "text_config": {
+            **_TINY_DEEPSEEK,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        },
+        "vision_config": {
+            "hidden_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 128,
+        },
+        # the projector's input norm is as wide as the vision tower (transformers' default, 1152, is the
+        # published tower's; vLLM sizes it from vision_config.hidden_size)
+        "projection_hidden_size": 64,
+    },
     # 8 experts, top-2; a 32-token window (shorter than the test samples, so it masks something); YaRN rescaled
     # to the tiny context as for DeepSeek
-    "gpt_oss": {"hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
-                "experts_per_token": 2, "sliding_window": 32,
-                "layer_types": ["sliding_attention", "full_attention"] * 2, "max_position_embeddings": 2048,
-                "initial_context_length": 512,
-                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                 "truncate": False, "original_max_position_embeddings": 512}},
+    "gpt_oss": {
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "max_position_embeddings": 2048,
+        "initial_context_length": 512,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 512,
+        },
+    },
     # three delta-net layers then one full attention layer (the published interval); two value heads per key head
     # as published; 8 experts, top-2. Delta-net head sizes 64: vLLM's CPU kernel takes 64 and 128, not 32 (and runs
     # only in bfloat16: "CPU GDN attention requires BF16.").
-    "qwen3_next": {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64,
-                   "shared_expert_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
-                   "max_position_embeddings": 2048},
+    "qwen3_next": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 2048,
+    },
 }
 
 # ------------------------------------------------------------------------------------------- tokenizers, templates
@@ -235,17 +465,54 @@ class TokenizerSpec:
 
 
 TOKENIZERS: dict[str, TokenizerSpec] = {
-    "qwen3": TokenizerSpec(("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
-                           bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>", chat_template=QWEN3_TEMPLATE),
-    "deepseek_v3": TokenizerSpec(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>",
-                                  "<｜Assistant｜>"), bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>",
-                                 pad="<｜▁pad▁｜>", chat_template=DEEPSEEK_TEMPLATE),
-    "kimi_k25": TokenizerSpec(("[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
-                               "<|im_system|>", "<|im_middle|>", "<|media_pad|>"), bos="[BOS]", eos="<|im_end|>",
-                              pad="[PAD]", chat_template=KIMI_TEMPLATE),
-    "gpt_oss": TokenizerSpec(("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
-                              "<|start|>", "<|end|>", "<|message|>", "<|call|>"), bos="<|startoftext|>",
-                             eos="<|return|>", pad="<|endoftext|>", chat_template=HARMONY_TEMPLATE),
+    "qwen3": TokenizerSpec(
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        chat_template=QWEN3_TEMPLATE,
+    ),
+    "deepseek_v3": TokenizerSpec(
+        ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>"),
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        pad="<｜▁pad▁｜>",
+        chat_template=DEEPSEEK_TEMPLATE,
+    ),
+    "kimi_k25": TokenizerSpec(
+        (
+            "[BOS]",
+            "[EOS]",
+            "[PAD]",
+            "<|im_end|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_system|>",
+            "<|im_middle|>",
+            "<|media_pad|>",
+        ),
+        bos="[BOS]",
+        eos="<|im_end|>",
+        pad="[PAD]",
+        chat_template=KIMI_TEMPLATE,
+    ),
+    "gpt_oss": TokenizerSpec(
+        (
+            "<|startoftext|>",
+            "<|endoftext|>",
+            "<|return|>",
+            "<|constrain|>",
+            "<|channel|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|call|>",
+        ),
+        bos="<|startoftext|>",
+        eos="<|return|>",
+        pad="<|endoftext|>",
+        chat_template=HARMONY_TEMPLATE,
+    ),
 }
 TOKENIZERS["qwen3_moe"] = TOKENIZERS["qwen3_next"] = TOKENIZERS["qwen3"]
 
@@ -255,13 +522,26 @@ TOKENIZERS["qwen3_moe"] = TOKENIZERS["qwen3_next"] = TOKENIZERS["qwen3"]
 # code. vLLM >= 0.28 brings its own processor for it; vLLM 0.16 loads the remote one (trust_remote_code=True even for
 # text prompts), here a stand-in (REMOTE_CODE).
 EXTRA_FILES: dict[str, dict[str, Any]] = {
-    "kimi_k25": {"preprocessor_config.json": {
-        "media_proc_cfg": {
-            "in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-            "merge_kernel_size": 2, "fixed_output_tokens": None, "patch_limit_on_one_side": 512,
-            "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None, "sample_fps": 2.0,
-            "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"},
-        "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"}}},
+    "kimi_k25": {
+        "preprocessor_config.json": {
+            "media_proc_cfg": {
+                "in_patch_limit": 16384,
+                "patch_size": 14,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "merge_kernel_size": 2,
+                "fixed_output_tokens": None,
+                "patch_limit_on_one_side": 512,
+                "in_patch_limit_each_frame": 4096,
+                "in_patch_limit_video": None,
+                "sample_fps": 2.0,
+                "max_num_frames_each_video": None,
+                "temporal_merge_kernel_size": 4,
+                "timestamp_mode": "hh:mm:ss.fff",
+            },
+            "auto_map": {"AutoImageProcessor": "kimi_k25_vision_processing.KimiK25VisionProcessor"},
+        }
+    },
 }
 # Remote code a checkpoint ships, from tests/data/<family>/: Kimi-K2.5's image processor (a stand-in that sizes
 # media as vLLM asks and returns zero pixels: text prompts only).
@@ -277,11 +557,15 @@ def build_tokenizer(spec: TokenizerSpec, vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(spec.special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(spec.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec.bos, eos_token=spec.eos, pad_token=spec.pad,
-                                   unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=spec.bos, eos_token=spec.eos, pad_token=spec.pad, unk_token=None
+    )
     fast.chat_template = spec.chat_template
     return fast
 
@@ -308,8 +592,9 @@ def tiny_config(name: str, vocab_size: int) -> dict[str, Any]:
 
 def _token_ids(tokenizer, config: dict[str, Any]) -> None:
     text = config.get("text_config") or config
-    text.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id)
+    text.update(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     if "text_config" in config:
         media = tokenizer.convert_tokens_to_ids("<|media_pad|>")
         config.update(image_token_id=media, video_token_id=media, media_placeholder_token_id=media)
@@ -329,8 +614,9 @@ def unsupported(name: str) -> str | None:
     return None
 
 
-def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = None,
-          overrides: dict[str, Any] | None = None) -> Path:
+def build(
+    name: str, path: Path, *, seed: int = 0, head_scale: float | None = None, overrides: dict[str, Any] | None = None
+) -> Path:
     """Save the tiny random `name` target with its tokenizer as an HF directory at `path`.
 
     `head_scale` multiplies the lm_head so random logits are far from flat (greedy tokens then do not flip on
@@ -352,8 +638,12 @@ def build(name: str, path: Path, *, seed: int = 0, head_scale: float | None = No
     if name == "llama":
         from conftest import build_tiny_target
 
-        build_tiny_target(path, num_layers=TINY_OVERRIDES["llama"]["num_hidden_layers"],
-                          hidden_size=TINY_OVERRIDES["llama"]["hidden_size"], seed=seed)
+        build_tiny_target(
+            path,
+            num_layers=TINY_OVERRIDES["llama"]["num_hidden_layers"],
+            hidden_size=TINY_OVERRIDES["llama"]["hidden_size"],
+            seed=seed,
+        )
         if head_scale:
             _scale_head(path, head_scale)
         return path
@@ -418,8 +708,9 @@ def _write_config(path: Path, published_shape: dict[str, Any], architecture: str
         theirs = saved if section is None else saved.get(section)
         if not isinstance(ours, dict) or not isinstance(theirs, dict):
             continue
-        for key in ("topk_method", "scoring_func", "moe_layer_freq") + (("rope_theta", "rope_scaling") if section
-                                                                         else ()):
+        for key in ("topk_method", "scoring_func", "moe_layer_freq") + (
+            ("rope_theta", "rope_scaling") if section else ()
+        ):
             if key in ours:
                 theirs.setdefault(key, ours[key])
     file.write_text(json.dumps(saved, indent=2, sort_keys=True))
@@ -437,10 +728,12 @@ def _published_weight_names(path: Path) -> None:
 
     file = path / "model.safetensors"
     state = load_file(str(file))
-    renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers.")
-               .replace("model.mm_projector.", "mm_projector.")
-               .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): v
-               for k, v in state.items()}
+    renamed = {
+        k.replace("language_model.model.blocks.", "language_model.model.layers.")
+        .replace("model.mm_projector.", "mm_projector.")
+        .replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."): v
+        for k, v in state.items()
+    }
     save_file(renamed, str(file), metadata={"format": "pt"})
 
 
@@ -484,5 +777,14 @@ def target_dir(name: str, *, seed: int = 0, head_scale: float | None = None) -> 
     return _CACHE[key]
 
 
-__all__ = ["FAMILIES", "MLA_FAMILIES", "PUBLISHED", "TINY_OVERRIDES", "build", "build_tokenizer", "target_dir",
-           "tiny_config", "unsupported"]
+__all__ = [
+    "FAMILIES",
+    "MLA_FAMILIES",
+    "PUBLISHED",
+    "TINY_OVERRIDES",
+    "build",
+    "build_tokenizer",
+    "target_dir",
+    "tiny_config",
+    "unsupported",
+]

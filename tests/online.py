@@ -21,9 +21,25 @@ MAX_LENGTH = 128
 STEPS = 24
 # Small steps (about two samples each) so that four chunks of one step and the held-out chunk fit in under a tenth
 # of the whole store.
-TRAIN = ["--token-budget", "256", "--draft-vocab-size", "2000", "--warmup-steps", "2", "--log-every", "1",
-         "--eval-every", "8", "--save-every", "4", "--device", "cpu", "--no-vllm-compile",
-         "--engine-dtype", "float32"]
+TRAIN = [
+    "--token-budget",
+    "256",
+    "--draft-vocab-size",
+    "2000",
+    "--warmup-steps",
+    "2",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "8",
+    "--save-every",
+    "4",
+    "--device",
+    "cpu",
+    "--no-vllm-compile",
+    "--engine-dtype",
+    "float32",
+]
 # float32 in vLLM on both sides: `auto` is bfloat16 on CPUs with bf16 instructions, float32 on others
 EXTRACT = ["--backend", "vllm", "--no-vllm-compile", "--compute-dtype", "float32"]
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -32,11 +48,17 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobi
 # On a CPU the online trainer runs on the cores the engine leaves it (the second half); torch's CPU kernels may round
 # differently with another number of threads, so the offline runs it is compared with train on the same cores.
 ALLOWED = sorted(os.sched_getaffinity(0))
-TRAINER_CORES = ALLOWED[len(ALLOWED) // 2:] if len(ALLOWED) > 1 else ALLOWED
+TRAINER_CORES = ALLOWED[len(ALLOWED) // 2 :] if len(ALLOWED) > 1 else ALLOWED
 
 
-def draftsmith(*args: str | Path, check: bool = True, log: Path | None = None, trainer_cores: bool = False,
-               cores: list[int] | None = None, cwd: Path | None = None):
+def draftsmith(
+    *args: str | Path,
+    check: bool = True,
+    log: Path | None = None,
+    trainer_cores: bool = False,
+    cores: list[int] | None = None,
+    cwd: Path | None = None,
+):
     """The CLI in a process of its own (in `cwd`): run to the end (and checked), or, with `log`, started (its stdout
     and stderr into `log`) and returned; `trainer_cores`: on the cores an online trainer keeps (or on `cores`)."""
     cmd = [sys.executable, "-m", "draftsmith", *map(str, args)]
@@ -132,28 +154,45 @@ def reference(work: Path, sharegpt_file: Path) -> dict:
     """The default target's prepared set of NUM_SAMPLES samples, its store (`extract --backend vllm`) and the offline
     run of STEPS steps on it (on the cores an online trainer keeps)."""
     prepared, store_dir, run = work / "prepared", work / "store", work / "offline"
-    draftsmith("prepare", "--data", sharegpt_file, "--max-samples", NUM_SAMPLES, "--max-length", MAX_LENGTH,
-               "--output", prepared)
+    draftsmith(
+        "prepare",
+        "--data",
+        sharegpt_file,
+        "--max-samples",
+        NUM_SAMPLES,
+        "--max-length",
+        MAX_LENGTH,
+        "--output",
+        prepared,
+    )
     draftsmith("extract", "--prepared", prepared, "--output", store_dir, *EXTRACT)
     draftsmith("train", "--data", store_dir, "--output", run, "--max-steps", STEPS, *TRAIN, trainer_cores=True)
     return {"prepared": prepared, "store": store_dir, "run": run, "store_bytes": disk_bytes(store_dir)}
 
 
-def torchrun_offline_and_online(work: Path, store: Path, online: list[str], options: list[str]) -> tuple[list, list,
-                                                                                                       str]:
+def torchrun_offline_and_online(
+    work: Path, store: Path, online: list[str], options: list[str]
+) -> tuple[list, list, str]:
     """`torchrun --standalone --nproc-per-node 2 -m draftsmith train` (gloo, one thread a rank) in `work`: from
     `store` into work/offline (on the cores an online trainer keeps), then with `online` (its --data and --engine
     options) into work/online, each checked; returns both runs' (type, step, tokens_seen, loss) per metrics line and
     the online run's stdout."""
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
-                "draftsmith"]
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "draftsmith",
+    ]
     env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
     cores = ["taskset", "-c", ",".join(map(str, TRAINER_CORES))]
     for name, data in (("offline", ["--data", str(store)]), ("online", online)):
-        cmd = (cores if name == "offline" else []) + torchrun + ["train", *data, "--output", str(work / name),
-                                                                 *options]
+        cmd = (cores if name == "offline" else []) + torchrun + ["train", *data, "--output", str(work / name), *options]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=work)
         assert done.returncode == 0, done.stderr[-3000:]
-    on, off = ([(m["type"], m["step"], m.get("tokens_seen"), m["loss"])
-                for m in read_jsonl(work / run / "metrics.jsonl")] for run in ("online", "offline"))
+    on, off = (
+        [(m["type"], m["step"], m.get("tokens_seen"), m["loss"]) for m in read_jsonl(work / run / "metrics.jsonl")]
+        for run in ("online", "offline")
+    )
     return on, off, done.stdout

@@ -46,8 +46,13 @@ def _imports(path: Path) -> list[tuple[str, bool, int]]:
     """(imported module, inside a function?, line) for every import in a file; `from draftsmith.x import y` names
     the submodule draftsmith.x.y when y is one."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    inner = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -61,8 +66,10 @@ def _imports(path: Path) -> list[tuple[str, bool, int]]:
 def test_every_module_the_architecture_names_exists():
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:core|prepare|extract|train|export|evaluate|serve)/[\w/]*(?:\.py|/))`", text))
-    named |= {f"{m.split('/')[0]}/{m.split('/')[1]}.py" for m in re.findall(
-        r"`((?:core|prepare|extract|train|export|evaluate|serve)/\w+): ", text)}
+    named |= {
+        f"{m.split('/')[0]}/{m.split('/')[1]}.py"
+        for m in re.findall(r"`((?:core|prepare|extract|train|export|evaluate|serve)/\w+): ", text)
+    }
     assert len(named) > 15, "the architecture names its modules as `package/module.py`"
     missing = sorted(p for p in named if not (SRC / p).exists())
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
@@ -83,8 +90,10 @@ def test_imports_run_one_way():
 
 
 def test_no_import_cycle():
-    graph = {name: {m for m, inner, _ in _imports(path) if not inner and m in MODULES and m != name}
-             for name, path in MODULES.items()}
+    graph = {
+        name: {m for m, inner, _ in _imports(path) if not inner and m in MODULES and m != name}
+        for name, path in MODULES.items()
+    }
     # a package's __init__ re-exporting its own modules is not a cycle with them: drop parent <- child edges
     for name, deps in graph.items():
         graph[name] = {d for d in deps if not name.startswith(d + ".")}
@@ -96,7 +105,7 @@ def test_no_import_cycle():
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep) :] + [dep]))
             if dep not in state:
                 visit(dep)
         stack.pop()
@@ -108,14 +117,21 @@ def test_no_import_cycle():
 
 
 def test_imports_inside_functions_are_only_of_optional_heavy_dependencies():
-    inner = [f"{path.relative_to(ROOT)}:{line} imports {m}" for path in MODULES.values()
-             for m, is_inner, line in _imports(path) if is_inner and not m.startswith(OPTIONAL_HEAVY)]
+    inner = [
+        f"{path.relative_to(ROOT)}:{line} imports {m}"
+        for path in MODULES.values()
+        for m, is_inner, line in _imports(path)
+        if is_inner and not m.startswith(OPTIONAL_HEAVY)
+    ]
     assert not inner, "move these imports to the top of their module:\n" + "\n".join(inner)
 
 
 def test_no_module_is_a_god_module():
-    big = {str(p.relative_to(ROOT)): n for p in MODULES.values()
-           if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
     assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
 
 

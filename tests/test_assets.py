@@ -26,9 +26,15 @@ def fake_asset(tmp_path, monkeypatch):
     payload = b"question one\nquestion two\n"
     wheel = _wheel_bytes("pkg/data/q.jsonl", payload)
     pinned = assets.PinnedFile(
-        name="fake", package="fake-pkg", version="1.0", wheel_sha256=hashlib.sha256(wheel).hexdigest(),
-        wheel_size=len(wheel), member="pkg/data/q.jsonl", member_sha256=hashlib.sha256(payload).hexdigest(),
-        member_size=len(payload))
+        name="fake",
+        package="fake-pkg",
+        version="1.0",
+        wheel_sha256=hashlib.sha256(wheel).hexdigest(),
+        wheel_size=len(wheel),
+        member="pkg/data/q.jsonl",
+        member_sha256=hashlib.sha256(payload).hexdigest(),
+        member_size=len(payload),
+    )
     calls = []
 
     def download(p, dest: Path) -> Path:

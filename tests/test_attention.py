@@ -30,12 +30,12 @@ def _explicit_reference(q, keys, values):
     out = torch.zeros_like(q)
     for i in range(t):
         ks, vs = [keys[0][:, :, : i + 1]], [values[0][:, :, : i + 1]]
-        ks += [k[:, :, i:i + 1] for k in keys[1:]]
-        vs += [v[:, :, i:i + 1] for v in values[1:]]
+        ks += [k[:, :, i : i + 1] for k in keys[1:]]
+        vs += [v[:, :, i : i + 1] for v in values[1:]]
         k_i = torch.cat(ks, 2).repeat_interleave(g, 1)
         v_i = torch.cat(vs, 2).repeat_interleave(g, 1)
-        p = torch.softmax(q[:, :, i:i + 1] @ k_i.transpose(-1, -2) / d ** 0.5, -1)
-        out[:, :, i:i + 1] = p @ v_i
+        p = torch.softmax(q[:, :, i : i + 1] @ k_i.transpose(-1, -2) / d**0.5, -1)
+        out[:, :, i : i + 1] = p @ v_i
     return out
 
 
@@ -54,14 +54,18 @@ def _grads(out, w, inputs):
 
 # ---------------------------------------------------------------------------------------------- equality
 
-@pytest.mark.parametrize("b,hq,hkv,t,d,steps,chunk", [
-    (1, 1, 1, 1, 8, 1, 16),    # a single position, step 0 only
-    (2, 4, 2, 5, 8, 2, 16),    # T below one chunk
-    (2, 4, 2, 17, 8, 4, 16),   # T = chunk + 1
-    (1, 3, 3, 40, 16, 3, 16),  # GQA g = 1, T not a multiple of the chunk
-    (2, 8, 2, 33, 8, 7, 8),    # g = 4, seven TTT steps
-    (1, 6, 2, 64, 8, 5, 32),   # T a multiple of the chunk
-])
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,t,d,steps,chunk",
+    [
+        (1, 1, 1, 1, 8, 1, 16),  # a single position, step 0 only
+        (2, 4, 2, 5, 8, 2, 16),  # T below one chunk
+        (2, 4, 2, 17, 8, 4, 16),  # T = chunk + 1
+        (1, 3, 3, 40, 16, 3, 16),  # GQA g = 1, T not a multiple of the chunk
+        (2, 8, 2, 33, 8, 7, 8),  # g = 4, seven TTT steps
+        (1, 6, 2, 64, 8, 5, 32),  # T a multiple of the chunk
+    ],
+)
 def test_ttt_attention_equals_the_explicit_references_in_float64(monkeypatch, b, hq, hkv, t, d, steps, chunk):
     monkeypatch.setattr(attention, "CHUNK", chunk)
     q, keys, values = _inputs(b, hq, hkv, t, d, steps, seed=t * 10 + steps)
@@ -72,8 +76,11 @@ def test_ttt_attention_equals_the_explicit_references_in_float64(monkeypatch, b,
     torch.testing.assert_close(naive, ref, **F64)
     w = torch.randn(ours.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     inputs = [q, *keys, *values]
-    for name, a, r in zip(["q"] + [f"k{j}" for j in range(steps)] + [f"v{j}" for j in range(steps)],
-                          _grads(ours, w, inputs), _grads(ref, w, inputs)):
+    for name, a, r in zip(
+        ["q"] + [f"k{j}" for j in range(steps)] + [f"v{j}" for j in range(steps)],
+        _grads(ours, w, inputs),
+        _grads(ref, w, inputs),
+    ):
         torch.testing.assert_close(a, r, **F64, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -120,8 +127,16 @@ def test_causal_block_mask_equals_create_block_mask(t):
     ours = attention.causal_block_mask(t, "cpu")
     ref = flex_module.create_block_mask(lambda b, h, q, k: q >= k, None, None, t, t, device="cpu")
     assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
-    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+    for field in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
         assert torch.equal(getattr(ours, field), getattr(ref, field)), field
 
 
@@ -174,6 +189,7 @@ def test_unknown_kernel_is_refused():
 
 # ---------------------------------------------------------------------------------------------- memory shape
 
+
 class _LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op returns (forward and backward ops both pass through the dispatcher)."""
 
@@ -199,7 +215,7 @@ def test_no_op_makes_a_t_by_t_tensor_forward_or_backward(monkeypatch, kernel):
     q, keys, values = _inputs(b, hq, 2, t, 8, 4, dtype=torch.float32)
     fn = naive_ttt_attention if kernel == "naive" else ttt_attention
     with _LargestTensor() as mode:
-        outs = [fn(q, keys[:k + 1], values[:k + 1]) for k in range(1, 4)]
+        outs = [fn(q, keys[: k + 1], values[: k + 1]) for k in range(1, 4)]
         forward_calls = mode.calls
         sum(o.sum() for o in outs).backward()
     assert mode.calls > forward_calls + 20  # the mode saw the backward's ops too
@@ -228,13 +244,14 @@ def test_what_backward_keeps_grows_linearly_in_t():
 
     def saved(t):
         q, keys, values = _inputs(1, 4, 2, t, 16, 7, dtype=torch.float32)
-        return _saved_bytes(lambda: [ttt_attention(q, keys[:k + 1], values[:k + 1]) for k in range(7)])
+        return _saved_bytes(lambda: [ttt_attention(q, keys[: k + 1], values[: k + 1]) for k in range(7)])
 
     small, large = saved(64), saved(128)
     assert 1.9 < large / small < 2.1, (small, large)
 
 
 # ---------------------------------------------------------------------------------------------- autocast
+
 
 def test_bf16_autocast_matches_the_float32_reference():
     """Mixed inputs as the model makes them under autocast (q, k fp32 after RoPE, v bf16): computed in bf16 with an
@@ -305,11 +322,19 @@ def test_cuda_flex_stays_fused_across_many_sequence_lengths():
 
 # ---------------------------------------------------------------------------------------------- checkpointing
 
+
 def _layers(num_layers=2, hidden=32, heads=4, kv_heads=2):
     """Real decoder layers; only the fields they read (so the test does not follow the spec's other fields)."""
-    spec = SimpleNamespace(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
-                           num_key_value_heads=kv_heads, head_dim=hidden // heads, rms_norm_eps=1e-5,
-                           attention_bias=False, mlp_bias=False)
+    spec = SimpleNamespace(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-5,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(DecoderLayer(spec, i) for i in range(num_layers)).double()
     for p in layers.parameters():
@@ -354,8 +379,11 @@ def test_checkpointed_ttt_steps_give_the_same_loss_and_gradients_and_keep_less()
         forward_calls = len(calls)
         box["loss"].backward()
         assert [len(entries) for entries in box["cache"].layers] == [4, 4]  # one (k, v) per step, never more
-        results[checkpointed] = (box["loss"].detach(), hidden0.grad.clone(),
-                                 {n: p.grad.clone() for n, p in layers.named_parameters()})
+        results[checkpointed] = (
+            box["loss"].detach(),
+            hidden0.grad.clone(),
+            {n: p.grad.clone() for n, p in layers.named_parameters()},
+        )
         # plain: each layer runs once per step; checkpointed: once more in the backward (the recomputation)
         assert (forward_calls, len(calls)) == ((8, 8) if not checkpointed else (8, 16))
     for h in hooks:

@@ -62,8 +62,9 @@ def test_every_task_becomes_a_conversation_of_its_ground_truth_calls_and_their_r
                 assert result["role"] == "tool" and result["tool_call_id"] == m["tool_calls"][0]["id"]
     # the backends really ran from each task's state: task 0's grep finds what its initial file says
     first = records[0]["messages"]
-    grep = next(i for i, m in enumerate(first) if m["role"] == "assistant" and
-                m["tool_calls"][0]["function"]["name"] == "grep")
+    grep = next(
+        i for i, m in enumerate(first) if m["role"] == "assistant" and m["tool_calls"][0]["function"]["name"] == "grep"
+    )
     assert "budget analysis" in first[grep + 1]["content"]
     assert sum(m["role"] == "tool" for r in records for m in r["messages"]) > 1000
 
@@ -79,15 +80,22 @@ def test_the_unpacked_wheel_is_verified_and_repaired(bfcl):
 
 def test_prepare_supervises_every_bfcl_call_as_the_template_writes_it(bfcl, tmp_path):
     _, _, records = bfcl
-    target = build_tiny_target(tmp_path / "target", chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
-                               added_tokens=QWEN3_MARKERS)
-    result = prepare_run(PrepareConfig(data=["bfcl-multi-turn"], target=str(target), output=tmp_path / "out",
-                                       num_workers=1, max_length=65536))
+    target = build_tiny_target(
+        tmp_path / "target", chat_template=QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS
+    )
+    result = prepare_run(
+        PrepareConfig(
+            data=["bfcl-multi-turn"], target=str(target), output=tmp_path / "out", num_workers=1, max_length=65536
+        )
+    )
     assert result.summary["conversations"] == 200 and result.summary["skipped"] == 0
     tok = build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS)
     ds = open_prepared(tmp_path / "out")
-    runs = [tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            for i in range(len(ds)) for run in masked_spans(ds[i]["input_ids"].numpy(), ds[i]["loss_mask"].numpy())]
+    runs = [
+        tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for i in range(len(ds))
+        for run in masked_spans(ds[i]["input_ids"].numpy(), ds[i]["loss_mask"].numpy())
+    ]
     expected = []
     for record in records:
         for m in record["messages"]:
@@ -95,8 +103,10 @@ def test_prepare_supervises_every_bfcl_call_as_the_template_writes_it(bfcl, tmp_
                 call = m["tool_calls"][0]["function"]
                 arguments = json.dumps(json.loads(call["arguments"]), ensure_ascii=False)
                 # no reasoning recorded: the model writes an empty <think> block, then the call
-                expected.append(f'<think>\n\n</think>\n\n<tool_call>\n{{"name": "{call["name"]}", "arguments": '
-                                f'{arguments}}}\n</tool_call><|im_end|>')
+                expected.append(
+                    f'<think>\n\n</think>\n\n<tool_call>\n{{"name": "{call["name"]}", "arguments": '
+                    f"{arguments}}}\n</tool_call><|im_end|>"
+                )
     assert runs == expected and len(runs) == 1142
     # that empty block is dropped from later contexts, so every call saw a context of its own: one sample each
     stats = ds.manifest.stats

@@ -11,8 +11,9 @@ from draftsmith.core.errors import DraftsmithError
 runner = CliRunner()
 
 
-@pytest.mark.parametrize("command", ["prepare", "extract", "train", "export", "evaluate", "quickstart", "doctor",
-                                     "inspect", "store"])
+@pytest.mark.parametrize(
+    "command", ["prepare", "extract", "train", "export", "evaluate", "quickstart", "doctor", "inspect", "store"]
+)
 def test_every_command_has_help(command):
     result = runner.invoke(app, [command, "--help"])
     assert result.exit_code == 0, result.output
@@ -92,8 +93,10 @@ def test_doctor_fits_one_screen_and_verbose_shows_the_full_tables():
     if importlib.util.find_spec("vllm") is not None:
         assert re.search(r"^  strategy: (connector|direct) for LlamaForCausalLM", result.output, re.M)
         assert "compute dtype (auto): " in result.output
-    architectures = [line.split()[0] for line in lines[lines.index(next(
-        line for line in lines if line.startswith("architectures:"))) + 1:-1]]
+    architectures = [
+        line.split()[0]
+        for line in lines[lines.index(next(line for line in lines if line.startswith("architectures:"))) + 1 : -1]
+    ]
     assert architectures == list(TESTED_ARCHITECTURES)  # one line each
     assert " INFO " not in result.output and " WARNING " not in result.output  # vLLM is read, never started
     full = runner.invoke(app, ["doctor", "--verbose"], terminal_width=200)
@@ -133,8 +136,11 @@ def _doctor_subprocess(*args: str, code: str | None = None, columns: int = 80):
     import draftsmith
 
     src = str(Path(draftsmith.__file__).resolve().parents[1])
-    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": os.pathsep.join(
-        p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "COLUMNS": str(columns),
+        "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+    }
     argv = ["-c", code] if code is not None else ["-m", "draftsmith", "doctor", *args]
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env)
 
@@ -169,13 +175,29 @@ def test_doctor_at_80_columns_is_one_screen_and_loads_neither_torch_nor_transfor
     assert json.loads(built.stdout.splitlines()[-1]) == []  # the summary, --json and --verbose alike
     # --target loads the trainer's model code for the draft's sizes (planning.py): torch, only then
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
-                                  "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
-                                  "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "vocab_size": 49152,
-                                  "rope_theta": 100000.0, "hidden_act": "silu"}))
-    sized = _doctor_subprocess(code=_MODULES_AFTER_DOCTOR.replace(
-        "doctor.run(Console(file=io.StringIO(), width=80))",
-        f"doctor.run(Console(file=io.StringIO(), width=80), target={str(config)!r})"))
+    config.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 576,
+                "intermediate_size": 1536,
+                "num_attention_heads": 9,
+                "num_key_value_heads": 3,
+                "num_hidden_layers": 30,
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 8192,
+                "vocab_size": 49152,
+                "rope_theta": 100000.0,
+                "hidden_act": "silu",
+            }
+        )
+    )
+    sized = _doctor_subprocess(
+        code=_MODULES_AFTER_DOCTOR.replace(
+            "doctor.run(Console(file=io.StringIO(), width=80))",
+            f"doctor.run(Console(file=io.StringIO(), width=80), target={str(config)!r})",
+        )
+    )
     assert sized.returncode == 0 and "torch" in json.loads(sized.stdout.splitlines()[-1]), sized.stderr[-2000:]
 
 
@@ -220,7 +242,7 @@ def test_commands_are_printed_whole_below_the_table(monkeypatch):
     from draftsmith.config import StageResult
 
     monkeypatch.setattr(cli, "console", Console(width=60, record=True, file=io.StringIO()))
-    cmd = "vllm serve /models/" + "x" * 90 + " --speculative-config '{\"method\": \"eagle3\"}'"
+    cmd = "vllm serve /models/" + "x" * 90 + ' --speculative-config \'{"method": "eagle3"}\''
     cli._print_result(StageResult(stage="s", output=Path("o"), summary={"a": 1}, commands={"serve it": cmd}))
     lines = cli.console.export_text().splitlines()
     assert cmd in lines and "serve it:" in lines

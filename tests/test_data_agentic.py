@@ -33,8 +33,11 @@ from draftsmith.prepare.dataset import open_prepared
 @pytest.fixture(scope="module")
 def qwen3_shaped_target(tmp_path_factory):
     """A tiny random target whose tokenizer carries a Qwen3-shaped, tool-aware chat template."""
-    return build_tiny_target(tmp_path_factory.mktemp("qwen3-shaped"), chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
-                             added_tokens=QWEN3_MARKERS)
+    return build_tiny_target(
+        tmp_path_factory.mktemp("qwen3-shaped"),
+        chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
+        added_tokens=QWEN3_MARKERS,
+    )
 
 
 def _qwen_tokenizer():
@@ -53,8 +56,11 @@ def test_sixty_tool_use_conversations_are_all_kept_and_supervised_as_generated(t
     records = agentic_conversations(60)
     assert sum(m["content"] is None for r in records for m in r["messages"]) >= 60  # content: null call turns
     data = write_jsonl(tmp_path / "chats.jsonl", records)
-    result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
-                                       num_workers=1, max_length=4096))
+    result = prepare_run(
+        PrepareConfig(
+            data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out", num_workers=1, max_length=4096
+        )
+    )
     ds = open_prepared(tmp_path / "out")
     tok = _qwen_tokenizer()
     assert result.summary["skipped"] == 0 and result.summary["conversations"] == 60
@@ -97,13 +103,18 @@ def test_a_tool_loop_after_one_request_is_one_sample_and_costs_no_more_tokens(tm
 def test_enable_thinking_false_keeps_the_prefilled_think_out_of_the_loss(tmp_path, qwen3_shaped_target):
     """Qwen3 served with enable_thinking=false pre-fills an empty <think> block in the prompt: context, not
     generation."""
-    record = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
-                           {"role": "assistant", "content": "Cold."}]}
+    record = {"messages": [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Cold."}]}
     data = write_jsonl(tmp_path / "chats.jsonl", [record])
-    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "off",
-                              num_workers=1, chat_template_kwargs='{"enable_thinking": false}'))
-    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "on",
-                              num_workers=1))
+    prepare_run(
+        PrepareConfig(
+            data=[str(data)],
+            target=str(qwen3_shaped_target),
+            output=tmp_path / "off",
+            num_workers=1,
+            chat_template_kwargs='{"enable_thinking": false}',
+        )
+    )
+    prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "on", num_workers=1))
     tok = _qwen_tokenizer()
     off, on = open_prepared(tmp_path / "off")[0], open_prepared(tmp_path / "on")[0]
     assert _runs(tok, off) == ["Cold.<|im_end|>"]
@@ -116,56 +127,104 @@ def test_enable_thinking_false_keeps_the_prefilled_think_out_of_the_loss(tmp_pat
 
 
 def _without_ids(chat: Chat) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != "tool_call_id"} | (
-        {"tool_calls": [{k: v for k, v in c.items() if k != "id"} for c in m["tool_calls"]]} if "tool_calls" in m
-        else {}) for m in chat.messages]
+    return [
+        {k: v for k, v in m.items() if k != "tool_call_id"}
+        | (
+            {"tool_calls": [{k: v for k, v in c.items() if k != "id"} for c in m["tool_calls"]]}
+            if "tool_calls" in m
+            else {}
+        )
+        for m in chat.messages
+    ]
 
 
 def test_sharegpt_function_calls_and_hermes_text_read_as_openai_tool_calls():
     arguments = {"city": "Lima", "unit": "C"}
-    openai = {"tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Lima?"},
-        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.",
-         "tool_calls": [{"id": "c0", "type": "function",
-                         "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
-        {"role": "tool", "tool_call_id": "c0", "name": "get_weather", "content": "{\"temperature\": 19}"},
-        {"role": "assistant", "content": "19 degrees."}]}
-    sharegpt = {"tools": json.dumps([t["function"] for t in TOOLS]), "conversations": [
-        {"from": "human", "value": "Weather in Lima?"},
-        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": arguments}),
-         "reasoning_content": "Use the tool."},
-        {"from": "observation", "value": "{\"temperature\": 19}"},
-        {"from": "gpt", "value": "19 degrees."}]}
-    hermes = {"tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Lima?"},
-        {"role": "assistant", "content": "<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
-                                         + json.dumps({"name": "get_weather", "arguments": arguments})
-                                         + "\n</tool_call>"},
-        {"role": "tool", "content": "{\"temperature\": 19}"},
-        {"role": "assistant", "content": "19 degrees."}]}
+    openai = {
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Weather in Lima?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Use the tool.",
+                "tool_calls": [
+                    {
+                        "id": "c0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps(arguments)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c0", "name": "get_weather", "content": '{"temperature": 19}'},
+            {"role": "assistant", "content": "19 degrees."},
+        ],
+    }
+    sharegpt = {
+        "tools": json.dumps([t["function"] for t in TOOLS]),
+        "conversations": [
+            {"from": "human", "value": "Weather in Lima?"},
+            {
+                "from": "function_call",
+                "value": json.dumps({"name": "get_weather", "arguments": arguments}),
+                "reasoning_content": "Use the tool.",
+            },
+            {"from": "observation", "value": '{"temperature": 19}'},
+            {"from": "gpt", "value": "19 degrees."},
+        ],
+    }
+    hermes = {
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Weather in Lima?"},
+            {
+                "role": "assistant",
+                "content": "<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
+                + json.dumps({"name": "get_weather", "arguments": arguments})
+                + "\n</tool_call>",
+            },
+            {"role": "tool", "content": '{"temperature": 19}'},
+            {"role": "assistant", "content": "19 degrees."},
+        ],
+    }
     chats = [normalize_conversation(r) for r in (openai, sharegpt, hermes)]
     # a chat that only quotes the format (no tools declared, no tool results) keeps it as text
-    quoted = {"messages": [{"role": "user", "content": "What does a Hermes call look like?"},
-                           {"role": "assistant", "content": "Like <tool_call>{name: x}</tool_call>."}]}
+    quoted = {
+        "messages": [
+            {"role": "user", "content": "What does a Hermes call look like?"},
+            {"role": "assistant", "content": "Like <tool_call>{name: x}</tool_call>."},
+        ]
+    }
     assert normalize_conversation(quoted).messages[1] == quoted["messages"][1]
     assert all(c.tools == TOOLS for c in chats)
     assert _without_ids(chats[0]) == _without_ids(chats[1]) == _without_ids(chats[2])
     call = chats[0].messages[1]
-    assert call == {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [
-        {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
-    assert chats[0].messages[2] == {"role": "tool", "content": "{\"temperature\": 19}", "tool_call_id": "c0",
-                                    "name": "get_weather"}
+    assert call == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Use the tool.",
+        "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
+    }
+    assert chats[0].messages[2] == {
+        "role": "tool",
+        "content": '{"temperature": 19}',
+        "tool_call_id": "c0",
+        "name": "get_weather",
+    }
     assert chats[1].messages[2]["name"] == "get_weather"  # the observation answers the call before it
 
 
 def test_vllms_reasoning_field_and_inline_think_are_split_the_same_way():
     base = [{"role": "user", "content": "2 + 2?"}]
-    spelled = [{"role": "assistant", "content": "4", "reasoning_content": "Add."},
-               {"role": "assistant", "content": "4", "reasoning": "Add."},
-               {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"},
-               {"role": "assistant", "content": "Add.</think>4"}]  # DeepSeek-R1 style: the <think> was pre-filled
+    spelled = [
+        {"role": "assistant", "content": "4", "reasoning_content": "Add."},
+        {"role": "assistant", "content": "4", "reasoning": "Add."},
+        {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"},
+        {"role": "assistant", "content": "Add.</think>4"},
+    ]  # DeepSeek-R1 style: the <think> was pre-filled
     assert {json.dumps(normalize_conversation({"messages": base + [m]}).messages) for m in spelled} == {
-        json.dumps(base + [{"role": "assistant", "content": "4", "reasoning_content": "Add."}])}
+        json.dumps(base + [{"role": "assistant", "content": "4", "reasoning_content": "Add."}])
+    }
 
 
 def test_a_template_without_reasoning_sees_it_inline_and_one_without_tools_is_a_counted_skip():
@@ -174,17 +233,26 @@ def test_a_template_without_reasoning_sees_it_inline_and_one_without_tools_is_a_
     tok = build_tiny_tokenizer(CHATML_TEMPLATE)
     encoder = ChatEncoder(tok)
     assert (encoder.features.tools, encoder.features.tool_calls, encoder.features.reasoning) == (False, False, False)
-    chat = normalize_conversation({"messages": [{"role": "user", "content": "2 + 2?"},
-                                                {"role": "assistant", "content": "4", "reasoning": "Add."}]})
+    chat = normalize_conversation(
+        {
+            "messages": [
+                {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "4", "reasoning": "Add."},
+            ]
+        }
+    )
     [sample] = encoder.encode(chat).samples
     assert [_decode(tok, run) for run in masked_spans(sample.input_ids, sample.loss_mask)] == [
-        "<think>\nAdd.\n</think>\n\n4<|im_end|>"]
+        "<think>\nAdd.\n</think>\n\n4<|im_end|>"
+    ]
     # reasoning that came inline stays as it was written
-    written = normalize_conversation({"messages": [{"role": "user", "content": "2 + 2?"},
-                                                   {"role": "assistant", "content": "<think>Add.</think>4"}]})
+    written = normalize_conversation(
+        {"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "<think>Add.</think>4"}]}
+    )
     [sample] = encoder.encode(written).samples
     assert [_decode(tok, run) for run in masked_spans(sample.input_ids, sample.loss_mask)] == [
-        "<think>Add.</think>4<|im_end|>"]
+        "<think>Add.</think>4<|im_end|>"
+    ]
     with pytest.raises(Skip) as info:
         encoder.encode(normalize_conversation(agentic_conversations(1)[0]))
     assert info.value.reason == "chat template without tools" and "--chat-template" in info.value.detail
@@ -214,21 +282,28 @@ def _bad(kind: str) -> dict:
     return record
 
 
-@pytest.mark.parametrize("kind, reason, detail", [
-    ("arguments not JSON", "malformed tool call", "the arguments of call"),
-    ("a result for no call", "tool result without its call", "'call_nobody_made' matches no earlier call"),
-    ("arguments a list", "malformed tool call", "arguments that are a JSON array"),
-    ("tools not a list", "malformed tools", "not a list of tools"),
-    ("a role nobody knows", "unknown role", "role 'planner'"),
-    ("a call without a name", "malformed tool call", "without a function name"),
-])
-def test_bad_agentic_records_are_counted_skips_naming_file_record_and_turn(tmp_path, qwen3_shaped_target, kind,
-                                                                           reason, detail):
+@pytest.mark.parametrize(
+    "kind, reason, detail",
+    [
+        ("arguments not JSON", "malformed tool call", "the arguments of call"),
+        ("a result for no call", "tool result without its call", "'call_nobody_made' matches no earlier call"),
+        ("arguments a list", "malformed tool call", "arguments that are a JSON array"),
+        ("tools not a list", "malformed tools", "not a list of tools"),
+        ("a role nobody knows", "unknown role", "role 'planner'"),
+        ("a call without a name", "malformed tool call", "without a function name"),
+    ],
+)
+def test_bad_agentic_records_are_counted_skips_naming_file_record_and_turn(
+    tmp_path, qwen3_shaped_target, kind, reason, detail
+):
     records = agentic_conversations(3)
     records[1] = _bad(kind)
     data = write_jsonl(tmp_path / "chats.jsonl", records)
-    result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
-                                       num_workers=1, max_length=4096))
+    result = prepare_run(
+        PrepareConfig(
+            data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out", num_workers=1, max_length=4096
+        )
+    )
     assert result.summary["conversations"] == 2 and result.summary[f"skipped: {reason}"] == 1
     example = open_prepared(tmp_path / "out").manifest.skip_examples[reason]
     assert example.startswith(f"{data} record 1: ") and detail in example, example
@@ -242,8 +317,11 @@ def test_regenerate_leaves_agentic_conversations_out_in_one_counted_line(tmp_pat
     from draftsmith.prepare.regenerate_conversations import read_records
     from draftsmith.prepare.readers import expand_sources
 
-    data = write_jsonl(tmp_path / "chats.jsonl", agentic_conversations(2) + [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    data = write_jsonl(
+        tmp_path / "chats.jsonl",
+        agentic_conversations(2)
+        + [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}],
+    )
     items = list(read_records(expand_sources([str(data)]), 0, "skip"))
     assert [i[0] for i in items] == ["skip", "skip", "conversation"]
     assert items[0][1] == "agentic conversation" and "tools" in items[0][3]
@@ -275,9 +353,12 @@ def test_the_segment_of_each_token_follows_the_markers_the_target_writes():
 
     tok = _qwen_tokenizer()
     prompt = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    pieces = [("reasoning", "<think>\nplan it\n</think>"), ("content", "\n\nSure.\n"),
-              ("tool call", '<tool_call>\n{"name": "read_file", "arguments": {}}\n</tool_call>'),
-              ("content", "<|im_end|>")]
+    pieces = [
+        ("reasoning", "<think>\nplan it\n</think>"),
+        ("content", "\n\nSure.\n"),
+        ("tool call", '<tool_call>\n{"name": "read_file", "arguments": {}}\n</tool_call>'),
+        ("content", "<|im_end|>"),
+    ]
     ids, expected = [], []
     for segment, text in pieces:  # tokenised apart, so every token lies in one piece
         piece = tok(text, add_special_tokens=False)["input_ids"]
@@ -286,12 +367,20 @@ def test_the_segment_of_each_token_follows_the_markers_the_target_writes():
     labels = Segmenter(tok).labels(prompt, ids)
     assert labels == expected and set(labels) == {"reasoning", "content", "tool call"}
     # a prompt that pre-fills <think> starts the answer in reasoning
-    assert Segmenter(tok).labels(prompt + tok("<think>\n", add_special_tokens=False)["input_ids"],
-                                 tok("x</think>y", add_special_tokens=False)["input_ids"])[0] == "reasoning"
+    assert (
+        Segmenter(tok).labels(
+            prompt + tok("<think>\n", add_special_tokens=False)["input_ids"],
+            tok("x</think>y", add_special_tokens=False)["input_ids"],
+        )[0]
+        == "reasoning"
+    )
     first_tool = expected.index("tool call")
     counts = split_rounds(labels, [(0, 2), (3, 0), (first_tool, 1), (len(ids) - 1, 0)], k=2)
     assert {n: (c.num_rounds, c.num_accepted, c.accepted_per_pos) for n, c in counts.items()} == {
-        "reasoning": (2, 2, [1, 1]), "tool call": (1, 1, [1, 0]), "content": (1, 0, [0, 0])}
+        "reasoning": (2, 2, [1, 1]),
+        "tool call": (1, 1, [1, 0]),
+        "content": (1, 0, [0, 0]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -301,11 +390,13 @@ def tiny_agent(tmp_path_factory):
     from agentic import train_tiny_agent
 
     root = tmp_path_factory.mktemp("tiny-agent")
-    target = build_tiny_target(root / "random", hidden_size=128, chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
-                               added_tokens=QWEN3_MARKERS)
+    target = build_tiny_target(
+        root / "random", hidden_size=128, chat_template=QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS
+    )
     data = write_jsonl(root / "chats.jsonl", agentic_conversations(60, tools=SHORT_TOOLS))
-    prepare_run(PrepareConfig(data=[str(data)], target=str(target), output=root / "prepared", num_workers=1,
-                              max_length=640))  # each loop's first answers: what the prompts ask
+    prepare_run(
+        PrepareConfig(data=[str(data)], target=str(target), output=root / "prepared", num_workers=1, max_length=640)
+    )  # each loop's first answers: what the prompts ask
     return train_tiny_agent(target, root / "prepared", root / "agent")
 
 
@@ -321,19 +412,35 @@ def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agen
     config = json.loads((tiny_agent / "config.json").read_text())
     spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 3])
     draft = Eagle3Draft.from_target(spec, targets.load_target(tiny_agent), torch.arange(0, 256, 2))
-    export.write_export(tmp_path / "draft", draft_tensors(draft.state_dict()), spec, "vllm",
-                        target=targets.target_identity(tiny_agent), verifier_architectures=["LlamaForCausalLM"],
-                        dtype="fp32")
+    export.write_export(
+        tmp_path / "draft",
+        draft_tensors(draft.state_dict()),
+        spec,
+        "vllm",
+        target=targets.target_identity(tiny_agent),
+        verifier_architectures=["LlamaForCausalLM"],
+        dtype="fp32",
+    )
     prompts = write_jsonl(tmp_path / "agent.jsonl", agentic_conversations(8, seed=1, tools=SHORT_TOOLS))
-    result = evaluate.run(EvaluateConfig(draft=tmp_path / "draft", prompts=str(prompts), max_new_tokens=64, k=[2],
-                                         output=tmp_path / "eval", device="cpu", baseline=False))
+    result = evaluate.run(
+        EvaluateConfig(
+            draft=tmp_path / "draft",
+            prompts=str(prompts),
+            max_new_tokens=64,
+            k=[2],
+            output=tmp_path / "eval",
+            device="cpu",
+            baseline=False,
+        )
+    )
     [run] = json.loads((tmp_path / "eval" / REPORT_JSON).read_text())["runs"]
     segments = run["by_segment"]
     # the target thinks, then calls a tool: both segments hold rounds, and every round is in exactly one segment
     assert segments["reasoning"]["rounds"] > 0 and segments["tool call"]["rounds"] > 0, segments
     assert sum(c["rounds"] for c in segments.values()) == run["num_rounds"]
-    assert sum((c["tau"] - 1) * c["rounds"] for c in segments.values() if c["rounds"]) == \
-        pytest.approx(run["num_accepted"])
+    assert sum((c["tau"] - 1) * c["rounds"] for c in segments.values() if c["rounds"]) == pytest.approx(
+        run["num_accepted"]
+    )
     assert "τ by segment" in " ".join(result.summary)
     assert "| 2 | tool call |" in (tmp_path / "eval" / REPORT_MD).read_text()
 
@@ -347,9 +454,19 @@ def test_regenerate_with_vllm_writes_the_targets_calls_and_reasoning_that_prepar
     from draftsmith.prepare import regenerate, regenerated_set
 
     data = write_jsonl(tmp_path / "loops.jsonl", agentic_conversations(12, seed=2, tools=SHORT_TOOLS))
-    result = regenerate.run(RegenerateConfig(data=[str(data)], target=str(tiny_agent), output=tmp_path / "out",
-                                             engine="vllm", tool_call_parser="hermes", reasoning_parser="qwen3",
-                                             max_new_tokens=96, max_length=1536, dtype="float32"))
+    result = regenerate.run(
+        RegenerateConfig(
+            data=[str(data)],
+            target=str(tiny_agent),
+            output=tmp_path / "out",
+            engine="vllm",
+            tool_call_parser="hermes",
+            reasoning_parser="qwen3",
+            max_new_tokens=96,
+            max_length=1536,
+            dtype="float32",
+        )
+    )
     records = list(regenerated_set.read_conversations(tmp_path / "out"))
     summary = result.summary
     assert summary["engine"].startswith("vllm ") and summary["conversations"] == len(records) > 0, summary
@@ -373,24 +490,51 @@ def test_regenerate_with_vllm_writes_the_targets_calls_and_reasoning_that_prepar
     manifest = regenerated_set.open_regenerated(tmp_path / "out")
     assert manifest.generator.tool_call_parser == "hermes" and manifest.generator.parsers_from
 
-    prepared = prepare_run(PrepareConfig(data=[str(tmp_path / "out")], target=str(tiny_agent),
-                                         output=tmp_path / "prepared", num_workers=1, max_length=4096))
+    prepared = prepare_run(
+        PrepareConfig(
+            data=[str(tmp_path / "out")],
+            target=str(tiny_agent),
+            output=tmp_path / "prepared",
+            num_workers=1,
+            max_length=4096,
+        )
+    )
     assert prepared.summary["skipped"] == 0 and prepared.summary["conversations"] == len(records)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="the cross-check renders with vLLM's own code")
 def test_check_with_vllm_compares_every_prompt_with_vllms_own_rendering(tmp_path, qwen3_shaped_target):
     data = write_jsonl(tmp_path / "chats.jsonl", agentic_conversations(6))
-    result = prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "out",
-                                       num_workers=1, max_length=4096, check_with_vllm=4))
+    result = prepare_run(
+        PrepareConfig(
+            data=[str(data)],
+            target=str(qwen3_shaped_target),
+            output=tmp_path / "out",
+            num_workers=1,
+            max_length=4096,
+            check_with_vllm=4,
+        )
+    )
     generations = sum(len(expected_generations(r)) for r in agentic_conversations(6)[:4])
     assert result.summary["rendering checked against"].endswith(
-        f": 4 conversations, {generations} prompts token for token the same")
+        f": 4 conversations, {generations} prompts token for token the same"
+    )
     # Served with thinking off, the template pre-fills an empty <think> block, where these records hold reasoning:
     # the contexts draftsmith trains in are not what the server's prompts would be, and the check says where.
-    with pytest.raises(DraftsmithError, match=r"^chats.jsonl record 0: the prompt of turn 2 differs from vLLM "
-                       r"\S+'s rendering at token \d+ of \d+: draftsmith nothing \(the prompt ends there\), vLLM "):
-        prepare_run(PrepareConfig(data=[str(data)], target=str(qwen3_shaped_target), output=tmp_path / "off",
-                                  num_workers=1, max_length=4096, check_with_vllm=4,
-                                  chat_template_kwargs={"enable_thinking": False}))
+    with pytest.raises(
+        DraftsmithError,
+        match=r"^chats.jsonl record 0: the prompt of turn 2 differs from vLLM "
+        r"\S+'s rendering at token \d+ of \d+: draftsmith nothing \(the prompt ends there\), vLLM ",
+    ):
+        prepare_run(
+            PrepareConfig(
+                data=[str(data)],
+                target=str(qwen3_shaped_target),
+                output=tmp_path / "off",
+                num_workers=1,
+                max_length=4096,
+                check_with_vllm=4,
+                chat_template_kwargs={"enable_thinking": False},
+            )
+        )
     assert not (tmp_path / "off").exists()

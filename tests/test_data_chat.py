@@ -62,8 +62,9 @@ TURNS = [
 def _tokenizer(template: str):
     tok = build_tiny_tokenizer(template)
     if template is LLAMA3_STYLE:
-        tok.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                       special_tokens=True)
+        tok.add_tokens(
+            ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True
+        )
         tok.bos_token = "<|begin_of_text|>"
     if template is QWEN3_STYLE:
         tok.add_tokens(["<think>", "</think>"])
@@ -80,8 +81,10 @@ def _decoded_spans(tok, template: str, messages: list[dict], samples: int = 1) -
     spans = []
     for enc in encoded:
         assert enc.input_ids.dtype == np.int32 and enc.loss_mask.dtype == np.uint8 and not enc.truncated
-        spans += [tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                  for run in masked_spans(enc.input_ids, enc.loss_mask)]
+        spans += [
+            tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for run in masked_spans(enc.input_ids, enc.loss_mask)
+        ]
     return spans
 
 
@@ -114,8 +117,10 @@ def test_qwen3_style_trains_each_turn_with_the_think_block_it_wrote(system):
     # the earlier turn's reasoning is dropped from the history once the next user turn comes, but the model wrote
     # it when it answered: that answer is trained in the text it was generated after (its own sample), the later
     # one in the final render
-    assert spans == ["<think>\nThe user asks about France.\n</think>\n\nParis.<|im_end|>",
-                     "<think>\nAdd them.\n</think>\n\nIt is 5.<|im_end|>"]
+    assert spans == [
+        "<think>\nThe user asks about France.\n</think>\n\nParis.<|im_end|>",
+        "<think>\nAdd them.\n</think>\n\nIt is 5.<|im_end|>",
+    ]
 
 
 def test_qwen3_style_consecutive_assistant_turns_after_last_user():
@@ -145,8 +150,10 @@ def test_truncate_and_drop_at_max_length():
 
 
 def test_template_error_is_a_counted_skip():
-    strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
-             "{{ m['content'] }}{% endfor %}"
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
     with pytest.raises(Skip) as info:
         ChatEncoder(_tokenizer(strict), strict).encode([SYSTEM] + TURNS)
     assert info.value.reason == "chat template error" and "no system" in info.value.detail
@@ -158,43 +165,72 @@ def test_slow_tokenizer_path_matches_offsets_path():
     pieces = ChatEncoder(tok, CHATML_TEMPLATE)
     pieces._backend = None  # as for a tokenizer without offsets
     [slow] = pieces.encode(TURNS).samples
-    assert [tok.decode(r) for r in masked_spans(slow.input_ids, slow.loss_mask)] == \
-           [tok.decode(r) for r in masked_spans(fast.input_ids, fast.loss_mask)]
+    assert [tok.decode(r) for r in masked_spans(slow.input_ids, slow.loss_mask)] == [
+        tok.decode(r) for r in masked_spans(fast.input_ids, fast.loss_mask)
+    ]
 
 
 # ------------------------------------------------------------------ normalisation
 
 
 def test_sharegpt_roles_are_normalised_and_trailing_user_turn_dropped():
-    record = {"id": "x", "conversations": [
-        {"from": "system", "value": "Be nice."}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-        {"from": "user", "value": "and?"}, {"from": "chatgpt", "value": "more"}, {"from": "human", "value": "bye"}]}
+    record = {
+        "id": "x",
+        "conversations": [
+            {"from": "system", "value": "Be nice."},
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "hello"},
+            {"from": "user", "value": "and?"},
+            {"from": "chatgpt", "value": "more"},
+            {"from": "human", "value": "bye"},
+        ],
+    }
     assert normalize_conversation(record).messages == [
-        {"role": "system", "content": "Be nice."}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"},
-        {"role": "assistant", "content": "more"}]
+        {"role": "system", "content": "Be nice."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "more"},
+    ]
 
 
 def test_messages_format_with_content_blocks():
-    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                           {"role": "assistant", "content": "yo"}]}
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "yo"},
+        ]
+    }
     assert normalize_conversation(record).messages[0] == {"role": "user", "content": "hi"}
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({"id": 1}, "no conversations"),
-    ({"conversations": []}, "no conversations"),
-    ([1, 2], "not a JSON object"),
-    ({"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown role"),
-    ({"conversations": [{"from": "human", "value": "  \n"}, {"from": "gpt", "value": "y"}]}, "empty turn"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": ""}]}, "empty turn"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "human", "value": "y"}]}, "no assistant turn"),
-    ({"conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}, {"from": "gpt", "value": "z"}]},
-     "starts with the assistant"),
-    ({"conversations": [{"from": "human", "value": "bad \udcff byte"}, {"from": "gpt", "value": "y"}]},
-     "not valid UTF-8"),
-    ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "y"}]}, "turn without text"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"id": 1}, "no conversations"),
+        ({"conversations": []}, "no conversations"),
+        ([1, 2], "not a JSON object"),
+        ({"conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "y"}]}, "unknown role"),
+        ({"conversations": [{"from": "human", "value": "  \n"}, {"from": "gpt", "value": "y"}]}, "empty turn"),
+        ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": ""}]}, "empty turn"),
+        ({"conversations": [{"from": "human", "value": "x"}, {"from": "human", "value": "y"}]}, "no assistant turn"),
+        (
+            {
+                "conversations": [
+                    {"from": "gpt", "value": "x"},
+                    {"from": "human", "value": "y"},
+                    {"from": "gpt", "value": "z"},
+                ]
+            },
+            "starts with the assistant",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "bad \udcff byte"}, {"from": "gpt", "value": "y"}]},
+            "not valid UTF-8",
+        ),
+        ({"conversations": [{"from": "human", "value": 3}, {"from": "gpt", "value": "y"}]}, "turn without text"),
+    ],
+)
 def test_unusable_records_are_skipped_with_a_reason(record, reason):
     with pytest.raises(Skip) as info:
         normalize_conversation(record)
@@ -204,13 +240,22 @@ def test_unusable_records_are_skipped_with_a_reason(record, reason):
 def test_leading_assistant_turns_can_be_dropped_instead_of_skipping():
     from draftsmith.prepare.chat import leading_assistant_turns
 
-    record = {"conversations": [{"from": "system", "value": "S"}, {"from": "gpt", "value": "a0"},
-                                {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q"},
-                                {"from": "gpt", "value": "a2"}]}
+    record = {
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "gpt", "value": "a0"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a2"},
+        ]
+    }
     with pytest.raises(Skip):
         normalize_conversation(record)
     assert normalize_conversation(record, "drop").messages == [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a2"}]
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a2"},
+    ]
     assert leading_assistant_turns(normalize_conversation(record, "keep").messages) == 2
     only_assistant_then_user = {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "q"}]}
     with pytest.raises(Skip) as info:

@@ -13,8 +13,13 @@ from draftsmith.prepare.readers import DAMAGED_TAIL, Source, expand_sources, ite
 
 
 def _conv(i: int) -> dict:
-    return {"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i} " + "é" * (i % 7)},
-                                             {"from": "gpt", "value": f"answer {i}"}]}
+    return {
+        "id": f"c{i}",
+        "conversations": [
+            {"from": "human", "value": f"question {i} " + "é" * (i % 7)},
+            {"from": "gpt", "value": f"answer {i}"},
+        ],
+    }
 
 
 def _read(path, fmt="json"):
@@ -62,8 +67,12 @@ def test_json_array_syntax_error_names_file_and_record(tmp_path):
 
 def test_json_lines_bad_line_is_counted_not_fatal(tmp_path):
     path = tmp_path / "m.jsonl"
-    lines = [json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "{not json", "",
-             json.dumps({"messages": []})]
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+        "{not json",
+        "",
+        json.dumps({"messages": []}),
+    ]
     path.write_text("\n".join(lines) + "\n")
     out = _read(path)
     assert [r.bad for r in out] == [None, "invalid JSON", None]
@@ -176,8 +185,17 @@ def test_embedded_sharegpt_is_cut_off_and_keeps_17671_records(sharegpt_file):
 
 
 def test_a_cut_at_any_byte_keeps_every_complete_record(tmp_path, small_chunks):
-    records = [{"conversations": [{"from": "human", "value": "a\u00e9\\\"\n\u4e2d"}], "n": -1.5e3, "ok": True,
-                "none": None, "no": False, "esc": "\\u00e9"} for _ in range(3)]
+    records = [
+        {
+            "conversations": [{"from": "human", "value": 'a\u00e9\\"\n\u4e2d'}],
+            "n": -1.5e3,
+            "ok": True,
+            "none": None,
+            "no": False,
+            "esc": "\\u00e9",
+        }
+        for _ in range(3)
+    ]
     data = json.dumps(records, ensure_ascii=True).encode()
     complete_ends = []
     depth = 0

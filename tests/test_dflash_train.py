@@ -25,11 +25,25 @@ from draftsmith.train.ttt import Anchors, TargetHead, block_index, dflash_hidden
 
 
 def _spec(layers: int = 2, block: int = 4) -> DraftSpec:
-    return DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
-                     vocab_size=50, draft_vocab_size=50, aux_layer_ids=[1, 2, 3], method="dflash", block_size=block,
-                     mask_token_id=7)
+    return DraftSpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=32,
+        vocab_size=50,
+        draft_vocab_size=50,
+        aux_layer_ids=[1, 2, 3],
+        method="dflash",
+        block_size=block,
+        mask_token_id=7,
+    )
 
 
 def _draft(layers: int = 2, block: int = 4) -> DFlashDraft:
@@ -82,8 +96,9 @@ def test_block_attention_equals_the_explicit_mask_forward_and_backward(layers):
     index = block_index(mask.numpy(), Anchors(4, 40, 0), [0, 1])  # 40 anchors: several chunks of 16 blocks
     assert len(index.chunk_limits) > 1
     aux = torch.randn(2, 70, 96, dtype=torch.float64, generator=gen)
-    head = TargetHead(torch.nn.Identity(), torch.randn(50, 32, dtype=torch.float64, generator=gen),
-                      draft.draft_to_target)
+    head = TargetHead(
+        torch.nn.Identity(), torch.randn(50, 32, dtype=torch.float64, generator=gen), draft.draft_to_target
+    )
     target = head(torch.randn(2, 70, 32, dtype=torch.float64, generator=gen), index)
     params = [p for p in draft.parameters() if p.requires_grad]
     results = []
@@ -110,17 +125,20 @@ def test_a_block_sees_the_context_before_its_anchor_and_its_whole_block():
     assert aux.grad[0, :a].abs().sum() > 0 and aux.grad[0, a:].abs().sum() == 0  # context s < anchor only
     # position 1 sees position 3 of its block (no causal order inside a block): its input changes position 1
     block = draft.block_ids(ids[:, a])  # [1, S]
-    out = draft.forward_hidden(block, torch.arange(a, a + 4)[None], draft.context(aux.detach()[:, :a]),
-                               torch.arange(a)[None], _full)
+    out = draft.forward_hidden(
+        block, torch.arange(a, a + 4)[None], draft.context(aux.detach()[:, :a]), torch.arange(a)[None], _full
+    )
     with torch.no_grad():
         draft.embed_tokens.weight[7] += 1.0  # the mask token's embedding: positions 1..3 read it
-    again = draft.forward_hidden(block, torch.arange(a, a + 4)[None], draft.context(aux.detach()[:, :a]),
-                                 torch.arange(a)[None], _full)
+    again = draft.forward_hidden(
+        block, torch.arange(a, a + 4)[None], draft.context(aux.detach()[:, :a]), torch.arange(a)[None], _full
+    )
     assert not torch.allclose(out[0, 0], again[0, 0])  # even the anchor's position sees the masks after it
 
 
 def _full(q, k, v, kc, vc):
     from draftsmith.train.attention import full_attention
+
     return full_attention(q, k, v, kc, vc)
 
 
@@ -133,9 +151,23 @@ def prepared(tiny_target_dir, tmp_path_factory):
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
-    base = dict(data=data, output=out, method="dflash", block_size=5, anchors_per_sample=6, num_layers=2, lr=3e-3,
-                warmup_steps=2, token_budget=256, eval_fraction=0.15, log_every=1, save_every=1000, device="cpu",
-                seed=0, max_steps=6)
+    base = dict(
+        data=data,
+        output=out,
+        method="dflash",
+        block_size=5,
+        anchors_per_sample=6,
+        num_layers=2,
+        lr=3e-3,
+        warmup_steps=2,
+        token_budget=256,
+        eval_fraction=0.15,
+        log_every=1,
+        save_every=1000,
+        device="cpu",
+        seed=0,
+        max_steps=6,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -143,7 +175,7 @@ def _cfg(data, out, **kw) -> TrainConfig:
 def test_dflash_config_derives_steps_and_weights_from_the_block():
     cfg = TrainConfig(method="dflash")
     assert (cfg.num_layers, cfg.block_size, cfg.ttt_steps, cfg.anchors_per_sample) == (5, 16, 15, 512)
-    assert abs(cfg.step_weight ** 6 - np.exp(-6 / 7)) < 1e-12  # position j weighs exp(-(j-1)/7)
+    assert abs(cfg.step_weight**6 - np.exp(-6 / 7)) < 1e-12  # position j weighs exp(-(j-1)/7)
     assert TrainConfig().num_layers == 1
     with pytest.raises(ValueError, match="block-size"):
         TrainConfig(method="dflash", ttt_steps=4)
@@ -183,14 +215,25 @@ def test_dflash_training_logs_per_position_metrics_checkpoints_and_exports(prepa
 
 def _names(directory):
     from safetensors import safe_open
+
     with safe_open(str(directory / "model.safetensors"), "pt") as f:
         return set(f.keys())
 
 
 def test_an_eagle3_draft_cannot_start_a_dflash_run(prepared, tmp_path):
     eagle = tmp_path / "eagle"
-    trainer.run(_cfg(prepared, eagle, method="eagle3", max_steps=1, num_layers=1, draft_vocab_size=300,
-                     block_size=16, anchors_per_sample=512))
+    trainer.run(
+        _cfg(
+            prepared,
+            eagle,
+            method="eagle3",
+            max_steps=1,
+            num_layers=1,
+            draft_vocab_size=300,
+            block_size=16,
+            anchors_per_sample=512,
+        )
+    )
     with pytest.raises(DraftsmithError, match="architectures differ"):
         trainer.run(_cfg(prepared, tmp_path / "dflash", init_from=eagle))
 
@@ -216,14 +259,17 @@ def test_block_attention_kernels_equal_the_explicit_mask_forward_and_backward(ke
     mask[1, 40:] = False
     index = block_index(mask, Anchors(s, 20, 0), [0, 1])
     rows = index.anchors.shape[1] * s
-    tensors = [torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
-               for shape in ((b, hq, rows, d), (b, hkv, rows, d), (b, hkv, rows, d), (b, hkv, t, d), (b, hkv, t, d))]
+    tensors = [
+        torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
+        for shape in ((b, hq, rows, d), (b, hkv, rows, d), (b, hkv, rows, d), (b, hkv, t, d), (b, hkv, t, d))
+    ]
     ours = attention.block_attention(*tensors, index.anchors, index.chunk_limits, kernel=kernel)
     ref = attention.naive_block_attention(*tensors, index.anchors)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
     weights = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
-    for x, y in zip(torch.autograd.grad((ours * weights).sum(), tensors),
-                    torch.autograd.grad((ref * weights).sum(), tensors)):
+    for x, y in zip(
+        torch.autograd.grad((ours * weights).sum(), tensors), torch.autograd.grad((ref * weights).sum(), tensors)
+    ):
         assert x.abs().sum() > 0
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
 
@@ -241,7 +287,11 @@ def test_a_whole_vocabulary_head_is_used_as_it_is_with_the_same_distribution():
     assert TargetHead(torch.nn.Identity(), weight, torch.arange(0, 50, 2)).draft_weight.shape == (25, 32)
     ours = target_distribution(rows, torch.nn.Identity(), weight, head.draft_weight)
     copied = target_distribution(rows, torch.nn.Identity(), weight, weight.clone())
-    for a, b in ((ours.probs, copied.probs), (ours.neg_entropy, copied.neg_entropy), (ours.mass, copied.mass),
-                 (ours.argmax, copied.argmax)):
+    for a, b in (
+        (ours.probs, copied.probs),
+        (ours.neg_entropy, copied.neg_entropy),
+        (ours.mass, copied.mass),
+        (ours.argmax, copied.argmax),
+    ):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(ours.mass, torch.ones(7))

@@ -50,23 +50,39 @@ def dflash_export(memorised_store, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("dflash-default")
     layers = store.open(memorised_store).manifest.target.num_layers
-    train.run(TrainConfig(data=memorised_store, aux_layer_ids=dflash_aux_layer_ids(layers, 1), output=root / "run",
-                          method="dflash", block_size=BLOCK, num_layers=1,
-                          anchors_per_sample=64, max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5,
-                          schedule="constant", eval_fraction=0.0, save_every=10 ** 6, device="cpu",
-                          precision="fp32", seed=0))
+    train.run(
+        TrainConfig(
+            data=memorised_store,
+            aux_layer_ids=dflash_aux_layer_ids(layers, 1),
+            output=root / "run",
+            method="dflash",
+            block_size=BLOCK,
+            num_layers=1,
+            anchors_per_sample=64,
+            max_steps=60,
+            token_budget=1024,
+            lr=3e-3,
+            warmup_steps=5,
+            schedule="constant",
+            eval_fraction=0.0,
+            save_every=10**6,
+            device="cpu",
+            precision="fp32",
+            seed=0,
+        )
+    )
     out = root / "export"
     export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32"))
     return out
 
 
-def test_vllm_decodes_a_dflash_draft_losslessly_with_the_reference_acceptance(dflash_export, tmp_path,
-                                                                               monkeypatch):
+def test_vllm_decodes_a_dflash_draft_losslessly_with_the_reference_acceptance(dflash_export, tmp_path, monkeypatch):
     spec = load_draft(dflash_export).spec
     config = json.loads((dflash_export / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and spec.block_size == BLOCK
-    hf, vl = evaluate_in_both_engines(dflash_export, tmp_path, monkeypatch, 9, deep=2,
-                                      num_prompts=MEMORISED_PROMPTS)  # 3rd position of a block
+    hf, vl = evaluate_in_both_engines(
+        dflash_export, tmp_path, monkeypatch, 9, deep=2, num_prompts=MEMORISED_PROMPTS
+    )  # 3rd position of a block
     assert hf["k"] == vl["k"] == BLOCK - 1  # whatever k was asked: a round is one block
 
 
@@ -81,8 +97,9 @@ class DFlashMatrix(Matrix):
     """tests/test_families.py's prepared sets, stores, exports and reference decodes, with DFlash drafts: blocks of
     SPEC_K + 1 (vLLM drafts SPEC_K tokens a round), reading the store's layers."""
 
-    draft_options = dict(method="dflash", block_size=SPEC_K + 1, num_layers=1, anchors_per_sample=64,
-                         max_steps=MOE_STEPS)
+    draft_options = dict(
+        method="dflash", block_size=SPEC_K + 1, num_layers=1, anchors_per_sample=64, max_steps=MOE_STEPS
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +113,11 @@ def test_vllm_decodes_dflash_on_an_moe_target_losslessly_with_the_reference_acce
 
     draft = moe.export(MOE, "vllm")
     assert load_draft(draft).spec.method == "dflash"
-    assert vllm_speculative_config(draft, 7) == {"method": "dflash", "model": str(draft),
-                                                 "num_speculative_tokens": SPEC_K}
+    assert vllm_speculative_config(draft, 7) == {
+        "method": "dflash",
+        "model": str(draft),
+        "num_speculative_tokens": SPEC_K,
+    }
     ref = moe.reference(MOE)
     assert ref["spec"] == ref["plain"]  # the reference decoder's DFlash rounds are lossless too
     vllm_decodes_as_the_reference(moe, MOE, draft)  # test_families.ENGINE_LEN: room for its slots

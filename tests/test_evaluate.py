@@ -30,9 +30,15 @@ def exported(tiny_target_dir, tmp_path_factory):
     spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 4])
     draft = Eagle3Draft.from_target(spec, model, torch.arange(0, 256, 2))
     out = tmp_path_factory.mktemp("eval") / "export"
-    export.write_export(out, draft_tensors(draft.state_dict()), spec, "vllm",
-                        target=targets.target_identity(tiny_target_dir), verifier_architectures=["LlamaForCausalLM"],
-                        dtype="fp32")
+    export.write_export(
+        out,
+        draft_tensors(draft.state_dict()),
+        spec,
+        "vllm",
+        target=targets.target_identity(tiny_target_dir),
+        verifier_architectures=["LlamaForCausalLM"],
+        dtype="fp32",
+    )
     return out
 
 
@@ -40,8 +46,13 @@ def exported(tiny_target_dir, tmp_path_factory):
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     rows = [
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello! How are you?"},
-                      {"role": "assistant", "content": "Fine."}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hello! How are you?"},
+                {"role": "assistant", "content": "Fine."},
+            ]
+        },
         {"conversations": [{"from": "human", "value": "What is the capital of France?"}]},
         {"turns": ["Explain speculative decoding.", "Shorter, please."]},
         {"not a": "conversation"},
@@ -56,8 +67,10 @@ def test_prompts_from_a_file_are_chat_rendered_up_to_the_first_answer(tiny_targe
     prompts = load_prompts(str(prompt_file), tokenizer)
     assert len(prompts) == 4  # the record without a conversation is skipped
     texts = [tokenizer.decode(p.token_ids) for p in prompts]
-    assert texts[0] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello! How are you?<|im_end|>\n"
-                        "<|im_start|>assistant\n")
+    assert texts[0] == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello! How are you?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     assert "Fine." not in texts[0]
     assert all(t.endswith("<|im_start|>assistant\n") for t in texts)
     assert "Shorter" not in texts[2]  # MT-bench style: the first turn
@@ -77,7 +90,7 @@ def test_prompts_from_a_prepared_sets_held_out_split(tiny_target_dir, tmp_path):
     for i in range(20):
         ids = rng.integers(4, 300, size=30)
         mask = np.zeros(30, dtype=np.int64)
-        mask[10 + i % 5:] = 1
+        mask[10 + i % 5 :] = 1
         samples.append({"input_ids": ids, "loss_mask": mask})
     identity = targets.target_identity(tiny_target_dir)
     write_prepared(tmp_path / "prep", samples, identity, chat_template_hash="t", max_length=64)
@@ -94,8 +107,17 @@ def test_prompts_from_a_prepared_sets_held_out_split(tiny_target_dir, tmp_path):
 
 def test_evaluate_hf_writes_report_and_charts(exported, prompt_file, tmp_path):
     out = tmp_path / "eval"
-    result = evaluate.run(EvaluateConfig(draft=exported, prompts=str(prompt_file), num_prompts=3, max_new_tokens=12,
-                                         k=[1, 3], output=out, device="cpu"))
+    result = evaluate.run(
+        EvaluateConfig(
+            draft=exported,
+            prompts=str(prompt_file),
+            num_prompts=3,
+            max_new_tokens=12,
+            k=[1, 3],
+            output=out,
+            device="cpu",
+        )
+    )
     report = json.loads((out / REPORT_JSON).read_text())
     assert report["engine"] == "hf" and report["num_prompts"] == 3
     assert [r["k"] for r in report["runs"]] == [1, 3]
@@ -126,8 +148,9 @@ def test_evaluate_refuses_a_draft_for_another_target(exported, prompt_file, tmp_
         evaluate.run(EvaluateConfig(draft=exported, target=str(wide), prompts=str(prompt_file), output=tmp_path / "e"))
     deeper = build_tiny_target(tmp_path / "deeper", num_layers=5)  # same shapes, another model
     with pytest.raises(DraftsmithError, match=r"trained for target .*, not .*deeper \(config_hash"):
-        evaluate.run(EvaluateConfig(draft=exported, target=str(deeper), prompts=str(prompt_file),
-                                    output=tmp_path / "e"))
+        evaluate.run(
+            EvaluateConfig(draft=exported, target=str(deeper), prompts=str(prompt_file), output=tmp_path / "e")
+        )
 
 
 def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_file, tmp_path):
@@ -142,8 +165,17 @@ def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_
     assert from_ckpt.spec == source.spec
     for name, t in source.tensors.items():
         assert torch.equal(from_ckpt.tensors[name], t), name
-    evaluate.run(EvaluateConfig(draft=tmp_path / "run", prompts=str(prompt_file), num_prompts=1, max_new_tokens=6,
-                                k=[2], output=tmp_path / "e", baseline=False))
+    evaluate.run(
+        EvaluateConfig(
+            draft=tmp_path / "run",
+            prompts=str(prompt_file),
+            num_prompts=1,
+            max_new_tokens=6,
+            k=[2],
+            output=tmp_path / "e",
+            baseline=False,
+        )
+    )
     report = json.loads((tmp_path / "e" / REPORT_JSON).read_text())
     assert report["baseline"] is None and report["runs"][0]["speedup"] is None
 
@@ -157,11 +189,13 @@ def test_vllm_counters_become_decode_stats():
 
     class FakeLLM:
         def __init__(self, drafts, accepted, per_pos):
-            self.metrics = [NS(name="vllm:spec_decode_num_drafts", value=drafts),
-                            NS(name="vllm:spec_decode_num_draft_tokens", value=3 * drafts),
-                            NS(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
-                            NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
-                            NS(name="vllm:num_requests_running", value=1)]
+            self.metrics = [
+                NS(name="vllm:spec_decode_num_drafts", value=drafts),
+                NS(name="vllm:spec_decode_num_draft_tokens", value=3 * drafts),
+                NS(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
+                NS(name="vllm:num_requests_running", value=1),
+            ]
 
         def get_metrics(self):
             return self.metrics
@@ -169,8 +203,12 @@ def test_vllm_counters_become_decode_stats():
     before = read_spec_metrics(FakeLLM(2, 1, [1, 0, 0]))
     after = read_spec_metrics(FakeLLM(12, 16, [9, 5, 2]))
     spec = _delta(after, before)
-    assert spec == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 15,
-                    "num_accepted_tokens_per_pos": [8, 5, 2]}
+    assert spec == {
+        "num_drafts": 10,
+        "num_draft_tokens": 30,
+        "num_accepted_tokens": 15,
+        "num_accepted_tokens_per_pos": [8, 5, 2],
+    }
     stats = stats_from_vllm({"spec": spec, "outputs": [[1] * 20, [2] * 5], "elapsed_s": 5.0}, 3, 2)
     assert stats.tau == 2.5 and stats.acceptance_per_pos == [0.8, 0.5, 0.2]
     assert stats.num_new_tokens == 25 and stats.tokens_per_s == 5.0

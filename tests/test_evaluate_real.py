@@ -61,12 +61,21 @@ def test_vllm_serves_the_exported_draft_with_the_reference_acceptance(real, trai
     pytest.importorskip("vllm")
     facts = probe().facts
     if not facts.eagle3_on_platform:
-        pytest.skip(f"EAGLE-3 does not run on vLLM {facts.version} here (tests/test_vllm_release_engines.py tests "
-                    "the refusal)")
+        pytest.skip(
+            f"EAGLE-3 does not run on vLLM {facts.version} here (tests/test_vllm_release_engines.py tests the refusal)"
+        )
     out = tmp_path / "export"
     export.run(ExportConfig(checkpoint=trained_run, format="vllm", output=out, dtype="fp32"))
-    common = dict(draft=out, prompts="mt-bench", num_prompts=4, max_new_tokens=48, k=[3], dtype="float32",
-                  vllm_kv_cache_gb=1, vllm_timeout_s=1200)
+    common = dict(
+        draft=out,
+        prompts="mt-bench",
+        num_prompts=4,
+        max_new_tokens=48,
+        k=[3],
+        dtype="float32",
+        vllm_kv_cache_gb=1,
+        vllm_timeout_s=1200,
+    )
     hf = evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
     vl = evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=True, **common))
     hf_report = json.loads((tmp_path / "hf" / "report.json").read_text())

@@ -45,8 +45,16 @@ def write(tmp_path, tiny_draft, fmt, **kw):
 def test_draft_tensors_are_the_modules_names(tiny_draft):
     _, spec, tensors, _ = tiny_draft
     assert "embed_tokens.weight" not in tensors  # servers share the target's embedding
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight",
-            "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= set(tensors)
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "layers.0.hidden_norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    } <= set(tensors)
     assert tensors["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * spec.hidden_size
     assert tensors["fc.weight"].shape == (spec.hidden_size, 3 * spec.target_hidden_size)
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
@@ -202,8 +210,9 @@ def test_read_export_detects_damage(tmp_path, tiny_draft):
 def save_checkpoint_for(run_dir, target_dir, draft, spec):
     from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
 
-    manifest = CheckpointManifest(target=targets.target_identity(target_dir), draft=spec, step=7, data="unit-test",
-                                  best_acceptance_length=1.5)
+    manifest = CheckpointManifest(
+        target=targets.target_identity(target_dir), draft=spec, step=7, data="unit-test", best_acceptance_length=1.5
+    )
     return save_checkpoint(run_dir, manifest, draft.state_dict(), None, best=True)
 
 
@@ -217,8 +226,13 @@ def test_checkpoint_holds_the_draft_but_not_the_targets_embedding(tmp_path, tiny
     assert manifest["draft"] == spec.model_dump() and "aux_layer_ids" not in manifest  # one DraftSpec, no copies
     assert "training" not in manifest  # derived from the checkpoint's own fields on read
     back, read = load_checkpoint(tmp_path / "run")
-    assert read.draft == spec and read.training == {"data": "unit-test", "step": 7, "best_acceptance_length": 1.5,
-                                                   "eval_fraction": 0.0, "split_seed": 0}
+    assert read.draft == spec and read.training == {
+        "data": "unit-test",
+        "step": 7,
+        "best_acceptance_length": 1.5,
+        "eval_fraction": 0.0,
+        "split_seed": 0,
+    }
     assert all(torch.equal(back[name], t) for name, t in tensors.items())
 
 
@@ -282,8 +296,12 @@ def test_peagle_vllm_export_holds_mask_hidden_and_names_the_mask_token(tmp_path,
     assert torch.equal(weights["mask_hidden"], tensors["mask_hidden"].to(torch.bfloat16))
     readme = (out / "README.md").read_text()
     assert "P-EAGLE" in readme and '"parallel_drafting": true' in readme and "'parallel_drafting': True" in readme
-    assert vllm_speculative_config(out, 4) == {"method": "eagle3", "model": str(out), "num_speculative_tokens": 4,
-                                               "parallel_drafting": True}
+    assert vllm_speculative_config(out, 4) == {
+        "method": "eagle3",
+        "model": str(out),
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }
     plain = write(tmp_path / "eagle3", _eagle3(tiny_peagle), "vllm")
     assert "ptd_token_id" not in json.loads((plain / "config.json").read_text())
     assert vllm_speculative_config(plain, 4) == {"method": "eagle3", "model": str(plain), "num_speculative_tokens": 4}
@@ -293,8 +311,12 @@ def test_peagle_vllm_export_holds_mask_hidden_and_names_the_mask_token(tmp_path,
 def _eagle3(peagle):
     """The P-EAGLE fixture's draft without parallel drafting (the EAGLE-3 draft it was made from)."""
     _, spec, tensors, identity = peagle
-    return None, spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None}), {
-        k: v for k, v in tensors.items() if k != "mask_hidden"}, identity
+    return (
+        None,
+        spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None}),
+        {k: v for k, v in tensors.items() if k != "mask_hidden"},
+        identity,
+    )
 
 
 def test_vllm_loads_a_peagle_exports_names(tmp_path, tiny_peagle):
@@ -328,8 +350,9 @@ def test_peagle_checkpoint_round_trips_through_export(tmp_path, tiny_target_dir,
     manifest = CheckpointManifest(target=identity, draft=spec, step=2, data="unit-test")
     save_checkpoint(tmp_path / "run", manifest, tensors, None, best=True)
     assert load_draft(tmp_path / "run").spec == spec
-    result = export.run(ExportConfig(checkpoint=tmp_path / "run", format="vllm", output=tmp_path / "out",
-                                     speculative_tokens=5))
+    result = export.run(
+        ExportConfig(checkpoint=tmp_path / "run", format="vllm", output=tmp_path / "out", speculative_tokens=5)
+    )
     assert result.summary["parallel drafting"] == f"P-EAGLE, mask token {MASK_TOKEN}"
     assert all('"parallel_drafting": true' in c for c in result.commands.values() if c.startswith("vllm serve"))
     assert export.read_export_manifest(tmp_path / "out").draft == spec
@@ -352,14 +375,16 @@ def test_peagle_refusals_are_one_line(tmp_path, tiny_peagle):
     _, spec, tensors, identity = tiny_peagle
     with pytest.raises(DraftsmithError) as err:
         export.write_export(tmp_path / "s", tensors, spec, "sglang", target=identity, verifier_architectures=[])
-    assert str(err.value) == ("format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; "
-                              "export as vllm")
+    assert str(err.value) == (
+        "format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"
+    )
     no_token = spec.model_copy(update={"mask_token_id": None})
     with pytest.raises(DraftsmithError, match=r"mask_token_id None is not a target token id \(0\.\.319\)"):
         export.write_export(tmp_path / "v", tensors, no_token, "vllm", target=identity, verifier_architectures=[])
     with pytest.raises(DraftsmithError, match=r"missing tensor\(s\) \['mask_hidden'\] for a 1-layer P-EAGLE draft"):
-        export.write_export(tmp_path / "v", _eagle3(tiny_peagle)[2], spec, "vllm", target=identity,
-                            verifier_architectures=[])
+        export.write_export(
+            tmp_path / "v", _eagle3(tiny_peagle)[2], spec, "vllm", target=identity, verifier_architectures=[]
+        )
     assert not any((tmp_path / d).exists() for d in ("s", "v"))
 
 
@@ -379,7 +404,10 @@ def test_peagle_speculators_format_is_speculators_peagle(tmp_path, tiny_peagle):
     assert pre["architectures"] == ["PeagleLlamaForCausalLM"] and pre["pard_token"] == MASK_TOKEN
     assert pre["norm_before_residual"] is False and pre["eagle_aux_hidden_state_layer_ids"] == AUX
     assert SpeculatorsConfig.extract_vllm_speculative_config(config) == {
-        "method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
+        "method": "eagle3",
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the P-EAGLE rule
@@ -394,8 +422,14 @@ READINGS = [  # config.json -> the mask token vLLM's parallel drafting reads (No
     ({"mask_token_id": None, "ptd_token_id": 5}, 5),  # a null mask_token_id is passed over
     ({"pad_token_id": 2}, None),
     ({**SPECULATORS_PEAGLE, "mask_token_id": 4}, 4),  # speculators' own P-EAGLE type, read as pard_token
-    ({**SPECULATORS_PEAGLE, "mask_token_id": 4,  # its layer config is what vLLM's proposer reads first
-      "transformer_layer_config": {"model_type": "llama", "mask_token_id": 9}}, 9),
+    (
+        {
+            **SPECULATORS_PEAGLE,
+            "mask_token_id": 4,  # its layer config is what vLLM's proposer reads first
+            "transformer_layer_config": {"model_type": "llama", "mask_token_id": 9},
+        },
+        9,
+    ),
     ({"speculators_model_type": "eagle3", "mask_token_id": 4, "transformer_layer_config": {}}, None),
 ]
 
@@ -407,11 +441,14 @@ def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
     assert parallel_drafting_token(config) == token
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({"pard_token": None, "ptd_token_id": 5}, r"^d/config.json: pard_token None is not a token id"),
-    ({"ptd_token_id": "3"}, r"^d/config.json: ptd_token_id '3' is not a token id"),
-    ({**SPECULATORS_PEAGLE}, r"^d/config.json: a speculators P-EAGLE config .* without mask_token_id"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"pard_token": None, "ptd_token_id": 5}, r"^d/config.json: pard_token None is not a token id"),
+        ({"ptd_token_id": "3"}, r"^d/config.json: ptd_token_id '3' is not a token id"),
+        ({**SPECULATORS_PEAGLE}, r"^d/config.json: a speculators P-EAGLE config .* without mask_token_id"),
+    ],
+)
 def test_a_mask_token_vllm_would_misread_is_refused_in_one_line(config, message):
     from draftsmith.train.drafts import parallel_drafting_token
 
@@ -434,8 +471,10 @@ def test_the_rules_order_is_the_installed_vllms(config, token):
 
     if "speculators_model_type" in config:
         config = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(config))
-    proposer = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=PretrainedConfig(**config)),
-                                     pass_hidden_states_to_model=False)
+    proposer = types.SimpleNamespace(
+        draft_model_config=types.SimpleNamespace(hf_config=PretrainedConfig(**config)),
+        pass_hidden_states_to_model=False,
+    )
     if token is None:
         with pytest.raises(ValueError, match="For parallel drafting, the draft model config must have"):
             SpecDecodeBaseProposer._init_parallel_drafting_params(proposer)
@@ -458,8 +497,11 @@ def test_load_and_serve_follow_the_mask_token_vllm_reads(tmp_path, tiny_peagle):
     del config["ptd_token_id"]
     (out / "config.json").write_text(json.dumps(config))
     assert "parallel_drafting" not in vllm_speculative_config(out, 3)
-    with pytest.raises(DraftsmithError, match=r"names no mask token, so vLLM would serve the draft as EAGLE-3, but "
-                                              r"its weights hold a P-EAGLE draft's mask_hidden"):
+    with pytest.raises(
+        DraftsmithError,
+        match=r"names no mask token, so vLLM would serve the draft as EAGLE-3, but "
+        r"its weights hold a P-EAGLE draft's mask_hidden",
+    ):
         load_draft(out)
 
 
@@ -469,9 +511,11 @@ def test_a_config_naming_a_mask_token_without_mask_hidden_is_refused(tmp_path, t
     (out / "config.json").write_text(json.dumps({**config, "pard_token": 3}))
     with pytest.raises(DraftsmithError) as err:
         load_draft(out)
-    assert str(err.value) == (f"{out / 'config.json'}: names mask token 3, so vLLM would serve the draft as P-EAGLE, "
-                              "but its weights have no mask_hidden; remove the mask token (mask_token_id, pard_token, "
-                              "ptd_token_id) or export the draft again from its training run")
+    assert str(err.value) == (
+        f"{out / 'config.json'}: names mask token 3, so vLLM would serve the draft as P-EAGLE, "
+        "but its weights have no mask_hidden; remove the mask token (mask_token_id, pard_token, "
+        "ptd_token_id) or export the draft again from its training run"
+    )
 
 
 def test_a_mask_token_outside_the_targets_vocabulary_is_refused_on_load(tmp_path, tiny_peagle):

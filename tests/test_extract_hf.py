@@ -33,8 +33,9 @@ def _write_set(path: Path, target_dir: Path, n: int = NUM_SAMPLES, seed: int = 0
     samples = []
     for _ in range(n):
         T = int(torch.randint(3, max_len, (1,), generator=g))
-        samples.append({"input_ids": torch.randint(0, 320, (T,), generator=g),
-                        "loss_mask": torch.rand(T, generator=g) > 0.4})
+        samples.append(
+            {"input_ids": torch.randint(0, 320, (T,), generator=g), "loss_mask": torch.rand(T, generator=g) > 0.4}
+        )
     write_prepared(path, samples, target_identity(target_dir), chat_template_hash="tiny", max_length=max_len)
     return path
 
@@ -64,7 +65,8 @@ def _reference(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Te
     N = model.config.num_hidden_layers
     last: list[torch.Tensor] = []
     handle = model.model.layers[-1].register_forward_hook(
-        lambda _m, _args, out: last.append(out[0] if isinstance(out, tuple) else out))
+        lambda _m, _args, out: last.append(out[0] if isinstance(out, tuple) else out)
+    )
     try:
         with torch.no_grad():
             tied = model(input_ids[None], output_hidden_states=True).hidden_states
@@ -95,8 +97,9 @@ def test_capture_equals_transformers_output_hidden_states(tiny_model):
     # the last layer is un-normalised, and the final norm + LM head on it give transformers' logits
     with torch.no_grad():
         logits = tiny_model(ids).logits
-        torch.testing.assert_close(tiny_model.lm_head(tiny_model.model.norm(got[:, :, -1])), logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            tiny_model.lm_head(tiny_model.model.norm(got[:, :, -1])), logits, rtol=1e-4, atol=1e-4
+        )
     # a subset stops early and still matches
     part = capture.capture_hidden_states(tiny_model, ids, None, [2, 0], dtype=torch.bfloat16)
     assert part.dtype == torch.bfloat16
@@ -139,8 +142,7 @@ def test_plan_batches_buckets_by_length_within_the_budget():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_prepared, tiny_model, dtype):
-    result = extract.run(_cfg(tiny_prepared, tmp_path / "s", dtype=dtype, aux_layer_ids=[0, 1, 3]),
-                         show_progress=False)
+    result = extract.run(_cfg(tiny_prepared, tmp_path / "s", dtype=dtype, aux_layer_ids=[0, 1, 3]), show_progress=False)
     assert result.summary["samples this run"] == NUM_SAMPLES and result.summary["dtype"] == dtype
     st = store.open(tmp_path / "s")
     assert st.layer_ids == [0, 1, 3, 4] and len(st) == NUM_SAMPLES and len(st.manifest.shards) > 2
@@ -155,10 +157,12 @@ def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_pre
         assert torch.equal(item["input_ids"], ds[k]["input_ids"]) and torch.equal(item["loss_mask"], ds[k]["loss_mask"])
         ref = _reference(tiny_model, item["input_ids"], st.layer_ids)
         if dtype == "bf16":  # one bf16 rounding of the fp32 state (batching may move the fp32 value by ~1e-6)
-            torch.testing.assert_close(item["hidden_states"], ref, rtol=2 ** -8, atol=1e-5)
+            torch.testing.assert_close(item["hidden_states"], ref, rtol=2**-8, atol=1e-5)
         else:
             scale = ref.abs().amax(-1, keepdim=True) / store.FP8_MAX
-            assert ((item["hidden_states"] - ref).abs() <= torch.maximum(ref.abs() / 16, scale / 1024) * 1.01 + 1e-5).all()
+            assert (
+                (item["hidden_states"] - ref).abs() <= torch.maximum(ref.abs() / 16, scale / 1024) * 1.01 + 1e-5
+            ).all()
     assert store.verify_store(tmp_path / "s").ok
 
 
@@ -228,8 +232,14 @@ def test_refuses_a_prepared_set_for_another_target_or_tokenizer(tmp_path, tiny_p
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.parametrize("change, words", [(dict(aux_layer_ids=[1, 3]), "layer_ids"), (dict(dtype="fp8"), "dtype"),
-                                           (dict(compute_dtype="bfloat16"), "compute_dtype")])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(aux_layer_ids=[1, 3]), "layer_ids"),
+        (dict(dtype="fp8"), "dtype"),
+        (dict(compute_dtype="bfloat16"), "compute_dtype"),
+    ],
+)
 def test_refuses_an_existing_store_made_differently(tmp_path, tiny_prepared, change, words):
     extract.run(_cfg(tiny_prepared, tmp_path / "s", max_samples=4), show_progress=False)
     with pytest.raises(DraftsmithError, match=f"existing store was made differently.*{words}"):
@@ -313,15 +323,30 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
     prepared = _write_set(tmp_path / "set", tiny_target_dir, n=40, seed=3, max_len=90)
     script = tmp_path / "extract_script.py"
     script.write_text(_KILL_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(store.__file__).parents[1]),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(store.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
 
     children = []
 
     def start(output: Path, hold: bool) -> subprocess.Popen:
-        children.append(subprocess.Popen([sys.executable, str(script), str(prepared), str(output),
-                                          str(torch.get_num_threads()), "hold" if hold else "run"], env=env,
-                                         stdout=subprocess.PIPE, stderr=(tmp_path / "stderr.txt").open("a"), text=True))
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(script),
+                    str(prepared),
+                    str(output),
+                    str(torch.get_num_threads()),
+                    "hold" if hold else "run",
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=(tmp_path / "stderr.txt").open("a"),
+                text=True,
+            )
+        )
         return children[-1]
 
     try:
@@ -358,8 +383,10 @@ def assert_kill_and_resume_equals_a_plain_run(start, tmp_path: Path, prepared: P
     final.communicate(timeout=240)
     assert final.returncode == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
     assert store.verify_store(out).ok and store.verify_store(out).orphans == []
-    extract.run(ExtractConfig(prepared=prepared, output=tmp_path / "ref", token_budget=96, shard_size_mb=0.005,
-                              device="cpu"), show_progress=False)
+    extract.run(
+        ExtractConfig(prepared=prepared, output=tmp_path / "ref", token_budget=96, shard_size_mb=0.005, device="cpu"),
+        show_progress=False,
+    )
     _assert_stores_identical(out, tmp_path / "ref")
 
 
@@ -369,15 +396,17 @@ def test_default_target_store_equals_transformers(tmp_path, default_target_dir, 
     from draftsmith.prepare import stage as prepare
 
     prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=3, max_length=96, output=tmp_path / "p"))
-    extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=512),
-                show_progress=False)
+    extract.run(
+        ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=512),
+        show_progress=False,
+    )
     st = store.open(tmp_path / "s")
     assert st.layer_ids == [2, 15, 27, 30] and st.manifest.hidden_size == 576
     model = load_target(default_target_dir)
     for k in range(len(st)):
         item = st[k]
         ref = _reference(model, item["input_ids"], st.layer_ids)
-        torch.testing.assert_close(item["hidden_states"], ref, rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(item["hidden_states"], ref, rtol=2**-7, atol=1e-3)
     assert store.verify_store(tmp_path / "s").ok
 
 
@@ -390,8 +419,11 @@ def test_a_store_the_disk_cannot_hold_is_refused_before_the_target_loads(tmp_pat
     monkeypatch.setattr(hf, "load_target", lambda *a, **k: loaded.append(1))
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(common.shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 20_000, 20_000))
-    with pytest.raises(DraftsmithError, match=r"--output .*: the store of 24 samples \([\d,]+ tokens x 3 layers x 64 "
-                                              r"in bf16\) needs .* GiB but only .* GiB are free there") as err:
+    with pytest.raises(
+        DraftsmithError,
+        match=r"--output .*: the store of 24 samples \([\d,]+ tokens x 3 layers x 64 "
+        r"in bf16\) needs .* GiB but only .* GiB are free there",
+    ) as err:
         extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
     assert "\n" not in str(err.value) and not loaded
     from draftsmith.prepare.dataset import open_prepared

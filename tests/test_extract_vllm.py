@@ -33,7 +33,7 @@ MAX_LENGTH = 128  # tokens per conversation: keeps each vLLM run short on a 2-co
 # relative L2 error is then below 2**-7. vLLM computes in float32 here, like transformers (`auto` would be bf16 on
 # CPUs with bf16 instructions, whose error grows with depth: cosine ~0.99 at layer 30 of this target).
 MIN_COSINE = 0.995
-MAX_REL_ERR = 2 ** -7
+MAX_REL_ERR = 2**-7
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,11 @@ def prepared(tmp_path_factory, sharegpt_file, default_target_dir) -> Path:
     from draftsmith.prepare import stage as prepare
 
     out = tmp_path_factory.mktemp("vllm") / "prepared"
-    prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=NUM_SAMPLES, max_length=MAX_LENGTH, output=out,
-                              num_workers=1))
+    prepare.run(
+        PrepareConfig(
+            data=[str(sharegpt_file)], max_samples=NUM_SAMPLES, max_length=MAX_LENGTH, output=out, num_workers=1
+        )
+    )
     return out
 
 
@@ -51,16 +54,18 @@ def hf_store(prepared, tmp_path_factory) -> Path:
     from draftsmith import extract
 
     out = tmp_path_factory.mktemp("vllm") / "hf"
-    extract.run(ExtractConfig(prepared=prepared, output=out, backend="hf", device="cpu", token_budget=2048),
-                show_progress=False)
+    extract.run(
+        ExtractConfig(prepared=prepared, output=out, backend="hf", device="cpu", token_budget=2048), show_progress=False
+    )
     return out
 
 
 def _cfg(prepared: Path, output: Path, **kw) -> ExtractConfig:
     # float32 like the transformers side: `auto` is bf16 on CPUs with bf16 instructions (AVX-512 bf16, AMX), and a
     # bf16 computation drifts from float32 with depth (cosine ~0.99 at layer 30 of this target)
-    return ExtractConfig(prepared=prepared, output=output, backend="vllm", vllm_compile=False,
-                         compute_dtype="float32", **kw)
+    return ExtractConfig(
+        prepared=prepared, output=output, backend="vllm", vllm_compile=False, compute_dtype="float32", **kw
+    )
 
 
 def assert_matches_hf(vllm_path: Path, hf_path: Path) -> dict[str, float]:
@@ -122,8 +127,13 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
     out = tmp_path / "connector"
     script = tmp_path / "extract_vllm_script.py"
     script.write_text(_KILL_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(prepared), str(out)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(prepared), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 600
     while proc.poll() is None and _stored(out) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)  # until the vLLM worker has committed a few shards ...
@@ -249,8 +259,16 @@ class _Step:
 def _plan(**kw):
     from draftsmith.extract.vllm.taps import TapPlan
 
-    base = dict(strategy="direct", layer_ids=[2, 3, 6], num_layers=6, stack_class=None, vllm_ids=[2, 3, 6],
-                hook_ids=[], stream_arg=1, two_phase=True)
+    base = dict(
+        strategy="direct",
+        layer_ids=[2, 3, 6],
+        num_layers=6,
+        stack_class=None,
+        vllm_ids=[2, 3, 6],
+        hook_ids=[],
+        stream_arg=1,
+        two_phase=True,
+    )
     return TapPlan(**{**base, **kw})
 
 
@@ -284,7 +302,7 @@ def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills(fp8):
         for j, k in enumerate([2, 3, 6]):
             expected = torch.stack([torch.full((length,), float(req)), torch.arange(length, dtype=torch.float)], 1)
             # fp8 e4m3: within 2^-4 of each row's largest value (which is 100 k + a few)
-            tolerance = 2 ** -4 * (100 * k + 8) if fp8 else 0.0
+            tolerance = 2**-4 * (100 * k + 8) if fp8 else 0.0
             torch.testing.assert_close(states[:, j], expected + 100 * k, atol=tolerance, rtol=0)
             if fp8:  # each row's own scale, in row order: its largest value over e4m3's 448
                 torch.testing.assert_close(sink.scales[sample_id][:, j], (expected.amax(1) + 100 * k) / 448)
@@ -309,8 +327,11 @@ def test_taps_whose_hooks_do_not_fire_fail_on_the_first_step_in_one_line():
             return runner.model.stack(x) if through_layers else x  # the second: the layers' code never runs
 
         runner.execute_model = execute_model
-        taps.install(runner, sink, _plan(strategy="taps", layer_ids=[1, 4], num_layers=4, stack_class="_Stack",
-                                         vllm_ids=[], hook_ids=[1, 4]))
+        taps.install(
+            runner,
+            sink,
+            _plan(strategy="taps", layer_ids=[1, 4], num_layers=4, stack_class="_Stack", vllm_ids=[], hook_ids=[1, 4]),
+        )
         runner.input_batch = _Batch(["r1"])
         step = _Step([_NewReq("r1", 7, [1] * 5, "taps")], {"r1": 5}, {"r1": 0})
         if through_layers:
@@ -319,8 +340,9 @@ def test_taps_whose_hooks_do_not_fire_fail_on_the_first_step_in_one_line():
         else:
             with pytest.raises(RuntimeError) as err:
                 runner.execute_model(step)
-            assert str(err.value).startswith("draftsmith taps: a step ran 5 tokens and the hooks on _Stack's layers "
-                                             "1, 4 did not all fire: ") and "\n" not in str(err.value)
+            assert str(err.value).startswith(
+                "draftsmith taps: a step ran 5 tokens and the hooks on _Stack's layers 1, 4 did not all fire: "
+            ) and "\n" not in str(err.value)
             assert not sink.got
 
 
@@ -432,11 +454,20 @@ def test_engine_knobs_follow_the_target_and_the_probe(monkeypatch):
     from draftsmith.extract.vllm import driver
     from draftsmith.extract.vllm.probe import ProbeFacts
 
-    facts = ProbeFacts(installed=True, platform="cpu", language_model_only=True, cpu_mla_backend="CPU_MLA",
-                       runner_v2_switch=True)
-    spec = driver.EngineSpec(target_dir="/t", strategy="direct", facts=facts, max_model_len=64,
-                             max_num_batched_tokens=256, dtype="float32", mla=True, multimodal=True,
-                             tensor_parallel_size=2)
+    facts = ProbeFacts(
+        installed=True, platform="cpu", language_model_only=True, cpu_mla_backend="CPU_MLA", runner_v2_switch=True
+    )
+    spec = driver.EngineSpec(
+        target_dir="/t",
+        strategy="direct",
+        facts=facts,
+        max_model_len=64,
+        max_num_batched_tokens=256,
+        dtype="float32",
+        mla=True,
+        multimodal=True,
+        tensor_parallel_size=2,
+    )
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     kwargs = vllm_launch.llm_kwargs(driver.engine_kwargs(spec))
     assert kwargs["attention_backend"] == "CPU_MLA" and kwargs["language_model_only"] is True
@@ -469,8 +500,14 @@ def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():
     from draftsmith.extract.vllm.probe import ProbeFacts
 
     engine = object.__new__(driver.Engine)
-    engine.spec = driver.EngineSpec(target_dir="/models/qwen3-next", strategy="taps", facts=ProbeFacts(),
-                                    max_model_len=64, max_num_batched_tokens=64, dtype="float32")
+    engine.spec = driver.EngineSpec(
+        target_dir="/models/qwen3-next",
+        strategy="taps",
+        facts=ProbeFacts(),
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        dtype="float32",
+    )
     engine.watched = {}
 
     def fails(*args):
@@ -479,13 +516,16 @@ def test_vllm_failing_on_the_targets_forward_is_one_line_with_its_own_error():
     engine._generate = fails
     with pytest.raises(DraftsmithError) as err:
         engine.generate([(0, [1, 2, 3])])
-    assert str(err.value) == ("/models/qwen3-next: vLLM could not run the target (float32, taps strategy): "
-                              "AssertionError: CPU GDN attention requires BF16.; try another --compute-dtype, or "
-                              "--backend hf")
+    assert str(err.value) == (
+        "/models/qwen3-next: vLLM could not run the target (float32, taps strategy): "
+        "AssertionError: CPU GDN attention requires BF16.; try another --compute-dtype, or "
+        "--backend hf"
+    )
 
 
 def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_names_a_nan_sample(
-        tmp_path, tiny_target_dir):
+    tmp_path, tiny_target_dir
+):
     """StoreSink.to_host encodes an fp8 store's states as they cross to the host (on the CPU, in the copy out of the
     engine's buffers; from a GPU, before it): the store written from those (states and scales) equals, byte for
     byte, the one written from raw states (encoded in the writer's thread), and a NaN is found either way (by its
@@ -500,15 +540,29 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
 
     prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 6, 20, 60)
     data = open_prepared(prepared)
-    spec = store_module.StoreSpec(target=target_identity(tiny_target_dir), prepared=store_module.prepared_ref(data),
-                                  layer_ids=[2, 4], hidden_size=64, dtype="fp8", backend="vllm")
+    spec = store_module.StoreSpec(
+        target=target_identity(tiny_target_dir),
+        prepared=store_module.prepared_ref(data),
+        layer_ids=[2, 4],
+        hidden_size=64,
+        dtype="fp8",
+        backend="vllm",
+    )
     gen = torch.Generator().manual_seed(0)
-    states = {i: (3 * torch.randn(len(data[i]["input_ids"]), 2, 64, generator=gen)).to(torch.bfloat16)
-              for i in range(6)}
+    states = {
+        i: (3 * torch.randn(len(data[i]["input_ids"]), 2, 64, generator=gen)).to(torch.bfloat16) for i in range(6)
+    }
 
     def write(path, encoded: bool, nan_in: int | None = None) -> dict:
-        sink = StoreSink({"store": str(path), "prepared": str(prepared), "spec": spec.model_dump(mode="json"),
-                          "worker": [0, 1], "shard_bytes": 1 << 20})
+        sink = StoreSink(
+            {
+                "store": str(path),
+                "prepared": str(prepared),
+                "spec": spec.model_dump(mode="json"),
+                "worker": [0, 1],
+                "shard_bytes": 1 << 20,
+            }
+        )
         for i, x in states.items():
             if i == nan_in:
                 x = x.clone()
@@ -553,15 +607,28 @@ def test_a_full_disk_in_the_workers_sink_reaches_the_driver_as_its_type(tmp_path
 
     prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 3, 20, 40)
     data = open_prepared(prepared)
-    spec = store_module.StoreSpec(target=target_identity(tiny_target_dir), prepared=store_module.prepared_ref(data),
-                                  layer_ids=[2, 4], hidden_size=64, dtype="fp8", backend="vllm")
+    spec = store_module.StoreSpec(
+        target=target_identity(tiny_target_dir),
+        prepared=store_module.prepared_ref(data),
+        layer_ids=[2, 4],
+        hidden_size=64,
+        dtype="fp8",
+        backend="vllm",
+    )
 
     def full(path, pieces):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store_module.shards, "_write_file", full)
-    sink = StoreSink({"store": str(tmp_path / "store"), "prepared": str(prepared),
-                      "spec": spec.model_dump(mode="json"), "worker": [0, 1], "shard_bytes": 1 << 20})
+    sink = StoreSink(
+        {
+            "store": str(tmp_path / "store"),
+            "prepared": str(prepared),
+            "spec": spec.model_dump(mode="json"),
+            "worker": [0, 1],
+            "shard_bytes": 1 << 20,
+        }
+    )
     for i in range(3):
         states = torch.randn(len(data[i]["input_ids"]), 2, 64).to(torch.bfloat16)
         sink.put(i, data[i]["input_ids"].tolist(), [HostStates(states)])

@@ -67,28 +67,39 @@ SPEC_K = 3  # draft tokens per round
 NUM_PROMPTS = 3  # decoding: the first assistant turn's prompt of the first prepared samples
 NEW_TOKENS = 24
 CONVERSATIONS = [
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "Paris is the capital of France."},
-     {"role": "user", "content": "And 1 2 3 4 5?"},
-     {"role": "assistant", "content": "6 7 8 9 10"}],
-    [{"role": "user", "content": "def add(a, b):"},
-     {"role": "assistant", "content": "    return a + b\n"}],
-    [{"role": "user", "content": "Explain speculative decoding in three sentences, please."},
-     {"role": "assistant", "content": "<think>short</think>Speculative decoding drafts tokens with a small model and "
-                                      "verifies them with the target."}],
-    [{"role": "user", "content": "Hello! How can I help you today?"},
-     {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."}],
-    [{"role": "system", "content": "Answer briefly."},
-     {"role": "user", "content": "What is the meaning of life?"},
-     {"role": "assistant", "content": "I am a helpful assistant: 42."}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital of France."},
+        {"role": "user", "content": "And 1 2 3 4 5?"},
+        {"role": "assistant", "content": "6 7 8 9 10"},
+    ],
+    [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return a + b\n"}],
+    [
+        {"role": "user", "content": "Explain speculative decoding in three sentences, please."},
+        {
+            "role": "assistant",
+            "content": "<think>short</think>Speculative decoding drafts tokens with a small model and "
+            "verifies them with the target.",
+        },
+    ],
+    [
+        {"role": "user", "content": "Hello! How can I help you today?"},
+        {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."},
+    ],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the meaning of life?"},
+        {"role": "assistant", "content": "I am a helpful assistant: 42."},
+    ],
 ]
 
 
 def write_chats(path: Path, count: int = NUM_CONVERSATIONS) -> Path:
     """A chat file of `count` conversations, CONVERSATIONS in turn."""
-    path.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n"
-                            for i in range(count)))
+    path.write_text(
+        "".join(json.dumps({"messages": CONVERSATIONS[i % len(CONVERSATIONS)]}) + "\n" for i in range(count))
+    )
     return path
 
 
@@ -130,9 +141,11 @@ def _kernel_scan_safe():
 def in_process_vllm(on: bool = True):
     """TP=1 engines inside the test process (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0), OpenMP threads left unbound
     (the process's CPU affinity stays as it is), a 1 GiB KV cache; `on=False`: vLLM's worker processes."""
-    env = ({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-           if on else {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "VLLM_CPU_OMP_THREADS_BIND": None,
-                       "VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = (
+        {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        if on
+        else {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "VLLM_CPU_OMP_THREADS_BIND": None, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
     with vllm_launch.environment(env), _kernel_scan_safe() if on else contextlib.nullcontext():
         yield
 
@@ -155,8 +168,15 @@ class Matrix:
             from draftsmith.prepare import stage as prepare
 
             out = self.root / name / "prepared"
-            prepare.run(PrepareConfig(data=[str(self.chats)], target=str(family_target(name)),
-                                      max_length=MAX_LENGTH, output=out, num_workers=1))
+            prepare.run(
+                PrepareConfig(
+                    data=[str(self.chats)],
+                    target=str(family_target(name)),
+                    max_length=MAX_LENGTH,
+                    output=out,
+                    num_workers=1,
+                )
+            )
             self._made[key] = out
         return self._made[key]
 
@@ -164,22 +184,42 @@ class Matrix:
         key = ("hf", name)
         if key not in self._made:
             out = self.root / name / "hf"
-            extract.run(ExtractConfig(prepared=self.prepared(name), output=out, device="cpu", token_budget=512),
-                        show_progress=False)
+            extract.run(
+                ExtractConfig(prepared=self.prepared(name), output=out, device="cpu", token_budget=512),
+                show_progress=False,
+            )
             self._made[key] = out
         return self._made[key]
 
-    def vllm(self, name: str, strategy: str, *, shard: str = "0/1", tp: int = 1, output: Path | None = None,
-             dtype: str = "float32") -> Path:
+    def vllm(
+        self,
+        name: str,
+        strategy: str,
+        *,
+        shard: str = "0/1",
+        tp: int = 1,
+        output: Path | None = None,
+        dtype: str = "float32",
+    ) -> Path:
         from draftsmith.extract.vllm import run
 
         key = ("vllm", name, strategy, shard, tp, dtype)
         if key not in self._made:
             out = output or self.root / name / f"{strategy}-tp{tp}-{shard.replace('/', 'of')}-{dtype}"
             with in_process_vllm(tp == 1):
-                result = run(ExtractConfig(prepared=self.prepared(name), output=out, backend="vllm",
-                                           vllm_compile=False, vllm_strategy=strategy, compute_dtype=dtype,
-                                           shard=shard, tensor_parallel_size=tp), show_progress=False)
+                result = run(
+                    ExtractConfig(
+                        prepared=self.prepared(name),
+                        output=out,
+                        backend="vllm",
+                        vllm_compile=False,
+                        vllm_strategy=strategy,
+                        compute_dtype=dtype,
+                        shard=shard,
+                        tensor_parallel_size=tp,
+                    ),
+                    show_progress=False,
+                )
             assert result.summary["samples this run"] > 0 and f"({strategy}," in result.summary["backend"]
             self._made[key] = out
         return self._made[key]
@@ -191,10 +231,29 @@ class Matrix:
         if key not in self._made:
             out = self.root / name / f"draft-{data}-{self.draft_options.get('method', 'eagle3')}"
             source = self.hf(name) if data == "store" else self.prepared(name)
-            result = train.run(TrainConfig(**{**dict(
-                data=source, output=out, max_steps=TRAIN_STEPS, lr=3e-3, warmup_steps=0, schedule="constant",
-                token_budget=2048, draft_vocab_size=256, ttt_steps=SPEC_K, eval_fraction=0.0, save_every=10 ** 6,
-                device="cpu", precision="fp32", seed=0), **self.draft_options}))
+            result = train.run(
+                TrainConfig(
+                    **{
+                        **dict(
+                            data=source,
+                            output=out,
+                            max_steps=TRAIN_STEPS,
+                            lr=3e-3,
+                            warmup_steps=0,
+                            schedule="constant",
+                            token_budget=2048,
+                            draft_vocab_size=256,
+                            ttt_steps=SPEC_K,
+                            eval_fraction=0.0,
+                            save_every=10**6,
+                            device="cpu",
+                            precision="fp32",
+                            seed=0,
+                        ),
+                        **self.draft_options,
+                    }
+                )
+            )
             self.summaries[key] = result.summary
             self._made[key] = out
         return self._made[key]
@@ -204,8 +263,11 @@ class Matrix:
         key = ("export", name, fmt, data)
         if key not in self._made:
             out = self.root / name / f"export-{fmt}-{data}"
-            export.run(ExportConfig(checkpoint=self.draft(name, data), format=fmt, output=out, dtype="fp32",
-                                    speculative_tokens=SPEC_K))
+            export.run(
+                ExportConfig(
+                    checkpoint=self.draft(name, data), format=fmt, output=out, dtype="fp32", speculative_tokens=SPEC_K
+                )
+            )
             self._made[key] = out
         return self._made[key]
 
@@ -302,9 +364,19 @@ def test_tiny_targets_keep_the_published_structure(name):
     assert config["architectures"] == PUBLISHED[name]["architectures"]
     text, published = targets.text_config(config), targets.text_config(PUBLISHED[name])
     shrunk = set(TINY_OVERRIDES[name].get("text_config", TINY_OVERRIDES[name])) | {"vocab_size"}
-    for key in ("kv_lora_rank", "qk_rope_head_dim", "topk_method", "scoring_func", "n_shared_experts",
-                "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace", "decoder_sparse_step",
-                "mlp_only_layers", "tie_word_embeddings"):
+    for key in (
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "topk_method",
+        "scoring_func",
+        "n_shared_experts",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "first_k_dense_replace",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "tie_word_embeddings",
+    ):
         if key in published and key not in shrunk:
             assert text[key] == published[key], key  # the structure is the real model's
     model = targets.load_target(path)
@@ -313,8 +385,9 @@ def test_tiny_targets_keep_the_published_structure(name):
         assert text["kv_lora_rank"] == 512 and text["qk_rope_head_dim"] == 64
         layers = targets.decoder_layers(model)
         dense = text["first_k_dense_replace"]
-        assert not hasattr(layers[0].mlp, "experts") and all(hasattr(layers[i].mlp, "shared_experts")
-                                                             for i in range(dense, len(layers)))
+        assert not hasattr(layers[0].mlp, "experts") and all(
+            hasattr(layers[i].mlp, "shared_experts") for i in range(dense, len(layers))
+        )
     if name.startswith("qwen3"):
         assert any(n.endswith("self_attn.q_norm") for n in names) and any(n.endswith("self_attn.k_norm") for n in names)
     if name == "qwen3_moe":
@@ -355,7 +428,7 @@ def test_hf_store_equals_transformers_and_layer_n_is_the_unnormalised_last_layer
             out = model(input_ids=item["input_ids"][None], output_hidden_states=True)
         states = item["hidden_states"]  # [T, L, H]
         for j, layer in enumerate(st.layer_ids[:-1]):
-            torch.testing.assert_close(states[:, j], out.hidden_states[layer][0], rtol=2 ** -7, atol=1e-4)
+            torch.testing.assert_close(states[:, j], out.hidden_states[layer][0], rtol=2**-7, atol=1e-4)
         logits = targets.lm_head(model)(targets.final_norm(model)(states[:, -1]))
         cos = torch.nn.functional.cosine_similarity(logits, out.logits[0], dim=-1)
         assert cos.min() > 0.999  # bf16 storage of the state, float32 model
@@ -376,10 +449,18 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
 
     prepared = matrix.prepared(name)
     hf = tmp_path / "hf"
-    extract.run(ExtractConfig(prepared=prepared, output=hf, device="cpu", aux_layer_ids=[0, 2], max_samples=4),
-                show_progress=False)
-    cfg = dict(prepared=prepared, backend="vllm", vllm_compile=False, compute_dtype="float32", aux_layer_ids=[0, 2],
-               max_samples=4)
+    extract.run(
+        ExtractConfig(prepared=prepared, output=hf, device="cpu", aux_layer_ids=[0, 2], max_samples=4),
+        show_progress=False,
+    )
+    cfg = dict(
+        prepared=prepared,
+        backend="vllm",
+        vllm_compile=False,
+        compute_dtype="float32",
+        aux_layer_ids=[0, 2],
+        max_samples=4,
+    )
     with pytest.raises(DraftsmithError, match="connector: not possible.*do not include layer id 0"):
         run(ExtractConfig(output=tmp_path / "forced", vllm_strategy="connector", **cfg), show_progress=False)
     with in_process_vllm():
@@ -400,6 +481,8 @@ FLOAT32_REFUSED = {"qwen3_next": "AssertionError: CPU GDN attention requires BF1
 def refusal_words(name: str) -> str:
     """The message of vLLM's assert that refuses the family in float32 (without the exception's name)."""
     return FLOAT32_REFUSED[name].split(": ", 1)[1]
+
+
 BF16_MIN_COSINE = 0.98  # bfloat16 compute against the float32 hf store: rounding that grows with depth
 
 
@@ -464,8 +547,14 @@ def _float32_refused_then_bf16(matrix, name: str, report) -> None:
     assert agree >= 0.9 and same.min().item() >= BF16_MIN_COSINE, (agree, same.min().item())
     cos = min(compare(taps, matrix.hf(name)), compare(connector, matrix.hf(name)))
     assert cos >= BF16_MIN_COSINE, cos
-    matrix.record(name, "vLLM extract (bf16: taps, connector)", ok=True, rows_alike=round(agree, 4),
-                  worst_taps_vs_connector=round(same.min().item(), 6), worst_cosine_vs_hf_fp32=round(cos, 6))
+    matrix.record(
+        name,
+        "vLLM extract (bf16: taps, connector)",
+        ok=True,
+        rows_alike=round(agree, 4),
+        worst_taps_vs_connector=round(same.min().item(), 6),
+        worst_cosine_vs_hf_fp32=round(cos, 6),
+    )
 
 
 FULL_CONTEXT = 256  # the target's max_position_embeddings and the prepared set's max_length alike
@@ -486,12 +575,20 @@ def full_context(tmp_path_factory) -> dict[str, Path]:
     (target / "config.json").write_text(json.dumps(config, indent=2))
     long_answer = " ".join(f"step {i}: add {i} and {i + 1}." for i in range(60))
     chats = root / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [
-        [{"role": "user", "content": "Count for me."}, {"role": "assistant", "content": long_answer}],
-        CONVERSATIONS[0], [{"role": "user", "content": "Again."}, {"role": "assistant", "content": long_answer}]]))
+    chats.write_text(
+        "".join(
+            json.dumps({"messages": m}) + "\n"
+            for m in [
+                [{"role": "user", "content": "Count for me."}, {"role": "assistant", "content": long_answer}],
+                CONVERSATIONS[0],
+                [{"role": "user", "content": "Again."}, {"role": "assistant", "content": long_answer}],
+            ]
+        )
+    )
     prepared = root / "prepared"
-    prepare.run(PrepareConfig(data=[str(chats)], target=str(target), max_length=FULL_CONTEXT, output=prepared,
-                              num_workers=1))
+    prepare.run(
+        PrepareConfig(data=[str(chats)], target=str(target), max_length=FULL_CONTEXT, output=prepared, num_workers=1)
+    )
     hf = root / "hf"
     extract.run(ExtractConfig(prepared=prepared, output=hf, device="cpu", token_budget=512), show_progress=False)
     return {"target": target, "prepared": prepared, "hf": hf}
@@ -511,9 +608,17 @@ def test_vllm_extracts_samples_that_fill_the_targets_whole_context(full_context,
     lengths = [len(ds[k]["input_ids"]) for k in range(len(ds))]
     assert max(lengths) == FULL_CONTEXT and min(lengths) < FULL_CONTEXT, lengths
     with in_process_vllm():
-        result = run(ExtractConfig(prepared=full_context["prepared"], output=tmp_path / strategy, backend="vllm",
-                                   vllm_compile=False, vllm_strategy=strategy, compute_dtype="float32"),
-                     show_progress=False)
+        result = run(
+            ExtractConfig(
+                prepared=full_context["prepared"],
+                output=tmp_path / strategy,
+                backend="vllm",
+                vllm_compile=False,
+                vllm_strategy=strategy,
+                compute_dtype="float32",
+            ),
+            show_progress=False,
+        )
     assert result.summary["samples this run"] == len(ds)
     cos = compare(tmp_path / strategy, full_context["hf"])
     assert cos >= MIN_COSINE, (strategy, cos)
@@ -532,12 +637,30 @@ def test_vllm_extraction_refuses_samples_longer_than_the_targets_context(full_co
     config = json.loads((shrunk / "config.json").read_text())
     (shrunk / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=FULL_CONTEXT // 2)))
     prepared = tmp_path / "prepared"
-    prepare.run(PrepareConfig(data=[str(full_context["prepared"].parent / "chats.jsonl")], target=str(shrunk),
-                              max_length=FULL_CONTEXT, output=prepared, num_workers=1))
-    with pytest.raises(DraftsmithError, match=f"{prepared}: a sample of {FULL_CONTEXT} tokens is longer than the "
-                                              f"target's context \\({FULL_CONTEXT // 2} positions"):
-        run(ExtractConfig(prepared=prepared, output=tmp_path / "store", backend="vllm", vllm_strategy="direct",
-                          compute_dtype="float32"), show_progress=False)
+    prepare.run(
+        PrepareConfig(
+            data=[str(full_context["prepared"].parent / "chats.jsonl")],
+            target=str(shrunk),
+            max_length=FULL_CONTEXT,
+            output=prepared,
+            num_workers=1,
+        )
+    )
+    with pytest.raises(
+        DraftsmithError,
+        match=f"{prepared}: a sample of {FULL_CONTEXT} tokens is longer than the "
+        f"target's context \\({FULL_CONTEXT // 2} positions",
+    ):
+        run(
+            ExtractConfig(
+                prepared=prepared,
+                output=tmp_path / "store",
+                backend="vllm",
+                vllm_strategy="direct",
+                compute_dtype="float32",
+            ),
+            show_progress=False,
+        )
 
 
 # ------------------------------------------------------------------------------------------ drafts
@@ -569,7 +692,10 @@ def test_the_draft_gets_an_attention_shape_vllm_runs(name):
             assert spec.num_key_value_heads == min(8, spec.num_attention_heads)
         else:  # the target's own
             assert (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim) == (
-                text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"])
+                text["num_attention_heads"],
+                text["num_key_value_heads"],
+                text["head_dim"],
+            )
         if sizes is not None:
             assert spec.head_dim in sizes, (name, spec.head_dim, sizes)
     num_layers = targets.text_config(PUBLISHED[name])["num_hidden_layers"]
@@ -585,27 +711,46 @@ def test_mla_drafts_refuse_aux_id_0_at_train_and_export(matrix, tmp_path):
     from draftsmith.export.formats import write_export
     from draftsmith.train.drafts import load_draft
 
-    cfg = dict(max_steps=1, warmup_steps=0, token_budget=512, draft_vocab_size=64, ttt_steps=1, eval_fraction=0.0,
-               device="cpu", precision="fp32")
+    cfg = dict(
+        max_steps=1,
+        warmup_steps=0,
+        token_budget=512,
+        draft_vocab_size=64,
+        ttt_steps=1,
+        eval_fraction=0.0,
+        device="cpu",
+        precision="fp32",
+    )
     for name in ("deepseek_v3", "kimi_k25", "llama"):
         st = tmp_path / name / "store"
-        extract.run(ExtractConfig(prepared=matrix.prepared(name), output=st, device="cpu", aux_layer_ids=[0, 2],
-                                  max_samples=2), show_progress=False)
+        extract.run(
+            ExtractConfig(prepared=matrix.prepared(name), output=st, device="cpu", aux_layer_ids=[0, 2], max_samples=2),
+            show_progress=False,
+        )
         if name == "llama":
             train.run(TrainConfig(data=st, output=tmp_path / name / "run", **cfg))
             break
         arch = PUBLISHED[name]["architectures"][0]
         for data, extra in ((st, {}), (matrix.prepared(name), {"aux_layer_ids": [0, 2]})):
-            with pytest.raises(DraftsmithError, match=rf"^draft: aux layer ids \[0, 2\] include 0 \(the embeddings\), "
-                               rf"which vLLM cannot hand an EAGLE-3 draft of {arch} .* use ids 1\.\.4") as err:
+            with pytest.raises(
+                DraftsmithError,
+                match=rf"^draft: aux layer ids \[0, 2\] include 0 \(the embeddings\), "
+                rf"which vLLM cannot hand an EAGLE-3 draft of {arch} .* use ids 1\.\.4",
+            ) as err:
                 train.run(TrainConfig(data=data, output=tmp_path / name / "run", **cfg, **extra))
             assert "\n" not in str(err.value)
         source = load_draft(matrix.draft(name, "store"))  # a draft of this target, made to fuse id 0
         spec = source.spec.model_copy(update={"aux_layer_ids": [0, 2]})
         for fmt in ("vllm", "speculators"):
             with pytest.raises(DraftsmithError, match=rf"^export {fmt}: aux layer ids \[0, 2\] include 0"):
-                write_export(tmp_path / name / fmt, source.tensors, spec, fmt, target=source.target,
-                             verifier_architectures=[arch])
+                write_export(
+                    tmp_path / name / fmt,
+                    source.tensors,
+                    spec,
+                    fmt,
+                    target=source.target,
+                    verifier_architectures=[arch],
+                )
             assert not (tmp_path / name / fmt).exists()
 
 
@@ -639,9 +784,15 @@ def test_every_family_trains_offline_and_online_and_exports(matrix, name):
         cells[fmt] = data
     steps = {d: matrix.summaries[("draft", name, d)]["steps"] for d in ("store", "prepared")}
     spec = load_draft(matrix.draft(name, "store")).spec
-    matrix.record(name, "train", ok=True, offline_steps=steps["store"], online_steps=steps["prepared"],
-                  draft_attention=f"{spec.num_attention_heads} x {spec.head_dim}, {spec.num_key_value_heads} KV",
-                  rope=spec.rope_parameters.get("rope_type"))
+    matrix.record(
+        name,
+        "train",
+        ok=True,
+        offline_steps=steps["store"],
+        online_steps=steps["prepared"],
+        draft_attention=f"{spec.num_attention_heads} x {spec.head_dim}, {spec.num_key_value_heads} KV",
+        rope=spec.rope_parameters.get("rope_type"),
+    )
     matrix.record(name, "export", ok=True, formats=sorted(cells))
 
 
@@ -665,10 +816,18 @@ def test_the_drafts_rope_reads_the_same_in_vllm(matrix, name):
         spec = load_draft(out).spec
         hf = get_config(str(out), trust_remote_code=False)
         assert (hf.head_dim, hf.num_attention_heads, hf.num_key_value_heads) == (
-            spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads)
+            spec.head_dim,
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+        )
         with set_current_vllm_config(VllmConfig()):
-            rope = get_rope(hf.head_dim, max_position=hf.max_position_embeddings, is_neox_style=True,
-                            rope_parameters=hf.rope_parameters, dtype=torch.float32)
+            rope = get_rope(
+                hf.head_dim,
+                max_position=hf.max_position_embeddings,
+                is_neox_style=True,
+                rope_parameters=hf.rope_parameters,
+                dtype=torch.float32,
+            )
         table = rope.cos_sin_cache[: spec.max_position_embeddings].float()  # [P, D]: cos halves, then sin halves
         cos, sin = RotaryEmbedding(spec)(torch.arange(len(table))[None], torch.float32)
         half = spec.head_dim // 2
@@ -689,15 +848,18 @@ def test_the_decoding_engine_starts_each_target_as_extraction_does(monkeypatch, 
     from draftsmith.evaluate import vllm_worker
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    job = vllm_worker.GenerationJob(target=str(family_target(name)), dtype="float32", max_model_len=64, seed=0, k=2,
-                                    draft="/d")
+    job = vllm_worker.GenerationJob(
+        target=str(family_target(name)), dtype="float32", max_model_len=64, seed=0, k=2, draft="/d"
+    )
     kwargs = vllm_launch.llm_kwargs(vllm_worker.engine_launch(job)[0])
     assert kwargs["speculative_config"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}
     assert kwargs["distributed_executor_backend"] == "uni" and kwargs["dtype"] == "float32"
     assert kwargs.get("language_model_only", False) == (name == "kimi_k25")
     assert kwargs.get("attention_backend") == ("CPU_MLA" if name in MLA_FAMILIES else None)
-    assert "attention_backend" not in vllm_worker.engine_launch(job.model_copy(update={"dtype": "bfloat16",
-                                                                                      "draft": None}))[0]
+    assert (
+        "attention_backend"
+        not in vllm_worker.engine_launch(job.model_copy(update={"dtype": "bfloat16", "draft": None}))[0]
+    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -730,9 +892,18 @@ def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path) -> dic
     from draftsmith.evaluate import vllm_worker
 
     ref = matrix.reference(name)
-    job = vllm_worker.GenerationJob(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
-                                    max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
-                                    max_model_len=ENGINE_LEN, max_num_seqs=NUM_PROMPTS, ignore_eos=True)
+    job = vllm_worker.GenerationJob(
+        target=str(family_target(name)),
+        prompts=matrix.prompts(name),
+        k=SPEC_K,
+        max_new_tokens=NEW_TOKENS,
+        temperature=0.0,
+        seed=0,
+        dtype="float32",
+        max_model_len=ENGINE_LEN,
+        max_num_seqs=NUM_PROMPTS,
+        ignore_eos=True,
+    )
     with in_process_vllm():
         key = job.model_dump_json()
         if key not in _TARGET_ALONE:
@@ -745,7 +916,9 @@ def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path) -> dic
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
     assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
     assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
-        ref["rounds"], ref["accepted_per_pos"]), (counters, ref)
+        ref["rounds"],
+        ref["accepted_per_pos"],
+    ), (counters, ref)
     return counters
 
 
@@ -768,10 +941,18 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
     from draftsmith.evaluate import vllm_worker
 
     draft = matrix.export(name, "vllm")
-    job = vllm_worker.GenerationJob(target=str(family_target(name)), prompts=matrix.prompts(name), k=SPEC_K,
-                                    max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0, dtype="float32",
-                                    max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8, max_num_seqs=NUM_PROMPTS,
-                                    ignore_eos=True)
+    job = vllm_worker.GenerationJob(
+        target=str(family_target(name)),
+        prompts=matrix.prompts(name),
+        k=SPEC_K,
+        max_new_tokens=NEW_TOKENS,
+        temperature=0.0,
+        seed=0,
+        dtype="float32",
+        max_model_len=MAX_LENGTH + NEW_TOKENS + SPEC_K + 8,
+        max_num_seqs=NUM_PROMPTS,
+        ignore_eos=True,
+    )
     matrix.reference(name)  # the reference decoder's run, recorded in the matrix before vLLM's
     if name in FLOAT32_REFUSED:  # evaluate refuses before any engine starts, in vLLM's own words
         from draftsmith.evaluate import vllm_runner
@@ -779,24 +960,39 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
         words = refusal_words(name)
         with pytest.raises(DraftsmithError, match=re.escape(f"(it asserts {words!r}")):
             vllm_runner.check_vllm_can_serve(family_target(name), "--engine vllm", dtype="float32")
-        matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=False,
-                      reason=f"vLLM 0.32 on CPU in float32: {FLOAT32_REFUSED[name]}",
-                      fallback="reference decoder lossless (tau above); bf16 where the CPU has it, or a GPU")
+        matrix.record(
+            name,
+            "vLLM EAGLE-3 decoding lossless",
+            ok=False,
+            reason=f"vLLM 0.32 on CPU in float32: {FLOAT32_REFUSED[name]}",
+            fallback="reference decoder lossless (tau above); bf16 where the CPU has it, or a GPU",
+        )
         return
     if name in MLA_FAMILIES:
         with in_process_vllm(), pytest.raises(ValueError, match=MLA_ON_CPU):
             vllm_worker.run(job.model_copy(update={"draft": str(draft)}))
-        matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=False,
-                      reason="vLLM 0.32 on CPU in float32: CPU_MLA's KV blocks of 16 vs the draft's CPU attention "
-                             "(multiples of 32); the engine loads target and draft, then stops at KV cache set-up",
-                      fallback="reference decoder lossless (tau above); bf16 on CPUs with AMX (AMX_MLA) or a GPU")
+        matrix.record(
+            name,
+            "vLLM EAGLE-3 decoding lossless",
+            ok=False,
+            reason="vLLM 0.32 on CPU in float32: CPU_MLA's KV blocks of 16 vs the draft's CPU attention "
+            "(multiples of 32); the engine loads target and draft, then stops at KV cache set-up",
+            fallback="reference decoder lossless (tau above); bf16 on CPUs with AMX (AMX_MLA) or a GPU",
+        )
         return
     counters = vllm_decodes_as_the_reference(matrix, name, draft)
-    matrix.record(name, "vLLM EAGLE-3 decoding lossless", ok=True, k=SPEC_K, prompts=NUM_PROMPTS,
-                  new_tokens=NEW_TOKENS, drafts=counters["num_drafts"],
-                  accepted_per_pos=counters["num_accepted_tokens_per_pos"],
-                  tau=round(1 + counters["num_accepted_tokens"] / counters["num_drafts"], 3),
-                  same_acceptance_as_reference=True)
+    matrix.record(
+        name,
+        "vLLM EAGLE-3 decoding lossless",
+        ok=True,
+        k=SPEC_K,
+        prompts=NUM_PROMPTS,
+        new_tokens=NEW_TOKENS,
+        drafts=counters["num_drafts"],
+        accepted_per_pos=counters["num_accepted_tokens_per_pos"],
+        tau=round(1 + counters["num_accepted_tokens"] / counters["num_drafts"], 3),
+        same_acceptance_as_reference=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------ vLLM, TP=2
@@ -818,5 +1014,6 @@ def test_tensor_parallel_2_store_equals_the_tp1_store(matrix, name, strategy):
     assert cos >= MIN_COSINE, (name, strategy, cos)
     cos_hf = compare(tp2, matrix.hf(name))
     assert cos_hf >= MIN_COSINE, (name, strategy, cos_hf)
-    matrix.record(name, "TP=2", ok=True, strategy=strategy, worst_cosine_vs_tp1=round(cos, 6),
-                  worst_cosine_vs_hf=round(cos_hf, 6))
+    matrix.record(
+        name, "TP=2", ok=True, strategy=strategy, worst_cosine_vs_tp1=round(cos, 6), worst_cosine_vs_hf=round(cos_hf, 6)
+    )

@@ -35,7 +35,7 @@ def _prepared(path: Path, target_dir: Path, n: int = 40) -> Path:
     samples = []
     for length in rng.integers(14, 60, n):
         mask = np.zeros(length, dtype=np.int64)
-        mask[length // 3:] = 1
+        mask[length // 3 :] = 1
         samples.append({"input_ids": rng.integers(4, 300, length), "loss_mask": mask})
     write_prepared(path, samples, target_identity(target_dir), chat_template_hash="t", max_length=64)
     return path
@@ -47,9 +47,20 @@ def bench(tiny_target_dir, tmp_path_factory):
     return faults.Bench(work, _prepared(work / "prepared", tiny_target_dir), token_budget=96, draft_vocab_size=300)
 
 
-@pytest.mark.parametrize("name", ["flip-prepared-shard", "flip-store-shard", "flip-checkpoint-weights",
-                                  "flip-training-state", "nan-hidden-states", "nan-loss", "full-disk-extract",
-                                  "full-disk-train", "full-disk-export"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "flip-prepared-shard",
+        "flip-store-shard",
+        "flip-checkpoint-weights",
+        "flip-training-state",
+        "nan-hidden-states",
+        "nan-loss",
+        "full-disk-extract",
+        "full-disk-train",
+        "full-disk-export",
+    ],
+)
 def test_fault_is_survived(bench, name):
     if name.startswith("full-disk") and faults.mount_problem():
         pytest.skip(f"a size-limited tmpfs is needed: {faults.mount_problem()}")
@@ -58,10 +69,13 @@ def test_fault_is_survived(bench, name):
     assert outcome.lost == 0 and not outcome.traceback, outcome
 
 
-@pytest.mark.parametrize("failure", [
-    OSError(28, "No space left on device"),
-    RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors'
-])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(28, "No space left on device"),
+        RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors'
+    ],
+)
 def test_a_full_disk_in_any_library_is_one_line_and_leaves_nothing(tmp_path, failure):
     for context in (atomic_dir, atomic_path):
         with pytest.raises(DraftsmithError, match=r"x: no space left on device; free disk space"):

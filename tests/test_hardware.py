@@ -54,10 +54,16 @@ def test_the_cpuinfo_probe_agrees_with_torchs_own_dispatch_probe(monkeypatch, pr
     assert info.describe().startswith(info.model) and ("natively" in info.why) == info.native_bf16
 
 
-@pytest.mark.parametrize("flags, native, isa", [({"avx2"}, False, "AVX2"), ({"avx2", "avx512f"}, False, "AVX512"),
-                                                ({"avx2", "avx512f", "avx512_bf16"}, True, "AVX512"),
-                                                ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, True, "AMX"),
-                                                (set(), False, "baseline")])
+@pytest.mark.parametrize(
+    "flags, native, isa",
+    [
+        ({"avx2"}, False, "AVX2"),
+        ({"avx2", "avx512f"}, False, "AVX512"),
+        ({"avx2", "avx512f", "avx512_bf16"}, True, "AVX512"),
+        ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, True, "AMX"),
+        (set(), False, "baseline"),
+    ],
+)
 def test_the_cpuinfo_flags_decide(monkeypatch, probe_cleared, flags, native, isa):
     monkeypatch.delenv(hardware.OVERRIDE_ENV)
     monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Some CPU", flags))
@@ -80,13 +86,21 @@ def test_every_auto_follows_the_cpu_and_explicit_choices_do_not(monkeypatch):
         # explicit choices and accelerators do not depend on the CPU
         assert autocast_dtype(cpu, "fp32") is None and autocast_dtype(cpu, "bf16") == torch.bfloat16
         assert autocast_dtype(gpu, "auto") == torch.bfloat16 and autocast_dtype(gpu, "fp32") is None
-        assert resolve_compute_dtype("float32", cpu) == torch.float32 and choose_dtype("auto", _vllm("cuda")).dtype == "bfloat16"
+        assert (
+            resolve_compute_dtype("float32", cpu) == torch.float32
+            and choose_dtype("auto", _vllm("cuda")).dtype == "bfloat16"
+        )
 
 
 def _vllm(platform: str) -> ProbeReport:
     """A vLLM of `platform` whose CPU attention has no ISA-specific kernels (nothing but the CPU decides)."""
-    return ProbeReport(facts=ProbeFacts(installed=True, platform=platform, cpu_attention_amx_bf16=False),
-                       capabilities=[], architecture="LlamaForCausalLM", strategy=None, reason="")
+    return ProbeReport(
+        facts=ProbeFacts(installed=True, platform=platform, cpu_attention_amx_bf16=False),
+        capabilities=[],
+        architecture="LlamaForCausalLM",
+        strategy=None,
+        reason="",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +109,29 @@ def tiny_store(tiny_target_dir, tmp_path_factory) -> Path:
     out = prepared.parent / "store"
     from draftsmith import extract
 
-    extract.run(ExtractConfig(prepared=prepared, output=out, device="cpu", aux_layer_ids=[1, 2, 3]),
-                show_progress=False)
+    extract.run(
+        ExtractConfig(prepared=prepared, output=out, device="cpu", aux_layer_ids=[1, 2, 3]), show_progress=False
+    )
     return out
 
 
 def _train(store_dir: Path, out: Path, **kw) -> TrainConfig:
-    cfg = TrainConfig(data=store_dir, output=out, draft_vocab_size=320, ttt_steps=2, lr=3e-3, warmup_steps=1,
-                      token_budget=128, eval_fraction=0.2, log_every=1, save_every=1000, device="cpu", seed=0,
-                      max_steps=4, **kw)
+    cfg = TrainConfig(
+        data=store_dir,
+        output=out,
+        draft_vocab_size=320,
+        ttt_steps=2,
+        lr=3e-3,
+        warmup_steps=1,
+        token_budget=128,
+        eval_fraction=0.2,
+        log_every=1,
+        save_every=1000,
+        device="cpu",
+        seed=0,
+        max_steps=4,
+        **kw,
+    )
     trainer.run(cfg)
     return cfg
 
@@ -149,8 +177,9 @@ def test_hf_extract_auto_computes_in_bf16_on_a_bf16_cpu(tiny_target_dir, tmp_pat
     for forced, dtype in (("1", "bfloat16"), ("0", "float32")):
         monkeypatch.setenv(hardware.OVERRIDE_ENV, forced)
         out = tmp_path / f"store-{dtype}"
-        extract.run(ExtractConfig(prepared=prepared, output=out, device="cpu", aux_layer_ids=[1, 2, 3]),
-                    show_progress=False)
+        extract.run(
+            ExtractConfig(prepared=prepared, output=out, device="cpu", aux_layer_ids=[1, 2, 3]), show_progress=False
+        )
         assert f"extract: the target runs in {dtype} (--compute-dtype auto on " in capsys.readouterr().err
         s = store.open(out)
         assert s.manifest.compute_dtype == dtype
@@ -198,11 +227,13 @@ def test_importing_the_train_stage_samples_and_sets_nothing():
     import subprocess
     import sys
 
-    code = ("import os\nfrom draftsmith.core import threads\n"
-            "def sampled(*a, **k):\n    raise AssertionError('sampled at import')\n"
-            "threads._others_running = sampled\n"
-            "import draftsmith.train\n"
-            "print(os.environ.get('OMP_WAIT_POLICY'), threads.WAIT_POLICY)")
+    code = (
+        "import os\nfrom draftsmith.core import threads\n"
+        "def sampled(*a, **k):\n    raise AssertionError('sampled at import')\n"
+        "threads._others_running = sampled\n"
+        "import draftsmith.train\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), threads.WAIT_POLICY)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None OpenMP's default (draftsmith.train used without the CLI)"

@@ -13,8 +13,16 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
 from draftsmith.core import assets, hfcompat, targets
 
-YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 50000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "rope_theta": 50000.0,
+}
 
 
 def _as_transformers5_wrote_it(path) -> None:
@@ -58,8 +66,10 @@ def test_portable_and_canonical_configs_mean_the_same():
     assert portable["rope_scaling"]["factor"] == 40.0
     assert hfcompat.canonical_config(portable) == hfcompat.canonical_config(five) == five  # 5.x form is canonical
     four = {"model_type": "llama", "rope_theta": 1e6, "rope_scaling": None}
-    assert hfcompat.canonical_config(four) == {"model_type": "llama",
-                                               "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+    assert hfcompat.canonical_config(four) == {
+        "model_type": "llama",
+        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+    }
     wrapper = {"model_type": "kimi_k25", "text_config": dict(five)}
     assert hfcompat.portable_config(wrapper)["text_config"]["rope_theta"] == 50000.0  # nested text config too
     assert hfcompat.portable_config(portable) == portable  # idempotent
@@ -69,8 +79,11 @@ def test_a_transformers5_directory_made_portable_loads_here_as_the_same_model(tm
     path = tmp_path / "t"
     shutil.copytree(tiny_target_dir, path)
     config = json.loads((path / "config.json").read_text())
-    config.update(rope_parameters=dict(YARN), rope_theta=YARN["rope_theta"],
-                  rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"})
+    config.update(
+        rope_parameters=dict(YARN),
+        rope_theta=YARN["rope_theta"],
+        rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"},
+    )
     (path / "config.json").write_text(json.dumps(config))
     reference_ids = AutoTokenizer.from_pretrained(tiny_target_dir)("Hello <|im_start|>user\nhi<|im_end|>")["input_ids"]
     identity = targets.target_identity(path)
@@ -92,8 +105,7 @@ def test_rope_config_kwargs_give_this_transformers_the_rope():
     assert _loaded_rope(config) == (50000.0, {k: v for k, v in YARN.items() if k != "rope_theta"})
 
 
-def test_a_default_target_an_older_draftsmith_converted_is_made_portable_on_use(tmp_path, monkeypatch,
-                                                                                  tiny_target_dir):
+def test_a_default_target_an_older_draftsmith_converted_is_made_portable_on_use(tmp_path, monkeypatch, tiny_target_dir):
     """A cache entry without the format field (draftsmith 0.1.0, transformers-5 names) is upgraded in place, not
     converted again (the GGUF file is not even read), and stays the same target."""
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
@@ -120,12 +132,31 @@ def test_an_exported_draft_config_carries_the_rope_for_transformers_4():
     from draftsmith.export.formats import format_config
     from draftsmith.train.model import DraftSpec
 
-    spec = DraftSpec(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     num_hidden_layers=1, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
-                     rope_parameters=dict(YARN), vocab_size=320, draft_vocab_size=64, target_hidden_size=64,
-                     aux_layer_ids=[1, 2, 3])
-    config = format_config(spec, "vllm", verifier="t", verifier_architectures=["LlamaForCausalLM"],
-                           speculative_tokens=3, dtype="bf16", special_tokens={})
+    spec = DraftSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters=dict(YARN),
+        vocab_size=320,
+        draft_vocab_size=64,
+        target_hidden_size=64,
+        aux_layer_ids=[1, 2, 3],
+    )
+    config = format_config(
+        spec,
+        "vllm",
+        verifier="t",
+        verifier_architectures=["LlamaForCausalLM"],
+        speculative_tokens=3,
+        dtype="bf16",
+        special_tokens={},
+    )
     assert config["rope_parameters"] == YARN and config["rope_theta"] == 50000.0
     assert config["rope_scaling"]["rope_type"] == "yarn"
     loaded = LlamaConfig.from_dict({k: v for k, v in config.items() if k != "architectures"})

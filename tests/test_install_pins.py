@@ -41,16 +41,33 @@ def _canonical(name: str) -> str:
 
 def _dry_run(requirements: list[str], report: Path, constraints: Path | None = None) -> dict[str, str]:
     """What `pip install` would install into an empty environment: {package: version}, read from pip's report."""
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--progress-bar", "off",
-           "--disable-pip-version-check", "--no-input", "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--progress-bar",
+        "off",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--report",
+        str(report),
+    ]
     if constraints is not None:
         cmd += ["-c", str(constraints)]
     proc = subprocess.run(cmd + requirements, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
     if proc.returncode != 0:
-        errors = [line for line in (proc.stdout + proc.stderr).splitlines()
-                  if any(word in line for word in ("ERROR", "conflict", "depends on", "requested"))]
-        pytest.fail(f"pip cannot resolve {' '.join(requirements)}"
-                    f"{' under ' + str(constraints) if constraints else ''}:\n" + "\n".join(errors[-25:]))
+        errors = [
+            line
+            for line in (proc.stdout + proc.stderr).splitlines()
+            if any(word in line for word in ("ERROR", "conflict", "depends on", "requested"))
+        ]
+        pytest.fail(
+            f"pip cannot resolve {' '.join(requirements)}"
+            f"{' under ' + str(constraints) if constraints else ''}:\n" + "\n".join(errors[-25:])
+        )
     installs = json.loads(report.read_text())["install"]
     return {_canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in installs}
 
@@ -87,8 +104,9 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[dict[str, str], dict[str, s
 def test_draftsmith_changes_no_package_of_the_vllm_environment(resolutions, release):
     env, with_draftsmith = resolutions[release]
     assert env["vllm"] == release and "transformers" in env and "torch" in env
-    changed = {name: (env[name], version) for name, version in with_draftsmith.items()
-               if name in env and env[name] != version}
+    changed = {
+        name: (env[name], version) for name, version in with_draftsmith.items() if name in env and env[name] != version
+    }
     assert not changed, f"vLLM {release}: installing draftsmith would change {changed}"
     assert "draftsmith" in with_draftsmith
     added = sorted(set(with_draftsmith) - set(env) - {"draftsmith"})

@@ -70,10 +70,13 @@ def test_checkpoint_and_exports_load_and_agree(legacy):
             assert torch.equal(exported.tensors[name], tensor), (fmt, name)
 
 
-@pytest.mark.parametrize("artefact, change, stage", [
-    ("train/best", {"draft": {"attention_bias": True}}, "train"),
-    ("export-vllm", {"arch": {"norm_before_residual": True}}, "export"),
-])
+@pytest.mark.parametrize(
+    "artefact, change, stage",
+    [
+        ("train/best", {"draft": {"attention_bias": True}}, "train"),
+        ("export-vllm", {"arch": {"norm_before_residual": True}}, "export"),
+    ],
+)
 def test_what_cannot_load_is_refused_with_the_stage_to_rerun(legacy, tmp_path, artefact, change, stage):
     import json
 
@@ -97,9 +100,21 @@ def test_legacy_checkpoint_exports_and_resumes(legacy, legacy_target, tmp_path):
 
     export.run(ExportConfig(checkpoint=legacy / "train", target=str(legacy_target), output=tmp_path / "export"))
     assert export.read_export_manifest(tmp_path / "export").draft.draft_vocab_size == 64
-    result = train(TrainConfig(data=legacy / "store-bf16", target=str(legacy_target), output=legacy / "train",
-                               max_steps=2, token_budget=256, ttt_steps=2, draft_vocab_size=64, warmup_steps=1,
-                               save_every=2, keep_checkpoints=1, eval_fraction=0.2))
+    result = train(
+        TrainConfig(
+            data=legacy / "store-bf16",
+            target=str(legacy_target),
+            output=legacy / "train",
+            max_steps=2,
+            token_budget=256,
+            ttt_steps=2,
+            draft_vocab_size=64,
+            warmup_steps=1,
+            save_every=2,
+            keep_checkpoints=1,
+            eval_fraction=0.2,
+        )
+    )
     assert result.summary["steps"] == 2 and "resumed from" in result.summary
     assert "embed_tokens.weight" not in load_file(str(latest_checkpoint(legacy / "train") / "model.safetensors"))
 
@@ -107,7 +122,16 @@ def test_legacy_checkpoint_exports_and_resumes(legacy, legacy_target, tmp_path):
 def test_legacy_export_evaluates(legacy, legacy_target, tmp_path):
     from draftsmith import evaluate
 
-    result = evaluate.run(EvaluateConfig(draft=legacy / "export-speculators", target=str(legacy_target),
-                                         engine="hf", prompts=str(legacy / "prepared"), eval_fraction=0.2,
-                                         max_new_tokens=6, k=[2], output=tmp_path / "eval"))
+    result = evaluate.run(
+        EvaluateConfig(
+            draft=legacy / "export-speculators",
+            target=str(legacy_target),
+            engine="hf",
+            prompts=str(legacy / "prepared"),
+            eval_fraction=0.2,
+            max_new_tokens=6,
+            k=[2],
+            output=tmp_path / "eval",
+        )
+    )
     assert result.summary["k=2 τ"] >= 1.0

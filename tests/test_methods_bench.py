@@ -122,8 +122,7 @@ def test_vllm_job_times_the_drafting_step_of_the_timed_call_only(tmp_path, monke
 
 
 def test_rows_and_the_side_by_side_table():
-    stats = DecodeStats(k=2, num_new_tokens=30, elapsed_s=3.0, num_rounds=10, num_accepted=8,
-                        accepted_per_pos=[5, 3])
+    stats = DecodeStats(k=2, num_new_tokens=30, elapsed_s=3.0, num_rounds=10, num_accepted=8, accepted_per_pos=[5, 3])
     row = bench.per_k_row(stats, base_tps=5.0, draft_s=0.25, draft_calls=None, forwards=10, lossless=True)
     assert row["tau"] == 1.8 and row["acceptance_per_pos"] == [0.5, 0.3]
     assert row["speedup"] == 2.0 and row["round_ms"] == 300.0 and row["draft_ms_per_round"] == 25.0
@@ -131,9 +130,15 @@ def test_rows_and_the_side_by_side_table():
     assert bench.per_k_row(stats, 5.0, draft_s=0.24, draft_calls=12)["draft_ms_per_round"] == 20.0  # vLLM's steps
     untimed = bench.per_k_row(stats, base_tps=None, draft_s=None, draft_calls=None)
     assert untimed["speedup"] is None and untimed["draft_ms_per_round"] is None
-    results = {"hf": {"target_alone_tokens_per_s": 5.0, "num_prompts": 2, "dtype": "float32",
-                      "methods": {"eagle3": {"2": row}, "peagle": {"2": untimed}}},
-               "vllm": {"error": "skipped: vLLM is not installed (or does not import)"}}
+    results = {
+        "hf": {
+            "target_alone_tokens_per_s": 5.0,
+            "num_prompts": 2,
+            "dtype": "float32",
+            "methods": {"eagle3": {"2": row}, "peagle": {"2": untimed}},
+        },
+        "vllm": {"error": "skipped: vLLM is not installed (or does not import)"},
+    }
     text = bench.table(results, {"hf": [2], "vllm": [2]})
     lines = text.splitlines()
     assert lines[0].startswith("hf: target alone 5.00 tokens/s, 2 prompts, float32")

@@ -20,17 +20,28 @@ from draftsmith.train.model import (
 
 
 def _spec(**kw) -> DraftSpec:
-    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                num_hidden_layers=1, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
-                vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3])
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=32,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+    )
     base.update(kw)
     return DraftSpec(**base)
 
 
 def test_spec_from_target_config(tiny_target_dir):
-    spec = DraftSpec.from_target_config(json.loads((tiny_target_dir / "config.json").read_text()), 100000, 2,
-                                        [1, 2, 4])
+    spec = DraftSpec.from_target_config(json.loads((tiny_target_dir / "config.json").read_text()), 100000, 2, [1, 2, 4])
     assert spec.hidden_size == 64 and spec.num_attention_heads == 4 and spec.num_key_value_heads == 2
     assert spec.head_dim == 16 and spec.intermediate_size == 128 and spec.num_hidden_layers == 2
     assert spec.draft_vocab_size == spec.vocab_size == 320  # clipped to the target vocabulary
@@ -40,56 +51,190 @@ def test_spec_from_target_config(tiny_target_dir):
 
 
 # Published config.json files (the fields that shape a draft; MoE routing, quantization etc. left out).
-LLAMA_3_1_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-                "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu",
-                "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
-QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
-            "rope_theta": 1000000, "hidden_act": "silu"}
-QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                 "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
-                 "hidden_act": "silu"}
-DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-               "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-               "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-               "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "vocab_size": 129280,
-               "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000, "hidden_act": "silu",
-               "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-KIMI_K2_5 = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-             "text_config": {**DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64,
-                             "num_key_value_heads": 64, "vocab_size": 163840, "max_position_embeddings": 262144,
-                             "rms_norm_eps": 1e-05, "rope_theta": 50000.0},
-             "vision_config": {"model_type": "kimi_k25_vision", "hidden_size": 1152, "num_attention_heads": 16}}
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+}
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "hidden_act": "silu",
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000,
+    "hidden_act": "silu",
+}
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "hidden_act": "silu",
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+KIMI_K2_5 = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "text_config": {
+        **DEEPSEEK_V3,
+        "model_type": "kimi_k2",
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "vocab_size": 163840,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 50000.0,
+    },
+    "vision_config": {"model_type": "kimi_k25_vision", "hidden_size": 1152, "num_attention_heads": 16},
+}
 
 
-@pytest.mark.parametrize("config, expected", [
-    (LLAMA_3_1_8B, dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                        head_dim=128, vocab_size=128256, rms_norm_eps=1e-5, rope_type="llama3")),
-    (QWEN3_8B, dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_type="default")),
-    # MoE: the dense MLP size, not an expert's
-    (QWEN3_30B_A3B, dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
-                         head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_type="default")),
-    # MLA: no head shape to copy (7168 / 128 heads = 56, a size vLLM's CPU attention refuses): the draft's own,
-    # 128-wide heads, hidden / 128 of them, 8 KV heads
-    (DEEPSEEK_V3, dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=56, num_key_value_heads=8,
-                       head_dim=128, vocab_size=129280, rms_norm_eps=1e-6, rope_type="yarn")),
-    # as transformers saves it: its head_dim is qk_rope_head_dim, the RoPE part of a head, not a head size
-    ({**DEEPSEEK_V3, "head_dim": 64, "num_key_value_heads": 128}, dict(head_dim=128, num_attention_heads=56,
-                                                                       num_key_value_heads=8)),
-    (KIMI_K2_5, dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128,
-                     vocab_size=163840, rms_norm_eps=1e-5, max_position_embeddings=262144, rope_type="yarn")),
-    # no head_dim and heads that do not divide the hidden size: the draft's own shape too (64-wide heads here)
-    ({**QWEN3_8B, "head_dim": None, "hidden_size": 4160, "num_attention_heads": 30},
-     dict(head_dim=64, num_attention_heads=65, num_key_value_heads=5)),
-], ids=["llama-3.1", "qwen3", "qwen3-moe", "deepseek-v3", "deepseek-v3-transformers", "kimi-k2.5", "odd-heads"])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (
+            LLAMA_3_1_8B,
+            dict(
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=128256,
+                rms_norm_eps=1e-5,
+                rope_type="llama3",
+            ),
+        ),
+        (
+            QWEN3_8B,
+            dict(
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=151936,
+                rms_norm_eps=1e-6,
+                rope_type="default",
+            ),
+        ),
+        # MoE: the dense MLP size, not an expert's
+        (
+            QWEN3_30B_A3B,
+            dict(
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                vocab_size=151936,
+                rms_norm_eps=1e-6,
+                rope_type="default",
+            ),
+        ),
+        # MLA: no head shape to copy (7168 / 128 heads = 56, a size vLLM's CPU attention refuses): the draft's own,
+        # 128-wide heads, hidden / 128 of them, 8 KV heads
+        (
+            DEEPSEEK_V3,
+            dict(
+                hidden_size=7168,
+                intermediate_size=18432,
+                num_attention_heads=56,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=129280,
+                rms_norm_eps=1e-6,
+                rope_type="yarn",
+            ),
+        ),
+        # as transformers saves it: its head_dim is qk_rope_head_dim, the RoPE part of a head, not a head size
+        (
+            {**DEEPSEEK_V3, "head_dim": 64, "num_key_value_heads": 128},
+            dict(head_dim=128, num_attention_heads=56, num_key_value_heads=8),
+        ),
+        (
+            KIMI_K2_5,
+            dict(
+                hidden_size=7168,
+                num_attention_heads=56,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=163840,
+                rms_norm_eps=1e-5,
+                max_position_embeddings=262144,
+                rope_type="yarn",
+            ),
+        ),
+        # no head_dim and heads that do not divide the hidden size: the draft's own shape too (64-wide heads here)
+        (
+            {**QWEN3_8B, "head_dim": None, "hidden_size": 4160, "num_attention_heads": 30},
+            dict(head_dim=64, num_attention_heads=65, num_key_value_heads=5),
+        ),
+    ],
+    ids=["llama-3.1", "qwen3", "qwen3-moe", "deepseek-v3", "deepseek-v3-transformers", "kimi-k2.5", "odd-heads"],
+)
 def test_spec_from_published_target_configs(config, expected):
     spec = DraftSpec.from_target_config(config, 32000, 1, [2, 20, 27])
     got = spec.model_dump()
@@ -100,21 +245,30 @@ def test_spec_from_published_target_configs(config, expected):
     assert inv_freq.shape == (spec.head_dim // 2,) and torch.isfinite(inv_freq).all()
     with torch.device("meta"):  # the whole draft builds from the spec (on the meta device: no memory)
         draft = Eagle3Draft(spec)
-    assert draft.layers[0].self_attn.q_proj.weight.shape == (spec.num_attention_heads * spec.head_dim,
-                                                            2 * spec.hidden_size)
+    assert draft.layers[0].self_attn.q_proj.weight.shape == (
+        spec.num_attention_heads * spec.head_dim,
+        2 * spec.hidden_size,
+    )
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"hidden_size": None}, r"^target config: no hidden_size; .*text_config"),
-    ({"hidden_act": "gelu"}, r"hidden_act 'gelu'.*silu only"),
-    ({"head_dim": None, "hidden_size": 4100, "num_attention_heads": 30},
-     r"hidden_size 4100 is not a multiple of 64, so the EAGLE-3 draft has no head size"),
-    # vLLM serves MLA targets' aux states from before each layer: no layer id 0 for their drafts
-    ({**DEEPSEEK_V3, "num_hidden_layers": 61, "aux_layer_ids": [0, 30, 58]},
-     r"^draft: aux layer ids \[0, 30, 58\] include 0 \(the embeddings\), which vLLM cannot hand an EAGLE-3 draft of "
-     r"DeepseekV3ForCausalLM .*e\.g\. the defaults 2,30,58"),
-    ({"num_hidden_layers": 8}, r"aux layer ids \[20, 27\] out of range: the target has layer ids 0..8"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"hidden_size": None}, r"^target config: no hidden_size; .*text_config"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'.*silu only"),
+        (
+            {"head_dim": None, "hidden_size": 4100, "num_attention_heads": 30},
+            r"hidden_size 4100 is not a multiple of 64, so the EAGLE-3 draft has no head size",
+        ),
+        # vLLM serves MLA targets' aux states from before each layer: no layer id 0 for their drafts
+        (
+            {**DEEPSEEK_V3, "num_hidden_layers": 61, "aux_layer_ids": [0, 30, 58]},
+            r"^draft: aux layer ids \[0, 30, 58\] include 0 \(the embeddings\), which vLLM cannot hand an EAGLE-3 draft of "
+            r"DeepseekV3ForCausalLM .*e\.g\. the defaults 2,30,58",
+        ),
+        ({"num_hidden_layers": 8}, r"aux layer ids \[20, 27\] out of range: the target has layer ids 0..8"),
+    ],
+)
 def test_spec_refuses_a_config_it_cannot_use(change, match):
     config = {k: v for k, v in {**QWEN3_8B, **change}.items() if v is not None}
     aux = config.pop("aux_layer_ids", [2, 20, 27])
@@ -186,13 +340,20 @@ def test_plain_layer_and_rope_match_transformers_llama():
     cfg = _spec(num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     draft = Eagle3Draft(cfg).double()
     draft.init_weights(3)
-    hf_cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, vocab_size=50,
-                         **hfcompat.rope_config_kwargs(LlamaConfig, {"rope_type": "default", "rope_theta": 500.0}))
+    hf_cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        **hfcompat.rope_config_kwargs(LlamaConfig, {"rope_type": "default", "rope_theta": 500.0}),
+    )
     hf_cfg._attn_implementation = "sdpa"
     hf_layer = LlamaDecoderLayer(hf_cfg, layer_idx=1).double().eval()
-    hf_layer.load_state_dict({k[len("layers.1."):]: v for k, v in draft.state_dict().items()
-                              if k.startswith("layers.1.")})
+    hf_layer.load_state_dict(
+        {k[len("layers.1.") :]: v for k, v in draft.state_dict().items() if k.startswith("layers.1.")}
+    )
     x = torch.randn(1, 7, 32, dtype=torch.float64)
     pos = torch.arange(3, 10)[None]
     cos, sin = LlamaRotaryEmbedding(hf_cfg)(x, pos)
@@ -205,9 +366,16 @@ def test_plain_layer_and_rope_match_transformers_llama():
 
 
 def test_rope_scaling_from_target_config():
-    cfg = _spec(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64})
+    cfg = _spec(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    )
     draft = Eagle3Draft(cfg)
     plain = Eagle3Draft(_spec(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
     assert draft.rotary.inv_freq.shape == plain.rotary.inv_freq.shape

@@ -43,8 +43,15 @@ def test_disk_peak_sees_a_transient_peak(tmp_path):
 def test_parse_summary_reads_the_cli_table(monkeypatch):
     out = io.StringIO()
     monkeypatch.setattr(cli, "console", Console(file=out, width=250))
-    summary = {"mode": "online (vLLM engines, spool)", "tokens": 123_456, "tokens/s": 291.4, "extraction tokens/s":
-               12_345.6, "spool peak (bytes)": 21_323_776, "layer ids": "2,15,27", "per-step acc": [0.1, 0.2]}
+    summary = {
+        "mode": "online (vLLM engines, spool)",
+        "tokens": 123_456,
+        "tokens/s": 291.4,
+        "extraction tokens/s": 12_345.6,
+        "spool peak (bytes)": 21_323_776,
+        "layer ids": "2,15,27",
+        "per-step acc": [0.1, 0.2],
+    }
     cli._print_result(StageResult(stage="train", output=Path("/tmp/run"), summary=summary))
     parsed = bench.parse_summary(out.getvalue())
     assert parsed["mode"] == "online (vLLM engines, spool)"
@@ -56,9 +63,16 @@ def test_parse_summary_reads_the_cli_table(monkeypatch):
 
 
 def test_failure_line_of_a_usage_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "draftsmith", "train", "--data", str(tmp_path), "--no-such-flag"],
-                          capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftsmith", "train", "--data", str(tmp_path), "--no-such-flag"],
+        capture_output=True,
+        text=True,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
     assert proc.returncode != 0
     assert bench.failure_line(proc.stderr, proc.returncode) == "No such option: --no-such-flag"
-    assert bench.failure_line("progress...\nerror: --spool-gb 0.01: too small\n", 1) == "error: --spool-gb 0.01: too small"
+    assert (
+        bench.failure_line("progress...\nerror: --spool-gb 0.01: too small\n", 1) == "error: --spool-gb 0.01: too small"
+    )
     assert bench.failure_line("", 3) == "exit status 3, nothing on stderr"

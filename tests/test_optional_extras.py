@@ -20,10 +20,26 @@ from draftsmith.evaluate import report as report_module
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
-REPORT = {"engine": "hf", "target": "/t/target", "draft": "/t/draft", "prompts": "mt-bench", "num_prompts": 2,
-          "max_new_tokens": 8, "temperature": 0.0, "baseline": None,
-          "runs": [{"k": 3, "tau": 1.5, "acceptance_per_pos": [0.4, 0.1, 0.0], "tokens_per_s": 10.0, "speedup": None,
-                    "num_rounds": 4}]}
+REPORT = {
+    "engine": "hf",
+    "target": "/t/target",
+    "draft": "/t/draft",
+    "prompts": "mt-bench",
+    "num_prompts": 2,
+    "max_new_tokens": 8,
+    "temperature": 0.0,
+    "baseline": None,
+    "runs": [
+        {
+            "k": 3,
+            "tau": 1.5,
+            "acceptance_per_pos": [0.4, 0.1, 0.0],
+            "tokens_per_s": 10.0,
+            "speedup": None,
+            "num_rounds": 4,
+        }
+    ],
+}
 
 
 def _missing(monkeypatch, *names: str) -> None:
@@ -81,8 +97,7 @@ def test_training_without_tensorboard_says_so_in_one_line_and_keeps_its_metrics(
     sink = MetricsSink(tmp_path / "metrics.jsonl", enabled=True, keep_through_step=-1)
     sink.write({"step": 1, "loss": 2.5})
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
-    assert lines == ["train: metrics go to metrics.jsonl; TensorBoard logs need pip install "
-                     "'draftsmith[tensorboard]'"]
+    assert lines == ["train: metrics go to metrics.jsonl; TensorBoard logs need pip install 'draftsmith[tensorboard]'"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.5}\n'
     assert not (tmp_path / "tensorboard").exists()
 
@@ -96,8 +111,13 @@ def test_no_other_optional_import_in_src():
     seen = set()
     for path in (ROOT / "src" / "draftsmith").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
             for name in names:
                 top = "tensorboard" if name.startswith("torch.utils.tensorboard") else name.split(".")[0]
                 if top in optional:

@@ -27,11 +27,24 @@ TTT_STEPS = 4
 
 
 def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
-    spec = DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
-                     vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3],
-                     parallel_drafting=parallel, mask_token_id=47 if parallel else None)
+    spec = DraftSpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=32,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        parallel_drafting=parallel,
+        mask_token_id=47 if parallel else None,
+    )
     draft = Eagle3Draft(spec)
     draft.init_weights(3)  # mask_hidden too (a parameter): random and non-zero
     with torch.no_grad():
@@ -61,10 +74,10 @@ def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
     fused = runner.fuse(aux)
     for t in range(t_len - TTT_STEPS - 1):  # step k at t reads x_{t+k+1}
         runner.reset()
-        logits, hidden = runner.step(ids[1:t + 2], fused[:t + 1])  # the prefix 0..t, with the target's features
+        logits, hidden = runner.step(ids[1 : t + 2], fused[: t + 1])  # the prefix 0..t, with the target's features
         for k in range(TTT_STEPS):
             if k:  # the draft's own hidden state and the next token, at position t + k
-                logits, hidden = runner.step(ids[t + k + 1:t + k + 2], hidden[None])
+                logits, hidden = runner.step(ids[t + k + 1 : t + k + 2], hidden[None])
             torch.testing.assert_close(hidden, steps[k][t], rtol=1e-12, atol=1e-12, msg=f"hidden t={t} k={k}")
             with torch.no_grad():
                 expected = draft.logits(steps[k][t])
@@ -87,7 +100,7 @@ def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers
     fused = runner.fuse(aux)
     for t in range(t_len - 1):  # the prefix 0..t reads x_1..x_{t+1}; the parallel slots read no token of the data
         runner.reset()
-        logits, hidden = runner.step_parallel(ids[1:t + 2], fused[:t + 1], TTT_STEPS)
+        logits, hidden = runner.step_parallel(ids[1 : t + 2], fused[: t + 1], TTT_STEPS)
         assert runner.length == t + TTT_STEPS
         for d in range(TTT_STEPS):
             torch.testing.assert_close(hidden[d], depths[d][t], rtol=1e-12, atol=1e-12, msg=f"hidden t={t} d={d}")
@@ -104,8 +117,9 @@ def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(
     from draftsmith.train.ttt import Anchors, block_index, dflash_hidden_states
 
     size = 4
-    spec = _tiny_draft(layers).spec.model_copy(update=dict(method="dflash", block_size=size, mask_token_id=47,
-                                                            draft_vocab_size=50))
+    spec = _tiny_draft(layers).spec.model_copy(
+        update=dict(method="dflash", block_size=size, mask_token_id=47, draft_vocab_size=50)
+    )
     draft = DFlashDraft(spec)
     draft.init_weights(3)
     gen = torch.Generator().manual_seed(4)
@@ -171,18 +185,32 @@ def _target_alone(spec_request: Path, kv_cache_gb: int, timeout_s: int) -> dict:
     if key not in _TARGET_ALONE:
         workdir = spec_request.parent
         result = vllm_runner.run_vllm(
-            target=Path(spec.target), draft=None, prompts=spec.prompts, k=0, max_new_tokens=spec.max_new_tokens,
-            temperature=spec.temperature, seed=spec.seed, dtype=spec.dtype, max_model_len=spec.max_model_len,
-            kv_cache_gb=kv_cache_gb, timeout_s=timeout_s, workdir=workdir, trust_remote_code=spec.trust_remote_code,
-            name="baseline", max_num_seqs=spec.max_num_seqs, tensor_parallel_size=spec.tensor_parallel_size)
+            target=Path(spec.target),
+            draft=None,
+            prompts=spec.prompts,
+            k=0,
+            max_new_tokens=spec.max_new_tokens,
+            temperature=spec.temperature,
+            seed=spec.seed,
+            dtype=spec.dtype,
+            max_model_len=spec.max_model_len,
+            kv_cache_gb=kv_cache_gb,
+            timeout_s=timeout_s,
+            workdir=workdir,
+            trust_remote_code=spec.trust_remote_code,
+            name="baseline",
+            max_num_seqs=spec.max_num_seqs,
+            tensor_parallel_size=spec.tensor_parallel_size,
+        )
         ran = GenerationJob.model_validate_json((workdir / "baseline.request.json").read_text())
         assert ran.model_copy(update={"result": None}) == alone, (ran, alone)  # the draft's job, less the draft
         _TARGET_ALONE[key] = result
     return _TARGET_ALONE[key]
 
 
-def evaluate_in_both_engines(draft, tmp_path, monkeypatch, k: int, deep: int, num_prompts: int = 4,
-                             max_new_tokens: int = 32) -> tuple[dict, dict]:
+def evaluate_in_both_engines(
+    draft, tmp_path, monkeypatch, k: int, deep: int, num_prompts: int = 4, max_new_tokens: int = 32
+) -> tuple[dict, dict]:
     """`draftsmith evaluate` of `draft` on the default target's first MT-bench prompts, temperature 0, float32, with
     the reference decoder and with vLLM (in its worker process, without an engine-core process of its own: most of
     a start on a CPU): vLLM lossless against itself without the draft (the same job less the draft: _target_alone,
@@ -195,17 +223,28 @@ def evaluate_in_both_engines(draft, tmp_path, monkeypatch, k: int, deep: int, nu
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    common = dict(draft=draft, prompts="mt-bench", num_prompts=num_prompts, max_new_tokens=max_new_tokens, k=[k],
-                  dtype="float32", temperature=0.0, vllm_kv_cache_gb=1, vllm_timeout_s=1200)
+    common = dict(
+        draft=draft,
+        prompts="mt-bench",
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        k=[k],
+        dtype="float32",
+        temperature=0.0,
+        vllm_kv_cache_gb=1,
+        vllm_timeout_s=1200,
+    )
     evaluate.run(EvaluateConfig(engine="hf", output=tmp_path / "hf", baseline=False, **common))
-    evaluate.run(EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=False, max_model_len=ENGINE_LEN,
-                                **common))
+    evaluate.run(
+        EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=False, max_model_len=ENGINE_LEN, **common)
+    )
     hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
     k = vl["k"]  # a DFlash draft's block decides
     workdir = tmp_path / "vllm" / "vllm"
-    results = {"baseline": _target_alone(workdir / f"k{k}.request.json", common["vllm_kv_cache_gb"],
-                                         common["vllm_timeout_s"]),
-               f"k{k}": json.loads((workdir / f"k{k}.result.json").read_text())}
+    results = {
+        "baseline": _target_alone(workdir / f"k{k}.request.json", common["vllm_kv_cache_gb"], common["vllm_timeout_s"]),
+        f"k{k}": json.loads((workdir / f"k{k}.result.json").read_text()),
+    }
     assert results[f"k{k}"]["outputs"] == results["baseline"]["outputs"]  # lossless
     assert all(len(o) > 0 for o in results["baseline"]["outputs"])
     assert results["baseline"]["spec"]["num_drafts"] == 0  # the target alone

@@ -22,11 +22,24 @@ from draftsmith.train.ttt import COD, step_index, ttt_hidden_states
 
 
 def _spec(layers: int = 1, parallel: bool = True) -> DraftSpec:
-    return DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                     num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
-                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
-                     vocab_size=50, draft_vocab_size=20, aux_layer_ids=[1, 2, 3], parallel_drafting=parallel,
-                     mask_token_id=7 if parallel else None)
+    return DraftSpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=32,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        parallel_drafting=parallel,
+        mask_token_id=7 if parallel else None,
+    )
 
 
 def _draft(layers: int = 1) -> Eagle3Draft:
@@ -52,8 +65,8 @@ def test_cod_keeps_ratio_to_the_depth_of_each_depths_candidates_with_a_floor():
     for k in range(6):
         expected = 0
         for row in range(3):
-            n = int(mask[row, k + 2:].sum())  # depth k's candidates: loss-masked x_{t+k+2}
-            expected += n if k == 0 else min(n, max(math.ceil(n * 0.6 ** k), math.ceil(n * 0.15)))
+            n = int(mask[row, k + 2 :].sum())  # depth k's candidates: loss-masked x_{t+k+2}
+            expected += n if k == 0 else min(n, max(math.ceil(n * 0.6**k), math.ceil(n * 0.15)))
         assert int(index.counts[k]) == expected == len(index.scored[k]), k
         assert set(index.scored[k].tolist()) <= set(full.scored[k].tolist())  # a subset of the candidates
         # each scored row still reads the target distribution of its own predicted token
@@ -98,8 +111,8 @@ def test_parallel_depths_read_the_mask_slots_not_the_previous_depth(layers):
             torch.testing.assert_close(steps[k], naive[k], rtol=1e-12, atol=1e-12)
         for t in range(0, 16 - 5, 3):
             for k in range(1, 4):
-                seq_ids = torch.cat([ids[0, 1:t + 2], torch.full((k,), 7)])
-                hidden = torch.cat([fused[:t + 1], mask.expand(k, -1)])
+                seq_ids = torch.cat([ids[0, 1 : t + 2], torch.full((k,), 7)])
+                hidden = torch.cat([fused[: t + 1], mask.expand(k, -1)])
                 out = draft.forward_hidden(seq_ids[None], hidden[None], torch.arange(t + 1 + k)[None], KVCache(layers))
                 torch.testing.assert_close(out[0, -1], steps[k][t], rtol=1e-12, atol=1e-12)
     assert not torch.allclose(steps[1], steps[2])
@@ -126,9 +139,22 @@ def prepared(tiny_target_dir, tmp_path_factory):
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
-    base = dict(data=data, output=out, draft_vocab_size=300, ttt_steps=4, lr=3e-3, warmup_steps=2, token_budget=256,
-                eval_fraction=0.15, log_every=1, save_every=1000, device="cpu", seed=0, method="peagle",
-                max_steps=6)
+    base = dict(
+        data=data,
+        output=out,
+        draft_vocab_size=300,
+        ttt_steps=4,
+        lr=3e-3,
+        warmup_steps=2,
+        token_budget=256,
+        eval_fraction=0.15,
+        log_every=1,
+        save_every=1000,
+        device="cpu",
+        seed=0,
+        method="peagle",
+        max_steps=6,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -166,7 +192,7 @@ def test_cod_scores_fewer_positions_at_depth_and_eval_scores_all(prepared, tmp_p
         assert sampled["scored"][0] == every["scored"][0] == sampled["tokens"]
         for k in range(1, 4):
             assert sampled["scored"][k] < every["scored"][k]
-            assert sampled["scored"][k] >= 0.5 ** k * every["scored"][k] - 4  # ceil per sample, a few samples
+            assert sampled["scored"][k] >= 0.5**k * every["scored"][k] - 4  # ceil per sample, a few samples
     ea, eb = ([m for m in _metrics(x) if m["type"] == "eval"][-1] for x in (out, full))
     assert ea["scored"] == eb["scored"]  # evaluation scores every anchor at every depth
 

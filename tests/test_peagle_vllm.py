@@ -49,9 +49,16 @@ MOE = "qwen3_moe"
 def _spec_config(export_dir: Path) -> dict:
     from draftsmith.evaluate import vllm_worker
 
-    return vllm_worker.engine_launch(vllm_worker.GenerationJob(
-        target=str(load_draft(export_dir).target.path), dtype="float32", max_model_len=64, seed=0, k=3,
-        draft=str(export_dir)))[0]["speculative_config"]
+    return vllm_worker.engine_launch(
+        vllm_worker.GenerationJob(
+            target=str(load_draft(export_dir).target.path),
+            dtype="float32",
+            max_model_len=64,
+            seed=0,
+            k=3,
+            draft=str(export_dir),
+        )
+    )[0]["speculative_config"]
 
 
 def test_the_probe_finds_the_parallel_drafting_these_tests_decode_with():
@@ -76,14 +83,29 @@ def peagle_export(memorised_store, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("peagle-default")
     layers = store.open(memorised_store).manifest.target.num_layers
-    train.run(TrainConfig(data=memorised_store, aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
-                          output=root / "run", method="peagle", ttt_steps=K,
-                          max_steps=PEAGLE_STEPS, token_budget=1024, draft_vocab_size=2048, lr=3e-3, warmup_steps=5,
-                          schedule="constant", cod_ratio=1.0, eval_fraction=0.0, save_every=10 ** 6, device="cpu",
-                          precision="fp32", seed=0))
+    train.run(
+        TrainConfig(
+            data=memorised_store,
+            aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
+            output=root / "run",
+            method="peagle",
+            ttt_steps=K,
+            max_steps=PEAGLE_STEPS,
+            token_budget=1024,
+            draft_vocab_size=2048,
+            lr=3e-3,
+            warmup_steps=5,
+            schedule="constant",
+            cod_ratio=1.0,
+            eval_fraction=0.0,
+            save_every=10**6,
+            device="cpu",
+            precision="fp32",
+            seed=0,
+        )
+    )
     out = root / "export"
-    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32",
-                            speculative_tokens=K))
+    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32", speculative_tokens=K))
     return out
 
 

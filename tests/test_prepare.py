@@ -20,15 +20,25 @@ def _conv(question: str = "What is the capital of France?", answer: str = "Paris
     return {"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]}
 
 
-GOOD = [_conv(), _conv("Hello! How can I help you today?", "The quick brown fox jumps over the lazy dog."),
-        {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                      {"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"},
-                      {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "1 2 3"}]}]
+GOOD = [
+    _conv(),
+    _conv("Hello! How can I help you today?", "The quick brown fox jumps over the lazy dog."),
+    {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": "return a + b"},
+            {"role": "user", "content": "thanks"},
+            {"role": "assistant", "content": "1 2 3"},
+        ]
+    },
+]
 
 
 def _prepare(tmp_path, target, data, **overrides):
-    cfg = PrepareConfig(data=[str(p) for p in data], target=str(target), output=tmp_path / "out", num_workers=1,
-                        **overrides)
+    cfg = PrepareConfig(
+        data=[str(p) for p in data], target=str(target), output=tmp_path / "out", num_workers=1, **overrides
+    )
     return run(cfg)
 
 
@@ -65,10 +75,16 @@ def test_parallel_workers_give_the_same_set_as_one(tmp_path, tiny_target_dir):
     records = [_conv(f"question {i} " * (i % 5 + 1), f"answer {i} " * (i % 3 + 1)) for i in range(100)]
     records[17] = {"id": "bad"}
     data = _write_json(tmp_path / "d.json", records)
-    one = run(PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "a", num_workers=1,
-                            shard_samples=10))
-    two = run(PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "b", num_workers=2,
-                            shard_samples=10))
+    one = run(
+        PrepareConfig(
+            data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "a", num_workers=1, shard_samples=10
+        )
+    )
+    two = run(
+        PrepareConfig(
+            data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "b", num_workers=2, shard_samples=10
+        )
+    )
     assert one.summary["conversations"] == two.summary["conversations"] == 99
     a, b = open_prepared(tmp_path / "a"), open_prepared(tmp_path / "b")
     assert a.manifest.skipped == b.manifest.skipped == {"no conversations": 1}
@@ -103,16 +119,19 @@ def test_overflow_drop_and_truncate(tmp_path, tiny_target_dir):
 
 def test_chat_template_file_overrides_the_tokenizer(tmp_path, tiny_target_dir):
     template = tmp_path / "plain.jinja"
-    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     _prepare(tmp_path, tiny_target_dir, [_write_json(tmp_path / "d.json", [_conv()])], chat_template=template)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     ds = open_prepared(tmp_path / "out")
     assert tok.decode(ds[0]["input_ids"]).startswith("user: What is")
-    assert [tok.decode(r) for r in masked_spans(ds[0]["input_ids"], ds[0]["loss_mask"])] == \
-           ["Paris is the capital of France.<|im_end|>"]
+    assert [tok.decode(r) for r in masked_spans(ds[0]["input_ids"], ds[0]["loss_mask"])] == [
+        "Paris is the capital of France.<|im_end|>"
+    ]
 
 
 def test_target_without_chat_template_is_a_clear_error(tmp_path):
@@ -128,8 +147,13 @@ BAD_RECORDS = {
     "unknown role": {"conversations": [{"from": "narrator", "value": "Once"}, {"from": "gpt", "value": "upon"}]},
     "empty turn": {"conversations": [{"from": "human", "value": " \n\t"}, {"from": "gpt", "value": "hi"}]},
     "no assistant turn": {"conversations": [{"from": "human", "value": "anyone?"}]},
-    "starts with the assistant": {"conversations": [{"from": "gpt", "value": "I start."},
-                                                    {"from": "human", "value": "ok"}, {"from": "gpt", "value": "yes"}]},
+    "starts with the assistant": {
+        "conversations": [
+            {"from": "gpt", "value": "I start."},
+            {"from": "human", "value": "ok"},
+            {"from": "gpt", "value": "yes"},
+        ]
+    },
 }
 
 
@@ -146,7 +170,7 @@ def test_bad_record_is_a_counted_skip_in_summary_and_manifest(tmp_path, tiny_tar
 
 def test_invalid_json_line_is_a_counted_skip(tmp_path, tiny_target_dir):
     data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps(_conv()) + "\n{\"conversations\": [\n" + json.dumps(_conv()) + "\n")
+    data.write_text(json.dumps(_conv()) + '\n{"conversations": [\n' + json.dumps(_conv()) + "\n")
     result = _prepare(tmp_path, tiny_target_dir, [data])
     assert result.summary["conversations"] == 2 and result.summary["skipped: invalid JSON"] == 1
     assert open_prepared(tmp_path / "out").manifest.skip_examples["invalid JSON"].startswith(f"{data} record 1: line 2")
@@ -154,7 +178,7 @@ def test_invalid_json_line_is_a_counted_skip(tmp_path, tiny_target_dir):
 
 def test_invalid_json_in_an_array_is_a_one_line_error_and_leaves_no_output(tmp_path, tiny_target_dir):
     data = tmp_path / "d.json"
-    data.write_text("[" + json.dumps(_conv()) + ", {\"conversations\": oops}]")
+    data.write_text("[" + json.dumps(_conv()) + ', {"conversations": oops}]')
     with pytest.raises(DraftsmithError, match=r"d.json: record 1: invalid JSON") as info:
         _prepare(tmp_path, tiny_target_dir, [data])
     assert "\n" not in str(info.value)
@@ -183,7 +207,9 @@ def test_cut_off_file_keeps_complete_records_and_reports_the_damaged_tail(tmp_pa
 
 def test_nothing_usable_is_an_error_and_leaves_no_output(tmp_path, tiny_target_dir):
     data = _write_json(tmp_path / "d.json", [BAD_RECORDS["no assistant turn"]] * 3)
-    with pytest.raises(DraftsmithError, match=r"d.json: 0 of 3 records usable: no assistant turn 3 \(first: record 0: "):
+    with pytest.raises(
+        DraftsmithError, match=r"d.json: 0 of 3 records usable: no assistant turn 3 \(first: record 0: "
+    ):
         _prepare(tmp_path, tiny_target_dir, [data])
     assert not (tmp_path / "out").exists()
 
@@ -220,8 +246,9 @@ def test_output_that_is_not_a_prepared_set_is_not_replaced(tmp_path, tiny_target
 
 
 @pytest.mark.slow
-def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(tmp_path, default_target_dir,
-                                                                              sharegpt_file):
+def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(
+    tmp_path, default_target_dir, sharegpt_file
+):
     from draftsmith.core.targets import load_tokenizer
     from draftsmith.prepare.chat import Skip, normalize_conversation
     from draftsmith.prepare.readers import Source, iter_source
@@ -269,8 +296,11 @@ def test_killed_run_resumes_from_its_last_shard(tmp_path, tiny_target_dir, monke
     records[5] = BAD_RECORDS["unknown role"]
     records[33] = BAD_RECORDS["empty turn"]
     data = _write_json(tmp_path / "d.json", records)
-    run(PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "ref",
-        num_workers=1, shard_samples=8))
+    run(
+        PrepareConfig(
+            data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "ref", num_workers=1, shard_samples=8
+        )
+    )
 
     calls = {"n": 0, "die_at": 30}
     real_encode = chat.ChatEncoder.encode
@@ -282,8 +312,9 @@ def test_killed_run_resumes_from_its_last_shard(tmp_path, tiny_target_dir, monke
         return real_encode(self, messages)
 
     monkeypatch.setattr(chat.ChatEncoder, "encode", dying_encode)
-    cfg = PrepareConfig(data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "out", num_workers=1,
-                        shard_samples=8)
+    cfg = PrepareConfig(
+        data=[str(data)], target=str(tiny_target_dir), output=tmp_path / "out", num_workers=1, shard_samples=8
+    )
     with pytest.raises(KeyboardInterrupt):
         run(cfg)
     assert not (tmp_path / "out").exists() and (tmp_path / ".out.resume").is_dir()

@@ -23,8 +23,15 @@ VOCAB = 50
 
 
 def _target() -> TargetIdentity:
-    return TargetIdentity(path="/tmp/t", architecture="LlamaForCausalLM", config_hash="c", tokenizer_hash="t",
-                          num_layers=4, hidden_size=64, vocab_size=VOCAB)
+    return TargetIdentity(
+        path="/tmp/t",
+        architecture="LlamaForCausalLM",
+        config_hash="c",
+        tokenizer_hash="t",
+        num_layers=4,
+        hidden_size=64,
+        vocab_size=VOCAB,
+    )
 
 
 def _samples(n: int, seed: int = 0) -> list[dict]:
@@ -44,8 +51,9 @@ def _write(path, samples, **kw):
 
 def test_round_trip_across_shards(tmp_path):
     samples = _samples(23)
-    manifest = _write(tmp_path / "p", iter(samples), shard_samples=5, skipped={"no assistant turn": 2},
-                      sources=["a.json"])
+    manifest = _write(
+        tmp_path / "p", iter(samples), shard_samples=5, skipped={"no assistant turn": 2}, sources=["a.json"]
+    )
     assert [s.num_samples for s in manifest.shards] == [5, 5, 5, 5, 3]
     assert [s.first_sample for s in manifest.shards] == [0, 5, 10, 15, 20]
     ds = open_prepared(tmp_path / "p")
@@ -153,12 +161,21 @@ def test_shard_or_counts_of_the_wrong_kind_are_named(tmp_path):
     manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
     T = manifest["shards"][1]["num_tokens"]
     shard = tmp_path / "p" / "shard-00001.safetensors"
-    save_file({"input_ids": np.zeros(T, np.int32), "loss_mask": np.zeros(T, np.int64),  # mask stored as int64
-               "offsets": np.array([0, 1, 2, 3, T])}, str(shard))
+    save_file(
+        {
+            "input_ids": np.zeros(T, np.int32),
+            "loss_mask": np.zeros(T, np.int64),  # mask stored as int64
+            "offsets": np.array([0, 1, 2, 3, T]),
+        },
+        str(shard),
+    )
     manifest["shards"][1]["num_bytes"] = 0  # as an older manifest without sizes: the header check must catch it
     (tmp_path / "p" / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DraftsmithError, match=rf"shard-00001.safetensors: tensor 'loss_mask' is I64 \[{T}\], "
-                                              rf"expected U8 \[{T}\] .*run `draftsmith prepare` again"):
+    with pytest.raises(
+        DraftsmithError,
+        match=rf"shard-00001.safetensors: tensor 'loss_mask' is I64 \[{T}\], "
+        rf"expected U8 \[{T}\] .*run `draftsmith prepare` again",
+    ):
         open_prepared(tmp_path / "p")
 
     _write(tmp_path / "q", _samples(10))
@@ -222,8 +239,14 @@ def test_resumable_write_continues_after_an_interruption(tmp_path):
     assert resume_point(tmp_path / "p", "other job") is None
     saved = resume_point(tmp_path / "p", "job")
     assert saved == {"n": 20}  # the state when the second shard was completed
-    manifest = _write(tmp_path / "p", iter(samples[saved["n"]:]), shard_samples=10, fingerprint="job",
-                      checkpoint=lambda: {}, resume=True)
+    manifest = _write(
+        tmp_path / "p",
+        iter(samples[saved["n"] :]),
+        shard_samples=10,
+        fingerprint="job",
+        checkpoint=lambda: {},
+        resume=True,
+    )
     assert [s.num_samples for s in manifest.shards] == [10, 10, 5] and manifest.num_truncated == 2
     _write(tmp_path / "ref", samples, shard_samples=10)
     got, ref = open_prepared(tmp_path / "p", verify=True), open_prepared(tmp_path / "ref")

@@ -42,8 +42,9 @@ def test_budget_change_on_an_existing_run_is_refused(tmp_path):
 
 
 def test_recipe_sections_override_the_budget_and_are_validated(tmp_path):
-    cfg = QuickstartConfig(output=tmp_path, budget="small", train={"lr": 3e-4, "ttt_steps": 5},
-                           evaluate={"max_new_tokens": 17})
+    cfg = QuickstartConfig(
+        output=tmp_path, budget="small", train={"lr": 3e-4, "ttt_steps": 5}, evaluate={"max_new_tokens": 17}
+    )
     cfgs = quickstart.stage_configs(cfg, engine="hf")
     assert cfgs["train"].lr == 3e-4 and cfgs["train"].ttt_steps == 5
     assert cfgs["train"].draft_vocab_size == quickstart.BUDGETS["small"].draft_vocab_size  # the rest: the budget's
@@ -70,8 +71,10 @@ def test_method_peagle_changes_the_train_stage_only(tmp_path):
     assert default["train"].method == "eagle3" and peagle["train"].method == "peagle"
     # the budget's shapes, with a parallel depth trained for every evaluated k (small: k 5)
     assert peagle["train"].ttt_steps == max(default["evaluate"].k) == 5 > default["train"].ttt_steps
-    assert peagle["train"].model_copy(update={"method": "eagle3", "ttt_steps": default["train"].ttt_steps}) == \
-        default["train"]
+    assert (
+        peagle["train"].model_copy(update={"method": "eagle3", "ttt_steps": default["train"].ttt_steps})
+        == default["train"]
+    )
     assert all(peagle[s] == default[s] for s in default if s != "train")  # export / evaluate read the draft
     with pytest.raises(DraftsmithError, match=r"^quickstart section train: option method is the quickstart's own"):
         quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"method": "peagle"}), engine="hf")
@@ -80,8 +83,7 @@ def test_method_peagle_changes_the_train_stage_only(tmp_path):
         quickstart.run(QuickstartConfig(output=tmp_path, method="peagle", engine="hf"))
 
 
-@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_loads_with_config(recipe, tmp_path):
     from draftsmith.config import load_config
 
@@ -104,8 +106,13 @@ def test_method_dflash_extracts_its_layers_and_trains_its_blocks(tmp_path, defau
     block, layers, anchors = quickstart.BUDGETS["small"].dflash
     assert block == max(default["evaluate"].k) + 1  # a round of block - 1 tokens: the budget's k
     train = dflash["train"]
-    assert (train.method, train.block_size, train.num_layers, train.anchors_per_sample, train.ttt_steps) == \
-        ("dflash", block, layers, anchors, block - 1)
+    assert (train.method, train.block_size, train.num_layers, train.anchors_per_sample, train.ttt_steps) == (
+        "dflash",
+        block,
+        layers,
+        anchors,
+        block - 1,
+    )
     assert dflash["extract"].aux_layer_ids == [2, 28] and default["extract"].aux_layer_ids is None  # 30 layers
     assert train.token_budget == default["train"].token_budget and train.epochs == default["train"].epochs
     assert all(dflash[s] == default[s] for s in ("prepare", "export", "evaluate"))  # they read the draft
@@ -141,9 +148,17 @@ def tiny_run(tmp_path_factory):
 def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
     cfg, result = tiny_run
     out = cfg.output
-    for artefact in ("prepared/manifest.json", "store/manifest.json", "export/config.json",
-                     "export/model.safetensors", "eval/report.json", "eval/report.md",
-                     "eval/acceptance_per_position.png", "quickstart.json", "config.yaml"):
+    for artefact in (
+        "prepared/manifest.json",
+        "store/manifest.json",
+        "export/config.json",
+        "export/model.safetensors",
+        "eval/report.json",
+        "eval/report.md",
+        "eval/acceptance_per_position.png",
+        "quickstart.json",
+        "config.yaml",
+    ):
         assert (out / artefact).is_file(), artefact
     report = json.loads((out / "eval" / "report.json").read_text())
     taus = {r["k"]: r["tau"] for r in report["runs"]}
@@ -175,16 +190,27 @@ def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
     from draftsmith.evaluate import run as evaluate
 
     cfg, _ = tiny_run
-    result = evaluate(EvaluateConfig(draft=cfg.output / "export", engine="vllm", output=tmp_path / "vllm-eval",
-                                     num_prompts=1, max_new_tokens=16, k=[3], baseline=False))
+    result = evaluate(
+        EvaluateConfig(
+            draft=cfg.output / "export",
+            engine="vllm",
+            output=tmp_path / "vllm-eval",
+            num_prompts=1,
+            max_new_tokens=16,
+            k=[3],
+            baseline=False,
+        )
+    )
     report = json.loads((tmp_path / "vllm-eval" / "report.json").read_text())
     assert report["runs"][0]["k"] == 3 and report["runs"][0]["tau"] >= 1.0
     assert result.summary["engine"] == "vllm"
 
 
 def test_tau_for_k_not_run_is_read_off_the_longest_run():
-    runs = [{"k": 3, "tau": 2.1, "speedup": 1.4, "acceptance_per_pos": [0.6, 0.3, 0.2]},
-            {"k": 5, "tau": 2.3, "speedup": None, "acceptance_per_pos": [0.62, 0.33, 0.2, 0.1, 0.05]}]
+    runs = [
+        {"k": 3, "tau": 2.1, "speedup": 1.4, "acceptance_per_pos": [0.6, 0.3, 0.2]},
+        {"k": 5, "tau": 2.3, "speedup": None, "acceptance_per_pos": [0.62, 0.33, 0.2, 0.1, 0.05]},
+    ]
     lines = quickstart.tau_lines(runs)
     assert list(lines) == ["k=1", "k=2", "k=3", "k=4", "k=5"]
     assert lines["k=1"] == "τ 1.62 (read off the k=5 run)" and lines["k=2"] == "τ 1.95 (read off the k=5 run)"
@@ -214,12 +240,28 @@ def _probe_says(monkeypatch, *, installed=True, version="0.32.0", eagle3=True, p
         ProbeReport,
     )
 
-    facts = ProbeFacts(installed=installed, version=version if installed else None, platform="cpu",
-                       eagle3_on_platform=eagle3, parallel_drafting=parallel_drafting)
-    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="", capabilities=[
-        Capability(name=EAGLE3_ROW, found="yes" if eagle3 else NO_EAGLE3_HERE, ok=eagle3, meaning=""),
-        Capability(name=PARALLEL_DRAFTING_ROW, found="yes" if parallel_drafting else "no "
-                   "SpeculativeConfig.parallel_drafting", ok=parallel_drafting, meaning="")])
+    facts = ProbeFacts(
+        installed=installed,
+        version=version if installed else None,
+        platform="cpu",
+        eagle3_on_platform=eagle3,
+        parallel_drafting=parallel_drafting,
+    )
+    report = ProbeReport(
+        facts=facts,
+        architecture="LlamaForCausalLM",
+        strategy="direct",
+        reason="",
+        capabilities=[
+            Capability(name=EAGLE3_ROW, found="yes" if eagle3 else NO_EAGLE3_HERE, ok=eagle3, meaning=""),
+            Capability(
+                name=PARALLEL_DRAFTING_ROW,
+                found="yes" if parallel_drafting else "no SpeculativeConfig.parallel_drafting",
+                ok=parallel_drafting,
+                meaning="",
+            ),
+        ],
+    )
     calls = []
     monkeypatch.setattr(vllm_runner, "probe", lambda **kw: calls.append(kw) or report)
     return calls
@@ -235,14 +277,24 @@ def test_the_evaluation_engine_is_one_that_can_decode_the_draft_here(monkeypatch
     assert calls[0]["architecture"] == "LlamaForCausalLM"  # the target's, from its config.json
     assert engine("hf") == ("hf", "reference decoder (asked for)") and len(calls) == 2  # hf: no probe
     # --method peagle needs parallel drafting too
-    assert engine("auto", "peagle") == ("hf", ("reference decoder (vLLM 0.32.0 has no parallel drafting for this "
-                                               "P-EAGLE draft: no SpeculativeConfig.parallel_drafting)"))
-    with pytest.raises(DraftsmithError, match=r"^--engine vllm: vLLM 0\.32\.0 has no parallel drafting for this "
-                                              r"P-EAGLE draft \(no SpeculativeConfig\.parallel_drafting\); use a vLLM"):
+    assert engine("auto", "peagle") == (
+        "hf",
+        (
+            "reference decoder (vLLM 0.32.0 has no parallel drafting for this "
+            "P-EAGLE draft: no SpeculativeConfig.parallel_drafting)"
+        ),
+    )
+    with pytest.raises(
+        DraftsmithError,
+        match=r"^--engine vllm: vLLM 0\.32\.0 has no parallel drafting for this "
+        r"P-EAGLE draft \(no SpeculativeConfig\.parallel_drafting\); use a vLLM",
+    ):
         engine("vllm", "peagle")
     _probe_says(monkeypatch, version="0.16.0", eagle3=False)
-    assert engine("auto") == ("hf", (f"reference decoder (vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: "
-                                     f"{NO_EAGLE3_HERE})"))
+    assert engine("auto") == (
+        "hf",
+        (f"reference decoder (vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: {NO_EAGLE3_HERE})"),
+    )
     _probe_says(monkeypatch, installed=False)
     assert engine("auto") == ("hf", "reference decoder (vLLM is not installed)")
     with pytest.raises(DraftsmithError, match="^--engine vllm needs vLLM, which is not installed"):
@@ -279,13 +331,14 @@ def test_auto_says_before_the_first_stage_which_engine_will_evaluate_and_why(mon
     with pytest.raises(_Stop, match="PrepareConfig"):
         quickstart.run(QuickstartConfig(output=tmp_path, target=str(tiny_target_dir), budget="tiny"), console)
     printed = console.file.getvalue()
-    assert f"evaluation engine: reference decoder (vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: " \
-           f"{NO_EAGLE3_HERE})" in printed
+    assert (
+        f"evaluation engine: reference decoder (vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: "
+        f"{NO_EAGLE3_HERE})" in printed
+    )
     assert printed.index("evaluation engine:") < printed.index("prepare")
 
 
-def test_engine_vllm_that_cannot_decode_here_is_refused_before_any_stage_runs(monkeypatch, tmp_path,
-                                                                              tiny_target_dir):
+def test_engine_vllm_that_cannot_decode_here_is_refused_before_any_stage_runs(monkeypatch, tmp_path, tiny_target_dir):
     _probe_says(monkeypatch, version="0.16.0", eagle3=False)
     _stages_stop_at_once(monkeypatch)
     out = tmp_path / "qs"
@@ -293,7 +346,8 @@ def test_engine_vllm_that_cannot_decode_here_is_refused_before_any_stage_runs(mo
         quickstart.run(QuickstartConfig(output=out, target=str(tiny_target_dir), budget="tiny", engine="vllm"))
     message = str(err.value)
     assert "\n" not in message and message.startswith(
-        f"--engine vllm: vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here ({NO_EAGLE3_HERE}); ")
+        f"--engine vllm: vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here ({NO_EAGLE3_HERE}); "
+    )
     assert message.endswith("or use the reference decoder (--engine hf)")
     assert sorted(p.name for p in out.iterdir()) == []  # no stage output, no state, no resolved config
 
@@ -311,7 +365,8 @@ def test_eta_is_not_thrown_off_by_a_quick_first_stage_and_follows_a_slow_long_on
 
 
 def test_a_target_too_big_for_the_reference_decoder_ends_after_export_where_vllm_cannot_decode(
-        monkeypatch, tmp_path, tiny_target_dir):
+    monkeypatch, tmp_path, tiny_target_dir
+):
     """vLLM refuses the draft here and the target does not fit one device (Kimi-K2.5 beside vLLM 0.16): the
     quickstart says so before its first stage and ends with the export and the command that evaluates it."""
     import io
@@ -334,11 +389,13 @@ def test_a_target_too_big_for_the_reference_decoder_ends_after_export_where_vllm
         monkeypatch.setitem(quickstart._STAGE_MODULES, stage, types.SimpleNamespace(run=run))
     monkeypatch.setattr(quickstart, "_summary", lambda cfg, configs, state, why: ({"evaluation": why}, {}))
     console = Console(file=io.StringIO(), width=400)
-    result = quickstart.run(QuickstartConfig(output=tmp_path / "qs", target=str(tiny_target_dir), budget="tiny"),
-                            console)
+    result = quickstart.run(
+        QuickstartConfig(output=tmp_path / "qs", target=str(tiny_target_dir), budget="tiny"), console
+    )
     assert ran == ["PrepareConfig", "ExtractConfig", "TrainConfig", "ExportConfig"]
     assert result.summary["evaluation"] == (
         f"none here: vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: {NO_EAGLE3_HERE}, and the target "
         "does not fit one device for the reference decoder; the run stops after export (evaluate the export where a "
-        "vLLM that can decode it is installed)")
+        "vLLM that can decode it is installed)"
+    )
     assert "evaluation engine: none here: " in console.file.getvalue()

@@ -61,10 +61,13 @@ def build_answering_target(dest: Path, hidden_size: int = 128) -> Path:
         written: dict[int, int] = {}
         first: set[int] = set()
         for i in range(8):
-            text = tok.apply_chat_template([{"role": "user", "content": f"Question {i}: what is {i} + 1?"}],
-                                           tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": f"Question {i}: what is {i} + 1?"}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-            out = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+            out = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
             first.add(out[0])
             for t in out[1:]:
                 written[t] = written.get(t, 0) + 1
@@ -98,8 +101,9 @@ def _msgs(*turns: tuple[str, str]) -> dict:
 
 
 def _cfg(data: Path, target: Path, out: Path, **kw) -> RegenerateConfig:
-    return RegenerateConfig(**{"data": [str(data)], "target": str(target), "output": out, "engine": "hf",
-                               "device": "cpu", **kw})
+    return RegenerateConfig(
+        **{"data": [str(data)], "target": str(target), "output": out, "engine": "hf", "device": "cpu", **kw}
+    )
 
 
 class FakeEngine:
@@ -144,12 +148,18 @@ def fake_engine(monkeypatch):
 
 
 CONVERSATIONS = [
-    _msgs(("system", "Be brief."), ("user", "Hi"), ("assistant", "old one"), ("user", "More?"),
-          ("assistant", "old two")),
+    _msgs(
+        ("system", "Be brief."), ("user", "Hi"), ("assistant", "old one"), ("user", "More?"), ("assistant", "old two")
+    ),
     _msgs(("user", "Use the tool"), ("assistant", "old call"), ("tool", '{"x": 1}'), ("assistant", "old final")),
     _msgs(("user", "only a prompt")),
-    {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
-                       {"from": "human", "value": "trailing question"}]},
+    {
+        "conversations": [
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "a"},
+            {"from": "human", "value": "trailing question"},
+        ]
+    },
 ]
 
 
@@ -158,14 +168,26 @@ def test_each_turn_is_generated_given_the_regenerated_history(tmp_path, tiny_tar
     result = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out"))
     records = list(regenerated_set.read_conversations(tmp_path / "out"))
     assert [r["messages"] for r in records] == [
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "re:Hi"}, {"role": "user", "content": "More?"},
-         {"role": "assistant", "content": "re:More?"}],
-        [{"role": "user", "content": "Use the tool"}, {"role": "assistant", "content": "re:Use the tool"},
-         {"role": "tool", "content": '{"x": 1}'}, {"role": "assistant", "content": 're:{"x": 1}'}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "re:Hi"},
+            {"role": "user", "content": "More?"},
+            {"role": "assistant", "content": "re:More?"},
+        ],
+        [
+            {"role": "user", "content": "Use the tool"},
+            {"role": "assistant", "content": "re:Use the tool"},
+            {"role": "tool", "content": '{"x": 1}'},
+            {"role": "assistant", "content": 're:{"x": 1}'},
+        ],
         [{"role": "user", "content": "only a prompt"}, {"role": "assistant", "content": "re:only a prompt"}],
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "re:q"},
-         {"role": "user", "content": "trailing question"}, {"role": "assistant", "content": "re:trailing question"}],
+        [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "re:q"},
+            {"role": "user", "content": "trailing question"},
+            {"role": "assistant", "content": "re:trailing question"},
+        ],
     ]
     assert [r["regenerated"]["source"] for r in records] == [f"d.json record {i}" for i in range(4)]
     # Every conversation asks for its next answer as soon as its previous one is back.
@@ -181,8 +203,11 @@ def test_each_turn_is_generated_given_the_regenerated_history(tmp_path, tiny_tar
     assert manifest.sampling.temperature == 0.0 and manifest.num_assistant_turns == 7
 
     # `draftsmith prepare` reads the set as it is (its manifest.json is not data); only answers are trained on.
-    prepared = prepare(PrepareConfig(data=[str(tmp_path / "out")], target=str(tiny_target_dir),
-                                     output=tmp_path / "prepared", num_workers=1))
+    prepared = prepare(
+        PrepareConfig(
+            data=[str(tmp_path / "out")], target=str(tiny_target_dir), output=tmp_path / "prepared", num_workers=1
+        )
+    )
     ds = open_prepared(prepared.output)
     assert len(ds) == 4 and ds.manifest.skipped == {}
     for sample, record in zip(ds, records):
@@ -191,11 +216,11 @@ def test_each_turn_is_generated_given_the_regenerated_history(tmp_path, tiny_tar
 
 
 @pytest.mark.parametrize("think", ["keep", "drop"])
-def test_think_blocks_are_kept_or_dropped_in_the_record_and_the_history(tmp_path, tiny_target_dir, fake_engine,
-                                                                         think):
+def test_think_blocks_are_kept_or_dropped_in_the_record_and_the_history(tmp_path, tiny_target_dir, fake_engine, think):
     fake_engine.answer = lambda last: "<think>" + "hmm " * (40 if last == "cut" else 1) + "</think>\n\nre:" + last
-    data = _write(tmp_path / "d.json", [_msgs(("user", "a"), ("assistant", "x"), ("user", "b")),
-                                        _msgs(("user", "cut"))])
+    data = _write(
+        tmp_path / "d.json", [_msgs(("user", "a"), ("assistant", "x"), ("user", "b")), _msgs(("user", "cut"))]
+    )
     result = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out", think=think, max_new_tokens=30))
     records = list(regenerated_set.read_conversations(tmp_path / "out"))
     first = records[0]["messages"][1]["content"]
@@ -227,21 +252,29 @@ def test_a_long_conversation_does_not_hold_up_the_others(tmp_path, tiny_target_d
     assert sum(len(call) for call in fake_engine.calls[:12]) == 12 + 7  # beside it: the 7 short ones of 0..7
     out = list(regenerated_set.read_conversations(tmp_path / "out"))
     assert [r["messages"][0]["content"] for r in out] == ["long 0"] + [
-        f"short {i}" for i in range(14) if i % 4 != 1]  # input order, skipped ones left out
+        f"short {i}" for i in range(14) if i % 4 != 1
+    ]  # input order, skipped ones left out
     assert len(out[0]["messages"]) == 24 and out[0]["messages"][-1] == {"role": "assistant", "content": "re:long 11"}
     assert result.summary["skipped: empty answer"] == 4 and result.summary["skipped: no conversations"] == 1
     assert result.summary["records read"] == 16
 
 
 def test_max_samples_keeps_the_first_good_conversations_and_an_interrupted_run_resumes_to_the_same_set(
-        tmp_path, tiny_target_dir, fake_engine, monkeypatch):
+    tmp_path, tiny_target_dir, fake_engine, monkeypatch
+):
     fake_engine.answer = lambda last: "" if last == "empty" else f"re:{last}"
     data = _write(tmp_path / "d.json", _mixed_records())
     options = {"shard_samples": 2, "max_samples": 6}
     reference = regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "ref", **options))
     ref = list(regenerated_set.read_conversations(tmp_path / "ref"))
-    assert [r["messages"][0]["content"] for r in ref] == ["long 0", "short 0", "short 2", "short 3", "short 4",
-                                                         "short 6"]
+    assert [r["messages"][0]["content"] for r in ref] == [
+        "long 0",
+        "short 0",
+        "short 2",
+        "short 3",
+        "short 4",
+        "short 6",
+    ]
     for stop_at in (2, 5, 9):  # interrupted at several points of the window, then resumed
         out = tmp_path / f"out{stop_at}"
         real_results, calls = FakeEngine.results, {"n": 0}
@@ -260,7 +293,10 @@ def test_max_samples_keeps_the_first_good_conversations_and_an_interrupted_run_r
         assert list(regenerated_set.read_conversations(out)) == ref, stop_at
         ours, theirs = regenerated_set.open_regenerated(out), regenerated_set.open_regenerated(tmp_path / "ref")
         assert (ours.skipped, ours.skip_examples, ours.stats["records"]) == (
-            theirs.skipped, theirs.skip_examples, theirs.stats["records"]), stop_at
+            theirs.skipped,
+            theirs.skip_examples,
+            theirs.stats["records"],
+        ), stop_at
         assert resumed.summary["conversations"] == reference.summary["conversations"] == 6
 
 
@@ -276,8 +312,15 @@ def test_answer_text():
 
 def test_truncations_and_cuts_at_max_length_are_marked_and_counted(tmp_path, answering_target, one_thread):
     long_turn = "qz vx " * 20  # ~115 tokens: no prompt holding it fits in max_length 72 (a short one: ~18)
-    records = [_msgs(("user", f"Hello {i}"), ("assistant", "x"), ("user", long_turn if i % 3 == 0 else "More?"),
-                     ("assistant", "y")) for i in range(9)]
+    records = [
+        _msgs(
+            ("user", f"Hello {i}"),
+            ("assistant", "x"),
+            ("user", long_turn if i % 3 == 0 else "More?"),
+            ("assistant", "y"),
+        )
+        for i in range(9)
+    ]
     records.append(_msgs(("user", long_turn * 2), ("assistant", "z")))
     data = _write(tmp_path / "d.jsonl", records)
     result = regenerate.run(_cfg(data, answering_target, tmp_path / "out", max_new_tokens=12, max_length=72))
@@ -305,15 +348,28 @@ def test_truncations_and_cuts_at_max_length_are_marked_and_counted(tmp_path, ans
 
 def test_bad_records_are_counted_by_reason_with_where_they_are(tmp_path, tiny_target_dir, fake_engine):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps(_msgs(("user", "fine"))) + "\n" + "{not json\n"
-                    + json.dumps({"conversations": [{"from": "narrator", "value": "x"}]}) + "\n"
-                    + json.dumps(_msgs(("system", "only a system prompt"))) + "\n"
-                    + json.dumps(_msgs(("user", "also fine"))) + "\n" + '{"messages": [{"role": "us', encoding="utf-8")
+    path.write_text(
+        json.dumps(_msgs(("user", "fine")))
+        + "\n"
+        + "{not json\n"
+        + json.dumps({"conversations": [{"from": "narrator", "value": "x"}]})
+        + "\n"
+        + json.dumps(_msgs(("system", "only a system prompt")))
+        + "\n"
+        + json.dumps(_msgs(("user", "also fine")))
+        + "\n"
+        + '{"messages": [{"role": "us',
+        encoding="utf-8",
+    )
     result = regenerate.run(_cfg(path, tiny_target_dir, tmp_path / "out"))
     manifest = regenerated_set.open_regenerated(tmp_path / "out")
     assert manifest.num_conversations == 2 and result.summary["records read"] == 6
-    assert manifest.skipped == {"invalid JSON": 1, "unknown role": 1, "no user turn": 1,
-                                "damaged tail (file cut off mid-record)": 1}
+    assert manifest.skipped == {
+        "invalid JSON": 1,
+        "unknown role": 1,
+        "no user turn": 1,
+        "damaged tail (file cut off mid-record)": 1,
+    }
     assert manifest.skip_examples["invalid JSON"].startswith("d.jsonl record 1: line 2: ")
     assert manifest.skip_examples["unknown role"] == "d.jsonl record 2: turn 0 has role 'narrator'"
     assert manifest.damaged and result.summary["skipped: no user turn"] == 1
@@ -329,8 +385,18 @@ def test_user_mistakes_are_one_line(tmp_path, tiny_target_dir, monkeypatch):
     with pytest.raises(DraftsmithError, match="exists and is not a regenerated data set"):
         regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "mine"))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    result = CliRunner().invoke(app, ["regenerate", "--data", str(tmp_path / "missing.json"), "--target",
-                                      str(tiny_target_dir), "--output", str(tmp_path / "o")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "regenerate",
+            "--data",
+            str(tmp_path / "missing.json"),
+            "--target",
+            str(tiny_target_dir),
+            "--output",
+            str(tmp_path / "o"),
+        ],
+    )
     assert result.exit_code == 1 and "missing.json: input file does not exist" in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
 
@@ -356,19 +422,52 @@ def _stored_shards(out: Path) -> int:
 
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, answering_target, one_thread):
     target = answering_target
-    records = [_msgs(("system", "Be brief."), ("user", f"Question {i}: what is {i} + 1?"), ("assistant", "x"),
-                     ("user", "And times two?"), ("assistant", "y")) for i in range(48)]
+    records = [
+        _msgs(
+            ("system", "Be brief."),
+            ("user", f"Question {i}: what is {i} + 1?"),
+            ("assistant", "x"),
+            ("user", "And times two?"),
+            ("assistant", "y"),
+        )
+        for i in range(48)
+    ]
     records[7] = {"conversations": [{"from": "narrator", "value": "x"}]}  # a counted skip before the kill
     data = _write(tmp_path / "d.json", records)
     options = {"max_new_tokens": 16, "shard_samples": 4, "hf_batch_size": 4}
     reference = regenerate.run(_cfg(data, target, tmp_path / "ref", **options))
 
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "draftsmith", "regenerate", "--data", str(data), "--target", str(target),
-           "--output", str(out), "--engine", "hf", "--device", "cpu", "--max-new-tokens", "16",
-           "--shard-samples", "4", "--hf-batch-size", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "draftsmith",
+        "regenerate",
+        "--data",
+        str(data),
+        "--target",
+        str(target),
+        "--output",
+        str(out),
+        "--engine",
+        "hf",
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "16",
+        "--shard-samples",
+        "4",
+        "--hf-batch-size",
+        "4",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     deadline = time.monotonic() + 300
     while proc.poll() is None and _stored_shards(out) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -421,9 +520,20 @@ def test_vllm_and_transformers_agree_on_greedy_answers(tmp_path, answering_targe
     """One vLLM start: the same multi-turn conversations (system, tool and trailing turns) regenerated by both
     engines are the same, token for token (float32), answers that ended and answers cut at the limit alike."""
     target = answering_target
-    records = [_msgs(("system", "Be brief."), ("user", f"Question {i}: what is {i} + 1?"), ("assistant", "x"),
-                     ("user", "And times two?"), ("assistant", "y")) for i in range(6)] + CONVERSATIONS + [
-        _msgs(("user", f"Hello {i}"), ("assistant", "x"), ("user", "More?")) for i in range(4)]
+    records = (
+        [
+            _msgs(
+                ("system", "Be brief."),
+                ("user", f"Question {i}: what is {i} + 1?"),
+                ("assistant", "x"),
+                ("user", "And times two?"),
+                ("assistant", "y"),
+            )
+            for i in range(6)
+        ]
+        + CONVERSATIONS
+        + [_msgs(("user", f"Hello {i}"), ("assistant", "x"), ("user", "More?")) for i in range(4)]
+    )
     data = _write(tmp_path / "d.json", records)
     options = {"max_new_tokens": 24, "max_length": 160, "shard_samples": 8}
     hf = regenerate.run(_cfg(data, target, tmp_path / "hf", **options))
@@ -442,28 +552,44 @@ def test_vllm_and_transformers_agree_on_greedy_answers(tmp_path, answering_targe
 
 def _agentic_records() -> list[dict]:
     """Tool loops as recorded, whose target answers (AGENT_ANSWERS) follow, leave or break each loop."""
+
     def call(name, call_id, **args):
         return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 
     def loop(prompt, name, call_id, result, final="old final"):
-        return [{"role": "user", "content": prompt},
-                {"role": "assistant", "content": None, "tool_calls": [call(name, call_id, city="Oslo")]},
-                {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
-                {"role": "assistant", "content": final}]
+        return [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": None, "tool_calls": [call(name, call_id, city="Oslo")]},
+            {"role": "tool", "tool_call_id": call_id, "name": name, "content": result},
+            {"role": "assistant", "content": final},
+        ]
 
     tools = TOOLS
     return [
-        {"tools": tools, "messages": [{"role": "system", "content": "You are an agent."},
-                                      *loop("A weather", "get_weather", "rec_a", "sunny"),
-                                      {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "x"}]},
+        {
+            "tools": tools,
+            "messages": [
+                {"role": "system", "content": "You are an agent."},
+                *loop("A weather", "get_weather", "rec_a", "sunny"),
+                {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "x"},
+            ],
+        },
         {"tools": tools, "messages": loop("B read", "read_file", "rec_b", "file text")},
-        {"tools": json.dumps(tools), "messages": [{"role": "user", "content": "C hello"},
-                                                  {"role": "assistant", "content": "hi"}]},
+        {
+            "tools": json.dumps(tools),
+            "messages": [{"role": "user", "content": "C hello"}, {"role": "assistant", "content": "hi"}],
+        },
         {"tools": tools, "messages": loop("D tests", "get_weather", "rec_d", "cloudy")},
-        {"tools": tools, "messages": loop("E two steps", "get_weather", "rec_e", "rainy")[:3] + [
-            {"role": "assistant", "content": None, "tool_calls": [call("search_flights", "rec_e2", origin="OSL")]},
-            {"role": "tool", "tool_call_id": "rec_e2", "content": "XD123"},
-            {"role": "assistant", "content": "booked"}]},
+        {
+            "tools": tools,
+            "messages": loop("E two steps", "get_weather", "rec_e", "rainy")[:3]
+            + [
+                {"role": "assistant", "content": None, "tool_calls": [call("search_flights", "rec_e2", origin="OSL")]},
+                {"role": "tool", "tool_call_id": "rec_e2", "content": "XD123"},
+                {"role": "assistant", "content": "booked"},
+            ],
+        },
         {"messages": [{"role": "user", "content": "F plain"}, {"role": "assistant", "content": "old"}]},
         {"tools": tools, "messages": loop("G bad", "get_weather", "rec_g", "foggy")},
     ]
@@ -473,50 +599,80 @@ def _agent_answer(last: str) -> str:
     """What a Qwen3-shaped reasoning target writes: a <think> block, then an answer, a call, or a broken call."""
     called = '<tool_call>\n{{"name": "{}", "arguments": {{"city": "Paris"}}}}\n</tool_call>'.format
     broken = '<tool_call>\n{"name": "search_flights", "arguments": {"origin": \n</tool_call>'
-    answer = {"A weather": called("get_weather"), "<tool_response>\nsunny\n</tool_response>": "It is sunny.",
-              "thanks": "You are welcome.", "B read": "I will not read it.", "C hello": called("get_weather"),
-              "D tests": called("run_tests"), "E two steps": called("get_weather"),
-              "<tool_response>\nrainy\n</tool_response>": broken, "F plain": "plain", "G bad": broken}[last]
+    answer = {
+        "A weather": called("get_weather"),
+        "<tool_response>\nsunny\n</tool_response>": "It is sunny.",
+        "thanks": "You are welcome.",
+        "B read": "I will not read it.",
+        "C hello": called("get_weather"),
+        "D tests": called("run_tests"),
+        "E two steps": called("get_weather"),
+        "<tool_response>\nrainy\n</tool_response>": broken,
+        "F plain": "plain",
+        "G bad": broken,
+    }[last]
     return f"<think>\nabout {last[:7]}\n</think>\n\n{answer}"
 
 
 @needs_vllm  # the parsers are vLLM's
 def test_agentic_conversations_are_regenerated_with_the_recorded_results_spliced(tmp_path, fake_engine):
-    target = build_tiny_target(tmp_path / "qwen3-shaped", chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
-                               added_tokens=QWEN3_MARKERS)
+    target = build_tiny_target(
+        tmp_path / "qwen3-shaped", chat_template=QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS
+    )
     fake_engine.answer = _agent_answer
     data = _write(tmp_path / "agent.jsonl", _agentic_records())
     result = regenerate.run(_cfg(data, target, tmp_path / "out", tool_call_parser="hermes", reasoning_parser="qwen3"))
-    records = {r["messages"][0]["content"] if r["messages"][0]["role"] == "user" else r["messages"][1]["content"]: r
-               for r in regenerated_set.read_conversations(tmp_path / "out")}
+    records = {
+        r["messages"][0]["content"] if r["messages"][0]["role"] == "user" else r["messages"][1]["content"]: r
+        for r in regenerated_set.read_conversations(tmp_path / "out")
+    }
     assert sorted(records) == ["A weather", "B read", "C hello", "D tests", "E two steps", "F plain"]
 
     a = records["A weather"]
     assert a["tools"] == TOOLS and "diverged" not in a["regenerated"]
     call = a["messages"][2]
     assert call["reasoning_content"] == "\nabout A weath\n" and call["content"] == "\n\n"  # as vLLM's server sends them
-    assert call["tool_calls"] == [{"id": "rec_a", "type": "function",  # hermes writes no id: the recorded one's
-                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    assert call["tool_calls"] == [
+        {
+            "id": "rec_a",
+            "type": "function",  # hermes writes no id: the recorded one's
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }
+    ]
     assert a["messages"][3] == {"role": "tool", "content": "sunny", "tool_call_id": "rec_a", "name": "get_weather"}
     assert [m.get("content") for m in a["messages"][4:]] == ["\n\nIt is sunny.", "thanks", "\n\nYou are welcome."]
     # the prompt after the call declares the tools and shows the target's call, then the recorded result
-    after_call = next(p for c in fake_engine.calls for p in c if p.endswith(
-        "<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"))
+    after_call = next(
+        p
+        for c in fake_engine.calls
+        for p in c
+        if p.endswith("<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    )
     assert "<tools>" in after_call and '{"name": "get_weather", "arguments": {"city": "Paris"}}' in after_call
     assert all("<tools>" in p for c in fake_engine.calls for p in c if "F plain" not in p)
 
     diverged = {k: r["regenerated"].get("diverged") for k, r in records.items()}
-    assert diverged == {"A weather": None, "F plain": None,
-                        "B read": regenerate_conversations.ANSWERED_INSTEAD,
-                        "C hello": regenerate_conversations.CALLED_INSTEAD,
-                        "D tests": regenerate_conversations.CALLED_OTHERS,
-                        "E two steps": regenerate_conversations.WROTE_MALFORMED}
+    assert diverged == {
+        "A weather": None,
+        "F plain": None,
+        "B read": regenerate_conversations.ANSWERED_INSTEAD,
+        "C hello": regenerate_conversations.CALLED_INSTEAD,
+        "D tests": regenerate_conversations.CALLED_OTHERS,
+        "E two steps": regenerate_conversations.WROTE_MALFORMED,
+    }
     assert [m["role"] for m in records["B read"]["messages"]] == ["user", "assistant"]  # ends with the target's answer
     assert records["D tests"]["messages"][-1]["tool_calls"][0]["function"]["name"] == "run_tests"
-    assert records["E two steps"]["messages"][-1] == {"role": "tool", "content": "rainy", "tool_call_id": "rec_e",
-                                                      "name": "get_weather"}  # the malformed answer is not kept
-    assert records["F plain"]["messages"][1] == {"role": "assistant", "content": "\n\nplain",
-                                                 "reasoning_content": "\nabout F plain\n"}
+    assert records["E two steps"]["messages"][-1] == {
+        "role": "tool",
+        "content": "rainy",
+        "tool_call_id": "rec_e",
+        "name": "get_weather",
+    }  # the malformed answer is not kept
+    assert records["F plain"]["messages"][1] == {
+        "role": "assistant",
+        "content": "\n\nplain",
+        "reasoning_content": "\nabout F plain\n",
+    }
     summary = result.summary
     assert summary["tool calls written"] == 4 and summary["recorded tool results spliced"] == 2
     assert summary["tool loops ended early"] == 4 and summary["skipped: target wrote a malformed tool call"] == 1
@@ -525,8 +681,9 @@ def test_agentic_conversations_are_regenerated_with_the_recorded_results_spliced
     assert manifest.generator.parsers_from == regenerate_engines.vllm_version()
 
     # prepare reads every regenerated conversation back, calls and reasoning included
-    prepared = prepare(PrepareConfig(data=[str(tmp_path / "out")], target=str(target), output=tmp_path / "prepared",
-                                     num_workers=1))
+    prepared = prepare(
+        PrepareConfig(data=[str(tmp_path / "out")], target=str(target), output=tmp_path / "prepared", num_workers=1)
+    )
     ds = open_prepared(prepared.output)
     assert ds.manifest.skipped == {} and ds.manifest.stats["conversations"] == 6
     assert ds.manifest.stats["agentic_conversations"] == 5
@@ -534,14 +691,23 @@ def test_agentic_conversations_are_regenerated_with_the_recorded_results_spliced
     # without a tool-call parser, conversations with tools are skipped, counted, and plain chat is answered
     plain = regenerate.run(_cfg(data, target, tmp_path / "plain", reasoning_parser="qwen3"))
     assert plain.summary["conversations"] == 1 and plain.summary["skipped: agentic conversation"] == 6
-    assert "--tool-call-parser" in regenerated_set.open_regenerated(tmp_path / "plain").skip_examples[
-        "agentic conversation"]
+    assert (
+        "--tool-call-parser"
+        in regenerated_set.open_regenerated(tmp_path / "plain").skip_examples["agentic conversation"]
+    )
     with pytest.raises(DraftsmithError, match=r"^--tool-call-parser hermes2: vLLM knows no parser of that name \("):
         regenerate.run(_cfg(data, target, tmp_path / "bad", tool_call_parser="hermes2"))
 
 
-KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>")
+KIMI_MARKERS = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<think>",
+    "</think>",
+)
 
 
 @needs_vllm
@@ -554,18 +720,31 @@ def test_kimi_k2_answers_are_read_with_the_ids_the_model_wrote():
 
     tok = build_tiny_tokenizer(added_tokens=KIMI_MARKERS)
     parser = AnswerParser(tok, "kimi_k2", "kimi_k2", {"thinking": True})
-    text = ("<think>I need the weather.</think>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>"
-            'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
-            'functions.read_file:1<|tool_call_argument_begin|>{"path": "a.py"}<|tool_call_end|>'
-            "<|tool_calls_section_end|>")
+    text = (
+        "<think>I need the weather.</think>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>"
+        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>'
+        'functions.read_file:1<|tool_call_argument_begin|>{"path": "a.py"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>"
+    )
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) < len(text) // 2  # the markers are single tokens
     assert parser.decode(ids, TOOLS) == text  # kept by the detokeniser for the tool parser
     assert parser.parse(parser.decode(ids, TOOLS), TOOLS) == {
-        "role": "assistant", "content": "Let me check.", "reasoning_content": "I need the weather.",
-        "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
-                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-                       {"id": "functions.read_file:1", "type": "function",
-                        "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]}
+        "role": "assistant",
+        "content": "Let me check.",
+        "reasoning_content": "I need the weather.",
+        "tool_calls": [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {
+                "id": "functions.read_file:1",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+            },
+        ],
+    }
     # without declared tools the server parses no calls: the section stays in the content
     assert "tool_calls" not in parser.parse(text, None)

@@ -42,13 +42,19 @@ def _tiny_source(target_dir: Path) -> DraftSource:
     spec = DraftSpec.from_target_config(config, 96, 1, AUX)
     ids = torch.linspace(0, config["vocab_size"] - 1, 96).round().long()
     draft = Eagle3Draft.from_target(spec, targets.load_target(target_dir), ids)
-    return DraftSource(spec=spec, tensors=draft_tensors(draft.state_dict()), target=targets.target_identity(target_dir),
-                       origin=Path("unit-test"), training={})
+    return DraftSource(
+        spec=spec,
+        tensors=draft_tensors(draft.state_dict()),
+        target=targets.target_identity(target_dir),
+        origin=Path("unit-test"),
+        training={},
+    )
 
 
 def _write(source: DraftSource, out: Path, fmt: str, **kw) -> Path:
-    export.write_export(out, source.tensors, source.spec, fmt, target=source.target,
-                        verifier_architectures=["LlamaForCausalLM"], **kw)
+    export.write_export(
+        out, source.tensors, source.spec, fmt, target=source.target, verifier_architectures=["LlamaForCausalLM"], **kw
+    )
     return out
 
 
@@ -62,6 +68,7 @@ def engine_checks_pass(monkeypatch):
 @pytest.fixture
 def no_vllm(monkeypatch):
     """Fail the test if draftsmith would start vLLM."""
+
     def refuse(command, env):
         raise AssertionError(f"vLLM was started: {command}")
 
@@ -85,8 +92,9 @@ def test_a_draft_for_another_target_is_refused_before_vllm_starts(tmp_path, tiny
         serve.run(ServeConfig(draft=draft, target=str(wide)))
 
 
-def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target_dir, monkeypatch, one_thread,
-                                                           engine_checks_pass):
+def test_a_checkpoint_is_served_as_a_temporary_vllm_export(
+    tmp_path, tiny_target_dir, monkeypatch, one_thread, engine_checks_pass
+):
     source = _tiny_source(tiny_target_dir)
     manifest = CheckpointManifest(target=source.target, draft=source.spec, step=1, data="unit-test")
     save_checkpoint(tmp_path / "run", manifest, source.tensors, None, best=True)
@@ -94,7 +102,7 @@ def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target
     seen = {}
 
     def fake_serve(command, env):  # what vLLM would get, while it would be running
-        argv = command[len(serve.SERVER):]
+        argv = command[len(serve.SERVER) :]
         spec = json.loads(argv[argv.index("--speculative-config") + 1])
         back = load_draft(Path(spec["model"]))
         seen.update(argv=argv, spec=spec, format=export.read_export_manifest(Path(spec["model"])).format, env=env)
@@ -103,8 +111,16 @@ def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target
         return 0
 
     monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
-    result = serve.run(ServeConfig(draft=tmp_path / "run", port=8123, kv_cache_gb=3, dtype="float32",
-                                   api_key="sesame", vllm_args="--enforce-eager --max-num-seqs 4"))
+    result = serve.run(
+        ServeConfig(
+            draft=tmp_path / "run",
+            port=8123,
+            kv_cache_gb=3,
+            dtype="float32",
+            api_key="sesame",
+            vllm_args="--enforce-eager --max-num-seqs 4",
+        )
+    )
     argv = seen["argv"]
     assert argv[0] == str(tiny_target_dir) and seen["format"] == "vllm"
     assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "3" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
@@ -116,8 +132,9 @@ def test_a_checkpoint_is_served_as_a_temporary_vllm_export(tmp_path, tiny_target
     assert result.summary["address"] == "http://127.0.0.1:8123/v1"
 
 
-def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_target_dir, monkeypatch, one_thread,
-                                                                engine_checks_pass):
+def test_an_export_is_served_as_it_is_with_its_own_draft_length(
+    tmp_path, tiny_target_dir, monkeypatch, one_thread, engine_checks_pass
+):
     source = _tiny_source(tiny_target_dir)
     seen = {}
 
@@ -137,8 +154,9 @@ def test_an_export_is_served_as_it_is_with_its_own_draft_length(tmp_path, tiny_t
     assert seen["spec"]["num_speculative_tokens"] == 4
 
 
-def test_a_peagle_draft_is_served_with_parallel_drafting(tmp_path, tiny_target_dir, monkeypatch, one_thread,
-                                                         engine_checks_pass):
+def test_a_peagle_draft_is_served_with_parallel_drafting(
+    tmp_path, tiny_target_dir, monkeypatch, one_thread, engine_checks_pass
+):
     """A P-EAGLE draft (mask_hidden in its weights) gets `"parallel_drafting": true` in vLLM's speculative config,
     served as it is (vllm, speculators) or through the temporary vLLM export (a checkpoint); an EAGLE-3 one never."""
     source, peagle = _tiny_source(tiny_target_dir), _peagle_source(tiny_target_dir)
@@ -151,10 +169,18 @@ def test_a_peagle_draft_is_served_with_parallel_drafting(tmp_path, tiny_target_d
         return 0
 
     monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
-    save_checkpoint(tmp_path / "run", CheckpointManifest(target=peagle.target, draft=spec, step=1, data="unit-test"),
-                    peagle.tensors, None, best=True)
-    for draft in (_write(peagle, tmp_path / "vllm", "vllm"), _write(peagle, tmp_path / "speculators", "speculators"),
-                  tmp_path / "run"):
+    save_checkpoint(
+        tmp_path / "run",
+        CheckpointManifest(target=peagle.target, draft=spec, step=1, data="unit-test"),
+        peagle.tensors,
+        None,
+        best=True,
+    )
+    for draft in (
+        _write(peagle, tmp_path / "vllm", "vllm"),
+        _write(peagle, tmp_path / "speculators", "speculators"),
+        tmp_path / "run",
+    ):
         serve.run(ServeConfig(draft=draft))
         assert seen["spec"]["parallel_drafting"] is True and seen["parallel"], draft
         assert seen["spec"]["method"] == "eagle3" and seen["spec"]["num_speculative_tokens"] == 3
@@ -182,8 +208,9 @@ time.sleep(600)
 """
 
 
-def test_a_vllm_that_cannot_run_eagle3_is_refused_in_one_line_before_it_starts(tmp_path, tiny_target_dir, no_vllm,
-                                                                                monkeypatch, one_thread):
+def test_a_vllm_that_cannot_run_eagle3_is_refused_in_one_line_before_it_starts(
+    tmp_path, tiny_target_dir, no_vllm, monkeypatch, one_thread
+):
     """What the probe reads from vllm-cpu 0.16's source (its CPU model runner asserts no speculative config), or no
     vLLM at all: `serve` and `evaluate --engine vllm` stop in one line (tests/test_vllm_release_engines.py: the real
     0.16 engine)."""
@@ -192,14 +219,33 @@ def test_a_vllm_that_cannot_run_eagle3_is_refused_in_one_line_before_it_starts(t
 
     why = "not on cpu (the CPU model runner refuses speculative decoding)"
     facts = ProbeFacts(installed=True, version="0.16.0", platform="cpu", eagle3_on_platform=False)
-    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="",
-                         capabilities=[Capability(name=vllm_runner.EAGLE3_ROW, found=why, ok=False, meaning="")])
+    report = ProbeReport(
+        facts=facts,
+        architecture="LlamaForCausalLM",
+        strategy="direct",
+        reason="",
+        capabilities=[Capability(name=vllm_runner.EAGLE3_ROW, found=why, ok=False, meaning="")],
+    )
     monkeypatch.setattr(vllm_runner, "probe", lambda **kw: report)
     monkeypatch.setattr(vllm_runner, "run_vllm", lambda **kw: pytest.fail("vLLM was started"))
     draft = _write(_tiny_source(tiny_target_dir), tmp_path / "export", "vllm")
-    for argv, what in ((["serve", str(draft)], "draftsmith serve"),
-                       (["evaluate", "--draft", str(draft), "--engine", "vllm", "--output", str(tmp_path / "eval"),
-                         "--num-prompts", "1"], "--engine vllm")):
+    for argv, what in (
+        (["serve", str(draft)], "draftsmith serve"),
+        (
+            [
+                "evaluate",
+                "--draft",
+                str(draft),
+                "--engine",
+                "vllm",
+                "--output",
+                str(tmp_path / "eval"),
+                "--num-prompts",
+                "1",
+            ],
+            "--engine vllm",
+        ),
+    ):
         result = CliRunner().invoke(app, argv)
         message = result.output.strip()
         assert result.exit_code == 1 and "\n" not in message, result.output
@@ -213,8 +259,13 @@ def _peagle_source(target_dir: Path) -> DraftSource:
     """The tiny draft as a P-EAGLE draft (a mask token, mask_hidden in its weights)."""
     source = _tiny_source(target_dir)
     spec = source.spec.model_copy(update={"parallel_drafting": True, "mask_token_id": 3})
-    return DraftSource(spec=spec, tensors={**source.tensors, "mask_hidden": torch.zeros(1, 3 * 64)},
-                       target=source.target, origin=Path("unit-test"), training={})
+    return DraftSource(
+        spec=spec,
+        tensors={**source.tensors, "mask_hidden": torch.zeros(1, 3 * 64)},
+        target=source.target,
+        origin=Path("unit-test"),
+        training={},
+    )
 
 
 def _probe_says(monkeypatch, parallel_drafting: bool | None, found: str) -> None:
@@ -229,20 +280,40 @@ def _probe_says(monkeypatch, parallel_drafting: bool | None, found: str) -> None
         ProbeReport,
     )
 
-    facts = ProbeFacts(installed=True, version="0.15.1", platform="cpu", eagle3_on_platform=True,
-                       parallel_drafting=parallel_drafting)
-    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="", capabilities=[
-        Capability(name=EAGLE3_ROW, found="yes", ok=True, meaning=""),
-        Capability(name=PARALLEL_DRAFTING_ROW, found=found, ok=parallel_drafting, meaning="")])
+    facts = ProbeFacts(
+        installed=True, version="0.15.1", platform="cpu", eagle3_on_platform=True, parallel_drafting=parallel_drafting
+    )
+    report = ProbeReport(
+        facts=facts,
+        architecture="LlamaForCausalLM",
+        strategy="direct",
+        reason="",
+        capabilities=[
+            Capability(name=EAGLE3_ROW, found="yes", ok=True, meaning=""),
+            Capability(name=PARALLEL_DRAFTING_ROW, found=found, ok=parallel_drafting, meaning=""),
+        ],
+    )
     monkeypatch.setattr(vllm_runner, "probe", lambda **kw: report)
 
 
-@pytest.mark.parametrize(("parallel", "found", "says"), [
-    (False, "no SpeculativeConfig.parallel_drafting", "vLLM 0.15.1 has no parallel drafting for this P-EAGLE draft"),
-    (None, "SpeculativeConfig not found", ("the probe could not tell whether vLLM 0.15.1 has parallel drafting "
-                                           "for this P-EAGLE draft"))])
+@pytest.mark.parametrize(
+    ("parallel", "found", "says"),
+    [
+        (
+            False,
+            "no SpeculativeConfig.parallel_drafting",
+            "vLLM 0.15.1 has no parallel drafting for this P-EAGLE draft",
+        ),
+        (
+            None,
+            "SpeculativeConfig not found",
+            ("the probe could not tell whether vLLM 0.15.1 has parallel drafting for this P-EAGLE draft"),
+        ),
+    ],
+)
 def test_a_peagle_draft_on_a_vllm_without_parallel_drafting_is_refused_before_an_engine_starts(
-        tmp_path, tiny_target_dir, no_vllm, monkeypatch, one_thread, parallel, found, says):
+    tmp_path, tiny_target_dir, no_vllm, monkeypatch, one_thread, parallel, found, says
+):
     """evaluate --engine vllm and serve of a P-EAGLE draft stop in one line where the probe finds no parallel
     drafting (or cannot tell), naming the version, what the probe found and what to do; no engine starts and
     evaluate writes nothing."""
@@ -252,24 +323,42 @@ def test_a_peagle_draft_on_a_vllm_without_parallel_drafting_is_refused_before_an
     monkeypatch.setattr(vllm_runner, "run_vllm", lambda **kw: pytest.fail("vLLM was started"))
     draft = _write(_peagle_source(tiny_target_dir), tmp_path / "export", "vllm")
     for argv, what, instead in (
-            (["serve", str(draft)], "draftsmith serve", serve.MEASURE_WITHOUT_VLLM),
-            (["evaluate", "--draft", str(draft), "--engine", "vllm", "--output", str(tmp_path / "eval"),
-              "--num-prompts", "1"], "--engine vllm", "use the reference decoder (--engine hf)")):
+        (["serve", str(draft)], "draftsmith serve", serve.MEASURE_WITHOUT_VLLM),
+        (
+            [
+                "evaluate",
+                "--draft",
+                str(draft),
+                "--engine",
+                "vllm",
+                "--output",
+                str(tmp_path / "eval"),
+                "--num-prompts",
+                "1",
+            ],
+            "--engine vllm",
+            "use the reference decoder (--engine hf)",
+        ),
+    ):
         result = CliRunner().invoke(app, argv)
         message = result.output.strip()
         assert result.exit_code == 1 and "\n" not in message, result.output
-        assert f"{what}: {says} ({found}); use a vLLM whose `draftsmith doctor` row 'parallel drafting (P-EAGLE)' " \
-               f"says yes (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting), or {instead}" in message
+        assert (
+            f"{what}: {says} ({found}); use a vLLM whose `draftsmith doctor` row 'parallel drafting (P-EAGLE)' "
+            f"says yes (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting), or {instead}" in message
+        )
     assert not (tmp_path / "eval").exists()
 
 
-def test_parallel_drafting_is_asked_of_vllm_for_a_peagle_draft_only(tmp_path, tiny_target_dir, monkeypatch,
-                                                                    one_thread):
+def test_parallel_drafting_is_asked_of_vllm_for_a_peagle_draft_only(tmp_path, tiny_target_dir, monkeypatch, one_thread):
     """The same vLLM without parallel drafting serves an EAGLE-3 draft; one with it serves the P-EAGLE draft."""
     seen = {}
     monkeypatch.setattr(serve, "target_launch", lambda target, cfg: ([], {}))
-    monkeypatch.setattr(serve, "serve_until_stopped", lambda command, env: seen.update(
-        spec=json.loads(command[command.index("--speculative-config") + 1])) or 0)
+    monkeypatch.setattr(
+        serve,
+        "serve_until_stopped",
+        lambda command, env: seen.update(spec=json.loads(command[command.index("--speculative-config") + 1])) or 0,
+    )
     _probe_says(monkeypatch, False, "no SpeculativeConfig.parallel_drafting")
     serve.run(ServeConfig(draft=_write(_tiny_source(tiny_target_dir), tmp_path / "eagle3", "vllm")))
     assert "parallel_drafting" not in seen.pop("spec")
@@ -367,9 +456,25 @@ def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, d
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), VLLM_LOGGING_LEVEL="WARNING")
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "draftsmith", "serve", str(draft), "--port", str(port), "--api-key", key,
-               "--dtype", "float32", "--kv-cache-gb", "1", "--max-model-len", "1024",
-               "--vllm-args", "--enforce-eager --max-num-seqs 2"]
+    command = [
+        sys.executable,
+        "-m",
+        "draftsmith",
+        "serve",
+        str(draft),
+        "--port",
+        str(port),
+        "--api-key",
+        key,
+        "--dtype",
+        "float32",
+        "--kv-cache-gb",
+        "1",
+        "--max-model-len",
+        "1024",
+        "--vllm-args",
+        "--enforce-eager --max-num-seqs 2",
+    ]
     with open(log, "w") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     family: list[int] = []
@@ -389,13 +494,16 @@ def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, d
         target = TargetRunner(targets.load_target(default_target_dir), [])
         generation = json.loads((default_target_dir / "generation_config.json").read_text())
         eos = {tokenizer.eos_token_id, generation["eos_token_id"]}  # vLLM stops at both
-        questions = ["What is the capital of France? Answer in one sentence.",
-                     "Write a short poem about the sea.",
-                     "Explain what a hash table is to a beginner."]
+        questions = [
+            "What is the capital of France? Answer in one sentence.",
+            "Write a short poem about the sea.",
+            "Explain what a hash table is to a beginner.",
+        ]
         for question in questions:
             messages = [{"role": "user", "content": question}]
-            reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0,
-                                                   max_tokens=40, extra_body={"return_token_ids": True})
+            reply = client.chat.completions.create(
+                model=model_name, messages=messages, temperature=0, max_tokens=40, extra_body={"return_token_ids": True}
+            )
             prompt_ids = reply.model_extra["prompt_token_ids"]
             served = reply.choices[0].model_extra["token_ids"]
             assert prompt_ids == render(tokenizer, messages)  # the server renders the target's chat template

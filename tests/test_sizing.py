@@ -18,13 +18,16 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 
 
-@pytest.mark.parametrize("name, total, active", [
-    ("llama", 8_030_261_248, 8_030_261_248),      # Llama-3.1-8B: 8.03B, as its model card says
-    ("qwen3", 8_190_735_360, 8_190_735_360),      # Qwen3-8B: 8.2B
-    ("qwen3_moe", 30.5e9, 3.3e9),                 # Qwen3-30B-A3B: 30.5B total, 3.3B activated
-    ("deepseek_v3", 671e9, 37e9),                 # DeepSeek-V3: 671B total, 37B activated (MTP module aside)
-    ("kimi_k25", 1.03e12, 32.9e9),                # Kimi-K2's backbone: "1T total, 32B activated"
-])
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("llama", 8_030_261_248, 8_030_261_248),  # Llama-3.1-8B: 8.03B, as its model card says
+        ("qwen3", 8_190_735_360, 8_190_735_360),  # Qwen3-8B: 8.2B
+        ("qwen3_moe", 30.5e9, 3.3e9),  # Qwen3-30B-A3B: 30.5B total, 3.3B activated
+        ("deepseek_v3", 671e9, 37e9),  # DeepSeek-V3: 671B total, 37B activated (MTP module aside)
+        ("kimi_k25", 1.03e12, 32.9e9),  # Kimi-K2's backbone: "1T total, 32B activated"
+    ],
+)
 def test_parameter_counts_match_the_published_totals(name, total, active):
     shape = sizing.target_shape(PUBLISHED[name])
     assert shape.params == pytest.approx(total, rel=0.01) and shape.active_params == pytest.approx(active, rel=0.03)
@@ -79,12 +82,16 @@ def test_store_bytes_equal_a_real_stores_files(tmp_path, tiny_target_dir):
     from draftsmith.prepare.dataset import write_prepared
 
     g = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(0, 320, (int(n),), generator=g),
-                "loss_mask": torch.ones(int(n), dtype=torch.bool)} for n in torch.randint(20, 200, (30,), generator=g)]
+    samples = [
+        {"input_ids": torch.randint(0, 320, (int(n),), generator=g), "loss_mask": torch.ones(int(n), dtype=torch.bool)}
+        for n in torch.randint(20, 200, (30,), generator=g)
+    ]
     write_prepared(tmp_path / "p", samples, target_identity(tiny_target_dir), chat_template_hash="x", max_length=200)
     for dtype in ("bf16", "fp8"):
-        extract.run(ExtractConfig(prepared=tmp_path / "p", output=tmp_path / dtype, device="cpu", dtype=dtype),
-                    show_progress=False)
+        extract.run(
+            ExtractConfig(prepared=tmp_path / "p", output=tmp_path / dtype, device="cpu", dtype=dtype),
+            show_progress=False,
+        )
         manifest = store.open(tmp_path / dtype).manifest
         written = sum(s.num_bytes for s in manifest.shards)
         estimate = sizing.store_bytes(manifest.num_tokens, 64, len(manifest.layer_ids), dtype, samples=30)
@@ -94,11 +101,19 @@ def test_store_bytes_equal_a_real_stores_files(tmp_path, tiny_target_dir):
 def test_the_draft_parameter_count_equals_the_draft_module():
     from draftsmith.train.model import DraftSpec, Eagle3Draft
 
-    config = {**PUBLISHED["qwen3"], "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 6,
-              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 500}
+    config = {
+        **PUBLISHED["qwen3"],
+        "hidden_size": 96,
+        "intermediate_size": 160,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 500,
+    }
     for layers in (1, 2):
-        spec = DraftSpec.from_target_config(config, draft_vocab_size=200, num_hidden_layers=layers,
-                                            aux_layer_ids=[2, 18, 33])
+        spec = DraftSpec.from_target_config(
+            config, draft_vocab_size=200, num_hidden_layers=layers, aux_layer_ids=[2, 18, 33]
+        )
         draft = Eagle3Draft(spec)
         trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
         assert sizing.draft_params(spec) == trainable
@@ -107,8 +122,9 @@ def test_the_draft_parameter_count_equals_the_draft_module():
 def test_training_memory_for_kimi_k25_draft():
     from draftsmith.train.model import DraftSpec
 
-    spec = DraftSpec.from_target_config(PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1,
-                                        aux_layer_ids=[2, 30, 58])
+    spec = DraftSpec.from_target_config(
+        PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1, aux_layer_ids=[2, 30, 58]
+    )
     memory = sizing.training_memory(spec, token_budget=4096, ttt_steps=7)
     # 56 heads x 128 with 8 KV heads (MLA has no head shape to copy): fc 3 x 7168 x 7168, q/k/v from 2H, o, MLP,
     # norms, a 32000-row head
@@ -127,8 +143,9 @@ def test_training_fit_says_whether_a_gpu_holds_the_draft_and_the_largest_token_b
     from draftsmith.planning import sizing_rows, training_fit_line
     from draftsmith.train.model import DraftSpec
 
-    spec = DraftSpec.from_target_config(PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1,
-                                        aux_layer_ids=[2, 30, 58])
+    spec = DraftSpec.from_target_config(
+        PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1, aux_layer_ids=[2, 30, 58]
+    )
     memory = sizing.training_memory(spec, token_budget=4096, ttt_steps=7)
     fit = sizing.training_fit(spec, 80 * sizing.GiB, token_budget=4096, ttt_steps=7)
     assert fit.fits and fit.needed_bytes == memory.total and fit.usable_bytes == pytest.approx(72 * sizing.GiB)
@@ -199,9 +216,11 @@ def test_doctor_rows_for_the_online_spool():
     plain = dict(sizing_rows(PUBLISHED["kimi_k25"]))
     assert plain["online spool"] == "--online-rate TOKENS_PER_S: the spool `train --engine vllm` needs"
     assert "online spool floor" not in plain
-    for bad, match in (({"online_rate": -5, "target": "x"}, "--online-rate -5: must be > 0"),
-                       ({"online_rate": 100, "target": "x", "spool_lead_s": 0}, "--spool-lead-s 0: must be > 0"),
-                       ({"online_rate": 100, "target": None}, "give --target too")):
+    for bad, match in (
+        ({"online_rate": -5, "target": "x"}, "--online-rate -5: must be > 0"),
+        ({"online_rate": 100, "target": "x", "spool_lead_s": 0}, "--spool-lead-s 0: must be > 0"),
+        ({"online_rate": 100, "target": None}, "give --target too"),
+    ):
         with pytest.raises(DraftsmithError, match=match):
             check_online(bad["target"], bad["online_rate"], bad.get("spool_lead_s", 60.0))
     big = dict(sizing_rows(PUBLISHED["kimi_k25"], online_rate=1.5e6, spool_lead_s=2.5))
@@ -211,10 +230,23 @@ def test_doctor_rows_for_the_online_spool():
 # Kimi-K2.5's quantization_config as its checkpoint declares it: int4 routed experts (compressed-tensors, groups of
 # 32 with a bf16 scale each), attention, shared experts and the dense MLPs left in bf16.
 KIMI_QUANTIZATION = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-        "num_bits": 4, "group_size": 32, "type": "int", "symmetric": True, "strategy": "group", "dynamic": False}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "group_size": 32,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "dynamic": False,
+            },
+        }
+    },
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}
 
 
 def test_kimi_k25_as_stored_and_where_vllm_holds_it():

@@ -27,8 +27,9 @@ def aux_ids(num_layers: int) -> list[int]:
     return layers.resolve_layer_ids(None, num_layers)[:-1]
 
 
-def random_draft(target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0,
-                 parallel=False) -> Eagle3Draft:
+def random_draft(
+    target_dir, target_model, draft_vocab_size=None, seed=0, head_scale=1.0, parallel=False
+) -> Eagle3Draft:
     """A random draft of the target (its embedding); parallel: a P-EAGLE one (random mask_hidden, the pad token
     as its mask token)."""
     config = json.loads((target_dir / "config.json").read_text())
@@ -168,9 +169,11 @@ def test_target_runner_aux_states_follow_vllm_layer_ids(tiny):
     h = model.config.hidden_size
     out = model(input_ids=ids[None], output_hidden_states=True)
     torch.testing.assert_close(aux[:, :h], out.hidden_states[0][0])  # id 0 = embeddings
-    torch.testing.assert_close(aux[:, h:2 * h], out.hidden_states[2][0])  # id 2 = output of layer 1
+    torch.testing.assert_close(aux[:, h : 2 * h], out.hidden_states[2][0])  # id 2 = output of layer 1
     # id N = the last layer's raw output: the final norm of it gives HF's (normalised) last hidden state
-    torch.testing.assert_close(targets.final_norm(model)(aux[:, 2 * h:]), out.hidden_states[n][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        targets.final_norm(model)(aux[:, 2 * h :]), out.hidden_states[n][0], rtol=1e-4, atol=1e-5
+    )
     torch.testing.assert_close(logits, out.logits[0].float())
 
 
@@ -178,8 +181,9 @@ def test_target_runner_aux_states_follow_vllm_layer_ids(tiny):
 def test_rejection_sampling_reproduces_target_distribution(k):
     """verify_chain's first emitted token is distributed exactly as the target's p_0, whatever the draft's q."""
     vocab = 6
-    p_rows = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3],
-                           [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    p_rows = torch.tensor(
+        [[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.1, 0.1, 0.1, 0.3, 0.3], [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]]
+    )
     q_rows = torch.tensor([[0.05, 0.05, 0.1, 0.2, 0.3, 0.3], [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]])
     logits = p_rows.log()[: k + 1]  # temperature 1 -> softmax(log p) = p
     gen = torch.Generator().manual_seed(0)
@@ -344,7 +348,7 @@ def test_parallel_rounds_propose_what_a_fresh_draft_proposes_from_the_whole_pref
     fused = fresh.fuse(aux)
     for t, logits, last in recorder.rounds:
         fresh.reset()
-        want_logits, want_last = fresh.step_parallel(seq[1:t + 2], fused[:t + 1], k)
+        want_logits, want_last = fresh.step_parallel(seq[1 : t + 2], fused[: t + 1], k)
         torch.testing.assert_close(last, want_last, rtol=1e-9, atol=1e-9, msg=f"t={t}")
         torch.testing.assert_close(logits, want_logits, msg=f"t={t}")
 
@@ -371,7 +375,7 @@ class TargetFirstSlot(DraftRunner):
     def step_parallel(self, ids, hidden, k):
         logits, last = super().step_parallel(ids, hidden, k)
         self.read += ids.tolist() + [-1] * (k - 1)
-        prefix = torch.tensor([self.first] + self.read[:len(self.read) - k + 1])
+        prefix = torch.tensor([self.first] + self.read[: len(self.read) - k + 1])
         logits = logits.clone()
         logits[0] = self.model(input_ids=prefix[None]).logits[0, -1].float()
         after = torch.cat([prefix, logits[0].argmax()[None]])
@@ -396,8 +400,15 @@ def test_parallel_speculative_sampling_matches_target_distribution(tmp_path):
     with torch.no_grad():  # p(x3) = sum over (x1, x2) of p(x1) p(x2 | x1) p(x3 | x1, x2), pairs of mass < 1e-7 left out
         p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
         x1 = (p1 > 1e-7).nonzero()[:, 0]
-        p2 = torch.softmax(model(input_ids=torch.cat([torch.tensor(prompt).repeat(len(x1), 1), x1[:, None]], 1))
-                           .logits[:, -1].double(), -1) * p1[x1, None]
+        p2 = (
+            torch.softmax(
+                model(input_ids=torch.cat([torch.tensor(prompt).repeat(len(x1), 1), x1[:, None]], 1))
+                .logits[:, -1]
+                .double(),
+                -1,
+            )
+            * p1[x1, None]
+        )
         pairs = (p2 > 1e-7).nonzero()
         rows = torch.cat([torch.tensor(prompt).repeat(len(pairs), 1), x1[pairs[:, 0], None], pairs[:, 1:]], 1)
         p3 = torch.softmax(model(input_ids=rows).logits[:, -1].double(), -1)
@@ -419,10 +430,26 @@ def test_parallel_speculative_sampling_matches_target_distribution(tmp_path):
 
 
 def test_decode_stats_tau_and_merge():
-    a = DecodeStats(k=3, num_prompts=1, num_new_tokens=10, elapsed_s=1.0, num_rounds=4, num_draft_tokens=12,
-                    num_accepted=6, accepted_per_pos=[3, 2, 1])
-    b = DecodeStats(k=3, num_prompts=1, num_new_tokens=5, elapsed_s=1.0, num_rounds=4, num_draft_tokens=12,
-                    num_accepted=0, accepted_per_pos=[0, 0, 0])
+    a = DecodeStats(
+        k=3,
+        num_prompts=1,
+        num_new_tokens=10,
+        elapsed_s=1.0,
+        num_rounds=4,
+        num_draft_tokens=12,
+        num_accepted=6,
+        accepted_per_pos=[3, 2, 1],
+    )
+    b = DecodeStats(
+        k=3,
+        num_prompts=1,
+        num_new_tokens=5,
+        elapsed_s=1.0,
+        num_rounds=4,
+        num_draft_tokens=12,
+        num_accepted=0,
+        accepted_per_pos=[0, 0, 0],
+    )
     assert a.tau == 2.5 and a.acceptance_per_pos == [0.75, 0.5, 0.25]
     a.add(b)
     assert a.tau == 1.75 and a.tokens_per_s == 7.5 and a.accepted_per_pos == [3, 2, 1]
@@ -451,8 +478,9 @@ def random_dflash(target_dir, target_model, block_size: int = 4, seed: int = 0, 
     """A random DFlash draft of the target (its embedding and lm_head), the pad token as its mask token."""
     config = json.loads((target_dir / "config.json").read_text())
     spec = DraftSpec.from_target_config(config, config["vocab_size"], layers, aux_ids(config["num_hidden_layers"]))
-    spec = spec.model_copy(update={"method": "dflash", "block_size": block_size,
-                                   "mask_token_id": config["pad_token_id"]})
+    spec = spec.model_copy(
+        update={"method": "dflash", "block_size": block_size, "mask_token_id": config["pad_token_id"]}
+    )
     return DFlashDraft.from_target(spec, target_model, seed).eval().requires_grad_(False)
 
 

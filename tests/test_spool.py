@@ -48,6 +48,7 @@ BUDGET = 128
 
 # ---------------------------------------------------------------------------------------------- plan_chunks
 
+
 def _lengths(n: int = 60, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(6, 60, size=n).astype(np.int64)
 
@@ -64,7 +65,7 @@ def _steps(samplers, epoch: int, grad_accum: int) -> list[list[list[int]]]:
     """Each optimizer step of `epoch` as its micro-batches, rank by rank."""
     per_rank = [s.batches(epoch) for s in samplers]
     n = len(per_rank[0]) // grad_accum
-    return [[b for batches in per_rank for b in batches[p * grad_accum:(p + 1) * grad_accum]] for p in range(n)]
+    return [[b for batches in per_rank for b in batches[p * grad_accum : (p + 1) * grad_accum]] for p in range(n)]
 
 
 def _step_bytes(step: list[list[int]], lengths) -> int:
@@ -75,8 +76,16 @@ def _step_bytes(step: list[list[int]], lengths) -> int:
 class Setup:
     """A tiny training split (and held-out split) with samplers, and the plan of an uninterrupted run."""
 
-    def __init__(self, world: int = 1, grad_accum: int = 1, epochs: int | None = 2, max_steps: int | None = None,
-                 n_eval: int = 6, steps_per_chunk: float = 2.6, **cfg):
+    def __init__(
+        self,
+        world: int = 1,
+        grad_accum: int = 1,
+        epochs: int | None = 2,
+        max_steps: int | None = None,
+        n_eval: int = 6,
+        steps_per_chunk: float = 2.6,
+        **cfg,
+    ):
         self.lengths = _lengths()
         ids = np.arange(len(self.lengths))
         self.eval_ids = [int(i) for i in ids[:n_eval]]
@@ -88,14 +97,26 @@ class Setup:
         self.steps = {e: _steps(self.samplers, e, grad_accum) for e in range(n_epochs)}
         self.total = max_steps if max_steps is not None else sum(len(s) for s in self.steps.values())
         biggest = max(_step_bytes(s, self.lengths) for st in self.steps.values() for s in st)
-        self.eval_estimate = (chunk_bytes(int(self.lengths[self.eval_ids].sum()), n_eval, H, LAYERS, "bf16")
-                              if n_eval else 0)
+        self.eval_estimate = (
+            chunk_bytes(int(self.lengths[self.eval_ids].sum()), n_eval, H, LAYERS, "bf16") if n_eval else 0
+        )
         self.bound = int(SPOOL_CHUNKS * biggest * steps_per_chunk) + self.eval_estimate
         self.limit = (self.bound - self.eval_estimate) // SPOOL_CHUNKS
 
     def plan(self, start=(0, 0, 0), kept: set[int] | None = None, bound: int | None = None):
-        return plan_chunks(self.cfg, self.samplers, self.eval_ids, self.lengths, LAYERS, H,
-                           self.bound if bound is None else bound, start, self.total, self.epochs, kept or set())
+        return plan_chunks(
+            self.cfg,
+            self.samplers,
+            self.eval_ids,
+            self.lengths,
+            LAYERS,
+            H,
+            self.bound if bound is None else bound,
+            start,
+            self.total,
+            self.epochs,
+            kept or set(),
+        )
 
 
 def _train_chunks(chunks):
@@ -170,7 +191,7 @@ def test_max_steps_truncates_the_last_chunk_and_crosses_epochs():
     assert (last.epoch, last.first, last.last) == (1, e1.first, e1.first)
     assert last.name == chunk_name(1, e1.first, e1.first)
     assert last.sample_ids == [i for b in s.steps[1][e1.first] for i in b]
-    assert chunks[:-1] == _train_chunks(s0.plan())[:len(chunks) - 1]  # the chunks before it are the same
+    assert chunks[:-1] == _train_chunks(s0.plan())[: len(chunks) - 1]  # the chunks before it are the same
     resumed = _train_chunks(s.plan(start=(total - 1, 1, e1.first)))
     assert resumed == [last]
 
@@ -193,7 +214,7 @@ def test_with_two_ranks_each_step_holds_both_ranks_micro_batches(grad_accum):
         for p in range(c.first, c.last + 1):
             step = []
             for r in range(2):
-                mine = per_rank[c.epoch][r][p * grad_accum:(p + 1) * grad_accum]
+                mine = per_rank[c.epoch][r][p * grad_accum : (p + 1) * grad_accum]
                 assert len(mine) == grad_accum
                 step += [i for b in mine for i in b]
             expected += step
@@ -248,15 +269,15 @@ def test_keep_epoch0_a_resumed_run_does_not_recompute_kept_samples(tmp_path):
     assert all(x.engine_ids == x.sample_ids for x in plain.plan(kept=kept | set(s.eval_ids)))
 
 
-
 def test_keep_epoch0_a_resume_after_the_held_out_chunk_was_kept_keeps_the_chunk_boundaries(tmp_path):
     s = Setup(epochs=2, keep_epoch0=tmp_path / "kept")
     full = _train_chunks(s.plan())
     c = full[1]
     kept = set(full[0].sample_ids) | set(s.eval_ids)  # chunk 0 and the held-out chunk (read second) were kept
     resumed = s.plan(start=(c.last, 0, c.last), kept=kept)
-    assert [(x.epoch, x.first, x.last) for x in _train_chunks(resumed)] == [(x.epoch, x.first, x.last)
-                                                                           for x in full[1:]]
+    assert [(x.epoch, x.first, x.last) for x in _train_chunks(resumed)] == [
+        (x.epoch, x.first, x.last) for x in full[1:]
+    ]
 
 
 def test_fp8_chunks_are_smaller_so_more_steps_fit():
@@ -286,7 +307,6 @@ def test_a_bound_too_small_for_one_step_names_spool_gb_and_the_gib_needed():
         s.plan(bound=s.eval_estimate // 2)  # smaller than the held-out chunk alone
 
 
-
 def test_the_spool_gb_a_too_small_bound_suggests_is_enough():
     """The suggested --spool-gb must hold four chunks of the biggest step besides the held-out chunk."""
     s = Setup()
@@ -300,14 +320,27 @@ def test_the_spool_gb_a_too_small_bound_suggests_is_enough():
 
 # ---------------------------------------------------------------------------------------------- the chunk store
 
+
 def _target() -> TargetIdentity:
-    return TargetIdentity(path="/targets/tiny", architecture="LlamaForCausalLM", config_hash="cfg",
-                          tokenizer_hash="tok", num_layers=4, hidden_size=H, vocab_size=320)
+    return TargetIdentity(
+        path="/targets/tiny",
+        architecture="LlamaForCausalLM",
+        config_hash="cfg",
+        tokenizer_hash="tok",
+        num_layers=4,
+        hidden_size=H,
+        vocab_size=320,
+    )
 
 
 def _spec(dtype: str = "bf16") -> store.StoreSpec:
-    return store.StoreSpec(target=_target(), layer_ids=[1, 2, 4], hidden_size=H, dtype=dtype,
-                           prepared=store.PreparedRef(path="/data/prepared", fingerprint="fp", num_samples=100))
+    return store.StoreSpec(
+        target=_target(),
+        layer_ids=[1, 2, 4],
+        hidden_size=H,
+        dtype=dtype,
+        prepared=store.PreparedRef(path="/data/prepared", fingerprint="fp", num_samples=100),
+    )
 
 
 def _samples(ids, seed: int = 0) -> dict[int, dict]:
@@ -315,8 +348,11 @@ def _samples(ids, seed: int = 0) -> dict[int, dict]:
     out = {}
     for i in ids:
         t = int(torch.randint(3, 40, (1,), generator=g))
-        out[i] = {"input_ids": torch.randint(0, 320, (t,), generator=g), "loss_mask": torch.rand(t, generator=g) > 0.5,
-                  "hidden_states": torch.randn(t, LAYERS, H, generator=g)}
+        out[i] = {
+            "input_ids": torch.randint(0, 320, (t,), generator=g),
+            "loss_mask": torch.rand(t, generator=g) > 0.5,
+            "hidden_states": torch.randn(t, LAYERS, H, generator=g),
+        }
     return out
 
 
@@ -338,6 +374,7 @@ def test_a_chunk_store_takes_no_more_disk_than_its_estimate(tmp_path, dtype):
 
 
 # ---------------------------------------------------------------------------------------------- the spool
+
 
 def _chunk(spool: Spool, name: str, ids, seed: int = 0) -> None:
     _write(spool.begin(name), _samples(ids, seed))
@@ -523,8 +560,9 @@ def test_plan_job_and_status_round_trip(tmp_path):
     (spool.path / "plan.json").write_text(json.dumps([dataclasses.asdict(c) for c in chunks[:2]]))
     assert spool.read_plan() == Plan(chunks[:2], 0)
     # a status with a field this version does not know (a newer engine process's): read, the field ignored
-    (spool.path / "status.json").write_text(json.dumps({"pid": 7, "tokens": 100, "seconds": 4.0, "waiting": "space",
-                                                        "unknown": 1}))
+    (spool.path / "status.json").write_text(
+        json.dumps({"pid": 7, "tokens": 100, "seconds": 4.0, "waiting": "space", "unknown": 1})
+    )
     status = spool.read_status()
     assert (status.pid, status.tokens_per_s, status.waiting) == (7, 25.0, "space")
     spool.write_status(FeedStatus(pid=8, waiting="plan", engine_started=True))
@@ -538,8 +576,13 @@ def test_plan_job_and_status_round_trip(tmp_path):
     (spool.path / "job.json").write_text("{not json")
     with pytest.raises(DraftsmithError, match="no readable job"):
         spool.read_job()
-    job = FeedJob(extract=ExtractConfig(prepared=tmp_path / "prepared", backend="vllm"), bound=5_000, cpus=[1],
-                  prepared_digest="abc", stall_s=60.0)
+    job = FeedJob(
+        extract=ExtractConfig(prepared=tmp_path / "prepared", backend="vllm"),
+        bound=5_000,
+        cpus=[1],
+        prepared_digest="abc",
+        stall_s=60.0,
+    )
     spool.write_job(job)
     assert spool.read_job() == job and spool.read_job().extract.prepared == tmp_path / "prepared"
 
@@ -580,19 +623,20 @@ def test_room_refuses_a_chunk_larger_than_the_free_space_in_one_line(tmp_path, m
     spool.create()
     name = chunk_name(0, 3, 7)
     asked = []
-    monkeypatch.setattr(chunks, "free_bytes", lambda path: asked.append(Path(path)) or 3 * 1024 ** 2)
-    spool.room(name, 3 * 1024 ** 2)  # exactly what is free: it fits
+    monkeypatch.setattr(chunks, "free_bytes", lambda path: asked.append(Path(path)) or 3 * 1024**2)
+    spool.room(name, 3 * 1024**2)  # exactly what is free: it fits
     assert asked == [spool.partial_path(name)] and spool.partial_path(name).parent == spool.chunks  # staged in place
     with pytest.raises(DraftsmithError) as err:
-        spool.room(name, 5 * 1024 ** 3)
+        spool.room(name, 5 * 1024**3)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{spool.partial_path(name)}:")
     assert "3 MiB free" in msg and "needs up to 5 GiB" in msg and f"chunk {name}" in msg
     with pytest.raises(DraftsmithError, match="3 MiB free"):
-        spool.room(name, 3 * 1024 ** 2 + 1)  # one byte more than is free
+        spool.room(name, 3 * 1024**2 + 1)  # one byte more than is free
 
 
 # ---------------------------------------------------------------------------------------------- absorb_store
+
 
 def _raw(path: Path) -> dict[int, dict]:
     st = store.open(path, dtype=None)
@@ -666,7 +710,7 @@ def test_engine_cores_on_a_cpu_are_checked_against_the_cores_this_process_may_us
 
     allowed = sorted(os.sched_getaffinity(0))
     # default: the engines on the first half of the cores, the trainer on the rest (one core: shared)
-    assert engine_cpus(TrainConfig(engine="vllm")) == (allowed[:len(allowed) // 2] or None)
+    assert engine_cpus(TrainConfig(engine="vllm")) == (allowed[: len(allowed) // 2] or None)
     if len(allowed) > 1:
         assert engine_cpus(TrainConfig(engine="vllm", engine_devices=[allowed[0]])) == [allowed[0]]
     with pytest.raises(DraftsmithError, match="take every one of the cores") as err:
@@ -747,8 +791,9 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
     for c in chunks[:2]:  # left ready by the killed engine
         _ready(spool, c.name)
     source = _bare_source(spool, chunks)
-    source.engine = engine_source.EngineProcess(source.cfg, str(spool.path), tmp_path / "run" / "feed.log",
-                                                tmp_path / "run" / "engine-scratch", None, None)
+    source.engine = engine_source.EngineProcess(
+        source.cfg, str(spool.path), tmp_path / "run" / "feed.log", tmp_path / "run" / "engine-scratch", None, None
+    )
     spool.write_job(_job())
     started = []
     with pytest.MonkeyPatch.context() as mp:
@@ -759,7 +804,7 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
 
     from draftsmith.extract.vllm import feed
 
-    argv = started[0][started[0].index(engine_process.ENGINE_MODULE) + 1:]  # what the child's typer options read
+    argv = started[0][started[0].index(engine_process.ENGINE_MODULE) + 1 :]  # what the child's typer options read
     app = typer.Typer()
     app.command()(feed.main)  # as typer.run(main) makes it
     params = typer.main.get_command(app).make_context("feed", list(argv)).params
@@ -850,15 +895,17 @@ def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_
     exited(source, chunk)
     assert not spawned and source.engine.restarts == 0
     # an error before vLLM started (a strategy the installed vLLM lacks, say) would be the same again: no restart
-    source, chunk, spawned = _exited_source(tmp_path / "b", FeedStatus(pid=7, error="--vllm-strategy connector: not "
-                                                             "possible with this vLLM"), 1)
+    source, chunk, spawned = _exited_source(
+        tmp_path / "b", FeedStatus(pid=7, error="--vllm-strategy connector: not possible with this vLLM"), 1
+    )
     with pytest.raises(DraftsmithError, match="stopped before chunk c0 .--vllm-strategy connector: not possible") as e:
         exited(source, chunk)
     assert not spawned and "\n" not in str(e.value)
     # a fatal error of a started engine (a full disk): the same wall again on a restart, so one line at once
     full = "/dev/shm/spool/chunks/.c0.partial: the filesystem holding the spool has 1 MiB free"
-    source, chunk, spawned = _exited_source(tmp_path / "f", FeedStatus(pid=7, error=full, fatal=True,
-                                                                       engine_started=True), 1)
+    source, chunk, spawned = _exited_source(
+        tmp_path / "f", FeedStatus(pid=7, error=full, fatal=True, engine_started=True), 1
+    )
     with pytest.raises(DraftsmithError) as e:
         exited(source, chunk)
     assert not spawned and source.engine.restarts == 0 and "\n" not in str(e.value)
@@ -890,8 +937,9 @@ def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(
     assert "pid 4242 on engine-node" in msg and str(tmp_path / "run" / "feed.log") in msg
     # the engine reports again: progress, whatever its clock says (an hour behind the trainer's, here)
     spool.write_status(FeedStatus(pid=4242, host="engine-node", chunk="c0"))
-    (spool.path / "status.json").write_text(spool.read_status().model_copy(update={"updated": time.time() - 3600})
-                                            .model_dump_json())
+    (spool.path / "status.json").write_text(
+        spool.read_status().model_copy(update={"updated": time.time() - 3600}).model_dump_json()
+    )
     source._watch(chunk)
     assert source._seen[0] == pytest.approx(time.time() - 3600, abs=60)
     assert time.monotonic() - source._seen[1] < 5

@@ -11,8 +11,13 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, MooncakeAddress, parse_spool
 
 
-@pytest.mark.parametrize("text,host,port,run", [("mooncake://10.0.0.5:50051/kimi", "10.0.0.5", 50051, "kimi"),
-                                                ("mooncake://127.0.0.1:7000", "127.0.0.1", 7000, "draftsmith")])
+@pytest.mark.parametrize(
+    "text,host,port,run",
+    [
+        ("mooncake://10.0.0.5:50051/kimi", "10.0.0.5", 50051, "kimi"),
+        ("mooncake://127.0.0.1:7000", "127.0.0.1", 7000, "draftsmith"),
+    ],
+)
 def test_mooncake_addresses_parse_and_print_back(text, host, port, run):
     a = parse_spool(text)
     assert isinstance(a, MooncakeAddress) and (a.host, a.port, a.run) == (host, port, run)

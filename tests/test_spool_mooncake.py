@@ -27,8 +27,10 @@ def _mooncake_loads() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not _mooncake_loads(), reason="Mooncake is not installed (the mooncake extra and "
-                                "Debian's libibverbs1 librdmacm1; .ci/run installs them)")
+pytestmark = pytest.mark.skipif(
+    not _mooncake_loads(),
+    reason="Mooncake is not installed (the mooncake extra and Debian's libibverbs1 librdmacm1; .ci/run installs them)",
+)
 
 MiB = 1 << 20
 
@@ -68,9 +70,20 @@ sys.stdin.readline()
 
 def test_a_chunk_published_by_one_process_is_fetched_by_another_and_removed_by_its_last_reader(master, tmp_path):
     trainer = _spool(master)
-    publisher = subprocess.Popen([sys.executable, "-c", PUBLISHER, f"mooncake://{master.host}:{master.port}/unit",
-                                  str(tmp_path / "scratch"), str(Path(__file__).parent)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    publisher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            PUBLISHER,
+            f"mooncake://{master.host}:{master.port}/unit",
+            str(tmp_path / "scratch"),
+            str(Path(__file__).parent),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = publisher.stdout.readline()
         assert line.startswith("published"), line
@@ -106,8 +119,10 @@ def test_job_plan_and_statuses_round_trip_and_a_restarted_master_has_none(master
             spool.read_job()
         job = FeedJob(extract=ExtractConfig(backend="vllm", tensor_parallel_size=2), bound=123, cpus=[0, 1])
         spool.write_job(job)
-        chunks = [Chunk(f"e0000-s{p:07d}-{p:07d}", 0, p, p, list(range(p * 400, p * 400 + 400)), [p], 5, 6)
-                  for p in range(120)]  # a plan of more than one part
+        chunks = [
+            Chunk(f"e0000-s{p:07d}-{p:07d}", 0, p, p, list(range(p * 400, p * 400 + 400)), [p], 5, 6)
+            for p in range(120)
+        ]  # a plan of more than one part
         spool.write_plan(Plan(chunks, 7))
         spool.write_status(FeedStatus(pid=42, chunk="c", waiting="space", segment="s"))
         spool.write_trainer(TrainerStatus(step=9, stall_s=60))

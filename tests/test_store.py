@@ -18,15 +18,27 @@ L, H = 3, 16
 
 
 def _target(**changes) -> TargetIdentity:
-    fields = dict(path="/targets/tiny", architecture="LlamaForCausalLM", config_hash="cfg", tokenizer_hash="tok",
-                  num_layers=4, hidden_size=H, vocab_size=320)
+    fields = dict(
+        path="/targets/tiny",
+        architecture="LlamaForCausalLM",
+        config_hash="cfg",
+        tokenizer_hash="tok",
+        num_layers=4,
+        hidden_size=H,
+        vocab_size=320,
+    )
     fields.update(changes)
     return TargetIdentity(**fields)
 
 
 def _spec(**changes) -> store.StoreSpec:
-    fields = dict(target=_target(), layer_ids=[1, 2, 4], hidden_size=H, dtype="bf16",
-                  prepared=store.PreparedRef(path="/data/prepared", fingerprint="fp", num_samples=100))
+    fields = dict(
+        target=_target(),
+        layer_ids=[1, 2, 4],
+        hidden_size=H,
+        dtype="bf16",
+        prepared=store.PreparedRef(path="/data/prepared", fingerprint="fp", num_samples=100),
+    )
     fields.update(changes)
     return store.StoreSpec(**fields)
 
@@ -36,9 +48,11 @@ def _samples(n: int = 12, seed: int = 0) -> dict[int, dict]:
     out = {}
     for i in range(n):
         T = int(torch.randint(3, 20, (1,), generator=g))
-        out[i] = {"input_ids": torch.randint(0, 320, (T,), generator=g),
-                  "loss_mask": torch.rand(T, generator=g) > 0.5,
-                  "hidden_states": torch.randn(T, L, H, generator=g) * 3}
+        out[i] = {
+            "input_ids": torch.randint(0, 320, (T,), generator=g),
+            "loss_mask": torch.rand(T, generator=g) > 0.5,
+            "hidden_states": torch.randn(T, L, H, generator=g) * 3,
+        }
     return out
 
 
@@ -99,7 +113,7 @@ def test_fp8_round_trip_error_bound_and_half_the_bytes(tmp_path):
         x = samples[item["sample_id"]]["hidden_states"]
         y = item["hidden_states"]
         scale = x.abs().amax(dim=-1, keepdim=True) / store.FP8_MAX
-        bound = torch.maximum(x.abs() * 2.0 ** -4, scale * 2.0 ** -10) * 1.001 + 1e-30
+        bound = torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * 1.001 + 1e-30
         assert ((x - y).abs() <= bound).all(), k
         rel = (x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-12)
         assert rel.max() < 0.05
@@ -155,8 +169,11 @@ def test_pickles_and_reads_in_dataloader_workers(tmp_path, dtype):
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch.equal for any dtype (it has no fp8 kernel)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def test_resume_skips_done_samples_and_refuses_duplicates(tmp_path):
@@ -175,7 +192,7 @@ def test_resume_skips_done_samples_and_refuses_duplicates(tmp_path):
 def test_an_exception_drops_only_the_unflushed_buffer(tmp_path):
     samples = _samples()
     with pytest.raises(KeyboardInterrupt):
-        with store.create_or_resume(tmp_path / "s", _spec(), shard_bytes=10 ** 9) as writer:
+        with store.create_or_resume(tmp_path / "s", _spec(), shard_bytes=10**9) as writer:
             for i in range(4):
                 writer.add(i, samples[i]["input_ids"], samples[i]["loss_mask"], samples[i]["hidden_states"])
             writer.flush()
@@ -186,15 +203,21 @@ def test_an_exception_drops_only_the_unflushed_buffer(tmp_path):
     _assert_equal_to(tmp_path / "s", samples)
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(layer_ids=[1, 3, 4]), "layer_ids"),
-    (dict(dtype="fp8"), "dtype"),
-    (dict(target=_target(config_hash="other")), "config_hash"),
-    (dict(target=_target(tokenizer_hash="other")), "tokenizer_hash"),
-    (dict(prepared=store.PreparedRef(path="/data/prepared", fingerprint="changed", num_samples=100)), "prepared set"),
-    (dict(backend="vllm"), "backend"),
-    (dict(compute_dtype="bfloat16"), "compute_dtype"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(layer_ids=[1, 3, 4]), "layer_ids"),
+        (dict(dtype="fp8"), "dtype"),
+        (dict(target=_target(config_hash="other")), "config_hash"),
+        (dict(target=_target(tokenizer_hash="other")), "tokenizer_hash"),
+        (
+            dict(prepared=store.PreparedRef(path="/data/prepared", fingerprint="changed", num_samples=100)),
+            "prepared set",
+        ),
+        (dict(backend="vllm"), "backend"),
+        (dict(compute_dtype="bfloat16"), "compute_dtype"),
+    ],
+)
 def test_existing_store_of_another_kind_is_refused(tmp_path, change, words):
     samples = _samples(3)
     _fill(tmp_path / "s", samples)
@@ -418,17 +441,21 @@ def test_a_shard_is_written_from_the_tensors_memory_as_safetensors_lays_it_out(t
 
     spec = _spec()
     gen = torch.Generator().manual_seed(0)
-    tensors = {"hidden_states": torch.randn(9, 2, spec.hidden_size, generator=gen).to(torch.float8_e4m3fn),
-               "hidden_scales": torch.rand(9, 2, generator=gen), "input_ids": torch.arange(9, dtype=torch.int32),
-               "loss_mask": torch.arange(9) % 3 > 0, "offsets": torch.tensor([0, 4, 9]),
-               "sample_ids": torch.tensor([5, 2])}
+    tensors = {
+        "hidden_states": torch.randn(9, 2, spec.hidden_size, generator=gen).to(torch.float8_e4m3fn),
+        "hidden_scales": torch.rand(9, 2, generator=gen),
+        "input_ids": torch.arange(9, dtype=torch.int32),
+        "loss_mask": torch.arange(9) % 3 > 0,
+        "offsets": torch.tensor([0, 4, 9]),
+        "sample_ids": torch.tensor([5, 2]),
+    }
     sha256, size = store.shards.write_shard(tmp_path / "s.safetensors", tensors, spec)
     ours, reference = (tmp_path / "s.safetensors").read_bytes(), save(tensors, store.shards.shard_metadata(spec))
     assert (sha256, size) == (hashlib.sha256(ours).hexdigest(), len(ours)) and size == len(reference)
     header = struct.unpack("<Q", ours[:8])[0]
     assert header == struct.unpack("<Q", reference[:8])[0]
-    assert json.loads(ours[8:8 + header]) == json.loads(reference[8:8 + header])
-    assert ours[8 + header:] == reference[8 + header:] and len(ours) - 8 - header > 9 * 2 * spec.hidden_size
+    assert json.loads(ours[8 : 8 + header]) == json.loads(reference[8 : 8 + header])
+    assert ours[8 + header :] == reference[8 + header :] and len(ours) - 8 - header > 9 * 2 * spec.hidden_size
     in_parts = {**tensors, "hidden_states": [tensors["hidden_states"][:4], tensors["hidden_states"][4:]]}
     assert store.shards.write_shard(tmp_path / "p.safetensors", in_parts, spec) == (sha256, size)  # the same file
     with safe_open(tmp_path / "s.safetensors", "pt") as f:
@@ -446,7 +473,7 @@ def test_fp8_encoding_in_cache_sized_blocks_equals_the_whole_tensor_formula_bit_
     hidden = 4096
     rows = 2 * _CPU_BLOCK_VALUES // hidden + 37  # three blocks, the last one short
     gen = torch.Generator().manual_seed(0)
-    layers = [(torch.randn(rows, hidden, generator=gen) * (10 ** k)).to(torch.bfloat16) for k in range(-2, 2)]
+    layers = [(torch.randn(rows, hidden, generator=gen) * (10**k)).to(torch.bfloat16) for k in range(-2, 2)]
     layers[0][3] = 0
     layers[1][rows - 1, 5] = float("nan")
     layers[2][200, 9] = float("inf")

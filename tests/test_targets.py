@@ -113,11 +113,14 @@ def test_a_kimi_checkpoint_whose_model_code_does_not_import_gives_its_head_by_na
     path = tmp_path / "kimi"
     shutil.copytree(source, path)
     config = json.loads((path / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                          "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
+    config["auto_map"] = {
+        "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+        "AutoModelForCausalLM": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+    }
     (path / "config.json").write_text(json.dumps(config))
     (path / "configuration_kimi_k25.py").write_text(
-        "from transformers.models.llama.modeling_llama import LlamaFlashAttention2  # gone since transformers 4.48\n")
+        "from transformers.models.llama.modeling_llama import LlamaFlashAttention2  # gone since transformers 4.48\n"
+    )
     head = targets.load_target_head(path, trust_remote_code=True)
     assert isinstance(head, targets.TargetHeadParts)
     for part in (targets.embed_tokens, targets.lm_head):
@@ -129,14 +132,17 @@ def test_a_kimi_checkpoint_whose_model_code_does_not_import_gives_its_head_by_na
     # the same checkpoint as Kimi-K2.5's index describes it (594 GB), without the final norm: refused, not loaded
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         names = [n for n in f.keys() if not n.endswith("model.norm.weight")]
-    (path / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": 594_000_000_000}, "weight_map": {n: "model.safetensors" for n in names}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 594_000_000_000}, "weight_map": {n: "model.safetensors" for n in names}})
+    )
     with pytest.raises(DraftsmithError) as err:
         targets.load_target_head(path, trust_remote_code=True)
     message = str(err.value)
-    assert "\n" not in message and message.startswith(f"{path}: the target's embedding, final norm and lm_head cannot "
-                                                       "be read by name (no language_model.model.norm.weight of shape "
-                                                       "[128] beside the embedding; the model's code did not build: ")
+    assert "\n" not in message and message.startswith(
+        f"{path}: the target's embedding, final norm and lm_head cannot "
+        "be read by name (no language_model.model.norm.weight of shape "
+        "[128] beside the embedding; the model's code did not build: "
+    )
     assert "LlamaFlashAttention2" in message, message
     assert "loading the whole target (553 GiB of checkpoint) in their place is refused above 32 GiB" in message
 
@@ -192,8 +198,9 @@ def test_a_model_without_a_readable_decoder_stack_is_refused_in_one_line():
             accessor(Odd())
         assert "\n" not in str(err.value)
     with pytest.raises(DraftsmithError, match="cannot find decoder layers"):
-        targets.decoder_layers(targets.TargetHeadParts(torch.nn.Embedding(3, 2), torch.nn.LayerNorm(2),
-                                                       torch.nn.Linear(2, 3)))
+        targets.decoder_layers(
+            targets.TargetHeadParts(torch.nn.Embedding(3, 2), torch.nn.LayerNorm(2), torch.nn.Linear(2, 3))
+        )
 
 
 def test_decoding_gives_the_tokens_own_text_whatever_the_tokenizer_config_says(tiny_target_dir, tmp_path):
@@ -224,8 +231,9 @@ def test_the_backend_hf_hint_is_given_only_for_a_target_that_fits_one_device(tmp
     small = build_tiny_target(tmp_path / "small")
     big = tmp_path / "big"
     big.mkdir()
-    (big / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": 594_000_000_000}, "weight_map": {}}))
+    (big / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 594_000_000_000}, "weight_map": {}})
+    )
     assert targets.checkpoint_bytes(big) == 594_000_000_000
     assert 0 < targets.checkpoint_bytes(small) < 10**7
     monkeypatch.setattr(devices, "device_memory_bytes", lambda: 141 * 2**30)  # one H200

@@ -38,8 +38,13 @@ def path(tmp_path, tensors):
 def test_dtypes_shapes_metadata_and_reads(path, tensors):
     f = TensorFile(path, REMEDY)
     assert f.metadata == {"format": "test", "n": "3"} and f.size == path.stat().st_size
-    assert f.tensors == {"states": ("BF16", (40, 3, 8)), "fp8": ("F8_E4M3", (40, 3, 8)), "mask": ("BOOL", (40,)),
-                         "ids": ("I32", (40,)), "offsets": ("I64", (3,))}
+    assert f.tensors == {
+        "states": ("BF16", (40, 3, 8)),
+        "fp8": ("F8_E4M3", (40, 3, 8)),
+        "mask": ("BOOL", (40,)),
+        "ids": ("I32", (40,)),
+        "offsets": ("I64", (3,)),
+    }
     for name, ref in tensors.items():
         whole = f.read(name)
         assert whole.dtype == ref.dtype and torch.equal(whole.view(torch.uint8), ref.view(torch.uint8)), name
@@ -60,13 +65,16 @@ def test_rows_are_views_of_the_mapped_file_and_read_is_a_copy(path):
     assert owned.untyped_storage().nbytes() == 3 * 8
 
 
-@pytest.mark.parametrize("damage, words", [
-    (lambda p: p.unlink(), "file is missing"),
-    (lambda p: p.write_bytes(p.read_bytes()[:-5]), "not a readable file"),
-    (lambda p: p.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"), "not a readable file"),
-    (lambda p: p.write_bytes(b""), "not a readable file"),
-    (lambda p: p.write_bytes(b"\xff" * 8 + b"{}"), "not a readable file"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda p: p.unlink(), "file is missing"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-5]), "not a readable file"),
+        (lambda p: p.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"), "not a readable file"),
+        (lambda p: p.write_bytes(b""), "not a readable file"),
+        (lambda p: p.write_bytes(b"\xff" * 8 + b"{}"), "not a readable file"),
+    ],
+)
 def test_damaged_files_give_one_line_naming_the_file_and_the_remedy(path, damage, words):
     damage(path)
     with pytest.raises(DraftsmithError) as err:

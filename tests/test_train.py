@@ -27,7 +27,7 @@ def _samples(n: int, seed: int = 0, vocab: int = 320, lo: int = 12, hi: int = 40
         length = int(rng.integers(lo, hi))
         ids = rng.integers(4, vocab, size=length)
         mask = np.zeros(length, dtype=np.int64)
-        mask[length // 3:] = 1  # the "assistant" part
+        mask[length // 3 :] = 1  # the "assistant" part
         out.append({"input_ids": ids, "loss_mask": mask})
     return out
 
@@ -61,14 +61,30 @@ def store_dir(prepared_dir, sharp_target_dir):
     from draftsmith import extract
 
     out = prepared_dir.parent / "store"
-    extract.run(ExtractConfig(prepared=prepared_dir, output=out, target=str(sharp_target_dir), device="cpu",
-                              aux_layer_ids=[1, 2, 3]), show_progress=False)
+    extract.run(
+        ExtractConfig(
+            prepared=prepared_dir, output=out, target=str(sharp_target_dir), device="cpu", aux_layer_ids=[1, 2, 3]
+        ),
+        show_progress=False,
+    )
     return out
 
 
 def _cfg(data, out, **kw) -> TrainConfig:
-    base = dict(data=data, output=out, draft_vocab_size=320, ttt_steps=3, lr=3e-3, warmup_steps=2, token_budget=256,
-                eval_fraction=0.15, log_every=1, save_every=1000, device="cpu", seed=0)
+    base = dict(
+        data=data,
+        output=out,
+        draft_vocab_size=320,
+        ttt_steps=3,
+        lr=3e-3,
+        warmup_steps=2,
+        token_budget=256,
+        eval_fraction=0.15,
+        log_every=1,
+        save_every=1000,
+        device="cpu",
+        seed=0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -78,6 +94,7 @@ def _metrics(out):
 
 
 # ---------------------------------------------------------------------------------------------- sampler
+
 
 def test_sampler_packs_within_budget_is_deterministic_and_splits_by_rank():
     lengths = np.random.default_rng(0).integers(5, 100, size=200)
@@ -101,6 +118,7 @@ def test_sample_longer_than_budget_and_empty_set_are_refused():
 
 # ---------------------------------------------------------------------------------------------- offline / online
 
+
 def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepared_dir, store_dir):
     from draftsmith.core.targets import final_norm, lm_head, load_target
     from draftsmith.extract import store as store_mod
@@ -118,14 +136,15 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
     assert offline.hidden_states.dtype == torch.bfloat16 and online.hidden_states.dtype == torch.float32
     real = offline.loss_mask | (offline.input_ids != 0)
     # the store keeps bf16: the online fp32 states round to the stored ones
-    torch.testing.assert_close(online.hidden_states.bfloat16()[real], offline.hidden_states[real], atol=1e-2,
-                               rtol=1e-2)
+    torch.testing.assert_close(online.hidden_states.bfloat16()[real], offline.hidden_states[real], atol=1e-2, rtol=1e-2)
     draft, _, _ = initial_draft(cfg, s, split(s, cfg)[0])
     head = TargetHead(final_norm(s.target), lm_head(s.target).weight, draft.draft_to_target)
     model = TTTModel(draft)
     rounded = type(online)(**{**online.__dict__, "hidden_states": online.hidden_states.bfloat16()})
     with torch.no_grad():
-        a, b, exact = (trainer.forward(model, head, x, cfg, torch.float32, None, True) for x in (offline, online, rounded))
+        a, b, exact = (
+            trainer.forward(model, head, x, cfg, torch.float32, None, True) for x in (offline, online, rounded)
+        )
     torch.testing.assert_close(a.loss, b.loss, rtol=2e-2, atol=0)
     torch.testing.assert_close(a.loss, exact.loss, rtol=1e-6, atol=0)  # same states -> same loss
     assert torch.equal(a.count, b.count)
@@ -133,11 +152,28 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
 
 def test_overfitting_a_few_samples_drives_step0_accuracy_up(sharp_target_dir, tmp_path):
     path = tmp_path / "prep"
-    write_prepared(path, _samples(2, seed=5, lo=20, hi=24), target_identity(sharp_target_dir), chat_template_hash="t",
-                   max_length=64)
+    write_prepared(
+        path,
+        _samples(2, seed=5, lo=20, hi=24),
+        target_identity(sharp_target_dir),
+        chat_template_hash="t",
+        max_length=64,
+    )
     out = tmp_path / "run"
-    result = trainer.run(_cfg(path, out, eval_fraction=0.0, max_steps=60, lr=1e-2, ttt_steps=1, warmup_steps=0,
-                              schedule="constant", clip=0.0, log_every=1))
+    result = trainer.run(
+        _cfg(
+            path,
+            out,
+            eval_fraction=0.0,
+            max_steps=60,
+            lr=1e-2,
+            ttt_steps=1,
+            warmup_steps=0,
+            schedule="constant",
+            clip=0.0,
+            log_every=1,
+        )
+    )
     train = _metrics(out)
     assert train[-1]["acc"][0] > 0.95, train[-1]
     assert train[0]["acc"][0] < 0.5  # it really learned (step 1)
@@ -222,15 +258,20 @@ def test_resume_of_a_checkpoint_from_before_an_option_existed(prepared_dir, tmp_
     assert result.summary["steps"] == 2 and "resumed from" in result.summary
 
 
-def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(store_dir, prepared_dir,
-                                                                                sharp_target_dir, tmp_path):
+def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(
+    store_dir, prepared_dir, sharp_target_dir, tmp_path
+):
     """One store serves several methods (EAGLE-3's layers, DFlash's spread): --aux-layer-ids picks a subset, and
     training reads exactly what a store of those layers alone gives."""
     from draftsmith import extract
 
     only = tmp_path / "store13"
-    extract.run(ExtractConfig(prepared=prepared_dir, output=only, target=str(sharp_target_dir), device="cpu",
-                              aux_layer_ids=[1, 3]), show_progress=False)
+    extract.run(
+        ExtractConfig(
+            prepared=prepared_dir, output=only, target=str(sharp_target_dir), device="cpu", aux_layer_ids=[1, 3]
+        ),
+        show_progress=False,
+    )
     subset, alone = tmp_path / "subset", tmp_path / "alone"
     trainer.run(_cfg(store_dir, subset, aux_layer_ids=[3, 1], max_steps=3))
     trainer.run(_cfg(only, alone, max_steps=3))
@@ -244,8 +285,11 @@ def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(
 
 # ---------------------------------------------------------------------------------------------- faults
 
+
 def test_store_for_other_layers_or_target_is_refused(store_dir, tmp_path):
-    with pytest.raises(DraftsmithError, match=r"holds aux layers \[1, 2, 3\] but --aux-layer-ids asks for \[1, 2, 4\] \(\[4\] not"):
+    with pytest.raises(
+        DraftsmithError, match=r"holds aux layers \[1, 2, 3\] but --aux-layer-ids asks for \[1, 2, 4\] \(\[4\] not"
+    ):
         trainer.run(_cfg(store_dir, tmp_path / "a", aux_layer_ids=[1, 2, 4]))
     from conftest import build_tiny_target
 
@@ -332,6 +376,7 @@ def test_data_that_is_not_a_store_or_prepared_set(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- --init-from
 
+
 def test_init_from_an_export_continues_from_its_weights_and_vocabulary(prepared_dir, sharp_target_dir, tmp_path):
     from draftsmith import export
     from draftsmith.config import ExportConfig
@@ -344,8 +389,17 @@ def test_init_from_an_export_continues_from_its_weights_and_vocabulary(prepared_
     exported = load_draft(tmp_path / "export")
 
     second = tmp_path / "second"  # a learning rate too small to move anything: the start is the export itself
-    result = trainer.run(_cfg(prepared_dir, second, max_steps=1, lr=1e-20, warmup_steps=0, schedule="constant",
-                              init_from=tmp_path / "export"))
+    result = trainer.run(
+        _cfg(
+            prepared_dir,
+            second,
+            max_steps=1,
+            lr=1e-20,
+            warmup_steps=0,
+            schedule="constant",
+            init_from=tmp_path / "export",
+        )
+    )
     assert result.summary["started from"] == str(tmp_path / "export")
     again, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(second))
     assert manifest.draft.draft_vocab_size == 200  # the draft's own vocabulary, not --draft-vocab-size 320
@@ -374,11 +428,14 @@ def test_init_from_a_draft_for_other_layers_or_target_or_nothing_is_refused(prep
     other = build_tiny_target(tmp_path / "other", hidden_size=32)
     other_prepared = tmp_path / "other-prepared"
     write_prepared(other_prepared, _samples(8), target_identity(other), chat_template_hash="t", max_length=64)
-    with pytest.raises(DraftsmithError, match=r"--init-from .*: draft was built for another target \(hidden size 64 != 32"):
+    with pytest.raises(
+        DraftsmithError, match=r"--init-from .*: draft was built for another target \(hidden size 64 != 32"
+    ):
         trainer.run(_cfg(other_prepared, tmp_path / "d", init_from=first, aux_layer_ids=[1, 2, 3]))
 
 
 # ---------------------------------------------------------------------------------------------- split and vocabulary
+
 
 def test_held_out_split_has_its_own_seed_is_recorded_and_read_back_by_evaluate(prepared_dir, tmp_path):
     from draftsmith import export

@@ -18,7 +18,7 @@ from draftsmith.config import TrainConfig
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
-_GRAD_SCRIPT = textwrap.dedent('''
+_GRAD_SCRIPT = textwrap.dedent("""
     import gc, sys, torch
     from draftsmith.config import TrainConfig
     from draftsmith.train import distributed, stage as trainer
@@ -49,7 +49,7 @@ _GRAD_SCRIPT = textwrap.dedent('''
     del model, draft, grads, batches, mine
     gc.collect()
     distributed.shutdown(info)
-''')
+""")
 
 
 def make_problem():
@@ -60,10 +60,22 @@ def make_problem():
     from draftsmith.train.ttt import TargetHead
 
     torch.manual_seed(0)
-    cfg = DraftSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    num_hidden_layers=2, rms_norm_eps=1e-5, hidden_act="silu", max_position_embeddings=2048,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_hidden_size=32,
-                    vocab_size=60, draft_vocab_size=30, aux_layer_ids=[1, 2, 3])
+    cfg = DraftSpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=32,
+        vocab_size=60,
+        draft_vocab_size=30,
+        aux_layer_ids=[1, 2, 3],
+    )
     draft = Eagle3Draft(cfg)
     draft.init_weights(0)
     draft.set_draft_vocab(torch.arange(0, 60, 2))
@@ -72,9 +84,15 @@ def make_problem():
     gen = torch.Generator().manual_seed(1)
     batches = []
     for i, n in enumerate([9, 14, 6, 11]):
-        items = [{"input_ids": torch.randint(0, 60, (n - j,), generator=gen),
-                  "loss_mask": torch.rand(n - j, generator=gen) > 0.3,
-                  "hidden_states": torch.randn(n - j, 4, 32, generator=gen), "sample_id": 10 * i + j} for j in range(2)]
+        items = [
+            {
+                "input_ids": torch.randint(0, 60, (n - j,), generator=gen),
+                "loss_mask": torch.rand(n - j, generator=gen) > 0.3,
+                "hidden_states": torch.randn(n - j, 4, 32, generator=gen),
+                "sample_id": 10 * i + j,
+            }
+            for j in range(2)
+        ]
         batches.append(collate(items, 3))
     return draft, head, batches, TrainConfig(ttt_steps=3, device="cpu")
 
@@ -113,13 +131,15 @@ def test_two_process_gradients_equal_the_combined_batch(tmp_path, strategy):
 
 def _train_script(tmp_path: Path, prepared: Path, out: Path, **options) -> Path:
     script = tmp_path / f"train-{out.name}.py"
-    script.write_text(textwrap.dedent(f'''
+    script.write_text(
+        textwrap.dedent(f'''
         import sys
         from draftsmith.config import TrainConfig
         from draftsmith.train import run
         r = run(TrainConfig(data="{prepared}", output="{out}", **{options!r}))
         sys.stdout.write(f"RESULT {{r.summary['steps']}}\\n")  # one write: the two ranks' lines never interleave
-    '''))
+    ''')
+    )
     return script
 
 
@@ -140,13 +160,26 @@ def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp
     from draftsmith.train import run
 
     rng = np.random.default_rng(3)
-    samples = [{"input_ids": rng.integers(4, 300, n), "loss_mask": (rng.random(n) > 0.3).astype(int)}
-               for n in rng.integers(12, 30, 48)]
+    samples = [
+        {"input_ids": rng.integers(4, 300, n), "loss_mask": (rng.random(n) > 0.3).astype(int)}
+        for n in rng.integers(12, 30, 48)
+    ]
     prepared = tmp_path / "prep"
     write_prepared(prepared, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
     shape = dict(block_size=4, anchors_per_sample=8, num_layers=2) if method == "dflash" else dict(ttt_steps=3)
-    common = dict(draft_vocab_size=300, token_budget=64, max_steps=4, eval_fraction=0.0, log_every=1, lr=3e-3,
-                  warmup_steps=1, device="cpu", save_every=1000, method=method, **shape)
+    common = dict(
+        draft_vocab_size=300,
+        token_budget=64,
+        max_steps=4,
+        eval_fraction=0.0,
+        log_every=1,
+        lr=3e-3,
+        warmup_steps=1,
+        device="cpu",
+        save_every=1000,
+        method=method,
+        **shape,
+    )
     torch.set_num_threads(1)
     run(TrainConfig(data=prepared, output=tmp_path / "one", grad_accum=4, **common))
     one = _losses(tmp_path / "one")
@@ -177,18 +210,22 @@ def test_torchrun_trainer_end_to_end_rank0_writes(tiny_target_dir, tmp_path):
     from draftsmith.prepare.dataset import write_prepared
 
     rng = np.random.default_rng(0)
-    samples = [{"input_ids": rng.integers(4, 300, 20), "loss_mask": np.r_[np.zeros(8), np.ones(12)].astype(int)}
-               for _ in range(12)]
+    samples = [
+        {"input_ids": rng.integers(4, 300, 20), "loss_mask": np.r_[np.zeros(8), np.ones(12)].astype(int)}
+        for _ in range(12)
+    ]
     write_prepared(tmp_path / "prep", samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f'''
+    script.write_text(
+        textwrap.dedent(f'''
         import sys
         from draftsmith.config import TrainConfig
         from draftsmith.train import run
-        r = run(TrainConfig(data="{tmp_path / 'prep'}", output="{tmp_path / 'run'}", draft_vocab_size=300,
+        r = run(TrainConfig(data="{tmp_path / "prep"}", output="{tmp_path / "run"}", draft_vocab_size=300,
                             ttt_steps=2, token_budget=40, max_steps=3, eval_fraction=0.2, log_every=1, device="cpu"))
         sys.stdout.write(f"RESULT {{r.summary['steps']}}\\n")  # one write: the two ranks' lines never interleave
-    '''))
+    ''')
+    )
     proc = _torchrun([str(script)], tmp_path)
     assert proc.stdout.count("RESULT 3") == 2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

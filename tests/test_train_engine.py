@@ -42,8 +42,11 @@ from online import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +72,28 @@ def online(work, prepared, offline) -> dict:
     bound_gb = offline["store_bytes"] / 12 / (1 << 30)
     run = work / "online"
     watch = SpoolWatch(run / "spool")
-    done = draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", f"{bound_gb:.6f}", "--output",
-                      run, "--max-steps", STEPS, *TRAIN)
-    return {"run": run, "peak": watch.stop(), "samples": watch.samples, "bound": int(bound_gb * (1 << 30)),
-            "stdout": done.stdout, "bound_gb": bound_gb}
+    done = draftsmith(
+        "train",
+        "--data",
+        prepared,
+        "--engine",
+        "vllm",
+        "--spool-gb",
+        f"{bound_gb:.6f}",
+        "--output",
+        run,
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+    )
+    return {
+        "run": run,
+        "peak": watch.stop(),
+        "samples": watch.samples,
+        "bound": int(bound_gb * (1 << 30)),
+        "stdout": done.stdout,
+        "bound_gb": bound_gb,
+    }
 
 
 def test_online_from_engine_equals_offline_from_store_under_a_tenth_of_its_disk(offline, online):
@@ -84,8 +105,9 @@ def test_online_from_engine_equals_offline_from_store_under_a_tenth_of_its_disk(
     curve = {k: [] for k in ("on", "off")}
     for key, run in (("on", on), ("off", off)):
         for line in read_jsonl(run / "metrics.jsonl"):
-            curve[key].append((line["type"], line["step"], line["loss"], line.get("acceptance_length"),
-                               tuple(line.get("acc", ()))))
+            curve[key].append(
+                (line["type"], line["step"], line["loss"], line.get("acceptance_length"), tuple(line.get("acc", ())))
+            )
     assert [c[:2] for c in curve["on"]] == [c[:2] for c in curve["off"]]
     assert sum(c[0] == "eval" for c in curve["on"]) >= 3
     for a, b in zip(curve["on"], curve["off"]):
@@ -100,21 +122,36 @@ def test_online_from_engine_equals_offline_from_store_under_a_tenth_of_its_disk(
     metrics = [m for m in read_jsonl(on / "metrics.jsonl") if m["type"] == "train"]
     assert all(m["spool_bytes"] <= online["bound"] for m in metrics)
     assert metrics[-1]["extract_tokens_per_s"] > 0 and {m["waiting"] for m in metrics} <= {
-        "trainer", "engines (spool full)", "trainer (engine starting)", "none"}
+        "trainer",
+        "engines (spool full)",
+        "trainer (engine starting)",
+        "none",
+    }
     assert "online (vLLM engines, spool)" in online["stdout"]
     assert not any((on / "spool" / "chunks").iterdir())
 
 
 def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work, prepared, online):
     run = work / "faults"
-    args = ("train", "--data", prepared, "--engine", "vllm", "--spool-gb", f"{online['bound_gb']:.6f}", "--output",
-            run, "--max-steps", STEPS, *TRAIN)
+    args = (
+        "train",
+        "--data",
+        prepared,
+        "--engine",
+        "vllm",
+        "--spool-gb",
+        f"{online['bound_gb']:.6f}",
+        "--output",
+        run,
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+    )
     spool, log = Spool(run / "spool"), work / "faults.log"
 
     # 1. the engine process dies mid-run: the trainer restarts it and finishes nothing short
     trainer = draftsmith(*args, log=log)
-    wait_for(lambda: spool.read_status().chunks_done >= 2 and not spool.read_status().done, trainer,
-              "two chunks")
+    wait_for(lambda: spool.read_status().chunks_done >= 2 and not spool.read_status().done, trainer, "two chunks")
     engine = spool.read_status().pid
     os.kill(engine, signal.SIGKILL)
     # 2. then the trainer dies, after a checkpoint: its engine process exits by itself
@@ -144,13 +181,26 @@ def test_kill_9_of_engine_trainer_and_whole_job_resumes_to_the_same_weights(work
 
 def test_keep_epoch0_feeds_later_epochs_and_trains_offline(work, sharegpt_file):
     prepared, kept = work / "prepared-small", work / "kept"
-    draftsmith("prepare", "--data", sharegpt_file, "--max-samples", 24, "--max-length", MAX_LENGTH, "--output",
-               prepared)
+    draftsmith(
+        "prepare", "--data", sharegpt_file, "--max-samples", 24, "--max-length", MAX_LENGTH, "--output", prepared
+    )
     draftsmith("extract", "--prepared", prepared, "--output", work / "store-small", *EXTRACT)
     options = ["--epochs", "2", *TRAIN]
     draftsmith("train", "--data", work / "store-small", "--output", work / "offline-2ep", *options, trainer_cores=True)
-    done = draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--keep-epoch0", kept,
-                      "--output", work / "online-2ep", *options)
+    done = draftsmith(
+        "train",
+        "--data",
+        prepared,
+        "--engine",
+        "vllm",
+        "--spool-gb",
+        "0.05",
+        "--keep-epoch0",
+        kept,
+        "--output",
+        work / "online-2ep",
+        *options,
+    )
     epochs = {line["epoch"] for line in read_jsonl(work / "online-2ep" / "samples.jsonl")}
     assert epochs == {0, 1}
     assert read_jsonl(work / "online-2ep" / "samples.jsonl") == read_jsonl(work / "offline-2ep" / "samples.jsonl")
@@ -158,8 +208,9 @@ def test_keep_epoch0_feeds_later_epochs_and_trains_offline(work, sharegpt_file):
     # epoch 1 and the held-out split came from the kept store: the engines computed epoch 0 (and the held-out
     # split) only
     status = json.loads((work / "online-2ep" / "spool" / "status.json").read_text())
-    epoch0 = {i for line in read_jsonl(work / "online-2ep" / "samples.jsonl") if line["epoch"] == 0
-              for i in line["samples"]}
+    epoch0 = {
+        i for line in read_jsonl(work / "online-2ep" / "samples.jsonl") if line["epoch"] == 0 for i in line["samples"]
+    }
     kept_store = store.open(kept)
     assert epoch0 <= set(kept_store.sample_ids.tolist())
     lengths = {int(i): int(n) for i, n in zip(kept_store.sample_ids, kept_store.lengths)}
@@ -179,19 +230,36 @@ def family_data(name: str, conversations: int, tmp_path: Path) -> Path:
 
     chats = write_chats(tmp_path / "chats.jsonl", conversations)
     prepared = tmp_path / "prepared"
-    draftsmith("prepare", "--data", chats, "--target", families.target_dir(name), "--max-length", 192, "--output",
-               prepared)
+    draftsmith(
+        "prepare", "--data", chats, "--target", families.target_dir(name), "--max-length", 192, "--output", prepared
+    )
     draftsmith("extract", "--prepared", prepared, "--output", tmp_path / "store", *EXTRACT)
     return prepared
 
 
 def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
     prepared = family_data("deepseek_v3", 24, tmp_path)
-    options = ["--max-steps", "8", "--token-budget", "512", "--draft-vocab-size", "256", "--log-every", "1",
-               "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
+    options = [
+        "--max-steps",
+        "8",
+        "--token-budget",
+        "512",
+        "--draft-vocab-size",
+        "256",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--device",
+        "cpu",
+        "--no-vllm-compile",
+        "--engine-dtype",
+        "float32",
+    ]
     draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "offline", *options, trainer_cores=True)
-    draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output",
-               tmp_path / "online", *options)
+    draftsmith(
+        "train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output", tmp_path / "online", *options
+    )
     assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")
     on = [m["loss"] for m in read_jsonl(tmp_path / "online" / "metrics.jsonl")]
     off = [m["loss"] for m in read_jsonl(tmp_path / "offline" / "metrics.jsonl")]
@@ -201,14 +269,37 @@ def test_deepseek_v3_target_trains_online_as_offline(work, tmp_path):
     from draftsmith.extract import store
 
     layers = ",".join(map(str, store.open(tmp_path / "store").aux_layer_ids))
-    dflash = [*options, "--method", "dflash", "--block-size", "4", "--num-layers", "1", "--anchors-per-sample", "16",
-              "--aux-layer-ids", layers]
-    draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "dflash-offline", *dflash,
-               trainer_cores=True)
-    draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output",
-               tmp_path / "dflash-online", *dflash)
-    on, off = ([m["loss"] for m in read_jsonl(tmp_path / f"dflash-{run}" / "metrics.jsonl")]
-               for run in ("online", "offline"))
+    dflash = [
+        *options,
+        "--method",
+        "dflash",
+        "--block-size",
+        "4",
+        "--num-layers",
+        "1",
+        "--anchors-per-sample",
+        "16",
+        "--aux-layer-ids",
+        layers,
+    ]
+    draftsmith(
+        "train", "--data", tmp_path / "store", "--output", tmp_path / "dflash-offline", *dflash, trainer_cores=True
+    )
+    draftsmith(
+        "train",
+        "--data",
+        prepared,
+        "--engine",
+        "vllm",
+        "--spool-gb",
+        "0.05",
+        "--output",
+        tmp_path / "dflash-online",
+        *dflash,
+    )
+    on, off = (
+        [m["loss"] for m in read_jsonl(tmp_path / f"dflash-{run}" / "metrics.jsonl")] for run in ("online", "offline")
+    )
     assert len(on) >= 8 and on == pytest.approx(off, rel=1e-5)
     assert_same_weights(tmp_path / "dflash-online", tmp_path / "dflash-offline")
 
@@ -217,10 +308,26 @@ def test_torchrun_two_ranks_read_one_engine_as_from_a_store(tmp_path):
     """torchrun --nproc-per-node 2 (gloo): rank 0 starts the one engine process, both ranks read their own
     micro-batches from the same chunks (the last to read one deletes it); the curve equals two ranks on a store."""
     prepared = family_data("llama", 32, tmp_path)
-    options = ["--max-steps", "6", "--token-budget", "256", "--draft-vocab-size", "256", "--log-every", "1",
-               "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
-    on, off, _ = torchrun_offline_and_online(tmp_path, tmp_path / "store", ["--data", str(prepared), "--engine",
-                                                                            "vllm", "--spool-gb", "0.05"], options)
+    options = [
+        "--max-steps",
+        "6",
+        "--token-budget",
+        "256",
+        "--draft-vocab-size",
+        "256",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--device",
+        "cpu",
+        "--no-vllm-compile",
+        "--engine-dtype",
+        "float32",
+    ]
+    on, off, _ = torchrun_offline_and_online(
+        tmp_path, tmp_path / "store", ["--data", str(prepared), "--engine", "vllm", "--spool-gb", "0.05"], options
+    )
     assert [x[:3] for x in on] == [x[:3] for x in off]  # the same steps over the same tokens of both ranks
     assert [x[3] for x in on] == pytest.approx([x[3] for x in off], rel=1e-5)
     assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")

@@ -98,12 +98,32 @@ def prepared(tiny_target_dir, tmp_path_factory):
 def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_path, method):
     def cfg(out):  # peagle: 3 depths, COD sampling drawn per (epoch, sample): a resume must draw the same anchors;
         #            dflash: blocks of 4 at anchors drawn per (epoch, sample), the same on a resume
-        shape = (dict(block_size=4, anchors_per_sample=6, num_layers=2) if method == "dflash" else
-                 dict(ttt_steps=2 if method == "eagle3" else 3))
-        return TrainConfig(data=prepared, output=out, draft_vocab_size=300, token_budget=96, grad_accum=2, epochs=2,
-                           noise_std=0.05, eval_fraction=0.1, eval_every=3, save_every=2, keep_checkpoints=2,
-                           log_every=1, lr=3e-3, warmup_steps=2, device="cpu", method=method, cod_ratio=0.6,
-                           cod_floor=0.2, **shape)
+        shape = (
+            dict(block_size=4, anchors_per_sample=6, num_layers=2)
+            if method == "dflash"
+            else dict(ttt_steps=2 if method == "eagle3" else 3)
+        )
+        return TrainConfig(
+            data=prepared,
+            output=out,
+            draft_vocab_size=300,
+            token_budget=96,
+            grad_accum=2,
+            epochs=2,
+            noise_std=0.05,
+            eval_fraction=0.1,
+            eval_every=3,
+            save_every=2,
+            keep_checkpoints=2,
+            log_every=1,
+            lr=3e-3,
+            warmup_steps=2,
+            device="cpu",
+            method=method,
+            cod_ratio=0.6,
+            cod_floor=0.2,
+            **shape,
+        )
 
     reference = tmp_path / "reference"
     proc, receive = _start(cfg(reference))

@@ -12,8 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_rehearsal_runs_every_step_and_prints_the_table(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--out",
-                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     out = proc.stdout
     assert "| shape | T | compile | dtype | tokens/s | peak MB |" in out
@@ -27,8 +33,23 @@ def test_gpu_check_kimi_rehearsal_runs_every_step_and_writes_its_json(tmp_path):
     import json
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--kimi", "--device", "cpu", "--tiny",
-                           "--out", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(REPO / "benchmarks" / "gpu_check.sh"),
+            "--kimi",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     report = json.loads((tmp_path / "kimi.json").read_text())
     assert report["step"]["chunked"]["tokens_per_s_by_T"]["tiny"]["128"] > 0

@@ -50,10 +50,16 @@ def _mooncake_loads() -> bool:
     return True
 
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
-              pytest.mark.skipif(not _mooncake_loads(), reason="Mooncake is not installed (the mooncake extra and "
-                                 "Debian's libibverbs1 librdmacm1; .ci/run installs them)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.skipif(
+        not _mooncake_loads(),
+        reason="Mooncake is not installed (the mooncake extra and "
+        "Debian's libibverbs1 librdmacm1; .ci/run installs them)",
+    ),
+]
 
 BOUND_GB = "0.02"  # four one-step chunks and the held-out split's, a fraction of the whole store
 
@@ -74,9 +80,18 @@ class Master:
 
     def start(self) -> "Master":
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([self.binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-                                          "--metrics_host=127.0.0.1", f"--metrics_port={free_port()}",
-                                          "--enable_metric_reporting=false"], stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [
+                    self.binary,
+                    "--rpc_address=127.0.0.1",
+                    f"--rpc_port={self.port}",
+                    "--metrics_host=127.0.0.1",
+                    f"--metrics_port={free_port()}",
+                    "--enable_metric_reporting=false",
+                ],
+                stdout=log,
+                stderr=log,
+            )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -114,8 +129,7 @@ def master(tmp_path):
 def children(proc: subprocess.Popen, needle: str) -> list[int]:
     """The pids of `proc`'s descendants whose command line holds `needle`."""
     try:
-        return [c.pid for c in psutil.Process(proc.pid).children(recursive=True)
-                if needle in " ".join(c.cmdline())]
+        return [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if needle in " ".join(c.cmdline())]
     except psutil.Error:
         return []
 
@@ -126,8 +140,19 @@ def feed(master_address: str, node: Path, prepared: Path, *extra: str, log: Path
     copy = node / "prepared"
     if not copy.exists():
         shutil.copytree(prepared, copy)
-    return draftsmith("feed", "--spool", master_address, "--prepared", copy, "--scratch", node / "scratch", *extra,
-                      log=log, cores=[0], cwd=node)
+    return draftsmith(
+        "feed",
+        "--spool",
+        master_address,
+        "--prepared",
+        copy,
+        "--scratch",
+        node / "scratch",
+        *extra,
+        log=log,
+        cores=[0],
+        cwd=node,
+    )
 
 
 def test_engine_node_and_trainer_node_share_only_the_master_and_train_as_offline(online_reference, master, tmp_path):
@@ -135,9 +160,25 @@ def test_engine_node_and_trainer_node_share_only_the_master_and_train_as_offline
     trainer_node.mkdir()
     where = master.address("equal")
     engine = feed(where, engine_node, online_reference["prepared"], log=tmp_path / "feed.out")
-    done = draftsmith("train", "--data", online_reference["prepared"], "--engine", "vllm", "--remote-engines",
-                      "--spool", where, "--spool-gb", BOUND_GB, "--output", "run", "--max-steps", STEPS, *TRAIN,
-                      trainer_cores=True, cwd=trainer_node)
+    done = draftsmith(
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--remote-engines",
+        "--spool",
+        where,
+        "--spool-gb",
+        BOUND_GB,
+        "--output",
+        "run",
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+        trainer_cores=True,
+        cwd=trainer_node,
+    )
     assert engine.wait(120) == 0, (tmp_path / "feed.out").read_text()[-3000:]
     run = trainer_node / "run"
     assert read_jsonl(run / "samples.jsonl") == read_jsonl(online_reference["run"] / "samples.jsonl")
@@ -162,11 +203,38 @@ def test_engine_node_and_trainer_node_share_only_the_master_and_train_as_offline
 def test_torchrun_two_ranks_fetch_from_one_engine_through_mooncake(online_reference, tmp_path):
     """rank 0 starts the master on loopback and the engine process; both ranks fetch their own micro-batches of the
     same chunks; the curve equals two ranks reading the store."""
-    options = ["--max-steps", "6", "--token-budget", "256", "--draft-vocab-size", "2000", "--log-every", "1",
-               "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
+    options = [
+        "--max-steps",
+        "6",
+        "--token-budget",
+        "256",
+        "--draft-vocab-size",
+        "2000",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--device",
+        "cpu",
+        "--no-vllm-compile",
+        "--engine-dtype",
+        "float32",
+    ]
     on, off, stdout = torchrun_offline_and_online(
-        tmp_path, online_reference["store"], ["--data", str(online_reference["prepared"]), "--engine", "vllm",
-                                              "--spool", "mooncake", "--spool-gb", BOUND_GB], options)
+        tmp_path,
+        online_reference["store"],
+        [
+            "--data",
+            str(online_reference["prepared"]),
+            "--engine",
+            "vllm",
+            "--spool",
+            "mooncake",
+            "--spool-gb",
+            BOUND_GB,
+        ],
+        options,
+    )
     assert len(on) >= 6 and [x[:3] for x in on] == [x[:3] for x in off]
     assert [x[3] for x in on] == pytest.approx([x[3] for x in off], rel=1e-5)
     assert read_jsonl(tmp_path / "online" / "samples.jsonl") == read_jsonl(tmp_path / "offline" / "samples.jsonl")
@@ -175,8 +243,22 @@ def test_torchrun_two_ranks_fetch_from_one_engine_through_mooncake(online_refere
 
 def test_kill_9_of_engine_master_and_trainer_each_resume_to_the_same_weights(online_reference, tmp_path):
     run, log = tmp_path / "run", tmp_path / "train.log"
-    args = ("train", "--data", online_reference["prepared"], "--engine", "vllm", "--spool", "mooncake", "--spool-gb",
-            BOUND_GB, "--output", run, "--max-steps", STEPS, *TRAIN)
+    args = (
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--spool",
+        "mooncake",
+        "--spool-gb",
+        BOUND_GB,
+        "--output",
+        run,
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+    )
     trainer = draftsmith(*args, log=log)
 
     def one(needle: str) -> int:
@@ -217,26 +299,66 @@ def test_kill_9_of_engine_master_and_trainer_each_resume_to_the_same_weights(onl
 
 def test_a_segment_too_small_for_the_bound_is_one_line_on_both_sides(online_reference, master, tmp_path):
     where = master.address("small")
-    trainer = draftsmith("train", "--data", online_reference["prepared"], "--engine", "vllm", "--remote-engines",
-                         "--spool", where, "--spool-gb", BOUND_GB, "--output", tmp_path / "run", "--max-steps", STEPS,
-                         *TRAIN, log=tmp_path / "train.log")
-    engine = feed(where, tmp_path / "engine-node", online_reference["prepared"], "--segment-gb", "0.016",
-                  log=tmp_path / "feed.log")
+    trainer = draftsmith(
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--remote-engines",
+        "--spool",
+        where,
+        "--spool-gb",
+        BOUND_GB,
+        "--output",
+        tmp_path / "run",
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+        log=tmp_path / "train.log",
+    )
+    engine = feed(
+        where,
+        tmp_path / "engine-node",
+        online_reference["prepared"],
+        "--segment-gb",
+        "0.016",
+        log=tmp_path / "feed.log",
+    )
     assert engine.wait(120) == 1
     assert trainer.wait(120) == 1
     feed_errors = error_lines((tmp_path / "feed.log").read_text())
-    assert len(feed_errors) == 1 and "--segment-gb 0.016" in feed_errors[0] and "cannot hold" in feed_errors[0], \
+    assert len(feed_errors) == 1 and "--segment-gb 0.016" in feed_errors[0] and "cannot hold" in feed_errors[0], (
         feed_errors
+    )
     train_errors = error_lines((tmp_path / "train.log").read_text())
     assert len(train_errors) == 1 and "--segment-gb 0.016" in train_errors[0], train_errors
 
 
-def test_a_stalled_trainer_is_named_by_the_engine_and_the_engine_then_by_the_trainer(online_reference, master,
-                                                                                     tmp_path):
+def test_a_stalled_trainer_is_named_by_the_engine_and_the_engine_then_by_the_trainer(
+    online_reference, master, tmp_path
+):
     where = master.address("stall")
-    trainer = draftsmith("train", "--data", online_reference["prepared"], "--engine", "vllm", "--remote-engines",
-                         "--spool", where, "--spool-gb", BOUND_GB, "--output", tmp_path / "run", "--max-steps", STEPS,
-                         "--stall-timeout-s", "15", *TRAIN, log=tmp_path / "train.log")
+    trainer = draftsmith(
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--remote-engines",
+        "--spool",
+        where,
+        "--spool-gb",
+        BOUND_GB,
+        "--output",
+        tmp_path / "run",
+        "--max-steps",
+        STEPS,
+        "--stall-timeout-s",
+        "15",
+        *TRAIN,
+        log=tmp_path / "train.log",
+    )
     engine = feed(where, tmp_path / "engine-node", online_reference["prepared"], log=tmp_path / "feed.log")
     wait_for(lambda: steps_done(tmp_path / "run") >= 1, trainer, "step 1")
     trainer.send_signal(signal.SIGSTOP)  # the engine fills the spool, then waits for room that never comes
@@ -256,8 +378,23 @@ def test_a_stalled_trainer_is_named_by_the_engine_and_the_engine_then_by_the_tra
 
 def test_a_stalled_engine_ends_the_run_naming_it_and_its_log(online_reference, tmp_path):
     run, log = tmp_path / "run", tmp_path / "train.log"
-    trainer = draftsmith("train", "--data", online_reference["prepared"], "--engine", "vllm", "--spool-gb", BOUND_GB,
-                         "--output", run, "--max-steps", STEPS, "--stall-timeout-s", "10", *TRAIN, log=log)
+    trainer = draftsmith(
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--spool-gb",
+        BOUND_GB,
+        "--output",
+        run,
+        "--max-steps",
+        STEPS,
+        "--stall-timeout-s",
+        "10",
+        *TRAIN,
+        log=log,
+    )
     wait_for(lambda: steps_done(run) >= 1, trainer, "step 1")
     engine = children(trainer, "draftsmith.extract.vllm.feed")[0]
     os.kill(engine, signal.SIGSTOP)
@@ -276,8 +413,9 @@ def test_a_stalled_engine_ends_the_run_naming_it_and_its_log(online_reference, t
 
 def _tmpfs(path: Path, size: str) -> Path:
     path.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); CI runs as root")
     return path
@@ -293,9 +431,23 @@ def small_fs(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
 def test_spool_gb_beyond_the_free_space_is_refused_before_any_engine_starts(online_reference, small_fs, tmp_path):
-    done = draftsmith("train", "--data", online_reference["prepared"], "--engine", "vllm", "--spool",
-                      small_fs / "spool", "--spool-gb", "0.1", "--output", tmp_path / "run", "--max-steps", STEPS,
-                      *TRAIN, check=False)
+    done = draftsmith(
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--spool",
+        small_fs / "spool",
+        "--spool-gb",
+        "0.1",
+        "--output",
+        tmp_path / "run",
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+        check=False,
+    )
     assert done.returncode == 1
     errors = error_lines(done.stderr)
     assert len(errors) == 1 and "--spool-gb 0.1" in errors[0] and str(small_fs / "spool") in errors[0], done.stderr
@@ -306,8 +458,23 @@ def test_spool_gb_beyond_the_free_space_is_refused_before_any_engine_starts(onli
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
 def test_a_filesystem_that_fills_during_the_run_is_one_line_without_restarts(online_reference, small_fs, tmp_path):
     run, log, spool = tmp_path / "run", tmp_path / "train.log", small_fs / "spool"
-    trainer = draftsmith("train", "--data", online_reference["prepared"], "--engine", "vllm", "--spool", spool,
-                         "--spool-gb", BOUND_GB, "--output", run, "--max-steps", STEPS, *TRAIN, log=log)
+    trainer = draftsmith(
+        "train",
+        "--data",
+        online_reference["prepared"],
+        "--engine",
+        "vllm",
+        "--spool",
+        spool,
+        "--spool-gb",
+        BOUND_GB,
+        "--output",
+        run,
+        "--max-steps",
+        STEPS,
+        *TRAIN,
+        log=log,
+    )
     # another process fills the filesystem while the engine starts: its first chunk no longer fits
     wait_for(lambda: (run / "feed.log").is_file(), trainer, "the engine process")
     free = shutil.disk_usage(small_fs).free

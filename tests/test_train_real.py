@@ -15,11 +15,31 @@ def test_online_training_on_the_default_target_raises_acceptance_length(default_
     from draftsmith.prepare.stage import run as prepare
     from draftsmith.train import checkpoint, run
 
-    prepare(PrepareConfig(data=[str(sharegpt_file)], target=str(default_target_dir), output=tmp_path / "prepared",
-                          max_length=192, max_samples=60))
-    result = run(TrainConfig(data=tmp_path / "prepared", output=tmp_path / "run", draft_vocab_size=8000, ttt_steps=3,
-                             lr=1e-3, warmup_steps=2, token_budget=768, max_steps=24, eval_every=8,
-                             eval_fraction=0.1, log_every=4, device="cpu"))
+    prepare(
+        PrepareConfig(
+            data=[str(sharegpt_file)],
+            target=str(default_target_dir),
+            output=tmp_path / "prepared",
+            max_length=192,
+            max_samples=60,
+        )
+    )
+    result = run(
+        TrainConfig(
+            data=tmp_path / "prepared",
+            output=tmp_path / "run",
+            draft_vocab_size=8000,
+            ttt_steps=3,
+            lr=1e-3,
+            warmup_steps=2,
+            token_budget=768,
+            max_steps=24,
+            eval_every=8,
+            eval_fraction=0.1,
+            log_every=4,
+            device="cpu",
+        )
+    )
     evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if e["type"] == "eval"]
     assert len(evals) >= 3

@@ -24,10 +24,22 @@ from draftsmith.train.ttt import _top1_logsumexp
 
 
 def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0):
-    cfg = DraftSpec(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=hidden // 4, num_hidden_layers=layers, rms_norm_eps=1e-5, hidden_act="silu",
-                    max_position_embeddings=2048, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                    target_hidden_size=hidden, vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layer_ids=[1, 2, 3])
+    cfg = DraftSpec(
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=hidden,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=[1, 2, 3],
+    )
     draft = Eagle3Draft(cfg)
     draft.init_weights(seed)
     with torch.no_grad():
@@ -84,8 +96,9 @@ def test_loss_mask_is_aligned_with_the_predicted_token_at_every_step():
         rows = index.scored[k].tolist()
         assert all(t < 12 - k - 2 for t in rows)
         predicted = [int(x[0, t + k + 2]) for t in rows]
-        expected = [int(x[0, t + k + 2]) for t in range(12 - k - 2) if int(x[0, t + k + 2]) in (105, 106, 107, 108,
-                                                                                                    111)]
+        expected = [
+            int(x[0, t + k + 2]) for t in range(12 - k - 2) if int(x[0, t + k + 2]) in (105, 106, 107, 108, 111)
+        ]
         assert predicted == expected, k
         assert [int(index.needed[i]) for i in index.target[k]] == [t + k + 1 for t in rows], k
     assert index.counts.tolist() == [5, 5, 5, 5, 4, 3]
@@ -133,7 +146,9 @@ def test_target_distribution_matches_the_target_model_and_is_chunk_invariant(tin
     ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(0))
     captured = {}
     layers = targets.decoder_layers(target)
-    hook = layers[-1].register_forward_hook(lambda m, a, o: captured.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    hook = layers[-1].register_forward_hook(
+        lambda m, a, o: captured.setdefault("h", o[0] if isinstance(o, tuple) else o)
+    )
     with torch.no_grad():
         logits = target(ids).logits.flatten(0, 1)
     hook.remove()
@@ -274,16 +289,20 @@ def test_split_batches_with_a_shared_normaliser_give_the_combined_gradient():
         norm = step_counts(mask, 3)
         for sl in parts:
             index = step_index(mask[sl].numpy(), 3)
-            ttt_forward(draft, ids[sl], aux[sl], _compact(probs[sl], index), index, 3,
-                        normaliser=norm).loss.backward()
+            ttt_forward(draft, ids[sl], aux[sl], _compact(probs[sl], index), index, 3, normaliser=norm).loss.backward()
         return draft.fc.weight.grad.clone()
 
     torch.testing.assert_close(grads([slice(0, 4)]), grads([slice(0, 1), slice(1, 4)]), atol=1e-6, rtol=1e-5)
 
 
 def test_summary_and_simulated_acceptance_length():
-    s = summarise(kl_sum=torch.tensor([2.0, 4.0]), correct=torch.tensor([8.0, 5.0]),
-                  accept_sum=torch.tensor([9.0, 6.0]), count=torch.tensor([10.0, 10.0]), step_weight=0.5)
+    s = summarise(
+        kl_sum=torch.tensor([2.0, 4.0]),
+        correct=torch.tensor([8.0, 5.0]),
+        accept_sum=torch.tensor([9.0, 6.0]),
+        count=torch.tensor([10.0, 10.0]),
+        step_weight=0.5,
+    )
     assert s["acc"] == [0.8, 0.5]
     assert s["acceptance_length"] == pytest.approx(1 + 0.8 + 0.8 * 0.5)
     assert s["loss"] == pytest.approx(0.2 + 0.5 * 0.4)

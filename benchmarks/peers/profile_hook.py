@@ -20,8 +20,14 @@ WARMUP, TIMED, PROFILED = 2, 4, 2
 
 
 def install(out_dir: str, name: str) -> None:
-    state = {"step": 0, "t_end": None, "phase": {"backward": 0.0, "clip": 0.0, "optimizer": 0.0}, "step_s": [],
-             "prof": None, "in_opt": 0}
+    state = {
+        "step": 0,
+        "t_end": None,
+        "phase": {"backward": 0.0, "clip": 0.0, "optimizer": 0.0},
+        "step_s": [],
+        "prof": None,
+        "in_opt": 0,
+    }
 
     def timing() -> bool:  # is the step now running one of the timed ones?
         return WARMUP < state["step"] + 1 <= WARMUP + TIMED
@@ -37,6 +43,7 @@ def install(out_dir: str, name: str) -> None:
             finally:
                 state["phase"][phase] += time.perf_counter() - t0
                 state["in_opt"] -= phase == "optimizer"
+
         return wrapper
 
     torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
@@ -70,9 +77,12 @@ def _write_timing(out_dir: str, name: str, state: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     total = sum(state["step_s"])
     phase = state["phase"]
-    result = {"steps": len(state["step_s"]), "step_s": round(total / max(len(state["step_s"]), 1), 3),
-              **{f"{k}_s": round(v / max(len(state["step_s"]), 1), 3) for k, v in phase.items()},
-              "forward_s": round((total - sum(phase.values())) / max(len(state["step_s"]), 1), 3),
-              "torch_threads": torch.get_num_threads()}
+    result = {
+        "steps": len(state["step_s"]),
+        "step_s": round(total / max(len(state["step_s"]), 1), 3),
+        **{f"{k}_s": round(v / max(len(state["step_s"]), 1), 3) for k, v in phase.items()},
+        "forward_s": round((total - sum(phase.values())) / max(len(state["step_s"]), 1), 3),
+        "torch_threads": torch.get_num_threads(),
+    }
     with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f)

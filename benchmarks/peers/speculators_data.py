@@ -47,8 +47,11 @@ def read_store(store: Path) -> dict[int, dict[str, torch.Tensor]]:
             offsets, sample_ids = f.get_tensor("offsets").tolist(), f.get_tensor("sample_ids").tolist()
         for j, sid in enumerate(sample_ids):
             a, b = offsets[j], offsets[j + 1]
-            samples[int(sid)] = {"input_ids": ids[a:b].clone(), "loss_mask": mask[a:b].clone(),
-                                 "hidden_states": hs[a:b].clone()}
+            samples[int(sid)] = {
+                "input_ids": ids[a:b].clone(),
+                "loss_mask": mask[a:b].clone(),
+                "hidden_states": hs[a:b].clone(),
+            }
     return samples
 
 
@@ -71,8 +74,10 @@ def main() -> None:
     freq: dict[int, int] = {}
     for i, sid in enumerate(order):
         s = samples[sid]
-        save_file({"hidden_states": s["hidden_states"].contiguous(), "token_ids": s["input_ids"].contiguous()},
-                  str(hs_dir / f"hs_{i}.safetensors"))
+        save_file(
+            {"hidden_states": s["hidden_states"].contiguous(), "token_ids": s["input_ids"].contiguous()},
+            str(hs_dir / f"hs_{i}.safetensors"),
+        )
         rows["input_ids"].append(s["input_ids"].tolist())
         rows["loss_mask"].append(s["loss_mask"].tolist())
         rows["seq_len"].append(int(s["input_ids"].numel()))

@@ -69,33 +69,48 @@ def evaluate(model, rows: list[dict], norm_w: torch.Tensor, head: torch.Tensor, 
     for row in rows:
         ids, mask, hs = row["input_ids"], row["loss_mask"], row["hidden_states"].float()
         t = ids.numel()
-        sample = {"input_ids": ids, "hidden_states": hs[:, :-1].flatten(1), "verifier_last_hidden_states": hs[:, -1],
-                  "loss_mask": mask, "lengths": torch.tensor([t]), "position_ids": torch.arange(t)}
+        sample = {
+            "input_ids": ids,
+            "hidden_states": hs[:, :-1].flatten(1),
+            "verifier_last_hidden_states": hs[:, -1],
+            "loss_mask": mask,
+            "lengths": torch.tensor([t]),
+            "position_ids": torch.arange(t),
+        }
         b = shift_batch(sample)  # the trainer's own alignment: x_{i+1}, g_i, y_{i+1}, l_{i+1}
         draft_tokens, _, metrics = model(
-            hidden_states=b["hidden_states"][None], input_ids=b["input_ids"][None],
-            document_ids=torch.zeros(1, t - 1, dtype=torch.long), loss_mask=b["loss_mask"][None],
-            position_ids=b["position_ids"][None], verifier_last_hidden_states=b["verifier_last_hidden_states"][None],
-            ttt_steps=ttt_steps, ttt_step_loss_decay=1.0, loss_config=loss_config)
+            hidden_states=b["hidden_states"][None],
+            input_ids=b["input_ids"][None],
+            document_ids=torch.zeros(1, t - 1, dtype=torch.long),
+            loss_mask=b["loss_mask"][None],
+            position_ids=b["position_ids"][None],
+            verifier_last_hidden_states=b["verifier_last_hidden_states"][None],
+            ttt_steps=ttt_steps,
+            ttt_step_loss_decay=1.0,
+            loss_config=loss_config,
+        )
         for key, value in metrics.items():
             own[key] = own.get(key, 0.0) + float(value)
         # target top-1 over the full vocabulary at every position j (predicts x_{j+1})
         last = hs[:, -1]
         x = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + eps) * norm_w
-        tgt = torch.cat([(x[i:i + 256] @ head.T).argmax(-1) for i in range(0, t, 256)])
+        tgt = torch.cat([(x[i : i + 256] @ head.T).argmax(-1) for i in range(0, t, 256)])
         for k in range(ttt_steps):
             n = t - k - 2  # positions t' = 0..T-k-3 (shifted index i = t')
             if n <= 0:
                 continue
             pred = draft_tokens[k][0, :n].long()
             pred = pred + d2t[pred]  # draft id -> target id
-            scored = mask[k + 2:k + 2 + n].bool()
-            correct[k] += (pred[scored] == tgt[k + 1:k + 1 + n][scored]).sum()
+            scored = mask[k + 2 : k + 2 + n].bool()
+            correct[k] += (pred[scored] == tgt[k + 1 : k + 1 + n][scored]).sum()
             count[k] += scored.sum()
     acc = (correct / count.clamp(min=1)).tolist()
     own_acc = [own[f"full_acc_{k}_sum"] / max(own[f"full_acc_{k}_total"], 1.0) for k in range(ttt_steps)]
-    return {"acc": [round(a, 5) for a in acc], "count": [int(c) for c in count.tolist()],
-            "acc_own_metric": [round(a, 5) for a in own_acc]}
+    return {
+        "acc": [round(a, 5) for a in acc],
+        "count": [int(c) for c in count.tolist()],
+        "acc_own_metric": [round(a, 5) for a in own_acc],
+    }
 
 
 def read_rows(data: Path, indices: list[int]) -> list[dict]:

@@ -69,11 +69,24 @@ class _StepLog(logging.Handler):
             self.step += 1
             m = msg["train"]
             acc = [m[k] for k in sorted((k for k in m if k.startswith("full_acc_")), key=lambda k: int(k[9:]))]
-            line = {"type": "train", "step": self.step, "tokens_seen": self.tokens, "loss": m.get("loss"),
-                    "acc": acc, "epoch": msg.get("epoch"), "lr": msg.get("lr"), "time": time.time()}
+            line = {
+                "type": "train",
+                "step": self.step,
+                "tokens_seen": self.tokens,
+                "loss": m.get("loss"),
+                "acc": acc,
+                "epoch": msg.get("epoch"),
+                "lr": msg.get("lr"),
+                "time": time.time(),
+            }
         elif "val" in msg:
-            line = {"type": "eval", "step": self.step, "epoch": msg.get("epoch"), "time": time.time(),
-                    **{k: v for k, v in msg["val"].items() if isinstance(v, (int, float))}}
+            line = {
+                "type": "eval",
+                "step": self.step,
+                "epoch": msg.get("epoch"),
+                "time": time.time(),
+                **{k: v for k, v in msg["val"].items() if isinstance(v, (int, float))},
+            }
         else:
             return
         self.file.write(json.dumps(line) + "\n")

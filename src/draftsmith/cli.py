@@ -32,8 +32,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-store_app = typer.Typer(help="Work with hidden-state stores: verify checksums, merge stores from many writers.",
-                        no_args_is_help=True)
+store_app = typer.Typer(
+    help="Work with hidden-state stores: verify checksums, merge stores from many writers.", no_args_is_help=True
+)
 app.add_typer(store_app, name="store")
 console = Console()
 err_console = Console(stderr=True)
@@ -130,17 +131,26 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
 
         return
 
-    params = [inspect.Parameter(
-        "config_file", inspect.Parameter.KEYWORD_ONLY, default=None,
-        annotation=Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")],
-    )]
+    params = [
+        inspect.Parameter(
+            "config_file",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[
+                Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")
+            ],
+        )
+    ]
     for field_name, field in cfg_cls.model_fields.items():
         extra = field.json_schema_extra
         if typing.get_origin(field.annotation) is dict and not (isinstance(extra, dict) and extra.get("json_flag")):
             continue  # a YAML-only section (a recipe's per-stage options): no flag for it
         annotation, decl = _option(field_name, field, field_name in positional)
-        params.append(inspect.Parameter(field_name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[annotation, decl]))
+        params.append(
+            inspect.Parameter(
+                field_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, decl]
+            )
+        )
 
     def command(**kwargs: Any) -> None:
         config_file = kwargs.pop("config_file")
@@ -161,76 +171,192 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
     app.command(name, help=help_text)(command)
 
 
-_stage_command("regenerate", "RegenerateConfig", "draftsmith.prepare.regenerate:run",
-               "Have the target answer the conversations' user turns itself (vLLM or transformers), so the draft "
-               "trains on the target's own answers; writes messages JSONL that `draftsmith prepare --data` reads.")
-_stage_command("prepare", "PrepareConfig", "draftsmith.prepare:run",
-               "Render conversations with the target's chat template into token shards with assistant loss masks.")
-_stage_command("extract", "ExtractConfig", "draftsmith.extract:run",
-               "Run the target over a prepared set and store its aux-layer hidden states (transformers or vLLM).")
-_stage_command("train", "TrainConfig", "draftsmith.train:run",
-               "Train an EAGLE-3 draft with training-time test, from a store (offline) or a prepared set (online).")
-_stage_command("feed", "FeedConfig", "draftsmith.extract.vllm.feed:run",
-               "The engine side of online training on another node: a vLLM engine that computes the chunks a "
-               "`train --engine vllm --remote-engines` trainer plans and publishes them to its --spool (Mooncake).")
-_stage_command("export", "ExportConfig", "draftsmith.export:run",
-               "Write a trained draft as a vLLM, SGLang or speculators model directory.", positional=("checkpoint",))
-_stage_command("evaluate", "EvaluateConfig", "draftsmith.evaluate:run",
-               "Measure acceptance length and speed-up by real speculative decoding (reference decoder or vLLM).")
-_stage_command("serve", "ServeConfig", "draftsmith.serve:run",
-               "Serve a draft with its target: vLLM's OpenAI-compatible server with EAGLE-3 speculative decoding."
-               "\n\nListens on 127.0.0.1:8000 unless --host / --port say otherwise; Ctrl-C or SIGTERM stops it. "
-               "Other `vllm serve` options go in --vllm-args.", positional=("draft",))
-_stage_command("quickstart", "QuickstartConfig", "draftsmith.quickstart:run",
-               "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate, resumable."
-               "\n\nA --config recipe (see recipes/) may also hold one section per stage, e.g. `train: {lr: 5.0e-4}`, "
-               "whose options go on top of what --budget chose.")
+_stage_command(
+    "regenerate",
+    "RegenerateConfig",
+    "draftsmith.prepare.regenerate:run",
+    "Have the target answer the conversations' user turns itself (vLLM or transformers), so the draft "
+    "trains on the target's own answers; writes messages JSONL that `draftsmith prepare --data` reads.",
+)
+_stage_command(
+    "prepare",
+    "PrepareConfig",
+    "draftsmith.prepare:run",
+    "Render conversations with the target's chat template into token shards with assistant loss masks.",
+)
+_stage_command(
+    "extract",
+    "ExtractConfig",
+    "draftsmith.extract:run",
+    "Run the target over a prepared set and store its aux-layer hidden states (transformers or vLLM).",
+)
+_stage_command(
+    "train",
+    "TrainConfig",
+    "draftsmith.train:run",
+    "Train an EAGLE-3 draft with training-time test, from a store (offline) or a prepared set (online).",
+)
+_stage_command(
+    "feed",
+    "FeedConfig",
+    "draftsmith.extract.vllm.feed:run",
+    "The engine side of online training on another node: a vLLM engine that computes the chunks a "
+    "`train --engine vllm --remote-engines` trainer plans and publishes them to its --spool (Mooncake).",
+)
+_stage_command(
+    "export",
+    "ExportConfig",
+    "draftsmith.export:run",
+    "Write a trained draft as a vLLM, SGLang or speculators model directory.",
+    positional=("checkpoint",),
+)
+_stage_command(
+    "evaluate",
+    "EvaluateConfig",
+    "draftsmith.evaluate:run",
+    "Measure acceptance length and speed-up by real speculative decoding (reference decoder or vLLM).",
+)
+_stage_command(
+    "serve",
+    "ServeConfig",
+    "draftsmith.serve:run",
+    "Serve a draft with its target: vLLM's OpenAI-compatible server with EAGLE-3 speculative decoding."
+    "\n\nListens on 127.0.0.1:8000 unless --host / --port say otherwise; Ctrl-C or SIGTERM stops it. "
+    "Other `vllm serve` options go in --vllm-args.",
+    positional=("draft",),
+)
+_stage_command(
+    "quickstart",
+    "QuickstartConfig",
+    "draftsmith.quickstart:run",
+    "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate, resumable."
+    "\n\nA --config recipe (see recipes/) may also hold one section per stage, e.g. `train: {lr: 5.0e-4}`, "
+    "whose options go on top of what --budget chose.",
+)
 
 
 @app.command("doctor")
 def doctor(
-    target: Annotated[Optional[str], typer.Option("--target", help=(
-        "A target's model directory or its config.json alone: add its vLLM row and what its store and its "
-        "draft's training will take (from the config, no weights read)."))] = None,
-    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Tokens of the data set to size the store for.")]
-    = None,
-    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", help=(
-        "GPUs the target's weights are split over, for the per-GPU weight size."))] = 1,
-    gpu_memory_gb: Annotated[Optional[float], typer.Option("--gpu-memory-gb", help=(
-        "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's training fits it "
-        "and the largest --token-budget that does."))] = None,
-    online_rate: Annotated[Optional[float], typer.Option("--online-rate", metavar="TOKENS_PER_S", help=(
-        "Training tokens per second the trainer consumes (all ranks together): with --target, the --spool-gb "
-        "that `train --engine vllm` needs for it, in bf16 and fp8."))] = None,
-    spool_lead_s: Annotated[float, typer.Option("--spool-lead-s", metavar="SECONDS", help=(
-        "How far ahead of the trainer the engines may run, in seconds of its consumption, for --online-rate."))]
-    = 60.0,
-    vllm_source: Annotated[Optional[Path], typer.Option("--vllm-source", help=(
-        "Probe the vLLM source in this directory instead of the installed vLLM: a site-packages, an unpacked "
-        "wheel, a checkout, or the vllm package itself (read, never imported; no runtime step)."))] = None,
-    runtime: Annotated[bool, typer.Option("--runtime", help=(
-        "Also ask the installed vLLM what async_scheduling resolves to here: it builds its engine config for "
-        "the target in a subprocess (some seconds)."))] = False,
-    as_json: Annotated[bool, typer.Option("--json", help=(
-        "Print one JSON object (versions, the probe's facts, strategy and reason, one entry per architecture) "
-        "and nothing else, for scripts."))] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help=(
-        "The full tables: every environment row and asset, every capability the probe read with what it found "
-        "and means, every architecture's row per strategy."))] = False,
+    target: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help=(
+                "A target's model directory or its config.json alone: add its vLLM row and what its store and its "
+                "draft's training will take (from the config, no weights read)."
+            ),
+        ),
+    ] = None,
+    tokens: Annotated[
+        Optional[int], typer.Option("--tokens", help="Tokens of the data set to size the store for.")
+    ] = None,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel-size", help=("GPUs the target's weights are split over, for the per-GPU weight size.")
+        ),
+    ] = 1,
+    gpu_memory_gb: Annotated[
+        Optional[float],
+        typer.Option(
+            "--gpu-memory-gb",
+            help=(
+                "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's training fits it "
+                "and the largest --token-budget that does."
+            ),
+        ),
+    ] = None,
+    online_rate: Annotated[
+        Optional[float],
+        typer.Option(
+            "--online-rate",
+            metavar="TOKENS_PER_S",
+            help=(
+                "Training tokens per second the trainer consumes (all ranks together): with --target, the --spool-gb "
+                "that `train --engine vllm` needs for it, in bf16 and fp8."
+            ),
+        ),
+    ] = None,
+    spool_lead_s: Annotated[
+        float,
+        typer.Option(
+            "--spool-lead-s",
+            metavar="SECONDS",
+            help=(
+                "How far ahead of the trainer the engines may run, in seconds of its consumption, for --online-rate."
+            ),
+        ),
+    ] = 60.0,
+    vllm_source: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--vllm-source",
+            help=(
+                "Probe the vLLM source in this directory instead of the installed vLLM: a site-packages, an unpacked "
+                "wheel, a checkout, or the vllm package itself (read, never imported; no runtime step)."
+            ),
+        ),
+    ] = None,
+    runtime: Annotated[
+        bool,
+        typer.Option(
+            "--runtime",
+            help=(
+                "Also ask the installed vLLM what async_scheduling resolves to here: it builds its engine config for "
+                "the target in a subprocess (some seconds)."
+            ),
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help=(
+                "Print one JSON object (versions, the probe's facts, strategy and reason, one entry per architecture) "
+                "and nothing else, for scripts."
+            ),
+        ),
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help=(
+                "The full tables: every environment row and asset, every capability the probe read with what it found "
+                "and means, every architecture's row per strategy."
+            ),
+        ),
+    ] = False,
 ) -> None:
     """Show versions, hardware, cached default assets, what vLLM can do per architecture (read from its source,
     never imported), and a target's sizes: one screen, --verbose for the full tables."""
     doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
-    _call(lambda: doctor_module.run(console, target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                    gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime,
-                                    as_json=as_json, online_rate=online_rate, spool_lead_s=spool_lead_s,
-                                    verbose=verbose))
+    _call(
+        lambda: doctor_module.run(
+            console,
+            target=target,
+            tokens=tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_gb=gpu_memory_gb,
+            vllm_source=vllm_source,
+            runtime=runtime,
+            as_json=as_json,
+            online_rate=online_rate,
+            spool_lead_s=spool_lead_s,
+            verbose=verbose,
+        )
+    )
 
 
 @app.command("inspect")
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="Any draftsmith artefact directory (prepared set, store, checkpoint, export).")],
-    sample: Annotated[Optional[int], typer.Option("--sample", "-s", help="Show sample i of a prepared set or store.")] = None,
+    path: Annotated[
+        Path, typer.Argument(help="Any draftsmith artefact directory (prepared set, store, checkpoint, export).")
+    ],
+    sample: Annotated[
+        Optional[int], typer.Option("--sample", "-s", help="Show sample i of a prepared set or store.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (for scripts).")] = False,
 ) -> None:
     """Show an artefact's manifest, or one sample with its loss-masked span highlighted."""
@@ -241,8 +367,15 @@ def inspect_command(
 @store_app.command("verify")
 def store_verify(
     path: Annotated[Path, typer.Argument(help="Hidden-state store directory.")],
-    repair: Annotated[bool, typer.Option("--repair", help=(
-        "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."))] = False,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help=(
+                "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."
+            ),
+        ),
+    ] = False,
 ) -> None:
     """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens."""
     store = importlib.import_module("draftsmith.extract.store")

@@ -83,18 +83,27 @@ def read_target_config(target: str | Path) -> dict:
 def check_online(target: str | None, online_rate: float | None, spool_lead_s: float) -> None:
     """One line for an --online-rate / --spool-lead-s doctor cannot size a spool from."""
     if online_rate is not None and online_rate <= 0:
-        raise DraftsmithError(f"--online-rate {online_rate:g}: must be > 0 (training tokens per second the "
-                              "trainer consumes, all ranks together)")
+        raise DraftsmithError(
+            f"--online-rate {online_rate:g}: must be > 0 (training tokens per second the "
+            "trainer consumes, all ranks together)"
+        )
     if spool_lead_s <= 0:
         raise DraftsmithError(f"--spool-lead-s {spool_lead_s:g}: must be > 0 (seconds the engines may run ahead)")
     if online_rate is not None and target is None:
-        raise DraftsmithError("--online-rate: give --target too (the spool's rows come from the target's hidden "
-                              "size)")
+        raise DraftsmithError("--online-rate: give --target too (the spool's rows come from the target's hidden size)")
 
 
-def report(*, target: str | None = None, tokens: int | None = None, tensor_parallel_size: int = 1,
-           gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
-           runtime: bool = False, online_rate: float | None = None, spool_lead_s: float = 60.0) -> dict:
+def report(
+    *,
+    target: str | None = None,
+    tokens: int | None = None,
+    tensor_parallel_size: int = 1,
+    gpu_memory_gb: float | None = None,
+    vllm_source: str | Path | None = None,
+    runtime: bool = False,
+    online_rate: float | None = None,
+    spool_lead_s: float = 60.0,
+) -> dict:
     """Everything doctor finds, as one JSON-ready dict: {"draftsmith", "environment", "vllm": {source, version,
     platform, architecture, facts, strategy, reason, usable, capabilities}, "architectures": [one per architecture:
     its table row (architecture, "vLLM class", "aux ids vLLM reaches", connector, direct, notes), strategy, usable,
@@ -106,19 +115,43 @@ def report(*, target: str | None = None, tokens: int | None = None, tensor_paral
     out: dict = {
         "draftsmith": __version__,
         "environment": dict(environment_rows()),
-        "vllm": {"source": main.source, "version": main.facts.version, "platform": main.facts.platform,
-                 "architecture": main.architecture, "facts": main.facts.model_dump(), "strategy": main.strategy,
-                 "reason": main.reason, "usable": main.usable,
-                 "capabilities": [cap.model_dump() for cap in main.capabilities]},
-        "architectures": [{**probe.architecture_row(r), "strategy": r.strategy, "usable": r.usable,
-                           "support": r.support.model_dump() if r.support is not None else None}
-                          for r in _architecture_reports(architecture, config, vllm_source)],
+        "vllm": {
+            "source": main.source,
+            "version": main.facts.version,
+            "platform": main.facts.platform,
+            "architecture": main.architecture,
+            "facts": main.facts.model_dump(),
+            "strategy": main.strategy,
+            "reason": main.reason,
+            "usable": main.usable,
+            "capabilities": [cap.model_dump() for cap in main.capabilities],
+        },
+        "architectures": [
+            {
+                **probe.architecture_row(r),
+                "strategy": r.strategy,
+                "usable": r.usable,
+                "support": r.support.model_dump() if r.support is not None else None,
+            }
+            for r in _architecture_reports(architecture, config, vllm_source)
+        ],
     }
     if config is not None:
         planning = importlib.import_module(PLANNING)
-        out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(planning.sizing_rows(
-            config, tokens=tokens, tensor_parallel_size=tensor_parallel_size, gpu_memory_gb=gpu_memory_gb,
-            online_rate=online_rate, spool_lead_s=spool_lead_s))}
+        out["target"] = {
+            "path": str(target),
+            "architecture": architecture,
+            "sizes": dict(
+                planning.sizing_rows(
+                    config,
+                    tokens=tokens,
+                    tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_gb=gpu_memory_gb,
+                    online_rate=online_rate,
+                    spool_lead_s=spool_lead_s,
+                )
+            ),
+        }
         if main.facts.installed:
             out["target"]["vllm_dtype_auto"] = probe.choose_dtype("auto", main, config).model_dump()
     return out
@@ -143,8 +176,7 @@ def _say(console: Console, text: str, style: str | None = None, *, wrap: bool = 
     """One line of the summary, cut to the screen with an ellipsis (or, `wrap`, wrapped under its indent)."""
     lines = textwrap.wrap(text, max(20, console.width - indent), break_on_hyphens=False) if wrap else [text]
     for line in lines:  # wrapped here, not by rich: no line is padded with spaces to the screen's width
-        console.print(Text(" " * indent + line, style=style or ""), no_wrap=True, overflow="ellipsis",
-                      highlight=False)
+        console.print(Text(" " * indent + line, style=style or ""), no_wrap=True, overflow="ellipsis", highlight=False)
 
 
 def hardware_line(*, on_gpu: bool) -> str:
@@ -159,48 +191,75 @@ def hardware_line(*, on_gpu: bool) -> str:
     return f"CPU {cpu.isa}, {bf16} · auto precision: {auto}{where} · {cpu.model}"
 
 
-def print_summary(console: Console, main: probe.ProbeReport, reports: list[probe.ProbeReport],
-                  target_rows: list[tuple[str, str]] | None, target: str | None, config: dict | None) -> None:
+def print_summary(
+    console: Console,
+    main: probe.ProbeReport,
+    reports: list[probe.ProbeReport],
+    target_rows: list[tuple[str, str]] | None,
+    target: str | None,
+    config: dict | None,
+) -> None:
     """doctor on one screen: versions and hardware, the strategy this vLLM takes and why, the capabilities that are
     missing, unknown or worth knowing, one line per architecture, and the target's sizes when one is given."""
     env = dict(environment_rows())
     gpus = "no GPU" if env["gpus"].startswith("none") else f"GPUs: {env['gpus']}"
-    _say(console, f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']} · "
-                  f"{env['cpu cores']} CPU cores · {gpus}", "bold")
+    _say(
+        console,
+        f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']} · "
+        f"{env['cpu cores']} CPU cores · {gpus}",
+        "bold",
+    )
     _say(console, hardware_line(on_gpu=not env["gpus"].startswith("none")), indent=2)
     _say(console, f"torch {env['torch']} · transformers {env['transformers']} · vllm {env['vllm']}", indent=2)
     assets_rows = {k.removeprefix("asset: "): v for k, v in env.items() if k.startswith("asset: ")}
     missing = [name for name, state in assets_rows.items() if state != "cached"]
-    _say(console, f"cache {env['cache']}: {len(assets_rows) - len(missing)} of {len(assets_rows)} default assets "
-                  "cached" + (f" (fetched on first use: {', '.join(missing)})" if missing else ""), indent=2)
+    _say(
+        console,
+        f"cache {env['cache']}: {len(assets_rows) - len(missing)} of {len(assets_rows)} default assets "
+        "cached" + (f" (fetched on first use: {', '.join(missing)})" if missing else ""),
+        indent=2,
+    )
     facts = main.facts
     if not facts.installed:
         _say(console, f"vLLM: not found ({main.reason})", "bold", wrap=True)
     else:
-        _say(console, f"vLLM {facts.version} ({facts.platform or 'platform unknown'}), read from its source, never "
-                      "imported", "bold")
-        head = f"strategy: {main.strategy} for {main.architecture}" if main.strategy else \
-            f"no vLLM strategy for {main.architecture}"
+        _say(
+            console,
+            f"vLLM {facts.version} ({facts.platform or 'platform unknown'}), read from its source, never imported",
+            "bold",
+        )
+        head = (
+            f"strategy: {main.strategy} for {main.architecture}"
+            if main.strategy
+            else f"no vLLM strategy for {main.architecture}"
+        )
         _say(console, f"{head} ({main.reason})", None if main.strategy else "red", wrap=True, indent=2)
         caps = main.capabilities
         worth = [c for c in caps if c.unknown or c.ok is False]
         counts = f"{sum(c.ok is True for c in caps)} as needed, {sum(c.ok is None for c in caps)} informational"
         if worth:
-            counts += f", {sum(c.ok is False and not c.unknown for c in caps)} missing, " \
-                      f"{sum(c.unknown for c in caps)} unknown"
+            counts += (
+                f", {sum(c.ok is False and not c.unknown for c in caps)} missing, "
+                f"{sum(c.unknown for c in caps)} unknown"
+            )
         if target_rows is None:  # with a target, its sizes end with the choice for it
             _say(console, f"compute dtype (auto): {dtype_line(main, config)}", wrap=True, indent=2)
         _say(console, f"capabilities: {counts}", indent=2)
         for cap in worth:
             mark = "?" if cap.unknown else "✗"
-            _say(console, f"{mark} {cap.name}: {cap.found} — {cap.meaning}", "yellow" if cap.unknown else "red",
-                 indent=4)
+            _say(
+                console, f"{mark} {cap.name}: {cap.found} — {cap.meaning}", "yellow" if cap.unknown else "red", indent=4
+            )
     _say(console, "architectures: strategy · aux ids vLLM reaches · notes", "bold")
     width = max((len(r.architecture) for r in reports), default=0)
     for r in reports:
         row = probe.architecture_row(r)
-        _say(console, f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} "
-                      f"{row['notes'] if row['notes'] != '-' else ''}".rstrip(), indent=2)
+        _say(
+            console,
+            f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} "
+            f"{row['notes'] if row['notes'] != '-' else ''}".rstrip(),
+            indent=2,
+        )
     if target_rows is not None:
         _say(console, f"target {target}: sizes from its config.json", "bold")
         for key, value in target_rows:
@@ -208,10 +267,20 @@ def print_summary(console: Console, main: probe.ProbeReport, reports: list[probe
     _say(console, "the full tables: draftsmith doctor --verbose · everything for scripts: --json", "dim")
 
 
-def run(console: Console, *, target: str | None = None, tokens: int | None = None,
-        tensor_parallel_size: int = 1, gpu_memory_gb: float | None = None, vllm_source: str | Path | None = None,
-        runtime: bool = False, as_json: bool = False, online_rate: float | None = None,
-        spool_lead_s: float = 60.0, verbose: bool = False) -> None:
+def run(
+    console: Console,
+    *,
+    target: str | None = None,
+    tokens: int | None = None,
+    tensor_parallel_size: int = 1,
+    gpu_memory_gb: float | None = None,
+    vllm_source: str | Path | None = None,
+    runtime: bool = False,
+    as_json: bool = False,
+    online_rate: float | None = None,
+    spool_lead_s: float = 60.0,
+    verbose: bool = False,
+) -> None:
     """Print doctor's summary, one screen (`verbose`: its full tables; `as_json`: the one JSON object of `report`).
     `vllm_source`: probe that vLLM tree instead of the installed one (no runtime step); `runtime`: build the
     installed vLLM's engine config too; `online_rate`, `spool_lead_s`: the target's online spool rows
@@ -220,10 +289,22 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
     if vllm_source is not None:
         package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed
     if as_json:
-        console.out(json.dumps(report(target=target, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                      gpu_memory_gb=gpu_memory_gb, vllm_source=vllm_source, runtime=runtime,
-                                      online_rate=online_rate, spool_lead_s=spool_lead_s),
-                               indent=2), highlight=False)
+        console.out(
+            json.dumps(
+                report(
+                    target=target,
+                    tokens=tokens,
+                    tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_gb=gpu_memory_gb,
+                    vllm_source=vllm_source,
+                    runtime=runtime,
+                    online_rate=online_rate,
+                    spool_lead_s=spool_lead_s,
+                ),
+                indent=2,
+            ),
+            highlight=False,
+        )
         return
     config = read_target_config(target) if target else None
     architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
@@ -233,9 +314,14 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
         rows = None
         if config is not None:
             planning = importlib.import_module(PLANNING)
-            rows = planning.sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                        gpu_memory_gb=gpu_memory_gb, online_rate=online_rate,
-                                        spool_lead_s=spool_lead_s)
+            rows = planning.sizing_rows(
+                config,
+                tokens=tokens,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_gb=gpu_memory_gb,
+                online_rate=online_rate,
+                spool_lead_s=spool_lead_s,
+            )
             if main.facts.installed:
                 rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
         print_summary(console, main, reports, rows, target, config)
@@ -253,14 +339,27 @@ def run(console: Console, *, target: str | None = None, tokens: int | None = Non
         sizes.add_column(style="bold")
         sizes.add_column()
         planning = importlib.import_module(PLANNING)
-        for key, value in planning.sizing_rows(config, tokens=tokens, tensor_parallel_size=tensor_parallel_size,
-                                               gpu_memory_gb=gpu_memory_gb, online_rate=online_rate,
-                                               spool_lead_s=spool_lead_s):
+        for key, value in planning.sizing_rows(
+            config,
+            tokens=tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_gb=gpu_memory_gb,
+            online_rate=online_rate,
+            spool_lead_s=spool_lead_s,
+        ):
             sizes.add_row(key, value)
         if main.facts.installed:
             sizes.add_row("vLLM compute dtype (auto)", dtype_line(main, config))
         console.print(sizes)
 
 
-__all__ = ["check_online", "dtype_line", "environment_rows", "hardware_line", "print_summary", "read_target_config",
-           "report", "run"]
+__all__ = [
+    "check_online",
+    "dtype_line",
+    "environment_rows",
+    "hardware_line",
+    "print_summary",
+    "read_target_config",
+    "report",
+    "run",
+]

@@ -44,7 +44,7 @@ def highlighted_text(tokenizer, input_ids: list[int], loss_mask: list[int]) -> T
     position = 0
     for masked, group in itertools.groupby(loss_mask, key=bool):
         n = len(list(group))
-        piece = tokenizer.decode(input_ids[position:position + n], skip_special_tokens=False)
+        piece = tokenizer.decode(input_ids[position : position + n], skip_special_tokens=False)
         text.append(piece, style="bold green" if masked else "dim")
         position += n
     return text
@@ -69,12 +69,20 @@ def run(path: Path, *, sample: int | None, as_json: bool, console: Console) -> N
     input_ids = [int(t) for t in item["input_ids"].tolist()]
     loss_mask = [int(m) for m in item["loss_mask"].tolist()]
     if as_json:
-        print(json.dumps({"sample_id": int(item.get("sample_id", sample)), "input_ids": input_ids, "loss_mask": loss_mask}))
+        print(
+            json.dumps(
+                {"sample_id": int(item.get("sample_id", sample)), "input_ids": input_ids, "loss_mask": loss_mask}
+            )
+        )
         return
     tokenizer = load_tokenizer(Path(samples.manifest.target.path))
-    console.print(f"[bold]{path}[/] sample {sample}: {len(input_ids)} tokens, {sum(loss_mask)} loss-masked "
-                  "([bold green]trained on[/], [dim]context[/])")
+    console.print(
+        f"[bold]{path}[/] sample {sample}: {len(input_ids)} tokens, {sum(loss_mask)} loss-masked "
+        "([bold green]trained on[/], [dim]context[/])"
+    )
     console.print(highlighted_text(tokenizer, input_ids, loss_mask))
     if "hidden_states" in item:
-        console.print(f"hidden_states: {tuple(item['hidden_states'].shape)} {item['hidden_states'].dtype}, "
-                      f"layer ids {list(samples.layer_ids)}")
+        console.print(
+            f"hidden_states: {tuple(item['hidden_states'].shape)} {item['hidden_states'].dtype}, "
+            f"layer ids {list(samples.layer_ids)}"
+        )

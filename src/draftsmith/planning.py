@@ -15,11 +15,19 @@ from draftsmith.core.target_config import text_config
 from draftsmith.train.model import DraftSpec
 
 
-def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size: int = 1,
-                aux_layer_ids: list[int] | None = None, draft_vocab_size: int | None = None,
-                token_budget: int | None = None, ttt_steps: int | None = None,
-                gpu_memory_gb: float | None = None, online_rate: float | None = None,
-                spool_lead_s: float = 60.0) -> list[tuple[str, str]]:
+def sizing_rows(
+    config: dict,
+    *,
+    tokens: int | None = None,
+    tensor_parallel_size: int = 1,
+    aux_layer_ids: list[int] | None = None,
+    draft_vocab_size: int | None = None,
+    token_budget: int | None = None,
+    ttt_steps: int | None = None,
+    gpu_memory_gb: float | None = None,
+    online_rate: float | None = None,
+    spool_lead_s: float = 60.0,
+) -> list[tuple[str, str]]:
     """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults.
     `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB. `online_rate`
     (training tokens/s, all ranks): the spool `train --engine vllm` needs for a `spool_lead_s` engine lead."""
@@ -30,49 +38,93 @@ def sizing_rows(config: dict, *, tokens: int | None = None, tensor_parallel_size
     aux = layer_ids[:-1]
     assert train.num_layers is not None  # TrainConfig's validator sets the method's default
     draft = DraftSpec.from_target_config(config, draft_vocab_size or train.draft_vocab_size, train.num_layers, aux)
-    memory = sizing.training_memory(draft, token_budget=token_budget or train.token_budget,
-                                    ttt_steps=ttt_steps or train.ttt_steps)
+    memory = sizing.training_memory(
+        draft, token_budget=token_budget or train.token_budget, ttt_steps=ttt_steps or train.ttt_steps
+    )
     tp = max(1, tensor_parallel_size)
-    moe = (f"; MoE: {shape.moe_layers} of {shape.num_layers} layers, {shape.experts} experts, "
-           f"{shape.experts_per_token} per token" + (f" + {shape.shared_experts} shared" if shape.shared_experts
-                                                     else "") if shape.moe_layers else "")
+    moe = (
+        f"; MoE: {shape.moe_layers} of {shape.num_layers} layers, {shape.experts} experts, "
+        f"{shape.experts_per_token} per token" + (f" + {shape.shared_experts} shared" if shape.shared_experts else "")
+        if shape.moe_layers
+        else ""
+    )
+
     def weights(devices: int) -> str:
-        return ", ".join(f"{name} {sizing.human_bytes(sizing.weight_bytes(shape.params, size, devices))}"
-                         for name, size in (("bf16", 2), ("fp8", 1), ("int4 (group 32)", 0.5 + 2 / 32)))
+        return ", ".join(
+            f"{name} {sizing.human_bytes(sizing.weight_bytes(shape.params, size, devices))}"
+            for name, size in (("bf16", 2), ("fp8", 1), ("int4 (group 32)", 0.5 + 2 / 32))
+        )
 
     rows = [
-        ("text backbone", f"{shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary {shape.vocab_size}, "
-                          f"{'multi-head latent' if shape.attention == 'mla' else 'GQA'} attention{moe}"),
+        (
+            "text backbone",
+            f"{shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary {shape.vocab_size}, "
+            f"{'multi-head latent' if shape.attention == 'mla' else 'GQA'} attention{moe}",
+        ),
         ("parameters", f"{sizing.human_count(shape.params)} ({sizing.human_count(shape.active_params)} per token)"),
         ("weights", weights(1) + (f"; per GPU at TP={tp}: " + weights(tp) if tp > 1 else "")),
     ]
     stored = sizing.stored_weight_bytes(config, shape)
     if "quantization_config" in config or "quantization_config" in text_config(config):
-        rows.append(("weights as stored", f"{sizing.human_bytes(stored.bytes)}: {stored.how}" + (
-            "" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)")))
+        rows.append(
+            (
+                "weights as stored",
+                f"{sizing.human_bytes(stored.bytes)}: {stored.how}"
+                + ("" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)"),
+            )
+        )
     rows.append(("vLLM loads it on", vllm_fit_line(stored.bytes, gpu_memory_gb)))
     per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
     rows.append(("store layer ids", f"{','.join(map(str, layer_ids))} (aux {','.join(map(str, aux))}, then N)"))
-    rows.append(("store bytes per token", f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} "
-                                          f"({len(layer_ids)} layers x {shape.hidden_size})"))
+    rows.append(
+        (
+            "store bytes per token",
+            f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} ({len(layer_ids)} layers x {shape.hidden_size})",
+        )
+    )
     for count in ([tokens] if tokens else []) + [1_000_000]:
-        rows.append((f"store for {count:,} tokens", f"bf16 {sizing.human_bytes(count * per_token['bf16'])}, "
-                                                  f"fp8 {sizing.human_bytes(count * per_token['fp8'])}"))
-    rows.extend(spool_rows(per_token, online_rate, spool_lead_s, tokens=tokens,
-                           tokens_per_step=token_budget or train.token_budget))
-    rows.append(("draft", f"{sizing.human_count(memory.draft_params)} trainable parameters (1 layer, hidden "
-                          f"{draft.hidden_size}, {draft.num_attention_heads} heads x {draft.head_dim}, "
-                          f"{draft.num_key_value_heads} KV heads, MLP {draft.intermediate_size}, draft vocabulary "
-                          f"{draft.draft_vocab_size})"))
-    rows.append(("draft training memory (estimate)",
-                 f"{sizing.human_bytes(memory.total)} per GPU at {token_budget or train.token_budget} tokens per "
-                 f"micro-batch, {ttt_steps or train.ttt_steps} TTT steps: weights + AdamW "
-                 f"{sizing.human_bytes(memory.weights_and_optimizer)}, target embedding + head (bf16) "
-                 f"{sizing.human_bytes(memory.target_head)}, activations {sizing.human_bytes(memory.activations)}"))
+        rows.append(
+            (
+                f"store for {count:,} tokens",
+                f"bf16 {sizing.human_bytes(count * per_token['bf16'])}, "
+                f"fp8 {sizing.human_bytes(count * per_token['fp8'])}",
+            )
+        )
+    rows.extend(
+        spool_rows(
+            per_token, online_rate, spool_lead_s, tokens=tokens, tokens_per_step=token_budget or train.token_budget
+        )
+    )
+    rows.append(
+        (
+            "draft",
+            f"{sizing.human_count(memory.draft_params)} trainable parameters (1 layer, hidden "
+            f"{draft.hidden_size}, {draft.num_attention_heads} heads x {draft.head_dim}, "
+            f"{draft.num_key_value_heads} KV heads, MLP {draft.intermediate_size}, draft vocabulary "
+            f"{draft.draft_vocab_size})",
+        )
+    )
+    rows.append(
+        (
+            "draft training memory (estimate)",
+            f"{sizing.human_bytes(memory.total)} per GPU at {token_budget or train.token_budget} tokens per "
+            f"micro-batch, {ttt_steps or train.ttt_steps} TTT steps: weights + AdamW "
+            f"{sizing.human_bytes(memory.weights_and_optimizer)}, target embedding + head (bf16) "
+            f"{sizing.human_bytes(memory.target_head)}, activations {sizing.human_bytes(memory.activations)}",
+        )
+    )
     if gpu_memory_gb is not None:
-        rows.append((f"fits one {gpu_memory_gb:g} GiB GPU?", training_fit_line(
-            draft, gpu_memory_gb, token_budget=token_budget or train.token_budget,
-            ttt_steps=ttt_steps or train.ttt_steps)))
+        rows.append(
+            (
+                f"fits one {gpu_memory_gb:g} GiB GPU?",
+                training_fit_line(
+                    draft,
+                    gpu_memory_gb,
+                    token_budget=token_budget or train.token_budget,
+                    ttt_steps=ttt_steps or train.ttt_steps,
+                ),
+            )
+        )
     return rows
 
 
@@ -98,8 +150,9 @@ def vllm_fit_line(weights_bytes: float, gpu_memory_gb: float | None) -> str:
     return "; ".join(parts) + " (0.9 of each GPU, 4 GiB kept for activations and the KV cache)"
 
 
-def spool_rows(per_token: dict[str, int], online_rate: float | None, lead_s: float, *, tokens: int | None,
-               tokens_per_step: int) -> list[tuple[str, str]]:
+def spool_rows(
+    per_token: dict[str, int], online_rate: float | None, lead_s: float, *, tokens: int | None, tokens_per_step: int
+) -> list[tuple[str, str]]:
     """The online spool rows: the `--spool-gb` for `online_rate` training tokens/s with the engines `lead_s` seconds
     ahead (`sizing.spool_bytes`, never below 4 chunks of one step of `tokens_per_step`), in bf16 and fp8, beside the
     offline store of `tokens`; without a rate, one row saying how to ask. `per_token`: the store row by dtype."""
@@ -108,16 +161,24 @@ def spool_rows(per_token: dict[str, int], online_rate: float | None, lead_s: flo
     floor = {d: sizing.min_spool_bytes(b, tokens_per_step) for d, b in per_token.items()}
     bound = {d: max(sizing.spool_bytes(b, online_rate, lead_s), floor[d]) for d, b in per_token.items()}
     flag = {d: f"{math.ceil(b / sizing.GiB * 10) / 10:g}" for d, b in bound.items()}  # GiB, rounded up
-    line = (f"{sizing.human_bytes(bound['bf16'])} bf16 / {sizing.human_bytes(bound['fp8'])} fp8: --spool-gb "
-            f"{flag['bf16']} (--spool-dtype fp8: --spool-gb {flag['fp8']})")
+    line = (
+        f"{sizing.human_bytes(bound['bf16'])} bf16 / {sizing.human_bytes(bound['fp8'])} fp8: --spool-gb "
+        f"{flag['bf16']} (--spool-dtype fp8: --spool-gb {flag['fp8']})"
+    )
     if tokens:
-        line += (f"; vs the offline store of {tokens:,} tokens: {sizing.human_bytes(tokens * per_token['bf16'])} "
-                 f"bf16 / {sizing.human_bytes(tokens * per_token['fp8'])} fp8")
-    least = (f"{sizing.SPOOL_CHUNKS} chunks of one optimizer step, {tokens_per_step:,} tokens a step (--token-budget "
-             f"x --grad-accum x ranks): {sizing.human_bytes(floor['bf16'])} bf16 / "
-             f"{sizing.human_bytes(floor['fp8'])} fp8")
-    return [(f"online spool ({_number(online_rate)} tok/s, {_number(lead_s)} s lead)", line),
-            ("online spool floor", least)]
+        line += (
+            f"; vs the offline store of {tokens:,} tokens: {sizing.human_bytes(tokens * per_token['bf16'])} "
+            f"bf16 / {sizing.human_bytes(tokens * per_token['fp8'])} fp8"
+        )
+    least = (
+        f"{sizing.SPOOL_CHUNKS} chunks of one optimizer step, {tokens_per_step:,} tokens a step (--token-budget "
+        f"x --grad-accum x ranks): {sizing.human_bytes(floor['bf16'])} bf16 / "
+        f"{sizing.human_bytes(floor['fp8'])} fp8"
+    )
+    return [
+        (f"online spool ({_number(online_rate)} tok/s, {_number(lead_s)} s lead)", line),
+        ("online spool floor", least),
+    ]
 
 
 def _number(x: float) -> str:
@@ -129,11 +190,15 @@ def training_fit_line(draft, gpu_memory_gb: float, *, token_budget: int, ttt_ste
     """One line: whether the draft's training (one process) fits a GPU of `gpu_memory_gb` GiB (`sizing.training_fit`,
     10 % kept for the CUDA context and allocator slack), and the largest --token-budget that does."""
     fit = sizing.training_fit(draft, gpu_memory_gb * sizing.GiB, token_budget=token_budget, ttt_steps=ttt_steps)
-    usage = (f"{sizing.human_bytes(fit.needed_bytes)} of the {sizing.human_bytes(fit.usable_bytes)} usable "
-             f"(90 %) at --token-budget {token_budget}")
+    usage = (
+        f"{sizing.human_bytes(fit.needed_bytes)} of the {sizing.human_bytes(fit.usable_bytes)} usable "
+        f"(90 %) at --token-budget {token_budget}"
+    )
     if fit.max_token_budget < 16:
-        return (f"no: {usage}, and the weights, AdamW state and target head alone do not fit; use a GPU with more "
-                "memory or shard the draft (--distributed fsdp2 under torchrun)")
+        return (
+            f"no: {usage}, and the weights, AdamW state and target head alone do not fit; use a GPU with more "
+            "memory or shard the draft (--distributed fsdp2 under torchrun)"
+        )
     most = f"--token-budget up to {fit.max_token_budget:,} fits"
     if fit.fits:
         return f"yes: {usage}; {most}"

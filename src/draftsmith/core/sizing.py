@@ -43,8 +43,11 @@ class TargetShape(BaseModel):
     shared_experts: int = 0
     tied_embeddings: bool = False
     # the parameters of each kind of module, for sizing a checkpoint that stores them differently (quantisation)
-    kinds: dict[str, int] = Field(default_factory=dict, description="routed experts, shared experts, attention, "
-                                  "dense MLP, LM head, embedding -> parameters (norms and routers aside)")
+    kinds: dict[str, int] = Field(
+        default_factory=dict,
+        description="routed experts, shared experts, attention, "
+        "dense MLP, LM head, embedding -> parameters (norms and routers aside)",
+    )
 
 
 def _text(config: dict) -> dict:
@@ -55,8 +58,10 @@ def _text(config: dict) -> dict:
 def _need(text: dict, *keys: str) -> list[int]:
     missing = [k for k in keys if text.get(k) is None]
     if missing:
-        raise DraftsmithError(f"target config: no {', '.join(missing)}; the size arithmetic reads these from a "
-                              "decoder-only config.json (text_config for a multimodal model)")
+        raise DraftsmithError(
+            f"target config: no {', '.join(missing)}; the size arithmetic reads these from a "
+            "decoder-only config.json (text_config for a multimodal model)"
+        )
     return [int(text[k]) for k in keys]
 
 
@@ -99,9 +104,14 @@ def _linear_attention_params(text: dict, hidden: int) -> int:
     key_dim = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
     value_heads = int(text["linear_num_value_heads"])
     value_dim = value_heads * int(text["linear_value_head_dim"])
-    return (hidden * (2 * key_dim + 2 * value_dim) + hidden * 2 * value_heads
-            + (2 * key_dim + value_dim) * int(text.get("linear_conv_kernel_dim") or 4) + 2 * value_heads
-            + int(text["linear_value_head_dim"]) + value_dim * hidden)
+    return (
+        hidden * (2 * key_dim + 2 * value_dim)
+        + hidden * 2 * value_heads
+        + (2 * key_dim + value_dim) * int(text.get("linear_conv_kernel_dim") or 4)
+        + 2 * value_heads
+        + int(text["linear_value_head_dim"])
+        + value_dim * hidden
+    )
 
 
 def _moe_layer_ids(text: dict, num_layers: int) -> list[int]:
@@ -121,8 +131,9 @@ def _moe_layer_ids(text: dict, num_layers: int) -> list[int]:
 def target_shape(config: dict) -> TargetShape:
     """Parameters and sizes of the target's text backbone from its config.json (no weights read)."""
     text = _text(config)
-    hidden, num_layers, vocab, intermediate = _need(text, "hidden_size", "num_hidden_layers", "vocab_size",
-                                                    "intermediate_size")
+    hidden, num_layers, vocab, intermediate = _need(
+        text, "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"
+    )
     _need(text, "num_attention_heads")
     attention, kind = _attention_params(text, hidden)
     attention_all = num_layers * attention
@@ -130,8 +141,11 @@ def target_shape(config: dict) -> TargetShape:
         attention_all += num_layers * hidden * int(text["num_attention_heads"]) * int(text["head_dim"])
     linear = _linear_attention_layers(text, num_layers)
     if linear:  # hybrids: these layers are gated delta-net (linear attention) instead
-        attention_all += len(linear) * (_linear_attention_params(text, hidden) - attention
-                                        - hidden * int(text["num_attention_heads"]) * int(text["head_dim"]))
+        attention_all += len(linear) * (
+            _linear_attention_params(text, hidden)
+            - attention
+            - hidden * int(text["num_attention_heads"]) * int(text["head_dim"])
+        )
     norms = 2 * hidden  # input_layernorm, post_attention_layernorm
     if kind == "mla":  # kv_a_layernorm, q_a_layernorm
         norms += int(text["kv_lora_rank"]) + int(text.get("q_lora_rank") or 0)
@@ -153,26 +167,42 @@ def target_shape(config: dict) -> TargetShape:
     moe_all = experts * expert_mlp + shared_mlp + router
     moe_active = per_token * expert_mlp + shared_mlp + router
     layers_all = attention_all + num_layers * norms + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_all
-    layers_active = (attention_all + num_layers * norms + (num_layers - len(moe)) * dense_mlp
-                     + len(moe) * moe_active)
+    layers_active = attention_all + num_layers * norms + (num_layers - len(moe)) * dense_mlp + len(moe) * moe_active
     tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     embeddings = vocab * hidden * (1 if tied else 2) + hidden  # embedding, LM head, final norm
-    kinds = {"routed experts": len(moe) * experts * expert_mlp, "shared experts": len(moe) * shared_mlp,
-             "attention": attention_all, "dense MLP": (num_layers - len(moe)) * dense_mlp,
-             "LM head": 0 if tied else vocab * hidden, "embedding": vocab * hidden}
-    return TargetShape(hidden_size=hidden, num_layers=num_layers, vocab_size=vocab,
-                       params=layers_all + embeddings, active_params=layers_active + embeddings, attention=kind,
-                       moe_layers=len(moe), experts=experts if moe else 0, experts_per_token=per_token if moe else 0,
-                       shared_experts=shared if moe else 0, tied_embeddings=tied,
-                       kinds={k: v for k, v in kinds.items() if v})
+    kinds = {
+        "routed experts": len(moe) * experts * expert_mlp,
+        "shared experts": len(moe) * shared_mlp,
+        "attention": attention_all,
+        "dense MLP": (num_layers - len(moe)) * dense_mlp,
+        "LM head": 0 if tied else vocab * hidden,
+        "embedding": vocab * hidden,
+    }
+    return TargetShape(
+        hidden_size=hidden,
+        num_layers=num_layers,
+        vocab_size=vocab,
+        params=layers_all + embeddings,
+        active_params=layers_active + embeddings,
+        attention=kind,
+        moe_layers=len(moe),
+        experts=experts if moe else 0,
+        experts_per_token=per_token if moe else 0,
+        shared_experts=shared if moe else 0,
+        tied_embeddings=tied,
+        kinds={k: v for k, v in kinds.items() if v},
+    )
 
 
 # A module of each kind as DeepSeek-V3 / Kimi-K2 / Llama checkpoints name it: what a quantization_config's `ignore`
 # list (names, or "re:" patterns) is matched against.
-_KIND_NAMES = {"routed experts": "model.layers.3.mlp.experts.0.down_proj",
-               "shared experts": "model.layers.3.mlp.shared_experts.down_proj",
-               "attention": "model.layers.3.self_attn.o_proj", "dense MLP": "model.layers.0.mlp.down_proj",
-               "LM head": "lm_head"}
+_KIND_NAMES = {
+    "routed experts": "model.layers.3.mlp.experts.0.down_proj",
+    "shared experts": "model.layers.3.mlp.shared_experts.down_proj",
+    "attention": "model.layers.3.self_attn.o_proj",
+    "dense MLP": "model.layers.0.mlp.down_proj",
+    "LM head": "lm_head",
+}
 
 
 class StoredWeights(BaseModel):
@@ -184,8 +214,7 @@ class StoredWeights(BaseModel):
 
 
 def _ignored(name: str, ignore: list) -> bool:
-    return any(name == p or (isinstance(p, str) and p.startswith("re:") and re.fullmatch(p[3:], name))
-               for p in ignore)
+    return any(name == p or (isinstance(p, str) and p.startswith("re:") and re.fullmatch(p[3:], name)) for p in ignore)
 
 
 def _bytes_per_weight(config: dict) -> tuple[dict[str, float], str] | None:
@@ -200,8 +229,11 @@ def _bytes_per_weight(config: dict) -> tuple[dict[str, float], str] | None:
         bits, group = weights.get("num_bits"), weights.get("group_size")
         if not isinstance(bits, int):
             return None
-        per = bits / 8 + ((2 + (0 if weights.get("symmetric", True) else 1)) / group
-                          if weights.get("strategy") == "group" and isinstance(group, int) else 0)
+        per = bits / 8 + (
+            (2 + (0 if weights.get("symmetric", True) else 1)) / group
+            if weights.get("strategy") == "group" and isinstance(group, int)
+            else 0
+        )
         how = f"{weights.get('type', 'int')}{bits}" + (f" (group {group}, bf16 scales)" if group else "")
         ignore = q.get("ignore") or []
         return {k: per for k, name in _KIND_NAMES.items() if not _ignored(name, ignore)}, how
@@ -229,8 +261,13 @@ def stored_weight_bytes(config: dict, shape: TargetShape | None = None) -> Store
     return StoredWeights(bytes=quantised + 2 * rest, how="; ".join(parts), read=read is not None)
 
 
-def vllm_fits(weights_bytes: float, tensor_parallel_size: int, gpu_bytes: float, memory_fraction: float = 0.9,
-              headroom: float = 4 * GiB) -> tuple[bool, float, float]:
+def vllm_fits(
+    weights_bytes: float,
+    tensor_parallel_size: int,
+    gpu_bytes: float,
+    memory_fraction: float = 0.9,
+    headroom: float = 4 * GiB,
+) -> tuple[bool, float, float]:
     """Whether vLLM loads weights of `weights_bytes` over `tensor_parallel_size` GPUs of `gpu_bytes` each: (fits,
     weights per GPU, what vLLM may use of one GPU less `headroom` for activations and a KV cache at all)."""
     per_gpu = weights_bytes / max(1, tensor_parallel_size)
@@ -280,8 +317,10 @@ def spool_bytes(bytes_per_token: int, tokens_per_s: float, lead_s: float = 60.0)
     the bound: bound = ceil(tokens_per_s * lead_s * bytes_per_token * 4 / 3). The bound must also hold 4 chunks of
     at least one optimizer step each (`min_spool_bytes`); take the larger of the two."""
     if tokens_per_s <= 0 or lead_s <= 0 or bytes_per_token <= 0:
-        raise DraftsmithError(f"spool size: the rate ({tokens_per_s:g} tokens/s), lead ({lead_s:g} s) and bytes "
-                              f"per token ({bytes_per_token}) must all be > 0")
+        raise DraftsmithError(
+            f"spool size: the rate ({tokens_per_s:g} tokens/s), lead ({lead_s:g} s) and bytes "
+            f"per token ({bytes_per_token}) must all be > 0"
+        )
     ahead = SPOOL_CHUNKS - 1
     return math.ceil(tokens_per_s * lead_s * bytes_per_token * SPOOL_CHUNKS / ahead)
 
@@ -295,9 +334,11 @@ def min_spool_bytes(bytes_per_token: int, tokens_per_step: int) -> int:
 def check_disk(needed: int, free: int, *, where: str, what: str) -> None:
     """Refuse, in one line, to start writing `needed` bytes where only `free` are left (a 2 % margin kept)."""
     if needed > free * 0.98:
-        raise DraftsmithError(f"{where}: {what} needs {needed / GiB:,.1f} GiB but only {free / GiB:,.1f} GiB are "
-                              "free there; free some space, write elsewhere (--output), store fp8 (--dtype fp8, "
-                              "half of bf16) or extract fewer samples (--max-samples / --shard)")
+        raise DraftsmithError(
+            f"{where}: {what} needs {needed / GiB:,.1f} GiB but only {free / GiB:,.1f} GiB are "
+            "free there; free some space, write elsewhere (--output), store fp8 (--dtype fp8, "
+            "half of bf16) or extract fewer samples (--max-samples / --shard)"
+        )
 
 
 # --------------------------------------------------------------------------------------------------- training
@@ -342,8 +383,9 @@ class TrainingMemory(BaseModel):
     total: float
 
 
-def training_memory(draft: DraftShape, *, token_budget: int, ttt_steps: int = 7, activation_bytes: int = 2,
-                    frozen_bytes: int = 2) -> TrainingMemory:
+def training_memory(
+    draft: DraftShape, *, token_budget: int, ttt_steps: int = 7, activation_bytes: int = 2, frozen_bytes: int = 2
+) -> TrainingMemory:
     """Memory one training process needs for `draft` at `token_budget` tokens per micro-batch.
 
     activations per token and TTT step: the layer's saved tensors (~10 H + 4 I values: norms, q/k/v, attention
@@ -358,24 +400,33 @@ def training_memory(draft: DraftShape, *, token_budget: int, ttt_steps: int = 7,
     features = 2 * len(draft.aux_layer_ids) * draft.target_hidden_size
     per_token = ttt_steps * per_step + 4 * draft.draft_vocab_size + features
     activations = float(token_budget * per_token)
-    return TrainingMemory(draft_params=params, weights_and_optimizer=float(optimizer), target_head=float(head),
-                          activations=activations, total=float(optimizer + head + activations))
+    return TrainingMemory(
+        draft_params=params,
+        weights_and_optimizer=float(optimizer),
+        target_head=float(head),
+        activations=activations,
+        total=float(optimizer + head + activations),
+    )
 
 
 class TrainingFit(BaseModel):
     """Whether one training process fits a GPU of a given size (`training_fit`)."""
 
     gpu_bytes: float
-    usable_bytes: float = Field(description="what the estimate may take: the GPU less headroom for the CUDA "
-                                "context and allocator slack")
+    usable_bytes: float = Field(
+        description="what the estimate may take: the GPU less headroom for the CUDA context and allocator slack"
+    )
     needed_bytes: float
     fits: bool
-    max_token_budget: int = Field(description="the largest tokens per micro-batch that fit (0: not even the "
-                                  "weights, optimizer and target head do)")
+    max_token_budget: int = Field(
+        description="the largest tokens per micro-batch that fit (0: not even the "
+        "weights, optimizer and target head do)"
+    )
 
 
-def training_fit(draft: DraftShape, gpu_bytes: float, *, token_budget: int, ttt_steps: int = 7,
-                 headroom: float = 0.1) -> TrainingFit:
+def training_fit(
+    draft: DraftShape, gpu_bytes: float, *, token_budget: int, ttt_steps: int = 7, headroom: float = 0.1
+) -> TrainingFit:
     """Whether `training_memory` at `token_budget` fits a GPU of `gpu_bytes`, keeping `headroom` (a fraction) for
     what the estimate leaves out, and the largest token budget that would (activations grow linearly with it)."""
     memory = training_memory(draft, token_budget=token_budget, ttt_steps=ttt_steps)
@@ -383,15 +434,20 @@ def training_fit(draft: DraftShape, gpu_bytes: float, *, token_budget: int, ttt_
     fixed = memory.weights_and_optimizer + memory.target_head
     per_token = memory.activations / token_budget
     max_budget = max(0, int((usable - fixed) // per_token)) if usable > fixed else 0
-    return TrainingFit(gpu_bytes=gpu_bytes, usable_bytes=usable, needed_bytes=memory.total,
-                       fits=memory.total <= usable, max_token_budget=max_budget)
+    return TrainingFit(
+        gpu_bytes=gpu_bytes,
+        usable_bytes=usable,
+        needed_bytes=memory.total,
+        fits=memory.total <= usable,
+        max_token_budget=max_budget,
+    )
 
 
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'; binary units, three significant figures."""
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
     k = 0 if n < 1024 else min(len(units) - 1, int(math.log(n, 1024)))
-    value = n / 1024 ** k
+    value = n / 1024**k
     return f"{value:.0f} {units[k]}" if k == 0 else f"{value:.3g} {units[k]}"
 
 
@@ -403,7 +459,25 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
-__all__ = ["SPOOL_CHUNKS", "StoredWeights", "TargetShape", "TrainingFit", "TrainingMemory", "check_disk",
-           "draft_params", "human_bytes", "human_count", "min_spool_bytes", "spool_bytes", "state_bytes_per_token",
-           "store_bytes", "store_bytes_per_token", "stored_weight_bytes", "target_shape", "training_fit",
-           "training_memory", "vllm_fits", "weight_bytes"]
+__all__ = [
+    "SPOOL_CHUNKS",
+    "StoredWeights",
+    "TargetShape",
+    "TrainingFit",
+    "TrainingMemory",
+    "check_disk",
+    "draft_params",
+    "human_bytes",
+    "human_count",
+    "min_spool_bytes",
+    "spool_bytes",
+    "state_bytes_per_token",
+    "store_bytes",
+    "store_bytes_per_token",
+    "stored_weight_bytes",
+    "target_shape",
+    "training_fit",
+    "training_memory",
+    "vllm_fits",
+    "weight_bytes",
+]

@@ -48,8 +48,10 @@ class MooncakeAddress:
     def parse(cls, text: str) -> MooncakeAddress:
         found = re.fullmatch(r"mooncake://([^:/]+):(\d+)(?:/([A-Za-z0-9._-]+))?/?", str(text))
         if not found:
-            raise DraftsmithError(f"--spool {text}: expected mooncake://HOST:PORT[/RUN] (the Mooncake master's address "
-                                  "and a run name), or mooncake to have draftsmith start a master on loopback")
+            raise DraftsmithError(
+                f"--spool {text}: expected mooncake://HOST:PORT[/RUN] (the Mooncake master's address "
+                "and a run name), or mooncake to have draftsmith start a master on loopback"
+            )
         return cls(found.group(1), int(found.group(2)), found.group(3) or DEFAULT_RUN)
 
     @property
@@ -81,5 +83,13 @@ def check_spool(value: str | None) -> str | None:
     return value
 
 
-__all__ = ["DEFAULT_RUN", "DirectoryAddress", "LocalMooncake", "MooncakeAddress", "SCHEME", "SpoolAddress",
-           "check_spool", "parse_spool"]
+__all__ = [
+    "DEFAULT_RUN",
+    "DirectoryAddress",
+    "LocalMooncake",
+    "MooncakeAddress",
+    "SCHEME",
+    "SpoolAddress",
+    "check_spool",
+    "parse_spool",
+]

@@ -37,15 +37,42 @@ from draftsmith.core.target_config import (  # noqa: F401 - re-exported: callers
 )
 
 # Config keys that change nothing about the computation (bookkeeping written by save_pretrained).
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
-                         "quantization_config", "use_cache"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
-                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+_VOLATILE_CONFIG_KEYS = {
+    "transformers_version",
+    "_name_or_path",
+    "_model_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+    "use_cache",
+}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # tokenizer_config.json keys that record how the tokenizer was loaded, not how it tokenises: save_pretrained writes
 # e.g. "local_files_only": true under HF_HUB_OFFLINE=1, which must not make the same target "another target".
-_VOLATILE_TOKENIZER_KEYS = {"local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision", "token",
-                            "use_auth_token", "force_download", "proxies", "subfolder", "_from_auto", "tokenizer_file",
-                            "trust_remote_code"}
+_VOLATILE_TOKENIZER_KEYS = {
+    "local_files_only",
+    "name_or_path",
+    "_commit_hash",
+    "cache_dir",
+    "revision",
+    "token",
+    "use_auth_token",
+    "force_download",
+    "proxies",
+    "subfolder",
+    "_from_auto",
+    "tokenizer_file",
+    "trust_remote_code",
+}
 
 
 def resolve_target(spec: str | Path | None) -> Path:
@@ -64,12 +91,12 @@ def resolve_target(spec: str | Path | None) -> Path:
     if path.exists():
         raise DraftsmithError(f"{path}: expected an HF model directory, a .gguf file or a hub id")
     try:
-
         local = Path(snapshot_download(str(spec), local_files_only=True))
     except Exception:  # noqa: BLE001 - any hub failure means "not in the local cache"
         raise DraftsmithError(
             f"target {spec!r}: not a local directory or .gguf file, and not in the local Hugging Face cache "
-            "(draftsmith never downloads from a hub at run time; download it first, e.g. `hf download`)") from None
+            "(draftsmith never downloads from a hub at run time; download it first, e.g. `hf download`)"
+        ) from None
     return local
 
 
@@ -96,8 +123,9 @@ def target_identity(path: Path) -> TargetIdentity:
     text = text_config(config)
     # canonical: the same target whichever transformers wrote it (or made it portable, hfcompat)
     stable = {k: v for k, v in sorted(hfcompat.canonical_config(config).items()) if k not in _VOLATILE_CONFIG_KEYS}
-    tok_hash = sha256_bytes(b"".join(_tokenizer_file_bytes(path / name) for name in _TOKENIZER_FILES
-                                     if (path / name).is_file()))
+    tok_hash = sha256_bytes(
+        b"".join(_tokenizer_file_bytes(path / name) for name in _TOKENIZER_FILES if (path / name).is_file())
+    )
     try:
         return TargetIdentity(
             path=str(path.resolve()),
@@ -140,15 +168,17 @@ def auto_model_class(config: Any):
     return AutoModelForCausalLM  # its own error names the config class
 
 
-def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                trust_remote_code: bool = False) -> PreTrainedModel:
+def load_target(
+    path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", trust_remote_code: bool = False
+) -> PreTrainedModel:
     """The target with its LM head (a causal LM, or the multimodal model around one) in eval mode, gradients off."""
 
     hf_logging.disable_progress_bar()  # our own progress display is the one a user reads
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        model = auto_model_class(config).from_pretrained(path, config=config, dtype=dtype,
-                                                         trust_remote_code=trust_remote_code)
+        model = auto_model_class(config).from_pretrained(
+            path, config=config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as err:
         raise DraftsmithError(f"{path}: cannot load the target model ({err})".replace("\n", " ")) from None
     model.to(device).eval().requires_grad_(False)
@@ -193,8 +223,9 @@ def _tensor_shapes(files: dict[str, tuple[Path, str]]) -> dict[str, tuple[int, .
     return {name: shapes[stored] for name, (_, stored) in files.items() if stored in shapes}
 
 
-def _checkpoint_name(module_name: str, shape: tuple[int, ...], files: dict[str, tuple[Path, str]],
-                     shapes: dict[str, tuple[int, ...]]) -> str | None:
+def _checkpoint_name(
+    module_name: str, shape: tuple[int, ...], files: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]]
+) -> str | None:
     """The checkpoint tensor a module parameter loads from: its own name, else the one tensor of its shape that ends
     in the same module and parameter name and shares the most name parts with it (Kimi-K2.5 stores the module's
     `model.language_model.norm.weight` as `language_model.model.norm.weight` and `lm_head.weight` as
@@ -238,8 +269,14 @@ def checkpoint_bytes(path: Path, files: dict[str, tuple[Path, str]] | None = Non
     return sum(f.stat().st_size for f in found if f.is_file())
 
 
-def _whole_target(path: Path, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool,
-                  files: dict[str, tuple[Path, str]] | None, why: str) -> nn.Module:
+def _whole_target(
+    path: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    trust_remote_code: bool,
+    files: dict[str, tuple[Path, str]] | None,
+    why: str,
+) -> nn.Module:
     """load_target in place of the head, where the target is small enough for that to be reasonable."""
     size = checkpoint_bytes(Path(path), files)
     if size > WHOLE_TARGET_LIMIT:
@@ -247,12 +284,14 @@ def _whole_target(path: Path, dtype: torch.dtype, device: str | torch.device, tr
             f"{path}: the target's embedding, final norm and lm_head cannot be read by name ({why}), and loading the "
             f"whole target ({sizing.human_bytes(size)} of checkpoint) in their place is refused above "
             f"{sizing.human_bytes(WHOLE_TARGET_LIMIT)}; a safetensors checkpoint whose config.json names hidden_size, "
-            "vocab_size and rms_norm_eps is read without its model code")
+            "vocab_size and rms_norm_eps is read without its model code"
+        )
     return load_target(path, dtype, device, trust_remote_code)
 
 
-def _head_by_name(config: dict, files: dict[str, tuple[Path, str]],
-                  shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], float, bool] | str:
+def _head_by_name(
+    config: dict, files: dict[str, tuple[Path, str]], shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, str], float, bool] | str:
     """The head's tensors found by name and shape alone, without the model's code: ({"embed", "norm", "head"} ->
     checkpoint name, the norm's eps, tied), or why not. The embedding is the one [vocab, hidden] `*embed_tokens.weight`,
     the final norm the `norm.weight` beside it (Kimi-K2.5: `language_model.model.norm.weight`), the head the one
@@ -283,14 +322,15 @@ def _read(files: dict[str, tuple[Path, str]], name: str) -> torch.Tensor:
 
 
 def hf_backend_hint(target: Path) -> str:
-    """", or --backend hf" where the target would fit one device in transformers (twice its checkpoint: fp32 compute
+    """ ", or --backend hf" where the target would fit one device in transformers (twice its checkpoint: fp32 compute
     of bf16 weights, dequantised ones), else "": a hint to load 600 GB on one device is no hint."""
     memory = devices.device_memory_bytes()
     return ", or --backend hf" if memory is None or 2 * checkpoint_bytes(target) <= memory else ""
 
 
-def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     trust_remote_code: bool = False) -> nn.Module:
+def load_target_head(
+    path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", trust_remote_code: bool = False
+) -> nn.Module:
     """Only the embedding, final norm and lm_head, read by name from the safetensors files (a checkpoint whose
     names are not the module's, like Kimi-K2.5's `language_model.model.*`, matched by _checkpoint_name). Where the
     model's own code cannot build a skeleton (remote code that does not import with this transformers), they are
@@ -334,12 +374,14 @@ def load_target_head(path: Path, dtype: torch.dtype = torch.float32, device: str
         if key == "head" and tied:  # the embedding's weight, loaded above
             loaded[key] = parts["head"].to_empty(device="cpu")
             continue
-        found_names = {k: _checkpoint_name(f"{prefix}.{k}", tuple(t.shape), files, shapes)
-                       for k, t in module.state_dict().items()}
+        found_names = {
+            k: _checkpoint_name(f"{prefix}.{k}", tuple(t.shape), files, shapes) for k, t in module.state_dict().items()
+        }
         missing = [f"{prefix}.{k}" for k, name in found_names.items() if name is None]
         if missing:
-            return _whole_target(path, dtype, device, trust_remote_code, files,
-                                 f"no one checkpoint tensor for {', '.join(missing)}")
+            return _whole_target(
+                path, dtype, device, trust_remote_code, files, f"no one checkpoint tensor for {', '.join(missing)}"
+            )
         state = {k: _read(files, name) for k, name in found_names.items() if name is not None}
         loaded[key] = module.to_empty(device="cpu")
         loaded[key].load_state_dict(state, strict=True)
@@ -374,9 +416,11 @@ def _num_hidden_layers(model: nn.Module) -> int | None:
 
 
 def _cannot(model: nn.Module, what: str) -> DraftsmithError:
-    return DraftsmithError(f"{type(model).__name__}: cannot find {what} in the model's module tree (draftsmith "
-                           "needs a decoder-only text backbone: an input embedding beside a list of "
-                           "num_hidden_layers decoder layers, a final norm and an LM head)")
+    return DraftsmithError(
+        f"{type(model).__name__}: cannot find {what} in the model's module tree (draftsmith "
+        "needs a decoder-only text backbone: an input embedding beside a list of "
+        "num_hidden_layers decoder layers, a final norm and an LM head)"
+    )
 
 
 def text_backbone(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:

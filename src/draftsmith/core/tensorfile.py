@@ -104,8 +104,15 @@ class TensorFile:
     `sha256` (from a manifest) is checked on the first data read in each process.
     """
 
-    def __init__(self, path: Path, remedy: str, *, what: str = "file", expected_bytes: int | None = None,
-                 sha256: str | None = None):
+    def __init__(
+        self,
+        path: Path,
+        remedy: str,
+        *,
+        what: str = "file",
+        expected_bytes: int | None = None,
+        sha256: str | None = None,
+    ):
         self.path = Path(path)
         self.remedy = remedy
         self.what = what
@@ -160,11 +167,15 @@ class TensorFile:
         if info is None:
             raise self.error(f"tensor {name!r} is missing (damaged {self.what})")
         got_dtype, got_shape = info
-        if got_dtype != dtype or len(got_shape) != len(shape) or any(
-                want is not None and want != got for want, got in zip(shape, got_shape)):
+        if (
+            got_dtype != dtype
+            or len(got_shape) != len(shape)
+            or any(want is not None and want != got for want, got in zip(shape, got_shape))
+        ):
             want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
-            raise self.error(f"tensor {name!r} is {got_dtype} {list(got_shape)}, expected {dtype} {want} "
-                             f"(damaged {self.what})")
+            raise self.error(
+                f"tensor {name!r} is {got_dtype} {list(got_shape)}, expected {dtype} {want} (damaged {self.what})"
+            )
         return got_shape
 
     def verify(self) -> None:

@@ -47,23 +47,29 @@ def cpu_thread_binding(world: int, allowed: Sequence[int] | None = None) -> str:
     use, split into `world` contiguous groups ("0|1" for 2 workers on 2 CPUs, "0-3|4-7" on 8)."""
     cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
     if len(cpus) < world:
-        raise DraftsmithError(f"--tensor-parallel-size x --data-parallel-size = {world} vLLM CPU workers, but this "
-                              f"process may use only {len(cpus)} CPUs; use fewer workers or set "
-                              f"{THREADS_BIND_VAR} yourself (CPU lists per worker, separated by '|')")
+        raise DraftsmithError(
+            f"--tensor-parallel-size x --data-parallel-size = {world} vLLM CPU workers, but this "
+            f"process may use only {len(cpus)} CPUs; use fewer workers or set "
+            f"{THREADS_BIND_VAR} yourself (CPU lists per worker, separated by '|')"
+        )
     per, extra = divmod(len(cpus), world)
     groups, start = [], 0
     for rank in range(world):
         size = per + (rank < extra)
-        group = cpus[start:start + size]
+        group = cpus[start : start + size]
         start += size
         contiguous = group[-1] - group[0] == len(group) - 1
         groups.append(f"{group[0]}-{group[-1]}" if contiguous and len(group) > 1 else ",".join(map(str, group)))
     return "|".join(groups)
 
 
-def engine_environment(kv_cache_gib: int | None = None, *, cpu_workers: int = 1,
-                       target_env: Mapping[str, str] | None = None,
-                       environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def engine_environment(
+    kv_cache_gib: int | None = None,
+    *,
+    cpu_workers: int = 1,
+    target_env: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> dict[str, str]:
     """The variables an engine starts with on top of `environ` (only those it does not set): the KV cache, the
     thread binding of `cpu_workers` > 1 CPU workers (pass 1 on a GPU), and what the target needs (`target_env`)."""
     env = kv_cache(kv_cache_gib, environ)
@@ -158,5 +164,18 @@ def _release_in_process() -> None:
     cleanup_dist_env_and_memory()
 
 
-__all__ = ["DEFAULT_KV_CACHE_GIB", "KV_CACHE_VAR", "THREADS_BIND_VAR", "cpu_thread_binding", "engine_environment",
-           "environment", "in_process", "kv_cache", "llm_kwargs", "shutdown", "start_llm", "steps_in_process", "worker_environment"]
+__all__ = [
+    "DEFAULT_KV_CACHE_GIB",
+    "KV_CACHE_VAR",
+    "THREADS_BIND_VAR",
+    "cpu_thread_binding",
+    "engine_environment",
+    "environment",
+    "in_process",
+    "kv_cache",
+    "llm_kwargs",
+    "shutdown",
+    "start_llm",
+    "steps_in_process",
+    "worker_environment",
+]

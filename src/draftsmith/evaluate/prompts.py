@@ -59,14 +59,19 @@ def _prompt_of(record: Any) -> tuple[list[dict], list[dict] | None] | None:
     return chat.messages, chat.tools
 
 
-def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-           template_kwargs: dict | None = None) -> list[int]:
+def render(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> list[int]:
     """Chat template + generation prompt -> token ids (the template supplies any BOS itself), with the declared
     tools and the server's template options."""
     if not getattr(tokenizer, "chat_template", None):
         raise DraftsmithError("the target's tokenizer has no chat template; evaluation prompts need one")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **dict(template_kwargs or {}, **({"tools": tools} if tools else {})))
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=True,
+        tokenize=False,
+        **dict(template_kwargs or {}, **({"tools": tools} if tools else {})),
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -84,20 +89,24 @@ def _from_file(path: Path, tokenizer: Any, limit: int | None, template_kwargs: d
             if limit is not None and len(prompts) >= limit:
                 return prompts
     if not prompts:
-        raise DraftsmithError(f"{path}: no usable prompt (expected ShareGPT `conversations`, `messages`, MT-bench "
-                              "`turns` or `prompt` records with a user turn)")
+        raise DraftsmithError(
+            f"{path}: no usable prompt (expected ShareGPT `conversations`, `messages`, MT-bench "
+            "`turns` or `prompt` records with a user turn)"
+        )
     return prompts
 
 
-def _from_prepared(path: Path, target: TargetIdentity | None, limit: int | None, eval_fraction: float,
-                   split_seed: int) -> list[Prompt]:
+def _from_prepared(
+    path: Path, target: TargetIdentity | None, limit: int | None, eval_fraction: float, split_seed: int
+) -> list[Prompt]:
 
     dataset = open_prepared(path)
     if target is not None:
         problem = dataset.manifest.target.mismatch(target)
         if problem:
-            raise DraftsmithError(f"{path}: prepared for another target ({problem}); use a prepared set of the "
-                                  "draft's target")
+            raise DraftsmithError(
+                f"{path}: prepared for another target ({problem}); use a prepared set of the draft's target"
+            )
     _, held_out = split_indices(len(dataset), eval_fraction, split_seed)
     if not held_out:
         raise DraftsmithError(f"{path}: no held-out samples with --eval-fraction {eval_fraction}; raise it")
@@ -121,16 +130,24 @@ def _from_prepared(path: Path, target: TargetIdentity | None, limit: int | None,
 def held_out_split(eval_fraction: float | None, split_seed: int | None, training: dict[str, Any]) -> dict[str, Any]:
     """The held-out split to evaluate on: what the user passed, else what the draft was trained with (its manifest's
     `training` record: every checkpoint, and the exports made from it), else draftsmith's defaults (0.02, seed 0)."""
-    return {"eval_fraction": eval_fraction if eval_fraction is not None else training.get("eval_fraction", 0.02),
-            "split_seed": split_seed if split_seed is not None else training.get("split_seed", 0)}
+    return {
+        "eval_fraction": eval_fraction if eval_fraction is not None else training.get("eval_fraction", 0.02),
+        "split_seed": split_seed if split_seed is not None else training.get("split_seed", 0),
+    }
 
 
-def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = None, num_prompts: int | None = None,
-                 eval_fraction: float = 0.02, split_seed: int = 0,
-                 template_kwargs: dict | None = None) -> list[Prompt]:
+def load_prompts(
+    spec: str,
+    tokenizer: Any,
+    *,
+    target: TargetIdentity | None = None,
+    num_prompts: int | None = None,
+    eval_fraction: float = 0.02,
+    split_seed: int = 0,
+    template_kwargs: dict | None = None,
+) -> list[Prompt]:
     """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them."""
     if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
-
         return _from_file(mtbench_path(), tokenizer, num_prompts)
     if spec.strip() == NAMED_BFCL:
         return _from_file(bfcl.conversations_path(), tokenizer, num_prompts, template_kwargs)
@@ -138,6 +155,8 @@ def load_prompts(spec: str, tokenizer: Any, *, target: TargetIdentity | None = N
     if path.is_dir() and (path / MANIFEST_NAME).is_file():
         return _from_prepared(path, target, num_prompts, eval_fraction, split_seed)
     if not path.exists():
-        raise DraftsmithError(f"--prompts {spec}: no such file or directory (use mt-bench, a ShareGPT/JSONL file, or "
-                              "a prepared data set directory)")
+        raise DraftsmithError(
+            f"--prompts {spec}: no such file or directory (use mt-bench, a ShareGPT/JSONL file, or "
+            "a prepared data set directory)"
+        )
     return _from_file(path, tokenizer, num_prompts, template_kwargs)

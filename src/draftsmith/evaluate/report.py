@@ -80,8 +80,9 @@ def tau_speedup_chart(runs: list[dict], title: str) -> bytes:
     speedups = [r.get("speedup") for r in runs]
     if any(s is not None for s in speedups):
         ax2 = ax.twinx()
-        ax2.plot(ks, [s if s is not None else float("nan") for s in speedups], "s--", color="tab:orange",
-                 label="speed-up")
+        ax2.plot(
+            ks, [s if s is not None else float("nan") for s in speedups], "s--", color="tab:orange", label="speed-up"
+        )
         ax2.axhline(1.0, color="tab:orange", alpha=0.3, lw=1)
         ax2.set_ylabel("speed-up vs target alone", color="tab:orange")
     ax.set_title(title)
@@ -108,20 +109,32 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
     if report.get("vllm_version"):
         lines.append(f"- vLLM {report['vllm_version']}")
     if base:
-        lines.append(f"- target alone: {base['tokens_per_s']:.1f} tokens/s ({base['num_new_tokens']} tokens in "
-                     f"{base['elapsed_s']:.1f} s)")
-    lines += ["", "| k | τ | τ 95 % interval (over prompts) | acceptance per position | tokens/s | speed-up | rounds |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"- target alone: {base['tokens_per_s']:.1f} tokens/s ({base['num_new_tokens']} tokens in "
+            f"{base['elapsed_s']:.1f} s)"
+        )
+    lines += [
+        "",
+        "| k | τ | τ 95 % interval (over prompts) | acceptance per position | tokens/s | speed-up | rounds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in report["runs"]:
         per_pos = ", ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
         speedup = f"{r['speedup']:.2f}×" if r.get("speedup") is not None else "–"
         interval = f"{r['tau_95'][0]:.3f} – {r['tau_95'][1]:.3f}" if r.get("tau_95") else "–"
-        lines.append(f"| {r['k']} | {r['tau']:.3f} | {interval} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
-                     f"{r['num_rounds']} |")
+        lines.append(
+            f"| {r['k']} | {r['tau']:.3f} | {interval} | {per_pos} | {r['tokens_per_s']:.1f} | {speedup} | "
+            f"{r['num_rounds']} |"
+        )
     split = [r for r in report["runs"] if several_segments(r)]
     if split:
-        lines += ["", "By what the target was writing (a round counts where its first new token falls):", "",
-                  "| k | segment | rounds | τ | acceptance per position |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "By what the target was writing (a round counts where its first new token falls):",
+            "",
+            "| k | segment | rounds | τ | acceptance per position |",
+            "|---|---|---|---|---|",
+        ]
         for r in split:
             for name, c in r["by_segment"].items():
                 if c["rounds"]:
@@ -129,10 +142,17 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
                     lines.append(f"| {r['k']} | {name} | {c['rounds']} | {c['tau']:.3f} | {per_pos} |")
     if report.get("lossless") is not None:
         lines += ["", f"Greedy outputs identical to the target alone: {report['lossless']}"]
-    lines += ["", "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length); its interval is a "
-              "bootstrap over the prompts (2,000 resamples).", ""]
-    lines += ([f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
-              if charts else [f"No charts: {CHARTS_HINT}.", ""])
+    lines += [
+        "",
+        "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length); its interval is a "
+        "bootstrap over the prompts (2,000 resamples).",
+        "",
+    ]
+    lines += (
+        [f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
+        if charts
+        else [f"No charts: {CHARTS_HINT}.", ""]
+    )
     return "\n".join(lines)
 
 

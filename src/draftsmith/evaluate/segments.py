@@ -58,7 +58,7 @@ class Segmenter:
         text, labels, lengths = "", [], []
         for token in out_ids:
             piece = self._piece(token)
-            text = (text + piece)[-4 * _TAIL:]
+            text = (text + piece)[-4 * _TAIL :]
             labels.append(state)
             lengths.append(len(piece))
             for opening, closing, segment in MARKERS:
@@ -76,8 +76,9 @@ class Segmenter:
         return labels
 
 
-def split_rounds(labels: list[str], rounds: list[tuple[int, int]], k: int,
-                 into: dict[str, DecodeStats] | None = None) -> dict[str, DecodeStats]:
+def split_rounds(
+    labels: list[str], rounds: list[tuple[int, int]], k: int, into: dict[str, DecodeStats] | None = None
+) -> dict[str, DecodeStats]:
     """Count each round `(index of its first new token, accepted draft tokens)` for that token's segment."""
     into = into if into is not None else {s: DecodeStats(k=k) for s in SEGMENTS}
     for start, accepted in rounds:
@@ -89,5 +90,8 @@ def split_rounds(labels: list[str], rounds: list[tuple[int, int]], k: int,
 def segment_dict(stats: DecodeStats) -> dict:
     """One segment's rounds as the report shows them: τ and the acceptance per position (None without rounds)."""
     rounds = stats.num_rounds
-    return {"rounds": rounds, "tau": stats.tau if rounds else None,
-            "acceptance_per_pos": stats.acceptance_per_pos if rounds else None}
+    return {
+        "rounds": rounds,
+        "tau": stats.tau if rounds else None,
+        "acceptance_per_pos": stats.acceptance_per_pos if rounds else None,
+    }

@@ -102,8 +102,9 @@ class DecodeStats:
 
     def add(self, other: "DecodeStats") -> None:
         """Count another run in; a one-prompt run without per-prompt counts is one prompt."""
-        self.per_prompt += other.per_prompt or ([(other.num_rounds, other.num_accepted)]
-                                                if other.num_prompts <= 1 and other.num_rounds else [])
+        self.per_prompt += other.per_prompt or (
+            [(other.num_rounds, other.num_accepted)] if other.num_prompts <= 1 and other.num_rounds else []
+        )
         self.num_prompts += other.num_prompts
         self.num_new_tokens += other.num_new_tokens
         self.elapsed_s += other.elapsed_s
@@ -114,8 +115,13 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         interval = self.tau_interval()
-        return {**asdict(self), "tau": self.tau, "acceptance_per_pos": self.acceptance_per_pos,
-                "tokens_per_s": self.tokens_per_s, "tau_95": list(interval) if interval else None}
+        return {
+            **asdict(self),
+            "tau": self.tau,
+            "acceptance_per_pos": self.acceptance_per_pos,
+            "tokens_per_s": self.tokens_per_s,
+            "tau_95": list(interval) if interval else None,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- target side
@@ -165,12 +171,17 @@ class TargetRunner:
         """ids [T] -> (logits float32 [T or 1, V], aux [T, n_aux * H] or None, the cache). The cache grows by T;
         given None, the model builds one."""
         if self.stepwise and cache is not None and len(ids) > 1:
-            steps = [self.forward(ids[i:i + 1], cache, want_aux) for i in range(len(ids))]
+            steps = [self.forward(ids[i : i + 1], cache, want_aux) for i in range(len(ids))]
             logits = torch.cat([step[0] for step in steps])
             aux = torch.cat([step[1] for step in steps]) if want_aux else None
             return (logits[-1:] if last_logits_only else logits), aux, steps[-1][2]
-        out = self.model(input_ids=ids[None], past_key_values=cache, use_cache=True, output_hidden_states=want_aux,
-                         logits_to_keep=1 if last_logits_only else 0)
+        out = self.model(
+            input_ids=ids[None],
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=want_aux,
+            logits_to_keep=1 if last_logits_only else 0,
+        )
         logits = out.logits[0].float()
         cache = out.past_key_values
         if not want_aux:
@@ -192,8 +203,10 @@ class DraftRunner:
         self.block = draft.spec.method == "dflash"  # DFlash: a round is one block (`step_block`)
         self.parallel = draft.spec.parallel_drafting or self.block
         if self.parallel and draft.spec.mask_token_id is None:
-            raise DraftsmithError("the draft drafts in parallel (P-EAGLE) but names no mask token: its spec "
-                                  "needs mask_token_id (config.json: ptd_token_id)")
+            raise DraftsmithError(
+                "the draft drafts in parallel (P-EAGLE) but names no mask token: its spec "
+                "needs mask_token_id (config.json: ptd_token_id)"
+            )
         self.reset()
 
     def reset(self) -> None:
@@ -266,8 +279,13 @@ def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.softmax(logits / temperature, dim=-1)
 
 
-def verify_chain(target_logits: torch.Tensor, draft_tokens: list[int], draft_probs: list[torch.Tensor] | None,
-                 temperature: float, generator: torch.Generator | None) -> tuple[int, int]:
+def verify_chain(
+    target_logits: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: list[torch.Tensor] | None,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """Accept a prefix of the draft chain. target_logits [k+1, V] (row i predicts the slot of d_{i+1}).
 
     Returns (a = number of accepted draft tokens, the token the target adds after them).
@@ -328,8 +346,14 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[
     return tokens, False
 
 
-def plain_generate(target: TargetRunner, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                   eos_ids: set[int] | frozenset = frozenset(), generator: torch.Generator | None = None) -> Generation:
+def plain_generate(
+    target: TargetRunner,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: set[int] | frozenset = frozenset(),
+    generator: torch.Generator | None = None,
+) -> Generation:
     """The target alone, one token per forward, with its KV cache (the baseline for the speed-up)."""
     start = time.perf_counter()
     logits, _, cache = target.forward(prompt, target.new_cache(), want_aux=False, last_logits_only=True)
@@ -345,9 +369,16 @@ def plain_generate(target: TargetRunner, prompt: torch.Tensor, max_new_tokens: i
     return Generation(out, stats)
 
 
-def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch.Tensor, k: int, max_new_tokens: int,
-                         temperature: float = 0.0, eos_ids: set[int] | frozenset = frozenset(),
-                         generator: torch.Generator | None = None) -> Generation:
+def speculative_generate(
+    target: TargetRunner,
+    draft: DraftRunner,
+    prompt: torch.Tensor,
+    k: int,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: set[int] | frozenset = frozenset(),
+    generator: torch.Generator | None = None,
+) -> Generation:
     """Speculative decoding of one prompt (ids [n]); lossless against `plain_generate` at the same settings."""
     start = time.perf_counter()
     device = prompt.device
@@ -368,7 +399,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: torch
         # 1) draft: read the pending positions with the target's features, then run on its own output
         #    (P-EAGLE: read them and the k-1 parallel slots in one forward, a proposal from each of the last k).
         draft.crop(pending_start)
-        ids = torch.tensor(seq[pending_start + 1:], device=device)
+        ids = torch.tensor(seq[pending_start + 1 :], device=device)
         if draft.block:  # DFlash: the pending features join the context, the block [S[-1], masks] proposes k
             slot_logits = draft.step_block(draft.fuse(pending_aux), seq[-1], k)
         elif draft.parallel:

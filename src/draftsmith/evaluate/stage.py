@@ -52,8 +52,9 @@ from draftsmith.train.model import DFlashDraft, Eagle3Draft
 __all__ = ["run", "build_draft_module", "evaluate_reference"]
 
 
-def build_draft_module(source: DraftSource, target_model: torch.nn.Module, device: torch.device,
-                       dtype: torch.dtype) -> Eagle3Draft | DFlashDraft:
+def build_draft_module(
+    source: DraftSource, target_model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> Eagle3Draft | DFlashDraft:
     """The draft's module holding its weights, with the target's embedding (DFlash: and lm_head), on `device` in
     `dtype`."""
     draft = draft_module(source, targets.embed_tokens(target_model).weight, targets.lm_head(target_model).weight)
@@ -72,14 +73,27 @@ def _eos_ids(tokenizer: Any, target_path: Path) -> set[int]:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    transient=True)
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    )
 
 
-def evaluate_reference(target_model: PreTrainedModel, draft: Eagle3Draft | DFlashDraft, aux_layer_ids: list[int],
-                       prompts: list[Prompt], ks: list[int], *, max_new_tokens: int, temperature: float, seed: int,
-                       eos_ids: set[int], baseline: bool = True, device: torch.device = torch.device("cpu"),
-                       show_progress: bool = False, segmenter: Segmenter | None = None) -> dict[str, Any]:
+def evaluate_reference(
+    target_model: PreTrainedModel,
+    draft: Eagle3Draft | DFlashDraft,
+    aux_layer_ids: list[int],
+    prompts: list[Prompt],
+    ks: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos_ids: set[int],
+    baseline: bool = True,
+    device: torch.device = torch.device("cpu"),
+    show_progress: bool = False,
+    segmenter: Segmenter | None = None,
+) -> dict[str, Any]:
     """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs, and with
     a `segmenter` each k's rounds split by what the target was writing (`segments`)."""
     target = TargetRunner(target_model, aux_layer_ids)
@@ -103,8 +117,7 @@ def evaluate_reference(target_model: PreTrainedModel, draft: Eagle3Draft | DFlas
                 else:
                     gen = speculative_generate(target, drafter, ids, k, max_new_tokens, temperature, eos_ids, generator)
                     if segmenter is not None:
-                        segments = split_rounds(segmenter.labels(prompt.token_ids, gen.tokens), gen.rounds, k,
-                                                segments)
+                        segments = split_rounds(segmenter.labels(prompt.token_ids, gen.tokens), gen.rounds, k, segments)
                 total.add(gen.stats)
                 outputs.append(gen.tokens)
                 progress.advance(task)
@@ -134,8 +147,10 @@ def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | N
     if context is None or wanted <= context:
         return wanted
     if len(prompts[longest].token_ids) >= context:
-        raise DraftsmithError(f"{cfg.prompts}: prompt {longest} has {len(prompts[longest].token_ids)} tokens, no room "
-                              f"for a new one in the target's context of {context} positions; use shorter prompts")
+        raise DraftsmithError(
+            f"{cfg.prompts}: prompt {longest} has {len(prompts[longest].token_ids)} tokens, no room "
+            f"for a new one in the target's context of {context} positions; use shorter prompts"
+        )
     return context
 
 
@@ -149,55 +164,100 @@ def run(cfg: EvaluateConfig) -> StageResult:
     choice = None
     if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
         choice = vllm_runner.engine_dtype(target_path, cfg.dtype)
-        vllm_runner.check_vllm_can_serve(target_path, "--engine vllm", parallel_drafting=source.spec.parallel_drafting,
-                                         dflash=source.spec.method == "dflash", dtype=choice.dtype)
+        vllm_runner.check_vllm_can_serve(
+            target_path,
+            "--engine vllm",
+            parallel_drafting=source.spec.parallel_drafting,
+            dflash=source.spec.method == "dflash",
+            dtype=choice.dtype,
+        )
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
-    prompts = load_prompts(cfg.prompts, tokenizer, target=identity, num_prompts=cfg.num_prompts,
-                           template_kwargs=cfg.chat_template_kwargs,
-                           **held_out_split(cfg.eval_fraction, cfg.split_seed, source.training))
+    prompts = load_prompts(
+        cfg.prompts,
+        tokenizer,
+        target=identity,
+        num_prompts=cfg.num_prompts,
+        template_kwargs=cfg.chat_template_kwargs,
+        **held_out_split(cfg.eval_fraction, cfg.split_seed, source.training),
+    )
     output = Path(cfg.output)
     output.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     report: dict[str, Any] = {
-        "engine": cfg.engine, "target": str(target_path), "draft": str(cfg.draft), "prompts": cfg.prompts,
-        "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-        "aux_layer_ids": source.spec.aux_layer_ids, "draft_vocab_size": source.spec.draft_vocab_size,
+        "engine": cfg.engine,
+        "target": str(target_path),
+        "draft": str(cfg.draft),
+        "prompts": cfg.prompts,
+        "num_prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "aux_layer_ids": source.spec.aux_layer_ids,
+        "draft_vocab_size": source.spec.draft_vocab_size,
     }
     if cfg.engine == "hf":
         device = targets.resolve_device(cfg.device)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            cfg.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16)
-        target_model = targets.load_target(target_path, dtype=dtype, device=device,
-                                           trust_remote_code=cfg.trust_remote_code)
+            cfg.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16
+        )
+        target_model = targets.load_target(
+            target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code
+        )
         draft = build_draft_module(source, target_model, device, dtype)
-        measured = evaluate_reference(target_model, draft, source.spec.aux_layer_ids, prompts, cfg.k,
-                                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-                                      eos_ids=_eos_ids(tokenizer, target_path), baseline=cfg.baseline,
-                                      device=device, show_progress=True, segmenter=Segmenter(tokenizer))
+        measured = evaluate_reference(
+            target_model,
+            draft,
+            source.spec.aux_layer_ids,
+            prompts,
+            cfg.k,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            eos_ids=_eos_ids(tokenizer, target_path),
+            baseline=cfg.baseline,
+            device=device,
+            show_progress=True,
+            segmenter=Segmenter(tokenizer),
+        )
         stats = measured["runs"]
-        by_segment = {k: {name: segment_dict(c) for name, c in counts.items()}
-                      for k, counts in measured["segments"].items()}
+        by_segment = {
+            k: {name: segment_dict(c) for name, c in counts.items()} for k, counts in measured["segments"].items()
+        }
         if cfg.temperature == 0 and cfg.baseline:
             base_out = measured["outputs"][0]
-            report["lossless"] = {f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/"
-                                             f"{len(prompts)} prompts" for k in cfg.k}
+            report["lossless"] = {
+                f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/{len(prompts)} prompts"
+                for k in cfg.k
+            }
         report["dtype"] = str(dtype).removeprefix("torch.")
     else:
         assert choice is not None
         if cfg.dtype == "auto":
-            print(f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})", file=sys.stderr,
-                  flush=True)
-        max_len = cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(
-            targets.read_config(target_path)))
+            print(
+                f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
+                file=sys.stderr,
+                flush=True,
+            )
+        max_len = cfg.max_model_len or _engine_context(
+            prompts, cfg, targets.context_length(targets.read_config(target_path))
+        )
         workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
         shutil.rmtree(workdir, ignore_errors=True)
         draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
         common: dict[str, Any] = dict(
-            target=target_path, prompts=[p.token_ids for p in prompts], max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature, seed=cfg.seed, dtype=choice.dtype, max_model_len=max_len,
-            kv_cache_gb=cfg.vllm_kv_cache_gb, timeout_s=cfg.vllm_timeout_s, workdir=workdir,
-            trust_remote_code=cfg.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size)
+            target=target_path,
+            prompts=[p.token_ids for p in prompts],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            dtype=choice.dtype,
+            max_model_len=max_len,
+            kv_cache_gb=cfg.vllm_kv_cache_gb,
+            timeout_s=cfg.vllm_timeout_s,
+            workdir=workdir,
+            trust_remote_code=cfg.trust_remote_code,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+        )
         stats = {}
         by_segment = {}  # vLLM counts acceptance per engine, not per token
 
@@ -236,7 +296,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
         summary[f"k={r['k']} acceptance/pos"] = [round(a, 3) for a in r["acceptance_per_pos"]]
         if several_segments(r):
             summary[f"k={r['k']} τ by segment"] = ", ".join(
-                f"{name} {c['tau']:.3f} ({c['rounds']} rounds)" for name, c in r["by_segment"].items() if c["rounds"])
+                f"{name} {c['tau']:.3f} ({c['rounds']} rounds)" for name, c in r["by_segment"].items() if c["rounds"]
+            )
         if r.get("speedup") is not None:
             summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)
     summary["report"] = str(paths["markdown"])

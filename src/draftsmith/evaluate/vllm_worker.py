@@ -33,6 +33,7 @@ from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_con
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
 
+
 class GenerationJob(BaseModel):
     """One generation job, as `vllm_runner.run_vllm` writes it to REQUEST.json and this worker reads it."""
 
@@ -94,13 +95,21 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
     here (the probe's findings), and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with
     parallel drafting, as its config.json says: export.vllm_speculative_config)."""
     config = read_config(Path(job.target))
-    facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
-                  resolve_config=False).facts
+    facts = probe(
+        architecture=(config.get("architectures") or ["unknown"])[0], config=config, resolve_config=False
+    ).facts
     mla = "kv_lora_rank" in text_config(config)
     kwargs: dict[str, Any] = dict(
-        model=job.target, dtype=job.dtype, max_model_len=job.max_model_len, seed=job.seed, disable_log_stats=False,
-        enforce_eager=job.enforce_eager, trust_remote_code=job.trust_remote_code, max_num_seqs=job.max_num_seqs,
-        tensor_parallel_size=job.tensor_parallel_size)
+        model=job.target,
+        dtype=job.dtype,
+        max_model_len=job.max_model_len,
+        seed=job.seed,
+        disable_log_stats=False,
+        enforce_eager=job.enforce_eager,
+        trust_remote_code=job.trust_remote_code,
+        max_num_seqs=job.max_num_seqs,
+        tensor_parallel_size=job.tensor_parallel_size,
+    )
     kwargs.update(target_engine_kwargs(facts, mla=mla, multimodal=is_multimodal_wrapper(config), dtype=job.dtype))
     if job.draft:
         kwargs["speculative_config"] = vllm_speculative_config(job.draft, job.k)
@@ -108,7 +117,8 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
             kwargs["per_request_spec_decode_metrics"] = "summary"
     env = vllm_launch.engine_environment(
         cpu_workers=job.tensor_parallel_size if facts.platform == "cpu" else 1,  # one CPU group per rank
-        target_env=target_engine_env(facts, mla=mla))
+        target_env=target_engine_env(facts, mla=mla),
+    )
     return kwargs, env
 
 
@@ -121,8 +131,12 @@ def run(job: GenerationJob) -> dict:
 
     llm = vllm_launch.start_llm(*engine_launch(job))
     try:
-        params = SamplingParams(temperature=job.temperature, max_tokens=job.max_new_tokens,
-                                seed=job.seed if job.temperature > 0 else None, ignore_eos=job.ignore_eos)
+        params = SamplingParams(
+            temperature=job.temperature,
+            max_tokens=job.max_new_tokens,
+            seed=job.seed if job.temperature > 0 else None,
+            ignore_eos=job.ignore_eos,
+        )
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job.prompts]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         before = read_spec_metrics(llm)
@@ -130,9 +144,13 @@ def run(job: GenerationJob) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         after = read_spec_metrics(llm)
-        return {"vllm_version": vllm.__version__, "elapsed_s": elapsed,
-                "outputs": [list(o.outputs[0].token_ids) for o in outputs], "spec": _delta(after, before),
-                "per_prompt": _per_prompt_counts(outputs)}
+        return {
+            "vllm_version": vllm.__version__,
+            "elapsed_s": elapsed,
+            "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+            "spec": _delta(after, before),
+            "per_prompt": _per_prompt_counts(outputs),
+        }
     finally:
         vllm_launch.shutdown(llm)
 

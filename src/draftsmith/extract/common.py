@@ -88,33 +88,55 @@ def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
     else:
         target_dir = Path(made_for.path)
         if not (target_dir / "config.json").is_file():
-            raise DraftsmithError(f"{cfg.prepared}: was made for target {made_for.path}, which is no longer there; "
-                                  "pass --target with that model's new location")
+            raise DraftsmithError(
+                f"{cfg.prepared}: was made for target {made_for.path}, which is no longer there; "
+                "pass --target with that model's new location"
+            )
     identity = target_identity(target_dir)
     diff = made_for.mismatch(identity)
     if diff:
-        raise DraftsmithError(f"{cfg.prepared}: was prepared for another target or tokenizer than {target_dir} "
-                              f"({diff}); run `draftsmith prepare --target {target_dir}` or pass the --target it was "
-                              "made for")
+        raise DraftsmithError(
+            f"{cfg.prepared}: was prepared for another target or tokenizer than {target_dir} "
+            f"({diff}); run `draftsmith prepare --target {target_dir}` or pass the --target it was "
+            "made for"
+        )
     layer_ids = resolve_layer_ids(cfg.aux_layer_ids, identity.num_layers)
-    return ExtractionPlan(cfg=cfg, dataset=dataset, target_dir=target_dir, target=identity, layer_ids=layer_ids,
-                          sample_ids=select_sample_ids(len(dataset), cfg.shard, cfg.max_samples),
-                          worker=parse_shard(cfg.shard), lengths=np.asarray(dataset.lengths, dtype=np.int64))
+    return ExtractionPlan(
+        cfg=cfg,
+        dataset=dataset,
+        target_dir=target_dir,
+        target=identity,
+        layer_ids=layer_ids,
+        sample_ids=select_sample_ids(len(dataset), cfg.shard, cfg.max_samples),
+        worker=parse_shard(cfg.shard),
+        lengths=np.asarray(dataset.lengths, dtype=np.int64),
+    )
 
 
 def store_spec(plan: ExtractionPlan, *, backend: str, compute_dtype: str) -> store_module.StoreSpec:
-    return store_module.StoreSpec(target=plan.target, prepared=store_module.prepared_ref(plan.dataset),
-                                  layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size, dtype=plan.cfg.dtype,
-                                  backend=backend, compute_dtype=compute_dtype)
+    return store_module.StoreSpec(
+        target=plan.target,
+        prepared=store_module.prepared_ref(plan.dataset),
+        layer_ids=plan.layer_ids,
+        hidden_size=plan.target.hidden_size,
+        dtype=plan.cfg.dtype,
+        backend=backend,
+        compute_dtype=compute_dtype,
+    )
 
 
-def open_writer(plan: ExtractionPlan, spec: store_module.StoreSpec,
-                backend_info: dict[str, Any] | None = None) -> store_module.StoreWriter:
+def open_writer(
+    plan: ExtractionPlan, spec: store_module.StoreSpec, backend_info: dict[str, Any] | None = None
+) -> store_module.StoreWriter:
     """Create or resume the output store as this worker; then save the resolved config beside it."""
 
-    writer = store_module.create_or_resume(plan.cfg.output, spec, worker=plan.worker,
-                                           shard_bytes=int(plan.cfg.shard_size_mb * (1 << 20)),
-                                           backend_info=backend_info)
+    writer = store_module.create_or_resume(
+        plan.cfg.output,
+        spec,
+        worker=plan.worker,
+        shard_bytes=int(plan.cfg.shard_size_mb * (1 << 20)),
+        backend_info=backend_info,
+    )
     try:
         save_resolved_config(plan.cfg, plan.cfg.output)
     except BaseException:
@@ -136,9 +158,15 @@ def check_disk_space(plan: ExtractionPlan, spec: store_module.StoreSpec, sample_
     where = Path(plan.cfg.output).resolve()
     while not where.exists() and where != where.parent:
         where = where.parent
-    sizing.check_disk(needed, shutil.disk_usage(where).free, where=f"--output {plan.cfg.output}",
-                      what=(f"the store of {len(sample_ids):,} samples ({tokens:,} tokens x {len(spec.layer_ids)} "
-                            f"layers x {spec.hidden_size} in {spec.dtype})"))
+    sizing.check_disk(
+        needed,
+        shutil.disk_usage(where).free,
+        where=f"--output {plan.cfg.output}",
+        what=(
+            f"the store of {len(sample_ids):,} samples ({tokens:,} tokens x {len(spec.layer_ids)} "
+            f"layers x {spec.hidden_size} in {spec.dtype})"
+        ),
+    )
     return needed
 
 
@@ -173,9 +201,11 @@ def check_finite(writer: store_module.StoreWriter, item: tuple) -> None:
         return
     per_layer = finite.reshape(finite.shape[0], finite.shape[1], -1).all(dim=2).all(dim=0).tolist()
     layers = [layer for layer, ok in zip(writer.spec.layer_ids, per_layer) if not ok]
-    raise DraftsmithError(f"{writer.path}: sample {int(item[0])} has NaN/Inf hidden states (layer ids {layers}); "
-                          "the store keeps what was written before it. Check the target's weights or try "
-                          "--compute-dtype float32, then run the same command again to resume")
+    raise DraftsmithError(
+        f"{writer.path}: sample {int(item[0])} has NaN/Inf hidden states (layer ids {layers}); "
+        "the store keeps what was written before it. Check the target's weights or try "
+        "--compute-dtype float32, then run the same command again to resume"
+    )
 
 
 class HostStates(NamedTuple):
@@ -205,8 +235,11 @@ def to_host(layers: Sequence[torch.Tensor], storage: str) -> HostStates:
         if storage == "fp8":
             return HostStates(*encode_layers_fp8(list(layers)))
         return HostStates(torch.stack(list(layers), dim=-2))
-    data, scales = (encode_layers_fp8(list(layers)) if storage == "fp8"
-                    else (torch.stack(list(layers), dim=-2).to(torch.bfloat16), None))
+    data, scales = (
+        encode_layers_fp8(list(layers))
+        if storage == "fp8"
+        else (torch.stack(list(layers), dim=-2).to(torch.bfloat16), None)
+    )
     stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream(device))  # the states are complete before they are copied
     host_data = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
@@ -229,8 +262,11 @@ def _joined(writer: store_module.StoreWriter, item: tuple) -> tuple:
     if isinstance(item[3], list):
         parts = item[3]
         data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
-        scales = None if parts[0].scales is None else (
-            parts[0].scales if len(parts) == 1 else torch.cat([p.scales for p in parts]))
+        scales = (
+            None
+            if parts[0].scales is None
+            else (parts[0].scales if len(parts) == 1 else torch.cat([p.scales for p in parts]))
+        )
         item = (*item[:3], data, scales)
     if writer.spec.dtype != "fp8" or (len(item) > 4 and item[4] is not None):
         return item
@@ -317,15 +353,31 @@ def progress_bar(total_tokens: int, description: str = "extract", enabled: bool 
             speed = task.finished_speed or task.speed
             return Text(f"{speed:,.0f} tok/s" if speed else "- tok/s", style="progress.data.speed")
 
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-               TokensPerSecond(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TokensPerSecond(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=Console(stderr=True), transient=False, speed_estimate_period=60) as progress:
         task = progress.add_task(description, total=total_tokens)
         yield lambda n: progress.advance(task, n)
 
 
-def result(plan: ExtractionPlan, writer: store_module.StoreWriter, seconds: float, *, tokens: int,
-           skipped: int, work_seconds: float | None = None, extra: dict[str, Any] | None = None) -> StageResult:
+def result(
+    plan: ExtractionPlan,
+    writer: store_module.StoreWriter,
+    seconds: float,
+    *,
+    tokens: int,
+    skipped: int,
+    work_seconds: float | None = None,
+    extra: dict[str, Any] | None = None,
+) -> StageResult:
     """The stage summary: this run's work and the store's totals.
 
     `seconds` is the whole run; `work_seconds` the extraction itself (engine start-up excluded), used for tokens/s.

@@ -54,34 +54,56 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         raise DraftsmithError(f"--device {cfg.device}: CUDA is not available here; use --device cpu")
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, device)
     spec = common.store_spec(plan, backend="hf", compute_dtype=str(compute_dtype).removeprefix("torch."))
-    info: dict[str, Any] = {"engine": f"transformers {transformers.__version__}", "torch": torch.__version__,
-                            "device": str(device)}
+    info: dict[str, Any] = {
+        "engine": f"transformers {transformers.__version__}",
+        "torch": torch.__version__,
+        "device": str(device),
+    }
     if device.type == "cpu":
         cpu = hardware.cpu_info()
         info["cpu"] = cpu.as_dict()
         if cfg.compute_dtype == "auto":
-            print(f"extract: the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"extract: the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})",
+                file=sys.stderr,
+                flush=True,
+            )
     with common.Timer() as timer, common.open_writer(plan, spec, info) as writer:
         todo = common.pending_sample_ids(plan, writer)
         skipped = len(plan.sample_ids) - len(todo)
-        batches = common.pending_batches(common.plan_batches(plan.sample_ids, plan.lengths, cfg.token_budget),
-                                         writer.done_sample_ids())
+        batches = common.pending_batches(
+            common.plan_batches(plan.sample_ids, plan.lengths, cfg.token_budget), writer.done_sample_ids()
+        )
         tokens = int(sum(int(plan.lengths[i]) for b in batches for i in b))
         common.check_disk_space(plan, spec, todo)
         work = common.Timer()
         if batches:
-            model = load_target(plan.target_dir, dtype=compute_dtype, device=device,
-                                trust_remote_code=cfg.trust_remote_code)
+            model = load_target(
+                plan.target_dir, dtype=compute_dtype, device=device, trust_remote_code=cfg.trust_remote_code
+            )
             with work:
                 _extract(model, plan, batches, writer, device, tokens, show_progress)
                 writer.flush()
-    return common.result(plan, writer, timer.seconds, tokens=tokens, skipped=skipped, work_seconds=work.seconds,
-                         extra={"backend": f"hf ({device}, {spec.compute_dtype})"})
+    return common.result(
+        plan,
+        writer,
+        timer.seconds,
+        tokens=tokens,
+        skipped=skipped,
+        work_seconds=work.seconds,
+        extra={"backend": f"hf ({device}, {spec.compute_dtype})"},
+    )
 
 
-def _extract(model: nn.Module, plan: common.ExtractionPlan, batches: list[list[int]], writer, device: torch.device,
-             total_tokens: int, show_progress: bool) -> None:
+def _extract(
+    model: nn.Module,
+    plan: common.ExtractionPlan,
+    batches: list[list[int]],
+    writer,
+    device: torch.device,
+    total_tokens: int,
+    show_progress: bool,
+) -> None:
     storage = torch.bfloat16 if plan.cfg.dtype == "bf16" else None  # fp8 is encoded from the compute dtype
     on_gpu = device.type == "cuda"
     with common.BackgroundWriter(writer) as sink, common.progress_bar(total_tokens, enabled=show_progress) as advance:

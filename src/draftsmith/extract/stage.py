@@ -16,15 +16,16 @@ from draftsmith.extract import hf
 def run(cfg: ExtractConfig, **kwargs) -> StageResult:
     """Extract with the backend cfg.backend names; returns where the store is and a summary."""
     if cfg.backend == "hf":
-
         return hf.run(cfg, **kwargs)
     if cfg.backend == "vllm":
         try:
             vllm_backend = importlib.import_module("draftsmith.extract.vllm")
         except ModuleNotFoundError as err:
             if err.name and err.name.startswith("draftsmith"):
-                raise DraftsmithError("--backend vllm: this draftsmith has no vLLM backend installed "
-                                      "(draftsmith.extract.vllm is missing); use --backend hf") from None
+                raise DraftsmithError(
+                    "--backend vllm: this draftsmith has no vLLM backend installed "
+                    "(draftsmith.extract.vllm is missing); use --backend hf"
+                ) from None
             raise
         backend_run = getattr(vllm_backend, "run", None)
         if backend_run is None:

@@ -38,9 +38,16 @@ _ANSWERS = "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_base.json"
 _DOCS = "bfcl_eval/data/multi_turn_func_doc"
 _BACKENDS = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 # each API class: the module of its backend, which also names its function docs
-_MODULES = {"GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api", "MessageAPI": "message_api",
-            "TwitterAPI": "posting_api", "TicketAPI": "ticket_api", "TradingBot": "trading_bot",
-            "TravelAPI": "travel_booking", "VehicleControlAPI": "vehicle_control"}
+_MODULES = {
+    "GorillaFileSystem": "gorilla_file_system",
+    "MathAPI": "math_api",
+    "MessageAPI": "message_api",
+    "TwitterAPI": "posting_api",
+    "TicketAPI": "ticket_api",
+    "TradingBot": "trading_bot",
+    "TravelAPI": "travel_booking",
+    "VehicleControlAPI": "vehicle_control",
+}
 _STATELESS = {"MathAPI"}
 # BFCL's parameter types (Python-flavoured) as JSON Schema's
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
@@ -49,8 +56,12 @@ _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"
 def conversations_path() -> Path:
     """The JSONL file of BFCL conversations (built on first use from the pinned wheel; written atomically, so once
     it exists the wheel's tree need not be verified again)."""
-    out = (assets.cache_dir() / "files" / f"{assets.BFCL.name}-conversations" /
-           f"multi_turn_base-{assets.BFCL.version}-b{_BUILD}.jsonl")
+    out = (
+        assets.cache_dir()
+        / "files"
+        / f"{assets.BFCL.name}-conversations"
+        / f"multi_turn_base-{assets.BFCL.version}-b{_BUILD}.jsonl"
+    )
     if out.is_file():
         return out
     with file_lock(assets.cache_dir() / "locks" / f"{NAME}.lock"):
@@ -76,8 +87,16 @@ def _tools(tree: Path, classes: list[str], excluded: list[str]) -> list[dict]:
             doc = json.loads(line)
             if doc["name"] in excluded:
                 continue
-            tools.append({"type": "function", "function": {"name": doc["name"], "description": doc["description"],
-                                                           "parameters": _schema(doc["parameters"])}})
+            tools.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": doc["name"],
+                        "description": doc["description"],
+                        "parameters": _schema(doc["parameters"]),
+                    },
+                }
+            )
     return tools
 
 
@@ -86,8 +105,11 @@ def parse_call(text: str) -> tuple[str, list, dict]:
     node = ast.parse(text.strip(), mode="eval").body
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
         raise ValueError(f"not a function call: {text!r}")
-    return (node.func.id, [ast.literal_eval(a) for a in node.args],
-            {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg})
+    return (
+        node.func.id,
+        [ast.literal_eval(a) for a in node.args],
+        {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg},
+    )
 
 
 @contextlib.contextmanager
@@ -121,8 +143,12 @@ def _conversation(tree: Path, task: dict, answer: dict) -> dict:
         if name not in _STATELESS:
             instance._load_scenario(copy.deepcopy(task["initial_config"].get(name, {})), long_context=False)
         instances[name] = instance
-    methods = {n: m for instance in instances.values()
-               for n, m in inspect.getmembers(instance, predicate=inspect.ismethod) if not n.startswith("_")}
+    methods = {
+        n: m
+        for instance in instances.values()
+        for n, m in inspect.getmembers(instance, predicate=inspect.ismethod)
+        if not n.startswith("_")
+    }
     messages: list[dict] = []
     for t, (user_turns, calls) in enumerate(zip(task["question"], answer["ground_truth"])):
         messages.extend({"role": m["role"], "content": m["content"]} for m in user_turns)
@@ -130,20 +156,35 @@ def _conversation(tree: Path, task: dict, answer: dict) -> dict:
             name, args, kwargs = parse_call(text)
             method = methods.get(name)
             if method is None:
-                raise DraftsmithError(f"{_ANSWERS}: {task['id']} turn {t} calls {name!r}, which none of "
-                                      f"{', '.join(task['involved_classes'])} has")
+                raise DraftsmithError(
+                    f"{_ANSWERS}: {task['id']} turn {t} calls {name!r}, which none of "
+                    f"{', '.join(task['involved_classes'])} has"
+                )
             arguments = dict(inspect.signature(method).bind(*args, **kwargs).arguments)
             try:
                 result = _result_text(method(*args, **kwargs))
             except Exception as err:  # noqa: BLE001 - a call that fails returns its error, as BFCL's executor does
                 result = f"Error during execution: {err}"
             call_id = f"call_{t}_{c}"
-            messages.append({"role": "assistant", "content": None, "tool_calls": [
-                {"id": call_id, "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+                        }
+                    ],
+                }
+            )
             messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": result})
-    return {"id": task["id"], "tools": _tools(tree, task["involved_classes"], task.get("excluded_function", [])),
-            "messages": messages}
+    return {
+        "id": task["id"],
+        "tools": _tools(tree, task["involved_classes"], task.get("excluded_function", [])),
+        "messages": messages,
+    }
 
 
 def conversations(tree: Path) -> Iterator[dict]:

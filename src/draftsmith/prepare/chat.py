@@ -34,12 +34,20 @@ import numpy as np
 from jinja2 import TemplateError
 
 ROLE_ALIASES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "model": "assistant",
     "function_call": "assistant",  # ShareGPT (LLaMA-Factory): an assistant turn that calls tools, its value the call
-    "system": "system", "developer": "system",
-    "tool": "tool", "function": "tool", "observation": "tool",  # a tool's result: context, never trained on
+    "system": "system",
+    "developer": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",  # a tool's result: context, never trained on
 }
 _TURN_KEYS = ("conversations", "conversation", "messages")
 _ROLE_KEYS = ("from", "role")
@@ -97,8 +105,15 @@ def _text_of(content: Any) -> str | None:
 
 
 def _json_kind(value: Any) -> str:
-    return {str: "string", bool: "boolean", int: "number", float: "number", list: "array", dict: "object",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        str: "string",
+        bool: "boolean",
+        int: "number",
+        float: "number",
+        list: "array",
+        dict: "object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def raw_role(turn: Any) -> str | None:
@@ -163,8 +178,10 @@ def normalize_call(raw: Any, where: str) -> dict:
     what = f"{where}: the arguments of call {function['name']!r}"
     arguments = _parse_json(arguments, "malformed tool call", what) if arguments not in (None, "") else {}
     if not isinstance(arguments, dict):
-        raise Skip("malformed tool call", f"{where}: call {function['name']!r} has arguments that are a JSON "
-                   f"{_json_kind(arguments)}, not an object")
+        raise Skip(
+            "malformed tool call",
+            f"{where}: call {function['name']!r} has arguments that are a JSON {_json_kind(arguments)}, not an object",
+        )
     call = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if isinstance(raw.get("id"), str) and raw["id"]:
         call = {"id": raw["id"], **call}
@@ -176,8 +193,12 @@ def _hermes_calls(text: str, where: str) -> tuple[str, list[dict]]:
     (the text without them, the calls)."""
     calls = []
     for i, block in enumerate(_HERMES_CALL.findall(text)):
-        calls.append(normalize_call(_parse_json(block.strip(), "malformed tool call", f"{where}: <tool_call> {i}"),
-                           f"{where}, <tool_call> {i}"))
+        calls.append(
+            normalize_call(
+                _parse_json(block.strip(), "malformed tool call", f"{where}: <tool_call> {i}"),
+                f"{where}, <tool_call> {i}",
+            )
+        )
     return (_HERMES_CALL.sub("", text).strip() if calls else text), calls
 
 
@@ -240,8 +261,7 @@ class _Results:
         if call_id not in (None, ""):
             call = self.ids.get(str(call_id))
             if call is None:
-                raise Skip("tool result without its call", f"{where}: tool_call_id {call_id!r} matches no earlier "
-                           "call")
+                raise Skip("tool result without its call", f"{where}: tool_call_id {call_id!r} matches no earlier call")
         elif self.pending:
             call = self.pending[0]
         else:  # a result of a call the assistant wrote as text (ReAct's "Action: ..."): context as it is
@@ -273,8 +293,12 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
         raise Skip("no conversations", f"no {' / '.join(_TURN_KEYS)} field (keys: {', '.join(map(str, record))})")
     turns = record[key]
     if not isinstance(turns, list) or not turns:
-        raise Skip("no conversations", f"{key} is an empty list" if isinstance(turns, list)
-                   else f"{key} is a JSON {_json_kind(turns)}, not a list of turns")
+        raise Skip(
+            "no conversations",
+            f"{key} is an empty list"
+            if isinstance(turns, list)
+            else f"{key} is a JSON {_json_kind(turns)}, not a list of turns",
+        )
     tools = _tools(record)
     # `<tool_call>` text is a call only where the conversation is about tools (a chat may quote the format)
     hermes = bool(tools) or any(role_of(t) == "tool" for t in turns)
@@ -292,11 +316,17 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
         text_key = next((k for k in _TEXT_KEYS if k in turn), None)
         value = turn[text_key] if text_key else None
         text = _text_of(value)
-        may_be_empty = canonical == "tool" or (canonical == "assistant" and (
-            turn.get("tool_calls") or turn.get("function_call") or any(turn.get(k) for k in _REASONING_KEYS)))
+        may_be_empty = canonical == "tool" or (
+            canonical == "assistant"
+            and (turn.get("tool_calls") or turn.get("function_call") or any(turn.get(k) for k in _REASONING_KEYS))
+        )
         if text is None and not (may_be_empty and value is None):
-            raise Skip("turn without text", f"{where} has no {' / '.join(_TEXT_KEYS)} field"
-                       if text_key is None else f"{where}: {text_key} is a JSON {_json_kind(value)}, not text")
+            raise Skip(
+                "turn without text",
+                f"{where} has no {' / '.join(_TEXT_KEYS)} field"
+                if text_key is None
+                else f"{where}: {text_key} is a JSON {_json_kind(value)}, not text",
+            )
         if text is not None and _SURROGATE.search(text):
             raise Skip("not valid UTF-8", f"{where} holds bytes that are not valid UTF-8")
         as_written = None
@@ -352,27 +382,27 @@ class EncodedChat:
     """A conversation's samples (one per run of generations that share a context) and what the layout cost."""
 
     samples: list[Encoded]
-    generations: int                # assistant generations trained on
-    one_sample_tokens: int          # tokens of the whole conversation as one sample (the final render)
+    generations: int  # assistant generations trained on
+    one_sample_tokens: int  # tokens of the whole conversation as one sample (the final render)
     dropped: dict[str, int] = field(default_factory=dict)  # samples left out, by reason (max_length)
-    agentic: bool = False           # declares tools or calls one
+    agentic: bool = False  # declares tools or calls one
 
 
 @dataclass(frozen=True)
 class TemplateFeatures:
     """What a chat template renders of the agentic parts of a conversation."""
 
-    tools: bool          # the declared tools (`tools=`)
-    tool_calls: bool     # an assistant turn's `tool_calls`
-    reasoning: bool      # an assistant turn's `reasoning_content`
+    tools: bool  # the declared tools (`tools=`)
+    tool_calls: bool  # an assistant turn's `tool_calls`
+    reasoning: bool  # an assistant turn's `reasoning_content`
 
 
 @dataclass
 class _Sample:
     text: str
-    starts: list[int]                # where each generation starts (its context ends)
-    spans: list[tuple[int, int]]     # each generation, end-of-turn marker included
-    turns: list[int]                 # each generation's message index
+    starts: list[int]  # where each generation starts (its context ends)
+    spans: list[tuple[int, int]]  # each generation, end-of-turn marker included
+    turns: list[int]  # each generation's message index
 
 
 class ChatEncoder:
@@ -382,8 +412,14 @@ class ChatEncoder:
     {"thinking": true} for Kimi-K2.5, {"enable_thinking": false} for Qwen3).
     """
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None, max_length: int | None = None,
-                 overflow: str = "truncate", template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        max_length: int | None = None,
+        overflow: str = "truncate",
+        template_kwargs: dict | None = None,
+    ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.max_length = max_length
@@ -394,12 +430,18 @@ class ChatEncoder:
         self._backend = backend if backend is not None and getattr(tokenizer, "is_fast", False) else None
 
     # ------------------------------------------------------------------ rendering
-    def render(self, messages: list[Message], add_generation_prompt: bool = False,
-               tools: list[dict] | None = None) -> str:
+    def render(
+        self, messages: list[Message], add_generation_prompt: bool = False, tools: list[dict] | None = None
+    ) -> str:
         options = dict(self.template_kwargs, **({"tools": tools} if tools else {}))
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=self.chat_template,
-                                                      add_generation_prompt=add_generation_prompt, **options)
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **options,
+            )
         except (TemplateError, TypeError) as err:
             raise Skip("chat template error", f"the chat template refused this conversation: {err}") from None
 
@@ -415,24 +457,36 @@ class ChatEncoder:
                 except Skip:
                     return False
 
-            tool = {"type": "function", "function": {"name": _PROBE + "_tool", "description": "",
-                                                     "parameters": {"type": "object", "properties": {}}}}
+            tool = {
+                "type": "function",
+                "function": {
+                    "name": _PROBE + "_tool",
+                    "description": "",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
             call = {"id": "call_0", "type": "function", "function": {"name": _PROBE + "_call", "arguments": {}}}
             self._features = TemplateFeatures(
                 tools=shows([user], _PROBE + "_tool", add_generation_prompt=True, tools=[tool]),
                 tool_calls=shows([user, {"role": "assistant", "content": "", "tool_calls": [call]}], _PROBE + "_call"),
-                reasoning=shows([user, {"role": "assistant", "content": "a", "reasoning_content": _PROBE}], _PROBE))
+                reasoning=shows([user, {"role": "assistant", "content": "a", "reasoning_content": _PROBE}], _PROBE),
+            )
         return self._features
 
     def check_shows(self, chat: Chat) -> TemplateFeatures:
         """This template's features; Skip where it cannot show the conversation's declared tools or its calls."""
         features = self.features
         if chat.tools and not features.tools:
-            raise Skip("chat template without tools", "the chat template does not render the declared tools; pass "
-                       "a tool-aware template with --chat-template FILE")
+            raise Skip(
+                "chat template without tools",
+                "the chat template does not render the declared tools; pass "
+                "a tool-aware template with --chat-template FILE",
+            )
         if any(m.get("tool_calls") for m in chat.messages) and not features.tool_calls:
-            raise Skip("chat template without tool calls", "the chat template does not render tool calls; pass a "
-                       "tool-aware template with --chat-template FILE")
+            raise Skip(
+                "chat template without tool calls",
+                "the chat template does not render tool calls; pass a tool-aware template with --chat-template FILE",
+            )
         return features
 
     def as_rendered(self, chat: Chat) -> list[Message]:
@@ -459,13 +513,13 @@ class ChatEncoder:
             if m["role"] != "assistant":
                 continue
             context = self.render(messages[:k], add_generation_prompt=True, tools=chat.tools) if k else ""
-            full = self.render(messages[:k + 1], tools=chat.tools)
+            full = self.render(messages[: k + 1], tools=chat.tools)
             start = len(context) if full.startswith(context) else _common_prefix_len(full, context)
             end = len(full.rstrip())
             if end <= start:
                 continue  # the template writes nothing of this turn: nothing of it to learn
             last = samples[-1] if samples else None
-            if last is not None and context.startswith(last.text[:last.spans[-1][1]]) and start == len(context):
+            if last is not None and context.startswith(last.text[: last.spans[-1][1]]) and start == len(context):
                 last.text = full
                 last.starts.append(start)
                 last.spans.append((start, end))
@@ -481,8 +535,9 @@ class ChatEncoder:
                 yield k, self._tokenize(sample.text[:start], [], sample.starts[:j])[0]
 
     # ------------------------------------------------------------------ tokenising
-    def _tokenize(self, text: str, spans: list[tuple[int, int]],
-                  cuts: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def _tokenize(
+        self, text: str, spans: list[tuple[int, int]], cuts: Sequence[int] = ()
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of `text` (tokenised separately on each side of every cut) and the mask of tokens inside
         `spans`."""
         bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(text)), len(text)]
@@ -517,8 +572,9 @@ class ChatEncoder:
         text, spans, starts = sample.text, sample.spans, sample.starts
         encoded = None
         if self.max_length is not None and len(text) > (limit := self.max_length * _PREFIX_CHARS_PER_TOKEN):
-            encoded = self._tokenize(text[:limit], [(s, min(e, limit)) for s, e in spans if s < limit],
-                                     [c for c in starts if c < limit])
+            encoded = self._tokenize(
+                text[:limit], [(s, min(e, limit)) for s, e in spans if s < limit], [c for c in starts if c < limit]
+            )
             if len(encoded[0]) < self.max_length + _PREFIX_MARGIN:
                 encoded = None  # unusually many characters per token: tokenise the whole text
         if encoded is None:
@@ -533,8 +589,10 @@ class ChatEncoder:
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             truncated = True
             if not mask.any():
-                raise Skip("no assistant tokens within max_length",
-                           f"the first assistant token comes after max_length {self.max_length}")
+                raise Skip(
+                    "no assistant tokens within max_length",
+                    f"the first assistant token comes after max_length {self.max_length}",
+                )
         return Encoded(ids.astype(np.int32), mask, truncated)
 
     def encode(self, chat: Chat | list[Message]) -> EncodedChat:

@@ -119,8 +119,14 @@ def resume_point(output: Path, fingerprint: str) -> dict | None:
 class _ShardWriter:
     """Buffers samples and writes them as numbered shards into `directory`."""
 
-    def __init__(self, directory: Path, target: TargetIdentity, shard_samples: int,
-                 shards: list[PreparedShard] | None = None, num_truncated: int = 0):
+    def __init__(
+        self,
+        directory: Path,
+        target: TargetIdentity,
+        shard_samples: int,
+        shards: list[PreparedShard] | None = None,
+        num_truncated: int = 0,
+    ):
         self.directory = directory
         self.target = target
         self.shard_samples = shard_samples
@@ -158,7 +164,8 @@ class _ShardWriter:
         if ids.min() < 0 or ids.max() >= vocab:
             raise DraftsmithError(
                 f"sample {index}: token id {int(ids.max())} is outside the target's vocabulary of {vocab} "
-                f"(config.json vocab_size); the tokenizer does not belong to target {self.target.path}")
+                f"(config.json vocab_size); the tokenizer does not belong to target {self.target.path}"
+            )
         self.num_truncated += bool(sample.get("truncated", False))
         self.ids.append(ids.astype(np.int32))
         self.masks.append((mask != 0).astype(np.uint8))
@@ -171,12 +178,20 @@ class _ShardWriter:
         np.cumsum(lengths, out=offsets[1:])
         name = f"shard-{len(self.shards):05d}.safetensors"
         path = self.directory / name
-        _write_safetensors(path, {"input_ids": np.concatenate(self.ids), "loss_mask": np.concatenate(self.masks),
-                                  "offsets": offsets})
+        _write_safetensors(
+            path, {"input_ids": np.concatenate(self.ids), "loss_mask": np.concatenate(self.masks), "offsets": offsets}
+        )
         first = self.shards[-1].first_sample + self.shards[-1].num_samples if self.shards else 0
-        self.shards.append(PreparedShard(file=name, sha256=sha256_file(path), num_samples=len(self.ids),
-                                         num_tokens=int(offsets[-1]), first_sample=first,
-                                         num_bytes=path.stat().st_size))
+        self.shards.append(
+            PreparedShard(
+                file=name,
+                sha256=sha256_file(path),
+                num_samples=len(self.ids),
+                num_tokens=int(offsets[-1]),
+                first_sample=first,
+                num_bytes=path.stat().st_size,
+            )
+        )
         self.ids.clear()
         self.masks.clear()
 
@@ -191,36 +206,68 @@ class _ShardWriter:
         return counts
 
 
-def _write_all(directory: Path, writer: _ShardWriter, samples: Iterable[dict | list[dict]], on_shard, *,
-               output: Path, chat_template_hash: str, max_length: int, skipped: dict[str, int] | None,
-               sources: list[str] | None, config: Any, extra: dict[str, Any]) -> PreparedManifest:
+def _write_all(
+    directory: Path,
+    writer: _ShardWriter,
+    samples: Iterable[dict | list[dict]],
+    on_shard,
+    *,
+    output: Path,
+    chat_template_hash: str,
+    max_length: int,
+    skipped: dict[str, int] | None,
+    sources: list[str] | None,
+    config: Any,
+    extra: dict[str, Any],
+) -> PreparedManifest:
     for sample in samples:
         if writer.add(sample) and on_shard is not None:
             on_shard(writer)
     writer.flush()
     shards = writer.shards
     if not shards:
-        raise DraftsmithError(f"{output}: no usable samples to write" + (
-            f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else ""))
+        raise DraftsmithError(
+            f"{output}: no usable samples to write"
+            + (f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else "")
+        )
     counts = writer.token_counts()
     _write_safetensors(directory / TOKEN_COUNTS_NAME, {"counts": counts})
     manifest = PreparedManifest(
-        target=writer.target, chat_template_hash=chat_template_hash, max_length=max_length,
-        num_samples=writer.num_samples, num_tokens=sum(s.num_tokens for s in shards),
-        num_loss_tokens=int(counts.sum()), num_truncated=writer.num_truncated, shards=shards,
+        target=writer.target,
+        chat_template_hash=chat_template_hash,
+        max_length=max_length,
+        num_samples=writer.num_samples,
+        num_tokens=sum(s.num_tokens for s in shards),
+        num_loss_tokens=int(counts.sum()),
+        num_truncated=writer.num_truncated,
+        shards=shards,
         token_counts_sha256=sha256_file(directory / TOKEN_COUNTS_NAME),
-        skipped=dict(skipped or {}), sources=list(sources or []), **extra)
+        skipped=dict(skipped or {}),
+        sources=list(sources or []),
+        **extra,
+    )
     if config is not None:
         save_resolved_config(config, directory)
     write_manifest(directory, manifest)
     return manifest
 
 
-def write_prepared(output: Path, samples: Iterable[dict | list[dict]], target: TargetIdentity, *,
-                   chat_template_hash: str, max_length: int, skipped: dict[str, int] | None = None,
-                   sources: list[str] | None = None, shard_samples: int = 2048, config: Any = None,
-                   fingerprint: str | None = None, checkpoint: Callable[[], dict] | None = None,
-                   resume: bool = False, **extra: Any) -> PreparedManifest:
+def write_prepared(
+    output: Path,
+    samples: Iterable[dict | list[dict]],
+    target: TargetIdentity,
+    *,
+    chat_template_hash: str,
+    max_length: int,
+    skipped: dict[str, int] | None = None,
+    sources: list[str] | None = None,
+    shard_samples: int = 2048,
+    config: Any = None,
+    fingerprint: str | None = None,
+    checkpoint: Callable[[], dict] | None = None,
+    resume: bool = False,
+    **extra: Any,
+) -> PreparedManifest:
     """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool;
     a list of such dicts is kept in one shard) as a prepared set at `output`.
 
@@ -238,8 +285,15 @@ def write_prepared(output: Path, samples: Iterable[dict | list[dict]], target: T
     """
     output = Path(output)
     check_replaceable(output, "prepared", "a prepared data set")
-    fields = dict(output=output, chat_template_hash=chat_template_hash, max_length=max_length, skipped=skipped,
-                  sources=sources, config=config, extra=extra)
+    fields = dict(
+        output=output,
+        chat_template_hash=chat_template_hash,
+        max_length=max_length,
+        skipped=skipped,
+        sources=sources,
+        config=config,
+        extra=extra,
+    )
     if fingerprint is None:
         with atomic_dir(output) as tmp:
             return _write_all(tmp, _ShardWriter(tmp, target, shard_samples), samples, None, **fields)
@@ -250,14 +304,24 @@ def write_prepared(output: Path, samples: Iterable[dict | list[dict]], target: T
         raise DraftsmithError(f"{work}: nothing to resume for this job; run without resume")
     if previous is None:
         fresh_dir(work)
-    writer = _ShardWriter(work, target, shard_samples,
-                          shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else None,
-                          num_truncated=previous["num_truncated"] if previous else 0)
+    writer = _ShardWriter(
+        work,
+        target,
+        shard_samples,
+        shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else None,
+        num_truncated=previous["num_truncated"] if previous else 0,
+    )
 
     def on_shard(w: _ShardWriter) -> None:
-        atomic_write_json(work / RESUME_NAME, {
-            "fingerprint": fingerprint, "shards": [s.model_dump() for s in w.shards],
-            "num_truncated": w.num_truncated, "state": checkpoint() if checkpoint else {}})
+        atomic_write_json(
+            work / RESUME_NAME,
+            {
+                "fingerprint": fingerprint,
+                "shards": [s.model_dump() for s in w.shards],
+                "num_truncated": w.num_truncated,
+                "state": checkpoint() if checkpoint else {},
+            },
+        )
 
     manifest = _write_all(work, writer, samples, on_shard, **fields)
     (work / RESUME_NAME).unlink(missing_ok=True)
@@ -273,8 +337,13 @@ def write_prepared(output: Path, samples: Iterable[dict | list[dict]], target: T
 def _open_shard(path: Path, shard: PreparedShard | None = None) -> TensorFile:
     """A shard file, checked: input_ids I32 [T], loss_mask U8 [T], offsets I64 [n+1] (against `shard`, the
     manifest's record, when given)."""
-    file = TensorFile(path, REMEDY, what="shard file", expected_bytes=shard.num_bytes if shard and shard.num_bytes
-                      else None, sha256=shard.sha256 if shard else None)  # hashed on the first read of its tokens
+    file = TensorFile(
+        path,
+        REMEDY,
+        what="shard file",
+        expected_bytes=shard.num_bytes if shard and shard.num_bytes else None,
+        sha256=shard.sha256 if shard else None,
+    )  # hashed on the first read of its tokens
     T = shard.num_tokens if shard else None
     file.expect("input_ids", "I32", (T,))
     file.expect("loss_mask", "U8", (T,))
@@ -297,14 +366,17 @@ class PreparedDataset(collections.abc.Sequence[dict]):
         expected_first = 0
         for shard in manifest.shards:
             if shard.first_sample != expected_first:
-                raise DraftsmithError(f"{self.path}/{MANIFEST_NAME}: shard {shard.file} starts at sample "
-                                      f"{shard.first_sample}, expected {expected_first}; the manifest is damaged")
+                raise DraftsmithError(
+                    f"{self.path}/{MANIFEST_NAME}: shard {shard.file} starts at sample "
+                    f"{shard.first_sample}, expected {expected_first}; the manifest is damaged"
+                )
             expected_first += shard.num_samples
             file = _open_shard(self.path / shard.file, shard)
             offsets = file.read("offsets", verify=False).numpy()
             if int(offsets[0]) != 0 or int(offsets[-1]) != shard.num_tokens or bool(np.any(np.diff(offsets) <= 0)):
-                raise file.error(f"offsets do not match the manifest ({shard.num_samples} samples, "
-                                 f"{shard.num_tokens} tokens)")
+                raise file.error(
+                    f"offsets do not match the manifest ({shard.num_samples} samples, {shard.num_tokens} tokens)"
+                )
             self._files.append(file)
             self._offsets.append(offsets)
         self.lengths = np.concatenate([np.diff(o) for o in self._offsets]).astype(np.int64)
@@ -337,8 +409,12 @@ class PreparedDataset(collections.abc.Sequence[dict]):
 
     def token_counts(self) -> torch.Tensor:
         """How often each target token id is loss-masked in this set: int64 [vocab]."""
-        file = TensorFile(self.path / self.manifest.token_counts_file, REMEDY, what="token-count file",
-                          sha256=self.manifest.token_counts_sha256 or None)
+        file = TensorFile(
+            self.path / self.manifest.token_counts_file,
+            REMEDY,
+            what="token-count file",
+            sha256=self.manifest.token_counts_sha256 or None,
+        )
         file.expect("counts", "I64", (self.manifest.target.vocab_size,))
         counts = file.read("counts")
         file.close()
@@ -377,12 +453,16 @@ def open_prepared(path: Path, verify: bool = False) -> PreparedDataset:
     if not path.is_dir():
         raise DraftsmithError(f"{path}: expected a prepared data set directory, got a file")
     if not (path / MANIFEST_NAME).is_file():
-        raise DraftsmithError(f"{path}: not a prepared data set (no {MANIFEST_NAME}); "
-                              "point at the output directory of `draftsmith prepare`")
+        raise DraftsmithError(
+            f"{path}: not a prepared data set (no {MANIFEST_NAME}); "
+            "point at the output directory of `draftsmith prepare`"
+        )
     manifest = read_manifest(path, PreparedManifest)
     if not manifest.shards or sum(s.num_samples for s in manifest.shards) != manifest.num_samples:
-        raise DraftsmithError(f"{path}/{MANIFEST_NAME}: shard sample counts do not add up to {manifest.num_samples}; "
-                              "the manifest is damaged")
+        raise DraftsmithError(
+            f"{path}/{MANIFEST_NAME}: shard sample counts do not add up to {manifest.num_samples}; "
+            "the manifest is damaged"
+        )
     dataset = PreparedDataset(path, manifest)
     if verify:
         dataset.verify()

@@ -34,11 +34,11 @@ _CHUNK = 1 << 22
 
 @dataclass
 class Record:
-    source: str           # the file (or dataset directory) it came from
-    index: int            # 0-based record index within that source
-    data: Any = None      # the parsed record (None when bad)
-    bad: str | None = None     # counted reason when the record could not be read
-    detail: str = ""      # one line saying exactly what was wrong
+    source: str  # the file (or dataset directory) it came from
+    index: int  # 0-based record index within that source
+    data: Any = None  # the parsed record (None when bad)
+    bad: str | None = None  # counted reason when the record could not be read
+    detail: str = ""  # one line saying exactly what was wrong
     offset: int | None = None  # bytes of the source consumed so far (for progress), when known
 
 
@@ -61,14 +61,25 @@ def _is_saved_dataset(path: Path) -> bool:
 def _directory_sources(directory: Path) -> list[Source]:
     if _is_saved_dataset(directory):
         return [Source(directory, "dataset")]
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in FORMAT_OF_SUFFIX
-                   and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-                   and p != directory / MANIFEST_NAME)  # an artefact's own manifest (`draftsmith regenerate`'s set)
+    files = sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in FORMAT_OF_SUFFIX
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+        and p != directory / MANIFEST_NAME
+    )  # an artefact's own manifest (`draftsmith regenerate`'s set)
     if not files:
         kind = _artefact_kind(directory)
-        raise DraftsmithError(f"{directory}: " + (
-            f"is a draftsmith {kind!r} artefact, not conversations; --data takes JSON / JSONL / parquet / arrow files "
-            "or a directory of them" if kind else "no .json / .jsonl / .parquet / .arrow files in this directory"))
+        raise DraftsmithError(
+            f"{directory}: "
+            + (
+                f"is a draftsmith {kind!r} artefact, not conversations; --data takes JSON / JSONL / parquet / arrow files "
+                "or a directory of them"
+                if kind
+                else "no .json / .jsonl / .parquet / .arrow files in this directory"
+            )
+        )
     by_format: dict[str, list[Path]] = {}
     for f in files:
         by_format.setdefault(FORMAT_OF_SUFFIX[f.suffix.lower()], []).append(f)
@@ -76,8 +87,9 @@ def _directory_sources(directory: Path) -> list[Source]:
         counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(by_format.items()))
         raise DraftsmithError(
             f"{directory}: directory mixes formats ({counts} files); keep one format per directory, or list the "
-            f"files you mean comma-separated in --data")
-    (fmt, paths), = by_format.items()
+            f"files you mean comma-separated in --data"
+        )
+    ((fmt, paths),) = by_format.items()
     return [Source(p, fmt) for p in paths]
 
 
@@ -168,12 +180,17 @@ def _iter_json(path: Path) -> Iterator[Record]:
         elif text[0] == "{":
             yield from _iter_json_document(path, f)
         else:
-            raise DraftsmithError(f"{path}: {_not_json_reason(head, text)}; expected a JSON array of conversations "
-                                  "or JSON Lines (UTF-8)")
+            raise DraftsmithError(
+                f"{path}: {_not_json_reason(head, text)}; expected a JSON array of conversations or JSON Lines (UTF-8)"
+            )
 
 
-_UTF16_32_BOMS = {codecs.BOM_UTF32_LE: "UTF-32", codecs.BOM_UTF32_BE: "UTF-32", codecs.BOM_UTF16_LE: "UTF-16",
-                  codecs.BOM_UTF16_BE: "UTF-16"}  # UTF-32 LE starts like UTF-16 LE: checked first
+_UTF16_32_BOMS = {
+    codecs.BOM_UTF32_LE: "UTF-32",
+    codecs.BOM_UTF32_BE: "UTF-32",
+    codecs.BOM_UTF16_LE: "UTF-16",
+    codecs.BOM_UTF16_BE: "UTF-16",
+}  # UTF-32 LE starts like UTF-16 LE: checked first
 
 
 def _not_json_reason(head: bytes, text: str) -> str:
@@ -216,16 +233,19 @@ def _iter_json_document(path: Path, f) -> Iterator[Record]:
     try:
         doc = json.loads(f.read().decode("utf-8", errors="surrogateescape"))
     except json.JSONDecodeError as err:
-        raise DraftsmithError(f"{path}: record 0: invalid JSON at line {err.lineno} column {err.colno}: "
-                              f"{err.msg}") from None
+        raise DraftsmithError(
+            f"{path}: record 0: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
+        ) from None
     if any(k in doc for k in _RECORD_KEYS):
         yield Record(str(path), 0, doc)
         return
     lists = [k for k, v in doc.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
     if len(lists) != 1:
-        raise DraftsmithError(f"{path}: a JSON object that is neither a conversation nor holds one list of them "
-                              f"(keys: {', '.join(map(str, doc))}); expected a JSON array of conversations "
-                              "or JSON Lines")
+        raise DraftsmithError(
+            f"{path}: a JSON object that is neither a conversation nor holds one list of them "
+            f"(keys: {', '.join(map(str, doc))}); expected a JSON array of conversations "
+            "or JSON Lines"
+        )
     for index, record in enumerate(doc[lists[0]]):
         yield Record(str(path), index, record)
 
@@ -242,11 +262,21 @@ def _iter_json_lines(path: Path, f) -> Iterator[Record]:
             data = json.loads(line)
         except json.JSONDecodeError as err:
             if not raw.endswith(b"\n") and line_no > 1:
-                yield Record(str(path), index, bad=DAMAGED_TAIL, offset=offset,
-                             detail=f"line {line_no} (the last) is cut off: {err.msg}")
+                yield Record(
+                    str(path),
+                    index,
+                    bad=DAMAGED_TAIL,
+                    offset=offset,
+                    detail=f"line {line_no} (the last) is cut off: {err.msg}",
+                )
             else:
-                yield Record(str(path), index, bad="invalid JSON", offset=offset,
-                             detail=f"line {line_no}: {err.msg} at column {err.colno}")
+                yield Record(
+                    str(path),
+                    index,
+                    bad="invalid JSON",
+                    offset=offset,
+                    detail=f"line {line_no}: {err.msg} at column {err.colno}",
+                )
             index += 1
             continue
         yield Record(str(path), index, data, offset=offset)
@@ -260,7 +290,7 @@ def _runs_out(err: json.JSONDecodeError, buf: str) -> bool:
     """Did the parser stop because the text ended (more may follow), rather than at a real syntax error?"""
     if err.msg.startswith("Unterminated string"):
         return True
-    rest = buf[err.pos:]
+    rest = buf[err.pos :]
     if err.msg.startswith("Invalid \\uXXXX escape") and len(rest) <= 6:
         return True
     return _PARTIAL_VALUE.fullmatch(rest) is not None
@@ -311,20 +341,32 @@ def _iter_json_array(path: Path, f) -> Iterator[Record]:
     expect_comma = False
     while True:
         if not skip_ws():
-            yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
-                         detail=f"file ends at byte {bytes_read} without closing the array after record {index - 1}")
+            yield Record(
+                str(path),
+                index,
+                bad=DAMAGED_TAIL,
+                offset=bytes_read,
+                detail=f"file ends at byte {bytes_read} without closing the array after record {index - 1}",
+            )
             return
         ch = buf[pos]
         if ch == "]":
             return
         if expect_comma:
             if ch != ",":
-                raise DraftsmithError(f"{path}: record {index}: invalid JSON at {where()}: expected ',' or ']' "
-                                      f"between records, found {ch!r}")
+                raise DraftsmithError(
+                    f"{path}: record {index}: invalid JSON at {where()}: expected ',' or ']' "
+                    f"between records, found {ch!r}"
+                )
             pos += 1
             if not skip_ws():
-                yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
-                             detail=f"file ends at byte {bytes_read} right after record {index - 1}")
+                yield Record(
+                    str(path),
+                    index,
+                    bad=DAMAGED_TAIL,
+                    offset=bytes_read,
+                    detail=f"file ends at byte {bytes_read} right after record {index - 1}",
+                )
                 return
         start = pos
         while True:
@@ -338,12 +380,18 @@ def _iter_json_array(path: Path, f) -> Iterator[Record]:
                     continue
                 if near_end:  # and at end of file: the record was cut off
                     lost = len(buf) - start
-                    yield Record(str(path), index, bad=DAMAGED_TAIL, offset=bytes_read,
-                                 detail=f"cut off by the end of the file at byte {bytes_read} "
-                                        f"({lost} characters of the record present)")
+                    yield Record(
+                        str(path),
+                        index,
+                        bad=DAMAGED_TAIL,
+                        offset=bytes_read,
+                        detail=f"cut off by the end of the file at byte {bytes_read} "
+                        f"({lost} characters of the record present)",
+                    )
                     return
-                raise DraftsmithError(f"{path}: record {index}: invalid JSON at character "
-                                      f"{consumed_chars + err.pos}: {err.msg}") from None
+                raise DraftsmithError(
+                    f"{path}: record {index}: invalid JSON at character {consumed_chars + err.pos}: {err.msg}"
+                ) from None
         pos = end
         yield Record(str(path), index, data, offset=max(0, bytes_read - (len(buf) - pos)))
         index += 1
@@ -373,23 +421,28 @@ def _iter_datasets(source: Source) -> Iterator[Record]:
     try:
         import datasets
     except ImportError:
-        raise DraftsmithError(f"{source.path}: reading a `datasets` directory or file needs the `datasets` package, "
-                              "which is not installed: pip install datasets (or draftsmith[datasets])") from None
+        raise DraftsmithError(
+            f"{source.path}: reading a `datasets` directory or file needs the `datasets` package, "
+            "which is not installed: pip install datasets (or draftsmith[datasets])"
+        ) from None
 
     try:
         if source.format == "dataset":
             ds = datasets.load_from_disk(str(source.path))
             if isinstance(ds, datasets.DatasetDict):
                 if "train" not in ds:
-                    raise DraftsmithError(f"{source.path}: a DatasetDict without a 'train' split "
-                                          f"(splits: {', '.join(ds)}); point --data at one split's directory")
+                    raise DraftsmithError(
+                        f"{source.path}: a DatasetDict without a 'train' split "
+                        f"(splits: {', '.join(ds)}); point --data at one split's directory"
+                    )
                 ds = ds["train"]
         else:
             ds = datasets.Dataset.from_file(str(source.path))
     except DraftsmithError:
         raise
     except Exception as err:  # noqa: BLE001 - `datasets` raises many types for an unreadable file
-        raise DraftsmithError(f"{source.path}: `datasets` cannot read this ({type(err).__name__}: {err})"
-                              .replace("\n", " ")) from None
+        raise DraftsmithError(
+            f"{source.path}: `datasets` cannot read this ({type(err).__name__}: {err})".replace("\n", " ")
+        ) from None
     for index, row in enumerate(ds):
         yield Record(str(source.path), index, row)

@@ -57,15 +57,23 @@ from draftsmith.prepare.vllm_chat import AnswerParser
 
 def _progress(max_samples: int | None):
     progress = Progress(
-        TextColumn("[bold]regenerate[/]"), BarColumn(), TextColumn("{task.fields[conversations]:,} conversations"),
-        TextColumn("{task.fields[tok_rate]:,.1f} new tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=not sys.stderr.isatty(), transient=False)
+        TextColumn("[bold]regenerate[/]"),
+        BarColumn(),
+        TextColumn("{task.fields[conversations]:,} conversations"),
+        TextColumn("{task.fields[tok_rate]:,.1f} new tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not sys.stderr.isatty(),
+        transient=False,
+    )
     task = progress.add_task("regenerate", total=max_samples, conversations=0, tok_rate=0.0)
     return progress, task
 
 
-def _summary(cfg: RegenerateConfig, manifest: RegeneratedManifest, resumed_records: int,
-             seconds: float) -> dict[str, Any]:
+def _summary(
+    cfg: RegenerateConfig, manifest: RegeneratedManifest, resumed_records: int, seconds: float
+) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "output": str(cfg.output),
         "target": manifest.generator.target.path,
@@ -78,10 +86,20 @@ def _summary(cfg: RegenerateConfig, manifest: RegeneratedManifest, resumed_recor
         "truncated answers": manifest.num_truncated_turns,
         "conversations with a truncated answer": manifest.num_truncated_conversations,
         "conversations cut at max_length": manifest.num_cut_conversations,
-        **({"leading assistant turns dropped": manifest.stats.get("leading_assistant_turns_dropped", 0)}
-           if cfg.leading_assistant == "drop" else {}),
-        **({"tool calls written": manifest.num_tool_calls, "recorded tool results spliced": manifest.num_spliced_results,
-            "tool loops ended early": sum(manifest.diverged.values())} if cfg.tool_call_parser else {}),
+        **(
+            {"leading assistant turns dropped": manifest.stats.get("leading_assistant_turns_dropped", 0)}
+            if cfg.leading_assistant == "drop"
+            else {}
+        ),
+        **(
+            {
+                "tool calls written": manifest.num_tool_calls,
+                "recorded tool results spliced": manifest.num_spliced_results,
+                "tool loops ended early": sum(manifest.diverged.values()),
+            }
+            if cfg.tool_call_parser
+            else {}
+        ),
         "skipped": sum(manifest.skipped.values()),
     }
     for how, count in sorted(manifest.diverged.items(), key=lambda kv: -kv[1]):
@@ -90,8 +108,13 @@ def _summary(cfg: RegenerateConfig, manifest: RegeneratedManifest, resumed_recor
         summary[f"skipped: {reason}"] = count
     if manifest.damaged:
         summary["damaged input"] = "; ".join(manifest.damaged)
-    summary.update({"shards": len(manifest.shards), "new tokens/s": manifest.stats.get("new_tokens_per_s", 0.0),
-                    "seconds (total)": round(seconds, 1)})
+    summary.update(
+        {
+            "shards": len(manifest.shards),
+            "new tokens/s": manifest.stats.get("new_tokens_per_s", 0.0),
+            "seconds (total)": round(seconds, 1),
+        }
+    )
     return summary
 
 
@@ -106,16 +129,28 @@ def run(cfg: RegenerateConfig) -> StageResult:
     sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
     eos = engines.eos_token_ids(tokenizer, target_dir)
     engine_name, engine_version = engines.engine_choice(cfg)
-    device = resolve_device(cfg.device) if engine_name == "hf" else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        resolve_device(cfg.device)
+        if engine_name == "hf"
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     dtype = engines.dtype_name(cfg, device)
     positions = context_length(read_config(target_dir))
     max_length = min(cfg.max_length, int(positions)) if positions else cfg.max_length
     parsers_from = engines.vllm_version() if cfg.tool_call_parser or cfg.reasoning_parser else None
-    fingerprint = sha256_bytes(json.dumps({
-        "job": job_fingerprint(cfg, identity, template, sources), "engine": engine_version, "dtype": dtype,
-        "device": device.type, "eos": eos, "format": 1, **({"parsers_from": parsers_from} if parsers_from else {}),
-    }).encode("utf-8"))
+    fingerprint = sha256_bytes(
+        json.dumps(
+            {
+                "job": job_fingerprint(cfg, identity, template, sources),
+                "engine": engine_version,
+                "dtype": dtype,
+                "device": device.type,
+                "eos": eos,
+                "format": 1,
+                **({"parsers_from": parsers_from} if parsers_from else {}),
+            }
+        ).encode("utf-8")
+    )
 
     regenerated_set.check_replaceable(output)
     finished = regenerated_set.finished_set(output, fingerprint)
@@ -128,12 +163,16 @@ def run(cfg: RegenerateConfig) -> StageResult:
     tally = Tally(**saved) if saved else Tally()
     resumed_records = tally.records
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    parser = AnswerParser(tokenizer, cfg.tool_call_parser, cfg.reasoning_parser, cfg.chat_template_kwargs) if (
-        cfg.tool_call_parser or cfg.reasoning_parser) else None
+    parser = (
+        AnswerParser(tokenizer, cfg.tool_call_parser, cfg.reasoning_parser, cfg.chat_template_kwargs)
+        if (cfg.tool_call_parser or cfg.reasoning_parser)
+        else None
+    )
 
     def start_engine() -> Any:
-        return engines.start_engine(engine_name, engine_version, cfg, target_dir, device, dtype, eos, pad,
-                                    max_length, work)
+        return engines.start_engine(
+            engine_name, engine_version, cfg, target_dir, device, dtype, eos, pad, max_length, work
+        )
 
     records = read_records(sources, resumed_records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
     encoder = ChatEncoder(tokenizer, template, template_kwargs=cfg.chat_template_kwargs)
@@ -148,37 +187,69 @@ def run(cfg: RegenerateConfig) -> StageResult:
                     regenerated_set.write_shard(work, shards, lines, tally.conversations - len(lines))
                 regenerated_set.save_progress(work, fingerprint, shards, dataclasses.asdict(tally))
                 rate = regenerator.generated_tokens / max(regenerator.generate_s, 1e-9)
-                progress.update(task, completed=tally.conversations, conversations=tally.conversations,
-                                tok_rate=rate)
+                progress.update(task, completed=tally.conversations, conversations=tally.conversations, tok_rate=rate)
     finally:
         regenerator.close()
     for skipped in regenerator.tail:
         tally.skip(*skipped)
     tally.records += len(regenerator.tail)
     if not shards:
-        raise DraftsmithError(f"{', '.join(str(s.path) for s in sources)}: no usable conversations to regenerate" + (
-            f" (skipped: {', '.join(f'{k} {v}' for k, v in tally.skipped.items())}; first: "
-            f"{next(iter(tally.skip_examples.values()), '')})" if tally.skipped else ""))
+        raise DraftsmithError(
+            f"{', '.join(str(s.path) for s in sources)}: no usable conversations to regenerate"
+            + (
+                f" (skipped: {', '.join(f'{k} {v}' for k, v in tally.skipped.items())}; first: "
+                f"{next(iter(tally.skip_examples.values()), '')})"
+                if tally.skipped
+                else ""
+            )
+        )
 
     seconds = time.perf_counter() - started
     manifest = RegeneratedManifest(
-        generator=Generator(target=identity, chat_template_hash=sha256_bytes(template.encode("utf-8")),
-                            engine=engine_name, engine_version=engine_version, dtype=dtype, device=str(device),
-                            chat_template_kwargs=cfg.chat_template_kwargs, tool_call_parser=cfg.tool_call_parser,
-                            reasoning_parser=cfg.reasoning_parser, parsers_from=parsers_from),
-        sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          max_length=max_length, seed=cfg.seed, think=cfg.think),
-        fingerprint=fingerprint, sources=regenerated_set.source_files(sources), num_conversations=tally.conversations,
-        num_assistant_turns=tally.assistant_turns, num_new_tokens=tally.new_tokens,
-        num_truncated_turns=tally.truncated_turns, num_truncated_conversations=tally.truncated_conversations,
-        num_cut_conversations=tally.cut_conversations, num_tool_calls=tally.tool_calls,
-        num_spliced_results=tally.spliced_results, diverged=tally.diverged, shards=shards, skipped=tally.skipped,
-        skip_examples=tally.skip_examples, damaged=tally.damaged,
-        stats={"records": tally.records, "resumed_after_records": resumed_records,
-               "leading_assistant_turns_dropped": tally.leading_assistant_dropped,
-               "seconds": round(seconds, 2), "generate_seconds": round(regenerator.generate_s, 2),
-               "new_tokens_this_run": regenerator.generated_tokens,
-               "new_tokens_per_s": round(regenerator.generated_tokens / max(regenerator.generate_s, 1e-9), 1)})
+        generator=Generator(
+            target=identity,
+            chat_template_hash=sha256_bytes(template.encode("utf-8")),
+            engine=engine_name,
+            engine_version=engine_version,
+            dtype=dtype,
+            device=str(device),
+            chat_template_kwargs=cfg.chat_template_kwargs,
+            tool_call_parser=cfg.tool_call_parser,
+            reasoning_parser=cfg.reasoning_parser,
+            parsers_from=parsers_from,
+        ),
+        sampling=Sampling(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            max_length=max_length,
+            seed=cfg.seed,
+            think=cfg.think,
+        ),
+        fingerprint=fingerprint,
+        sources=regenerated_set.source_files(sources),
+        num_conversations=tally.conversations,
+        num_assistant_turns=tally.assistant_turns,
+        num_new_tokens=tally.new_tokens,
+        num_truncated_turns=tally.truncated_turns,
+        num_truncated_conversations=tally.truncated_conversations,
+        num_cut_conversations=tally.cut_conversations,
+        num_tool_calls=tally.tool_calls,
+        num_spliced_results=tally.spliced_results,
+        diverged=tally.diverged,
+        shards=shards,
+        skipped=tally.skipped,
+        skip_examples=tally.skip_examples,
+        damaged=tally.damaged,
+        stats={
+            "records": tally.records,
+            "resumed_after_records": resumed_records,
+            "leading_assistant_turns_dropped": tally.leading_assistant_dropped,
+            "seconds": round(seconds, 2),
+            "generate_seconds": round(regenerator.generate_s, 2),
+            "new_tokens_this_run": regenerator.generated_tokens,
+            "new_tokens_per_s": round(regenerator.generated_tokens / max(regenerator.generate_s, 1e-9), 1),
+        },
+    )
     regenerated_set.publish(work, output, cfg, manifest)
-    return StageResult(stage="regenerate", output=output,
-                       summary=_summary(cfg, manifest, resumed_records, seconds))
+    return StageResult(stage="regenerate", output=output, summary=_summary(cfg, manifest, resumed_records, seconds))

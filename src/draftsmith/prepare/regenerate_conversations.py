@@ -73,31 +73,38 @@ def _seed(seed: int, conversation: int, turn: int) -> int:
 
 @dataclass
 class Conversation:
-    where: str             # "file.json record 3"
-    index: int             # conversations taken in before this one: its place in the output, its seeds
-    turns: list[dict]      # normalised source turns; every assistant turn is regenerated (content None: appended)
+    where: str  # "file.json record 3"
+    index: int  # conversations taken in before this one: its place in the output, its seeds
+    turns: list[dict]  # normalised source turns; every assistant turn is regenerated (content None: appended)
     before: list[tuple[str, str, str]]  # records skipped since the previous conversation: (reason, where, detail)
-    leading_dropped: bool = False       # lost its assistant turns before the first user turn (leading_assistant drop)
-    tools: list[dict] | None = None     # the tools its requests declare
+    leading_dropped: bool = False  # lost its assistant turns before the first user turn (leading_assistant drop)
+    tools: list[dict] | None = None  # the tools its requests declare
     out: list[Message] = field(default_factory=list)
     pos: int = 0
     truncated_turns: list[int] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
     cut: bool = False
-    diverged: str | None = None         # how the target's tool loop left the recorded one (it ends there)
+    diverged: str | None = None  # how the target's tool loop left the recorded one (it ends there)
     call_ids: dict[str, str] = field(default_factory=dict)  # recorded call id -> the target's call's id
-    tool_calls: int = 0                 # calls the target made
-    spliced: int = 0                    # recorded tool results placed after the target's calls
+    tool_calls: int = 0  # calls the target made
+    spliced: int = 0  # recorded tool results placed after the target's calls
     skip: Skip | None = None
     done: bool = False
 
     def record(self) -> dict:
         """The conversation as written to the set: messages in OpenAI form (a call's arguments a JSON string, the
         content of a turn that only calls tools null), with the record's tools."""
-        return {**({"tools": self.tools} if self.tools else {}),
-                "messages": [openai_message(m) for m in self.out], "regenerated": {
-                    "source": self.where, "truncated_turns": self.truncated_turns, "new_tokens": self.new_tokens,
-                    "cut_at_max_length": self.cut, **({"diverged": self.diverged} if self.diverged else {})}}
+        return {
+            **({"tools": self.tools} if self.tools else {}),
+            "messages": [openai_message(m) for m in self.out],
+            "regenerated": {
+                "source": self.where,
+                "truncated_turns": self.truncated_turns,
+                "new_tokens": self.new_tokens,
+                "cut_at_max_length": self.cut,
+                **({"diverged": self.diverged} if self.diverged else {}),
+            },
+        }
 
 
 def _turns_to_answer(messages: list[Message]) -> list[dict]:
@@ -123,9 +130,9 @@ class Tally:
     starts from exactly this."""
 
     records: int = 0
-    attempted: int = 0          # conversations taken in (written or skipped after that)
-    dropped: int = 0            # of those, skipped (chat template, prompt too long, empty answer ...)
-    conversations: int = 0      # written
+    attempted: int = 0  # conversations taken in (written or skipped after that)
+    dropped: int = 0  # of those, skipped (chat template, prompt too long, empty answer ...)
+    conversations: int = 0  # written
     assistant_turns: int = 0
     new_tokens: int = 0
     truncated_turns: int = 0
@@ -134,7 +141,7 @@ class Tally:
     leading_assistant_dropped: int = 0
     tool_calls: int = 0
     spliced_results: int = 0
-    diverged: dict[str, int] = field(default_factory=dict)   # conversations whose tool loop ended early, by how
+    diverged: dict[str, int] = field(default_factory=dict)  # conversations whose tool loop ended early, by how
     skipped: dict[str, int] = field(default_factory=dict)
     skip_examples: dict[str, str] = field(default_factory=dict)
     damaged: list[str] = field(default_factory=list)
@@ -169,8 +176,9 @@ class Tally:
         return True
 
 
-def read_records(sources: list[Source], skip_records: int, leading_assistant: str,
-                 agentic: bool = False) -> Iterator[tuple]:
+def read_records(
+    sources: list[Source], skip_records: int, leading_assistant: str, agentic: bool = False
+) -> Iterator[tuple]:
     """Every record of every source, in order, as ("skip", reason, where, detail) or ("conversation", turns,
     tools, where, leading assistant turns dropped); the first `skip_records` (already in the shards of an
     interrupted run) are read past. Conversations with tools are skipped unless `agentic` (a tool-call parser is
@@ -183,10 +191,16 @@ def read_records(sources: list[Source], skip_records: int, leading_assistant: st
         try:
             chat = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
             if chat.agentic and not agentic:
-                raise Skip("agentic conversation", "it declares or calls tools; name the target's tool-call format "
-                           "with --tool-call-parser (vLLM's names: hermes for Qwen3, kimi_k2 for Kimi-K2.5)")
-            dropped = leading_assistant == "drop" and leading_assistant_turns(
-                normalize_conversation(record.data, "keep", keep_trailing=True).messages) > 0
+                raise Skip(
+                    "agentic conversation",
+                    "it declares or calls tools; name the target's tool-call format "
+                    "with --tool-call-parser (vLLM's names: hermes for Qwen3, kimi_k2 for Kimi-K2.5)",
+                )
+            dropped = (
+                leading_assistant == "drop"
+                and leading_assistant_turns(normalize_conversation(record.data, "keep", keep_trailing=True).messages)
+                > 0
+            )
             yield "conversation", _turns_to_answer(chat.messages), chat.tools, where, dropped
         except Skip as skip:
             yield "skip", skip.reason, where, skip.detail
@@ -204,8 +218,17 @@ class Regenerator:
 
     OPEN_SHARDS = 4
 
-    def __init__(self, cfg: RegenerateConfig, tokenizer: Any, encoder: ChatEncoder, max_length: int, start_engine,
-                 records: Iterator[tuple], tally: Tally, parser: AnswerParser | None = None):
+    def __init__(
+        self,
+        cfg: RegenerateConfig,
+        tokenizer: Any,
+        encoder: ChatEncoder,
+        max_length: int,
+        start_engine,
+        records: Iterator[tuple],
+        tally: Tally,
+        parser: AnswerParser | None = None,
+    ):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.encoder = encoder
@@ -216,21 +239,24 @@ class Regenerator:
         self.records = records
         self.size = cfg.shard_samples
         self.window = 2 * cfg.shard_samples
-        self.taken = tally.attempted          # conversations taken in so far (committed ones included)
-        self.live = tally.conversations       # taken in and not skipped (so far)
+        self.taken = tally.attempted  # conversations taken in so far (committed ones included)
+        self.live = tally.conversations  # taken in and not skipped (so far)
         self.next_shard = -(-tally.attempted // cfg.shard_samples)  # the first shard not written yet
-        self.asked: dict[int, tuple[Conversation, str]] = {}   # key -> (conversation, rendered prompt)
+        self.asked: dict[int, tuple[Conversation, str]] = {}  # key -> (conversation, rendered prompt)
         self.finished: dict[int, Conversation] = {}
         self.exhausted = False
-        self.tail: list[tuple[str, str, str]] = []              # records skipped after the last conversation
+        self.tail: list[tuple[str, str, str]] = []  # records skipped after the last conversation
         self.generate_s = 0.0
         self.generated_tokens = 0
 
     # ---- intake
     def _may_take(self) -> bool:
-        return (not self.exhausted and len(self.asked) < self.window
-                and self.taken < (self.next_shard + self.OPEN_SHARDS) * self.size
-                and (not self.cfg.max_samples or self.live < self.cfg.max_samples))
+        return (
+            not self.exhausted
+            and len(self.asked) < self.window
+            and self.taken < (self.next_shard + self.OPEN_SHARDS) * self.size
+            and (not self.cfg.max_samples or self.live < self.cfg.max_samples)
+        )
 
     def _take(self) -> None:
         before: list[tuple[str, str, str]] = []
@@ -239,8 +265,9 @@ class Regenerator:
                 before.append(item[1:])
                 continue
             _, turns, tools, where, dropped = item
-            conv = Conversation(where=where, index=self.taken, turns=turns, before=before, leading_dropped=dropped,
-                                tools=tools)
+            conv = Conversation(
+                where=where, index=self.taken, turns=turns, before=before, leading_dropped=dropped, tools=tools
+            )
             self.taken += 1
             self.live += 1
             try:
@@ -293,10 +320,12 @@ class Regenerator:
             return ids, text, limit
         answered = max((k for k, m in enumerate(conv.out) if m["role"] == "assistant"), default=None)
         if answered is None:
-            conv.skip = Skip("prompt longer than max_length", f"the prompt of the first answer has {len(ids)} "
-                             f"tokens, max_length is {self.max_length}")
+            conv.skip = Skip(
+                "prompt longer than max_length",
+                f"the prompt of the first answer has {len(ids)} tokens, max_length is {self.max_length}",
+            )
         else:
-            conv.out, conv.cut = conv.out[:answered + 1], True
+            conv.out, conv.cut = conv.out[: answered + 1], True
         return None
 
     def _message(self, conv: Conversation, tokens: list[int], prompt: str) -> Message:
@@ -304,8 +333,11 @@ class Regenerator:
         if self.parser is None:
             content = answer_text(self.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think)
             if content is None:
-                raise Skip("cut off inside <think>", f"turn {conv.pos}: the answer hit its limit of {len(tokens)} "
-                           "tokens before its reasoning ended (--think drop)")
+                raise Skip(
+                    "cut off inside <think>",
+                    f"turn {conv.pos}: the answer hit its limit of {len(tokens)} "
+                    "tokens before its reasoning ended (--think drop)",
+                )
             if not content.strip():
                 raise Skip("empty answer", f"turn {conv.pos}: the target answered with nothing")
             return {"role": "assistant", "content": content}
@@ -317,8 +349,9 @@ class Regenerator:
         # read back as prepare will read the set (arguments objects, as vLLM hands them to the template later); a
         # call the parser could not read stays `<tool_call>` text in the content, which fails here too
         try:
-            return normalize_conversation({"tools": conv.tools, "messages": [{"role": "user", "content": "-"},
-                                                                               message]}).messages[-1]
+            return normalize_conversation(
+                {"tools": conv.tools, "messages": [{"role": "user", "content": "-"}, message]}
+            ).messages[-1]
         except Skip as skip:
             raise Skip("malformed tool call", f"turn {conv.pos}: {skip.detail}") from None
 
@@ -351,8 +384,11 @@ class Regenerator:
             if skip.reason == "malformed tool call" and any(m["role"] == "assistant" for m in conv.out):
                 conv.diverged = WROTE_MALFORMED  # the conversation ends before this answer
             else:
-                conv.skip = Skip("target wrote a malformed tool call", skip.detail) \
-                    if skip.reason == "malformed tool call" else skip
+                conv.skip = (
+                    Skip("target wrote a malformed tool call", skip.detail)
+                    if skip.reason == "malformed tool call"
+                    else skip
+                )
             self._finish(conv)
             return
         if hit_limit:

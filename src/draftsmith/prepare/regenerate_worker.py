@@ -101,10 +101,18 @@ def main() -> None:
 
     on_cpu = not torch.cuda.is_available()
     llm = vllm_launch.start_llm(
-        dict(model=engine.target, dtype=engine.dtype, max_model_len=engine.max_model_len, seed=engine.seed,
-             tensor_parallel_size=engine.tensor_parallel_size, trust_remote_code=engine.trust_remote_code,
-             enforce_eager=on_cpu, disable_log_stats=True),
-        vllm_launch.engine_environment(cpu_workers=engine.tensor_parallel_size if on_cpu else 1))
+        dict(
+            model=engine.target,
+            dtype=engine.dtype,
+            max_model_len=engine.max_model_len,
+            seed=engine.seed,
+            tensor_parallel_size=engine.tensor_parallel_size,
+            trust_remote_code=engine.trust_remote_code,
+            enforce_eager=on_cpu,
+            disable_log_stats=True,
+        ),
+        vllm_launch.engine_environment(cpu_workers=engine.tensor_parallel_size if on_cpu else 1),
+    )
     core = llm.llm_engine
     replies.write(Ready(vllm_version=vllm.__version__).model_dump_json() + "\n")
     inbox: queue.Queue = queue.Queue()
@@ -120,17 +128,27 @@ def main() -> None:
         for request in waiting:
             if request is None:
                 return
-            params = SamplingParams(temperature=engine.temperature, top_p=engine.top_p,
-                                    max_tokens=request.max_tokens, seed=request.seed if sampled else None,
-                                    stop_token_ids=engine.stop_token_ids, detokenize=False,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            params = SamplingParams(
+                temperature=engine.temperature,
+                top_p=engine.top_p,
+                max_tokens=request.max_tokens,
+                seed=request.seed if sampled else None,
+                stop_token_ids=engine.stop_token_ids,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
             core.add_request(str(request.id), {"prompt_token_ids": request.prompt}, params)
         finished = []
         for out in core.step():
             assert isinstance(out, RequestOutput)  # what a generating engine's step returns
             if out.finished:
-                finished.append(Output(id=int(out.request_id), token_ids=list(out.outputs[0].token_ids),
-                                       finish_reason=out.outputs[0].finish_reason))
+                finished.append(
+                    Output(
+                        id=int(out.request_id),
+                        token_ids=list(out.outputs[0].token_ids),
+                        finish_reason=out.outputs[0].finish_reason,
+                    )
+                )
         if finished:
             replies.write(Finished(outputs=finished).model_dump_json() + "\n")
 

@@ -72,12 +72,12 @@ class Generator(BaseModel):
 
     target: TargetIdentity
     chat_template_hash: str
-    engine: str            # "vllm" or "hf"
-    engine_version: str    # e.g. "vllm 0.32.0", "transformers 5.19.0, torch 2.13.0+cpu"
+    engine: str  # "vllm" or "hf"
+    engine_version: str  # e.g. "vllm 0.32.0", "transformers 5.19.0, torch 2.13.0+cpu"
     dtype: str
     device: str
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    tool_call_parser: str | None = None   # vLLM's parser names the answers were read with
+    tool_call_parser: str | None = None  # vLLM's parser names the answers were read with
     reasoning_parser: str | None = None
     parsers_from: str | None = Field(None, description="the vLLM version whose parsers read the answers")
 
@@ -109,8 +109,10 @@ class RegeneratedManifest(Manifest):
     num_cut_conversations: int = Field(description="conversations ended early: a later prompt filled max_length")
     num_tool_calls: int = Field(0, description="tool calls the target wrote")
     num_spliced_results: int = Field(0, description="recorded tool results placed after the target's calls")
-    diverged: dict[str, int] = Field(default_factory=dict, description=(
-        "conversations whose tool loop ended early, by how the target's answer left the recorded one"))
+    diverged: dict[str, int] = Field(
+        default_factory=dict,
+        description=("conversations whose tool loop ended early, by how the target's answer left the recorded one"),
+    )
     shards: list[RegeneratedShard]
     skipped: dict[str, int] = Field(default_factory=dict)
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
@@ -128,8 +130,10 @@ def open_regenerated(path: Path) -> RegeneratedManifest:
     for shard in manifest.shards:
         file = path / shard.file
         if not file.is_file() or file.stat().st_size != shard.num_bytes:
-            raise DraftsmithError(f"{file}: missing or not the size the manifest records; the regenerated set is "
-                                  "damaged, run `draftsmith regenerate` again")
+            raise DraftsmithError(
+                f"{file}: missing or not the size the manifest records; the regenerated set is "
+                "damaged, run `draftsmith regenerate` again"
+            )
     return manifest
 
 
@@ -174,14 +178,22 @@ def write_shard(work: Path, shards: list[RegeneratedShard], lines: list[str], fi
     """Write the next shard (`lines`, one JSON record each) and add it to `shards`."""
     name = f"shard-{len(shards):05d}.jsonl"
     atomic_write_text(work / name, "".join(lines))
-    shards.append(RegeneratedShard(file=name, sha256=sha256_file(work / name), num_bytes=(work / name).stat().st_size,
-                                   num_conversations=len(lines), first_conversation=first_conversation))
+    shards.append(
+        RegeneratedShard(
+            file=name,
+            sha256=sha256_file(work / name),
+            num_bytes=(work / name).stat().st_size,
+            num_conversations=len(lines),
+            first_conversation=first_conversation,
+        )
+    )
 
 
 def save_progress(work: Path, fingerprint: str, shards: list[RegeneratedShard], tally: dict) -> None:
     """What a resumed run starts from: the complete shards and the caller's tallies of the records behind them."""
-    atomic_write_json(work / RESUME_NAME, {"fingerprint": fingerprint, "shards": [s.model_dump() for s in shards],
-                                           "tally": tally})
+    atomic_write_json(
+        work / RESUME_NAME, {"fingerprint": fingerprint, "shards": [s.model_dump() for s in shards], "tally": tally}
+    )
 
 
 def source_files(sources: list[Source]) -> list[SourceFile]:

@@ -61,7 +61,7 @@ from draftsmith.prepare.readers import (
 from draftsmith.prepare.vllm_chat import VllmRendering
 from draftsmith.prepare.vocab import coverage_report
 
-BATCH = 16            # conversations per task sent to a worker
+BATCH = 16  # conversations per task sent to a worker
 IN_FLIGHT_PER_WORKER = 4
 SUMMARY_VOCAB_SIZES = (8192, 16384, 32000)
 
@@ -71,9 +71,9 @@ class _Tally:
     records: int = 0
     conversations: int = 0
     samples: int = 0
-    generations: int = 0           # assistant generations trained on
-    agentic: int = 0               # conversations that declare tools or call one
-    one_sample_tokens: int = 0     # tokens had every conversation been one sample
+    generations: int = 0  # assistant generations trained on
+    agentic: int = 0  # conversations that declare tools or call one
+    one_sample_tokens: int = 0  # tokens had every conversation been one sample
     tokens: int = 0
     loss_tokens: int = 0
     truncated: int = 0
@@ -119,8 +119,9 @@ def _file_counts(counts: dict[str, Any] | None) -> str:
         return "holds no records"
     line = f"{counts['usable']} of {counts['records']} records usable"
     if counts["skipped"]:
-        line += ": " + ", ".join(f"{reason} {n}" for reason, n in sorted(counts["skipped"].items(),
-                                                                         key=lambda kv: -kv[1]))
+        line += ": " + ", ".join(
+            f"{reason} {n}" for reason, n in sorted(counts["skipped"].items(), key=lambda kv: -kv[1])
+        )
     return line + (f" (first: {counts['first']})" if counts["first"] else "")
 
 
@@ -162,8 +163,9 @@ def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> lis
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
-def _batches(sources: list[Source], progress_cb, skip_records: int = 0,
-             leading_assistant: str = "skip") -> Iterator[list[tuple]]:
+def _batches(
+    sources: list[Source], progress_cb, skip_records: int = 0, leading_assistant: str = "skip"
+) -> Iterator[list[tuple]]:
     """(where: (file, record index), normalised conversation or counted Skip, leading assistant turns dropped)
     from every source, in order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
     past."""
@@ -239,17 +241,25 @@ def chat_template_of(cfg: PrepareConfig | RegenerateConfig, tokenizer: Any, targ
     except ValueError:
         template = None
     if not template:
-        raise DraftsmithError(f"{target_dir}: the target's tokenizer has no chat template; pass one with "
-                              "--chat-template FILE.jinja")
+        raise DraftsmithError(
+            f"{target_dir}: the target's tokenizer has no chat template; pass one with --chat-template FILE.jinja"
+        )
     return template
 
 
 def _progress(total_bytes: int | None, max_samples: int | None):
     progress = Progress(
-        TextColumn("[bold]prepare[/]"), BarColumn(), TextColumn("{task.fields[conversations]:,} conversations"),
-        TextColumn("{task.fields[rate]:,.0f} conv/s"), TextColumn("{task.fields[tok_rate]:,.0f} tok/s"),
-        TimeElapsedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=not sys.stderr.isatty(), transient=False)
+        TextColumn("[bold]prepare[/]"),
+        BarColumn(),
+        TextColumn("{task.fields[conversations]:,} conversations"),
+        TextColumn("{task.fields[rate]:,.0f} conv/s"),
+        TextColumn("{task.fields[tok_rate]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not sys.stderr.isatty(),
+        transient=False,
+    )
     task = progress.add_task("prepare", total=max_samples or total_bytes, conversations=0, rate=0.0, tok_rate=0.0)
     return progress, task
 
@@ -262,6 +272,7 @@ def _available_cores() -> int:
 
 def job_fingerprint(cfg: PrepareConfig | RegenerateConfig, identity: Any, template: str, sources: list[Source]) -> str:
     """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
+
     def stamp(path: Path) -> list:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
@@ -276,18 +287,24 @@ def job_fingerprint(cfg: PrepareConfig | RegenerateConfig, identity: Any, templa
     return sha256_bytes(json.dumps(job, sort_keys=True).encode("utf-8"))
 
 
-def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path,
-                    template: str) -> str:
+def check_with_vllm(
+    cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path, template: str
+) -> str:
     """Render the first `cfg.check_with_vllm` usable conversations' prompts as vLLM's server would and compare
     them with the contexts draftsmith trains each generation in; DraftsmithError at the first differing token."""
     try:
         vllm = VllmRendering(target_dir, encoder.tokenizer, template, cfg.trust_remote_code)
     except ImportError:
-        raise DraftsmithError("--check-with-vllm: vLLM is not installed; install it beside draftsmith (see README) "
-                              "or leave the check out") from None
+        raise DraftsmithError(
+            "--check-with-vllm: vLLM is not installed; install it beside draftsmith (see README) or leave the check out"
+        ) from None
+
     def token(seq: list[int], at: int) -> str:
-        return f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}" if at < len(seq) else \
-            "nothing (the prompt ends there)"
+        return (
+            f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
+            if at < len(seq)
+            else "nothing (the prompt ends there)"
+        )
 
     conversations = prompts = 0
     for source, record in records_after(sources, 0):
@@ -310,7 +327,8 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
                     f"{source.path.name} record {record.index}: the prompt of turn {k} differs from vLLM "
                     f"{vllm.version}'s rendering at token {at} of {len(theirs)}: draftsmith {token(ids, at)}, vLLM "
                     f"{token(theirs, at)} (draftsmith renders with apply_chat_template; check --chat-template and "
-                    "--chat-template-kwargs against the server's)")
+                    "--chat-template-kwargs against the server's)"
+                )
             prompts += 1
         conversations += 1
     return f"vLLM {vllm.version}: {conversations} conversations, {prompts} prompts token for token the same"
@@ -324,8 +342,9 @@ def run(cfg: PrepareConfig) -> StageResult:
     tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
     template = chat_template_of(cfg, tokenizer, target_dir)
     sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
-    encoder = ChatEncoder(tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow,
-                          template_kwargs=cfg.chat_template_kwargs)
+    encoder = ChatEncoder(
+        tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow, template_kwargs=cfg.chat_template_kwargs
+    )
     workers = max(1, cfg.num_workers or _available_cores())
     checked = check_with_vllm(cfg, sources, encoder, target_dir, template) if cfg.check_with_vllm else None
 
@@ -370,35 +389,59 @@ def run(cfg: PrepareConfig) -> StageResult:
                     tally.loss_tokens += int(sample.loss_mask.sum())
                     tally.truncated += sample.truncated
                 # a conversation's samples are one unit: a shard (and a resume point) never splits them
-                yield [{"input_ids": x.input_ids, "loss_mask": x.loss_mask, "truncated": x.truncated}
-                       for x in item.samples]
+                yield [
+                    {"input_ids": x.input_ids, "loss_mask": x.loss_mask, "truncated": x.truncated} for x in item.samples
+                ]
             elapsed = max(time.perf_counter() - t0, 1e-9)
-            progress.update(task, conversations=tally.conversations,
-                            rate=(tally.conversations - resumed[1]) / elapsed,
-                            tok_rate=(tally.tokens - resumed[2]) / elapsed,
-                            **({"completed": tally.conversations} if cfg.max_samples else {}))
+            progress.update(
+                task,
+                conversations=tally.conversations,
+                rate=(tally.conversations - resumed[1]) / elapsed,
+                tok_rate=(tally.tokens - resumed[2]) / elapsed,
+                **({"completed": tally.conversations} if cfg.max_samples else {}),
+            )
             if cfg.max_samples and tally.conversations >= cfg.max_samples:
                 break
         if not tally.conversations:
             raise _nothing_usable(sources, tally)
         seconds = max(time.perf_counter() - t0, 1e-9)
-        stats.update(records=tally.records, conversations=tally.conversations, samples=tally.samples,
-                     generations=tally.generations, agentic_conversations=tally.agentic,
-                     layout_tokens=tally.tokens, one_sample_per_conversation_tokens=tally.one_sample_tokens,
-                     samples_dropped=dict(tally.samples_dropped), chat_template_kwargs=cfg.chat_template_kwargs,
-                     workers=workers, resumed_after_records=resumed[0],
-                     leading_assistant_turns_dropped=tally.leading_assistant_dropped,
-                     seconds=round(seconds, 2),
-                     conversations_per_s=round((tally.conversations - resumed[1]) / seconds, 1),
-                     tokens_per_s=round((tally.tokens - resumed[2]) / seconds, 1))
+        stats.update(
+            records=tally.records,
+            conversations=tally.conversations,
+            samples=tally.samples,
+            generations=tally.generations,
+            agentic_conversations=tally.agentic,
+            layout_tokens=tally.tokens,
+            one_sample_per_conversation_tokens=tally.one_sample_tokens,
+            samples_dropped=dict(tally.samples_dropped),
+            chat_template_kwargs=cfg.chat_template_kwargs,
+            workers=workers,
+            resumed_after_records=resumed[0],
+            leading_assistant_turns_dropped=tally.leading_assistant_dropped,
+            seconds=round(seconds, 2),
+            conversations_per_s=round((tally.conversations - resumed[1]) / seconds, 1),
+            tokens_per_s=round((tally.tokens - resumed[2]) / seconds, 1),
+        )
 
     with progress:
         manifest = write_prepared(
-            cfg.output, samples(), identity, chat_template_hash=sha256_bytes(template.encode("utf-8")),
-            max_length=cfg.max_length, skipped=tally.skipped, sources=[str(s.path) for s in sources],
-            shard_samples=cfg.shard_samples, config=cfg, overflow=cfg.overflow, damaged=tally.damaged,
-            skip_examples=tally.skip_examples, stats=stats,
-            fingerprint=fingerprint, checkpoint=lambda: {"tally": dataclasses.asdict(tally)}, resume=bool(state))
+            cfg.output,
+            samples(),
+            identity,
+            chat_template_hash=sha256_bytes(template.encode("utf-8")),
+            max_length=cfg.max_length,
+            skipped=tally.skipped,
+            sources=[str(s.path) for s in sources],
+            shard_samples=cfg.shard_samples,
+            config=cfg,
+            overflow=cfg.overflow,
+            damaged=tally.damaged,
+            skip_examples=tally.skip_examples,
+            stats=stats,
+            fingerprint=fingerprint,
+            checkpoint=lambda: {"tally": dataclasses.asdict(tally)},
+            resume=bool(state),
+        )
 
     counts = open_prepared(cfg.output).token_counts()
     summary: dict[str, Any] = {
@@ -409,14 +452,22 @@ def run(cfg: PrepareConfig) -> StageResult:
         "conversations": tally.conversations,
         **({"agentic conversations": tally.agentic} if tally.agentic else {}),
         **({"rendering checked against": checked} if checked else {}),
-        **({"samples": f"{manifest.num_samples} (generations that saw different contexts: "
-                       f"{tally.tokens / max(tally.one_sample_tokens, 1):.2f}x the tokens of one per conversation)"}
-           if manifest.num_samples != tally.conversations else {}),
+        **(
+            {
+                "samples": f"{manifest.num_samples} (generations that saw different contexts: "
+                f"{tally.tokens / max(tally.one_sample_tokens, 1):.2f}x the tokens of one per conversation)"
+            }
+            if manifest.num_samples != tally.conversations
+            else {}
+        ),
         "tokens": manifest.num_tokens,
         "loss tokens": manifest.num_loss_tokens,
         "truncated": tally.truncated,
-        **({"leading assistant turns dropped": tally.leading_assistant_dropped}
-           if cfg.leading_assistant == "drop" else {}),
+        **(
+            {"leading assistant turns dropped": tally.leading_assistant_dropped}
+            if cfg.leading_assistant == "drop"
+            else {}
+        ),
         "skipped": sum(tally.skipped.values()),
     }
     for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
@@ -432,7 +483,13 @@ def run(cfg: PrepareConfig) -> StageResult:
             summary[f"warning: {source}"] = _file_counts(tally.files.get(source))
     for size, cover in coverage_report(counts, SUMMARY_VOCAB_SIZES):
         summary[f"draft vocab {size} covers"] = f"{cover:.2%}"
-    summary.update({"shards": len(manifest.shards), "workers": workers,
-                    "conversations/s": stats["conversations_per_s"], "tokens/s": stats["tokens_per_s"],
-                    "seconds (total)": round(time.perf_counter() - started, 1)})
+    summary.update(
+        {
+            "shards": len(manifest.shards),
+            "workers": workers,
+            "conversations/s": stats["conversations_per_s"],
+            "tokens/s": stats["tokens_per_s"],
+            "seconds (total)": round(time.perf_counter() - started, 1),
+        }
+    )
     return StageResult(stage="prepare", output=Path(cfg.output), summary=summary)

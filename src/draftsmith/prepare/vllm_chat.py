@@ -35,8 +35,10 @@ def _first_module(names: tuple[str, ...], attribute: str) -> Any:
             return getattr(importlib.import_module(name), attribute)
         except (ImportError, AttributeError):
             continue
-    raise DraftsmithError(f"this vLLM has no {attribute} (looked in {', '.join(names)}); --tool-call-parser and "
-                          "--reasoning-parser need vLLM 0.11 or newer")
+    raise DraftsmithError(
+        f"this vLLM has no {attribute} (looked in {', '.join(names)}); --tool-call-parser and "
+        "--reasoning-parser need vLLM 0.11 or newer"
+    )
 
 
 def _registered(manager: Any) -> list[str]:
@@ -49,8 +51,9 @@ def _load(manager: Any, getter: str, name: str, flag: str) -> Any:
         return getattr(manager, getter)(name)
     except KeyError:
         known = _registered(manager)
-        raise DraftsmithError(f"{flag} {name}: vLLM knows no parser of that name"
-                              + (f" (it knows: {', '.join(known)})" if known else "")) from None
+        raise DraftsmithError(
+            f"{flag} {name}: vLLM knows no parser of that name" + (f" (it knows: {', '.join(known)})" if known else "")
+        ) from None
 
 
 @contextlib.contextmanager
@@ -67,14 +70,21 @@ def _quiet() -> Iterator[None]:
 class AnswerParser:
     """A generated answer -> the assistant message vLLM's chat API returns for it (reasoning, content, calls)."""
 
-    def __init__(self, tokenizer: Any, tool_call_parser: str | None, reasoning_parser: str | None,
-                 template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        tool_call_parser: str | None,
+        reasoning_parser: str | None,
+        template_kwargs: dict | None = None,
+    ):
         self.tokenizer = tokenizer
         try:
             importlib.import_module("vllm")
         except ImportError:
-            raise DraftsmithError("--tool-call-parser / --reasoning-parser: these are vLLM's parsers and vLLM is not "
-                                  "installed; install it beside draftsmith (see README)") from None
+            raise DraftsmithError(
+                "--tool-call-parser / --reasoning-parser: these are vLLM's parsers and vLLM is not "
+                "installed; install it beside draftsmith (see README)"
+            ) from None
         self._request_cls = _first_module(_REQUEST_HOMES, "ChatCompletionRequest")
         self._tool_cls = None
         if tool_call_parser:
@@ -123,8 +133,10 @@ class AnswerParser:
             if info.tools_called:
                 content = info.content
                 for call in info.tool_calls:
-                    entry = {"type": "function", "function": {"name": call.function.name,
-                                                              "arguments": call.function.arguments or "{}"}}
+                    entry = {
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments or "{}"},
+                    }
                     if getattr(call, "id", None) and call.id in text:  # written by the model, not made up
                         entry = {"id": call.id, **entry}
                     calls.append(entry)
@@ -141,9 +153,16 @@ def openai_message(message: Message) -> Message:
     a turn that only calls tools null."""
     if not message.get("tool_calls"):
         return message
-    calls = [{**c, "function": {"name": c["function"]["name"],
-                                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-             for c in message["tool_calls"]]
+    calls = [
+        {
+            **c,
+            "function": {
+                "name": c["function"]["name"],
+                "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+            },
+        }
+        for c in message["tool_calls"]
+    ]
     return {**message, "content": message["content"] or None, "tool_calls": calls}
 
 
@@ -166,26 +185,39 @@ class VllmRendering:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         with _quiet():
-            self.model_config = ModelConfig(model=str(target_dir), tokenizer=str(target_dir),
-                                            trust_remote_code=trust_remote_code)
+            self.model_config = ModelConfig(
+                model=str(target_dir), tokenizer=str(target_dir), trust_remote_code=trust_remote_code
+            )
         try:
             from vllm.renderers.chat_utils import parse_chat_messages  # 0.19+
         except ImportError:
             from vllm.entrypoints.chat_utils import (  # type: ignore[import-not-found, no-redef]  # before 0.19
-                parse_chat_messages)
+                parse_chat_messages,
+            )
         try:
             from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
 
             def apply(conversation: list, tools: list | None, **options: Any) -> str:
-                return safe_apply_chat_template(self.model_config, tokenizer, conversation, tools=tools,
-                                                chat_template=chat_template, tokenize=False, **options)
+                return safe_apply_chat_template(
+                    self.model_config,
+                    tokenizer,
+                    conversation,
+                    tools=tools,
+                    chat_template=chat_template,
+                    tokenize=False,
+                    **options,
+                )
         except ImportError:  # 0.11 - 0.15
             from vllm.entrypoints.chat_utils import (  # type: ignore[no-redef]  # 0.11 - 0.15
-                apply_hf_chat_template, resolve_chat_template_content_format)
+                apply_hf_chat_template,
+                resolve_chat_template_content_format,
+            )
 
             def apply(conversation: list, tools: list | None, **options: Any) -> str:
-                return apply_hf_chat_template(tokenizer, conversation, chat_template, tools,
-                                              model_config=self.model_config, **options)  # text
+                return apply_hf_chat_template(
+                    tokenizer, conversation, chat_template, tools, model_config=self.model_config, **options
+                )  # text
+
         self._parse, self._apply, self._format = parse_chat_messages, apply, resolve_chat_template_content_format
         # 0.11 - 0.15 take the tokenizer too
         self._parse_args = (tokenizer,) if "tokenizer" in inspect.signature(parse_chat_messages).parameters else ()

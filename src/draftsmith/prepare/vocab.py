@@ -20,9 +20,9 @@ DEFAULT_REPORT_SIZES = (4096, 8192, 16384, 32000, 65536)
 @dataclass
 class DraftVocab:
     draft_to_target: torch.Tensor  # int64 [draft_vocab], target ids sorted ascending
-    d2t: torch.Tensor              # int64 [draft_vocab], d2t[i] = draft_to_target[i] - i
-    t2d: torch.Tensor              # bool [target_vocab], True where a target id is in the draft vocab
-    coverage: float                # fraction of loss-masked tokens whose id is in the draft vocab
+    d2t: torch.Tensor  # int64 [draft_vocab], d2t[i] = draft_to_target[i] - i
+    t2d: torch.Tensor  # bool [target_vocab], True where a target id is in the draft vocab
+    coverage: float  # fraction of loss-masked tokens whose id is in the draft vocab
 
     @property
     def draft_vocab_size(self) -> int:
@@ -47,8 +47,9 @@ def _ranked_ids(counts: np.ndarray) -> np.ndarray:
 def _counts(token_counts: torch.Tensor | np.ndarray) -> np.ndarray:
     counts = np.asarray(token_counts.cpu() if isinstance(token_counts, torch.Tensor) else token_counts)
     if counts.ndim != 1 or counts.size == 0:
-        raise DraftsmithError(f"token counts must be a non-empty 1-D vector over the target vocabulary, "
-                              f"got shape {tuple(counts.shape)}")
+        raise DraftsmithError(
+            f"token counts must be a non-empty 1-D vector over the target vocabulary, got shape {tuple(counts.shape)}"
+        )
     if (counts < 0).any():
         raise DraftsmithError("token counts must not be negative")
     return counts.astype(np.int64)
@@ -59,8 +60,9 @@ def build_draft_vocab(token_counts: torch.Tensor | np.ndarray, draft_vocab_size:
     counts = _counts(token_counts)
     vocab = len(counts)
     if not 1 <= draft_vocab_size <= vocab:
-        raise DraftsmithError(f"draft vocab size {draft_vocab_size} must be between 1 and the target's "
-                              f"vocabulary size {vocab}")
+        raise DraftsmithError(
+            f"draft vocab size {draft_vocab_size} must be between 1 and the target's vocabulary size {vocab}"
+        )
     chosen = np.sort(_ranked_ids(counts)[:draft_vocab_size])
     total = int(counts.sum())
     draft_to_target = torch.from_numpy(chosen.astype(np.int64))
@@ -74,8 +76,9 @@ def build_draft_vocab(token_counts: torch.Tensor | np.ndarray, draft_vocab_size:
     )
 
 
-def coverage_report(token_counts: torch.Tensor,
-                    sizes: tuple[int, ...] = DEFAULT_REPORT_SIZES) -> list[tuple[int, float]]:
+def coverage_report(
+    token_counts: torch.Tensor, sizes: tuple[int, ...] = DEFAULT_REPORT_SIZES
+) -> list[tuple[int, float]]:
     """(draft vocab size, loss-masked token coverage) for each size, capped at the target vocabulary size."""
     counts = _counts(token_counts)
     cumulative = np.cumsum(counts[_ranked_ids(counts)])

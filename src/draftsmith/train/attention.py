@@ -32,6 +32,7 @@ try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=Tr
 except ImportError:  # pragma: no cover - depends on the torch build
     try:
         from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
         AuxRequest = None  # type: ignore[assignment, misc]  # torch < 2.9
     except ImportError:
         flex_attention = BlockMask = AuxRequest = create_block_mask = None  # type: ignore[assignment, misc]  # no flex
@@ -43,8 +44,9 @@ CHUNK = 64
 KERNELS = ("auto", "flex", "chunked")
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
-                  kernel: str | None = None) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *, kernel: str | None = None
+) -> torch.Tensor:
     """Training-time-test attention, memory-linear in T (forward and backward).
 
     q [B, Hq, T, D] is step k = len(keys) - 1. keys/values[j] [B, Hkv, T, D] are the keys of step j (Hq a multiple
@@ -78,8 +80,14 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         return merge_diagonal(q, o0, lse0, keys[1:], values[1:], scale)
 
 
-def merge_diagonal(q: torch.Tensor, o0: torch.Tensor, lse0: torch.Tensor, keys: list[torch.Tensor],
-                   values: list[torch.Tensor], scale: float) -> torch.Tensor:
+def merge_diagonal(
+    q: torch.Tensor,
+    o0: torch.Tensor,
+    lse0: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
     """Add the diagonal keys to a causal attention's output, exactly: q [B, Hq, T, D]; o0 [B, Hq, T, D] and its
     lse0 [B, Hq, T] (fp32, differentiable); keys/values[j] [B, Hkv, T, D], one score each per query position."""
     b, hq, t, d = q.shape
@@ -98,6 +106,7 @@ def merge_diagonal(q: torch.Tensor, o0: torch.Tensor, lse0: torch.Tensor, keys: 
 
 
 # ---------------------------------------------------------------------------------------------- causal + LSE, CUDA
+
 
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
@@ -121,8 +130,15 @@ def causal_block_mask(t: int, device: str, block: int = 128):
 
     kv_num_blocks, kv_indices = ordered(partial)
     full_kv_num_blocks, full_kv_indices = ordered(full)
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block,
-                                    mask_mod=_causal, seq_lengths=(t, t))
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=block,
+        mask_mod=_causal,
+        seq_lengths=(t, t),
+    )
 
 
 FLEX_BUCKET = 256  # the compiled flex kernel's sequence lengths are multiples of this (two 128-blocks at least)
@@ -135,8 +151,9 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def flex_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, compiled: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention through flex_attention: (out [B, Hq, T, D], lse [B, Hq, T] fp32), both differentiable.
     compiled=False runs eager (tests: forward only on CPU, where flex_attention has no backward)."""
     if flex_attention is None:
@@ -148,8 +165,7 @@ def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if padded != t:
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
     fn = _compiled_flex_attention() if compiled else flex_attention
-    kwargs = dict(block_mask=causal_block_mask(padded, str(q.device)), scale=scale,
-                  enable_gqa=q.shape[1] != k.shape[1])
+    kwargs = dict(block_mask=causal_block_mask(padded, str(q.device)), scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if AuxRequest is not None:
         out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
         lse = aux.lse
@@ -160,8 +176,10 @@ def flex_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 # ---------------------------------------------------------------------------------------------- causal + LSE, chunked
 
-def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+
+def chunked_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention by query chunks: (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] fp32 or fp64), both
     differentiable; memory linear in T (a chunk's scores are the only [*, T] buffers, forward and backward)."""
     return ChunkedCausalAttention.apply(q, k, v, scale, chunk or CHUNK)
@@ -234,8 +252,9 @@ class ChunkedCausalAttention(torch.autograd.Function):
         return dq.view(b, hq, t, d), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _chunk_scores(qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: float,
-                  acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_scores(
+    qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: float, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows [c0, c1) against keys [0, c1): (scaled, causally masked scores [B, Hkv, g, C, c1] in `acc`, the
     scaled query rows [B, Hkv, g*C, D])."""
     b, hkv, g, _, d = qg.shape
@@ -250,8 +269,17 @@ def _chunk_scores(qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: fl
 
 # ---------------------------------------------------------------------------------------------- checkpointing
 
-def ttt_layer_call(layer, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache, mode: str, checkpointed: bool = False) -> torch.Tensor:
+
+def ttt_layer_call(
+    layer,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache,
+    mode: str,
+    checkpointed: bool = False,
+) -> torch.Tensor:
     """`layer(embeds, hidden, cos, sin, cache, mode)`, optionally under activation checkpointing.
 
     Checkpointed, the layer's activations (projections, attention, MLP) are dropped after the forward and
@@ -281,6 +309,7 @@ def ttt_layer_call(layer, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch
 
 
 # ---------------------------------------------------------------------------------------------- reference, decoding
+
 
 def naive_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """Reference: every step's keys side by side, masked by an explicit [T, T*(k+1)] mask (tests, benchmark)."""
@@ -314,9 +343,17 @@ def anchor_chunks(num_anchors: int, block_size: int) -> list[tuple[int, int]]:
     return [(a0, min(a0 + step, num_anchors)) for a0 in range(0, num_anchors, step)]
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.Tensor,
-                    v_context: torch.Tensor, limits: torch.Tensor, chunk_limits: list[int], *,
-                    kernel: str | None = None) -> torch.Tensor:
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_context: torch.Tensor,
+    v_context: torch.Tensor,
+    limits: torch.Tensor,
+    chunk_limits: list[int],
+    *,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """DFlash training attention, memory-linear in the context and the anchors (forward and backward).
 
     q [B, Hq, A*S, D] and the block's k / v [B, Hkv, A*S, D] hold A blocks of S positions, block a at rows
@@ -337,8 +374,14 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context
     s = rows // num_anchors
     outs = []
     for (a0, a1), kmax in zip(anchor_chunks(num_anchors, s), chunk_limits):
-        args = (q[:, :, a0 * s:a1 * s], k[:, :, a0 * s:a1 * s], v[:, :, a0 * s:a1 * s], k_context[:, :, :kmax],
-                v_context[:, :, :kmax], limits[:, a0:a1])
+        args = (
+            q[:, :, a0 * s : a1 * s],
+            k[:, :, a0 * s : a1 * s],
+            v[:, :, a0 * s : a1 * s],
+            k_context[:, :, :kmax],
+            v_context[:, :, :kmax],
+            limits[:, a0:a1],
+        )
         if torch.is_grad_enabled() and q.requires_grad:
             outs.append(checkpoint(_block_chunk, *args, use_reentrant=False))
         else:
@@ -355,8 +398,13 @@ def _block_chunk(q, k, v, k_context, v_context, limits) -> torch.Tensor:
     context = torch.arange(kmax, device=q.device)[None, None, :] < limits[:, block_of, None]  # [B, c*S, kmax]
     own = (block_of[:, None] == block_of[None, :]).expand(b, rows, rows)  # [B, c*S, c*S]
     mask = torch.cat((context, own), dim=-1)[:, None]  # [B, 1, c*S, kmax + c*S]
-    return F.scaled_dot_product_attention(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2),
-                                          attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q,
+        torch.cat((k_context, k), dim=2),
+        torch.cat((v_context, v), dim=2),
+        attn_mask=mask,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool = True) -> torch.Tensor:
@@ -375,8 +423,13 @@ def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool =
 
     mask = create_block_mask(visible, b, None, rows, t + rows, device=str(q.device))
     fn = _compiled_flex_attention() if compiled else flex_attention
-    return fn(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2), block_mask=mask,
-              enable_gqa=q.shape[1] != k.shape[1])
+    return fn(
+        q,
+        torch.cat((k_context, k), dim=2),
+        torch.cat((v_context, v), dim=2),
+        block_mask=mask,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 def naive_block_attention(q, k, v, k_context, v_context, limits) -> torch.Tensor:
@@ -386,5 +439,6 @@ def naive_block_attention(q, k, v, k_context, v_context, limits) -> torch.Tensor
 
 def full_attention(q, k, v, k_context, v_context) -> torch.Tensor:
     """Decoding a DFlash round: the block's queries see every cached context key and the whole block."""
-    return F.scaled_dot_product_attention(q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2),
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2), enable_gqa=q.shape[1] != k.shape[1]
+    )

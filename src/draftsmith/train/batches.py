@@ -47,9 +47,14 @@ class Batch:
 
     def _tensors(self, fn) -> "Batch":
         hs, sc = self.hidden_states, self.hidden_scales
-        return replace(self, input_ids=fn(self.input_ids), loss_mask=fn(self.loss_mask),
-                       hidden_states=None if hs is None else fn(hs), hidden_scales=None if sc is None else fn(sc),
-                       index=self.index.map(fn))
+        return replace(
+            self,
+            input_ids=fn(self.input_ids),
+            loss_mask=fn(self.loss_mask),
+            hidden_states=None if hs is None else fn(hs),
+            hidden_scales=None if sc is None else fn(sc),
+            index=self.index.map(fn),
+        )
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
         return self._tensors(lambda x: x.to(device, non_blocking=non_blocking))
@@ -93,8 +98,9 @@ def collate(items: Sequence[dict], ttt_steps: int, sampling: COD | Anchors | Non
         loss_mask[i, :n] = it["loss_mask"].bool()
     hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
     ids = [int(it["sample_id"]) for it in items]
-    return Batch(input_ids, loss_mask, hs, sc, batch_index(loss_mask.numpy(), ttt_steps, sampling, ids, epoch), ids,
-                 lengths)
+    return Batch(
+        input_ids, loss_mask, hs, sc, batch_index(loss_mask.numpy(), ttt_steps, sampling, ids, epoch), ids, lengths
+    )
 
 
 def pad_rows(items: Sequence[dict], key: str, t: int, copy: bool = True) -> torch.Tensor | None:
@@ -115,6 +121,7 @@ def pad_rows(items: Sequence[dict], key: str, t: int, copy: bool = True) -> torc
 
 # ---------------------------------------------------------------------------------------------- sampling
 
+
 class TokenBudgetSampler:
     """Deterministic per-epoch batches of dataset indices, each at most `token_budget` tokens once padded.
 
@@ -125,22 +132,38 @@ class TokenBudgetSampler:
 
     WINDOW = 512  # samples sorted together
 
-    def __init__(self, indices: Sequence[int], lengths: np.ndarray, token_budget: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True):
+    def __init__(
+        self,
+        indices: Sequence[int],
+        lengths: np.ndarray,
+        token_budget: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ):
         self.indices = np.asarray(indices, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.token_budget, self.seed, self.rank, self.world_size, self.shuffle = (token_budget, seed, rank,
-                                                                                 world_size, shuffle)
+        self.token_budget, self.seed, self.rank, self.world_size, self.shuffle = (
+            token_budget,
+            seed,
+            rank,
+            world_size,
+            shuffle,
+        )
         if len(self.indices) == 0:
-            raise DraftsmithError("the training data set is empty (no samples after the held-out split); "
-                                  "add data or lower --eval-fraction")
+            raise DraftsmithError(
+                "the training data set is empty (no samples after the held-out split); "
+                "add data or lower --eval-fraction"
+            )
         too_long = self.indices[self.lengths[self.indices] > token_budget]
         if len(too_long):
             i = int(too_long[0])
             raise DraftsmithError(
                 f"sample {i} has {int(self.lengths[i])} tokens, more than --token-budget {token_budget} "
                 f"({len(too_long)} such samples); raise --token-budget to at least {int(self.lengths.max())} "
-                "or prepare the data with a smaller --max-length")
+                "or prepare the data with a smaller --max-length"
+            )
 
     def batches(self, epoch: int) -> list[list[int]]:
         """This rank's batches of epoch `epoch`."""
@@ -148,7 +171,7 @@ class TokenBudgetSampler:
         order = rng.permutation(self.indices) if self.shuffle else self.indices.copy()
         batches: list[list[int]] = []
         for w in range(0, len(order), self.WINDOW):
-            window = order[w:w + self.WINDOW]
+            window = order[w : w + self.WINDOW]
             window = window[np.argsort(-self.lengths[window], kind="stable")]
             current: list[int] = []
             longest = 0
@@ -164,7 +187,7 @@ class TokenBudgetSampler:
         if self.shuffle:
             batches = [batches[j] for j in rng.permutation(len(batches))]
         usable = len(batches) // self.world_size * self.world_size
-        return batches[self.rank:usable:self.world_size]
+        return batches[self.rank : usable : self.world_size]
 
     def steps_in(self, epoch: int, grad_accum: int) -> int:
         """Optimizer steps of an epoch: its micro-batches in groups of grad_accum, a smaller rest dropped."""
@@ -183,8 +206,9 @@ class EpochPlan(Sampler):
     """The run's micro-batches from (epoch, position) on, epoch after epoch (`epochs` None: no end): grad_accum
     per optimizer step, each epoch's rest of fewer than grad_accum dropped."""
 
-    def __init__(self, sampler: TokenBudgetSampler, grad_accum: int, epoch: int = 0, position: int = 0,
-                 epochs: int | None = None):
+    def __init__(
+        self, sampler: TokenBudgetSampler, grad_accum: int, epoch: int = 0, position: int = 0, epochs: int | None = None
+    ):
         self.sampler, self.grad_accum, self.start, self.epochs = sampler, grad_accum, (epoch, position), epochs
 
     def __iter__(self) -> Iterator[MicroBatchKey]:
@@ -221,9 +245,18 @@ def default_num_workers(device: torch.device, local_world_size: int = 1) -> int:
 class TrainData:
     """The training and evaluation micro-batches, on the device (online: with the target's hidden states)."""
 
-    def __init__(self, dataset, train: TokenBudgetSampler, evaluation: TokenBudgetSampler | None, ttt_steps: int,
-                 grad_accum: int, device: torch.device, num_workers: int, features: "FeatureSource | None" = None,
-                 sampling: COD | Anchors | None = None):
+    def __init__(
+        self,
+        dataset,
+        train: TokenBudgetSampler,
+        evaluation: TokenBudgetSampler | None,
+        ttt_steps: int,
+        grad_accum: int,
+        device: torch.device,
+        num_workers: int,
+        features: "FeatureSource | None" = None,
+        sampling: COD | Anchors | None = None,
+    ):
         self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
         self.num_workers = num_workers
@@ -264,12 +297,19 @@ class TrainData:
     def _loader(self, plan: EpochPlan, sampling: COD | Anchors | None = None) -> DataLoader:
         """Evaluation scores every anchor at every depth (no COD); DFlash's the same blocks every time (epoch 0)."""
         workers = self.num_workers
-        return DataLoader(MicroBatches(self.dataset, self.ttt_steps, sampling), sampler=plan, batch_size=None,
-                          num_workers=workers, pin_memory=self.device.type == "cuda",
-                          prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(0))
+        return DataLoader(
+            MicroBatches(self.dataset, self.ttt_steps, sampling),
+            sampler=plan,
+            batch_size=None,
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            prefetch_factor=4 if workers else None,
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- feature sources
+
 
 class FeatureSource(Protocol):
     """Where a batch's hidden states come from: the store itself (offline), the target run in the trainer, or the
@@ -354,7 +394,7 @@ def token_counts(dataset, indices: Sequence[int], vocab_size: int) -> np.ndarray
         dataset = dataset.store
     for a in range(0, len(indices), 4096):
         parts = []
-        for i in indices[a:a + 4096]:
+        for i in indices[a : a + 4096]:
             item = dataset[int(i)]
             parts.append(item["input_ids"][item["loss_mask"].bool()].numpy())
         if parts:

@@ -65,8 +65,10 @@ class DraftManifest(Manifest):
     target: TargetIdentity
     draft: DraftSpec
     files: dict[str, str] = Field(default_factory=dict, description="sha256 of each file in the directory")
-    training: dict[str, Any] = Field(default_factory=dict, description="how the draft was trained, in a few lines "
-                                     "(README.md): data, step, tokens, evaluation")
+    training: dict[str, Any] = Field(
+        default_factory=dict,
+        description="how the draft was trained, in a few lines (README.md): data, step, tokens, evaluation",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -80,8 +82,11 @@ class DraftManifest(Manifest):
         if "arch" in data:  # an export
             draft = dict(data.pop("arch"))
             if draft.pop("norm_before_residual", False):
-                raise PydanticCustomError("older_draftsmith", "made by an older draftsmith with norm_before_residual, "
-                                          "which this one does not build; re-run `draftsmith export`")
+                raise PydanticCustomError(
+                    "older_draftsmith",
+                    "made by an older draftsmith with norm_before_residual, "
+                    "which this one does not build; re-run `draftsmith export`",
+                )
             weights = data.pop("weights_file", WEIGHTS_FILE)
             if "weights_sha256" in data:
                 data["files"] = {weights: data.pop("weights_sha256")}
@@ -89,11 +94,17 @@ class DraftManifest(Manifest):
             draft = dict(data.get("draft") or {})
             aux = list(data.pop("aux_layer_ids", None) or [])
             if draft.pop("attention_bias", False) or draft.pop("mlp_bias", False):
-                raise PydanticCustomError("older_draftsmith", "made by an older draftsmith with attention/MLP biases, "
-                                          "which no EAGLE-3 format carries; re-run `draftsmith train`")
+                raise PydanticCustomError(
+                    "older_draftsmith",
+                    "made by an older draftsmith with attention/MLP biases, "
+                    "which no EAGLE-3 format carries; re-run `draftsmith train`",
+                )
             if draft.pop("num_aux_layers", len(aux)) != len(aux):
-                raise PydanticCustomError("damaged", "aux_layer_ids {aux} do not match draft.num_aux_layers; the "
-                                          "checkpoint is damaged", {"aux": aux})
+                raise PydanticCustomError(
+                    "damaged",
+                    "aux_layer_ids {aux} do not match draft.num_aux_layers; the checkpoint is damaged",
+                    {"aux": aux},
+                )
             draft["num_hidden_layers"] = draft.pop("num_layers", 1)
             draft["aux_layer_ids"] = aux
         data["draft"] = draft
@@ -117,8 +128,9 @@ class CheckpointManifest(DraftManifest):
     metrics: dict[str, Any] = Field(default_factory=dict, description="latest evaluation (acc, accept, length)")
     best_acceptance_length: float | None = None
     hyperparameters: dict[str, Any] = Field(default_factory=dict, description="the resolved TrainConfig")
-    training: dict[str, Any] = Field(default_factory=dict, exclude=True,
-                                     description="summary of the fields above (not written: derived on read)")
+    training: dict[str, Any] = Field(
+        default_factory=dict, exclude=True, description="summary of the fields above (not written: derived on read)"
+    )
 
     @model_validator(mode="after")
     def _summarise(self) -> "CheckpointManifest":
@@ -168,8 +180,13 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def training_state(run: RunState, optimizer_state: dict, sampler_seed: int) -> dict[str, Any]:
     """What training_state.pt holds: the RunState, the optimizer, the RNG states and the sampler's position."""
-    return {"format": STATE_FORMAT, "run": asdict(run), "optimizer": optimizer_state, "rng": rng_state(),
-            "sampler": {"epoch": run.epoch, "position": run.position, "seed": sampler_seed}}
+    return {
+        "format": STATE_FORMAT,
+        "run": asdict(run),
+        "optimizer": optimizer_state,
+        "rng": rng_state(),
+        "sampler": {"epoch": run.epoch, "position": run.position, "seed": sampler_seed},
+    }
 
 
 def run_state(saved: dict[str, Any]) -> RunState:
@@ -177,8 +194,13 @@ def run_state(saved: dict[str, Any]) -> RunState:
     if "run" in saved:
         return RunState(**saved["run"])
     sampler = saved["sampler"]
-    return RunState(step=saved["step"], epoch=sampler["epoch"], epoch_start=saved["step"] - sampler["position"],
-                    tokens=saved["tokens"], best=saved.get("best_acceptance_length"))
+    return RunState(
+        step=saved["step"],
+        epoch=sampler["epoch"],
+        epoch_start=saved["step"] - sampler["position"],
+        tokens=saved["tokens"],
+        best=saved.get("best_acceptance_length"),
+    )
 
 
 def saved_rng(saved: dict[str, Any]) -> dict[str, Any]:
@@ -208,8 +230,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-             and (p / MANIFEST_NAME).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir() and (p / MANIFEST_NAME).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -218,8 +243,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(run_dir: Path, manifest: CheckpointManifest, model_state: dict[str, torch.Tensor],
-                    training_state: dict | None, keep: int = 2, best: bool = False) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    manifest: CheckpointManifest,
+    model_state: dict[str, torch.Tensor],
+    training_state: dict | None,
+    keep: int = 2,
+    best: bool = False,
+) -> Path:
     """Write a step checkpoint (with training state) or, with best=True, RUN/best (weights only). Atomic.
     model_state: the draft's state dict; the target's embedding in it is not written."""
     target = Path(run_dir) / BEST_DIR if best else step_dir(run_dir, manifest.step)
@@ -263,8 +294,9 @@ def read_weights(directory: Path, manifest: DraftManifest, verify: bool = True) 
     if not file.is_file():
         raise DraftsmithError(f"{file}: missing; the {manifest.kind} is incomplete")
     if verify and manifest.files.get(WEIGHTS_FILE) and sha256_file(file) != manifest.files[WEIGHTS_FILE]:
-        raise DraftsmithError(f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the "
-                              f"{manifest.kind} is damaged")
+        raise DraftsmithError(
+            f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the {manifest.kind} is damaged"
+        )
     try:
         return draft_tensors(load_file(str(file)))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
@@ -286,20 +318,27 @@ def load_training_state(directory: Path) -> dict:
         raise DraftsmithError(f"{file}: missing; this checkpoint cannot be resumed (best/ holds weights only)")
     digest = read_manifest(directory, CheckpointManifest).files.get(STATE_FILE)
     if digest and sha256_file(file) != digest:
-        raise DraftsmithError(f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the checkpoint is "
-                              "damaged (delete this step directory to resume from the one before)")
+        raise DraftsmithError(
+            f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the checkpoint is "
+            "damaged (delete this step directory to resume from the one before)"
+        )
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged or foreign file
-        raise DraftsmithError(f"{file}: cannot read training state ({type(err).__name__}); damaged checkpoint") from None
+        raise DraftsmithError(
+            f"{file}: cannot read training state ({type(err).__name__}); damaged checkpoint"
+        ) from None
 
 
 def verify_checkpoint(path: Path) -> list[Path]:
     """Re-hash every file a draft directory's manifest lists (a run: best/ and every step checkpoint); returns the
     directories checked, or raises DraftsmithError naming the first damaged or missing file."""
     path = Path(path)
-    directories = [path] if (path / MANIFEST_NAME).is_file() else (
-        [path / BEST_DIR] if (path / BEST_DIR / MANIFEST_NAME).is_file() else []) + list_checkpoints(path)
+    directories = (
+        [path]
+        if (path / MANIFEST_NAME).is_file()
+        else ([path / BEST_DIR] if (path / BEST_DIR / MANIFEST_NAME).is_file() else []) + list_checkpoints(path)
+    )
     if not directories:
         resolve(path)  # the one-line error for a directory that holds no checkpoint
     for directory in directories:
@@ -309,6 +348,8 @@ def verify_checkpoint(path: Path) -> list[Path]:
             if not file.is_file():
                 raise DraftsmithError(f"{file}: missing; the {manifest.kind or 'checkpoint'} is incomplete")
             if sha256_file(file) != digest:
-                raise DraftsmithError(f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the "
-                                      f"{manifest.kind or 'checkpoint'} is damaged")
+                raise DraftsmithError(
+                    f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the "
+                    f"{manifest.kind or 'checkpoint'} is damaged"
+                )
     return directories

@@ -69,8 +69,9 @@ def init(device: str, strategy: str = "auto") -> DistInfo:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda"
-                                else None)
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None
+        )
     return DistInfo(rank, world, local, dev, strategy)
 
 
@@ -149,7 +150,8 @@ def full_model_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor
     must call this)."""
     if info.enabled and info.strategy == "fsdp2":
         state: dict[str, torch.Tensor] = get_model_state_dict(  # type: ignore[assignment]  # a model's: tensors only
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     else:
         state = unwrap(model).state_dict()
     return {k.removeprefix("draft."): v.detach().cpu() for k, v in state.items()}
@@ -157,8 +159,9 @@ def full_model_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo) -> dict:
     if info.enabled and info.strategy == "fsdp2":
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     return optimizer.state_dict()
 
 

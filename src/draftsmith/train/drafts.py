@@ -44,7 +44,7 @@ def spell_layer0(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     out = {}
     for name, tensor in tensors.items():
         old = next((p for p in LAYER0_SPELLINGS if name.startswith(p)), None)
-        out[prefix + name[len(old):] if old else name] = tensor
+        out[prefix + name[len(old) :] if old else name] = tensor
     return out
 
 
@@ -60,17 +60,23 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
     extra = sorted(set(tensors) - set(expected))
     kind = spec.kind
     if missing:
-        raise DraftsmithError(f"{where}: missing tensor(s) {missing[:4]} for a {spec.num_hidden_layers}-layer {kind} "
-                              "draft; the weights do not match the draft's spec")
+        raise DraftsmithError(
+            f"{where}: missing tensor(s) {missing[:4]} for a {spec.num_hidden_layers}-layer {kind} "
+            "draft; the weights do not match the draft's spec"
+        )
     if extra:
-        raise DraftsmithError(f"{where}: unexpected tensor(s) {extra[:4]} not in the {kind} format; refusing to "
-                              "write weights a server would ignore or reject")
+        raise DraftsmithError(
+            f"{where}: unexpected tensor(s) {extra[:4]} not in the {kind} format; refusing to "
+            "write weights a server would ignore or reject"
+        )
     for name, want in expected.items():
         t = tensors[name]
         if t.shape != want.shape:
-            raise DraftsmithError(f"{where}: tensor {name} has shape {tuple(t.shape)}, the format needs "
-                                  f"{tuple(want.shape)} (target hidden {spec.target_hidden_size}, vocab "
-                                  f"{spec.vocab_size}, draft vocab {spec.draft_vocab_size})")
+            raise DraftsmithError(
+                f"{where}: tensor {name} has shape {tuple(t.shape)}, the format needs "
+                f"{tuple(want.shape)} (target hidden {spec.target_hidden_size}, vocab "
+                f"{spec.vocab_size}, draft vocab {spec.draft_vocab_size})"
+            )
         if not want.is_floating_point() and t.dtype != want.dtype:
             raise DraftsmithError(f"{where}: tensor {name} is {t.dtype}, the format needs {want.dtype}")
         if want.is_floating_point():
@@ -101,18 +107,22 @@ def check_spec_against_target(spec: DraftSpec, target: TargetIdentity, where: st
     if bad:
         problems.append(f"aux layer ids {bad} outside 0..{target.num_layers}")
     if problems:
-        raise DraftsmithError(f"{where}: draft was built for another target ({'; '.join(problems)}) than "
-                              f"{target.path}; pass the target it was trained for, or train a draft for this one")
+        raise DraftsmithError(
+            f"{where}: draft was built for another target ({'; '.join(problems)}) than "
+            f"{target.path}; pass the target it was trained for, or train a draft for this one"
+        )
 
 
-def require_draft_for_target(source: DraftSource, identity: TargetIdentity, target_path: Path | str, where: str,
-                             advice: str) -> None:
+def require_draft_for_target(
+    source: DraftSource, identity: TargetIdentity, target_path: Path | str, where: str, advice: str
+) -> None:
     """Refuse a draft whose shapes do not fit this target or that was trained for another one."""
     check_spec_against_target(source.spec, identity, where)
     problem = identity.mismatch(source.target)
     if problem:
-        raise DraftsmithError(f"{where}: draft was trained for target {source.target.path}, not {target_path} "
-                              f"({problem}); {advice}")
+        raise DraftsmithError(
+            f"{where}: draft was trained for target {source.target.path}, not {target_path} ({problem}); {advice}"
+        )
 
 
 def resolve_draft_target(spec: str | None, source: DraftSource, where: str, use: str) -> tuple[Path, TargetIdentity]:
@@ -135,11 +145,14 @@ def load_draft(path: Path) -> DraftSource:
     any format; checksum, tensor names, shapes and the draft vocabulary maps checked."""
     path = Path(path)
     if not path.exists():
-        raise DraftsmithError(f"{path}: does not exist; pass a `draftsmith train` run or checkpoint directory, or "
-                              "an exported draft")
+        raise DraftsmithError(
+            f"{path}: does not exist; pass a `draftsmith train` run or checkpoint directory, or an exported draft"
+        )
     if not path.is_dir():
-        raise DraftsmithError(f"{path}: is a file, not a draft directory; pass a `draftsmith train` run or "
-                              "checkpoint directory, or an exported draft")
+        raise DraftsmithError(
+            f"{path}: is a file, not a draft directory; pass a `draftsmith train` run or "
+            "checkpoint directory, or an exported draft"
+        )
     directory = checkpoint.resolve(path)
     kind = read_manifest_json(directory).get("kind")
     manifest: checkpoint.CheckpointManifest | checkpoint.DraftManifest
@@ -148,15 +161,21 @@ def load_draft(path: Path) -> DraftSource:
     elif kind == "export":
         manifest = read_manifest(directory, checkpoint.DraftManifest)
         tensors = checkpoint.read_weights(directory, manifest)
-        manifest.draft = (_dflash_from_config(directory, manifest.draft) if manifest.draft.method == "dflash" else
-                          _parallel_from_config(directory, manifest.draft, tensors))
+        manifest.draft = (
+            _dflash_from_config(directory, manifest.draft)
+            if manifest.draft.method == "dflash"
+            else _parallel_from_config(directory, manifest.draft, tensors)
+        )
     else:
-        raise DraftsmithError(f"{directory}: is a {kind!r} artefact, not a draft; pass a `draftsmith train` run or "
-                              "checkpoint directory, or an exported draft")
+        raise DraftsmithError(
+            f"{directory}: is a {kind!r} artefact, not a draft; pass a `draftsmith train` run or "
+            "checkpoint directory, or an exported draft"
+        )
     tensors = spell_layer0(tensors, "layers.0.")
     validate_tensors(tensors, manifest.draft, where=str(directory / checkpoint.WEIGHTS_FILE))
-    return DraftSource(spec=manifest.draft, tensors=tensors, target=manifest.target, origin=path,
-                       training=manifest.training)
+    return DraftSource(
+        spec=manifest.draft, tensors=tensors, target=manifest.target, origin=path, training=manifest.training
+    )
 
 
 # ------------------------------------------------------------------------------------ P-EAGLE or not
@@ -182,20 +201,23 @@ def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") 
         if config["speculators_model_type"] != "peagle":
             return None
         if config.get("mask_token_id") is None:
-            raise DraftsmithError(f"{where}: a speculators P-EAGLE config (speculators_model_type peagle) without "
-                                  "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
-                                  "parallel slots were trained on")
+            raise DraftsmithError(
+                f"{where}: a speculators P-EAGLE config (speculators_model_type peagle) without "
+                "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
+                "parallel slots were trained on"
+            )
         config = {**(config.get("transformer_layer_config") or {}), "pard_token": config["mask_token_id"]}
     for key in MASK_TOKEN_KEYS:
         if key not in config or (key == "mask_token_id" and config[key] is None):
             continue
         token = config[key]
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise DraftsmithError(f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
-                                  "P-EAGLE draft's mask token from it")
+            raise DraftsmithError(
+                f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
+                "P-EAGLE draft's mask token from it"
+            )
         return token
     return None
-
 
 
 def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int | None:
@@ -208,8 +230,10 @@ def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int
         return None
     size = config.get("block_size", layer.get("block_size", (layer.get("dflash_config") or {}).get("block_size")))
     if not isinstance(size, int) or isinstance(size, bool) or size < 2:
-        raise DraftsmithError(f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
-                              "a round, so the config must say the block size the draft was trained with")
+        raise DraftsmithError(
+            f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
+            "a round, so the config must say the block size the draft was trained with"
+        )
     return size
 
 
@@ -231,14 +255,18 @@ def _dflash_from_config(directory: Path, spec: DraftSpec) -> DraftSpec:
     where = directory / "config.json"
     size = dflash_block_size(config, str(where))
     if size is None:
-        raise DraftsmithError(f"{where}: is not a DFlash config (no dflash_config), but the weights are a DFlash "
-                              "draft's; export the draft again from its training run")
+        raise DraftsmithError(
+            f"{where}: is not a DFlash config (no dflash_config), but the weights are a DFlash "
+            "draft's; export the draft again from its training run"
+        )
     layer = _dflash_layer_config(config)
     assert layer is not None  # dflash_block_size found the block size in it
     token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < spec.vocab_size:
-        raise DraftsmithError(f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
-                              f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block")
+        raise DraftsmithError(
+            f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
+            f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block"
+        )
     return spec.model_copy(update={"block_size": size, "mask_token_id": token})
 
 
@@ -256,22 +284,29 @@ def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, t
     has_mask_hidden = "mask_hidden" in tensors
     if token is None:
         if has_mask_hidden:
-            raise DraftsmithError(f"{where}: names no mask token, so vLLM would serve the draft as EAGLE-3, but its "
-                                  "weights hold a P-EAGLE draft's mask_hidden; put its mask token back (ptd_token_id) "
-                                  "or export the draft again from its training run")
+            raise DraftsmithError(
+                f"{where}: names no mask token, so vLLM would serve the draft as EAGLE-3, but its "
+                "weights hold a P-EAGLE draft's mask_hidden; put its mask token back (ptd_token_id) "
+                "or export the draft again from its training run"
+            )
         return spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None})
     if not has_mask_hidden:
-        raise DraftsmithError(f"{where}: names mask token {token}, so vLLM would serve the draft as P-EAGLE, but its "
-                              f"weights have no mask_hidden; remove the mask token ({', '.join(MASK_TOKEN_KEYS)}) "
-                              "or export the draft again from its training run")
+        raise DraftsmithError(
+            f"{where}: names mask token {token}, so vLLM would serve the draft as P-EAGLE, but its "
+            f"weights have no mask_hidden; remove the mask token ({', '.join(MASK_TOKEN_KEYS)}) "
+            "or export the draft again from its training run"
+        )
     if token >= spec.vocab_size:
-        raise DraftsmithError(f"{where}: mask token {token} is not a target token id (0..{spec.vocab_size - 1}); "
-                              "vLLM's parallel slots embed that token")
+        raise DraftsmithError(
+            f"{where}: mask token {token} is not a target token id (0..{spec.vocab_size - 1}); "
+            "vLLM's parallel slots embed that token"
+        )
     return spec.model_copy(update={"parallel_drafting": True, "mask_token_id": token})
 
 
-def draft_module(source: DraftSource, embed_weight: torch.Tensor,
-                 head_weight: torch.Tensor | None = None) -> Eagle3Draft | DFlashDraft:
+def draft_module(
+    source: DraftSource, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None
+) -> Eagle3Draft | DFlashDraft:
     """The draft's module (fp32, CPU) holding its weights and the target's embedding `embed_weight` (DFlash: and the
     target's lm_head `head_weight`, which it uses as its own)."""
     draft: Eagle3Draft | DFlashDraft

@@ -35,15 +35,17 @@ def engine_cpus(cfg: TrainConfig) -> list[int] | None:
     every core oversubscribes them: on 2 cores the split trains 1.26x faster (docs/benchmarks.md)."""
     allowed = sorted(os.sched_getaffinity(0))
     if not cfg.engine_devices:
-        return allowed[:len(allowed) // 2] or None
+        return allowed[: len(allowed) // 2] or None
     engines = sorted(set(cfg.engine_devices))
     outside = [c for c in engines if c not in allowed]
     rest = [c for c in allowed if c not in engines]
     if outside or not rest:
-        raise DraftsmithError(f"--engine-devices {','.join(map(str, engines))}: on a CPU these are cores, and "
-                              f"{f'core(s) {outside} are not among' if outside else 'they take every one of'} the "
-                              f"cores this process may use ({','.join(map(str, allowed))}); leave the trainer at "
-                              "least one")
+        raise DraftsmithError(
+            f"--engine-devices {','.join(map(str, engines))}: on a CPU these are cores, and "
+            f"{f'core(s) {outside} are not among' if outside else 'they take every one of'} the "
+            f"cores this process may use ({','.join(map(str, allowed))}); leave the trainer at "
+            "least one"
+        )
     return engines
 
 
@@ -53,16 +55,20 @@ def engine_devices(cfg: TrainConfig, info: distributed.DistInfo) -> list[int] | 
         return None
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [int(x) for x in env.split(",") if x.strip()] if env else list(range(torch.cuda.device_count()))
-    trainer = visible[:distributed.local_world_size()]
+    trainer = visible[: distributed.local_world_size()]
     engines = list(cfg.engine_devices) if cfg.engine_devices else [d for d in visible if d not in trainer]
     need = cfg.engine_tensor_parallel_size * cfg.engine_data_parallel_size
     if set(engines) & set(trainer):
-        raise DraftsmithError(f"--engine-devices {','.join(map(str, engines))}: GPU(s) "
-                              f"{sorted(set(engines) & set(trainer))} also train; give the engines other GPUs")
+        raise DraftsmithError(
+            f"--engine-devices {','.join(map(str, engines))}: GPU(s) "
+            f"{sorted(set(engines) & set(trainer))} also train; give the engines other GPUs"
+        )
     if len(engines) < need:
-        raise DraftsmithError(f"--engine vllm: the engines need {need} GPU(s) (tensor x data parallel size), "
-                              f"{len(engines)} left besides the trainer's {trainer}; pass --engine-devices or train "
-                              "on fewer GPUs")
+        raise DraftsmithError(
+            f"--engine vllm: the engines need {need} GPU(s) (tensor x data parallel size), "
+            f"{len(engines)} left besides the trainer's {trainer}; pass --engine-devices or train "
+            "on fewer GPUs"
+        )
     return engines[:need]
 
 
@@ -74,8 +80,10 @@ def open_trainer_side(cfg: TrainConfig, bound: int, master_log: Path) -> tuple[T
     master = None
     if isinstance(where, LocalMooncake):
         if cfg.remote_engines:
-            raise DraftsmithError("--spool mooncake --remote-engines: engines on other nodes need a master they can "
-                                  "reach; start mooncake_master there and give --spool mooncake://HOST:PORT")
+            raise DraftsmithError(
+                "--spool mooncake --remote-engines: engines on other nodes need a master they can "
+                "reach; start mooncake_master there and give --spool mooncake://HOST:PORT"
+            )
         master = mooncake.MooncakeMaster(master_log)
         address = master.start()
     else:
@@ -92,8 +100,9 @@ class EngineProcess:
     """The engine process rank 0 starts on this node (on the CPU, the cores the trainer does not keep); restarted when
     it dies without a new chunk, up to ENGINE_RESTARTS times."""
 
-    def __init__(self, cfg: TrainConfig, where: str, log: Path, scratch: Path, cpus: list[int] | None,
-                 devices: list[int] | None):
+    def __init__(
+        self, cfg: TrainConfig, where: str, log: Path, scratch: Path, cpus: list[int] | None, devices: list[int] | None
+    ):
         self.cfg, self.where, self.log, self.scratch, self.cpus, self.devices = cfg, where, log, scratch, cpus, devices
         self.proc: subprocess.Popen | None = None
         self.restarts = self.total_restarts = 0
@@ -107,11 +116,25 @@ class EngineProcess:
             env[THREADS_BIND_VAR] = cpu_thread_binding(world, self.cpus)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, self.where, "--scratch",
-                                          str(self.scratch), "--stall-s", str(self.cfg.stall_timeout_s), "--log",
-                                          str(self.log)], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    ENGINE_MODULE,
+                    self.where,
+                    "--scratch",
+                    str(self.scratch),
+                    "--stall-s",
+                    str(self.cfg.stall_timeout_s),
+                    "--log",
+                    str(self.log),
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None

@@ -71,8 +71,9 @@ def _steps_of_epoch(samplers: Sequence[TokenBudgetSampler], epoch: int, grad_acc
     """Every rank's samples of each optimizer step of `epoch`, in the order the ranks read them."""
     per_rank = [s.batches(epoch) for s in samplers]
     n = len(per_rank[0]) // grad_accum
-    return [[i for batches in per_rank for b in batches[p * grad_accum:(p + 1) * grad_accum] for i in b]
-            for p in range(n)]
+    return [
+        [i for batches in per_rank for b in batches[p * grad_accum : (p + 1) * grad_accum] for i in b] for p in range(n)
+    ]
 
 
 def _round_up(x: float) -> float:
@@ -81,9 +82,19 @@ def _round_up(x: float) -> float:
     return math.ceil(x * scale) / scale
 
 
-def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evaluation: Sequence[int],
-                lengths: Any, layers: int, hidden: int, bound: int, start: tuple[int, int, int], total_steps: int,
-                epochs: int | None, kept: set[int]) -> list[Chunk]:
+def plan_chunks(
+    cfg: TrainConfig,
+    samplers: Sequence[TokenBudgetSampler],
+    evaluation: Sequence[int],
+    lengths: Any,
+    layers: int,
+    hidden: int,
+    bound: int,
+    start: tuple[int, int, int],
+    total_steps: int,
+    epochs: int | None,
+    kept: set[int],
+) -> list[Chunk]:
     """The chunks the run still needs, in the order it needs them. `start`: (step, epoch, position) of the resume;
     `kept`: samples already in the --keep-epoch0 store."""
 
@@ -109,18 +120,28 @@ def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evalua
         sizes = [size(ids) for ids in steps]
         if max(sizes) > limit:
             need = _round_up((max(sizes) * SPOOL_CHUNKS + held_out) / GiB)
-            raise DraftsmithError(f"--spool-gb {cfg.spool_gb:g}: one optimizer step takes up to {max(sizes) / GiB:.3g} "
-                                  f"GiB of hidden states and the spool holds {SPOOL_CHUNKS} chunks of at least one "
-                                  f"step{' besides the held-out split' if eval_chunk else ''}; raise --spool-gb to "
-                                  f"{need:g} or more, or lower --token-budget / --grad-accum")
+            raise DraftsmithError(
+                f"--spool-gb {cfg.spool_gb:g}: one optimizer step takes up to {max(sizes) / GiB:.3g} "
+                f"GiB of hidden states and the spool holds {SPOOL_CHUNKS} chunks of at least one "
+                f"step{' besides the held-out split' if eval_chunk else ''}; raise --spool-gb to "
+                f"{need:g} or more, or lower --token-budget / --grad-accum"
+            )
         for first, last in spool_mod.pack_steps(list(zip(steps, sizes)), limit):
             if last < position:  # read before the resume point
                 continue
             begin = max(position, first)  # a resume inside a chunk asks for the whole chunk, under its own name
             last = min(last, begin + total_steps - step - 1)
             ids = [i for p in range(first, last + 1) for i in steps[p]]
-            chunks.append(chunk(spool_mod.chunk_name(epoch, first, last), epoch, first, last, ids,
-                                (kept if epoch == 0 else epoch0) if keep else set()))
+            chunks.append(
+                chunk(
+                    spool_mod.chunk_name(epoch, first, last),
+                    epoch,
+                    first,
+                    last,
+                    ids,
+                    (kept if epoch == 0 else epoch0) if keep else set(),
+                )
+            )
             step += last + 1 - begin
             if epoch == 0:
                 epoch0.update(ids)
@@ -135,19 +156,42 @@ def plan_chunks(cfg: TrainConfig, samplers: Sequence[TokenBudgetSampler], evalua
 class EngineSource:
     """Fills each batch's hidden states from the spool the engine process fills (see the module)."""
 
-    def __init__(self, cfg: TrainConfig, info: distributed.DistInfo, dataset: Any,
-                 samplers: Sequence[TokenBudgetSampler],
-                 evaluation: Sequence[int], lengths: Any, aux_layer_ids: list[int], num_layers: int, hidden: int,
-                 start: tuple[int, int, int], total_steps: int, epochs: int | None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        info: distributed.DistInfo,
+        dataset: Any,
+        samplers: Sequence[TokenBudgetSampler],
+        evaluation: Sequence[int],
+        lengths: Any,
+        aux_layer_ids: list[int],
+        num_layers: int,
+        hidden: int,
+        start: tuple[int, int, int],
+        total_steps: int,
+        epochs: int | None,
+    ):
         self.cfg, self.info, self.dataset = cfg, info, dataset
         self.bound = int(cfg.spool_gb * GiB)
         self.keep = Path(cfg.keep_epoch0) if cfg.keep_epoch0 is not None else None
         self.layer_ids = list(aux_layer_ids) + [num_layers]
-        self.chunks = plan_chunks(cfg, samplers, evaluation, lengths, len(self.layer_ids), hidden, self.bound, start,
-                                  total_steps, epochs, self._kept_ids())
+        self.chunks = plan_chunks(
+            cfg,
+            samplers,
+            evaluation,
+            lengths,
+            len(self.layer_ids),
+            hidden,
+            self.bound,
+            start,
+            total_steps,
+            epochs,
+            self._kept_ids(),
+        )
         self.eval_ids = set(int(i) for i in evaluation)
-        self.by_step = {(c.epoch, p): c for c in self.chunks if c.name != EVAL_CHUNK
-                        for p in range(c.first, c.last + 1)}
+        self.by_step = {
+            (c.epoch, p): c for c in self.chunks if c.name != EVAL_CHUNK for p in range(c.first, c.last + 1)
+        }
         self.from_engine = {c.name: set(c.engine_ids) for c in self.chunks}
         self.eval_chunk = next((c for c in self.chunks if c.name == EVAL_CHUNK), None)
         self.cache = Path(cfg.output) / "spool-cache" / f"rank{info.rank}"  # chunks this rank reads, fetched
@@ -179,8 +223,10 @@ class EngineSource:
         own_master = isinstance(parse_spool(cfg.spool or "."), LocalMooncake)  # rank 0 starts it on loopback: one node
         try:
             if own_master and info.world_size > distributed.local_world_size():
-                error = ("--spool mooncake under torchrun on several nodes: the ranks need a master they all reach; "
-                         "start mooncake_master and give --spool mooncake://HOST:PORT")
+                error = (
+                    "--spool mooncake under torchrun on several nodes: the ranks need a master they all reach; "
+                    "start mooncake_master and give --spool mooncake://HOST:PORT"
+                )
             elif info.is_main or not own_master:
                 self.spool, self.master = open_trainer_side(cfg, self.bound, Path(cfg.output) / "mooncake_master.log")
         except DraftsmithError as err:
@@ -211,13 +257,19 @@ class EngineSource:
         if self.keep is None or not (self.keep / "manifest.json").is_file():
             return set()
         if read_manifest_json(self.keep).get("kind") != "store":
-            raise DraftsmithError(f"--keep-epoch0 {self.keep}: is not a hidden-state store; give a new directory or "
-                                  "the store an earlier run kept")
+            raise DraftsmithError(
+                f"--keep-epoch0 {self.keep}: is not a hidden-state store; give a new directory or "
+                "the store an earlier run kept"
+            )
         return {int(i) for i in store_mod.open(self.keep, dtype=None).sample_ids}
 
     def _matches(self, chunk: Chunk, info: ChunkInfo | None) -> bool:
-        return (info is not None and sorted(info.sample_ids) == sorted(chunk.engine_ids)
-                and info.dtype == self.cfg.spool_dtype and list(info.layer_ids) == self.layer_ids)
+        return (
+            info is not None
+            and sorted(info.sample_ids) == sorted(chunk.engine_ids)
+            and info.dtype == self.cfg.spool_dtype
+            and list(info.layer_ids) == self.layer_ids
+        )
 
     def _held_locally(self) -> None:
         """The held-out chunk every rank copied out on an earlier run is read from those copies (when all have it)."""
@@ -234,8 +286,10 @@ class EngineSource:
 
     def _start(self) -> None:
         if importlib.util.find_spec("vllm") is None and not self.cfg.remote_engines:
-            raise DraftsmithError("--engine vllm: vLLM is not installed in this environment; install it (README: "
-                                  "\"Install into your vLLM environment\"), or train with --engine hf or from a store")
+            raise DraftsmithError(
+                "--engine vllm: vLLM is not installed in this environment; install it (README: "
+                '"Install into your vLLM environment"), or train with --engine hf or from a store'
+            )
         self._lock = contextlib.ExitStack()
         self.spool.prepare()
         self._lock.enter_context(self.spool.trainer_lock())
@@ -264,33 +318,62 @@ class EngineSource:
         self._heartbeat()
         if self.cfg.remote_engines:
             self._write_plan()
-        elif any(c.from_engine and not self.spool.is_ready(c.name) and c.name not in self.consumed
-                 for c in self.chunks):
-            self.engine = EngineProcess(self.cfg, self.spool.describe(), Path(self.cfg.output) / "feed.log",
-                                        Path(self.cfg.output) / "engine-scratch", self.cpus,
-                                        engine_devices(self.cfg, self.info))
+        elif any(
+            c.from_engine and not self.spool.is_ready(c.name) and c.name not in self.consumed for c in self.chunks
+        ):
+            self.engine = EngineProcess(
+                self.cfg,
+                self.spool.describe(),
+                Path(self.cfg.output) / "feed.log",
+                Path(self.cfg.output) / "engine-scratch",
+                self.cpus,
+                engine_devices(self.cfg, self.info),
+            )
             self._spawn()
 
     def _write_job(self) -> None:
-        self.spool.write_job(FeedJob(extract=self._extract_config(), bound=self.bound, cpus=self.cpus,
-                                     prepared_digest=prepared_digest(self.cfg.data), stall_s=self.cfg.stall_timeout_s))
+        self.spool.write_job(
+            FeedJob(
+                extract=self._extract_config(),
+                bound=self.bound,
+                cpus=self.cpus,
+                prepared_digest=prepared_digest(self.cfg.data),
+                stall_s=self.cfg.stall_timeout_s,
+            )
+        )
 
     def _write_plan(self) -> None:
         """A new plan generation: the chunks neither read nor ready. A ready chunk stays out of it: an engine process
         reads the plan seconds on (once vLLM has imported), and by then the trainer may have read and deleted it;
         redone, it would fill the spool with chunks no one reads while the trainer waits for the next."""
         self.generation += 1
-        self.spool.write_plan(Plan([c for c in self.chunks if c.from_engine and c.name not in self.consumed
-                                    and not self.spool.is_ready(c.name)], self.generation))
+        self.spool.write_plan(
+            Plan(
+                [
+                    c
+                    for c in self.chunks
+                    if c.from_engine and c.name not in self.consumed and not self.spool.is_ready(c.name)
+                ],
+                self.generation,
+            )
+        )
 
     def _extract_config(self) -> ExtractConfig:
         cfg = self.cfg
-        return ExtractConfig(prepared=Path(cfg.data).resolve(), output=Path(cfg.output) / "engine-scratch",
-                             backend="vllm", target=cfg.target, aux_layer_ids=self.layer_ids[:-1],
-                             dtype=cfg.spool_dtype, tensor_parallel_size=cfg.engine_tensor_parallel_size,
-                             data_parallel_size=cfg.engine_data_parallel_size, vllm_strategy=cfg.vllm_strategy,
-                             vllm_compile=cfg.vllm_compile, compute_dtype=cfg.engine_dtype,
-                             trust_remote_code=cfg.trust_remote_code)
+        return ExtractConfig(
+            prepared=Path(cfg.data).resolve(),
+            output=Path(cfg.output) / "engine-scratch",
+            backend="vllm",
+            target=cfg.target,
+            aux_layer_ids=self.layer_ids[:-1],
+            dtype=cfg.spool_dtype,
+            tensor_parallel_size=cfg.engine_tensor_parallel_size,
+            data_parallel_size=cfg.engine_data_parallel_size,
+            vllm_strategy=cfg.vllm_strategy,
+            vllm_compile=cfg.vllm_compile,
+            compute_dtype=cfg.engine_dtype,
+            trust_remote_code=cfg.trust_remote_code,
+        )
 
     def _spawn(self) -> None:
         self._write_plan()
@@ -304,8 +387,9 @@ class EngineSource:
         now = time.monotonic()
         if now - self._beat >= 1.0:
             self._beat = now
-            self.spool.write_trainer(TrainerStatus(step=self.step, chunks_read=len(self.consumed),
-                                                   stall_s=self.cfg.stall_timeout_s))
+            self.spool.write_trainer(
+                TrainerStatus(step=self.step, chunks_read=len(self.consumed), stall_s=self.cfg.stall_timeout_s)
+            )
 
     def _where_logged(self) -> str:
         if self.engine is not None:
@@ -316,8 +400,11 @@ class EngineSource:
     def _watch(self, chunk: Chunk) -> None:
         """While waiting for `chunk` (rank 0): the master, the job, the engine process and its progress."""
         if self.master is not None and not self.master.alive():
-            print(f"draftsmith train: mooncake_master stopped (see {self.master.log}); restarting it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"draftsmith train: mooncake_master stopped (see {self.master.log}); restarting it",
+                file=sys.stderr,
+                flush=True,
+            )
             self.master.restart()
         if not self.spool.has_job():  # the store lost it (a restarted master): and with it, its chunks
             self._write_job()
@@ -337,16 +424,25 @@ class EngineSource:
                 self._write_plan()
                 return
         if status.error and by_engine and self.engine is None:
-            raise DraftsmithError(f"--engine vllm: the engine process on {status.host or 'the engine node'} stopped "
-                                  f"before chunk {chunk.name} ({status.error}); see {self._where_logged()}")
+            raise DraftsmithError(
+                f"--engine vllm: the engine process on {status.host or 'the engine node'} stopped "
+                f"before chunk {chunk.name} ({status.error}); see {self._where_logged()}"
+            )
         if time.monotonic() - self._seen[1] > self.cfg.stall_timeout_s:
             last = self._engine_seen
             who = f"the engine process (pid {last.pid} on {last.host})" if last.pid else "the engine process"
-            doing = (f"last computing chunk {last.chunk}" if last.chunk else f"last waiting for {last.waiting}"
-                     if last.waiting else "with no report yet")
-            raise DraftsmithError(f"--engine vllm: {who} has made no progress for {self.cfg.stall_timeout_s:g} s "
-                                  f"({doing}) while the trainer waits for chunk {chunk.name}; see "
-                                  f"{self._where_logged()}; run the same command again to resume")
+            doing = (
+                f"last computing chunk {last.chunk}"
+                if last.chunk
+                else f"last waiting for {last.waiting}"
+                if last.waiting
+                else "with no report yet"
+            )
+            raise DraftsmithError(
+                f"--engine vllm: {who} has made no progress for {self.cfg.stall_timeout_s:g} s "
+                f"({doing}) while the trainer waits for chunk {chunk.name}; see "
+                f"{self._where_logged()}; run the same command again to resume"
+            )
 
     def _engine_exited(self, chunk: Chunk, status: FeedStatus) -> None:
         engine = self.engine
@@ -358,12 +454,18 @@ class EngineSource:
         why = status.error or f"exit code {code}; {engine.log_tail() or 'no output'}"
         setup_failed = bool(status.error) and not status.engine_started  # the same again on a restart
         if engine.restarts >= ENGINE_RESTARTS or status.done or setup_failed or status.fatal:
-            raise DraftsmithError(f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
-                                  f"see {engine.log}; run the same command again to resume")
+            raise DraftsmithError(
+                f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
+                f"see {engine.log}; run the same command again to resume"
+            )
         engine.restarts += 1
         engine.total_restarts += 1
-        print(f"draftsmith train: the engine process stopped ({why[:300]}); restarting it "
-              f"({engine.restarts} of {ENGINE_RESTARTS})", file=sys.stderr, flush=True)
+        print(
+            f"draftsmith train: the engine process stopped ({why[:300]}); restarting it "
+            f"({engine.restarts} of {ENGINE_RESTARTS})",
+            file=sys.stderr,
+            flush=True,
+        )
         self._spawn()
 
     # -- reading
@@ -390,8 +492,10 @@ class EngineSource:
                 self._answered = time.monotonic()
             except TransportLost as err:  # the master is back in a moment, or the stall limit ends the wait
                 if time.monotonic() - self._answered > self.cfg.stall_timeout_s:
-                    raise DraftsmithError(f"--spool {self.spool.describe()}: the transport has not answered for "
-                                          f"{self.cfg.stall_timeout_s:g} s ({err}); is its master running?") from None
+                    raise DraftsmithError(
+                        f"--spool {self.spool.describe()}: the transport has not answered for "
+                        f"{self.cfg.stall_timeout_s:g} s ({err}); is its master running?"
+                    ) from None
                 time.sleep(0.5)
             time.sleep(0.02)
         self.waited += time.perf_counter() - start
@@ -418,8 +522,10 @@ class EngineSource:
                 self.keep_reader = store_mod.open(self.keep, dtype=None)
             with contextlib.suppress(KeyError, IndexError, DraftsmithError):
                 return self.keep_reader[self.keep_reader.index_of(sample_id)]
-        raise DraftsmithError(f"sample {sample_id}: in neither its spool chunk nor --keep-epoch0 {self.keep}; "
-                              "delete the spool directory and run the same command again")
+        raise DraftsmithError(
+            f"sample {sample_id}: in neither its spool chunk nor --keep-epoch0 {self.keep}; "
+            "delete the spool directory and run the same command again"
+        )
 
     def __call__(self, batch: Batch) -> Batch:
         if batch.sample_ids[0] in self.eval_ids:
@@ -469,12 +575,19 @@ class EngineSource:
             waits = "trainer (engine starting)"
         else:
             waits = "none"
-        return {"extract_tokens_per_s": round(status.tokens_per_s, 1), "spool_bytes": self.spool.usage(),
-                "spool_bound": self.bound, "trainer_wait_s": round(self.waited, 2), "waiting": waits}
+        return {
+            "extract_tokens_per_s": round(status.tokens_per_s, 1),
+            "spool_bytes": self.spool.usage(),
+            "spool_bound": self.bound,
+            "trainer_wait_s": round(self.waited, 2),
+            "waiting": waits,
+        }
 
     def describe(self, metrics: dict) -> str:
-        return (f"  extract {metrics['extract_tokens_per_s']:,.0f} tok/s  spool {metrics['spool_bytes'] / GiB:.2f}/"
-                f"{self.bound / GiB:.2f} GiB  waits: {metrics['waiting']}")
+        return (
+            f"  extract {metrics['extract_tokens_per_s']:,.0f} tok/s  spool {metrics['spool_bytes'] / GiB:.2f}/"
+            f"{self.bound / GiB:.2f} GiB  waits: {metrics['waiting']}"
+        )
 
     def _feed_status(self) -> FeedStatus:
         """The engine process's last report (the one read at close, once the spool is closed)."""
@@ -482,13 +595,17 @@ class EngineSource:
 
     def summary(self) -> dict:
         status = self._feed_status()
-        return {"mode": f"online (vLLM engines, {self.spool.transport})",
-                "spool": self.spool.describe(), "spool bound (bytes)": self.bound,
-                "spool peak (bytes)": max(self.spool.peak, status.peak), "extraction tokens/s":
-                round(status.tokens_per_s, 1), "trainer waited (s)": round(self.waited, 1),
-                "engine restarts": self.engine.total_restarts if self.engine is not None else 0,
-                **({"mooncake master restarts": self.master.restarts} if self.master is not None else {}),
-                **({"kept epoch 0 in": str(self.keep)} if self.keep else {})}
+        return {
+            "mode": f"online (vLLM engines, {self.spool.transport})",
+            "spool": self.spool.describe(),
+            "spool bound (bytes)": self.bound,
+            "spool peak (bytes)": max(self.spool.peak, status.peak),
+            "extraction tokens/s": round(status.tokens_per_s, 1),
+            "trainer waited (s)": round(self.waited, 1),
+            "engine restarts": self.engine.total_restarts if self.engine is not None else 0,
+            **({"mooncake master restarts": self.master.restarts} if self.master is not None else {}),
+            **({"kept epoch 0 in": str(self.keep)} if self.keep else {}),
+        }
 
     def close(self, completed: bool) -> None:
         """The run ended (`completed`: normally): the last chunk is consumed, the engines told and stopped, on a
@@ -501,8 +618,9 @@ class EngineSource:
             self._finish(self.current)
             self.current = None
         if spool is not None and self.info.is_main:
-            last = TrainerStatus(step=self.step, chunks_read=len(self.consumed), finished=completed,
-                                 stall_s=self.cfg.stall_timeout_s)
+            last = TrainerStatus(
+                step=self.step, chunks_read=len(self.consumed), finished=completed, stall_s=self.cfg.stall_timeout_s
+            )
             with contextlib.suppress(Exception):
                 segment = self.last_status.segment if completed and self.last_status else ""
                 spool.write_trainer(last, segment=segment)  # where the engine process reads it once this one is gone

@@ -72,8 +72,7 @@ class StepStats:
         for p in self.pending:
             samples = [s for s, ok in zip(p.sample_ids, p.finite_samples.tolist()) if not ok]
             if samples:
-                mine = (p.step, f"sample {samples[0]} has NaN/Inf hidden states",
-                        "re-extract or drop that sample")
+                mine = (p.step, f"sample {samples[0]} has NaN/Inf hidden states", "re-extract or drop that sample")
                 break
             if not bool(p.finite_loss):
                 mine = (p.step, f"loss is NaN/Inf on samples {p.sample_ids[:8]}", "lower --lr or check the data")
@@ -93,8 +92,11 @@ class MetricsSink:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if (step := _step_of(line)) is not None and step <= keep_through_step]
+            kept = [
+                line
+                for line in path.read_text(encoding="utf-8").splitlines()
+                if (step := _step_of(line)) is not None and step <= keep_through_step
+            ]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
         self._file = open(path, "a", encoding="utf-8")
         if not tensorboard:
@@ -102,8 +104,11 @@ class MetricsSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # the `tensorboard` extra: metrics.jsonl holds every value either way
-            print(f"train: metrics go to {path.name}; TensorBoard logs need pip install 'draftsmith[tensorboard]'",
-                  file=sys.stderr, flush=True)
+            print(
+                f"train: metrics go to {path.name}; TensorBoard logs need pip install 'draftsmith[tensorboard]'",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self._tb = SummaryWriter(str(path.parent / "tensorboard"))
 
@@ -150,21 +155,30 @@ class Progress:
         self._bar = None
         if not enabled:
             return
-        self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[info]}"), console=Console(file=sys.stderr), transient=False)
+        self._bar = RichProgress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=Console(file=sys.stderr),
+            transient=False,
+        )
         self._task = self._bar.add_task("train", total=total, info="")
         self._bar.start()
 
-    def update(self, step: int, tokens_per_s: float | None = None, stats: dict | None = None,
-               extra: str = "") -> None:
+    def update(self, step: int, tokens_per_s: float | None = None, stats: dict | None = None, extra: str = "") -> None:
         if self._bar is None:
             return
         if stats is None:
             self._bar.update(self._task, completed=step)
             return
         acc = " ".join(f"{a:.2f}" for a in stats.get("acc", [])[:4])
-        self._bar.update(self._task, completed=step,
-                         info=f"{tokens_per_s:,.0f} tok/s  loss {stats.get('loss', 0):.3f}  acc {acc}{extra}")
+        self._bar.update(
+            self._task,
+            completed=step,
+            info=f"{tokens_per_s:,.0f} tok/s  loss {stats.get('loss', 0):.3f}  acc {acc}{extra}",
+        )
 
     def close(self) -> None:
         if self._bar is not None:

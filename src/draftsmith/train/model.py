@@ -59,17 +59,30 @@ class DraftSpec(BaseModel):
     vocab_size: int = Field(description="the target's vocabulary (embedding rows, t2d length)")
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: list[int] = Field(description="vLLM's layer ids (0 = embeddings, k = output of decoder layer "
-                                     "k-1) in the order fc concatenates them; eagle_aux_hidden_state_layer_ids")
-    parallel_drafting: bool = Field(False, description="P-EAGLE: the draft proposes all k tokens of a round in one "
-                                    "forward, its slots after the first reading mask_token_id and mask_hidden")
-    mask_token_id: int | None = Field(None, description="P-EAGLE / DFlash: the target token id a parallel slot "
-                                      "or a block's mask position reads (config.json's ptd_token_id, or "
-                                      "dflash_config.mask_token_id: what vLLM embeds there)")
-    method: Literal["eagle3", "dflash"] = Field("eagle3", description="eagle3 (P-EAGLE included: "
-                                                "parallel_drafting) or dflash: a block drafter (DFlashDraft)")
-    block_size: int | None = Field(None, ge=2, description="DFlash: the block, the anchor (the last verified "
-                                   "token) and block_size - 1 mask positions; vLLM proposes block_size - 1 tokens")
+    aux_layer_ids: list[int] = Field(
+        description="vLLM's layer ids (0 = embeddings, k = output of decoder layer "
+        "k-1) in the order fc concatenates them; eagle_aux_hidden_state_layer_ids"
+    )
+    parallel_drafting: bool = Field(
+        False,
+        description="P-EAGLE: the draft proposes all k tokens of a round in one "
+        "forward, its slots after the first reading mask_token_id and mask_hidden",
+    )
+    mask_token_id: int | None = Field(
+        None,
+        description="P-EAGLE / DFlash: the target token id a parallel slot "
+        "or a block's mask position reads (config.json's ptd_token_id, or "
+        "dflash_config.mask_token_id: what vLLM embeds there)",
+    )
+    method: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="eagle3 (P-EAGLE included: parallel_drafting) or dflash: a block drafter (DFlashDraft)"
+    )
+    block_size: int | None = Field(
+        None,
+        ge=2,
+        description="DFlash: the block, the anchor (the last verified "
+        "token) and block_size - 1 mask positions; vLLM proposes block_size - 1 tokens",
+    )
 
     @property
     def kind(self) -> str:
@@ -77,8 +90,9 @@ class DraftSpec(BaseModel):
         return "DFlash" if self.method == "dflash" else "P-EAGLE" if self.parallel_drafting else "EAGLE-3"
 
     @classmethod
-    def from_target_config(cls, config: dict, draft_vocab_size: int, num_hidden_layers: int,
-                           aux_layer_ids: list[int]) -> "DraftSpec":
+    def from_target_config(
+        cls, config: dict, draft_vocab_size: int, num_hidden_layers: int, aux_layer_ids: list[int]
+    ) -> "DraftSpec":
         """The draft for a target, from the target's config.json alone: its decoder-layer shapes, norm eps, RoPE
         and vocabulary (the draft vocabulary is clipped to it).
 
@@ -94,15 +108,29 @@ class DraftSpec(BaseModel):
         are refused (`check_servable_layer_ids`).
         """
         text = config.get("text_config") or config
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
-                               "rms_norm_eps", "max_position_embeddings", "vocab_size") if text.get(k) is None]
+        missing = [
+            k
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_hidden_layers",
+                "rms_norm_eps",
+                "max_position_embeddings",
+                "vocab_size",
+            )
+            if text.get(k) is None
+        ]
         if missing:
-            raise DraftsmithError(f"target config: no {', '.join(missing)}; the EAGLE-3 draft copies these from a "
-                                  "Llama-like decoder config (text_config for a multimodal model)")
+            raise DraftsmithError(
+                f"target config: no {', '.join(missing)}; the EAGLE-3 draft copies these from a "
+                "Llama-like decoder config (text_config for a multimodal model)"
+            )
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         if text.get("hidden_act", "silu") != "silu":
-            raise DraftsmithError(f"target config: hidden_act {text['hidden_act']!r}; the EAGLE-3 draft supports silu "
-                                  "only")
+            raise DraftsmithError(
+                f"target config: hidden_act {text['hidden_act']!r}; the EAGLE-3 draft supports silu only"
+            )
         if "kv_lora_rank" not in text and (text.get("head_dim") or hidden % heads == 0):
             kv_heads = int(text.get("num_key_value_heads") or heads)
             head_dim = int(text.get("head_dim") or hidden // heads)
@@ -114,11 +142,19 @@ class DraftSpec(BaseModel):
         check_layer_ids(list(aux_layer_ids), int(text["num_hidden_layers"]))
         check_servable_layer_ids(list(aux_layer_ids), config, "draft")
         return cls(
-            hidden_size=hidden, intermediate_size=int(text["intermediate_size"]), num_attention_heads=heads,
-            num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=num_hidden_layers,
-            rms_norm_eps=float(text["rms_norm_eps"]), hidden_act="silu",
-            max_position_embeddings=int(text["max_position_embeddings"]), rope_parameters=rope, vocab_size=vocab,
-            draft_vocab_size=min(draft_vocab_size, vocab), target_hidden_size=hidden,
+            hidden_size=hidden,
+            intermediate_size=int(text["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            num_hidden_layers=num_hidden_layers,
+            rms_norm_eps=float(text["rms_norm_eps"]),
+            hidden_act="silu",
+            max_position_embeddings=int(text["max_position_embeddings"]),
+            rope_parameters=rope,
+            vocab_size=vocab,
+            draft_vocab_size=min(draft_vocab_size, vocab),
+            target_hidden_size=hidden,
             aux_layer_ids=[int(i) for i in aux_layer_ids],
         )
 
@@ -135,15 +171,18 @@ class DraftSpec(BaseModel):
         """
         head_dim = 128 if hidden_size % 128 == 0 else 64
         if hidden_size % head_dim:
-            raise DraftsmithError(f"target config: hidden_size {hidden_size} is not a multiple of 64, so the EAGLE-3 "
-                                  "draft has no head size of its own (64 or 128) for it, and the config gives none to "
-                                  "copy (head_dim, or num_attention_heads dividing hidden_size)")
+            raise DraftsmithError(
+                f"target config: hidden_size {hidden_size} is not a multiple of 64, so the EAGLE-3 "
+                "draft has no head size of its own (64 or 128) for it, and the config gives none to "
+                "copy (head_dim, or num_attention_heads dividing hidden_size)"
+            )
         heads = hidden_size // head_dim
         kv_heads = max(d for d in range(1, min(8, heads) + 1) if heads % d == 0)
         return heads, kv_heads, head_dim
 
 
 # ---------------------------------------------------------------------------------------------- norm and RoPE
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -168,9 +207,13 @@ def rope_inverse_frequencies(spec: DraftSpec) -> tuple[torch.Tensor, float]:
         return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float(), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise DraftsmithError(f"target RoPE type {rope_type!r} is not supported by the draft")
-    hf = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                     head_dim=dim, max_position_embeddings=spec.max_position_embeddings,
-                     **hfcompat.rope_config_kwargs(LlamaConfig, rope))
+    hf = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        head_dim=dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        **hfcompat.rope_config_kwargs(LlamaConfig, rope),
+    )
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
     return inv_freq.float(), float(scale)
 
@@ -201,6 +244,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ---------------------------------------------------------------------------------------------- attention
 
+
 class KVCache:
     """Keys/values of each layer: one (k, v) per TTT step ("ttt"/"naive"), or one growing entry ("decode").
 
@@ -216,8 +260,11 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, spec: DraftSpec, input_size: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_attention_heads, spec.num_key_value_heads,
-                                                            spec.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.head_dim,
+        )
         self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -230,8 +277,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int,
-                mode: str) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int, mode: str
+    ) -> torch.Tensor:
         """cache.layers[layer_idx]: this layer's (k, v); mode "ttt": one entry per TTT step; "decode": one growing
         entry."""
         q, k, v = self.project(x, cos, sin)
@@ -264,6 +312,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, laye
 
 # ---------------------------------------------------------------------------------------------- MLP and layer
 
+
 class MLP(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -291,8 +340,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(spec)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, cache: KVCache, mode: str,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos,
+        sin,
+        cache: KVCache,
+        mode: str,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """rows (training): the positions (of [B*T]) anything downstream reads; the MLP, position-wise, runs on those
         alone and the others keep the attention's output (nothing reads them)."""
         if self.first:
@@ -308,6 +365,7 @@ class DecoderLayer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- the draft
+
 
 class Eagle3Draft(nn.Module):
     d2t: torch.Tensor  # buffers
@@ -356,8 +414,14 @@ class Eagle3Draft(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
     @classmethod
-    def from_target(cls, spec: DraftSpec, target: nn.Module, draft_to_target: torch.Tensor,
-                    lm_head_init: str = "target", seed: int = 0) -> "Eagle3Draft":
+    def from_target(
+        cls,
+        spec: DraftSpec,
+        target: nn.Module,
+        draft_to_target: torch.Tensor,
+        lm_head_init: str = "target",
+        seed: int = 0,
+    ) -> "Eagle3Draft":
         """A fresh draft: frozen embedding copied from the target, lm_head from the target's draft-vocab rows."""
         draft = cls(spec)
         draft.init_weights(seed)
@@ -382,9 +446,16 @@ class Eagle3Draft(nn.Module):
         """P-EAGLE: fc(mask_hidden) [1, H], the fused features of every parallel slot (vLLM fuses it the same way)."""
         return self.fuse(self.mask_hidden)
 
-    def forward_hidden(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                       cache: KVCache | None = None, mode: str = "decode", checkpointed: bool = False,
-                       rows: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        mode: str = "decode",
+        checkpointed: bool = False,
+        rows: list[torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
         """One draft step up to the pre-norm hidden state [B, T, H] (what the next step reads). input_ids [B, T],
         hidden [B, T, H] (fused features or the previous step's output).
 
@@ -408,9 +479,15 @@ class Eagle3Draft(nn.Module):
         """Pre-norm hidden [..., H] -> logits over the draft vocabulary [..., Vd]."""
         return self.lm_head(self.norm(hidden))
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache | None = None, mode: str = "decode",
-                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        mode: str = "decode",
+        logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step: (logits over the draft vocabulary [B, T, Vd], pre-norm hidden [B, T, H]).
         logits_to_keep > 0: logits of the last that many positions only (as in transformers)."""
         hidden = self.forward_hidden(input_ids, hidden, position_ids, cache, mode)
@@ -419,6 +496,7 @@ class Eagle3Draft(nn.Module):
 
 # ---------------------------------------------------------------------------------------------- the DFlash draft
 
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention (q_norm / k_norm per head) whose keys and values come from two inputs: the block's own
     positions and the context, the fused target states of every verified position before the anchor."""
@@ -426,8 +504,11 @@ class DFlashAttention(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = (spec.num_attention_heads, spec.num_key_value_heads,
-                                                            spec.head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.head_dim,
+        )
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
@@ -494,6 +575,7 @@ class DFlashDraft(nn.Module):
     the identity, outside the state dict), so a saved DFlash draft is exactly vLLM's file: `fc`, `hidden_norm`,
     `layers.*`, `norm`.
     """
+
     head_weight: torch.Tensor  # buffers
     d2t: torch.Tensor
     t2d: torch.Tensor
@@ -549,9 +631,15 @@ class DFlashDraft(nn.Module):
         masks = anchor_ids.new_full((*anchor_ids.shape, (size or self.spec.block_size) - 1), self.spec.mask_token_id)
         return torch.cat((anchor_ids[..., None], masks), dim=-1)
 
-    def forward_hidden(self, block_ids: torch.Tensor, block_positions: torch.Tensor,
-                       context: torch.Tensor | list[tuple[torch.Tensor, torch.Tensor]],
-                       context_positions: torch.Tensor | None, attend, checkpointed: bool = False) -> torch.Tensor:
+    def forward_hidden(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        context: torch.Tensor | list[tuple[torch.Tensor, torch.Tensor]],
+        context_positions: torch.Tensor | None,
+        attend,
+        checkpointed: bool = False,
+    ) -> torch.Tensor:
         """The block's pre-norm hidden states [B, Q, H]: block_ids / block_positions [B, Q], context [B, T, H] (or
         per-layer cached (k, v) when `context` is a list: decoding) at context_positions [B, T]."""
         hidden = self.embed_tokens(block_ids).to(context.dtype if torch.is_tensor(context) else context[0][0].dtype)
@@ -566,8 +654,14 @@ class DFlashDraft(nn.Module):
                 hidden = layer(hidden, cos, sin, kv, attend)
         return hidden
 
-    def forward(self, block_ids: torch.Tensor, block_positions: torch.Tensor, features: torch.Tensor,
-                feature_positions: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        features: torch.Tensor,
+        feature_positions: torch.Tensor,
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoding one DFlash round as vLLM runs it: the fused target features [B, T, H] (`fuse`) at
         feature_positions [B, T] join the context -- each layer's K/V of them appended to `cache` (vLLM writes them
         into the draft's KV cache) --, then the block [B, S] at block_positions sees the whole cached context and

@@ -46,11 +46,33 @@ from draftsmith.train.ttt import COD, Anchors, TargetHead, TTTModel
 # Options that may change between a run and its resume without changing what is being trained.
 # Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size
 # change where the states are computed, not which.
-RESUMABLE_CHANGES = {"resume", "force", "device", "log_every", "save_every", "eval_every", "keep_checkpoints",
-                     "output", "data", "target", "num_workers", "compile", "attention_kernel",
-                     "activation_checkpointing", "distributed", "spool", "spool_gb", "engine_tensor_parallel_size", "engine_data_parallel_size",
-                     "engine_devices", "vllm_strategy", "vllm_compile", "keep_epoch0", "remote_engines",
-                     "stall_timeout_s"}
+RESUMABLE_CHANGES = {
+    "resume",
+    "force",
+    "device",
+    "log_every",
+    "save_every",
+    "eval_every",
+    "keep_checkpoints",
+    "output",
+    "data",
+    "target",
+    "num_workers",
+    "compile",
+    "attention_kernel",
+    "activation_checkpointing",
+    "distributed",
+    "spool",
+    "spool_gb",
+    "engine_tensor_parallel_size",
+    "engine_data_parallel_size",
+    "engine_devices",
+    "vllm_strategy",
+    "vllm_compile",
+    "keep_epoch0",
+    "remote_engines",
+    "stall_timeout_s",
+}
 
 
 @dataclass
@@ -97,26 +119,41 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     """Open the data (store or prepared set), check it against the target, load what of the target is needed."""
     kind = read_manifest_json(cfg.data).get("kind") if (Path(cfg.data) / "manifest.json").is_file() else None
     if kind not in ("store", "prepared"):
-        found = (f"a {kind!r} artefact" if kind else "a directory without manifest.json" if Path(cfg.data).is_dir()
-                 else "a file" if Path(cfg.data).exists() else "nothing: it does not exist")
-        raise DraftsmithError(f"{cfg.data}: --data must be a hidden-state store (`draftsmith extract`) or a prepared "
-                              f"data set (`draftsmith prepare`), found {found}")
+        found = (
+            f"a {kind!r} artefact"
+            if kind
+            else "a directory without manifest.json"
+            if Path(cfg.data).is_dir()
+            else "a file"
+            if Path(cfg.data).exists()
+            else "nothing: it does not exist"
+        )
+        raise DraftsmithError(
+            f"{cfg.data}: --data must be a hidden-state store (`draftsmith extract`) or a prepared "
+            f"data set (`draftsmith prepare`), found {found}"
+        )
     if kind == "store" and cfg.engine == "vllm":
-        raise DraftsmithError(f"{cfg.data}: is a hidden-state store, which trains offline; --engine vllm trains from "
-                              "a prepared set (`draftsmith prepare`), extracting its states while it trains")
+        raise DraftsmithError(
+            f"{cfg.data}: is a hidden-state store, which trains offline; --engine vllm trains from "
+            "a prepared set (`draftsmith prepare`), extracting its states while it trains"
+        )
     dataset: store_mod.HiddenStateStore | LayerSubset | PreparedDataset
     if kind == "store":
         dataset = store_mod.open(cfg.data, dtype=None)  # bf16 / fp8 views of the shards, decoded on the device
         identity, aux = dataset.manifest.target, list(dataset.aux_layer_ids)
         if dataset.layer_ids[-1] != identity.num_layers:
-            raise DraftsmithError(f"{cfg.data}: the store's last layer is {dataset.layer_ids[-1]}, not the target's "
-                                  f"last layer {identity.num_layers}; extract again with draftsmith")
+            raise DraftsmithError(
+                f"{cfg.data}: the store's last layer is {dataset.layer_ids[-1]}, not the target's "
+                f"last layer {identity.num_layers}; extract again with draftsmith"
+            )
         if cfg.aux_layer_ids is not None and sorted(cfg.aux_layer_ids) != aux:
             missing = sorted(set(cfg.aux_layer_ids) - set(aux))
             if missing:
-                raise DraftsmithError(f"{cfg.data}: the store holds aux layers {aux} but --aux-layer-ids asks for "
-                                      f"{sorted(cfg.aux_layer_ids)} ({missing} not among them); extract a store with "
-                                      "those layers or drop the option")
+                raise DraftsmithError(
+                    f"{cfg.data}: the store holds aux layers {aux} but --aux-layer-ids asks for "
+                    f"{sorted(cfg.aux_layer_ids)} ({missing} not among them); extract a store with "
+                    "those layers or drop the option"
+                )
             # a subset: one store trains drafts of several methods (e.g. EAGLE-3's 3 layers, DFlash's 5)
             wanted = sorted(set(int(i) for i in cfg.aux_layer_ids))
             dataset = LayerSubset(dataset, [aux.index(i) for i in wanted] + [len(aux)])
@@ -128,17 +165,21 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
         dataset = open_prepared(cfg.data)
         identity = dataset.manifest.target
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-        aux = resolve_layer_ids(cfg.aux_layer_ids or (dflash_aux_layer_ids(identity.num_layers, cfg.num_layers)
-                                                      if cfg.method == "dflash" else None),
-                                identity.num_layers)[:-1]  # extract's default (DFlash: its spread)
+        aux = resolve_layer_ids(
+            cfg.aux_layer_ids
+            or (dflash_aux_layer_ids(identity.num_layers, cfg.num_layers) if cfg.method == "dflash" else None),
+            identity.num_layers,
+        )[:-1]  # extract's default (DFlash: its spread)
         sample_ids, total = np.arange(len(dataset), dtype=np.int64), len(dataset)
     if len(dataset) == 0:
         raise DraftsmithError(f"{cfg.data}: the data set is empty; prepare/extract some conversations first")
     target_path = targets.resolve_target(cfg.target or identity.path)
     diff = targets.target_identity(target_path).mismatch(identity)
     if diff:
-        raise DraftsmithError(f"{cfg.data}: was made for another target than {target_path} ({diff}); pass the "
-                              "matching --target or prepare/extract the data for this one")
+        raise DraftsmithError(
+            f"{cfg.data}: was made for another target than {target_path} ({diff}); pass the "
+            "matching --target or prepare/extract the data for this one"
+        )
     in_trainer = kind == "prepared" and cfg.engine == "hf"  # the whole target runs here
     dtype = torch.bfloat16 if device.type == "cuda" and in_trainer else torch.float32
     # From a store (or vLLM engines) only the embedding, final norm and lm_head are used: the decoder layers stay
@@ -147,7 +188,7 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
     target = load(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
     if cfg.max_samples is not None:
-        sample_ids, lengths = sample_ids[:cfg.max_samples], lengths[:cfg.max_samples]
+        sample_ids, lengths = sample_ids[: cfg.max_samples], lengths[: cfg.max_samples]
     return Source(dataset, kind, identity, target_path, target, aux, sample_ids, lengths, total)
 
 
@@ -158,44 +199,60 @@ def split(source: Source, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     return np.flatnonzero(~held_out).tolist(), np.flatnonzero(held_out).tolist()
 
 
-def initial_draft(cfg: TrainConfig, s: Source,
-                  train_ids: list[int]) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec, float]:
+def initial_draft(
+    cfg: TrainConfig, s: Source, train_ids: list[int]
+) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec, float]:
     """(draft, its spec, draft-vocab coverage of the training split): a fresh draft whose vocabulary is counted on
     the training split, or the one --init-from names (its own vocabulary)."""
     counts = token_counts(s.dataset, train_ids, s.identity.vocab_size)
     if int(counts.sum()) == 0:
-        raise DraftsmithError(f"{cfg.data}: no loss-masked (assistant) tokens in the training split; nothing to "
-                              "train on")
+        raise DraftsmithError(
+            f"{cfg.data}: no loss-masked (assistant) tokens in the training split; nothing to train on"
+        )
     assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
     if cfg.init_from is None and cfg.method == "dflash":  # the target's vocabulary and lm_head
         config = targets.read_config(s.target_path)
         spec = DraftSpec.from_target_config(config, s.identity.vocab_size, cfg.num_layers, s.aux_layer_ids)
-        spec = spec.model_copy(update=dict(method="dflash", block_size=cfg.block_size,
-                                           mask_token_id=mask_token_id(config)))
+        spec = spec.model_copy(
+            update=dict(method="dflash", block_size=cfg.block_size, mask_token_id=mask_token_id(config))
+        )
         return DFlashDraft.from_target(spec, s.target, cfg.seed), spec, 1.0
     if cfg.init_from is None:
         vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, s.identity.vocab_size))
-        spec = DraftSpec.from_target_config(targets.read_config(s.target_path), cfg.draft_vocab_size, cfg.num_layers,
-                                            s.aux_layer_ids)
-        return (Eagle3Draft.from_target(spec, s.target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed), spec,
-                vocab.coverage)
+        spec = DraftSpec.from_target_config(
+            targets.read_config(s.target_path), cfg.draft_vocab_size, cfg.num_layers, s.aux_layer_ids
+        )
+        return (
+            Eagle3Draft.from_target(spec, s.target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed),
+            spec,
+            vocab.coverage,
+        )
     where = f"--init-from {cfg.init_from}"
     if not Path(cfg.init_from).exists():
         raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
     source = load_draft(cfg.init_from)
     require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
     if (source.spec.method == "dflash") != (cfg.method == "dflash"):
-        raise DraftsmithError(f"{where}: a {source.spec.kind} draft cannot start a --method {cfg.method} run (the "
-                              "architectures differ); start a fresh draft or from a "
-                              f"{'DFlash' if cfg.method == 'dflash' else 'EAGLE-3 / P-EAGLE'} draft")
+        raise DraftsmithError(
+            f"{where}: a {source.spec.kind} draft cannot start a --method {cfg.method} run (the "
+            "architectures differ); start a fresh draft or from a "
+            f"{'DFlash' if cfg.method == 'dflash' else 'EAGLE-3 / P-EAGLE'} draft"
+        )
     if sorted(source.spec.aux_layer_ids) != s.aux_layer_ids:
-        fix = ("extract a store with those layers" if s.kind == "store"
-               else f"pass --aux-layer-ids {','.join(map(str, source.spec.aux_layer_ids))}")
-        raise DraftsmithError(f"{where}: the draft fuses aux layers {source.spec.aux_layer_ids}, the training data "
-                              f"gives {s.aux_layer_ids}; {fix}")
+        fix = (
+            "extract a store with those layers"
+            if s.kind == "store"
+            else f"pass --aux-layer-ids {','.join(map(str, source.spec.aux_layer_ids))}"
+        )
+        raise DraftsmithError(
+            f"{where}: the draft fuses aux layers {source.spec.aux_layer_ids}, the training data "
+            f"gives {s.aux_layer_ids}; {fix}"
+        )
     if source.spec.num_hidden_layers != cfg.num_layers:
-        raise DraftsmithError(f"{where}: the draft has {source.spec.num_hidden_layers} decoder layer(s), --num-layers "
-                              f"asks for {cfg.num_layers}; drop the option or start from a matching draft")
+        raise DraftsmithError(
+            f"{where}: the draft has {source.spec.num_hidden_layers} decoder layer(s), --num-layers "
+            f"asks for {cfg.num_layers}; drop the option or start from a matching draft"
+        )
     draft = draft_module(source, targets.embed_tokens(s.target).weight, targets.lm_head(s.target).weight)
     coverage = float(counts[draft.draft_to_target.numpy()].sum() / max(int(counts.sum()), 1))
     return draft, source.spec, coverage
@@ -214,8 +271,12 @@ def mask_token_id(target_config: dict) -> int:
     return 0
 
 
-def with_method(draft: Eagle3Draft | DFlashDraft, spec: DraftSpec, cfg: TrainConfig, target_config: dict,
-                ) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec]:
+def with_method(
+    draft: Eagle3Draft | DFlashDraft,
+    spec: DraftSpec,
+    cfg: TrainConfig,
+    target_config: dict,
+) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec]:
     """The draft for --method: a P-EAGLE draft gains mask_hidden (seeded small normal, like a fresh draft's weights;
     e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept. A DFlash
     draft stays one (its block size is --block-size's; `initial_draft` refuses to turn one method into the other)."""
@@ -227,12 +288,15 @@ def with_method(draft: Eagle3Draft | DFlashDraft, spec: DraftSpec, cfg: TrainCon
         return draft, spec
     parallel = cfg.method == "peagle"
     if parallel and cfg.ttt_steps < 2:
-        raise DraftsmithError(f"--method peagle --ttt-steps {cfg.ttt_steps}: P-EAGLE trains depth 0 and the parallel "
-                              "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)")
+        raise DraftsmithError(
+            f"--method peagle --ttt-steps {cfg.ttt_steps}: P-EAGLE trains depth 0 and the parallel "
+            "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
+        )
     if spec.parallel_drafting == parallel:
         return draft, spec
-    spec = spec.model_copy(update=dict(parallel_drafting=parallel,
-                                       mask_token_id=mask_token_id(target_config) if parallel else None))
+    spec = spec.model_copy(
+        update=dict(parallel_drafting=parallel, mask_token_id=mask_token_id(target_config) if parallel else None)
+    )
     new = Eagle3Draft(spec)
     tensors = {k: v for k, v in draft.state_dict().items() if k != "mask_hidden"}
     if parallel:
@@ -289,8 +353,11 @@ def regroup(saved: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> 
 def _changed_hyperparameters(saved: dict, cfg: TrainConfig) -> list[str]:
     now = cfg.model_dump(mode="json")
     # An option added after the checkpoint was written is not a change.
-    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in now if k not in RESUMABLE_CHANGES and k in saved
-            and saved[k] != now[k]]
+    return [
+        f"{k}: {saved[k]!r} -> {now[k]!r}"
+        for k in now
+        if k not in RESUMABLE_CHANGES and k in saved and saved[k] != now[k]
+    ]
 
 
 def find_resume(cfg: TrainConfig, s: Source, info: distributed.DistInfo):
@@ -301,15 +368,19 @@ def find_resume(cfg: TrainConfig, s: Source, info: distributed.DistInfo):
     if latest is None:
         return None, None
     if not cfg.resume and not cfg.force:
-        raise DraftsmithError(f"{out}: already holds a training run; use --resume to continue it, --force to "
-                              "start over, or another --output")
+        raise DraftsmithError(
+            f"{out}: already holds a training run; use --resume to continue it, --force to "
+            "start over, or another --output"
+        )
     if not cfg.resume:
         return None, None
     manifest = checkpoint.read_manifest(latest, checkpoint.CheckpointManifest)
     changed = _changed_hyperparameters(manifest.hyperparameters, cfg)
     if changed and not cfg.force:
-        raise DraftsmithError(f"{latest}: was trained with other hyper-parameters ({'; '.join(changed)}); "
-                              "resume with the same ones, pass --force to continue anyway, or use another --output")
+        raise DraftsmithError(
+            f"{latest}: was trained with other hyper-parameters ({'; '.join(changed)}); "
+            "resume with the same ones, pass --force to continue anyway, or use another --output"
+        )
     if changed and info.is_main:
         warnings.warn(f"resuming {latest} with changed hyper-parameters: {'; '.join(changed)}", stacklevel=1)
     if manifest.target.mismatch(s.identity) or manifest.draft.aux_layer_ids != s.aux_layer_ids:
@@ -320,16 +391,26 @@ def find_resume(cfg: TrainConfig, s: Source, info: distributed.DistInfo):
 def plan_steps(cfg: TrainConfig, sampler: TokenBudgetSampler, n_train: int, world: int) -> tuple[int, int | None]:
     """(total optimizer steps, epochs or None when --max-steps decides)."""
     if sampler.steps_in(0, cfg.grad_accum) == 0:
-        raise DraftsmithError(f"{cfg.data}: too little training data for one optimizer step per process "
-                              f"({n_train} samples, {world} processes, --grad-accum {cfg.grad_accum}); add data "
-                              "or lower --grad-accum / --eval-fraction")
+        raise DraftsmithError(
+            f"{cfg.data}: too little training data for one optimizer step per process "
+            f"({n_train} samples, {world} processes, --grad-accum {cfg.grad_accum}); add data "
+            "or lower --grad-accum / --eval-fraction"
+        )
     if cfg.max_steps is not None:  # --max-steps overrides --epochs
         return cfg.max_steps, None
     return sum(sampler.steps_in(e, cfg.grad_accum) for e in range(cfg.epochs)), cfg.epochs
 
 
-def feature_source(cfg: TrainConfig, info: distributed.DistInfo, s: Source, train_ids: Sequence[int],
-                   eval_ids: Sequence[int], state: RunState, total_steps: int, epochs: int | None) -> FeatureSource:
+def feature_source(
+    cfg: TrainConfig,
+    info: distributed.DistInfo,
+    s: Source,
+    train_ids: Sequence[int],
+    eval_ids: Sequence[int],
+    state: RunState,
+    total_steps: int,
+    epochs: int | None,
+) -> FeatureSource:
     """Where the batches' hidden states come from: the store's own (offline), the target in the trainer (online), or
     the vLLM engines through the spool (online, --engine vllm: it plans every rank's chunks, so it gets every rank's
     sampler)."""
@@ -337,10 +418,24 @@ def feature_source(cfg: TrainConfig, info: distributed.DistInfo, s: Source, trai
         return StoreFeatures()
     if cfg.engine != "vllm":
         return OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
-    ranks = [TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
-             for r in range(info.world_size)]
-    return EngineSource(cfg, info, s.dataset, ranks, eval_ids, s.lengths, s.aux_layer_ids, s.identity.num_layers,
-                        s.identity.hidden_size, (state.step, state.epoch, state.position), total_steps, epochs)
+    ranks = [
+        TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
+        for r in range(info.world_size)
+    ]
+    return EngineSource(
+        cfg,
+        info,
+        s.dataset,
+        ranks,
+        eval_ids,
+        s.lengths,
+        s.aux_layer_ids,
+        s.identity.num_layers,
+        s.identity.hidden_size,
+        (state.step, state.epoch, state.position),
+        total_steps,
+        epochs,
+    )
 
 
 def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
@@ -352,8 +447,11 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     draft, spec, coverage = initial_draft(cfg, s, train_ids)
     draft, spec = with_method(draft, spec, cfg, targets.read_config(s.target_path))
     train = TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size)
-    evaluation = (TokenBudgetSampler(eval_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size,
-                                     shuffle=False) if len(eval_ids) >= info.world_size else None)
+    evaluation = (
+        TokenBudgetSampler(eval_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size, shuffle=False)
+        if len(eval_ids) >= info.world_size
+        else None
+    )
     total_steps, epochs = plan_steps(cfg, train, len(train_ids), info.world_size)
     latest, manifest = find_resume(cfg, s, info)
     saved, state = None, RunState()
@@ -366,8 +464,12 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     if cfg.compile:  # each decoder layer's forward (the TTT attention's CUDA kernels are compiled either way)
         for layer in draft.layers:
             layer.compile(dynamic=True)
-    head = TargetHead(targets.final_norm(s.target), targets.lm_head(s.target).weight, draft.draft_to_target,
-                      autocast_dtype(device, cfg.precision))
+    head = TargetHead(
+        targets.final_norm(s.target),
+        targets.lm_head(s.target).weight,
+        draft.draft_to_target,
+        autocast_dtype(device, cfg.precision),
+    )
     info.strategy = distributed.choose_strategy(cfg.distributed, draft, spec.draft_vocab_size)
     gathered = autocast_dtype(device, cfg.precision) if device.type == "cuda" else None  # FSDP2's param dtype
     model = distributed.wrap(TTTModel(draft, cfg.attention_kernel), info, gathered)
@@ -376,19 +478,48 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
         opt_state = saved["optimizer"] if info.strategy == "fsdp2" else regroup(saved["optimizer"], optimizer, model)
         distributed.load_optimizer_state(model, optimizer, opt_state, info)
         checkpoint.restore_rng(checkpoint.saved_rng(saved))
-    workers = cfg.num_workers if cfg.num_workers is not None else default_num_workers(
-        device, distributed.local_world_size())
-    features = feature_source(cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state,
-                              total_steps, epochs)
-    sampling = (Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed) if spec.method == "dflash" else
-                COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed) if spec.parallel_drafting else None)
+    workers = (
+        cfg.num_workers if cfg.num_workers is not None else default_num_workers(device, distributed.local_world_size())
+    )
+    features = feature_source(
+        cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state, total_steps, epochs
+    )
+    sampling = (
+        Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed)
+        if spec.method == "dflash"
+        else COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed)
+        if spec.parallel_drafting
+        else None
+    )
     data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, features, sampling)
-    base = dict(target=s.identity, draft=spec, draft_vocab_coverage=coverage, data=str(Path(cfg.data).resolve()),
-                data_kind=s.kind, eval_fraction=cfg.eval_fraction, split_seed=cfg.split_seed,
-                hyperparameters=cfg.model_dump(mode="json"))
+    base = dict(
+        target=s.identity,
+        draft=spec,
+        draft_vocab_coverage=coverage,
+        data=str(Path(cfg.data).resolve()),
+        data_kind=s.kind,
+        eval_fraction=cfg.eval_fraction,
+        split_seed=cfg.split_seed,
+        hyperparameters=cfg.model_dump(mode="json"),
+    )
     dtype = torch.bfloat16 if autocast_dtype(device, cfg.precision) is not None else torch.float32
-    return Run(cfg, info, data, head, model, optimizer, [p for p in model.parameters() if p.requires_grad],
-               total_steps, epochs, base, coverage, s.kind, state, latest, dtype)
+    return Run(
+        cfg,
+        info,
+        data,
+        head,
+        model,
+        optimizer,
+        [p for p in model.parameters() if p.requires_grad],
+        total_steps,
+        epochs,
+        base,
+        coverage,
+        s.kind,
+        state,
+        latest,
+        dtype,
+    )
 
 
 def autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:

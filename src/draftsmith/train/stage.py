@@ -45,8 +45,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         # config.yaml holds what auto resolved to here (the checkpoints keep what was asked, for resuming)
-        save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}),
-                             out)
+        save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}), out)
         threads = f"; {openmp.WAIT_POLICY}" if info.device.type == "cpu" else ""
         print(f"{precision_note(info.device, cfg.precision)}{threads}", file=sys.stderr, flush=True)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
@@ -69,16 +68,31 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
             stats.new_step()
             for j, mb in enumerate(micro):
                 with distributed.grad_sync(model, info, j == len(micro) - 1), autocast(info.device, cfg.precision):
-                    result = forward(model, r.head, mb, cfg, r.dtype, normaliser, logged,
-                                     noise_seed=hash((cfg.seed, state.step, info.rank, j)) & 0x7FFFFFFF)
+                    result = forward(
+                        model,
+                        r.head,
+                        mb,
+                        cfg,
+                        r.dtype,
+                        normaliser,
+                        logged,
+                        noise_seed=hash((cfg.seed, state.step, info.rank, j)) & 0x7FFFFFFF,
+                    )
                     (result.loss * info.world_size).backward()
                 stats.add(state.step + 1, result, mb)
             grad_norm = torch.nn.utils.clip_grad_norm_(r.params, cfg.clip) if cfg.clip > 0 else None
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step += 1
-            ledger.write({"type": "samples", "step": state.step, "epoch": micro[0].epoch,
-                          "position": micro[0].position, "samples": [i for mb in micro for i in mb.sample_ids]})
+            ledger.write(
+                {
+                    "type": "samples",
+                    "step": state.step,
+                    "epoch": micro[0].epoch,
+                    "position": micro[0].position,
+                    "samples": [i for mb in micro for i in mb.sample_ids],
+                }
+            )
             if micro[-1].last:  # before any checkpoint, so a resume never repeats the epoch's end
                 state.epoch, state.epoch_start = state.epoch + 1, state.step
             evaluate_now = micro[-1].last or bool(cfg.eval_every and state.step % cfg.eval_every == 0)
@@ -90,9 +104,19 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 if logged:
                     kl, correct, accept, count = sums
                     last_train, source = summarise(kl, correct, accept, count, cfg.step_weight), r.data.metrics()
-                    sink.write({"type": "train", "step": state.step, "epoch": micro[0].epoch, "lr": lr,
-                                "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                                "tokens_seen": state.tokens, "tokens_per_s": round(tok_s, 1), **last_train, **source})
+                    sink.write(
+                        {
+                            "type": "train",
+                            "step": state.step,
+                            "epoch": micro[0].epoch,
+                            "lr": lr,
+                            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+                            "tokens_seen": state.tokens,
+                            "tokens_per_s": round(tok_s, 1),
+                            **last_train,
+                            **source,
+                        }
+                    )
                     progress.update(state.step, tok_s, last_train, r.data.describe(source))
             progress.update(state.step)
             if evaluate_now:
@@ -110,8 +134,11 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         progress.close()
         sink.close()
         ledger.close()
-    return StageResult(stage="train", output=out, summary=_summary(r, last_train, last_saved, tokens_at_start,
-                                                                  time.perf_counter() - t0))
+    return StageResult(
+        stage="train",
+        output=out,
+        summary=_summary(r, last_train, last_saved, tokens_at_start, time.perf_counter() - t0),
+    )
 
 
 def autocast(device: torch.device, precision: str):
@@ -119,8 +146,16 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def forward(model, head: TargetHead, batch: Batch, cfg: TrainConfig, dtype: torch.dtype,
-            normaliser: torch.Tensor | None, metrics: bool, noise_seed: int | None = None) -> TTTResult:
+def forward(
+    model,
+    head: TargetHead,
+    batch: Batch,
+    cfg: TrainConfig,
+    dtype: torch.dtype,
+    normaliser: torch.Tensor | None,
+    metrics: bool,
+    noise_seed: int | None = None,
+) -> TTTResult:
     """One micro-batch: decode the stored layers on the device, target distribution from layer N (the full
     vocabulary only when `metrics`), optional feature noise, the TTT unroll."""
     aux, last = batch.features(dtype)
@@ -128,8 +163,17 @@ def forward(model, head: TargetHead, batch: Batch, cfg: TrainConfig, dtype: torc
         gen = torch.Generator(device=aux.device).manual_seed(noise_seed)
         aux = aux + cfg.noise_std * torch.randn(aux.shape, generator=gen, device=aux.device, dtype=aux.dtype)
     target = head(last, batch.index, full=metrics)
-    return model(batch.input_ids, aux, target, batch.index, cfg.ttt_steps, cfg.step_weight, normaliser, metrics,
-                 checkpointed=cfg.activation_checkpointing)
+    return model(
+        batch.input_ids,
+        aux,
+        target,
+        batch.index,
+        cfg.ttt_steps,
+        cfg.step_weight,
+        normaliser,
+        metrics,
+        checkpointed=cfg.activation_checkpointing,
+    )
 
 
 def evaluate(r: Run, sink: MetricsSink, epoch: int) -> dict:
@@ -161,15 +205,21 @@ def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
     opt_state = None if best else distributed.full_optimizer_state(r.model, r.optimizer, info)
     error = None
     if info.is_main:
-        manifest = checkpoint.CheckpointManifest(**r.manifest, step=state.step, epoch=state.epoch,
-                                                 tokens=state.tokens, metrics=state.last_eval,
-                                                 best_acceptance_length=state.best)
+        manifest = checkpoint.CheckpointManifest(
+            **r.manifest,
+            step=state.step,
+            epoch=state.epoch,
+            tokens=state.tokens,
+            metrics=state.last_eval,
+            best_acceptance_length=state.best,
+        )
         training = None if opt_state is None else checkpoint.training_state(state, opt_state, r.sampler_seed)
         try:
             checkpoint.save_checkpoint(r.cfg.output, manifest, weights, training, r.cfg.keep_checkpoints, best)
         except DraftsmithError as err:
-            error = (f"{err} (training stopped at step {state.step}; the last good checkpoint is "
-                     f"{last_saved or 'none yet'})")
+            error = (
+                f"{err} (training stopped at step {state.step}; the last good checkpoint is {last_saved or 'none yet'})"
+            )
     error = distributed.broadcast_error(error, info)
     if error:
         raise DraftsmithError(error)
@@ -182,11 +232,12 @@ def _summary(r: Run, last_train: dict, last_saved: str | None, tokens_at_start: 
         "mode": "offline (store)" if r.data_kind == "store" else "online (target in the trainer)",
         "precision": resolved_precision(r.info.device, cfg.precision),
         **r.data.summary(),
-        "steps": state.step, "epochs": state.epoch, "tokens": state.tokens,
+        "steps": state.step,
+        "epochs": state.epoch,
+        "tokens": state.tokens,
         "tokens/s": round((state.tokens - tokens_at_start) / max(elapsed, 1e-9), 1),
         "train loss": last_train.get("loss"),
-        "final acceptance length (sim.)": state.last_eval.get("acceptance_length",
-                                                              last_train.get("acceptance_length")),
+        "final acceptance length (sim.)": state.last_eval.get("acceptance_length", last_train.get("acceptance_length")),
         "best acceptance length (sim.)": state.best,
         "per-step acc": state.last_eval.get("acc", last_train.get("acc")),
         "draft vocab coverage": round(r.coverage, 4),

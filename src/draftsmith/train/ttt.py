@@ -53,6 +53,7 @@ KL, CORRECT, ACCEPT, COUNT = range(4)
 
 # ---------------------------------------------------------------------------------------------- host-side index
 
+
 @dataclass
 class StepIndex:
     """Rows of a padded batch [B, T], flattened to b * T + t, that a TTT step reads (built on the host)."""
@@ -65,8 +66,13 @@ class StepIndex:
 
     def map(self, fn) -> "StepIndex":
         """The same index with fn applied to every tensor (e.g. a move to the device)."""
-        return StepIndex(fn(self.needed), [fn(x) for x in self.scored], [fn(x) for x in self.target], fn(self.counts),
-                         [fn(x) for x in self.live])
+        return StepIndex(
+            fn(self.needed),
+            [fn(x) for x in self.scored],
+            [fn(x) for x in self.target],
+            fn(self.counts),
+            [fn(x) for x in self.live],
+        )
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,16 @@ class COD:
     def keep(self, n: int, k: int) -> int:
         if k == 0 or n == 0:
             return n
-        return min(n, max(math.ceil(n * self.ratio ** k - 1e-9), math.ceil(n * self.floor - 1e-9)))
+        return min(n, max(math.ceil(n * self.ratio**k - 1e-9), math.ceil(n * self.floor - 1e-9)))
 
 
-def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | None = None,
-               sample_ids: Sequence[int] = (), epoch: int = 0) -> StepIndex:
+def step_index(
+    loss_mask: np.ndarray | torch.Tensor,
+    ttt_steps: int,
+    cod: COD | None = None,
+    sample_ids: Sequence[int] = (),
+    epoch: int = 0,
+) -> StepIndex:
     """The rows each TTT step reads, from a [B, T] 0/1 loss mask (numpy, on the host: no device work).
 
     Step k scores position t (t < T-k-2) when loss_mask[t+k+2] and trains it towards p_{t+k+1}; p_j is needed when
@@ -107,7 +118,7 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | 
     for k in range(ttt_steps):
         n = max(t - k - 2, 0)
         sel = np.zeros((b, t), dtype=bool)
-        sel[:, :n] = mask[:, k + 2:k + 2 + n]
+        sel[:, :n] = mask[:, k + 2 : k + 2 + n]
         if cod is not None and priority is not None and k:
             for row in range(b):
                 candidates = np.flatnonzero(sel[row])
@@ -125,8 +136,13 @@ def step_index(loss_mask: np.ndarray | torch.Tensor, ttt_steps: int, cod: COD | 
     for sel in reversed(sels):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
         later |= sel
         live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
-    return StepIndex(torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)), scored, target,
-                     torch.tensor(counts, dtype=torch.float64), live)
+    return StepIndex(
+        torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)),
+        scored,
+        target,
+        torch.tensor(counts, dtype=torch.float64),
+        live,
+    )
 
 
 @dataclass(frozen=True)
@@ -163,12 +179,19 @@ class BlockIndex:
     chunk_limits: list[int]  # per chunk of attention.anchor_chunks(A, S): its largest anchor over the batch
 
     def map(self, fn) -> "BlockIndex":
-        return BlockIndex(fn(self.needed), [fn(x) for x in self.scored], [fn(x) for x in self.target],
-                          fn(self.counts), fn(self.anchors), self.chunk_limits)
+        return BlockIndex(
+            fn(self.needed),
+            [fn(x) for x in self.scored],
+            [fn(x) for x in self.target],
+            fn(self.counts),
+            fn(self.anchors),
+            self.chunk_limits,
+        )
 
 
-def block_index(loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_ids: Sequence[int] = (),
-                epoch: int = 0) -> BlockIndex:
+def block_index(
+    loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_ids: Sequence[int] = (), epoch: int = 0
+) -> BlockIndex:
     """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block position reads.
 
     Block position j of the block at anchor a proposes x_{a+j}: it is scored when a + j < T and loss_mask[a+j], and
@@ -182,13 +205,13 @@ def block_index(loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_i
     starts = np.ones((b, num), dtype=np.int64)
     live = np.zeros((b, num), dtype=bool)
     for row, d in enumerate(drawn):
-        starts[row, :len(d)], live[row, :len(d)] = d, True
+        starts[row, : len(d)], live[row, : len(d)] = d, True
     j = np.arange(1, size)
     pos = starts[:, :, None] + j[None, None, :]  # [B, A, S-1] the proposed token's position
     scored = live[:, :, None] & (pos < t)
     scored &= np.take_along_axis(mask, np.minimum(pos, t - 1).reshape(b, -1), axis=1).reshape(pos.shape)
     rows_needed = np.zeros(b * t, dtype=bool)
-    flat_target = (np.arange(b)[:, None, None] * t + pos - 1)  # row of p_{a+j-1}
+    flat_target = np.arange(b)[:, None, None] * t + pos - 1  # row of p_{a+j-1}
     rows_needed[flat_target[scored]] = True
     rank = np.cumsum(rows_needed) - 1
     block_rows = (np.arange(b)[:, None, None] * num + np.arange(num)[None, :, None]) * size + j[None, None, :]
@@ -199,12 +222,19 @@ def block_index(loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_i
         out_target.append(torch.from_numpy(rank[flat_target[:, :, k][sel]].astype(np.int64)))
         counts.append(int(sel.sum()))
     limits = [int(starts[:, a0:a1].max()) for a0, a1 in anchor_chunks(num, size)]
-    return BlockIndex(torch.from_numpy(np.flatnonzero(rows_needed).astype(np.int64)), out_scored, out_target,
-                      torch.tensor(counts, dtype=torch.float64), torch.from_numpy(starts), limits)
+    return BlockIndex(
+        torch.from_numpy(np.flatnonzero(rows_needed).astype(np.int64)),
+        out_scored,
+        out_target,
+        torch.tensor(counts, dtype=torch.float64),
+        torch.from_numpy(starts),
+        limits,
+    )
 
 
-def batch_index(loss_mask: np.ndarray, ttt_steps: int, sampling: "COD | Anchors | None", sample_ids: Sequence[int],
-                epoch: int) -> "StepIndex | BlockIndex":
+def batch_index(
+    loss_mask: np.ndarray, ttt_steps: int, sampling: "COD | Anchors | None", sample_ids: Sequence[int], epoch: int
+) -> "StepIndex | BlockIndex":
     """The index a batch's method reads: DFlash blocks (`sampling` is Anchors) or TTT steps (P-EAGLE's COD)."""
     if isinstance(sampling, Anchors):
         return block_index(loss_mask, sampling, sample_ids, epoch)
@@ -212,6 +242,7 @@ def batch_index(loss_mask: np.ndarray, ttt_steps: int, sampling: "COD | Anchors 
 
 
 # ---------------------------------------------------------------------------------------------- the target's side
+
 
 @dataclass
 class TargetDistribution:
@@ -224,9 +255,15 @@ class TargetDistribution:
 
 
 @torch.no_grad()
-def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weight: torch.Tensor,
-                        draft_weight: torch.Tensor, *, full: bool = True,
-                        chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> TargetDistribution:
+def target_distribution(
+    rows: torch.Tensor,
+    final_norm: nn.Module,
+    lm_head_weight: torch.Tensor,
+    draft_weight: torch.Tensor,
+    *,
+    full: bool = True,
+    chunk_elements: int = LOGIT_CHUNK_ELEMENTS,
+) -> TargetDistribution:
     """p_j from layer-N states `rows` [N, H] (un-normalised) through the target's final norm and lm_head.
 
     The loss needs the draft vocabulary only: `draft_weight` [Vd, H] is the lm_head's draft-vocabulary rows, a
@@ -241,17 +278,17 @@ def target_distribution(rows: torch.Tensor, final_norm: nn.Module, lm_head_weigh
     width = lm_head_weight.shape[0] if full else draft_weight.shape[0]
     chunk = max(1, chunk_elements // width)
     for a in range(0, n, chunk):
-        x = final_norm(rows[a:a + chunk].to(lm_head_weight.dtype))
+        x = final_norm(rows[a : a + chunk].to(lm_head_weight.dtype))
         logits = (x @ draft_weight.T).float()  # [chunk, Vd]
         logp = torch.log_softmax(logits, dim=-1)
         p = logp.exp()
-        probs[a:a + chunk] = p
-        neg_ent[a:a + chunk] = (p * logp).sum(-1)
+        probs[a : a + chunk] = p
+        neg_ent[a : a + chunk] = (p * logp).sum(-1)
         if mass is not None and argmax is not None:  # full; a whole-vocabulary draft (DFlash) has these logits already
             all_logits = logits if draft_weight is lm_head_weight else x @ lm_head_weight.T  # [chunk, V]
             top, lse = _top1_logsumexp(all_logits)
-            argmax[a:a + chunk] = top
-            mass[a:a + chunk] = torch.exp(torch.logsumexp(logits, -1) - lse)
+            argmax[a : a + chunk] = top
+            mass[a : a + chunk] = torch.exp(torch.logsumexp(logits, -1) - lse)
     return TargetDistribution(probs, neg_ent, mass, argmax)
 
 
@@ -265,9 +302,9 @@ def _top1_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(n, dtype=acc, device=logits.device)
     rows, scratch = _slices(logits, acc)
     for a in range(0, n, rows):
-        z = scratch[:min(rows, n - a)].copy_(logits[a:a + rows])
-        m, top[a:a + rows] = z.max(-1)
-        lse[a:a + rows] = z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
+        z = scratch[: min(rows, n - a)].copy_(logits[a : a + rows])
+        m, top[a : a + rows] = z.max(-1)
+        lse[a : a + rows] = z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
     return top, lse
 
 
@@ -285,24 +322,28 @@ class TargetHead:
     itself when the draft vocabulary is the target's whole one in order (DFlash). `dtype`: the autocast dtype the
     run computes in (bf16), kept in it once rather than cast by autocast at every step (the head is frozen)."""
 
-    def __init__(self, norm: nn.Module, weight: torch.Tensor, draft_to_target: torch.Tensor,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self, norm: nn.Module, weight: torch.Tensor, draft_to_target: torch.Tensor, dtype: torch.dtype | None = None
+    ):
         weight = weight if dtype is None else weight.to(dtype)
         self.norm, self.weight = norm, weight
         ids = draft_to_target.to(weight.device)
         whole = ids.numel() == weight.shape[0] and torch.equal(ids, torch.arange(ids.numel(), device=ids.device))
         self.draft_weight = weight if whole else weight[ids].contiguous()
 
-    def __call__(self, last_hidden: torch.Tensor, index: StepIndex | BlockIndex,
-                 full: bool = True) -> TargetDistribution:
+    def __call__(
+        self, last_hidden: torch.Tensor, index: StepIndex | BlockIndex, full: bool = True
+    ) -> TargetDistribution:
         """last_hidden [B, T, H] (any strides: only the needed rows are read)."""
         b, t, h = last_hidden.shape
         rows = last_hidden.reshape(b * t, h) if last_hidden.is_contiguous() else last_hidden.flatten(0, 1)
-        return target_distribution(rows.index_select(0, index.needed), self.norm, self.weight, self.draft_weight,
-                                   full=full)
+        return target_distribution(
+            rows.index_select(0, index.needed), self.norm, self.weight, self.draft_weight, full=full
+        )
 
 
 # ---------------------------------------------------------------------------------------------- loss
+
 
 class TargetKL(torch.autograd.Function):
     """KL(p || softmax(z)) per row from the draft's logits z [N, V] and the target's probs[rows] [N, V], fused:
@@ -316,8 +357,8 @@ class TargetKL(torch.autograd.Function):
         lse = _top1_logsumexp(z)[1] if lse is None else lse.to(acc)
         kl, (step, scratch) = torch.empty(z.shape[0], dtype=acc, device=z.device), _slices(z, acc)
         for a in range(0, z.shape[0], step):
-            b, r = a + step, rows[a:a + step]
-            pz = scratch[:len(r)].copy_(probs.index_select(0, r)).mul_(z[a:b])  # p * z
+            b, r = a + step, rows[a : a + step]
+            pz = scratch[: len(r)].copy_(probs.index_select(0, r)).mul_(z[a:b])  # p * z
             kl[a:b] = neg_entropy.index_select(0, r).to(acc) - pz.sum(-1) + lse[a:b]
         ctx.save_for_backward(z, probs, rows, lse)
         return kl
@@ -328,29 +369,31 @@ class TargetKL(torch.autograd.Function):
         dz, (step, scratch) = torch.empty_like(z), _slices(z, lse.dtype)
         for a in range(0, z.shape[0], step):
             b = a + step
-            q = scratch[:dz[a:b].shape[0]].copy_(z[a:b]).sub_(lse[a:b, None]).exp_()  # softmax(z)
+            q = scratch[: dz[a:b].shape[0]].copy_(z[a:b]).sub_(lse[a:b, None]).exp_()  # softmax(z)
             q.sub_(probs.index_select(0, rows[a:b])).mul_(grad[a:b, None])
             dz[a:b] = q
         return dz, None, None, None, None
 
 
-def target_kl(z: torch.Tensor, target: TargetDistribution, rows: torch.Tensor,
-              lse: torch.Tensor | None = None) -> torch.Tensor:
+def target_kl(
+    z: torch.Tensor, target: TargetDistribution, rows: torch.Tensor, lse: torch.Tensor | None = None
+) -> torch.Tensor:
     """[N] forward KL(p_rows || softmax(z)) over the draft vocabulary."""
     return TargetKL.apply(z, target.probs, rows, target.neg_entropy, lse)
 
 
 @torch.no_grad()
-def expected_acceptance(z: torch.Tensor, lse: torch.Tensor, target: TargetDistribution,
-                        rows: torch.Tensor) -> torch.Tensor:
+def expected_acceptance(
+    z: torch.Tensor, lse: torch.Tensor, target: TargetDistribution, rows: torch.Tensor
+) -> torch.Tensor:
     """[N] sum_v min(p_target(v), q_draft(v)) per row, p over the full vocabulary (probs x mass), q = softmax(z)
     from its logsumexp `lse`; a slice of rows at a time."""
     out = torch.empty(z.shape[0], dtype=lse.dtype, device=z.device)
     step, scratch = _slices(z, lse.dtype)
     for a in range(0, z.shape[0], step):
         assert target.mass is not None  # a full=True distribution
-        b, r = a + step, rows[a:a + step]
-        q = scratch[:len(r)].copy_(z[a:b]).sub_(lse[a:b, None]).exp_()
+        b, r = a + step, rows[a : a + step]
+        q = scratch[: len(r)].copy_(z[a:b]).sub_(lse[a:b, None]).exp_()
         p = target.probs.index_select(0, r).mul_(target.mass.index_select(0, r)[:, None])
         out[a:b] = torch.minimum(p, q, out=q).sum(-1)
     return out
@@ -359,15 +402,24 @@ def expected_acceptance(z: torch.Tensor, lse: torch.Tensor, target: TargetDistri
 def step_counts(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
     """Scored (loss-masked) positions per TTT step [K] (StepIndex.counts without the rows)."""
     t = loss_mask.shape[1]
-    return torch.tensor([float(loss_mask[:, k + 2:].sum()) if k + 2 < t else 0.0 for k in range(ttt_steps)],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [float(loss_mask[:, k + 2 :].sum()) if k + 2 < t else 0.0 for k in range(ttt_steps)], dtype=torch.float64
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the unrolled draft
 
-def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, ttt_steps: int,
-                      mode: str = "ttt", checkpointed: bool = False, kernel: str = "auto",
-                      index: StepIndex | None = None) -> Iterator[torch.Tensor]:
+
+def ttt_hidden_states(
+    draft: Eagle3Draft,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    ttt_steps: int,
+    mode: str = "ttt",
+    checkpointed: bool = False,
+    kernel: str = "auto",
+    index: StepIndex | None = None,
+) -> Iterator[torch.Tensor]:
     """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring).
 
     With the batch's `index`, a layer's MLP runs only on the positions read later (`StepIndex.live`): the rows
@@ -389,15 +441,22 @@ def ttt_hidden_states(draft: Eagle3Draft, input_ids: torch.Tensor, aux_hidden: t
         if parallel and k:
             ids, hidden = mask_ids, mask_hidden
         else:
-            ids = F.pad(input_ids[:, k + 1:], (0, k + 1))  # step k at t reads x_{t+k+1}
+            ids = F.pad(input_ids[:, k + 1 :], (0, k + 1))  # step k at t reads x_{t+k+1}
         rows = None if index is None else [index.live[k] if k or i == last else None for i in range(last + 1)]
-        hidden = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed,
-                                      rows=rows)
+        hidden = draft.forward_hidden(
+            ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed, rows=rows
+        )
         yield hidden  # EAGLE-3: feeds step k+1
 
 
-def dflash_hidden_states(draft: DFlashDraft, input_ids: torch.Tensor, aux_hidden: torch.Tensor, index: BlockIndex,
-                         checkpointed: bool = False, attention: str = "auto") -> Iterator[torch.Tensor]:
+def dflash_hidden_states(
+    draft: DFlashDraft,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    index: BlockIndex,
+    checkpointed: bool = False,
+    attention: str = "auto",
+) -> Iterator[torch.Tensor]:
     """DFlash: the blocks' pre-norm hidden states [B, A*S, H] from one draft forward, once per block position j
     (the rows of position j are `index.scored[j-1]`). Block a sits at positions anchor .. anchor + S - 1, reads
     [x_anchor, mask, ...] and sees the context s < anchor: what vLLM's round from prefix 0..anchor computes.
@@ -411,13 +470,17 @@ def dflash_hidden_states(draft: DFlashDraft, input_ids: torch.Tensor, aux_hidden
     block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     if attention == "naive":
+
         def attend(q, k, v, kc, vc):
             return naive_block_attention(q, k, v, kc, vc, anchors)
     else:
+
         def attend(q, k, v, kc, vc):
             return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits, kernel=attention)
-    hidden = draft.forward_hidden(block_ids, block_positions, draft.context(aux_hidden), positions, attend,
-                                  checkpointed=checkpointed)
+
+    hidden = draft.forward_hidden(
+        block_ids, block_positions, draft.context(aux_hidden), positions, attend, checkpointed=checkpointed
+    )
     for _ in range(size - 1):
         yield hidden
 
@@ -437,10 +500,21 @@ class TTTResult:
         return self.sums[COUNT]
 
 
-def ttt_forward(draft: Eagle3Draft | DFlashDraft, input_ids: torch.Tensor, aux_hidden: torch.Tensor,
-                target: TargetDistribution, index: StepIndex | BlockIndex, ttt_steps: int, step_weight: float = 0.8,
-                normaliser: torch.Tensor | None = None, metrics: bool = True, mode: str = "ttt",
-                checkpointed: bool = False, live_rows: bool = True, kernel: str = "auto") -> TTTResult:
+def ttt_forward(
+    draft: Eagle3Draft | DFlashDraft,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    target: TargetDistribution,
+    index: StepIndex | BlockIndex,
+    ttt_steps: int,
+    step_weight: float = 0.8,
+    normaliser: torch.Tensor | None = None,
+    metrics: bool = True,
+    mode: str = "ttt",
+    checkpointed: bool = False,
+    live_rows: bool = True,
+    kernel: str = "auto",
+) -> TTTResult:
     """Unroll `ttt_steps` draft steps over a right-padded batch and score them against the target.
 
     input_ids [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order); `index` the batch's
@@ -458,19 +532,21 @@ def ttt_forward(draft: Eagle3Draft | DFlashDraft, input_ids: torch.Tensor, aux_h
     loss = aux_hidden.new_zeros((), dtype=torch.float32)
     if isinstance(draft, DFlashDraft):  # one forward; block position j is "step" j-1
         assert isinstance(index, BlockIndex)  # batch_index builds one for a DFlash run
-        steps = dflash_hidden_states(draft, input_ids, aux_hidden, index, checkpointed,
-                                     "naive" if mode == "naive" else kernel)
+        steps = dflash_hidden_states(
+            draft, input_ids, aux_hidden, index, checkpointed, "naive" if mode == "naive" else kernel
+        )
     else:
         assert isinstance(index, StepIndex)  # batch_index builds one for an EAGLE-3 / P-EAGLE run
-        steps = ttt_hidden_states(draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed, kernel,
-                                  index if live_rows else None)
+        steps = ttt_hidden_states(
+            draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed, kernel, index if live_rows else None
+        )
     for k, hidden in enumerate(steps):
         rows, at = index.scored[k], index.target[k]  # may be empty: the lm_head still joins the graph (DDP)
         # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
         z = draft.logits(hidden.flatten(0, 1).index_select(0, rows))  # [N_k, Vd]
         top, lse = _top1_logsumexp(z.detach())  # shared by the loss and the metrics
         step_loss = target_kl(z, target, at, lse).sum()
-        loss = loss + (step_weight ** k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
+        loss = loss + (step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
         sums[KL, k] = step_loss.detach()
         if metrics:
             assert target.argmax is not None  # metrics need a full=True distribution
@@ -479,8 +555,9 @@ def ttt_forward(draft: Eagle3Draft | DFlashDraft, input_ids: torch.Tensor, aux_h
     return TTTResult(loss=loss, sums=sums)
 
 
-def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Tensor, count: torch.Tensor,
-              step_weight: float) -> dict:
+def summarise(
+    kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Tensor, count: torch.Tensor, step_weight: float
+) -> dict:
     """Per-step accuracy / expected acceptance / KL and the simulated acceptance length 1 + sum_k prod_{i<=k} acc_i."""
     kl_sum, correct, accept_sum, count = (x.detach().double().cpu() for x in (kl_sum, correct, accept_sum, count))
     n = count.clamp(min=1)
@@ -489,7 +566,7 @@ def summarise(kl_sum: torch.Tensor, correct: torch.Tensor, accept_sum: torch.Ten
     for a in acc:
         run *= a
         length += run
-    weights = torch.tensor([step_weight ** k for k in range(len(acc))], dtype=torch.float64)
+    weights = torch.tensor([step_weight**k for k in range(len(acc))], dtype=torch.float64)
     return {
         "loss": float((weights * kl_sum / n).sum()),
         "kl": [round(float(x), 5) for x in (kl_sum / n)],
@@ -509,7 +586,30 @@ class TTTModel(nn.Module):
         self.draft = draft
         self.kernel = kernel  # the attention kernel (`ttt_forward`)
 
-    def forward(self, input_ids, aux_hidden, target, index, ttt_steps, step_weight=0.8, normaliser=None,
-                metrics=True, mode="ttt", checkpointed=False) -> TTTResult:
-        return ttt_forward(self.draft, input_ids, aux_hidden, target, index, ttt_steps, step_weight, normaliser,
-                           metrics, mode, checkpointed, kernel=self.kernel)
+    def forward(
+        self,
+        input_ids,
+        aux_hidden,
+        target,
+        index,
+        ttt_steps,
+        step_weight=0.8,
+        normaliser=None,
+        metrics=True,
+        mode="ttt",
+        checkpointed=False,
+    ) -> TTTResult:
+        return ttt_forward(
+            self.draft,
+            input_ids,
+            aux_hidden,
+            target,
+            index,
+            ttt_steps,
+            step_weight,
+            normaliser,
+            metrics,
+            mode,
+            checkpointed,
+            kernel=self.kernel,
+        )

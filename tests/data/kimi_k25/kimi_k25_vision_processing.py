@@ -46,5 +46,9 @@ class KimiK25VisionProcessor(BaseImageProcessor):
         patch = self.media_proc_cfg.get("patch_size", 14)
         grids = [(1 if "image" in m else len(m["video_chunk"]), *self._grid(m)) for m in medias]
         patches = sum(t * rows * cols for t, rows, cols in grids)
-        return BatchFeature(data={"pixel_values": torch.zeros(patches, 3, patch, patch),
-                                  "grid_thws": torch.tensor(grids, dtype=torch.int64)})
+        return BatchFeature(
+            data={
+                "pixel_values": torch.zeros(patches, 3, patch, patch),
+                "grid_thws": torch.tensor(grids, dtype=torch.int64),
+            }
+        )

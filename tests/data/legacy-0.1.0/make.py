@@ -34,14 +34,38 @@ words = "the quick brown fox jumps over lazy dog hello how can i help you today 
 chats = work / "chats.jsonl"
 with open(chats, "w") as f:
     for i in range(12):
-        f.write(json.dumps({"messages": [{"role": "user", "content": " ".join(rng.choice(words, 5))},
-                                         {"role": "assistant", "content": " ".join(rng.choice(words, 12))}]}) + "\n")
-prepare(C.PrepareConfig(data=[str(chats)], target=str(target), output=work / "prepared", max_length=48, num_workers=1,
-                        shard_samples=8))
+        f.write(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": " ".join(rng.choice(words, 5))},
+                        {"role": "assistant", "content": " ".join(rng.choice(words, 12))},
+                    ]
+                }
+            )
+            + "\n"
+        )
+prepare(
+    C.PrepareConfig(
+        data=[str(chats)], target=str(target), output=work / "prepared", max_length=48, num_workers=1, shard_samples=8
+    )
+)
 for dt in ("bf16", "fp8"):
     extract(C.ExtractConfig(prepared=work / "prepared", output=work / f"store-{dt}", dtype=dt), show_progress=False)
-train(C.TrainConfig(data=work / "store-bf16", output=work / "train", max_steps=2, token_budget=256, ttt_steps=2,
-                    draft_vocab_size=64, warmup_steps=1, save_every=2, keep_checkpoints=1, eval_fraction=0.2))
+train(
+    C.TrainConfig(
+        data=work / "store-bf16",
+        output=work / "train",
+        max_steps=2,
+        token_budget=256,
+        ttt_steps=2,
+        draft_vocab_size=64,
+        warmup_steps=1,
+        save_every=2,
+        keep_checkpoints=1,
+        eval_fraction=0.2,
+    )
+)
 for fmt in ("vllm", "sglang", "speculators"):
     export(C.ExportConfig(checkpoint=work / "train", format=fmt, output=work / f"export-{fmt}", dtype="fp32"))
 shutil.rmtree(work / "target")

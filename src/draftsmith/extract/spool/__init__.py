@@ -31,7 +31,26 @@ from draftsmith.extract.spool.chunks import (
 )
 from draftsmith.extract.spool.directory import ENGINE_LOCK, TRAINER_LOCK, Spool, disk_bytes, free_bytes, store_info
 
-__all__ = ["Chunk", "ChunkInfo", "ENGINE_LOCK", "EVAL_CHUNK", "EngineSide", "FeedJob", "FeedStatus", "Plan",
-           "STALL_S", "Spool", "TRAINER_LOCK", "TrainerSide", "TrainerStatus", "TransportLost",
-           "chunk_bytes", "chunk_name",
-           "disk_bytes", "free_bytes", "pack_steps", "store_info", "wait_for_space"]
+__all__ = [
+    "Chunk",
+    "ChunkInfo",
+    "ENGINE_LOCK",
+    "EVAL_CHUNK",
+    "EngineSide",
+    "FeedJob",
+    "FeedStatus",
+    "Plan",
+    "STALL_S",
+    "Spool",
+    "TRAINER_LOCK",
+    "TrainerSide",
+    "TrainerStatus",
+    "TransportLost",
+    "chunk_bytes",
+    "chunk_name",
+    "disk_bytes",
+    "free_bytes",
+    "pack_steps",
+    "store_info",
+    "wait_for_space",
+]

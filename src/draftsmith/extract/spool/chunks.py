@@ -232,8 +232,9 @@ class EngineSide(_Transport):
         """The trainer's job; a one-line error when there is none (or it does not parse)."""
         job = decode(FeedJob, self._get_message("job"))
         if job is None:
-            raise DraftsmithError(f"--spool {self.describe()}: no readable job; the trainer writes it before the "
-                                  "engines start")
+            raise DraftsmithError(
+                f"--spool {self.describe()}: no readable job; the trainer writes it before the engines start"
+            )
         return job
 
     def read_trainer(self) -> TrainerStatus | None:
@@ -257,9 +258,11 @@ class EngineSide(_Transport):
         full disk or /dev/shm: the same again on a restart)."""
         free = free_bytes(self.partial_path(name))
         if free < needed:
-            raise DraftsmithError(f"{self.partial_path(name)}: the filesystem holding {self.room_advice[0]} has "
-                                  f"{sizing.human_bytes(free)} free and chunk {name} needs up to "
-                                  f"{sizing.human_bytes(needed)}; free space there or {self.room_advice[1]}")
+            raise DraftsmithError(
+                f"{self.partial_path(name)}: the filesystem holding {self.room_advice[0]} has "
+                f"{sizing.human_bytes(free)} free and chunk {name} needs up to "
+                f"{sizing.human_bytes(needed)}; free space there or {self.room_advice[1]}"
+            )
 
     def drop_leftovers(self) -> list[str]:
         """Remove what a killed engine process left half-written in staging; returns the names removed. Only the
@@ -358,8 +361,9 @@ def fill_directory(into: Path, write: Callable[[Path], bool]) -> Path | None:
     return into
 
 
-def wait_for_space(spool: EngineSide, needed: int, stop: Callable[[], bool] | None = None,
-                   on_wait: Callable[[int], None] | None = None) -> None:
+def wait_for_space(
+    spool: EngineSide, needed: int, stop: Callable[[], bool] | None = None, on_wait: Callable[[int], None] | None = None
+) -> None:
     """Block until `needed` more bytes fit under the spool's bound (`on_wait(used)` while waiting; `stop()` true:
     give up)."""
     while spool.bound is not None and (used := spool.usage()) + needed > spool.bound:

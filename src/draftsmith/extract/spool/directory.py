@@ -54,8 +54,9 @@ def disk_bytes(path: Path) -> int:
 def store_info(path: Path) -> ChunkInfo:
     """What the chunk store at `path` holds (DraftsmithError when it is no readable store)."""
     reader = store_mod.open(path, dtype=None)
-    return ChunkInfo([int(i) for i in reader.sample_ids], reader.manifest.dtype, list(reader.layer_ids),
-                     disk_bytes(path))
+    return ChunkInfo(
+        [int(i) for i in reader.sample_ids], reader.manifest.dtype, list(reader.layer_ids), disk_bytes(path)
+    )
 
 
 class Spool(EngineSide, TrainerSide):
@@ -98,9 +99,11 @@ class Spool(EngineSide, TrainerSide):
         """The bound against the free space of the spool's filesystem (the engine stages chunks inside it)."""
         free = free_bytes(self.path) + self.usage()
         if bound > free:
-            raise DraftsmithError(f"--spool-gb {bound / sizing.GiB:g}: the filesystem holding --spool {self.path} has "
-                                  f"{sizing.human_bytes(free)} free (/dev/shm is often small in containers); lower "
-                                  "--spool-gb or give --spool a directory on a bigger filesystem")
+            raise DraftsmithError(
+                f"--spool-gb {bound / sizing.GiB:g}: the filesystem holding --spool {self.path} has "
+                f"{sizing.human_bytes(free)} free (/dev/shm is often small in containers); lower "
+                "--spool-gb or give --spool a directory on a bigger filesystem"
+            )
 
     def finish(self, everything: bool = False) -> None:
         if not everything:  # the trainer's call; the files it leaves are its own to remove, not the engine's
@@ -232,8 +235,9 @@ class Spool(EngineSide, TrainerSide):
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
                         who = "an engine process" if name == ENGINE_LOCK else "another trainer"
-                        raise DraftsmithError(f"--spool {self.path}: {who} still uses it; stop it or use another "
-                                              "--spool") from None
+                        raise DraftsmithError(
+                            f"--spool {self.path}: {who} still uses it; stop it or use another --spool"
+                        ) from None
                     time.sleep(0.1)
             yield
         finally:

@@ -59,8 +59,10 @@ LOCAL_BUFFER = 64 << 20
 MIN_SEGMENT = 16 << 20  # Mooncake refuses to mount less
 CONTROL_SEGMENT = 64 << 20  # a trainer rank's segment: the job, the plan, its status and its consumed markers
 WATERMARK = 0.8  # the bound's share of the engine's segment: Mooncake evicts objects above 0.9 of a segment
-INSTALL = ("pip install 'draftsmith[mooncake]' (mooncake-transfer-engine-non-cuda) and, on Debian or Ubuntu, "
-           "apt-get install libibverbs1 librdmacm1 (loaded even for TCP)")
+INSTALL = (
+    "pip install 'draftsmith[mooncake]' (mooncake-transfer-engine-non-cuda) and, on Debian or Ubuntu, "
+    "apt-get install libibverbs1 librdmacm1 (loaded even for TCP)"
+)
 
 
 def _store_class() -> Any:
@@ -119,10 +121,21 @@ class MooncakeMaster:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [binary, f"--rpc_address={self.host}", f"--rpc_port={self.port}", f"--metrics_host={self.host}",
-                 f"--metrics_port={metrics}", "--enable_metric_reporting=false", "--default_kv_lease_ttl=100"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent)
+                [
+                    binary,
+                    f"--rpc_address={self.host}",
+                    f"--rpc_port={self.port}",
+                    f"--metrics_host={self.host}",
+                    f"--metrics_port={metrics}",
+                    "--enable_metric_reporting=false",
+                    "--default_kv_lease_ttl=100",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         deadline = time.monotonic() + timeout
         while not _accepts(self.host, self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -157,12 +170,20 @@ class MooncakeSpool(EngineSide, TrainerSide):
     transport = "Mooncake"
     room_advice = ("the engine's scratch directory", "give --scratch another directory")
 
-    def __init__(self, address: MooncakeAddress, bound: int | None = None, *, segment: int = CONTROL_SEGMENT,
-                 scratch: Path | None = None, local_host: str | None = None):
+    def __init__(
+        self,
+        address: MooncakeAddress,
+        bound: int | None = None,
+        *,
+        segment: int = CONTROL_SEGMENT,
+        scratch: Path | None = None,
+        local_host: str | None = None,
+    ):
         self.address, self.bound, self.segment = address, bound, segment
         self.staging = Path(scratch) if scratch is not None else None  # the engine side's scratch directory
-        self.local_host = local_host or ("127.0.0.1" if address.host in ("127.0.0.1", "localhost") else
-                                         socket.gethostbyname(socket.gethostname()))
+        self.local_host = local_host or (
+            "127.0.0.1" if address.host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
+        )
         self.peak = 0
         self.store: Any = None
         self.config: Any = None  # puts go into this process's own segment, hard-pinned
@@ -179,14 +200,17 @@ class MooncakeSpool(EngineSide, TrainerSide):
         while True:
             if not _accepts(self.address.host, self.address.port):  # not (yet) there: setup would block a while
                 if time.monotonic() > deadline:
-                    raise DraftsmithError(f"--spool {self.address}: cannot reach Mooncake's master at "
-                                          f"{self.address.master} (nothing answers there); start it "
-                                          f"(mooncake_master --rpc_port {self.address.port}) or give its address")
+                    raise DraftsmithError(
+                        f"--spool {self.address}: cannot reach Mooncake's master at "
+                        f"{self.address.master} (nothing answers there); start it "
+                        f"(mooncake_master --rpc_port {self.address.port}) or give its address"
+                    )
                 time.sleep(0.5)
                 continue
             store = cls()
-            rc = store.setup(self.local_host, "P2PHANDSHAKE", int(self.segment), LOCAL_BUFFER, "tcp", "",
-                             self.address.master)
+            rc = store.setup(
+                self.local_host, "P2PHANDSHAKE", int(self.segment), LOCAL_BUFFER, "tcp", "", self.address.master
+            )
             if rc == 0:
                 from mooncake.store import ReplicateConfig
 
@@ -197,13 +221,17 @@ class MooncakeSpool(EngineSide, TrainerSide):
             with contextlib.suppress(Exception):
                 store.close()
             if _accepts(self.address.host, self.address.port):  # the master is there: the segment is refused
-                raise DraftsmithError(f"--spool {self.address}: Mooncake refused to mount a segment of "
-                                      f"{sizing.human_bytes(self.segment)} on this node (setup returned {rc}); "
-                                      "give a smaller --segment-gb or --spool-gb, or free memory here")
+                raise DraftsmithError(
+                    f"--spool {self.address}: Mooncake refused to mount a segment of "
+                    f"{sizing.human_bytes(self.segment)} on this node (setup returned {rc}); "
+                    "give a smaller --segment-gb or --spool-gb, or free memory here"
+                )
             if time.monotonic() > deadline:
-                raise DraftsmithError(f"--spool {self.address}: cannot reach Mooncake's master at "
-                                      f"{self.address.master} (setup returned {rc}); start it (mooncake_master "
-                                      f"--rpc_port {self.address.port}) or give its address")
+                raise DraftsmithError(
+                    f"--spool {self.address}: cannot reach Mooncake's master at "
+                    f"{self.address.master} (setup returned {rc}); start it (mooncake_master "
+                    f"--rpc_port {self.address.port}) or give its address"
+                )
             time.sleep(0.5)
 
     def close(self) -> None:
@@ -246,7 +274,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
         view = memoryview(data)
         parts = -(-len(view) // PART)
         for p in range(parts):
-            self._put(f"{key}.{p}", bytes(view[p * PART:(p + 1) * PART]))
+            self._put(f"{key}.{p}", bytes(view[p * PART : (p + 1) * PART]))
         return parts
 
     def _get_blob(self, key: str, parts: int, size: int, out: Any) -> bool:
@@ -424,9 +452,11 @@ class MooncakeSpool(EngineSide, TrainerSide):
     def check_capacity(self, bound: int, largest: int, engine_scratch: Path | None) -> None:
         """The bound lives in the engines' segments; a local engine stages each chunk in `engine_scratch` first."""
         if engine_scratch is not None and largest > (free := free_bytes(engine_scratch)):
-            raise DraftsmithError(f"{engine_scratch}: the engine writes each chunk here before publishing it, and its "
-                                  f"filesystem has {sizing.human_bytes(free)} free for chunks of up to "
-                                  f"{sizing.human_bytes(largest)}; free space there or lower --spool-gb")
+            raise DraftsmithError(
+                f"{engine_scratch}: the engine writes each chunk here before publishing it, and its "
+                f"filesystem has {sizing.human_bytes(free)} free for chunks of up to "
+                f"{sizing.human_bytes(largest)}; free space there or lower --spool-gb"
+            )
 
     def finish(self, everything: bool = False) -> None:
         """The run is over: every key of the run is removed but the trainer's status (the engines read it; removed
@@ -464,12 +494,21 @@ def engine_segment(bound: int, segment_gb: float | None) -> int:
     segment = _whole_mib(segment_gb * sizing.GiB)
     if bound > segment * WATERMARK:
         need = math.ceil(segment_bytes(bound) / sizing.GiB * 1000) / 1000
-        raise DraftsmithError(f"--segment-gb {segment_gb:g}: Mooncake's segment on this node cannot hold the "
-                              f"trainer's --spool-gb of {sizing.human_bytes(bound)} (the spool holds four one-step "
-                              f"chunks or more) below its {WATERMARK:.0%} watermark; give --segment-gb {need:g} or "
-                              "more, or the trainer a smaller --spool-gb")
+        raise DraftsmithError(
+            f"--segment-gb {segment_gb:g}: Mooncake's segment on this node cannot hold the "
+            f"trainer's --spool-gb of {sizing.human_bytes(bound)} (the spool holds four one-step "
+            f"chunks or more) below its {WATERMARK:.0%} watermark; give --segment-gb {need:g} or "
+            "more, or the trainer a smaller --spool-gb"
+        )
     return segment
 
 
-__all__ = ["MooncakeAddress", "MooncakeMaster", "MooncakeSpool", "TransportLost", "engine_segment", "master_binary",
-           "segment_bytes"]
+__all__ = [
+    "MooncakeAddress",
+    "MooncakeMaster",
+    "MooncakeSpool",
+    "TransportLost",
+    "engine_segment",
+    "master_binary",
+    "segment_bytes",
+]

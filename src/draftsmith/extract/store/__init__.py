@@ -43,7 +43,33 @@ from draftsmith.extract.store.schema import (
 from draftsmith.extract.store.verify import VerifyReport, verify_store
 from draftsmith.extract.store.writer import StoreWriter, create_or_resume, stored_compute_dtype, worker_tag
 
-__all__ = ["StoreSpec", "StoreManifest", "ShardInfo", "PreparedRef", "StoreWriter", "HiddenStateStore", "VerifyReport",
-           "create_or_resume", "stored_compute_dtype", "open", "verify_store", "merge_stores", "absorb_store", "prepared_ref", "encode_hidden_states",
-           "decode_hidden_states", "worker_tag", "bytes_per_token", "FP8_MAX", "StorageDtype", "DEFAULT_SHARD_BYTES",
-           "FORMAT_NAME", "FORMAT_VERSION", "SHARD_DIR", "LOCK_DIR", "MANIFEST_NAME", "read_manifest", "write_manifest"]
+__all__ = [
+    "StoreSpec",
+    "StoreManifest",
+    "ShardInfo",
+    "PreparedRef",
+    "StoreWriter",
+    "HiddenStateStore",
+    "VerifyReport",
+    "create_or_resume",
+    "stored_compute_dtype",
+    "open",
+    "verify_store",
+    "merge_stores",
+    "absorb_store",
+    "prepared_ref",
+    "encode_hidden_states",
+    "decode_hidden_states",
+    "worker_tag",
+    "bytes_per_token",
+    "FP8_MAX",
+    "StorageDtype",
+    "DEFAULT_SHARD_BYTES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "SHARD_DIR",
+    "LOCK_DIR",
+    "MANIFEST_NAME",
+    "read_manifest",
+    "write_manifest",
+]

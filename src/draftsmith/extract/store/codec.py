@@ -67,8 +67,9 @@ def _encode_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, tmp: tor
     q.copy_(tmp.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))  # contiguous cast, then the strided copy
 
 
-def decode_hidden_states(data: torch.Tensor, scales: torch.Tensor | None,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode_hidden_states(
+    data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of `encode_hidden_states`, returning `dtype` on data's device (scales on the same device).
 
     No copy when bf16 is stored and asked for.

@@ -34,8 +34,10 @@ def _place(src: Path, dst: Path, info: ShardInfo, store: Path, link: bool) -> No
             return
     shutil.copyfile(src, dst)
     if sha256_file(dst) != info.sha256:
-        raise DraftsmithError(f"{src}: sha256 does not match its manifest (damaged shard); run "
-                              f"`draftsmith store verify --repair` on {store}")
+        raise DraftsmithError(
+            f"{src}: sha256 does not match its manifest (damaged shard); run "
+            f"`draftsmith store verify --repair` on {store}"
+        )
 
 
 def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> HiddenStateStore:
@@ -67,8 +69,10 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
     for p, m in zip(inputs, manifests):
         for i in sorted(m.sample_ids()):
             if i in owner:
-                raise DraftsmithError(f"{p}: sample {i} is also in {owner[i]}; stores to merge must hold disjoint "
-                                      "samples (use the same --shard i/n split for every worker)")
+                raise DraftsmithError(
+                    f"{p}: sample {i} is also in {owner[i]}; stores to merge must hold disjoint "
+                    "samples (use the same --shard i/n split for every worker)"
+                )
             owner[i] = p
     shards: list[ShardInfo] = []
     try:
@@ -82,10 +86,13 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
                     dst = tmp / SHARD_DIR / name
                     _place(src, dst, info, p, link)
                     shards.append(info.model_copy(update={"file": f"{SHARD_DIR}/{name}"}))
-            merged = StoreManifest(**first.spec().model_dump(), shards=shards,
-                                   num_samples=sum(s.num_samples for s in shards),
-                                   num_tokens=sum(s.num_tokens for s in shards),
-                                   backend_info={**first.backend_info, "merged_from": [str(p) for p in inputs]})
+            merged = StoreManifest(
+                **first.spec().model_dump(),
+                shards=shards,
+                num_samples=sum(s.num_samples for s in shards),
+                num_tokens=sum(s.num_tokens for s in shards),
+                backend_info={**first.backend_info, "merged_from": [str(p) for p in inputs]},
+            )
             write_manifest(tmp, merged)
     except OSError as err:
         raise _explain_os_error(output, err) from None

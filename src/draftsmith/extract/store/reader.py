@@ -45,8 +45,11 @@ class HiddenStateStore(collections.abc.Sequence[dict]):
         for k, info in enumerate(manifest.shards):
             shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes, sha256=info.sha256)
             index = shards.check_shard(shard, spec)
-            if len(index.sample_ids) != info.num_samples or index.num_tokens != info.num_tokens or sample_ranges(
-                    index.sample_ids) != [tuple(r) for r in info.sample_ranges]:
+            if (
+                len(index.sample_ids) != info.num_samples
+                or index.num_tokens != info.num_tokens
+                or sample_ranges(index.sample_ids) != [tuple(r) for r in info.sample_ranges]
+            ):
                 raise shard.error("holds other samples than the manifest says (damaged store)")
             self._shards.append(shard)
             ids.extend(index.sample_ids)
@@ -57,8 +60,9 @@ class HiddenStateStore(collections.abc.Sequence[dict]):
         self.sample_ids = np.asarray(ids, dtype=np.int64)[order]
         if len(self.sample_ids) and bool((np.diff(self.sample_ids) == 0).any()):
             dup = int(self.sample_ids[:-1][np.diff(self.sample_ids) == 0][0])
-            raise DraftsmithError(f"{self.path}: sample {dup} is in two shards (damaged store); run "
-                                  "`draftsmith store verify --repair`")
+            raise DraftsmithError(
+                f"{self.path}: sample {dup} is in two shards (damaged store); run `draftsmith store verify --repair`"
+            )
 
         def joined(parts: list[np.ndarray]) -> np.ndarray:
             return (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))[order]
@@ -67,8 +71,10 @@ class HiddenStateStore(collections.abc.Sequence[dict]):
         self._owner = joined(owner)  # which shard holds sample i
         self._start = joined(starts)  # its first row there
         if len(self.sample_ids) != manifest.num_samples or int(self.lengths.sum()) != manifest.num_tokens:
-            raise DraftsmithError(f"{self.path}/{MANIFEST_NAME}: totals do not match its shards (damaged manifest); "
-                                  "run `draftsmith store verify --repair`")
+            raise DraftsmithError(
+                f"{self.path}/{MANIFEST_NAME}: totals do not match its shards (damaged manifest); "
+                "run `draftsmith store verify --repair`"
+            )
 
     @property
     def layer_ids(self) -> list[int]:
@@ -125,8 +131,10 @@ class HiddenStateStore(collections.abc.Sequence[dict]):
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (f"HiddenStateStore({str(self.path)!r}, samples={m.num_samples}, tokens={m.num_tokens}, "
-                f"layer_ids={m.layer_ids}, dtype={m.dtype}, shards={len(m.shards)})")
+        return (
+            f"HiddenStateStore({str(self.path)!r}, samples={m.num_samples}, tokens={m.num_tokens}, "
+            f"layer_ids={m.layer_ids}, dtype={m.dtype}, shards={len(m.shards)})"
+        )
 
 
 def open(path: Path, dtype: torch.dtype | None = torch.float32) -> HiddenStateStore:  # noqa: A001 - store.open
@@ -138,6 +146,7 @@ def open(path: Path, dtype: torch.dtype | None = torch.float32) -> HiddenStateSt
     if not path.is_dir():
         raise DraftsmithError(f"{path}: hidden-state store does not exist; run `draftsmith extract` first")
     if not (path / MANIFEST_NAME).is_file():
-        raise DraftsmithError(f"{path}: not a hidden-state store (no {MANIFEST_NAME}); point at the output of "
-                              "`draftsmith extract`")
+        raise DraftsmithError(
+            f"{path}: not a hidden-state store (no {MANIFEST_NAME}); point at the output of `draftsmith extract`"
+        )
     return HiddenStateStore(path, read_manifest(path, StoreManifest), dtype)

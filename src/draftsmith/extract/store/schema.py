@@ -49,7 +49,8 @@ class StoreSpec(BaseModel):
         if diff:
             return f"target {diff}"
         if (self.prepared is None) != (other.prepared is None) or (
-                self.prepared and other.prepared and self.prepared.fingerprint != other.prepared.fingerprint):
+            self.prepared and other.prepared and self.prepared.fingerprint != other.prepared.fingerprint
+        ):
             a = self.prepared.path if self.prepared else None
             b = other.prepared.path if other.prepared else None
             return f"prepared set {a!r} != {b!r} (different contents)"
@@ -104,11 +105,19 @@ class StoreManifest(StoreSpec, Manifest):
 def prepared_ref(dataset: Any) -> PreparedRef:
     """Identity of a prepared set (a `draftsmith.prepare.dataset.PreparedDataset`) that survives copying it elsewhere."""
     m = dataset.manifest
-    data = {"shards": [s.sha256 for s in m.shards], "num_samples": m.num_samples,
-            "target": m.target.config_hash, "tokenizer": m.target.tokenizer_hash,
-            "chat_template_hash": getattr(m, "chat_template_hash", "")}
-    return PreparedRef(path=str(Path(dataset.path).resolve()), fingerprint=sha256_bytes(json.dumps(data).encode()),
-                       num_samples=m.num_samples, chat_template_hash=getattr(m, "chat_template_hash", ""))
+    data = {
+        "shards": [s.sha256 for s in m.shards],
+        "num_samples": m.num_samples,
+        "target": m.target.config_hash,
+        "tokenizer": m.target.tokenizer_hash,
+        "chat_template_hash": getattr(m, "chat_template_hash", ""),
+    }
+    return PreparedRef(
+        path=str(Path(dataset.path).resolve()),
+        fingerprint=sha256_bytes(json.dumps(data).encode()),
+        num_samples=m.num_samples,
+        chat_template_hash=getattr(m, "chat_template_hash", ""),
+    )
 
 
 def bytes_per_token(spec_or_manifest: StoreSpec) -> float:

@@ -58,14 +58,30 @@ def _write_file(path: Path, pieces: Iterable[bytes | memoryview]) -> tuple[str, 
 
 
 def shard_metadata(spec: StoreSpec) -> dict[str, str]:
-    return {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "spec_fingerprint": spec.fingerprint(),
-            "dtype": spec.dtype, "layer_ids": ",".join(map(str, spec.layer_ids)), "hidden_size": str(spec.hidden_size)}
+    return {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "spec_fingerprint": spec.fingerprint(),
+        "dtype": spec.dtype,
+        "layer_ids": ",".join(map(str, spec.layer_ids)),
+        "hidden_size": str(spec.hidden_size),
+    }
 
 
 # safetensors' dtype names and the order its writer lays tensors out in (its Dtype enum, largest first, then name)
-_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3",
-           torch.int16: "I16", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-           torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+_DTYPES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+}
 _ORDER = list(_DTYPES.values())
 
 

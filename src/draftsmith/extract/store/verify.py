@@ -39,15 +39,21 @@ class VerifyReport(BaseModel):
     repaired: list[str] = Field(default_factory=list)
 
     def __rich__(self) -> str:
-        head = (f"[bold]{self.path}[/]: {self.num_shards} shards, {self.num_samples} samples, {self.num_tokens} tokens "
-                f"- " + ("[green]OK[/]" if self.ok else "[red]PROBLEMS[/]"))
+        head = (
+            f"[bold]{self.path}[/]: {self.num_shards} shards, {self.num_samples} samples, {self.num_tokens} tokens "
+            f"- " + ("[green]OK[/]" if self.ok else "[red]PROBLEMS[/]")
+        )
         lines = [head] + [f"  [red]x[/] {p}" for p in self.problems]
         if self.nonfinite_tokens:
             shown = ", ".join(map(str, self.nonfinite_samples[:20]))
-            lines.append(f"  [red]x[/] {self.nonfinite_tokens} tokens with NaN/Inf hidden states in samples {shown}"
-                         + (" ..." if len(self.nonfinite_samples) > 20 else ""))
-        lines += [f"  [yellow]![/] orphan file {o} (not in the manifest; a later extract adopts or removes it)"
-                  for o in self.orphans]
+            lines.append(
+                f"  [red]x[/] {self.nonfinite_tokens} tokens with NaN/Inf hidden states in samples {shown}"
+                + (" ..." if len(self.nonfinite_samples) > 20 else "")
+            )
+        lines += [
+            f"  [yellow]![/] orphan file {o} (not in the manifest; a later extract adopts or removes it)"
+            for o in self.orphans
+        ]
         lines += [f"  [yellow]repaired:[/] {r}" for r in self.repaired]
         return "\n".join(lines)
 
@@ -91,10 +97,15 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
             shard = shards.open_shard(file, expected_bytes=info.num_bytes)
             ids, offsets = shards.check_shard(shard, spec)
             tokens = int(offsets[-1])
-            if len(ids) != info.num_samples or tokens != info.num_tokens or sample_ranges(ids) != [
-                    tuple(r) for r in info.sample_ranges]:
-                raise DraftsmithError(f"{info.file}: holds {len(ids)} samples / {tokens} tokens, manifest says "
-                                      f"{info.num_samples} / {info.num_tokens} with other sample ids")
+            if (
+                len(ids) != info.num_samples
+                or tokens != info.num_tokens
+                or sample_ranges(ids) != [tuple(r) for r in info.sample_ranges]
+            ):
+                raise DraftsmithError(
+                    f"{info.file}: holds {len(ids)} samples / {tokens} tokens, manifest says "
+                    f"{info.num_samples} / {info.num_tokens} with other sample ids"
+                )
         except DraftsmithError as err:
             if shard is not None:
                 shard.close()
@@ -114,13 +125,18 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
                 report.nonfinite_tokens += int(rows.sum())
                 report.nonfinite_samples += [ids[k] for k in np.nonzero(per_sample)[0]]
         shard.close()
-    if not report.bad_shards and (manifest.num_samples != report.num_samples or manifest.num_tokens != report.num_tokens):
-        report.problems.append(f"manifest totals {manifest.num_samples} samples / {manifest.num_tokens} tokens, shards "
-                               f"hold {report.num_samples} / {report.num_tokens}")
+    if not report.bad_shards and (
+        manifest.num_samples != report.num_samples or manifest.num_tokens != report.num_tokens
+    ):
+        report.problems.append(
+            f"manifest totals {manifest.num_samples} samples / {manifest.num_tokens} tokens, shards "
+            f"hold {report.num_samples} / {report.num_tokens}"
+        )
     listed = {Path(s.file).name for s in manifest.shards}
     if (path / SHARD_DIR).is_dir():
-        report.orphans = sorted(p.name for p in (path / SHARD_DIR).iterdir()
-                                if p.name not in listed and p.name.endswith(".safetensors"))
+        report.orphans = sorted(
+            p.name for p in (path / SHARD_DIR).iterdir() if p.name not in listed and p.name.endswith(".safetensors")
+        )
     report.nonfinite_samples.sort()
     if repair and (report.bad_shards or report.problems):
         with file_lock(path / LOCK_DIR / "manifest.lock"):

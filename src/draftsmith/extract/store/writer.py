@@ -90,8 +90,15 @@ class StoreWriter:
     Not thread-safe: call it from one thread (the backends give it a writer thread of its own).
     """
 
-    def __init__(self, path: Path, spec: StoreSpec, tag: str, lock: _WriterLock, shard_bytes: int,
-                 backend_info: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        spec: StoreSpec,
+        tag: str,
+        lock: _WriterLock,
+        shard_bytes: int,
+        backend_info: dict[str, Any] | None = None,
+    ):
         self.path = Path(path)
         self.spec = spec
         self.tag = tag
@@ -129,8 +136,16 @@ class StoreWriter:
         return max(seqs) + 1
 
     # -- adding
-    def add(self, sample_id: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor,
-            scales: torch.Tensor | None = None, *, flush_if_full: bool = True) -> None:
+    def add(
+        self,
+        sample_id: int,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        hidden_states: torch.Tensor,
+        scales: torch.Tensor | None = None,
+        *,
+        flush_if_full: bool = True,
+    ) -> None:
         """Buffer one sample: input_ids [T], loss_mask [T], hidden_states [T, L, H] (layers in `spec.layer_ids` order).
 
         hidden_states may be any float dtype on any device (encoded here to the storage dtype), or already encoded
@@ -146,8 +161,10 @@ class StoreWriter:
         T = int(input_ids.shape[0])
         L, H = len(self.spec.layer_ids), self.spec.hidden_size
         if input_ids.ndim != 1 or loss_mask.shape != input_ids.shape or tuple(hidden_states.shape) != (T, L, H):
-            raise ValueError(f"sample {sample_id}: expected input_ids [T], loss_mask [T], hidden_states [T, {L}, {H}]; "
-                             f"got {tuple(input_ids.shape)}, {tuple(loss_mask.shape)}, {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"sample {sample_id}: expected input_ids [T], loss_mask [T], hidden_states [T, {L}, {H}]; "
+                f"got {tuple(input_ids.shape)}, {tuple(loss_mask.shape)}, {tuple(hidden_states.shape)}"
+            )
         if T == 0:
             raise ValueError(f"sample {sample_id}: no tokens")
         storage = TORCH_DTYPES[self.spec.dtype]
@@ -161,7 +178,9 @@ class StoreWriter:
         mask = loss_mask.detach().to("cpu", torch.bool)
         self._buffer.append((sample_id, ids, mask, data, scales))
         self._buffered_ids.add(sample_id)
-        self._buffered_bytes += data.numel() * data.element_size() + (0 if scales is None else scales.numel() * 4) + T * 5
+        self._buffered_bytes += (
+            data.numel() * data.element_size() + (0 if scales is None else scales.numel() * 4) + T * 5
+        )
         if flush_if_full:
             self.maybe_flush()
 
@@ -195,9 +214,15 @@ class StoreWriter:
         with atomic_path(final) as tmp:
             sha256, num_bytes = shards.write_shard(tmp, tensors, self.spec)
         self._next_seq += 1
-        info = ShardInfo(file=f"{SHARD_DIR}/{name}", sha256=sha256, num_bytes=num_bytes,
-                         num_samples=len(buffer), num_tokens=int(offsets[-1]),
-                         sample_ranges=sample_ranges(sample_ids.tolist()), writer=self.tag)
+        info = ShardInfo(
+            file=f"{SHARD_DIR}/{name}",
+            sha256=sha256,
+            num_bytes=num_bytes,
+            num_samples=len(buffer),
+            num_tokens=int(offsets[-1]),
+            sample_ranges=sample_ranges(sample_ids.tolist()),
+            writer=self.tag,
+        )
         _add_shards(self.path, [info], self.backend_info)
         self._done |= self._buffered_ids
         self.samples_written += len(buffer)
@@ -260,6 +285,7 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:
         else:
             live.add(lock_tag)
     try:
+
         def owner(name: str) -> str | None:
             m = shards.SHARD_NAME.match(name.lstrip(".").split(".safetensors")[0] + ".safetensors")
             return m["tag"] if m else None
@@ -289,9 +315,17 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:
                     notes.append(f"removed orphan shard {file.name} left by an interrupted writer ({err})")
                     continue
                 shard.close()
-                adopted.append(ShardInfo(file=f"{SHARD_DIR}/{file.name}", sha256=sha256_file(file),
-                                         num_bytes=shard.size, num_samples=len(ids), num_tokens=int(offsets[-1]),
-                                         sample_ranges=sample_ranges(ids), writer=tag))
+                adopted.append(
+                    ShardInfo(
+                        file=f"{SHARD_DIR}/{file.name}",
+                        sha256=sha256_file(file),
+                        num_bytes=shard.size,
+                        num_samples=len(ids),
+                        num_tokens=int(offsets[-1]),
+                        sample_ranges=sample_ranges(ids),
+                        writer=tag,
+                    )
+                )
                 done.update(ids)
                 notes.append(f"adopted shard {file.name} that an interrupted writer finished but did not record")
             if adopted:
@@ -323,8 +357,14 @@ def stored_compute_dtype(path: Path) -> str | None:
         return None  # not a store (create_or_resume says so in its own words)
 
 
-def create_or_resume(path: Path, spec: StoreSpec, *, worker: str | tuple[int, int] = "0/1",
-                     shard_bytes: int = DEFAULT_SHARD_BYTES, backend_info: dict[str, Any] | None = None) -> StoreWriter:
+def create_or_resume(
+    path: Path,
+    spec: StoreSpec,
+    *,
+    worker: str | tuple[int, int] = "0/1",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    backend_info: dict[str, Any] | None = None,
+) -> StoreWriter:
     """Open a store for writing as worker `i/n`: create it, or resume it after checking it holds the same kind of states.
 
     Refuses (DraftsmithError) a store made for another target / prepared set / layers / dtype / backend, a
@@ -337,8 +377,9 @@ def create_or_resume(path: Path, spec: StoreSpec, *, worker: str | tuple[int, in
         if path.exists() and not path.is_dir():
             raise DraftsmithError(f"{path}: exists and is not a directory; choose another --output")
         if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST_NAME).is_file():
-            raise DraftsmithError(f"{path}: directory is not empty and is not a hidden-state store; choose another "
-                                  "--output")
+            raise DraftsmithError(
+                f"{path}: directory is not empty and is not a hidden-state store; choose another --output"
+            )
         (path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         (path / LOCK_DIR).mkdir(exist_ok=True)
         lock = _WriterLock(path, tag)
@@ -346,15 +387,18 @@ def create_or_resume(path: Path, spec: StoreSpec, *, worker: str | tuple[int, in
     except OSError as err:
         raise _explain_os_error(path, err) from None
     if not acquired:
-        raise DraftsmithError(f"{path}: another process is already writing worker {worker} of this store; wait for "
-                              "it, or give this one a different --shard")
+        raise DraftsmithError(
+            f"{path}: another process is already writing worker {worker} of this store; wait for "
+            "it, or give this one a different --shard"
+        )
     try:
         with file_lock(path / LOCK_DIR / "manifest.lock"):
             if (path / MANIFEST_NAME).is_file():
                 data = read_manifest_json(path)
                 if data.get("kind") != "store":
-                    raise DraftsmithError(f"{path}: is a {data.get('kind')!r} artefact, not a hidden-state store; "
-                                          "choose another --output")
+                    raise DraftsmithError(
+                        f"{path}: is a {data.get('kind')!r} artefact, not a hidden-state store; choose another --output"
+                    )
                 existing = read_manifest(path, StoreManifest)
                 diff = existing.spec().mismatch(spec)
                 if diff and diff.startswith("compute_dtype") and not _holds_shards(path):
@@ -364,7 +408,8 @@ def create_or_resume(path: Path, spec: StoreSpec, *, worker: str | tuple[int, in
                 elif diff:
                     raise DraftsmithError(
                         f"{path}: existing store was made differently ({diff.replace(' != ', ' there, asked for ')}); "
-                        "use another --output, or the options it was made with, to resume it")
+                        "use another --output, or the options it was made with, to resume it"
+                    )
             else:
                 write_manifest(path, StoreManifest(**spec.model_dump(), backend_info=dict(backend_info or {})))
         notes = _recover(path, spec, tag)

@@ -67,7 +67,8 @@ class ArchitectureSupport(BaseModel):
     reaches_last: bool = False
     taps: StackTaps = Field(default_factory=StackTaps)
     cpu_bfloat16_only: str | None = Field(
-        None, description="vLLM's own words where a CPU kernel the architecture reaches asserts bfloat16, and where")
+        None, description="vLLM's own words where a CPU kernel the architecture reaches asserts bfloat16, and where"
+    )
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
     usable: dict[str, bool] = Field(default_factory=dict, description="strategy -> usable for the default layer ids")
     notes: list[str] = Field(default_factory=list, description="one line each: a limit and what draftsmith does")
@@ -92,8 +93,9 @@ def registered_models(tree: SourceTree) -> dict[str, tuple[str, str]]:
     return out
 
 
-def model_class(tree: SourceTree, architecture: str,
-                registry: dict[str, tuple[str, str]] | None = None) -> Found | None:
+def model_class(
+    tree: SourceTree, architecture: str, registry: dict[str, tuple[str, str]] | None = None
+) -> Found | None:
     """The class the registry maps `architecture` to, found in its module (or what that module imports it from)."""
     entry = (registry if registry is not None else registered_models(tree)).get(architecture)
     if entry is None:
@@ -104,8 +106,14 @@ def model_class(tree: SourceTree, architecture: str,
 # ------------------------------------------------------------------------------------------- per architecture
 
 
-def inspect_architecture(tree: SourceTree, architecture: str, *, config: dict | None = None,
-                         registry: dict[str, tuple[str, str]] | None = None, _depth: int = 0) -> ArchitectureSupport:
+def inspect_architecture(
+    tree: SourceTree,
+    architecture: str,
+    *,
+    config: dict | None = None,
+    registry: dict[str, tuple[str, str]] | None = None,
+    _depth: int = 0,
+) -> ArchitectureSupport:
     """Registry class, SupportsEagle3, the aux-state convention and the taps' needs for one architecture."""
     support = ArchitectureSupport(architecture=architecture)
     registry = registry if registry is not None else registered_models(tree)
@@ -127,17 +135,22 @@ def inspect_architecture(tree: SourceTree, architecture: str, *, config: dict | 
     wrapped = _language_model(tree, cls, config) if _depth < 3 else None
     if wrapped is not None:  # a multimodal wrapper: its language model's stack decides
         inner_cls, inner_arch = wrapped
-        inner = (inspect_architecture(tree, inner_arch, registry=registry, _depth=_depth + 1) if inner_cls is None
-                 else _inspect_class(tree, inner_cls, ArchitectureSupport(architecture=inner_arch, registered=True)))
+        inner = (
+            inspect_architecture(tree, inner_arch, registry=registry, _depth=_depth + 1)
+            if inner_cls is None
+            else _inspect_class(tree, inner_cls, ArchitectureSupport(architecture=inner_arch, registered=True))
+        )
         support.language_model = inner_arch
         support.cpu_bfloat16_only = support.cpu_bfloat16_only or (
-            inner.cpu_bfloat16_only if inner_cls is None else cpu_bfloat16_only(tree, inner_cls.module.name))
+            inner.cpu_bfloat16_only if inner_cls is None else cpu_bfloat16_only(tree, inner_cls.module.name)
+        )
         for name in ("decoder_stack", "layer_convention", "reaches_embeddings", "reaches_last", "taps"):
             setattr(support, name, getattr(inner, name))
         support.unknown.update({k: v for k, v in inner.unknown.items() if k != "registered"})
         if not inner.registered:
-            support.unknown["decoder_stack"] = (f"{cls.name} builds {inner_arch}, which is not in this vLLM's model "
-                                                "registry")
+            support.unknown["decoder_stack"] = (
+                f"{cls.name} builds {inner_arch}, which is not in this vLLM's model registry"
+            )
             support.taps = StackTaps(missing=support.unknown["decoder_stack"])
         return support
     return _inspect_class(tree, cls, support)
@@ -161,9 +174,11 @@ def _inspect_class(tree: SourceTree, cls: Found, support: ArchitectureSupport) -
     text = tree.segment(forward)
     support.layer_convention, support.reaches_embeddings, support.reaches_last = _layer_convention(text)
     if support.layer_convention == "unknown":
-        support.unknown["layer_convention"] = (f"{stack.name}.forward ({short(forward)}) captures no aux states "
-                                               "(`_maybe_add_hidden_state(..., idx + 1, ...)` or `if idx in "
-                                               "self.aux_hidden_state_layers`)")
+        support.unknown["layer_convention"] = (
+            f"{stack.name}.forward ({short(forward)}) captures no aux states "
+            "(`_maybe_add_hidden_state(..., idx + 1, ...)` or `if idx in "
+            "self.aux_hidden_state_layers`)"
+        )
     support.taps = read_taps(tree, stack, forward)
     return support
 
@@ -226,12 +241,15 @@ def _decoder_stack(tree: SourceTree, cls: Found) -> Found | str:
         return f"no `self.model = <class>(...)` in the __init__ of {cls.name} ({short(cls)}) or its bases"
     stack = callee(tree, init, value.func, owner=cls)
     if stack is not None and stack.is_function:  # a builder method: the class it returns
-        built = next((n.value for n in ast.walk(stack.node) if isinstance(n, ast.Return)
-                      and isinstance(n.value, ast.Call)), None)
+        built = next(
+            (n.value for n in ast.walk(stack.node) if isinstance(n, ast.Return) and isinstance(n.value, ast.Call)), None
+        )
         stack = callee(tree, stack, built.func, owner=cls) if built is not None else None
     if stack is None or not stack.is_class:
-        return (f"`self.model = {ast.unparse(value.func)}(...)` in {cls.name}.__init__ ({short(init)}) names no class "
-                "found in this tree")
+        return (
+            f"`self.model = {ast.unparse(value.func)}(...)` in {cls.name}.__init__ ({short(init)}) names no class "
+            "found in this tree"
+        )
     return stack
 
 
@@ -261,5 +279,12 @@ def convention_words(support: ArchitectureSupport) -> str:
     return "unknown" + (f": {why}" if why else "")
 
 
-__all__ = ["ArchitectureSupport", "LayerConvention", "convention_words", "inspect_architecture",
-           "model_class", "registered_models", "supports_eagle3"]
+__all__ = [
+    "ArchitectureSupport",
+    "LayerConvention",
+    "convention_words",
+    "inspect_architecture",
+    "model_class",
+    "registered_models",
+    "supports_eagle3",
+]

@@ -53,54 +53,92 @@ def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None,
     if own:
         rule_out("connector", f"vLLM's aux states of {report.architecture} do not include layer id 0 (the embeddings)")
         if not facts.layer_taps:
-            rule_out("direct", "layer id 0 needs draftsmith's own hook, and the layer taps cannot be placed here ("
-                     + (facts.unknown.get("layer_taps") or "not registered") + ")")
+            rule_out(
+                "direct",
+                "layer id 0 needs draftsmith's own hook, and the layer taps cannot be placed here ("
+                + (facts.unknown.get("layer_taps") or "not registered")
+                + ")",
+            )
     if dtype == "float16" and facts.taps_float16_rescale:
         where = report.support.taps.float16_rescale if report.support is not None else "its decoder layers"
         for name in usable:
-            rule_out(name, f"{report.architecture}'s stack rescales its stream in float16 ({where}); extract in "
-                           "bfloat16 or float32")
+            rule_out(
+                name,
+                f"{report.architecture}'s stack rescales its stream in float16 ({where}); extract in "
+                "bfloat16 or float32",
+            )
     if asked == "auto":
         for name in probing.STRATEGIES:
             if usable.get(name):
                 return name
-        raise DraftsmithError(f"--backend vllm: {report.reason}" if report.strategy is None else
-                              f"--backend vllm: no strategy fits layer ids {layer_ids} (dtype {dtype}) here ("
-                              + "; ".join(f"{n}: {why[n]}" for n in probing.STRATEGIES) + ")")
+        raise DraftsmithError(
+            f"--backend vllm: {report.reason}"
+            if report.strategy is None
+            else f"--backend vllm: no strategy fits layer ids {layer_ids} (dtype {dtype}) here ("
+            + "; ".join(f"{n}: {why[n]}" for n in probing.STRATEGIES)
+            + ")"
+        )
     if not usable.get(asked, False):
-        raise DraftsmithError(f"--vllm-strategy {asked}: not possible with this vLLM {report.facts.version} "
-                              f"({why.get(asked, '')}); use --vllm-strategy auto or see `draftsmith doctor`")
+        raise DraftsmithError(
+            f"--vllm-strategy {asked}: not possible with this vLLM {report.facts.version} "
+            f"({why.get(asked, '')}); use --vllm-strategy auto or see `draftsmith doctor`"
+        )
     return asked
 
 
 def _sink_config(cfg: ExtractConfig, plan: Any, spec: Any, backend_info: dict[str, Any]) -> dict[str, Any]:
-    return {"store": str(Path(cfg.output).resolve()), "prepared": str(Path(cfg.prepared).resolve()),
-            "spec": spec.model_dump(mode="json"), "worker": list(plan.worker), "dp_size": cfg.data_parallel_size,
-            "shard_bytes": int(cfg.shard_size_mb * (1 << 20)), "backend_info": backend_info}
+    return {
+        "store": str(Path(cfg.output).resolve()),
+        "prepared": str(Path(cfg.prepared).resolve()),
+        "spec": spec.model_dump(mode="json"),
+        "worker": list(plan.worker),
+        "dp_size": cfg.data_parallel_size,
+        "shard_bytes": int(cfg.shard_size_mb * (1 << 20)),
+        "backend_info": backend_info,
+    }
 
 
-def _engine_spec(cfg: ExtractConfig, plan: Any, report: Any, strategy: str, sink_config: dict[str, Any],
-                 sample_ids: list[int], dtype: str):
+def _engine_spec(
+    cfg: ExtractConfig,
+    plan: Any,
+    report: Any,
+    strategy: str,
+    sink_config: dict[str, Any],
+    sample_ids: list[int],
+    dtype: str,
+):
 
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
     config = read_config(plan.target_dir)
     context = context_length(config)
     if context is not None and longest > context and cfg.vllm_max_model_len is None:
-        raise DraftsmithError(f"{cfg.prepared}: a sample of {longest} tokens is longer than the target's context "
-                              f"({context} positions in its config.json); prepare again with --max-length {context}")
+        raise DraftsmithError(
+            f"{cfg.prepared}: a sample of {longest} tokens is longer than the target's context "
+            f"({context} positions in its config.json); prepare again with --max-length {context}"
+        )
     # Each prompt is sent with max_tokens=1: vLLM wants room for that one sampled token, which is never fed back (the
     # request ends there), so a sample filling the whole context needs one position past it, allowed explicitly.
     max_model_len = cfg.vllm_max_model_len or longest + 1
     tap_plan = None
     if strategy in RUNNER_TAPS:
         tap_plan = taps.plan(strategy, list(plan.layer_ids), plan.num_layers, report.facts, report.support).model_dump()
-    return EngineSpec(target_dir=str(plan.target_dir), strategy=strategy, facts=report.facts, tap_plan=tap_plan,
-                      mla="kv_lora_rank" in text_config(config), multimodal=is_multimodal_wrapper(config),
-                      max_model_len=max_model_len,
-                      past_context=context is not None and max_model_len == longest + 1 > context,
-                      max_num_batched_tokens=cfg.token_budget, tensor_parallel_size=cfg.tensor_parallel_size,
-                      data_parallel_size=cfg.data_parallel_size, compile=cfg.vllm_compile,
-                      dtype=dtype, trust_remote_code=cfg.trust_remote_code, sink_config=sink_config)
+    return EngineSpec(
+        target_dir=str(plan.target_dir),
+        strategy=strategy,
+        facts=report.facts,
+        tap_plan=tap_plan,
+        mla="kv_lora_rank" in text_config(config),
+        multimodal=is_multimodal_wrapper(config),
+        max_model_len=max_model_len,
+        past_context=context is not None and max_model_len == longest + 1 > context,
+        max_num_batched_tokens=cfg.token_budget,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        data_parallel_size=cfg.data_parallel_size,
+        compile=cfg.vllm_compile,
+        dtype=dtype,
+        trust_remote_code=cfg.trust_remote_code,
+        sink_config=sink_config,
+    )
 
 
 def compute_dtype(cfg: ExtractConfig, report: Any, config: dict | None) -> DtypeChoice:
@@ -115,8 +153,11 @@ def compute_dtype(cfg: ExtractConfig, report: Any, config: dict | None) -> Dtype
 def say_dtype(stage: str, choice: DtypeChoice, asked: str) -> None:
     """The one line that tells what `auto` chose and why (nothing when a dtype was asked for)."""
     if asked == "auto":
-        print(f"{stage}: vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})",
-              file=sys.stderr, flush=True)
+        print(
+            f"{stage}: vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _Job:
@@ -126,14 +167,17 @@ class _Job:
         self.cfg = cfg
         self.plan = plan = common.plan_extraction(cfg)
         config = read_config(plan.target_dir)
-        self.report = report = probing.probe(architecture=plan.target.architecture, resolve_config=False,
-                                             config=config)
+        self.report = report = probing.probe(architecture=plan.target.architecture, resolve_config=False, config=config)
         self.choice = choice or compute_dtype(cfg, report, config)
         self.dtype = dtype = self.choice.dtype
         self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
         self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
-        backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": self.strategy,
-                        "platform": report.facts.platform}
+        backend_info = {
+            "engine": "vllm",
+            "vllm": report.facts.version,
+            "strategy": self.strategy,
+            "platform": report.facts.platform,
+        }
         # Open as this worker once: checks the store is of the same kind, recovers crash leftovers, saves
         # config.yaml and tells what is done. The lock is then let go: inside vLLM the sink becomes this writer.
         self.writer = common.open_writer(plan, self.spec, backend_info)
@@ -152,8 +196,7 @@ class _Job:
 
     def engine_spec(self, strategy: str | None = None):
         config = self.sink_config if strategy is None else {}
-        return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo,
-                            self.dtype)
+        return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
 
     def start(self) -> tuple["_Job", Engine]:
         """(the job as it runs, its started engine): where the engine cannot run in the chosen dtype and the facts
@@ -166,8 +209,9 @@ class _Job:
                 jobs[dtype] = _Job(self.cfg, DtypeChoice(dtype=dtype, why=f"fallback from {self.dtype}"))
             return jobs[dtype].engine_spec()
 
-        engine, dtype = start_engine(self.choice, spec_for, say=lambda line: print(f"extract: {line}",
-                                                                                  file=sys.stderr, flush=True))
+        engine, dtype = start_engine(
+            self.choice, spec_for, say=lambda line: print(f"extract: {line}", file=sys.stderr, flush=True)
+        )
         return jobs[dtype], engine
 
     def result(self, seconds: float, tokens: int, reports: list[dict[str, Any]], engine_start_s: float) -> StageResult:
@@ -198,8 +242,11 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
 
 def offered_strategies(prepared: Path, *, compute_dtype: str = "auto") -> list[str]:
     """The strategies the installed vLLM offers for this prepared set's target, its layer ids and compute dtype."""
-    plan = common.plan_extraction(ExtractConfig(prepared=Path(prepared), output=Path(prepared) / "unused",
-                                                backend="vllm", compute_dtype=compute_dtype))
+    plan = common.plan_extraction(
+        ExtractConfig(
+            prepared=Path(prepared), output=Path(prepared) / "unused", backend="vllm", compute_dtype=compute_dtype
+        )
+    )
     config = read_config(plan.target_dir)
     report = probing.probe(architecture=plan.target.architecture, config=config)
     dtype = probing.choose_dtype(compute_dtype, report, config).dtype
@@ -212,9 +259,18 @@ def offered_strategies(prepared: Path, *, compute_dtype: str = "auto") -> list[s
     return offered
 
 
-def benchmark(prepared: Path, n: int = 300, *, strategies: list[str] | None = None, compile: bool | None = None,
-              token_budget: int = 8192, chunks: int = 4, output: Path | None = None, tensor_parallel_size: int = 1,
-              compute_dtype: str = "auto") -> dict[str, Any]:
+def benchmark(
+    prepared: Path,
+    n: int = 300,
+    *,
+    strategies: list[str] | None = None,
+    compile: bool | None = None,
+    token_budget: int = 8192,
+    chunks: int = 4,
+    output: Path | None = None,
+    tensor_parallel_size: int = 1,
+    compute_dtype: str = "auto",
+) -> dict[str, Any]:
     """Each strategy's extraction throughput against the same vLLM doing plain max_tokens=1 prefill of the same
     prompts, all in one run.
 
@@ -233,10 +289,21 @@ def benchmark(prepared: Path, n: int = 300, *, strategies: list[str] | None = No
         raise DraftsmithError(f"{prepared}: the installed vLLM offers no extraction strategy for this target")
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-bench-") as tmp:
         root = Path(output) if output is not None else Path(tmp)
-        jobs = {name: _Job(ExtractConfig(prepared=Path(prepared), output=root / name, backend="vllm", max_samples=n,
-                                         vllm_strategy=name, token_budget=token_budget,
-                                         tensor_parallel_size=tensor_parallel_size, compute_dtype=compute_dtype))
-                for name in names}
+        jobs = {
+            name: _Job(
+                ExtractConfig(
+                    prepared=Path(prepared),
+                    output=root / name,
+                    backend="vllm",
+                    max_samples=n,
+                    vllm_strategy=name,
+                    token_budget=token_budget,
+                    tensor_parallel_size=tensor_parallel_size,
+                    compute_dtype=compute_dtype,
+                )
+            )
+            for name in names
+        }
         first = jobs[names[0]]
         if compile is None:
             compile = first.report.facts.platform not in ("cpu", None)
@@ -245,7 +312,7 @@ def benchmark(prepared: Path, n: int = 300, *, strategies: list[str] | None = No
         prompts = first.prompts()
         tokens = sum(len(ids) for _, ids in prompts)
         size = math.ceil(len(prompts) / max(1, chunks))
-        parts = [prompts[k:k + size] for k in range(0, len(prompts), size)]
+        parts = [prompts[k : k + size] for k in range(0, len(prompts), size)]
         seconds = dict.fromkeys(names, 0.0)
         prefill_s = 0.0
         with contextlib.ExitStack() as stack:
@@ -257,7 +324,7 @@ def benchmark(prepared: Path, n: int = 300, *, strategies: list[str] | None = No
             for i, part in enumerate(parts):
                 prefill_s += plain.generate(part, tag=False)
                 done += len(part)
-                turn = names[i % len(names):] + names[:i % len(names)]  # each strategy first in turn
+                turn = names[i % len(names) :] + names[: i % len(names)]  # each strategy first in turn
                 for name in turn:
                     engine = engines[name]
                     with common.Timer() as timer:
@@ -271,14 +338,31 @@ def benchmark(prepared: Path, n: int = 300, *, strategies: list[str] | None = No
             starts = {name: engine.start_seconds for name, engine in engines.items()}
         stored = {name: _stored_samples(root / name) for name in names}
     prefill_per_s = tokens / prefill_s
-    rows = {name: {"label": jobs[name].label, "tokens_per_s": round(tokens / seconds[name], 1),
-                   "ratio_vs_prefill": round(tokens / seconds[name] / prefill_per_s, 3), "stored": stored[name],
-                   "engine_start_s": round(starts[name], 1),
-                   "compiled": bool(compile and name == "connector")} for name in names}
-    return {"backend": "vllm", "vllm": first.report.facts.version, "platform": first.report.facts.platform,
-            "target": first.plan.target.architecture, "tensor_parallel_size": tensor_parallel_size,
-            "compute_dtype": first.dtype, "samples": len(prompts), "tokens": tokens, "chunks": len(parts),
-            "prefill_tokens_per_s": round(prefill_per_s, 1), "prefill_compiled": bool(compile), "strategies": rows}
+    rows = {
+        name: {
+            "label": jobs[name].label,
+            "tokens_per_s": round(tokens / seconds[name], 1),
+            "ratio_vs_prefill": round(tokens / seconds[name] / prefill_per_s, 3),
+            "stored": stored[name],
+            "engine_start_s": round(starts[name], 1),
+            "compiled": bool(compile and name == "connector"),
+        }
+        for name in names
+    }
+    return {
+        "backend": "vllm",
+        "vllm": first.report.facts.version,
+        "platform": first.report.facts.platform,
+        "target": first.plan.target.architecture,
+        "tensor_parallel_size": tensor_parallel_size,
+        "compute_dtype": first.dtype,
+        "samples": len(prompts),
+        "tokens": tokens,
+        "chunks": len(parts),
+        "prefill_tokens_per_s": round(prefill_per_s, 1),
+        "prefill_compiled": bool(compile),
+        "strategies": rows,
+    }
 
 
 def _stored_samples(path: Path) -> int:

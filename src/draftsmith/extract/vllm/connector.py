@@ -32,8 +32,10 @@ from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY
 try:  # connectors that declare SupportsHMA get one block list per KV cache group (hybrid allocator)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # pragma: no cover - older vLLM: plain block lists
+
     class SupportsHMA:  # type: ignore[no-redef]  # a stand-in where vLLM has none
         pass
+
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -69,8 +71,9 @@ def _hidden_state_group(kv_cache_config: Any) -> int:
     for i, g in enumerate(groups):  # several groups, hidden states sharing one: find it by layer name
         if any(CACHE_LAYER_PREFIX in name for name in getattr(g, "layer_names", [])):
             return i
-    raise RuntimeError(f"draftsmith connector: cannot tell which of {len(groups)} KV cache groups holds the hidden "
-                       "states")
+    raise RuntimeError(
+        f"draftsmith connector: cannot tell which of {len(groups)} KV cache groups holds the hidden states"
+    )
 
 
 def gather_rows(cache: torch.Tensor, block_ids: list[int], num_tokens: int, num_layers: int) -> torch.Tensor:
@@ -110,8 +113,10 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = [n for n in kv_caches if CACHE_LAYER_PREFIX in n]
         if len(names) != 1:
-            raise RuntimeError(f"draftsmith connector: expected one {CACHE_LAYER_PREFIX} KV cache (vLLM's "
-                               f"extract_hidden_states method), found {names or 'none'}")
+            raise RuntimeError(
+                f"draftsmith connector: expected one {CACHE_LAYER_PREFIX} KV cache (vLLM's "
+                f"extract_hidden_states method), found {names or 'none'}"
+            )
         self._cache = kv_caches[names[0]]
         dp_rank = getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0)
         config = sink_module.for_data_parallel_rank(self._config, dp_rank)
@@ -169,8 +174,9 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending.append(PendingSample(request.request_id, int(sample_id), token_ids, list(block_ids)))
         return True, None
 
-    def request_finished_all_groups(self, request: "Request",
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self._group < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self._group])

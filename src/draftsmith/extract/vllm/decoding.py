@@ -46,8 +46,10 @@ def speculative_on_platform(tree: SourceTree, platform: str) -> tuple[bool | Non
     if "assert self.speculative_config is None" in code:
         return False, ""
     if "speculative_config" in code:
-        return None, ("CPUModelRunner.__init__ (v1/worker/cpu_model_runner.py) reads speculative_config, but not "
-                      "as the known `assert self.speculative_config is None`")
+        return None, (
+            "CPUModelRunner.__init__ (v1/worker/cpu_model_runner.py) reads speculative_config, but not "
+            "as the known `assert self.speculative_config is None`"
+        )
     return True, ""
 
 
@@ -64,8 +66,13 @@ def _eagle_kernels_on_cpu(tree: SourceTree) -> tuple[bool | None, str]:
         if found is None:
             continue
         for node in ast.walk(found.node):
-            name = (node.attr if isinstance(node, ast.Attribute) else node.value if isinstance(node, ast.Constant)
-                    and isinstance(node.value, str) else None)
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.value
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                else None
+            )
             if name and pattern.search(name.rsplit(".", 1)[-1]):
                 return True, ""
     return False, "no CPU replacement of EAGLE's Triton kernels"
@@ -73,8 +80,9 @@ def _eagle_kernels_on_cpu(tree: SourceTree) -> tuple[bool | None, str]:
 
 def read_speculative_on_platform(tree: SourceTree, ctx: Context) -> Reading:
     value, why = speculative_on_platform(tree, ctx.platform)
-    return Reading(facts={"speculative_on_platform": value}, unknown={"speculative_on_platform": why} if value is None
-                   else {})
+    return Reading(
+        facts={"speculative_on_platform": value}, unknown={"speculative_on_platform": why} if value is None else {}
+    )
 
 
 def read_eagle3_decoding(tree: SourceTree, ctx: Context) -> Reading:
@@ -105,9 +113,15 @@ def read_eagle3_decoding(tree: SourceTree, ctx: Context) -> Reading:
     reading = Reading(facts={"eagle3_on_platform": value})
     if value is None:
         reading.unknown["eagle3_on_platform"] = found.removeprefix("unknown: ")
-    reading.rows.append(_row(EAGLE3_ROW, found, bool(value),
-                             "`draftsmith evaluate` can measure a trained draft inside this vLLM",
-                             unknown=value is None))
+    reading.rows.append(
+        _row(
+            EAGLE3_ROW,
+            found,
+            bool(value),
+            "`draftsmith evaluate` can measure a trained draft inside this vLLM",
+            unknown=value is None,
+        )
+    )
     return reading
 
 
@@ -116,20 +130,42 @@ def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
     spec = _class(tree, "SpeculativeConfig")
     if spec is None:
         why = _not_found("SpeculativeConfig")
-        return Reading(facts={"parallel_drafting": None}, unknown={"parallel_drafting": why},
-                       rows=[_row(PARALLEL_DRAFTING_ROW, f"unknown: {why}", False,
-                                  "a P-EAGLE draft cannot be served here", unknown=True)])
+        return Reading(
+            facts={"parallel_drafting": None},
+            unknown={"parallel_drafting": why},
+            rows=[
+                _row(
+                    PARALLEL_DRAFTING_ROW,
+                    f"unknown: {why}",
+                    False,
+                    "a P-EAGLE draft cannot be served here",
+                    unknown=True,
+                )
+            ],
+        )
     has_field = "parallel_drafting" in tree.fields(spec)
-    proposer = next((m for m in PROPOSERS if (module := tree.module(m)) is not None
-                     and "parallel_drafting" in module.text), None)
+    proposer = next(
+        (m for m in PROPOSERS if (module := tree.module(m)) is not None and "parallel_drafting" in module.text), None
+    )
     value = has_field and proposer is not None
-    found = (f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)"
-             if has_field and proposer is not None else
-             "no (no parallel_drafting field on SpeculativeConfig)" if not has_field else
-             "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)")
-    return Reading(facts={"parallel_drafting": value}, rows=[_row(
-        PARALLEL_DRAFTING_ROW, found, value,
-        "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs")])
+    found = (
+        f"yes (SpeculativeConfig.parallel_drafting; read by {proposer.replace('.', '/')}.py)"
+        if has_field and proposer is not None
+        else "no (no parallel_drafting field on SpeculativeConfig)"
+        if not has_field
+        else "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)"
+    )
+    return Reading(
+        facts={"parallel_drafting": value},
+        rows=[
+            _row(
+                PARALLEL_DRAFTING_ROW,
+                found,
+                value,
+                "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs",
+            )
+        ],
+    )
 
 
 def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
@@ -146,8 +182,11 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
     elif model_class(tree, DFLASH_ARCHITECTURE, ctx.registry) is None:
         module = f"{MODELS_PACKAGE}.{entry[0]}"
         why = _unreadable(tree, module)
-        pieces.append((None, why) if why else (False, f"{DFLASH_ARCHITECTURE} registered, but no class {entry[1]} "
-                                                      f"in {module.replace('.', '/')}.py"))
+        pieces.append(
+            (None, why)
+            if why
+            else (False, f"{DFLASH_ARCHITECTURE} registered, but no class {entry[1]} in {module.replace('.', '/')}.py")
+        )
     else:
         pieces.append((True, f"{DFLASH_ARCHITECTURE} -> {entry[0]}.{entry[1]}"))
     if _class(tree, "DFlashProposer") is not None:
@@ -158,8 +197,11 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
     if ctx.methods is None:
         pieces.append((None, ctx.methods_why))
     else:
-        pieces.append((True, "method dflash") if "dflash" in ctx.methods else
-                      (False, "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)"))
+        pieces.append(
+            (True, "method dflash")
+            if "dflash" in ctx.methods
+            else (False, "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)")
+        )
     absent = next((words for found, words in pieces if found is False), None)
     unknown = next((words for found, words in pieces if found is None), None)
     value: bool | None = False if absent is not None else None if unknown is not None else True
@@ -170,14 +212,30 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
     else:
         found = f"no ({absent})"
     reading = Reading(facts={"dflash": value}, unknown={"dflash": unknown} if value is None and unknown else {})
-    reading.rows.append(_row(DFLASH_ROW, found, bool(value),
-                             "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 "
-                             "runs", unknown=value is None))
+    reading.rows.append(
+        _row(
+            DFLASH_ROW,
+            found,
+            bool(value),
+            "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 runs",
+            unknown=value is None,
+        )
+    )
     return reading
 
 
-DECODING_READERS: tuple[Reader, ...] = (read_speculative_on_platform, read_eagle3_decoding, read_parallel_drafting,
-                                        read_dflash)
+DECODING_READERS: tuple[Reader, ...] = (
+    read_speculative_on_platform,
+    read_eagle3_decoding,
+    read_parallel_drafting,
+    read_dflash,
+)
 
-__all__ = ["DECODING_READERS", "read_dflash", "read_eagle3_decoding", "read_parallel_drafting",
-           "read_speculative_on_platform", "speculative_on_platform"]
+__all__ = [
+    "DECODING_READERS",
+    "read_dflash",
+    "read_eagle3_decoding",
+    "read_parallel_drafting",
+    "read_speculative_on_platform",
+    "speculative_on_platform",
+]

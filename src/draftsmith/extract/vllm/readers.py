@@ -34,8 +34,10 @@ WHERE = {
     "SpeculativeMethod": ["vllm.config.speculative", *CONFIG],
     "SpeculativeConfig": ["vllm.config.speculative", *CONFIG],
     "KVTransferConfig": ["vllm.config.kv_transfer", *CONFIG],
-    "KVConnectorBase_V1": ["vllm.distributed.kv_transfer.kv_connector.v1.base",
-                           "vllm.distributed.kv_transfer.kv_connector.v1"],
+    "KVConnectorBase_V1": [
+        "vllm.distributed.kv_transfer.kv_connector.v1.base",
+        "vllm.distributed.kv_transfer.kv_connector.v1",
+    ],
     "GPUModelRunner": ["vllm.v1.worker.gpu_model_runner"],
     "SchedulerConfig": ["vllm.config.scheduler", *CONFIG],
     "Request": ["vllm.v1.request"],
@@ -104,13 +106,19 @@ def speculative_methods(tree: SourceTree) -> tuple[frozenset[str] | None, str]:
     if found is None:
         return None, "no SpeculativeMethod in vllm/config/speculative.py or vllm/config"
     if found.is_class:
-        values = {stmt.value.value for stmt in found.body if isinstance(stmt, ast.Assign)
-                  and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)}
+        values = {
+            stmt.value.value
+            for stmt in found.body
+            if isinstance(stmt, ast.Assign)
+            and isinstance(stmt.value, ast.Constant)
+            and isinstance(stmt.value.value, str)
+        }
     else:
         values = tree.literal_values(found.module.name, "SpeculativeMethod")
     if not values:
-        return None, (f"SpeculativeMethod in {found.module.name} is neither a Literal of strings nor an Enum of "
-                      "string members")
+        return None, (
+            f"SpeculativeMethod in {found.module.name} is neither a Literal of strings nor an Enum of string members"
+        )
     return frozenset(values), ""
 
 
@@ -155,12 +163,23 @@ def _row(name: str, found: str, ok: bool | None, meaning: str, *, unknown: bool 
 
 
 def read_release(tree: SourceTree, ctx: Context) -> Reading:
-    return Reading(rows=[
-        _row("vLLM", ctx.located.version or "unknown", None,
-             f"source read from {ctx.located.package} (never imported); the version is shown for reference only: "
-             "every choice below comes from inspection"),
-        _row("platform", f"{ctx.platform} (from {ctx.platform_how})", None,
-             "decides the compute dtype and whether EAGLE-3 runs here")])
+    return Reading(
+        rows=[
+            _row(
+                "vLLM",
+                ctx.located.version or "unknown",
+                None,
+                f"source read from {ctx.located.package} (never imported); the version is shown for reference only: "
+                "every choice below comes from inspection",
+            ),
+            _row(
+                "platform",
+                f"{ctx.platform} (from {ctx.platform_how})",
+                None,
+                "decides the compute dtype and whether EAGLE-3 runs here",
+            ),
+        ]
+    )
 
 
 def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
@@ -174,14 +193,23 @@ def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
         value, found = False, "no"
     else:
         value = registered
-        found = ("yes (speculative method + ExtractHiddenStatesModel registered)" if registered else
-                 "method listed but its model is not registered")
+        found = (
+            "yes (speculative method + ExtractHiddenStatesModel registered)"
+            if registered
+            else "method listed but its model is not registered"
+        )
     reading = Reading(facts={"extract_hidden_states": value})
     if value is None:
         reading.unknown["extract_hidden_states"] = ctx.methods_why
-    reading.rows.append(_row("extract_hidden_states method", found, bool(value),
-                             "vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads "
-                             "them there", unknown=value is None))
+    reading.rows.append(
+        _row(
+            "extract_hidden_states method",
+            found,
+            bool(value),
+            "vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads them there",
+            unknown=value is None,
+        )
+    )
     return reading
 
 
@@ -197,31 +225,54 @@ def read_connector(tree: SourceTree, ctx: Context) -> Reading:
     if base is None:
         reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
     found = ("unknown" if path is None else "yes" if path else "no") + (
-        ", 3-argument constructor (kv_cache_config)" if takes else ", 2-argument constructor" if takes is False
-        else ", no KVConnectorBase_V1")
-    reading.rows.append(_row("KV connector from module path", found, bool(path) and base is not None,
-                             "vLLM loads draftsmith's connector (extract/vllm/connector.py) by "
-                             "kv_connector_module_path",
-                             unknown=path is None))
+        ", 3-argument constructor (kv_cache_config)"
+        if takes
+        else ", 2-argument constructor"
+        if takes is False
+        else ", no KVConnectorBase_V1"
+    )
+    reading.rows.append(
+        _row(
+            "KV connector from module path",
+            found,
+            bool(path) and base is not None,
+            "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path",
+            unknown=path is None,
+        )
+    )
     return reading
 
 
 def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
     """SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)."""
     s = ctx.support
-    reading = Reading(facts={"supports_eagle3": s.supports_eagle3, "aux_setter": s.aux_setter,
-                             "aux_default_getter": s.aux_default_getter})
+    reading = Reading(
+        facts={
+            "supports_eagle3": s.supports_eagle3,
+            "aux_setter": s.aux_setter,
+            "aux_default_getter": s.aux_default_getter,
+        }
+    )
     if s.supports_eagle3 is None:
         reading.unknown["supports_eagle3"] = s.unknown.get("registered", "the model registry could not be read")
-    found = ("unknown: " + reading.unknown["supports_eagle3"] if s.supports_eagle3 is None else
-             "not registered in vLLM" if not s.registered else
-             f"{'yes' if s.supports_eagle3 else 'no'}; setter {s.aux_setter or 'missing'}; "
-             f"defaults {s.aux_default_getter or 'missing'}"
-             + (f"; language model {s.language_model}" if s.language_model else ""))
-    reading.rows.append(_row(f"SupportsEagle3 on {ctx.architecture}", found,
-                             bool(s.supports_eagle3) and s.aux_setter is not None,
-                             "the target can return vLLM's own aux hidden states (connector and direct need it; the "
-                             "layer taps do not)", unknown=s.supports_eagle3 is None))
+    found = (
+        "unknown: " + reading.unknown["supports_eagle3"]
+        if s.supports_eagle3 is None
+        else "not registered in vLLM"
+        if not s.registered
+        else f"{'yes' if s.supports_eagle3 else 'no'}; setter {s.aux_setter or 'missing'}; "
+        f"defaults {s.aux_default_getter or 'missing'}"
+        + (f"; language model {s.language_model}" if s.language_model else "")
+    )
+    reading.rows.append(
+        _row(
+            f"SupportsEagle3 on {ctx.architecture}",
+            found,
+            bool(s.supports_eagle3) and s.aux_setter is not None,
+            "the target can return vLLM's own aux hidden states (connector and direct need it; the layer taps do not)",
+            unknown=s.supports_eagle3 is None,
+        )
+    )
     return reading
 
 
@@ -230,21 +281,36 @@ def read_runner(tree: SourceTree, ctx: Context) -> Reading:
     runner = _class(tree, "GPUModelRunner")
     if runner is None:
         why = _not_found("GPUModelRunner")
-        return Reading(facts={"two_phase": None, "runner_forward_hook": None, "runner_execute_model": None},
-                       unknown={"two_phase": why, "runner_forward_hook": why, "runner_execute_model": why},
-                       rows=[_row("two-phase execute_model / sample_tokens", f"unknown: {why}", False,
-                                  "the runner taps have no place to read a step's states", unknown=True)])
+        return Reading(
+            facts={"two_phase": None, "runner_forward_hook": None, "runner_execute_model": None},
+            unknown={"two_phase": why, "runner_forward_hook": why, "runner_execute_model": why},
+            rows=[
+                _row(
+                    "two-phase execute_model / sample_tokens",
+                    f"unknown: {why}",
+                    False,
+                    "the runner taps have no place to read a step's states",
+                    unknown=True,
+                )
+            ],
+        )
     state = tree.find_class("ExecuteModelState", WHERE["GPUModelRunner"])
     state_fields = tree.fields(state) if state is not None else {}
     two_phase = _method(tree, runner, "sample_tokens") is not None and "aux_hidden_states" in state_fields
     hook = "_model_forward" if _method(tree, runner, "_model_forward") is not None else None
     execute = _method(tree, runner, "execute_model") is not None
-    meaning = ("direct reads aux_hidden_states from the runner's state between execute_model() and sample_tokens()"
-               if two_phase else "direct reads the aux states returned by the runner's _model_forward()" if hook
-               else "direct has no place to read the aux states")
+    meaning = (
+        "direct reads aux_hidden_states from the runner's state between execute_model() and sample_tokens()"
+        if two_phase
+        else "direct reads the aux states returned by the runner's _model_forward()"
+        if hook
+        else "direct has no place to read the aux states"
+    )
     found = "yes (ExecuteModelState.aux_hidden_states)" if two_phase else "no: one-phase execute_model"
-    return Reading(facts={"two_phase": two_phase, "runner_forward_hook": hook, "runner_execute_model": execute},
-                   rows=[_row("two-phase execute_model / sample_tokens", found, None, meaning)])
+    return Reading(
+        facts={"two_phase": two_phase, "runner_forward_hook": hook, "runner_execute_model": execute},
+        rows=[_row("two-phase execute_model / sample_tokens", found, None, meaning)],
+    )
 
 
 def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
@@ -252,10 +318,19 @@ def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
     sched = _class(tree, "SchedulerConfig")
     if sched is None:
         why = _not_found("SchedulerConfig")
-        return Reading(facts={"async_scheduling_field": None}, unknown={"async_scheduling_field": why},
-                       rows=[_row("SchedulerConfig.async_scheduling", f"unknown: {why}", None,
-                                  "the runner taps cannot turn async scheduling off through the config",
-                                  unknown=True)])
+        return Reading(
+            facts={"async_scheduling_field": None},
+            unknown={"async_scheduling_field": why},
+            rows=[
+                _row(
+                    "SchedulerConfig.async_scheduling",
+                    f"unknown: {why}",
+                    None,
+                    "the runner taps cannot turn async scheduling off through the config",
+                    unknown=True,
+                )
+            ],
+        )
     info = tree.fields(sched).get("async_scheduling")
     reading = Reading(facts={"async_scheduling_field": info is not None})
     runtime = RUNTIME_HINT
@@ -265,31 +340,54 @@ def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
             reading.facts["async_scheduling_resolved"], runtime = resolve_async_scheduling(ctx.target)
         elif ctx.resolve_config:
             runtime = "not checked (a source tree, not the vLLM installed here)"
-    found = (f"field {info.annotation}, default {reading.facts['async_scheduling_default']}; runtime: {runtime}"
-             if info is not None else "no such field (scheduling is synchronous)")
-    reading.rows.append(_row("SchedulerConfig.async_scheduling", found, None,
-                             "the runner taps turn it off through the config, so one step's states are read before "
-                             "the next is scheduled"))
+    found = (
+        f"field {info.annotation}, default {reading.facts['async_scheduling_default']}; runtime: {runtime}"
+        if info is not None
+        else "no such field (scheduling is synchronous)"
+    )
+    reading.rows.append(
+        _row(
+            "SchedulerConfig.async_scheduling",
+            found,
+            None,
+            "the runner taps turn it off through the config, so one step's states are read before "
+            "the next is scheduled",
+        )
+    )
     return reading
 
 
 def read_block_hasher(tree: SourceTree, ctx: Context) -> Reading:
     request = _class(tree, "Request")
-    hashers = all(tree.find_function(f, WHERE["kv_cache_utils"]) is not None
-                  for f in ("get_request_block_hasher", "init_none_hash"))
+    hashers = all(
+        tree.find_function(f, WHERE["kv_cache_utils"]) is not None
+        for f in ("get_request_block_hasher", "init_none_hash")
+    )
     value = hashers and "block_hasher" in tree.params(_method(tree, request, "__init__"))
-    return Reading(facts={"block_hasher": value}, rows=[_row(
-        "block hasher API",
-        "get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if value else "no", None,
-        "requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no prompt skips "
-        "its forward pass, and builds no Request itself")])
+    return Reading(
+        facts={"block_hasher": value},
+        rows=[
+            _row(
+                "block hasher API",
+                "get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if value else "no",
+                None,
+                "requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no prompt skips "
+                "its forward pass, and builds no Request itself",
+            )
+        ],
+    )
 
 
 def read_convention(tree: SourceTree, ctx: Context) -> Reading:
     """The layer-index convention of vLLM's aux states (from the forward of the architecture's decoder stack)."""
     s = ctx.support
-    reading = Reading(facts={"layer_convention": s.layer_convention, "reaches_embeddings": s.reaches_embeddings,
-                             "reaches_last": s.reaches_last})
+    reading = Reading(
+        facts={
+            "layer_convention": s.layer_convention,
+            "reaches_embeddings": s.reaches_embeddings,
+            "reaches_last": s.reaches_last,
+        }
+    )
     if s.layer_convention == "unknown" and "layer_convention" in s.unknown:
         reading.unknown["layer_convention"] = s.unknown["layer_convention"]
     if s.layer_convention == "unknown":
@@ -297,37 +395,65 @@ def read_convention(tree: SourceTree, ctx: Context) -> Reading:
     elif s.reaches_embeddings and s.reaches_last:
         meaning = "same as draftsmith's store: ids pass through unchanged"
     else:
-        own = " and ".join(w for w, reached in (("id 0 (the embeddings)", s.reaches_embeddings),
-                                                ("id N (the last layer)", s.reaches_last)) if not reached)
+        own = " and ".join(
+            w
+            for w, reached in (
+                ("id 0 (the embeddings)", s.reaches_embeddings),
+                ("id N (the last layer)", s.reaches_last),
+            )
+            if not reached
+        )
         meaning = f"the other ids pass through unchanged; {own} tapped by direct"
-    reading.rows.append(_row("layer-index convention", convention_words(s), s.layer_convention != "unknown", meaning,
-                             unknown=s.layer_convention == "unknown" and s.registered))
+    reading.rows.append(
+        _row(
+            "layer-index convention",
+            convention_words(s),
+            s.layer_convention != "unknown",
+            meaning,
+            unknown=s.layer_convention == "unknown" and s.registered,
+        )
+    )
     return reading
 
 
 def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
     """draftsmith's own hooks on the decoder stack: what they rely on, read by architectures.read_taps."""
     s, taps = ctx.support, ctx.support.taps
-    value: bool | None = True if taps.placeable else (False if not s.registered and s.supports_eagle3 is not None
-                                                      else None)
-    reading = Reading(facts={"layer_taps": value, "taps_float16_rescale": taps.float16_rescale is not None,
-                             "cpu_bfloat16_only": s.cpu_bfloat16_only})
+    value: bool | None = (
+        True if taps.placeable else (False if not s.registered and s.supports_eagle3 is not None else None)
+    )
+    reading = Reading(
+        facts={
+            "layer_taps": value,
+            "taps_float16_rescale": taps.float16_rescale is not None,
+            "cpu_bfloat16_only": s.cpu_bfloat16_only,
+        }
+    )
     if value is None:
         reading.unknown["layer_taps"] = taps.missing or "unknown"
     if taps.placeable:
         arg = f"argument {taps.stream_arg}" if isinstance(taps.stream_arg, int) else f"keyword {taps.stream_arg}"
-        found = (f"yes: {s.decoder_stack} loops over its layers ({taps.loop}); a layer returns "
-                 + ("(hidden, residual), the stream is their sum" if taps.layer_returns == "pair" else "the stream")
-                 + f"; the stream enters as {arg}; layers {', '.join(taps.layer_classes)}")
+        found = (
+            f"yes: {s.decoder_stack} loops over its layers ({taps.loop}); a layer returns "
+            + ("(hidden, residual), the stream is their sum" if taps.layer_returns == "pair" else "the stream")
+            + f"; the stream enters as {arg}; layers {', '.join(taps.layer_classes)}"
+        )
         if taps.float16_rescale:
             found += f"; float16 rescales the stream ({taps.float16_rescale}): float16 refused"
         if taps.gathers_rows:
             found += "; a token-sharded stream is all-gathered"
     else:
         found = ("no: " if value is False else "unknown: ") + (taps.missing or "")
-    reading.rows.append(_row(f"layer taps on {ctx.architecture}", found, taps.placeable,
-                             "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
-                             "reads this way, with or without vLLM's EAGLE-3 support", unknown=value is None))
+    reading.rows.append(
+        _row(
+            f"layer taps on {ctx.architecture}",
+            found,
+            taps.placeable,
+            "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
+            "reads this way, with or without vLLM's EAGLE-3 support",
+            unknown=value is None,
+        )
+    )
     return reading
 
 
@@ -336,37 +462,60 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     engine_args = _class(tree, "EngineArgs")
     fields = tree.fields(engine_args) if engine_args is not None else {}
     backends = _class(tree, "AttentionBackendEnum")
-    cpu_mla = ("CPU_MLA" if backends is not None and "CPU_MLA" in tree.class_names(backends)
-               and "attention_backend" in fields else None)
+    cpu_mla = (
+        "CPU_MLA"
+        if backends is not None and "CPU_MLA" in tree.class_names(backends) and "attention_backend" in fields
+        else None
+    )
     platform = _class(tree, "CpuPlatform")
     selector = tree.segment(_method(tree, platform, "get_attn_backend_cls"))
     refused = None if platform is None else "MLA is not supported on CPU" in selector
     switch = "VLLM_MLA_DISABLE" in tree.dict_keys("vllm.envs", "environment_variables")
-    reading = Reading(facts={"language_model_only": None if engine_args is None else "language_model_only" in fields,
-                             "per_request_spec_metrics": (None if engine_args is None else
-                                                          "per_request_spec_decode_metrics" in fields),
-                             "cpu_mla_backend": cpu_mla, "cpu_mla_refused": refused, "mla_disable_switch": switch})
+    reading = Reading(
+        facts={
+            "language_model_only": None if engine_args is None else "language_model_only" in fields,
+            "per_request_spec_metrics": (None if engine_args is None else "per_request_spec_decode_metrics" in fields),
+            "cpu_mla_backend": cpu_mla,
+            "cpu_mla_refused": refused,
+            "mla_disable_switch": switch,
+        }
+    )
     if engine_args is None:
-        reading.unknown.update(dict.fromkeys(("language_model_only", "per_request_spec_metrics"),
-                                             _not_found("EngineArgs")))
+        reading.unknown.update(
+            dict.fromkeys(("language_model_only", "per_request_spec_metrics"), _not_found("EngineArgs"))
+        )
     only = reading.facts["language_model_only"]
-    reading.rows.append(_row(
-        "multimodal wrapper: language_model_only",
-        "yes (EngineArgs.language_model_only)" if only else "no" if only is False else
-        f"unknown: {_not_found('EngineArgs')}", None,
-        "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
-        if only else "a multimodal wrapper's towers are loaded too", unknown=only is None))
+    reading.rows.append(
+        _row(
+            "multimodal wrapper: language_model_only",
+            "yes (EngineArgs.language_model_only)"
+            if only
+            else "no"
+            if only is False
+            else f"unknown: {_not_found('EngineArgs')}",
+            None,
+            "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
+            if only
+            else "a multimodal wrapper's towers are loaded too",
+            unknown=only is None,
+        )
+    )
     if cpu_mla:
-        found, meaning = (f"{cpu_mla} backend, set with EngineArgs.attention_backend",
-                          "DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take "
-                          "bf16 only)")
+        found, meaning = (
+            f"{cpu_mla} backend, set with EngineArgs.attention_backend",
+            "DeepSeek-V3 / Kimi-K2 targets in float32 on a CPU run on it (vLLM's AMX MLA kernels take bf16 only)",
+        )
     elif refused and switch:
-        found, meaning = ("none: the CPU platform raises 'MLA is not supported on CPU.'; VLLM_MLA_DISABLE exists",
-                          "on a CPU an MLA target starts with VLLM_MLA_DISABLE=1: vLLM runs it as multi-head "
-                          "attention over the decompressed K/V (the same computation)")
+        found, meaning = (
+            "none: the CPU platform raises 'MLA is not supported on CPU.'; VLLM_MLA_DISABLE exists",
+            "on a CPU an MLA target starts with VLLM_MLA_DISABLE=1: vLLM runs it as multi-head "
+            "attention over the decompressed K/V (the same computation)",
+        )
     else:
-        found, meaning = ("no CPU_MLA backend / attention_backend field",
-                          "an MLA target on CPU runs on whatever vLLM picks")
+        found, meaning = (
+            "no CPU_MLA backend / attention_backend field",
+            "an MLA target on CPU runs on whatever vLLM picks",
+        )
     reading.rows.append(_row("MLA attention in float32 on CPU", found, None, meaning))
     return reading
 
@@ -374,24 +523,44 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
 def read_worker_extension(tree: SourceTree, ctx: Context) -> Reading:
     """How the runner taps get into the worker: worker_extension_cls and LLM.collective_rpc."""
     parallel, llm = _class(tree, "ParallelConfig"), _class(tree, "LLM")
-    value: bool | None = (None if parallel is None or llm is None else
-                          "worker_extension_cls" in tree.fields(parallel)
-                          and _method(tree, llm, "collective_rpc") is not None)
-    reading = Reading(facts={"worker_extension": value, "runner_v2_switch": "VLLM_USE_V2_MODEL_RUNNER" in
-                             tree.dict_keys("vllm.envs", "environment_variables")})
+    value: bool | None = (
+        None
+        if parallel is None or llm is None
+        else "worker_extension_cls" in tree.fields(parallel) and _method(tree, llm, "collective_rpc") is not None
+    )
+    reading = Reading(
+        facts={
+            "worker_extension": value,
+            "runner_v2_switch": "VLLM_USE_V2_MODEL_RUNNER" in tree.dict_keys("vllm.envs", "environment_variables"),
+        }
+    )
     if value is None:
         reading.unknown["worker_extension"] = _not_found("ParallelConfig" if parallel is None else "LLM")
-    reading.rows.append(_row("worker extension + collective_rpc", "yes" if value else "no" if value is False else
-                             f"unknown: {reading.unknown['worker_extension']}", bool(value),
-                             "direct and the layer taps install their hooks in the worker through "
-                             "worker_extension_cls and LLM.collective_rpc", unknown=value is None))
+    reading.rows.append(
+        _row(
+            "worker extension + collective_rpc",
+            "yes" if value else "no" if value is False else f"unknown: {reading.unknown['worker_extension']}",
+            bool(value),
+            "direct and the layer taps install their hooks in the worker through "
+            "worker_extension_cls and LLM.collective_rpc",
+            unknown=value is None,
+        )
+    )
     return reading
 
 
 # this module's readers, before and after decoding.py's in doctor's table (probe.READERS puts them in order)
-SOURCE_READERS: tuple[Reader, ...] = (read_release, read_extract_method, read_connector, read_eagle3_target,
-                                      read_runner, read_async_scheduling, read_block_hasher, read_convention,
-                                      read_layer_taps)
+SOURCE_READERS: tuple[Reader, ...] = (
+    read_release,
+    read_extract_method,
+    read_connector,
+    read_eagle3_target,
+    read_runner,
+    read_async_scheduling,
+    read_block_hasher,
+    read_convention,
+    read_layer_taps,
+)
 ENGINE_READERS: tuple[Reader, ...] = (read_engine_args, read_worker_extension)
 
 
@@ -415,8 +584,14 @@ def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) ->
     src = str(Path(__file__).resolve().parents[3])  # where this draftsmith is imported from, for the subprocess
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     try:
-        done = subprocess.run([sys.executable, "-c", _RUNTIME_SCRIPT, "" if target is None else str(target)],
-                              capture_output=True, text=True, timeout=timeout, check=False, env=env)
+        done = subprocess.run(
+            [sys.executable, "-c", _RUNTIME_SCRIPT, "" if target is None else str(target)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return None, f"not resolved (building the engine config took over {timeout:g} s)"
     for line in reversed(done.stdout.splitlines()):
@@ -427,6 +602,19 @@ def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) ->
     return None, f"not resolved (the engine config could not be built: {last[:200]})"
 
 
-__all__ = ["CPU_ATTENTION_ROW", "DFLASH_ROW", "EAGLE3_ROW", "ENGINE_READERS", "PARALLEL_DRAFTING_ROW", "RUNTIME_HINT", "SOURCE_READERS", "WHERE", "Capability",
-           "Context", "Reading",
-           "platform_of", "resolve_async_scheduling", "speculative_methods"]
+__all__ = [
+    "CPU_ATTENTION_ROW",
+    "DFLASH_ROW",
+    "EAGLE3_ROW",
+    "ENGINE_READERS",
+    "PARALLEL_DRAFTING_ROW",
+    "RUNTIME_HINT",
+    "SOURCE_READERS",
+    "WHERE",
+    "Capability",
+    "Context",
+    "Reading",
+    "platform_of",
+    "resolve_async_scheduling",
+    "speculative_methods",
+]

@@ -48,9 +48,13 @@ class StoreSink:
             self._open(Path(config["store"]))
 
     def _open(self, path: Path) -> None:
-        writer = store_module.create_or_resume(path, self.spec, worker=tuple(self.config["worker"]),
-                                               shard_bytes=int(self.config["shard_bytes"]),
-                                               backend_info=self.config.get("backend_info"))
+        writer = store_module.create_or_resume(
+            path,
+            self.spec,
+            worker=tuple(self.config["worker"]),
+            shard_bytes=int(self.config["shard_bytes"]),
+            backend_info=self.config.get("backend_info"),
+        )
         self._writer, self._background = writer, common.BackgroundWriter(writer, max_pending=8)
 
     def open_store(self, path: str) -> None:
@@ -93,8 +97,10 @@ class StoreSink:
                     raise RuntimeError(f"request for sample {sample_id} carried other token ids than the prepared set")
                 rows, shape = sum(p.data.shape[0] for p in parts), tuple(parts[0].data.shape[1:]) if parts else ()
                 if rows != ids.shape[0] or shape[:1] != (len(self.layer_ids),):
-                    raise RuntimeError(f"sample {sample_id}: captured states [{rows}, {', '.join(map(str, shape))}], "
-                                       f"expected [{ids.shape[0]}, {len(self.layer_ids)}, H]")
+                    raise RuntimeError(
+                        f"sample {sample_id}: captured states [{rows}, {', '.join(map(str, shape))}], "
+                        f"expected [{ids.shape[0]}, {len(self.layer_ids)}, H]"
+                    )
                 self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), list(parts))])
                 self.written_tokens += int(ids.shape[0])
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
@@ -114,8 +120,12 @@ class StoreSink:
             return self._finish()
 
     def _finish(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"received": self.received, "error": self.error, "disk_full": self.disk_full,
-                               "samples_written": 0}
+        out: dict[str, Any] = {
+            "received": self.received,
+            "error": self.error,
+            "disk_full": self.disk_full,
+            "samples_written": 0,
+        }
         if self._writer is None:
             return out
         assert self._background is not None  # set with _writer

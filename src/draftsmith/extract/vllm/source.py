@@ -410,8 +410,9 @@ class SourceTree:
                 if not isinstance(value, ast.Dict):
                     continue
                 for key, item in zip(value.keys, value.values):
-                    if not (isinstance(key, ast.Constant) and isinstance(key.value, str)
-                            and isinstance(item, ast.Tuple)):
+                    if not (
+                        isinstance(key, ast.Constant) and isinstance(key.value, str) and isinstance(item, ast.Tuple)
+                    ):
                         continue
                     pair = [e.value for e in item.elts[:2] if isinstance(e, ast.Constant) and isinstance(e.value, str)]
                     if len(pair) == 2:
@@ -457,8 +458,10 @@ def package_dir(source: Path | str) -> Path:
         return path / TOP
     if (path / "__init__.py").is_file() and (path.name == TOP or (path / "envs.py").is_file()):
         return path
-    raise DraftsmithError(f"--vllm-source {source}: no vLLM package there (expected {path / TOP / '__init__.py'}; "
-                          "give a site-packages, an unpacked wheel, a checkout or the vllm package itself)")
+    raise DraftsmithError(
+        f"--vllm-source {source}: no vLLM package there (expected {path / TOP / '__init__.py'}; "
+        "give a site-packages, an unpacked wheel, a checkout or the vllm package itself)"
+    )
 
 
 def _read_version(package: Path) -> str | None:
@@ -518,11 +521,25 @@ def locate(source: Path | str | None) -> Located | None:
     if platform is None and dist is not None and nvidia:
         platform, how = "cuda", f"the distribution {dist.name}, which requires {nvidia}"
     if platform is None:
-        how = ((f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package")
-               + " and the version" + (f" {version}" if version else "") + " do not name a platform")
-    return Located(package=package, installed=source is None, version=version, dist_info=dist, platform=platform,
-                   platform_how=how)
+        how = (
+            (f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package")
+            + " and the version"
+            + (f" {version}" if version else "")
+            + " do not name a platform"
+        )
+    return Located(
+        package=package, installed=source is None, version=version, dist_info=dist, platform=platform, platform_how=how
+    )
 
 
-__all__ = ["FieldInfo", "Found", "Located", "Module", "SourceTree", "installed_package", "literal_text", "locate",
-           "package_dir"]
+__all__ = [
+    "FieldInfo",
+    "Found",
+    "Located",
+    "Module",
+    "SourceTree",
+    "installed_package",
+    "literal_text",
+    "locate",
+    "package_dir",
+]

@@ -30,12 +30,15 @@ class StackTaps(BaseModel):
     loop: str | None = Field(None, description="the stack's loop over self.layers")
     layers: str | None = Field(None, description="where the stack makes self.layers (make_layers / ModuleList)")
     layer_returns: Literal["pair", "tensor"] | None = Field(
-        None, description="pair: `hidden, residual = layer(...)` (the stream is their sum); tensor: `x = layer(...)`")
+        None, description="pair: `hidden, residual = layer(...)` (the stream is their sum); tensor: `x = layer(...)`"
+    )
     stream_arg: int | str | None = Field(
-        None, description="where the stream enters a layer call: a position or a keyword (the embeddings, id 0)")
+        None, description="where the stream enters a layer call: a position or a keyword (the embeddings, id 0)"
+    )
     layer_classes: list[str] = Field(default_factory=list, description="the decoder layer classes make_layers builds")
     float16_rescale: str | None = Field(
-        None, description="where a layer rescales the stream under float16 (then taps refuse float16)")
+        None, description="where a layer rescales the stream under float16 (then taps refuse float16)"
+    )
     gathers_rows: bool = Field(False, description="the stack all-gathers a token-sharded stream (sequence parallel)")
     missing: str | None = Field(None, description="why the taps cannot be placed: what was looked for, where")
 
@@ -80,7 +83,7 @@ def callee(tree: SourceTree, fn: Found, func: ast.expr, *, owner: Found) -> Foun
 def _param_default(fn: Found, name: str) -> ast.expr | None:
     args = fn.function.args
     positional = args.posonlyargs + args.args
-    for arg, default in zip(positional[len(positional) - len(args.defaults):], args.defaults):
+    for arg, default in zip(positional[len(positional) - len(args.defaults) :], args.defaults):
         if arg.arg == name:
             return default
     for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
@@ -90,8 +93,9 @@ def _param_default(fn: Found, name: str) -> ast.expr | None:
 
 
 def local_def(fn: Found, name: str) -> ast.FunctionDef | None:
-    return next((n for n in ast.walk(fn.node) if isinstance(n, ast.FunctionDef) and n.name == name
-                 and n is not fn.node), None)
+    return next(
+        (n for n in ast.walk(fn.node) if isinstance(n, ast.FunctionDef) and n.name == name and n is not fn.node), None
+    )
 
 
 # ------------------------------------------------------------------------------------------- CPU kernels
@@ -118,8 +122,11 @@ def _layer_files(tree: SourceTree) -> dict[str, Path]:
     root = tree.package / "model_executor" / "layers"
     if not root.is_dir():
         return {}
-    return {"vllm." + ".".join(path.relative_to(tree.package).with_suffix("").parts): path
-            for path in sorted(root.rglob("*.py")) if path.name != "__init__.py"}
+    return {
+        "vllm." + ".".join(path.relative_to(tree.package).with_suffix("").parts): path
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "__init__.py"
+    }
 
 
 def _layer_texts(tree: SourceTree) -> dict[str, str]:
@@ -145,8 +152,12 @@ def _cpu_bfloat16_kernels(tree: SourceTree) -> dict[str, str]:
         if module is None:
             continue
         for node in ast.walk(module.tree):
-            if (isinstance(node, ast.Assert) and "torch.bfloat16" in ast.unparse(node.test)
-                    and isinstance(node.msg, ast.Constant) and isinstance(node.msg.value, str)):
+            if (
+                isinstance(node, ast.Assert)
+                and "torch.bfloat16" in ast.unparse(node.test)
+                and isinstance(node.msg, ast.Constant)
+                and isinstance(node.msg.value, str)
+            ):
                 found[name] = f"{node.msg.value!r} ({where(Found(module, node), node).split(' ', 1)[0]})"
                 break
     return found
@@ -167,8 +178,9 @@ def read_taps(tree: SourceTree, stack: Found, forward: Found) -> StackTaps:
     taps.loop = where(forward, loop)
     call = _layer_call(loop)
     if call is None:
-        return _missing(taps, f"no `<stream> = layer(...)` call inside the loop of {stack.name}.forward "
-                              f"({where(forward, loop)})")
+        return _missing(
+            taps, f"no `<stream> = layer(...)` call inside the loop of {stack.name}.forward ({where(forward, loop)})"
+        )
     assign, targets = call
     taps.layer_returns = "pair" if len(targets) == 2 else "tensor"
     stream = targets[0]
@@ -182,14 +194,20 @@ def read_taps(tree: SourceTree, stack: Found, forward: Found) -> StackTaps:
         return _missing(taps, f"the loop changes the stream besides the layer call ({where(forward, rescaled)})")
     made = _layers_made(tree, stack)
     if made is None:
-        return _missing(taps, f"no `self.layers = ...` (make_layers or nn.ModuleList) in the __init__ of {stack.name} "
-                              f"({short(stack)}) or its bases")
+        return _missing(
+            taps,
+            f"no `self.layers = ...` (make_layers or nn.ModuleList) in the __init__ of {stack.name} "
+            f"({short(stack)}) or its bases",
+        )
     init, statement, builder = made
     taps.layers = where(init, statement)
     classes = _layer_classes(tree, stack, init, builder)
     if not classes:
-        return _missing(taps, f"the decoder layer class that {where(init, statement)} builds could not be resolved, "
-                              "so its rescaling of the stream could not be read")
+        return _missing(
+            taps,
+            f"the decoder layer class that {where(init, statement)} builds could not be resolved, "
+            "so its rescaling of the stream could not be read",
+        )
     taps.layer_classes = [c.name for c in classes]
     for layer_cls in classes:
         layer_forward = tree.method(layer_cls, "forward")
@@ -197,8 +215,11 @@ def read_taps(tree: SourceTree, stack: Found, forward: Found) -> StackTaps:
             return _missing(taps, f"no forward() on {layer_cls.name} ({short(layer_cls)})")
         kind, node = _stream_rescale(layer_forward)
         if kind == "other":
-            return _missing(taps, f"{layer_cls.name}.forward rescales the stream outside a float16 branch "
-                                  f"({where(layer_forward, node)}), which the taps cannot undo")
+            return _missing(
+                taps,
+                f"{layer_cls.name}.forward rescales the stream outside a float16 branch "
+                f"({where(layer_forward, node)}), which the taps cannot undo",
+            )
         if kind == "float16" and taps.float16_rescale is None:
             taps.float16_rescale = where(layer_forward, node)
     return taps
@@ -216,15 +237,26 @@ def _mentions_layers(expr: ast.AST) -> bool:
 def _layer_loop(forward: Found) -> ast.For | None:
     """The loop over the layers: `for layer in islice(self.layers, ...)`, `for idx, layer in enumerate(...)`, or
     `for i in range(self.start_layer, self.end_layer): layer = self.layers[i]` (gpt-oss)."""
-    return next((n for n in ast.walk(forward.node) if isinstance(n, ast.For)
-                 and (_mentions_layers(n.iter) or _indexed_layer(n) is not None)), None)
+    return next(
+        (
+            n
+            for n in ast.walk(forward.node)
+            if isinstance(n, ast.For) and (_mentions_layers(n.iter) or _indexed_layer(n) is not None)
+        ),
+        None,
+    )
 
 
 def _indexed_layer(loop: ast.For) -> str | None:
     """`layer` in a loop body's `layer = self.layers[i]`."""
     for stmt in loop.body:
-        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                and isinstance(stmt.value, ast.Subscript) and _mentions_layers(stmt.value.value)):
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.Subscript)
+            and _mentions_layers(stmt.value.value)
+        ):
             return stmt.targets[0].id
     return None
 
@@ -257,8 +289,9 @@ def _layer_call(loop: ast.For) -> tuple[ast.Assign, list[str]] | None:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Call)):
             continue
         func = node.value.func
-        if (isinstance(func, ast.Name) and func.id == layer) or (isinstance(func, ast.Subscript)
-                                                                   and _mentions_layers(func.value)):
+        if (isinstance(func, ast.Name) and func.id == layer) or (
+            isinstance(func, ast.Subscript) and _mentions_layers(func.value)
+        ):
             names = _names(node.targets[0])
             if names is not None:
                 return node, names
@@ -307,8 +340,11 @@ def _layers_made(tree: SourceTree, stack: Found) -> tuple[Found, ast.stmt, ast.e
                 if any(isinstance(e, ast.Attribute) and e.attr == "layers" and is_self(e.value) for e in elts):
                     value, init = node.value, Found(klass.module, own)
                     callee = getattr(value, "func", None)
-                    if isinstance(value, ast.Call) and getattr(callee, "id", getattr(callee, "attr", "")) == \
-                            "make_layers" and len(value.args) >= 2:
+                    if (
+                        isinstance(value, ast.Call)
+                        and getattr(callee, "id", getattr(callee, "attr", "")) == "make_layers"
+                        and len(value.args) >= 2
+                    ):
                         return init, node, value.args[1]
                     comp = next((n for n in ast.walk(value) if isinstance(n, (ast.ListComp, ast.GeneratorExp))), None)
                     return init, node, comp.elt if comp is not None else None
@@ -329,8 +365,9 @@ def _layer_classes(tree: SourceTree, stack: Found, init: Found, builder: ast.exp
     elif isinstance(builder, ast.Name):
         local = local_def(init, builder.id)
         if local is not None:
-            calls = [n.value.func for n in ast.walk(local)
-                     if isinstance(n, ast.Return) and isinstance(n.value, ast.Call)]
+            calls = [
+                n.value.func for n in ast.walk(local) if isinstance(n, ast.Return) and isinstance(n.value, ast.Call)
+            ]
     found: list[Found] = []
     for func in calls:
         for cls in _classes_named(tree, stack, init, func):
@@ -356,9 +393,13 @@ def _passed_by_subclass(tree: SourceTree, stack: Found, init: Found, param: str)
         if own is None or own is init.node:
             continue
         for node in ast.walk(own):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__"
-                    and isinstance(node.func.value, ast.Call)
-                    and getattr(node.func.value.func, "id", None) == "super"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "__init__"
+                and isinstance(node.func.value, ast.Call)
+                and getattr(node.func.value.func, "id", None) == "super"
+            ):
                 for kw in node.keywords:
                     if kw.arg == param:
                         named = callee(tree, Found(klass.module, own), kw.value, owner=stack)
@@ -387,8 +428,12 @@ def _stream_rescale(forward: Found) -> tuple[Literal["none", "float16", "other"]
         scaled = None
         if isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.Mult, ast.Div)):
             scaled = node.target
-        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.BinOp)
-              and isinstance(node.value.op, (ast.Mult, ast.Div)) and len(node.targets) == 1):
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.BinOp)
+            and isinstance(node.value.op, (ast.Mult, ast.Div))
+            and len(node.targets) == 1
+        ):
             operands = {n.id for n in (node.value.left, node.value.right) if isinstance(n, ast.Name)}
             target = node.targets[0]
             if isinstance(target, ast.Name) and target.id in operands:

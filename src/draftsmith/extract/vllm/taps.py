@@ -50,8 +50,9 @@ class TapPlan(BaseModel):
     two_phase: bool = True
 
 
-def vllm_aux_ids(layer_ids: list[int], num_layers: int, reaches_embeddings: bool,
-                 reaches_last: bool) -> tuple[list[int], list[int]]:
+def vllm_aux_ids(
+    layer_ids: list[int], num_layers: int, reaches_embeddings: bool, reaches_last: bool
+) -> tuple[list[int], list[int]]:
     """Store ids -> (ids vLLM's aux machinery captures, ids draftsmith must hook itself)."""
     own = [k for k in layer_ids if (k == 0 and not reaches_embeddings) or (k == num_layers and not reaches_last)]
     return [k for k in layer_ids if k not in own], own
@@ -63,10 +64,16 @@ def plan(strategy: str, layer_ids: list[int], num_layers: int, facts: Any, suppo
         vllm_ids, hook_ids = vllm_aux_ids(layer_ids, num_layers, facts.reaches_embeddings, facts.reaches_last)
     else:
         vllm_ids, hook_ids = [], list(layer_ids)
-    return TapPlan(strategy=strategy, layer_ids=list(layer_ids), num_layers=num_layers,
-                   stack_class=support.decoder_stack if support is not None else None, vllm_ids=vllm_ids,
-                   hook_ids=hook_ids, stream_arg=support.taps.stream_arg if support is not None else None,
-                   two_phase=bool(facts.two_phase))
+    return TapPlan(
+        strategy=strategy,
+        layer_ids=list(layer_ids),
+        num_layers=num_layers,
+        stack_class=support.decoder_stack if support is not None else None,
+        vllm_ids=vllm_ids,
+        hook_ids=hook_ids,
+        stream_arg=support.taps.stream_arg if support is not None else None,
+        two_phase=bool(facts.two_phase),
+    )
 
 
 def decoder_stack(model: torch.nn.Module, class_name: str | None) -> torch.nn.Module:
@@ -137,8 +144,11 @@ class RunnerTaps:
         if plan.vllm_ids:
             model.set_aux_hidden_state_layers(tuple(plan.vllm_ids))
             runner.use_aux_hidden_state_outputs = True
-        self.hooks = (LayerHooks(decoder_stack(model, plan.stack_class), plan.hook_ids, plan.num_layers,
-                                 plan.stream_arg) if plan.hook_ids else None)
+        self.hooks = (
+            LayerHooks(decoder_stack(model, plan.stack_class), plan.hook_ids, plan.num_layers, plan.stream_arg)
+            if plan.hook_ids
+            else None
+        )
 
     def states_of_step(self) -> list[torch.Tensor] | None:
         """The step's captured layers, in store order, each [tokens, H]; None when the step ran no forward."""
@@ -172,19 +182,23 @@ class RunnerTaps:
             # the forward ran tokens past our hooks (a compiled or captured graph): say so now, not after the
             # sink's wait for samples that will never come (the driver adds the --backend hf hint where it fits)
             stack = self.plan.stack_class or "decoder stack"
-            raise RuntimeError(f"draftsmith taps: a step ran {ran} tokens and the hooks on {stack}'s layers "
-                               f"{', '.join(map(str, self.plan.hook_ids))} did not all fire: the model's forward "
-                               "does not pass through its layer modules here (a compiled or captured graph); "
-                               "extract with another --vllm-strategy that doctor offers")
+            raise RuntimeError(
+                f"draftsmith taps: a step ran {ran} tokens and the hooks on {stack}'s layers "
+                f"{', '.join(map(str, self.plan.hook_ids))} did not all fire: the model's forward "
+                "does not pass through its layer modules here (a compiled or captured graph); "
+                "extract with another --vllm-strategy that doctor offers"
+            )
         if layers is None:
             return
         batch = self.runner.input_batch
         rows = min(h.shape[0] for h in layers)
         scheduled = sum(int(counts.get(r, 0)) for r in list(batch.req_ids)[: batch.num_reqs])
         if rows < scheduled:  # a token-sharded stream (sequence-parallel MoE): rows on other ranks
-            raise RuntimeError(f"draftsmith taps: a layer's stream holds {rows} rows for {scheduled} scheduled "
-                               "tokens (sharded across ranks by sequence-parallel MoE); extract without expert "
-                               "parallelism")
+            raise RuntimeError(
+                f"draftsmith taps: a layer's stream holds {rows} rows for {scheduled} scheduled "
+                "tokens (sharded across ranks by sequence-parallel MoE); extract without expert "
+                "parallelism"
+            )
         offset = 0
         for req_id in list(batch.req_ids)[: batch.num_reqs]:
             n = int(counts.get(req_id, 0))
@@ -194,7 +208,7 @@ class RunnerTaps:
                 seen = sum(c.data.shape[0] for c in chunks)
                 take = min(n, len(prompt) - seen)
                 if take > 0:
-                    chunks.append(self.sink.to_host([h[offset:offset + take] for h in layers]))
+                    chunks.append(self.sink.to_host([h[offset : offset + take] for h in layers]))
                 if seen + max(take, 0) >= len(prompt):
                     del self.requests[req_id]
                     self.sink.put(sample_id, prompt, chunks)
