@@ -706,7 +706,7 @@ def test_a_crash_between_link_and_manifest_is_adopted_without_duplicates(tmp_pat
 
 def test_engine_cores_on_a_cpu_are_checked_against_the_cores_this_process_may_use():
     from draftsmith.config import TrainConfig
-    from draftsmith.train.engine_source import engine_cpus
+    from draftsmith.train.engine_process import engine_cpus
 
     allowed = sorted(os.sched_getaffinity(0))
     # default: the engines on the first half of the cores, the trainer on the rest (one core: shared)
@@ -726,30 +726,19 @@ def _ready(spool: Spool, name: str) -> None:
     (spool.chunk_path(name) / "manifest.json").write_text("{}")
 
 
-class _Info:
-    """One rank on a CPU (what `distributed.DistInfo` tells the source)."""
+def _supervisor(spool: Spool, chunks, cfg: TrainConfig | None = None):
+    """Rank 0's supervisor of the engine on `spool` for `chunks` (no master, no engine process until it starts one):
+    made with no I/O, as the trainer makes it."""
+    from draftsmith.train.engine_supervisor import EngineSupervisor
 
-    device, rank, world_size, is_main = torch.device("cpu"), 0, 1, True
-
-
-def _bare_source(spool: Spool, chunks, cfg: TrainConfig | None = None):
-    """An EngineSource with only what its spool bookkeeping reads (no data set, no samplers, no engine)."""
-    from draftsmith.train import engine_source
-
-    source = engine_source.EngineSource.__new__(engine_source.EngineSource)
-    source.spool, source.chunks, source.consumed = spool, chunks, set()
-    source.cfg = cfg if cfg is not None else TrainConfig(engine="vllm")
-    source.bound, source.info, source.layer_ids = spool.bound, _Info(), []
-    source.engine = source.master = source._lock = None
-    source.cpus, source.generation, source.step, source._beat = None, 0, 0, 0.0
-    source._seen = (None, time.monotonic())
-    return source
+    cfg = cfg if cfg is not None else TrainConfig(engine="vllm")
+    return EngineSupervisor(cfg, spool, chunks, set(), [], spool.bound, None, None, None)
 
 
 def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_first(tmp_path, monkeypatch):
     """A trainer killed after the engine ran ahead, resumed from an earlier checkpoint: the chunks the spool still
     holds far ahead must go, or the engine (writing in plan order) would wait for room the trainer never frees."""
-    from draftsmith.train import engine_source
+    from draftsmith.train import engine_supervisor
 
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
@@ -757,24 +746,23 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     for c in chunks[1:]:  # c0 was consumed before the kill; c1..c5 are ready
         _ready(spool, c.name)
     spool.write_plan(Plan(chunks, 5))  # the killed trainer's last plan generation
-    source = _bare_source(spool, chunks, TrainConfig(engine="vllm", output=tmp_path / "run"))
-    source._matches = lambda c, info: True
+    source = _supervisor(spool, chunks, TrainConfig(engine="vllm", output=tmp_path / "run"))
+    monkeypatch.setattr(engine_supervisor, "chunk_matches", lambda chunk, info, dtype, layer_ids: True)
     source._extract_config = lambda: ExtractConfig(backend="vllm")
     spawned = []
     source._spawn = lambda: spawned.append(True)
-    monkeypatch.setattr(engine_source, "engine_devices", lambda cfg, info: None)
-    monkeypatch.setattr(engine_source, "prepared_digest", lambda data: "digest")
-    monkeypatch.setattr(engine_source.importlib.util, "find_spec", lambda name: True)  # as if vLLM were installed
+    monkeypatch.setattr(engine_supervisor, "prepared_digest", lambda data: "digest")
+    monkeypatch.setattr(engine_supervisor.importlib.util, "find_spec", lambda name: True)  # as if vLLM were installed
     try:
-        source._start()
+        source.start()
     finally:
-        if source._lock is not None:
-            source._lock.close()
+        source.close()
+    assert source._lock is None  # released by close
     # c0 (missing), c1, c2 fit in 10,000 bytes (3 x 3,000); c3.. are removed
     assert [c.name for c in chunks if spool.is_ready(c.name)] == ["c1", "c2"]
     assert spawned and source.generation == 5  # the next plan it writes is newer than any an engine has seen
     # the engine's log is the trainer's, beside its run: not in the spool, where it would count against the bound
-    assert isinstance(source.engine, engine_source.EngineProcess)
+    assert isinstance(source.engine, engine_supervisor.EngineProcess)
     assert source.engine.log == tmp_path / "run" / "feed.log"
     assert spool.read_job().bound == 10_000
 
@@ -783,15 +771,15 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
     """The race CI met: a resumed trainer reads the chunks a killed engine left ready and deletes them while its new
     engine process is still importing vLLM; that process reads the plan then, finds them missing, and must not redo
     them (the spool would fill with chunks no one reads, the engine waiting for room, the trainer for the next)."""
-    from draftsmith.train import engine_process, engine_source
+    from draftsmith.train import engine_process
 
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(5)]
     for c in chunks[:2]:  # left ready by the killed engine
         _ready(spool, c.name)
-    source = _bare_source(spool, chunks)
-    source.engine = engine_source.EngineProcess(
+    source = _supervisor(spool, chunks)
+    source.engine = engine_process.EngineProcess(
         source.cfg, str(spool.path), tmp_path / "run" / "feed.log", tmp_path / "run" / "engine-scratch", None, None
     )
     spool.write_job(_job())
@@ -822,18 +810,18 @@ def test_write_plan_starts_a_new_generation_without_the_chunks_read_or_ready(tmp
     spool.create()
     chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(5)]
     chunks.append(Chunk("c5", 0, 5, 5, [5], [], 0, 0))  # all from the --keep-epoch0 store: not the engines'
-    source = _bare_source(spool, chunks)
+    source = _supervisor(spool, chunks)
     source.generation = 4
     source.consumed = {"c0"}
     _ready(spool, "c1")  # published, not read yet
-    source._write_plan()
+    source.write_plan()
     plan = spool.read_plan()
     assert plan.generation == 5 and [c.name for c in plan.chunks] == ["c2", "c3", "c4"]
     assert plan.chunks == chunks[2:5]  # whole: the engine computes them from these
     # the trainer reads c1 and c2 meanwhile, and c3 is lost with its transport: the next generation asks for it again
     source.consumed |= {"c1", "c2"}
     spool.consume("c1", 0, 1)
-    source._write_plan()
+    source.write_plan()
     plan = spool.read_plan()
     assert plan.generation == 6 and [c.name for c in plan.chunks] == ["c3", "c4"]
 
@@ -871,7 +859,7 @@ def _exited_source(tmp_path, status: FeedStatus, code: int):
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     spool.write_status(status)
-    source = _bare_source(spool, [])
+    source = _supervisor(spool, [])
     source.engine = _FakeEngine(tmp_path / "run" / "feed.log", code)
     spawned = []
     source._spawn = lambda: spawned.append(True)
@@ -879,12 +867,14 @@ def _exited_source(tmp_path, status: FeedStatus, code: int):
 
 
 def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_once(tmp_path, capsys):
+    from draftsmith.train.engine_supervisor import Event
+
     def exited(source, chunk):
-        source._engine_exited(chunk, source.spool.read_status())
+        return source._engine_exited(chunk, source.spool.read_status())
 
     # killed (signal, the status of a started engine): restarted, and the user told so
     source, chunk, spawned = _exited_source(tmp_path / "a", FeedStatus(pid=7, engine_started=True), -9)
-    exited(source, chunk)
+    assert exited(source, chunk) == Event.ENGINE_RESTARTED
     assert spawned and source.engine.restarts == 1 and source.engine.total_restarts == 1
     assert source.engine.stops == 1  # what is left of it (vLLM's processes) goes before the new one starts
     err = capsys.readouterr().err
@@ -892,7 +882,7 @@ def test_an_engine_killed_mid_run_is_restarted_and_a_setup_error_is_one_line_at_
     # it exited after publishing the chunk the trainer waits for: nothing to do for that chunk
     source, chunk, spawned = _exited_source(tmp_path / "ready", FeedStatus(pid=7, engine_started=True), 0)
     _ready(source.spool, chunk.name)
-    exited(source, chunk)
+    assert exited(source, chunk) == Event.ENGINE_EXITED
     assert not spawned and source.engine.restarts == 0
     # an error before vLLM started (a strategy the installed vLLM lacks, say) would be the same again: no restart
     source, chunk, spawned = _exited_source(
@@ -922,16 +912,18 @@ def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(
     spool = Spool(tmp_path / "spool", bound=10_000)
     spool.create()
     spool.write_job(_job())
-    source = _bare_source(spool, [], TrainConfig(engine="vllm", stall_timeout_s=30))
+    from draftsmith.train.engine_supervisor import Event
+
+    source = _supervisor(spool, [], TrainConfig(engine="vllm", stall_timeout_s=30))
     source.engine = _FakeEngine(tmp_path / "run" / "feed.log", None)  # running
     chunk = Chunk("c0", 0, 0, 0, [1], [1], 10, 100)
     spool.write_status(FeedStatus(pid=4242, host="engine-node", chunk="c0"))
     updated = spool.read_status().updated
     source._seen = (updated, time.monotonic() - 29)  # unchanged, but within the limit
-    source._watch(chunk)
+    assert source.poll(chunk) == Event.QUIET
     source._seen = (updated, time.monotonic() - 31)  # unchanged past the limit
     with pytest.raises(DraftsmithError) as err:
-        source._watch(chunk)
+        source.poll(chunk)
     msg = str(err.value)
     assert "\n" not in msg and "no progress for 30 s" in msg and "chunk c0" in msg
     assert "pid 4242 on engine-node" in msg and str(tmp_path / "run" / "feed.log") in msg
@@ -940,9 +932,56 @@ def test_the_trainer_names_an_engine_process_that_makes_no_progress_and_its_log(
     (spool.path / "status.json").write_text(
         spool.read_status().model_copy(update={"updated": time.time() - 3600}).model_dump_json()
     )
-    source._watch(chunk)
+    assert source.poll(chunk) == Event.PROGRESS
     assert source._seen[0] == pytest.approx(time.time() - 3600, abs=60)
     assert time.monotonic() - source._seen[1] < 5
+
+
+def test_a_lost_job_is_written_again_and_a_plan_finished_without_the_chunk_asks_for_it_again(tmp_path, monkeypatch):
+    """What a poll does besides watching for stalls: a transport that lost the job (a restarted Mooncake master loses
+    its keys) gets the job and a new plan generation; an engine that finished the current plan while the chunk the
+    trainer waits for is not there (lost with its transport) gets a new generation that asks for it again."""
+    from draftsmith.train import engine_supervisor
+    from draftsmith.train.engine_supervisor import Event
+
+    monkeypatch.setattr(engine_supervisor, "prepared_digest", lambda data: "digest")
+    spool = Spool(tmp_path / "spool", bound=10_000)
+    spool.create()
+    chunks = [Chunk(f"c{k}", 0, k, k, [k], [k], 10, 3_000) for k in range(3)]
+    source = _supervisor(spool, chunks, TrainConfig(engine="vllm", data=tmp_path / "prepared"))
+    source.generation = 2
+    assert not spool.has_job()
+    assert source.poll(chunks[0]) == Event.JOB_REWRITTEN
+    assert spool.read_job().bound == 10_000 and spool.read_job().prepared_digest == "digest"
+    assert spool.read_plan().generation == 3 and [c.name for c in spool.read_plan().chunks] == ["c0", "c1", "c2"]
+    # an engine of this generation says it has done its plan; c0 was read, c1 never arrived
+    source.consumed.add("c0")
+    spool.write_status(FeedStatus(pid=7, waiting="plan", generation=3))
+    assert source.poll(chunks[1]) == Event.REPLANNED
+    assert spool.read_plan().generation == 4 and [c.name for c in spool.read_plan().chunks] == ["c1", "c2"]
+    # the same report of an older generation's plan, or with the chunk there, asks for nothing
+    spool.write_status(FeedStatus(pid=7, waiting="plan", generation=3))
+    assert source.poll(chunks[1]) == Event.PROGRESS and spool.read_plan().generation == 4
+    spool.write_status(FeedStatus(pid=7, waiting="plan", generation=4))
+    _ready(spool, "c1")
+    assert source.poll(chunks[1]) == Event.PROGRESS and spool.read_plan().generation == 4
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to split")
+def test_the_trainer_keeps_the_cores_the_engine_does_not_take_and_gets_all_back():
+    from draftsmith.train.engine_process import TrainerCores
+
+    had, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    cores = TrainerCores(had[: len(had) // 2])
+    try:
+        cores.take()
+        assert sorted(os.sched_getaffinity(0)) == had[len(had) // 2 :]
+        assert torch.get_num_threads() == len(had) - len(had) // 2
+    finally:
+        cores.restore()
+    assert sorted(os.sched_getaffinity(0)) == had and torch.get_num_threads() == threads
+    cores.restore()  # twice: harmless
+    assert sorted(os.sched_getaffinity(0)) == had
 
 
 def test_spool_gb_beyond_the_free_space_of_the_spools_filesystem_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -1,10 +1,10 @@
 """The vLLM engine process of online training, as the trainer sees it: where it runs (the GPUs or CPU cores it gets,
-disjoint from the trainer's), the spool both sides open, and `EngineProcess`, the supervisor rank 0 starts it with
-(`python -m draftsmith.extract.vllm.feed SPOOL`, restarted when it dies without a new chunk, up to ENGINE_RESTARTS
-times). With --remote-engines an operator starts it on another node (`draftsmith feed`) and none of this runs but
+disjoint from the trainer's: `TrainerCores` keeps the trainer off the engine's cores until the run closes), the spool
+both sides open, and `EngineProcess`, the process rank 0's supervisor (train/engine_supervisor.py) starts (`python -m
+draftsmith.extract.vllm.feed SPOOL`, restarted when it dies without a new chunk, up to ENGINE_RESTARTS times). With
+--remote-engines an operator starts it on another node (`draftsmith feed`) and none of this runs but
 `open_trainer_side`.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -94,6 +94,31 @@ def open_trainer_side(cfg: TrainConfig, bound: int, master_log: Path) -> tuple[T
         if master is not None:
             master.stop()
         raise
+
+
+class TrainerCores:
+    """On a CPU, the trainer's share of the cores while its engine process runs on `engine` (engine_cpus): `take`
+    moves this process and torch's threads onto the other cores, `restore` gives back the cores and thread count it
+    had."""
+
+    def __init__(self, engine: list[int]):
+        self.engine = engine
+        self._had: tuple[list[int], int] | None = None  # the cores and torch threads before `take`
+
+    def take(self) -> None:
+        cores = sorted(os.sched_getaffinity(0))
+        self._had = cores, torch.get_num_threads()
+        rest = sorted(set(cores) - set(self.engine))
+        os.sched_setaffinity(0, rest)
+        torch.set_num_threads(len(rest))
+
+    def restore(self) -> None:
+        if self._had is None:
+            return
+        (cores, threads), self._had = self._had, None
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
 
 
 class EngineProcess:

@@ -1,20 +1,23 @@
-"""Online training from live vLLM engines (`draftsmith train --data PREPARED --engine vllm`): the plan of spool
-chunks, the engine process and the feature source that fills each batch's hidden states from the spool.
+"""Online training from live vLLM engines (`draftsmith train --data PREPARED --engine vllm`): the feature source
+that fills each batch's hidden states from the spool the engine process fills, in named phases.
 
     plan     `plan_chunks`: the run's optimizer steps from the resume point on, exactly as the samplers give them to
              every rank, packed per epoch into chunks of at most bound / SPOOL_CHUNKS bytes (and the held-out
              split's chunk); pure
-    engine   `engine_process.EngineProcess`, started by rank 0 on its own GPUs or cores and restarted when it dies
-             (with --remote-engines an operator starts it on another node, `draftsmith feed`); rank 0 watches it,
-             the transport (restarting a Mooncake master it started) and the progress both sides report
+    cores    on a CPU, `engine_process.TrainerCores`: the engine gets its cores, the trainer keeps the others until
+             the run closes
+    spool    the transport on every rank (`_open_transport`): a directory or a Mooncake store
+             (`draftsmith.extract.spool`), both behind the same trainer role, opened once, errors gathered once
+    engine   `engine_supervisor.EngineSupervisor` on rank 0: the job, each plan generation, the engine process
+             (`engine_process.EngineProcess`, with --remote-engines started by an operator on another node: `draftsmith
+             feed`), a Mooncake master it started, and the stall watch, polled while the trainer waits
     read     `EngineSource`: a batch's states come from its chunk, fetched from the spool into a directory the rank
              reads (waiting until it is ready), or from the --keep-epoch0 store; a chunk is removed once every rank
              has moved past it; the held-out split's chunk is copied out by every rank once and removed at once
 
-The spool is a directory or a Mooncake store (`draftsmith.extract.spool`), both behind the same two roles. Neither
-side waits forever: the trainer ends the run in one line naming the engine process and its log when it reports no
-progress for --stall-timeout-s, and a lost chunk (a restarted Mooncake master) is asked for again in a new plan
-generation, never trained on twice or skipped.
+Neither side waits forever: the trainer ends the run in one line naming the engine process and its log when it
+reports no progress for --stall-timeout-s, and a lost chunk (a restarted Mooncake master) is asked for again in a new
+plan generation, never trained on twice or skipped.
 
 The batches are the offline ones: the same samplers over the same prepared set, so the same samples in the same
 order.
@@ -23,48 +26,30 @@ order.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-import os
 import shutil
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+import numpy as np
 import torch
 
-from draftsmith.config import ExtractConfig, TrainConfig
+from draftsmith.config import TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import read_manifest_json
 from draftsmith.core.sizing import GiB, SPOOL_CHUNKS
 from draftsmith.core.spool_address import LocalMooncake, parse_spool
 from draftsmith.extract import spool as spool_mod
 from draftsmith.extract import store as store_mod
-from draftsmith.extract.spool import (
-    EVAL_CHUNK,
-    Chunk,
-    ChunkInfo,
-    FeedJob,
-    FeedStatus,
-    Plan,
-    TrainerSide,
-    TrainerStatus,
-    TransportLost,
-)
+from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedStatus, TrainerSide, TrainerStatus, TransportLost
 from draftsmith.extract.spool.mooncake import MooncakeMaster
 from draftsmith.extract.store.reader import HiddenStateStore
-from draftsmith.prepare.dataset import prepared_digest
 from draftsmith.train import distributed
 from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
-from draftsmith.train.engine_process import (
-    ENGINE_RESTARTS,
-    EngineProcess,
-    engine_cpus,
-    engine_devices,
-    open_trainer_side,
-)
+from draftsmith.train.engine_process import TrainerCores, engine_cpus, engine_devices, open_trainer_side
+from draftsmith.train.engine_supervisor import EngineSupervisor, chunk_matches
 
 
 def _steps_of_epoch(samplers: Sequence[TokenBudgetSampler], epoch: int, grad_accum: int) -> list[list[int]]:
@@ -86,7 +71,7 @@ def plan_chunks(
     cfg: TrainConfig,
     samplers: Sequence[TokenBudgetSampler],
     evaluation: Sequence[int],
-    lengths: Any,
+    lengths: np.ndarray,
     layers: int,
     hidden: int,
     bound: int,
@@ -153,41 +138,75 @@ def plan_chunks(
     return chunks
 
 
+def _open_transport(
+    cfg: TrainConfig, info: distributed.DistInfo, bound: int
+) -> tuple[TrainerSide, MooncakeMaster | None]:
+    """The spool on every rank (and the Mooncake master rank 0 starts for `--spool mooncake`: the other ranks then
+    connect to it), or one error for all ranks, with what this rank opened closed again."""
+    spool: TrainerSide | None = None
+    master: MooncakeMaster | None = None
+    error = None
+    own_master = isinstance(parse_spool(cfg.spool or "."), LocalMooncake)  # rank 0 starts it on loopback: one node
+    try:
+        if own_master and info.world_size > distributed.local_world_size():
+            error = (
+                "--spool mooncake under torchrun on several nodes: the ranks need a master they all reach; "
+                "start mooncake_master and give --spool mooncake://HOST:PORT"
+            )
+        elif info.is_main or not own_master:
+            spool, master = open_trainer_side(cfg, bound, Path(cfg.output) / "mooncake_master.log")
+    except DraftsmithError as err:
+        error = str(err)
+    error = next((e for e in distributed.gather_objects(error, info) if e), None)  # any rank's
+    if own_master and error is None and info.world_size > 1:  # the other ranks connect to rank 0's master
+        where = distributed.gather_objects(spool.describe() if spool is not None else None, info)[0]
+        try:
+            if not info.is_main:
+                spool, _ = open_trainer_side(cfg.model_copy(update={"spool": where}), bound, Path())
+        except DraftsmithError as err:
+            error = str(err)
+        error = next((e for e in distributed.gather_objects(error, info) if e), None)
+    if error is not None:
+        if spool is not None:
+            spool.close()
+        if master is not None:
+            master.stop()
+        raise DraftsmithError(error)
+    assert spool is not None  # opened on every rank, or an error above
+    return spool, master
+
+
+def _kept_ids(keep: Path | None) -> set[int]:
+    """The samples an earlier run kept in the --keep-epoch0 store."""
+    if keep is None or not (keep / "manifest.json").is_file():
+        return set()
+    if read_manifest_json(keep).get("kind") != "store":
+        raise DraftsmithError(
+            f"--keep-epoch0 {keep}: is not a hidden-state store; give a new directory or the store an earlier run kept"
+        )
+    return {int(i) for i in store_mod.open(keep, dtype=None).sample_ids}
+
+
 class EngineSource:
-    """Fills each batch's hidden states from the spool the engine process fills (see the module)."""
+    """Fills each batch's hidden states from the spool the engine process fills (see the module). `open` makes one
+    (the plan, the cores, the transport, rank 0's supervisor started); constructing one does no I/O."""
 
     def __init__(
         self,
         cfg: TrainConfig,
         info: distributed.DistInfo,
-        dataset: Any,
-        samplers: Sequence[TokenBudgetSampler],
+        chunks: Sequence[Chunk],
         evaluation: Sequence[int],
-        lengths: Any,
-        aux_layer_ids: list[int],
-        num_layers: int,
-        hidden: int,
-        start: tuple[int, int, int],
-        total_steps: int,
-        epochs: int | None,
+        layer_ids: Sequence[int],
+        spool: TrainerSide,
+        supervisor: EngineSupervisor | None,
+        cores: TrainerCores | None,
+        consumed: set[str],
     ):
-        self.cfg, self.info, self.dataset = cfg, info, dataset
+        self.cfg, self.info, self.chunks, self.layer_ids = cfg, info, list(chunks), list(layer_ids)
+        self.spool, self.supervisor, self.cores = spool, supervisor, cores
         self.bound = int(cfg.spool_gb * GiB)
         self.keep = Path(cfg.keep_epoch0) if cfg.keep_epoch0 is not None else None
-        self.layer_ids = list(aux_layer_ids) + [num_layers]
-        self.chunks = plan_chunks(
-            cfg,
-            samplers,
-            evaluation,
-            lengths,
-            len(self.layer_ids),
-            hidden,
-            self.bound,
-            start,
-            total_steps,
-            epochs,
-            self._kept_ids(),
-        )
         self.eval_ids = set(int(i) for i in evaluation)
         self.by_step = {
             (c.epoch, p): c for c in self.chunks if c.name != EVAL_CHUNK for p in range(c.first, c.last + 1)
@@ -196,80 +215,79 @@ class EngineSource:
         self.eval_chunk = next((c for c in self.chunks if c.name == EVAL_CHUNK), None)
         self.cache = Path(cfg.output) / "spool-cache" / f"rank{info.rank}"  # chunks this rank reads, fetched
         self.open_chunks: dict[str, HiddenStateStore] = {}
-        self.consumed: set[str] = set()
+        self.consumed = consumed  # the chunks read (rank 0's supervisor plans the others)
         self.current: Chunk | None = None
         self.keep_reader: store_mod.HiddenStateStore | None = None
-        self.generation = 0
         self.step = 0
         self.waited = self._waited_at_log = 0.0
         self._log_time = time.perf_counter()
         self._beat = 0.0
-        # the engine status's `updated`, and when this process saw it change
-        self._seen: tuple[float | None, float] = (None, time.monotonic())
         self._answered = time.monotonic()  # when the transport last answered
-        self._lock: contextlib.ExitStack | None = None
-        self.engine: EngineProcess | None = None
         self.last_status: FeedStatus | None = None  # the engine's status as the run closed
-        self._engine_seen = FeedStatus()  # its last report with a pid
-        self.master: MooncakeMaster | None = None
-        self.cpus = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
-        self._trainer_cpus = sorted(os.sched_getaffinity(0))
-        if self.cpus:  # the trainer keeps the other cores (until close)
-            rest = sorted(set(self._trainer_cpus) - set(self.cpus))
-            os.sched_setaffinity(0, rest)
-            torch.set_num_threads(len(rest))
-        error = None
-        self.spool: TrainerSide  # once opened (close() reads it with getattr: an open that failed leaves none)
-        own_master = isinstance(parse_spool(cfg.spool or "."), LocalMooncake)  # rank 0 starts it on loopback: one node
+
+    @classmethod
+    def open(
+        cls,
+        cfg: TrainConfig,
+        info: distributed.DistInfo,
+        samplers: Sequence[TokenBudgetSampler],
+        evaluation: Sequence[int],
+        lengths: np.ndarray,
+        aux_layer_ids: list[int],
+        num_layers: int,
+        hidden: int,
+        start: tuple[int, int, int],
+        total_steps: int,
+        epochs: int | None,
+    ) -> EngineSource:
+        """The phases, in order: the plan (pure), the trainer's cores (on a CPU, the engine takes the others), the
+        transport on every rank, the held-out chunk's copies, rank 0's supervisor started; any rank's error ends all
+        of them in one line with everything opened closed again."""
+        bound = int(cfg.spool_gb * GiB)
+        layer_ids = list(aux_layer_ids) + [num_layers]
+        keep = Path(cfg.keep_epoch0) if cfg.keep_epoch0 is not None else None
+        chunks = plan_chunks(
+            cfg,
+            samplers,
+            evaluation,
+            lengths,
+            len(layer_ids),
+            hidden,
+            bound,
+            start,
+            total_steps,
+            epochs,
+            _kept_ids(keep),
+        )
+        engine = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
+        cores = TrainerCores(engine) if engine else None
+        if cores is not None:  # the trainer keeps the other cores (until close)
+            cores.take()
         try:
-            if own_master and info.world_size > distributed.local_world_size():
-                error = (
-                    "--spool mooncake under torchrun on several nodes: the ranks need a master they all reach; "
-                    "start mooncake_master and give --spool mooncake://HOST:PORT"
-                )
-            elif info.is_main or not own_master:
-                self.spool, self.master = open_trainer_side(cfg, self.bound, Path(cfg.output) / "mooncake_master.log")
+            spool, master = _open_transport(cfg, info, bound)
+        except DraftsmithError:
+            if cores is not None:
+                cores.restore()
+            raise
+        consumed: set[str] = set()
+        supervisor = None
+        if info.is_main:
+            supervisor = EngineSupervisor(
+                cfg, spool, chunks, consumed, layer_ids, bound, engine, engine_devices(cfg, info), master
+            )
+        source = cls(cfg, info, chunks, evaluation, layer_ids, spool, supervisor, cores, consumed)
+        error = None
+        try:
+            source._held_locally()
+            if supervisor is not None:
+                supervisor.start()
         except DraftsmithError as err:
             error = str(err)
-        error = next((e for e in distributed.gather_objects(error, info) if e), None)  # any rank's
-        if own_master and error is None and info.world_size > 1:  # the other ranks connect to rank 0's master
-            where = distributed.gather_objects(self.spool.describe() if info.is_main else None, info)[0]
-            try:
-                if not info.is_main:
-                    self.spool, _ = open_trainer_side(cfg.model_copy(update={"spool": where}), self.bound, Path())
-            except DraftsmithError as err:
-                error = str(err)
-            error = next((e for e in distributed.gather_objects(error, info) if e), None)
-        if error is None:
-            try:
-                self._held_locally()
-                if info.is_main:
-                    self._start()
-            except DraftsmithError as err:
-                error = str(err)
         error = distributed.broadcast_error(error, info)  # the others read only once the spool is cleaned
         if error:
-            self.close(False)
+            source.close(False)
             raise DraftsmithError(error)
-
-    # -- starting
-    def _kept_ids(self) -> set[int]:
-        if self.keep is None or not (self.keep / "manifest.json").is_file():
-            return set()
-        if read_manifest_json(self.keep).get("kind") != "store":
-            raise DraftsmithError(
-                f"--keep-epoch0 {self.keep}: is not a hidden-state store; give a new directory or "
-                "the store an earlier run kept"
-            )
-        return {int(i) for i in store_mod.open(self.keep, dtype=None).sample_ids}
-
-    def _matches(self, chunk: Chunk, info: ChunkInfo | None) -> bool:
-        return (
-            info is not None
-            and sorted(info.sample_ids) == sorted(chunk.engine_ids)
-            and info.dtype == self.cfg.spool_dtype
-            and list(info.layer_ids) == self.layer_ids
-        )
+        return source
 
     def _held_locally(self) -> None:
         """The held-out chunk every rank copied out on an earlier run is read from those copies (when all have it)."""
@@ -277,112 +295,14 @@ class EngineSource:
         ok = 0
         if chunk is not None and chunk.from_engine and (self.cache / EVAL_CHUNK / "manifest.json").is_file():
             with contextlib.suppress(DraftsmithError):
-                ok = int(self._matches(chunk, spool_mod.store_info(self.cache / EVAL_CHUNK)))
+                info = spool_mod.store_info(self.cache / EVAL_CHUNK)
+                ok = int(chunk_matches(chunk, info, self.cfg.spool_dtype, self.layer_ids))
         if chunk is not None and chunk.from_engine:
             total = int(distributed.all_reduce_sum(torch.tensor([ok]), self.info).item())
             if total == self.info.world_size:
                 self.consumed.add(EVAL_CHUNK)
                 self.open_chunks[EVAL_CHUNK] = store_mod.open(self.cache / EVAL_CHUNK, dtype=None)
 
-    def _start(self) -> None:
-        if importlib.util.find_spec("vllm") is None and not self.cfg.remote_engines:
-            raise DraftsmithError(
-                "--engine vllm: vLLM is not installed in this environment; install it (README: "
-                '"Install into your vLLM environment"), or train with --engine hf or from a store'
-            )
-        self._lock = contextlib.ExitStack()
-        self.spool.prepare()
-        self._lock.enter_context(self.spool.trainer_lock())
-        local_engine = None if self.cfg.remote_engines else Path(self.cfg.output) / "engine-scratch"
-        self.spool.check_capacity(self.bound, max((c.estimate for c in self.chunks), default=0), local_engine)
-        with self.spool.engine_lock(wait_s=30.0):  # an engine of a killed trainer is gone
-            # Ready chunks are kept only within the plan's first bound's worth: the engine writes in plan order, so
-            # chunks a crash left further ahead would leave no room for the ones the trainer needs first.
-            wanted, room = {}, self.bound
-            for c in (c for c in self.chunks if c.from_engine and c.name not in self.consumed):
-                room -= c.estimate
-                if room < 0:
-                    break
-                wanted[c.name] = c
-            for name in list(wanted):
-                if self.spool.is_ready(name) and not self._matches(wanted[name], self.spool.chunk_info(name)):
-                    self.spool.remove(name)
-            self.spool.clean(set(wanted), [c.name for c in self.chunks])
-            previous = None
-            with contextlib.suppress(DraftsmithError, KeyError, TypeError, ValueError):  # unreadable: start again
-                previous = self.spool.read_plan()
-            self.generation = previous.generation if previous is not None else 0
-            self._write_job()
-            self.spool.write_status(FeedStatus(waiting="start"))
-        self._beat = 0.0
-        self._heartbeat()
-        if self.cfg.remote_engines:
-            self._write_plan()
-        elif any(
-            c.from_engine and not self.spool.is_ready(c.name) and c.name not in self.consumed for c in self.chunks
-        ):
-            self.engine = EngineProcess(
-                self.cfg,
-                self.spool.describe(),
-                Path(self.cfg.output) / "feed.log",
-                Path(self.cfg.output) / "engine-scratch",
-                self.cpus,
-                engine_devices(self.cfg, self.info),
-            )
-            self._spawn()
-
-    def _write_job(self) -> None:
-        self.spool.write_job(
-            FeedJob(
-                extract=self._extract_config(),
-                bound=self.bound,
-                cpus=self.cpus,
-                prepared_digest=prepared_digest(self.cfg.data),
-                stall_s=self.cfg.stall_timeout_s,
-            )
-        )
-
-    def _write_plan(self) -> None:
-        """A new plan generation: the chunks neither read nor ready. A ready chunk stays out of it: an engine process
-        reads the plan seconds on (once vLLM has imported), and by then the trainer may have read and deleted it;
-        redone, it would fill the spool with chunks no one reads while the trainer waits for the next."""
-        self.generation += 1
-        self.spool.write_plan(
-            Plan(
-                [
-                    c
-                    for c in self.chunks
-                    if c.from_engine and c.name not in self.consumed and not self.spool.is_ready(c.name)
-                ],
-                self.generation,
-            )
-        )
-
-    def _extract_config(self) -> ExtractConfig:
-        cfg = self.cfg
-        return ExtractConfig(
-            prepared=Path(cfg.data).resolve(),
-            output=Path(cfg.output) / "engine-scratch",
-            backend="vllm",
-            target=cfg.target,
-            aux_layer_ids=self.layer_ids[:-1],
-            dtype=cfg.spool_dtype,
-            tensor_parallel_size=cfg.engine_tensor_parallel_size,
-            data_parallel_size=cfg.engine_data_parallel_size,
-            vllm_strategy=cfg.vllm_strategy,
-            vllm_compile=cfg.vllm_compile,
-            compute_dtype=cfg.engine_dtype,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-
-    def _spawn(self) -> None:
-        self._write_plan()
-        self.spool.write_status(FeedStatus(waiting="start", generation=self.generation))
-        self._seen = (None, time.monotonic())
-        assert self.engine is not None  # spawned on this node
-        self.engine.start()
-
-    # -- watching the other side
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._beat >= 1.0:
@@ -391,86 +311,9 @@ class EngineSource:
                 TrainerStatus(step=self.step, chunks_read=len(self.consumed), stall_s=self.cfg.stall_timeout_s)
             )
 
-    def _where_logged(self) -> str:
-        if self.engine is not None:
-            return str(self.engine.log)
-        status = self._engine_seen
-        return f"{status.log or 'its log'} on {status.host or 'the engine node'}"
-
-    def _watch(self, chunk: Chunk) -> None:
-        """While waiting for `chunk` (rank 0): the master, the job, the engine process and its progress."""
-        if self.master is not None and not self.master.alive():
-            print(
-                f"draftsmith train: mooncake_master stopped (see {self.master.log}); restarting it",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.master.restart()
-        if not self.spool.has_job():  # the store lost it (a restarted master): and with it, its chunks
-            self._write_job()
-            self._write_plan()
-            return
-        status = self.spool.read_status()
-        if self.engine is not None and self.engine.exited():
-            self._engine_exited(chunk, status)
-            return
-        if status.updated != self._seen[0]:  # progress, timed by this node's clock (the engine's may differ)
-            self._seen = (status.updated, time.monotonic())
-        if status.pid:
-            self._engine_seen = status  # what a stalled engine process last said (its keys may go with it)
-        by_engine = status.pid != 0  # written by an engine process since this trainer (re)started it
-        if status.waiting == "plan" and status.generation == self.generation and by_engine:
-            if not self.spool.is_ready(chunk.name):  # it finished the plan and the chunk is not there: lost
-                self._write_plan()
-                return
-        if status.error and by_engine and self.engine is None:
-            raise DraftsmithError(
-                f"--engine vllm: the engine process on {status.host or 'the engine node'} stopped "
-                f"before chunk {chunk.name} ({status.error}); see {self._where_logged()}"
-            )
-        if time.monotonic() - self._seen[1] > self.cfg.stall_timeout_s:
-            last = self._engine_seen
-            who = f"the engine process (pid {last.pid} on {last.host})" if last.pid else "the engine process"
-            doing = (
-                f"last computing chunk {last.chunk}"
-                if last.chunk
-                else f"last waiting for {last.waiting}"
-                if last.waiting
-                else "with no report yet"
-            )
-            raise DraftsmithError(
-                f"--engine vllm: {who} has made no progress for {self.cfg.stall_timeout_s:g} s "
-                f"({doing}) while the trainer waits for chunk {chunk.name}; see "
-                f"{self._where_logged()}; run the same command again to resume"
-            )
-
-    def _engine_exited(self, chunk: Chunk, status: FeedStatus) -> None:
-        engine = self.engine
-        assert engine is not None and engine.proc is not None  # the process on this node, which exited
-        code = engine.proc.returncode
-        if self.spool.is_ready(chunk.name):
-            return
-        engine.stop()
-        why = status.error or f"exit code {code}; {engine.log_tail() or 'no output'}"
-        setup_failed = bool(status.error) and not status.engine_started  # the same again on a restart
-        if engine.restarts >= ENGINE_RESTARTS or status.done or setup_failed or status.fatal:
-            raise DraftsmithError(
-                f"--engine vllm: the engine process stopped before chunk {chunk.name} ({why}); "
-                f"see {engine.log}; run the same command again to resume"
-            )
-        engine.restarts += 1
-        engine.total_restarts += 1
-        print(
-            f"draftsmith train: the engine process stopped ({why[:300]}); restarting it "
-            f"({engine.restarts} of {ENGINE_RESTARTS})",
-            file=sys.stderr,
-            flush=True,
-        )
-        self._spawn()
-
     # -- reading
     def _wait(self, chunk: Chunk) -> HiddenStateStore | None:
-        """The chunk's store, once it is fetched (rank 0 watches the engines and the transport meanwhile)."""
+        """The chunk's store, once it is fetched (rank 0's supervisor watches the other side meanwhile)."""
         if chunk.name in self.open_chunks:
             return self.open_chunks[chunk.name]
         if not chunk.from_engine:
@@ -484,11 +327,11 @@ class EngineSource:
                     local = self.spool.fetch(chunk.name, self.cache / chunk.name, keep=keep)
                     if local is not None:
                         break
-                    if self.info.is_main:  # its index outlived its parts: removed, and asked for again
+                    if self.supervisor is not None:  # its index outlived its parts: removed, and asked for again
                         self.spool.remove(chunk.name)
-                        self._write_plan()
-                if self.info.is_main:
-                    self._watch(chunk)
+                        self.supervisor.write_plan()
+                if self.supervisor is not None:
+                    self.supervisor.poll(chunk)
                 self._answered = time.monotonic()
             except TransportLost as err:  # the master is back in a moment, or the stall limit ends the wait
                 if time.monotonic() - self._answered > self.cfg.stall_timeout_s:
@@ -499,8 +342,8 @@ class EngineSource:
                 time.sleep(0.5)
             time.sleep(0.02)
         self.waited += time.perf_counter() - start
-        if self.engine is not None:
-            self.engine.restarts = 0
+        if self.supervisor is not None:
+            self.supervisor.chunk_arrived()
         reader = store_mod.open(local, dtype=None)
         self.open_chunks[chunk.name] = reader
         if chunk.name == EVAL_CHUNK or chunk.epoch == 0:
@@ -602,45 +445,32 @@ class EngineSource:
             "spool peak (bytes)": max(self.spool.peak, status.peak),
             "extraction tokens/s": round(status.tokens_per_s, 1),
             "trainer waited (s)": round(self.waited, 1),
-            "engine restarts": self.engine.total_restarts if self.engine is not None else 0,
-            **({"mooncake master restarts": self.master.restarts} if self.master is not None else {}),
+            **(self.supervisor.summary() if self.supervisor is not None else {"engine restarts": 0}),
             **({"kept epoch 0 in": str(self.keep)} if self.keep else {}),
         }
 
     def close(self, completed: bool) -> None:
         """The run ended (`completed`: normally): the last chunk is consumed, the engines told and stopped, on a
-        completed run the spool's chunks and this rank's copies removed, and the trainer's cores given back."""
-        spool = getattr(self, "spool", None)
-        if spool is not None and self.last_status is None:
+        completed run the spool's chunks and this rank's copies removed, the transport closed (and the master rank 0
+        started stopped), and the trainer's cores given back."""
+        if self.last_status is None:
             with contextlib.suppress(Exception):
-                self.last_status = spool.read_status()
-        if completed and self.current is not None and spool is not None:
+                self.last_status = self.spool.read_status()
+        if completed and self.current is not None:
             self._finish(self.current)
             self.current = None
-        if spool is not None and self.info.is_main:
+        if self.supervisor is not None:
             last = TrainerStatus(
                 step=self.step, chunks_read=len(self.consumed), finished=completed, stall_s=self.cfg.stall_timeout_s
             )
-            with contextlib.suppress(Exception):
-                segment = self.last_status.segment if completed and self.last_status else ""
-                spool.write_trainer(last, segment=segment)  # where the engine process reads it once this one is gone
-            if self.engine is not None:
-                self.engine.stop()
-            if completed:
-                spool.finish()
+            self.supervisor.stop_engine(last, self.last_status.segment if completed and self.last_status else "")
         if completed:
             shutil.rmtree(self.cache, ignore_errors=True)
             for empty in (self.cache.parent, Path(self.cfg.output) / "engine-scratch"):
                 with contextlib.suppress(OSError):
                     empty.rmdir()
-        if spool is not None:
-            spool.close()
-        if self.master is not None:
-            self.master.stop()
-            self.master = None
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-        if self.cpus:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, self._trainer_cpus)
+        self.spool.close()
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if self.cores is not None:
+            self.cores.restore()

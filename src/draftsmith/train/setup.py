@@ -422,10 +422,9 @@ def feature_source(
         TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, r, info.world_size)
         for r in range(info.world_size)
     ]
-    return EngineSource(
+    return EngineSource.open(
         cfg,
         info,
-        s.dataset,
         ranks,
         eval_ids,
         s.lengths,
