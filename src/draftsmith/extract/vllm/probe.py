@@ -397,7 +397,7 @@ def _choose_dtype(asked: str, report: "ProbeReport", config: dict | None, cpu: h
         )
     cpu = cpu or hardware.cpu_info()
     if not cpu.native_bf16:
-        return DtypeChoice(dtype="float32", why=f"this CPU has no native bf16 ({cpu.why})")
+        return DtypeChoice(dtype="float32", why=f"this CPU: {cpu.why}")
     native = f"this CPU computes bf16 natively ({cpu.why.removeprefix('computes bf16 natively: ')})"
     mla_as_mha = bool(facts.cpu_mla_refused and facts.mla_disable_switch and not facts.cpu_mla_backend)
     head = attention_head_size(config, mla_as_mha=mla_as_mha)
