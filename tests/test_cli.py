@@ -214,7 +214,10 @@ def test_doctor_verbose_lists_every_capability_and_json_keeps_its_environment():
     missing = [name for name in names if name not in full.stdout]
     assert not missing, f"--verbose lost capability rows: {missing}"
     short = runner.invoke(app, ["doctor"], terminal_width=80).output
-    assert sum(name in short for name in names) < len(names)  # the summary counts them instead
+    if len(names) > 1:  # a vLLM read: the summary counts the capabilities that are as needed instead of listing them
+        assert sum(name in short for name in names) < len(names)
+    else:  # none installed (the transformers 4.57.6 stage): its one row is the summary's line
+        assert names == ["vLLM"] and "vLLM: not found" in short, short
     keys = {"draftsmith", "python", "platform", "cpu cores", "torch", "transformers", "vllm", "gpus", "cache"}
     assert keys <= set(report["environment"]) and set(report["environment"]) == {k for k, _ in environment_rows()}
     assert all(k in keys or k.startswith("asset: ") for k in report["environment"])
