@@ -5,6 +5,7 @@ draftsmith.extract.vllm.feed SPOOL`, restarted when it dies without a new chunk,
 --remote-engines an operator starts it on another node (`draftsmith feed`) and none of this runs but
 `open_trainer_side`.
 """
+
 from __future__ import annotations
 
 import contextlib
