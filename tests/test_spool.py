@@ -754,7 +754,7 @@ def test_a_resume_keeps_only_the_ready_chunks_that_leave_room_for_those_needed_f
     monkeypatch.setattr(engine_supervisor, "prepared_digest", lambda data: "digest")
     monkeypatch.setattr(engine_supervisor.importlib.util, "find_spec", lambda name: True)  # as if vLLM were installed
     try:
-        source.start()
+        source.start(TrainerStatus(stall_s=source.cfg.stall_timeout_s))
     finally:
         source.close()
     assert source._lock is None  # released by close

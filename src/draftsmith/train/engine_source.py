@@ -280,7 +280,7 @@ class EngineSource:
         try:
             source._held_locally()
             if supervisor is not None:
-                supervisor.start()
+                supervisor.start(source._report())
         except DraftsmithError as err:
             error = str(err)
         error = distributed.broadcast_error(error, info)  # the others read only once the spool is cleaned
@@ -303,13 +303,17 @@ class EngineSource:
                 self.consumed.add(EVAL_CHUNK)
                 self.open_chunks[EVAL_CHUNK] = store_mod.open(self.cache / EVAL_CHUNK, dtype=None)
 
+    def _report(self, finished: bool = False) -> TrainerStatus:
+        """What the trainer tells the engine process: its step, the chunks read, its stall limit, whether it ended."""
+        return TrainerStatus(
+            step=self.step, chunks_read=len(self.consumed), finished=finished, stall_s=self.cfg.stall_timeout_s
+        )
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now - self._beat >= 1.0:
             self._beat = now
-            self.spool.write_trainer(
-                TrainerStatus(step=self.step, chunks_read=len(self.consumed), stall_s=self.cfg.stall_timeout_s)
-            )
+            self.spool.write_trainer(self._report())
 
     # -- reading
     def _wait(self, chunk: Chunk) -> HiddenStateStore | None:
@@ -460,10 +464,9 @@ class EngineSource:
             self._finish(self.current)
             self.current = None
         if self.supervisor is not None:
-            last = TrainerStatus(
-                step=self.step, chunks_read=len(self.consumed), finished=completed, stall_s=self.cfg.stall_timeout_s
+            self.supervisor.stop_engine(
+                self._report(finished=completed), self.last_status.segment if completed and self.last_status else ""
             )
-            self.supervisor.stop_engine(last, self.last_status.segment if completed and self.last_status else "")
         if completed:
             shutil.rmtree(self.cache, ignore_errors=True)
             for empty in (self.cache.parent, Path(self.cfg.output) / "engine-scratch"):

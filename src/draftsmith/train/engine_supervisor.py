@@ -82,9 +82,9 @@ class EngineSupervisor:
         self._engine_seen = FeedStatus()  # its last report with a pid
 
     # -- starting
-    def start(self) -> None:
-        """The trainer's lock, the spool checked and cleaned for this plan, the job, and the engine process where one
-        is needed (every chunk left ready: none)."""
+    def start(self, first: TrainerStatus) -> None:
+        """The trainer's lock, the spool checked and cleaned for this plan, the job, the trainer's `first` report (before
+        an engine reads it), and the engine process where one is needed (every chunk left ready: none)."""
         if importlib.util.find_spec("vllm") is None and not self.cfg.remote_engines:
             raise DraftsmithError(
                 "--engine vllm: vLLM is not installed in this environment; install it (README: "
@@ -116,10 +116,7 @@ class EngineSupervisor:
             self.generation = previous.generation if previous is not None else 0
             self.write_job()
             self.spool.write_status(FeedStatus(waiting="start"))
-        # the trainer's first report, before an engine reads it
-        self.spool.write_trainer(
-            TrainerStatus(step=0, chunks_read=len(self.consumed), stall_s=self.cfg.stall_timeout_s)
-        )
+        self.spool.write_trainer(first)
         if self.cfg.remote_engines:
             self.write_plan()
         elif any(
