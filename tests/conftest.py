@@ -13,10 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# `auto` precision and compute dtype follow the CPU (core.hardware): pinned to fp32 here, so that every result
-# compares bit for bit on every CPU kind (AVX2, AVX-512, AVX-512 BF16); tests of the choice itself set it, and the
-# user's default path (no pin, no extras) runs in tests/test_vllm_release_engines.py (`_as_a_user`).
-os.environ["DRAFTSMITH_CPU_BF16"] = "0"
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"

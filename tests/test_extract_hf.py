@@ -51,7 +51,11 @@ def tiny_model(tiny_target_dir):
 
 
 def _cfg(prepared: Path, output: Path, **kw) -> ExtractConfig:
-    fields = dict(prepared=prepared, output=output, token_budget=160, shard_size_mb=0.02, device="cpu")
+    """float32 named: the stores are compared with transformers' fp32 forward, on every CPU kind (what `auto` takes
+    is tests/test_hardware.py's)."""
+    fields = dict(
+        prepared=prepared, output=output, token_budget=160, shard_size_mb=0.02, device="cpu", compute_dtype="float32"
+    )
     fields.update(kw)
     return ExtractConfig(**fields)
 

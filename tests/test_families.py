@@ -184,8 +184,11 @@ class Matrix:
         key = ("hf", name)
         if key not in self._made:
             out = self.root / name / "hf"
+            # float32 named: the reference of every vLLM store here, compared with transformers' fp32 forward
             extract.run(
-                ExtractConfig(prepared=self.prepared(name), output=out, device="cpu", token_budget=512),
+                ExtractConfig(
+                    prepared=self.prepared(name), output=out, device="cpu", token_budget=512, compute_dtype="float32"
+                ),
                 show_progress=False,
             )
             self._made[key] = out
@@ -450,7 +453,9 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
     prepared = matrix.prepared(name)
     hf = tmp_path / "hf"
     extract.run(
-        ExtractConfig(prepared=prepared, output=hf, device="cpu", aux_layer_ids=[0, 2], max_samples=4),
+        ExtractConfig(
+            prepared=prepared, output=hf, device="cpu", aux_layer_ids=[0, 2], max_samples=4, compute_dtype="float32"
+        ),
         show_progress=False,
     )
     cfg = dict(
@@ -590,7 +595,10 @@ def full_context(tmp_path_factory) -> dict[str, Path]:
         PrepareConfig(data=[str(chats)], target=str(target), max_length=FULL_CONTEXT, output=prepared, num_workers=1)
     )
     hf = root / "hf"
-    extract.run(ExtractConfig(prepared=prepared, output=hf, device="cpu", token_budget=512), show_progress=False)
+    extract.run(
+        ExtractConfig(prepared=prepared, output=hf, device="cpu", token_budget=512, compute_dtype="float32"),
+        show_progress=False,
+    )
     return {"target": target, "prepared": prepared, "hf": hf}
 
 

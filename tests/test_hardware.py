@@ -38,8 +38,20 @@ def probe_cleared():
     hardware.probe.cache_clear()
 
 
-def test_the_cpuinfo_probe_agrees_with_torchs_own_dispatch_probe(monkeypatch, probe_cleared):
-    monkeypatch.delenv(hardware.OVERRIDE_ENV)
+@pytest.fixture
+def fake_cpu(monkeypatch, probe_cleared):
+    """fake_cpu(native): this process's CPU, as /proc/cpuinfo would list it, with (AVX-512 BF16) or without (AVX2
+    only) bf16 in hardware: the probe itself reads the flags, as on such a machine."""
+
+    def fake(native: bool) -> None:
+        flags = {"avx2", "avx512f", "avx512_bf16"} if native else {"avx2"}
+        monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Some CPU", flags))
+        hardware.probe.cache_clear()
+
+    return fake
+
+
+def test_the_cpuinfo_probe_agrees_with_torchs_own_dispatch_probe(probe_cleared):
     flags = _cpuinfo_flags()
     assert "avx2" in flags  # every machine the project meets is x86-64 with AVX2 at least
     info = hardware.cpu_info()
@@ -65,7 +77,6 @@ def test_the_cpuinfo_probe_agrees_with_torchs_own_dispatch_probe(monkeypatch, pr
     ],
 )
 def test_the_cpuinfo_flags_decide(monkeypatch, probe_cleared, flags, native, isa):
-    monkeypatch.delenv(hardware.OVERRIDE_ENV)
     monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Some CPU", flags))
     info = hardware.cpu_info()
     assert info.native_bf16 is native and info.isa == isa and "/proc/cpuinfo" in info.why
@@ -74,11 +85,11 @@ def test_the_cpuinfo_flags_decide(monkeypatch, probe_cleared, flags, native, isa
     assert devices.auto_dtype("cpu") == (torch.bfloat16 if native else torch.float32)
 
 
-def test_every_auto_follows_the_cpu_and_explicit_choices_do_not(monkeypatch):
+def test_every_auto_follows_the_cpu_and_explicit_choices_do_not(fake_cpu):
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     for forced, dtype in (("1", torch.bfloat16), ("0", torch.float32)):
-        monkeypatch.setenv(hardware.OVERRIDE_ENV, forced)
-        assert hardware.native_bf16() is (forced == "1") and hardware.OVERRIDE_ENV in hardware.cpu_info().why
+        fake_cpu(forced == "1")
+        assert hardware.native_bf16() is (forced == "1") and "/proc/cpuinfo" in hardware.cpu_info().why
         assert autocast_dtype(cpu, "auto") == (torch.bfloat16 if forced == "1" else None)
         assert resolved_precision(cpu, "auto") == ("bf16" if forced == "1" else "fp32")
         assert resolve_compute_dtype("auto", cpu) == dtype
@@ -143,19 +154,19 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-def test_train_auto_is_bf16_on_a_bf16_cpu_printed_and_recorded(tiny_store, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(hardware.OVERRIDE_ENV, "1")
+def test_train_auto_is_bf16_on_a_bf16_cpu_printed_and_recorded(tiny_store, tmp_path, fake_cpu, capsys):
+    fake_cpu(True)
     _train(tiny_store, tmp_path / "auto-bf16")
     assert "train: bf16 (--precision auto on " in capsys.readouterr().err
     assert yaml.safe_load((tmp_path / "auto-bf16" / "config.yaml").read_text())["precision"] == "bf16"
     manifest = json.loads((checkpoint.latest_checkpoint(tmp_path / "auto-bf16") / "manifest.json").read_text())
     assert manifest["hyperparameters"]["precision"] == "auto"  # what was asked: a resume elsewhere compares this
     _train(tiny_store, tmp_path / "bf16", precision="bf16")
-    monkeypatch.setenv(hardware.OVERRIDE_ENV, "0")
+    fake_cpu(False)
     _train(tiny_store, tmp_path / "auto-fp32")
     assert "train: fp32 (--precision auto on " in capsys.readouterr().err
     assert yaml.safe_load((tmp_path / "auto-fp32" / "config.yaml").read_text())["precision"] == "fp32"
-    monkeypatch.setenv(hardware.OVERRIDE_ENV, "1")
+    fake_cpu(True)
     _train(tiny_store, tmp_path / "fp32", precision="fp32")
 
     auto_bf16, bf16, auto_fp32, fp32 = (_weights(tmp_path / d) for d in ("auto-bf16", "bf16", "auto-fp32", "fp32"))
@@ -169,13 +180,13 @@ def test_train_auto_is_bf16_on_a_bf16_cpu_printed_and_recorded(tiny_store, tmp_p
     assert worst < 0.05, worst  # 4 steps at lr 3e-3: bf16 rounding, not another run
 
 
-def test_hf_extract_auto_computes_in_bf16_on_a_bf16_cpu(tiny_target_dir, tmp_path, monkeypatch, capsys):
+def test_hf_extract_auto_computes_in_bf16_on_a_bf16_cpu(tiny_target_dir, tmp_path, fake_cpu, capsys):
     from draftsmith import extract
 
     prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 6, 20, 40)
     stores = {}
     for forced, dtype in (("1", "bfloat16"), ("0", "float32")):
-        monkeypatch.setenv(hardware.OVERRIDE_ENV, forced)
+        fake_cpu(forced == "1")
         out = tmp_path / f"store-{dtype}"
         extract.run(
             ExtractConfig(prepared=prepared, output=out, device="cpu", aux_layer_ids=[1, 2, 3]), show_progress=False

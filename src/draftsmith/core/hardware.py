@@ -9,24 +9,22 @@ oneDNN's dispatch reads too), never from a model name, and without importing tor
 in a fraction of a second. The GPUs are read from the NVIDIA driver's /proc files the same way. What needs torch
 (`auto_dtype` as a torch dtype, a device's memory) is core/devices.py, which asks this module.
 
-DRAFTSMITH_CPU_BF16=1 or 0 overrides the probe (the test suite pins 0, so that results compare bit for bit on
-every CPU kind; a user can pin either to reproduce a run made on another machine).
+What `auto` picks is only a default: `train --precision fp32|bf16`, `extract --compute-dtype float32|bfloat16` and
+`--engine-dtype` name a dtype outright (to reproduce a run made on another machine, or, in the test suite, to make
+a comparison exact on every CPU kind). Nothing in the environment overrides the probe.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-OVERRIDE_ENV = "DRAFTSMITH_CPU_BF16"
 # cpuinfo flags that decide the kernels (reported with each benchmark row)
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
-__all__ = ["CpuInfo", "probe", "cpu_info", "native_bf16", "auto_dtype_name", "gpu_names", "OVERRIDE_ENV"]
+__all__ = ["CpuInfo", "probe", "cpu_info", "native_bf16", "auto_dtype_name", "gpu_names"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +33,8 @@ class CpuInfo:
     isa: str  # the widest vector ISA class of its flags: AMX, AVX512, AVX2 or baseline (what kernels dispatch to)
     flags: tuple[str, ...]  # REPORTED_FLAGS this CPU has
     native_bf16: bool  # what auto acts on
-    why: str  # one phrase: which probe (or override) decided
-    avx512_bf16: bool = False  # the probe's findings, whatever the override: what vLLM's CPU kernels dispatch on
+    why: str  # one phrase: which flags decided
+    avx512_bf16: bool = False  # the flags vLLM's CPU kernels dispatch on
     amx: bool = False
     avx512: bool = False
 
@@ -72,7 +70,7 @@ def isa_class(flags: set[str]) -> str:
 
 @functools.cache
 def probe() -> CpuInfo:
-    """This CPU as /proc/cpuinfo reports it, without the override."""
+    """This CPU as /proc/cpuinfo reports it."""
     model, flags = _cpuinfo()
     avx512_bf16, amx = "avx512_bf16" in flags, "amx_bf16" in flags
     native = avx512_bf16 or amx
@@ -95,15 +93,8 @@ def probe() -> CpuInfo:
 
 
 def cpu_info() -> CpuInfo:
-    """This CPU, with DRAFTSMITH_CPU_BF16 (1 / 0) applied over the probe."""
-    info = probe()
-    forced = os.environ.get(OVERRIDE_ENV, "").strip()
-    if forced in ("0", "1"):
-        native = forced == "1"
-        return dataclasses.replace(
-            info, native_bf16=native, why=f"{OVERRIDE_ENV}={forced} (the probe says: {info.why})"
-        )
-    return info
+    """This CPU (`probe`, read once per process)."""
+    return probe()
 
 
 def native_bf16() -> bool:
