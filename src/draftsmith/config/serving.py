@@ -61,12 +61,31 @@ class EvaluateConfig(StageConfig):
         description=("Target model; default: the one the draft was trained for. A target that differs is refused."),
     )
     output: Path = Field(Path("runs/eval"), description="Directory for report.json, report.md and the PNG charts.")
-    prompts: str = Field(
-        "mt-bench",
+    prompts: str | None = Field(
+        None,
         description=(
             "Prompt set: mt-bench (the embedded 80 questions), bfcl-multi-turn (200 tool-use tasks, their tools "
             "declared), a ShareGPT JSON / messages JSONL file, or a prepared data set directory (its held-out split is "
-            "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as served."
+            "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as served. "
+            "Default: mt-bench; with --gate, the held-out split of the draft's training data where it is on this machine."
+        ),
+    )
+    gate: bool = Field(
+        False,
+        description=(
+            "Prove the draft in the installed vLLM: decode the same prompts with the reference decoder and with vLLM "
+            "(same draft, k, dtype, temperature 0) and compare acceptance per position; a gap fails (exit 1) with a "
+            "verdict naming the likeliest causes (config.json keys changed since export, what this vLLM reads). Also "
+            "compares with the acceptance training predicted on its held-out split."
+        ),
+    )
+    gate_tolerance: float = Field(
+        0.05,
+        gt=0.0,
+        lt=1.0,
+        description=(
+            "--gate: the largest difference of acceptance at a position (a fraction of rounds) that still agrees; two "
+            "rounds' worth is added for small samples."
         ),
     )
     chat_template_kwargs: dict[str, Any] = Field(

@@ -21,7 +21,7 @@ from typing import Any
 
 from draftsmith.core.assets import mtbench_path
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
+from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity, read_manifest_json
 from draftsmith.prepare import bfcl
 from draftsmith.prepare.chat import Skip, normalize_conversation, role_of
 from draftsmith.prepare.dataset import open_prepared, split_indices
@@ -134,6 +134,26 @@ def held_out_split(eval_fraction: float | None, split_seed: int | None, training
         "eval_fraction": eval_fraction if eval_fraction is not None else training.get("eval_fraction", 0.02),
         "split_seed": split_seed if split_seed is not None else training.get("split_seed", 0),
     }
+
+
+def training_prompts(training: dict[str, Any]) -> tuple[str | None, str]:
+    """The prepared set a draft was trained from (`evaluate --gate` decodes its held-out split by default): the run's
+    data, or the prepared set its store was extracted from. (None, why) where the draft records none or it is not on
+    this machine."""
+    data = training.get("data")
+    if not data:
+        return None, "the draft records no training data"
+    path = Path(str(data))
+    try:
+        manifest = read_manifest_json(path)
+    except DraftsmithError:
+        return None, f"its training data {data} is not on this machine"
+    if manifest.get("kind") == "store":
+        prepared = Path(str((manifest.get("prepared") or {}).get("path", "")))
+        if not (prepared / MANIFEST_NAME).is_file():
+            return None, f"the prepared set of its training store {data} ({prepared}) is not on this machine"
+        return str(prepared), f"the held-out split of {prepared}, the prepared set of its training store"
+    return str(path), f"the held-out split of {path}, its training data"
 
 
 def load_prompts(

@@ -98,9 +98,21 @@ def several_segments(run: dict) -> bool:
 
 def markdown(report: dict[str, Any], charts: bool = True) -> str:
     base = report.get("baseline")
-    lines = [
-        f"# Speculative decoding: {report['engine']} engine",
-        "",
+    lines = [f"# Speculative decoding: {report['engine']} engine", ""]
+    gate = report.get("gate")
+    if gate:  # the verdict first: what a pipeline reading this report decides on
+        lines += [f"**Gate: {'passed' if gate['passed'] else 'FAILED'}**", ""]
+        for check in gate["checks"]:
+            lines.append(f"- {check['verdict']}")
+        lines += ["", "| k | position | reference decoder | vLLM | allowed gap | agrees |", "|---|---|---|---|---|---|"]
+        for check in gate["checks"]:
+            for p in check["positions"]:
+                lines.append(
+                    f"| {check['k']} | {p['position']} | {p['reference']:.3f} | {p['served']:.3f} | "
+                    f"{p['allowed']:.3f} | {'yes' if p['agrees'] else 'NO'} |"
+                )
+        lines.append("")
+    lines += [
         f"- target: `{report['target']}`",
         f"- draft: `{report['draft']}`",
         f"- prompts: {report['prompts']} ({report['num_prompts']} prompts), max {report['max_new_tokens']} new tokens, "

@@ -30,8 +30,9 @@ from draftsmith import export
 from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.evaluate import vllm_runner
-from draftsmith.evaluate.prompts import Prompt, held_out_split, load_prompts
+from draftsmith.core.manifest import TargetIdentity
+from draftsmith.evaluate import gate, vllm_runner
+from draftsmith.evaluate.prompts import MTBENCH, Prompt, held_out_split, load_prompts, training_prompts
 from draftsmith.evaluate.report import CHARTS_HINT, several_segments, write_report
 from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
 from draftsmith.evaluate.specdec import (
@@ -41,6 +42,8 @@ from draftsmith.evaluate.specdec import (
     plain_generate,
     speculative_generate,
 )
+from draftsmith.extract.vllm.probe import DtypeChoice
+from draftsmith.extract.vllm.source import unmentioned
 from draftsmith.train.drafts import (
     DraftSource,
     draft_module,
@@ -154,19 +157,166 @@ def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | N
     return context
 
 
+def _gate_prompts(cfg: EvaluateConfig, source: DraftSource) -> str:
+    """The prompt set: what was asked; else, for the gate, the held-out split of the draft's training data (the
+    traffic it was trained for) where it is on this machine; else mt-bench."""
+    if cfg.prompts is not None:
+        return cfg.prompts
+    if cfg.gate:
+        prepared, why = training_prompts(source.training)
+        said = why if prepared else f"mt-bench ({why}; --prompts FILE picks yours)"
+        print(f"evaluate --gate: prompts: {said}", file=sys.stderr, flush=True)
+        return prepared or MTBENCH
+    return MTBENCH
+
+
+def _reference_run(
+    cfg: EvaluateConfig,
+    source: DraftSource,
+    target_path: Path,
+    tokenizer: Any,
+    prompts: list[Prompt],
+    dtype_name: str,
+    report: dict[str, Any],
+) -> tuple[dict[int, DecodeStats], dict[int, Any]]:
+    """The reference decoder (transformers) on every k, and the target alone where cfg.baseline."""
+    device = targets.resolve_device(cfg.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        dtype_name, torch.float32 if device.type == "cpu" else torch.bfloat16
+    )
+    target_model = targets.load_target(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    draft = build_draft_module(source, target_model, device, dtype)
+    measured = evaluate_reference(
+        target_model,
+        draft,
+        source.spec.aux_layer_ids,
+        prompts,
+        cfg.k,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        eos_ids=_eos_ids(tokenizer, target_path),
+        baseline=cfg.baseline,
+        device=device,
+        show_progress=True,
+        segmenter=Segmenter(tokenizer),
+    )
+    by_segment = {
+        k: {name: segment_dict(c) for name, c in counts.items()} for k, counts in measured["segments"].items()
+    }
+    if cfg.temperature == 0 and cfg.baseline:
+        base_out = measured["outputs"][0]
+        report["lossless"] = {
+            f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/{len(prompts)} prompts"
+            for k in cfg.k
+        }
+    report["dtype"] = str(dtype).removeprefix("torch.")
+    return measured["runs"], by_segment
+
+
+def _vllm_run(
+    cfg: EvaluateConfig,
+    source: DraftSource,
+    identity: TargetIdentity,
+    target_path: Path,
+    prompts: list[Prompt],
+    choice: DtypeChoice,
+    output: Path,
+    report: dict[str, Any],
+) -> dict[int, DecodeStats]:
+    """vLLM on every k (one engine each), and the target alone where cfg.baseline."""
+    if cfg.dtype == "auto":
+        print(
+            f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
+            file=sys.stderr,
+            flush=True,
+        )
+    max_len = cfg.max_model_len or _engine_context(
+        prompts, cfg, targets.context_length(targets.read_config(target_path))
+    )
+    workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
+    shutil.rmtree(workdir, ignore_errors=True)
+    draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
+    common: dict[str, Any] = dict(
+        target=target_path,
+        prompts=[p.token_ids for p in prompts],
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        dtype=choice.dtype,
+        max_model_len=max_len,
+        kv_cache_gb=cfg.vllm_kv_cache_gb,
+        timeout_s=cfg.vllm_timeout_s,
+        workdir=workdir,
+        trust_remote_code=cfg.trust_remote_code,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )
+    stats: dict[int, DecodeStats] = {}
+
+    def decode(draft: Path | None, k: int, name: str) -> dict[str, Any]:
+        """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
+        once (DtypeChoice.fallback), saying why; the later ones keep the dtype that ran."""
+        try:
+            return vllm_runner.run_vllm(draft=draft, k=k, name=name, **common)
+        except DraftsmithError as err:
+            if choice.fallback is None or stats:
+                raise
+            print(f"evaluate: {choice.note(str(err))}", file=sys.stderr, flush=True)
+            common["dtype"] = choice.fallback
+            return vllm_runner.run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", **common)
+
+    if cfg.baseline:
+        res = decode(None, 0, "baseline")
+        stats[0] = vllm_runner.stats_from_vllm(res, 0, len(prompts))
+    for k in cfg.k:
+        res = decode(draft_dir, k, f"k{k}")
+        stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
+        report["vllm_version"] = res.get("vllm_version")
+    report["dtype"] = common["dtype"]
+    return stats
+
+
+def _gate(
+    cfg: EvaluateConfig, source: DraftSource, served: dict[int, DecodeStats], reference: dict[int, DecodeStats], report
+) -> list[gate.GateResult]:
+    """The gate's verdict at each k (gate.py): the reference decoder's runs against vLLM's."""
+    drift = gate.config_drift(Path(cfg.draft))
+    unread = unmentioned(gate.drifted_keys(drift)) or []
+    results = [
+        gate.judge(
+            reference[k],
+            served[k],
+            tolerance=cfg.gate_tolerance,
+            vllm_version=report.get("vllm_version"),
+            dtype=report["dtype"],
+            drift=drift,
+            unread=[key.rsplit(".", 1)[-1] for key in unread],
+            training=source.training,
+        )
+        for k in cfg.k
+    ]
+    report["gate"] = {"passed": all(r.passed for r in results), "checks": [r.as_dict() for r in results]}
+    return results
+
+
 def run(cfg: EvaluateConfig) -> StageResult:
-    """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report."""
+    """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report; with --gate, the
+    reference decoder against vLLM (gate.py), failing (GateFailed, after the report) where they disagree."""
     source = load_draft(cfg.draft)
     if source.spec.method == "dflash":  # a round is one block: block_size - 1 proposals, as vLLM drafts it
         assert source.spec.block_size is not None  # a DFlash spec's
         cfg = cfg.model_copy(update={"k": [source.spec.block_size - 1]})
+    if cfg.gate:  # the gate decodes in the vLLM the user has, and with the reference decoder beside it
+        cfg = cfg.model_copy(update={"engine": "vllm"})
+    cfg = cfg.model_copy(update={"prompts": _gate_prompts(cfg, source)})
+    assert cfg.prompts is not None
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     choice = None
     if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
         choice = vllm_runner.engine_dtype(target_path, cfg.dtype)
         vllm_runner.check_vllm_can_serve(
             target_path,
-            "--engine vllm",
+            "--gate" if cfg.gate else "--engine vllm",
             parallel_drafting=source.spec.parallel_drafting,
             dflash=source.spec.method == "dflash",
             dtype=choice.dtype,
@@ -195,98 +345,32 @@ def run(cfg: EvaluateConfig) -> StageResult:
         "aux_layer_ids": source.spec.aux_layer_ids,
         "draft_vocab_size": source.spec.draft_vocab_size,
     }
+    results: list[gate.GateResult] = []
     if cfg.engine == "hf":
-        device = targets.resolve_device(cfg.device)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            cfg.dtype, torch.float32 if device.type == "cpu" else torch.bfloat16
-        )
-        target_model = targets.load_target(
-            target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code
-        )
-        draft = build_draft_module(source, target_model, device, dtype)
-        measured = evaluate_reference(
-            target_model,
-            draft,
-            source.spec.aux_layer_ids,
-            prompts,
-            cfg.k,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.seed,
-            eos_ids=_eos_ids(tokenizer, target_path),
-            baseline=cfg.baseline,
-            device=device,
-            show_progress=True,
-            segmenter=Segmenter(tokenizer),
-        )
-        stats = measured["runs"]
-        by_segment = {
-            k: {name: segment_dict(c) for name, c in counts.items()} for k, counts in measured["segments"].items()
-        }
-        if cfg.temperature == 0 and cfg.baseline:
-            base_out = measured["outputs"][0]
-            report["lossless"] = {
-                f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/{len(prompts)} prompts"
-                for k in cfg.k
-            }
-        report["dtype"] = str(dtype).removeprefix("torch.")
+        stats, by_segment = _reference_run(cfg, source, target_path, tokenizer, prompts, cfg.dtype, report)
     else:
         assert choice is not None
-        if cfg.dtype == "auto":
-            print(
-                f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
-                file=sys.stderr,
-                flush=True,
-            )
-        max_len = cfg.max_model_len or _engine_context(
-            prompts, cfg, targets.context_length(targets.read_config(target_path))
-        )
-        workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
-        shutil.rmtree(workdir, ignore_errors=True)
-        draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
-        common: dict[str, Any] = dict(
-            target=target_path,
-            prompts=[p.token_ids for p in prompts],
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.seed,
-            dtype=choice.dtype,
-            max_model_len=max_len,
-            kv_cache_gb=cfg.vllm_kv_cache_gb,
-            timeout_s=cfg.vllm_timeout_s,
-            workdir=workdir,
-            trust_remote_code=cfg.trust_remote_code,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-        )
-        stats = {}
+        stats = _vllm_run(cfg, source, identity, target_path, prompts, choice, output, report)
         by_segment = {}  # vLLM counts acceptance per engine, not per token
-
-        def decode(draft: Path | None, k: int, name: str) -> dict[str, Any]:
-            """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
-            once (DtypeChoice.fallback), saying why; the later ones keep the dtype that ran."""
-            try:
-                return vllm_runner.run_vllm(draft=draft, k=k, name=name, **common)
-            except DraftsmithError as err:
-                if choice.fallback is None or stats:
-                    raise
-                print(f"evaluate: {choice.note(str(err))}", file=sys.stderr, flush=True)
-                common["dtype"] = choice.fallback
-                return vllm_runner.run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", **common)
-
-        if cfg.baseline:
-            res = decode(None, 0, "baseline")
-            stats[0] = vllm_runner.stats_from_vllm(res, 0, len(prompts))
-        for k in cfg.k:
-            res = decode(draft_dir, k, f"k{k}")
-            stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
-            report["vllm_version"] = res.get("vllm_version")
-        report["dtype"] = common["dtype"]
+        if cfg.gate:  # the reference decoder in the dtype vLLM ran, greedy, on the same prompts
+            reference, _ = _reference_run(
+                cfg.model_copy(update={"baseline": False, "temperature": 0.0}),
+                source,
+                target_path,
+                tokenizer,
+                prompts,
+                report["dtype"],
+                {},
+            )
+            results = _gate(cfg, source, stats, reference, report)
     report["baseline"], report["runs"] = _run_dicts(stats, cfg.k)
     for r in report["runs"]:  # the reference decoder's rounds by what the target was writing (segments.py)
         r["by_segment"] = by_segment.get(r["k"])
     paths = write_report(output, report)
     save_resolved_config(cfg, output)
     summary: dict[str, Any] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({len(prompts)})"}
+    for result in results:
+        summary[f"gate (k={result.k})"] = result.verdict
     if report["baseline"]:
         summary["target alone tokens/s"] = round(report["baseline"]["tokens_per_s"], 2)
     for r in report["runs"]:
@@ -304,4 +388,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
     if "acceptance_chart" not in paths:
         summary["charts"] = f"none: {CHARTS_HINT}"
         print(f"evaluate: the report has no charts ({CHARTS_HINT})", file=sys.stderr, flush=True)
+    failed = [r for r in results if not r.passed]
+    if failed:  # after the report: a pipeline stops here, and the report says why
+        raise gate.GateFailed(f"{failed[0].verdict} (report: {paths['markdown']})")
     return StageResult(stage="evaluate", output=output, summary=summary)

@@ -144,6 +144,8 @@ class CheckpointManifest(DraftManifest):
         for key, value in self.metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 summary[f"eval {key}"] = round(float(value), 4)
+            elif key == "acc" and isinstance(value, list):  # per step: what `evaluate --gate` compares serving with
+                summary["eval acc"] = [round(float(a), 4) for a in value]
         self.training = summary
         return self
 

@@ -532,6 +532,39 @@ def locate(source: Path | str | None) -> Located | None:
     )
 
 
+# transformers' files that read a draft's config.json for vLLM: the config classes of the drafts' decoders (Llama for
+# EAGLE-3, Qwen3 for DFlash) and the rotary settings they hand on
+_TRANSFORMERS_CONFIG_FILES = (
+    "configuration_utils.py",
+    "modeling_rope_utils.py",
+    "models/llama/configuration_llama.py",
+    "models/qwen3/configuration_qwen3.py",
+)
+
+
+def unmentioned(words: list[str], package: Path | None = None) -> list[str] | None:
+    """The words (config.json keys) that appear nowhere in the vLLM package's Python source nor in the transformers
+    files that read a draft's config for it: keys that engine cannot read, so it serves a draft as if they were
+    absent. None without a vLLM package. Plain text search over every module (about a second), no import."""
+    package = package or installed_package()
+    if package is None or not words:
+        return None if package is None else []
+    left = set(words)
+    files = list(Path(package).rglob("*.py"))
+    transformers = importlib.util.find_spec("transformers")
+    for root in list(getattr(transformers, "submodule_search_locations", None) or []) if transformers else []:
+        files += [Path(root) / rel for rel in _TRANSFORMERS_CONFIG_FILES]
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        left = {word for word in left if word not in text}
+        if not left:
+            break
+    return [word for word in words if word in left]
+
+
 __all__ = [
     "FieldInfo",
     "Found",
@@ -542,4 +575,5 @@ __all__ = [
     "literal_text",
     "locate",
     "package_dir",
+    "unmentioned",
 ]

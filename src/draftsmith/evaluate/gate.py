@@ -1,0 +1,242 @@
+"""`draftsmith evaluate --gate`: does this draft decode in the installed vLLM as draftsmith's reference decoder
+decodes it, on the user's own prompts?
+
+A draft whose training metrics look fine can be accepted near never where it is served, because of something between
+the checkpoint and the server: a config.json key changed after export, or one the serving vLLM does not read, a layer
+id off by one, a rotary setting. The gate decodes the same prompts with the reference decoder (which reads the draft
+as draftsmith trained it: the export's manifest) and with vLLM (which reads config.json), same draft, same k, same
+dtype, temperature 0, and compares the acceptance at each draft position. It passes when every position agrees within
+`--gate-tolerance` (plus two rounds' worth, for small samples); else its verdict names what draftsmith can check:
+
+- config.json against the draft as trained: each key whose value differs from what the export wrote for this draft
+  (`format_config` of the manifest's spec), each key it added or lost;
+- whether the installed vLLM's source reads each of those keys at all (a key it never reads is served as if absent);
+- the dtype both engines ran in.
+
+It also compares the served acceptance with what training predicted on its held-out split (the last evaluation's
+teacher-forced accuracy per step: position j is accepted with probability prod_{i<=j} acc_i) and says how far apart
+they are. Everything here is pure: the engines run in stage.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import read_config
+from draftsmith.evaluate.specdec import DecodeStats
+from draftsmith.export.formats import VLLM_LOADABLE, format_config, read_export_manifest
+
+__all__ = ["GateFailed", "GateResult", "PositionCheck", "compare", "config_drift", "training_prediction", "judge"]
+
+# config.json keys that do not change what the draft computes: the target's special tokens (copied from its config),
+# the verifier's name (a path on the machine that exported) and the writer's version
+_NOT_DRAFTING = {"bos_token_id", "eos_token_id", "pad_token_id", "verifier", "draftsmith_version"}
+
+
+class GateFailed(DraftsmithError):
+    """The gate's verdict when the served acceptance differs from the reference decoder's (the report is written)."""
+
+
+@dataclass(frozen=True)
+class PositionCheck:
+    """One draft position: the fraction of rounds whose proposal there was accepted, in each engine."""
+
+    position: int  # 1-based, as the report shows it
+    reference: float
+    served: float
+    allowed: float
+
+    @property
+    def gap(self) -> float:
+        return self.served - self.reference
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.gap) <= self.allowed
+
+
+@dataclass
+class GateResult:
+    passed: bool
+    verdict: str  # one line: the first line of the report, the summary's and (failed) the error's
+    k: int
+    positions: list[PositionCheck]
+    reference_tau: float
+    served_tau: float
+    drift: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+    training: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "verdict": self.verdict,
+            "k": self.k,
+            "reference_tau": round(self.reference_tau, 4),
+            "served_tau": round(self.served_tau, 4),
+            "positions": [
+                {
+                    "position": p.position,
+                    "reference": round(p.reference, 4),
+                    "served": round(p.served, 4),
+                    "allowed": round(p.allowed, 4),
+                    "agrees": p.agrees,
+                }
+                for p in self.positions
+            ],
+            "config_drift": self.drift,
+            "not_read_by_vllm": self.unread,
+            "training": self.training,
+        }
+
+
+def compare(reference: DecodeStats, served: DecodeStats, tolerance: float) -> list[PositionCheck]:
+    """Acceptance per position of the two engines' runs at the same k. Both decode the same prompts greedily, so
+    their rounds differ only where numerics flip a proposal: `tolerance` of the rounds, plus two rounds of the
+    smaller run."""
+    rounds = max(1, min(reference.num_rounds, served.num_rounds))
+    allowed = tolerance + 2 / rounds
+    return [
+        PositionCheck(i + 1, a, b, allowed)
+        for i, (a, b) in enumerate(zip(reference.acceptance_per_pos, served.acceptance_per_pos))
+    ]
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if key in _NOT_DRAFTING:
+            continue
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_drift(draft_dir: Path) -> list[str]:
+    """config.json of a vLLM-loadable export against the one its manifest's draft gets from the writer: one phrase
+    per key that differs, was added or is missing (none for a checkpoint or another format: vLLM is then given a
+    directory draftsmith writes itself)."""
+    manifest = read_export_manifest(draft_dir)
+    if manifest is None or manifest.format not in VLLM_LOADABLE:
+        return []
+    actual = read_config(Path(draft_dir))
+    expected = format_config(
+        manifest.draft,
+        manifest.format,
+        verifier="",
+        verifier_architectures=[],
+        speculative_tokens=manifest.speculative_tokens,
+        dtype=manifest.dtype,
+        special_tokens={},
+        num_target_layers=manifest.target.num_layers,
+    )
+    # where several formats hold the same decoder in a sub-config, a proposal count that does not change drafting
+    have, want = _flatten(actual), _flatten(expected)
+    drift = []
+    for key in sorted(set(have) | set(want)):
+        if key.endswith("speculative_tokens"):  # how many tokens a round proposes by default: the command decides
+            continue
+        if key not in have:
+            drift.append(f"{key} is missing from config.json (the draft was trained with {json.dumps(want[key])})")
+        elif key not in want:
+            drift.append(f"{key} is {json.dumps(have[key])} in config.json, a key the draft was not trained with")
+        elif have[key] != want[key]:
+            drift.append(f"{key} is {json.dumps(have[key])} in config.json, {json.dumps(want[key])} as trained")
+    return drift
+
+
+def drifted_keys(drift: list[str]) -> list[str]:
+    """The keys `config_drift` named (its phrases start with them)."""
+    return [phrase.split(" ", 1)[0] for phrase in drift]
+
+
+def training_prediction(training: dict[str, Any], k: int) -> dict[str, Any] | None:
+    """What training's last held-out evaluation predicts per position (prod_{i<=j} acc_i, as its simulated
+    acceptance length) for the first min(k, its steps) positions; None where the draft carries no such record (an
+    export of an older draftsmith, a checkpoint saved before its first evaluation)."""
+    acc = training.get("eval acc")
+    if not isinstance(acc, list) or not acc:
+        return None
+    per_pos, run = [], 1.0
+    for a in acc[:k]:
+        run *= float(a)
+        per_pos.append(run)
+    return {"acceptance_per_pos": per_pos, "tau": 1.0 + sum(per_pos), "positions": len(per_pos)}
+
+
+def _training_line(prediction: dict[str, Any] | None, served: DecodeStats) -> str:
+    if prediction is None:
+        return "training's held-out prediction: none recorded with this draft"
+    n = prediction["positions"]
+    served_tau = 1.0 + sum(served.acceptance_per_pos[:n])
+    gap = (served_tau - prediction["tau"]) / prediction["tau"]
+    where = f"first {n} positions" if n < served.k else f"{n} positions"
+    return (
+        f"served τ {served_tau:.2f} against training's held-out prediction {prediction['tau']:.2f} over the {where} "
+        f"({gap:+.0%})"
+    )
+
+
+def judge(
+    reference: DecodeStats,
+    served: DecodeStats,
+    *,
+    tolerance: float,
+    vllm_version: str | None,
+    dtype: str,
+    drift: list[str],
+    unread: list[str],
+    training: dict[str, Any],
+) -> GateResult:
+    """The gate's verdict for one k: pass when every position agrees; else the likeliest causes draftsmith could
+    check, in order (keys changed since export; keys this vLLM does not read; the dtype)."""
+    positions = compare(reference, served, tolerance)
+    prediction = training_prediction(training, served.k)
+    engine = f"vLLM {vllm_version or '(version unknown)'}"
+    worst = max(positions, key=lambda p: abs(p.gap) - p.allowed) if positions else None
+    passed = worst is None or worst.agrees
+    tail = _training_line(prediction, served)
+    if passed:
+        verdict = (
+            f"gate passed: {engine} accepts what the reference decoder accepts (k={served.k}, τ {served.tau:.2f} "
+            f"served, {reference.tau:.2f} reference, every position within {positions[0].allowed if positions else 0:.2f}); "
+            f"{tail}"
+        )
+        if drift:
+            verdict += f"; note: config.json differs from the draft as trained ({'; '.join(drift)}) and {engine} "
+            verdict += "serves it alike"
+    else:
+        assert worst is not None
+        causes = []
+        if drift:
+            causes.append("config.json changed since export: " + "; ".join(drift))
+        if unread:
+            causes.append(f"{engine} does not read " + ", ".join(unread) + " (served as if absent)")
+        if not causes:
+            causes.append(
+                "config.json is as exported and every key it holds is read; check the target (the same checkpoint "
+                f"and revision in both engines) and the dtype ({dtype} in both)"
+            )
+        verdict = (
+            f"gate failed: {engine} accepts {worst.served:.2f} of rounds at position {worst.position} where the "
+            f"reference decoder accepts {worst.reference:.2f} (k={served.k}, τ {served.tau:.2f} served, "
+            f"{reference.tau:.2f} reference; allowed {worst.allowed:.2f}); likeliest cause: {' | '.join(causes)}; "
+            f"{tail}"
+        )
+    return GateResult(
+        passed=passed,
+        verdict=verdict,
+        k=served.k,
+        positions=positions,
+        reference_tau=reference.tau,
+        served_tau=served.tau,
+        drift=drift,
+        unread=unread,
+        training=None if prediction is None else {**prediction, "line": tail},
+    )

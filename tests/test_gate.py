@@ -1,0 +1,357 @@
+"""`draftsmith evaluate --gate`: the reference decoder against the vLLM the user has, on the same draft and prompts.
+
+Fast (tiny random target, no engine): the verdict's arithmetic on real decode counts; config.json checked against the
+draft as trained, key by key, for each alteration a vLLM reads silently; the keys no vLLM source mentions; the
+default prompts (the held-out split of the draft's training data); the prediction training recorded; the CLI's exit.
+
+Real vLLM 0.32 (CPU), the default target, an EAGLE-3 draft that memorised the target's answers to its training
+prompts (so acceptance deep into a round is non-zero and a wrong key shows): the correct export passes through the
+CLI as a user runs it; each export altered in a way vLLM reads silently (an aux layer id shifted,
+norm_before_residual flipped, the rotary base changed) fails, its verdict naming that key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import export
+from draftsmith.core import targets
+from draftsmith.evaluate import gate
+from draftsmith.evaluate.specdec import DecodeStats
+
+
+def _stats(k: int, rounds: int, accepted_per_pos: list[int]) -> DecodeStats:
+    """A run's counts as the decoders add them: `rounds` rounds, accepted_per_pos[i] of them accepted at i + 1."""
+    stats = DecodeStats(k=k)
+    for r in range(rounds):
+        stats.add_round(sum(1 for a in accepted_per_pos if r < a))
+    assert stats.accepted_per_pos == accepted_per_pos  # prefixes: a later position never beats an earlier one
+    return stats
+
+
+def test_equal_acceptance_passes_and_a_gap_at_a_deep_position_fails_naming_it():
+    reference = _stats(3, 100, [80, 60, 40])
+    near = _stats(3, 100, [78, 61, 38])  # within 0.05 + 2 rounds everywhere
+    ok = gate.judge(
+        reference, near, tolerance=0.05, vllm_version="0.32.0", dtype="float32", drift=[], unread=[], training={}
+    )
+    assert ok.passed and ok.verdict.startswith("gate passed: vLLM 0.32.0 accepts what the reference decoder accepts")
+    assert [p.agrees for p in ok.positions] == [True] * 3 and ok.positions[0].allowed == pytest.approx(0.07)
+    far = _stats(3, 100, [79, 58, 10])  # position 3 collapses: what a wrong layer id or norm does
+    bad = gate.judge(
+        reference, far, tolerance=0.05, vllm_version="0.32.0", dtype="float32", drift=[], unread=[], training={}
+    )
+    assert not bad.passed and [p.agrees for p in bad.positions] == [True, True, False]
+    assert "accepts 0.10 of rounds at position 3 where the reference decoder accepts 0.40" in bad.verdict
+    assert "config.json is as exported" in bad.verdict  # nothing draftsmith can check is wrong: it says so
+    assert bad.as_dict()["positions"][2] == {
+        "position": 3,
+        "reference": 0.4,
+        "served": 0.1,
+        "allowed": 0.07,
+        "agrees": False,
+    }
+
+
+def test_the_training_prediction_is_the_product_of_its_per_step_accuracies():
+    training = {"eval acc": [0.8, 0.5, 0.5, 0.5]}
+    prediction = gate.training_prediction(training, 3)
+    assert prediction is not None and prediction["positions"] == 3
+    assert prediction["acceptance_per_pos"] == pytest.approx([0.8, 0.4, 0.2])
+    assert prediction["tau"] == pytest.approx(2.4)
+    served = _stats(3, 100, [80, 30, 10])  # τ 2.2 against 2.4: -8 %
+    result = gate.judge(
+        served, served, tolerance=0.05, vllm_version="0.32.0", dtype="float32", drift=[], unread=[], training=training
+    )
+    assert "served τ 2.20 against training's held-out prediction 2.40 over the 3 positions (-8%)" in result.verdict
+    assert gate.training_prediction({}, 3) is None and gate.training_prediction({"eval acc": []}, 3) is None
+    longer = _stats(5, 10, [5, 4, 3, 2, 1])  # k past training's steps: the positions it predicted
+    line = gate.judge(
+        longer, longer, tolerance=0.05, vllm_version=None, dtype="float32", drift=[], unread=[], training=training
+    ).verdict
+    assert "over the first 4 positions" in line and "vLLM (version unknown)" in line
+
+
+@pytest.fixture
+def tiny_export(tiny_target_dir, tmp_path) -> Path:
+    """An EAGLE-3 draft of the tiny target, exported in the vllm format (random weights: the keys are what count)."""
+    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 3])
+    draft = Eagle3Draft.from_target(spec, targets.load_target(tiny_target_dir), torch.arange(0, 256, 2))
+    out = tmp_path / "export"
+    export.write_export(
+        out,
+        draft_tensors(draft.state_dict()),
+        spec,
+        "vllm",
+        target=targets.target_identity(tiny_target_dir),
+        verifier_architectures=["LlamaForCausalLM"],
+        special_tokens={"bos_token_id": 1, "eos_token_id": 2},
+        dtype="fp32",
+    )
+    return out
+
+
+def alter(export_dir: Path, out: Path, change) -> Path:
+    """A copy of an export whose config.json `change` (a function of the config dict) altered, as a hand edit or a
+    converter would: weights and manifest untouched."""
+    shutil.copytree(export_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    change(config)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def shift_layer(config: dict) -> None:
+    config["eagle_aux_hidden_state_layer_ids"][0] += 1
+
+
+def flip_norm(config: dict) -> None:
+    config["norm_before_residual"] = not config["norm_before_residual"]
+
+
+def rotary_base(config: dict) -> None:
+    theta = config["rope_parameters"]["rope_theta"] / 100
+    config["rope_parameters"]["rope_theta"] = theta
+    if "rope_theta" in config:  # the legacy key transformers 4.x reads
+        config["rope_theta"] = theta
+
+
+ALTERATIONS = {
+    "eagle_aux_hidden_state_layer_ids": shift_layer,
+    "norm_before_residual": flip_norm,
+    "rope_parameters.rope_theta": rotary_base,
+}
+
+
+def test_config_json_as_exported_has_no_drift_and_each_alteration_is_named(tiny_export, tmp_path):
+    assert gate.config_drift(tiny_export) == []
+    for key, change in ALTERATIONS.items():
+        drift = gate.config_drift(alter(tiny_export, tmp_path / key, change))
+        assert gate.drifted_keys(drift)[:1] == [key], drift
+        assert "in config.json" in drift[0] and "as trained" in drift[0]
+    added = gate.config_drift(alter(tiny_export, tmp_path / "added", lambda c: c.update(partial_rotary_factor=0.5)))
+    assert added == ["partial_rotary_factor is 0.5 in config.json, a key the draft was not trained with"]
+    lost = gate.config_drift(alter(tiny_export, tmp_path / "lost", lambda c: c.pop("draft_vocab_size")))
+    assert lost == ["draft_vocab_size is missing from config.json (the draft was trained with 128)"]
+    # the target's special tokens and the writer's version do not change what the draft computes
+    same = alter(tiny_export, tmp_path / "tokens", lambda c: c.update(eos_token_id=7, draftsmith_version="0.0.1"))
+    assert gate.config_drift(same) == []
+    # the verdict of a failed gate leads with the drift
+    verdict = gate.judge(
+        _stats(2, 50, [40, 30]),
+        _stats(2, 50, [40, 2]),
+        tolerance=0.05,
+        vllm_version="0.32.0",
+        dtype="float32",
+        drift=gate.config_drift(tmp_path / "norm_before_residual"),
+        unread=[],
+        training={},
+    ).verdict
+    assert "likeliest cause: config.json changed since export: norm_before_residual is true in config.json" in verdict
+
+
+def test_a_checkpoint_or_an_sglang_export_has_no_config_to_check(tiny_export, tmp_path):
+    from draftsmith.train.drafts import load_draft
+
+    source = load_draft(tiny_export)
+    sglang = tmp_path / "sglang"
+    export.write_export(
+        sglang,
+        source.tensors,
+        source.spec,
+        "sglang",
+        target=source.target,
+        verifier_architectures=["LlamaForCausalLM"],
+        dtype="fp32",
+    )
+    assert gate.config_drift(alter(sglang, tmp_path / "sglang-altered", flip_norm)) == []  # vLLM gets a fresh export
+
+
+def test_keys_no_vllm_source_mentions_are_found():
+    pytest.importorskip("vllm")
+    from draftsmith.extract.vllm.source import unmentioned
+
+    words = ["norm_before_residual", "eagle_aux_hidden_state_layer_ids", "rope_theta", "draftsmith_no_such_key"]
+    assert unmentioned(words) == ["draftsmith_no_such_key"]
+    assert unmentioned([]) == []
+
+
+def test_the_gate_decodes_the_held_out_split_of_the_drafts_training_data(tmp_path):
+    from draftsmith.evaluate.prompts import training_prompts
+
+    assert training_prompts({}) == (None, "the draft records no training data")
+    assert training_prompts({"data": str(tmp_path / "gone")})[0] is None
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "manifest.json").write_text(json.dumps({"kind": "prepared"}))
+    assert training_prompts({"data": str(prepared)}) == (
+        str(prepared),
+        f"the held-out split of {prepared}, its training data",
+    )
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text(json.dumps({"kind": "store", "prepared": {"path": str(prepared)}}))
+    assert training_prompts({"data": str(store)})[0] == str(prepared)
+    (prepared / "manifest.json").unlink()
+    assert "not on this machine" in training_prompts({"data": str(store)})[1]
+
+
+def test_a_failed_gate_exits_1_with_its_verdict_in_one_line(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from draftsmith import cli, evaluate
+
+    def failing(cfg):
+        assert cfg.gate and cfg.gate_tolerance == 0.1
+        raise gate.GateFailed("gate failed: vLLM 0.32.0 accepts 0.02 of rounds at position 2 ...")
+
+    monkeypatch.setattr(evaluate, "run", failing)
+    result = CliRunner().invoke(cli.app, ["evaluate", "--draft", str(tmp_path), "--gate", "--gate-tolerance", "0.1"])
+    assert result.exit_code == 1 and "gate failed: vLLM 0.32.0 accepts 0.02" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_report_leads_with_the_gate():
+    from draftsmith.evaluate.report import markdown
+
+    result = gate.judge(
+        _stats(2, 40, [30, 20]),
+        _stats(2, 40, [30, 19]),
+        tolerance=0.05,
+        vllm_version="0.32.0",
+        dtype="float32",
+        drift=[],
+        unread=[],
+        training={},
+    )
+    report = {
+        "engine": "vllm",
+        "target": "t",
+        "draft": "d",
+        "prompts": "p",
+        "num_prompts": 4,
+        "max_new_tokens": 32,
+        "temperature": 0.0,
+        "runs": [],
+        "gate": {"passed": True, "checks": [result.as_dict()]},
+    }
+    lines = markdown(report, charts=False).splitlines()
+    assert (
+        lines[2] == "**Gate: passed**" and lines[4].startswith("- gate passed: vLLM 0.32.0") and "k=2, τ " in lines[4]
+    )
+    assert "| 2 | 2 | 0.500 | 0.475 | 0.100 | yes |" in lines
+
+
+# ------------------------------------------------------------------------------------------- real vLLM 0.32
+
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def memorised_export(memorised_store, tmp_path_factory) -> Path:
+    """An EAGLE-3 draft that memorised the target's answers (conftest's memorised_prepared), trained offline from
+    their store with a held-out quarter evaluated each epoch (what the gate's default prompts and the training
+    prediction read), exported vllm, float32."""
+    from draftsmith import train
+    from draftsmith.config import ExportConfig, TrainConfig
+    from draftsmith.core.layers import resolve_layer_ids
+    from draftsmith.extract import store
+
+    root = tmp_path_factory.mktemp("gate")
+    layers = store.open(memorised_store).manifest.target.num_layers
+    train.run(
+        TrainConfig(
+            data=memorised_store,
+            aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
+            output=root / "run",
+            ttt_steps=K,
+            max_steps=60,
+            token_budget=1024,
+            draft_vocab_size=2048,
+            lr=3e-3,
+            warmup_steps=5,
+            schedule="constant",
+            eval_fraction=0.25,
+            save_every=10**6,
+            device="cpu",
+            precision="fp32",  # named: both engines decode it in float32 below
+            seed=0,
+        )
+    )
+    out = root / "export"
+    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32", speculative_tokens=K))
+    return out
+
+
+def _gate_config(draft: Path, output: Path):
+    from draftsmith.config import EvaluateConfig
+
+    return EvaluateConfig(
+        draft=draft,
+        gate=True,
+        k=[K],
+        max_new_tokens=32,
+        dtype="float32",
+        baseline=False,
+        output=output,
+        vllm_kv_cache_gb=1,
+        max_model_len=512,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_gate_passes_a_correct_draft_through_the_cli(memorised_export, tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "eval"
+    args = ["evaluate", "--draft", memorised_export, "--gate", "--k", K, "--max-new-tokens", 32, "--dtype", "float32"]
+    args += ["--no-baseline", "--vllm-kv-cache-gb", 1, "--output", out]
+    done = subprocess.run(
+        [sys.executable, "-m", "draftsmith", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "prompts: the held-out split of" in done.stderr  # the draft's own training data, by default
+    report = json.loads((out / "report.json").read_text())
+    [check] = report["gate"]["checks"]
+    assert report["gate"]["passed"] and report["engine"] == "vllm" and report["dtype"] == "float32"
+    assert check["positions"][K - 1]["reference"] > 0 and check["positions"][K - 1]["served"] > 0  # deep accepted
+    assert check["training"] is not None and "training's held-out prediction" in check["verdict"]
+    md = (out / "report.md").read_text().splitlines()
+    assert md[2] == "**Gate: passed**" and md[4].startswith("- gate passed: vLLM 0.32")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("key", list(ALTERATIONS))
+def test_the_gate_fails_an_export_whose_config_vllm_reads_silently_naming_the_key(
+    memorised_export, tmp_path, monkeypatch, key
+):
+    pytest.importorskip("vllm")
+    from draftsmith import evaluate
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the worker process: most of a start on a CPU
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    altered = alter(memorised_export, tmp_path / "altered", ALTERATIONS[key])
+    with pytest.raises(gate.GateFailed, match=f"likeliest cause: config.json changed since export: {key} is ") as err:
+        evaluate.run(_gate_config(altered, tmp_path / "eval"))
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    [check] = report["gate"]["checks"]
+    assert not report["gate"]["passed"] and not all(p["agrees"] for p in check["positions"]), check
+    assert check["config_drift"] and check["config_drift"][0].startswith(key)
+    assert str(tmp_path / "eval" / "report.md") in str(err.value)
