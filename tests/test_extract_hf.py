@@ -401,7 +401,10 @@ def test_default_target_store_equals_transformers(tmp_path, default_target_dir, 
 
     prepare.run(PrepareConfig(data=[str(sharegpt_file)], max_samples=3, max_length=96, output=tmp_path / "p"))
     extract.run(
-        ExtractConfig(prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=512),
+        # float32 named: compared with transformers' fp32 forward below
+        ExtractConfig(
+            prepared=tmp_path / "p", output=tmp_path / "s", device="cpu", token_budget=512, compute_dtype="float32"
+        ),
         show_progress=False,
     )
     st = store.open(tmp_path / "s")

@@ -55,7 +55,10 @@ def hf_store(prepared, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("vllm") / "hf"
     extract.run(
-        ExtractConfig(prepared=prepared, output=out, backend="hf", device="cpu", token_budget=2048), show_progress=False
+        ExtractConfig(  # float32 named: the reference every vLLM store (float32) here is compared with
+            prepared=prepared, output=out, backend="hf", device="cpu", token_budget=2048, compute_dtype="float32"
+        ),
+        show_progress=False,
     )
     return out
 

@@ -113,7 +113,9 @@ def alter(export_dir: Path, out: Path, change) -> Path:
 
 
 def shift_layer(config: dict) -> None:
-    config["eagle_aux_hidden_state_layer_ids"][0] += 1
+    """The layer ids off by one, as a converter between the two conventions (vLLM's ids, the decoder layers'
+    outputs) leaves them. (Only the first id moved leaves this draft's acceptance as it was: measured equal.)"""
+    config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
 
 
 def flip_norm(config: dict) -> None:
@@ -295,12 +297,19 @@ def memorised_export(memorised_store, tmp_path_factory) -> Path:
     return out
 
 
+# The same settings for the correct export and the altered ones. Measured on this draft: the reference decoder and
+# vLLM agree exactly on the correct export (every position); with the default tolerance (0.05 + two rounds) and its
+# ~40 rounds, ids all off by one (τ 3.20 -> 3.00) passed, so the tests ask for 0.02 (+ two rounds).
+TOLERANCE = 0.02
+
+
 def _gate_config(draft: Path, output: Path):
     from draftsmith.config import EvaluateConfig
 
     return EvaluateConfig(
         draft=draft,
         gate=True,
+        gate_tolerance=TOLERANCE,
         k=[K],
         max_new_tokens=32,
         dtype="float32",
@@ -317,7 +326,7 @@ def test_the_gate_passes_a_correct_draft_through_the_cli(memorised_export, tmp_p
     pytest.importorskip("vllm")
     out = tmp_path / "eval"
     args = ["evaluate", "--draft", memorised_export, "--gate", "--k", K, "--max-new-tokens", 32, "--dtype", "float32"]
-    args += ["--no-baseline", "--vllm-kv-cache-gb", 1, "--output", out]
+    args += ["--no-baseline", "--vllm-kv-cache-gb", 1, "--gate-tolerance", TOLERANCE, "--output", out]
     done = subprocess.run(
         [sys.executable, "-m", "draftsmith", *map(str, args)],
         capture_output=True,

@@ -1,6 +1,5 @@
 """End to end: a reduced quickstart on the real default assets, then a resume that redoes nothing."""
 
-import importlib.util
 import json
 import shlex
 import shutil
@@ -119,12 +118,18 @@ def test_method_dflash_extracts_its_layers_and_trains_its_blocks(tmp_path, defau
     assert all(dflash[s] == default[s] for s in ("prepare", "export", "evaluate"))  # they read the draft
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The quickstart at the tiny budget with every default but the engine (precision and dtypes `auto`: bf16 on a CPU
+    that computes it natively), evaluated by the reference decoder: each evaluation in vLLM is an engine start per k
+    (the export in vLLM: test_quickstart_export_loads_in_vllm)."""
+    cfg = QuickstartConfig(output=tmp_path_factory.mktemp("quickstart") / "qs", budget="tiny", engine="hf", k=[1, 3])
+    return cfg, quickstart.run(cfg)
+
+
 @pytest.mark.slow
-def test_tiny_quickstart_end_to_end_and_resume(tmp_path):
-    """The README's quickstart as a user runs it (every default: precision and dtypes `auto`, so bf16 on a CPU that
-    computes it natively; engine `auto`, so vLLM extracts and evaluates where it is installed), at the tiny budget."""
-    cfg = QuickstartConfig(output=tmp_path / "qs", budget="tiny", k=[1, 3])
-    result = quickstart.run(cfg)
+def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
+    cfg, result = tiny_run
     out = cfg.output
     for artefact in (
         "prepared/manifest.json",
@@ -141,7 +146,6 @@ def test_tiny_quickstart_end_to_end_and_resume(tmp_path):
     report = json.loads((out / "eval" / "report.json").read_text())
     taus = {r["k"]: r["tau"] for r in report["runs"]}
     assert set(taus) == {1, 3} and taus[3] > 1.0
-    assert report["engine"] == ("vllm" if importlib.util.find_spec("vllm") else "hf")  # the export loads in vLLM
     served, gpu_only = result.commands.values()
     assert served.endswith(f"draftsmith serve {out / 'export'}") and gpu_only.startswith("vllm serve")
     state = json.loads((out / "quickstart.json").read_text())
@@ -159,6 +163,32 @@ def test_tiny_quickstart_end_to_end_and_resume(tmp_path):
     t0 = time.perf_counter()
     quickstart.run(cfg)
     assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
+    """The quickstart's export decoded by vLLM with evaluate's defaults (dtype `auto`: what this vLLM runs on this
+    CPU, bf16 where it computes bf16 natively and has the kernels)."""
+    pytest.importorskip("vllm")
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate import run as evaluate
+
+    cfg, _ = tiny_run
+    result = evaluate(
+        EvaluateConfig(
+            draft=cfg.output / "export",
+            engine="vllm",
+            output=tmp_path / "vllm-eval",
+            num_prompts=1,
+            max_new_tokens=16,
+            k=[3],
+            baseline=False,
+        )
+    )
+    report = json.loads((tmp_path / "vllm-eval" / "report.json").read_text())
+    assert report["runs"][0]["k"] == 3 and report["runs"][0]["tau"] >= 1.0
+    assert result.summary["engine"] == "vllm"
 
 
 def test_tau_for_k_not_run_is_read_off_the_longest_run():
