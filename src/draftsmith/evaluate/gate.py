@@ -118,13 +118,13 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_drift(draft_dir: Path) -> list[str]:
-    """config.json of a vLLM-loadable export against the one its manifest's draft gets from the writer: one phrase
-    per key that differs, was added or is missing (none for a checkpoint or another format: vLLM is then given a
-    directory draftsmith writes itself)."""
+def config_drift(draft_dir: Path) -> dict[str, str]:
+    """config.json of a vLLM-loadable export against the one its manifest's draft gets from the writer: for each key
+    (dotted inside sub-configs) that differs, was added or is missing, one phrase saying how; empty for a checkpoint
+    or another format (vLLM is then given a directory draftsmith writes itself)."""
     manifest = read_export_manifest(draft_dir)
     if manifest is None or manifest.format not in VLLM_LOADABLE:
-        return []
+        return {}
     actual = read_config(Path(draft_dir))
     expected = format_config(
         manifest.draft,
@@ -136,24 +136,18 @@ def config_drift(draft_dir: Path) -> list[str]:
         special_tokens={},
         num_target_layers=manifest.target.num_layers,
     )
-    # where several formats hold the same decoder in a sub-config, a proposal count that does not change drafting
     have, want = _flatten(actual), _flatten(expected)
-    drift = []
+    drift: dict[str, str] = {}
     for key in sorted(set(have) | set(want)):
         if key.endswith("speculative_tokens"):  # how many tokens a round proposes by default: the command decides
             continue
         if key not in have:
-            drift.append(f"{key} is missing from config.json (the draft was trained with {json.dumps(want[key])})")
+            drift[key] = f"{key} is missing from config.json (the draft was trained with {json.dumps(want[key])})"
         elif key not in want:
-            drift.append(f"{key} is {json.dumps(have[key])} in config.json, a key the draft was not trained with")
+            drift[key] = f"{key} is {json.dumps(have[key])} in config.json, a key the draft was not trained with"
         elif have[key] != want[key]:
-            drift.append(f"{key} is {json.dumps(have[key])} in config.json, {json.dumps(want[key])} as trained")
+            drift[key] = f"{key} is {json.dumps(have[key])} in config.json, {json.dumps(want[key])} as trained"
     return drift
-
-
-def drifted_keys(drift: list[str]) -> list[str]:
-    """The keys `config_drift` named (its phrases start with them)."""
-    return [phrase.split(" ", 1)[0] for phrase in drift]
 
 
 def training_prediction(training: dict[str, Any], k: int) -> dict[str, Any] | None:

@@ -281,7 +281,8 @@ def _gate(
 ) -> list[gate.GateResult]:
     """The gate's verdict at each k (gate.py): the reference decoder's runs against vLLM's."""
     drift = gate.config_drift(Path(cfg.draft))
-    unread = unmentioned(gate.drifted_keys(drift)) or []
+    # a source reads a sub-config's key by its own name ("rope_theta" of rope_parameters.rope_theta)
+    unread = unmentioned(sorted({key.rsplit(".", 1)[-1] for key in drift})) or []
     results = [
         gate.judge(
             reference[k],
@@ -289,8 +290,8 @@ def _gate(
             tolerance=cfg.gate_tolerance,
             vllm_version=report.get("vllm_version"),
             dtype=report["dtype"],
-            drift=drift,
-            unread=[key.rsplit(".", 1)[-1] for key in unread],
+            drift=list(drift.values()),
+            unread=unread,
             training=source.training,
         )
         for k in cfg.k
