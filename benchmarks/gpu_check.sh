@@ -2,7 +2,8 @@
 # The trainer's GPU check (issue 13): 8B-shaped training throughput and peak memory at T 2048 and 8192 (bf16,
 # torch.compile off and on), the default target's τ after a few minutes of online training, and EAGLE-3, P-EAGLE
 # and DFlash on one store (benchmarks/methods.py: τ, draft ms per round, tokens/s per k; vLLM too where it is
-# installed); prints a markdown table for docs/benchmarks.md. Sized for <= 8 minutes on one H200 before the methods
+# installed; with vLLM, the τ draft's speed-up by concurrency through `draftsmith serve`, evaluate --concurrency); prints
+# a markdown table for docs/benchmarks.md. Sized for <= 8 minutes on one H200 before the methods
 # step, which adds ~4 (three small drafts, the reference decoder at k 2..8; each vLLM engine start ~1 min more).
 #
 #   bash benchmarks/gpu_check.sh                         # on the GPU machine (device cuda)
@@ -193,6 +194,16 @@ with_assets() {
   fi
 }
 with_assets tau tau_vs_tokens.py "${TAU_ARGS[@]}"
+
+# 2b. That draft where it is served: the speed-up by concurrency through `draftsmith serve` with and without it, each
+# loaded by vLLM's `vllm bench serve` (evaluate --concurrency); only where vLLM is installed beside CUDA torch.
+if [ "$TINY" = 0 ] && [ -d "$OUT/tau/export" ] && "$PY" -c "import vllm" 2> /dev/null; then
+  "$PY" -m draftsmith evaluate --draft "$OUT/tau/export" --concurrency 1,4,16,64 --k 3 --num-prompts 40 \
+    --max-new-tokens 128 --no-baseline --output "$OUT/concurrency" 2> "$OUT/concurrency.log" \
+    | tee "$OUT/concurrency.txt" || echo "concurrency: failed (see concurrency.log)" | tee -a "$OUT/concurrency.txt"
+else
+  echo "concurrency: skipped (no vLLM here, or no τ draft)" | tee "$OUT/concurrency.txt"
+fi
 
 # 3. EAGLE-3, P-EAGLE and DFlash: one store, the same training tokens; per k τ, draft time and tokens/s.
 if [ "$TINY" = 1 ]; then

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from draftsmith.cli import app
 from draftsmith.config import ServeConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.net import free_port
 from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
 from draftsmith.train.drafts import DraftSource, load_draft
 from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
@@ -409,12 +409,6 @@ def _running(pids: list[int], psutil, timeout_s: float = 30) -> list[int]:
         time.sleep(0.2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -451,7 +445,7 @@ def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, d
 
     draft = trained_run  # a training checkpoint for the default target
 
-    port, key = _free_port(), "test-key"
+    port, key = free_port(), "test-key"
     tmp = tmp_path / "tmp"  # the server's temporary directory: its vLLM export of the checkpoint goes here
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), VLLM_LOGGING_LEVEL="WARNING")
@@ -551,3 +545,23 @@ def test_the_target_gets_the_flags_its_engines_need(tmp_path, tiny_target_dir, m
     assert asked == {"mla": False, "multimodal": False, "dtype": "float32"}
     assert "--language-model-only" in argv and argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
     assert argv.index("--attention-backend") < argv.index("--max-num-seqs")
+
+
+def test_the_target_alone_is_served_with_the_same_options_and_no_draft(tmp_path, tiny_target_dir, monkeypatch):
+    """--target-alone: the draft names the target, nothing of it is loaded by vLLM, and no speculative decoding is
+    asked of the installed vLLM (a vLLM that cannot run EAGLE-3 still serves the target alone)."""
+    source = _tiny_source(tiny_target_dir)
+    draft = _write(source, tmp_path / "export", "vllm", speculative_tokens=4)
+    monkeypatch.setattr(serve, "check_vllm_can_serve", lambda *a, **kw: pytest.fail("a draft's check was asked for"))
+    seen = {}
+
+    def fake_serve(command, env):
+        seen["argv"] = command[len(serve.SERVER) :]
+        return 0
+
+    monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
+    result = serve.run(ServeConfig(draft=draft, target_alone=True, port=8124, dtype="float32", max_model_len=512))
+    argv = seen["argv"]
+    assert argv[0] == str(tiny_target_dir) and "--speculative-config" not in argv
+    assert argv[argv.index("--port") + 1] == "8124" and argv[argv.index("--max-model-len") + 1] == "512"
+    assert result.summary["speculative tokens"] == "none (--target-alone)"

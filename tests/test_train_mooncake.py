@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from draftsmith.core.net import free_port
 from draftsmith.extract.spool import FeedStatus, Spool
 from online import (
     STEPS,
@@ -62,12 +63,6 @@ pytestmark = [
 ]
 
 BOUND_GB = "0.02"  # four one-step chunks and the held-out split's, a fraction of the whole store
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Master:

@@ -265,6 +265,8 @@ def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
             max_new_tokens=cfg.max_new_tokens or b.max_new_tokens,
             temperature=0.0,
             device=cfg.device,
+            # the last step where vLLM decodes: the reference decoder on the same prompts must agree with it
+            gate=engine == "vllm",
         ),
     }
     if cfg.regenerate:  # the target answers the data's user turns first, and prepare reads its answers
@@ -425,6 +427,8 @@ def _summary(
     if report is None:
         summary["evaluate it"] = f"draftsmith evaluate --draft {configs['export'].output} --engine vllm"
     else:
+        if report.get("gate"):  # vLLM decoded it as the reference decoder does (else evaluate stopped the run)
+            summary["gate"] = "; ".join(check["verdict"] for check in report["gate"]["checks"])
         summary.update(tau_lines(report["runs"], train.ttt_steps if parallel else None))
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():

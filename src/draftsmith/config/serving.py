@@ -88,6 +88,22 @@ class EvaluateConfig(StageConfig):
             "rounds' worth is added for small samples."
         ),
     )
+    concurrency: list[int] = Field(
+        default_factory=list,
+        description=(
+            "Also measure the speed-up where it is served: `draftsmith serve` with the draft, then the target alone, "
+            "loaded by vLLM's `vllm bench serve` at each of these concurrencies (e.g. 1,4,16) with the same prompts: "
+            "output tokens/s, inter-token latency, the speed-up at each and where the draft stops paying (the largest "
+            "k above is served)."
+        ),
+    )
+    vllm_args: str | None = Field(
+        None,
+        description=(
+            "--concurrency: more `vllm serve` options for both servers, in one quoted string, as `draftsmith serve "
+            "--vllm-args` takes them (e.g. '--max-num-seqs 16 --enforce-eager'): the server you run."
+        ),
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         json_schema_extra={"json_flag": True},
@@ -138,13 +154,20 @@ class EvaluateConfig(StageConfig):
     vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
 
-    _split = field_validator("k", mode="before")(_split_list)
+    _split = field_validator("k", "concurrency", mode="before")(_split_list)
 
     @field_validator("k")
     @classmethod
     def _check_k(cls, value: list[int]) -> list[int]:
         if not value or any(k < 1 or k > 16 for k in value):
             raise ValueError("k needs one or more values in 1..16")
+        return sorted(set(value))
+
+    @field_validator("concurrency")
+    @classmethod
+    def _check_concurrency(cls, value: list[int]) -> list[int]:
+        if any(c < 1 for c in value):
+            raise ValueError("concurrency needs values of at least 1")
         return sorted(set(value))
 
     _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
@@ -256,6 +279,13 @@ class ServeConfig(StageConfig):
         le=16,
         description=(
             "Draft tokens per step; default: the export's own (`draftsmith export --speculative-tokens`), else 3."
+        ),
+    )
+    target_alone: bool = Field(
+        False,
+        description=(
+            "Serve the draft's target without it (no speculative decoding), with the same engine options: the "
+            "baseline a draft is measured against (evaluate --concurrency starts both)."
         ),
     )
     host: str = Field(

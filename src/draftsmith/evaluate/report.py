@@ -1,5 +1,7 @@
-"""The evaluation report: report.json (everything measured), report.md (a readable summary) and two PNG charts
-(per-position acceptance; τ and speed-up against k), written atomically into the output directory. The charts need
+"""The evaluation report: report.json (everything measured), report.md (a readable summary: its first line the
+gate's verdict, τ and the speed-up at each concurrency) and PNG charts (per-position acceptance; τ and speed-up
+against k; with --concurrency, tokens/s and speed-up against concurrency), written atomically into the output
+directory. The charts need
 matplotlib (the `report` extra, which an install beside vLLM does not bring): without it the report is written
 without them and says, in report.md and in one line, how to get them."""
 
@@ -20,6 +22,7 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 ACCEPTANCE_PNG = "acceptance_per_position.png"
 TAU_PNG = "tau_speedup_vs_k.png"
+CONCURRENCY_PNG = "speedup_vs_concurrency.png"
 CHARTS_HINT = "charts need matplotlib: pip install 'draftsmith[report]' (or matplotlib), then evaluate again"
 
 
@@ -91,6 +94,45 @@ def tau_speedup_chart(runs: list[dict], title: str) -> bytes:
     return data
 
 
+def concurrency_chart(sweep: dict[str, Any], title: str) -> bytes:
+    """Output tokens/s with the draft and with the target alone (left axis) and the speed-up (right) against the
+    concurrency, on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sweep["rows"]
+    cs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(cs, [r["draft"]["output_throughput"] for r in rows], "o-", color="tab:blue", label="with the draft")
+    ax.plot(cs, [r["target_alone"]["output_throughput"] for r in rows], "o:", color="tab:gray", label="target alone")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    ax2 = ax.twinx()
+    ax2.plot(cs, [r["speedup"] or float("nan") for r in rows], "s--", color="tab:orange")
+    ax2.axhline(1.0, color="tab:orange", alpha=0.4, lw=1)
+    ax2.set_ylabel(f"speed-up (k={sweep['k']})", color="tab:orange")
+    ax.set_title(title)
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def speedup_line(sweep: dict[str, Any]) -> str:
+    """'1.31x at 1, 1.02x at 4, 0.93x at 16: stops paying at 16' (the summary's and the report's first line)."""
+    parts = [
+        f"{r['speedup']:.2f}x at {r['concurrency']}" if r["speedup"] is not None else f"– at {r['concurrency']}"
+        for r in sweep["rows"]
+    ]
+    stop = sweep.get("stops_paying_at")
+    return ", ".join(parts) + (f": stops paying at {stop}" if stop else ": pays at every concurrency measured")
+
+
 def several_segments(run: dict) -> bool:
     """The run's rounds fall in more than one segment (reasoning, content, tool call): worth showing apart."""
     return sum(bool(c["rounds"]) for c in (run.get("by_segment") or {}).values()) > 1
@@ -100,8 +142,15 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
     base = report.get("baseline")
     lines = [f"# Speculative decoding: {report['engine']} engine", ""]
     gate = report.get("gate")
-    if gate:  # the verdict first: what a pipeline reading this report decides on
-        lines += [f"**Gate: {'passed' if gate['passed'] else 'FAILED'}**", ""]
+    sweep = report.get("concurrency")
+    # the first line: what a pipeline reading this report decides on, τ, and whether the draft pays where it is served
+    headline = [f"**Gate: {'passed' if gate['passed'] else 'FAILED'}**"] if gate else []
+    if report["runs"]:
+        headline.append("τ " + ", ".join(f"{r['tau']:.2f} at k={r['k']}" for r in report["runs"]))
+    if sweep:
+        headline.append(f"speed-up by concurrency (k={sweep['k']}): {speedup_line(sweep)}")
+    lines += [" · ".join(headline), ""]
+    if gate:
         for check in gate["checks"]:
             lines.append(f"- {check['verdict']}")
         lines += ["", "| k | position | reference decoder | vLLM | allowed gap | agrees |", "|---|---|---|---|---|---|"]
@@ -154,6 +203,25 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
                     lines.append(f"| {r['k']} | {name} | {c['rounds']} | {c['tau']:.3f} | {per_pos} |")
     if report.get("lossless") is not None:
         lines += ["", f"Greedy outputs identical to the target alone: {report['lossless']}"]
+    if sweep:
+        lines += [
+            "",
+            f"Through the server (`draftsmith serve`, {sweep['load_generator']}; the draft at k={sweep['k']}, then the "
+            f"target alone; {sweep['dtype']}, up to {sweep['max_new_tokens']} new tokens a request):",
+            "",
+            "| concurrency | requests | tokens/s target alone | tokens/s with draft | speed-up | ITL ms alone | "
+            "ITL ms with draft | TTFT ms alone | TTFT ms with draft | τ served | identical outputs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sweep["rows"]:
+            d, a = r["draft"], r["target_alone"]
+            tau = d.get("spec_decode_acceptance_length")
+            lines.append(
+                f"| {r['concurrency']} | {r['requests']} | {a['output_throughput']:.1f} | "
+                f"{d['output_throughput']:.1f} | {_times(r['speedup'])} | {a['mean_itl_ms']:.1f} | "
+                f"{d['mean_itl_ms']:.1f} | {a['mean_ttft_ms']:.0f} | {d['mean_ttft_ms']:.0f} | "
+                f"{f'{tau:.2f}' if tau else '–'} | {r['identical_outputs']} |"
+            )
     lines += [
         "",
         "τ = 1 + accepted draft tokens / rounds (vLLM's mean acceptance length); its interval is a "
@@ -162,10 +230,15 @@ def markdown(report: dict[str, Any], charts: bool = True) -> str:
     ]
     lines += (
         [f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
+        + ([f"![speed-up against concurrency]({CONCURRENCY_PNG})", ""] if sweep else [])
         if charts
         else [f"No charts: {CHARTS_HINT}.", ""]
     )
     return "\n".join(lines)
+
+
+def _times(ratio: float | None) -> str:
+    return f"{ratio:.2f}×" if ratio is not None else "–"
 
 
 def write_report(output: Path, report: dict[str, Any]) -> dict[str, Path]:
@@ -181,6 +254,9 @@ def write_report(output: Path, report: dict[str, Any]) -> dict[str, Path]:
         paths.update(acceptance_chart=output / ACCEPTANCE_PNG, tau_chart=output / TAU_PNG)
         atomic_write_bytes(paths["acceptance_chart"], acceptance_chart(report["runs"], title))
         atomic_write_bytes(paths["tau_chart"], tau_speedup_chart(report["runs"], title))
+        if report.get("concurrency"):
+            paths["concurrency_chart"] = output / CONCURRENCY_PNG
+            atomic_write_bytes(paths["concurrency_chart"], concurrency_chart(report["concurrency"], title))
     return paths
 
 

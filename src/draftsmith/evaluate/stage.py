@@ -31,9 +31,9 @@ from draftsmith.config import EvaluateConfig, StageResult, save_resolved_config
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
-from draftsmith.evaluate import gate, vllm_runner
+from draftsmith.evaluate import gate, load, vllm_runner
 from draftsmith.evaluate.prompts import MTBENCH, Prompt, held_out_split, load_prompts, training_prompts
-from draftsmith.evaluate.report import CHARTS_HINT, several_segments, write_report
+from draftsmith.evaluate.report import CHARTS_HINT, several_segments, speedup_line, write_report
 from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
 from draftsmith.evaluate.specdec import (
     DecodeStats,
@@ -42,7 +42,7 @@ from draftsmith.evaluate.specdec import (
     plain_generate,
     speculative_generate,
 )
-from draftsmith.extract.vllm.probe import DtypeChoice
+from draftsmith.extract.vllm.probe import DtypeChoice, probe
 from draftsmith.extract.vllm.source import unmentioned
 from draftsmith.train.drafts import (
     DraftSource,
@@ -300,6 +300,39 @@ def _gate(
     return results
 
 
+def _concurrency(
+    cfg: EvaluateConfig, target_path: Path, tokenizer: Any, prompts: list[Prompt], dtype: str, output: Path
+) -> dict[str, Any]:
+    """The speed-up by concurrency through `draftsmith serve` (load.py): the largest k, the dtype vLLM ran in."""
+    options = load.ServerOptions(
+        draft=Path(cfg.draft),
+        k=max(cfg.k),
+        dtype=dtype,
+        max_model_len=cfg.max_model_len
+        or _engine_context(prompts, cfg, targets.context_length(targets.read_config(target_path))),
+        kv_cache_gb=cfg.vllm_kv_cache_gb,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        trust_remote_code=cfg.trust_remote_code,
+        timeout_s=cfg.vllm_timeout_s,
+        vllm_args=cfg.vllm_args,
+    )
+    print(
+        f"evaluate --concurrency {','.join(map(str, cfg.concurrency))}: draftsmith serve with the draft (k={options.k}), "
+        f"then the target alone, each loaded by vllm bench serve",
+        file=sys.stderr,
+        flush=True,
+    )
+    return load.sweep(
+        options,
+        [tokenizer.decode(p.token_ids) for p in prompts],  # as rendered, special tokens included: sent as they are
+        cfg.concurrency,
+        max_new_tokens=cfg.max_new_tokens,
+        seed=cfg.seed,
+        workdir=output / "load",
+        vllm_version=probe().facts.version,
+    )
+
+
 def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report; with --gate, the
     reference decoder against vLLM (gate.py), failing (GateFailed, after the report) where they disagree."""
@@ -313,11 +346,11 @@ def run(cfg: EvaluateConfig) -> StageResult:
     assert cfg.prompts is not None
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
     choice = None
-    if cfg.engine == "vllm":  # vLLM installed and able to decode this draft here, before anything is written
+    if cfg.engine == "vllm" or cfg.concurrency:  # vLLM installed and able to decode this draft here, before anything
         choice = vllm_runner.engine_dtype(target_path, cfg.dtype)
         vllm_runner.check_vllm_can_serve(
             target_path,
-            "--gate" if cfg.gate else "--engine vllm",
+            "--gate" if cfg.gate else "--engine vllm" if cfg.engine == "vllm" else "--concurrency",
             parallel_drafting=source.spec.parallel_drafting,
             dflash=source.spec.method == "dflash",
             dtype=choice.dtype,
@@ -364,6 +397,10 @@ def run(cfg: EvaluateConfig) -> StageResult:
                 {},
             )
             results = _gate(cfg, source, stats, reference, report)
+    if cfg.concurrency and all(r.passed for r in results):  # a draft the gate failed is not worth timing
+        assert choice is not None
+        dtype = report["dtype"] if cfg.engine == "vllm" else choice.dtype  # the one vLLM ran above
+        report["concurrency"] = _concurrency(cfg, target_path, tokenizer, prompts, dtype, output)
     report["baseline"], report["runs"] = _run_dicts(stats, cfg.k)
     for r in report["runs"]:  # the reference decoder's rounds by what the target was writing (segments.py)
         r["by_segment"] = by_segment.get(r["k"])
@@ -385,6 +422,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
             )
         if r.get("speedup") is not None:
             summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)
+    if report.get("concurrency"):
+        summary["speed-up by concurrency"] = speedup_line(report["concurrency"])
     summary["report"] = str(paths["markdown"])
     if "acceptance_chart" not in paths:
         summary["charts"] = f"none: {CHARTS_HINT}"

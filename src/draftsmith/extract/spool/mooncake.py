@@ -22,6 +22,7 @@ the trainer asks for it again in a new plan generation. Every key starts with RU
 from __future__ import annotations
 
 import contextlib
+import socket
 import ctypes
 import json
 import math
@@ -29,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.net import accepts, free_port
 from draftsmith.core.spool_address import DEFAULT_RUN, MooncakeAddress
 from draftsmith.extract.spool.chunks import (
     Chunk,
@@ -83,18 +84,6 @@ def master_binary() -> str:
     return found
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _accepts(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
-        return True
-    return False
-
-
 def _die_with_parent() -> None:
     """In the child before exec: the kernel kills it when the trainer that started it dies (even by kill -9)."""
     with contextlib.suppress(OSError, AttributeError):
@@ -116,8 +105,8 @@ class MooncakeMaster:
 
     def start(self, timeout: float = 30.0) -> MooncakeAddress:
         binary = master_binary()
-        self.port = self.port or _free_port(self.host)
-        metrics = _free_port(self.host)
+        self.port = self.port or free_port(self.host)
+        metrics = free_port(self.host)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -137,7 +126,7 @@ class MooncakeMaster:
                 preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + timeout
-        while not _accepts(self.host, self.port):
+        while not accepts(self.host, self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise DraftsmithError(f"mooncake_master on {self.host}:{self.port} did not start; see {self.log}")
@@ -198,7 +187,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
         cls = _store_class()
         deadline, rc = time.monotonic() + timeout, None
         while True:
-            if not _accepts(self.address.host, self.address.port):  # not (yet) there: setup would block a while
+            if not accepts(self.address.host, self.address.port):  # not (yet) there: setup would block a while
                 if time.monotonic() > deadline:
                     raise DraftsmithError(
                         f"--spool {self.address}: cannot reach Mooncake's master at "
@@ -220,7 +209,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
                 return self
             with contextlib.suppress(Exception):
                 store.close()
-            if _accepts(self.address.host, self.address.port):  # the master is there: the segment is refused
+            if accepts(self.address.host, self.address.port):  # the master is there: the segment is refused
                 raise DraftsmithError(
                     f"--spool {self.address}: Mooncake refused to mount a segment of "
                     f"{sizing.human_bytes(self.segment)} on this node (setup returned {rc}); "

@@ -1,0 +1,222 @@
+"""`draftsmith evaluate --concurrency 1,4,16`: does the draft still pay at the concurrency it is served at?
+
+Speculative decoding spends spare compute to take fewer target steps; as batches grow the spare compute shrinks and
+the gain with it, on some hardware into a loss. This measures it where a draft is served, through the server a user
+runs: `draftsmith serve DRAFT` (the target with the draft), then `draftsmith serve DRAFT --target-alone` (the target
+alone, the same engine options), one after the other on a free local port. At each concurrency vLLM's own load
+generator, `vllm bench serve` (loadgen.py), sends the evaluation's prompts to /v1/completions, greedy, with at most
+that many requests in flight, and reports output tokens/s, inter-token latency (ITL) and time to first token. The
+speed-up at a concurrency is the draft's output tokens/s over the target alone's; the draft stops paying at the first
+concurrency where it is at most 1.
+
+Both servers decode the same prompts greedily, so their outputs should be the same text: the report counts the
+requests whose outputs are identical (batches of different sizes can round differently in low precision).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.fsio import atomic_write_text
+from draftsmith.core.net import free_port
+from draftsmith.evaluate import loadgen
+
+__all__ = ["ServerOptions", "sweep", "stops_paying_at"]
+
+HOST = "127.0.0.1"
+STOP_S = 90.0  # draftsmith serve's own stop: SIGTERM to vLLM, again after 15 s, SIGKILL after 30 more
+# The fields of vLLM's result JSON kept for each run (loadgen.py saves one per concurrency).
+KEPT = (
+    "completed",
+    "total_output_tokens",
+    "duration",
+    "output_throughput",
+    "request_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_tpot_ms",
+    "spec_decode_acceptance_length",
+    "spec_decode_acceptance_rate",
+)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What both servers are started with (`draftsmith serve` options)."""
+
+    draft: Path
+    k: int
+    dtype: str
+    max_model_len: int
+    kv_cache_gb: int | None
+    tensor_parallel_size: int
+    trust_remote_code: bool
+    timeout_s: int
+    vllm_args: str | None = None  # more `vllm serve` options, as `draftsmith serve --vllm-args` takes them
+
+    def argv(self, port: int, target_alone: bool) -> list[str]:
+        argv = [sys.executable, "-m", "draftsmith", "serve", str(self.draft), "--host", HOST, "--port", str(port)]
+        argv += ["--num-speculative-tokens", str(self.k), "--dtype", self.dtype]
+        argv += ["--max-model-len", str(self.max_model_len), "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.kv_cache_gb is not None:
+            argv += ["--kv-cache-gb", str(self.kv_cache_gb)]
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
+        if self.vllm_args:
+            argv += ["--vllm-args", self.vllm_args]
+        if target_alone:
+            argv.append("--target-alone")
+        return argv
+
+
+def sweep(
+    options: ServerOptions,
+    prompts: list[str],
+    concurrency: list[int],
+    *,
+    max_new_tokens: int,
+    seed: int,
+    workdir: Path,
+    vllm_version: str | None = None,
+) -> dict[str, Any]:
+    """Serve the draft, then the target alone, and load each at every concurrency; the table the report shows."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    dataset = workdir / "prompts.jsonl"
+    atomic_write_text(dataset, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    measured: dict[str, dict[int, dict[str, Any]]] = {}
+    texts: dict[str, dict[int, list[str]]] = {}
+    for name, alone in (("draft", False), ("target_alone", True)):
+        port = free_port(HOST)
+        results = workdir / name
+        with _server(options.argv(port, alone), workdir / f"serve-{name}.log", port, options.timeout_s):
+            _load(port, dataset, len(prompts), concurrency, results, max_new_tokens, seed, options.timeout_s)
+        measured[name], texts[name] = {}, {}
+        for c in concurrency:
+            raw = json.loads((results / loadgen.result_name(c)).read_text(encoding="utf-8"))
+            measured[name][c] = {key: raw.get(key) for key in KEPT}
+            texts[name][c] = list(raw.get("generated_texts") or [])
+    rows = []
+    for c in concurrency:
+        served, baseline = measured["draft"][c], measured["target_alone"][c]
+        same = sum(a == b for a, b in zip(texts["draft"][c], texts["target_alone"][c]))
+        rows.append(
+            {
+                "concurrency": c,
+                "requests": loadgen.requests_at(c, len(prompts)),
+                "draft": served,
+                "target_alone": baseline,
+                "speedup": _ratio(served["output_throughput"], baseline["output_throughput"]),
+                "itl_ratio": _ratio(served["mean_itl_ms"], baseline["mean_itl_ms"]),
+                "identical_outputs": f"{same}/{len(texts['draft'][c])}",
+            }
+        )
+    return {
+        "k": options.k,
+        "dtype": options.dtype,
+        "load_generator": f"vllm bench serve{f' (vLLM {vllm_version})' if vllm_version else ''}",
+        "max_new_tokens": max_new_tokens,
+        "rows": rows,
+        "stops_paying_at": stops_paying_at(rows),
+    }
+
+
+def stops_paying_at(rows: list[dict[str, Any]]) -> int | None:
+    """The first concurrency whose speed-up is at most 1 (None: the draft pays at every one measured)."""
+    for row in sorted(rows, key=lambda r: r["concurrency"]):
+        if row["speedup"] is not None and row["speedup"] <= 1.0:
+            return int(row["concurrency"])
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _load(
+    port: int,
+    dataset: Path,
+    num_prompts: int,
+    concurrency: list[int],
+    results: Path,
+    max_new_tokens: int,
+    seed: int,
+    timeout_s: int,
+) -> None:
+    """vLLM's load generator (loadgen.py) against the server at `port`, every concurrency in one process."""
+    argv = [sys.executable, "-m", "draftsmith.evaluate.loadgen", "--concurrency", ",".join(map(str, concurrency))]
+    argv += ["--result-dir", str(results), "--num-prompts", str(num_prompts), "--"]
+    argv += ["--backend", "openai", "--base-url", f"http://{HOST}:{port}", "--endpoint", "/v1/completions"]
+    argv += ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template"]
+    argv += ["--custom-output-len", str(max_new_tokens), "--temperature", "0", "--seed", str(seed), "--save-detailed"]
+    log = results.with_suffix(".log")
+    results.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        try:
+            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise DraftsmithError(f"evaluate --concurrency: the load generator ran past {timeout_s} s; see {log}")
+    if done.returncode != 0:
+        raise DraftsmithError(f"evaluate --concurrency: the load generator failed:\n{_tail(log)}\n(all of it: {log})")
+
+
+class _server:
+    """`draftsmith serve ...` in its own process group, logging to `log`, until /health answers; on exit SIGTERM
+    (draftsmith serve stops its vLLM), then SIGKILL to what is left of the group."""
+
+    def __init__(self, argv: list[str], log: Path, port: int, timeout_s: int):
+        self.argv, self.log, self.port, self.timeout_s = argv, log, port, timeout_s
+
+    def __enter__(self) -> None:
+        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise DraftsmithError(
+                    f"evaluate --concurrency: `{' '.join(self.argv[2:])}` exited with status {self.proc.returncode} "
+                    f"before it served:\n{_tail(self.log)}\n(all of it: {self.log})"
+                )
+            try:
+                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise DraftsmithError(f"evaluate --concurrency: no server after {self.timeout_s} s; see {self.log}")
+            time.sleep(1.0)
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
