@@ -325,7 +325,11 @@ def _gate_config(draft: Path, output: Path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_gate_passes_a_correct_draft_through_the_cli(memorised_export, tmp_path):
+    """The exported draft in real vLLM (CPU) accepts what the reference decoder accepts at every position, and vLLM's
+    run carries its counters per prompt."""
     pytest.importorskip("vllm")
+    from draftsmith.extract.vllm.probe import probe
+
     out = tmp_path / "eval"
     args = ["evaluate", "--draft", memorised_export, "--gate", "--k", K, "--max-new-tokens", 32, "--dtype", "float32"]
     args += ["--no-baseline", "--vllm-kv-cache-gb", 1, "--gate-tolerance", TOLERANCE, "--output", out]
@@ -343,8 +347,15 @@ def test_the_gate_passes_a_correct_draft_through_the_cli(memorised_export, tmp_p
     assert report["gate"]["passed"] and report["engine"] == "vllm" and report["dtype"] == "float32"
     assert check["positions"][K - 1]["reference"] > 0 and check["positions"][K - 1]["served"] > 0  # deep accepted
     assert check["training"] is not None and "training's held-out prediction" in check["verdict"]
+    [run] = report["runs"]
+    assert report["vllm_version"].startswith("0.") and run["num_draft_tokens"] == K * run["num_rounds"] > 0
+    if probe().facts.per_request_spec_metrics:  # vLLM's per-request counters (0.32 has them, 0.28 not)
+        # add up to its engine counters, and give τ an interval over the prompts
+        assert [sum(c) for c in zip(*run["per_prompt"])] == [run["num_rounds"], run["num_accepted"]]
+        assert run["tau_95"][0] <= run["tau"] <= run["tau_95"][1]
     md = (out / "report.md").read_text().splitlines()
-    assert md[2] == "**Gate: passed**" and md[4].startswith("- gate passed: vLLM 0.32")
+    assert md[2].startswith(f"**Gate: passed** · τ {report['runs'][0]['tau']:.2f} at k={K}")
+    assert md[4].startswith("- gate passed: vLLM 0.32")
 
 
 @pytest.mark.slow
