@@ -114,8 +114,10 @@ def concurrency_chart(sweep: dict[str, Any], title: str) -> bytes:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     ax2 = ax.twinx()
-    ax2.plot(cs, [r["speedup"] or float("nan") for r in rows], "s--", color="tab:orange")
-    ax2.axhline(1.0, color="tab:orange", alpha=0.4, lw=1)
+    speedups = [r["speedup"] or float("nan") for r in rows]
+    ax2.plot(cs, speedups, "s--", color="tab:orange")
+    ax2.axhline(1.0, color="tab:orange", alpha=0.4, lw=1)  # below it the draft costs more than it saves
+    ax2.set_ylim(0, max([1.25, *(1.15 * s for s in speedups if s == s)]))
     ax2.set_ylabel(f"speed-up (k={sweep['k']})", color="tab:orange")
     ax.set_title(title)
     data = _png(fig)
@@ -256,7 +258,8 @@ def write_report(output: Path, report: dict[str, Any]) -> dict[str, Path]:
         atomic_write_bytes(paths["tau_chart"], tau_speedup_chart(report["runs"], title))
         if report.get("concurrency"):
             paths["concurrency_chart"] = output / CONCURRENCY_PNG
-            atomic_write_bytes(paths["concurrency_chart"], concurrency_chart(report["concurrency"], title))
+            served = f"{Path(str(report['draft'])).name} on {Path(str(report['target'])).name} (draftsmith serve)"
+            atomic_write_bytes(paths["concurrency_chart"], concurrency_chart(report["concurrency"], served))
     return paths
 
 
