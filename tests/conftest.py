@@ -106,6 +106,30 @@ def write_random_prepared(path: Path, target_dir: Path, count: int, lo: int, hi:
     return path
 
 
+def random_eagle3_export(target_dir: Path, out: Path, aux_layer_ids: tuple[int, ...] = (1, 2, 4), **options) -> Path:
+    """An EAGLE-3 draft of a tiny target with random weights (its keys, shapes and config are what count; draft vocab
+    128: every other token id), exported vllm at `out`; `options` go to export.write_export (dtype, special_tokens)."""
+    import json
+
+    from draftsmith import export
+    from draftsmith.core import targets
+    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+
+    config = json.loads((target_dir / "config.json").read_text())
+    spec = DraftSpec.from_target_config(config, 128, 1, list(aux_layer_ids))
+    draft = Eagle3Draft.from_target(spec, targets.load_target(target_dir), torch.arange(0, 256, 2))
+    export.write_export(
+        out,
+        draft_tensors(draft.state_dict()),
+        spec,
+        "vllm",
+        target=targets.target_identity(target_dir),
+        verifier_architectures=["LlamaForCausalLM"],
+        **options,
+    )
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory) -> Path:
     """A tiny random Llama target (4 layers, hidden 64, ChatML) as an HF directory."""
@@ -188,6 +212,31 @@ def memorised_store(memorised_prepared, tmp_path_factory) -> Path:
             device="cpu",
         )
     )
+    return out
+
+
+def memorise(store_dir: Path, root: Path, *, speculative_tokens: int | None = None, **options) -> Path:
+    """Train a draft that memorises memorised_store (offline, float32, constant lr, no checkpoint but the last) with
+    `options` naming its method, layers and shape; export it vllm in float32 at root / "export" (the training run at
+    root / "run"). The drafts the vLLM-against-reference tests decode (EAGLE-3, P-EAGLE, DFlash) differ only there."""
+    from draftsmith import export, train
+    from draftsmith.config import ExportConfig, TrainConfig
+
+    common = dict(max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5, schedule="constant", eval_fraction=0.0)
+    train.run(
+        TrainConfig(
+            **{**common, **options},
+            data=store_dir,
+            output=root / "run",
+            save_every=10**6,
+            device="cpu",
+            precision="fp32",  # named: both engines decode it in float32
+            seed=0,
+        )
+    )
+    out = root / "export"
+    written = dict(speculative_tokens=speculative_tokens) if speculative_tokens else {}
+    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32", **written))
     return out
 
 

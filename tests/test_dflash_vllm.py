@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import MEMORISED_PROMPTS
+from conftest import MEMORISED_PROMPTS, memorise
 from test_families import (
     SPEC_K,
     Matrix,
@@ -31,8 +31,7 @@ from test_families import (
 )
 from test_parity import evaluate_in_both_engines
 
-from draftsmith import export, train
-from draftsmith.config import ExportConfig, TrainConfig
+from draftsmith import export
 from draftsmith.train.drafts import load_draft
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
@@ -48,32 +47,16 @@ def dflash_export(memorised_store, tmp_path_factory) -> Path:
     from draftsmith.core.layers import dflash_aux_layer_ids
     from draftsmith.extract import store
 
-    root = tmp_path_factory.mktemp("dflash-default")
     layers = store.open(memorised_store).manifest.target.num_layers
-    train.run(
-        TrainConfig(
-            data=memorised_store,
-            aux_layer_ids=dflash_aux_layer_ids(layers, 1),
-            output=root / "run",
-            method="dflash",
-            block_size=BLOCK,
-            num_layers=1,
-            anchors_per_sample=64,
-            max_steps=60,
-            token_budget=1024,
-            lr=3e-3,
-            warmup_steps=5,
-            schedule="constant",
-            eval_fraction=0.0,
-            save_every=10**6,
-            device="cpu",
-            precision="fp32",
-            seed=0,
-        )
+    return memorise(
+        memorised_store,
+        tmp_path_factory.mktemp("dflash-default"),
+        aux_layer_ids=dflash_aux_layer_ids(layers, 1),
+        method="dflash",
+        block_size=BLOCK,
+        num_layers=1,
+        anchors_per_sample=64,
     )
-    out = root / "export"
-    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32"))
-    return out
 
 
 def test_vllm_decodes_a_dflash_draft_losslessly_with_the_reference_acceptance(dflash_export, tmp_path, monkeypatch):

@@ -7,15 +7,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import random_eagle3_export
 
-from draftsmith import evaluate, export
+from draftsmith import evaluate
 from draftsmith.config import EvaluateConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG
 from draftsmith.train.drafts import load_draft
-from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -25,21 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def exported(tiny_target_dir, tmp_path_factory):
-    config = json.loads((tiny_target_dir / "config.json").read_text())
-    model = targets.load_target(tiny_target_dir)
-    spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 4])
-    draft = Eagle3Draft.from_target(spec, model, torch.arange(0, 256, 2))
-    out = tmp_path_factory.mktemp("eval") / "export"
-    export.write_export(
-        out,
-        draft_tensors(draft.state_dict()),
-        spec,
-        "vllm",
-        target=targets.target_identity(tiny_target_dir),
-        verifier_architectures=["LlamaForCausalLM"],
-        dtype="fp32",
-    )
-    return out
+    return random_eagle3_export(tiny_target_dir, tmp_path_factory.mktemp("eval") / "export", dtype="fp32")
 
 
 @pytest.fixture(scope="module")

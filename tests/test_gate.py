@@ -20,10 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import memorise, random_eagle3_export
 
 from draftsmith import export
-from draftsmith.core import targets
 from draftsmith.evaluate import gate
 from draftsmith.evaluate.specdec import DecodeStats
 
@@ -83,23 +82,8 @@ def test_the_training_prediction_is_the_product_of_its_per_step_accuracies():
 @pytest.fixture
 def tiny_export(tiny_target_dir, tmp_path) -> Path:
     """An EAGLE-3 draft of the tiny target, exported in the vllm format (random weights: the keys are what count)."""
-    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
-
-    config = json.loads((tiny_target_dir / "config.json").read_text())
-    spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 3])
-    draft = Eagle3Draft.from_target(spec, targets.load_target(tiny_target_dir), torch.arange(0, 256, 2))
-    out = tmp_path / "export"
-    export.write_export(
-        out,
-        draft_tensors(draft.state_dict()),
-        spec,
-        "vllm",
-        target=targets.target_identity(tiny_target_dir),
-        verifier_architectures=["LlamaForCausalLM"],
-        special_tokens={"bos_token_id": 1, "eos_token_id": 2},
-        dtype="fp32",
-    )
-    return out
+    special = {"bos_token_id": 1, "eos_token_id": 2}
+    return random_eagle3_export(tiny_target_dir, tmp_path / "export", (1, 2, 3), special_tokens=special, dtype="fp32")
 
 
 def alter(export_dir: Path, out: Path, change) -> Path:
@@ -268,35 +252,19 @@ def memorised_export(memorised_store, tmp_path_factory) -> Path:
     """An EAGLE-3 draft that memorised the target's answers (conftest's memorised_prepared), trained offline from
     their store with a held-out quarter evaluated each epoch (what the gate's default prompts and the training
     prediction read), exported vllm, float32."""
-    from draftsmith import train
-    from draftsmith.config import ExportConfig, TrainConfig
     from draftsmith.core.layers import resolve_layer_ids
     from draftsmith.extract import store
 
-    root = tmp_path_factory.mktemp("gate")
     layers = store.open(memorised_store).manifest.target.num_layers
-    train.run(
-        TrainConfig(
-            data=memorised_store,
-            aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
-            output=root / "run",
-            ttt_steps=K,
-            max_steps=60,
-            token_budget=1024,
-            draft_vocab_size=2048,
-            lr=3e-3,
-            warmup_steps=5,
-            schedule="constant",
-            eval_fraction=0.25,
-            save_every=10**6,
-            device="cpu",
-            precision="fp32",  # named: both engines decode it in float32 below
-            seed=0,
-        )
+    return memorise(
+        memorised_store,
+        tmp_path_factory.mktemp("gate"),
+        speculative_tokens=K,
+        aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
+        ttt_steps=K,
+        draft_vocab_size=2048,
+        eval_fraction=0.25,  # the held-out quarter: the gate's default prompts and training's prediction
     )
-    out = root / "export"
-    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32", speculative_tokens=K))
-    return out
 
 
 # The same settings for the correct export and the altered ones. Measured on this draft: the reference decoder and

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import MEMORISED_PROMPTS
+from conftest import MEMORISED_PROMPTS, memorise
 from test_families import (
     Matrix,
     needs_vllm,
@@ -34,8 +34,6 @@ from test_families import (
 )
 from test_parity import evaluate_in_both_engines
 
-from draftsmith import export, train
-from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.train.drafts import load_draft
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
@@ -81,32 +79,18 @@ def peagle_export(memorised_store, tmp_path_factory) -> Path:
     from draftsmith.core.layers import resolve_layer_ids
     from draftsmith.extract import store
 
-    root = tmp_path_factory.mktemp("peagle-default")
     layers = store.open(memorised_store).manifest.target.num_layers
-    train.run(
-        TrainConfig(
-            data=memorised_store,
-            aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
-            output=root / "run",
-            method="peagle",
-            ttt_steps=K,
-            max_steps=PEAGLE_STEPS,
-            token_budget=1024,
-            draft_vocab_size=2048,
-            lr=3e-3,
-            warmup_steps=5,
-            schedule="constant",
-            cod_ratio=1.0,
-            eval_fraction=0.0,
-            save_every=10**6,
-            device="cpu",
-            precision="fp32",
-            seed=0,
-        )
+    return memorise(
+        memorised_store,
+        tmp_path_factory.mktemp("peagle-default"),
+        speculative_tokens=K,
+        aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
+        method="peagle",
+        ttt_steps=K,
+        max_steps=PEAGLE_STEPS,
+        draft_vocab_size=2048,
+        cod_ratio=1.0,
     )
-    out = root / "export"
-    export.run(ExportConfig(checkpoint=root / "run", format="vllm", output=out, dtype="fp32", speculative_tokens=K))
-    return out
 
 
 def test_vllm_drafts_in_parallel_losslessly_with_the_reference_acceptance(peagle_export, tmp_path, monkeypatch):

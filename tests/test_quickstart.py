@@ -172,7 +172,7 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
 @pytest.mark.vllm
 def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
     """The quickstart's export decoded by vLLM with evaluate's defaults (dtype `auto`: what this vLLM runs on this
-    CPU, bf16 where it computes bf16 natively and has the kernels; the target alone too, for the speed-up)."""
+    CPU, bf16 where it computes bf16 natively and has the kernels)."""
     pytest.importorskip("vllm")
     from draftsmith.config import EvaluateConfig
     from draftsmith.evaluate import run as evaluate
@@ -186,11 +186,11 @@ def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
             num_prompts=1,
             max_new_tokens=16,
             k=[3],
+            baseline=False,  # the target alone in vLLM: `serve --target-alone` in tests/test_load.py
         )
     )
     report = json.loads((tmp_path / "vllm-eval" / "report.json").read_text())
     assert report["runs"][0]["k"] == 3 and report["runs"][0]["tau"] >= 1.0
-    assert report["baseline"]["num_new_tokens"] > 0 and report["runs"][0]["speedup"] > 0
     assert result.summary["engine"] == "vllm"
 
 
