@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core import processes
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
 from draftsmith.core.net import free_port
@@ -205,17 +205,7 @@ class _server:
             time.sleep(1.0)
 
     def __exit__(self, *_: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        processes.stop_group(self.proc, (STOP_S,))
 
 
 def _tail(log: Path, lines: int = 15) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 from rich.console import Console
 
 from draftsmith.config import ServeConfig, StageResult
-from draftsmith.core import vllm_launch
+from draftsmith.core import processes, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
@@ -218,28 +218,7 @@ def serve_until_stopped(command: list[str], env: dict[str, str]) -> int | None:
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        _stop(proc)
+        processes.terminate(proc, STOP_GRACE_S)  # again after a grace period: vLLM may have lost the first
         return None
     finally:
-        _kill_group(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, and again after a grace period (vLLM may have lost the first); a further Ctrl-C skips the wait."""
-    for grace in STOP_GRACE_S:
-        if proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            continue
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL whatever is left in the server's process group (the server, vLLM's engine and workers)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        processes.kill_group(proc)  # the server, vLLM's engine and workers
