@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,18 @@ def write_random_prepared(path: Path, target_dir: Path, count: int, lo: int, hi:
         samples.append({"input_ids": rng.integers(4, 300, n), "loss_mask": mask})
     write_prepared(path, samples, target_identity(target_dir), chat_template_hash="t", max_length=64)
     return path
+
+
+def as_a_user(*args: str | Path, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """`draftsmith ARGS` as a user runs it in this environment: this python's draftsmith in a process of its own,
+    with every default (`auto` follows this CPU and this vLLM), its console wide enough that no line wraps."""
+    return subprocess.run(
+        [sys.executable, "-m", "draftsmith", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "400"},
+    )
 
 
 def random_eagle3_export(target_dir: Path, out: Path, aux_layer_ids: tuple[int, ...] = (1, 2, 4), **options) -> Path:

@@ -13,14 +13,11 @@ norm_before_residual flipped, the rotary base changed) fails, its verdict naming
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import memorise, random_eagle3_export
+from conftest import as_a_user, memorise, random_eagle3_export
 
 from draftsmith import export
 from draftsmith.evaluate import gate
@@ -301,13 +298,7 @@ def test_the_gate_passes_a_correct_draft_through_the_cli(memorised_export, tmp_p
     out = tmp_path / "eval"
     args = ["evaluate", "--draft", memorised_export, "--gate", "--k", K, "--max-new-tokens", 32, "--dtype", "float32"]
     args += ["--no-baseline", "--vllm-kv-cache-gb", 1, "--gate-tolerance", TOLERANCE, "--output", out]
-    done = subprocess.run(
-        [sys.executable, "-m", "draftsmith", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={**os.environ, "COLUMNS": "400"},
-    )
+    done = as_a_user(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "prompts: the held-out split of" in done.stderr  # the draft's own training data, by default
     report = json.loads((out / "report.json").read_text())

