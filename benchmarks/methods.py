@@ -654,11 +654,11 @@ def main() -> None:
         }
         log(f"{method}: {trained[method]['tokens']} training tokens in {train_s:.0f} s")
     sources = {m: load_draft(exports[m]) for m in METHODS}
-    shapes = {m: s.spec.model_dump(exclude={"parallel_drafting", "mask_token_id"}) for m, s in sources.items()}
+    shapes = {m: s.spec.model_dump(exclude={"method", "mask_token_id"}) for m, s in sources.items()}
     same = {
         "tokens": len({trained[m]["tokens"] for m in METHODS}) == 1,
         "draft_shape": shapes["eagle3"] == shapes["peagle"],
-        "peagle_is_parallel": bool(sources["peagle"].spec.parallel_drafting),
+        "peagle_is_parallel": bool(sources["peagle"].spec.method == "peagle"),
         "dflash_block": sources["dflash"].spec.block_size == ttt_steps + 1,
     }
     if not all(same.values()):

@@ -291,3 +291,20 @@ def _quiet_threads():
     """Keep tests deterministic and polite on a 2-core machine."""
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     yield
+
+
+def parallel_round(runner, ids, fused, k):
+    """A P-EAGLE round of `runner` as its method drafts it: what its one forward returned (DraftRunner.forward_slots:
+    logits [k, Vd], pre-norm hidden [k, H] of the last real position and the k - 1 parallel slots)."""
+    seen = []
+
+    def spy(i, h, keep):
+        seen.append(type(runner).forward_slots(runner, i, h, keep))
+        return seen[-1]
+
+    runner.forward_slots = spy
+    try:
+        assert len(runner.propose(ids, fused, 0, k, lambda row: 0)) == k
+    finally:
+        del runner.forward_slots
+    return seen[0]

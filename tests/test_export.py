@@ -279,7 +279,7 @@ MASK_TOKEN = 3
 def tiny_peagle(tiny_target_dir, tiny_draft):
     """The tiny draft as a P-EAGLE draft: its spec with parallel drafting and a mask token, plus mask_hidden."""
     _, spec, tensors, identity = tiny_draft
-    spec = spec.model_copy(update={"parallel_drafting": True, "mask_token_id": MASK_TOKEN})
+    spec = spec.model_copy(update={"method": "peagle", "mask_token_id": MASK_TOKEN})
     mask = torch.randn(1, len(AUX) * spec.target_hidden_size, generator=torch.Generator().manual_seed(1))
     return None, spec, {**tensors, "mask_hidden": mask}, identity
 
@@ -313,7 +313,7 @@ def _eagle3(peagle):
     _, spec, tensors, identity = peagle
     return (
         None,
-        spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None}),
+        spec.model_copy(update={"method": "eagle3", "mask_token_id": None}),
         {k: v for k, v in tensors.items() if k != "mask_hidden"},
         identity,
     )
@@ -335,7 +335,7 @@ def test_peagle_round_trip(tmp_path, tiny_peagle, fmt):
     _, spec, tensors, identity = tiny_peagle
     out = write(tmp_path, tiny_peagle, fmt, dtype="fp32")
     back = load_draft(out)
-    assert back.spec == spec and back.spec.parallel_drafting and back.spec.mask_token_id == MASK_TOKEN
+    assert back.spec == spec and back.spec.method == "peagle" and back.spec.mask_token_id == MASK_TOKEN
     assert set(back.tensors) == set(tensors) and back.target == identity
     assert all(torch.equal(back.tensors[name], t) for name, t in tensors.items())
     again = tmp_path / "again"  # and once more through the stage, from the export
@@ -360,15 +360,22 @@ def test_peagle_checkpoint_round_trips_through_export(tmp_path, tiny_target_dir,
 
 def test_an_export_read_as_its_config_serves_it(tmp_path, tiny_peagle):
     """A P-EAGLE export whose manifest's spec does not say so (written before DraftSpec knew parallel drafting):
-    config.json's mask token and mask_hidden in the weights make it the P-EAGLE draft vLLM serves."""
+    config.json's mask token and mask_hidden in the weights make it the P-EAGLE draft vLLM serves. And one an older
+    draftsmith wrote (manifest format 2: method eagle3 with `parallel_drafting: true`) reads as P-EAGLE's method."""
     _, spec, tensors, _ = tiny_peagle
     out = write(tmp_path, tiny_peagle, "vllm", dtype="fp32")
     manifest = json.loads((out / "manifest.json").read_text())
-    for key in ("parallel_drafting", "mask_token_id"):
+    assert manifest["format_version"] == 3 and manifest["draft"]["method"] == "peagle"
+    for key in ("method", "mask_token_id"):
         manifest["draft"].pop(key)
     (out / "manifest.json").write_text(json.dumps(manifest))
     back = load_draft(out)
     assert back.spec == spec and set(back.tensors) == set(tensors)
+    (out / "config.json").unlink()  # the manifest alone says what the draft is
+    older = {**manifest, "format_version": 2}
+    older["draft"] = {**manifest["draft"], "method": "eagle3", "parallel_drafting": True, "mask_token_id": MASK_TOKEN}
+    (out / "manifest.json").write_text(json.dumps(older))
+    assert load_draft(out).spec == spec
 
 
 def test_peagle_refusals_are_one_line(tmp_path, tiny_peagle):
@@ -436,7 +443,7 @@ READINGS = [  # config.json -> the mask token vLLM's parallel drafting reads (No
 
 @pytest.mark.parametrize(("config", "token"), READINGS)
 def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
-    from draftsmith.train.drafts import parallel_drafting_token
+    from draftsmith.train.methods.peagle import parallel_drafting_token
 
     assert parallel_drafting_token(config) == token
 
@@ -450,7 +457,7 @@ def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
     ],
 )
 def test_a_mask_token_vllm_would_misread_is_refused_in_one_line(config, message):
-    from draftsmith.train.drafts import parallel_drafting_token
+    from draftsmith.train.methods.peagle import parallel_drafting_token
 
     with pytest.raises(DraftsmithError, match=message):
         parallel_drafting_token(config, "d/config.json")
@@ -492,7 +499,7 @@ def test_load_and_serve_follow_the_mask_token_vllm_reads(tmp_path, tiny_peagle):
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "mask_token_id": 9}))
     back = load_draft(out)
-    assert back.spec.parallel_drafting and back.spec.mask_token_id == 9
+    assert back.spec.method == "peagle" and back.spec.mask_token_id == 9
     assert vllm_speculative_config(out, 3)["parallel_drafting"] is True
     del config["ptd_token_id"]
     (out / "config.json").write_text(json.dumps(config))

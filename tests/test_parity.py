@@ -4,7 +4,7 @@
   (evaluate/specdec.py's DraftRunner, the path where the draft feeds on its own hidden state) takes from the prefix
   0..t, when it is fed the same tokens: logits and hidden states, float64, k = 0..3.
 - The same for P-EAGLE: depth d at anchor t of training (mask-token slots) is exactly the d-th proposal of the
-  reference decoder's one parallel forward from the prefix 0..t (DraftRunner.step_parallel), d = 0..3.
+  reference decoder's one parallel forward from the prefix 0..t (its method's round, `PEagle.propose`), d = 0..3.
 - draftsmith == vLLM: the exported draft proposes in vLLM what draftsmith's module proposes on the same features:
   vLLM's per-position accepted counts at temperature 0 equal the reference decoder's on the same prompts (float32),
   within ACCEPTED_TOLERANCE: the EAGLE-3 draft of the default target in tests/test_evaluate_real.py (one vLLM start
@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import parallel_round
 from draftsmith.evaluate.specdec import DraftRunner
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import ttt_hidden_states
@@ -42,7 +43,7 @@ def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
         vocab_size=50,
         draft_vocab_size=20,
         aux_layer_ids=[1, 2, 3],
-        parallel_drafting=parallel,
+        method="peagle" if parallel else "eagle3",
         mask_token_id=47 if parallel else None,
     )
     draft = Eagle3Draft(spec)
@@ -100,7 +101,7 @@ def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers
     fused = runner.fuse(aux)
     for t in range(t_len - 1):  # the prefix 0..t reads x_1..x_{t+1}; the parallel slots read no token of the data
         runner.reset()
-        logits, hidden = runner.step_parallel(ids[1 : t + 2], fused[: t + 1], TTT_STEPS)
+        logits, hidden = parallel_round(runner, ids[1 : t + 2], fused[: t + 1], TTT_STEPS)
         assert runner.length == t + TTT_STEPS
         for d in range(TTT_STEPS):
             torch.testing.assert_close(hidden[d], depths[d][t], rtol=1e-12, atol=1e-12, msg=f"hidden t={t} d={d}")

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from draftsmith.config import TrainConfig
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
-from draftsmith.train.setup import mask_token_id
+from draftsmith.train.methods.base import mask_token_id
 from draftsmith.train.model import DraftSpec, Eagle3Draft, KVCache
 from draftsmith.train.ttt import COD, step_index, ttt_hidden_states
 
@@ -37,7 +37,7 @@ def _spec(layers: int = 1, parallel: bool = True) -> DraftSpec:
         vocab_size=50,
         draft_vocab_size=20,
         aux_layer_ids=[1, 2, 3],
-        parallel_drafting=parallel,
+        method="peagle" if parallel else "eagle3",
         mask_token_id=7 if parallel else None,
     )
 
@@ -171,7 +171,7 @@ def test_peagle_training_logs_per_depth_metrics_and_checkpoints_mask_hidden(prep
     evals = [m for m in _metrics(out) if m["type"] == "eval"]
     assert evals and len(evals[-1]["acc"]) == 4
     tensors, manifest = checkpoint.load_checkpoint(out)
-    assert manifest.draft.parallel_drafting and manifest.draft.mask_token_id is not None
+    assert manifest.draft.method == "peagle" and manifest.draft.mask_token_id is not None
     assert tensors["mask_hidden"].shape == (1, len(manifest.draft.aux_layer_ids) * 64)
     latest = load_file(str(checkpoint.latest_checkpoint(out) / checkpoint.WEIGHTS_FILE))
     init = torch.randn(tensors["mask_hidden"].shape, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -205,7 +205,7 @@ def test_an_eagle3_draft_starts_a_peagle_run_and_keeps_its_weights(prepared, tmp
     out = tmp_path / "peagle"
     trainer.run(_cfg(prepared, out, init_from=eagle, max_steps=1, lr=1e-12, warmup_steps=0, schedule="constant"))
     tensors, manifest = checkpoint.load_checkpoint(out)
-    assert manifest.draft.parallel_drafting and "mask_hidden" in tensors
+    assert manifest.draft.method == "peagle" and "mask_hidden" in tensors
     for name, value in source.items():
         torch.testing.assert_close(tensors[name], value, rtol=1e-6, atol=1e-8)  # lr 1e-12: the same weights
 

@@ -165,7 +165,7 @@ def test_a_peagle_draft_is_served_with_parallel_drafting(
 
     def fake_serve(command, env):
         seen["spec"] = json.loads(command[command.index("--speculative-config") + 1])
-        seen["parallel"] = load_draft(Path(seen["spec"]["model"])).spec.parallel_drafting
+        seen["parallel"] = load_draft(Path(seen["spec"]["model"])).spec.method == "peagle"
         return 0
 
     monkeypatch.setattr(serve, "serve_until_stopped", fake_serve)
@@ -258,7 +258,7 @@ def test_a_vllm_that_cannot_run_eagle3_is_refused_in_one_line_before_it_starts(
 def _peagle_source(target_dir: Path) -> DraftSource:
     """The tiny draft as a P-EAGLE draft (a mask token, mask_hidden in its weights)."""
     source = _tiny_source(target_dir)
-    spec = source.spec.model_copy(update={"parallel_drafting": True, "mask_token_id": 3})
+    spec = source.spec.model_copy(update={"method": "peagle", "mask_token_id": 3})
     return DraftSource(
         spec=spec,
         tensors={**source.tensors, "mask_hidden": torch.zeros(1, 3 * 64)},

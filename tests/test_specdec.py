@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from draftsmith.core import layers, targets
+from conftest import parallel_round
 from draftsmith.evaluate.specdec import (
     DecodeStats,
     DraftRunner,
@@ -37,7 +38,7 @@ def random_draft(
     dvs = draft_vocab_size or vocab
     dc = DraftSpec.from_target_config(config, dvs, 1, aux_ids(config["num_hidden_layers"]))
     if parallel:
-        dc = dc.model_copy(update={"parallel_drafting": True, "mask_token_id": config["pad_token_id"]})
+        dc = dc.model_copy(update={"method": "peagle", "mask_token_id": config["pad_token_id"]})
     ids = torch.linspace(0, vocab - 1, dvs).round().long().unique()
     assert len(ids) == dvs
     draft = Eagle3Draft.from_target(dc, target_model, ids, lm_head_init="random", seed=seed)
@@ -245,7 +246,7 @@ def count_forwards(module) -> list[int]:
 def test_parallel_greedy_with_random_draft_is_lossless(tiny, k):
     target_dir, model, runner = tiny
     draft = DraftRunner(random_draft(target_dir, model, draft_vocab_size=200, parallel=True))
-    assert draft.parallel
+    assert draft.method.name == "peagle"
     for prompt in PROMPTS:
         ids = torch.tensor(prompt)
         base = plain_generate(runner, ids, 30)
@@ -286,8 +287,9 @@ class ParallelNoisyOracle(DraftRunner):
         self.error = error
         self.rng = torch.Generator().manual_seed(seed)
 
-    def step_parallel(self, ids, hidden, k):
-        _, last = super().step_parallel(ids, hidden, k)
+    def forward_slots(self, ids, hidden, keep):  # P-EAGLE's one forward of a round: ids end with keep - 1 masks
+        k = keep
+        _, last = super().forward_slots(ids, hidden, keep)
         first = self.length - k  # the last real position: its slot predicts the token at first + 2
         vocab = self.draft.spec.draft_vocab_size
         logits = torch.full((k, vocab), -10.0)
@@ -324,9 +326,9 @@ class RecordingDraft(DraftRunner):
         super().__init__(draft)
         self.rounds: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
-    def step_parallel(self, ids, hidden, k):
-        logits, last = super().step_parallel(ids, hidden, k)
-        self.rounds.append((self.length - k, logits, last))
+    def forward_slots(self, ids, hidden, keep):  # P-EAGLE's one forward of a round
+        logits, last = super().forward_slots(ids, hidden, keep)
+        self.rounds.append((self.length - keep, logits, last))
         return logits, last
 
 
@@ -348,7 +350,7 @@ def test_parallel_rounds_propose_what_a_fresh_draft_proposes_from_the_whole_pref
     fused = fresh.fuse(aux)
     for t, logits, last in recorder.rounds:
         fresh.reset()
-        want_logits, want_last = fresh.step_parallel(seq[1 : t + 2], fused[: t + 1], k)
+        want_logits, want_last = parallel_round(fresh, seq[1 : t + 2], fused[: t + 1], k)
         torch.testing.assert_close(last, want_last, rtol=1e-9, atol=1e-9, msg=f"t={t}")
         torch.testing.assert_close(logits, want_logits, msg=f"t={t}")
 
@@ -372,9 +374,10 @@ class TargetFirstSlot(DraftRunner):
         super().crop(length)
         self.read = self.read[:length]
 
-    def step_parallel(self, ids, hidden, k):
-        logits, last = super().step_parallel(ids, hidden, k)
-        self.read += ids.tolist() + [-1] * (k - 1)
+    def forward_slots(self, ids, hidden, keep):  # P-EAGLE's one forward of a round: ids end with k - 1 masks
+        k = keep
+        logits, last = super().forward_slots(ids, hidden, keep)
+        self.read += ids[: len(ids) - k + 1].tolist() + [-1] * (k - 1)
         prefix = torch.tensor([self.first] + self.read[: len(self.read) - k + 1])
         logits = logits.clone()
         logits[0] = self.model(input_ids=prefix[None]).logits[0, -1].float()
@@ -489,7 +492,7 @@ def test_dflash_greedy_with_random_draft_is_lossless_one_forward_a_round(tiny, k
     target_dir, model, runner = tiny
     dflash = random_dflash(target_dir, model, block_size=k + 1)
     draft = DraftRunner(dflash)
-    assert draft.block and draft.parallel
+    assert draft.method.name == "dflash"
     calls, rounds = count_forwards(dflash), 0
     for prompt in PROMPTS:
         base = plain_generate(runner, torch.tensor(prompt), 30)

@@ -1273,9 +1273,9 @@ def test_a_dflash_draft_on_a_vllm_without_the_dflash_method_is_refused_in_one_li
 
     _probe_reads(monkeypatch, dflash=dflash, eagle3=eagle3)
     with pytest.raises(DraftsmithError) as err:
-        vllm_runner.check_vllm_can_serve(llama_target, "--engine vllm", dflash=True)
+        vllm_runner.check_vllm_can_serve(llama_target, "--engine vllm", method="dflash")
     assert str(err.value) == says and "\n" not in str(err.value)
-    verdict = vllm_runner.vllm_verdict(llama_target, "--engine vllm", dflash=True)
+    verdict = vllm_runner.vllm_verdict(llama_target, "--engine vllm", method="dflash")
     assert verdict.refusal == says and verdict.version == "0.19.1" and verdict.why_not
 
 
@@ -1285,7 +1285,7 @@ def test_the_dflash_method_is_asked_of_vllm_for_a_dflash_draft_only(monkeypatch,
 
     _probe_reads(monkeypatch, dflash=False)
     vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve")
-    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", parallel_drafting=True)
+    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", method="peagle")
     _probe_reads(monkeypatch, dflash=True)
-    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", dflash=True)
-    assert vllm_runner.vllm_verdict(llama_target, "--engine vllm", dflash=True).refusal is None
+    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", method="dflash")
+    assert vllm_runner.vllm_verdict(llama_target, "--engine vllm", method="dflash").refusal is None

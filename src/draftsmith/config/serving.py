@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from draftsmith.config.base import StageConfig, _json_object, _split_list
+from draftsmith.config.training import DEFAULT_METHOD, MethodName
 
 
 class ExportConfig(StageConfig):
@@ -188,11 +189,11 @@ class QuickstartConfig(StageConfig):
             "tiny: a few-minute smoke test of the whole path."
         ),
     )
-    method: Literal["eagle3", "peagle", "dflash"] = Field(
-        "eagle3",
+    method: MethodName = Field(
+        DEFAULT_METHOD,
         description=(
             "The draft trained and evaluated: eagle3, peagle (P-EAGLE: every token of a round in one draft forward, "
-            "served by vLLM with parallel_drafting) or dflash (a block drafter: the anchor and block - 1 masks in one "
+            "served by vLLM with parallel drafting) or dflash (a block drafter: the anchor and block - 1 masks in one "
             "forward, vLLM's dflash method); the budget's shapes either way (peagle trains a parallel depth for every "
             "evaluated k; dflash: blocks of the evaluated k + 1 on a CPU budget, the peers' defaults on large)."
         ),

@@ -16,6 +16,11 @@ from draftsmith.core.spool_address import check_spool
 from draftsmith.config.base import StageConfig, _split_list
 
 
+# The drafting methods --method chooses among (each has its module in draftsmith.train.methods, which the stages ask)
+MethodName = Literal["eagle3", "peagle", "dflash"]
+DEFAULT_METHOD: MethodName = "eagle3"
+
+
 class TrainConfig(StageConfig):
     data: Path = Field(
         Path("runs/store"),
@@ -43,8 +48,8 @@ class TrainConfig(StageConfig):
     num_layers: int | None = Field(
         None, ge=1, description=("Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash).")
     )
-    method: Literal["eagle3", "peagle", "dflash"] = Field(
-        "eagle3",
+    method: MethodName = Field(
+        DEFAULT_METHOD,
         description=(
             "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); peagle: "
             "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "

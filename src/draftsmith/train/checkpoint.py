@@ -43,6 +43,7 @@ from draftsmith.core.manifest import (
     read_manifest,
     write_manifest,
 )
+from draftsmith.train.methods.peagle import PEAGLE
 from draftsmith.train.model import DraftSpec, draft_tensors
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -61,7 +62,7 @@ class DraftManifest(Manifest):
     model_config = ConfigDict(extra="ignore")  # the base reads any draft directory; the subclasses forbid extras
 
     kind: str = Field("", description="checkpoint or export (set by each subclass)")
-    format_version: int = 2
+    format_version: int = 3
     target: TargetIdentity
     draft: DraftSpec
     files: dict[str, str] = Field(default_factory=dict, description="sha256 of each file in the directory")
@@ -75,9 +76,10 @@ class DraftManifest(Manifest):
     def _from_format_1(cls, data: Any) -> Any:
         """Manifests of draftsmith 0.1 (format_version 1), converted on read: a checkpoint's `draft` was a
         DraftConfig (num_layers, num_aux_layers, attention_bias, mlp_bias) beside a top-level `aux_layer_ids`;
-        an export's `arch` (a DraftArch, with norm_before_residual) and `weights_file` + `weights_sha256`."""
-        if not isinstance(data, dict) or data.get("format_version", 2) >= 2:  # written, or built here
-            return data
+        an export's `arch` (a DraftArch, with norm_before_residual) and `weights_file` + `weights_sha256`. Then as
+        format 2 (`_from_format_2`)."""
+        if not isinstance(data, dict) or data.get("format_version", 3) >= 2:  # written, or built here
+            return cls._from_format_2(data)
         data = dict(data, format_version=2)
         if "arch" in data:  # an export
             draft = dict(data.pop("arch"))
@@ -108,7 +110,18 @@ class DraftManifest(Manifest):
             draft["num_hidden_layers"] = draft.pop("num_layers", 1)
             draft["aux_layer_ids"] = aux
         data["draft"] = draft
-        return data
+        return cls._from_format_2(data)
+
+    @staticmethod
+    def _from_format_2(data: Any) -> Any:
+        """Manifests of format 2, converted on read: a P-EAGLE draft's spec was EAGLE-3's method with
+        `parallel_drafting: true`; the method is P-EAGLE's own now (draftsmith.train.methods)."""
+        if not isinstance(data, dict) or data.get("format_version", 3) >= 3:
+            return data
+        draft = dict(data.get("draft") or {})
+        if draft.pop("parallel_drafting", False):
+            draft["method"] = PEAGLE.name
+        return dict(data, format_version=3, draft=draft)
 
 
 class CheckpointManifest(DraftManifest):

@@ -2,9 +2,9 @@
 into one `DraftSource` (spec, tensors in the module's names, target identity, origin, training summary).
 
 Below both the trainer (`train --init-from`) and draftsmith.export / draftsmith.evaluate, so it reads an export
-through the fields every draft directory records (`checkpoint.DraftManifest`). The one rule that reads a draft
-directory's config.json as P-EAGLE or not, and its mask token, lives here (`parallel_drafting_token`), for the
-export writer, `load_draft` and every command that starts vLLM alike.
+through the fields every draft directory records (`checkpoint.DraftManifest`); what an export's config.json says
+about its method (P-EAGLE's mask token, DFlash's block) is read by that method (`methods.method_of_config`), as
+vLLM reads it, for the export writer, `load_draft` and every command that starts vLLM alike.
 The tensors of a DraftSource are named as Eagle3Draft's state dict (vLLM's own module names, `layers.0.` for
 decoder layer 0) without the target's embedding; `spell_layer0` is the one rename a format needs (vLLM's and
 SGLang's files spell layer 0 `midlayer.`).
@@ -22,7 +22,8 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json
 from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.train import checkpoint
-from draftsmith.train.model import DFlashDraft, DraftSpec, Eagle3Draft, draft_class, draft_tensors
+from draftsmith.train.methods import method_of, method_of_config, same_family
+from draftsmith.train.model import Draft, DraftSpec, draft_tensors
 
 LAYER0_SPELLINGS = ("layers.0.", "midlayer.")
 
@@ -55,10 +56,10 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
     """Refuse (DraftsmithError) any missing, unexpected, mis-shaped or mis-typed tensor, or a broken d2t/t2d.
     The expected names, shapes and dtypes are the module's own (built on the meta device: no memory)."""
     with torch.device("meta"):
-        expected = draft_tensors(draft_class(spec)(spec).state_dict())
+        expected = draft_tensors(method_of(spec).module(spec).state_dict())
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
-    kind = spec.kind
+    kind = method_of(spec).kind
     if missing:
         raise DraftsmithError(
             f"{where}: missing tensor(s) {missing[:4]} for a {spec.num_hidden_layers}-layer {kind} "
@@ -84,7 +85,7 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
                 raise DraftsmithError(f"{where}: tensor {name} is {t.dtype}, expected floating point weights")
             if not torch.isfinite(t).all():
                 raise DraftsmithError(f"{where}: tensor {name} holds NaN or Inf; refusing to export a broken draft")
-    if spec.method == "dflash":  # the target's vocabulary: no d2t / t2d
+    if not method_of(spec).own_vocabulary:  # the target's vocabulary: no d2t / t2d
         return
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     target_ids = torch.arange(spec.draft_vocab_size, dtype=torch.int64) + d2t
@@ -161,11 +162,7 @@ def load_draft(path: Path) -> DraftSource:
     elif kind == "export":
         manifest = read_manifest(directory, checkpoint.DraftManifest)
         tensors = checkpoint.read_weights(directory, manifest)
-        manifest.draft = (
-            _dflash_from_config(directory, manifest.draft)
-            if manifest.draft.method == "dflash"
-            else _parallel_from_config(directory, manifest.draft, tensors)
-        )
+        manifest.draft = _spec_from_config(directory, manifest.draft, tensors)
     else:
         raise DraftsmithError(
             f"{directory}: is a {kind!r} artefact, not a draft; pass a `draftsmith train` run or "
@@ -178,146 +175,29 @@ def load_draft(path: Path) -> DraftSource:
     )
 
 
-# ------------------------------------------------------------------------------------ P-EAGLE or not
-
-# The keys that name a P-EAGLE draft's mask token, in the order vLLM reads them from the draft's config
-# (vllm/v1/spec_decode/llm_base_proposer.py, `_init_parallel_drafting_params`): mask_token_id unless it is null, then
-# pard_token, then ptd_token_id, whenever present. (vLLM reads DFlash's dflash_config.mask_token_id and DSpark's
-# dspark_noise_token_id before pard_token: other methods' keys, which no P-EAGLE draft carries.)
-MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
-
-
-def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") -> int | None:
-    """The one rule for "is this draft P-EAGLE" (the export writer, `load_draft`, the speculative config every
-    command that starts vLLM passes): the mask token a draft directory's config.json names, as vLLM reads it; None
-    for an EAGLE-3 draft.
-
-    A speculators config is P-EAGLE exactly when its speculators_model_type is "peagle" (vLLM's reader turns that
-    type into parallel drafting itself); vLLM reads the token from the config it converts it to: the
-    transformer_layer_config, with the top-level mask_token_id as pard_token. Any other config is P-EAGLE when one
-    of MASK_TOKEN_KEYS names a token (draftsmith's vllm format writes ptd_token_id), the first in vLLM's order. A
-    key vLLM would take that holds no token id is refused in one line; `where` names the file in that message."""
-    if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "peagle":
-            return None
-        if config.get("mask_token_id") is None:
-            raise DraftsmithError(
-                f"{where}: a speculators P-EAGLE config (speculators_model_type peagle) without "
-                "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
-                "parallel slots were trained on"
-            )
-        config = {**(config.get("transformer_layer_config") or {}), "pard_token": config["mask_token_id"]}
-    for key in MASK_TOKEN_KEYS:
-        if key not in config or (key == "mask_token_id" and config[key] is None):
-            continue
-        token = config[key]
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise DraftsmithError(
-                f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
-                "P-EAGLE draft's mask token from it"
-            )
-        return token
-    return None
-
-
-def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int | None:
-    """The one rule for "is this draft DFlash" (`load_draft`, the speculative config every command that starts vLLM
-    passes): its block size, read from a draft directory's config.json (vLLM's layout: a `dflash_config`, the block
-    size beside it; speculators': speculators_model_type "dflash"); None for an EAGLE-3 or P-EAGLE draft. vLLM drafts
-    block_size - 1 tokens a round with it."""
-    layer = _dflash_layer_config(config)
-    if layer is None:
-        return None
-    size = config.get("block_size", layer.get("block_size", (layer.get("dflash_config") or {}).get("block_size")))
-    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
-        raise DraftsmithError(
-            f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
-            "a round, so the config must say the block size the draft was trained with"
-        )
-    return size
-
-
-def _dflash_layer_config(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The drafter's own config inside a DFlash config.json (vLLM's layout: the file itself; speculators': its
-    transformer_layer_config), None when the file is no DFlash config."""
-    kind = config.get("speculators_model_type")
-    if kind is not None:
-        return (config.get("transformer_layer_config") or {}) if kind == "dflash" else None
-    return config if "dflash_config" in config else None
-
-
-def _dflash_from_config(directory: Path, spec: DraftSpec) -> DraftSpec:
-    """An exported DFlash draft's spec as vLLM serves it: the mask token and block size its config.json names."""
+def _spec_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, torch.Tensor]) -> DraftSpec:
+    """An export's spec as vLLM serves it: its method, and what the method reads there (a mask token, a block), are
+    what its config.json says (`method_of_config`, the rule every command applies), whatever its manifest says (one
+    written by an older draftsmith, a config.json edited by hand); no config.json: the manifest's. A config.json
+    that names a method of another family than the weights (a DFlash config on EAGLE-3 weights) is refused."""
     try:
         config = read_config(directory)
     except DraftsmithError:
         return spec
-    where = directory / "config.json"
-    size = dflash_block_size(config, str(where))
-    if size is None:
+    where = str(directory / "config.json")
+    recorded, read = method_of(spec), method_of_config(config, where)
+    if not same_family(read, recorded):
         raise DraftsmithError(
-            f"{where}: is not a DFlash config (no dflash_config), but the weights are a DFlash "
-            "draft's; export the draft again from its training run"
+            f"{where}: is a {read.kind} config, but the weights are a {recorded.kind} draft's; export the draft "
+            "again from its training run"
         )
-    layer = _dflash_layer_config(config)
-    assert layer is not None  # dflash_block_size found the block size in it
-    token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
-    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < spec.vocab_size:
-        raise DraftsmithError(
-            f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
-            f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block"
-        )
-    return spec.model_copy(update={"block_size": size, "mask_token_id": token})
+    return read.spec_from_config(spec, config, tensors, where)
 
 
-def _parallel_from_config(directory: Path, spec: DraftSpec, tensors: dict[str, torch.Tensor]) -> DraftSpec:
-    """An export's spec as vLLM serves it: P-EAGLE or not, and its mask token, are what its config.json names
-    (parallel_drafting_token, the rule every command applies), whatever its manifest says (one
-    written before DraftSpec knew parallel drafting, a config.json edited by hand); no config.json: the manifest's.
-    Weights that do not match that reading (P-EAGLE needs mask_hidden, EAGLE-3 has none) are refused in one line."""
-    try:
-        config = read_config(directory)
-    except DraftsmithError:
-        return spec
-    where = directory / "config.json"
-    token = parallel_drafting_token(config, str(where))
-    has_mask_hidden = "mask_hidden" in tensors
-    if token is None:
-        if has_mask_hidden:
-            raise DraftsmithError(
-                f"{where}: names no mask token, so vLLM would serve the draft as EAGLE-3, but its "
-                "weights hold a P-EAGLE draft's mask_hidden; put its mask token back (ptd_token_id) "
-                "or export the draft again from its training run"
-            )
-        return spec.model_copy(update={"parallel_drafting": False, "mask_token_id": None})
-    if not has_mask_hidden:
-        raise DraftsmithError(
-            f"{where}: names mask token {token}, so vLLM would serve the draft as P-EAGLE, but its "
-            f"weights have no mask_hidden; remove the mask token ({', '.join(MASK_TOKEN_KEYS)}) "
-            "or export the draft again from its training run"
-        )
-    if token >= spec.vocab_size:
-        raise DraftsmithError(
-            f"{where}: mask token {token} is not a target token id (0..{spec.vocab_size - 1}); "
-            "vLLM's parallel slots embed that token"
-        )
-    return spec.model_copy(update={"parallel_drafting": True, "mask_token_id": token})
-
-
-def draft_module(
-    source: DraftSource, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None
-) -> Eagle3Draft | DFlashDraft:
-    """The draft's module (fp32, CPU) holding its weights and the target's embedding `embed_weight` (DFlash: and the
-    target's lm_head `head_weight`, which it uses as its own)."""
-    draft: Eagle3Draft | DFlashDraft
-    if source.spec.method == "dflash":
-        if head_weight is None:
-            raise ValueError("a DFlash draft needs the target's lm_head")
-        draft = DFlashDraft(source.spec)
-        draft.set_target(embed_weight, head_weight)
-    else:
-        draft = Eagle3Draft(source.spec)
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(embed_weight)
+def draft_module(source: DraftSource, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> Draft:
+    """The draft's module (fp32, CPU) of its method, holding its weights and the target's embedding `embed_weight`
+    and lm_head `head_weight` (which a draft reads when it has no head of its own: DFlash)."""
+    draft = method_of(source.spec).module(source.spec)
+    draft.set_target(embed_weight, head_weight)
     draft.load_draft_tensors(source.tensors)
     return draft

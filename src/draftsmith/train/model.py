@@ -25,6 +25,7 @@ from transformers import LlamaConfig
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from draftsmith.config.training import DEFAULT_METHOD
 from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
@@ -63,31 +64,21 @@ class DraftSpec(BaseModel):
         description="vLLM's layer ids (0 = embeddings, k = output of decoder layer "
         "k-1) in the order fc concatenates them; eagle_aux_hidden_state_layer_ids"
     )
-    parallel_drafting: bool = Field(
-        False,
-        description="P-EAGLE: the draft proposes all k tokens of a round in one "
-        "forward, its slots after the first reading mask_token_id and mask_hidden",
-    )
     mask_token_id: int | None = Field(
         None,
-        description="P-EAGLE / DFlash: the target token id a parallel slot "
-        "or a block's mask position reads (config.json's ptd_token_id, or "
-        "dflash_config.mask_token_id: what vLLM embeds there)",
+        description="the target token id a parallel slot or a block's mask position reads (P-EAGLE's ptd_token_id, "
+        "DFlash's dflash_config.mask_token_id: what vLLM embeds there); None: a draft with no such positions",
     )
-    method: Literal["eagle3", "dflash"] = Field(
-        "eagle3", description="eagle3 (P-EAGLE included: parallel_drafting) or dflash: a block drafter (DFlashDraft)"
+    method: str = Field(
+        DEFAULT_METHOD,
+        description="the drafting method (draftsmith.train.methods): eagle3, peagle (parallel drafting) or dflash",
     )
     block_size: int | None = Field(
         None,
         ge=2,
-        description="DFlash: the block, the anchor (the last verified "
-        "token) and block_size - 1 mask positions; vLLM proposes block_size - 1 tokens",
+        description="a block drafter's block: the anchor (the last verified token) and block_size - 1 mask "
+        "positions; vLLM proposes block_size - 1 tokens",
     )
-
-    @property
-    def kind(self) -> str:
-        """How messages name the draft: EAGLE-3, P-EAGLE or DFlash."""
-        return "DFlash" if self.method == "dflash" else "P-EAGLE" if self.parallel_drafting else "EAGLE-3"
 
     @classmethod
     def from_target_config(
@@ -382,7 +373,7 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(spec)
-        if spec.parallel_drafting:  # P-EAGLE: the aux features every parallel slot reads (vLLM's mask_hidden)
+        if spec.mask_token_id is not None:  # P-EAGLE: the aux features every parallel slot reads (vLLM's mask_hidden)
             self.mask_hidden = nn.Parameter(torch.zeros(1, len(spec.aux_layer_ids) * spec.target_hidden_size))
         # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary.
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
@@ -432,6 +423,11 @@ class Eagle3Draft(nn.Module):
                 head = targets.lm_head(target).weight
                 draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
         return draft
+
+    def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:
+        """The target's embedding (frozen, never saved); the head is the draft's own (its lm_head)."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed_weight)
 
     def load_draft_tensors(self: Eagle3Draft | DFlashDraft, tensors: dict[str, torch.Tensor]) -> None:
         """Load the draft's own tensors (`draft_tensors` of a state dict: all of it but the target's embedding,
@@ -582,8 +578,8 @@ class DFlashDraft(nn.Module):
 
     def __init__(self, spec: DraftSpec):
         super().__init__()
-        if spec.method != "dflash" or spec.block_size is None or spec.mask_token_id is None:
-            raise ValueError("DFlashDraft needs a dflash spec with block_size and mask_token_id")
+        if spec.block_size is None or spec.mask_token_id is None:
+            raise ValueError("DFlashDraft needs a spec with block_size and mask_token_id")
         self.spec = spec
         h = spec.hidden_size
         self.embed_tokens = nn.Embedding(spec.vocab_size, h)
@@ -611,7 +607,10 @@ class DFlashDraft(nn.Module):
         draft.set_target(targets.embed_tokens(target).weight, targets.lm_head(target).weight)
         return draft
 
-    def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> None:
+    def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:
+        """The target's embedding and lm_head, both frozen and never saved."""
+        if head_weight is None:
+            raise ValueError("a DFlash draft needs the target's lm_head")
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_weight)
             self.head_weight.copy_(head_weight)
@@ -684,11 +683,9 @@ class DFlashDraft(nn.Module):
         return F.linear(x, self.head_weight.to(x.dtype))
 
 
-def draft_class(spec: DraftSpec) -> type[nn.Module]:
-    """The module of a spec's method: DFlashDraft or Eagle3Draft (EAGLE-3 and P-EAGLE)."""
-    return DFlashDraft if spec.method == "dflash" else Eagle3Draft
-
-
 def draft_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What a draft saves of its state dict: everything but the target's embedding."""
     return {name: tensor for name, tensor in state_dict.items() if name != EMBEDDING}
+
+
+Draft = Eagle3Draft | DFlashDraft  # a draft module, whichever method's (each names its module)

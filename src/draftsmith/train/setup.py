@@ -21,11 +21,10 @@ from torch import nn
 from draftsmith.config import TrainConfig
 from draftsmith.core import devices, hardware, targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
+from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
 from draftsmith.extract import store as store_mod
 from draftsmith.prepare.dataset import PreparedDataset, open_prepared, split_indices
-from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import (
     FeatureSource,
@@ -40,8 +39,9 @@ from draftsmith.train.batches import (
 from draftsmith.train.checkpoint import RunState
 from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
-from draftsmith.train.model import DFlashDraft, DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import COD, Anchors, TargetHead, TTTModel
+from draftsmith.train.methods import METHODS, method, method_of, same_family
+from draftsmith.train.model import Draft, DraftSpec
+from draftsmith.train.ttt import TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.
 # Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size
@@ -166,10 +166,9 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
         identity = dataset.manifest.target
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
         aux = resolve_layer_ids(
-            cfg.aux_layer_ids
-            or (dflash_aux_layer_ids(identity.num_layers, cfg.num_layers) if cfg.method == "dflash" else None),
+            cfg.aux_layer_ids or method(cfg.method).default_aux_layer_ids(identity.num_layers, cfg.num_layers),
             identity.num_layers,
-        )[:-1]  # extract's default (DFlash: its spread)
+        )[:-1]  # the method's default (extract's, or DFlash's spread)
         sample_ids, total = np.arange(len(dataset), dtype=np.int64), len(dataset)
     if len(dataset) == 0:
         raise DraftsmithError(f"{cfg.data}: the data set is empty; prepare/extract some conversations first")
@@ -199,44 +198,33 @@ def split(source: Source, cfg: TrainConfig) -> tuple[list[int], list[int]]:
     return np.flatnonzero(~held_out).tolist(), np.flatnonzero(held_out).tolist()
 
 
-def initial_draft(
-    cfg: TrainConfig, s: Source, train_ids: list[int]
-) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec, float]:
-    """(draft, its spec, draft-vocab coverage of the training split): a fresh draft whose vocabulary is counted on
-    the training split, or the one --init-from names (its own vocabulary)."""
+def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Draft, DraftSpec, float]:
+    """(draft, its spec, draft-vocab coverage of the training split): a fresh draft of --method (its vocabulary counted
+    on the training split), or the one --init-from names (its own vocabulary), made a draft of --method
+    (`DraftMethod.adopt`: e.g. an EAGLE-3 draft gains P-EAGLE's mask_hidden)."""
     counts = token_counts(s.dataset, train_ids, s.identity.vocab_size)
     if int(counts.sum()) == 0:
         raise DraftsmithError(
             f"{cfg.data}: no loss-masked (assistant) tokens in the training split; nothing to train on"
         )
     assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-    if cfg.init_from is None and cfg.method == "dflash":  # the target's vocabulary and lm_head
-        config = targets.read_config(s.target_path)
-        spec = DraftSpec.from_target_config(config, s.identity.vocab_size, cfg.num_layers, s.aux_layer_ids)
-        spec = spec.model_copy(
-            update=dict(method="dflash", block_size=cfg.block_size, mask_token_id=mask_token_id(config))
-        )
-        return DFlashDraft.from_target(spec, s.target, cfg.seed), spec, 1.0
+    wanted = method(cfg.method)
+    wanted.check_run(cfg)
+    target_config = targets.read_config(s.target_path)
     if cfg.init_from is None:
-        vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, s.identity.vocab_size))
-        spec = DraftSpec.from_target_config(
-            targets.read_config(s.target_path), cfg.draft_vocab_size, cfg.num_layers, s.aux_layer_ids
-        )
-        return (
-            Eagle3Draft.from_target(spec, s.target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed),
-            spec,
-            vocab.coverage,
-        )
+        draft, spec, coverage = wanted.fresh_draft(cfg, target_config, s.target, counts, s.aux_layer_ids)
+        return (*wanted.adopt(draft, spec, cfg, target_config), coverage)
     where = f"--init-from {cfg.init_from}"
     if not Path(cfg.init_from).exists():
         raise DraftsmithError(f"{where}: does not exist; pass an exported draft directory or a training checkpoint")
     source = load_draft(cfg.init_from)
     require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
-    if (source.spec.method == "dflash") != (cfg.method == "dflash"):
+    recorded = method_of(source.spec)
+    if not same_family(recorded, wanted):
         raise DraftsmithError(
-            f"{where}: a {source.spec.kind} draft cannot start a --method {cfg.method} run (the "
-            "architectures differ); start a fresh draft or from a "
-            f"{'DFlash' if cfg.method == 'dflash' else 'EAGLE-3 / P-EAGLE'} draft"
+            f"{where}: a {recorded.kind} draft cannot start a --method {cfg.method} run (the "
+            "architectures differ); start a fresh draft or from a draft of "
+            f"{' / '.join(m.kind for m in METHODS.values() if same_family(m, wanted))}"
         )
     if sorted(source.spec.aux_layer_ids) != s.aux_layer_ids:
         fix = (
@@ -255,55 +243,7 @@ def initial_draft(
         )
     draft = draft_module(source, targets.embed_tokens(s.target).weight, targets.lm_head(s.target).weight)
     coverage = float(counts[draft.draft_to_target.numpy()].sum() / max(int(counts.sum()), 1))
-    return draft, source.spec, coverage
-
-
-def mask_token_id(target_config: dict) -> int:
-    """The token a P-EAGLE draft's parallel slots read (config.json's ptd_token_id): the target's pad token, else its
-    first end-of-sequence token, else 0. Its embedding is the target's, frozen; mask_hidden is what is learned."""
-    text = targets.text_config(target_config)
-    for key in ("pad_token_id", "eos_token_id"):
-        value = text.get(key, target_config.get(key))
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None and 0 <= int(value) < int(text["vocab_size"]):
-            return int(value)
-    return 0
-
-
-def with_method(
-    draft: Eagle3Draft | DFlashDraft,
-    spec: DraftSpec,
-    cfg: TrainConfig,
-    target_config: dict,
-) -> tuple[Eagle3Draft | DFlashDraft, DraftSpec]:
-    """The draft for --method: a P-EAGLE draft gains mask_hidden (seeded small normal, like a fresh draft's weights;
-    e.g. when --init-from is an EAGLE-3 draft), an EAGLE-3 draft drops it; the other weights are kept. A DFlash
-    draft stays one (its block size is --block-size's; `initial_draft` refuses to turn one method into the other)."""
-    if spec.method == "dflash":
-        if spec.block_size == cfg.block_size:
-            return draft, spec
-        spec = spec.model_copy(update={"block_size": cfg.block_size})
-        draft.spec = spec
-        return draft, spec
-    parallel = cfg.method == "peagle"
-    if parallel and cfg.ttt_steps < 2:
-        raise DraftsmithError(
-            f"--method peagle --ttt-steps {cfg.ttt_steps}: P-EAGLE trains depth 0 and the parallel "
-            "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
-        )
-    if spec.parallel_drafting == parallel:
-        return draft, spec
-    spec = spec.model_copy(
-        update=dict(parallel_drafting=parallel, mask_token_id=mask_token_id(target_config) if parallel else None)
-    )
-    new = Eagle3Draft(spec)
-    tensors = {k: v for k, v in draft.state_dict().items() if k != "mask_hidden"}
-    if parallel:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        tensors["mask_hidden"] = torch.randn(new.mask_hidden.shape, generator=gen) * 0.02
-    new.load_state_dict(tensors, strict=True)
-    return new, spec
+    return (*wanted.adopt(draft, source.spec, cfg, target_config), coverage)
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -444,7 +384,6 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     s = open_data(cfg, device)
     train_ids, eval_ids = split(s, cfg)
     draft, spec, coverage = initial_draft(cfg, s, train_ids)
-    draft, spec = with_method(draft, spec, cfg, targets.read_config(s.target_path))
     train = TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size)
     evaluation = (
         TokenBudgetSampler(eval_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size, shuffle=False)
@@ -483,13 +422,7 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     features = feature_source(
         cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state, total_steps, epochs
     )
-    sampling = (
-        Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed)
-        if spec.method == "dflash"
-        else COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed)
-        if spec.parallel_drafting
-        else None
-    )
+    sampling = method_of(spec).sampling(cfg)
     data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, features, sampling)
     base = dict(
         target=s.identity,

@@ -7,14 +7,14 @@ state at position j (layer N) gives p_j, its distribution of token x_{j+1}. At T
   - predicts token x_{t+k+2}: it is trained towards p_{t+k+1}, with weight loss_mask[t+k+2] (the predicted token's).
 So step k has T-k-2 candidate positions, of which the loss-masked ones are scored.
 
-P-EAGLE (`DraftSpec.parallel_drafting`, parallel drafting in vLLM): step 0 is EAGLE-3's; at depth k >= 1 the slot at
+P-EAGLE (a spec with a mask token, parallel drafting in vLLM): step 0 is EAGLE-3's; at depth k >= 1 the slot at
 position t+k reads the mask token's embedding and fc(mask_hidden) instead of x_{t+k+1} and step k-1's output, and
 still attends to step-0 keys s <= t plus its own anchor's slots of depths 1..k (the same attention as TTT, so the
 same memory-linear kernels), and predicts x_{t+k+2}: what vLLM's k-th parallel proposal from prefix 0..t+1 is.
 COD sampling (`step_index(..., cod=...)`) scores only a subset of the anchors at each depth >= 1: about
 n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head then run on those rows alone.
 
-DFlash (`DFlashDraft`, `DraftSpec.method` "dflash") runs one forward per batch instead of the unrolled steps: blocks
+DFlash (`DFlashDraft`, draftsmith.train.methods.dflash) runs one forward per batch instead of the unrolled steps: blocks
 [x_a, mask x (S-1)] at sampled anchors a (`Anchors`, `block_index`), block position j trained towards p_{a+j-1} with
 weight step_weight**(j-1) (exp(-(j-1)/loss_decay)); the metrics call block position j "step" j-1, so every number
 below (KL, accuracy, acceptance per step) reads the same for all three methods.
@@ -432,7 +432,7 @@ def ttt_hidden_states(
     hidden = draft.fuse(aux_hidden)  # [B, T, H]
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     last = len(draft.layers) - 1
-    parallel = draft.spec.parallel_drafting
+    parallel = draft.spec.mask_token_id is not None  # P-EAGLE's slots read the mask token
     if parallel:  # P-EAGLE: every slot of depth >= 1 reads the mask token and fc(mask_hidden), not step k-1
         assert draft.spec.mask_token_id is not None  # a P-EAGLE spec's
         mask_ids = torch.full_like(input_ids, draft.spec.mask_token_id)

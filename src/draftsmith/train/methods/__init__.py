@@ -1,0 +1,54 @@
+"""The drafting methods, one module each, and the one registry every stage asks: `method(name)` for --method,
+`method_of(spec)` for a draft, `method_of_config(config)` for a draft directory's config.json as vLLM reads it.
+
+    eagle3   EAGLE-3: one token per forward, each step reading its own output (methods/eagle3.py)
+    peagle   P-EAGLE: EAGLE-3 with parallel drafting, a round in one forward (methods/peagle.py)
+    dflash   DFlash: a block drafter, the anchor and block_size - 1 masks in one forward (methods/dflash.py)
+
+A new method is a module with a `DraftMethod` (methods/base.py) and one line in METHODS; nothing else branches on a
+method's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.methods.base import DraftMethod
+from draftsmith.train.methods.dflash import DFLASH
+from draftsmith.train.methods.eagle3 import EAGLE3
+from draftsmith.train.methods.peagle import PEAGLE
+from draftsmith.train.model import DraftSpec
+
+# Every method, in the order a draft directory's config.json is read: the most specific first, EAGLE-3 (which
+# claims every EAGLE-style config) last.
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (DFLASH, PEAGLE, EAGLE3)}
+
+
+def method(name: str) -> DraftMethod:
+    """The method called `name` (--method, a recorded DraftSpec.method)."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise DraftsmithError(
+            f"drafting method {name!r} is not one draftsmith has; choose one of {', '.join(sorted(METHODS))}"
+        ) from None
+
+
+def method_of(spec: DraftSpec) -> DraftMethod:
+    """The method of a draft."""
+    return method(spec.method)
+
+
+def method_of_config(config: dict[str, Any], where: str = "config.json") -> DraftMethod:
+    """The method vLLM serves a draft directory's config.json as (each method's `claims`, the most specific first);
+    `where` names the file in a refusal."""
+    return next(m for m in METHODS.values() if m.claims(config, where))
+
+
+def same_family(a: DraftMethod, b: DraftMethod) -> bool:
+    """Whether a draft of method `a` can start a run of method `b` (the same module: its weights carry over)."""
+    return a.module is b.module
+
+
+__all__ = ["DraftMethod", "METHODS", "method", "method_of", "method_of_config", "same_family"]

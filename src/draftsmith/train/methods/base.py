@@ -1,0 +1,254 @@
+"""What a drafting method is: the one interface every stage asks (`DraftMethod`), and the pieces its methods share.
+
+A method owns, for its drafts: the module (`module`) and how a fresh one is built from the target, how a run turns a
+draft of its family into one of this method (`adopt`), how training draws what a batch scores (`sampling`: its
+index, TTT steps or blocks, decides the unrolled forward train.ttt runs), the reference decoder's proposal round
+(`propose`), each
+export format's config.json and weight names (or a one-line refusal), how it is read back from a config.json as
+vLLM reads it (`claims`, `spec_from_config`), the speculative config vLLM needs, and the probe facts that say
+whether a vLLM serves it (`vllm_needs`). Stages ask the method of a spec (`draftsmith.train.methods.method_of`);
+they do not branch on its name. vLLM keeps one proposer per method behind one interface the same way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from draftsmith.core import hfcompat, targets
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.model import Draft, DraftSpec, KVCache
+
+if TYPE_CHECKING:
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.ttt import COD, Anchors
+
+FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
+LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
+
+
+@dataclass(frozen=True)
+class VllmNeed:
+    """A probe fact (`ProbeFacts` attribute) a vLLM must have to serve a method, beyond EAGLE-style speculative
+    decoding on its platform, with the words of a refusal: the doctor row that shows it, what is missing when the
+    fact is false, and which vLLM has it."""
+
+    fact: str
+    row: str
+    lacks: str  # "has no parallel drafting"
+    has: str  # "has parallel drafting" (for "could not tell whether vLLM X has ...")
+    hint: str  # " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
+    hint_with_platform: str = ""  # the hint when EAGLE-style decoding is missing too (default: `hint`)
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What every format's config.json says beside the draft's own shapes."""
+
+    verifier: str
+    verifier_architectures: list[str]
+    speculative_tokens: int
+    torch_dtype: str
+    special_tokens: dict[str, Any]
+    num_target_layers: int
+    version: str
+
+
+class Runner(Protocol):
+    """The reference decoder's draft side (evaluate.specdec.DraftRunner) as a method's round drives it: one EAGLE-style
+    step on its own output (`step`), one forward keeping the last `keep` positions (`forward_slots`), or a block
+    drafter's round (`step_block`)."""
+
+    draft: Draft
+    cache: KVCache
+    length: int
+
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_slots(
+        self, ids: torch.Tensor, hidden: torch.Tensor, keep: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor: ...
+
+
+Choose = Callable[[torch.Tensor], int]  # the decoder's choice of a token (target id) from one proposal's logits
+
+
+class DraftMethod(ABC):
+    """One drafting method; the registry (`draftsmith.train.methods`) holds one instance of each."""
+
+    name: ClassVar[str]  # --method, DraftSpec.method, manifests
+    kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
+    module: ClassVar[type[Draft]]  # the draft's module (one modeling class per family)
+    default_num_layers: ClassVar[int] = 1
+    own_vocabulary: ClassVar[bool] = True  # a draft vocabulary of its own (d2t / t2d); False: the target's, whole
+    vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
+    vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
+    formats: ClassVar[tuple[str, ...]] = FORMATS
+
+    # -- training
+
+    def default_aux_layer_ids(self, num_target_layers: int, num_layers: int) -> list[int] | None:
+        """The target layers a fresh draft reads (vLLM ids, without N); None: extract's default (2, N/2, N-3)."""
+        return None
+
+    @abstractmethod
+    def fresh_draft(
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+    ) -> tuple[Draft, DraftSpec, float]:
+        """(draft, spec, draft-vocabulary coverage of the loss-masked `counts`) of a fresh draft for the target."""
+
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+        """A draft of this method's family (`module`) turned into one of this method as `cfg` asks (--init-from an
+        EAGLE-3 draft into a P-EAGLE run, a DFlash draft's block size); the other weights kept."""
+        return draft, spec
+
+    def check_run(self, cfg: TrainConfig) -> None:
+        """Refuse (one line) options this method cannot train with."""
+
+    def sampling(self, cfg: TrainConfig) -> COD | Anchors | None:
+        """What a batch's index draws (train.ttt.batch_index): P-EAGLE's COD, DFlash's anchors, or every step."""
+        return None
+
+    # -- the reference decoder
+
+    def check_spec(self, spec: DraftSpec) -> None:
+        """Refuse (one line) a spec that names this method but lacks what it reads (P-EAGLE: a mask token)."""
+
+    def round_tokens(self, spec: DraftSpec, k: int) -> int:
+        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k)."""
+        return k
+
+    @abstractmethod
+    def propose(
+        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+    ) -> list[int]:
+        """One round of the reference decoder: the draft reads the pending positions' ids [T] and fused target
+        features [T, H] (the cache of `runner` holds the positions before them), then proposes k tokens (target
+        ids, each picked by `choose` from its logits over the draft vocabulary); `last` is the sequence's last token."""
+
+    # -- export and serving
+
+    def check_export(self, spec: DraftSpec, fmt: str) -> None:
+        """Refuse (one line) a format this method's drafts are not written in."""
+        if fmt not in self.formats:
+            raise DraftsmithError(
+                f"format {fmt}: draftsmith writes no {fmt} {self.kind} draft; export as {' or '.join(self.formats)}"
+            )
+
+    @abstractmethod
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+        """config.json of a draft of this method in format `fmt`."""
+
+    def layer0_prefix(self, fmt: str) -> str:
+        """How the format's weights spell decoder layer 0."""
+        return LAYER0_PREFIX[fmt]
+
+    def export_speculative_tokens(self, spec: DraftSpec, asked: int) -> int:
+        """The tokens a round proposes in the export (DFlash: its block's masks)."""
+        return asked
+
+    @abstractmethod
+    def claims(self, config: dict[str, Any], where: str) -> bool:
+        """Whether vLLM reads a draft directory's config.json as this method (the registry asks the methods in
+        order, the most specific first)."""
+
+    def spec_from_config(
+        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+    ) -> DraftSpec:
+        """An export's spec as vLLM serves it from its config.json (which `claims` it), the manifest's `spec` the
+        rest; weights that do not fit that reading are refused in one line."""
+        return spec.model_copy(update={"method": self.name})
+
+    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's speculative_config for the draft in `draft_dir` (its config.json `config`), k tokens a round."""
+        return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
+
+    def title(self, spec: DraftSpec) -> str:
+        """The export README's title: what the draft is."""
+        return self.kind
+
+    def facts(self, spec: DraftSpec) -> dict[str, str]:
+        """Rows the export's README and summary show beside the shapes every draft has."""
+        return {}
+
+    def serving_note(self) -> str | None:
+        """A line the export's README adds below vLLM's command."""
+        return None
+
+    def depths_trained(self, cfg: TrainConfig) -> int | None:
+        """The most tokens a round was trained to propose, where a longer round reads untrained slots (P-EAGLE)."""
+        return None
+
+    def quickstart_options(
+        self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
+    ) -> tuple[list[int] | None, dict[str, Any]]:
+        """(the aux layers the quickstart's store must hold, None: extract's default; the TrainConfig options) of a
+        quickstart budget (`quickstart.Budget`) evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
+        return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
+
+    def describe_run(self, cfg: TrainConfig) -> str:
+        """The quickstart summary's words for the draft a run trains."""
+        return f"{self.kind}, {cfg.ttt_steps} TTT steps"
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+
+
+def llama_config(spec: DraftSpec) -> dict[str, Any]:
+    """The draft's own decoder as a plain Llama config dict (every method's config.json starts from it)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "hidden_act": spec.hidden_act,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": dict(spec.rope_parameters),
+        **hfcompat.legacy_rope_keys(spec.rope_parameters),  # what vLLM's transformers 4.x (vLLM <= 0.19) reads
+        "vocab_size": spec.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        # vLLM sizes the draft's fc from this (or eagle_config's ids), not from eagle_aux_hidden_state_layer_ids:
+        # without it a draft fusing other than 3 aux layers does not load
+        "num_aux_hidden_states": len(spec.aux_layer_ids),
+    }
+
+
+def speculators_config(algorithm: str, ctx: ExportContext) -> dict[str, Any]:
+    """speculators' own block of its config.json: the algorithm, its greedy proposals and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": ctx.verifier, "architectures": ctx.verifier_architectures},
+    }
+
+
+def mask_token_id(target_config: dict) -> int:
+    """The token a parallel slot or a block's mask position reads (P-EAGLE's ptd_token_id, DFlash's
+    dflash_config.mask_token_id): the target's pad token, else its first end-of-sequence token, else 0. Its embedding
+    is the target's, frozen."""
+    text = targets.text_config(target_config)
+    for key in ("pad_token_id", "eos_token_id"):
+        value = text.get(key, target_config.get(key))
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None and 0 <= int(value) < int(text["vocab_size"]):
+            return int(value)
+    return 0
+
+
+def token_id(value: Any) -> bool:
+    """A config value that is a token id (an int, not a bool, not negative)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

