@@ -47,8 +47,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-METHODS = ("eagle3", "peagle", "dflash")
-SHORT = {"eagle3": "e3", "peagle": "pe", "dflash": "df"}  # the table's column names
+METHODS = ("eagle3", "eagle3.1", "peagle", "dflash")
+SHORT = {"eagle3": "e3", "eagle3.1": "e31", "peagle": "pe", "dflash": "df"}  # the table's column names
 WORKER_MODULE = "draftsmith.evaluate.vllm_worker"  # what vllm_runner starts; --vllm-job wraps it
 TIMING_SUFFIX = ".draft_time.json"  # written beside the worker's result file
 
@@ -448,11 +448,11 @@ def vllm_engine(
 # ---------------------------------------------------------------------------------------------- report
 
 
-def table(results: dict, ks: dict[str, list[int]]) -> str:
+def table(results: dict, ks: dict[str, list[int]], methods: tuple[str, ...] = METHODS) -> str:
     """Side by side per engine and k: τ, draft ms/round, tokens/s of each method (– where a method has no run at
     that k: DFlash in vLLM runs at its block only)."""
     lines = []
-    names = [SHORT[m] for m in METHODS]
+    names = [SHORT[m] for m in methods]
     for engine, res in results.items():
         if "error" in res:
             lines.append(f"{engine}: {res['error']}")
@@ -475,7 +475,7 @@ def table(results: dict, ks: dict[str, list[int]]) -> str:
             return format(row[key], fmt) if row.get(key) is not None else f"{'–':>{width}}"
 
         for k in ks[engine]:
-            rows = [res["methods"].get(m, {}).get(str(k), {}) for m in METHODS]
+            rows = [res["methods"].get(m, {}).get(str(k), {}) for m in methods]
             lossless = "/".join(
                 "yes" if r.get("lossless") else ("no" if r.get("lossless") is False else "–") for r in rows
             )
@@ -502,6 +502,7 @@ def main() -> None:
     parser.add_argument("--k", help="draft lengths, e.g. 2..8 or 2,4,8 (default 2..8; quick 2,4)")
     parser.add_argument("--vllm-k", help="draft lengths measured in vLLM (default: --k; quick 4)")
     parser.add_argument("--engines", default="hf,vllm", help="hf (reference decoder) and/or vllm")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
     parser.add_argument("--prepared", type=Path, help="a prepared set (default: ShareGPT prepared now)")
     parser.add_argument("--target", help="target directory (default: the prepared set's, the embedded SmolLM2)")
     parser.add_argument("--samples", type=int, help="conversations prepared (default 120; quick 24)")
@@ -593,7 +594,10 @@ def main() -> None:
         "eagle3": resolve_layer_ids(None, num_layers)[:-1],
         "dflash": dflash_aux_layer_ids(num_layers, args.dflash_layers),
     }
-    layers["peagle"] = layers["eagle3"]
+    layers["peagle"] = layers["eagle3.1"] = layers["eagle3"]
+    methods = tuple(m for m in METHODS if m in args.methods.split(","))
+    if not methods:
+        parser.error(f"--methods: none of {METHODS}")
     t0 = time.perf_counter()
     extract.run(
         ExtractConfig(
@@ -610,7 +614,7 @@ def main() -> None:
 
     trained: dict[str, dict] = {}
     exports: dict[str, Path] = {}
-    for method in METHODS:  # the same batches and tokens; each its own layers of the store and its own shape
+    for method in methods:  # the same batches and tokens; each its own layers of the store and its own shape
         shape = (
             dict(num_layers=args.dflash_layers, block_size=ttt_steps + 1, anchors_per_sample=anchors)
             if method == "dflash"
@@ -647,24 +651,37 @@ def main() -> None:
             )
         )
         exports[method] = work / f"export-{method}"
+        records = [json.loads(x) for x in (work / f"train-{method}" / "metrics.jsonl").read_text().splitlines()]
+        held_out = [r for r in records if r.get("type") == "eval"]
         trained[method] = {
             "train_s": round(train_s, 1),
             "tokens": result.summary.get("tokens"),
             "tokens_per_s": result.summary.get("tokens/s"),
+            # the last evaluation of the held-out split: per position (TTT step / block position) top-1 accuracy,
+            # expected acceptance, and the acceptance length they simulate
+            "held_out": {key: held_out[-1][key] for key in ("acc", "accept", "acceptance_length")}
+            if held_out
+            else None,
         }
         log(f"{method}: {trained[method]['tokens']} training tokens in {train_s:.0f} s")
-    sources = {m: load_draft(exports[m]) for m in METHODS}
-    shapes = {m: s.spec.model_dump(exclude={"method", "mask_token_id"}) for m, s in sources.items()}
-    same = {
-        "tokens": len({trained[m]["tokens"] for m in METHODS}) == 1,
-        "draft_shape": shapes["eagle3"] == shapes["peagle"],
-        "peagle_is_parallel": bool(sources["peagle"].spec.method == "peagle"),
-        "dflash_block": sources["dflash"].spec.block_size == ttt_steps + 1,
+    sources = {m: load_draft(exports[m]) for m in methods}
+    shapes = {
+        m: s.spec.model_dump(exclude={"method", "mask_token_id", "fc_norm", "norm_output"})
+        for m, s in sources.items()
+        if m != "dflash"
     }
+    same = {
+        "tokens": len({trained[m]["tokens"] for m in methods}) == 1,
+        "draft_shape": len({json.dumps(v, sort_keys=True) for v in shapes.values()}) <= 1,
+        "methods": all(sources[m].spec.method == m for m in methods),
+    }
+    if "dflash" in methods:
+        same["dflash_block"] = sources["dflash"].spec.block_size == ttt_steps + 1
     if not all(same.values()):
         log(f"WARNING: the drafts are not a like-for-like set: {same}")
 
-    target_path, _ = resolve_draft_target(args.target, sources["eagle3"], str(exports["eagle3"]), "evaluate it")
+    first = methods[0]
+    target_path, _ = resolve_draft_target(args.target, sources[first], str(exports[first]), "evaluate it")
     results: dict[str, dict] = {}
     ks_by_engine = {"hf": ks, "vllm": vllm_ks}
     for engine in engines:
@@ -694,7 +711,7 @@ def main() -> None:
         f"{args.dflash_layers} layers, draft vocab {draft_vocab} (DFlash: the target's), {max_new} new tokens, "
         "temperature 0; draft ms = time per round inside the draft"
     )
-    log(table(results, ks_by_engine))
+    log(table(results, ks_by_engine, methods))
     print(
         json.dumps(
             {

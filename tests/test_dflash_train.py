@@ -20,7 +20,8 @@ from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.drafts import load_draft
-from draftsmith.train.model import DFlashDraft, DraftSpec
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.model import DraftSpec
 from draftsmith.train.ttt import Anchors, TargetHead, block_index, dflash_hidden_states, ttt_forward
 
 

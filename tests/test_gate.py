@@ -246,9 +246,10 @@ K = 3
 
 @pytest.fixture(scope="module")
 def memorised_export(memorised_store, tmp_path_factory) -> Path:
-    """An EAGLE-3 draft that memorised the target's answers (conftest's memorised_prepared), trained offline from
-    their store with a held-out quarter evaluated each epoch (what the gate's default prompts and the training
-    prediction read), exported vllm, float32."""
+    """An Eagle 3.1 draft (EAGLE-3 with fc_norm and norm_output, which vLLM reads from its config.json) that memorised
+    the target's answers (conftest's memorised_prepared), trained offline from their store with a held-out quarter
+    evaluated each epoch (what the gate's default prompts and the training prediction read), exported vllm, float32:
+    the gate proves Eagle 3.1 in vLLM, losslessly with the reference decoder's acceptance at every position."""
     from draftsmith.core.layers import resolve_layer_ids
     from draftsmith.extract import store
 
@@ -258,6 +259,7 @@ def memorised_export(memorised_store, tmp_path_factory) -> Path:
         tmp_path_factory.mktemp("gate"),
         speculative_tokens=K,
         aux_layer_ids=resolve_layer_ids(None, layers)[:-1],
+        method="eagle3.1",
         ttt_steps=K,
         draft_vocab_size=2048,
         eval_fraction=0.25,  # the held-out quarter: the gate's default prompts and training's prediction

@@ -139,7 +139,7 @@ def test_rows_and_the_side_by_side_table():
         },
         "vllm": {"error": "skipped: vLLM is not installed (or does not import)"},
     }
-    text = bench.table(results, {"hf": [2], "vllm": [2]})
+    text = bench.table(results, {"hf": [2], "vllm": [2]}, ("eagle3", "peagle", "dflash"))
     lines = text.splitlines()
     assert lines[0].startswith("hf: target alone 5.00 tokens/s, 2 prompts, float32")
     assert lines[2].split("|")[1].split() == ["1.800", "1.800", "–"]  # no DFlash run at this k

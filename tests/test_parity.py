@@ -27,7 +27,7 @@ from draftsmith.train.ttt import ttt_hidden_states
 TTT_STEPS = 4
 
 
-def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
+def _tiny_draft(layers: int, parallel: bool = False, eagle31: bool = False) -> Eagle3Draft:
     spec = DraftSpec(
         hidden_size=32,
         intermediate_size=64,
@@ -43,8 +43,10 @@ def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
         vocab_size=50,
         draft_vocab_size=20,
         aux_layer_ids=[1, 2, 3],
-        method="peagle" if parallel else "eagle3",
+        method="peagle" if parallel else "eagle3.1" if eagle31 else "eagle3",
         mask_token_id=47 if parallel else None,
+        fc_norm=eagle31,
+        norm_output=eagle31,
     )
     draft = Eagle3Draft(spec)
     draft.init_weights(3)  # mask_hidden too (a parameter): random and non-zero
@@ -52,6 +54,9 @@ def _tiny_draft(layers: int, parallel: bool = False) -> Eagle3Draft:
         draft.embed_tokens.weight.normal_(generator=torch.Generator().manual_seed(4))
         for p in draft.parameters():  # larger weights than the init's: the steps differ clearly from each other
             p.mul_(8.0 if p.ndim == 2 else 1.0)
+        if eagle31:  # each layer's norm its own weights: a chunk normed by another layer's norm shows
+            for i, norm in enumerate(draft.fc_norm):
+                norm.weight.copy_(torch.linspace(0.5, 2.0, 32) * (i + 1))
     draft.set_draft_vocab(torch.arange(0, 40, 2))
     return draft.double().eval()
 
@@ -63,9 +68,11 @@ def _inputs(seed: int, t_len: int = 14) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randn(t_len, 96, dtype=torch.float64, generator=gen)
 
 
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("layers", [1, 2])
-def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
-    draft = _tiny_draft(layers)
+def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers, eagle31):
+    """Eagle 3.1 (fc_norm, norm_output): the decoder's step reads the normed output back, as training's next step."""
+    draft = _tiny_draft(layers, eagle31=eagle31)
     ids, aux = _inputs(seed=5)
     t_len = len(ids)
     with torch.no_grad():
@@ -79,9 +86,9 @@ def test_ttt_step_k_is_the_kth_decode_step_from_the_same_prefix(layers):
         for k in range(TTT_STEPS):
             if k:  # the draft's own hidden state and the next token, at position t + k
                 logits, hidden = runner.step(ids[t + k + 1 : t + k + 2], hidden[None])
-            torch.testing.assert_close(hidden, steps[k][t], rtol=1e-12, atol=1e-12, msg=f"hidden t={t} k={k}")
             with torch.no_grad():
-                expected = draft.logits(steps[k][t])
+                fed_back, expected = draft.feedback(steps[k][t]), draft.logits(steps[k][t])
+            torch.testing.assert_close(hidden, fed_back, rtol=1e-12, atol=1e-12, msg=f"hidden t={t} k={k}")
             # the runner hands its logits out in float32: equal up to that rounding
             torch.testing.assert_close(logits, expected.float(), rtol=1e-6, atol=1e-6, msg=f"logits t={t} k={k}")
 
@@ -114,7 +121,7 @@ def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers
 def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(layers):
     import numpy as np
 
-    from draftsmith.train.model import DFlashDraft
+    from draftsmith.train.dflash_model import DFlashDraft
     from draftsmith.train.ttt import Anchors, block_index, dflash_hidden_states
 
     size = 4

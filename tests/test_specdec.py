@@ -18,7 +18,8 @@ from draftsmith.evaluate.specdec import (
     speculative_generate,
     verify_chain,
 )
-from draftsmith.train.model import DFlashDraft, DraftSpec, Eagle3Draft
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,7 +17,7 @@ from draftsmith.config.base import StageConfig, _split_list
 
 
 # The drafting methods --method chooses among (each has its module in draftsmith.train.methods, which the stages ask)
-MethodName = Literal["eagle3", "peagle", "dflash"]
+MethodName = Literal["eagle3", "eagle3.1", "peagle", "dflash"]
 DEFAULT_METHOD: MethodName = "eagle3"
 
 
@@ -51,7 +51,9 @@ class TrainConfig(StageConfig):
     method: MethodName = Field(
         DEFAULT_METHOD,
         description=(
-            "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); peagle: "
+            "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); eagle3.1: "
+            "EAGLE-3 with an RMSNorm on each captured layer before fc and the normed output fed back (vLLM reads "
+            "fc_norm / norm_output; an EAGLE-3 draft can start it); peagle: "
             "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "
             "dflash: a block drafter, the anchor and block-size - 1 mask tokens denoised in one forward (vLLM's dflash "
             "method), reading --num-layers target layers spread over the stack (default aux layers)."

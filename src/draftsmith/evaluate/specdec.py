@@ -46,7 +46,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.core import targets
 from draftsmith.train.methods import method_of
-from draftsmith.train.model import DFlashDraft, Draft, KVCache
+from draftsmith.train.methods.base import Draft
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.model import KVCache
 
 
 @dataclass

@@ -51,7 +51,7 @@ from draftsmith.train.drafts import (
     resolve_draft_target,
 )
 from draftsmith.train.methods import method_of
-from draftsmith.train.model import Draft
+from draftsmith.train.methods.base import Draft
 
 __all__ = ["run", "build_draft_module", "evaluate_reference"]
 

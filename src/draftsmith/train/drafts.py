@@ -23,7 +23,8 @@ from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifes
 from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.train import checkpoint
 from draftsmith.train.methods import method_of, method_of_config, same_family
-from draftsmith.train.model import Draft, DraftSpec, draft_tensors
+from draftsmith.train.methods.base import Draft
+from draftsmith.train.model import DraftSpec, draft_tensors
 
 LAYER0_SPELLINGS = ("layers.0.", "midlayer.")
 

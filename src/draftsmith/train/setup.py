@@ -40,7 +40,8 @@ from draftsmith.train.checkpoint import RunState
 from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
 from draftsmith.train.methods import METHODS, method, method_of, same_family
-from draftsmith.train.model import Draft, DraftSpec
+from draftsmith.train.methods.base import Draft
+from draftsmith.train.model import DraftSpec
 from draftsmith.train.ttt import TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.

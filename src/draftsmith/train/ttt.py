@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.train.attention import anchor_chunks, block_attention, naive_block_attention
-from draftsmith.train.model import DFlashDraft, Eagle3Draft, KVCache
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.model import Eagle3Draft, KVCache
 
 # Target logits are materialised for at most this many elements at a time (a 150k vocabulary stays bounded).
 LOGIT_CHUNK_ELEMENTS = 1 << 24
@@ -443,10 +444,9 @@ def ttt_hidden_states(
         else:
             ids = F.pad(input_ids[:, k + 1 :], (0, k + 1))  # step k at t reads x_{t+k+1}
         rows = None if index is None else [index.live[k] if k or i == last else None for i in range(last + 1)]
-        hidden = draft.forward_hidden(
-            ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed, rows=rows
-        )
-        yield hidden  # EAGLE-3: feeds step k+1
+        out = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed, rows=rows)
+        yield out
+        hidden = draft.feedback(out)  # EAGLE-3: feeds step k+1 (Eagle 3.1: normed)
 
 
 def dflash_hidden_states(

@@ -2,6 +2,7 @@
 `method_of(spec)` for a draft, `method_of_config(config)` for a draft directory's config.json as vLLM reads it.
 
     eagle3   EAGLE-3: one token per forward, each step reading its own output (methods/eagle3.py)
+    eagle3.1 Eagle 3.1: EAGLE-3 with a norm per captured layer and the normed output fed back (methods/eagle31.py)
     peagle   P-EAGLE: EAGLE-3 with parallel drafting, a round in one forward (methods/peagle.py)
     dflash   DFlash: a block drafter, the anchor and block_size - 1 masks in one forward (methods/dflash.py)
 
@@ -17,12 +18,13 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.methods.base import DraftMethod
 from draftsmith.train.methods.dflash import DFLASH
 from draftsmith.train.methods.eagle3 import EAGLE3
+from draftsmith.train.methods.eagle31 import EAGLE31
 from draftsmith.train.methods.peagle import PEAGLE
 from draftsmith.train.model import DraftSpec
 
 # Every method, in the order a draft directory's config.json is read: the most specific first, EAGLE-3 (which
 # claims every EAGLE-style config) last.
-METHODS: dict[str, DraftMethod] = {m.name: m for m in (DFLASH, PEAGLE, EAGLE3)}
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (DFLASH, PEAGLE, EAGLE31, EAGLE3)}
 
 
 def method(name: str) -> DraftMethod:

@@ -21,13 +21,15 @@ from torch import nn
 
 from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.model import Draft, DraftSpec, KVCache
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.model import DraftSpec, Eagle3Draft, KVCache
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
     from draftsmith.train.ttt import COD, Anchors
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
+Draft = Eagle3Draft | DFlashDraft  # a draft module, whichever method's (each method names its module)
 LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
 
 

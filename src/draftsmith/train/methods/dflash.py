@@ -28,7 +28,9 @@ from draftsmith.train.methods.base import (
     speculators_config,
     token_id,
 )
-from draftsmith.train.model import DFlashDraft, Draft, DraftSpec
+from draftsmith.train.methods.base import Draft
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.model import DraftSpec
 from draftsmith.train.ttt import Anchors
 
 if TYPE_CHECKING:

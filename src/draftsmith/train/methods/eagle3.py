@@ -14,7 +14,8 @@ from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.methods.base import DraftMethod, ExportContext, Runner, Choose, llama_config, speculators_config
-from draftsmith.train.model import Draft, DraftSpec, Eagle3Draft
+from draftsmith.train.methods.base import Draft
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.prepare.vocab import build_draft_vocab
 
 if TYPE_CHECKING:
@@ -50,16 +51,17 @@ class Eagle3(DraftMethod):
         if spec.method == self.name:
             return draft, spec
         assert isinstance(draft, Eagle3Draft)  # the registry's family check (same module) came first
-        spec = spec.model_copy(update={"method": self.name, "mask_token_id": self.new_mask_token(target_config)})
+        spec = spec.model_copy(update={"method": self.name, **self.spec_fields(target_config)})
         new = Eagle3Draft(spec)
         tensors = {k: v for k, v in draft.state_dict().items() if k in new.state_dict()}
         tensors.update(self.extra_weights(new, cfg))
         new.load_state_dict(tensors, strict=True)
         return new, spec
 
-    def new_mask_token(self, target_config: dict) -> int | None:
-        """The mask token a draft of this method reads (None: it has no parallel slots)."""
-        return None
+    def spec_fields(self, target_config: dict) -> dict[str, Any]:
+        """The DraftSpec fields that make an EAGLE-family spec this method's (EAGLE-3: no mask token, no norms of
+        Eagle 3.1)."""
+        return {"mask_token_id": None, "fc_norm": False, "norm_output": False}
 
     def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
         """Initial values of the weights this method adds to an EAGLE-3 draft."""

@@ -84,8 +84,8 @@ class PEagle(Eagle3):
 
     # -- training
 
-    def new_mask_token(self, target_config: dict) -> int | None:
-        return mask_token_id(target_config)
+    def spec_fields(self, target_config: dict) -> dict[str, Any]:
+        return {**super().spec_fields(target_config), "mask_token_id": mask_token_id(target_config)}
 
     def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
         """mask_hidden seeded small normal (--seed), like a fresh draft's weights."""

