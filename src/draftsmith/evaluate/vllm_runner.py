@@ -99,7 +99,7 @@ def vllm_verdict(
         )
     version = f"vLLM {facts.version or '(version unknown)'}"
     also = None  # a second row that must say yes too
-    missing = next((n for n in drafting.vllm_needs if getattr(facts, n.fact) is not True), None)
+    missing = next((n for n in drafting.vllm_needs if getattr(facts, n.fact, None) is not True), None)  # unread: None
     if facts.eagle3_on_platform is not True:
         row = EAGLE3_ROW
         label = drafting.vllm_label
@@ -109,7 +109,7 @@ def vllm_verdict(
             else f"the probe could not tell whether {version} runs {label} speculative decoding here"
         )
         vllm_hint = ""
-        if label != DraftMethod.vllm_label:  # a method served through the same speculative decoding: say which needs it
+        if label != DraftMethod.vllm_label or missing is not None:  # the draft needs more than EAGLE-3: say so
             why += f", which this {drafting.kind} draft needs"
             if missing is not None:
                 also, vllm_hint = missing.row, missing.hint_with_platform or missing.hint
@@ -133,7 +133,7 @@ def vllm_verdict(
         what_for = f"for this {drafting.kind} draft"
         why = (
             f"{version} {missing.lacks} {what_for}"
-            if getattr(facts, missing.fact) is False
+            if getattr(facts, missing.fact, None) is False
             else f"the probe could not tell whether {version} {missing.has} {what_for}"
         )
         vllm_hint = missing.hint

@@ -85,6 +85,11 @@ class DraftSpec(BaseModel):
         description="a block drafter's block: the anchor (the last verified token) and block_size - 1 mask "
         "positions; vLLM proposes block_size - 1 tokens",
     )
+    markov_rank: int | None = Field(
+        None,
+        ge=1,
+        description="DSpark's Markov head rank (markov_w1 and markov_w2: [vocab, rank]); None: no Markov head",
+    )
 
     @classmethod
     def from_target_config(

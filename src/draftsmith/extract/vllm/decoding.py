@@ -16,7 +16,9 @@ from draftsmith.extract.vllm.architectures import MODELS_PACKAGE, model_class
 from draftsmith.extract.vllm.readers import (
     DFLASH_ARCHITECTURE,
     DFLASH_ROW,
+    EAGLE3_DRAFT_MODULE,
     EAGLE3_ROW,
+    EAGLE31_ROW,
     PARALLEL_DRAFTING_ROW,
     PROPOSERS,
     WHERE,
@@ -224,17 +226,46 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
     return reading
 
 
+def read_eagle31(tree: SourceTree, ctx: Context) -> Reading:
+    """Eagle 3.1: vLLM's Eagle-3 Llama draft (model_executor/models/llama_eagle3.py) reads `fc_norm` (a norm per
+    captured layer before fc) and `norm_output` (the normed output fed back) from the draft's config; without them it
+    builds plain EAGLE-3 (vLLM 0.22 on has them, 0.19 and before not). A module that cannot be parsed: unknown."""
+    module = tree.module(EAGLE3_DRAFT_MODULE)
+    where = EAGLE3_DRAFT_MODULE.replace(".", "/") + ".py"
+    if module is None:
+        why = _unreadable(tree, EAGLE3_DRAFT_MODULE)
+        value: bool | None = None if why else False
+        found = f"unknown: {why}" if why else f"no ({where} not found)"
+    else:
+        missing = [key for key in ("fc_norm", "norm_output") if f'"{key}"' not in module.text]
+        value, why = not missing, None
+        found = f"yes ({where} reads fc_norm and norm_output)" if value else f"no ({where} reads no {missing[0]})"
+    reading = Reading(facts={"eagle31": value}, unknown={"eagle31": why} if why else {})
+    reading.rows.append(
+        _row(
+            EAGLE31_ROW,
+            found,
+            bool(value),
+            "an Eagle 3.1 draft (train --method eagle3.1) is served with its norms, where EAGLE-3 runs",
+            unknown=value is None,
+        )
+    )
+    return reading
+
+
 DECODING_READERS: tuple[Reader, ...] = (
     read_speculative_on_platform,
     read_eagle3_decoding,
     read_parallel_drafting,
     read_dflash,
+    read_eagle31,
 )
 
 __all__ = [
     "DECODING_READERS",
     "read_dflash",
     "read_eagle3_decoding",
+    "read_eagle31",
     "read_parallel_drafting",
     "read_speculative_on_platform",
     "speculative_on_platform",

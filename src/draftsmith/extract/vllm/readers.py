@@ -56,6 +56,8 @@ PROPOSERS = ["vllm.v1.spec_decode.llm_base_proposer", "vllm.v1.spec_decode.eagle
 EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the rows other stages quote when they refuse
 PARALLEL_DRAFTING_ROW = "parallel drafting (P-EAGLE)"
 DFLASH_ROW = "DFlash drafts"
+EAGLE31_ROW = "Eagle 3.1 drafts"
+EAGLE3_DRAFT_MODULE = "vllm.model_executor.models.llama_eagle3"  # vLLM's Eagle-3 Llama draft
 CPU_ATTENTION_ROW = "CPU attention kernels"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # the architecture of an exported DFlash draft (export/formats.py)
 RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
@@ -605,6 +607,8 @@ def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) ->
 __all__ = [
     "CPU_ATTENTION_ROW",
     "DFLASH_ROW",
+    "EAGLE31_ROW",
+    "EAGLE3_DRAFT_MODULE",
     "EAGLE3_ROW",
     "ENGINE_READERS",
     "PARALLEL_DRAFTING_ROW",

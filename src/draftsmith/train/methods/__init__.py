@@ -5,6 +5,7 @@
     eagle3.1 Eagle 3.1: EAGLE-3 with a norm per captured layer and the normed output fed back (methods/eagle31.py)
     peagle   P-EAGLE: EAGLE-3 with parallel drafting, a round in one forward (methods/peagle.py)
     dflash   DFlash: a block drafter, the anchor and block_size - 1 masks in one forward (methods/dflash.py)
+    dspark   DSpark: DFlash's block with the anchor predicting too, then a Markov head left to right (methods/dspark.py)
 
 A new method is a module with a `DraftMethod` (methods/base.py) and one line in METHODS; nothing else branches on a
 method's name.
@@ -17,14 +18,15 @@ from typing import Any
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.methods.base import DraftMethod
 from draftsmith.train.methods.dflash import DFLASH
+from draftsmith.train.methods.dspark import DSPARK
 from draftsmith.train.methods.eagle3 import EAGLE3
 from draftsmith.train.methods.eagle31 import EAGLE31
 from draftsmith.train.methods.peagle import PEAGLE
 from draftsmith.train.model import DraftSpec
 
-# Every method, in the order a draft directory's config.json is read: the most specific first, EAGLE-3 (which
-# claims every EAGLE-style config) last.
-METHODS: dict[str, DraftMethod] = {m.name: m for m in (DFLASH, PEAGLE, EAGLE31, EAGLE3)}
+# Every method, in the order a draft directory's config.json is read: the most specific first (DSpark before DFlash:
+# its config names a block and a mask token too), EAGLE-3 (which claims every EAGLE-style config) last.
+METHODS: dict[str, DraftMethod] = {m.name: m for m in (DSPARK, DFLASH, PEAGLE, EAGLE31, EAGLE3)}
 
 
 def method(name: str) -> DraftMethod:

