@@ -43,7 +43,7 @@ from draftsmith.core.manifest import (
     read_manifest,
     write_manifest,
 )
-from draftsmith.train.methods.peagle import PEAGLE
+from draftsmith.train.methods import recorded_spec
 from draftsmith.train.model import DraftSpec, draft_tensors
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -114,14 +114,11 @@ class DraftManifest(Manifest):
 
     @staticmethod
     def _from_format_2(data: Any) -> Any:
-        """Manifests of format 2, converted on read: a P-EAGLE draft's spec was EAGLE-3's method with
-        `parallel_drafting: true`; the method is P-EAGLE's own now (draftsmith.train.methods)."""
+        """Manifests of format 2, converted on read: their drafts' specs as the methods record them now
+        (`methods.recorded_spec`: a P-EAGLE draft was EAGLE-3's method with a flag)."""
         if not isinstance(data, dict) or data.get("format_version", 3) >= 3:
             return data
-        draft = dict(data.get("draft") or {})
-        if draft.pop("parallel_drafting", False):
-            draft["method"] = PEAGLE.name
-        return dict(data, format_version=3, draft=draft)
+        return dict(data, format_version=3, draft=recorded_spec(dict(data.get("draft") or {})))
 
 
 class CheckpointManifest(DraftManifest):

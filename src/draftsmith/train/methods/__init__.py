@@ -50,9 +50,17 @@ def method_of_config(config: dict[str, Any], where: str = "config.json") -> Draf
     return next(m for m in METHODS.values() if m.claims(config, where))
 
 
+def recorded_spec(draft: dict[str, Any]) -> dict[str, Any]:
+    """A DraftSpec an older draftsmith recorded (manifest format 2), as the methods record it now: P-EAGLE was
+    EAGLE-3's method with `parallel_drafting: true`, an EAGLE-3 draft had the flag false."""
+    if draft.pop("parallel_drafting", False):
+        draft["method"] = PEAGLE.name
+    return draft
+
+
 def same_family(a: DraftMethod, b: DraftMethod) -> bool:
     """Whether a draft of method `a` can start a run of method `b` (the same module: its weights carry over)."""
     return a.module is b.module
 
 
-__all__ = ["DraftMethod", "METHODS", "method", "method_of", "method_of_config", "same_family"]
+__all__ = ["DraftMethod", "METHODS", "method", "method_of", "method_of_config", "recorded_spec", "same_family"]
