@@ -3,27 +3,40 @@ and metrics."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from draftsmith.core import targets
+from draftsmith.train.block_loss import BlockKL, TargetStates, block_kl, target_states
+from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import (
+    ACCEPT,
+    CORRECT,
+    COUNT,
+    KL,
+    Anchors,
     TargetDistribution,
     TargetHead,
     REDUCE_ROWS,
     TargetKL,
+    block_index,
+    dflash_hidden_states,
     expected_acceptance,
+    materialised,
     step_counts,
     step_index,
     summarise,
     target_distribution,
     ttt_forward,
 )
+from draftsmith.train import ttt
 from draftsmith.train.ttt import _top1_logsumexp
 
 
-def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0):
+def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0, every=2):
     cfg = DraftSpec(
         hidden_size=hidden,
         intermediate_size=64,
@@ -44,7 +57,7 @@ def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0):
     draft.init_weights(seed)
     with torch.no_grad():
         draft.embed_tokens.weight.normal_(generator=torch.Generator().manual_seed(seed + 1))
-    draft.set_draft_vocab(torch.arange(0, 2 * draft_vocab, 2))
+    draft.set_draft_vocab(torch.arange(0, every * draft_vocab, every))
     return draft
 
 
@@ -396,3 +409,180 @@ def test_the_attention_kernel_is_the_models_setting_not_the_environment(monkeypa
     assert losses[0] > 0
     with pytest.raises(ValueError, match="TTT attention kernel 'dense'"):
         TTTModel(draft, "dense")(ids, aux, target, index, 3)
+
+
+# ---------------------------------------------------------------------------------------------- DFlash over row slices
+
+
+def _tiny_dflash(vocab=50, hidden=32, block=4, dtype=torch.float64) -> DFlashDraft:
+    spec = DraftSpec(
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_hidden_layers=2,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        target_hidden_size=hidden,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=[1, 2, 3],
+        method="dflash",
+        block_size=block,
+        mask_token_id=7,
+    )
+    draft = DFlashDraft(spec)
+    draft.init_weights(1)
+    gen = torch.Generator().manual_seed(2)
+    draft.set_target(torch.randn(vocab, hidden, generator=gen), torch.randn(vocab, hidden, generator=gen) * 0.5)
+    with torch.no_grad():  # a trained-looking final norm (its gradient is compared too)
+        draft.norm.weight.uniform_(0.5, 1.5, generator=gen)
+    return draft.to(dtype)
+
+
+def _dflash_problem(dtype):
+    """A DFlash draft, a two-sample batch (one right-padded) with 40 blocks of 4 per sample and the target's head:
+    the draft's own lm_head (as in training: both are the target's), with its final norm."""
+    draft = _tiny_dflash(dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (2, 70), generator=gen)
+    mask = torch.ones(2, 70, dtype=torch.bool)
+    mask[1, 50:] = False
+    index = block_index(mask.numpy(), Anchors(4, 40, 0), [0, 1])
+    aux = torch.randn(2, 70, 96, dtype=dtype, generator=gen)
+    last = torch.randn(2, 70, 32, dtype=dtype, generator=gen) * 2
+    norm = torch.nn.RMSNorm(32, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0, generator=gen)
+    return draft, ids, aux, last, index, norm
+
+
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
+def test_dflash_loss_over_row_slices_equals_the_unfused_loss_gradient_and_metrics(precision, monkeypatch):
+    """ttt_forward on TargetHead's TargetStates (BlockKL: never [N, V]) against the same batch on the materialised
+    distribution (the unfused path: DFlashDraft.logits, TargetKL, expected_acceptance): the loss, every trained
+    parameter's gradient (draft.norm's included: it stays in autograd) and the metrics, in fp64, fp32 and under
+    bf16 autocast with a bf16 head (the CPU trainer's default), over several row slices."""
+    dtype = torch.float64 if precision == "fp64" else torch.float32
+    draft, ids, aux, last, index, norm = _dflash_problem(dtype)
+    head = TargetHead(
+        norm, draft.head_weight.clone(), draft.draft_to_target, torch.bfloat16 if precision == "bf16" else None
+    )
+    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad))
+    monkeypatch.setattr(ttt, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
+    assert sum(len(r) for r in index.scored) > 3 * REDUCE_ROWS  # their edges
+    runs = []
+    with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
+        states = head(last, index)
+        assert isinstance(states, TargetStates) and states.states.shape == (len(index.needed), 32)
+        for target in (states, materialised(states)):
+            out = ttt_forward(draft, ids, aux, target, index, 3, 0.9)
+            runs.append((out, torch.autograd.grad(out.loss, params)))
+    (fused, g_fused), (plain, g_plain) = runs
+    # non-trivial values first: a comparison of zeros would pass whatever the fused path computed
+    assert fused.loss.item() > 0.5 and all(g.abs().sum() > 0 for g in g_fused)
+    assert "norm.weight" in names and len(names) > 10  # the final norm and every layer's weights
+    count = fused.sums[COUNT]
+    assert (fused.sums[CORRECT] > 0).all() and (fused.sums[CORRECT] < count).all()
+    assert (fused.sums[ACCEPT] > 0.02 * count).all() and (fused.sums[ACCEPT] < count).all()
+    # the same arithmetic in the same dtypes: equal to rounding (measured here: the loss and sums bit for bit, the
+    # gradients within 1e-16 (fp64) / 8e-8 (fp32, bf16) of their norm: the hidden states' gradient adds the rows up
+    # in another order)
+    rounding = 1e-12 if precision == "fp64" else 1e-6
+    torch.testing.assert_close(fused.loss, plain.loss, rtol=rounding, atol=0)
+    torch.testing.assert_close(fused.sums[[KL, ACCEPT]], plain.sums[[KL, ACCEPT]], rtol=rounding, atol=0)
+    assert torch.equal(fused.sums[[CORRECT, COUNT]], plain.sums[[CORRECT, COUNT]])
+    for name, a, b in zip(names, g_fused, g_plain):
+        assert (a - b).norm() <= rounding * b.norm(), name
+    if precision == "fp64":  # and both equal the dense definition
+        ref = _dense_block_loss(draft, ids, aux, last, index, norm, 0.9)
+        torch.testing.assert_close(fused.loss, ref, rtol=1e-6, atol=0)
+
+
+def _dense_block_loss(draft, ids, aux, last, index, norm, step_weight):
+    """sum_j step_weight**(j-1) * mean over block position j's scored rows of KL(p || q), from whole [*, V] tensors."""
+    with torch.no_grad():
+        hidden = next(dflash_hidden_states(draft, ids, aux, index)).flatten(0, 1)
+        logq = torch.log_softmax(draft.logits(hidden), -1)
+        logp = torch.log_softmax(norm(last.flatten(0, 1)) @ draft.head_weight.T, -1)[index.needed]
+    loss = 0.0
+    for k, (rows, at) in enumerate(zip(index.scored, index.target)):
+        kl = (logp[at].exp() * (logp[at] - logq[rows])).sum(-1)
+        loss = loss + step_weight**k * kl.sum() / max(len(rows), 1)
+    return loss
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_block_kl_is_the_dense_kl_with_an_exact_gradient_for_any_upstream_gradient(group):
+    """BlockKL per row against the dense definition (KL, top-1 agreement, sum min(p, q)), its gradient by
+    gradcheck with hints that are and are not the upstream gradient, and what it keeps for the backward: the rows'
+    gradient [N, H], not logits [N, V]. group: the rows taken by target row (a CPU's way) or as they come (a GPU's)."""
+    gen = torch.Generator().manual_seed(21)
+    n, v, h, needed = 2 * REDUCE_ROWS + 9, 300, 8, 40
+    weight = torch.randn(v, h, dtype=torch.float64, generator=gen)
+    states = target_states(torch.randn(needed, h, dtype=torch.float64, generator=gen), torch.nn.Identity(), weight)
+    x = torch.randn(n, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    at = torch.randint(0, needed, (n,), generator=gen)
+    logp = torch.log_softmax((states.states @ weight.T).float(), -1).double()[at]  # target_distribution's fp32 p
+    logq = torch.log_softmax(x @ weight.T, -1)
+    kl, correct, accept = block_kl(x, weight, states, at, rows=48, sub=20, group=group)  # both slicings' edges
+    dense = (logp.exp() * (logp - logq)).sum(-1)
+    assert dense.min() > 0.05 and 0 < int(correct.sum()) < n
+    torch.testing.assert_close(kl, dense, rtol=1e-5, atol=1e-7)  # p is fp32, as the unfused path's
+    assert torch.equal(correct, logq.argmax(-1) == states.argmax[at])
+    torch.testing.assert_close(accept, torch.minimum(logp.exp(), logq.exp()).sum(-1), rtol=1e-6, atol=1e-8)
+    saved = kl.grad_fn.saved_tensors
+    assert max(t.numel() for t in saved) == n * h  # the rows' gradient, no [N, V]
+    upstream = torch.rand(n, dtype=torch.float64, generator=gen) + 0.5
+    (g,) = torch.autograd.grad((kl * upstream).sum(), x)
+    (ref,) = torch.autograd.grad((dense * upstream).sum(), x)
+    torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
+    small = x.detach()[:7].requires_grad_()
+    for hint in (None, upstream[:7], torch.zeros(7, dtype=torch.float64)):
+        fn = lambda y: BlockKL.apply(
+            y,
+            weight,
+            states,
+            at[:7],
+            hint if hint is not None else torch.ones(7, dtype=torch.float64),
+            3,
+            2,
+            False,
+            group,
+        )[0]  # noqa: E731
+        if hint is not None and not hint.any():  # a zero hint: no gradient (ttt_forward never gives one)
+            assert fn(small).requires_grad and torch.autograd.grad(fn(small).sum(), small)[0].abs().sum() == 0
+        else:
+            assert torch.autograd.gradcheck(fn, (small,))
+    with pytest.raises(ValueError, match="frozen"):
+        block_kl(x, weight.clone().requires_grad_(), states, at)
+    with pytest.raises(ValueError, match="top-1"):
+        block_kl(x, weight, target_states(states.states, torch.nn.Identity(), weight, full=False), at)
+
+
+def test_a_whole_vocabulary_target_head_keeps_the_normed_rows_and_materialises_the_same_distribution():
+    """TargetHead over the target's whole vocabulary returns TargetStates ([N, H]); materialised() gives exactly what
+    it returned before (target_distribution), and an EAGLE-3 draft over the whole vocabulary trains on it as on that."""
+    gen = torch.Generator().manual_seed(13)
+    draft = _tiny_draft(vocab=40, draft_vocab=40, every=1)
+    norm, weight = torch.nn.RMSNorm(32, eps=1e-5), torch.randn(40, 32, generator=gen)
+    ids, aux = torch.randint(0, 40, (2, 12), generator=gen), torch.randn(2, 12, 96, generator=gen)
+    mask = torch.rand(2, 12, generator=gen) > 0.3
+    index = step_index(mask.numpy(), 3)
+    last = torch.randn(2, 12, 32, generator=gen)
+    head = TargetHead(norm, weight, draft.draft_to_target)
+    states, lean = head(last, index), head(last, index, full=False)
+    assert isinstance(states, TargetStates) and lean.argmax is None and states.argmax is not None
+    before = target_distribution(last.flatten(0, 1)[index.needed], norm, weight, weight)
+    after = materialised(states)
+    for a, b in ((after.probs, before.probs), (after.neg_entropy, before.neg_entropy), (after.argmax, before.argmax)):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(after.mass, before.mass)
+    torch.testing.assert_close(states.states, norm(last.flatten(0, 1)[index.needed]))
+    torch.testing.assert_close(states.neg_entropy, before.neg_entropy)
+    a, b = (ttt_forward(draft, ids, aux, t, index, 3) for t in (states, before))
+    assert a.loss > 0 and torch.equal(a.loss, b.loss) and torch.equal(a.sums, b.sums)
+    assert materialised(before) is before

@@ -17,7 +17,8 @@ n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head 
 DFlash (`DFlashDraft`, draftsmith.train.methods.dflash) runs one forward per batch instead of the unrolled steps: blocks
 [x_a, mask x (S-1)] at sampled anchors a (`Anchors`, `block_index`), block position j trained towards p_{a+j-1} with
 weight step_weight**(j-1) (exp(-(j-1)/loss_decay)); the metrics call block position j "step" j-1, so every number
-below (KL, accuracy, acceptance per step) reads the same for all three methods.
+below (KL, accuracy, acceptance per step) reads the same for all three methods. Its head and vocabulary are the
+target's, so its loss and metrics run a slice of rows at a time from [N, H] states, never [N, V] (block_loss.py).
 
 No host synchronisation inside a step: which rows are scored at each step, and which rows of the target's
 distribution they read, are index tensors built on the host with the batch (`step_index`, called by the collate
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.train.attention import anchor_chunks, block_attention, naive_block_attention
+from draftsmith.train.block_loss import TargetStates, block_kl, target_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import Eagle3Draft, KVCache
 
@@ -48,6 +50,10 @@ LOGIT_CHUNK_ELEMENTS = 1 << 24
 # of streaming the whole [N, V] through memory once per operation; 64 measured best on a 2-core Xeon (32-256
 # tried). A GPU takes LOGIT_CHUNK_ELEMENTS at a time (few kernel launches, bounded memory).
 REDUCE_ROWS = 64
+# Rows of the head's matmuls a CPU runs at a time in DFlash's fused loss (block_loss.BlockKL; its reductions still take
+# REDUCE_ROWS): a [64, H] x [H, V] matmul streams the whole [V, H] head for half the work of a [128, H] one (64, 128,
+# 256 and 512 tried on a 2-core EPYC: 128 and 256 the fastest within noise, 128 the smaller).
+HEAD_ROWS = 128
 # Rows of TTTResult.sums.
 KL, CORRECT, ACCEPT, COUNT = range(4)
 
@@ -313,15 +319,22 @@ def _slices(like: torch.Tensor, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
     """(rows per slice, one [rows, V] buffer in `dtype` the row-slice loop over `like` [N, V] reuses: a fresh
     tensor per slice costs more than the arithmetic)."""
     n, width = like.shape
-    rows = REDUCE_ROWS if like.device.type == "cpu" else max(1, LOGIT_CHUNK_ELEMENTS // max(width, 1))
+    rows = _slice_rows(like.device, width)
     return rows, torch.empty(min(rows, n), width, dtype=dtype, device=like.device)
+
+
+def _slice_rows(device: torch.device, width: int) -> int:
+    """Rows of a [rows, width] logits slice: REDUCE_ROWS on a CPU, LOGIT_CHUNK_ELEMENTS' worth on a GPU."""
+    return REDUCE_ROWS if device.type == "cpu" else max(1, LOGIT_CHUNK_ELEMENTS // max(width, 1))
 
 
 class TargetHead:
     """The target's final norm and lm_head: layer-N states -> the target's distribution over the draft vocabulary,
     at the rows a batch needs. Keeps the lm_head's draft-vocabulary rows (a [Vd, H] copy, made once), or the lm_head
-    itself when the draft vocabulary is the target's whole one in order (DFlash). `dtype`: the autocast dtype the
-    run computes in (bf16), kept in it once rather than cast by autocast at every step (the head is frozen)."""
+    itself when the draft vocabulary is the target's whole one in order (DFlash): then the distribution stays the
+    normed rows it is computed from (`TargetStates`, [N, H] instead of [N, V]; block_loss.py). `dtype`: the autocast
+    dtype the run computes in (bf16), kept in it once rather than cast by autocast at every step (the head is
+    frozen)."""
 
     def __init__(
         self, norm: nn.Module, weight: torch.Tensor, draft_to_target: torch.Tensor, dtype: torch.dtype | None = None
@@ -334,13 +347,24 @@ class TargetHead:
 
     def __call__(
         self, last_hidden: torch.Tensor, index: StepIndex | BlockIndex, full: bool = True
-    ) -> TargetDistribution:
+    ) -> TargetDistribution | TargetStates:
         """last_hidden [B, T, H] (any strides: only the needed rows are read)."""
         b, t, h = last_hidden.shape
         rows = last_hidden.reshape(b * t, h) if last_hidden.is_contiguous() else last_hidden.flatten(0, 1)
-        return target_distribution(
-            rows.index_select(0, index.needed), self.norm, self.weight, self.draft_weight, full=full
-        )
+        rows = rows.index_select(0, index.needed)
+        if self.draft_weight is self.weight:  # the whole vocabulary: ttt_forward computes p a slice at a time
+            chunk = max(1, LOGIT_CHUNK_ELEMENTS // self.weight.shape[0])
+            return target_states(rows, self.norm, self.weight, full=full, chunk_rows=chunk)
+        return target_distribution(rows, self.norm, self.weight, self.draft_weight, full=full)
+
+
+def materialised(target: TargetDistribution | TargetStates) -> TargetDistribution:
+    """The distribution with its probs [N, V] (an EAGLE-3 draft over the target's whole vocabulary reads them):
+    target_distribution's numbers from the normed rows TargetStates keeps."""
+    if isinstance(target, TargetDistribution):
+        return target
+    w = target.weight
+    return target_distribution(target.states, nn.Identity(), w, w, full=target.argmax is not None)
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -504,7 +528,7 @@ def ttt_forward(
     draft: Eagle3Draft | DFlashDraft,
     input_ids: torch.Tensor,
     aux_hidden: torch.Tensor,
-    target: TargetDistribution,
+    target: TargetDistribution | TargetStates,
     index: StepIndex | BlockIndex,
     ttt_steps: int,
     step_weight: float = 0.8,
@@ -535,11 +559,16 @@ def ttt_forward(
         steps = dflash_hidden_states(
             draft, input_ids, aux_hidden, index, checkpointed, "naive" if mode == "naive" else kernel
         )
+        # TargetHead's for the whole vocabulary, and the head BlockKL computes (DFlashDraft.logits, not a subclass's
+        # own): never [N, V] (block_loss.py)
+        if isinstance(target, TargetStates) and type(draft).logits is DFlashDraft.logits:
+            return _block_loss(draft, next(steps), target, index, step_weight, normaliser, metrics, sums, loss)
     else:
         assert isinstance(index, StepIndex)  # batch_index builds one for an EAGLE-3 / P-EAGLE run
         steps = ttt_hidden_states(
             draft, input_ids, aux_hidden, ttt_steps, mode, checkpointed, kernel, index if live_rows else None
         )
+    target = materialised(target)
     for k, hidden in enumerate(steps):
         rows, at = index.scored[k], index.target[k]  # may be empty: the lm_head still joins the graph (DDP)
         # Only scored positions reach the lm_head (its matmuls dominate the step); the rest only feed attention.
@@ -552,6 +581,43 @@ def ttt_forward(
             assert target.argmax is not None  # metrics need a full=True distribution
             sums[CORRECT, k] = (top + d2t[top] == target.argmax.index_select(0, at)).sum()
             sums[ACCEPT, k] = expected_acceptance(z.detach(), lse, target, at).sum()
+    return TTTResult(loss=loss, sums=sums)
+
+
+def _block_loss(
+    draft: DFlashDraft,
+    hidden: torch.Tensor,
+    target: TargetStates,
+    index: BlockIndex,
+    step_weight: float,
+    normaliser: torch.Tensor,
+    metrics: bool,
+    sums: torch.Tensor,
+    loss: torch.Tensor,
+) -> TTTResult:
+    """ttt_forward's scoring of DFlash's block positions over TargetStates: the scored rows of every position through
+    draft.norm (autograd), then block_kl over all of them a slice at a time (the head's matmul, the target's p, KL,
+    metrics and the rows' gradient); the loss and sums are then summed per position as ttt_forward's loop sums them.
+    Each row's hint is the gradient that loss gives its KL, (1 / normaliser_k) * step_weight**k."""
+    sizes = [len(rows) for rows in index.scored]
+    x = draft.norm(hidden.flatten(0, 1).index_select(0, torch.cat(index.scored)))  # [N, H] (may be empty)
+    acc = torch.promote_types(x.dtype, torch.float32)  # the KL's dtype
+    one = torch.ones((), dtype=acc, device=x.device)
+    hint = torch.cat(
+        [((one / normaliser[k].clamp(min=1).to(acc)) * step_weight**k).expand(n) for k, n in enumerate(sizes)]
+    )
+    sub = _slice_rows(x.device, target.weight.shape[0])
+    rows = max(sub, HEAD_ROWS) if x.device.type == "cpu" else sub
+    kl, correct, accept = block_kl(x, draft.head_weight, target, torch.cat(index.target), hint, rows, sub, metrics)
+    for k, (step_kl, step_correct, step_accept) in enumerate(
+        zip(kl.split(sizes), correct.split(sizes), accept.split(sizes))
+    ):
+        step_loss = step_kl.sum()
+        loss = loss + (step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
+        sums[KL, k] = step_loss.detach()
+        if metrics:
+            sums[CORRECT, k] = step_correct.sum()
+            sums[ACCEPT, k] = step_accept.sum()
     return TTTResult(loss=loss, sums=sums)
 
 

@@ -1,0 +1,170 @@
+"""DFlash's loss and metrics a slice of rows at a time: a draft over the target's whole vocabulary with the target's
+frozen lm_head never holds logits [N, V].
+
+DFlash scores up to B * A * (S - 1) block rows (7,621 of 8,192 at the peers' defaults on a 1,024-token sample), each
+over the target's whole vocabulary (49,152 for the default target): keeping the draft's logits of every row for the
+backward and the target's distribution of every needed row costs gigabytes. Neither is needed:
+
+  - the target's side (`TargetStates`, what `ttt.TargetHead` returns for a whole-vocabulary draft) is kept as what
+    p_j is computed from: the target's normed layer-N rows s_j [N, H] and its lm_head W, with sum_v p log p and (for
+    the metrics) the target's top-1 per row;
+  - `BlockKL` takes the draft's normed rows x [N, H] (after `draft.norm`, which stays in autograd) and, a slice of
+    rows at a time, computes the draft's logits z = x W_d^T, the target's p = softmax(s W^T) at the row each is
+    scored on, the KL, the draft's top-1 and the expected acceptance sum_v min(p, q), and -- when x needs a gradient --
+    the rows' gradient ((softmax(z) - p) * c) W_d ("fused linear cross-entropy"; the frozen W_d gets none). It keeps
+    that gradient [N, H] for the backward, not the logits.
+
+The arithmetic is the unfused path's (`target_distribution`'s p, `ttt.TargetKL`, `ttt.expected_acceptance` over
+`DFlashDraft.logits`) in the same dtypes -- logits in the autocast dtype, reductions in fp32, p in fp32 -- so the
+loss, its gradient and the metrics equal it to fp32 rounding (tests/test_ttt.py compares them through `ttt_forward`).
+The price: the target's logits of a scored row are computed again for every block position that reads it (one more
+[N, H] x [H, V] matmul a step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TargetStates:
+    """The target's p_j at the needed rows (BlockIndex.needed; row i is needed[i]) for a draft over the target's whole
+    vocabulary, kept as what it is computed from: p_j = softmax(states_j @ weight^T). [N, H], not [N, V]."""
+
+    states: torch.Tensor  # [N, H] final_norm(layer-N state), in the logits' dtype (the autocast dtype under autocast)
+    weight: torch.Tensor  # [V, H] the target's lm_head, in the same dtype
+    neg_entropy: torch.Tensor  # [N] fp32 sum_v p log p
+    argmax: torch.Tensor | None = None  # [N] the target's top-1 (full=True: the metrics')
+
+    def logits(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, V] the target's logits at needed rows `rows`, in the logits' dtype (as target_distribution's)."""
+        return torch.mm(self.states.index_select(0, rows), self.weight.T, out=out)
+
+
+@torch.no_grad()
+def target_states(
+    rows: torch.Tensor, final_norm: nn.Module, weight: torch.Tensor, *, full: bool = True, chunk_rows: int = 1
+) -> TargetStates:
+    """TargetStates from layer-N states `rows` [N, H] (un-normalised): the final norm as ttt.target_distribution
+    applies it, then sum p log p (and the top-1) of each row's logits, `chunk_rows` rows at a time."""
+    x = final_norm(rows.to(weight.dtype))
+    dtype = torch.matmul(x[:0], weight[:0].T).dtype  # what x @ W^T computes in here (autocast's dtype under autocast)
+    n, device = x.shape[0], x.device
+    states = TargetStates(
+        x.to(dtype),
+        weight.to(dtype),
+        torch.empty(n, device=device),
+        torch.empty(n, dtype=torch.int64, device=device) if full else None,
+    )
+    for a in range(0, n, chunk_rows):
+        logits = torch.mm(states.states[a : a + chunk_rows], states.weight.T).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        states.neg_entropy[a : a + chunk_rows] = (logp.exp() * logp).sum(-1)
+        if states.argmax is not None:
+            states.argmax[a : a + chunk_rows] = logits.max(-1)[1]
+    return states
+
+
+class BlockKL(torch.autograd.Function):
+    """Per row i of the draft's normed rows x [N, H]: KL(p_{at_i} || softmax(x_i W_d^T)) over the whole vocabulary,
+    and (metrics) whether the draft's top-1 is the target's and sum_v min(p, q). The head's matmuls take `rows` rows
+    at a time (a matmul of few rows streams the whole [V, H] head for little work), the reductions over their logits
+    `sub` rows at a time (a slice the caches hold between one operation and the next: ttt.REDUCE_ROWS).
+
+    `hint` [N]: the gradient the caller will give each row's KL (ttt_forward: its loss weight). The rows' gradient
+    is made in the forward, scaled by it before the logits' dtype rounds it (as the unfused backward rounds its
+    dz); the backward rescales it by grad / hint, exact for any grad (the gradient is linear in it) and a no-op
+    when the grad is the hint. A row whose hint is 0 gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, head_weight, target, at, hint, rows, sub, metrics, group):
+        if ctx.needs_input_grad[1]:
+            raise ValueError("BlockKL: the head is frozen (DFlash's is the target's); it gets no gradient")
+        n, device = x.shape[0], x.device
+        zdt = F.linear(x[:0], head_weight[:0].to(x.dtype)).dtype  # DFlashDraft.logits's dtype (autocast's)
+        acc = torch.promote_types(zdt, torch.float32)  # bf16 logits are reduced in fp32; fp64 stays fp64
+        w = head_weight.to(zdt)  # once: autocast would cast it again at every slice; then mm = F.linear's
+        kl = torch.empty(n, dtype=acc, device=device)
+        correct = torch.zeros(n, dtype=torch.bool, device=device)
+        accept = torch.zeros(n, dtype=acc, device=device)
+        grad = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        # group: the rows in the order of their target row, so the rows of a matmul slice read a few target rows,
+        # whose logits and p are computed once (DFlash reads each from up to S - 1 block positions). It reads the
+        # slices' sizes on the host: free on a CPU; a GPU takes the rows as they come (one target row per row).
+        order = torch.argsort(at, stable=True) if group else None
+        big, small = (min(rows, n), w.shape[0]), (min(sub, n), w.shape[0])
+        zb, tb = torch.empty(big, dtype=zdt, device=device), torch.empty(big, dtype=target.weight.dtype, device=device)
+        pb = torch.empty(big, device=device)  # p of the slice's target rows, fp32 (target_distribution's probs)
+        dzb = torch.empty_like(zb) if grad is not None else None
+        zf = torch.empty(small, dtype=acc, device=device)  # the draft's logits in acc; then min(p, q)
+        tmp = torch.empty_like(zf)  # exp(z - max), p * z, then softmax(z) and its gradient
+        pg = torch.empty(small, device=device) if group else None  # p gathered for the rows
+        for a in range(0, n, rows):  # the matmuls `rows` rows at a time, the reductions `sub` rows at a time
+            b = min(a + rows, n)
+            ids = torch.arange(a, b, device=device) if order is None else order[a:b]  # the rows, in x
+            ats = at.index_select(0, ids)  # their target rows
+            xs = x[a:b] if order is None else x.index_select(0, ids)
+            z = torch.mm(xs.to(zdt), w.T, out=zb[: b - a])  # the draft's logits (DFlashDraft.logits)
+            if order is None:
+                t, which = target.logits(ats, out=tb[: b - a]), None
+            else:  # the target rows the slice reads, each once; which[i]: row i's among them
+                once, which = torch.unique_consecutive(ats, return_inverse=True)
+                t = target.logits(once, out=tb[: len(once)])
+            p_all = torch.log_softmax(pb[: len(t)].copy_(t), -1).exp_()  # target_distribution's probs
+            dz = None if dzb is None else dzb[: b - a]
+            for c in range(0, b - a, sub):
+                d = min(c + sub, b - a)
+                r, i = ats[c:d], ids[c:d]
+                if pg is None:
+                    p = p_all[c:d]
+                else:
+                    assert which is not None  # set with `order`, which `pg` goes with
+                    p = torch.index_select(p_all, 0, which[c:d], out=pg[: d - c])
+                zs, ts = zf[: d - c].copy_(z[c:d]), tmp[: d - c]  # reduced in acc
+                m, top = zs.max(-1)
+                lse = torch.sub(zs, m[:, None], out=ts).exp_().sum(-1).log_().add_(m)  # ttt._top1_logsumexp's
+                kl[i] = target.neg_entropy.index_select(0, r).to(acc) - torch.mul(p, zs, out=ts).sum(-1) + lse
+                q = torch.sub(zs, lse[:, None], out=ts).exp_()  # softmax(z)
+                if metrics:
+                    correct[i] = top == target.argmax.index_select(0, r)
+                    accept[i] = torch.minimum(p, q, out=zs).sum(-1)
+                if dz is not None:  # TargetKL.backward's dz, in the logits' dtype
+                    dz[c:d] = q.sub_(p).mul_(hint.index_select(0, i)[:, None])
+            if grad is not None and dz is not None:  # the linear's backward, dz @ W_d, in its dtypes
+                grad[ids] = torch.mm(dz, w).to(x.dtype)
+        ctx.mark_non_differentiable(correct, accept)
+        ctx.save_for_backward(grad, hint)
+        return kl, correct, accept
+
+    @staticmethod
+    def backward(ctx, grad_kl, _correct, _accept):
+        grad, hint = ctx.saved_tensors
+        scale = torch.where(hint != 0, grad_kl / torch.where(hint != 0, hint, 1), 0)
+        return grad * scale[:, None].to(grad.dtype), None, None, None, None, None, None, None, None
+
+
+def block_kl(
+    x: torch.Tensor,
+    head_weight: torch.Tensor,
+    target: TargetStates,
+    at: torch.Tensor,
+    hint: torch.Tensor | None = None,
+    rows: int = 256,
+    sub: int = 64,
+    metrics: bool = True,
+    group: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(KL [N] with its gradient to x, draft top-1 == target top-1 [N] bool, expected acceptance [N]) of the draft's
+    normed rows x [N, H] through the frozen head_weight [V, H], row i scored on the target's needed row at[i]
+    (BlockKL; without metrics the last two are zeros). The head's matmuls run `rows` rows at a time, the reductions
+    over their logits `sub` rows at a time; `group` (default: on a CPU) takes the rows by target row (BlockKL)."""
+    if metrics and target.argmax is None:
+        raise ValueError("block_kl: the metrics need the target's top-1 (target_states(..., full=True))")
+    if hint is None:
+        hint = torch.ones(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    group = x.device.type == "cpu" if group is None else group
+    return BlockKL.apply(x, head_weight, target, at, hint, max(1, rows), max(1, min(sub, rows)), metrics, group)
