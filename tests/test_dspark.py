@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import build_tiny_target
@@ -20,17 +21,20 @@ from test_specdec import chi2_critical, chi2_stat
 
 from draftsmith import export
 from draftsmith.core import layers, targets
+from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.export.formats import format_config, vllm_speculative_config
 from draftsmith.train.attention import naive_block_attention
+from draftsmith.train.block_loss import score_blocks, target_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.drafts import draft_module, load_draft
 from draftsmith.train.dspark_model import DSparkDraft
 from draftsmith.train.methods import DFLASH, method_of_config
 from draftsmith.train.methods.dspark import DSPARK
 from draftsmith.train.model import DraftSpec, draft_tensors
+from draftsmith.train.ttt import Anchors, block_index
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {
@@ -471,3 +475,169 @@ def test_speculators_loads_the_export_and_computes_the_same_block_logits(tmp_pat
     assert float(logits.std()) > 0.5 and float(confidence.std()) > 0.1  # outputs that depend on every weight
     torch.testing.assert_close(theirs["logits"], logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(theirs["confidence"], confidence, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def test_a_dspark_block_scores_its_anchor_row_against_the_next_tokens_distribution():
+    """Proposal d of the block at anchor a is block row d (DFlash: d + 1), proposes x_{a+d+1} and is scored on
+    p_{a+d} when that token is loss-masked; the same anchors as DFlash's."""
+    mask = np.zeros((2, 30), dtype=bool)
+    mask[0, 6:30] = True
+    mask[1, 4:15] = True
+    spark = block_index(mask, DSPARK.sampling(TrainConfig(method="dspark", block_size=5, anchors_per_sample=8)))
+    flash = block_index(mask, DFLASH.sampling(TrainConfig(method="dflash", block_size=5, anchors_per_sample=8)))
+    assert torch.equal(spark.anchors, flash.anchors) and len(spark.scored) == 5 and len(flash.scored) == 4
+    needed = spark.needed.tolist()
+    for d in range(5):
+        expected = [
+            ((row * 8 + n) * 5 + d, row * 30 + a + d)
+            for row in range(2)
+            for n, a in enumerate(spark.anchors[row].tolist())
+            if a + d + 1 < 30 and mask[row, a + d + 1]
+        ]
+        got = list(zip(spark.scored[d].tolist(), [needed[i] for i in spark.target[d].tolist()]))
+        assert got == expected and int(spark.counts[d]) == len(expected) > 0
+    for d in range(4):  # DFlash's proposal d is its row d + 1, scored on the same distribution
+        assert torch.equal(flash.scored[d], spark.scored[d] + 1)
+        assert [flash.needed[i] for i in flash.target[d]] == [spark.needed[i] for i in spark.target[d]]
+    assert TrainConfig(method="dspark", block_size=5).ttt_steps == 5 and TrainConfig(method="dspark").num_layers == 5
+    with pytest.raises(ValueError, match="block-size = 5 positions"):
+        TrainConfig(method="dspark", block_size=5, ttt_steps=4)
+
+
+def test_the_fused_dspark_loss_is_the_dense_markov_corrected_kl_plus_the_confidence_bce(tiny):
+    """score_blocks for a DSpark draft against the loss written out densely from the module's own pieces: logits
+    = block_logits(h, x_{a+d}) over the whole vocabulary, KL to the target's p, weight w^d / n_d, plus the BCE of the
+    confidence logit against sum_v min(p, q); the loss and every trainable weight's gradient agree."""
+    target_dir, model, _ = tiny
+    draft = random_dspark(target_dir, model, block_size=4, rank=16).double().train()
+    gen = torch.Generator().manual_seed(5)
+    b, t, size, h = 2, 24, 4, draft.spec.hidden_size
+    input_ids = torch.randint(0, draft.spec.vocab_size, (b, t), generator=gen)
+    mask = np.ones((b, t), dtype=bool)
+    mask[:, :5] = False
+    index = block_index(mask, Anchors(size, 6, seed=1, from_anchor=True))
+    hidden = torch.randn(b, index.anchors.shape[1] * size, h, dtype=torch.float64, generator=gen) * 3
+    hidden.requires_grad_()
+    names = ["norm.weight", *sorted(HEADS)]
+    weights = dict(draft.named_parameters())
+    layer_n = torch.randn(len(index.needed), model.config.hidden_size, dtype=torch.float64, generator=gen)
+    head = model.lm_head.weight.detach().double()
+    states = target_states(layer_n, torch.nn.Identity(), head)
+    weight = 0.7
+    normaliser = index.counts.clone()
+
+    def trainable():  # the block hidden states (the backbone's gradient flows through them) and the weights after
+        return [hidden] + [weights[n].requires_grad_() for n in names]
+
+    trainable()
+    extra, per_step = score_blocks(draft, hidden, input_ids, states, index, weight, normaliser, True, 7, 3)
+    fused = extra + sum((weight**d) * kl.sum() / normaliser[d] for d, (kl, _, _) in enumerate(per_step))
+    grads = torch.autograd.grad(fused, trainable())
+
+    rows, at = torch.cat(index.scored), torch.cat(index.target)
+    prev = input_ids.flatten()[index.needed[at]]
+    x = draft.norm(hidden.flatten(0, 1)[rows])
+    logq = torch.log_softmax(draft.block_logits(hidden.flatten(0, 1)[rows], prev), -1)
+    logp = torch.log_softmax((states.states @ head.T).float(), -1).double()[at]  # p in fp32, as target_distribution
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    accept = torch.minimum(logp.exp(), logq.exp()).sum(-1).detach()
+    conf = draft.confidence(x, prev)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, accept, reduction="none")
+    w = torch.cat([torch.full((len(r),), weight**d / normaliser[d].item()) for d, r in enumerate(index.scored)])
+    dense = (w * kl).sum() + (w * bce).sum()
+    assert kl.min() > 0.01 and 0.05 < float(accept.mean()) < 0.95 and bce.sum() > 0.1  # non-trivial terms
+    markov = draft.markov_bias(prev)
+    assert markov.abs().mean() > 0.1  # the bias moves the logits
+    torch.testing.assert_close(fused, dense, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(torch.cat([s[2] for s in per_step]), accept, rtol=1e-6, atol=1e-8)
+    for name, g, ref in zip(["hidden", *names], grads, torch.autograd.grad(dense, trainable())):
+        assert ref.abs().sum() > 0, name
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-8, msg=name)
+    # the Markov weight's gradient is made for the loss's weights: another upstream gradient is refused
+    _, per_step = score_blocks(draft, hidden, input_ids, states, index, weight, normaliser, False, 7, 3)
+    kl_rows = torch.cat([s[0] for s in per_step])
+    with pytest.raises(RuntimeError, match="low-rank"):
+        torch.autograd.grad((kl_rows * torch.linspace(1, 2, len(kl_rows), dtype=kl_rows.dtype)).sum(), trainable())
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target_dir, tmp_path_factory):
+    """A prepared set of the tiny target and its store of the layer a 2-layer block draft reads (fp32 states)."""
+    from conftest import write_random_prepared
+
+    from draftsmith import extract
+    from draftsmith.config import ExtractConfig
+
+    root = tmp_path_factory.mktemp("dspark-data")
+    prepared = write_random_prepared(root / "prepared", tiny_target_dir, 24, 20, 48)
+    store = root / "store"
+    config = ExtractConfig(prepared=prepared, output=store, device="cpu", aux_layer_ids=[2], compute_dtype="float32")
+    extract.run(config, show_progress=False)
+    return prepared, store
+
+
+def _train(data_dir, out, **kw):
+    from draftsmith import train as trainer
+
+    base = dict(
+        data=data_dir,
+        output=out,
+        method="dspark",
+        block_size=4,
+        anchors_per_sample=6,
+        num_layers=2,
+        lr=1e-2,
+        warmup_steps=2,
+        token_budget=256,
+        eval_fraction=0.15,
+        log_every=1,
+        save_every=1000,
+        device="cpu",
+        seed=0,
+        max_steps=16,
+    )
+    trainer.run(TrainConfig(**{**base, **kw}))
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_method_dspark_offline_and_online_learns_its_heads_and_exports(data, tmp_path, tiny):
+    """train --method dspark from the store (offline) and from the prepared set (the target in the trainer): every
+    block row a proposal in the metrics, the held-out loss falling, the Markov and confidence heads learned, the checkpoint
+    exported in vLLM's and speculators' layouts and read back; the trained draft decodes losslessly."""
+    from draftsmith.train import checkpoint
+
+    prepared, store = data
+    for data_dir, kind in ((store, "store"), (prepared, "prepared")):
+        out = tmp_path / kind
+        metrics = _train(data_dir, out, **({} if kind == "store" else dict(aux_layer_ids=[2])))
+        train = [m for m in metrics if m["type"] == "train"]
+        evals = [m["loss"] for m in metrics if m["type"] == "eval"]  # the held-out samples, every 4 steps
+        assert [len(m["acc"]) for m in train] == [4] * 16 and all(m["scored"][0] > 0 for m in train), kind
+        assert len(evals) == 4 and evals[-1] < 0.8 * evals[0], (kind, evals)
+        tensors, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out))
+        spec = manifest.draft
+        assert manifest.data_kind == kind and (spec.method, spec.block_size, spec.markov_rank) == ("dspark", 4, 256)
+        fresh = DSparkDraft.from_target(spec, tiny[1], 0).state_dict()
+        for name in HEADS:  # trained: moved from a fresh draft's of the same seed
+            assert not torch.equal(tensors[name], fresh[name]), (kind, name)
+    for fmt in ("vllm", "speculators"):
+        exported = tmp_path / fmt
+        export.run(ExportConfig(checkpoint=tmp_path / "store", output=exported, format=fmt, dtype="fp32"))
+        back = load_draft(exported)
+        assert back.spec == spec and set(back.tensors) == set(tensors)
+        assert vllm_speculative_config(exported, 3) == {
+            "method": "dspark",
+            "model": str(exported),
+            "num_speculative_tokens": 4,
+        }
+    model = tiny[1]
+    target = TargetRunner(model, spec.aux_layer_ids)  # the layer the draft reads
+    head = targets.lm_head(model).weight
+    draft = DraftRunner(draft_module(load_draft(tmp_path / "vllm"), targets.embed_tokens(model).weight, head))
+    for prompt in PROMPTS[:2]:
+        base = plain_generate(target, torch.tensor(prompt), 24)
+        out = speculative_generate(target, draft, torch.tensor(prompt), 4, 24)
+        assert out.tokens == base.tokens and out.stats.num_rounds > 0

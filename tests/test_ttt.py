@@ -535,7 +535,7 @@ def test_block_kl_is_the_dense_kl_with_an_exact_gradient_for_any_upstream_gradie
     assert torch.equal(correct, logq.argmax(-1) == states.argmax[at])
     torch.testing.assert_close(accept, torch.minimum(logp.exp(), logq.exp()).sum(-1), rtol=1e-6, atol=1e-8)
     saved = kl.grad_fn.saved_tensors
-    assert max(t.numel() for t in saved) == n * h  # the rows' gradient, no [N, V]
+    assert max(t.numel() for t in saved if t is not None) == n * h  # the rows' gradient, no [N, V]
     upstream = torch.rand(n, dtype=torch.float64, generator=gen) + 0.5
     (g,) = torch.autograd.grad((kl * upstream).sum(), x)
     (ref,) = torch.autograd.grad((dense * upstream).sum(), x)
@@ -552,11 +552,14 @@ def test_block_kl_is_the_dense_kl_with_an_exact_gradient_for_any_upstream_gradie
             2,
             False,
             group,
+            None,
+            None,
+            False,
         )[0]  # noqa: E731
         if hint is not None and not hint.any():  # a zero hint: no gradient (ttt_forward never gives one)
             assert fn(small).requires_grad and torch.autograd.grad(fn(small).sum(), small)[0].abs().sum() == 0
         else:
-            assert torch.autograd.gradcheck(fn, (small,))
+            assert torch.autograd.gradcheck(fn, (small,), fast_mode=True)
     with pytest.raises(ValueError, match="frozen"):
         block_kl(x, weight.clone().requires_grad_(), states, at)
     with pytest.raises(ValueError, match="top-1"):

@@ -17,8 +17,11 @@ from draftsmith.config.base import StageConfig, _split_list
 
 
 # The drafting methods --method chooses among (each has its module in draftsmith.train.methods, which the stages ask)
-MethodName = Literal["eagle3", "eagle3.1", "peagle", "dflash"]
+MethodName = Literal["eagle3", "eagle3.1", "peagle", "dflash", "dspark"]
 DEFAULT_METHOD: MethodName = "eagle3"
+# The block methods, and the block rows that propose no token (DFlash's anchor row; every DSpark row proposes): their
+# TTT steps are the block's proposals, block-size - this, each weighed by --loss-decay.
+SILENT_BLOCK_ROWS: dict[str, int] = {"dflash": 1, "dspark": 0}
 
 
 class TrainConfig(StageConfig):
@@ -46,7 +49,7 @@ class TrainConfig(StageConfig):
         ),
     )
     num_layers: int | None = Field(
-        None, ge=1, description=("Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash).")
+        None, ge=1, description=("Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash / dspark).")
     )
     method: MethodName = Field(
         DEFAULT_METHOD,
@@ -56,7 +59,9 @@ class TrainConfig(StageConfig):
             "fc_norm / norm_output; an EAGLE-3 draft can start it); peagle: "
             "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "
             "dflash: a block drafter, the anchor and block-size - 1 mask tokens denoised in one forward (vLLM's dflash "
-            "method), reading --num-layers target layers spread over the stack (default aux layers)."
+            "method), reading --num-layers target layers spread over the stack (default aux layers); dspark: DFlash's "
+            "block whose anchor row proposes too (block-size tokens a round), with a rank-256 Markov head applied left "
+            "to right and a confidence head (vLLM's dspark method, GPU model runner V2 only)."
         ),
     )
     ttt_steps: int = Field(
@@ -64,35 +69,37 @@ class TrainConfig(StageConfig):
         ge=1,
         description=(
             "Training-time-test steps unrolled per position (peagle: the parallel depths trained, the most tokens a "
-            "round is meant to propose; dflash: block-size - 1, set from it)."
+            "round is meant to propose; dflash: block-size - 1, dspark: block-size, set from it)."
         ),
     )
     step_weight: float = Field(
         0.8,
         gt=0,
-        description=("Loss weight of TTT step k is step_weight**k (dflash: exp(-1 / loss-decay), set from it)."),
+        description=(
+            "Loss weight of TTT step k is step_weight**k (dflash / dspark: exp(-1 / loss-decay), set from it)."
+        ),
     )
     block_size: int = Field(
         16,
         ge=2,
         le=64,
         description=(
-            "dflash: positions per block, the anchor and block-size - 1 mask tokens; vLLM proposes block-size - 1 "
-            "tokens a round."
+            "dflash / dspark: positions per block, the anchor and block-size - 1 mask tokens; vLLM proposes "
+            "block-size - 1 tokens a round (dspark: block-size)."
         ),
     )
     anchors_per_sample: int = Field(
         512,
         ge=1,
         description=(
-            "dflash: blocks trained per sample, their anchors drawn at random among the answer's tokens (fewer on a "
+            "dflash / dspark: blocks trained per sample, their anchors drawn at random among the answer's tokens (fewer on a "
             "CPU: each costs block-size queries over the sample's context)."
         ),
     )
     loss_decay: float = Field(
         7.0,
         gt=0,
-        description=("dflash: block position j (1 .. block-size - 1) weighs exp(-(j - 1) / loss-decay) in the loss."),
+        description=("dflash / dspark: a block's proposal d (0 = the first) weighs exp(-d / loss-decay) in the loss."),
     )
     cod_ratio: float = Field(
         0.8,
@@ -268,19 +275,23 @@ class TrainConfig(StageConfig):
 
     @model_validator(mode="after")
     def _method_shapes(self) -> "TrainConfig":
-        """The per-method defaults: --num-layers (1, DFlash 5); a DFlash run's TTT steps are its block positions
-        and its step weight exp(-1 / loss-decay) (refused when set to something else)."""
+        """The per-method defaults: --num-layers (1, a block method 5); a block method's TTT steps are its block's
+        proposals and its step weight exp(-1 / loss-decay) (refused when set to something else)."""
+        silent = SILENT_BLOCK_ROWS.get(self.method)
         if self.num_layers is None:
-            object.__setattr__(self, "num_layers", 5 if self.method == "dflash" else 1)
-        if self.method == "dflash":
-            steps, weight = self.block_size - 1, math.exp(-1.0 / self.loss_decay)
+            object.__setattr__(self, "num_layers", 1 if silent is None else 5)
+        if silent is not None:
+            steps, weight = self.block_size - silent, math.exp(-1.0 / self.loss_decay)
             if "ttt_steps" in self.model_fields_set and self.ttt_steps != steps:
+                size = "block-size" + (f" - {silent}" if silent else "")
                 raise ValueError(
-                    f"--method dflash trains block-size - 1 = {steps} positions; drop --ttt-steps "
-                    f"{self.ttt_steps} or set --block-size {self.ttt_steps + 1}"
+                    f"--method {self.method} trains {size} = {steps} positions; drop --ttt-steps "
+                    f"{self.ttt_steps} or set --block-size {self.ttt_steps + silent}"
                 )
             if "step_weight" in self.model_fields_set and abs(self.step_weight - weight) > 1e-12:
-                raise ValueError("--method dflash weighs its block positions by --loss-decay; drop --step-weight")
+                raise ValueError(
+                    f"--method {self.method} weighs its block positions by --loss-decay; drop --step-weight"
+                )
             object.__setattr__(self, "ttt_steps", steps)
             object.__setattr__(self, "step_weight", weight)
         return self

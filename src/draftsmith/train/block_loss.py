@@ -1,5 +1,5 @@
-"""DFlash's loss and metrics a slice of rows at a time: a draft over the target's whole vocabulary with the target's
-frozen lm_head never holds logits [N, V].
+"""The block methods' loss and metrics a slice of rows at a time: a draft over the target's whole vocabulary with the
+target's frozen lm_head (DFlash's, DSpark's) never holds logits [N, V].
 
 DFlash scores up to B * A * (S - 1) block rows (7,621 of 8,192 at the peers' defaults on a 1,024-token sample), each
 over the target's whole vocabulary (49,152 for the default target): keeping the draft's logits of every row for the
@@ -17,17 +17,37 @@ backward and the target's distribution of every needed row costs gigabytes. Neit
 The arithmetic is the unfused path's (`target_distribution`'s p, `ttt.TargetKL`, `ttt.expected_acceptance` over
 `DFlashDraft.logits`) in the same dtypes -- logits in the autocast dtype, reductions in fp32, p in fp32 -- so the
 loss, its gradient and the metrics equal it to fp32 rounding (tests/test_ttt.py compares them through `ttt_forward`).
-The price: the target's logits of a scored row are computed again for every block position that reads it (one more
-[N, H] x [H, V] matmul a step).
+DSpark adds each row's Markov bias, a low-rank term markov_w1[prev] markov_w2^T, inside the same slices (BlockKL's
+`extra`; both its weights trained) and its confidence loss (`score_blocks`).
+The draft's side costs the unfused path's two [N, H] x [H, V] matmuls (its logits, its rows' gradient); the target's
+logits are computed where they are read: on a CPU, which takes the rows in the order of their target row, about once
+per target row (as the unfused path); on a GPU, which takes them as they come (no host sync), once per scored row,
+one more such matmul.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.dspark_model import DSparkDraft
+
+
+class BlockRows(Protocol):
+    """What score_blocks reads of a batch's index (train.ttt.BlockIndex)."""
+
+    needed: torch.Tensor  # [N] rows b * T + i whose target distribution some block row is scored on
+    scored: list[torch.Tensor]  # per proposal d: the block rows scored
+    target: list[torch.Tensor]  # per proposal d: where their target row sits in `needed`
+
+# DSpark's confidence loss beside the KL: BCE(confidence logit, the row's expected acceptance sum_v min(p, q),
+# detached), weighed per proposal as the KL is; 1.0 as speculators' confidence_head_alpha defaults.
+CONFIDENCE_WEIGHT = 1.0
 
 
 @dataclass
@@ -78,20 +98,32 @@ class BlockKL(torch.autograd.Function):
     `hint` [N]: the gradient the caller will give each row's KL (ttt_forward: its loss weight). The rows' gradient
     is made in the forward, scaled by it before the logits' dtype rounds it (as the unfused backward rounds its
     dz); the backward rescales it by grad / hint, exact for any grad (the gradient is linear in it) and a no-op
-    when the grad is the hint. A row whose hint is 0 gets no gradient."""
+    when the grad is the hint. A row whose hint is 0 gets no gradient.
+
+    `extra` [N, r] and `extra_weight` [V, r]: a trainable low-rank term added to every row's logits, z = x W_d^T +
+    extra W_e^T (DSpark's Markov bias: markov_w1[prev] and markov_w2). Both get their gradient; W_e's, a sum over
+    rows, is made in the forward with the hint too, so the backward can only rescale it by one factor: it refuses a
+    grad that is not the hint times one number (ttt_forward's losses always are). `acceptance`: compute the expected
+    acceptance without the other metrics (DSpark's confidence target)."""
 
     @staticmethod
-    def forward(ctx, x, head_weight, target, at, hint, rows, sub, metrics, group):
+    def forward(ctx, x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance):
         if ctx.needs_input_grad[1]:
             raise ValueError("BlockKL: the head is frozen (DFlash's is the target's); it gets no gradient")
         n, device = x.shape[0], x.device
         zdt = F.linear(x[:0], head_weight[:0].to(x.dtype)).dtype  # DFlashDraft.logits's dtype (autocast's)
         acc = torch.promote_types(zdt, torch.float32)  # bf16 logits are reduced in fp32; fp64 stays fp64
         w = head_weight.to(zdt)  # once: autocast would cast it again at every slice; then mm = F.linear's
+        we = None if extra_weight is None else extra_weight.detach().to(zdt)
         kl = torch.empty(n, dtype=acc, device=device)
         correct = torch.zeros(n, dtype=torch.bool, device=device)
         accept = torch.zeros(n, dtype=acc, device=device)
         grad = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        grad_extra = extra.new_empty(extra.shape) if extra is not None and ctx.needs_input_grad[9] else None
+        grad_we = (
+            torch.zeros(we.shape, dtype=acc, device=device) if we is not None and ctx.needs_input_grad[10] else None
+        )
+        any_grad = grad is not None or grad_extra is not None or grad_we is not None
         # group: the rows in the order of their target row, so the rows of a matmul slice read a few target rows,
         # whose logits and p are computed once (DFlash reads each from up to S - 1 block positions). It reads the
         # slices' sizes on the host: free on a CPU; a GPU takes the rows as they come (one target row per row).
@@ -99,7 +131,7 @@ class BlockKL(torch.autograd.Function):
         big, small = (min(rows, n), w.shape[0]), (min(sub, n), w.shape[0])
         zb, tb = torch.empty(big, dtype=zdt, device=device), torch.empty(big, dtype=target.weight.dtype, device=device)
         pb = torch.empty(big, device=device)  # p of the slice's target rows, fp32 (target_distribution's probs)
-        dzb = torch.empty_like(zb) if grad is not None else None
+        dzb = torch.empty_like(zb) if any_grad else None
         zf = torch.empty(small, dtype=acc, device=device)  # the draft's logits in acc; then min(p, q)
         tmp = torch.empty_like(zf)  # exp(z - max), p * z, then softmax(z) and its gradient
         pg = torch.empty(small, device=device) if group else None  # p gathered for the rows
@@ -109,6 +141,10 @@ class BlockKL(torch.autograd.Function):
             ats = at.index_select(0, ids)  # their target rows
             xs = x[a:b] if order is None else x.index_select(0, ids)
             z = torch.mm(xs.to(zdt), w.T, out=zb[: b - a])  # the draft's logits (DFlashDraft.logits)
+            es = None
+            if we is not None:  # the low-rank term (DSparkDraft.block_logits' Markov bias)
+                es = (extra[a:b] if order is None else extra.index_select(0, ids)).to(zdt)
+                z.addmm_(es, we.T)
             if order is None:
                 t, which = target.logits(ats, out=tb[: b - a]), None
             else:  # the target rows the slice reads, each once; which[i]: row i's among them
@@ -131,20 +167,38 @@ class BlockKL(torch.autograd.Function):
                 q = torch.sub(zs, lse[:, None], out=ts).exp_()  # softmax(z)
                 if metrics:
                     correct[i] = top == target.argmax.index_select(0, r)
+                if metrics or acceptance:
                     accept[i] = torch.minimum(p, q, out=zs).sum(-1)
                 if dz is not None:  # TargetKL.backward's dz, in the logits' dtype
                     dz[c:d] = q.sub_(p).mul_(hint.index_select(0, i)[:, None])
             if grad is not None and dz is not None:  # the linear's backward, dz @ W_d, in its dtypes
                 grad[ids] = torch.mm(dz, w).to(x.dtype)
+            if dz is not None and es is not None and we is not None:  # the low-rank term's backward
+                if grad_extra is not None:
+                    grad_extra[ids] = torch.mm(dz, we).to(extra.dtype)
+                if grad_we is not None:
+                    grad_we += torch.mm(dz.T, es)
         ctx.mark_non_differentiable(correct, accept)
-        ctx.save_for_backward(grad, hint)
+        ctx.extra_weight_dtype = None if extra_weight is None else extra_weight.dtype
+        ctx.save_for_backward(grad, grad_extra, grad_we, hint)
         return kl, correct, accept
 
     @staticmethod
     def backward(ctx, grad_kl, _correct, _accept):
-        grad, hint = ctx.saved_tensors
-        scale = torch.where(hint != 0, grad_kl / torch.where(hint != 0, hint, 1), 0)
-        return grad * scale[:, None].to(grad.dtype), None, None, None, None, None, None, None, None
+        grad, grad_extra, grad_we, hint = ctx.saved_tensors
+        live = hint != 0
+        scale = torch.where(live, grad_kl / torch.where(live, hint, 1), 0)
+        rescaled = [None if g is None else g * scale[:, None].to(g.dtype) for g in (grad, grad_extra)]
+        if grad_we is not None:  # a sum over rows: one factor for all of them
+            factors = scale[live]
+            factor = factors[0] if len(factors) else scale.new_zeros(())
+            if not torch.allclose(factors, factor.expand_as(factors), rtol=1e-4, atol=0):
+                raise RuntimeError(
+                    "BlockKL: the low-rank weight's gradient was made for the hint; this backward gives the rows "
+                    "other weights (give block_kl the hint the loss weighs them by)"
+                )
+            grad_we = (grad_we * factor).to(ctx.extra_weight_dtype)
+        return rescaled[0], None, None, None, None, None, None, None, None, rescaled[1], grad_we, None
 
 
 def block_kl(
@@ -153,18 +207,67 @@ def block_kl(
     target: TargetStates,
     at: torch.Tensor,
     hint: torch.Tensor | None = None,
-    rows: int = 256,
+    rows: int = 128,
     sub: int = 64,
     metrics: bool = True,
     group: bool | None = None,
+    extra: torch.Tensor | None = None,
+    extra_weight: torch.Tensor | None = None,
+    acceptance: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL [N] with its gradient to x, draft top-1 == target top-1 [N] bool, expected acceptance [N]) of the draft's
-    normed rows x [N, H] through the frozen head_weight [V, H], row i scored on the target's needed row at[i]
-    (BlockKL; without metrics the last two are zeros). The head's matmuls run `rows` rows at a time, the reductions
-    over their logits `sub` rows at a time; `group` (default: on a CPU) takes the rows by target row (BlockKL)."""
+    normed rows x [N, H] through the frozen head_weight [V, H] (plus extra [N, r] through the trainable extra_weight
+    [V, r]), row i scored on the target's needed row at[i] (BlockKL; without metrics the last two are zeros, the
+    acceptance computed with `acceptance`). The head's matmuls run `rows` rows at a time, the reductions over their
+    logits `sub` rows at a time; `group` (default: on a CPU) takes the rows by target row (BlockKL)."""
     if metrics and target.argmax is None:
         raise ValueError("block_kl: the metrics need the target's top-1 (target_states(..., full=True))")
     if hint is None:
         hint = torch.ones(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     group = x.device.type == "cpu" if group is None else group
-    return BlockKL.apply(x, head_weight, target, at, hint, max(1, rows), max(1, min(sub, rows)), metrics, group)
+    rows, sub = max(1, rows), max(1, min(sub, rows))
+    return BlockKL.apply(x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance)
+
+
+def score_blocks(
+    draft: DFlashDraft,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    target: TargetStates,
+    index: BlockRows,
+    step_weight: float,
+    normaliser: torch.Tensor,
+    metrics: bool,
+    rows: int,
+    sub: int,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """A block method's proposals scored: the scored rows of the block hidden states [B, A*S, H] through draft.norm
+    (autograd), then block_kl over all of them a slice at a time -> (the loss beside the KL: DSpark's confidence
+    term, else 0; per proposal d, its rows' KL with its gradient, top-1 matches and acceptance). Each row's hint is
+    the gradient ttt_forward's loss gives its KL, (1 / normaliser_d) * step_weight**d.
+
+    DSpark (`DSparkDraft`): a row's logits add the Markov bias of the token before its proposal (teacher forcing:
+    x_{a+d}, the token at the target row it is scored on), through block_kl's trainable low-rank term, and its
+    confidence logit is trained towards its expected acceptance (CONFIDENCE_WEIGHT)."""
+    sizes = [len(r) for r in index.scored]
+    x = draft.norm(hidden.flatten(0, 1).index_select(0, torch.cat(index.scored)))  # [N, H] (may be empty)
+    at = torch.cat(index.target)
+    acc = torch.promote_types(x.dtype, torch.float32)  # the KL's dtype
+    one = torch.ones((), dtype=acc, device=x.device)
+    hint = torch.cat(
+        [((one / normaliser[k].clamp(min=1).to(acc)) * step_weight**k).expand(n) for k, n in enumerate(sizes)]
+    )
+    extra_loss = hint.new_zeros(())
+    if not isinstance(draft, DSparkDraft):
+        kl, correct, accept = block_kl(x, draft.head_weight, target, at, hint, rows, sub, metrics)
+    else:
+        prev = input_ids.flatten().index_select(0, index.needed.index_select(0, at))  # x_{a+d}
+        embedded = draft.markov_head.embed(prev)  # [N, r]
+        w2 = draft.markov_head.markov_w2.weight
+        kl, correct, accept = block_kl(
+            x, draft.head_weight, target, at, hint, rows, sub, metrics, None, embedded, w2, True
+        )
+        confidence = draft.confidence_head(x, embedded).float()
+        bce = F.binary_cross_entropy_with_logits(confidence, accept.float(), reduction="none")
+        extra_loss = CONFIDENCE_WEIGHT * (bce * hint.float()).sum()
+    return extra_loss, list(zip(kl.split(sizes), correct.split(sizes), accept.split(sizes)))

