@@ -192,10 +192,12 @@ class QuickstartConfig(StageConfig):
     method: MethodName = Field(
         DEFAULT_METHOD,
         description=(
-            "The draft trained and evaluated: eagle3, peagle (P-EAGLE: every token of a round in one draft forward, "
-            "served by vLLM with parallel drafting) or dflash (a block drafter: the anchor and block - 1 masks in one "
-            "forward, vLLM's dflash method); the budget's shapes either way (peagle trains a parallel depth for every "
-            "evaluated k; dflash: blocks of the evaluated k + 1 on a CPU budget, the peers' defaults on large)."
+            "The draft trained and evaluated: eagle3, eagle3.1, peagle (P-EAGLE: every token of a round in one draft "
+            "forward, served by vLLM with parallel drafting), dflash (a block drafter: the anchor and block - 1 masks "
+            "in one forward, vLLM's dflash method) or dspark (DFlash's block with the anchor row proposing too and a "
+            "Markov head; vLLM serves it on a GPU only); the budget's shapes either way (peagle trains a parallel depth "
+            "for every evaluated k; dflash / dspark: blocks of the evaluated k + 1 on a CPU budget, the peers' "
+            "defaults on large)."
         ),
     )
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
