@@ -645,3 +645,13 @@ def test_train_method_dspark_offline_and_online_learns_its_heads_and_exports(dat
         base = plain_generate(target, torch.tensor(prompt), 24)
         out = speculative_generate(target, draft, torch.tensor(prompt), 4, 24)
         assert out.tokens == base.tokens and out.stats.num_rounds > 0
+
+
+def test_the_commands_after_an_export_say_vllm_serves_dspark_on_a_gpu_only(tmp_path, tiny, dspark):
+    from draftsmith.export import serve_commands
+
+    draftsmith_serve, vllm_serve = serve_commands(tiny[0], write(tmp_path / "vllm", dspark, "vllm"), k=3).items()
+    assert draftsmith_serve[0].endswith("; on a GPU machine: vLLM drafts DSpark there only)")
+    assert '"method": "dspark"' in vllm_serve[1] and '"num_speculative_tokens": 4' in vllm_serve[1]
+    flash = serve_commands(tiny[0], tmp_path / "none", k=3)  # no config.json: EAGLE-3, served anywhere
+    assert list(flash)[0] == "serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)"

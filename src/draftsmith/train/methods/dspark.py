@@ -92,6 +92,7 @@ class DSpark(DFlash):
     name = "dspark"
     kind = "DSpark"
     module = DSparkDraft
+    serves_on_cpu = False  # vLLM's GPU model runner V2 only
     vllm_needs = (
         VllmNeed(
             "dspark",
