@@ -655,3 +655,34 @@ def test_the_commands_after_an_export_say_vllm_serves_dspark_on_a_gpu_only(tmp_p
     assert '"method": "dspark"' in vllm_serve[1] and '"num_speculative_tokens": 4' in vllm_serve[1]
     flash = serve_commands(tiny[0], tmp_path / "none", k=3)  # no config.json: EAGLE-3, served anywhere
     assert list(flash)[0] == "serve the draft (an OpenAI-compatible API on 127.0.0.1:8000)"
+
+
+def test_a_dflash_draft_starts_a_dspark_run_with_its_backbone_and_fresh_heads(data, tmp_path, tiny):
+    """--init-from a DFlash run: every DFlash weight carried over, the Markov and confidence heads a fresh DSpark
+    draft's of the same seed (lr 1e-12: the weights as they came); an EAGLE-3 draft is refused in one line naming
+    the methods that can start it."""
+    from draftsmith.core.errors import DraftsmithError
+    from draftsmith.train import checkpoint
+
+    prepared, store = data
+    flash = tmp_path / "dflash"
+    _train(store, flash, method="dflash", max_steps=2)
+    source, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(flash))
+    same = tmp_path / "same"
+    _train(store, same, init_from=flash, max_steps=1, lr=1e-12, warmup_steps=0, schedule="constant")
+    tensors, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(same))
+    assert (manifest.draft.method, manifest.draft.markov_rank) == ("dspark", 256)
+    assert set(tensors) == set(source) | HEADS
+    for name, value in source.items():
+        torch.testing.assert_close(tensors[name], value, rtol=1e-6, atol=1e-8)
+    fresh = DSparkDraft.from_target(manifest.draft, tiny[1], 0).state_dict()
+    for name in HEADS:
+        torch.testing.assert_close(tensors[name], fresh[name], rtol=1e-6, atol=1e-8)
+    assert source["fc.weight"].abs().sum() > 0 and tensors["markov_head.markov_w1.weight"].abs().sum() > 0
+    eagle = tmp_path / "eagle3"
+    _train(store, eagle, method="eagle3", max_steps=1, num_layers=1, draft_vocab_size=300)
+    with pytest.raises(
+        DraftsmithError,
+        match=r"an EAGLE-3 draft cannot start a --method dspark run .* from a draft of DSpark / DFlash$",
+    ):
+        _train(store, tmp_path / "refused", init_from=eagle)

@@ -39,7 +39,7 @@ from draftsmith.train.batches import (
 from draftsmith.train.checkpoint import RunState
 from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
-from draftsmith.train.methods import METHODS, method, method_of, same_family
+from draftsmith.train.methods import METHODS, method, method_of
 from draftsmith.train.methods.base import Draft
 from draftsmith.train.model import DraftSpec
 from draftsmith.train.ttt import TargetHead, TTTModel
@@ -221,11 +221,12 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Dr
     source = load_draft(cfg.init_from)
     require_draft_for_target(source, s.identity, s.target_path, where, "start from a draft for this target")
     recorded = method_of(source.spec)
-    if not same_family(recorded, wanted):
+    if not wanted.starts_from(recorded):
         raise DraftsmithError(
-            f"{where}: a {recorded.kind} draft cannot start a --method {cfg.method} run (the "
+            f"{where}: {'an' if recorded.kind[0] in 'AEIOU' else 'a'} {recorded.kind} draft cannot start a --method "
+            f"{cfg.method} run (the "
             "architectures differ); start a fresh draft or from a draft of "
-            f"{' / '.join(m.kind for m in METHODS.values() if same_family(m, wanted))}"
+            f"{' / '.join(m.kind for m in METHODS.values() if wanted.starts_from(m))}"
         )
     if sorted(source.spec.aux_layer_ids) != s.aux_layer_ids:
         fix = (

@@ -106,6 +106,11 @@ class DraftMethod(ABC):
     ) -> tuple[Draft, DraftSpec, float]:
         """(draft, spec, draft-vocabulary coverage of the loss-masked `counts`) of a fresh draft for the target."""
 
+    def starts_from(self, other: DraftMethod) -> bool:
+        """Whether a draft of method `other` can start a run of this method (--init-from): one of the same module
+        (its weights carry over), or one whose module this method's extends (`adopt` adds the rest)."""
+        return other.module is self.module
+
     def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
         """A draft of this method's family (`module`) turned into one of this method as `cfg` asks (--init-from an
         EAGLE-3 draft into a P-EAGLE run, a DFlash draft's block size); the other weights kept."""

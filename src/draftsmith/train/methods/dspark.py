@@ -29,10 +29,12 @@ from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm.readers import DSPARK_ARCHITECTURE, DSPARK_ROW
+from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.dspark_model import DSparkDraft
 from draftsmith.train.methods.base import (
     Choose,
     Draft,
+    DraftMethod,
     ExportContext,
     Runner,
     VllmNeed,
@@ -121,6 +123,25 @@ class DSpark(DFlash):
             )
         )
         return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
+
+    def starts_from(self, other: DraftMethod) -> bool:
+        """A DSpark draft, or a DFlash draft: its backbone is DSpark's (`adopt` adds the heads)."""
+        return other.module in (DSparkDraft, DFlashDraft)
+
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+        """A DFlash draft becomes a DSpark draft with its backbone (every DFlash weight) and fresh Markov and
+        confidence heads of rank 256, as a fresh DSpark draft of --seed has them; then DFlash's: the block size of
+        --block-size."""
+        if not isinstance(draft, DSparkDraft):
+            assert isinstance(draft, DFlashDraft)  # starts_from
+            spec = spec.model_copy(update={"method": self.name, "markov_rank": DEFAULT_MARKOV_RANK})
+            dspark = DSparkDraft(spec).to(draft.head_weight.device)
+            dspark.init_weights(cfg.seed)
+            missing, unexpected = dspark.load_state_dict(draft.state_dict(), strict=False)
+            assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing)
+            dspark.set_target(draft.embed_tokens.weight, draft.head_weight)
+            draft = dspark
+        return super().adopt(draft, spec, cfg, target_config)
 
     def sampling(self, cfg: TrainConfig) -> Anchors:
         """DFlash's anchors; the anchor row is proposal 0."""
