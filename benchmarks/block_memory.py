@@ -27,7 +27,7 @@ The trees, run alternately (--repeats times each) so that load on a shared machi
     after   this tree's src
 
     .venv/bin/python benchmarks/block_memory.py [--steps 3] [--repeats 1] [--log-every 10] [--checkpointing]
-        [--main-src DIR]
+        [--skip-live] [--omp-wait-policy passive] [--main-src DIR]
 
 --checkpointing runs both trees with `train --activation-checkpointing` (the draft layers' activations recomputed in
 the backward). Progress goes to stderr; the LAST stdout line is one JSON object: per tree, peak_mb (glibc) and
@@ -160,11 +160,13 @@ def main_tree(commit: str) -> Path:
     return root / "src"
 
 
-def run_worker(cfg: dict, src: Path, live: bool) -> dict | None:
+def run_worker(cfg: dict, src: Path, live: bool, omp_wait_policy: str | None = None) -> dict | None:
     env = dict(os.environ)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if live:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
     env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", json.dumps(cfg)], env=env, capture_output=True, text=True
@@ -212,6 +214,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per tree and allocator, alternating")
     parser.add_argument("--log-every", type=int, default=10, help="step i computes the metrics when i %% N == 0")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing in both trees")
+    parser.add_argument("--skip-live", action="store_true", help="no mmap64k runs (glibc's peak and the timings only)")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=("active", "passive"),
+        help="OMP_WAIT_POLICY of the workers: on a CPU shared with other jobs, libgomp's spinning waits (the "
+        "default) make every multi-threaded op wait for a descheduled thread (steps 5-15x slower in a rehearsal)",
+    )
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
@@ -220,13 +229,14 @@ def main() -> None:
     trees = {"before": before, "after": REPO / "src"}
     cfg = dict(PEERS, warmup=1, steps=args.steps, log_every=args.log_every, checkpointed=args.checkpointing)
     report: dict = {"config": cfg, "trees": {k: str(v) for k, v in trees.items()}, "load_before": load()}
+    report["omp_wait_policy"] = args.omp_wait_policy
     runs: dict[tuple[str, bool], list[dict]] = {(name, live): [] for name in trees for live in (False, True)}
     for repeat in range(args.repeats):
-        for live in (False, True):
+        for live in (False,) if args.skip_live else (False, True):
             for name, src in trees.items():
                 what = f"{name}, {'mmap64k' if live else 'glibc'}, run {repeat + 1}/{args.repeats}"
                 print(f"  {what} ({src}), load {load()}", file=sys.stderr, flush=True)
-                res = run_worker(dict(cfg, steps=1) if live else cfg, src, live)  # live: the peak by step 2
+                res = run_worker(dict(cfg, steps=1) if live else cfg, src, live, args.omp_wait_policy)  # live: step 2
                 if res is not None:
                     runs[name, live].append(res)
                     print(f"  {what}: peak {res['peak_mb']:.0f} MB, steps {res['seconds']} s", file=sys.stderr)

@@ -296,3 +296,62 @@ def test_a_whole_vocabulary_head_is_used_as_it_is_with_the_same_distribution():
     ):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(ours.mass, torch.ones(7))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_layers_keep_less_and_compute_what_the_plain_modules_compute(autocast):
+    """What a DFlash layer keeps for the backward (dflash_model: LeanRMSNorm, lean_mlp, DFlashAttention.project)
+    against model.py's RMSNorm and MLP and the attention's one-projection-at-a-time path as autograd runs them:
+    the same outputs, and the same gradients (to fp32 rounding under autocast, where autograd sums the per-linear
+    gradients in its own order), fp64 and under CPU bf16 autocast (train --precision auto's), on fp32 rows as the
+    residual stream holds them and on bf16 rows as q_norm reads them."""
+    from draftsmith.train.dflash_model import lean_mlp
+    from draftsmith.train.model import RMSNorm
+
+    dtype = torch.float32 if autocast else torch.float64
+    layer = _draft(1).layers[0].to(dtype)
+    attn = layer.self_attn
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for norm in (layer.input_layernorm, attn.q_norm):
+            norm.weight.copy_(torch.rand(norm.weight.shape, generator=gen) + 0.5)
+    cos, sin = _draft(1).rotary(torch.arange(9).expand(2, 9), dtype)
+
+    def plain(x):
+        y = RMSNorm.forward(layer.input_layernorm, x)
+        return (y, layer.mlp(y), attn.query(y, cos, sin), *attn.keys_values(y, cos, sin))
+
+    def lean(x):
+        y = layer.input_layernorm(x)
+        return (y, lean_mlp(layer.mlp, y), *attn.project(y, cos, sin))
+
+    def plain_q_norm(x):
+        return (RMSNorm.forward(attn.q_norm, x),)
+
+    def lean_q_norm(x):
+        return (attn.q_norm(x),)
+
+    x = torch.randn(2, 9, 32, dtype=dtype, generator=gen) * 3
+    cases = [(x, plain, lean)]
+    if autocast:
+        cases.append((torch.randn(2, 9, 4, 8, generator=gen).bfloat16(), plain_q_norm, lean_q_norm))
+    tol = dict(rtol=1e-5, atol=1e-6) if autocast else dict(rtol=1e-12, atol=1e-12)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    for x, *paths in cases:
+        results = []
+        for path in paths:
+            leaf = x.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                outs = path(leaf)
+            loss = sum((o.double() * torch.linspace(-1, 1, o.numel()).view(o.shape).double()).sum() for o in outs)
+            results.append((outs, torch.autograd.grad(loss, [leaf, *params], allow_unused=True)))
+        (outs0, grads0), (outs1, grads1) = results
+        for a, b in zip(outs1, outs0):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # the forward is model.py's, op for op
+        assert grads0[0].abs().sum() > 0
+        for a, b in zip(grads1, grads0):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.dtype == b.dtype
+                torch.testing.assert_close(a, b, **tol)

@@ -372,6 +372,10 @@ def block_attention(
     b, hq, rows, d = q.shape
     num_anchors = limits.shape[1]
     s = rows // num_anchors
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):  # SDPA would cast each chunk; the checkpoints then keep half the bytes
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v, k_context, v_context = (x.to(dtype) for x in (q, k, v, k_context, v_context))
     outs = []
     for (a0, a1), kmax in zip(anchor_chunks(num_anchors, s), chunk_limits):
         args = (

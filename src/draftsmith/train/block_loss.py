@@ -45,6 +45,7 @@ class BlockRows(Protocol):
     scored: list[torch.Tensor]  # per proposal d: the block rows scored
     target: list[torch.Tensor]  # per proposal d: where their target row sits in `needed`
 
+
 # DSpark's confidence loss beside the KL: BCE(confidence logit, the row's expected acceptance sum_v min(p, q),
 # detached), weighed per proposal as the KL is; 1.0 as speculators' confidence_head_alpha defaults.
 CONFIDENCE_WEIGHT = 1.0

@@ -1,7 +1,16 @@
 """The DFlash draft model (vLLM `DFlashDraftModel` compatible weights, qwen3_dflash.py): a block drafter.
 
-Reads top to bottom: attention over the block and the context -> decoder layer -> the draft. The spec, the norm,
-RoPE and MLP pieces and the shared module behaviour (`DraftModule`) are train/model.py's.
+Reads top to bottom: what a layer keeps for the backward -> attention over the block and the context -> decoder
+layer -> the draft. The spec, the norm, RoPE and MLP modules and the shared module behaviour (`DraftModule`) are
+train/model.py's.
+
+Memory: a training forward runs every layer over B * A * S block rows (8,192 at the peers' defaults), so what autograd
+keeps per layer is what bounds a step's peak, not the attention (block_attention keeps no scores). The layers compute
+exactly what model.py's modules compute, keeping less: `LeanRMSNorm` keeps its input and one rstd per row (not the
+fp32 copy and the normed rows), `lean_mlp` keeps the MLP's gate and up projections (not silu(gate), nor the
+product: recomputed in the backward), and the projections reading one input (q / k / v, gate / up) keep it once
+(`linears`: under autocast each would cast it, and keep its own copy). benchmarks/block_memory.py measures it
+(docs/benchmarks.md, "DFlash at the peers' defaults: memory").
 """
 
 from __future__ import annotations
@@ -14,6 +23,118 @@ from torch.utils.checkpoint import checkpoint
 from draftsmith.core import targets
 from draftsmith.train.attention import full_attention
 from draftsmith.train.model import MLP, DraftModule, DraftSpec, KVCache, RMSNorm, RotaryEmbedding, apply_rope
+
+
+# ---------------------------------------------------------------------------------------------- what is kept
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """model.RMSNorm's forward (weight * (x_fp32 * rstd).to(x.dtype)) keeping x and rstd [..., 1] for the backward;
+    the backward recomputes the normed rows and follows autograd's chain through the same ops and dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 normed in fp32; fp64 stays
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            xf = x.to(rstd.dtype)
+            normed = (xf * rstd).to(x.dtype)
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad * normed).sum_to_size(weight.shape).to(weight.dtype)
+            g = (grad * weight).to(x.dtype).to(rstd.dtype)  # through .to(x.dtype): the gradient of xf * rstd
+            grad_rstd = (g * xf).sum(-1, keepdim=True)
+            grad_mean = grad_rstd * (-0.5 * rstd.pow(3))  # d rsqrt(m + eps) / dm
+            grad_x = g * rstd + xf * (grad_mean * (2.0 / x.shape[-1]))  # d mean(x^2) / dx = 2x / D
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+class LeanRMSNorm(RMSNorm):
+    """model.RMSNorm (same weight, same output) through `RMSNormFunction`: keeps x and rstd, not the fp32 copy of x
+    and the normed rows (two [N, H] fp32 tensors per norm of the fp32 residual stream)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class Linears(torch.autograd.Function):
+    """F.linear(x, w) for each w of `weights` (one dtype: the autocast dtype under autocast), keeping x in that dtype
+    once: autocast casts x for every linear reading it and each linear keeps its own copy. The backward is autograd's:
+    per linear dx = dy @ w in the weights' dtype, cast to x's dtype (the cast's backward) before the sum."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        xc = x.to(weights[0].dtype)
+        ctx.save_for_backward(xc, *weights)
+        ctx.x_dtype = x.dtype
+        return tuple(F.linear(xc, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xc, *weights = ctx.saved_tensors
+        with torch.autocast(xc.device.type, enabled=False):
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                for g, w in zip(grads, weights):
+                    part = g.matmul(w).to(ctx.x_dtype)
+                    grad_x = part if grad_x is None else grad_x + part
+            rows = xc.flatten(0, -2)
+            grad_ws = [
+                g.flatten(0, -2).T.mm(rows) if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])
+            ]
+        return grad_x, *grad_ws
+
+
+def _weights(x: torch.Tensor, *modules: nn.Linear) -> list[torch.Tensor]:
+    """The modules' weights as a linear computes with them: cast to the autocast dtype when autocast is on."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return [m.weight.to(torch.get_autocast_dtype(device_type)) for m in modules]
+    return [m.weight for m in modules]
+
+
+def linears(x: torch.Tensor, *modules: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """(m(x) for m in modules), bias-free nn.Linears reading one input, keeping it once (`Linears`)."""
+    return Linears.apply(x, *_weights(x, *modules))
+
+
+class SwiGLUDown(torch.autograd.Function):
+    """down(silu(gate) * up) = F.linear(silu(g) * u, w), keeping g, u and w: the product (down's input) and silu(g)
+    are recomputed in the backward (elementwise) instead of kept, half of what the MLP keeps ([N, I] each). The
+    backward runs autograd's own ops (the linear's two matmuls, the product's, aten.silu_backward) in their dtypes."""
+
+    @staticmethod
+    def forward(ctx, g, u, w):
+        ctx.save_for_backward(g, u, w)
+        return F.linear(F.silu(g) * u, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u, w = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            s = F.silu(g)
+            grad_w = None
+            if ctx.needs_input_grad[2]:
+                grad_w = grad.flatten(0, -2).T.mm((s * u).flatten(0, -2))
+            grad_h = grad.matmul(w)
+            grad_g = torch.ops.aten.silu_backward(grad_h * u, g) if ctx.needs_input_grad[0] else None
+            grad_u = grad_h * s if ctx.needs_input_grad[1] else None
+        return grad_g, grad_u, grad_w
+
+
+def lean_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """mlp(x) (model.MLP: down(silu(gate(x)) * up(x))), keeping x once and g, u (`linears`, `SwiGLUDown`)."""
+    g, u = linears(x, mlp.gate_proj, mlp.up_proj)
+    return SwiGLUDown.apply(g, u, *_weights(x, mlp.down_proj))
+
+
+# ---------------------------------------------------------------------------------------------- attention
 
 
 class DFlashAttention(nn.Module):
@@ -32,8 +153,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, eps)
-        self.k_norm = RMSNorm(self.head_dim, eps)
+        self.q_norm = LeanRMSNorm(self.head_dim, eps)
+        self.k_norm = LeanRMSNorm(self.head_dim, eps)
 
     def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -47,6 +168,16 @@ class DFlashAttention(nn.Module):
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(self._heads(self.q_proj, self.q_norm, x, self.num_heads), cos, sin)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(query(x), *keys_values(x)) [B, heads, T, D], the three projections keeping x once (`linears`)."""
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, -1, self.head_dim) for y in linears(x, self.q_proj, self.k_proj, self.v_proj))
+        q, k = (
+            apply_rope(self.q_norm(q).transpose(1, 2), cos, sin),
+            apply_rope(self.k_norm(k).transpose(1, 2), cos, sin),
+        )
+        return q, k, v.transpose(1, 2)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = out.shape
@@ -62,9 +193,9 @@ class DFlashLayer(nn.Module):
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(h, eps)
+        self.input_layernorm = LeanRMSNorm(h, eps)
         self.self_attn = DFlashAttention(spec)
-        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = LeanRMSNorm(h, eps)
         self.mlp = MLP(spec)
 
     def forward(self, hidden: torch.Tensor, cos, sin, context, attend) -> torch.Tensor:
@@ -73,11 +204,9 @@ class DFlashLayer(nn.Module):
         decoding; attend(q, k_block, v_block, k_context, v_context) -> [B, Hq, Q, D] decides who sees what
         (training: each block its own prefix, `block_attention`; decoding: everything)."""
         context_kv = self.self_attn.keys_values(*context) if len(context) == 3 else context
-        x = self.input_layernorm(hidden)
-        k, v = self.self_attn.keys_values(x, cos, sin)
-        out = attend(self.self_attn.query(x, cos, sin), k, v, *context_kv)
+        out = attend(*self.self_attn.project(self.input_layernorm(hidden), cos, sin), *context_kv)
         hidden = hidden + self.self_attn.output(out)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + lean_mlp(self.mlp, self.post_attention_layernorm(hidden))
 
 
 class DFlashDraft(DraftModule):
@@ -108,9 +237,9 @@ class DFlashDraft(DraftModule):
         self.embed_tokens = nn.Embedding(spec.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, h, bias=False)
-        self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.hidden_norm = LeanRMSNorm(h, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(spec, i) for i in range(spec.num_hidden_layers))
-        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.norm = LeanRMSNorm(h, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec)
         self.register_buffer("head_weight", torch.zeros(spec.vocab_size, h), persistent=False)  # the target's
         self.register_buffer("d2t", torch.zeros(spec.vocab_size, dtype=torch.int64), persistent=False)
