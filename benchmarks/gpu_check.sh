@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The trainer's GPU check (issue 13): 8B-shaped training throughput and peak memory at T 2048 and 8192 (bf16,
-# torch.compile off and on), the default target's τ after a few minutes of online training, and EAGLE-3, P-EAGLE
-# and DFlash on one store (benchmarks/methods.py: τ, draft ms per round, tokens/s per k; vLLM too where it is
-# installed; with vLLM, the τ draft's speed-up by concurrency through `draftsmith serve`, evaluate --concurrency); prints
+# torch.compile off and on), the default target's τ after a few minutes of online training, and the five drafting
+# methods on one store (benchmarks/methods.py: τ, draft ms per round, tokens/s per k; vLLM too where it is installed,
+# DSpark included on a GPU; with vLLM, the τ draft's speed-up by concurrency through `draftsmith serve`, evaluate --concurrency); prints
 # a markdown table for docs/benchmarks.md. Sized for <= 8 minutes on one H200 before the methods
-# step, which adds ~4 (three small drafts, the reference decoder at k 2..8; each vLLM engine start ~1 min more).
+# step, which adds ~6 (five small drafts, the reference decoder at k 2..8; each vLLM engine start ~1 min more).
 #
 #   bash benchmarks/gpu_check.sh                         # on the GPU machine (device cuda)
 #   bash benchmarks/gpu_check.sh --device cpu --tiny     # the rehearsal (CI): the same steps on tiny shapes, < 1 min
@@ -205,7 +205,8 @@ else
   echo "concurrency: skipped (no vLLM here, or no τ draft)" | tee "$OUT/concurrency.txt"
 fi
 
-# 3. EAGLE-3, P-EAGLE and DFlash: one store, the same training tokens; per k τ, draft time and tokens/s.
+# 3. Every drafting method (EAGLE-3, Eagle 3.1, P-EAGLE, DFlash, DSpark): one store, the same training tokens; per k
+# τ, draft time and tokens/s (vLLM: the methods it serves; on a GPU that includes DSpark).
 if [ "$TINY" = 1 ]; then
   PEAGLE_ARGS=(--device "$DEVICE" --engines hf --work "$OUT/peagle" --prepared "$OUT/tiny/prepared"
                --target "$OUT/tiny/target" --prompt-set "$OUT/tiny/prepared" --k 2,3 --epochs 1 --steps 2
@@ -246,19 +247,24 @@ else:
           f"{tau['tokens_per_s']:,.0f} tokens/s): " + ", ".join(f"k={k}: {v:.2f}" for k, v in tau["tau"].items()))
 peagle = last_json("peagle.txt")
 if peagle is None:
-    print(f"\nEAGLE-3, P-EAGLE, DFlash: {(out / 'peagle.txt').read_text().strip() or 'no result (see peagle.log)'}")
+    print(f"\nmethods: {(out / 'peagle.txt').read_text().strip() or 'no result (see peagle.log)'}")
 else:
-    methods = ("eagle3", "peagle", "dflash")
-    print(f"\nEAGLE-3 | P-EAGLE | DFlash ({peagle['train']['eagle3']['tokens']} training tokens each, TTT/depths "
-          f"{peagle['ttt_steps']}, DFlash block {peagle['dflash']['block_size']} x {peagle['dflash']['layers']} "
-          f"layers, {peagle['dtype']}; draft ms = time per round inside the draft):\n")
+    methods = tuple(peagle["train"])  # those benchmarks/methods.py trained: all five by default
+    first = peagle["train"][methods[0]]["tokens"]
+    blocks = ", ".join(f"{m} block {peagle[m]['block_size']} x {peagle[m]['layers']} layers"
+                       for m in ("dflash", "dspark") if m in peagle)
+    print(f"\n{' | '.join(methods)} ({first} training tokens each, TTT/depths {peagle['ttt_steps']}, {blocks}, "
+          f"{peagle['dtype']}; draft ms = time per round inside the draft; –: not run or not served):\n")
     print("| engine | k | " + " | ".join(f"{what} {m}" for what in ("τ", "draft ms", "tokens/s") for m in methods)
           + " |")
-    print("|---|---|" + "---|" * 9)
+    print("|---|---|" + "---|" * (3 * len(methods)))
     for engine, res in peagle["engines"].items():
         if "error" in res:
-            print(f"| {engine} | {res['error']} |" + " |" * 9); continue
-        rows = [res["methods"].get(m, {}) for m in methods]
+            print(f"| {engine} | {res['error']} |" + " |" * (3 * len(methods))); continue
+        for m, r in res["methods"].items():
+            if "not_served" in r:
+                print(f"| {engine} | {m} not served: {r['not_served']} |" + " |" * (3 * len(methods)))
+        rows = [{k: v for k, v in res["methods"].get(m, {}).items() if k != "not_served"} for m in methods]
         for k in sorted({k for r in rows for k in r}, key=int):
             cells = [f"{r[k][key]:.3f}" if k in r and r[k].get(key) is not None else "–"
                      for key in ("tau", "draft_ms_per_round", "tokens_per_s") for r in rows]

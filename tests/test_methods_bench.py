@@ -1,6 +1,8 @@
-"""benchmarks/methods.py's measuring parts, without training or an engine: the k lists, the timers (a
-nested call counted once, the draft's forwards counted), the worker swap that times vLLM's drafting step (only
-the evaluation worker is rerouted; only the timed generate call is counted), and the side-by-side table."""
+"""benchmarks/methods.py's measuring parts, without training or an engine: the k lists, each method's store layers
+and training shape (a block method's block: DFlash k + 1, DSpark k), the timers (a nested call counted once, the
+draft's forwards counted, a DSpark draft's Markov head timed), the worker swap that times vLLM's drafting step (only
+the evaluation worker is rerouted; only the timed generate call is counted), the methods vLLM does not serve (asked,
+recorded, not started), and the side-by-side table."""
 
 from __future__ import annotations
 
@@ -146,3 +148,95 @@ def test_rows_and_the_side_by_side_table():
     assert lines[2].split("|")[2].split() == ["25.00", "–", "–"]
     assert lines[2].split("|")[4].strip() == "yes/–/–"
     assert lines[-1] == "vllm: skipped: vLLM is not installed (or does not import)"
+
+
+def test_every_method_is_measured():
+    from draftsmith.train.methods import METHODS as REGISTRY
+
+    assert set(bench.METHODS) == set(REGISTRY) and set(bench.SHORT) == set(bench.METHODS)
+    assert len(set(bench.SHORT.values())) == len(bench.SHORT)
+
+
+def test_block_methods_propose_k_a_round():
+    assert bench.block_size("dflash", 4) == 5  # the anchor and 4 masks
+    assert bench.block_size("dspark", 4) == 4  # every row proposes
+    assert bench.block_size("eagle3", 4) is None and bench.block_size("peagle", 4) is None
+    assert bench.train_shape("dspark", 4, 2, 16, 2048) == dict(num_layers=2, block_size=4, anchors_per_sample=16)
+    assert bench.train_shape("dflash", 4, 2, 16, 2048) == dict(num_layers=2, block_size=5, anchors_per_sample=16)
+    assert bench.train_shape("eagle3.1", 4, 2, 16, 2048) == dict(ttt_steps=4, draft_vocab_size=2048)
+    from draftsmith.config import TrainConfig
+    from draftsmith.train.methods import method
+
+    for name in ("dflash", "dspark"):  # train sizes the block's proposals as the benchmark does
+        cfg = TrainConfig(data="store", output="out", method=name, **bench.train_shape(name, 4, 2, 16, 2048))
+        assert cfg.ttt_steps == 4
+        assert method(name).round_tokens(types.SimpleNamespace(block_size=cfg.block_size), 4) == 4
+
+
+def test_the_store_holds_the_layers_each_draft_reads():
+    from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
+
+    layers = bench.store_layers(bench.METHODS, 24, 2)
+    eagle = resolve_layer_ids(None, 24)[:-1]
+    assert layers["dflash"] == layers["dspark"] == dflash_aux_layer_ids(24, 2)
+    assert layers["eagle3"] == layers["eagle3.1"] == layers["peagle"] == eagle
+    assert bench.store_layers(("dspark",), 24, 3) == {"dspark": dflash_aux_layer_ids(24, 3)}
+
+
+def test_the_markov_head_is_draft_time():
+    class Markov(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.markov_w1, self.markov_w2 = nn.Embedding(4, 2), nn.Linear(2, 4)
+
+    draft = types.SimpleNamespace(fc=nn.Linear(2, 2))
+    assert bench.timed_modules(draft) == [draft, draft.fc]
+    draft.markov_head = Markov()
+    assert bench.timed_modules(draft)[2:] == [draft.markov_head.markov_w1, draft.markov_head.markov_w2]
+
+
+def test_methods_vllm_cannot_serve_are_recorded_not_started(tmp_path, monkeypatch):
+    from draftsmith import evaluate
+
+    asked = []
+
+    def verdict(target, what, *, method, dtype):
+        asked.append((method, dtype))
+        why = "the probe could not tell whether vLLM 0.32.0 serves dspark" if method == "dspark" else None
+        return vllm_runner.VllmVerdict("0.32.0", why, why and f"{what}: {why}")
+
+    monkeypatch.setattr(vllm_runner, "engine_dtype", lambda target, asked: types.SimpleNamespace(dtype="float32"))
+    monkeypatch.setattr(vllm_runner, "vllm_verdict", verdict)
+    assert bench.vllm_not_served(tmp_path, ["eagle3", "dspark"], "float32") == {
+        "dspark": "the probe could not tell whether vLLM 0.32.0 serves dspark"
+    }
+    assert asked == [("eagle3", "float32"), ("dspark", "float32")]
+
+    def no_engine(cfg):
+        raise AssertionError("no engine starts for a method vLLM does not serve")
+
+    monkeypatch.setattr(evaluate, "run", no_engine)
+    monkeypatch.setattr(bench, "vllm_not_served", lambda target, methods, dtype: {m: "not here" for m in methods})
+    result = bench.vllm_engine(tmp_path, tmp_path, {"dspark": tmp_path / "x"}, "mt-bench", 1, [4], 8, "float32", 60)
+    assert result["methods"] == {"dspark": {"not_served": "not here"}}
+    assert result["error"] == "skipped: vLLM serves none of dspark"
+    assert bench.table({"vllm": result}, {"vllm": [4]}, ("dflash", "dspark")).splitlines() == [
+        "vllm: skipped: vLLM serves none of dspark",
+        "vllm: dspark not served: not here",
+    ]
+
+
+def test_a_method_not_served_is_a_line_under_the_table():
+    stats = DecodeStats(k=4, num_new_tokens=30, elapsed_s=3.0, num_rounds=10, num_accepted=8, accepted_per_pos=[5, 3])
+    row = bench.per_k_row(stats, base_tps=5.0, draft_s=0.25, draft_calls=12)
+    results = {
+        "vllm": {
+            "target_alone_tokens_per_s": 5.0,
+            "num_prompts": 2,
+            "dtype": "float32",
+            "methods": {"dflash": {"4": row}, "dspark": {"not_served": "vLLM 0.32.0 has no dspark method"}},
+        }
+    }
+    lines = bench.table(results, {"vllm": [4]}, ("dflash", "dspark")).splitlines()
+    assert lines[2].split("|")[1].split() == ["1.800", "–"]
+    assert lines[-1] == "vllm: dspark not served: vLLM 0.32.0 has no dspark method"

@@ -25,6 +25,9 @@ def test_gpu_check_rehearsal_runs_every_step_and_prints_the_table(tmp_path):
     assert "| shape | T | compile | dtype | tokens/s | peak MB |" in out
     assert "| tiny | 128 | off | fp32 |" in out and "| tiny | 128 | eager | fp32 |" in out
     assert "τ after" in out and "k=2:" in out
+    # every drafting method on one store, in the reference decoder (--engines hf on the rehearsal)
+    header = "| engine | k | " + " | ".join(f"τ {m}" for m in ("eagle3", "eagle3.1", "peagle", "dflash", "dspark"))
+    assert header in out and "| hf | 2 |" in out and "| hf | 3 |" in out
 
 
 def test_gpu_check_kimi_rehearsal_runs_every_step_and_writes_its_json(tmp_path):

@@ -12,7 +12,7 @@ target's embedding and lm_head) is `DFlashDraft`'s, unchanged.
 
 The layout is `sample_from_anchor` (speculators' DSpark default; vLLM's DSparkSpeculator with `sample_from_anchor:
 true`, which it defaults to): every block row is a prediction, the anchor's included, so a round of S rows drafts S
-tokens (vLLM's num_speculative_tokens = block_size, its default for "dspark"). DFlash's block has the same rows, but
+tokens (vLLM's num_speculative_tokens = block_size, its default for the dspark method). DFlash's block has the same rows, but
 its anchor row proposes nothing (block_size - 1 tokens). Decoding runs as vLLM's DSparkSpeculator does: one backbone
 forward gives every slot's base logits, then the Markov steps run left to right, each adding the bias of the token
 the slot before it chose (`markov_steps`); the backbone is not run again.
