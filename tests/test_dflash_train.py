@@ -306,7 +306,7 @@ def test_the_layers_keep_less_and_compute_what_the_plain_modules_compute(autocas
     gradients in its own order), fp64 and under CPU bf16 autocast (train --precision auto's), on fp32 rows as the
     residual stream holds them and on bf16 rows as q_norm reads them."""
     from draftsmith.train.dflash_model import lean_mlp
-    from draftsmith.train.model import RMSNorm
+    from draftsmith.train.model import RMSNorm, apply_rope
 
     dtype = torch.float32 if autocast else torch.float64
     layer = _draft(1).layers[0].to(dtype)
@@ -319,7 +319,8 @@ def test_the_layers_keep_less_and_compute_what_the_plain_modules_compute(autocas
 
     def plain(x):
         y = RMSNorm.forward(layer.input_layernorm, x)
-        return (y, layer.mlp(y), attn.query(y, cos, sin), *attn.keys_values(y, cos, sin))
+        query = apply_rope(attn._heads(attn.q_proj, attn.q_norm, y, attn.num_heads), cos, sin)
+        return (y, layer.mlp(y), query, *attn.keys_values(y, cos, sin))
 
     def lean(x):
         y = layer.input_layernorm(x)

@@ -584,26 +584,12 @@ def data(tiny_target_dir, tmp_path_factory):
 
 
 def _train(data_dir, out, **kw):
+    """test_dflash_train's tiny run, as DSpark: blocks of 4 (4 proposals), lr 1e-2, 16 steps -> metrics.jsonl."""
+    from test_dflash_train import _cfg
+
     from draftsmith import train as trainer
 
-    base = dict(
-        data=data_dir,
-        output=out,
-        method="dspark",
-        block_size=4,
-        anchors_per_sample=6,
-        num_layers=2,
-        lr=1e-2,
-        warmup_steps=2,
-        token_budget=256,
-        eval_fraction=0.15,
-        log_every=1,
-        save_every=1000,
-        device="cpu",
-        seed=0,
-        max_steps=16,
-    )
-    trainer.run(TrainConfig(**{**base, **kw}))
+    trainer.run(_cfg(data_dir, out, **{**dict(method="dspark", block_size=4, lr=1e-2, max_steps=16), **kw}))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

