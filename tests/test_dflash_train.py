@@ -170,13 +170,15 @@ def _cfg(data, out, **kw) -> TrainConfig:
         max_steps=6,
     )
     base.update(kw)
+    if base["method"] not in ("dflash", "dspark"):  # an EAGLE-family run beside them: no block options
+        base = {k: v for k, v in base.items() if k not in ("block_size", "anchors_per_sample")}
     return TrainConfig(**base)
 
 
 def test_dflash_config_derives_steps_and_weights_from_the_block():
     cfg = TrainConfig(method="dflash")
-    assert (cfg.num_layers, cfg.block_size, cfg.ttt_steps, cfg.anchors_per_sample) == (5, 16, 15, 512)
-    assert abs(cfg.step_weight**6 - np.exp(-6 / 7)) < 1e-12  # position j weighs exp(-(j-1)/7)
+    assert (cfg.num_layers, cfg.method.block_size, cfg.method.depths, cfg.method.anchors_per_sample) == (5, 16, 15, 512)
+    assert abs(cfg.method.depth_weight**6 - np.exp(-6 / 7)) < 1e-12  # position j weighs exp(-(j-1)/7)
     assert TrainConfig().num_layers == 1
     with pytest.raises(ValueError, match="block-size"):
         TrainConfig(method="dflash", ttt_steps=4)
@@ -223,18 +225,7 @@ def _names(directory):
 
 def test_an_eagle3_draft_cannot_start_a_dflash_run(prepared, tmp_path):
     eagle = tmp_path / "eagle"
-    trainer.run(
-        _cfg(
-            prepared,
-            eagle,
-            method="eagle3",
-            max_steps=1,
-            num_layers=1,
-            draft_vocab_size=300,
-            block_size=16,
-            anchors_per_sample=512,
-        )
-    )
+    trainer.run(_cfg(prepared, eagle, method="eagle3", max_steps=1, num_layers=1, draft_vocab_size=300))
     with pytest.raises(DraftsmithError, match="architectures differ"):
         trainer.run(_cfg(prepared, tmp_path / "dflash", init_from=eagle))
 

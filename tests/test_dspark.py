@@ -10,7 +10,6 @@ import importlib.util
 import json
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -123,7 +122,7 @@ def test_names_are_dflashs_and_the_four_of_speculators_and_vllm(tiny, dspark):
 def test_a_fresh_draft_is_dflashs_with_the_heads_of_rank_256(tiny):
     target_dir, model, _ = tiny
     config = json.loads((target_dir / "config.json").read_text())
-    cfg = SimpleNamespace(num_layers=1, block_size=8, seed=0)  # the TrainConfig fields a fresh draft reads
+    cfg = TrainConfig(method="dspark", num_layers=1, block_size=8, seed=0)
     draft, spec, coverage = DSPARK.fresh_draft(cfg, config, model, range(config["vocab_size"]), [1, 2])
     assert isinstance(draft, DSparkDraft) and coverage == 1.0
     assert (spec.method, spec.block_size, spec.markov_rank) == ("dspark", 8, 256)
@@ -506,8 +505,13 @@ def test_a_dspark_block_scores_its_anchor_row_against_the_next_tokens_distributi
     for d in range(4):  # DFlash's proposal d is its row d + 1, scored on the same distribution
         assert torch.equal(flash.scored[d], spark.scored[d] + 1)
         assert [flash.needed[i] for i in flash.target[d]] == [spark.needed[i] for i in spark.target[d]]
-    assert TrainConfig(method="dspark", block_size=5).ttt_steps == 5 and TrainConfig(method="dspark").num_layers == 5
-    with pytest.raises(ValueError, match="block-size = 5 positions"):
+    assert (
+        TrainConfig(method="dspark", block_size=5).method.depths == 5 and TrainConfig(method="dspark").num_layers == 5
+    )
+    with pytest.raises(
+        ValueError,
+        match="--ttt-steps is an option of --method eagle3 / eagle3.1 / peagle; --method dspark takes --block-size",
+    ):
         TrainConfig(method="dspark", block_size=5, ttt_steps=4)
 
 

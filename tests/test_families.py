@@ -152,9 +152,10 @@ def in_process_vllm(on: bool = True):
 
 class Matrix:
     """Prepared sets, stores and results per family, built once per module and shared by its tests. A subclass
-    trains drafts of another method by its `draft_options` (TrainConfig options over the EAGLE-3 ones here)."""
+    trains drafts of another method by its `draft_options` (its method and that method's options, over the options
+    every method shares here)."""
 
-    draft_options: dict[str, Any] = {}
+    draft_options: dict[str, Any] = dict(ttt_steps=SPEC_K)
 
     def __init__(self, root: Path, chats: Path):
         self.root, self.chats = root, chats
@@ -246,7 +247,6 @@ class Matrix:
                             schedule="constant",
                             token_budget=2048,
                             draft_vocab_size=256,
-                            ttt_steps=SPEC_K,
                             eval_fraction=0.0,
                             save_every=10**6,
                             device="cpu",

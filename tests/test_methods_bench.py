@@ -169,8 +169,8 @@ def test_block_methods_propose_k_a_round():
 
     for name in ("dflash", "dspark"):  # train sizes the block's proposals as the benchmark does
         cfg = TrainConfig(data="store", output="out", method=name, **bench.train_shape(name, 4, 2, 16, 2048))
-        assert cfg.ttt_steps == 4
-        assert method(name).round_tokens(types.SimpleNamespace(block_size=cfg.block_size), 4) == 4
+        assert cfg.method.depths == 4
+        assert method(name).round_tokens(types.SimpleNamespace(block_size=cfg.method.block_size), 4) == 4
 
 
 def test_the_store_holds_the_layers_each_draft_reads():

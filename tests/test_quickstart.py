@@ -49,7 +49,7 @@ def test_recipe_sections_override_the_budget_and_are_validated(tmp_path):
         output=tmp_path, budget="small", train={"lr": 3e-4, "ttt_steps": 5}, evaluate={"max_new_tokens": 17}
     )
     cfgs = quickstart.stage_configs(cfg, engine="hf")
-    assert cfgs["train"].lr == 3e-4 and cfgs["train"].ttt_steps == 5
+    assert cfgs["train"].lr == 3e-4 and cfgs["train"].method.depths == 5
     assert cfgs["train"].draft_vocab_size == quickstart.BUDGETS["small"].draft_vocab_size  # the rest: the budget's
     assert cfgs["evaluate"].max_new_tokens == 17 and cfgs["evaluate"].draft == cfgs["export"].output
     with pytest.raises(DraftsmithError, match=r"^quickstart section train: option ttt_stepz: Extra inputs"):
@@ -71,13 +71,10 @@ def test_online_trains_from_the_prepared_set(tmp_path):
 def test_method_peagle_changes_the_train_stage_only(tmp_path):
     default = quickstart.stage_configs(QuickstartConfig(output=tmp_path), engine="vllm")
     peagle = quickstart.stage_configs(QuickstartConfig(output=tmp_path, method="peagle"), engine="vllm")
-    assert default["train"].method == "eagle3" and peagle["train"].method == "peagle"
+    assert default["train"].method.name == "eagle3" and peagle["train"].method.name == "peagle"
     # the budget's shapes, with a parallel depth trained for every evaluated k (small: k 5)
-    assert peagle["train"].ttt_steps == max(default["evaluate"].k) == 5 > default["train"].ttt_steps
-    assert (
-        peagle["train"].model_copy(update={"method": "eagle3", "ttt_steps": default["train"].ttt_steps})
-        == default["train"]
-    )
+    assert peagle["train"].method.depths == max(default["evaluate"].k) == 5 > default["train"].method.depths
+    assert peagle["train"].model_copy(update={"method": default["train"].method}) == default["train"]
     assert all(peagle[s] == default[s] for s in default if s != "train")  # export / evaluate read the draft
     with pytest.raises(DraftsmithError, match=r"^quickstart section train: option method is the quickstart's own"):
         quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"method": "peagle"}), engine="hf")
@@ -109,7 +106,8 @@ def test_method_dflash_extracts_its_layers_and_trains_its_blocks(tmp_path, defau
     block, layers, anchors = quickstart.BUDGETS["small"].dflash
     assert block == max(default["evaluate"].k) + 1  # a round of block - 1 tokens: the budget's k
     train = dflash["train"]
-    assert (train.method, train.block_size, train.num_layers, train.anchors_per_sample, train.ttt_steps) == (
+    options = train.method
+    assert (options.name, options.block_size, train.num_layers, options.anchors_per_sample, options.depths) == (
         "dflash",
         block,
         layers,

@@ -135,8 +135,8 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
     cfg = _cfg(store_dir, prepared_dir.parent / "unused")
     s = open_data(cfg, torch.device("cpu"))
     ids = [0, 3, 5]
-    offline = fetch(store, [store.index_of(i) for i in ids], cfg.ttt_steps)
-    online = OnlineSource(load_target(sharp_target_dir), store.layer_ids)(fetch(prepared, ids, cfg.ttt_steps))
+    offline = fetch(store, [store.index_of(i) for i in ids], cfg.method.depths)
+    online = OnlineSource(load_target(sharp_target_dir), store.layer_ids)(fetch(prepared, ids, cfg.method.depths))
     assert torch.equal(offline.input_ids, online.input_ids) and torch.equal(offline.loss_mask, online.loss_mask)
     assert offline.hidden_states.dtype == torch.bfloat16 and online.hidden_states.dtype == torch.float32
     real = offline.loss_mask | (offline.input_ids != 0)

@@ -31,7 +31,7 @@ _GRAD_SCRIPT = textwrap.dedent("""
     draft, head, batches, cfg = make_problem()
     model = distributed.wrap(TTTModel(draft), info)
     mine = batches[info.rank::info.world_size]
-    norm = distributed.all_reduce_sum(sum(step_counts(b.loss_mask, cfg.ttt_steps) for b in mine), info)
+    norm = distributed.all_reduce_sum(sum(step_counts(b.loss_mask, cfg.method.depths) for b in mine), info)
     for j, b in enumerate(mine):
         with distributed.grad_sync(model, info, j == len(mine) - 1):  # one reduction, after the last micro-batch
             (trainer.forward(model, head, b, cfg, torch.float32, norm, True).loss * info.world_size).backward()
@@ -103,7 +103,7 @@ def _single_process_grads():
 
     draft, head, batches, cfg = make_problem()
     model = TTTModel(draft)
-    norm = sum(step_counts(b.loss_mask, cfg.ttt_steps) for b in batches)
+    norm = sum(step_counts(b.loss_mask, cfg.method.depths) for b in batches)
     for b in batches:
         trainer.forward(model, head, b, cfg, torch.float32, norm, True).loss.backward()
     return {n.replace("draft.", ""): p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -98,11 +98,11 @@ def prepared(tiny_target_dir, tmp_path_factory):
 def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_path, method):
     def cfg(out):  # peagle: 3 depths, COD sampling drawn per (epoch, sample): a resume must draw the same anchors;
         #            dflash: blocks of 4 at anchors drawn per (epoch, sample), the same on a resume
-        shape = (
-            dict(block_size=4, anchors_per_sample=6, num_layers=2)
-            if method == "dflash"
-            else dict(ttt_steps=2 if method == "eagle3" else 3)
-        )
+        shape = {
+            "eagle3": dict(ttt_steps=2),
+            "peagle": dict(ttt_steps=3, cod_ratio=0.6, cod_floor=0.2),
+            "dflash": dict(block_size=4, anchors_per_sample=6, num_layers=2),
+        }[method]
         return TrainConfig(
             data=prepared,
             output=out,
@@ -120,8 +120,6 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_p
             warmup_steps=2,
             device="cpu",
             method=method,
-            cod_ratio=0.6,
-            cod_floor=0.2,
             **shape,
         )
 

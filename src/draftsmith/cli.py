@@ -141,7 +141,7 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
             ],
         )
     ]
-    for field_name, field in cfg_cls.model_fields.items():
+    for field_name, field in cfg_cls.flag_fields().items():
         extra = field.json_schema_extra
         if typing.get_origin(field.annotation) is dict and not (isinstance(extra, dict) and extra.get("json_flag")):
             continue  # a YAML-only section (a recipe's per-stage options): no flag for it

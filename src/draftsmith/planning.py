@@ -39,7 +39,7 @@ def sizing_rows(
     assert train.num_layers is not None  # TrainConfig's validator sets the method's default
     draft = DraftSpec.from_target_config(config, draft_vocab_size or train.draft_vocab_size, train.num_layers, aux)
     memory = sizing.training_memory(
-        draft, token_budget=token_budget or train.token_budget, ttt_steps=ttt_steps or train.ttt_steps
+        draft, token_budget=token_budget or train.token_budget, ttt_steps=ttt_steps or train.method.depths
     )
     tp = max(1, tensor_parallel_size)
     moe = (
@@ -108,7 +108,7 @@ def sizing_rows(
         (
             "draft training memory (estimate)",
             f"{sizing.human_bytes(memory.total)} per GPU at {token_budget or train.token_budget} tokens per "
-            f"micro-batch, {ttt_steps or train.ttt_steps} TTT steps: weights + AdamW "
+            f"micro-batch, {ttt_steps or train.method.depths} TTT steps: weights + AdamW "
             f"{sizing.human_bytes(memory.weights_and_optimizer)}, target embedding + head (bf16) "
             f"{sizing.human_bytes(memory.target_head)}, activations {sizing.human_bytes(memory.activations)}",
         )
@@ -121,7 +121,7 @@ def sizing_rows(
                     draft,
                     gpu_memory_gb,
                     token_budget=token_budget or train.token_budget,
-                    ttt_steps=ttt_steps or train.ttt_steps,
+                    ttt_steps=ttt_steps or train.method.depths,
                 ),
             )
         )

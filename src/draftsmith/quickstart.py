@@ -402,14 +402,14 @@ def _summary(
         if report
         else engine_why,
     }
-    summary["draft"] = method(configs["train"].method).describe_run(configs["train"])
+    summary["draft"] = method(configs["train"].method.name).describe_run(configs["train"])
     summary["exported draft"] = str(configs["export"].output)
     if report is None:
         summary["evaluate it"] = f"draftsmith evaluate --draft {configs['export'].output} --engine vllm"
     else:
         if report.get("gate"):  # vLLM decoded it as the reference decoder does (else evaluate stopped the run)
             summary["gate"] = "; ".join(check["verdict"] for check in report["gate"]["checks"])
-        summary.update(tau_lines(report["runs"], method(configs["train"].method).depths_trained(configs["train"])))
+        summary.update(tau_lines(report["runs"], method(configs["train"].method.name).depths_trained(configs["train"])))
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
             summary["charts"] = f"none: {CHARTS_HINT}"

@@ -15,6 +15,7 @@ from pydantic import (
     Field,
     ValidationError,
 )
+from pydantic.fields import FieldInfo
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
@@ -27,6 +28,11 @@ class StageConfig(BaseModel):
     """Base of every stage config: unknown keys are errors, so a typo in YAML is caught."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @classmethod
+    def flag_fields(cls) -> dict[str, FieldInfo]:
+        """The options the CLI makes flags of, in order (a config whose input is flatter than its fields says so)."""
+        return dict(cls.model_fields)
 
 
 def _split_list(value: Any) -> Any:
@@ -63,7 +69,9 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dic
         first = err.errors()[0]
         if first["loc"] and str(first["loc"][0]) in flags:  # the flag's value is wrong, not the file's
             raise _one_line(cls, err, "") from None
-        key = ".".join(str(p) for p in first["loc"]) or "(the whole file)"
+        if not first["loc"]:  # the config's own check across options: its message says what is wrong
+            raise DraftsmithError(f"{config_file}: {first['msg'].removeprefix('Value error, ')}") from None
+        key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             close = difflib.get_close_matches(key, list(cls.model_fields), n=1)
             raise DraftsmithError(
@@ -109,8 +117,12 @@ def _reason(err: ValidationError) -> str:
 
 def _one_line(cls: type[StageConfig], err: ValidationError, where: str) -> DraftsmithError:
     first = err.errors()[0]
-    option = ".".join(str(p) for p in first["loc"]) or "config"
-    option = f"--{option.replace('_', '-')}" if option in cls.model_fields else option
+    loc = [str(p) for p in first["loc"]]
+    if not loc:  # the config's own check across options: its message says what is wrong
+        return DraftsmithError(f"{where}{first['msg'].removeprefix('Value error, ')}")
+    method_option = len(loc) == 3 and loc[0] == "method"  # method.<name>.<option>: the method's option, a flag
+    option = ".".join(loc[2:] if method_option else loc)
+    option = f"--{option.replace('_', '-')}" if option in cls.model_fields or method_option else option
     return DraftsmithError(f"{where}option {option}: {_reason(err)}")
 
 

@@ -12,7 +12,7 @@ from pydantic import (
 )
 
 from draftsmith.config.base import StageConfig, _json_object, _split_list
-from draftsmith.config.training import DEFAULT_METHOD, MethodName
+from draftsmith.config.methods import DEFAULT_METHOD, MethodName
 
 
 class ExportConfig(StageConfig):

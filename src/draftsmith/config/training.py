@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import math
+import copy
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     Field,
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from draftsmith.core.spool_address import check_spool
 from draftsmith.config.base import StageConfig, _split_list
-
-
-# The drafting methods --method chooses among (each has its module in draftsmith.train.methods, which the stages ask)
-MethodName = Literal["eagle3", "eagle3.1", "peagle", "dflash", "dspark"]
-DEFAULT_METHOD: MethodName = "eagle3"
-# The block methods, and the block rows that propose no token (DFlash's anchor row; every DSpark row proposes): their
-# TTT steps are the block's proposals, block-size - this, each weighed by --loss-decay.
-SILENT_BLOCK_ROWS: dict[str, int] = {"dflash": 1, "dspark": 0}
+from draftsmith.config.methods import (
+    DEFAULT_METHOD,
+    OPTION_NAMES,
+    AnyMethodOptions,
+    Eagle3Options,
+    MethodName,
+    fold_options,
+    option_help,
+    options_class,
+)
 
 
 class TrainConfig(StageConfig):
@@ -51,64 +54,19 @@ class TrainConfig(StageConfig):
     num_layers: int | None = Field(
         None, ge=1, description=("Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash / dspark).")
     )
-    method: MethodName = Field(
-        DEFAULT_METHOD,
+    method: AnyMethodOptions = Field(
+        default_factory=Eagle3Options,
         description=(
             "eagle3: the draft proposes one token per forward, each reading its own previous output (TTT); eagle3.1: "
             "EAGLE-3 with an RMSNorm on each captured layer before fc and the normed output fed back (vLLM reads "
             "fc_norm / norm_output; an EAGLE-3 draft can start it); peagle: "
-            "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel_drafting); "
+            "P-EAGLE parallel drafting, all k tokens of a round in one forward (served by vLLM with parallel drafting); "
             "dflash: a block drafter, the anchor and block-size - 1 mask tokens denoised in one forward (vLLM's dflash "
             "method), reading --num-layers target layers spread over the stack (default aux layers); dspark: DFlash's "
             "block whose anchor row proposes too (block-size tokens a round), with a rank-256 Markov head applied left "
-            "to right and a confidence head (vLLM's dspark method, GPU model runner V2 only)."
+            "to right and a confidence head (vLLM's dspark method, GPU model runner V2 only). Each method takes its "
+            "own options (the flags below that name it)."
         ),
-    )
-    ttt_steps: int = Field(
-        7,
-        ge=1,
-        description=(
-            "Training-time-test steps unrolled per position (peagle: the parallel depths trained, the most tokens a "
-            "round is meant to propose; dflash: block-size - 1, dspark: block-size, set from it)."
-        ),
-    )
-    step_weight: float = Field(
-        0.8,
-        gt=0,
-        description=(
-            "Loss weight of TTT step k is step_weight**k (dflash / dspark: exp(-1 / loss-decay), set from it)."
-        ),
-    )
-    block_size: int = Field(
-        16,
-        ge=2,
-        le=64,
-        description=(
-            "dflash / dspark: positions per block, the anchor and block-size - 1 mask tokens; vLLM proposes "
-            "block-size - 1 tokens a round (dspark: block-size)."
-        ),
-    )
-    anchors_per_sample: int = Field(
-        512,
-        ge=1,
-        description=(
-            "dflash / dspark: blocks trained per sample, their anchors drawn at random among the answer's tokens (fewer on a "
-            "CPU: each costs block-size queries over the sample's context)."
-        ),
-    )
-    loss_decay: float = Field(
-        7.0,
-        gt=0,
-        description=("dflash / dspark: a block's proposal d (0 = the first) weighs exp(-d / loss-decay) in the loss."),
-    )
-    cod_ratio: float = Field(
-        0.8,
-        gt=0,
-        le=1,
-        description=("peagle: COD sampling, depth k >= 1 scores about ratio**k of its positions (1: every position)."),
-    )
-    cod_floor: float = Field(
-        0.2, ge=0, le=1, description=("peagle: COD sampling keeps at least this fraction of each depth's positions.")
     )
     lr: float = Field(2e-4, gt=0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -273,27 +231,32 @@ class TrainConfig(StageConfig):
 
     _split = field_validator("aux_layer_ids", "engine_devices", mode="before")(_split_list)
 
+    @classmethod
+    def flag_fields(cls) -> dict[str, FieldInfo]:
+        """--method a choice of names, and after it one flag per option of any method (`fold_options` hands each to
+        the chosen method's options, or refuses it)."""
+        fields: dict[str, FieldInfo] = {}
+        for name, field in cls.model_fields.items():
+            if name != "method":
+                fields[name] = field
+                continue
+            fields[name] = FieldInfo(annotation=MethodName, default=DEFAULT_METHOD, description=field.description)
+            for key, owners in OPTION_NAMES.items():
+                fields[key] = copy.copy(options_class(owners[0]).model_fields[key])
+                fields[key].description = option_help(key)
+        return fields
+
+    @model_validator(mode="before")
+    @classmethod
+    def _method_options(cls, data: Any) -> Any:
+        """--method and its options, flat or nested, as the method's typed options (config.methods)."""
+        return fold_options(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
-    def _method_shapes(self) -> "TrainConfig":
-        """The per-method defaults: --num-layers (1, a block method 5); a block method's TTT steps are its block's
-        proposals and its step weight exp(-1 / loss-decay) (refused when set to something else)."""
-        silent = SILENT_BLOCK_ROWS.get(self.method)
+    def _num_layers(self) -> "TrainConfig":
+        """--num-layers' default is the method's (1; a block method 5)."""
         if self.num_layers is None:
-            object.__setattr__(self, "num_layers", 1 if silent is None else 5)
-        if silent is not None:
-            steps, weight = self.block_size - silent, math.exp(-1.0 / self.loss_decay)
-            if "ttt_steps" in self.model_fields_set and self.ttt_steps != steps:
-                size = "block-size" + (f" - {silent}" if silent else "")
-                raise ValueError(
-                    f"--method {self.method} trains {size} = {steps} positions; drop --ttt-steps "
-                    f"{self.ttt_steps} or set --block-size {self.ttt_steps + silent}"
-                )
-            if "step_weight" in self.model_fields_set and abs(self.step_weight - weight) > 1e-12:
-                raise ValueError(
-                    f"--method {self.method} weighs its block positions by --loss-decay; drop --step-weight"
-                )
-            object.__setattr__(self, "ttt_steps", steps)
-            object.__setattr__(self, "step_weight", weight)
+            object.__setattr__(self, "num_layers", self.method.default_num_layers)
         return self
 
 

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.config.training import DEFAULT_METHOD
+from draftsmith.config.methods import DEFAULT_METHOD
 from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from draftsmith.config.training import DEFAULT_METHOD
+from draftsmith.config.methods import DEFAULT_METHOD
 from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from draftsmith.config import TrainConfig
+from draftsmith.config.methods import flat_options
 from draftsmith.core import devices, hardware, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
@@ -167,7 +168,7 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
         identity = dataset.manifest.target
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
         aux = resolve_layer_ids(
-            cfg.aux_layer_ids or method(cfg.method).default_aux_layer_ids(identity.num_layers, cfg.num_layers),
+            cfg.aux_layer_ids or method(cfg.method.name).default_aux_layer_ids(identity.num_layers, cfg.num_layers),
             identity.num_layers,
         )[:-1]  # the method's default (extract's, or DFlash's spread)
         sample_ids, total = np.arange(len(dataset), dtype=np.int64), len(dataset)
@@ -209,7 +210,7 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Dr
             f"{cfg.data}: no loss-masked (assistant) tokens in the training split; nothing to train on"
         )
     assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-    wanted = method(cfg.method)
+    wanted = method(cfg.method.name)
     wanted.check_run(cfg)
     target_config = targets.read_config(s.target_path)
     if cfg.init_from is None:
@@ -224,7 +225,7 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Dr
     if not wanted.starts_from(recorded):
         raise DraftsmithError(
             f"{where}: {'an' if recorded.kind[0] in 'AEIOU' else 'a'} {recorded.kind} draft cannot start a --method "
-            f"{cfg.method} run (the "
+            f"{cfg.method.name} run (the "
             "architectures differ); start a fresh draft or from a draft of "
             f"{' / '.join(m.kind for m in METHODS.values() if wanted.starts_from(m))}"
         )
@@ -293,7 +294,8 @@ def regroup(saved: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> 
 
 
 def _changed_hyperparameters(saved: dict, cfg: TrainConfig) -> list[str]:
-    now = cfg.model_dump(mode="json")
+    """What differs key by key, the method's options flat beside its name (as flags and older checkpoints hold them)."""
+    saved, now = flat_options(saved), flat_options(cfg.model_dump(mode="json"))
     # An option added after the checkpoint was written is not a change.
     return [
         f"{k}: {saved[k]!r} -> {now[k]!r}"
@@ -425,7 +427,9 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
         cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state, total_steps, epochs
     )
     sampling = method_of(spec).sampling(cfg)
-    data = TrainData(s.dataset, train, evaluation, cfg.ttt_steps, cfg.grad_accum, device, workers, features, sampling)
+    data = TrainData(
+        s.dataset, train, evaluation, cfg.method.depths, cfg.grad_accum, device, workers, features, sampling
+    )
     base = dict(
         target=s.identity,
         draft=spec,

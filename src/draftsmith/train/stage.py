@@ -50,7 +50,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         print(f"{precision_note(info.device, cfg.precision)}{threads}", file=sys.stderr, flush=True)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
     ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
-    stats, progress = StepStats(cfg.ttt_steps, info.device), Progress(r.total_steps, info.is_main)
+    stats, progress = StepStats(cfg.method.depths, info.device), Progress(r.total_steps, info.is_main)
     completed = False
     last_saved, last_train = str(r.resumed_from) if r.resumed_from else None, {}
     t0, tokens_at_start = time.perf_counter(), state.tokens
@@ -102,8 +102,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 state.tokens += tokens
                 tok_s = (state.tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
                 if logged:
-                    kl, correct, accept, count = sums
-                    last_train, source = summarise(kl, correct, accept, count, cfg.step_weight), r.data.metrics()
+                    kl, correct, accept, count, weight = *sums, cfg.method.depth_weight
+                    last_train, source = summarise(kl, correct, accept, count, weight), r.data.metrics()
                     sink.write(
                         {
                             "type": "train",
@@ -168,8 +168,8 @@ def forward(
         aux,
         target,
         batch.index,
-        cfg.ttt_steps,
-        cfg.step_weight,
+        cfg.method.depths,
+        cfg.method.depth_weight,
         normaliser,
         metrics,
         checkpointed=cfg.activation_checkpointing,
@@ -182,14 +182,14 @@ def evaluate(r: Run, sink: MetricsSink, epoch: int) -> dict:
     if r.data.evaluation is None or state.last_eval_step == state.step:
         return state.last_eval
     r.model.eval()
-    sums = torch.zeros(4, r.cfg.ttt_steps, dtype=torch.float64, device=r.info.device)
+    sums = torch.zeros(4, r.cfg.method.depths, dtype=torch.float64, device=r.info.device)
     with torch.no_grad(), autocast(r.info.device, r.cfg.precision):
         for batch in r.data.eval_batches():
             sums += forward(r.model, r.head, batch, r.cfg, r.dtype, None, True).sums
     sums = distributed.all_reduce_sum(sums, r.info).cpu()
     r.model.train()
     kl, correct, accept, count = sums
-    state.last_eval, state.last_eval_step = summarise(kl, correct, accept, count, r.cfg.step_weight), state.step
+    state.last_eval, state.last_eval_step = summarise(kl, correct, accept, count, r.cfg.method.depth_weight), state.step
     sink.write({"type": "eval", "step": state.step, "epoch": epoch, **state.last_eval})
     if state.best is None or state.last_eval["acceptance_length"] > state.best:
         state.best = state.last_eval["acceptance_length"]

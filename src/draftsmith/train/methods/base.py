@@ -87,7 +87,6 @@ class DraftMethod(ABC):
     name: ClassVar[str]  # --method, DraftSpec.method, manifests
     kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
     module: ClassVar[type[Draft]]  # the draft's module (one modeling class per family)
-    default_num_layers: ClassVar[int] = 1
     own_vocabulary: ClassVar[bool] = True  # a draft vocabulary of its own (d2t / t2d); False: the target's, whole
     vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
     vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
@@ -202,7 +201,7 @@ class DraftMethod(ABC):
 
     def describe_run(self, cfg: TrainConfig) -> str:
         """The quickstart summary's words for the draft a run trains."""
-        return f"{self.kind}, {cfg.ttt_steps} TTT steps"
+        return f"{self.kind}, {cfg.method.depths} TTT steps"
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, TYPE_CHECKING
 import torch
 from torch import nn
 
+from draftsmith.config.methods import DFlashOptions
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE, DFLASH_ROW
@@ -35,6 +36,12 @@ from draftsmith.train.ttt import Anchors
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
+
+
+def block_options(cfg: TrainConfig) -> DFlashOptions:
+    """A block method's run's options (DFlash's, or DSpark's that extend them)."""
+    assert isinstance(cfg.method, DFlashOptions), cfg.method  # the registry asks this method for its own runs only
+    return cfg.method
 
 
 def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int | None:
@@ -66,7 +73,6 @@ class DFlash(DraftMethod):
     name = "dflash"
     kind = "DFlash"
     module = DFlashDraft
-    default_num_layers = 5
     own_vocabulary = False
     formats = ("vllm", "speculators")
     vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
@@ -93,21 +99,23 @@ class DFlash(DraftMethod):
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
         spec = DraftSpec.from_target_config(target_config, len(counts), cfg.num_layers, aux_layer_ids)
         spec = spec.model_copy(
-            update=dict(method=self.name, block_size=cfg.block_size, mask_token_id=mask_token_id(target_config))
+            update=dict(
+                method=self.name, block_size=block_options(cfg).block_size, mask_token_id=mask_token_id(target_config)
+            )
         )
         return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
 
     def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
         """Its block size is --block-size's."""
-        if spec.block_size == cfg.block_size:
+        if spec.block_size == block_options(cfg).block_size:
             return draft, spec
-        spec = spec.model_copy(update={"block_size": cfg.block_size})
+        spec = spec.model_copy(update={"block_size": block_options(cfg).block_size})
         assert isinstance(draft, DFlashDraft)
         draft.spec = spec
         return draft, spec
 
     def sampling(self, cfg: TrainConfig) -> Anchors:
-        return Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed)
+        return Anchors(block_options(cfg).block_size, block_options(cfg).anchors_per_sample, cfg.seed)
 
     def quickstart_options(
         self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
@@ -207,8 +215,8 @@ class DFlash(DraftMethod):
 
     def describe_run(self, cfg: TrainConfig) -> str:
         return (
-            f"DFlash, blocks of {cfg.block_size} ({cfg.block_size - 1} tokens a round, one draft forward), "
-            f"{cfg.num_layers} layers, {cfg.anchors_per_sample} blocks per sample"
+            f"DFlash, blocks of {block_options(cfg).block_size} ({block_options(cfg).block_size - 1} tokens a round, one draft forward), "
+            f"{cfg.num_layers} layers, {block_options(cfg).anchors_per_sample} blocks per sample"
         )
 
 

@@ -43,7 +43,7 @@ from draftsmith.train.methods.base import (
     speculators_config,
     token_id,
 )
-from draftsmith.train.methods.dflash import DFlash
+from draftsmith.train.methods.dflash import DFlash, block_options
 from draftsmith.train.model import DraftSpec
 from draftsmith.train.ttt import Anchors
 
@@ -117,7 +117,7 @@ class DSpark(DFlash):
         spec = spec.model_copy(
             update=dict(
                 method=self.name,
-                block_size=cfg.block_size,
+                block_size=block_options(cfg).block_size,
                 mask_token_id=mask_token_id(target_config),
                 markov_rank=DEFAULT_MARKOV_RANK,
             )
@@ -145,12 +145,12 @@ class DSpark(DFlash):
 
     def sampling(self, cfg: TrainConfig) -> Anchors:
         """DFlash's anchors; the anchor row is proposal 0."""
-        return Anchors(cfg.block_size, cfg.anchors_per_sample, cfg.seed, from_anchor=True)
+        return Anchors(block_options(cfg).block_size, block_options(cfg).anchors_per_sample, cfg.seed, from_anchor=True)
 
     def describe_run(self, cfg: TrainConfig) -> str:
         return (
-            f"DSpark, blocks of {cfg.block_size} ({cfg.block_size} tokens a round: one draft forward, then the Markov "
-            f"steps), {cfg.num_layers} layers, Markov rank {DEFAULT_MARKOV_RANK}, {cfg.anchors_per_sample} blocks "
+            f"DSpark, blocks of {block_options(cfg).block_size} ({block_options(cfg).block_size} tokens a round: one draft forward, then the Markov "
+            f"steps), {cfg.num_layers} layers, Markov rank {DEFAULT_MARKOV_RANK}, {block_options(cfg).anchors_per_sample} blocks "
             "per sample"
         )
 

@@ -152,7 +152,7 @@ class Eagle3(DraftMethod):
         return spec.model_copy(update={"method": self.name, "mask_token_id": None})
 
     def describe_run(self, cfg: TrainConfig) -> str:
-        return f"EAGLE-3, {cfg.ttt_steps} TTT steps"
+        return f"EAGLE-3, {cfg.method.depths} TTT steps"
 
 
 EAGLE3 = Eagle3()

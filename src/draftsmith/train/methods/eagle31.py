@@ -79,7 +79,7 @@ class Eagle31(Eagle3):
         return super().spec_from_config(spec, config, tensors, where).model_copy(update=dict.fromkeys(FLAGS, True))
 
     def describe_run(self, cfg: TrainConfig) -> str:
-        return f"Eagle 3.1 (EAGLE-3 with fc_norm and norm_output), {cfg.ttt_steps} TTT steps"
+        return f"Eagle 3.1 (EAGLE-3 with fc_norm and norm_output), {cfg.method.depths} TTT steps"
 
 
 EAGLE31 = Eagle31()

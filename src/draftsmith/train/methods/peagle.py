@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence, TYPE_CHECKING
 
 import torch
 
+from draftsmith.config.methods import PEagleOptions
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm.readers import PARALLEL_DRAFTING_ROW
 from draftsmith.train.methods.base import Choose, Runner, VllmNeed, mask_token_id, token_id
@@ -93,17 +94,18 @@ class PEagle(Eagle3):
         return {"mask_hidden": torch.randn(draft.mask_hidden.shape, generator=gen) * 0.02}
 
     def check_run(self, cfg: TrainConfig) -> None:
-        if cfg.ttt_steps < 2:
+        if cfg.method.depths < 2:
             raise DraftsmithError(
-                f"--method peagle --ttt-steps {cfg.ttt_steps}: P-EAGLE trains depth 0 and the parallel "
+                f"--method peagle --ttt-steps {cfg.method.depths}: P-EAGLE trains depth 0 and the parallel "
                 "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
             )
 
     def sampling(self, cfg: TrainConfig) -> COD:
-        return COD(cfg.cod_ratio, cfg.cod_floor, cfg.seed)
+        assert isinstance(cfg.method, PEagleOptions), cfg.method  # the registry asks this method for its own runs
+        return COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed)
 
     def depths_trained(self, cfg: TrainConfig) -> int | None:
-        return cfg.ttt_steps
+        return cfg.method.depths
 
     def quickstart_options(
         self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
@@ -191,7 +193,7 @@ class PEagle(Eagle3):
         )
 
     def describe_run(self, cfg: TrainConfig) -> str:
-        return f"P-EAGLE (all k tokens of a round in one draft forward), {cfg.ttt_steps} depths trained"
+        return f"P-EAGLE (all k tokens of a round in one draft forward), {cfg.method.depths} depths trained"
 
 
 PEAGLE = PEagle()
