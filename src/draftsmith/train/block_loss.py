@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.dspark_model import DSparkDraft
 
 
 class BlockRows(Protocol):
@@ -44,11 +43,6 @@ class BlockRows(Protocol):
     needed: torch.Tensor  # [N] rows b * T + i whose target distribution some block row is scored on
     scored: list[torch.Tensor]  # per proposal d: the block rows scored
     target: list[torch.Tensor]  # per proposal d: where their target row sits in `needed`
-
-
-# DSpark's confidence loss beside the KL: BCE(confidence logit, the row's expected acceptance sum_v min(p, q),
-# detached), weighed per proposal as the KL is; 1.0 as speculators' confidence_head_alpha defaults.
-CONFIDENCE_WEIGHT = 1.0
 
 
 @dataclass
@@ -247,9 +241,10 @@ def score_blocks(
     term, else 0; per proposal d, its rows' KL with its gradient, top-1 matches and acceptance). Each row's hint is
     the gradient ttt_forward's loss gives its KL, (1 / normaliser_d) * step_weight**d.
 
-    DSpark (`DSparkDraft`): a row's logits add the Markov bias of the token before its proposal (teacher forcing:
-    x_{a+d}, the token at the target row it is scored on), through block_kl's trainable low-rank term, and its
-    confidence logit is trained towards its expected acceptance (CONFIDENCE_WEIGHT)."""
+    What a block method adds, the draft says (DFlashDraft's hooks, DSparkDraft's terms): `row_terms`, the low-rank
+    term a row's logits add from the token before its proposal (teacher forcing: x_{a+d}, the token at the target row
+    it is scored on; DSpark's Markov bias), through block_kl's trainable low-rank term; `row_loss`, a loss per row
+    beside the KL given each row's expected acceptance (DSpark's confidence), weighed by the row's hint."""
     sizes = [len(r) for r in index.scored]
     x = draft.norm(hidden.flatten(0, 1).index_select(0, torch.cat(index.scored)))  # [N, H] (may be empty)
     at = torch.cat(index.target)
@@ -258,17 +253,12 @@ def score_blocks(
     hint = torch.cat(
         [((one / normaliser[k].clamp(min=1).to(acc)) * step_weight**k).expand(n) for k, n in enumerate(sizes)]
     )
-    extra_loss = hint.new_zeros(())
-    if not isinstance(draft, DSparkDraft):
-        kl, correct, accept = block_kl(x, draft.head_weight, target, at, hint, rows, sub, metrics)
-    else:
-        prev = input_ids.flatten().index_select(0, index.needed.index_select(0, at))  # x_{a+d}
-        embedded = draft.markov_head.embed(prev)  # [N, r]
-        w2 = draft.markov_head.markov_w2.weight
-        kl, correct, accept = block_kl(
-            x, draft.head_weight, target, at, hint, rows, sub, metrics, None, embedded, w2, True
-        )
-        confidence = draft.confidence_head(x, embedded).float()
-        bce = F.binary_cross_entropy_with_logits(confidence, accept.float(), reduction="none")
-        extra_loss = CONFIDENCE_WEIGHT * (bce * hint.float()).sum()
+    prev = input_ids.flatten().index_select(0, index.needed.index_select(0, at))  # x_{a+d}
+    terms = draft.row_terms(prev)
+    embedded, w_e = terms if terms is not None else (None, None)
+    kl, correct, accept = block_kl(
+        x, draft.head_weight, target, at, hint, rows, sub, metrics, None, embedded, w_e, draft.scores_acceptance
+    )
+    row_loss = draft.row_loss(x, terms, accept)
+    extra_loss = hint.new_zeros(()) if row_loss is None else (row_loss.float() * hint.float()).sum()
     return extra_loss, list(zip(kl.split(sizes), correct.split(sizes), accept.split(sizes)))

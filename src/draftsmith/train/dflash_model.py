@@ -15,6 +15,8 @@ product: recomputed in the backward), and the projections reading one input (q /
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -265,6 +267,21 @@ class DFlashDraft(DraftModule):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)
+
+    # What a block method adds to the loss (train.block_loss.score_blocks asks; DSparkDraft answers): DFlash nothing.
+    scores_acceptance: ClassVar[bool] = False  # row_loss reads each scored row's expected acceptance
+
+    def row_terms(self, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(E [N, r], W [V, r]): the low-rank term E @ W^T each scored row's logits add, from the token before its
+        proposal `prev_ids` [N] (target ids); None: the head's logits alone."""
+        return None
+
+    def row_loss(
+        self, hidden_normed: torch.Tensor, terms: tuple[torch.Tensor, torch.Tensor] | None, accept: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A loss per scored row [N] trained beside the KL, from norm(h) [N, H], `row_terms`' and each row's expected
+        acceptance [N] (detached); None: the KL alone."""
+        return None
 
     def context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The context every layer projects its keys and values from: hidden_norm(fc(aux)) [B, T, H]."""

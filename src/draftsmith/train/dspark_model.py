@@ -26,14 +26,18 @@ vocabulary is the target's, as DFlash's.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import DraftSpec, KVCache
 
+# The confidence loss beside the KL: BCE(confidence logit, the row's expected acceptance sum_v min(p, q), detached),
+# weighed per proposal as the KL is; 1.0 as speculators' confidence_head_alpha defaults.
+CONFIDENCE_WEIGHT = 1.0
 MARKOV_INIT_STD = 0.01  # markov_w1 ~ N(0, 0.01), as speculators initialises it
 
 
@@ -99,6 +103,21 @@ class DSparkDraft(DFlashDraft):
         without the Markov bias; pre-norm hidden [B, S, H])."""
         mask_logits, hidden = super().forward(block_ids, block_positions, features, feature_positions, cache)
         return torch.cat((self.logits(hidden[:, :1]), mask_logits), dim=1), hidden
+
+    scores_acceptance: ClassVar[bool] = True
+
+    def row_terms(self, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The Markov bias as its factors: (markov_w1[prev] [N, r], markov_w2 [V, r])."""
+        return self.markov_head.embed(prev_ids), self.markov_head.markov_w2.weight
+
+    def row_loss(
+        self, hidden_normed: torch.Tensor, terms: tuple[torch.Tensor, torch.Tensor] | None, accept: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The confidence loss: BCE(confidence logit, the row's expected acceptance sum_v min(p, q), detached),
+        CONFIDENCE_WEIGHT each."""
+        assert terms is not None  # row_terms'
+        confidence = self.confidence_head(hidden_normed, terms[0]).float()
+        return CONFIDENCE_WEIGHT * F.binary_cross_entropy_with_logits(confidence, accept.float(), reduction="none")
 
     def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
         """prev_ids [...] (target ids) -> markov_w2(markov_w1[prev]) [..., V]."""
