@@ -59,7 +59,9 @@ def recorded_spec(draft: dict[str, Any]) -> dict[str, Any]:
 
 
 def same_family(a: DraftMethod, b: DraftMethod) -> bool:
-    """Whether a draft of method `a` can start a run of method `b` (the same module: its weights carry over)."""
+    """Whether drafts of methods `a` and `b` are one module, so one's weights are read whole as the other's (an
+    export's config.json naming another method than its manifest). Which drafts can start a run is the method's
+    own question (`DraftMethod.starts_from`)."""
     return a.module is b.module
 
 
