@@ -342,7 +342,9 @@ def test_vllm_decodes_a_reduced_vocabulary_dflash_draft_losslessly_with_the_refe
 ):
     """The memorised DFlash draft of tests/test_dflash_vllm.py over 8,192 of the default target's 49,152 ids: vLLM
     (its own lm_head [8192, H], draft logits scattered through d2t) lossless, with the reference decoder's per-position
-    acceptance (one engine start beside the target-alone run the session shares)."""
+    acceptance (one engine start beside the target-alone run the session shares). Measured on a 2-core CPU: both
+    engines 97 rounds, accepted per position [25, 3, 1]; `deep=1` asks for position 2 (position 3's one acceptance
+    is too thin a margin to ask of another CPU)."""
     from test_parity import evaluate_in_both_engines
 
     from draftsmith.extract import store as stores
@@ -360,5 +362,5 @@ def test_vllm_decodes_a_reduced_vocabulary_dflash_draft_losslessly_with_the_refe
     )
     config = json.loads((draft / "config.json").read_text())
     assert config["draft_vocab_size"] == 8192 and load_draft(draft).spec.draft_vocab_size == 8192
-    hf, vl = evaluate_in_both_engines(draft, tmp_path, monkeypatch, 9, deep=2, num_prompts=MEMORISED_PROMPTS)
+    hf, vl = evaluate_in_both_engines(draft, tmp_path, monkeypatch, 9, deep=1, num_prompts=MEMORISED_PROMPTS)
     assert hf["k"] == vl["k"] == 3

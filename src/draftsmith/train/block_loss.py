@@ -70,7 +70,7 @@ class TargetStates:
     mass: torch.Tensor | None = None  # [N] fp32 target mass inside a reduced draft vocabulary (full=True; None: whole)
 
     def logits(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[R, V] the target's logits at needed rows `rows`, in the logits' dtype (as target_distribution's)."""
+        """[R, Vd] the target's logits at needed rows `rows` over the draft vocabulary, in the logits' dtype."""
         return torch.mm(self.states.index_select(0, rows), self.weight.T, out=out)
 
 
