@@ -27,7 +27,12 @@ The trees, run alternately (--repeats times each) so that load on a shared machi
     after   this tree's src
 
     .venv/bin/python benchmarks/block_memory.py [--steps 3] [--repeats 1] [--log-every 10] [--checkpointing]
-        [--skip-live] [--omp-wait-policy passive] [--main-src DIR]
+        [--skip-live] [--omp-wait-policy passive] [--main-src DIR] [--draft-vocab-size N]
+
+--draft-vocab-size N: the 'after' run trains a draft over a reduced draft vocabulary of N ids (`train --method dflash
+--draft-vocab-size N`: its own lm_head [N, H] from the target's rows, trained; the N most frequent ids of the sample's
+loss-masked tokens, ties by id) and 'before' defaults to this tree's src too (the target's whole vocabulary): the two
+differ by the draft vocabulary alone.
 
 --checkpointing runs both trees with `train --activation-checkpointing` (the draft layers' activations recomputed in
 the backward). Progress goes to stderr; the LAST stdout line is one JSON object: per tree, peak_mb (glibc) and
@@ -89,7 +94,16 @@ def worker(cfg: dict) -> dict:
     spec = DraftSpec.from_target_config(config, int(config["vocab_size"]), layers, aux_ids)
     mask_id = config.get("pad_token_id") or 0  # setup.mask_token_id's choice for this target (its pad token)
     spec = spec.model_copy(update=dict(method="dflash", block_size=block, mask_token_id=int(mask_id)))
-    draft = DFlashDraft.from_target(spec, parts, 0)
+    if cfg.get("draft_vocab_size"):  # a reduced draft vocabulary (this tree only)
+        from draftsmith.prepare.vocab import build_draft_vocab
+
+        sample = torch.randint(0, spec.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
+        counts = np.bincount(sample[0, seq // 4 :].numpy(), minlength=spec.vocab_size)  # the loss-masked tokens'
+        vocab = build_draft_vocab(counts, cfg["draft_vocab_size"])
+        spec = spec.model_copy(update={"draft_vocab_size": vocab.draft_vocab_size})
+        draft = DFlashDraft.from_target(spec, parts, 0, vocab.draft_to_target)
+    else:
+        draft = DFlashDraft.from_target(spec, parts, 0)
     head = TargetHead(targets.final_norm(parts), targets.lm_head(parts).weight, draft.draft_to_target, torch.bfloat16)
     model = TTTModel(draft)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -221,13 +235,23 @@ def main() -> None:
         help="OMP_WAIT_POLICY of the workers: on a CPU shared with other jobs, libgomp's spinning waits (the "
         "default) make every multi-threaded op wait for a descheduled thread (steps 5-15x slower in a rehearsal)",
     )
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        help="the 'after' run's draft over a reduced vocabulary of N ids ('before': this tree, the whole vocabulary)",
+    )
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
-    before = Path(args.main_src) if args.main_src else main_tree(DEFAULT_COMMIT)
+    if args.main_src:
+        before = Path(args.main_src)
+    else:
+        before = REPO / "src" if args.draft_vocab_size else main_tree(DEFAULT_COMMIT)
     trees = {"before": before, "after": REPO / "src"}
     cfg = dict(PEERS, warmup=1, steps=args.steps, log_every=args.log_every, checkpointed=args.checkpointing)
+    vocab = {"before": None, "after": args.draft_vocab_size}  # the draft vocabulary of each run (None: the target's)
+    cfg["draft_vocab_size"] = vocab
     report: dict = {"config": cfg, "trees": {k: str(v) for k, v in trees.items()}, "load_before": load()}
     report["omp_wait_policy"] = args.omp_wait_policy
     runs: dict[tuple[str, bool], list[dict]] = {(name, live): [] for name in trees for live in (False, True)}
@@ -236,7 +260,8 @@ def main() -> None:
             for name, src in trees.items():
                 what = f"{name}, {'mmap64k' if live else 'glibc'}, run {repeat + 1}/{args.repeats}"
                 print(f"  {what} ({src}), load {load()}", file=sys.stderr, flush=True)
-                res = run_worker(dict(cfg, steps=1) if live else cfg, src, live, args.omp_wait_policy)  # live: step 2
+                one = dict(cfg, draft_vocab_size=vocab[name])
+                res = run_worker(dict(one, steps=1) if live else one, src, live, args.omp_wait_policy)  # live: step 2
                 if res is not None:
                     runs[name, live].append(res)
                     print(f"  {what}: peak {res['peak_mb']:.0f} MB, steps {res['seconds']} s", file=sys.stderr)

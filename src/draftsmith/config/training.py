@@ -48,7 +48,9 @@ class TrainConfig(StageConfig):
         32000,
         ge=2,
         description=(
-            "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary)."
+            "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary). dflash: "
+            "the target's whole vocabulary and its frozen lm_head unless given, then a reduced one with its own "
+            "lm_head; dspark: the target's only."
         ),
     )
     num_layers: int | None = Field(

@@ -1,5 +1,8 @@
 """The block methods' loss and metrics a slice of rows at a time: a draft over the target's whole vocabulary with the
-target's frozen lm_head (DFlash's, DSpark's) never holds logits [N, V].
+target's frozen lm_head (DFlash's, DSpark's) never holds logits [N, V]; nor does a DFlash draft over a reduced draft
+vocabulary with its own lm_head (`train --draft-vocab-size`) hold [N, Vd]: the same slices, EAGLE-3's target side
+(p renormalised over the draft vocabulary, the mass inside it, the target's top-1 in target ids) and the head's
+gradient made with the rows' (BlockKL).
 
 DFlash scores up to B * A * (S - 1) block rows (7,621 of 8,192 at the peers' defaults on a 1,024-token sample), each
 over the target's whole vocabulary (49,152 for the default target): keeping the draft's logits of every row for the
@@ -11,8 +14,8 @@ backward and the target's distribution of every needed row costs gigabytes. Neit
   - `BlockKL` takes the draft's normed rows x [N, H] (after `draft.norm`, which stays in autograd) and, a slice of
     rows at a time, computes the draft's logits z = x W_d^T, the target's p = softmax(s W^T) at the row each is
     scored on, the KL, the draft's top-1 and the expected acceptance sum_v min(p, q), and -- when x needs a gradient --
-    the rows' gradient ((softmax(z) - p) * c) W_d ("fused linear cross-entropy"; the frozen W_d gets none). It keeps
-    that gradient [N, H] for the backward, not the logits.
+    the rows' gradient ((softmax(z) - p) * c) W_d ("fused linear cross-entropy"; the frozen W_d gets none, a draft's
+    own W_d [Vd, H] the sum of the slices' dz^T x). It keeps those gradients for the backward, not the logits.
 
 The arithmetic is the unfused path's (`target_distribution`'s p, `ttt.TargetKL`, `ttt.expected_acceptance` over
 `DFlashDraft.logits`) in the same dtypes -- logits in the autocast dtype, reductions in fp32, p in fp32 -- so the
@@ -47,40 +50,61 @@ class BlockRows(Protocol):
 
 @dataclass
 class TargetStates:
-    """The target's p_j at the needed rows (BlockIndex.needed; row i is needed[i]) for a draft over the target's whole
-    vocabulary, kept as what it is computed from: p_j = softmax(states_j @ weight^T). [N, H], not [N, V]."""
+    """The target's p_j at the needed rows (BlockIndex.needed; row i is needed[i]) for a block drafter, kept as what it
+    is computed from: p_j = softmax(states_j @ weight^T) over the draft vocabulary. [N, H], not [N, V].
+
+    A reduced draft vocabulary (weight: the target lm_head's draft-vocabulary rows) gets EAGLE-3's distribution
+    (ttt.target_distribution): p renormalised over the draft vocabulary for the loss, the mass inside it and the
+    target's top-1 over its whole vocabulary for the metrics (the expected acceptance reads p * mass)."""
 
     states: torch.Tensor  # [N, H] final_norm(layer-N state), in the logits' dtype (the autocast dtype under autocast)
-    weight: torch.Tensor  # [V, H] the target's lm_head, in the same dtype
-    neg_entropy: torch.Tensor  # [N] fp32 sum_v p log p
-    argmax: torch.Tensor | None = None  # [N] the target's top-1 (full=True: the metrics')
+    weight: torch.Tensor  # [Vd, H] the target's lm_head (its draft-vocabulary rows), in the same dtype
+    neg_entropy: torch.Tensor  # [N] fp32 sum_v p log p (over the draft vocabulary)
+    argmax: torch.Tensor | None = None  # [N] the target's top-1 over its WHOLE vocabulary, a target id (full=True)
+    mass: torch.Tensor | None = None  # [N] fp32 target mass inside a reduced draft vocabulary (full=True; None: whole)
 
     def logits(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[R, V] the target's logits at needed rows `rows`, in the logits' dtype (as target_distribution's)."""
+        """[R, Vd] the target's logits at needed rows `rows` over the draft vocabulary, in the logits' dtype."""
         return torch.mm(self.states.index_select(0, rows), self.weight.T, out=out)
 
 
 @torch.no_grad()
 def target_states(
-    rows: torch.Tensor, final_norm: nn.Module, weight: torch.Tensor, *, full: bool = True, chunk_rows: int = 1
+    rows: torch.Tensor,
+    final_norm: nn.Module,
+    weight: torch.Tensor,
+    *,
+    full: bool = True,
+    chunk_rows: int = 1,
+    draft_weight: torch.Tensor | None = None,
 ) -> TargetStates:
     """TargetStates from layer-N states `rows` [N, H] (un-normalised): the final norm as ttt.target_distribution
-    applies it, then sum p log p (and the top-1) of each row's logits, `chunk_rows` rows at a time."""
+    applies it, then sum p log p (and the top-1) of each row's logits, `chunk_rows` rows at a time. `draft_weight`
+    [Vd, H]: the lm_head `weight`'s rows of a reduced draft vocabulary, p over them (full: the whole head's top-1 and
+    the mass inside them too)."""
+    head = weight if draft_weight is None else draft_weight
     x = final_norm(rows.to(weight.dtype))
-    dtype = torch.matmul(x[:0], weight[:0].T).dtype  # what x @ W^T computes in here (autocast's dtype under autocast)
+    dtype = torch.matmul(x[:0], head[:0].T).dtype  # what x @ W^T computes in here (autocast's dtype under autocast)
     n, device = x.shape[0], x.device
+    reduced = draft_weight is not None
     states = TargetStates(
         x.to(dtype),
-        weight.to(dtype),
+        head.to(dtype),
         torch.empty(n, device=device),
         torch.empty(n, dtype=torch.int64, device=device) if full else None,
+        torch.empty(n, device=device) if full and reduced else None,
     )
+    whole = weight.to(dtype) if states.mass is not None else None  # once, not per chunk
     for a in range(0, n, chunk_rows):
         logits = torch.mm(states.states[a : a + chunk_rows], states.weight.T).float()
         logp = torch.log_softmax(logits, dim=-1)
         states.neg_entropy[a : a + chunk_rows] = (logp.exp() * logp).sum(-1)
-        if states.argmax is not None:
+        if states.argmax is not None and states.mass is None:
             states.argmax[a : a + chunk_rows] = logits.max(-1)[1]
+        elif states.argmax is not None and states.mass is not None and whole is not None:  # top-1, mass: whole head
+            everything = torch.mm(states.states[a : a + chunk_rows], whole.T).float()
+            states.argmax[a : a + chunk_rows] = everything.max(-1)[1]
+            states.mass[a : a + chunk_rows] = torch.exp(torch.logsumexp(logits, -1) - torch.logsumexp(everything, -1))
     return states
 
 
@@ -99,16 +123,22 @@ class BlockKL(torch.autograd.Function):
     extra W_e^T (DSpark's Markov bias: markov_w1[prev] and markov_w2). Both get their gradient; W_e's, a sum over
     rows, is made in the forward with the hint too, so the backward can only rescale it by one factor: it refuses a
     grad that is not the hint times one number (ttt_forward's losses always are). `acceptance`: compute the expected
-    acceptance without the other metrics (DSpark's confidence target)."""
+    acceptance without the other metrics (DSpark's confidence target).
+
+    A reduced draft vocabulary (DFlash with --draft-vocab-size): W_d [Vd, H] is the draft's own lm_head and gets its
+    gradient as W_e does (dz^T x, a sum over rows made in the forward); the target's side is EAGLE-3's (TargetStates
+    with its mass): the KL against p renormalised over the draft vocabulary, the top-1 compared in target ids
+    (`to_target` [Vd], the draft's draft_to_target) and the acceptance sum_v min(p * mass, q), as ttt_forward scores
+    an EAGLE-3 draft."""
 
     @staticmethod
-    def forward(ctx, x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance):
-        if ctx.needs_input_grad[1]:
-            raise ValueError("BlockKL: the head is frozen (DFlash's is the target's); it gets no gradient")
+    def forward(
+        ctx, x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance, to_target
+    ):
         n, device = x.shape[0], x.device
         zdt = F.linear(x[:0], head_weight[:0].to(x.dtype)).dtype  # DFlashDraft.logits's dtype (autocast's)
         acc = torch.promote_types(zdt, torch.float32)  # bf16 logits are reduced in fp32; fp64 stays fp64
-        w = head_weight.to(zdt)  # once: autocast would cast it again at every slice; then mm = F.linear's
+        w = head_weight.detach().to(zdt)  # once: autocast would cast it again at every slice; then mm = F.linear's
         we = None if extra_weight is None else extra_weight.detach().to(zdt)
         kl = torch.empty(n, dtype=acc, device=device)
         correct = torch.zeros(n, dtype=torch.bool, device=device)
@@ -118,7 +148,8 @@ class BlockKL(torch.autograd.Function):
         grad_we = (
             torch.zeros(we.shape, dtype=acc, device=device) if we is not None and ctx.needs_input_grad[10] else None
         )
-        any_grad = grad is not None or grad_extra is not None or grad_we is not None
+        grad_w = torch.zeros(w.shape, dtype=acc, device=device) if ctx.needs_input_grad[1] else None
+        any_grad = grad is not None or grad_extra is not None or grad_we is not None or grad_w is not None
         # group: the rows in the order of their target row, so the rows of a matmul slice read a few target rows,
         # whose logits and p are computed once (DFlash reads each from up to S - 1 block positions). It reads the
         # slices' sizes on the host: free on a CPU; a GPU takes the rows as they come (one target row per row).
@@ -130,6 +161,7 @@ class BlockKL(torch.autograd.Function):
         zf = torch.empty(small, dtype=acc, device=device)  # the draft's logits in acc; then min(p, q)
         tmp = torch.empty_like(zf)  # exp(z - max), p * z, then softmax(z) and its gradient
         pg = torch.empty(small, device=device) if group else None  # p gathered for the rows
+        pm = torch.empty(small, device=device) if target.mass is not None else None  # p * mass
         for a in range(0, n, rows):  # the matmuls `rows` rows at a time, the reductions `sub` rows at a time
             b = min(a + rows, n)
             ids = torch.arange(a, b, device=device) if order is None else order[a:b]  # the rows, in x
@@ -161,13 +193,19 @@ class BlockKL(torch.autograd.Function):
                 kl[i] = target.neg_entropy.index_select(0, r).to(acc) - torch.mul(p, zs, out=ts).sum(-1) + lse
                 q = torch.sub(zs, lse[:, None], out=ts).exp_()  # softmax(z)
                 if metrics:
+                    top = top if to_target is None else to_target.index_select(0, top)  # target ids
                     correct[i] = top == target.argmax.index_select(0, r)
                 if metrics or acceptance:
-                    accept[i] = torch.minimum(p, q, out=zs).sum(-1)
+                    pw = p  # p over the whole vocabulary: a reduced one's p * mass (ttt.expected_acceptance)
+                    if target.mass is not None and pm is not None:
+                        pw = torch.mul(p, target.mass.index_select(0, r)[:, None], out=pm[: d - c])
+                    accept[i] = torch.minimum(pw, q, out=zs).sum(-1)
                 if dz is not None:  # TargetKL.backward's dz, in the logits' dtype
                     dz[c:d] = q.sub_(p).mul_(hint.index_select(0, i)[:, None])
             if grad is not None and dz is not None:  # the linear's backward, dz @ W_d, in its dtypes
                 grad[ids] = torch.mm(dz, w).to(x.dtype)
+            if grad_w is not None and dz is not None:  # the draft's own head: dz^T x of the slices, summed in fp32
+                grad_w.addmm_(dz.T.to(acc), xs.to(zdt).to(acc))  # (under autocast: bf16 products rounded once)
             if dz is not None and es is not None and we is not None:  # the low-rank term's backward
                 if grad_extra is not None:
                     grad_extra[ids] = torch.mm(dz, we).to(extra.dtype)
@@ -175,25 +213,27 @@ class BlockKL(torch.autograd.Function):
                     grad_we += torch.mm(dz.T, es)
         ctx.mark_non_differentiable(correct, accept)
         ctx.extra_weight_dtype = None if extra_weight is None else extra_weight.dtype
-        ctx.save_for_backward(grad, grad_extra, grad_we, hint)
+        ctx.head_dtype = head_weight.dtype
+        ctx.save_for_backward(grad, grad_extra, grad_we, grad_w, hint)
         return kl, correct, accept
 
     @staticmethod
     def backward(ctx, grad_kl, _correct, _accept):
-        grad, grad_extra, grad_we, hint = ctx.saved_tensors
+        grad, grad_extra, grad_we, grad_w, hint = ctx.saved_tensors
         live = hint != 0
         scale = torch.where(live, grad_kl / torch.where(live, hint, 1), 0)
         rescaled = [None if g is None else g * scale[:, None].to(g.dtype) for g in (grad, grad_extra)]
-        if grad_we is not None:  # a sum over rows: one factor for all of them
+        if grad_we is not None or grad_w is not None:  # sums over rows: one factor for all of them
             factors = scale[live]
             factor = factors[0] if len(factors) else scale.new_zeros(())
             if not torch.allclose(factors, factor.expand_as(factors), rtol=1e-4, atol=0):
                 raise RuntimeError(
-                    "BlockKL: the low-rank weight's gradient was made for the hint; this backward gives the rows "
-                    "other weights (give block_kl the hint the loss weighs them by)"
+                    "BlockKL: the head's and the low-rank weight's gradients were made for the hint; this backward "
+                    "gives the rows other weights (give block_kl the hint the loss weighs them by)"
                 )
-            grad_we = (grad_we * factor).to(ctx.extra_weight_dtype)
-        return rescaled[0], None, None, None, None, None, None, None, None, rescaled[1], grad_we, None
+            grad_we = None if grad_we is None else (grad_we * factor).to(ctx.extra_weight_dtype)
+            grad_w = None if grad_w is None else (grad_w * factor).to(ctx.head_dtype)
+        return rescaled[0], grad_w, None, None, None, None, None, None, None, rescaled[1], grad_we, None, None
 
 
 def block_kl(
@@ -209,11 +249,13 @@ def block_kl(
     extra: torch.Tensor | None = None,
     extra_weight: torch.Tensor | None = None,
     acceptance: bool = False,
+    to_target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(KL [N] with its gradient to x, draft top-1 == target top-1 [N] bool, expected acceptance [N]) of the draft's
-    normed rows x [N, H] through the frozen head_weight [V, H] (plus extra [N, r] through the trainable extra_weight
-    [V, r]), row i scored on the target's needed row at[i] (BlockKL; without metrics the last two are zeros, the
-    acceptance computed with `acceptance`). The head's matmuls run `rows` rows at a time, the reductions over their
+    normed rows x [N, H] through head_weight [Vd, H] (the target's, frozen; a reduced vocabulary's own lm_head,
+    trainable, with `to_target` [Vd] its target ids) plus extra [N, r] through the trainable extra_weight [Vd, r],
+    row i scored on the target's needed row at[i] (BlockKL; without metrics the last two are zeros, the acceptance
+    computed with `acceptance`). The head's matmuls run `rows` rows at a time, the reductions over their
     logits `sub` rows at a time; `group` (default: on a CPU) takes the rows by target row (BlockKL)."""
     if metrics and target.argmax is None:
         raise ValueError("block_kl: the metrics need the target's top-1 (target_states(..., full=True))")
@@ -221,7 +263,9 @@ def block_kl(
         hint = torch.ones(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     group = x.device.type == "cpu" if group is None else group
     rows, sub = max(1, rows), max(1, min(sub, rows))
-    return BlockKL.apply(x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance)
+    return BlockKL.apply(
+        x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance, to_target
+    )
 
 
 def score_blocks(
@@ -256,8 +300,9 @@ def score_blocks(
     prev = input_ids.flatten().index_select(0, index.needed.index_select(0, at))  # x_{a+d}
     terms = draft.row_terms(prev)
     embedded, w_e = terms if terms is not None else (None, None)
+    to_target = draft.draft_to_target if draft.own_head else None  # a reduced draft vocabulary's target ids
     kl, correct, accept = block_kl(
-        x, draft.head_weight, target, at, hint, rows, sub, metrics, None, embedded, w_e, draft.scores_acceptance
+        x, draft.head, target, at, hint, rows, sub, metrics, None, embedded, w_e, draft.scores_acceptance, to_target
     )
     row_loss = draft.row_loss(x, terms, accept)
     extra_loss = hint.new_zeros(()) if row_loss is None else (row_loss.float() * hint.float()).sum()

@@ -27,6 +27,12 @@ from draftsmith.train.attention import full_attention
 from draftsmith.train.model import MLP, DraftModule, DraftSpec, KVCache, RMSNorm, RotaryEmbedding, apply_rope
 
 
+def own_head(spec: DraftSpec) -> bool:
+    """Whether a block drafter of `spec` has a draft vocabulary (and lm_head) of its own: one smaller than the
+    target's; else it reads the target's frozen lm_head over the whole vocabulary."""
+    return spec.draft_vocab_size < spec.vocab_size
+
+
 # ---------------------------------------------------------------------------------------------- what is kept
 
 
@@ -218,15 +224,16 @@ class DFlashDraft(DraftModule):
                    see the whole context and the whole block (no causal order inside it)
         logits   = lm_head(norm(h))                            # block position j proposes x_{anchor + j}, j >= 1
 
-    The embedding and the lm_head are the target's, frozen, and never saved: the embedding as Eagle3Draft's
-    (`EMBEDDING`), the head as a buffer outside the state dict. The draft vocabulary is the target's (d2t / t2d are
-    the identity, outside the state dict), so a saved DFlash draft is exactly vLLM's file: `fc`, `hidden_norm`,
-    `layers.*`, `norm`.
+    The embedding is the target's, frozen and never saved (Eagle3Draft's `EMBEDDING`). The head, by the spec's draft
+    vocabulary:
+      - the target's whole vocabulary (draft_vocab_size == vocab_size, the default): the target's lm_head, frozen, a
+        buffer outside the state dict, d2t / t2d the identity outside it too; a saved draft is exactly vLLM's file:
+        `fc`, `hidden_norm`, `layers.*`, `norm`;
+      - a reduced one (`train --draft-vocab-size`, as EAGLE-3's): its own trainable `lm_head` [Vd, H] and the d2t /
+        t2d buffers, saved (vLLM's loader reads `lm_head.weight` and d2t, skips t2d; speculators' keeps both).
     """
 
-    head_weight: torch.Tensor  # buffers
-    d2t: torch.Tensor
-    t2d: torch.Tensor
+    head_weight: torch.Tensor  # the target's lm_head buffer (whole vocabulary only)
 
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -241,29 +248,56 @@ class DFlashDraft(DraftModule):
         self.layers = nn.ModuleList(DFlashLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.norm = LeanRMSNorm(h, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec)
-        self.register_buffer("head_weight", torch.zeros(spec.vocab_size, h), persistent=False)  # the target's
-        self.register_buffer("d2t", torch.zeros(spec.vocab_size, dtype=torch.int64), persistent=False)
-        self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool), persistent=False)
+        self.own_head = own_head(spec)
+        if self.own_head:  # a reduced draft vocabulary: EAGLE-3's head and maps
+            self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
+        else:  # the target's, whole: the identity maps
+            self.register_buffer("head_weight", torch.zeros(spec.vocab_size, h), persistent=False)
+            self.register_buffer("d2t", torch.zeros(spec.vocab_size, dtype=torch.int64), persistent=False)
+            self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool), persistent=False)
 
     @property
-    def draft_to_target(self) -> torch.Tensor:
-        return torch.arange(self.spec.vocab_size, device=self.d2t.device)
+    def head(self) -> torch.Tensor:
+        """[Vd, H] the weight the logits read: the draft's own lm_head (trainable), else the target's (frozen)."""
+        return self.lm_head.weight if self.own_head else self.head_weight
 
     @classmethod
-    def from_target(cls, spec: DraftSpec, target: nn.Module, seed: int = 0) -> "DFlashDraft":
-        """A fresh draft with the target's embedding and lm_head."""
+    def from_target(
+        cls,
+        spec: DraftSpec,
+        target: nn.Module,
+        seed: int = 0,
+        draft_to_target: torch.Tensor | None = None,
+        lm_head_init: str = "target",
+    ) -> "DFlashDraft":
+        """A fresh draft with the target's embedding and lm_head; a reduced draft vocabulary (`draft_to_target`, the
+        spec's draft_vocab_size sorted target ids) gets its own lm_head from the target's rows of it (lm_head_init
+        "target", as Eagle3Draft.from_target) or random ones."""
         draft = cls(spec)
         draft.init_weights(seed)
-        draft.set_target(targets.embed_tokens(target).weight, targets.lm_head(target).weight)
+        head = targets.lm_head(target).weight
+        draft.set_target(targets.embed_tokens(target).weight, head)
+        if draft.own_head:
+            if draft_to_target is None:
+                raise ValueError("a DFlash draft over a reduced vocabulary needs its draft_to_target ids")
+            draft.set_draft_vocab(draft_to_target)
+            if lm_head_init == "target":
+                with torch.no_grad():
+                    draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
         return draft
 
     def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:
-        """The target's embedding and lm_head, both frozen and never saved."""
-        if head_weight is None:
-            raise ValueError("a DFlash draft needs the target's lm_head")
+        """The target's embedding and (whole vocabulary) lm_head, both frozen and never saved; a draft with its own
+        lm_head does not read the target's."""
+        if head_weight is None and not self.own_head:
+            raise ValueError("a DFlash draft over the target's vocabulary needs the target's lm_head")
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_weight)
-            self.head_weight.copy_(head_weight)
+            if not self.own_head:
+                assert head_weight is not None
+                self.head_weight.copy_(head_weight)
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)
@@ -327,7 +361,7 @@ class DFlashDraft(DraftModule):
         """Decoding one DFlash round as vLLM runs it: the fused target features [B, T, H] (`fuse`) at
         feature_positions [B, T] join the context -- each layer's K/V of them appended to `cache` (vLLM writes them
         into the draft's KV cache) --, then the block [B, S] at block_positions sees the whole cached context and
-        itself, in one forward -> (logits of the mask positions [B, S-1, V], the proposals; pre-norm hidden
+        itself, in one forward -> (logits of the mask positions [B, S-1, Vd], the proposals; pre-norm hidden
         [B, S, H]). The block leaves nothing behind."""
         context = self.hidden_norm(features)
         cos, sin = self.rotary(feature_positions, context.dtype)
@@ -341,6 +375,6 @@ class DFlashDraft(DraftModule):
         return self.logits(hidden[:, 1:]), hidden  # the anchor's own output proposes nothing
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden [..., H] -> logits over the target's vocabulary [..., V] (the target's lm_head)."""
+        """Pre-norm hidden [..., H] -> logits over the draft vocabulary [..., Vd] (`head`; draft ids, d2t maps them)."""
         x = self.norm(hidden)
-        return F.linear(x, self.head_weight.to(x.dtype))
+        return F.linear(x, self.head.to(x.dtype))

@@ -86,7 +86,7 @@ def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: s
                 raise DraftsmithError(f"{where}: tensor {name} is {t.dtype}, expected floating point weights")
             if not torch.isfinite(t).all():
                 raise DraftsmithError(f"{where}: tensor {name} holds NaN or Inf; refusing to export a broken draft")
-    if not method_of(spec).own_vocabulary:  # the target's vocabulary: no d2t / t2d
+    if "d2t" not in expected:  # the target's whole vocabulary (a block drafter's default): no d2t / t2d
         return
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     target_ids = torch.arange(spec.draft_vocab_size, dtype=torch.int64) + d2t

