@@ -78,11 +78,11 @@ def parse_ks(text: str) -> list[int]:
 def block_size(method: str, k: int) -> int | None:
     """The block a block method (DFlash, DSpark) is trained with so that a round proposes k tokens (its block's
     proposals: DFlash's masks, block_size - 1; DSpark's rows, block_size), as `train` sizes it
-    (config.methods.DFlashOptions.silent_rows: the rows of a block that propose nothing); None for any other method."""
-    from draftsmith.config.methods import DFlashOptions, options_class
+    (config.methods.BlockOptions.silent_rows: the rows of a block that propose nothing); None for any other method."""
+    from draftsmith.config.methods import BlockOptions, options_class
 
     options = options_class(method)
-    return k + options.silent_rows if issubclass(options, DFlashOptions) else None
+    return k + options.silent_rows if issubclass(options, BlockOptions) else None
 
 
 def store_layers(methods: tuple[str, ...], num_target_layers: int, block_layers: int) -> dict[str, list[int]]:

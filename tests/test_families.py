@@ -155,7 +155,7 @@ class Matrix:
     trains drafts of another method by its `draft_options` (its method and that method's options, over the options
     every method shares here)."""
 
-    draft_options: dict[str, Any] = dict(ttt_steps=SPEC_K)
+    draft_options: dict[str, Any] = dict(ttt_steps=SPEC_K, draft_vocab_size=256)
 
     def __init__(self, root: Path, chats: Path):
         self.root, self.chats = root, chats
@@ -246,7 +246,6 @@ class Matrix:
                             warmup_steps=0,
                             schedule="constant",
                             token_budget=2048,
-                            draft_vocab_size=256,
                             eval_fraction=0.0,
                             save_every=10**6,
                             device="cpu",

@@ -17,7 +17,9 @@ from draftsmith.train.setup import _changed_hyperparameters
 
 
 def test_each_method_holds_its_own_options_and_what_a_round_trains():
-    assert TrainConfig().method == Eagle3Options(ttt_steps=7, step_weight=0.8)
+    assert TrainConfig().method == Eagle3Options(draft_vocab_size=32000, ttt_steps=7, step_weight=0.8)
+    assert TrainConfig(method="dflash").method.draft_vocab_size is None  # the target's whole vocabulary
+    assert TrainConfig(method="dflash", draft_vocab_size=64).method.draft_vocab_size == 64
     peagle = TrainConfig(method="peagle", ttt_steps=4, cod_ratio=0.5).method
     assert isinstance(peagle, PEagleOptions) and (peagle.depths, peagle.cod_ratio, peagle.cod_floor) == (4, 0.5, 0.2)
     dflash, dspark = (
@@ -57,7 +59,11 @@ def test_another_methods_option_is_refused_in_one_line(tmp_path):
     got = runner.invoke(app, ["train", "--method", "dflash", "--block-size", "1", "--output", str(tmp_path / "o")])
     assert "option --block-size: Input should be greater than or equal to 2 (got 1)" in got.output
     got = runner.invoke(app, ["train", "--ttt-steps", "3", "--block-size", "8", "--output", str(tmp_path / "o")])
-    assert "--block-size is an option of --method dflash / dspark; --method eagle3 takes --ttt-steps" in got.output
+    assert (
+        "--block-size is an option of --method dflash / dspark; --method eagle3 takes --draft-vocab-size" in got.output
+    )
+    got = runner.invoke(app, ["train", "--method", "dspark", "--draft-vocab-size", "64", "--output", str(tmp_path)])
+    assert "--draft-vocab-size is an option of --method eagle3 / eagle3.1 / peagle / dflash;" in got.output
     recipe = tmp_path / "train.yaml"
     recipe.write_text("method: eagle3\nloss_decay: 2.0\n")
     with pytest.raises(DraftsmithError, match=r"train.yaml: --loss-decay is an option of --method dflash / dspark"):

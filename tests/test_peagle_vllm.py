@@ -110,7 +110,7 @@ def test_vllm_drafts_in_parallel_losslessly_with_the_reference_acceptance(peagle
 class PeagleMatrix(Matrix):
     """tests/test_families.py's prepared sets, stores, exports and reference decodes, with P-EAGLE drafts."""
 
-    draft_options = dict(method="peagle", ttt_steps=SPEC_K, max_steps=MOE_STEPS)
+    draft_options = dict(method="peagle", ttt_steps=SPEC_K, draft_vocab_size=256, max_steps=MOE_STEPS)
 
 
 @pytest.fixture(scope="module")

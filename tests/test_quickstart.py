@@ -50,7 +50,9 @@ def test_recipe_sections_override_the_budget_and_are_validated(tmp_path):
     )
     cfgs = quickstart.stage_configs(cfg, engine="hf")
     assert cfgs["train"].lr == 3e-4 and cfgs["train"].method.depths == 5
-    assert cfgs["train"].draft_vocab_size == quickstart.BUDGETS["small"].draft_vocab_size  # the rest: the budget's
+    assert (
+        cfgs["train"].method.draft_vocab_size == quickstart.BUDGETS["small"].draft_vocab_size
+    )  # the rest: the budget's
     assert cfgs["evaluate"].max_new_tokens == 17 and cfgs["evaluate"].draft == cfgs["export"].output
     with pytest.raises(DraftsmithError, match=r"^quickstart section train: option ttt_stepz: Extra inputs"):
         quickstart.stage_configs(QuickstartConfig(output=tmp_path, train={"ttt_stepz": 5}), engine="hf")

@@ -166,9 +166,12 @@ def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp
     ]
     prepared = tmp_path / "prep"
     write_prepared(prepared, samples, target_identity(tiny_target_dir), chat_template_hash="t", max_length=64)
-    shape = dict(block_size=4, anchors_per_sample=8, num_layers=2) if method == "dflash" else dict(ttt_steps=3)
+    shape = (
+        dict(block_size=4, anchors_per_sample=8, num_layers=2)
+        if method == "dflash"
+        else dict(ttt_steps=3, draft_vocab_size=300)
+    )
     common = dict(
-        draft_vocab_size=300,
         token_budget=64,
         max_steps=4,
         eval_fraction=0.0,

@@ -99,14 +99,13 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_p
     def cfg(out):  # peagle: 3 depths, COD sampling drawn per (epoch, sample): a resume must draw the same anchors;
         #            dflash: blocks of 4 at anchors drawn per (epoch, sample), the same on a resume
         shape = {
-            "eagle3": dict(ttt_steps=2),
-            "peagle": dict(ttt_steps=3, cod_ratio=0.6, cod_floor=0.2),
+            "eagle3": dict(ttt_steps=2, draft_vocab_size=300),
+            "peagle": dict(ttt_steps=3, cod_ratio=0.6, cod_floor=0.2, draft_vocab_size=300),
             "dflash": dict(block_size=4, anchors_per_sample=6, num_layers=2),
         }[method]
         return TrainConfig(
             data=prepared,
             output=out,
-            draft_vocab_size=300,
             token_budget=96,
             grad_accum=2,
             epochs=2,

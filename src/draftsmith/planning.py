@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from draftsmith.config.methods import Eagle3Options
 from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core import sizing
 from draftsmith.core.layers import resolve_layer_ids
@@ -37,7 +38,10 @@ def sizing_rows(
     layer_ids = resolve_layer_ids(aux_layer_ids or ExtractConfig().aux_layer_ids, shape.num_layers)
     aux = layer_ids[:-1]
     assert train.num_layers is not None  # TrainConfig's validator sets the method's default
-    draft = DraftSpec.from_target_config(config, draft_vocab_size or train.draft_vocab_size, train.num_layers, aux)
+    assert isinstance(train.method, Eagle3Options)  # the default method's
+    draft = DraftSpec.from_target_config(
+        config, draft_vocab_size or train.method.draft_vocab_size, train.num_layers, aux
+    )
     memory = sizing.training_memory(
         draft, token_budget=token_budget or train.token_budget, ttt_steps=ttt_steps or train.method.depths
     )

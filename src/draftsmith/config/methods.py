@@ -2,7 +2,8 @@
 `name` (the --method choice).
 
 Each method has the options it reads and no other: an EAGLE-3 run its training-time-test steps, P-EAGLE also COD
-sampling, a block method (DFlash, DSpark) its block, anchors and loss decay. What every method has, whatever it calls
+sampling, a block method (DFlash, DSpark) its block, anchors and loss decay; the draft vocabulary is EAGLE's (default
+32000) and DFlash's (default: the target's whole one), DSpark having none of its own. What every method has, whatever it calls
 it, is what the trainer reads: `depths`, the positions a round trains (TTT steps, parallel depths, a block's
 proposals) and `depth_weight`, the loss weight of depth d being depth_weight**d.
 
@@ -46,6 +47,14 @@ class Eagle3Options(MethodOptions):
     """EAGLE-3: one token a forward, each step reading its own previous output (training-time test)."""
 
     name: Literal["eagle3"] = "eagle3"
+    draft_vocab_size: int = Field(
+        32000,
+        ge=2,
+        description=(
+            "the draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary), "
+            "with the draft's own lm_head."
+        ),
+    )
     ttt_steps: int = Field(7, ge=1, description="training-time-test steps unrolled per position.")
     step_weight: float = Field(0.8, gt=0, description="loss weight of TTT step k is step_weight**k.")
 
@@ -77,12 +86,11 @@ class PEagleOptions(Eagle3Options):
     cod_floor: float = Field(0.2, ge=0, le=1, description="COD sampling keeps at least this fraction of each depth.")
 
 
-class DFlashOptions(MethodOptions):
-    """DFlash: a block of the anchor and block_size - 1 mask tokens denoised in one forward."""
+class BlockOptions(MethodOptions):
+    """A block method's: the block, its anchors and the loss decay over its proposals."""
 
-    name: Literal["dflash"] = "dflash"
     default_num_layers: ClassVar[int] = 5
-    silent_rows: ClassVar[int] = 1  # the block rows that propose nothing (DFlash's anchor row)
+    silent_rows: ClassVar[int]  # the block rows that propose nothing
     block_size: int = Field(
         16,
         ge=2,
@@ -113,10 +121,26 @@ class DFlashOptions(MethodOptions):
         return math.exp(-1.0 / self.loss_decay)
 
 
-class DSparkOptions(DFlashOptions):
-    """DSpark: DFlash's block whose anchor row proposes too, with a Markov and a confidence head."""
+class DFlashOptions(BlockOptions):
+    """DFlash: a block of the anchor and block_size - 1 mask tokens denoised in one forward."""
 
-    name: Literal["dspark"] = "dspark"  # type: ignore[assignment]
+    name: Literal["dflash"] = "dflash"
+    silent_rows: ClassVar[int] = 1  # DFlash's anchor row
+    draft_vocab_size: int | None = Field(
+        None,
+        ge=2,
+        description=(
+            "a reduced draft vocabulary, the most frequent loss-masked target ids, with the draft's own lm_head "
+            "(from the target's rows) and d2t; default: the target's whole vocabulary and its frozen lm_head."
+        ),
+    )
+
+
+class DSparkOptions(BlockOptions):
+    """DSpark: DFlash's block whose anchor row proposes too, with a Markov and a confidence head, over the target's
+    whole vocabulary (its Markov head and confidence target read every token)."""
+
+    name: Literal["dspark"] = "dspark"
     silent_rows: ClassVar[int] = 0
 
 
@@ -172,9 +196,18 @@ def flat_options(dumped: dict[str, Any]) -> dict[str, Any]:
     return {**dumped, **options, "method": method.get("name")}
 
 
+def option_default(key: str) -> Any:
+    """The default of an option every method that takes it agrees on; None where they differ (each says its own)."""
+    defaults = {repr(OPTIONS[name].model_fields[key].default) for name in OPTION_NAMES[key]}
+    return OPTIONS[OPTION_NAMES[key][0]].model_fields[key].default if len(defaults) == 1 else None
+
+
 def option_help(key: str) -> str:
-    """One flag's help for an option several methods may take: each distinct description, with its methods."""
+    """One flag's help for an option several methods may take: each distinct description, with its methods (and
+    its default where the methods' defaults differ)."""
     texts: dict[str, list[str]] = {}
     for name in OPTION_NAMES[key]:
-        texts.setdefault(OPTIONS[name].model_fields[key].description or "", []).append(name)
+        field = OPTIONS[name].model_fields[key]
+        shown = f" [default: {field.default}]" if option_default(key) is None and field.default is not None else ""
+        texts.setdefault((field.description or "") + shown, []).append(name)
     return " ".join(f"{' / '.join(names)}: {text}" for text, names in texts.items())

@@ -22,6 +22,7 @@ from draftsmith.config.methods import (
     Eagle3Options,
     MethodName,
     fold_options,
+    option_default,
     option_help,
     options_class,
 )
@@ -42,15 +43,6 @@ class TrainConfig(StageConfig):
         description=(
             "Aux layers in vLLM's convention. Offline: must match the store (default: the store's). Online: "
             "default 2,N//2,N-3."
-        ),
-    )
-    draft_vocab_size: int = Field(
-        32000,
-        ge=2,
-        description=(
-            "Draft vocabulary: the most frequent loss-masked target ids (clipped to the target's vocabulary). dflash: "
-            "the target's whole vocabulary and its frozen lm_head unless given, then a reduced one with its own "
-            "lm_head; dspark: the target's only."
         ),
     )
     num_layers: int | None = Field(
@@ -245,7 +237,7 @@ class TrainConfig(StageConfig):
             fields[name] = FieldInfo(annotation=MethodName, default=DEFAULT_METHOD, description=field.description)
             for key, owners in OPTION_NAMES.items():
                 fields[key] = copy.copy(options_class(owners[0]).model_fields[key])
-                fields[key].description = option_help(key)
+                fields[key].description, fields[key].default = option_help(key), option_default(key)
         return fields
 
     @model_validator(mode="before")

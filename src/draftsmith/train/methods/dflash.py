@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence, TYPE_CHECKING
 import torch
 from torch import nn
 
-from draftsmith.config.methods import DFlashOptions
+from draftsmith.config.methods import BlockOptions, DFlashOptions
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE, DFLASH_ROW
@@ -40,9 +40,9 @@ if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
 
 
-def block_options(cfg: TrainConfig) -> DFlashOptions:
-    """A block method's run's options (DFlash's, or DSpark's that extend them)."""
-    assert isinstance(cfg.method, DFlashOptions), cfg.method  # the registry asks this method for its own runs only
+def block_options(cfg: TrainConfig) -> BlockOptions:
+    """A block method's run's options (DFlash's, DSpark's)."""
+    assert isinstance(cfg.method, BlockOptions), cfg.method  # the registry asks this method for its own runs only
     return cfg.method
 
 
@@ -72,12 +72,10 @@ def _layer_config(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def reduced_vocab_size(cfg: TrainConfig, vocab_size: int) -> int | None:
-    """A block drafter's draft vocabulary: --draft-vocab-size when the run names it (EAGLE-3's default of 32000
-    does not apply: a block drafter reads the target's whole vocabulary unless asked) and it is smaller than the
-    target's `vocab_size`; None: the target's whole vocabulary and its frozen lm_head."""
-    if "draft_vocab_size" not in cfg.model_fields_set or cfg.draft_vocab_size >= vocab_size:
-        return None
-    return cfg.draft_vocab_size
+    """A DFlash draft's vocabulary: --draft-vocab-size when the run names one smaller than the target's `vocab_size`;
+    None: the target's whole vocabulary and its frozen lm_head (DFlash's default, and DSpark's only)."""
+    size = cfg.method.draft_vocab_size if isinstance(cfg.method, DFlashOptions) else None
+    return size if size is not None and size < vocab_size else None
 
 
 class DFlash(DraftMethod):

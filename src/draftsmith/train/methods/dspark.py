@@ -124,16 +124,6 @@ class DSpark(DFlash):
         )
         return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
 
-    def check_run(self, cfg: TrainConfig) -> None:
-        """A reduced draft vocabulary is DFlash's only: vLLM's layout has room for one (lm_head, markov_w2 and d2t
-        over draft_vocab_size), but draftsmith's DSpark head, Markov steps and confidence target read the target's
-        whole vocabulary."""
-        if "draft_vocab_size" in cfg.model_fields_set:
-            raise DraftsmithError(
-                "--method dspark --draft-vocab-size: draftsmith trains DSpark over the target's whole vocabulary only "
-                "(its Markov head is not built over a reduced one); drop --draft-vocab-size or use --method dflash"
-            )
-
     def starts_from(self, other: DraftMethod) -> bool:
         """A DSpark draft, or a DFlash draft: its backbone is DSpark's (`adopt` adds the heads)."""
         return other.module in (DSparkDraft, DFlashDraft)

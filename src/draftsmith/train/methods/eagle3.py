@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from draftsmith.config.methods import Eagle3Options
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.methods.base import DraftMethod, ExportContext, Runner, Choose, llama_config, speculators_config
 from draftsmith.train.methods.base import Draft
@@ -40,8 +41,10 @@ class Eagle3(DraftMethod):
         """A fresh EAGLE-3 draft (`adopt` makes it this method's): the draft vocabulary the most frequent of the
         loss-masked `counts`, the lm_head from the target's rows of it (--lm-head-init target)."""
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-        vocab = build_draft_vocab(counts, min(cfg.draft_vocab_size, len(counts)))
-        spec = DraftSpec.from_target_config(target_config, cfg.draft_vocab_size, cfg.num_layers, aux_layer_ids)
+        assert isinstance(cfg.method, Eagle3Options), cfg.method  # an EAGLE-family run's (Eagle 3.1, P-EAGLE extend)
+        size = cfg.method.draft_vocab_size
+        vocab = build_draft_vocab(counts, min(size, len(counts)))
+        spec = DraftSpec.from_target_config(target_config, size, cfg.num_layers, aux_layer_ids)
         draft = Eagle3Draft.from_target(spec, target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed)
         return draft, spec, vocab.coverage
 
