@@ -27,12 +27,16 @@ The trees, run alternately (--repeats times each) so that load on a shared machi
     after   this tree's src
 
     .venv/bin/python benchmarks/block_memory.py [--steps 3] [--repeats 1] [--log-every 10] [--checkpointing]
-        [--skip-live] [--omp-wait-policy passive] [--main-src DIR] [--draft-vocab-size N]
+        [--skip-live] [--omp-wait-policy passive] [--main-src DIR] [--method dspark] [--draft-vocab-size N] [--draft-vocab-size N]
 
 --draft-vocab-size N: the 'after' run trains a draft over a reduced draft vocabulary of N ids (`train --method dflash
 --draft-vocab-size N`: its own lm_head [N, H] from the target's rows, trained; the N most frequent ids of the sample's
 loss-masked tokens, ties by id) and 'before' defaults to this tree's src too (the target's whole vocabulary): the two
 differ by the draft vocabulary alone.
+
+--method dspark: 'after' is DSpark's draft in this tree (DFlash's backbone with the rank-256 Markov and confidence heads,
+every block row proposing: 512 anchors of 16 rows), 'before' this tree's DFlash; --draft-vocab-size N: 'after' is
+this tree's DFlash over N ids. Either way the 'before' tree is this one.
 
 --checkpointing runs both trees with `train --activation-checkpointing` (the draft layers' activations recomputed in
 the backward). Progress goes to stderr; the LAST stdout line is one JSON object: per tree, peak_mb (glibc) and
@@ -85,6 +89,11 @@ def worker(cfg: dict) -> dict:
         from draftsmith.train.model import DFlashDraft  # type: ignore[attr-defined, no-redef]
     from draftsmith.train.ttt import Anchors, TargetHead, TTTModel, block_index, summarise
 
+    try:
+        from draftsmith.core.hostmem import trim_freed_heap as trim
+    except ImportError:  # a tree before it
+        trim = None  # type: ignore[assignment]
+
     torch.manual_seed(0)
     path = assets.default_target_dir()
     config = targets.read_config(path)
@@ -94,7 +103,16 @@ def worker(cfg: dict) -> dict:
     spec = DraftSpec.from_target_config(config, int(config["vocab_size"]), layers, aux_ids)
     mask_id = config.get("pad_token_id") or 0  # setup.mask_token_id's choice for this target (its pad token)
     spec = spec.model_copy(update=dict(method="dflash", block_size=block, mask_token_id=int(mask_id)))
-    if cfg.get("draft_vocab_size"):  # a reduced draft vocabulary (this tree only)
+    dspark = (
+        cfg.get("method") == "dspark"
+    )  # DSpark's draft (this tree only): DFlash's with the Markov and confidence heads
+    if dspark:
+        from draftsmith.train.dspark_model import DSparkDraft
+        from draftsmith.train.methods.dspark import DEFAULT_MARKOV_RANK
+
+        spec = spec.model_copy(update=dict(method="dspark", markov_rank=DEFAULT_MARKOV_RANK))
+        draft = DSparkDraft.from_target(spec, parts, 0)
+    elif cfg.get("draft_vocab_size"):  # a reduced draft vocabulary (this tree only)
         from draftsmith.prepare.vocab import build_draft_vocab
 
         sample = torch.randint(0, spec.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -114,7 +132,9 @@ def worker(cfg: dict) -> dict:
     ids = torch.randint(0, spec.vocab_size, (1, seq), generator=gen)
     mask = np.ones((1, seq), dtype=bool)
     mask[:, : seq // 4] = False  # a prompt
-    index = block_index(mask, Anchors(block, cfg["anchors_per_sample"], 0), [0])
+    anchors = Anchors(block, cfg["anchors_per_sample"], 0, from_anchor=True) if dspark else None
+    index = block_index(mask, anchors or Anchors(block, cfg["anchors_per_sample"], 0), [0])
+    proposals = block if dspark else block - 1  # DSpark's anchor row proposes too
     h = spec.target_hidden_size
     aux = torch.randn(1, seq, len(aux_ids) * h, generator=gen).bfloat16()
     last = torch.randn(1, seq, h, generator=gen).bfloat16()
@@ -127,12 +147,14 @@ def worker(cfg: dict) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             target = head(last, index, full=metrics)
             out = model(
-                ids, aux, target, index, block - 1, step_weight, None, metrics, checkpointed=cfg["checkpointed"]
+                ids, aux, target, index, proposals, step_weight, None, metrics, checkpointed=cfg["checkpointed"]
             )
             out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if trim is not None:  # as train.stage.optimizer_step on a CPU (since core/hostmem.py)
+            trim()
         seconds = time.perf_counter() - start
         if first is None:
             first = {"loss": out.loss.item(), **summarise(*out.sums, step_weight)}
@@ -236,6 +258,13 @@ def main() -> None:
         "default) make every multi-threaded op wait for a descheduled thread (steps 5-15x slower in a rehearsal)",
     )
     parser.add_argument(
+        "--method",
+        choices=("dflash", "dspark"),
+        default="dflash",
+        help="the 'after' run's method: dspark runs DSpark's draft (rank-256 Markov and confidence heads) against "
+        "this tree's DFlash ('before'), at the same block, anchors and layers",
+    )
+    parser.add_argument(
         "--draft-vocab-size",
         type=int,
         help="the 'after' run's draft over a reduced vocabulary of N ids ('before': this tree, the whole vocabulary)",
@@ -247,11 +276,11 @@ def main() -> None:
     if args.main_src:
         before = Path(args.main_src)
     else:
-        before = REPO / "src" if args.draft_vocab_size else main_tree(DEFAULT_COMMIT)
+        before = REPO / "src" if args.draft_vocab_size or args.method != "dflash" else main_tree(DEFAULT_COMMIT)
     trees = {"before": before, "after": REPO / "src"}
     cfg = dict(PEERS, warmup=1, steps=args.steps, log_every=args.log_every, checkpointed=args.checkpointing)
     vocab = {"before": None, "after": args.draft_vocab_size}  # the draft vocabulary of each run (None: the target's)
-    cfg["draft_vocab_size"] = vocab
+    cfg["draft_vocab_size"], cfg["method"] = vocab, {"before": "dflash", "after": args.method}
     report: dict = {"config": cfg, "trees": {k: str(v) for k, v in trees.items()}, "load_before": load()}
     report["omp_wait_policy"] = args.omp_wait_policy
     runs: dict[tuple[str, bool], list[dict]] = {(name, live): [] for name in trees for live in (False, True)}
@@ -260,7 +289,7 @@ def main() -> None:
             for name, src in trees.items():
                 what = f"{name}, {'mmap64k' if live else 'glibc'}, run {repeat + 1}/{args.repeats}"
                 print(f"  {what} ({src}), load {load()}", file=sys.stderr, flush=True)
-                one = dict(cfg, draft_vocab_size=vocab[name])
+                one = dict(cfg, draft_vocab_size=vocab[name], method="dflash" if name == "before" else args.method)
                 res = run_worker(dict(one, steps=1) if live else one, src, live, args.omp_wait_policy)  # live: step 2
                 if res is not None:
                     runs[name, live].append(res)

@@ -4,9 +4,10 @@ A step that allocates and frees a few GiB of activations (a block method at the 
 leaves glibc's heaps fragmented: after the first step glibc's dynamic mmap threshold has grown to the freed tensors'
 size, later tensors come from heaps it seldom returns, and the process's peak RSS sat ~700 MB above the live tensors
 (docs/benchmarks.md, "DFlash at the peers' defaults: memory"). `malloc_trim(0)` returns the free pages inside the
-heaps, not only at their top. It is called only when the heaps hold more than TRIM_FREE_BYTES free: a small step
-(EAGLE-3 on a CPU) would fault its next step's pages back in for nothing (about 40 % of an 18 ms step, measured),
-while a step of seconds does not notice. Nothing here where the C library is not glibc (mallinfo2: glibc >= 2.33).
+heaps, not only at their top. It is called only when the heaps hold more than TRIM_FREE_BYTES free, since the next
+step faults the pages back in: a block method's step at the peers' defaults leaves 1.1-1.6 GB free (a 14 s step,
+which does not notice), the quickstart's EAGLE-3 step 0.25-0.42 GB (trimming those cost it 13 % of its tokens/s).
+Nothing here where the C library is not glibc (mallinfo2: glibc >= 2.33).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-TRIM_FREE_BYTES = 256 << 20  # free heap bytes above which a step's end hands them back
+TRIM_FREE_BYTES = 1 << 30  # free heap bytes above which a step's end hands them back
 
 
 class _Mallinfo2(ctypes.Structure):
