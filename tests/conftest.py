@@ -151,6 +151,26 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_block_data(tiny_target_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """(prepared, store): a prepared set of the tiny target and its store (transformers, float32 states) of the layer
+    a two-layer block draft reads (DFlash's, DSpark's: layer 2), shared by the block methods' training tests."""
+    from draftsmith import extract
+    from draftsmith.config import ExtractConfig
+    from draftsmith.core.layers import dflash_aux_layer_ids
+
+    root = tmp_path_factory.mktemp("tiny-block-data")
+    prepared = write_random_prepared(root / "prepared", tiny_target_dir, 24, 20, 48)
+    layers = dflash_aux_layer_ids(4, 2)
+    extract.run(
+        ExtractConfig(
+            prepared=prepared, output=root / "store", aux_layer_ids=layers, compute_dtype="float32", device="cpu"
+        ),
+        show_progress=False,
+    )
+    return prepared, root / "store"
+
+
+@pytest.fixture(scope="session")
 def default_target_dir() -> Path:
     """The real SmolLM2-135M-Instruct (fetched and converted into the draftsmith cache on first use)."""
     from draftsmith.core import assets

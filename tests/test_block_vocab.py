@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MEMORISED_PROMPTS, memorise, write_random_prepared
+from conftest import MEMORISED_PROMPTS, memorise
 from safetensors.torch import load_file
+from test_dflash_train import _cfg
+from test_dflash_train import _spec as dflash_spec
 from test_families import needs_vllm
 
-from draftsmith import export, extract
-from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
+from draftsmith import export
+from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core import targets
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
@@ -47,25 +49,8 @@ VOCAB, DRAFT_VOCAB, HIDDEN = 50, 20, 32
 
 
 def _spec(draft_vocab: int = DRAFT_VOCAB) -> DraftSpec:
-    return DraftSpec(
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=2,
-        rms_norm_eps=1e-5,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        target_hidden_size=HIDDEN,
-        vocab_size=VOCAB,
-        draft_vocab_size=draft_vocab,
-        aux_layer_ids=[1, 2, 3],
-        method="dflash",
-        block_size=4,
-        mask_token_id=7,
-    )
+    """test_dflash_train's tiny DFlash spec (vocabulary 50, blocks of 4) over `draft_vocab` ids."""
+    return dflash_spec().model_copy(update={"draft_vocab_size": draft_vocab})
 
 
 def _problem(dtype):
@@ -231,22 +216,9 @@ def test_a_fresh_draft_takes_eagle3s_vocabulary_only_when_asked(tiny_target_dir)
 
 
 @pytest.fixture(scope="module")
-def store(tiny_target_dir, tmp_path_factory) -> Path:
-    """A store of the tiny target (hf, float32) with the layer a two-layer DFlash draft reads."""
-    root = tmp_path_factory.mktemp("block-vocab")
-    prepared = write_random_prepared(root / "prepared", tiny_target_dir, 24, 20, 48)
-    out = root / "store"
-    extract.run(
-        ExtractConfig(
-            prepared=prepared,
-            output=out,
-            backend="hf",
-            aux_layer_ids=dflash_aux_layer_ids(4, 2),
-            compute_dtype="float32",
-            device="cpu",
-        )
-    )
-    return out
+def store(tiny_block_data) -> Path:
+    """conftest's store of the tiny target (hf, float32) with the layer a two-layer DFlash draft reads."""
+    return tiny_block_data[1]
 
 
 N = 64  # of the tiny target's 320 ids
@@ -255,27 +227,7 @@ N = 64  # of the tiny target's 320 ids
 @pytest.fixture(scope="module")
 def run(store, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("block-vocab-run") / "run"
-    trainer.run(
-        TrainConfig(
-            data=store,
-            output=out,
-            method="dflash",
-            draft_vocab_size=N,
-            block_size=5,
-            anchors_per_sample=6,
-            num_layers=2,
-            lr=3e-3,
-            warmup_steps=2,
-            token_budget=256,
-            eval_fraction=0.15,
-            eval_every=1,
-            log_every=1,
-            save_every=1000,
-            device="cpu",
-            seed=0,
-            max_steps=8,
-        )
-    )
+    trainer.run(_cfg(store, out, draft_vocab_size=N, eval_every=1, max_steps=8))  # test_dflash_train's tiny run
     return out
 
 

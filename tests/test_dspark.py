@@ -572,19 +572,9 @@ def test_the_fused_dspark_loss_is_the_dense_markov_corrected_kl_plus_the_confide
 
 
 @pytest.fixture(scope="module")
-def data(tiny_target_dir, tmp_path_factory):
-    """A prepared set of the tiny target and its store of the layer a 2-layer block draft reads (fp32 states)."""
-    from conftest import write_random_prepared
-
-    from draftsmith import extract
-    from draftsmith.config import ExtractConfig
-
-    root = tmp_path_factory.mktemp("dspark-data")
-    prepared = write_random_prepared(root / "prepared", tiny_target_dir, 24, 20, 48)
-    store = root / "store"
-    config = ExtractConfig(prepared=prepared, output=store, device="cpu", aux_layer_ids=[2], compute_dtype="float32")
-    extract.run(config, show_progress=False)
-    return prepared, store
+def data(tiny_block_data):
+    """conftest's prepared set of the tiny target and its store of the layer a 2-layer block draft reads."""
+    return tiny_block_data
 
 
 def _train(data_dir, out, **kw):
