@@ -132,8 +132,13 @@ def worker(cfg: dict) -> dict:
     ids = torch.randint(0, spec.vocab_size, (1, seq), generator=gen)
     mask = np.ones((1, seq), dtype=bool)
     mask[:, : seq // 4] = False  # a prompt
-    anchors = Anchors(block, cfg["anchors_per_sample"], 0, from_anchor=True) if dspark else None
-    index = block_index(mask, anchors or Anchors(block, cfg["anchors_per_sample"], 0), [0])
+    # (trees before DSpark have no from_anchor)
+    anchors = (
+        Anchors(block, cfg["anchors_per_sample"], 0, from_anchor=True)
+        if dspark
+        else Anchors(block, cfg["anchors_per_sample"], 0)
+    )
+    index = block_index(mask, anchors, [0])
     proposals = block if dspark else block - 1  # DSpark's anchor row proposes too
     h = spec.target_hidden_size
     aux = torch.randn(1, seq, len(aux_ids) * h, generator=gen).bfloat16()

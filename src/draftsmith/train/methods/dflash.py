@@ -122,15 +122,19 @@ class DFlash(DraftMethod):
 
     def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
         """Its block size is --block-size's."""
-        if spec.block_size == block_options(cfg).block_size:
+        block = block_options(cfg).block_size
+        if spec.block_size == block:
             return draft, spec
-        spec = spec.model_copy(update={"block_size": block_options(cfg).block_size})
+        spec = spec.model_copy(update={"block_size": block})
         assert isinstance(draft, DFlashDraft)
         draft.spec = spec
         return draft, spec
 
     def sampling(self, cfg: TrainConfig) -> Anchors:
-        return Anchors(block_options(cfg).block_size, block_options(cfg).anchors_per_sample, cfg.seed)
+        """Anchors drawn among the answer's tokens; where every block row proposes (no silent row: DSpark), the
+        anchor row is proposal 0."""
+        options = block_options(cfg)
+        return Anchors(options.block_size, options.anchors_per_sample, cfg.seed, from_anchor=options.silent_rows == 0)
 
     def quickstart_options(
         self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
@@ -231,9 +235,10 @@ class DFlash(DraftMethod):
         return {"block": f"{spec.block_size} positions, {self.round_tokens(spec, 0)} tokens a round in one forward"}
 
     def describe_run(self, cfg: TrainConfig) -> str:
+        options = block_options(cfg)
         return (
-            f"DFlash, blocks of {block_options(cfg).block_size} ({block_options(cfg).block_size - 1} tokens a round, one draft forward), "
-            f"{cfg.num_layers} layers, {block_options(cfg).anchors_per_sample} blocks per sample"
+            f"DFlash, blocks of {options.block_size} ({options.block_size - 1} tokens a round, one draft forward), "
+            f"{cfg.num_layers} layers, {options.anchors_per_sample} blocks per sample"
         )
 
 

@@ -45,7 +45,6 @@ from draftsmith.train.methods.base import (
 )
 from draftsmith.train.methods.dflash import DFlash, block_options
 from draftsmith.train.model import DraftSpec
-from draftsmith.train.ttt import Anchors
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -148,15 +147,12 @@ class DSpark(DFlash):
             draft = dspark
         return super().adopt(draft, spec, cfg, target_config)
 
-    def sampling(self, cfg: TrainConfig) -> Anchors:
-        """DFlash's anchors; the anchor row is proposal 0."""
-        return Anchors(block_options(cfg).block_size, block_options(cfg).anchors_per_sample, cfg.seed, from_anchor=True)
-
     def describe_run(self, cfg: TrainConfig) -> str:
+        options = block_options(cfg)
         return (
-            f"DSpark, blocks of {block_options(cfg).block_size} ({block_options(cfg).block_size} tokens a round: one draft forward, then the Markov "
-            f"steps), {cfg.num_layers} layers, Markov rank {DEFAULT_MARKOV_RANK}, {block_options(cfg).anchors_per_sample} blocks "
-            "per sample"
+            f"DSpark, blocks of {options.block_size} ({options.block_size} tokens a round: one draft forward, then the "
+            f"Markov steps), {cfg.num_layers} layers, Markov rank {DEFAULT_MARKOV_RANK}, {options.anchors_per_sample} "
+            "blocks per sample"
         )
 
     # -- the reference decoder
