@@ -26,20 +26,51 @@ from draftsmith.core.errors import DraftsmithError
 
 app = typer.Typer(
     name="draftsmith",
-    help="Train EAGLE-3 draft models for Hugging Face causal LMs and ship them to vLLM.\n\n"
-    "Pipeline: prepare -> extract -> train -> export -> evaluate (or `quickstart` for all of it).",
+    help="Train speculative-decoding drafts (EAGLE-3, Eagle 3.1, P-EAGLE, DFlash, DSpark) for Hugging Face causal LMs "
+    "and serve them with vLLM.\n\nPipeline: prepare -> extract -> train -> export -> evaluate -> serve (or `quickstart` "
+    "for all of it).\n\nDocs: docs/index.md",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 store_app = typer.Typer(
-    help="Work with hidden-state stores: verify checksums, merge stores from many writers.", no_args_is_help=True
+    help="Work with hidden-state stores: verify checksums, merge stores from many writers.\n\nDocs: docs/formats.md",
+    no_args_is_help=True,
 )
 app.add_typer(store_app, name="store")
 console = Console()
 err_console = Console(stderr=True)
 
 NOT_BUILT_EXIT = 2
+# the page of docs/ that explains each stage command: its help ends with it
+DOCS = dict(regenerate="guides/agentic.md", feed="guides/online.md", train="guides/methods.md")
+DOCS |= dict(evaluate="guides/evaluation.md", serve="guides/serving.md", quickstart="getting-started/quickstart.md")
+# the help panels of the long commands, each with its options; "*": where any option not named goes
+PANELS = {
+    "train": {
+        "Data": "data target aux_layer_ids max_samples eval_fraction split_seed trust_remote_code",
+        "Draft and method": "method num_layers init_from lm_head_init *",
+        "Optimisation": "lr weight_decay epochs max_steps token_budget grad_accum warmup_steps schedule min_lr_ratio "
+        "clip noise_std seed precision compile attention_kernel activation_checkpointing",
+        "Online training": "engine spool remote_engines stall_timeout_s spool_gb spool_dtype keep_epoch0 "
+        "engine_tensor_parallel_size engine_data_parallel_size engine_devices vllm_strategy engine_dtype vllm_compile",
+        "Distributed": "distributed num_workers device",
+        "Logging and checkpoints": "output eval_every save_every keep_checkpoints log_every resume force",
+    },
+    "evaluate": {
+        "Draft, target and output": "draft target output engine device dtype trust_remote_code *",
+        "Prompts": "prompts num_prompts eval_fraction split_seed chat_template_kwargs",
+        "Decoding": "k max_new_tokens temperature seed baseline",
+        "Gate and concurrency": "gate gate_tolerance concurrency",
+        "vLLM engine": "vllm_args max_model_len vllm_kv_cache_gb tensor_parallel_size vllm_timeout_s",
+    },
+}
+
+
+def _panel(command: str, option: str) -> str | None:
+    panels = PANELS.get(command, {})
+    named = [p for p, options in panels.items() if option in options.split()]
+    return next(iter(named or [p for p, options in panels.items() if "*" in options.split()]), None)
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -92,7 +123,7 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
+def _option(name: str, field: Any, positional: bool, panel: str | None = None) -> tuple[Any, Any]:
     """(annotation, default) for one config field; every default is None so only given flags override."""
     annotation = _unwrap_optional(field.annotation)
     origin = typing.get_origin(annotation)
@@ -102,7 +133,7 @@ def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         help_text += f"  [default: {shown}]"
     flag = "--" + name.replace("_", "-")
-    kwargs: dict[str, Any] = {"help": help_text, "show_default": False}
+    kwargs: dict[str, Any] = {"help": help_text, "show_default": False, "rich_help_panel": panel}
     if annotation is bool:
         decl = typer.Option(f"{flag}/--no-{name.replace('_', '-')}", **kwargs)
         return Optional[bool], decl
@@ -116,7 +147,7 @@ def _option(name: str, field: Any, positional: bool) -> tuple[Any, Any]:
     else:
         py_type = str
     if positional:
-        return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False)
+        return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False, rich_help_panel=panel)
     return Optional[py_type], typer.Option(flag, **kwargs)
 
 
@@ -145,12 +176,15 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
         extra = field.json_schema_extra
         if typing.get_origin(field.annotation) is dict and not (isinstance(extra, dict) and extra.get("json_flag")):
             continue  # a YAML-only section (a recipe's per-stage options): no flag for it
-        annotation, decl = _option(field_name, field, field_name in positional)
+        annotation, decl = _option(field_name, field, field_name in positional, _panel(name, field_name))
         params.append(
             inspect.Parameter(
                 field_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, decl]
             )
         )
+    # the options in their panels' order (help lists the panels in the order it meets them)
+    panels: list[str | None] = [None, *PANELS.get(name, {})]
+    params.sort(key=lambda p: panels.index(_panel(name, p.name) if p.name != "config_file" else None))
 
     def command(**kwargs: Any) -> None:
         config_file = kwargs.pop("config_file")
@@ -168,7 +202,7 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
 
     command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by typer; functions take it
     command.__name__ = name
-    app.command(name, help=help_text)(command)
+    app.command(name, help=f"{help_text}\n\nDocs: docs/{DOCS.get(name, 'getting-started/stages.md')}")(command)
 
 
 _stage_command(
@@ -194,7 +228,8 @@ _stage_command(
     "train",
     "TrainConfig",
     "draftsmith.train:run",
-    "Train an EAGLE-3 draft with training-time test, from a store (offline) or a prepared set (online).",
+    "Train a draft (--method eagle3, eagle3.1, peagle, dflash, dspark) from a store (offline) or a prepared set "
+    "(online).",
 )
 _stage_command(
     "feed",
@@ -220,7 +255,7 @@ _stage_command(
     "serve",
     "ServeConfig",
     "draftsmith.serve:run",
-    "Serve a draft with its target: vLLM's OpenAI-compatible server with EAGLE-3 speculative decoding."
+    "Serve a draft with its target: vLLM's OpenAI-compatible server, speculative decoding by the draft's method."
     "\n\nListens on 127.0.0.1:8000 unless --host / --port say otherwise; Ctrl-C or SIGTERM stops it. "
     "Other `vllm serve` options go in --vllm-args.",
     positional=("draft",),
@@ -330,7 +365,9 @@ def doctor(
     ] = False,
 ) -> None:
     """Show versions, hardware, cached default assets, what vLLM can do per architecture (read from its source,
-    never imported), and a target's sizes: one screen, --verbose for the full tables."""
+    never imported), and a target's sizes: one screen, --verbose for the full tables.
+
+    Docs: docs/getting-started/install.md"""
     doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
     _call(
         lambda: doctor_module.run(
@@ -359,7 +396,9 @@ def inspect_command(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (for scripts).")] = False,
 ) -> None:
-    """Show an artefact's manifest, or one sample with its loss-masked span highlighted."""
+    """Show an artefact's manifest, or one sample with its loss-masked span highlighted.
+
+    Docs: docs/formats.md"""
     inspection = importlib.import_module("draftsmith.inspection")
     _call(lambda: inspection.run(path, sample=sample, as_json=as_json, console=console))
 
@@ -377,7 +416,9 @@ def store_verify(
         ),
     ] = False,
 ) -> None:
-    """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens."""
+    """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens.
+
+    Docs: docs/formats.md"""
     store = importlib.import_module("draftsmith.extract.store")
     report = _call(lambda: store.verify_store(path, repair=repair))
     console.print(report)
@@ -390,14 +431,18 @@ def store_merge(
     inputs: Annotated[list[Path], typer.Argument(help="Stores to merge (same target, layers and dtype).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Merged store directory to create.")],
 ) -> None:
-    """Join stores written by several workers (`extract --shard i/n`) into one."""
+    """Join stores written by several workers (`extract --shard i/n`) into one.
+
+    Docs: docs/formats.md"""
     store = importlib.import_module("draftsmith.extract.store")
     console.print(_call(lambda: store.merge_stores(inputs, output)))
 
 
 @app.command("version")
 def version() -> None:
-    """Print draftsmith's version."""
+    """Print draftsmith's version.
+
+    Docs: docs/index.md"""
     console.print(__version__)
 
 

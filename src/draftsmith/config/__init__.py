@@ -1,7 +1,7 @@
 """Typed configs for every stage: a YAML file, then CLI overrides, validated by pydantic.
 
 The CLI builds each sub-command's options from these models (cli.py), so a field added here with a
-`description` is a documented `--option` at once, and docs/cli.md is generated from the same source.
+`description` is a documented `--option` at once, and docs/reference/ is generated from the same source.
 """
 
 from __future__ import annotations
