@@ -125,7 +125,7 @@ def test_method_dflash_extracts_its_layers_and_trains_its_blocks(tmp_path, defau
 def tiny_run(tmp_path_factory):
     """The quickstart at the tiny budget with every default but the engine (precision and dtypes `auto`: bf16 on a CPU
     that computes it natively), evaluated by the reference decoder: each evaluation in vLLM is an engine start per k
-    (the export in vLLM: test_quickstart_export_loads_in_vllm)."""
+    (its gate in vLLM: test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails)."""
     cfg = QuickstartConfig(output=tmp_path_factory.mktemp("quickstart") / "qs", budget="tiny", engine="hf", k=[1, 3])
     return cfg, quickstart.run(cfg)
 
@@ -170,28 +170,34 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_quickstart_export_loads_in_vllm(tiny_run, tmp_path):
-    """The quickstart's export decoded by vLLM with evaluate's defaults (dtype `auto`: what this vLLM runs on this
-    CPU, bf16 where it computes bf16 natively and has the kernels)."""
+def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(tiny_run, tmp_path, monkeypatch):
+    """The quickstart's export (a weak draft: τ near 1.2) through its last step, `evaluate --gate`, with every default
+    (dtype `auto`: bf16 where this CPU computes it and vLLM has the kernels): it passes; a copy whose config.json has
+    the aux layer ids shifted by one fails naming that key, though the acceptance of so weak a draft could not tell."""
     pytest.importorskip("vllm")
-    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate import gate
     from draftsmith.evaluate import run as evaluate
+    from test_gate import alter, shift_layer
 
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the worker process: most of a start on a CPU
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     cfg, _ = tiny_run
-    result = evaluate(
-        EvaluateConfig(
-            draft=cfg.output / "export",
-            engine="vllm",
-            output=tmp_path / "vllm-eval",
-            num_prompts=1,
-            max_new_tokens=16,
-            k=[3],
-            baseline=False,  # the target alone in vLLM: `serve --target-alone` in tests/test_load.py
-        )
-    )
-    report = json.loads((tmp_path / "vllm-eval" / "report.json").read_text())
-    assert report["runs"][0]["k"] == 3 and report["runs"][0]["tau"] >= 1.0
-    assert result.summary["engine"] == "vllm"
+    gated = quickstart.stage_configs(cfg, engine="vllm")["evaluate"]
+    assert gated.gate and gated.dtype == "auto"
+
+    def gate_of(draft, name):
+        update = {"draft": draft, "output": tmp_path / name, "baseline": False, "k": [3], "num_prompts": 4}
+        return gated.model_copy(update=update)  # four of its prompts, not one: ~80 rounds to compare
+
+    result = evaluate(gate_of(cfg.output / "export", "gate"))
+    report = json.loads((tmp_path / "gate" / "report.json").read_text())
+    [check] = report["gate"]["checks"]
+    assert report["gate"]["passed"] and result.summary["engine"] == "vllm" and report["runs"][0]["num_rounds"] > 40
+    assert result.summary["gate (k=3)"].startswith("gate passed: vLLM 0.")
+    drifted = alter(cfg.output / "export", tmp_path / "drifted", shift_layer)
+    with pytest.raises(gate.GateFailed, match="^gate failed: config.json changed since export: eagle_aux_hidden_st"):
+        evaluate(gate_of(drifted, "drifted"))
+    assert (tmp_path / "drifted" / "report.md").is_file()  # the report is written before the verdict
 
 
 def test_tau_for_k_not_run_is_read_off_the_longest_run():

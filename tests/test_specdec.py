@@ -131,6 +131,31 @@ def test_greedy_with_partly_right_draft_is_lossless_and_counts_acceptance(tiny, 
         assert s.num_accepted + s.num_rounds >= len(spec.tokens) - 1
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_path_decodes_as_its_engine_did_whatever_this_target_would_choose(tiny, k):
+    """The gate's replay (`path`: another engine's greedy output): along this target's own output it is the free
+    decoding, round for round; along a path that parts from it, the output is the path, rounds accept what matches the
+    path (a draft proposing the path is accepted everywhere, where free decoding rejects it at the parting), and it
+    stops at the path's end."""
+    target_dir, model, runner = tiny
+    draft = random_draft(target_dir, model)  # full vocabulary: draft id == target id
+    prompt = PROMPTS[0]
+    ids = torch.tensor(prompt)
+    own = plain_generate(runner, ids, 40).tokens
+    free = speculative_generate(runner, NoisyOracle(draft, prompt + own, error=0.3, seed=k), ids, k, 40)
+    along = speculative_generate(runner, NoisyOracle(draft, prompt + own, 0.3, seed=k), ids, k, 40, path=own)
+    assert along.tokens == free.tokens == own and along.rounds == free.rounds
+    assert along.stats.accepted_per_pos == free.stats.accepted_per_pos and free.stats.num_accepted > 0
+    parted = own[:10] + [(t + 7) % 300 for t in own[10:20]] + own[20:35]  # another engine's, ending first
+    assert parted != own[:35]
+    replayed = speculative_generate(runner, NoisyOracle(draft, prompt + parted, 0.0), ids, k, 40, path=parted)
+    assert replayed.tokens == parted
+    s = replayed.stats
+    assert s.accepted_per_pos[-1] >= s.num_rounds - 1  # every round but the path's last accepted all k
+    unforced = speculative_generate(runner, NoisyOracle(draft, prompt + parted, 0.0), ids, k, 40)
+    assert unforced.tokens == own and unforced.stats.tau < s.tau  # this target rejects the parted proposals
+
+
 def test_perfect_draft_accepts_everything(tiny):
     target_dir, model, runner = tiny
     draft = random_draft(target_dir, model)

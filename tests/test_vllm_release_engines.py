@@ -133,6 +133,26 @@ def test_eagle3_decoding_is_lossless_with_the_reference_acceptance(report, expor
     )
 
 
+def test_the_gate_reads_config_drift_as_this_vllm_reads_it(exported, tmp_path):
+    """The gate's config check beside this release, wherever its engine runs a draft or not (its source read, no
+    engine): the aux layer ids shifted since export are a key this vLLM reads, and fail the gate whatever the
+    acceptance; a key its source never mentions is served as if absent, and only warned of."""
+    from draftsmith.evaluate import gate
+    from draftsmith.evaluate.specdec import DecodeStats
+    from test_gate import alter, shift_layer
+
+    version = probe().facts.version
+    drift, unread = gate.served_drift(alter(exported, tmp_path / "shifted", shift_layer))
+    assert list(drift) == ["eagle_aux_hidden_state_layer_ids"] and unread == []
+    same = DecodeStats(k=K, num_rounds=10, num_accepted=3, accepted_per_pos=[2, 1, 0])
+    verdict = gate.judge(same, same, tolerance=0.05, vllm_version=version, dtype="float32", drift=drift, unread=unread,
+                         training={})  # fmt: skip
+    assert not verdict.passed and f"as trained, and vLLM {version} reads it" in verdict.verdict
+    noted = alter(exported, tmp_path / "noted", lambda c: c.update(draftsmith_note_never_read=1))
+    assert gate.served_drift(noted)[1] == ["draftsmith_note_never_read"]
+    _say("gate drift", key=list(drift), read=True)
+
+
 def test_where_eagle3_does_not_run_evaluate_and_serve_refuse_in_one_line(report, exported, tmp_path, monkeypatch):
     if report.facts.eagle3_on_platform:
         pytest.skip(f"EAGLE-3 runs on vLLM {report.facts.version} here (decoded above)")

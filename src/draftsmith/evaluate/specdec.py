@@ -277,16 +277,19 @@ def verify_chain(
     draft_probs: list[torch.Tensor] | None,
     temperature: float,
     generator: torch.Generator | None,
+    path: list[int] | None = None,
 ) -> tuple[int, int]:
     """Accept a prefix of the draft chain. target_logits [k+1, V] (row i predicts the slot of d_{i+1}).
 
     Returns (a = number of accepted draft tokens, the token the target adds after them).
     Greedy when temperature == 0; otherwise exact rejection sampling against draft_probs[i] ([V], the
-    distribution d_{i+1} was drawn from, in target-vocabulary space).
+    distribution d_{i+1} was drawn from, in target-vocabulary space). A greedy `path` (the tokens another engine's
+    target chose at these slots, as many as it has) stands for the target's choice where it has a token.
     """
     k = len(draft_tokens)
     if temperature == 0:
-        best = target_logits.argmax(dim=-1).tolist()
+        forced = (path or [])[: k + 1]
+        best = forced + target_logits.argmax(dim=-1).tolist()[len(forced) :]
         a = 0
         while a < k and draft_tokens[a] == best[a]:
             a += 1
@@ -370,16 +373,26 @@ def speculative_generate(
     temperature: float = 0.0,
     eos_ids: set[int] | frozenset = frozenset(),
     generator: torch.Generator | None = None,
+    path: list[int] | None = None,
 ) -> Generation:
-    """Speculative decoding of one prompt (ids [n]); lossless against `plain_generate` at the same settings."""
+    """Speculative decoding of one prompt (ids [n]); lossless against `plain_generate` at the same settings.
+
+    With a greedy `path` (another engine's output for this prompt) the draft is scored along it: the target's choice
+    at each position is the path's token, so the rounds, their proposals' context and what is accepted are those the
+    other engine's decoding went through (paired with it, whatever the two targets' numerics), and decoding stops at
+    the path's end."""
     start = time.perf_counter()
     device = prompt.device
     stats = DecodeStats(k=k, num_prompts=1)
     rounds: list[tuple[int, int]] = []
     eos = set(eos_ids)
+    if path is not None:
+        assert temperature == 0 and path, "a path is followed greedily"
+        max_new_tokens = len(path)
     logits, aux, cache = target.forward(prompt, target.new_cache(), want_aux=True, last_logits_only=True)
     row = logits[-1]
     first = int(row.argmax()) if temperature == 0 else _sample(target_probs(row, temperature), generator)
+    first = path[0] if path else first
     out, done = _finish([first], max_new_tokens, eos)
     draft.reset()
     seq = prompt.tolist() + out
@@ -409,7 +422,8 @@ def speculative_generate(
         verify_ids = torch.tensor([seq[-1]] + chain, device=device)
         before = None if _croppable(cache) else copy.deepcopy(cache)
         target_logits, verify_aux, cache = target.forward(verify_ids, cache, want_aux=True)
-        accepted, next_token = verify_chain(target_logits, chain, chain_probs, temperature, generator)
+        ahead = path[len(out) :] if path else []
+        accepted, next_token = verify_chain(target_logits, chain, chain_probs, temperature, generator, ahead)
         stats.add_round(accepted)
         # 3) keep what was accepted; the draft reads the target's features of those positions next round.
         if before is None:

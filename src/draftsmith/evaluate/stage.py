@@ -43,7 +43,6 @@ from draftsmith.evaluate.specdec import (
     speculative_generate,
 )
 from draftsmith.extract.vllm.probe import DtypeChoice, probe
-from draftsmith.extract.vllm.source import unmentioned
 from draftsmith.train.drafts import (
     DraftSource,
     draft_module,
@@ -97,9 +96,11 @@ def evaluate_reference(
     device: torch.device = torch.device("cpu"),
     show_progress: bool = False,
     segmenter: Segmenter | None = None,
+    paths: dict[int, list[list[int]]] | None = None,
 ) -> dict[str, Any]:
     """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs, and with
-    a `segmenter` each k's rounds split by what the target was writing (`segments`)."""
+    a `segmenter` each k's rounds split by what the target was writing (`segments`). With `paths` (each k's outputs
+    of another engine, greedy) each prompt is decoded along that engine's output (specdec's `path`)."""
     target = TargetRunner(target_model, aux_layer_ids)
     drafter = DraftRunner(draft)
     tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
@@ -115,11 +116,14 @@ def evaluate_reference(
             total = DecodeStats(k=k)
             outputs = []
             segments = None
-            for prompt, ids in zip(prompts, tensors):
+            for i, (prompt, ids) in enumerate(zip(prompts, tensors)):
                 if k == 0:
                     gen = plain_generate(target, ids, max_new_tokens, temperature, eos_ids, generator)
                 else:
-                    gen = speculative_generate(target, drafter, ids, k, max_new_tokens, temperature, eos_ids, generator)
+                    path = paths[k][i] if paths else None
+                    gen = speculative_generate(
+                        target, drafter, ids, k, max_new_tokens, temperature, eos_ids, generator, path
+                    )
                     if segmenter is not None:
                         segments = split_rounds(segmenter.labels(prompt.token_ids, gen.tokens), gen.rounds, k, segments)
                 total.add(gen.stats)
@@ -179,8 +183,10 @@ def _reference_run(
     prompts: list[Prompt],
     dtype_name: str,
     report: dict[str, Any],
+    paths: dict[int, list[list[int]]] | None = None,
 ) -> tuple[dict[int, DecodeStats], dict[int, Any]]:
-    """The reference decoder (transformers) on every k, and the target alone where cfg.baseline."""
+    """The reference decoder (transformers) on every k, and the target alone where cfg.baseline; along `paths`
+    (vLLM's outputs) for the gate."""
     device = targets.resolve_device(cfg.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         dtype_name, torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -201,6 +207,7 @@ def _reference_run(
         device=device,
         show_progress=True,
         segmenter=Segmenter(tokenizer),
+        paths=paths,
     )
     by_segment = {
         k: {name: segment_dict(c) for name, c in counts.items()} for k, counts in measured["segments"].items()
@@ -224,8 +231,8 @@ def _vllm_run(
     choice: DtypeChoice,
     output: Path,
     report: dict[str, Any],
-) -> dict[int, DecodeStats]:
-    """vLLM on every k (one engine each), and the target alone where cfg.baseline."""
+) -> tuple[dict[int, DecodeStats], dict[int, list[list[int]]]]:
+    """vLLM on every k (one engine each), and the target alone where cfg.baseline: each run's stats and outputs."""
     if cfg.dtype == "auto":
         print(
             f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
@@ -253,6 +260,7 @@ def _vllm_run(
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
     stats: dict[int, DecodeStats] = {}
+    outputs: dict[int, list[list[int]]] = {}
 
     def decode(draft: Path | None, k: int, name: str) -> dict[str, Any]:
         """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
@@ -272,18 +280,19 @@ def _vllm_run(
     for k in cfg.k:
         res = decode(draft_dir, k, f"k{k}")
         stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
+        outputs[k] = res["outputs"]
         report["vllm_version"] = res.get("vllm_version")
     report["dtype"] = common["dtype"]
-    return stats
+    return stats, outputs
 
 
 def _gate(
     cfg: EvaluateConfig, source: DraftSource, served: dict[int, DecodeStats], reference: dict[int, DecodeStats], report
 ) -> list[gate.GateResult]:
-    """The gate's verdict at each k (gate.py): the reference decoder's runs against vLLM's."""
-    drift = gate.config_drift(Path(cfg.draft))
-    # a source reads a sub-config's key by its own name ("rope_theta" of rope_parameters.rope_theta)
-    unread = unmentioned(sorted({key.rsplit(".", 1)[-1] for key in drift})) or []
+    """The gate's verdict at each k (gate.py): the reference decoder's runs along vLLM's outputs against vLLM's."""
+    drift, unread = gate.served_drift(Path(cfg.draft))
+    for key in unread:
+        print(f"evaluate --gate: warning: {drift[key]}; vLLM does not read it", file=sys.stderr, flush=True)
     results = [
         gate.judge(
             reference[k],
@@ -291,7 +300,7 @@ def _gate(
             tolerance=cfg.gate_tolerance,
             vllm_version=report.get("vllm_version"),
             dtype=report["dtype"],
-            drift=list(drift.values()),
+            drift=drift,
             unread=unread,
             training=source.training,
         )
@@ -341,8 +350,8 @@ def run(cfg: EvaluateConfig) -> StageResult:
     rounds = sorted({method_of(source.spec).round_tokens(source.spec, k) for k in cfg.k})
     if rounds != sorted(set(cfg.k)):  # a method whose round is fixed (DFlash: its block's masks), as vLLM drafts it
         cfg = cfg.model_copy(update={"k": rounds})
-    if cfg.gate:  # the gate decodes in the vLLM the user has, and with the reference decoder beside it
-        cfg = cfg.model_copy(update={"engine": "vllm"})
+    if cfg.gate:  # the gate decodes greedily in the vLLM the user has, and with the reference decoder along it
+        cfg = cfg.model_copy(update={"engine": "vllm", "temperature": 0.0})
     cfg = cfg.model_copy(update={"prompts": _gate_prompts(cfg, source)})
     assert cfg.prompts is not None
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
@@ -384,17 +393,18 @@ def run(cfg: EvaluateConfig) -> StageResult:
         stats, by_segment = _reference_run(cfg, source, target_path, tokenizer, prompts, cfg.dtype, report)
     else:
         assert choice is not None
-        stats = _vllm_run(cfg, source, identity, target_path, prompts, choice, output, report)
+        stats, served = _vllm_run(cfg, source, identity, target_path, prompts, choice, output, report)
         by_segment = {}  # vLLM counts acceptance per engine, not per token
-        if cfg.gate:  # the reference decoder in the dtype vLLM ran, greedy, on the same prompts
+        if cfg.gate:  # the reference decoder in the dtype vLLM ran, along vLLM's greedy outputs
             reference, _ = _reference_run(
-                cfg.model_copy(update={"baseline": False, "temperature": 0.0}),
+                cfg.model_copy(update={"baseline": False}),
                 source,
                 target_path,
                 tokenizer,
                 prompts,
                 report["dtype"],
                 {},
+                served,
             )
             results = _gate(cfg, source, stats, reference, report)
     if cfg.concurrency and all(r.passed for r in results):  # a draft the gate failed is not worth timing
