@@ -38,9 +38,9 @@ def test_a_child_runs_in_its_own_group_and_is_waited_for_until_ready(tmp_path):
     with ChildProcess(_python(code), log=log) as child:
         assert os.getpgid(child.proc.pid) == child.proc.pid != os.getpgid(0)  # the leader of a group of its own
         assert child.wait_until(ready.exists, timeout_s=30, every_s=0.05)
-        assert child.alive() and child.poll() is None and child.returncode is None
-        assert processes.log_tail(log, 5) == ["starting"]
-    assert child.returncode is not None and not child.alive()  # stopped on the way out of the context
+        assert child.poll() is None
+        assert processes.log_lines(log)[-5:] == ["starting"]
+    assert child.poll() is not None  # stopped on the way out of the context
     child.stop()  # once: a second stop does nothing
 
 
@@ -70,10 +70,10 @@ def test_the_failure_line_is_the_last_error_that_is_not_a_raise_or_pydantics_lin
     with ChildProcess(_python(code), log=log) as child:
         assert child.wait(30) == 1
     assert processes.failure_line(log) == "ValueError: 1 validation error for EngineArgs"
-    assert processes.log_tail(log, 2) == lines[4:6]  # blank lines are not lines of a tail
+    assert processes.log_lines(log)[-2:] == lines[4:6]  # blank lines are not lines of a tail
     log.write_text("loading weights\n" + "x" * 400 + "\n\n")  # no error named: the last line, cut at 300 characters
     assert processes.failure_line(log) == "x" * 300
-    assert processes.failure_line(tmp_path / "missing.log") == "" and processes.log_tail(None, 3) == []
+    assert processes.failure_line(tmp_path / "missing.log") == "" and processes.log_lines(None) == []
 
 
 def test_a_child_appends_to_its_log_and_a_piped_one_logs_its_stderr_only(tmp_path):
@@ -115,6 +115,26 @@ def test_stop_sends_sigterm_again_after_each_grace_then_sigkills_the_group(tmp_p
     started = time.monotonic()
     child.stop((0.5, 0.5))
     took = time.monotonic() - started
-    assert child.returncode == (0 if lost == 1 else -9)  # 0: the second SIGTERM stopped it, not SIGKILL
+    assert child.poll() == (0 if lost == 1 else -9)  # 0: the second SIGTERM stopped it, not SIGKILL
     assert (took >= 1.0 if lost > 1 else True) and took < 30  # lost every time: both graces waited out
     assert _gone(int(pid_file.read_text()))
+
+
+# A child that starts a grandchild in a group of its own, bound to its life (as the Mooncake master is to the trainer).
+PARENT = """
+import sys, time
+from draftsmith.core.processes import ChildProcess, die_with_parent
+grandchild = ChildProcess([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=die_with_parent)
+print(grandchild.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_bound_to_its_parent_dies_with_it_even_by_sigkill(tmp_path):
+    log = tmp_path / "parent.log"
+    parent = ChildProcess(_python(PARENT), log=log)
+    assert parent.wait_until(lambda: bool(processes.log_lines(log)), timeout_s=60, every_s=0.05)
+    grandchild = int(processes.log_lines(log)[0])
+    assert os.getpgid(grandchild) != parent.proc.pid  # not in the parent's group: SIGKILL to that group misses it
+    parent.stop(())
+    assert parent.poll() == -9 and _gone(grandchild)

@@ -1,16 +1,12 @@
-"""A child process draftsmith starts and owns: a host of vLLM (the evaluation and regeneration workers, `draftsmith
-serve`'s server and the servers `evaluate --concurrency` loads, the online-training engine process, vLLM's load
-generator) or the Mooncake master.
-
-It runs in a process group of its own (its engine and workers join it), its output in a log file. It is stopped by
-SIGTERM to the leader, again after each grace period it outlives (a server may lose a signal that comes while it
-starts), then SIGKILL to whatever is left of the group, so nothing of it outlives the caller. Why it failed is one
-line of its log (`failure_line`).
-"""
+"""A child process draftsmith starts and owns (a host of vLLM, vLLM's load generator, the Mooncake master): in a
+process group of its own (its engine and workers join it), its output in a log file; stopped by SIGTERM to the leader,
+again after each grace period it outlives (a server may lose a signal that comes while it starts), then SIGKILL to
+whatever is left of the group, so nothing of it outlives the caller. Why it failed is one line of its log."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -18,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ChildProcess", "failure_line", "log_tail"]
+__all__ = ["ChildProcess", "die_with_parent", "failure_line", "log_lines"]
 
 
 class ChildProcess:
@@ -57,16 +53,9 @@ class ChildProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
     def poll(self) -> int | None:
         """Its exit status, None while it runs."""
         return self.proc.poll()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Its exit status once it exits (subprocess.TimeoutExpired after `timeout_s`)."""
@@ -100,29 +89,24 @@ class ChildProcess:
         self.proc.wait()
 
 
-def _lines(log: Path | None) -> list[str]:
-    """The non-blank lines of a child's log (none where it has no log, or it cannot be read)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send this process `sig` when its parent dies, even by SIGKILL (Linux: prctl PR_SET_PDEATHSIG;
+    elsewhere nothing), so a child is never left running on its own."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)
+
+
+def log_lines(log: Path | None) -> list[str]:
+    """The non-blank lines of a child's log (none where it has none, or it cannot be read)."""
     with contextlib.suppress(OSError):
         if log is not None:
             return [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     return []
 
 
-def log_tail(log: Path | None, lines: int) -> list[str]:
-    """The last `lines` non-blank lines of a child's log."""
-    return _lines(log)[-lines:]
-
-
 def failure_line(log: Path | None) -> str:
-    """Why a child failed, as its log says it: the last line naming an error (not a `raise` line of a traceback, not
+    """Why a child failed, as its log says: the last line naming an error (not a `raise` line of a traceback, not
     pydantic's link to its error pages), else the last line; at most 300 characters."""
-    lines = _lines(log)
-    line = next(
-        (
-            line
-            for line in reversed(lines)
-            if "rror" in line and "errors.pydantic.dev" not in line and not line.lstrip().startswith("raise")
-        ),
-        lines[-1] if lines else "",
-    )
-    return line.strip()[:300]
+    lines = log_lines(log)
+    errors = [x for x in lines if "rror" in x and "errors.pydantic.dev" not in x and not x.lstrip().startswith("raise")]
+    return (errors or lines or [""])[-1].strip()[:300]

@@ -183,7 +183,7 @@ def _server(argv: list[str], log: Path, port: int, timeout_s: int) -> Iterator[N
         if not server.wait_until(lambda: _healthy(port), timeout_s, 1.0):
             if server.poll() is not None:
                 raise DraftsmithError(
-                    f"evaluate --concurrency: `{' '.join(argv[2:])}` exited with status {server.returncode} "
+                    f"evaluate --concurrency: `{' '.join(argv[2:])}` exited with status {server.poll()} "
                     f"before it served:\n{_tail(log)}\n(all of it: {log})"
                 )
             raise DraftsmithError(f"evaluate --concurrency: no server after {timeout_s} s; see {log}")
@@ -200,4 +200,4 @@ def _healthy(port: int) -> bool:
 
 
 def _tail(log: Path) -> str:
-    return "\n".join(processes.log_tail(log, 15))
+    return "\n".join(processes.log_lines(log)[-15:])

@@ -207,7 +207,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         """The worker's stdin closed (it ends after its step), then it and its group stopped."""
-        if self.worker.alive():
+        if self.worker.poll() is None:
             self._requests.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.worker.wait(30)

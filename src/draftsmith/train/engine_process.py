@@ -149,9 +149,9 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is not None
 
     def log_tail(self, lines: int = 3) -> str:
-        return " | ".join(line.strip() for line in processes.log_tail(self.log, lines))
+        return " | ".join(line.strip() for line in processes.log_lines(self.log)[-lines:])
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            proc.stop()
+        if self.proc is not None:
+            self.proc.stop()
+        self.proc = None

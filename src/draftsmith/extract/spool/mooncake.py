@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import ctypes
 import json
 import math
 import os
 import re
 import shutil
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -83,12 +81,6 @@ def master_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills it when the trainer that started it dies (even by kill -9)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class MooncakeMaster:
     """`mooncake_master` on loopback (or `host`), started by the trainer for a one-node run, restarted when it dies
     (what it held is lost: the chunks are computed again), stopped at the end."""
@@ -110,7 +102,7 @@ class MooncakeMaster:
         argv = [binary, f"--rpc_address={self.host}", f"--rpc_port={port}", f"--metrics_host={self.host}"]
         argv += [f"--metrics_port={metrics}", "--enable_metric_reporting=false", "--default_kv_lease_ttl=100"]
         self.proc = processes.ChildProcess(
-            argv, log=self.log, append=True, graces_s=(10.0,), preexec_fn=_die_with_parent
+            argv, log=self.log, append=True, graces_s=(10.0,), preexec_fn=processes.die_with_parent
         )
         if not self.proc.wait_until(lambda: accepts(self.host, port), timeout, 0.05):
             self.stop()
@@ -118,7 +110,7 @@ class MooncakeMaster:
         return self.address
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.alive()
+        return self.proc is not None and self.proc.poll() is None
 
     def restart(self) -> None:
         self.stop()
@@ -126,9 +118,9 @@ class MooncakeMaster:
         self.start()
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            proc.stop()
+        if self.proc is not None:
+            self.proc.stop()
+        self.proc = None
 
 
 class MooncakeSpool(EngineSide, TrainerSide):
