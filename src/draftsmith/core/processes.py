@@ -34,7 +34,7 @@ class ChildProcess:
         graces_s: Sequence[float] = (),
         preexec_fn: Callable[[], None] | None = None,
     ):
-        self.log, self.graces_s, self._stopped = log, tuple(graces_s), False
+        self.graces_s, self._stopped = tuple(graces_s), False
         with open(log, "ab" if append else "wb") if log is not None else contextlib.nullcontext() as out:
             self.proc = subprocess.Popen(
                 list(argv),
