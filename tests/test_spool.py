@@ -771,6 +771,7 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
     """The race CI met: a resumed trainer reads the chunks a killed engine left ready and deletes them while its new
     engine process is still importing vLLM; that process reads the plan then, finds them missing, and must not redo
     them (the spool would fill with chunks no one reads, the engine waiting for room, the trainer for the next)."""
+    from draftsmith.core import processes
     from draftsmith.train import engine_process
 
     spool = Spool(tmp_path / "spool", bound=10_000)
@@ -785,7 +786,7 @@ def test_an_engine_started_on_a_resume_never_redoes_the_ready_chunks_the_trainer
     spool.write_job(_job())
     started = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_process.subprocess, "Popen", lambda *a, **k: started.append(a[0]) or _Exited(0))
+        mp.setattr(processes.subprocess, "Popen", lambda *a, **k: started.append(a[0]) or _Exited(0))
         source._spawn()
     assert len(started) == 1 and str(spool.path) in started[0] and engine_process.ENGINE_MODULE in started[0]
     import typer

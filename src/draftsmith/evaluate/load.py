@@ -19,9 +19,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,49 +165,39 @@ def _load(
     argv += ["--custom-output-len", str(max_new_tokens), "--temperature", "0", "--seed", str(seed), "--save-detailed"]
     log = results.with_suffix(".log")
     results.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
+    with processes.ChildProcess(argv, log=log) as loadgen:
         try:
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)
+            code = loadgen.wait(timeout_s)
         except subprocess.TimeoutExpired:
             raise DraftsmithError(f"evaluate --concurrency: the load generator ran past {timeout_s} s; see {log}")
-    if done.returncode != 0:
+    if code != 0:
         raise DraftsmithError(f"evaluate --concurrency: the load generator failed:\n{_tail(log)}\n(all of it: {log})")
 
 
-class _server:
+@contextmanager
+def _server(argv: list[str], log: Path, port: int, timeout_s: int) -> Iterator[None]:
     """`draftsmith serve ...` in its own process group, logging to `log`, until /health answers; on exit SIGTERM
     (draftsmith serve stops its vLLM), then SIGKILL to what is left of the group."""
-
-    def __init__(self, argv: list[str], log: Path, port: int, timeout_s: int):
-        self.argv, self.log, self.port, self.timeout_s = argv, log, port, timeout_s
-
-    def __enter__(self) -> None:
-        env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if self.proc.poll() is not None:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    with processes.ChildProcess(argv, log=log, env=env, graces_s=(STOP_S,)) as server:
+        if not server.wait_until(lambda: _healthy(port), timeout_s, 1.0):
+            if server.poll() is not None:
                 raise DraftsmithError(
-                    f"evaluate --concurrency: `{' '.join(self.argv[2:])}` exited with status {self.proc.returncode} "
-                    f"before it served:\n{_tail(self.log)}\n(all of it: {self.log})"
+                    f"evaluate --concurrency: `{' '.join(argv[2:])}` exited with status {server.poll()} "
+                    f"before it served:\n{_tail(log)}\n(all of it: {log})"
                 )
-            try:
-                with urllib.request.urlopen(f"http://{HOST}:{self.port}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise DraftsmithError(f"evaluate --concurrency: no server after {self.timeout_s} s; see {self.log}")
-            time.sleep(1.0)
-
-    def __exit__(self, *_: object) -> None:
-        processes.stop_group(self.proc, (STOP_S,))
+            raise DraftsmithError(f"evaluate --concurrency: no server after {timeout_s} s; see {log}")
+        yield
 
 
-def _tail(log: Path, lines: int = 15) -> str:
-    return "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+def _healthy(port: int) -> bool:
+    """The server at `port` answers /health."""
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _tail(log: Path) -> str:
+    return "\n".join(processes.log_lines(log)[-15:])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.config.methods import DEFAULT_METHOD
-from draftsmith.core import vllm_launch
+from draftsmith.core import processes, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
@@ -218,32 +218,17 @@ def run_vllm(
     result_file = Path(str(job.result))
     result_file.unlink(missing_ok=True)
     log_file = workdir / f"{name}.log"
-    env = vllm_launch.worker_environment(kv_cache_gb)
-    with open(log_file, "w", encoding="utf-8") as log:
+    argv = [sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)]
+    with processes.ChildProcess(argv, log=log_file, env=vllm_launch.worker_environment(kv_cache_gb)) as worker:
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "draftsmith.evaluate.vllm_worker", str(request_file)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout_s,
-            )
+            code = worker.wait(timeout_s)
         except subprocess.TimeoutExpired:
             raise DraftsmithError(
                 f"vLLM did not finish within {timeout_s} s (log: {log_file}); raise "
                 "--vllm-timeout-s or use fewer prompts / --max-new-tokens"
             ) from None
-    if proc.returncode != 0 or not result_file.is_file():
-        tail = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        reason = next(
-            (
-                line
-                for line in reversed(tail)
-                if "rror" in line and "errors.pydantic.dev" not in line and not line.lstrip().startswith("raise")
-            ),
-            tail[-1] if tail else "",
-        )
-        raise DraftsmithError(f"vLLM failed (exit {proc.returncode}): {reason.strip()[:300]} (full log: {log_file})")
+    if code != 0 or not result_file.is_file():
+        raise DraftsmithError(f"vLLM failed (exit {code}): {processes.failure_line(log_file)} (full log: {log_file})")
     return json.loads(result_file.read_text(encoding="utf-8"))
 
 

@@ -9,6 +9,7 @@ answer: `(key, answer ids without the end token, hit its limit)`) and `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -24,7 +25,7 @@ from pydantic import BaseModel
 from transformers import GenerationConfig
 
 from draftsmith.config import RegenerateConfig
-from draftsmith.core import vllm_launch
+from draftsmith.core import processes, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target
 from draftsmith.prepare import regenerate_worker as worker
@@ -138,33 +139,33 @@ class VLLMEngine:
         self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int, log_file: Path
     ):
         self.log_file = log_file
-        env = vllm_launch.worker_environment(cfg.vllm_kv_cache_gb)
-        self._log = open(log_file, "w", encoding="utf-8")  # noqa: SIM115 - the worker's stderr until close()
-        self.proc = subprocess.Popen(
+        self.worker = processes.ChildProcess(
             [sys.executable, "-m", "draftsmith.prepare.regenerate_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            text=True,
-            encoding="utf-8",
+            log=log_file,
+            env=vllm_launch.worker_environment(cfg.vllm_kv_cache_gb),
+            pipes=True,  # requests in, replies out; its stderr (vLLM's messages) into the log
         )
-        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
-        self._requests, self._replies = self.proc.stdin, self.proc.stdout
-        self._send(
-            worker.EngineOrder(
-                target=str(target_dir),
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=cfg.seed,
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                trust_remote_code=cfg.trust_remote_code,
-                stop_token_ids=eos,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
+        proc = self.worker.proc
+        assert proc.stdin is not None and proc.stdout is not None  # both pipes
+        self._requests, self._replies = proc.stdin, proc.stdout
+        try:
+            self._send(
+                worker.EngineOrder(
+                    target=str(target_dir),
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    seed=cfg.seed,
+                    tensor_parallel_size=cfg.tensor_parallel_size,
+                    trust_remote_code=cfg.trust_remote_code,
+                    stop_token_ids=eos,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                )
             )
-        )
-        worker.Ready.model_validate_json(self._receive("start"))  # once the engine is up
+            worker.Ready.model_validate_json(self._receive("start"))  # once the engine is up
+        except BaseException:  # a failed start, or Ctrl-C while it starts: no close() follows
+            self.worker.stop()
+            raise
 
     def _send(self, message: BaseModel, flush: bool = True) -> None:
         try:
@@ -185,17 +186,9 @@ class VLLMEngine:
         return line
 
     def _failed(self, what: str) -> None:
-        code = self.proc.wait(timeout=60)
-        self._log.flush()
-        tail = [
-            line for line in self.log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()
-        ]
-        reason = next(
-            (line for line in reversed(tail) if "rror" in line and not line.lstrip().startswith("raise")),
-            tail[-1] if tail else "",
-        )
+        code = self.worker.wait(60)
         raise DraftsmithError(
-            f"vLLM failed to {what} (exit {code}): {reason.strip()[:300]} (full log: "
+            f"vLLM failed to {what} (exit {code}): {processes.failure_line(self.log_file)} (full log: "
             f"{self.log_file}); run the same command again to resume, or use --engine hf"
         )
 
@@ -213,14 +206,12 @@ class VLLMEngine:
         return answers
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        """The worker's stdin closed (it ends after its step), then it and its group stopped."""
+        if self.worker.poll() is None:
             self._requests.close()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.worker.wait(30)
+        self.worker.stop()
 
 
 def start_engine(

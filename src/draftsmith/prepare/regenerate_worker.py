@@ -21,10 +21,8 @@ The worker dies with its parent (PR_SET_PDEATHSIG) and runs vLLM's engine core i
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
-import signal
 import sys
 import threading
 from typing import Literal
@@ -32,10 +30,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 
-from draftsmith.core import vllm_launch
-
-_PR_SET_PDEATHSIG = 1
-
+from draftsmith.core import processes, vllm_launch
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -73,15 +68,6 @@ class Finished(BaseModel):
     outputs: list[Output]
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the parent closes stdin on exit, which ends the loop below
-        pass
-    if os.getppid() == 1:  # the parent died before the call above
-        sys.exit(1)
-
-
 def _read_requests(inbox: queue.Queue) -> None:
     for line in sys.stdin:
         inbox.put(Request.model_validate_json(line))
@@ -91,7 +77,9 @@ def _read_requests(inbox: queue.Queue) -> None:
 def main() -> None:
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
     os.dup2(2, 1)  # vLLM prints to stdout too: keep the reply channel for replies only
-    _die_with_parent()
+    processes.die_with_parent()  # elsewhere than Linux the parent closes stdin on exit, which ends the loop below
+    if os.getppid() == 1:  # the parent died before that call
+        sys.exit(1)
     engine = EngineOrder.model_validate_json(sys.stdin.readline())
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm

@@ -28,7 +28,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -211,13 +210,11 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 def serve_until_stopped(command: list[str], env: dict[str, str]) -> int | None:
-    """Run the server `command` in its own process group until it exits (its status) or this process gets
-    KeyboardInterrupt (None: then it is stopped). Nothing of its process group outlives this call."""
-    proc = subprocess.Popen(command, env=env, start_new_session=True)  # the terminal's Ctrl-C reaches us only
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        processes.terminate(proc, STOP_GRACE_S)  # again after a grace period: vLLM may have lost the first
-        return None
-    finally:
-        processes.kill_group(proc)  # the server, vLLM's engine and workers
+    """Run the server `command` in its own process group (the terminal's Ctrl-C reaches this process only) until it
+    exits (its status) or this process gets KeyboardInterrupt (None: then it is stopped, SIGTERM again after a grace
+    period: vLLM may have lost the first). Nothing of its process group outlives this call."""
+    with processes.ChildProcess(command, env=env, graces_s=STOP_GRACE_S) as server:
+        try:
+            return server.wait()
+        except KeyboardInterrupt:
+            return None

@@ -21,13 +21,11 @@ with `-m`, and the `__main__` guard.
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import sys
 
+from draftsmith.core import processes
 from draftsmith.core.errors import DraftsmithError
-
-PR_SET_PDEATHSIG = 1  # prctl(2) option
 
 
 def serve(argv: list[str]) -> None:
@@ -57,15 +55,8 @@ def serve(argv: list[str]) -> None:
     command.cmd(args)
 
 
-def stop_with_parent() -> None:
-    """On Linux, have the kernel send this process SIGTERM when its parent (draftsmith serve) dies, even by SIGKILL,
-    so that a server is never left running on its own."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 if __name__ == "__main__":
-    stop_with_parent()
+    processes.die_with_parent(signal.SIGTERM)  # never a server left running without draftsmith serve
     try:
         serve(sys.argv[1:])
     except DraftsmithError as err:

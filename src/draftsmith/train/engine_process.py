@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from draftsmith.config import TrainConfig
+from draftsmith.core import processes
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, parse_spool
 from draftsmith.core.vllm_launch import THREADS_BIND_VAR, cpu_thread_binding
@@ -130,7 +129,7 @@ class EngineProcess:
         self, cfg: TrainConfig, where: str, log: Path, scratch: Path, cpus: list[int] | None, devices: list[int] | None
     ):
         self.cfg, self.where, self.log, self.scratch, self.cpus, self.devices = cfg, where, log, scratch, cpus, devices
-        self.proc: subprocess.Popen | None = None
+        self.proc: processes.ChildProcess | None = None
         self.restarts = self.total_restarts = 0
 
     def start(self) -> None:
@@ -141,48 +140,18 @@ class EngineProcess:
             world = self.cfg.engine_tensor_parallel_size * self.cfg.engine_data_parallel_size
             env[THREADS_BIND_VAR] = cpu_thread_binding(world, self.cpus)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    ENGINE_MODULE,
-                    self.where,
-                    "--scratch",
-                    str(self.scratch),
-                    "--stall-s",
-                    str(self.cfg.stall_timeout_s),
-                    "--log",
-                    str(self.log),
-                ],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        argv = [sys.executable, "-m", ENGINE_MODULE, self.where, "--scratch", str(self.scratch)]
+        argv += ["--stall-s", str(self.cfg.stall_timeout_s), "--log", str(self.log)]
+        # SIGTERM: it kills vLLM's processes and says so in the spool's status; after 10 s, SIGKILL to its group
+        self.proc = processes.ChildProcess(argv, log=self.log, env=env, append=True, graces_s=(10.0,))
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
 
     def log_tail(self, lines: int = 3) -> str:
-        with contextlib.suppress(OSError):
-            text = self.log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-            return " | ".join(line.strip() for line in text[-lines:])
-        return ""
+        return " | ".join(line.strip() for line in processes.log_lines(self.log)[-lines:])
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(OSError):  # vLLM's processes of a dead engine process, if any are left
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
+        if self.proc is not None:
+            self.proc.stop()
+        self.proc = None

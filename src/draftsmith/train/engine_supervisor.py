@@ -246,7 +246,7 @@ class EngineSupervisor:
     def _engine_exited(self, chunk: Chunk, status: FeedStatus) -> Event:
         engine = self.engine
         assert engine is not None and engine.proc is not None  # the process on this node, which exited
-        code = engine.proc.returncode
+        code = engine.proc.poll()
         if self.spool.is_ready(chunk.name):
             return Event.ENGINE_EXITED
         engine.stop()

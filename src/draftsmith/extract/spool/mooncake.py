@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import ctypes
 import json
 import math
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from draftsmith.core import sizing
+from draftsmith.core import processes, sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.net import accepts, free_port
 from draftsmith.core.spool_address import DEFAULT_RUN, MooncakeAddress
@@ -84,19 +81,13 @@ def master_binary() -> str:
     return found
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills it when the trainer that started it dies (even by kill -9)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class MooncakeMaster:
     """`mooncake_master` on loopback (or `host`), started by the trainer for a one-node run, restarted when it dies
     (what it held is lost: the chunks are computed again), stopped at the end."""
 
     def __init__(self, log: Path, host: str = "127.0.0.1", port: int | None = None, run: str = DEFAULT_RUN):
         self.log, self.host, self.port, self.run = Path(log), host, port, run
-        self.proc: subprocess.Popen | None = None
+        self.proc: processes.ChildProcess | None = None
         self.restarts = 0
 
     @property
@@ -105,32 +96,17 @@ class MooncakeMaster:
 
     def start(self, timeout: float = 30.0) -> MooncakeAddress:
         binary = master_binary()
-        self.port = self.port or free_port(self.host)
+        port = self.port = self.port or free_port(self.host)
         metrics = free_port(self.host)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--rpc_address={self.host}",
-                    f"--rpc_port={self.port}",
-                    f"--metrics_host={self.host}",
-                    f"--metrics_port={metrics}",
-                    "--enable_metric_reporting=false",
-                    "--default_kv_lease_ttl=100",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        deadline = time.monotonic() + timeout
-        while not accepts(self.host, self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise DraftsmithError(f"mooncake_master on {self.host}:{self.port} did not start; see {self.log}")
-            time.sleep(0.05)
+        argv = [binary, f"--rpc_address={self.host}", f"--rpc_port={port}", f"--metrics_host={self.host}"]
+        argv += [f"--metrics_port={metrics}", "--enable_metric_reporting=false", "--default_kv_lease_ttl=100"]
+        self.proc = processes.ChildProcess(
+            argv, log=self.log, append=True, graces_s=(10.0,), preexec_fn=processes.die_with_parent
+        )
+        if not self.proc.wait_until(lambda: accepts(self.host, port), timeout, 0.05):
+            self.stop()
+            raise DraftsmithError(f"mooncake_master on {self.host}:{port} did not start; see {self.log}")
         return self.address
 
     def alive(self) -> bool:
@@ -142,14 +118,9 @@ class MooncakeMaster:
         self.start()
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        if self.proc is not None:
+            self.proc.stop()
+        self.proc = None
 
 
 class MooncakeSpool(EngineSide, TrainerSide):
