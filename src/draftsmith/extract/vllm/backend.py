@@ -1,6 +1,5 @@
 """The vLLM extraction backend's stage: plan and check a job (probe, strategy, compute dtype, store spec), start
-vLLM with draftsmith's capture in it, feed the prompts, and the strategies' benchmark. The package's names
-(`draftsmith.extract.vllm.run`, `choose_strategy`, `benchmark`, ...) are these, loaded on first use."""
+vLLM with draftsmith's capture in it, feed the prompts, and the strategies' benchmark."""
 
 from __future__ import annotations
 
