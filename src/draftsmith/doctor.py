@@ -145,8 +145,14 @@ def report(
         ],
     }
     if config is not None:
-        sizing = Sizing(tokens=tokens, tensor_parallel_size=tensor_parallel_size, gpu_memory_gb=gpu_memory_gb)
-        sizes = target_sizes(config, online_rate=online_rate, spool_lead_s=spool_lead_s, **sizing)
+        sizes = target_sizes(
+            config,
+            tokens=tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_gb=gpu_memory_gb,
+            online_rate=online_rate,
+            spool_lead_s=spool_lead_s,
+        )
         out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizes)}
         if main.facts.installed:
             out["target"]["vllm_dtype_auto"] = probe.choose_dtype("auto", main, config).model_dump()
