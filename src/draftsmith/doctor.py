@@ -324,21 +324,21 @@ def print_tables(
     target: str | None,
 ) -> None:
     """doctor --verbose: the environment, the probe's capabilities, every architecture, the target's sizes."""
-    table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in environment_rows():
-        table.add_row(key, value)
-    console.print(table)
+    console.print(_rows_table("draftsmith doctor", environment_rows()))
     console.print(probe.render_probe_table(main))
     console.print(probe.render_architecture_table(reports))
     if target_rows is not None:
-        sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
-        sizes.add_column(style="bold")
-        sizes.add_column()
-        for key, value in target_rows:
-            sizes.add_row(key, value)
-        console.print(sizes)
+        console.print(_rows_table(f"target {target}: sizes from its config.json", target_rows))
+
+
+def _rows_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    """(what, value) rows as a two-column table, the names in bold."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
 
 
 __all__ = [
