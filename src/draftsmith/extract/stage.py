@@ -7,7 +7,6 @@ checks, this worker's sample slice (`--shard i/n`), length-bucketed batches, res
 from __future__ import annotations
 
 from draftsmith.config import ExtractConfig, StageResult
-from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import hf
 from draftsmith.extract.vllm import backend as vllm_backend
 
@@ -16,6 +15,4 @@ def run(cfg: ExtractConfig, **kwargs) -> StageResult:
     """Extract with the backend cfg.backend names; returns where the store is and a summary."""
     if cfg.backend == "hf":
         return hf.run(cfg, **kwargs)
-    if cfg.backend == "vllm":
-        return vllm_backend.run(cfg, **kwargs)
-    raise DraftsmithError(f"--backend {cfg.backend!r}: unknown; use hf or vllm")
+    return vllm_backend.run(cfg, **kwargs)  # the config allows no other backend
