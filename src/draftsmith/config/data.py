@@ -19,7 +19,7 @@ ChatTemplate = Annotated[
         description="A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."
     ),
 ]
-ChatTemplateKwargs = Annotated[dict[str, Any], Field(default_factory=dict, json_schema_extra={"json_flag": True})]
+ChatTemplateKwargs = Annotated[dict[str, Any], Field(json_schema_extra={"json_flag": True})]
 
 
 class PrepareConfig(StageConfig):
@@ -57,6 +57,7 @@ class PrepareConfig(StageConfig):
     shard_samples: int = Field(2048, ge=1, description="Conversations per output shard.")
     chat_template: ChatTemplate = None
     chat_template_kwargs: ChatTemplateKwargs = Field(
+        default_factory=dict,
         description=(
             "Options the server passes to the chat template, as a JSON object (vLLM's --chat-template-kwargs): "
             "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."
@@ -156,6 +157,7 @@ class RegenerateConfig(StageConfig):
     )
     chat_template: ChatTemplate = None
     chat_template_kwargs: ChatTemplateKwargs = Field(
+        default_factory=dict,
         description="As for prepare: vLLM's --chat-template-kwargs.",
     )
     tool_call_parser: str | None = Field(
