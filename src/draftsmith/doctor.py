@@ -311,12 +311,12 @@ def run(
         if main.facts.installed:
             rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
     if verbose:
-        print_tables(console, main, reports, rows, target)
+        _print_tables(console, main, reports, rows, target)
     else:
         print_summary(console, main, reports, rows, target, config)
 
 
-def print_tables(
+def _print_tables(
     console: Console,
     main: probe.ProbeReport,
     reports: list[probe.ProbeReport],
@@ -347,7 +347,6 @@ __all__ = [
     "environment_rows",
     "hardware_line",
     "print_summary",
-    "print_tables",
     "read_target_config",
     "report",
     "run",

@@ -306,7 +306,7 @@ def benchmark(
         size = math.ceil(len(prompts) / max(1, chunks))
         parts = [prompts[k : k + size] for k in range(0, len(prompts), size)]
         seconds, prefill_s, starts = _race(jobs, parts, compile)
-        stored = {name: _stored_samples(root / name) for name in names}
+        stored = {name: len(store.open(root / name)) for name in names}
     tokens = sum(len(ids) for _, ids in prompts)
     prefill_per_s = tokens / prefill_s
     rows = {
@@ -367,10 +367,6 @@ def _race(
             seconds[name] += timer.seconds
         starts = {name: engine.start_seconds for name, engine in engines.items()}
     return seconds, prefill_s, starts
-
-
-def _stored_samples(path: Path) -> int:
-    return len(store.open(path))
 
 
 __all__ = ["benchmark", "choose_strategy", "compute_dtype", "offered_strategies", "run", "say_dtype"]
