@@ -163,7 +163,7 @@ def _bench_hf(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
 def _bench_vllm(prepared: Path, work: Path, args: argparse.Namespace) -> dict:
     """The vLLM backend's own benchmark (draftsmith.extract.vllm.benchmark), on the same prepared set."""
     try:
-        from draftsmith.extract.vllm import benchmark
+        from draftsmith.extract.vllm.backend import benchmark
     except ImportError as err:
         sys.exit(f"--backend vllm: the vLLM backend's benchmark is not available ({err})")
     return benchmark(

@@ -48,7 +48,7 @@ def main() -> None:
     n = 60 if args.quick else args.n
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-    from draftsmith.extract.vllm import benchmark
+    from draftsmith.extract.vllm.backend import benchmark
 
     with tempfile.TemporaryDirectory(prefix="draftsmith-bench-") as tmp:
         prepared = args.prepared

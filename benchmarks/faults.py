@@ -56,7 +56,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-from draftsmith import export, extract
+from draftsmith import export
+from draftsmith.extract import stage as extract
 from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import common, hf, store

@@ -641,7 +641,9 @@ def main() -> None:
 
     import torch
 
-    from draftsmith import export, extract, prepare, train
+    from draftsmith import export, prepare
+    from draftsmith.extract import stage as extract
+    from draftsmith.train import stage as train
     from draftsmith.config import (
         ExportConfig,
         ExtractConfig,

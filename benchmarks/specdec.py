@@ -31,7 +31,7 @@ def quick_trained_draft() -> Path:
     from draftsmith.core import assets
     from draftsmith.core.fsio import file_lock
     from draftsmith.prepare.stage import run as prepare
-    from draftsmith.train import run as train
+    from draftsmith.train.stage import run as train
 
     root = assets.cache_dir() / "bench" / f"specdec-draft-{QUICK_DRAFT_VERSION}"
     with file_lock(assets.cache_dir() / "locks" / f"specdec-draft-{QUICK_DRAFT_VERSION}.lock"):

@@ -44,7 +44,7 @@ def build(work: Path, samples: int) -> None:
 
     from draftsmith.config import ExtractConfig
     from draftsmith.core.targets import target_identity
-    from draftsmith.extract import run as extract
+    from draftsmith.extract.stage import run as extract
     from draftsmith.prepare.dataset import write_prepared
 
     target = build_tiny_target(work / "target")

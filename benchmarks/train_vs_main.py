@@ -55,7 +55,7 @@ def quickstart_store(work: Path) -> Path:
     if (store / "manifest.json").is_file():
         return store
     from draftsmith.config import ExtractConfig, PrepareConfig
-    from draftsmith.extract import run as extract
+    from draftsmith.extract.stage import run as extract
     from draftsmith.prepare.stage import run as prepare
 
     prepare(PrepareConfig(output=work / "prepared", max_length=512, max_samples=120))

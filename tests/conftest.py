@@ -154,7 +154,7 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 def tiny_block_data(tiny_target_dir, tmp_path_factory) -> tuple[Path, Path]:
     """(prepared, store): a prepared set of the tiny target and its store (transformers, float32 states) of the layer
     a two-layer block draft reads (DFlash's, DSpark's: layer 2), shared by the block methods' training tests."""
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
     from draftsmith.config import ExtractConfig
     from draftsmith.core.layers import dflash_aux_layer_ids
 
@@ -228,7 +228,7 @@ def memorised_store(memorised_prepared, tmp_path_factory) -> Path:
     """memorised_prepared's hidden states (transformers, float32) with the aux layers of both EAGLE-3 / P-EAGLE
     (extract's default) and a one-layer DFlash: the drafts that memorise it train from it offline, on the features
     online training would compute, without a target forward at every step."""
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
     from draftsmith.config import ExtractConfig
     from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
     from draftsmith.prepare.dataset import open_prepared
@@ -253,7 +253,8 @@ def memorise(store_dir: Path, root: Path, *, speculative_tokens: int | None = No
     """Train a draft that memorises memorised_store (offline, float32, constant lr, no checkpoint but the last) with
     `options` naming its method, layers and shape; export it vllm in float32 at root / "export" (the training run at
     root / "run"). The drafts the vLLM-against-reference tests decode (EAGLE-3, P-EAGLE, DFlash) differ only there."""
-    from draftsmith import export, train
+    from draftsmith import export
+    from draftsmith.train import stage as train
     from draftsmith.config import ExportConfig, TrainConfig
 
     common = dict(max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5, schedule="constant", eval_fraction=0.0)

@@ -581,7 +581,7 @@ def _train(data_dir, out, **kw):
     """test_dflash_train's tiny run, as DSpark: blocks of 4 (4 proposals), lr 1e-2, 16 steps -> metrics.jsonl."""
     from test_dflash_train import _cfg
 
-    from draftsmith import train as trainer
+    from draftsmith.train import stage as trainer
 
     trainer.run(_cfg(data_dir, out, **{**dict(method="dspark", block_size=4, lr=1e-2, max_steps=16), **kw}))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

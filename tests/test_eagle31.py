@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import write_random_prepared
 from draftsmith import export
-from draftsmith import train as trainer
+from draftsmith.train import stage as trainer
 from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint
@@ -69,7 +69,7 @@ def test_fc_norm_reads_each_captured_layer_at_one_scale_and_norm_output_feeds_th
 @pytest.fixture(scope="module")
 def data(tiny_target_dir, tmp_path_factory):
     """A prepared set of the tiny target and its store (fp32 states), for the online and the offline run."""
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
 
     root = tmp_path_factory.mktemp("eagle31")
     prepared = write_random_prepared(root / "prepared", tiny_target_dir, 24, 20, 48)

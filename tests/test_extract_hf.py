@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import build_tiny_target
 
-from draftsmith import extract
+from draftsmith.extract import stage as extract
 from draftsmith.config import ExtractConfig
 from draftsmith.core import capture, layers
 from draftsmith.core.errors import DraftsmithError
@@ -262,25 +262,11 @@ def test_read_only_output(tmp_path, tiny_prepared, monkeypatch):
         extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
 
 
-def test_vllm_backend_missing_is_a_clear_error(tmp_path, tiny_prepared, monkeypatch):
-    import importlib
-
-    real = importlib.import_module
-
-    def missing(name, *args):
-        if name == "draftsmith.extract.vllm":
-            raise ModuleNotFoundError("No module named 'draftsmith.extract.vllm'", name=name)
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib, "import_module", missing)
-    with pytest.raises(DraftsmithError, match="no vLLM backend"):
-        extract.run(_cfg(tiny_prepared, tmp_path / "s", backend="vllm"))
-
-
 _KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
     torch.set_num_threads(int(sys.argv[3]))
-    from draftsmith.extract import common, hf, run
+    from draftsmith.extract import common, hf
+    from draftsmith.extract.stage import run
     from draftsmith.config import ExtractConfig
 
     # progress for the parent: one line as each batch starts; with --hold the last batch waits to be killed, so a

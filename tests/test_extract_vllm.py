@@ -51,7 +51,7 @@ def prepared(tmp_path_factory, sharegpt_file, default_target_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_store(prepared, tmp_path_factory) -> Path:
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
 
     out = tmp_path_factory.mktemp("vllm") / "hf"
     extract.run(
@@ -97,7 +97,7 @@ _KILL_SCRIPT = """
 import sys
 from pathlib import Path
 from draftsmith.config import ExtractConfig
-from draftsmith.extract.vllm import run
+from draftsmith.extract.vllm.backend import run
 
 if __name__ == "__main__":
     run(ExtractConfig(prepared=Path(sys.argv[1]), output=Path(sys.argv[2]), backend="vllm", vllm_compile=False,
@@ -146,7 +146,7 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
     partial = _stored(out)
     assert 3 <= partial < NUM_SAMPLES, (partial, err[-3000:])
 
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
 
     result = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)
     already = result.summary["samples already stored"]
@@ -165,7 +165,7 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
 @needs_vllm
 def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepared, hf_store):
     skip_unless_offered("direct")
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
 
     out = tmp_path / "direct"
     first = run(_cfg(prepared, out, vllm_strategy="direct", shard="1/2"), show_progress=False)
@@ -183,7 +183,7 @@ def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepa
 @pytest.mark.slow
 @needs_vllm
 def test_a_store_of_another_kind_is_refused_before_vllm_starts(tmp_path, prepared, hf_store):
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
 
     with pytest.raises(DraftsmithError, match="made differently.*backend"):
         run(_cfg(prepared, hf_store), show_progress=False)

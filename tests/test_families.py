@@ -48,7 +48,9 @@ from families import (
     tiny_config,
 )
 
-from draftsmith import export, extract, train
+from draftsmith import export
+from draftsmith.extract import stage as extract
+from draftsmith.train import stage as train
 from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
@@ -205,7 +207,7 @@ class Matrix:
         output: Path | None = None,
         dtype: str = "float32",
     ) -> Path:
-        from draftsmith.extract.vllm import run
+        from draftsmith.extract.vllm.backend import run
 
         key = ("vllm", name, strategy, shard, tp, dtype)
         if key not in self._made:
@@ -447,7 +449,7 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
     """vLLM's DeepSeek-V2/V3 stack (Kimi-K2.5's too) has no aux state for the embeddings: auto takes direct, which
     taps them itself; the forced connector is refused in one line before vLLM starts."""
     from draftsmith.core.errors import DraftsmithError
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
 
     prepared = matrix.prepared(name)
     hf = tmp_path / "hf"
@@ -608,7 +610,7 @@ def test_vllm_extracts_samples_that_fill_the_targets_whole_context(full_context,
     """Prepared samples as long as the target's declared context (a 2,048-context model prepared with the default
     --max-length 2048): each prompt goes to vLLM with max_tokens=1, one position past the context that is sampled
     and never fed back; both strategies take them and the stores equal the hf store."""
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
     from draftsmith.prepare.dataset import open_prepared
 
     ds = open_prepared(full_context["prepared"])
@@ -636,7 +638,7 @@ def test_vllm_extracts_samples_that_fill_the_targets_whole_context(full_context,
 def test_vllm_extraction_refuses_samples_longer_than_the_targets_context(full_context, tmp_path):
     """A set prepared with a --max-length above the target's context: one line naming the set and the length to
     prepare with, before any engine starts."""
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
     from draftsmith.prepare import stage as prepare
 
     shrunk = tmp_path / "target"

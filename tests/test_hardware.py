@@ -118,7 +118,7 @@ def _vllm(platform: str) -> ProbeReport:
 def tiny_store(tiny_target_dir, tmp_path_factory) -> Path:
     prepared = write_random_prepared(tmp_path_factory.mktemp("hw") / "prepared", tiny_target_dir, 16, 20, 48)
     out = prepared.parent / "store"
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
 
     extract.run(
         ExtractConfig(prepared=prepared, output=out, device="cpu", aux_layer_ids=[1, 2, 3]), show_progress=False
@@ -181,7 +181,7 @@ def test_train_auto_is_bf16_on_a_bf16_cpu_printed_and_recorded(tiny_store, tmp_p
 
 
 def test_hf_extract_auto_computes_in_bf16_on_a_bf16_cpu(tiny_target_dir, tmp_path, fake_cpu, capsys):
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
 
     prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 6, 20, 40)
     stores = {}

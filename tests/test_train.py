@@ -58,7 +58,7 @@ def prepared_dir(sharp_target_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store_dir(prepared_dir, sharp_target_dir):
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
 
     out = prepared_dir.parent / "store"
     extract.run(  # float32 named: the online source's fp32 states are compared with it, on every CPU kind
@@ -268,7 +268,7 @@ def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(
 ):
     """One store serves several methods (EAGLE-3's layers, DFlash's spread): --aux-layer-ids picks a subset, and
     training reads exactly what a store of those layers alone gives."""
-    from draftsmith import extract
+    from draftsmith.extract import stage as extract
 
     only = tmp_path / "store13"
     extract.run(  # as store_dir was made (float32 named), so that the two stores' states are the same numbers

@@ -135,7 +135,7 @@ def _train_script(tmp_path: Path, prepared: Path, out: Path, **options) -> Path:
         textwrap.dedent(f'''
         import sys
         from draftsmith.config import TrainConfig
-        from draftsmith.train import run
+        from draftsmith.train.stage import run
         r = run(TrainConfig(data="{prepared}", output="{out}", **{options!r}))
         sys.stdout.write(f"RESULT {{r.summary['steps']}}\\n")  # one write: the two ranks' lines never interleave
     ''')
@@ -157,7 +157,7 @@ def test_ddp_fsdp2_and_one_process_give_the_same_loss_curve(tiny_target_dir, tmp
 
     from draftsmith.core.targets import target_identity
     from draftsmith.prepare.dataset import write_prepared
-    from draftsmith.train import run
+    from draftsmith.train.stage import run
 
     rng = np.random.default_rng(3)
     samples = [
@@ -224,7 +224,7 @@ def test_torchrun_trainer_end_to_end_rank0_writes(tiny_target_dir, tmp_path):
         textwrap.dedent(f'''
         import sys
         from draftsmith.config import TrainConfig
-        from draftsmith.train import run
+        from draftsmith.train.stage import run
         r = run(TrainConfig(data="{tmp_path / "prep"}", output="{tmp_path / "run"}", draft_vocab_size=300,
                             ttt_steps=2, token_budget=40, max_steps=3, eval_fraction=0.2, log_every=1, device="cpu"))
         sys.stdout.write(f"RESULT {{r.summary['steps']}}\\n")  # one write: the two ranks' lines never interleave

@@ -66,7 +66,7 @@ def _say(what: str, **measured) -> None:
 def test_each_offered_strategy_fills_a_store_equal_to_transformers(strategy, report, prepared, hf_store, tmp_path):
     if not report.usable.get(strategy):
         pytest.skip(f"vLLM {report.facts.version} does not offer the {strategy} strategy: {report.why_not(strategy)}")
-    from draftsmith.extract.vllm import run
+    from draftsmith.extract.vllm.backend import run
 
     start = time.perf_counter()
     result = run(_cfg(prepared, tmp_path / strategy, vllm_strategy=strategy), show_progress=False)
@@ -344,7 +344,7 @@ class DeepSeekTargets:
         return self._once(("prepared", routing), make)
 
     def hf(self, routing: str) -> Path:
-        from draftsmith import extract
+        from draftsmith.extract import stage as extract
         from draftsmith.config import ExtractConfig
 
         def make() -> Path:
@@ -368,7 +368,7 @@ class DeepSeekTargets:
         """(store, the run's summary, its wall seconds): auto strategy; TP=1 in this process, else worker
         processes."""
         from draftsmith.config import ExtractConfig
-        from draftsmith.extract.vllm import run
+        from draftsmith.extract.vllm.backend import run
         from test_families import in_process_vllm
 
         def make() -> tuple[Path, dict, float]:
@@ -407,7 +407,7 @@ def test_deepseek_v3_extracts_through_vllm_equal_to_transformers(tp, deepseek, o
     the release's CPU MoE routes grouped top-k otherwise (GROUPED_TOPK_ROUTED_OTHERWISE), the target has Kimi-K2's
     one-group routing, and the grouped target's divergence is recorded: exact before the first MoE layer, not after
     it."""
-    from draftsmith.extract.vllm import choose_strategy
+    from draftsmith.extract.vllm.backend import choose_strategy
     from families import PUBLISHED
 
     start = time.perf_counter()
@@ -460,7 +460,7 @@ import torch
 
 torch.set_num_threads(1)
 import families
-from draftsmith import extract
+from draftsmith.extract import stage as extract
 from draftsmith.config import ExtractConfig, PrepareConfig
 from draftsmith.prepare import stage as prepare
 
@@ -532,7 +532,8 @@ def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(
     from draftsmith.config import ExtractConfig
     from draftsmith.core.targets import read_config
     from draftsmith.extract import store
-    from draftsmith.extract.vllm import choose_strategy, driver, run
+    from draftsmith.extract.vllm import driver
+    from draftsmith.extract.vllm.backend import choose_strategy, run
     from test_families import in_process_vllm
 
     start = time.perf_counter()
@@ -812,7 +813,8 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
     from draftsmith.config import ExtractConfig
     from draftsmith.core import hardware
     from draftsmith.extract import store
-    from draftsmith.extract.vllm import kernels, run
+    from draftsmith.extract.vllm import kernels
+    from draftsmith.extract.vllm.backend import run
     from draftsmith.extract.vllm.probe import choose_dtype
     from test_families import in_process_vllm
 

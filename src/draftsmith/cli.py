@@ -6,7 +6,6 @@ Each stage's options are generated from its pydantic config (the config package)
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import sys
@@ -41,7 +40,6 @@ app.add_typer(store_app, name="store")
 console = Console()
 err_console = Console(stderr=True)
 
-NOT_BUILT_EXIT = 2
 # the page of docs/ that explains each stage command: its help ends with it
 DOCS = dict(regenerate="guides/agentic.md", feed="guides/online.md", train="guides/methods.md")
 DOCS |= dict(evaluate="guides/evaluation.md", serve="guides/serving.md", quickstart="getting-started/quickstart.md")
@@ -151,17 +149,13 @@ def _option(name: str, field: Any, positional: bool, panel: str | None = None) -
     return Optional[py_type], typer.Option(flag, **kwargs)
 
 
-def _stage_command(name: str, config_name: str, runner: str, help_text: str, positional: tuple[str, ...] = ()) -> None:
-    """Register `draftsmith NAME` from the config class `config.<config_name>` and `module:function` runner."""
-    cfg_cls: type[config.StageConfig] | None = getattr(config, config_name, None)
-    if cfg_cls is None:  # the stage's config does not exist yet in this version
-
-        @app.command(name, help=help_text + "\n\n(Not built yet in this version of draftsmith.)")
-        def _not_built() -> None:
-            raise _fail(f"`draftsmith {name}` is not built yet in draftsmith {__version__}", NOT_BUILT_EXIT)
-
-        return
-
+def _stage_command(
+    name: str,
+    cfg_cls: type[config.StageConfig],
+    help_text: str,
+    positional: tuple[str, ...] = (),
+) -> None:
+    """Register `draftsmith NAME` from its config class; its `run` is imported when it runs (`_runner`)."""
     params = [
         inspect.Parameter(
             "config_file",
@@ -189,13 +183,10 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
     def command(**kwargs: Any) -> None:
         config_file = kwargs.pop("config_file")
         cfg = _call(lambda: config.load_config(cfg_cls, config_file, kwargs))
-        module_name, fn_name = runner.split(":")
         if name == "train":  # before the stage loads torch: OpenMP reads its wait policy once, then
             threads.choose()
         try:
-            run = getattr(importlib.import_module(module_name), fn_name)
-        except (ModuleNotFoundError, AttributeError):
-            raise _fail(f"`draftsmith {name}` is not built yet in draftsmith {__version__}", NOT_BUILT_EXIT) from None
+            run = _runner(name)
         finally:
             threads.release()
         _print_result(_call(lambda: run(cfg)))
@@ -205,56 +196,89 @@ def _stage_command(name: str, config_name: str, runner: str, help_text: str, pos
     app.command(name, help=f"{help_text}\n\nDocs: docs/{DOCS.get(name, 'getting-started/stages.md')}")(command)
 
 
+def _runner(name: str) -> Callable[[Any], config.StageResult]:
+    """A stage's `run`, imported when its command runs: `draftsmith --help` loads no stage (nor torch)."""
+    if name == "regenerate":
+        from draftsmith.prepare.regenerate import run as regenerate
+
+        return regenerate
+    if name == "prepare":
+        from draftsmith.prepare.stage import run as prepare
+
+        return prepare
+    if name == "extract":
+        from draftsmith.extract.stage import run as extract
+
+        return extract
+    if name == "train":
+        from draftsmith.train.stage import run as train
+
+        return train
+    if name == "feed":
+        from draftsmith.extract.vllm.feed import run as feed
+
+        return feed
+    if name == "export":
+        from draftsmith.export.stage import run as export
+
+        return export
+    if name == "evaluate":
+        from draftsmith.evaluate.stage import run as evaluate
+
+        return evaluate
+    if name == "serve":
+        from draftsmith.serve import run as serve
+
+        return serve
+    if name == "quickstart":
+        from draftsmith.quickstart import run as quickstart
+
+        return quickstart
+    raise AssertionError(name)
+
+
 _stage_command(
     "regenerate",
-    "RegenerateConfig",
-    "draftsmith.prepare.regenerate:run",
+    config.RegenerateConfig,
     "Have the target answer the conversations' user turns itself (vLLM or transformers), so the draft "
     "trains on the target's own answers; writes messages JSONL that `draftsmith prepare --data` reads.",
 )
 _stage_command(
     "prepare",
-    "PrepareConfig",
-    "draftsmith.prepare:run",
+    config.PrepareConfig,
     "Render conversations with the target's chat template into token shards with assistant loss masks.",
 )
 _stage_command(
     "extract",
-    "ExtractConfig",
-    "draftsmith.extract:run",
+    config.ExtractConfig,
     "Run the target over a prepared set and store its aux-layer hidden states (transformers or vLLM).",
 )
 _stage_command(
     "train",
-    "TrainConfig",
-    "draftsmith.train:run",
+    config.TrainConfig,
     "Train a draft (--method eagle3, eagle3.1, peagle, dflash, dspark) from a store (offline) or a prepared set "
     "(online).",
 )
 _stage_command(
     "feed",
-    "FeedConfig",
-    "draftsmith.extract.vllm.feed:run",
+    config.FeedConfig,
     "The engine side of online training on another node: a vLLM engine that computes the chunks a "
     "`train --engine vllm --remote-engines` trainer plans and publishes them to its --spool (Mooncake).",
 )
 _stage_command(
     "export",
-    "ExportConfig",
-    "draftsmith.export:run",
+    config.ExportConfig,
     "Write a trained draft as a vLLM, SGLang or speculators model directory.",
     positional=("checkpoint",),
 )
 _stage_command(
     "evaluate",
-    "EvaluateConfig",
-    "draftsmith.evaluate:run",
+    config.EvaluateConfig,
     "Measure acceptance length and speed-up by real speculative decoding (reference decoder or vLLM).",
 )
 _stage_command(
     "serve",
-    "ServeConfig",
-    "draftsmith.serve:run",
+    config.ServeConfig,
     "Serve a draft with its target: vLLM's OpenAI-compatible server, speculative decoding by the draft's method."
     "\n\nListens on 127.0.0.1:8000 unless --host / --port say otherwise; Ctrl-C or SIGTERM stops it. "
     "Other `vllm serve` options go in --vllm-args.",
@@ -262,128 +286,65 @@ _stage_command(
 )
 _stage_command(
     "quickstart",
-    "QuickstartConfig",
-    "draftsmith.quickstart:run",
+    config.QuickstartConfig,
     "The whole path on the embedded default: prepare -> extract -> train -> export -> evaluate, resumable."
     "\n\nA --config recipe (see recipes/) may also hold one section per stage, e.g. `train: {lr: 5.0e-4}`, "
     "whose options go on top of what --budget chose.",
 )
 
 
+# `draftsmith doctor`'s options: what each one asks of it
+DOCTOR_HELP = {
+    "target": "A target's model directory or its config.json alone: add its vLLM row and what its store and its "
+    "draft's training will take (from the config, no weights read).",
+    "tokens": "Tokens of the data set to size the store for.",
+    "tensor_parallel_size": "GPUs the target's weights are split over, for the per-GPU weight size.",
+    "gpu_memory_gb": "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's "
+    "training fits it and the largest --token-budget that does.",
+    "online_rate": "Training tokens per second the trainer consumes (all ranks together): with --target, the "
+    "--spool-gb that `train --engine vllm` needs for it, in bf16 and fp8.",
+    "spool_lead_s": "How far ahead of the trainer the engines may run, in seconds of its consumption, for "
+    "--online-rate.",
+    "vllm_source": "Probe the vLLM source in this directory instead of the installed vLLM: a site-packages, an "
+    "unpacked wheel, a checkout, or the vllm package itself (read, never imported; no runtime step).",
+    "runtime": "Also ask the installed vLLM what async_scheduling resolves to here: it builds its engine config for "
+    "the target in a subprocess (some seconds).",
+    "as_json": "Print one JSON object (versions, the probe's facts, strategy and reason, one entry per architecture) "
+    "and nothing else, for scripts.",
+    "verbose": "The full tables: every environment row and asset, every capability the probe read with what it "
+    "found and means, every architecture's row per strategy.",
+}
+
+
 @app.command("doctor")
 def doctor(
-    target: Annotated[
-        Optional[str],
-        typer.Option(
-            "--target",
-            help=(
-                "A target's model directory or its config.json alone: add its vLLM row and what its store and its "
-                "draft's training will take (from the config, no weights read)."
-            ),
-        ),
-    ] = None,
-    tokens: Annotated[
-        Optional[int], typer.Option("--tokens", help="Tokens of the data set to size the store for.")
-    ] = None,
+    target: Annotated[Optional[str], typer.Option("--target", help=DOCTOR_HELP["target"])] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help=DOCTOR_HELP["tokens"])] = None,
     tensor_parallel_size: Annotated[
-        int,
-        typer.Option(
-            "--tensor-parallel-size", help=("GPUs the target's weights are split over, for the per-GPU weight size.")
-        ),
+        int, typer.Option("--tensor-parallel-size", help=DOCTOR_HELP["tensor_parallel_size"])
     ] = 1,
     gpu_memory_gb: Annotated[
-        Optional[float],
-        typer.Option(
-            "--gpu-memory-gb",
-            help=(
-                "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's training fits it "
-                "and the largest --token-budget that does."
-            ),
-        ),
+        Optional[float], typer.Option("--gpu-memory-gb", help=DOCTOR_HELP["gpu_memory_gb"])
     ] = None,
     online_rate: Annotated[
-        Optional[float],
-        typer.Option(
-            "--online-rate",
-            metavar="TOKENS_PER_S",
-            help=(
-                "Training tokens per second the trainer consumes (all ranks together): with --target, the --spool-gb "
-                "that `train --engine vllm` needs for it, in bf16 and fp8."
-            ),
-        ),
+        Optional[float], typer.Option("--online-rate", metavar="TOKENS_PER_S", help=DOCTOR_HELP["online_rate"])
     ] = None,
     spool_lead_s: Annotated[
-        float,
-        typer.Option(
-            "--spool-lead-s",
-            metavar="SECONDS",
-            help=(
-                "How far ahead of the trainer the engines may run, in seconds of its consumption, for --online-rate."
-            ),
-        ),
+        float, typer.Option("--spool-lead-s", metavar="SECONDS", help=DOCTOR_HELP["spool_lead_s"])
     ] = 60.0,
-    vllm_source: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--vllm-source",
-            help=(
-                "Probe the vLLM source in this directory instead of the installed vLLM: a site-packages, an unpacked "
-                "wheel, a checkout, or the vllm package itself (read, never imported; no runtime step)."
-            ),
-        ),
-    ] = None,
-    runtime: Annotated[
-        bool,
-        typer.Option(
-            "--runtime",
-            help=(
-                "Also ask the installed vLLM what async_scheduling resolves to here: it builds its engine config for "
-                "the target in a subprocess (some seconds)."
-            ),
-        ),
-    ] = False,
-    as_json: Annotated[
-        bool,
-        typer.Option(
-            "--json",
-            help=(
-                "Print one JSON object (versions, the probe's facts, strategy and reason, one entry per architecture) "
-                "and nothing else, for scripts."
-            ),
-        ),
-    ] = False,
-    verbose: Annotated[
-        bool,
-        typer.Option(
-            "--verbose",
-            "-v",
-            help=(
-                "The full tables: every environment row and asset, every capability the probe read with what it found "
-                "and means, every architecture's row per strategy."
-            ),
-        ),
-    ] = False,
+    vllm_source: Annotated[Optional[Path], typer.Option("--vllm-source", help=DOCTOR_HELP["vllm_source"])] = None,
+    runtime: Annotated[bool, typer.Option("--runtime", help=DOCTOR_HELP["runtime"])] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=DOCTOR_HELP["as_json"])] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help=DOCTOR_HELP["verbose"])] = False,
 ) -> None:
     """Show versions, hardware, cached default assets, what vLLM can do per architecture (read from its source,
     never imported), and a target's sizes: one screen, --verbose for the full tables.
 
     Docs: docs/getting-started/install.md"""
-    doctor_module = importlib.import_module("draftsmith.doctor")  # lazy, like every stage: the CLI starts fast
-    _call(
-        lambda: doctor_module.run(
-            console,
-            target=target,
-            tokens=tokens,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_gb=gpu_memory_gb,
-            vllm_source=vllm_source,
-            runtime=runtime,
-            as_json=as_json,
-            online_rate=online_rate,
-            spool_lead_s=spool_lead_s,
-            verbose=verbose,
-        )
-    )
+    options = dict(locals())  # doctor.run's keywords, as given
+    from draftsmith import doctor as doctor_module  # like every stage: loaded when its command runs
+
+    _call(lambda: doctor_module.run(console, **options))
 
 
 @app.command("inspect")
@@ -399,7 +360,8 @@ def inspect_command(
     """Show an artefact's manifest, or one sample with its loss-masked span highlighted.
 
     Docs: docs/formats.md"""
-    inspection = importlib.import_module("draftsmith.inspection")
+    from draftsmith import inspection
+
     _call(lambda: inspection.run(path, sample=sample, as_json=as_json, console=console))
 
 
@@ -419,10 +381,11 @@ def store_verify(
     """Re-check every shard's checksum and the manifest's counts; report NaN/Inf tokens.
 
     Docs: docs/formats.md"""
-    store = importlib.import_module("draftsmith.extract.store")
-    report = _call(lambda: store.verify_store(path, repair=repair))
+    from draftsmith.extract.store import verify_store
+
+    report = _call(lambda: verify_store(path, repair=repair))
     console.print(report)
-    if not getattr(report, "ok", True):
+    if not report.ok:
         raise typer.Exit(1)
 
 
@@ -434,8 +397,9 @@ def store_merge(
     """Join stores written by several workers (`extract --shard i/n`) into one.
 
     Docs: docs/formats.md"""
-    store = importlib.import_module("draftsmith.extract.store")
-    console.print(_call(lambda: store.merge_stores(inputs, output)))
+    from draftsmith.extract.store import merge_stores
+
+    console.print(_call(lambda: merge_stores(inputs, output)))
 
 
 @app.command("version")

@@ -11,13 +11,13 @@ object (`report(...)`) for scripts."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import json
 import os
 import platform
 import textwrap
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 from rich.console import Console
 from rich.table import Table
@@ -30,7 +30,15 @@ from draftsmith.core.target_config import read_config
 from draftsmith.extract.vllm import probe
 from draftsmith.extract.vllm.source import locate, package_dir
 
-PLANNING = "draftsmith.planning"  # --target's sizes: loaded by name, with the trainer's model code (torch)
+
+class Sizing(TypedDict, total=False):
+    """What --target's sizes are computed for: `planning.sizing_rows`'s keywords that doctor takes."""
+
+    tokens: int | None
+    tensor_parallel_size: int
+    gpu_memory_gb: float | None
+    online_rate: float | None
+    spool_lead_s: float
 
 
 def _version_of(distribution: str) -> str:
@@ -110,7 +118,7 @@ def report(
     support], "target": {path, architecture, sizes} when a target is given}."""
     check_online(target, online_rate, spool_lead_s)
     config = read_target_config(target) if target else None
-    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
+    architecture = _architecture(config)
     main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
     out: dict = {
         "draftsmith": __version__,
@@ -137,24 +145,30 @@ def report(
         ],
     }
     if config is not None:
-        planning = importlib.import_module(PLANNING)
-        out["target"] = {
-            "path": str(target),
-            "architecture": architecture,
-            "sizes": dict(
-                planning.sizing_rows(
-                    config,
-                    tokens=tokens,
-                    tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_gb=gpu_memory_gb,
-                    online_rate=online_rate,
-                    spool_lead_s=spool_lead_s,
-                )
-            ),
-        }
+        sizes = target_sizes(
+            config,
+            tokens=tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_gb=gpu_memory_gb,
+            online_rate=online_rate,
+            spool_lead_s=spool_lead_s,
+        )
+        out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizes)}
         if main.facts.installed:
             out["target"]["vllm_dtype_auto"] = probe.choose_dtype("auto", main, config).model_dump()
     return out
+
+
+def target_sizes(config: dict, **options: Unpack[Sizing]) -> list[tuple[str, str]]:
+    """--target's sizes (`planning.sizing_rows`'s rows for these options)."""
+    from draftsmith import planning  # with the trainer's model code (torch): only when a target is given
+
+    return planning.sizing_rows(config, **options)
+
+
+def _architecture(config: dict | None) -> str:
+    """The target's architecture (doctor without --target reports the usual Llama one)."""
+    return (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
 
 
 def dtype_line(report: probe.ProbeReport, config: dict | None) -> str:
@@ -270,86 +284,61 @@ def run(
     console: Console,
     *,
     target: str | None = None,
-    tokens: int | None = None,
-    tensor_parallel_size: int = 1,
-    gpu_memory_gb: float | None = None,
     vllm_source: str | Path | None = None,
     runtime: bool = False,
     as_json: bool = False,
-    online_rate: float | None = None,
-    spool_lead_s: float = 60.0,
     verbose: bool = False,
+    **sizing: Unpack[Sizing],
 ) -> None:
     """Print doctor's summary, one screen (`verbose`: its full tables; `as_json`: the one JSON object of `report`).
     `vllm_source`: probe that vLLM tree instead of the installed one (no runtime step); `runtime`: build the
-    installed vLLM's engine config too; `online_rate`, `spool_lead_s`: the target's online spool rows
-    (`spool_rows`)."""
-    check_online(target, online_rate, spool_lead_s)  # a bad rate is one line before anything is printed
+    installed vLLM's engine config too; `sizing`: `report`'s tokens, tensor_parallel_size, gpu_memory_gb and the
+    target's online spool rows (`online_rate`, `spool_lead_s`)."""
+    check_online(target, sizing.get("online_rate"), sizing.get("spool_lead_s", 60.0))  # one line, before any output
     if vllm_source is not None:
         package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed
     if as_json:
-        console.out(
-            json.dumps(
-                report(
-                    target=target,
-                    tokens=tokens,
-                    tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_gb=gpu_memory_gb,
-                    vllm_source=vllm_source,
-                    runtime=runtime,
-                    online_rate=online_rate,
-                    spool_lead_s=spool_lead_s,
-                ),
-                indent=2,
-            ),
-            highlight=False,
-        )
+        found = report(target=target, vllm_source=vllm_source, runtime=runtime, **sizing)
+        console.out(json.dumps(found, indent=2), highlight=False)
         return
     config = read_target_config(target) if target else None
-    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
+    architecture = _architecture(config)
     main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
     reports = _architecture_reports(architecture, config, vllm_source)
-    if not verbose:
-        rows = None
-        if config is not None:
-            planning = importlib.import_module(PLANNING)
-            rows = planning.sizing_rows(
-                config,
-                tokens=tokens,
-                tensor_parallel_size=tensor_parallel_size,
-                gpu_memory_gb=gpu_memory_gb,
-                online_rate=online_rate,
-                spool_lead_s=spool_lead_s,
-            )
-            if main.facts.installed:
-                rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
+    rows = None
+    if config is not None:
+        rows = target_sizes(config, **sizing)
+        if main.facts.installed:
+            rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
+    if verbose:
+        _print_tables(console, main, reports, rows, target)
+    else:
         print_summary(console, main, reports, rows, target, config)
-        return
-    table = Table(title="draftsmith doctor", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in environment_rows():
-        table.add_row(key, value)
-    console.print(table)
+
+
+def _print_tables(
+    console: Console,
+    main: probe.ProbeReport,
+    reports: list[probe.ProbeReport],
+    target_rows: list[tuple[str, str]] | None,
+    target: str | None,
+) -> None:
+    """doctor --verbose: the environment, the probe's capabilities, every architecture, the target's sizes."""
+    console.print(_rows_table("draftsmith doctor", environment_rows()))
     console.print(probe.render_probe_table(main))
     console.print(probe.render_architecture_table(reports))
-    if config is not None:
-        sizes = Table(title=f"target {target}: sizes from its config.json", show_header=False, title_justify="left")
-        sizes.add_column(style="bold")
-        sizes.add_column()
-        planning = importlib.import_module(PLANNING)
-        for key, value in planning.sizing_rows(
-            config,
-            tokens=tokens,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_gb=gpu_memory_gb,
-            online_rate=online_rate,
-            spool_lead_s=spool_lead_s,
-        ):
-            sizes.add_row(key, value)
-        if main.facts.installed:
-            sizes.add_row("vLLM compute dtype (auto)", dtype_line(main, config))
-        console.print(sizes)
+    if target_rows is not None:
+        console.print(_rows_table(f"target {target}: sizes from its config.json", target_rows))
+
+
+def _rows_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    """(what, value) rows as a two-column table, the names in bold."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
 
 
 __all__ = [

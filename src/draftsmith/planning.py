@@ -32,19 +32,22 @@ def sizing_rows(
     """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults.
     `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB. `online_rate`
     (training tokens/s, all ranks): the spool `train --engine vllm` needs for a `spool_lead_s` engine lead."""
-
     shape = sizing.target_shape(config)
-    train = TrainConfig()
     layer_ids = resolve_layer_ids(aux_layer_ids or ExtractConfig().aux_layer_ids, shape.num_layers)
-    aux = layer_ids[:-1]
-    assert train.num_layers is not None  # TrainConfig's validator sets the method's default
-    assert isinstance(train.method, Eagle3Options)  # the default method's
-    draft = DraftSpec.from_target_config(
-        config, draft_vocab_size or train.method.draft_vocab_size, train.num_layers, aux
-    )
-    memory = sizing.training_memory(
-        draft, token_budget=token_budget or train.token_budget, ttt_steps=ttt_steps or train.method.depths
-    )
+    token_budget = token_budget or TrainConfig().token_budget
+    rows = target_rows(config, shape, tensor_parallel_size, gpu_memory_gb)
+    per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
+    rows += store_rows(shape, layer_ids, per_token, tokens)
+    rows += spool_rows(per_token, online_rate, spool_lead_s, tokens=tokens, tokens_per_step=token_budget)
+    rows += draft_rows(config, layer_ids[:-1], draft_vocab_size, token_budget, ttt_steps, gpu_memory_gb)
+    return rows
+
+
+def target_rows(
+    config: dict, shape: sizing.TargetShape, tensor_parallel_size: int, gpu_memory_gb: float | None
+) -> list[tuple[str, str]]:
+    """The target itself: its text backbone, its parameters, its weights (per GPU at a tensor parallel size), as
+    stored, and the GPUs vLLM loads it on."""
     tp = max(1, tensor_parallel_size)
     moe = (
         f"; MoE: {shape.moe_layers} of {shape.num_layers} layers, {shape.experts} experts, "
@@ -78,14 +81,21 @@ def sizing_rows(
             )
         )
     rows.append(("vLLM loads it on", vllm_fit_line(stored.bytes, gpu_memory_gb)))
-    per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
-    rows.append(("store layer ids", f"{','.join(map(str, layer_ids))} (aux {','.join(map(str, aux))}, then N)"))
-    rows.append(
+    return rows
+
+
+def store_rows(
+    shape: sizing.TargetShape, layer_ids: list[int], per_token: dict[str, int], tokens: int | None
+) -> list[tuple[str, str]]:
+    """The hidden-state store: its layer ids, its bytes per token, and its size for `tokens` and for a million."""
+    aux = layer_ids[:-1]
+    rows = [
+        ("store layer ids", f"{','.join(map(str, layer_ids))} (aux {','.join(map(str, aux))}, then N)"),
         (
             "store bytes per token",
             f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} ({len(layer_ids)} layers x {shape.hidden_size})",
-        )
-    )
+        ),
+    ]
     for count in ([tokens] if tokens else []) + [1_000_000]:
         rows.append(
             (
@@ -94,39 +104,47 @@ def sizing_rows(
                 f"fp8 {sizing.human_bytes(count * per_token['fp8'])}",
             )
         )
-    rows.extend(
-        spool_rows(
-            per_token, online_rate, spool_lead_s, tokens=tokens, tokens_per_step=token_budget or train.token_budget
-        )
+    return rows
+
+
+def draft_rows(
+    config: dict,
+    aux: list[int],
+    draft_vocab_size: int | None,
+    token_budget: int,
+    ttt_steps: int | None,
+    gpu_memory_gb: float | None,
+) -> list[tuple[str, str]]:
+    """The default method's draft for this target: its parameters, its training memory, whether it fits a GPU."""
+    train = TrainConfig()
+    assert train.num_layers is not None  # TrainConfig's validator sets the method's default
+    assert isinstance(train.method, Eagle3Options)  # the default method's
+    draft = DraftSpec.from_target_config(
+        config, draft_vocab_size or train.method.draft_vocab_size, train.num_layers, aux
     )
-    rows.append(
+    ttt_steps = ttt_steps or train.method.depths
+    memory = sizing.training_memory(draft, token_budget=token_budget, ttt_steps=ttt_steps)
+    rows = [
         (
             "draft",
             f"{sizing.human_count(memory.draft_params)} trainable parameters (1 layer, hidden "
             f"{draft.hidden_size}, {draft.num_attention_heads} heads x {draft.head_dim}, "
             f"{draft.num_key_value_heads} KV heads, MLP {draft.intermediate_size}, draft vocabulary "
             f"{draft.draft_vocab_size})",
-        )
-    )
-    rows.append(
+        ),
         (
             "draft training memory (estimate)",
-            f"{sizing.human_bytes(memory.total)} per GPU at {token_budget or train.token_budget} tokens per "
-            f"micro-batch, {ttt_steps or train.method.depths} TTT steps: weights + AdamW "
+            f"{sizing.human_bytes(memory.total)} per GPU at {token_budget} tokens per "
+            f"micro-batch, {ttt_steps} TTT steps: weights + AdamW "
             f"{sizing.human_bytes(memory.weights_and_optimizer)}, target embedding + head (bf16) "
             f"{sizing.human_bytes(memory.target_head)}, activations {sizing.human_bytes(memory.activations)}",
-        )
-    )
+        ),
+    ]
     if gpu_memory_gb is not None:
         rows.append(
             (
                 f"fits one {gpu_memory_gb:g} GiB GPU?",
-                training_fit_line(
-                    draft,
-                    gpu_memory_gb,
-                    token_budget=token_budget or train.token_budget,
-                    ttt_steps=ttt_steps or train.method.depths,
-                ),
+                training_fit_line(draft, gpu_memory_gb, token_budget=token_budget, ttt_steps=ttt_steps),
             )
         )
     return rows

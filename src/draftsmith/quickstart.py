@@ -17,7 +17,9 @@ from typing import Any
 
 from rich.console import Console
 
-from draftsmith import evaluate, export, extract, prepare, train
+from draftsmith import evaluate, export, prepare
+from draftsmith.extract import stage as extract
+from draftsmith.train import stage as train
 from draftsmith.config import (
     EvaluateConfig,
     ExportConfig,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -11,6 +11,15 @@ from pydantic import (
 )
 
 from draftsmith.config.base import StageConfig, _json_object, _split_list
+
+# the chat template options of prepare and regenerate (each says what its kwargs are for)
+ChatTemplate = Annotated[
+    Path | None,
+    Field(
+        description="A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."
+    ),
+]
+ChatTemplateKwargs = Annotated[dict[str, Any], Field(json_schema_extra={"json_flag": True})]
 
 
 class PrepareConfig(StageConfig):
@@ -46,15 +55,9 @@ class PrepareConfig(StageConfig):
     max_samples: int | None = Field(None, ge=1, description="Stop after this many good conversations.")
     num_workers: int = Field(0, ge=0, description="Tokeniser processes; 0 means one per CPU core.")
     shard_samples: int = Field(2048, ge=1, description="Conversations per output shard.")
-    chat_template: Path | None = Field(
-        None,
-        description=(
-            "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."
-        ),
-    )
-    chat_template_kwargs: dict[str, Any] = Field(
+    chat_template: ChatTemplate = None
+    chat_template_kwargs: ChatTemplateKwargs = Field(
         default_factory=dict,
-        json_schema_extra={"json_flag": True},
         description=(
             "Options the server passes to the chat template, as a JSON object (vLLM's --chat-template-kwargs): "
             "'{\"thinking\": true}' for Kimi-K2.5, '{\"enable_thinking\": false}' for Qwen3 without reasoning."
@@ -152,15 +155,9 @@ class RegenerateConfig(StageConfig):
             "once (raise it on a GPU)."
         ),
     )
-    chat_template: Path | None = Field(
-        None,
-        description=(
-            "A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."
-        ),
-    )
-    chat_template_kwargs: dict[str, Any] = Field(
+    chat_template: ChatTemplate = None
+    chat_template_kwargs: ChatTemplateKwargs = Field(
         default_factory=dict,
-        json_schema_extra={"json_flag": True},
         description="As for prepare: vLLM's --chat-template-kwargs.",
     )
     tool_call_parser: str | None = Field(

@@ -23,10 +23,12 @@ Every problem with a file is one `DraftsmithError` line: the path, what is wrong
 
 from __future__ import annotations
 
-import collections
+import abc
+import collections.abc
 import os
 import threading
 from pathlib import Path
+from typing import overload
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -81,15 +83,29 @@ os.register_at_fork(after_in_child=_HANDLES.clear)
 _VERIFIED: set[tuple] = set()  # (path, identity) of the files whose sha256 matched (kept across a fork)
 
 
-def sample_position(i: int, n: int, what: str) -> int:
-    """Sample `i` of a set of `n` as a position 0..n-1 (negative counts from the end, as in a list); an
-    IndexError naming `what` ("a store") otherwise."""
-    i = int(i)
-    if i < 0:
-        i += n
-    if not 0 <= i < n:
-        raise IndexError(f"sample {i} out of range for {what} of {n} samples")
-    return i
+class Samples(collections.abc.Sequence[dict]):
+    """A set of samples read by position: `s[i]` (negative counts from the end, as in a list) and `s[a:b]`."""
+
+    what = "a set"  # named in the IndexError of a sample out of range ("a store")
+
+    @abc.abstractmethod
+    def sample(self, i: int) -> dict:
+        """The sample at position 0 <= i < len(self)."""
+
+    @overload
+    def __getitem__(self, i: int) -> dict: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict]: ...
+
+    def __getitem__(self, i: int | slice) -> dict | list[dict]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i, n = int(i), len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range for {self.what} of {n} samples")
+        return self.sample(i)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -18,13 +18,12 @@ The whole directory is built beside its final place and renamed into it only whe
 from __future__ import annotations
 
 import bisect
-import collections.abc
 import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ from draftsmith.core.manifest import (
     read_manifest,
     write_manifest,
 )
-from draftsmith.core.tensorfile import TensorFile, sample_position
+from draftsmith.core.tensorfile import Samples, TensorFile
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
 REMEDY = "run `draftsmith prepare` again to rebuild the prepared set"
@@ -351,11 +350,13 @@ def _open_shard(path: Path, shard: PreparedShard | None = None) -> TensorFile:
     return file
 
 
-class PreparedDataset(collections.abc.Sequence[dict]):
+class PreparedDataset(Samples):
     """Random access to a prepared set.
 
     `ds[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "sample_id": i}; `ds.lengths` -> int64 [N].
     """
+
+    what = "a prepared set"
 
     def __init__(self, path: Path, manifest: PreparedManifest):
         self.path = Path(path)
@@ -384,15 +385,7 @@ class PreparedDataset(collections.abc.Sequence[dict]):
     def __len__(self) -> int:
         return self.manifest.num_samples
 
-    @overload
-    def __getitem__(self, i: int) -> dict: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[dict]: ...
-
-    def __getitem__(self, i: int | slice) -> dict | list[dict]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = sample_position(i, len(self), "a prepared set")
+    def sample(self, i: int) -> dict:
         k = bisect.bisect_right(self._starts, i) - 1
         file, offsets = self._files[k], self._offsets[k]
         j = i - self._starts[k]

@@ -296,110 +296,108 @@ def _runs_out(err: json.JSONDecodeError, buf: str) -> bool:
     return _PARTIAL_VALUE.fullmatch(rest) is not None
 
 
+class _ArrayText:
+    """A JSON array file's text, read a chunk at a time: the buffer, the position in it, what was read so far."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+        self.text_decoder = _decoder()
+        self.buf = ""
+        self.pos = 0
+        self.consumed_chars = 0  # characters dropped from the front of buf
+        self.eof = False
+        self.bytes_read = 0
+
+    def more(self) -> bool:
+        """Read the next chunk onto the buffer (re-based on pos); False at end of input."""
+        if self.eof:
+            return False
+        chunk = self.f.read(_CHUNK)
+        self.bytes_read += len(chunk)
+        if not chunk:
+            self.eof = True
+            self.buf += self.text_decoder.decode(b"", final=True)
+            return False
+        self.buf = self.buf[self.pos :] + self.text_decoder.decode(chunk)
+        self.consumed_chars += self.pos
+        self.pos = 0
+        return True
+
+    def skip_ws(self) -> bool:
+        """Advance past whitespace; False at end of input."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n\ufeff":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return True
+            if not self.more():
+                return False
+
+    def value(self, decoder: json.JSONDecoder, record: str) -> tuple[Any, int | None]:
+        """The JSON value at pos and None, or None and the characters present of one the file's end cut off;
+        `record` names it in the error for a real syntax error."""
+        start = self.pos
+        while True:
+            try:
+                data, self.pos = decoder.raw_decode(self.buf, start)
+                return data, None
+            except json.JSONDecodeError as err:
+                near_end = _runs_out(err, self.buf)
+                if near_end and self.more():
+                    start = self.pos  # `more` re-based the buffer on pos
+                    continue
+                if near_end:  # and at end of file: the record was cut off
+                    return None, len(self.buf) - start
+                raise DraftsmithError(
+                    f"{record}: invalid JSON at character {self.consumed_chars + err.pos}: {err.msg}"
+                ) from None
+
+    def trim(self) -> None:
+        """Keep the buffer small: drop what was read."""
+        if self.pos > _CHUNK:
+            self.buf = self.buf[self.pos :]
+            self.consumed_chars += self.pos
+            self.pos = 0
+
+
 def _iter_json_array(path: Path, f) -> Iterator[Record]:
     """Stream the elements of a top-level JSON array, keeping every complete one of a file cut off mid-way."""
     decoder = json.JSONDecoder()
-    text_decoder = _decoder()
-    buf = ""
-    pos = 0
-    consumed_chars = 0  # characters dropped from the front of buf
-    eof = False
-    bytes_read = 0
+    text = _ArrayText(f)
+
+    def cut(index: int, detail: str) -> Record:
+        return Record(str(path), index, bad=DAMAGED_TAIL, offset=text.bytes_read, detail=detail)
+
+    text.skip_ws()
+    text.pos += 1  # the opening "["
     index = 0
-
-    def more() -> bool:
-        nonlocal buf, pos, consumed_chars, eof, bytes_read
-        if eof:
-            return False
-        chunk = f.read(_CHUNK)
-        bytes_read += len(chunk)
-        if not chunk:
-            eof = True
-            buf += text_decoder.decode(b"", final=True)
-            return False
-        buf = buf[pos:] + text_decoder.decode(chunk)
-        consumed_chars += pos
-        pos = 0
-        return True
-
-    def skip_ws() -> bool:
-        """Advance past whitespace; False at end of input."""
-        nonlocal pos
-        while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
-                pos += 1
-            if pos < len(buf):
-                return True
-            if not more():
-                return False
-
-    def where() -> str:
-        return f"character {consumed_chars + pos}"
-
-    skip_ws()
-    pos += 1  # the opening "["
-    expect_comma = False
     while True:
-        if not skip_ws():
-            yield Record(
-                str(path),
-                index,
-                bad=DAMAGED_TAIL,
-                offset=bytes_read,
-                detail=f"file ends at byte {bytes_read} without closing the array after record {index - 1}",
-            )
+        if not text.skip_ws():
+            yield cut(index, f"file ends at byte {text.bytes_read} without closing the array after record {index - 1}")
             return
-        ch = buf[pos]
+        ch = text.buf[text.pos]
         if ch == "]":
             return
-        if expect_comma:
+        if index:  # a comma between records
             if ch != ",":
                 raise DraftsmithError(
-                    f"{path}: record {index}: invalid JSON at {where()}: expected ',' or ']' "
-                    f"between records, found {ch!r}"
+                    f"{path}: record {index}: invalid JSON at character {text.consumed_chars + text.pos}: expected "
+                    f"',' or ']' between records, found {ch!r}"
                 )
-            pos += 1
-            if not skip_ws():
-                yield Record(
-                    str(path),
-                    index,
-                    bad=DAMAGED_TAIL,
-                    offset=bytes_read,
-                    detail=f"file ends at byte {bytes_read} right after record {index - 1}",
-                )
+            text.pos += 1
+            if not text.skip_ws():
+                yield cut(index, f"file ends at byte {text.bytes_read} right after record {index - 1}")
                 return
-        start = pos
-        while True:
-            try:
-                data, end = decoder.raw_decode(buf, start)
-                break
-            except json.JSONDecodeError as err:
-                near_end = _runs_out(err, buf)
-                if near_end and more():
-                    start = pos  # `more` re-based the buffer on pos
-                    continue
-                if near_end:  # and at end of file: the record was cut off
-                    lost = len(buf) - start
-                    yield Record(
-                        str(path),
-                        index,
-                        bad=DAMAGED_TAIL,
-                        offset=bytes_read,
-                        detail=f"cut off by the end of the file at byte {bytes_read} "
-                        f"({lost} characters of the record present)",
-                    )
-                    return
-                raise DraftsmithError(
-                    f"{path}: record {index}: invalid JSON at character {consumed_chars + err.pos}: {err.msg}"
-                ) from None
-        pos = end
-        yield Record(str(path), index, data, offset=max(0, bytes_read - (len(buf) - pos)))
+        data, lost = text.value(decoder, f"{path}: record {index}")
+        if lost is not None:
+            yield cut(
+                index,
+                f"cut off by the end of the file at byte {text.bytes_read} ({lost} characters of the record present)",
+            )
+            return
+        yield Record(str(path), index, data, offset=max(0, text.bytes_read - (len(text.buf) - text.pos)))
         index += 1
-        expect_comma = True
-        if pos > _CHUNK:  # keep the buffer small
-            buf = buf[pos:]
-            consumed_chars += pos
-            pos = 0
+        text.trim()
 
 
 # ------------------------------------------------------------------------------------------------ parquet / arrow

@@ -37,6 +37,7 @@ from draftsmith.config import RegenerateConfig, StageResult
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
+from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import (
     context_length,
     load_tokenizer,
@@ -50,7 +51,7 @@ from draftsmith.prepare import regenerated_set
 from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.readers import Source, expand_sources
 from draftsmith.prepare.regenerate_conversations import Regenerator, Tally, read_records
-from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, Sampling
+from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, RegeneratedShard, Sampling
 from draftsmith.prepare.stage import chat_template_of, job_fingerprint
 from draftsmith.prepare.vllm_chat import AnswerParser
 
@@ -118,51 +119,70 @@ def _summary(
     return summary
 
 
-def run(cfg: RegenerateConfig) -> StageResult:
-    """Regenerate the assistant turns of `cfg.data` (default: the embedded ShareGPT) with `cfg.target`."""
-    started = time.perf_counter()
-    output = Path(cfg.output)
-    target_dir = resolve_target(cfg.target)
-    identity = target_identity(target_dir)
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
-    template = chat_template_of(cfg, tokenizer, target_dir)
-    sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
-    eos = engines.eos_token_ids(tokenizer, target_dir)
-    engine_name, engine_version = engines.engine_choice(cfg)
-    device = (
-        resolve_device(cfg.device)
-        if engine_name == "hf"
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    dtype = engines.dtype_name(cfg, device)
-    positions = context_length(read_config(target_dir))
-    max_length = min(cfg.max_length, int(positions)) if positions else cfg.max_length
-    parsers_from = engines.vllm_version() if cfg.tool_call_parser or cfg.reasoning_parser else None
-    fingerprint = sha256_bytes(
-        json.dumps(
-            {
-                "job": job_fingerprint(cfg, identity, template, sources),
-                "engine": engine_version,
-                "dtype": dtype,
-                "device": device.type,
-                "eos": eos,
-                "format": 1,
-                **({"parsers_from": parsers_from} if parsers_from else {}),
-            }
-        ).encode("utf-8")
-    )
+@dataclasses.dataclass
+class _Plan:
+    """One regenerate job: the target and its template, the inputs, the engine that answers, and their fingerprint
+    (a resumed or finished job must match it)."""
 
-    regenerated_set.check_replaceable(output)
-    finished = regenerated_set.finished_set(output, fingerprint)
-    if finished is not None:  # the same job already ran to the end: nothing to redo
-        summary = _summary(cfg, finished, 0, time.perf_counter() - started)
-        summary["already complete"] = "yes (same inputs and options); nothing regenerated"
-        return StageResult(stage="regenerate", output=output, summary=summary)
+    target_dir: Path
+    identity: TargetIdentity
+    tokenizer: Any
+    template: str
+    sources: list[Source]
+    eos: list[int]
+    engine_name: str
+    engine_version: str
+    device: torch.device
+    dtype: str
+    max_length: int
+    parsers_from: str | None
+    fingerprint: str = ""
 
-    work, shards, saved = regenerated_set.open_work(output, fingerprint, cfg.resume)
-    tally = Tally(**saved) if saved else Tally()
-    resumed_records = tally.records
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    @classmethod
+    def of(cls, cfg: RegenerateConfig) -> _Plan:
+        target_dir = resolve_target(cfg.target)
+        tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
+        engine_name, engine_version = engines.engine_choice(cfg)
+        device = (
+            resolve_device(cfg.device)
+            if engine_name == "hf"
+            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        positions = context_length(read_config(target_dir))
+        plan = cls(
+            target_dir=target_dir,
+            identity=target_identity(target_dir),
+            tokenizer=tokenizer,
+            template=chat_template_of(cfg, tokenizer, target_dir),
+            sources=expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")],
+            eos=engines.eos_token_ids(tokenizer, target_dir),
+            engine_name=engine_name,
+            engine_version=engine_version,
+            device=device,
+            dtype=engines.dtype_name(cfg, device),
+            max_length=min(cfg.max_length, int(positions)) if positions else cfg.max_length,
+            parsers_from=engines.vllm_version() if cfg.tool_call_parser or cfg.reasoning_parser else None,
+        )
+        job = {
+            "job": job_fingerprint(cfg, plan.identity, plan.template, plan.sources),
+            "engine": engine_version,
+            "dtype": plan.dtype,
+            "device": device.type,
+            "eos": plan.eos,
+            "format": 1,
+            **({"parsers_from": plan.parsers_from} if plan.parsers_from else {}),
+        }
+        plan.fingerprint = sha256_bytes(json.dumps(job).encode("utf-8"))
+        return plan
+
+
+def _regenerate(
+    cfg: RegenerateConfig, plan: _Plan, work: Path, shards: list[RegeneratedShard], tally: Tally
+) -> Regenerator:
+    """Answer the records past the resume point shard by shard, each shard written and the progress saved as it
+    ends; returns the regenerator (closed), with its timings and the records it skipped at the end."""
+    tokenizer = plan.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else plan.eos[0]
     parser = (
         AnswerParser(tokenizer, cfg.tool_call_parser, cfg.reasoning_parser, cfg.chat_template_kwargs)
         if (cfg.tool_call_parser or cfg.reasoning_parser)
@@ -171,12 +191,21 @@ def run(cfg: RegenerateConfig) -> StageResult:
 
     def start_engine() -> Any:
         return engines.start_engine(
-            engine_name, engine_version, cfg, target_dir, device, dtype, eos, pad, max_length, work
+            plan.engine_name,
+            plan.engine_version,
+            cfg,
+            plan.target_dir,
+            plan.device,
+            plan.dtype,
+            plan.eos,
+            pad,
+            plan.max_length,
+            work,
         )
 
-    records = read_records(sources, resumed_records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
-    encoder = ChatEncoder(tokenizer, template, template_kwargs=cfg.chat_template_kwargs)
-    regenerator = Regenerator(cfg, tokenizer, encoder, max_length, start_engine, records, tally, parser)
+    records = read_records(plan.sources, tally.records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
+    encoder = ChatEncoder(tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
+    regenerator = Regenerator(cfg, tokenizer, encoder, plan.max_length, start_engine, records, tally, parser)
     progress, task = _progress(cfg.max_samples)
     try:
         with progress:
@@ -185,7 +214,7 @@ def run(cfg: RegenerateConfig) -> StageResult:
                 lines = [json.dumps(conv.record(), ensure_ascii=False) + "\n" for conv in shard if tally.add(conv)]
                 if lines:
                     regenerated_set.write_shard(work, shards, lines, tally.conversations - len(lines))
-                regenerated_set.save_progress(work, fingerprint, shards, dataclasses.asdict(tally))
+                regenerated_set.save_progress(work, plan.fingerprint, shards, dataclasses.asdict(tally))
                 rate = regenerator.generated_tokens / max(regenerator.generate_s, 1e-9)
                 progress.update(task, completed=tally.conversations, conversations=tally.conversations, tok_rate=rate)
     finally:
@@ -193,41 +222,36 @@ def run(cfg: RegenerateConfig) -> StageResult:
     for skipped in regenerator.tail:
         tally.skip(*skipped)
     tally.records += len(regenerator.tail)
-    if not shards:
-        raise DraftsmithError(
-            f"{', '.join(str(s.path) for s in sources)}: no usable conversations to regenerate"
-            + (
-                f" (skipped: {', '.join(f'{k} {v}' for k, v in tally.skipped.items())}; first: "
-                f"{next(iter(tally.skip_examples.values()), '')})"
-                if tally.skipped
-                else ""
-            )
-        )
+    return regenerator
 
-    seconds = time.perf_counter() - started
-    manifest = RegeneratedManifest(
-        generator=Generator(
-            target=identity,
-            chat_template_hash=sha256_bytes(template.encode("utf-8")),
-            engine=engine_name,
-            engine_version=engine_version,
-            dtype=dtype,
-            device=str(device),
-            chat_template_kwargs=cfg.chat_template_kwargs,
-            tool_call_parser=cfg.tool_call_parser,
-            reasoning_parser=cfg.reasoning_parser,
-            parsers_from=parsers_from,
-        ),
+
+def _manifest(
+    cfg: RegenerateConfig, plan: _Plan, tally: Tally, shards: list[RegeneratedShard], stats: dict
+) -> RegeneratedManifest:
+    generator = Generator(
+        target=plan.identity,
+        chat_template_hash=sha256_bytes(plan.template.encode("utf-8")),
+        engine=plan.engine_name,
+        engine_version=plan.engine_version,
+        dtype=plan.dtype,
+        device=str(plan.device),
+        chat_template_kwargs=cfg.chat_template_kwargs,
+        tool_call_parser=cfg.tool_call_parser,
+        reasoning_parser=cfg.reasoning_parser,
+        parsers_from=plan.parsers_from,
+    )
+    return RegeneratedManifest(
+        generator=generator,
         sampling=Sampling(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens,
-            max_length=max_length,
+            max_length=plan.max_length,
             seed=cfg.seed,
             think=cfg.think,
         ),
-        fingerprint=fingerprint,
-        sources=regenerated_set.source_files(sources),
+        fingerprint=plan.fingerprint,
+        sources=regenerated_set.source_files(plan.sources),
         num_conversations=tally.conversations,
         num_assistant_turns=tally.assistant_turns,
         num_new_tokens=tally.new_tokens,
@@ -241,15 +265,47 @@ def run(cfg: RegenerateConfig) -> StageResult:
         skipped=tally.skipped,
         skip_examples=tally.skip_examples,
         damaged=tally.damaged,
-        stats={
-            "records": tally.records,
-            "resumed_after_records": resumed_records,
-            "leading_assistant_turns_dropped": tally.leading_assistant_dropped,
-            "seconds": round(seconds, 2),
-            "generate_seconds": round(regenerator.generate_s, 2),
-            "new_tokens_this_run": regenerator.generated_tokens,
-            "new_tokens_per_s": round(regenerator.generated_tokens / max(regenerator.generate_s, 1e-9), 1),
-        },
+        stats=stats,
     )
+
+
+def run(cfg: RegenerateConfig) -> StageResult:
+    """Regenerate the assistant turns of `cfg.data` (default: the embedded ShareGPT) with `cfg.target`."""
+    started = time.perf_counter()
+    output = Path(cfg.output)
+    plan = _Plan.of(cfg)
+    regenerated_set.check_replaceable(output)
+    finished = regenerated_set.finished_set(output, plan.fingerprint)
+    if finished is not None:  # the same job already ran to the end: nothing to redo
+        summary = _summary(cfg, finished, 0, time.perf_counter() - started)
+        summary["already complete"] = "yes (same inputs and options); nothing regenerated"
+        return StageResult(stage="regenerate", output=output, summary=summary)
+
+    work, shards, saved = regenerated_set.open_work(output, plan.fingerprint, cfg.resume)
+    tally = Tally(**saved) if saved else Tally()
+    resumed_records = tally.records
+    regenerator = _regenerate(cfg, plan, work, shards, tally)
+    if not shards:
+        raise DraftsmithError(
+            f"{', '.join(str(s.path) for s in plan.sources)}: no usable conversations to regenerate"
+            + (
+                f" (skipped: {', '.join(f'{k} {v}' for k, v in tally.skipped.items())}; first: "
+                f"{next(iter(tally.skip_examples.values()), '')})"
+                if tally.skipped
+                else ""
+            )
+        )
+
+    seconds = time.perf_counter() - started
+    stats = {
+        "records": tally.records,
+        "resumed_after_records": resumed_records,
+        "leading_assistant_turns_dropped": tally.leading_assistant_dropped,
+        "seconds": round(seconds, 2),
+        "generate_seconds": round(regenerator.generate_s, 2),
+        "new_tokens_this_run": regenerator.generated_tokens,
+        "new_tokens_per_s": round(regenerator.generated_tokens / max(regenerator.generate_s, 1e-9), 1),
+    }
+    manifest = _manifest(cfg, plan, tally, shards, stats)
     regenerated_set.publish(work, output, cfg, manifest)
     return StageResult(stage="regenerate", output=output, summary=_summary(cfg, manifest, resumed_records, seconds))

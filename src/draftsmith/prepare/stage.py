@@ -51,7 +51,7 @@ from draftsmith.prepare.chat import (
     leading_assistant_turns,
     normalize_conversation,
 )
-from draftsmith.prepare.dataset import open_prepared, resume_point, write_prepared
+from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
 from draftsmith.prepare.readers import (
     DAMAGED_TAIL,
     Source,
@@ -103,6 +103,27 @@ class _Tally:
         counts["records"] += 1
         counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
         counts["first"] = counts["first"] or f"record {index}: {detail}"
+
+    def add(self, where: tuple[str, int], item: Any, dropped: int) -> list[dict] | None:
+        """Count one record's outcome (a Skip, or a conversation's samples); its samples as rows, None if skipped."""
+        self.records += 1
+        if isinstance(item, Skip):
+            self.skip(item.reason, where[0], where[1], item.detail)
+            return None
+        self.use(where[0])
+        self.conversations += 1
+        self.leading_assistant_dropped += dropped > 0
+        self.samples += len(item.samples)
+        self.generations += item.generations
+        self.agentic += item.agentic
+        self.one_sample_tokens += item.one_sample_tokens
+        for reason, n in item.dropped.items():
+            self.samples_dropped[reason] = self.samples_dropped.get(reason, 0) + n
+        for sample in item.samples:
+            self.tokens += len(sample.input_ids)
+            self.loss_tokens += int(sample.loss_mask.sum())
+            self.truncated += sample.truncated
+        return [{"input_ids": x.input_ids, "loss_mask": x.loss_mask, "truncated": x.truncated} for x in item.samples]
 
 
 _HINTS = {
@@ -334,6 +355,118 @@ def check_with_vllm(
     return f"vLLM {vllm.version}: {conversations} conversations, {prompts} prompts token for token the same"
 
 
+@dataclass
+class _Job:
+    """One prepare run being written: its inputs, its tallies (from the resume point on) and its progress bar."""
+
+    cfg: PrepareConfig
+    sources: list[Source]
+    encoder: ChatEncoder
+    workers: int
+    tally: _Tally
+    stats: dict[str, Any] = field(default_factory=dict)  # the manifest's, filled when the last sample is read
+    t0: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.resumed = (self.tally.records, self.tally.conversations, self.tally.tokens)
+        self.total_bytes = sum(s.size for s in self.sources)
+        self.progress, self.task = _progress(self.total_bytes, self.cfg.max_samples)
+
+    def full(self) -> bool:
+        return bool(self.cfg.max_samples and self.tally.conversations >= self.cfg.max_samples)
+
+    def on_bytes(self, done: int) -> None:
+        if not self.cfg.max_samples:
+            self.progress.update(self.task, completed=min(done, self.total_bytes))
+
+    def samples(self) -> Iterator[list[dict]]:
+        """Each usable conversation's samples as one unit: a shard (and a resume point) never splits them."""
+        cfg, tally = self.cfg, self.tally
+        batches = _batches(
+            self.sources, self.on_bytes, skip_records=self.resumed[0], leading_assistant=cfg.leading_assistant
+        )
+        for batch in _encoded_batches(batches, self.encoder, self.workers):
+            for where, item, dropped in batch:
+                if self.full():
+                    break
+                rows = tally.add(where, item, dropped)
+                if rows is not None:
+                    yield rows
+            elapsed = max(time.perf_counter() - self.t0, 1e-9)
+            self.progress.update(
+                self.task,
+                conversations=tally.conversations,
+                rate=(tally.conversations - self.resumed[1]) / elapsed,
+                tok_rate=(tally.tokens - self.resumed[2]) / elapsed,
+                **({"completed": tally.conversations} if cfg.max_samples else {}),
+            )
+            if self.full():
+                break
+        if not tally.conversations:
+            raise _nothing_usable(self.sources, tally)
+        self.stats.update(self._stats(max(time.perf_counter() - self.t0, 1e-9)))
+
+    def _stats(self, seconds: float) -> dict[str, Any]:
+        tally = self.tally
+        return dict(
+            records=tally.records,
+            conversations=tally.conversations,
+            samples=tally.samples,
+            generations=tally.generations,
+            agentic_conversations=tally.agentic,
+            layout_tokens=tally.tokens,
+            one_sample_per_conversation_tokens=tally.one_sample_tokens,
+            samples_dropped=dict(tally.samples_dropped),
+            chat_template_kwargs=self.cfg.chat_template_kwargs,
+            workers=self.workers,
+            resumed_after_records=self.resumed[0],
+            leading_assistant_turns_dropped=tally.leading_assistant_dropped,
+            seconds=round(seconds, 2),
+            conversations_per_s=round((tally.conversations - self.resumed[1]) / seconds, 1),
+            tokens_per_s=round((tally.tokens - self.resumed[2]) / seconds, 1),
+        )
+
+    def summary(self, manifest: PreparedManifest, target: str, checked: str | None, per_file: bool) -> dict[str, Any]:
+        """The stage's summary rows but the timing ones; `per_file`: the tallies count records per input file."""
+        cfg, tally = self.cfg, self.tally
+        summary: dict[str, Any] = {
+            "output": str(cfg.output),
+            "target": target,
+            "records read": tally.records,
+            **({"resumed after records": self.resumed[0]} if self.resumed[0] else {}),
+            "conversations": tally.conversations,
+            **({"agentic conversations": tally.agentic} if tally.agentic else {}),
+            **({"rendering checked against": checked} if checked else {}),
+            **(
+                {
+                    "samples": f"{manifest.num_samples} (generations that saw different contexts: "
+                    f"{tally.tokens / max(tally.one_sample_tokens, 1):.2f}x the tokens of one per conversation)"
+                }
+                if manifest.num_samples != tally.conversations
+                else {}
+            ),
+            "tokens": manifest.num_tokens,
+            "loss tokens": manifest.num_loss_tokens,
+            "truncated": tally.truncated,
+            **(
+                {"leading assistant turns dropped": tally.leading_assistant_dropped}
+                if cfg.leading_assistant == "drop"
+                else {}
+            ),
+            "skipped": sum(tally.skipped.values()),
+        }
+        for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
+            summary[f"skipped: {reason}"] = count
+        for reason, count in sorted(tally.samples_dropped.items(), key=lambda kv: -kv[1]):
+            summary[f"samples left out: {reason}"] = count
+        if tally.damaged:
+            summary["damaged input"] = "; ".join(tally.damaged)
+        for source in map(str, (s.path for s in self.sources)) if not self.full() and per_file else ():
+            if not tally.files.get(source, {}).get("usable"):
+                summary[f"warning: {source}"] = _file_counts(tally.files.get(source))
+        return summary
+
+
 def run(cfg: PrepareConfig) -> StageResult:
     """Prepare `cfg.data` (default: the embedded ShareGPT) for `cfg.target` (default: embedded SmolLM2)."""
     started = time.perf_counter()
@@ -354,79 +487,11 @@ def run(cfg: PrepareConfig) -> StageResult:
     if state:
         for key, value in state["tally"].items():
             setattr(tally, key, value)
-    resumed = (tally.records, tally.conversations, tally.tokens)
-    stats: dict[str, Any] = {}
-    total_bytes = sum(s.size for s in sources)
-    progress, task = _progress(total_bytes, cfg.max_samples)
-    t0 = time.perf_counter()
-
-    def on_bytes(done: int) -> None:
-        if not cfg.max_samples:
-            progress.update(task, completed=min(done, total_bytes))
-
-    def samples() -> Iterator[list[dict]]:
-        batches = _batches(sources, on_bytes, skip_records=resumed[0], leading_assistant=cfg.leading_assistant)
-        for batch in _encoded_batches(batches, encoder, workers):
-            for where, item, dropped in batch:
-                if cfg.max_samples and tally.conversations >= cfg.max_samples:
-                    break
-                tally.records += 1
-                if isinstance(item, Skip):
-                    source, index = where
-                    tally.skip(item.reason, source, index, item.detail)
-                    continue
-                tally.use(where[0])
-                tally.conversations += 1
-                tally.leading_assistant_dropped += dropped > 0
-                tally.samples += len(item.samples)
-                tally.generations += item.generations
-                tally.agentic += item.agentic
-                tally.one_sample_tokens += item.one_sample_tokens
-                for reason, n in item.dropped.items():
-                    tally.samples_dropped[reason] = tally.samples_dropped.get(reason, 0) + n
-                for sample in item.samples:
-                    tally.tokens += len(sample.input_ids)
-                    tally.loss_tokens += int(sample.loss_mask.sum())
-                    tally.truncated += sample.truncated
-                # a conversation's samples are one unit: a shard (and a resume point) never splits them
-                yield [
-                    {"input_ids": x.input_ids, "loss_mask": x.loss_mask, "truncated": x.truncated} for x in item.samples
-                ]
-            elapsed = max(time.perf_counter() - t0, 1e-9)
-            progress.update(
-                task,
-                conversations=tally.conversations,
-                rate=(tally.conversations - resumed[1]) / elapsed,
-                tok_rate=(tally.tokens - resumed[2]) / elapsed,
-                **({"completed": tally.conversations} if cfg.max_samples else {}),
-            )
-            if cfg.max_samples and tally.conversations >= cfg.max_samples:
-                break
-        if not tally.conversations:
-            raise _nothing_usable(sources, tally)
-        seconds = max(time.perf_counter() - t0, 1e-9)
-        stats.update(
-            records=tally.records,
-            conversations=tally.conversations,
-            samples=tally.samples,
-            generations=tally.generations,
-            agentic_conversations=tally.agentic,
-            layout_tokens=tally.tokens,
-            one_sample_per_conversation_tokens=tally.one_sample_tokens,
-            samples_dropped=dict(tally.samples_dropped),
-            chat_template_kwargs=cfg.chat_template_kwargs,
-            workers=workers,
-            resumed_after_records=resumed[0],
-            leading_assistant_turns_dropped=tally.leading_assistant_dropped,
-            seconds=round(seconds, 2),
-            conversations_per_s=round((tally.conversations - resumed[1]) / seconds, 1),
-            tokens_per_s=round((tally.tokens - resumed[2]) / seconds, 1),
-        )
-
-    with progress:
+    job = _Job(cfg, sources, encoder, workers, tally)
+    with job.progress:
         manifest = write_prepared(
             cfg.output,
-            samples(),
+            job.samples(),
             identity,
             chat_template_hash=sha256_bytes(template.encode("utf-8")),
             max_length=cfg.max_length,
@@ -437,58 +502,22 @@ def run(cfg: PrepareConfig) -> StageResult:
             overflow=cfg.overflow,
             damaged=tally.damaged,
             skip_examples=tally.skip_examples,
-            stats=stats,
+            stats=job.stats,
             fingerprint=fingerprint,
             checkpoint=lambda: {"tally": dataclasses.asdict(tally)},
             resume=bool(state),
         )
 
-    counts = open_prepared(cfg.output).token_counts()
-    summary: dict[str, Any] = {
-        "output": str(cfg.output),
-        "target": identity.path,
-        "records read": tally.records,
-        **({"resumed after records": resumed[0]} if resumed[0] else {}),
-        "conversations": tally.conversations,
-        **({"agentic conversations": tally.agentic} if tally.agentic else {}),
-        **({"rendering checked against": checked} if checked else {}),
-        **(
-            {
-                "samples": f"{manifest.num_samples} (generations that saw different contexts: "
-                f"{tally.tokens / max(tally.one_sample_tokens, 1):.2f}x the tokens of one per conversation)"
-            }
-            if manifest.num_samples != tally.conversations
-            else {}
-        ),
-        "tokens": manifest.num_tokens,
-        "loss tokens": manifest.num_loss_tokens,
-        "truncated": tally.truncated,
-        **(
-            {"leading assistant turns dropped": tally.leading_assistant_dropped}
-            if cfg.leading_assistant == "drop"
-            else {}
-        ),
-        "skipped": sum(tally.skipped.values()),
-    }
-    for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
-        summary[f"skipped: {reason}"] = count
-    for reason, count in sorted(tally.samples_dropped.items(), key=lambda kv: -kv[1]):
-        summary[f"samples left out: {reason}"] = count
-    if tally.damaged:
-        summary["damaged input"] = "; ".join(tally.damaged)
-    read_all = not (cfg.max_samples and tally.conversations >= cfg.max_samples)
     per_file = not state or "files" in state["tally"]  # a run resumed from an older draftsmith has no file counts
-    for source in map(str, (s.path for s in sources)) if read_all and per_file else ():
-        if not tally.files.get(source, {}).get("usable"):
-            summary[f"warning: {source}"] = _file_counts(tally.files.get(source))
-    for size, cover in coverage_report(counts, SUMMARY_VOCAB_SIZES):
+    summary = job.summary(manifest, identity.path, checked, per_file)
+    for size, cover in coverage_report(open_prepared(cfg.output).token_counts(), SUMMARY_VOCAB_SIZES):
         summary[f"draft vocab {size} covers"] = f"{cover:.2%}"
     summary.update(
         {
             "shards": len(manifest.shards),
             "workers": workers,
-            "conversations/s": stats["conversations_per_s"],
-            "tokens/s": stats["tokens_per_s"],
+            "conversations/s": job.stats["conversations_per_s"],
+            "tokens/s": job.stats["tokens_per_s"],
             "seconds (total)": round(time.perf_counter() - started, 1),
         }
     )

@@ -2,19 +2,5 @@
 (ttt.py), batches (batches.py), metrics (metrics.py), checkpoints (checkpoint.py), torchrun support
 (distributed.py) and the draft model (model.py, attention.py, drafts.py). OpenMP's wait policy is chosen by the
 CLI before this package loads torch (core/threads.py); importing it changes nothing.
-`run` is loaded from stage.py on first use (PEP 562): importing a module of this package does not load the
-stage and its torch.
+This package imports nothing itself: importing one of its modules loads neither the stage nor its torch.
 """
-
-from __future__ import annotations
-
-import importlib
-
-__all__ = ["run"]
-
-
-def __getattr__(name: str):
-    """`run`, from stage.py on first use; a submodule is imported as usual."""
-    if name == "run":
-        return importlib.import_module("draftsmith.train.stage").run
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,8 +21,8 @@ from draftsmith.data.prepare import run as prepare  # noqa: E402
 
 from draftsmith import config as C  # noqa: E402
 from draftsmith.export import run as export  # noqa: E402
-from draftsmith.extract import run as extract  # noqa: E402
-from draftsmith.train import run as train  # noqa: E402
+from draftsmith.extract.stage import run as extract  # noqa: E402
+from draftsmith.train.stage import run as train  # noqa: E402
 
 out = Path(sys.argv[1])
 work = Path("/tmp/draftsmith-legacy-work")

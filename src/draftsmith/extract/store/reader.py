@@ -9,23 +9,21 @@ into DataLoader workers; each process opens the shard files itself on first read
 
 from __future__ import annotations
 
-import collections.abc
 from pathlib import Path
-from typing import overload
 
 import numpy as np
 import torch
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, read_manifest
-from draftsmith.core.tensorfile import TensorFile, sample_position
+from draftsmith.core.tensorfile import Samples, TensorFile
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.codec import TORCH_DTYPES, decode_hidden_states
 from draftsmith.extract.store.schema import StoreManifest, sample_ranges
 from draftsmith.extract.store.verify import VerifyReport, verify_store
 
 
-class HiddenStateStore(collections.abc.Sequence[dict]):
+class HiddenStateStore(Samples):
     """Random access to a store, samples in sample-id order.
 
     `store[i]` -> {"input_ids": LongTensor[T], "loss_mask": BoolTensor[T], "hidden_states": Tensor[T, L, H],
@@ -34,6 +32,8 @@ class HiddenStateStore(collections.abc.Sequence[dict]):
     floats on any device). Tensors in the storage dtype are views of the shard files: copy before changing them.
     `lengths` / `sample_ids` are numpy int64 arrays read without touching any state.
     """
+
+    what = "a store"
 
     def __init__(self, path: Path, manifest: StoreManifest, dtype: torch.dtype | None = torch.float32):
         self.path = Path(path)
@@ -102,15 +102,7 @@ class HiddenStateStore(collections.abc.Sequence[dict]):
             raise KeyError(f"sample {sample_id} is not in store {self.path}")
         return k
 
-    @overload
-    def __getitem__(self, i: int) -> dict: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[dict]: ...
-
-    def __getitem__(self, i: int | slice) -> dict | list[dict]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = sample_position(i, len(self), "a store")
+    def sample(self, i: int) -> dict:
         shard = self._shards[self._owner[i]]
         a = int(self._start[i])
         b = a + int(self.lengths[i])

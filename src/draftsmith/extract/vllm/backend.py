@@ -1,6 +1,5 @@
 """The vLLM extraction backend's stage: plan and check a job (probe, strategy, compute dtype, store spec), start
-vLLM with draftsmith's capture in it, feed the prompts, and the strategies' benchmark. The package's names
-(`draftsmith.extract.vllm.run`, `choose_strategy`, `benchmark`, ...) are these, loaded on first use."""
+vLLM with draftsmith's capture in it, feed the prompts, and the strategies' benchmark."""
 
 from __future__ import annotations
 
@@ -289,54 +288,26 @@ def benchmark(
         raise DraftsmithError(f"{prepared}: the installed vLLM offers no extraction strategy for this target")
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-bench-") as tmp:
         root = Path(output) if output is not None else Path(tmp)
-        jobs = {
-            name: _Job(
-                ExtractConfig(
-                    prepared=Path(prepared),
-                    output=root / name,
-                    backend="vllm",
-                    max_samples=n,
-                    vllm_strategy=name,
-                    token_budget=token_budget,
-                    tensor_parallel_size=tensor_parallel_size,
-                    compute_dtype=compute_dtype,
-                )
-            )
-            for name in names
-        }
+        knobs = dict(  # the same for every strategy
+            prepared=Path(prepared),
+            backend="vllm",
+            max_samples=n,
+            token_budget=token_budget,
+            tensor_parallel_size=tensor_parallel_size,
+            compute_dtype=compute_dtype,
+        )
+        jobs = {name: _Job(ExtractConfig(output=root / name, vllm_strategy=name, **knobs)) for name in names}
         first = jobs[names[0]]
         if compile is None:
             compile = first.report.facts.platform not in ("cpu", None)
         for job in jobs.values():
             job.cfg.vllm_compile = compile
         prompts = first.prompts()
-        tokens = sum(len(ids) for _, ids in prompts)
         size = math.ceil(len(prompts) / max(1, chunks))
         parts = [prompts[k : k + size] for k in range(0, len(prompts), size)]
-        seconds = dict.fromkeys(names, 0.0)
-        prefill_s = 0.0
-        with contextlib.ExitStack() as stack:
-            engines = {name: stack.enter_context(Engine(job.engine_spec())) for name, job in jobs.items()}
-            plain_spec = first.engine_spec("plain")
-            plain_spec.compile = compile
-            plain = stack.enter_context(Engine(plain_spec))
-            done = 0
-            for i, part in enumerate(parts):
-                prefill_s += plain.generate(part, tag=False)
-                done += len(part)
-                turn = names[i % len(names) :] + names[: i % len(names)]  # each strategy first in turn
-                for name in turn:
-                    engine = engines[name]
-                    with common.Timer() as timer:
-                        engine.generate(part)
-                        engine.wait_for_sink(done)
-                    seconds[name] += timer.seconds
-            for name, engine in engines.items():
-                with common.Timer() as timer:
-                    engine.close_sink()
-                seconds[name] += timer.seconds
-            starts = {name: engine.start_seconds for name, engine in engines.items()}
-        stored = {name: _stored_samples(root / name) for name in names}
+        seconds, prefill_s, starts = _race(jobs, parts, compile)
+        stored = {name: len(store.open(root / name)) for name in names}
+    tokens = sum(len(ids) for _, ids in prompts)
     prefill_per_s = tokens / prefill_s
     rows = {
         name: {
@@ -365,8 +336,37 @@ def benchmark(
     }
 
 
-def _stored_samples(path: Path) -> int:
-    return len(store.open(path))
+def _race(
+    jobs: dict[str, _Job], parts: list[list[tuple[int, list[int]]]], compile: bool
+) -> tuple[dict[str, float], float, dict[str, float]]:
+    """`benchmark`'s run: each strategy's engine and a plain one up at once; each part on the plain engine, then
+    extracted by each strategy in turn (a different one first each part), then each sink's final flush. Returns
+    each strategy's seconds, the plain engine's, and each engine's start-up seconds."""
+    names = list(jobs)
+    seconds = dict.fromkeys(names, 0.0)
+    prefill_s = 0.0
+    with contextlib.ExitStack() as stack:
+        engines = {name: stack.enter_context(Engine(job.engine_spec())) for name, job in jobs.items()}
+        plain_spec = jobs[names[0]].engine_spec("plain")
+        plain_spec.compile = compile
+        plain = stack.enter_context(Engine(plain_spec))
+        done = 0
+        for i, part in enumerate(parts):
+            prefill_s += plain.generate(part, tag=False)
+            done += len(part)
+            turn = names[i % len(names) :] + names[: i % len(names)]  # each strategy first in turn
+            for name in turn:
+                engine = engines[name]
+                with common.Timer() as timer:
+                    engine.generate(part)
+                    engine.wait_for_sink(done)
+                seconds[name] += timer.seconds
+        for name, engine in engines.items():
+            with common.Timer() as timer:
+                engine.close_sink()
+            seconds[name] += timer.seconds
+        starts = {name: engine.start_seconds for name, engine in engines.items()}
+    return seconds, prefill_s, starts
 
 
 __all__ = ["benchmark", "choose_strategy", "compute_dtype", "offered_strategies", "run", "say_dtype"]
