@@ -26,7 +26,7 @@ import torch
 import transformers
 from gguf import GGUFReader
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from draftsmith.core import hfcompat
 from draftsmith.core.errors import DraftsmithError
@@ -237,7 +237,7 @@ _TARGET_FORMAT = 2
 _ROUND_TRIP_TEXT = "Hello, world!\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n 你好 🙂  tabs\tand  spaces"
 
 
-def _check_same_model(model: torch.nn.Module, tokenizer, out_dir: Path) -> None:
+def _check_same_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
     """The written directory holds the model that was converted: every tensor and the tokenizer read back equal."""
     saved = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
     a, b = model.state_dict(), saved.state_dict()

@@ -13,7 +13,7 @@ un-normalised state (the backbone applies the final norm after it).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -58,14 +58,14 @@ def capture_hidden_states(
             )
         out[:, :, j].copy_(hidden)
 
-    def pre_hook(j):
-        def hook(module, args, kwargs):
+    def pre_hook(j: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             store(j, args[0] if args else kwargs["hidden_states"])
 
         return hook
 
-    def post_hook(j, stop):
-        def hook(module, args, output):
+    def post_hook(j: int, stop: bool) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             store(j, output[0] if isinstance(output, (tuple, list)) else output)
             if stop:
                 raise _StopForward

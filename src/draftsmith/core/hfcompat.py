@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import transformers
 
@@ -119,7 +119,7 @@ def fast_tokenizer_under_unknown_name(path: Path) -> bool:
     return name in _FAST_TOKENIZER_ALIASES and not has_class(name) and (Path(path) / "tokenizer.json").is_file()
 
 
-def _rewrite_json(file: Path, transform) -> bool:
+def _rewrite_json(file: Path, transform: Callable[[dict], dict | None]) -> bool:
     data = read_json_object(file)
     if data is None:
         return False

@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -140,7 +141,7 @@ def target_identity(path: Path) -> TargetIdentity:
         raise DraftsmithError(f"{path}/config.json: missing {err}; is this a decoder-only causal LM?") from None
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The target's tokenizer; one saved by transformers 5 (`tokenizer_class: TokenizersBackend`, a class 4.x lacks)
     loads in transformers 4.x as what it is, the fast tokenizer of its tokenizer.json.
 
@@ -157,7 +158,7 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def auto_model_class(config: Any):
+def auto_model_class(config: Any) -> Any:
     """The transformers auto class that builds this target with its LM head: AutoModelForCausalLM, or for a
     multimodal wrapper whose config it does not map (Kimi-K2.5, ...) AutoModelForImageTextToText, whose model holds
     the language model and the head."""

@@ -154,7 +154,7 @@ class TensorFile:
         """The one-line error for a problem with this file."""
         return DraftsmithError(f"{self.path}: {problem}; {self.remedy}")
 
-    def _open(self):
+    def _open(self) -> safe_open:
         try:
             st = os.stat(self.path)
             if _identity(st) != self._key[1:]:
@@ -169,7 +169,7 @@ class TensorFile:
     def _entry(self) -> tuple[safe_open, dict[str, torch.Tensor]]:
         return _HANDLES.get(self._key) or _HANDLES.put(self._key, self._open())
 
-    def _handle(self):
+    def _handle(self) -> safe_open:
         return self._entry()[0]
 
     def close(self) -> None:
