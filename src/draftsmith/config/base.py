@@ -9,12 +9,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from draftsmith.core.errors import DraftsmithError

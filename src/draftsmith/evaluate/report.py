@@ -12,11 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, field_serializer
 
-from draftsmith.core.fsio import (
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-)
+from draftsmith.core.fsio import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -181,20 +177,27 @@ def charts_available() -> bool:
     return True
 
 
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    return buf.getvalue()
-
-
-def acceptance_chart(runs: list[RunReport], title: str) -> bytes:
-    """Grouped bars: acceptance rate at each draft position, one colour per k."""
+def _pyplot():
+    """matplotlib's pyplot, drawing off screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    return plt
+
+
+def _png(fig) -> bytes:
+    """The figure as PNG bytes; the figure is closed."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def acceptance_chart(runs: list[RunReport], title: str) -> bytes:
+    """Grouped bars: acceptance rate at each draft position, one colour per k."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(runs))
     for j, run in enumerate(runs):
         rates = run.acceptance_per_pos
@@ -207,20 +210,13 @@ def acceptance_chart(runs: list[RunReport], title: str) -> bytes:
     ax.set_title(title)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 def tau_speedup_chart(runs: list[RunReport], title: str) -> bytes:
     """τ (left axis) and speed-up over the target alone (right axis) against k."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ks = [r.k for r in runs]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     ax.plot(ks, [r.tau for r in runs], "o-", color="tab:blue", label="τ (mean acceptance length)")
     ax.set_xlabel("k (draft tokens per round)")
     ax.set_ylabel("τ", color="tab:blue")
@@ -235,22 +231,15 @@ def tau_speedup_chart(runs: list[RunReport], title: str) -> bytes:
         ax2.axhline(1.0, color="tab:orange", alpha=0.3, lw=1)
         ax2.set_ylabel("speed-up vs target alone", color="tab:orange")
     ax.set_title(title)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 def concurrency_chart(sweep: ConcurrencySweep, title: str) -> bytes:
     """Output tokens/s with the draft and with the target alone (left axis) and the speed-up (right) against the
     concurrency, on a log scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = sweep.rows
     cs = [r.concurrency for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     nan = float("nan")  # a run the load generator reported no throughput for
     ax.plot(cs, [r.draft.output_throughput or nan for r in rows], "o-", color="tab:blue", label="with the draft")
     ax.plot(cs, [r.target_alone.output_throughput or nan for r in rows], "o:", color="tab:gray", label="target alone")
@@ -267,9 +256,7 @@ def concurrency_chart(sweep: ConcurrencySweep, title: str) -> bytes:
     ax2.set_ylim(0, max([1.25, *(1.15 * s for s in speedups if s == s)]))
     ax2.set_ylabel(f"speed-up (k={sweep.k})", color="tab:orange")
     ax.set_title(title)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 def speedup_line(sweep: ConcurrencySweep) -> str:

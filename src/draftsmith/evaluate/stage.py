@@ -18,13 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedModel
 
 from draftsmith import export
@@ -48,24 +42,13 @@ from draftsmith.evaluate.report import (
 )
 from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
 from draftsmith.evaluate.vllm_worker import GenerationResult
-from draftsmith.evaluate.specdec import (
-    DecodeStats,
-    DraftRunner,
-    TargetRunner,
-    plain_generate,
-    speculative_generate,
-)
+from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.extract.vllm.probe import DtypeChoice, probe
-from draftsmith.train.drafts import (
-    DraftSource,
-    draft_module,
-    load_draft,
-    resolve_draft_target,
-)
+from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
 from draftsmith.train.methods import method_of
 from draftsmith.train.methods.base import Draft
 
-__all__ = ["run", "build_draft_module", "evaluate_reference"]
+__all__ = ["Measured", "run", "build_draft_module", "evaluate_reference"]
 
 
 def build_draft_module(
@@ -94,6 +77,19 @@ def _progress() -> Progress:
     )
 
 
+@dataclass
+class Measured:
+    """One engine's runs: each k's stats (0: the target alone) and outputs, the dtype it ran in, and what only one
+    engine tells (the reference decoder: rounds by segment and losslessness; vLLM: its version)."""
+
+    stats: dict[int, DecodeStats]
+    outputs: dict[int, list[list[int]]]
+    dtype: str
+    by_segment: dict[int, dict[str, SegmentReport]] = field(default_factory=dict)
+    lossless: dict[str, str] | None = None
+    vllm_version: str | None = None
+
+
 def evaluate_reference(
     target_model: PreTrainedModel,
     draft: Draft,
@@ -110,17 +106,17 @@ def evaluate_reference(
     show_progress: bool = False,
     segmenter: Segmenter | None = None,
     paths: dict[int, list[list[int]]] | None = None,
-) -> dict[str, Any]:
+) -> Measured:
     """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs, and with
-    a `segmenter` each k's rounds split by what the target was writing (`segments`). With `paths` (each k's outputs
-    of another engine, greedy) each prompt is decoded along that engine's output (specdec's `path`)."""
+    a `segmenter` each k's rounds split by what the target was writing (`by_segment`). With `paths` (each k's
+    outputs of another engine, greedy) each prompt is decoded along that engine's output (specdec's `path`)."""
     target = TargetRunner(target_model, aux_layer_ids)
     drafter = DraftRunner(draft)
     tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
     # Warm-up (allocator, kernels): not timed, so the first measured run is not penalised.
     speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos_ids)
     plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
-    result: dict[str, Any] = {"runs": {}, "outputs": {}, "segments": {}}
+    result = Measured({}, {}, str(target_model.dtype).removeprefix("torch."))
     with _progress() as progress:
         jobs = ([0] if baseline else []) + list(ks)
         for k in jobs:
@@ -142,24 +138,15 @@ def evaluate_reference(
                 total.add(gen.stats)
                 outputs.append(gen.tokens)
                 progress.advance(task)
-            result["runs"][k] = total
-            result["outputs"][k] = outputs
+            result.stats[k], result.outputs[k] = total, outputs
             if segments is not None:
-                result["segments"][k] = segments
+                result.by_segment[k] = {name: SegmentReport(**segment_dict(c)) for name, c in segments.items()}
+    if baseline and temperature == 0:
+        out = result.outputs
+        result.lossless = {
+            f"k={k}": f"{sum(a == b for a, b in zip(out[k], out[0]))}/{len(prompts)} prompts" for k in ks
+        }
     return result
-
-
-@dataclass
-class _Measured:
-    """One engine's runs: each k's stats (0: the target alone) and outputs, the dtype it ran in, and what only one
-    engine tells (the reference decoder: rounds by segment and losslessness; vLLM: its version)."""
-
-    stats: dict[int, DecodeStats]
-    outputs: dict[int, list[list[int]]]
-    dtype: str
-    by_segment: dict[int, dict[str, SegmentReport]] = field(default_factory=dict)
-    lossless: dict[str, str] | None = None
-    vllm_version: str | None = None
 
 
 def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
@@ -199,7 +186,7 @@ def _reference_run(
     prompts: list[Prompt],
     dtype_name: str,
     paths: dict[int, list[list[int]]] | None = None,
-) -> _Measured:
+) -> Measured:
     """The reference decoder (transformers) on every k, and the target alone where cfg.baseline; along `paths`
     (vLLM's outputs) for the gate."""
     device = targets.resolve_device(cfg.device)
@@ -224,17 +211,8 @@ def _reference_run(
         segmenter=Segmenter(tokenizer),
         paths=paths,
     )
-    outputs = measured["outputs"]
-    lossless = None
-    if cfg.temperature == 0 and cfg.baseline:
-        lossless = {
-            f"k={k}": f"{sum(a == b for a, b in zip(outputs[k], outputs[0]))}/{len(prompts)} prompts" for k in cfg.k
-        }
-    by_segment = {
-        k: {name: SegmentReport(**segment_dict(c)) for name, c in counts.items()}
-        for k, counts in measured["segments"].items()
-    }
-    return _Measured(measured["runs"], outputs, str(dtype).removeprefix("torch."), by_segment, lossless)
+    measured.dtype = str(dtype).removeprefix("torch.")  # the dtype the target was loaded in
+    return measured
 
 
 def _vllm_run(
@@ -245,7 +223,7 @@ def _vllm_run(
     prompts: list[Prompt],
     choice: DtypeChoice,
     output: Path,
-) -> _Measured:
+) -> Measured:
     """vLLM on every k (one engine each), and the target alone where cfg.baseline: each run's stats and outputs."""
     if cfg.dtype == "auto":
         print(
@@ -296,10 +274,10 @@ def _vllm_run(
         res = decode(draft_dir, k, f"k{k}")
         stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
         outputs[k], version = res.outputs, res.vllm_version
-    return _Measured(stats, outputs, common["dtype"], vllm_version=version)
+    return Measured(stats, outputs, common["dtype"], vllm_version=version)
 
 
-def _gate(cfg: EvaluateConfig, source: DraftSource, served: _Measured, reference: _Measured) -> GateReport:
+def _gate(cfg: EvaluateConfig, source: DraftSource, served: Measured, reference: Measured) -> GateReport:
     """The gate's verdict at each k (gate.py): the reference decoder's runs along vLLM's outputs against vLLM's."""
     drift, unread = gate.served_drift(Path(cfg.draft))
     for key in unread:
@@ -383,7 +361,7 @@ def _report(
     source: DraftSource,
     target_path: Path,
     num_prompts: int,
-    measured: _Measured,
+    measured: Measured,
     verdict: GateReport | None,
     concurrency: ConcurrencySweep | None,
 ) -> EvaluationReport:

@@ -13,21 +13,11 @@ from typing import Any
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import (
-    context_length,
-    is_multimodal_wrapper,
-    read_config,
-    text_config,
-)
+from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_config, text_config
 from draftsmith.extract import common, store
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm import taps
-from draftsmith.extract.vllm.driver import (
-    RUNNER_TAPS,
-    Engine,
-    EngineSpec,
-    start_engine,
-)
+from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, start_engine
 from draftsmith.extract.vllm.probe import DtypeChoice
 from draftsmith.extract.vllm.sink import SinkConfig, SinkReport
 
