@@ -149,15 +149,17 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
     from draftsmith.extract.vllm import run
 
     result = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)
-    already = result.summary["samples already stored"]
+    assert result.result is not None
+    already = result.result.samples_already_stored
     if already != partial:  # the kill landed between a shard's rename and the manifest update: adopted, not redone
-        assert already > partial and "adopted shard" in result.summary.get("recovered", ""), result.summary
-    assert already < NUM_SAMPLES and result.summary["samples this run"] == NUM_SAMPLES - already
-    assert "connector" in result.summary["backend"]
+        assert already > partial and "adopted shard" in "; ".join(result.result.recovered), result.result
+    assert already < NUM_SAMPLES and result.result.samples_this_run == NUM_SAMPLES - already
+    assert "connector" in result.result.backend
     worst = assert_matches_hf(out, hf_store)
     print("connector vs hf:", worst)
     again = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)  # nothing left: no engine
-    assert again.summary["samples this run"] == 0 and again.summary["samples already stored"] == NUM_SAMPLES
+    assert again.result is not None
+    assert again.result.samples_this_run == 0 and again.result.samples_already_stored == NUM_SAMPLES
 
 
 @pytest.mark.vllm
@@ -169,10 +171,11 @@ def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepa
 
     out = tmp_path / "direct"
     first = run(_cfg(prepared, out, vllm_strategy="direct", shard="1/2"), show_progress=False)
-    assert first.summary["samples this run"] == NUM_SAMPLES // 2 and "direct" in first.summary["backend"]
+    assert first.result is not None
+    assert first.result.samples_this_run == NUM_SAMPLES // 2 and "direct" in first.result.backend
     assert store.read_manifest(out, store.StoreManifest).sample_ids() == set(range(1, NUM_SAMPLES, 2))
     second = run(_cfg(prepared, out, vllm_strategy="direct", shard="0/2"), show_progress=False)
-    assert second.summary["samples this run"] == NUM_SAMPLES // 2
+    assert second.result is not None and second.result.samples_this_run == NUM_SAMPLES // 2
     writers = {s.writer for s in store.read_manifest(out, store.StoreManifest).shards}
     assert writers == {"s0of2", "s1of2"}
     worst = assert_matches_hf(out, hf_store)

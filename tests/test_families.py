@@ -225,7 +225,8 @@ class Matrix:
                     ),
                     show_progress=False,
                 )
-            assert result.summary["samples this run"] > 0 and f"({strategy}," in result.summary["backend"]
+            assert result.result is not None
+            assert result.result.samples_this_run > 0 and f"({strategy}," in result.result.backend
             self._made[key] = out
         return self._made[key]
 
@@ -470,7 +471,7 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
         run(ExtractConfig(output=tmp_path / "forced", vllm_strategy="connector", **cfg), show_progress=False)
     with in_process_vllm():
         result = run(ExtractConfig(output=tmp_path / "auto", **cfg), show_progress=False)
-    assert "(direct," in result.summary["backend"]
+    assert result.result is not None and "(direct," in result.result.backend
     cos = compare(tmp_path / "auto", hf)
     assert cos >= MIN_COSINE, cos
     matrix.record(name, "aux id 0", ok=True, worst_cosine=round(cos, 6), strategy="direct (auto)")
@@ -627,7 +628,7 @@ def test_vllm_extracts_samples_that_fill_the_targets_whole_context(full_context,
             ),
             show_progress=False,
         )
-    assert result.summary["samples this run"] == len(ds)
+    assert result.result is not None and result.result.samples_this_run == len(ds)
     cos = compare(tmp_path / strategy, full_context["hf"])
     assert cos >= MIN_COSINE, (strategy, cos)
 

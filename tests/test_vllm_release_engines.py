@@ -73,9 +73,15 @@ def test_each_offered_strategy_fills_a_store_equal_to_transformers(strategy, rep
     start = time.perf_counter()
     result = run(_cfg(prepared, tmp_path / strategy, vllm_strategy=strategy), show_progress=False)
     wall = time.perf_counter() - start
-    assert strategy in result.summary["backend"] and report.facts.version in result.summary["backend"]
+    assert result.result is not None
+    assert strategy in result.result.backend and report.facts.version in result.result.backend
     worst = assert_matches_hf(tmp_path / strategy, hf_store)
-    _say(f"extract {strategy}", **worst, wall_s=round(wall, 1), engine_start_s=result.summary["engine start (s)"])
+    _say(
+        f"extract {strategy}",
+        **worst,
+        wall_s=round(wall, 1),
+        engine_start_s=round(result.result.engine_start_s or 0.0, 1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -568,7 +574,8 @@ def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(
     engine_wall = time.perf_counter() - engine_start
     layer_ids = store.open(built["hf"]).layer_ids
     strategy = choose_strategy("auto", report, layer_ids, "float32")
-    assert f"vllm {report.facts.version} ({strategy}," in result.summary["backend"], result.summary["backend"]
+    assert result.result is not None
+    assert f"vllm {report.facts.version} ({strategy}," in result.result.backend, result.result.backend
     # ~0.999997 (DeepSeek-V3: ~0.9999998): transformers' DeepseekV3 builds its latent q_a/kv_a norms with eps 1e-6
     # whatever rms_norm_eps says, vLLM with rms_norm_eps (Kimi-K2's: 1e-5)
     cos = per_layer_cosine(tmp_path / "vllm", built["hf"])

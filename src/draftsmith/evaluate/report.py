@@ -1,9 +1,9 @@
-"""The evaluation report: report.json (everything measured), report.md (a readable summary: its first line the
-gate's verdict, τ and the speed-up at each concurrency) and PNG charts (per-position acceptance; τ and speed-up
+"""The evaluation report: report.json (everything measured: `EvaluationReport`, which stage.py builds, report.md
+renders and the quickstart, the gate's callers and the tests read), report.md (a readable summary: its first line
+the gate's verdict, τ and the speed-up at each concurrency) and PNG charts (per-position acceptance; τ and speed-up
 against k; with --concurrency, tokens/s and speed-up against concurrency), written atomically into the output
-directory. The charts need
-matplotlib (the `report` extra, which an install beside vLLM does not bring): without it the report is written
-without them and says, in report.md and in one line, how to get them."""
+directory. The charts need matplotlib (the `report` extra, which an install beside vLLM does not bring): without it
+the report is written without them and says, in report.md and in one line, how to get them."""
 
 from __future__ import annotations
 

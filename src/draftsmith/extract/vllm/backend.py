@@ -208,8 +208,15 @@ class _Job:
     def result(self, seconds: float, tokens: int, reports: list[SinkReport], engine_start_s: float) -> StageResult:
         self.writer.samples_written = sum(r.samples_written for r in reports)
         self.writer.recovered = self.recovered + [note for r in reports for note in r.recovered]
-        extra = {"backend": self.label, "engine start (s)": round(engine_start_s, 1)}
-        return common.result(self.plan, self.writer, seconds, tokens=tokens, skipped=self.skipped, extra=extra)
+        return common.result(
+            self.plan,
+            self.writer,
+            seconds,
+            tokens=tokens,
+            skipped=self.skipped,
+            backend=self.label,
+            engine_start_s=engine_start_s,
+        )
 
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
