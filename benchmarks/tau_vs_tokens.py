@@ -102,7 +102,8 @@ def main() -> None:
             device=args.device,
         )
     )
-    runs = json.loads((work / "eval" / "report.json").read_text())["runs"]
+    assert report.result is not None
+    runs = report.result.runs
 
     curve = [
         (e["step"], e["step"] * tokens_per_step, e["acc"][0], e["acceptance_length"])
@@ -116,9 +117,9 @@ def main() -> None:
     for step, tokens, acc, tau in curve:
         print(f"{step:>6} {tokens:>12,.0f} {acc:>11.3f} {tau:>18.3f}")
     for r in runs:
-        per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
+        per_pos = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos)
         print(
-            f"{args.prompt_set} ({args.prompts} prompts x {args.max_new_tokens} tokens), k={r['k']}: τ {r['tau']:.2f}; "
+            f"{args.prompt_set} ({args.prompts} prompts x {args.max_new_tokens} tokens), k={r.k}: τ {r.tau:.2f}; "
             f"acceptance per position {per_pos}"
         )
     print(
@@ -129,7 +130,7 @@ def main() -> None:
                 "tokens": result.summary["tokens"],
                 "train_s": round(train_s, 1),
                 "curve": [{"step": s, "tokens": round(t), "acc0": a, "sim_tau": x} for s, t, a, x in curve],
-                "tau": {r["k"]: r["tau"] for r in runs},
+                "tau": {r.k: r.tau for r in runs},
                 "report": str(report.output),
             }
         )

@@ -488,7 +488,7 @@ def vllm_tau(draft: Path, target: str, prompts: list[list[int]], args, work: Pat
         "new_tokens": stats.num_new_tokens,
         "elapsed_s": stats.elapsed_s,
         "tokens_per_s": stats.tokens_per_s,
-        "outputs": result["outputs"],
+        "outputs": result.outputs,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 

@@ -316,4 +316,4 @@ def test_vllm_decodes_a_reduced_vocabulary_dflash_draft_losslessly_with_the_refe
     config = json.loads((draft / "config.json").read_text())
     assert config["draft_vocab_size"] == 8192 and load_draft(draft).spec.draft_vocab_size == 8192
     hf, vl = evaluate_in_both_engines(draft, tmp_path, monkeypatch, 9, deep=1, num_prompts=MEMORISED_PROMPTS)
-    assert hf["k"] == vl["k"] == 3
+    assert hf.k == vl.k == 3

@@ -66,7 +66,7 @@ def test_vllm_decodes_a_dflash_draft_losslessly_with_the_reference_acceptance(df
     hf, vl = evaluate_in_both_engines(
         dflash_export, tmp_path, monkeypatch, 9, deep=2, num_prompts=MEMORISED_PROMPTS
     )  # 3rd position of a block
-    assert hf["k"] == vl["k"] == BLOCK - 1  # whatever k was asked: a round is one block
+    assert hf.k == vl.k == BLOCK - 1  # whatever k was asked: a round is one block
     # the command printed after the export (and the quickstart) serves it as a block of BLOCK - 1 drafted tokens
     _, gpu_only = export.serve_commands(tmp_path / "target", dflash_export, k=9).values()
     assert '"method": "dflash"' in gpu_only and f'"num_speculative_tokens": {BLOCK - 1}' in gpu_only, gpu_only

@@ -14,7 +14,7 @@ from draftsmith.config import EvaluateConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.prompts import load_prompts
-from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG
+from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG, read_report
 from draftsmith.train.drafts import load_draft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -104,24 +104,27 @@ def test_evaluate_hf_writes_report_and_charts(exported, prompt_file, tmp_path):
             device="cpu",
         )
     )
-    report = json.loads((out / REPORT_JSON).read_text())
-    assert report["engine"] == "hf" and report["num_prompts"] == 3
-    assert [r["k"] for r in report["runs"]] == [1, 3]
-    for run in report["runs"]:
-        assert run["tau"] >= 1.0 and len(run["acceptance_per_pos"]) == run["k"]
-        assert run["num_new_tokens"] == 36 or run["num_new_tokens"] == report["baseline"]["num_new_tokens"]
-        assert run["speedup"] > 0
-    assert report["lossless"] == {"k=1": "3/3 prompts", "k=3": "3/3 prompts"}
+    report = read_report(out / REPORT_JSON)
+    assert result.result == report  # report.json reads back as the stage returned it
+    assert report.engine == "hf" and report.num_prompts == 3
+    assert [r.k for r in report.runs] == [1, 3]
+    for run in report.runs:
+        assert run.tau >= 1.0 and len(run.acceptance_per_pos) == run.k
+        assert report.baseline is not None
+        assert run.num_new_tokens == 36 or run.num_new_tokens == report.baseline.num_new_tokens
+        assert run.speedup is not None and run.speedup > 0
+    assert report.lossless == {"k=1": "3/3 prompts", "k=3": "3/3 prompts"}
     for png in (ACCEPTANCE_PNG, TAU_PNG):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     md = (out / REPORT_MD).read_text()
     assert "| k | τ |" in md and ACCEPTANCE_PNG in md
-    assert result.summary["k=3 τ"] == round(report["runs"][1]["tau"], 3)
-    for run in report["runs"]:  # τ per prompt, and its interval over them around the whole run's τ
-        assert len(run["per_prompt"]) == 3 and sum(r for r, _ in run["per_prompt"]) == run["num_rounds"]
-        assert sum(a for _, a in run["per_prompt"]) == run["num_accepted"]
-        low, high = run["tau_95"]
-        assert 1.0 <= low <= run["tau"] <= high <= 1 + run["k"]
+    assert result.summary["k=3 τ"] == round(report.runs[1].tau, 3)  # the CLI's table shows the report's numbers
+    for run in report.runs:  # τ per prompt, and its interval over them around the whole run's τ
+        assert len(run.per_prompt) == 3 and sum(r for r, _ in run.per_prompt) == run.num_rounds
+        assert sum(a for _, a in run.per_prompt) == run.num_accepted
+        assert run.tau_95 is not None
+        low, high = run.tau_95
+        assert 1.0 <= low <= run.tau <= high <= 1 + run.k
     assert "τ 95 % interval" in md
     assert (out / "config.yaml").is_file()
 
@@ -151,7 +154,7 @@ def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_
     assert from_ckpt.spec == source.spec
     for name, t in source.tensors.items():
         assert torch.equal(from_ckpt.tensors[name], t), name
-    evaluate.run(
+    result = evaluate.run(
         EvaluateConfig(
             draft=tmp_path / "run",
             prompts=str(prompt_file),
@@ -162,8 +165,8 @@ def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_
             baseline=False,
         )
     )
-    report = json.loads((tmp_path / "e" / REPORT_JSON).read_text())
-    assert report["baseline"] is None and report["runs"][0]["speedup"] is None
+    report = read_report(tmp_path / "e" / REPORT_JSON)
+    assert result.result == report and report.baseline is None and report.runs[0].speedup is None
 
 
 def test_vllm_counters_become_decode_stats():
@@ -171,7 +174,7 @@ def test_vllm_counters_become_decode_stats():
     from types import SimpleNamespace as NS
 
     from draftsmith.evaluate.vllm_runner import stats_from_vllm
-    from draftsmith.evaluate.vllm_worker import _delta, read_spec_metrics
+    from draftsmith.evaluate.vllm_worker import GenerationResult, SpecCounts, read_spec_metrics
 
     class FakeLLM:
         def __init__(self, drafts, accepted, per_pos):
@@ -188,14 +191,16 @@ def test_vllm_counters_become_decode_stats():
 
     before = read_spec_metrics(FakeLLM(2, 1, [1, 0, 0]))
     after = read_spec_metrics(FakeLLM(12, 16, [9, 5, 2]))
-    spec = _delta(after, before)
-    assert spec == {
-        "num_drafts": 10,
-        "num_draft_tokens": 30,
-        "num_accepted_tokens": 15,
-        "num_accepted_tokens_per_pos": [8, 5, 2],
-    }
-    stats = stats_from_vllm({"spec": spec, "outputs": [[1] * 20, [2] * 5], "elapsed_s": 5.0}, 3, 2)
+    spec = after.minus(before)
+    assert spec == SpecCounts(
+        num_drafts=10,
+        num_draft_tokens=30,
+        num_accepted_tokens=15,
+        num_accepted_tokens_per_pos=[8, 5, 2],
+    )
+    result = GenerationResult(spec=spec, outputs=[[1] * 20, [2] * 5], elapsed_s=5.0)
+    assert GenerationResult.model_validate_json(result.model_dump_json()) == result  # as RESULT.json carries it
+    stats = stats_from_vllm(result, 3, 2)
     assert stats.tau == 2.5 and stats.acceptance_per_pos == [0.8, 0.5, 0.2]
     assert stats.num_new_tokens == 25 and stats.tokens_per_s == 5.0
 

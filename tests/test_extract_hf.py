@@ -147,7 +147,8 @@ def test_plan_batches_buckets_by_length_within_the_budget():
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_prepared, tiny_model, dtype):
     result = extract.run(_cfg(tiny_prepared, tmp_path / "s", dtype=dtype, aux_layer_ids=[0, 1, 3]), show_progress=False)
-    assert result.summary["samples this run"] == NUM_SAMPLES and result.summary["dtype"] == dtype
+    assert result.result is not None and result.result.samples_this_run == NUM_SAMPLES
+    assert result.result.dtype == dtype and result.summary["dtype"] == dtype  # the CLI's table shows the same
     st = store.open(tmp_path / "s")
     assert st.layer_ids == [0, 1, 3, 4] and len(st) == NUM_SAMPLES and len(st.manifest.shards) > 2
     assert st.manifest.prepared.path == str(tiny_prepared.resolve()) and st.manifest.backend == "hf"
@@ -173,7 +174,8 @@ def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_pre
 def test_rerun_resumes_and_interrupted_run_equals_uninterrupted(tmp_path, tiny_prepared, monkeypatch):
     extract.run(_cfg(tiny_prepared, tmp_path / "ref"), show_progress=False)
     again = extract.run(_cfg(tiny_prepared, tmp_path / "ref"), show_progress=False)
-    assert again.summary["samples this run"] == 0 and again.summary["samples already stored"] == NUM_SAMPLES
+    assert again.result is not None
+    assert again.result.samples_this_run == 0 and again.result.samples_already_stored == NUM_SAMPLES
 
     real = capture.capture_hidden_states
     calls = {"n": 0}
@@ -191,7 +193,7 @@ def test_rerun_resumes_and_interrupted_run_equals_uninterrupted(tmp_path, tiny_p
     partial = len(store.open(tmp_path / "s"))
     assert 0 < partial < NUM_SAMPLES
     result = extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)
-    assert result.summary["samples already stored"] == partial
+    assert result.result is not None and result.result.samples_already_stored == partial
     _assert_stores_identical(tmp_path / "s", tmp_path / "ref")
 
 

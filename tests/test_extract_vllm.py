@@ -149,15 +149,17 @@ def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, h
     from draftsmith.extract.vllm.backend import run
 
     result = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)
-    already = result.summary["samples already stored"]
+    assert result.result is not None
+    already = result.result.samples_already_stored
     if already != partial:  # the kill landed between a shard's rename and the manifest update: adopted, not redone
-        assert already > partial and "adopted shard" in result.summary.get("recovered", ""), result.summary
-    assert already < NUM_SAMPLES and result.summary["samples this run"] == NUM_SAMPLES - already
-    assert "connector" in result.summary["backend"]
+        assert already > partial and "adopted shard" in "; ".join(result.result.recovered), result.result
+    assert already < NUM_SAMPLES and result.result.samples_this_run == NUM_SAMPLES - already
+    assert "connector" in result.result.backend
     worst = assert_matches_hf(out, hf_store)
     print("connector vs hf:", worst)
     again = run(_cfg(prepared, out, vllm_strategy="connector"), show_progress=False)  # nothing left: no engine
-    assert again.summary["samples this run"] == 0 and again.summary["samples already stored"] == NUM_SAMPLES
+    assert again.result is not None
+    assert again.result.samples_this_run == 0 and again.result.samples_already_stored == NUM_SAMPLES
 
 
 @pytest.mark.vllm
@@ -169,10 +171,11 @@ def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepa
 
     out = tmp_path / "direct"
     first = run(_cfg(prepared, out, vllm_strategy="direct", shard="1/2"), show_progress=False)
-    assert first.summary["samples this run"] == NUM_SAMPLES // 2 and "direct" in first.summary["backend"]
+    assert first.result is not None
+    assert first.result.samples_this_run == NUM_SAMPLES // 2 and "direct" in first.result.backend
     assert store.read_manifest(out, store.StoreManifest).sample_ids() == set(range(1, NUM_SAMPLES, 2))
     second = run(_cfg(prepared, out, vllm_strategy="direct", shard="0/2"), show_progress=False)
-    assert second.summary["samples this run"] == NUM_SAMPLES // 2
+    assert second.result is not None and second.result.samples_this_run == NUM_SAMPLES // 2
     writers = {s.writer for s in store.read_manifest(out, store.StoreManifest).shards}
     assert writers == {"s0of2", "s1of2"}
     worst = assert_matches_hf(out, hf_store)
@@ -538,7 +541,7 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
 
     from draftsmith.core.targets import target_identity
     from draftsmith.extract import store as store_module
-    from draftsmith.extract.vllm.sink import StoreSink
+    from draftsmith.extract.vllm.sink import SinkConfig, SinkReport, StoreSink
     from draftsmith.prepare.dataset import open_prepared
 
     prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 6, 20, 60)
@@ -556,15 +559,9 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
         i: (3 * torch.randn(len(data[i]["input_ids"]), 2, 64, generator=gen)).to(torch.bfloat16) for i in range(6)
     }
 
-    def write(path, encoded: bool, nan_in: int | None = None) -> dict:
+    def write(path, encoded: bool, nan_in: int | None = None) -> SinkReport:
         sink = StoreSink(
-            {
-                "store": str(path),
-                "prepared": str(prepared),
-                "spec": spec.model_dump(mode="json"),
-                "worker": [0, 1],
-                "shard_bytes": 1 << 20,
-            }
+            SinkConfig(store=str(path), prepared=str(prepared), spec=spec, worker=(0, 1), shard_bytes=1 << 20)
         )
         for i, x in states.items():
             if i == nan_in:
@@ -579,8 +576,8 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
                 sink.put(i, ids, [HostStates(x)])
         return sink.finish_store()
 
-    assert write(tmp_path / "raw", encoded=False)["samples_written"] == 6
-    assert write(tmp_path / "encoded", encoded=True)["samples_written"] == 6
+    assert write(tmp_path / "raw", encoded=False).samples_written == 6
+    assert write(tmp_path / "encoded", encoded=True).samples_written == 6
     raw, encoded = store_module.open(tmp_path / "raw", dtype=None), store_module.open(tmp_path / "encoded", dtype=None)
     for i in range(6):
         a, b = raw[i], encoded[i]
@@ -589,7 +586,7 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
         assert torch.equal(a["hidden_scales"], b["hidden_scales"]) and a["hidden_scales"].abs().min() > 0
     for encoded in (True, False):
         report = write(tmp_path / f"nan-{encoded}", encoded=encoded, nan_in=3)
-        assert "sample 3 has NaN/Inf hidden states (layer ids [4])" in report["error"]
+        assert report.error is not None and "sample 3 has NaN/Inf hidden states (layer ids [4])" in report.error
 
 
 def test_a_full_disk_in_the_workers_sink_reaches_the_driver_as_its_type(tmp_path, tiny_target_dir, monkeypatch):
@@ -604,8 +601,8 @@ def test_a_full_disk_in_the_workers_sink_reaches_the_driver_as_its_type(tmp_path
     from draftsmith.core.targets import target_identity
     from draftsmith.extract import store as store_module
     from draftsmith.extract.common import HostStates
-    from draftsmith.extract.vllm.driver import raise_reported
-    from draftsmith.extract.vllm.sink import StoreSink
+    from draftsmith.extract.vllm.driver import reported
+    from draftsmith.extract.vllm.sink import SinkConfig, SinkReport, StoreSink
     from draftsmith.prepare.dataset import open_prepared
 
     prepared = write_random_prepared(tmp_path / "prepared", tiny_target_dir, 3, 20, 40)
@@ -623,23 +620,20 @@ def test_a_full_disk_in_the_workers_sink_reaches_the_driver_as_its_type(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store_module.shards, "_write_file", full)
-    sink = StoreSink(
-        {
-            "store": str(tmp_path / "store"),
-            "prepared": str(prepared),
-            "spec": spec.model_dump(mode="json"),
-            "worker": [0, 1],
-            "shard_bytes": 1 << 20,
-        }
+    config = SinkConfig(
+        store=str(tmp_path / "store"), prepared=str(prepared), spec=spec, worker=(0, 1), shard_bytes=1 << 20
     )
+    assert SinkConfig.model_validate(config.model_dump(mode="json")) == config  # as it crosses to vLLM's workers
+    sink = StoreSink(config)
     for i in range(3):
         states = torch.randn(len(data[i]["input_ids"]), 2, 64).to(torch.bfloat16)
         sink.put(i, data[i]["input_ids"].tolist(), [HostStates(states)])
     report = sink.finish_store()
-    assert report["disk_full"] is True and "no space left on device" in report["error"]
+    assert report.disk_full is True and report.error is not None and "no space left on device" in report.error
+    replies = [SinkReport().model_dump(mode="json"), report.model_dump(mode="json")]  # as collective_rpc returns them
     with pytest.raises(DiskFullError, match="vLLM worker could not finish the store: .*no space left on device"):
-        raise_reported([{"error": None}, report], "vLLM worker could not finish the store")
+        reported(replies, "vLLM worker could not finish the store")
     with pytest.raises(DraftsmithError) as other:
-        raise_reported([{"error": "RuntimeError: request for sample 3 arrived with no store open"}], "stored")
+        reported([{"error": "RuntimeError: request for sample 3 arrived with no store open"}], "stored")
     assert not isinstance(other.value, DiskFullError)
-    raise_reported([{"error": None, "received": 3}], "nothing to raise")
+    assert reported([{"error": None, "received": 3}], "nothing to raise") == [SinkReport(received=3)]

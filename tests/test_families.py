@@ -55,6 +55,7 @@ from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainC
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
+from draftsmith.evaluate.vllm_worker import GenerationResult, SpecCounts
 from draftsmith.extract import store
 from draftsmith.core import vllm_launch
 
@@ -226,7 +227,8 @@ class Matrix:
                     ),
                     show_progress=False,
                 )
-            assert result.summary["samples this run"] > 0 and f"({strategy}," in result.summary["backend"]
+            assert result.result is not None
+            assert result.result.samples_this_run > 0 and f"({strategy}," in result.result.backend
             self._made[key] = out
         return self._made[key]
 
@@ -471,7 +473,7 @@ def test_layer_id_0_on_mla_targets_falls_back_to_direct(matrix, tmp_path, name):
         run(ExtractConfig(output=tmp_path / "forced", vllm_strategy="connector", **cfg), show_progress=False)
     with in_process_vllm():
         result = run(ExtractConfig(output=tmp_path / "auto", **cfg), show_progress=False)
-    assert "(direct," in result.summary["backend"]
+    assert result.result is not None and "(direct," in result.result.backend
     cos = compare(tmp_path / "auto", hf)
     assert cos >= MIN_COSINE, cos
     matrix.record(name, "aux id 0", ok=True, worst_cosine=round(cos, 6), strategy="direct (auto)")
@@ -628,7 +630,7 @@ def test_vllm_extracts_samples_that_fill_the_targets_whole_context(full_context,
             ),
             show_progress=False,
         )
-    assert result.summary["samples this run"] == len(ds)
+    assert result.result is not None and result.result.samples_this_run == len(ds)
     cos = compare(tmp_path / strategy, full_context["hf"])
     assert cos >= MIN_COSINE, (strategy, cos)
 
@@ -886,13 +888,13 @@ def test_reference_decoder_is_lossless_with_the_trained_draft(matrix, name):
 # draft's decode is compared with does not depend on the draft, so the qwen3_moe target's is one run of the session
 # for the EAGLE-3 draft here and the P-EAGLE and DFlash drafts of tests/test_peagle_vllm.py and
 # tests/test_dflash_vllm.py, which decode with the same job (one in-process engine start less for each of two).
-_TARGET_ALONE: dict[str, dict] = {}
+_TARGET_ALONE: dict[str, GenerationResult] = {}
 # The engines' length: the longest prompt, its new tokens and room for two rounds (a block or parallel drafter's
 # slots too), one length for every kind of draft so that their target-alone job is one.
 ENGINE_LEN = MAX_LENGTH + NEW_TOKENS + 2 * SPEC_K + 8
 
 
-def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path) -> dict:
+def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path) -> SpecCounts:
     """vLLM (in-process, float32, temperature 0) decodes the family's prompts with the exported `draft`: the same
     tokens as the same engine alone (lossless; the same job less the draft, run once a session: _TARGET_ALONE) and
     as the reference decoder's target alone; its counters show the draft ran (SPEC_K tokens a round, some accepted)
@@ -919,12 +921,12 @@ def vllm_decodes_as_the_reference(matrix: Matrix, name: str, draft: Path) -> dic
             _TARGET_ALONE[key] = vllm_worker.run(job)
         plain = _TARGET_ALONE[key]
         spec = vllm_worker.run(job.model_copy(update={"draft": str(draft)}))
-    assert spec["outputs"] == plain["outputs"], name  # lossless
-    assert plain["outputs"] == ref["plain"], name  # the reference decoder's target alone
-    counters = spec["spec"]
-    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] == SPEC_K * counters["num_drafts"], counters
-    assert counters["num_accepted_tokens"] > 0 and plain["spec"]["num_drafts"] == 0, counters
-    assert (counters["num_drafts"], counters["num_accepted_tokens_per_pos"]) == (
+    assert spec.outputs == plain.outputs, name  # lossless
+    assert plain.outputs == ref["plain"], name  # the reference decoder's target alone
+    counters = spec.spec
+    assert counters.num_drafts > 0 and counters.num_draft_tokens == SPEC_K * counters.num_drafts, counters
+    assert counters.num_accepted_tokens > 0 and plain.spec.num_drafts == 0, counters
+    assert (counters.num_drafts, counters.num_accepted_tokens_per_pos) == (
         ref["rounds"],
         ref["accepted_per_pos"],
     ), (counters, ref)
@@ -997,9 +999,9 @@ def test_vllm_eagle3_decoding_with_the_draft_is_lossless(matrix, name):
         k=SPEC_K,
         prompts=NUM_PROMPTS,
         new_tokens=NEW_TOKENS,
-        drafts=counters["num_drafts"],
-        accepted_per_pos=counters["num_accepted_tokens_per_pos"],
-        tau=round(1 + counters["num_accepted_tokens"] / counters["num_drafts"], 3),
+        drafts=counters.num_drafts,
+        accepted_per_pos=counters.num_accepted_tokens_per_pos,
+        tau=round(1 + counters.num_accepted_tokens / counters.num_drafts, 3),
         same_acceptance_as_reference=True,
     )
 

@@ -21,6 +21,7 @@ from conftest import as_a_user, memorise, random_eagle3_export
 
 from draftsmith import export
 from draftsmith.evaluate import gate
+from draftsmith.evaluate.report import read_report
 from draftsmith.evaluate.specdec import DecodeStats
 
 
@@ -48,7 +49,7 @@ def test_equal_acceptance_passes_and_a_gap_at_a_deep_position_fails_naming_it():
     assert not bad.passed and [p.agrees for p in bad.positions] == [True, True, False]
     assert "accepts 0.10 of rounds at position 3 where the reference decoder accepts 0.40" in bad.verdict
     assert "config.json is as exported" in bad.verdict  # nothing draftsmith can check is wrong: it says so
-    assert bad.as_dict()["positions"][2] == {
+    assert bad.positions[2].model_dump() == {
         "position": 3,
         "reference": 0.4,
         "served": 0.1,
@@ -60,9 +61,9 @@ def test_equal_acceptance_passes_and_a_gap_at_a_deep_position_fails_naming_it():
 def test_the_training_prediction_is_the_product_of_its_per_step_accuracies():
     training = {"eval acc": [0.8, 0.5, 0.5, 0.5]}
     prediction = gate.training_prediction(training, 3)
-    assert prediction is not None and prediction["positions"] == 3
-    assert prediction["acceptance_per_pos"] == pytest.approx([0.8, 0.4, 0.2])
-    assert prediction["tau"] == pytest.approx(2.4)
+    assert prediction is not None and prediction.positions == 3
+    assert prediction.acceptance_per_pos == pytest.approx([0.8, 0.4, 0.2])
+    assert prediction.tau == pytest.approx(2.4)
     served = _stats(3, 100, [80, 30, 10])  # τ 2.2 against 2.4: -8 %
     result = gate.judge(
         served, served, tolerance=0.05, vllm_version="0.32.0", dtype="float32", drift={}, unread=[], training=training
@@ -169,9 +170,7 @@ def test_a_key_vllm_reads_changed_since_export_fails_whatever_the_acceptance_and
         and ignored.verdict.startswith("gate passed")
         and "warning: config.json changed" in ignored.verdict
     )
-    assert ignored.as_dict()["config_drift"] == [drift["my_note"]] and ignored.as_dict()["not_read_by_vllm"] == [
-        "my_note"
-    ]
+    assert ignored.config_drift == [drift["my_note"]] and ignored.not_read_by_vllm == ["my_note"]
 
 
 def test_a_checkpoint_or_an_sglang_export_has_no_config_to_check(tiny_export, tmp_path):
@@ -236,7 +235,7 @@ def test_a_failed_gate_exits_1_with_its_verdict_in_one_line(monkeypatch, tmp_pat
 
 
 def test_the_report_leads_with_the_gate():
-    from draftsmith.evaluate.report import markdown
+    from draftsmith.evaluate.report import EvaluationReport, GateReport, markdown
 
     result = gate.judge(
         _stats(2, 40, [30, 20]),
@@ -248,17 +247,17 @@ def test_the_report_leads_with_the_gate():
         unread=[],
         training={},
     )
-    report = {
-        "engine": "vllm",
-        "target": "t",
-        "draft": "d",
-        "prompts": "p",
-        "num_prompts": 4,
-        "max_new_tokens": 32,
-        "temperature": 0.0,
-        "runs": [],
-        "gate": {"passed": True, "checks": [result.as_dict()]},
-    }
+    report = EvaluationReport(
+        engine="vllm",
+        target="t",
+        draft="d",
+        prompts="p",
+        num_prompts=4,
+        max_new_tokens=32,
+        temperature=0.0,
+        runs=[],
+        gate=GateReport(passed=True, checks=[result]),
+    )
     lines = markdown(report, charts=False).splitlines()
     assert (
         lines[2] == "**Gate: passed**" and lines[4].startswith("- gate passed: vLLM 0.32.0") and "k=2, τ " in lines[4]
@@ -327,23 +326,25 @@ def test_the_gate_passes_a_correct_draft_through_the_cli(memorised_export, tmp_p
     done = as_a_user(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "prompts: the held-out split of" in done.stderr  # the draft's own training data, by default
-    report = json.loads((out / "report.json").read_text())
-    [check] = report["gate"]["checks"]
-    assert report["gate"]["passed"] and report["engine"] == "vllm"
-    assert report["dtype"] == ("bfloat16" if hardware.cpu_info().native_bf16 else "float32")  # what users run here
+    report = read_report(out / "report.json")
+    assert report.gate is not None
+    [check] = report.gate.checks
+    assert report.gate.passed and report.engine == "vllm"
+    assert report.dtype == ("bfloat16" if hardware.cpu_info().native_bf16 else "float32")  # what users run here
     # accepted deep into its rounds (past its memorised answers, which vLLM's bf16 path leaves: position 3 at 0.13 of
     # 78 rounds, measured), and the two engines paired along the same output: equal at every position, measured
-    assert check["positions"][K - 1]["reference"] > 0.1 and check["positions"][K - 1]["served"] > 0.1
-    assert all(abs(p["served"] - p["reference"]) <= 0.02 for p in check["positions"]), check  # paired (measured: equal)
-    assert check["training"] is not None and "training's held-out prediction" in check["verdict"]
-    [run] = report["runs"]
-    assert report["vllm_version"].startswith("0.") and run["num_draft_tokens"] == K * run["num_rounds"] > 0
+    assert check.positions[K - 1].reference > 0.1 and check.positions[K - 1].served > 0.1
+    assert all(abs(p.served - p.reference) <= 0.02 for p in check.positions), check  # paired (measured: equal)
+    assert check.training is not None and "training's held-out prediction" in check.verdict
+    [run] = report.runs
+    assert report.vllm_version is not None and report.vllm_version.startswith("0.")
+    assert run.num_draft_tokens == K * run.num_rounds > 0
     if probe().facts.per_request_spec_metrics:  # vLLM's per-request counters (0.32 has them, 0.28 not)
         # add up to its engine counters, and give τ an interval over the prompts
-        assert [sum(c) for c in zip(*run["per_prompt"])] == [run["num_rounds"], run["num_accepted"]]
-        assert run["tau_95"][0] <= run["tau"] <= run["tau_95"][1]
+        assert [sum(c) for c in zip(*run.per_prompt)] == [run.num_rounds, run.num_accepted]
+        assert run.tau_95 is not None and run.tau_95[0] <= run.tau <= run.tau_95[1]
     md = (out / "report.md").read_text().splitlines()
-    assert md[2].startswith(f"**Gate: passed** · τ {report['runs'][0]['tau']:.2f} at k={K}")
+    assert md[2].startswith(f"**Gate: passed** · τ {report.runs[0].tau:.2f} at k={K}")
     assert md[4].startswith("- gate passed: vLLM 0.32")
 
 
@@ -362,10 +363,11 @@ def test_the_gate_fails_an_export_whose_config_vllm_reads_changed_naming_the_key
     with pytest.raises(gate.GateFailed, match=f"^gate failed: config.json changed since export: {key} is ") as err:
         evaluate.run(_gate_config(altered, tmp_path / "eval"))
     assert "as trained, and vLLM 0.32" in str(err.value) and "reads it" in str(err.value)
-    report = json.loads((tmp_path / "eval" / "report.json").read_text())  # written before the verdict
-    [check] = report["gate"]["checks"]
-    assert not report["gate"]["passed"] and check["config_drift"] and check["config_drift"][0].startswith(key)
-    assert check["not_read_by_vllm"] == []  # vLLM 0.32 reads each of these keys (a sub-config's by its own name)
+    report = read_report(tmp_path / "eval" / "report.json")  # written before the verdict
+    assert report.gate is not None
+    [check] = report.gate.checks
+    assert not report.gate.passed and check.config_drift and check.config_drift[0].startswith(key)
+    assert check.not_read_by_vllm == []  # vLLM 0.32 reads each of these keys (a sub-config's by its own name)
     assert str(tmp_path / "eval" / "report.md") in str(err.value)
 
 

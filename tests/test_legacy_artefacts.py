@@ -134,4 +134,5 @@ def test_legacy_export_evaluates(legacy, legacy_target, tmp_path):
             output=tmp_path / "eval",
         )
     )
-    assert result.summary["k=2 τ"] >= 1.0
+    assert result.result is not None and [run.k for run in result.result.runs] == [2]
+    assert result.result.runs[0].tau >= 1.0

@@ -8,7 +8,6 @@ tests/test_serve.py does), a training run, so each server also writes its tempor
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,21 +18,32 @@ from pydantic import ValidationError
 from draftsmith.config import EvaluateConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import load, loadgen
-from draftsmith.evaluate.report import charts_available, markdown
+from draftsmith.evaluate.report import (
+    ConcurrencyRow,
+    ConcurrencySweep,
+    EvaluationReport,
+    RunReport,
+    ServedRun,
+    charts_available,
+    markdown,
+    read_report,
+)
 
 
-def _row(c: int, draft_tps: float, alone_tps: float) -> dict:
-    def run(tps: float, tau: float | None) -> dict:
-        return dict(output_throughput=tps, mean_itl_ms=1000 / tps, mean_ttft_ms=50.0, spec_decode_acceptance_length=tau)
+def _row(c: int, draft_tps: float, alone_tps: float) -> ConcurrencyRow:
+    def run(tps: float, tau: float | None) -> ServedRun:
+        return ServedRun(
+            output_throughput=tps, mean_itl_ms=1000 / tps, mean_ttft_ms=50.0, spec_decode_acceptance_length=tau
+        )
 
-    return {
-        "concurrency": c,
-        "requests": loadgen.requests_at(c, 8),
-        "draft": run(draft_tps, 2.4),
-        "target_alone": run(alone_tps, None),
-        "speedup": draft_tps / alone_tps,
-        "identical_outputs": "8/8",
-    }
+    return ConcurrencyRow(
+        concurrency=c,
+        requests=loadgen.requests_at(c, 8),
+        draft=run(draft_tps, 2.4),
+        target_alone=run(alone_tps, None),
+        speedup=draft_tps / alone_tps,
+        identical_outputs="8/8",
+    )
 
 
 def test_concurrency_is_parsed_sorted_and_at_least_one():
@@ -55,26 +65,26 @@ def test_every_prompt_is_sent_and_at_least_two_requests_per_slot():
 
 
 def test_the_report_leads_with_tau_and_the_speed_up_at_each_concurrency():
-    sweep = {
-        "k": 3,
-        "dtype": "bfloat16",
-        "load_generator": "vllm bench serve (vLLM 0.32.0)",
-        "max_new_tokens": 64,
-        "rows": [_row(1, 30, 20), _row(4, 60, 50), _row(16, 95, 100)],
-        "stops_paying_at": 16,
-    }
-    run = {"k": 3, "tau": 2.5, "acceptance_per_pos": [0.8, 0.5, 0.2], "tokens_per_s": 30.0, "num_rounds": 10}
-    report = {
-        "engine": "hf",
-        "target": "t",
-        "draft": "d",
-        "prompts": "p",
-        "num_prompts": 8,
-        "max_new_tokens": 64,
-        "temperature": 0.0,
-        "runs": [run],
-        "concurrency": sweep,
-    }
+    sweep = ConcurrencySweep(
+        k=3,
+        dtype="bfloat16",
+        load_generator="vllm bench serve (vLLM 0.32.0)",
+        max_new_tokens=64,
+        rows=[_row(1, 30, 20), _row(4, 60, 50), _row(16, 95, 100)],
+        stops_paying_at=16,
+    )
+    run = RunReport(k=3, tau=2.5, acceptance_per_pos=[0.8, 0.5, 0.2], tokens_per_s=30.0, num_rounds=10)
+    report = EvaluationReport(
+        engine="hf",
+        target="t",
+        draft="d",
+        prompts="p",
+        num_prompts=8,
+        max_new_tokens=64,
+        temperature=0.0,
+        runs=[run],
+        concurrency=sweep,
+    )
     lines = markdown(report, charts=True).splitlines()
     assert lines[2] == (
         "τ 2.50 at k=3 · speed-up by concurrency (k=3): 1.50x at 1, 1.20x at 4, 0.95x at 16: stops paying at 16"
@@ -129,18 +139,18 @@ def test_the_speed_up_by_concurrency_through_the_real_server_and_vllm_bench_serv
     args += ["--vllm-args", "--enforce-eager"]  # both servers start without vLLM's graph capture: ~70 s less each here
     done = as_a_user(*args)
     assert done.returncode == 0, done.stderr[-4000:]
-    sweep = json.loads((out / "report.json").read_text())["concurrency"]
-    assert sweep["k"] == 3 and sweep["load_generator"].startswith("vllm bench serve (vLLM 0.")
-    assert [r["concurrency"] for r in sweep["rows"]] == [1, 4]
-    for row in sweep["rows"]:
-        draft, alone = row["draft"], row["target_alone"]
-        assert draft["completed"] == alone["completed"] == row["requests"] == max(4, 2 * row["concurrency"])
-        assert draft["output_throughput"] > 0 and alone["output_throughput"] > 0 and row["speedup"] > 0
-        assert draft["mean_itl_ms"] > 0 and alone["mean_ttft_ms"] > 0
-        assert draft["spec_decode_acceptance_length"] > 1.0, draft  # the server accepted the draft's tokens
-        assert alone["spec_decode_acceptance_length"] is None  # the target alone drafts nothing
-    assert sweep["rows"][0]["identical_outputs"] == "4/4"  # greedy, one request at a time: lossless through both
-    assert (sweep["stops_paying_at"] is None) == all(r["speedup"] > 1 for r in sweep["rows"])
+    sweep = read_report(out / "report.json").concurrency
+    assert sweep is not None and sweep.k == 3 and sweep.load_generator.startswith("vllm bench serve (vLLM 0.")
+    assert [r.concurrency for r in sweep.rows] == [1, 4]
+    for row in sweep.rows:
+        draft, alone = row.draft, row.target_alone
+        assert draft.completed == alone.completed == row.requests == max(4, 2 * row.concurrency)
+        assert (draft.output_throughput or 0) > 0 and (alone.output_throughput or 0) > 0 and (row.speedup or 0) > 0
+        assert (draft.mean_itl_ms or 0) > 0 and (alone.mean_ttft_ms or 0) > 0
+        assert (draft.spec_decode_acceptance_length or 0) > 1.0, draft  # the server accepted the draft's tokens
+        assert alone.spec_decode_acceptance_length is None  # the target alone drafts nothing
+    assert sweep.rows[0].identical_outputs == "4/4"  # greedy, one request at a time: lossless through both
+    assert (sweep.stops_paying_at is None) == all((r.speedup or 0) > 1 for r in sweep.rows)
     first = (out / "report.md").read_text().splitlines()[2]
     assert first.startswith("τ ") and "speed-up by concurrency (k=3): " in first and "x at 4" in first
     assert "speed-up by concurrency" in done.stdout + done.stderr

@@ -20,26 +20,28 @@ from draftsmith.evaluate import report as report_module
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 
-REPORT = {
-    "engine": "hf",
-    "target": "/t/target",
-    "draft": "/t/draft",
-    "prompts": "mt-bench",
-    "num_prompts": 2,
-    "max_new_tokens": 8,
-    "temperature": 0.0,
-    "baseline": None,
-    "runs": [
-        {
-            "k": 3,
-            "tau": 1.5,
-            "acceptance_per_pos": [0.4, 0.1, 0.0],
-            "tokens_per_s": 10.0,
-            "speedup": None,
-            "num_rounds": 4,
-        }
-    ],
-}
+REPORT = report_module.EvaluationReport.model_validate(
+    {
+        "engine": "hf",
+        "target": "/t/target",
+        "draft": "/t/draft",
+        "prompts": "mt-bench",
+        "num_prompts": 2,
+        "max_new_tokens": 8,
+        "temperature": 0.0,
+        "baseline": None,
+        "runs": [
+            {
+                "k": 3,
+                "tau": 1.5,
+                "acceptance_per_pos": [0.4, 0.1, 0.0],
+                "tokens_per_s": 10.0,
+                "speedup": None,
+                "num_rounds": 4,
+            }
+        ],
+    }
+)
 
 
 def _missing(monkeypatch, *names: str) -> None:

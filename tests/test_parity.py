@@ -13,14 +13,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import parallel_round
+from draftsmith.evaluate.report import RunReport, read_report
 from draftsmith.evaluate.specdec import DraftRunner
+from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.ttt import ttt_hidden_states
 
@@ -176,10 +177,10 @@ ENGINE_LEN = 160
 # vLLM's target-alone runs, by their job (GenerationJob without its result path): the run a draft's is compared with
 # does not depend on the draft, so the drafts of tests/test_dflash_vllm.py and tests/test_peagle_vllm.py compare
 # theirs with one run of the session (one vLLM start and 128 target-alone tokens less for the second).
-_TARGET_ALONE: dict[str, dict] = {}
+_TARGET_ALONE: dict[str, GenerationResult] = {}
 
 
-def _target_alone(spec_request: Path, kv_cache_gb: int, timeout_s: int) -> dict:
+def _target_alone(spec_request: Path, kv_cache_gb: int, timeout_s: int) -> GenerationResult:
     """vLLM's run of the target alone by the job a draft's run decoded with (`spec_request`, its REQUEST.json), the
     draft taken out: what `evaluate --baseline` runs beside it (the same worker, settings and prompts), run once per
     session for every draft that decodes with the same job."""
@@ -218,7 +219,7 @@ def _target_alone(spec_request: Path, kv_cache_gb: int, timeout_s: int) -> dict:
 
 def evaluate_in_both_engines(
     draft, tmp_path, monkeypatch, k: int, deep: int, num_prompts: int = 4, max_new_tokens: int = 32
-) -> tuple[dict, dict]:
+) -> tuple[RunReport, RunReport]:
     """`draftsmith evaluate` of `draft` on the default target's first MT-bench prompts, temperature 0, float32, with
     the reference decoder and with vLLM (in its worker process, without an engine-core process of its own: most of
     a start on a CPU): vLLM lossless against itself without the draft (the same job less the draft: _target_alone,
@@ -246,21 +247,21 @@ def evaluate_in_both_engines(
     evaluate.run(
         EvaluateConfig(engine="vllm", output=tmp_path / "vllm", baseline=False, max_model_len=ENGINE_LEN, **common)
     )
-    hf, vl = (json.loads((tmp_path / e / "report.json").read_text())["runs"][0] for e in ("hf", "vllm"))
-    k = vl["k"]  # a DFlash draft's block decides
+    hf, vl = (read_report(tmp_path / e / "report.json").runs[0] for e in ("hf", "vllm"))
+    k = vl.k  # a DFlash draft's block decides
     workdir = tmp_path / "vllm" / "vllm"
     results = {
         "baseline": _target_alone(workdir / f"k{k}.request.json", common["vllm_kv_cache_gb"], common["vllm_timeout_s"]),
-        f"k{k}": json.loads((workdir / f"k{k}.result.json").read_text()),
+        f"k{k}": GenerationResult.model_validate_json((workdir / f"k{k}.result.json").read_text()),
     }
-    assert results[f"k{k}"]["outputs"] == results["baseline"]["outputs"]  # lossless
-    assert all(len(o) > 0 for o in results["baseline"]["outputs"])
-    assert results["baseline"]["spec"]["num_drafts"] == 0  # the target alone
-    assert vl["num_rounds"] > 0 and vl["num_draft_tokens"] == k * vl["num_rounds"], vl
-    assert len(vl["accepted_per_pos"]) == k, vl
-    assert hf["accepted_per_pos"][deep] > 0 and vl["accepted_per_pos"][deep] > 0, (hf, vl)  # deep into a round
-    rounds = max(hf["num_rounds"], vl["num_rounds"])
-    assert abs(hf["num_rounds"] - vl["num_rounds"]) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
-    for pos, (a, b) in enumerate(zip(hf["accepted_per_pos"], vl["accepted_per_pos"])):
-        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf["accepted_per_pos"], vl["accepted_per_pos"])
+    assert results[f"k{k}"].outputs == results["baseline"].outputs  # lossless
+    assert all(len(o) > 0 for o in results["baseline"].outputs)
+    assert results["baseline"].spec.num_drafts == 0  # the target alone
+    assert vl.num_rounds > 0 and vl.num_draft_tokens == k * vl.num_rounds, vl
+    assert len(vl.accepted_per_pos) == k, vl
+    assert hf.accepted_per_pos[deep] > 0 and vl.accepted_per_pos[deep] > 0, (hf, vl)  # deep into a round
+    rounds = max(hf.num_rounds, vl.num_rounds)
+    assert abs(hf.num_rounds - vl.num_rounds) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
+    for pos, (a, b) in enumerate(zip(hf.accepted_per_pos, vl.accepted_per_pos)):
+        assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf.accepted_per_pos, vl.accepted_per_pos)
     return hf, vl

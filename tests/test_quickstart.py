@@ -11,6 +11,7 @@ import pytest
 from draftsmith import quickstart
 from draftsmith.config import QuickstartConfig
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.evaluate.report import RunReport, read_report
 from draftsmith.export import serve_commands
 
 
@@ -146,8 +147,9 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
         "config.yaml",
     ):
         assert (out / artefact).is_file(), artefact
-    report = json.loads((out / "eval" / "report.json").read_text())
-    taus = {r["k"]: r["tau"] for r in report["runs"]}
+    report = read_report(out / "eval" / "report.json")
+    assert result.result == report  # the quickstart returns its evaluation's report
+    taus = {r.k: r.tau for r in report.runs}
     assert set(taus) == {1, 3} and taus[3] > 1.0
     served, gpu_only = result.commands.values()
     assert served.endswith(f"draftsmith serve {out / 'export'}") and gpu_only.startswith("vllm serve")
@@ -190,10 +192,12 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
         return gated.model_copy(update=update)  # four of its prompts, not one: ~80 rounds to compare
 
     result = evaluate(gate_of(cfg.output / "export", "gate"))
-    report = json.loads((tmp_path / "gate" / "report.json").read_text())
-    [check] = report["gate"]["checks"]
-    assert report["gate"]["passed"] and result.summary["engine"] == "vllm" and report["runs"][0]["num_rounds"] > 40
-    assert result.summary["gate (k=3)"].startswith("gate passed: vLLM 0.")
+    report = read_report(tmp_path / "gate" / "report.json")
+    assert report.gate is not None and result.result is not None
+    [check] = report.gate.checks
+    assert report.gate.passed and result.result.engine == "vllm" and report.runs[0].num_rounds > 40
+    assert result.result.gate is not None and result.result.gate.checks[0].k == 3
+    assert result.result.gate.checks[0].verdict.startswith("gate passed: vLLM 0.")
     drifted = alter(cfg.output / "export", tmp_path / "drifted", shift_layer)
     with pytest.raises(gate.GateFailed, match="^gate failed: config.json changed since export: eagle_aux_hidden_st"):
         evaluate(gate_of(drifted, "drifted"))
@@ -202,8 +206,8 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
 
 def test_tau_for_k_not_run_is_read_off_the_longest_run():
     runs = [
-        {"k": 3, "tau": 2.1, "speedup": 1.4, "acceptance_per_pos": [0.6, 0.3, 0.2]},
-        {"k": 5, "tau": 2.3, "speedup": None, "acceptance_per_pos": [0.62, 0.33, 0.2, 0.1, 0.05]},
+        RunReport(k=3, tau=2.1, speedup=1.4, acceptance_per_pos=[0.6, 0.3, 0.2], tokens_per_s=1.0),
+        RunReport(k=5, tau=2.3, speedup=None, acceptance_per_pos=[0.62, 0.33, 0.2, 0.1, 0.05], tokens_per_s=1.0),
     ]
     lines = quickstart.tau_lines(runs)
     assert list(lines) == ["k=1", "k=2", "k=3", "k=4", "k=5"]
@@ -213,7 +217,7 @@ def test_tau_for_k_not_run_is_read_off_the_longest_run():
 
 
 def test_tau_lines_of_a_peagle_draft_mark_the_k_past_its_trained_depths():
-    runs = [{"k": 4, "tau": 1.9, "speedup": None, "acceptance_per_pos": [0.5, 0.3, 0.1, 0.0]}]
+    runs = [RunReport(k=4, tau=1.9, speedup=None, acceptance_per_pos=[0.5, 0.3, 0.1, 0.0], tokens_per_s=1.0)]
     lines = quickstart.tau_lines(runs, depths_trained=3)
     assert lines["k=3"] == "τ 1.90 (read off the k=4 run)"
     assert lines["k=4"] == "τ 1.90; acceptance per position 0.50 0.30 0.10 0.00 — past the 3 depths trained"
@@ -381,7 +385,7 @@ def test_a_target_too_big_for_the_reference_decoder_ends_after_export_where_vllm
 
     for stage in list(quickstart._STAGE_MODULES):
         monkeypatch.setitem(quickstart._STAGE_MODULES, stage, types.SimpleNamespace(run=run))
-    monkeypatch.setattr(quickstart, "_summary", lambda cfg, configs, state, why: ({"evaluation": why}, {}))
+    monkeypatch.setattr(quickstart, "_summary", lambda cfg, configs, state, why, report: ({"evaluation": why}, {}))
     console = Console(file=io.StringIO(), width=400)
     result = quickstart.run(
         QuickstartConfig(output=tmp_path / "qs", target=str(tiny_target_dir), budget="tiny"), console

@@ -42,6 +42,8 @@ from draftsmith import evaluate, export, serve
 from draftsmith.config import EvaluateConfig, ExportConfig, ServeConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
+from draftsmith.evaluate.report import read_report
+from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.probe import probe
 from families import TINY_OVERRIDES
 from conftest import as_a_user
@@ -71,9 +73,15 @@ def test_each_offered_strategy_fills_a_store_equal_to_transformers(strategy, rep
     start = time.perf_counter()
     result = run(_cfg(prepared, tmp_path / strategy, vllm_strategy=strategy), show_progress=False)
     wall = time.perf_counter() - start
-    assert strategy in result.summary["backend"] and report.facts.version in result.summary["backend"]
+    assert result.result is not None
+    assert strategy in result.result.backend and report.facts.version in result.result.backend
     worst = assert_matches_hf(tmp_path / strategy, hf_store)
-    _say(f"extract {strategy}", **worst, wall_s=round(wall, 1), engine_start_s=result.summary["engine start (s)"])
+    _say(
+        f"extract {strategy}",
+        **worst,
+        wall_s=round(wall, 1),
+        engine_start_s=round(result.result.engine_start_s or 0.0, 1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,23 +120,23 @@ def test_eagle3_decoding_is_lossless_with_the_reference_acceptance(report, expor
     wall = time.perf_counter() - start
     _evaluate("hf", exported, tmp_path / "hf", baseline=False)
     results = {
-        name: json.loads((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
+        name: GenerationResult.model_validate_json((tmp_path / "vllm" / "vllm" / f"{name}.result.json").read_text())
         for name in ("baseline", f"k{K}")
     }
-    assert results["baseline"]["outputs"] == results[f"k{K}"]["outputs"]  # lossless at temperature 0
-    assert all(len(o) > 0 for o in results["baseline"]["outputs"])
-    run = json.loads((tmp_path / "vllm" / "report.json").read_text())["runs"][0]
-    assert run["num_rounds"] > 0 and run["num_accepted"] > 0 and run["num_draft_tokens"] == K * run["num_rounds"]
-    assert len(run["acceptance_per_pos"]) == K
-    tau_hf = json.loads((tmp_path / "hf" / "report.json").read_text())["runs"][0]["tau"]
-    assert abs(run["tau"] - tau_hf) / tau_hf <= 0.05, (tau_hf, run["tau"])
+    assert results["baseline"].outputs == results[f"k{K}"].outputs  # lossless at temperature 0
+    assert all(len(o) > 0 for o in results["baseline"].outputs)
+    run = read_report(tmp_path / "vllm" / "report.json").runs[0]
+    assert run.num_rounds > 0 and run.num_accepted > 0 and run.num_draft_tokens == K * run.num_rounds
+    assert len(run.acceptance_per_pos) == K
+    tau_hf = read_report(tmp_path / "hf" / "report.json").runs[0].tau
+    assert abs(run.tau - tau_hf) / tau_hf <= 0.05, (tau_hf, run.tau)
     _say(
         "eagle3 decoding",
-        tau=round(run["tau"], 3),
+        tau=round(run.tau, 3),
         tau_hf=round(tau_hf, 3),
-        rounds=run["num_rounds"],
-        accepted=run["num_accepted"],
-        draft_tokens=run["num_draft_tokens"],
+        rounds=run.num_rounds,
+        accepted=run.num_accepted,
+        draft_tokens=run.num_draft_tokens,
         wall_s=round(wall, 1),
     )
 
@@ -567,7 +575,8 @@ def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(
     engine_wall = time.perf_counter() - engine_start
     layer_ids = store.open(built["hf"]).layer_ids
     strategy = choose_strategy("auto", report, layer_ids, "float32")
-    assert f"vllm {report.facts.version} ({strategy}," in result.summary["backend"], result.summary["backend"]
+    assert result.result is not None
+    assert f"vllm {report.facts.version} ({strategy}," in result.result.backend, result.result.backend
     # ~0.999997 (DeepSeek-V3: ~0.9999998): transformers' DeepseekV3 builds its latent q_a/kv_a norms with eps 1e-6
     # whatever rms_norm_eps says, vLLM with rms_norm_eps (Kimi-K2's: 1e-5)
     cos = per_layer_cosine(tmp_path / "vllm", built["hf"])
@@ -710,12 +719,12 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert engine in done.stderr, done.stderr[:3000]
     assert done.stderr.index(engine) < done.stderr.index("[1/5] prepare"), done.stderr[:3000]
-    runs = json.loads((tmp_path / "qs" / "eval" / "report.json").read_text())["runs"]
-    assert [r["k"] for r in runs] == [3] and runs[0]["tau"] >= 1.0, runs
+    runs = read_report(tmp_path / "qs" / "eval" / "report.json").runs
+    assert [r.k for r in runs] == [3] and runs[0].tau >= 1.0, runs
     state = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
     assert set(state["finished"]) == {"prepare", "extract", "train", "export", "evaluate"}
     # the summary: the report's τ and the engine that measured it
-    assert f"τ {runs[0]['tau']:.2f}" in done.stdout and engine.removeprefix("evaluation engine: ") in done.stdout, (
+    assert f"τ {runs[0].tau:.2f}" in done.stdout and engine.removeprefix("evaluation engine: ") in done.stdout, (
         done.stdout[-3000:]
     )
     # without the `report` extra (matplotlib), the report is written without charts and says how to get them

@@ -36,7 +36,14 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
 from draftsmith.evaluate import vllm_runner
-from draftsmith.evaluate.report import ACCEPTANCE_PNG, CHARTS_HINT, read_report
+from draftsmith.evaluate.report import (
+    ACCEPTANCE_PNG,
+    CHARTS_HINT,
+    REPORT_JSON,
+    EvaluationReport,
+    RunReport,
+    read_report,
+)
 from draftsmith.export.formats import serve_commands
 from draftsmith.prepare import regenerate
 from draftsmith.prepare.dataset import open_prepared
@@ -305,7 +312,7 @@ def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
     return scale * sum(expected[s] for s in remaining)
 
 
-def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
+def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult[EvaluationReport]:
     console = console or Console(stderr=True)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -348,11 +355,13 @@ def run(cfg: QuickstartConfig, console: Console | None = None) -> StageResult:
             "summary": json.loads(json.dumps(result.summary, default=str)),
         }
         atomic_write_json(state_path, state)
-    summary, commands = _summary(cfg, configs, state, engine_why)
-    return StageResult(stage="quickstart", output=out, summary=summary, commands=commands)
+    evaluated = "evaluate" in state["finished"]
+    report = read_report(Path(configs["evaluate"].output) / REPORT_JSON) if evaluated else None
+    summary, commands = _summary(cfg, configs, state, engine_why, report)
+    return StageResult(stage="quickstart", output=out, result=report, summary=summary, commands=commands)
 
 
-def tau_lines(runs: list[dict[str, Any]], depths_trained: int | None = None) -> dict[str, str]:
+def tau_lines(runs: list[RunReport], depths_trained: int | None = None) -> dict[str, str]:
     """One line per k = 1..max(k): measured runs as they are; a k not run is read off the longest run.
 
     At temperature 0 position i of a k-token draft is accepted only when positions < i were, so vLLM's
@@ -368,7 +377,7 @@ def tau_lines(runs: list[dict[str, Any]], depths_trained: int | None = None) -> 
     and in the reference decoder alike; only floating-point rounding of a forward over more slots can differ.
     `depths_trained` (P-EAGLE: its TTT depths) marks the k past them: those slots were never trained.
     """
-    by_k = {r["k"]: r for r in runs}
+    by_k = {r.k: r for r in runs}
     longest = by_k[max(by_k)] if by_k else None
     lines: dict[str, str] = {}
     for k in range(1, max(by_k, default=0) + 1):
@@ -376,31 +385,33 @@ def tau_lines(runs: list[dict[str, Any]], depths_trained: int | None = None) -> 
         past = f" — past the {depths_trained} depths trained" if depths_trained and k > depths_trained else ""
         if r is None:
             assert longest is not None  # by_k holds a run
-            derived = 1 + sum(longest["acceptance_per_pos"][:k])
-            lines[f"k={k}"] = f"τ {derived:.2f} (read off the k={longest['k']} run){past}"
+            derived = 1 + sum(longest.acceptance_per_pos[:k])
+            lines[f"k={k}"] = f"τ {derived:.2f} (read off the k={longest.k} run){past}"
             continue
-        speed = f", speed-up {r['speedup']:.2f}x" if r.get("speedup") else ""
-        per_pos = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
-        interval = f" (95 % over prompts {r['tau_95'][0]:.2f}..{r['tau_95'][1]:.2f})" if r.get("tau_95") else ""
-        lines[f"k={k}"] = f"τ {r['tau']:.2f}{interval}{speed}; acceptance per position {per_pos}{past}"
+        speed = f", speed-up {r.speedup:.2f}x" if r.speedup else ""
+        per_pos = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos)
+        interval = f" (95 % over prompts {r.tau_95[0]:.2f}..{r.tau_95[1]:.2f})" if r.tau_95 else ""
+        lines[f"k={k}"] = f"τ {r.tau:.2f}{interval}{speed}; acceptance per position {per_pos}{past}"
     return lines
 
 
 def _summary(
-    cfg: QuickstartConfig, configs: dict[str, Any], state: dict[str, Any], engine_why: str
+    cfg: QuickstartConfig,
+    configs: dict[str, Any],
+    state: dict[str, Any],
+    engine_why: str,
+    report: EvaluationReport | None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """(the summary table, the commands that serve the exported draft)."""
+    """(the summary table, the commands that serve the exported draft); `report`: the evaluation's, where it ran."""
     finished = state["finished"]
     prepared = open_prepared(configs["prepare"].output).manifest
-    evaluated = "evaluate" in finished
-    report = read_report(Path(configs["evaluate"].output) / "report.json") if evaluated else None
     target_dir = Path(prepared.target.path)
     summary: dict[str, Any] = {
         "data": f"{prepared.num_samples:,} {'conversations' if cfg.data else 'ShareGPT conversations'}"
         f"{', answers regenerated by the target' if cfg.regenerate else ''}, {prepared.num_tokens:,} tokens",
         "training time": f"{finished['train']['seconds'] / 60:.1f} min",
         "total time": f"{sum(v['seconds'] for v in finished.values()) / 60:.1f} min",
-        "evaluation": f"{engine_why}; MT-bench first turns, {report['num_prompts']} prompts, temperature 0"
+        "evaluation": f"{engine_why}; MT-bench first turns, {report.num_prompts} prompts, temperature 0"
         if report
         else engine_why,
     }
@@ -409,9 +420,9 @@ def _summary(
     if report is None:
         summary["evaluate it"] = f"draftsmith evaluate --draft {configs['export'].output} --engine vllm"
     else:
-        if report.get("gate"):  # vLLM decoded it as the reference decoder does (else evaluate stopped the run)
-            summary["gate"] = "; ".join(check["verdict"] for check in report["gate"]["checks"])
-        summary.update(tau_lines(report["runs"], method(configs["train"].method.name).depths_trained(configs["train"])))
+        if report.gate:  # vLLM decoded it as the reference decoder does (else evaluate stopped the run)
+            summary["gate"] = "; ".join(check.verdict for check in report.gate.checks)
+        summary.update(tau_lines(report.runs, method(configs["train"].method.name).depths_trained(configs["train"])))
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
             summary["charts"] = f"none: {CHARTS_HINT}"

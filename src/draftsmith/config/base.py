@@ -6,15 +6,10 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from draftsmith.core.errors import DraftsmithError
@@ -140,11 +135,16 @@ def save_resolved_config(cfg: StageConfig, directory: Path) -> None:
     atomic_write_text(Path(directory) / RESOLVED_CONFIG_NAME, text)
 
 
-class StageResult(BaseModel):
-    """What a stage's `run` returns: where its output is, and a short summary the CLI prints as a table."""
+ResultT = TypeVar("ResultT", bound=BaseModel)
+
+
+class StageResult(BaseModel, Generic[ResultT]):
+    """What a stage's `run` returns: where its output is, what it measured (typed: `result`) and a short summary of
+    it the CLI prints as a table (display labels: for people, not for code)."""
 
     stage: str
     output: Path
+    result: ResultT | None = None
     summary: dict[str, Any] = Field(default_factory=dict)
     # Shell commands for the user to copy (e.g. how to serve the draft): printed in full below the table, unwrapped.
     commands: dict[str, str] = Field(default_factory=dict)

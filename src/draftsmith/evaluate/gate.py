@@ -24,20 +24,18 @@ reports and never judges. Everything here is pure: the engines run in stage.py.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
+from draftsmith.evaluate.report import GateResult, PositionCheck, TrainingPrediction
 from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.export.formats import VLLM_LOADABLE, format_config, read_export_manifest
 from draftsmith.extract.vllm.source import unmentioned
 
 __all__ = [
     "GateFailed",
-    "GateResult",
-    "PositionCheck",
     "compare",
     "config_drift",
     "served_drift",
@@ -58,59 +56,6 @@ class GateFailed(DraftsmithError):
     """The gate's verdict when the served acceptance differs from the reference decoder's (the report is written)."""
 
 
-@dataclass(frozen=True)
-class PositionCheck:
-    """One draft position: the fraction of rounds whose proposal there was accepted, in each engine."""
-
-    position: int  # 1-based, as the report shows it
-    reference: float
-    served: float
-    allowed: float
-
-    @property
-    def gap(self) -> float:
-        return self.served - self.reference
-
-    @property
-    def agrees(self) -> bool:
-        return abs(self.gap) <= self.allowed
-
-
-@dataclass
-class GateResult:
-    passed: bool
-    verdict: str  # one line: the first line of the report, the summary's and (failed) the error's
-    k: int
-    positions: list[PositionCheck]
-    reference_tau: float
-    served_tau: float
-    drift: list[str] = field(default_factory=list)
-    unread: list[str] = field(default_factory=list)
-    training: dict[str, Any] | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "verdict": self.verdict,
-            "k": self.k,
-            "reference_tau": round(self.reference_tau, 4),
-            "served_tau": round(self.served_tau, 4),
-            "positions": [
-                {
-                    "position": p.position,
-                    "reference": round(p.reference, 4),
-                    "served": round(p.served, 4),
-                    "allowed": round(p.allowed, 4),
-                    "agrees": p.agrees,
-                }
-                for p in self.positions
-            ],
-            "config_drift": self.drift,
-            "not_read_by_vllm": self.unread,
-            "training": self.training,
-        }
-
-
 def compare(reference: DecodeStats, served: DecodeStats, tolerance: float) -> list[PositionCheck]:
     """Acceptance per position of the two engines' runs at the same k. The reference decoder follows vLLM's output,
     so the rounds differ only where the two drafts' numerics flip a near-tie (none in the runs measured, bf16
@@ -118,7 +63,7 @@ def compare(reference: DecodeStats, served: DecodeStats, tolerance: float) -> li
     rounds = max(1, min(reference.num_rounds, served.num_rounds))
     allowed = tolerance + 1 / rounds
     return [
-        PositionCheck(i + 1, a, b, allowed)
+        PositionCheck(position=i + 1, reference=a, served=b, allowed=allowed, agrees=abs(b - a) <= allowed)
         for i, (a, b) in enumerate(zip(reference.acceptance_per_pos, served.acceptance_per_pos))
     ]
 
@@ -176,7 +121,7 @@ def served_drift(draft_dir: Path) -> tuple[dict[str, str], list[str]]:
     return drift, [key for key in drift if key.rsplit(".", 1)[-1] in names]
 
 
-def training_prediction(training: dict[str, Any], k: int) -> dict[str, Any] | None:
+def training_prediction(training: dict[str, Any], k: int) -> TrainingPrediction | None:
     """What training's last held-out evaluation predicts per position (prod_{i<=j} acc_i, as its simulated
     acceptance length) for the first min(k, its steps) positions; None where the draft carries no such record (an
     export of an older draftsmith, a checkpoint saved before its first evaluation)."""
@@ -187,18 +132,18 @@ def training_prediction(training: dict[str, Any], k: int) -> dict[str, Any] | No
     for a in acc[:k]:
         run *= float(a)
         per_pos.append(run)
-    return {"acceptance_per_pos": per_pos, "tau": 1.0 + sum(per_pos), "positions": len(per_pos)}
+    return TrainingPrediction(acceptance_per_pos=per_pos, tau=1.0 + sum(per_pos), positions=len(per_pos))
 
 
-def _training_line(prediction: dict[str, Any] | None, served: DecodeStats) -> str:
+def _training_line(prediction: TrainingPrediction | None, served: DecodeStats) -> str:
     if prediction is None:
         return "training's held-out prediction: none recorded with this draft"
-    n = prediction["positions"]
+    n = prediction.positions
     served_tau = 1.0 + sum(served.acceptance_per_pos[:n])
-    gap = (served_tau - prediction["tau"]) / prediction["tau"]
+    gap = (served_tau - prediction.tau) / prediction.tau
     where = f"first {n} positions" if n < served.k else f"{n} positions"
     line = (
-        f"served τ {served_tau:.2f} against training's held-out prediction {prediction['tau']:.2f} over the {where} "
+        f"served τ {served_tau:.2f} against training's held-out prediction {prediction.tau:.2f} over the {where} "
         f"({gap:+.0%})"
     )
     if abs(gap) > PREDICTION_GAP:
@@ -259,7 +204,7 @@ def judge(
         positions=positions,
         reference_tau=reference.tau,
         served_tau=served.tau,
-        drift=list(drift.values()),
-        unread=unread,
-        training=None if prediction is None else {**prediction, "line": tail},
+        config_drift=list(drift.values()),
+        not_read_by_vllm=unread,
+        training=None if prediction is None else prediction.model_copy(update={"line": tail}),
     )

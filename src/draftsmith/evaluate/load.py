@@ -25,34 +25,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from draftsmith.core import processes
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
 from draftsmith.core.net import free_port
 from draftsmith.evaluate import loadgen
+from draftsmith.evaluate.report import ConcurrencyRow, ConcurrencySweep, ServedRun
 
 __all__ = ["ServerOptions", "sweep", "stops_paying_at"]
 
 HOST = "127.0.0.1"
 STOP_S = 90.0  # draftsmith serve's own stop: SIGTERM to vLLM, again after 15 s, SIGKILL after 30 more
-# The fields of vLLM's result JSON kept for each run (loadgen.py saves one per concurrency).
-KEPT = (
-    "completed",
-    "total_output_tokens",
-    "duration",
-    "output_throughput",
-    "request_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "mean_itl_ms",
-    "median_itl_ms",
-    "p99_itl_ms",
-    "mean_tpot_ms",
-    "spec_decode_acceptance_length",
-    "spec_decode_acceptance_rate",
-)
 
 
 @dataclass(frozen=True)
@@ -93,12 +77,12 @@ def sweep(
     seed: int,
     workdir: Path,
     vllm_version: str | None = None,
-) -> dict[str, Any]:
+) -> ConcurrencySweep:
     """Serve the draft, then the target alone, and load each at every concurrency; the table the report shows."""
     workdir.mkdir(parents=True, exist_ok=True)
     dataset = workdir / "prompts.jsonl"
     atomic_write_text(dataset, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    measured: dict[str, dict[int, dict[str, Any]]] = {}
+    measured: dict[str, dict[int, ServedRun]] = {}
     texts: dict[str, dict[int, list[str]]] = {}
     for name, alone in (("draft", False), ("target_alone", True)):
         port = free_port(HOST)
@@ -108,38 +92,38 @@ def sweep(
         measured[name], texts[name] = {}, {}
         for c in concurrency:
             raw = json.loads((results / loadgen.result_name(c)).read_text(encoding="utf-8"))
-            measured[name][c] = {key: raw.get(key) for key in KEPT}
+            measured[name][c] = ServedRun.model_validate({key: raw.get(key) for key in ServedRun.model_fields})
             texts[name][c] = list(raw.get("generated_texts") or [])
     rows = []
     for c in concurrency:
         served, baseline = measured["draft"][c], measured["target_alone"][c]
         same = sum(a == b for a, b in zip(texts["draft"][c], texts["target_alone"][c]))
         rows.append(
-            {
-                "concurrency": c,
-                "requests": loadgen.requests_at(c, len(prompts)),
-                "draft": served,
-                "target_alone": baseline,
-                "speedup": _ratio(served["output_throughput"], baseline["output_throughput"]),
-                "itl_ratio": _ratio(served["mean_itl_ms"], baseline["mean_itl_ms"]),
-                "identical_outputs": f"{same}/{len(texts['draft'][c])}",
-            }
+            ConcurrencyRow(
+                concurrency=c,
+                requests=loadgen.requests_at(c, len(prompts)),
+                draft=served,
+                target_alone=baseline,
+                speedup=_ratio(served.output_throughput, baseline.output_throughput),
+                itl_ratio=_ratio(served.mean_itl_ms, baseline.mean_itl_ms),
+                identical_outputs=f"{same}/{len(texts['draft'][c])}",
+            )
         )
-    return {
-        "k": options.k,
-        "dtype": options.dtype,
-        "load_generator": f"vllm bench serve{f' (vLLM {vllm_version})' if vllm_version else ''}",
-        "max_new_tokens": max_new_tokens,
-        "rows": rows,
-        "stops_paying_at": stops_paying_at(rows),
-    }
+    return ConcurrencySweep(
+        k=options.k,
+        dtype=options.dtype,
+        load_generator=f"vllm bench serve{f' (vLLM {vllm_version})' if vllm_version else ''}",
+        max_new_tokens=max_new_tokens,
+        rows=rows,
+        stops_paying_at=stops_paying_at(rows),
+    )
 
 
-def stops_paying_at(rows: list[dict[str, Any]]) -> int | None:
+def stops_paying_at(rows: list[ConcurrencyRow]) -> int | None:
     """The first concurrency whose speed-up is at most 1 (None: the draft pays at every one measured)."""
-    for row in sorted(rows, key=lambda r: r["concurrency"]):
-        if row["speedup"] is not None and row["speedup"] <= 1.0:
-            return int(row["concurrency"])
+    for row in sorted(rows, key=lambda r: r.concurrency):
+        if row.speedup is not None and row.speedup <= 1.0:
+            return row.concurrency
     return None
 
 

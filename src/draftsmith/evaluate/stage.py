@@ -13,17 +13,12 @@ import json
 import random
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PreTrainedModel
 
 from draftsmith import export
@@ -33,26 +28,27 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.evaluate import gate, load, vllm_runner
 from draftsmith.evaluate.prompts import MTBENCH, Prompt, held_out_split, load_prompts, training_prompts
-from draftsmith.evaluate.report import CHARTS_HINT, several_segments, speedup_line, write_report
+from draftsmith.evaluate.report import (
+    CHARTS_HINT,
+    ConcurrencySweep,
+    DecodeReport,
+    EvaluationReport,
+    GateReport,
+    RunReport,
+    SegmentReport,
+    several_segments,
+    speedup_line,
+    write_report,
+)
 from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
-from draftsmith.evaluate.specdec import (
-    DecodeStats,
-    DraftRunner,
-    TargetRunner,
-    plain_generate,
-    speculative_generate,
-)
+from draftsmith.evaluate.vllm_worker import GenerationResult
+from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.extract.vllm.probe import DtypeChoice, probe
-from draftsmith.train.drafts import (
-    DraftSource,
-    draft_module,
-    load_draft,
-    resolve_draft_target,
-)
+from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
 from draftsmith.train.methods import method_of
 from draftsmith.train.methods.base import Draft
 
-__all__ = ["run", "build_draft_module", "evaluate_reference"]
+__all__ = ["Measured", "run", "build_draft_module", "evaluate_reference"]
 
 
 def build_draft_module(
@@ -81,6 +77,19 @@ def _progress() -> Progress:
     )
 
 
+@dataclass
+class Measured:
+    """One engine's runs: each k's stats (0: the target alone) and outputs, the dtype it ran in, and what only one
+    engine tells (the reference decoder: rounds by segment and losslessness; vLLM: its version)."""
+
+    stats: dict[int, DecodeStats]
+    outputs: dict[int, list[list[int]]]
+    dtype: str
+    by_segment: dict[int, dict[str, SegmentReport]] = field(default_factory=dict)
+    lossless: dict[str, str] | None = None
+    vllm_version: str | None = None
+
+
 def evaluate_reference(
     target_model: PreTrainedModel,
     draft: Draft,
@@ -97,17 +106,17 @@ def evaluate_reference(
     show_progress: bool = False,
     segmenter: Segmenter | None = None,
     paths: dict[int, list[list[int]]] | None = None,
-) -> dict[str, Any]:
+) -> Measured:
     """Decode every prompt with the draft for each k (and once with the target alone); stats and outputs, and with
-    a `segmenter` each k's rounds split by what the target was writing (`segments`). With `paths` (each k's outputs
-    of another engine, greedy) each prompt is decoded along that engine's output (specdec's `path`)."""
+    a `segmenter` each k's rounds split by what the target was writing (`by_segment`). With `paths` (each k's
+    outputs of another engine, greedy) each prompt is decoded along that engine's output (specdec's `path`)."""
     target = TargetRunner(target_model, aux_layer_ids)
     drafter = DraftRunner(draft)
     tensors = [torch.tensor(p.token_ids, device=device) for p in prompts]
     # Warm-up (allocator, kernels): not timed, so the first measured run is not penalised.
     speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos_ids)
     plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
-    result: dict[str, Any] = {"runs": {}, "outputs": {}, "segments": {}}
+    result = Measured({}, {}, str(target_model.dtype).removeprefix("torch."))
     with _progress() as progress:
         jobs = ([0] if baseline else []) + list(ks)
         for k in jobs:
@@ -129,21 +138,15 @@ def evaluate_reference(
                 total.add(gen.stats)
                 outputs.append(gen.tokens)
                 progress.advance(task)
-            result["runs"][k] = total
-            result["outputs"][k] = outputs
+            result.stats[k], result.outputs[k] = total, outputs
             if segments is not None:
-                result["segments"][k] = segments
+                result.by_segment[k] = {name: SegmentReport(**segment_dict(c)) for name, c in segments.items()}
+    if baseline and temperature == 0:
+        out = result.outputs
+        result.lossless = {
+            f"k={k}": f"{sum(a == b for a, b in zip(out[k], out[0]))}/{len(prompts)} prompts" for k in ks
+        }
     return result
-
-
-def _run_dicts(stats: dict[int, DecodeStats], ks: list[int]) -> tuple[dict | None, list[dict]]:
-    base = stats.get(0)
-    runs = []
-    for k in ks:
-        d = stats[k].to_dict()
-        d["speedup"] = (stats[k].tokens_per_s / base.tokens_per_s) if base and base.tokens_per_s > 0 else None
-        runs.append(d)
-    return (base.to_dict() if base else None), runs
 
 
 def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
@@ -182,9 +185,8 @@ def _reference_run(
     tokenizer: Any,
     prompts: list[Prompt],
     dtype_name: str,
-    report: dict[str, Any],
     paths: dict[int, list[list[int]]] | None = None,
-) -> tuple[dict[int, DecodeStats], dict[int, Any]]:
+) -> Measured:
     """The reference decoder (transformers) on every k, and the target alone where cfg.baseline; along `paths`
     (vLLM's outputs) for the gate."""
     device = targets.resolve_device(cfg.device)
@@ -209,17 +211,8 @@ def _reference_run(
         segmenter=Segmenter(tokenizer),
         paths=paths,
     )
-    by_segment = {
-        k: {name: segment_dict(c) for name, c in counts.items()} for k, counts in measured["segments"].items()
-    }
-    if cfg.temperature == 0 and cfg.baseline:
-        base_out = measured["outputs"][0]
-        report["lossless"] = {
-            f"k={k}": f"{sum(a == b for a, b in zip(measured['outputs'][k], base_out))}/{len(prompts)} prompts"
-            for k in cfg.k
-        }
-    report["dtype"] = str(dtype).removeprefix("torch.")
-    return measured["runs"], by_segment
+    measured.dtype = str(dtype).removeprefix("torch.")  # the dtype the target was loaded in
+    return measured
 
 
 def _vllm_run(
@@ -230,8 +223,7 @@ def _vllm_run(
     prompts: list[Prompt],
     choice: DtypeChoice,
     output: Path,
-    report: dict[str, Any],
-) -> tuple[dict[int, DecodeStats], dict[int, list[list[int]]]]:
+) -> Measured:
     """vLLM on every k (one engine each), and the target alone where cfg.baseline: each run's stats and outputs."""
     if cfg.dtype == "auto":
         print(
@@ -261,8 +253,9 @@ def _vllm_run(
     )
     stats: dict[int, DecodeStats] = {}
     outputs: dict[int, list[list[int]]] = {}
+    version = None
 
-    def decode(draft: Path | None, k: int, name: str) -> dict[str, Any]:
+    def decode(draft: Path | None, k: int, name: str) -> GenerationResult:
         """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
         once (DtypeChoice.fallback), saying why; the later ones keep the dtype that ran."""
         try:
@@ -280,39 +273,34 @@ def _vllm_run(
     for k in cfg.k:
         res = decode(draft_dir, k, f"k{k}")
         stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
-        outputs[k] = res["outputs"]
-        report["vllm_version"] = res.get("vllm_version")
-    report["dtype"] = common["dtype"]
-    return stats, outputs
+        outputs[k], version = res.outputs, res.vllm_version
+    return Measured(stats, outputs, common["dtype"], vllm_version=version)
 
 
-def _gate(
-    cfg: EvaluateConfig, source: DraftSource, served: dict[int, DecodeStats], reference: dict[int, DecodeStats], report
-) -> list[gate.GateResult]:
+def _gate(cfg: EvaluateConfig, source: DraftSource, served: Measured, reference: Measured) -> GateReport:
     """The gate's verdict at each k (gate.py): the reference decoder's runs along vLLM's outputs against vLLM's."""
     drift, unread = gate.served_drift(Path(cfg.draft))
     for key in unread:
         print(f"evaluate --gate: warning: {drift[key]}; vLLM does not read it", file=sys.stderr, flush=True)
-    results = [
+    checks = [
         gate.judge(
-            reference[k],
-            served[k],
+            reference.stats[k],
+            served.stats[k],
             tolerance=cfg.gate_tolerance,
-            vllm_version=report.get("vllm_version"),
-            dtype=report["dtype"],
+            vllm_version=served.vllm_version,
+            dtype=served.dtype,
             drift=drift,
             unread=unread,
             training=source.training,
         )
         for k in cfg.k
     ]
-    report["gate"] = {"passed": all(r.passed for r in results), "checks": [r.as_dict() for r in results]}
-    return results
+    return GateReport(passed=all(c.passed for c in checks), checks=checks)
 
 
 def _concurrency(
     cfg: EvaluateConfig, target_path: Path, tokenizer: Any, prompts: list[Prompt], dtype: str, output: Path
-) -> dict[str, Any]:
+) -> ConcurrencySweep:
     """The speed-up by concurrency through `draftsmith serve` (load.py): the largest k, the dtype vLLM ran in."""
     options = load.ServerOptions(
         draft=Path(cfg.draft),
@@ -343,27 +331,106 @@ def _concurrency(
     )
 
 
-def run(cfg: EvaluateConfig) -> StageResult:
-    """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report; with --gate, the
-    reference decoder against vLLM (gate.py), failing (GateFailed, after the report) where they disagree."""
-    source = load_draft(cfg.draft)
+def _settled(cfg: EvaluateConfig, source: DraftSource) -> EvaluateConfig:
+    """What will run: the rounds the draft's method proposes, the gate's engine and greedy decoding, the prompt set."""
     rounds = sorted({method_of(source.spec).round_tokens(source.spec, k) for k in cfg.k})
     if rounds != sorted(set(cfg.k)):  # a method whose round is fixed (DFlash: its block's masks), as vLLM drafts it
         cfg = cfg.model_copy(update={"k": rounds})
     if cfg.gate:  # the gate decodes greedily in the vLLM the user has, and with the reference decoder along it
         cfg = cfg.model_copy(update={"engine": "vllm", "temperature": 0.0})
-    cfg = cfg.model_copy(update={"prompts": _gate_prompts(cfg, source)})
+    return cfg.model_copy(update={"prompts": _gate_prompts(cfg, source)})
+
+
+def _vllm_choice(cfg: EvaluateConfig, source: DraftSource, target_path: Path) -> DtypeChoice | None:
+    """The dtype vLLM runs in, where vLLM runs at all; refused in one line, before anything, where vLLM is not
+    installed or cannot decode this draft here."""
+    if cfg.engine != "vllm" and not cfg.concurrency:
+        return None
+    choice = vllm_runner.engine_dtype(target_path, cfg.dtype)
+    vllm_runner.check_vllm_can_serve(
+        target_path,
+        "--gate" if cfg.gate else "--engine vllm" if cfg.engine == "vllm" else "--concurrency",
+        method=source.spec.method,
+        dtype=choice.dtype,
+    )
+    return choice
+
+
+def _report(
+    cfg: EvaluateConfig,
+    source: DraftSource,
+    target_path: Path,
+    num_prompts: int,
+    measured: Measured,
+    verdict: GateReport | None,
+    concurrency: ConcurrencySweep | None,
+) -> EvaluationReport:
+    stats = measured.stats
+    base = stats.get(0)
+    runs = [
+        RunReport(
+            **stats[k].to_dict(),
+            speedup=(stats[k].tokens_per_s / base.tokens_per_s) if base and base.tokens_per_s > 0 else None,
+            by_segment=measured.by_segment.get(k),  # the reference decoder's rounds by what the target was writing
+        )
+        for k in cfg.k
+    ]
+    assert cfg.prompts is not None
+    return EvaluationReport(
+        engine=cfg.engine,
+        target=str(target_path),
+        draft=str(cfg.draft),
+        prompts=cfg.prompts,
+        num_prompts=num_prompts,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        aux_layer_ids=source.spec.aux_layer_ids,
+        draft_vocab_size=source.spec.draft_vocab_size,
+        lossless=measured.lossless,
+        vllm_version=measured.vllm_version,
+        dtype=measured.dtype,
+        gate=verdict,
+        concurrency=concurrency,
+        baseline=DecodeReport(**base.to_dict()) if base else None,
+        runs=runs,
+    )
+
+
+def _summary(cfg: EvaluateConfig, report: EvaluationReport, paths: dict[str, Path]) -> dict[str, Any]:
+    """The table the CLI prints."""
+    summary: dict[str, Any] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({report.num_prompts})"}
+    for check in report.gate.checks if report.gate else []:
+        summary[f"gate (k={check.k})"] = check.verdict
+    if report.baseline:
+        summary["target alone tokens/s"] = round(report.baseline.tokens_per_s, 2)
+    for r in report.runs:
+        summary[f"k={r.k} τ"] = round(r.tau, 3)
+        if r.tau_95:
+            summary[f"k={r.k} τ 95 % interval"] = f"{r.tau_95[0]:.3f} .. {r.tau_95[1]:.3f} (over prompts)"
+        summary[f"k={r.k} acceptance/pos"] = [round(a, 3) for a in r.acceptance_per_pos]
+        if several_segments(r):
+            summary[f"k={r.k} τ by segment"] = ", ".join(
+                f"{name} {c.tau:.3f} ({c.rounds} rounds)" for name, c in (r.by_segment or {}).items() if c.rounds
+            )
+        if r.speedup is not None:
+            summary[f"k={r.k} speed-up"] = round(r.speedup, 3)
+    if report.concurrency:
+        summary["speed-up by concurrency"] = speedup_line(report.concurrency)
+    summary["report"] = str(paths["markdown"])
+    if "acceptance_chart" not in paths:
+        summary["charts"] = f"none: {CHARTS_HINT}"
+        print(f"evaluate: the report has no charts ({CHARTS_HINT})", file=sys.stderr, flush=True)
+    return summary
+
+
+def run(cfg: EvaluateConfig) -> StageResult[EvaluationReport]:
+    """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report; with --gate, the
+    reference decoder against vLLM (gate.py), failing (GateFailed, after the report) where they disagree."""
+    source = load_draft(cfg.draft)
+    cfg = _settled(cfg, source)
     assert cfg.prompts is not None
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
-    choice = None
-    if cfg.engine == "vllm" or cfg.concurrency:  # vLLM installed and able to decode this draft here, before anything
-        choice = vllm_runner.engine_dtype(target_path, cfg.dtype)
-        vllm_runner.check_vllm_can_serve(
-            target_path,
-            "--gate" if cfg.gate else "--engine vllm" if cfg.engine == "vllm" else "--concurrency",
-            method=source.spec.method,
-            dtype=choice.dtype,
-        )
+    choice = _vllm_choice(cfg, source, target_path)
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
     prompts = load_prompts(
         cfg.prompts,
@@ -377,68 +444,26 @@ def run(cfg: EvaluateConfig) -> StageResult:
     output.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    report: dict[str, Any] = {
-        "engine": cfg.engine,
-        "target": str(target_path),
-        "draft": str(cfg.draft),
-        "prompts": cfg.prompts,
-        "num_prompts": len(prompts),
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "aux_layer_ids": source.spec.aux_layer_ids,
-        "draft_vocab_size": source.spec.draft_vocab_size,
-    }
-    results: list[gate.GateResult] = []
+    verdict = None
     if cfg.engine == "hf":
-        stats, by_segment = _reference_run(cfg, source, target_path, tokenizer, prompts, cfg.dtype, report)
+        measured = _reference_run(cfg, source, target_path, tokenizer, prompts, cfg.dtype)
     else:
         assert choice is not None
-        stats, served = _vllm_run(cfg, source, identity, target_path, prompts, choice, output, report)
-        by_segment = {}  # vLLM counts acceptance per engine, not per token
+        measured = _vllm_run(cfg, source, identity, target_path, prompts, choice, output)
         if cfg.gate:  # the reference decoder in the dtype vLLM ran, along vLLM's greedy outputs
-            reference, _ = _reference_run(
-                cfg.model_copy(update={"baseline": False}),
-                source,
-                target_path,
-                tokenizer,
-                prompts,
-                report["dtype"],
-                {},
-                served,
-            )
-            results = _gate(cfg, source, stats, reference, report)
-    if cfg.concurrency and all(r.passed for r in results):  # a draft the gate failed is not worth timing
+            along = cfg.model_copy(update={"baseline": False})
+            reference = _reference_run(along, source, target_path, tokenizer, prompts, measured.dtype, measured.outputs)
+            verdict = _gate(cfg, source, measured, reference)
+    concurrency = None
+    if cfg.concurrency and (verdict is None or verdict.passed):  # a draft the gate failed is not worth timing
         assert choice is not None
-        dtype = report["dtype"] if cfg.engine == "vllm" else choice.dtype  # the one vLLM ran above
-        report["concurrency"] = _concurrency(cfg, target_path, tokenizer, prompts, dtype, output)
-    report["baseline"], report["runs"] = _run_dicts(stats, cfg.k)
-    for r in report["runs"]:  # the reference decoder's rounds by what the target was writing (segments.py)
-        r["by_segment"] = by_segment.get(r["k"])
+        dtype = measured.dtype if cfg.engine == "vllm" else choice.dtype  # the one vLLM ran above
+        concurrency = _concurrency(cfg, target_path, tokenizer, prompts, dtype, output)
+    report = _report(cfg, source, target_path, len(prompts), measured, verdict, concurrency)
     paths = write_report(output, report)
     save_resolved_config(cfg, output)
-    summary: dict[str, Any] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({len(prompts)})"}
-    for result in results:
-        summary[f"gate (k={result.k})"] = result.verdict
-    if report["baseline"]:
-        summary["target alone tokens/s"] = round(report["baseline"]["tokens_per_s"], 2)
-    for r in report["runs"]:
-        summary[f"k={r['k']} τ"] = round(r["tau"], 3)
-        if r.get("tau_95"):
-            summary[f"k={r['k']} τ 95 % interval"] = f"{r['tau_95'][0]:.3f} .. {r['tau_95'][1]:.3f} (over prompts)"
-        summary[f"k={r['k']} acceptance/pos"] = [round(a, 3) for a in r["acceptance_per_pos"]]
-        if several_segments(r):
-            summary[f"k={r['k']} τ by segment"] = ", ".join(
-                f"{name} {c['tau']:.3f} ({c['rounds']} rounds)" for name, c in r["by_segment"].items() if c["rounds"]
-            )
-        if r.get("speedup") is not None:
-            summary[f"k={r['k']} speed-up"] = round(r["speedup"], 3)
-    if report.get("concurrency"):
-        summary["speed-up by concurrency"] = speedup_line(report["concurrency"])
-    summary["report"] = str(paths["markdown"])
-    if "acceptance_chart" not in paths:
-        summary["charts"] = f"none: {CHARTS_HINT}"
-        print(f"evaluate: the report has no charts ({CHARTS_HINT})", file=sys.stderr, flush=True)
-    failed = [r for r in results if not r.passed]
+    summary = _summary(cfg, report, paths)
+    failed = [c for c in verdict.checks if not c.passed] if verdict else []
     if failed:  # after the report: a pipeline stops here, and the report says why
         raise gate.GateFailed(f"{failed[0].verdict} (report: {paths['markdown']})")
-    return StageResult(stage="evaluate", output=output, summary=summary)
+    return StageResult(stage="evaluate", output=output, result=report, summary=summary)

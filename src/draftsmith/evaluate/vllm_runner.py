@@ -13,7 +13,6 @@ evaluation engine from it.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from draftsmith.core import processes, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
-from draftsmith.evaluate.vllm_worker import GenerationJob
+from draftsmith.evaluate.vllm_worker import GenerationJob, GenerationResult
 from draftsmith.train.methods import DraftMethod
 from draftsmith.train.methods import method as draft_method
 from draftsmith.extract.vllm.probe import (
@@ -193,9 +192,9 @@ def run_vllm(
     name: str = "vllm",
     max_num_seqs: int = 1,
     tensor_parallel_size: int = 1,
-) -> dict:
+) -> GenerationResult:
     """One vLLM generation job in a child process (`max_num_seqs` prompts decoded at once, on
-    `tensor_parallel_size` ranks); returns the worker's result dict."""
+    `tensor_parallel_size` ranks); returns the worker's result."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     job = GenerationJob(
@@ -229,22 +228,22 @@ def run_vllm(
             ) from None
     if code != 0 or not result_file.is_file():
         raise DraftsmithError(f"vLLM failed (exit {code}): {processes.failure_line(log_file)} (full log: {log_file})")
-    return json.loads(result_file.read_text(encoding="utf-8"))
+    return GenerationResult.model_validate_json(result_file.read_text(encoding="utf-8"))
 
 
-def stats_from_vllm(result: dict, k: int, num_prompts: int) -> DecodeStats:
+def stats_from_vllm(result: GenerationResult, k: int, num_prompts: int) -> DecodeStats:
     """DecodeStats from a worker result: acceptance from vLLM's counters, tokens and time from the timed call."""
-    spec = result["spec"]
-    per_pos = list(spec.get("num_accepted_tokens_per_pos") or [])[:k]
+    spec = result.spec
+    per_pos = spec.num_accepted_tokens_per_pos[:k]
     per_pos += [0] * (k - len(per_pos))
     return DecodeStats(
         k=k,
         num_prompts=num_prompts,
-        num_new_tokens=sum(len(o) for o in result["outputs"]),
-        elapsed_s=float(result["elapsed_s"]),
-        num_rounds=int(spec["num_drafts"]),
-        num_draft_tokens=int(spec["num_draft_tokens"]),
-        num_accepted=int(spec["num_accepted_tokens"]),
+        num_new_tokens=sum(len(o) for o in result.outputs),
+        elapsed_s=result.elapsed_s,
+        num_rounds=spec.num_drafts,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted=spec.num_accepted_tokens,
         accepted_per_pos=per_pos,
-        per_prompt=[tuple(c) for c in result.get("per_prompt") or []],
+        per_prompt=list(result.per_prompt or []),
     )

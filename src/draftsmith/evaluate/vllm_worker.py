@@ -19,7 +19,6 @@ backend).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -56,6 +55,34 @@ class GenerationJob(BaseModel):
     result: str | None = None  # RESULT.json's path (`main`)
 
 
+class SpecCounts(BaseModel):
+    """vLLM's `vllm:spec_decode_*` counters (summed over engines and label sets), or their deltas over a call."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def minus(self, before: SpecCounts) -> SpecCounts:
+        b = before.num_accepted_tokens_per_pos + [0] * len(self.num_accepted_tokens_per_pos)
+        return SpecCounts(
+            num_drafts=self.num_drafts - before.num_drafts,
+            num_draft_tokens=self.num_draft_tokens - before.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - before.num_accepted_tokens,
+            num_accepted_tokens_per_pos=[a - b[i] for i, a in enumerate(self.num_accepted_tokens_per_pos)],
+        )
+
+
+class GenerationResult(BaseModel):
+    """What a generation job measured, as this worker writes it to RESULT.json and `vllm_runner` reads it."""
+
+    vllm_version: str | None = None
+    elapsed_s: float  # the timed `generate` call's wall time
+    outputs: list[list[int]]  # each prompt's output token ids
+    spec: SpecCounts  # the counters' deltas over the timed call
+    per_prompt: list[tuple[int, int]] | None = None  # [rounds, accepted draft tokens] of each prompt, where kept
+
+
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -64,29 +91,22 @@ SPEC_METRICS = {
 }
 
 
-def read_spec_metrics(llm) -> dict:
+def read_spec_metrics(llm) -> SpecCounts:
     """Sum the spec-decode counters (over engines / label sets); per-position counts as a list."""
-    out: dict = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+    out = SpecCounts()
     for metric in llm.get_metrics():
         key = SPEC_METRICS.get(metric.name)
         if key is None:
             continue
         if hasattr(metric, "values"):  # Vector
-            per_pos = out[key]
+            per_pos = out.num_accepted_tokens_per_pos
             for i, v in enumerate(metric.values):
                 if i < len(per_pos):
                     per_pos[i] += int(v)
                 else:
                     per_pos.append(int(v))
         else:
-            out[key] += int(metric.value)
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict:
-    out = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    b = before["num_accepted_tokens_per_pos"] + [0] * len(after["num_accepted_tokens_per_pos"])
-    out["num_accepted_tokens_per_pos"] = [a - b[i] for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
+            setattr(out, key, getattr(out, key) + int(metric.value))
     return out
 
 
@@ -122,7 +142,7 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
     return kwargs, env
 
 
-def run(job: GenerationJob) -> dict:
+def run(job: GenerationJob) -> GenerationResult:
     """One generation job in this process: start the engine, warm up, the timed `generate`, the counters' deltas;
     the engine is shut down before returning."""
     import vllm
@@ -144,18 +164,18 @@ def run(job: GenerationJob) -> dict:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         after = read_spec_metrics(llm)
-        return {
-            "vllm_version": vllm.__version__,
-            "elapsed_s": elapsed,
-            "outputs": [list(o.outputs[0].token_ids) for o in outputs],
-            "spec": _delta(after, before),
-            "per_prompt": _per_prompt_counts(outputs),
-        }
+        return GenerationResult(
+            vllm_version=vllm.__version__,
+            elapsed_s=elapsed,
+            outputs=[list(o.outputs[0].token_ids) for o in outputs],
+            spec=after.minus(before),
+            per_prompt=_per_prompt_counts(outputs),
+        )
     finally:
         vllm_launch.shutdown(llm)
 
 
-def _per_prompt_counts(outputs: list) -> list[list[int]] | None:
+def _per_prompt_counts(outputs: list) -> list[tuple[int, int]] | None:
     """[rounds, accepted draft tokens] of each prompt, from the per-request metrics vLLM keeps when asked
     (`per_request_spec_decode_metrics`); None when it kept none (the baseline, or a vLLM without them)."""
     counts = []
@@ -164,7 +184,7 @@ def _per_prompt_counts(outputs: list) -> list[list[int]] | None:
         if metrics is None:
             return None
         histogram = list(metrics.histogram)
-        counts.append([sum(histogram), sum(j * n for j, n in enumerate(histogram))])
+        counts.append((sum(histogram), sum(j * n for j, n in enumerate(histogram))))
     return counts
 
 
@@ -172,7 +192,7 @@ def main(request_file: str) -> None:
     job = GenerationJob.model_validate_json(Path(request_file).read_text(encoding="utf-8"))
     result = run(job)
     tmp = Path(str(job.result)).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
+    tmp.write_text(result.model_dump_json(), encoding="utf-8")
     os.replace(tmp, str(job.result))
 
 

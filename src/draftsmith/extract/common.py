@@ -9,7 +9,7 @@ A backend's `run(cfg)` reads like this::
         todo = common.pending_sample_ids(plan, writer)       # my samples minus those already in the store
         with common.BackgroundWriter(writer) as sink, common.progress_bar(...) as bar:
             for batch in ...: sink.submit([(sample_id, input_ids, loss_mask, hidden_states[T, L, H]), ...])
-    return common.result(plan, writer, seconds, tokens=..., skipped=..., work_seconds=...)
+    return common.result(plan, writer, seconds, tokens=..., skipped=..., backend=..., work_seconds=...)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -368,6 +369,48 @@ def progress_bar(total_tokens: int, description: str = "extract", enabled: bool 
         yield lambda n: progress.advance(task, n)
 
 
+class ExtractResult(BaseModel):
+    """What one extraction run did, and what the store holds after it."""
+
+    samples_this_run: int
+    samples_already_stored: int
+    tokens_this_run: int
+    seconds: float  # the whole run
+    work_seconds: float  # the extraction itself (engine start-up excluded): tokens/s counts these
+    store_samples: int
+    store_tokens: int
+    store_bytes: int
+    layer_ids: list[int]
+    dtype: str
+    worker: tuple[int, int]  # this worker is i of n
+    backend: str  # which engine computed the states, on what
+    engine_start_s: float | None = None
+    recovered: list[str] = []  # what opening the store cleaned up or adopted
+
+    def summary(self) -> dict[str, Any]:
+        """The table the CLI prints."""
+        summary: dict[str, Any] = {
+            "samples this run": self.samples_this_run,
+            "samples already stored": self.samples_already_stored,
+            "tokens this run": self.tokens_this_run,
+            "tokens/s": round(self.tokens_this_run / self.work_seconds, 1) if self.work_seconds > 0 else 0.0,
+            "time (s)": round(self.seconds, 1),
+            "extraction time (s)": round(self.work_seconds, 1),
+            "store samples": self.store_samples,
+            "store tokens": self.store_tokens,
+            "bytes per token": round(self.store_bytes / self.store_tokens, 1) if self.store_tokens else 0.0,
+            "layer ids": ",".join(map(str, self.layer_ids)),
+            "dtype": self.dtype,
+            "worker": f"{self.worker[0]}/{self.worker[1]}",
+            "backend": self.backend,
+        }
+        if self.engine_start_s is not None:
+            summary["engine start (s)"] = round(self.engine_start_s, 1)
+        if self.recovered:
+            summary["recovered"] = "; ".join(self.recovered)
+        return summary
+
+
 def result(
     plan: ExtractionPlan,
     writer: store_module.StoreWriter,
@@ -375,34 +418,29 @@ def result(
     *,
     tokens: int,
     skipped: int,
+    backend: str,
     work_seconds: float | None = None,
-    extra: dict[str, Any] | None = None,
-) -> StageResult:
-    """The stage summary: this run's work and the store's totals.
-
-    `seconds` is the whole run; `work_seconds` the extraction itself (engine start-up excluded), used for tokens/s.
-    """
-    work_seconds = seconds if work_seconds is None else work_seconds
+    engine_start_s: float | None = None,
+) -> StageResult[ExtractResult]:
+    """The stage's result: this run's work and the store's totals."""
     manifest = read_manifest(plan.cfg.output, store_module.StoreManifest)
-    stored_bytes = sum(s.num_bytes for s in manifest.shards)
-    summary: dict[str, Any] = {
-        "samples this run": writer.samples_written,
-        "samples already stored": skipped,
-        "tokens this run": tokens,
-        "tokens/s": round(tokens / work_seconds, 1) if work_seconds > 0 else 0.0,
-        "time (s)": round(seconds, 1),
-        "extraction time (s)": round(work_seconds, 1),
-        "store samples": manifest.num_samples,
-        "store tokens": manifest.num_tokens,
-        "bytes per token": round(stored_bytes / manifest.num_tokens, 1) if manifest.num_tokens else 0.0,
-        "layer ids": ",".join(map(str, manifest.layer_ids)),
-        "dtype": manifest.dtype,
-        "worker": f"{plan.worker[0]}/{plan.worker[1]}",
-    }
-    summary.update(extra or {})
-    if writer.recovered:
-        summary["recovered"] = "; ".join(writer.recovered)
-    return StageResult(stage="extract", output=Path(plan.cfg.output), summary=summary)
+    done = ExtractResult(
+        samples_this_run=writer.samples_written,
+        samples_already_stored=skipped,
+        tokens_this_run=tokens,
+        seconds=seconds,
+        work_seconds=seconds if work_seconds is None else work_seconds,
+        store_samples=manifest.num_samples,
+        store_tokens=manifest.num_tokens,
+        store_bytes=sum(s.num_bytes for s in manifest.shards),
+        layer_ids=manifest.layer_ids,
+        dtype=manifest.dtype,
+        worker=plan.worker,
+        backend=backend,
+        engine_start_s=engine_start_s,
+        recovered=writer.recovered,
+    )
+    return StageResult(stage="extract", output=Path(plan.cfg.output), result=done, summary=done.summary())
 
 
 class Timer:

@@ -91,7 +91,7 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         tokens=tokens,
         skipped=skipped,
         work_seconds=work.seconds,
-        extra={"backend": f"hf ({device}, {spec.compute_dtype})"},
+        backend=f"hf ({device}, {spec.compute_dtype})",
     )
 
 

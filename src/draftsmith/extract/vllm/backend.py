@@ -12,22 +12,13 @@ from typing import Any
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import (
-    context_length,
-    is_multimodal_wrapper,
-    read_config,
-    text_config,
-)
+from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_config, text_config
 from draftsmith.extract import common, store
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm import taps
-from draftsmith.extract.vllm.driver import (
-    RUNNER_TAPS,
-    Engine,
-    EngineSpec,
-    start_engine,
-)
+from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, start_engine
 from draftsmith.extract.vllm.probe import DtypeChoice
+from draftsmith.extract.vllm.sink import SinkConfig, SinkReport
 
 
 def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None, dtype: str | None = None) -> str:
@@ -85,16 +76,16 @@ def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None,
     return asked
 
 
-def _sink_config(cfg: ExtractConfig, plan: Any, spec: Any, backend_info: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "store": str(Path(cfg.output).resolve()),
-        "prepared": str(Path(cfg.prepared).resolve()),
-        "spec": spec.model_dump(mode="json"),
-        "worker": list(plan.worker),
-        "dp_size": cfg.data_parallel_size,
-        "shard_bytes": int(cfg.shard_size_mb * (1 << 20)),
-        "backend_info": backend_info,
-    }
+def _sink_config(cfg: ExtractConfig, plan: Any, spec: store.StoreSpec, backend_info: dict[str, Any]) -> SinkConfig:
+    return SinkConfig(
+        store=str(Path(cfg.output).resolve()),
+        prepared=str(Path(cfg.prepared).resolve()),
+        spec=spec,
+        worker=plan.worker,
+        dp_size=cfg.data_parallel_size,
+        shard_bytes=int(cfg.shard_size_mb * (1 << 20)),
+        backend_info=backend_info,
+    )
 
 
 def _engine_spec(
@@ -102,7 +93,7 @@ def _engine_spec(
     plan: Any,
     report: Any,
     strategy: str,
-    sink_config: dict[str, Any],
+    sink_config: SinkConfig | None,
     sample_ids: list[int],
     dtype: str,
 ):
@@ -120,7 +111,7 @@ def _engine_spec(
     max_model_len = cfg.vllm_max_model_len or longest + 1
     tap_plan = None
     if strategy in RUNNER_TAPS:
-        tap_plan = taps.plan(strategy, list(plan.layer_ids), plan.num_layers, report.facts, report.support).model_dump()
+        tap_plan = taps.plan(strategy, list(plan.layer_ids), plan.num_layers, report.facts, report.support)
     return EngineSpec(
         target_dir=str(plan.target_dir),
         strategy=strategy,
@@ -194,7 +185,7 @@ class _Job:
         return [(i, self.plan.dataset[i]["input_ids"].tolist()) for i in self.todo]
 
     def engine_spec(self, strategy: str | None = None):
-        config = self.sink_config if strategy is None else {}
+        config = self.sink_config if strategy is None else None
         return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
 
     def start(self) -> tuple["_Job", Engine]:
@@ -213,11 +204,18 @@ class _Job:
         )
         return jobs[dtype], engine
 
-    def result(self, seconds: float, tokens: int, reports: list[dict[str, Any]], engine_start_s: float) -> StageResult:
-        self.writer.samples_written = sum(r.get("samples_written", 0) for r in reports)
-        self.writer.recovered = self.recovered + [note for r in reports for note in r.get("recovered", [])]
-        extra = {"backend": self.label, "engine start (s)": round(engine_start_s, 1)}
-        return common.result(self.plan, self.writer, seconds, tokens=tokens, skipped=self.skipped, extra=extra)
+    def result(self, seconds: float, tokens: int, reports: list[SinkReport], engine_start_s: float) -> StageResult:
+        self.writer.samples_written = sum(r.samples_written for r in reports)
+        self.writer.recovered = self.recovered + [note for r in reports for note in r.recovered]
+        return common.result(
+            self.plan,
+            self.writer,
+            seconds,
+            tokens=tokens,
+            skipped=self.skipped,
+            backend=self.label,
+            engine_start_s=engine_start_s,
+        )
 
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:

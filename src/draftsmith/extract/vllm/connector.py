@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY
@@ -99,8 +95,9 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         else:  # older vLLM: two-argument constructor
             super().__init__(vllm_config=vllm_config, role=role)  # type: ignore[call-arg]  # older vLLM's signature
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._config: dict[str, Any] = dict(extra.get(EXTRA_CONFIG_KEY) or {})
-        self._num_layers = len(self._config.get("spec", {}).get("layer_ids", [])) or None
+        raw = extra.get(EXTRA_CONFIG_KEY)  # a SinkConfig's dump (driver.engine_kwargs)
+        self._config = sink_module.SinkConfig.model_validate(raw) if raw else None
+        self._num_layers = len(self._config.spec.layer_ids) if self._config else None
         self._group = _hidden_state_group(kv_cache_config)
         # scheduler side
         self._pending: list[PendingSample] = []
@@ -119,7 +116,8 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._cache = kv_caches[names[0]]
         dp_rank = getattr(self._vllm_config.parallel_config, "data_parallel_rank", 0)
-        config = sink_module.for_data_parallel_rank(self._config, dp_rank)
+        assert self._config is not None, "draftsmith connector: no sink config in kv_connector_extra_config"
+        config = self._config.for_data_parallel_rank(dp_rank)
         self._sink = sink_module.activate(config, writes=sink_module.is_writer_rank())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -24,22 +24,18 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from draftsmith.core import vllm_launch
-from draftsmith.core.errors import DiskFullError, DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import hf_backend_hint
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import worker as worker_module
-from draftsmith.extract.vllm.probe import (
-    DtypeChoice,
-    ProbeFacts,
-    target_engine_env,
-    target_engine_kwargs,
-)
-from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY
+from draftsmith.extract.vllm.probe import DtypeChoice, ProbeFacts, target_engine_env, target_engine_kwargs
+from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY, SinkConfig, SinkReport
+from draftsmith.extract.vllm.taps import TapPlan
 
 RUNNER_TAPS = ("direct", "taps")  # the strategies that tap the model runner (taps.py)
 IN_FLIGHT = 1024  # requests handed to vLLM ahead of what it is computing
@@ -59,11 +55,11 @@ class EngineSpec:
     compile: bool = True
     dtype: str = "bfloat16"
     trust_remote_code: bool = False
-    sink_config: dict[str, Any] = field(default_factory=dict)
+    sink_config: SinkConfig | None = None  # None: no capture (the plain strategy)
     mla: bool = False  # the target uses multi-head latent attention (its text config has kv_lora_rank)
     multimodal: bool = False  # the target is a multimodal wrapper around its language model (text_config)
     past_context: bool = False  # max_model_len is the target's context + 1: the sampled token's position, never fed
-    tap_plan: dict[str, Any] | None = None  # direct / taps: what the worker hooks (taps.TapPlan)
+    tap_plan: TapPlan | None = None  # direct / taps: what the worker hooks
 
 
 def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
@@ -83,7 +79,8 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
     # language_model_only for a multimodal wrapper, the CPU MLA backend for MLA in float32 on CPU
     kwargs.update(target_engine_kwargs(spec.facts, mla=spec.mla, multimodal=spec.multimodal, dtype=spec.dtype))
     if spec.strategy == "connector":
-        layer_ids = spec.sink_config["spec"]["layer_ids"]
+        assert spec.sink_config is not None  # the connector strategy captures
+        layer_ids = spec.sink_config.spec.layer_ids
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -93,7 +90,7 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
             "kv_connector": "DraftsmithStoreConnector",
             "kv_connector_module_path": "draftsmith.extract.vllm.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {EXTRA_CONFIG_KEY: spec.sink_config},
+            "kv_connector_extra_config": {EXTRA_CONFIG_KEY: spec.sink_config.model_dump(mode="json")},
         }
         if not spec.compile:
             kwargs["enforce_eager"] = True
@@ -113,13 +110,13 @@ def tag_request(strategy: str, sample_id: int) -> dict[str, Any]:
     return {SAMPLE_ID_KEY: sample_id}
 
 
-def raise_reported(reports: list[dict[str, Any]], what: str) -> None:
-    """The first error the workers' sinks reported, raised here as the type they met (DiskFullError for a full
-    disk), prefixed with `what`; nothing when none did."""
-    failed = [r for r in reports if r.get("error")]
-    if failed:
-        kind = DiskFullError if failed[0].get("disk_full") else DraftsmithError
-        raise kind(f"{what}: {failed[0]['error']}")
+def reported(replies: list[dict[str, Any]], what: str) -> list[SinkReport]:
+    """The workers' sinks' reports (collective_rpc's replies); the first error one reported is raised here as the
+    type it met (DiskFullError for a full disk), prefixed with `what`."""
+    reports = [SinkReport.model_validate(reply) for reply in replies]
+    for report in reports:
+        report.raise_error(what)
+    return reports
 
 
 def engine_environment(spec: EngineSpec) -> dict[str, str]:
@@ -222,7 +219,9 @@ class Engine:
                 f"strategy ({type(err).__name__}: {err}); see `draftsmith doctor`".replace("\n", " ")
             )
         if spec.strategy in RUNNER_TAPS:
-            self.llm.collective_rpc("draftsmith_install_taps", args=(spec.sink_config, spec.tap_plan))
+            assert spec.sink_config is not None and spec.tap_plan is not None  # the runner taps capture
+            dumped = (spec.sink_config.model_dump(mode="json"), spec.tap_plan.model_dump(mode="json"))
+            self.llm.collective_rpc("draftsmith_install_taps", args=dumped)
         self.start_seconds = time.perf_counter() - start
         # in-process engine core (no loop of its own between our steps): the driver steps it while it waits
         self.steps_itself = vllm_launch.steps_in_process(self.llm)
@@ -257,7 +256,7 @@ class Engine:
         gone = dead()
         if gone and (thread.is_alive() or not outcome[0][0]):
             self.watched = {}
-            store = self.spec.sink_config.get("store") or "the online spool"
+            store = (self.spec.sink_config.store if self.spec.sink_config else None) or "the online spool"
             raise DraftsmithError(
                 f"{store}: the vLLM engine process {gone[0]} died during extraction (killed, or "
                 "out of memory); the store keeps every shard its worker committed: run the same "
@@ -333,9 +332,10 @@ class Engine:
     def _wait_for_sink(self, expected: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            reports = self.llm.collective_rpc("draftsmith_progress")
-            raise_reported(reports, "vLLM worker could not store hidden states")
-            received = sum(r["received"] for r in reports if r.get("writes"))
+            reports = reported(
+                self.llm.collective_rpc("draftsmith_progress"), "vLLM worker could not store hidden states"
+            )
+            received = sum(r.received for r in reports if r.writes)
             if received >= expected:
                 return
             if time.monotonic() > deadline:
@@ -352,16 +352,14 @@ class Engine:
         """Online training: the sink writes into the store at `path` (the spool's next chunk) from now on."""
         self._guarded(self.llm.collective_rpc, "draftsmith_open_store", args=(str(path),))
 
-    def finish_store(self) -> list[dict[str, Any]]:
+    def finish_store(self) -> list[SinkReport]:
         """Flush and close the store `open_store` opened (every writer rank's report); the sink stays open."""
-        reports = self._guarded(self.llm.collective_rpc, "draftsmith_finish_store")
-        raise_reported(reports, "vLLM worker could not write hidden states to the spool")
-        return reports
+        replies = self._guarded(self.llm.collective_rpc, "draftsmith_finish_store")
+        return reported(replies, "vLLM worker could not write hidden states to the spool")
 
-    def close_sink(self) -> list[dict[str, Any]]:
-        reports = self._guarded(self.llm.collective_rpc, "draftsmith_close")
-        raise_reported(reports, "vLLM worker could not finish the store")
-        return reports
+    def close_sink(self) -> list[SinkReport]:
+        replies = self._guarded(self.llm.collective_rpc, "draftsmith_close")
+        return reported(replies, "vLLM worker could not finish the store")
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -201,7 +201,7 @@ class Feeder:
             engine.open_store(str(partial))
             engine.generate([(i, plan_dataset[i]["input_ids"].tolist()) for i in chunk.engine_ids])
             engine.wait_for_sink(len(chunk.engine_ids))
-            written = sum(r.get("samples_written", 0) for r in engine.finish_store())
+            written = sum(r.samples_written for r in engine.finish_store())
         except DiskFullError:
             raise Fatal(
                 f"{partial}: no space left on device writing chunk {chunk.name} (it needs up to "
@@ -283,7 +283,7 @@ class Feeder:
                 "platform": report.facts.platform,
                 "online": True,
             }
-            sink_config = {**_sink_config(cfg, plan_x, spec, backend_info), "store": None}
+            sink_config = _sink_config(cfg, plan_x, spec, backend_info).model_copy(update={"store": None})
             return _engine_spec(cfg, plan_x, report, strategy, sink_config, needed, dtype)
 
         self.status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}

@@ -7,6 +7,8 @@ tensor-parallel ranks other than 0 it swallows the states, so exactly one writer
 The sink checks each request's token ids against the prepared set before storing (a request routed to the wrong
 sample id would otherwise poison the store silently) and writes through a background thread, so disk writes
 overlap the next forward pass. `worker.py` exposes its progress and close to the driver via collective_rpc.
+Its config and its reports cross to and from vLLM's processes as plain dicts (`model_dump(mode="json")`, what
+vLLM's own serialisation carries), typed on both ends.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
-from draftsmith.core.errors import DiskFullError
+from draftsmith.core.errors import DiskFullError, DraftsmithError
 from draftsmith.extract import common
 from draftsmith.extract import store as store_module
 from draftsmith.prepare.dataset import open_prepared
@@ -26,10 +29,48 @@ SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args (under "k
 EXTRA_CONFIG_KEY = "draftsmith"  # the sink config in KVTransferConfig.kv_connector_extra_config
 
 
+class SinkConfig(BaseModel):
+    """What a worker's sink writes, and where."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    store: str | None  # None: the online spool's chunks, each opened by `open_store`
+    prepared: str
+    spec: store_module.StoreSpec
+    worker: tuple[int, int]  # this writer is i of n
+    dp_size: int = 1  # data-parallel engines per writer (`for_data_parallel_rank`)
+    shard_bytes: int
+    backend_info: dict[str, Any] | None = None
+
+    def for_data_parallel_rank(self, dp_rank: int | None) -> SinkConfig:
+        """Engine `dp_rank` of `dp_size` within worker i/n writes as worker i*dp_size + dp_rank of n*dp_size."""
+        i, n = self.worker
+        return self.model_copy(update={"worker": (i * self.dp_size + int(dp_rank or 0), n * self.dp_size)})
+
+
+class SinkReport(BaseModel):
+    """What a worker's sink reports to the driver: requests received, its error (a full disk flagged: the driver
+    raises DiskFullError again) and, once its store is finished, what the store holds."""
+
+    received: int = 0
+    error: str | None = None
+    disk_full: bool = False
+    writes: bool = False  # this rank writes (progress)
+    samples_written: int = 0
+    shards_written: int = 0
+    recovered: list[str] = []
+
+    def raise_error(self, what: str) -> None:
+        """The error this sink met, raised here as the type it was (DiskFullError for a full disk), prefixed with
+        `what`; nothing when it met none."""
+        if self.error:
+            raise (DiskFullError if self.disk_full else DraftsmithError)(f"{what}: {self.error}")
+
+
 class StoreSink:
     """Writes [T, L, H] states of finished requests into the store as writer `worker` (i/n)."""
 
-    def __init__(self, config: dict[str, Any], *, writes: bool = True):
+    def __init__(self, config: SinkConfig, *, writes: bool = True):
         self.config = config
         self.writes = writes
         self.received = 0
@@ -37,23 +78,23 @@ class StoreSink:
         self.error: str | None = None
         self.disk_full = False  # the error was a DiskFullError: the driver raises that type again
         self._lock = threading.Lock()
-        self.layer_ids = list(config["spec"]["layer_ids"])
+        self.spec = config.spec
+        self.layer_ids = list(config.spec.layer_ids)
         self._writer: store_module.StoreWriter | None = None
         self._background: common.BackgroundWriter | None = None  # set with _writer
         if not writes:
             return
-        self.dataset = open_prepared(Path(config["prepared"]))
-        self.spec = store_module.StoreSpec.model_validate(config["spec"])
-        if config.get("store") is not None:
-            self._open(Path(config["store"]))
+        self.dataset = open_prepared(Path(config.prepared))
+        if config.store is not None:
+            self._open(Path(config.store))
 
     def _open(self, path: Path) -> None:
         writer = store_module.create_or_resume(
             path,
             self.spec,
-            worker=tuple(self.config["worker"]),
-            shard_bytes=int(self.config["shard_bytes"]),
-            backend_info=self.config.get("backend_info"),
+            worker=self.config.worker,
+            shard_bytes=self.config.shard_bytes,
+            backend_info=self.config.backend_info,
         )
         self._writer, self._background = writer, common.BackgroundWriter(writer, max_pending=8)
 
@@ -106,50 +147,48 @@ class StoreSink:
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
                 self._failed(err)
 
-    def progress(self) -> dict[str, Any]:
-        return {"received": self.received, "error": self.error, "disk_full": self.disk_full, "writes": self.writes}
+    def progress(self) -> SinkReport:
+        return SinkReport(received=self.received, error=self.error, disk_full=self.disk_full, writes=self.writes)
 
     def _failed(self, err: BaseException) -> None:
         self.error = f"{type(err).__name__}: {err}"
         self.disk_full = isinstance(err, DiskFullError)
 
-    def finish_store(self) -> dict[str, Any]:
+    def finish_store(self) -> SinkReport:
         """Flush everything to the store and release the writer; returns what was written. The sink stays, for
         the next `open_store` (online training) or for `deactivate`."""
         with self._lock:
             return self._finish()
 
-    def _finish(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "received": self.received,
-            "error": self.error,
-            "disk_full": self.disk_full,
-            "samples_written": 0,
-        }
-        if self._writer is None:
-            return out
+    def _finish(self) -> SinkReport:
+        writer = self._writer
+        if writer is None:
+            return SinkReport(received=self.received, error=self.error, disk_full=self.disk_full)
         assert self._background is not None  # set with _writer
         try:
             self._background.close()
             if self.error is None:
-                self._writer.close()
+                writer.close()
             else:
-                self._writer.abort()
+                writer.abort()
         except BaseException as err:  # noqa: BLE001
             self._failed(err)
-            out["error"], out["disk_full"] = self.error, self.disk_full
-            self._writer.abort()
-        out["samples_written"] = self._writer.samples_written
-        out["shards_written"] = self._writer.shards_written
-        out["recovered"] = list(self._writer.recovered)
+            writer.abort()
         self._writer = None
-        return out
+        return SinkReport(
+            received=self.received,
+            error=self.error,
+            disk_full=self.disk_full,
+            samples_written=writer.samples_written,
+            shards_written=writer.shards_written,
+            recovered=list(writer.recovered),
+        )
 
 
 _ACTIVE: StoreSink | None = None
 
 
-def activate(config: dict[str, Any], *, writes: bool = True) -> StoreSink:
+def activate(config: SinkConfig, *, writes: bool = True) -> StoreSink:
     """The worker's sink for `config`: the one already open for it, else a new one (a sink left open for another
     store by an engine that died in this process is closed first, keeping what it had stored)."""
     global _ACTIVE
@@ -164,19 +203,10 @@ def active() -> StoreSink | None:
     return _ACTIVE
 
 
-def deactivate() -> dict[str, Any]:
+def deactivate() -> SinkReport:
     global _ACTIVE
     sink, _ACTIVE = _ACTIVE, None
-    return sink.finish_store() if sink is not None else {"received": 0, "error": None, "samples_written": 0}
-
-
-def for_data_parallel_rank(config: dict[str, Any], dp_rank: int) -> dict[str, Any]:
-    """Engine `dp_rank` of `dp_size` within worker i/n writes as worker i*dp_size + dp_rank of n*dp_size."""
-    config = dict(config)
-    dp_size = int(config.get("dp_size", 1))
-    i, n = config["worker"]
-    config["worker"] = [i * dp_size + int(dp_rank or 0), n * dp_size]
-    return config
+    return sink.finish_store() if sink is not None else SinkReport()
 
 
 def is_writer_rank() -> bool:

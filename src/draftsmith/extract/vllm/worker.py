@@ -3,7 +3,8 @@
 The driver uses it with every strategy: to install the runner taps (direct and taps strategies, taps.py), to poll
 how many requests the sink has received, to flush and close the store writer before vLLM shuts down, and (online
 training) to point the sink at the spool's next chunk and finish it. Method names carry a
-`draftsmith_` prefix because vLLM refuses an extension that shadows a worker attribute.
+`draftsmith_` prefix because vLLM refuses an extension that shadows a worker attribute. What crosses is plain data:
+the sink's config and tap plan in, its `SinkReport` out, each as `model_dump(mode="json")`.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ class DraftsmithWorkerExtension:
     model_runner: Any
 
     def draftsmith_install_taps(self, config: dict[str, Any], plan: dict[str, Any]) -> bool:
-        """Direct and taps strategies: open the sink and tap the model runner (see taps.install)."""
-
+        """Direct and taps strategies: open the sink (`config`: a SinkConfig's dump) and tap the model runner (see
+        taps.install; `plan`: a TapPlan's)."""
         dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)
-        config = sink_module.for_data_parallel_rank(config, dp_rank)
-        sink = sink_module.activate(config, writes=sink_module.is_writer_rank())
+        sink_config = sink_module.SinkConfig.model_validate(config).for_data_parallel_rank(dp_rank)
+        sink = sink_module.activate(sink_config, writes=sink_module.is_writer_rank())
         taps.install(self.model_runner, sink, taps.TapPlan.model_validate(plan))
         return True
 
     def draftsmith_progress(self) -> dict[str, Any]:
         sink = sink_module.active()
-        return sink.progress() if sink is not None else {"received": 0, "error": None, "writes": False}
+        return (sink.progress() if sink is not None else sink_module.SinkReport()).model_dump(mode="json")
 
     def draftsmith_close(self) -> dict[str, Any]:
-        return sink_module.deactivate()
+        return sink_module.deactivate().model_dump(mode="json")
 
     def draftsmith_open_store(self, path: str) -> bool:
         """Online training: the sink writes the spool's next chunk into the store at `path`."""
@@ -46,4 +47,4 @@ class DraftsmithWorkerExtension:
 
     def draftsmith_finish_store(self) -> dict[str, Any]:
         sink = sink_module.active()
-        return sink.finish_store() if sink is not None else {"received": 0, "error": None, "samples_written": 0}
+        return (sink.finish_store() if sink is not None else sink_module.SinkReport()).model_dump(mode="json")
