@@ -57,10 +57,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import export
-from draftsmith.extract import stage as extract
 from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import common, hf, store
+from draftsmith.extract import stage as extract
 from draftsmith.prepare.dataset import open_prepared
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer

@@ -645,8 +645,6 @@ def main() -> None:
     import torch
 
     from draftsmith import export, prepare
-    from draftsmith.extract import stage as extract
-    from draftsmith.train import stage as train
     from draftsmith.config import (
         ExportConfig,
         ExtractConfig,
@@ -655,7 +653,9 @@ def main() -> None:
     )
     from draftsmith.core import targets
     from draftsmith.evaluate import vllm_runner
+    from draftsmith.extract import stage as extract
     from draftsmith.prepare.dataset import open_prepared
+    from draftsmith.train import stage as train
     from draftsmith.train.drafts import load_draft, resolve_draft_target
 
     if args.threads:

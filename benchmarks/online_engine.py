@@ -203,7 +203,7 @@ def transport_throughput(store: Path, work: Path) -> dict:
             [sys.executable, "-c", PUBLISHER, str(store), str(address), str(work / "publisher"), str(size)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(work / "logs" / "T publish.err", "w"),
+            stderr=open(work / "logs" / "T publish.err", "w"),  # noqa: SIM115 - the publisher holds it until it ends
             text=True,
         )
         line = publisher.stdout.readline()

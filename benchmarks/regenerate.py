@@ -36,7 +36,7 @@ def main() -> None:
     from draftsmith.config import RegenerateConfig
     from draftsmith.core import assets
     from draftsmith.prepare import regenerate, regenerated_set
-    from draftsmith.prepare.chat import Skip, normalize_conversation
+    from draftsmith.prepare.messages import Skip, normalize_conversation
     from draftsmith.prepare.readers import Source, iter_source
 
     results: dict[str, dict] = {}

@@ -78,9 +78,8 @@ def measure(work: Path, passes: int) -> dict:
         from draftsmith.extract import store
         from draftsmith.prepare.dataset import open_prepared
     except ImportError:  # trees before the stage packages
-        from draftsmith.prepared import open_prepared
-
         from draftsmith import store
+        from draftsmith.prepared import open_prepared
     raw_ok = "None" in str(store.open.__annotations__.get("dtype", ""))
 
     def best(data) -> float:

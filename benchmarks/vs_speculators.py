@@ -37,6 +37,7 @@ tau_ours, tau_peer and the settings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -209,10 +210,8 @@ class Job:
         return self.proc.poll() is None
 
     def _signal(self, sig) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def pause(self) -> None:
         self._signal(signal.SIGSTOP)

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -154,9 +153,9 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 def tiny_block_data(tiny_target_dir, tmp_path_factory) -> tuple[Path, Path]:
     """(prepared, store): a prepared set of the tiny target and its store (transformers, float32 states) of the layer
     a two-layer block draft reads (DFlash's, DSpark's: layer 2), shared by the block methods' training tests."""
-    from draftsmith.extract import stage as extract
     from draftsmith.config import ExtractConfig
     from draftsmith.core.layers import dflash_aux_layer_ids
+    from draftsmith.extract import stage as extract
 
     root = tmp_path_factory.mktemp("tiny-block-data")
     prepared = write_random_prepared(root / "prepared", tiny_target_dir, 24, 20, 48)
@@ -228,9 +227,9 @@ def memorised_store(memorised_prepared, tmp_path_factory) -> Path:
     """memorised_prepared's hidden states (transformers, float32) with the aux layers of both EAGLE-3 / P-EAGLE
     (extract's default) and a one-layer DFlash: the drafts that memorise it train from it offline, on the features
     online training would compute, without a target forward at every step."""
-    from draftsmith.extract import stage as extract
     from draftsmith.config import ExtractConfig
     from draftsmith.core.layers import dflash_aux_layer_ids, resolve_layer_ids
+    from draftsmith.extract import stage as extract
     from draftsmith.prepare.dataset import open_prepared
 
     layers = open_prepared(memorised_prepared).manifest.target.num_layers
@@ -254,8 +253,8 @@ def memorise(store_dir: Path, root: Path, *, speculative_tokens: int | None = No
     `options` naming its method, layers and shape; export it vllm in float32 at root / "export" (the training run at
     root / "run"). The drafts the vLLM-against-reference tests decode (EAGLE-3, P-EAGLE, DFlash) differ only there."""
     from draftsmith import export
-    from draftsmith.train import stage as train
     from draftsmith.config import ExportConfig, TrainConfig
+    from draftsmith.train import stage as train
 
     common = dict(max_steps=60, token_budget=1024, lr=3e-3, warmup_steps=5, schedule="constant", eval_fraction=0.0)
     train.run(

@@ -26,8 +26,9 @@ from conftest import build_tiny_target, build_tiny_tokenizer
 from draftsmith.config import PrepareConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.prepare import run as prepare_run
-from draftsmith.prepare.chat import Chat, ChatEncoder, Skip, masked_spans, normalize_conversation
+from draftsmith.prepare.chat import ChatEncoder, masked_spans
 from draftsmith.prepare.dataset import open_prepared
+from draftsmith.prepare.messages import Chat, Skip, normalize_conversation
 
 
 @pytest.fixture(scope="module")
@@ -314,8 +315,8 @@ def test_bad_agentic_records_are_counted_skips_naming_file_record_and_turn(
 def test_regenerate_leaves_agentic_conversations_out_in_one_counted_line(tmp_path):
     """Until regenerate answers with tools, a conversation that declares or calls tools is a counted skip there
     (never answered as plain chat)."""
-    from draftsmith.prepare.regenerate_conversations import read_records
     from draftsmith.prepare.readers import expand_sources
+    from draftsmith.prepare.regenerate_conversations import read_records
 
     data = write_jsonl(
         tmp_path / "chats.jsonl",

@@ -6,12 +6,8 @@ import numpy as np
 import pytest
 from conftest import CHATML_TEMPLATE, build_tiny_tokenizer
 
-from draftsmith.prepare.chat import (
-    ChatEncoder,
-    Skip,
-    masked_spans,
-    normalize_conversation,
-)
+from draftsmith.prepare.chat import ChatEncoder, masked_spans
+from draftsmith.prepare.messages import Skip, normalize_conversation
 
 # A SmolLM2-like ChatML template: a default system prompt when the conversation brings none.
 SMOL_CHATML = (
@@ -238,7 +234,7 @@ def test_unusable_records_are_skipped_with_a_reason(record, reason):
 
 
 def test_leading_assistant_turns_can_be_dropped_instead_of_skipping():
-    from draftsmith.prepare.chat import leading_assistant_turns
+    from draftsmith.prepare.messages import leading_assistant_turns
 
     record = {
         "conversations": [

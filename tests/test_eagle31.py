@@ -9,14 +9,14 @@ import json
 
 import pytest
 import torch
+from conftest import write_random_prepared
 from safetensors.torch import load_file
 
-from conftest import write_random_prepared
 from draftsmith import export
-from draftsmith.train import stage as trainer
 from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint
+from draftsmith.train import stage as trainer
 from draftsmith.train.drafts import load_draft
 from draftsmith.train.methods import method, method_of_config
 from draftsmith.train.model import DraftSpec, Eagle3Draft

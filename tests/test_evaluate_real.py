@@ -8,7 +8,6 @@ steps, cached under $DRAFTSMITH_CACHE/bench/): a few minutes the first time, the
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

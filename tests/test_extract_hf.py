@@ -17,12 +17,12 @@ import pytest
 import torch
 from conftest import build_tiny_target
 
-from draftsmith.extract import stage as extract
 from draftsmith.config import ExtractConfig
 from draftsmith.core import capture, layers
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target, target_identity
 from draftsmith.extract import common, hf, store
+from draftsmith.extract import stage as extract
 from draftsmith.prepare.dataset import write_prepared
 
 NUM_SAMPLES = 24

@@ -536,11 +536,11 @@ def test_an_fp8_sink_stores_device_encoded_chunks_as_it_stores_raw_states_and_na
     engine's buffers; from a GPU, before it): the store written from those (states and scales) equals, byte for
     byte, the one written from raw states (encoded in the writer's thread), and a NaN is found either way (by its
     row's scale) and named."""
-    from draftsmith.extract.common import HostStates
     from conftest import write_random_prepared
 
     from draftsmith.core.targets import target_identity
     from draftsmith.extract import store as store_module
+    from draftsmith.extract.common import HostStates
     from draftsmith.extract.vllm.sink import SinkConfig, SinkReport, StoreSink
     from draftsmith.prepare.dataset import open_prepared
 

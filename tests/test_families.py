@@ -49,15 +49,14 @@ from families import (
 )
 
 from draftsmith import export
-from draftsmith.extract import stage as extract
-from draftsmith.train import stage as train
 from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainConfig
-from draftsmith.core import targets
+from draftsmith.core import targets, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.evaluate.vllm_worker import GenerationResult, SpecCounts
+from draftsmith.extract import stage as extract
 from draftsmith.extract import store
-from draftsmith.core import vllm_launch
+from draftsmith.train import stage as train
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

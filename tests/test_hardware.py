@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import write_random_prepared
 
 from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core import devices, hardware
@@ -20,8 +21,6 @@ from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport, choose_dtype
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.setup import autocast_dtype, resolved_precision
-
-from conftest import write_random_prepared
 
 
 def _cpuinfo_flags() -> set[str]:

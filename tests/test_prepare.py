@@ -250,7 +250,7 @@ def test_prepare_200_real_sharegpt_conversations_for_the_real_default_target(
     tmp_path, default_target_dir, sharegpt_file
 ):
     from draftsmith.core.targets import load_tokenizer
-    from draftsmith.prepare.chat import Skip, normalize_conversation
+    from draftsmith.prepare.messages import Skip, normalize_conversation
     from draftsmith.prepare.readers import Source, iter_source
 
     result = run(PrepareConfig(output=tmp_path / "out", max_samples=200, num_workers=2))
@@ -372,7 +372,7 @@ def test_stopping_early_with_large_batches_in_flight_does_not_hang():
     the pipe buffer used to deadlock in Pool.terminate (a CI run sat 30 minutes on it)."""
     import threading
 
-    from draftsmith.prepare.chat import Skip
+    from draftsmith.prepare.messages import Skip
     from draftsmith.prepare.stage import _encoded_batches
 
     big = "x" * 2_000_000  # Skips pass through the workers untouched: only the payload size matters here

@@ -177,9 +177,10 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
     (dtype `auto`: bf16 where this CPU computes it and vLLM has the kernels): it passes; a copy whose config.json has
     the aux layer ids shifted by one fails naming that key, though the acceptance of so weak a draft could not tell."""
     pytest.importorskip("vllm")
+    from test_gate import alter, shift_layer
+
     from draftsmith.evaluate import gate
     from draftsmith.evaluate import run as evaluate
-    from test_gate import alter, shift_layer
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the worker process: most of a start on a CPU
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -75,9 +75,9 @@ def test_store_bytes_per_token_for_kimi_k25_and_the_stores_own_layout():
 
 def test_store_bytes_equal_a_real_stores_files(tmp_path, tiny_target_dir):
     """The estimate the disk check uses against the bytes a store really writes (shard headers included)."""
-    from draftsmith.extract import stage as extract
     from draftsmith.config import ExtractConfig
     from draftsmith.core.targets import target_identity
+    from draftsmith.extract import stage as extract
     from draftsmith.extract import store
     from draftsmith.prepare.dataset import write_prepared
 

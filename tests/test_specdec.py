@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from conftest import parallel_round
 
 from draftsmith.core import layers, targets
-from conftest import parallel_round
 from draftsmith.evaluate.specdec import (
     DecodeStats,
     DraftRunner,

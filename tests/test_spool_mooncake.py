@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from draftsmith.core.errors import DraftsmithError
-from draftsmith.config import ExtractConfig
-from draftsmith.extract.spool import Chunk, FeedJob, FeedStatus, Plan, TrainerStatus, TransportLost
 from test_spool import _assert_holds, _samples, _write
+
+from draftsmith.config import ExtractConfig
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.extract.spool import Chunk, FeedJob, FeedStatus, Plan, TrainerStatus, TransportLost
 
 
 def _mooncake_loads() -> bool:

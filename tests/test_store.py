@@ -468,7 +468,7 @@ def test_fp8_encoding_in_cache_sized_blocks_equals_the_whole_tensor_formula_bit_
     """encode_layers_fp8 (the copy out of an engine's buffers: layers in, [T, L, H] e4m3 out, in blocks of rows on
     the CPU) gives the bytes of the plain formula -- x / (amax / 448) in fp32 over the stacked tensor, clamped,
     rounded -- across block boundaries, for zero rows and for NaN/Inf rows (whose scale stays non-finite)."""
-    from draftsmith.extract.store.codec import FP8_MAX, _CPU_BLOCK_VALUES, encode_layers_fp8
+    from draftsmith.extract.store.codec import _CPU_BLOCK_VALUES, FP8_MAX, encode_layers_fp8
 
     hidden = 4096
     rows = 2 * _CPU_BLOCK_VALUES // hidden + 37  # three blocks, the last one short

@@ -23,9 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from draftsmith.extract import store
-from draftsmith.extract.spool import Spool
 from online import (
     EXTRACT,
     MAX_LENGTH,
@@ -41,6 +38,9 @@ from online import (
     torchrun_offline_and_online,
     wait_for,
 )
+
+from draftsmith.extract import store
+from draftsmith.extract.spool import Spool
 
 pytestmark = [
     pytest.mark.vllm,

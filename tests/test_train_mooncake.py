@@ -25,9 +25,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from draftsmith.core.net import free_port
-from draftsmith.extract.spool import FeedStatus, Spool
 from online import (
     STEPS,
     TRAIN,
@@ -41,6 +38,9 @@ from online import (
     torchrun_offline_and_online,
     wait_for,
 )
+
+from draftsmith.core.net import free_port
+from draftsmith.extract.spool import FeedStatus, Spool
 
 
 def _mooncake_loads() -> bool:

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 from draftsmith.cli import app
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.vllm.backend import choose_strategy
 from draftsmith.extract.vllm import source as vllm_source
+from draftsmith.extract.vllm.backend import choose_strategy
 from draftsmith.extract.vllm.probe import INSTALL_HINT, probe, probe_architectures, render_probe_table
 from draftsmith.extract.vllm.source import SourceTree
 

@@ -37,6 +37,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import as_a_user
+from families import TINY_OVERRIDES
+from test_extract_vllm import _cfg, assert_matches_hf, hf_store, needs_vllm, prepared  # noqa: F401 - fixtures
+from test_families import per_layer_cosine, write_chats
 
 from draftsmith import evaluate, export, serve
 from draftsmith.config import EvaluateConfig, ExportConfig, ServeConfig
@@ -45,10 +49,6 @@ from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.report import read_report
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.probe import probe
-from families import TINY_OVERRIDES
-from conftest import as_a_user
-from test_extract_vllm import _cfg, assert_matches_hf, hf_store, needs_vllm, prepared  # noqa: F401 - fixtures
-from test_families import per_layer_cosine, write_chats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, needs_vllm]
 
@@ -145,9 +145,10 @@ def test_the_gate_reads_config_drift_as_this_vllm_reads_it(exported, tmp_path):
     """The gate's config check beside this release, wherever its engine runs a draft or not (its source read, no
     engine): the aux layer ids shifted since export are a key this vLLM reads, and fail the gate whatever the
     acceptance; a key its source never mentions is served as if absent, and only warned of."""
+    from test_gate import alter, shift_layer
+
     from draftsmith.evaluate import gate
     from draftsmith.evaluate.specdec import DecodeStats
-    from test_gate import alter, shift_layer
 
     version = probe().facts.version
     drift, unread = gate.served_drift(alter(exported, tmp_path / "shifted", shift_layer))
@@ -352,8 +353,8 @@ class DeepSeekTargets:
         return self._once(("prepared", routing), make)
 
     def hf(self, routing: str) -> Path:
-        from draftsmith.extract import stage as extract
         from draftsmith.config import ExtractConfig
+        from draftsmith.extract import stage as extract
 
         def make() -> Path:
             out = self.target(routing).parent / "hf"
@@ -375,9 +376,10 @@ class DeepSeekTargets:
     def vllm(self, routing: str, tp: int) -> tuple[Path, dict, float]:
         """(store, the run's summary, its wall seconds): auto strategy; TP=1 in this process, else worker
         processes."""
+        from test_families import in_process_vllm
+
         from draftsmith.config import ExtractConfig
         from draftsmith.extract.vllm.backend import run
-        from test_families import in_process_vllm
 
         def make() -> tuple[Path, dict, float]:
             out = self.target(routing).parent / f"vllm-tp{tp}"
@@ -415,8 +417,9 @@ def test_deepseek_v3_extracts_through_vllm_equal_to_transformers(tp, deepseek, o
     the release's CPU MoE routes grouped top-k otherwise (GROUPED_TOPK_ROUTED_OTHERWISE), the target has Kimi-K2's
     one-group routing, and the grouped target's divergence is recorded: exact before the first MoE layer, not after
     it."""
-    from draftsmith.extract.vllm.backend import choose_strategy
     from families import PUBLISHED
+
+    from draftsmith.extract.vllm.backend import choose_strategy
 
     start = time.perf_counter()
     report = probe(architecture=DEEPSEEK, config=PUBLISHED["deepseek_v3"])
@@ -536,13 +539,13 @@ def test_kimi_k25_wrapper_extracts_through_vllm_equal_to_transformers(
     the hf store of transformers 5. Where this vLLM has no language_model_only, the engine loads the vision tower
     too (the probe says so, and the engine's model holds the checkpoint's patch embedding); where it has it, none."""
     from safetensors.torch import load_file
+    from test_families import in_process_vllm
 
     from draftsmith.config import ExtractConfig
     from draftsmith.core.targets import read_config
     from draftsmith.extract import store
     from draftsmith.extract.vllm import driver
     from draftsmith.extract.vllm.backend import choose_strategy, run
-    from test_families import in_process_vllm
 
     start = time.perf_counter()
     report = probe(architecture=KIMI)
@@ -615,8 +618,9 @@ def test_deepseek_v3_trains_online_from_this_engine_as_offline(tmp_path):
     """`train --engine vllm` with this release's engine (the CLI, its engine in a process of its own) on the tiny
     DeepSeek-V3 equals training offline from the store the same engine extracted: the same samples in the same
     order, the same losses, equal final weights (as tests/test_train_engine.py checks on the main venv's vLLM)."""
-    from draftsmith.extract import store
     from test_train_engine import assert_same_weights, draftsmith, family_data, read_jsonl
+
+    from draftsmith.extract import store
 
     start = time.perf_counter()
     report = probe(architecture=DEEPSEEK)
@@ -752,11 +756,9 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
 
 def _auto_here(report) -> str:
     """The dtype `auto` takes for the default target in this vLLM on this CPU, as a user has it (no override)."""
-    from draftsmith.core import hardware
+    from draftsmith.core import assets, hardware
     from draftsmith.core.targets import read_config
     from draftsmith.extract.vllm.probe import choose_dtype
-
-    from draftsmith.core import assets
 
     return choose_dtype("auto", report, read_config(assets.default_target_dir()), hardware.probe()).dtype
 
@@ -819,13 +821,14 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
     configuration") comes on the first forward, and the run falls back to float32 once, saying why in one line, into
     the same store. Where it falls through to VEC (0.11.1), `auto` is bfloat16 and runs, facts hidden or not. Where
     the library has AMX kernels, faking AMX would run them on a CPU that may not have it: skipped there."""
+    from test_families import in_process_vllm
+
     from draftsmith.config import ExtractConfig
     from draftsmith.core import hardware
     from draftsmith.extract import store
     from draftsmith.extract.vllm import kernels
     from draftsmith.extract.vllm.backend import run
     from draftsmith.extract.vllm.probe import choose_dtype
-    from test_families import in_process_vllm
 
     libraries = report.facts.cpu_attention_kernels or {}
     if not report.facts.cpu_attention_amx_bf16 or any("amx bfloat16" in table for table in libraries.values()):

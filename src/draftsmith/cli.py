@@ -317,7 +317,7 @@ DOCTOR_HELP = {
 
 
 @app.command("doctor")
-def doctor(
+def doctor(  # noqa: PLR0913 - a typer command: one parameter per --option
     target: Annotated[Optional[str], typer.Option("--target", help=DOCTOR_HELP["target"])] = None,
     tokens: Annotated[Optional[int], typer.Option("--tokens", help=DOCTOR_HELP["tokens"])] = None,
     tensor_parallel_size: Annotated[

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import math
 
-from draftsmith.config.methods import Eagle3Options
 from draftsmith.config import ExtractConfig, TrainConfig
+from draftsmith.config.methods import Eagle3Options
 from draftsmith.core import sizing
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.target_config import text_config
 from draftsmith.train.model import DraftSpec
 
 
-def sizing_rows(
+def sizing_rows(  # noqa: PLR0913 - doctor's sizing options, as its CLI names them
     config: dict,
     *,
     tokens: int | None = None,

@@ -18,8 +18,6 @@ from typing import Any
 from rich.console import Console
 
 from draftsmith import evaluate, export, prepare
-from draftsmith.extract import stage as extract
-from draftsmith.train import stage as train
 from draftsmith.config import (
     EvaluateConfig,
     ExportConfig,
@@ -45,8 +43,10 @@ from draftsmith.evaluate.report import (
     read_report,
 )
 from draftsmith.export.formats import serve_commands
+from draftsmith.extract import stage as extract
 from draftsmith.prepare import regenerate
 from draftsmith.prepare.dataset import open_prepared
+from draftsmith.train import stage as train
 from draftsmith.train.methods import method
 
 STATE_NAME = "quickstart.json"

@@ -15,7 +15,6 @@ from pydantic.fields import FieldInfo
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text
 
-
 RESOLVED_CONFIG_NAME = "config.yaml"
 
 

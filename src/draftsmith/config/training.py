@@ -13,7 +13,6 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from draftsmith.core.spool_address import check_spool
 from draftsmith.config.base import StageConfig, _split_list
 from draftsmith.config.methods import (
     DEFAULT_METHOD,
@@ -26,6 +25,7 @@ from draftsmith.config.methods import (
     option_help,
     options_class,
 )
+from draftsmith.core.spool_address import check_spool
 
 
 class TrainConfig(StageConfig):

@@ -13,6 +13,7 @@ un-normalised state (the backbone applies the final norm after it).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,7 +26,7 @@ class _StopForward(Exception):
     """Raised by the hook of the deepest layer needed, when the layers after it are not needed."""
 
 
-def capture_hidden_states(
+def capture_hidden_states(  # noqa: C901 - one hook per capture point and the three ways a forward can end
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -80,15 +81,12 @@ def capture_hidden_states(
             else:
                 stop = k == deepest and k < num_layers
                 handles.append(layers[k - 1].register_forward_hook(post_hook(j, stop)))
-        with torch.no_grad():
-            try:
-                backbone(
-                    input_ids=input_ids.to(first.device),
-                    attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                    use_cache=False,
-                )
-            except _StopForward:
-                pass
+        with torch.no_grad(), contextlib.suppress(_StopForward):
+            backbone(
+                input_ids=input_ids.to(first.device),
+                attention_mask=None if attention_mask is None else attention_mask.to(first.device),
+                use_cache=False,
+            )
     finally:
         for handle in handles:
             handle.remove()

@@ -212,7 +212,7 @@ def _safetensors_names(path: Path) -> dict[str, tuple[Path, str]] | None:
     if not single.is_file():
         return None
     with safe_open(str(single), framework="pt") as f:
-        return {name: (single, name) for name in f.keys()}
+        return {name: (single, name) for name in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
 
 
 def _tensor_shapes(files: dict[str, tuple[Path, str]]) -> dict[str, tuple[int, ...]]:
@@ -220,7 +220,7 @@ def _tensor_shapes(files: dict[str, tuple[Path, str]]) -> dict[str, tuple[int, .
     shapes: dict[str, tuple[int, ...]] = {}
     for file in {file for file, _ in files.values()}:
         with safe_open(str(file), framework="pt") as f:
-            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())  # noqa: SIM118 - a safetensors handle
     return {name: shapes[stored] for name, (_, stored) in files.items() if stored in shapes}
 
 

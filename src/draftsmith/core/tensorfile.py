@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import collections.abc
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -54,10 +55,8 @@ class _Handles:
         # thread evicts meanwhile only skips the recency update
         entry = self.open.get(key)
         if entry is not None:
-            try:
+            with contextlib.suppress(KeyError):
                 self.open.move_to_end(key)
-            except KeyError:
-                pass
         return entry
 
     def put(self, key: tuple, handle: safe_open) -> tuple[safe_open, dict[str, torch.Tensor]]:
@@ -146,7 +145,7 @@ class TensorFile:
         handle = self._handle()
         self.metadata: dict[str, str] = dict(handle.metadata() or {})
         self.tensors: dict[str, TensorInfo] = {}
-        for name in handle.keys():
+        for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
             info = handle.get_slice(name)
             self.tensors[name] = (info.get_dtype(), tuple(int(d) for d in info.get_shape()))
 

@@ -153,7 +153,9 @@ def _load(
         try:
             code = loadgen.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise DraftsmithError(f"evaluate --concurrency: the load generator ran past {timeout_s} s; see {log}")
+            raise DraftsmithError(
+                f"evaluate --concurrency: the load generator ran past {timeout_s} s; see {log}"
+            ) from None
     if code != 0:
         raise DraftsmithError(f"evaluate --concurrency: the load generator failed:\n{_tail(log)}\n(all of it: {log})")
 

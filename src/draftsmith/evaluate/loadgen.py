@@ -40,7 +40,9 @@ def sweep(concurrency: list[int], result_dir: Path, num_prompts: int, argv: list
         from vllm.benchmarks.serve import main as bench
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as err:
-        raise DraftsmithError(f"evaluate --concurrency needs vLLM's load generator, vllm.benchmarks.serve ({err})")
+        raise DraftsmithError(
+            f"evaluate --concurrency needs vLLM's load generator, vllm.benchmarks.serve ({err})"
+        ) from None
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     known = set(parser._option_string_actions)

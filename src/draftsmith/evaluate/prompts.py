@@ -23,8 +23,8 @@ from draftsmith.core.assets import mtbench_path
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity, read_manifest_json
 from draftsmith.prepare import bfcl
-from draftsmith.prepare.chat import Skip, normalize_conversation, role_of
 from draftsmith.prepare.dataset import open_prepared, split_indices
+from draftsmith.prepare.messages import Skip, normalize_conversation, role_of
 from draftsmith.prepare.readers import NAMED_BFCL, expand_sources, iter_source
 
 MTBENCH = "mt-bench"

@@ -41,14 +41,16 @@ from draftsmith.evaluate.report import (
     write_report,
 )
 from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
-from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
+from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.probe import DtypeChoice, probe
 from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
 from draftsmith.train.methods import method_of
 from draftsmith.train.methods.base import Draft
 
 __all__ = ["Measured", "run", "build_draft_module", "evaluate_reference"]
+
+CPU = torch.device("cpu")
 
 
 def build_draft_module(
@@ -90,7 +92,7 @@ class Measured:
     vllm_version: str | None = None
 
 
-def evaluate_reference(
+def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluation, as EvaluateConfig names them
     target_model: PreTrainedModel,
     draft: Draft,
     aux_layer_ids: list[int],
@@ -102,7 +104,7 @@ def evaluate_reference(
     seed: int,
     eos_ids: set[int],
     baseline: bool = True,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
     show_progress: bool = False,
     segmenter: Segmenter | None = None,
     paths: dict[int, list[list[int]]] | None = None,

@@ -24,17 +24,17 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.evaluate.vllm_worker import GenerationJob, GenerationResult
-from draftsmith.train.methods import DraftMethod
-from draftsmith.train.methods import method as draft_method
 from draftsmith.extract.vllm.probe import (
     EAGLE3_ROW,
     EAGLE3_SINCE,
-    ProbeReport,
     DtypeChoice,
+    ProbeReport,
     choose_dtype,
     dtype_refusal,
     probe,
 )
+from draftsmith.train.methods import DraftMethod
+from draftsmith.train.methods import method as draft_method
 
 # What a refusal of evaluate (and quickstart) --engine vllm offers instead ("use a vLLM whose ... says yes, or ...").
 REFERENCE_DECODER = "use the reference decoder (--engine hf)"
@@ -174,7 +174,7 @@ def check_vllm_can_serve(
         raise DraftsmithError(refusal)
 
 
-def run_vllm(
+def run_vllm(  # noqa: PLR0913 - GenerationJob's fields, as the worker's request names them
     *,
     target: Path,
     draft: Path | None,

@@ -205,7 +205,7 @@ class _ShardWriter:
         return counts
 
 
-def _write_all(
+def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
     directory: Path,
     writer: _ShardWriter,
     samples: Iterable[dict | list[dict]],
@@ -251,7 +251,7 @@ def _write_all(
     return manifest
 
 
-def write_prepared(
+def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     output: Path,
     samples: Iterable[dict | list[dict]],
     target: TargetIdentity,

@@ -164,7 +164,7 @@ def _decoder():
 
 def _iter_json(path: Path) -> Iterator[Record]:
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - closed by the `with f` below, once open is known to have worked
     except OSError as err:
         raise DraftsmithError(f"{path}: cannot open ({err.strerror})") from None
     with f:

@@ -1,6 +1,6 @@
 """The conversations `draftsmith regenerate` answers, and the bookkeeping that keeps them in order.
 
-    records (readers) -> normalised messages (chat.normalize_conversation, trailing turns kept)    in file order
+    records (readers) -> normalised messages (messages.normalize_conversation, trailing turns kept) in file order
       -> a window of conversations in flight: each renders its history up to its next assistant turn with the
          target's chat template (the answers regenerated so far; system, user and tool turns as they are) and
          asks the engine for that answer; when it is back, the conversation asks for the next one
@@ -27,14 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftsmith.config import RegenerateConfig
-from draftsmith.prepare.chat import (
-    Chat,
-    ChatEncoder,
-    Message,
-    Skip,
-    leading_assistant_turns,
-    normalize_conversation,
-)
+from draftsmith.prepare.chat import ChatEncoder
+from draftsmith.prepare.messages import Chat, Message, Skip, leading_assistant_turns, normalize_conversation
 from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 

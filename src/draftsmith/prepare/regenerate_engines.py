@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 import transformers
-from rich.console import Console
 from pydantic import BaseModel
+from rich.console import Console
 from transformers import GenerationConfig
 
 from draftsmith.config import RegenerateConfig
@@ -214,7 +214,7 @@ class VLLMEngine:
         self.worker.stop()
 
 
-def start_engine(
+def start_engine(  # noqa: PLR0913 - RegenerateConfig's engine settings
     engine: str,
     version: str,
     cfg: RegenerateConfig,

@@ -1,6 +1,6 @@
 """The `prepare` stage: conversations -> token ids + assistant loss masks + token counts (a prepared data set).
 
-    records (readers) -> normalised chats (chat.normalize_conversation)         main process, in file order
+    records (readers) -> normalised chats (messages.normalize_conversation)     main process, in file order
       -> rendered, tokenised, masked samples (chat.ChatEncoder)                  worker processes, in batches
       -> shards + token counts + manifest (prepared.write_prepared)              main process, in file order
 
@@ -44,14 +44,9 @@ from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.targets import load_tokenizer, resolve_target, target_identity
-from draftsmith.prepare.chat import (
-    ROLE_ALIASES,
-    ChatEncoder,
-    Skip,
-    leading_assistant_turns,
-    normalize_conversation,
-)
+from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
+from draftsmith.prepare.messages import ROLE_ALIASES, Skip, leading_assistant_turns, normalize_conversation
 from draftsmith.prepare.readers import (
     DAMAGED_TAIL,
     Source,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.prepare.chat import Message
+from draftsmith.prepare.messages import Message
 
 _TOOL_PARSER_HOMES = ("vllm.tool_parsers", "vllm.entrypoints.openai.tool_parsers")
 _REQUEST_HOMES = ("vllm.entrypoints.openai.chat_completion.protocol", "vllm.entrypoints.openai.protocol")

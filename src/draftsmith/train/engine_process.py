@@ -20,8 +20,7 @@ from draftsmith.core import processes
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.spool_address import DirectoryAddress, LocalMooncake, parse_spool
 from draftsmith.core.vllm_launch import THREADS_BIND_VAR, cpu_thread_binding
-from draftsmith.extract.spool import Spool, TrainerSide
-from draftsmith.extract.spool import mooncake
+from draftsmith.extract.spool import Spool, TrainerSide, mooncake
 from draftsmith.extract.spool.mooncake import MooncakeMaster
 from draftsmith.train import distributed
 

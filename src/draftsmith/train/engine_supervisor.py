@@ -59,7 +59,7 @@ class EngineSupervisor:
 
     `consumed` is the reader's set of chunks read, the same set object: a plan asks only for the others."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - one supervisor's settings, as TrainConfig names them
         self,
         cfg: TrainConfig,
         spool: TrainerSide,
@@ -215,10 +215,10 @@ class EngineSupervisor:
         if status.pid:
             self._engine_seen = status  # what a stalled engine process last said (its keys may go with it)
         by_engine = status.pid != 0  # written by an engine process since this trainer (re)started it
-        if status.waiting == "plan" and status.generation == self.generation and by_engine:
-            if not self.spool.is_ready(chunk.name):  # it finished the plan and the chunk is not there: lost
-                self.write_plan()
-                return Event.REPLANNED
+        planned = status.waiting == "plan" and status.generation == self.generation and by_engine
+        if planned and not self.spool.is_ready(chunk.name):  # it finished the plan and the chunk is not there: lost
+            self.write_plan()
+            return Event.REPLANNED
         if status.error and by_engine and self.engine is None:
             raise DraftsmithError(
                 f"--engine vllm: the engine process on {status.host or 'the engine node'} stopped "

@@ -98,7 +98,7 @@ class MetricsSink:
                 if (step := _step_of(line)) is not None and step <= keep_through_step
             ]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held for the run, closed by close()
         if not tensorboard:
             return
         try:

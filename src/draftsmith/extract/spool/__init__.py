@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-
 from draftsmith.extract.spool.chunks import (
     EVAL_CHUNK,
     STALL_S,

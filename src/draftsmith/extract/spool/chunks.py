@@ -13,9 +13,9 @@ import contextlib
 import os
 import shutil
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from abc import ABC, abstractmethod
 from typing import Any, Callable, ContextManager, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -213,11 +213,11 @@ class _Transport(ABC):
             self._put_message("status", encode(status))
 
     # -- lifecycle hooks: nothing unless a transport needs it
-    def finish(self, everything: bool = False) -> None:
+    def finish(self, everything: bool = False) -> None:  # noqa: B027 - a no-op lifecycle hook a transport may override
         """The run is over: remove what it left in the spool (`everything`: the engine process's last call, once it
         has read the trainer's last word)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op lifecycle hook a transport may override
         """Let go of the transport (a connection)."""
 
 

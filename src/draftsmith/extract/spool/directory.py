@@ -127,7 +127,9 @@ class Spool(EngineSide, TrainerSide):
         except FileNotFoundError:
             return None
         except ValueError as err:
-            raise DraftsmithError(f"{path}: not valid JSON ({err}); delete the spool directory and start again")
+            raise DraftsmithError(
+                f"{path}: not valid JSON ({err}); delete the spool directory and start again"
+            ) from None
 
     _FILES = {"job": JOB_FILE, "status": STATUS_FILE, "trainer": TRAINER_FILE}
 

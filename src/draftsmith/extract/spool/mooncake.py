@@ -22,12 +22,12 @@ the trainer asks for it again in a new plan generation. Every key starts with RU
 from __future__ import annotations
 
 import contextlib
-import socket
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -42,13 +42,13 @@ from draftsmith.extract.spool.chunks import (
     Chunk,
     ChunkInfo,
     EngineSide,
-    TrainerSide,
-    free_bytes,
     Plan,
+    TrainerSide,
     TrainerStatus,
     TransportLost,
     encode,
     fill_directory,
+    free_bytes,
 )
 from draftsmith.extract.spool.directory import store_info
 

@@ -40,7 +40,7 @@ def _place(src: Path, dst: Path, info: ShardInfo, store: Path, link: bool) -> No
         )
 
 
-def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> HiddenStateStore:
+def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> HiddenStateStore:  # noqa: C901 - one check per way two stores can disagree
     """Join stores of the same kind (e.g. written by `extract --shard i/n` workers) into a new store at `output`.
 
     Shard files are hard-linked when possible (they are never modified in place) and copied otherwise; copies are

@@ -269,7 +269,7 @@ def _add_shards(path: Path, infos: list[ShardInfo], backend_info: dict[str, Any]
         write_manifest(path, manifest)
 
 
-def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:
+def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C901 - one branch per state a killed writer can leave
     """Clean up after crashed writers (never a live one): drop temp files, adopt or delete orphan shards."""
     notes: list[str] = []
     shard_dir = path / SHARD_DIR

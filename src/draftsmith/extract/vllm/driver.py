@@ -217,7 +217,7 @@ class Engine:
             raise DraftsmithError(
                 f"vLLM could not start the target {spec.target_dir} for the {spec.strategy} "
                 f"strategy ({type(err).__name__}: {err}); see `draftsmith doctor`".replace("\n", " ")
-            )
+            ) from None
         if spec.strategy in RUNNER_TAPS:
             assert spec.sink_config is not None and spec.tap_plan is not None  # the runner taps capture
             dumped = (spec.sink_config.model_dump(mode="json"), spec.tap_plan.model_dump(mode="json"))

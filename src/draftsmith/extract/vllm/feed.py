@@ -46,15 +46,14 @@ from draftsmith.extract.spool import (
     TrainerStatus,
     TransportLost,
     free_bytes,
+    mooncake,
     wait_for_space,
 )
-from draftsmith.extract.spool import mooncake
 from draftsmith.extract.spool.chunks import Waiting
-from draftsmith.extract.vllm.backend import _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm import probe as probing
+from draftsmith.extract.vllm.backend import _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
 from draftsmith.prepare.dataset import prepared_digest
-
 
 HEARTBEAT_S = 2.0
 LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss

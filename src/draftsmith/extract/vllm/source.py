@@ -182,7 +182,7 @@ class SourceTree:
         parts = parts[: len(parts) - (level - 1)] if level > 1 else parts
         return ".".join(parts + ([name] if name else []))
 
-    def bindings(self, module: Module) -> dict[str, tuple]:
+    def bindings(self, module: Module) -> dict[str, tuple]:  # noqa: C901 - one branch per binding form of Python's grammar
         """name -> ("def", node) | ("value", expr) | ("from", module, name) | ("module", module): each name as Python
         leaves it bound when the module has run -- the last binding wins, except that an `else` branch or an `except`
         handler (a fallback) does not replace what the branch before it bound."""
@@ -197,7 +197,7 @@ class SourceTree:
             if not fallback:
                 primary.add(name)
 
-        for stmt, fallback in _statements(module.tree.body):
+        for stmt, fallback in _statements(module.tree.body):  # noqa: B007 - bind() reads it
             if isinstance(stmt, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 bind(stmt.name, ("def", stmt))
             elif isinstance(stmt, ast.ImportFrom):

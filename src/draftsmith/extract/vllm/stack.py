@@ -407,7 +407,7 @@ def _passed_by_subclass(tree: SourceTree, stack: Found, init: Found, param: str)
     return []
 
 
-def _stream_rescale(forward: Found) -> tuple[Literal["none", "float16", "other"], ast.AST | None]:
+def _stream_rescale(forward: Found) -> tuple[Literal["none", "float16", "other"], ast.AST | None]:  # noqa: C901 - one branch per rescale layout vLLM's releases use
     """How a decoder layer's forward rescales the residual it carries on (the second name of `return hidden, residual`:
     `residual *= ...` / `residual = residual * ...`), which vLLM's stream then holds scaled where the model's own does
     not. Scaling the layer's new output is its computation, not a rescale. "float16" where every such statement sits
