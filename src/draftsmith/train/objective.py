@@ -59,6 +59,8 @@ class Rows(Protocol):
     """What the target's side reads of a batch's index."""
 
     needed: torch.Tensor  # [N] int64: rows b * T + t whose target distribution some step is scored against
+    scored: list[torch.Tensor]  # per step k, [N_k] int64: the rows of the step's hidden states scored
+    target: list[torch.Tensor]  # per step k, [N_k] int64: where their target rows sit in `needed`
     counts: torch.Tensor  # [K] float64: the positions each step scores
     keeps_states: ClassVar[bool]  # the target's side stays [N, H] states (TargetStates: the block objective)
 
@@ -300,7 +302,7 @@ def score_steps(
     draft: Head,
     steps: Iterable[torch.Tensor],
     target: TargetDistribution | TargetStates,
-    index: StepRows,
+    index: Rows,
     run: Pass,
     normaliser: torch.Tensor,
     sums: torch.Tensor,
@@ -323,13 +325,6 @@ def score_steps(
             sums[CORRECT, k] = (top + d2t[top] == target.argmax.index_select(0, at)).sum()
             sums[ACCEPT, k] = expected_acceptance(z.detach(), lse, target, at).sum()
     return TTTResult(loss=loss, sums=sums)
-
-
-class StepRows(Protocol):
-    """What `score_steps` reads of an index: per step, the rows scored and their target rows."""
-
-    scored: list[torch.Tensor]
-    target: list[torch.Tensor]
 
 
 def ttt_forward(
