@@ -35,7 +35,8 @@ import time
 import torch
 
 from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import TargetHead, TTTModel, step_index
+from draftsmith.train.objective import TargetHead, TTTModel
+from draftsmith.train.unrolled import step_index
 
 SHAPES = {
     "quickstart": dict(

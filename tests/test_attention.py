@@ -378,7 +378,7 @@ def test_checkpointed_ttt_steps_give_the_same_loss_and_gradients_and_keep_less()
         saved[checkpointed] = _saved_bytes(forward)
         forward_calls = len(calls)
         box["loss"].backward()
-        assert [len(entries) for entries in box["cache"].layers] == [4, 4]  # one (k, v) per step, never more
+        assert [box["cache"].steps(i) for i in range(2)] == [4, 4]  # one (k, v) per step, never more
         results[checkpointed] = (
             box["loss"].detach(),
             hidden0.grad.clone(),
@@ -404,4 +404,4 @@ def test_checkpointing_is_a_plain_call_without_grad():
         plain, _ = _unroll(layers, embeds, hidden, 2, checkpointed=False)
         ckpt, cache = _unroll(layers, embeds, hidden, 2, checkpointed=True)
     torch.testing.assert_close(ckpt, plain, **F64)
-    assert len(cache.layers[0]) == 2
+    assert cache.steps(0) == 2

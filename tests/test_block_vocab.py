@@ -26,24 +26,14 @@ from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generat
 from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
-from draftsmith.train.block_loss import BlockKL, block_kl, target_states
+from draftsmith.train.block_loss import BlockKL, KLOptions, block_kl, target_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.drafts import draft_module, load_draft
 from draftsmith.train.methods import DFLASH
 from draftsmith.train.model import DraftSpec
-from draftsmith.train import ttt
-from draftsmith.train.ttt import (
-    ACCEPT,
-    CORRECT,
-    COUNT,
-    KL,
-    Anchors,
-    TargetHead,
-    block_index,
-    dflash_hidden_states,
-    materialised,
-    ttt_forward,
-)
+from draftsmith.train import blocks, objective
+from draftsmith.train.objective import ACCEPT, CORRECT, COUNT, KL, TargetHead, materialised, ttt_forward
+from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 50, 20, 32
 
@@ -106,8 +96,8 @@ def test_the_fused_reduced_vocabulary_loss_and_its_gradients_equal_the_dense_def
     loss, every trained parameter's gradient (the draft's own lm_head's included) and the metrics."""
     draft, tokens, aux, last, index, norm, weight = _problem(torch.float64)
     head = TargetHead(norm, weight, draft.draft_to_target)
-    monkeypatch.setattr(ttt, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
-    assert sum(len(r) for r in index.scored) > 3 * ttt.REDUCE_ROWS  # their edges
+    monkeypatch.setattr(blocks, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
+    assert sum(len(r) for r in index.scored) > 3 * objective.REDUCE_ROWS  # their edges
     names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad))
     assert "lm_head.weight" in names and "norm.weight" in names
     states = head(last, index)
@@ -176,7 +166,7 @@ def test_block_kl_gives_its_own_head_an_exact_gradient_and_keeps_no_logits():
     assert max(t.numel() for t in saved if t is not None) == max(n * h, vd * h) < n * vd
     small, at7 = x.detach()[:7].requires_grad_(), at[:7]
     hint = torch.rand(7, dtype=torch.float64, generator=gen) + 0.5
-    fn = lambda y, w: BlockKL.apply(y, w, states, at7, hint, 3, 2, False, True, None, None, False, ids)[0]  # noqa: E731
+    fn = lambda y, w: BlockKL.apply(y, w, states, at7, hint, None, None, ids, KLOptions(3, 2, False, True))[0]  # noqa: E731
     assert torch.autograd.gradcheck(lambda y, w: (fn(y, w) * hint).sum(), (small, own))  # the hint's own grad
     with pytest.raises(RuntimeError, match="hint"):  # a grad that is not the hint times one number: refused
         fn(small, own).sum().backward()

@@ -22,7 +22,8 @@ from draftsmith.train import stage as trainer
 from draftsmith.train.drafts import load_draft
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import DraftSpec
-from draftsmith.train.ttt import Anchors, TargetHead, block_index, dflash_hidden_states, ttt_forward
+from draftsmith.train.objective import TargetHead, ttt_forward
+from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 
 
 def _spec(layers: int = 2, block: int = 4) -> DraftSpec:
@@ -269,7 +270,7 @@ def test_block_attention_kernels_equal_the_explicit_mask_forward_and_backward(ke
 def test_a_whole_vocabulary_head_is_used_as_it_is_with_the_same_distribution():
     """DFlash drafts over the target's whole vocabulary: TargetHead keeps the lm_head itself (no [V, H] copy) and
     the full-vocabulary metrics reuse the draft-vocabulary logits; the distribution is the one of a copied head."""
-    from draftsmith.train.ttt import target_distribution
+    from draftsmith.train.objective import target_distribution
 
     gen = torch.Generator().manual_seed(9)
     weight = torch.randn(50, 32, generator=gen)

@@ -33,7 +33,7 @@ from draftsmith.train.dspark_model import DSparkDraft
 from draftsmith.train.methods import DFLASH, method_of_config
 from draftsmith.train.methods.dspark import DSPARK
 from draftsmith.train.model import DraftSpec, draft_tensors
-from draftsmith.train.ttt import Anchors, block_index
+from draftsmith.train.blocks import Anchors, block_index
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {

@@ -23,7 +23,7 @@ from draftsmith.evaluate.report import RunReport, read_report
 from draftsmith.evaluate.specdec import DraftRunner
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import ttt_hidden_states
+from draftsmith.train.unrolled import ttt_hidden_states
 
 TTT_STEPS = 4
 
@@ -123,7 +123,7 @@ def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(
     import numpy as np
 
     from draftsmith.train.dflash_model import DFlashDraft
-    from draftsmith.train.ttt import Anchors, block_index, dflash_hidden_states
+    from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 
     size = 4
     spec = _tiny_draft(layers).spec.model_copy(

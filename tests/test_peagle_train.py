@@ -18,7 +18,7 @@ from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.methods.base import mask_token_id
 from draftsmith.train.model import DraftSpec, Eagle3Draft, KVCache
-from draftsmith.train.ttt import COD, step_index, ttt_hidden_states
+from draftsmith.train.unrolled import COD, step_index, ttt_hidden_states
 
 
 def _spec(layers: int = 1, parallel: bool = True) -> DraftSpec:

@@ -128,7 +128,7 @@ def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepa
     from draftsmith.core.targets import final_norm, lm_head, load_target
     from draftsmith.extract import store as store_mod
     from draftsmith.train.setup import initial_draft, open_data, split
-    from draftsmith.train.ttt import TargetHead, TTTModel
+    from draftsmith.train.objective import TargetHead, TTTModel
 
     store = store_mod.open(store_dir, dtype=None)  # as the trainer reads it: bf16 views, decoded in the step
     prepared = open_prepared(prepared_dir)
@@ -345,16 +345,16 @@ def test_nan_features_stop_naming_step_and_sample_and_keep_the_checkpoint(store_
 
 
 def test_nan_loss_stops(prepared_dir, tmp_path, monkeypatch):
-    from draftsmith.train import ttt
+    from draftsmith.train import objective
 
-    real = ttt.ttt_forward
+    real = objective.ttt_forward
 
     def bad(*a, **k):
         r = real(*a, **k)
         r.loss = r.loss * float("nan")
         return r
 
-    monkeypatch.setattr(ttt, "ttt_forward", bad)
+    monkeypatch.setattr(objective, "ttt_forward", bad)
     with pytest.raises(DraftsmithError, match=r"step 1: loss is NaN/Inf on samples \["):
         trainer.run(_cfg(prepared_dir, tmp_path / "run", max_steps=2))
 

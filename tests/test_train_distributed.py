@@ -22,7 +22,8 @@ _GRAD_SCRIPT = textwrap.dedent("""
     import gc, sys, torch
     from draftsmith.config import TrainConfig
     from draftsmith.train import distributed, stage as trainer
-    from draftsmith.train.ttt import TTTModel, step_counts
+    from draftsmith.train.objective import TTTModel
+    from draftsmith.train.unrolled import step_counts
     sys.path.insert(0, sys.argv[3])
     from test_train_distributed import make_problem
 
@@ -57,7 +58,7 @@ def make_problem():
     from draftsmith.config import TrainConfig
     from draftsmith.train.batches import collate
     from draftsmith.train.model import DraftSpec, Eagle3Draft
-    from draftsmith.train.ttt import TargetHead
+    from draftsmith.train.objective import TargetHead
 
     torch.manual_seed(0)
     cfg = DraftSpec(
@@ -99,7 +100,8 @@ def make_problem():
 
 def _single_process_grads():
     from draftsmith.train import stage as trainer
-    from draftsmith.train.ttt import TTTModel, step_counts
+    from draftsmith.train.objective import TTTModel
+    from draftsmith.train.unrolled import step_counts
 
     draft, head, batches, cfg = make_problem()
     model = TTTModel(draft)

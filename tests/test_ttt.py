@@ -9,31 +9,28 @@ import pytest
 import torch
 
 from draftsmith.core import targets
-from draftsmith.train.block_loss import BlockKL, TargetStates, block_kl, target_states
+from draftsmith.train.block_loss import BlockKL, KLOptions, TargetStates, block_kl, target_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import (
+from draftsmith.train.objective import (
     ACCEPT,
     CORRECT,
     COUNT,
     KL,
-    Anchors,
     TargetDistribution,
     TargetHead,
     REDUCE_ROWS,
     TargetKL,
-    block_index,
-    dflash_hidden_states,
     expected_acceptance,
     materialised,
-    step_counts,
-    step_index,
     summarise,
     target_distribution,
     ttt_forward,
 )
-from draftsmith.train import ttt
-from draftsmith.train.ttt import _top1_logsumexp
+from draftsmith.train.unrolled import step_counts, step_index
+from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
+from draftsmith.train import blocks
+from draftsmith.train.objective import _top1_logsumexp
 
 
 def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0, every=2):
@@ -394,7 +391,7 @@ def test_the_attention_kernel_is_the_models_setting_not_the_environment(monkeypa
     """`train --attention-kernel` reaches the attention through TTTModel (no environment variable read on the hot
     path): an unknown kernel is refused there; chunked and auto give the same loss on the CPU."""
     from draftsmith.config import TrainConfig
-    from draftsmith.train.ttt import TTTModel
+    from draftsmith.train.objective import TTTModel
 
     assert TrainConfig(data="d", attention_kernel="chunked").attention_kernel == "chunked"
     draft = _tiny_draft(layers=2).double()
@@ -472,7 +469,7 @@ def test_dflash_loss_over_row_slices_equals_the_unfused_loss_gradient_and_metric
         norm, draft.head_weight.clone(), draft.draft_to_target, torch.bfloat16 if precision == "bf16" else None
     )
     names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad))
-    monkeypatch.setattr(ttt, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
+    monkeypatch.setattr(blocks, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
     assert sum(len(r) for r in index.scored) > 3 * REDUCE_ROWS  # their edges
     runs = []
     with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
@@ -548,14 +545,10 @@ def test_block_kl_is_the_dense_kl_with_an_exact_gradient_for_any_upstream_gradie
             states,
             at[:7],
             hint if hint is not None else torch.ones(7, dtype=torch.float64),
-            3,
-            2,
-            False,
-            group,
             None,
             None,
-            False,
             None,
+            KLOptions(rows=3, sub=2, metrics=False, group=group),
         )[0]  # noqa: E731
         if hint is not None and not hint.any():  # a zero hint: no gradient (ttt_forward never gives one)
             assert fn(small).requires_grad and torch.autograd.grad(fn(small).sum(), small)[0].abs().sum() == 0

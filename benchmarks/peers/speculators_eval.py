@@ -8,7 +8,7 @@ as the model needs them), and run over the held-out rows of the benchmark's data
 speculators_data.py) with speculators' own TTT forward: teacher-forced input tokens, the draft's own hidden
 state fed from step to step, document-masked causal attention plus the diagonal of the earlier steps.
 
-Accuracy, draftsmith's definition (`draftsmith.train.ttt`): tokens x_0..x_{T-1}; at step k the draft at position
+Accuracy, draftsmith's definition (`draftsmith.train.unrolled`): tokens x_0..x_{T-1}; at step k the draft at position
 t predicts x_{t+k+2}; it is right when its top-1 (mapped to a target id) equals the target's top-1 over the FULL
 vocabulary at position t+k+1 (layer N -> final norm -> lm_head), counted where loss_mask[t+k+2] (the predicted
 token is the assistant's). Unconditional per step (step k is scored even where step k-1 was wrong).

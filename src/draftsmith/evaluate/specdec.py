@@ -213,10 +213,7 @@ class DraftRunner:
 
     def crop(self, length: int) -> None:
         """Forget every K/V entry from position `length` on."""
-        for entries in self.cache.layers:
-            if entries:
-                k, v = entries[0]
-                entries[0] = (k[:, :, :length], v[:, :, :length])
+        self.cache.crop(length)
         self.length = min(self.length, length)
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 """Attention kernels of the EAGLE-3 draft: training-time test (TTT), its explicit-mask reference, and decoding.
 
 At TTT step k the query at position t attends causally to the step-0 keys s <= t and to its own keys of steps 1..k
-at position t (the draft's own chain); see ttt.py for the alignment. `ttt_attention` is what training runs,
+at position t (the draft's own chain); see unrolled.py for the alignment. `ttt_attention` is what training runs,
 `naive_ttt_attention` the explicit-mask reference it is tested against, `cached_attention` what decoding runs.
 
 Memory is linear in T, forward and backward: no [T, T] tensor is kept. Step k > 0 splits the softmax in two parts
@@ -284,7 +284,7 @@ def ttt_layer_call(
 
     Checkpointed, the layer's activations (projections, attention, MLP) are dropped after the forward and
     recomputed during the backward; only its inputs, its output and the (k, v) it appends to the cache are kept.
-    The layer appends to `cache.layers[layer.layer_idx]`, a side effect a recomputation must not repeat, so the
+    The layer appends to its layer's entries in `cache`, a side effect a recomputation must not repeat, so the
     checkpointed call runs on a private cache holding this layer's earlier entries (the same tensors) and the
     new (k, v) is appended to the real cache afterwards. Only for modes whose cache grows by one entry per call
     ("ttt", "naive"); without grad there is nothing to save, so the call is plain.
@@ -294,17 +294,16 @@ def ttt_layer_call(
     if mode not in ("ttt", "naive"):
         raise ValueError(f"checkpointing a layer call needs a TTT cache (one entry per call), not mode {mode!r}")
     idx = layer.layer_idx
-    earlier = [x for kv in cache.layers[idx] for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
+    earlier = [x for kv in cache.entries(idx) for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
 
     def run(embeds, hidden, cos, sin, *flat):
-        private = type(cache)(len(cache.layers))
-        private.layers[idx] = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        private = cache.fork(idx, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
         out = layer(embeds, hidden, cos, sin, private, mode)
-        k, v = private.layers[idx][-1]
+        k, v = private.entries(idx)[-1]
         return out, k, v
 
     out, k, v = checkpoint(run, embeds, hidden, cos, sin, *earlier, use_reentrant=False)
-    cache.layers[idx].append((k, v))
+    cache.append(idx, k, v)
     return out
 
 

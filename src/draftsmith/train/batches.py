@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.store import decode_hidden_states
-from draftsmith.train.ttt import COD, Anchors, BlockIndex, StepIndex, batch_index
+from draftsmith.train.objective import Rows, Sampling
+from draftsmith.train.unrolled import EVERY_STEP
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Batch:
     hidden_states: torch.Tensor | None  # [B, T, L, H] aux layers then layer N, as stored (None until the online
     #                                     target ran)
     hidden_scales: torch.Tensor | None  # [B, T, L] float32: fp8 stores' per-row scales, else None
-    index: StepIndex | BlockIndex  # the rows each TTT step (DFlash: block position) reads, built on the host
+    index: Rows  # the rows each TTT step (DFlash: block position) reads, built on the host by the objective
     sample_ids: list[int]
     lengths: list[int]
     epoch: int = 0  # where the sampler put it: epoch, optimizer step in the epoch, the epoch's last step
@@ -85,9 +86,10 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
 
 
-def collate(items: Sequence[dict], ttt_steps: int, sampling: COD | Anchors | None = None, epoch: int = 0) -> Batch:
+def collate(items: Sequence[dict], ttt_steps: int, sampling: Sampling = EVERY_STEP, epoch: int = 0) -> Batch:
     """Right-pad samples to the longest (causal attention never lets a real position see the padding) and build
-    the batch's index (P-EAGLE training: with its COD sampling of epoch `epoch`; DFlash: its blocks, `Anchors`).
+    the batch's index as its method's objective samples it (`sampling` of epoch `epoch`: P-EAGLE's COD, a block
+    method's `Anchors`).
     Hidden states keep the dtype they come in; one sample is not copied at all."""
     lengths = [int(it["input_ids"].shape[0]) for it in items]
     b, t = len(items), max(lengths)
@@ -98,9 +100,8 @@ def collate(items: Sequence[dict], ttt_steps: int, sampling: COD | Anchors | Non
         loss_mask[i, :n] = it["loss_mask"].bool()
     hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
     ids = [int(it["sample_id"]) for it in items]
-    return Batch(
-        input_ids, loss_mask, hs, sc, batch_index(loss_mask.numpy(), ttt_steps, sampling, ids, epoch), ids, lengths
-    )
+    index = sampling.index(loss_mask.numpy(), ttt_steps, ids, epoch)
+    return Batch(input_ids, loss_mask, hs, sc, index, ids, lengths)
 
 
 def pad_rows(items: Sequence[dict], key: str, t: int, copy: bool = True) -> torch.Tensor | None:
@@ -226,7 +227,7 @@ class EpochPlan(Sampler):
 class MicroBatches(Dataset):
     """dataset + ttt_steps -> collated batches by MicroBatchKey (what the DataLoader's workers run)."""
 
-    def __init__(self, dataset, ttt_steps: int, sampling: COD | Anchors | None = None):
+    def __init__(self, dataset, ttt_steps: int, sampling: Sampling = EVERY_STEP):
         self.dataset, self.ttt_steps, self.sampling = dataset, ttt_steps, sampling
 
     def __getitem__(self, key: MicroBatchKey) -> Batch:
@@ -255,7 +256,7 @@ class TrainData:
         device: torch.device,
         num_workers: int,
         features: "FeatureSource | None" = None,
-        sampling: COD | Anchors | None = None,
+        sampling: Sampling = EVERY_STEP,
     ):
         self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
@@ -273,8 +274,7 @@ class TrainData:
 
     def eval_batches(self) -> Iterator[Batch]:
         if self.evaluation is not None:
-            blocks = self.sampling if isinstance(self.sampling, Anchors) else None
-            for batch in self._loader(EpochPlan(self.evaluation, 1, epochs=1), blocks):
+            for batch in self._loader(EpochPlan(self.evaluation, 1, epochs=1), self.sampling.for_evaluation()):
                 yield self._ready(batch)
 
     def _ready(self, batch: Batch) -> Batch:
@@ -294,7 +294,7 @@ class TrainData:
     def close(self, completed: bool) -> None:
         self.features.close(completed)
 
-    def _loader(self, plan: EpochPlan, sampling: COD | Anchors | None = None) -> DataLoader:
+    def _loader(self, plan: EpochPlan, sampling: Sampling = EVERY_STEP) -> DataLoader:
         """Evaluation scores every anchor at every depth (no COD); DFlash's the same blocks every time (epoch 0)."""
         workers = self.num_workers
         return DataLoader(

@@ -8,7 +8,7 @@ DFlash scores up to B * A * (S - 1) block rows (7,621 of 8,192 at the peers' def
 over the target's whole vocabulary (49,152 for the default target): keeping the draft's logits of every row for the
 backward and the target's distribution of every needed row costs gigabytes. Neither is needed:
 
-  - the target's side (`TargetStates`, what `ttt.TargetHead` returns for a whole-vocabulary draft) is kept as what
+  - the target's side (`TargetStates`, what `objective.TargetHead` returns for a whole-vocabulary draft) is kept as what
     p_j is computed from: the target's normed layer-N rows s_j [N, H] and its lm_head W, with sum_v p log p and (for
     the metrics) the target's top-1 per row;
   - `BlockKL` takes the draft's normed rows x [N, H] (after `draft.norm`, which stays in autograd) and, a slice of
@@ -17,7 +17,7 @@ backward and the target's distribution of every needed row costs gigabytes. Neit
     the rows' gradient ((softmax(z) - p) * c) W_d ("fused linear cross-entropy"; the frozen W_d gets none, a draft's
     own W_d [Vd, H] the sum of the slices' dz^T x). It keeps those gradients for the backward, not the logits.
 
-The arithmetic is the unfused path's (`target_distribution`'s p, `ttt.TargetKL`, `ttt.expected_acceptance` over
+The arithmetic is the unfused path's (`target_distribution`'s p, `objective.TargetKL`, `objective.expected_acceptance` over
 `DFlashDraft.logits`) in the same dtypes -- logits in the autocast dtype, reductions in fp32, p in fp32 -- so the
 loss, its gradient and the metrics equal it to fp32 rounding (tests/test_ttt.py compares them through `ttt_forward`).
 DSpark adds each row's Markov bias, a low-rank term markov_w1[prev] markov_w2^T, inside the same slices (BlockKL's
@@ -41,7 +41,7 @@ from draftsmith.train.dflash_model import DFlashDraft
 
 
 class BlockRows(Protocol):
-    """What score_blocks reads of a batch's index (train.ttt.BlockIndex)."""
+    """What score_blocks reads of a batch's index (train.blocks.BlockIndex)."""
 
     needed: torch.Tensor  # [N] rows b * T + i whose target distribution some block row is scored on
     scored: list[torch.Tensor]  # per proposal d: the block rows scored
@@ -54,7 +54,7 @@ class TargetStates:
     is computed from: p_j = softmax(states_j @ weight^T) over the draft vocabulary. [N, H], not [N, V].
 
     A reduced draft vocabulary (weight: the target lm_head's draft-vocabulary rows) gets EAGLE-3's distribution
-    (ttt.target_distribution): p renormalised over the draft vocabulary for the loss, the mass inside it and the
+    (objective.target_distribution): p renormalised over the draft vocabulary for the loss, the mass inside it and the
     target's top-1 over its whole vocabulary for the metrics (the expected acceptance reads p * mass)."""
 
     states: torch.Tensor  # [N, H] final_norm(layer-N state), in the logits' dtype (the autocast dtype under autocast)
@@ -78,7 +78,7 @@ def target_states(
     chunk_rows: int = 1,
     draft_weight: torch.Tensor | None = None,
 ) -> TargetStates:
-    """TargetStates from layer-N states `rows` [N, H] (un-normalised): the final norm as ttt.target_distribution
+    """TargetStates from layer-N states `rows` [N, H] (un-normalised): the final norm as objective.target_distribution
     applies it, then sum p log p (and the top-1) of each row's logits, `chunk_rows` rows at a time. `draft_weight`
     [Vd, H]: the lm_head `weight`'s rows of a reduced draft vocabulary, p over them (full: the whole head's top-1 and
     the mass inside them too)."""
@@ -108,11 +108,90 @@ def target_states(
     return states
 
 
+# BlockKL's inputs in order; its backward names the gradients it gives (the rest get none).
+_INPUTS = ("x", "head_weight", "target", "at", "hint", "extra", "extra_weight", "to_target", "options")
+
+
+@dataclass(frozen=True)
+class KLOptions:
+    """How BlockKL slices its rows and what it computes beside the KL."""
+
+    rows: int = 128  # rows of the head's matmuls at a time
+    sub: int = 64  # rows of the reductions over their logits at a time (<= rows)
+    metrics: bool = True  # the top-1 agreement and the expected acceptance
+    group: bool = False  # take the rows by target row (a CPU: each target row's logits computed once)
+    acceptance: bool = False  # the expected acceptance without the other metrics (DSpark's confidence target)
+
+
+@dataclass
+class _Scratch:
+    """One BlockKL forward's outputs and the buffers its slices reuse."""
+
+    kl: torch.Tensor  # [N] acc
+    correct: torch.Tensor  # [N] bool
+    accept: torch.Tensor  # [N] acc
+    zb: torch.Tensor  # [rows, Vd] the draft's logits of a matmul slice
+    tb: torch.Tensor  # [rows, Vd] the target's logits of its target rows
+    pb: torch.Tensor  # p of the slice's target rows, fp32 (target_distribution's probs)
+    dzb: torch.Tensor | None  # the slice's logits' gradient
+    zf: torch.Tensor  # [sub, Vd] the draft's logits in acc; then min(p, q)
+    tmp: torch.Tensor  # exp(z - max), p * z, then softmax(z) and its gradient
+    pg: torch.Tensor | None  # p gathered for the rows (grouped)
+    pm: torch.Tensor | None  # p * mass (a reduced vocabulary)
+
+    @classmethod
+    def make(cls, n, vd, zdt, acc, target, device, options: KLOptions, any_grad: bool) -> "_Scratch":
+        big, small = (min(options.rows, n), vd), (min(options.sub, n), vd)
+        zb = torch.empty(big, dtype=zdt, device=device)
+        zf = torch.empty(small, dtype=acc, device=device)
+        return cls(
+            torch.empty(n, dtype=acc, device=device),
+            torch.zeros(n, dtype=torch.bool, device=device),
+            torch.zeros(n, dtype=acc, device=device),
+            zb,
+            torch.empty(big, dtype=target.weight.dtype, device=device),
+            torch.empty(big, device=device),
+            torch.empty_like(zb) if any_grad else None,
+            zf,
+            torch.empty_like(zf),
+            torch.empty(small, device=device) if options.group else None,
+            torch.empty(small, device=device) if target.mass is not None else None,
+        )
+
+    def reduce(self, z, p_all, which, ats, ids, target, hint, to_target, options: KLOptions, dz) -> None:
+        """The reductions over a matmul slice's logits z, `options.sub` rows at a time: each row's KL, metrics and
+        (dz) its logits' gradient scaled by its hint."""
+        acc = self.zf.dtype
+        for c in range(0, z.shape[0], options.sub):
+            d = min(c + options.sub, z.shape[0])
+            r, i = ats[c:d], ids[c:d]
+            if self.pg is None:
+                p = p_all[c:d]
+            else:
+                assert which is not None  # set with `order`, which `pg` goes with
+                p = torch.index_select(p_all, 0, which[c:d], out=self.pg[: d - c])
+            zs, ts = self.zf[: d - c].copy_(z[c:d]), self.tmp[: d - c]  # reduced in acc
+            m, top = zs.max(-1)
+            lse = torch.sub(zs, m[:, None], out=ts).exp_().sum(-1).log_().add_(m)  # objective._top1_logsumexp's
+            self.kl[i] = target.neg_entropy.index_select(0, r).to(acc) - torch.mul(p, zs, out=ts).sum(-1) + lse
+            q = torch.sub(zs, lse[:, None], out=ts).exp_()  # softmax(z)
+            if options.metrics:
+                top = top if to_target is None else to_target.index_select(0, top)  # target ids
+                self.correct[i] = top == target.argmax.index_select(0, r)
+            if options.metrics or options.acceptance:
+                pw = p  # p over the whole vocabulary: a reduced one's p * mass (objective.expected_acceptance)
+                if target.mass is not None and self.pm is not None:
+                    pw = torch.mul(p, target.mass.index_select(0, r)[:, None], out=self.pm[: d - c])
+                self.accept[i] = torch.minimum(pw, q, out=zs).sum(-1)
+            if dz is not None:  # TargetKL.backward's dz, in the logits' dtype
+                dz[c:d] = q.sub_(p).mul_(hint.index_select(0, i)[:, None])
+
+
 class BlockKL(torch.autograd.Function):
     """Per row i of the draft's normed rows x [N, H]: KL(p_{at_i} || softmax(x_i W_d^T)) over the whole vocabulary,
-    and (metrics) whether the draft's top-1 is the target's and sum_v min(p, q). The head's matmuls take `rows` rows
+    and (metrics) whether the draft's top-1 is the target's and sum_v min(p, q). The head's matmuls take `options.rows` rows
     at a time (a matmul of few rows streams the whole [V, H] head for little work), the reductions over their logits
-    `sub` rows at a time (a slice the caches hold between one operation and the next: ttt.REDUCE_ROWS).
+    `options.sub` rows at a time (a slice the caches hold between one operation and the next: objective.REDUCE_ROWS).
 
     `hint` [N]: the gradient the caller will give each row's KL (ttt_forward: its loss weight). The rows' gradient
     is made in the forward, scaled by it before the logits' dtype rounds it (as the unfused backward rounds its
@@ -132,76 +211,41 @@ class BlockKL(torch.autograd.Function):
     an EAGLE-3 draft."""
 
     @staticmethod
-    def forward(
-        ctx, x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance, to_target
-    ):
+    def forward(ctx, x, head_weight, target, at, hint, extra, extra_weight, to_target, options: KLOptions):
+        wants = dict(zip(_INPUTS, ctx.needs_input_grad))
         n, device = x.shape[0], x.device
         zdt = F.linear(x[:0], head_weight[:0].to(x.dtype)).dtype  # DFlashDraft.logits's dtype (autocast's)
         acc = torch.promote_types(zdt, torch.float32)  # bf16 logits are reduced in fp32; fp64 stays fp64
         w = head_weight.detach().to(zdt)  # once: autocast would cast it again at every slice; then mm = F.linear's
         we = None if extra_weight is None else extra_weight.detach().to(zdt)
-        kl = torch.empty(n, dtype=acc, device=device)
-        correct = torch.zeros(n, dtype=torch.bool, device=device)
-        accept = torch.zeros(n, dtype=acc, device=device)
-        grad = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
-        grad_extra = extra.new_empty(extra.shape) if extra is not None and ctx.needs_input_grad[9] else None
-        grad_we = (
-            torch.zeros(we.shape, dtype=acc, device=device) if we is not None and ctx.needs_input_grad[10] else None
-        )
-        grad_w = torch.zeros(w.shape, dtype=acc, device=device) if ctx.needs_input_grad[1] else None
+        grad = x.new_empty(x.shape) if wants["x"] else None
+        grad_extra = extra.new_empty(extra.shape) if extra is not None and wants["extra"] else None
+        grad_we = torch.zeros(we.shape, dtype=acc, device=device) if we is not None and wants["extra_weight"] else None
+        grad_w = torch.zeros(w.shape, dtype=acc, device=device) if wants["head_weight"] else None
         any_grad = grad is not None or grad_extra is not None or grad_we is not None or grad_w is not None
         # group: the rows in the order of their target row, so the rows of a matmul slice read a few target rows,
         # whose logits and p are computed once (DFlash reads each from up to S - 1 block positions). It reads the
         # slices' sizes on the host: free on a CPU; a GPU takes the rows as they come (one target row per row).
-        order = torch.argsort(at, stable=True) if group else None
-        big, small = (min(rows, n), w.shape[0]), (min(sub, n), w.shape[0])
-        zb, tb = torch.empty(big, dtype=zdt, device=device), torch.empty(big, dtype=target.weight.dtype, device=device)
-        pb = torch.empty(big, device=device)  # p of the slice's target rows, fp32 (target_distribution's probs)
-        dzb = torch.empty_like(zb) if any_grad else None
-        zf = torch.empty(small, dtype=acc, device=device)  # the draft's logits in acc; then min(p, q)
-        tmp = torch.empty_like(zf)  # exp(z - max), p * z, then softmax(z) and its gradient
-        pg = torch.empty(small, device=device) if group else None  # p gathered for the rows
-        pm = torch.empty(small, device=device) if target.mass is not None else None  # p * mass
-        for a in range(0, n, rows):  # the matmuls `rows` rows at a time, the reductions `sub` rows at a time
-            b = min(a + rows, n)
+        order = torch.argsort(at, stable=True) if options.group else None
+        s = _Scratch.make(n, w.shape[0], zdt, acc, target, device, options, any_grad)
+        for a in range(0, n, options.rows):  # the matmuls `rows` rows at a time, the reductions `sub` rows at a time
+            b = min(a + options.rows, n)
             ids = torch.arange(a, b, device=device) if order is None else order[a:b]  # the rows, in x
             ats = at.index_select(0, ids)  # their target rows
             xs = x[a:b] if order is None else x.index_select(0, ids)
-            z = torch.mm(xs.to(zdt), w.T, out=zb[: b - a])  # the draft's logits (DFlashDraft.logits)
+            z = torch.mm(xs.to(zdt), w.T, out=s.zb[: b - a])  # the draft's logits (DFlashDraft.logits)
             es = None
             if we is not None:  # the low-rank term (DSparkDraft.block_logits' Markov bias)
                 es = (extra[a:b] if order is None else extra.index_select(0, ids)).to(zdt)
                 z.addmm_(es, we.T)
             if order is None:
-                t, which = target.logits(ats, out=tb[: b - a]), None
+                t, which = target.logits(ats, out=s.tb[: b - a]), None
             else:  # the target rows the slice reads, each once; which[i]: row i's among them
                 once, which = torch.unique_consecutive(ats, return_inverse=True)
-                t = target.logits(once, out=tb[: len(once)])
-            p_all = torch.log_softmax(pb[: len(t)].copy_(t), -1).exp_()  # target_distribution's probs
-            dz = None if dzb is None else dzb[: b - a]
-            for c in range(0, b - a, sub):
-                d = min(c + sub, b - a)
-                r, i = ats[c:d], ids[c:d]
-                if pg is None:
-                    p = p_all[c:d]
-                else:
-                    assert which is not None  # set with `order`, which `pg` goes with
-                    p = torch.index_select(p_all, 0, which[c:d], out=pg[: d - c])
-                zs, ts = zf[: d - c].copy_(z[c:d]), tmp[: d - c]  # reduced in acc
-                m, top = zs.max(-1)
-                lse = torch.sub(zs, m[:, None], out=ts).exp_().sum(-1).log_().add_(m)  # ttt._top1_logsumexp's
-                kl[i] = target.neg_entropy.index_select(0, r).to(acc) - torch.mul(p, zs, out=ts).sum(-1) + lse
-                q = torch.sub(zs, lse[:, None], out=ts).exp_()  # softmax(z)
-                if metrics:
-                    top = top if to_target is None else to_target.index_select(0, top)  # target ids
-                    correct[i] = top == target.argmax.index_select(0, r)
-                if metrics or acceptance:
-                    pw = p  # p over the whole vocabulary: a reduced one's p * mass (ttt.expected_acceptance)
-                    if target.mass is not None and pm is not None:
-                        pw = torch.mul(p, target.mass.index_select(0, r)[:, None], out=pm[: d - c])
-                    accept[i] = torch.minimum(pw, q, out=zs).sum(-1)
-                if dz is not None:  # TargetKL.backward's dz, in the logits' dtype
-                    dz[c:d] = q.sub_(p).mul_(hint.index_select(0, i)[:, None])
+                t = target.logits(once, out=s.tb[: len(once)])
+            p_all = torch.log_softmax(s.pb[: len(t)].copy_(t), -1).exp_()  # target_distribution's probs
+            dz = None if s.dzb is None else s.dzb[: b - a]
+            s.reduce(z, p_all, which, ats, ids, target, hint, to_target, options, dz)
             if grad is not None and dz is not None:  # the linear's backward, dz @ W_d, in its dtypes
                 grad[ids] = torch.mm(dz, w).to(x.dtype)
             if grad_w is not None and dz is not None:  # the draft's own head: dz^T x of the slices, summed in fp32
@@ -211,11 +255,11 @@ class BlockKL(torch.autograd.Function):
                     grad_extra[ids] = torch.mm(dz, we).to(extra.dtype)
                 if grad_we is not None:
                     grad_we += torch.mm(dz.T, es)
-        ctx.mark_non_differentiable(correct, accept)
+        ctx.mark_non_differentiable(s.correct, s.accept)
         ctx.extra_weight_dtype = None if extra_weight is None else extra_weight.dtype
         ctx.head_dtype = head_weight.dtype
         ctx.save_for_backward(grad, grad_extra, grad_we, grad_w, hint)
-        return kl, correct, accept
+        return s.kl, s.correct, s.accept
 
     @staticmethod
     def backward(ctx, grad_kl, _correct, _accept):
@@ -233,7 +277,8 @@ class BlockKL(torch.autograd.Function):
                 )
             grad_we = None if grad_we is None else (grad_we * factor).to(ctx.extra_weight_dtype)
             grad_w = None if grad_w is None else (grad_w * factor).to(ctx.head_dtype)
-        return rescaled[0], grad_w, None, None, None, None, None, None, None, rescaled[1], grad_we, None, None
+        grads = {"x": rescaled[0], "head_weight": grad_w, "extra": rescaled[1], "extra_weight": grad_we}
+        return tuple(grads.get(name) for name in _INPUTS)
 
 
 def block_kl(
@@ -262,10 +307,9 @@ def block_kl(
     if hint is None:
         hint = torch.ones(x.shape[0], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     group = x.device.type == "cpu" if group is None else group
-    rows, sub = max(1, rows), max(1, min(sub, rows))
-    return BlockKL.apply(
-        x, head_weight, target, at, hint, rows, sub, metrics, group, extra, extra_weight, acceptance, to_target
-    )
+    rows = max(1, rows)
+    options = KLOptions(rows, max(1, min(sub, rows)), metrics, group, acceptance)
+    return BlockKL.apply(x, head_weight, target, at, hint, extra, extra_weight, to_target, options)
 
 
 def score_blocks(

@@ -365,13 +365,9 @@ class DFlashDraft(DraftModule):
         [B, S, H]). The block leaves nothing behind."""
         context = self.hidden_norm(features)
         cos, sin = self.rotary(feature_positions, context.dtype)
-        for layer, entries in zip(self.layers, cache.layers):
-            k, v = layer.self_attn.keys_values(context, cos, sin)  # type: ignore[union-attr, operator]  # DFlashLayers
-            if entries:
-                entries[0] = (torch.cat((entries[0][0], k), dim=2), torch.cat((entries[0][1], v), dim=2))
-            else:
-                entries.append((k, v))
-        hidden = self.forward_hidden(block_ids, block_positions, [e[0] for e in cache.layers], None, full_attention)
+        for i, layer in enumerate(self.layers):
+            cache.extend(i, *layer.self_attn.keys_values(context, cos, sin))  # type: ignore[union-attr, operator]
+        hidden = self.forward_hidden(block_ids, block_positions, cache.context(), None, full_attention)
         return self.logits(hidden[:, 1:]), hidden  # the anchor's own output proposes nothing
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from draftsmith.train.ttt import TTTModel
+from draftsmith.train.objective import TTTModel
 
 STRATEGIES = ("auto", "ddp", "fsdp2")
 # auto picks FSDP2 when the draft's trainable state (fp32 weights + gradients + two AdamW moments, 16 bytes a

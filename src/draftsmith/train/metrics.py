@@ -22,7 +22,7 @@ from rich.progress import Progress as RichProgress
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import _explain_os_error, atomic_write_text
 from draftsmith.train import distributed
-from draftsmith.train.ttt import TTTResult
+from draftsmith.train.objective import TTTResult
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # one line per optimizer step: the sample ids rank 0 trained on, in order

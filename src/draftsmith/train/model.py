@@ -248,15 +248,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Keys/values of each layer: one (k, v) per TTT step ("ttt"/"naive"), or one growing entry ("decode").
+    """Keys/values of each layer: one (k, v) per TTT step ("ttt"/"naive": `append`), or one entry growing along the
+    positions ("decode", a block drafter's context: `extend`, cut back by `crop`).
 
     A plain object (not a list) on purpose: wrappers such as FSDP2 rebuild list/tuple arguments of a wrapped
     layer's forward, which would silently drop what the layer appends.
     """
 
     def __init__(self, num_layers: int, kernel: str = "auto"):
-        self.layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+        self._layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
         self.kernel = kernel  # the TTT attention's ("auto", "flex", "chunked": `ttt_attention`), --attention-kernel
+
+    def steps(self, layer: int) -> int:
+        """The entries layer `layer` holds (TTT: the steps run)."""
+        return len(self._layers[layer])
+
+    def entries(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer `layer`'s (k, v) entries, oldest first (a copy of the list; the same tensors)."""
+        return list(self._layers[layer])
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One more entry (a TTT step's k, v) -> the layer's keys and values, one per entry."""
+        entries = self._layers[layer]
+        entries.append((k, v))
+        return [e[0] for e in entries], [e[1] for e in entries]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions k, v [B, Hkv, T, D] after the layer's decode entry -> the whole entry."""
+        entries = self._layers[layer]
+        if entries:
+            k, v = torch.cat((entries[0][0], k), dim=2), torch.cat((entries[0][1], v), dim=2)
+            entries[0] = (k, v)
+        else:
+            entries.append((k, v))
+        return k, v
+
+    def context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's decode entry (k, v)."""
+        return [entries[0] for entries in self._layers]
+
+    def crop(self, length: int) -> None:
+        """Forget every decode entry's positions from `length` on."""
+        for entries in self._layers:
+            if entries:
+                k, v = entries[0]
+                entries[0] = (k[:, :, :length], v[:, :, :length])
+
+    def fork(self, layer: int, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> "KVCache":
+        """A private cache of as many layers, layer `layer` holding `entries` (a checkpointed layer call's)."""
+        private = KVCache(len(self._layers))
+        private._layers[layer] = list(entries)
+        return private
 
 
 class Attention(nn.Module):
@@ -282,7 +324,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer_idx: int, mode: str
     ) -> torch.Tensor:
-        """cache.layers[layer_idx]: this layer's (k, v); mode "ttt": one entry per TTT step; "decode": one growing
+        """cache: this layer's (k, v) at layer_idx; mode "ttt": one entry per TTT step; "decode": one growing
         entry."""
         q, k, v = self.project(x, cos, sin)
         out = _attend(q, k, v, cache, layer_idx, mode)
@@ -297,18 +339,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, laye
     the layer's graph the cache's length and the kernels' per-length code would make dynamo compile a graph per TTT
     step and per sequence length, until its recompile limit sends the layer back to eager. The layer passes the
     cache object through without reading it, so its graph guards on none of it."""
-    cache = kv.layers[layer_idx]
     if mode == "ttt":
-        cache.append((k, v))
-        return ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache], kernel=kv.kernel)
+        keys, values = kv.append(layer_idx, k, v)
+        return ttt_attention(q, keys, values, kernel=kv.kernel)
     if mode == "naive":
-        cache.append((k, v))
-        return naive_ttt_attention(q, [c[0] for c in cache], [c[1] for c in cache])
-    if cache:
-        k, v = torch.cat((cache[0][0], k), dim=2), torch.cat((cache[0][1], v), dim=2)
-        cache[0] = (k, v)
-    else:
-        cache.append((k, v))
+        return naive_ttt_attention(q, *kv.append(layer_idx, k, v))
+    k, v = kv.extend(layer_idx, k, v)
     return cached_attention(q, k, v)
 
 

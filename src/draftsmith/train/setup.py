@@ -43,7 +43,7 @@ from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_
 from draftsmith.train.methods import METHODS, method, method_of
 from draftsmith.train.methods.base import Draft
 from draftsmith.train.model import DraftSpec
-from draftsmith.train.ttt import TargetHead, TTTModel
+from draftsmith.train.objective import TargetHead, TTTModel
 
 # Options that may change between a run and its resume without changing what is being trained.
 # Checkpoints hold full state dicts: DDP and FSDP2 resume each other; the engines' placement and the spool's size

@@ -26,7 +26,7 @@ from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
 from draftsmith.train.setup import Run, autocast_dtype, build, lr_at, precision_note, resolved_precision
-from draftsmith.train.ttt import TargetHead, TTTResult, summarise
+from draftsmith.train.objective import TargetHead, TTTResult, summarise
 
 __all__ = ["run", "METRICS_FILE"]
 
@@ -42,12 +42,7 @@ def run(cfg: TrainConfig) -> StageResult:
 def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     r = build(cfg, info)  # data, target head, draft, optimizer; resumed from --output's latest checkpoint
     state, model, optimizer, out = r.state, r.model, r.optimizer, Path(cfg.output)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        # config.yaml holds what auto resolved to here (the checkpoints keep what was asked, for resuming)
-        save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}), out)
-        threads = f"; {openmp.WAIT_POLICY}" if info.device.type == "cpu" else ""
-        print(f"{precision_note(info.device, cfg.precision)}{threads}", file=sys.stderr, flush=True)
+    _start_output(cfg, info, out)
     sink = MetricsSink(out / METRICS_FILE, info.is_main, state.step if r.resumed_from else -1)
     ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
     stats, progress = StepStats(cfg.method.depths, info.device), Progress(r.total_steps, info.is_main)
@@ -82,15 +77,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 stats.add(state.step + 1, result, mb)
             grad_norm = optimizer_step(r)
             state.step += 1
-            ledger.write(
-                {
-                    "type": "samples",
-                    "step": state.step,
-                    "epoch": micro[0].epoch,
-                    "position": micro[0].position,
-                    "samples": [i for mb in micro for i in mb.sample_ids],
-                }
-            )
+            ledger.write(_samples_row(state.step, micro))
             if micro[-1].last:  # before any checkpoint, so a resume never repeats the epoch's end
                 state.epoch, state.epoch_start = state.epoch + 1, state.step
             evaluate_now = micro[-1].last or bool(cfg.eval_every and state.step % cfg.eval_every == 0)
@@ -100,22 +87,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 state.tokens += tokens
                 tok_s = (state.tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
                 if logged:
-                    kl, correct, accept, count, weight = *sums, cfg.method.depth_weight
-                    last_train, source = summarise(kl, correct, accept, count, weight), r.data.metrics()
-                    sink.write(
-                        {
-                            "type": "train",
-                            "step": state.step,
-                            "epoch": micro[0].epoch,
-                            "lr": lr,
-                            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-                            "tokens_seen": state.tokens,
-                            "tokens_per_s": round(tok_s, 1),
-                            **last_train,
-                            **source,
-                        }
-                    )
-                    progress.update(state.step, tok_s, last_train, r.data.describe(source))
+                    last_train = log_train(r, sink, progress, sums, micro[0].epoch, lr, grad_norm, tok_s)
             progress.update(state.step)
             if evaluate_now:
                 evaluate(r, sink, micro[0].epoch)
@@ -137,6 +109,52 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         output=out,
         summary=_summary(r, last_train, last_saved, tokens_at_start, time.perf_counter() - t0),
     )
+
+
+def _start_output(cfg: TrainConfig, info: distributed.DistInfo, out: Path) -> None:
+    """The run's directory and its resolved config.yaml (rank 0), and the precision line."""
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        # config.yaml holds what auto resolved to here (the checkpoints keep what was asked, for resuming)
+        save_resolved_config(cfg.model_copy(update={"precision": resolved_precision(info.device, cfg.precision)}), out)
+        threads = f"; {openmp.WAIT_POLICY}" if info.device.type == "cpu" else ""
+        print(f"{precision_note(info.device, cfg.precision)}{threads}", file=sys.stderr, flush=True)
+
+
+def _samples_row(step: int, micro: list[Batch]) -> dict:
+    """The samples ledger's row of an optimizer step: which samples it read, and where the sampler was."""
+    samples = [i for mb in micro for i in mb.sample_ids]
+    return {"type": "samples", "step": step, "epoch": micro[0].epoch, "position": micro[0].position, "samples": samples}
+
+
+def log_train(
+    r: Run,
+    sink: MetricsSink,
+    progress: Progress,
+    sums: torch.Tensor,
+    epoch: int,
+    lr: float,
+    grad_norm: torch.Tensor | None,
+    tok_s: float,
+) -> dict:
+    """A logged step's metrics (its reduced `sums`) into metrics.jsonl and the progress line; returns them."""
+    kl, correct, accept, count, weight = *sums, r.cfg.method.depth_weight
+    last_train, source = summarise(kl, correct, accept, count, weight), r.data.metrics()
+    sink.write(
+        {
+            "type": "train",
+            "step": r.state.step,
+            "epoch": epoch,
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "tokens_seen": r.state.tokens,
+            "tokens_per_s": round(tok_s, 1),
+            **last_train,
+            **source,
+        }
+    )
+    progress.update(r.state.step, tok_s, last_train, r.data.describe(source))
+    return last_train
 
 
 def optimizer_step(r: Run) -> torch.Tensor | None:

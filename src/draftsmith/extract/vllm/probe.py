@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from rich.table import Table
 
 from draftsmith.core import hardware
@@ -80,6 +80,8 @@ TESTED_ARCHITECTURES = (
 
 class ProbeFacts(BaseModel):
     """The machine-readable findings the strategies act on. None on a three-valued fact: unknown (see `unknown`)."""
+
+    model_config = ConfigDict(extra="forbid")  # a reader's misspelt fact fails here, not as "could not tell"
 
     installed: bool = False
     version: str | None = None

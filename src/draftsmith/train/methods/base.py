@@ -2,7 +2,7 @@
 
 A method owns, for its drafts: the module (`module`) and how a fresh one is built from the target, how a run turns a
 draft of its family into one of this method (`adopt`), how training draws what a batch scores (`sampling`: its
-index, TTT steps or blocks, decides the unrolled forward train.ttt runs), the reference decoder's proposal round
+index, TTT steps or blocks, decides its objective: train.unrolled or train.blocks), the reference decoder's proposal round
 (`propose`), each
 export format's config.json and weight names (or a one-line refusal), how it is read back from a config.json as
 vLLM reads it (`claims`, `spec_from_config`), the speculative config vLLM needs, and the probe facts that say
@@ -23,10 +23,11 @@ from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import DraftSpec, Eagle3Draft, KVCache
+from draftsmith.train.objective import Sampling
+from draftsmith.train.unrolled import EVERY_STEP
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
-    from draftsmith.train.ttt import COD, Anchors
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 Draft = Eagle3Draft | DFlashDraft  # a draft module, whichever method's (each method names its module)
@@ -117,9 +118,10 @@ class DraftMethod(ABC):
     def check_run(self, cfg: TrainConfig) -> None:
         """Refuse (one line) options this method cannot train with."""
 
-    def sampling(self, cfg: TrainConfig) -> COD | Anchors | None:
-        """What a batch's index draws (train.ttt.batch_index): P-EAGLE's COD, DFlash's anchors, or every step."""
-        return None
+    def sampling(self, cfg: TrainConfig) -> Sampling:
+        """What a batch's index draws, and so the objective that scores it: every TTT step (train.unrolled), P-EAGLE's
+        COD (train.unrolled), or a block method's anchors (train.blocks)."""
+        return EVERY_STEP
 
     # -- the reference decoder
 

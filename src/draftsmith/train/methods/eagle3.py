@@ -1,7 +1,7 @@
 """EAGLE-3: the draft proposes one token per forward, each step reading its own previous output (training-time test).
 
 The module is `train.model.Eagle3Draft` (vLLM's `Eagle3LlamaForCausalLM` weights); training unrolls `ttt_steps` steps
-(`train.ttt.ttt_hidden_states`, every step scored); a reference-decoder round is k forwards; vLLM serves it as speculative method
+(`train.unrolled.ttt_hidden_states`, every step scored); a reference-decoder round is k forwards; vLLM serves it as speculative method
 "eagle3" (`LlamaForCausalLMEagle3` in vLLM's and SGLang's files, `Eagle3Speculator` in speculators').
 """
 

@@ -2,7 +2,7 @@
 
 The module is EAGLE-3's (`train.model.Eagle3Draft`) with one more tensor, `mask_hidden` [1, num_aux * H_target]:
 the aux features every parallel slot reads (vLLM's Eagle-3 loader takes a weight of that name and fuses it with fc),
-each slot embedding the mask token. Training unrolls the depths with COD sampling (`train.ttt.COD`); a round is one
+each slot embedding the mask token. Training unrolls the depths with COD sampling (`train.unrolled.COD`); a round is one
 forward (the pending positions, then k - 1 slots). vLLM serves it as method "eagle3" with `"parallel_drafting":
 true` (without it vLLM skips mask_hidden and drafts one token per forward); its config.json names the mask token:
 vllm's `ptd_token_id`, speculators' own P-EAGLE type (`mask_token_id`, which vLLM's reader hands on as
@@ -21,7 +21,7 @@ from draftsmith.extract.vllm.readers import PARALLEL_DRAFTING_ROW
 from draftsmith.train.methods.base import Choose, Runner, VllmNeed, mask_token_id, token_id
 from draftsmith.train.methods.eagle3 import Eagle3
 from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.ttt import COD
+from draftsmith.train.unrolled import COD, Unrolled
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -100,9 +100,9 @@ class PEagle(Eagle3):
                 "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
             )
 
-    def sampling(self, cfg: TrainConfig) -> COD:
+    def sampling(self, cfg: TrainConfig) -> Unrolled:
         assert isinstance(cfg.method, PEagleOptions), cfg.method  # the registry asks this method for its own runs
-        return COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed)
+        return Unrolled(COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed))
 
     def depths_trained(self, cfg: TrainConfig) -> int | None:
         return cfg.method.depths

@@ -1,0 +1,224 @@
+"""The block objective (DFlash, DSpark): one draft forward per batch over blocks at sampled anchors, scored against the
+target (objective.py) by the fused block loss (block_loss.py).
+
+Blocks [x_a, mask x (S-1)] at sampled anchors a (`Anchors`, `block_index`), block position j trained towards p_{a+j-1}
+with weight step_weight**(j-1) (exp(-(j-1)/loss_decay)); the metrics call block position j "step" j-1 (DSpark, whose
+anchor row proposes too: j), so every number reads as the unrolled objective's. Its head and vocabulary are the
+target's (or, with --draft-vocab-size, its own over a reduced vocabulary), so its loss and metrics run a slice of rows
+at a time from [N, H] states, never [N, V] (block_loss.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from draftsmith.train.attention import anchor_chunks, block_attention, naive_block_attention
+from draftsmith.train.block_loss import TargetStates, score_blocks
+from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.objective import (
+    KL,
+    CORRECT,
+    ACCEPT,
+    Pass,
+    TargetDistribution,
+    TTTResult,
+    slice_rows,
+    new_sums,
+    score_steps,
+)
+
+# Rows of the head's matmuls a CPU runs at a time in the fused loss (block_loss.BlockKL; its reductions still take
+# objective.REDUCE_ROWS): a [64, H] x [H, V] matmul streams the whole [V, H] head for half the work of a [128, H]
+# one (64, 128, 256 and 512 tried on a 2-core EPYC: 128 and 256 the fastest within noise, 128 the smaller).
+HEAD_ROWS = 128
+
+
+@dataclass(frozen=True)
+class Anchors:
+    """The block methods' anchor sampling: per sample, up to `per_sample` block starts drawn without replacement from
+    the positions a that can anchor a block (a >= 1, so the block has a context; loss_mask[a] and loss_mask[a+1]: the
+    anchor is a token the target wrote, as vLLM's bonus token is, and the first proposal is scored), from one
+    generator per (seed, epoch, sample id): the same blocks on a resume. `from_anchor`: the block's first proposal is
+    its anchor row's (DSpark) instead of its first mask row's (DFlash)."""
+
+    block_size: int
+    per_sample: int
+    seed: int = 0
+    from_anchor: bool = False  # DSpark: the anchor row proposes too (x_{a+1}), so every row of the block is scored
+
+    def draw(self, mask: np.ndarray, epoch: int, sample_id: int) -> np.ndarray:
+        valid = np.zeros(len(mask), dtype=bool)
+        valid[1:-1] = mask[1:-1] & mask[2:]
+        candidates = np.flatnonzero(valid)
+        if len(candidates) > self.per_sample:
+            rng = np.random.default_rng([self.seed, epoch, int(sample_id)])
+            candidates = np.sort(rng.choice(candidates, self.per_sample, replace=False))
+        return candidates
+
+    def index(
+        self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0
+    ) -> BlockIndex:
+        """The batch's blocks (`ttt_steps` aside: a block's proposals are its rows)."""
+        return block_index(loss_mask, self, sample_ids, epoch)
+
+    def for_evaluation(self) -> Anchors:
+        return self  # epoch 0: the same blocks every time
+
+
+@dataclass
+class BlockIndex:
+    """What a block method's batch reads, built on the host: the blocks (anchors) and, per proposal d of a block (the
+    "steps" of the metrics: d = 0 proposes x_{a+1}), the block rows scored and the target rows they are scored
+    against. Proposal d is block row j = d + 1 (DFlash: the anchor row proposes nothing) or j = d (DSpark)."""
+
+    needed: torch.Tensor  # [N] int64: rows b * T + i whose target distribution p_i some block row is scored on
+    scored: list[torch.Tensor]  # per proposal d, [N_d] int64: rows (b * A + a) * S + j of the block hidden states
+    target: list[torch.Tensor]  # per proposal d, [N_d] int64: where row b * T + anchor + d sits in `needed`
+    counts: torch.Tensor  # [D] float64: N_d (D = S - 1, DSpark S)
+    anchors: torch.Tensor  # [B, A] int64: block starts, ascending per sample (padding: 1, never scored)
+    chunk_limits: list[int]  # per chunk of attention.anchor_chunks(A, S): its largest anchor over the batch
+    keeps_states: ClassVar[bool] = True  # the target's side: the normed states (TargetStates, never [N, V])
+
+    def score(
+        self,
+        draft: DFlashDraft,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        target: TargetDistribution | TargetStates,
+        normaliser: torch.Tensor,
+        run: Pass,
+    ) -> TTTResult:
+        """The block objective: one draft forward over the batch's blocks; block row j is "step" j-1 (DSpark: j)."""
+        attention = "naive" if run.mode == "naive" else run.kernel
+        steps = dflash_hidden_states(draft, input_ids, aux_hidden, self, run.checkpointed, attention)
+        sums = new_sums(self, run.ttt_steps, input_ids.device)
+        loss = aux_hidden.new_zeros((), dtype=torch.float32)
+        # TargetHead's for the whole vocabulary, and the head BlockKL computes (DFlashDraft.logits, not a subclass's
+        # own): never [N, V] (block_loss.py)
+        if isinstance(target, TargetStates) and type(draft).logits is DFlashDraft.logits:
+            return _block_loss(draft, next(steps), input_ids, target, self, run, normaliser, sums, loss)
+        return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
+
+    def map(self, fn) -> "BlockIndex":
+        return BlockIndex(
+            fn(self.needed),
+            [fn(x) for x in self.scored],
+            [fn(x) for x in self.target],
+            fn(self.counts),
+            fn(self.anchors),
+            self.chunk_limits,
+        )
+
+
+def block_index(
+    loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_ids: Sequence[int] = (), epoch: int = 0
+) -> BlockIndex:
+    """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block proposal reads.
+
+    Proposal d of the block at anchor a proposes x_{a+d+1}: it is scored when a + d + 1 < T and loss_mask[a+d+1],
+    and trained towards p_{a+d} (the target's distribution of that token), the same alignment as every method. It is
+    block row d + 1 (DFlash: block position j proposes x_{a+j}) or, `anchors.from_anchor`, block row d (DSpark)."""
+    mask = np.asarray(loss_mask, dtype=bool)
+    b, t = mask.shape
+    size = anchors.block_size
+    ids = list(sample_ids) or list(range(b))
+    drawn = [anchors.draw(mask[row], epoch, ids[row]) for row in range(b)]
+    num = max(1, max(len(d) for d in drawn))
+    starts = np.ones((b, num), dtype=np.int64)
+    live = np.zeros((b, num), dtype=bool)
+    for row, d in enumerate(drawn):
+        starts[row, : len(d)], live[row, : len(d)] = d, True
+    first = 0 if anchors.from_anchor else 1  # the block row of proposal 0
+    j = np.arange(first, size)
+    pos = starts[:, :, None] + (j - first + 1)[None, None, :]  # [B, A, D] the proposed token's position
+    scored = live[:, :, None] & (pos < t)
+    scored &= np.take_along_axis(mask, np.minimum(pos, t - 1).reshape(b, -1), axis=1).reshape(pos.shape)
+    rows_needed = np.zeros(b * t, dtype=bool)
+    flat_target = np.arange(b)[:, None, None] * t + pos - 1  # row of p_{a+d}
+    rows_needed[flat_target[scored]] = True
+    rank = np.cumsum(rows_needed) - 1
+    block_rows = (np.arange(b)[:, None, None] * num + np.arange(num)[None, :, None]) * size + j[None, None, :]
+    out_scored, out_target, counts = [], [], []
+    for k in range(len(j)):
+        sel = scored[:, :, k]
+        out_scored.append(torch.from_numpy(block_rows[:, :, k][sel].astype(np.int64)))
+        out_target.append(torch.from_numpy(rank[flat_target[:, :, k][sel]].astype(np.int64)))
+        counts.append(int(sel.sum()))
+    limits = [int(starts[:, a0:a1].max()) for a0, a1 in anchor_chunks(num, size)]
+    return BlockIndex(
+        torch.from_numpy(np.flatnonzero(rows_needed).astype(np.int64)),
+        out_scored,
+        out_target,
+        torch.tensor(counts, dtype=torch.float64),
+        torch.from_numpy(starts),
+        limits,
+    )
+
+
+def dflash_hidden_states(
+    draft: DFlashDraft,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    index: BlockIndex,
+    checkpointed: bool = False,
+    attention: str = "auto",
+) -> Iterator[torch.Tensor]:
+    """DFlash: the blocks' pre-norm hidden states [B, A*S, H] from one draft forward, once per block position j
+    (the rows of position j are `index.scored[j-1]`). Block a sits at positions anchor .. anchor + S - 1, reads
+    [x_anchor, mask, ...] and sees the context s < anchor: what vLLM's round from prefix 0..anchor computes.
+    attention: `block_attention`'s kernel ("auto", "flex", "chunked"), or "naive": one explicit mask over every
+    block (tests)."""
+    b, t = input_ids.shape
+    anchors = index.anchors
+    size = draft.spec.block_size
+    assert size is not None  # a DFlash spec's
+    block_ids = draft.block_ids(input_ids.gather(1, anchors)).flatten(1)  # [B, A*S]
+    block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    if attention == "naive":
+
+        def attend(q, k, v, kc, vc):
+            return naive_block_attention(q, k, v, kc, vc, anchors)
+    else:
+
+        def attend(q, k, v, kc, vc):
+            return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits, kernel=attention)
+
+    hidden = draft.forward_hidden(
+        block_ids, block_positions, draft.context(aux_hidden), positions, attend, checkpointed=checkpointed
+    )
+    for _ in range(size - 1):
+        yield hidden
+
+
+def _block_loss(
+    draft: DFlashDraft,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    target: TargetStates,
+    index: BlockIndex,
+    run: Pass,
+    normaliser: torch.Tensor,
+    sums: torch.Tensor,
+    loss: torch.Tensor,
+) -> TTTResult:
+    """The scoring of a block method's proposals over TargetStates (block_loss.score_blocks: the head's
+    matmul, the target's p, KL, metrics and the rows' gradient a slice at a time; DSpark's Markov bias and confidence
+    loss), its sums then filled per proposal as objective.score_steps fills them."""
+    sub = slice_rows(hidden.device, target.weight.shape[0])
+    rows = max(sub, HEAD_ROWS) if hidden.device.type == "cpu" else sub
+    extra_loss, per_step = score_blocks(
+        draft, hidden, input_ids, target, index, run.step_weight, normaliser, run.metrics, rows, sub
+    )
+    for k, (step_kl, step_correct, step_accept) in enumerate(per_step):
+        step_loss = step_kl.sum()
+        loss = loss + (run.step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
+        sums[KL, k] = step_loss.detach()
+        if run.metrics:
+            sums[CORRECT, k] = step_correct.sum()
+            sums[ACCEPT, k] = step_accept.sum()
+    return TTTResult(loss=loss + extra_loss, sums=sums)

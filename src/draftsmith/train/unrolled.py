@@ -1,0 +1,203 @@
+"""The unrolled objective (EAGLE-3, Eagle 3.1, P-EAGLE): training-time test (TTT), the draft unrolled over a batch one
+step (or parallel depth) at a time, each step scored against the target (objective.py).
+
+Alignment (docs/architecture.md; reference implementations had an off-by-one here). Tokens x_0..x_{T-1}; the target's
+state at position j (layer N) gives p_j, its distribution of token x_{j+1}. At TTT step k the draft at position t
+  - reads the embedding of x_{t+k+1} and the fused target features f_t (k = 0) or its own step k-1 output at t,
+  - sits at RoPE position t+k and attends causally to step-0 keys s <= t plus its own keys of steps 1..k at t,
+  - predicts token x_{t+k+2}: it is trained towards p_{t+k+1}, with weight loss_mask[t+k+2] (the predicted token's).
+So step k has T-k-2 candidate positions, of which the loss-masked ones are scored.
+
+P-EAGLE (a spec with a mask token, parallel drafting in vLLM): step 0 is EAGLE-3's; at depth k >= 1 the slot at
+position t+k reads the mask token's embedding and fc(mask_hidden) instead of x_{t+k+1} and step k-1's output, and
+still attends to step-0 keys s <= t plus its own anchor's slots of depths 1..k (the same attention as TTT, so the
+same memory-linear kernels), and predicts x_{t+k+2}: what vLLM's k-th parallel proposal from prefix 0..t+1 is.
+COD sampling (`step_index(..., cod=...)`) scores only a subset of the anchors at each depth >= 1: about
+n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head then run on those rows alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from draftsmith.train.block_loss import TargetStates
+from draftsmith.train.model import Eagle3Draft, KVCache
+from draftsmith.train.objective import Pass, TargetDistribution, TTTResult, new_sums, score_steps
+
+
+@dataclass
+class StepIndex:
+    """Rows of a padded batch [B, T], flattened to b * T + t, that a TTT step reads (built on the host)."""
+
+    needed: torch.Tensor  # [N] int64: rows j whose target distribution p_j some step is scored against
+    scored: list[torch.Tensor]  # per step k, [N_k] int64: rows t scored at step k (loss_mask[t+k+2])
+    target: list[torch.Tensor]  # per step k, [N_k] int64: where row t+k+1 sits in `needed`
+    counts: torch.Tensor  # [K] float64: N_k, the scored positions per step
+    live: list[torch.Tensor]  # per step k, int64: rows whose step-k output is read (scored at a step >= k)
+    keeps_states: ClassVar[bool] = False  # the target's side: its distribution (over the draft vocabulary)
+
+    def score(
+        self,
+        draft: Eagle3Draft,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        target: TargetDistribution | TargetStates,
+        normaliser: torch.Tensor,
+        run: Pass,
+    ) -> TTTResult:
+        """The unrolled objective: `run.ttt_steps` draft steps over the batch, each scored against the target."""
+        index = self if run.live_rows else None
+        steps = ttt_hidden_states(
+            draft, input_ids, aux_hidden, run.ttt_steps, run.mode, run.checkpointed, run.kernel, index
+        )
+        sums = new_sums(self, run.ttt_steps, input_ids.device)
+        loss = aux_hidden.new_zeros((), dtype=torch.float32)
+        return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
+
+    def map(self, fn) -> "StepIndex":
+        """The same index with fn applied to every tensor (e.g. a move to the device)."""
+        return StepIndex(
+            fn(self.needed),
+            [fn(x) for x in self.scored],
+            [fn(x) for x in self.target],
+            fn(self.counts),
+            [fn(x) for x in self.live],
+        )
+
+
+@dataclass(frozen=True)
+class COD:
+    """P-EAGLE's COD sampling of the anchors each depth k >= 1 scores: of depth k's n candidates (loss-masked),
+    keep ceil(n * ratio**k), at least ceil(n * floor) (and at most n). Which ones: per sample, the candidates with
+    the smallest of one random priority per position, drawn from (seed, epoch, sample id) -- so the kept sets
+    shrink nested-wise with depth, and a resumed run draws the same ones."""
+
+    ratio: float
+    floor: float
+    seed: int = 0
+
+    def keep(self, n: int, k: int) -> int:
+        if k == 0 or n == 0:
+            return n
+        return min(n, max(math.ceil(n * self.ratio**k - 1e-9), math.ceil(n * self.floor - 1e-9)))
+
+
+@dataclass(frozen=True)
+class Unrolled:
+    """The unrolled objective's sampling: every scored position at every step, or P-EAGLE's COD at depths >= 1."""
+
+    cod: COD | None = None
+
+    def index(self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0) -> StepIndex:
+        return step_index(loss_mask, ttt_steps, self.cod, sample_ids, epoch)
+
+    def for_evaluation(self) -> Unrolled:
+        return EVERY_STEP
+
+
+EVERY_STEP = Unrolled()  # EAGLE-3's, Eagle 3.1's, and every evaluation's
+
+
+def step_index(
+    loss_mask: np.ndarray | torch.Tensor,
+    ttt_steps: int,
+    cod: COD | None = None,
+    sample_ids: Sequence[int] = (),
+    epoch: int = 0,
+) -> StepIndex:
+    """The rows each TTT step reads, from a [B, T] 0/1 loss mask (numpy, on the host: no device work).
+
+    Step k scores position t (t < T-k-2) when loss_mask[t+k+2] and trains it towards p_{t+k+1}; p_j is needed when
+    loss_mask[j+1] (so every target row a step reads is in `needed`, and padding is never read). With `cod`
+    (P-EAGLE), depth k >= 1 scores only COD.keep of each sample's candidates (`sample_ids` seed the choice).
+    """
+    mask = np.asarray(loss_mask, dtype=bool)
+    b, t = mask.shape
+    needed = np.zeros((b, t), dtype=bool)
+    needed[:, :-1] = mask[:, 1:]
+    priority = None
+    if cod is not None:  # one random priority per position of each sample
+        priority = np.stack([np.random.default_rng([cod.seed, epoch, int(i)]).random(t) for i in sample_ids])
+    flat_needed = needed.reshape(-1)
+    rank = np.cumsum(flat_needed) - 1  # position of each needed row in `needed`
+    scored, target, counts, sels = [], [], [], []
+    for k in range(ttt_steps):
+        n = max(t - k - 2, 0)
+        sel = np.zeros((b, t), dtype=bool)
+        sel[:, :n] = mask[:, k + 2 : k + 2 + n]
+        if cod is not None and priority is not None and k:
+            for row in range(b):
+                candidates = np.flatnonzero(sel[row])
+                keep = cod.keep(len(candidates), k)
+                if keep < len(candidates):
+                    dropped = candidates[np.argsort(priority[row, candidates], kind="stable")[keep:]]
+                    sel[row, dropped] = False
+        rows = np.flatnonzero(sel)
+        scored.append(torch.from_numpy(rows.astype(np.int64)))
+        target.append(torch.from_numpy(rank[rows + k + 1].astype(np.int64)))  # t + k + 1 < T: the same sample
+        counts.append(len(rows))
+        sels.append(sel)
+    live: list[torch.Tensor] = []
+    later = np.zeros((b, t), dtype=bool)
+    for sel in reversed(sels):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
+        later |= sel
+        live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
+    return StepIndex(
+        torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)),
+        scored,
+        target,
+        torch.tensor(counts, dtype=torch.float64),
+        live,
+    )
+
+
+def step_counts(loss_mask: torch.Tensor, ttt_steps: int) -> torch.Tensor:
+    """Scored (loss-masked) positions per TTT step [K] (StepIndex.counts without the rows)."""
+    t = loss_mask.shape[1]
+    return torch.tensor(
+        [float(loss_mask[:, k + 2 :].sum()) if k + 2 < t else 0.0 for k in range(ttt_steps)], dtype=torch.float64
+    )
+
+
+def ttt_hidden_states(
+    draft: Eagle3Draft,
+    input_ids: torch.Tensor,
+    aux_hidden: torch.Tensor,
+    ttt_steps: int,
+    mode: str = "ttt",
+    checkpointed: bool = False,
+    kernel: str = "auto",
+    index: StepIndex | None = None,
+) -> Iterator[torch.Tensor]:
+    """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring).
+
+    With the batch's `index`, a layer's MLP runs only on the positions read later (`StepIndex.live`): the rows
+    scored at this step or a later one (about a third fewer on chat data). Not at step 0 below the last layer,
+    whose outputs are the next layer's step-0 keys, read by every later position. The hidden states of the other
+    rows then differ, and nothing reads them.
+    """
+    b, t = input_ids.shape
+    cache = KVCache(len(draft.layers), kernel)
+    hidden = draft.fuse(aux_hidden)  # [B, T, H]
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    last = len(draft.layers) - 1
+    parallel = draft.spec.mask_token_id is not None  # P-EAGLE's slots read the mask token
+    if parallel:  # P-EAGLE: every slot of depth >= 1 reads the mask token and fc(mask_hidden), not step k-1
+        assert draft.spec.mask_token_id is not None  # a P-EAGLE spec's
+        mask_ids = torch.full_like(input_ids, draft.spec.mask_token_id)
+        mask_hidden = draft.mask_features().to(hidden.dtype).expand(b, t, -1)
+    for k in range(ttt_steps):
+        if parallel and k:
+            ids, hidden = mask_ids, mask_hidden
+        else:
+            ids = F.pad(input_ids[:, k + 1 :], (0, k + 1))  # step k at t reads x_{t+k+1}
+        rows = None if index is None else [index.live[k] if k or i == last else None for i in range(last + 1)]
+        out = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed, rows=rows)
+        yield out
+        hidden = draft.feedback(out)  # EAGLE-3: feeds step k+1 (Eagle 3.1: normed)
