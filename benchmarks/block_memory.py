@@ -87,8 +87,8 @@ def worker(cfg: dict) -> dict:
         from draftsmith.train.dflash_model import DFlashDraft  # since 8128af8
     except ImportError:  # 037a87d, the default 'before' tree
         from draftsmith.train.model import DFlashDraft  # type: ignore[attr-defined, no-redef]
-    from draftsmith.train.objective import TargetHead, TTTModel, summarise
     from draftsmith.train.blocks import Anchors, block_index
+    from draftsmith.train.objective import TargetHead, TTTModel, summarise
 
     try:
         from draftsmith.core.hostmem import trim_freed_heap as trim

@@ -49,9 +49,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file
@@ -201,7 +201,7 @@ def stores_equal(a: Path, b: Path) -> bool:
         torch.equal(x["input_ids"], y["input_ids"])
         and torch.equal(x["loss_mask"], y["loss_mask"])
         and torch.equal(x["hidden_states"].view(torch.uint8), y["hidden_states"].view(torch.uint8))
-        for x, y in zip(sa, sb)
+        for x, y in zip(sa, sb, strict=False)
     )
 
 

@@ -88,7 +88,7 @@ def main() -> None:
         f"draftsmith regenerate, default target, {args.conversations} {what}, max_new_tokens "
         f"{args.max_new_tokens}, {platform.machine()} x{os.cpu_count()}"
     )
-    for engine, r in results.items():
+    for r in results.values():
         print(
             f"  {r['engine']:<40} {r['answers']:>4} answers {r['new_tokens']:>7,} new tokens  "
             f"generate {r['generate_s']:>7.1f} s  {r['new_tokens_per_s']:>6.1f} tok/s  wall {r['wall_s']:>6.1f} s  "

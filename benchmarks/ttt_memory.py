@@ -104,7 +104,7 @@ def worker(cfg: dict) -> dict:
         fns = {"main": load_kernel("main", None), "ttt": load_kernel("ttt", cfg.get("chunk"))}
         inputs = make_inputs(cfg)
         times = {name: [] for name in fns}
-        for name, fn in fns.items():
+        for fn in fns.values():
             fwd_bwd(fn, *inputs)  # warm-up (and compilation on CUDA)
         for _ in range(cfg["iters"]):
             for name, fn in fns.items():
@@ -162,7 +162,7 @@ def load() -> str:
 def growth_ratios(peaks: dict[int, float | None]) -> dict[str, float | None]:
     ts = sorted(peaks)
     out = {}
-    for t0, t1, t2 in zip(ts, ts[1:], ts[2:]):
+    for t0, t1, t2 in zip(ts, ts[1:], ts[2:], strict=False):
         p0, p1, p2 = peaks[t0], peaks[t1], peaks[t2]
         key = f"{t0}->{t1}->{t2}"
         out[key] = round((p2 - p1) / (p1 - p0), 3) if None not in (p0, p1, p2) and p1 != p0 else None

@@ -80,6 +80,7 @@ def test_ttt_attention_equals_the_explicit_references_in_float64(monkeypatch, b,
         ["q"] + [f"k{j}" for j in range(steps)] + [f"v{j}" for j in range(steps)],
         _grads(ours, w, inputs),
         _grads(ref, w, inputs),
+        strict=False,
     ):
         torch.testing.assert_close(a, r, **F64, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -93,7 +94,7 @@ def test_ttt_attention_equals_the_mask_reference_in_float32(b, hq, hkv, t, d, st
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
     w = torch.randn(ours.shape, generator=torch.Generator().manual_seed(2))
     inputs = [q, *keys, *values]
-    for a, r in zip(_grads(ours, w, inputs), _grads(ref, w, inputs)):
+    for a, r in zip(_grads(ours, w, inputs), _grads(ref, w, inputs), strict=False):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
 
 
@@ -154,7 +155,7 @@ def test_flex_path_end_to_end_with_eager_flex_backward(monkeypatch):
     torch.testing.assert_close(ours, ref, **F64)
     w = torch.randn(ours.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     inputs = [q, *keys, *values]
-    for a, r in zip(_grads(ours, w, inputs), _grads(ref, w, inputs)):
+    for a, r in zip(_grads(ours, w, inputs), _grads(ref, w, inputs), strict=False):
         torch.testing.assert_close(a, r, **F64)
 
 
@@ -268,7 +269,7 @@ def test_bf16_autocast_matches_the_float32_reference():
     got = _grads(ours.float(), w, [q, *keys, *values])
     want = _grads(ref, w, [q, *keys, *values32])
     assert got[0].dtype == torch.float32 and got[-1].dtype == torch.bfloat16  # each leaf's own dtype
-    for a, r in zip(got, want):
+    for a, r in zip(got, want, strict=False):
         torch.testing.assert_close(a.float(), r, atol=5e-2, rtol=5e-2)
 
 
@@ -288,13 +289,13 @@ def test_cuda_kernels_match_the_reference(kernel, t):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-3)
     w = torch.randn_like(ours)
     inputs = [q, *keys, *values]
-    for a, r in zip(_grads(ours, w, inputs), _grads(ref, w, inputs)):
+    for a, r in zip(_grads(ours, w, inputs), _grads(ref, w, inputs), strict=False):
         torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-3)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         low = ttt_attention(q, keys, values, kernel=kernel)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
-    for a, r in zip(_grads(low.float(), w, inputs), _grads(ref, w, inputs)):
+    for a, r in zip(_grads(low.float(), w, inputs), _grads(ref, w, inputs), strict=False):
         torch.testing.assert_close(a, r, atol=5e-2, rtol=5e-2)
 
 

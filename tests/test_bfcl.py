@@ -39,14 +39,14 @@ def bfcl():
 def test_every_task_becomes_a_conversation_of_its_ground_truth_calls_and_their_results(bfcl):
     tasks, answers, records = bfcl
     assert len(records) == len(tasks) == 200
-    for task, record in zip(tasks, records):
+    for task, record in zip(tasks, records, strict=False):
         assert record["id"] == task["id"]
         names = {t["function"]["name"] for t in record["tools"]}
         assert names and not names & set(task.get("excluded_function", []))
         calls = [m["tool_calls"][0]["function"] for m in record["messages"] if m["role"] == "assistant"]
         expected = [parse_call(c) for turn in answers[task["id"]]["ground_truth"] for c in turn]
         assert [c["name"] for c in calls] == [name for name, _, _ in expected]
-        for call, (_, args, kwargs) in zip(calls, expected):
+        for call, (_, args, kwargs) in zip(calls, expected, strict=False):
             assert call["name"] in names
             arguments = json.loads(call["arguments"])  # a JSON string, as an OpenAI server returns it
             # keyword arguments by their names; positional ones named by the function, in its order

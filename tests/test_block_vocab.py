@@ -24,16 +24,15 @@ from draftsmith.core import targets
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.prepare.vocab import build_draft_vocab
-from draftsmith.train import checkpoint
+from draftsmith.train import blocks, checkpoint, objective
 from draftsmith.train import stage as trainer
 from draftsmith.train.block_loss import BlockKL, KLOptions, block_kl, target_states
+from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.drafts import draft_module, load_draft
 from draftsmith.train.methods import DFLASH
 from draftsmith.train.model import DraftSpec
-from draftsmith.train import blocks, objective
 from draftsmith.train.objective import ACCEPT, CORRECT, COUNT, KL, TargetHead, materialised, ttt_forward
-from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 50, 20, 32
 
@@ -81,7 +80,7 @@ def _dense(draft, tokens, aux, last, index, norm, weight, step_weight):
     inside = full[:, ids]  # [N, Vd]
     p = inside / inside.sum(-1, keepdim=True)
     loss, sums = 0.0, torch.zeros(4, len(index.scored), dtype=torch.float64)
-    for k, (rows, at) in enumerate(zip(index.scored, index.target)):
+    for k, (rows, at) in enumerate(zip(index.scored, index.target, strict=False)):
         kl = (p[at] * (p[at].log() - logq[rows])).sum(-1)
         loss = loss + step_weight**k * kl.sum() / max(len(rows), 1)
         sums[KL, k] = kl.sum().detach()
@@ -98,7 +97,7 @@ def test_the_fused_reduced_vocabulary_loss_and_its_gradients_equal_the_dense_def
     head = TargetHead(norm, weight, draft.draft_to_target)
     monkeypatch.setattr(blocks, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
     assert sum(len(r) for r in index.scored) > 3 * objective.REDUCE_ROWS  # their edges
-    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad))
+    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad), strict=False)
     assert "lm_head.weight" in names and "norm.weight" in names
     states = head(last, index)
     assert states.weight.shape == (DRAFT_VOCAB, HIDDEN) and states.mass is not None  # [N, H] kept, never [N, V]
@@ -115,7 +114,7 @@ def test_the_fused_reduced_vocabulary_loss_and_its_gradients_equal_the_dense_def
     torch.testing.assert_close(fused.loss, ref.detach(), rtol=1e-5, atol=0)
     torch.testing.assert_close(fused.sums[[KL, ACCEPT]], sums[[KL, ACCEPT]], rtol=1e-5, atol=0)
     assert torch.equal(fused.sums[[CORRECT, COUNT]], sums[[CORRECT, COUNT]])
-    for name, a, b in zip(names, g_fused, g_ref):
+    for name, a, b in zip(names, g_fused, g_ref, strict=False):
         assert (a - b).norm() <= 1e-5 * b.norm(), name
 
 
@@ -126,7 +125,7 @@ def test_the_fused_loss_is_eagle3s_unfused_loss_over_the_draft_vocabulary(precis
     fp32 and under bf16 autocast with a bf16 target head (the CPU trainer's default)."""
     draft, tokens, aux, last, index, norm, weight = _problem(torch.float32)
     head = TargetHead(norm, weight, draft.draft_to_target, torch.bfloat16 if precision == "bf16" else None)
-    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad))
+    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad), strict=False)
     runs = []
     with torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext():
         states = head(last, index)
@@ -138,7 +137,7 @@ def test_the_fused_loss_is_eagle3s_unfused_loss_over_the_draft_vocabulary(precis
     torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(fused.sums[[KL, ACCEPT]], plain.sums[[KL, ACCEPT]], rtol=1e-6, atol=0)
     assert torch.equal(fused.sums[[CORRECT, COUNT]], plain.sums[[CORRECT, COUNT]])
-    for name, a, b in zip(names, g_fused, g_plain):
+    for name, a, b in zip(names, g_fused, g_plain, strict=False):
         # the head's gradient under bf16 autocast: the unfused path rounds each block position's dz^T x to bf16
         # (F.linear's weight gradient), the fused one sums the slices' in fp32: they differ by bf16's rounding
         bf16_head = precision == "bf16" and name == "lm_head.weight"

@@ -338,7 +338,7 @@ def test_evaluate_renders_agentic_prompts_with_their_tools_as_served(tmp_path):
     data = write_jsonl(tmp_path / "agent.jsonl", records)
     prompts = load_prompts(str(data), tok, num_prompts=3)
     assert [p.id for p in prompts] == ["agentic-0", "agentic-1", "agentic-2"]
-    for prompt, record in zip(prompts, records):
+    for prompt, record in zip(prompts, records, strict=False):
         text = _decode(tok, prompt.token_ids)
         assert "<tools>" in text and all(t["function"]["name"] in text for t in TOOLS)
         assert text.endswith(record["messages"][1]["content"] + "<|im_end|>\n<|im_start|>assistant\n")

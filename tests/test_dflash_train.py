@@ -12,18 +12,17 @@ import torch
 from conftest import write_random_prepared
 
 from draftsmith import export
-from draftsmith.config import ExportConfig
-from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.config import TrainConfig
+from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
+from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
-from draftsmith.train.drafts import load_draft
+from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.train.drafts import load_draft
 from draftsmith.train.model import DraftSpec
 from draftsmith.train.objective import TargetHead, ttt_forward
-from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 
 
 def _spec(layers: int = 2, block: int = 4) -> DraftSpec:
@@ -81,7 +80,7 @@ def test_block_index_scores_each_position_against_the_tokens_distribution():
             for n, a in enumerate(index.anchors[row].tolist()):
                 if a + j < 30 and mask[row, a + j]:
                     expected.append(((row * 8 + n) * 5 + j, row * 30 + a + j - 1))
-        got = list(zip(index.scored[j - 1].tolist(), [needed[i] for i in index.target[j - 1].tolist()]))
+        got = list(zip(index.scored[j - 1].tolist(), [needed[i] for i in index.target[j - 1].tolist()], strict=False))
         assert got == expected and int(index.counts[j - 1]) == len(expected) > 0
     # the same blocks on a resume (seed, epoch, sample id), others the next epoch
     again, other = block_index(mask, anchors, [10, 11], 0), block_index(mask, anchors, [10, 11], 1)
@@ -110,7 +109,7 @@ def test_block_attention_equals_the_explicit_mask_forward_and_backward(layers):
     (a, ga), (b, gb) = results
     assert a.loss.item() > 0 and all(g.abs().sum() > 0 for g in ga)
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-12, atol=1e-12)
-    for x, y in zip(ga, gb):
+    for x, y in zip(ga, gb, strict=False):
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12)
 
 
@@ -261,7 +260,9 @@ def test_block_attention_kernels_equal_the_explicit_mask_forward_and_backward(ke
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
     weights = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
     for x, y in zip(
-        torch.autograd.grad((ours * weights).sum(), tensors), torch.autograd.grad((ref * weights).sum(), tensors)
+        torch.autograd.grad((ours * weights).sum(), tensors),
+        torch.autograd.grad((ref * weights).sum(), tensors),
+        strict=False,
     ):
         assert x.abs().sum() > 0
         torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-10)
@@ -339,11 +340,11 @@ def test_the_layers_keep_less_and_compute_what_the_plain_modules_compute(autocas
             loss = sum((o.double() * torch.linspace(-1, 1, o.numel()).view(o.shape).double()).sum() for o in outs)
             results.append((outs, torch.autograd.grad(loss, [leaf, *params], allow_unused=True)))
         (outs0, grads0), (outs1, grads1) = results
-        for a, b in zip(outs1, outs0):
+        for a, b in zip(outs1, outs0, strict=False):
             assert a.dtype == b.dtype
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # the forward is model.py's, op for op
         assert grads0[0].abs().sum() > 0
-        for a, b in zip(grads1, grads0):
+        for a, b in zip(grads1, grads0, strict=False):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.dtype == b.dtype

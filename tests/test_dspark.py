@@ -19,21 +19,21 @@ from safetensors.torch import load_file
 from test_specdec import chi2_critical, chi2_stat
 
 from draftsmith import export
-from draftsmith.core import layers, targets
 from draftsmith.config import ExportConfig, TrainConfig
+from draftsmith.core import layers, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.export.formats import format_config, vllm_speculative_config
 from draftsmith.train.attention import naive_block_attention
 from draftsmith.train.block_loss import score_blocks, target_states
+from draftsmith.train.blocks import Anchors, block_index
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.drafts import draft_module, load_draft
 from draftsmith.train.dspark_model import DSparkDraft
 from draftsmith.train.methods import DFLASH, method_of_config
 from draftsmith.train.methods.dspark import DSPARK
 from draftsmith.train.model import DraftSpec, draft_tensors
-from draftsmith.train.blocks import Anchors, block_index
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {
@@ -348,7 +348,7 @@ def test_a_round_is_the_modules_block_logits_then_the_markov_steps(tiny_target_d
                 torch.arange(t, t + 4)[None],
                 context[:, :t],
                 torch.arange(t)[None],
-                lambda q, k, v, kc, vc: naive_block_attention(q, k, v, kc, vc, limits),
+                lambda q, k, v, kc, vc: naive_block_attention(q, k, v, kc, vc, limits),  # noqa: B023 - called within this iteration
             )[0]
             logits = draft.block_logits(hidden, torch.tensor([anchor] + proposals[:-1]))
         torch.testing.assert_close(seen, logits.float(), msg=f"t={t}")  # the decoder chooses from float32
@@ -500,7 +500,7 @@ def test_a_dspark_block_scores_its_anchor_row_against_the_next_tokens_distributi
             for n, a in enumerate(spark.anchors[row].tolist())
             if a + d + 1 < 30 and mask[row, a + d + 1]
         ]
-        got = list(zip(spark.scored[d].tolist(), [needed[i] for i in spark.target[d].tolist()]))
+        got = list(zip(spark.scored[d].tolist(), [needed[i] for i in spark.target[d].tolist()], strict=False))
         assert got == expected and int(spark.counts[d]) == len(expected) > 0
     for d in range(4):  # DFlash's proposal d is its row d + 1, scored on the same distribution
         assert torch.equal(flash.scored[d], spark.scored[d] + 1)
@@ -561,7 +561,7 @@ def test_the_fused_dspark_loss_is_the_dense_markov_corrected_kl_plus_the_confide
     assert markov.abs().mean() > 0.1  # the bias moves the logits
     torch.testing.assert_close(fused, dense, rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(torch.cat([s[2] for s in per_step]), accept, rtol=1e-6, atol=1e-8)
-    for name, g, ref in zip(["hidden", *names], grads, torch.autograd.grad(dense, trainable())):
+    for name, g, ref in zip(["hidden", *names], grads, torch.autograd.grad(dense, trainable()), strict=False):
         assert ref.abs().sum() > 0, name
         torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-8, msg=name)
     # the Markov weight's gradient is made for the loss's weights: another upstream gradient is refused

@@ -84,7 +84,7 @@ def test_prompts_from_a_prepared_sets_held_out_split(tiny_target_dir, tmp_path):
     prompts = load_prompts(str(tmp_path / "prep"), tokenizer, target=identity, eval_fraction=0.2, split_seed=3)
     _, held_out = split_indices(20, 0.2, 3)
     assert [p.id for p in prompts] == [f"sample-{i}" for i in held_out]
-    for p, i in zip(prompts, held_out):
+    for p, i in zip(prompts, held_out, strict=False):
         assert p.token_ids == samples[i]["input_ids"][: 10 + i % 5].tolist()  # cut before the first answer token
     other = identity.model_copy(update={"config_hash": "other"})
     with pytest.raises(DraftsmithError, match="prepared for another target"):

@@ -312,7 +312,9 @@ class Matrix:
                 gen = speculative_generate(runner, drafter, prompt, SPEC_K, NEW_TOKENS)
                 out["spec"].append(gen.tokens)
                 out["rounds"] += gen.stats.num_rounds
-                out["accepted_per_pos"] = [a + b for a, b in zip(out["accepted_per_pos"], gen.stats.accepted_per_pos)]
+                out["accepted_per_pos"] = [
+                    a + b for a, b in zip(out["accepted_per_pos"], gen.stats.accepted_per_pos, strict=False)
+                ]
             self._made[key] = out
         return self._made[key]
 
@@ -356,7 +358,7 @@ def compare(ours: Path, ref: Path) -> float:
 def per_layer_cosine(ours: Path, ref: Path) -> dict[int, float]:
     """Worst per-token cosine at each layer id of two stores of the same samples."""
     layer_ids, cos = cosines(ours, ref)
-    return dict(zip(layer_ids, cos.min(dim=0).values.tolist()))
+    return dict(zip(layer_ids, cos.min(dim=0).values.tolist(), strict=False))
 
 
 # ------------------------------------------------------------------------------------------ the builders

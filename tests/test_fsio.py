@@ -27,20 +27,18 @@ def test_atomic_write_replaces_whole_file_and_leaves_no_temp(tmp_path):
 def test_atomic_path_failure_keeps_old_content(tmp_path):
     target = tmp_path / "f.bin"
     target.write_bytes(b"old")
-    with pytest.raises(RuntimeError):
-        with atomic_path(target) as tmp:
-            tmp.write_bytes(b"half")
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("killed")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
 
 
 def test_atomic_dir_appears_only_when_complete(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError):
-        with atomic_dir(out) as tmp:
-            (tmp / "shard").write_text("partial")
-            raise RuntimeError("crash")
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        (tmp / "shard").write_text("partial")
+        raise RuntimeError("crash")
     assert not out.exists() and list(tmp_path.iterdir()) == []
     with atomic_dir(out) as tmp:
         (tmp / "shard").write_text("whole")
@@ -52,10 +50,9 @@ def test_disk_full_is_a_one_line_user_error(tmp_path, monkeypatch):
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    with pytest.raises(DraftsmithError, match="no space left on device"):
-        with atomic_path(tmp_path / "x") as tmp:
-            monkeypatch.setattr(os, "replace", full)
-            tmp.write_bytes(b"data")
+    with pytest.raises(DraftsmithError, match="no space left on device"), atomic_path(tmp_path / "x") as tmp:
+        monkeypatch.setattr(os, "replace", full)
+        tmp.write_bytes(b"data")
 
 
 def test_read_only_directory_is_a_user_error(tmp_path):

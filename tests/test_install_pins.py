@@ -97,7 +97,7 @@ def resolutions(tmp_path_factory) -> dict[str, tuple[dict[str, str], dict[str, s
         return env, _dry_run([str(REPO)], work / f"draftsmith-{release}.report.json", constraints)
 
     with ThreadPoolExecutor(len(RELEASES)) as pool:  # network-bound: the three resolve at once
-        return dict(zip(RELEASES, pool.map(resolve, RELEASES)))
+        return dict(zip(RELEASES, pool.map(resolve, RELEASES), strict=False))
 
 
 @pytest.mark.parametrize("release", RELEASES)

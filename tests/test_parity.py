@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import parallel_round
+
 from draftsmith.evaluate.report import RunReport, read_report
 from draftsmith.evaluate.specdec import DraftRunner
 from draftsmith.evaluate.vllm_worker import GenerationResult
@@ -122,8 +122,8 @@ def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers
 def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(layers):
     import numpy as np
 
-    from draftsmith.train.dflash_model import DFlashDraft
     from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
+    from draftsmith.train.dflash_model import DFlashDraft
 
     size = 4
     spec = _tiny_draft(layers).spec.model_copy(
@@ -262,6 +262,6 @@ def evaluate_in_both_engines(
     assert hf.accepted_per_pos[deep] > 0 and vl.accepted_per_pos[deep] > 0, (hf, vl)  # deep into a round
     rounds = max(hf.num_rounds, vl.num_rounds)
     assert abs(hf.num_rounds - vl.num_rounds) <= ACCEPTED_TOLERANCE * rounds, (hf, vl)
-    for pos, (a, b) in enumerate(zip(hf.accepted_per_pos, vl.accepted_per_pos)):
+    for pos, (a, b) in enumerate(zip(hf.accepted_per_pos, vl.accepted_per_pos, strict=False)):
         assert abs(a - b) <= ACCEPTED_TOLERANCE * rounds, (pos, hf.accepted_per_pos, vl.accepted_per_pos)
     return hf, vl

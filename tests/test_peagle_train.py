@@ -77,8 +77,8 @@ def test_cod_keeps_ratio_to_the_depth_of_each_depths_candidates_with_a_floor():
     # deterministic in (seed, epoch, sample id): a resumed run draws the same anchors; the next epoch others
     again = step_index(mask, 6, cod, sample_ids=[11, 12, 13], epoch=0)
     other = step_index(mask, 6, cod, sample_ids=[11, 12, 13], epoch=1)
-    assert all(torch.equal(a, b) for a, b in zip(index.scored, again.scored))
-    assert not all(torch.equal(a, b) for a, b in zip(index.scored[1:], other.scored[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(index.scored, again.scored, strict=False))
+    assert not all(torch.equal(a, b) for a, b in zip(index.scored[1:], other.scored[1:], strict=False))
     # ratio 1 keeps every candidate; a floor of 1 too
     for keep_all in (COD(1.0, 0.0), COD(0.3, 1.0)):
         same = step_index(mask, 6, keep_all, sample_ids=[11, 12, 13])
@@ -188,7 +188,7 @@ def test_cod_scores_fewer_positions_at_depth_and_eval_scores_all(prepared, tmp_p
     full = tmp_path / "full"
     trainer.run(_cfg(prepared, full, cod_ratio=1.0, max_steps=3))
     a, b = ([m for m in _metrics(x) if m["type"] == "train"] for x in (out, full))
-    for sampled, every in zip(a, b):  # the same batches: depth 0 is never sampled, deeper ones ~ 0.5**k
+    for sampled, every in zip(a, b, strict=False):  # the same batches: depth 0 is never sampled, deeper ones ~ 0.5**k
         assert sampled["scored"][0] == every["scored"][0] == sampled["tokens"]
         for k in range(1, 4):
             assert sampled["scored"][k] < every["scored"][k]

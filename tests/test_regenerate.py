@@ -127,7 +127,7 @@ class FakeEngine:
         texts = [self.tokenizer.decode(ids) for _, ids, _ in batch]
         type(self).calls.append(texts)
         out = []
-        for (key, _, limit), text in zip(batch, texts):
+        for (key, _, limit), text in zip(batch, texts, strict=False):
             last = text.split("<|im_start|>")[-2].split("\n", 1)[1].removesuffix("<|im_end|>\n")
             reply = type(self).answer(last) if type(self).answer else f"re:{last}"
             tokens = self.tokenizer.encode(reply, add_special_tokens=False)
@@ -210,7 +210,7 @@ def test_each_turn_is_generated_given_the_regenerated_history(tmp_path, tiny_tar
     )
     ds = open_prepared(prepared.output)
     assert len(ds) == 4 and ds.manifest.skipped == {}
-    for sample, record in zip(ds, records):
+    for sample, record in zip(ds, records, strict=False):
         spans = [tok.decode(s) for s in masked_spans(sample["input_ids"], sample["loss_mask"])]
         assert spans == [m["content"] + "<|im_end|>" for m in record["messages"] if m["role"] == "assistant"]
 
@@ -337,7 +337,7 @@ def test_truncations_and_cuts_at_max_length_are_marked_and_counted(tmp_path, ans
         # an answer is truncated exactly when it used its whole limit without the end-of-turn token
         assert set(meta["truncated_turns"]) <= set(answers)
         truncated += len(meta["truncated_turns"])
-        for k, n in zip(answers, meta["new_tokens"]):
+        for k, n in zip(answers, meta["new_tokens"], strict=False):
             assert (k in meta["truncated_turns"]) == (n == 12), r
     stopped = sum(len(r["regenerated"]["new_tokens"]) for r in out) - truncated
     assert truncated > 0 and stopped > 0, (truncated, stopped)

@@ -9,6 +9,7 @@ to a vLLM export.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -517,10 +518,8 @@ def test_real_server_answers_like_the_target_alone_and_stops_cleanly(tmp_path, d
         assert list(tmp.glob("draftsmith-serve-*")) == []  # the temporary vLLM export is removed
     finally:  # whatever happened above, leave nothing running
         for pid in [proc.pid, *family]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.wait()
 
 

@@ -126,7 +126,9 @@ def test_greedy_with_partly_right_draft_is_lossless_and_counts_acceptance(tiny, 
         s = spec.stats
         assert s.tau > 1.3  # most proposals are right
         assert s.num_accepted == sum(s.accepted_per_pos)
-        assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:]))  # prefix acceptance
+        assert all(
+            a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:], strict=False)
+        )  # prefix acceptance
         # every round adds accepted + 1 tokens; only the last round may be cut at max_new_tokens
         assert s.num_accepted + s.num_rounds >= len(spec.tokens) - 1
 
@@ -338,7 +340,7 @@ def test_parallel_greedy_with_partly_right_draft_is_lossless_and_counts_acceptan
         assert spec.tokens == base.tokens
         s = spec.stats
         assert s.tau > 1.3 and s.num_accepted == sum(s.accepted_per_pos)
-        assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:]))
+        assert all(a >= b for a, b in zip(s.accepted_per_pos, s.accepted_per_pos[1:], strict=False))
         assert s.num_accepted + s.num_rounds >= len(spec.tokens) - 1
     perfect = ParallelNoisyOracle(draft, PROMPTS[0] + plain_generate(runner, torch.tensor(PROMPTS[0]), 41).tokens, 0.0)
     spec = speculative_generate(runner, perfect, torch.tensor(PROMPTS[0]), k, 41)

@@ -515,9 +515,8 @@ def test_the_trainer_lock_refuses_a_second_holder_with_one_line_naming_the_spool
     path = tmp_path / "spool"
     first, second = Spool(path), Spool(path)
     with first.lock(TRAINER_LOCK):
-        with pytest.raises(DraftsmithError) as err:
-            with second.lock(TRAINER_LOCK):
-                pytest.fail("a second trainer got the lock")
+        with pytest.raises(DraftsmithError) as err, second.lock(TRAINER_LOCK):
+            pytest.fail("a second trainer got the lock")
         msg = str(err.value)
         assert "\n" not in msg and f"--spool {path}" in msg and "another trainer" in msg
         with second.lock(ENGINE_LOCK):  # the engine process's lock is another lock

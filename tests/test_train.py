@@ -127,8 +127,8 @@ def test_sample_longer_than_budget_and_empty_set_are_refused():
 def test_offline_and_online_give_the_same_batch_and_loss(sharp_target_dir, prepared_dir, store_dir):
     from draftsmith.core.targets import final_norm, lm_head, load_target
     from draftsmith.extract import store as store_mod
-    from draftsmith.train.setup import initial_draft, open_data, split
     from draftsmith.train.objective import TargetHead, TTTModel
+    from draftsmith.train.setup import initial_draft, open_data, split
 
     store = store_mod.open(store_dir, dtype=None)  # as the trainer reads it: bf16 views, decoded in the step
     prepared = open_prepared(prepared_dir)

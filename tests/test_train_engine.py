@@ -110,7 +110,7 @@ def test_online_from_engine_equals_offline_from_store_under_a_tenth_of_its_disk(
             )
     assert [c[:2] for c in curve["on"]] == [c[:2] for c in curve["off"]]
     assert sum(c[0] == "eval" for c in curve["on"]) >= 3
-    for a, b in zip(curve["on"], curve["off"]):
+    for a, b in zip(curve["on"], curve["off"], strict=False):
         assert a[2] == pytest.approx(b[2], rel=1e-5, abs=1e-6), (a, b)
         assert a[4] == pytest.approx(b[4], abs=1e-6), (a, b)
     assert_same_weights(on, off)
@@ -213,7 +213,7 @@ def test_keep_epoch0_feeds_later_epochs_and_trains_offline(work, sharegpt_file):
     }
     kept_store = store.open(kept)
     assert epoch0 <= set(kept_store.sample_ids.tolist())
-    lengths = {int(i): int(n) for i, n in zip(kept_store.sample_ids, kept_store.lengths)}
+    lengths = {int(i): int(n) for i, n in zip(kept_store.sample_ids, kept_store.lengths, strict=False)}
     assert status["tokens"] == sum(lengths.values()), "the engines computed samples outside epoch 0 / held-out"
     assert store.verify_store(kept).ok
     # the kept store is an ordinary store: it trains offline

@@ -73,7 +73,7 @@ class Master:
 
         self.binary, self.log, self.port, self.proc = master_binary(), log, free_port(), None
 
-    def start(self) -> "Master":
+    def start(self) -> Master:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [

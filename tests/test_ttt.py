@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from draftsmith.core import targets
+from draftsmith.train import blocks
 from draftsmith.train.block_loss import BlockKL, KLOptions, TargetStates, block_kl, target_states
+from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.objective import (
@@ -17,10 +19,11 @@ from draftsmith.train.objective import (
     CORRECT,
     COUNT,
     KL,
+    REDUCE_ROWS,
     TargetDistribution,
     TargetHead,
-    REDUCE_ROWS,
     TargetKL,
+    _top1_logsumexp,
     expected_acceptance,
     materialised,
     summarise,
@@ -28,9 +31,6 @@ from draftsmith.train.objective import (
     ttt_forward,
 )
 from draftsmith.train.unrolled import step_counts, step_index
-from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
-from draftsmith.train import blocks
-from draftsmith.train.objective import _top1_logsumexp
 
 
 def _tiny_draft(vocab=40, draft_vocab=16, hidden=32, layers=1, seed=0, every=2):
@@ -383,7 +383,7 @@ def test_compiled_layers_make_a_fixed_number_of_graphs_over_many_lengths_and_mat
         else:
             ttt_forward(compiled, ids, aux, target, index, ttt_steps=5).loss.backward()
         graphs.append(counters["stats"]["unique_graphs"])
-    assert 0 < graphs[0] and graphs[-1] == graphs[1] <= 24, graphs  # the first two lengths make them all
+    assert graphs[0] > 0 and graphs[-1] == graphs[1] <= 24, graphs  # the first two lengths make them all
     torch._dynamo.reset()
 
 
@@ -468,7 +468,7 @@ def test_dflash_loss_over_row_slices_equals_the_unfused_loss_gradient_and_metric
     head = TargetHead(
         norm, draft.head_weight.clone(), draft.draft_to_target, torch.bfloat16 if precision == "bf16" else None
     )
-    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad))
+    names, params = zip(*((n, p) for n, p in draft.named_parameters() if p.requires_grad), strict=False)
     monkeypatch.setattr(blocks, "HEAD_ROWS", 100)  # the matmuls' slices (100 rows) and the reductions' (64) both cross
     assert sum(len(r) for r in index.scored) > 3 * REDUCE_ROWS  # their edges
     runs = []
@@ -492,7 +492,7 @@ def test_dflash_loss_over_row_slices_equals_the_unfused_loss_gradient_and_metric
     torch.testing.assert_close(fused.loss, plain.loss, rtol=rounding, atol=0)
     torch.testing.assert_close(fused.sums[[KL, ACCEPT]], plain.sums[[KL, ACCEPT]], rtol=rounding, atol=0)
     assert torch.equal(fused.sums[[CORRECT, COUNT]], plain.sums[[CORRECT, COUNT]])
-    for name, a, b in zip(names, g_fused, g_plain):
+    for name, a, b in zip(names, g_fused, g_plain, strict=False):
         assert (a - b).norm() <= rounding * b.norm(), name
     if precision == "fp64":  # and both equal the dense definition
         ref = _dense_block_loss(draft, ids, aux, last, index, norm, 0.9)
@@ -506,7 +506,7 @@ def _dense_block_loss(draft, ids, aux, last, index, norm, step_weight):
         logq = torch.log_softmax(draft.logits(hidden), -1)
         logp = torch.log_softmax(norm(last.flatten(0, 1)) @ draft.head_weight.T, -1)[index.needed]
     loss = 0.0
-    for k, (rows, at) in enumerate(zip(index.scored, index.target)):
+    for k, (rows, at) in enumerate(zip(index.scored, index.target, strict=False)):
         kl = (logp[at].exp() * (logp[at] - logq[rows])).sum(-1)
         loss = loss + step_weight**k * kl.sum() / max(len(rows), 1)
     return loss
@@ -544,7 +544,7 @@ def test_block_kl_is_the_dense_kl_with_an_exact_gradient_for_any_upstream_gradie
             weight,
             states,
             at[:7],
-            hint if hint is not None else torch.ones(7, dtype=torch.float64),
+            hint if hint is not None else torch.ones(7, dtype=torch.float64),  # noqa: B023 - called within this iteration
             None,
             None,
             None,

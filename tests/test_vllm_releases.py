@@ -199,7 +199,7 @@ def test_eagle3_since_names_the_first_release_read_whose_model_class_supports_ea
         )
         if kimi[r["version"]]:
             break
-    assert EAGLE3_SINCE == {"DeepseekV3ForCausalLM": first(deepseek), "KimiK25ForConditionalGeneration": first(kimi)}
+    assert {"DeepseekV3ForCausalLM": first(deepseek), "KimiK25ForConditionalGeneration": first(kimi)} == EAGLE3_SINCE
 
 
 def test_a_kimi_draft_is_refused_before_any_engine_where_the_vllm_model_lacks_eagle3(tmp_path, monkeypatch):

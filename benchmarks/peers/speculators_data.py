@@ -82,7 +82,7 @@ def main() -> None:
         rows["loss_mask"].append(s["loss_mask"].tolist())
         rows["seq_len"].append(int(s["input_ids"].numel()))
         ids, counts = s["input_ids"][s["loss_mask"].bool()].unique(return_counts=True)
-        for t, c in zip(ids.tolist(), counts.tolist()):
+        for t, c in zip(ids.tolist(), counts.tolist(), strict=False):
             freq[t] = freq.get(t, 0) + c
     ds = Dataset.from_dict(rows)
     ds.set_format(type="torch")  # as speculators' prepare_data leaves it (ArrowDataset compares torch tensors)

@@ -11,8 +11,9 @@ import json
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -134,7 +135,7 @@ def _option(name: str, field: Any, positional: bool, panel: str | None = None) -
     kwargs: dict[str, Any] = {"help": help_text, "show_default": False, "rich_help_panel": panel}
     if annotation is bool:
         decl = typer.Option(f"{flag}/--no-{name.replace('_', '-')}", **kwargs)
-        return Optional[bool], decl
+        return Optional[bool], decl  # noqa: UP045 - typer reads Optional[...]
     if origin is Literal:
         py_type: Any = annotation
     elif origin in (list, tuple):
@@ -145,8 +146,8 @@ def _option(name: str, field: Any, positional: bool, panel: str | None = None) -
     else:
         py_type = str
     if positional:
-        return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False, rich_help_panel=panel)
-    return Optional[py_type], typer.Option(flag, **kwargs)
+        return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False, rich_help_panel=panel)  # noqa: UP045 - typer reads Optional[...]
+    return Optional[py_type], typer.Option(flag, **kwargs)  # noqa: UP045 - typer reads Optional[...]
 
 
 def _stage_command(
@@ -162,7 +163,7 @@ def _stage_command(
             inspect.Parameter.KEYWORD_ONLY,
             default=None,
             annotation=Annotated[
-                Optional[Path], typer.Option("--config", "-c", help="YAML file with options; flags override it.")
+                Path | None, typer.Option("--config", "-c", help="YAML file with options; flags override it.")
             ],
         )
     ]
@@ -318,21 +319,19 @@ DOCTOR_HELP = {
 
 @app.command("doctor")
 def doctor(  # noqa: PLR0913 - a typer command: one parameter per --option
-    target: Annotated[Optional[str], typer.Option("--target", help=DOCTOR_HELP["target"])] = None,
-    tokens: Annotated[Optional[int], typer.Option("--tokens", help=DOCTOR_HELP["tokens"])] = None,
+    target: Annotated[str | None, typer.Option("--target", help=DOCTOR_HELP["target"])] = None,
+    tokens: Annotated[int | None, typer.Option("--tokens", help=DOCTOR_HELP["tokens"])] = None,
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", help=DOCTOR_HELP["tensor_parallel_size"])
     ] = 1,
-    gpu_memory_gb: Annotated[
-        Optional[float], typer.Option("--gpu-memory-gb", help=DOCTOR_HELP["gpu_memory_gb"])
-    ] = None,
+    gpu_memory_gb: Annotated[float | None, typer.Option("--gpu-memory-gb", help=DOCTOR_HELP["gpu_memory_gb"])] = None,
     online_rate: Annotated[
-        Optional[float], typer.Option("--online-rate", metavar="TOKENS_PER_S", help=DOCTOR_HELP["online_rate"])
+        float | None, typer.Option("--online-rate", metavar="TOKENS_PER_S", help=DOCTOR_HELP["online_rate"])
     ] = None,
     spool_lead_s: Annotated[
         float, typer.Option("--spool-lead-s", metavar="SECONDS", help=DOCTOR_HELP["spool_lead_s"])
     ] = 60.0,
-    vllm_source: Annotated[Optional[Path], typer.Option("--vllm-source", help=DOCTOR_HELP["vllm_source"])] = None,
+    vllm_source: Annotated[Path | None, typer.Option("--vllm-source", help=DOCTOR_HELP["vllm_source"])] = None,
     runtime: Annotated[bool, typer.Option("--runtime", help=DOCTOR_HELP["runtime"])] = False,
     as_json: Annotated[bool, typer.Option("--json", help=DOCTOR_HELP["as_json"])] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help=DOCTOR_HELP["verbose"])] = False,
@@ -353,7 +352,7 @@ def inspect_command(
         Path, typer.Argument(help="Any draftsmith artefact directory (prepared set, store, checkpoint, export).")
     ],
     sample: Annotated[
-        Optional[int], typer.Option("--sample", "-s", help="Show sample i of a prepared set or store.")
+        int | None, typer.Option("--sample", "-s", help="Show sample i of a prepared set or store.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output (for scripts).")] = False,
 ) -> None:

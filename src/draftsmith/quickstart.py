@@ -305,7 +305,9 @@ ETA_PRIOR_S = 120.0
 def _eta(budget: Budget, state: dict[str, Any], remaining: list[str]) -> float:
     """Seconds left: the budget's expected stage times, scaled by how fast the finished stages ran against theirs
     (shrunk towards 1 by ETA_PRIOR_S, so that short stages move it little and long ones a lot)."""
-    expected = dict(zip(STAGES, budget.expected_s), regenerate=budget.conversations * REGENERATE_S_PER_CONVERSATION)
+    expected = dict(
+        zip(STAGES, budget.expected_s, strict=False), regenerate=budget.conversations * REGENERATE_S_PER_CONVERSATION
+    )
     done = [s for s in state["finished"] if s in expected]
     actual = sum(state["finished"][s]["seconds"] for s in done)
     scale = (actual + ETA_PRIOR_S) / (sum(expected[s] for s in done) + ETA_PRIOR_S)

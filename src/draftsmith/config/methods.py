@@ -15,7 +15,7 @@ refused in one line that says which options the chosen method takes.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -145,7 +145,7 @@ class DSparkOptions(BlockOptions):
 
 
 AnyMethodOptions = Annotated[
-    Union[Eagle3Options, Eagle31Options, PEagleOptions, DFlashOptions, DSparkOptions], Field(discriminator="name")
+    Eagle3Options | Eagle31Options | PEagleOptions | DFlashOptions | DSparkOptions, Field(discriminator="name")
 ]
 OPTIONS: dict[str, type[MethodOptions]] = {
     cls.model_fields["name"].default: cls

@@ -247,7 +247,7 @@ class TrainConfig(StageConfig):
         return fold_options(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
-    def _num_layers(self) -> "TrainConfig":
+    def _num_layers(self) -> TrainConfig:
         """--num-layers' default is the method's (1; a block method 5)."""
         if self.num_layers is None:
             object.__setattr__(self, "num_layers", self.method.default_num_layers)

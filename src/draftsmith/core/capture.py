@@ -14,7 +14,8 @@ un-normalised state (the backbone applies the final norm after it).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -18,7 +18,7 @@ Kimi-K2.5's language model) through one decoder stack that takes them before eac
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target_config import text_config

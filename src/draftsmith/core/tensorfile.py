@@ -185,7 +185,7 @@ class TensorFile:
         if (
             got_dtype != dtype
             or len(got_shape) != len(shape)
-            or any(want is not None and want != got for want, got in zip(shape, got_shape))
+            or any(want is not None and want != got for want, got in zip(shape, got_shape, strict=False))
         ):
             want = "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
             raise self.error(

@@ -64,7 +64,7 @@ def compare(reference: DecodeStats, served: DecodeStats, tolerance: float) -> li
     allowed = tolerance + 1 / rounds
     return [
         PositionCheck(position=i + 1, reference=a, served=b, allowed=allowed, agrees=abs(b - a) <= allowed)
-        for i, (a, b) in enumerate(zip(reference.acceptance_per_pos, served.acceptance_per_pos))
+        for i, (a, b) in enumerate(zip(reference.acceptance_per_pos, served.acceptance_per_pos, strict=False))
     ]
 
 

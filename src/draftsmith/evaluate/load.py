@@ -97,7 +97,7 @@ def sweep(
     rows = []
     for c in concurrency:
         served, baseline = measured["draft"][c], measured["target_alone"][c]
-        same = sum(a == b for a, b in zip(texts["draft"][c], texts["target_alone"][c]))
+        same = sum(a == b for a, b in zip(texts["draft"][c], texts["target_alone"][c], strict=False))
         rows.append(
             ConcurrencyRow(
                 concurrency=c,

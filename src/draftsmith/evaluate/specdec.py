@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.core import targets
+from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.methods import method_of
 from draftsmith.train.methods.base import Draft
-from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.model import KVCache
 
 
@@ -103,7 +103,7 @@ class DecodeStats:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
 
-    def add(self, other: "DecodeStats") -> None:
+    def add(self, other: DecodeStats) -> None:
         """Count another run in; a one-prompt run without per-prompt counts is one prompt."""
         self.per_prompt += other.per_prompt or (
             [(other.num_rounds, other.num_accepted)] if other.num_prompts <= 1 and other.num_rounds else []
@@ -114,7 +114,7 @@ class DecodeStats:
         self.num_rounds += other.num_rounds
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted += other.num_accepted
-        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=False)]
 
     def to_dict(self) -> dict:
         interval = self.tau_interval()
@@ -361,7 +361,7 @@ def plain_generate(
     return Generation(out, stats)
 
 
-def speculative_generate(
+def speculative_generate(  # noqa: PLR0913 - the decoding settings of one prompt, and the path it follows
     target: TargetRunner,
     draft: DraftRunner,
     prompt: torch.Tensor,
@@ -404,14 +404,14 @@ def speculative_generate(
         ids = torch.tensor(seq[pending_start + 1 :], device=device)
         chain_probs: list[torch.Tensor] | None = [] if temperature > 0 else None
 
-        def choose(draft_logits: torch.Tensor) -> int:
+        def choose(draft_logits: torch.Tensor, probs: list[torch.Tensor] | None = chain_probs) -> int:
             if temperature == 0:
                 return int(draft.draft_to_target[int(draft_logits.argmax())])
             q_draft = F.softmax(draft_logits / temperature, dim=-1)
             q = torch.zeros(vocab, device=q_draft.device)
             q[draft.draft_to_target] = q_draft
-            assert chain_probs is not None  # a list when temperature > 0
-            chain_probs.append(q)
+            assert probs is not None  # a list when temperature > 0
+            probs.append(q)
             return int(draft.draft_to_target[_sample(q_draft, generator)])
 
         chain = draft.propose(ids, draft.fuse(pending_aux), seq[-1], k, choose)

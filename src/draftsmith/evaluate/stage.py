@@ -127,7 +127,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
             total = DecodeStats(k=k)
             outputs = []
             segments = None
-            for i, (prompt, ids) in enumerate(zip(prompts, tensors)):
+            for i, (prompt, ids) in enumerate(zip(prompts, tensors, strict=False)):
                 if k == 0:
                     gen = plain_generate(target, ids, max_new_tokens, temperature, eos_ids, generator)
                 else:
@@ -146,7 +146,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
     if baseline and temperature == 0:
         out = result.outputs
         result.lossless = {
-            f"k={k}": f"{sum(a == b for a, b in zip(out[k], out[0]))}/{len(prompts)} prompts" for k in ks
+            f"k={k}": f"{sum(a == b for a, b in zip(out[k], out[0], strict=False))}/{len(prompts)} prompts" for k in ks
         }
     return result
 

@@ -190,7 +190,7 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str, config: dic
 # ---------------------------------------------------------------------------------------------- write
 
 
-def write_export(
+def write_export(  # noqa: PLR0913 - the export manifest's fields
     output: Path,
     tensors: dict[str, torch.Tensor],
     spec: DraftSpec,

@@ -19,9 +19,10 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -201,7 +202,7 @@ def check_finite(writer: store_module.StoreWriter, item: tuple) -> None:
     if bool(finite.all()):
         return
     per_layer = finite.reshape(finite.shape[0], finite.shape[1], -1).all(dim=2).all(dim=0).tolist()
-    layers = [layer for layer, ok in zip(writer.spec.layer_ids, per_layer) if not ok]
+    layers = [layer for layer, ok in zip(writer.spec.layer_ids, per_layer, strict=False) if not ok]
     raise DraftsmithError(
         f"{writer.path}: sample {int(item[0])} has NaN/Inf hidden states (layer ids {layers}); "
         "the store keeps what was written before it. Check the target's weights or try "
@@ -329,7 +330,7 @@ class BackgroundWriter:
         self._thread.join()
         self._raise()
 
-    def __enter__(self) -> "BackgroundWriter":
+    def __enter__(self) -> BackgroundWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -450,7 +451,7 @@ class Timer:
         self.start = 0.0
         self.seconds = 0.0
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.start = time.perf_counter()
         self.seconds = 0.0
         return self

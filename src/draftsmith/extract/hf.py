@@ -11,7 +11,8 @@ padding never reaches a real token's state.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import transformers
@@ -115,7 +116,7 @@ def _extract(
             if on_gpu:  # encoded on the GPU (half the copy for fp8), copied to pinned memory without waiting
                 states, scales, ready = common.to_host(states.unbind(2), plan.cfg.dtype)
             items = []
-            for b, (i, s) in enumerate(zip(batch, samples)):
+            for b, (i, s) in enumerate(zip(batch, samples, strict=False)):
                 n = len(s["input_ids"])
                 item = (i, s["input_ids"], s["loss_mask"], states[b, :n])
                 items.append(item if scales is None else (*item, scales[b, :n]))

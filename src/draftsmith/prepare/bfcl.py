@@ -24,8 +24,9 @@ import importlib
 import inspect
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
@@ -150,7 +151,7 @@ def _conversation(tree: Path, task: dict, answer: dict) -> dict:
         if not n.startswith("_")
     }
     messages: list[dict] = []
-    for t, (user_turns, calls) in enumerate(zip(task["question"], answer["ground_truth"])):
+    for t, (user_turns, calls) in enumerate(zip(task["question"], answer["ground_truth"], strict=False)):
         messages.extend({"role": m["role"], "content": m["content"]} for m in user_turns)
         for c, text in enumerate(calls):
             name, args, kwargs = parse_call(text)

@@ -217,7 +217,7 @@ class ChatEncoder:
     def prompts(self, chat: Chat) -> Iterator[tuple[int, np.ndarray]]:
         """Each generation's context as its sample holds it: (its message index, the token ids before it)."""
         for sample in self.generations(chat):
-            for j, (k, start) in enumerate(zip(sample.turns, sample.starts)):
+            for j, (k, start) in enumerate(zip(sample.turns, sample.starts, strict=False)):
                 yield k, self._tokenize(sample.text[:start], [], sample.starts[:j])[0]
 
     # ------------------------------------------------------------------ tokenising
@@ -228,7 +228,7 @@ class ChatEncoder:
         `spans`."""
         bounds = [0, *sorted(c for c in set(cuts) if 0 < c < len(text)), len(text)]
         ids_parts, mask_parts = [], []
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in zip(bounds, bounds[1:], strict=False):
             ids, mask = self._tokenize_piece(text[a:b], [(s - a, e - a) for s, e in spans if e > a and s < b])
             ids_parts.append(ids)
             mask_parts.append(mask)
@@ -247,7 +247,7 @@ class ChatEncoder:
         # A tokenizer without offsets: tokenise the pieces between span boundaries separately.
         cuts = sorted({0, len(text), *(min(max(p, 0), len(text)) for span in spans for p in span)})
         ids_parts, mask_parts = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.uint8)]
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in zip(cuts, cuts[1:], strict=False):
             piece = self.tokenizer.encode(text[a:b], add_special_tokens=False)
             inside = any(s <= a and b <= e for s, e in spans)
             ids_parts.append(np.asarray(piece, dtype=np.int64))
@@ -313,7 +313,7 @@ def masked_spans(input_ids: Any, loss_mask: Any) -> list[list[int]]:
     mask = np.asarray(loss_mask).astype(bool).tolist()
     runs: list[list[int]] = []
     previous = False
-    for token, m in zip(ids, mask):
+    for token, m in zip(ids, mask, strict=False):
         if m:
             if not previous:
                 runs.append([])

@@ -26,9 +26,10 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -186,7 +187,9 @@ def _batches(
     from every source, in order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
     past."""
     batch: list[tuple] = []
-    before = dict(zip(map(id, sources), itertools.accumulate((s.size for s in sources), initial=0)))  # bytes ahead
+    before = dict(
+        zip(map(id, sources), itertools.accumulate((s.size for s in sources), initial=0), strict=False)
+    )  # bytes ahead
     for source, record in records_after(sources, skip_records):
         where = (str(source.path), record.index)
         dropped = 0
@@ -338,7 +341,9 @@ def check_with_vllm(
             theirs = vllm.prompt_ids(messages[:k], chat.tools, cfg.chat_template_kwargs)
             ids = ids.tolist()
             if ids != theirs:
-                at = next((i for i, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(ids, theirs, strict=False)) if a != b), min(len(ids), len(theirs))
+                )
                 raise DraftsmithError(
                     f"{source.path.name} record {record.index}: the prompt of turn {k} differs from vLLM "
                     f"{vllm.version}'s rendering at token {at} of {len(theirs)}: draftsmith {token(ids, at)}, vLLM "

@@ -100,7 +100,7 @@ def merge_diagonal(
     scores = [(qg * k[:, :, None]).sum(-1, dtype=acc) * scale for k in keys]  # k x [B, Hkv, g, T]
     lse = torch.logsumexp(torch.stack([lse0, *scores], dim=-1), dim=-1)  # [B, Hkv, g, T]
     out = o0.view(b, hkv, g, t, d) * torch.exp(lse0 - lse)[..., None]  # promotes to fp32; keeps o0 as it is
-    for s, v in zip(scores, values):
+    for s, v in zip(scores, values, strict=False):
         out = out + torch.exp(s - lse)[..., None] * v[:, :, None]  # [B, Hkv, g, T, D]
     return out.to(q.dtype).view(b, hq, t, d)
 
@@ -376,7 +376,7 @@ def block_attention(
         dtype = torch.get_autocast_dtype(device_type)
         q, k, v, k_context, v_context = (x.to(dtype) for x in (q, k, v, k_context, v_context))
     outs = []
-    for (a0, a1), kmax in zip(anchor_chunks(num_anchors, s), chunk_limits):
+    for (a0, a1), kmax in zip(anchor_chunks(num_anchors, s), chunk_limits, strict=False):
         args = (
             q[:, :, a0 * s : a1 * s],
             k[:, :, a0 * s : a1 * s],

@@ -13,8 +13,9 @@ its workers (`--num-workers`) read and collate ahead, into pinned memory on CUDA
 from __future__ import annotations
 
 import os
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Generator, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ class Batch:
     def num_tokens(self) -> int:
         return int(sum(self.lengths))
 
-    def _tensors(self, fn) -> "Batch":
+    def _tensors(self, fn) -> Batch:
         hs, sc = self.hidden_states, self.hidden_scales
         return replace(
             self,
@@ -57,10 +58,10 @@ class Batch:
             index=self.index.map(fn),
         )
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return self._tensors(lambda x: x.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> "Batch":  # the DataLoader's pin-memory thread calls this
+    def pin_memory(self) -> Batch:  # the DataLoader's pin-memory thread calls this
         return self._tensors(torch.Tensor.pin_memory)
 
     def features(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +96,7 @@ def collate(items: Sequence[dict], ttt_steps: int, sampling: Sampling = EVERY_ST
     b, t = len(items), max(lengths)
     input_ids = torch.zeros(b, t, dtype=torch.int64)
     loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    for i, (it, n) in enumerate(zip(items, lengths)):
+    for i, (it, n) in enumerate(zip(items, lengths, strict=False)):
         input_ids[i, :n] = it["input_ids"]
         loss_mask[i, :n] = it["loss_mask"].bool()
     hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
@@ -246,7 +247,7 @@ def default_num_workers(device: torch.device, local_world_size: int = 1) -> int:
 class TrainData:
     """The training and evaluation micro-batches, on the device (online: with the target's hidden states)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - one loader's settings, as TrainConfig names them
         self,
         dataset,
         train: TokenBudgetSampler,
@@ -255,7 +256,7 @@ class TrainData:
         grad_accum: int,
         device: torch.device,
         num_workers: int,
-        features: "FeatureSource | None" = None,
+        features: FeatureSource | None = None,
         sampling: Sampling = EVERY_STEP,
     ):
         self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling

@@ -140,7 +140,7 @@ class _Scratch:
     pm: torch.Tensor | None  # p * mass (a reduced vocabulary)
 
     @classmethod
-    def make(cls, n, vd, zdt, acc, target, device, options: KLOptions, any_grad: bool) -> "_Scratch":
+    def make(cls, n, vd, zdt, acc, target, device, options: KLOptions, any_grad: bool) -> _Scratch:
         big, small = (min(options.rows, n), vd), (min(options.sub, n), vd)
         zb = torch.empty(big, dtype=zdt, device=device)
         zf = torch.empty(small, dtype=acc, device=device)
@@ -158,7 +158,7 @@ class _Scratch:
             torch.empty(small, device=device) if target.mass is not None else None,
         )
 
-    def reduce(self, z, p_all, which, ats, ids, target, hint, to_target, options: KLOptions, dz) -> None:
+    def reduce(self, z, p_all, which, ats, ids, target, hint, to_target, options: KLOptions, dz) -> None:  # noqa: PLR0913 - one slice's tensors, named as BlockKL's inputs
         """The reductions over a matmul slice's logits z, `options.sub` rows at a time: each row's KL, metrics and
         (dz) its logits' gradient scaled by its hint."""
         acc = self.zf.dtype
@@ -211,8 +211,8 @@ class BlockKL(torch.autograd.Function):
     an EAGLE-3 draft."""
 
     @staticmethod
-    def forward(ctx, x, head_weight, target, at, hint, extra, extra_weight, to_target, options: KLOptions):
-        wants = dict(zip(_INPUTS, ctx.needs_input_grad))
+    def forward(ctx, x, head_weight, target, at, hint, extra, extra_weight, to_target, options: KLOptions):  # noqa: PLR0913 - one slice's tensors, named as BlockKL's inputs
+        wants = dict(zip(_INPUTS, ctx.needs_input_grad, strict=False))
         n, device = x.shape[0], x.device
         zdt = F.linear(x[:0], head_weight[:0].to(x.dtype)).dtype  # DFlashDraft.logits's dtype (autocast's)
         acc = torch.promote_types(zdt, torch.float32)  # bf16 logits are reduced in fp32; fp64 stays fp64
@@ -281,7 +281,7 @@ class BlockKL(torch.autograd.Function):
         return tuple(grads.get(name) for name in _INPUTS)
 
 
-def block_kl(
+def block_kl(  # noqa: PLR0913 - BlockKL's inputs and its options, named
     x: torch.Tensor,
     head_weight: torch.Tensor,
     target: TargetStates,
@@ -312,7 +312,7 @@ def block_kl(
     return BlockKL.apply(x, head_weight, target, at, hint, extra, extra_weight, to_target, options)
 
 
-def score_blocks(
+def score_blocks(  # noqa: PLR0913 - BlockKL's inputs and its options, named
     draft: DFlashDraft,
     hidden: torch.Tensor,
     input_ids: torch.Tensor,
@@ -350,4 +350,4 @@ def score_blocks(
     )
     row_loss = draft.row_loss(x, terms, accept)
     extra_loss = hint.new_zeros(()) if row_loss is None else (row_loss.float() * hint.float()).sum()
-    return extra_loss, list(zip(kl.split(sizes), correct.split(sizes), accept.split(sizes)))
+    return extra_loss, list(zip(kl.split(sizes), correct.split(sizes), accept.split(sizes), strict=False))

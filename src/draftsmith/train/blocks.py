@@ -10,8 +10,9 @@ at a time from [N, H] states, never [N, V] (block_loss.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -20,15 +21,15 @@ from draftsmith.train.attention import anchor_chunks, block_attention, naive_blo
 from draftsmith.train.block_loss import TargetStates, score_blocks
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.objective import (
-    KL,
-    CORRECT,
     ACCEPT,
+    CORRECT,
+    KL,
     Pass,
     TargetDistribution,
     TTTResult,
-    slice_rows,
     new_sums,
     score_steps,
+    slice_rows,
 )
 
 # Rows of the head's matmuls a CPU runs at a time in the fused loss (block_loss.BlockKL; its reductions still take
@@ -103,7 +104,7 @@ class BlockIndex:
             return _block_loss(draft, next(steps), input_ids, target, self, run, normaliser, sums, loss)
         return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
 
-    def map(self, fn) -> "BlockIndex":
+    def map(self, fn) -> BlockIndex:
         return BlockIndex(
             fn(self.needed),
             [fn(x) for x in self.scored],
@@ -195,7 +196,7 @@ def dflash_hidden_states(
         yield hidden
 
 
-def _block_loss(
+def _block_loss(  # noqa: PLR0913 - the block forward's tensors, named
     draft: DFlashDraft,
     hidden: torch.Tensor,
     input_ids: torch.Tensor,

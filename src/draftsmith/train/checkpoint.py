@@ -143,7 +143,7 @@ class CheckpointManifest(DraftManifest):
     )
 
     @model_validator(mode="after")
-    def _summarise(self) -> "CheckpointManifest":
+    def _summarise(self) -> CheckpointManifest:
         summary: dict[str, Any] = {}
         for key in ("data", "data_kind", "step", "epoch", "tokens", "best_acceptance_length", "draft_vocab_coverage"):
             value = getattr(self, key)

@@ -89,12 +89,13 @@ class Linears(torch.autograd.Function):
         with torch.autocast(xc.device.type, enabled=False):
             grad_x = None
             if ctx.needs_input_grad[0]:
-                for g, w in zip(grads, weights):
+                for g, w in zip(grads, weights, strict=False):
                     part = g.matmul(w).to(ctx.x_dtype)
                     grad_x = part if grad_x is None else grad_x + part
             rows = xc.flatten(0, -2)
             grad_ws = [
-                g.flatten(0, -2).T.mm(rows) if need else None for g, need in zip(grads, ctx.needs_input_grad[1:])
+                g.flatten(0, -2).T.mm(rows) if need else None
+                for g, need in zip(grads, ctx.needs_input_grad[1:], strict=False)
             ]
         return grad_x, *grad_ws
 
@@ -271,7 +272,7 @@ class DFlashDraft(DraftModule):
         seed: int = 0,
         draft_to_target: torch.Tensor | None = None,
         lm_head_init: str = "target",
-    ) -> "DFlashDraft":
+    ) -> DFlashDraft:
         """A fresh draft with the target's embedding and lm_head; a reduced draft vocabulary (`draft_to_target`, the
         spec's draft_vocab_size sorted target ids) gets its own lm_head from the target's rows of it (lm_head_init
         "target", as Eagle3Draft.from_target) or random ones."""

@@ -53,7 +53,7 @@ def spell_layer0(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
 # ---------------------------------------------------------------------------------------------- validation
 
 
-def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: str = "draft") -> None:
+def validate_tensors(tensors: dict[str, torch.Tensor], spec: DraftSpec, where: str = "draft") -> None:  # noqa: C901 - one check per way a draft's tensors can be wrong
     """Refuse (DraftsmithError) any missing, unexpected, mis-shaped or mis-typed tensor, or a broken d2t/t2d.
     The expected names, shapes and dtypes are the module's own (built on the meta device: no memory)."""
     with torch.device("meta"):

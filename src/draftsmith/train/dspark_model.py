@@ -26,7 +26,8 @@ vocabulary is the target's, as DFlash's.
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F

@@ -29,9 +29,9 @@ import contextlib
 import math
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -111,7 +111,7 @@ def plan_chunks(  # noqa: PLR0913 - one feed's settings, as TrainConfig names th
                 f"step{' besides the held-out split' if eval_chunk else ''}; raise --spool-gb to "
                 f"{need:g} or more, or lower --token-budget / --grad-accum"
             )
-        for first, last in spool_mod.pack_steps(list(zip(steps, sizes)), limit):
+        for first, last in spool_mod.pack_steps(list(zip(steps, sizes, strict=False)), limit):
             if last < position:  # read before the resume point
                 continue
             begin = max(position, first)  # a resume inside a chunk asks for the whole chunk, under its own name

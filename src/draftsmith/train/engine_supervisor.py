@@ -21,8 +21,8 @@ import enum
 import importlib.util
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError

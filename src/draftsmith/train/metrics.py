@@ -70,7 +70,7 @@ class StepStats:
     def _raise(self, info: distributed.DistInfo, last_good: str | None) -> None:
         mine = None
         for p in self.pending:
-            samples = [s for s, ok in zip(p.sample_ids, p.finite_samples.tolist()) if not ok]
+            samples = [s for s, ok in zip(p.sample_ids, p.finite_samples.tolist(), strict=False) if not ok]
             if samples:
                 mine = (p.step, f"sample {samples[0]} has NaN/Inf hidden states", "re-extract or drop that sample")
                 break

@@ -94,7 +94,7 @@ class DraftSpec(BaseModel):
     @classmethod
     def from_target_config(
         cls, config: dict, draft_vocab_size: int, num_hidden_layers: int, aux_layer_ids: list[int]
-    ) -> "DraftSpec":
+    ) -> DraftSpec:
         """The draft for a target, from the target's config.json alone: its decoder-layer shapes, norm eps, RoPE
         and vocabulary (the draft vocabulary is clipped to it).
 
@@ -294,7 +294,7 @@ class KVCache:
                 k, v = entries[0]
                 entries[0] = (k[:, :, :length], v[:, :, :length])
 
-    def fork(self, layer: int, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> "KVCache":
+    def fork(self, layer: int, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
         """A private cache of as many layers, layer `layer` holding `entries` (a checkpointed layer call's)."""
         private = KVCache(len(self._layers))
         private._layers[layer] = list(entries)
@@ -479,7 +479,7 @@ class Eagle3Draft(DraftModule):
         draft_to_target: torch.Tensor,
         lm_head_init: str = "target",
         seed: int = 0,
-    ) -> "Eagle3Draft":
+    ) -> Eagle3Draft:
         """A fresh draft: frozen embedding copied from the target, lm_head from the target's draft-vocab rows."""
         draft = cls(spec)
         draft.init_weights(seed)
@@ -501,7 +501,7 @@ class Eagle3Draft(DraftModule):
         layer's chunk first (vLLM's combine_hidden_states)."""
         if self.spec.fc_norm:
             chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
-            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=False)], dim=-1)
         return self.fc(aux_hidden)
 
     def feedback(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ evaluation): the loss needs the draft vocabulary alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Generic, Iterable, Protocol, Sequence, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -327,7 +328,7 @@ def score_steps(
     return TTTResult(loss=loss, sums=sums)
 
 
-def ttt_forward(
+def ttt_forward(  # noqa: PLR0913 - the forward's tensors and settings, as the trainer holds them
     draft: DraftT,
     input_ids: torch.Tensor,
     aux_hidden: torch.Tensor,
@@ -395,7 +396,7 @@ class TTTModel(nn.Module, Generic[DraftT]):
         self.draft = draft
         self.kernel = kernel  # the attention kernel (`ttt_forward`)
 
-    def forward(
+    def forward(  # noqa: PLR0913 - the forward's tensors and settings, as the trainer holds them
         self,
         input_ids,
         aux_hidden,

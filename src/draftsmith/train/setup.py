@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +39,8 @@ from draftsmith.train.batches import (
     token_counts,
 )
 from draftsmith.train.checkpoint import RunState
-from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.drafts import draft_module, load_draft, require_draft_for_target
+from draftsmith.train.engine_source import EngineSource
 from draftsmith.train.methods import METHODS, method, method_of
 from draftsmith.train.methods.base import Draft
 from draftsmith.train.model import DraftSpec

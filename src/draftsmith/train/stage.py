@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 
 from draftsmith.config import StageResult, TrainConfig, save_resolved_config
-from draftsmith.core import hostmem, threads as openmp
+from draftsmith.core import hostmem
+from draftsmith.core import threads as openmp
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
-from draftsmith.train.setup import Run, autocast_dtype, build, lr_at, precision_note, resolved_precision
 from draftsmith.train.objective import TargetHead, TTTResult, summarise
+from draftsmith.train.setup import Run, autocast_dtype, build, lr_at, precision_note, resolved_precision
 
 __all__ = ["run", "METRICS_FILE"]
 

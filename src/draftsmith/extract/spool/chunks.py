@@ -14,9 +14,11 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Literal, Sequence, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -190,7 +192,7 @@ class _Transport(ABC):
         """Message `name` as last written (None: none)."""
 
     @abstractmethod
-    def engine_lock(self, wait_s: float = 0.0) -> ContextManager[None]:
+    def engine_lock(self, wait_s: float = 0.0) -> AbstractContextManager[None]:
         """The engine process's lock: held for its life (one engine process per spool), and by the trainer while it
         cleans the spool (a killed trainer's engine process exits by itself within `wait_s`)."""
 
@@ -309,7 +311,7 @@ class TrainerSide(_Transport):
         engines run elsewhere) cannot stage a chunk of `largest` bytes."""
 
     @abstractmethod
-    def trainer_lock(self) -> ContextManager[None]:
+    def trainer_lock(self) -> AbstractContextManager[None]:
         """Held for the trainer's life: one trainer per spool."""
 
     @abstractmethod

@@ -24,9 +24,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError

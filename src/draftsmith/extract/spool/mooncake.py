@@ -30,9 +30,10 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from draftsmith.core import processes, sizing
 from draftsmith.core.errors import DraftsmithError
@@ -154,7 +155,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
         return str(self.address)
 
     # -- connecting
-    def connect(self, timeout: float = 30.0) -> "MooncakeSpool":
+    def connect(self, timeout: float = 30.0) -> MooncakeSpool:
         cls = _store_class()
         deadline, rc = time.monotonic() + timeout, None
         while True:
@@ -352,7 +353,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
             return 0
         exists = self.store.batch_is_exist([self._key("chunk", n, "index") for n in names])
         used = 0
-        for name, ok in zip(names, exists):
+        for name, ok in zip(names, exists, strict=False):
             if ok == 1:
                 if name not in self.sizes:
                     info = self.chunk_info(name)

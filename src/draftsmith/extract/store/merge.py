@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import _explain_os_error, atomic_dir, sha256_file
@@ -61,12 +61,12 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
             raise DraftsmithError(f"{p}: not a hidden-state store (no {MANIFEST_NAME})")
         manifests.append(read_manifest(p, StoreManifest))
     first = manifests[0]
-    for p, m in zip(inputs[1:], manifests[1:]):
+    for p, m in zip(inputs[1:], manifests[1:], strict=False):
         diff = first.spec().mismatch(m.spec())
         if diff:
             raise DraftsmithError(f"{p}: cannot merge with {inputs[0]}: {diff}")
     owner: dict[int, Path] = {}
-    for p, m in zip(inputs, manifests):
+    for p, m in zip(inputs, manifests, strict=False):
         for i in sorted(m.sample_ids()):
             if i in owner:
                 raise DraftsmithError(
@@ -79,7 +79,7 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
         with atomic_dir(output) as tmp:
             (tmp / SHARD_DIR).mkdir()
             (tmp / LOCK_DIR).mkdir()
-            for k, (p, m) in enumerate(zip(inputs, manifests)):
+            for k, (p, m) in enumerate(zip(inputs, manifests, strict=False)):
                 for info in m.shards:
                     src = p / info.file
                     name = shard_name(f"merged{k}", len(shards))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,7 +44,7 @@ class StoreSpec(BaseModel):
     backend: str = Field("hf", description="engine that computed the states: hf or vllm")
     compute_dtype: str = Field("float32", description="dtype the target ran in (float32, bfloat16, ...)")
 
-    def mismatch(self, other: "StoreSpec") -> str | None:
+    def mismatch(self, other: StoreSpec) -> str | None:
         """The first difference that makes states incompatible (paths alone may differ), or None."""
         diff = self.target.mismatch(other.target)
         if diff:

@@ -247,7 +247,7 @@ class StoreWriter:
         self._lock.release()
         self.closed = True
 
-    def __enter__(self) -> "StoreWriter":
+    def __enter__(self) -> StoreWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -188,7 +188,7 @@ class _Job:
         config = self.sink_config if strategy is None else None
         return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
 
-    def start(self) -> tuple["_Job", Engine]:
+    def start(self) -> tuple[_Job, Engine]:
         """(the job as it runs, its started engine): where the engine cannot run in the chosen dtype and the facts
         could not tell (choice.fallback), the job is planned again in the fallback dtype (the store holds nothing
         yet: it takes the new dtype) and started once more."""
@@ -228,12 +228,11 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     job, engine = job.start()
     prompts = job.prompts()
     tokens = sum(len(ids) for _, ids in prompts)
-    with engine:
-        with common.Timer() as timer:  # from the first prompt until the last shard is in the store
-            with common.progress_bar(tokens, f"extract (vllm {job.strategy})", enabled=show_progress) as advance:
-                engine.generate(prompts, on_finished=advance)
-            engine.wait_for_sink(len(prompts))
-            reports = engine.close_sink()
+    with engine, common.Timer() as timer:  # from the first prompt until the last shard is in the store
+        with common.progress_bar(tokens, f"extract (vllm {job.strategy})", enabled=show_progress) as advance:
+            engine.generate(prompts, on_finished=advance)
+        engine.wait_for_sink(len(prompts))
+        reports = engine.close_sink()
     return job.result(timer.seconds, tokens, reports, engine.start_seconds)
 
 

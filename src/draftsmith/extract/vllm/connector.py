@@ -152,10 +152,10 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._done.add(item.req_id)
 
     # ------------------------------------------------------------------ scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -163,7 +163,7 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending = []
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = getattr(request, "kv_transfer_params", None) or {}
         sample_id = params.get(sink_module.SAMPLE_ID_KEY)
         if sample_id is None or not block_ids:
@@ -173,7 +173,7 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return True, None
 
     def request_finished_all_groups(
-        self, request: "Request", block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         if not 0 <= self._group < len(block_ids):
             return False, None

@@ -24,9 +24,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
@@ -171,7 +172,7 @@ def engine_processes() -> dict[int, str]:
 
 def start_engine(
     choice: DtypeChoice, spec_for: Callable[[str], EngineSpec], say: Callable[[str], None] | None = None
-) -> tuple["Engine", str]:
+) -> tuple[Engine, str]:
     """(a started engine that has run one forward, its dtype): in `choice.dtype`, and where the facts could not tell
     whether that dtype runs here (`choice.fallback`), once more in the fallback after a failure, saying why in one
     line (never silently, never a loop). `spec_for(dtype)` builds the engine's spec for a dtype."""
@@ -366,7 +367,7 @@ class Engine:
         if llm is not None:
             vllm_launch.shutdown(llm)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -385,10 +385,10 @@ def run(cfg: FeedConfig) -> StageResult:
 
 def main(
     where: Annotated[str, typer.Argument(help="The spool: a directory or mooncake://HOST:PORT/NAME.")],
-    scratch: Annotated[Optional[Path], typer.Option(help="Local staging directory.")] = None,
+    scratch: Annotated[Path | None, typer.Option(help="Local staging directory.")] = None,
     stall_s: Annotated[float, typer.Option(help="Seconds without the trainer before stopping.")] = STALL_S,
     log: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="Where this process's output goes (the trainer's OUTPUT/feed.log), named in its errors."),
     ] = None,
 ) -> None:

@@ -42,11 +42,11 @@ from draftsmith.extract.vllm.decoding import DECODING_READERS, speculative_on_pl
 from draftsmith.extract.vllm.kernels import read_cpu_attention
 from draftsmith.extract.vllm.readers import (
     DFLASH_ROW,
+    DSPARK_ROW,
     EAGLE3_ROW,
     EAGLE31_ROW,
-    DSPARK_ROW,
-    PARALLEL_DRAFTING_ROW,
     ENGINE_READERS,
+    PARALLEL_DRAFTING_ROW,
     SOURCE_READERS,
     Capability,
     Context,
@@ -319,7 +319,7 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
 # --------------------------------------------------------------------------------------------------- the choice
 
 
-def dtype_refusal(report: "ProbeReport", dtype: str) -> str | None:
+def dtype_refusal(report: ProbeReport, dtype: str) -> str | None:
     """Why this vLLM cannot run the target in `dtype` here, read from its source (None: it can): a CPU kernel the
     architecture reaches that asserts bfloat16 (vLLM's own words), before any engine starts."""
     facts = report.facts
@@ -376,7 +376,7 @@ def _kernel_library(facts: ProbeFacts, cpu: hardware.CpuInfo) -> str:
 
 
 def choose_dtype(
-    asked: str, report: "ProbeReport", config: dict | None = None, cpu: hardware.CpuInfo | None = None
+    asked: str, report: ProbeReport, config: dict | None = None, cpu: hardware.CpuInfo | None = None
 ) -> DtypeChoice:
     """What `auto` means for a vLLM engine of this target: what it runs fastest *and runs at all*, from facts.
 
@@ -390,7 +390,7 @@ def choose_dtype(
     return choice.model_copy(update={"platform": report.facts.platform})
 
 
-def _choose_dtype(asked: str, report: "ProbeReport", config: dict | None, cpu: hardware.CpuInfo | None) -> DtypeChoice:
+def _choose_dtype(asked: str, report: ProbeReport, config: dict | None, cpu: hardware.CpuInfo | None) -> DtypeChoice:
     if asked != "auto":
         return DtypeChoice(dtype=asked, why=f"asked for {asked}")
     facts = report.facts

@@ -409,7 +409,7 @@ class SourceTree:
             for _, value in _assigned(stmt):
                 if not isinstance(value, ast.Dict):
                     continue
-                for key, item in zip(value.keys, value.values):
+                for key, item in zip(value.keys, value.values, strict=False):
                     if not (
                         isinstance(key, ast.Constant) and isinstance(key.value, str) and isinstance(item, ast.Tuple)
                     ):

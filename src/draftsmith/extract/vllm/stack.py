@@ -83,10 +83,10 @@ def callee(tree: SourceTree, fn: Found, func: ast.expr, *, owner: Found) -> Foun
 def _param_default(fn: Found, name: str) -> ast.expr | None:
     args = fn.function.args
     positional = args.posonlyargs + args.args
-    for arg, default in zip(positional[len(positional) - len(args.defaults) :], args.defaults):
+    for arg, default in zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=False):
         if arg.arg == name:
             return default
-    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults):
+    for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=False):
         if arg.arg == name and kw_default is not None:
             return kw_default
     return None

@@ -161,7 +161,7 @@ class RunnerTaps:
                 aux, self.last_aux = self.last_aux, None
             if aux is None:
                 return None
-            by_id.update(zip(self.plan.vllm_ids, aux))
+            by_id.update(zip(self.plan.vllm_ids, aux, strict=False))
         if any(k not in by_id for k in self.plan.layer_ids):
             return None
         return [by_id[k] for k in self.plan.layer_ids]

@@ -13,8 +13,9 @@ they do not branch on its name. vLLM keeps one proposer per method behind one in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -115,7 +116,7 @@ class DraftMethod(ABC):
         EAGLE-3 draft into a P-EAGLE run, a DFlash draft's block size); the other weights kept."""
         return draft, spec
 
-    def check_run(self, cfg: TrainConfig) -> None:
+    def check_run(self, cfg: TrainConfig) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) options this method cannot train with."""
 
     def sampling(self, cfg: TrainConfig) -> Sampling:
@@ -125,7 +126,7 @@ class DraftMethod(ABC):
 
     # -- the reference decoder
 
-    def check_spec(self, spec: DraftSpec) -> None:
+    def check_spec(self, spec: DraftSpec) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) a spec that names this method but lacks what it reads (P-EAGLE: a mask token)."""
 
     def round_tokens(self, spec: DraftSpec, k: int) -> int:

@@ -10,7 +10,8 @@ draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,8 +20,12 @@ from draftsmith.config.methods import BlockOptions, DFlashOptions
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE, DFLASH_ROW
+from draftsmith.prepare.vocab import build_draft_vocab
+from draftsmith.train.blocks import Anchors
+from draftsmith.train.dflash_model import DFlashDraft, own_head
 from draftsmith.train.methods.base import (
     Choose,
+    Draft,
     DraftMethod,
     ExportContext,
     Runner,
@@ -30,11 +35,7 @@ from draftsmith.train.methods.base import (
     speculators_config,
     token_id,
 )
-from draftsmith.train.methods.base import Draft
-from draftsmith.train.dflash_model import DFlashDraft, own_head
 from draftsmith.train.model import DraftSpec
-from draftsmith.prepare.vocab import build_draft_vocab
-from draftsmith.train.blocks import Anchors
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig

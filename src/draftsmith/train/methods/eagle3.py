@@ -14,10 +14,17 @@ from torch import nn
 
 from draftsmith.config.methods import Eagle3Options
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.methods.base import DraftMethod, ExportContext, Runner, Choose, llama_config, speculators_config
-from draftsmith.train.methods.base import Draft
-from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.prepare.vocab import build_draft_vocab
+from draftsmith.train.methods.base import (
+    Choose,
+    Draft,
+    DraftMethod,
+    ExportContext,
+    Runner,
+    llama_config,
+    speculators_config,
+)
+from draftsmith.train.model import DraftSpec, Eagle3Draft
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
