@@ -17,7 +17,8 @@ from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core import devices, hardware
 from draftsmith.extract import store
 from draftsmith.extract.hf import resolve_compute_dtype
-from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport, choose_dtype
+from draftsmith.extract.vllm.dtypes import choose_dtype
+from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.setup import autocast_dtype, resolved_precision

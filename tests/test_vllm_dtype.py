@@ -1,5 +1,5 @@
 """`auto` for a vLLM engine: what that vLLM runs fastest *and runs at all* on this CPU for this target
-(probe.choose_dtype), read from each release's source and kernel library; the one fallback of a failed start
+(dtypes.choose_dtype), read from each release's source and kernel library; the one fallback of a failed start
 (driver.start_engine); a store that has computed nothing yet takes the dtype the engine fell back to, and a resumed
 store keeps the dtype its samples were computed in.
 
@@ -24,7 +24,8 @@ from draftsmith.core.hardware import CpuInfo
 from draftsmith.core.targets import read_config
 from draftsmith.extract import store
 from draftsmith.extract.vllm import driver
-from draftsmith.extract.vllm.probe import DtypeChoice, ProbeFacts, ProbeReport, choose_dtype, probe
+from draftsmith.extract.vllm.dtypes import DtypeChoice, choose_dtype
+from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport, probe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from families import PUBLISHED  # noqa: E402

@@ -23,8 +23,9 @@ from draftsmith.cli import app
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm import source as vllm_source
 from draftsmith.extract.vllm.backend import choose_strategy
-from draftsmith.extract.vllm.probe import INSTALL_HINT, probe, probe_architectures, render_probe_table
+from draftsmith.extract.vllm.probe import INSTALL_HINT, probe, probe_architectures
 from draftsmith.extract.vllm.source import SourceTree
+from draftsmith.extract.vllm.tables import render_probe_table
 
 # --------------------------------------------------------------------------------------------------- fake trees
 
@@ -723,7 +724,8 @@ def test_the_served_layer_id_rule_agrees_with_the_installed_vllm():
 @needs_vllm
 def test_installed_vllm_rows_per_architecture():
     """The rows docs/vllm-compat.md and `draftsmith doctor` show, on the installed vLLM."""
-    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES, architecture_row
+    from draftsmith.extract.vllm.probe import TESTED_ARCHITECTURES
+    from draftsmith.extract.vllm.tables import architecture_row
 
     reports = {r.architecture: r for r in probe_architectures(list(TESTED_ARCHITECTURES))}
     expected = {  # architecture: (decoder stack, language model, ids vLLM reaches)

@@ -758,7 +758,7 @@ def _auto_here(report) -> str:
     """The dtype `auto` takes for the default target in this vLLM on this CPU, as a user has it (no override)."""
     from draftsmith.core import assets, hardware
     from draftsmith.core.targets import read_config
-    from draftsmith.extract.vllm.probe import choose_dtype
+    from draftsmith.extract.vllm.dtypes import choose_dtype
 
     return choose_dtype("auto", report, read_config(assets.default_target_dir()), hardware.probe()).dtype
 
@@ -828,7 +828,7 @@ def test_a_cpu_with_amx_where_this_vllm_has_no_amx_attention(report, prepared, h
     from draftsmith.extract import store
     from draftsmith.extract.vllm import kernels
     from draftsmith.extract.vllm.backend import run
-    from draftsmith.extract.vllm.probe import choose_dtype
+    from draftsmith.extract.vllm.dtypes import choose_dtype
 
     libraries = report.facts.cpu_attention_kernels or {}
     if not report.facts.cpu_attention_amx_bf16 or any("amx bfloat16" in table for table in libraries.values()):

@@ -27,7 +27,7 @@ from draftsmith import __version__
 from draftsmith.core import hardware, pins
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target_config import read_config
-from draftsmith.extract.vllm import probe
+from draftsmith.extract.vllm import dtypes, probe, tables
 from draftsmith.extract.vllm.source import locate, package_dir
 
 
@@ -136,7 +136,7 @@ def report(
         },
         "architectures": [
             {
-                **probe.architecture_row(r),
+                **tables.architecture_row(r),
                 "strategy": r.strategy,
                 "usable": r.usable,
                 "support": r.support.model_dump() if r.support is not None else None,
@@ -155,7 +155,7 @@ def report(
         )
         out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizes)}
         if main.facts.installed:
-            out["target"]["vllm_dtype_auto"] = probe.choose_dtype("auto", main, config).model_dump()
+            out["target"]["vllm_dtype_auto"] = dtypes.choose_dtype("auto", main, config).model_dump()
     return out
 
 
@@ -174,7 +174,7 @@ def _architecture(config: dict | None) -> str:
 def dtype_line(report: probe.ProbeReport, config: dict | None) -> str:
     """The dtype `auto` starts this vLLM in for the target (extract, train --engine vllm, feed, evaluate, serve),
     and why."""
-    choice = probe.choose_dtype("auto", report, config)
+    choice = dtypes.choose_dtype("auto", report, config)
     line = f"{choice.dtype} ({choice.why})"
     return line + (f"; if it cannot run, {choice.fallback} once" if choice.fallback else "")
 
@@ -266,7 +266,7 @@ def print_summary(
     _say(console, "architectures: strategy · aux ids vLLM reaches · notes", "bold")
     width = max((len(r.architecture) for r in reports), default=0)
     for r in reports:
-        row = probe.architecture_row(r)
+        row = tables.architecture_row(r)
         _say(
             console,
             f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} "
@@ -325,8 +325,8 @@ def _print_tables(
 ) -> None:
     """doctor --verbose: the environment, the probe's capabilities, every architecture, the target's sizes."""
     console.print(_rows_table("draftsmith doctor", environment_rows()))
-    console.print(probe.render_probe_table(main))
-    console.print(probe.render_architecture_table(reports))
+    console.print(tables.render_probe_table(main))
+    console.print(tables.render_architecture_table(reports))
     if target_rows is not None:
         console.print(_rows_table(f"target {target}: sizes from its config.json", target_rows))
 

@@ -43,7 +43,8 @@ from draftsmith.evaluate.report import (
 from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.evaluate.vllm_worker import GenerationResult
-from draftsmith.extract.vllm.probe import DtypeChoice, probe
+from draftsmith.extract.vllm.dtypes import DtypeChoice
+from draftsmith.extract.vllm.probe import probe
 from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
 from draftsmith.train.methods import method_of
 from draftsmith.train.methods.base import Draft

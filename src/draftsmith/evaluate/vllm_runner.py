@@ -24,15 +24,8 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
 from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.evaluate.vllm_worker import GenerationJob, GenerationResult
-from draftsmith.extract.vllm.probe import (
-    EAGLE3_ROW,
-    EAGLE3_SINCE,
-    DtypeChoice,
-    ProbeReport,
-    choose_dtype,
-    dtype_refusal,
-    probe,
-)
+from draftsmith.extract.vllm.dtypes import DtypeChoice, choose_dtype, dtype_refusal
+from draftsmith.extract.vllm.probe import EAGLE3_ROW, EAGLE3_SINCE, ProbeReport, probe
 from draftsmith.train.methods import DraftMethod
 from draftsmith.train.methods import method as draft_method
 
@@ -151,7 +144,7 @@ def vllm_verdict(
 
 
 def engine_dtype(target: Path, asked: str) -> DtypeChoice:
-    """The dtype a vLLM decoding engine of this target starts in (probe.choose_dtype: `auto` is what this vLLM runs
+    """The dtype a vLLM decoding engine of this target starts in (dtypes.choose_dtype: `auto` is what this vLLM runs
     fastest and runs at all here), for evaluate, regenerate and serve alike."""
     config = read_config(Path(target))
     report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)

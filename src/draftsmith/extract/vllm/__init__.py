@@ -1,7 +1,7 @@
 """The vLLM extraction backend: probe the installed vLLM, pick a strategy, fill the store from inside vLLM.
 
     backend.run(cfg)               the extract stage with --backend vllm (called by extract/stage.py)
-    probe.probe(), probe.render_probe_table(report)       what `draftsmith doctor` shows
+    probe.probe(), tables.render_probe_table(report)      what `draftsmith doctor` shows
     backend.benchmark(prepared, n) every offered strategy's throughput vs plain prefill of the same vLLM, same prompts
 
 Strategies (see docs/vllm-compat.md): "connector" = vLLM's own extract_hidden_states method + draftsmith's KV

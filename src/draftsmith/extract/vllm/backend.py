@@ -14,10 +14,10 @@ from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_config, text_config
 from draftsmith.extract import common, store
+from draftsmith.extract.vllm import dtypes, taps
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm import taps
 from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, start_engine
-from draftsmith.extract.vllm.probe import DtypeChoice
+from draftsmith.extract.vllm.dtypes import DtypeChoice
 from draftsmith.extract.vllm.sink import SinkConfig, SinkReport
 
 
@@ -29,7 +29,7 @@ def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None,
     rescales its stream in float16 (DeepSeek's overflow guard) gives no strategy float16 states equal to the model's."""
     if not report.facts.installed:
         raise DraftsmithError(f"--backend vllm: {report.reason}")
-    refused = probing.dtype_refusal(report, dtype) if dtype is not None else None
+    refused = dtypes.dtype_refusal(report, dtype) if dtype is not None else None
     if refused:
         raise DraftsmithError(f"--backend vllm: {refused}; use --compute-dtype bfloat16, or --backend hf")
     facts = report.facts
@@ -132,12 +132,12 @@ def _engine_spec(
 
 
 def compute_dtype(cfg: ExtractConfig, report: Any, config: dict | None) -> DtypeChoice:
-    """The dtype the engine computes in (probe.choose_dtype); `auto` resuming a store that holds samples takes the
+    """The dtype the engine computes in (dtypes.choose_dtype); `auto` resuming a store that holds samples takes the
     dtype they were computed in (a run that fell back to float32 resumes in float32)."""
     stored = store.stored_compute_dtype(cfg.output) if cfg.compute_dtype == "auto" else None
     if stored is not None:
         return DtypeChoice(dtype=stored, why=f"the store {cfg.output} holds samples computed in {stored}")
-    return probing.choose_dtype(cfg.compute_dtype, report, config)
+    return dtypes.choose_dtype(cfg.compute_dtype, report, config)
 
 
 def say_dtype(stage: str, choice: DtypeChoice, asked: str) -> None:
@@ -245,7 +245,7 @@ def offered_strategies(prepared: Path, *, compute_dtype: str = "auto") -> list[s
     )
     config = read_config(plan.target_dir)
     report = probing.probe(architecture=plan.target.architecture, config=config)
-    dtype = probing.choose_dtype(compute_dtype, report, config).dtype
+    dtype = dtypes.choose_dtype(compute_dtype, report, config).dtype
     offered = []
     for name in probing.STRATEGIES:
         try:

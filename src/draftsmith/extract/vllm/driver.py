@@ -34,7 +34,8 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import hf_backend_hint
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import worker as worker_module
-from draftsmith.extract.vllm.probe import DtypeChoice, ProbeFacts, target_engine_env, target_engine_kwargs
+from draftsmith.extract.vllm.dtypes import DtypeChoice
+from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_env, target_engine_kwargs
 from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY, SinkConfig, SinkReport
 from draftsmith.extract.vllm.taps import TapPlan
 

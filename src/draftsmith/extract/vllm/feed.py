@@ -50,6 +50,7 @@ from draftsmith.extract.spool import (
     wait_for_space,
 )
 from draftsmith.extract.spool.chunks import Waiting
+from draftsmith.extract.vllm import dtypes
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.backend import _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
@@ -269,7 +270,7 @@ class Feeder:
         plan_x = common.plan_extraction(cfg)
         config = read_config(plan_x.target_dir)
         report = probing.probe(architecture=plan_x.target.architecture, resolve_config=False, config=config)
-        choice = probing.choose_dtype(cfg.compute_dtype, report, config)
+        choice = dtypes.choose_dtype(cfg.compute_dtype, report, config)
         strategy = choose_strategy(cfg.vllm_strategy, report, plan_x.layer_ids, choice.dtype)
         needed = sorted({i for c in first.chunks for i in c.engine_ids}) or [0]
 

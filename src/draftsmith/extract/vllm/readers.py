@@ -12,10 +12,6 @@ Nothing here imports vLLM: every class and method is found in its .py files by s
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from draftsmith.core import hardware
 from draftsmith.extract.vllm.architectures import ArchitectureSupport, convention_words
+from draftsmith.extract.vllm.runtime import resolve_async_scheduling
 from draftsmith.extract.vllm.source import Located, SourceTree
 
 # Where each name is looked for, newest layout first (config classes lived in vllm/config/__init__.py before they
@@ -570,41 +567,6 @@ ENGINE_READERS: tuple[Reader, ...] = (read_engine_args, read_worker_extension)
 
 
 # The default target is resolved in the subprocess: fetching and converting it takes torch, which the probe never loads
-_RUNTIME_SCRIPT = """
-import json, sys
-from vllm.engine.arg_utils import EngineArgs
-if sys.argv[1]:
-    target = sys.argv[1]
-else:
-    from draftsmith.core import assets
-    target = str(assets.default_target_dir())
-config = EngineArgs(model=target).create_engine_config()
-print("\\nDRAFTSMITH " + json.dumps({"async_scheduling": bool(config.scheduler_config.async_scheduling)}))
-"""
-
-
-def resolve_async_scheduling(target: str | Path | None, timeout: float = 600) -> tuple[bool | None, str]:
-    """The runtime step: vLLM builds its engine config for the target in a subprocess (its log lines captured, never
-    shown) and says what async_scheduling became. (value, words for the row); value None when it could not."""
-    src = str(Path(__file__).resolve().parents[3])  # where this draftsmith is imported from, for the subprocess
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _RUNTIME_SCRIPT, "" if target is None else str(target)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return None, f"not resolved (building the engine config took over {timeout:g} s)"
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("DRAFTSMITH "):
-            value = bool(json.loads(line.removeprefix("DRAFTSMITH "))["async_scheduling"])
-            return value, f"{'on' if value else 'off'} (engine config built in a subprocess)"
-    last = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), f"exit {done.returncode}")
-    return None, f"not resolved (the engine config could not be built: {last[:200]})"
 
 
 __all__ = [
@@ -624,6 +586,5 @@ __all__ = [
     "Context",
     "Reading",
     "platform_of",
-    "resolve_async_scheduling",
     "speculative_methods",
 ]
