@@ -121,6 +121,8 @@ def _type_name(annotation: Any) -> str:
         return _type_name(args[0])
     if origin is typing.Annotated:
         return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):  # several models told apart (a method's options)
+        return "union"
     if origin in (list, dict, tuple):
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
