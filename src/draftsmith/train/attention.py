@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from draftsmith.train.model import DecoderLayer, KVCache
 
 try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=True
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
@@ -108,12 +112,12 @@ def merge_diagonal(
 # ---------------------------------------------------------------------------------------------- causal + LSE, CUDA
 
 
-def _causal(b, h, q_idx, kv_idx):
+def _causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
     return q_idx >= kv_idx
 
 
 @functools.lru_cache(maxsize=64)
-def causal_block_mask(t: int, device: str, block: int = 128):
+def causal_block_mask(t: int, device: str, block: int = 128) -> BlockMask:
     """The causal BlockMask of create_block_mask(causal, None, None, t, t), built from its [T/128, T/128] block
     layout: create_block_mask would evaluate the mask over [T, T] (or compile that)."""
     n = -(-t // block)
@@ -124,7 +128,9 @@ def causal_block_mask(t: int, device: str, block: int = 128):
         partial[-1] |= full[-1]
         full[-1] = False
 
-    def ordered(m):  # per q block: how many kv blocks, and their indices first (ascending), then the rest
+    def ordered(  # per q block: how many kv blocks, and their indices first (ascending), then the rest
+        m: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
@@ -145,7 +151,7 @@ FLEX_BUCKET = 256  # the compiled flex kernel's sequence lengths are multiples o
 
 
 @functools.cache
-def _compiled_flex_attention():
+def _compiled_flex_attention() -> Any:  # torch.compile(flex_attention): no Callable spells its overloads
     # Compiled, flex_attention runs fused Triton kernels (forward and backward, LSE gradient included); eager it
     # would materialise the scores. Automatic dynamic shapes: a second sequence length recompiles once, dynamic.
     return torch.compile(flex_attention)
@@ -196,7 +202,9 @@ class ChunkedCausalAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, chunk):
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
@@ -220,7 +228,9 @@ class ChunkedCausalAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         scale, chunk = ctx.scale, ctx.chunk
         b, hq, t, d = q.shape
@@ -271,12 +281,12 @@ def _chunk_scores(
 
 
 def ttt_layer_call(
-    layer,
+    layer: DecoderLayer,
     embeds: torch.Tensor,
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    cache,
+    cache: KVCache,
     mode: str,
     checkpointed: bool = False,
 ) -> torch.Tensor:
@@ -296,7 +306,9 @@ def ttt_layer_call(
     idx = layer.layer_idx
     earlier = [x for kv in cache.entries(idx) for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
 
-    def run(embeds, hidden, cos, sin, *flat):
+    def run(
+        embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *flat: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         private = cache.fork(idx, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
         out = layer(embeds, hidden, cos, sin, private, mode)
         k, v = private.entries(idx)[-1]
@@ -392,7 +404,14 @@ def block_attention(
     return torch.cat(outs, dim=2)
 
 
-def _block_chunk(q, k, v, k_context, v_context, limits) -> torch.Tensor:
+def _block_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_context: torch.Tensor,
+    v_context: torch.Tensor,
+    limits: torch.Tensor,
+) -> torch.Tensor:
     """c blocks of S queries against [the context prefix, their own blocks' keys], by one masked SDPA."""
     b, _, rows, _ = q.shape
     c, kmax = limits.shape[1], k_context.shape[2]
@@ -410,7 +429,15 @@ def _block_chunk(q, k, v, k_context, v_context, limits) -> torch.Tensor:
     )
 
 
-def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool = True) -> torch.Tensor:
+def flex_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_context: torch.Tensor,
+    v_context: torch.Tensor,
+    limits: torch.Tensor,
+    compiled: bool = True,
+) -> torch.Tensor:
     """`block_attention` through flex_attention (CUDA: fused kernels, forward and backward): the queries against
     [context, every block] with the mask as a mask_mod. Its BlockMask is built by create_block_mask over the
     [A*S, T + A*S] grid at 128 x 128 granularity (block-sparse: a block's context prefix and its own tile).
@@ -420,7 +447,7 @@ def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool =
     b, _, rows, _ = q.shape
     t, s = k_context.shape[2], rows // limits.shape[1]
 
-    def visible(bi, h, qi, kvi):
+    def visible(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kvi: torch.Tensor) -> torch.Tensor:
         block = qi // s
         return torch.where(kvi < t, kvi < limits[bi, block], (kvi - t) // s == block)
 
@@ -435,12 +462,21 @@ def flex_block_attention(q, k, v, k_context, v_context, limits, compiled: bool =
     )
 
 
-def naive_block_attention(q, k, v, k_context, v_context, limits) -> torch.Tensor:
+def naive_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_context: torch.Tensor,
+    v_context: torch.Tensor,
+    limits: torch.Tensor,
+) -> torch.Tensor:
     """Reference for `block_attention`: every block's queries against all keys, one explicit [A*S, T + A*S] mask."""
     return _block_chunk(q, k, v, k_context, v_context, limits)
 
 
-def full_attention(q, k, v, k_context, v_context) -> torch.Tensor:
+def full_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_context: torch.Tensor, v_context: torch.Tensor
+) -> torch.Tensor:
     """Decoding a DFlash round: the block's queries see every cached context key and the whole block."""
     return F.scaled_dot_product_attention(
         q, torch.cat((k_context, k), dim=2), torch.cat((v_context, v), dim=2), enable_gqa=q.shape[1] != k.shape[1]

@@ -13,9 +13,9 @@ its workers (`--num-workers`) read and collate ahead, into pinned memory on CUDA
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.store import decode_hidden_states
+from draftsmith.core.tensorfile import Samples
+from draftsmith.extract.store import HiddenStateStore, decode_hidden_states
 from draftsmith.train.objective import Rows, Sampling
 from draftsmith.train.unrolled import EVERY_STEP
 
@@ -47,7 +48,7 @@ class Batch:
     def num_tokens(self) -> int:
         return int(sum(self.lengths))
 
-    def _tensors(self, fn) -> Batch:
+    def _tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
         hs, sc = self.hidden_states, self.hidden_scales
         return replace(
             self,
@@ -228,7 +229,7 @@ class EpochPlan(Sampler):
 class MicroBatches(Dataset):
     """dataset + ttt_steps -> collated batches by MicroBatchKey (what the DataLoader's workers run)."""
 
-    def __init__(self, dataset, ttt_steps: int, sampling: Sampling = EVERY_STEP):
+    def __init__(self, dataset: Samples | LayerSubset, ttt_steps: int, sampling: Sampling = EVERY_STEP):
         self.dataset, self.ttt_steps, self.sampling = dataset, ttt_steps, sampling
 
     def __getitem__(self, key: MicroBatchKey) -> Batch:
@@ -249,7 +250,7 @@ class TrainData:
 
     def __init__(  # noqa: PLR0913 - one loader's settings, as TrainConfig names them
         self,
-        dataset,
+        dataset: Samples | LayerSubset,
         train: TokenBudgetSampler,
         evaluation: TokenBudgetSampler | None,
         ttt_steps: int,
@@ -367,13 +368,13 @@ class LayerSubset:
     """A hidden-state store read through some of its layers: item i's hidden_states (and fp8 scales) keep the
     layer positions `layers` only ([T, L', H]); everything else is the store's."""
 
-    def __init__(self, store, layers: Sequence[int]):
+    def __init__(self, store: HiddenStateStore, layers: Sequence[int]):
         self.store, self.layers = store, list(layers)
 
     def __len__(self) -> int:
         return len(self.store)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
     def __getitem__(self, i: int) -> dict:
@@ -384,11 +385,11 @@ class LayerSubset:
         return item
 
 
-def fetch(dataset, ids: list[int], ttt_steps: int = 1) -> Batch:
+def fetch(dataset: Samples | LayerSubset, ids: list[int], ttt_steps: int = 1) -> Batch:
     return collate([dataset[i] for i in ids], ttt_steps)
 
 
-def token_counts(dataset, indices: Sequence[int], vocab_size: int) -> np.ndarray:
+def token_counts(dataset: Samples | LayerSubset, indices: Sequence[int], vocab_size: int) -> np.ndarray:
     """Loss-masked token counts [vocab] of the samples `indices` (the training split), read from the samples."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     if isinstance(dataset, LayerSubset):  # the tokens alone: no hidden state sliced (read) for them

@@ -31,7 +31,7 @@ one more such matmul.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -140,7 +140,17 @@ class _Scratch:
     pm: torch.Tensor | None  # p * mass (a reduced vocabulary)
 
     @classmethod
-    def make(cls, n, vd, zdt, acc, target, device, options: KLOptions, any_grad: bool) -> _Scratch:
+    def make(
+        cls,
+        n: int,
+        vd: int,
+        zdt: torch.dtype,
+        acc: torch.dtype,
+        target: TargetStates,
+        device: torch.device,
+        options: KLOptions,
+        any_grad: bool,
+    ) -> _Scratch:
         big, small = (min(options.rows, n), vd), (min(options.sub, n), vd)
         zb = torch.empty(big, dtype=zdt, device=device)
         zf = torch.empty(small, dtype=acc, device=device)
@@ -158,7 +168,19 @@ class _Scratch:
             torch.empty(small, device=device) if target.mass is not None else None,
         )
 
-    def reduce(self, z, p_all, which, ats, ids, target, hint, to_target, options: KLOptions, dz) -> None:  # noqa: PLR0913 - one slice's tensors, named as BlockKL's inputs
+    def reduce(  # noqa: PLR0913 - one slice's tensors, named as BlockKL's inputs
+        self,
+        z: torch.Tensor,
+        p_all: torch.Tensor,
+        which: torch.Tensor | None,
+        ats: torch.Tensor,
+        ids: torch.Tensor,
+        target: TargetStates,
+        hint: torch.Tensor,
+        to_target: torch.Tensor | None,
+        options: KLOptions,
+        dz: torch.Tensor | None,
+    ) -> None:
         """The reductions over a matmul slice's logits z, `options.sub` rows at a time: each row's KL, metrics and
         (dz) its logits' gradient scaled by its hint."""
         acc = self.zf.dtype
@@ -177,7 +199,7 @@ class _Scratch:
             q = torch.sub(zs, lse[:, None], out=ts).exp_()  # softmax(z)
             if options.metrics:
                 top = top if to_target is None else to_target.index_select(0, top)  # target ids
-                self.correct[i] = top == target.argmax.index_select(0, r)
+                self.correct[i] = top == target.argmax.index_select(0, r)  # type: ignore[union-attr]  # block_kl: metrics need the top-1
             if options.metrics or options.acceptance:
                 pw = p  # p over the whole vocabulary: a reduced one's p * mass (objective.expected_acceptance)
                 if target.mass is not None and self.pm is not None:
@@ -211,7 +233,18 @@ class BlockKL(torch.autograd.Function):
     an EAGLE-3 draft."""
 
     @staticmethod
-    def forward(ctx, x, head_weight, target, at, hint, extra, extra_weight, to_target, options: KLOptions):  # noqa: PLR0913 - one slice's tensors, named as BlockKL's inputs
+    def forward(  # noqa: PLR0913 - one slice's tensors, named as BlockKL's inputs
+        ctx: Any,
+        x: torch.Tensor,
+        head_weight: torch.Tensor,
+        target: TargetStates,
+        at: torch.Tensor,
+        hint: torch.Tensor,
+        extra: torch.Tensor | None,
+        extra_weight: torch.Tensor | None,
+        to_target: torch.Tensor | None,
+        options: KLOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         wants = dict(zip(_INPUTS, ctx.needs_input_grad, strict=False))
         n, device = x.shape[0], x.device
         zdt = F.linear(x[:0], head_weight[:0].to(x.dtype)).dtype  # DFlashDraft.logits's dtype (autocast's)
@@ -236,7 +269,7 @@ class BlockKL(torch.autograd.Function):
             z = torch.mm(xs.to(zdt), w.T, out=s.zb[: b - a])  # the draft's logits (DFlashDraft.logits)
             es = None
             if we is not None:  # the low-rank term (DSparkDraft.block_logits' Markov bias)
-                es = (extra[a:b] if order is None else extra.index_select(0, ids)).to(zdt)
+                es = (extra[a:b] if order is None else extra.index_select(0, ids)).to(zdt)  # type: ignore[index, union-attr]  # extra_weight comes with extra
                 z.addmm_(es, we.T)
             if order is None:
                 t, which = target.logits(ats, out=s.tb[: b - a]), None
@@ -252,7 +285,7 @@ class BlockKL(torch.autograd.Function):
                 grad_w.addmm_(dz.T.to(acc), xs.to(zdt).to(acc))  # (under autocast: bf16 products rounded once)
             if dz is not None and es is not None and we is not None:  # the low-rank term's backward
                 if grad_extra is not None:
-                    grad_extra[ids] = torch.mm(dz, we).to(extra.dtype)
+                    grad_extra[ids] = torch.mm(dz, we).to(extra.dtype)  # type: ignore[union-attr]  # grad_extra: extra is set
                 if grad_we is not None:
                     grad_we += torch.mm(dz.T, es)
         ctx.mark_non_differentiable(s.correct, s.accept)
@@ -262,7 +295,9 @@ class BlockKL(torch.autograd.Function):
         return s.kl, s.correct, s.accept
 
     @staticmethod
-    def backward(ctx, grad_kl, _correct, _accept):
+    def backward(
+        ctx: Any, grad_kl: torch.Tensor, _correct: torch.Tensor, _accept: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         grad, grad_extra, grad_we, grad_w, hint = ctx.saved_tensors
         live = hint != 0
         scale = torch.where(live, grad_kl / torch.where(live, hint, 1), 0)

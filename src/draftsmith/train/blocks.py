@@ -10,7 +10,7 @@ at a time from [N, H] states, never [N, V] (block_loss.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -104,7 +104,7 @@ class BlockIndex:
             return _block_loss(draft, next(steps), input_ids, target, self, run, normaliser, sums, loss)
         return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
 
-    def map(self, fn) -> BlockIndex:
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockIndex:
         return BlockIndex(
             fn(self.needed),
             [fn(x) for x in self.scored],
@@ -182,11 +182,15 @@ def dflash_hidden_states(
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     if attention == "naive":
 
-        def attend(q, k, v, kc, vc):
+        def attend(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+        ) -> torch.Tensor:
             return naive_block_attention(q, k, v, kc, vc, anchors)
     else:
 
-        def attend(q, k, v, kc, vc):
+        def attend(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+        ) -> torch.Tensor:
             return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits, kernel=attention)
 
     hidden = draft.forward_hidden(

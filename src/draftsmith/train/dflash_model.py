@@ -15,7 +15,8 @@ product: recomputed in the backward), and the projections reading one input (q /
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +42,14 @@ class RMSNormFunction(torch.autograd.Function):
     the backward recomputes the normed rows and follows autograd's chain through the same ops and dtypes."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 normed in fp32; fp64 stays
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return weight * (xf * rstd).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
             xf = x.to(rstd.dtype)
@@ -77,14 +78,14 @@ class Linears(torch.autograd.Function):
     per linear dx = dy @ w in the weights' dtype, cast to x's dtype (the cast's backward) before the sum."""
 
     @staticmethod
-    def forward(ctx, x, *weights):
+    def forward(ctx: Any, x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         xc = x.to(weights[0].dtype)
         ctx.save_for_backward(xc, *weights)
         ctx.x_dtype = x.dtype
         return tuple(F.linear(xc, w) for w in weights)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xc, *weights = ctx.saved_tensors
         with torch.autocast(xc.device.type, enabled=False):
             grad_x = None
@@ -119,12 +120,12 @@ class SwiGLUDown(torch.autograd.Function):
     backward runs autograd's own ops (the linear's two matmuls, the product's, aten.silu_backward) in their dtypes."""
 
     @staticmethod
-    def forward(ctx, g, u, w):
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(g, u, w)
         return F.linear(F.silu(g) * u, w)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         g, u, w = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
             s = F.silu(g)
@@ -175,7 +176,9 @@ class DFlashAttention(nn.Module):
         k = apply_rope(self._heads(self.k_proj, self.k_norm, x, self.num_kv_heads), cos, sin)
         return k, self._heads(self.v_proj, None, x, self.num_kv_heads)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, *keys_values(x)) [B, heads, T, D] (q: q_proj, q_norm and RoPE as keys_values makes k), the three
         projections keeping x once (`linears`)."""
         b, t, _ = x.shape
@@ -205,7 +208,14 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = LeanRMSNorm(h, eps)
         self.mlp = MLP(spec)
 
-    def forward(self, hidden: torch.Tensor, cos, sin, context, attend) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
         """hidden [B, Q, H] (the block positions); context: (features [B, T, H], cos, sin) whose K/V this layer
         projects (inside its forward: FSDP2 has the layer's weights gathered only there), or the cached (k, v) of
         decoding; attend(q, k_block, v_block, k_context, v_context) -> [B, Hq, Q, D] decides who sees what
@@ -334,7 +344,7 @@ class DFlashDraft(DraftModule):
         block_positions: torch.Tensor,
         context: torch.Tensor | list[tuple[torch.Tensor, torch.Tensor]],
         context_positions: torch.Tensor | None,
-        attend,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         checkpointed: bool = False,
     ) -> torch.Tensor:
         """The block's pre-norm hidden states [B, Q, H]: block_ids / block_positions [B, Q], context [B, T, H] (or

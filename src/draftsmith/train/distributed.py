@@ -110,7 +110,7 @@ def wrap(model: TTTModel, info: DistInfo, param_dtype: torch.dtype | None = None
     return DistributedDataParallel(model, broadcast_buffers=False)  # single-device module: device_ids stays None
 
 
-def grad_sync(model: nn.Module, info: DistInfo, sync: bool):
+def grad_sync(model: nn.Module, info: DistInfo, sync: bool) -> contextlib.AbstractContextManager[None]:
     """Context for one micro-batch's forward + backward: gradients are reduced across ranks only when `sync`
     (the step's last micro-batch); before, each rank accumulates its own."""
     if not info.enabled:
@@ -136,7 +136,7 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return x.to(t.device)
 
 
-def gather_objects(obj, info: DistInfo) -> list:
+def gather_objects(obj: object, info: DistInfo) -> list:
     """Every rank's `obj` (a few picklable values: what a rank found wrong), on every rank."""
     if not info.enabled:
         return [obj]

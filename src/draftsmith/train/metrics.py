@@ -22,6 +22,7 @@ from rich.progress import Progress as RichProgress
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import _explain_os_error, atomic_write_text
 from draftsmith.train import distributed
+from draftsmith.train.batches import Batch
 from draftsmith.train.objective import TTTResult
 
 METRICS_FILE = "metrics.jsonl"
@@ -47,7 +48,7 @@ class StepStats:
     def new_step(self) -> None:
         self.sums.zero_()
 
-    def add(self, step: int, result: TTTResult, batch) -> None:
+    def add(self, step: int, result: TTTResult, batch: Batch) -> None:
         self.sums += result.sums
         self.tokens += batch.num_tokens
         self.pending.append(_Pending(step, batch.sample_ids, torch.isfinite(result.loss.detach()), batch.finite()))

@@ -314,7 +314,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, spec.hidden_size, bias=False)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
@@ -382,8 +384,8 @@ class DecoderLayer(nn.Module):
         self,
         embeds: torch.Tensor,
         hidden: torch.Tensor,
-        cos,
-        sin,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         cache: KVCache,
         mode: str,
         rows: torch.Tensor | None = None,
@@ -539,7 +541,7 @@ class Eagle3Draft(DraftModule):
             if rows is not None and rows[i] is not None and not checkpointed:
                 hidden = layer(embeds, hidden, cos, sin, cache, mode, rows[i])
             else:
-                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)
+                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)  # type: ignore[arg-type]  # self.layers holds DecoderLayers (a ModuleList yields Module)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -229,7 +229,14 @@ class TargetKL(torch.autograd.Function):
     rows' logsumexp, when the caller has it (ttt_forward's metrics share it). A slice of rows at a time."""
 
     @staticmethod
-    def forward(ctx, z, probs, rows, neg_entropy, lse=None):
+    def forward(
+        ctx: Any,
+        z: torch.Tensor,
+        probs: torch.Tensor,
+        rows: torch.Tensor,
+        neg_entropy: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         acc = torch.promote_types(z.dtype, torch.float32)  # bf16 logits are summed in fp32; fp64 stays fp64
         lse = _top1_logsumexp(z)[1] if lse is None else lse.to(acc)
         kl, (step, scratch) = torch.empty(z.shape[0], dtype=acc, device=z.device), _slices(z, acc)
@@ -241,7 +248,7 @@ class TargetKL(torch.autograd.Function):
         return kl
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         z, probs, rows, lse = ctx.saved_tensors
         dz, (step, scratch) = torch.empty_like(z), _slices(z, lse.dtype)
         for a in range(0, z.shape[0], step):
@@ -398,16 +405,16 @@ class TTTModel(nn.Module, Generic[DraftT]):
 
     def forward(  # noqa: PLR0913 - the forward's tensors and settings, as the trainer holds them
         self,
-        input_ids,
-        aux_hidden,
-        target,
-        index,
-        ttt_steps,
-        step_weight=0.8,
-        normaliser=None,
-        metrics=True,
-        mode="ttt",
-        checkpointed=False,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        target: TargetDistribution | TargetStates,
+        index: Index[DraftT],
+        ttt_steps: int,
+        step_weight: float = 0.8,
+        normaliser: torch.Tensor | None = None,
+        metrics: bool = True,
+        mode: str = "ttt",
+        checkpointed: bool = False,
     ) -> TTTResult:
         return ttt_forward(
             self.draft,

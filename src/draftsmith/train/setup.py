@@ -305,7 +305,9 @@ def _changed_hyperparameters(saved: dict, cfg: TrainConfig) -> list[str]:
     ]
 
 
-def find_resume(cfg: TrainConfig, s: Source, info: distributed.DistInfo):
+def find_resume(
+    cfg: TrainConfig, s: Source, info: distributed.DistInfo
+) -> tuple[Path, checkpoint.CheckpointManifest] | tuple[None, None]:
     """(checkpoint, its manifest) to resume from, or (None, None); refuses to overwrite a run without --resume /
     --force, and a resume with other hyper-parameters without --force. Nothing is written before this."""
     out = Path(cfg.output)
@@ -399,10 +401,10 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     latest, manifest = find_resume(cfg, s, info)
     saved, state = None, RunState()
     if latest is not None:
-        draft.load_draft_tensors(checkpoint.read_weights(latest, manifest))
+        draft.load_draft_tensors(checkpoint.read_weights(latest, manifest))  # type: ignore[arg-type]  # set with latest
         saved = checkpoint.load_training_state(latest)
         state = checkpoint.run_state(saved)
-        state.last_eval = state.last_eval or dict(manifest.metrics)
+        state.last_eval = state.last_eval or dict(manifest.metrics)  # type: ignore[union-attr]  # set with latest
     draft = draft.to(device)
     if cfg.compile:  # each decoder layer's forward (the TTT attention's CUDA kernels are compiled either way)
         for layer in draft.layers:

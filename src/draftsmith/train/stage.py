@@ -169,13 +169,13 @@ def optimizer_step(r: Run) -> torch.Tensor | None:
     return grad_norm
 
 
-def autocast(device: torch.device, precision: str):
+def autocast(device: torch.device, precision: str) -> torch.autocast | contextlib.nullcontext[None]:
     dtype = autocast_dtype(device, precision)
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def forward(
-    model,
+    model: torch.nn.Module,
     head: TargetHead,
     batch: Batch,
     cfg: TrainConfig,

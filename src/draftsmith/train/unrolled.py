@@ -19,7 +19,7 @@ n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -61,7 +61,7 @@ class StepIndex:
         loss = aux_hidden.new_zeros((), dtype=torch.float32)
         return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
 
-    def map(self, fn) -> StepIndex:
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> StepIndex:
         """The same index with fn applied to every tensor (e.g. a move to the device)."""
         return StepIndex(
             fn(self.needed),
