@@ -222,13 +222,14 @@ def test_the_gate_decodes_the_held_out_split_of_the_drafts_training_data(tmp_pat
 def test_a_failed_gate_exits_1_with_its_verdict_in_one_line(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
-    from draftsmith import cli, evaluate
+    from draftsmith import cli
+    from draftsmith.evaluate import stage
 
     def failing(cfg):
         assert cfg.gate and cfg.gate_tolerance == 0.1
         raise gate.GateFailed("gate failed: vLLM 0.32.0 accepts 0.02 of rounds at position 2 ...")
 
-    monkeypatch.setattr(evaluate, "run", failing)
+    monkeypatch.setattr(stage, "run", failing)
     result = CliRunner().invoke(cli.app, ["evaluate", "--draft", str(tmp_path), "--gate", "--gate-tolerance", "0.1"])
     assert result.exit_code == 1 and "gate failed: vLLM 0.32.0 accepts 0.02" in result.output
     assert "Traceback" not in result.output
