@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-if TYPE_CHECKING:
-    from draftsmith.train.model import DecoderLayer, KVCache
 
 try:  # torch >= 2.9 spells the LSE request AuxRequest; older ones return_lse=True
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
@@ -280,8 +277,78 @@ def _chunk_scores(
 # ---------------------------------------------------------------------------------------------- checkpointing
 
 
+class KVCache:
+    """Keys/values of each layer: one (k, v) per TTT step ("ttt"/"naive": `append`), or one entry growing along the
+    positions ("decode", a block drafter's context: `extend`, cut back by `crop`).
+
+    A plain object (not a list) on purpose: wrappers such as FSDP2 rebuild list/tuple arguments of a wrapped
+    layer's forward, which would silently drop what the layer appends.
+    """
+
+    def __init__(self, num_layers: int, kernel: str = "auto"):
+        self._layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
+        self.kernel = kernel  # the TTT attention's ("auto", "flex", "chunked": `ttt_attention`), --attention-kernel
+
+    def steps(self, layer: int) -> int:
+        """The entries layer `layer` holds (TTT: the steps run)."""
+        return len(self._layers[layer])
+
+    def entries(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer `layer`'s (k, v) entries, oldest first (a copy of the list; the same tensors)."""
+        return list(self._layers[layer])
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One more entry (a TTT step's k, v) -> the layer's keys and values, one per entry."""
+        entries = self._layers[layer]
+        entries.append((k, v))
+        return [e[0] for e in entries], [e[1] for e in entries]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions k, v [B, Hkv, T, D] after the layer's decode entry -> the whole entry."""
+        entries = self._layers[layer]
+        if entries:
+            k, v = torch.cat((entries[0][0], k), dim=2), torch.cat((entries[0][1], v), dim=2)
+            entries[0] = (k, v)
+        else:
+            entries.append((k, v))
+        return k, v
+
+    def context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's decode entry (k, v)."""
+        return [entries[0] for entries in self._layers]
+
+    def crop(self, length: int) -> None:
+        """Forget every decode entry's positions from `length` on."""
+        for entries in self._layers:
+            if entries:
+                k, v = entries[0]
+                entries[0] = (k[:, :, :length], v[:, :, :length])
+
+    def fork(self, layer: int, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
+        """A private cache of as many layers, layer `layer` holding `entries` (a checkpointed layer call's)."""
+        private = KVCache(len(self._layers))
+        private._layers[layer] = list(entries)
+        return private
+
+
+class TTTLayer(Protocol):
+    """What `ttt_layer_call` calls: a draft decoder layer (model.DecoderLayer), appending to its entries of the cache."""
+
+    layer_idx: int
+
+    def __call__(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        mode: str,
+    ) -> torch.Tensor: ...
+
+
 def ttt_layer_call(
-    layer: DecoderLayer,
+    layer: TTTLayer,
     embeds: torch.Tensor,
     hidden: torch.Tensor,
     cos: torch.Tensor,
