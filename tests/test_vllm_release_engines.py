@@ -743,7 +743,7 @@ def test_quickstart_tiny_runs_end_to_end_and_says_which_engine_evaluates(default
     _say(
         "quickstart tiny",
         engine=engine.removeprefix("evaluation engine: "),
-        tau=round(runs[0]["tau"], 3),
+        tau=round(runs[0].tau, 3),
         charts=charts,
         stages_s={s: v["seconds"] for s, v in state["finished"].items()},
         wall_s=round(wall, 1),
