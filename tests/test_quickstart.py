@@ -200,9 +200,17 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
     assert result.result.gate is not None and result.result.gate.checks[0].k == 3
     assert result.result.gate.checks[0].verdict.startswith("gate passed: vLLM 0.")
     drifted = alter(cfg.output / "export", tmp_path / "drifted", shift_layer)
-    with pytest.raises(gate.GateFailed, match="^gate failed: config.json changed since export: eagle_aux_hidden_st"):
+    with pytest.raises(
+        gate.GateFailed, match="^gate failed: config.json changed since export: eagle_aux_hidden_st"
+    ) as err:
         evaluate(gate_of(drifted, "drifted"))
-    assert (tmp_path / "drifted" / "report.md").is_file()  # the report is written before the verdict
+    assert "as trained, and vLLM 0." in str(err.value) and "reads it" in str(err.value)
+    assert str(tmp_path / "drifted" / "report.md") in str(err.value)
+    report = read_report(tmp_path / "drifted" / "report.json")  # written before the verdict
+    assert report.gate is not None and not report.gate.passed
+    [check] = report.gate.checks
+    assert check.config_drift and check.config_drift[0].startswith("eagle_aux_hidden_state_layer_ids")
+    assert check.not_read_by_vllm == []  # this vLLM reads the key (each other key: test_gate's fast tests)
 
 
 def test_tau_for_k_not_run_is_read_off_the_longest_run():
