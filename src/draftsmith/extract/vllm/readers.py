@@ -15,7 +15,6 @@ import ast
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -94,7 +93,7 @@ class Context:
 class Reading:
     """One reader's findings: facts (ProbeFacts fields), what stayed unknown, and its table rows."""
 
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, object] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)
     rows: list[Capability] = field(default_factory=list)
 
