@@ -23,7 +23,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -110,7 +109,7 @@ def read_spec_metrics(llm) -> SpecCounts:
     return out
 
 
-def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
+def engine_launch(job: GenerationJob) -> tuple[dict[str, object], dict[str, str]]:
     """(`vllm.LLM` keyword arguments, the environment it starts in) for a job: the target, what it needs to start
     here (the probe's findings), and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with
     parallel drafting, as its config.json says: export.vllm_speculative_config)."""
@@ -119,7 +118,7 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
         architecture=(config.get("architectures") or ["unknown"])[0], config=config, resolve_config=False
     ).facts
     mla = "kv_lora_rank" in text_config(config)
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, object] = dict(
         model=job.target,
         dtype=job.dtype,
         max_model_len=job.max_model_len,
