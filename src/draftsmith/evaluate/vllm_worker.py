@@ -19,7 +19,6 @@ backend).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from draftsmith.core import vllm_launch
+from draftsmith.core.fsio import atomic_write_text
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
@@ -189,10 +189,7 @@ def _per_prompt_counts(outputs: list) -> list[tuple[int, int]] | None:
 
 def main(request_file: str) -> None:
     job = GenerationJob.model_validate_json(Path(request_file).read_text(encoding="utf-8"))
-    result = run(job)
-    tmp = Path(str(job.result)).with_suffix(".tmp")
-    tmp.write_text(result.model_dump_json(), encoding="utf-8")
-    os.replace(tmp, str(job.result))
+    atomic_write_text(Path(str(job.result)), run(job).model_dump_json())
 
 
 if __name__ == "__main__":

@@ -123,10 +123,6 @@ class StoreWriter:
         self._done = read_manifest(self.path, StoreManifest).sample_ids()
         return self._done | self._buffered_ids
 
-    @property
-    def buffered_samples(self) -> int:
-        return len(self._buffer)
-
     def _first_free_seq(self) -> int:
         seqs = [-1]
         for p in (self.path / SHARD_DIR).iterdir():
