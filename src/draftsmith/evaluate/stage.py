@@ -41,7 +41,7 @@ from draftsmith.evaluate.report import (
     speedup_line,
     write_report,
 )
-from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
+from draftsmith.evaluate.segments import Segmenter, segment_report, split_rounds
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice
@@ -144,7 +144,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
                 progress.advance(task)
             result.stats[k], result.outputs[k] = total, outputs
             if segments is not None:
-                result.by_segment[k] = {name: SegmentReport(**segment_dict(c)) for name, c in segments.items()}
+                result.by_segment[k] = {name: segment_report(c) for name, c in segments.items()}
     if baseline and temperature == 0:
         out = result.outputs
         result.lossless = {
