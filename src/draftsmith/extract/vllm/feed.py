@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import JsonValue
 
 from draftsmith.config import ExtractConfig, FeedConfig, StageResult
 from draftsmith.core import sizing
@@ -284,7 +285,7 @@ class Feeder:
 
         def spec_for(dtype: str):
             spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
-            backend_info = {**_backend_info(report, strategy), "online": True}
+            backend_info: dict[str, JsonValue] = {**_backend_info(report, strategy), "online": True}
             sink_config = _sink_config(cfg, plan_x, spec, backend_info).model_copy(update={"store": None})
             return _engine_spec(cfg, plan_x, report, strategy, sink_config, needed, dtype)
 
