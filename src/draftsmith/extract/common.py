@@ -346,7 +346,7 @@ class BackgroundWriter:
 @contextlib.contextmanager
 def progress_bar(
     total_tokens: int, description: str = "extract", enabled: bool = True
-) -> Iterator[Callable[[int], object]]:
+) -> Iterator[Callable[[int], None]]:
     """A rich progress bar on stderr counting tokens, with tokens/s and ETA; yields `advance(tokens)`."""
     if not enabled:
         yield lambda n: None
