@@ -24,8 +24,8 @@ reports and never judges. Everything here is pure: the engines run in stage.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
@@ -68,8 +68,8 @@ def compare(reference: DecodeStats, served: DecodeStats, tolerance: float) -> li
     ]
 
 
-def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flatten(config: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
     for key, value in config.items():
         if key in _NOT_DRAFTING:
             continue
@@ -121,7 +121,7 @@ def served_drift(draft_dir: Path) -> tuple[dict[str, str], list[str]]:
     return drift, [key for key in drift if key.rsplit(".", 1)[-1] in names]
 
 
-def training_prediction(training: dict[str, Any], k: int) -> TrainingPrediction | None:
+def training_prediction(training: Mapping[str, object], k: int) -> TrainingPrediction | None:
     """What training's last held-out evaluation predicts per position (prod_{i<=j} acc_i, as its simulated
     acceptance length) for the first min(k, its steps) positions; None where the draft carries no such record (an
     export of an older draftsmith, a checkpoint saved before its first evaluation)."""
@@ -163,7 +163,7 @@ def judge(
     dtype: str,
     drift: dict[str, str],
     unread: list[str],
-    training: dict[str, Any],
+    training: Mapping[str, object],
 ) -> GateResult:
     """The gate's verdict for one k. `drift` is config_drift's (key: phrase), `unread` the drifted keys this vLLM's
     source never reads. It fails where a key this vLLM reads changed since export (the served draft is not the one

@@ -15,6 +15,7 @@ Every prompt ends with the template's generation prompt, so the target starts it
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ class Prompt:
     token_ids: list[int]
 
 
-def _prompt_of(record: Any) -> tuple[list[dict], list[dict] | None] | None:
+def _prompt_of(record: object) -> tuple[list[dict], list[dict] | None] | None:
     """(the chat messages before the first assistant turn, the tools the record declares), or None if the record
     holds no usable prompt. Conversations are read as `prepare` reads them (agentic ones included)."""
     if not isinstance(record, dict):
@@ -136,7 +137,7 @@ def held_out_split(eval_fraction: float | None, split_seed: int | None, training
     }
 
 
-def training_prompts(training: dict[str, Any]) -> tuple[str | None, str]:
+def training_prompts(training: Mapping[str, object]) -> tuple[str | None, str]:
     """The prepared set a draft was trained from (`evaluate --gate` decodes its held-out split by default): the run's
     data, or the prepared set its store was extracted from. (None, why) where the draft records none or it is not on
     this machine."""

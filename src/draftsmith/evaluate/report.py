@@ -31,9 +31,8 @@ class SegmentReport(BaseModel):
     acceptance_per_pos: list[float] | None
 
 
-class DecodeReport(BaseModel):
-    """One decoding run's counts (specdec.DecodeStats) and what they give: τ, acceptance per position, tokens/s and
-    τ's 95 % interval over the prompts."""
+class DecodeCounts(BaseModel):
+    """Counts of one decoding run (k = 0: the target alone), as specdec.DecodeStats takes them."""
 
     k: int
     num_prompts: int = 0
@@ -43,7 +42,14 @@ class DecodeReport(BaseModel):
     num_draft_tokens: int = 0
     num_accepted: int = 0
     accepted_per_pos: list[int] = []
+    # (rounds, accepted draft tokens) of each prompt, in order, where the engine reports them per prompt
     per_prompt: list[tuple[int, int]] = []
+
+
+class DecodeReport(DecodeCounts):
+    """One decoding run's counts and what they give: τ, acceptance per position, tokens/s and τ's 95 % interval
+    over the prompts."""
+
     tau: float
     acceptance_per_pos: list[float]
     tokens_per_s: float

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from draftsmith.evaluate.report import SegmentReport
 from draftsmith.evaluate.specdec import DecodeStats
 
 REASONING, CONTENT, TOOL_CALL = "reasoning", "content", "tool call"
@@ -87,11 +88,11 @@ def split_rounds(
     return into
 
 
-def segment_dict(stats: DecodeStats) -> dict:
-    """One segment's rounds as the report shows them: τ and the acceptance per position (None without rounds)."""
+def segment_report(stats: DecodeStats) -> SegmentReport:
+    """One segment's rounds as the report shows them."""
     rounds = stats.num_rounds
-    return {
-        "rounds": rounds,
-        "tau": stats.tau if rounds else None,
-        "acceptance_per_pos": stats.acceptance_per_pos if rounds else None,
-    }
+    return SegmentReport(
+        rounds=rounds,
+        tau=stats.tau if rounds else None,
+        acceptance_per_pos=stats.acceptance_per_pos if rounds else None,
+    )

@@ -38,37 +38,29 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.core import targets
+from draftsmith.evaluate.report import DecodeCounts
 from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.methods import method_of
 from draftsmith.train.methods.base import Draft
 from draftsmith.train.model import KVCache
 
 
-@dataclass
-class DecodeStats:
-    """Counts of one decoding run (k = 0: the target alone)."""
+class DecodeStats(DecodeCounts):
+    """Counts of one decoding run, taken round by round or run by run, and what they give."""
 
-    k: int
-    num_prompts: int = 0
-    num_new_tokens: int = 0
-    elapsed_s: float = 0.0
-    num_rounds: int = 0
-    num_draft_tokens: int = 0
-    num_accepted: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    # (rounds, accepted draft tokens) of each prompt, in order, where the engine reports them per prompt
-    per_prompt: list[tuple[int, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _one_count_per_position(self) -> DecodeStats:
         if len(self.accepted_per_pos) < self.k:
             self.accepted_per_pos = list(self.accepted_per_pos) + [0] * (self.k - len(self.accepted_per_pos))
+        return self
 
     @property
     def tau(self) -> float:
@@ -119,7 +111,7 @@ class DecodeStats:
     def to_dict(self) -> dict:
         interval = self.tau_interval()
         return {
-            **asdict(self),
+            **self.model_dump(),
             "tau": self.tau,
             "acceptance_per_pos": self.acceptance_per_pos,
             "tokens_per_s": self.tokens_per_s,

@@ -9,6 +9,7 @@ for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -40,7 +41,7 @@ from draftsmith.evaluate.report import (
     speedup_line,
     write_report,
 )
-from draftsmith.evaluate.segments import Segmenter, segment_dict, split_rounds
+from draftsmith.evaluate.segments import Segmenter, segment_report, split_rounds
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice
@@ -143,7 +144,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
                 progress.advance(task)
             result.stats[k], result.outputs[k] = total, outputs
             if segments is not None:
-                result.by_segment[k] = {name: SegmentReport(**segment_dict(c)) for name, c in segments.items()}
+                result.by_segment[k] = {name: segment_report(c) for name, c in segments.items()}
     if baseline and temperature == 0:
         out = result.outputs
         result.lossless = {
@@ -240,13 +241,13 @@ def _vllm_run(
     workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
     shutil.rmtree(workdir, ignore_errors=True)
     draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
-    common: dict[str, Any] = dict(
+    run_vllm = functools.partial(
+        vllm_runner.run_vllm,
         target=target_path,
         prompts=[p.token_ids for p in prompts],
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         seed=cfg.seed,
-        dtype=choice.dtype,
         max_model_len=max_len,
         kv_cache_gb=cfg.vllm_kv_cache_gb,
         timeout_s=cfg.vllm_timeout_s,
@@ -257,18 +258,20 @@ def _vllm_run(
     stats: dict[int, DecodeStats] = {}
     outputs: dict[int, list[list[int]]] = {}
     version = None
+    dtype = choice.dtype
 
     def decode(draft: Path | None, k: int, name: str) -> GenerationResult:
         """One engine's run; the first, where the facts could not tell whether the dtype runs here, falls back
         once (DtypeChoice.fallback), saying why; the later ones keep the dtype that ran."""
+        nonlocal dtype
         try:
-            return vllm_runner.run_vllm(draft=draft, k=k, name=name, **common)
+            return run_vllm(draft=draft, k=k, name=name, dtype=dtype)
         except DraftsmithError as err:
             if choice.fallback is None or stats:
                 raise
             print(f"evaluate: {choice.note(str(err))}", file=sys.stderr, flush=True)
-            common["dtype"] = choice.fallback
-            return vllm_runner.run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", **common)
+            dtype = choice.fallback
+            return run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", dtype=dtype)
 
     if cfg.baseline:
         res = decode(None, 0, "baseline")
@@ -277,7 +280,7 @@ def _vllm_run(
         res = decode(draft_dir, k, f"k{k}")
         stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
         outputs[k], version = res.outputs, res.vllm_version
-    return Measured(stats, outputs, common["dtype"], vllm_version=version)
+    return Measured(stats, outputs, dtype, vllm_version=version)
 
 
 def _gate(cfg: EvaluateConfig, source: DraftSource, served: Measured, reference: Measured) -> GateReport:
@@ -399,9 +402,9 @@ def _report(
     )
 
 
-def _summary(cfg: EvaluateConfig, report: EvaluationReport, paths: dict[str, Path]) -> dict[str, Any]:
+def _summary(cfg: EvaluateConfig, report: EvaluationReport, paths: dict[str, Path]) -> dict[str, object]:
     """The table the CLI prints."""
-    summary: dict[str, Any] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({report.num_prompts})"}
+    summary: dict[str, object] = {"engine": cfg.engine, "prompts": f"{cfg.prompts} ({report.num_prompts})"}
     for check in report.gate.checks if report.gate else []:
         summary[f"gate (k={check.k})"] = check.verdict
     if report.baseline:

@@ -19,15 +19,14 @@ backend).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from draftsmith.core import vllm_launch
+from draftsmith.core.fsio import atomic_write_text
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
@@ -110,7 +109,7 @@ def read_spec_metrics(llm) -> SpecCounts:
     return out
 
 
-def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
+def engine_launch(job: GenerationJob) -> tuple[dict[str, object], dict[str, str]]:
     """(`vllm.LLM` keyword arguments, the environment it starts in) for a job: the target, what it needs to start
     here (the probe's findings), and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with
     parallel drafting, as its config.json says: export.vllm_speculative_config)."""
@@ -119,7 +118,7 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, Any], dict[str, str]]:
         architecture=(config.get("architectures") or ["unknown"])[0], config=config, resolve_config=False
     ).facts
     mla = "kv_lora_rank" in text_config(config)
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, object] = dict(
         model=job.target,
         dtype=job.dtype,
         max_model_len=job.max_model_len,
@@ -190,10 +189,7 @@ def _per_prompt_counts(outputs: list) -> list[tuple[int, int]] | None:
 
 def main(request_file: str) -> None:
     job = GenerationJob.model_validate_json(Path(request_file).read_text(encoding="utf-8"))
-    result = run(job)
-    tmp = Path(str(job.result)).with_suffix(".tmp")
-    tmp.write_text(result.model_dump_json(), encoding="utf-8")
-    os.replace(tmp, str(job.result))
+    atomic_write_text(Path(str(job.result)), run(job).model_dump_json())
 
 
 if __name__ == "__main__":

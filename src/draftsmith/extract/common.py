@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, JsonValue
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -52,7 +52,7 @@ from draftsmith.core.manifest import TargetIdentity, read_manifest
 from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
 from draftsmith.extract.store.codec import encode_hidden_states, encode_layers_fp8
-from draftsmith.prepare.dataset import open_prepared
+from draftsmith.prepare.dataset import PreparedDataset, open_prepared
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ExtractionPlan:
     """The checked inputs of one extraction worker."""
 
     cfg: ExtractConfig
-    dataset: Any  # draftsmith.prepare.dataset.PreparedDataset
+    dataset: PreparedDataset
     target_dir: Path
     target: TargetIdentity
     layer_ids: list[int]  # aux ids, then N
@@ -128,7 +128,7 @@ def store_spec(plan: ExtractionPlan, *, backend: str, compute_dtype: str) -> sto
 
 
 def open_writer(
-    plan: ExtractionPlan, spec: store_module.StoreSpec, backend_info: dict[str, Any] | None = None
+    plan: ExtractionPlan, spec: store_module.StoreSpec, backend_info: dict[str, JsonValue] | None = None
 ) -> store_module.StoreWriter:
     """Create or resume the output store as this worker; then save the resolved config beside it."""
 
@@ -217,10 +217,10 @@ class HostStates(NamedTuple):
 
     data: torch.Tensor
     scales: torch.Tensor | None = None
-    ready: Callable[[], Any] | None = None
+    ready: Callable[[], object] | None = None
 
 
-_copy_streams: dict[torch.device, Any] = {}
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def to_host(layers: Sequence[torch.Tensor], storage: str) -> HostStates:
@@ -320,7 +320,7 @@ class BackgroundWriter:
             err, self._error = self._error, None
             raise err
 
-    def submit(self, items: list[tuple], ready: Any = None) -> None:
+    def submit(self, items: list[tuple], ready: Callable[[], object] | None = None) -> None:
         self._raise()
         self._queue.put((items, ready))
 
@@ -344,7 +344,9 @@ class BackgroundWriter:
 
 
 @contextlib.contextmanager
-def progress_bar(total_tokens: int, description: str = "extract", enabled: bool = True) -> Iterator[Any]:
+def progress_bar(
+    total_tokens: int, description: str = "extract", enabled: bool = True
+) -> Iterator[Callable[[int], None]]:
     """A rich progress bar on stderr counting tokens, with tokens/s and ETA; yields `advance(tokens)`."""
     if not enabled:
         yield lambda n: None
@@ -388,9 +390,9 @@ class ExtractResult(BaseModel):
     engine_start_s: float | None = None
     recovered: list[str] = []  # what opening the store cleaned up or adopted
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, str | int | float]:
         """The table the CLI prints."""
-        summary: dict[str, Any] = {
+        summary: dict[str, str | int | float] = {
             "samples this run": self.samples_this_run,
             "samples already stored": self.samples_already_stored,
             "tokens this run": self.tokens_this_run,

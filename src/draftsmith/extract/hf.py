@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import transformers
+from pydantic import JsonValue
 from torch import nn
 
 from draftsmith.config import ExtractConfig, StageResult
@@ -55,7 +55,7 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         raise DraftsmithError(f"--device {cfg.device}: CUDA is not available here; use --device cpu")
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, device)
     spec = common.store_spec(plan, backend="hf", compute_dtype=str(compute_dtype).removeprefix("torch."))
-    info: dict[str, Any] = {
+    info: dict[str, JsonValue] = {
         "engine": f"transformers {transformers.__version__}",
         "torch": torch.__version__,
         "device": str(device),

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from draftsmith.config import ExtractConfig
 from draftsmith.core import sizing
@@ -133,7 +133,7 @@ class FeedStatus(BaseModel):
     log: str = ""  # where its output goes, on its host
     segment: str = ""  # the Mooncake segment its chunks live in (the trainer's last word goes there)
     updated: float = 0.0
-    extra: dict[str, Any] = Field(default_factory=dict)  # shown in the trainer's summary, never read as data
+    extra: dict[str, JsonValue] = Field(default_factory=dict)  # shown in the trainer's summary, never read as data
 
     @property
     def tokens_per_s(self) -> float:

@@ -118,7 +118,7 @@ class Spool(EngineSide, TrainerSide):
                 raise DraftsmithError(f"--spool {self.path}: cannot create it ({err.strerror})") from None
 
     # -- the job, the plan and the status (small JSON files, replaced atomically)
-    def _write(self, name: str, data: Any) -> None:
+    def _write(self, name: str, data: object) -> None:
         atomic_write_text(self.path / name, json.dumps(data))
 
     def _read(self, name: str) -> Any:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from draftsmith.core import processes, sizing
 from draftsmith.core.errors import DraftsmithError
@@ -53,6 +53,9 @@ from draftsmith.extract.spool.chunks import (
 )
 from draftsmith.extract.spool.directory import store_info
 
+if TYPE_CHECKING:
+    from mooncake.store import MooncakeDistributedStore
+
 PART = 16 << 20  # bytes per object: a put or get stages through the client's local buffer
 LOCAL_BUFFER = 64 << 20
 MIN_SEGMENT = 16 << 20  # Mooncake refuses to mount less
@@ -64,7 +67,7 @@ INSTALL = (
 )
 
 
-def _store_class() -> Any:
+def _store_class() -> type[MooncakeDistributedStore]:
     os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's client logs each connection at INFO: warnings up
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -161,11 +164,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
         while True:
             if not accepts(self.address.host, self.address.port):  # not (yet) there: setup would block a while
                 if time.monotonic() > deadline:
-                    raise DraftsmithError(
-                        f"--spool {self.address}: cannot reach Mooncake's master at "
-                        f"{self.address.master} (nothing answers there); start it "
-                        f"(mooncake_master --rpc_port {self.address.port}) or give its address"
-                    )
+                    raise self._unreachable("nothing answers there")
                 time.sleep(0.5)
                 continue
             store = cls()
@@ -188,12 +187,14 @@ class MooncakeSpool(EngineSide, TrainerSide):
                     "give a smaller --segment-gb or --spool-gb, or free memory here"
                 )
             if time.monotonic() > deadline:
-                raise DraftsmithError(
-                    f"--spool {self.address}: cannot reach Mooncake's master at "
-                    f"{self.address.master} (setup returned {rc}); start it (mooncake_master "
-                    f"--rpc_port {self.address.port}) or give its address"
-                )
+                raise self._unreachable(f"setup returned {rc}")
             time.sleep(0.5)
+
+    def _unreachable(self, why: str) -> DraftsmithError:
+        return DraftsmithError(
+            f"--spool {self.address}: cannot reach Mooncake's master at {self.address.master} ({why}); start it "
+            f"(mooncake_master --rpc_port {self.address.port}) or give its address"
+        )
 
     def close(self) -> None:
         store, self.store = self.store, None
@@ -217,10 +218,10 @@ class MooncakeSpool(EngineSide, TrainerSide):
     def _exists(self, key: str) -> bool:
         return self.store.is_exist(key) == 1
 
-    def _put_json(self, key: str, value: Any) -> None:
+    def _put_json(self, key: str, value: object) -> None:
         self._put(key, json.dumps(value).encode())
 
-    def _get_json(self, key: str) -> Any:
+    def _get_json(self, key: str) -> object:
         data = self._get(key)
         if data is None:
             return None
@@ -238,7 +239,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
             self._put(f"{key}.{p}", bytes(view[p * PART : (p + 1) * PART]))
         return parts
 
-    def _get_blob(self, key: str, parts: int, size: int, out: Any) -> bool:
+    def _get_blob(self, key: str, parts: int, size: int, out: _Writable) -> bool:
         """Write the parts of `key` to the file `out`; False when one is missing or the sizes disagree."""
         total = 0
         for p in range(parts):
@@ -425,6 +426,10 @@ class MooncakeSpool(EngineSide, TrainerSide):
         with contextlib.suppress(Exception):
             for prefix in ("chunk/", "consumed/", "plan", "job", "status") + (("trainer",) if everything else ()):
                 self._remove_prefix(self._key(prefix))
+
+
+class _Writable(Protocol):
+    def write(self, b: bytes, /) -> object: ...
 
 
 class _Buffer:

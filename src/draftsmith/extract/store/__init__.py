@@ -18,7 +18,7 @@ Shard files are read through `draftsmith.core.tensorfile`, as the prepared set's
 
 from __future__ import annotations
 
-from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from draftsmith.core.manifest import read_manifest
 from draftsmith.extract.store.codec import (
     FP8_MAX,
     decode_hidden_states,
@@ -28,8 +28,6 @@ from draftsmith.extract.store.merge import absorb_store, merge_stores
 from draftsmith.extract.store.reader import HiddenStateStore, open
 from draftsmith.extract.store.schema import (
     DEFAULT_SHARD_BYTES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     LOCK_DIR,
     SHARD_DIR,
     PreparedRef,
@@ -41,7 +39,7 @@ from draftsmith.extract.store.schema import (
     prepared_ref,
 )
 from draftsmith.extract.store.verify import VerifyReport, verify_store
-from draftsmith.extract.store.writer import StoreWriter, create_or_resume, stored_compute_dtype, worker_tag
+from draftsmith.extract.store.writer import StoreWriter, create_or_resume, stored_compute_dtype
 
 __all__ = [
     "StoreSpec",
@@ -60,16 +58,11 @@ __all__ = [
     "prepared_ref",
     "encode_hidden_states",
     "decode_hidden_states",
-    "worker_tag",
     "bytes_per_token",
     "FP8_MAX",
     "StorageDtype",
     "DEFAULT_SHARD_BYTES",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
     "SHARD_DIR",
     "LOCK_DIR",
-    "MANIFEST_NAME",
     "read_manifest",
-    "write_manifest",
 ]

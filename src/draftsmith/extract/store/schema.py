@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import Manifest, TargetIdentity
+
+if TYPE_CHECKING:
+    from draftsmith.prepare.dataset import PreparedDataset
 
 StorageDtype = Literal["bf16", "fp8"]
 FORMAT_NAME = "draftsmith-store"
@@ -94,7 +97,7 @@ class StoreManifest(StoreSpec, Manifest):
     num_samples: int = 0
     num_tokens: int = 0
     shards: list[ShardInfo] = Field(default_factory=list)
-    backend_info: dict[str, Any] = Field(default_factory=dict, description="engine details (not compared)")
+    backend_info: dict[str, JsonValue] = Field(default_factory=dict, description="engine details (not compared)")
 
     def spec(self) -> StoreSpec:
         return StoreSpec.model_validate(self.model_dump(include=set(StoreSpec.model_fields)))
@@ -103,8 +106,8 @@ class StoreManifest(StoreSpec, Manifest):
         return {i for s in self.shards for a, b in s.sample_ranges for i in range(a, b)}
 
 
-def prepared_ref(dataset: Any) -> PreparedRef:
-    """Identity of a prepared set (a `draftsmith.prepare.dataset.PreparedDataset`) that survives copying it elsewhere."""
+def prepared_ref(dataset: PreparedDataset) -> PreparedRef:
+    """Identity of a prepared set that survives copying it elsewhere."""
     m = dataset.manifest
     data = {
         "shards": [s.sha256 for s in m.shards],

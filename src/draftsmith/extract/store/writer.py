@@ -13,9 +13,9 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
+from pydantic import JsonValue
 
 from draftsmith.config import parse_shard
 from draftsmith.core.errors import DraftsmithError
@@ -97,7 +97,7 @@ class StoreWriter:
         tag: str,
         lock: _WriterLock,
         shard_bytes: int,
-        backend_info: dict[str, Any] | None = None,
+        backend_info: dict[str, JsonValue] | None = None,
     ):
         self.path = Path(path)
         self.spec = spec
@@ -122,10 +122,6 @@ class StoreWriter:
         """Sample ids already in the store (any writer) or buffered here; re-read from the manifest."""
         self._done = read_manifest(self.path, StoreManifest).sample_ids()
         return self._done | self._buffered_ids
-
-    @property
-    def buffered_samples(self) -> int:
-        return len(self._buffer)
 
     def _first_free_seq(self) -> int:
         seqs = [-1]
@@ -257,7 +253,7 @@ class StoreWriter:
             self.abort()
 
 
-def _add_shards(path: Path, infos: list[ShardInfo], backend_info: dict[str, Any] | None = None) -> None:
+def _add_shards(path: Path, infos: list[ShardInfo], backend_info: dict[str, JsonValue] | None = None) -> None:
     """Append shards to the manifest under the store lock (readers see the old or the new manifest, never half)."""
     with file_lock(path / LOCK_DIR / "manifest.lock"):
         manifest = read_manifest(path, StoreManifest)
@@ -363,7 +359,7 @@ def create_or_resume(
     *,
     worker: str | tuple[int, int] = "0/1",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    backend_info: dict[str, Any] | None = None,
+    backend_info: dict[str, JsonValue] | None = None,
 ) -> StoreWriter:
     """Open a store for writing as worker `i/n`: create it, or resume it after checking it holds the same kind of states.
 

@@ -8,7 +8,8 @@ import math
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from pydantic import JsonValue
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core.errors import DraftsmithError
@@ -21,7 +22,9 @@ from draftsmith.extract.vllm.dtypes import DtypeChoice
 from draftsmith.extract.vllm.sink import SinkConfig, SinkReport
 
 
-def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None, dtype: str | None = None) -> str:  # noqa: C901 - one branch per fact the strategy choice reads
+def choose_strategy(  # noqa: C901 - one branch per fact the strategy choice reads
+    asked: str, report: probing.ProbeReport, layer_ids: list[int] | None = None, dtype: str | None = None
+) -> str:
     """`auto` -> the first strategy of probe.STRATEGIES usable for these store layer ids and compute dtype; a forced
     strategy must be usable here, else a one-line reason. The connector needs every id among vLLM's own aux states:
     asked for id 0 on an architecture whose aux states start at 1 (DeepSeek-V3, Kimi-K2.5), it is ruled out and
@@ -76,7 +79,14 @@ def choose_strategy(asked: str, report: Any, layer_ids: list[int] | None = None,
     return asked
 
 
-def _sink_config(cfg: ExtractConfig, plan: Any, spec: store.StoreSpec, backend_info: dict[str, Any]) -> SinkConfig:
+def _backend_info(report: probing.ProbeReport, strategy: str) -> dict[str, JsonValue]:
+    """The engine as the store's manifest records it."""
+    return {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy, "platform": report.facts.platform}
+
+
+def _sink_config(
+    cfg: ExtractConfig, plan: common.ExtractionPlan, spec: store.StoreSpec, backend_info: dict[str, JsonValue]
+) -> SinkConfig:
     return SinkConfig(
         store=str(Path(cfg.output).resolve()),
         prepared=str(Path(cfg.prepared).resolve()),
@@ -90,14 +100,13 @@ def _sink_config(cfg: ExtractConfig, plan: Any, spec: store.StoreSpec, backend_i
 
 def _engine_spec(
     cfg: ExtractConfig,
-    plan: Any,
-    report: Any,
+    plan: common.ExtractionPlan,
+    report: probing.ProbeReport,
     strategy: str,
     sink_config: SinkConfig | None,
     sample_ids: list[int],
     dtype: str,
-):
-
+) -> EngineSpec:
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
     config = read_config(plan.target_dir)
     context = context_length(config)
@@ -131,7 +140,7 @@ def _engine_spec(
     )
 
 
-def compute_dtype(cfg: ExtractConfig, report: Any, config: dict | None) -> DtypeChoice:
+def compute_dtype(cfg: ExtractConfig, report: probing.ProbeReport, config: dict | None) -> DtypeChoice:
     """The dtype the engine computes in (dtypes.choose_dtype); `auto` resuming a store that holds samples takes the
     dtype they were computed in (a run that fell back to float32 resumes in float32)."""
     stored = store.stored_compute_dtype(cfg.output) if cfg.compute_dtype == "auto" else None
@@ -162,12 +171,7 @@ class _Job:
         self.dtype = dtype = self.choice.dtype
         self.strategy = choose_strategy(cfg.vllm_strategy, report, plan.layer_ids, dtype)
         self.spec = common.store_spec(plan, backend="vllm", compute_dtype=dtype)
-        backend_info = {
-            "engine": "vllm",
-            "vllm": report.facts.version,
-            "strategy": self.strategy,
-            "platform": report.facts.platform,
-        }
+        backend_info = _backend_info(report, self.strategy)
         # Open as this worker once: checks the store is of the same kind, recovers crash leftovers, saves
         # config.yaml and tells what is done. The lock is then let go: inside vLLM the sink becomes this writer.
         self.writer = common.open_writer(plan, self.spec, backend_info)
@@ -184,7 +188,7 @@ class _Job:
     def prompts(self) -> list[tuple[int, list[int]]]:
         return [(i, self.plan.dataset[i]["input_ids"].tolist()) for i in self.todo]
 
-    def engine_spec(self, strategy: str | None = None):
+    def engine_spec(self, strategy: str | None = None) -> EngineSpec:
         config = self.sink_config if strategy is None else None
         return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
 
@@ -266,7 +270,7 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
     output: Path | None = None,
     tensor_parallel_size: int = 1,
     compute_dtype: str = "auto",
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Each strategy's extraction throughput against the same vLLM doing plain max_tokens=1 prefill of the same
     prompts, all in one run.
 

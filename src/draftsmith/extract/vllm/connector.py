@@ -17,7 +17,7 @@ is laid out [blocks, layers, block_size, H]. This connector:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -34,6 +34,8 @@ except ImportError:  # pragma: no cover - older vLLM: plain block lists
 
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 CACHE_LAYER_PREFIX = "cache_only_layers"
@@ -52,7 +54,7 @@ class DraftsmithConnectorMetadata(KVConnectorMetadata):
     pending: list[PendingSample] = field(default_factory=list)
 
 
-def _hidden_state_group(kv_cache_config: Any) -> int:
+def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
     """Index of the KV cache group that holds the extracted hidden states (0 when there is one group)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     try:
@@ -89,7 +91,7 @@ def gather_rows(cache: torch.Tensor, block_ids: list[int], num_tokens: int, num_
 class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Store-only connector: never loads KV, saves each finished request's hidden states into the store."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         if kv_cache_config is not None:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         else:  # older vLLM: two-argument constructor
@@ -120,13 +122,13 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         config = self._config.for_data_parallel_rank(dp_rank)
         self._sink = sink_module.activate(config, writes=sink_module.is_writer_rank())
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: object, **kwargs: object) -> None:
         return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: object, **kwargs: object) -> None:
         return None  # the states are already in the cache; they are read once the request has finished
 
     def wait_for_save(self) -> None:
@@ -155,15 +157,15 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: object, num_external_tokens: int) -> None:
         return None
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: object) -> KVConnectorMetadata:
         meta = DraftsmithConnectorMetadata(pending=self._pending)
         self._pending = []
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         params = getattr(request, "kv_transfer_params", None) or {}
         sample_id = params.get(sink_module.SAMPLE_ID_KEY)
         if sample_id is None or not block_ids:
@@ -172,9 +174,7 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending.append(PendingSample(request.request_id, int(sample_id), token_ids, list(block_ids)))
         return True, None
 
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
         if not 0 <= self._group < len(block_ids):
             return False, None
         return self.request_finished(request, block_ids[self._group])

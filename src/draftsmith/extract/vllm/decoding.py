@@ -30,8 +30,8 @@ from draftsmith.extract.vllm.readers import (
     _class,
     _method,
     _not_found,
-    _row,
     _unreadable,
+    one_fact,
 )
 from draftsmith.extract.vllm.source import SourceTree
 
@@ -114,19 +114,9 @@ def read_eagle3_decoding(tree: SourceTree, ctx: Context) -> Reading:
         else:
             value = kernels
             found = "yes on cpu" if kernels else f"not on cpu ({kernels_why})"
-    reading = Reading(facts={"eagle3_on_platform": value})
-    if value is None:
-        reading.unknown["eagle3_on_platform"] = found.removeprefix("unknown: ")
-    reading.rows.append(
-        _row(
-            EAGLE3_ROW,
-            found,
-            bool(value),
-            "`draftsmith evaluate` can measure a trained draft inside this vLLM",
-            unknown=value is None,
-        )
-    )
-    return reading
+    why = found.removeprefix("unknown: ")
+    meaning = "`draftsmith evaluate` can measure a trained draft inside this vLLM"
+    return one_fact("eagle3_on_platform", value, why, EAGLE3_ROW, found, meaning)
 
 
 def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
@@ -134,19 +124,8 @@ def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
     spec = _class(tree, "SpeculativeConfig")
     if spec is None:
         why = _not_found("SpeculativeConfig")
-        return Reading(
-            facts={"parallel_drafting": None},
-            unknown={"parallel_drafting": why},
-            rows=[
-                _row(
-                    PARALLEL_DRAFTING_ROW,
-                    f"unknown: {why}",
-                    False,
-                    "a P-EAGLE draft cannot be served here",
-                    unknown=True,
-                )
-            ],
-        )
+        meaning = "a P-EAGLE draft cannot be served here"
+        return one_fact("parallel_drafting", None, why, PARALLEL_DRAFTING_ROW, f"unknown: {why}", meaning)
     has_field = "parallel_drafting" in tree.fields(spec)
     proposer = next(
         (m for m in PROPOSERS if (module := tree.module(m)) is not None and "parallel_drafting" in module.text), None
@@ -159,17 +138,8 @@ def read_parallel_drafting(tree: SourceTree, ctx: Context) -> Reading:
         if not has_field
         else "no (SpeculativeConfig.parallel_drafting, but no EAGLE proposer reads it)"
     )
-    return Reading(
-        facts={"parallel_drafting": value},
-        rows=[
-            _row(
-                PARALLEL_DRAFTING_ROW,
-                found,
-                value,
-                "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs",
-            )
-        ],
-    )
+    meaning = "a P-EAGLE draft proposes all k tokens of a round in one forward; vLLM serves it where EAGLE-3 runs"
+    return one_fact("parallel_drafting", value, None, PARALLEL_DRAFTING_ROW, found, meaning)
 
 
 Piece = tuple[bool | None, str]  # (found, what was found / is missing / why it is unknown)
@@ -221,9 +191,7 @@ def _pieces_reading(fact: str, row: str, meaning: str, pieces: list[Piece]) -> R
         found = "yes (" + "; ".join(words for _, words in pieces) + ")"
     else:
         found = f"no ({absent})"
-    reading = Reading(facts={fact: value}, unknown={fact: unknown} if value is None and unknown else {})
-    reading.rows.append(_row(row, found, bool(value), meaning, unknown=value is None))
-    return reading
+    return one_fact(fact, value, unknown or None, row, found, meaning)
 
 
 def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
@@ -273,17 +241,8 @@ def read_eagle31(tree: SourceTree, ctx: Context) -> Reading:
         missing = [key for key in ("fc_norm", "norm_output") if f'"{key}"' not in module.text]
         value, why = not missing, None
         found = f"yes ({where} reads fc_norm and norm_output)" if value else f"no ({where} reads no {missing[0]})"
-    reading = Reading(facts={"eagle31": value}, unknown={"eagle31": why} if why else {})
-    reading.rows.append(
-        _row(
-            EAGLE31_ROW,
-            found,
-            bool(value),
-            "an Eagle 3.1 draft (train --method eagle3.1) is served with its norms, where EAGLE-3 runs",
-            unknown=value is None,
-        )
-    )
-    return reading
+    meaning = "an Eagle 3.1 draft (train --method eagle3.1) is served with its norms, where EAGLE-3 runs"
+    return one_fact("eagle31", value, why, EAGLE31_ROW, found, meaning)
 
 
 DECODING_READERS: tuple[Reader, ...] = (

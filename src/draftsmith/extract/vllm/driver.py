@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import ParamSpec, TypeVar
+
+from pydantic import JsonValue
 
 from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
@@ -41,6 +43,8 @@ from draftsmith.extract.vllm.taps import TapPlan
 
 RUNNER_TAPS = ("direct", "taps")  # the strategies that tap the model runner (taps.py)
 IN_FLIGHT = 1024  # requests handed to vLLM ahead of what it is computing
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,9 +68,9 @@ class EngineSpec:
     tap_plan: TapPlan | None = None  # direct / taps: what the worker hooks
 
 
-def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
+def engine_kwargs(spec: EngineSpec) -> dict[str, object]:
     """Keyword arguments for `vllm.LLM` (each engine knob guarded by what the probe found)."""
-    kwargs: dict[str, Any] = {
+    kwargs: dict[str, object] = {
         "model": spec.target_dir,
         "dtype": spec.dtype,
         "max_model_len": spec.max_model_len,
@@ -105,14 +109,14 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, Any]:
     return kwargs
 
 
-def tag_request(strategy: str, sample_id: int) -> dict[str, Any]:
+def tag_request(strategy: str, sample_id: int) -> dict[str, object]:
     """`SamplingParams.extra_args` carrying a sample id to where the strategy reads it (see the module docstring)."""
     if strategy == "connector":
         return {"kv_transfer_params": {SAMPLE_ID_KEY: sample_id}}
     return {SAMPLE_ID_KEY: sample_id}
 
 
-def reported(replies: list[dict[str, Any]], what: str) -> list[SinkReport]:
+def reported(replies: list[dict[str, JsonValue]], what: str) -> list[SinkReport]:
     """The workers' sinks' reports (collective_rpc's replies); the first error one reported is raised here as the
     type it met (DiskFullError for a full disk), prefixed with `what`."""
     reports = [SinkReport.model_validate(reply) for reply in replies]
@@ -234,17 +238,18 @@ class Engine:
             if pid not in before and "resource_tracker" not in _command(pid)
         }
 
-    def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _guarded(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args)` in a thread while the engine's processes are watched; one that died stops it in one line."""
         if not self.watched:
             return fn(*args, **kwargs)
-        outcome: list[Any] = []
+        returned: list[T] = []
+        raised: list[BaseException] = []
 
         def call() -> None:
             try:
-                outcome.append((True, fn(*args, **kwargs)))
+                returned.append(fn(*args, **kwargs))
             except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
-                outcome.append((False, err))
+                raised.append(err)
 
         def dead() -> list[str]:
             alive = _processes()
@@ -256,7 +261,7 @@ class Engine:
             thread.join(0.25)
         thread.join(2.0 if thread.is_alive() else None)  # vLLM's own error, if any; else the thread stays blocked
         gone = dead()
-        if gone and (thread.is_alive() or not outcome[0][0]):
+        if gone and (thread.is_alive() or raised):
             self.watched = {}
             store = (self.spec.sink_config.store if self.spec.sink_config else None) or "the online spool"
             raise DraftsmithError(
@@ -264,10 +269,9 @@ class Engine:
                 "out of memory); the store keeps every shard its worker committed: run the same "
                 "command again to resume"
             )
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+        if raised:
+            raise raised[0]
+        return returned[0]
 
     def generate(
         self,

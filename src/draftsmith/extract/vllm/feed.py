@@ -26,9 +26,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
+from pydantic import JsonValue
 
 from draftsmith.config import ExtractConfig, FeedConfig, StageResult
 from draftsmith.core import sizing
@@ -49,12 +50,12 @@ from draftsmith.extract.spool import (
     mooncake,
     wait_for_space,
 )
-from draftsmith.extract.spool.chunks import Waiting
+from draftsmith.extract.spool.chunks import Chunk, Waiting
 from draftsmith.extract.vllm import dtypes
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm.backend import _engine_spec, _sink_config, choose_strategy, say_dtype
+from draftsmith.extract.vllm.backend import _backend_info, _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
-from draftsmith.prepare.dataset import prepared_digest
+from draftsmith.prepare.dataset import PreparedDataset, prepared_digest
 
 HEARTBEAT_S = 2.0
 LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss
@@ -91,7 +92,11 @@ class Feeder:
     """One engine process's run over a spool (see the module); `overrides`: this node's paths for the job's."""
 
     def __init__(
-        self, spool: EngineSide, status: FeedStatus, stall_s: float = STALL_S, overrides: dict[str, Any] | None = None
+        self,
+        spool: EngineSide,
+        status: FeedStatus,
+        stall_s: float = STALL_S,
+        overrides: dict[str, object] | None = None,
     ):
         self.spool, self.status, self.stall_s = spool, status, stall_s
         self.overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -99,7 +104,11 @@ class Feeder:
         self.beat = 0.0  # when this process last reported
         self.lock = threading.Lock()
         self.lost: dict[str, int] = {}  # chunks the transport refused or lost, and how often
-        self.trainer: tuple[Any, float, Any] = (None, time.monotonic(), None)  # its `updated`, when seen, report
+        self.trainer: tuple[float | None, float, TrainerStatus | None] = (
+            None,
+            time.monotonic(),
+            None,
+        )  # its `updated`, when seen, report
 
     # -- waiting on the trainer
     def _read_trainer(self) -> TrainerStatus | None:
@@ -127,7 +136,7 @@ class Feeder:
         trainer = self._read_trainer()
         return trainer is not None and trainer.finished
 
-    def _report(self, waiting: Waiting | None = None, **fields: Any) -> None:
+    def _report(self, waiting: Waiting | None = None, **fields: object) -> None:
         with self.lock:
             self.beat = time.monotonic()
             if waiting is not None:
@@ -190,7 +199,7 @@ class Feeder:
         return cfg
 
     # -- the passes
-    def compute(self, engine: Engine, plan_dataset: Any, chunk: Any) -> None:
+    def compute(self, engine: Engine, plan_dataset: PreparedDataset, chunk: Chunk) -> None:
         partial = self.spool.begin(chunk.name)
         try:
             self.spool.room(chunk.name, chunk.estimate)
@@ -218,7 +227,7 @@ class Feeder:
         self.status.chunks_done += 1
         self._report("", chunk="")
 
-    def one_pass(self, engine: Engine, dataset: Any, plan: Plan) -> None:
+    def one_pass(self, engine: Engine, dataset: PreparedDataset, plan: Plan) -> None:
         """Every chunk of `plan` not ready, in order; returns early when the trainer writes a newer plan."""
         for chunk in plan.chunks:
             if not chunk.from_engine or self.spool.is_ready(chunk.name):
@@ -276,13 +285,7 @@ class Feeder:
 
         def spec_for(dtype: str):
             spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
-            backend_info = {
-                "engine": "vllm",
-                "vllm": report.facts.version,
-                "strategy": strategy,
-                "platform": report.facts.platform,
-                "online": True,
-            }
+            backend_info: dict[str, JsonValue] = {**_backend_info(report, strategy), "online": True}
             sink_config = _sink_config(cfg, plan_x, spec, backend_info).model_copy(update={"store": None})
             return _engine_spec(cfg, plan_x, report, strategy, sink_config, needed, dtype)
 
@@ -313,7 +316,7 @@ def serve(
     scratch: Path | None,
     segment_gb: float | None,
     stall_s: float,
-    overrides: dict[str, Any] | None,
+    overrides: dict[str, object] | None,
     parent: int | None,
     log: str | None = None,
 ) -> FeedStatus:

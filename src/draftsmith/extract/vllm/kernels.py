@@ -12,7 +12,6 @@ import functools
 import mmap
 import re
 from pathlib import Path
-from typing import Any
 
 from draftsmith.extract.vllm.readers import (
     CPU_ATTENTION_ROW,
@@ -92,7 +91,7 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     several kernel libraries by the CPU's ISA (`import_kernels`: _C with AVX512-BF16, _C_AVX512, _C_AVX2), and which
     (ISA, dtype, head size) kernels each library was compiled with (its symbols). dtypes.choose_dtype puts these
     together with this machine's CPU and the target's head size: `auto` is bfloat16 only where a kernel exists."""
-    facts: dict[str, Any] = {
+    facts: dict[str, object] = {
         "cpu_attention_head_sizes": None,
         "cpu_attention_amx_bf16": None,
         "cpu_kernels_by_isa": None,
@@ -125,7 +124,7 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
     tables = kernel_libraries(tree.package)
     if tables:
         facts["cpu_attention_kernels"] = tables
-        facts["cpu_attention_refuses"] = refusing_libraries(tree.package)
+        facts["cpu_attention_refuses"] = refuses = refusing_libraries(tree.package)
     unknown = {}
     if facts["cpu_attention_amx_bf16"] is None:
         unknown["cpu_attention_amx_bf16"] = _not_found("CPUAttentionBackend")
@@ -146,7 +145,7 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
             )
             parts.append(
                 f"{stem}: bf16 on {', '.join(isas) or 'none'}"
-                + ("" if facts["cpu_attention_refuses"].get(stem) else " (a missing AMX kernel falls to VEC)")
+                + ("" if refuses.get(stem) else " (a missing AMX kernel falls to VEC)")
             )
         found = "; ".join(parts)
     reading = Reading(facts=facts, unknown=unknown)

@@ -26,7 +26,7 @@ separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -207,7 +207,7 @@ def _probe(
         )
         return _report(ProbeFacts(), [row], architecture, None)
     ctx = _context(located, tree, architecture, config, resolve_config, target)
-    values: dict[str, Any] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
+    values: dict[str, object] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
     unknown: dict[str, str] = {}
     rows: list[Capability] = []
     for reader in (*READERS, read_cpu_attention):
@@ -215,7 +215,7 @@ def _probe(
         values.update(reading.facts)
         unknown.update(reading.unknown)
         rows.extend(reading.rows)
-    facts = ProbeFacts(**values, unknown=unknown)
+    facts = ProbeFacts.model_validate({**values, "unknown": unknown})
     report = _report(facts, rows, architecture, ctx.support)
     report.source = str(located.package)
     ctx.support.usable = dict(report.usable)
@@ -250,13 +250,13 @@ def _context(
     )
 
 
-def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, Any]:
+def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, object]:
     """`vllm.LLM` keyword arguments a target needs whatever its engine runs (extraction, EAGLE-3 speculative
     decoding), each guarded by a finding: a multimodal wrapper (Kimi-K2.5: `multimodal`) starts with
     language_model_only=True (text prompts only: no vision tower to load or profile); a multi-head latent attention
     target (`mla`: a kv_lora_rank in its text config) computing in float32 on a CPU gets the CPU MLA backend (vLLM
     prefers its AMX MLA kernels where the CPU has AMX, and they take bf16 weights only)."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     if multimodal and facts.language_model_only:
         kwargs["language_model_only"] = True
     if mla and facts.platform == "cpu" and dtype != "bfloat16" and facts.cpu_mla_backend:

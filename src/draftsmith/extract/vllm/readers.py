@@ -15,7 +15,6 @@ import ast
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -94,7 +93,7 @@ class Context:
 class Reading:
     """One reader's findings: facts (ProbeFacts fields), what stayed unknown, and its table rows."""
 
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: dict[str, object] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)
     rows: list[Capability] = field(default_factory=list)
 
@@ -161,6 +160,15 @@ def _row(name: str, found: str, ok: bool | None, meaning: str, *, unknown: bool 
     return Capability(name=name, found=found, ok=ok, meaning=meaning, unknown=unknown)
 
 
+def one_fact(fact: str, value: bool | None, why: str | None, row: str, found: str, meaning: str) -> Reading:
+    """A reading of one fact and its row, which says yes where the fact is true; `why` it is unknown where it is."""
+    return Reading(
+        facts={fact: value},
+        unknown={fact: why} if value is None and why is not None else {},
+        rows=[_row(row, found, bool(value), meaning, unknown=value is None)],
+    )
+
+
 # --------------------------------------------------------------------------------------------------- the readers
 
 
@@ -200,19 +208,8 @@ def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
             if registered
             else "method listed but its model is not registered"
         )
-    reading = Reading(facts={"extract_hidden_states": value})
-    if value is None:
-        reading.unknown["extract_hidden_states"] = ctx.methods_why
-    reading.rows.append(
-        _row(
-            "extract_hidden_states method",
-            found,
-            bool(value),
-            "vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads them there",
-            unknown=value is None,
-        )
-    )
-    return reading
+    meaning = "vLLM captures the aux layers into a cache-only KV layer; the connector strategy reads them there"
+    return one_fact("extract_hidden_states", value, ctx.methods_why, "extract_hidden_states method", found, meaning)
 
 
 def read_connector(tree: SourceTree, ctx: Context) -> Reading:
@@ -248,13 +245,7 @@ def read_connector(tree: SourceTree, ctx: Context) -> Reading:
 def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
     """SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)."""
     s = ctx.support
-    reading = Reading(
-        facts={
-            "supports_eagle3": s.supports_eagle3,
-            "aux_setter": s.aux_setter,
-            "aux_default_getter": s.aux_default_getter,
-        }
-    )
+    reading = Reading(facts=s.model_dump(include={"supports_eagle3", "aux_setter", "aux_default_getter"}))
     if s.supports_eagle3 is None:
         reading.unknown["supports_eagle3"] = s.unknown.get("registered", "the model registry could not be read")
     found = (
@@ -383,13 +374,7 @@ def read_block_hasher(tree: SourceTree, ctx: Context) -> Reading:
 def read_convention(tree: SourceTree, ctx: Context) -> Reading:
     """The layer-index convention of vLLM's aux states (from the forward of the architecture's decoder stack)."""
     s = ctx.support
-    reading = Reading(
-        facts={
-            "layer_convention": s.layer_convention,
-            "reaches_embeddings": s.reaches_embeddings,
-            "reaches_last": s.reaches_last,
-        }
-    )
+    reading = Reading(facts=s.model_dump(include={"layer_convention", "reaches_embeddings", "reaches_last"}))
     if s.layer_convention == "unknown" and "layer_convention" in s.unknown:
         reading.unknown["layer_convention"] = s.unknown["layer_convention"]
     if s.layer_convention == "unknown":
@@ -585,6 +570,7 @@ __all__ = [
     "Capability",
     "Context",
     "Reading",
+    "one_fact",
     "platform_of",
     "speculative_methods",
 ]

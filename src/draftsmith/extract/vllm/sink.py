@@ -14,11 +14,11 @@ vLLM's own serialisation carries), typed on both ends.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, JsonValue
 
 from draftsmith.core.errors import DiskFullError, DraftsmithError
 from draftsmith.extract import common
@@ -40,7 +40,7 @@ class SinkConfig(BaseModel):
     worker: tuple[int, int]  # this writer is i of n
     dp_size: int = 1  # data-parallel engines per writer (`for_data_parallel_rank`)
     shard_bytes: int
-    backend_info: dict[str, Any] | None = None
+    backend_info: dict[str, JsonValue] | None = None
 
     def for_data_parallel_rank(self, dp_rank: int | None) -> SinkConfig:
         """Engine `dp_rank` of `dp_size` within worker i/n writes as worker i*dp_size + dp_rank of n*dp_size."""
@@ -119,7 +119,7 @@ class StoreSink:
             return common.HostStates(torch.empty(layers[0].shape[0], 0))
         return common.to_host(layers, self.spec.dtype)
 
-    def put(self, sample_id: int, token_ids: Any, parts: list[common.HostStates]) -> None:
+    def put(self, sample_id: int, token_ids: Sequence[int] | torch.Tensor, parts: list[common.HostStates]) -> None:
         """Store one request's states: its `parts` from `to_host` in token order (one per step its prefill ran
         in; joined in the writer's thread). A sink that does not write only counts the request."""
         with self._lock:

@@ -28,13 +28,19 @@ prefix caching off (a cached prefix skips its forward pass), and on the V1 model
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel
 
 from draftsmith.extract.common import HostStates
 from draftsmith.extract.vllm.sink import SAMPLE_ID_KEY, StoreSink
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from draftsmith.extract.vllm.architectures import ArchitectureSupport
+    from draftsmith.extract.vllm.probe import ProbeFacts
 
 
 class TapPlan(BaseModel):
@@ -58,7 +64,9 @@ def vllm_aux_ids(
     return [k for k in layer_ids if k not in own], own
 
 
-def plan(strategy: str, layer_ids: list[int], num_layers: int, facts: Any, support: Any) -> TapPlan:
+def plan(
+    strategy: str, layer_ids: list[int], num_layers: int, facts: ProbeFacts, support: ArchitectureSupport | None
+) -> TapPlan:
     """The plan for `strategy` ("direct" or "taps") from the probe's facts and the architecture's support."""
     if strategy == "direct":
         vllm_ids, hook_ids = vllm_aux_ids(layer_ids, num_layers, facts.reaches_embeddings, facts.reaches_last)
@@ -166,7 +174,7 @@ class RunnerTaps:
             return None
         return [by_id[k] for k in self.plan.layer_ids]
 
-    def after_execute(self, scheduler_output: Any) -> None:
+    def after_execute(self, scheduler_output: SchedulerOutput) -> None:
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
             params = getattr(new, "sampling_params", None)
             extra = getattr(params, "extra_args", None) or {}

@@ -9,19 +9,24 @@ the sink's config and tap plan in, its `SinkReport` out, each as `model_dump(mod
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import JsonValue
 
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import taps
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 EXTENSION = f"{__name__}.DraftsmithWorkerExtension"
 
 
 class DraftsmithWorkerExtension:
-    vllm_config: Any  # the vLLM Worker this class extends has both
-    model_runner: Any
+    vllm_config: VllmConfig  # the vLLM Worker this class extends has both
+    model_runner: Any  # GPUModelRunner or a subclass, whose methods taps.install replaces
 
-    def draftsmith_install_taps(self, config: dict[str, Any], plan: dict[str, Any]) -> bool:
+    def draftsmith_install_taps(self, config: dict[str, JsonValue], plan: dict[str, JsonValue]) -> bool:
         """Direct and taps strategies: open the sink (`config`: a SinkConfig's dump) and tap the model runner (see
         taps.install; `plan`: a TapPlan's)."""
         dp_rank = getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0)
@@ -30,11 +35,11 @@ class DraftsmithWorkerExtension:
         taps.install(self.model_runner, sink, taps.TapPlan.model_validate(plan))
         return True
 
-    def draftsmith_progress(self) -> dict[str, Any]:
+    def draftsmith_progress(self) -> dict[str, JsonValue]:
         sink = sink_module.active()
         return (sink.progress() if sink is not None else sink_module.SinkReport()).model_dump(mode="json")
 
-    def draftsmith_close(self) -> dict[str, Any]:
+    def draftsmith_close(self) -> dict[str, JsonValue]:
         return sink_module.deactivate().model_dump(mode="json")
 
     def draftsmith_open_store(self, path: str) -> bool:
@@ -45,6 +50,6 @@ class DraftsmithWorkerExtension:
         sink.open_store(path)
         return True
 
-    def draftsmith_finish_store(self) -> dict[str, Any]:
+    def draftsmith_finish_store(self) -> dict[str, JsonValue]:
         sink = sink_module.active()
         return (sink.finish_store() if sink is not None else sink_module.SinkReport()).model_dump(mode="json")
