@@ -13,9 +13,10 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
 import typer
+from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -77,7 +78,10 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _call(fn: Callable[[], Any]) -> Any:
+T = TypeVar("T")
+
+
+def _call(fn: Callable[[], T]) -> T:
     """Run a stage, turning user errors into one line and an interrupt into a resume hint."""
     try:
         return fn()
@@ -101,7 +105,7 @@ def _print_result(result: config.StageResult) -> None:
         console.print(command, soft_wrap=True, markup=False, highlight=False)
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
     if isinstance(value, int):
@@ -114,7 +118,7 @@ def _fmt(value: Any) -> str:
 # ---- options generated from pydantic fields -------------------------------------------------------------
 
 
-def _unwrap_optional(annotation: Any) -> Any:
+def _unwrap_optional(annotation: object) -> object:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
@@ -122,7 +126,7 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _option(name: str, field: Any, positional: bool, panel: str | None = None) -> tuple[Any, Any]:
+def _option(name: str, field: FieldInfo, positional: bool, panel: str | None = None) -> tuple[object, object]:
     """(annotation, default) for one config field; every default is None so only given flags override."""
     annotation = _unwrap_optional(field.annotation)
     origin = typing.get_origin(annotation)

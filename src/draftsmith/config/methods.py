@@ -186,7 +186,7 @@ def fold_options(data: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in data.items() if k not in flat}, "method": {**nested, **flat}}
 
 
-def flat_options(dumped: dict[str, Any]) -> dict[str, Any]:
+def flat_options(dumped: dict[str, object]) -> dict[str, object]:
     """A dumped config with `method` back to its name and its options beside it (the flat form flags and older
     checkpoints use), for comparing two runs' hyper-parameters key by key."""
     method = dumped.get("method")
@@ -196,7 +196,7 @@ def flat_options(dumped: dict[str, Any]) -> dict[str, Any]:
     return {**dumped, **options, "method": method.get("name")}
 
 
-def option_default(key: str) -> Any:
+def option_default(key: str) -> object:
     """The default of an option every method that takes it agrees on; None where they differ (each says its own)."""
     defaults = {repr(OPTIONS[name].model_fields[key].default) for name in OPTION_NAMES[key]}
     return OPTIONS[OPTION_NAMES[key][0]].model_fields[key].default if len(defaults) == 1 else None
