@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 from jinja2 import TemplateError
+from numpy.typing import ArrayLike
 
 from draftsmith.prepare.messages import Chat, Message, Skip
 
@@ -307,7 +308,7 @@ class ChatEncoder:
         return EncodedChat(samples, sum(len(g.spans) for g in groups), one, dropped, chat.agentic)
 
 
-def masked_spans(input_ids: Any, loss_mask: Any) -> list[list[int]]:
+def masked_spans(input_ids: ArrayLike, loss_mask: ArrayLike) -> list[list[int]]:
     """The runs of consecutive loss-masked token ids (for display and for tests)."""
     ids = np.asarray(input_ids).tolist()
     mask = np.asarray(loss_mask).astype(bool).tolist()

@@ -23,14 +23,14 @@ import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.numpy import save_file
 
-from draftsmith.config import save_resolved_config
+from draftsmith.config import StageConfig, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import (
     RESUME_NAME,
@@ -88,13 +88,13 @@ class PreparedManifest(Manifest):
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
     damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
     sources: list[str] = Field(default_factory=list)
-    stats: dict[str, Any] = Field(default_factory=dict)
+    stats: dict[str, object] = Field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------- writing
 
 
-def _as_numpy(value: Any, dtype: type, what: str) -> np.ndarray:
+def _as_numpy(value: ArrayLike | torch.Tensor, dtype: type, what: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -216,8 +216,8 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
     max_length: int,
     skipped: dict[str, int] | None,
     sources: list[str] | None,
-    config: Any,
-    extra: dict[str, Any],
+    config: StageConfig | None,
+    extra: dict[str, object],
 ) -> PreparedManifest:
     for sample in samples:
         if writer.add(sample) and on_shard is not None:
@@ -261,11 +261,11 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     skipped: dict[str, int] | None = None,
     sources: list[str] | None = None,
     shard_samples: int = 2048,
-    config: Any = None,
+    config: StageConfig | None = None,
     fingerprint: str | None = None,
     checkpoint: Callable[[], dict] | None = None,
     resume: bool = False,
-    **extra: Any,
+    **extra: object,
 ) -> PreparedManifest:
     """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool;
     a list of such dicts is kept in one shard) as a prepared set at `output`.

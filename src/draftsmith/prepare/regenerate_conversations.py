@@ -22,15 +22,20 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.messages import Chat, Message, Skip, leading_assistant_turns, normalize_conversation
 from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from draftsmith.prepare.regenerate_engines import Engine
 
 # how a regenerated tool loop left the recorded one (the conversation ends with the target's answer)
 ANSWERED_INSTEAD = "answered where the recording calls tools"
@@ -215,10 +220,10 @@ class Regenerator:
     def __init__(
         self,
         cfg: RegenerateConfig,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         encoder: ChatEncoder,
         max_length: int,
-        start_engine,
+        start_engine: Callable[[], Engine],
         records: Iterator[tuple],
         tally: Tally,
         parser: AnswerParser | None = None,
@@ -229,7 +234,7 @@ class Regenerator:
         self.parser = parser
         self.max_length = max_length
         self._start_engine = start_engine
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.records = records
         self.size = cfg.shard_samples
         self.window = 2 * cfg.shard_samples

@@ -20,7 +20,6 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,7 +75,7 @@ class Generator(BaseModel):
     engine_version: str  # e.g. "vllm 0.32.0", "transformers 5.19.0, torch 2.13.0+cpu"
     dtype: str
     device: str
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, object] = Field(default_factory=dict)
     tool_call_parser: str | None = None  # vLLM's parser names the answers were read with
     reasoning_parser: str | None = None
     parsers_from: str | None = Field(None, description="the vLLM version whose parsers read the answers")
@@ -117,7 +116,7 @@ class RegeneratedManifest(Manifest):
     skipped: dict[str, int] = Field(default_factory=dict)
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
     damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
-    stats: dict[str, Any] = Field(default_factory=dict)
+    stats: dict[str, object] = Field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------- reading
