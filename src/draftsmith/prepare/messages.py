@@ -67,7 +67,7 @@ class Chat:
         return bool(self.tools) or any(m.get("tool_calls") for m in self.messages)
 
 
-def _text_of(content: Any) -> str | None:
+def _text_of(content: object) -> str | None:
     """A turn's text: a string, or the text parts of an OpenAI-style list of content blocks."""
     if isinstance(content, str):
         return content
@@ -78,7 +78,7 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
-def _json_kind(value: Any) -> str:
+def _json_kind(value: object) -> str:
     return {
         str: "string",
         bool: "boolean",
@@ -90,13 +90,13 @@ def _json_kind(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def raw_role(turn: Any) -> str | None:
+def raw_role(turn: object) -> str | None:
     """A turn's role as written (`from` or `role`), lower-cased; None where there is no role string."""
     role = next((turn[k] for k in _ROLE_KEYS if k in turn), None) if isinstance(turn, dict) else None
     return role.strip().lower() if isinstance(role, str) else None
 
 
-def role_of(turn: Any) -> str | None:
+def role_of(turn: object) -> str | None:
     """A turn's canonical role (user / assistant / system / tool), or None for an unknown or missing one."""
     written = raw_role(turn)
     return ROLE_ALIASES.get(written) if written else None
@@ -115,7 +115,7 @@ def leading_assistant_turns(messages: list[Message]) -> int:
 # ------------------------------------------------------------------ agentic pieces: tools, calls, reasoning
 
 
-def _parse_json(value: Any, reason: str, what: str) -> Any:
+def _parse_json(value: object, reason: str, what: str) -> object:
     """A JSON string's value (an object or list given as such passes through); Skip(reason) naming `what`."""
     if not isinstance(value, str):
         return value
@@ -251,7 +251,7 @@ class _Results:
         return message
 
 
-def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_trailing: bool = False) -> Chat:  # noqa: C901 - one branch per message shape the readers accept
+def normalize_conversation(record: object, leading_assistant: str = "skip", keep_trailing: bool = False) -> Chat:  # noqa: C901 - one branch per message shape the readers accept
     """A record (ShareGPT `conversations: [{from, value}]` or `messages: [{role, content}]`, agentic or not) -> a Chat.
 
     Roles become user / assistant / system / tool; turns after the last assistant turn are dropped (they carry

@@ -27,7 +27,6 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.prepare import bfcl
 
-JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
 DAMAGED_TAIL = "damaged tail (file cut off mid-record)"
 _CHUNK = 1 << 22
@@ -262,25 +261,18 @@ def _iter_json_lines(path: Path, f) -> Iterator[Record]:
         try:
             data = json.loads(line)
         except json.JSONDecodeError as err:
-            if not raw.endswith(b"\n") and line_no > 1:
-                yield Record(
-                    str(path),
-                    index,
-                    bad=DAMAGED_TAIL,
-                    offset=offset,
-                    detail=f"line {line_no} (the last) is cut off: {err.msg}",
-                )
-            else:
-                yield Record(
-                    str(path),
-                    index,
-                    bad="invalid JSON",
-                    offset=offset,
-                    detail=f"line {line_no}: {err.msg} at column {err.colno}",
-                )
-            index += 1
-            continue
-        yield Record(str(path), index, data, offset=offset)
+            cut = not raw.endswith(b"\n") and line_no > 1
+            yield Record(
+                str(path),
+                index,
+                bad=DAMAGED_TAIL if cut else "invalid JSON",
+                offset=offset,
+                detail=f"line {line_no} (the last) is cut off: {err.msg}"
+                if cut
+                else f"line {line_no}: {err.msg} at column {err.colno}",
+            )
+        else:
+            yield Record(str(path), index, data, offset=offset)
         index += 1
 
 
@@ -334,7 +326,7 @@ class _ArrayText:
             if not self.more():
                 return False
 
-    def value(self, decoder: json.JSONDecoder, record: str) -> tuple[Any, int | None]:
+    def value(self, decoder: json.JSONDecoder, record: str) -> tuple[object, int | None]:
         """The JSON value at pos and None, or None and the characters present of one the file's end cut off;
         `record` names it in the error for a real syntax error."""
         start = self.pos
