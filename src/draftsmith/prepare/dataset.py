@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import os
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -33,13 +31,13 @@ from safetensors.numpy import save_file
 from draftsmith.config import StageConfig, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import (
-    RESUME_NAME,
     atomic_dir,
     atomic_path,
-    atomic_write_json,
     fresh_dir,
     load_resume,
+    publish_resumed,
     resume_dir,
+    save_resume,
     sha256_file,
 )
 from draftsmith.core.manifest import (
@@ -312,21 +310,11 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     )
 
     def on_shard(w: _ShardWriter) -> None:
-        atomic_write_json(
-            work / RESUME_NAME,
-            {
-                "fingerprint": fingerprint,
-                "shards": [s.model_dump() for s in w.shards],
-                "num_truncated": w.num_truncated,
-                "state": checkpoint() if checkpoint else {},
-            },
-        )
+        state = checkpoint() if checkpoint else {}
+        save_resume(work, fingerprint, w.shards, num_truncated=w.num_truncated, state=state)
 
     manifest = _write_all(work, writer, samples, on_shard, **fields)
-    (work / RESUME_NAME).unlink(missing_ok=True)
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(work, output)
+    publish_resumed(work, output)
     return manifest
 
 

@@ -16,7 +16,7 @@ import glob
 import json
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,22 @@ class Record:
     bad: str | None = None  # counted reason when the record could not be read
     detail: str = ""  # one line saying exactly what was wrong
     offset: int | None = None  # bytes of the source consumed so far (for progress), when known
+
+
+@dataclass
+class Skips:
+    """The records that did not become conversations: a count and the first example of each reason, and every
+    damaged input tail."""
+
+    skipped: dict[str, int] = field(default_factory=dict)
+    skip_examples: dict[str, str] = field(default_factory=dict)
+    damaged: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.skip_examples.setdefault(reason, f"{where}: {detail}")
+        if reason == DAMAGED_TAIL:
+            self.damaged.append(f"{where}: {detail}")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.messages import Chat, Message, Skip, leading_assistant_turns, normalize_conversation
-from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
+from draftsmith.prepare.readers import Skips, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _last_assistant(messages: list[Message]) -> Message:
 
 
 @dataclass
-class Tally:
+class Tally(Skips):
     """What the complete shards hold and what was read to make them: saved with each shard, so a resumed run
     starts from exactly this."""
 
@@ -141,15 +141,6 @@ class Tally:
     tool_calls: int = 0
     spliced_results: int = 0
     diverged: dict[str, int] = field(default_factory=dict)  # conversations whose tool loop ended early, by how
-    skipped: dict[str, int] = field(default_factory=dict)
-    skip_examples: dict[str, str] = field(default_factory=dict)
-    damaged: list[str] = field(default_factory=list)
-
-    def skip(self, reason: str, where: str, detail: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        self.skip_examples.setdefault(reason, f"{where}: {detail}")
-        if reason == DAMAGED_TAIL:
-            self.damaged.append(f"{where}: {detail}")
 
     def add(self, conv: Conversation) -> bool:
         """Count one finished conversation and the records read before it; True when it is written."""

@@ -16,8 +16,6 @@ from); the finished directory is renamed into place.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,20 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from draftsmith.config import RegenerateConfig, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import (
-    RESUME_NAME,
-    atomic_write_json,
     atomic_write_text,
     fresh_dir,
     load_resume,
+    publish_resumed,
     resume_dir,
+    save_resume,
     sha256_file,
 )
-from draftsmith.core.manifest import (
-    Manifest,
-    TargetIdentity,
-    read_manifest,
-    write_manifest,
-)
+from draftsmith.core.manifest import Manifest, TargetIdentity, read_manifest, write_manifest
 from draftsmith.core.manifest import check_replaceable as manifest_check_replaceable
 from draftsmith.prepare.readers import Source
 
@@ -190,9 +183,7 @@ def write_shard(work: Path, shards: list[RegeneratedShard], lines: list[str], fi
 
 def save_progress(work: Path, fingerprint: str, shards: list[RegeneratedShard], tally: dict) -> None:
     """What a resumed run starts from: the complete shards and the caller's tallies of the records behind them."""
-    atomic_write_json(
-        work / RESUME_NAME, {"fingerprint": fingerprint, "shards": [s.model_dump() for s in shards], "tally": tally}
-    )
+    save_resume(work, fingerprint, shards, tally=tally)
 
 
 def source_files(sources: list[Source]) -> list[SourceFile]:
@@ -207,7 +198,4 @@ def publish(work: Path, output: Path, cfg: RegenerateConfig, manifest: Regenerat
     """Finish the set built in `work` (its config and manifest) and rename it to `output`."""
     save_resolved_config(cfg, work)
     write_manifest(work, manifest)
-    (work / RESUME_NAME).unlink(missing_ok=True)
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(work, output)
+    publish_resumed(work, output)

@@ -45,7 +45,7 @@ from draftsmith.core.targets import load_tokenizer, resolve_target, target_ident
 from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
 from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, leading_assistant_turns, normalize_conversation
-from draftsmith.prepare.readers import DAMAGED_TAIL, Source, expand_sources, records_after
+from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
 from draftsmith.prepare.vllm_chat import VllmRendering
 from draftsmith.prepare.vocab import coverage_report
 
@@ -64,7 +64,7 @@ class _FileCounts(TypedDict):
 
 
 @dataclass
-class _Tally:
+class _Tally(Skips):
     records: int = 0
     conversations: int = 0
     samples: int = 0
@@ -75,10 +75,7 @@ class _Tally:
     loss_tokens: int = 0
     truncated: int = 0
     leading_assistant_dropped: int = 0  # conversations that lost their leading assistant turns (option "drop")
-    skipped: dict[str, int] = field(default_factory=dict)
     samples_dropped: dict[str, int] = field(default_factory=dict)  # samples of usable conversations left out
-    skip_examples: dict[str, str] = field(default_factory=dict)
-    damaged: list[str] = field(default_factory=list)
     files: dict[str, _FileCounts] = field(default_factory=dict)  # per input file
 
     def _file(self, source: str) -> _FileCounts:
@@ -89,12 +86,8 @@ class _Tally:
         counts["records"] += 1
         counts["usable"] += 1
 
-    def skip(self, reason: str, source: str, index: int, detail: str) -> None:
-        where = f"{source} record {index}"
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        self.skip_examples.setdefault(reason, f"{where}: {detail}")
-        if reason == DAMAGED_TAIL:
-            self.damaged.append(f"{where}: {detail}")
+    def skip_record(self, reason: str, source: str, index: int, detail: str) -> None:
+        self.skip(reason, f"{source} record {index}", detail)
         counts = self._file(source)
         counts["records"] += 1
         counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
@@ -104,7 +97,7 @@ class _Tally:
         """Count one record's outcome (a Skip, or a conversation's samples); its samples as rows, None if skipped."""
         self.records += 1
         if isinstance(item, Skip):
-            self.skip(item.reason, where[0], where[1], item.detail)
+            self.skip_record(item.reason, where[0], where[1], item.detail)
             return None
         self.use(where[0])
         self.conversations += 1
