@@ -418,6 +418,7 @@ class Regenerator:
                 if self._may_take():
                     continue
                 return
+            assert self.engine is not None  # started by the first request asked
             t0 = time.perf_counter()
             answers = self.engine.results()
             self.generate_s += time.perf_counter() - t0
