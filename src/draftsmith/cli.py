@@ -140,15 +140,9 @@ def _option(name: str, field: FieldInfo, positional: bool, panel: str | None = N
     if annotation is bool:
         decl = typer.Option(f"{flag}/--no-{name.replace('_', '-')}", **kwargs)
         return Optional[bool], decl  # noqa: UP045 - typer reads Optional[...]
-    if origin is Literal:
-        py_type: Any = annotation
-    elif origin in (list, tuple):
+    py_type = annotation if origin is Literal or annotation in (int, float, str, Path) else str
+    if origin in (list, tuple):
         kwargs["help"] = help_text + "  (comma-separated)"
-        py_type = str
-    elif annotation in (int, float, str, Path):
-        py_type = annotation
-    else:
-        py_type = str
     if positional:
         return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False, rich_help_panel=panel)  # noqa: UP045 - typer reads Optional[...]
     return Optional[py_type], typer.Option(flag, **kwargs)  # noqa: UP045 - typer reads Optional[...]

@@ -297,25 +297,15 @@ def run(
         rows = target_sizes(config, **sizing)
         if main.facts.installed:
             rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
-    if verbose:
-        _print_tables(console, main, reports, rows, target)
-    else:
+    if not verbose:
         print_summary(console, main, reports, rows, target, config)
-
-
-def _print_tables(
-    console: Console,
-    main: probe.ProbeReport,
-    reports: list[probe.ProbeReport],
-    target_rows: list[tuple[str, str]] | None,
-    target: str | None,
-) -> None:
-    """doctor --verbose: the environment, the probe's capabilities, every architecture, the target's sizes."""
+        return
+    # --verbose: the environment, the probe's capabilities, every architecture, the target's sizes
     console.print(_rows_table("draftsmith doctor", environment_rows()))
     console.print(tables.render_probe_table(main))
     console.print(tables.render_architecture_table(reports))
-    if target_rows is not None:
-        console.print(_rows_table(f"target {target}: sizes from its config.json", target_rows))
+    if rows is not None:
+        console.print(_rows_table(f"target {target}: sizes from its config.json", rows))
 
 
 def _rows_table(title: str, rows: list[tuple[str, str]]) -> Table:

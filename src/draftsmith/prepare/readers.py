@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.prepare import bfcl
+from draftsmith.prepare.messages import SURROGATE, TURN_KEYS, json_kind
 
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
 DAMAGED_TAIL = "damaged tail (file cut off mid-record)"
@@ -214,18 +215,14 @@ def _not_json_reason(head: bytes, text: str) -> str:
     encoding = next((name for bom, name in _UTF16_32_BOMS.items() if head.startswith(bom)), None)
     if encoding:
         return f"file is {encoding} text; convert it to UTF-8 (iconv -f {encoding} -t UTF-8)"
-    if b"\0" in head[:1024] or _SURROGATES.search(text[:1024]):
+    if b"\0" in head[:1024] or SURROGATE.search(text[:1024]):
         return f"not a text file (starts with bytes {head[:8].hex(' ')})"
     first = text.split("\n", 1)[0].strip()
     try:
         value = json.loads(first)
     except ValueError:
         return f"invalid JSON (the text starts with {first[:40]!r})"
-    kind = {str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
-    return f"holds a JSON {kind} ({first[:40]!r}), not a list of conversations"
-
-
-_SURROGATES = re.compile("[\ud800-\udfff]")
+    return f"holds a JSON {json_kind(value)} ({first[:40]!r}), not a list of conversations"
 
 
 def _looks_like_json_lines(text: str) -> bool:
@@ -240,9 +237,6 @@ def _looks_like_json_lines(text: str) -> bool:
     return False
 
 
-_RECORD_KEYS = ("conversations", "conversation", "messages")
-
-
 def _iter_json_document(path: Path, f) -> Iterator[Record]:
     """One JSON object spread over many lines: a single conversation, or an object holding one list of them
     (e.g. {"data": [...]})."""
@@ -252,7 +246,7 @@ def _iter_json_document(path: Path, f) -> Iterator[Record]:
         raise DraftsmithError(
             f"{path}: record 0: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
         ) from None
-    if any(k in doc for k in _RECORD_KEYS):
+    if any(k in doc for k in TURN_KEYS):
         yield Record(str(path), 0, doc)
         return
     lists = [k for k, v in doc.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
