@@ -197,43 +197,28 @@ def _stage_command(
 
 def _runner(name: str) -> Callable[[Any], config.StageResult]:
     """A stage's `run`, imported when its command runs: `draftsmith --help` loads no stage (nor torch)."""
+    run: Callable[[Any], config.StageResult]
     if name == "regenerate":
-        from draftsmith.prepare.regenerate import run as regenerate
-
-        return regenerate
-    if name == "prepare":
-        from draftsmith.prepare.stage import run as prepare
-
-        return prepare
-    if name == "extract":
-        from draftsmith.extract.stage import run as extract
-
-        return extract
-    if name == "train":
-        from draftsmith.train.stage import run as train
-
-        return train
-    if name == "feed":
-        from draftsmith.extract.vllm.feed import run as feed
-
-        return feed
-    if name == "export":
-        from draftsmith.export.stage import run as export
-
-        return export
-    if name == "evaluate":
-        from draftsmith.evaluate.stage import run as evaluate
-
-        return evaluate
-    if name == "serve":
-        from draftsmith.serve import run as serve
-
-        return serve
-    if name == "quickstart":
-        from draftsmith.quickstart import run as quickstart
-
-        return quickstart
-    raise AssertionError(name)
+        from draftsmith.prepare.regenerate import run
+    elif name == "prepare":
+        from draftsmith.prepare.stage import run
+    elif name == "extract":
+        from draftsmith.extract.stage import run
+    elif name == "train":
+        from draftsmith.train.stage import run
+    elif name == "feed":
+        from draftsmith.extract.vllm.feed import run
+    elif name == "export":
+        from draftsmith.export.stage import run
+    elif name == "evaluate":
+        from draftsmith.evaluate.stage import run
+    elif name == "serve":
+        from draftsmith.serve import run
+    elif name == "quickstart":
+        from draftsmith.quickstart import run
+    else:
+        raise AssertionError(name)
+    return run
 
 
 _stage_command(

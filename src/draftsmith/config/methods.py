@@ -15,7 +15,7 @@ refused in one line that says which options the chosen method takes.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -163,7 +163,7 @@ def options_class(name: str) -> type[MethodOptions]:
     return OPTIONS[name]
 
 
-def fold_options(data: dict[str, Any]) -> dict[str, Any]:
+def fold_options(data: dict[str, object]) -> dict[str, object]:
     """The config's input with `method` a mapping: its name (a string, a mapping's `name`, or the default) and the
     method's options given flat beside it (flags, a flat YAML file, an older checkpoint's flat record) moved in, a
     flat one overriding a nested one as a flag overrides a file. A flat option of another method is refused."""
