@@ -195,9 +195,9 @@ def _stage_command(
     app.command(name, help=f"{help_text}\n\nDocs: docs/{DOCS.get(name, 'getting-started/stages.md')}")(command)
 
 
-def _runner(name: str) -> Callable[[Any], config.StageResult]:
+def _runner(name: str) -> Callable[..., config.StageResult]:
     """A stage's `run`, imported when its command runs: `draftsmith --help` loads no stage (nor torch)."""
-    run: Callable[[Any], config.StageResult]
+    run: Callable[..., config.StageResult]  # each stage's takes its own config
     if name == "regenerate":
         from draftsmith.prepare.regenerate import run
     elif name == "prepare":
