@@ -216,12 +216,8 @@ def _manifest(
     return RegeneratedManifest(
         generator=generator,
         sampling=Sampling(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
+            **cfg.model_dump(include={"temperature", "top_p", "max_new_tokens", "seed", "think"}),
             max_length=plan.max_length,
-            seed=cfg.seed,
-            think=cfg.think,
         ),
         fingerprint=plan.fingerprint,
         sources=regenerated_set.source_files(plan.sources),
