@@ -22,16 +22,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith.config import RegenerateConfig, save_resolved_config
+from draftsmith.core import fsio
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import (
-    atomic_write_text,
-    fresh_dir,
-    load_resume,
-    publish_resumed,
-    resume_dir,
-    save_resume,
-    sha256_file,
-)
 from draftsmith.core.manifest import Manifest, TargetIdentity, read_manifest, write_manifest
 from draftsmith.core.manifest import check_replaceable as manifest_check_replaceable
 from draftsmith.prepare.readers import Source
@@ -158,10 +150,10 @@ def finished_set(output: Path, fingerprint: str) -> RegeneratedManifest | None:
 def open_work(output: Path, fingerprint: str, resume: bool) -> tuple[Path, list[RegeneratedShard], dict | None]:
     """(the directory the set is built in, its complete shards, the tallies saved with them) for the job
     `fingerprint`: an interrupted run's when `resume` finds one, else an empty new directory."""
-    work = resume_dir(output)
-    state = load_resume(work, fingerprint, RegeneratedShard) if resume else None
+    work = fsio.resume_dir(output)
+    state = fsio.load_resume(work, fingerprint, RegeneratedShard) if resume else None
     if state is None:
-        fresh_dir(work)
+        fsio.fresh_dir(work)
         return work, [], None
     return work, [RegeneratedShard.model_validate(s) for s in state["shards"]], state["tally"]
 
@@ -169,11 +161,11 @@ def open_work(output: Path, fingerprint: str, resume: bool) -> tuple[Path, list[
 def write_shard(work: Path, shards: list[RegeneratedShard], lines: list[str], first_conversation: int) -> None:
     """Write the next shard (`lines`, one JSON record each) and add it to `shards`."""
     name = f"shard-{len(shards):05d}.jsonl"
-    atomic_write_text(work / name, "".join(lines))
+    fsio.atomic_write_text(work / name, "".join(lines))
     shards.append(
         RegeneratedShard(
             file=name,
-            sha256=sha256_file(work / name),
+            sha256=fsio.sha256_file(work / name),
             num_bytes=(work / name).stat().st_size,
             num_conversations=len(lines),
             first_conversation=first_conversation,
@@ -183,14 +175,14 @@ def write_shard(work: Path, shards: list[RegeneratedShard], lines: list[str], fi
 
 def save_progress(work: Path, fingerprint: str, shards: list[RegeneratedShard], tally: dict) -> None:
     """What a resumed run starts from: the complete shards and the caller's tallies of the records behind them."""
-    save_resume(work, fingerprint, shards, tally=tally)
+    fsio.save_resume(work, fingerprint, shards, tally=tally)
 
 
 def source_files(sources: list[Source]) -> list[SourceFile]:
     files = []
     for source in sources:
         paths = [source.path] if source.path.is_file() else sorted(p for p in source.path.rglob("*") if p.is_file())
-        files += [SourceFile(path=str(p), sha256=sha256_file(p), num_bytes=p.stat().st_size) for p in paths]
+        files += [SourceFile(path=str(p), sha256=fsio.sha256_file(p), num_bytes=p.stat().st_size) for p in paths]
     return files
 
 
@@ -198,4 +190,4 @@ def publish(work: Path, output: Path, cfg: RegenerateConfig, manifest: Regenerat
     """Finish the set built in `work` (its config and manifest) and rename it to `output`."""
     save_resolved_config(cfg, work)
     write_manifest(work, manifest)
-    publish_resumed(work, output)
+    fsio.publish_resumed(work, output)
