@@ -65,7 +65,7 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: Map
         if first["loc"] and str(first["loc"][0]) in flags:  # the flag's value is wrong, not the file's
             raise _one_line(cls, err, "") from None
         if not first["loc"]:  # the config's own check across options: its message says what is wrong
-            raise DraftsmithError(f"{config_file}: {first['msg'].removeprefix('Value error, ')}") from None
+            raise _one_line(cls, err, f"{config_file}: ") from None
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             close = difflib.get_close_matches(key, list(cls.model_fields), n=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -113,24 +114,17 @@ def resume_point(output: Path, fingerprint: str) -> dict | None:
     return data["state"] if data else None
 
 
+@dataclass
 class _ShardWriter:
     """Buffers samples and writes them as numbered shards into `directory`."""
 
-    def __init__(
-        self,
-        directory: Path,
-        target: TargetIdentity,
-        shard_samples: int,
-        shards: list[PreparedShard] | None = None,
-        num_truncated: int = 0,
-    ):
-        self.directory = directory
-        self.target = target
-        self.shard_samples = shard_samples
-        self.shards = list(shards or [])
-        self.num_truncated = num_truncated
-        self.ids: list[np.ndarray] = []
-        self.masks: list[np.ndarray] = []
+    directory: Path
+    target: TargetIdentity
+    shard_samples: int
+    shards: list[PreparedShard] = field(default_factory=list)  # written so far
+    num_truncated: int = 0
+    ids: list[np.ndarray] = field(default_factory=list, init=False)  # buffered samples
+    masks: list[np.ndarray] = field(default_factory=list, init=False)
 
     @property
     def num_samples(self) -> int:
@@ -305,7 +299,7 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
         work,
         target,
         shard_samples,
-        shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else None,
+        shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else [],
         num_truncated=previous["num_truncated"] if previous else 0,
     )
 
