@@ -232,6 +232,8 @@ class _Results:
 
     def result(self, turn: dict, text: str, where: str) -> Message:
         call_id = turn.get("tool_call_id")
+        name = turn["name"] if isinstance(turn.get("name"), str) and turn["name"] else None  # as the record names it
+        message: Message = {"role": "tool", "content": text}
         if call_id not in (None, ""):
             call = self.ids.get(str(call_id))
             if call is None:
@@ -239,15 +241,12 @@ class _Results:
         elif self.pending:
             call = self.pending[0]
         else:  # a result of a call the assistant wrote as text (ReAct's "Action: ..."): context as it is
-            message: Message = {"role": "tool", "content": text}
-            return message | ({"name": turn["name"]} if isinstance(turn.get("name"), str) and turn["name"] else {})
+            return message | ({"name": name} if name else {})
         if call in self.pending:
             self.pending.remove(call)
-        message = {"role": "tool", "content": text}
         if "id" in call:
             message["tool_call_id"] = call["id"]
-        name = turn.get("name") if isinstance(turn.get("name"), str) and turn["name"] else call["function"]["name"]
-        message["name"] = name
+        message["name"] = name or call["function"]["name"]
         return message
 
 
