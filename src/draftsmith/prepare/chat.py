@@ -1,9 +1,7 @@
 """Conversations -> chat-template text -> token ids and an assistant loss mask, for any chat template.
 
-Conversations are read without loss: plain chat, and agentic traffic (OpenAI `messages` with `tools`, assistant
-`tool_calls` whose `content` is null, `tool` results, `reasoning_content` / `reasoning`, a `<think>` block inline;
-ShareGPT's `function_call` / `observation` turns; Hermes-style `<tool_call>` text) become one structure: HF chat
-messages (`role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, `name`) and the declared `tools`.
+Conversations come in read without loss, agentic traffic included, as messages.py's `Chat`: HF chat messages and
+the declared `tools`.
 
 No token offsets are hard-coded. What the model is trained on is each assistant generation as the target's own
 template renders it *at the moment it is generated*:
