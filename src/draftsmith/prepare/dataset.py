@@ -198,7 +198,6 @@ class _ShardWriter:
 
 
 def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
-    directory: Path,
     writer: _ShardWriter,
     samples: Iterable[dict | list[dict]],
     on_shard,
@@ -222,7 +221,7 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
             + (f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else "")
         )
     counts = writer.token_counts()
-    _write_safetensors(directory / TOKEN_COUNTS_NAME, {"counts": counts})
+    _write_safetensors(writer.directory / TOKEN_COUNTS_NAME, {"counts": counts})
     manifest = PreparedManifest(
         target=writer.target,
         chat_template_hash=chat_template_hash,
@@ -232,14 +231,14 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
         num_loss_tokens=int(counts.sum()),
         num_truncated=writer.num_truncated,
         shards=shards,
-        token_counts_sha256=sha256_file(directory / TOKEN_COUNTS_NAME),
+        token_counts_sha256=sha256_file(writer.directory / TOKEN_COUNTS_NAME),
         skipped=dict(skipped or {}),
         sources=list(sources or []),
         **extra,
     )
     if config is not None:
-        save_resolved_config(config, directory)
-    write_manifest(directory, manifest)
+        save_resolved_config(config, writer.directory)
+    write_manifest(writer.directory, manifest)
     return manifest
 
 
@@ -287,7 +286,7 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     )
     if fingerprint is None:
         with atomic_dir(output) as tmp:
-            return _write_all(tmp, _ShardWriter(tmp, target, shard_samples), samples, None, **fields)
+            return _write_all(_ShardWriter(tmp, target, shard_samples), samples, None, **fields)
 
     work = resume_dir(output)
     previous = load_resume(work, fingerprint, PreparedShard) if resume else None
@@ -307,7 +306,7 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
         state = checkpoint() if checkpoint else {}
         save_resume(work, fingerprint, w.shards, num_truncated=w.num_truncated, state=state)
 
-    manifest = _write_all(work, writer, samples, on_shard, **fields)
+    manifest = _write_all(writer, samples, on_shard, **fields)
     publish_resumed(work, output)
     return manifest
 
