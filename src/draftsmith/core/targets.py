@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import snapshot_download
@@ -18,7 +19,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
-    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -158,7 +158,7 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTok
     return tokenizer
 
 
-def auto_model_class(config: PretrainedConfig) -> type[AutoModelForCausalLM] | type[AutoModelForImageTextToText]:
+def auto_model_class(config: Any) -> Any:
     """The transformers auto class that builds this target with its LM head: AutoModelForCausalLM, or for a
     multimodal wrapper whose config it does not map (Kimi-K2.5, ...) AutoModelForImageTextToText, whose model holds
     the language model and the head."""

@@ -18,6 +18,7 @@ The whole directory is built beside its final place and renamed into it only whe
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -275,7 +276,8 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     """
     output = Path(output)
     check_replaceable(output, "prepared", "a prepared data set")
-    fields = dict(
+    write_all = functools.partial(
+        _write_all,
         output=output,
         chat_template_hash=chat_template_hash,
         max_length=max_length,
@@ -286,7 +288,7 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     )
     if fingerprint is None:
         with atomic_dir(output) as tmp:
-            return _write_all(_ShardWriter(tmp, target, shard_samples), samples, None, **fields)
+            return write_all(_ShardWriter(tmp, target, shard_samples), samples, None)
 
     work = resume_dir(output)
     previous = load_resume(work, fingerprint, PreparedShard) if resume else None
@@ -306,7 +308,7 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
         state = checkpoint() if checkpoint else {}
         save_resume(work, fingerprint, w.shards, num_truncated=w.num_truncated, state=state)
 
-    manifest = _write_all(writer, samples, on_shard, **fields)
+    manifest = write_all(writer, samples, on_shard)
     publish_resumed(work, output)
     return manifest
 

@@ -179,7 +179,7 @@ def _regenerate(
     records = read_records(plan.sources, tally.records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
     encoder = ChatEncoder(tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
     regenerator = Regenerator(cfg, tokenizer, encoder, plan.max_length, start_engine, records, tally, parser)
-    progress, task = progress_bar("regenerate", cfg.max_samples, tok_rate="{task.fields[tok_rate]:,.1f} new tok/s")
+    progress, task = progress_bar("regenerate", cfg.max_samples, "{task.fields[tok_rate]:,.1f} new tok/s")
     try:
         with progress:
             progress.update(task, completed=tally.conversations, conversations=tally.conversations)

@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
@@ -33,8 +33,6 @@ from draftsmith.prepare.readers import Skips, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from draftsmith.prepare.regenerate_engines import Engine
 
 # how a regenerated tool loop left the recorded one (the conversation ends with the target's answer)
@@ -211,7 +209,7 @@ class Regenerator:
     def __init__(
         self,
         cfg: RegenerateConfig,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Any,
         encoder: ChatEncoder,
         max_length: int,
         start_engine: Callable[[], Engine],

@@ -266,21 +266,21 @@ def chat_template_of(
     return template
 
 
-def progress_bar(stage: str, total: int | None, **rates: str) -> tuple[Progress, TaskID]:
-    """A stage's progress bar on stderr (drawn on a terminal only): conversations done, then `rates` (a task field's
-    name: its column), the time elapsed and left."""
+def progress_bar(stage: str, total: int | None, *rates: str) -> tuple[Progress, TaskID]:
+    """A stage's progress bar on stderr (drawn on a terminal only): conversations done, then `rates` (columns of the
+    task's `rate` and `tok_rate`), the time elapsed and left."""
     progress = Progress(
         TextColumn(f"[bold]{stage}[/]"),
         BarColumn(),
         TextColumn("{task.fields[conversations]:,} conversations"),
-        *map(TextColumn, rates.values()),
+        *map(TextColumn, rates),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         disable=not sys.stderr.isatty(),
         transient=False,
     )
-    return progress, progress.add_task(stage, total=total, conversations=0, **dict.fromkeys(rates, 0.0))
+    return progress, progress.add_task(stage, total=total, conversations=0, rate=0.0, tok_rate=0.0)
 
 
 def _available_cores() -> int:
@@ -375,8 +375,8 @@ class _Job:
         self.progress, self.task = progress_bar(
             "prepare",
             self.cfg.max_samples or self.total_bytes,
-            rate="{task.fields[rate]:,.0f} conv/s",
-            tok_rate="{task.fields[tok_rate]:,.0f} tok/s",
+            "{task.fields[rate]:,.0f} conv/s",
+            "{task.fields[tok_rate]:,.0f} tok/s",
         )
 
     def full(self) -> bool:
@@ -405,7 +405,7 @@ class _Job:
                 conversations=tally.conversations,
                 rate=(tally.conversations - self.resumed[1]) / elapsed,
                 tok_rate=(tally.tokens - self.resumed[2]) / elapsed,
-                **({"completed": tally.conversations} if cfg.max_samples else {}),
+                completed=tally.conversations if cfg.max_samples else None,
             )
             if self.full():
                 break
