@@ -13,9 +13,10 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
 import typer
+from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -77,7 +78,10 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _call(fn: Callable[[], Any]) -> Any:
+T = TypeVar("T")
+
+
+def _call(fn: Callable[[], T]) -> T:
     """Run a stage, turning user errors into one line and an interrupt into a resume hint."""
     try:
         return fn()
@@ -101,7 +105,7 @@ def _print_result(result: config.StageResult) -> None:
         console.print(command, soft_wrap=True, markup=False, highlight=False)
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
     if isinstance(value, int):
@@ -114,7 +118,7 @@ def _fmt(value: Any) -> str:
 # ---- options generated from pydantic fields -------------------------------------------------------------
 
 
-def _unwrap_optional(annotation: Any) -> Any:
+def _unwrap_optional(annotation: object) -> object:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
@@ -122,7 +126,7 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _option(name: str, field: Any, positional: bool, panel: str | None = None) -> tuple[Any, Any]:
+def _option(name: str, field: FieldInfo, positional: bool, panel: str | None = None) -> tuple[object, object]:
     """(annotation, default) for one config field; every default is None so only given flags override."""
     annotation = _unwrap_optional(field.annotation)
     origin = typing.get_origin(annotation)
@@ -136,15 +140,9 @@ def _option(name: str, field: Any, positional: bool, panel: str | None = None) -
     if annotation is bool:
         decl = typer.Option(f"{flag}/--no-{name.replace('_', '-')}", **kwargs)
         return Optional[bool], decl  # noqa: UP045 - typer reads Optional[...]
-    if origin is Literal:
-        py_type: Any = annotation
-    elif origin in (list, tuple):
+    py_type = annotation if origin is Literal or annotation in (int, float, str, Path) else str
+    if origin in (list, tuple):
         kwargs["help"] = help_text + "  (comma-separated)"
-        py_type = str
-    elif annotation in (int, float, str, Path):
-        py_type = annotation
-    else:
-        py_type = str
     if positional:
         return Optional[py_type], typer.Argument(help=kwargs["help"], show_default=False, rich_help_panel=panel)  # noqa: UP045 - typer reads Optional[...]
     return Optional[py_type], typer.Option(flag, **kwargs)  # noqa: UP045 - typer reads Optional[...]
@@ -197,45 +195,30 @@ def _stage_command(
     app.command(name, help=f"{help_text}\n\nDocs: docs/{DOCS.get(name, 'getting-started/stages.md')}")(command)
 
 
-def _runner(name: str) -> Callable[[Any], config.StageResult]:
+def _runner(name: str) -> Callable[..., config.StageResult]:
     """A stage's `run`, imported when its command runs: `draftsmith --help` loads no stage (nor torch)."""
+    run: Callable[..., config.StageResult]  # each stage's takes its own config
     if name == "regenerate":
-        from draftsmith.prepare.regenerate import run as regenerate
-
-        return regenerate
-    if name == "prepare":
-        from draftsmith.prepare.stage import run as prepare
-
-        return prepare
-    if name == "extract":
-        from draftsmith.extract.stage import run as extract
-
-        return extract
-    if name == "train":
-        from draftsmith.train.stage import run as train
-
-        return train
-    if name == "feed":
-        from draftsmith.extract.vllm.feed import run as feed
-
-        return feed
-    if name == "export":
-        from draftsmith.export.stage import run as export
-
-        return export
-    if name == "evaluate":
-        from draftsmith.evaluate.stage import run as evaluate
-
-        return evaluate
-    if name == "serve":
-        from draftsmith.serve import run as serve
-
-        return serve
-    if name == "quickstart":
-        from draftsmith.quickstart import run as quickstart
-
-        return quickstart
-    raise AssertionError(name)
+        from draftsmith.prepare.regenerate import run
+    elif name == "prepare":
+        from draftsmith.prepare.stage import run
+    elif name == "extract":
+        from draftsmith.extract.stage import run
+    elif name == "train":
+        from draftsmith.train.stage import run
+    elif name == "feed":
+        from draftsmith.extract.vllm.feed import run
+    elif name == "export":
+        from draftsmith.export.stage import run
+    elif name == "evaluate":
+        from draftsmith.evaluate.stage import run
+    elif name == "serve":
+        from draftsmith.serve import run
+    elif name == "quickstart":
+        from draftsmith.quickstart import run
+    else:
+        raise AssertionError(name)
+    return run
 
 
 _stage_command(

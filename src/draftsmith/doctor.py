@@ -102,24 +102,14 @@ def check_online(target: str | None, online_rate: float | None, spool_lead_s: fl
 
 
 def report(
-    *,
-    target: str | None = None,
-    tokens: int | None = None,
-    tensor_parallel_size: int = 1,
-    gpu_memory_gb: float | None = None,
-    vllm_source: str | Path | None = None,
-    runtime: bool = False,
-    online_rate: float | None = None,
-    spool_lead_s: float = 60.0,
+    *, target: str | None = None, vllm_source: str | Path | None = None, runtime: bool = False, **sizing: Unpack[Sizing]
 ) -> dict:
     """Everything doctor finds, as one JSON-ready dict: {"draftsmith", "environment", "vllm": {source, version,
     platform, architecture, facts, strategy, reason, usable, capabilities}, "architectures": [one per architecture:
     its table row (architecture, "vLLM class", "aux ids vLLM reaches", connector, direct, notes), strategy, usable,
     support], "target": {path, architecture, sizes} when a target is given}."""
-    check_online(target, online_rate, spool_lead_s)
-    config = read_target_config(target) if target else None
-    architecture = _architecture(config)
-    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
+    check_online(target, sizing.get("online_rate"), sizing.get("spool_lead_s", 60.0))
+    config, main, reports = _probe(target, vllm_source, runtime)
     out: dict = {
         "draftsmith": __version__,
         "environment": dict(environment_rows()),
@@ -141,19 +131,12 @@ def report(
                 "usable": r.usable,
                 "support": r.support.model_dump() if r.support is not None else None,
             }
-            for r in _architecture_reports(architecture, config, vllm_source)
+            for r in reports
         ],
     }
     if config is not None:
-        sizes = target_sizes(
-            config,
-            tokens=tokens,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_gb=gpu_memory_gb,
-            online_rate=online_rate,
-            spool_lead_s=spool_lead_s,
-        )
-        out["target"] = {"path": str(target), "architecture": architecture, "sizes": dict(sizes)}
+        sizes = target_sizes(config, **sizing)
+        out["target"] = {"path": str(target), "architecture": main.architecture, "sizes": dict(sizes)}
         if main.facts.installed:
             out["target"]["vllm_dtype_auto"] = dtypes.choose_dtype("auto", main, config).model_dump()
     return out
@@ -179,11 +162,18 @@ def dtype_line(report: probe.ProbeReport, config: dict | None) -> str:
     return line + (f"; if it cannot run, {choice.fallback} once" if choice.fallback else "")
 
 
-def _architecture_reports(architecture: str, config: dict | None, vllm_source: str | Path | None):
+def _probe(
+    target: str | None, vllm_source: str | Path | None, runtime: bool
+) -> tuple[dict | None, probe.ProbeReport, list[probe.ProbeReport]]:
+    """(--target's config.json, the probe for its architecture, one probe per tested architecture and for its own)."""
+    config = read_target_config(target) if target else None
+    architecture = _architecture(config)
+    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
     archs = list(probe.TESTED_ARCHITECTURES)
     if architecture not in archs:
         archs.insert(0, architecture)
-    return probe.probe_architectures(archs, vllm_source, configs={architecture: config} if config else None)
+    reports = probe.probe_architectures(archs, vllm_source, configs={architecture: config} if config else None)
+    return config, main, reports
 
 
 def _say(console: Console, text: str, style: str | None = None, *, wrap: bool = False, indent: int = 0) -> None:
@@ -301,34 +291,21 @@ def run(
         found = report(target=target, vllm_source=vllm_source, runtime=runtime, **sizing)
         console.out(json.dumps(found, indent=2), highlight=False)
         return
-    config = read_target_config(target) if target else None
-    architecture = _architecture(config)
-    main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
-    reports = _architecture_reports(architecture, config, vllm_source)
+    config, main, reports = _probe(target, vllm_source, runtime)
     rows = None
     if config is not None:
         rows = target_sizes(config, **sizing)
         if main.facts.installed:
             rows.append(("vLLM compute dtype (auto)", dtype_line(main, config)))
-    if verbose:
-        _print_tables(console, main, reports, rows, target)
-    else:
+    if not verbose:
         print_summary(console, main, reports, rows, target, config)
-
-
-def _print_tables(
-    console: Console,
-    main: probe.ProbeReport,
-    reports: list[probe.ProbeReport],
-    target_rows: list[tuple[str, str]] | None,
-    target: str | None,
-) -> None:
-    """doctor --verbose: the environment, the probe's capabilities, every architecture, the target's sizes."""
+        return
+    # --verbose: the environment, the probe's capabilities, every architecture, the target's sizes
     console.print(_rows_table("draftsmith doctor", environment_rows()))
     console.print(tables.render_probe_table(main))
     console.print(tables.render_architecture_table(reports))
-    if target_rows is not None:
-        console.print(_rows_table(f"target {target}: sizes from its config.json", target_rows))
+    if rows is not None:
+        console.print(_rows_table(f"target {target}: sizes from its config.json", rows))
 
 
 def _rows_table(title: str, rows: list[tuple[str, str]]) -> Table:

@@ -162,13 +162,9 @@ def vllm_fit_line(weights_bytes: float, gpu_memory_gb: float | None) -> str:
     parts = []
     for name, gib in kinds.items():
         sizes = [(tp, *sizing.vllm_fits(weights_bytes, tp, gib * sizing.GiB)) for tp in (1, 2, 4, 8)]
-        fit = next((s for s in sizes if s[1]), None)
-        if fit is None:
-            _, _, per, usable = sizes[-1]
-            parts.append(f"{name}: not at TP=8 ({sizing.human_bytes(per)} per GPU of {sizing.human_bytes(usable)})")
-        else:
-            tp, _, per, usable = fit
-            parts.append(f"{name}: TP={tp} ({sizing.human_bytes(per)} per GPU of {sizing.human_bytes(usable)})")
+        tp, fits, per, usable = next((s for s in sizes if s[1]), sizes[-1])  # else TP=8's
+        where = f"TP={tp}" if fits else "not at TP=8"
+        parts.append(f"{name}: {where} ({sizing.human_bytes(per)} per GPU of {sizing.human_bytes(usable)})")
     return "; ".join(parts) + " (0.9 of each GPU, 4 GiB kept for activations and the KV cache)"
 
 

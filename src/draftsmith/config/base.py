@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,14 +30,14 @@ class StageConfig(BaseModel):
         return dict(cls.model_fields)
 
 
-def _split_list(value: Any) -> Any:
+def _split_list(value: object) -> object:
     """Accept "2,15,27" from the command line as well as a YAML list."""
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return value
 
 
-def _json_object(value: Any) -> Any:
+def _json_object(value: object) -> object:
     """Accept '{"thinking": true}' from the command line as well as a YAML mapping."""
     if isinstance(value, str):
         try:
@@ -48,7 +49,7 @@ def _json_object(value: Any) -> Any:
     return value
 
 
-def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dict[str, Any]) -> StageConfig:
+def load_config(cls: type[StageConfig], config_file: Path | None, overrides: Mapping[str, object]) -> StageConfig:
     """YAML file first, then the CLI flags that were given (None means not given).
 
     Every mistake is one line: the file and the line / column of a YAML error, the file and the key of a value
@@ -64,7 +65,7 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dic
         if first["loc"] and str(first["loc"][0]) in flags:  # the flag's value is wrong, not the file's
             raise _one_line(cls, err, "") from None
         if not first["loc"]:  # the config's own check across options: its message says what is wrong
-            raise DraftsmithError(f"{config_file}: {first['msg'].removeprefix('Value error, ')}") from None
+            raise _one_line(cls, err, f"{config_file}: ") from None
         key = ".".join(str(p) for p in first["loc"])
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             close = difflib.get_close_matches(key, list(cls.model_fields), n=1)
@@ -75,7 +76,7 @@ def load_config(cls: type[StageConfig], config_file: Path | None, overrides: dic
         raise DraftsmithError(f"{config_file}: key {key}: {_reason(err)}") from None
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path) -> dict[str, object]:
     if path.is_dir():
         raise DraftsmithError(f"{path}: is a directory, not a YAML config file (--config)")
     if not path.is_file():
@@ -120,7 +121,7 @@ def _one_line(cls: type[StageConfig], err: ValidationError, where: str) -> Draft
     return DraftsmithError(f"{where}option {option}: {_reason(err)}")
 
 
-def validate_config(cls: type[StageConfig], data: dict[str, Any], where: str = "") -> StageConfig:
+def validate_config(cls: type[StageConfig], data: Mapping[str, object], where: str = "") -> StageConfig:
     """`cls(**data)`, or a one-line error naming the option; `where` prefixes it (file, recipe section)."""
     try:
         return cls.model_validate(data)
@@ -144,6 +145,6 @@ class StageResult(BaseModel, Generic[ResultT]):
     stage: str
     output: Path
     result: ResultT | None = None
-    summary: dict[str, Any] = Field(default_factory=dict)
+    summary: dict[str, object] = Field(default_factory=dict)
     # Shell commands for the user to copy (e.g. how to serve the draft): printed in full below the table, unwrapped.
     commands: dict[str, str] = Field(default_factory=dict)

@@ -15,7 +15,7 @@ refused in one line that says which options the chosen method takes.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -163,7 +163,7 @@ def options_class(name: str) -> type[MethodOptions]:
     return OPTIONS[name]
 
 
-def fold_options(data: dict[str, Any]) -> dict[str, Any]:
+def fold_options(data: dict[str, object]) -> dict[str, object]:
     """The config's input with `method` a mapping: its name (a string, a mapping's `name`, or the default) and the
     method's options given flat beside it (flags, a flat YAML file, an older checkpoint's flat record) moved in, a
     flat one overriding a nested one as a flag overrides a file. A flat option of another method is refused."""
@@ -186,7 +186,7 @@ def fold_options(data: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in data.items() if k not in flat}, "method": {**nested, **flat}}
 
 
-def flat_options(dumped: dict[str, Any]) -> dict[str, Any]:
+def flat_options(dumped: dict[str, object]) -> dict[str, object]:
     """A dumped config with `method` back to its name and its options beside it (the flat form flags and older
     checkpoints use), for comparing two runs' hyper-parameters key by key."""
     method = dumped.get("method")
@@ -196,7 +196,7 @@ def flat_options(dumped: dict[str, Any]) -> dict[str, Any]:
     return {**dumped, **options, "method": method.get("name")}
 
 
-def option_default(key: str) -> Any:
+def option_default(key: str) -> object:
     """The default of an option every method that takes it agrees on; None where they differ (each says its own)."""
     defaults = {repr(OPTIONS[name].model_fields[key].default) for name in OPTION_NAMES[key]}
     return OPTIONS[OPTION_NAMES[key][0]].model_fields[key].default if len(defaults) == 1 else None

@@ -5,11 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from draftsmith.config.base import StageConfig, _json_object, _split_list
 from draftsmith.config.methods import DEFAULT_METHOD, MethodName
@@ -250,7 +246,7 @@ class QuickstartConfig(StageConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _regenerate_section(cls, data: Any) -> Any:
+    def _regenerate_section(cls, data: object) -> object:
         """`regenerate: {temperature: 0.7}` in a recipe: regenerate, with these options."""
         if isinstance(data, dict) and isinstance(data.get("regenerate"), dict):
             data = {

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from draftsmith.config.base import StageConfig, _split_list
@@ -242,7 +238,7 @@ class TrainConfig(StageConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _method_options(cls, data: Any) -> Any:
+    def _method_options(cls, data: object) -> object:
         """--method and its options, flat or nested, as the method's typed options (config.methods)."""
         return fold_options(data) if isinstance(data, dict) else data
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +66,7 @@ def capture_hidden_states(  # noqa: C901 - one hook per capture point and the th
         return hook
 
     def post_hook(j: int, stop: bool) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
             store(j, output[0] if isinstance(output, (tuple, list)) else output)
             if stop:
                 raise _StopForward

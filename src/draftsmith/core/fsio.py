@@ -15,9 +15,11 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
 
 from draftsmith.core.errors import DiskFullError, DraftsmithError
 
@@ -192,3 +194,17 @@ def load_resume(work: Path, fingerprint: str, shard_model: Any) -> dict | None:
         if not file.is_file() or file.stat().st_size != shard.num_bytes:
             return None
     return data
+
+
+def save_resume(work: Path, fingerprint: str, shards: Sequence[BaseModel], **state: object) -> None:
+    """The progress record `load_resume` reads: the job's fingerprint, its complete shards, the caller's `state`."""
+    record = {"fingerprint": fingerprint, "shards": [s.model_dump() for s in shards], **state}
+    atomic_write_json(Path(work) / RESUME_NAME, record)
+
+
+def publish_resumed(work: Path, output: Path) -> None:
+    """The artefact completed in `work` (its `resume_dir`) renamed to `output`, replacing what was there."""
+    (work / RESUME_NAME).unlink(missing_ok=True)
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(work, output)

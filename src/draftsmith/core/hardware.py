@@ -92,9 +92,7 @@ def probe() -> CpuInfo:
     )
 
 
-def cpu_info() -> CpuInfo:
-    """This CPU (`probe`, read once per process)."""
-    return probe()
+cpu_info = probe  # this CPU, read once per process
 
 
 def native_bf16() -> bool:

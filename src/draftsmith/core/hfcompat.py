@@ -32,16 +32,16 @@ _FAST_TOKENIZER_ALIASES = {"TokenizersBackend", PORTABLE_TOKENIZER_CLASS}
 _LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling")
 
 
-def _rope_type(rope: dict[str, Any]) -> str:
+def _rope_type(rope: dict[str, object]) -> str:
     return str(rope.get("rope_type") or rope.get("type") or "default")
 
 
-def legacy_rope_keys(rope_parameters: Any) -> dict[str, Any]:
+def legacy_rope_keys(rope_parameters: object) -> dict[str, object]:
     """transformers-4 `rope_theta` (and `rope_scaling` for a scaled RoPE) equivalent to transformers-5
     `rope_parameters`; empty for a form 4.x has no flat equivalent of (per-layer-type RoPE)."""
     if not isinstance(rope_parameters, dict) or "rope_theta" not in rope_parameters:
         return {}
-    out: dict[str, Any] = {"rope_theta": rope_parameters["rope_theta"]}
+    out: dict[str, object] = {"rope_theta": rope_parameters["rope_theta"]}
     if _rope_type(rope_parameters) != "default":
         scaling = {k: v for k, v in rope_parameters.items() if k not in ("rope_theta", "partial_rotary_factor")}
         scaling["rope_type"] = _rope_type(rope_parameters)
@@ -63,10 +63,10 @@ def rope_parameters_of(config: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def portable_config(config: dict[str, Any]) -> dict[str, Any]:
+def portable_config(config: dict[str, object]) -> dict[str, object]:
     """config.json content with the transformers-4 RoPE keys beside `rope_parameters` (in every nested
     sub-config too: a multimodal wrapper's text_config)."""
-    out = {}
+    out: dict[str, object] = {}
     for key, value in config.items():
         out[key] = portable_config(value) if isinstance(value, dict) and key.endswith("_config") else value
     for key, value in legacy_rope_keys(config.get("rope_parameters")).items():
@@ -75,10 +75,10 @@ def portable_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
+def canonical_config(config: dict[str, object]) -> dict[str, object]:
     """config.json content as transformers 5 writes it: the transformers-4 RoPE keys folded into
     `rope_parameters`, so a target means the same whichever release wrote (or portable_config touched) it."""
-    out = {}
+    out: dict[str, object] = {}
     for key, value in config.items():
         out[key] = canonical_config(value) if isinstance(value, dict) and key.endswith("_config") else value
     if (isinstance(config.get("rope_parameters"), dict) and config["rope_parameters"]) or "rope_theta" in config:
@@ -90,21 +90,21 @@ def canonical_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def portable_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+def portable_tokenizer_config(config: dict[str, object]) -> dict[str, object]:
     """tokenizer_config.json content naming a tokenizer class both releases have."""
     if config.get("tokenizer_class") in _FAST_TOKENIZER_ALIASES:
         return {**config, "tokenizer_class": PORTABLE_TOKENIZER_CLASS}
     return config
 
 
-def canonical_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+def canonical_tokenizer_config(config: dict[str, object]) -> dict[str, object]:
     """tokenizer_config.json content with the fast tokenizer under one name (transformers 5's), for hashing."""
     if config.get("tokenizer_class") in _FAST_TOKENIZER_ALIASES:
         return {**config, "tokenizer_class": "TokenizersBackend"}
     return config
 
 
-def read_json_object(file: Path) -> dict[str, Any] | None:
+def read_json_object(file: Path) -> dict[str, object] | None:
     """A JSON file holding an object (config.json, tokenizer_config.json), None when it is missing or is not one."""
     try:
         data = json.loads(Path(file).read_text(encoding="utf-8"))
@@ -116,7 +116,7 @@ def read_json_object(file: Path) -> dict[str, Any] | None:
 def fast_tokenizer_under_unknown_name(path: Path) -> bool:
     """Whether a directory's tokenizer is a plain tokenizer.json under a fast-tokenizer class name this transformers
     does not have (TokenizersBackend in 4.x), so PreTrainedTokenizerFast reads it as what it is."""
-    name = (read_json_object(Path(path) / "tokenizer_config.json") or {}).get("tokenizer_class")
+    name = str((read_json_object(Path(path) / "tokenizer_config.json") or {}).get("tokenizer_class"))
     return name in _FAST_TOKENIZER_ALIASES and not has_class(name) and (Path(path) / "tokenizer.json").is_file()
 
 
@@ -141,7 +141,7 @@ def make_portable(path: Path, *, plain_fast_tokenizer: bool = False) -> bool:
     changed = _rewrite_json(path / "config.json", portable_config)
     if plain_fast_tokenizer and (path / "tokenizer.json").is_file():
 
-        def transform(config: dict[str, Any]) -> dict[str, Any]:
+        def transform(config: dict[str, object]) -> dict[str, object]:
             return {**config, "tokenizer_class": PORTABLE_TOKENIZER_CLASS}
     else:
         transform = portable_tokenizer_config

@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, Field
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.target_config import text_config
 
 StorageDtype = Literal["bf16", "fp8"]
 # Besides its states, a stored token keeps its input id (int32) and loss-mask flag (bool).
@@ -48,11 +49,6 @@ class TargetShape(BaseModel):
         description="routed experts, shared experts, attention, "
         "dense MLP, LM head, embedding -> parameters (norms and routers aside)",
     )
-
-
-def _text(config: dict) -> dict:
-    nested = config.get("text_config")
-    return nested if isinstance(nested, dict) else config
 
 
 def _need(text: dict, *keys: str) -> list[int]:
@@ -130,7 +126,7 @@ def _moe_layer_ids(text: dict, num_layers: int) -> list[int]:
 
 def target_shape(config: dict) -> TargetShape:
     """Parameters and sizes of the target's text backbone from its config.json (no weights read)."""
-    text = _text(config)
+    text = text_config(config)
     hidden, num_layers, vocab, intermediate = _need(
         text, "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size"
     )
@@ -219,7 +215,7 @@ def _ignored(name: str, ignore: list) -> bool:
 
 def _bytes_per_weight(config: dict) -> tuple[dict[str, float], str] | None:
     """Bytes per weight of each quantised kind and how, from quantization_config; None where it is not read."""
-    q = config.get("quantization_config") or _text(config).get("quantization_config")
+    q = config.get("quantization_config") or text_config(config).get("quantization_config")
     if not isinstance(q, dict):
         return {}, ""
     method = q.get("quant_method")

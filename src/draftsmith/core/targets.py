@@ -343,13 +343,13 @@ def load_target_head(
         files = _safetensors_names(path)
     except Exception:  # noqa: BLE001 - an unreadable index or header: no by-name layout, as before this read moved up
         files = None
+    if files is None:
+        return _whole_target(path, dtype, device, trust_remote_code, files, "not a safetensors checkpoint")
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             skeleton = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - the model's code did not build: read the head by name instead
-        if files is None:
-            return _whole_target(path, dtype, device, trust_remote_code, files, "not a safetensors checkpoint")
         found = _head_by_name(read_config(path), files, _tensor_shapes(files))
         if isinstance(found, str):
             why = f"{found}; the model's code did not build: {type(err).__name__}: {err}".replace("\n", " ")
@@ -363,8 +363,6 @@ def load_target_head(
         head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
         head.weight = embed.weight if tied else nn.Parameter(_read(files, names["head"]))
         return TargetHeadParts(embed, norm, head).to(device=device, dtype=dtype).eval().requires_grad_(False)
-    if files is None:
-        return _whole_target(path, dtype, device, trust_remote_code, files, "not a safetensors checkpoint")
     shapes = _tensor_shapes(files)
     parts = {"embed": embed_tokens(skeleton), "norm": final_norm(skeleton), "head": lm_head(skeleton)}
     module_names = {id(m): n for n, m in skeleton.named_modules()}

@@ -142,7 +142,7 @@ class TensorFile:
         if expected_bytes is not None and self.size != expected_bytes:
             raise self.error(f"{self.size} bytes, expected {expected_bytes} (truncated or replaced {what})")
         self._key = (str(self.path), *_identity(st))
-        handle = self._handle()
+        handle = self._entry()[0]
         self.metadata: dict[str, str] = dict(handle.metadata() or {})
         self.tensors: dict[str, TensorInfo] = {}
         for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
@@ -167,9 +167,6 @@ class TensorFile:
 
     def _entry(self) -> tuple[safe_open, dict[str, torch.Tensor]]:
         return _HANDLES.get(self._key) or _HANDLES.put(self._key, self._open())
-
-    def _handle(self) -> safe_open:
-        return self._entry()[0]
 
     def close(self) -> None:
         """Let this process's handle go (the next read opens the file again)."""

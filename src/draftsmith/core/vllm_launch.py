@@ -140,12 +140,12 @@ def start_llm(kwargs: Mapping[str, Any], env: Mapping[str, str] | None = None) -
             raise
 
 
-def steps_in_process(llm: Any) -> bool:
+def steps_in_process(llm: object) -> bool:
     """The engine core runs in this process (vLLM's InprocClient): nothing steps it between our calls."""
     return type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__ == "InprocClient"
 
 
-def shutdown(llm: Any) -> None:
+def shutdown(llm: object) -> None:
     """Stop the engine core (and its processes); an in-process engine's process groups and memory go with it."""
     here = steps_in_process(llm)
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)

@@ -26,7 +26,6 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
@@ -72,7 +71,7 @@ def conversations_path() -> Path:
     return out
 
 
-def _schema(value: Any) -> Any:
+def _schema(value: object) -> object:
     """BFCL's function doc -> JSON Schema (its `dict` / `float` / `tuple` types renamed)."""
     if isinstance(value, dict):
         return {k: (_TYPES.get(v, v) if k == "type" and isinstance(v, str) else _schema(v)) for k, v in value.items()}
@@ -125,15 +124,13 @@ def _backends(tree: Path) -> Iterator[None]:
             del sys.modules[module]
 
 
-def _result_text(result: Any) -> str:
+def _result_text(result: object) -> str:
     """A call's result as BFCL's executor writes it: strings as they are, dicts as JSON, anything else as str()."""
     if isinstance(result, str):
         return result
     if isinstance(result, dict):
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             return json.dumps(result)
-        except (TypeError, ValueError):
-            return str(result)
     return str(result)
 
 

@@ -1,9 +1,7 @@
 """Conversations -> chat-template text -> token ids and an assistant loss mask, for any chat template.
 
-Conversations are read without loss: plain chat, and agentic traffic (OpenAI `messages` with `tools`, assistant
-`tool_calls` whose `content` is null, `tool` results, `reasoning_content` / `reasoning`, a `<think>` block inline;
-ShareGPT's `function_call` / `observation` turns; Hermes-style `<tool_call>` text) become one structure: HF chat
-messages (`role`, `content`, `reasoning_content`, `tool_calls`, `tool_call_id`, `name`) and the declared `tools`.
+Conversations come in read without loss, agentic traffic included, as messages.py's `Chat`: HF chat messages and
+the declared `tools`.
 
 No token offsets are hard-coded. What the model is trained on is each assistant generation as the target's own
 template renders it *at the moment it is generated*:
@@ -30,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from jinja2 import TemplateError
+from numpy.typing import ArrayLike
 
 from draftsmith.prepare.messages import Chat, Message, Skip
 
@@ -307,7 +306,7 @@ class ChatEncoder:
         return EncodedChat(samples, sum(len(g.spans) for g in groups), one, dropped, chat.agentic)
 
 
-def masked_spans(input_ids: Any, loss_mask: Any) -> list[list[int]]:
+def masked_spans(input_ids: ArrayLike, loss_mask: ArrayLike) -> list[list[int]]:
     """The runs of consecutive loss-masked token ids (for display and for tests)."""
     ids = np.asarray(input_ids).tolist()
     mask = np.asarray(loss_mask).astype(bool).tolist()

@@ -18,28 +18,28 @@ The whole directory is built beside its final place and renamed into it only whe
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
-import os
-import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.numpy import save_file
 
-from draftsmith.config import save_resolved_config
+from draftsmith.config import StageConfig, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import (
-    RESUME_NAME,
     atomic_dir,
     atomic_path,
-    atomic_write_json,
     fresh_dir,
     load_resume,
+    publish_resumed,
     resume_dir,
+    save_resume,
     sha256_file,
 )
 from draftsmith.core.manifest import (
@@ -88,13 +88,13 @@ class PreparedManifest(Manifest):
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
     damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
     sources: list[str] = Field(default_factory=list)
-    stats: dict[str, Any] = Field(default_factory=dict)
+    stats: dict[str, object] = Field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------- writing
 
 
-def _as_numpy(value: Any, dtype: type, what: str) -> np.ndarray:
+def _as_numpy(value: ArrayLike | torch.Tensor, dtype: type, what: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -115,24 +115,17 @@ def resume_point(output: Path, fingerprint: str) -> dict | None:
     return data["state"] if data else None
 
 
+@dataclass
 class _ShardWriter:
     """Buffers samples and writes them as numbered shards into `directory`."""
 
-    def __init__(
-        self,
-        directory: Path,
-        target: TargetIdentity,
-        shard_samples: int,
-        shards: list[PreparedShard] | None = None,
-        num_truncated: int = 0,
-    ):
-        self.directory = directory
-        self.target = target
-        self.shard_samples = shard_samples
-        self.shards = list(shards or [])
-        self.num_truncated = num_truncated
-        self.ids: list[np.ndarray] = []
-        self.masks: list[np.ndarray] = []
+    directory: Path
+    target: TargetIdentity
+    shard_samples: int
+    shards: list[PreparedShard] = field(default_factory=list)  # written so far
+    num_truncated: int = 0
+    ids: list[np.ndarray] = field(default_factory=list, init=False)  # buffered samples
+    masks: list[np.ndarray] = field(default_factory=list, init=False)
 
     @property
     def num_samples(self) -> int:
@@ -206,7 +199,6 @@ class _ShardWriter:
 
 
 def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
-    directory: Path,
     writer: _ShardWriter,
     samples: Iterable[dict | list[dict]],
     on_shard,
@@ -216,8 +208,8 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
     max_length: int,
     skipped: dict[str, int] | None,
     sources: list[str] | None,
-    config: Any,
-    extra: dict[str, Any],
+    config: StageConfig | None,
+    extra: dict[str, object],
 ) -> PreparedManifest:
     for sample in samples:
         if writer.add(sample) and on_shard is not None:
@@ -230,7 +222,7 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
             + (f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else "")
         )
     counts = writer.token_counts()
-    _write_safetensors(directory / TOKEN_COUNTS_NAME, {"counts": counts})
+    _write_safetensors(writer.directory / TOKEN_COUNTS_NAME, {"counts": counts})
     manifest = PreparedManifest(
         target=writer.target,
         chat_template_hash=chat_template_hash,
@@ -240,14 +232,14 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
         num_loss_tokens=int(counts.sum()),
         num_truncated=writer.num_truncated,
         shards=shards,
-        token_counts_sha256=sha256_file(directory / TOKEN_COUNTS_NAME),
+        token_counts_sha256=sha256_file(writer.directory / TOKEN_COUNTS_NAME),
         skipped=dict(skipped or {}),
         sources=list(sources or []),
         **extra,
     )
     if config is not None:
-        save_resolved_config(config, directory)
-    write_manifest(directory, manifest)
+        save_resolved_config(config, writer.directory)
+    write_manifest(writer.directory, manifest)
     return manifest
 
 
@@ -261,11 +253,11 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     skipped: dict[str, int] | None = None,
     sources: list[str] | None = None,
     shard_samples: int = 2048,
-    config: Any = None,
+    config: StageConfig | None = None,
     fingerprint: str | None = None,
     checkpoint: Callable[[], dict] | None = None,
     resume: bool = False,
-    **extra: Any,
+    **extra: object,
 ) -> PreparedManifest:
     """Write `samples` (dicts with "input_ids" and a same-length 0/1 "loss_mask", optionally "truncated": bool;
     a list of such dicts is kept in one shard) as a prepared set at `output`.
@@ -284,7 +276,8 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     """
     output = Path(output)
     check_replaceable(output, "prepared", "a prepared data set")
-    fields = dict(
+    write_all = functools.partial(
+        _write_all,
         output=output,
         chat_template_hash=chat_template_hash,
         max_length=max_length,
@@ -295,7 +288,7 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     )
     if fingerprint is None:
         with atomic_dir(output) as tmp:
-            return _write_all(tmp, _ShardWriter(tmp, target, shard_samples), samples, None, **fields)
+            return write_all(_ShardWriter(tmp, target, shard_samples), samples, None)
 
     work = resume_dir(output)
     previous = load_resume(work, fingerprint, PreparedShard) if resume else None
@@ -307,26 +300,16 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
         work,
         target,
         shard_samples,
-        shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else None,
+        shards=[PreparedShard.model_validate(s) for s in previous["shards"]] if previous else [],
         num_truncated=previous["num_truncated"] if previous else 0,
     )
 
     def on_shard(w: _ShardWriter) -> None:
-        atomic_write_json(
-            work / RESUME_NAME,
-            {
-                "fingerprint": fingerprint,
-                "shards": [s.model_dump() for s in w.shards],
-                "num_truncated": w.num_truncated,
-                "state": checkpoint() if checkpoint else {},
-            },
-        )
+        state = checkpoint() if checkpoint else {}
+        save_resume(work, fingerprint, w.shards, num_truncated=w.num_truncated, state=state)
 
-    manifest = _write_all(work, writer, samples, on_shard, **fields)
-    (work / RESUME_NAME).unlink(missing_ok=True)
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(work, output)
+    manifest = write_all(writer, samples, on_shard)
+    publish_resumed(work, output)
     return manifest
 
 

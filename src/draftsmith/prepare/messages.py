@@ -30,12 +30,12 @@ ROLE_ALIASES = {
     "function": "tool",
     "observation": "tool",  # a tool's result: context, never trained on
 }
-_TURN_KEYS = ("conversations", "conversation", "messages")
+TURN_KEYS = ("conversations", "conversation", "messages")  # where a record holds its turns
 _ROLE_KEYS = ("from", "role")
 _TEXT_KEYS = ("value", "content", "text")
 _TOOLS_KEYS = ("tools", "functions")
 _REASONING_KEYS = ("reasoning_content", "reasoning")
-_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE = re.compile("[\ud800-\udfff]")
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -67,7 +67,7 @@ class Chat:
         return bool(self.tools) or any(m.get("tool_calls") for m in self.messages)
 
 
-def _text_of(content: Any) -> str | None:
+def _text_of(content: object) -> str | None:
     """A turn's text: a string, or the text parts of an OpenAI-style list of content blocks."""
     if isinstance(content, str):
         return content
@@ -78,7 +78,7 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
-def _json_kind(value: Any) -> str:
+def json_kind(value: object) -> str:
     return {
         str: "string",
         bool: "boolean",
@@ -90,13 +90,13 @@ def _json_kind(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def raw_role(turn: Any) -> str | None:
+def raw_role(turn: object) -> str | None:
     """A turn's role as written (`from` or `role`), lower-cased; None where there is no role string."""
     role = next((turn[k] for k in _ROLE_KEYS if k in turn), None) if isinstance(turn, dict) else None
     return role.strip().lower() if isinstance(role, str) else None
 
 
-def role_of(turn: Any) -> str | None:
+def role_of(turn: object) -> str | None:
     """A turn's canonical role (user / assistant / system / tool), or None for an unknown or missing one."""
     written = raw_role(turn)
     return ROLE_ALIASES.get(written) if written else None
@@ -115,7 +115,7 @@ def leading_assistant_turns(messages: list[Message]) -> int:
 # ------------------------------------------------------------------ agentic pieces: tools, calls, reasoning
 
 
-def _parse_json(value: Any, reason: str, what: str) -> Any:
+def _parse_json(value: object, reason: str, what: str) -> object:
     """A JSON string's value (an object or list given as such passes through); Skip(reason) naming `what`."""
     if not isinstance(value, str):
         return value
@@ -132,7 +132,7 @@ def _tools(record: dict) -> list[dict] | None:
         return None
     tools = _parse_json(record[key], "malformed tools", key)
     if not isinstance(tools, list):
-        raise Skip("malformed tools", f"{key} is a JSON {_json_kind(tools)}, not a list of tools")
+        raise Skip("malformed tools", f"{key} is a JSON {json_kind(tools)}, not a list of tools")
     out = []
     for i, tool in enumerate(tools):
         function = tool.get("function", tool) if isinstance(tool, dict) else None
@@ -154,7 +154,7 @@ def normalize_call(raw: Any, where: str) -> dict:
     if not isinstance(arguments, dict):
         raise Skip(
             "malformed tool call",
-            f"{where}: call {function['name']!r} has arguments that are a JSON {_json_kind(arguments)}, not an object",
+            f"{where}: call {function['name']!r} has arguments that are a JSON {json_kind(arguments)}, not an object",
         )
     call = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
     if isinstance(raw.get("id"), str) and raw["id"]:
@@ -195,14 +195,14 @@ def _assistant(turn: dict, role: str | None, text: str | None, where: str, herme
         value = _parse_json(text or "", "malformed tool call", f"{where}: the call")
         raw_calls, text = (value if isinstance(value, list) else [value]), ""
     if raw_calls is not None and not isinstance(raw_calls, list):
-        raise Skip("malformed tool call", f"{where}: tool_calls is a JSON {_json_kind(raw_calls)}, not a list")
+        raise Skip("malformed tool call", f"{where}: tool_calls is a JSON {json_kind(raw_calls)}, not a list")
     calls = [normalize_call(c, f"{where}, call {i}") for i, c in enumerate(raw_calls or [])]
     text = text or ""
     if not calls and hermes:
         text, calls = _hermes_calls(text, where)
     reasoning = next((turn[k] for k in _REASONING_KEYS if turn.get(k) not in (None, "")), None)
     if reasoning is not None and not isinstance(reasoning, str):
-        raise Skip("turn without text", f"{where}: reasoning_content is a JSON {_json_kind(reasoning)}, not text")
+        raise Skip("turn without text", f"{where}: reasoning_content is a JSON {json_kind(reasoning)}, not text")
     written = None
     if reasoning is None:
         written = text
@@ -232,6 +232,8 @@ class _Results:
 
     def result(self, turn: dict, text: str, where: str) -> Message:
         call_id = turn.get("tool_call_id")
+        name = turn["name"] if isinstance(turn.get("name"), str) and turn["name"] else None  # as the record names it
+        message: Message = {"role": "tool", "content": text}
         if call_id not in (None, ""):
             call = self.ids.get(str(call_id))
             if call is None:
@@ -239,19 +241,16 @@ class _Results:
         elif self.pending:
             call = self.pending[0]
         else:  # a result of a call the assistant wrote as text (ReAct's "Action: ..."): context as it is
-            message: Message = {"role": "tool", "content": text}
-            return message | ({"name": turn["name"]} if isinstance(turn.get("name"), str) and turn["name"] else {})
+            return message | ({"name": name} if name else {})
         if call in self.pending:
             self.pending.remove(call)
-        message = {"role": "tool", "content": text}
         if "id" in call:
             message["tool_call_id"] = call["id"]
-        name = turn.get("name") if isinstance(turn.get("name"), str) and turn["name"] else call["function"]["name"]
-        message["name"] = name
+        message["name"] = name or call["function"]["name"]
         return message
 
 
-def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_trailing: bool = False) -> Chat:  # noqa: C901 - one branch per message shape the readers accept
+def normalize_conversation(record: object, leading_assistant: str = "skip", keep_trailing: bool = False) -> Chat:  # noqa: C901 - one branch per message shape the readers accept
     """A record (ShareGPT `conversations: [{from, value}]` or `messages: [{role, content}]`, agentic or not) -> a Chat.
 
     Roles become user / assistant / system / tool; turns after the last assistant turn are dropped (they carry
@@ -261,17 +260,17 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
     Raises Skip with a counted reason (and the turn in its detail) for anything that is not a usable conversation.
     """
     if not isinstance(record, dict):
-        raise Skip("not a JSON object", f"record is a JSON {_json_kind(record)}, not an object")
-    key = next((k for k in _TURN_KEYS if k in record), None)
+        raise Skip("not a JSON object", f"record is a JSON {json_kind(record)}, not an object")
+    key = next((k for k in TURN_KEYS if k in record), None)
     if key is None:
-        raise Skip("no conversations", f"no {' / '.join(_TURN_KEYS)} field (keys: {', '.join(map(str, record))})")
+        raise Skip("no conversations", f"no {' / '.join(TURN_KEYS)} field (keys: {', '.join(map(str, record))})")
     turns = record[key]
     if not isinstance(turns, list) or not turns:
         raise Skip(
             "no conversations",
             f"{key} is an empty list"
             if isinstance(turns, list)
-            else f"{key} is a JSON {_json_kind(turns)}, not a list of turns",
+            else f"{key} is a JSON {json_kind(turns)}, not a list of turns",
         )
     tools = _tools(record)
     # `<tool_call>` text is a call only where the conversation is about tools (a chat may quote the format)
@@ -299,9 +298,9 @@ def normalize_conversation(record: Any, leading_assistant: str = "skip", keep_tr
                 "turn without text",
                 f"{where} has no {' / '.join(_TEXT_KEYS)} field"
                 if text_key is None
-                else f"{where}: {text_key} is a JSON {_json_kind(value)}, not text",
+                else f"{where}: {text_key} is a JSON {json_kind(value)}, not text",
             )
-        if text is not None and _SURROGATE.search(text):
+        if text is not None and SURROGATE.search(text):
             raise Skip("not valid UTF-8", f"{where} holds bytes that are not valid UTF-8")
         as_written = None
         if canonical == "assistant":

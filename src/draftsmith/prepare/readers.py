@@ -16,7 +16,7 @@ import glob
 import json
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ import pyarrow.parquet as pq
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.prepare import bfcl
+from draftsmith.prepare.messages import SURROGATE, TURN_KEYS, json_kind
 
-JSON_SUFFIXES = {".json", ".jsonl", ".ndjson"}
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
 DAMAGED_TAIL = "damaged tail (file cut off mid-record)"
 _CHUNK = 1 << 22
@@ -41,6 +41,22 @@ class Record:
     bad: str | None = None  # counted reason when the record could not be read
     detail: str = ""  # one line saying exactly what was wrong
     offset: int | None = None  # bytes of the source consumed so far (for progress), when known
+
+
+@dataclass
+class Skips:
+    """The records that did not become conversations: a count and the first example of each reason, and every
+    damaged input tail."""
+
+    skipped: dict[str, int] = field(default_factory=dict)
+    skip_examples: dict[str, str] = field(default_factory=dict)
+    damaged: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.skip_examples.setdefault(reason, f"{where}: {detail}")
+        if reason == DAMAGED_TAIL:
+            self.damaged.append(f"{where}: {detail}")
 
 
 @dataclass
@@ -199,18 +215,14 @@ def _not_json_reason(head: bytes, text: str) -> str:
     encoding = next((name for bom, name in _UTF16_32_BOMS.items() if head.startswith(bom)), None)
     if encoding:
         return f"file is {encoding} text; convert it to UTF-8 (iconv -f {encoding} -t UTF-8)"
-    if b"\0" in head[:1024] or _SURROGATES.search(text[:1024]):
+    if b"\0" in head[:1024] or SURROGATE.search(text[:1024]):
         return f"not a text file (starts with bytes {head[:8].hex(' ')})"
     first = text.split("\n", 1)[0].strip()
     try:
         value = json.loads(first)
     except ValueError:
         return f"invalid JSON (the text starts with {first[:40]!r})"
-    kind = {str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
-    return f"holds a JSON {kind} ({first[:40]!r}), not a list of conversations"
-
-
-_SURROGATES = re.compile("[\ud800-\udfff]")
+    return f"holds a JSON {json_kind(value)} ({first[:40]!r}), not a list of conversations"
 
 
 def _looks_like_json_lines(text: str) -> bool:
@@ -225,9 +237,6 @@ def _looks_like_json_lines(text: str) -> bool:
     return False
 
 
-_RECORD_KEYS = ("conversations", "conversation", "messages")
-
-
 def _iter_json_document(path: Path, f) -> Iterator[Record]:
     """One JSON object spread over many lines: a single conversation, or an object holding one list of them
     (e.g. {"data": [...]})."""
@@ -237,7 +246,7 @@ def _iter_json_document(path: Path, f) -> Iterator[Record]:
         raise DraftsmithError(
             f"{path}: record 0: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
         ) from None
-    if any(k in doc for k in _RECORD_KEYS):
+    if any(k in doc for k in TURN_KEYS):
         yield Record(str(path), 0, doc)
         return
     lists = [k for k, v in doc.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
@@ -262,25 +271,18 @@ def _iter_json_lines(path: Path, f) -> Iterator[Record]:
         try:
             data = json.loads(line)
         except json.JSONDecodeError as err:
-            if not raw.endswith(b"\n") and line_no > 1:
-                yield Record(
-                    str(path),
-                    index,
-                    bad=DAMAGED_TAIL,
-                    offset=offset,
-                    detail=f"line {line_no} (the last) is cut off: {err.msg}",
-                )
-            else:
-                yield Record(
-                    str(path),
-                    index,
-                    bad="invalid JSON",
-                    offset=offset,
-                    detail=f"line {line_no}: {err.msg} at column {err.colno}",
-                )
-            index += 1
-            continue
-        yield Record(str(path), index, data, offset=offset)
+            cut = not raw.endswith(b"\n") and line_no > 1
+            yield Record(
+                str(path),
+                index,
+                bad=DAMAGED_TAIL if cut else "invalid JSON",
+                offset=offset,
+                detail=f"line {line_no} (the last) is cut off: {err.msg}"
+                if cut
+                else f"line {line_no}: {err.msg} at column {err.colno}",
+            )
+        else:
+            yield Record(str(path), index, data, offset=offset)
         index += 1
 
 
@@ -334,7 +336,7 @@ class _ArrayText:
             if not self.more():
                 return False
 
-    def value(self, decoder: json.JSONDecoder, record: str) -> tuple[Any, int | None]:
+    def value(self, decoder: json.JSONDecoder, record: str) -> tuple[object, int | None]:
         """The JSON value at pos and None, or None and the characters present of one the file's end cut off;
         `record` names it in the error for a real syntax error."""
         start = self.pos

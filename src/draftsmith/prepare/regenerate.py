@@ -18,20 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from transformers import PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig, StageResult
 from draftsmith.core import assets
@@ -52,30 +43,14 @@ from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.readers import Source, expand_sources
 from draftsmith.prepare.regenerate_conversations import Regenerator, Tally, read_records
 from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, RegeneratedShard, Sampling
-from draftsmith.prepare.stage import chat_template_of, job_fingerprint
+from draftsmith.prepare.stage import by_count, chat_template_of, job_fingerprint, progress_bar
 from draftsmith.prepare.vllm_chat import AnswerParser
-
-
-def _progress(max_samples: int | None):
-    progress = Progress(
-        TextColumn("[bold]regenerate[/]"),
-        BarColumn(),
-        TextColumn("{task.fields[conversations]:,} conversations"),
-        TextColumn("{task.fields[tok_rate]:,.1f} new tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not sys.stderr.isatty(),
-        transient=False,
-    )
-    task = progress.add_task("regenerate", total=max_samples, conversations=0, tok_rate=0.0)
-    return progress, task
 
 
 def _summary(
     cfg: RegenerateConfig, manifest: RegeneratedManifest, resumed_records: int, seconds: float
-) -> dict[str, Any]:
-    summary: dict[str, Any] = {
+) -> dict[str, object]:
+    summary: dict[str, object] = {
         "output": str(cfg.output),
         "target": manifest.generator.target.path,
         "engine": manifest.generator.engine_version,
@@ -102,11 +77,9 @@ def _summary(
             else {}
         ),
         "skipped": sum(manifest.skipped.values()),
+        **by_count("ended early", manifest.diverged),
+        **by_count("skipped", manifest.skipped),
     }
-    for how, count in sorted(manifest.diverged.items(), key=lambda kv: -kv[1]):
-        summary[f"ended early: {how}"] = count
-    for reason, count in sorted(manifest.skipped.items(), key=lambda kv: -kv[1]):
-        summary[f"skipped: {reason}"] = count
     if manifest.damaged:
         summary["damaged input"] = "; ".join(manifest.damaged)
     summary.update(
@@ -126,7 +99,7 @@ class _Plan:
 
     target_dir: Path
     identity: TargetIdentity
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     template: str
     sources: list[Source]
     eos: list[int]
@@ -189,7 +162,7 @@ def _regenerate(
         else None
     )
 
-    def start_engine() -> Any:
+    def start_engine() -> engines.Engine:
         return engines.start_engine(
             plan.engine_name,
             plan.engine_version,
@@ -206,7 +179,7 @@ def _regenerate(
     records = read_records(plan.sources, tally.records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
     encoder = ChatEncoder(tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
     regenerator = Regenerator(cfg, tokenizer, encoder, plan.max_length, start_engine, records, tally, parser)
-    progress, task = _progress(cfg.max_samples)
+    progress, task = progress_bar("regenerate", cfg.max_samples, "{task.fields[tok_rate]:,.1f} new tok/s")
     try:
         with progress:
             progress.update(task, completed=tally.conversations, conversations=tally.conversations)
@@ -243,12 +216,8 @@ def _manifest(
     return RegeneratedManifest(
         generator=generator,
         sampling=Sampling(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
+            **cfg.model_dump(include={"temperature", "top_p", "max_new_tokens", "seed", "think"}),
             max_length=plan.max_length,
-            seed=cfg.seed,
-            think=cfg.think,
         ),
         fingerprint=plan.fingerprint,
         sources=regenerated_set.source_files(plan.sources),

@@ -22,15 +22,18 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.messages import Chat, Message, Skip, leading_assistant_turns, normalize_conversation
-from draftsmith.prepare.readers import DAMAGED_TAIL, Source, records_after
+from draftsmith.prepare.readers import Skips, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
+
+if TYPE_CHECKING:
+    from draftsmith.prepare.regenerate_engines import Engine
 
 # how a regenerated tool loop left the recorded one (the conversation ends with the target's answer)
 ANSWERED_INSTEAD = "answered where the recording calls tools"
@@ -119,7 +122,7 @@ def _last_assistant(messages: list[Message]) -> Message:
 
 
 @dataclass
-class Tally:
+class Tally(Skips):
     """What the complete shards hold and what was read to make them: saved with each shard, so a resumed run
     starts from exactly this."""
 
@@ -136,15 +139,6 @@ class Tally:
     tool_calls: int = 0
     spliced_results: int = 0
     diverged: dict[str, int] = field(default_factory=dict)  # conversations whose tool loop ended early, by how
-    skipped: dict[str, int] = field(default_factory=dict)
-    skip_examples: dict[str, str] = field(default_factory=dict)
-    damaged: list[str] = field(default_factory=list)
-
-    def skip(self, reason: str, where: str, detail: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        self.skip_examples.setdefault(reason, f"{where}: {detail}")
-        if reason == DAMAGED_TAIL:
-            self.damaged.append(f"{where}: {detail}")
 
     def add(self, conv: Conversation) -> bool:
         """Count one finished conversation and the records read before it; True when it is written."""
@@ -218,7 +212,7 @@ class Regenerator:
         tokenizer: Any,
         encoder: ChatEncoder,
         max_length: int,
-        start_engine,
+        start_engine: Callable[[], Engine],
         records: Iterator[tuple],
         tally: Tally,
         parser: AnswerParser | None = None,
@@ -229,7 +223,7 @@ class Regenerator:
         self.parser = parser
         self.max_length = max_length
         self._start_engine = start_engine
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.records = records
         self.size = cfg.shard_samples
         self.window = 2 * cfg.shard_samples
@@ -422,6 +416,7 @@ class Regenerator:
                 if self._may_take():
                     continue
                 return
+            assert self.engine is not None  # started by the first request asked
             t0 = time.perf_counter()
             answers = self.engine.results()
             self.generate_s += time.perf_counter() - t0

@@ -16,13 +16,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
 from pydantic import BaseModel
 from rich.console import Console
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.core import processes, vllm_launch
@@ -33,7 +32,7 @@ from draftsmith.prepare import regenerate_worker as worker
 LOG_NAME = "vllm.log"
 
 
-def eos_token_ids(tokenizer: Any, target_dir: Path) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, target_dir: Path) -> list[int]:
     """The ids that end an answer: the tokenizer's eos and generation_config.json's eos_token_id(s)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
@@ -214,6 +213,9 @@ class VLLMEngine:
         self.worker.stop()
 
 
+Engine = HFEngine | VLLMEngine
+
+
 def start_engine(  # noqa: PLR0913 - RegenerateConfig's engine settings
     engine: str,
     version: str,
@@ -225,7 +227,7 @@ def start_engine(  # noqa: PLR0913 - RegenerateConfig's engine settings
     pad_id: int,
     max_length: int,
     work: Path,
-) -> Any:
+) -> Engine:
     """Start `engine` ("vllm" or "hf"; `version` is what the run prints), its log (vLLM) in `work`."""
     note = " (about a minute on a CPU)" if engine == "vllm" and device.type == "cpu" else ""
     Console(stderr=True).print(f"[dim]starting {version}{note}[/]", highlight=False)

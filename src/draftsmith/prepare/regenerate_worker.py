@@ -11,9 +11,9 @@ one JSON object a line, each a message below (written and read through these mod
 
 Requests go into vLLM's engine as they arrive (`LLMEngine.add_request` + `step`, the loop `LLM.generate` runs), so
 continuous batching keeps the batch full: the next turn of a conversation is asked for as soon as its previous
-answer is back, while the other conversations keep generating. The prompts come rendered with the target's chat
-template and tokenised (what `LLM.chat` does inside), so both of draftsmith's engines see the same tokens.
-Everything else printed here (vLLM's own logs) goes to stderr, which the parent writes to a log file.
+answer is back, while the other conversations keep generating (the prompts come rendered and tokenised:
+regenerate_conversations.py). Everything else printed here (vLLM's own logs) goes to stderr, which the parent writes
+to a log file.
 
 The worker dies with its parent (PR_SET_PDEATHSIG) and runs vLLM's engine core in this same process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a `kill -9` of `draftsmith regenerate` leaves no engine behind.

@@ -16,31 +16,15 @@ from); the finished directory is renamed into place.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from draftsmith.config import RegenerateConfig, save_resolved_config
+from draftsmith.core import fsio
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.fsio import (
-    RESUME_NAME,
-    atomic_write_json,
-    atomic_write_text,
-    fresh_dir,
-    load_resume,
-    resume_dir,
-    sha256_file,
-)
-from draftsmith.core.manifest import (
-    Manifest,
-    TargetIdentity,
-    read_manifest,
-    write_manifest,
-)
+from draftsmith.core.manifest import Manifest, TargetIdentity, read_manifest, write_manifest
 from draftsmith.core.manifest import check_replaceable as manifest_check_replaceable
 from draftsmith.prepare.readers import Source
 
@@ -76,7 +60,7 @@ class Generator(BaseModel):
     engine_version: str  # e.g. "vllm 0.32.0", "transformers 5.19.0, torch 2.13.0+cpu"
     dtype: str
     device: str
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, object] = Field(default_factory=dict)
     tool_call_parser: str | None = None  # vLLM's parser names the answers were read with
     reasoning_parser: str | None = None
     parsers_from: str | None = Field(None, description="the vLLM version whose parsers read the answers")
@@ -117,7 +101,7 @@ class RegeneratedManifest(Manifest):
     skipped: dict[str, int] = Field(default_factory=dict)
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
     damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
-    stats: dict[str, Any] = Field(default_factory=dict)
+    stats: dict[str, object] = Field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------- reading
@@ -166,10 +150,10 @@ def finished_set(output: Path, fingerprint: str) -> RegeneratedManifest | None:
 def open_work(output: Path, fingerprint: str, resume: bool) -> tuple[Path, list[RegeneratedShard], dict | None]:
     """(the directory the set is built in, its complete shards, the tallies saved with them) for the job
     `fingerprint`: an interrupted run's when `resume` finds one, else an empty new directory."""
-    work = resume_dir(output)
-    state = load_resume(work, fingerprint, RegeneratedShard) if resume else None
+    work = fsio.resume_dir(output)
+    state = fsio.load_resume(work, fingerprint, RegeneratedShard) if resume else None
     if state is None:
-        fresh_dir(work)
+        fsio.fresh_dir(work)
         return work, [], None
     return work, [RegeneratedShard.model_validate(s) for s in state["shards"]], state["tally"]
 
@@ -177,11 +161,11 @@ def open_work(output: Path, fingerprint: str, resume: bool) -> tuple[Path, list[
 def write_shard(work: Path, shards: list[RegeneratedShard], lines: list[str], first_conversation: int) -> None:
     """Write the next shard (`lines`, one JSON record each) and add it to `shards`."""
     name = f"shard-{len(shards):05d}.jsonl"
-    atomic_write_text(work / name, "".join(lines))
+    fsio.atomic_write_text(work / name, "".join(lines))
     shards.append(
         RegeneratedShard(
             file=name,
-            sha256=sha256_file(work / name),
+            sha256=fsio.sha256_file(work / name),
             num_bytes=(work / name).stat().st_size,
             num_conversations=len(lines),
             first_conversation=first_conversation,
@@ -191,16 +175,14 @@ def write_shard(work: Path, shards: list[RegeneratedShard], lines: list[str], fi
 
 def save_progress(work: Path, fingerprint: str, shards: list[RegeneratedShard], tally: dict) -> None:
     """What a resumed run starts from: the complete shards and the caller's tallies of the records behind them."""
-    atomic_write_json(
-        work / RESUME_NAME, {"fingerprint": fingerprint, "shards": [s.model_dump() for s in shards], "tally": tally}
-    )
+    fsio.save_resume(work, fingerprint, shards, tally=tally)
 
 
 def source_files(sources: list[Source]) -> list[SourceFile]:
     files = []
     for source in sources:
         paths = [source.path] if source.path.is_file() else sorted(p for p in source.path.rglob("*") if p.is_file())
-        files += [SourceFile(path=str(p), sha256=sha256_file(p), num_bytes=p.stat().st_size) for p in paths]
+        files += [SourceFile(path=str(p), sha256=fsio.sha256_file(p), num_bytes=p.stat().st_size) for p in paths]
     return files
 
 
@@ -208,7 +190,4 @@ def publish(work: Path, output: Path, cfg: RegenerateConfig, manifest: Regenerat
     """Finish the set built in `work` (its config and manifest) and rename it to `output`."""
     save_resolved_config(cfg, work)
     write_manifest(work, manifest)
-    (work / RESUME_NAME).unlink(missing_ok=True)
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(work, output)
+    fsio.publish_resumed(work, output)

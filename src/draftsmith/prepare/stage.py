@@ -28,32 +28,24 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.pool import Pool
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from transformers import PreTrainedTokenizerBase
 
 from draftsmith.config import PrepareConfig, RegenerateConfig, StageResult
 from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
+from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import load_tokenizer, resolve_target, target_identity
-from draftsmith.prepare.chat import ChatEncoder
+from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
-from draftsmith.prepare.messages import ROLE_ALIASES, Skip, leading_assistant_turns, normalize_conversation
-from draftsmith.prepare.readers import (
-    DAMAGED_TAIL,
-    Source,
-    expand_sources,
-    records_after,
-)
+from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, leading_assistant_turns, normalize_conversation
+from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
 from draftsmith.prepare.vllm_chat import VllmRendering
 from draftsmith.prepare.vocab import coverage_report
 
@@ -62,8 +54,17 @@ IN_FLIGHT_PER_WORKER = 4
 SUMMARY_VOCAB_SIZES = (8192, 16384, 32000)
 
 
+class _FileCounts(TypedDict):
+    """One input file's records: how many, how many usable, the others by reason and the first of them."""
+
+    records: int
+    usable: int
+    skipped: dict[str, int]
+    first: str  # "record i: detail"
+
+
 @dataclass
-class _Tally:
+class _Tally(Skips):
     records: int = 0
     conversations: int = 0
     samples: int = 0
@@ -74,14 +75,10 @@ class _Tally:
     loss_tokens: int = 0
     truncated: int = 0
     leading_assistant_dropped: int = 0  # conversations that lost their leading assistant turns (option "drop")
-    skipped: dict[str, int] = field(default_factory=dict)
     samples_dropped: dict[str, int] = field(default_factory=dict)  # samples of usable conversations left out
-    skip_examples: dict[str, str] = field(default_factory=dict)
-    damaged: list[str] = field(default_factory=list)
-    # per input file: {"records", "usable", "skipped": {reason: count}, "first": "record i: detail"}
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    files: dict[str, _FileCounts] = field(default_factory=dict)  # per input file
 
-    def _file(self, source: str) -> dict[str, Any]:
+    def _file(self, source: str) -> _FileCounts:
         return self.files.setdefault(source, {"records": 0, "usable": 0, "skipped": {}, "first": ""})
 
     def use(self, source: str) -> None:
@@ -89,22 +86,18 @@ class _Tally:
         counts["records"] += 1
         counts["usable"] += 1
 
-    def skip(self, reason: str, source: str, index: int, detail: str) -> None:
-        where = f"{source} record {index}"
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        self.skip_examples.setdefault(reason, f"{where}: {detail}")
-        if reason == DAMAGED_TAIL:
-            self.damaged.append(f"{where}: {detail}")
+    def skip_record(self, reason: str, source: str, index: int, detail: str) -> None:
+        self.skip(reason, f"{source} record {index}", detail)
         counts = self._file(source)
         counts["records"] += 1
         counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
         counts["first"] = counts["first"] or f"record {index}: {detail}"
 
-    def add(self, where: tuple[str, int], item: Any, dropped: int) -> list[dict] | None:
+    def add(self, where: tuple[str, int], item: EncodedChat | Skip, dropped: int) -> list[dict] | None:
         """Count one record's outcome (a Skip, or a conversation's samples); its samples as rows, None if skipped."""
         self.records += 1
         if isinstance(item, Skip):
-            self.skip(item.reason, where[0], where[1], item.detail)
+            self.skip_record(item.reason, where[0], where[1], item.detail)
             return None
         self.use(where[0])
         self.conversations += 1
@@ -130,7 +123,12 @@ _HINTS = {
 }
 
 
-def _file_counts(counts: dict[str, Any] | None) -> str:
+def by_count(label: str, counts: dict[str, int]) -> dict[str, int]:
+    """A summary's `label: reason` rows of `counts`, the most frequent first."""
+    return {f"{label}: {reason}": n for reason, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def _file_counts(counts: _FileCounts | None) -> str:
     """`0 of 12 records usable: no assistant turn 12 (first: record 0: no turn is from the assistant)`"""
     if not counts or not counts["records"]:
         return "holds no records"
@@ -194,7 +192,7 @@ def _batches(
         where = (str(source.path), record.index)
         dropped = 0
         if record.bad is not None:
-            item: Any = Skip(record.bad, record.detail)
+            item: Chat | Skip = Skip(record.bad, record.detail)
         else:
             try:
                 item = normalize_conversation(record.data, leading_assistant)
@@ -232,7 +230,7 @@ def _encoded_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int
         _stop(pool, pending)
 
 
-def _stop(pool: Any, pending: collections.deque) -> None:
+def _stop(pool: Pool, pending: collections.deque) -> None:
     """Stop the pool after letting in-flight tasks finish (an early stop, e.g. `max_samples`, leaves some).
 
     Terminating at once can deadlock: when the pool's feeder thread is half-way through writing a task larger than
@@ -248,7 +246,9 @@ def _stop(pool: Any, pending: collections.deque) -> None:
     pool.join()
 
 
-def chat_template_of(cfg: PrepareConfig | RegenerateConfig, tokenizer: Any, target_dir: Path) -> str:
+def chat_template_of(
+    cfg: PrepareConfig | RegenerateConfig, tokenizer: PreTrainedTokenizerBase, target_dir: Path
+) -> str:
     """The chat template a job renders with: --chat-template FILE, else the target tokenizer's own."""
     if cfg.chat_template is not None:
         path = Path(cfg.chat_template)
@@ -266,21 +266,21 @@ def chat_template_of(cfg: PrepareConfig | RegenerateConfig, tokenizer: Any, targ
     return template
 
 
-def _progress(total_bytes: int | None, max_samples: int | None):
+def progress_bar(stage: str, total: int | None, *rates: str) -> tuple[Progress, TaskID]:
+    """A stage's progress bar on stderr (drawn on a terminal only): conversations done, then `rates` (columns of the
+    task's `rate` and `tok_rate`), the time elapsed and left."""
     progress = Progress(
-        TextColumn("[bold]prepare[/]"),
+        TextColumn(f"[bold]{stage}[/]"),
         BarColumn(),
         TextColumn("{task.fields[conversations]:,} conversations"),
-        TextColumn("{task.fields[rate]:,.0f} conv/s"),
-        TextColumn("{task.fields[tok_rate]:,.0f} tok/s"),
+        *map(TextColumn, rates),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         disable=not sys.stderr.isatty(),
         transient=False,
     )
-    task = progress.add_task("prepare", total=max_samples or total_bytes, conversations=0, rate=0.0, tok_rate=0.0)
-    return progress, task
+    return progress, progress.add_task(stage, total=total, conversations=0, rate=0.0, tok_rate=0.0)
 
 
 def _available_cores() -> int:
@@ -289,7 +289,9 @@ def _available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def job_fingerprint(cfg: PrepareConfig | RegenerateConfig, identity: Any, template: str, sources: list[Source]) -> str:
+def job_fingerprint(
+    cfg: PrepareConfig | RegenerateConfig, identity: TargetIdentity, template: str, sources: list[Source]
+) -> str:
     """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
 
     def stamp(path: Path) -> list:
@@ -364,13 +366,18 @@ class _Job:
     encoder: ChatEncoder
     workers: int
     tally: _Tally
-    stats: dict[str, Any] = field(default_factory=dict)  # the manifest's, filled when the last sample is read
+    stats: dict[str, object] = field(default_factory=dict)  # the manifest's, filled when the last sample is read
     t0: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         self.resumed = (self.tally.records, self.tally.conversations, self.tally.tokens)
         self.total_bytes = sum(s.size for s in self.sources)
-        self.progress, self.task = _progress(self.total_bytes, self.cfg.max_samples)
+        self.progress, self.task = progress_bar(
+            "prepare",
+            self.cfg.max_samples or self.total_bytes,
+            "{task.fields[rate]:,.0f} conv/s",
+            "{task.fields[tok_rate]:,.0f} tok/s",
+        )
 
     def full(self) -> bool:
         return bool(self.cfg.max_samples and self.tally.conversations >= self.cfg.max_samples)
@@ -398,7 +405,7 @@ class _Job:
                 conversations=tally.conversations,
                 rate=(tally.conversations - self.resumed[1]) / elapsed,
                 tok_rate=(tally.tokens - self.resumed[2]) / elapsed,
-                **({"completed": tally.conversations} if cfg.max_samples else {}),
+                completed=tally.conversations if cfg.max_samples else None,
             )
             if self.full():
                 break
@@ -406,7 +413,7 @@ class _Job:
             raise _nothing_usable(self.sources, tally)
         self.stats.update(self._stats(max(time.perf_counter() - self.t0, 1e-9)))
 
-    def _stats(self, seconds: float) -> dict[str, Any]:
+    def _stats(self, seconds: float) -> dict[str, object]:
         tally = self.tally
         return dict(
             records=tally.records,
@@ -426,10 +433,12 @@ class _Job:
             tokens_per_s=round((tally.tokens - self.resumed[2]) / seconds, 1),
         )
 
-    def summary(self, manifest: PreparedManifest, target: str, checked: str | None, per_file: bool) -> dict[str, Any]:
+    def summary(
+        self, manifest: PreparedManifest, target: str, checked: str | None, per_file: bool
+    ) -> dict[str, object]:
         """The stage's summary rows but the timing ones; `per_file`: the tallies count records per input file."""
         cfg, tally = self.cfg, self.tally
-        summary: dict[str, Any] = {
+        summary: dict[str, object] = {
             "output": str(cfg.output),
             "target": target,
             "records read": tally.records,
@@ -454,15 +463,13 @@ class _Job:
                 else {}
             ),
             "skipped": sum(tally.skipped.values()),
+            **by_count("skipped", tally.skipped),
+            **by_count("samples left out", tally.samples_dropped),
         }
-        for reason, count in sorted(tally.skipped.items(), key=lambda kv: -kv[1]):
-            summary[f"skipped: {reason}"] = count
-        for reason, count in sorted(tally.samples_dropped.items(), key=lambda kv: -kv[1]):
-            summary[f"samples left out: {reason}"] = count
         if tally.damaged:
             summary["damaged input"] = "; ".join(tally.damaged)
         for source in map(str, (s.path for s in self.sources)) if not self.full() and per_file else ():
-            if not tally.files.get(source, {}).get("usable"):
+            if source not in tally.files or not tally.files[source]["usable"]:
                 summary[f"warning: {source}"] = _file_counts(tally.files.get(source))
         return summary
 
