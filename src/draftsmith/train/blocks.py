@@ -10,7 +10,7 @@ at a time from [N, H] states, never [N, V] (block_loss.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,12 +24,14 @@ from draftsmith.train.objective import (
     ACCEPT,
     CORRECT,
     KL,
+    MapsTensors,
     Pass,
     TargetDistribution,
     TTTResult,
     new_sums,
     score_steps,
     slice_rows,
+    step_loss_term,
 )
 
 # Rows of the head's matmuls a CPU runs at a time in the fused loss (block_loss.BlockKL; its reductions still take
@@ -71,7 +73,7 @@ class Anchors:
 
 
 @dataclass
-class BlockIndex:
+class BlockIndex(MapsTensors):
     """What a block method's batch reads, built on the host: the blocks (anchors) and, per proposal d of a block (the
     "steps" of the metrics: d = 0 proposes x_{a+1}), the block rows scored and the target rows they are scored
     against. Proposal d is block row j = d + 1 (DFlash: the anchor row proposes nothing) or j = d (DSpark)."""
@@ -90,7 +92,6 @@ class BlockIndex:
         input_ids: torch.Tensor,
         aux_hidden: torch.Tensor,
         target: TargetDistribution | TargetStates,
-        normaliser: torch.Tensor,
         run: Pass,
     ) -> TTTResult:
         """The block objective: one draft forward over the batch's blocks; block row j is "step" j-1 (DSpark: j)."""
@@ -101,18 +102,8 @@ class BlockIndex:
         # TargetHead's for the whole vocabulary, and the head BlockKL computes (DFlashDraft.logits, not a subclass's
         # own): never [N, V] (block_loss.py)
         if isinstance(target, TargetStates) and type(draft).logits is DFlashDraft.logits:
-            return _block_loss(draft, next(steps), input_ids, target, self, run, normaliser, sums, loss)
-        return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockIndex:
-        return BlockIndex(
-            fn(self.needed),
-            [fn(x) for x in self.scored],
-            [fn(x) for x in self.target],
-            fn(self.counts),
-            fn(self.anchors),
-            self.chunk_limits,
-        )
+            return _block_loss(draft, next(steps), input_ids, target, self, run, sums, loss)
+        return score_steps(draft, steps, target, self, run, sums, loss)
 
 
 def block_index(
@@ -200,14 +191,13 @@ def dflash_hidden_states(
         yield hidden
 
 
-def _block_loss(  # noqa: PLR0913 - the block forward's tensors, named
+def _block_loss(
     draft: DFlashDraft,
     hidden: torch.Tensor,
     input_ids: torch.Tensor,
     target: TargetStates,
     index: BlockIndex,
     run: Pass,
-    normaliser: torch.Tensor,
     sums: torch.Tensor,
     loss: torch.Tensor,
 ) -> TTTResult:
@@ -217,11 +207,11 @@ def _block_loss(  # noqa: PLR0913 - the block forward's tensors, named
     sub = slice_rows(hidden.device, target.weight.shape[0])
     rows = max(sub, HEAD_ROWS) if hidden.device.type == "cpu" else sub
     extra_loss, per_step = score_blocks(
-        draft, hidden, input_ids, target, index, run.step_weight, normaliser, run.metrics, rows, sub
+        draft, hidden, input_ids, target, index, run.step_weight, run.normaliser, run.metrics, rows, sub
     )
     for k, (step_kl, step_correct, step_accept) in enumerate(per_step):
         step_loss = step_kl.sum()
-        loss = loss + (run.step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
+        loss = loss + step_loss_term(run, k, step_loss)
         sums[KL, k] = step_loss.detach()
         if run.metrics:
             sums[CORRECT, k] = step_correct.sum()

@@ -197,9 +197,9 @@ def forward(
         target,
         batch.index,
         cfg.method.depths,
-        cfg.method.depth_weight,
-        normaliser,
-        metrics,
+        normaliser=normaliser,
+        step_weight=cfg.method.depth_weight,
+        metrics=metrics,
         checkpointed=cfg.activation_checkpointing,
     )
 
