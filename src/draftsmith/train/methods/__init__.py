@@ -13,6 +13,7 @@ method's name.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
@@ -44,7 +45,7 @@ def method_of(spec: DraftSpec) -> DraftMethod:
     return method(spec.method)
 
 
-def method_of_config(config: dict[str, Any], where: str = "config.json") -> DraftMethod:
+def method_of_config(config: Mapping[str, object], where: str = "config.json") -> DraftMethod:
     """The method vLLM serves a draft directory's config.json as (each method's `claims`, the most specific first);
     `where` names the file in a refusal."""
     return next(m for m in METHODS.values() if m.claims(config, where))

@@ -13,10 +13,11 @@ they do not branch on its name. vLLM keeps one proposer per method behind one in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,7 +58,7 @@ class ExportContext:
     verifier_architectures: list[str]
     speculative_tokens: int
     torch_dtype: str
-    special_tokens: dict[str, Any]
+    special_tokens: dict[str, object]  # the target's bos / eos / pad token ids
     num_target_layers: int
     version: str
 
@@ -83,6 +84,19 @@ class Runner(Protocol):
 Choose = Callable[[torch.Tensor], int]  # the decoder's choice of a token (target id) from one proposal's logits
 
 
+class Budget(Protocol):
+    """What a method's quickstart options read of a quickstart budget (`quickstart.Budget`)."""
+
+    @property
+    def ttt_steps(self) -> int: ...
+
+    @property
+    def draft_vocab_size(self) -> int: ...
+
+    @property
+    def dflash(self) -> tuple[int, int, int]: ...  # block size, decoder layers, anchors per sample
+
+
 class DraftMethod(ABC):
     """One drafting method; the registry (`draftsmith.train.methods`) holds one instance of each."""
 
@@ -102,9 +116,10 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
-        """(draft, spec, draft-vocabulary coverage of the loss-masked `counts`) of a fresh draft for the target."""
+        """(draft, spec, draft-vocabulary coverage of the loss-masked `counts` [vocab]) of a fresh draft for the
+        target."""
 
     def starts_from(self, other: DraftMethod) -> bool:
         """Whether a draft of method `other` can start a run of this method (--init-from): one of the same module
@@ -151,7 +166,7 @@ class DraftMethod(ABC):
             )
 
     @abstractmethod
-    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         """config.json of a draft of this method in format `fmt`."""
 
     def layer0_prefix(self, fmt: str) -> str:
@@ -163,18 +178,18 @@ class DraftMethod(ABC):
         return asked
 
     @abstractmethod
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         """Whether vLLM reads a draft directory's config.json as this method (the registry asks the methods in
         order, the most specific first)."""
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         """An export's spec as vLLM serves it from its config.json (which `claims` it), the manifest's `spec` the
         rest; weights that do not fit that reading are refused in one line."""
         return spec.model_copy(update={"method": self.name})
 
-    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+    def speculative_config(self, draft_dir: str, k: int, config: Mapping[str, object]) -> dict[str, object]:
         """vLLM's speculative_config for the draft in `draft_dir` (its config.json `config`), k tokens a round."""
         return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
 
@@ -195,10 +210,10 @@ class DraftMethod(ABC):
         return None
 
     def quickstart_options(
-        self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
+        self, budget: Budget, ks: Sequence[int], num_target_layers: Callable[[], int]
     ) -> tuple[list[int] | None, dict[str, Any]]:
         """(the aux layers the quickstart's store must hold, None: extract's default; the TrainConfig options) of a
-        quickstart budget (`quickstart.Budget`) evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
+        quickstart budget evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
         return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
 
     def describe_run(self, cfg: TrainConfig) -> str:
@@ -209,7 +224,7 @@ class DraftMethod(ABC):
 # ---------------------------------------------------------------------------------------------- shared pieces
 
 
-def llama_config(spec: DraftSpec) -> dict[str, Any]:
+def llama_config(spec: DraftSpec) -> dict[str, object]:
     """The draft's own decoder as a plain Llama config dict (every method's config.json starts from it)."""
     return {
         "model_type": "llama",
@@ -234,7 +249,7 @@ def llama_config(spec: DraftSpec) -> dict[str, Any]:
     }
 
 
-def speculators_config(algorithm: str, ctx: ExportContext) -> dict[str, Any]:
+def speculators_config(algorithm: str, ctx: ExportContext) -> dict[str, object]:
     """speculators' own block of its config.json: the algorithm, its greedy proposals and the verifier."""
     return {
         "algorithm": algorithm,
@@ -258,6 +273,12 @@ def mask_token_id(target_config: dict) -> int:
     return 0
 
 
-def token_id(value: Any) -> bool:
-    """A config value that is a token id (an int, not a bool, not negative)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def int_at_least(value: object, low: int) -> TypeGuard[int]:
+    """A config value that is an int (not a bool) of at least `low` (a token id: 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def section(config: Mapping[str, object], key: str) -> Mapping[str, object]:
+    """A nested config (config[key], a JSON object); empty when the key is missing or null."""
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
