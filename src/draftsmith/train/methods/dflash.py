@@ -104,7 +104,10 @@ class DFlash(DraftMethod):
     name = "dflash"
     kind = "DFlash"
     module = DFlashDraft
-    formats = ("vllm", "speculators")
+    refusals = {
+        "sglang": "draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through its own draft layout, not "
+        "this one); export as vllm or speculators"
+    }
     vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
     vllm_needs = (
         VllmNeed(
@@ -224,14 +227,6 @@ class DFlash(DraftMethod):
             "speculators_config": speculators_config("dflash", ctx),
             "draftsmith_version": ctx.version,
         }
-
-    def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
-                "through its own draft layout, not this one); export as vllm or speculators"
-            )
-        super().check_export(spec, fmt)
 
     def claims(self, config: Mapping[str, object], where: str) -> bool:
         return dflash_block_size(config, where) is not None

@@ -92,6 +92,10 @@ class DSpark(DFlash):
     kind = "DSpark"
     module = DSparkDraft
     serves_on_cpu = False  # vLLM's GPU model runner V2 only
+    refusals = {
+        "sglang": "draftsmith writes no SGLang DSpark draft (SGLang has no DSpark drafter); export as vllm or "
+        "speculators"
+    }
     vllm_needs = (
         VllmNeed(
             "dspark",
@@ -204,14 +208,6 @@ class DSpark(DFlash):
             "speculators_config": speculators_config("dspark", ctx),
             "draftsmith_version": ctx.version,
         }
-
-    def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: draftsmith writes no SGLang DSpark draft (SGLang has no DSpark drafter); export as "
-                "vllm or speculators"
-            )
-        super().check_export(spec, fmt)
 
     def claims(self, config: Mapping[str, object], where: str) -> bool:
         return as_vllm_reads(config) is not None

@@ -32,7 +32,10 @@ FLAGS = ("fc_norm", "norm_output")  # vLLM's config.json keys, and DraftSpec's f
 class Eagle31(Eagle3):
     name = "eagle3.1"
     kind = "Eagle 3.1"
-    formats = ("vllm", "speculators")
+    refusals = {
+        "sglang": "SGLang's EAGLE-3 draft has no fc_norm / norm_output, so it cannot serve this Eagle 3.1 draft; "
+        "export as vllm or speculators"
+    }
     vllm_needs = (
         VllmNeed(
             "eagle31",
@@ -49,14 +52,6 @@ class Eagle31(Eagle3):
     def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
         """fc_norm at ones: an EAGLE-3 draft starts out reading its layers normed."""
         return {name: torch.ones_like(t) for name, t in draft.state_dict().items() if name.startswith("fc_norm.")}
-
-    def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: SGLang's EAGLE-3 draft has no fc_norm / norm_output, so it cannot serve this "
-                "Eagle 3.1 draft; export as vllm or speculators"
-            )
-        super().check_export(spec, fmt)
 
     def vllm_extra(self, spec: DraftSpec) -> dict[str, object]:
         return {flag: True for flag in FLAGS}

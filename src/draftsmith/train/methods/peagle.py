@@ -73,7 +73,7 @@ class PEagle(Eagle3):
     kind = "P-EAGLE"
     speculators_type = "peagle"
     speculators_architecture = SPECULATORS_ARCHITECTURE
-    formats = ("vllm", "speculators")
+    refusals = {"sglang": "SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"}
     vllm_needs = (
         VllmNeed(
             "parallel_drafting",
@@ -139,10 +139,6 @@ class PEagle(Eagle3):
     # -- export and serving
 
     def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"
-            )
         super().check_export(spec, fmt)
         if spec.mask_token_id is None or not 0 <= spec.mask_token_id < spec.vocab_size:
             raise DraftsmithError(
