@@ -47,7 +47,7 @@ from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedStatus, TrainerSide,
 from draftsmith.extract.spool.mooncake import MooncakeMaster
 from draftsmith.extract.store.reader import HiddenStateStore
 from draftsmith.train import distributed
-from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
+from draftsmith.train.batches import Batch, FeatureSource, TokenBudgetSampler, pad_rows
 from draftsmith.train.engine_process import TrainerCores, engine_cpus, engine_devices, open_trainer_side
 from draftsmith.train.engine_supervisor import EngineSupervisor, chunk_matches
 
@@ -187,7 +187,7 @@ def _kept_ids(keep: Path | None) -> set[int]:
     return {int(i) for i in store_mod.open(keep, dtype=None).sample_ids}
 
 
-class EngineSource:
+class EngineSource(FeatureSource):
     """Fills each batch's hidden states from the spool the engine process fills (see the module). `open` makes one
     (the plan, the cores, the transport, rank 0's supervisor started); constructing one does no I/O."""
 

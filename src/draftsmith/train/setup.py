@@ -32,7 +32,6 @@ from draftsmith.train.batches import (
     FeatureSource,
     LayerSubset,
     OnlineSource,
-    StoreFeatures,
     TokenBudgetSampler,
     TrainData,
     default_num_workers,
@@ -362,7 +361,7 @@ def feature_source(
     the vLLM engines through the spool (online, --engine vllm: it plans every rank's chunks, so it gets every rank's
     sampler)."""
     if s.kind != "prepared":
-        return StoreFeatures()
+        return FeatureSource()  # the store's own
     if cfg.engine != "vllm":
         return OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
     ranks = [
