@@ -302,13 +302,7 @@ def resolve(path: Path) -> Path:
 def read_weights(directory: Path, manifest: DraftManifest, verify: bool = True) -> dict[str, torch.Tensor]:
     """The tensors of a draft directory's model.safetensors (checksum checked against its manifest), as written;
     an embedding that older checkpoints carry is dropped (it is the target's)."""
-    file = Path(directory) / WEIGHTS_FILE
-    if not file.is_file():
-        raise DraftsmithError(f"{file}: missing; the {manifest.kind} is incomplete")
-    if verify and manifest.files.get(WEIGHTS_FILE) and sha256_file(file) != manifest.files[WEIGHTS_FILE]:
-        raise DraftsmithError(
-            f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the {manifest.kind} is damaged"
-        )
+    file = _checked_file(Path(directory), WEIGHTS_FILE, manifest, verify)
     try:
         return draft_tensors(load_file(str(file)))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
@@ -355,13 +349,17 @@ def verify_checkpoint(path: Path) -> list[Path]:
         resolve(path)  # the one-line error for a directory that holds no checkpoint
     for directory in directories:
         manifest = read_manifest(directory, DraftManifest)
-        for name, digest in manifest.files.items():
-            file = directory / name
-            if not file.is_file():
-                raise DraftsmithError(f"{file}: missing; the {manifest.kind or 'checkpoint'} is incomplete")
-            if sha256_file(file) != digest:
-                raise DraftsmithError(
-                    f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the "
-                    f"{manifest.kind or 'checkpoint'} is damaged"
-                )
+        for name in manifest.files:
+            _checked_file(directory, name, manifest)
     return directories
+
+
+def _checked_file(directory: Path, name: str, manifest: DraftManifest, verify: bool = True) -> Path:
+    """directory / name, refused in one line when missing or (`verify`) not the sha256 its manifest lists."""
+    file, kind = directory / name, manifest.kind or "checkpoint"
+    if not file.is_file():
+        raise DraftsmithError(f"{file}: missing; the {kind} is incomplete")
+    digest = manifest.files.get(name)
+    if verify and digest and sha256_file(file) != digest:
+        raise DraftsmithError(f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the {kind} is damaged")
+    return file
