@@ -234,14 +234,10 @@ class DFlashDraft(DraftModule):
     head_weight: torch.Tensor  # the target's lm_head buffer (whole vocabulary only)
 
     def __init__(self, spec: DraftSpec):
-        super().__init__()
         if spec.block_size is None or spec.mask_token_id is None:
             raise ValueError("DFlashDraft needs a spec with block_size and mask_token_id")
-        self.spec = spec
+        super().__init__(spec)
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, h, bias=False)
         self.hidden_norm = LeanRMSNorm(h, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.norm = LeanRMSNorm(h, spec.rms_norm_eps)
@@ -282,8 +278,7 @@ class DFlashDraft(DraftModule):
                 raise ValueError("a DFlash draft over a reduced vocabulary needs its draft_to_target ids")
             draft.set_draft_vocab(draft_to_target)
             if lm_head_init == "target":
-                with torch.no_grad():
-                    draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
+                draft.head_from_target(head)
         return draft
 
     def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:

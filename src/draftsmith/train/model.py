@@ -395,6 +395,14 @@ class DraftModule(nn.Module):
     d2t: torch.Tensor  # buffers: d2t [draft_vocab] int64 offsets, t2d [vocab] bool
     t2d: torch.Tensor
 
+    def __init__(self, spec: DraftSpec):
+        """The spec, the target's embedding (frozen) and fc over the captured layers: every draft's first modules."""
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
+
     def init_weights(self, seed: int = 0) -> None:
         """Small normal init for trainable weights, ones for norms (the Llama convention)."""
         gen = torch.Generator().manual_seed(seed)
@@ -416,6 +424,11 @@ class DraftModule(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    def head_from_target(self, head: torch.Tensor) -> None:
+        """The draft's own lm_head from the target's lm_head `head` [V, H]: its rows of the draft vocabulary."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head[self.draft_to_target.to(head.device)].float())
+
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab] the target id of each draft id (d2t[i] = target_id(i) - i)."""
@@ -432,12 +445,8 @@ class Eagle3Draft(DraftModule):
     t2d: torch.Tensor
 
     def __init__(self, spec: DraftSpec):
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, h, bias=False)
         if spec.fc_norm:  # Eagle 3.1: each captured layer's states normed before fc
             self.fc_norm = nn.ModuleList(
                 RMSNorm(spec.target_hidden_size, spec.rms_norm_eps) for _ in spec.aux_layer_ids
@@ -465,11 +474,9 @@ class Eagle3Draft(DraftModule):
         draft = cls(spec)
         draft.init_weights(seed)
         draft.set_draft_vocab(draft_to_target)
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(targets.embed_tokens(target).weight.float())
-            if lm_head_init == "target":
-                head = targets.lm_head(target).weight
-                draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
+        draft.set_target(targets.embed_tokens(target).weight)
+        if lm_head_init == "target":
+            draft.head_from_target(targets.lm_head(target).weight)
         return draft
 
     def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:
