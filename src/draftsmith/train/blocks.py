@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -172,18 +173,9 @@ def dflash_hidden_states(
     block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     if attention == "naive":
-
-        def attend(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
-        ) -> torch.Tensor:
-            return naive_block_attention(q, k, v, kc, vc, anchors)
+        attend = partial(naive_block_attention, limits=anchors)
     else:
-
-        def attend(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
-        ) -> torch.Tensor:
-            return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits, kernel=attention)
-
+        attend = partial(block_attention, limits=anchors, chunk_limits=index.chunk_limits, kernel=attention)
     hidden = draft.forward_hidden(
         block_ids, block_positions, draft.context(aux_hidden), positions, attend, checkpointed=checkpointed
     )

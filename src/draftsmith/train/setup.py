@@ -25,6 +25,7 @@ from draftsmith.core import devices, hardware, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
+from draftsmith.core.tensorfile import Samples
 from draftsmith.extract import store as store_mod
 from draftsmith.prepare.dataset import PreparedDataset, open_prepared, split_indices
 from draftsmith.train import checkpoint, distributed
@@ -81,7 +82,7 @@ RESUMABLE_CHANGES = {
 class Source:
     """The training data, opened and checked against its target."""
 
-    dataset: Any  # store (offline, storage dtype) or prepared set (online): dataset[i] -> dict
+    dataset: Samples | LayerSubset  # store (offline, storage dtype) or prepared set (online): dataset[i] -> dict
     kind: str  # "store" or "prepared"
     identity: TargetIdentity
     target_path: Path
