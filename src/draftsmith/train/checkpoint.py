@@ -27,7 +27,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -73,7 +73,7 @@ class DraftManifest(Manifest):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_format_1(cls, data: Any) -> Any:
+    def _from_format_1(cls, data: object) -> object:
         """Manifests of draftsmith 0.1 (format_version 1), converted on read: a checkpoint's `draft` was a
         DraftConfig (num_layers, num_aux_layers, attention_bias, mlp_bias) beside a top-level `aux_layer_ids`;
         an export's `arch` (a DraftArch, with norm_before_residual) and `weights_file` + `weights_sha256`. Then as
@@ -113,7 +113,7 @@ class DraftManifest(Manifest):
         return cls._from_format_2(data)
 
     @staticmethod
-    def _from_format_2(data: Any) -> Any:
+    def _from_format_2(data: object) -> object:
         """Manifests of format 2, converted on read: their drafts' specs as the methods record them now
         (`methods.recorded_spec`: a P-EAGLE draft was EAGLE-3's method with a flag)."""
         if not isinstance(data, dict) or data.get("format_version", 3) >= 3:
@@ -178,19 +178,23 @@ class RunState:
         return self.step - self.epoch_start
 
 
-def rng_state() -> dict[str, Any]:
+# rng_state()'s; the functional form, as a class body's key `torch` would shadow the module in its annotations
+RngState = TypedDict("RngState", {"torch": torch.Tensor, "cuda": list[torch.Tensor]})  # noqa: UP013 - see above
+
+
+def rng_state() -> RngState:
     """The RNG states a run's randomness could come from: torch's CPU generator and every CUDA device's."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_state(run: RunState, optimizer_state: dict, sampler_seed: int) -> dict[str, Any]:
+def training_state(run: RunState, optimizer_state: dict, sampler_seed: int) -> dict[str, object]:
     """What training_state.pt holds: the RunState, the optimizer, the RNG states and the sampler's position."""
     return {
         "format": STATE_FORMAT,
@@ -215,7 +219,7 @@ def run_state(saved: dict[str, Any]) -> RunState:
     )
 
 
-def saved_rng(saved: dict[str, Any]) -> dict[str, Any]:
+def saved_rng(saved: dict[str, Any]) -> RngState:
     return saved["rng"] if "rng" in saved else {"torch": saved["rng_torch"], "cuda": []}
 
 
