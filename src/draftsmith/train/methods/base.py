@@ -247,13 +247,24 @@ def llama_config(spec: DraftSpec) -> dict[str, object]:
     }
 
 
-def speculators_config(algorithm: str, ctx: ExportContext) -> dict[str, object]:
-    """speculators' own block of its config.json: the algorithm, its greedy proposals and the verifier."""
+def speculators_file(
+    architecture: str, algorithm: str, ctx: ExportContext, layer: dict[str, object], fields: dict[str, object]
+) -> dict[str, object]:
+    """A draft's config.json in speculators' format: its architecture and type (`algorithm`), the decoder's config
+    `layer`, the method's own `fields`, then speculators' block (the algorithm, its greedy proposals, the verifier)."""
     return {
-        "algorithm": algorithm,
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens}],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": ctx.verifier, "architectures": ctx.verifier_architectures},
+        "architectures": [architecture],
+        "speculators_model_type": algorithm,
+        "torch_dtype": ctx.torch_dtype,
+        "transformer_layer_config": layer,
+        **fields,
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": ctx.verifier, "architectures": ctx.verifier_architectures},
+        },
+        "draftsmith_version": ctx.version,
     }
 
 

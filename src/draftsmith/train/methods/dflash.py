@@ -36,7 +36,7 @@ from draftsmith.train.methods.base import (
     llama_config,
     mask_token_id,
     section,
-    speculators_config,
+    speculators_file,
 )
 from draftsmith.train.model import DraftSpec
 
@@ -214,19 +214,14 @@ class DFlash(DraftMethod):
             qwen3["draft_vocab_size"] = spec.draft_vocab_size
         if fmt == "vllm":
             return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
-        return {
-            "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
-            "torch_dtype": ctx.torch_dtype,
-            "transformer_layer_config": qwen3,
+        fields = {
             "draft_vocab_size": spec.draft_vocab_size if own_head(spec) else spec.vocab_size,
             "target_hidden_size": spec.target_hidden_size,
             "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
             "mask_token_id": spec.mask_token_id,
             "block_size": spec.block_size,
-            "speculators_config": speculators_config("dflash", ctx),
-            "draftsmith_version": ctx.version,
         }
+        return speculators_file("DFlashSpeculator", "dflash", ctx, qwen3, fields)
 
     def claims(self, config: Mapping[str, object], where: str) -> bool:
         return dflash_block_size(config, where) is not None

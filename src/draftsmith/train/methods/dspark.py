@@ -42,7 +42,7 @@ from draftsmith.train.methods.base import (
     VllmNeed,
     int_at_least,
     section,
-    speculators_config,
+    speculators_file,
 )
 from draftsmith.train.methods.dflash import DFlash, block_mask_token, block_options, qwen3_config
 from draftsmith.train.model import DraftSpec
@@ -198,16 +198,8 @@ class DSpark(DFlash):
                 "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
                 "target_layer_ids": [i - 1 for i in spec.aux_layer_ids],
             }
-        return {
-            "architectures": [SPECULATORS_ARCHITECTURE],
-            "speculators_model_type": "dspark",
-            "torch_dtype": ctx.torch_dtype,
-            "transformer_layer_config": qwen3,
-            "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
-            **dspark,
-            "speculators_config": speculators_config("dspark", ctx),
-            "draftsmith_version": ctx.version,
-        }
+        fields = {"aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **dspark}
+        return speculators_file(SPECULATORS_ARCHITECTURE, "dspark", ctx, qwen3, fields)
 
     def claims(self, config: Mapping[str, object], where: str) -> bool:
         return as_vllm_reads(config) is not None

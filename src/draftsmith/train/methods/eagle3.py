@@ -24,7 +24,7 @@ from draftsmith.train.methods.base import (
     ExportContext,
     Runner,
     llama_config,
-    speculators_config,
+    speculators_file,
 )
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 
@@ -110,28 +110,16 @@ class Eagle3(DraftMethod):
 
     def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         llama = {**llama_config(spec), **ctx.special_tokens}
-        if fmt == "speculators":
-            return {
-                "architectures": [self.speculators_architecture],
-                "speculators_model_type": self.speculators_type,
-                "torch_dtype": ctx.torch_dtype,
-                "transformer_layer_config": {**llama, "torch_dtype": ctx.torch_dtype},
-                "draft_vocab_size": spec.draft_vocab_size,
-                "target_hidden_size": spec.target_hidden_size,
-                "norm_before_residual": False,
-                "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
-                **self.speculators_extra(spec),
-                "speculators_config": speculators_config(self.speculators_type, ctx),
-                "draftsmith_version": ctx.version,
-            }
-        config = {
-            "architectures": [VLLM_ARCHITECTURE],
-            **llama,
-            "torch_dtype": ctx.torch_dtype,
+        draft = {
             "draft_vocab_size": spec.draft_vocab_size,
             "target_hidden_size": spec.target_hidden_size,
             "norm_before_residual": False,
         }
+        if fmt == "speculators":
+            aux = {"eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **self.speculators_extra(spec)}
+            layer = {**llama, "torch_dtype": ctx.torch_dtype}
+            return speculators_file(self.speculators_architecture, self.speculators_type, ctx, layer, {**draft, **aux})
+        config = {"architectures": [VLLM_ARCHITECTURE], **llama, "torch_dtype": ctx.torch_dtype, **draft}
         if fmt == "vllm":
             return {**config, "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **self.vllm_extra(spec)}
         # SGLang reads the aux layers from eagle_config and adds 1 to each: its id k is the output of layer k
