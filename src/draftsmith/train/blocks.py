@@ -98,13 +98,11 @@ class BlockIndex(MapsTensors):
         """The block objective: one draft forward over the batch's blocks; block row j is "step" j-1 (DSpark: j)."""
         attention = "naive" if run.mode == "naive" else run.kernel
         steps = dflash_hidden_states(draft, input_ids, aux_hidden, self, run.checkpointed, attention)
-        sums = new_sums(self, run.ttt_steps, input_ids.device)
-        loss = aux_hidden.new_zeros((), dtype=torch.float32)
         # TargetHead's for the whole vocabulary, and the head BlockKL computes (DFlashDraft.logits, not a subclass's
         # own): never [N, V] (block_loss.py)
         if isinstance(target, TargetStates) and type(draft).logits is DFlashDraft.logits:
-            return _block_loss(draft, next(steps), input_ids, target, self, run, sums, loss)
-        return score_steps(draft, steps, target, self, run, sums, loss)
+            return _block_loss(draft, next(steps), input_ids, target, self, run)
+        return score_steps(draft, steps, target, self, run)
 
 
 def block_index(
@@ -190,12 +188,11 @@ def _block_loss(
     target: TargetStates,
     index: BlockIndex,
     run: Pass,
-    sums: torch.Tensor,
-    loss: torch.Tensor,
 ) -> TTTResult:
     """The scoring of a block method's proposals over TargetStates (block_loss.score_blocks: the head's
     matmul, the target's p, KL, metrics and the rows' gradient a slice at a time; DSpark's Markov bias and confidence
     loss), its sums then filled per proposal as objective.score_steps fills them."""
+    sums, loss = new_sums(index, run)
     sub = slice_rows(hidden.device, target.weight.shape[0])
     rows = max(sub, HEAD_ROWS) if hidden.device.type == "cpu" else sub
     extra_loss, per_step = score_blocks(

@@ -326,11 +326,10 @@ def score_steps(
     target: TargetDistribution | TargetStates,
     index: Rows,
     run: Pass,
-    sums: torch.Tensor,
-    loss: torch.Tensor,
 ) -> TTTResult:
     """Each step's hidden states [B, T', H] scored against the target: its scored rows through the draft's head, the
-    KL to the target's distribution (weighted step_weight**k, over run.normaliser[k]), and the metrics into `sums`."""
+    KL to the target's distribution (weighted step_weight**k, over run.normaliser[k]), and the metrics."""
+    sums, loss = new_sums(index, run)
     target = materialised(target)
     d2t = draft.d2t
     for k, hidden in enumerate(steps):
@@ -383,11 +382,11 @@ def step_loss_term(run: Pass, k: int, step_loss: torch.Tensor) -> torch.Tensor:
     return (run.step_weight**k) * step_loss / run.normaliser[k].clamp(min=1).to(step_loss.dtype)
 
 
-def new_sums(index: Rows, ttt_steps: int, device: torch.device) -> torch.Tensor:
-    """TTTResult.sums of a batch before scoring: zeros, and the positions each step scores."""
-    sums = torch.zeros(4, ttt_steps, dtype=torch.float64, device=device)
-    sums[COUNT] = index.counts.to(device)
-    return sums
+def new_sums(index: Rows, run: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TTTResult.sums, loss) of a batch before scoring: zeros and the positions each step scores; 0 (fp32)."""
+    sums = torch.zeros(4, run.ttt_steps, dtype=torch.float64, device=run.normaliser.device)
+    sums[COUNT] = index.counts.to(sums.device)
+    return sums, run.normaliser.new_zeros((), dtype=torch.float32)
 
 
 def summarise(

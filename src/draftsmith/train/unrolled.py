@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from draftsmith.train.block_loss import TargetStates
 from draftsmith.train.model import Eagle3Draft, KVCache
-from draftsmith.train.objective import MapsTensors, Pass, TargetDistribution, TTTResult, new_sums, score_steps
+from draftsmith.train.objective import MapsTensors, Pass, TargetDistribution, TTTResult, score_steps
 
 
 @dataclass
@@ -56,9 +56,7 @@ class StepIndex(MapsTensors):
         steps = ttt_hidden_states(
             draft, input_ids, aux_hidden, run.ttt_steps, run.mode, run.checkpointed, run.kernel, index
         )
-        sums = new_sums(self, run.ttt_steps, input_ids.device)
-        loss = aux_hidden.new_zeros((), dtype=torch.float32)
-        return score_steps(draft, steps, target, self, run, sums, loss)
+        return score_steps(draft, steps, target, self, run)
 
 
 @dataclass(frozen=True)
