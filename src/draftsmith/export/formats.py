@@ -215,7 +215,7 @@ def write_export(  # noqa: PLR0913 - the export manifest's fields
     """Validate the draft's tensors (module names, as in a DraftSource) against the spec and the target, and write
     the whole directory in format `fmt` atomically."""
     method = _writer(spec, fmt)
-    speculative_tokens = method.export_speculative_tokens(spec, speculative_tokens)
+    speculative_tokens = method.round_tokens(spec, speculative_tokens)
     check_spec_against_target(spec, target, "export")
     if fmt in VLLM_LOADABLE and (Path(target.path) / "config.json").is_file():  # refuse what vLLM cannot serve
         check_servable_layer_ids(spec.aux_layer_ids, read_config(Path(target.path)), f"export {fmt}")

@@ -145,7 +145,8 @@ class DraftMethod(ABC):
         """Refuse (one line) a spec that names this method but lacks what it reads (P-EAGLE: a mask token)."""
 
     def round_tokens(self, spec: DraftSpec, k: int) -> int:
-        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k)."""
+        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k): the reference
+        decoder's rounds and an export's speculative tokens."""
         return k
 
     @abstractmethod
@@ -170,10 +171,6 @@ class DraftMethod(ABC):
     def layer0_prefix(self, fmt: str) -> str:
         """How the format's weights spell decoder layer 0."""
         return LAYER0_PREFIX[fmt]
-
-    def export_speculative_tokens(self, spec: DraftSpec, asked: int) -> int:
-        """The tokens a round proposes in the export (DFlash: its block's masks)."""
-        return asked
 
     @abstractmethod
     def claims(self, config: Mapping[str, object], where: str) -> bool:

@@ -190,9 +190,6 @@ class DFlash(DraftMethod):
 
     # -- export and serving
 
-    def export_speculative_tokens(self, spec: DraftSpec, asked: int) -> int:
-        return self.round_tokens(spec, asked)
-
     def layer0_prefix(self, fmt: str) -> str:
         return "layers.0."  # vLLM's DFlash loader reads the module's own names
 
