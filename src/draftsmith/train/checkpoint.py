@@ -144,7 +144,7 @@ class CheckpointManifest(DraftManifest):
 
     @model_validator(mode="after")
     def _summarise(self) -> CheckpointManifest:
-        summary: dict[str, Any] = {}
+        summary: dict[str, object] = {}
         for key in ("data", "data_kind", "step", "epoch", "tokens", "best_acceptance_length", "draft_vocab_coverage"):
             value = getattr(self, key)
             if value not in (None, "", 0, 0.0):

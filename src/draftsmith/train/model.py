@@ -394,6 +394,7 @@ class DraftModule(nn.Module):
     embed_tokens: nn.Embedding
     d2t: torch.Tensor  # buffers: d2t [draft_vocab] int64 offsets, t2d [vocab] bool
     t2d: torch.Tensor
+    lm_head: nn.Linear  # a head of its own (a DFlash draft over the target's whole vocabulary has none)
 
     def __init__(self, spec: DraftSpec):
         """The spec, the target's embedding (frozen) and fc over the captured layers: every draft's first modules."""

@@ -14,7 +14,6 @@ method's name.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.methods.base import DraftMethod
@@ -51,7 +50,7 @@ def method_of_config(config: Mapping[str, object], where: str = "config.json") -
     return next(m for m in METHODS.values() if m.claims(config, where))
 
 
-def recorded_spec(draft: dict[str, Any]) -> dict[str, Any]:
+def recorded_spec(draft: dict[str, object]) -> dict[str, object]:
     """A DraftSpec an older draftsmith recorded (manifest format 2), as the methods record it now: P-EAGLE was
     EAGLE-3's method with `parallel_drafting: true`, an EAGLE-3 draft had the flag false."""
     if draft.pop("parallel_drafting", False):
