@@ -304,10 +304,6 @@ class TTTResult:
     #                     acceptance sum_v min(p_target, q_draft) (metrics only), scored positions
 
     @property
-    def kl_sum(self) -> torch.Tensor:
-        return self.sums[KL]
-
-    @property
     def count(self) -> torch.Tensor:
         return self.sums[COUNT]
 
