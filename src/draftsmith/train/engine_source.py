@@ -117,16 +117,8 @@ def plan_chunks(  # noqa: PLR0913 - one feed's settings, as TrainConfig names th
             begin = max(position, first)  # a resume inside a chunk asks for the whole chunk, under its own name
             last = min(last, begin + total_steps - step - 1)
             ids = [i for p in range(first, last + 1) for i in steps[p]]
-            chunks.append(
-                chunk(
-                    spool_mod.chunk_name(epoch, first, last),
-                    epoch,
-                    first,
-                    last,
-                    ids,
-                    (kept if epoch == 0 else epoch0) if keep else set(),
-                )
-            )
+            have = (kept if epoch == 0 else epoch0) if keep else set()  # what --keep-epoch0 holds by then
+            chunks.append(chunk(spool_mod.chunk_name(epoch, first, last), epoch, first, last, ids, have))
             step += last + 1 - begin
             if epoch == 0:
                 epoch0.update(ids)
