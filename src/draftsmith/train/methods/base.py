@@ -245,7 +245,7 @@ def llama_config(spec: DraftSpec) -> dict[str, object]:
 
 
 def speculators_file(
-    architecture: str, algorithm: str, ctx: ExportContext, layer: dict[str, object], fields: dict[str, object]
+    architecture: str, algorithm: str, ctx: ExportContext, layer: Mapping[str, object], fields: Mapping[str, object]
 ) -> dict[str, object]:
     """A draft's config.json in speculators' format: its architecture and type (`algorithm`), the decoder's config
     `layer`, the method's own `fields`, then speculators' block (the algorithm, its greedy proposals, the verifier)."""
