@@ -153,7 +153,14 @@ def worker(cfg: dict) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             target = head(last, index, full=metrics)
             out = model(
-                ids, aux, target, index, proposals, step_weight, None, metrics, checkpointed=cfg["checkpointed"]
+                ids,
+                aux,
+                target,
+                index,
+                proposals,
+                step_weight=step_weight,
+                metrics=metrics,
+                checkpointed=cfg["checkpointed"],
             )
             out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

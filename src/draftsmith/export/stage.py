@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from draftsmith.config import ExportConfig, StageResult, save_resolved_config
 from draftsmith.core.errors import DraftsmithError
@@ -37,14 +36,14 @@ def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[Tar
     return identity, list(config.get("architectures") or [identity.architecture]), special
 
 
-def measured_from_report(report: Path) -> dict[str, Any]:
+def measured_from_report(report: Path) -> dict[str, object]:
     """τ and speed-up per k from an evaluation report.json, for README.md."""
     report = Path(report)
     try:
         data = json.loads(report.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
         raise DraftsmithError(f"{report}: cannot read the evaluation report ({err})") from None
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for run_ in data.get("runs", []):
         k = run_.get("k")
         out[f"τ (k={k}, {data.get('engine', '?')}, {data.get('prompts', '?')})"] = round(run_.get("tau", 0.0), 3)

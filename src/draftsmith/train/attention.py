@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -274,7 +274,7 @@ def _chunk_scores(
     return s, q_c
 
 
-# ---------------------------------------------------------------------------------------------- checkpointing
+# ---------------------------------------------------------------------------------------------- the KV cache
 
 
 class KVCache:
@@ -329,61 +329,6 @@ class KVCache:
         private = KVCache(len(self._layers))
         private._layers[layer] = list(entries)
         return private
-
-
-class TTTLayer(Protocol):
-    """What `ttt_layer_call` calls: a draft decoder layer (model.DecoderLayer), appending to its entries of the cache."""
-
-    layer_idx: int
-
-    def __call__(
-        self,
-        embeds: torch.Tensor,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        mode: str,
-    ) -> torch.Tensor: ...
-
-
-def ttt_layer_call(
-    layer: TTTLayer,
-    embeds: torch.Tensor,
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    cache: KVCache,
-    mode: str,
-    checkpointed: bool = False,
-) -> torch.Tensor:
-    """`layer(embeds, hidden, cos, sin, cache, mode)`, optionally under activation checkpointing.
-
-    Checkpointed, the layer's activations (projections, attention, MLP) are dropped after the forward and
-    recomputed during the backward; only its inputs, its output and the (k, v) it appends to the cache are kept.
-    The layer appends to its layer's entries in `cache`, a side effect a recomputation must not repeat, so the
-    checkpointed call runs on a private cache holding this layer's earlier entries (the same tensors) and the
-    new (k, v) is appended to the real cache afterwards. Only for modes whose cache grows by one entry per call
-    ("ttt", "naive"); without grad there is nothing to save, so the call is plain.
-    """
-    if not (checkpointed and torch.is_grad_enabled()):
-        return layer(embeds, hidden, cos, sin, cache, mode)
-    if mode not in ("ttt", "naive"):
-        raise ValueError(f"checkpointing a layer call needs a TTT cache (one entry per call), not mode {mode!r}")
-    idx = layer.layer_idx
-    earlier = [x for kv in cache.entries(idx) for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
-
-    def run(
-        embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *flat: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        private = cache.fork(idx, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
-        out = layer(embeds, hidden, cos, sin, private, mode)
-        k, v = private.entries(idx)[-1]
-        return out, k, v
-
-    out, k, v = checkpoint(run, embeds, hidden, cos, sin, *earlier, use_reentrant=False)
-    cache.append(idx, k, v)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- reference, decoding
@@ -465,43 +410,18 @@ def block_attention(
             limits[:, a0:a1],
         )
         if torch.is_grad_enabled() and q.requires_grad:
-            outs.append(checkpoint(_block_chunk, *args, use_reentrant=False))
+            outs.append(checkpoint(naive_block_attention, *args, use_reentrant=False))
         else:
-            outs.append(_block_chunk(*args))
+            outs.append(naive_block_attention(*args))
     return torch.cat(outs, dim=2)
-
-
-def _block_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_context: torch.Tensor,
-    v_context: torch.Tensor,
-    limits: torch.Tensor,
-) -> torch.Tensor:
-    """c blocks of S queries against [the context prefix, their own blocks' keys], by one masked SDPA."""
-    b, _, rows, _ = q.shape
-    c, kmax = limits.shape[1], k_context.shape[2]
-    s = rows // c
-    block_of = torch.arange(rows, device=q.device) // s  # [c*S] the block of each query / block key
-    context = torch.arange(kmax, device=q.device)[None, None, :] < limits[:, block_of, None]  # [B, c*S, kmax]
-    own = (block_of[:, None] == block_of[None, :]).expand(b, rows, rows)  # [B, c*S, c*S]
-    mask = torch.cat((context, own), dim=-1)[:, None]  # [B, 1, c*S, kmax + c*S]
-    return F.scaled_dot_product_attention(
-        q,
-        torch.cat((k_context, k), dim=2),
-        torch.cat((v_context, v), dim=2),
-        attn_mask=mask,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
 
 
 def flex_block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_context: torch.Tensor,
-    v_context: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
     limits: torch.Tensor,
     compiled: bool = True,
 ) -> torch.Tensor:
@@ -512,7 +432,7 @@ def flex_block_attention(
     if flex_attention is None:
         raise RuntimeError("this torch has no torch.nn.attention.flex_attention; train with --attention-kernel chunked")
     b, _, rows, _ = q.shape
-    t, s = k_context.shape[2], rows // limits.shape[1]
+    t, s = kc.shape[2], rows // limits.shape[1]
 
     def visible(bi: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kvi: torch.Tensor) -> torch.Tensor:
         block = qi // s
@@ -521,24 +441,25 @@ def flex_block_attention(
     mask = create_block_mask(visible, b, None, rows, t + rows, device=str(q.device))
     fn = _compiled_flex_attention() if compiled else flex_attention
     return fn(
-        q,
-        torch.cat((k_context, k), dim=2),
-        torch.cat((v_context, v), dim=2),
-        block_mask=mask,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q, torch.cat((kc, k), dim=2), torch.cat((vc, v), dim=2), block_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 
 def naive_block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_context: torch.Tensor,
-    v_context: torch.Tensor,
-    limits: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, limits: torch.Tensor
 ) -> torch.Tensor:
-    """Reference for `block_attention`: every block's queries against all keys, one explicit [A*S, T + A*S] mask."""
-    return _block_chunk(q, k, v, k_context, v_context, limits)
+    """Reference for `block_attention` (and its chunked kernel, a chunk at a time): c blocks of S queries against
+    [the context kc / vc, their own blocks' keys], by one masked SDPA (an explicit [c*S, T + c*S] mask)."""
+    b, _, rows, _ = q.shape
+    c, kmax = limits.shape[1], kc.shape[2]
+    s = rows // c
+    block_of = torch.arange(rows, device=q.device) // s  # [c*S] the block of each query / block key
+    context = torch.arange(kmax, device=q.device)[None, None, :] < limits[:, block_of, None]  # [B, c*S, kmax]
+    own = (block_of[:, None] == block_of[None, :]).expand(b, rows, rows)  # [B, c*S, c*S]
+    mask = torch.cat((context, own), dim=-1)[:, None]  # [B, 1, c*S, kmax + c*S]
+    return F.scaled_dot_product_attention(
+        q, torch.cat((kc, k), dim=2), torch.cat((vc, v), dim=2), attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def full_attention(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -263,7 +263,7 @@ class TrainData:
         self.dataset, self.train, self.evaluation, self.sampling = dataset, train, evaluation, sampling
         self.ttt_steps, self.grad_accum, self.device = ttt_steps, grad_accum, device
         self.num_workers = num_workers
-        self.features: FeatureSource = features if features is not None else StoreFeatures()
+        self.features = features if features is not None else FeatureSource()
 
     def steps(self, epoch: int, position: int, epochs: int | None) -> Generator[list[Batch], None, None]:
         """grad_accum micro-batches per optimizer step, from (epoch, position) on."""
@@ -282,20 +282,6 @@ class TrainData:
     def _ready(self, batch: Batch) -> Batch:
         return self.features(batch.to(self.device, non_blocking=True))
 
-    def metrics(self) -> dict:
-        """What the feature source reports beside the loss (the online engines' rates and spool), for the log."""
-        return self.features.metrics()
-
-    def describe(self, metrics: dict) -> str:
-        """Those metrics for the progress line ("" when there are none)."""
-        return self.features.describe(metrics)
-
-    def summary(self) -> dict:
-        return self.features.summary()
-
-    def close(self, completed: bool) -> None:
-        self.features.close(completed)
-
     def _loader(self, plan: EpochPlan, sampling: Sampling = EVERY_STEP) -> DataLoader:
         """Evaluation scores every anchor at every depth (no COD); DFlash's the same blocks every time (epoch 0)."""
         workers = self.num_workers
@@ -313,46 +299,32 @@ class TrainData:
 # ---------------------------------------------------------------------------------------------- feature sources
 
 
-class FeatureSource(Protocol):
-    """Where a batch's hidden states come from: the store itself (offline), the target run in the trainer, or the
-    vLLM engines' spool (`engine_source.EngineSource`). The trainer holds one and never asks which."""
+class FeatureSource:
+    """Where a batch's hidden states come from: the store itself (offline: this base, the states came with the
+    batch), the target run in the trainer (`OnlineSource`), or the vLLM engines' spool (`engine_source.EngineSource`).
+    The trainer holds one and never asks which."""
 
     def __call__(self, batch: Batch) -> Batch:
         """`batch` (on the device) with its hidden states filled in."""
+        return batch
 
     def metrics(self) -> dict:
         """What it reports beside the loss, for the log ({} when nothing)."""
+        return {}
 
     def describe(self, metrics: dict) -> str:
         """Those metrics for the progress line ("" when there are none)."""
+        return ""
 
     def summary(self) -> dict:
         """Its lines in the run's summary."""
+        return {}
 
     def close(self, completed: bool) -> None:
         """The run ended (`completed`: normally)."""
 
 
-class StoreFeatures:
-    """Offline: the states came with the batch, read from the store."""
-
-    def __call__(self, batch: Batch) -> Batch:
-        return batch
-
-    def metrics(self) -> dict:
-        return {}
-
-    def describe(self, metrics: dict) -> str:
-        return ""
-
-    def summary(self) -> dict:
-        return {}
-
-    def close(self, completed: bool) -> None:
-        pass
-
-
-class OnlineSource(StoreFeatures):
+class OnlineSource(FeatureSource):
     """Fills a batch's hidden states by running the target (the online mode of the trainer), in its dtype."""
 
     def __init__(self, target: nn.Module, layer_ids: Sequence[int]):

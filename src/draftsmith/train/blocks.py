@@ -10,8 +10,9 @@ at a time from [N, H] states, never [N, V] (block_loss.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -24,12 +25,14 @@ from draftsmith.train.objective import (
     ACCEPT,
     CORRECT,
     KL,
+    MapsTensors,
     Pass,
     TargetDistribution,
     TTTResult,
     new_sums,
     score_steps,
     slice_rows,
+    step_loss_term,
 )
 
 # Rows of the head's matmuls a CPU runs at a time in the fused loss (block_loss.BlockKL; its reductions still take
@@ -71,7 +74,7 @@ class Anchors:
 
 
 @dataclass
-class BlockIndex:
+class BlockIndex(MapsTensors):
     """What a block method's batch reads, built on the host: the blocks (anchors) and, per proposal d of a block (the
     "steps" of the metrics: d = 0 proposes x_{a+1}), the block rows scored and the target rows they are scored
     against. Proposal d is block row j = d + 1 (DFlash: the anchor row proposes nothing) or j = d (DSpark)."""
@@ -90,29 +93,16 @@ class BlockIndex:
         input_ids: torch.Tensor,
         aux_hidden: torch.Tensor,
         target: TargetDistribution | TargetStates,
-        normaliser: torch.Tensor,
         run: Pass,
     ) -> TTTResult:
         """The block objective: one draft forward over the batch's blocks; block row j is "step" j-1 (DSpark: j)."""
         attention = "naive" if run.mode == "naive" else run.kernel
         steps = dflash_hidden_states(draft, input_ids, aux_hidden, self, run.checkpointed, attention)
-        sums = new_sums(self, run.ttt_steps, input_ids.device)
-        loss = aux_hidden.new_zeros((), dtype=torch.float32)
         # TargetHead's for the whole vocabulary, and the head BlockKL computes (DFlashDraft.logits, not a subclass's
         # own): never [N, V] (block_loss.py)
         if isinstance(target, TargetStates) and type(draft).logits is DFlashDraft.logits:
-            return _block_loss(draft, next(steps), input_ids, target, self, run, normaliser, sums, loss)
-        return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockIndex:
-        return BlockIndex(
-            fn(self.needed),
-            [fn(x) for x in self.scored],
-            [fn(x) for x in self.target],
-            fn(self.counts),
-            fn(self.anchors),
-            self.chunk_limits,
-        )
+            return _block_loss(draft, next(steps), input_ids, target, self, run)
+        return score_steps(draft, steps, target, self, run)
 
 
 def block_index(
@@ -181,18 +171,9 @@ def dflash_hidden_states(
     block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     if attention == "naive":
-
-        def attend(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
-        ) -> torch.Tensor:
-            return naive_block_attention(q, k, v, kc, vc, anchors)
+        attend = partial(naive_block_attention, limits=anchors)
     else:
-
-        def attend(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
-        ) -> torch.Tensor:
-            return block_attention(q, k, v, kc, vc, anchors, index.chunk_limits, kernel=attention)
-
+        attend = partial(block_attention, limits=anchors, chunk_limits=index.chunk_limits, kernel=attention)
     hidden = draft.forward_hidden(
         block_ids, block_positions, draft.context(aux_hidden), positions, attend, checkpointed=checkpointed
     )
@@ -200,28 +181,26 @@ def dflash_hidden_states(
         yield hidden
 
 
-def _block_loss(  # noqa: PLR0913 - the block forward's tensors, named
+def _block_loss(
     draft: DFlashDraft,
     hidden: torch.Tensor,
     input_ids: torch.Tensor,
     target: TargetStates,
     index: BlockIndex,
     run: Pass,
-    normaliser: torch.Tensor,
-    sums: torch.Tensor,
-    loss: torch.Tensor,
 ) -> TTTResult:
     """The scoring of a block method's proposals over TargetStates (block_loss.score_blocks: the head's
     matmul, the target's p, KL, metrics and the rows' gradient a slice at a time; DSpark's Markov bias and confidence
     loss), its sums then filled per proposal as objective.score_steps fills them."""
+    sums, loss = new_sums(index, run)
     sub = slice_rows(hidden.device, target.weight.shape[0])
     rows = max(sub, HEAD_ROWS) if hidden.device.type == "cpu" else sub
     extra_loss, per_step = score_blocks(
-        draft, hidden, input_ids, target, index, run.step_weight, normaliser, run.metrics, rows, sub
+        draft, hidden, input_ids, target, index, run.step_weight, run.normaliser, run.metrics, rows, sub
     )
     for k, (step_kl, step_correct, step_accept) in enumerate(per_step):
         step_loss = step_kl.sum()
-        loss = loss + (run.step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
+        loss = loss + step_loss_term(run, k, step_loss)
         sums[KL, k] = step_loss.detach()
         if run.metrics:
             sums[CORRECT, k] = step_correct.sum()

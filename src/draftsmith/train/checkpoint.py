@@ -27,7 +27,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -73,7 +73,7 @@ class DraftManifest(Manifest):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_format_1(cls, data: Any) -> Any:
+    def _from_format_1(cls, data: object) -> object:
         """Manifests of draftsmith 0.1 (format_version 1), converted on read: a checkpoint's `draft` was a
         DraftConfig (num_layers, num_aux_layers, attention_bias, mlp_bias) beside a top-level `aux_layer_ids`;
         an export's `arch` (a DraftArch, with norm_before_residual) and `weights_file` + `weights_sha256`. Then as
@@ -113,7 +113,7 @@ class DraftManifest(Manifest):
         return cls._from_format_2(data)
 
     @staticmethod
-    def _from_format_2(data: Any) -> Any:
+    def _from_format_2(data: object) -> object:
         """Manifests of format 2, converted on read: their drafts' specs as the methods record them now
         (`methods.recorded_spec`: a P-EAGLE draft was EAGLE-3's method with a flag)."""
         if not isinstance(data, dict) or data.get("format_version", 3) >= 3:
@@ -144,7 +144,7 @@ class CheckpointManifest(DraftManifest):
 
     @model_validator(mode="after")
     def _summarise(self) -> CheckpointManifest:
-        summary: dict[str, Any] = {}
+        summary: dict[str, object] = {}
         for key in ("data", "data_kind", "step", "epoch", "tokens", "best_acceptance_length", "draft_vocab_coverage"):
             value = getattr(self, key)
             if value not in (None, "", 0, 0.0):
@@ -178,19 +178,23 @@ class RunState:
         return self.step - self.epoch_start
 
 
-def rng_state() -> dict[str, Any]:
+# rng_state()'s; the functional form, as a class body's key `torch` would shadow the module in its annotations
+RngState = TypedDict("RngState", {"torch": torch.Tensor, "cuda": list[torch.Tensor]})  # noqa: UP013 - see above
+
+
+def rng_state() -> RngState:
     """The RNG states a run's randomness could come from: torch's CPU generator and every CUDA device's."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_state(run: RunState, optimizer_state: dict, sampler_seed: int) -> dict[str, Any]:
+def training_state(run: RunState, optimizer_state: dict, sampler_seed: int) -> dict[str, object]:
     """What training_state.pt holds: the RunState, the optimizer, the RNG states and the sampler's position."""
     return {
         "format": STATE_FORMAT,
@@ -215,7 +219,7 @@ def run_state(saved: dict[str, Any]) -> RunState:
     )
 
 
-def saved_rng(saved: dict[str, Any]) -> dict[str, Any]:
+def saved_rng(saved: dict[str, Any]) -> RngState:
     return saved["rng"] if "rng" in saved else {"torch": saved["rng_torch"], "cuda": []}
 
 
@@ -302,13 +306,7 @@ def resolve(path: Path) -> Path:
 def read_weights(directory: Path, manifest: DraftManifest, verify: bool = True) -> dict[str, torch.Tensor]:
     """The tensors of a draft directory's model.safetensors (checksum checked against its manifest), as written;
     an embedding that older checkpoints carry is dropped (it is the target's)."""
-    file = Path(directory) / WEIGHTS_FILE
-    if not file.is_file():
-        raise DraftsmithError(f"{file}: missing; the {manifest.kind} is incomplete")
-    if verify and manifest.files.get(WEIGHTS_FILE) and sha256_file(file) != manifest.files[WEIGHTS_FILE]:
-        raise DraftsmithError(
-            f"{file}: sha256 does not match {Path(directory) / MANIFEST_NAME}; the {manifest.kind} is damaged"
-        )
+    file = _checked_file(Path(directory), WEIGHTS_FILE, manifest, verify)
     try:
         return draft_tensors(load_file(str(file)))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
@@ -355,13 +353,17 @@ def verify_checkpoint(path: Path) -> list[Path]:
         resolve(path)  # the one-line error for a directory that holds no checkpoint
     for directory in directories:
         manifest = read_manifest(directory, DraftManifest)
-        for name, digest in manifest.files.items():
-            file = directory / name
-            if not file.is_file():
-                raise DraftsmithError(f"{file}: missing; the {manifest.kind or 'checkpoint'} is incomplete")
-            if sha256_file(file) != digest:
-                raise DraftsmithError(
-                    f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the "
-                    f"{manifest.kind or 'checkpoint'} is damaged"
-                )
+        for name in manifest.files:
+            _checked_file(directory, name, manifest)
     return directories
+
+
+def _checked_file(directory: Path, name: str, manifest: DraftManifest, verify: bool = True) -> Path:
+    """directory / name, refused in one line when missing or (`verify`) not the sha256 its manifest lists."""
+    file, kind = directory / name, manifest.kind or "checkpoint"
+    if not file.is_file():
+        raise DraftsmithError(f"{file}: missing; the {kind} is incomplete")
+    digest = manifest.files.get(name)
+    if verify and digest and sha256_file(file) != digest:
+        raise DraftsmithError(f"{file}: sha256 does not match {directory / MANIFEST_NAME}; the {kind} is damaged")
+    return file

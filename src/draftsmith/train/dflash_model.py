@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.core import targets
 from draftsmith.train.attention import full_attention
-from draftsmith.train.model import MLP, DraftModule, DraftSpec, KVCache, RMSNorm, RotaryEmbedding, apply_rope
+from draftsmith.train.model import MLP, Attention, DraftModule, DraftSpec, KVCache, RMSNorm, RotaryEmbedding, apply_rope
 
 
 def own_head(spec: DraftSpec) -> bool:
@@ -147,24 +147,15 @@ def lean_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- attention
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(Attention):
     """Qwen3 attention (q_norm / k_norm per head) whose keys and values come from two inputs: the block's own
-    positions and the context, the fused target states of every verified position before the anchor."""
+    positions and the context, the fused target states of every verified position before the anchor (DFlashLayer
+    calls `keys_values`, `project` and `output`)."""
 
     def __init__(self, spec: DraftSpec):
-        super().__init__()
-        h, eps = spec.hidden_size, spec.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_attention_heads,
-            spec.num_key_value_heads,
-            spec.head_dim,
-        )
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.q_norm = LeanRMSNorm(self.head_dim, eps)
-        self.k_norm = LeanRMSNorm(self.head_dim, eps)
+        super().__init__(spec, spec.hidden_size)
+        self.q_norm = LeanRMSNorm(self.head_dim, spec.rms_norm_eps)
+        self.k_norm = LeanRMSNorm(self.head_dim, spec.rms_norm_eps)
 
     def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor, n: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -188,10 +179,6 @@ class DFlashAttention(nn.Module):
             apply_rope(self.k_norm(k).transpose(1, 2), cos, sin),
         )
         return q, k, v.transpose(1, 2)
-
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class DFlashLayer(nn.Module):
@@ -247,14 +234,10 @@ class DFlashDraft(DraftModule):
     head_weight: torch.Tensor  # the target's lm_head buffer (whole vocabulary only)
 
     def __init__(self, spec: DraftSpec):
-        super().__init__()
         if spec.block_size is None or spec.mask_token_id is None:
             raise ValueError("DFlashDraft needs a spec with block_size and mask_token_id")
-        self.spec = spec
+        super().__init__(spec)
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, h, bias=False)
         self.hidden_norm = LeanRMSNorm(h, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.norm = LeanRMSNorm(h, spec.rms_norm_eps)
@@ -295,8 +278,7 @@ class DFlashDraft(DraftModule):
                 raise ValueError("a DFlash draft over a reduced vocabulary needs its draft_to_target ids")
             draft.set_draft_vocab(draft_to_target)
             if lm_head_init == "target":
-                with torch.no_grad():
-                    draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
+                draft.head_from_target(head)
         return draft
 
     def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:
@@ -315,6 +297,7 @@ class DFlashDraft(DraftModule):
 
     # What a block method adds to the loss (train.block_loss.score_blocks asks; DSparkDraft answers): DFlash nothing.
     scores_acceptance: ClassVar[bool] = False  # row_loss reads each scored row's expected acceptance
+    proposing_rows: ClassVar[slice] = slice(1, None)  # the block rows a round proposes from: the mask positions
 
     def row_terms(self, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(E [N, r], W [V, r]): the low-rank term E @ W^T each scored row's logits add, from the token before its
@@ -372,14 +355,14 @@ class DFlashDraft(DraftModule):
         """Decoding one DFlash round as vLLM runs it: the fused target features [B, T, H] (`fuse`) at
         feature_positions [B, T] join the context -- each layer's K/V of them appended to `cache` (vLLM writes them
         into the draft's KV cache) --, then the block [B, S] at block_positions sees the whole cached context and
-        itself, in one forward -> (logits of the mask positions [B, S-1, Vd], the proposals; pre-norm hidden
-        [B, S, H]). The block leaves nothing behind."""
+        itself, in one forward -> (logits of the `proposing_rows` [B, S-1, Vd] (DSpark: every row, [B, S, V]), the
+        proposals; pre-norm hidden [B, S, H]). The block leaves nothing behind."""
         context = self.hidden_norm(features)
         cos, sin = self.rotary(feature_positions, context.dtype)
         for i, layer in enumerate(self.layers):
             cache.extend(i, *layer.self_attn.keys_values(context, cos, sin))  # type: ignore[union-attr, operator]
         hidden = self.forward_hidden(block_ids, block_positions, cache.context(), None, full_attention)
-        return self.logits(hidden[:, 1:]), hidden  # the anchor's own output proposes nothing
+        return self.logits(hidden[:, self.proposing_rows]), hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [..., H] -> logits over the draft vocabulary [..., Vd] (`head`; draft ids, d2t maps them)."""

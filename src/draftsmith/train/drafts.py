@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -37,7 +36,7 @@ class DraftSource:
     tensors: dict[str, torch.Tensor]
     target: TargetIdentity
     origin: Path
-    training: dict[str, Any]
+    training: dict[str, object]
 
 
 def spell_layer0(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

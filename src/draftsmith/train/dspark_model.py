@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.model import DraftSpec, KVCache
+from draftsmith.train.model import DraftSpec
 
 # The confidence loss beside the KL: BCE(confidence logit, the row's expected acceptance sum_v min(p, q), detached),
 # weighed per proposal as the KL is; 1.0 as speculators' confidence_head_alpha defaults.
@@ -91,21 +91,8 @@ class DSparkDraft(DFlashDraft):
         with torch.no_grad():
             w1.copy_(torch.randn(w1.shape, generator=torch.Generator().manual_seed(seed + 1)) * MARKOV_INIT_STD)
 
-    def forward(
-        self,
-        block_ids: torch.Tensor,
-        block_positions: torch.Tensor,
-        features: torch.Tensor,
-        feature_positions: torch.Tensor,
-        cache: KVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The backbone forward of a round, as DFlashDraft.forward (the features join the cached context, the block
-        [B, S] sees it and itself), but every row proposes -> (base logits [B, S, V], row k proposing x_{p+k+1},
-        without the Markov bias; pre-norm hidden [B, S, H])."""
-        mask_logits, hidden = super().forward(block_ids, block_positions, features, feature_positions, cache)
-        return torch.cat((self.logits(hidden[:, :1]), mask_logits), dim=1), hidden
-
     scores_acceptance: ClassVar[bool] = True
+    proposing_rows: ClassVar[slice] = slice(0, None)  # every row, the anchor's included (base logits, no Markov bias)
 
     def row_terms(self, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The Markov bias as its factors: (markov_w1[prev] [N, r], markov_w2 [V, r])."""

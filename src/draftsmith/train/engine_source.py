@@ -47,7 +47,7 @@ from draftsmith.extract.spool import EVAL_CHUNK, Chunk, FeedStatus, TrainerSide,
 from draftsmith.extract.spool.mooncake import MooncakeMaster
 from draftsmith.extract.store.reader import HiddenStateStore
 from draftsmith.train import distributed
-from draftsmith.train.batches import Batch, TokenBudgetSampler, pad_rows
+from draftsmith.train.batches import Batch, FeatureSource, TokenBudgetSampler, pad_rows
 from draftsmith.train.engine_process import TrainerCores, engine_cpus, engine_devices, open_trainer_side
 from draftsmith.train.engine_supervisor import EngineSupervisor, chunk_matches
 
@@ -117,16 +117,8 @@ def plan_chunks(  # noqa: PLR0913 - one feed's settings, as TrainConfig names th
             begin = max(position, first)  # a resume inside a chunk asks for the whole chunk, under its own name
             last = min(last, begin + total_steps - step - 1)
             ids = [i for p in range(first, last + 1) for i in steps[p]]
-            chunks.append(
-                chunk(
-                    spool_mod.chunk_name(epoch, first, last),
-                    epoch,
-                    first,
-                    last,
-                    ids,
-                    (kept if epoch == 0 else epoch0) if keep else set(),
-                )
-            )
+            have = (kept if epoch == 0 else epoch0) if keep else set()  # what --keep-epoch0 holds by then
+            chunks.append(chunk(spool_mod.chunk_name(epoch, first, last), epoch, first, last, ids, have))
             step += last + 1 - begin
             if epoch == 0:
                 epoch0.update(ids)
@@ -187,7 +179,7 @@ def _kept_ids(keep: Path | None) -> set[int]:
     return {int(i) for i in store_mod.open(keep, dtype=None).sample_ids}
 
 
-class EngineSource:
+class EngineSource(FeatureSource):
     """Fills each batch's hidden states from the spool the engine process fills (see the module). `open` makes one
     (the plan, the cores, the transport, rank 0's supervisor started); constructing one does no I/O."""
 

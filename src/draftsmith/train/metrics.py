@@ -143,12 +143,6 @@ def _step_of(line: str) -> int | None:
         return None
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """The lines of a run's metrics.jsonl."""
-    path = Path(run_dir) / METRICS_FILE
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()] if path.is_file() else []
-
-
 class Progress:
     """A rich progress bar on stderr: step, tokens/s, loss, per-step accuracy (as of the last logged step)."""
 

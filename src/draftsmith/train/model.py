@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -28,13 +29,7 @@ from draftsmith.config.methods import DEFAULT_METHOD
 from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
-from draftsmith.train.attention import (
-    KVCache,
-    cached_attention,
-    naive_ttt_attention,
-    ttt_attention,
-    ttt_layer_call,
-)
+from draftsmith.train.attention import KVCache, cached_attention, naive_ttt_attention, ttt_attention
 
 # The target's token embedding: part of the module, never of what is saved (checkpoints, exports).
 EMBEDDING = "embed_tokens.weight"
@@ -275,8 +270,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """cache: this layer's (k, v) at layer_idx; mode "ttt": one entry per TTT step; "decode": one growing
         entry."""
-        q, k, v = self.project(x, cos, sin)
-        out = _attend(q, k, v, cache, layer_idx, mode)
+        return self.output(_attend(*self.project(x, cos, sin), cache, layer_idx, mode))
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, Hq, T, D] through o_proj -> [B, T, H]."""
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -351,6 +348,41 @@ class DecoderLayer(nn.Module):
         return flat.index_add(0, rows, update).view_as(hidden)
 
 
+def ttt_layer_call(
+    layer: DecoderLayer,
+    *inputs: *tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KVCache, str],
+    checkpointed: bool = False,
+) -> torch.Tensor:
+    """`layer(*inputs)` (embeds, hidden, cos, sin, cache, mode), optionally under activation checkpointing.
+
+    Checkpointed, the layer's activations (projections, attention, MLP) are dropped after the forward and
+    recomputed during the backward; only its inputs, its output and the (k, v) it appends to the cache are kept.
+    The layer appends to its layer's entries in `cache`, a side effect a recomputation must not repeat, so the
+    checkpointed call runs on a private cache holding this layer's earlier entries (the same tensors) and the
+    new (k, v) is appended to the real cache afterwards. Only for modes whose cache grows by one entry per call
+    ("ttt", "naive"); without grad there is nothing to save, so the call is plain.
+    """
+    if not (checkpointed and torch.is_grad_enabled()):
+        return layer(*inputs)
+    embeds, hidden, cos, sin, cache, mode = inputs
+    if mode not in ("ttt", "naive"):
+        raise ValueError(f"checkpointing a layer call needs a TTT cache (one entry per call), not mode {mode!r}")
+    idx = layer.layer_idx
+    earlier = [x for kv in cache.entries(idx) for x in kv]  # flat (k_0, v_0, k_1, v_1, ...)
+
+    def run(
+        embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *flat: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        private = cache.fork(idx, [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)])
+        out = layer(embeds, hidden, cos, sin, private, mode)
+        k, v = private.entries(idx)[-1]
+        return out, k, v
+
+    out, k, v = checkpoint(run, embeds, hidden, cos, sin, *earlier, use_reentrant=False)
+    cache.append(idx, k, v)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- the draft
 
 
@@ -362,6 +394,15 @@ class DraftModule(nn.Module):
     embed_tokens: nn.Embedding
     d2t: torch.Tensor  # buffers: d2t [draft_vocab] int64 offsets, t2d [vocab] bool
     t2d: torch.Tensor
+    lm_head: nn.Linear  # a head of its own (a DFlash draft over the target's whole vocabulary has none)
+
+    def __init__(self, spec: DraftSpec):
+        """The spec, the target's embedding (frozen) and fc over the captured layers: every draft's first modules."""
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
 
     def init_weights(self, seed: int = 0) -> None:
         """Small normal init for trainable weights, ones for norms (the Llama convention)."""
@@ -384,6 +425,11 @@ class DraftModule(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    def head_from_target(self, head: torch.Tensor) -> None:
+        """The draft's own lm_head from the target's lm_head `head` [V, H]: its rows of the draft vocabulary."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head[self.draft_to_target.to(head.device)].float())
+
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab] the target id of each draft id (d2t[i] = target_id(i) - i)."""
@@ -400,12 +446,8 @@ class Eagle3Draft(DraftModule):
     t2d: torch.Tensor
 
     def __init__(self, spec: DraftSpec):
-        super().__init__()
-        self.spec = spec
+        super().__init__(spec)
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, h, bias=False)
         if spec.fc_norm:  # Eagle 3.1: each captured layer's states normed before fc
             self.fc_norm = nn.ModuleList(
                 RMSNorm(spec.target_hidden_size, spec.rms_norm_eps) for _ in spec.aux_layer_ids
@@ -433,11 +475,9 @@ class Eagle3Draft(DraftModule):
         draft = cls(spec)
         draft.init_weights(seed)
         draft.set_draft_vocab(draft_to_target)
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(targets.embed_tokens(target).weight.float())
-            if lm_head_init == "target":
-                head = targets.lm_head(target).weight
-                draft.lm_head.weight.copy_(head[draft.draft_to_target.to(head.device)].float())
+        draft.set_target(targets.embed_tokens(target).weight)
+        if lm_head_init == "target":
+            draft.head_from_target(targets.lm_head(target).weight)
         return draft
 
     def set_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None) -> None:
@@ -468,9 +508,10 @@ class Eagle3Draft(DraftModule):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         cache: KVCache | None = None,
-        mode: str = "decode",
+        *,
         checkpointed: bool = False,
         rows: list[torch.Tensor | None] | None = None,
+        mode: str = "decode",
     ) -> torch.Tensor:
         """One draft step up to the pre-norm hidden state [B, T, H] (what the next step reads). input_ids [B, T],
         hidden [B, T, H] (fused features or the previous step's output).
@@ -488,7 +529,7 @@ class Eagle3Draft(DraftModule):
             if rows is not None and rows[i] is not None and not checkpointed:
                 hidden = layer(embeds, hidden, cos, sin, cache, mode, rows[i])
             else:
-                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed)  # type: ignore[arg-type]  # self.layers holds DecoderLayers (a ModuleList yields Module)
+                hidden = ttt_layer_call(layer, embeds, hidden, cos, sin, cache, mode, checkpointed=checkpointed)  # type: ignore[arg-type]  # self.layers holds DecoderLayers (a ModuleList yields Module)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -507,7 +548,7 @@ class Eagle3Draft(DraftModule):
         """One draft step: (logits over the draft vocabulary [B, T, Vd], the hidden state [B, T, H] the next step
         reads: `feedback` of the pre-norm output). logits_to_keep > 0: logits of the last that many positions only
         (as in transformers)."""
-        hidden = self.forward_hidden(input_ids, hidden, position_ids, cache, mode)
+        hidden = self.forward_hidden(input_ids, hidden, position_ids, cache, mode=mode)
         return self.logits(hidden[:, -logits_to_keep:]), self.feedback(hidden)
 
 

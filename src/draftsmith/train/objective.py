@@ -20,9 +20,10 @@ evaluation): the loss needs the draft vocabulary alone.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ class Pass:
     """How a training forward runs: its steps, their weights, and what it computes beside the loss."""
 
     ttt_steps: int  # the steps (depths, block proposals) scored
+    normaliser: torch.Tensor  # [K] on the device: step k's loss is its KL sum over normaliser[k]
     step_weight: float = 0.8  # step k's loss weight is step_weight**k
     metrics: bool = True  # the top-1 and acceptance sums (they need the target's full vocabulary)
     mode: str = "ttt"  # the attention: "ttt" (training), "naive" (one explicit mask: tests)
@@ -70,6 +72,19 @@ class Rows(Protocol):
         ...
 
 
+class MapsTensors:
+    """`Rows.map` for an index dataclass: fn applied to each tensor field and to each tensor of a list field."""
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        def apply(value: object) -> object:
+            if isinstance(value, list):
+                return [fn(x) if isinstance(x, torch.Tensor) else x for x in value]
+            return fn(value) if isinstance(value, torch.Tensor) else value
+
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]  # the subclasses are dataclasses
+        return dataclasses.replace(self, **{f.name: apply(getattr(self, f.name)) for f in fields})  # type: ignore[type-var]  # as above
+
+
 class Index(Rows, Protocol[DraftT]):
     """A batch's index, built on the host by its objective: what each step scores, and how the draft is scored."""
 
@@ -79,7 +94,6 @@ class Index(Rows, Protocol[DraftT]):
         input_ids: torch.Tensor,
         aux_hidden: torch.Tensor,
         target: TargetDistribution | TargetStates,
-        normaliser: torch.Tensor,
         run: Pass,
     ) -> TTTResult:
         """The objective's forward over the batch (`ttt_forward`)."""
@@ -290,10 +304,6 @@ class TTTResult:
     #                     acceptance sum_v min(p_target, q_draft) (metrics only), scored positions
 
     @property
-    def kl_sum(self) -> torch.Tensor:
-        return self.sums[KL]
-
-    @property
     def count(self) -> torch.Tensor:
         return self.sums[COUNT]
 
@@ -312,12 +322,10 @@ def score_steps(
     target: TargetDistribution | TargetStates,
     index: Rows,
     run: Pass,
-    normaliser: torch.Tensor,
-    sums: torch.Tensor,
-    loss: torch.Tensor,
 ) -> TTTResult:
     """Each step's hidden states [B, T', H] scored against the target: its scored rows through the draft's head, the
-    KL to the target's distribution (weighted step_weight**k, over normaliser[k]), and the metrics into `sums`."""
+    KL to the target's distribution (weighted step_weight**k, over run.normaliser[k]), and the metrics."""
+    sums, loss = new_sums(index, run)
     target = materialised(target)
     d2t = draft.d2t
     for k, hidden in enumerate(steps):
@@ -326,7 +334,7 @@ def score_steps(
         z = draft.logits(hidden.flatten(0, 1).index_select(0, rows))  # [N_k, Vd]
         top, lse = _top1_logsumexp(z.detach())  # shared by the loss and the metrics
         step_loss = target_kl(z, target, at, lse).sum()
-        loss = loss + (run.step_weight**k) * step_loss / normaliser[k].clamp(min=1).to(step_loss.dtype)
+        loss = loss + step_loss_term(run, k, step_loss)
         sums[KL, k] = step_loss.detach()
         if run.metrics:
             assert target.argmax is not None  # metrics need a full=True distribution
@@ -360,16 +368,21 @@ def ttt_forward(  # noqa: PLR0913 - the forward's tensors and settings, as the t
     is read (unrolled.ttt_hidden_states); the loss is the same. kernel: the attention's ("auto": flex on a GPU,
     chunked elsewhere; `train --attention-kernel`).
     """
-    run = Pass(ttt_steps, step_weight, metrics, mode, checkpointed, live_rows, kernel)
     normaliser = (index.counts if normaliser is None else normaliser).to(input_ids.device)
-    return index.score(draft, input_ids, aux_hidden, target, normaliser, run)
+    run = Pass(ttt_steps, normaliser, step_weight, metrics, mode, checkpointed, live_rows, kernel)
+    return index.score(draft, input_ids, aux_hidden, target, run)
 
 
-def new_sums(index: Rows, ttt_steps: int, device: torch.device) -> torch.Tensor:
-    """TTTResult.sums of a batch before scoring: zeros, and the positions each step scores."""
-    sums = torch.zeros(4, ttt_steps, dtype=torch.float64, device=device)
-    sums[COUNT] = index.counts.to(device)
-    return sums
+def step_loss_term(run: Pass, k: int, step_loss: torch.Tensor) -> torch.Tensor:
+    """Step k's part of the loss: its KL sum `step_loss`, weighted step_weight**k, over its normaliser."""
+    return (run.step_weight**k) * step_loss / run.normaliser[k].clamp(min=1).to(step_loss.dtype)
+
+
+def new_sums(index: Rows, run: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TTTResult.sums, loss) of a batch before scoring: zeros and the positions each step scores; 0 (fp32)."""
+    sums = torch.zeros(4, run.ttt_steps, dtype=torch.float64, device=run.normaliser.device)
+    sums[COUNT] = index.counts.to(sums.device)
+    return sums, run.normaliser.new_zeros((), dtype=torch.float32)
 
 
 def summarise(
@@ -410,12 +423,14 @@ class TTTModel(nn.Module, Generic[DraftT]):
         target: TargetDistribution | TargetStates,
         index: Index[DraftT],
         ttt_steps: int,
-        step_weight: float = 0.8,
+        *,
         normaliser: torch.Tensor | None = None,
+        step_weight: float = 0.8,
         metrics: bool = True,
         mode: str = "ttt",
         checkpointed: bool = False,
     ) -> TTTResult:
+        """`ttt_forward` of the draft with the model's attention kernel; its settings by name."""
         return ttt_forward(
             self.draft,
             input_ids,

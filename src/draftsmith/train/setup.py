@@ -25,6 +25,7 @@ from draftsmith.core import devices, hardware, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
+from draftsmith.core.tensorfile import Samples
 from draftsmith.extract import store as store_mod
 from draftsmith.prepare.dataset import PreparedDataset, open_prepared, split_indices
 from draftsmith.train import checkpoint, distributed
@@ -32,7 +33,6 @@ from draftsmith.train.batches import (
     FeatureSource,
     LayerSubset,
     OnlineSource,
-    StoreFeatures,
     TokenBudgetSampler,
     TrainData,
     default_num_workers,
@@ -82,7 +82,7 @@ RESUMABLE_CHANGES = {
 class Source:
     """The training data, opened and checked against its target."""
 
-    dataset: Any  # store (offline, storage dtype) or prepared set (online): dataset[i] -> dict
+    dataset: Samples | LayerSubset  # store (offline, storage dtype) or prepared set (online): dataset[i] -> dict
     kind: str  # "store" or "prepared"
     identity: TargetIdentity
     target_path: Path
@@ -362,7 +362,7 @@ def feature_source(
     the vLLM engines through the spool (online, --engine vllm: it plans every rank's chunks, so it gets every rank's
     sampler)."""
     if s.kind != "prepared":
-        return StoreFeatures()
+        return FeatureSource()  # the store's own
     if cfg.engine != "vllm":
         return OnlineSource(s.target, s.aux_layer_ids + [s.identity.num_layers])
     ranks = [

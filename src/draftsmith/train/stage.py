@@ -101,7 +101,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         completed = True
     finally:
         steps.close()  # the DataLoader's workers stop
-        r.data.close(completed)  # online engines stop; a completed run's spool is emptied
+        r.data.features.close(completed)  # online engines stop; a completed run's spool is emptied
         progress.close()
         sink.close()
         ledger.close()
@@ -140,7 +140,7 @@ def log_train(
 ) -> dict:
     """A logged step's metrics (its reduced `sums`) into metrics.jsonl and the progress line; returns them."""
     kl, correct, accept, count, weight = *sums, r.cfg.method.depth_weight
-    last_train, source = summarise(kl, correct, accept, count, weight), r.data.metrics()
+    last_train, source = summarise(kl, correct, accept, count, weight), r.data.features.metrics()
     sink.write(
         {
             "type": "train",
@@ -154,7 +154,7 @@ def log_train(
             **source,
         }
     )
-    progress.update(r.state.step, tok_s, last_train, r.data.describe(source))
+    progress.update(r.state.step, tok_s, last_train, r.data.features.describe(source))
     return last_train
 
 
@@ -197,9 +197,9 @@ def forward(
         target,
         batch.index,
         cfg.method.depths,
-        cfg.method.depth_weight,
-        normaliser,
-        metrics,
+        normaliser=normaliser,
+        step_weight=cfg.method.depth_weight,
+        metrics=metrics,
         checkpointed=cfg.activation_checkpointing,
     )
 
@@ -259,7 +259,7 @@ def _summary(r: Run, last_train: dict, last_saved: str | None, tokens_at_start: 
     summary = {
         "mode": "offline (store)" if r.data_kind == "store" else "online (target in the trainer)",
         "precision": resolved_precision(r.info.device, cfg.precision),
-        **r.data.summary(),
+        **r.data.features.summary(),
         "steps": state.step,
         "epochs": state.epoch,
         "tokens": state.tokens,

@@ -19,7 +19,7 @@ n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 from draftsmith.train.block_loss import TargetStates
 from draftsmith.train.model import Eagle3Draft, KVCache
-from draftsmith.train.objective import Pass, TargetDistribution, TTTResult, new_sums, score_steps
+from draftsmith.train.objective import MapsTensors, Pass, TargetDistribution, TTTResult, score_steps
 
 
 @dataclass
-class StepIndex:
+class StepIndex(MapsTensors):
     """Rows of a padded batch [B, T], flattened to b * T + t, that a TTT step reads (built on the host)."""
 
     needed: torch.Tensor  # [N] int64: rows j whose target distribution p_j some step is scored against
@@ -49,7 +49,6 @@ class StepIndex:
         input_ids: torch.Tensor,
         aux_hidden: torch.Tensor,
         target: TargetDistribution | TargetStates,
-        normaliser: torch.Tensor,
         run: Pass,
     ) -> TTTResult:
         """The unrolled objective: `run.ttt_steps` draft steps over the batch, each scored against the target."""
@@ -57,19 +56,7 @@ class StepIndex:
         steps = ttt_hidden_states(
             draft, input_ids, aux_hidden, run.ttt_steps, run.mode, run.checkpointed, run.kernel, index
         )
-        sums = new_sums(self, run.ttt_steps, input_ids.device)
-        loss = aux_hidden.new_zeros((), dtype=torch.float32)
-        return score_steps(draft, steps, target, self, run, normaliser, sums, loss)
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> StepIndex:
-        """The same index with fn applied to every tensor (e.g. a move to the device)."""
-        return StepIndex(
-            fn(self.needed),
-            [fn(x) for x in self.scored],
-            [fn(x) for x in self.target],
-            fn(self.counts),
-            [fn(x) for x in self.live],
-        )
+        return score_steps(draft, steps, target, self, run)
 
 
 @dataclass(frozen=True)

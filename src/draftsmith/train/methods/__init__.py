@@ -13,7 +13,7 @@ method's name.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.train.methods.base import DraftMethod
@@ -44,13 +44,13 @@ def method_of(spec: DraftSpec) -> DraftMethod:
     return method(spec.method)
 
 
-def method_of_config(config: dict[str, Any], where: str = "config.json") -> DraftMethod:
+def method_of_config(config: Mapping[str, object], where: str = "config.json") -> DraftMethod:
     """The method vLLM serves a draft directory's config.json as (each method's `claims`, the most specific first);
     `where` names the file in a refusal."""
     return next(m for m in METHODS.values() if m.claims(config, where))
 
 
-def recorded_spec(draft: dict[str, Any]) -> dict[str, Any]:
+def recorded_spec(draft: dict[str, object]) -> dict[str, object]:
     """A DraftSpec an older draftsmith recorded (manifest format 2), as the methods record it now: P-EAGLE was
     EAGLE-3's method with `parallel_drafting: true`, an EAGLE-3 draft had the flag false."""
     if draft.pop("parallel_drafting", False):

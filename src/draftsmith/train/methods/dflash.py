@@ -10,9 +10,10 @@ draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,16 +25,18 @@ from draftsmith.prepare.vocab import build_draft_vocab
 from draftsmith.train.blocks import Anchors
 from draftsmith.train.dflash_model import DFlashDraft, own_head
 from draftsmith.train.methods.base import (
+    Budget,
     Choose,
     Draft,
     DraftMethod,
     ExportContext,
     Runner,
     VllmNeed,
+    int_at_least,
     llama_config,
     mask_token_id,
-    speculators_config,
-    token_id,
+    section,
+    speculators_file,
 )
 from draftsmith.train.model import DraftSpec
 
@@ -47,15 +50,15 @@ def block_options(cfg: TrainConfig) -> BlockOptions:
     return cfg.method
 
 
-def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int | None:
+def dflash_block_size(config: Mapping[str, object], where: str = "config.json") -> int | None:
     """The one rule for "is this draft DFlash": its block size, read from a draft directory's config.json (vLLM's
     layout: a `dflash_config`, the block size beside it; speculators': speculators_model_type "dflash"); None for any
     other draft. vLLM drafts block_size - 1 tokens a round with it."""
     layer = _layer_config(config)
     if layer is None:
         return None
-    size = config.get("block_size", layer.get("block_size", (layer.get("dflash_config") or {}).get("block_size")))
-    if not isinstance(size, int) or isinstance(size, bool) or size < 2:
+    size = config.get("block_size", layer.get("block_size", section(layer, "dflash_config").get("block_size")))
+    if not int_at_least(size, 2):
         raise DraftsmithError(
             f"{where}: a DFlash draft with block_size {size!r}; vLLM drafts block_size - 1 tokens "
             "a round, so the config must say the block size the draft was trained with"
@@ -63,13 +66,31 @@ def dflash_block_size(config: dict[str, Any], where: str = "config.json") -> int
     return size
 
 
-def _layer_config(config: dict[str, Any]) -> dict[str, Any] | None:
+def _layer_config(config: Mapping[str, object]) -> Mapping[str, object] | None:
     """The drafter's own config inside a DFlash config.json (vLLM's layout: the file itself; speculators': its
     transformer_layer_config), None when the file is no DFlash config."""
     kind = config.get("speculators_model_type")
     if kind is not None:
-        return (config.get("transformer_layer_config") or {}) if kind == "dflash" else None
+        return section(config, "transformer_layer_config") if kind == "dflash" else None
     return config if "dflash_config" in config else None
+
+
+def qwen3_config(spec: DraftSpec, ctx: ExportContext) -> dict[str, object]:
+    """A block drafter's decoder as the Qwen3 config vLLM's DFlash and DSpark models read: `llama_config` (its fc
+    sized by the target layers the config names instead), the target's special tokens, the dtype."""
+    qwen3 = {**llama_config(spec), **ctx.special_tokens, "torch_dtype": ctx.torch_dtype, "model_type": "qwen3"}
+    del qwen3["num_aux_hidden_states"]
+    return qwen3
+
+
+def block_mask_token(token: object, key: str, spec: DraftSpec, where: str) -> int:
+    """The mask token a block drafter's config.json names (at `key`), refused in one line unless a target token id."""
+    if not int_at_least(token, 0) or token >= spec.vocab_size:
+        raise DraftsmithError(
+            f"{where}: {key} {token!r} is not a target token id (0..{spec.vocab_size - 1}); vLLM embeds it at every "
+            "mask position of a block"
+        )
+    return token
 
 
 def reduced_vocab_size(cfg: TrainConfig, vocab_size: int) -> int | None:
@@ -83,7 +104,10 @@ class DFlash(DraftMethod):
     name = "dflash"
     kind = "DFlash"
     module = DFlashDraft
-    formats = ("vllm", "speculators")
+    refusals = {
+        "sglang": "draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through its own draft layout, not "
+        "this one); export as vllm or speculators"
+    }
     vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
     vllm_needs = (
         VllmNeed(
@@ -102,24 +126,30 @@ class DFlash(DraftMethod):
         return dflash_aux_layer_ids(num_target_layers, num_layers)
 
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """Blocks of --block-size; the target's vocabulary and lm_head (coverage 1), or, when --draft-vocab-size is
         given (`reduced_vocab_size`), EAGLE-3's draft vocabulary: the most frequent of the loss-masked `counts`, its
         own lm_head from the target's rows of it (--lm-head-init)."""
-        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
         size = reduced_vocab_size(cfg, len(counts))
-        spec = DraftSpec.from_target_config(target_config, size or len(counts), cfg.num_layers, aux_layer_ids)
-        spec = spec.model_copy(
-            update=dict(
-                method=self.name, block_size=block_options(cfg).block_size, mask_token_id=mask_token_id(target_config)
-            )
-        )
+        spec = self.block_spec(cfg, target_config, size or len(counts), aux_layer_ids)
         if size is None:
             return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
         vocab = build_draft_vocab(counts, size)
         draft = DFlashDraft.from_target(spec, target, cfg.seed, vocab.draft_to_target, cfg.lm_head_init)
         return draft, spec, vocab.coverage
+
+    def block_spec(
+        self, cfg: TrainConfig, target_config: dict, vocab_size: int, aux_layer_ids: list[int], **fields: int
+    ) -> DraftSpec:
+        """A fresh draft's spec: the target's shapes, --num-layers, blocks of --block-size reading the target's mask
+        token, this method's `fields`."""
+        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
+        spec = DraftSpec.from_target_config(target_config, vocab_size, cfg.num_layers, aux_layer_ids)
+        block = block_options(cfg).block_size
+        return spec.model_copy(
+            update=dict(method=self.name, block_size=block, mask_token_id=mask_token_id(target_config), **fields)
+        )
 
     def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
         """Its block size is --block-size's."""
@@ -138,7 +168,7 @@ class DFlash(DraftMethod):
         return Anchors(options.block_size, options.anchors_per_sample, cfg.seed, from_anchor=options.silent_rows == 0)
 
     def quickstart_options(
-        self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
+        self, budget: Budget, ks: Sequence[int], num_target_layers: Callable[[], int]
     ) -> tuple[list[int] | None, dict[str, Any]]:
         """The budget's blocks, layers and anchors; the store holds the target layers the draft reads."""
         block, layers, anchors = budget.dflash
@@ -160,20 +190,15 @@ class DFlash(DraftMethod):
 
     # -- export and serving
 
-    def export_speculative_tokens(self, spec: DraftSpec, asked: int) -> int:
-        return self.round_tokens(spec, asked)
-
     def layer0_prefix(self, fmt: str) -> str:
         return "layers.0."  # vLLM's DFlash loader reads the module's own names
 
-    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         """vLLM's qwen3_dflash layout (a Qwen3 config, the target's vocabulary, dflash_config with the mask token and
         the target layers numbered as decoder-layer outputs: vLLM's ids minus one, vllm#40727); speculators' dflash
         type wraps it (vLLM's reader, speculators/algos.py update_dflash, builds the vllm config from it)."""
-        qwen3 = {**llama_config(spec), **ctx.special_tokens, "torch_dtype": ctx.torch_dtype}
-        del qwen3["num_aux_hidden_states"]
+        qwen3 = qwen3_config(spec, ctx)
         qwen3.update(
-            model_type="qwen3",
             num_target_layers=ctx.num_target_layers,
             block_size=spec.block_size,
             target_hidden_size=spec.target_hidden_size,
@@ -186,47 +211,30 @@ class DFlash(DraftMethod):
             qwen3["draft_vocab_size"] = spec.draft_vocab_size
         if fmt == "vllm":
             return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
-        return {
-            "architectures": ["DFlashSpeculator"],
-            "speculators_model_type": "dflash",
-            "torch_dtype": ctx.torch_dtype,
-            "transformer_layer_config": qwen3,
+        fields = {
             "draft_vocab_size": spec.draft_vocab_size if own_head(spec) else spec.vocab_size,
             "target_hidden_size": spec.target_hidden_size,
             "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
             "mask_token_id": spec.mask_token_id,
             "block_size": spec.block_size,
-            "speculators_config": speculators_config("dflash", ctx),
-            "draftsmith_version": ctx.version,
         }
+        return speculators_file("DFlashSpeculator", "dflash", ctx, qwen3, fields)
 
-    def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: draftsmith writes no SGLang DFlash draft (SGLang serves DFlash "
-                "through its own draft layout, not this one); export as vllm or speculators"
-            )
-        super().check_export(spec, fmt)
-
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         return dflash_block_size(config, where) is not None
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         """The mask token and block size its config.json names, as vLLM serves it."""
         size = dflash_block_size(config, where)
         layer = _layer_config(config)
         assert size is not None and layer is not None  # the registry asked `claims`
-        token = (layer.get("dflash_config") or {}).get("mask_token_id", config.get("mask_token_id"))
-        if not isinstance(token, int) or not token_id(token) or token >= spec.vocab_size:
-            raise DraftsmithError(
-                f"{where}: dflash_config.mask_token_id {token!r} is not a target token id "
-                f"(0..{spec.vocab_size - 1}); vLLM embeds it at every mask position of a block"
-            )
+        token = section(layer, "dflash_config").get("mask_token_id", config.get("mask_token_id"))
+        token = block_mask_token(token, "dflash_config.mask_token_id", spec, where)
         return spec.model_copy(update={"method": self.name, "block_size": size, "mask_token_id": token})
 
-    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+    def speculative_config(self, draft_dir: str, k: int, config: Mapping[str, object]) -> dict[str, object]:
         """One block a round, whatever k was asked."""
         block = dflash_block_size(config, f"{draft_dir}/config.json")
         assert block is not None  # the registry asked `claims`

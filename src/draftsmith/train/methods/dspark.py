@@ -22,8 +22,10 @@ the fused whole-vocabulary KL, and trains the confidence head towards each row's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,12 +40,11 @@ from draftsmith.train.methods.base import (
     ExportContext,
     Runner,
     VllmNeed,
-    llama_config,
-    mask_token_id,
-    speculators_config,
-    token_id,
+    int_at_least,
+    section,
+    speculators_file,
 )
-from draftsmith.train.methods.dflash import DFlash, block_options
+from draftsmith.train.methods.dflash import DFlash, block_mask_token, block_options, qwen3_config
 from draftsmith.train.model import DraftSpec
 
 if TYPE_CHECKING:
@@ -66,17 +67,18 @@ COPIED = (
 )
 
 
-def as_vllm_reads(config: dict[str, Any]) -> dict[str, Any] | None:
+def as_vllm_reads(config: Mapping[str, object]) -> Mapping[str, object] | None:
     """A draft directory's config.json as vLLM reads a DSpark draft from it: vLLM's layout (architectures
     Qwen3DSparkModel) as it is, speculators' `dspark` type turned into that layout as vLLM's reader does (its
     transformer_layer_config, the DSpark keys copied, `sample_from_anchor` False when missing); None for any other
     draft."""
     kind = config.get("speculators_model_type")
     if kind is None:
-        return config if ARCHITECTURE in (config.get("architectures") or []) else None
+        architectures = config.get("architectures")
+        return config if isinstance(architectures, list) and ARCHITECTURE in architectures else None
     if kind != "dspark":
         return None
-    read = dict(config.get("transformer_layer_config") or {})
+    read = dict(section(config, "transformer_layer_config"))
     read.update({key: config[key] for key in COPIED if config.get(key) is not None})
     read["sample_from_anchor"] = config.get("sample_from_anchor", False)
     aux = config.get("aux_hidden_state_layer_ids")
@@ -85,15 +87,15 @@ def as_vllm_reads(config: dict[str, Any]) -> dict[str, Any] | None:
     return read
 
 
-def _int_at_least(value: Any, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 class DSpark(DFlash):
     name = "dspark"
     kind = "DSpark"
     module = DSparkDraft
     serves_on_cpu = False  # vLLM's GPU model runner V2 only
+    refusals = {
+        "sglang": "draftsmith writes no SGLang DSpark draft (SGLang has no DSpark drafter); export as vllm or "
+        "speculators"
+    }
     vllm_needs = (
         VllmNeed(
             "dspark",
@@ -107,20 +109,11 @@ class DSpark(DFlash):
     # -- training
 
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """DFlash's fresh draft (the target's vocabulary and lm_head, blocks of --block-size) with the Markov and
         confidence heads of rank 256."""
-        assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-        spec = DraftSpec.from_target_config(target_config, len(counts), cfg.num_layers, aux_layer_ids)
-        spec = spec.model_copy(
-            update=dict(
-                method=self.name,
-                block_size=block_options(cfg).block_size,
-                mask_token_id=mask_token_id(target_config),
-                markov_rank=DEFAULT_MARKOV_RANK,
-            )
-        )
+        spec = self.block_spec(cfg, target_config, len(counts), aux_layer_ids, markov_rank=DEFAULT_MARKOV_RANK)
         return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
 
     def starts_from(self, other: DraftMethod) -> bool:
@@ -180,13 +173,11 @@ class DSpark(DFlash):
 
     # -- export and serving
 
-    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         """vLLM's layout: the Qwen3 config of the drafter (every layer full attention: the block sees itself whole)
         with the DSpark keys, as vLLM's speculators reader builds it; speculators' `dspark` type wraps the same
         (transformer_layer_config, the DSpark keys at the top, aux layers in vLLM's ids)."""
-        qwen3 = {**llama_config(spec), **ctx.special_tokens, "torch_dtype": ctx.torch_dtype}
-        del qwen3["num_aux_hidden_states"]
-        qwen3.update(model_type="qwen3", layer_types=["full_attention"] * spec.num_hidden_layers)
+        qwen3 = {**qwen3_config(spec, ctx), "layer_types": ["full_attention"] * spec.num_hidden_layers}
         dspark = {
             "draft_vocab_size": spec.vocab_size,
             "target_hidden_size": spec.target_hidden_size,
@@ -207,30 +198,14 @@ class DSpark(DFlash):
                 "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
                 "target_layer_ids": [i - 1 for i in spec.aux_layer_ids],
             }
-        return {
-            "architectures": [SPECULATORS_ARCHITECTURE],
-            "speculators_model_type": "dspark",
-            "torch_dtype": ctx.torch_dtype,
-            "transformer_layer_config": qwen3,
-            "aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
-            **dspark,
-            "speculators_config": speculators_config("dspark", ctx),
-            "draftsmith_version": ctx.version,
-        }
+        fields = {"aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **dspark}
+        return speculators_file(SPECULATORS_ARCHITECTURE, "dspark", ctx, qwen3, fields)
 
-    def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: draftsmith writes no SGLang DSpark draft (SGLang has no DSpark drafter); export as "
-                "vllm or speculators"
-            )
-        super().check_export(spec, fmt)
-
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         return as_vllm_reads(config) is not None
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         """The block size, mask token and Markov rank its config.json names as vLLM reads it; a layout draftsmith's
         DSpark is not (the anchor not predicting, another Markov head, a confidence head without the Markov
@@ -245,7 +220,7 @@ class DSpark(DFlash):
                 "bonus token, not the anchor-predicting block this DSpark draft was trained for; write "
                 "sample_from_anchor: true"
             )
-        if not _int_at_least(size, 2):
+        if not int_at_least(size, 2):
             raise DraftsmithError(f"{where}: a DSpark draft with block_size {size!r}; it must name its block (>= 2)")
         if read.get("markov_head_type", MARKOV_HEAD_TYPE) != MARKOV_HEAD_TYPE:
             raise DraftsmithError(
@@ -253,7 +228,7 @@ class DSpark(DFlash):
                 "Markov head only"
             )
         w1 = tensors.get("markov_head.markov_w1.weight")
-        if not _int_at_least(rank, 1) or (w1 is not None and w1.shape[-1] != rank):
+        if not int_at_least(rank, 1) or (w1 is not None and w1.shape[-1] != rank):
             shape = "" if w1 is None else f", but markov_head.markov_w1.weight is {list(w1.shape)}"
             raise DraftsmithError(
                 f"{where}: markov_rank {rank!r}{shape}; vLLM sizes the Markov head from it, so it must be the rank "
@@ -264,19 +239,15 @@ class DSpark(DFlash):
                 f"{where}: a confidence head without confidence_head_with_markov: true; this DSpark draft's head "
                 "reads the Markov embedding too (confidence_head.proj [1, hidden + markov_rank])"
             )
-        token = (read.get("dflash_config") or {}).get("mask_token_id")  # vLLM's order (get_parallel_drafting_token_id)
+        token = section(read, "dflash_config").get("mask_token_id")  # vLLM's order (get_parallel_drafting_token_id)
         for key in ("mask_token_id", "dspark_noise_token_id"):
             token = read.get(key) if token is None else token
-        if not isinstance(token, int) or not token_id(token) or token >= spec.vocab_size:
-            raise DraftsmithError(
-                f"{where}: mask_token_id {token!r} is not a target token id (0..{spec.vocab_size - 1}); vLLM embeds "
-                "it at every mask position of a block"
-            )
+        token = block_mask_token(token, "mask_token_id", spec, where)
         return spec.model_copy(
             update={"method": self.name, "block_size": size, "mask_token_id": token, "markov_rank": rank}
         )
 
-    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+    def speculative_config(self, draft_dir: str, k: int, config: Mapping[str, object]) -> dict[str, object]:
         """One block a round, every row a proposal, whatever k was asked."""
         read = as_vllm_reads(config)
         assert read is not None  # the registry asked `claims`

@@ -7,8 +7,10 @@ The module is `train.model.Eagle3Draft` (vLLM's `Eagle3LlamaForCausalLM` weights
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from draftsmith.train.methods.base import (
     ExportContext,
     Runner,
     llama_config,
-    speculators_config,
+    speculators_file,
 )
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 
@@ -43,7 +45,7 @@ class Eagle3(DraftMethod):
     # -- training
 
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: Any, aux_layer_ids: list[int]
+        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """A fresh EAGLE-3 draft (`adopt` makes it this method's): the draft vocabulary the most frequent of the
         loss-masked `counts`, the lm_head from the target's rows of it (--lm-head-init target)."""
@@ -68,7 +70,7 @@ class Eagle3(DraftMethod):
         new.load_state_dict(tensors, strict=True)
         return new, spec
 
-    def spec_fields(self, target_config: dict) -> dict[str, Any]:
+    def spec_fields(self, target_config: dict) -> dict[str, object]:
         """The DraftSpec fields that make an EAGLE-family spec this method's (EAGLE-3: no mask token, no norms of
         Eagle 3.1)."""
         return {"mask_token_id": None, "fc_norm": False, "norm_output": False}
@@ -106,30 +108,18 @@ class Eagle3(DraftMethod):
                 "layer-id convention; export as vllm or speculators"
             )
 
-    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, Any]:
+    def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         llama = {**llama_config(spec), **ctx.special_tokens}
-        if fmt == "speculators":
-            return {
-                "architectures": [self.speculators_architecture],
-                "speculators_model_type": self.speculators_type,
-                "torch_dtype": ctx.torch_dtype,
-                "transformer_layer_config": {**llama, "torch_dtype": ctx.torch_dtype},
-                "draft_vocab_size": spec.draft_vocab_size,
-                "target_hidden_size": spec.target_hidden_size,
-                "norm_before_residual": False,
-                "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
-                **self.speculators_extra(spec),
-                "speculators_config": speculators_config(self.speculators_type, ctx),
-                "draftsmith_version": ctx.version,
-            }
-        config = {
-            "architectures": [VLLM_ARCHITECTURE],
-            **llama,
-            "torch_dtype": ctx.torch_dtype,
+        draft = {
             "draft_vocab_size": spec.draft_vocab_size,
             "target_hidden_size": spec.target_hidden_size,
             "norm_before_residual": False,
         }
+        if fmt == "speculators":
+            aux = {"eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **self.speculators_extra(spec)}
+            layer = {**llama, "torch_dtype": ctx.torch_dtype}
+            return speculators_file(self.speculators_architecture, self.speculators_type, ctx, layer, {**draft, **aux})
+        config = {"architectures": [VLLM_ARCHITECTURE], **llama, "torch_dtype": ctx.torch_dtype, **draft}
         if fmt == "vllm":
             return {**config, "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids), **self.vllm_extra(spec)}
         # SGLang reads the aux layers from eagle_config and adds 1 to each: its id k is the output of layer k
@@ -139,19 +129,19 @@ class Eagle3(DraftMethod):
         }
         return config
 
-    def vllm_extra(self, spec: DraftSpec) -> dict[str, Any]:
+    def vllm_extra(self, spec: DraftSpec) -> dict[str, object]:
         """What this method adds to the vllm format's config.json."""
         return {}
 
-    def speculators_extra(self, spec: DraftSpec) -> dict[str, Any]:
+    def speculators_extra(self, spec: DraftSpec) -> dict[str, object]:
         """What this method adds to the speculators format's config.json."""
         return {}
 
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         return True  # the registry asks it last: every other EAGLE-style config
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         if "mask_hidden" in tensors:
             raise DraftsmithError(

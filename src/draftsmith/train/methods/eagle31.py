@@ -12,7 +12,8 @@ An EAGLE-3 (or Eagle 3.1) draft can start a run: its weights are kept, fc_norm s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,7 +32,10 @@ FLAGS = ("fc_norm", "norm_output")  # vLLM's config.json keys, and DraftSpec's f
 class Eagle31(Eagle3):
     name = "eagle3.1"
     kind = "Eagle 3.1"
-    formats = ("vllm", "speculators")
+    refusals = {
+        "sglang": "SGLang's EAGLE-3 draft has no fc_norm / norm_output, so it cannot serve this Eagle 3.1 draft; "
+        "export as vllm or speculators"
+    }
     vllm_needs = (
         VllmNeed(
             "eagle31",
@@ -42,32 +46,24 @@ class Eagle31(Eagle3):
         ),
     )
 
-    def spec_fields(self, target_config: dict) -> dict[str, Any]:
+    def spec_fields(self, target_config: dict) -> dict[str, object]:
         return {**super().spec_fields(target_config), **dict.fromkeys(FLAGS, True)}
 
     def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
         """fc_norm at ones: an EAGLE-3 draft starts out reading its layers normed."""
         return {name: torch.ones_like(t) for name, t in draft.state_dict().items() if name.startswith("fc_norm.")}
 
-    def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: SGLang's EAGLE-3 draft has no fc_norm / norm_output, so it cannot serve this "
-                "Eagle 3.1 draft; export as vllm or speculators"
-            )
-        super().check_export(spec, fmt)
-
-    def vllm_extra(self, spec: DraftSpec) -> dict[str, Any]:
+    def vllm_extra(self, spec: DraftSpec) -> dict[str, object]:
         return {flag: True for flag in FLAGS}
 
-    def speculators_extra(self, spec: DraftSpec) -> dict[str, Any]:
+    def speculators_extra(self, spec: DraftSpec) -> dict[str, object]:
         return {flag: True for flag in FLAGS}  # vLLM's eagle3 reader (speculators/algos.py) copies both
 
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         return any(bool(config.get(flag)) for flag in FLAGS)
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         """vLLM reads the two flags apart; draftsmith trains them together and refuses one without the other."""
         missing = [flag for flag in FLAGS if not config.get(flag)]

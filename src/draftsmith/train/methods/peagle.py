@@ -11,7 +11,7 @@ pard_token). SGLang has no parallel drafting.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from draftsmith.config.methods import PEagleOptions
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract.vllm.readers import PARALLEL_DRAFTING_ROW
-from draftsmith.train.methods.base import Choose, Runner, VllmNeed, mask_token_id, token_id
+from draftsmith.train.methods.base import Budget, Choose, Runner, VllmNeed, int_at_least, mask_token_id, section
 from draftsmith.train.methods.eagle3 import Eagle3
 from draftsmith.train.model import DraftSpec, Eagle3Draft
 from draftsmith.train.unrolled import COD, Unrolled
@@ -36,7 +36,7 @@ SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
 MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
 
 
-def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") -> int | None:
+def parallel_drafting_token(config: Mapping[str, object], where: str = "config.json") -> int | None:
     """The one rule for "is this draft P-EAGLE": the mask token a draft directory's config.json names, as vLLM
     reads it; None for any other draft.
 
@@ -54,12 +54,12 @@ def parallel_drafting_token(config: dict[str, Any], where: str = "config.json") 
                 "mask_token_id, which vLLM's reader requires; set it to the token the draft's "
                 "parallel slots were trained on"
             )
-        config = {**(config.get("transformer_layer_config") or {}), "pard_token": config["mask_token_id"]}
+        config = {**section(config, "transformer_layer_config"), "pard_token": config["mask_token_id"]}
     for key in MASK_TOKEN_KEYS:
         if key not in config or (key == "mask_token_id" and config[key] is None):
             continue
         token = config[key]
-        if not token_id(token):
+        if not int_at_least(token, 0):
             raise DraftsmithError(
                 f"{where}: {key} {token!r} is not a token id; vLLM's parallel drafting reads this "
                 "P-EAGLE draft's mask token from it"
@@ -73,7 +73,7 @@ class PEagle(Eagle3):
     kind = "P-EAGLE"
     speculators_type = "peagle"
     speculators_architecture = SPECULATORS_ARCHITECTURE
-    formats = ("vllm", "speculators")
+    refusals = {"sglang": "SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"}
     vllm_needs = (
         VllmNeed(
             "parallel_drafting",
@@ -86,7 +86,7 @@ class PEagle(Eagle3):
 
     # -- training
 
-    def spec_fields(self, target_config: dict) -> dict[str, Any]:
+    def spec_fields(self, target_config: dict) -> dict[str, object]:
         return {**super().spec_fields(target_config), "mask_token_id": mask_token_id(target_config)}
 
     def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
@@ -109,7 +109,7 @@ class PEagle(Eagle3):
         return cfg.method.depths
 
     def quickstart_options(
-        self, budget: Any, ks: Sequence[int], num_target_layers: Callable[[], int]
+        self, budget: Budget, ks: Sequence[int], num_target_layers: Callable[[], int]
     ) -> tuple[list[int] | None, dict[str, Any]]:
         """Every evaluated k reaches trained parallel slots (at least 2 depths)."""
         layers, options = super().quickstart_options(budget, ks, num_target_layers)
@@ -139,10 +139,6 @@ class PEagle(Eagle3):
     # -- export and serving
 
     def check_export(self, spec: DraftSpec, fmt: str) -> None:
-        if fmt == "sglang":
-            raise DraftsmithError(
-                "format sglang: SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"
-            )
         super().check_export(spec, fmt)
         if spec.mask_token_id is None or not 0 <= spec.mask_token_id < spec.vocab_size:
             raise DraftsmithError(
@@ -150,17 +146,17 @@ class PEagle(Eagle3):
                 f"token id (0..{spec.vocab_size - 1}); vLLM's parallel slots embed that token"
             )
 
-    def vllm_extra(self, spec: DraftSpec) -> dict[str, Any]:
+    def vllm_extra(self, spec: DraftSpec) -> dict[str, object]:
         return {"ptd_token_id": spec.mask_token_id}  # the token vLLM's parallel drafting embeds in every slot
 
-    def speculators_extra(self, spec: DraftSpec) -> dict[str, Any]:
+    def speculators_extra(self, spec: DraftSpec) -> dict[str, object]:
         return {"mask_token_id": spec.mask_token_id}  # vLLM's P-EAGLE reader requires it (its pard_token)
 
-    def claims(self, config: dict[str, Any], where: str) -> bool:
+    def claims(self, config: Mapping[str, object], where: str) -> bool:
         return parallel_drafting_token(config, where) is not None
 
     def spec_from_config(
-        self, spec: DraftSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], where: str
+        self, spec: DraftSpec, config: Mapping[str, object], tensors: dict[str, torch.Tensor], where: str
     ) -> DraftSpec:
         token = parallel_drafting_token(config, where)
         assert token is not None  # the registry asked `claims`
@@ -177,7 +173,7 @@ class PEagle(Eagle3):
             )
         return spec.model_copy(update={"method": self.name, "mask_token_id": token})
 
-    def speculative_config(self, draft_dir: str, k: int, config: dict[str, Any]) -> dict[str, Any]:
+    def speculative_config(self, draft_dir: str, k: int, config: Mapping[str, object]) -> dict[str, object]:
         return {**super().speculative_config(draft_dir, k, config), "parallel_drafting": True}
 
     def title(self, spec: DraftSpec) -> str:
