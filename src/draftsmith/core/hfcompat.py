@@ -116,8 +116,9 @@ def read_json_object(file: Path) -> dict[str, object] | None:
 def fast_tokenizer_under_unknown_name(path: Path) -> bool:
     """Whether a directory's tokenizer is a plain tokenizer.json under a fast-tokenizer class name this transformers
     does not have (TokenizersBackend in 4.x), so PreTrainedTokenizerFast reads it as what it is."""
-    name = str((read_json_object(Path(path) / "tokenizer_config.json") or {}).get("tokenizer_class"))
-    return name in _FAST_TOKENIZER_ALIASES and not has_class(name) and (Path(path) / "tokenizer.json").is_file()
+    name = (read_json_object(Path(path) / "tokenizer_config.json") or {}).get("tokenizer_class")
+    known = isinstance(name, str) and name in _FAST_TOKENIZER_ALIASES and not has_class(name)
+    return known and (Path(path) / "tokenizer.json").is_file()
 
 
 def _rewrite_json(file: Path, transform: Callable[[dict], dict | None]) -> bool:
