@@ -81,13 +81,23 @@ def worker(cfg: dict) -> dict:
     import draftsmith
     from draftsmith.core import assets, targets
     from draftsmith.core.layers import dflash_aux_layer_ids
-    from draftsmith.train.model import DraftSpec
 
     try:
-        from draftsmith.train.dflash_model import DFlashDraft  # since 8128af8
-    except ImportError:  # 037a87d, the default 'before' tree
-        from draftsmith.train.model import DFlashDraft  # type: ignore[attr-defined, no-redef]
-    from draftsmith.train.blocks import Anchors, block_index
+        from draftsmith.methods.dflash.modeling import DFlashDraft  # the method packages
+        from draftsmith.methods.spec import DraftSpec
+    except ImportError:  # a tree before them
+        from draftsmith.train.model import DraftSpec  # type: ignore[no-redef]
+
+        try:
+            from draftsmith.train.dflash_model import DFlashDraft  # type: ignore[no-redef]  # since 8128af8
+        except ImportError:  # 037a87d, the default 'before' tree
+            from draftsmith.train.model import DFlashDraft  # type: ignore[attr-defined, no-redef]
+    from draftsmith.train.blocks import block_index
+
+    try:
+        from draftsmith.methods.objective import Anchors  # the method packages
+    except ImportError:  # a tree before them
+        from draftsmith.train.blocks import Anchors  # type: ignore[no-redef]
     from draftsmith.train.objective import TargetHead, TTTModel, summarise
 
     try:
@@ -108,13 +118,13 @@ def worker(cfg: dict) -> dict:
         cfg.get("method") == "dspark"
     )  # DSpark's draft (this tree only): DFlash's with the Markov and confidence heads
     if dspark:
-        from draftsmith.train.dspark_model import DSparkDraft
-        from draftsmith.train.methods.dspark import DEFAULT_MARKOV_RANK
+        from draftsmith.methods.dspark.method import DEFAULT_MARKOV_RANK
+        from draftsmith.methods.dspark.modeling import DSparkDraft
 
         spec = spec.model_copy(update=dict(method="dspark", markov_rank=DEFAULT_MARKOV_RANK))
         draft = DSparkDraft.from_target(spec, parts, 0)
     elif cfg.get("draft_vocab_size"):  # a reduced draft vocabulary (this tree only)
-        from draftsmith.prepare.vocab import build_draft_vocab
+        from draftsmith.methods.vocab import build_draft_vocab
 
         sample = torch.randint(0, spec.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
         counts = np.bincount(sample[0, seq // 4 :].numpy(), minlength=spec.vocab_size)  # the loss-masked tokens'

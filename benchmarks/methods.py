@@ -78,8 +78,9 @@ def parse_ks(text: str) -> list[int]:
 def block_size(method: str, k: int) -> int | None:
     """The block a block method (DFlash, DSpark) is trained with so that a round proposes k tokens (its block's
     proposals: DFlash's masks, block_size - 1; DSpark's rows, block_size), as `train` sizes it
-    (config.methods.BlockOptions.silent_rows: the rows of a block that propose nothing); None for any other method."""
-    from draftsmith.config.methods import BlockOptions, options_class
+    (methods.options.BlockOptions.silent_rows: the rows of a block that propose nothing); None for any other method."""
+    from draftsmith.config.methods import options_class
+    from draftsmith.methods.options import BlockOptions
 
     options = options_class(method)
     return k + options.silent_rows if issubclass(options, BlockOptions) else None
@@ -90,7 +91,7 @@ def store_layers(methods: tuple[str, ...], num_target_layers: int, block_layers:
     (`DraftMethod.default_aux_layer_ids`: a block drafter's spread over --dflash-layers layers), else extract's
     default (2, N/2, N-3); the one store holds their union."""
     from draftsmith.core.layers import resolve_layer_ids
-    from draftsmith.train.methods import method as draft_method
+    from draftsmith.methods import method as draft_method
 
     default = resolve_layer_ids(None, num_target_layers)[:-1]
     return {m: draft_method(m).default_aux_layer_ids(num_target_layers, block_layers) or list(default) for m in methods}
@@ -654,9 +655,9 @@ def main() -> None:
     from draftsmith.core import targets
     from draftsmith.evaluate import vllm_runner
     from draftsmith.extract import stage as extract
+    from draftsmith.methods.artefact import load_draft, resolve_draft_target
     from draftsmith.prepare.dataset import open_prepared
     from draftsmith.train import stage as train
-    from draftsmith.train.drafts import load_draft, resolve_draft_target
 
     if args.threads:
         torch.set_num_threads(args.threads)

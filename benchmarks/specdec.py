@@ -65,8 +65,10 @@ def quick_trained_draft() -> Path:
 def random_draft_source(target_path: Path, draft_vocab_size: int = 8000):
     """An untrained draft (random weights, lm_head from the target's rows) as a DraftSource."""
     from draftsmith.core import layers, targets
-    from draftsmith.train.drafts import DraftSource
-    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+    from draftsmith.methods.artefact import DraftSource
+    from draftsmith.methods.eagle3.modeling import Eagle3Draft
+    from draftsmith.methods.layers import draft_tensors
+    from draftsmith.methods.spec import DraftSpec
 
     config = json.loads((target_path / "config.json").read_text())
     model = targets.load_target(target_path)
@@ -99,7 +101,7 @@ def main() -> None:
     from draftsmith.core import targets
     from draftsmith.evaluate import build_draft_module, evaluate_reference, resolve_evaluation_target
     from draftsmith.evaluate.prompts import load_prompts
-    from draftsmith.train.drafts import load_draft
+    from draftsmith.methods.artefact import load_draft
 
     ks = [int(x) for x in args.k.split(",")] if args.k else ([3] if args.quick else [1, 2, 3, 4, 5])
     num_prompts = args.num_prompts or (4 if args.quick else 20)

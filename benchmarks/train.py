@@ -34,7 +34,8 @@ import time
 
 import torch
 
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.spec import DraftSpec
 from draftsmith.train.objective import TargetHead, TTTModel
 from draftsmith.train.unrolled import step_index
 

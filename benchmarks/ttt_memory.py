@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ATTENTION_PY = REPO / "src" / "draftsmith" / "train" / "attention.py"
+ATTENTION_PY = REPO / "src" / "draftsmith" / "methods" / "attention.py"
 SHAPES = {
     "8b": dict(heads=32, kv_heads=8, head_dim=128),  # Llama-3.1-8B-shaped draft
     "default": dict(heads=9, kv_heads=3, head_dim=64),  # the default target's (hidden 576)
@@ -53,7 +53,13 @@ def load_kernel(kernel: str, chunk: int | None):
         try:
             return importlib.import_module("draftsmith.model").ttt_attention  # db7d796
         except (ImportError, AttributeError):
-            return importlib.import_module("draftsmith.train.attention").ttt_attention
+            pass
+        for name in ("draftsmith.methods.attention", "draftsmith.train.attention"):  # this layout, then before it
+            try:
+                return importlib.import_module(name).ttt_attention
+            except ImportError:
+                continue
+        raise ImportError("no ttt_attention in the baseline tree")
     # This tree's module, loaded by path: it needs torch only, and stays clear of the package's other imports.
     spec = importlib.util.spec_from_file_location("ttt_attention_under_test", ATTENTION_PY)
     module = importlib.util.module_from_spec(spec)

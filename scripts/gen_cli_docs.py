@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from draftsmith import config
 from draftsmith.cli import app
-from draftsmith.config.methods import OPTIONS
+from draftsmith.methods import OPTIONS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 CLI_DIR = "reference/cli"

@@ -126,7 +126,9 @@ def random_eagle3_export(target_dir: Path, out: Path, aux_layer_ids: tuple[int, 
 
     from draftsmith import export
     from draftsmith.core import targets
-    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+    from draftsmith.methods.eagle3.modeling import Eagle3Draft
+    from draftsmith.methods.layers import draft_tensors
+    from draftsmith.methods.spec import DraftSpec
 
     config = json.loads((target_dir / "config.json").read_text())
     spec = DraftSpec.from_target_config(config, 128, 1, list(aux_layer_ids))

@@ -10,14 +10,15 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from draftsmith.train import attention
-from draftsmith.train.attention import (
+from draftsmith.methods import attention
+from draftsmith.methods.attention import (
+    KVCache,
     chunked_causal_attention,
     flex_causal_attention,
     naive_ttt_attention,
     ttt_attention,
 )
-from draftsmith.train.model import DecoderLayer, KVCache, ttt_layer_call
+from draftsmith.methods.eagle3.modeling import DecoderLayer, ttt_layer_call
 
 F64 = dict(atol=1e-10, rtol=1e-10)
 

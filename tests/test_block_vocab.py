@@ -23,15 +23,17 @@ from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core import targets
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
-from draftsmith.prepare.vocab import build_draft_vocab
-from draftsmith.train import blocks, checkpoint, objective
+from draftsmith.methods import draft_dir
+from draftsmith.methods.artefact import draft_module, load_draft
+from draftsmith.methods.dflash.method import DFLASH
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.objective import Anchors
+from draftsmith.methods.spec import DraftSpec
+from draftsmith.methods.vocab import build_draft_vocab
+from draftsmith.train import blocks, objective
 from draftsmith.train import stage as trainer
 from draftsmith.train.block_loss import BlockKL, KLOptions, block_kl, target_states
-from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.drafts import draft_module, load_draft
-from draftsmith.train.methods import DFLASH
-from draftsmith.train.model import DraftSpec
+from draftsmith.train.blocks import block_index, dflash_hidden_states
 from draftsmith.train.objective import ACCEPT, CORRECT, COUNT, KL, TargetHead, materialised, ttt_forward
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 50, 20, 32
@@ -224,7 +226,7 @@ def test_a_tiny_run_lowers_the_held_out_loss_and_exports_both_layouts_that_read_
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     held_out = [m["loss"] for m in metrics if m["type"] == "eval"]
     assert len(held_out) >= 8 and held_out[-1] < held_out[0], held_out
-    tensors, manifest = checkpoint.load_checkpoint(run)
+    tensors, manifest = draft_dir.load_checkpoint(run)
     spec = manifest.draft
     assert (spec.method, spec.vocab_size, spec.draft_vocab_size) == ("dflash", 320, N)
     assert tensors["lm_head.weight"].shape == (N, spec.hidden_size)

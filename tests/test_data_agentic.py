@@ -408,7 +408,9 @@ def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agen
     from draftsmith.config import EvaluateConfig
     from draftsmith.core import targets
     from draftsmith.evaluate.report import REPORT_JSON, REPORT_MD
-    from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+    from draftsmith.methods.eagle3.modeling import Eagle3Draft
+    from draftsmith.methods.layers import draft_tensors
+    from draftsmith.methods.spec import DraftSpec
 
     config = json.loads((tiny_agent / "config.json").read_text())
     spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 3])

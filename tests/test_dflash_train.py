@@ -16,12 +16,13 @@ from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.train import checkpoint
+from draftsmith.methods import draft_dir
+from draftsmith.methods.artefact import load_draft
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.objective import Anchors
+from draftsmith.methods.spec import DraftSpec
 from draftsmith.train import stage as trainer
-from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.drafts import load_draft
-from draftsmith.train.model import DraftSpec
+from draftsmith.train.blocks import block_index, dflash_hidden_states
 from draftsmith.train.objective import TargetHead, ttt_forward
 
 
@@ -138,7 +139,7 @@ def test_a_block_sees_the_context_before_its_anchor_and_its_whole_block():
 
 
 def _full(q, k, v, kc, vc):
-    from draftsmith.train.attention import full_attention
+    from draftsmith.methods.attention import full_attention
 
     return full_attention(q, k, v, kc, vc)
 
@@ -192,7 +193,7 @@ def test_dflash_training_logs_per_position_metrics_checkpoints_and_exports(prepa
     assert len(train) == 6 and all(len(m["acc"]) == len(m["kl"]) == 4 for m in train)
     assert train[-1]["loss"] < train[0]["loss"]
     assert [m for m in metrics if m["type"] == "eval"][-1]["scored"][0] > 0
-    tensors, manifest = checkpoint.load_checkpoint(out)
+    tensors, manifest = draft_dir.load_checkpoint(out)
     spec = manifest.draft
     assert (spec.method, spec.block_size, spec.num_hidden_layers, spec.draft_vocab_size) == ("dflash", 5, 2, 320)
     assert spec.aux_layer_ids == [2]  # the tiny target's 4 layers: the spread collides
@@ -238,7 +239,7 @@ def test_block_attention_kernels_equal_the_explicit_mask_forward_and_backward(ke
     is lifted)."""
     import torch.nn.attention.flex_attention as flex_module
 
-    from draftsmith.train import attention
+    from draftsmith.methods import attention
 
     if kernel == "flex":
         if not hasattr(flex_module, "_validate_device"):
@@ -298,8 +299,8 @@ def test_the_layers_keep_less_and_compute_what_the_plain_modules_compute(autocas
     the same outputs, and the same gradients (to fp32 rounding under autocast, where autograd sums the per-linear
     gradients in its own order), fp64 and under CPU bf16 autocast (train --precision auto's), on fp32 rows as the
     residual stream holds them and on bf16 rows as q_norm reads them."""
-    from draftsmith.train.dflash_model import lean_mlp
-    from draftsmith.train.model import RMSNorm, apply_rope
+    from draftsmith.methods.dflash.modeling import lean_mlp
+    from draftsmith.methods.layers import RMSNorm, apply_rope
 
     dtype = torch.float32 if autocast else torch.float64
     layer = _draft(1).layers[0].to(dtype)

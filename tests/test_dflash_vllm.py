@@ -32,7 +32,7 @@ from test_families import (
 from test_parity import evaluate_in_both_engines
 
 from draftsmith import export
-from draftsmith.train.drafts import load_draft
+from draftsmith.methods.artefact import load_draft
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
 

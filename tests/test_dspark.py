@@ -1,4 +1,4 @@
-"""DSpark (train/methods/dspark.py, train/dspark_model.py): the module's names and heads, the export in vLLM's and
+"""DSpark (methods/dspark/method.py, methods/dspark/modeling.py): the module's names and heads, the export in vLLM's and
 speculators' layouts read back (and refused in one line where vLLM would read another draft), the reference
 decoder's round (one backbone forward, then the Markov steps; lossless), and speculators 0.9.0's own code loading
 draftsmith's speculators export with no missing or unexpected weight and computing the same block logits (slow: it
@@ -25,15 +25,18 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.export.formats import format_config, vllm_speculative_config
-from draftsmith.train.attention import naive_block_attention
+from draftsmith.methods import method_of_config
+from draftsmith.methods.artefact import draft_module, load_draft
+from draftsmith.methods.attention import naive_block_attention
+from draftsmith.methods.dflash.method import DFLASH
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.dspark.method import DSPARK
+from draftsmith.methods.dspark.modeling import DSparkDraft
+from draftsmith.methods.layers import draft_tensors
+from draftsmith.methods.objective import Anchors
+from draftsmith.methods.spec import DraftSpec
 from draftsmith.train.block_loss import score_blocks, target_states
-from draftsmith.train.blocks import Anchors, block_index
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.drafts import draft_module, load_draft
-from draftsmith.train.dspark_model import DSparkDraft
-from draftsmith.train.methods import DFLASH, method_of_config
-from draftsmith.train.methods.dspark import DSPARK
-from draftsmith.train.model import DraftSpec, draft_tensors
+from draftsmith.train.blocks import block_index
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {
@@ -591,7 +594,7 @@ def test_train_method_dspark_offline_and_online_learns_its_heads_and_exports(dat
     """train --method dspark from the store (offline) and from the prepared set (the target in the trainer): every
     block row a proposal in the metrics, the held-out loss falling, the Markov and confidence heads learned, the checkpoint
     exported in vLLM's and speculators' layouts and read back; the trained draft decodes losslessly."""
-    from draftsmith.train import checkpoint
+    from draftsmith.methods import draft_dir
 
     prepared, store = data
     for data_dir, kind in ((store, "store"), (prepared, "prepared")):
@@ -601,7 +604,7 @@ def test_train_method_dspark_offline_and_online_learns_its_heads_and_exports(dat
         evals = [m["loss"] for m in metrics if m["type"] == "eval"]  # the held-out samples, every 4 steps
         assert [len(m["acc"]) for m in train] == [4] * 16 and all(m["scored"][0] > 0 for m in train), kind
         assert len(evals) == 4 and evals[-1] < 0.8 * evals[0], (kind, evals)
-        tensors, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(out))
+        tensors, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(out))
         spec = manifest.draft
         assert manifest.data_kind == kind and (spec.method, spec.block_size, spec.markov_rank) == ("dspark", 4, 256)
         fresh = DSparkDraft.from_target(spec, tiny[1], 0).state_dict()
@@ -642,15 +645,15 @@ def test_a_dflash_draft_starts_a_dspark_run_with_its_backbone_and_fresh_heads(da
     draft's of the same seed (lr 1e-12: the weights as they came); an EAGLE-3 draft is refused in one line naming
     the methods that can start it."""
     from draftsmith.core.errors import DraftsmithError
-    from draftsmith.train import checkpoint
+    from draftsmith.methods import draft_dir
 
     prepared, store = data
     flash = tmp_path / "dflash"
     _train(store, flash, method="dflash", max_steps=2)
-    source, _ = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(flash))
+    source, _ = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(flash))
     same = tmp_path / "same"
     _train(store, same, init_from=flash, max_steps=1, lr=1e-12, warmup_steps=0, schedule="constant")
-    tensors, manifest = checkpoint.load_checkpoint(checkpoint.latest_checkpoint(same))
+    tensors, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(same))
     assert (manifest.draft.method, manifest.draft.markov_rank) == ("dspark", 256)
     assert set(tensors) == set(source) | HEADS
     for name, value in source.items():

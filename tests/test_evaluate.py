@@ -15,7 +15,7 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG, read_report
-from draftsmith.train.drafts import load_draft
+from draftsmith.methods.artefact import load_draft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -143,7 +143,8 @@ def test_evaluate_refuses_a_draft_for_another_target(exported, prompt_file, tmp_
 
 
 def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_file, tmp_path):
-    from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
+    from draftsmith.methods.draft_dir import CheckpointManifest
+    from draftsmith.train.checkpoint import save_checkpoint
 
     source = load_draft(exported)
     model = targets.load_target(tiny_target_dir)

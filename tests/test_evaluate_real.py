@@ -20,7 +20,7 @@ from draftsmith.evaluate.specdec import (
     plain_generate,
     speculative_generate,
 )
-from draftsmith.train.drafts import load_draft
+from draftsmith.methods.artefact import load_draft
 
 pytestmark = pytest.mark.slow
 

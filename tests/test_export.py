@@ -12,8 +12,10 @@ from draftsmith import export
 from draftsmith.config import ExportConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.drafts import load_draft
-from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+from draftsmith.methods.artefact import load_draft
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.layers import draft_tensors
+from draftsmith.methods.spec import DraftSpec
 
 AUX = [1, 2, 4]
 
@@ -208,7 +210,8 @@ def test_read_export_detects_damage(tmp_path, tiny_draft):
 
 
 def save_checkpoint_for(run_dir, target_dir, draft, spec):
-    from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
+    from draftsmith.methods.draft_dir import CheckpointManifest
+    from draftsmith.train.checkpoint import save_checkpoint
 
     manifest = CheckpointManifest(
         target=targets.target_identity(target_dir), draft=spec, step=7, data="unit-test", best_acceptance_length=1.5
@@ -217,7 +220,7 @@ def save_checkpoint_for(run_dir, target_dir, draft, spec):
 
 
 def test_checkpoint_holds_the_draft_but_not_the_targets_embedding(tmp_path, tiny_target_dir, tiny_draft):
-    from draftsmith.train.checkpoint import load_checkpoint
+    from draftsmith.methods.draft_dir import load_checkpoint
 
     draft, spec, tensors, _ = tiny_draft
     best = save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, spec)
@@ -344,7 +347,8 @@ def test_peagle_round_trip(tmp_path, tiny_peagle, fmt):
 
 
 def test_peagle_checkpoint_round_trips_through_export(tmp_path, tiny_target_dir, tiny_peagle):
-    from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
+    from draftsmith.methods.draft_dir import CheckpointManifest
+    from draftsmith.train.checkpoint import save_checkpoint
 
     _, spec, tensors, identity = tiny_peagle
     manifest = CheckpointManifest(target=identity, draft=spec, step=2, data="unit-test")
@@ -443,7 +447,7 @@ READINGS = [  # config.json -> the mask token vLLM's parallel drafting reads (No
 
 @pytest.mark.parametrize(("config", "token"), READINGS)
 def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
-    from draftsmith.train.methods.peagle import parallel_drafting_token
+    from draftsmith.methods.peagle.method import parallel_drafting_token
 
     assert parallel_drafting_token(config) == token
 
@@ -457,7 +461,7 @@ def test_one_rule_reads_each_mask_token_spelling_in_vllms_order(config, token):
     ],
 )
 def test_a_mask_token_vllm_would_misread_is_refused_in_one_line(config, message):
-    from draftsmith.train.methods.peagle import parallel_drafting_token
+    from draftsmith.methods.peagle.method import parallel_drafting_token
 
     with pytest.raises(DraftsmithError, match=message):
         parallel_drafting_token(config, "d/config.json")

@@ -299,7 +299,7 @@ class Matrix:
                 plain_generate,
                 speculative_generate,
             )
-            from draftsmith.train.drafts import load_draft
+            from draftsmith.methods.artefact import load_draft
 
             source = load_draft(self.export(name, fmt, data))
             model = targets.load_target(family_target(name))
@@ -692,7 +692,7 @@ def test_the_draft_gets_an_attention_shape_vllm_runs(name):
     """The target's own head shape where it has one; MLA targets (no usable head_dim: 7168 / 128 heads = 56, which
     vLLM's CPU attention refuses) get 128-wide heads, hidden / 128 of them, 8 KV heads. Checked on the published
     config and on the tiny one, against the head sizes vLLM's CPU attention takes."""
-    from draftsmith.train.model import DraftSpec
+    from draftsmith.methods.spec import DraftSpec
 
     sizes = _vllm_head_sizes()
     for config in (PUBLISHED[name], tiny_config(name, 320)):
@@ -721,7 +721,7 @@ def test_mla_drafts_refuse_aux_id_0_at_train_and_export(matrix, tmp_path):
     could not be served, so training (offline from such a store, online with --aux-layer-ids) and export refuse it
     in one line. Llama's vLLM stack reaches id 0: the same store trains there."""
     from draftsmith.export.formats import write_export
-    from draftsmith.train.drafts import load_draft
+    from draftsmith.methods.artefact import load_draft
 
     cfg = dict(
         max_steps=1,
@@ -771,7 +771,7 @@ def test_every_family_trains_offline_and_online_and_exports(matrix, name):
     """A few steps from the hf store (offline) and from the prepared set (online); the offline draft exported as
     vllm, the online one as speculators: each reads back as the trained tensors, and config.json describes the
     target's text backbone (Kimi-K2.5: its language model inside the wrapper)."""
-    from draftsmith.train.drafts import load_draft
+    from draftsmith.methods.artefact import load_draft
 
     text = targets.text_config(targets.read_config(family_target(name)))
     for data in ("store", "prepared"):
@@ -820,8 +820,8 @@ def test_the_drafts_rope_reads_the_same_in_vllm(matrix, name):
     from vllm.model_executor.layers.rotary_embedding import get_rope
     from vllm.transformers_utils.config import get_config
 
-    from draftsmith.train.drafts import load_draft
-    from draftsmith.train.model import RotaryEmbedding
+    from draftsmith.methods.artefact import load_draft
+    from draftsmith.methods.layers import RotaryEmbedding
 
     for fmt, data in (("vllm", "store"), ("speculators", "prepared")):
         out = matrix.export(name, fmt, data)

@@ -174,7 +174,7 @@ def test_a_key_vllm_reads_changed_since_export_fails_whatever_the_acceptance_and
 
 
 def test_a_checkpoint_or_an_sglang_export_has_no_config_to_check(tiny_export, tmp_path):
-    from draftsmith.train.drafts import load_draft
+    from draftsmith.methods.artefact import load_draft
 
     source = load_draft(tiny_export)
     sglang = tmp_path / "sglang"

@@ -130,7 +130,7 @@ def test_a_default_target_an_older_draftsmith_converted_is_made_portable_on_use(
 
 def test_an_exported_draft_config_carries_the_rope_for_transformers_4():
     from draftsmith.export.formats import format_config
-    from draftsmith.train.model import DraftSpec
+    from draftsmith.methods.spec import DraftSpec
 
     spec = DraftSpec(
         hidden_size=64,

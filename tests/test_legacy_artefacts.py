@@ -56,7 +56,7 @@ def test_prepared_set_and_stores_load(legacy, legacy_target):
 def test_checkpoint_and_exports_load_and_agree(legacy):
     """The old manifests (a checkpoint's DraftConfig beside its aux_layer_ids, an export's DraftArch) read as one
     DraftSpec; the checkpoint's embedding (the target's) is left out; the tensors agree bit for bit."""
-    from draftsmith.train.drafts import load_draft
+    from draftsmith.methods.artefact import load_draft
 
     source = load_draft(legacy / "train")
     assert source.spec.aux_layer_ids == [1, 2] and source.spec.num_hidden_layers == 1
@@ -81,7 +81,7 @@ def test_what_cannot_load_is_refused_with_the_stage_to_rerun(legacy, tmp_path, a
     import json
 
     from draftsmith.core.errors import DraftsmithError
-    from draftsmith.train.drafts import load_draft
+    from draftsmith.methods.artefact import load_draft
 
     copy = tmp_path / "old"
     shutil.copytree(legacy / artefact, copy)
@@ -95,7 +95,7 @@ def test_what_cannot_load_is_refused_with_the_stage_to_rerun(legacy, tmp_path, a
 
 def test_legacy_checkpoint_exports_and_resumes(legacy, legacy_target, tmp_path):
     from draftsmith import export
-    from draftsmith.train.checkpoint import latest_checkpoint
+    from draftsmith.methods.draft_dir import latest_checkpoint
     from draftsmith.train.stage import run as train
 
     export.run(ExportConfig(checkpoint=legacy / "train", target=str(legacy_target), output=tmp_path / "export"))

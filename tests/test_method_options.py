@@ -1,4 +1,4 @@
-"""Each drafting method's typed options (config.methods): `TrainConfig.method` holds the chosen method's options and
+"""Each drafting method's typed options (methods/<name>/__init__.py): `TrainConfig.method` holds the chosen method's options and
 no other method's; flags and YAML give them flat, the resolved config nests them, both read back; an option of
 another method is refused in one line; a checkpoint's flat record (older runs) compares with a nested config."""
 
@@ -11,8 +11,11 @@ from typer.testing import CliRunner
 
 from draftsmith.cli import app
 from draftsmith.config import TrainConfig, load_config, save_resolved_config
-from draftsmith.config.methods import DFlashOptions, DSparkOptions, Eagle3Options, PEagleOptions
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.methods.dflash import DFlashOptions
+from draftsmith.methods.dspark import DSparkOptions
+from draftsmith.methods.eagle3 import Eagle3Options
+from draftsmith.methods.peagle import PEagleOptions
 from draftsmith.train.setup import _changed_hyperparameters
 
 

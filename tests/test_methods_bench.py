@@ -151,7 +151,7 @@ def test_rows_and_the_side_by_side_table():
 
 
 def test_every_method_is_measured():
-    from draftsmith.train.methods import METHODS as REGISTRY
+    from draftsmith.methods import NAMES as REGISTRY
 
     assert set(bench.METHODS) == set(REGISTRY) and set(bench.SHORT) == set(bench.METHODS)
     assert len(set(bench.SHORT.values())) == len(bench.SHORT)
@@ -165,7 +165,7 @@ def test_block_methods_propose_k_a_round():
     assert bench.train_shape("dflash", 4, 2, 16, 2048) == dict(num_layers=2, block_size=5, anchors_per_sample=16)
     assert bench.train_shape("eagle3.1", 4, 2, 16, 2048) == dict(ttt_steps=4, draft_vocab_size=2048)
     from draftsmith.config import TrainConfig
-    from draftsmith.train.methods import method
+    from draftsmith.methods import method
 
     for name in ("dflash", "dspark"):  # train sizes the block's proposals as the benchmark does
         cfg = TrainConfig(data="store", output="out", method=name, **bench.train_shape(name, 4, 2, 16, 2048))

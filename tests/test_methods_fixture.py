@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from draftsmith.evaluate.stage import build_draft_module
-from draftsmith.train.drafts import load_draft
-from draftsmith.train.model import DraftSpec, KVCache
+from draftsmith.methods.artefact import load_draft
+from draftsmith.methods.attention import KVCache
+from draftsmith.methods.spec import DraftSpec
 
 FIXTURE = Path(__file__).parent / "data" / "methods-40a257f"
 # Each method's draft directories at 40a257f: its training run, then an export in each format it is written in.

@@ -9,14 +9,10 @@ import torch
 
 from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.model import (
-    EMBEDDING,
-    DraftSpec,
-    Eagle3Draft,
-    KVCache,
-    draft_tensors,
-    rope_inverse_frequencies,
-)
+from draftsmith.methods.attention import KVCache
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.layers import EMBEDDING, draft_tensors, rope_inverse_frequencies
+from draftsmith.methods.spec import DraftSpec
 
 
 def _spec(**kw) -> DraftSpec:

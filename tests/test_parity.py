@@ -22,7 +22,8 @@ from conftest import parallel_round
 from draftsmith.evaluate.report import RunReport, read_report
 from draftsmith.evaluate.specdec import DraftRunner
 from draftsmith.evaluate.vllm_worker import GenerationResult
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.spec import DraftSpec
 from draftsmith.train.unrolled import ttt_hidden_states
 
 TTT_STEPS = 4
@@ -122,8 +123,9 @@ def test_peagle_depth_d_is_the_dth_parallel_proposal_from_the_same_prefix(layers
 def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(layers):
     import numpy as np
 
-    from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
-    from draftsmith.train.dflash_model import DFlashDraft
+    from draftsmith.methods.dflash.modeling import DFlashDraft
+    from draftsmith.methods.objective import Anchors
+    from draftsmith.train.blocks import block_index, dflash_hidden_states
 
     size = 4
     spec = _tiny_draft(layers).spec.model_copy(

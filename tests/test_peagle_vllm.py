@@ -35,7 +35,7 @@ from test_families import (
 )
 from test_parity import evaluate_in_both_engines
 
-from draftsmith.train.drafts import load_draft
+from draftsmith.methods.artefact import load_draft
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, needs_vllm]
 
@@ -63,7 +63,8 @@ def _spec_config(export_dir: Path) -> dict:
 def test_the_probe_finds_the_parallel_drafting_these_tests_decode_with():
     """evaluate and serve refuse a P-EAGLE draft unless the probe finds parallel drafting (vLLM >= 0.16); the
     installed vLLM decodes below, so the probe must say so."""
-    from draftsmith.extract.vllm.probe import PARALLEL_DRAFTING_ROW, probe
+    from draftsmith.extract.vllm.probe import probe
+    from draftsmith.methods.peagle import ROW as PARALLEL_DRAFTING_ROW
 
     report = probe(architecture="LlamaForCausalLM")
     assert report.facts.parallel_drafting is True, report.capability(PARALLEL_DRAFTING_ROW).found

@@ -241,11 +241,11 @@ def _probe_says(monkeypatch, *, installed=True, version="0.32.0", eagle3=True, p
     from draftsmith.evaluate import vllm_runner
     from draftsmith.extract.vllm.probe import (
         EAGLE3_ROW,
-        PARALLEL_DRAFTING_ROW,
         Capability,
         ProbeFacts,
         ProbeReport,
     )
+    from draftsmith.methods.peagle import ROW as PARALLEL_DRAFTING_ROW
 
     facts = ProbeFacts(
         installed=installed,

@@ -31,9 +31,12 @@ from draftsmith.config import ServeConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.net import free_port
-from draftsmith.train.checkpoint import CheckpointManifest, save_checkpoint
-from draftsmith.train.drafts import DraftSource, load_draft
-from draftsmith.train.model import DraftSpec, Eagle3Draft, draft_tensors
+from draftsmith.methods.artefact import DraftSource, load_draft
+from draftsmith.methods.draft_dir import CheckpointManifest
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.layers import draft_tensors
+from draftsmith.methods.spec import DraftSpec
+from draftsmith.train.checkpoint import save_checkpoint
 
 AUX = [1, 2, 4]
 
@@ -275,11 +278,11 @@ def _probe_says(monkeypatch, parallel_drafting: bool | None, found: str) -> None
     from draftsmith.evaluate import vllm_runner
     from draftsmith.extract.vllm.probe import (
         EAGLE3_ROW,
-        PARALLEL_DRAFTING_ROW,
         Capability,
         ProbeFacts,
         ProbeReport,
     )
+    from draftsmith.methods.peagle import ROW as PARALLEL_DRAFTING_ROW
 
     facts = ProbeFacts(
         installed=True, version="0.15.1", platform="cpu", eagle3_on_platform=True, parallel_drafting=parallel_drafting

@@ -99,7 +99,8 @@ def test_store_bytes_equal_a_real_stores_files(tmp_path, tiny_target_dir):
 
 
 def test_the_draft_parameter_count_equals_the_draft_module():
-    from draftsmith.train.model import DraftSpec, Eagle3Draft
+    from draftsmith.methods.eagle3.modeling import Eagle3Draft
+    from draftsmith.methods.spec import DraftSpec
 
     config = {
         **PUBLISHED["qwen3"],
@@ -120,7 +121,7 @@ def test_the_draft_parameter_count_equals_the_draft_module():
 
 
 def test_training_memory_for_kimi_k25_draft():
-    from draftsmith.train.model import DraftSpec
+    from draftsmith.methods.spec import DraftSpec
 
     spec = DraftSpec.from_target_config(
         PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1, aux_layer_ids=[2, 30, 58]
@@ -140,8 +141,8 @@ def test_training_memory_for_kimi_k25_draft():
 
 
 def test_training_fit_says_whether_a_gpu_holds_the_draft_and_the_largest_token_budget():
+    from draftsmith.methods.spec import DraftSpec
     from draftsmith.planning import sizing_rows, training_fit_line
-    from draftsmith.train.model import DraftSpec
 
     spec = DraftSpec.from_target_config(
         PUBLISHED["kimi_k25"], draft_vocab_size=32000, num_hidden_layers=1, aux_layer_ids=[2, 30, 58]

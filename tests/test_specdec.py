@@ -18,8 +18,9 @@ from draftsmith.evaluate.specdec import (
     speculative_generate,
     verify_chain,
 )
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.spec import DraftSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

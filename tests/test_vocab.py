@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.prepare.vocab import build_draft_vocab, coverage_report
+from draftsmith.methods.vocab import build_draft_vocab, coverage_report
 
 
 def test_picks_the_most_frequent_ids_sorted_with_consistent_d2t_and_t2d():

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 from draftsmith.config import ExtractConfig, TrainConfig
-from draftsmith.config.methods import Eagle3Options
 from draftsmith.core import sizing
 from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.target_config import text_config
-from draftsmith.train.model import DraftSpec
+from draftsmith.methods.eagle3 import Eagle3Options
+from draftsmith.methods.spec import DraftSpec
 
 
 def sizing_rows(  # noqa: PLR0913 - doctor's sizing options, as its CLI names them

@@ -44,10 +44,10 @@ from draftsmith.evaluate.report import (
 )
 from draftsmith.export.formats import serve_commands
 from draftsmith.extract import stage as extract
+from draftsmith.methods import method
 from draftsmith.prepare import regenerate
 from draftsmith.prepare.dataset import open_prepared
 from draftsmith.train import stage as train
-from draftsmith.train.methods import method
 
 STATE_NAME = "quickstart.json"
 STAGES = ("prepare", "extract", "train", "export", "evaluate")

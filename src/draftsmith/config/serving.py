@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from draftsmith.config.base import StageConfig, _json_object, _split_list
-from draftsmith.config.methods import DEFAULT_METHOD, MethodName
+from draftsmith.methods import DEFAULT_METHOD, MethodName
 
 
 class ExportConfig(StageConfig):

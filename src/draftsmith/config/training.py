@@ -10,18 +10,10 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from draftsmith.config.base import StageConfig, _split_list
-from draftsmith.config.methods import (
-    DEFAULT_METHOD,
-    OPTION_NAMES,
-    AnyMethodOptions,
-    Eagle3Options,
-    MethodName,
-    fold_options,
-    option_default,
-    option_help,
-    options_class,
-)
+from draftsmith.config.methods import OPTION_NAMES, fold_options, option_default, option_help, options_class
 from draftsmith.core.spool_address import check_spool
+from draftsmith.methods import DEFAULT_METHOD, AnyMethodOptions, MethodName
+from draftsmith.methods.eagle3 import Eagle3Options
 
 
 class TrainConfig(StageConfig):
@@ -239,7 +231,7 @@ class TrainConfig(StageConfig):
     @model_validator(mode="before")
     @classmethod
     def _method_options(cls, data: object) -> object:
-        """--method and its options, flat or nested, as the method's typed options (config.methods)."""
+        """--method and its options, flat or nested, as the method's typed options (config.methods, draftsmith.methods)."""
         return fold_options(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")

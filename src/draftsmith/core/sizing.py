@@ -341,7 +341,7 @@ def check_disk(needed: int, free: int, *, where: str, what: str) -> None:
 
 
 class DraftShape(Protocol):
-    """What the memory estimate reads of a draft spec (train/model.py's DraftSpec has these fields)."""
+    """What the memory estimate reads of a draft spec (methods/spec.py's DraftSpec has these fields)."""
 
     hidden_size: int
     intermediate_size: int

@@ -7,7 +7,7 @@ One round, with the sequence S = prompt + generated tokens and the target's KV c
              pending positions p (embedding of S[p+1], fc(aux states of the target at p)), then runs k-1 more
              steps on its own output (embedding of its previous token, its own pre-norm hidden state), proposing
              d_1..d_k. Its speculative K/V entries are dropped again after the round.
-             The round is the draft's method's (`DraftMethod.propose`, draftsmith.train.methods):
+             The round is the draft's method's (`DraftMethod.propose`, draftsmith.methods):
              P-EAGLE (vLLM's parallel drafting): one draft forward per round
              instead of k. Behind the pending positions it reads k-1 parallel slots at positions L..L+k-2, each
              the embedding of the mask token and fc(mask_hidden), attending causally like any other position;
@@ -47,10 +47,10 @@ from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.core import targets
 from draftsmith.evaluate.report import DecodeCounts
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.methods import method_of
-from draftsmith.train.methods.base import Draft
-from draftsmith.train.model import KVCache
+from draftsmith.methods import method_of
+from draftsmith.methods.attention import KVCache
+from draftsmith.methods.base import Draft
+from draftsmith.methods.dflash.modeling import DFlashDraft
 
 
 class DecodeStats(DecodeCounts):

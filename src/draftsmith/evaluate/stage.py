@@ -46,9 +46,9 @@ from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, 
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice
 from draftsmith.extract.vllm.probe import probe
-from draftsmith.train.drafts import DraftSource, draft_module, load_draft, resolve_draft_target
-from draftsmith.train.methods import method_of
-from draftsmith.train.methods.base import Draft
+from draftsmith.methods import method_of
+from draftsmith.methods.artefact import DraftSource, draft_module, load_draft, resolve_draft_target
+from draftsmith.methods.base import Draft
 
 __all__ = ["Measured", "run", "build_draft_module", "evaluate_reference"]
 

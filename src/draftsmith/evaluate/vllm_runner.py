@@ -18,7 +18,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.config.methods import DEFAULT_METHOD
 from draftsmith.core import processes, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
@@ -26,8 +25,9 @@ from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.evaluate.vllm_worker import GenerationJob, GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice, choose_dtype, dtype_refusal
 from draftsmith.extract.vllm.probe import EAGLE3_ROW, EAGLE3_SINCE, ProbeReport, probe
-from draftsmith.train.methods import DraftMethod
-from draftsmith.train.methods import method as draft_method
+from draftsmith.methods import DEFAULT_METHOD
+from draftsmith.methods import method as draft_method
+from draftsmith.methods.base import DraftMethod
 
 # What a refusal of evaluate (and quickstart) --engine vllm offers instead ("use a vLLM whose ... says yes, or ...").
 REFERENCE_DECODER = "use the reference decoder (--engine hf)"

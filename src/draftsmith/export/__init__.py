@@ -1,5 +1,5 @@
 """The export stage: a trained draft -> a vLLM, SGLang or speculators model directory (stage.py runs it,
-formats.py writes the formats; drafts are read back by draftsmith.train.drafts.load_draft)."""
+formats.py writes the formats; drafts are read back by draftsmith.methods.artefact.load_draft)."""
 
 from draftsmith.export.formats import (
     FORMATS,

@@ -1,7 +1,7 @@
 """Exported drafts: the vLLM, SGLang and speculators model directories, the only module that writes them.
 
 A pure formatter: (DraftSpec, tensors, target) -> each format's config.json, weight names, README.md and
-manifest.json. Every format holds the same tensors; the draft's method (draftsmith.train.methods) writes each
+manifest.json. Every format holds the same tensors; the draft's method (draftsmith.methods) writes each
 format's config.json and spells its weights, or refuses a format in one line (see docs/formats.md):
 
     vllm         vLLM's own layout of the method's draft (EAGLE-3: architectures ["LlamaForCausalLMEagle3"], a flat
@@ -21,7 +21,7 @@ vLLM; the speculative config vLLM needs is the method's too (`vllm_speculative_c
 The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
 anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
 (kind "export", an ExportManifest) records the target identity and the DraftSpec (layer ids in vLLM's convention,
-parallel drafting and mask token), so `draftsmith.train.drafts.load_draft` reads any of
+parallel drafting and mask token), so `draftsmith.methods.artefact.load_draft` reads any of
 the three formats back.
 """
 
@@ -50,11 +50,11 @@ from draftsmith.core.manifest import (
     write_manifest,
 )
 from draftsmith.core.targets import read_config
-from draftsmith.train.checkpoint import WEIGHTS_FILE, DraftManifest
-from draftsmith.train.drafts import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
-from draftsmith.train.methods import method_of, method_of_config
-from draftsmith.train.methods.base import FORMATS, DraftMethod, ExportContext
-from draftsmith.train.model import DraftSpec
+from draftsmith.methods import method_of, method_of_config
+from draftsmith.methods.artefact import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
+from draftsmith.methods.base import FORMATS, DraftMethod, ExportContext
+from draftsmith.methods.draft_dir import WEIGHTS_FILE, DraftManifest
+from draftsmith.methods.spec import DraftSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -17,9 +17,9 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.export.formats import VLLM_LOADABLE, serve_commands, write_export
-from draftsmith.train.checkpoint import WEIGHTS_FILE
-from draftsmith.train.drafts import DraftSource, load_draft, require_draft_for_target
-from draftsmith.train.methods import method_of
+from draftsmith.methods import method_of
+from draftsmith.methods.artefact import DraftSource, load_draft, require_draft_for_target
+from draftsmith.methods.draft_dir import WEIGHTS_FILE
 
 
 def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[TargetIdentity, list[str], dict]:

@@ -42,12 +42,12 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import load_tokenizer, resolve_target, target_identity
+from draftsmith.methods.vocab import coverage_report
 from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
 from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, leading_assistant_turns, normalize_conversation
 from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
 from draftsmith.prepare.vllm_chat import VllmRendering
-from draftsmith.prepare.vocab import coverage_report
 
 BATCH = 16  # conversations per task sent to a worker
 IN_FLIGHT_PER_WORKER = 4

@@ -47,7 +47,7 @@ from draftsmith.evaluate.vllm_runner import check_vllm_can_serve, engine_dtype
 from draftsmith.export import read_export_manifest, vllm_loadable
 from draftsmith.export.formats import vllm_speculative_config
 from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
-from draftsmith.train.drafts import DraftSource, load_draft, resolve_draft_target
+from draftsmith.methods.artefact import DraftSource, load_draft, resolve_draft_target
 
 __all__ = ["run", "vllm_serve_args"]
 

@@ -26,8 +26,10 @@ from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tensorfile import Samples
 from draftsmith.extract.store import HiddenStateStore, decode_hidden_states
+from draftsmith.methods.objective import Draw, Steps
+from draftsmith.train.blocks import BlockSampling
 from draftsmith.train.objective import Rows, Sampling
-from draftsmith.train.unrolled import EVERY_STEP
+from draftsmith.train.unrolled import EVERY_STEP, Unrolled
 
 
 @dataclass
@@ -86,6 +88,12 @@ class Batch:
 def _bytes(x: torch.Tensor) -> torch.Tensor:
     """fp8 tensors are copied and zeroed as bytes (not every fp8 kernel exists on every device)."""
     return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
+
+
+def sampling_of(draw: Draw) -> Sampling:
+    """The objective's sampling of what a method draws (`DraftMethod.sampling`): the unrolled objective's steps (every
+    one, or P-EAGLE's COD), or the block objective's anchors."""
+    return Unrolled(draw.cod) if isinstance(draw, Steps) else BlockSampling(draw)
 
 
 def collate(items: Sequence[dict], ttt_steps: int, sampling: Sampling = EVERY_STEP, epoch: int = 0) -> Batch:

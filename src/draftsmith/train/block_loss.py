@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.train.dflash_model import DFlashDraft
+from draftsmith.methods.dflash.modeling import DFlashDraft
 
 
 class BlockRows(Protocol):

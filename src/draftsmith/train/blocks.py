@@ -18,9 +18,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from draftsmith.train.attention import anchor_chunks, block_attention, naive_block_attention
+from draftsmith.methods.attention import anchor_chunks, block_attention, naive_block_attention
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.objective import Anchors
 from draftsmith.train.block_loss import TargetStates, score_blocks
-from draftsmith.train.dflash_model import DFlashDraft
 from draftsmith.train.objective import (
     ACCEPT,
     CORRECT,
@@ -42,34 +43,18 @@ HEAD_ROWS = 128
 
 
 @dataclass(frozen=True)
-class Anchors:
-    """The block methods' anchor sampling: per sample, up to `per_sample` block starts drawn without replacement from
-    the positions a that can anchor a block (a >= 1, so the block has a context; loss_mask[a] and loss_mask[a+1]: the
-    anchor is a token the target wrote, as vLLM's bonus token is, and the first proposal is scored), from one
-    generator per (seed, epoch, sample id): the same blocks on a resume. `from_anchor`: the block's first proposal is
-    its anchor row's (DSpark) instead of its first mask row's (DFlash)."""
+class BlockSampling:
+    """The block objective's sampling of a method's `Anchors` (methods/objective.py): the batch's blocks."""
 
-    block_size: int
-    per_sample: int
-    seed: int = 0
-    from_anchor: bool = False  # DSpark: the anchor row proposes too (x_{a+1}), so every row of the block is scored
-
-    def draw(self, mask: np.ndarray, epoch: int, sample_id: int) -> np.ndarray:
-        valid = np.zeros(len(mask), dtype=bool)
-        valid[1:-1] = mask[1:-1] & mask[2:]
-        candidates = np.flatnonzero(valid)
-        if len(candidates) > self.per_sample:
-            rng = np.random.default_rng([self.seed, epoch, int(sample_id)])
-            candidates = np.sort(rng.choice(candidates, self.per_sample, replace=False))
-        return candidates
+    anchors: Anchors
 
     def index(
         self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0
     ) -> BlockIndex:
         """The batch's blocks (`ttt_steps` aside: a block's proposals are its rows)."""
-        return block_index(loss_mask, self, sample_ids, epoch)
+        return block_index(loss_mask, self.anchors, sample_ids, epoch)
 
-    def for_evaluation(self) -> Anchors:
+    def for_evaluation(self) -> BlockSampling:
         return self  # epoch 0: the same blocks every time
 
 

@@ -18,7 +18,6 @@ n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -27,8 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from draftsmith.methods.attention import KVCache
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.objective import COD
 from draftsmith.train.block_loss import TargetStates
-from draftsmith.train.model import Eagle3Draft, KVCache
 from draftsmith.train.objective import MapsTensors, Pass, TargetDistribution, TTTResult, score_steps
 
 
@@ -57,23 +58,6 @@ class StepIndex(MapsTensors):
             draft, input_ids, aux_hidden, run.ttt_steps, run.mode, run.checkpointed, run.kernel, index
         )
         return score_steps(draft, steps, target, self, run)
-
-
-@dataclass(frozen=True)
-class COD:
-    """P-EAGLE's COD sampling of the anchors each depth k >= 1 scores: of depth k's n candidates (loss-masked),
-    keep ceil(n * ratio**k), at least ceil(n * floor) (and at most n). Which ones: per sample, the candidates with
-    the smallest of one random priority per position, drawn from (seed, epoch, sample id) -- so the kept sets
-    shrink nested-wise with depth, and a resumed run draws the same ones."""
-
-    ratio: float
-    floor: float
-    seed: int = 0
-
-    def keep(self, n: int, k: int) -> int:
-        if k == 0 or n == 0:
-            return n
-        return min(n, max(math.ceil(n * self.ratio**k - 1e-9), math.ceil(n * self.floor - 1e-9)))
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,8 @@ import re
 
 from draftsmith.extract.vllm.architectures import MODELS_PACKAGE, model_class
 from draftsmith.extract.vllm.readers import (
-    DFLASH_ARCHITECTURE,
-    DFLASH_ROW,
-    DSPARK_ARCHITECTURE,
-    DSPARK_ROW,
     EAGLE3_DRAFT_MODULE,
     EAGLE3_ROW,
-    EAGLE31_ROW,
-    PARALLEL_DRAFTING_ROW,
     PROPOSERS,
     WHERE,
     Context,
@@ -34,6 +28,12 @@ from draftsmith.extract.vllm.readers import (
     one_fact,
 )
 from draftsmith.extract.vllm.source import SourceTree
+from draftsmith.methods.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
+from draftsmith.methods.dflash import ROW as DFLASH_ROW
+from draftsmith.methods.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from draftsmith.methods.dspark import ROW as DSPARK_ROW
+from draftsmith.methods.eagle31 import ROW as EAGLE31_ROW
+from draftsmith.methods.peagle import ROW as PARALLEL_DRAFTING_ROW
 
 
 def speculative_on_platform(tree: SourceTree, platform: str) -> tuple[bool | None, str]:

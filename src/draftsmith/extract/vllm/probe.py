@@ -39,12 +39,8 @@ from draftsmith.extract.vllm.architectures import (
 from draftsmith.extract.vllm.decoding import DECODING_READERS, speculative_on_platform
 from draftsmith.extract.vllm.kernels import read_cpu_attention
 from draftsmith.extract.vllm.readers import (
-    DFLASH_ROW,
-    DSPARK_ROW,
     EAGLE3_ROW,
-    EAGLE31_ROW,
     ENGINE_READERS,
-    PARALLEL_DRAFTING_ROW,
     SOURCE_READERS,
     Capability,
     Context,
@@ -439,13 +435,9 @@ STRATEGY_WORDS = {
 
 
 __all__ = [
-    "DFLASH_ROW",
     "EAGLE3_ROW",
-    "EAGLE31_ROW",
-    "DSPARK_ROW",
     "EAGLE3_SINCE",
     "INSTALL_HINT",
-    "PARALLEL_DRAFTING_ROW",
     "READERS",
     "STRATEGIES",
     "TESTED_ARCHITECTURES",

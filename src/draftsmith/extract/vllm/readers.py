@@ -51,14 +51,8 @@ WHERE = {
 }
 PROPOSERS = ["vllm.v1.spec_decode.llm_base_proposer", "vllm.v1.spec_decode.eagle"]  # where EAGLE drafting runs
 EAGLE3_ROW = "EAGLE-3 speculative decoding"  # the rows other stages quote when they refuse
-PARALLEL_DRAFTING_ROW = "parallel drafting (P-EAGLE)"
-DFLASH_ROW = "DFlash drafts"
-EAGLE31_ROW = "Eagle 3.1 drafts"
-DSPARK_ROW = "DSpark drafts"
 EAGLE3_DRAFT_MODULE = "vllm.model_executor.models.llama_eagle3"  # vLLM's Eagle-3 Llama draft
 CPU_ATTENTION_ROW = "CPU attention kernels"
-DFLASH_ARCHITECTURE = "DFlashDraftModel"  # the architecture of an exported DFlash draft (export/formats.py)
-DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # the architecture of an exported DSpark draft (vLLM's qwen3_dspark)
 RUNTIME_HINT = "not checked (draftsmith doctor --runtime)"
 
 
@@ -556,14 +550,9 @@ ENGINE_READERS: tuple[Reader, ...] = (read_engine_args, read_worker_extension)
 
 __all__ = [
     "CPU_ATTENTION_ROW",
-    "DFLASH_ROW",
-    "DSPARK_ARCHITECTURE",
-    "DSPARK_ROW",
-    "EAGLE31_ROW",
     "EAGLE3_DRAFT_MODULE",
     "EAGLE3_ROW",
     "ENGINE_READERS",
-    "PARALLEL_DRAFTING_ROW",
     "RUNTIME_HINT",
     "SOURCE_READERS",
     "WHERE",

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.model import DraftSpec
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.spec import DraftSpec
 
 # The confidence loss beside the KL: BCE(confidence logit, the row's expected acceptance sum_v min(p, q), detached),
 # weighed per proposal as the KL is; 1.0 as speculators' confidence_head_alpha defaults.

@@ -1,7 +1,7 @@
 """Eagle 3.1: EAGLE-3 with a norm on each captured layer before fc, and the normed output fed back as the next step's
 hidden state.
 
-The module is EAGLE-3's (`train.model.Eagle3Draft`) built from a spec with `fc_norm` (one RMSNorm per aux layer,
+The module is EAGLE-3's (`methods.eagle3.modeling.Eagle3Draft`) built from a spec with `fc_norm` (one RMSNorm per aux layer,
 `fc_norm.{i}.weight`, over the target's hidden size: each layer's states reach fc at one scale, whatever the depth
 they come from) and `norm_output` (step k + 1 reads norm(h) of step k, the state the lm_head reads, instead of the
 pre-norm h). Training, the reference decoder and vLLM run it as EAGLE-3: vLLM serves it as method "eagle3", its
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.vllm.readers import EAGLE31_ROW
-from draftsmith.train.methods.base import VllmNeed
-from draftsmith.train.methods.eagle3 import Eagle3
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.methods.eagle3.method import Eagle3
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.eagle31 import NEEDS
+from draftsmith.methods.spec import DraftSpec
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -36,15 +36,7 @@ class Eagle31(Eagle3):
         "sglang": "SGLang's EAGLE-3 draft has no fc_norm / norm_output, so it cannot serve this Eagle 3.1 draft; "
         "export as vllm or speculators"
     }
-    vllm_needs = (
-        VllmNeed(
-            "eagle31",
-            EAGLE31_ROW,
-            "builds no fc_norm / norm_output into its EAGLE-3 draft",
-            "builds fc_norm and norm_output into its EAGLE-3 draft",
-            " (vLLM >= 0.22 reads fc_norm and norm_output)",
-        ),
-    )
+    vllm_needs = NEEDS
 
     def spec_fields(self, target_config: dict) -> dict[str, object]:
         return {**super().spec_fields(target_config), **dict.fromkeys(FLAGS, True)}

@@ -1,6 +1,6 @@
 """EAGLE-3: the draft proposes one token per forward, each step reading its own previous output (training-time test).
 
-The module is `train.model.Eagle3Draft` (vLLM's `Eagle3LlamaForCausalLM` weights); training unrolls `ttt_steps` steps
+The module is `methods.eagle3.modeling.Eagle3Draft` (vLLM's `Eagle3LlamaForCausalLM` weights); training unrolls `ttt_steps` steps
 (`train.unrolled.ttt_hidden_states`, every step scored); a reference-decoder round is k forwards; vLLM serves it as speculative method
 "eagle3" (`LlamaForCausalLMEagle3` in vLLM's and SGLang's files, `Eagle3Speculator` in speculators').
 """
@@ -14,10 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftsmith.config.methods import Eagle3Options
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.prepare.vocab import build_draft_vocab
-from draftsmith.train.methods.base import (
+from draftsmith.methods.base import (
     Choose,
     Draft,
     DraftMethod,
@@ -26,7 +24,10 @@ from draftsmith.train.methods.base import (
     llama_config,
     speculators_file,
 )
-from draftsmith.train.model import DraftSpec, Eagle3Draft
+from draftsmith.methods.eagle3 import Eagle3Options
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.spec import DraftSpec
+from draftsmith.methods.vocab import build_draft_vocab
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig

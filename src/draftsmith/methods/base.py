@@ -1,12 +1,12 @@
 """What a drafting method is: the one interface every stage asks (`DraftMethod`), and the pieces its methods share.
 
 A method owns, for its drafts: the module (`module`) and how a fresh one is built from the target, how a run turns a
-draft of its family into one of this method (`adopt`), how training draws what a batch scores (`sampling`: its
-index, TTT steps or blocks, decides its objective: train.unrolled or train.blocks), the reference decoder's proposal round
+draft of its family into one of this method (`adopt`), how training draws what a batch scores (`sampling`: a
+descriptor, TTT steps or blocks, that decides its objective: train.unrolled or train.blocks), the reference decoder's proposal round
 (`propose`), each
 export format's config.json and weight names (or a one-line refusal), how it is read back from a config.json as
 vLLM reads it (`claims`, `spec_from_config`), the speculative config vLLM needs, and the probe facts that say
-whether a vLLM serves it (`vllm_needs`). Stages ask the method of a spec (`draftsmith.train.methods.method_of`);
+whether a vLLM serves it (`vllm_needs`). Stages ask the method of a spec (`draftsmith.methods.method_of`);
 they do not branch on its name. vLLM keeps one proposer per method behind one interface the same way.
 """
 
@@ -23,10 +23,12 @@ from torch import nn
 
 from draftsmith.core import hfcompat, targets
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.train.dflash_model import DFlashDraft
-from draftsmith.train.model import DraftSpec, Eagle3Draft, KVCache
-from draftsmith.train.objective import Sampling
-from draftsmith.train.unrolled import EVERY_STEP
+from draftsmith.methods.attention import KVCache
+from draftsmith.methods.dflash.modeling import DFlashDraft
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.needs import VllmNeed
+from draftsmith.methods.objective import ALL_STEPS, Draw
+from draftsmith.methods.spec import DraftSpec
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -34,20 +36,6 @@ if TYPE_CHECKING:
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 Draft = Eagle3Draft | DFlashDraft  # a draft module, whichever method's (each method names its module)
 LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
-
-
-@dataclass(frozen=True)
-class VllmNeed:
-    """A probe fact (`ProbeFacts` attribute) a vLLM must have to serve a method, beyond EAGLE-style speculative
-    decoding on its platform, with the words of a refusal: the doctor row that shows it, what is missing when the
-    fact is false, and which vLLM has it."""
-
-    fact: str
-    row: str
-    lacks: str  # "has no parallel drafting"
-    has: str  # "has parallel drafting" (for "could not tell whether vLLM X has ...")
-    hint: str  # " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
-    hint_with_platform: str = ""  # the hint when EAGLE-style decoding is missing too (default: `hint`)
 
 
 @dataclass(frozen=True)
@@ -98,7 +86,7 @@ class Budget(Protocol):
 
 
 class DraftMethod(ABC):
-    """One drafting method; the registry (`draftsmith.train.methods`) holds one instance of each."""
+    """One drafting method; the registry (`draftsmith.methods`) loads one instance of each."""
 
     name: ClassVar[str]  # --method, DraftSpec.method, manifests
     kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
@@ -134,10 +122,10 @@ class DraftMethod(ABC):
     def check_run(self, cfg: TrainConfig) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) options this method cannot train with."""
 
-    def sampling(self, cfg: TrainConfig) -> Sampling:
-        """What a batch's index draws, and so the objective that scores it: every TTT step (train.unrolled), P-EAGLE's
-        COD (train.unrolled), or a block method's anchors (train.blocks)."""
-        return EVERY_STEP
+    def sampling(self, cfg: TrainConfig) -> Draw:
+        """What a batch's index draws (methods/objective.py), and so the objective that scores it: every TTT step or
+        P-EAGLE's COD (`Steps`: train.unrolled), or a block method's anchors (`Anchors`: train.blocks)."""
+        return ALL_STEPS
 
     # -- the reference decoder
 

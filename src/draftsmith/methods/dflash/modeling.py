@@ -2,7 +2,7 @@
 
 Reads top to bottom: what a layer keeps for the backward -> attention over the block and the context -> decoder
 layer -> the draft. The spec, the norm, RoPE and MLP modules and the shared module behaviour (`DraftModule`) are
-train/model.py's.
+methods/layers.py's and methods/spec.py's.
 
 Memory: a training forward runs every layer over B * A * S block rows (8,192 at the peers' defaults), so what autograd
 keeps per layer is what bounds a step's peak, not the attention (block_attention keeps no scores). The layers compute
@@ -24,8 +24,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from draftsmith.core import targets
-from draftsmith.train.attention import full_attention
-from draftsmith.train.model import MLP, Attention, DraftModule, DraftSpec, KVCache, RMSNorm, RotaryEmbedding, apply_rope
+from draftsmith.methods.attention import KVCache, full_attention
+from draftsmith.methods.layers import MLP, Attention, DraftModule, RMSNorm, RotaryEmbedding, apply_rope
+from draftsmith.methods.spec import DraftSpec
 
 
 def own_head(spec: DraftSpec) -> bool:

@@ -1,8 +1,8 @@
 """P-EAGLE: EAGLE-3 with parallel drafting -- all k tokens of a round from one draft forward.
 
-The module is EAGLE-3's (`train.model.Eagle3Draft`) with one more tensor, `mask_hidden` [1, num_aux * H_target]:
+The module is EAGLE-3's (`methods.eagle3.modeling.Eagle3Draft`) with one more tensor, `mask_hidden` [1, num_aux * H_target]:
 the aux features every parallel slot reads (vLLM's Eagle-3 loader takes a weight of that name and fuses it with fc),
-each slot embedding the mask token. Training unrolls the depths with COD sampling (`train.unrolled.COD`); a round is one
+each slot embedding the mask token. Training unrolls the depths with COD sampling (`methods.objective.COD`); a round is one
 forward (the pending positions, then k - 1 slots). vLLM serves it as method "eagle3" with `"parallel_drafting":
 true` (without it vLLM skips mask_hidden and drafts one token per forward); its config.json names the mask token:
 vllm's `ptd_token_id`, speculators' own P-EAGLE type (`mask_token_id`, which vLLM's reader hands on as
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.config.methods import PEagleOptions
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.vllm.readers import PARALLEL_DRAFTING_ROW
-from draftsmith.train.methods.base import Budget, Choose, Runner, VllmNeed, int_at_least, mask_token_id, section
-from draftsmith.train.methods.eagle3 import Eagle3
-from draftsmith.train.model import DraftSpec, Eagle3Draft
-from draftsmith.train.unrolled import COD, Unrolled
+from draftsmith.methods.base import Budget, Choose, Runner, int_at_least, mask_token_id, section
+from draftsmith.methods.eagle3.method import Eagle3
+from draftsmith.methods.eagle3.modeling import Eagle3Draft
+from draftsmith.methods.objective import COD, Steps
+from draftsmith.methods.peagle import NEEDS, PEagleOptions
+from draftsmith.methods.spec import DraftSpec
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -74,15 +74,7 @@ class PEagle(Eagle3):
     speculators_type = "peagle"
     speculators_architecture = SPECULATORS_ARCHITECTURE
     refusals = {"sglang": "SGLang has no parallel drafting, so it cannot serve this P-EAGLE draft; export as vllm"}
-    vllm_needs = (
-        VllmNeed(
-            "parallel_drafting",
-            PARALLEL_DRAFTING_ROW,
-            "has no parallel drafting",
-            "has parallel drafting",
-            " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)",
-        ),
-    )
+    vllm_needs = NEEDS
 
     # -- training
 
@@ -101,9 +93,9 @@ class PEagle(Eagle3):
                 "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
             )
 
-    def sampling(self, cfg: TrainConfig) -> Unrolled:
+    def sampling(self, cfg: TrainConfig) -> Steps:
         assert isinstance(cfg.method, PEagleOptions), cfg.method  # the registry asks this method for its own runs
-        return Unrolled(COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed))
+        return Steps(COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed))
 
     def depths_trained(self, cfg: TrainConfig) -> int | None:
         return cfg.method.depths

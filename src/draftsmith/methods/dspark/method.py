@@ -1,6 +1,6 @@
 """DSpark: DFlash's block drafter whose anchor row predicts too, plus a Markov head applied left to right.
 
-The module is `train.dspark_model.DSparkDraft` (vLLM's `Qwen3DSparkModel`, qwen3_dspark.py; speculators'
+The module is `methods.dspark.modeling.DSparkDraft` (vLLM's `Qwen3DSparkModel`, qwen3_dspark.py; speculators'
 `DSparkDraftModel`): DFlash's backbone, every row of the block [x_p, mask x (block_size - 1)] proposing the token
 after it (`sample_from_anchor`), so a round drafts block_size tokens; the vanilla Markov head (markov_w1 / markov_w2,
 rank `DraftSpec.markov_rank`, default 256) adds a bias from each slot's previous token, and the confidence head
@@ -15,7 +15,7 @@ and has the speculator, no on a CPU, where evaluate --engine vllm and serve refu
 reference decoder.
 
 Training (`train --method dspark`, offline from a store that holds the layers a DFlash draft reads, or online) draws
-blocks as DFlash does (`train.blocks.Anchors` with `from_anchor`: block row d is proposal d, trained towards p_{a+d});
+blocks as DFlash does (`methods.objective.Anchors` with `from_anchor`: block row d is proposal d, trained towards p_{a+d});
 its loss (`train.block_loss.score_blocks`) adds each row's Markov bias of the token before it (teacher forcing) inside
 the fused whole-vocabulary KL, and trains the confidence head towards each row's expected acceptance (BCE, weight 1).
 """
@@ -30,27 +30,25 @@ import torch
 from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.extract.vllm.readers import DSPARK_ARCHITECTURE, DSPARK_ROW
-from draftsmith.train.dflash_model import DFlashDraft, own_head
-from draftsmith.train.dspark_model import DSparkDraft
-from draftsmith.train.methods.base import (
+from draftsmith.methods.base import (
     Choose,
     Draft,
     DraftMethod,
     ExportContext,
     Runner,
-    VllmNeed,
     int_at_least,
     section,
     speculators_file,
 )
-from draftsmith.train.methods.dflash import DFlash, block_mask_token, block_options, qwen3_config
-from draftsmith.train.model import DraftSpec
+from draftsmith.methods.dflash.method import DFlash, block_mask_token, block_options, qwen3_config
+from draftsmith.methods.dflash.modeling import DFlashDraft, own_head
+from draftsmith.methods.dspark import ARCHITECTURE, NEEDS
+from draftsmith.methods.dspark.modeling import DSparkDraft
+from draftsmith.methods.spec import DraftSpec
 
 if TYPE_CHECKING:
     from draftsmith.config import TrainConfig
 
-ARCHITECTURE = DSPARK_ARCHITECTURE  # vLLM's registry: qwen3_dspark.Qwen3DSparkForCausalLM
 SPECULATORS_ARCHITECTURE = "DSparkDraftModel"  # what speculators' save_pretrained writes
 DEFAULT_MARKOV_RANK = 256  # speculators' default, the rank the issue asks for
 MARKOV_HEAD_TYPE = "vanilla"  # the only Markov head vLLM builds
@@ -96,15 +94,7 @@ class DSpark(DFlash):
         "sglang": "draftsmith writes no SGLang DSpark draft (SGLang has no DSpark drafter); export as vllm or "
         "speculators"
     }
-    vllm_needs = (
-        VllmNeed(
-            "dspark",
-            DSPARK_ROW,
-            "cannot draft with the dspark method here",
-            "drafts with the dspark method here",
-            " (vLLM >= 0.32 on a GPU: its model runner V2 drafts DSpark)",
-        ),
-    )
+    vllm_needs = NEEDS
 
     # -- training
 

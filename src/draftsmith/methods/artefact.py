@@ -2,7 +2,7 @@
 into one `DraftSource` (spec, tensors in the module's names, target identity, origin, training summary).
 
 Below both the trainer (`train --init-from`) and draftsmith.export / draftsmith.evaluate, so it reads an export
-through the fields every draft directory records (`checkpoint.DraftManifest`); what an export's config.json says
+through the fields every draft directory records (`draft_dir.DraftManifest`); what an export's config.json says
 about its method (P-EAGLE's mask token, DFlash's block) is read by that method (`methods.method_of_config`), as
 vLLM reads it, for the export writer, `load_draft` and every command that starts vLLM alike.
 The tensors of a DraftSource are named as Eagle3Draft's state dict (vLLM's own module names, `layers.0.` for
@@ -20,10 +20,10 @@ import torch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json
 from draftsmith.core.targets import read_config, resolve_target, target_identity
-from draftsmith.train import checkpoint
-from draftsmith.train.methods import method_of, method_of_config, same_family
-from draftsmith.train.methods.base import Draft
-from draftsmith.train.model import DraftSpec, draft_tensors
+from draftsmith.methods import draft_dir, method_of, method_of_config, same_family
+from draftsmith.methods.base import Draft
+from draftsmith.methods.layers import draft_tensors
+from draftsmith.methods.spec import DraftSpec
 
 LAYER0_SPELLINGS = ("layers.0.", "midlayer.")
 
@@ -154,14 +154,14 @@ def load_draft(path: Path) -> DraftSource:
             f"{path}: is a file, not a draft directory; pass a `draftsmith train` run or "
             "checkpoint directory, or an exported draft"
         )
-    directory = checkpoint.resolve(path)
+    directory = draft_dir.resolve(path)
     kind = read_manifest_json(directory).get("kind")
-    manifest: checkpoint.CheckpointManifest | checkpoint.DraftManifest
+    manifest: draft_dir.CheckpointManifest | draft_dir.DraftManifest
     if kind == "checkpoint":
-        tensors, manifest = checkpoint.load_checkpoint(directory)
+        tensors, manifest = draft_dir.load_checkpoint(directory)
     elif kind == "export":
-        manifest = read_manifest(directory, checkpoint.DraftManifest)
-        tensors = checkpoint.read_weights(directory, manifest)
+        manifest = read_manifest(directory, draft_dir.DraftManifest)
+        tensors = draft_dir.read_weights(directory, manifest)
         manifest.draft = _spec_from_config(directory, manifest.draft, tensors)
     else:
         raise DraftsmithError(
@@ -169,7 +169,7 @@ def load_draft(path: Path) -> DraftSource:
             "checkpoint directory, or an exported draft"
         )
     tensors = spell_layer0(tensors, "layers.0.")
-    validate_tensors(tensors, manifest.draft, where=str(directory / checkpoint.WEIGHTS_FILE))
+    validate_tensors(tensors, manifest.draft, where=str(directory / draft_dir.WEIGHTS_FILE))
     return DraftSource(
         spec=manifest.draft, tensors=tensors, target=manifest.target, origin=path, training=manifest.training
     )
