@@ -1,7 +1,8 @@
 """The layout docs/architecture.md describes is the layout of the code: every module it names exists, imports run
-one way (core <- prepare <- extract <- train <- export <- evaluate <- serve <- the shell), imports inside functions
-included, and every one is a plain import (no module loaded by name, no module `__getattr__`), there is no import
-cycle, no import inside a function but of optional heavy dependencies or of a stage by the commands that run it, no
+one way (core <- methods <- config <- prepare <- extract <- train <- export <- evaluate <- serve <- the shell),
+imports inside functions included, and every one is a plain import (no module loaded by name, no module
+`__getattr__`), there is no import cycle, no import inside a function but of optional heavy dependencies, of a stage
+by the commands that run it or of a method's implementation by its package's `load()`, no
 module over 600 lines and no function over 80 lines in ruff format's layout, and nothing in src/ or docs/ points at
 a file outside the repository."""
 
@@ -15,8 +16,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "draftsmith"
-RANK = {"core": 0, "config": 1, "prepare": 2, "extract": 3, "train": 4, "export": 5, "evaluate": 6, "serve": 7}
-SHELL = 8  # cli, quickstart, doctor, inspection, __main__: may use every stage
+RANK = {
+    "core": 0,
+    "methods": 1,
+    "config": 2,
+    "prepare": 3,
+    "extract": 4,
+    "train": 5,
+    "export": 6,
+    "evaluate": 7,
+    "serve": 8,
+}
+SHELL = 9  # cli, quickstart, doctor, inspection, __main__: may use every stage
 # vLLM, matplotlib and TensorBoard are extras; datasets takes ~0.7 s to import and only serves its own input format
 OPTIONAL_HEAVY = ("vllm", "matplotlib", "torch.utils.tensorboard", "datasets", "mooncake")
 # the commands that import a stage when it runs, so that `draftsmith --help` loads none
@@ -67,10 +78,10 @@ def _imports(path: Path) -> list[tuple[str, bool, int]]:
 
 def test_every_module_the_architecture_names_exists():
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    named = set(re.findall(r"`((?:core|prepare|extract|train|export|evaluate|serve)/[\w/]*(?:\.py|/))`", text))
+    named = set(re.findall(r"`((?:core|methods|prepare|extract|train|export|evaluate|serve)/[\w/]*(?:\.py|/))`", text))
     named |= {
         f"{m.split('/')[0]}/{m.split('/')[1]}.py"
-        for m in re.findall(r"`((?:core|prepare|extract|train|export|evaluate|serve)/\w+): ", text)
+        for m in re.findall(r"`((?:core|methods|prepare|extract|train|export|evaluate|serve)/\w+): ", text)
     }
     assert len(named) > 15, "the architecture names its modules as `package/module.py`"
     missing = sorted(p for p in named if not (SRC / p).exists())
@@ -115,12 +126,33 @@ def test_no_import_cycle():
             visit(node)
 
 
+def _loads_its_method(name: str, imported: str) -> bool:
+    """A method package's `load()` importing its own implementation (draftsmith.methods.X -> X.method): the
+    package stays light (no torch) for `draftsmith --help` and the probe."""
+    return name.startswith("draftsmith.methods.") and imported == f"{name}.method"
+
+
+def test_every_method_package_is_in_the_registry_and_light():
+    from draftsmith import methods
+
+    packages = sorted(p.parent.name for p in (SRC / "methods").glob("*/__init__.py"))
+    assert sorted(p.__name__.rsplit(".", 1)[1] for p in methods.PACKAGES) == packages
+    for package in packages:
+        heavy = [m for m, inner, _ in _imports(SRC / "methods" / package / "__init__.py") if not inner]
+        heavy = [m for m in heavy if m.startswith(("torch", "transformers", "numpy")) or m.endswith(".modeling")]
+        assert not heavy, f"methods/{package}/__init__.py imports {heavy}: a package's own module is light"
+    # (its `.method` is named at the top only for the type checker: `load()` imports it)
+
+
 def test_imports_inside_functions_are_only_of_optional_heavy_dependencies_or_a_command_s_stage():
     inner = [
         f"{path.relative_to(ROOT)}:{line} imports {m}"
         for name, path in MODULES.items()
         for m, is_inner, line in _imports(path)
-        if is_inner and not m.startswith(OPTIONAL_HEAVY) and not (name in LAZY_SHELL and m.startswith("draftsmith."))
+        if is_inner
+        and not m.startswith(OPTIONAL_HEAVY)
+        and not (name in LAZY_SHELL and m.startswith("draftsmith."))
+        and not _loads_its_method(name, m)
     ]
     assert not inner, "move these imports to the top of their module:\n" + "\n".join(inner)
 

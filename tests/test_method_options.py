@@ -1,5 +1,5 @@
-"""Each drafting method's typed options (methods/<name>/__init__.py): `TrainConfig.method` holds the chosen method's options and
-no other method's; flags and YAML give them flat, the resolved config nests them, both read back; an option of
+"""Each drafting method's typed options (methods/<name>/__init__.py): `TrainConfig.method` holds the chosen
+method's options and no other method's; flags and YAML give them flat, the resolved config nests them, both read back; an option of
 another method is refused in one line; a checkpoint's flat record (older runs) compares with a nested config."""
 
 from __future__ import annotations
@@ -17,6 +17,21 @@ from draftsmith.methods.dspark import DSparkOptions
 from draftsmith.methods.eagle3 import Eagle3Options
 from draftsmith.methods.peagle import PEagleOptions
 from draftsmith.train.setup import _changed_hyperparameters
+
+
+def test_the_registry_derives_the_names_options_and_vllm_needs_from_the_packages():
+    from typing import get_args
+
+    from draftsmith import methods
+    from draftsmith.extract.vllm.probe import ProbeFacts
+
+    assert set(get_args(methods.MethodName)) == set(methods.NAMES)  # the one hand-spelt copy, held to PACKAGES
+    assert methods.DEFAULT_METHOD in methods.NAMES and set(methods.OPTIONS) == set(methods.NAMES)
+    for name in methods.NAMES:
+        loaded = methods.method(name)
+        assert loaded.name == name and loaded.vllm_needs == methods.NEEDS[name]
+        assert all(need.fact in ProbeFacts.model_fields for need in loaded.vllm_needs), name  # no string join
+    assert [m.name for m in methods.all_methods()] == list(methods.NAMES)
 
 
 def test_each_method_holds_its_own_options_and_what_a_round_trains():

@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard
+from typing import Any, ClassVar, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -28,10 +28,8 @@ from draftsmith.methods.dflash.modeling import DFlashDraft
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
 from draftsmith.methods.needs import VllmNeed
 from draftsmith.methods.objective import ALL_STEPS, Draw
+from draftsmith.methods.options import MethodOptions
 from draftsmith.methods.spec import DraftSpec
-
-if TYPE_CHECKING:
-    from draftsmith.config import TrainConfig
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 Draft = Eagle3Draft | DFlashDraft  # a draft module, whichever method's (each method names its module)
@@ -69,6 +67,23 @@ class Runner(Protocol):
     def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor: ...
 
 
+class RunOptions(Protocol):
+    """What a method reads of a training run's config (`config.TrainConfig` has these fields; methods/ sits below
+    config/, so it names the fields it reads instead of the config)."""
+
+    @property
+    def method(self) -> MethodOptions: ...
+
+    @property
+    def num_layers(self) -> int | None: ...  # TrainConfig's validator sets the method's default
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def lm_head_init(self) -> str: ...
+
+
 Choose = Callable[[torch.Tensor], int]  # the decoder's choice of a token (target id) from one proposal's logits
 
 
@@ -104,7 +119,7 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
+        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """(draft, spec, draft-vocabulary coverage of the loss-masked `counts` [vocab]) of a fresh draft for the
         target."""
@@ -114,15 +129,15 @@ class DraftMethod(ABC):
         (its weights carry over), or one whose module this method's extends (`adopt` adds the rest)."""
         return other.module is self.module
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
         """A draft of this method's family (`module`) turned into one of this method as `cfg` asks (--init-from an
         EAGLE-3 draft into a P-EAGLE run, a DFlash draft's block size); the other weights kept."""
         return draft, spec
 
-    def check_run(self, cfg: TrainConfig) -> None:  # noqa: B027 - a no-op default a method may override
+    def check_run(self, cfg: RunOptions) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) options this method cannot train with."""
 
-    def sampling(self, cfg: TrainConfig) -> Draw:
+    def sampling(self, cfg: RunOptions) -> Draw:
         """What a batch's index draws (methods/objective.py), and so the objective that scores it: every TTT step or
         P-EAGLE's COD (`Steps`: train.unrolled), or a block method's anchors (`Anchors`: train.blocks)."""
         return ALL_STEPS
@@ -188,7 +203,7 @@ class DraftMethod(ABC):
         """A line the export's README adds below vLLM's command."""
         return None
 
-    def depths_trained(self, cfg: TrainConfig) -> int | None:
+    def depths_trained(self, cfg: RunOptions) -> int | None:
         """The most tokens a round was trained to propose, where a longer round reads untrained slots (P-EAGLE)."""
         return None
 
@@ -199,7 +214,7 @@ class DraftMethod(ABC):
         quickstart budget evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
         return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
 
-    def describe_run(self, cfg: TrainConfig) -> str:
+    def describe_run(self, cfg: RunOptions) -> str:
         """The quickstart summary's words for the draft a run trains."""
         return f"{self.kind}, {cfg.method.depths} TTT steps"
 

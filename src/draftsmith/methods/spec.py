@@ -1,5 +1,5 @@
 """The draft artefact's spec (`DraftSpec`): everything that fixes a draft's shapes, named as in vLLM's / HF's Llama
-config, recorded in every checkpoint and export manifest. No torch: a spec is read (planning, doctor) without it.
+config, recorded in every checkpoint and export manifest. Plain pydantic: no torch.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from draftsmith.core import hfcompat
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.methods import DEFAULT_METHOD, MethodName
@@ -113,7 +114,6 @@ class DraftSpec(BaseModel):
             head_dim = int(text.get("head_dim") or hidden // heads)
         else:  # multi-head latent attention, or heads that do not divide the hidden size
             heads, kv_heads, head_dim = cls.draft_attention_shape(hidden)
-        from draftsmith.core import hfcompat  # transformers: only where a spec is built from a target
 
         rope = hfcompat.rope_parameters_of(text)  # written by transformers 4 or 5
         rope.pop("partial_rotary_factor", None)  # the draft rotates its whole head (Qwen3-Next's target: 1/4)

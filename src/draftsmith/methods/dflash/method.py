@@ -11,7 +11,7 @@ draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from draftsmith.methods.base import (
     DraftMethod,
     ExportContext,
     Runner,
+    RunOptions,
     int_at_least,
     llama_config,
     mask_token_id,
@@ -39,11 +40,8 @@ from draftsmith.methods.options import BlockOptions
 from draftsmith.methods.spec import DraftSpec
 from draftsmith.methods.vocab import build_draft_vocab
 
-if TYPE_CHECKING:
-    from draftsmith.config import TrainConfig
 
-
-def block_options(cfg: TrainConfig) -> BlockOptions:
+def block_options(cfg: RunOptions) -> BlockOptions:
     """A block method's run's options (DFlash's, DSpark's)."""
     assert isinstance(cfg.method, BlockOptions), cfg.method  # the registry asks this method for its own runs only
     return cfg.method
@@ -92,7 +90,7 @@ def block_mask_token(token: object, key: str, spec: DraftSpec, where: str) -> in
     return token
 
 
-def reduced_vocab_size(cfg: TrainConfig, vocab_size: int) -> int | None:
+def reduced_vocab_size(cfg: RunOptions, vocab_size: int) -> int | None:
     """A DFlash draft's vocabulary: --draft-vocab-size when the run names one smaller than the target's `vocab_size`;
     None: the target's whole vocabulary and its frozen lm_head (DFlash's default, and DSpark's only)."""
     size = cfg.method.draft_vocab_size if isinstance(cfg.method, DFlashOptions) else None
@@ -116,7 +114,7 @@ class DFlash(DraftMethod):
         return dflash_aux_layer_ids(num_target_layers, num_layers)
 
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
+        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """Blocks of --block-size; the target's vocabulary and lm_head (coverage 1), or, when --draft-vocab-size is
         given (`reduced_vocab_size`), EAGLE-3's draft vocabulary: the most frequent of the loss-masked `counts`, its
@@ -130,7 +128,7 @@ class DFlash(DraftMethod):
         return draft, spec, vocab.coverage
 
     def block_spec(
-        self, cfg: TrainConfig, target_config: dict, vocab_size: int, aux_layer_ids: list[int], **fields: int
+        self, cfg: RunOptions, target_config: dict, vocab_size: int, aux_layer_ids: list[int], **fields: int
     ) -> DraftSpec:
         """A fresh draft's spec: the target's shapes, --num-layers, blocks of --block-size reading the target's mask
         token, this method's `fields`."""
@@ -141,7 +139,7 @@ class DFlash(DraftMethod):
             update=dict(method=self.name, block_size=block, mask_token_id=mask_token_id(target_config), **fields)
         )
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
         """Its block size is --block-size's."""
         block = block_options(cfg).block_size
         if spec.block_size == block:
@@ -151,7 +149,7 @@ class DFlash(DraftMethod):
         draft.spec = spec
         return draft, spec
 
-    def sampling(self, cfg: TrainConfig) -> Anchors:
+    def sampling(self, cfg: RunOptions) -> Anchors:
         """Anchors drawn among the answer's tokens; where every block row proposes (no silent row: DSpark), the
         anchor row is proposal 0."""
         options = block_options(cfg)
@@ -233,7 +231,7 @@ class DFlash(DraftMethod):
     def facts(self, spec: DraftSpec) -> dict[str, str]:
         return {"block": f"{spec.block_size} positions, {self.round_tokens(spec, 0)} tokens a round in one forward"}
 
-    def describe_run(self, cfg: TrainConfig) -> str:
+    def describe_run(self, cfg: RunOptions) -> str:
         options = block_options(cfg)
         return (
             f"DFlash, blocks of {options.block_size} ({options.block_size - 1} tokens a round, one draft forward), "

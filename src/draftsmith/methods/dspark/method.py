@@ -23,7 +23,6 @@ the fused whole-vocabulary KL, and trains the confidence head towards each row's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from draftsmith.methods.base import (
     DraftMethod,
     ExportContext,
     Runner,
+    RunOptions,
     int_at_least,
     section,
     speculators_file,
@@ -45,9 +45,6 @@ from draftsmith.methods.dflash.modeling import DFlashDraft, own_head
 from draftsmith.methods.dspark import ARCHITECTURE, NEEDS
 from draftsmith.methods.dspark.modeling import DSparkDraft
 from draftsmith.methods.spec import DraftSpec
-
-if TYPE_CHECKING:
-    from draftsmith.config import TrainConfig
 
 SPECULATORS_ARCHITECTURE = "DSparkDraftModel"  # what speculators' save_pretrained writes
 DEFAULT_MARKOV_RANK = 256  # speculators' default, the rank the issue asks for
@@ -99,7 +96,7 @@ class DSpark(DFlash):
     # -- training
 
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
+        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """DFlash's fresh draft (the target's vocabulary and lm_head, blocks of --block-size) with the Markov and
         confidence heads of rank 256."""
@@ -110,7 +107,7 @@ class DSpark(DFlash):
         """A DSpark draft, or a DFlash draft: its backbone is DSpark's (`adopt` adds the heads)."""
         return other.module in (DSparkDraft, DFlashDraft)
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
         """A DFlash draft becomes a DSpark draft with its backbone (every DFlash weight) and fresh Markov and
         confidence heads of rank 256, as a fresh DSpark draft of --seed has them; then DFlash's: the block size of
         --block-size."""
@@ -130,7 +127,7 @@ class DSpark(DFlash):
             draft = dspark
         return super().adopt(draft, spec, cfg, target_config)
 
-    def describe_run(self, cfg: TrainConfig) -> str:
+    def describe_run(self, cfg: RunOptions) -> str:
         options = block_options(cfg)
         return (
             f"DSpark, blocks of {options.block_size} ({options.block_size} tokens a round: one draft forward, then the "

@@ -8,7 +8,6 @@ The module is `methods.eagle3.modeling.Eagle3Draft` (vLLM's `Eagle3LlamaForCausa
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from draftsmith.methods.base import (
     DraftMethod,
     ExportContext,
     Runner,
+    RunOptions,
     llama_config,
     speculators_file,
 )
@@ -28,9 +28,6 @@ from draftsmith.methods.eagle3 import Eagle3Options
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
 from draftsmith.methods.spec import DraftSpec
 from draftsmith.methods.vocab import build_draft_vocab
-
-if TYPE_CHECKING:
-    from draftsmith.config import TrainConfig
 
 VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
@@ -46,7 +43,7 @@ class Eagle3(DraftMethod):
     # -- training
 
     def fresh_draft(
-        self, cfg: TrainConfig, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
+        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
     ) -> tuple[Draft, DraftSpec, float]:
         """A fresh EAGLE-3 draft (`adopt` makes it this method's): the draft vocabulary the most frequent of the
         loss-masked `counts`, the lm_head from the target's rows of it (--lm-head-init target)."""
@@ -58,7 +55,7 @@ class Eagle3(DraftMethod):
         draft = Eagle3Draft.from_target(spec, target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed)
         return draft, spec, vocab.coverage
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: TrainConfig, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
         """An EAGLE-family draft as this method's (e.g. --init-from a P-EAGLE draft): the method recorded, its
         extra weights dropped and this method's added (`extra_weights`), the others kept."""
         if spec.method == self.name:
@@ -76,7 +73,7 @@ class Eagle3(DraftMethod):
         Eagle 3.1)."""
         return {"mask_token_id": None, "fc_norm": False, "norm_output": False}
 
-    def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions) -> dict[str, torch.Tensor]:
         """Initial values of the weights this method adds to an EAGLE-3 draft."""
         return {}
 
@@ -152,7 +149,7 @@ class Eagle3(DraftMethod):
             )
         return spec.model_copy(update={"method": self.name, "mask_token_id": None})
 
-    def describe_run(self, cfg: TrainConfig) -> str:
+    def describe_run(self, cfg: RunOptions) -> str:
         return f"EAGLE-3, {cfg.method.depths} TTT steps"
 
 

@@ -12,20 +12,17 @@ pard_token). SGLang has no parallel drafting.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.methods.base import Budget, Choose, Runner, int_at_least, mask_token_id, section
+from draftsmith.methods.base import Budget, Choose, Runner, RunOptions, int_at_least, mask_token_id, section
 from draftsmith.methods.eagle3.method import Eagle3
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
 from draftsmith.methods.objective import COD, Steps
 from draftsmith.methods.peagle import NEEDS, PEagleOptions
 from draftsmith.methods.spec import DraftSpec
-
-if TYPE_CHECKING:
-    from draftsmith.config import TrainConfig
 
 SPECULATORS_ARCHITECTURE = "PEagleSpeculator"
 
@@ -81,23 +78,23 @@ class PEagle(Eagle3):
     def spec_fields(self, target_config: dict) -> dict[str, object]:
         return {**super().spec_fields(target_config), "mask_token_id": mask_token_id(target_config)}
 
-    def extra_weights(self, draft: Eagle3Draft, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions) -> dict[str, torch.Tensor]:
         """mask_hidden seeded small normal (--seed), like a fresh draft's weights."""
         gen = torch.Generator().manual_seed(cfg.seed)
         return {"mask_hidden": torch.randn(draft.mask_hidden.shape, generator=gen) * 0.02}
 
-    def check_run(self, cfg: TrainConfig) -> None:
+    def check_run(self, cfg: RunOptions) -> None:
         if cfg.method.depths < 2:
             raise DraftsmithError(
                 f"--method peagle --ttt-steps {cfg.method.depths}: P-EAGLE trains depth 0 and the parallel "
                 "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
             )
 
-    def sampling(self, cfg: TrainConfig) -> Steps:
+    def sampling(self, cfg: RunOptions) -> Steps:
         assert isinstance(cfg.method, PEagleOptions), cfg.method  # the registry asks this method for its own runs
         return Steps(COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed))
 
-    def depths_trained(self, cfg: TrainConfig) -> int | None:
+    def depths_trained(self, cfg: RunOptions) -> int | None:
         return cfg.method.depths
 
     def quickstart_options(
@@ -181,7 +178,7 @@ class PEagle(Eagle3):
             "trained for."
         )
 
-    def describe_run(self, cfg: TrainConfig) -> str:
+    def describe_run(self, cfg: RunOptions) -> str:
         return f"P-EAGLE (all k tokens of a round in one draft forward), {cfg.method.depths} depths trained"
 
 
