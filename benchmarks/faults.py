@@ -61,7 +61,7 @@ from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import common, hf, store
 from draftsmith.extract import stage as extract
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.methods.artefact import load_draft
 from draftsmith.prepare.dataset import open_prepared
 from draftsmith.train import checkpoint
@@ -105,7 +105,7 @@ class Bench:
     def run(self) -> Path:
         """The undisturbed training run (trained on first use)."""
         run = self.work / "reference-run"
-        if draft_dir.latest_checkpoint(run) is None:
+        if artefact.latest_checkpoint(run) is None:
             trainer.run(self.train_cfg(run))
         return run
 
@@ -212,8 +212,8 @@ def curve(run: Path) -> list[tuple]:
 
 
 def final_state(run: Path) -> dict[str, torch.Tensor]:
-    last = draft_dir.latest_checkpoint(run)
-    tensors = load_file(str(last / draft_dir.WEIGHTS_FILE))
+    last = artefact.latest_checkpoint(run)
+    tensors = load_file(str(last / artefact.WEIGHTS_FILE))
     for i, per_param in checkpoint.load_training_state(last)["optimizer"]["state"].items():
         for key, value in per_param.items():
             tensors[f"optimizer.{i}.{key}"] = value
@@ -308,20 +308,20 @@ def flip_store_shard(b: Bench) -> Outcome:
 
 def flip_checkpoint_weights(b: Bench) -> Outcome:
     run = b.copy(b.run, "flip-weights")
-    weights = draft_dir.latest_checkpoint(run) / draft_dir.WEIGHTS_FILE
+    weights = artefact.latest_checkpoint(run) / artefact.WEIGHTS_FILE
     flip_data_byte(weights)
-    expect_error(lambda: draft_dir.load_checkpoint(weights.parent), str(weights), "sha256")
-    expect_error(lambda: draft_dir.verify_checkpoint(run), str(weights), "sha256")
+    expect_error(lambda: artefact.load_checkpoint(weights.parent), str(weights), "sha256")
+    expect_error(lambda: artefact.verify_checkpoint(run), str(weights), "sha256")
     expect_error(lambda: trainer.run(b.train_cfg(run)), str(weights), "sha256")
     return Outcome("flip-checkpoint-weights", "train", survived=True, detail="named on load, resume and verify")
 
 
 def flip_training_state(b: Bench) -> Outcome:
     run = b.copy(b.run, "flip-state")
-    state = draft_dir.latest_checkpoint(run) / draft_dir.STATE_FILE
+    state = artefact.latest_checkpoint(run) / artefact.STATE_FILE
     flip_data_byte(state)
     expect_error(lambda: trainer.run(b.train_cfg(run)), str(state), "sha256")
-    expect_error(lambda: draft_dir.verify_checkpoint(run), str(state), "sha256")
+    expect_error(lambda: artefact.verify_checkpoint(run), str(state), "sha256")
     return Outcome("flip-training-state", "train", survived=True, detail="named on resume and verify")
 
 
@@ -373,7 +373,7 @@ def nan_loss(b: Bench) -> Outcome:
     with patched(trainer, "forward", poisoned) as real:
         message = expect_error(lambda: trainer.run(b.train_cfg(run)), "step 5: loss is NaN/Inf", "last good checkpoint")
     check(not leftovers(run), f"left behind: {leftovers(run)}")
-    draft_dir.verify_checkpoint(run)
+    artefact.verify_checkpoint(run)
     trainer.run(b.train_cfg(run))
     check(runs_equal(run, b.run), "the resumed run differs from an undisturbed one")
     return Outcome("nan-loss", "train", survived=True, detail=message.split(";")[0])
@@ -440,7 +440,7 @@ def full_disk_train(b: Bench) -> Outcome:
                 lambda: trainer.run(b.train_cfg(run)), "no space left on device", "last good checkpoint"
             )
         check(not leftovers(run), f"left behind: {leftovers(run)}")
-        checked = draft_dir.verify_checkpoint(run)
+        checked = artefact.verify_checkpoint(run)
         filler[0].unlink()
         trainer.run(b.train_cfg(run))
         check(runs_equal(run, b.run), "the resumed run differs from an undisturbed one")
@@ -453,7 +453,7 @@ def full_disk_export(b: Bench) -> Outcome:
     def body(disk: Path) -> str:
         first, second = disk / "export", disk / "export-2"
         export.run(ExportConfig(checkpoint=b.run, output=first))
-        before = (first / draft_dir.WEIGHTS_FILE).read_bytes()
+        before = (first / artefact.WEIGHTS_FILE).read_bytes()
         filler = fill_disk(disk)
         expect_error(
             lambda: export.run(ExportConfig(checkpoint=b.run, output=first, dtype="fp32")),
@@ -465,14 +465,14 @@ def full_disk_export(b: Bench) -> Outcome:
         )
         check(not leftovers(disk), f"left behind: {leftovers(disk)}")
         check(not second.exists(), "a half-written export directory was left")
-        check((first / draft_dir.WEIGHTS_FILE).read_bytes() == before, "the previous export changed")
+        check((first / artefact.WEIGHTS_FILE).read_bytes() == before, "the previous export changed")
         load_draft(first)  # whole: its checksums hold
         filler.unlink()
         export.run(ExportConfig(checkpoint=b.run, output=second))
         load_draft(second)
         return "previous export whole, no partial directory; exported after freeing space"
 
-    return _full_disk(b, "full-disk-export", "export", body, b.run / draft_dir.BEST_DIR)
+    return _full_disk(b, "full-disk-export", "export", body, b.run / artefact.BEST_DIR)
 
 
 _TRAIN_CHILD = (
@@ -494,7 +494,7 @@ def kill_9_train(b: Bench, kills: int = 10, seed: int = 1234) -> Outcome:
     run = b.work / "killed-run"
     shutil.rmtree(run, ignore_errors=True)
     cfg = json.dumps(b.train_cfg(run).model_dump(mode="json"))
-    total = draft_dir.load_checkpoint(b.run)[1].step
+    total = artefact.load_checkpoint(b.run)[1].step
     rng = random.Random(seed)
     landed, tracebacks = 0, False
     for step in sorted(rng.sample(range(1, total - 1), min(kills, total - 2))):
@@ -514,7 +514,7 @@ def kill_9_train(b: Bench, kills: int = 10, seed: int = 1234) -> Outcome:
     tracebacks |= final.returncode != 0 or child_traceback(final.stderr)
     check(final.returncode == 0, f"the last resume failed: {final.stderr[-500:]}")
     check(runs_equal(run, b.run), "the killed-and-resumed run differs from an undisturbed one")
-    draft_dir.verify_checkpoint(run)
+    artefact.verify_checkpoint(run)
     return Outcome(
         "kill-9-train",
         "train",

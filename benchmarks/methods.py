@@ -79,10 +79,10 @@ def block_size(method: str, k: int) -> int | None:
     """The block a block method (DFlash, DSpark) is trained with so that a round proposes k tokens (its block's
     proposals: DFlash's masks, block_size - 1; DSpark's rows, block_size), as `train` sizes it
     (methods.options.BlockOptions.silent_rows: the rows of a block that propose nothing); None for any other method."""
-    from draftsmith.config.methods import options_class
+    from draftsmith.methods import OPTIONS
     from draftsmith.methods.options import BlockOptions
 
-    options = options_class(method)
+    options = OPTIONS[method]
     return k + options.silent_rows if issubclass(options, BlockOptions) else None
 
 

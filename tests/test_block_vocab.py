@@ -23,7 +23,7 @@ from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core import targets
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.evaluate.specdec import DraftRunner, TargetRunner, plain_generate, speculative_generate
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.methods.artefact import draft_module, load_draft
 from draftsmith.methods.dflash.method import DFLASH
 from draftsmith.methods.dflash.modeling import DFlashDraft
@@ -226,7 +226,7 @@ def test_a_tiny_run_lowers_the_held_out_loss_and_exports_both_layouts_that_read_
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     held_out = [m["loss"] for m in metrics if m["type"] == "eval"]
     assert len(held_out) >= 8 and held_out[-1] < held_out[0], held_out
-    tensors, manifest = draft_dir.load_checkpoint(run)
+    tensors, manifest = artefact.load_checkpoint(run)
     spec = manifest.draft
     assert (spec.method, spec.vocab_size, spec.draft_vocab_size) == ("dflash", 320, N)
     assert tensors["lm_head.weight"].shape == (N, spec.hidden_size)

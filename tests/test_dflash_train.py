@@ -16,7 +16,7 @@ from draftsmith.config import ExportConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import dflash_aux_layer_ids
 from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.methods.artefact import load_draft
 from draftsmith.methods.dflash.modeling import DFlashDraft
 from draftsmith.methods.objective import Anchors
@@ -193,7 +193,7 @@ def test_dflash_training_logs_per_position_metrics_checkpoints_and_exports(prepa
     assert len(train) == 6 and all(len(m["acc"]) == len(m["kl"]) == 4 for m in train)
     assert train[-1]["loss"] < train[0]["loss"]
     assert [m for m in metrics if m["type"] == "eval"][-1]["scored"][0] > 0
-    tensors, manifest = draft_dir.load_checkpoint(out)
+    tensors, manifest = artefact.load_checkpoint(out)
     spec = manifest.draft
     assert (spec.method, spec.block_size, spec.num_hidden_layers, spec.draft_vocab_size) == ("dflash", 5, 2, 320)
     assert spec.aux_layer_ids == [2]  # the tiny target's 4 layers: the spread collides

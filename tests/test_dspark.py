@@ -594,7 +594,7 @@ def test_train_method_dspark_offline_and_online_learns_its_heads_and_exports(dat
     """train --method dspark from the store (offline) and from the prepared set (the target in the trainer): every
     block row a proposal in the metrics, the held-out loss falling, the Markov and confidence heads learned, the checkpoint
     exported in vLLM's and speculators' layouts and read back; the trained draft decodes losslessly."""
-    from draftsmith.methods import draft_dir
+    from draftsmith.methods import artefact
 
     prepared, store = data
     for data_dir, kind in ((store, "store"), (prepared, "prepared")):
@@ -604,7 +604,7 @@ def test_train_method_dspark_offline_and_online_learns_its_heads_and_exports(dat
         evals = [m["loss"] for m in metrics if m["type"] == "eval"]  # the held-out samples, every 4 steps
         assert [len(m["acc"]) for m in train] == [4] * 16 and all(m["scored"][0] > 0 for m in train), kind
         assert len(evals) == 4 and evals[-1] < 0.8 * evals[0], (kind, evals)
-        tensors, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(out))
+        tensors, manifest = artefact.load_checkpoint(artefact.latest_checkpoint(out))
         spec = manifest.draft
         assert manifest.data_kind == kind and (spec.method, spec.block_size, spec.markov_rank) == ("dspark", 4, 256)
         fresh = DSparkDraft.from_target(spec, tiny[1], 0).state_dict()
@@ -645,15 +645,15 @@ def test_a_dflash_draft_starts_a_dspark_run_with_its_backbone_and_fresh_heads(da
     draft's of the same seed (lr 1e-12: the weights as they came); an EAGLE-3 draft is refused in one line naming
     the methods that can start it."""
     from draftsmith.core.errors import DraftsmithError
-    from draftsmith.methods import draft_dir
+    from draftsmith.methods import artefact
 
     prepared, store = data
     flash = tmp_path / "dflash"
     _train(store, flash, method="dflash", max_steps=2)
-    source, _ = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(flash))
+    source, _ = artefact.load_checkpoint(artefact.latest_checkpoint(flash))
     same = tmp_path / "same"
     _train(store, same, init_from=flash, max_steps=1, lr=1e-12, warmup_steps=0, schedule="constant")
-    tensors, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(same))
+    tensors, manifest = artefact.load_checkpoint(artefact.latest_checkpoint(same))
     assert (manifest.draft.method, manifest.draft.markov_rank) == ("dspark", 256)
     assert set(tensors) == set(source) | HEADS
     for name, value in source.items():

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from draftsmith import export
 from draftsmith.config import ExportConfig, ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.methods import draft_dir, method, method_of_config
+from draftsmith.methods import artefact, method, method_of_config
 from draftsmith.methods.artefact import load_draft
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
 from draftsmith.methods.spec import DraftSpec
@@ -107,11 +107,11 @@ def test_an_eagle3_draft_starts_an_eagle31_run_offline_and_online(data, tmp_path
     prepared, store = data
     eagle3 = tmp_path / "eagle3"
     trainer.run(_cfg(store, eagle3, method="eagle3", max_steps=2))
-    source, _ = draft_dir.load_checkpoint(eagle3)
+    source, _ = artefact.load_checkpoint(eagle3)
     assert not any(name.startswith("fc_norm.") for name in source)
     same = tmp_path / "same"  # lr 1e-12: the weights as they came
     trainer.run(_cfg(store, same, init_from=eagle3, max_steps=1, lr=1e-12, warmup_steps=0, schedule="constant"))
-    tensors, manifest = draft_dir.load_checkpoint(same)
+    tensors, manifest = artefact.load_checkpoint(same)
     assert manifest.draft.method == "eagle3.1" and manifest.draft.fc_norm and manifest.draft.norm_output
     assert all(torch.equal(tensors[f"fc_norm.{i}.weight"], torch.ones(64)) for i in range(3))
     for name, value in source.items():
@@ -120,7 +120,7 @@ def test_an_eagle3_draft_starts_an_eagle31_run_offline_and_online(data, tmp_path
         out = tmp_path / kind
         layers = dict(aux_layer_ids=[1, 2, 3]) if kind == "prepared" else {}  # the store's, computed online
         trainer.run(_cfg(data_dir, out, init_from=eagle3, **layers))
-        tensors, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(out))
+        tensors, manifest = artefact.load_checkpoint(artefact.latest_checkpoint(out))
         assert manifest.data_kind == kind and manifest.draft.method == "eagle3.1"
         assert not torch.equal(tensors["fc_norm.0.weight"], torch.ones(64)), kind  # learned
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -143,7 +143,7 @@ def test_evaluate_refuses_a_draft_for_another_target(exported, prompt_file, tmp_
 
 
 def test_evaluate_reads_a_training_checkpoint(tiny_target_dir, exported, prompt_file, tmp_path):
-    from draftsmith.methods.draft_dir import CheckpointManifest
+    from draftsmith.methods.artefact import CheckpointManifest
     from draftsmith.train.checkpoint import save_checkpoint
 
     source = load_draft(exported)

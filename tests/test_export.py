@@ -210,7 +210,7 @@ def test_read_export_detects_damage(tmp_path, tiny_draft):
 
 
 def save_checkpoint_for(run_dir, target_dir, draft, spec):
-    from draftsmith.methods.draft_dir import CheckpointManifest
+    from draftsmith.methods.artefact import CheckpointManifest
     from draftsmith.train.checkpoint import save_checkpoint
 
     manifest = CheckpointManifest(
@@ -220,7 +220,7 @@ def save_checkpoint_for(run_dir, target_dir, draft, spec):
 
 
 def test_checkpoint_holds_the_draft_but_not_the_targets_embedding(tmp_path, tiny_target_dir, tiny_draft):
-    from draftsmith.methods.draft_dir import load_checkpoint
+    from draftsmith.methods.artefact import load_checkpoint
 
     draft, spec, tensors, _ = tiny_draft
     best = save_checkpoint_for(tmp_path / "run", tiny_target_dir, draft, spec)
@@ -347,7 +347,7 @@ def test_peagle_round_trip(tmp_path, tiny_peagle, fmt):
 
 
 def test_peagle_checkpoint_round_trips_through_export(tmp_path, tiny_target_dir, tiny_peagle):
-    from draftsmith.methods.draft_dir import CheckpointManifest
+    from draftsmith.methods.artefact import CheckpointManifest
     from draftsmith.train.checkpoint import save_checkpoint
 
     _, spec, tensors, identity = tiny_peagle

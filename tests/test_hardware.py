@@ -19,7 +19,7 @@ from draftsmith.extract import store
 from draftsmith.extract.hf import resolve_compute_dtype
 from draftsmith.extract.vllm.dtypes import choose_dtype
 from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.train import stage as trainer
 from draftsmith.train.setup import autocast_dtype, resolved_precision
 
@@ -150,7 +150,7 @@ def _train(store_dir: Path, out: Path, **kw) -> TrainConfig:
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    ckpt = draft_dir.latest_checkpoint(out)
+    ckpt = artefact.latest_checkpoint(out)
     return load_file(str(ckpt / "model.safetensors"))
 
 
@@ -159,7 +159,7 @@ def test_train_auto_is_bf16_on_a_bf16_cpu_printed_and_recorded(tiny_store, tmp_p
     _train(tiny_store, tmp_path / "auto-bf16")
     assert "train: bf16 (--precision auto on " in capsys.readouterr().err
     assert yaml.safe_load((tmp_path / "auto-bf16" / "config.yaml").read_text())["precision"] == "bf16"
-    manifest = json.loads((draft_dir.latest_checkpoint(tmp_path / "auto-bf16") / "manifest.json").read_text())
+    manifest = json.loads((artefact.latest_checkpoint(tmp_path / "auto-bf16") / "manifest.json").read_text())
     assert manifest["hyperparameters"]["precision"] == "auto"  # what was asked: a resume elsewhere compares this
     _train(tiny_store, tmp_path / "bf16", precision="bf16")
     fake_cpu(False)

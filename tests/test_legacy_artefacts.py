@@ -95,7 +95,7 @@ def test_what_cannot_load_is_refused_with_the_stage_to_rerun(legacy, tmp_path, a
 
 def test_legacy_checkpoint_exports_and_resumes(legacy, legacy_target, tmp_path):
     from draftsmith import export
-    from draftsmith.methods.draft_dir import latest_checkpoint
+    from draftsmith.methods.artefact import latest_checkpoint
     from draftsmith.train.stage import run as train
 
     export.run(ExportConfig(checkpoint=legacy / "train", target=str(legacy_target), output=tmp_path / "export"))

@@ -14,7 +14,7 @@ from conftest import write_random_prepared
 from safetensors.torch import load_file
 
 from draftsmith.config import TrainConfig
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.methods.attention import KVCache
 from draftsmith.methods.base import mask_token_id
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
@@ -173,10 +173,10 @@ def test_peagle_training_logs_per_depth_metrics_and_checkpoints_mask_hidden(prep
     assert len(train) == 6 and all(len(m["acc"]) == len(m["kl"]) == 4 for m in train)
     evals = [m for m in _metrics(out) if m["type"] == "eval"]
     assert evals and len(evals[-1]["acc"]) == 4
-    tensors, manifest = draft_dir.load_checkpoint(out)
+    tensors, manifest = artefact.load_checkpoint(out)
     assert manifest.draft.method == "peagle" and manifest.draft.mask_token_id is not None
     assert tensors["mask_hidden"].shape == (1, len(manifest.draft.aux_layer_ids) * 64)
-    latest = load_file(str(draft_dir.latest_checkpoint(out) / draft_dir.WEIGHTS_FILE))
+    latest = load_file(str(artefact.latest_checkpoint(out) / artefact.WEIGHTS_FILE))
     init = torch.randn(tensors["mask_hidden"].shape, generator=torch.Generator().manual_seed(0)) * 0.02
     assert not torch.allclose(latest["mask_hidden"], init)  # learned, not left at its initial value
     config = json.loads((tiny_target_dir / "config.json").read_text())
@@ -203,11 +203,11 @@ def test_cod_scores_fewer_positions_at_depth_and_eval_scores_all(prepared, tmp_p
 def test_an_eagle3_draft_starts_a_peagle_run_and_keeps_its_weights(prepared, tmp_path):
     eagle = tmp_path / "eagle"
     trainer.run(_cfg(prepared, eagle, method="eagle3", max_steps=2))
-    source, _ = draft_dir.load_checkpoint(eagle)
+    source, _ = artefact.load_checkpoint(eagle)
     assert "mask_hidden" not in source
     out = tmp_path / "peagle"
     trainer.run(_cfg(prepared, out, init_from=eagle, max_steps=1, lr=1e-12, warmup_steps=0, schedule="constant"))
-    tensors, manifest = draft_dir.load_checkpoint(out)
+    tensors, manifest = artefact.load_checkpoint(out)
     assert manifest.draft.method == "peagle" and "mask_hidden" in tensors
     for name, value in source.items():
         torch.testing.assert_close(tensors[name], value, rtol=1e-6, atol=1e-8)  # lr 1e-12: the same weights

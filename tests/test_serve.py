@@ -31,8 +31,7 @@ from draftsmith.config import ServeConfig
 from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.net import free_port
-from draftsmith.methods.artefact import DraftSource, load_draft
-from draftsmith.methods.draft_dir import CheckpointManifest
+from draftsmith.methods.artefact import CheckpointManifest, DraftSource, load_draft
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
 from draftsmith.methods.layers import draft_tensors
 from draftsmith.methods.spec import DraftSpec

@@ -14,7 +14,7 @@ import torch
 from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import target_identity
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.prepare.dataset import open_prepared, write_prepared
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
@@ -184,7 +184,7 @@ def test_overfitting_a_few_samples_drives_step0_accuracy_up(sharp_target_dir, tm
     assert train[-1]["acc"][0] > 0.95, train[-1]
     assert train[0]["acc"][0] < 0.5  # it really learned (step 1)
     assert result.summary["steps"] == 60
-    _, manifest = draft_dir.load_checkpoint(out)
+    _, manifest = artefact.load_checkpoint(out)
     assert manifest.step == 60 and manifest.draft.aux_layer_ids == [1, 2]  # shallow target: default ids kept once
 
 
@@ -196,13 +196,13 @@ def test_offline_training_improves_and_checkpoint_round_trips(store_dir, tmp_pat
     train = [m for m in _metrics(out) if m["type"] == "train"]
     assert train[-1]["loss"] < 0.7 * train[0]["loss"]  # random-token samples: held-out accuracy cannot rise here
     assert result.summary["best acceptance length (sim.)"] == max(e["acceptance_length"] for e in evals)
-    tensors, manifest = draft_dir.load_checkpoint(out)  # best/
+    tensors, manifest = artefact.load_checkpoint(out)  # best/
     assert manifest.kind == "checkpoint" and manifest.draft.aux_layer_ids == [1, 2, 3]
     assert manifest.best_acceptance_length == result.summary["best acceptance length (sim.)"]
     assert manifest.draft.draft_vocab_size == 320 and manifest.data_kind == "store"
     assert tensors["fc.weight"].shape == (64, 192) and "embed_tokens.weight" not in tensors
-    latest = draft_dir.latest_checkpoint(out)
-    d2, m2 = draft_dir.load_checkpoint(latest)
+    latest = artefact.latest_checkpoint(out)
+    d2, m2 = artefact.load_checkpoint(latest)
     assert m2.step == result.summary["steps"]
     assert "optimizer" in checkpoint.load_training_state(latest)
     assert (out / "config.yaml").is_file()
@@ -232,7 +232,7 @@ def test_resume_after_a_crash_gives_the_same_loss_curve(prepared_dir, tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         trainer.run(_cfg(prepared_dir, crashed, **cfg))
     monkeypatch.setattr(trainer, "lr_at", real_lr_at)
-    assert draft_dir.latest_checkpoint(crashed).name == "step-00000003"
+    assert artefact.latest_checkpoint(crashed).name == "step-00000003"
     result = trainer.run(_cfg(prepared_dir, crashed, **cfg))
     assert result.summary["resumed from"].endswith("step-00000003")
     a = [(m["type"], m["step"], m["loss"]) for m in _metrics(full)]
@@ -256,7 +256,7 @@ def test_resume_with_changed_hyperparameters_is_refused_unless_forced(prepared_d
 def test_resume_of_a_checkpoint_from_before_an_option_existed(prepared_dir, tmp_path):
     out = tmp_path / "run"
     trainer.run(_cfg(prepared_dir, out, max_steps=2))
-    manifest_file = draft_dir.latest_checkpoint(out) / "manifest.json"
+    manifest_file = artefact.latest_checkpoint(out) / "manifest.json"
     manifest = json.loads(manifest_file.read_text())
     del manifest["hyperparameters"]["lm_head_init"]  # as written by a version without that option
     manifest_file.write_text(json.dumps(manifest))
@@ -288,9 +288,9 @@ def test_a_store_trains_a_draft_of_some_of_its_layers_as_a_store_of_those_alone(
     trainer.run(_cfg(only, alone, max_steps=3))
     a, b = ([m["loss"] for m in _metrics(x) if m["type"] == "train"] for x in (subset, alone))
     assert len(a) == 3 and a == b
-    tensors, manifest = draft_dir.load_checkpoint(subset)
+    tensors, manifest = artefact.load_checkpoint(subset)
     assert manifest.draft.aux_layer_ids == [1, 3] and tensors["fc.weight"].shape[1] == 2 * 64
-    for name, value in draft_dir.load_checkpoint(alone)[0].items():
+    for name, value in artefact.load_checkpoint(alone)[0].items():
         torch.testing.assert_close(tensors[name], value)
 
 
@@ -340,9 +340,9 @@ def test_nan_features_stop_naming_step_and_sample_and_keep_the_checkpoint(store_
     Poisoned.reads = 0
     with pytest.raises(DraftsmithError, match=r"step \d+: sample 7 has NaN/Inf hidden states") as err:
         trainer.run(_cfg(store_dir, out, epochs=3, save_every=1, eval_fraction=0.0))
-    last = draft_dir.latest_checkpoint(out)
+    last = artefact.latest_checkpoint(out)
     assert last is not None and str(last) in str(err.value)
-    draft_dir.load_checkpoint(last)  # the last good checkpoint is whole
+    artefact.load_checkpoint(last)  # the last good checkpoint is whole
 
 
 def test_nan_loss_stops(prepared_dir, tmp_path, monkeypatch):
@@ -374,9 +374,9 @@ def test_disk_full_while_checkpointing_keeps_the_last_good_one(prepared_dir, tmp
     monkeypatch.setattr(torch, "save", save)
     with pytest.raises(DraftsmithError, match="no space left on device.*last good checkpoint is .*step-00000002"):
         trainer.run(_cfg(prepared_dir, out, max_steps=6, save_every=2, eval_fraction=0.0))
-    assert [p.name for p in draft_dir.list_checkpoints(out)] == ["step-00000002"]
+    assert [p.name for p in artefact.list_checkpoints(out)] == ["step-00000002"]
     assert not list((out / "checkpoints").glob(".*partial*"))
-    draft_dir.load_checkpoint(draft_dir.latest_checkpoint(out))
+    artefact.load_checkpoint(artefact.latest_checkpoint(out))
 
 
 def test_data_that_is_not_a_store_or_prepared_set(tmp_path):
@@ -412,7 +412,7 @@ def test_init_from_an_export_continues_from_its_weights_and_vocabulary(prepared_
         )
     )
     assert result.summary["started from"] == str(tmp_path / "export")
-    again, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(second))
+    again, manifest = artefact.load_checkpoint(artefact.latest_checkpoint(second))
     assert manifest.draft.draft_vocab_size == 200  # the draft's own vocabulary, not --draft-vocab-size 320
     assert again.keys() == exported.tensors.keys()
     for name, tensor in exported.tensors.items():
@@ -458,7 +458,7 @@ def test_held_out_split_has_its_own_seed_is_recorded_and_read_back_by_evaluate(p
 
     out = tmp_path / "run"
     trainer.run(_cfg(prepared_dir, out, max_steps=1, eval_fraction=0.25, split_seed=5, seed=1))
-    _, manifest = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(out))
+    _, manifest = artefact.load_checkpoint(artefact.latest_checkpoint(out))
     assert (manifest.eval_fraction, manifest.split_seed) == (0.25, 5)
     export.run(ExportConfig(checkpoint=out, output=tmp_path / "export"))
     source = load_draft(tmp_path / "export")
@@ -484,7 +484,7 @@ def test_draft_vocabulary_is_counted_on_the_training_split_only(sharp_target_dir
     write_prepared(path, samples, target_identity(sharp_target_dir), chat_template_hash="t", max_length=128)
     out = tmp_path / "run"
     trainer.run(_cfg(path, out, max_steps=1, eval_fraction=0.2, draft_vocab_size=64))
-    tensors, _ = draft_dir.load_checkpoint(draft_dir.latest_checkpoint(out))
+    tensors, _ = artefact.load_checkpoint(artefact.latest_checkpoint(out))
     in_vocab = set((torch.arange(64) + tensors["d2t"]).tolist())
     assert not in_vocab & set(range(300, 310))
     assert set(range(4, 60)) <= in_vocab  # the training split's tokens

@@ -237,7 +237,7 @@ def test_torchrun_trainer_end_to_end_rank0_writes(tiny_target_dir, tmp_path):
     assert proc.stdout.count("RESULT 3") == 2
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if m["type"] == "train"] == [1, 2, 3]  # one writer: no duplicate lines
-    from draftsmith.methods.draft_dir import latest_checkpoint, load_checkpoint
+    from draftsmith.methods.artefact import latest_checkpoint, load_checkpoint
 
     _, manifest = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert manifest.step == 3

@@ -26,7 +26,7 @@ from conftest import write_random_prepared
 from safetensors.torch import load_file
 
 from draftsmith.config import TrainConfig
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.train import checkpoint
 from draftsmith.train import stage as trainer
 from draftsmith.train.metrics import MetricsSink
@@ -81,8 +81,8 @@ def _curve(run) -> list[tuple]:
 
 
 def _final(run) -> dict[str, torch.Tensor]:
-    last = draft_dir.latest_checkpoint(run)
-    tensors = load_file(str(last / draft_dir.WEIGHTS_FILE))
+    last = artefact.latest_checkpoint(run)
+    tensors = load_file(str(last / artefact.WEIGHTS_FILE))
     state = checkpoint.load_training_state(last)
     for i, per_param in state["optimizer"]["state"].items():
         for key, value in per_param.items():
@@ -157,5 +157,5 @@ def test_kill_9_at_random_moments_then_resume_ends_bit_identical(prepared, tmp_p
     assert ("mask_hidden" in ref) == (method == "peagle") and ("hidden_norm.weight" in ref) == (method == "dflash")
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
-    for path in draft_dir.list_checkpoints(killed) + [killed / draft_dir.BEST_DIR]:
-        draft_dir.load_checkpoint(path)  # every checkpoint on disk is whole
+    for path in artefact.list_checkpoints(killed) + [killed / artefact.BEST_DIR]:
+        artefact.load_checkpoint(path)  # every checkpoint on disk is whole

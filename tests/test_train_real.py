@@ -13,13 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_online_training_on_the_default_target_raises_acceptance_length(trained_run):
-    from draftsmith.methods import draft_dir
+    from draftsmith.methods import artefact
 
     evals = [json.loads(x) for x in (trained_run / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if e["type"] == "eval"]
     assert len(evals) >= 3
     assert evals[-1]["acceptance_length"] > evals[0]["acceptance_length"] > 1.0, evals
-    tensors, manifest = draft_dir.load_checkpoint(trained_run)
+    tensors, manifest = artefact.load_checkpoint(trained_run)
     assert manifest.target.num_layers == 30 and manifest.draft.aux_layer_ids == [2, 15, 27]
     assert tensors["lm_head.weight"].shape == (8000, 576)
     assert manifest.step == 30 and manifest.data_kind == "prepared"  # online: the target ran in the trainer

@@ -18,10 +18,6 @@ for _name, _cls in OPTIONS.items():
             OPTION_NAMES.setdefault(_field, []).append(_name)
 
 
-def options_class(name: str) -> type[MethodOptions]:
-    return OPTIONS[name]
-
-
 def fold_options(data: dict[str, object]) -> dict[str, object]:
     """The config's input with `method` a mapping: its name (a string, a mapping's `name`, or the default) and the
     method's options given flat beside it (flags, a flat YAML file, an older checkpoint's flat record) moved in, a

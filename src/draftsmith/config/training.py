@@ -10,9 +10,9 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from draftsmith.config.base import StageConfig, _split_list
-from draftsmith.config.methods import OPTION_NAMES, fold_options, option_default, option_help, options_class
+from draftsmith.config.methods import OPTION_NAMES, fold_options, option_default, option_help
 from draftsmith.core.spool_address import check_spool
-from draftsmith.methods import DEFAULT_METHOD, AnyMethodOptions, MethodName
+from draftsmith.methods import DEFAULT_METHOD, OPTIONS, AnyMethodOptions, MethodName
 from draftsmith.methods.eagle3 import Eagle3Options
 
 
@@ -224,7 +224,7 @@ class TrainConfig(StageConfig):
                 continue
             fields[name] = FieldInfo(annotation=MethodName, default=DEFAULT_METHOD, description=field.description)
             for key, owners in OPTION_NAMES.items():
-                fields[key] = copy.copy(options_class(owners[0]).model_fields[key])
+                fields[key] = copy.copy(OPTIONS[owners[0]].model_fields[key])
                 fields[key].description, fields[key].default = option_help(key), option_default(key)
         return fields
 

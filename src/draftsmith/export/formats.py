@@ -51,9 +51,15 @@ from draftsmith.core.manifest import (
 )
 from draftsmith.core.targets import read_config
 from draftsmith.methods import method_of, method_of_config
-from draftsmith.methods.artefact import DraftSource, check_spec_against_target, spell_layer0, validate_tensors
+from draftsmith.methods.artefact import (
+    WEIGHTS_FILE,
+    DraftManifest,
+    DraftSource,
+    check_spec_against_target,
+    spell_layer0,
+    validate_tensors,
+)
 from draftsmith.methods.base import FORMATS, DraftMethod, ExportContext
-from draftsmith.methods.draft_dir import WEIGHTS_FILE, DraftManifest
 from draftsmith.methods.spec import DraftSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -18,8 +18,7 @@ from draftsmith.core.manifest import TargetIdentity
 from draftsmith.core.targets import read_config, resolve_target, target_identity
 from draftsmith.export.formats import VLLM_LOADABLE, serve_commands, write_export
 from draftsmith.methods import method_of
-from draftsmith.methods.artefact import DraftSource, load_draft, require_draft_for_target
-from draftsmith.methods.draft_dir import WEIGHTS_FILE
+from draftsmith.methods.artefact import WEIGHTS_FILE, DraftSource, load_draft, require_draft_for_target
 
 
 def _target_info(spec: str | None, source: DraftSource, where: str) -> tuple[TargetIdentity, list[str], dict]:

@@ -26,8 +26,7 @@ from pydantic import Field
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.methods import dflash, dspark, eagle3, eagle31, peagle
-from draftsmith.methods.needs import VllmNeed
-from draftsmith.methods.options import MethodOptions
+from draftsmith.methods.options import MethodOptions, VllmNeed
 
 if TYPE_CHECKING:
     from draftsmith.methods.base import DraftMethod
@@ -93,20 +92,3 @@ def same_family(a: DraftMethod, b: DraftMethod) -> bool:
     export's config.json naming another method than its manifest). Which drafts can start a run is the method's
     own question (`DraftMethod.starts_from`)."""
     return a.module is b.module
-
-
-__all__ = [
-    "DEFAULT_METHOD",
-    "NAMES",
-    "NEEDS",
-    "OPTIONS",
-    "PACKAGES",
-    "AnyMethodOptions",
-    "MethodName",
-    "all_methods",
-    "method",
-    "method_of",
-    "method_of_config",
-    "recorded_spec",
-    "same_family",
-]

@@ -26,9 +26,8 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.methods.attention import KVCache
 from draftsmith.methods.dflash.modeling import DFlashDraft
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
-from draftsmith.methods.needs import VllmNeed
 from draftsmith.methods.objective import ALL_STEPS, Draw
-from draftsmith.methods.options import MethodOptions
+from draftsmith.methods.options import MethodOptions, VllmNeed
 from draftsmith.methods.spec import DraftSpec
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")

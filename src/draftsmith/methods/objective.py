@@ -1,7 +1,7 @@
 """What a method's training draws for a batch, as plain descriptors (`DraftMethod.sampling`): every TTT step or
 P-EAGLE's COD at the parallel depths (`Steps`, the unrolled objective, train/unrolled.py), or a block method's
 anchors (`Anchors`, the block objective, train/blocks.py). No torch: train/ turns a descriptor into its objective's
-index once (`train.batches.sampling_of`), so methods/ never imports the trainer.
+index once (`train.batches.Sampling`), so methods/ never imports the trainer.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""The drafting methods' typed options: one pydantic model per method, `TrainConfig.method` their union told apart by
-`name` (the --method choice). Each method's own model is in its package; this module holds what they extend.
+"""What every method's typed options extend (`MethodOptions`, `BlockOptions`; each method's own model is in its
+package, the union in the registry) and what a vLLM must have to serve a method (`VllmNeed`). No torch.
 
-Each method has the options it reads and no other: an EAGLE-3 run its training-time-test steps, P-EAGLE also COD
-sampling, a block method (DFlash, DSpark) its block, anchors and loss decay; the draft vocabulary is EAGLE's (default
-32000) and DFlash's (default: the target's whole one), DSpark having none of its own. What every method has, whatever it calls
-it, is what the trainer reads: `depths`, the positions a round trains (TTT steps, parallel depths, a block's
-proposals) and `depth_weight`, the loss weight of depth d being depth_weight**d.
-
-Flags and YAML stay flat (`--method dflash --block-size 8`, or `method: dflash` beside `block_size: 8`); the resolved
-config nests them (`method: {name: dflash, block_size: 8, ...}`); both read back. An option of another method is
-refused in one line that says which options the chosen method takes.
+What the trainer reads of every method's options: `depths`, the positions a round trains (TTT steps, parallel depths,
+a block's proposals) and `depth_weight`, the loss weight of depth d being depth_weight**d.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -72,3 +66,17 @@ class BlockOptions(MethodOptions):
     @property
     def depth_weight(self) -> float:
         return math.exp(-1.0 / self.loss_decay)
+
+
+@dataclass(frozen=True)
+class VllmNeed:
+    """A probe fact (`ProbeFacts` attribute) a vLLM must have to serve a method, beside EAGLE-style decoding on
+    its platform (each package's `NEEDS`; a test holds `fact` to a `ProbeFacts` field), with the words of a refusal: the
+    doctor row that shows it, what is missing when the fact is false, and which vLLM has it."""
+
+    fact: str
+    row: str
+    lacks: str  # "has no parallel drafting"
+    has: str  # "has parallel drafting" (for "could not tell whether vLLM X has ...")
+    hint: str  # " (vLLM >= 0.16 has SpeculativeConfig.parallel_drafting)"
+    hint_with_platform: str = ""  # the hint when EAGLE-style decoding is missing too (default: `hint`)

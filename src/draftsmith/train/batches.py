@@ -26,10 +26,10 @@ from draftsmith.core.capture import capture_hidden_states
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tensorfile import Samples
 from draftsmith.extract.store import HiddenStateStore, decode_hidden_states
-from draftsmith.methods.objective import Draw, Steps
-from draftsmith.train.blocks import BlockSampling
-from draftsmith.train.objective import Rows, Sampling
-from draftsmith.train.unrolled import EVERY_STEP, Unrolled
+from draftsmith.methods.objective import ALL_STEPS, Anchors, Draw
+from draftsmith.train.blocks import block_index
+from draftsmith.train.objective import Rows
+from draftsmith.train.unrolled import step_index
 
 
 @dataclass
@@ -90,10 +90,24 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype.itemsize == 1 and x.is_floating_point() else x
 
 
-def sampling_of(draw: Draw) -> Sampling:
-    """The objective's sampling of what a method draws (`DraftMethod.sampling`): the unrolled objective's steps (every
-    one, or P-EAGLE's COD), or the block objective's anchors."""
-    return Unrolled(draw.cod) if isinstance(draw, Steps) else BlockSampling(draw)
+@dataclass(frozen=True)
+class Sampling:
+    """What a batch's index draws, as its method draws it (`DraftMethod.sampling`, methods/objective.py), and so the
+    objective that scores it: the unrolled one's steps (every one, or P-EAGLE's COD), or the block one's anchors."""
+
+    draw: Draw = ALL_STEPS
+
+    def index(self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0) -> Rows:
+        if isinstance(self.draw, Anchors):  # `ttt_steps` aside: a block's proposals are its rows
+            return block_index(loss_mask, self.draw, sample_ids, epoch)
+        return step_index(loss_mask, ttt_steps, self.draw.cod, sample_ids, epoch)
+
+    def for_evaluation(self) -> Sampling:
+        """What an evaluation draws: every anchor at every depth; the same blocks every time (epoch 0)."""
+        return self if isinstance(self.draw, Anchors) else EVERY_STEP
+
+
+EVERY_STEP = Sampling()  # EAGLE-3's, Eagle 3.1's, and every evaluation's of the unrolled objective
 
 
 def collate(items: Sequence[dict], ttt_steps: int, sampling: Sampling = EVERY_STEP, epoch: int = 0) -> Batch:

@@ -42,22 +42,6 @@ from draftsmith.train.objective import (
 HEAD_ROWS = 128
 
 
-@dataclass(frozen=True)
-class BlockSampling:
-    """The block objective's sampling of a method's `Anchors` (methods/objective.py): the batch's blocks."""
-
-    anchors: Anchors
-
-    def index(
-        self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0
-    ) -> BlockIndex:
-        """The batch's blocks (`ttt_steps` aside: a block's proposals are its rows)."""
-        return block_index(loss_mask, self.anchors, sample_ids, epoch)
-
-    def for_evaluation(self) -> BlockSampling:
-        return self  # epoch 0: the same blocks every time
-
-
 @dataclass
 class BlockIndex(MapsTensors):
     """What a block method's batch reads, built on the host: the blocks (anchors) and, per proposal d of a block (the

@@ -1,4 +1,4 @@
-"""Training checkpoints: the only module that writes them (methods/draft_dir.py reads them, and holds
+"""Training checkpoints: the only module that writes them (methods/artefact.py reads them, and holds
 `DraftManifest`, what every draft directory records: a checkpoint here, an export in draftsmith.export).
 
 Run directory layout (`draftsmith train --output RUN`):
@@ -15,7 +15,7 @@ Run directory layout (`draftsmith train --output RUN`):
 Each directory is built beside its final name and renamed into place (fsio.atomic_dir), so a crash or a full disk
 leaves the previous checkpoint whole; a directory being replaced (best/, or a step written again) and a checkpoint
 being dropped are first renamed out of the way, so no half-deleted one is ever seen under a checkpoint's name. `load_checkpoint(path)` accepts RUN (best/, else the newest step), best/ or
-a step directory and returns the draft's tensors and the CheckpointManifest (methods/draft_dir.py, the layout and its
+a step directory and returns the draft's tensors and the CheckpointManifest (methods/artefact.py, the layout and its
 reading, below every stage); `draftsmith.methods.artefact.load_draft` turns any draft directory into a draft.
 """
 
@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
 from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from draftsmith.methods.draft_dir import (
+from draftsmith.methods.artefact import (
     BEST_DIR,
     STATE_FILE,
     WEIGHTS_FILE,

@@ -21,11 +21,10 @@ evaluation): the loss needs the draft vocabulary alone.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -97,16 +96,6 @@ class Index(Rows, Protocol[DraftT]):
         run: Pass,
     ) -> TTTResult:
         """The objective's forward over the batch (`ttt_forward`)."""
-        ...
-
-
-class Sampling(Protocol):
-    """What a method's training draws for a batch (`DraftMethod.sampling`): the objective's index of its loss mask."""
-
-    def index(self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0) -> Rows: ...
-
-    def for_evaluation(self) -> Sampling:
-        """The sampling an evaluation draws (every anchor at every depth; the same blocks every time)."""
         ...
 
 

@@ -27,7 +27,7 @@ from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest_json
 from draftsmith.core.tensorfile import Samples
 from draftsmith.extract import store as store_mod
-from draftsmith.methods import all_methods, draft_dir, method, method_of
+from draftsmith.methods import all_methods, artefact, method, method_of
 from draftsmith.methods.artefact import draft_module, load_draft, require_draft_for_target
 from draftsmith.methods.base import Draft
 from draftsmith.methods.spec import DraftSpec
@@ -37,10 +37,10 @@ from draftsmith.train.batches import (
     FeatureSource,
     LayerSubset,
     OnlineSource,
+    Sampling,
     TokenBudgetSampler,
     TrainData,
     default_num_workers,
-    sampling_of,
     token_counts,
 )
 from draftsmith.train.checkpoint import RunState
@@ -308,11 +308,11 @@ def _changed_hyperparameters(saved: dict, cfg: TrainConfig) -> list[str]:
 
 def find_resume(
     cfg: TrainConfig, s: Source, info: distributed.DistInfo
-) -> tuple[Path, draft_dir.CheckpointManifest] | tuple[None, None]:
+) -> tuple[Path, artefact.CheckpointManifest] | tuple[None, None]:
     """(checkpoint, its manifest) to resume from, or (None, None); refuses to overwrite a run without --resume /
     --force, and a resume with other hyper-parameters without --force. Nothing is written before this."""
     out = Path(cfg.output)
-    latest = draft_dir.latest_checkpoint(out)
+    latest = artefact.latest_checkpoint(out)
     if latest is None:
         return None, None
     if not cfg.resume and not cfg.force:
@@ -322,7 +322,7 @@ def find_resume(
         )
     if not cfg.resume:
         return None, None
-    manifest = checkpoint.read_manifest(latest, draft_dir.CheckpointManifest)
+    manifest = checkpoint.read_manifest(latest, artefact.CheckpointManifest)
     changed = _changed_hyperparameters(manifest.hyperparameters, cfg)
     if changed and not cfg.force:
         raise DraftsmithError(
@@ -402,7 +402,7 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     latest, manifest = find_resume(cfg, s, info)
     saved, state = None, RunState()
     if latest is not None:
-        draft.load_draft_tensors(draft_dir.read_weights(latest, manifest))  # type: ignore[arg-type]  # set with latest
+        draft.load_draft_tensors(artefact.read_weights(latest, manifest))  # type: ignore[arg-type]  # set with latest
         saved = checkpoint.load_training_state(latest)
         state = checkpoint.run_state(saved)
         state.last_eval = state.last_eval or dict(manifest.metrics)  # type: ignore[union-attr]  # set with latest
@@ -430,7 +430,7 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     features = feature_source(
         cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state, total_steps, epochs
     )
-    sampling = sampling_of(method_of(spec).sampling(cfg))
+    sampling = Sampling(method_of(spec).sampling(cfg))
     data = TrainData(
         s.dataset, train, evaluation, cfg.method.depths, cfg.grad_accum, device, workers, features, sampling
     )

@@ -23,7 +23,7 @@ from draftsmith.config import StageResult, TrainConfig, save_resolved_config
 from draftsmith.core import hostmem
 from draftsmith.core import threads as openmp
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.methods import draft_dir
+from draftsmith.methods import artefact
 from draftsmith.train import checkpoint, distributed
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
@@ -234,7 +234,7 @@ def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
     opt_state = None if best else distributed.full_optimizer_state(r.model, r.optimizer, info)
     error = None
     if info.is_main:
-        manifest = draft_dir.CheckpointManifest(
+        manifest = artefact.CheckpointManifest(
             **r.manifest,
             step=state.step,
             epoch=state.epoch,
@@ -252,7 +252,7 @@ def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
     error = distributed.broadcast_error(error, info)
     if error:
         raise DraftsmithError(error)
-    return last_saved if best else str(draft_dir.step_dir(r.cfg.output, state.step))
+    return last_saved if best else str(artefact.step_dir(r.cfg.output, state.step))
 
 
 def _summary(r: Run, last_train: dict, last_saved: str | None, tokens_at_start: int, elapsed: float) -> dict:

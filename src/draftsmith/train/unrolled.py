@@ -60,22 +60,6 @@ class StepIndex(MapsTensors):
         return score_steps(draft, steps, target, self, run)
 
 
-@dataclass(frozen=True)
-class Unrolled:
-    """The unrolled objective's sampling: every scored position at every step, or P-EAGLE's COD at depths >= 1."""
-
-    cod: COD | None = None
-
-    def index(self, loss_mask: np.ndarray, ttt_steps: int, sample_ids: Sequence[int] = (), epoch: int = 0) -> StepIndex:
-        return step_index(loss_mask, ttt_steps, self.cod, sample_ids, epoch)
-
-    def for_evaluation(self) -> Unrolled:
-        return EVERY_STEP
-
-
-EVERY_STEP = Unrolled()  # EAGLE-3's, Eagle 3.1's, and every evaluation's
-
-
 def step_index(
     loss_mask: np.ndarray | torch.Tensor,
     ttt_steps: int,

@@ -1,7 +1,6 @@
 """DFlash: a block drafter, the anchor and block_size - 1 mask tokens in one forward.
 
-Light (no torch): its options, what a vLLM must have to serve it; `load()` imports the method itself
-(`DFLASH`, methods/dflash/method.py) where a stage needs it.
+Light (no torch): its options, the vLLM facts it needs and `load()` (methods/__init__.py).
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
-from draftsmith.methods.needs import VllmNeed
-from draftsmith.methods.options import BlockOptions
+from draftsmith.methods.options import BlockOptions, VllmNeed
 
 if TYPE_CHECKING:
     from draftsmith.methods.dflash.method import DFlash
@@ -49,7 +47,6 @@ Options = DFlashOptions
 
 
 def load() -> DFlash:
-    """The method (its heavy implementation: torch, the modeling)."""
     from draftsmith.methods.dflash.method import DFLASH
 
     return DFLASH

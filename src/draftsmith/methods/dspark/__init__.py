@@ -1,15 +1,13 @@
 """DSpark: DFlash's block with the anchor predicting too, then a Markov head left to right.
 
-Light (no torch): its options, what a vLLM must have to serve it; `load()` imports the method itself
-(`DSPARK`, methods/dspark/method.py) where a stage needs it.
+Light (no torch): its options, the vLLM facts it needs and `load()` (methods/__init__.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from draftsmith.methods.needs import VllmNeed
-from draftsmith.methods.options import BlockOptions
+from draftsmith.methods.options import BlockOptions, VllmNeed
 
 if TYPE_CHECKING:
     from draftsmith.methods.dspark.method import DSpark
@@ -39,7 +37,6 @@ Options = DSparkOptions
 
 
 def load() -> DSpark:
-    """The method (its heavy implementation: torch, the modeling)."""
     from draftsmith.methods.dspark.method import DSPARK
 
     return DSPARK

@@ -1,7 +1,6 @@
 """EAGLE-3: the draft proposes one token per forward, each step reading its own previous output.
 
-Light (no torch): its options, what a vLLM must have to serve it; `load()` imports the method itself
-(`EAGLE3`, methods/eagle3/method.py) where a stage needs it.
+Light (no torch): its options, the vLLM facts it needs and `load()` (methods/__init__.py).
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from draftsmith.methods.needs import VllmNeed
-from draftsmith.methods.options import MethodOptions
+from draftsmith.methods.options import MethodOptions, VllmNeed
 
 if TYPE_CHECKING:
     from draftsmith.methods.eagle3.method import Eagle3
@@ -47,7 +45,6 @@ Options = Eagle3Options
 
 
 def load() -> Eagle3:
-    """The method (its heavy implementation: torch, the modeling)."""
     from draftsmith.methods.eagle3.method import EAGLE3
 
     return EAGLE3

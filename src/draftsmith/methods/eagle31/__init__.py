@@ -1,7 +1,6 @@
 """Eagle 3.1: EAGLE-3 with a norm per captured layer and the normed output fed back.
 
-Light (no torch): its options, what a vLLM must have to serve it; `load()` imports the method itself
-(`EAGLE31`, methods/eagle31/method.py) where a stage needs it.
+Light (no torch): its options, the vLLM facts it needs and `load()` (methods/__init__.py).
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from draftsmith.methods.eagle3 import Eagle3Options
-from draftsmith.methods.needs import VllmNeed
+from draftsmith.methods.options import VllmNeed
 
 if TYPE_CHECKING:
     from draftsmith.methods.eagle31.method import Eagle31
@@ -36,7 +35,6 @@ Options = Eagle31Options
 
 
 def load() -> Eagle31:
-    """The method (its heavy implementation: torch, the modeling)."""
     from draftsmith.methods.eagle31.method import EAGLE31
 
     return EAGLE31

@@ -1,7 +1,6 @@
 """P-EAGLE: EAGLE-3 with parallel drafting, all k tokens of a round from one draft forward.
 
-Light (no torch): its options, what a vLLM must have to serve it; `load()` imports the method itself
-(`PEAGLE`, methods/peagle/method.py) where a stage needs it.
+Light (no torch): its options, the vLLM facts it needs and `load()` (methods/__init__.py).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from draftsmith.methods.eagle3 import Eagle3Options
-from draftsmith.methods.needs import VllmNeed
+from draftsmith.methods.options import VllmNeed
 
 if TYPE_CHECKING:
     from draftsmith.methods.peagle.method import PEagle
@@ -45,7 +44,6 @@ Options = PEagleOptions
 
 
 def load() -> PEagle:
-    """The method (its heavy implementation: torch, the modeling)."""
     from draftsmith.methods.peagle.method import PEAGLE
 
     return PEAGLE
