@@ -3,10 +3,11 @@
 A method owns, for its drafts: the module (`module`) and how a fresh one is built from the target, how a run turns a
 draft of its family into one of this method (`adopt`), how training draws what a batch scores (`sampling`: a
 descriptor, TTT steps or blocks, that decides its objective: train.unrolled or train.blocks), the reference
-decoder's proposal round (`propose`), each export format's config.json and weight names (or a one-line refusal), how it is read back from a config.json as
-vLLM reads it (`claims`, `spec_from_config`), the speculative config vLLM needs, and the probe facts that say
-whether a vLLM serves it (`vllm_needs`). Stages ask the method of a spec (`draftsmith.methods.method_of`);
-they do not branch on its name. vLLM keeps one proposer per method behind one interface the same way.
+decoder's proposal round (`propose`), each export format's config.json and weight names (or a one-line refusal),
+how it is read back from a config.json as vLLM reads it (`claims`, `spec_from_config`), the speculative config vLLM
+needs, and the probe facts that say whether a vLLM serves it (`vllm_needs`). Stages ask the method of a spec
+(`draftsmith.methods.method_of`); they do not branch on its name. vLLM keeps one proposer per method behind one
+interface the same way.
 """
 
 from __future__ import annotations
