@@ -13,6 +13,10 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.methods import DEFAULT_METHOD, MethodName
 
+# What a draft copies from its target's (text) config
+REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps")
+REQUIRED += ("max_position_embeddings", "vocab_size")
+
 
 class DraftSpec(BaseModel):
     """Everything that fixes the draft's shapes, named as in vLLM's / HF's Llama config; built from the target's
@@ -86,19 +90,7 @@ class DraftSpec(BaseModel):
         are refused (`check_servable_layer_ids`).
         """
         text = config.get("text_config") or config
-        missing = [
-            k
-            for k in (
-                "hidden_size",
-                "intermediate_size",
-                "num_attention_heads",
-                "num_hidden_layers",
-                "rms_norm_eps",
-                "max_position_embeddings",
-                "vocab_size",
-            )
-            if text.get(k) is None
-        ]
+        missing = [k for k in REQUIRED if text.get(k) is None]
         if missing:
             raise DraftsmithError(
                 f"target config: no {', '.join(missing)}; the EAGLE-3 draft copies these from a "

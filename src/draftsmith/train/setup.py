@@ -24,7 +24,7 @@ from draftsmith.config.methods import flat_options
 from draftsmith.core import devices, hardware, targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import resolve_layer_ids
-from draftsmith.core.manifest import TargetIdentity, read_manifest_json
+from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json
 from draftsmith.core.tensorfile import Samples
 from draftsmith.extract import store as store_mod
 from draftsmith.methods import all_methods, artefact, method, method_of
@@ -322,7 +322,7 @@ def find_resume(
         )
     if not cfg.resume:
         return None, None
-    manifest = checkpoint.read_manifest(latest, artefact.CheckpointManifest)
+    manifest = read_manifest(latest, artefact.CheckpointManifest)
     changed = _changed_hyperparameters(manifest.hyperparameters, cfg)
     if changed and not cfg.force:
         raise DraftsmithError(
