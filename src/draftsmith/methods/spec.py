@@ -14,7 +14,13 @@ from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.methods import DEFAULT_METHOD, MethodName
 
 # What a draft copies from its target's (text) config
-REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps")
+REQUIRED: tuple[str, ...] = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "rms_norm_eps",
+)
 REQUIRED += ("max_position_embeddings", "vocab_size")
 
 
