@@ -14,14 +14,8 @@ from draftsmith.core.layers import check_layer_ids, check_servable_layer_ids
 from draftsmith.methods import DEFAULT_METHOD, MethodName
 
 # What a draft copies from its target's (text) config
-REQUIRED: tuple[str, ...] = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "rms_norm_eps",
-)
-REQUIRED += ("max_position_embeddings", "vocab_size")
+REQUIRED: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+REQUIRED += ("rms_norm_eps", "max_position_embeddings", "vocab_size")
 
 
 class DraftSpec(BaseModel):
