@@ -153,11 +153,11 @@ def test_dflash_block_at_anchor_t_is_the_reference_decoders_round_from_prefix_t(
         runner.reset()
         if t >= 2:  # an earlier round: its context stays, its block leaves nothing behind
             u = t // 2
-            runner.step_block(fused[:u], int(ids[u]), size - 1)
+            runner.method.block_round(runner, fused[:u], int(ids[u]), size - 1)
             runner.crop(u)
-            logits = runner.step_block(fused[u:t], int(ids[t]), size - 1)
+            logits = runner.method.block_round(runner, fused[u:t], int(ids[t]), size - 1)
         else:
-            logits = runner.step_block(fused[:t], int(ids[t]), size - 1)
+            logits = runner.method.block_round(runner, fused[:t], int(ids[t]), size - 1)
         assert runner.length == t
         torch.testing.assert_close(logits, trained[n].float(), rtol=1e-6, atol=1e-6, msg=f"anchor {t}")
 

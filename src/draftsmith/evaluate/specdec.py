@@ -50,7 +50,6 @@ from draftsmith.evaluate.report import DecodeCounts
 from draftsmith.methods import method_of
 from draftsmith.methods.attention import KVCache
 from draftsmith.methods.base import Draft
-from draftsmith.methods.dflash.modeling import DFlashDraft
 
 
 class DecodeStats(DecodeCounts):
@@ -220,21 +219,6 @@ class DraftRunner:
         """One round: the pending positions' ids [T] and fused features [T, H], then k proposals (target ids, each
         picked by `choose` from its logits), as the draft's method drafts them."""
         return self.method.propose(self, ids, features, last, k, choose)
-
-    @torch.inference_mode()
-    def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
-        """A block drafter's round (DFlash), as vLLM lays it out: the fused target features [T, H] (`fuse`) of
-        positions length..length+T-1 join the context (their K/V kept), then the block [anchor, mask x k] at the
-        positions after them, in one draft forward (DFlashDraft.forward) -> float32 logits [k, V] of the masks,
-        row d-1 proposal d."""
-        device, t = features.device, features.shape[0]
-        assert isinstance(self.draft, DFlashDraft)  # a block drafter
-        feature_positions = torch.arange(self.length, self.length + t, device=device)[None]
-        self.length += t
-        block = self.draft.block_ids(torch.tensor([anchor], device=device), k + 1)
-        block_positions = torch.arange(self.length, self.length + k + 1, device=device)[None]
-        logits, _ = self.draft(block, block_positions, features[None], feature_positions, self.cache)
-        return logits[0].float()
 
     def forward_slots(self, ids: torch.Tensor, hidden: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward of ids [T], hidden [T, H] at positions length..length+T-1 (the cache grows by T) ->

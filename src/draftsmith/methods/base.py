@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeGuard
+from typing import Any, ClassVar, Generic, Protocol, TypeGuard, TypeVar
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ from draftsmith.methods.spec import DraftSpec
 
 FORMATS: tuple[str, ...] = ("vllm", "sglang", "speculators")
 Draft = Eagle3Draft | DFlashDraft  # a draft module, whichever method's (each method names its module)
+DraftT = TypeVar("DraftT", bound=Draft)  # a method's draft module
+DraftT_co = TypeVar("DraftT_co", bound=Draft, covariant=True)
+OptionsT = TypeVar("OptionsT", bound=MethodOptions)  # a method's options
+OptionsT_co = TypeVar("OptionsT_co", bound=MethodOptions, covariant=True)
 LAYER0_PREFIX = {"vllm": "midlayer.", "sglang": "midlayer.", "speculators": "layers.0."}
 
 
@@ -48,12 +52,14 @@ class ExportContext:
     version: str
 
 
-class Runner(Protocol):
-    """The reference decoder's draft side (evaluate.specdec.DraftRunner) as a method's round drives it: one EAGLE-style
-    step on its own output (`step`), one forward keeping the last `keep` positions (`forward_slots`), or a block
-    drafter's round (`step_block`)."""
+class Runner(Protocol[DraftT_co]):
+    """The reference decoder's draft side (evaluate.specdec.DraftRunner) as a method's round drives it: its draft,
+    the draft's KV cache and the positions it holds (`length`), one EAGLE-style step on its own output (`step`), one
+    forward keeping the last `keep` positions (`forward_slots`)."""
 
-    draft: Draft
+    @property
+    def draft(self) -> DraftT_co: ...
+
     cache: KVCache
     length: int
 
@@ -63,15 +69,13 @@ class Runner(Protocol):
         self, ids: torch.Tensor, hidden: torch.Tensor, keep: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def step_block(self, features: torch.Tensor, anchor: int, k: int) -> torch.Tensor: ...
 
-
-class RunOptions(Protocol):
+class RunOptions(Protocol[OptionsT_co]):
     """What a method reads of a training run's config (`config.TrainConfig` has these fields; methods/ sits below
-    config/, so it names the fields it reads instead of the config)."""
+    config/, so it names the fields it reads instead of the config), its options those of the method it asks."""
 
     @property
-    def method(self) -> MethodOptions: ...
+    def method(self) -> OptionsT_co: ...
 
     @property
     def num_layers(self) -> int | None: ...  # TrainConfig's validator sets the method's default
@@ -99,12 +103,13 @@ class Budget(Protocol):
     def dflash(self) -> tuple[int, int, int]: ...  # block size, decoder layers, anchors per sample
 
 
-class DraftMethod(ABC):
-    """One drafting method; the registry (`draftsmith.methods`) loads one instance of each."""
+class DraftMethod(ABC, Generic[DraftT, OptionsT]):
+    """One drafting method, generic in its draft's module and its options (so a method reads both as its own, with
+    no narrowing); the registry (`draftsmith.methods`) loads one instance of each."""
 
     name: ClassVar[str]  # --method, DraftSpec.method, manifests
     kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
-    module: ClassVar[type[Draft]]  # the draft's module (one modeling class per family)
+    module: type[DraftT]  # the draft's module (one modeling class per family)
     vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
     vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
     refusals: ClassVar[dict[str, str]] = {}  # the formats it is not written in: why, in the refusal's words
@@ -118,25 +123,32 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def fresh_draft(
-        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
-    ) -> tuple[Draft, DraftSpec, float]:
+        self,
+        cfg: RunOptions[OptionsT],
+        target_config: dict,
+        target: nn.Module,
+        counts: np.ndarray,
+        aux_layer_ids: list[int],
+    ) -> tuple[DraftT, DraftSpec, float]:
         """(draft, spec, draft-vocabulary coverage of the loss-masked `counts` [vocab]) of a fresh draft for the
         target."""
 
-    def starts_from(self, other: DraftMethod) -> bool:
+    def starts_from(self, other: AnyMethod) -> bool:
         """Whether a draft of method `other` can start a run of this method (--init-from): one of the same module
         (its weights carry over), or one whose module this method's extends (`adopt` adds the rest)."""
         return other.module is self.module
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(
+        self, draft: Draft, spec: DraftSpec, cfg: RunOptions[OptionsT], target_config: dict
+    ) -> tuple[Draft, DraftSpec]:
         """A draft of this method's family (`module`) turned into one of this method as `cfg` asks (--init-from an
         EAGLE-3 draft into a P-EAGLE run, a DFlash draft's block size); the other weights kept."""
         return draft, spec
 
-    def check_run(self, cfg: RunOptions) -> None:  # noqa: B027 - a no-op default a method may override
+    def check_run(self, cfg: RunOptions[OptionsT]) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) options this method cannot train with."""
 
-    def sampling(self, cfg: RunOptions) -> Draw:
+    def sampling(self, cfg: RunOptions[OptionsT]) -> Draw:
         """What a batch's index draws (methods/objective.py), and so the objective that scores it: every TTT step or
         P-EAGLE's COD (`Steps`: train.unrolled), or a block method's anchors (`Anchors`: train.blocks)."""
         return ALL_STEPS
@@ -153,7 +165,7 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def propose(
-        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+        self, runner: Runner[DraftT], ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
     ) -> list[int]:
         """One round of the reference decoder: the draft reads the pending positions' ids [T] and fused target
         features [T, H] (the cache of `runner` holds the positions before them), then proposes k tokens (target
@@ -202,7 +214,7 @@ class DraftMethod(ABC):
         """A line the export's README adds below vLLM's command."""
         return None
 
-    def depths_trained(self, cfg: RunOptions) -> int | None:
+    def depths_trained(self, cfg: RunOptions[OptionsT]) -> int | None:
         """The most tokens a round was trained to propose, where a longer round reads untrained slots (P-EAGLE)."""
         return None
 
@@ -213,9 +225,12 @@ class DraftMethod(ABC):
         quickstart budget evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
         return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
 
-    def describe_run(self, cfg: RunOptions) -> str:
+    def describe_run(self, cfg: RunOptions[OptionsT]) -> str:
         """The quickstart summary's words for the draft a run trains."""
         return f"{self.kind}, {cfg.method.depths} TTT steps"
+
+
+AnyMethod = DraftMethod[Any, Any]  # a method the registry hands out, whichever it is
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces

@@ -172,6 +172,11 @@ class DraftModule(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, spec.hidden_size, bias=False)
 
+    @property
+    def head(self) -> torch.Tensor:
+        """[Vd, H] the weight the logits read: the draft's own lm_head."""
+        return self.lm_head.weight
+
     def init_weights(self, seed: int = 0) -> None:
         """Small normal init for trainable weights, ones for norms (the Llama convention)."""
         gen = torch.Generator().manual_seed(seed)

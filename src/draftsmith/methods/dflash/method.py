@@ -11,7 +11,7 @@ draftsmith writes vLLM's layout and speculators' `dflash` type, no SGLang file.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -40,11 +40,8 @@ from draftsmith.methods.options import BlockOptions
 from draftsmith.methods.spec import DraftSpec
 from draftsmith.methods.vocab import build_draft_vocab
 
-
-def block_options(cfg: RunOptions) -> BlockOptions:
-    """A block method's run's options (DFlash's, DSpark's)."""
-    assert isinstance(cfg.method, BlockOptions), cfg.method  # the registry asks this method for its own runs only
-    return cfg.method
+BlockDraftT = TypeVar("BlockDraftT", bound=DFlashDraft)  # DSpark's extends DFlash's
+BlockOptionsT = TypeVar("BlockOptionsT", bound=BlockOptions)
 
 
 def dflash_block_size(config: Mapping[str, object], where: str = "config.json") -> int | None:
@@ -90,69 +87,49 @@ def block_mask_token(token: object, key: str, spec: DraftSpec, where: str) -> in
     return token
 
 
-def reduced_vocab_size(cfg: RunOptions, vocab_size: int) -> int | None:
-    """A DFlash draft's vocabulary: --draft-vocab-size when the run names one smaller than the target's `vocab_size`;
-    None: the target's whole vocabulary and its frozen lm_head (DFlash's default, and DSpark's only)."""
-    size = cfg.method.draft_vocab_size if isinstance(cfg.method, DFlashOptions) else None
-    return size if size is not None and size < vocab_size else None
+class BlockMethod(DraftMethod[BlockDraftT, BlockOptionsT], Generic[BlockDraftT, BlockOptionsT]):
+    """What the block drafters (DFlash, DSpark) share: blocks at sampled anchors, the target layers spread over the
+    stack, one draft forward a round (`block_round`), the module's own weight names."""
 
-
-class DFlash(DraftMethod):
-    name = "dflash"
-    kind = "DFlash"
-    module = DFlashDraft
-    refusals = {
-        "sglang": "draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through its own draft layout, not "
-        "this one); export as vllm or speculators"
-    }
     vllm_label = "EAGLE-style"  # it decodes through the same speculative decoding, asked first
-    vllm_needs = NEEDS
 
     # -- training
 
     def default_aux_layer_ids(self, num_target_layers: int, num_layers: int) -> list[int] | None:
         return dflash_aux_layer_ids(num_target_layers, num_layers)
 
-    def fresh_draft(
-        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
-    ) -> tuple[Draft, DraftSpec, float]:
-        """Blocks of --block-size; the target's vocabulary and lm_head (coverage 1), or, when --draft-vocab-size is
-        given (`reduced_vocab_size`), EAGLE-3's draft vocabulary: the most frequent of the loss-masked `counts`, its
-        own lm_head from the target's rows of it (--lm-head-init)."""
-        size = reduced_vocab_size(cfg, len(counts))
-        spec = self.block_spec(cfg, target_config, size or len(counts), aux_layer_ids)
-        if size is None:
-            return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
-        vocab = build_draft_vocab(counts, size)
-        draft = DFlashDraft.from_target(spec, target, cfg.seed, vocab.draft_to_target, cfg.lm_head_init)
-        return draft, spec, vocab.coverage
-
     def block_spec(
-        self, cfg: RunOptions, target_config: dict, vocab_size: int, aux_layer_ids: list[int], **fields: int
+        self,
+        cfg: RunOptions[BlockOptionsT],
+        target_config: dict,
+        vocab_size: int,
+        aux_layer_ids: list[int],
+        **fields: int,
     ) -> DraftSpec:
         """A fresh draft's spec: the target's shapes, --num-layers, blocks of --block-size reading the target's mask
         token, this method's `fields`."""
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
         spec = DraftSpec.from_target_config(target_config, vocab_size, cfg.num_layers, aux_layer_ids)
-        block = block_options(cfg).block_size
+        block = cfg.method.block_size
         return spec.model_copy(
             update=dict(method=self.name, block_size=block, mask_token_id=mask_token_id(target_config), **fields)
         )
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(
+        self, draft: Draft, spec: DraftSpec, cfg: RunOptions[BlockOptionsT], target_config: dict
+    ) -> tuple[Draft, DraftSpec]:
         """Its block size is --block-size's."""
-        block = block_options(cfg).block_size
+        block = cfg.method.block_size
         if spec.block_size == block:
             return draft, spec
         spec = spec.model_copy(update={"block_size": block})
-        assert isinstance(draft, DFlashDraft)
         draft.spec = spec
         return draft, spec
 
-    def sampling(self, cfg: RunOptions) -> Anchors:
+    def sampling(self, cfg: RunOptions[BlockOptionsT]) -> Anchors:
         """Anchors drawn among the answer's tokens; where every block row proposes (no silent row: DSpark), the
         anchor row is proposal 0."""
-        options = block_options(cfg)
+        options = cfg.method
         return Anchors(options.block_size, options.anchors_per_sample, cfg.seed, from_anchor=options.silent_rows == 0)
 
     def quickstart_options(
@@ -165,21 +142,70 @@ class DFlash(DraftMethod):
 
     # -- the reference decoder
 
-    def round_tokens(self, spec: DraftSpec, k: int) -> int:
-        assert spec.block_size is not None  # a DFlash spec's
-        return spec.block_size - 1
-
-    def propose(
-        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
-    ) -> list[int]:
-        """One forward (`step_block`, as vLLM lays a round out): the pending positions' fused features join the
-        context, then the block [last, mask x k] after them; proposal d is mask position d."""
-        return [choose(row) for row in runner.step_block(features, last, k)]
+    @torch.inference_mode()
+    def block_round(self, runner: Runner[BlockDraftT], features: torch.Tensor, anchor: int, k: int) -> torch.Tensor:
+        """A block drafter's forward, as vLLM lays a round out: the fused target features [T, H] of positions
+        length..length+T-1 join the context (their K/V kept in the runner's cache), then the block [anchor, mask x k]
+        at the positions after them, in one draft forward (DFlashDraft.forward) -> float32 logits [k, V] of the
+        masks, row d-1 proposal d."""
+        device, t = features.device, features.shape[0]
+        feature_positions = torch.arange(runner.length, runner.length + t, device=device)[None]
+        runner.length += t
+        block = runner.draft.block_ids(torch.tensor([anchor], device=device), k + 1)
+        block_positions = torch.arange(runner.length, runner.length + k + 1, device=device)[None]
+        logits, _ = runner.draft(block, block_positions, features[None], feature_positions, runner.cache)
+        return logits[0].float()
 
     # -- export and serving
 
     def layer0_prefix(self, fmt: str) -> str:
         return "layers.0."  # vLLM's DFlash loader reads the module's own names
+
+
+class DFlash(BlockMethod[DFlashDraft, DFlashOptions]):
+    name = "dflash"
+    kind = "DFlash"
+    module = DFlashDraft
+    refusals = {
+        "sglang": "draftsmith writes no SGLang DFlash draft (SGLang serves DFlash through its own draft layout, not "
+        "this one); export as vllm or speculators"
+    }
+    vllm_needs = NEEDS
+
+    def fresh_draft(
+        self,
+        cfg: RunOptions[DFlashOptions],
+        target_config: dict,
+        target: nn.Module,
+        counts: np.ndarray,
+        aux_layer_ids: list[int],
+    ) -> tuple[DFlashDraft, DraftSpec, float]:
+        """Blocks of --block-size; the target's vocabulary and lm_head (coverage 1), or, when --draft-vocab-size names
+        one smaller than the target's, EAGLE-3's draft vocabulary: the most frequent of the loss-masked `counts`, its
+        own lm_head from the target's rows of it (--lm-head-init)."""
+        size = cfg.method.draft_vocab_size
+        if size is None or size >= len(counts):
+            spec = self.block_spec(cfg, target_config, len(counts), aux_layer_ids)
+            return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
+        spec = self.block_spec(cfg, target_config, size, aux_layer_ids)
+        vocab = build_draft_vocab(counts, size)
+        draft = DFlashDraft.from_target(spec, target, cfg.seed, vocab.draft_to_target, cfg.lm_head_init)
+        return draft, spec, vocab.coverage
+
+    # -- the reference decoder
+
+    def round_tokens(self, spec: DraftSpec, k: int) -> int:
+        assert spec.block_size is not None  # a DFlash spec's
+        return spec.block_size - 1
+
+    def propose(
+        self, runner: Runner[DFlashDraft], ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+    ) -> list[int]:
+        """One forward (`block_round`): the pending positions' fused features join the context, then the block
+        [last, mask x k] after them; proposal d is mask position d."""
+        return [choose(row) for row in self.block_round(runner, features, last, k)]
+
+    # -- export and serving
 
     def export_config(self, spec: DraftSpec, fmt: str, ctx: ExportContext) -> dict[str, object]:
         """vLLM's qwen3_dflash layout (a Qwen3 config, the target's vocabulary, dflash_config with the mask token and
@@ -231,8 +257,8 @@ class DFlash(DraftMethod):
     def facts(self, spec: DraftSpec) -> dict[str, str]:
         return {"block": f"{spec.block_size} positions, {self.round_tokens(spec, 0)} tokens a round in one forward"}
 
-    def describe_run(self, cfg: RunOptions) -> str:
-        options = block_options(cfg)
+    def describe_run(self, cfg: RunOptions[DFlashOptions]) -> str:
+        options = cfg.method
         return (
             f"DFlash, blocks of {options.block_size} ({options.block_size - 1} tokens a round, one draft forward), "
             f"{cfg.num_layers} layers, {options.anchors_per_sample} blocks per sample"

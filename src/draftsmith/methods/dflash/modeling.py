@@ -16,7 +16,7 @@ product: recomputed in the backward), and the projections reading one input (q /
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
@@ -266,7 +266,7 @@ class DFlashDraft(DraftModule):
         seed: int = 0,
         draft_to_target: torch.Tensor | None = None,
         lm_head_init: str = "target",
-    ) -> DFlashDraft:
+    ) -> Self:
         """A fresh draft with the target's embedding and lm_head; a reduced draft vocabulary (`draft_to_target`, the
         spec's draft_vocab_size sorted target ids) gets its own lm_head from the target's rows of it (lm_head_init
         "target", as Eagle3Draft.from_target) or random ones."""

@@ -30,9 +30,9 @@ from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.methods.base import (
+    AnyMethod,
     Choose,
     Draft,
-    DraftMethod,
     ExportContext,
     Runner,
     RunOptions,
@@ -40,9 +40,9 @@ from draftsmith.methods.base import (
     section,
     speculators_file,
 )
-from draftsmith.methods.dflash.method import DFlash, block_mask_token, block_options, qwen3_config
+from draftsmith.methods.dflash.method import BlockMethod, block_mask_token, qwen3_config
 from draftsmith.methods.dflash.modeling import DFlashDraft, own_head
-from draftsmith.methods.dspark import ARCHITECTURE, NEEDS
+from draftsmith.methods.dspark import ARCHITECTURE, NEEDS, DSparkOptions
 from draftsmith.methods.dspark.modeling import DSparkDraft
 from draftsmith.methods.spec import DraftSpec
 
@@ -82,7 +82,7 @@ def as_vllm_reads(config: Mapping[str, object]) -> Mapping[str, object] | None:
     return read
 
 
-class DSpark(DFlash):
+class DSpark(BlockMethod[DSparkDraft, DSparkOptions]):
     name = "dspark"
     kind = "DSpark"
     module = DSparkDraft
@@ -96,39 +96,45 @@ class DSpark(DFlash):
     # -- training
 
     def fresh_draft(
-        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
-    ) -> tuple[Draft, DraftSpec, float]:
+        self,
+        cfg: RunOptions[DSparkOptions],
+        target_config: dict,
+        target: nn.Module,
+        counts: np.ndarray,
+        aux_layer_ids: list[int],
+    ) -> tuple[DSparkDraft, DraftSpec, float]:
         """DFlash's fresh draft (the target's vocabulary and lm_head, blocks of --block-size) with the Markov and
         confidence heads of rank 256."""
         spec = self.block_spec(cfg, target_config, len(counts), aux_layer_ids, markov_rank=DEFAULT_MARKOV_RANK)
         return DSparkDraft.from_target(spec, target, cfg.seed), spec, 1.0
 
-    def starts_from(self, other: DraftMethod) -> bool:
+    def starts_from(self, other: AnyMethod) -> bool:
         """A DSpark draft, or a DFlash draft: its backbone is DSpark's (`adopt` adds the heads)."""
         return other.module in (DSparkDraft, DFlashDraft)
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(
+        self, draft: Draft, spec: DraftSpec, cfg: RunOptions[DSparkOptions], target_config: dict
+    ) -> tuple[Draft, DraftSpec]:
         """A DFlash draft becomes a DSpark draft with its backbone (every DFlash weight) and fresh Markov and
         confidence heads of rank 256, as a fresh DSpark draft of --seed has them; then DFlash's: the block size of
         --block-size."""
-        if not isinstance(draft, DSparkDraft):
-            assert isinstance(draft, DFlashDraft)  # starts_from
+        if spec.method != self.name:  # a DFlash draft (starts_from)
             if own_head(spec):
                 raise DraftsmithError(
                     "--init-from: the DFlash draft has a reduced draft vocabulary; draftsmith trains DSpark over the "
                     "target's whole vocabulary only; start a fresh DSpark draft or train it with --method dflash"
                 )
             spec = spec.model_copy(update={"method": self.name, "markov_rank": DEFAULT_MARKOV_RANK})
-            dspark = DSparkDraft(spec).to(draft.head_weight.device)
+            dspark = DSparkDraft(spec).to(draft.head.device)
             dspark.init_weights(cfg.seed)
             missing, unexpected = dspark.load_state_dict(draft.state_dict(), strict=False)
             assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing)
-            dspark.set_target(draft.embed_tokens.weight, draft.head_weight)
+            dspark.set_target(draft.embed_tokens.weight, draft.head)
             draft = dspark
         return super().adopt(draft, spec, cfg, target_config)
 
-    def describe_run(self, cfg: RunOptions) -> str:
-        options = block_options(cfg)
+    def describe_run(self, cfg: RunOptions[DSparkOptions]) -> str:
+        options = cfg.method
         return (
             f"DSpark, blocks of {options.block_size} ({options.block_size} tokens a round: one draft forward, then the "
             f"Markov steps), {cfg.num_layers} layers, Markov rank {DEFAULT_MARKOV_RANK}, {options.anchors_per_sample} "
@@ -149,14 +155,12 @@ class DSpark(DFlash):
         return spec.block_size
 
     def propose(
-        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+        self, runner: Runner[DSparkDraft], ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
     ) -> list[int]:
-        """vLLM's DSpark round: one backbone forward (`step_block`: the pending positions' features join the
+        """vLLM's DSpark round: one backbone forward (`block_round`: the pending positions' features join the
         context, then the block [last, mask x (k-1)], whose k rows all propose), then the k Markov steps, each slot
         choosing after the bias of the token chosen before it."""
-        draft = runner.draft
-        assert isinstance(draft, DSparkDraft)  # check_spec and the registry: a DSpark spec's module
-        return draft.markov_steps(runner.step_block(features, last, k - 1), last, choose)
+        return runner.draft.markov_steps(self.block_round(runner, features, last, k - 1), last, choose)
 
     # -- export and serving
 

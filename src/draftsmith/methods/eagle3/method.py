@@ -8,6 +8,7 @@ vLLM serves it as speculative method "eagle3" (`LlamaForCausalLMEagle3` in vLLM'
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -30,10 +31,11 @@ from draftsmith.methods.spec import DraftSpec
 from draftsmith.methods.vocab import build_draft_vocab
 
 VLLM_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EagleOptionsT = TypeVar("EagleOptionsT", bound=Eagle3Options)  # Eagle 3.1's and P-EAGLE's extend EAGLE-3's
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 
 
-class Eagle3(DraftMethod):
+class Eagle3(DraftMethod[Eagle3Draft, EagleOptionsT], Generic[EagleOptionsT]):
     name = "eagle3"
     kind = "EAGLE-3"
     module = Eagle3Draft
@@ -43,24 +45,29 @@ class Eagle3(DraftMethod):
     # -- training
 
     def fresh_draft(
-        self, cfg: RunOptions, target_config: dict, target: nn.Module, counts: np.ndarray, aux_layer_ids: list[int]
-    ) -> tuple[Draft, DraftSpec, float]:
+        self,
+        cfg: RunOptions[EagleOptionsT],
+        target_config: dict,
+        target: nn.Module,
+        counts: np.ndarray,
+        aux_layer_ids: list[int],
+    ) -> tuple[Eagle3Draft, DraftSpec, float]:
         """A fresh EAGLE-3 draft (`adopt` makes it this method's): the draft vocabulary the most frequent of the
         loss-masked `counts`, the lm_head from the target's rows of it (--lm-head-init target)."""
         assert cfg.num_layers is not None  # TrainConfig's validator sets the method's default
-        assert isinstance(cfg.method, Eagle3Options), cfg.method  # an EAGLE-family run's (Eagle 3.1, P-EAGLE extend)
         size = cfg.method.draft_vocab_size
         vocab = build_draft_vocab(counts, min(size, len(counts)))
         spec = DraftSpec.from_target_config(target_config, size, cfg.num_layers, aux_layer_ids)
         draft = Eagle3Draft.from_target(spec, target, vocab.draft_to_target, cfg.lm_head_init, cfg.seed)
         return draft, spec, vocab.coverage
 
-    def adopt(self, draft: Draft, spec: DraftSpec, cfg: RunOptions, target_config: dict) -> tuple[Draft, DraftSpec]:
+    def adopt(
+        self, draft: Draft, spec: DraftSpec, cfg: RunOptions[EagleOptionsT], target_config: dict
+    ) -> tuple[Draft, DraftSpec]:
         """An EAGLE-family draft as this method's (e.g. --init-from a P-EAGLE draft): the method recorded, its
         extra weights dropped and this method's added (`extra_weights`), the others kept."""
         if spec.method == self.name:
             return draft, spec
-        assert isinstance(draft, Eagle3Draft)  # the registry's family check (same module) came first
         spec = spec.model_copy(update={"method": self.name, **self.spec_fields(target_config)})
         new = Eagle3Draft(spec)
         tensors = {k: v for k, v in draft.state_dict().items() if k in new.state_dict()}
@@ -73,14 +80,14 @@ class Eagle3(DraftMethod):
         Eagle 3.1)."""
         return {"mask_token_id": None, "fc_norm": False, "norm_output": False}
 
-    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions) -> dict[str, torch.Tensor]:
+    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions[EagleOptionsT]) -> dict[str, torch.Tensor]:
         """Initial values of the weights this method adds to an EAGLE-3 draft."""
         return {}
 
     # -- the reference decoder
 
     def propose(
-        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+        self, runner: Runner[Eagle3Draft], ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
     ) -> list[int]:
         """k forwards: the pending positions, then each proposal read back with the draft's own hidden state."""
         logits, hidden = runner.step(ids, features)
@@ -149,8 +156,8 @@ class Eagle3(DraftMethod):
             )
         return spec.model_copy(update={"method": self.name, "mask_token_id": None})
 
-    def describe_run(self, cfg: RunOptions) -> str:
+    def describe_run(self, cfg: RunOptions[EagleOptionsT]) -> str:
         return f"EAGLE-3, {cfg.method.depths} TTT steps"
 
 
-EAGLE3 = Eagle3()
+EAGLE3 = Eagle3[Eagle3Options]()

@@ -20,13 +20,13 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.methods.base import RunOptions
 from draftsmith.methods.eagle3.method import Eagle3
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
-from draftsmith.methods.eagle31 import NEEDS
+from draftsmith.methods.eagle31 import NEEDS, Eagle31Options
 from draftsmith.methods.spec import DraftSpec
 
 FLAGS = ("fc_norm", "norm_output")  # vLLM's config.json keys, and DraftSpec's fields
 
 
-class Eagle31(Eagle3):
+class Eagle31(Eagle3[Eagle31Options]):
     name = "eagle3.1"
     kind = "Eagle 3.1"
     refusals = {
@@ -38,7 +38,7 @@ class Eagle31(Eagle3):
     def spec_fields(self, target_config: dict) -> dict[str, object]:
         return {**super().spec_fields(target_config), **dict.fromkeys(FLAGS, True)}
 
-    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions) -> dict[str, torch.Tensor]:
+    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions[Eagle31Options]) -> dict[str, torch.Tensor]:
         """fc_norm at ones: an EAGLE-3 draft starts out reading its layers normed."""
         return {name: torch.ones_like(t) for name, t in draft.state_dict().items() if name.startswith("fc_norm.")}
 
@@ -63,7 +63,7 @@ class Eagle31(Eagle3):
             )
         return super().spec_from_config(spec, config, tensors, where).model_copy(update=dict.fromkeys(FLAGS, True))
 
-    def describe_run(self, cfg: RunOptions) -> str:
+    def describe_run(self, cfg: RunOptions[Eagle31Options]) -> str:
         return f"Eagle 3.1 (EAGLE-3 with fc_norm and norm_output), {cfg.method.depths} TTT steps"
 
 

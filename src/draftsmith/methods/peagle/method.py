@@ -65,7 +65,7 @@ def parallel_drafting_token(config: Mapping[str, object], where: str = "config.j
     return None
 
 
-class PEagle(Eagle3):
+class PEagle(Eagle3[PEagleOptions]):
     name = "peagle"
     kind = "P-EAGLE"
     speculators_type = "peagle"
@@ -78,23 +78,22 @@ class PEagle(Eagle3):
     def spec_fields(self, target_config: dict) -> dict[str, object]:
         return {**super().spec_fields(target_config), "mask_token_id": mask_token_id(target_config)}
 
-    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions) -> dict[str, torch.Tensor]:
+    def extra_weights(self, draft: Eagle3Draft, cfg: RunOptions[PEagleOptions]) -> dict[str, torch.Tensor]:
         """mask_hidden seeded small normal (--seed), like a fresh draft's weights."""
         gen = torch.Generator().manual_seed(cfg.seed)
         return {"mask_hidden": torch.randn(draft.mask_hidden.shape, generator=gen) * 0.02}
 
-    def check_run(self, cfg: RunOptions) -> None:
+    def check_run(self, cfg: RunOptions[PEagleOptions]) -> None:
         if cfg.method.depths < 2:
             raise DraftsmithError(
                 f"--method peagle --ttt-steps {cfg.method.depths}: P-EAGLE trains depth 0 and the parallel "
                 "depths after it; pass --ttt-steps 2 or more (the most tokens a round proposes)"
             )
 
-    def sampling(self, cfg: RunOptions) -> Steps:
-        assert isinstance(cfg.method, PEagleOptions), cfg.method  # the registry asks this method for its own runs
+    def sampling(self, cfg: RunOptions[PEagleOptions]) -> Steps:
         return Steps(COD(cfg.method.cod_ratio, cfg.method.cod_floor, cfg.seed))
 
-    def depths_trained(self, cfg: RunOptions) -> int | None:
+    def depths_trained(self, cfg: RunOptions[PEagleOptions]) -> int | None:
         return cfg.method.depths
 
     def quickstart_options(
@@ -114,12 +113,12 @@ class PEagle(Eagle3):
             )
 
     def propose(
-        self, runner: Runner, ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
+        self, runner: Runner[Eagle3Draft], ids: torch.Tensor, features: torch.Tensor, last: int, k: int, choose: Choose
     ) -> list[int]:
         """One forward: the pending positions, then k - 1 parallel slots (the mask token, fc(mask_hidden)) behind
         them at positions L..L+k-2; proposal d is the output of the d-th of the last k positions."""
         draft = runner.draft
-        assert isinstance(draft, Eagle3Draft) and draft.spec.mask_token_id is not None  # a P-EAGLE draft
+        assert draft.spec.mask_token_id is not None  # check_spec
         mask_ids = torch.full((k - 1,), draft.spec.mask_token_id, dtype=ids.dtype, device=ids.device)
         mask_hidden = draft.mask_features().to(features.dtype).expand(k - 1, -1)
         logits, _ = runner.forward_slots(torch.cat((ids, mask_ids)), torch.cat((features, mask_hidden)), keep=k)
@@ -178,7 +177,7 @@ class PEagle(Eagle3):
             "trained for."
         )
 
-    def describe_run(self, cfg: RunOptions) -> str:
+    def describe_run(self, cfg: RunOptions[PEagleOptions]) -> str:
         return f"P-EAGLE (all k tokens of a round in one draft forward), {cfg.method.depths} depths trained"
 
 
