@@ -173,7 +173,8 @@ def test_doctor_at_80_columns_is_one_screen_and_loads_neither_torch_nor_transfor
     built = _doctor_subprocess(code=_MODULES_AFTER_DOCTOR)
     assert built.returncode == 0, built.stderr[-2000:]
     assert json.loads(built.stdout.splitlines()[-1]) == []  # the summary, --json and --verbose alike
-    # --target loads the trainer's model code for the draft's sizes (planning.py): torch, only then
+    # --target reads the target's config with transformers (planning.py), only then; the draft's sizes come from its
+    # spec (methods/spec.py), so not even --target loads torch
     config = tmp_path / "config.json"
     config.write_text(
         json.dumps(
@@ -198,7 +199,7 @@ def test_doctor_at_80_columns_is_one_screen_and_loads_neither_torch_nor_transfor
             f"doctor.run(Console(file=io.StringIO(), width=80), target={str(config)!r})",
         )
     )
-    assert sized.returncode == 0 and "torch" in json.loads(sized.stdout.splitlines()[-1]), sized.stderr[-2000:]
+    assert sized.returncode == 0 and json.loads(sized.stdout.splitlines()[-1]) == ["transformers"], sized.stderr[-2000:]
 
 
 def test_doctor_verbose_lists_every_capability_and_json_keeps_its_environment():
