@@ -202,31 +202,21 @@ def print_summary(
     missing, unknown or worth knowing, one line per architecture, and the target's sizes when one is given."""
     env = dict(environment_rows())
     gpus = "no GPU" if env["gpus"].startswith("none") else f"GPUs: {env['gpus']}"
-    _say(
-        console,
-        f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']} · "
-        f"{env['cpu cores']} CPU cores · {gpus}",
-        "bold",
-    )
+    versions = f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']}"
+    _say(console, f"{versions} · {env['cpu cores']} CPU cores · {gpus}", "bold")
     _say(console, hardware_line(on_gpu=not env["gpus"].startswith("none")), indent=2)
     _say(console, f"torch {env['torch']} · transformers {env['transformers']} · vllm {env['vllm']}", indent=2)
     assets_rows = {k.removeprefix("asset: "): v for k, v in env.items() if k.startswith("asset: ")}
     missing = [name for name, state in assets_rows.items() if state != "cached"]
-    _say(
-        console,
-        f"cache {env['cache']}: {len(assets_rows) - len(missing)} of {len(assets_rows)} default assets "
-        "cached" + (f" (fetched on first use: {', '.join(missing)})" if missing else ""),
-        indent=2,
-    )
+    cached = f"{len(assets_rows) - len(missing)} of {len(assets_rows)} default assets cached"
+    fetched = f" (fetched on first use: {', '.join(missing)})" if missing else ""
+    _say(console, f"cache {env['cache']}: {cached}{fetched}", indent=2)
     facts = main.facts
     if not facts.installed:
         _say(console, f"vLLM: not found ({main.reason})", "bold", wrap=True)
     else:
-        _say(
-            console,
-            f"vLLM {facts.version} ({facts.platform or 'platform unknown'}), read from its source, never imported",
-            "bold",
-        )
+        platform_ = facts.platform or "platform unknown"
+        _say(console, f"vLLM {facts.version} ({platform_}), read from its source, never imported", "bold")
         head, style = (f"strategy: {main.strategy} for", None) if main.strategy else ("no vLLM strategy for", "red")
         _say(console, f"{head} {main.architecture} ({main.reason})", style, wrap=True, indent=2)
         caps = main.capabilities
@@ -247,12 +237,9 @@ def print_summary(
     width = max((len(r.architecture) for r in reports), default=0)
     for r in reports:
         row = tables.architecture_row(r)
-        _say(
-            console,
-            f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} "
-            f"{row['notes'] if row['notes'] != '-' else ''}".rstrip(),
-            indent=2,
-        )
+        notes = row["notes"] if row["notes"] != "-" else ""
+        line = f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} {notes}"
+        _say(console, line.rstrip(), indent=2)
     if target_rows is not None:
         _say(console, f"target {target}: sizes from its config.json", "bold")
         for key, value in target_rows:
