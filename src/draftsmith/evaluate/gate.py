@@ -165,10 +165,8 @@ def judge(
     unread: list[str],
     training: Mapping[str, object],
 ) -> GateResult:
-    """The gate's verdict for one k. `drift` is config_drift's (key: phrase), `unread` the drifted keys this vLLM's
-    source never reads. It fails where a key this vLLM reads changed since export (the served draft is not the one
-    trained, whatever it accepts), else where a position disagrees, naming the likeliest cause draftsmith could
-    check; a changed key this vLLM does not read is a warning."""
+    """The gate's verdict for one k, as the module docstring says. `drift` is config_drift's (key: phrase), `unread`
+    the drifted keys this vLLM's source never reads."""
     positions = compare(reference, served, tolerance)
     prediction = training_prediction(training, served.k)
     engine = f"vLLM {vllm_version or '(version unknown)'}"

@@ -20,9 +20,8 @@ vLLM; the speculative config vLLM needs is the method's too (`vllm_speculative_c
 
 The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
 anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
-(kind "export", an ExportManifest) records the target identity and the DraftSpec (layer ids in vLLM's convention,
-parallel drafting and mask token), so `draftsmith.methods.artefact.load_draft` reads any of
-the three formats back.
+(an ExportManifest) records the target identity and the DraftSpec (layer ids in vLLM's convention), so
+`methods.artefact.load_draft` reads any of the three formats back.
 """
 
 from __future__ import annotations
