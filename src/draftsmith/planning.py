@@ -71,13 +71,8 @@ def target_rows(
     ]
     stored = sizing.stored_weight_bytes(config, shape)
     if "quantization_config" in config or "quantization_config" in text_config(config):
-        rows.append(
-            (
-                "weights as stored",
-                f"{sizing.human_bytes(stored.bytes)}: {stored.how}"
-                + ("" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)"),
-            )
-        )
+        unread = "" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)"
+        rows.append(("weights as stored", f"{sizing.human_bytes(stored.bytes)}: {stored.how}{unread}"))
     rows.append(("vLLM loads it on", vllm_fit_line(stored.bytes, gpu_memory_gb)))
     return rows
 
@@ -95,13 +90,8 @@ def store_rows(
         ),
     ]
     for count in ([tokens] if tokens else []) + [1_000_000]:
-        rows.append(
-            (
-                f"store for {count:,} tokens",
-                f"bf16 {sizing.human_bytes(count * per_token['bf16'])}, "
-                f"fp8 {sizing.human_bytes(count * per_token['fp8'])}",
-            )
-        )
+        size = ", ".join(f"{dtype} {sizing.human_bytes(count * n)}" for dtype, n in per_token.items())  # bf16, fp8
+        rows.append((f"store for {count:,} tokens", size))
     return rows
 
 
@@ -130,12 +120,8 @@ def draft_rows(config: dict, aux: list[int], token_budget: int, gpu_memory_gb: f
         ),
     ]
     if gpu_memory_gb is not None:
-        rows.append(
-            (
-                f"fits one {gpu_memory_gb:g} GiB GPU?",
-                training_fit_line(draft, gpu_memory_gb, token_budget=token_budget, ttt_steps=ttt_steps),
-            )
-        )
+        fit = training_fit_line(draft, gpu_memory_gb, token_budget=token_budget, ttt_steps=ttt_steps)
+        rows.append((f"fits one {gpu_memory_gb:g} GiB GPU?", fit))
     return rows
 
 
