@@ -127,8 +127,7 @@ def vllm_verdict(
         )
         vllm_hint = missing.hint
     elif dtype is not None and (refusal := dtype_refusal(report, dtype)):
-        why = refusal
-        return VllmVerdict(facts.version, why, f"{what}: {why}; use --dtype bfloat16, or {instead}")
+        return VllmVerdict(facts.version, refusal, f"{what}: {refusal}; use --dtype bfloat16, or {instead}")
     else:
         return VllmVerdict(facts.version, None, None)
     found = _found(report, row)

@@ -71,14 +71,10 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
     with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k, cfg.target_alone) as draft_dir:
-        what = (
-            f"{target_path.name} alone (the target of {draft})"
-            if cfg.target_alone
-            else f"{draft} (k={k}) with {target_path.name}"
-        )
-        console.print(
-            f"serving {what} at {url} once vLLM has started; Ctrl-C stops it", highlight=False, soft_wrap=True
-        )
+        alone = f"{target_path.name} alone (the target of {draft})"
+        what = alone if cfg.target_alone else f"{draft} (k={k}) with {target_path.name}"
+        say = f"serving {what} at {url} once vLLM has started; Ctrl-C stops it"
+        console.print(say, highlight=False, soft_wrap=True)
         if cfg.dtype == "auto":  # on a CPU, what this vLLM runs fastest and runs at all (vLLM's own auto is bf16)
             choice = engine_dtype(target_path, cfg.dtype)
             if choice.platform == "cpu":
