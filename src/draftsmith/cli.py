@@ -115,9 +115,6 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-# ---- options generated from pydantic fields -------------------------------------------------------------
-
-
 def _unwrap_optional(annotation: object) -> object:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -347,9 +344,7 @@ def store_verify(
         bool,
         typer.Option(
             "--repair",
-            help=(
-                "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."
-            ),
+            help="Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples.",
         ),
     ] = False,
 ) -> None:

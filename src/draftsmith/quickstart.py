@@ -423,6 +423,5 @@ def _summary(
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
             summary["charts"] = f"none: {CHARTS_HINT}"
-    return summary, serve_commands(
-        target_dir, Path(configs["export"].output).resolve(), configs["export"].speculative_tokens
-    )
+    exported = configs["export"]
+    return summary, serve_commands(target_dir, Path(exported.output).resolve(), exported.speculative_tokens)

@@ -113,9 +113,6 @@ class DecodeStats(DecodeCounts):
         }
 
 
-# ---------------------------------------------------------------------------------------------- target side
-
-
 class TargetRunner:
     """A transformers causal LM with a KV cache that also returns the aux states (vLLM layer ids) it computed."""
 
@@ -179,9 +176,6 @@ class TargetRunner:
         return logits, torch.cat(states, dim=-1)[0], cache
 
 
-# ---------------------------------------------------------------------------------------------- draft side
-
-
 class DraftRunner:
     """The draft decoding with its own KV cache, one position at a time or many; its method's round (`propose`)
     decides how a round proposes (EAGLE-3: k forwards; P-EAGLE, DFlash: one)."""
@@ -243,9 +237,6 @@ class DraftRunner:
             return self.draft.fuse(aux.to(self.draft.fc.weight.dtype))
 
 
-# ---------------------------------------------------------------------------------------------- sampling
-
-
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -289,9 +280,6 @@ def verify_chain(
         total = float(residual.sum())
         return i, _sample(residual / total if total > 0 else p, generator)
     return k, _sample(target_probs(target_logits[k], temperature), generator)
-
-
-# ---------------------------------------------------------------------------------------------- decoding
 
 
 def _crop_cache(cache, keep: int) -> None:

@@ -1,7 +1,5 @@
 """`draftsmith evaluate`: measure a draft by real speculative decoding, with the reference decoder or vLLM.
 
-    run(cfg: EvaluateConfig) -> StageResult
-
 The draft is an export directory (any format) or a training checkpoint; the target is the one it was trained
 for (a different one is refused). For each k the same prompts are decoded with the draft, and once without it
 for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
@@ -127,8 +125,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
     plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
     result = Measured({}, {}, str(target_model.dtype).removeprefix("torch."))
     with _progress() as progress:
-        jobs = ([0] if baseline else []) + list(ks)
-        for k in jobs:
+        for k in ([0] if baseline else []) + list(ks):
             task = progress.add_task(f"k={k}" if k else "target alone", total=len(prompts), visible=show_progress)
             generator = torch.Generator(device=device).manual_seed(seed)
             total = DecodeStats(k=k)

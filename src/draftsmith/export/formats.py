@@ -88,9 +88,6 @@ def read_export_manifest(path: Path) -> ExportManifest | None:
     return read_manifest(path, ExportManifest)
 
 
-# ---------------------------------------------------------------------------------------------- config.json
-
-
 def format_config(
     spec: DraftSpec,
     fmt: str,
@@ -199,9 +196,6 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str, config: Map
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------- write
-
-
 def write_export(  # noqa: PLR0913 - the export manifest's fields
     output: Path,
     tensors: dict[str, torch.Tensor],
@@ -264,9 +258,6 @@ def write_export(  # noqa: PLR0913 - the export manifest's fields
         write_manifest(tmp, manifest)
         (tmp / "README.md").write_text(_readme(manifest, fmt, str(output.resolve()), config), encoding="utf-8")
     return manifest
-
-
-# ---------------------------------------------------------------------------------------------- serving
 
 
 VLLM_LOADABLE = ("vllm", "speculators")  # formats vLLM reads as they are

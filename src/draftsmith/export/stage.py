@@ -1,7 +1,5 @@
 """`draftsmith export`: a trained draft -> a vLLM / SGLang / speculators model directory.
 
-    run(cfg: ExportConfig) -> StageResult
-
 The draft is a training run, a checkpoint or an export in another format (`load_draft`); the target recorded in
 the export is the draft's own, or the given one when it is the same model; formats.py writes the directory (a
 P-EAGLE draft: vllm or speculators, its serve commands with parallel drafting).

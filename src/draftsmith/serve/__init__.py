@@ -1,7 +1,5 @@
 """`draftsmith serve`: vLLM's OpenAI-compatible server with a draftsmith draft as its EAGLE-3 speculator.
 
-    run(cfg: ServeConfig) -> StageResult
-
 The draft (an export in any format, or a training checkpoint) is read and checked before vLLM starts: its
 manifest names the target and the draft length, and a target that is not the one it was trained for is refused
 in one line, as is a vLLM that the probe finds cannot decode it here (no EAGLE-3 on this platform; for a P-EAGLE
@@ -161,9 +159,6 @@ def vllm_serve_args(
     except ValueError as err:
         raise DraftsmithError(f"option --vllm-args: {err} in {cfg.vllm_args!r}") from None
     return argv
-
-
-# ------------------------------------------------------------------------------------ the server process
 
 
 @contextmanager
