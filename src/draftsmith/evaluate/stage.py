@@ -156,12 +156,14 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
 
 
 def _max_model_len(cfg: EvaluateConfig, prompts: list[Prompt], target_path: Path) -> int:
-    """vLLM's max_model_len: --max-model-len, else room for the longest prompt, its new tokens and a draft's k, never
-    past the target's own context (generation then stops at the context, as the target alone would); a prompt that
-    leaves no room for one new token is refused in one line."""
-    if cfg.max_model_len:
-        return cfg.max_model_len
-    context = targets.context_length(targets.read_config(target_path))
+    """vLLM's max_model_len: --max-model-len, else `_engine_context` within the target's own context."""
+    return cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(targets.read_config(target_path)))
+
+
+def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
+    """vLLM's max_model_len for these prompts: room for the longest prompt, its new tokens and a draft's k, never past
+    the target's own context (`context`: generation then stops at the context, as the target alone would); a prompt
+    that leaves no room for one new token is refused in one line."""
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i].token_ids))
     wanted = len(prompts[longest].token_ids) + cfg.max_new_tokens + max(cfg.k) + 8
     if context is None or wanted <= context:
