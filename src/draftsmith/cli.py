@@ -115,9 +115,6 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-# ---- options generated from pydantic fields -------------------------------------------------------------
-
-
 def _unwrap_optional(annotation: object) -> object:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -148,6 +145,11 @@ def _option(name: str, field: FieldInfo, positional: bool, panel: str | None = N
     return Optional[py_type], typer.Option(flag, **kwargs)  # noqa: UP045 - typer reads Optional[...]
 
 
+def _keyword(name: str, annotation: object, decl: object) -> inspect.Parameter:
+    """A generated command's keyword parameter: `Annotated[annotation, decl]`, None by default."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, decl])
+
+
 def _stage_command(
     name: str,
     cfg_cls: type[config.StageConfig],
@@ -155,26 +157,14 @@ def _stage_command(
     positional: tuple[str, ...] = (),
 ) -> None:
     """Register `draftsmith NAME` from its config class; its `run` is imported when it runs (`_runner`)."""
-    params = [
-        inspect.Parameter(
-            "config_file",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[
-                Path | None, typer.Option("--config", "-c", help="YAML file with options; flags override it.")
-            ],
-        )
-    ]
+    config_option = typer.Option("--config", "-c", help="YAML file with options; flags override it.")
+    params = [_keyword("config_file", Path | None, config_option)]
     for field_name, field in cfg_cls.flag_fields().items():
         extra = field.json_schema_extra
         if typing.get_origin(field.annotation) is dict and not (isinstance(extra, dict) and extra.get("json_flag")):
             continue  # a YAML-only section (a recipe's per-stage options): no flag for it
-        annotation, decl = _option(field_name, field, field_name in positional, _panel(name, field_name))
-        params.append(
-            inspect.Parameter(
-                field_name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[annotation, decl]
-            )
-        )
+        option = _option(field_name, field, field_name in positional, _panel(name, field_name))
+        params.append(_keyword(field_name, *option))
     # the options in their panels' order (help lists the panels in the order it meets them)
     panels: list[str | None] = [None, *PANELS.get(name, {})]
     params.sort(key=lambda p: panels.index(_panel(name, p.name) if p.name != "config_file" else None))
@@ -354,9 +344,7 @@ def store_verify(
         bool,
         typer.Option(
             "--repair",
-            help=(
-                "Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples."
-            ),
+            help="Drop damaged shards from the manifest so that `draftsmith extract` recomputes exactly their samples.",
         ),
     ] = False,
 ) -> None:

@@ -149,11 +149,6 @@ def target_sizes(config: dict, **options: Unpack[Sizing]) -> list[tuple[str, str
     return planning.sizing_rows(config, **options)
 
 
-def _architecture(config: dict | None) -> str:
-    """The target's architecture (doctor without --target reports the usual Llama one)."""
-    return (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
-
-
 def dtype_line(report: probe.ProbeReport, config: dict | None) -> str:
     """The dtype `auto` starts this vLLM in for the target (extract, train --engine vllm, feed, evaluate, serve),
     and why."""
@@ -167,7 +162,8 @@ def _probe(
 ) -> tuple[dict | None, probe.ProbeReport, list[probe.ProbeReport]]:
     """(--target's config.json, the probe for its architecture, one probe per tested architecture and for its own)."""
     config = read_target_config(target) if target else None
-    architecture = _architecture(config)
+    # without --target, the usual Llama architecture
+    architecture = (config.get("architectures") or ["unknown"])[0] if config else "LlamaForCausalLM"
     main = probe.probe(vllm_source, architecture=architecture, config=config, resolve_config=runtime)
     archs = list(probe.TESTED_ARCHITECTURES)
     if architecture not in archs:
@@ -206,37 +202,23 @@ def print_summary(
     missing, unknown or worth knowing, one line per architecture, and the target's sizes when one is given."""
     env = dict(environment_rows())
     gpus = "no GPU" if env["gpus"].startswith("none") else f"GPUs: {env['gpus']}"
-    _say(
-        console,
-        f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']} · "
-        f"{env['cpu cores']} CPU cores · {gpus}",
-        "bold",
-    )
+    versions = f"draftsmith {env['draftsmith']} · Python {env['python']} · {env['platform']}"
+    _say(console, f"{versions} · {env['cpu cores']} CPU cores · {gpus}", "bold")
     _say(console, hardware_line(on_gpu=not env["gpus"].startswith("none")), indent=2)
     _say(console, f"torch {env['torch']} · transformers {env['transformers']} · vllm {env['vllm']}", indent=2)
     assets_rows = {k.removeprefix("asset: "): v for k, v in env.items() if k.startswith("asset: ")}
     missing = [name for name, state in assets_rows.items() if state != "cached"]
-    _say(
-        console,
-        f"cache {env['cache']}: {len(assets_rows) - len(missing)} of {len(assets_rows)} default assets "
-        "cached" + (f" (fetched on first use: {', '.join(missing)})" if missing else ""),
-        indent=2,
-    )
+    cached = f"{len(assets_rows) - len(missing)} of {len(assets_rows)} default assets cached"
+    fetched = f" (fetched on first use: {', '.join(missing)})" if missing else ""
+    _say(console, f"cache {env['cache']}: {cached}{fetched}", indent=2)
     facts = main.facts
     if not facts.installed:
         _say(console, f"vLLM: not found ({main.reason})", "bold", wrap=True)
     else:
-        _say(
-            console,
-            f"vLLM {facts.version} ({facts.platform or 'platform unknown'}), read from its source, never imported",
-            "bold",
-        )
-        head = (
-            f"strategy: {main.strategy} for {main.architecture}"
-            if main.strategy
-            else f"no vLLM strategy for {main.architecture}"
-        )
-        _say(console, f"{head} ({main.reason})", None if main.strategy else "red", wrap=True, indent=2)
+        platform_ = facts.platform or "platform unknown"
+        _say(console, f"vLLM {facts.version} ({platform_}), read from its source, never imported", "bold")
+        head, style = (f"strategy: {main.strategy} for", None) if main.strategy else ("no vLLM strategy for", "red")
+        _say(console, f"{head} {main.architecture} ({main.reason})", style, wrap=True, indent=2)
         caps = main.capabilities
         worth = [c for c in caps if c.unknown or c.ok is False]
         counts = f"{sum(c.ok is True for c in caps)} as needed, {sum(c.ok is None for c in caps)} informational"
@@ -249,20 +231,15 @@ def print_summary(
             _say(console, f"compute dtype (auto): {dtype_line(main, config)}", wrap=True, indent=2)
         _say(console, f"capabilities: {counts}", indent=2)
         for cap in worth:
-            mark = "?" if cap.unknown else "✗"
-            _say(
-                console, f"{mark} {cap.name}: {cap.found} — {cap.meaning}", "yellow" if cap.unknown else "red", indent=4
-            )
+            mark, style = ("?", "yellow") if cap.unknown else ("✗", "red")
+            _say(console, f"{mark} {cap.name}: {cap.found} — {cap.meaning}", style, indent=4)
     _say(console, "architectures: strategy · aux ids vLLM reaches · notes", "bold")
     width = max((len(r.architecture) for r in reports), default=0)
     for r in reports:
         row = tables.architecture_row(r)
-        _say(
-            console,
-            f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} "
-            f"{row['notes'] if row['notes'] != '-' else ''}".rstrip(),
-            indent=2,
-        )
+        notes = row["notes"] if row["notes"] != "-" else ""
+        line = f"{r.architecture:<{width}}  {r.strategy or 'none':<9} {row['aux ids vLLM reaches']:<5} {notes}"
+        _say(console, line.rstrip(), indent=2)
     if target_rows is not None:
         _say(console, f"target {target}: sizes from its config.json", "bold")
         for key, value in target_rows:

@@ -69,11 +69,8 @@ def run(path: Path, *, sample: int | None, as_json: bool, console: Console) -> N
     input_ids = [int(t) for t in item["input_ids"].tolist()]
     loss_mask = [int(m) for m in item["loss_mask"].tolist()]
     if as_json:
-        print(
-            json.dumps(
-                {"sample_id": int(item.get("sample_id", sample)), "input_ids": input_ids, "loss_mask": loss_mask}
-            )
-        )
+        sample_id = int(item.get("sample_id", sample))
+        print(json.dumps({"sample_id": sample_id, "input_ids": input_ids, "loss_mask": loss_mask}))
         return
     tokenizer = load_tokenizer(Path(samples.manifest.target.path))
     console.print(

@@ -21,25 +21,23 @@ def sizing_rows(  # noqa: PLR0913 - doctor's sizing options, as its CLI names th
     *,
     tokens: int | None = None,
     tensor_parallel_size: int = 1,
-    aux_layer_ids: list[int] | None = None,
-    draft_vocab_size: int | None = None,
     token_budget: int | None = None,
-    ttt_steps: int | None = None,
     gpu_memory_gb: float | None = None,
     online_rate: float | None = None,
     spool_lead_s: float = 60.0,
 ) -> list[tuple[str, str]]:
-    """The big-target arithmetic for one config, as (what, how much) rows; defaults are the stages' defaults.
-    `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that many GiB. `online_rate`
-    (training tokens/s, all ranks): the spool `train --engine vllm` needs for a `spool_lead_s` engine lead."""
+    """The big-target arithmetic for one config, as (what, how much) rows; the layers, draft vocabulary and TTT
+    steps are the stages' defaults. `gpu_memory_gb`: one more row, whether the draft's training fits one GPU of that
+    many GiB. `online_rate` (training tokens/s, all ranks): the spool `train --engine vllm` needs for a
+    `spool_lead_s` engine lead."""
     shape = sizing.target_shape(config)
-    layer_ids = resolve_layer_ids(aux_layer_ids or ExtractConfig().aux_layer_ids, shape.num_layers)
+    layer_ids = resolve_layer_ids(ExtractConfig().aux_layer_ids, shape.num_layers)
     token_budget = token_budget or TrainConfig().token_budget
     rows = target_rows(config, shape, tensor_parallel_size, gpu_memory_gb)
     per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
     rows += store_rows(shape, layer_ids, per_token, tokens)
     rows += spool_rows(per_token, online_rate, spool_lead_s, tokens=tokens, tokens_per_step=token_budget)
-    rows += draft_rows(config, layer_ids[:-1], draft_vocab_size, token_budget, ttt_steps, gpu_memory_gb)
+    rows += draft_rows(config, layer_ids[:-1], token_budget, gpu_memory_gb)
     return rows
 
 
@@ -73,13 +71,8 @@ def target_rows(
     ]
     stored = sizing.stored_weight_bytes(config, shape)
     if "quantization_config" in config or "quantization_config" in text_config(config):
-        rows.append(
-            (
-                "weights as stored",
-                f"{sizing.human_bytes(stored.bytes)}: {stored.how}"
-                + ("" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)"),
-            )
-        )
+        unread = "" if stored.read else " (its quantization_config is not one this arithmetic reads: bf16 assumed)"
+        rows.append(("weights as stored", f"{sizing.human_bytes(stored.bytes)}: {stored.how}{unread}"))
     rows.append(("vLLM loads it on", vllm_fit_line(stored.bytes, gpu_memory_gb)))
     return rows
 
@@ -97,32 +90,18 @@ def store_rows(
         ),
     ]
     for count in ([tokens] if tokens else []) + [1_000_000]:
-        rows.append(
-            (
-                f"store for {count:,} tokens",
-                f"bf16 {sizing.human_bytes(count * per_token['bf16'])}, "
-                f"fp8 {sizing.human_bytes(count * per_token['fp8'])}",
-            )
-        )
+        size = ", ".join(f"{dtype} {sizing.human_bytes(count * n)}" for dtype, n in per_token.items())  # bf16, fp8
+        rows.append((f"store for {count:,} tokens", size))
     return rows
 
 
-def draft_rows(
-    config: dict,
-    aux: list[int],
-    draft_vocab_size: int | None,
-    token_budget: int,
-    ttt_steps: int | None,
-    gpu_memory_gb: float | None,
-) -> list[tuple[str, str]]:
+def draft_rows(config: dict, aux: list[int], token_budget: int, gpu_memory_gb: float | None) -> list[tuple[str, str]]:
     """The default method's draft for this target: its parameters, its training memory, whether it fits a GPU."""
     train = TrainConfig()
     assert train.num_layers is not None  # TrainConfig's validator sets the method's default
     assert isinstance(train.method, Eagle3Options)  # the default method's
-    draft = DraftSpec.from_target_config(
-        config, draft_vocab_size or train.method.draft_vocab_size, train.num_layers, aux
-    )
-    ttt_steps = ttt_steps or train.method.depths
+    draft = DraftSpec.from_target_config(config, train.method.draft_vocab_size, train.num_layers, aux)
+    ttt_steps = train.method.depths
     memory = sizing.training_memory(draft, token_budget=token_budget, ttt_steps=ttt_steps)
     rows = [
         (
@@ -141,12 +120,8 @@ def draft_rows(
         ),
     ]
     if gpu_memory_gb is not None:
-        rows.append(
-            (
-                f"fits one {gpu_memory_gb:g} GiB GPU?",
-                training_fit_line(draft, gpu_memory_gb, token_budget=token_budget, ttt_steps=ttt_steps),
-            )
-        )
+        fit = training_fit_line(draft, gpu_memory_gb, token_budget=token_budget, ttt_steps=ttt_steps)
+        rows.append((f"fits one {gpu_memory_gb:g} GiB GPU?", fit))
     return rows
 
 

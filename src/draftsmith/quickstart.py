@@ -156,12 +156,10 @@ def _load_state(path: Path) -> dict[str, Any]:
 
 
 def _evaluation_engine(cfg: QuickstartConfig, state: dict[str, Any] | None = None) -> tuple[str, str]:
-    """(engine, why), chosen before the first stage runs. --engine hf: the reference decoder. auto: vLLM where the
-    probe finds it can decode the draft this run trains (vllm_runner.vllm_verdict: EAGLE-3 on this platform, for
-    --method peagle parallel drafting too, for --method dflash the dflash method), else the reference decoder with the
+    """(engine, why), chosen before the first stage runs. --engine hf: the reference decoder. auto: vLLM where
+    `vllm_runner.vllm_verdict` finds it can decode the draft this run trains, else the reference decoder with the
     probe's reason; --engine vllm there is refused in one line, as `evaluate --engine vllm` would refuse it, before
-    any stage. Once the evaluate stage has finished, the engine it used (recorded in the state) is the answer,
-    without probing again."""
+    any stage. Once the evaluate stage has finished, the engine it used (recorded in the state) is the answer."""
     recorded = (state or {}).get("engine")
     if recorded and "evaluate" in (state or {}).get("finished", {}):
         return recorded["engine"], recorded["why"]
@@ -425,6 +423,5 @@ def _summary(
         summary["report"] = str(Path(configs["evaluate"].output) / "report.md")
         if not (Path(configs["evaluate"].output) / ACCEPTANCE_PNG).is_file():
             summary["charts"] = f"none: {CHARTS_HINT}"
-    return summary, serve_commands(
-        target_dir, Path(configs["export"].output).resolve(), configs["export"].speculative_tokens
-    )
+    exported = configs["export"]
+    return summary, serve_commands(target_dir, Path(exported.output).resolve(), exported.speculative_tokens)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from itertools import accumulate
 from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
@@ -128,10 +129,7 @@ def training_prediction(training: Mapping[str, object], k: int) -> TrainingPredi
     acc = training.get("eval acc")
     if not isinstance(acc, list) or not acc:
         return None
-    per_pos, run = [], 1.0
-    for a in acc[:k]:
-        run *= float(a)
-        per_pos.append(run)
+    per_pos = list(accumulate((float(a) for a in acc[:k]), lambda run, a: run * a))
     return TrainingPrediction(acceptance_per_pos=per_pos, tau=1.0 + sum(per_pos), positions=len(per_pos))
 
 
@@ -165,10 +163,8 @@ def judge(
     unread: list[str],
     training: Mapping[str, object],
 ) -> GateResult:
-    """The gate's verdict for one k. `drift` is config_drift's (key: phrase), `unread` the drifted keys this vLLM's
-    source never reads. It fails where a key this vLLM reads changed since export (the served draft is not the one
-    trained, whatever it accepts), else where a position disagrees, naming the likeliest cause draftsmith could
-    check; a changed key this vLLM does not read is a warning."""
+    """The gate's verdict for one k, as the module docstring says. `drift` is config_drift's (key: phrase), `unread`
+    the drifted keys this vLLM's source never reads."""
     positions = compare(reference, served, tolerance)
     prediction = training_prediction(training, served.k)
     engine = f"vLLM {vllm_version or '(version unknown)'}"

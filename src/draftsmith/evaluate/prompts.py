@@ -100,7 +100,6 @@ def _from_file(path: Path, tokenizer: Any, limit: int | None, template_kwargs: d
 def _from_prepared(
     path: Path, target: TargetIdentity | None, limit: int | None, eval_fraction: float, split_seed: int
 ) -> list[Prompt]:
-
     dataset = open_prepared(path)
     if target is not None:
         problem = dataset.manifest.target.mismatch(target)

@@ -403,8 +403,7 @@ _ABSENT_WHEN_NONE = ("lossless", "vllm_version", "gate", "concurrency")
 
 
 def write_report(output: Path, report: EvaluationReport) -> dict[str, Path]:
-    """Write report.json, report.md and, where matplotlib is installed, the two charts; returns their paths (no
-    chart paths without matplotlib)."""
+    """Write report.json, report.md and, where matplotlib is installed, the charts; returns the paths written."""
     output = Path(output)
     title = f"{Path(report.draft).name} on {Path(report.target).name} ({report.engine})"
     charts = charts_available()

@@ -39,12 +39,12 @@ class Segmenter:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def open_at_end(self, prompt_ids: list[int]) -> str:
         """The segment a prompt leaves open (a generation prompt that pre-fills `<think>`), else content."""
-        text = self.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = self._text(prompt_ids[-64:])
         state, last = CONTENT, -1
         for opening, closing, segment in MARKERS:
             at_open, at_close = text.rfind(opening), text.rfind(closing)
@@ -58,7 +58,7 @@ class Segmenter:
         state = self.open_at_end(prompt_ids)
         text, labels, lengths = "", [], []
         for token in out_ids:
-            piece = self._piece(token)
+            piece = self._text([token])
             text = (text + piece)[-4 * _TAIL :]
             labels.append(state)
             lengths.append(len(piece))

@@ -7,17 +7,11 @@ One round, with the sequence S = prompt + generated tokens and the target's KV c
              pending positions p (embedding of S[p+1], fc(aux states of the target at p)), then runs k-1 more
              steps on its own output (embedding of its previous token, its own pre-norm hidden state), proposing
              d_1..d_k. Its speculative K/V entries are dropped again after the round.
-             The round is the draft's method's (`DraftMethod.propose`, draftsmith.methods):
-             P-EAGLE (vLLM's parallel drafting): one draft forward per round
-             instead of k. Behind the pending positions it reads k-1 parallel slots at positions L..L+k-2, each
-             the embedding of the mask token and fc(mask_hidden), attending causally like any other position;
-             d_i is the output of the slot at position L-2+i (the last pending one, then the parallel ones),
-             so no proposal waits for the one before it. The parallel slots' K/V entries are dropped too: next
-             round the target's own features of those positions are read there instead.
-             DFlash (vLLM's dflash method): the pending positions' fused features
-             join the draft's context (each layer's K/V of them kept), then the block [S[-1], mask x k] at
-             positions L..L+k runs in one forward, seeing the whole context and itself; d_i is the output of
-             block position i. The block's own K/V are not kept.
+             The round is the draft's method's (`DraftMethod.propose`, draftsmith.methods): P-EAGLE (vLLM's
+             parallel drafting) reads k-1 parallel slots of the mask token behind the pending positions, DFlash
+             (vLLM's dflash method) the block [S[-1], mask x k] after them, each in one forward instead of k, so
+             no proposal waits for the one before it; neither keeps those slots' K/V: next round the target's
+             own features of those positions are read there instead.
     verify   the target reads [S[-1], d_1..d_k] at positions L..L+k in one forward: k+1 next-token
              distributions p_0..p_k and the aux states of those positions.
     accept   greedy: d_i is accepted while it equals argmax p_{i-1}; then the target's own token follows
@@ -118,9 +112,6 @@ class DecodeStats(DecodeCounts):
         }
 
 
-# ---------------------------------------------------------------------------------------------- target side
-
-
 class TargetRunner:
     """A transformers causal LM with a KV cache that also returns the aux states (vLLM layer ids) it computed."""
 
@@ -184,9 +175,6 @@ class TargetRunner:
         return logits, torch.cat(states, dim=-1)[0], cache
 
 
-# ---------------------------------------------------------------------------------------------- draft side
-
-
 class DraftRunner:
     """The draft decoding with its own KV cache, one position at a time or many; its method's round (`propose`)
     decides how a round proposes (EAGLE-3: k forwards; P-EAGLE, DFlash: one)."""
@@ -233,9 +221,6 @@ class DraftRunner:
             return self.draft.fuse(aux.to(self.draft.fc.weight.dtype))
 
 
-# ---------------------------------------------------------------------------------------------- sampling
-
-
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -279,9 +264,6 @@ def verify_chain(
         total = float(residual.sum())
         return i, _sample(residual / total if total > 0 else p, generator)
     return k, _sample(target_probs(target_logits[k], temperature), generator)
-
-
-# ---------------------------------------------------------------------------------------------- decoding
 
 
 def _crop_cache(cache, keep: int) -> None:

@@ -1,7 +1,5 @@
 """`draftsmith evaluate`: measure a draft by real speculative decoding, with the reference decoder or vLLM.
 
-    run(cfg: EvaluateConfig) -> StageResult
-
 The draft is an export directory (any format) or a training checkpoint; the target is the one it was trained
 for (a different one is refused). For each k the same prompts are decoded with the draft, and once without it
 for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
@@ -75,6 +73,11 @@ def _eos_ids(tokenizer: Any, target_path: Path) -> set[int]:
     return ids
 
 
+def _say(line: str) -> None:
+    """One line to stderr, at once (what evaluate chose, and why)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
@@ -122,8 +125,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
     plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
     result = Measured({}, {}, str(target_model.dtype).removeprefix("torch."))
     with _progress() as progress:
-        jobs = ([0] if baseline else []) + list(ks)
-        for k in jobs:
+        for k in ([0] if baseline else []) + list(ks):
             task = progress.add_task(f"k={k}" if k else "target alone", total=len(prompts), visible=show_progress)
             generator = torch.Generator(device=device).manual_seed(seed)
             total = DecodeStats(k=k)
@@ -153,6 +155,11 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
     return result
 
 
+def _max_model_len(cfg: EvaluateConfig, prompts: list[Prompt], target_path: Path) -> int:
+    """vLLM's max_model_len: --max-model-len, else `_engine_context` within the target's own context."""
+    return cfg.max_model_len or _engine_context(prompts, cfg, targets.context_length(targets.read_config(target_path)))
+
+
 def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | None) -> int:
     """vLLM's max_model_len for these prompts: room for the longest prompt, its new tokens and a draft's k, never past
     the target's own context (`context`: generation then stops at the context, as the target alone would); a prompt
@@ -177,7 +184,7 @@ def _gate_prompts(cfg: EvaluateConfig, source: DraftSource) -> str:
     if cfg.gate:
         prepared, why = training_prompts(source.training)
         said = why if prepared else f"mt-bench ({why}; --prompts FILE picks yours)"
-        print(f"evaluate --gate: prompts: {said}", file=sys.stderr, flush=True)
+        _say(f"evaluate --gate: prompts: {said}")
         return prepared or MTBENCH
     return MTBENCH
 
@@ -230,14 +237,7 @@ def _vllm_run(
 ) -> Measured:
     """vLLM on every k (one engine each), and the target alone where cfg.baseline: each run's stats and outputs."""
     if cfg.dtype == "auto":
-        print(
-            f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
-            file=sys.stderr,
-            flush=True,
-        )
-    max_len = cfg.max_model_len or _engine_context(
-        prompts, cfg, targets.context_length(targets.read_config(target_path))
-    )
+        _say(f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})")
     workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
     shutil.rmtree(workdir, ignore_errors=True)
     draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
@@ -248,7 +248,7 @@ def _vllm_run(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         seed=cfg.seed,
-        max_model_len=max_len,
+        max_model_len=_max_model_len(cfg, prompts, target_path),
         kv_cache_gb=cfg.vllm_kv_cache_gb,
         timeout_s=cfg.vllm_timeout_s,
         workdir=workdir,
@@ -269,7 +269,7 @@ def _vllm_run(
         except DraftsmithError as err:
             if choice.fallback is None or stats:
                 raise
-            print(f"evaluate: {choice.note(str(err))}", file=sys.stderr, flush=True)
+            _say(f"evaluate: {choice.note(str(err))}")
             dtype = choice.fallback
             return run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", dtype=dtype)
 
@@ -287,7 +287,7 @@ def _gate(cfg: EvaluateConfig, source: DraftSource, served: Measured, reference:
     """The gate's verdict at each k (gate.py): the reference decoder's runs along vLLM's outputs against vLLM's."""
     drift, unread = gate.served_drift(Path(cfg.draft))
     for key in unread:
-        print(f"evaluate --gate: warning: {drift[key]}; vLLM does not read it", file=sys.stderr, flush=True)
+        _say(f"evaluate --gate: warning: {drift[key]}; vLLM does not read it")
     checks = [
         gate.judge(
             reference.stats[k],
@@ -312,19 +312,16 @@ def _concurrency(
         draft=Path(cfg.draft),
         k=max(cfg.k),
         dtype=dtype,
-        max_model_len=cfg.max_model_len
-        or _engine_context(prompts, cfg, targets.context_length(targets.read_config(target_path))),
+        max_model_len=_max_model_len(cfg, prompts, target_path),
         kv_cache_gb=cfg.vllm_kv_cache_gb,
         tensor_parallel_size=cfg.tensor_parallel_size,
         trust_remote_code=cfg.trust_remote_code,
         timeout_s=cfg.vllm_timeout_s,
         vllm_args=cfg.vllm_args,
     )
-    print(
+    _say(
         f"evaluate --concurrency {','.join(map(str, cfg.concurrency))}: draftsmith serve with the draft (k={options.k}), "
-        f"then the target alone, each loaded by vllm bench serve",
-        file=sys.stderr,
-        flush=True,
+        "then the target alone, each loaded by vllm bench serve"
     )
     return load.sweep(
         options,
@@ -425,7 +422,7 @@ def _summary(cfg: EvaluateConfig, report: EvaluationReport, paths: dict[str, Pat
     summary["report"] = str(paths["markdown"])
     if "acceptance_chart" not in paths:
         summary["charts"] = f"none: {CHARTS_HINT}"
-        print(f"evaluate: the report has no charts ({CHARTS_HINT})", file=sys.stderr, flush=True)
+        _say(f"evaluate: the report has no charts ({CHARTS_HINT})")
     return summary
 
 

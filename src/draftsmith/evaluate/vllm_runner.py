@@ -5,10 +5,8 @@ measurement so every run starts from a fresh engine. The acceptance numbers are 
 (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos` from
 `LLM.get_metrics()`), turned into τ = 1 + accepted / drafts, exactly as vLLM logs its mean acceptance length.
 
-Whether the installed vLLM can decode a draft here at all (`vllm_verdict`: installed, EAGLE-style decoding on this
-platform, what the draft's method needs, as the probe reads its source) is asked
-before any engine starts: evaluate and serve refuse in one line (`check_vllm_can_serve`), quickstart picks its
-evaluation engine from it.
+Whether the installed vLLM can decode a draft here at all (`vllm_verdict`) is asked before any engine starts:
+evaluate and serve refuse in one line (`check_vllm_can_serve`), quickstart picks its evaluation engine from it.
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ def vllm_verdict(
     `what` (e.g. "--engine vllm"), the vLLM version, what the probe found (its `draftsmith doctor` row), and what to
     do: a vLLM whose doctor row says yes, or `instead`."""
     drafting = draft_method(method)
-    config = read_config(Path(target))
-    report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
+    report = _probe_target(target)[1]
     facts = report.facts
     if not facts.installed:
         return VllmVerdict(
@@ -130,8 +127,7 @@ def vllm_verdict(
         )
         vllm_hint = missing.hint
     elif dtype is not None and (refusal := dtype_refusal(report, dtype)):
-        why = refusal
-        return VllmVerdict(facts.version, why, f"{what}: {why}; use --dtype bfloat16, or {instead}")
+        return VllmVerdict(facts.version, refusal, f"{what}: {refusal}; use --dtype bfloat16, or {instead}")
     else:
         return VllmVerdict(facts.version, None, None)
     found = _found(report, row)
@@ -143,11 +139,16 @@ def vllm_verdict(
     )
 
 
+def _probe_target(target: Path) -> tuple[dict, ProbeReport]:
+    """The target's config.json and the probe of the installed vLLM for its architecture."""
+    config = read_config(Path(target))
+    return config, probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
+
+
 def engine_dtype(target: Path, asked: str) -> DtypeChoice:
     """The dtype a vLLM decoding engine of this target starts in (dtypes.choose_dtype: `auto` is what this vLLM runs
     fastest and runs at all here), for evaluate, regenerate and serve alike."""
-    config = read_config(Path(target))
-    report = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config)
+    config, report = _probe_target(target)
     return choose_dtype(asked, report, config)
 
 
@@ -159,9 +160,7 @@ def check_vllm_can_serve(
     instead: str = REFERENCE_DECODER,
     dtype: str | None = None,
 ) -> None:
-    """Refuse in one line, before any engine starts, where the installed vLLM cannot decode a draft of drafting method
-    `method` of this target here (vllm_verdict: installed, EAGLE-style decoding on this platform, what the method
-    needs)."""
+    """Refuse in one line, before any engine starts, where `vllm_verdict` finds the installed vLLM cannot decode it."""
     refusal = vllm_verdict(target, what, method=method, instead=instead, dtype=dtype).refusal
     if refusal is not None:
         raise DraftsmithError(refusal)
@@ -227,8 +226,6 @@ def run_vllm(  # noqa: PLR0913 - GenerationJob's fields, as the worker's request
 def stats_from_vllm(result: GenerationResult, k: int, num_prompts: int) -> DecodeStats:
     """DecodeStats from a worker result: acceptance from vLLM's counters, tokens and time from the timed call."""
     spec = result.spec
-    per_pos = spec.num_accepted_tokens_per_pos[:k]
-    per_pos += [0] * (k - len(per_pos))
     return DecodeStats(
         k=k,
         num_prompts=num_prompts,
@@ -237,6 +234,6 @@ def stats_from_vllm(result: GenerationResult, k: int, num_prompts: int) -> Decod
         num_rounds=spec.num_drafts,
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted=spec.num_accepted_tokens,
-        accepted_per_pos=per_pos,
+        accepted_per_pos=spec.num_accepted_tokens_per_pos[:k],  # DecodeStats pads it to k
         per_prompt=list(result.per_prompt or []),
     )

@@ -4,11 +4,8 @@ vLLM starts its engine core with the `spawn` method, which re-imports the main m
 from a real file with a `__main__` guard; `vllm_runner.py` launches this file and reads back RESULT.json.
 Everything vLLM-specific about the evaluation lives here and in vllm_runner.py (docs/architecture.md, engine coupling).
 
-The job (`GenerationJob`) names the target, the draft (or none, for the baseline; a P-EAGLE draft runs with
-parallel drafting, as its config.json says), k, the prompts as token ids and the sampling settings. The result
-holds each prompt's output token ids, the wall time of the timed `generate` call (a short warm-up run before it is
-not timed), and the deltas of the `vllm:spec_decode_*` counters that `LLM.get_metrics()` reports over the timed
-call.
+The job is a `GenerationJob`, the result a `GenerationResult` (a short warm-up run before the timed `generate`
+call is not timed).
 
 `run(job)` does one job in the calling process (`main` wraps it in the request and result files); with vLLM's
 VLLM_ENABLE_V1_MULTIPROCESSING=0 the engine runs in that process too, which is how tests/test_families.py
@@ -21,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from itertools import zip_longest
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -98,12 +96,8 @@ def read_spec_metrics(llm) -> SpecCounts:
         if key is None:
             continue
         if hasattr(metric, "values"):  # Vector
-            per_pos = out.num_accepted_tokens_per_pos
-            for i, v in enumerate(metric.values):
-                if i < len(per_pos):
-                    per_pos[i] += int(v)
-                else:
-                    per_pos.append(int(v))
+            summed = zip_longest(out.num_accepted_tokens_per_pos, metric.values, fillvalue=0)
+            out.num_accepted_tokens_per_pos = [int(a) + int(v) for a, v in summed]
         else:
             setattr(out, key, getattr(out, key) + int(metric.value))
     return out
@@ -114,9 +108,7 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, object], dict[str, str]
     here (the probe's findings), and the draft as EAGLE-3 speculator with k tokens per round (a P-EAGLE draft with
     parallel drafting, as its config.json says: export.vllm_speculative_config)."""
     config = read_config(Path(job.target))
-    facts = probe(
-        architecture=(config.get("architectures") or ["unknown"])[0], config=config, resolve_config=False
-    ).facts
+    facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config).facts
     mla = "kv_lora_rank" in text_config(config)
     kwargs: dict[str, object] = dict(
         model=job.target,

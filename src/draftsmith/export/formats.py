@@ -20,9 +20,8 @@ vLLM; the speculative config vLLM needs is the method's too (`vllm_speculative_c
 
 The writer checks every tensor name, shape and dtype against the spec and the spec against the target before
 anything is written, and refuses a mismatch; the output directory appears whole or not at all. `manifest.json`
-(kind "export", an ExportManifest) records the target identity and the DraftSpec (layer ids in vLLM's convention,
-parallel drafting and mask token), so `draftsmith.methods.artefact.load_draft` reads any of
-the three formats back.
+(an ExportManifest) records the target identity and the DraftSpec (layer ids in vLLM's convention), so
+`methods.artefact.load_draft` reads any of the three formats back.
 """
 
 from __future__ import annotations
@@ -87,9 +86,6 @@ def read_export_manifest(path: Path) -> ExportManifest | None:
     except DraftsmithError:
         return None
     return read_manifest(path, ExportManifest)
-
-
-# ---------------------------------------------------------------------------------------------- config.json
 
 
 def format_config(
@@ -200,9 +196,6 @@ def _readme(manifest: ExportManifest, fmt: str, draft_dir_hint: str, config: Map
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------- write
-
-
 def write_export(  # noqa: PLR0913 - the export manifest's fields
     output: Path,
     tensors: dict[str, torch.Tensor],
@@ -265,9 +258,6 @@ def write_export(  # noqa: PLR0913 - the export manifest's fields
         write_manifest(tmp, manifest)
         (tmp / "README.md").write_text(_readme(manifest, fmt, str(output.resolve()), config), encoding="utf-8")
     return manifest
-
-
-# ---------------------------------------------------------------------------------------------- serving
 
 
 VLLM_LOADABLE = ("vllm", "speculators")  # formats vLLM reads as they are

@@ -1,7 +1,5 @@
 """`draftsmith export`: a trained draft -> a vLLM / SGLang / speculators model directory.
 
-    run(cfg: ExportConfig) -> StageResult
-
 The draft is a training run, a checkpoint or an export in another format (`load_draft`); the target recorded in
 the export is the draft's own, or the given one when it is the same model; formats.py writes the directory (a
 P-EAGLE draft: vllm or speculators, its serve commands with parallel drafting).
@@ -73,6 +71,7 @@ def run(cfg: ExportConfig) -> StageResult:
     save_resolved_config(cfg, cfg.output)
     n_params = sum(t.numel() for t in source.tensors.values() if t.is_floating_point())
     facts = method_of(source.spec).facts(source.spec)  # what the method adds (P-EAGLE's mask token, DFlash's block)
+    commands = serve_commands(Path(target.path), Path(cfg.output).resolve(), cfg.speculative_tokens)
     return StageResult(
         stage="export",
         output=Path(cfg.output),
@@ -86,9 +85,5 @@ def run(cfg: ExportConfig) -> StageResult:
             "dtype": cfg.dtype,
             "weights sha256": manifest.files[WEIGHTS_FILE][:16],
         },
-        commands=dict(
-            list(serve_commands(Path(target.path), Path(cfg.output).resolve(), cfg.speculative_tokens).items())[
-                : None if cfg.format in VLLM_LOADABLE else 1
-            ]
-        ),
+        commands=dict(list(commands.items())[: None if cfg.format in VLLM_LOADABLE else 1]),
     )

