@@ -97,11 +97,9 @@ def store_rows(
 
 def draft_rows(config: dict, aux: list[int], token_budget: int, gpu_memory_gb: float | None) -> list[tuple[str, str]]:
     """The default method's draft for this target: its parameters, its training memory, whether it fits a GPU."""
-    train = TrainConfig()
-    assert train.num_layers is not None  # TrainConfig's validator sets the method's default
-    assert isinstance(train.method, Eagle3Options)  # the default method's
-    draft = DraftSpec.from_target_config(config, train.method.draft_vocab_size, train.num_layers, aux)
-    ttt_steps = train.method.depths
+    options = Eagle3Options()  # the default method's (train --method eagle3)
+    draft = DraftSpec.from_target_config(config, options.draft_vocab_size, options.default_num_layers, aux)
+    ttt_steps = options.depths
     memory = sizing.training_memory(draft, token_budget=token_budget, ttt_steps=ttt_steps)
     rows = [
         (
