@@ -86,7 +86,6 @@ class Conversation:
     tool_calls: int = 0  # calls the target made
     spliced: int = 0  # recorded tool results placed after the target's calls
     skip: Skip | None = None
-    done: bool = False
 
     def record(self) -> dict:
         """The conversation as written to the set: messages in OpenAI form (a call's arguments a JSON string, the
@@ -281,7 +280,6 @@ class Regenerator:
         self.asked[conv.index] = (conv, text)
 
     def _finish(self, conv: Conversation) -> None:
-        conv.done = True
         self.live -= conv.skip is not None
         self.finished[conv.index] = conv
 
