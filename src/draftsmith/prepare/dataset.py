@@ -134,11 +134,8 @@ class _ShardWriter:
     def add(self, sample: dict | list[dict]) -> bool:
         """Buffer one sample, or a list of samples that must share a shard; True when that completed a shard (now
         on disk)."""
-        if isinstance(sample, list):
-            for one in sample:
-                self._buffer(one)
-        else:
-            self._buffer(sample)
+        for one in sample if isinstance(sample, list) else [sample]:
+            self._buffer(one)
         if len(self.ids) >= self.shard_samples:
             self.flush()
             return True

@@ -65,10 +65,13 @@ class Source:
     format: str  # "json" (array or lines), "parquet", "arrow", "dataset" (a `datasets.save_to_disk` directory)
 
     @property
+    def files(self) -> list[Path]:
+        """The file, or every file under the directory (a `datasets` directory), sorted."""
+        return [self.path] if self.path.is_file() else sorted(p for p in self.path.rglob("*") if p.is_file())
+
+    @property
     def size(self) -> int:
-        if self.path.is_file():
-            return self.path.stat().st_size
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return sum(p.stat().st_size for p in self.files)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -411,11 +414,9 @@ def _iter_parquet(path: Path) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
         raise DraftsmithError(f"{path}: not a readable parquet file ({err})".replace("\n", " ")) from None
-    index = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield Record(str(path), index, row)
-            index += 1
+    rows = (row for batch in pf.iter_batches(batch_size=1024) for row in batch.to_pylist())
+    for index, row in enumerate(rows):
+        yield Record(str(path), index, row)
 
 
 def _iter_datasets(source: Source) -> Iterator[Record]:

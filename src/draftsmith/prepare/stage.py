@@ -293,16 +293,11 @@ def job_fingerprint(
     cfg: PrepareConfig | RegenerateConfig, identity: TargetIdentity, template: str, sources: list[Source]
 ) -> str:
     """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
-
-    def stamp(path: Path) -> list:
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
     job = {
         "options": cfg.model_dump(mode="json", exclude={"num_workers", "resume", "output", "check_with_vllm"}),
         "target": identity.model_dump(exclude={"path"}),
         "template": sha256_bytes(template.encode("utf-8")),
-        "sources": [stamp(s.path) for s in sources],
+        "sources": [[[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in s.files] for s in sources],
         "format": 1,
     }
     return sha256_bytes(json.dumps(job, sort_keys=True).encode("utf-8"))
