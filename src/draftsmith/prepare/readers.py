@@ -134,19 +134,15 @@ def expand_sources(specs: Sequence[str | Path]) -> list[Source]:
         if text == NAMED_BFCL:  # a named data set, built into the cache on first use
             sources.append(Source(bfcl.conversations_path(), "json"))
             continue
-        if any(c in text for c in "*?["):
-            matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
-            if not matches:
-                raise DraftsmithError(f"{text}: no file matches this pattern")
-            paths = matches
-        else:
-            paths = [Path(text).expanduser()]
+        pattern = any(c in text for c in "*?[")
+        paths = sorted(Path(p) for p in glob.glob(text, recursive=True)) if pattern else [Path(text).expanduser()]
+        if not paths:
+            raise DraftsmithError(f"{text}: no file matches this pattern")
         for path in paths:
             if path.is_dir():
                 sources.extend(_directory_sources(path))
             elif path.is_file():
-                fmt = FORMAT_OF_SUFFIX.get(path.suffix.lower(), "json")
-                sources.append(Source(path, fmt))
+                sources.append(Source(path, FORMAT_OF_SUFFIX.get(path.suffix.lower(), "json")))
             elif not path.exists():
                 raise DraftsmithError(f"{path}: input file does not exist")
             else:

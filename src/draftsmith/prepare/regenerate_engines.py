@@ -127,8 +127,7 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """vLLM in a child process (regenerate_worker.py), started once per run: requests go in as they come, answers
-    come back as they end (continuous batching)."""
+    """vLLM in its child process (regenerate_worker.py), started once per run."""
 
     def __init__(
         self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int, log_file: Path
