@@ -178,7 +178,7 @@ def _regenerate(
 
     records = read_records(plan.sources, tally.records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
     encoder = ChatEncoder(tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
-    regenerator = Regenerator(cfg, tokenizer, encoder, plan.max_length, start_engine, records, tally, parser)
+    regenerator = Regenerator(cfg, encoder, plan.max_length, start_engine, records, tally, parser)
     progress, task = progress_bar("regenerate", cfg.max_samples, "{task.fields[tok_rate]:,.1f} new tok/s")
     try:
         with progress:

@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
@@ -208,7 +208,6 @@ class Regenerator:
     def __init__(
         self,
         cfg: RegenerateConfig,
-        tokenizer: Any,
         encoder: ChatEncoder,
         max_length: int,
         start_engine: Callable[[], Engine],
@@ -217,7 +216,6 @@ class Regenerator:
         parser: AnswerParser | None = None,
     ):
         self.cfg = cfg
-        self.tokenizer = tokenizer
         self.encoder = encoder
         self.parser = parser
         self.max_length = max_length
@@ -300,7 +298,7 @@ class Regenerator:
         except Skip as skip:
             conv.skip = skip
             return None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encoder.tokenizer.encode(text, add_special_tokens=False)
         limit = min(self.cfg.max_new_tokens, self.max_length - len(ids))
         if limit >= 1:
             return ids, text, limit
@@ -317,7 +315,9 @@ class Regenerator:
     def _message(self, conv: Conversation, tokens: list[int], prompt: str) -> Message:
         """The answer `tokens` as an assistant message (Skip where there is none to keep)."""
         if self.parser is None:
-            content = answer_text(self.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think)
+            content = answer_text(
+                self.encoder.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think
+            )
             if content is None:
                 raise Skip(
                     "cut off inside <think>",

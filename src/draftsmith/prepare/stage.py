@@ -303,13 +303,11 @@ def job_fingerprint(
     return sha256_bytes(json.dumps(job, sort_keys=True).encode("utf-8"))
 
 
-def check_with_vllm(
-    cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path, template: str
-) -> str:
+def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path) -> str:
     """Render the first `cfg.check_with_vllm` usable conversations' prompts as vLLM's server would and compare
     them with the contexts draftsmith trains each generation in; DraftsmithError at the first differing token."""
     try:
-        vllm = VllmRendering(target_dir, encoder.tokenizer, template, cfg.trust_remote_code)
+        vllm = VllmRendering(target_dir, encoder.tokenizer, encoder.chat_template, cfg.trust_remote_code)
     except ImportError:
         raise DraftsmithError(
             "--check-with-vllm: vLLM is not installed; install it beside draftsmith (see README) or leave the check out"
@@ -481,7 +479,7 @@ def run(cfg: PrepareConfig) -> StageResult:
         tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow, template_kwargs=cfg.chat_template_kwargs
     )
     workers = max(1, cfg.num_workers or _available_cores())
-    checked = check_with_vllm(cfg, sources, encoder, target_dir, template) if cfg.check_with_vllm else None
+    checked = check_with_vllm(cfg, sources, encoder, target_dir) if cfg.check_with_vllm else None
 
     tally = _Tally()
     fingerprint = job_fingerprint(cfg, identity, template, sources)
