@@ -116,11 +116,7 @@ class _Plan:
         target_dir = resolve_target(cfg.target)
         tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
         engine_name, engine_version = engines.engine_choice(cfg)
-        device = (
-            resolve_device(cfg.device)
-            if engine_name == "hf"
-            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        device = resolve_device(cfg.device if engine_name == "hf" else "auto")  # vLLM: the GPU where there is one
         positions = context_length(read_config(target_dir))
         plan = cls(
             target_dir=target_dir,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
-from draftsmith.prepare.messages import Chat, Message, Skip, leading_assistant_turns, normalize_conversation
+from draftsmith.prepare.messages import Chat, Message, Skip, normalize_conversation
 from draftsmith.prepare.readers import Skips, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 
@@ -183,12 +183,7 @@ def read_records(
                     "it declares or calls tools; name the target's tool-call format "
                     "with --tool-call-parser (vLLM's names: hermes for Qwen3, kimi_k2 for Kimi-K2.5)",
                 )
-            dropped = (
-                leading_assistant == "drop"
-                and leading_assistant_turns(normalize_conversation(record.data, "keep", keep_trailing=True).messages)
-                > 0
-            )
-            yield "conversation", _turns_to_answer(chat.messages), chat.tools, where, dropped
+            yield "conversation", _turns_to_answer(chat.messages), chat.tools, where, chat.leading_dropped > 0
         except Skip as skip:
             yield "skip", skip.reason, where, skip.detail
 

@@ -45,7 +45,7 @@ from draftsmith.core.targets import load_tokenizer, resolve_target, target_ident
 from draftsmith.methods.vocab import coverage_report
 from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
-from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, leading_assistant_turns, normalize_conversation
+from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, normalize_conversation
 from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
 from draftsmith.prepare.vllm_chat import VllmRendering
 
@@ -190,17 +190,14 @@ def _batches(
     )  # bytes ahead
     for source, record in records_after(sources, skip_records):
         where = (str(source.path), record.index)
-        dropped = 0
         if record.bad is not None:
             item: Chat | Skip = Skip(record.bad, record.detail)
         else:
             try:
                 item = normalize_conversation(record.data, leading_assistant)
-                if leading_assistant == "drop":
-                    dropped = leading_assistant_turns(normalize_conversation(record.data, "keep").messages)
             except Skip as skip:
                 item = skip
-        batch.append((where, item, dropped))
+        batch.append((where, item, item.leading_dropped if isinstance(item, Chat) else 0))
         if len(batch) >= BATCH:
             progress_cb(before[id(source)] + (record.offset or 0))
             yield batch
