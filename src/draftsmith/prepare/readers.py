@@ -74,12 +74,8 @@ class Source:
         return sum(p.stat().st_size for p in self.files)
 
 
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
-
-
 def _directory_sources(directory: Path) -> list[Source]:
-    if _is_saved_dataset(directory):
+    if (directory / "state.json").is_file() and (directory / "dataset_info.json").is_file():  # datasets.save_to_disk
         return [Source(directory, "dataset")]
     files = sorted(
         p
