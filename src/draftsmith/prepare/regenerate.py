@@ -82,13 +82,11 @@ def _summary(
     }
     if manifest.damaged:
         summary["damaged input"] = "; ".join(manifest.damaged)
-    summary.update(
-        {
-            "shards": len(manifest.shards),
-            "new tokens/s": manifest.stats.get("new_tokens_per_s", 0.0),
-            "seconds (total)": round(seconds, 1),
-        }
-    )
+    summary |= {
+        "shards": len(manifest.shards),
+        "new tokens/s": manifest.stats.get("new_tokens_per_s", 0.0),
+        "seconds (total)": round(seconds, 1),
+    }
     return summary
 
 

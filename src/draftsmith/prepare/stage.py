@@ -509,13 +509,11 @@ def run(cfg: PrepareConfig) -> StageResult:
     summary = job.summary(manifest, identity.path, checked, per_file)
     for size, cover in coverage_report(open_prepared(cfg.output).token_counts(), SUMMARY_VOCAB_SIZES):
         summary[f"draft vocab {size} covers"] = f"{cover:.2%}"
-    summary.update(
-        {
-            "shards": len(manifest.shards),
-            "workers": workers,
-            "conversations/s": job.stats["conversations_per_s"],
-            "tokens/s": job.stats["tokens_per_s"],
-            "seconds (total)": round(time.perf_counter() - started, 1),
-        }
-    )
+    summary |= {
+        "shards": len(manifest.shards),
+        "workers": workers,
+        "conversations/s": job.stats["conversations_per_s"],
+        "tokens/s": job.stats["tokens_per_s"],
+        "seconds (total)": round(time.perf_counter() - started, 1),
+    }
     return StageResult(stage="prepare", output=Path(cfg.output), summary=summary)
