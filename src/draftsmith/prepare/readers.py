@@ -266,16 +266,11 @@ def _iter_json_lines(path: Path, f) -> Iterator[Record]:
         try:
             data = json.loads(line)
         except json.JSONDecodeError as err:
-            cut = not raw.endswith(b"\n") and line_no > 1
-            yield Record(
-                str(path),
-                index,
-                bad=DAMAGED_TAIL if cut else "invalid JSON",
-                offset=offset,
-                detail=f"line {line_no} (the last) is cut off: {err.msg}"
-                if cut
-                else f"line {line_no}: {err.msg} at column {err.colno}",
-            )
+            if not raw.endswith(b"\n") and line_no > 1:  # the file was cut off in its last line
+                bad, detail = DAMAGED_TAIL, f"line {line_no} (the last) is cut off: {err.msg}"
+            else:
+                bad, detail = "invalid JSON", f"line {line_no}: {err.msg} at column {err.colno}"
+            yield Record(str(path), index, bad=bad, offset=offset, detail=detail)
         else:
             yield Record(str(path), index, data, offset=offset)
         index += 1

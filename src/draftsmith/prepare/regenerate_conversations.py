@@ -364,12 +364,10 @@ class Regenerator:
         except Skip as skip:
             if skip.reason == "malformed tool call" and any(m["role"] == "assistant" for m in conv.out):
                 conv.diverged = WROTE_MALFORMED  # the conversation ends before this answer
+            elif skip.reason == "malformed tool call":
+                conv.skip = Skip("target wrote a malformed tool call", skip.detail)
             else:
-                conv.skip = (
-                    Skip("target wrote a malformed tool call", skip.detail)
-                    if skip.reason == "malformed tool call"
-                    else skip
-                )
+                conv.skip = skip
             self._finish(conv)
             return
         if hit_limit:

@@ -311,11 +311,9 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
         ) from None
 
     def token(seq: list[int], at: int) -> str:
-        return (
-            f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
-            if at < len(seq)
-            else "nothing (the prompt ends there)"
-        )
+        if at >= len(seq):
+            return "nothing (the prompt ends there)"
+        return f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
 
     conversations = prompts = 0
     for source, record in records_after(sources, 0):
