@@ -33,9 +33,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_text, file_lock, sha256_file
 from draftsmith.core.pins import (  # noqa: F401 - re-exported: the pins and the cache layout are assets' names too
     BFCL,
-    DEFAULT_TARGET_NAME,
     MTBENCH,
-    PINNED_FILES,
     SHAREGPT,
     SMOLLM2_GGUF,
     PinnedFile,

@@ -38,7 +38,6 @@ def capture_hidden_states(  # noqa: C901 - one hook per capture point and the th
 
     `input_ids` [B, T]; `attention_mask` [B, T] (1 = real token) or None for unpadded / right-padded batches.
     `dtype` is the dtype of the returned tensor (default: the model's). The last layer id N is un-normalised.
-    Layers after the deepest one asked for are not run.
     """
     backbone, layers = text_backbone(model)
     num_layers = len(layers)

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
@@ -68,13 +68,13 @@ def _os_error_in(err: BaseException) -> OSError | None:
     return None
 
 
-def _explain_write_failure(path: Path, err: BaseException) -> BaseException:
+def _raise_write_failure(path: Path, err: BaseException) -> NoReturn:
     """What a failed atomic write raises: a one-line DraftsmithError for a disk problem, else the error itself."""
     if isinstance(err, OSError):
-        return _explain_os_error(path, err)
+        raise _explain_os_error(path, err) from None
     if isinstance(err, Exception) and not isinstance(err, DraftsmithError) and (os_err := _os_error_in(err)):
-        return _explain_os_error(path, os_err)
-    return err
+        raise _explain_os_error(path, os_err) from None
+    raise err
 
 
 @contextlib.contextmanager
@@ -96,10 +96,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         _fsync_dir(path.parent)
     except BaseException as err:  # a full disk may come as an OSError or as a library's own error type
         tmp_path.unlink(missing_ok=True)
-        explained = _explain_write_failure(path, err)
-        if explained is err:
-            raise
-        raise explained from None
+        _raise_write_failure(path, err)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -139,10 +136,7 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         _fsync_dir(parent)
     except BaseException as err:  # a full disk may come as an OSError or as a library's own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        explained = _explain_write_failure(path, err)
-        if explained is err:
-            raise
-        raise explained from None
+        _raise_write_failure(path, err)
 
 
 @contextlib.contextmanager

@@ -66,9 +66,7 @@ def rope_parameters_of(config: dict[str, Any]) -> dict[str, Any]:
 def portable_config(config: dict[str, object]) -> dict[str, object]:
     """config.json content with the transformers-4 RoPE keys beside `rope_parameters` (in every nested
     sub-config too: a multimodal wrapper's text_config)."""
-    out: dict[str, object] = {}
-    for key, value in config.items():
-        out[key] = portable_config(value) if isinstance(value, dict) and key.endswith("_config") else value
+    out = {k: (portable_config(v) if isinstance(v, dict) and k.endswith("_config") else v) for k, v in config.items()}
     for key, value in legacy_rope_keys(config.get("rope_parameters")).items():
         if out.get(key) is None:
             out[key] = value
@@ -78,9 +76,7 @@ def portable_config(config: dict[str, object]) -> dict[str, object]:
 def canonical_config(config: dict[str, object]) -> dict[str, object]:
     """config.json content as transformers 5 writes it: the transformers-4 RoPE keys folded into
     `rope_parameters`, so a target means the same whichever release wrote (or portable_config touched) it."""
-    out: dict[str, object] = {}
-    for key, value in config.items():
-        out[key] = canonical_config(value) if isinstance(value, dict) and key.endswith("_config") else value
+    out = {k: (canonical_config(v) if isinstance(v, dict) and k.endswith("_config") else v) for k, v in config.items()}
     if (isinstance(config.get("rope_parameters"), dict) and config["rope_parameters"]) or "rope_theta" in config:
         rope = out["rope_parameters"] = rope_parameters_of(config)
         for key in _LEGACY_ROPE_KEYS:

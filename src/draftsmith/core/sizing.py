@@ -80,10 +80,6 @@ def _attention_params(text: dict, hidden: int) -> tuple[int, str]:
     return params, "mha/gqa"
 
 
-def _gated_attention(text: dict) -> bool:
-    return text.get("model_type") == "qwen3_next"
-
-
 def _linear_attention_layers(text: dict, num_layers: int) -> list[int]:
     """A hybrid's gated delta-net layers: `layer_types` "linear_attention", else every layer but each
     full_attention_interval-th (Qwen3-Next)."""
@@ -133,7 +129,7 @@ def target_shape(config: dict) -> TargetShape:
     _need(text, "num_attention_heads")
     attention, kind = _attention_params(text, hidden)
     attention_all = num_layers * attention
-    if _gated_attention(text):  # Qwen3-Next: q_proj also writes the output gate
+    if text.get("model_type") == "qwen3_next":  # Qwen3-Next: q_proj also writes the output gate
         attention_all += num_layers * hidden * int(text["num_attention_heads"]) * int(text["head_dim"])
     linear = _linear_attention_layers(text, num_layers)
     if linear:  # hybrids: these layers are gated delta-net (linear attention) instead

@@ -308,14 +308,5 @@ class ChatEncoder:
 
 def masked_spans(input_ids: ArrayLike, loss_mask: ArrayLike) -> list[list[int]]:
     """The runs of consecutive loss-masked token ids (for display and for tests)."""
-    ids = np.asarray(input_ids).tolist()
-    mask = np.asarray(loss_mask).astype(bool).tolist()
-    runs: list[list[int]] = []
-    previous = False
-    for token, m in zip(ids, mask, strict=False):
-        if m:
-            if not previous:
-                runs.append([])
-            runs[-1].append(token)
-        previous = m
-    return runs
+    pairs = zip(np.asarray(input_ids).tolist(), np.asarray(loss_mask).astype(bool).tolist(), strict=False)
+    return [[token for token, _ in run] for masked, run in itertools.groupby(pairs, key=lambda p: p[1]) if masked]

@@ -134,11 +134,8 @@ class _ShardWriter:
     def add(self, sample: dict | list[dict]) -> bool:
         """Buffer one sample, or a list of samples that must share a shard; True when that completed a shard (now
         on disk)."""
-        if isinstance(sample, list):
-            for one in sample:
-                self._buffer(one)
-        else:
-            self._buffer(sample)
+        for one in sample if isinstance(sample, list) else [sample]:
+            self._buffer(one)
         if len(self.ids) >= self.shard_samples:
             self.flush()
             return True
@@ -198,19 +195,18 @@ class _ShardWriter:
         return counts
 
 
-def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
+def _write_all(
     writer: _ShardWriter,
     samples: Iterable[dict | list[dict]],
     on_shard,
     *,
     output: Path,
-    chat_template_hash: str,
-    max_length: int,
     skipped: dict[str, int] | None,
-    sources: list[str] | None,
     config: StageConfig | None,
-    extra: dict[str, object],
+    fields: dict[str, object],
 ) -> PreparedManifest:
+    """Write `samples` with `writer`, then the token counts and the manifest (`fields`: the caller's; `skipped` is
+    read only now, after the last sample)."""
     for sample in samples:
         if writer.add(sample) and on_shard is not None:
             on_shard(writer)
@@ -225,8 +221,6 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
     _write_safetensors(writer.directory / TOKEN_COUNTS_NAME, {"counts": counts})
     manifest = PreparedManifest(
         target=writer.target,
-        chat_template_hash=chat_template_hash,
-        max_length=max_length,
         num_samples=writer.num_samples,
         num_tokens=sum(s.num_tokens for s in shards),
         num_loss_tokens=int(counts.sum()),
@@ -234,8 +228,7 @@ def _write_all(  # noqa: PLR0913 - the prepared manifest's fields
         shards=shards,
         token_counts_sha256=sha256_file(writer.directory / TOKEN_COUNTS_NAME),
         skipped=dict(skipped or {}),
-        sources=list(sources or []),
-        **extra,
+        **fields,
     )
     if config is not None:
         save_resolved_config(config, writer.directory)
@@ -276,16 +269,8 @@ def write_prepared(  # noqa: PLR0913 - the prepared manifest's fields
     """
     output = Path(output)
     check_replaceable(output, "prepared", "a prepared data set")
-    write_all = functools.partial(
-        _write_all,
-        output=output,
-        chat_template_hash=chat_template_hash,
-        max_length=max_length,
-        skipped=skipped,
-        sources=sources,
-        config=config,
-        extra=extra,
-    )
+    fields = dict(chat_template_hash=chat_template_hash, max_length=max_length, sources=list(sources or []), **extra)
+    write_all = functools.partial(_write_all, output=output, skipped=skipped, config=config, fields=fields)
     if fingerprint is None:
         with atomic_dir(output) as tmp:
             return write_all(_ShardWriter(tmp, target, shard_samples), samples, None)

@@ -60,6 +60,7 @@ class Chat:
     # per message: its content as written where a `<think>` block was split out of it (a template that does not read
     # `reasoning_content` is given the text as written), else None
     written: list[str | None] | None = None
+    leading_dropped: int = 0  # assistant turns dropped before the first user turn (leading_assistant="drop")
 
     @property
     def agentic(self) -> bool:
@@ -256,7 +257,7 @@ def normalize_conversation(record: object, leading_assistant: str = "skip", keep
     Roles become user / assistant / system / tool; turns after the last assistant turn are dropped (they carry
     no loss) unless `keep_trailing` (`draftsmith regenerate` answers them). A conversation that starts with the
     assistant is skipped, or with `leading_assistant="drop"` loses its assistant turns before the first user turn
-    (the caller counts them with `leading_assistant_turns`), or with "keep" is left as it is.
+    (counted in `Chat.leading_dropped`), or with "keep" is left as it is.
     Raises Skip with a counted reason (and the turn in its detail) for anything that is not a usable conversation.
     """
     if not isinstance(record, dict):
@@ -315,7 +316,8 @@ def normalize_conversation(record: object, leading_assistant: str = "skip", keep
             message = {"role": canonical, "content": text}
         messages.append(message)
         written.append(as_written)
-    if leading_assistant != "keep" and leading_assistant_turns(messages):
+    leading_dropped = leading_assistant_turns(messages) if leading_assistant != "keep" else 0
+    if leading_dropped:
         if leading_assistant == "skip":
             raise Skip("starts with the assistant", "the first non-system turn is the assistant's")
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
@@ -326,4 +328,4 @@ def normalize_conversation(record: object, leading_assistant: str = "skip", keep
         written.pop()
     if not messages:
         raise Skip("no assistant turn", "no turn is from the assistant")
-    return Chat(messages, tools, written if any(w is not None for w in written) else None)
+    return Chat(messages, tools, written if any(w is not None for w in written) else None, leading_dropped)

@@ -65,18 +65,17 @@ class Source:
     format: str  # "json" (array or lines), "parquet", "arrow", "dataset" (a `datasets.save_to_disk` directory)
 
     @property
+    def files(self) -> list[Path]:
+        """The file, or every file under the directory (a `datasets` directory), sorted."""
+        return [self.path] if self.path.is_file() else sorted(p for p in self.path.rglob("*") if p.is_file())
+
+    @property
     def size(self) -> int:
-        if self.path.is_file():
-            return self.path.stat().st_size
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+        return sum(p.stat().st_size for p in self.files)
 
 
 def _directory_sources(directory: Path) -> list[Source]:
-    if _is_saved_dataset(directory):
+    if (directory / "state.json").is_file() and (directory / "dataset_info.json").is_file():  # datasets.save_to_disk
         return [Source(directory, "dataset")]
     files = sorted(
         p
@@ -131,19 +130,15 @@ def expand_sources(specs: Sequence[str | Path]) -> list[Source]:
         if text == NAMED_BFCL:  # a named data set, built into the cache on first use
             sources.append(Source(bfcl.conversations_path(), "json"))
             continue
-        if any(c in text for c in "*?["):
-            matches = sorted(Path(p) for p in glob.glob(text, recursive=True))
-            if not matches:
-                raise DraftsmithError(f"{text}: no file matches this pattern")
-            paths = matches
-        else:
-            paths = [Path(text).expanduser()]
+        pattern = any(c in text for c in "*?[")
+        paths = sorted(Path(p) for p in glob.glob(text, recursive=True)) if pattern else [Path(text).expanduser()]
+        if not paths:
+            raise DraftsmithError(f"{text}: no file matches this pattern")
         for path in paths:
             if path.is_dir():
                 sources.extend(_directory_sources(path))
             elif path.is_file():
-                fmt = FORMAT_OF_SUFFIX.get(path.suffix.lower(), "json")
-                sources.append(Source(path, fmt))
+                sources.append(Source(path, FORMAT_OF_SUFFIX.get(path.suffix.lower(), "json")))
             elif not path.exists():
                 raise DraftsmithError(f"{path}: input file does not exist")
             else:
@@ -271,16 +266,11 @@ def _iter_json_lines(path: Path, f) -> Iterator[Record]:
         try:
             data = json.loads(line)
         except json.JSONDecodeError as err:
-            cut = not raw.endswith(b"\n") and line_no > 1
-            yield Record(
-                str(path),
-                index,
-                bad=DAMAGED_TAIL if cut else "invalid JSON",
-                offset=offset,
-                detail=f"line {line_no} (the last) is cut off: {err.msg}"
-                if cut
-                else f"line {line_no}: {err.msg} at column {err.colno}",
-            )
+            if not raw.endswith(b"\n") and line_no > 1:  # the file was cut off in its last line
+                bad, detail = DAMAGED_TAIL, f"line {line_no} (the last) is cut off: {err.msg}"
+            else:
+                bad, detail = "invalid JSON", f"line {line_no}: {err.msg} at column {err.colno}"
+            yield Record(str(path), index, bad=bad, offset=offset, detail=detail)
         else:
             yield Record(str(path), index, data, offset=offset)
         index += 1
@@ -411,11 +401,9 @@ def _iter_parquet(path: Path) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
         raise DraftsmithError(f"{path}: not a readable parquet file ({err})".replace("\n", " ")) from None
-    index = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield Record(str(path), index, row)
-            index += 1
+    rows = (row for batch in pf.iter_batches(batch_size=1024) for row in batch.to_pylist())
+    for index, row in enumerate(rows):
+        yield Record(str(path), index, row)
 
 
 def _iter_datasets(source: Source) -> Iterator[Record]:

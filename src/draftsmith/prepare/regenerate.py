@@ -82,13 +82,11 @@ def _summary(
     }
     if manifest.damaged:
         summary["damaged input"] = "; ".join(manifest.damaged)
-    summary.update(
-        {
-            "shards": len(manifest.shards),
-            "new tokens/s": manifest.stats.get("new_tokens_per_s", 0.0),
-            "seconds (total)": round(seconds, 1),
-        }
-    )
+    summary |= {
+        "shards": len(manifest.shards),
+        "new tokens/s": manifest.stats.get("new_tokens_per_s", 0.0),
+        "seconds (total)": round(seconds, 1),
+    }
     return summary
 
 
@@ -116,11 +114,7 @@ class _Plan:
         target_dir = resolve_target(cfg.target)
         tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
         engine_name, engine_version = engines.engine_choice(cfg)
-        device = (
-            resolve_device(cfg.device)
-            if engine_name == "hf"
-            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        device = resolve_device(cfg.device if engine_name == "hf" else "auto")  # vLLM: the GPU where there is one
         positions = context_length(read_config(target_dir))
         plan = cls(
             target_dir=target_dir,
@@ -178,7 +172,7 @@ def _regenerate(
 
     records = read_records(plan.sources, tally.records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
     encoder = ChatEncoder(tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
-    regenerator = Regenerator(cfg, tokenizer, encoder, plan.max_length, start_engine, records, tally, parser)
+    regenerator = Regenerator(cfg, encoder, plan.max_length, start_engine, records, tally, parser)
     progress, task = progress_bar("regenerate", cfg.max_samples, "{task.fields[tok_rate]:,.1f} new tok/s")
     try:
         with progress:

@@ -24,11 +24,11 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
-from draftsmith.prepare.messages import Chat, Message, Skip, leading_assistant_turns, normalize_conversation
+from draftsmith.prepare.messages import Chat, Message, Skip, normalize_conversation
 from draftsmith.prepare.readers import Skips, Source, records_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 
@@ -86,7 +86,6 @@ class Conversation:
     tool_calls: int = 0  # calls the target made
     spliced: int = 0  # recorded tool results placed after the target's calls
     skip: Skip | None = None
-    done: bool = False
 
     def record(self) -> dict:
         """The conversation as written to the set: messages in OpenAI form (a call's arguments a JSON string, the
@@ -184,12 +183,7 @@ def read_records(
                     "it declares or calls tools; name the target's tool-call format "
                     "with --tool-call-parser (vLLM's names: hermes for Qwen3, kimi_k2 for Kimi-K2.5)",
                 )
-            dropped = (
-                leading_assistant == "drop"
-                and leading_assistant_turns(normalize_conversation(record.data, "keep", keep_trailing=True).messages)
-                > 0
-            )
-            yield "conversation", _turns_to_answer(chat.messages), chat.tools, where, dropped
+            yield "conversation", _turns_to_answer(chat.messages), chat.tools, where, chat.leading_dropped > 0
         except Skip as skip:
             yield "skip", skip.reason, where, skip.detail
 
@@ -209,7 +203,6 @@ class Regenerator:
     def __init__(
         self,
         cfg: RegenerateConfig,
-        tokenizer: Any,
         encoder: ChatEncoder,
         max_length: int,
         start_engine: Callable[[], Engine],
@@ -218,7 +211,6 @@ class Regenerator:
         parser: AnswerParser | None = None,
     ):
         self.cfg = cfg
-        self.tokenizer = tokenizer
         self.encoder = encoder
         self.parser = parser
         self.max_length = max_length
@@ -281,7 +273,6 @@ class Regenerator:
         self.asked[conv.index] = (conv, text)
 
     def _finish(self, conv: Conversation) -> None:
-        conv.done = True
         self.live -= conv.skip is not None
         self.finished[conv.index] = conv
 
@@ -302,7 +293,7 @@ class Regenerator:
         except Skip as skip:
             conv.skip = skip
             return None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encoder.tokenizer.encode(text, add_special_tokens=False)
         limit = min(self.cfg.max_new_tokens, self.max_length - len(ids))
         if limit >= 1:
             return ids, text, limit
@@ -319,7 +310,9 @@ class Regenerator:
     def _message(self, conv: Conversation, tokens: list[int], prompt: str) -> Message:
         """The answer `tokens` as an assistant message (Skip where there is none to keep)."""
         if self.parser is None:
-            content = answer_text(self.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think)
+            content = answer_text(
+                self.encoder.tokenizer.decode(tokens, skip_special_tokens=False), prompt, self.cfg.think
+            )
             if content is None:
                 raise Skip(
                     "cut off inside <think>",
@@ -371,12 +364,10 @@ class Regenerator:
         except Skip as skip:
             if skip.reason == "malformed tool call" and any(m["role"] == "assistant" for m in conv.out):
                 conv.diverged = WROTE_MALFORMED  # the conversation ends before this answer
+            elif skip.reason == "malformed tool call":
+                conv.skip = Skip("target wrote a malformed tool call", skip.detail)
             else:
-                conv.skip = (
-                    Skip("target wrote a malformed tool call", skip.detail)
-                    if skip.reason == "malformed tool call"
-                    else skip
-                )
+                conv.skip = skip
             self._finish(conv)
             return
         if hit_limit:

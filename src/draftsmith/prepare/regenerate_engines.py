@@ -82,8 +82,6 @@ Answer = tuple[int, list[int], bool]  # (request key, answer token ids without t
 class HFEngine:
     """transformers `generate` in this process: the requests waiting, `hf_batch_size` at a time, left-padded."""
 
-    name = "hf"
-
     def __init__(
         self, target_dir: Path, cfg: RegenerateConfig, device: torch.device, dtype: str, eos: list[int], pad_id: int
     ):
@@ -129,10 +127,7 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """vLLM in a child process (regenerate_worker.py), started once per run: requests go in as they come, answers
-    come back as they end (continuous batching)."""
-
-    name = "vllm"
+    """vLLM in its child process (regenerate_worker.py), started once per run."""
 
     def __init__(
         self, target_dir: Path, cfg: RegenerateConfig, dtype: str, eos: list[int], max_model_len: int, log_file: Path

@@ -179,11 +179,11 @@ def save_progress(work: Path, fingerprint: str, shards: list[RegeneratedShard], 
 
 
 def source_files(sources: list[Source]) -> list[SourceFile]:
-    files = []
-    for source in sources:
-        paths = [source.path] if source.path.is_file() else sorted(p for p in source.path.rglob("*") if p.is_file())
-        files += [SourceFile(path=str(p), sha256=fsio.sha256_file(p), num_bytes=p.stat().st_size) for p in paths]
-    return files
+    return [
+        SourceFile(path=str(p), sha256=fsio.sha256_file(p), num_bytes=p.stat().st_size)
+        for s in sources
+        for p in s.files
+    ]
 
 
 def publish(work: Path, output: Path, cfg: RegenerateConfig, manifest: RegeneratedManifest) -> None:

@@ -45,7 +45,7 @@ from draftsmith.core.targets import load_tokenizer, resolve_target, target_ident
 from draftsmith.methods.vocab import coverage_report
 from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
-from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, leading_assistant_turns, normalize_conversation
+from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, normalize_conversation
 from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
 from draftsmith.prepare.vllm_chat import VllmRendering
 
@@ -190,17 +190,14 @@ def _batches(
     )  # bytes ahead
     for source, record in records_after(sources, skip_records):
         where = (str(source.path), record.index)
-        dropped = 0
         if record.bad is not None:
             item: Chat | Skip = Skip(record.bad, record.detail)
         else:
             try:
                 item = normalize_conversation(record.data, leading_assistant)
-                if leading_assistant == "drop":
-                    dropped = leading_assistant_turns(normalize_conversation(record.data, "keep").messages)
             except Skip as skip:
                 item = skip
-        batch.append((where, item, dropped))
+        batch.append((where, item, item.leading_dropped if isinstance(item, Chat) else 0))
         if len(batch) >= BATCH:
             progress_cb(before[id(source)] + (record.offset or 0))
             yield batch
@@ -293,39 +290,30 @@ def job_fingerprint(
     cfg: PrepareConfig | RegenerateConfig, identity: TargetIdentity, template: str, sources: list[Source]
 ) -> str:
     """Names the job for resuming: same inputs (path, size, mtime), target, template and output-shaping options."""
-
-    def stamp(path: Path) -> list:
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
     job = {
         "options": cfg.model_dump(mode="json", exclude={"num_workers", "resume", "output", "check_with_vllm"}),
         "target": identity.model_dump(exclude={"path"}),
         "template": sha256_bytes(template.encode("utf-8")),
-        "sources": [stamp(s.path) for s in sources],
+        "sources": [[[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in s.files] for s in sources],
         "format": 1,
     }
     return sha256_bytes(json.dumps(job, sort_keys=True).encode("utf-8"))
 
 
-def check_with_vllm(
-    cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path, template: str
-) -> str:
+def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEncoder, target_dir: Path) -> str:
     """Render the first `cfg.check_with_vllm` usable conversations' prompts as vLLM's server would and compare
     them with the contexts draftsmith trains each generation in; DraftsmithError at the first differing token."""
     try:
-        vllm = VllmRendering(target_dir, encoder.tokenizer, template, cfg.trust_remote_code)
+        vllm = VllmRendering(target_dir, encoder.tokenizer, encoder.chat_template, cfg.trust_remote_code)
     except ImportError:
         raise DraftsmithError(
             "--check-with-vllm: vLLM is not installed; install it beside draftsmith (see README) or leave the check out"
         ) from None
 
     def token(seq: list[int], at: int) -> str:
-        return (
-            f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
-            if at < len(seq)
-            else "nothing (the prompt ends there)"
-        )
+        if at >= len(seq):
+            return "nothing (the prompt ends there)"
+        return f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
 
     conversations = prompts = 0
     for source, record in records_after(sources, 0):
@@ -486,7 +474,7 @@ def run(cfg: PrepareConfig) -> StageResult:
         tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow, template_kwargs=cfg.chat_template_kwargs
     )
     workers = max(1, cfg.num_workers or _available_cores())
-    checked = check_with_vllm(cfg, sources, encoder, target_dir, template) if cfg.check_with_vllm else None
+    checked = check_with_vllm(cfg, sources, encoder, target_dir) if cfg.check_with_vllm else None
 
     tally = _Tally()
     fingerprint = job_fingerprint(cfg, identity, template, sources)
@@ -519,13 +507,11 @@ def run(cfg: PrepareConfig) -> StageResult:
     summary = job.summary(manifest, identity.path, checked, per_file)
     for size, cover in coverage_report(open_prepared(cfg.output).token_counts(), SUMMARY_VOCAB_SIZES):
         summary[f"draft vocab {size} covers"] = f"{cover:.2%}"
-    summary.update(
-        {
-            "shards": len(manifest.shards),
-            "workers": workers,
-            "conversations/s": job.stats["conversations_per_s"],
-            "tokens/s": job.stats["tokens_per_s"],
-            "seconds (total)": round(time.perf_counter() - started, 1),
-        }
-    )
+    summary |= {
+        "shards": len(manifest.shards),
+        "workers": workers,
+        "conversations/s": job.stats["conversations_per_s"],
+        "tokens/s": job.stats["tokens_per_s"],
+        "seconds (total)": round(time.perf_counter() - started, 1),
+    }
     return StageResult(stage="prepare", output=Path(cfg.output), summary=summary)
