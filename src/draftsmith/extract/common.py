@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +50,7 @@ from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest
 from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
+from draftsmith.extract.spool.chunks import free_bytes
 from draftsmith.extract.store.codec import encode_hidden_states, encode_layers_fp8
 from draftsmith.prepare.dataset import PreparedDataset, open_prepared
 
@@ -157,12 +157,9 @@ def check_disk_space(plan: ExtractionPlan, spec: store_module.StoreSpec, sample_
     the pending samples will take (core/sizing.py)."""
     tokens = int(sum(int(plan.lengths[i]) for i in sample_ids))
     needed = sizing.store_bytes(tokens, spec.hidden_size, len(spec.layer_ids), spec.dtype, samples=len(sample_ids))
-    where = Path(plan.cfg.output).resolve()
-    while not where.exists() and where != where.parent:
-        where = where.parent
     sizing.check_disk(
         needed,
-        shutil.disk_usage(where).free,
+        free_bytes(Path(plan.cfg.output).resolve()),
         where=f"--output {plan.cfg.output}",
         what=(
             f"the store of {len(sample_ids):,} samples ({tokens:,} tokens x {len(spec.layer_ids)} "

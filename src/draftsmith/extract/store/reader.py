@@ -130,10 +130,8 @@ class HiddenStateStore(Samples):
 
 
 def open(path: Path, dtype: torch.dtype | None = torch.float32) -> HiddenStateStore:  # noqa: A001 - store.open
-    """Open a store for reading; hidden states come back as `dtype`, or as stored with `dtype=None`.
-
-    Cheap checks only (sizes, headers, dtypes, shapes, counts).
-    """
+    """Open a store for reading (cheap checks only: see the module); hidden states come back as `dtype`, or as
+    stored with `dtype=None`."""
     path = Path(path)
     if not path.is_dir():
         raise DraftsmithError(f"{path}: hidden-state store does not exist; run `draftsmith extract` first")

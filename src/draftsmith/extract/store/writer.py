@@ -257,12 +257,17 @@ def _add_shards(path: Path, infos: list[ShardInfo], backend_info: dict[str, Json
     """Append shards to the manifest under the store lock (readers see the old or the new manifest, never half)."""
     with file_lock(path / LOCK_DIR / "manifest.lock"):
         manifest = read_manifest(path, StoreManifest)
-        manifest.shards.extend(infos)
-        manifest.num_samples += sum(i.num_samples for i in infos)
-        manifest.num_tokens += sum(i.num_tokens for i in infos)
         if backend_info:
             manifest.backend_info.update(backend_info)
-        write_manifest(path, manifest)
+        _record(path, manifest, infos)
+
+
+def _record(path: Path, manifest: StoreManifest, infos: list[ShardInfo]) -> None:
+    """Add shards to a manifest read under the store lock, and write it."""
+    manifest.shards.extend(infos)
+    manifest.num_samples += sum(i.num_samples for i in infos)
+    manifest.num_tokens += sum(i.num_tokens for i in infos)
+    write_manifest(path, manifest)
 
 
 def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C901 - one branch per state a killed writer can leave
@@ -325,10 +330,7 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
                 done.update(ids)
                 notes.append(f"adopted shard {file.name} that an interrupted writer finished but did not record")
             if adopted:
-                manifest.shards.extend(adopted)
-                manifest.num_samples += sum(a.num_samples for a in adopted)
-                manifest.num_tokens += sum(a.num_tokens for a in adopted)
-                write_manifest(path, manifest)
+                _record(path, manifest, adopted)
     finally:
         for lock in dead.values():
             lock.release()

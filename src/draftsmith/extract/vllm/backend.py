@@ -340,9 +340,8 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
 def _race(
     jobs: dict[str, _Job], parts: list[list[tuple[int, list[int]]]], compile: bool
 ) -> tuple[dict[str, float], float, dict[str, float]]:
-    """`benchmark`'s run: each strategy's engine and a plain one up at once; each part on the plain engine, then
-    extracted by each strategy in turn (a different one first each part), then each sink's final flush. Returns
-    each strategy's seconds, the plain engine's, and each engine's start-up seconds."""
+    """`benchmark`'s run (as its docstring tells): each strategy's seconds, the plain engine's, and each engine's
+    start-up seconds."""
     names = list(jobs)
     seconds = dict.fromkeys(names, 0.0)
     prefill_s = 0.0

@@ -104,11 +104,8 @@ class Feeder:
         self.beat = 0.0  # when this process last reported
         self.lock = threading.Lock()
         self.lost: dict[str, int] = {}  # chunks the transport refused or lost, and how often
-        self.trainer: tuple[float | None, float, TrainerStatus | None] = (
-            None,
-            time.monotonic(),
-            None,
-        )  # its `updated`, when seen, report
+        # the trainer's last `updated`, when this process saw it change, and its report
+        self.trainer: tuple[float | None, float, TrainerStatus | None] = (None, time.monotonic(), None)
 
     # -- waiting on the trainer
     def _read_trainer(self) -> TrainerStatus | None:

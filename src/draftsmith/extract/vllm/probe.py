@@ -406,20 +406,9 @@ def _choose(facts: ProbeFacts, architecture: str) -> tuple[Strategy | None, str,
     missing = requirements(facts, architecture)
     usable = [name for name in STRATEGIES if not missing[name]]
     if not usable:
-        parts = [f"{name}: {'; '.join(why)}" for name, why in missing.items()]
-        return (
-            None,
-            (
-                "no extraction strategy fits this vLLM "
-                + (facts.version or "")
-                + f" for {architecture} ("
-                + " | ".join(parts)
-                + "); "
-                + INSTALL_HINT
-                + ", or use --backend hf"
-            ),
-            missing,
-        )
+        parts = " | ".join(f"{name}: {'; '.join(why)}" for name, why in missing.items())
+        reason = f"no extraction strategy fits this vLLM {facts.version or ''} for {architecture} ({parts}); "
+        return None, reason + INSTALL_HINT + ", or use --backend hf", missing
     strategy = usable[0]
     reason = STRATEGY_WORDS[strategy]
     if strategy != "connector":

@@ -90,6 +90,14 @@ def _parse(path: str, mtime_ns: int, size: int) -> tuple[str, ast.Module] | None
         return None
 
 
+def _parse_file(path: Path) -> tuple[str, ast.Module] | None:
+    """A file's text and tree (cached while its mtime and size stay), None when it is not there or does not parse."""
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    return _parse(str(path), stat.st_mtime_ns, stat.st_size)
+
+
 def _statements(body: list[ast.stmt], fallback: bool = False):
     """(statement, fallback) for the top-level statements, descending into if/else, try/except and with blocks
     (TYPE_CHECKING imports, fallbacks). `fallback`: an `else` branch or an `except` handler, which runs only where
@@ -165,13 +173,16 @@ class SourceTree:
                 if len(parts) == 1 and not is_package:
                     continue
                 if path.is_file():
-                    stat = path.stat()
-                    parsed = _parse(str(path), stat.st_mtime_ns, stat.st_size)
+                    parsed = _parse_file(path)
                     if parsed is not None:
                         found = Module(name, path, parsed[0], parsed[1], is_package)
                     break
         self._modules[name] = found
         return found
+
+    def _module_found(self, name: str) -> Found | None:
+        module = self.module(name)
+        return Found(module, module.tree) if module is not None else None
 
     def _absolute(self, module: Module, level: int, name: str | None) -> str:
         if level == 0:
@@ -226,21 +237,16 @@ class SourceTree:
         if module is None or _depth > 12:
             return None
         what = self.bindings(module).get(name)
-        if what is None:
-            sub = self.module(f"{module_name}.{name}")  # a submodule reached as an attribute of its package
-            return Found(sub, sub.tree) if sub is not None else None
+        if what is None:  # a submodule reached as an attribute of its package
+            return self._module_found(f"{module_name}.{name}")
         kind = what[0]
         if kind == "def":
             return Found(module, what[1])
         if kind == "from":
             found = self.lookup(what[1], what[2], _depth + 1)
-            if found is None:
-                sub = self.module(f"{what[1]}.{what[2]}")
-                found = Found(sub, sub.tree) if sub is not None else None
-            return found
+            return found if found is not None else self._module_found(f"{what[1]}.{what[2]}")
         if kind == "module":
-            target = self.module(what[1])
-            return Found(target, target.tree) if target is not None else None
+            return self._module_found(what[1])
         value = what[1]
         if isinstance(value, (ast.Name, ast.Attribute)):  # an alias: X = Y
             alias = self.resolve(module, value, _depth + 1)
@@ -466,8 +472,7 @@ def package_dir(source: Path | str) -> Path:
 
 def _read_version(package: Path) -> str | None:
     for rel in ("_version.py", "__init__.py"):
-        path = package / rel
-        parsed = _parse(str(path), path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
+        parsed = _parse_file(package / rel)
         if parsed is None:
             continue
         for stmt, _ in _statements(parsed[1].body):
