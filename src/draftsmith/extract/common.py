@@ -82,7 +82,6 @@ def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_sample
 
 def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
     """Open the prepared set, find the target and check they belong together; pick this worker's samples."""
-
     dataset = open_prepared(cfg.prepared)
     made_for = dataset.manifest.target
     if cfg.target is not None:
@@ -131,7 +130,6 @@ def open_writer(
     plan: ExtractionPlan, spec: store_module.StoreSpec, backend_info: dict[str, JsonValue] | None = None
 ) -> store_module.StoreWriter:
     """Create or resume the output store as this worker; then save the resolved config beside it."""
-
     writer = store_module.create_or_resume(
         plan.cfg.output,
         spec,

@@ -48,7 +48,6 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) the store at cfg.output with the target's kept layers over cfg.prepared."""
-
     plan = common.plan_extraction(cfg)
     device = resolve_device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -19,7 +19,6 @@ the chunks are `chunks.py`'s; the Mooncake transport (`mooncake.py`) plays the s
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_bytes, atomic_write_text
 from draftsmith.extract import store as store_mod
 from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, EngineSide, Plan, TrainerSide, fill_directory, free_bytes
+from draftsmith.extract.store.writer import TryLock
 
 CHUNKS_DIR = "chunks"
 CONSUMED_DIR = "consumed"
@@ -228,23 +228,16 @@ class Spool(EngineSide, TrainerSide):
     def lock(self, name: str, wait_s: float = 0.0) -> Iterator[None]:
         """An exclusive flock on SPOOL/`name` (the engine process's, or the trainer's), waiting up to `wait_s`."""
         self.create()
-        fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + wait_s
+        lock, deadline = TryLock(self.path / name), time.monotonic() + wait_s
+        while not lock.try_acquire():
+            if time.monotonic() >= deadline:
+                who = "an engine process" if name == ENGINE_LOCK else "another trainer"
+                raise DraftsmithError(f"--spool {self.path}: {who} still uses it; stop it or use another --spool")
+            time.sleep(0.1)
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        who = "an engine process" if name == ENGINE_LOCK else "another trainer"
-                        raise DraftsmithError(
-                            f"--spool {self.path}: {who} still uses it; stop it or use another --spool"
-                        ) from None
-                    time.sleep(0.1)
             yield
         finally:
-            os.close(fd)
+            lock.release()
 
 
 __all__ = ["ENGINE_LOCK", "Spool", "TRAINER_LOCK", "disk_bytes"]

@@ -44,11 +44,11 @@ from draftsmith.extract.store.schema import (
 )
 
 
-class _WriterLock:
-    """A non-blocking exclusive flock on `.locks/<tag>.lock`, held while a writer lives."""
+class TryLock:
+    """A non-blocking exclusive flock on the file at `path` (a writer's `.locks/<tag>.lock`, held while it lives)."""
 
-    def __init__(self, store: Path, tag: str):
-        self.path = store / LOCK_DIR / f"{tag}.lock"
+    def __init__(self, path: Path):
+        self.path = path
         self.fd: int | None = None
 
     def try_acquire(self) -> bool:
@@ -95,7 +95,7 @@ class StoreWriter:
         path: Path,
         spec: StoreSpec,
         tag: str,
-        lock: _WriterLock,
+        lock: TryLock,
         shard_bytes: int,
         backend_info: dict[str, JsonValue] | None = None,
     ):
@@ -275,12 +275,12 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
     notes: list[str] = []
     shard_dir = path / SHARD_DIR
     live: set[str] = set()
-    dead: dict[str, _WriterLock] = {}
+    dead: dict[str, TryLock] = {}
     for lock_file in sorted((path / LOCK_DIR).glob("*.lock")):
         lock_tag = lock_file.stem
         if lock_tag == "manifest" or lock_tag == own_tag:
             continue
-        lock = _WriterLock(path, lock_tag)
+        lock = TryLock(path / LOCK_DIR / f"{lock_tag}.lock")
         if lock.try_acquire():
             dead[lock_tag] = lock
         else:
@@ -380,7 +380,7 @@ def create_or_resume(
             )
         (path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         (path / LOCK_DIR).mkdir(exist_ok=True)
-        lock = _WriterLock(path, tag)
+        lock = TryLock(path / LOCK_DIR / f"{tag}.lock")
         acquired = lock.try_acquire()
     except OSError as err:
         raise _explain_os_error(path, err) from None

@@ -224,7 +224,6 @@ class _Job:
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) cfg.output with the target's hidden states computed by vLLM."""
-
     job = _Job(cfg)
     if not job.todo:
         return job.result(0.0, 0, [], 0.0)
@@ -283,7 +282,6 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
     there). The runner taps (direct, taps) always run uncompiled, so where `compile` is on only the connector and
     the plain engine compile.
     """
-
     names = list(strategies) if strategies else offered_strategies(prepared, compute_dtype=compute_dtype)
     if not names:
         raise DraftsmithError(f"{prepared}: the installed vLLM offers no extraction strategy for this target")
