@@ -183,7 +183,6 @@ class Spool(EngineSide, TrainerSide):
         return fill_directory(into, copy)
 
     def consume(self, name: str, rank: int, world: int) -> bool:
-        """Rank `rank` has read chunk `name`; the last of `world` ranks deletes it. True when it was deleted."""
         if world > 1:
             marks = self.path / CONSUMED_DIR
             (marks / f"{name}.rank{rank}").touch()

@@ -5,9 +5,7 @@ On disk (see docs/formats.md, "Hidden-state store")::
     manifest.json                         StoreManifest (kind "store"): target, prepared set, layer ids, dtype,
                                           counts, and every shard with its sha256, size and sample-id ranges
     config.yaml                           the resolved ExtractConfig of the last run that wrote here
-    shards/part-s0of1-000000.safetensors  hidden_states [T, L, H] (bf16, or fp8 e4m3 + hidden_scales [T, L] f32),
-                                          input_ids int32 [T], loss_mask bool [T], offsets int64 [S+1],
-                                          sample_ids int64 [S]
+    shards/part-s0of1-000000.safetensors  the states and their samples' ids, masks and offsets (shards.py)
     .locks/                               one lock file per writer (advisory flock; never data)
 
 The modules, each on one idea: `schema` (spec, manifest, shard records), `codec` (bf16 / fp8 encoding),

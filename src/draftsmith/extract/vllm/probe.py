@@ -13,10 +13,8 @@ internals (connector.py, taps.py, driver.py) is guarded by one of these findings
     render_probe_table(report)            # a rich Table for `draftsmith doctor`
     probe_architectures([...])            # one report per target architecture (doctor's second table)
 
-How it is built: `_context` reads once what several facts share (the platform, the model registry, the speculative
-methods, the target architecture's decoder stack: architectures.py); then one pure reader per fact family
-(`READERS`: readers.py's and decoding.py's, in the table's order) returns its facts and its table row; `_choose` picks the strategy
-from the facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in
+How it is built: `_context` and the readers (`READERS`), as readers.py tells; `_choose` picks the strategy from the
+facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in
 the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
 `facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its reason names
 the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the

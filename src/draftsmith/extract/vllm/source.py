@@ -526,12 +526,8 @@ def locate(source: Path | str | None) -> Located | None:
     if platform is None and dist is not None and nvidia:
         platform, how = "cuda", f"the distribution {dist.name}, which requires {nvidia}"
     if platform is None:
-        how = (
-            (f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package")
-            + " and the version"
-            + (f" {version}" if version else "")
-            + " do not name a platform"
-        )
+        named = f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package"
+        how = f"{named} and the version{f' {version}' if version else ''} do not name a platform"
     return Located(
         package=package, installed=source is None, version=version, dist_info=dist, platform=platform, platform_how=how
     )

@@ -413,15 +413,13 @@ def _stream_rescale(forward: Found) -> tuple[Literal["none", "float16", "other"]
     not. Scaling the layer's new output is its computation, not a rescale. "float16" where every such statement sits
     under a branch testing float16 (DeepSeek's overflow guard)."""
     returned: set[str] = set()
+    parents: dict[ast.AST, ast.AST] = {}
     for node in ast.walk(forward.node):
+        parents.update(dict.fromkeys(ast.iter_child_nodes(node), node))
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) == 2:
             carried = node.value.elts[1]
             if isinstance(carried, ast.Name):
                 returned.add(carried.id)
-    parents: dict[ast.AST, ast.AST] = {}
-    for node in ast.walk(forward.node):
-        for child in ast.iter_child_nodes(node):
-            parents[child] = node
     kind: Literal["none", "float16", "other"] = "none"
     first = None
     for node in ast.walk(forward.node):
