@@ -391,24 +391,23 @@ def create_or_resume(
         )
     try:
         with file_lock(path / LOCK_DIR / "manifest.lock"):
-            if (path / MANIFEST_NAME).is_file():
+            fresh = not (path / MANIFEST_NAME).is_file()
+            if not fresh:
                 data = read_manifest_json(path)
                 if data.get("kind") != "store":
                     raise DraftsmithError(
                         f"{path}: is a {data.get('kind')!r} artefact, not a hidden-state store; choose another --output"
                     )
-                existing = read_manifest(path, StoreManifest)
-                diff = existing.spec().mismatch(spec)
-                if diff and diff.startswith("compute_dtype") and not _holds_shards(path):
-                    # nothing computed yet (an engine that could not run in the first dtype fell back to another
-                    # before its first sample): the store takes the dtype its states will be computed in
-                    write_manifest(path, StoreManifest(**spec.model_dump(), backend_info=dict(backend_info or {})))
-                elif diff:
+                diff = read_manifest(path, StoreManifest).spec().mismatch(spec)
+                # only the compute dtype differs and nothing is computed yet (an engine that could not run in the
+                # first dtype fell back to another before its first sample): the store takes the new dtype
+                fresh = bool(diff and diff.startswith("compute_dtype") and not _holds_shards(path))
+                if diff and not fresh:
                     raise DraftsmithError(
                         f"{path}: existing store was made differently ({diff.replace(' != ', ' there, asked for ')}); "
                         "use another --output, or the options it was made with, to resume it"
                     )
-            else:
+            if fresh:
                 write_manifest(path, StoreManifest(**spec.model_dump(), backend_info=dict(backend_info or {})))
         notes = _recover(path, spec, tag)
         writer = StoreWriter(path, spec, tag, lock, shard_bytes, backend_info)

@@ -217,11 +217,9 @@ class SourceTree:
                     if alias.name != "*":
                         bind(alias.asname or alias.name, ("from", source, alias.name))
             elif isinstance(stmt, ast.Import):
-                for alias in stmt.names:
-                    if alias.asname:
-                        bind(alias.asname, ("module", alias.name))
-                    else:
-                        bind(alias.name.split(".")[0], ("module", alias.name.split(".")[0]))
+                for alias in stmt.names:  # `import a.b` binds a; `import a.b as c` binds c to a.b
+                    target = alias.name if alias.asname else alias.name.split(".")[0]
+                    bind(alias.asname or target, ("module", target))
             else:
                 for name, value in _assigned(stmt):
                     if value is not None:  # a bare annotation (`version: str`) binds nothing yet
@@ -247,12 +245,13 @@ class SourceTree:
             return found if found is not None else self._module_found(f"{what[1]}.{what[2]}")
         if kind == "module":
             return self._module_found(what[1])
-        value = what[1]
-        if isinstance(value, (ast.Name, ast.Attribute)):  # an alias: X = Y
-            alias = self.resolve(module, value, _depth + 1)
-            if alias is not None:
-                return alias
-        return Found(module, value) if value is not None else None
+        return self._assigned_value(module, what[1], _depth + 1)
+
+    def _assigned_value(self, module: Module, value: ast.expr, _depth: int = 0) -> Found:
+        """An assigned value: what it names where it is an alias (`X = Y`, `model_cls = DeepseekV2Model`), else the
+        expression itself."""
+        named = self.resolve(module, value, _depth) if isinstance(value, (ast.Name, ast.Attribute)) else None
+        return named if named is not None else Found(module, value)
 
     def resolve(self, module: Module, expr: ast.expr, _depth: int = 0) -> Found | None:
         """The definition an expression names in `module`: `Name`, `pkg.mod.Name`, `Base[T]`."""
@@ -334,11 +333,7 @@ class SourceTree:
                     return Found(klass.module, stmt)
                 for target, value in _assigned(stmt):
                     if target == name and value is not None:
-                        if isinstance(value, (ast.Name, ast.Attribute)):
-                            named = self.resolve(klass.module, value)
-                            if named is not None:
-                                return named
-                        return Found(klass.module, value)
+                        return self._assigned_value(klass.module, value)
         return None
 
     def method(self, cls: Found, name: str) -> Found | None:
