@@ -257,13 +257,9 @@ def _joined(writer: store_module.StoreWriter, item: tuple) -> tuple:
     encoded here, once: check_finite then reads its scales (a row's scale is non-finite exactly when a value of it
     is) instead of every value, and the writer stores it as it is."""
     if isinstance(item[3], list):
-        parts = item[3]
-        data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
-        scales = (
-            None
-            if parts[0].scales is None
-            else (parts[0].scales if len(parts) == 1 else torch.cat([p.scales for p in parts]))
-        )
+        parts, one = item[3], len(item[3]) == 1
+        data = parts[0].data if one else torch.cat([p.data for p in parts])
+        scales = parts[0].scales if one or parts[0].scales is None else torch.cat([p.scales for p in parts])
         item = (*item[:3], data, scales)
     if writer.spec.dtype != "fp8" or (len(item) > 4 and item[4] is not None):
         return item

@@ -299,8 +299,7 @@ class Engine:
 
         engine = self.llm.llm_engine
         start = time.perf_counter()
-        pending = list(prompts)
-        pending.reverse()
+        pending = list(reversed(prompts))
         in_flight: dict[str, int] = {}
         counter = 0
         while pending or in_flight:

