@@ -155,11 +155,9 @@ def _registered(tree: SourceTree, ctx: Context, architecture: str) -> Piece:
     if model_class(tree, architecture, ctx.registry) is None:
         module = f"{MODELS_PACKAGE}.{entry[0]}"
         why = _unreadable(tree, module)
-        return (
-            (None, why)
-            if why
-            else (False, f"{architecture} registered, but no class {entry[1]} in {module.replace('.', '/')}.py")
-        )
+        if why:
+            return None, why
+        return False, f"{architecture} registered, but no class {entry[1]} in {module.replace('.', '/')}.py"
     return True, f"{architecture} -> {entry[0]}.{entry[1]}"
 
 

@@ -21,7 +21,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -53,12 +52,20 @@ from draftsmith.extract.spool import (
 from draftsmith.extract.spool.chunks import Chunk, Waiting
 from draftsmith.extract.vllm import dtypes
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm.backend import _backend_info, _engine_spec, _sink_config, choose_strategy, say_dtype
+from draftsmith.extract.vllm.backend import (
+    _backend_info,
+    _engine_spec,
+    _sink_config,
+    choose_strategy,
+    say_dtype,
+    stage_line,
+)
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
 from draftsmith.prepare.dataset import PreparedDataset, prepared_digest
 
 HEARTBEAT_S = 2.0
 LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss
+_say = stage_line("draftsmith engine process")  # this process's lines on stderr
 
 
 class Fatal(DraftsmithError):
@@ -253,12 +260,7 @@ class Feeder:
                         f"{self.spool.describe()}: chunk {chunk.name} could not be published "
                         f"{LOST_LIMIT} times in a row ({err}); see this process's log"
                     ) from None
-                print(
-                    f"draftsmith engine process: {self.spool.describe()} lost chunk {chunk.name} ({err}); "
-                    "waiting for the trainer's next plan",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say(f"{self.spool.describe()} lost chunk {chunk.name} ({err}); waiting for the trainer's next plan")
                 return
 
     def run(self) -> None:
@@ -292,11 +294,7 @@ class Feeder:
         with contextlib.ExitStack() as stack:
             stack.callback(beating.set)
             say_dtype("draftsmith engine process", choice, cfg.compute_dtype)
-            engine, _ = start_engine(
-                choice,
-                spec_for,
-                say=lambda line: print(f"draftsmith engine process: {line}", file=sys.stderr, flush=True),
-            )
+            engine, _ = start_engine(choice, spec_for, say=_say)
             stack.enter_context(engine)
             self.status.engine_started = True
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
@@ -405,7 +403,7 @@ def main(
         log=log,
     )
     if status.error:  # into OUTPUT/feed.log; the trainer reports it in its own line
-        print(f"draftsmith engine process: {status.error}", file=sys.stderr, flush=True)
+        _say(status.error)
         raise typer.Exit(1)
 
 
