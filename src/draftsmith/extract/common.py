@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -332,6 +333,11 @@ class BackgroundWriter:
                 self._error = self._error or RuntimeError("aborted")  # drop what is queued
                 self._queue.put(None)
                 self._thread.join()
+
+
+def stage_line(stage: str) -> Callable[[str], None]:
+    """`say(line)`: one line on stderr, prefixed with the stage's name."""
+    return lambda line: print(f"{stage}: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import JsonValue
@@ -150,15 +148,10 @@ def compute_dtype(cfg: ExtractConfig, report: probing.ProbeReport, config: dict 
     return dtypes.choose_dtype(cfg.compute_dtype, report, config)
 
 
-def stage_line(stage: str) -> Callable[[str], None]:
-    """`say(line)`: one line on stderr, prefixed with the stage's name."""
-    return lambda line: print(f"{stage}: {line}", file=sys.stderr, flush=True)
-
-
 def say_dtype(stage: str, choice: DtypeChoice, asked: str) -> None:
     """The one line that tells what `auto` chose and why (nothing when a dtype was asked for)."""
     if asked == "auto":
-        stage_line(stage)(f"vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})")
+        common.stage_line(stage)(f"vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})")
 
 
 class _Job:
@@ -205,7 +198,7 @@ class _Job:
                 jobs[dtype] = _Job(self.cfg, DtypeChoice(dtype=dtype, why=f"fallback from {self.dtype}"))
             return jobs[dtype].engine_spec()
 
-        engine, dtype = start_engine(self.choice, spec_for, say=stage_line("extract"))
+        engine, dtype = start_engine(self.choice, spec_for, say=common.stage_line("extract"))
         return jobs[dtype], engine
 
     def result(self, seconds: float, tokens: int, reports: list[SinkReport], engine_start_s: float) -> StageResult:

@@ -52,20 +52,13 @@ from draftsmith.extract.spool import (
 from draftsmith.extract.spool.chunks import Chunk, Waiting
 from draftsmith.extract.vllm import dtypes
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm.backend import (
-    _backend_info,
-    _engine_spec,
-    _sink_config,
-    choose_strategy,
-    say_dtype,
-    stage_line,
-)
+from draftsmith.extract.vllm.backend import _backend_info, _engine_spec, _sink_config, choose_strategy, say_dtype
 from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
 from draftsmith.prepare.dataset import PreparedDataset, prepared_digest
 
 HEARTBEAT_S = 2.0
 LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss
-_say = stage_line("draftsmith engine process")  # this process's lines on stderr
+_say = common.stage_line("draftsmith engine process")  # this process's lines on stderr
 
 
 class Fatal(DraftsmithError):
