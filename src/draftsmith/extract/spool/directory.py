@@ -26,7 +26,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
@@ -118,20 +117,6 @@ class Spool(EngineSide, TrainerSide):
                 raise DraftsmithError(f"--spool {self.path}: cannot create it ({err.strerror})") from None
 
     # -- the job, the plan and the status (small JSON files, replaced atomically)
-    def _write(self, name: str, data: object) -> None:
-        atomic_write_text(self.path / name, json.dumps(data))
-
-    def _read(self, name: str) -> Any:
-        path = self.path / name
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except ValueError as err:
-            raise DraftsmithError(
-                f"{path}: not valid JSON ({err}); delete the spool directory and start again"
-            ) from None
-
     _FILES = {"job": JOB_FILE, "status": STATUS_FILE, "trainer": TRAINER_FILE}
 
     def _put_message(self, name: str, data: bytes) -> None:
@@ -146,10 +131,19 @@ class Spool(EngineSide, TrainerSide):
         return (self.path / JOB_FILE).is_file()
 
     def write_plan(self, plan: Plan) -> None:
-        self._write(PLAN_FILE, {"generation": plan.generation, "chunks": [asdict(c) for c in plan.chunks]})
+        data = {"generation": plan.generation, "chunks": [asdict(c) for c in plan.chunks]}
+        atomic_write_text(self.path / PLAN_FILE, json.dumps(data))
 
     def read_plan(self) -> Plan | None:
-        data = self._read(PLAN_FILE)
+        path = self.path / PLAN_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except ValueError as err:
+            raise DraftsmithError(
+                f"{path}: not valid JSON ({err}); delete the spool directory and start again"
+            ) from None
         if isinstance(data, list):  # written before plans had generations
             return Plan([Chunk(**c) for c in data], 0)
         return None if data is None else Plan([Chunk(**c) for c in data["chunks"]], int(data["generation"]))

@@ -129,10 +129,6 @@ class Feeder:
                 f"engine process waits for {what} ({last}); stopping — see the trainer's log"
             )
 
-    def _finished(self) -> bool:
-        trainer = self._read_trainer()
-        return trainer is not None and trainer.finished
-
     def _report(self, waiting: Waiting | None = None, **fields: object) -> None:
         with self.lock:
             self.beat = time.monotonic()
@@ -176,7 +172,8 @@ class Feeder:
                 self.generation = plan.generation
                 self._report(generation=plan.generation)
                 return plan
-            if self._finished():
+            trainer = self._read_trainer()
+            if trainer is not None and trainer.finished:
                 return None
             self._trainer_stalled("a plan")
             self._waiting("plan")
