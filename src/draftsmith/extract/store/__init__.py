@@ -25,28 +25,21 @@ from draftsmith.extract.store.codec import (
 from draftsmith.extract.store.merge import absorb_store, merge_stores
 from draftsmith.extract.store.reader import HiddenStateStore, open
 from draftsmith.extract.store.schema import (
-    DEFAULT_SHARD_BYTES,
-    LOCK_DIR,
-    SHARD_DIR,
     PreparedRef,
-    ShardInfo,
-    StorageDtype,
     StoreManifest,
     StoreSpec,
     bytes_per_token,
     prepared_ref,
 )
-from draftsmith.extract.store.verify import VerifyReport, verify_store
+from draftsmith.extract.store.verify import verify_store
 from draftsmith.extract.store.writer import StoreWriter, create_or_resume, stored_compute_dtype
 
 __all__ = [
     "StoreSpec",
     "StoreManifest",
-    "ShardInfo",
     "PreparedRef",
     "StoreWriter",
     "HiddenStateStore",
-    "VerifyReport",
     "create_or_resume",
     "stored_compute_dtype",
     "open",
@@ -58,9 +51,5 @@ __all__ = [
     "decode_hidden_states",
     "bytes_per_token",
     "FP8_MAX",
-    "StorageDtype",
-    "DEFAULT_SHARD_BYTES",
-    "SHARD_DIR",
-    "LOCK_DIR",
     "read_manifest",
 ]
