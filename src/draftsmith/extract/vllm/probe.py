@@ -13,11 +13,11 @@ internals (connector.py, taps.py, driver.py) is guarded by one of these findings
     render_probe_table(report)            # a rich Table for `draftsmith doctor`
     probe_architectures([...])            # one report per target architecture (doctor's second table)
 
-How it is built: `_context` and the readers (`READERS`), as readers.py tells; `_choose` picks the strategy from the
-facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in
-the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
-`facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its reason names
-the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
+How it is built: the readers' `Context`, then the readers (`READERS`), as readers.py tells; `_choose` picks the
+strategy from the facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not
+where or in the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact
+is None and `facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its
+reason names the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
 separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`).
 """
 
@@ -202,7 +202,22 @@ def _probe(
     if located is None or tree is None:
         row = _row("vLLM", "not installed", False, "the vllm backend needs vLLM; the hf backend works without it")
         return _report(ProbeFacts(), [row], architecture, None)
-    ctx = _context(located, tree, architecture, config, resolve_config, target)
+    platform, how = platform_of(located)
+    registry = registered_models(tree)
+    methods, why = speculative_methods(tree)
+    ctx = Context(  # what several readers share, read once
+        located=located,
+        architecture=architecture,
+        config=config,
+        platform=platform,
+        platform_how=how,
+        registry=registry,
+        methods=methods,
+        methods_why=why,
+        support=inspect_architecture(tree, architecture, config=config, registry=registry),
+        resolve_config=resolve_config,
+        target=target,
+    )
     values: dict[str, object] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
     unknown: dict[str, str] = {}
     rows: list[Capability] = []
@@ -217,33 +232,6 @@ def _probe(
     ctx.support.usable = dict(report.usable)
     ctx.support.notes = _notes(facts, ctx.support, config)
     return report
-
-
-def _context(
-    located: Located,
-    tree: SourceTree,
-    architecture: str,
-    config: dict | None,
-    resolve_config: bool,
-    target: str | Path | None,
-) -> Context:
-    platform, how = platform_of(located)
-    registry = registered_models(tree)
-    methods, why = speculative_methods(tree)
-    support = inspect_architecture(tree, architecture, config=config, registry=registry)
-    return Context(
-        located=located,
-        architecture=architecture,
-        config=config,
-        platform=platform,
-        platform_how=how,
-        registry=registry,
-        methods=methods,
-        methods_why=why,
-        support=support,
-        resolve_config=resolve_config,
-        target=target,
-    )
 
 
 def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, object]:
