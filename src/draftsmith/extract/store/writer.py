@@ -69,13 +69,6 @@ class TryLock:
             self.fd = None
 
 
-def worker_tag(shard: str | tuple[int, int]) -> str:
-    """'i/n' or (i, n) -> the tag that names a writer's shards and lock ('s1of4')."""
-    if isinstance(shard, str):
-        shard = parse_shard(shard)
-    return f"s{shard[0]}of{shard[1]}"
-
-
 class StoreWriter:
     """Adds samples to a store; buffers them and writes one shard per `shard_bytes` (or per `flush()`).
 
@@ -370,7 +363,8 @@ def create_or_resume(
     Leftovers of crashed writers are cleaned up first (see `_recover`); `writer.recovered` lists what was done.
     """
     path = Path(path)
-    tag = worker_tag(worker)
+    i, n = parse_shard(worker) if isinstance(worker, str) else worker
+    tag = f"s{i}of{n}"  # names this writer's shards and lock
     try:
         if path.exists() and not path.is_dir():
             raise DraftsmithError(f"{path}: exists and is not a directory; choose another --output")

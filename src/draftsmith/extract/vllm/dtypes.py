@@ -60,9 +60,7 @@ def attention_head_size(config: dict | None, *, mla_as_mha: bool = False) -> int
 def _kernel_library(facts: ProbeFacts, cpu: hardware.CpuInfo) -> str:
     """The kernel library vLLM's CPU platform loads on this CPU (its import_kernels): with several, _C where the CPU
     has AVX512-BF16, _C_AVX512 on other AVX-512 CPUs, _C_AVX2 below; else the one _C."""
-    if not facts.cpu_kernels_by_isa:
-        return "_C"
-    if cpu.avx512 and cpu.avx512_bf16:
+    if not facts.cpu_kernels_by_isa or (cpu.avx512 and cpu.avx512_bf16):
         return "_C"
     return "_C_AVX512" if cpu.avx512 else "_C_AVX2"
 
