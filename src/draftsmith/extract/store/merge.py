@@ -79,10 +79,8 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
             (tmp / LOCK_DIR).mkdir()
             for k, (p, m) in enumerate(zip(inputs, manifests, strict=False)):
                 for info in m.shards:
-                    src = p / info.file
                     name = shard_name(f"merged{k}", len(shards))
-                    dst = tmp / SHARD_DIR / name
-                    _place(src, dst, info, p, link)
+                    _place(p / info.file, tmp / SHARD_DIR / name, info, p, link)
                     shards.append(info.model_copy(update={"file": f"{SHARD_DIR}/{name}"}))
             merged = StoreManifest(
                 **first.spec().model_dump(),
