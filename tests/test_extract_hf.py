@@ -407,13 +407,14 @@ def test_default_target_store_equals_transformers(tmp_path, default_target_dir, 
 
 def test_a_store_the_disk_cannot_hold_is_refused_before_the_target_loads(tmp_path, tiny_prepared, monkeypatch):
     import collections
+    import shutil
 
     from draftsmith.core import sizing
 
     loaded = []
     monkeypatch.setattr(hf, "load_target", lambda *a, **k: loaded.append(1))
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(common.shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 20_000, 20_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 20_000, 20_000))
     with pytest.raises(
         DraftsmithError,
         match=r"--output .*: the store of 24 samples \([\d,]+ tokens x 3 layers x 64 "
@@ -426,6 +427,6 @@ def test_a_store_the_disk_cannot_hold_is_refused_before_the_target_loads(tmp_pat
     tokens = int(open_prepared(tiny_prepared).lengths.sum())
     needed = sizing.store_bytes(tokens, 64, 3, "bf16", samples=NUM_SAMPLES)
     monkeypatch.undo()
-    monkeypatch.setattr(common.shutil, "disk_usage", lambda path: usage(1 << 30, 0, int(needed * 1.03)))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 0, int(needed * 1.03)))
     extract.run(_cfg(tiny_prepared, tmp_path / "s"), show_progress=False)  # just enough room: it runs
     assert len(store.open(tmp_path / "s")) == NUM_SAMPLES

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +51,7 @@ from draftsmith.core.layers import resolve_layer_ids
 from draftsmith.core.manifest import TargetIdentity, read_manifest
 from draftsmith.core.targets import resolve_target, target_identity
 from draftsmith.extract import store as store_module
+from draftsmith.extract.spool.chunks import free_bytes
 from draftsmith.extract.store.codec import encode_hidden_states, encode_layers_fp8
 from draftsmith.prepare.dataset import PreparedDataset, open_prepared
 
@@ -82,7 +83,6 @@ def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_sample
 
 def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
     """Open the prepared set, find the target and check they belong together; pick this worker's samples."""
-
     dataset = open_prepared(cfg.prepared)
     made_for = dataset.manifest.target
     if cfg.target is not None:
@@ -131,7 +131,6 @@ def open_writer(
     plan: ExtractionPlan, spec: store_module.StoreSpec, backend_info: dict[str, JsonValue] | None = None
 ) -> store_module.StoreWriter:
     """Create or resume the output store as this worker; then save the resolved config beside it."""
-
     writer = store_module.create_or_resume(
         plan.cfg.output,
         spec,
@@ -157,12 +156,9 @@ def check_disk_space(plan: ExtractionPlan, spec: store_module.StoreSpec, sample_
     the pending samples will take (core/sizing.py)."""
     tokens = int(sum(int(plan.lengths[i]) for i in sample_ids))
     needed = sizing.store_bytes(tokens, spec.hidden_size, len(spec.layer_ids), spec.dtype, samples=len(sample_ids))
-    where = Path(plan.cfg.output).resolve()
-    while not where.exists() and where != where.parent:
-        where = where.parent
     sizing.check_disk(
         needed,
-        shutil.disk_usage(where).free,
+        free_bytes(Path(plan.cfg.output).resolve()),
         where=f"--output {plan.cfg.output}",
         what=(
             f"the store of {len(sample_ids):,} samples ({tokens:,} tokens x {len(spec.layer_ids)} "
@@ -262,13 +258,9 @@ def _joined(writer: store_module.StoreWriter, item: tuple) -> tuple:
     encoded here, once: check_finite then reads its scales (a row's scale is non-finite exactly when a value of it
     is) instead of every value, and the writer stores it as it is."""
     if isinstance(item[3], list):
-        parts = item[3]
-        data = parts[0].data if len(parts) == 1 else torch.cat([p.data for p in parts])
-        scales = (
-            None
-            if parts[0].scales is None
-            else (parts[0].scales if len(parts) == 1 else torch.cat([p.scales for p in parts]))
-        )
+        parts, one = item[3], len(item[3]) == 1
+        data = parts[0].data if one else torch.cat([p.data for p in parts])
+        scales = parts[0].scales if one or parts[0].scales is None else torch.cat([p.scales for p in parts])
         item = (*item[:3], data, scales)
     if writer.spec.dtype != "fp8" or (len(item) > 4 and item[4] is not None):
         return item
@@ -341,6 +333,11 @@ class BackgroundWriter:
                 self._error = self._error or RuntimeError("aborted")  # drop what is queued
                 self._queue.put(None)
                 self._thread.join()
+
+
+def stage_line(stage: str) -> Callable[[str], None]:
+    """`say(line)`: one line on stderr, prefixed with the stage's name."""
+    return lambda line: print(f"{stage}: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

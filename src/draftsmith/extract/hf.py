@@ -10,7 +10,6 @@ padding never reaches a real token's state.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +47,6 @@ def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) the store at cfg.output with the target's kept layers over cfg.prepared."""
-
     plan = common.plan_extraction(cfg)
     device = resolve_device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -64,10 +62,8 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         cpu = hardware.cpu_info()
         info["cpu"] = cpu.as_dict()
         if cfg.compute_dtype == "auto":
-            print(
-                f"extract: the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})",
-                file=sys.stderr,
-                flush=True,
+            common.stage_line("extract")(
+                f"the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})"
             )
     with common.Timer() as timer, common.open_writer(plan, spec, info) as writer:
         todo = common.pending_sample_ids(plan, writer)

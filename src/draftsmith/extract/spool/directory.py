@@ -19,7 +19,6 @@ the chunks are `chunks.py`'s; the Mooncake transport (`mooncake.py`) plays the s
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -27,13 +26,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from draftsmith.core import sizing
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_bytes, atomic_write_text
 from draftsmith.extract import store as store_mod
 from draftsmith.extract.spool.chunks import Chunk, ChunkInfo, EngineSide, Plan, TrainerSide, fill_directory, free_bytes
+from draftsmith.extract.store.writer import TryLock
 
 CHUNKS_DIR = "chunks"
 CONSUMED_DIR = "consumed"
@@ -118,20 +117,6 @@ class Spool(EngineSide, TrainerSide):
                 raise DraftsmithError(f"--spool {self.path}: cannot create it ({err.strerror})") from None
 
     # -- the job, the plan and the status (small JSON files, replaced atomically)
-    def _write(self, name: str, data: object) -> None:
-        atomic_write_text(self.path / name, json.dumps(data))
-
-    def _read(self, name: str) -> Any:
-        path = self.path / name
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except ValueError as err:
-            raise DraftsmithError(
-                f"{path}: not valid JSON ({err}); delete the spool directory and start again"
-            ) from None
-
     _FILES = {"job": JOB_FILE, "status": STATUS_FILE, "trainer": TRAINER_FILE}
 
     def _put_message(self, name: str, data: bytes) -> None:
@@ -146,10 +131,19 @@ class Spool(EngineSide, TrainerSide):
         return (self.path / JOB_FILE).is_file()
 
     def write_plan(self, plan: Plan) -> None:
-        self._write(PLAN_FILE, {"generation": plan.generation, "chunks": [asdict(c) for c in plan.chunks]})
+        data = {"generation": plan.generation, "chunks": [asdict(c) for c in plan.chunks]}
+        atomic_write_text(self.path / PLAN_FILE, json.dumps(data))
 
     def read_plan(self) -> Plan | None:
-        data = self._read(PLAN_FILE)
+        path = self.path / PLAN_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except ValueError as err:
+            raise DraftsmithError(
+                f"{path}: not valid JSON ({err}); delete the spool directory and start again"
+            ) from None
         if isinstance(data, list):  # written before plans had generations
             return Plan([Chunk(**c) for c in data], 0)
         return None if data is None else Plan([Chunk(**c) for c in data["chunks"]], int(data["generation"]))
@@ -183,7 +177,6 @@ class Spool(EngineSide, TrainerSide):
         return fill_directory(into, copy)
 
     def consume(self, name: str, rank: int, world: int) -> bool:
-        """Rank `rank` has read chunk `name`; the last of `world` ranks deletes it. True when it was deleted."""
         if world > 1:
             marks = self.path / CONSUMED_DIR
             (marks / f"{name}.rank{rank}").touch()
@@ -228,23 +221,16 @@ class Spool(EngineSide, TrainerSide):
     def lock(self, name: str, wait_s: float = 0.0) -> Iterator[None]:
         """An exclusive flock on SPOOL/`name` (the engine process's, or the trainer's), waiting up to `wait_s`."""
         self.create()
-        fd = os.open(self.path / name, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + wait_s
+        lock, deadline = TryLock(self.path / name), time.monotonic() + wait_s
+        while not lock.try_acquire():
+            if time.monotonic() >= deadline:
+                who = "an engine process" if name == ENGINE_LOCK else "another trainer"
+                raise DraftsmithError(f"--spool {self.path}: {who} still uses it; stop it or use another --spool")
+            time.sleep(0.1)
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        who = "an engine process" if name == ENGINE_LOCK else "another trainer"
-                        raise DraftsmithError(
-                            f"--spool {self.path}: {who} still uses it; stop it or use another --spool"
-                        ) from None
-                    time.sleep(0.1)
             yield
         finally:
-            os.close(fd)
+            lock.release()
 
 
 __all__ = ["ENGINE_LOCK", "Spool", "TRAINER_LOCK", "disk_bytes"]

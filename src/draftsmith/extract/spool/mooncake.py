@@ -22,6 +22,7 @@ the trainer asks for it again in a new plan generation. Every key starts with RU
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -33,7 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from draftsmith.core import processes, sizing
 from draftsmith.core.errors import DraftsmithError
@@ -54,7 +55,7 @@ from draftsmith.extract.spool.chunks import (
 from draftsmith.extract.spool.directory import store_info
 
 if TYPE_CHECKING:
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
 PART = 16 << 20  # bytes per object: a put or get stages through the client's local buffer
 LOCAL_BUFFER = 64 << 20
@@ -74,6 +75,16 @@ def _store_class() -> type[MooncakeDistributedStore]:
     except ImportError as err:  # the package, or the RDMA libraries it loads even for TCP
         raise DraftsmithError(f"--spool mooncake: Mooncake cannot be imported ({err}); {INSTALL}") from None
     return MooncakeDistributedStore
+
+
+def _pinned(segment: str) -> ReplicateConfig:
+    """A ReplicateConfig putting into `segment`, hard-pinned (never evicted)."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = segment
+    config.with_hard_pin = True
+    return config
 
 
 def master_binary() -> str:
@@ -172,11 +183,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
                 self.local_host, "P2PHANDSHAKE", int(self.segment), LOCAL_BUFFER, "tcp", "", self.address.master
             )
             if rc == 0:
-                from mooncake.store import ReplicateConfig
-
-                self.store, self.config = store, ReplicateConfig()
-                self.config.preferred_segment = store.get_hostname()
-                self.config.with_hard_pin = True
+                self.store, self.config = store, _pinned(store.get_hostname())
                 return self
             with contextlib.suppress(Exception):
                 store.close()
@@ -239,7 +246,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
             self._put(f"{key}.{p}", bytes(view[p * PART : (p + 1) * PART]))
         return parts
 
-    def _get_blob(self, key: str, parts: int, size: int, out: _Writable) -> bool:
+    def _get_blob(self, key: str, parts: int, size: int, out: BinaryIO) -> bool:
         """Write the parts of `key` to the file `out`; False when one is missing or the sizes disagree."""
         total = 0
         for p in range(parts):
@@ -276,10 +283,10 @@ class MooncakeSpool(EngineSide, TrainerSide):
         head = self._get_json(self._key("plan"))
         if not isinstance(head, dict):
             return None
-        buf = _Buffer()
+        buf = io.BytesIO()
         if not self._get_blob(self._key(f"plan.{head['generation']}"), head["parts"], head["bytes"], buf):
             return None
-        plan = Plan([Chunk(**c) for c in json.loads(bytes(buf.data))], int(head["generation"]))
+        plan = Plan([Chunk(**c) for c in json.loads(buf.getvalue())], int(head["generation"]))
         self.names = [c.name for c in plan.chunks]
         return plan
 
@@ -291,13 +298,8 @@ class MooncakeSpool(EngineSide, TrainerSide):
             if not segment:
                 self._put(key, data)
                 return
-            from mooncake.store import ReplicateConfig
-
-            there = ReplicateConfig()
-            there.preferred_segment = segment
-            there.with_hard_pin = True
             self._remove_prefix(key)
-            if self.store.put(key, data, there) != 0:
+            if self.store.put(key, data, _pinned(segment)) != 0:
                 self._put(key, data)
 
     @property
@@ -405,11 +407,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
     def clean(self, keep: set[str], names: Sequence[str] = ()) -> list[str]:
         """Remove every ready chunk among `names` (the run's chunks) not in `keep` (those an earlier trainer's plan
         left ahead of what this one needs first)."""
-        removed = []
-        for name in [n for n in names if n not in keep]:
-            if self.remove(name):
-                removed.append(name)
-        return removed
+        return [name for name in names if name not in keep and self.remove(name)]
 
     def check_capacity(self, bound: int, largest: int, engine_scratch: Path | None) -> None:
         """The bound lives in the engines' segments; a local engine stages each chunk in `engine_scratch` first."""
@@ -426,20 +424,6 @@ class MooncakeSpool(EngineSide, TrainerSide):
         with contextlib.suppress(Exception):
             for prefix in ("chunk/", "consumed/", "plan", "job", "status") + (("trainer",) if everything else ()):
                 self._remove_prefix(self._key(prefix))
-
-
-class _Writable(Protocol):
-    def write(self, b: bytes, /) -> object: ...
-
-
-class _Buffer:
-    """A file-like sink for `_get_blob` that keeps the bytes."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, b: bytes) -> None:
-        self.data += b
 
 
 def segment_bytes(bound: int) -> int:

@@ -5,9 +5,7 @@ On disk (see docs/formats.md, "Hidden-state store")::
     manifest.json                         StoreManifest (kind "store"): target, prepared set, layer ids, dtype,
                                           counts, and every shard with its sha256, size and sample-id ranges
     config.yaml                           the resolved ExtractConfig of the last run that wrote here
-    shards/part-s0of1-000000.safetensors  hidden_states [T, L, H] (bf16, or fp8 e4m3 + hidden_scales [T, L] f32),
-                                          input_ids int32 [T], loss_mask bool [T], offsets int64 [S+1],
-                                          sample_ids int64 [S]
+    shards/part-s0of1-000000.safetensors  the states and their samples' ids, masks and offsets (shards.py)
     .locks/                               one lock file per writer (advisory flock; never data)
 
 The modules, each on one idea: `schema` (spec, manifest, shard records), `codec` (bf16 / fp8 encoding),
@@ -27,28 +25,21 @@ from draftsmith.extract.store.codec import (
 from draftsmith.extract.store.merge import absorb_store, merge_stores
 from draftsmith.extract.store.reader import HiddenStateStore, open
 from draftsmith.extract.store.schema import (
-    DEFAULT_SHARD_BYTES,
-    LOCK_DIR,
-    SHARD_DIR,
     PreparedRef,
-    ShardInfo,
-    StorageDtype,
     StoreManifest,
     StoreSpec,
     bytes_per_token,
     prepared_ref,
 )
-from draftsmith.extract.store.verify import VerifyReport, verify_store
+from draftsmith.extract.store.verify import verify_store
 from draftsmith.extract.store.writer import StoreWriter, create_or_resume, stored_compute_dtype
 
 __all__ = [
     "StoreSpec",
     "StoreManifest",
-    "ShardInfo",
     "PreparedRef",
     "StoreWriter",
     "HiddenStateStore",
-    "VerifyReport",
     "create_or_resume",
     "stored_compute_dtype",
     "open",
@@ -60,9 +51,5 @@ __all__ = [
     "decode_hidden_states",
     "bytes_per_token",
     "FP8_MAX",
-    "StorageDtype",
-    "DEFAULT_SHARD_BYTES",
-    "SHARD_DIR",
-    "LOCK_DIR",
     "read_manifest",
 ]

@@ -41,10 +41,8 @@ def _place(src: Path, dst: Path, info: ShardInfo, store: Path, link: bool) -> No
 
 
 def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> HiddenStateStore:  # noqa: C901 - one check per way two stores can disagree
-    """Join stores of the same kind (e.g. written by `extract --shard i/n` workers) into a new store at `output`.
-
-    Shard files are hard-linked when possible (they are never modified in place) and copied otherwise; copies are
-    checked against the recorded sha256. Refuses stores of different targets / prepared sets / layers / dtype,
+    """Join stores of the same kind (e.g. written by `extract --shard i/n` workers) into a new store at `output`,
+    their shard files placed by `_place`. Refuses stores of different targets / prepared sets / layers / dtype,
     and overlapping sample ids. The merged store is built beside `output` and renamed into place when complete.
     """
     inputs = [Path(p) for p in inputs]
@@ -81,10 +79,8 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
             (tmp / LOCK_DIR).mkdir()
             for k, (p, m) in enumerate(zip(inputs, manifests, strict=False)):
                 for info in m.shards:
-                    src = p / info.file
                     name = shard_name(f"merged{k}", len(shards))
-                    dst = tmp / SHARD_DIR / name
-                    _place(src, dst, info, p, link)
+                    _place(p / info.file, tmp / SHARD_DIR / name, info, p, link)
                     shards.append(info.model_copy(update={"file": f"{SHARD_DIR}/{name}"}))
             merged = StoreManifest(
                 **first.spec().model_dump(),

@@ -19,7 +19,7 @@ from draftsmith.core.manifest import MANIFEST_NAME, read_manifest
 from draftsmith.core.tensorfile import Samples, TensorFile
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.codec import TORCH_DTYPES, decode_hidden_states
-from draftsmith.extract.store.schema import StoreManifest, sample_ranges
+from draftsmith.extract.store.schema import StoreManifest
 from draftsmith.extract.store.verify import VerifyReport, verify_store
 
 
@@ -45,11 +45,7 @@ class HiddenStateStore(Samples):
         for k, info in enumerate(manifest.shards):
             shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes, sha256=info.sha256)
             index = shards.check_shard(shard, spec)
-            if (
-                len(index.sample_ids) != info.num_samples
-                or index.num_tokens != info.num_tokens
-                or sample_ranges(index.sample_ids) != [tuple(r) for r in info.sample_ranges]
-            ):
+            if not info.describes(index.sample_ids, index.num_tokens):
                 raise shard.error("holds other samples than the manifest says (damaged store)")
             self._shards.append(shard)
             ids.extend(index.sample_ids)
@@ -130,10 +126,8 @@ class HiddenStateStore(Samples):
 
 
 def open(path: Path, dtype: torch.dtype | None = torch.float32) -> HiddenStateStore:  # noqa: A001 - store.open
-    """Open a store for reading; hidden states come back as `dtype`, or as stored with `dtype=None`.
-
-    Cheap checks only (sizes, headers, dtypes, shapes, counts).
-    """
+    """Open a store for reading (cheap checks only: see the module); hidden states come back as `dtype`, or as
+    stored with `dtype=None`."""
     path = Path(path)
     if not path.is_dir():
         raise DraftsmithError(f"{path}: hidden-state store does not exist; run `draftsmith extract` first")

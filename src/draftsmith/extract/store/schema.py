@@ -88,6 +88,11 @@ class ShardInfo(BaseModel):
     sample_ranges: list[tuple[int, int]] = Field(description="sorted half-open [start, end) runs of sample ids")
     writer: str = Field("", description="tag of the writer that produced it (e.g. s0of4)")
 
+    def describes(self, ids: list[int], num_tokens: int) -> bool:
+        """The shard holds what this record says: these sample ids and tokens."""
+        ranges = [tuple(r) for r in self.sample_ranges]
+        return len(ids) == self.num_samples and num_tokens == self.num_tokens and sample_ranges(ids) == ranges
+
 
 class StoreManifest(StoreSpec, Manifest):
     """A store: what it holds (StoreSpec fields), how much, and where (shards)."""

@@ -19,7 +19,6 @@ from draftsmith.extract.store.schema import (
     SHARD_DIR,
     StorageDtype,
     StoreManifest,
-    sample_ranges,
 )
 
 
@@ -97,11 +96,7 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
             shard = shards.open_shard(file, expected_bytes=info.num_bytes)
             ids, offsets = shards.check_shard(shard, spec)
             tokens = int(offsets[-1])
-            if (
-                len(ids) != info.num_samples
-                or tokens != info.num_tokens
-                or sample_ranges(ids) != [tuple(r) for r in info.sample_ranges]
-            ):
+            if not info.describes(ids, tokens):
                 raise DraftsmithError(
                     f"{info.file}: holds {len(ids)} samples / {tokens} tokens, manifest says "
                     f"{info.num_samples} / {info.num_tokens} with other sample ids"

@@ -44,11 +44,11 @@ from draftsmith.extract.store.schema import (
 )
 
 
-class _WriterLock:
-    """A non-blocking exclusive flock on `.locks/<tag>.lock`, held while a writer lives."""
+class TryLock:
+    """A non-blocking exclusive flock on the file at `path` (a writer's `.locks/<tag>.lock`, held while it lives)."""
 
-    def __init__(self, store: Path, tag: str):
-        self.path = store / LOCK_DIR / f"{tag}.lock"
+    def __init__(self, path: Path):
+        self.path = path
         self.fd: int | None = None
 
     def try_acquire(self) -> bool:
@@ -67,13 +67,6 @@ class _WriterLock:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
-
-
-def worker_tag(shard: str | tuple[int, int]) -> str:
-    """'i/n' or (i, n) -> the tag that names a writer's shards and lock ('s1of4')."""
-    if isinstance(shard, str):
-        shard = parse_shard(shard)
-    return f"s{shard[0]}of{shard[1]}"
 
 
 class StoreWriter:
@@ -95,7 +88,7 @@ class StoreWriter:
         path: Path,
         spec: StoreSpec,
         tag: str,
-        lock: _WriterLock,
+        lock: TryLock,
         shard_bytes: int,
         backend_info: dict[str, JsonValue] | None = None,
     ):
@@ -257,12 +250,17 @@ def _add_shards(path: Path, infos: list[ShardInfo], backend_info: dict[str, Json
     """Append shards to the manifest under the store lock (readers see the old or the new manifest, never half)."""
     with file_lock(path / LOCK_DIR / "manifest.lock"):
         manifest = read_manifest(path, StoreManifest)
-        manifest.shards.extend(infos)
-        manifest.num_samples += sum(i.num_samples for i in infos)
-        manifest.num_tokens += sum(i.num_tokens for i in infos)
         if backend_info:
             manifest.backend_info.update(backend_info)
-        write_manifest(path, manifest)
+        _record(path, manifest, infos)
+
+
+def _record(path: Path, manifest: StoreManifest, infos: list[ShardInfo]) -> None:
+    """Add shards to a manifest read under the store lock, and write it."""
+    manifest.shards.extend(infos)
+    manifest.num_samples += sum(i.num_samples for i in infos)
+    manifest.num_tokens += sum(i.num_tokens for i in infos)
+    write_manifest(path, manifest)
 
 
 def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C901 - one branch per state a killed writer can leave
@@ -270,12 +268,12 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
     notes: list[str] = []
     shard_dir = path / SHARD_DIR
     live: set[str] = set()
-    dead: dict[str, _WriterLock] = {}
+    dead: dict[str, TryLock] = {}
     for lock_file in sorted((path / LOCK_DIR).glob("*.lock")):
         lock_tag = lock_file.stem
         if lock_tag == "manifest" or lock_tag == own_tag:
             continue
-        lock = _WriterLock(path, lock_tag)
+        lock = TryLock(path / LOCK_DIR / f"{lock_tag}.lock")
         if lock.try_acquire():
             dead[lock_tag] = lock
         else:
@@ -325,10 +323,7 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
                 done.update(ids)
                 notes.append(f"adopted shard {file.name} that an interrupted writer finished but did not record")
             if adopted:
-                manifest.shards.extend(adopted)
-                manifest.num_samples += sum(a.num_samples for a in adopted)
-                manifest.num_tokens += sum(a.num_tokens for a in adopted)
-                write_manifest(path, manifest)
+                _record(path, manifest, adopted)
     finally:
         for lock in dead.values():
             lock.release()
@@ -368,7 +363,8 @@ def create_or_resume(
     Leftovers of crashed writers are cleaned up first (see `_recover`); `writer.recovered` lists what was done.
     """
     path = Path(path)
-    tag = worker_tag(worker)
+    i, n = parse_shard(worker) if isinstance(worker, str) else worker
+    tag = f"s{i}of{n}"  # names this writer's shards and lock
     try:
         if path.exists() and not path.is_dir():
             raise DraftsmithError(f"{path}: exists and is not a directory; choose another --output")
@@ -378,7 +374,7 @@ def create_or_resume(
             )
         (path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         (path / LOCK_DIR).mkdir(exist_ok=True)
-        lock = _WriterLock(path, tag)
+        lock = TryLock(path / LOCK_DIR / f"{tag}.lock")
         acquired = lock.try_acquire()
     except OSError as err:
         raise _explain_os_error(path, err) from None
@@ -389,24 +385,23 @@ def create_or_resume(
         )
     try:
         with file_lock(path / LOCK_DIR / "manifest.lock"):
-            if (path / MANIFEST_NAME).is_file():
+            fresh = not (path / MANIFEST_NAME).is_file()
+            if not fresh:
                 data = read_manifest_json(path)
                 if data.get("kind") != "store":
                     raise DraftsmithError(
                         f"{path}: is a {data.get('kind')!r} artefact, not a hidden-state store; choose another --output"
                     )
-                existing = read_manifest(path, StoreManifest)
-                diff = existing.spec().mismatch(spec)
-                if diff and diff.startswith("compute_dtype") and not _holds_shards(path):
-                    # nothing computed yet (an engine that could not run in the first dtype fell back to another
-                    # before its first sample): the store takes the dtype its states will be computed in
-                    write_manifest(path, StoreManifest(**spec.model_dump(), backend_info=dict(backend_info or {})))
-                elif diff:
+                diff = read_manifest(path, StoreManifest).spec().mismatch(spec)
+                # only the compute dtype differs and nothing is computed yet (an engine that could not run in the
+                # first dtype fell back to another before its first sample): the store takes the new dtype
+                fresh = bool(diff and diff.startswith("compute_dtype") and not _holds_shards(path))
+                if diff and not fresh:
                     raise DraftsmithError(
                         f"{path}: existing store was made differently ({diff.replace(' != ', ' there, asked for ')}); "
                         "use another --output, or the options it was made with, to resume it"
                     )
-            else:
+            if fresh:
                 write_manifest(path, StoreManifest(**spec.model_dump(), backend_info=dict(backend_info or {})))
         notes = _recover(path, spec, tag)
         writer = StoreWriter(path, spec, tag, lock, shard_bytes, backend_info)

@@ -7,11 +7,7 @@ Qwen2Model's), or, for a multimodal wrapper, the language model it builds with
 
 - the **layer convention** of vLLM's own EAGLE-3 aux states (which ids they reach), for the connector and direct
   strategies;
-- what **draftsmith's own layer taps** rely on (`StackTaps`): the stack's loop over `self.layers`, how a layer is
-  called and what it returns (`hidden, residual = layer(...)`: the stream is their sum; `x = layer(...)`: the one
-  tensor), how the layers are made (`make_layers` / `start_layer` / `end_layer`), the decoder layer classes, any
-  rescaling of the stream inside them (DeepSeek's float16 handling of `routed_scaling_factor`) and whether the stack
-  gathers a token-sharded stream (sequence-parallel MoE).
+- what **draftsmith's own layer taps** rely on (`StackTaps`, read by stack.py's `read_taps`).
 
 Where the evidence is not there in a form these readers know, the answer is "unknown" with what was looked for and
 where, never a guess: `support.unknown[fact]`, `taps.missing`. The registry (`registered_models`) is shared with
@@ -200,15 +196,15 @@ def _language_model(tree: SourceTree, cls: Found, config: dict | None) -> tuple[
     if init is None:
         return None
     value = _self_assignment(init, "language_model")
-    callee = getattr(value, "func", None)
-    if isinstance(value, ast.Call) and isinstance(callee, ast.Name) and callee.id == "init_vllm_registered_model":
+    func = getattr(value, "func", None)
+    if isinstance(value, ast.Call) and isinstance(func, ast.Name) and func.id == "init_vllm_registered_model":
         named = next((kw.value for kw in value.keywords if kw.arg == "architectures"), None)
         if isinstance(named, ast.List) and named.elts and isinstance(named.elts[0], ast.Constant):
             return None, str(named.elts[0].value)
         text = (config or {}).get("text_config") or {}
         archs = text.get("architectures") if isinstance(text, dict) else None
         return (None, archs[0]) if archs else None
-    inner = callee(tree, init, callee, owner=cls) if callee is not None else None
+    inner = callee(tree, init, func, owner=cls) if func is not None else None
     return (inner, inner.name) if inner is not None and inner.is_class and inner.node is not cls.node else None
 
 

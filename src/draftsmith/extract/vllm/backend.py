@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import tempfile
 from pathlib import Path
 
@@ -152,11 +151,7 @@ def compute_dtype(cfg: ExtractConfig, report: probing.ProbeReport, config: dict 
 def say_dtype(stage: str, choice: DtypeChoice, asked: str) -> None:
     """The one line that tells what `auto` chose and why (nothing when a dtype was asked for)."""
     if asked == "auto":
-        print(
-            f"{stage}: vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})",
-            file=sys.stderr,
-            flush=True,
-        )
+        common.stage_line(stage)(f"vLLM runs the target in {choice.dtype} (--compute-dtype auto: {choice.why})")
 
 
 class _Job:
@@ -203,9 +198,7 @@ class _Job:
                 jobs[dtype] = _Job(self.cfg, DtypeChoice(dtype=dtype, why=f"fallback from {self.dtype}"))
             return jobs[dtype].engine_spec()
 
-        engine, dtype = start_engine(
-            self.choice, spec_for, say=lambda line: print(f"extract: {line}", file=sys.stderr, flush=True)
-        )
+        engine, dtype = start_engine(self.choice, spec_for, say=common.stage_line("extract"))
         return jobs[dtype], engine
 
     def result(self, seconds: float, tokens: int, reports: list[SinkReport], engine_start_s: float) -> StageResult:
@@ -224,7 +217,6 @@ class _Job:
 
 def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     """Fill (or resume) cfg.output with the target's hidden states computed by vLLM."""
-
     job = _Job(cfg)
     if not job.todo:
         return job.result(0.0, 0, [], 0.0)
@@ -283,7 +275,6 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
     there). The runner taps (direct, taps) always run uncompiled, so where `compile` is on only the connector and
     the plain engine compile.
     """
-
     names = list(strategies) if strategies else offered_strategies(prepared, compute_dtype=compute_dtype)
     if not names:
         raise DraftsmithError(f"{prepared}: the installed vLLM offers no extraction strategy for this target")
@@ -340,9 +331,8 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
 def _race(
     jobs: dict[str, _Job], parts: list[list[tuple[int, list[int]]]], compile: bool
 ) -> tuple[dict[str, float], float, dict[str, float]]:
-    """`benchmark`'s run: each strategy's engine and a plain one up at once; each part on the plain engine, then
-    extracted by each strategy in turn (a different one first each part), then each sink's final flush. Returns
-    each strategy's seconds, the plain engine's, and each engine's start-up seconds."""
+    """`benchmark`'s run (as its docstring tells): each strategy's seconds, the plain engine's, and each engine's
+    start-up seconds."""
     names = list(jobs)
     seconds = dict.fromkeys(names, 0.0)
     prefill_s = 0.0

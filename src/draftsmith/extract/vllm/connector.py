@@ -76,16 +76,12 @@ def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
 
 def gather_rows(cache: torch.Tensor, block_ids: list[int], num_tokens: int, num_layers: int) -> torch.Tensor:
     """Rows 0..num_tokens-1 of a request from a hidden-state cache [blocks, L, bs, H] (or [blocks, bs, L, H])."""
-    if cache.shape[1] == num_layers:
-        block_size, layout = cache.shape[2], "BLSH"
-    else:
-        block_size, layout = cache.shape[1], "BSLH"
+    layers_first = cache.shape[1] == num_layers  # [blocks, L, bs, H]
+    block_size = cache.shape[2] if layers_first else cache.shape[1]
     pos = torch.arange(num_tokens)
     blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size].to(cache.device)
     offs = (pos % block_size).to(cache.device)
-    if layout == "BLSH":
-        return cache[blocks, :, offs]  # [T, L, H]
-    return cache[blocks, offs]
+    return cache[blocks, :, offs] if layers_first else cache[blocks, offs]  # [T, L, H]
 
 
 class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):

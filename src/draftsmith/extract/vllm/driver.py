@@ -98,9 +98,7 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, object]:
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {EXTRA_CONFIG_KEY: spec.sink_config.model_dump(mode="json")},
         }
-        if not spec.compile:
-            kwargs["enforce_eager"] = True
-    elif spec.strategy in RUNNER_TAPS:
+    if spec.strategy in RUNNER_TAPS:
         kwargs["enforce_eager"] = True  # taps are set after start-up; a compiled graph would not see them
         if spec.facts.async_scheduling_field:
             kwargs["async_scheduling"] = False  # read each step's states before the next step is scheduled
@@ -199,12 +197,11 @@ def start_engine(
     except DraftsmithError as err:
         if choice.fallback is None:
             raise
-        (say or _say)(choice.note(str(err)))
+        if say is None:
+            print(choice.note(str(err)), file=sys.stderr, flush=True)
+        else:
+            say(choice.note(str(err)))
     return started(choice.fallback), choice.fallback
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 class Engine:
@@ -302,8 +299,7 @@ class Engine:
 
         engine = self.llm.llm_engine
         start = time.perf_counter()
-        pending = list(prompts)
-        pending.reverse()
+        pending = list(reversed(prompts))
         in_flight: dict[str, int] = {}
         counter = 0
         while pending or in_flight:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from draftsmith.core import hardware
+from draftsmith.core.target_config import text_config
 from draftsmith.extract.vllm.probe import ProbeFacts, ProbeReport
 
 
@@ -43,7 +44,7 @@ class DtypeChoice(BaseModel):
 def attention_head_size(config: dict | None, *, mla_as_mha: bool = False) -> int | None:
     """The head size vLLM's attention runs the target with: head_dim (else hidden_size / heads); an MLA target run
     as multi-head attention over its decompressed K/V (VLLM_MLA_DISABLE) has qk_nope + qk_rope."""
-    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
+    text = text_config(config or {})
     if not text:
         return None
     if "kv_lora_rank" in text:
@@ -59,9 +60,7 @@ def attention_head_size(config: dict | None, *, mla_as_mha: bool = False) -> int
 def _kernel_library(facts: ProbeFacts, cpu: hardware.CpuInfo) -> str:
     """The kernel library vLLM's CPU platform loads on this CPU (its import_kernels): with several, _C where the CPU
     has AVX512-BF16, _C_AVX512 on other AVX-512 CPUs, _C_AVX2 below; else the one _C."""
-    if not facts.cpu_kernels_by_isa:
-        return "_C"
-    if cpu.avx512 and cpu.avx512_bf16:
+    if not facts.cpu_kernels_by_isa or (cpu.avx512 and cpu.avx512_bf16):
         return "_C"
     return "_C_AVX512" if cpu.avx512 else "_C_AVX2"
 
@@ -96,8 +95,7 @@ def _choose_dtype(asked: str, report: ProbeReport, config: dict | None, cpu: har
     if not cpu.native_bf16:
         return DtypeChoice(dtype="float32", why=f"this CPU: {cpu.why}")
     native = f"this CPU computes bf16 natively ({cpu.why.removeprefix('computes bf16 natively: ')})"
-    mla_as_mha = bool(facts.cpu_mla_refused and facts.mla_disable_switch and not facts.cpu_mla_backend)
-    head = attention_head_size(config, mla_as_mha=mla_as_mha)
+    head = attention_head_size(config, mla_as_mha=facts.mla_as_mha)
     if facts.cpu_attention_amx_bf16 is False:
         return DtypeChoice(
             dtype="bfloat16",

@@ -21,7 +21,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -59,6 +58,7 @@ from draftsmith.prepare.dataset import PreparedDataset, prepared_digest
 
 HEARTBEAT_S = 2.0
 LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss
+_say = common.stage_line("draftsmith engine process")  # this process's lines on stderr
 
 
 class Fatal(DraftsmithError):
@@ -104,11 +104,8 @@ class Feeder:
         self.beat = 0.0  # when this process last reported
         self.lock = threading.Lock()
         self.lost: dict[str, int] = {}  # chunks the transport refused or lost, and how often
-        self.trainer: tuple[float | None, float, TrainerStatus | None] = (
-            None,
-            time.monotonic(),
-            None,
-        )  # its `updated`, when seen, report
+        # the trainer's last `updated`, when this process saw it change, and its report
+        self.trainer: tuple[float | None, float, TrainerStatus | None] = (None, time.monotonic(), None)
 
     # -- waiting on the trainer
     def _read_trainer(self) -> TrainerStatus | None:
@@ -131,10 +128,6 @@ class Feeder:
                 f"the trainer of {self.spool.describe()} has made no progress for {limit:g} s while the "
                 f"engine process waits for {what} ({last}); stopping — see the trainer's log"
             )
-
-    def _finished(self) -> bool:
-        trainer = self._read_trainer()
-        return trainer is not None and trainer.finished
 
     def _report(self, waiting: Waiting | None = None, **fields: object) -> None:
         with self.lock:
@@ -179,7 +172,8 @@ class Feeder:
                 self.generation = plan.generation
                 self._report(generation=plan.generation)
                 return plan
-            if self._finished():
+            trainer = self._read_trainer()
+            if trainer is not None and trainer.finished:
                 return None
             self._trainer_stalled("a plan")
             self._waiting("plan")
@@ -256,12 +250,7 @@ class Feeder:
                         f"{self.spool.describe()}: chunk {chunk.name} could not be published "
                         f"{LOST_LIMIT} times in a row ({err}); see this process's log"
                     ) from None
-                print(
-                    f"draftsmith engine process: {self.spool.describe()} lost chunk {chunk.name} ({err}); "
-                    "waiting for the trainer's next plan",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say(f"{self.spool.describe()} lost chunk {chunk.name} ({err}); waiting for the trainer's next plan")
                 return
 
     def run(self) -> None:
@@ -295,11 +284,7 @@ class Feeder:
         with contextlib.ExitStack() as stack:
             stack.callback(beating.set)
             say_dtype("draftsmith engine process", choice, cfg.compute_dtype)
-            engine, _ = start_engine(
-                choice,
-                spec_for,
-                say=lambda line: print(f"draftsmith engine process: {line}", file=sys.stderr, flush=True),
-            )
+            engine, _ = start_engine(choice, spec_for, say=_say)
             stack.enter_context(engine)
             self.status.engine_started = True
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
@@ -408,7 +393,7 @@ def main(
         log=log,
     )
     if status.error:  # into OUTPUT/feed.log; the trainer reports it in its own line
-        print(f"draftsmith engine process: {status.error}", file=sys.stderr, flush=True)
+        _say(status.error)
         raise typer.Exit(1)
 
 

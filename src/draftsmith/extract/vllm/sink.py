@@ -113,8 +113,7 @@ class StoreSink:
 
     def to_host(self, layers: list[torch.Tensor]) -> common.HostStates:
         """A request's captured layers (each [T, H], views of the engine's buffers, which it reuses after the step)
-        as they cross to the host, in the store's dtype where that is fp8 (`common.to_host`: on the CPU the copy
-        is the encoding; from a GPU half the bytes cross, asynchronously, into pinned memory)."""
+        as they cross to the host (`common.to_host`), in the store's dtype where that is fp8."""
         if not self.writes:  # a rank that does not write: only the rows count
             return common.HostStates(torch.empty(layers[0].shape[0], 0))
         return common.to_host(layers, self.spec.dtype)

@@ -90,6 +90,14 @@ def _parse(path: str, mtime_ns: int, size: int) -> tuple[str, ast.Module] | None
         return None
 
 
+def _parse_file(path: Path) -> tuple[str, ast.Module] | None:
+    """A file's text and tree (cached while its mtime and size stay), None when it is not there or does not parse."""
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    return _parse(str(path), stat.st_mtime_ns, stat.st_size)
+
+
 def _statements(body: list[ast.stmt], fallback: bool = False):
     """(statement, fallback) for the top-level statements, descending into if/else, try/except and with blocks
     (TYPE_CHECKING imports, fallbacks). `fallback`: an `else` branch or an `except` handler, which runs only where
@@ -165,13 +173,16 @@ class SourceTree:
                 if len(parts) == 1 and not is_package:
                     continue
                 if path.is_file():
-                    stat = path.stat()
-                    parsed = _parse(str(path), stat.st_mtime_ns, stat.st_size)
+                    parsed = _parse_file(path)
                     if parsed is not None:
                         found = Module(name, path, parsed[0], parsed[1], is_package)
                     break
         self._modules[name] = found
         return found
+
+    def _module_found(self, name: str) -> Found | None:
+        module = self.module(name)
+        return Found(module, module.tree) if module is not None else None
 
     def _absolute(self, module: Module, level: int, name: str | None) -> str:
         if level == 0:
@@ -206,11 +217,9 @@ class SourceTree:
                     if alias.name != "*":
                         bind(alias.asname or alias.name, ("from", source, alias.name))
             elif isinstance(stmt, ast.Import):
-                for alias in stmt.names:
-                    if alias.asname:
-                        bind(alias.asname, ("module", alias.name))
-                    else:
-                        bind(alias.name.split(".")[0], ("module", alias.name.split(".")[0]))
+                for alias in stmt.names:  # `import a.b` binds a; `import a.b as c` binds c to a.b
+                    target = alias.name if alias.asname else alias.name.split(".")[0]
+                    bind(alias.asname or target, ("module", target))
             else:
                 for name, value in _assigned(stmt):
                     if value is not None:  # a bare annotation (`version: str`) binds nothing yet
@@ -226,27 +235,23 @@ class SourceTree:
         if module is None or _depth > 12:
             return None
         what = self.bindings(module).get(name)
-        if what is None:
-            sub = self.module(f"{module_name}.{name}")  # a submodule reached as an attribute of its package
-            return Found(sub, sub.tree) if sub is not None else None
+        if what is None:  # a submodule reached as an attribute of its package
+            return self._module_found(f"{module_name}.{name}")
         kind = what[0]
         if kind == "def":
             return Found(module, what[1])
         if kind == "from":
             found = self.lookup(what[1], what[2], _depth + 1)
-            if found is None:
-                sub = self.module(f"{what[1]}.{what[2]}")
-                found = Found(sub, sub.tree) if sub is not None else None
-            return found
+            return found if found is not None else self._module_found(f"{what[1]}.{what[2]}")
         if kind == "module":
-            target = self.module(what[1])
-            return Found(target, target.tree) if target is not None else None
-        value = what[1]
-        if isinstance(value, (ast.Name, ast.Attribute)):  # an alias: X = Y
-            alias = self.resolve(module, value, _depth + 1)
-            if alias is not None:
-                return alias
-        return Found(module, value) if value is not None else None
+            return self._module_found(what[1])
+        return self._assigned_value(module, what[1], _depth + 1)
+
+    def _assigned_value(self, module: Module, value: ast.expr, _depth: int = 0) -> Found:
+        """An assigned value: what it names where it is an alias (`X = Y`, `model_cls = DeepseekV2Model`), else the
+        expression itself."""
+        named = self.resolve(module, value, _depth) if isinstance(value, (ast.Name, ast.Attribute)) else None
+        return named if named is not None else Found(module, value)
 
     def resolve(self, module: Module, expr: ast.expr, _depth: int = 0) -> Found | None:
         """The definition an expression names in `module`: `Name`, `pkg.mod.Name`, `Base[T]`."""
@@ -328,11 +333,7 @@ class SourceTree:
                     return Found(klass.module, stmt)
                 for target, value in _assigned(stmt):
                     if target == name and value is not None:
-                        if isinstance(value, (ast.Name, ast.Attribute)):
-                            named = self.resolve(klass.module, value)
-                            if named is not None:
-                                return named
-                        return Found(klass.module, value)
+                        return self._assigned_value(klass.module, value)
         return None
 
     def method(self, cls: Found, name: str) -> Found | None:
@@ -466,8 +467,7 @@ def package_dir(source: Path | str) -> Path:
 
 def _read_version(package: Path) -> str | None:
     for rel in ("_version.py", "__init__.py"):
-        path = package / rel
-        parsed = _parse(str(path), path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
+        parsed = _parse_file(package / rel)
         if parsed is None:
             continue
         for stmt, _ in _statements(parsed[1].body):
@@ -521,12 +521,8 @@ def locate(source: Path | str | None) -> Located | None:
     if platform is None and dist is not None and nvidia:
         platform, how = "cuda", f"the distribution {dist.name}, which requires {nvidia}"
     if platform is None:
-        how = (
-            (f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package")
-            + " and the version"
-            + (f" {version}" if version else "")
-            + " do not name a platform"
-        )
+        named = f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package"
+        how = f"{named} and the version{f' {version}' if version else ''} do not name a platform"
     return Located(
         package=package, installed=source is None, version=version, dist_info=dist, platform=platform, platform_how=how
     )

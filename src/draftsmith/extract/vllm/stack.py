@@ -15,8 +15,8 @@ The shared AST helpers here (`where`, `callee`, ...) serve architectures.py too.
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -118,26 +118,17 @@ def cpu_bfloat16_only(tree: SourceTree, model_module: str) -> str | None:
     return None
 
 
-def _layer_files(tree: SourceTree) -> dict[str, Path]:
-    root = tree.package / "model_executor" / "layers"
-    if not root.is_dir():
-        return {}
-    return {
-        "vllm." + ".".join(path.relative_to(tree.package).with_suffix("").parts): path
-        for path in sorted(root.rglob("*.py"))
-        if path.name != "__init__.py"
-    }
-
-
 def _layer_texts(tree: SourceTree) -> dict[str, str]:
+    """Module name -> text of the modules under vllm/model_executor/layers (packages' __init__ left out)."""
     cached = getattr(tree, "_draftsmith_layer_texts", None)
     if cached is None:
         cached = {}
-        for name, path in _layer_files(tree).items():
-            try:
-                cached[name] = path.read_text(encoding="utf-8", errors="replace")
-            except OSError:
-                continue
+        root = tree.package / "model_executor" / "layers"
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else []:
+            name = "vllm." + ".".join(path.relative_to(tree.package).with_suffix("").parts)
+            if path.name != "__init__.py":
+                with contextlib.suppress(OSError):
+                    cached[name] = path.read_text(encoding="utf-8", errors="replace")
         tree._draftsmith_layer_texts = cached  # type: ignore[attr-defined]  # a cache kept on the tree it was read from
     return cached
 
@@ -413,15 +404,13 @@ def _stream_rescale(forward: Found) -> tuple[Literal["none", "float16", "other"]
     not. Scaling the layer's new output is its computation, not a rescale. "float16" where every such statement sits
     under a branch testing float16 (DeepSeek's overflow guard)."""
     returned: set[str] = set()
+    parents: dict[ast.AST, ast.AST] = {}
     for node in ast.walk(forward.node):
+        parents.update(dict.fromkeys(ast.iter_child_nodes(node), node))
         if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) == 2:
             carried = node.value.elts[1]
             if isinstance(carried, ast.Name):
                 returned.add(carried.id)
-    parents: dict[ast.AST, ast.AST] = {}
-    for node in ast.walk(forward.node):
-        for child in ast.iter_child_nodes(node):
-            parents[child] = node
     kind: Literal["none", "float16", "other"] = "none"
     first = None
     for node in ast.walk(forward.node):

@@ -10,7 +10,6 @@ from draftsmith.extract.vllm.probe import STRATEGIES, ProbeReport
 
 def render_probe_table(report: ProbeReport):
     """The probe as a rich Table: capability, found, usable, meaning; the chosen strategy in the caption."""
-
     table = Table(title="vLLM extraction capabilities (found by inspection)", title_justify="left")
     table.add_column("capability", style="bold")
     table.add_column("found")
@@ -64,7 +63,6 @@ def architecture_row(report: ProbeReport) -> dict[str, str]:
 
 def render_architecture_table(reports: list[ProbeReport]):
     """doctor's second table: one row per target architecture."""
-
     table = Table(title="vLLM extraction per target architecture (found by inspection)", title_justify="left")
     rows = [architecture_row(r) for r in reports]
     for column in rows[0] if rows else {"architecture": ""}:

@@ -20,10 +20,8 @@ where a step's states come from:
 Then, for both, the batch's rows are cut per request (requests lie back to back, in `input_batch.req_ids` order, each
 with `num_scheduled_tokens[req_id]` rows), chunks of a prefill split over several steps are joined, and a request
 whose whole prompt has been seen goes to the store sink. Every rank runs the hooks (tensor parallel: each holds the
-full stream after vLLM's all-reduce); only the writing rank copies rows off the device.
-
-The driver runs both uncompiled (hooks set after start-up would not be in a compiled graph), async scheduling off,
-prefix caching off (a cached prefix skips its forward pass), and on the V1 model runner where vLLM has a switch.
+full stream after vLLM's all-reduce); only the writing rank copies rows off the device. How the driver starts the
+engine for them: driver.engine_kwargs and driver.engine_environment.
 """
 
 from __future__ import annotations
