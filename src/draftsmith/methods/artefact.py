@@ -39,6 +39,7 @@ BEST_DIR = "best"
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_PASS_A_DRAFT = "pass a `draftsmith train` run or checkpoint directory, or an exported draft"
 
 
 class DraftManifest(Manifest):
@@ -351,14 +352,9 @@ def load_draft(path: Path) -> DraftSource:
     any format; checksum, tensor names, shapes and the draft vocabulary maps checked."""
     path = Path(path)
     if not path.exists():
-        raise DraftsmithError(
-            f"{path}: does not exist; pass a `draftsmith train` run or checkpoint directory, or an exported draft"
-        )
+        raise DraftsmithError(f"{path}: does not exist; {_PASS_A_DRAFT}")
     if not path.is_dir():
-        raise DraftsmithError(
-            f"{path}: is a file, not a draft directory; pass a `draftsmith train` run or "
-            "checkpoint directory, or an exported draft"
-        )
+        raise DraftsmithError(f"{path}: is a file, not a draft directory; {_PASS_A_DRAFT}")
     directory = resolve(path)
     kind = read_manifest_json(directory).get("kind")
     manifest: CheckpointManifest | DraftManifest
@@ -369,10 +365,7 @@ def load_draft(path: Path) -> DraftSource:
         tensors = read_weights(directory, manifest)
         manifest.draft = _spec_from_config(directory, manifest.draft, tensors)
     else:
-        raise DraftsmithError(
-            f"{directory}: is a {kind!r} artefact, not a draft; pass a `draftsmith train` run or "
-            "checkpoint directory, or an exported draft"
-        )
+        raise DraftsmithError(f"{directory}: is a {kind!r} artefact, not a draft; {_PASS_A_DRAFT}")
     tensors = spell_layer0(tensors, "layers.0.")
     validate_tensors(tensors, manifest.draft, where=str(directory / WEIGHTS_FILE))
     return DraftSource(

@@ -401,14 +401,9 @@ def block_attention(
         q, k, v, k_context, v_context = (x.to(dtype) for x in (q, k, v, k_context, v_context))
     outs = []
     for (a0, a1), kmax in zip(anchor_chunks(num_anchors, s), chunk_limits, strict=False):
-        args = (
-            q[:, :, a0 * s : a1 * s],
-            k[:, :, a0 * s : a1 * s],
-            v[:, :, a0 * s : a1 * s],
-            k_context[:, :, :kmax],
-            v_context[:, :, :kmax],
-            limits[:, a0:a1],
-        )
+        block = slice(a0 * s, a1 * s)
+        context = (k_context[:, :, :kmax], v_context[:, :, :kmax], limits[:, a0:a1])
+        args = (q[:, :, block], k[:, :, block], v[:, :, block], *context)
         if torch.is_grad_enabled() and q.requires_grad:
             outs.append(checkpoint(naive_block_attention, *args, use_reentrant=False))
         else:

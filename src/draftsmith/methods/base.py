@@ -119,8 +119,7 @@ class Identity:
 
 
 class Training(Identity, ABC, Generic[DraftT, OptionsT]):
-    """What training (train/, the quickstart's plan) asks of a method, generic in its draft's module and its options
-    (so a method reads both as its own, with no narrowing)."""
+    """What training (train/, the quickstart's plan) asks of a method."""
 
     module: type[DraftT]  # the draft's module (one modeling class per family)
 

@@ -91,11 +91,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, spec: DraftSpec, input_size: int):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_attention_heads,
-            spec.num_key_value_heads,
-            spec.head_dim,
-        )
+        self.num_heads, self.num_kv_heads = spec.num_attention_heads, spec.num_key_value_heads
+        self.head_dim = spec.head_dim
         self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)

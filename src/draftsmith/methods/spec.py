@@ -1,6 +1,4 @@
-"""The draft artefact's spec (`DraftSpec`): everything that fixes a draft's shapes, named as in vLLM's / HF's Llama
-config, recorded in every checkpoint and export manifest. Plain pydantic: no torch.
-"""
+"""The draft artefact's spec (`DraftSpec`). Plain pydantic: no torch."""
 
 from __future__ import annotations
 

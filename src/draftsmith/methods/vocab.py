@@ -14,8 +14,6 @@ import torch
 
 from draftsmith.core.errors import DraftsmithError
 
-DEFAULT_REPORT_SIZES = (4096, 8192, 16384, 32000, 65536)
-
 
 @dataclass
 class DraftVocab:
@@ -76,9 +74,7 @@ def build_draft_vocab(token_counts: torch.Tensor | np.ndarray, draft_vocab_size:
     )
 
 
-def coverage_report(
-    token_counts: torch.Tensor, sizes: tuple[int, ...] = DEFAULT_REPORT_SIZES
-) -> list[tuple[int, float]]:
+def coverage_report(token_counts: torch.Tensor, sizes: tuple[int, ...]) -> list[tuple[int, float]]:
     """(draft vocab size, loss-masked token coverage) for each size, capped at the target vocabulary size."""
     counts = _counts(token_counts)
     cumulative = np.cumsum(counts[_ranked_ids(counts)])

@@ -169,13 +169,8 @@ class TokenBudgetSampler:
     ):
         self.indices = np.asarray(indices, dtype=np.int64)
         self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.token_budget, self.seed, self.rank, self.world_size, self.shuffle = (
-            token_budget,
-            seed,
-            rank,
-            world_size,
-            shuffle,
-        )
+        self.token_budget, self.seed, self.shuffle = token_budget, seed, shuffle
+        self.rank, self.world_size = rank, world_size
         if len(self.indices) == 0:
             raise DraftsmithError(
                 "the training data set is empty (no samples after the held-out split); "

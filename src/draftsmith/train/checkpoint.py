@@ -14,9 +14,7 @@ Run directory layout (`draftsmith train --output RUN`):
 
 Each directory is built beside its final name and renamed into place (fsio.atomic_dir), so a crash or a full disk
 leaves the previous checkpoint whole; a directory being replaced (best/, or a step written again) and a checkpoint
-being dropped are first renamed out of the way, so no half-deleted one is ever seen under a checkpoint's name. `load_checkpoint(path)` accepts RUN (best/, else the newest step), best/ or
-a step directory and returns the draft's tensors and the CheckpointManifest (methods/artefact.py, the layout and its
-reading, below every stage); `draftsmith.methods.artefact.load_draft` turns any draft directory into a draft.
+being dropped are first renamed out of the way, so no half-deleted one is ever seen under a checkpoint's name.
 """
 
 from __future__ import annotations

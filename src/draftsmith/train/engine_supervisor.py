@@ -21,7 +21,7 @@ import enum
 import importlib.util
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from draftsmith.config import ExtractConfig, TrainConfig
@@ -76,8 +76,7 @@ class EngineSupervisor:
         self.generation = 0  # of the last plan written
         self.engine: EngineProcess | None = None  # the process on this node, once started
         self._lock: contextlib.ExitStack | None = None
-        # the engine status's `updated`, and when this process saw it change (this node's clock: the engine's may
-        # differ)
+        # the engine status's `updated`, and when this node's clock saw it change (the engine's clock may differ)
         self._seen: tuple[float | None, float] = (None, time.monotonic())
         self._engine_seen = FeedStatus()  # its last report with a pid
 
@@ -119,9 +118,7 @@ class EngineSupervisor:
         self.spool.write_trainer(first)
         if self.cfg.remote_engines:
             self.write_plan()
-        elif any(
-            c.from_engine and not self.spool.is_ready(c.name) and c.name not in self.consumed for c in self.chunks
-        ):
+        elif next(self._pending(), None) is not None:
             self.engine = EngineProcess(
                 self.cfg,
                 self.spool.describe(),
@@ -148,16 +145,12 @@ class EngineSupervisor:
         reads the plan seconds on (once vLLM has imported), and by then the trainer may have read and deleted it;
         redone, it would fill the spool with chunks no one reads while the trainer waits for the next."""
         self.generation += 1
-        self.spool.write_plan(
-            Plan(
-                [
-                    c
-                    for c in self.chunks
-                    if c.from_engine and c.name not in self.consumed and not self.spool.is_ready(c.name)
-                ],
-                self.generation,
-            )
-        )
+        self.spool.write_plan(Plan(list(self._pending()), self.generation))
+
+    def _pending(self) -> Iterator[Chunk]:
+        """The engine's chunks neither read nor ready."""
+        unread = (c for c in self.chunks if c.from_engine and c.name not in self.consumed)
+        return (c for c in unread if not self.spool.is_ready(c.name))
 
     def _extract_config(self) -> ExtractConfig:
         cfg = self.cfg

@@ -53,7 +53,7 @@ class Pass:
     metrics: bool = True  # the top-1 and acceptance sums (they need the target's full vocabulary)
     mode: str = "ttt"  # the attention: "ttt" (training), "naive" (one explicit mask: tests)
     checkpointed: bool = False  # activation checkpointing
-    live_rows: bool = True  # the unrolled draft's MLPs only where their output is read
+    live_rows: bool = True  # the unrolled draft's MLPs only where their output is read (the same loss)
     kernel: str = "auto"  # the attention kernel ("auto": flex on a GPU, chunked elsewhere; --attention-kernel)
 
 
@@ -352,10 +352,7 @@ def ttt_forward(  # noqa: PLR0913 - the forward's tensors and settings, as the t
 
     input_ids [B, T]; aux_hidden [B, T, num_aux * H] (aux layers concatenated in id order). normaliser [K] is the
     number of scored positions per step over everything averaged together (default: this batch), so gradients summed
-    over micro-batches and ranks equal the gradient of one combined batch. metrics=False skips the top-1 and
-    acceptance sums (they need the target's full vocabulary). live_rows: each layer's MLP runs only where its output
-    is read (unrolled.ttt_hidden_states); the loss is the same. kernel: the attention's ("auto": flex on a GPU,
-    chunked elsewhere; `train --attention-kernel`).
+    over micro-batches and ranks equal the gradient of one combined batch. The other settings are `Pass`'s.
     """
     normaliser = (index.counts if normaliser is None else normaliser).to(input_ids.device)
     run = Pass(ttt_steps, normaliser, step_weight, metrics, mode, checkpointed, live_rows, kernel)

@@ -185,8 +185,7 @@ def open_data(cfg: TrainConfig, device: torch.device) -> Source:
         )
     in_trainer = kind == "prepared" and cfg.engine == "hf"  # the whole target runs here
     dtype = torch.bfloat16 if device.type == "cuda" and in_trainer else torch.float32
-    # From a store (or vLLM engines) only the embedding, final norm and lm_head are used: the decoder layers stay
-    # on disk.
+    # From a store (or vLLM engines) only the embedding, final norm and lm_head are used: the decoder layers stay on disk.
     load = targets.load_target if in_trainer else targets.load_target_head
     target = load(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     lengths = np.asarray(dataset.lengths, dtype=np.int64)
@@ -227,8 +226,7 @@ def initial_draft(cfg: TrainConfig, s: Source, train_ids: list[int]) -> tuple[Dr
     if not wanted.starts_from(recorded):
         raise DraftsmithError(
             f"{where}: {'an' if recorded.kind[0] in 'AEIOU' else 'a'} {recorded.kind} draft cannot start a --method "
-            f"{cfg.method.name} run (the "
-            "architectures differ); start a fresh draft or from a draft of "
+            f"{cfg.method.name} run (the architectures differ); start a fresh draft or from a draft of "
             f"{' / '.join(m.kind for m in all_methods() if wanted.starts_from(m))}"
         )
     if sorted(source.spec.aux_layer_ids) != s.aux_layer_ids:
@@ -410,14 +408,10 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     if cfg.compile:  # each decoder layer's forward (the TTT attention's CUDA kernels are compiled either way)
         for layer in draft.layers:
             layer.compile(dynamic=True)
-    head = TargetHead(
-        targets.final_norm(s.target),
-        targets.lm_head(s.target).weight,
-        draft.draft_to_target,
-        autocast_dtype(device, cfg.precision),
-    )
+    compute = autocast_dtype(device, cfg.precision)
+    head = TargetHead(targets.final_norm(s.target), targets.lm_head(s.target).weight, draft.draft_to_target, compute)
     info.strategy = distributed.choose_strategy(cfg.distributed, draft, spec.draft_vocab_size)
-    gathered = autocast_dtype(device, cfg.precision) if device.type == "cuda" else None  # FSDP2's param dtype
+    gathered = compute if device.type == "cuda" else None  # FSDP2's param dtype
     model = distributed.wrap(TTTModel(draft, cfg.attention_kernel), info, gathered)
     optimizer = make_optimizer(model, cfg, device)
     if saved is not None:
@@ -444,7 +438,7 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
         split_seed=cfg.split_seed,
         hyperparameters=cfg.model_dump(mode="json"),
     )
-    dtype = torch.bfloat16 if autocast_dtype(device, cfg.precision) is not None else torch.float32
+    dtype = torch.bfloat16 if compute is not None else torch.float32
     return Run(
         cfg,
         info,

@@ -65,16 +65,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
             stats.new_step()
             for j, mb in enumerate(micro):
                 with distributed.grad_sync(model, info, j == len(micro) - 1), autocast(info.device, cfg.precision):
-                    result = forward(
-                        model,
-                        r.head,
-                        mb,
-                        cfg,
-                        r.dtype,
-                        normaliser,
-                        logged,
-                        noise_seed=hash((cfg.seed, state.step, info.rank, j)) & 0x7FFFFFFF,
-                    )
+                    seed = hash((cfg.seed, state.step, info.rank, j)) & 0x7FFFFFFF
+                    result = forward(model, r.head, mb, cfg, r.dtype, normaliser, logged, noise_seed=seed)
                     (result.loss * info.world_size).backward()
                 stats.add(state.step + 1, result, mb)
             grad_norm = optimizer_step(r)
@@ -106,11 +98,8 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
         progress.close()
         sink.close()
         ledger.close()
-    return StageResult(
-        stage="train",
-        output=out,
-        summary=_summary(r, last_train, last_saved, tokens_at_start, time.perf_counter() - t0),
-    )
+    summary = _summary(r, last_train, last_saved, tokens_at_start, time.perf_counter() - t0)
+    return StageResult(stage="train", output=out, summary=summary)
 
 
 def _start_output(cfg: TrainConfig, info: distributed.DistInfo, out: Path) -> None:

@@ -175,10 +175,8 @@ class DFlashAttention(Attention):
         projections keeping x once (`linears`)."""
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, -1, self.head_dim) for y in linears(x, self.q_proj, self.k_proj, self.v_proj))
-        q, k = (
-            apply_rope(self.q_norm(q).transpose(1, 2), cos, sin),
-            apply_rope(self.k_norm(k).transpose(1, 2), cos, sin),
-        )
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
         return q, k, v.transpose(1, 2)
 
 

@@ -1,11 +1,7 @@
 """DSpark: DFlash's block drafter whose anchor row predicts too, plus a Markov head applied left to right.
 
-The module is `methods.dspark.modeling.DSparkDraft` (vLLM's `Qwen3DSparkModel`, qwen3_dspark.py; speculators'
-`DSparkDraftModel`): DFlash's backbone, every row of the block [x_p, mask x (block_size - 1)] proposing the token
-after it (`sample_from_anchor`), so a round drafts block_size tokens; the vanilla Markov head (markov_w1 / markov_w2,
-rank `DraftSpec.markov_rank`, default 256) adds a bias from each slot's previous token, and the confidence head
-estimates each slot's acceptance. The reference decoder drafts a round as vLLM's DSparkSpeculator does: one backbone
-forward, then the Markov steps. draftsmith writes vLLM's layout (the `Qwen3DSparkModel` config vLLM's speculators
+The module is `methods.dspark.modeling.DSparkDraft` (its docstring draws the block, the heads and vLLM's round, which
+the reference decoder follows). draftsmith writes vLLM's layout (the `Qwen3DSparkModel` config vLLM's speculators
 reader builds) and speculators' `dspark` type, no SGLang file.
 
 vLLM serves DSpark as speculative method "dspark" with its GPU model runner V2 only
@@ -243,9 +239,6 @@ class DSpark(BlockMethod[DSparkDraft, DSparkOptions]):
         read = as_vllm_reads(config)
         assert read is not None  # the registry asked `claims`
         return {"method": "dspark", "model": draft_dir, "num_speculative_tokens": read["block_size"]}
-
-    def title(self, spec: DraftSpec) -> str:
-        return "DSpark"
 
     def facts(self, spec: DraftSpec) -> dict[str, str]:
         return {

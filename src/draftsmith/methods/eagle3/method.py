@@ -156,8 +156,5 @@ class Eagle3(DraftMethod[Eagle3Draft, EagleOptionsT], Generic[EagleOptionsT]):
             )
         return spec.model_copy(update={"method": self.name, "mask_token_id": None})
 
-    def describe_run(self, cfg: RunOptions[EagleOptionsT]) -> str:
-        return f"EAGLE-3, {cfg.method.depths} TTT steps"
-
 
 EAGLE3 = Eagle3[Eagle3Options]()

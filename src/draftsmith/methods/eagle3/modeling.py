@@ -97,9 +97,6 @@ def ttt_layer_call(
 
 
 class Eagle3Draft(DraftModule):
-    d2t: torch.Tensor  # buffers
-    t2d: torch.Tensor
-
     def __init__(self, spec: DraftSpec):
         super().__init__(spec)
         h = spec.hidden_size
