@@ -184,11 +184,11 @@ class DFlash(BlockMethod[DFlashDraft, DFlashOptions]):
         one smaller than the target's, EAGLE-3's draft vocabulary: the most frequent of the loss-masked `counts`, its
         own lm_head from the target's rows of it (--lm-head-init)."""
         size = cfg.method.draft_vocab_size
-        if size is None or size >= len(counts):
-            spec = self.block_spec(cfg, target_config, len(counts), aux_layer_ids)
+        reduced = size if size is not None and size < len(counts) else None
+        spec = self.block_spec(cfg, target_config, reduced or len(counts), aux_layer_ids)
+        if reduced is None:
             return DFlashDraft.from_target(spec, target, cfg.seed), spec, 1.0
-        spec = self.block_spec(cfg, target_config, size, aux_layer_ids)
-        vocab = build_draft_vocab(counts, size)
+        vocab = build_draft_vocab(counts, reduced)
         draft = DFlashDraft.from_target(spec, target, cfg.seed, vocab.draft_to_target, cfg.lm_head_init)
         return draft, spec, vocab.coverage
 
