@@ -116,12 +116,10 @@ def collate(items: Sequence[dict], ttt_steps: int, sampling: Sampling = EVERY_ST
     method's `Anchors`).
     Hidden states keep the dtype they come in; one sample is not copied at all."""
     lengths = [int(it["input_ids"].shape[0]) for it in items]
-    b, t = len(items), max(lengths)
-    input_ids = torch.zeros(b, t, dtype=torch.int64)
-    loss_mask = torch.zeros(b, t, dtype=torch.bool)
-    for i, (it, n) in enumerate(zip(items, lengths, strict=False)):
-        input_ids[i, :n] = it["input_ids"]
-        loss_mask[i, :n] = it["loss_mask"].bool()
+    t = max(lengths)
+    ids_, mask = (pad_rows(items, key, t) for key in ("input_ids", "loss_mask"))
+    assert ids_ is not None and mask is not None  # every sample has both
+    input_ids, loss_mask = ids_.to(torch.int64), mask.bool()
     hs, sc = (pad_rows(items, key, t, copy=False) for key in ("hidden_states", "hidden_scales"))
     ids = [int(it["sample_id"]) for it in items]
     index = sampling.index(loss_mask.numpy(), ttt_steps, ids, epoch)

@@ -198,7 +198,7 @@ class EngineSource(FeatureSource):
         self.cfg, self.info, self.chunks, self.layer_ids = cfg, info, list(chunks), list(layer_ids)
         self.spool, self.supervisor, self.cores = spool, supervisor, cores
         self.bound = int(cfg.spool_gb * GiB)
-        self.keep = Path(cfg.keep_epoch0) if cfg.keep_epoch0 is not None else None
+        self.keep = cfg.keep_epoch0
         self.eval_ids = set(int(i) for i in evaluation)
         self.by_step = {
             (c.epoch, p): c for c in self.chunks if c.name != EVAL_CHUNK for p in range(c.first, c.last + 1)
@@ -237,7 +237,6 @@ class EngineSource(FeatureSource):
         of them in one line with everything opened closed again."""
         bound = int(cfg.spool_gb * GiB)
         layer_ids = list(aux_layer_ids) + [num_layers]
-        keep = Path(cfg.keep_epoch0) if cfg.keep_epoch0 is not None else None
         chunks = plan_chunks(
             cfg,
             samplers,
@@ -249,7 +248,7 @@ class EngineSource(FeatureSource):
             start,
             total_steps,
             epochs,
-            _kept_ids(keep),
+            _kept_ids(cfg.keep_epoch0),
         )
         engine = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
         cores = TrainerCores(engine) if engine else None
