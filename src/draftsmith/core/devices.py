@@ -9,8 +9,6 @@ import torch
 
 from draftsmith.core import hardware
 
-__all__ = ["auto_dtype", "device_memory_bytes"]
-
 
 def auto_dtype(device: torch.device | str) -> torch.dtype:
     """What `auto` computes in on this device: bf16 on accelerators and bf16-native CPUs, fp32 on other CPUs."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import socket
 
-__all__ = ["accepts", "free_port"]
-
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on at `host` now (the OS's choice)."""

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["ChildProcess", "die_with_parent", "failure_line", "log_lines"]
-
 
 class ChildProcess:
     """`argv` started in its own process group with `env` (None: this process's), its output written to `log` (or

@@ -81,15 +81,3 @@ def check_spool(value: str | None) -> str | None:
     if value is not None:
         parse_spool(value)
     return value
-
-
-__all__ = [
-    "DEFAULT_RUN",
-    "DirectoryAddress",
-    "LocalMooncake",
-    "MooncakeAddress",
-    "SCHEME",
-    "SpoolAddress",
-    "check_spool",
-    "parse_spool",
-]

@@ -9,8 +9,6 @@ from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
 
-__all__ = ["context_length", "is_multimodal_wrapper", "read_config", "text_config"]
-
 
 def read_config(path: Path) -> dict:
     try:

@@ -162,20 +162,3 @@ def _release_in_process() -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
-
-
-__all__ = [
-    "DEFAULT_KV_CACHE_GIB",
-    "KV_CACHE_VAR",
-    "THREADS_BIND_VAR",
-    "cpu_thread_binding",
-    "engine_environment",
-    "environment",
-    "in_process",
-    "kv_cache",
-    "llm_kwargs",
-    "shutdown",
-    "start_llm",
-    "steps_in_process",
-    "worker_environment",
-]
