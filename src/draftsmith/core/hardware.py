@@ -24,8 +24,6 @@ from pathlib import Path
 # cpuinfo flags that decide the kernels (reported with each benchmark row)
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
-__all__ = ["CpuInfo", "probe", "cpu_info", "native_bf16", "auto_dtype_name", "gpu_names"]
-
 
 @dataclass(frozen=True)
 class CpuInfo:

@@ -449,27 +449,3 @@ def human_count(n: float) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}"
     return str(int(n))
-
-
-__all__ = [
-    "SPOOL_CHUNKS",
-    "StoredWeights",
-    "TargetShape",
-    "TrainingFit",
-    "TrainingMemory",
-    "check_disk",
-    "draft_params",
-    "human_bytes",
-    "human_count",
-    "min_spool_bytes",
-    "spool_bytes",
-    "state_bytes_per_token",
-    "store_bytes",
-    "store_bytes_per_token",
-    "stored_weight_bytes",
-    "target_shape",
-    "training_fit",
-    "training_memory",
-    "vllm_fits",
-    "weight_bytes",
-]
