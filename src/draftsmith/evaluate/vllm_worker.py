@@ -80,20 +80,12 @@ class GenerationResult(BaseModel):
     per_prompt: list[tuple[int, int]] | None = None  # [rounds, accepted draft tokens] of each prompt, where kept
 
 
-SPEC_METRICS = {
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-    "vllm:spec_decode_num_accepted_tokens_per_pos": "num_accepted_tokens_per_pos",
-}
-
-
 def read_spec_metrics(llm) -> SpecCounts:
-    """Sum the spec-decode counters (over engines / label sets); per-position counts as a list."""
+    """Sum the counters `vllm:spec_decode_<field>` (over engines / label sets); per-position counts as a list."""
     out = SpecCounts()
     for metric in llm.get_metrics():
-        key = SPEC_METRICS.get(metric.name)
-        if key is None:
+        key = metric.name.removeprefix("vllm:spec_decode_")
+        if key == metric.name or key not in SpecCounts.model_fields:
             continue
         if hasattr(metric, "values"):  # Vector
             summed = zip_longest(out.num_accepted_tokens_per_pos, metric.values, fillvalue=0)
