@@ -66,10 +66,9 @@ def environment_rows() -> list[tuple[str, str]]:
         ("torch", _version_of("torch")),
         ("transformers", _version_of("transformers")),
         ("vllm", _vllm_version()),
+        ("gpus", ", ".join(hardware.gpu_names()) or "none (CPU only)"),
+        ("cache", str(pins.cache_dir())),
     ]
-    names = hardware.gpu_names()
-    rows.append(("gpus", ", ".join(names) if names else "none (CPU only)"))
-    rows.append(("cache", str(pins.cache_dir())))
     for name, cached in pins.cache_status().items():
         rows.append((f"asset: {name}", "cached" if cached else "not cached (fetched on first use)"))
     return rows

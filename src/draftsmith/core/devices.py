@@ -3,6 +3,7 @@ choice itself is core/hardware.py's (`auto_dtype_name`), which reads the CPU wit
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -19,10 +20,8 @@ def device_memory_bytes() -> int | None:
     """The memory a model on one device has: the first GPU's, else this host's (MemTotal); None when unknown."""
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(0).total_memory)
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     return None

@@ -16,6 +16,7 @@ a comparison exact on every CPU kind). Nothing in the environment overrides the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 from dataclasses import asdict, dataclass
@@ -46,15 +47,13 @@ class CpuInfo:
 def _cpuinfo() -> tuple[str, set[str]]:
     """(model name, flags) of the first CPU /proc/cpuinfo lists."""
     model, flags = None, None
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "flags" and flags is None:
                 flags = set(value.split())
             elif key.strip() == "model name" and model is None:
                 model = value.strip()
-    except OSError:
-        pass
     return model or platform.processor() or "unknown CPU", flags or set()
 
 

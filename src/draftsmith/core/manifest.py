@@ -6,6 +6,7 @@ that embeds `TargetIdentity`; this module only knows how to put one on disk and 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import platform
@@ -85,11 +86,9 @@ def check_replaceable(output: Path, kind: str, what: str) -> None:
     if not output.exists() or (output.is_dir() and not any(output.iterdir())):
         return
     if output.is_dir() and (output / MANIFEST_NAME).is_file():
-        try:
+        with contextlib.suppress(DraftsmithError):
             if read_manifest_json(output).get("kind") == kind:
                 return
-        except DraftsmithError:
-            pass
     raise DraftsmithError(
         f"{output}: exists and is not {what}; refusing to replace it. Choose another --output or remove it first"
     )
