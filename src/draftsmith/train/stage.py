@@ -129,7 +129,8 @@ def log_train(
     tok_s: float,
 ) -> dict:
     """A logged step's metrics (its reduced `sums`) into metrics.jsonl and the progress line; returns them."""
-    last_train, source = summarise(*sums, r.cfg.method.depth_weight), r.data.features.metrics()
+    kl, correct, accept, count, weight = *sums, r.cfg.method.depth_weight
+    last_train, source = summarise(kl, correct, accept, count, weight), r.data.features.metrics()
     sink.write(
         {
             "type": "train",
@@ -205,7 +206,8 @@ def evaluate(r: Run, sink: MetricsSink, epoch: int) -> dict:
             sums += forward(r.model, r.head, batch, r.cfg, r.dtype, None, True).sums
     sums = distributed.all_reduce_sum(sums, r.info).cpu()
     r.model.train()
-    state.last_eval, state.last_eval_step = summarise(*sums, r.cfg.method.depth_weight), state.step
+    kl, correct, accept, count = sums
+    state.last_eval, state.last_eval_step = summarise(kl, correct, accept, count, r.cfg.method.depth_weight), state.step
     sink.write({"type": "eval", "step": state.step, "epoch": epoch, **state.last_eval})
     if state.best is None or state.last_eval["acceptance_length"] > state.best:
         state.best = state.last_eval["acceptance_length"]
