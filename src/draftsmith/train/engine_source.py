@@ -405,14 +405,8 @@ class EngineSource(FeatureSource):
         now = time.perf_counter()
         interval, waited = max(now - self._log_time, 1e-9), self.waited - self._waited_at_log
         self._log_time, self._waited_at_log = now, self.waited
-        if waited > 0.1 * interval:
-            waits = "trainer"
-        elif status.waiting == "space":
-            waits = "engines (spool full)"
-        elif status.waiting == "start":
-            waits = "trainer (engine starting)"
-        else:
-            waits = "none"
+        engine_waits = {"space": "engines (spool full)", "start": "trainer (engine starting)"}  # by status.waiting
+        waits = "trainer" if waited > 0.1 * interval else engine_waits.get(status.waiting, "none")
         return {
             "extract_tokens_per_s": round(status.tokens_per_s, 1),
             "spool_bytes": self.spool.usage(),
