@@ -43,8 +43,7 @@ class HiddenStateStore(Samples):
         self._shards: list[TensorFile] = []
         ids, owner, starts, lengths = [], [], [], []
         for k, info in enumerate(manifest.shards):
-            shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes, sha256=info.sha256)
-            index = shards.check_shard(shard, spec)
+            shard, index = shards.open_shard(self.path / info.file, spec, info.num_bytes, info.sha256)
             if not info.describes(index.sample_ids, index.num_tokens):
                 raise shard.error("holds other samples than the manifest says (damaged store)")
             self._shards.append(shard)

@@ -87,23 +87,20 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
     seen: dict[int, str] = {}
     for info in manifest.shards:
         file = path / info.file
-        shard = None
         try:
             if not file.is_file():
                 raise DraftsmithError(f"{info.file}: missing")
             if sha256_file(file) != info.sha256:
                 raise DraftsmithError(f"{info.file}: sha256 does not match the manifest (damaged or replaced)")
-            shard = shards.open_shard(file, expected_bytes=info.num_bytes)
-            ids, offsets = shards.check_shard(shard, spec)
+            shard, (ids, offsets) = shards.open_shard(file, spec, info.num_bytes)
             tokens = int(offsets[-1])
             if not info.describes(ids, tokens):
+                shard.close()
                 raise DraftsmithError(
                     f"{info.file}: holds {len(ids)} samples / {tokens} tokens, manifest says "
                     f"{info.num_samples} / {info.num_tokens} with other sample ids"
                 )
         except DraftsmithError as err:
-            if shard is not None:
-                shard.close()
             report.problems.append(str(err).replace(str(path) + "/", ""))
             report.bad_shards.append(info.file)
             continue
