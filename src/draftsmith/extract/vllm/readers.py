@@ -399,15 +399,6 @@ def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
     value: bool | None = (
         True if taps.placeable else (False if not s.registered and s.supports_eagle3 is not None else None)
     )
-    reading = Reading(
-        facts={
-            "layer_taps": value,
-            "taps_float16_rescale": taps.float16_rescale is not None,
-            "cpu_bfloat16_only": s.cpu_bfloat16_only,
-        }
-    )
-    if value is None:
-        reading.unknown["layer_taps"] = taps.missing or "unknown"
     if taps.placeable:
         arg = f"argument {taps.stream_arg}" if isinstance(taps.stream_arg, int) else f"keyword {taps.stream_arg}"
         found = (
@@ -421,16 +412,14 @@ def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
             found += "; a token-sharded stream is all-gathered"
     else:
         found = ("no: " if value is False else "unknown: ") + (taps.missing or "")
-    reading.rows.append(
-        _row(
-            f"layer taps on {ctx.architecture}",
-            found,
-            taps.placeable,
-            "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
-            "reads this way, with or without vLLM's EAGLE-3 support",
-            unknown=value is None,
-        )
+    meaning = (
+        "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
+        "reads this way, with or without vLLM's EAGLE-3 support"
     )
+    reading = one_fact(
+        "layer_taps", value, taps.missing or "unknown", f"layer taps on {ctx.architecture}", found, meaning
+    )
+    reading.facts.update(taps_float16_rescale=taps.float16_rescale is not None, cpu_bfloat16_only=s.cpu_bfloat16_only)
     return reading
 
 
@@ -505,24 +494,15 @@ def read_worker_extension(tree: SourceTree, ctx: Context) -> Reading:
         if parallel is None or llm is None
         else "worker_extension_cls" in tree.fields(parallel) and _method(tree, llm, "collective_rpc") is not None
     )
-    reading = Reading(
-        facts={
-            "worker_extension": value,
-            "runner_v2_switch": "VLLM_USE_V2_MODEL_RUNNER" in tree.dict_keys("vllm.envs", "environment_variables"),
-        }
+    why = _not_found("ParallelConfig" if parallel is None else "LLM")
+    found = "yes" if value else "no" if value is False else f"unknown: {why}"
+    meaning = (
+        "direct and the layer taps install their hooks in the worker through worker_extension_cls and "
+        "LLM.collective_rpc"
     )
-    if value is None:
-        reading.unknown["worker_extension"] = _not_found("ParallelConfig" if parallel is None else "LLM")
-    reading.rows.append(
-        _row(
-            "worker extension + collective_rpc",
-            "yes" if value else "no" if value is False else f"unknown: {reading.unknown['worker_extension']}",
-            bool(value),
-            "direct and the layer taps install their hooks in the worker through "
-            "worker_extension_cls and LLM.collective_rpc",
-            unknown=value is None,
-        )
-    )
+    reading = one_fact("worker_extension", value, why, "worker extension + collective_rpc", found, meaning)
+    envs = tree.dict_keys("vllm.envs", "environment_variables")
+    reading.facts["runner_v2_switch"] = "VLLM_USE_V2_MODEL_RUNNER" in envs
     return reading
 
 
