@@ -164,12 +164,15 @@ def _no_class(name: str, facts: tuple[str, ...], row: str, ok: bool | None, mean
     )
 
 
-def one_fact(fact: str, value: bool | None, why: str | None, row: str, found: str, meaning: str) -> Reading:
-    """A reading of one fact and its row, which says yes where the fact is true; `why` it is unknown where it is."""
+def one_fact(
+    fact: str, value: bool | None, why: str | None, row: str, found: str, meaning: str, *, ok: bool | None = None
+) -> Reading:
+    """A reading of one fact and its row, which says yes where the fact is true (or `ok` where the row needs more);
+    `why` it is unknown where it is."""
     return Reading(
         facts={fact: value},
         unknown={fact: why} if value is None and why is not None else {},
-        rows=[_row(row, found, bool(value), meaning, unknown=value is None)],
+        rows=[_row(row, found, bool(value) if ok is None else ok, meaning, unknown=value is None)],
     )
 
 
@@ -219,14 +222,8 @@ def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
 def read_connector(tree: SourceTree, ctx: Context) -> Reading:
     """A KV connector loadable from a module path, and its constructor's arity."""
     kv_cfg, base = _class(tree, "KVTransferConfig"), _class(tree, "KVConnectorBase_V1")
-    reading = Reading()
     path = None if kv_cfg is None else "kv_connector_module_path" in tree.fields(kv_cfg)
     takes = None if base is None else "kv_cache_config" in tree.params(_method(tree, base, "__init__"))
-    reading.facts = {"connector_module_path": path, "connector_takes_kv_cache_config": takes}
-    if kv_cfg is None:
-        reading.unknown["connector_module_path"] = _not_found("KVTransferConfig")
-    if base is None:
-        reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
     found = ("unknown" if path is None else "yes" if path else "no") + (
         ", 3-argument constructor (kv_cache_config)"
         if takes
@@ -234,26 +231,22 @@ def read_connector(tree: SourceTree, ctx: Context) -> Reading:
         if takes is False
         else ", no KVConnectorBase_V1"
     )
-    reading.rows.append(
-        _row(
-            "KV connector from module path",
-            found,
-            bool(path) and base is not None,
-            "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path",
-            unknown=path is None,
-        )
-    )
+    meaning = "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path"
+    why = _not_found("KVTransferConfig")
+    ok = bool(path) and base is not None
+    reading = one_fact("connector_module_path", path, why, "KV connector from module path", found, meaning, ok=ok)
+    reading.facts["connector_takes_kv_cache_config"] = takes
+    if base is None:
+        reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
     return reading
 
 
 def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
     """SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)."""
     s = ctx.support
-    reading = Reading(facts=s.model_dump(include={"supports_eagle3", "aux_setter", "aux_default_getter"}))
-    if s.supports_eagle3 is None:
-        reading.unknown["supports_eagle3"] = s.unknown.get("registered", "the model registry could not be read")
+    why = s.unknown.get("registered", "the model registry could not be read")
     found = (
-        "unknown: " + reading.unknown["supports_eagle3"]
+        "unknown: " + why
         if s.supports_eagle3 is None
         else "not registered in vLLM"
         if not s.registered
@@ -261,15 +254,12 @@ def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
         f"defaults {s.aux_default_getter or 'missing'}"
         + (f"; language model {s.language_model}" if s.language_model else "")
     )
-    reading.rows.append(
-        _row(
-            f"SupportsEagle3 on {ctx.architecture}",
-            found,
-            bool(s.supports_eagle3) and s.aux_setter is not None,
-            "the target can return vLLM's own aux hidden states (connector and direct need it; the layer taps do not)",
-            unknown=s.supports_eagle3 is None,
-        )
+    meaning = "the target can return vLLM's own aux hidden states (connector and direct need it; the layer taps do not)"
+    ok = bool(s.supports_eagle3) and s.aux_setter is not None
+    reading = one_fact(
+        "supports_eagle3", s.supports_eagle3, why, f"SupportsEagle3 on {ctx.architecture}", found, meaning, ok=ok
     )
+    reading.facts.update(aux_setter=s.aux_setter, aux_default_getter=s.aux_default_getter)
     return reading
 
 
