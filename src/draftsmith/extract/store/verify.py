@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import file_lock, sha256_file
-from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from draftsmith.core.manifest import read_manifest, write_manifest
 from draftsmith.core.tensorfile import TensorFile
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.schema import (
@@ -19,6 +19,7 @@ from draftsmith.extract.store.schema import (
     SHARD_DIR,
     StorageDtype,
     StoreManifest,
+    read_store_manifest,
 )
 
 
@@ -79,9 +80,7 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
     extract again recomputes exactly their samples.
     """
     path = Path(path)
-    if not (path / MANIFEST_NAME).is_file():
-        raise DraftsmithError(f"{path}: not a hidden-state store (no {MANIFEST_NAME})")
-    manifest = read_manifest(path, StoreManifest)
+    manifest = read_store_manifest(path)
     spec = manifest.spec()
     report = VerifyReport(path=str(path), num_shards=len(manifest.shards))
     seen: dict[int, str] = {}
