@@ -229,15 +229,10 @@ def to_host(layers: Sequence[torch.Tensor], storage: str) -> HostStates:
     then copied into pinned host memory on a side stream without waiting: the next forward runs while they
     cross, and the writer's thread waits on `ready` before it reads them."""
     device = layers[0].device
+    data, scales = encode_layers_fp8(list(layers)) if storage == "fp8" else (torch.stack(list(layers), dim=-2), None)
     if device.type != "cuda":
-        if storage == "fp8":
-            return HostStates(*encode_layers_fp8(list(layers)))
-        return HostStates(torch.stack(list(layers), dim=-2))
-    data, scales = (
-        encode_layers_fp8(list(layers))
-        if storage == "fp8"
-        else (torch.stack(list(layers), dim=-2).to(torch.bfloat16), None)
-    )
+        return HostStates(data, scales)
+    data = data if scales is not None else data.to(torch.bfloat16)
     stream = _copy_streams.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream(device))  # the states are complete before they are copied
     host_data = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)

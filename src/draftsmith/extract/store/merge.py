@@ -10,7 +10,7 @@ from pathlib import Path
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import _explain_os_error, atomic_dir, sha256_file
-from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from draftsmith.core.manifest import read_manifest, write_manifest
 from draftsmith.extract.store import reader
 from draftsmith.extract.store.reader import HiddenStateStore
 from draftsmith.extract.store.schema import (
@@ -18,6 +18,7 @@ from draftsmith.extract.store.schema import (
     SHARD_DIR,
     ShardInfo,
     StoreManifest,
+    read_store_manifest,
 )
 from draftsmith.extract.store.shards import shard_name
 from draftsmith.extract.store.writer import _add_shards, create_or_resume
@@ -53,11 +54,7 @@ def merge_stores(inputs: Sequence[Path], output: Path, *, link: bool = True) -> 
         raise DraftsmithError(f"{output}: already exists; merge into a new directory")
     if output.resolve() in {p.resolve() for p in inputs}:
         raise DraftsmithError(f"{output}: is also an input; merge into a new directory")
-    manifests = []
-    for p in inputs:
-        if not (p / MANIFEST_NAME).is_file():
-            raise DraftsmithError(f"{p}: not a hidden-state store (no {MANIFEST_NAME})")
-        manifests.append(read_manifest(p, StoreManifest))
+    manifests = [read_store_manifest(p) for p in inputs]
     first = manifests[0]
     for p, m in zip(inputs[1:], manifests[1:], strict=False):
         diff = first.spec().mismatch(m.spec())

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.manifest import MANIFEST_NAME, read_manifest
+from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.core.tensorfile import Samples, TensorFile
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.codec import TORCH_DTYPES, decode_hidden_states
-from draftsmith.extract.store.schema import StoreManifest
+from draftsmith.extract.store.schema import StoreManifest, read_store_manifest
 from draftsmith.extract.store.verify import VerifyReport, verify_store
 
 
@@ -43,8 +43,7 @@ class HiddenStateStore(Samples):
         self._shards: list[TensorFile] = []
         ids, owner, starts, lengths = [], [], [], []
         for k, info in enumerate(manifest.shards):
-            shard = shards.open_shard(self.path / info.file, expected_bytes=info.num_bytes, sha256=info.sha256)
-            index = shards.check_shard(shard, spec)
+            shard, index = shards.open_shard(self.path / info.file, spec, info.num_bytes, info.sha256)
             if not info.describes(index.sample_ids, index.num_tokens):
                 raise shard.error("holds other samples than the manifest says (damaged store)")
             self._shards.append(shard)
@@ -131,8 +130,4 @@ def open(path: Path, dtype: torch.dtype | None = torch.float32) -> HiddenStateSt
     path = Path(path)
     if not path.is_dir():
         raise DraftsmithError(f"{path}: hidden-state store does not exist; run `draftsmith extract` first")
-    if not (path / MANIFEST_NAME).is_file():
-        raise DraftsmithError(
-            f"{path}: not a hidden-state store (no {MANIFEST_NAME}); point at the output of `draftsmith extract`"
-        )
-    return HiddenStateStore(path, read_manifest(path, StoreManifest), dtype)
+    return HiddenStateStore(path, read_store_manifest(path, "; point at the output of `draftsmith extract`"), dtype)

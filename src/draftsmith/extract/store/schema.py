@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
-from draftsmith.core.manifest import Manifest, TargetIdentity
+from draftsmith.core.manifest import MANIFEST_NAME, Manifest, TargetIdentity, read_manifest
 
 if TYPE_CHECKING:
     from draftsmith.prepare.dataset import PreparedDataset
@@ -109,6 +110,13 @@ class StoreManifest(StoreSpec, Manifest):
 
     def sample_ids(self) -> set[int]:
         return {i for s in self.shards for a, b in s.sample_ranges for i in range(a, b)}
+
+
+def read_store_manifest(path: Path, hint: str = "") -> StoreManifest:
+    """The manifest of the store at `path`; one line (ending with `hint`) where it holds none."""
+    if not (path / MANIFEST_NAME).is_file():
+        raise DraftsmithError(f"{path}: not a hidden-state store (no {MANIFEST_NAME}){hint}")
+    return read_manifest(path, StoreManifest)
 
 
 def prepared_ref(dataset: PreparedDataset) -> PreparedRef:

@@ -107,12 +107,6 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]
     return _write_file(path, [struct.pack("<Q", len(text)) + text, *views])
 
 
-def open_shard(path: Path, expected_bytes: int | None = None, sha256: str | None = None) -> TensorFile:
-    """A shard file, header checked (`expected_bytes`: its size in the manifest; `sha256`: its checksum there,
-    checked on the first read of its data in a process); DraftsmithError when damaged."""
-    return TensorFile(path, REMEDY, what="shard file", expected_bytes=expected_bytes, sha256=sha256)
-
-
 class ShardIndex(NamedTuple):
     """What a checked shard holds: its sample ids (in its own order) and their row offsets."""
 
@@ -143,3 +137,17 @@ def check_shard(shard: TensorFile, spec: StoreSpec) -> ShardIndex:
     if len(set(ids)) != len(ids):
         raise shard.error("a sample id appears twice (damaged shard file)")
     return ShardIndex(ids, offsets)
+
+
+def open_shard(
+    path: Path, spec: StoreSpec, expected_bytes: int | None = None, sha256: str | None = None
+) -> tuple[TensorFile, ShardIndex]:
+    """A shard file and what it holds, checked against `spec` (`check_shard`; `expected_bytes`: its size in the
+    manifest; `sha256`: its checksum there, checked on the first read of its data in a process); DraftsmithError
+    when damaged, the file closed again."""
+    shard = TensorFile(path, REMEDY, what="shard file", expected_bytes=expected_bytes, sha256=sha256)
+    try:
+        return shard, check_shard(shard, spec)
+    except BaseException:
+        shard.close()
+        raise

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import file_lock, sha256_file
-from draftsmith.core.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from draftsmith.core.manifest import read_manifest, write_manifest
 from draftsmith.core.tensorfile import TensorFile
 from draftsmith.extract.store import shards
 from draftsmith.extract.store.schema import (
@@ -19,6 +19,7 @@ from draftsmith.extract.store.schema import (
     SHARD_DIR,
     StorageDtype,
     StoreManifest,
+    read_store_manifest,
 )
 
 
@@ -79,31 +80,26 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
     extract again recomputes exactly their samples.
     """
     path = Path(path)
-    if not (path / MANIFEST_NAME).is_file():
-        raise DraftsmithError(f"{path}: not a hidden-state store (no {MANIFEST_NAME})")
-    manifest = read_manifest(path, StoreManifest)
+    manifest = read_store_manifest(path)
     spec = manifest.spec()
     report = VerifyReport(path=str(path), num_shards=len(manifest.shards))
     seen: dict[int, str] = {}
     for info in manifest.shards:
         file = path / info.file
-        shard = None
         try:
             if not file.is_file():
                 raise DraftsmithError(f"{info.file}: missing")
             if sha256_file(file) != info.sha256:
                 raise DraftsmithError(f"{info.file}: sha256 does not match the manifest (damaged or replaced)")
-            shard = shards.open_shard(file, expected_bytes=info.num_bytes)
-            ids, offsets = shards.check_shard(shard, spec)
+            shard, (ids, offsets) = shards.open_shard(file, spec, info.num_bytes)
             tokens = int(offsets[-1])
             if not info.describes(ids, tokens):
+                shard.close()
                 raise DraftsmithError(
                     f"{info.file}: holds {len(ids)} samples / {tokens} tokens, manifest says "
                     f"{info.num_samples} / {info.num_tokens} with other sample ids"
                 )
         except DraftsmithError as err:
-            if shard is not None:
-                shard.close()
             report.problems.append(str(err).replace(str(path) + "/", ""))
             report.bad_shards.append(info.file)
             continue

@@ -296,19 +296,15 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
                 tag = owner(file.name)
                 if file.name in listed or tag is None or tag in live:
                     continue
-                shard = None
                 try:
-                    shard = shards.open_shard(file)
-                    ids, offsets = shards.check_shard(shard, spec)
+                    shard, (ids, offsets) = shards.open_shard(file, spec)
+                    shard.close()
                     if done.intersection(ids):
                         raise DraftsmithError("its samples are already in the store")
                 except DraftsmithError as err:
-                    if shard is not None:
-                        shard.close()
                     file.unlink()
                     notes.append(f"removed orphan shard {file.name} left by an interrupted writer ({err})")
                     continue
-                shard.close()
                 adopted.append(
                     ShardInfo(
                         file=f"{SHARD_DIR}/{file.name}",

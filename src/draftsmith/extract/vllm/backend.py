@@ -83,9 +83,8 @@ def _backend_info(report: probing.ProbeReport, strategy: str) -> dict[str, JsonV
     return {"engine": "vllm", "vllm": report.facts.version, "strategy": strategy, "platform": report.facts.platform}
 
 
-def _sink_config(
-    cfg: ExtractConfig, plan: common.ExtractionPlan, spec: store.StoreSpec, backend_info: dict[str, JsonValue]
-) -> SinkConfig:
+def _sink_config(plan: common.ExtractionPlan, spec: store.StoreSpec, backend_info: dict[str, JsonValue]) -> SinkConfig:
+    cfg = plan.cfg
     return SinkConfig(
         store=str(Path(cfg.output).resolve()),
         prepared=str(Path(cfg.prepared).resolve()),
@@ -98,7 +97,6 @@ def _sink_config(
 
 
 def _engine_spec(
-    cfg: ExtractConfig,
     plan: common.ExtractionPlan,
     report: probing.ProbeReport,
     strategy: str,
@@ -106,6 +104,7 @@ def _engine_spec(
     sample_ids: list[int],
     dtype: str,
 ) -> EngineSpec:
+    cfg = plan.cfg
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
     config = read_config(plan.target_dir)
     context = context_length(config)
@@ -177,7 +176,7 @@ class _Job:
         common.check_disk_space(plan, self.spec, self.todo)
         self.skipped = len(plan.sample_ids) - len(self.todo)
         self.recovered = list(self.writer.recovered)  # what opening the store cleaned up or adopted
-        self.sink_config = _sink_config(cfg, plan, self.spec, backend_info)
+        self.sink_config = _sink_config(plan, self.spec, backend_info)
         self.label = f"vllm {report.facts.version} ({self.strategy}, {report.facts.platform})"
 
     def prompts(self) -> list[tuple[int, list[int]]]:
@@ -185,7 +184,7 @@ class _Job:
 
     def engine_spec(self, strategy: str | None = None) -> EngineSpec:
         config = self.sink_config if strategy is None else None
-        return _engine_spec(self.cfg, self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
+        return _engine_spec(self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
 
     def start(self) -> tuple[_Job, Engine]:
         """(the job as it runs, its started engine): where the engine cannot run in the chosen dtype and the facts

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -174,7 +173,7 @@ def engine_processes() -> dict[int, str]:
 
 
 def start_engine(
-    choice: DtypeChoice, spec_for: Callable[[str], EngineSpec], say: Callable[[str], None] | None = None
+    choice: DtypeChoice, spec_for: Callable[[str], EngineSpec], say: Callable[[str], None]
 ) -> tuple[Engine, str]:
     """(a started engine that has run one forward, its dtype): in `choice.dtype`, and where the facts could not tell
     whether that dtype runs here (`choice.fallback`), once more in the fallback after a failure, saying why in one
@@ -197,10 +196,7 @@ def start_engine(
     except DraftsmithError as err:
         if choice.fallback is None:
             raise
-        if say is None:
-            print(choice.note(str(err)), file=sys.stderr, flush=True)
-        else:
-            say(choice.note(str(err)))
+        say(choice.note(str(err)))
     return started(choice.fallback), choice.fallback
 
 

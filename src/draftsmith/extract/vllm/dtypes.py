@@ -95,13 +95,13 @@ def _choose_dtype(asked: str, report: ProbeReport, config: dict | None, cpu: har
     if not cpu.native_bf16:
         return DtypeChoice(dtype="float32", why=f"this CPU: {cpu.why}")
     native = f"this CPU computes bf16 natively ({cpu.why.removeprefix('computes bf16 natively: ')})"
+
+    def tried(what: str) -> DtypeChoice:  # where the facts cannot tell: bfloat16, float32 after a failed start
+        return DtypeChoice(dtype="bfloat16", why=f"{native}; {what}", fallback="float32")
+
     head = attention_head_size(config, mla_as_mha=facts.mla_as_mha)
     if facts.cpu_attention_amx_bf16 is False:
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"{native}; vLLM {facts.version}'s CPU attention has no ISA-specific kernels to miss",
-            fallback="float32",
-        )
+        return tried(f"vLLM {facts.version}'s CPU attention has no ISA-specific kernels to miss")
     if head is None or facts.cpu_attention_amx_bf16 is None or not facts.cpu_attention_kernels:
         what = (
             "the target's attention runs on an MLA backend of vLLM's own"
@@ -110,17 +110,13 @@ def _choose_dtype(asked: str, report: ProbeReport, config: dict | None, cpu: har
             if head is None
             else "vLLM's CPU attention kernels could not be read"
         )
-        return DtypeChoice(dtype="bfloat16", why=f"{native}; {what}: bfloat16 is tried", fallback="float32")
+        return tried(f"{what}: bfloat16 is tried")
     if facts.cpu_attention_head_sizes is not None and head not in facts.cpu_attention_head_sizes:
         return DtypeChoice(dtype="float32", why=f"vLLM {facts.version}'s CPU attention takes no head size {head}")
     library = _kernel_library(facts, cpu)
     table = facts.cpu_attention_kernels.get(library)
     if table is None:
-        return DtypeChoice(
-            dtype="bfloat16",
-            why=f"{native}; vLLM's kernel library {library} was not found: bfloat16 is tried",
-            fallback="float32",
-        )
+        return tried(f"vLLM's kernel library {library} was not found: bfloat16 is tried")
     isa = "vec16" if head % 32 and not head % 16 else "amx" if facts.cpu_attention_amx_bf16 and cpu.amx else "vec"
     if head in table.get(f"{isa} bfloat16", []):
         return DtypeChoice(

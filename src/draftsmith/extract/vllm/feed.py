@@ -275,8 +275,8 @@ class Feeder:
         def spec_for(dtype: str):
             spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
             backend_info: dict[str, JsonValue] = {**_backend_info(report, strategy), "online": True}
-            sink_config = _sink_config(cfg, plan_x, spec, backend_info).model_copy(update={"store": None})
-            return _engine_spec(cfg, plan_x, report, strategy, sink_config, needed, dtype)
+            sink_config = _sink_config(plan_x, spec, backend_info).model_copy(update={"store": None})
+            return _engine_spec(plan_x, report, strategy, sink_config, needed, dtype)
 
         self.status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}
         self._report("start")

@@ -298,65 +298,60 @@ def _notes(facts: ProbeFacts, support: ArchitectureSupport, config: dict | None)
 def requirements(facts: ProbeFacts, architecture: str) -> dict[str, list[str]]:
     """strategy -> what it needs and this vLLM lacks (an unknown fact counts, naming what was looked for)."""
     missing: dict[str, list[str]] = {name: [] for name in STRATEGIES}
-
-    def need(strategies: tuple[str, ...], fact: str, ok: bool, absent: str) -> None:
-        if ok:
-            return
+    convention = facts.layer_convention != "unknown"
+    # (the strategies that need it, the fact, whether it is met, what is missing where it is not)
+    needs = (
+        (
+            "connector",
+            "extract_hidden_states",
+            facts.extract_hidden_states,
+            "no extract_hidden_states speculative method",
+        ),
+        (
+            "connector",
+            "connector_module_path",
+            facts.connector_module_path,
+            "KV connectors cannot be loaded from a module path",
+        ),
+        (
+            "connector",
+            "speculative_on_platform",
+            facts.speculative_on_platform or not facts.extract_hidden_states,
+            f"the {facts.platform} model runner refuses speculative configs, and extract_hidden_states is one",
+        ),
+        (
+            "connector direct",
+            "layer_convention",
+            convention,
+            "the layer-index convention could not be read from the model's source",
+        ),
+        (
+            "connector",
+            "reaches_last",
+            facts.reaches_last or not convention,
+            "its layer ids cannot reach the last layer's output",
+        ),
+        (
+            "connector direct",
+            "supports_eagle3",
+            facts.supports_eagle3 and facts.aux_setter is not None,
+            f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)",
+        ),
+        ("direct taps", "worker_extension", facts.worker_extension, "no worker_extension_cls / collective_rpc"),
+        (
+            "direct",
+            "two_phase",
+            facts.two_phase or facts.runner_forward_hook,
+            "the model runner has neither sample_tokens() nor _model_forward() to read states from",
+        ),
+        ("taps", "runner_execute_model", facts.runner_execute_model, "the model runner has no execute_model() to wrap"),
+        ("taps", "layer_taps", facts.layer_taps, f"{architecture} is not in this vLLM's model registry"),
+    )
+    for strategies, fact, met, absent in needs:
         why = f"{fact} unknown ({facts.unknown[fact]})" if fact in facts.unknown else absent
-        for name in strategies:
+        for name in strategies.split() if not met else ():
             if why not in missing[name]:
                 missing[name].append(why)
-
-    spec = ("connector", "direct")
-    need(
-        ("connector",),
-        "extract_hidden_states",
-        bool(facts.extract_hidden_states),
-        "no extract_hidden_states speculative method",
-    )
-    need(
-        ("connector",),
-        "connector_module_path",
-        bool(facts.connector_module_path),
-        "KV connectors cannot be loaded from a module path",
-    )
-    if facts.extract_hidden_states:
-        need(
-            ("connector",),
-            "speculative_on_platform",
-            bool(facts.speculative_on_platform),
-            f"the {facts.platform} model runner refuses speculative configs, and extract_hidden_states is one",
-        )
-    need(
-        spec,
-        "layer_convention",
-        facts.layer_convention != "unknown",
-        "the layer-index convention could not be read from the model's source",
-    )
-    if facts.layer_convention != "unknown":
-        need(("connector",), "reaches_last", facts.reaches_last, "its layer ids cannot reach the last layer's output")
-    need(
-        spec,
-        "supports_eagle3",
-        bool(facts.supports_eagle3) and facts.aux_setter is not None,
-        f"{architecture} cannot return aux hidden states in this vLLM (no SupportsEagle3)",
-    )
-    need(
-        ("direct", "taps"), "worker_extension", bool(facts.worker_extension), "no worker_extension_cls / collective_rpc"
-    )
-    need(
-        ("direct",),
-        "two_phase",
-        bool(facts.two_phase or facts.runner_forward_hook),
-        "the model runner has neither sample_tokens() nor _model_forward() to read states from",
-    )
-    need(
-        ("taps",),
-        "runner_execute_model",
-        bool(facts.runner_execute_model),
-        "the model runner has no execute_model() to wrap",
-    )
-    need(("taps",), "layer_taps", bool(facts.layer_taps), f"{architecture} is not in this vLLM's model registry")
     return missing
 
 

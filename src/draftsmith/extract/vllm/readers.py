@@ -164,12 +164,15 @@ def _no_class(name: str, facts: tuple[str, ...], row: str, ok: bool | None, mean
     )
 
 
-def one_fact(fact: str, value: bool | None, why: str | None, row: str, found: str, meaning: str) -> Reading:
-    """A reading of one fact and its row, which says yes where the fact is true; `why` it is unknown where it is."""
+def one_fact(
+    fact: str, value: bool | None, why: str | None, row: str, found: str, meaning: str, *, ok: bool | None = None
+) -> Reading:
+    """A reading of one fact and its row, which says yes where the fact is true (or `ok` where the row needs more);
+    `why` it is unknown where it is."""
     return Reading(
         facts={fact: value},
         unknown={fact: why} if value is None and why is not None else {},
-        rows=[_row(row, found, bool(value), meaning, unknown=value is None)],
+        rows=[_row(row, found, bool(value) if ok is None else ok, meaning, unknown=value is None)],
     )
 
 
@@ -219,14 +222,8 @@ def read_extract_method(tree: SourceTree, ctx: Context) -> Reading:
 def read_connector(tree: SourceTree, ctx: Context) -> Reading:
     """A KV connector loadable from a module path, and its constructor's arity."""
     kv_cfg, base = _class(tree, "KVTransferConfig"), _class(tree, "KVConnectorBase_V1")
-    reading = Reading()
     path = None if kv_cfg is None else "kv_connector_module_path" in tree.fields(kv_cfg)
     takes = None if base is None else "kv_cache_config" in tree.params(_method(tree, base, "__init__"))
-    reading.facts = {"connector_module_path": path, "connector_takes_kv_cache_config": takes}
-    if kv_cfg is None:
-        reading.unknown["connector_module_path"] = _not_found("KVTransferConfig")
-    if base is None:
-        reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
     found = ("unknown" if path is None else "yes" if path else "no") + (
         ", 3-argument constructor (kv_cache_config)"
         if takes
@@ -234,26 +231,22 @@ def read_connector(tree: SourceTree, ctx: Context) -> Reading:
         if takes is False
         else ", no KVConnectorBase_V1"
     )
-    reading.rows.append(
-        _row(
-            "KV connector from module path",
-            found,
-            bool(path) and base is not None,
-            "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path",
-            unknown=path is None,
-        )
-    )
+    meaning = "vLLM loads draftsmith's connector (extract/vllm/connector.py) by kv_connector_module_path"
+    why = _not_found("KVTransferConfig")
+    ok = bool(path) and base is not None
+    reading = one_fact("connector_module_path", path, why, "KV connector from module path", found, meaning, ok=ok)
+    reading.facts["connector_takes_kv_cache_config"] = takes
+    if base is None:
+        reading.unknown["connector_takes_kv_cache_config"] = _not_found("KVConnectorBase_V1")
     return reading
 
 
 def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
     """SupportsEagle3 and the aux-layer setter on the target's architecture (a wrapper's own class)."""
     s = ctx.support
-    reading = Reading(facts=s.model_dump(include={"supports_eagle3", "aux_setter", "aux_default_getter"}))
-    if s.supports_eagle3 is None:
-        reading.unknown["supports_eagle3"] = s.unknown.get("registered", "the model registry could not be read")
+    why = s.unknown.get("registered", "the model registry could not be read")
     found = (
-        "unknown: " + reading.unknown["supports_eagle3"]
+        "unknown: " + why
         if s.supports_eagle3 is None
         else "not registered in vLLM"
         if not s.registered
@@ -261,15 +254,12 @@ def read_eagle3_target(tree: SourceTree, ctx: Context) -> Reading:
         f"defaults {s.aux_default_getter or 'missing'}"
         + (f"; language model {s.language_model}" if s.language_model else "")
     )
-    reading.rows.append(
-        _row(
-            f"SupportsEagle3 on {ctx.architecture}",
-            found,
-            bool(s.supports_eagle3) and s.aux_setter is not None,
-            "the target can return vLLM's own aux hidden states (connector and direct need it; the layer taps do not)",
-            unknown=s.supports_eagle3 is None,
-        )
+    meaning = "the target can return vLLM's own aux hidden states (connector and direct need it; the layer taps do not)"
+    ok = bool(s.supports_eagle3) and s.aux_setter is not None
+    reading = one_fact(
+        "supports_eagle3", s.supports_eagle3, why, f"SupportsEagle3 on {ctx.architecture}", found, meaning, ok=ok
     )
+    reading.facts.update(aux_setter=s.aux_setter, aux_default_getter=s.aux_default_getter)
     return reading
 
 
@@ -399,15 +389,6 @@ def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
     value: bool | None = (
         True if taps.placeable else (False if not s.registered and s.supports_eagle3 is not None else None)
     )
-    reading = Reading(
-        facts={
-            "layer_taps": value,
-            "taps_float16_rescale": taps.float16_rescale is not None,
-            "cpu_bfloat16_only": s.cpu_bfloat16_only,
-        }
-    )
-    if value is None:
-        reading.unknown["layer_taps"] = taps.missing or "unknown"
     if taps.placeable:
         arg = f"argument {taps.stream_arg}" if isinstance(taps.stream_arg, int) else f"keyword {taps.stream_arg}"
         found = (
@@ -421,16 +402,14 @@ def read_layer_taps(tree: SourceTree, ctx: Context) -> Reading:
             found += "; a token-sharded stream is all-gathered"
     else:
         found = ("no: " if value is False else "unknown: ") + (taps.missing or "")
-    reading.rows.append(
-        _row(
-            f"layer taps on {ctx.architecture}",
-            found,
-            taps.placeable,
-            "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
-            "reads this way, with or without vLLM's EAGLE-3 support",
-            unknown=value is None,
-        )
+    meaning = (
+        "the taps strategy hooks the decoder layers themselves: any architecture whose stack "
+        "reads this way, with or without vLLM's EAGLE-3 support"
     )
+    reading = one_fact(
+        "layer_taps", value, taps.missing or "unknown", f"layer taps on {ctx.architecture}", found, meaning
+    )
+    reading.facts.update(taps_float16_rescale=taps.float16_rescale is not None, cpu_bfloat16_only=s.cpu_bfloat16_only)
     return reading
 
 
@@ -505,24 +484,15 @@ def read_worker_extension(tree: SourceTree, ctx: Context) -> Reading:
         if parallel is None or llm is None
         else "worker_extension_cls" in tree.fields(parallel) and _method(tree, llm, "collective_rpc") is not None
     )
-    reading = Reading(
-        facts={
-            "worker_extension": value,
-            "runner_v2_switch": "VLLM_USE_V2_MODEL_RUNNER" in tree.dict_keys("vllm.envs", "environment_variables"),
-        }
+    why = _not_found("ParallelConfig" if parallel is None else "LLM")
+    found = "yes" if value else "no" if value is False else f"unknown: {why}"
+    meaning = (
+        "direct and the layer taps install their hooks in the worker through worker_extension_cls and "
+        "LLM.collective_rpc"
     )
-    if value is None:
-        reading.unknown["worker_extension"] = _not_found("ParallelConfig" if parallel is None else "LLM")
-    reading.rows.append(
-        _row(
-            "worker extension + collective_rpc",
-            "yes" if value else "no" if value is False else f"unknown: {reading.unknown['worker_extension']}",
-            bool(value),
-            "direct and the layer taps install their hooks in the worker through "
-            "worker_extension_cls and LLM.collective_rpc",
-            unknown=value is None,
-        )
-    )
+    reading = one_fact("worker_extension", value, why, "worker extension + collective_rpc", found, meaning)
+    envs = tree.dict_keys("vllm.envs", "environment_variables")
+    reading.facts["runner_v2_switch"] = "VLLM_USE_V2_MODEL_RUNNER" in envs
     return reading
 
 

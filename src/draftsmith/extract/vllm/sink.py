@@ -55,7 +55,7 @@ class SinkReport(BaseModel):
     received: int = 0
     error: str | None = None
     disk_full: bool = False
-    writes: bool = False  # this rank writes (progress)
+    writes: bool = False  # this rank writes
     samples_written: int = 0
     shards_written: int = 0
     recovered: list[str] = []
@@ -162,7 +162,7 @@ class StoreSink:
     def _finish(self) -> SinkReport:
         writer = self._writer
         if writer is None:
-            return SinkReport(received=self.received, error=self.error, disk_full=self.disk_full)
+            return self.progress()
         assert self._background is not None  # set with _writer
         try:
             self._background.close()
@@ -174,14 +174,8 @@ class StoreSink:
             self._failed(err)
             writer.abort()
         self._writer = None
-        return SinkReport(
-            received=self.received,
-            error=self.error,
-            disk_full=self.disk_full,
-            samples_written=writer.samples_written,
-            shards_written=writer.shards_written,
-            recovered=list(writer.recovered),
-        )
+        written = {"samples_written": writer.samples_written, "shards_written": writer.shards_written}
+        return self.progress().model_copy(update={**written, "recovered": list(writer.recovered)})
 
 
 _ACTIVE: StoreSink | None = None
