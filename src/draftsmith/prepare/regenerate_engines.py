@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import transformers
 from pydantic import BaseModel
-from rich.console import Console
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig
@@ -209,23 +208,3 @@ class VLLMEngine:
 
 
 Engine = HFEngine | VLLMEngine
-
-
-def start_engine(  # noqa: PLR0913 - RegenerateConfig's engine settings
-    engine: str,
-    version: str,
-    cfg: RegenerateConfig,
-    target_dir: Path,
-    device: torch.device,
-    dtype: str,
-    eos: list[int],
-    pad_id: int,
-    max_length: int,
-    work: Path,
-) -> Engine:
-    """Start `engine` ("vllm" or "hf"; `version` is what the run prints), its log (vLLM) in `work`."""
-    note = " (about a minute on a CPU)" if engine == "vllm" and device.type == "cpu" else ""
-    Console(stderr=True).print(f"[dim]starting {version}{note}[/]", highlight=False)
-    if engine == "vllm":
-        return VLLMEngine(target_dir, cfg, dtype, eos, max_length, work / LOG_NAME)
-    return HFEngine(target_dir, cfg, device, dtype, eos, pad_id)
