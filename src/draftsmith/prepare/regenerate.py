@@ -26,25 +26,17 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig, StageResult
-from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
-from draftsmith.core.targets import (
-    context_length,
-    load_tokenizer,
-    read_config,
-    resolve_device,
-    resolve_target,
-    target_identity,
-)
+from draftsmith.core.targets import context_length, read_config, resolve_device
 from draftsmith.prepare import regenerate_engines as engines
 from draftsmith.prepare import regenerated_set
 from draftsmith.prepare.chat import ChatEncoder
-from draftsmith.prepare.readers import Source, expand_sources
+from draftsmith.prepare.readers import Source
 from draftsmith.prepare.regenerate_conversations import Regenerator, Tally, read_records
 from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, RegeneratedShard, Sampling
-from draftsmith.prepare.stage import by_count, chat_template_of, job_fingerprint, progress_bar
+from draftsmith.prepare.stage import by_count, job_fingerprint, job_inputs, progress_bar
 from draftsmith.prepare.vllm_chat import AnswerParser
 
 
@@ -112,17 +104,16 @@ class _Plan:
 
     @classmethod
     def of(cls, cfg: RegenerateConfig) -> _Plan:
-        target_dir = resolve_target(cfg.target)
-        tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
+        target_dir, identity, tokenizer, template, sources = job_inputs(cfg)
         engine_name, engine_version = engines.engine_choice(cfg)
         device = resolve_device(cfg.device if engine_name == "hf" else "auto")  # vLLM: the GPU where there is one
         positions = context_length(read_config(target_dir))
         plan = cls(
-            target_dir=target_dir,
-            identity=target_identity(target_dir),
-            tokenizer=tokenizer,
-            template=chat_template_of(cfg, tokenizer, target_dir),
-            sources=expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")],
+            target_dir,
+            identity,
+            tokenizer,
+            template,
+            sources,
             eos=engines.eos_token_ids(tokenizer, target_dir),
             engine_name=engine_name,
             engine_version=engine_version,

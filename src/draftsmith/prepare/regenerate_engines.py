@@ -144,15 +144,13 @@ class VLLMEngine:
         try:
             self._send(
                 worker.EngineOrder(
-                    target=str(target_dir),
+                    model=str(target_dir),
                     dtype=dtype,
                     max_model_len=max_model_len,
-                    seed=cfg.seed,
-                    tensor_parallel_size=cfg.tensor_parallel_size,
-                    trust_remote_code=cfg.trust_remote_code,
                     stop_token_ids=eos,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
+                    **cfg.model_dump(
+                        include={"seed", "tensor_parallel_size", "trust_remote_code", "temperature", "top_p"}
+                    ),
                 )
             )
             worker.Ready.model_validate_json(self._receive("start"))  # once the engine is up

@@ -263,6 +263,18 @@ def chat_template_of(
     return template
 
 
+def job_inputs(
+    cfg: PrepareConfig | RegenerateConfig,
+) -> tuple[Path, TargetIdentity, PreTrainedTokenizerBase, str, list[Source]]:
+    """A job's target (directory, identity, tokenizer), chat template and inputs (default: the embedded ShareGPT)."""
+    target_dir = resolve_target(cfg.target)
+    identity = target_identity(target_dir)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
+    template = chat_template_of(cfg, tokenizer, target_dir)
+    sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
+    return target_dir, identity, tokenizer, template, sources
+
+
 def progress_bar(stage: str, total: int | None, *rates: str) -> tuple[Progress, TaskID]:
     """A stage's progress bar on stderr (drawn on a terminal only): conversations done, then `rates` (columns of the
     task's `rate` and `tok_rate`), the time elapsed and left."""
@@ -465,11 +477,7 @@ class _Job:
 def run(cfg: PrepareConfig) -> StageResult:
     """Prepare `cfg.data` (default: the embedded ShareGPT) for `cfg.target` (default: embedded SmolLM2)."""
     started = time.perf_counter()
-    target_dir = resolve_target(cfg.target)
-    identity = target_identity(target_dir)
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
-    template = chat_template_of(cfg, tokenizer, target_dir)
-    sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
+    target_dir, identity, tokenizer, template, sources = job_inputs(cfg)
     encoder = ChatEncoder(
         tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow, template_kwargs=cfg.chat_template_kwargs
     )
