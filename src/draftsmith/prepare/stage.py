@@ -45,8 +45,8 @@ from draftsmith.core.targets import load_tokenizer, resolve_target, target_ident
 from draftsmith.methods.vocab import coverage_report
 from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
-from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, normalize_conversation
-from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
+from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip
+from draftsmith.prepare.readers import Skips, Source, chats_after, expand_sources
 from draftsmith.prepare.vllm_chat import VllmRendering
 
 BATCH = 16  # conversations per task sent to a worker
@@ -188,16 +188,8 @@ def _batches(
     before = dict(
         zip(map(id, sources), itertools.accumulate((s.size for s in sources), initial=0), strict=False)
     )  # bytes ahead
-    for source, record in records_after(sources, skip_records):
-        where = (str(source.path), record.index)
-        if record.bad is not None:
-            item: Chat | Skip = Skip(record.bad, record.detail)
-        else:
-            try:
-                item = normalize_conversation(record.data, leading_assistant)
-            except Skip as skip:
-                item = skip
-        batch.append((where, item, item.leading_dropped if isinstance(item, Chat) else 0))
+    for source, record, item in chats_after(sources, skip_records, leading_assistant):
+        batch.append(((str(source.path), record.index), item, item.leading_dropped if isinstance(item, Chat) else 0))
         if len(batch) >= BATCH:
             progress_cb(before[id(source)] + (record.offset or 0))
             yield batch
@@ -328,13 +320,12 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
         return f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
 
     conversations = prompts = 0
-    for source, record in records_after(sources, 0):
+    for source, record, chat in chats_after(sources, 0, cfg.leading_assistant):
         if conversations == cfg.check_with_vllm:
             break
-        if record.bad is not None:
-            continue
         try:
-            chat = normalize_conversation(record.data, cfg.leading_assistant)
+            if isinstance(chat, Skip):
+                raise chat
             messages = encoder.as_rendered(chat)
             ours = list(encoder.prompts(chat))
         except Skip:
