@@ -78,28 +78,19 @@ class _Tally(Skips):
     samples_dropped: dict[str, int] = field(default_factory=dict)  # samples of usable conversations left out
     files: dict[str, _FileCounts] = field(default_factory=dict)  # per input file
 
-    def _file(self, source: str) -> _FileCounts:
-        return self.files.setdefault(source, {"records": 0, "usable": 0, "skipped": {}, "first": ""})
-
-    def use(self, source: str) -> None:
-        counts = self._file(source)
-        counts["records"] += 1
-        counts["usable"] += 1
-
-    def skip_record(self, reason: str, source: str, index: int, detail: str) -> None:
-        self.skip(reason, f"{source} record {index}", detail)
-        counts = self._file(source)
-        counts["records"] += 1
-        counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
-        counts["first"] = counts["first"] or f"record {index}: {detail}"
-
     def add(self, where: tuple[str, int], item: EncodedChat | Skip, dropped: int) -> list[dict] | None:
-        """Count one record's outcome (a Skip, or a conversation's samples); its samples as rows, None if skipped."""
+        """Count one record's outcome (a Skip, or a conversation's samples), in all and for its file; its samples
+        as rows, None if skipped."""
+        source, index = where
+        counts = self.files.setdefault(source, {"records": 0, "usable": 0, "skipped": {}, "first": ""})
         self.records += 1
+        counts["records"] += 1
         if isinstance(item, Skip):
-            self.skip_record(item.reason, where[0], where[1], item.detail)
+            self.skip(item.reason, f"{source} record {index}", item.detail)
+            counts["skipped"][item.reason] = counts["skipped"].get(item.reason, 0) + 1
+            counts["first"] = counts["first"] or f"record {index}: {item.detail}"
             return None
-        self.use(where[0])
+        counts["usable"] += 1
         self.conversations += 1
         self.leading_assistant_dropped += dropped > 0
         self.samples += len(item.samples)
