@@ -169,27 +169,6 @@ def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> lis
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
-def _batches(
-    sources: list[Source], progress_cb, skip_records: int = 0, leading_assistant: str = "skip"
-) -> Iterator[list[tuple]]:
-    """(where: (file, record index), normalised conversation or counted Skip, leading assistant turns dropped)
-    from every source, in order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
-    past."""
-    batch: list[tuple] = []
-    before = dict(
-        zip(map(id, sources), itertools.accumulate((s.size for s in sources), initial=0), strict=False)
-    )  # bytes ahead
-    for source, record, item in chats_after(sources, skip_records, leading_assistant):
-        batch.append(((str(source.path), record.index), item, item.leading_dropped if isinstance(item, Chat) else 0))
-        if len(batch) >= BATCH:
-            progress_cb(before[id(source)] + (record.offset or 0))
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-    progress_cb(sum(s.size for s in sources))
-
-
 def _encoded_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int) -> Iterator[list]:
     """Run `_encode_batch` over `batches`, in order, on `workers` processes (inline when workers == 1)."""
     if workers <= 1:
@@ -368,13 +347,28 @@ class _Job:
         if not self.cfg.max_samples:
             self.progress.update(self.task, completed=min(done, self.total_bytes))
 
+    def _batches(self) -> Iterator[list[tuple]]:
+        """(where: (file, record index), normalised conversation or counted Skip, leading assistant turns dropped)
+        for every record past the resume point, in order, in batches."""
+        batch: list[tuple] = []
+        sizes = (s.size for s in self.sources)
+        before = dict(zip(map(id, self.sources), itertools.accumulate(sizes, initial=0), strict=False))  # bytes ahead
+        for source, record, item in chats_after(self.sources, self.resumed[0], self.cfg.leading_assistant):
+            batch.append(
+                ((str(source.path), record.index), item, item.leading_dropped if isinstance(item, Chat) else 0)
+            )
+            if len(batch) >= BATCH:
+                self.on_bytes(before[id(source)] + (record.offset or 0))
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+        self.on_bytes(self.total_bytes)
+
     def samples(self) -> Iterator[list[dict]]:
         """Each usable conversation's samples as one unit: a shard (and a resume point) never splits them."""
         cfg, tally = self.cfg, self.tally
-        batches = _batches(
-            self.sources, self.on_bytes, skip_records=self.resumed[0], leading_assistant=cfg.leading_assistant
-        )
-        for batch in _encoded_batches(batches, self.encoder, self.workers):
+        for batch in _encoded_batches(self._batches(), self.encoder, self.workers):
             for where, item, dropped in batch:
                 if self.full():
                     break
