@@ -7,10 +7,10 @@ import difflib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from draftsmith.core.errors import DraftsmithError
@@ -37,6 +37,11 @@ def _split_list(value: object) -> object:
     return value
 
 
+T = TypeVar("T")
+# a list option: "2,15,27" on the command line, a list in YAML (`Split[list[int]]`, `Split[list[int] | None]`)
+Split = Annotated[T, BeforeValidator(_split_list)]
+
+
 def _json_object(value: object) -> object:
     """Accept '{"thinking": true}' from the command line as well as a YAML mapping."""
     if isinstance(value, str):
@@ -47,6 +52,12 @@ def _json_object(value: object) -> object:
         if not isinstance(value, dict):
             raise ValueError("a JSON object is needed, like '{\"thinking\": true}'")
     return value
+
+
+# the chat template options of prepare, regenerate and evaluate: '{"thinking": true}' on the command line
+ChatTemplateKwargs = Annotated[
+    dict[str, Any], BeforeValidator(_json_object), Field(json_schema_extra={"json_flag": True})
+]
 
 
 def load_config(cls: type[StageConfig], config_file: Path | None, overrides: Mapping[str, object]) -> StageConfig:

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from draftsmith.config.base import StageConfig, _json_object, _split_list
+from draftsmith.config.base import ChatTemplateKwargs, Split, StageConfig
 
-# the chat template options of prepare and regenerate (each says what its kwargs are for)
+# the chat template file of prepare and regenerate
 ChatTemplate = Annotated[
     Path | None,
     Field(
         description="A Jinja chat template file to use instead of the target tokenizer's own (e.g. for a base model)."
     ),
 ]
-ChatTemplateKwargs = Annotated[dict[str, Any], Field(json_schema_extra={"json_flag": True})]
 
 
 class PrepareConfig(StageConfig):
-    data: list[str] = Field(
+    data: Split[list[str]] = Field(
         default_factory=list,
         description=(
             "Input conversations: ShareGPT JSON, messages JSONL (agentic ones too: tools, tool calls, reasoning), or "
@@ -73,12 +72,9 @@ class PrepareConfig(StageConfig):
         True, description=("Continue an interrupted run with the same inputs and options from its last complete shard.")
     )
 
-    _split = field_validator("data", mode="before")(_split_list)
-    _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
-
 
 class RegenerateConfig(StageConfig):
-    data: list[str] = Field(
+    data: Split[list[str]] = Field(
         default_factory=list,
         description=(
             "Conversations whose assistant turns the target answers anew: whatever `draftsmith prepare` reads. "
@@ -183,16 +179,13 @@ class RegenerateConfig(StageConfig):
         True, description=("Continue an interrupted run with the same inputs and options from its last complete shard.")
     )
 
-    _split = field_validator("data", mode="before")(_split_list)
-    _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
-
 
 class ExtractConfig(StageConfig):
     prepared: Path = Field(Path("runs/prepared"), description="A prepared data set (output of `draftsmith prepare`).")
     output: Path = Field(Path("runs/store"), description="Hidden-state store directory (created or resumed).")
     backend: Literal["hf", "vllm"] = Field("hf", description="Engine that runs the target: transformers or vLLM.")
     target: str | None = Field(None, description="Target model; default: the one the prepared set was made for.")
-    aux_layer_ids: list[int] | None = Field(
+    aux_layer_ids: Split[list[int] | None] = Field(
         None,
         description=(
             "Aux layers in vLLM's convention (0 = embeddings, k = output of decoder layer k-1). Default: 2,N//2,N-3."
@@ -251,8 +244,6 @@ class ExtractConfig(StageConfig):
         None, ge=16, description=("vLLM context length; default: the longest prepared sample + 1.")
     )
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
-
-    _split = field_validator("aux_layer_ids", mode="before")(_split_list)
 
     @field_validator("shard")
     @classmethod

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from draftsmith.config.base import StageConfig, _json_object, _split_list
+from draftsmith.config.base import ChatTemplateKwargs, Split, StageConfig
 from draftsmith.methods import DEFAULT_METHOD, MethodName
 
 
@@ -85,7 +85,7 @@ class EvaluateConfig(StageConfig):
             "round's worth is added for small samples. Paired along vLLM's output, a correct export agrees exactly."
         ),
     )
-    concurrency: list[int] = Field(
+    concurrency: Split[list[int]] = Field(
         default_factory=list,
         description=(
             "Also measure the speed-up where it is served: `draftsmith serve` with the draft, then the target alone, "
@@ -101,9 +101,8 @@ class EvaluateConfig(StageConfig):
             "--vllm-args` takes them (e.g. '--max-num-seqs 16 --enforce-eager'): the server you run."
         ),
     )
-    chat_template_kwargs: dict[str, Any] = Field(
+    chat_template_kwargs: ChatTemplateKwargs = Field(
         default_factory=dict,
-        json_schema_extra={"json_flag": True},
         description=(
             "Options the server passes to the chat template when it renders a prompt file, as a JSON object (vLLM's "
             "--chat-template-kwargs), e.g. '{\"thinking\": true}' for Kimi-K2.5."
@@ -123,7 +122,7 @@ class EvaluateConfig(StageConfig):
     )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
-    k: list[int] = Field(
+    k: Split[list[int]] = Field(
         default_factory=lambda: [3],
         description=("Draft tokens per round (num_speculative_tokens); several values are measured one after another."),
     )
@@ -151,8 +150,6 @@ class EvaluateConfig(StageConfig):
     vllm_timeout_s: int = Field(1800, ge=10, description="Give up on the vLLM subprocess after this many seconds.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
 
-    _split = field_validator("k", "concurrency", mode="before")(_split_list)
-
     @field_validator("k")
     @classmethod
     def _check_k(cls, value: list[int]) -> list[int]:
@@ -166,8 +163,6 @@ class EvaluateConfig(StageConfig):
         if any(c < 1 for c in value):
             raise ValueError("concurrency needs values of at least 1")
         return sorted(set(value))
-
-    _kwargs = field_validator("chat_template_kwargs", mode="before")(_json_object)
 
 
 class QuickstartConfig(StageConfig):
@@ -197,7 +192,9 @@ class QuickstartConfig(StageConfig):
         ),
     )
     target: str | None = Field(None, description="Target model; default: the embedded SmolLM2-135M-Instruct.")
-    data: list[str] = Field(default_factory=list, description="Training conversations; default: the embedded ShareGPT.")
+    data: Split[list[str]] = Field(
+        default_factory=list, description="Training conversations; default: the embedded ShareGPT."
+    )
     engine: Literal["auto", "hf", "vllm"] = Field(
         "auto",
         description=(
@@ -206,7 +203,7 @@ class QuickstartConfig(StageConfig):
             "vllm there is refused before the first stage."
         ),
     )
-    k: list[int] = Field(
+    k: Split[list[int]] = Field(
         default_factory=list,
         description=(
             "Draft lengths to evaluate, one engine start each (default per budget: tiny 3, small and medium 5, large "
@@ -241,8 +238,6 @@ class QuickstartConfig(StageConfig):
         default_factory=dict,
         description=("YAML only: RegenerateConfig options (written as the `regenerate:` section)."),
     )
-
-    _split = field_validator("data", "k", mode="before")(_split_list)
 
     @model_validator(mode="before")
     @classmethod

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from draftsmith.config.base import StageConfig, _split_list
+from draftsmith.config.base import Split, StageConfig
 from draftsmith.config.methods import OPTION_NAMES, fold_options, option_default, option_help
 from draftsmith.core.spool_address import check_spool
 from draftsmith.methods import DEFAULT_METHOD, OPTIONS, AnyMethodOptions, MethodName
@@ -26,7 +26,7 @@ class TrainConfig(StageConfig):
     )
     output: Path = Field(Path("runs/draft"), description="Run directory: checkpoints, metrics.jsonl, config.yaml.")
     target: str | None = Field(None, description="Target model; default: the one the data was made for.")
-    aux_layer_ids: list[int] | None = Field(
+    aux_layer_ids: Split[list[int] | None] = Field(
         None,
         description=(
             "Aux layers in vLLM's convention. Offline: must match the store (default: the store's). Online: "
@@ -185,7 +185,7 @@ class TrainConfig(StageConfig):
             "--engine vllm: vLLM data parallel size (engines in one vLLM, each writing its share of every chunk)."
         ),
     )
-    engine_devices: list[int] | None = Field(
+    engine_devices: Split[list[int] | None] = Field(
         None,
         description=(
             "--engine vllm: on GPUs, the GPU ids the engines use (CUDA_VISIBLE_DEVICES numbering), disjoint from the "
@@ -210,8 +210,6 @@ class TrainConfig(StageConfig):
         True,
         description=("--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."),
     )
-
-    _split = field_validator("aux_layer_ids", "engine_devices", mode="before")(_split_list)
 
     @classmethod
     def flag_fields(cls) -> dict[str, FieldInfo]:

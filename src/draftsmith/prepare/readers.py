@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.prepare import bfcl
-from draftsmith.prepare.messages import SURROGATE, TURN_KEYS, json_kind
+from draftsmith.prepare.messages import SURROGATE, TURN_KEYS, Chat, Skip, json_kind, normalize_conversation
 
 FORMAT_OF_SUFFIX = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet", ".arrow": "arrow"}
 DAMAGED_TAIL = "damaged tail (file cut off mid-record)"
@@ -146,15 +146,25 @@ def expand_sources(specs: Sequence[str | Path]) -> list[Source]:
     return sources
 
 
-def records_after(sources: list[Source], skip_records: int = 0) -> Iterator[tuple[Source, Record]]:
-    """(source, record) for every record of every source, in order, past the first `skip_records` (those already
-    in the shards of an interrupted run)."""
+def chats_after(
+    sources: list[Source], skip_records: int, leading_assistant: str, keep_trailing: bool = False
+) -> Iterator[tuple[Source, Record, Chat | Skip]]:
+    """(source, record, its conversation normalised, or the Skip that counts it) for every record of every source,
+    in order, past the first `skip_records` (those already in the shards of an interrupted run)."""
     seen = 0
     for source in sources:
         for record in iter_source(source):
             seen += 1
-            if seen > skip_records:
-                yield source, record
+            if seen <= skip_records:
+                continue
+            if record.bad is not None:
+                yield source, record, Skip(record.bad, record.detail)
+                continue
+            try:
+                chat: Chat | Skip = normalize_conversation(record.data, leading_assistant, keep_trailing=keep_trailing)
+            except Skip as skip:
+                chat = skip
+            yield source, record, chat
 
 
 def iter_source(source: Source) -> Iterator[Record]:

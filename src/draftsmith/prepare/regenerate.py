@@ -22,28 +22,21 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig, StageResult
-from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
-from draftsmith.core.targets import (
-    context_length,
-    load_tokenizer,
-    read_config,
-    resolve_device,
-    resolve_target,
-    target_identity,
-)
+from draftsmith.core.targets import context_length, read_config, resolve_device
 from draftsmith.prepare import regenerate_engines as engines
 from draftsmith.prepare import regenerated_set
 from draftsmith.prepare.chat import ChatEncoder
-from draftsmith.prepare.readers import Source, expand_sources
+from draftsmith.prepare.readers import Source
 from draftsmith.prepare.regenerate_conversations import Regenerator, Tally, read_records
 from draftsmith.prepare.regenerated_set import Generator, RegeneratedManifest, RegeneratedShard, Sampling
-from draftsmith.prepare.stage import by_count, chat_template_of, job_fingerprint, progress_bar
+from draftsmith.prepare.stage import by_count, job_fingerprint, job_inputs, progress_bar
 from draftsmith.prepare.vllm_chat import AnswerParser
 
 
@@ -111,17 +104,16 @@ class _Plan:
 
     @classmethod
     def of(cls, cfg: RegenerateConfig) -> _Plan:
-        target_dir = resolve_target(cfg.target)
-        tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
+        target_dir, identity, tokenizer, template, sources = job_inputs(cfg)
         engine_name, engine_version = engines.engine_choice(cfg)
         device = resolve_device(cfg.device if engine_name == "hf" else "auto")  # vLLM: the GPU where there is one
         positions = context_length(read_config(target_dir))
         plan = cls(
-            target_dir=target_dir,
-            identity=target_identity(target_dir),
-            tokenizer=tokenizer,
-            template=chat_template_of(cfg, tokenizer, target_dir),
-            sources=expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")],
+            target_dir,
+            identity,
+            tokenizer,
+            template,
+            sources,
             eos=engines.eos_token_ids(tokenizer, target_dir),
             engine_name=engine_name,
             engine_version=engine_version,
@@ -142,37 +134,33 @@ class _Plan:
         plan.fingerprint = sha256_bytes(json.dumps(job).encode("utf-8"))
         return plan
 
+    def start_engine(self, cfg: RegenerateConfig, work: Path) -> engines.Engine:
+        """Start the engine ("vllm" or "hf"; its version is what the run prints), its log (vLLM) in `work`."""
+        note = " (about a minute on a CPU)" if self.engine_name == "vllm" and self.device.type == "cpu" else ""
+        Console(stderr=True).print(f"[dim]starting {self.engine_version}{note}[/]", highlight=False)
+        if self.engine_name == "vllm":
+            log = work / engines.LOG_NAME
+            return engines.VLLMEngine(self.target_dir, cfg, self.dtype, self.eos, self.max_length, log)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
+        return engines.HFEngine(self.target_dir, cfg, self.device, self.dtype, self.eos, pad)
+
 
 def _regenerate(
     cfg: RegenerateConfig, plan: _Plan, work: Path, shards: list[RegeneratedShard], tally: Tally
 ) -> Regenerator:
     """Answer the records past the resume point shard by shard, each shard written and the progress saved as it
     ends; returns the regenerator (closed), with its timings and the records it skipped at the end."""
-    tokenizer = plan.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else plan.eos[0]
     parser = (
-        AnswerParser(tokenizer, cfg.tool_call_parser, cfg.reasoning_parser, cfg.chat_template_kwargs)
+        AnswerParser(plan.tokenizer, cfg.tool_call_parser, cfg.reasoning_parser, cfg.chat_template_kwargs)
         if (cfg.tool_call_parser or cfg.reasoning_parser)
         else None
     )
 
-    def start_engine() -> engines.Engine:
-        return engines.start_engine(
-            plan.engine_name,
-            plan.engine_version,
-            cfg,
-            plan.target_dir,
-            plan.device,
-            plan.dtype,
-            plan.eos,
-            pad,
-            plan.max_length,
-            work,
-        )
-
     records = read_records(plan.sources, tally.records, cfg.leading_assistant, agentic=bool(cfg.tool_call_parser))
-    encoder = ChatEncoder(tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
-    regenerator = Regenerator(cfg, encoder, plan.max_length, start_engine, records, tally, parser)
+    encoder = ChatEncoder(plan.tokenizer, plan.template, template_kwargs=cfg.chat_template_kwargs)
+    regenerator = Regenerator(
+        cfg, encoder, plan.max_length, lambda: plan.start_engine(cfg, work), records, tally, parser
+    )
     progress, task = progress_bar("regenerate", cfg.max_samples, "{task.fields[tok_rate]:,.1f} new tok/s")
     try:
         with progress:
@@ -202,10 +190,8 @@ def _manifest(
         engine_version=plan.engine_version,
         dtype=plan.dtype,
         device=str(plan.device),
-        chat_template_kwargs=cfg.chat_template_kwargs,
-        tool_call_parser=cfg.tool_call_parser,
-        reasoning_parser=cfg.reasoning_parser,
         parsers_from=plan.parsers_from,
+        **cfg.model_dump(include={"chat_template_kwargs", "tool_call_parser", "reasoning_parser"}),
     )
     return RegeneratedManifest(
         generator=generator,
@@ -215,20 +201,11 @@ def _manifest(
         ),
         fingerprint=plan.fingerprint,
         sources=regenerated_set.source_files(plan.sources),
-        num_conversations=tally.conversations,
-        num_assistant_turns=tally.assistant_turns,
-        num_new_tokens=tally.new_tokens,
-        num_truncated_turns=tally.truncated_turns,
-        num_truncated_conversations=tally.truncated_conversations,
-        num_cut_conversations=tally.cut_conversations,
-        num_tool_calls=tally.tool_calls,
-        num_spliced_results=tally.spliced_results,
-        diverged=tally.diverged,
         shards=shards,
-        skipped=tally.skipped,
-        skip_examples=tally.skip_examples,
-        damaged=tally.damaged,
         stats=stats,
+        # each num_NAME count is the tally's NAME
+        **{n: getattr(tally, n.removeprefix("num_")) for n in RegeneratedManifest.model_fields if n.startswith("num_")},
+        **{name: getattr(tally, name) for name in ("diverged", "skipped", "skip_examples", "damaged")},
     )
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from draftsmith.config import RegenerateConfig
 from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.messages import Chat, Message, Skip, normalize_conversation
-from draftsmith.prepare.readers import Skips, Source, records_after
+from draftsmith.prepare.readers import Skips, Source, chats_after
 from draftsmith.prepare.vllm_chat import AnswerParser, openai_message
 
 if TYPE_CHECKING:
@@ -170,13 +170,11 @@ def read_records(
     tools, where, leading assistant turns dropped); the first `skip_records` (already in the shards of an
     interrupted run) are read past. Conversations with tools are skipped unless `agentic` (a tool-call parser is
     named)."""
-    for source, record in records_after(sources, skip_records):
+    for source, record, chat in chats_after(sources, skip_records, leading_assistant, keep_trailing=True):
         where = f"{source.path.name} record {record.index}"
-        if record.bad is not None:
-            yield "skip", record.bad, where, record.detail
-            continue
         try:
-            chat = normalize_conversation(record.data, leading_assistant, keep_trailing=True)
+            if isinstance(chat, Skip):
+                raise chat
             if chat.agentic and not agentic:
                 raise Skip(
                     "agentic conversation",

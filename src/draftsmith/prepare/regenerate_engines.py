@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import transformers
 from pydantic import BaseModel
-from rich.console import Console
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig
@@ -145,15 +144,13 @@ class VLLMEngine:
         try:
             self._send(
                 worker.EngineOrder(
-                    target=str(target_dir),
+                    model=str(target_dir),
                     dtype=dtype,
                     max_model_len=max_model_len,
-                    seed=cfg.seed,
-                    tensor_parallel_size=cfg.tensor_parallel_size,
-                    trust_remote_code=cfg.trust_remote_code,
                     stop_token_ids=eos,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
+                    **cfg.model_dump(
+                        include={"seed", "tensor_parallel_size", "trust_remote_code", "temperature", "top_p"}
+                    ),
                 )
             )
             worker.Ready.model_validate_json(self._receive("start"))  # once the engine is up
@@ -209,23 +206,3 @@ class VLLMEngine:
 
 
 Engine = HFEngine | VLLMEngine
-
-
-def start_engine(  # noqa: PLR0913 - RegenerateConfig's engine settings
-    engine: str,
-    version: str,
-    cfg: RegenerateConfig,
-    target_dir: Path,
-    device: torch.device,
-    dtype: str,
-    eos: list[int],
-    pad_id: int,
-    max_length: int,
-    work: Path,
-) -> Engine:
-    """Start `engine` ("vllm" or "hf"; `version` is what the run prints), its log (vLLM) in `work`."""
-    note = " (about a minute on a CPU)" if engine == "vllm" and device.type == "cpu" else ""
-    Console(stderr=True).print(f"[dim]starting {version}{note}[/]", highlight=False)
-    if engine == "vllm":
-        return VLLMEngine(target_dir, cfg, dtype, eos, max_length, work / LOG_NAME)
-    return HFEngine(target_dir, cfg, device, dtype, eos, pad_id)

@@ -36,7 +36,9 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class EngineOrder(BaseModel):
-    target: str
+    """vLLM's `LLM(...)` arguments as they are (the target's directory its `model`), then the sampling."""
+
+    model: str
     dtype: Dtype
     max_model_len: int
     seed: int
@@ -90,12 +92,7 @@ def main() -> None:
     on_cpu = not torch.cuda.is_available()
     llm = vllm_launch.start_llm(
         dict(
-            model=engine.target,
-            dtype=engine.dtype,
-            max_model_len=engine.max_model_len,
-            seed=engine.seed,
-            tensor_parallel_size=engine.tensor_parallel_size,
-            trust_remote_code=engine.trust_remote_code,
+            **engine.model_dump(exclude={"stop_token_ids", "temperature", "top_p"}),
             enforce_eager=on_cpu,
             disable_log_stats=True,
         ),

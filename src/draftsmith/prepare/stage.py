@@ -45,8 +45,8 @@ from draftsmith.core.targets import load_tokenizer, resolve_target, target_ident
 from draftsmith.methods.vocab import coverage_report
 from draftsmith.prepare.chat import ChatEncoder, EncodedChat
 from draftsmith.prepare.dataset import PreparedManifest, open_prepared, resume_point, write_prepared
-from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip, normalize_conversation
-from draftsmith.prepare.readers import Skips, Source, expand_sources, records_after
+from draftsmith.prepare.messages import ROLE_ALIASES, Chat, Skip
+from draftsmith.prepare.readers import Skips, Source, chats_after, expand_sources
 from draftsmith.prepare.vllm_chat import VllmRendering
 
 BATCH = 16  # conversations per task sent to a worker
@@ -78,28 +78,19 @@ class _Tally(Skips):
     samples_dropped: dict[str, int] = field(default_factory=dict)  # samples of usable conversations left out
     files: dict[str, _FileCounts] = field(default_factory=dict)  # per input file
 
-    def _file(self, source: str) -> _FileCounts:
-        return self.files.setdefault(source, {"records": 0, "usable": 0, "skipped": {}, "first": ""})
-
-    def use(self, source: str) -> None:
-        counts = self._file(source)
-        counts["records"] += 1
-        counts["usable"] += 1
-
-    def skip_record(self, reason: str, source: str, index: int, detail: str) -> None:
-        self.skip(reason, f"{source} record {index}", detail)
-        counts = self._file(source)
-        counts["records"] += 1
-        counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
-        counts["first"] = counts["first"] or f"record {index}: {detail}"
-
     def add(self, where: tuple[str, int], item: EncodedChat | Skip, dropped: int) -> list[dict] | None:
-        """Count one record's outcome (a Skip, or a conversation's samples); its samples as rows, None if skipped."""
+        """Count one record's outcome (a Skip, or a conversation's samples), in all and for its file; its samples
+        as rows, None if skipped."""
+        source, index = where
+        counts = self.files.setdefault(source, {"records": 0, "usable": 0, "skipped": {}, "first": ""})
         self.records += 1
+        counts["records"] += 1
         if isinstance(item, Skip):
-            self.skip_record(item.reason, where[0], where[1], item.detail)
+            self.skip(item.reason, f"{source} record {index}", item.detail)
+            counts["skipped"][item.reason] = counts["skipped"].get(item.reason, 0) + 1
+            counts["first"] = counts["first"] or f"record {index}: {item.detail}"
             return None
-        self.use(where[0])
+        counts["usable"] += 1
         self.conversations += 1
         self.leading_assistant_dropped += dropped > 0
         self.samples += len(item.samples)
@@ -178,35 +169,6 @@ def _encode_batch(batch: list[tuple], encoder: ChatEncoder | None = None) -> lis
 # ------------------------------------------------------------------------------------------------ pipeline
 
 
-def _batches(
-    sources: list[Source], progress_cb, skip_records: int = 0, leading_assistant: str = "skip"
-) -> Iterator[list[tuple]]:
-    """(where: (file, record index), normalised conversation or counted Skip, leading assistant turns dropped)
-    from every source, in order, in batches; the first `skip_records` records (already in the shards of an interrupted run) are read
-    past."""
-    batch: list[tuple] = []
-    before = dict(
-        zip(map(id, sources), itertools.accumulate((s.size for s in sources), initial=0), strict=False)
-    )  # bytes ahead
-    for source, record in records_after(sources, skip_records):
-        where = (str(source.path), record.index)
-        if record.bad is not None:
-            item: Chat | Skip = Skip(record.bad, record.detail)
-        else:
-            try:
-                item = normalize_conversation(record.data, leading_assistant)
-            except Skip as skip:
-                item = skip
-        batch.append((where, item, item.leading_dropped if isinstance(item, Chat) else 0))
-        if len(batch) >= BATCH:
-            progress_cb(before[id(source)] + (record.offset or 0))
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-    progress_cb(sum(s.size for s in sources))
-
-
 def _encoded_batches(batches: Iterator[list], encoder: ChatEncoder, workers: int) -> Iterator[list]:
     """Run `_encode_batch` over `batches`, in order, on `workers` processes (inline when workers == 1)."""
     if workers <= 1:
@@ -263,6 +225,18 @@ def chat_template_of(
     return template
 
 
+def job_inputs(
+    cfg: PrepareConfig | RegenerateConfig,
+) -> tuple[Path, TargetIdentity, PreTrainedTokenizerBase, str, list[Source]]:
+    """A job's target (directory, identity, tokenizer), chat template and inputs (default: the embedded ShareGPT)."""
+    target_dir = resolve_target(cfg.target)
+    identity = target_identity(target_dir)
+    tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
+    template = chat_template_of(cfg, tokenizer, target_dir)
+    sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
+    return target_dir, identity, tokenizer, template, sources
+
+
 def progress_bar(stage: str, total: int | None, *rates: str) -> tuple[Progress, TaskID]:
     """A stage's progress bar on stderr (drawn on a terminal only): conversations done, then `rates` (columns of the
     task's `rate` and `tok_rate`), the time elapsed and left."""
@@ -316,13 +290,12 @@ def check_with_vllm(cfg: PrepareConfig, sources: list[Source], encoder: ChatEnco
         return f"{seq[at]} {encoder.tokenizer.convert_ids_to_tokens(seq[at])!r}"
 
     conversations = prompts = 0
-    for source, record in records_after(sources, 0):
+    for source, record, chat in chats_after(sources, 0, cfg.leading_assistant):
         if conversations == cfg.check_with_vllm:
             break
-        if record.bad is not None:
-            continue
         try:
-            chat = normalize_conversation(record.data, cfg.leading_assistant)
+            if isinstance(chat, Skip):
+                raise chat
             messages = encoder.as_rendered(chat)
             ours = list(encoder.prompts(chat))
         except Skip:
@@ -374,13 +347,28 @@ class _Job:
         if not self.cfg.max_samples:
             self.progress.update(self.task, completed=min(done, self.total_bytes))
 
+    def _batches(self) -> Iterator[list[tuple]]:
+        """(where: (file, record index), normalised conversation or counted Skip, leading assistant turns dropped)
+        for every record past the resume point, in order, in batches."""
+        batch: list[tuple] = []
+        sizes = (s.size for s in self.sources)
+        before = dict(zip(map(id, self.sources), itertools.accumulate(sizes, initial=0), strict=False))  # bytes ahead
+        for source, record, item in chats_after(self.sources, self.resumed[0], self.cfg.leading_assistant):
+            batch.append(
+                ((str(source.path), record.index), item, item.leading_dropped if isinstance(item, Chat) else 0)
+            )
+            if len(batch) >= BATCH:
+                self.on_bytes(before[id(source)] + (record.offset or 0))
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+        self.on_bytes(self.total_bytes)
+
     def samples(self) -> Iterator[list[dict]]:
         """Each usable conversation's samples as one unit: a shard (and a resume point) never splits them."""
         cfg, tally = self.cfg, self.tally
-        batches = _batches(
-            self.sources, self.on_bytes, skip_records=self.resumed[0], leading_assistant=cfg.leading_assistant
-        )
-        for batch in _encoded_batches(batches, self.encoder, self.workers):
+        for batch in _encoded_batches(self._batches(), self.encoder, self.workers):
             for where, item, dropped in batch:
                 if self.full():
                     break
@@ -465,11 +453,7 @@ class _Job:
 def run(cfg: PrepareConfig) -> StageResult:
     """Prepare `cfg.data` (default: the embedded ShareGPT) for `cfg.target` (default: embedded SmolLM2)."""
     started = time.perf_counter()
-    target_dir = resolve_target(cfg.target)
-    identity = target_identity(target_dir)
-    tokenizer = load_tokenizer(target_dir, trust_remote_code=cfg.trust_remote_code)
-    template = chat_template_of(cfg, tokenizer, target_dir)
-    sources = expand_sources(cfg.data) if cfg.data else [Source(assets.sharegpt_path(), "json")]
+    target_dir, identity, tokenizer, template, sources = job_inputs(cfg)
     encoder = ChatEncoder(
         tokenizer, template, max_length=cfg.max_length, overflow=cfg.overflow, template_kwargs=cfg.chat_template_kwargs
     )
