@@ -346,6 +346,7 @@ def reference_engine(
     import torch
 
     from draftsmith.core import targets
+    from draftsmith.core.targets import eos_ids
     from draftsmith.evaluate import build_draft_module
     from draftsmith.evaluate.prompts import held_out_split, load_prompts
     from draftsmith.evaluate.specdec import (
@@ -355,13 +356,12 @@ def reference_engine(
         plain_generate,
         speculative_generate,
     )
-    from draftsmith.evaluate.stage import _eos_ids
 
     device = targets.resolve_device(device_name)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     model = targets.load_target(target_path, dtype=dtype, device=device)
     tokenizer = targets.load_tokenizer(target_path)
-    eos = _eos_ids(tokenizer, target_path)
+    eos = eos_ids(tokenizer, target_path)
     first = next(iter(sources.values()))
     prompts = load_prompts(
         prompt_set,

@@ -468,3 +468,13 @@ def lm_head(model: nn.Module) -> nn.Linear:
     if head is None:
         raise _cannot(model, "the LM head (get_output_embeddings() is None)")
     return head
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerBase, target_dir: Path) -> set[int]:
+    """The ids that end an answer: the tokenizer's eos and generation_config.json's eos_token_id(s)."""
+    ids = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
+    gen = Path(target_dir) / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
+    return ids

@@ -8,7 +8,6 @@ for the speed-up; the report (JSON, markdown, PNG charts) goes to `cfg.output`.
 from __future__ import annotations
 
 import functools
-import json
 import random
 import shutil
 import sys
@@ -60,17 +59,6 @@ def build_draft_module(
     `dtype`."""
     draft = draft_module(source, targets.embed_tokens(target_model).weight, targets.lm_head(target_model).weight)
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def _eos_ids(tokenizer: Any, target_path: Path) -> set[int]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = target_path / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
-    return ids
 
 
 def _say(line: str) -> None:
@@ -215,7 +203,7 @@ def _reference_run(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         seed=cfg.seed,
-        eos_ids=_eos_ids(tokenizer, target_path),
+        eos_ids=targets.eos_ids(tokenizer, target_path),
         baseline=cfg.baseline,
         device=device,
         show_progress=True,

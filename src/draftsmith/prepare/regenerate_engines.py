@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import importlib.util
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from pydantic import BaseModel
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig
-from draftsmith.core import processes, vllm_launch
+from draftsmith.core import processes, targets, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target
 from draftsmith.prepare import regenerate_worker as worker
@@ -32,14 +31,8 @@ LOG_NAME = "vllm.log"
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, target_dir: Path) -> list[int]:
-    """The ids that end an answer: the tokenizer's eos and generation_config.json's eos_token_id(s)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = Path(target_dir) / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
-        ids.update([value] if isinstance(value, int) else [int(v) for v in value or []])
+    """The ids that end an answer (`targets.eos_ids`); refused when the target names none."""
+    ids = targets.eos_ids(tokenizer, target_dir)
     if not ids:
         raise DraftsmithError(
             f"{target_dir}: the target names no end-of-sequence token (tokenizer eos_token, "
