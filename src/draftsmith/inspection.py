@@ -1,4 +1,5 @@
-"""`draftsmith inspect`: any artefact's manifest, or one sample with its loss-masked span highlighted."""
+"""`draftsmith inspect`: any artefact's manifest, or one sample whole with its loss-masked span highlighted (and, in
+a prepared set, the prefix it shares with another sample)."""
 
 from __future__ import annotations
 
@@ -73,9 +74,11 @@ def run(path: Path, *, sample: int | None, as_json: bool, console: Console) -> N
         print(json.dumps({"sample_id": sample_id, "input_ids": input_ids, "loss_mask": loss_mask}))
         return
     tokenizer = load_tokenizer(Path(samples.manifest.target.path))
+    parent, shared = samples.prefix(sample) if kind == "prepared" else (-1, 0)
     console.print(
-        f"[bold]{path}[/] sample {sample}: {len(input_ids)} tokens, {sum(loss_mask)} loss-masked "
-        "([bold green]trained on[/], [dim]context[/])"
+        f"[bold]{path}[/] sample {sample}: {len(input_ids)} tokens, {sum(loss_mask)} loss-masked"
+        + (f", the first {shared} those of sample {parent}" if shared else "")
+        + " ([bold green]trained on[/], [dim]context[/])"
     )
     console.print(highlighted_text(tokenizer, input_ids, loss_mask))
     if "hidden_states" in item:

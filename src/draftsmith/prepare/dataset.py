@@ -7,6 +7,7 @@ On disk (see docs/formats.md, "Prepared data set")::
     shard-00000.safetensors       input_ids int32 [T], loss_mask uint8 [T], offsets int64 [n+1]
     shard-00001.safetensors       ... (samples first_sample .. first_sample+n-1 of the set)
     token_counts.safetensors      counts int64 [vocab]: how often each target token id is loss-masked
+    prefixes.safetensors          order, parent, shared int64 [N]: the prefixes samples share (prefix_tree)
 
 Sample i of a shard is `input_ids[offsets[i]:offsets[i+1]]`. Shards are read through
 `draftsmith.core.tensorfile` (safetensors maps them into memory), so a set larger than memory is never loaded
@@ -20,7 +21,8 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,7 @@ from draftsmith.core.manifest import (
 from draftsmith.core.tensorfile import Samples, TensorFile
 
 TOKEN_COUNTS_NAME = "token_counts.safetensors"
+PREFIXES_NAME = "prefixes.safetensors"
 REMEDY = "run `draftsmith prepare` again to rebuild the prepared set"
 
 
@@ -84,6 +87,10 @@ class PreparedManifest(Manifest):
     shards: list[PreparedShard]
     token_counts_file: str = TOKEN_COUNTS_NAME
     token_counts_sha256: str = ""
+    num_distinct_tokens: int = Field(0, description="tokens of the samples' prefix tree; 0: not counted (older set)")
+    tokens_per_distinct_token: float = Field(0.0, description="num_tokens / num_distinct_tokens, 2 decimals")
+    prefixes_file: str = Field("", description='"": a set written before prefixes were recorded: none shared')
+    prefixes_sha256: str = ""
     skipped: dict[str, int] = Field(default_factory=dict)
     skip_examples: dict[str, str] = Field(default_factory=dict, description="first skipped record of each reason")
     damaged: list[str] = Field(default_factory=list, description="damaged input tails, one line each")
@@ -184,15 +191,38 @@ class _ShardWriter:
         self.ids.clear()
         self.masks.clear()
 
-    def token_counts(self) -> np.ndarray:
-        """Loss-masked token counts over every shard written, read back from the shards."""
+    def read_back(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Loss-masked token counts and `prefix_tree` over every shard written, read back from the shards."""
         counts = np.zeros(int(self.target.vocab_size), dtype=np.int64)
-        for shard in self.shards:
-            file = _open_shard(self.directory / shard.file)
-            ids = file.view("input_ids").numpy()
-            counts += np.bincount(ids[file.view("loss_mask").numpy().astype(bool)], minlength=len(counts))
-            file.close()
-        return counts
+
+        def samples() -> Iterator[np.ndarray]:
+            for shard in self.shards:
+                file = _open_shard(self.directory / shard.file)
+                ids, offsets = file.view("input_ids").numpy(), file.view("offsets").numpy()
+                counts[:] += np.bincount(ids[file.view("loss_mask").numpy().astype(bool)], minlength=len(counts))
+                yield from (ids[a:b] for a, b in itertools.pairwise(offsets))
+                file.close()
+
+        tree = prefix_tree(samples())
+        return counts, tree
+
+
+def prefix_tree(samples: Iterable[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, parent, shared) int64 [N] of samples' token ids, across conversations: `order` sorts the samples by
+    their ids (lexicographically), so a parent comes before its children; in it each sample's parent is the one
+    before it and `shared` their longest common prefix (parent -1 where that is 0). The predecessor in that order
+    shares the longest prefix any sample does, so sum(len - shared) counts the distinct prefixes (prefix-tree nodes).
+    Holds every sample's ids as bytes (4 bytes a token) while it sorts."""
+    keys = [ids.astype(">i4").tobytes() for ids in samples]  # ids >= 0: byte order is numeric order
+    order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+    parent, shared = np.full(len(keys), -1, dtype=np.int64), np.zeros(len(keys), dtype=np.int64)
+    for before, i in itertools.pairwise(order.tolist()):
+        a, b = np.frombuffer(keys[before], ">i4"), np.frombuffer(keys[i], ">i4")
+        n = min(len(a), len(b))
+        differ = np.flatnonzero(a[:n] != b[:n])
+        shared[i] = differ[0] if differ.size else n
+        parent[i] = before if shared[i] else -1
+    return order, parent, shared
 
 
 def _write_all(
@@ -217,16 +247,23 @@ def _write_all(
             f"{output}: no usable samples to write"
             + (f" (skipped: {', '.join(f'{k} {v}' for k, v in skipped.items())})" if skipped else "")
         )
-    counts = writer.token_counts()
+    counts, (order, parent, shared) = writer.read_back()
     _write_safetensors(writer.directory / TOKEN_COUNTS_NAME, {"counts": counts})
+    _write_safetensors(writer.directory / PREFIXES_NAME, {"order": order, "parent": parent, "shared": shared})
+    num_tokens = sum(s.num_tokens for s in shards)
+    distinct = num_tokens - int(shared.sum())
     manifest = PreparedManifest(
         target=writer.target,
         num_samples=writer.num_samples,
-        num_tokens=sum(s.num_tokens for s in shards),
+        num_tokens=num_tokens,
         num_loss_tokens=int(counts.sum()),
         num_truncated=writer.num_truncated,
         shards=shards,
         token_counts_sha256=sha256_file(writer.directory / TOKEN_COUNTS_NAME),
+        num_distinct_tokens=distinct,
+        tokens_per_distinct_token=round(num_tokens / max(distinct, 1), 2),
+        prefixes_file=PREFIXES_NAME,
+        prefixes_sha256=sha256_file(writer.directory / PREFIXES_NAME),
         skipped=dict(skipped or {}),
         **fields,
     )
@@ -368,6 +405,24 @@ class PreparedDataset(Samples):
     def num_tokens(self) -> int:
         return self.manifest.num_tokens
 
+    def prefix(self, i: int) -> tuple[int, int]:
+        """(parent, shared): sample i's first `shared` token ids are sample `parent`'s first ones (-1, 0: none);
+        its loss mask is its own."""
+        return int(self.prefixes[1][i]), int(self.prefixes[2][i])
+
+    @functools.cached_property
+    def prefixes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(order, parent, shared) int64 [N] (`prefix_tree`); a set written before they were recorded shares none."""
+        m, n = self.manifest, self.manifest.num_samples
+        if not m.prefixes_file:
+            return np.arange(n, dtype=np.int64), np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        file = TensorFile(self.path / m.prefixes_file, REMEDY, what="prefix file", sha256=m.prefixes_sha256 or None)
+        for name in ("order", "parent", "shared"):
+            file.expect(name, "I64", (n,))
+        order, parent, shared = (file.read(name).numpy() for name in ("order", "parent", "shared"))
+        file.close()
+        return order, parent, shared
+
     def token_counts(self) -> torch.Tensor:
         """How often each target token id is loss-masked in this set: int64 [vocab]."""
         file = TensorFile(
@@ -382,10 +437,10 @@ class PreparedDataset(Samples):
         return counts
 
     def verify(self) -> None:
-        """Re-hash every shard and the token counts; DraftsmithError naming the first damaged file."""
-        files = [(s.file, s.sha256) for s in self.manifest.shards]
-        if self.manifest.token_counts_sha256:
-            files.append((self.manifest.token_counts_file, self.manifest.token_counts_sha256))
+        """Re-hash every shard, the token counts and the prefixes; DraftsmithError naming the first damaged file."""
+        m = self.manifest
+        named = [(m.token_counts_file, m.token_counts_sha256), (m.prefixes_file, m.prefixes_sha256)]
+        files = [(s.file, s.sha256) for s in m.shards] + [(name, digest) for name, digest in named if digest]
         for name, digest in files:
             file = self.path / name
             if not file.is_file():
