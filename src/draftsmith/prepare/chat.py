@@ -274,9 +274,12 @@ class ChatEncoder:
             ids, mask = ids[: self.max_length], mask[: self.max_length]
             truncated = True
             if not mask.any():
+                first = encoded[1] if encoded[1].any() else self._tokenize(text, spans, starts)[1]
+                needed = int(np.argmax(first)) + 1
                 raise Skip(
                     "no assistant tokens within max_length",
-                    f"the first assistant token comes after max_length {self.max_length}",
+                    f"the first assistant token is token {needed:,}, after max_length {self.max_length:,}",
+                    needed,
                 )
         return Encoded(ids.astype(np.int32), mask, truncated)
 

@@ -42,10 +42,11 @@ _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 class Skip(Exception):
     """A conversation that cannot be used: `reason` is the counted category, `detail` says what exactly."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", needed: int = 0):
         super().__init__(reason)
         self.reason = reason
         self.detail = detail or reason
+        self.needed = needed  # the shortest max_length that keeps it, where that is why it is skipped
 
 
 Message = dict[str, Any]
