@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -186,8 +187,6 @@ def test_conversations_that_drop_reasoning_or_share_a_system_prompt_share_prefix
 
 
 def test_a_set_without_the_prefix_file_loads_and_shares_nothing(tmp_path):
-    from pathlib import Path
-
     samples = _branching_samples(1)
     write_prepared(tmp_path / "p", iter(samples), _target(), chat_template_hash="h", max_length=64)
     (tmp_path / "p" / PREFIXES_NAME).unlink()
