@@ -652,8 +652,7 @@ def main() -> None:
         PrepareConfig,
         TrainConfig,
     )
-    from draftsmith.core import targets
-    from draftsmith.evaluate import vllm_runner
+    from draftsmith.core import targets, vllm_launch
     from draftsmith.extract import stage as extract
     from draftsmith.methods.artefact import load_draft, resolve_draft_target
     from draftsmith.prepare.dataset import open_prepared
@@ -766,7 +765,7 @@ def main() -> None:
                     target_path, sources, args.prompt_set, num_prompts, ks, max_new, args.device, dtype_name
                 )
             else:
-                version = vllm_runner.vllm_available()
+                version = vllm_launch.vllm_version()
                 if version is None:
                     results[engine] = {"error": "skipped: vLLM is not installed (or does not import)"}
                     continue

@@ -28,6 +28,7 @@ from draftsmith.config import (
     RegenerateConfig,
     load_config,
 )
+from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.prepare import (
     regenerate,
@@ -678,7 +679,7 @@ def test_agentic_conversations_are_regenerated_with_the_recorded_results_spliced
     assert summary["tool loops ended early"] == 4 and summary["skipped: target wrote a malformed tool call"] == 1
     manifest = regenerated_set.open_regenerated(tmp_path / "out")
     assert (manifest.generator.tool_call_parser, manifest.generator.reasoning_parser) == ("hermes", "qwen3")
-    assert manifest.generator.parsers_from == regenerate_engines.vllm_version()
+    assert manifest.generator.parsers_from == vllm_launch.vllm_version()
 
     # prepare reads every regenerated conversation back, calls and reasoning included
     prepared = prepare(

