@@ -1,5 +1,4 @@
-"""`draftsmith inspect`: any artefact's manifest, or one sample whole with its loss-masked span highlighted (and, in
-a prepared set, the prefix it shares with another sample)."""
+"""`draftsmith inspect`: any artefact's manifest, or one sample with its loss-masked span (and shared prefix) shown."""
 
 from __future__ import annotations
 

@@ -208,11 +208,9 @@ class _ShardWriter:
 
 
 def prefix_tree(samples: Iterable[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(order, parent, shared) int64 [N] of samples' token ids, across conversations: `order` sorts the samples by
-    their ids (lexicographically), so a parent comes before its children; in it each sample's parent is the one
-    before it and `shared` their longest common prefix (parent -1 where that is 0). The predecessor in that order
-    shares the longest prefix any sample does, so sum(len - shared) counts the distinct prefixes (prefix-tree nodes).
-    Holds every sample's ids as bytes (4 bytes a token) while it sorts."""
+    """(order, parent, shared) int64 [N]: `order` sorts the samples by their token ids, so a parent comes before its
+    children; each sample's parent is its predecessor there, which shares the longest prefix any sample does
+    (`shared`; parent -1 where 0), so sum(len - shared) counts the prefix tree's nodes. Holds 4 bytes a token."""
     keys = [ids.astype(">i4").tobytes() for ids in samples]  # ids >= 0: byte order is numeric order
     order = np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
     parent, shared = np.full(len(keys), -1, dtype=np.int64), np.zeros(len(keys), dtype=np.int64)

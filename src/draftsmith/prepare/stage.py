@@ -134,8 +134,7 @@ def _file_counts(counts: _FileCounts | None) -> str:
 
 
 def _needed(tally: _Tally) -> str:
-    """What the conversations skipped for max_length need: `--max-length 9,870 reaches the first assistant token of
-    all 200 (4,410: half)`."""
+    """What the conversations skipped for max_length need: `--max-length 9,870 reaches ... all 200 (4,410: half)`."""
     n = sorted(tally.needed)
     return f"--max-length {n[-1]:,} reaches the first assistant token of all {len(n)} ({n[(len(n) - 1) // 2]:,}: half)"
 
