@@ -378,7 +378,7 @@ def test_bad_records_are_counted_by_reason_with_where_they_are(tmp_path, tiny_ta
 
 def test_user_mistakes_are_one_line(tmp_path, tiny_target_dir, monkeypatch):
     data = _write(tmp_path / "d.json", CONVERSATIONS)
-    monkeypatch.setattr(regenerate_engines, "vllm_version", lambda: None)
+    monkeypatch.setattr(vllm_launch, "vllm_version", lambda: None)
     with pytest.raises(DraftsmithError, match=r"^--engine vllm: vLLM is not installed"):
         regenerate.run(_cfg(data, tiny_target_dir, tmp_path / "out", engine="vllm"))
     (tmp_path / "mine").mkdir()
