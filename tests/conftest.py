@@ -330,3 +330,15 @@ def parallel_round(runner, ids, fused, k):
     finally:
         del runner.forward_slots
     return seen[0]
+
+
+@pytest.fixture(scope="session")
+def qwen3_shaped_target(tmp_path_factory):
+    """A tiny random target whose tokenizer carries a Qwen3-shaped, tool-aware chat template (tests/agentic.py)."""
+    from agentic import QWEN3_MARKERS, QWEN3_SHAPED_TEMPLATE
+
+    return build_tiny_target(
+        tmp_path_factory.mktemp("qwen3-shaped"),
+        chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
+        added_tokens=QWEN3_MARKERS,
+    )

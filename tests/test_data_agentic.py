@@ -31,16 +31,6 @@ from draftsmith.prepare.dataset import open_prepared
 from draftsmith.prepare.messages import Chat, Skip, normalize_conversation
 
 
-@pytest.fixture(scope="module")
-def qwen3_shaped_target(tmp_path_factory):
-    """A tiny random target whose tokenizer carries a Qwen3-shaped, tool-aware chat template."""
-    return build_tiny_target(
-        tmp_path_factory.mktemp("qwen3-shaped"),
-        chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
-        added_tokens=QWEN3_MARKERS,
-    )
-
-
 def _qwen_tokenizer():
     return build_tiny_tokenizer(QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS)
 

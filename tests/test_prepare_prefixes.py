@@ -15,28 +15,20 @@ import numpy as np
 import pytest
 import torch
 from agentic import QWEN3_MARKERS, QWEN3_SHAPED_TEMPLATE, agentic_conversations, write_jsonl
-from conftest import build_tiny_target, build_tiny_tokenizer
+from conftest import build_tiny_tokenizer
 from rich.console import Console
+from test_prepared import _target
 
 from draftsmith import inspection
 from draftsmith.config import PrepareConfig
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity
+from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.prepare import run as prepare_run
 from draftsmith.prepare.chat import ChatEncoder
 from draftsmith.prepare.dataset import PREFIXES_NAME, open_prepared, write_prepared
 from draftsmith.prepare.messages import normalize_conversation
 
 SYSTEM = "You are a careful assistant. Answer in one short line, and say so when you do not know."
-
-
-@pytest.fixture(scope="module")
-def qwen3_shaped_target(tmp_path_factory):
-    return build_tiny_target(
-        tmp_path_factory.mktemp("qwen3-shaped"),
-        chat_template=QWEN3_SHAPED_TEMPLATE.read_text(),
-        added_tokens=QWEN3_MARKERS,
-    )
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -81,18 +73,6 @@ def _check_prefixes(ds) -> list[list[int]]:
     assert ds.manifest.num_tokens == sum(map(len, ids))
     assert ds.manifest.tokens_per_distinct_token == round(sum(map(len, ids)) / distinct, 2)
     return ids
-
-
-def _target(vocab: int = 50) -> TargetIdentity:
-    return TargetIdentity(
-        path="/tmp/t",
-        architecture="LlamaForCausalLM",
-        config_hash="c",
-        tokenizer_hash="t",
-        num_layers=4,
-        hidden_size=64,
-        vocab_size=vocab,
-    )
 
 
 def _branching_samples(seed: int = 0) -> list[dict]:
