@@ -31,7 +31,9 @@ def test_the_registry_derives_the_names_options_and_vllm_needs_from_the_packages
     for name in methods.NAMES:
         loaded = methods.method(name)
         assert loaded.name == name and loaded.vllm_needs == methods.NEEDS[name]
-        assert all(need.fact in ProbeFacts.model_fields for need in loaded.vllm_needs), name  # no string join
+        for need in loaded.vllm_needs:  # each reads one fact of the probe by attribute, and that one only
+            read = {f for f in ProbeFacts.model_fields if need.fact(ProbeFacts.model_construct(**{f: True})) is True}
+            assert len(read) == 1 and need.fact(ProbeFacts()) is None, (name, read)
     assert [m.name for m in methods.all_methods()] == list(methods.NAMES)
 
 

@@ -77,7 +77,7 @@ def vllm_verdict(
         )
     version = f"vLLM {facts.version or '(version unknown)'}"
     also = None  # a second row that must say yes too
-    missing = next((n for n in drafting.vllm_needs if getattr(facts, n.fact) is not True), None)  # a field (tests)
+    missing = next((n for n in drafting.vllm_needs if n.fact(facts) is not True), None)
     if facts.eagle3_on_platform is not True:
         row = EAGLE3_ROW
         label = drafting.vllm_label
@@ -111,7 +111,7 @@ def vllm_verdict(
         what_for = f"for this {drafting.kind} draft"
         why = (
             f"{version} {missing.lacks} {what_for}"
-            if getattr(facts, missing.fact) is False
+            if missing.fact(facts) is False
             else f"the probe could not tell whether {version} {missing.has} {what_for}"
         )
         vllm_hint = missing.hint

@@ -1,5 +1,5 @@
 """What every method's typed options extend (`MethodOptions`, `BlockOptions`; each method's own model is in its
-package, the union in the registry) and what a vLLM must have to serve a method (`VllmNeed`). No torch.
+package, the union in the registry) and what a vLLM must have to serve a method (`VllmNeed`, `MethodFacts`). No torch.
 
 What the trainer reads of every method's options: `depths`, the positions a round trains (TTT steps, parallel depths,
 a block's proposals) and `depth_weight`, the loss weight of depth d being depth_weight**d.
@@ -8,6 +8,7 @@ a block's proposals) and `depth_weight`, the loss weight of depth d being depth_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -68,13 +69,21 @@ class BlockOptions(MethodOptions):
         return math.exp(-1.0 / self.loss_decay)
 
 
+class MethodFacts(BaseModel):
+    """What the probe reads of a vLLM for the methods beyond EAGLE-3 (`ProbeFacts` extends it). None: unknown."""
+
+    parallel_drafting: bool | None = None  # P-EAGLE: SpeculativeConfig.parallel_drafting and a proposer using it
+    dflash: bool | None = None  # DFlash: DFlashDraftModel registered, a DFlashProposer, the "dflash" method
+    eagle31: bool | None = None  # Eagle 3.1: vLLM's Eagle-3 draft reads fc_norm and norm_output from its config
+    dspark: bool | None = None  # DSpark: Qwen3DSparkModel registered, the "dspark" method, a GPU model runner V2
+
+
 @dataclass(frozen=True)
 class VllmNeed:
-    """A probe fact (`ProbeFacts` attribute) a vLLM must have to serve a method, beside EAGLE-style decoding on
-    its platform (each package's `NEEDS`; a test holds `fact` to a `ProbeFacts` field), with the words of a refusal: the
-    doctor row that shows it, what is missing when the fact is false, and which vLLM has it."""
+    """A probe fact a vLLM must have to serve a method beside EAGLE-style decoding (each package's `NEEDS`), and the
+    words of a refusal: the doctor row that shows it, what is missing when the fact is false, which vLLM has it."""
 
-    fact: str
+    fact: Callable[[MethodFacts], bool | None]
     row: str
     lacks: str  # "has no parallel drafting"
     has: str  # "has parallel drafting" (for "could not tell whether vLLM X has ...")

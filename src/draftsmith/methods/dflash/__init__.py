@@ -18,7 +18,7 @@ ROW = "DFlash drafts"  # doctor's row of the probe fact (extract/vllm/readers.py
 ARCHITECTURE = "DFlashDraftModel"  # the architecture of an exported DFlash draft, as vLLM registers it
 NEEDS = (
     VllmNeed(
-        "dflash",
+        lambda facts: facts.dflash,
         ROW,
         "has no dflash method",
         "has the dflash method",

@@ -16,7 +16,7 @@ ROW = "DSpark drafts"  # doctor's row of the probe fact (extract/vllm/readers.py
 ARCHITECTURE = "Qwen3DSparkModel"  # the architecture of an exported DSpark draft (vLLM's qwen3_dspark)
 NEEDS = (
     VllmNeed(
-        "dspark",
+        lambda facts: facts.dspark,
         ROW,
         "cannot draft with the dspark method here",
         "drafts with the dspark method here",

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 ROW = "Eagle 3.1 drafts"  # doctor's row of the probe fact (extract/vllm/readers.py)
 NEEDS = (
     VllmNeed(
-        "eagle31",
+        lambda facts: facts.eagle31,
         ROW,
         "builds no fc_norm / norm_output into its EAGLE-3 draft",
         "builds fc_norm and norm_output into its EAGLE-3 draft",

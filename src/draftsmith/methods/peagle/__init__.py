@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 ROW = "parallel drafting (P-EAGLE)"  # doctor's row of the probe fact (extract/vllm/readers.py)
 NEEDS = (
     VllmNeed(
-        "parallel_drafting",
+        lambda facts: facts.parallel_drafting,
         ROW,
         "has no parallel drafting",
         "has parallel drafting",
