@@ -310,9 +310,17 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def _quiet_threads():
-    """Keep tests deterministic and polite on a 2-core machine."""
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    """Keep tests deterministic and polite on a 2-core machine (OMP_NUM_THREADS, where set, is the count: .ci/run
+    gives each of two suites run side by side one thread, as two spinning OpenMP pools on two cores are many times
+    slower). A vLLM engine started in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) leaves it one torch thread,
+    `torch.set_num_threads` a no-op and its own variables in os.environ (LD_PRELOAD, LOCAL_WORLD_SIZE, ...), which
+    every later test, and every process one starts, would inherit: each test ends with what it began with."""
+    env, set_num_threads = dict(os.environ), torch.set_num_threads
+    set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, min(2, os.cpu_count() or 1))))
     yield
+    torch.set_num_threads = set_num_threads
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def parallel_round(runner, ids, fused, k):
