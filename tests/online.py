@@ -141,6 +141,13 @@ def steps_done(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+def wait_gone(*pids: int, timeout: float = 30.0) -> None:
+    """Until none of `pids` is alive, or `timeout` s (SIGKILL is delivered, not waited for); the caller asserts."""
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

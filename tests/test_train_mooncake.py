@@ -37,6 +37,7 @@ from online import (
     steps_done,
     torchrun_offline_and_online,
     wait_for,
+    wait_gone,
 )
 
 from draftsmith.core.net import free_port
@@ -278,9 +279,7 @@ def test_kill_9_of_engine_master_and_trainer_each_resume_to_the_same_weights(onl
     engine, master = one("draftsmith.extract.vllm.feed"), one("mooncake_master")
     trainer.kill()
     trainer.wait()
-    deadline = time.monotonic() + 30
-    while (alive(engine) or alive(master)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_gone(engine, master)
     assert not alive(engine) and not alive(master), "the engine process or the master outlived the trainer"
     text = log.read_text()
     assert "restarting it (1 of 3)" in text and "mooncake_master stopped" in text, text[-3000:]
