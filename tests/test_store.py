@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -487,3 +488,58 @@ def test_fp8_encoding_in_cache_sized_blocks_equals_the_whole_tensor_formula_bit_
     assert torch.equal(scales.nan_to_num(posinf=-1.0), scale.nan_to_num(posinf=-1.0))
     assert scales[3, 0] == 1.0 and scales[rows - 1, 1].isnan() and scales[200, 2].isinf()
     assert q.view(torch.uint8).float().std() > 10  # not a tensor of one byte
+
+
+def _branching(seed: int = 1) -> tuple[dict[int, dict], dict[int, tuple[int, int]]]:
+    """Samples 0-5 with (parent, shared): 1 and 3 extend 0's first 6 and 4 tokens, 2 extends 1's first 8 (6 of
+    them 0's), 5 extends 2 (rows from three samples); 4 shares nothing. A child's shared states are its parent's."""
+    samples, prefixes = _samples(6, seed), {1: (0, 6), 2: (1, 8), 3: (0, 4), 5: (2, 10)}
+    samples[0] = {k: torch.cat([v, v, v]) for k, v in samples[0].items()}  # 9 tokens or more
+    for i, (p, n) in prefixes.items():  # then 3 to 19 tokens of its own
+        own = _samples(1, seed + 10 + i)[0]
+        samples[i] = {k: torch.cat([samples[p][k][:n], own[k]]) for k in own}
+    return samples, prefixes
+
+
+def _fill_chained(path, samples, prefixes, ids=None, spec=None, worker="0/1"):
+    with store.create_or_resume(path, spec or _spec(), worker=worker, shard_bytes=400) as writer:
+        for i in ids if ids is not None else samples:
+            if i not in writer.done_sample_ids():
+                s, (p, n) = samples[i], prefixes.get(i, (-1, 0))
+                writer.add(i, s["input_ids"], s["loss_mask"], s["hidden_states"][n:], None, p, n)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_samples_sharing_prefixes_store_each_state_once_and_read_back_whole(tmp_path, dtype):
+    samples, prefixes = _branching()
+    _fill_chained(tmp_path / "c", samples, prefixes, spec=_spec(dtype=dtype))
+    _fill(tmp_path / "w", samples, spec=_spec(dtype=dtype))
+    chained, whole = store.open(tmp_path / "c", dtype=None), store.open(tmp_path / "w", dtype=None)
+    assert len(chained.manifest.shards) > 2 and chained.manifest.num_tokens == whole.manifest.num_tokens
+    rows = sum(s.num_rows or s.num_tokens for s in chained.manifest.shards)
+    assert rows == whole.manifest.num_tokens - sum(n for _, n in prefixes.values())  # 28 rows fewer
+    for k in range(len(whole)):  # fp8 encodes row by row: the same bytes, read through the parents
+        assert all(torch.equal(chained[k][f], whole[k][f]) for f in whole[k] if f != "sample_id")
+    assert store.verify_store(tmp_path / "c").ok
+    with pytest.raises(ValueError, match="not stored before it"):
+        _fill_chained(tmp_path / "x", samples, prefixes, ids=[2], spec=_spec(dtype=dtype))
+
+
+def test_a_lost_prefix_drops_the_samples_sharing_it_until_extract_computes_them_again(tmp_path):
+    samples, prefixes = _branching()
+    _fill_chained(tmp_path / "m", samples, prefixes, ids=[0, 1, 3, 4], worker="0/2")
+    _fill_chained(tmp_path / "m", samples, prefixes, ids=[2, 5], worker="1/2")  # parents stored by another writer
+    _assert_equal_to(tmp_path / "m", samples)
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    shutil.copytree(tmp_path / "m", tmp_path / "n")
+    (tmp_path / "n" / "manifest.json").write_text(json.dumps({**manifest, "shards": manifest["shards"][1:]}))
+    with pytest.raises(DraftsmithError, match="sample 0, whose states others share, is not in the store"):
+        store.open(tmp_path / "n")
+    first = tmp_path / "m" / manifest["shards"][0]["file"]  # holds sample 0
+    first.write_bytes(first.read_bytes()[:-3] + b"xyz")
+    report = store.verify_store(tmp_path / "m", repair=True)
+    assert len(report.bad_shards) > 1 and any("sample 0, which is lost" in p for p in report.problems)
+    assert store.verify_store(tmp_path / "m").ok
+    assert sorted(int(i) for i in store.open(tmp_path / "m").sample_ids) == [4]
+    _fill_chained(tmp_path / "m", samples, prefixes, ids=[0, 1, 3, 4, 2, 5])  # extract again: they come back
+    _assert_equal_to(tmp_path / "m", samples)

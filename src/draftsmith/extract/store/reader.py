@@ -30,7 +30,8 @@ class HiddenStateStore(Samples):
     "sample_id": int}. hidden_states come as `dtype`; with `dtype=None` as stored (`storage_dtype`: bf16, or
     float8_e4m3fn with its per-row scales as "hidden_scales": f32 [T, L]; `decode_hidden_states` turns them into
     floats on any device). Tensors in the storage dtype are views of the shard files: copy before changing them.
-    `lengths` / `sample_ids` are numpy int64 arrays read without touching any state.
+    `lengths` / `sample_ids` are numpy int64 arrays read without touching any state. A sample that shares a prefix
+    with another (shards.py) is read whole: its parent's first rows, then its own.
     """
 
     what = "a store"
@@ -41,7 +42,7 @@ class HiddenStateStore(Samples):
         self.dtype = dtype
         spec = manifest.spec()
         self._shards: list[TensorFile] = []
-        ids, owner, starts, lengths = [], [], [], []
+        ids, owner, starts, lengths, rows, parents, shared = [], [], [], [], [], [], []
         for k, info in enumerate(manifest.shards):
             shard, index = shards.open_shard(self.path / info.file, spec, info.num_bytes, info.sha256)
             if not info.describes(index.sample_ids, index.num_tokens):
@@ -51,6 +52,9 @@ class HiddenStateStore(Samples):
             owner.append(np.full(len(index.sample_ids), k, dtype=np.int64))
             starts.append(index.offsets[:-1])
             lengths.append(np.diff(index.offsets))
+            rows.append(index.rows[:-1])
+            parents.append(index.parents)
+            shared.append(index.shared)
         order = np.argsort(np.asarray(ids, dtype=np.int64), kind="stable")
         self.sample_ids = np.asarray(ids, dtype=np.int64)[order]
         if len(self.sample_ids) and bool((np.diff(self.sample_ids) == 0).any()):
@@ -64,7 +68,14 @@ class HiddenStateStore(Samples):
 
         self.lengths = joined(lengths)
         self._owner = joined(owner)  # which shard holds sample i
-        self._start = joined(starts)  # its first row there
+        self._start = joined(starts)  # its first token there
+        self._row, self._parent, self._shared = joined(rows), joined(parents), joined(shared)  # its own states
+        orphans = np.setdiff1d(self._parent[self._parent >= 0], self.sample_ids)
+        if len(orphans):
+            raise DraftsmithError(
+                f"{self.path}: sample {int(orphans[0])}, whose states others share, is not in the store (damaged "
+                "store); run `draftsmith store verify --repair` and extract again"
+            )
         if len(self.sample_ids) != manifest.num_samples or int(self.lengths.sum()) != manifest.num_tokens:
             raise DraftsmithError(
                 f"{self.path}/{MANIFEST_NAME}: totals do not match its shards (damaged manifest); "
@@ -101,8 +112,7 @@ class HiddenStateStore(Samples):
         shard = self._shards[self._owner[i]]
         a = int(self._start[i])
         b = a + int(self.lengths[i])
-        data = shard.rows("hidden_states", a, b)
-        scales = shard.rows("hidden_scales", a, b) if self.manifest.dtype == "fp8" else None
+        data, scales = self._states(i)
         item = {
             "input_ids": shard.rows("input_ids", a, b).long(),
             "loss_mask": shard.rows("loss_mask", a, b),
@@ -112,6 +122,22 @@ class HiddenStateStore(Samples):
         if self.dtype is None and scales is not None:
             item["hidden_scales"] = scales
         return item
+
+    def _states(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sample i's hidden states (and fp8 scales) as stored, its prefix's read from its ancestors' rows."""
+        names = ("hidden_states", "hidden_scales") if self.manifest.dtype == "fp8" else ("hidden_states",)
+        pieces: list[list[torch.Tensor]] = []
+        k, stop = i, int(self.lengths[i])
+        for _ in range(len(self)):  # a parent cycle (a damaged store) ends here
+            row, shared = int(self._row[k]), int(self._shared[k])
+            if stop > shared:  # its tokens shared..stop-1 are rows row.. of its shard
+                pieces.append([self._shards[self._owner[k]].rows(n, row, row + stop - shared) for n in names])
+                stop = shared
+            if stop == 0:
+                parts = [torch.cat(p[::-1]) if len(p) > 1 else p[0] for p in zip(*pieces, strict=True)]
+                return parts[0], parts[1] if len(parts) > 1 else None
+            k = self.index_of(int(self._parent[k]))
+        raise DraftsmithError(f"{self.path}: sample {int(self.sample_ids[i])}'s prefixes form a cycle (damaged store)")
 
     def verify(self, nonfinite: bool = True) -> VerifyReport:
         return verify_store(self.path, nonfinite=nonfinite)

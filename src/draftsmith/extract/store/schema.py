@@ -86,6 +86,7 @@ class ShardInfo(BaseModel):
     num_bytes: int
     num_samples: int
     num_tokens: int
+    num_rows: int | None = Field(None, description="rows of states where samples share prefixes; None: num_tokens")
     sample_ranges: list[tuple[int, int]] = Field(description="sorted half-open [start, end) runs of sample ids")
     writer: str = Field("", description="tag of the writer that produced it (e.g. s0of4)")
 

@@ -9,6 +9,14 @@ A shard is a safetensors file holding many samples, concatenated (docs/formats.m
     sample_ids     [S]        I64
     __metadata__              format, format_version, spec_fingerprint, dtype, layer_ids, hidden_size
 
+A shard whose samples share prefixes (extract's prefix chains) stores each sample's states from its first token not
+shared with its parent on: hidden_states has R rows, sample j's rows row_offsets[j]:row_offsets[j+1], and its first
+prefix_shared[j] states are those of sample prefix_parents[j] (in any shard of the store)::
+
+    row_offsets    [S + 1]    I64
+    prefix_parents [S]        I64   a sample id; -1 where prefix_shared is 0
+    prefix_shared  [S]        I64
+
 Files are read through `draftsmith.core.tensorfile.TensorFile`; every shard's bytes are written through
 `_write_file`, straight from the tensors' memory (no bytes object of the whole shard), hashed as they are written.
 """
@@ -108,14 +116,23 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]
 
 
 class ShardIndex(NamedTuple):
-    """What a checked shard holds: its sample ids (in its own order) and their row offsets."""
+    """What a checked shard holds: its sample ids (in its own order), their token offsets, their own states' row
+    offsets, and the prefix each shares (parent sample id or -1, shared tokens)."""
 
     sample_ids: list[int]
     offsets: np.ndarray  # int64 [S + 1]
+    rows: np.ndarray  # int64 [S + 1]: `offsets` where nothing is shared
+    parents: np.ndarray  # int64 [S]
+    shared: np.ndarray  # int64 [S]
 
     @property
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
+
+    @property
+    def num_rows(self) -> int | None:
+        """Rows of states where a sample shares a prefix (ShardInfo.num_rows), else None."""
+        return int(self.rows[-1]) if self.shared.any() else None
 
 
 def check_shard(shard: TensorFile, spec: StoreSpec) -> ShardIndex:
@@ -127,16 +144,31 @@ def check_shard(shard: TensorFile, spec: StoreSpec) -> ShardIndex:
     offsets = shard.read("offsets", verify=False).numpy()  # the index: the data's sha256 waits for its first read
     if S == 0 or int(offsets[0]) != 0 or bool((offsets[1:] <= offsets[:-1]).any()):
         raise shard.error("offsets are not increasing from 0 (damaged shard file)")
-    T, L, H = int(offsets[-1]), len(spec.layer_ids), spec.hidden_size
-    shard.expect("hidden_states", SAFETENSORS_DTYPES[spec.dtype], (T, L, H))
+    rows, parents, shared = offsets, np.full(S, -1, np.int64), np.zeros(S, np.int64)
+    if "row_offsets" in shard.tensors:
+        names = ("row_offsets", "prefix_parents", "prefix_shared")
+        for name, n in zip(names, (S + 1, S, S), strict=True):
+            shard.expect(name, "I64", (n,))
+        rows, parents, shared = (shard.read(name, verify=False).numpy() for name in names)
+        own = np.diff(rows)
+        if (
+            int(rows[0]) != 0
+            or (own <= 0).any()
+            or (shared < 0).any()
+            or (own + shared != np.diff(offsets)).any()
+            or ((parents < 0) != (shared == 0)).any()
+        ):
+            raise shard.error("row offsets do not match the shared prefixes (damaged shard file)")
+    T, R, L, H = int(offsets[-1]), int(rows[-1]), len(spec.layer_ids), spec.hidden_size
+    shard.expect("hidden_states", SAFETENSORS_DTYPES[spec.dtype], (R, L, H))
     if spec.dtype == "fp8":
-        shard.expect("hidden_scales", "F32", (T, L))
+        shard.expect("hidden_scales", "F32", (R, L))
     shard.expect("input_ids", "I32", (T,))
     shard.expect("loss_mask", "BOOL", (T,))
     ids = shard.read("sample_ids", verify=False).tolist()
     if len(set(ids)) != len(ids):
         raise shard.error("a sample id appears twice (damaged shard file)")
-    return ShardIndex(ids, offsets)
+    return ShardIndex(ids, offsets, rows, parents, shared)
 
 
 def open_shard(

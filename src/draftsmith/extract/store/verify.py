@@ -73,6 +73,19 @@ def _nonfinite_rows(shard: TensorFile, dtype: StorageDtype, tokens: int, chunk: 
     return bad
 
 
+def _orphaned_children(good: dict[str, shards.ShardIndex], report: VerifyReport) -> None:
+    """A shard holding a sample whose prefix's sample is in no good shard is bad too (and so on, down the chains)."""
+    while True:
+        present = {i for index in good.values() for i in index.sample_ids}
+        orphans = {f: p for f, ix in good.items() for p in ix.parents.tolist() if p >= 0 and p not in present}
+        if not orphans:
+            return
+        for file, parent in orphans.items():
+            report.problems.append(f"{file}: holds samples sharing the states of sample {parent}, which is lost")
+            report.bad_shards.append(file)
+            del good[file]
+
+
 def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) -> VerifyReport:  # noqa: C901 - one check per way a shard can be damaged
     """Re-hash every shard, re-check the manifest's counts and ranges, find NaN/Inf tokens.
 
@@ -84,6 +97,7 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
     spec = manifest.spec()
     report = VerifyReport(path=str(path), num_shards=len(manifest.shards))
     seen: dict[int, str] = {}
+    good: dict[str, shards.ShardIndex] = {}
     for info in manifest.shards:
         file = path / info.file
         try:
@@ -91,8 +105,8 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
                 raise DraftsmithError(f"{info.file}: missing")
             if sha256_file(file) != info.sha256:
                 raise DraftsmithError(f"{info.file}: sha256 does not match the manifest (damaged or replaced)")
-            shard, (ids, offsets) = shards.open_shard(file, spec, info.num_bytes)
-            tokens = int(offsets[-1])
+            shard, index = shards.open_shard(file, spec, info.num_bytes)
+            ids, tokens = index.sample_ids, index.num_tokens
             if not info.describes(ids, tokens):
                 shard.close()
                 raise DraftsmithError(
@@ -103,6 +117,7 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
             report.problems.append(str(err).replace(str(path) + "/", ""))
             report.bad_shards.append(info.file)
             continue
+        good[info.file] = index
         for i in ids:
             if i in seen:
                 report.problems.append(f"sample {i} is in both {seen[i]} and {info.file}")
@@ -110,12 +125,13 @@ def verify_store(path: Path, *, nonfinite: bool = True, repair: bool = False) ->
         report.num_samples += len(ids)
         report.num_tokens += tokens
         if nonfinite:
-            rows = _nonfinite_rows(shard, manifest.dtype, tokens)
+            rows = _nonfinite_rows(shard, manifest.dtype, int(index.rows[-1]))
             if rows.any():
-                per_sample = np.add.reduceat(rows, offsets[:-1]) if len(rows) else np.zeros(0)
+                per_sample = np.diff(np.concatenate([[0], np.cumsum(rows)])[index.rows])
                 report.nonfinite_tokens += int(rows.sum())
                 report.nonfinite_samples += [ids[k] for k in np.nonzero(per_sample)[0]]
         shard.close()
+    _orphaned_children(good, report)
     if not report.bad_shards and (
         manifest.num_samples != report.num_samples or manifest.num_tokens != report.num_tokens
     ):

@@ -98,7 +98,7 @@ class StoreWriter:
         self.shard_bytes = int(shard_bytes)
         self.backend_info = dict(backend_info or {})
         self._lock = lock
-        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]] = []
         self._buffered_ids: set[int] = set()
         self._buffered_bytes = 0
         self._done: set[int] = read_manifest(self.path, StoreManifest).sample_ids()
@@ -132,13 +132,16 @@ class StoreWriter:
         loss_mask: torch.Tensor,
         hidden_states: torch.Tensor,
         scales: torch.Tensor | None = None,
+        parent: int = -1,
+        shared: int = 0,
         *,
         flush_if_full: bool = True,
     ) -> None:
         """Buffer one sample: input_ids [T], loss_mask [T], hidden_states [T, L, H] (layers in `spec.layer_ids` order).
 
         hidden_states may be any float dtype on any device (encoded here to the storage dtype), or already encoded
-        (bf16; or float8_e4m3fn with its `scales` [T, L] from `encode_hidden_states`).
+        (bf16; or float8_e4m3fn with its `scales` [T, L] from `encode_hidden_states`). A sample whose first `shared`
+        tokens are those of sample `parent` (stored or buffered already) gives only its own states: [T - shared, L, H].
         """
         if self.closed:
             raise RuntimeError("StoreWriter is closed")
@@ -147,15 +150,16 @@ class StoreWriter:
             raise ValueError(f"sample {sample_id} is already in store {self.path}; skip done_sample_ids()")
         if self.spec.prepared is not None and not 0 <= sample_id < self.spec.prepared.num_samples:
             raise ValueError(f"sample id {sample_id} outside the prepared set's {self.spec.prepared.num_samples}")
-        T = int(input_ids.shape[0])
-        L, H = len(self.spec.layer_ids), self.spec.hidden_size
-        if input_ids.ndim != 1 or loss_mask.shape != input_ids.shape or tuple(hidden_states.shape) != (T, L, H):
+        T, L, H = int(input_ids.shape[0]), len(self.spec.layer_ids), self.spec.hidden_size
+        if input_ids.ndim != 1 or loss_mask.shape != input_ids.shape or hidden_states.shape != (T - shared, L, H):
             raise ValueError(
-                f"sample {sample_id}: expected input_ids [T], loss_mask [T], hidden_states [T, {L}, {H}]; "
+                f"sample {sample_id}: expected input_ids [T], loss_mask [T], hidden_states [T - {shared}, {L}, {H}]; "
                 f"got {tuple(input_ids.shape)}, {tuple(loss_mask.shape)}, {tuple(hidden_states.shape)}"
             )
-        if T == 0:
-            raise ValueError(f"sample {sample_id}: no tokens")
+        if not 0 <= shared < T or (shared > 0) == (int(parent) < 0):
+            raise ValueError(f"sample {sample_id}: {T} tokens, {shared} of them shared with sample {parent}")
+        if shared and int(parent) not in self._done | self._buffered_ids:
+            raise ValueError(f"sample {sample_id}: its prefix's sample {parent} is not stored before it")
         storage = TORCH_DTYPES[self.spec.dtype]
         if hidden_states.dtype == storage and (self.spec.dtype == "bf16" or scales is not None):
             data = hidden_states
@@ -165,7 +169,7 @@ class StoreWriter:
         scales = None if scales is None else scales.detach().to("cpu", torch.float32).contiguous()
         ids = input_ids.detach().to("cpu", torch.int32)
         mask = loss_mask.detach().to("cpu", torch.bool)
-        self._buffer.append((sample_id, ids, mask, data, scales))
+        self._buffer.append((sample_id, ids, mask, data, scales, int(parent), int(shared)))
         self._buffered_ids.add(sample_id)
         self._buffered_bytes += (
             data.numel() * data.element_size() + (0 if scales is None else scales.numel() * 4) + T * 5
@@ -184,9 +188,7 @@ class StoreWriter:
             return None
         buffer = self._buffer
         sample_ids = torch.tensor([b[0] for b in buffer], dtype=torch.int64)
-        lengths = torch.tensor([b[1].shape[0] for b in buffer], dtype=torch.int64)
-        offsets = torch.zeros(len(buffer) + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=offsets[1:])
+        offsets, rows = _offsets([b[1].shape[0] for b in buffer]), _offsets([b[3].shape[0] for b in buffer])
         tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {
             "hidden_states": [b[3] for b in buffer],  # written piece by piece, never joined in memory
             "input_ids": torch.cat([b[1] for b in buffer]),
@@ -198,6 +200,10 @@ class StoreWriter:
             scales = [b[4] for b in buffer if b[4] is not None]
             assert len(scales) == len(buffer)  # fp8 states come with their scales
             tensors["hidden_scales"] = scales
+        chained = any(b[6] for b in buffer)
+        if chained:  # the module docstring of shards.py
+            tensors["row_offsets"] = rows
+            tensors["prefix_parents"], tensors["prefix_shared"] = (torch.tensor([b[k] for b in buffer]) for k in (5, 6))
         name = shards.shard_name(self.tag, self._next_seq)
         final = self.path / SHARD_DIR / name
         with atomic_path(final) as tmp:
@@ -209,6 +215,7 @@ class StoreWriter:
             num_bytes=num_bytes,
             num_samples=len(buffer),
             num_tokens=int(offsets[-1]),
+            num_rows=int(rows[-1]) if chained else None,
             sample_ranges=sample_ranges(sample_ids.tolist()),
             writer=self.tag,
         )
@@ -244,6 +251,10 @@ class StoreWriter:
             self.close()
         else:
             self.abort()
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.cumsum(torch.tensor([0, *lengths], dtype=torch.int64), 0)
 
 
 def _add_shards(path: Path, infos: list[ShardInfo], backend_info: dict[str, JsonValue] | None = None) -> None:
@@ -297,9 +308,9 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
                 if file.name in listed or tag is None or tag in live:
                     continue
                 try:
-                    shard, (ids, offsets) = shards.open_shard(file, spec)
+                    shard, index = shards.open_shard(file, spec)
                     shard.close()
-                    if done.intersection(ids):
+                    if done.intersection(index.sample_ids):
                         raise DraftsmithError("its samples are already in the store")
                 except DraftsmithError as err:
                     file.unlink()
@@ -310,13 +321,14 @@ def _recover(path: Path, spec: StoreSpec, own_tag: str) -> list[str]:  # noqa: C
                         file=f"{SHARD_DIR}/{file.name}",
                         sha256=sha256_file(file),
                         num_bytes=shard.size,
-                        num_samples=len(ids),
-                        num_tokens=int(offsets[-1]),
-                        sample_ranges=sample_ranges(ids),
+                        num_samples=len(index.sample_ids),
+                        num_tokens=index.num_tokens,
+                        num_rows=index.num_rows,
+                        sample_ranges=sample_ranges(index.sample_ids),
                         writer=tag,
                     )
                 )
-                done.update(ids)
+                done.update(index.sample_ids)
                 notes.append(f"adopted shard {file.name} that an interrupted writer finished but did not record")
             if adopted:
                 _record(path, manifest, adopted)
