@@ -82,6 +82,82 @@ def _reference(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Te
     return torch.stack([untied[k][0] if k == N else tied[k][0] for k in layer_ids], dim=1)  # [T, L, H]
 
 
+def _write_branching_set(path: Path, target_dir: Path) -> tuple[Path, int]:
+    """An agentic-shaped set: two conversations on one 300-token system prompt, each generation extending its
+    conversation's last (a branch, a duplicate with another loss mask), and short samples sharing nothing; with the
+    number of its distinct tokens (its prefix trie's nodes, counted here by brute force)."""
+    g = torch.Generator().manual_seed(7)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(20, 320, (n,), generator=g).tolist()
+
+    system = [0, *tokens(299)]
+    a, b = system + tokens(40), system + tokens(60)
+    a2 = a + tokens(30)
+    ids = [a, a2, a2 + tokens(25), a + tokens(33), b, b + tokens(20), list(a2)]
+    ids += [[1 + k, *tokens(40 + 7 * k)] for k in range(5)]  # their first token: shared with no other sample
+    samples = [{"input_ids": torch.tensor(x), "loss_mask": torch.rand(len(x), generator=g) > 0.5} for x in ids]
+    write_prepared(path, samples, target_identity(target_dir), chat_template_hash="tiny", max_length=1024)
+    return path, len({tuple(x[: k + 1]) for x in ids for k in range(len(x))})
+
+
+@pytest.fixture(scope="module")
+def branching(tmp_path_factory, tiny_target_dir) -> tuple[Path, Path, int]:
+    """The branching set and its store extracted one sample at a time, each whole (no prefix reused)."""
+    prepared, distinct = _write_branching_set(tmp_path_factory.mktemp("branching") / "set", tiny_target_dir)
+    out = tmp_path_factory.mktemp("whole") / "s"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf, "_new_cache", lambda config: None)
+        extract.run(_cfg(prepared, out), show_progress=False)
+    return prepared, out, distinct
+
+
+def test_samples_sharing_prefixes_compute_and_store_each_distinct_token_once(tmp_path, branching):
+    prepared, whole, distinct = branching
+    done = extract.run(_cfg(prepared, tmp_path / "s"), show_progress=False).result
+    for i in range(2):  # two workers into one store: a run cut in two where longer than half the samples
+        extract.run(_cfg(prepared, tmp_path / "w", shard=f"{i}/2"), show_progress=False)
+    ref = store.open(whole)
+    for path, most in ((tmp_path / "s", distinct + 1), (tmp_path / "w", distinct + 1 + 400)):
+        st = store.open(path)  # + 1: the duplicate's own last token; + 400: a cut run's first sample whole
+        rows = sum(s.num_rows or s.num_tokens for s in st.manifest.shards)
+        assert distinct < rows <= most and rows < 0.45 * st.num_tokens
+        assert st.num_tokens == ref.num_tokens and st.sample_ids.tolist() == ref.sample_ids.tolist()
+        for k in range(len(st)):  # a chain's forward on one cache equals each sample's whole forward
+            x, y = st[k], ref[k]
+            assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+            torch.testing.assert_close(x["hidden_states"], y["hidden_states"], rtol=2**-8, atol=1e-5)  # bf16
+        assert store.verify_store(path).ok
+    assert done.tokens_this_run == distinct + 1
+
+
+def test_a_chain_interrupted_or_repaired_resumes_to_the_very_same_store(tmp_path, branching, monkeypatch):
+    prepared, _, _ = branching
+    extract.run(_cfg(prepared, tmp_path / "ref"), show_progress=False)
+    real, calls = capture.capture_hidden_states, {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:  # the batch of short samples, then a chain's fourth sample
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "capture_hidden_states", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        extract.run(_cfg(prepared, tmp_path / "s", shard_size_mb=0.001), show_progress=False)
+    monkeypatch.undo()
+    assert 0 < len(store.open(tmp_path / "s")) < 12
+    extract.run(_cfg(prepared, tmp_path / "s", shard_size_mb=0.001), show_progress=False)
+    _assert_stores_identical(tmp_path / "s", tmp_path / "ref")
+    manifest = store.open(tmp_path / "s").manifest  # a run's first sample, alone in a shard: everyone's prefix
+    shard = next(f for f in manifest.shards if f.num_rows is None and f.num_tokens > 300)
+    (tmp_path / "s" / shard.file).write_bytes(b"x" * shard.num_bytes)
+    report = store.verify_store(tmp_path / "s", repair=True)
+    assert any("which is lost" in p for p in report.problems)
+    extract.run(_cfg(prepared, tmp_path / "s"), show_progress=False)
+    _assert_stores_identical(tmp_path / "s", tmp_path / "ref")
+
+
 def _assert_stores_identical(a: Path, b: Path) -> None:
     sa, sb = store.open(a, dtype=torch.bfloat16), store.open(b, dtype=torch.bfloat16)
     assert sa.sample_ids.tolist() == sb.sample_ids.tolist()
@@ -134,6 +210,13 @@ def test_plan_batches_buckets_by_length_within_the_budget():
     assert all(len(b) * lengths[b[0]] <= 100 for b in batches[1:])
     assert common.pending_batches(batches, {1, 5, 2}) == [[3], [6, 4, 0]]
     assert common.select_sample_ids(10, "1/3") == [1, 4, 7]
+    order, parent = np.arange(7), np.array([-1, 0, 1, 2, 3, 4, -1])
+    runs = np.array([0, 300, 400, 200, 300, 300, 0])  # runs 0-1-2 and 3-4-5 (200 < MIN_SHARED), then 6
+    picked = [common.select_sample_ids(7, f"{i}/2", None, (order, parent, runs), np.full(7, 900)) for i in (0, 1)]
+    assert picked == [[0, 1, 2, 6], [3, 4, 5]]  # every other run, each whole
+    one_run = np.array([0, 300, 400, 300, 300, 300, 0])  # longer than half the samples: cut after 4
+    picked = [common.select_sample_ids(7, f"{i}/2", None, (order, parent, one_run), np.full(7, 900)) for i in (0, 1)]
+    assert picked == [[0, 1, 2, 3, 6], [4, 5]]
     assert common.select_sample_ids(10, "0/2", max_samples=5) == [0, 2, 4]
     assert layers.resolve_layer_ids(None, 30) == [2, 15, 27, 30]
     assert layers.resolve_layer_ids(None, 4) == [1, 2, 4]  # colliding defaults kept once

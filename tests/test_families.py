@@ -50,12 +50,12 @@ from families import (
 
 from draftsmith import export
 from draftsmith.config import ExportConfig, ExtractConfig, PrepareConfig, TrainConfig
-from draftsmith.core import targets, vllm_launch
+from draftsmith.core import capture, targets, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.layers import default_aux_layer_ids
 from draftsmith.evaluate.vllm_worker import GenerationResult, SpecCounts
+from draftsmith.extract import hf, store
 from draftsmith.extract import stage as extract
-from draftsmith.extract import store
 from draftsmith.train import stage as train
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
@@ -440,6 +440,28 @@ def test_hf_store_equals_transformers_and_layer_n_is_the_unnormalised_last_layer
         cos = torch.nn.functional.cosine_similarity(logits, out.logits[0], dim=-1)
         assert cos.min() > 0.999  # bf16 storage of the state, float32 model
     matrix.record(name, "hf extract", ok=True)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_samples_sharing_a_prefix_run_on_one_cache_as_each_runs_whole(name):
+    """Extraction's prefix chains (extract/hf.py): a sample's forward after its parent's, on the parent's cache
+    cropped to what they share, gives the states its whole forward gives; a family whose layers forget (a sliding
+    window, linear attention) runs each sample whole instead."""
+    model = targets.load_target(family_target(name))
+    cache = hf._new_cache(model.config)
+    if name in ("gpt_oss", "qwen3_next"):
+        assert cache is None
+        return
+    ids = torch.randint(
+        0, model.config.get_text_config().vocab_size, (1, 40), generator=torch.Generator().manual_seed(0)
+    )
+    layer_ids = default_aux_layer_ids(len(targets.decoder_layers(model))) + [len(targets.decoder_layers(model))]
+    whole = capture.capture_hidden_states(model, ids, None, layer_ids)
+    parent = capture.capture_hidden_states(model, ids[:, :30], None, layer_ids, past_key_values=cache)
+    cache.crop(20 - 30)
+    child = capture.capture_hidden_states(model, ids[:, 20:], None, layer_ids, past_key_values=cache)
+    assert whole.abs().amax() > 0.1 and cache.get_seq_length() == 40
+    torch.testing.assert_close(torch.cat([parent[:, :20], child], 1), whole, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ vLLM, TP=1

@@ -33,10 +33,12 @@ def capture_hidden_states(  # noqa: C901 - one hook per capture point and the th
     layer_ids: Sequence[int],
     *,
     dtype: torch.dtype | None = None,
+    past_key_values: object | None = None,
 ) -> torch.Tensor:
     """Hidden states of `layer_ids` (vLLM convention) for a batch: [B, T, L, H] on the model's device.
 
-    `input_ids` [B, T]; `attention_mask` [B, T] (1 = real token) or None for unpadded / right-padded batches.
+    `input_ids` [B, T]; `attention_mask` [B, T] (1 = real token) or None for unpadded / right-padded batches;
+    `past_key_values`: a transformers cache holding earlier tokens, which the batch follows (and is added to).
     `dtype` is the dtype of the returned tensor (default: the model's). The last layer id N is un-normalised.
     """
     backbone, layers = text_backbone(model)
@@ -84,7 +86,8 @@ def capture_hidden_states(  # noqa: C901 - one hook per capture point and the th
             backbone(
                 input_ids=input_ids.to(first.device),
                 attention_mask=None if attention_mask is None else attention_mask.to(first.device),
-                use_cache=False,
+                past_key_values=past_key_values,
+                use_cache=past_key_values is not None,
             )
     finally:
         for handle in handles:

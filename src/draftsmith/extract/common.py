@@ -19,7 +19,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -74,11 +74,56 @@ class ExtractionPlan:
         return self.target.num_layers
 
 
-def select_sample_ids(num_samples: int, shard: str | tuple[int, int], max_samples: int | None = None) -> list[int]:
-    """Worker i of n takes every n-th sample id starting at i, among the first `max_samples`."""
+MIN_SHARED = 256  # a shorter prefix is computed again: batching samples beats running one sample at a time
+
+
+def chains(
+    prefixes: tuple[np.ndarray, ...], lengths: np.ndarray, ids: Iterable[int]
+) -> list[list[tuple[int, int, int]]]:
+    """The samples `ids` in prefix order (`PreparedDataset.prefixes`), as runs in which each sample shares at least
+    MIN_SHARED tokens with the one before it: (sample id, parent, shared), the first of a run (id, -1, 0). A sample
+    keeps one token of its own (a duplicate's states are its last token's)."""
+    order, _, shared = prefixes
+    keep = np.zeros(len(order), dtype=bool)
+    keep[list(ids)] = True
+    runs: list[list[tuple[int, int, int]]] = []
+    before, common = -1, 0  # the last kept sample, and the prefix it shares with every sample since
+    for i in order.tolist():
+        common = min(common, int(shared[i]))
+        if keep[i]:
+            if before >= 0 and common >= MIN_SHARED:
+                runs[-1].append((i, before, min(common, int(lengths[i]) - 1)))
+            else:
+                runs.append([(i, -1, 0)])
+            before, common = i, 1 << 62
+    return runs
+
+
+def select_sample_ids(
+    num_samples: int,
+    shard: str | tuple[int, int],
+    max_samples: int | None = None,
+    prefixes: tuple[np.ndarray, ...] | None = None,
+    lengths: np.ndarray | None = None,
+) -> list[int]:
+    """Worker i of n takes every n-th sample id starting at i, among the first `max_samples`; with `prefixes`, every
+    n-th run of `chains` (cut into n pieces where longer), so a worker stores the prefixes its samples share."""
     i, n = parse_shard(shard) if isinstance(shard, str) else shard
     total = num_samples if max_samples is None else min(num_samples, max_samples)
-    return list(range(i, total, n))
+    if prefixes is None or lengths is None:
+        return list(range(i, total, n))
+    cap = -(-total // n)
+    pieces = [
+        [s[0] for s in run[a : a + cap]]
+        for run in chains(prefixes, lengths, range(total))
+        for a in range(0, len(run), cap)
+    ]
+    return sorted(k for piece in sorted(pieces, key=min)[i::n] for k in piece)
+
+
+def prefix_chains(plan: ExtractionPlan) -> list[list[tuple[int, int, int]]]:
+    """This worker's samples as `chains`."""
+    return chains(plan.dataset.prefixes, plan.lengths, plan.sample_ids)
 
 
 def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
@@ -103,15 +148,16 @@ def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
             "made for"
         )
     layer_ids = resolve_layer_ids(cfg.aux_layer_ids, identity.num_layers)
+    lengths = np.asarray(dataset.lengths, dtype=np.int64)
     return ExtractionPlan(
         cfg=cfg,
         dataset=dataset,
         target_dir=target_dir,
         target=identity,
         layer_ids=layer_ids,
-        sample_ids=select_sample_ids(len(dataset), cfg.shard, cfg.max_samples),
+        sample_ids=select_sample_ids(len(dataset), cfg.shard, cfg.max_samples, dataset.prefixes, lengths),
         worker=parse_shard(cfg.shard),
-        lengths=np.asarray(dataset.lengths, dtype=np.int64),
+        lengths=lengths,
     )
 
 
@@ -151,10 +197,12 @@ def pending_sample_ids(plan: ExtractionPlan, writer: store_module.StoreWriter) -
     return [i for i in plan.sample_ids if i not in done]
 
 
-def check_disk_space(plan: ExtractionPlan, spec: store_module.StoreSpec, sample_ids: Sequence[int]) -> int:
+def check_disk_space(
+    plan: ExtractionPlan, spec: store_module.StoreSpec, sample_ids: Sequence[int], shared: int = 0
+) -> int:
     """Refuse, in one line and before any engine starts, a store the output's disk cannot hold; returns the bytes
-    the pending samples will take (core/sizing.py)."""
-    tokens = int(sum(int(plan.lengths[i]) for i in sample_ids))
+    the pending samples will take (core/sizing.py), `shared` of their tokens' states stored by their prefixes."""
+    tokens = int(sum(int(plan.lengths[i]) for i in sample_ids)) - shared
     needed = sizing.store_bytes(tokens, spec.hidden_size, len(spec.layer_ids), spec.dtype, samples=len(sample_ids))
     sizing.check_disk(
         needed,
@@ -256,11 +304,11 @@ def _joined(writer: store_module.StoreWriter, item: tuple) -> tuple:
         parts, one = item[3], len(item[3]) == 1
         data = parts[0].data if one else torch.cat([p.data for p in parts])
         scales = parts[0].scales if one or parts[0].scales is None else torch.cat([p.scales for p in parts])
-        item = (*item[:3], data, scales)
+        item = (*item[:3], data, scales, *item[5:])
     if writer.spec.dtype != "fp8" or (len(item) > 4 and item[4] is not None):
         return item
     data, scales = encode_hidden_states(item[3], "fp8")
-    return (*item[:3], data, scales)
+    return (*item[:3], data, scales, *item[5:])  # (..., parent, shared) of a sample sharing a prefix
 
 
 class BackgroundWriter:

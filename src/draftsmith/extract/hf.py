@@ -5,7 +5,9 @@ k = the output of decoder layer k-1 (the residual stream), N = the last decoder 
 final norm. Forward hooks on exactly those layers copy their outputs into one preallocated [B, T, L, H] tensor;
 the LM head never runs. Samples are sorted by length and packed into batches of at most `token_budget` padded
 tokens, right-padded: in a causal LM a real token only attends to earlier positions, which are all real, so the
-padding never reaches a real token's state.
+padding never reaches a real token's state. Samples that share a long prefix (`common.chains`) run one after another
+on one KV cache, cropped to the prefix each shares with the one before: each distinct token is computed and stored
+once, for every target whose layers all attend to every earlier token (`_new_cache`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import transformers
 from pydantic import JsonValue
 from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from draftsmith.config import ExtractConfig, StageResult
 from draftsmith.core import devices, hardware
@@ -65,22 +68,30 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
             common.stage_line("extract")(
                 f"the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})"
             )
+    config = transformers.AutoConfig.from_pretrained(plan.target_dir, trust_remote_code=cfg.trust_remote_code)
+    runs = common.prefix_chains(plan) if _new_cache(config) is not None else [[(i, -1, 0)] for i in plan.sample_ids]
     with common.Timer() as timer, common.open_writer(plan, spec, info) as writer:
-        todo = common.pending_sample_ids(plan, writer)
+        todo, done = common.pending_sample_ids(plan, writer), writer.done_sample_ids()
         skipped = len(plan.sample_ids) - len(todo)
-        batches = common.pending_batches(
-            common.plan_batches(plan.sample_ids, plan.lengths, cfg.token_budget), writer.done_sample_ids()
-        )
+        chains = [run for run in runs if len(run) > 1 and any(i not in done for i, _, _ in run)]
+        alone = [run[0][0] for run in runs if len(run) == 1]
+        batches = common.pending_batches(common.plan_batches(alone, plan.lengths, cfg.token_budget), done)
         tokens = int(sum(int(plan.lengths[i]) for b in batches for i in b))
-        common.check_disk_space(plan, spec, todo)
+        tokens += sum(int(plan.lengths[i]) - n for run in chains for i, _, n in run)
+        common.check_disk_space(plan, spec, todo, sum(n for run in chains for i, _, n in run if i not in done))
         work = common.Timer()
-        if batches:
+        if batches or chains:
             model = load_target(
                 plan.target_dir, dtype=compute_dtype, device=device, trust_remote_code=cfg.trust_remote_code
             )
-            with work:
-                _extract(model, plan, batches, writer, device, tokens, show_progress)
-                writer.flush()
+            with (
+                work,
+                common.BackgroundWriter(writer) as sink,
+                common.progress_bar(tokens, enabled=show_progress) as bar,
+            ):
+                _extract(model, plan, batches, sink, device, bar)
+                _extract_chains(model, config, plan, chains, done, sink, device, bar)
+            writer.flush()
     return common.result(
         plan,
         writer,
@@ -92,32 +103,74 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     )
 
 
+def _captured(
+    model: nn.Module, input_ids: torch.Tensor, plan: common.ExtractionPlan, device: torch.device, cache=None
+) -> common.HostStates:
+    """The kept layers' states [B, T, L, H] of a batch (after `cache`'s tokens, where given) on the host: on a GPU
+    encoded there (half the copy for fp8) and copied to pinned memory without waiting."""
+    storage = torch.bfloat16 if plan.cfg.dtype == "bf16" else None  # fp8 is encoded from the compute dtype
+    states = capture_hidden_states(model, input_ids, None, plan.layer_ids, dtype=storage, past_key_values=cache)
+    return common.to_host(states.unbind(2), plan.cfg.dtype) if device.type == "cuda" else common.HostStates(states)
+
+
 def _extract(
     model: nn.Module,
     plan: common.ExtractionPlan,
     batches: list[list[int]],
-    writer,
+    sink: common.BackgroundWriter,
     device: torch.device,
-    total_tokens: int,
-    show_progress: bool,
+    advance,
 ) -> None:
-    storage = torch.bfloat16 if plan.cfg.dtype == "bf16" else None  # fp8 is encoded from the compute dtype
-    on_gpu = device.type == "cuda"
-    with common.BackgroundWriter(writer) as sink, common.progress_bar(total_tokens, enabled=show_progress) as advance:
-        for batch in batches:
-            samples = [plan.dataset[i] for i in batch]
-            input_ids, attention_mask = pad_batch(samples)
-            states = capture_hidden_states(model, input_ids, None, plan.layer_ids, dtype=storage)
-            ready = scales = None
-            if on_gpu:  # encoded on the GPU (half the copy for fp8), copied to pinned memory without waiting
-                states, scales, ready = common.to_host(states.unbind(2), plan.cfg.dtype)
-            items = []
-            for b, (i, s) in enumerate(zip(batch, samples, strict=False)):
-                n = len(s["input_ids"])
-                item = (i, s["input_ids"], s["loss_mask"], states[b, :n])
-                items.append(item if scales is None else (*item, scales[b, :n]))
-            sink.submit(items, ready)
-            advance(int(attention_mask.sum()))
+    for batch in batches:
+        samples = [plan.dataset[i] for i in batch]
+        input_ids, attention_mask = pad_batch(samples)
+        states, scales, ready = _captured(model, input_ids, plan, device)
+        items = []
+        for b, (i, s) in enumerate(zip(batch, samples, strict=False)):
+            n = len(s["input_ids"])
+            item = (i, s["input_ids"], s["loss_mask"], states[b, :n])
+            items.append(item if scales is None else (*item, scales[b, :n]))
+        sink.submit(items, ready)
+        advance(int(attention_mask.sum()))
+
+
+def _new_cache(config: transformers.PretrainedConfig) -> DynamicCache | None:
+    """An empty KV cache that samples sharing a prefix can share: None where a layer of the target forgets earlier
+    tokens (a sliding window, linear attention), as a cache cropped to a prefix would then not be the prefix's."""
+    config = config.get_text_config()
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return None
+    cache = DynamicCache(config=config)
+    return cache if all(type(layer) is DynamicLayer for layer in cache.layers) else None
+
+
+def _extract_chains(
+    model: nn.Module,
+    config: transformers.PretrainedConfig,
+    plan: common.ExtractionPlan,
+    chains: list[list[tuple[int, int, int]]],
+    done: set[int],
+    sink: common.BackgroundWriter,
+    device: torch.device,
+    advance,
+) -> None:
+    """Each chain from its first sample, on one cache; the samples not stored yet are stored with their prefix."""
+    for chain in chains:
+        cache = DynamicCache(config=config.get_text_config())  # as `_new_cache` found it
+        for i, parent, shared in chain:
+            s = plan.dataset[i]
+            if cache.get_seq_length() > shared:
+                cache.crop(shared - cache.get_seq_length())  # negative: drop that many (transformers 4 and 5)
+            states, scales, ready = _captured(model, s["input_ids"][None, shared:], plan, device, cache)
+            if cache.get_seq_length() != len(s["input_ids"]):
+                raise DraftsmithError(
+                    f"{plan.target_dir}: its forward pass keeps no KV cache, so samples sharing a prefix cannot reuse "
+                    "it; please report this target"
+                )
+            if i not in done:
+                item = (i, s["input_ids"], s["loss_mask"], states[0], None if scales is None else scales[0])
+                sink.submit([(*item, parent, shared)], ready)
+            advance(len(s["input_ids"]) - shared)
 
 
 __all__ = ["pad_batch", "run", "resolve_compute_dtype"]
