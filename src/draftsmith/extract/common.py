@@ -121,11 +121,6 @@ def select_sample_ids(
     return sorted(k for piece in sorted(pieces, key=min)[i::n] for k in piece)
 
 
-def prefix_chains(plan: ExtractionPlan) -> list[list[tuple[int, int, int]]]:
-    """This worker's samples as `chains`."""
-    return chains(plan.dataset.prefixes, plan.lengths, plan.sample_ids)
-
-
 def plan_extraction(cfg: ExtractConfig) -> ExtractionPlan:
     """Open the prepared set, find the target and check they belong together; pick this worker's samples."""
     dataset = open_prepared(cfg.prepared)

@@ -69,7 +69,9 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
                 f"the target runs in {spec.compute_dtype} (--compute-dtype auto on {cpu.describe()})"
             )
     config = transformers.AutoConfig.from_pretrained(plan.target_dir, trust_remote_code=cfg.trust_remote_code)
-    runs = common.prefix_chains(plan) if _new_cache(config) is not None else [[(i, -1, 0)] for i in plan.sample_ids]
+    runs = [[(i, -1, 0)] for i in plan.sample_ids]
+    if _new_cache(config) is not None:
+        runs = common.chains(plan.dataset.prefixes, plan.lengths, plan.sample_ids)
     with common.Timer() as timer, common.open_writer(plan, spec, info) as writer:
         todo, done = common.pending_sample_ids(plan, writer), writer.done_sample_ids()
         skipped = len(plan.sample_ids) - len(todo)
@@ -89,8 +91,7 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
                 common.BackgroundWriter(writer) as sink,
                 common.progress_bar(tokens, enabled=show_progress) as bar,
             ):
-                _extract(model, plan, batches, sink, device, bar)
-                _extract_chains(model, config, plan, chains, done, sink, device, bar)
+                _extract(model, config, plan, (batches, chains), done, sink, bar)
             writer.flush()
     return common.result(
         plan,
@@ -103,37 +104,6 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
     )
 
 
-def _captured(
-    model: nn.Module, input_ids: torch.Tensor, plan: common.ExtractionPlan, device: torch.device, cache=None
-) -> common.HostStates:
-    """The kept layers' states [B, T, L, H] of a batch (after `cache`'s tokens, where given) on the host: on a GPU
-    encoded there (half the copy for fp8) and copied to pinned memory without waiting."""
-    storage = torch.bfloat16 if plan.cfg.dtype == "bf16" else None  # fp8 is encoded from the compute dtype
-    states = capture_hidden_states(model, input_ids, None, plan.layer_ids, dtype=storage, past_key_values=cache)
-    return common.to_host(states.unbind(2), plan.cfg.dtype) if device.type == "cuda" else common.HostStates(states)
-
-
-def _extract(
-    model: nn.Module,
-    plan: common.ExtractionPlan,
-    batches: list[list[int]],
-    sink: common.BackgroundWriter,
-    device: torch.device,
-    advance,
-) -> None:
-    for batch in batches:
-        samples = [plan.dataset[i] for i in batch]
-        input_ids, attention_mask = pad_batch(samples)
-        states, scales, ready = _captured(model, input_ids, plan, device)
-        items = []
-        for b, (i, s) in enumerate(zip(batch, samples, strict=False)):
-            n = len(s["input_ids"])
-            item = (i, s["input_ids"], s["loss_mask"], states[b, :n])
-            items.append(item if scales is None else (*item, scales[b, :n]))
-        sink.submit(items, ready)
-        advance(int(attention_mask.sum()))
-
-
 def _new_cache(config: transformers.PretrainedConfig) -> DynamicCache | None:
     """An empty KV cache that samples sharing a prefix can share: None where a layer of the target forgets earlier
     tokens (a sliding window, linear attention), as a cache cropped to a prefix would then not be the prefix's."""
@@ -144,32 +114,49 @@ def _new_cache(config: transformers.PretrainedConfig) -> DynamicCache | None:
     return cache if all(type(layer) is DynamicLayer for layer in cache.layers) else None
 
 
-def _extract_chains(
+def _extract(
     model: nn.Module,
     config: transformers.PretrainedConfig,
     plan: common.ExtractionPlan,
-    chains: list[list[tuple[int, int, int]]],
+    work: tuple[list[list[int]], list[list[tuple[int, int, int]]]],
     done: set[int],
     sink: common.BackgroundWriter,
-    device: torch.device,
     advance,
 ) -> None:
-    """Each chain from its first sample, on one cache; the samples not stored yet are stored with their prefix."""
+    """The batches, then each chain from its first sample on one cache (its samples not stored yet are stored with
+    their prefix). On a GPU the states are encoded there (half the copy for fp8) and copied to pinned memory
+    without waiting."""
+    storage = torch.bfloat16 if plan.cfg.dtype == "bf16" else None  # fp8 is encoded from the compute dtype
+    on_gpu = next(model.parameters()).device.type == "cuda"
+
+    def captured(input_ids: torch.Tensor, cache: DynamicCache | None = None) -> common.HostStates:
+        states = capture_hidden_states(model, input_ids, None, plan.layer_ids, dtype=storage, past_key_values=cache)
+        return common.to_host(states.unbind(2), plan.cfg.dtype) if on_gpu else common.HostStates(states)
+
+    batches, chains = work
+    for batch in batches:
+        samples = [plan.dataset[i] for i in batch]
+        input_ids, attention_mask = pad_batch(samples)
+        states, scales, ready = captured(input_ids)
+        items = []
+        for b, (i, s) in enumerate(zip(batch, samples, strict=False)):
+            n = len(s["input_ids"])
+            item = (i, s["input_ids"], s["loss_mask"], states[b, :n])
+            items.append(item if scales is None else (*item, scales[b, :n]))
+        sink.submit(items, ready)
+        advance(int(attention_mask.sum()))
     for chain in chains:
-        cache = DynamicCache(config=config.get_text_config())  # as `_new_cache` found it
+        cache = _new_cache(config)
         for i, parent, shared in chain:
-            s = plan.dataset[i]
-            if cache.get_seq_length() > shared:
-                cache.crop(shared - cache.get_seq_length())  # negative: drop that many (transformers 4 and 5)
-            states, scales, ready = _captured(model, s["input_ids"][None, shared:], plan, device, cache)
-            if cache.get_seq_length() != len(s["input_ids"]):
-                raise DraftsmithError(
-                    f"{plan.target_dir}: its forward pass keeps no KV cache, so samples sharing a prefix cannot reuse "
-                    "it; please report this target"
-                )
+            s, held = plan.dataset[i], cache.get_seq_length() if cache else 0
+            if cache and held > shared:
+                cache.crop(shared - held)  # negative: drop that many (transformers 4 and 5 alike)
+            states, scales, ready = captured(s["input_ids"][None, shared:], cache)
+            if not cache or cache.get_seq_length() != len(s["input_ids"]):
+                raise DraftsmithError(f"{plan.target_dir}: its forward pass keeps no KV cache; please report it")
             if i not in done:
-                item = (i, s["input_ids"], s["loss_mask"], states[0], None if scales is None else scales[0])
-                sink.submit([(*item, parent, shared)], ready)
+                row = (i, s["input_ids"], s["loss_mask"], states[0], None if scales is None else scales[0])
+                sink.submit([(*row, parent, shared)], ready)
             advance(len(s["input_ids"]) - shared)
 
 
