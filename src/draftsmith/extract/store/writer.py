@@ -158,7 +158,7 @@ class StoreWriter:
             )
         if not 0 <= shared < T or (shared > 0) == (int(parent) < 0):
             raise ValueError(f"sample {sample_id}: {T} tokens, {shared} of them shared with sample {parent}")
-        if shared and int(parent) not in self._done | self._buffered_ids:
+        if shared and int(parent) not in self._done and int(parent) not in self._buffered_ids:
             raise ValueError(f"sample {sample_id}: its prefix's sample {parent} is not stored before it")
         storage = TORCH_DTYPES[self.spec.dtype]
         if hidden_states.dtype == storage and (self.spec.dtype == "bf16" or scales is not None):

@@ -1,0 +1,91 @@
+"""Agentic traffic at the cost of its distinct tokens: the hf backend's store of BFCL's multi-turn tool-use set, the
+samples that share a prefix computed and stored once (extract's prefix chains), against the same set extracted
+one whole sample at a time (what extraction did before), side by side in one run.
+
+    .venv/bin/python benchmarks/agentic_extract.py                      # the first 40 conversations
+    .venv/bin/python benchmarks/agentic_extract.py --conversations 200  # the whole set (the whole-sample run is slow)
+
+The target is a tiny random Llama (tests/conftest.py) whose tokenizer carries a Qwen3-shaped, tool-aware chat
+template (tests/agentic.py), which drops earlier turns' reasoning, so each generation is a sample of its own;
+`prepare --data bfcl-multi-turn --max-length 32768` makes the set. Both stores are bf16, computed in float32.
+
+Prints a table on stderr, then as its LAST line a JSON object: the set's samples, tokens and distinct tokens (its
+prefix tree's nodes); per run ("prefix", "whole") the tokens computed, seconds and store bytes; and the goals of
+issue 52: extraction_tokens_per_distinct (<= 1.10) and store_bytes_per_distinct_state (store bytes over distinct
+tokens x layers x hidden x 2 bytes; <= 1.15), with the speed-up of the prefix run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=40)
+    parser.add_argument("--work", type=Path, default=None, help="keep the target, set and stores here")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from agentic import QWEN3_MARKERS, QWEN3_SHAPED_TEMPLATE
+    from conftest import build_tiny_target
+
+    from draftsmith.config import ExtractConfig, PrepareConfig
+    from draftsmith.extract import hf, store
+    from draftsmith.extract import stage as extract
+    from draftsmith.prepare import stage as prepare
+    from draftsmith.prepare.dataset import open_prepared
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="draftsmith-agentic-"))
+    target = work / "target"
+    if not (target / "config.json").is_file():
+        build_tiny_target(target, chat_template=QWEN3_SHAPED_TEMPLATE.read_text(), added_tokens=QWEN3_MARKERS)
+    prepared = work / f"bfcl-{args.conversations}"
+    if not (prepared / "manifest.json").is_file():
+        prepare.run(
+            PrepareConfig(
+                data=["bfcl-multi-turn"],
+                target=str(target),
+                max_length=32768,
+                max_samples=args.conversations,
+                output=prepared,
+            )
+        )
+    manifest = open_prepared(prepared).manifest
+    runs = {}
+    for name in ("prefix", "whole"):
+        if name == "whole":
+            hf._new_cache = lambda config: None  # every sample whole: extraction as it was
+        output = work / f"store-{name}"
+        done = extract.run(
+            ExtractConfig(prepared=prepared, output=output, device="cpu", compute_dtype="float32"),
+            show_progress=False,
+        ).result
+        size = sum(s.num_bytes for s in store.open(output).manifest.shards)
+        runs[name] = {"tokens_computed": done.tokens_this_run, "seconds": round(done.work_seconds, 1), "bytes": size}
+    layers, hidden = len(store.open(work / "store-prefix").layer_ids), manifest.target.hidden_size
+    distinct = manifest.num_distinct_tokens
+    result = {
+        "conversations": args.conversations,
+        "samples": manifest.num_samples,
+        "tokens": manifest.num_tokens,
+        "distinct_tokens": distinct,
+        "tokens_per_distinct": round(manifest.num_tokens / distinct, 2),
+        **{f"{name}_{key}": value for name, run in runs.items() for key, value in run.items()},
+        "extraction_tokens_per_distinct": round(runs["prefix"]["tokens_computed"] / distinct, 3),
+        "store_bytes_per_distinct_state": round(runs["prefix"]["bytes"] / (distinct * layers * hidden * 2), 3),
+        "speedup": round(runs["whole"]["seconds"] / max(runs["prefix"]["seconds"], 1e-9), 2),
+        "bytes_ratio_whole_to_prefix": round(runs["whole"]["bytes"] / runs["prefix"]["bytes"], 2),
+    }
+    for key, value in result.items():
+        print(f"{key:34} {value}", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
