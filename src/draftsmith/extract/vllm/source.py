@@ -431,7 +431,6 @@ class Located:
     package: Path  # the `vllm` package directory
     installed: bool  # the one this interpreter would import (else a directory given)
     version: str | None
-    dist_info: Path | None
     platform: str | None  # "cpu", "cuda", ... or None when the files do not say (see platform_how)
     platform_how: str
 
@@ -523,9 +522,7 @@ def locate(source: Path | str | None) -> Located | None:
     if platform is None:
         named = f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package"
         how = f"{named} and the version{f' {version}' if version else ''} do not name a platform"
-    return Located(
-        package=package, installed=source is None, version=version, dist_info=dist, platform=platform, platform_how=how
-    )
+    return Located(package=package, installed=source is None, version=version, platform=platform, platform_how=how)
 
 
 # transformers' files that read a draft's config.json for vLLM: the config classes of the drafts' decoders (Llama for
