@@ -79,7 +79,5 @@ def coverage_report(token_counts: torch.Tensor, sizes: tuple[int, ...]) -> list[
     counts = _counts(token_counts)
     cumulative = np.cumsum(counts[_ranked_ids(counts)])
     total = int(cumulative[-1])
-    report = []
-    for size in sorted({min(int(s), len(counts)) for s in sizes if s >= 1}):
-        report.append((size, float(cumulative[size - 1]) / total if total else 0.0))
-    return report
+    capped = sorted({min(int(s), len(counts)) for s in sizes if s >= 1})
+    return [(size, float(cumulative[size - 1]) / total if total else 0.0) for size in capped]
