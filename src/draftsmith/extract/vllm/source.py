@@ -556,17 +556,3 @@ def unmentioned(words: list[str], package: Path | None = None) -> list[str] | No
         if not left:
             break
     return [word for word in words if word in left]
-
-
-__all__ = [
-    "FieldInfo",
-    "Found",
-    "Located",
-    "Module",
-    "SourceTree",
-    "installed_package",
-    "literal_text",
-    "locate",
-    "package_dir",
-    "unmentioned",
-]
