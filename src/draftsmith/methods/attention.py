@@ -74,10 +74,8 @@ def ttt_attention(
     keys, values = [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
     scale = 1.0 / math.sqrt(d)
     with torch.autocast(device_type, enabled=False):
-        if kernel == "flex":
-            o0, lse0 = flex_causal_attention(q, keys[0], values[0], scale)
-        else:
-            o0, lse0 = chunked_causal_attention(q, keys[0], values[0], scale)
+        causal = flex_causal_attention if kernel == "flex" else chunked_causal_attention
+        o0, lse0 = causal(q, keys[0], values[0], scale)
         return merge_diagonal(q, o0, lse0, keys[1:], values[1:], scale)
 
 
