@@ -492,10 +492,7 @@ def _dist_info(package: Path, version: str | None) -> tuple[Path | None, str | N
             elif line.startswith("Requires-Dist:") and "extra ==" not in line:
                 requires.append(line.split(":", 1)[1].strip())
         found.append((path, meta, requires))
-    for entry in found:
-        if version is None or entry[1] == version:
-            return entry
-    return found[0] if found else (None, None, [])
+    return next((e for e in found if version is None or e[1] == version), found[0] if found else (None, None, []))
 
 
 def locate(source: Path | str | None) -> Located | None:
