@@ -123,22 +123,14 @@ def causal_block_mask(t: int, device: str, block: int = 128) -> BlockMask:
         partial[-1] |= full[-1]
         full[-1] = False
 
-    def ordered(  # per q block: how many kv blocks, and their indices first (ascending), then the rest
-        m: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per q block: how many kv blocks, and their indices first (ascending), then the rest."""
         order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
-    kv_num_blocks, kv_indices = ordered(partial)
-    full_kv_num_blocks, full_kv_indices = ordered(full)
+    # (kv_num_blocks, kv_indices) of the partial blocks, then (full_kv_num_blocks, full_kv_indices)
     return BlockMask.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
-        full_kv_num_blocks,
-        full_kv_indices,
-        BLOCK_SIZE=block,
-        mask_mod=_causal,
-        seq_lengths=(t, t),
+        *ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(t, t)
     )
 
 
