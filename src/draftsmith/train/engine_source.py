@@ -237,18 +237,9 @@ class EngineSource(FeatureSource):
         of them in one line with everything opened closed again."""
         bound = int(cfg.spool_gb * GiB)
         layer_ids = list(aux_layer_ids) + [num_layers]
+        kept = _kept_ids(cfg.keep_epoch0)
         chunks = plan_chunks(
-            cfg,
-            samplers,
-            evaluation,
-            lengths,
-            len(layer_ids),
-            hidden,
-            bound,
-            start,
-            total_steps,
-            epochs,
-            _kept_ids(cfg.keep_epoch0),
+            cfg, samplers, evaluation, lengths, len(layer_ids), hidden, bound, start, total_steps, epochs, kept
         )
         engine = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
         cores = TrainerCores(engine) if engine else None
