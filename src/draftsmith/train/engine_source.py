@@ -412,12 +412,9 @@ class EngineSource(FeatureSource):
             f"{self.bound / GiB:.2f} GiB  waits: {metrics['waiting']}"
         )
 
-    def _feed_status(self) -> FeedStatus:
-        """The engine process's last report (the one read at close, once the spool is closed)."""
-        return self.last_status if self.last_status is not None else self.spool.read_status()
-
     def summary(self) -> dict:
-        status = self._feed_status()
+        # the engine process's last report: the one read at close, once the spool is closed
+        status = self.last_status if self.last_status is not None else self.spool.read_status()
         return {
             "mode": f"online (vLLM engines, {self.spool.transport})",
             "spool": self.spool.describe(),
