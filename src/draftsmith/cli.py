@@ -151,10 +151,7 @@ def _keyword(name: str, annotation: object, decl: object) -> inspect.Parameter:
 
 
 def _stage_command(
-    name: str,
-    cfg_cls: type[config.StageConfig],
-    help_text: str,
-    positional: tuple[str, ...] = (),
+    name: str, cfg_cls: type[config.StageConfig], help_text: str, positional: tuple[str, ...] = ()
 ) -> None:
     """Register `draftsmith NAME` from its config class; its `run` is imported when it runs (`_runner`)."""
     config_option = typer.Option("--config", "-c", help="YAML file with options; flags override it.")

@@ -38,8 +38,7 @@ class PrepareConfig(StageConfig):
     output: Path = Field(Path("runs/prepared"), description="Directory to write the prepared token shards to.")
     max_length: int = Field(2048, ge=16, description="Longest tokenised conversation kept, in tokens.")
     overflow: Literal["truncate", "drop"] = Field(
-        "truncate",
-        description=("What to do with a conversation longer than --max-length: cut it, or skip it (counted)."),
+        "truncate", description="What to do with a conversation longer than --max-length: cut it, or skip it (counted)."
     )
     leading_assistant: Literal["skip", "drop"] = Field(
         "skip",
@@ -69,7 +68,7 @@ class PrepareConfig(StageConfig):
         ),
     )
     resume: bool = Field(
-        True, description=("Continue an interrupted run with the same inputs and options from its last complete shard.")
+        True, description="Continue an interrupted run with the same inputs and options from its last complete shard."
     )
 
 
@@ -103,9 +102,7 @@ class RegenerateConfig(StageConfig):
         ),
     )
     max_new_tokens: int = Field(
-        512,
-        ge=1,
-        description=("Longest answer per assistant turn, in tokens; an answer cut there is marked truncated."),
+        512, ge=1, description="Longest answer per assistant turn, in tokens; an answer cut there is marked truncated."
     )
     max_length: int = Field(
         2048,
@@ -123,7 +120,7 @@ class RegenerateConfig(StageConfig):
         description="Nucleus sampling: keep the smallest set of tokens whose probability adds up to top_p.",
     )
     seed: int = Field(
-        0, description=("Random seed for sampling (temperature > 0): vLLM seeds each answer, transformers each batch.")
+        0, description="Random seed for sampling (temperature > 0): vLLM seeds each answer, transformers each batch."
     )
     think: Literal["keep", "drop"] = Field(
         "keep",
@@ -150,8 +147,7 @@ class RegenerateConfig(StageConfig):
     )
     chat_template: ChatTemplate = None
     chat_template_kwargs: ChatTemplateKwargs = Field(
-        default_factory=dict,
-        description="As for prepare: vLLM's --chat-template-kwargs.",
+        default_factory=dict, description="As for prepare: vLLM's --chat-template-kwargs."
     )
     tool_call_parser: str | None = Field(
         None,
@@ -169,14 +165,14 @@ class RegenerateConfig(StageConfig):
     )
     device: str = Field("auto", description="Device for the hf engine: auto, cpu, cuda, cuda:1 ...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description=("Compute dtype; auto: bfloat16 on GPU, float32 on CPU.")
+        "auto", description="Compute dtype; auto: bfloat16 on GPU, float32 on CPU."
     )
     hf_batch_size: int = Field(16, ge=1, description="hf engine: answers per `generate` call.")
     vllm_kv_cache_gb: int | None = Field(None, ge=1, description="vLLM on CPU: KV cache GiB; default: env's, else 2.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")
     resume: bool = Field(
-        True, description=("Continue an interrupted run with the same inputs and options from its last complete shard.")
+        True, description="Continue an interrupted run with the same inputs and options from its last complete shard."
     )
 
 
@@ -205,7 +201,7 @@ class ExtractConfig(StageConfig):
         ),
     )
     shard_size_mb: float = Field(
-        256.0, gt=0, description=("Store shard size in MiB; a crash loses at most one unwritten shard per worker.")
+        256.0, gt=0, description="Store shard size in MiB; a crash loses at most one unwritten shard per worker."
     )
     shard: str = Field("0/1", description="Process only slice i of n of the samples (i/n), for parallel workers.")
     max_samples: int | None = Field(None, ge=1, description="Extract only the first N samples of the prepared set.")
@@ -241,7 +237,7 @@ class ExtractConfig(StageConfig):
         ),
     )
     vllm_max_model_len: int | None = Field(
-        None, ge=16, description=("vLLM context length; default: the longest prepared sample + 1.")
+        None, ge=16, description="vLLM context length; default: the longest prepared sample + 1."
     )
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling code to run.")
 

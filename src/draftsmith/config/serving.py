@@ -35,7 +35,7 @@ class ExportConfig(StageConfig):
     )
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Weight dtype of model.safetensors.")
     speculative_tokens: int = Field(
-        3, ge=1, le=16, description=("Draft tokens per round written into the config (speculators proposal method).")
+        3, ge=1, le=16, description="Draft tokens per round written into the config (speculators proposal method)."
     )
     report: Path | None = Field(
         None,
@@ -48,14 +48,13 @@ class ExportConfig(StageConfig):
 class EvaluateConfig(StageConfig):
     draft: Path = Field(
         Path("runs/export"),
-        description=("The draft: an exported directory (`draftsmith export`) or a training checkpoint."),
+        description="The draft: an exported directory (`draftsmith export`) or a training checkpoint.",
     )
     engine: Literal["hf", "vllm"] = Field(
-        "hf", description=("hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine.")
+        "hf", description="hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine."
     )
     target: str | None = Field(
-        None,
-        description=("Target model; default: the one the draft was trained for. A target that differs is refused."),
+        None, description="Target model; default: the one the draft was trained for. A target that differs is refused."
     )
     output: Path = Field(Path("runs/eval"), description="Directory for report.json, report.md and the PNG charts.")
     prompts: str | None = Field(
@@ -118,13 +117,13 @@ class EvaluateConfig(StageConfig):
         ),
     )
     split_seed: int | None = Field(
-        None, description=("Seed of the train / held-out split of a prepared set; default: the draft's (else 0).")
+        None, description="Seed of the train / held-out split of a prepared set; default: the draft's (else 0)."
     )
     max_new_tokens: int = Field(256, ge=1, description="Tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
     k: Split[list[int]] = Field(
         default_factory=lambda: [3],
-        description=("Draft tokens per round (num_speculative_tokens); several values are measured one after another."),
+        description="Draft tokens per round (num_speculative_tokens); several values are measured one after another.",
     )
     baseline: bool = Field(True, description="Also decode with the target alone, for the speed-up.")
     seed: int = Field(0, description="Random seed for sampling (temperature > 0).")
@@ -137,7 +136,7 @@ class EvaluateConfig(StageConfig):
         ),
     )
     max_model_len: int | None = Field(
-        None, ge=16, description=("vLLM context limit; default: longest prompt + max_new_tokens + k.")
+        None, ge=16, description="vLLM context limit; default: longest prompt + max_new_tokens + k."
     )
     vllm_kv_cache_gb: int | None = Field(None, ge=1, description="vLLM on CPU: KV cache GiB; default: env's, else 2.")
     tensor_parallel_size: int = Field(
@@ -235,8 +234,7 @@ class QuickstartConfig(StageConfig):
     export: dict[str, Any] = Field(default_factory=dict, description="YAML only: ExportConfig options.")
     evaluate: dict[str, Any] = Field(default_factory=dict, description="YAML only: EvaluateConfig options.")
     regenerate_options: dict[str, Any] = Field(
-        default_factory=dict,
-        description=("YAML only: RegenerateConfig options (written as the `regenerate:` section)."),
+        default_factory=dict, description="YAML only: RegenerateConfig options (written as the `regenerate:` section)."
     )
 
     @model_validator(mode="before")
@@ -283,7 +281,7 @@ class ServeConfig(StageConfig):
         ),
     )
     host: str = Field(
-        "127.0.0.1", description=("Address to listen on; 0.0.0.0 serves every network interface (then set --api-key).")
+        "127.0.0.1", description="Address to listen on; 0.0.0.0 serves every network interface (then set --api-key)."
     )
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
     api_key: str | None = Field(
@@ -293,7 +291,7 @@ class ServeConfig(StageConfig):
         ),
     )
     served_model_name: str | None = Field(
-        None, description=("The model name clients send; default: vLLM's, the target's path.")
+        None, description="The model name clients send; default: vLLM's, the target's path."
     )
     max_model_len: int | None = Field(None, ge=16, description="Context length; default: the target's.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -304,7 +302,7 @@ class ServeConfig(StageConfig):
         ),
     )
     kv_cache_gb: int | None = Field(
-        None, ge=1, description=("vLLM on CPU: KV cache size in GiB; default: what the environment gives vLLM, else 2.")
+        None, ge=1, description="vLLM on CPU: KV cache size in GiB; default: what the environment gives vLLM, else 2."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs (or CPU NUMA nodes) to split the target over.")
     trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")

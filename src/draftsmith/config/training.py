@@ -34,7 +34,7 @@ class TrainConfig(StageConfig):
         ),
     )
     num_layers: int | None = Field(
-        None, ge=1, description=("Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash / dspark).")
+        None, ge=1, description="Decoder layers in the draft (default: 1 for eagle3 / peagle, 5 for dflash / dspark)."
     )
     method: AnyMethodOptions = Field(
         default_factory=Eagle3Options,
@@ -55,7 +55,7 @@ class TrainConfig(StageConfig):
     epochs: int = Field(1, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     token_budget: int = Field(
-        4096, ge=16, description=("Tokens per micro-batch per process (batch size x longest sample, padding included).")
+        4096, ge=16, description="Tokens per micro-batch per process (batch size x longest sample, padding included)."
     )
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps of the learning rate.")
@@ -94,7 +94,7 @@ class TrainConfig(StageConfig):
     compile: bool = Field(False, description="torch.compile the draft's decoder layers (forward and backward).")
     attention_kernel: Literal["auto", "flex", "chunked"] = Field(
         "auto",
-        description=("The TTT attention's causal part: flex (fused, CUDA), chunked (anywhere), auto: flex on a GPU."),
+        description="The TTT attention's causal part: flex (fused, CUDA), chunked (anywhere), auto: flex on a GPU.",
     )
     activation_checkpointing: bool = Field(
         False,
@@ -115,7 +115,7 @@ class TrainConfig(StageConfig):
     )
     lm_head_init: Literal["target", "random"] = Field(
         "target",
-        description=("Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly."),
+        description="Initialise the draft's lm_head from the target's rows for the draft vocabulary, or randomly.",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:1 ... (torchrun: each rank uses its local GPU).")
     precision: Literal["auto", "fp32", "bf16"] = Field(
@@ -168,7 +168,7 @@ class TrainConfig(StageConfig):
     )
     spool_dtype: Literal["bf16", "fp8"] = Field(
         "bf16",
-        description=("--engine vllm: storage dtype of the spooled hidden states (and of the --keep-epoch0 store)."),
+        description="--engine vllm: storage dtype of the spooled hidden states (and of the --keep-epoch0 store).",
     )
     keep_epoch0: Path | None = Field(
         None,
@@ -208,7 +208,7 @@ class TrainConfig(StageConfig):
     )
     vllm_compile: bool = Field(
         True,
-        description=("--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start."),
+        description="--engine vllm: let vLLM compile the target (CUDA graphs / inductor); off: eager, faster start.",
     )
 
     @classmethod
@@ -257,7 +257,7 @@ class FeedConfig(StageConfig):
         ),
     )
     target: str | None = Field(
-        None, description=("This node's path of the target (default: the one in the trainer's job).")
+        None, description="This node's path of the target (default: the one in the trainer's job)."
     )
     scratch: Path | None = Field(
         None,

@@ -16,24 +16,12 @@ import ctypes
 import sys
 
 TRIM_FREE_BYTES = 1 << 30  # free heap bytes above which a step's end hands them back
+# struct mallinfo2's fields, in order (each a size_t)
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
 def _glibc() -> ctypes.CDLL | None:

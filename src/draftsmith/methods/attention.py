@@ -74,10 +74,8 @@ def ttt_attention(
     keys, values = [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
     scale = 1.0 / math.sqrt(d)
     with torch.autocast(device_type, enabled=False):
-        if kernel == "flex":
-            o0, lse0 = flex_causal_attention(q, keys[0], values[0], scale)
-        else:
-            o0, lse0 = chunked_causal_attention(q, keys[0], values[0], scale)
+        causal = flex_causal_attention if kernel == "flex" else chunked_causal_attention
+        o0, lse0 = causal(q, keys[0], values[0], scale)
         return merge_diagonal(q, o0, lse0, keys[1:], values[1:], scale)
 
 
@@ -125,22 +123,14 @@ def causal_block_mask(t: int, device: str, block: int = 128) -> BlockMask:
         partial[-1] |= full[-1]
         full[-1] = False
 
-    def ordered(  # per q block: how many kv blocks, and their indices first (ascending), then the rest
-        m: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per q block: how many kv blocks, and their indices first (ascending), then the rest."""
         order = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True)
         return m.sum(-1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
 
-    kv_num_blocks, kv_indices = ordered(partial)
-    full_kv_num_blocks, full_kv_indices = ordered(full)
+    # (kv_num_blocks, kv_indices) of the partial blocks, then (full_kv_num_blocks, full_kv_indices)
     return BlockMask.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
-        full_kv_num_blocks,
-        full_kv_indices,
-        BLOCK_SIZE=block,
-        mask_mod=_causal,
-        seq_lengths=(t, t),
+        *ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(t, t)
     )
 
 

@@ -54,8 +54,7 @@ class DraftSpec(BaseModel):
         description="Eagle 3.1: an RMSNorm on each captured layer's states before fc (vLLM's config.json fc_norm)",
     )
     norm_output: bool = Field(
-        False,
-        description="Eagle 3.1: the next step reads the normed output, not the pre-norm one (vLLM's norm_output)",
+        False, description="Eagle 3.1: the next step reads the normed output, not the pre-norm one (vLLM's norm_output)"
     )
     block_size: int | None = Field(
         None,

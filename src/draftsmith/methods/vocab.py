@@ -30,12 +30,6 @@ class DraftVocab:
     def target_vocab_size(self) -> int:
         return int(self.t2d.numel())
 
-    def target_to_draft(self) -> torch.Tensor:
-        """int64 [target_vocab]: the draft id of each target id, -1 where it has none."""
-        out = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
-        out[self.draft_to_target] = torch.arange(self.draft_vocab_size)
-        return out
-
 
 def _ranked_ids(counts: np.ndarray) -> np.ndarray:
     """Token ids by descending count, lower id first among equal counts."""
@@ -79,7 +73,5 @@ def coverage_report(token_counts: torch.Tensor, sizes: tuple[int, ...]) -> list[
     counts = _counts(token_counts)
     cumulative = np.cumsum(counts[_ranked_ids(counts)])
     total = int(cumulative[-1])
-    report = []
-    for size in sorted({min(int(s), len(counts)) for s in sizes if s >= 1}):
-        report.append((size, float(cumulative[size - 1]) / total if total else 0.0))
-    return report
+    capped = sorted({min(int(s), len(counts)) for s in sizes if s >= 1})
+    return [(size, float(cumulative[size - 1]) / total if total else 0.0) for size in capped]

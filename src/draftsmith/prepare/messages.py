@@ -167,14 +167,12 @@ def normalize_call(raw: Any, where: str) -> dict:
 def _hermes_calls(text: str, where: str) -> tuple[str, list[dict]]:
     """Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in an assistant's text ->
     (the text without them, the calls)."""
-    calls = []
-    for i, block in enumerate(_HERMES_CALL.findall(text)):
-        calls.append(
-            normalize_call(
-                _parse_json(block.strip(), "malformed tool call", f"{where}: <tool_call> {i}"),
-                f"{where}, <tool_call> {i}",
-            )
+    calls = [
+        normalize_call(
+            _parse_json(block.strip(), "malformed tool call", f"{where}: <tool_call> {i}"), f"{where}, <tool_call> {i}"
         )
+        for i, block in enumerate(_HERMES_CALL.findall(text))
+    ]
     return (_HERMES_CALL.sub("", text).strip() if calls else text), calls
 
 

@@ -44,7 +44,6 @@ EMBEDDING = "draft.embed_tokens.weight"
 class DistInfo:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device = torch.device("cpu")
     strategy: str = "auto"
 
@@ -71,7 +70,7 @@ def init(device: str, strategy: str = "auto") -> DistInfo:
         dist.init_process_group(
             backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None
         )
-    return DistInfo(rank, world, local, dev, strategy)
+    return DistInfo(rank, world, dev, strategy)
 
 
 def local_world_size() -> int:

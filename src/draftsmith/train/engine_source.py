@@ -237,18 +237,9 @@ class EngineSource(FeatureSource):
         of them in one line with everything opened closed again."""
         bound = int(cfg.spool_gb * GiB)
         layer_ids = list(aux_layer_ids) + [num_layers]
+        kept = _kept_ids(cfg.keep_epoch0)
         chunks = plan_chunks(
-            cfg,
-            samplers,
-            evaluation,
-            lengths,
-            len(layer_ids),
-            hidden,
-            bound,
-            start,
-            total_steps,
-            epochs,
-            _kept_ids(cfg.keep_epoch0),
+            cfg, samplers, evaluation, lengths, len(layer_ids), hidden, bound, start, total_steps, epochs, kept
         )
         engine = engine_cpus(cfg) if info.device.type != "cuda" and not cfg.remote_engines else None
         cores = TrainerCores(engine) if engine else None
@@ -421,12 +412,9 @@ class EngineSource(FeatureSource):
             f"{self.bound / GiB:.2f} GiB  waits: {metrics['waiting']}"
         )
 
-    def _feed_status(self) -> FeedStatus:
-        """The engine process's last report (the one read at close, once the spool is closed)."""
-        return self.last_status if self.last_status is not None else self.spool.read_status()
-
     def summary(self) -> dict:
-        status = self._feed_status()
+        # the engine process's last report: the one read at close, once the spool is closed
+        status = self.last_status if self.last_status is not None else self.spool.read_status()
         return {
             "mode": f"online (vLLM engines, {self.spool.transport})",
             "spool": self.spool.describe(),

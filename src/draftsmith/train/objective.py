@@ -306,11 +306,7 @@ class Head(Protocol):
 
 
 def score_steps(
-    draft: Head,
-    steps: Iterable[torch.Tensor],
-    target: TargetDistribution | TargetStates,
-    index: Rows,
-    run: Pass,
+    draft: Head, steps: Iterable[torch.Tensor], target: TargetDistribution | TargetStates, index: Rows, run: Pass
 ) -> TTTResult:
     """Each step's hidden states [B, T', H] scored against the target: its scored rows through the draft's head, the
     KL to the target's distribution (weighted step_weight**k, over run.normaliser[k]), and the metrics."""

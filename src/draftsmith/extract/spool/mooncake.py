@@ -323,8 +323,7 @@ class MooncakeSpool(EngineSide, TrainerSide):
         entries = []
         try:
             for f, path in enumerate(files):
-                with open(path, "rb") as fh:
-                    data = fh.read()
+                data = path.read_bytes()
                 parts = self._put_blob(self._key("chunk", name, str(f)), data)
                 entries.append({"path": str(path.relative_to(partial)), "bytes": len(data), "parts": parts})
             self._put_json(self._key("chunk", name, "index"), {**asdict(info), "files": entries})

@@ -23,14 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from draftsmith.extract.vllm.source import Found, SourceTree
-from draftsmith.extract.vllm.stack import (
-    StackTaps,
-    callee,
-    cpu_bfloat16_only,
-    is_self,
-    read_taps,
-    short,
-)
+from draftsmith.extract.vllm.stack import StackTaps, callee, cpu_bfloat16_only, is_self, read_taps, short
 
 # Layer-index conventions a vLLM can have (what aux id k captures on a decoder-only model).
 #   "output": 0 = embeddings, k = output of decoder layer k-1, N = last layer's output (draftsmith's own)

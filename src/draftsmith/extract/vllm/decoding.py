@@ -249,14 +249,3 @@ DECODING_READERS: tuple[Reader, ...] = (
     read_eagle31,
     read_dspark,
 )
-
-__all__ = [
-    "DECODING_READERS",
-    "read_dflash",
-    "read_dspark",
-    "read_eagle3_decoding",
-    "read_eagle31",
-    "read_parallel_drafting",
-    "read_speculative_on_platform",
-    "speculative_on_platform",
-]

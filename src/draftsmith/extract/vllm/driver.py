@@ -142,8 +142,7 @@ def _processes() -> dict[int, tuple[int, str]]:
         for entry in os.scandir("/proc"):
             if entry.name.isdigit():
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    with open(f"/proc/{entry.name}/stat", encoding="utf-8", errors="replace") as f:
-                        stat = f.read()
+                    stat = Path(entry.path, "stat").read_text(encoding="utf-8", errors="replace")
                     name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
                     if fields[0] != "Z":
                         found[int(entry.name)] = (int(fields[1]), name)
@@ -153,8 +152,7 @@ def _processes() -> dict[int, tuple[int, str]]:
 def _command(pid: int) -> str:
     """A process's command line ("VLLM::EngineCore", a worker's name), "" when it is gone."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
     except OSError:
         return ""
 

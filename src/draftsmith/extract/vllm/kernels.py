@@ -156,13 +156,3 @@ def read_cpu_attention(tree: SourceTree, ctx: Context) -> Reading:
         )
     )
     return reading
-
-
-__all__ = [
-    "CPU_ATTENTION_ISAS",
-    "KERNEL_LIBRARIES",
-    "REFUSAL",
-    "kernel_libraries",
-    "read_cpu_attention",
-    "refusing_libraries",
-]

@@ -180,21 +180,15 @@ def one_fact(
 
 
 def read_release(tree: SourceTree, ctx: Context) -> Reading:
+    read = (
+        f"source read from {ctx.located.package} (never imported); the version is shown for reference only: "
+        "every choice below comes from inspection"
+    )
+    platform = f"{ctx.platform} (from {ctx.platform_how})"
     return Reading(
         rows=[
-            _row(
-                "vLLM",
-                ctx.located.version or "unknown",
-                None,
-                f"source read from {ctx.located.package} (never imported); the version is shown for reference only: "
-                "every choice below comes from inspection",
-            ),
-            _row(
-                "platform",
-                f"{ctx.platform} (from {ctx.platform_how})",
-                None,
-                "decides the compute dtype and whether EAGLE-3 runs here",
-            ),
+            _row("vLLM", ctx.located.version or "unknown", None, read),
+            _row("platform", platform, None, "decides the compute dtype and whether EAGLE-3 runs here"),
         ]
     )
 
@@ -318,15 +312,10 @@ def read_async_scheduling(tree: SourceTree, ctx: Context) -> Reading:
         if info is not None
         else "no such field (scheduling is synchronous)"
     )
-    reading.rows.append(
-        _row(
-            "SchedulerConfig.async_scheduling",
-            found,
-            None,
-            "the runner taps turn it off through the config, so one step's states are read before "
-            "the next is scheduled",
-        )
+    meaning = (
+        "the runner taps turn it off through the config, so one step's states are read before the next is scheduled"
     )
+    reading.rows.append(_row("SchedulerConfig.async_scheduling", found, None, meaning))
     return reading
 
 
@@ -337,48 +326,31 @@ def read_block_hasher(tree: SourceTree, ctx: Context) -> Reading:
         for f in ("get_request_block_hasher", "init_none_hash")
     )
     value = hashers and "block_hasher" in tree.params(_method(tree, request, "__init__"))
-    return Reading(
-        facts={"block_hasher": value},
-        rows=[
-            _row(
-                "block hasher API",
-                "get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if value else "no",
-                None,
-                "requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no prompt skips "
-                "its forward pass, and builds no Request itself",
-            )
-        ],
+    found = "get_request_block_hasher + init_none_hash; Request(block_hasher=...)" if value else "no"
+    meaning = (
+        "requests carry block hashes (the engine sets them); draftsmith turns prefix caching off so no prompt skips "
+        "its forward pass, and builds no Request itself"
     )
+    return Reading(facts={"block_hasher": value}, rows=[_row("block hasher API", found, None, meaning)])
 
 
 def read_convention(tree: SourceTree, ctx: Context) -> Reading:
     """The layer-index convention of vLLM's aux states (from the forward of the architecture's decoder stack)."""
     s = ctx.support
+    unknown = s.layer_convention == "unknown"
     reading = Reading(facts=s.model_dump(include={"layer_convention", "reaches_embeddings", "reaches_last"}))
-    if s.layer_convention == "unknown" and "layer_convention" in s.unknown:
+    if unknown and "layer_convention" in s.unknown:
         reading.unknown["layer_convention"] = s.unknown["layer_convention"]
-    if s.layer_convention == "unknown":
+    if unknown:
         meaning = "connector and direct cannot place vLLM's aux layers; the layer taps do not use them"
     elif s.reaches_embeddings and s.reaches_last:
         meaning = "same as draftsmith's store: ids pass through unchanged"
     else:
-        own = " and ".join(
-            w
-            for w, reached in (
-                ("id 0 (the embeddings)", s.reaches_embeddings),
-                ("id N (the last layer)", s.reaches_last),
-            )
-            if not reached
-        )
+        ids = (("id 0 (the embeddings)", s.reaches_embeddings), ("id N (the last layer)", s.reaches_last))
+        own = " and ".join(words for words, reached in ids if not reached)
         meaning = f"the other ids pass through unchanged; {own} tapped by direct"
     reading.rows.append(
-        _row(
-            "layer-index convention",
-            convention_words(s),
-            s.layer_convention != "unknown",
-            meaning,
-            unknown=s.layer_convention == "unknown" and s.registered,
-        )
+        _row("layer-index convention", convention_words(s), not unknown, meaning, unknown=unknown and s.registered)
     )
     return reading
 

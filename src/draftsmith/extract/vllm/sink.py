@@ -74,7 +74,6 @@ class StoreSink:
         self.config = config
         self.writes = writes
         self.received = 0
-        self.written_tokens = 0
         self.error: str | None = None
         self.disk_full = False  # the error was a DiskFullError: the driver raises that type again
         self._lock = threading.Lock()
@@ -104,7 +103,7 @@ class StoreSink:
         with self._lock:
             if self._writer is not None:
                 self._finish()
-            self.received, self.written_tokens = 0, 0
+            self.received = 0
             if self.writes and self.error is None:
                 try:
                     self._open(Path(path))
@@ -142,7 +141,6 @@ class StoreSink:
                         f"expected [{ids.shape[0]}, {len(self.layer_ids)}, H]"
                     )
                 self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), list(parts))])
-                self.written_tokens += int(ids.shape[0])
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
                 self._failed(err)
 

@@ -431,7 +431,6 @@ class Located:
     package: Path  # the `vllm` package directory
     installed: bool  # the one this interpreter would import (else a directory given)
     version: str | None
-    dist_info: Path | None
     platform: str | None  # "cpu", "cuda", ... or None when the files do not say (see platform_how)
     platform_how: str
 
@@ -493,10 +492,7 @@ def _dist_info(package: Path, version: str | None) -> tuple[Path | None, str | N
             elif line.startswith("Requires-Dist:") and "extra ==" not in line:
                 requires.append(line.split(":", 1)[1].strip())
         found.append((path, meta, requires))
-    for entry in found:
-        if version is None or entry[1] == version:
-            return entry
-    return found[0] if found else (None, None, [])
+    return next((e for e in found if version is None or e[1] == version), found[0] if found else (None, None, []))
 
 
 def locate(source: Path | str | None) -> Located | None:
@@ -523,9 +519,7 @@ def locate(source: Path | str | None) -> Located | None:
     if platform is None:
         named = f"the distribution {dist.name}" if dist is not None else "no *.dist-info beside the package"
         how = f"{named} and the version{f' {version}' if version else ''} do not name a platform"
-    return Located(
-        package=package, installed=source is None, version=version, dist_info=dist, platform=platform, platform_how=how
-    )
+    return Located(package=package, installed=source is None, version=version, platform=platform, platform_how=how)
 
 
 # transformers' files that read a draft's config.json for vLLM: the config classes of the drafts' decoders (Llama for
@@ -559,17 +553,3 @@ def unmentioned(words: list[str], package: Path | None = None) -> list[str] | No
         if not left:
             break
     return [word for word in words if word in left]
-
-
-__all__ = [
-    "FieldInfo",
-    "Found",
-    "Located",
-    "Module",
-    "SourceTree",
-    "installed_package",
-    "literal_text",
-    "locate",
-    "package_dir",
-    "unmentioned",
-]

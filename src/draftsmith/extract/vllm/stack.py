@@ -228,14 +228,8 @@ def _mentions_layers(expr: ast.AST) -> bool:
 def _layer_loop(forward: Found) -> ast.For | None:
     """The loop over the layers: `for layer in islice(self.layers, ...)`, `for idx, layer in enumerate(...)`, or
     `for i in range(self.start_layer, self.end_layer): layer = self.layers[i]` (gpt-oss)."""
-    return next(
-        (
-            n
-            for n in ast.walk(forward.node)
-            if isinstance(n, ast.For) and (_mentions_layers(n.iter) or _indexed_layer(n) is not None)
-        ),
-        None,
-    )
+    loops = (n for n in ast.walk(forward.node) if isinstance(n, ast.For))
+    return next((n for n in loops if _mentions_layers(n.iter) or _indexed_layer(n) is not None), None)
 
 
 def _indexed_layer(loop: ast.For) -> str | None:

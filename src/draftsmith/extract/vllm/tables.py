@@ -12,16 +12,11 @@ def render_probe_table(report: ProbeReport):
     """The probe as a rich Table: capability, found, usable, meaning; the chosen strategy in the caption."""
     table = Table(title="vLLM extraction capabilities (found by inspection)", title_justify="left")
     table.add_column("capability", style="bold")
-    table.add_column("found")
-    table.add_column("ok")
-    table.add_column("what it means")
+    for column in ("found", "ok", "what it means"):
+        table.add_column(column)
+    marks = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}  # by cap.ok
     for cap in report.capabilities:
-        mark = (
-            "[yellow]unknown[/yellow]"
-            if cap.unknown
-            else {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[cap.ok]
-        )
-        table.add_row(cap.name, cap.found, mark, cap.meaning)
+        table.add_row(cap.name, cap.found, "[yellow]unknown[/yellow]" if cap.unknown else marks[cap.ok], cap.meaning)
     if report.strategy:
         table.caption = f"strategy: [bold]{report.strategy}[/bold] ({report.reason})"
     else:
@@ -70,6 +65,3 @@ def render_architecture_table(reports: list[ProbeReport]):
     for row in rows:
         table.add_row(*row.values())
     return table
-
-
-__all__ = ["architecture_row", "render_architecture_table", "render_probe_table"]
