@@ -109,13 +109,12 @@ class HiddenStateStore(Samples):
         return k
 
     def sample(self, i: int) -> dict:
-        shard = self._shards[self._owner[i]]
         a = int(self._start[i])
-        b = a + int(self.lengths[i])
-        data, scales = self._states(i)
+        rows = self._rows(i)
+        data, scales = rows["hidden_states"], rows.get("hidden_scales")
         item = {
-            "input_ids": shard.rows("input_ids", a, b).long(),
-            "loss_mask": shard.rows("loss_mask", a, b),
+            "input_ids": rows["input_ids"].long(),
+            "loss_mask": self._shards[self._owner[i]].rows("loss_mask", a, a + int(self.lengths[i])),
             "hidden_states": data if self.dtype is None else decode_hidden_states(data, scales, self.dtype),
             "sample_id": int(self.sample_ids[i]),
         }
@@ -123,9 +122,9 @@ class HiddenStateStore(Samples):
             item["hidden_scales"] = scales
         return item
 
-    def _states(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sample i's hidden states (and fp8 scales) as stored, its prefix's read from its ancestors' rows."""
-        names = ("hidden_states", "hidden_scales") if self.manifest.dtype == "fp8" else ("hidden_states",)
+    def _rows(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i's token ids and states (and fp8 scales) as stored, its prefix's from its ancestors' rows."""
+        names = ["input_ids", "hidden_states"] + (["hidden_scales"] if self.manifest.dtype == "fp8" else [])
         pieces: list[list[torch.Tensor]] = []
         k, stop = i, int(self.lengths[i])
         for _ in range(len(self)):  # a parent cycle (a damaged store) ends here
@@ -135,7 +134,7 @@ class HiddenStateStore(Samples):
                 stop = shared
             if stop == 0:
                 parts = [torch.cat(p[::-1]) if len(p) > 1 else p[0] for p in zip(*pieces, strict=True)]
-                return parts[0], parts[1] if len(parts) > 1 else None
+                return dict(zip(names, parts, strict=True))
             k = self.index_of(int(self._parent[k]))
         raise DraftsmithError(f"{self.path}: sample {int(self.sample_ids[i])}'s prefixes form a cycle (damaged store)")
 

@@ -9,9 +9,10 @@ A shard is a safetensors file holding many samples, concatenated (docs/formats.m
     sample_ids     [S]        I64
     __metadata__              format, format_version, spec_fingerprint, dtype, layer_ids, hidden_size
 
-A shard whose samples share prefixes (extract's prefix chains) stores each sample's states from its first token not
-shared with its parent on: hidden_states has R rows, sample j's rows row_offsets[j]:row_offsets[j+1], and its first
-prefix_shared[j] states are those of sample prefix_parents[j] (in any shard of the store)::
+A shard whose samples share prefixes (extract's prefix chains) stores each sample's ids and states from its first
+token not shared with its parent on: input_ids and hidden_states have R rows, sample j's rows
+row_offsets[j]:row_offsets[j+1], and its first prefix_shared[j] are those of sample prefix_parents[j] (in any shard
+of the store); loss_mask stays whole (T)::
 
     row_offsets    [S + 1]    I64
     prefix_parents [S]        I64   a sample id; -1 where prefix_shared is 0
@@ -163,7 +164,7 @@ def check_shard(shard: TensorFile, spec: StoreSpec) -> ShardIndex:
     shard.expect("hidden_states", SAFETENSORS_DTYPES[spec.dtype], (R, L, H))
     if spec.dtype == "fp8":
         shard.expect("hidden_scales", "F32", (R, L))
-    shard.expect("input_ids", "I32", (T,))
+    shard.expect("input_ids", "I32", (R,))
     shard.expect("loss_mask", "BOOL", (T,))
     ids = shard.read("sample_ids", verify=False).tolist()
     if len(set(ids)) != len(ids):

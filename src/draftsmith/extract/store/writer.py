@@ -167,12 +167,12 @@ class StoreWriter:
             data, scales = encode_hidden_states(hidden_states, self.spec.dtype)
         data = data.detach().to("cpu").contiguous()
         scales = None if scales is None else scales.detach().to("cpu", torch.float32).contiguous()
-        ids = input_ids.detach().to("cpu", torch.int32)
+        ids = input_ids.detach().to("cpu", torch.int32)[shared:]  # the prefix's are its parent's
         mask = loss_mask.detach().to("cpu", torch.bool)
         self._buffer.append((sample_id, ids, mask, data, scales, int(parent), int(shared)))
         self._buffered_ids.add(sample_id)
         self._buffered_bytes += (
-            data.numel() * data.element_size() + (0 if scales is None else scales.numel() * 4) + T * 5
+            data.numel() * data.element_size() + (0 if scales is None else scales.numel() * 4) + ids.numel() * 4 + T
         )
         if flush_if_full:
             self.maybe_flush()
@@ -188,7 +188,7 @@ class StoreWriter:
             return None
         buffer = self._buffer
         sample_ids = torch.tensor([b[0] for b in buffer], dtype=torch.int64)
-        offsets, rows = _offsets([b[1].shape[0] for b in buffer]), _offsets([b[3].shape[0] for b in buffer])
+        offsets, rows = _offsets([b[2].shape[0] for b in buffer]), _offsets([b[3].shape[0] for b in buffer])
         tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {
             "hidden_states": [b[3] for b in buffer],  # written piece by piece, never joined in memory
             "input_ids": torch.cat([b[1] for b in buffer]),
