@@ -146,13 +146,13 @@ def _extract(
         sink.submit(items, ready)
         advance(int(attention_mask.sum()))
     for chain in chains:
-        cache = _new_cache(config)
+        cache = _new_cache(config)  # never None here: `run` forms chains only where it is not
         for i, parent, shared in chain:
-            s, held = plan.dataset[i], cache.get_seq_length() if cache else 0
-            if cache and held > shared:
+            s, held = plan.dataset[i], cache.get_seq_length() if cache is not None else 0
+            if cache is not None and held > shared:
                 cache.crop(shared - held)  # negative: drop that many (transformers 4 and 5 alike)
             states, scales, ready = captured(s["input_ids"][None, shared:], cache)
-            if not cache or cache.get_seq_length() != len(s["input_ids"]):
+            if cache is None or cache.get_seq_length() != len(s["input_ids"]):
                 raise DraftsmithError(f"{plan.target_dir}: its forward pass keeps no KV cache; please report it")
             if i not in done:
                 row = (i, s["input_ids"], s["loss_mask"], states[0], None if scales is None else scales[0])

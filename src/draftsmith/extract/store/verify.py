@@ -58,11 +58,11 @@ class VerifyReport(BaseModel):
         return "\n".join(lines)
 
 
-def _nonfinite_rows(shard: TensorFile, dtype: StorageDtype, tokens: int, chunk: int = 4096) -> np.ndarray:
-    """Per token: does any kept layer hold a NaN/Inf?"""
-    bad = np.zeros(tokens, dtype=bool)
-    for a in range(0, tokens, chunk):
-        b = min(tokens, a + chunk)
+def _nonfinite_rows(shard: TensorFile, dtype: StorageDtype, num_rows: int, chunk: int = 4096) -> np.ndarray:
+    """Per row of states (a token's, or a shared prefix's token's once): does any kept layer hold a NaN/Inf?"""
+    bad = np.zeros(num_rows, dtype=bool)
+    for a in range(0, num_rows, chunk):
+        b = min(num_rows, a + chunk)
         data = shard.rows("hidden_states", a, b)
         if dtype == "fp8":
             rows = ~torch.isfinite(data.to(torch.float32)).all(dim=(1, 2))
