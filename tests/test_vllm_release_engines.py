@@ -39,7 +39,14 @@ import pytest
 import torch
 from conftest import as_a_user
 from families import TINY_OVERRIDES
-from test_extract_vllm import _cfg, assert_matches_hf, hf_store, needs_vllm, prepared  # noqa: F401 - fixtures
+from test_extract_vllm import (  # noqa: F401 - fixtures
+    _cfg,
+    assert_each_distinct_token_once,
+    assert_matches_hf,
+    hf_store,
+    needs_vllm,
+    prepared,
+)
 from test_families import per_layer_cosine, write_chats
 
 from draftsmith import evaluate, export, serve
@@ -75,6 +82,7 @@ def test_each_offered_strategy_fills_a_store_equal_to_transformers(strategy, rep
     wall = time.perf_counter() - start
     assert result.result is not None
     assert strategy in result.result.backend and report.facts.version in result.result.backend
+    assert_each_distinct_token_once(tmp_path / strategy, prepared, result.result.tokens_this_run)  # prefix caching
     worst = assert_matches_hf(tmp_path / strategy, hf_store)
     _say(
         f"extract {strategy}",

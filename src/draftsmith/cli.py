@@ -269,6 +269,8 @@ DOCTOR_HELP = {
     "target": "A target's model directory or its config.json alone: add its vLLM row and what its store and its "
     "draft's training will take (from the config, no weights read).",
     "tokens": "Tokens of the data set to size the store for.",
+    "prepared": "A prepared set to size the store for: its tokens, one context per generation, and its distinct "
+    "tokens, what extract stores where samples share prefixes (agentic traffic).",
     "tensor_parallel_size": "GPUs the target's weights are split over, for the per-GPU weight size.",
     "gpu_memory_gb": "Memory of one training GPU in GiB (80 for an 80 GB H100/A100): says whether the draft's "
     "training fits it and the largest --token-budget that does.",
@@ -291,6 +293,7 @@ DOCTOR_HELP = {
 def doctor(  # noqa: PLR0913 - a typer command: one parameter per --option
     target: Annotated[str | None, typer.Option("--target", help=DOCTOR_HELP["target"])] = None,
     tokens: Annotated[int | None, typer.Option("--tokens", help=DOCTOR_HELP["tokens"])] = None,
+    prepared: Annotated[Path | None, typer.Option("--prepared", help=DOCTOR_HELP["prepared"])] = None,
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", help=DOCTOR_HELP["tensor_parallel_size"])
     ] = 1,

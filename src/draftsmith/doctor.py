@@ -35,6 +35,7 @@ class Sizing(TypedDict, total=False):
     """What --target's sizes are computed for: `planning.sizing_rows`'s keywords that doctor takes."""
 
     tokens: int | None
+    distinct_tokens: int | None
     tensor_parallel_size: int
     gpu_memory_gb: float | None
     online_rate: float | None
@@ -254,12 +255,19 @@ def run(
     runtime: bool = False,
     as_json: bool = False,
     verbose: bool = False,
+    prepared: Path | None = None,
     **sizing: Unpack[Sizing],
 ) -> None:
     """Print doctor's summary, one screen (`verbose`: its full tables; `as_json`: the one JSON object of `report`).
     `vllm_source`: probe that vLLM tree instead of the installed one (no runtime step); `runtime`: build the
     installed vLLM's engine config too; `sizing`: `report`'s tokens, tensor_parallel_size, gpu_memory_gb and the
-    target's online spool rows (`online_rate`, `spool_lead_s`)."""
+    target's online spool rows (`online_rate`, `spool_lead_s`); `prepared`: a prepared set whose tokens and distinct
+    tokens (its samples' shared prefixes counted once) size the store."""
+    if prepared is not None:
+        from draftsmith.prepare.dataset import open_prepared
+
+        manifest = open_prepared(prepared).manifest
+        sizing.update(tokens=manifest.num_tokens, distinct_tokens=manifest.num_distinct_tokens)
     check_online(target, sizing.get("online_rate"), sizing.get("spool_lead_s", 60.0))  # one line, before any output
     if vllm_source is not None:
         package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed

@@ -20,6 +20,7 @@ def sizing_rows(  # noqa: PLR0913 - doctor's sizing options, as its CLI names th
     config: dict,
     *,
     tokens: int | None = None,
+    distinct_tokens: int | None = None,
     tensor_parallel_size: int = 1,
     token_budget: int | None = None,
     gpu_memory_gb: float | None = None,
@@ -35,7 +36,7 @@ def sizing_rows(  # noqa: PLR0913 - doctor's sizing options, as its CLI names th
     token_budget = token_budget or TrainConfig().token_budget
     rows = target_rows(config, shape, tensor_parallel_size, gpu_memory_gb)
     per_token = {d: sizing.store_bytes_per_token(shape.hidden_size, len(layer_ids), d) for d in ("bf16", "fp8")}
-    rows += store_rows(shape, layer_ids, per_token, tokens)
+    rows += store_rows(shape, layer_ids, per_token, tokens, distinct_tokens)
     rows += spool_rows(per_token, online_rate, spool_lead_s, tokens=tokens, tokens_per_step=token_budget)
     rows += draft_rows(config, layer_ids[:-1], token_budget, gpu_memory_gb)
     return rows
@@ -78,9 +79,14 @@ def target_rows(
 
 
 def store_rows(
-    shape: sizing.TargetShape, layer_ids: list[int], per_token: dict[str, int], tokens: int | None
+    shape: sizing.TargetShape,
+    layer_ids: list[int],
+    per_token: dict[str, int],
+    tokens: int | None,
+    distinct: int | None = None,
 ) -> list[tuple[str, str]]:
-    """The hidden-state store: its layer ids, its bytes per token, and its size for `tokens` and for a million."""
+    """The hidden-state store: its layer ids, its bytes per token, and its size for `tokens` (one context per
+    generation), for the `distinct` tokens of samples sharing prefixes (what extract stores), and for a million."""
     aux = layer_ids[:-1]
     rows = [
         ("store layer ids", f"{','.join(map(str, layer_ids))} (aux {','.join(map(str, aux))}, then N)"),
@@ -89,9 +95,14 @@ def store_rows(
             f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} ({len(layer_ids)} layers x {shape.hidden_size})",
         ),
     ]
-    for count in ([tokens] if tokens else []) + [1_000_000]:
+    for count in ([tokens] if tokens else []) + ([distinct] if distinct else []) + [1_000_000]:
         size = ", ".join(f"{dtype} {sizing.human_bytes(count * n)}" for dtype, n in per_token.items())  # bf16, fp8
-        rows.append((f"store for {count:,} tokens", size))
+        if count == distinct and count != tokens:
+            rows.append(
+                (f"store for {count:,} distinct tokens", f"{size}: what extract writes ({tokens / count:.1f}x less)")
+            )
+        else:
+            rows.append((f"store for {count:,} tokens", size))
     return rows
 
 

@@ -82,20 +82,29 @@ def chains(
 ) -> list[list[tuple[int, int, int]]]:
     """The samples `ids` in prefix order (`PreparedDataset.prefixes`), as runs in which each sample shares at least
     MIN_SHARED tokens with the one before it: (sample id, parent, shared), the first of a run (id, -1, 0). A sample
-    keeps one token of its own (a duplicate's states are its last token's)."""
+    keeps one token of its own (a duplicate's states are its last token's). Its parent is the run's first sample
+    holding those `shared` tokens, so samples branching from one prefix depend on it, not on each other (vLLM runs
+    them side by side)."""
     order, _, shared = prefixes
     keep = np.zeros(len(order), dtype=bool)
     keep[list(ids)] = True
     runs: list[list[tuple[int, int, int]]] = []
-    before, common = -1, 0  # the last kept sample, and the prefix it shares with every sample since
+    back: list[int] = []  # per sample of the last run: the position of its parent
+    common = 0  # the prefix the last kept sample shares with every sample since
     for i in order.tolist():
         common = min(common, int(shared[i]))
         if keep[i]:
-            if before >= 0 and common >= MIN_SHARED:
-                runs[-1].append((i, before, min(common, int(lengths[i]) - 1)))
+            if runs and common >= MIN_SHARED:
+                run, n = runs[-1], min(common, int(lengths[i]) - 1)
+                p = len(run) - 1  # back over samples that share at least n with the ones after them
+                while p > 0 and run[p][2] >= n:
+                    p = back[p]
+                run.append((i, run[p][0], n))
+                back.append(p)
             else:
                 runs.append([(i, -1, 0)])
-            before, common = i, 1 << 62
+                back = [0]
+            common = 1 << 62
     return runs
 
 

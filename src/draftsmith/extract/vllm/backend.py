@@ -16,7 +16,7 @@ from draftsmith.core.targets import context_length, is_multimodal_wrapper, read_
 from draftsmith.extract import common, store
 from draftsmith.extract.vllm import dtypes, taps
 from draftsmith.extract.vllm import probe as probing
-from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, start_engine
+from draftsmith.extract.vllm.driver import RUNNER_TAPS, Engine, EngineSpec, Prompt, prompts, start_engine
 from draftsmith.extract.vllm.dtypes import DtypeChoice
 from draftsmith.extract.vllm.sink import SinkConfig, SinkReport
 
@@ -103,6 +103,7 @@ def _engine_spec(
     sink_config: SinkConfig | None,
     sample_ids: list[int],
     dtype: str,
+    prefix_caching: bool = False,
 ) -> EngineSpec:
     cfg = plan.cfg
     longest = max((int(plan.lengths[i]) for i in sample_ids), default=16)
@@ -135,6 +136,7 @@ def _engine_spec(
         dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
         sink_config=sink_config,
+        prefix_caching=prefix_caching,
     )
 
 
@@ -173,18 +175,19 @@ class _Job:
             self.todo = common.pending_sample_ids(plan, self.writer)
         finally:
             self.writer.close()
-        common.check_disk_space(plan, self.spec, self.todo)
+        # samples sharing prefixes go to one engine, whose cache and writer hold their parents (not data parallel)
+        self.prompts = prompts(plan.dataset, plan.lengths, self.todo, share=cfg.data_parallel_size == 1)
+        self.shares = any(p.parent >= 0 for p in self.prompts)
+        common.check_disk_space(plan, self.spec, self.todo, sum(p.shared for p in self.prompts))
         self.skipped = len(plan.sample_ids) - len(self.todo)
         self.recovered = list(self.writer.recovered)  # what opening the store cleaned up or adopted
         self.sink_config = _sink_config(plan, self.spec, backend_info)
         self.label = f"vllm {report.facts.version} ({self.strategy}, {report.facts.platform})"
 
-    def prompts(self) -> list[tuple[int, list[int]]]:
-        return [(i, self.plan.dataset[i]["input_ids"].tolist()) for i in self.todo]
-
     def engine_spec(self, strategy: str | None = None) -> EngineSpec:
         config = self.sink_config if strategy is None else None
-        return _engine_spec(self.plan, self.report, strategy or self.strategy, config, self.todo, self.dtype)
+        strategy = strategy or self.strategy
+        return _engine_spec(self.plan, self.report, strategy, config, self.todo, self.dtype, self.shares)
 
     def start(self) -> tuple[_Job, Engine]:
         """(the job as it runs, its started engine): where the engine cannot run in the chosen dtype and the facts
@@ -221,14 +224,13 @@ def run(cfg: ExtractConfig, *, show_progress: bool = True) -> StageResult:
         return job.result(0.0, 0, [], 0.0)
     say_dtype("extract", job.choice, cfg.compute_dtype)
     job, engine = job.start()
-    prompts = job.prompts()
-    tokens = sum(len(ids) for _, ids in prompts)
+    tokens = sum(len(p.ids) - p.shared for p in job.prompts)
     with engine, common.Timer() as timer:  # from the first prompt until the last shard is in the store
         with common.progress_bar(tokens, f"extract (vllm {job.strategy})", enabled=show_progress) as advance:
-            engine.generate(prompts, on_finished=advance)
-        engine.wait_for_sink(len(prompts))
+            engine.generate(job.prompts, on_finished=advance)
+        engine.wait_for_sink(len(job.prompts))
         reports = engine.close_sink()
-    return job.result(timer.seconds, tokens, reports, engine.start_seconds)
+    return job.result(timer.seconds, engine.computed_tokens, reports, engine.start_seconds)
 
 
 def offered_strategies(prepared: Path, *, compute_dtype: str = "auto") -> list[str]:
@@ -289,16 +291,18 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
         )
         jobs = {name: _Job(ExtractConfig(output=root / name, vllm_strategy=name, **knobs)) for name in names}
         first = jobs[names[0]]
+        for job in jobs.values():
+            job.shares = False  # every strategy computes every token of the same prompts, as the plain engine
         if compile is None:
             compile = first.report.facts.platform not in ("cpu", None)
         for job in jobs.values():
             job.cfg.vllm_compile = compile
-        prompts = first.prompts()
-        size = math.ceil(len(prompts) / max(1, chunks))
-        parts = [prompts[k : k + size] for k in range(0, len(prompts), size)]
+        sent = first.prompts
+        size = math.ceil(len(sent) / max(1, chunks))
+        parts = [[Prompt(p.sample_id, p.ids) for p in sent[k : k + size]] for k in range(0, len(sent), size)]
         seconds, prefill_s, starts = _race(jobs, parts, compile)
         stored = {name: len(store.open(root / name)) for name in names}
-    tokens = sum(len(ids) for _, ids in prompts)
+    tokens = sum(len(p.ids) for p in sent)
     prefill_per_s = tokens / prefill_s
     rows = {
         name: {
@@ -318,7 +322,7 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
         "target": first.plan.target.architecture,
         "tensor_parallel_size": tensor_parallel_size,
         "compute_dtype": first.dtype,
-        "samples": len(prompts),
+        "samples": len(sent),
         "tokens": tokens,
         "chunks": len(parts),
         "prefill_tokens_per_s": round(prefill_per_s, 1),
@@ -328,7 +332,7 @@ def benchmark(  # noqa: PLR0913 - the benchmark's settings, as its CLI names the
 
 
 def _race(
-    jobs: dict[str, _Job], parts: list[list[tuple[int, list[int]]]], compile: bool
+    jobs: dict[str, _Job], parts: list[list[Prompt]], compile: bool
 ) -> tuple[dict[str, float], float, dict[str, float]]:
     """`benchmark`'s run (as its docstring tells): each strategy's seconds, the plain engine's, and each engine's
     start-up seconds."""

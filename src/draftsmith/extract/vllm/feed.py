@@ -53,8 +53,8 @@ from draftsmith.extract.spool.chunks import Chunk, Waiting
 from draftsmith.extract.vllm import dtypes
 from draftsmith.extract.vllm import probe as probing
 from draftsmith.extract.vllm.backend import _backend_info, _engine_spec, _sink_config, choose_strategy, say_dtype
-from draftsmith.extract.vllm.driver import Engine, engine_processes, start_engine
-from draftsmith.prepare.dataset import PreparedDataset, prepared_digest
+from draftsmith.extract.vllm.driver import Engine, engine_processes, prompts, start_engine
+from draftsmith.prepare.dataset import prepared_digest
 
 HEARTBEAT_S = 2.0
 LOST_LIMIT = 3  # the same chunk refused this many times in a row is not the transport's passing loss
@@ -193,7 +193,7 @@ class Feeder:
         return cfg
 
     # -- the passes
-    def compute(self, engine: Engine, plan_dataset: PreparedDataset, chunk: Chunk) -> None:
+    def compute(self, engine: Engine, plan_x: common.ExtractionPlan, chunk: Chunk) -> None:
         partial = self.spool.begin(chunk.name)
         try:
             self.spool.room(chunk.name, chunk.estimate)
@@ -202,7 +202,8 @@ class Feeder:
         start = time.perf_counter()
         try:
             engine.open_store(str(partial))
-            engine.generate([(i, plan_dataset[i]["input_ids"].tolist()) for i in chunk.engine_ids])
+            share = engine.spec.prefix_caching  # a chunk's samples sharing prefixes: stored as extract stores them
+            engine.generate(prompts(plan_x.dataset, plan_x.lengths, chunk.engine_ids, share))
             engine.wait_for_sink(len(chunk.engine_ids))
             written = sum(r.samples_written for r in engine.finish_store())
         except DiskFullError:
@@ -221,7 +222,7 @@ class Feeder:
         self.status.chunks_done += 1
         self._report("", chunk="")
 
-    def one_pass(self, engine: Engine, dataset: PreparedDataset, plan: Plan) -> None:
+    def one_pass(self, engine: Engine, plan_x: common.ExtractionPlan, plan: Plan) -> None:
         """Every chunk of `plan` not ready, in order; returns early when the trainer writes a newer plan."""
         for chunk in plan.chunks:
             if not chunk.from_engine or self.spool.is_ready(chunk.name):
@@ -242,7 +243,7 @@ class Feeder:
             wait_for_space(self.spool, chunk.estimate, on_wait=waiting)
             self._report("", chunk=chunk.name)
             try:
-                self.compute(engine, dataset, chunk)
+                self.compute(engine, plan_x, chunk)
             except TransportLost as err:  # the trainer writes a new plan; until then, wait for it
                 self.lost[chunk.name] = self.lost.get(chunk.name, 0) + 1
                 if self.lost[chunk.name] >= LOST_LIMIT:
@@ -276,7 +277,8 @@ class Feeder:
             spec = common.store_spec(plan_x, backend="vllm", compute_dtype=dtype)
             backend_info: dict[str, JsonValue] = {**_backend_info(report, strategy), "online": True}
             sink_config = _sink_config(plan_x, spec, backend_info).model_copy(update={"store": None})
-            return _engine_spec(plan_x, report, strategy, sink_config, needed, dtype)
+            shares = cfg.data_parallel_size == 1 and bool((plan_x.dataset.prefixes[2] >= common.MIN_SHARED).any())
+            return _engine_spec(plan_x, report, strategy, sink_config, needed, dtype, shares)
 
         self.status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}
         self._report("start")
@@ -290,7 +292,7 @@ class Feeder:
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
             plan: Plan | None = first
             while plan is not None:
-                self.one_pass(engine, plan_x.dataset, plan)
+                self.one_pass(engine, plan_x, plan)
                 plan = self.next_plan()
         self.status.done, self.status.chunk, self.status.waiting = True, "", ""
 

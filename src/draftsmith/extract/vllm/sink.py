@@ -26,7 +26,16 @@ from draftsmith.extract import store as store_module
 from draftsmith.prepare.dataset import open_prepared
 
 SAMPLE_ID_KEY = "draftsmith_sample_id"  # in SamplingParams.extra_args (under "kv_transfer_params": connector)
+PARENT_KEY, SHARED_KEY = "draftsmith_parent", "draftsmith_shared"  # beside it: the prefix it shares (driver.Prompt)
 EXTRA_CONFIG_KEY = "draftsmith"  # the sink config in KVTransferConfig.kv_connector_extra_config
+
+
+def read_tag(params: dict | None) -> tuple[int, int, int] | None:
+    """(sample id, parent, shared) of a request the driver tagged (driver.tag_request); None for any other."""
+    params = params or {}
+    if params.get(SAMPLE_ID_KEY) is None:
+        return None
+    return int(params[SAMPLE_ID_KEY]), int(params.get(PARENT_KEY, -1)), int(params.get(SHARED_KEY, 0))
 
 
 class SinkConfig(BaseModel):
@@ -117,9 +126,17 @@ class StoreSink:
             return common.HostStates(torch.empty(layers[0].shape[0], 0))
         return common.to_host(layers, self.spec.dtype)
 
-    def put(self, sample_id: int, token_ids: Sequence[int] | torch.Tensor, parts: list[common.HostStates]) -> None:
-        """Store one request's states: its `parts` from `to_host` in token order (one per step its prefill ran
-        in; joined in the writer's thread). A sink that does not write only counts the request."""
+    def put(
+        self,
+        sample_id: int,
+        token_ids: Sequence[int] | torch.Tensor,
+        parts: list[common.HostStates],
+        parent: int = -1,
+        shared: int = 0,
+    ) -> None:
+        """Store one request's states from token `shared` on (the first ones are sample `parent`'s): its `parts`
+        from `to_host` in token order (one per step its prefill ran in; joined in the writer's thread). A sink that
+        does not write only counts the request."""
         with self._lock:
             self.received += 1
             if not self.writes or self.error is not None:
@@ -135,12 +152,13 @@ class StoreSink:
                 if got.shape != ids.shape or not torch.equal(got.cpu(), ids):
                     raise RuntimeError(f"request for sample {sample_id} carried other token ids than the prepared set")
                 rows, shape = sum(p.data.shape[0] for p in parts), tuple(parts[0].data.shape[1:]) if parts else ()
-                if rows != ids.shape[0] or shape[:1] != (len(self.layer_ids),):
+                if rows != ids.shape[0] - shared or shape[:1] != (len(self.layer_ids),):
                     raise RuntimeError(
                         f"sample {sample_id}: captured states [{rows}, {', '.join(map(str, shape))}], "
-                        f"expected [{ids.shape[0]}, {len(self.layer_ids)}, H]"
+                        f"expected [{ids.shape[0] - shared}, {len(self.layer_ids)}, H]"
                     )
-                self._background.submit([(int(sample_id), ids, torch.as_tensor(row["loss_mask"]), list(parts))])
+                item = (int(sample_id), ids, torch.as_tensor(row["loss_mask"]), list(parts), None, parent, shared)
+                self._background.submit([item])
             except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it there
                 self._failed(err)
 

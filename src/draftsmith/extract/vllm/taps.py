@@ -19,20 +19,23 @@ where a step's states come from:
 
 Then, for both, the batch's rows are cut per request (requests lie back to back, in `input_batch.req_ids` order, each
 with `num_scheduled_tokens[req_id]` rows), chunks of a prefill split over several steps are joined, and a request
-whose whole prompt has been seen goes to the store sink. Every rank runs the hooks (tensor parallel: each holds the
+whose whole prompt has been seen goes to the store sink. A request that shares a prefix (driver.Prompt) starts where
+vLLM's prefix cache ends, which must not be past the prefix its parent holds; its rows before that prefix's end are
+dropped (its parent has them). Every rank runs the hooks (tensor parallel: each holds the
 full stream after vLLM's all-reduce); only the writing rank copies rows off the device. How the driver starts the
 engine for them: driver.engine_kwargs and driver.engine_environment.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel
 
 from draftsmith.extract.common import HostStates
-from draftsmith.extract.vllm.sink import SAMPLE_ID_KEY, StoreSink
+from draftsmith.extract.vllm.sink import StoreSink, read_tag
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -138,13 +141,24 @@ class LayerHooks:
         return captured
 
 
+@dataclass
+class _Request:
+    """A tagged request being prefilled: its rows so far (from `shared` on) as they crossed to the host."""
+
+    sample_id: int
+    prompt: list[int]
+    parent: int
+    shared: int
+    at: int  # the next position to be computed (it starts where the prefix cache ends)
+    chunks: list[HostStates] = field(default_factory=list)
+
+
 class RunnerTaps:
     """The installed taps of one worker: a step's states by store id, cut per request into the sink."""
 
     def __init__(self, runner: Any, sink: StoreSink, plan: TapPlan):
         self.runner, self.sink, self.plan = runner, sink, plan
-        # req id -> (sample id, prompt, its chunks so far as they crossed to the host)
-        self.requests: dict[str, tuple[int, list[int], list[HostStates]]] = {}
+        self.requests: dict[str, _Request] = {}
         self.last_aux: list[torch.Tensor] | None = None
         model = runner.get_model()
         if plan.vllm_ids:
@@ -172,13 +186,24 @@ class RunnerTaps:
             return None
         return [by_id[k] for k in self.plan.layer_ids]
 
-    def after_execute(self, scheduler_output: SchedulerOutput) -> None:
+    def _admit(self, scheduler_output: SchedulerOutput) -> None:
+        """Note the step's new tagged requests; each starts where vLLM's prefix cache ends for it."""
         for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
-            params = getattr(new, "sampling_params", None)
-            extra = getattr(params, "extra_args", None) or {}
-            sample_id = extra.get(SAMPLE_ID_KEY, (extra.get("kv_transfer_params") or {}).get(SAMPLE_ID_KEY))
-            if sample_id is not None:
-                self.requests[new.req_id] = (int(sample_id), list(new.prompt_token_ids), [])
+            extra = getattr(getattr(new, "sampling_params", None), "extra_args", None) or {}
+            tag = read_tag(extra) or read_tag(extra.get("kv_transfer_params"))
+            if tag is None:
+                continue
+            sample_id, parent, shared = tag
+            if new.num_computed_tokens > shared:
+                raise RuntimeError(
+                    f"draftsmith taps: vLLM's prefix cache gave sample {sample_id} {new.num_computed_tokens} tokens, "
+                    f"more than the {shared} it shares with sample {parent}"
+                )
+            at = new.num_computed_tokens
+            self.requests[new.req_id] = _Request(sample_id, list(new.prompt_token_ids), parent, shared, at)
+
+    def after_execute(self, scheduler_output: SchedulerOutput) -> None:
+        self._admit(scheduler_output)
         counts = scheduler_output.num_scheduled_tokens
         if not counts:
             return
@@ -208,16 +233,15 @@ class RunnerTaps:
         offset = 0
         for req_id in list(batch.req_ids)[: batch.num_reqs]:
             n = int(counts.get(req_id, 0))
-            entry = self.requests.get(req_id)
-            if entry is not None and n:
-                sample_id, prompt, chunks = entry
-                seen = sum(c.data.shape[0] for c in chunks)
-                take = min(n, len(prompt) - seen)
-                if take > 0:
-                    chunks.append(self.sink.to_host([h[offset : offset + take] for h in layers]))
-                if seen + max(take, 0) >= len(prompt):
+            r = self.requests.get(req_id)
+            if r is not None and n:
+                take, skip = min(n, len(r.prompt) - r.at), max(0, r.shared - r.at)  # the parent's rows: skipped
+                if take > skip:
+                    r.chunks.append(self.sink.to_host([h[offset + skip : offset + take] for h in layers]))
+                r.at += max(take, 0)
+                if r.at >= len(r.prompt):
                     del self.requests[req_id]
-                    self.sink.put(sample_id, prompt, chunks)
+                    self.sink.put(r.sample_id, r.prompt, r.chunks, r.parent, r.shared)
             offset += n
 
 
