@@ -6,6 +6,7 @@ before), side by side in one run.
     .venv/bin/python benchmarks/agentic_extract.py                      # the first 40 conversations
     .venv/bin/python benchmarks/agentic_extract.py --conversations 200 --prefix-only  # the whole set, prefix run only
     .venv/bin/python benchmarks/agentic_extract.py --backend vllm       # through the installed vLLM (its auto strategy)
+    .venv/bin/python benchmarks/agentic_extract.py --data bfcl-multi-turn-long-context  # the set no test reads
 
 The target is a tiny random Llama (tests/conftest.py; 4 layers, hidden 128) whose tokenizer carries a Qwen3-shaped,
 tool-aware chat template (tests/agentic.py), which drops earlier turns' reasoning, so each generation is a sample of
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--prefix-only", action="store_true", help="skip the whole-sample run (15M tokens at 200)")
     parser.add_argument("--work", type=Path, default=None, help="keep the target, set and stores here")
     parser.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--data", default="bfcl-multi-turn", help="or bfcl-multi-turn-long-context (held out)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from agentic import QWEN3_MARKERS, QWEN3_SHAPED_TEMPLATE
@@ -54,11 +56,11 @@ def main() -> None:
         build_tiny_target(target, hidden_size=128, chat_template=template, added_tokens=QWEN3_MARKERS)
         config = json.loads((target / "config.json").read_text())
         (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 40960}))
-    prepared = work / f"bfcl-{args.conversations}"
+    prepared = work / f"{args.data}-{args.conversations}"
     if not (prepared / "manifest.json").is_file():
         prepare.run(
             PrepareConfig(
-                data=["bfcl-multi-turn"],
+                data=[args.data],
                 target=str(target),
                 max_length=32768,
                 max_samples=args.conversations,
@@ -70,17 +72,21 @@ def main() -> None:
     for name in ("prefix",) if args.prefix_only else ("prefix", "whole"):
         if name == "whole":  # every sample whole: extraction as it was
             common.chains = lambda prefixes, lengths, ids: [[(i, -1, 0)] for i in ids]
-        output = work / f"store-{args.backend}-{name}"
+        output = work / f"store-{args.backend}-{args.data}-{args.conversations}-{name}"
         cfg = ExtractConfig(
             prepared=prepared, output=output, backend=args.backend, compute_dtype="float32", vllm_compile=False
         )
         done = extract.run(cfg, show_progress=False).result
         size = sum(s.num_bytes for s in store.open(output).manifest.shards)
         runs[name] = {"tokens_computed": done.tokens_this_run, "seconds": round(done.work_seconds, 1), "bytes": size}
-    layers, hidden = len(store.open(work / f"store-{args.backend}-prefix").layer_ids), manifest.target.hidden_size
+    layers, hidden = (
+        len(store.open(work / f"store-{args.backend}-{args.data}-{args.conversations}-prefix").layer_ids),
+        manifest.target.hidden_size,
+    )
     distinct = manifest.num_distinct_tokens
     result = {
         "backend": done.backend,
+        "data": args.data,
         "conversations": args.conversations,
         "samples": manifest.num_samples,
         "tokens": manifest.num_tokens,

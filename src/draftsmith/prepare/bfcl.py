@@ -32,9 +32,12 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_text, file_lock
 
 NAME = "bfcl-multi-turn"  # readers.NAMED_BFCL
+# the named sets: BFCL's splits of the same tasks' kind; "long_context" (another 200, with long tool results) is the
+# agentic set no test reads (benchmarks/agentic_extract.py --data)
+SPLITS = {NAME: "base", f"{NAME}-long-context": "long_context"}
 _BUILD = 1  # bump when the conversations built from the same wheel change
-_QUESTIONS = "bfcl_eval/data/BFCL_v4_multi_turn_base.json"
-_ANSWERS = "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_base.json"
+_QUESTIONS = "bfcl_eval/data/BFCL_v4_multi_turn_{split}.json"
+_ANSWERS = "bfcl_eval/data/possible_answer/BFCL_v4_multi_turn_{split}.json"
 _DOCS = "bfcl_eval/data/multi_turn_func_doc"
 _BACKENDS = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 # each API class: the module of its backend, which also names its function docs
@@ -53,21 +56,19 @@ _STATELESS = {"MathAPI"}
 _TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
 
 
-def conversations_path() -> Path:
-    """The JSONL file of BFCL conversations (built on first use from the pinned wheel; written atomically, so once
-    it exists the wheel's tree need not be verified again)."""
-    out = (
-        assets.cache_dir()
-        / "files"
-        / f"{assets.BFCL.name}-conversations"
-        / f"multi_turn_base-{assets.BFCL.version}-b{_BUILD}.jsonl"
-    )
+def conversations_path(name: str = NAME) -> Path:
+    """The JSONL file of the named set's BFCL conversations (`SPLITS`; built on first use from the pinned wheel;
+    written atomically, so once it exists the wheel's tree need not be verified again)."""
+    split = SPLITS[name]
+    files = assets.cache_dir() / "files" / f"{assets.BFCL.name}-conversations"
+    out = files / f"multi_turn_{split}-{assets.BFCL.version}-b{_BUILD}.jsonl"
     if out.is_file():
         return out
-    with file_lock(assets.cache_dir() / "locks" / f"{NAME}.lock"):
+    with file_lock(assets.cache_dir() / "locks" / f"{name}.lock"):
         if not out.is_file():
             tree = assets.fetch_tree(assets.BFCL)
-            atomic_write_text(out, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations(tree)))
+            lines = (json.dumps(c, ensure_ascii=False) + "\n" for c in conversations(tree, split))
+            atomic_write_text(out, "".join(lines))
     return out
 
 
@@ -155,7 +156,7 @@ def _conversation(tree: Path, task: dict, answer: dict) -> dict:
             method = methods.get(name)
             if method is None:
                 raise DraftsmithError(
-                    f"{_ANSWERS}: {task['id']} turn {t} calls {name!r}, which none of "
+                    f"BFCL's possible answer of {task['id']}: turn {t} calls {name!r}, which none of "
                     f"{', '.join(task['involved_classes'])} has"
                 )
             arguments = dict(inspect.signature(method).bind(*args, **kwargs).arguments)
@@ -185,10 +186,11 @@ def _conversation(tree: Path, task: dict, answer: dict) -> dict:
     }
 
 
-def conversations(tree: Path) -> Iterator[dict]:
-    """Every multi_turn_base task of the unpacked wheel at `tree` as a conversation, in BFCL's order."""
-    answers = {a["id"]: a for a in map(json.loads, (tree / _ANSWERS).read_text(encoding="utf-8").splitlines())}
+def conversations(tree: Path, split: str = "base") -> Iterator[dict]:
+    """Every multi_turn_{split} task of the unpacked wheel at `tree` as a conversation, in BFCL's order."""
+    lines = (tree / _ANSWERS.format(split=split)).read_text(encoding="utf-8").splitlines()
+    answers = {a["id"]: a for a in map(json.loads, lines)}
     with _backends(tree):
-        for line in (tree / _QUESTIONS).read_text(encoding="utf-8").splitlines():
+        for line in (tree / _QUESTIONS.format(split=split)).read_text(encoding="utf-8").splitlines():
             task = json.loads(line)
             yield _conversation(tree, task, answers[task["id"]])

@@ -127,8 +127,8 @@ def expand_sources(specs: Sequence[str | Path]) -> list[Source]:
     sources: list[Source] = []
     for spec in specs:
         text = str(spec)
-        if text == NAMED_BFCL:  # a named data set, built into the cache on first use
-            sources.append(Source(bfcl.conversations_path(), "json"))
+        if text in bfcl.SPLITS:  # a named data set, built into the cache on first use
+            sources.append(Source(bfcl.conversations_path(text), "json"))
             continue
         pattern = any(c in text for c in "*?[")
         paths = sorted(Path(p) for p in glob.glob(text, recursive=True)) if pattern else [Path(text).expanduser()]
