@@ -30,8 +30,8 @@ def _as_json(value):
 @pytest.fixture(scope="module")
 def bfcl():
     tree = assets.fetch_tree(assets.BFCL)
-    tasks = [json.loads(line) for line in (tree / _QUESTIONS).read_text().splitlines()]
-    answers = {a["id"]: a for a in map(json.loads, (tree / _ANSWERS).read_text().splitlines())}
+    tasks = [json.loads(line) for line in (tree / _QUESTIONS.format(split="base")).read_text().splitlines()]
+    answers = {a["id"]: a for a in map(json.loads, (tree / _ANSWERS.format(split="base")).read_text().splitlines())}
     records = [json.loads(line) for line in conversations_path().read_text().splitlines()]
     return tasks, answers, records
 
@@ -76,6 +76,18 @@ def test_the_unpacked_wheel_is_verified_and_repaired(bfcl):
     doc.write_bytes(original.replace(b"absolute", b"ABSOLUTE"))
     assert not assets._tree_is_intact(tree, assets.BFCL)
     assert assets.fetch_tree(assets.BFCL) == tree and doc.read_bytes() == original
+    # a tree unpacked before a member was pinned (the long-context split) is unpacked again, with it
+    marker = json.loads((tree / "draftsmith-tree.json").read_text())
+    split = "bfcl_eval/data/BFCL_v4_multi_turn_long_context.json"
+    del marker["members"][split]
+    (tree / "draftsmith-tree.json").write_text(json.dumps(marker))
+    assert not assets._tree_is_intact(tree, assets.BFCL)
+    assert (
+        assets.fetch_tree(assets.BFCL) == tree
+        and split in json.loads((tree / "draftsmith-tree.json").read_text())["members"]
+    )
+    rows = [json.loads(line) for line in conversations_path("bfcl-multi-turn-long-context").open()]
+    assert len(rows) == 200 and all(r["tools"] and r["messages"] for r in rows)
 
 
 def test_prepare_supervises_every_bfcl_call_as_the_template_writes_it(bfcl, tmp_path):
