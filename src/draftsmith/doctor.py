@@ -267,7 +267,7 @@ def run(
         from draftsmith.prepare.dataset import open_prepared
 
         manifest = open_prepared(prepared).manifest
-        sizing.update(tokens=manifest.num_tokens, distinct_tokens=manifest.num_distinct_tokens)
+        sizing["tokens"], sizing["distinct_tokens"] = manifest.num_tokens, manifest.num_distinct_tokens
     check_online(target, sizing.get("online_rate"), sizing.get("spool_lead_s", 60.0))  # one line, before any output
     if vllm_source is not None:
         package_dir(vllm_source)  # a wrong --vllm-source is one line before anything is printed

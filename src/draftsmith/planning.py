@@ -95,14 +95,17 @@ def store_rows(
             f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} ({len(layer_ids)} layers x {shape.hidden_size})",
         ),
     ]
-    for count in ([tokens] if tokens else []) + ([distinct] if distinct else []) + [1_000_000]:
+    for count in ([tokens] if tokens else []) + [1_000_000]:
         size = ", ".join(f"{dtype} {sizing.human_bytes(count * n)}" for dtype, n in per_token.items())  # bf16, fp8
-        if count == distinct and count != tokens:
+        rows.append((f"store for {count:,} tokens", size))
+        if count == tokens and distinct and distinct < count:
+            size = ", ".join(f"{dtype} {sizing.human_bytes(distinct * n)}" for dtype, n in per_token.items())
             rows.append(
-                (f"store for {count:,} distinct tokens", f"{size}: what extract writes ({tokens / count:.1f}x less)")
+                (
+                    f"store for {distinct:,} distinct tokens",
+                    f"{size}: what extract writes ({count / distinct:.1f}x less)",
+                )
             )
-        else:
-            rows.append((f"store for {count:,} tokens", size))
     return rows
 
 
