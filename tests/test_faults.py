@@ -1,7 +1,7 @@
 """Faults in every stage (issue 15), each injected by benchmarks/faults.py on a tiny random target: a flipped byte in
 a prepared shard, a store shard and a checkpoint's files, NaN hidden states in extraction and a NaN loss in
 training, a full disk (a real size-limited tmpfs, filled by another writer mid-stage) during extract, train and
-export; and the vLLM engine process killed during extraction. Each must be survived: a one-line error naming the
+export (the vLLM engine's processes killed during extraction: tests/test_extract_vllm.py). Each must be survived: a one-line error naming the
 file, sample or step, nothing half-written left, and the next run ending as an undisturbed one would (no sample
 lost or duplicated). kill -9 during training and extraction: tests/test_train_faults.py, tests/test_extract_hf.py.
 """
@@ -26,8 +26,6 @@ _spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmark
 faults = importlib.util.module_from_spec(_spec)
 sys.modules["bench_faults"] = faults  # its dataclasses look their module up
 _spec.loader.exec_module(faults)
-
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
 def _prepared(path: Path, target_dir: Path, n: int = 40) -> Path:
@@ -99,17 +97,6 @@ def test_nan_states_in_a_fp8_item_are_found_through_its_scales(tmp_path):
     scales[2, 1] = float("inf")
     with pytest.raises(DraftsmithError, match=r"sample 7 has NaN/Inf hidden states \(layer ids \[2\]\)"):
         common.check_finite(Writer(), (7, None, None, states, scales))
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@needs_vllm
-def test_vllm_engine_killed_mid_extraction_is_one_line_and_resumes(default_target_dir, tmp_path):
-    # the real default target, 16 short conversations: two engine starts (killed, resumed), one short extraction
-    bench = faults.Bench(tmp_path, faults.prepare_default(tmp_path, 16, 128), token_budget=512)
-    outcome = faults.run_fault(bench, "kill-vllm-engine")
-    assert outcome.injected and outcome.survived, outcome.detail
-    assert outcome.lost == 0 and not outcome.traceback, outcome
 
 
 def test_a_file_is_hashed_on_its_first_data_read_only(tmp_path, monkeypatch):
