@@ -330,11 +330,13 @@ class Engine:
         engine = self.llm.llm_engine
         start = time.perf_counter()
         sent = {p.sample_id for p in prompts}
-        ready = deque(p for p in prompts if p.parent not in sent)
+        ready: deque[Prompt] = deque()
         waiting: dict[int, list[Prompt]] = {}  # parent -> its children, sent once it has finished
-        for p in prompts:
-            if p.parent in sent:
+        for p in prompts:  # (-1: no parent; a negative sample id is an untagged prompt's)
+            if p.parent >= 0 and p.parent in sent:
                 waiting.setdefault(p.parent, []).append(p)
+            else:
+                ready.append(p)
         in_flight: dict[str, Prompt] = {}
         salt = uuid.uuid4().hex[:12]  # no block of an earlier call (an online chunk, an epoch) is reused
         counter = 0
