@@ -95,17 +95,15 @@ def store_rows(
             f"bf16 {per_token['bf16']:,}, fp8 {per_token['fp8']:,} ({len(layer_ids)} layers x {shape.hidden_size})",
         ),
     ]
+
+    def size(count: int) -> str:  # bf16, fp8
+        return ", ".join(f"{dtype} {sizing.human_bytes(count * n)}" for dtype, n in per_token.items())
+
     for count in ([tokens] if tokens else []) + [1_000_000]:
-        size = ", ".join(f"{dtype} {sizing.human_bytes(count * n)}" for dtype, n in per_token.items())  # bf16, fp8
-        rows.append((f"store for {count:,} tokens", size))
+        rows.append((f"store for {count:,} tokens", size(count)))
         if count == tokens and distinct and distinct < count:
-            size = ", ".join(f"{dtype} {sizing.human_bytes(distinct * n)}" for dtype, n in per_token.items())
-            rows.append(
-                (
-                    f"store for {distinct:,} distinct tokens",
-                    f"{size}: what extract writes ({count / distinct:.1f}x less)",
-                )
-            )
+            less = f"what extract writes ({count / distinct:.1f}x less)"
+            rows.append((f"store for {distinct:,} distinct tokens", f"{size(distinct)}: {less}"))
     return rows
 
 
