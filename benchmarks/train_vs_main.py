@@ -64,8 +64,15 @@ def quickstart_store(work: Path) -> Path:
 
 
 def run_once(
-    src: Path, store: Path, out: Path, steps: int, log_every: int, threads: int | None, wait_policy: str | None
+    src: Path,
+    store: Path,
+    out: Path,
+    options: list[str],
+    threads: int | None = None,
+    wait_policy: str | None = None,
 ) -> dict:
+    """`draftsmith train` of the tree `src` on `store` with `options`: its tokens/s between its first and last metrics
+    lines and from the loop's start, and its losses."""
     env = {**os.environ, "PYTHONPATH": str(src)}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -80,13 +87,9 @@ def run_once(
         str(store),
         "--output",
         str(out),
-        "--max-steps",
-        str(steps),
-        "--log-every",
-        str(log_every),
         "--force",
         "--no-resume",
-        *SHAPES,
+        *options,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -99,6 +102,7 @@ def run_once(
         "tokens_per_s": (last["tokens_seen"] - first["tokens_seen"]) / (elapsed[1] - elapsed[0]),
         "losses": [round(m["loss"], 6) for m in train],
         "steps": [m["step"] for m in train],
+        "tokens_per_s_all": last["tokens_per_s"],  # from the loop's start: every step, the first one included
     }
 
 
@@ -126,9 +130,8 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
         for name, src in trees.items():
-            res = run_once(
-                src, store, args.work / f"{name}-{r}", args.steps, args.log_every, args.threads, args.wait_policy
-            )
+            options = ["--max-steps", str(args.steps), "--log-every", str(args.log_every), *SHAPES]
+            res = run_once(src, store, args.work / f"{name}-{r}", options, args.threads, args.wait_policy)
             loads.append(os.getloadavg()[0])
             results[name].append(res)
             print(

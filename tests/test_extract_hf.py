@@ -4,6 +4,7 @@ harmless, resume after interruptions and kill -9 gives the same store, workers a
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import signal
@@ -17,13 +18,15 @@ import pytest
 import torch
 from conftest import build_tiny_target
 
-from draftsmith.config import ExtractConfig
+from draftsmith.config import ExtractConfig, TrainConfig
 from draftsmith.core import capture, layers
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import load_target, target_identity
 from draftsmith.extract import common, hf, store
 from draftsmith.extract import stage as extract
 from draftsmith.prepare.dataset import write_prepared
+from draftsmith.train import packing
+from draftsmith.train import stage as trainer
 
 NUM_SAMPLES = 24
 
@@ -129,6 +132,31 @@ def test_samples_sharing_prefixes_compute_and_store_each_distinct_token_once(tmp
             torch.testing.assert_close(x["hidden_states"], y["hidden_states"], rtol=2**-8, atol=1e-5)  # bf16
         assert store.verify_store(path).ok
     assert done.tokens_this_run == distinct + 1
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_training_on_the_chained_store_packs_trees_and_scores_what_whole_samples_score(
+    tmp_path, branching, monkeypatch, method
+):
+    """`draftsmith train` on the prefix-chained store trains tree-packed batches (train/packing.py), and its first
+    step scores what it scores on the store of whole samples: one batch of every sample either way, the states equal
+    within bf16 rounding."""
+    prepared, whole, _ = branching
+    extract.run(_cfg(prepared, tmp_path / "s"), show_progress=False)
+    packed = []
+    collate = packing.TreeSampler.collate
+    monkeypatch.setattr(packing.TreeSampler, "collate", lambda *a: packed.append(collate(*a)) or packed[-1])
+    first = {}
+    for name, data in (("tree", tmp_path / "s"), ("padded", whole)):
+        options = dict(method=method, max_steps=1, token_budget=8192, eval_fraction=0, log_every=1, seed=0)
+        trainer.run(TrainConfig(data=data, output=tmp_path / name, device="cpu", precision="fp32", **options))
+        first[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    (batch,) = packed
+    assert batch.input_ids.shape[1] < 0.45 * sum(batch.lengths) and len(batch.lengths) == 12  # distinct rows, about
+    tree, padded = first["tree"], first["padded"]
+    assert tree["tokens_seen"] == padded["tokens_seen"] == sum(batch.lengths) and padded["loss"] > 0.01
+    assert tree["loss"] == pytest.approx(padded["loss"], rel=1e-3)
+    assert tree["kl"] == pytest.approx(padded["kl"], rel=1e-3)
 
 
 def test_a_chain_interrupted_or_repaired_resumes_to_the_very_same_store(tmp_path, branching, monkeypatch):
@@ -387,7 +415,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(int(sys.argv[3]))
     from draftsmith.extract import common, hf
     from draftsmith.extract.stage import run
-    from draftsmith.config import ExtractConfig
+    from draftsmith.config import ExtractConfig, TrainConfig
 
     # progress for the parent: one line as each batch starts; with --hold the last batch waits to be killed, so a
     # kill never finds the run finished however fast the machine is

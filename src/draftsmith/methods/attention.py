@@ -16,14 +16,21 @@ The causal part runs through `flex_attention` (compiled, a causal block mask) on
 `ChunkedCausalAttention`, a flash-attention-style autograd Function over query chunks, everywhere else (the CPU
 SDPA kernels return no differentiable LSE, and flex_attention has no CPU backward). `train --attention-kernel
 chunked` (or `flex`) overrides the choice.
+
+A tree-packed batch (train/packing.py: a conversation's samples in one sequence, each sharing its ancestors' rows)
+narrows "s <= t" to the rows a query's own sample holds: `Tree` says which, and every step's causal part then runs
+through the chunked kernel with that mask (step 0 too).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -45,25 +52,80 @@ CHUNK = 64
 KERNELS = ("auto", "flex", "chunked")
 
 
+@dataclass
+class Tree:
+    """Which rows of a tree-packed sequence a query sees (train/packing.py builds it on the host): query row r (of
+    segment segment[r]) sees key row j <= r when visible[segment[r], j]. `positions` are the rows' positions in their
+    samples (RoPE). The host keeps its own copy of segment and visible: the keys a chunk of queries reads are known
+    without a device sync."""
+
+    positions: torch.Tensor  # [N] int64
+    segment: torch.Tensor  # [N] int64: the segment (a sample's own rows) each row belongs to
+    visible: torch.Tensor  # [S, N] bool: the rows of its ancestors a segment reads, and its own rows
+    host: tuple[np.ndarray, np.ndarray]  # (segment, visible) as numpy arrays
+    _keys: dict[tuple[int, int], tuple[torch.Tensor, list[tuple[int, int]]]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, positions: np.ndarray, segment: np.ndarray, visible: np.ndarray) -> Tree:
+        return cls(
+            torch.from_numpy(positions), torch.from_numpy(segment), torch.from_numpy(visible), (segment, visible)
+        )
+
+    def keys(self, r0: int, r1: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The key rows any of query rows r0..r1-1 sees, on the tree's device (ascending), and as runs [a, b) of
+        consecutive rows (a sample's prefix: a few, one per ancestor that lends it rows): a chunk reads those alone.
+        Computed once per chunk on the host."""
+        got = self._keys.get((r0, r1))
+        if got is None:
+            segment, visible = self.host
+            cols = np.flatnonzero(visible[np.unique(segment[r0:r1]), :r1].any(0))
+            cut = np.flatnonzero(np.diff(cols) != 1) + 1
+            runs = [(int(a[0]), int(a[-1]) + 1) for a in np.split(cols, cut) if len(a)]
+            got = self._keys[(r0, r1)] = (torch.from_numpy(cols).to(self.visible.device), runs)
+        return got
+
+    def within(self, r0: int, r1: int) -> bool:
+        """Whether query rows r0..r1-1 are of one segment (so each sees every key `keys` lists up to itself)."""
+        segment = self.host[0]
+        return bool(segment[r0] == segment[r1 - 1])
+
+    def mask(self, r0: int, r1: int, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """[r1 - r0, len(cols)] bool: what query rows r0..r1-1 see of key rows `cols` (all of 0..r1-1 by default),
+        causal and tree."""
+        device = self.visible.device
+        cols = torch.arange(r1, device=device) if cols is None else cols
+        causal = cols[None, :] <= torch.arange(r0, r1, device=device)[:, None]
+        return causal & self.visible.index_select(1, cols)[self.segment[r0:r1]]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Tree:
+        return Tree(fn(self.positions), fn(self.segment), fn(self.visible), self.host)
+
+
 def ttt_attention(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *, kernel: str | None = None
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    *,
+    kernel: str | None = None,
+    tree: Tree | None = None,
 ) -> torch.Tensor:
     """Training-time-test attention, memory-linear in T (forward and backward).
 
     q [B, Hq, T, D] is step k = len(keys) - 1. keys/values[j] [B, Hkv, T, D] are the keys of step j (Hq a multiple
     of Hkv). Query t attends causally to step-0 keys s <= t, and to the keys of steps 1..k at its own position t.
     kernel: "flex" (CUDA), "chunked" (anywhere) or "auto" (default; `train --attention-kernel`): how the causal
-    part runs; step 0 is plain causal SDPA either way.
+    part runs; step 0 is plain causal SDPA either way. `tree` (B = 1): the causal part sees only the rows of the
+    query's own sample, through the chunked kernel at every step.
     """
     hq, d = q.shape[1], q.shape[3]
     hkv = keys[0].shape[1]
-    if len(keys) == 1:
+    if len(keys) == 1 and tree is None:
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, enable_gqa=hq != hkv)
     kernel = kernel or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
-    if kernel == "auto":
-        kernel = "flex" if q.is_cuda and flex_attention is not None else "chunked"
+    if kernel == "auto" or tree is not None:
+        kernel = "flex" if q.is_cuda and flex_attention is not None and tree is None else "chunked"
     # Under autocast every input goes to the autocast dtype (SDPA does the same); LSEs and weights stay fp32.
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):
@@ -74,8 +136,12 @@ def ttt_attention(
     keys, values = [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
     scale = 1.0 / math.sqrt(d)
     with torch.autocast(device_type, enabled=False):
-        causal = flex_causal_attention if kernel == "flex" else chunked_causal_attention
-        o0, lse0 = causal(q, keys[0], values[0], scale)
+        if kernel == "flex":
+            o0, lse0 = flex_causal_attention(q, keys[0], values[0], scale)
+        else:
+            o0, lse0 = chunked_causal_attention(q, keys[0], values[0], scale, tree=tree)
+        if len(keys) == 1:
+            return o0
         return merge_diagonal(q, o0, lse0, keys[1:], values[1:], scale)
 
 
@@ -171,26 +237,27 @@ def flex_causal_attention(
 
 
 def chunked_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int | None = None, tree: Tree | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention by query chunks: (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] fp32 or fp64), both
-    differentiable; memory linear in T (a chunk's scores are the only [*, T] buffers, forward and backward)."""
-    return ChunkedCausalAttention.apply(q, k, v, scale, chunk or CHUNK)
+    differentiable; memory linear in T (a chunk's scores are the only [*, T] buffers, forward and backward).
+    `tree`: masked further to the rows of each query's own sample."""
+    return ChunkedCausalAttention.apply(q, k, v, scale, chunk or CHUNK, tree)
 
 
 class ChunkedCausalAttention(torch.autograd.Function):
     """Flash-attention style in plain PyTorch: the forward keeps only the output and the LSE of each query; the
     backward recomputes each chunk's probabilities from q, k and the LSE.
 
-    Chunk [c0, c1) of queries sees keys [0, c1) only (causal), so about half of the [T, T] work is skipped. The
-    g query heads of a kv head are stacked along the rows: one batched matmul per chunk, K/V never repeated.
-    Scores come out of the matmul in the input dtype (bf16 like the dense kernel it replaces), softmax, LSE and
-    the dk/dv accumulators are fp32 (fp64 stays fp64).
+    Chunk [c0, c1) of queries sees keys [0, c1) only (causal), so about half of the [T, T] work is skipped (a tree's
+    chunk: only the keys its rows' samples hold, `Tree.keys`). The g query heads of a kv head are stacked along the
+    rows: one batched matmul per chunk, K/V never repeated. Scores come out of the matmul in the input dtype (bf16
+    like the dense kernel it replaces), softmax, LSE and the dk/dv accumulators are fp32 (fp64 stays fp64).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int, tree: Tree | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         b, hq, t, d = q.shape
         hkv = k.shape[1]
@@ -202,24 +269,24 @@ class ChunkedCausalAttention(torch.autograd.Function):
         for c0 in range(0, t, chunk):
             c1 = min(c0 + chunk, t)
             n = c1 - c0
-            p, _ = _chunk_scores(qg, k, c0, c1, scale, acc)  # [B, Hkv, g, C, c1]
+            p, _, _, v_c, _ = _chunk_scores(qg, k, v, c0, c1, scale, acc, tree)  # [B, Hkv, g, C, M]
             m = p.amax(-1, keepdim=True)
             p.sub_(m).exp_()  # unnormalised: the division goes to the [C, D] output instead
             z = p.sum(-1, keepdim=True)
             lse[:, :, :, c0:c1] = (m + z.log()).squeeze(-1)
-            o = torch.matmul(p.to(q.dtype).view(b, hkv, g * n, c1), v[:, :, :c1])  # [B, Hkv, g*C, D]
+            o = torch.matmul(p.to(q.dtype).view(b, hkv, g * n, -1), v_c)  # [B, Hkv, g*C, D]
             out[:, :, :, c0:c1] = (o.view(b, hkv, g, n, d).to(acc) / z).to(q.dtype)
         out, lse = out.view(b, hq, t, d), lse.view(b, hq, t)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.chunk = scale, chunk
+        ctx.scale, ctx.chunk, ctx.tree = scale, chunk, tree
         return out, lse
 
     @staticmethod
     def backward(
         ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
-        scale, chunk = ctx.scale, ctx.chunk
+        scale, chunk, tree = ctx.scale, ctx.chunk, ctx.tree
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
@@ -236,32 +303,58 @@ class ChunkedCausalAttention(torch.autograd.Function):
         for c0 in range(0, t, chunk):
             c1 = min(c0 + chunk, t)
             n = c1 - c0
-            p, q_c = _chunk_scores(qg, k, c0, c1, scale, acc)
-            p.sub_(lse[:, :, :, c0:c1]).exp_()  # the forward's probabilities, [B, Hkv, g, C, c1]
+            p, q_c, k_c, v_c, runs = _chunk_scores(qg, k, v, c0, c1, scale, acc, tree)
+            p.sub_(lse[:, :, :, c0:c1]).exp_()  # the forward's probabilities, [B, Hkv, g, C, M]
             do_c = do[:, :, :, c0:c1].reshape(b, hkv, g * n, d)
-            p_rows = p.to(q.dtype).view(b, hkv, g * n, c1)
-            dv[:, :, :c1] += torch.matmul(p_rows.transpose(-1, -2), do_c)  # [B, Hkv, c1, D]
-            ds = torch.matmul(do_c, v[:, :, :c1].transpose(-1, -2)).view(b, hkv, g, n, c1).to(acc)  # dP
+            p_rows = p.to(q.dtype).view(b, hkv, g * n, -1)
+            ds = torch.matmul(do_c, v_c.transpose(-1, -2)).view(p.shape).to(acc)  # dP
             ds.sub_(delta[:, :, :, c0:c1]).mul_(p)
-            ds_rows = ds.to(q.dtype).view(b, hkv, g * n, c1)
-            dq[:, :, :, c0:c1] = (torch.matmul(ds_rows, k[:, :, :c1]) * scale).view(b, hkv, g, n, d)
-            dk[:, :, :c1] += torch.matmul(ds_rows.transpose(-1, -2), q_c)  # q_c carries the scale
-        return dq.view(b, hq, t, d), dk.to(k.dtype), dv.to(v.dtype), None, None
+            ds_rows = ds.to(q.dtype).view(b, hkv, g * n, -1)
+            dq[:, :, :, c0:c1] = (torch.matmul(ds_rows, k_c) * scale).view(b, hkv, g, n, d)
+            dv_c = torch.matmul(p_rows.transpose(-1, -2), do_c)  # [B, Hkv, M, D]
+            dk_c = torch.matmul(ds_rows.transpose(-1, -2), q_c)  # q_c carries the scale
+            at = 0
+            for a, z in runs:  # the keys' gradients back to their rows
+                dv[:, :, a:z] += dv_c[:, :, at : at + z - a]
+                dk[:, :, a:z] += dk_c[:, :, at : at + z - a]
+                at += z - a
+        return dq.view(b, hq, t, d), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _chunk_scores(
-    qg: torch.Tensor, k: torch.Tensor, c0: int, c1: int, scale: float, acc: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows [c0, c1) against keys [0, c1): (scaled, causally masked scores [B, Hkv, g, C, c1] in `acc`, the
-    scaled query rows [B, Hkv, g*C, D])."""
+def _chunk_scores(  # noqa: PLR0913 - the tensors, the chunk, and how it is scored
+    qg: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c0: int,
+    c1: int,
+    scale: float,
+    acc: torch.dtype,
+    tree: Tree | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Query rows [c0, c1) against the keys they may see, M of them: [0, c1), or a tree's `keys`: (scaled, masked
+    scores [B, Hkv, g, C, M] in `acc`, the scaled query rows [B, Hkv, g*C, D], those keys and values [B, Hkv, M, D],
+    and where they are: runs [a, b) of key rows)."""
     b, hkv, g, _, d = qg.shape
     n = c1 - c0
     q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d) * scale  # the scale on [C, D] rather than on [C, T]
+    if tree is not None:
+        cols, runs = tree.keys(c0, c1)
+        k_c, v_c = (
+            torch.cat([x[:, :, a:z] for a, z in runs], dim=2) if len(runs) > 1 else x[:, :, runs[0][0] : runs[0][1]]
+            for x in (k, v)
+        )
+        s = torch.matmul(q_c, k_c.transpose(-1, -2)).view(b, hkv, g, n, -1).to(acc)
+        if tree.within(c0, c1):  # every key seen by all its rows: only the chunk's own keys can be in the future
+            future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
+            s[..., -n:].masked_fill_(future, float("-inf"))
+        else:
+            s.masked_fill_(~tree.mask(c0, c1, cols), float("-inf"))
+        return s, q_c, k_c, v_c, runs
     s = torch.matmul(q_c, k[:, :, :c1].transpose(-1, -2)).view(b, hkv, g, n, c1).to(acc)
     # Only the last n keys can be in a row's future: key c0 + j is masked for query c0 + i when j > i.
     future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
     s[..., c0:].masked_fill_(future, float("-inf"))
-    return s, q_c
+    return s, q_c, k[:, :, :c1], v[:, :, :c1], [(0, c1)]
 
 
 # ---------------------------------------------------------------------------------------------- the KV cache
@@ -275,9 +368,10 @@ class KVCache:
     layer's forward, which would silently drop what the layer appends.
     """
 
-    def __init__(self, num_layers: int, kernel: str = "auto"):
+    def __init__(self, num_layers: int, kernel: str = "auto", tree: Tree | None = None):
         self._layers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(num_layers)]
         self.kernel = kernel  # the TTT attention's ("auto", "flex", "chunked": `ttt_attention`), --attention-kernel
+        self.tree = tree  # a tree-packed batch's mask (`ttt_attention`)
 
     def steps(self, layer: int) -> int:
         """The entries layer `layer` holds (TTT: the steps run)."""
@@ -316,7 +410,7 @@ class KVCache:
 
     def fork(self, layer: int, entries: list[tuple[torch.Tensor, torch.Tensor]]) -> KVCache:
         """A private cache of as many layers, layer `layer` holding `entries` (a checkpointed layer call's)."""
-        private = KVCache(len(self._layers))
+        private = KVCache(len(self._layers), self.kernel, self.tree)
         private._layers[layer] = list(entries)
         return private
 
@@ -324,14 +418,16 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------- reference, decoding
 
 
-def naive_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def naive_ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], tree: Tree | None = None
+) -> torch.Tensor:
     """Reference: every step's keys side by side, masked by an explicit [T, T*(k+1)] mask (tests, benchmark)."""
     hq, t = q.shape[1:3]
     hkv = keys[0].shape[1]
     k_all = torch.cat(keys, dim=2).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T*(k+1), D]
     v_all = torch.cat(values, dim=2).repeat_interleave(hq // hkv, dim=1)
     idx = torch.arange(t, device=q.device)
-    causal = idx[None, :] <= idx[:, None]  # [T, T]
+    causal = idx[None, :] <= idx[:, None] if tree is None else tree.mask(0, t)  # [T, T]
     diagonal = idx[None, :] == idx[:, None]
     mask = torch.cat([causal] + [diagonal] * (len(keys) - 1), dim=1)  # [T, T*(k+1)]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
@@ -382,6 +478,21 @@ def block_attention(
         raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
     if kernel == "flex" or (kernel == "auto" and q.is_cuda and flex_attention is not None):
         return flex_block_attention(q, k, v, k_context, v_context, limits)
+    return chunked_block_attention(q, k, v, k_context, v_context, limits, chunk_limits)
+
+
+def chunked_block_attention(  # noqa: PLR0913 - block_attention's tensors, and a tree-packed batch's mask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_context: torch.Tensor,
+    v_context: torch.Tensor,
+    limits: torch.Tensor,
+    chunk_limits: list[int],
+    tree: Tree | None = None,
+) -> torch.Tensor:
+    """`block_attention`'s chunked kernel. `tree` (B = 1, a tree-packed batch): limits are the anchors' rows, and a
+    block sees only the context rows its anchor's sample holds."""
     b, hq, rows, d = q.shape
     num_anchors = limits.shape[1]
     s = rows // num_anchors
@@ -395,9 +506,9 @@ def block_attention(
         context = (k_context[:, :, :kmax], v_context[:, :, :kmax], limits[:, a0:a1])
         args = (q[:, :, block], k[:, :, block], v[:, :, block], *context)
         if torch.is_grad_enabled() and q.requires_grad:
-            outs.append(checkpoint(naive_block_attention, *args, use_reentrant=False))
+            outs.append(checkpoint(naive_block_attention, *args, tree=tree, use_reentrant=False))
         else:
-            outs.append(naive_block_attention(*args))
+            outs.append(naive_block_attention(*args, tree=tree))
     return torch.cat(outs, dim=2)
 
 
@@ -431,7 +542,13 @@ def flex_block_attention(
 
 
 def naive_block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, limits: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    limits: torch.Tensor,
+    tree: Tree | None = None,
 ) -> torch.Tensor:
     """Reference for `block_attention` (and its chunked kernel, a chunk at a time): c blocks of S queries against
     [the context kc / vc, their own blocks' keys], by one masked SDPA (an explicit [c*S, T + c*S] mask)."""
@@ -440,6 +557,8 @@ def naive_block_attention(
     s = rows // c
     block_of = torch.arange(rows, device=q.device) // s  # [c*S] the block of each query / block key
     context = torch.arange(kmax, device=q.device)[None, None, :] < limits[:, block_of, None]  # [B, c*S, kmax]
+    if tree is not None:  # the rows the anchor's sample holds
+        context = context & tree.visible[tree.segment[limits]][:, block_of, :kmax]
     own = (block_of[:, None] == block_of[None, :]).expand(b, rows, rows)  # [B, c*S, c*S]
     mask = torch.cat((context, own), dim=-1)[:, None]  # [B, 1, c*S, kmax + c*S]
     return F.scaled_dot_product_attention(

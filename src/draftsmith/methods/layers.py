@@ -129,9 +129,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, laye
     cache object through without reading it, so its graph guards on none of it."""
     if mode == "ttt":
         keys, values = kv.append(layer_idx, k, v)
-        return ttt_attention(q, keys, values, kernel=kv.kernel)
+        return ttt_attention(q, keys, values, kernel=kv.kernel, tree=kv.tree)
     if mode == "naive":
-        return naive_ttt_attention(q, *kv.append(layer_idx, k, v))
+        return naive_ttt_attention(q, *kv.append(layer_idx, k, v), tree=kv.tree)
     k, v = kv.extend(layer_idx, k, v)
     return cached_attention(q, k, v)
 

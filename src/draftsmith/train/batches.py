@@ -211,6 +211,13 @@ class TokenBudgetSampler:
         """Optimizer steps of an epoch: its micro-batches in groups of grad_accum, a smaller rest dropped."""
         return len(self.batches(epoch)) // grad_accum
 
+    def collate(
+        self, dataset: Samples | LayerSubset, ids: Sequence[int], ttt_steps: int, sampling: Sampling, epoch: int
+    ) -> Batch:
+        """One of its batches, laid out as it plans them: samples right-padded (`collate`; packing.TreeSampler: one
+        tree-packed sequence)."""
+        return collate([dataset[i] for i in ids], ttt_steps, sampling, epoch)
+
 
 @dataclass(frozen=True)
 class MicroBatchKey:
@@ -242,13 +249,20 @@ class EpochPlan(Sampler):
 
 
 class MicroBatches(Dataset):
-    """dataset + ttt_steps -> collated batches by MicroBatchKey (what the DataLoader's workers run)."""
+    """dataset + ttt_steps -> batches by MicroBatchKey, collated as their sampler lays them out (what the
+    DataLoader's workers run)."""
 
-    def __init__(self, dataset: Samples | LayerSubset, ttt_steps: int, sampling: Sampling = EVERY_STEP):
-        self.dataset, self.ttt_steps, self.sampling = dataset, ttt_steps, sampling
+    def __init__(
+        self,
+        dataset: Samples | LayerSubset,
+        ttt_steps: int,
+        sampler: TokenBudgetSampler,
+        sampling: Sampling = EVERY_STEP,
+    ):
+        self.dataset, self.ttt_steps, self.sampler, self.sampling = dataset, ttt_steps, sampler, sampling
 
     def __getitem__(self, key: MicroBatchKey) -> Batch:
-        batch = collate([self.dataset[i] for i in key.ids], self.ttt_steps, self.sampling, key.epoch)
+        batch = self.sampler.collate(self.dataset, key.ids, self.ttt_steps, self.sampling, key.epoch)
         return replace(batch, epoch=key.epoch, position=key.position, last=key.last)
 
 
@@ -301,7 +315,7 @@ class TrainData:
         """Evaluation scores every anchor at every depth (no COD); DFlash's the same blocks every time (epoch 0)."""
         workers = self.num_workers
         return DataLoader(
-            MicroBatches(self.dataset, self.ttt_steps, sampling),
+            MicroBatches(self.dataset, self.ttt_steps, plan.sampler, sampling),
             sampler=plan,
             batch_size=None,
             num_workers=workers,
@@ -365,7 +379,10 @@ class LayerSubset:
         return getattr(self.store, name)
 
     def __getitem__(self, i: int) -> dict:
-        item = dict(self.store[i])
+        return self.sample(i)
+
+    def sample(self, i: int, start: int = 0) -> dict:
+        item = dict(self.store.sample(i, start) if start else self.store[i])
         for key in ("hidden_states", "hidden_scales"):
             if item.get(key) is not None:
                 item[key] = item[key][:, self.layers]

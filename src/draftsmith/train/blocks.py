@@ -18,7 +18,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from draftsmith.methods.attention import anchor_chunks, block_attention, naive_block_attention
+from draftsmith.methods.attention import (
+    Tree,
+    anchor_chunks,
+    block_attention,
+    chunked_block_attention,
+    naive_block_attention,
+)
 from draftsmith.methods.dflash.modeling import DFlashDraft
 from draftsmith.methods.objective import Anchors
 from draftsmith.train.block_loss import TargetStates, score_blocks
@@ -54,6 +60,7 @@ class BlockIndex(MapsTensors):
     counts: torch.Tensor  # [D] float64: N_d (D = S - 1, DSpark S)
     anchors: torch.Tensor  # [B, A] int64: block starts, ascending per sample (padding: 1, never scored)
     chunk_limits: list[int]  # per chunk of attention.anchor_chunks(A, S): its largest anchor over the batch
+    tree: Tree | None = None  # a tree-packed batch's (B = 1) positions and mask (train/packing.py)
     keeps_states: ClassVar[bool] = True  # the target's side: the normed states (TargetStates, never [N, V])
 
     def score(
@@ -77,45 +84,72 @@ class BlockIndex(MapsTensors):
 def block_index(
     loss_mask: np.ndarray | torch.Tensor, anchors: Anchors, sample_ids: Sequence[int] = (), epoch: int = 0
 ) -> BlockIndex:
-    """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block proposal reads.
-
-    Proposal d of the block at anchor a proposes x_{a+d+1}: it is scored when a + d + 1 < T and loss_mask[a+d+1],
-    and trained towards p_{a+d} (the target's distribution of that token), the same alignment as every method. It is
-    block row d + 1 (DFlash: block position j proposes x_{a+j}) or, `anchors.from_anchor`, block row d (DSpark)."""
+    """The blocks of a [B, T] 0/1 loss mask (numpy, on the host) and the rows each block proposal reads: sample b's
+    position t is row b * T + t (`sample_blocks`)."""
     mask = np.asarray(loss_mask, dtype=bool)
     b, t = mask.shape
+    rows = np.arange(b * t, dtype=np.int64).reshape(b, t)
+    return sample_blocks(list(mask), list(rows), (b, t), anchors, list(sample_ids) or list(range(b)), epoch)
+
+
+def sample_blocks(  # noqa: PLR0913 - the samples, where they sit, and what the batch draws
+    masks: Sequence[np.ndarray],
+    rows: Sequence[np.ndarray],
+    shape: tuple[int, int],
+    anchors: Anchors,
+    sample_ids: Sequence[int],
+    epoch: int = 0,
+    tree: Tree | None = None,
+) -> BlockIndex:
+    """The blocks of each sample (masks[i] its 0/1 loss mask [T_i], rows[i] the row of the [B, T] batch `shape`,
+    flattened, holding each of its positions: b * T + t padded, an ancestor's row for a shared prefix tree-packed)
+    and the rows each block proposal reads.
+
+    Proposal d of the block at anchor a proposes x_{a+d+1}: it is scored when a + d + 1 < T_i and mask[a+d+1], and
+    trained towards p_{a+d} (the target's distribution of that token), the same alignment as every method. It is
+    block row d + 1 (DFlash: block position j proposes x_{a+j}) or, `anchors.from_anchor`, block row d (DSpark). A
+    block's anchor is the row holding x_a; its context the rows before it that its sample holds (`tree`)."""
+    b, t = shape
     size = anchors.block_size
-    ids = list(sample_ids) or list(range(b))
-    drawn = [anchors.draw(mask[row], epoch, ids[row]) for row in range(b)]
-    num = max(1, max(len(d) for d in drawn))
-    starts = np.ones((b, num), dtype=np.int64)
-    live = np.zeros((b, num), dtype=bool)
-    for row, d in enumerate(drawn):
-        starts[row, : len(d)], live[row, : len(d)] = d, True
+    drawn = [anchors.draw(mask, epoch, i) for mask, i in zip(masks, sample_ids, strict=True)]
+    batch_row = [int(where[0]) // t for where in rows]
+    slots, used = [], np.zeros(b, dtype=np.int64)
+    for r, d in zip(batch_row, drawn, strict=True):
+        slots.append(used[r] + np.arange(len(d)))
+        used[r] += len(d)
+    num = max(1, int(used.max(initial=0)))
+    starts = np.ones((b, num), dtype=np.int64)  # padding: 1, never scored
     first = 0 if anchors.from_anchor else 1  # the block row of proposal 0
     j = np.arange(first, size)
-    pos = starts[:, :, None] + (j - first + 1)[None, None, :]  # [B, A, D] the proposed token's position
-    scored = live[:, :, None] & (pos < t)
-    scored &= np.take_along_axis(mask, np.minimum(pos, t - 1).reshape(b, -1), axis=1).reshape(pos.shape)
-    rows_needed = np.zeros(b * t, dtype=bool)
-    flat_target = np.arange(b)[:, None, None] * t + pos - 1  # row of p_{a+d}
-    rows_needed[flat_target[scored]] = True
-    rank = np.cumsum(rows_needed) - 1
-    block_rows = (np.arange(b)[:, None, None] * num + np.arange(num)[None, :, None]) * size + j[None, None, :]
+    needed = np.zeros(b * t, dtype=bool)
+    picked: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in j]
+    for mask, where, d, slot, r in zip(masks, rows, drawn, slots, batch_row, strict=True):
+        starts[r, slot] = where[d] - r * t  # the anchor's column in its batch row
+        pos = d[:, None] + (j - first + 1)[None, :]  # [A_i, D] the proposed token's position
+        inside = np.minimum(pos, len(mask) - 1)
+        scored = (pos < len(mask)) & mask[inside]
+        target = where[inside - 1]  # the row of p_{a+d}
+        needed[target[scored]] = True
+        block_rows = (r * num + slot)[:, None] * size + j[None, :]
+        for k in range(len(j)):
+            picked[k].append((block_rows[:, k][scored[:, k]], target[:, k][scored[:, k]]))
+    rank = np.cumsum(needed) - 1
     out_scored, out_target, counts = [], [], []
-    for k in range(len(j)):
-        sel = scored[:, :, k]
-        out_scored.append(torch.from_numpy(block_rows[:, :, k][sel].astype(np.int64)))
-        out_target.append(torch.from_numpy(rank[flat_target[:, :, k][sel]].astype(np.int64)))
-        counts.append(int(sel.sum()))
+    for parts in picked:
+        block_rows = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        target = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+        out_scored.append(torch.from_numpy(block_rows.astype(np.int64)))
+        out_target.append(torch.from_numpy(rank[target].astype(np.int64)))
+        counts.append(len(block_rows))
     limits = [int(starts[:, a0:a1].max()) for a0, a1 in anchor_chunks(num, size)]
     return BlockIndex(
-        torch.from_numpy(np.flatnonzero(rows_needed).astype(np.int64)),
+        torch.from_numpy(np.flatnonzero(needed).astype(np.int64)),
         out_scored,
         out_target,
         torch.tensor(counts, dtype=torch.float64),
         torch.from_numpy(starts),
         limits,
+        tree,
     )
 
 
@@ -133,14 +167,17 @@ def dflash_hidden_states(
     attention: `block_attention`'s kernel ("auto", "flex", "chunked"), or "naive": one explicit mask over every
     block (tests)."""
     b, t = input_ids.shape
-    anchors = index.anchors
+    anchors, tree = index.anchors, index.tree
     size = draft.spec.block_size
     assert size is not None  # a DFlash spec's
     block_ids = draft.block_ids(input_ids.gather(1, anchors)).flatten(1)  # [B, A*S]
-    block_positions = (anchors[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    at = anchors if tree is None else tree.positions[anchors]  # a tree-packed row's position in its sample
+    block_positions = (at[:, :, None] + torch.arange(size, device=anchors.device)).flatten(1)
+    positions = torch.arange(t, device=input_ids.device).expand(b, t) if tree is None else tree.positions[None]
     if attention == "naive":
-        attend = partial(naive_block_attention, limits=anchors)
+        attend = partial(naive_block_attention, limits=anchors, tree=tree)
+    elif tree is not None:  # the tree's mask runs in the chunked kernel, on every device
+        attend = partial(chunked_block_attention, limits=anchors, chunk_limits=index.chunk_limits, tree=tree)
     else:
         attend = partial(block_attention, limits=anchors, chunk_limits=index.chunk_limits, kernel=attention)
     hidden = draft.forward_hidden(

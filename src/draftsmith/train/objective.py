@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 import torch
 from torch import nn
 
+from draftsmith.methods.attention import Tree
 from draftsmith.train.block_loss import TargetStates, target_states
 
 # Target logits are materialised for at most this many elements at a time (a 150k vocabulary stays bounded).
@@ -76,6 +77,8 @@ class MapsTensors:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
         def apply(value: object) -> object:
+            if isinstance(value, Tree):
+                return value.map(fn)
             if isinstance(value, list):
                 return [fn(x) if isinstance(x, torch.Tensor) else x for x in value]
             return fn(value) if isinstance(value, torch.Tensor) else value

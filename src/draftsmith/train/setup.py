@@ -32,7 +32,7 @@ from draftsmith.methods.artefact import draft_module, load_draft, require_draft_
 from draftsmith.methods.base import Draft
 from draftsmith.methods.spec import DraftSpec
 from draftsmith.prepare.dataset import PreparedDataset, open_prepared, split_indices
-from draftsmith.train import checkpoint, distributed
+from draftsmith.train import checkpoint, distributed, packing
 from draftsmith.train.batches import (
     FeatureSource,
     LayerSubset,
@@ -383,6 +383,20 @@ def feature_source(
     )
 
 
+def train_sampler(
+    cfg: TrainConfig, s: Source, train_ids: Sequence[int], info: distributed.DistInfo, sampling: Sampling
+) -> TokenBudgetSampler:
+    """The training batches: tree-packed (packing.py) from a store whose samples share prefixes, right-padded samples
+    otherwise (and online: the target, or vLLM's engines, compute each batch's samples)."""
+    budget = (cfg.token_budget, cfg.seed, info.rank, info.world_size)
+    if s.kind == "store":
+        parent, shared = s.dataset.prefixes()  # type: ignore[union-attr]  # a store (or its LayerSubset)
+        if bool((parent >= 0).any()):
+            keep = packing.margin(sampling.draw, cfg.method.depths)
+            return packing.TreeSampler(train_ids, s.lengths, (parent, shared), keep, *budget)
+    return TokenBudgetSampler(train_ids, s.lengths, *budget)
+
+
 def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     """Everything the loop needs, resumed from the latest checkpoint of --output when there is one."""
     device = info.device
@@ -390,7 +404,8 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     s = open_data(cfg, device)
     train_ids, eval_ids = split(s, cfg)
     draft, spec, coverage = initial_draft(cfg, s, train_ids)
-    train = TokenBudgetSampler(train_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size)
+    sampling = Sampling(method_of(spec).sampling(cfg))
+    train = train_sampler(cfg, s, train_ids, info, sampling)
     evaluation = (
         TokenBudgetSampler(eval_ids, s.lengths, cfg.token_budget, cfg.seed, info.rank, info.world_size, shuffle=False)
         if len(eval_ids) >= info.world_size
@@ -424,7 +439,6 @@ def build(cfg: TrainConfig, info: distributed.DistInfo) -> Run:
     features = feature_source(
         cfg, info, s, train_ids, eval_ids if evaluation is not None else [], state, total_steps, epochs
     )
-    sampling = Sampling(method_of(spec).sampling(cfg))
     data = TrainData(
         s.dataset, train, evaluation, cfg.method.depths, cfg.grad_accum, device, workers, features, sampling
     )

@@ -19,14 +19,14 @@ n * ratio**k of depth k's n candidates, at least floor * n; the MLP and lm_head 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draftsmith.methods.attention import KVCache
+from draftsmith.methods.attention import KVCache, Tree
 from draftsmith.methods.eagle3.modeling import Eagle3Draft
 from draftsmith.methods.objective import COD
 from draftsmith.train.block_loss import TargetStates
@@ -42,6 +42,7 @@ class StepIndex(MapsTensors):
     target: list[torch.Tensor]  # per step k, [N_k] int64: where row t+k+1 sits in `needed`
     counts: torch.Tensor  # [K] float64: N_k, the scored positions per step
     live: list[torch.Tensor]  # per step k, int64: rows whose step-k output is read (scored at a step >= k)
+    tree: Tree | None = None  # a tree-packed batch's (B = 1) positions and mask (train/packing.py)
     keeps_states: ClassVar[bool] = False  # the target's side: its distribution (over the draft vocabulary)
 
     def score(
@@ -53,7 +54,7 @@ class StepIndex(MapsTensors):
         run: Pass,
     ) -> TTTResult:
         """The unrolled objective: `run.ttt_steps` draft steps over the batch, each scored against the target."""
-        index = self if run.live_rows else None
+        index = self if run.live_rows else replace(self, live=[])
         steps = ttt_hidden_states(
             draft, input_ids, aux_hidden, run.ttt_steps, run.mode, run.checkpointed, run.kernel, index
         )
@@ -67,49 +68,67 @@ def step_index(
     sample_ids: Sequence[int] = (),
     epoch: int = 0,
 ) -> StepIndex:
-    """The rows each TTT step reads, from a [B, T] 0/1 loss mask (numpy, on the host: no device work).
-
-    Step k scores position t (t < T-k-2) when loss_mask[t+k+2] and trains it towards p_{t+k+1}; p_j is needed when
-    loss_mask[j+1] (so every target row a step reads is in `needed`, and padding is never read). With `cod`
-    (P-EAGLE), depth k >= 1 scores only COD.keep of each sample's candidates (`sample_ids` seed the choice).
-    """
+    """The rows each TTT step reads, from a [B, T] 0/1 loss mask (numpy, on the host: no device work): sample b's
+    position t is row b * T + t (`sample_steps`)."""
     mask = np.asarray(loss_mask, dtype=bool)
     b, t = mask.shape
-    needed = np.zeros((b, t), dtype=bool)
-    needed[:, :-1] = mask[:, 1:]
-    priority = None
-    if cod is not None:  # one random priority per position of each sample
-        priority = np.stack([np.random.default_rng([cod.seed, epoch, int(i)]).random(t) for i in sample_ids])
-    flat_needed = needed.reshape(-1)
-    rank = np.cumsum(flat_needed) - 1  # position of each needed row in `needed`
-    scored, target, counts, sels = [], [], [], []
+    rows = np.arange(b * t, dtype=np.int64).reshape(b, t)
+    return sample_steps(list(mask), list(rows), b * t, ttt_steps, cod, sample_ids, epoch)
+
+
+def sample_steps(  # noqa: PLR0913 - the samples, where they sit, and what the step draws
+    masks: Sequence[np.ndarray],
+    rows: Sequence[np.ndarray],
+    num_rows: int,
+    ttt_steps: int,
+    cod: COD | None = None,
+    sample_ids: Sequence[int] = (),
+    epoch: int = 0,
+    tree: Tree | None = None,
+) -> StepIndex:
+    """The rows each TTT step reads, per sample: masks[i] its 0/1 loss mask [T_i], rows[i] the batch row ([0,
+    num_rows)) holding each of its positions (a padded batch: b * T + t; a tree-packed one: an ancestor's row for the
+    prefix it shares, train/packing.py).
+
+    Step k scores position t (t < T_i-k-2) when mask[t+k+2] and trains it towards p_{t+k+1}; p_j is needed when
+    mask[j+1] (so every target row a step reads is in `needed`, and padding is never read). With `cod`
+    (P-EAGLE), depth k >= 1 scores only COD.keep of each sample's candidates (`sample_ids` seed the choice). Two
+    samples scoring the same row (a shared prefix both supervise) list it twice: it counts twice, as in their own rows.
+    """
+    needed = np.zeros(num_rows, dtype=bool)
+    for mask, where in zip(masks, rows, strict=True):
+        needed[where[:-1][mask[1:]]] = True
+    rank = np.cumsum(needed) - 1  # position of each needed row in `needed`
+    scored, target, counts = [], [], []
+    later = np.zeros(num_rows, dtype=bool)
+    reached = []
     for k in range(ttt_steps):
-        n = max(t - k - 2, 0)
-        sel = np.zeros((b, t), dtype=bool)
-        sel[:, :n] = mask[:, k + 2 : k + 2 + n]
-        if cod is not None and priority is not None and k:
-            for row in range(b):
-                candidates = np.flatnonzero(sel[row])
+        step_rows, step_target = [], []
+        for i, (mask, where) in enumerate(zip(masks, rows, strict=True)):
+            candidates = np.flatnonzero(mask[k + 2 :])  # t with mask[t+k+2]
+            if cod is not None and k:
                 keep = cod.keep(len(candidates), k)
-                if keep < len(candidates):
-                    dropped = candidates[np.argsort(priority[row, candidates], kind="stable")[keep:]]
-                    sel[row, dropped] = False
-        rows = np.flatnonzero(sel)
-        scored.append(torch.from_numpy(rows.astype(np.int64)))
-        target.append(torch.from_numpy(rank[rows + k + 1].astype(np.int64)))  # t + k + 1 < T: the same sample
-        counts.append(len(rows))
-        sels.append(sel)
+                if keep < len(candidates):  # one random priority per position of the sample
+                    priority = np.random.default_rng([cod.seed, epoch, int(sample_ids[i])]).random(len(mask))
+                    candidates = np.sort(candidates[np.argsort(priority[candidates], kind="stable")[:keep]])
+            step_rows.append(where[candidates])
+            step_target.append(rank[where[candidates + k + 1]])  # t + k + 1 < T_i: the same sample
+        joined = np.concatenate(step_rows) if step_rows else np.zeros(0, np.int64)
+        scored.append(torch.from_numpy(joined.astype(np.int64)))
+        target.append(torch.from_numpy(np.concatenate(step_target).astype(np.int64) if step_target else joined))
+        counts.append(len(joined))
+        reached.append(joined)
     live: list[torch.Tensor] = []
-    later = np.zeros((b, t), dtype=bool)
-    for sel in reversed(sels):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
-        later |= sel
+    for joined in reversed(reached):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
+        later[joined] = True
         live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
     return StepIndex(
-        torch.from_numpy(np.flatnonzero(flat_needed).astype(np.int64)),
+        torch.from_numpy(np.flatnonzero(needed).astype(np.int64)),
         scored,
         target,
         torch.tensor(counts, dtype=torch.float64),
         live,
+        tree,
     )
 
 
@@ -133,15 +152,17 @@ def ttt_hidden_states(
 ) -> Iterator[torch.Tensor]:
     """The draft's pre-norm hidden state [B, T, H] of each TTT step k = 0..K-1 (see the module docstring).
 
-    With the batch's `index`, a layer's MLP runs only on the positions read later (`StepIndex.live`): the rows
-    scored at this step or a later one (about a third fewer on chat data). Not at step 0 below the last layer,
-    whose outputs are the next layer's step-0 keys, read by every later position. The hidden states of the other
-    rows then differ, and nothing reads them.
+    With the batch's `index` (and its `live` rows), a layer's MLP runs only on the positions read later
+    (`StepIndex.live`): the rows scored at this step or a later one (about a third fewer on chat data). Not at step 0
+    below the last layer, whose outputs are the next layer's step-0 keys, read by every later position. The hidden
+    states of the other rows then differ, and nothing reads them. An index's `tree`: a tree-packed batch (B = 1), its
+    rows at their samples' positions, each seeing the rows of its own sample only.
     """
     b, t = input_ids.shape
-    cache = KVCache(len(draft.layers), kernel)
+    tree = None if index is None else index.tree
+    cache = KVCache(len(draft.layers), kernel, tree)
     hidden = draft.fuse(aux_hidden)  # [B, T, H]
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    positions = torch.arange(t, device=input_ids.device).expand(b, t) if tree is None else tree.positions[None]
     last = len(draft.layers) - 1
     parallel = draft.spec.mask_token_id is not None  # P-EAGLE's slots read the mask token
     if parallel:  # P-EAGLE: every slot of depth >= 1 reads the mask token and fc(mask_hidden), not step k-1
@@ -153,7 +174,11 @@ def ttt_hidden_states(
             ids, hidden = mask_ids, mask_hidden
         else:
             ids = F.pad(input_ids[:, k + 1 :], (0, k + 1))  # step k at t reads x_{t+k+1}
-        rows = None if index is None else [index.live[k] if k or i == last else None for i in range(last + 1)]
+        rows = (
+            None
+            if index is None or not index.live
+            else [index.live[k] if k or i == last else None for i in range(last + 1)]
+        )
         out = draft.forward_hidden(ids, hidden, positions + k, cache, mode=mode, checkpointed=checkpointed, rows=rows)
         yield out
         hidden = draft.feedback(out)  # EAGLE-3: feeds step k+1 (Eagle 3.1: normed)

@@ -108,9 +108,19 @@ class HiddenStateStore(Samples):
             raise KeyError(f"sample {sample_id} is not in store {self.path}")
         return k
 
-    def sample(self, i: int) -> dict:
+    def prefixes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(parent [N]: the position of the sample whose first rows each sample shares, -1 for none; shared [N]: how
+        many), in this store's sample order."""
+        parent = np.full(len(self), -1, dtype=np.int64)
+        has = self._parent >= 0
+        parent[has] = np.searchsorted(self.sample_ids, self._parent[has])
+        return parent, np.where(has, self._shared, 0)
+
+    def sample(self, i: int, start: int = 0) -> dict:
+        """Sample i; with `start`, its hidden states (and scales) from position `start` on only (a tree-packed batch
+        reads the rows before it from an ancestor: train/packing.py)."""
         a = int(self._start[i])
-        rows = self._rows(i)
+        rows = self._rows(i, start)
         data, scales = rows["hidden_states"], rows.get("hidden_scales")
         item = {
             "input_ids": rows["input_ids"].long(),
@@ -122,19 +132,22 @@ class HiddenStateStore(Samples):
             item["hidden_scales"] = scales
         return item
 
-    def _rows(self, i: int) -> dict[str, torch.Tensor]:
-        """Sample i's token ids and states (and fp8 scales) as stored, its prefix's from its ancestors' rows."""
-        names = ["input_ids", "hidden_states"] + (["hidden_scales"] if self.manifest.dtype == "fp8" else [])
+    def _rows(self, i: int, start: int = 0) -> dict[str, torch.Tensor]:
+        """Sample i's token ids and states (and fp8 scales) as stored, its prefix's from its ancestors' rows; states
+        from position `start` on only."""
+        states = ["hidden_states"] + (["hidden_scales"] if self.manifest.dtype == "fp8" else [])
         pieces: list[list[torch.Tensor]] = []
         k, stop = i, int(self.lengths[i])
         for _ in range(len(self)):  # a parent cycle (a damaged store) ends here
             row, shared = int(self._row[k]), int(self._shared[k])
             if stop > shared:  # its tokens shared..stop-1 are rows row.. of its shard
-                pieces.append([self._shards[self._owner[k]].rows(n, row, row + stop - shared) for n in names])
+                shard, skip = self._shards[self._owner[k]], max(start - shared, 0)
+                ids = shard.rows("input_ids", row, row + stop - shared)
+                pieces.append([ids, *(shard.rows(n, row + skip, row + stop - shared) for n in states)])
                 stop = shared
             if stop == 0:
                 parts = [torch.cat(p[::-1]) if len(p) > 1 else p[0] for p in zip(*pieces, strict=True)]
-                return dict(zip(names, parts, strict=True))
+                return dict(zip(["input_ids", *states], parts, strict=True))
             k = self.index_of(int(self._parent[k]))
         raise DraftsmithError(f"{self.path}: sample {int(self.sample_ids[i])}'s prefixes form a cycle (damaged store)")
 
