@@ -170,6 +170,15 @@ def test_a_tree_packed_batch_gives_the_per_sample_loss_metrics_and_gradients_in_
         torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-9, atol=1e-12, msg=name)
     naive = _run(draft, head, packed, torch.float64, mode="naive")  # the tree mask as one explicit mask
     torch.testing.assert_close(naive[0], a[0], rtol=1e-12, atol=0)
+    # a later batch: sample 0 (scored in an earlier one) as context only, its children sharing its rows
+    packed = tree.collate(dataset, [~0, 3, 1, 2], K, sampling, 0)
+    keep = margin(sampling.draw, K)
+    rows = 40 + sum(TREE[i][1] + TREE[i][2] - max(0, TREE[i][1] - keep) for i in (3, 1, 2))  # 0 whole, the rest grow it
+    assert packed.sample_ids == [3, 1, 2] and packed.input_ids.shape[1] == rows
+    a, b = (_run(draft, head, x, torch.float64) for x in (padded.collate(dataset, [3, 1, 2], K, sampling, 0), packed))
+    torch.testing.assert_close(b[0], a[0], rtol=1e-12, atol=0)
+    for name in a[2]:
+        torch.testing.assert_close(b[2][name], a[2][name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 def test_a_tree_packed_batch_in_bf16_stays_within_bf16_of_the_per_sample_layout(chained):
@@ -190,16 +199,22 @@ def test_a_tree_packed_batch_in_bf16_stays_within_bf16_of_the_per_sample_layout(
 
 def test_tree_batches_hold_every_sample_once_within_the_budget_parents_first(chained):
     dataset = store.open(chained, dtype=None)
-    train = [0, 1, 2, 3, 5, 6]  # 4 held out; a budget that cuts the first tree
-    sampler = TreeSampler(train, dataset.lengths, dataset.prefixes(), K, 60, seed=3)
+    train = [0, 1, 2, 3, 5, 6]  # 4 held out; a budget that cuts the first tree, and has room for 0 as context
+    sampler = TreeSampler(train, dataset.lengths, dataset.prefixes(), K, 70, seed=3)
+    contexts = 0
     for epoch in range(3):
         batches = sampler.batches(epoch)
-        assert sorted(i for b in batches for i in b) == train and len(batches) > 2
+        assert sorted(i for b in batches for i in b if i >= 0) == train and len(batches) > 2
         for b in batches:
             batch = sampler.collate(dataset, b, K, Sampling(), epoch)
-            assert batch.input_ids.shape[1] <= 60
-            for i in b:
-                parent = TREE[i][0]
-                assert parent not in b or b.index(parent) < b.index(i)
-    assert sampler.batches(1) == TreeSampler(train, dataset.lengths, dataset.prefixes(), K, 60, seed=3).batches(1)
+            assert batch.input_ids.shape[1] <= 70 and batch.sample_ids == [i for i in b if i >= 0]
+            real = [i if i >= 0 else ~i for i in b]
+            for j, i in enumerate(b):
+                parent = TREE[real[j]][0]
+                assert parent not in real or real.index(parent) < j
+                if i < 0:  # context: the branch point 0 of its children 1 and 3, in an earlier batch
+                    contexts += 1
+                    assert i == ~0 and b[j + 1] in (1, 3) and any(0 in e for e in batches[: batches.index(b)])
+    assert contexts > 0
+    assert sampler.batches(1) == TreeSampler(train, dataset.lengths, dataset.prefixes(), K, 70, seed=3).batches(1)
     assert sampler.batches(0) != sampler.batches(1)

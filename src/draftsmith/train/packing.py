@@ -122,21 +122,37 @@ class TreeSampler(TokenBudgetSampler):
                 order.append(i)
                 todo.extend(sorted(children.get(i, []), reverse=True))
             self.trees.append(order)
+        counts = np.bincount(self.parent_of[self.indices][self.parent_of[self.indices] >= 0], minlength=len(lengths))
+        self.branches = set(np.flatnonzero(counts > 1).tolist())  # samples several samples of the split extend
+
+    def _rows(self, i: int, placed: set[int]) -> int:
+        """The rows sample i adds to a batch holding `placed`."""
+        n = int(self.lengths[i])
+        return n - max(0, int(self.shared[i]) - self.margin) if int(self.parent_of[i]) in placed else n
 
     def batches(self, epoch: int) -> list[list[int]]:
+        """As `TokenBudgetSampler.batches`; an entry ~p (negative) is sample p as context only: a branch point that
+        is in an earlier batch, put before the first of its children in this one so they share its rows
+        (unsupervised here)."""
         rng = np.random.default_rng([self.seed, epoch])
         batches: list[list[int]] = []
         current: list[int] = []
+        placed: set[int] = set()
         used = 0
         for t in rng.permutation(len(self.trees)).tolist():
             for i in self.trees[t]:
-                n, p = int(self.lengths[i]), int(self.parent_of[i])
-                cost = n - max(0, int(self.shared[i]) - self.margin) if p in current else n
-                if current and used + cost > self.token_budget:
+                p = int(self.parent_of[i])
+                context = [p] if p in self.branches and p not in placed else []
+                rows = sum(self._rows(c, placed) for c in context) + self._rows(i, placed | set(context))
+                if current and used + rows > self.token_budget:
                     batches.append(current)
-                    current, used, cost = [], 0, n
-                current.append(i)
-                used += cost
+                    current, placed, used = [], set(), 0
+                    rows = sum(self._rows(c, placed) for c in context) + self._rows(i, set(context))
+                    if rows > self.token_budget:  # no room for the context: the sample whole
+                        context, rows = [], int(self.lengths[i])
+                current += [~c for c in context] + [i]
+                placed.update([*context, i])
+                used += rows
         if current:
             batches.append(current)
         usable = len(batches) // self.world_size * self.world_size
@@ -150,10 +166,12 @@ class TreeSampler(TokenBudgetSampler):
         sampling: Sampling,
         epoch: int,
     ) -> Batch:
-        """The samples `ids` (a batch of `batches`) in one tree-packed sequence, indexed for its method's objective."""
-        parents = batch_parents(ids, self.parent_of)
-        starts = segment_starts(parents, [int(self.shared[i]) for i in ids], self.margin)
-        items = [dataset.sample(int(i), start) for i, start in zip(ids, starts, strict=True)]
+        """The samples `ids` (a batch of `batches`) in one tree-packed sequence, indexed for its method's objective;
+        a context entry (~p) is read and attended to, never scored."""
+        real = [i if i >= 0 else ~i for i in ids]
+        parents = batch_parents(real, self.parent_of)
+        starts = segment_starts(parents, [int(self.shared[i]) for i in real], self.margin)
+        items = [dataset.sample(int(i), start) for i, start in zip(real, starts, strict=True)]
         lengths = [int(it["input_ids"].shape[0]) for it in items]
         where = layout(lengths, parents, starts)
         own = [
@@ -164,7 +182,7 @@ class TreeSampler(TokenBudgetSampler):
             key: torch.cat([it[key] for it in own])[None] if key in own[0] else None
             for key in ("input_ids", "loss_mask", "hidden_states", "hidden_scales")
         }
-        masks = [it["loss_mask"].bool().numpy() for it in items]
+        masks = [it["loss_mask"].bool().numpy() & (i >= 0) for it, i in zip(items, ids, strict=True)]
         sample_ids = [int(it["sample_id"]) for it in items]
         draw = sampling.draw
         if isinstance(draw, Steps):
@@ -181,6 +199,6 @@ class TreeSampler(TokenBudgetSampler):
             packed["hidden_states"],
             packed["hidden_scales"],
             index,
-            sample_ids,
-            lengths,
+            [s for s, i in zip(sample_ids, ids, strict=True) if i >= 0],  # the samples it supervises
+            [n for n, i in zip(lengths, ids, strict=True) if i >= 0],
         )
