@@ -134,9 +134,8 @@ def test_samples_sharing_prefixes_compute_and_store_each_distinct_token_once(tmp
     assert done.tokens_this_run == distinct + 1
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_training_on_the_chained_store_packs_trees_and_scores_what_whole_samples_score(
-    tmp_path, branching, monkeypatch, method
+    tmp_path, branching, monkeypatch
 ):
     """`draftsmith train` on the prefix-chained store trains tree-packed batches (train/packing.py), and its first
     step scores what it scores on the store of whole samples: one batch of every sample either way, the states equal
@@ -148,7 +147,7 @@ def test_training_on_the_chained_store_packs_trees_and_scores_what_whole_samples
     monkeypatch.setattr(packing.TreeSampler, "collate", lambda *a: packed.append(collate(*a)) or packed[-1])
     first = {}
     for name, data in (("tree", tmp_path / "s"), ("padded", whole)):
-        options = dict(method=method, max_steps=1, token_budget=8192, eval_fraction=0, log_every=1, seed=0)
+        options = dict(max_steps=1, token_budget=8192, eval_fraction=0, log_every=1, seed=0)
         trainer.run(TrainConfig(data=data, output=tmp_path / name, device="cpu", precision="fp32", **options))
         first[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
     (batch,) = packed

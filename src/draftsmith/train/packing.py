@@ -89,8 +89,9 @@ def margin(draw: Draw, ttt_steps: int) -> int:
 class TreeSampler(TokenBudgetSampler):
     """`TokenBudgetSampler`'s batches, tree-packed: each epoch shuffles the trees (a sample of the split without a
     parent in it, and its descendants in it, parents first) and packs them in that order into batches of at most
-    `token_budget` packed rows; a tree too big for one batch goes on in the next, its first sample there whole. A
-    batch is a pure function of (seed, epoch), as `TokenBudgetSampler`'s."""
+    `token_budget` packed rows; a tree too big for one batch goes on in the next, its first sample there whole, or
+    after its parent as context when that is a branch point (`batches`). A batch is a pure function of (seed,
+    epoch), as `TokenBudgetSampler`'s."""
 
     def __init__(  # noqa: PLR0913 - TokenBudgetSampler's settings and the store's prefixes
         self,
