@@ -124,8 +124,10 @@ def ttt_attention(
     kernel = kernel or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"TTT attention kernel {kernel!r}: expected one of {KERNELS}")
-    if kernel == "auto" or tree is not None:
-        kernel = "flex" if q.is_cuda and flex_attention is not None and tree is None else "chunked"
+    if tree is not None:  # the tree's mask runs in the chunked kernel, on every device
+        kernel = "chunked"
+    elif kernel == "auto":
+        kernel = "flex" if q.is_cuda and flex_attention is not None else "chunked"
     # Under autocast every input goes to the autocast dtype (SDPA does the same); LSEs and weights stay fp32.
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):
@@ -337,24 +339,19 @@ def _chunk_scores(  # noqa: PLR0913 - the tensors, the chunk, and how it is scor
     b, hkv, g, _, d = qg.shape
     n = c1 - c0
     q_c = qg[:, :, :, c0:c1].reshape(b, hkv, g * n, d) * scale  # the scale on [C, D] rather than on [C, T]
-    if tree is not None:
-        cols, runs = tree.keys(c0, c1)
-        k_c, v_c = (
-            torch.cat([x[:, :, a:z] for a, z in runs], dim=2) if len(runs) > 1 else x[:, :, runs[0][0] : runs[0][1]]
-            for x in (k, v)
-        )
-        s = torch.matmul(q_c, k_c.transpose(-1, -2)).view(b, hkv, g, n, -1).to(acc)
-        if tree.within(c0, c1):  # every key seen by all its rows: only the chunk's own keys can be in the future
-            future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
-            s[..., -n:].masked_fill_(future, float("-inf"))
-        else:
-            s.masked_fill_(~tree.mask(c0, c1, cols), float("-inf"))
-        return s, q_c, k_c, v_c, runs
-    s = torch.matmul(q_c, k[:, :, :c1].transpose(-1, -2)).view(b, hkv, g, n, c1).to(acc)
-    # Only the last n keys can be in a row's future: key c0 + j is masked for query c0 + i when j > i.
-    future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
-    s[..., c0:].masked_fill_(future, float("-inf"))
-    return s, q_c, k[:, :, :c1], v[:, :, :c1], [(0, c1)]
+    cols, runs = (None, [(0, c1)]) if tree is None else tree.keys(c0, c1)
+    k_c, v_c = (
+        torch.cat([x[:, :, a:z] for a, z in runs], dim=2) if len(runs) > 1 else x[:, :, runs[0][0] : runs[0][1]]
+        for x in (k, v)
+    )
+    s = torch.matmul(q_c, k_c.transpose(-1, -2)).view(b, hkv, g, n, -1).to(acc)
+    if tree is None or tree.within(c0, c1):  # every row sees every key but those of the chunk's own later rows
+        # The chunk's own rows are the last n keys: key c0 + j is masked for query c0 + i when j > i.
+        future = torch.ones(n, n, dtype=torch.bool, device=qg.device).triu_(1)
+        s[..., -n:].masked_fill_(future, float("-inf"))
+    else:
+        s.masked_fill_(~tree.mask(c0, c1, cols), float("-inf"))
+    return s, q_c, k_c, v_c, runs
 
 
 # ---------------------------------------------------------------------------------------------- the KV cache

@@ -122,7 +122,8 @@ def sample_blocks(  # noqa: PLR0913 - the samples, where they sit, and what the 
     first = 0 if anchors.from_anchor else 1  # the block row of proposal 0
     j = np.arange(first, size)
     needed = np.zeros(b * t, dtype=bool)
-    picked: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in j]
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    picked: list[list[tuple[np.ndarray, np.ndarray]]] = [[empty] for _ in j]  # per proposal: (block rows, targets)
     for mask, where, d, slot, r in zip(masks, rows, drawn, slots, batch_row, strict=True):
         starts[r, slot] = where[d] - r * t  # the anchor's column in its batch row
         pos = d[:, None] + (j - first + 1)[None, :]  # [A_i, D] the proposed token's position
@@ -136,11 +137,10 @@ def sample_blocks(  # noqa: PLR0913 - the samples, where they sit, and what the 
     rank = np.cumsum(needed) - 1
     out_scored, out_target, counts = [], [], []
     for parts in picked:
-        block_rows = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-        target = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
-        out_scored.append(torch.from_numpy(block_rows.astype(np.int64)))
-        out_target.append(torch.from_numpy(rank[target].astype(np.int64)))
-        counts.append(len(block_rows))
+        proposal_rows, proposal_target = (np.concatenate(x) for x in zip(*parts, strict=True))
+        out_scored.append(torch.from_numpy(proposal_rows.astype(np.int64)))
+        out_target.append(torch.from_numpy(rank[proposal_target].astype(np.int64)))
+        counts.append(len(proposal_rows))
     limits = [int(starts[:, a0:a1].max()) for a0, a1 in anchor_chunks(num, size)]
     return BlockIndex(
         torch.from_numpy(np.flatnonzero(needed).astype(np.int64)),

@@ -99,28 +99,28 @@ def sample_steps(  # noqa: PLR0913 - the samples, where they sit, and what the s
     for mask, where in zip(masks, rows, strict=True):
         needed[where[:-1][mask[1:]]] = True
     rank = np.cumsum(needed) - 1  # position of each needed row in `needed`
+    priority = []  # COD: one random priority per position of each sample
+    if cod is not None:
+        draws = [np.random.default_rng([cod.seed, epoch, int(i)]) for i in sample_ids]
+        priority = [draw.random(len(mask)) for draw, mask in zip(draws, masks, strict=True)]
     scored, target, counts = [], [], []
-    later = np.zeros(num_rows, dtype=bool)
-    reached = []
     for k in range(ttt_steps):
-        step_rows, step_target = [], []
+        step_rows, step_target = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for i, (mask, where) in enumerate(zip(masks, rows, strict=True)):
             candidates = np.flatnonzero(mask[k + 2 :])  # t with mask[t+k+2]
             if cod is not None and k:
                 keep = cod.keep(len(candidates), k)
-                if keep < len(candidates):  # one random priority per position of the sample
-                    priority = np.random.default_rng([cod.seed, epoch, int(sample_ids[i])]).random(len(mask))
-                    candidates = np.sort(candidates[np.argsort(priority[candidates], kind="stable")[:keep]])
+                if keep < len(candidates):
+                    candidates = np.sort(candidates[np.argsort(priority[i][candidates], kind="stable")[:keep]])
             step_rows.append(where[candidates])
             step_target.append(rank[where[candidates + k + 1]])  # t + k + 1 < T_i: the same sample
-        joined = np.concatenate(step_rows) if step_rows else np.zeros(0, np.int64)
-        scored.append(torch.from_numpy(joined.astype(np.int64)))
-        target.append(torch.from_numpy(np.concatenate(step_target).astype(np.int64) if step_target else joined))
-        counts.append(len(joined))
-        reached.append(joined)
+        scored.append(torch.from_numpy(np.concatenate(step_rows).astype(np.int64)))
+        target.append(torch.from_numpy(np.concatenate(step_target).astype(np.int64)))
+        counts.append(len(scored[-1]))
     live: list[torch.Tensor] = []
-    for joined in reversed(reached):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
-        later[joined] = True
+    later = np.zeros(num_rows, dtype=bool)
+    for step in reversed(scored):  # a position's step-k output feeds its own step k+1 (hidden state, diagonal key)
+        later[step.numpy()] = True
         live.insert(0, torch.from_numpy(np.flatnonzero(later).astype(np.int64)))
     return StepIndex(
         torch.from_numpy(np.flatnonzero(needed).astype(np.int64)),
