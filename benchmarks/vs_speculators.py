@@ -478,7 +478,7 @@ def vllm_tau(draft: Path, target: str, prompts: list[list[int]], args, work: Pat
         name=f"vllm-{name}",
         max_num_seqs=args.vllm_max_num_seqs,
     )
-    stats = stats_from_vllm(result, args.k, len(prompts))
+    stats = stats_from_vllm(result, args.k)
     return {
         "tau": stats.tau,
         "drafts": stats.num_rounds,

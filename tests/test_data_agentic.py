@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 from agentic import (
@@ -391,29 +392,37 @@ def tiny_agent(tmp_path_factory):
     return train_tiny_agent(target, root / "prepared", root / "agent")
 
 
-def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agent, tmp_path):
+def _agent_draft(agent: Path, out: Path) -> Path:
+    """An EAGLE-3 draft of the tiny agent (random weights), exported for vLLM in float32."""
     import torch
 
-    from draftsmith import evaluate, export
-    from draftsmith.config import EvaluateConfig
+    from draftsmith import export
     from draftsmith.core import targets
-    from draftsmith.evaluate.report import REPORT_JSON, REPORT_MD
     from draftsmith.methods.eagle3.modeling import Eagle3Draft
     from draftsmith.methods.layers import draft_tensors
     from draftsmith.methods.spec import DraftSpec
 
-    config = json.loads((tiny_agent / "config.json").read_text())
+    config = json.loads((agent / "config.json").read_text())
     spec = DraftSpec.from_target_config(config, 128, 1, [1, 2, 3])
-    draft = Eagle3Draft.from_target(spec, targets.load_target(tiny_agent), torch.arange(0, 256, 2))
+    draft = Eagle3Draft.from_target(spec, targets.load_target(agent), torch.arange(0, 256, 2))
     export.write_export(
-        tmp_path / "draft",
+        out,
         draft_tensors(draft.state_dict()),
         spec,
         "vllm",
-        target=targets.target_identity(tiny_agent),
+        target=targets.target_identity(agent),
         verifier_architectures=["LlamaForCausalLM"],
         dtype="fp32",
     )
+    return out
+
+
+def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agent, tmp_path):
+    from draftsmith import evaluate
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate.report import REPORT_JSON, REPORT_MD
+
+    _agent_draft(tiny_agent, tmp_path / "draft")
     prompts = write_jsonl(tmp_path / "agent.jsonl", agentic_conversations(8, seed=1, tools=SHORT_TOOLS))
     result = evaluate.run(
         EvaluateConfig(
@@ -436,6 +445,60 @@ def test_evaluate_splits_acceptance_by_reasoning_content_and_tool_call(tiny_agen
     )
     assert "τ by segment" in " ".join(result.summary)
     assert "| 2 | tool call |" in (tmp_path / "eval" / REPORT_MD).read_text()
+
+
+@pytest.mark.vllm
+def test_vllms_split_by_segment_equals_the_reference_decoders_along_vllms_output(tiny_agent, tmp_path):
+    """Real vLLM (its per-request verify steps) splits the rounds by reasoning / content / tool call as the reference
+    decoder does along vLLM's own greedy output: the same rounds in each segment, the same acceptance."""
+    import torch
+
+    from draftsmith import evaluate
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.core import targets
+    from draftsmith.evaluate.prompts import load_prompts
+    from draftsmith.evaluate.report import read_report
+    from draftsmith.evaluate.segments import Segmenter
+    from draftsmith.evaluate.vllm_worker import GenerationResult
+    from draftsmith.extract.vllm.probe import probe
+    from draftsmith.methods.artefact import load_draft
+
+    draft = _agent_draft(tiny_agent, tmp_path / "draft")
+    prompts_file = write_jsonl(tmp_path / "agent.jsonl", agentic_conversations(6, seed=1, tools=SHORT_TOOLS))
+    settings = dict(draft=draft, prompts=str(prompts_file), max_new_tokens=64, k=[2], baseline=False)
+    evaluate.run(EvaluateConfig(**settings, engine="vllm", dtype="float32", vllm_kv_cache_gb=1, output=tmp_path / "v"))
+    [served] = read_report(tmp_path / "v").runs
+    if not probe().facts.per_request_spec_steps:
+        assert (
+            served.by_segment is None and "keeps no per-request verify steps" in (tmp_path / "v/report.md").read_text()
+        )
+        return
+    outputs = GenerationResult.model_validate_json((tmp_path / "v/vllm/k2.result.json").read_text()).outputs
+    tokenizer = targets.load_tokenizer(tiny_agent)
+    model = targets.load_target(tiny_agent, dtype=torch.float32)
+    source = load_draft(draft)
+    reference = evaluate.evaluate_reference(
+        model,
+        evaluate.build_draft_module(source, model, torch.device("cpu"), torch.float32),
+        source.spec.aux_layer_ids,
+        load_prompts(str(prompts_file), tokenizer),
+        [2],
+        max_new_tokens=64,
+        temperature=0.0,
+        seed=0,
+        eos_ids=targets.eos_ids(tokenizer, tiny_agent),
+        baseline=False,
+        segmenter=Segmenter(tokenizer),
+        paths={2: outputs},
+    ).by_segment[2]
+    assert served.by_segment is not None
+    split = {name: c for name, c in served.by_segment.items() if c.rounds}
+    assert len(split) >= 2, split  # the agent thinks and calls: rounds in several segments
+    assert set(split) == {name for name, c in reference.items() if c.num_rounds}
+    for name, c in split.items():
+        assert c.rounds == reference[name].num_rounds, (name, c, reference[name])
+        assert c.tau == pytest.approx(reference[name].tau, abs=0.05), name
+    assert sum(c.rounds for c in split.values()) == served.num_rounds
 
 
 @pytest.mark.vllm

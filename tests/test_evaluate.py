@@ -68,6 +68,34 @@ def test_mtbench_prompts(tiny_target_dir, mtbench_file):
     assert len(prompts) == 80 and prompts[0].id == "81"
 
 
+def test_the_suite_names_its_domains_and_refuses_an_unknown_one_in_one_line():
+    from draftsmith.evaluate.prompts import suite_domains
+
+    assert suite_domains("suite") == ["chat", "code", "math", "agentic"]
+    assert suite_domains("suite:math,humaneval") == ["code", "math"]  # set names too, in the suite's order
+    assert suite_domains("mt-bench") is None and suite_domains("suites.jsonl") is None
+    with pytest.raises(DraftsmithError, match=r"no domain 'poetry' \(its domains: chat \(mt-bench\), code"):
+        suite_domains("suite:chat,poetry")
+
+
+def test_each_domain_of_the_suite_is_read_from_its_pinned_asset(tiny_target_dir):
+    from draftsmith.evaluate.prompts import load_domains
+
+    tokenizer = targets.load_tokenizer(tiny_target_dir)
+    domains = load_domains("suite", tokenizer, num_prompts=2)
+    assert [(d.name, d.source, len(d.prompts)) for d in domains] == [
+        ("chat", "mt-bench", 2),
+        ("code", "humaneval", 2),
+        ("math", "jee-math", 2),
+        ("agentic", "bfcl-multi-turn", 2),
+    ]
+    assert [d.prompts[0].id for d in domains] == ["81", "HumanEval/0", "jee-0", "multi_turn_base_0"]
+    code, math = (tokenizer.decode(d.prompts[0].token_ids) for d in domains[1:3])
+    assert "Complete the following Python function" in code and "def has_close_elements(numbers" in code
+    assert "You are MathGPT" in math and "f : {1, 2, 3, 4}" in math  # its system prompt, then the question
+    assert [len(load_prompts(n, tokenizer)) for n in ("humaneval", "jee-math")] == [164, 434]
+
+
 def test_prompts_from_a_prepared_sets_held_out_split(tiny_target_dir, tmp_path):
     from draftsmith.prepare.dataset import split_indices, write_prepared
 
@@ -201,9 +229,38 @@ def test_vllm_counters_become_decode_stats():
     )
     result = GenerationResult(spec=spec, outputs=[[1] * 20, [2] * 5], elapsed_s=5.0)
     assert GenerationResult.model_validate_json(result.model_dump_json()) == result  # as RESULT.json carries it
-    stats = stats_from_vllm(result, 3, 2)
+    stats = stats_from_vllm(result, 3)
     assert stats.tau == 2.5 and stats.acceptance_per_pos == [0.8, 0.5, 0.2]
     assert stats.num_new_tokens == 25 and stats.tokens_per_s == 5.0
+
+
+def test_a_suite_reports_each_domain_as_evaluated_alone_and_their_whole(exported, tmp_path):
+    """Each domain's row is what that prompt set gives evaluated alone; the whole is their sum."""
+    settings = dict(draft=exported, num_prompts=2, max_new_tokens=10, k=[2], device="cpu")
+    result = evaluate.run(EvaluateConfig(**settings, prompts="suite:chat,code", output=tmp_path / "suite"))
+    report = read_report(tmp_path / "suite")
+    assert [(d.name, d.num_prompts) for d in report.domains] == [("chat", 2), ("code", 2)] and report.num_prompts == 4
+    [whole] = report.runs
+    parts = [d.runs[0] for d in report.domains]
+    assert all(p.num_rounds > 0 for p in parts)
+    assert whole.num_rounds == sum(p.num_rounds for p in parts)
+    assert whole.num_accepted == sum(p.num_accepted for p in parts)
+    assert whole.per_prompt == parts[0].per_prompt + parts[1].per_prompt
+    assert report.baseline.num_new_tokens == sum(d.baseline.num_new_tokens for d in report.domains)
+    alone = evaluate.run(EvaluateConfig(**settings, prompts="humaneval", output=tmp_path / "code")).result
+    assert alone.domains == [] and alone.runs[0].per_prompt == parts[1].per_prompt
+    assert alone.runs[0].accepted_per_pos == parts[1].accepted_per_pos
+    md = (tmp_path / "suite" / REPORT_MD).read_text()
+    assert "By domain:" in md and f"| code | humaneval (2) | 2 | {parts[1].tau:.3f} |" in md
+    assert (tmp_path / "suite" / "tau_by_domain.png").read_bytes()[:8] == PNG_MAGIC
+    assert result.summary["k=2 τ by domain"].startswith(f"chat {parts[0].tau:.3f}")
+
+
+def test_vllms_verify_steps_are_rounds_from_the_token_after_the_prefills():
+    from draftsmith.evaluate.segments import step_rounds
+
+    assert step_rounds([2, 0, 3]) == [(1, 2), (4, 0), (5, 3)]
+    assert step_rounds([]) == []
 
 
 def test_tau_interval_over_prompts():

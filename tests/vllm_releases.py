@@ -200,6 +200,7 @@ _GROUPS = {
         ("MLA refused on CPU", "cpu_mla_refused"),
         ("VLLM_MLA_DISABLE", "mla_disable_switch"),
         ("per-request spec metrics", "per_request_spec_metrics"),
+        ("per-step spec metrics", "per_request_spec_steps"),
     ],
 }
 _ARCH_ROWS = [

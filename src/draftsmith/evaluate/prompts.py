@@ -1,11 +1,18 @@
 """Evaluation prompt sets, rendered with the target's chat template into token ids.
 
     mt-bench           the 80 MT-bench questions shipped with draftsmith's default assets (first turn of each)
+    humaneval          HumanEval's 164 Python function stubs, each asked as "complete this function"
+    jee-math           the 434 JEE Advanced mathematics questions of OpenAI's evals registry, with their reasoning
+                       system prompt
     bfcl-multi-turn    the Berkeley Function Calling Leaderboard's multi-turn tool-use tasks (prepare/bfcl.py): the
                        first request of each, its tools declared
+    suite              one evaluation over the domains a target serves: chat (mt-bench), code (humaneval), math
+                       (jee-math) and agentic (bfcl-multi-turn); `suite:code,math` (domain or set names) picks some.
+                       --num-prompts counts per domain. Each domain is a pinned, checksummed asset like the above.
     FILE               ShareGPT JSON / messages JSONL (anything `draftsmith prepare` reads, agentic records too): the
                        conversation up to its first assistant turn, rendered with the record's `tools` and the
                        server's template options; records with `turns` (MT-bench style) or `prompt` work too
+    held-out           the held-out split of the draft's own training data (below), where it is on this machine
     DIR (prepared)     a prepared data set: the samples of its held-out split (`prepared.split_indices`, the same
                        split the trainer holds out: its eval fraction and split seed are read from the draft's
                        training record unless given), cut before the first assistant token
@@ -15,12 +22,14 @@ Every prompt ends with the template's generation prompt, so the target starts it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import gzip
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.assets import mtbench_path
+from draftsmith.core import assets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME, TargetIdentity, read_manifest_json
 from draftsmith.prepare import bfcl
@@ -28,13 +37,25 @@ from draftsmith.prepare.dataset import open_prepared, split_indices
 from draftsmith.prepare.messages import Skip, normalize_conversation, role_of
 from draftsmith.prepare.readers import NAMED_BFCL, expand_sources, iter_source
 
-MTBENCH = "mt-bench"
+MTBENCH, HUMANEVAL, JEE_MATH, SUITE, HELD_OUT = "mt-bench", "humaneval", "jee-math", "suite", "held-out"
+SUITE_DOMAINS = {"chat": MTBENCH, "code": HUMANEVAL, "math": JEE_MATH, "agentic": NAMED_BFCL}  # the report's order
+CODE_ASK = "Complete the following Python function. Answer with the whole function in one Python code block.\n\n"
 
 
 @dataclass
 class Prompt:
     id: str
     token_ids: list[int]
+
+
+@dataclass
+class Domain:
+    """One domain of an evaluation: its name (a suite's domain, else the prompt set as given), the prompt set it is
+    read from, and its prompts."""
+
+    name: str
+    source: str
+    prompts: list[Prompt]
 
 
 def _prompt_of(record: object) -> tuple[list[dict], list[dict] | None] | None:
@@ -76,25 +97,48 @@ def render(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _from_file(path: Path, tokenizer: Any, limit: int | None, template_kwargs: dict | None = None) -> list[Prompt]:
+def _rendered(
+    records: Iterable[tuple[str, object]], tokenizer: Any, limit: int | None, template_kwargs: dict | None = None
+) -> list[Prompt]:
+    """The usable records' prompts, rendered, at most `limit` of them."""
     prompts: list[Prompt] = []
-    for source in expand_sources([path]):
-        for record in iter_source(source):
-            if record.bad is not None:
-                continue
-            prompt = _prompt_of(record.data)
-            if prompt is None:
-                continue
-            rid = record.data.get("question_id", record.data.get("id", record.index))
-            prompts.append(Prompt(id=str(rid), token_ids=render(tokenizer, *prompt, template_kwargs)))
-            if limit is not None and len(prompts) >= limit:
-                return prompts
+    for rid, data in records:
+        prompt = _prompt_of(data)
+        if prompt is None:
+            continue
+        prompts.append(Prompt(id=rid, token_ids=render(tokenizer, *prompt, template_kwargs)))
+        if limit is not None and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def _from_file(path: Path, tokenizer: Any, limit: int | None, template_kwargs: dict | None = None) -> list[Prompt]:
+    records = (
+        (str(record.data.get("question_id", record.data.get("id", record.index))), record.data)
+        for source in expand_sources([path])
+        for record in iter_source(source)
+        if record.bad is None and isinstance(record.data, dict)
+    )
+    prompts = _rendered(records, tokenizer, limit, template_kwargs)
     if not prompts:
         raise DraftsmithError(
             f"{path}: no usable prompt (expected ShareGPT `conversations`, `messages`, MT-bench "
             "`turns` or `prompt` records with a user turn)"
         )
     return prompts
+
+
+def _humaneval(tokenizer: Any, limit: int | None) -> list[Prompt]:
+    with gzip.open(assets.fetch(assets.HUMANEVAL), "rt", encoding="utf-8") as lines:
+        tasks = [json.loads(line) for line in lines if line.strip()]
+    records = ((t["task_id"], {"prompt": f"{CODE_ASK}```python\n{t['prompt']}```"}) for t in tasks)
+    return _rendered(records, tokenizer, limit)
+
+
+def _jee_math(tokenizer: Any, limit: int | None) -> list[Prompt]:
+    lines = assets.fetch(assets.JEE_MATH).read_text(encoding="utf-8").splitlines()
+    records = ((f"jee-{i}", {"messages": json.loads(line)["input"]}) for i, line in enumerate(lines) if line.strip())
+    return _rendered(records, tokenizer, limit)
 
 
 def _from_prepared(
@@ -168,7 +212,11 @@ def load_prompts(
 ) -> list[Prompt]:
     """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them."""
     if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
-        return _from_file(mtbench_path(), tokenizer, num_prompts)
+        return _from_file(assets.mtbench_path(), tokenizer, num_prompts)
+    if spec.strip() == HUMANEVAL:
+        return _humaneval(tokenizer, num_prompts)
+    if spec.strip() == JEE_MATH:
+        return _jee_math(tokenizer, num_prompts)
     if spec.strip() == NAMED_BFCL:
         return _from_file(bfcl.conversations_path(), tokenizer, num_prompts, template_kwargs)
     path = Path(spec).expanduser()
@@ -176,7 +224,32 @@ def load_prompts(
         return _from_prepared(path, target, num_prompts, eval_fraction, split_seed)
     if not path.exists():
         raise DraftsmithError(
-            f"--prompts {spec}: no such file or directory (use mt-bench, a ShareGPT/JSONL file, or "
-            "a prepared data set directory)"
+            f"--prompts {spec}: no such file or directory (use mt-bench, humaneval, jee-math, bfcl-multi-turn, "
+            "suite, a ShareGPT/JSONL file, or a prepared data set directory)"
         )
     return _from_file(path, tokenizer, num_prompts, template_kwargs)
+
+
+def suite_domains(spec: str) -> list[str] | None:
+    """The domains `suite` / `suite:NAME,NAME` names (domain or prompt-set names, in the suite's order); None where
+    `spec` is no suite."""
+    spec = spec.strip()
+    if spec != SUITE and not spec.startswith(SUITE + ":"):
+        return None
+    names = [n.strip() for n in spec.removeprefix(SUITE).removeprefix(":").split(",") if n.strip()]
+    by_set = {source: name for name, source in SUITE_DOMAINS.items()}
+    unknown = [n for n in names if n not in SUITE_DOMAINS and n not in by_set]
+    if unknown:
+        offered = ", ".join(f"{name} ({source})" for name, source in SUITE_DOMAINS.items())
+        raise DraftsmithError(f"--prompts {spec}: the suite has no domain {unknown[0]!r} (its domains: {offered})")
+    picked = {by_set.get(n, n) for n in names}
+    return [name for name in SUITE_DOMAINS if not names or name in picked]
+
+
+def load_domains(spec: str, tokenizer: Any, **options: Any) -> list[Domain]:
+    """The domains an evaluation runs: a suite's (each its prompt set, `num_prompts` of each), else the one prompt
+    set `spec` names (load_prompts' options)."""
+    names = suite_domains(spec)
+    if names is None:
+        return [Domain(spec, spec, load_prompts(spec, tokenizer, **options))]
+    return [Domain(n, SUITE_DOMAINS[n], load_prompts(SUITE_DOMAINS[n], tokenizer, **options)) for n in names]

@@ -19,6 +19,7 @@ REPORT_MD = "report.md"
 ACCEPTANCE_PNG = "acceptance_per_position.png"
 TAU_PNG = "tau_speedup_vs_k.png"
 CONCURRENCY_PNG = "speedup_vs_concurrency.png"
+DOMAINS_PNG = "tau_by_domain.png"
 CHARTS_HINT = "charts need matplotlib: pip install 'draftsmith[report]' (or matplotlib), then evaluate again"
 
 
@@ -153,6 +154,16 @@ class ConcurrencySweep(BaseModel):
     stops_paying_at: int | None
 
 
+class DomainReport(BaseModel):
+    """One domain of a suite (evaluate --prompts suite): its prompt set and its own runs."""
+
+    name: str
+    prompts: str
+    num_prompts: int
+    baseline: DecodeReport | None = None
+    runs: list[RunReport]
+
+
 class EvaluationReport(BaseModel):
     """report.json: everything `draftsmith evaluate` measured (a key absent from an older file reads as None)."""
 
@@ -171,7 +182,9 @@ class EvaluationReport(BaseModel):
     gate: GateReport | None = None
     concurrency: ConcurrencySweep | None = None
     baseline: DecodeReport | None = None
-    runs: list[RunReport]
+    runs: list[RunReport]  # the whole evaluation's (a suite: all its domains together)
+    domains: list[DomainReport] = []  # a suite's, each apart
+    segments_note: str | None = None  # why the runs have no split by segment, where the engine keeps none
 
 
 def charts_available() -> bool:
@@ -265,6 +278,27 @@ def concurrency_chart(sweep: ConcurrencySweep, title: str) -> bytes:
     return _png(fig)
 
 
+def domain_chart(domains: list[DomainReport], title: str) -> bytes:
+    """τ of each domain (bars, one colour per k) with its 95 % interval over the domain's prompts."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
+    ks = [r.k for r in domains[0].runs]
+    width = 0.8 / max(1, len(ks))
+    for j, k in enumerate(ks):
+        runs = [next(r for r in d.runs if r.k == k) for d in domains]
+        xs = [i + (j - (len(ks) - 1) / 2) * width for i in range(len(domains))]
+        errors = [
+            [r.tau - r.tau_95[0] if r.tau_95 else 0.0 for r in runs],
+            [r.tau_95[1] - r.tau if r.tau_95 else 0.0 for r in runs],
+        ]
+        ax.bar(xs, [r.tau for r in runs], width=width, yerr=errors, capsize=3, label=f"k={k}")
+    ax.set_xticks(range(len(domains)), [f"{d.name}\n({d.prompts})" for d in domains])
+    ax.set_ylabel("τ (mean acceptance length)")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)
+
+
 def speedup_line(sweep: ConcurrencySweep) -> str:
     """'1.31x at 1, 1.02x at 4, 0.93x at 16: stops paying at 16' (the summary's and the report's first line)."""
     parts = [
@@ -334,6 +368,25 @@ def _runs_lines(runs: list[RunReport]) -> list[str]:
     return lines
 
 
+def _domain_lines(domains: list[DomainReport]) -> list[str]:
+    lines = [
+        "",
+        "By domain:",
+        "",
+        "| domain | prompts | k | τ | τ 95 % interval (over prompts) | acceptance per position | tokens/s | speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for d in domains:
+        for r in d.runs:
+            per_pos = ", ".join(f"{a:.2f}" for a in r.acceptance_per_pos)
+            interval = f"{r.tau_95[0]:.3f} – {r.tau_95[1]:.3f}" if r.tau_95 else "–"
+            lines.append(
+                f"| {d.name} | {d.prompts} ({d.num_prompts}) | {r.k} | {r.tau:.3f} | {interval} | {per_pos} | "
+                f"{r.tokens_per_s:.1f} | {_times(r.speedup)} |"
+            )
+    return lines
+
+
 def _concurrency_lines(sweep: ConcurrencySweep) -> list[str]:
     lines = [
         "",
@@ -375,6 +428,10 @@ def markdown(report: EvaluationReport, charts: bool = True) -> str:
             f"- target alone: {base.tokens_per_s:.1f} tokens/s ({base.num_new_tokens} tokens in {base.elapsed_s:.1f} s)"
         )
     lines += _runs_lines(report.runs)
+    if report.segments_note:
+        lines += ["", report.segments_note]
+    if len(report.domains) > 1:
+        lines += _domain_lines(report.domains)
     if report.lossless is not None:
         lines += ["", f"Greedy outputs identical to the target alone: {report.lossless}"]
     if sweep:
@@ -388,6 +445,7 @@ def markdown(report: EvaluationReport, charts: bool = True) -> str:
     lines += (
         [f"![acceptance per position]({ACCEPTANCE_PNG})", "", f"![τ and speed-up against k]({TAU_PNG})", ""]
         + ([f"![speed-up against concurrency]({CONCURRENCY_PNG})", ""] if sweep else [])
+        + ([f"![τ by domain]({DOMAINS_PNG})", ""] if len(report.domains) > 1 else [])
         if charts
         else [f"No charts: {CHARTS_HINT}.", ""]
     )
@@ -399,7 +457,7 @@ def _times(ratio: float | None) -> str:
 
 
 # keys today's report.json leaves out where they do not apply (an older reader sees the same file)
-_ABSENT_WHEN_NONE = ("lossless", "vllm_version", "gate", "concurrency")
+_ABSENT_WHEN_NONE = ("lossless", "vllm_version", "gate", "concurrency", "segments_note")
 
 
 def write_report(output: Path, report: EvaluationReport) -> dict[str, Path]:
@@ -419,6 +477,9 @@ def write_report(output: Path, report: EvaluationReport) -> dict[str, Path]:
             paths["concurrency_chart"] = output / CONCURRENCY_PNG
             served = f"{Path(report.draft).name} on {Path(report.target).name} (draftsmith serve)"
             atomic_write_bytes(paths["concurrency_chart"], concurrency_chart(report.concurrency, served))
+        if len(report.domains) > 1:
+            paths["domain_chart"] = output / DOMAINS_PNG
+            atomic_write_bytes(paths["domain_chart"], domain_chart(report.domains, title))
     return paths
 
 

@@ -11,7 +11,10 @@ prompt leaves open, as templates that pre-fill `<think>` do):
     content      everything else
 
 A round of speculative decoding counts for the segment of the first token it adds (where the draft's proposals
-start). The reference decoder sees every round (evaluate --engine hf); vLLM reports acceptance per engine only.
+start). The reference decoder sees every round (evaluate --engine hf); vLLM reports each request's verify steps in
+order where the release keeps them (`per_request_spec_decode_metrics="detailed"`, vLLM 0.32 on), and `step_rounds`
+maps them onto the generated tokens: the first token comes from the prefill, each step adds its accepted draft
+tokens and one of the target's.
 """
 
 from __future__ import annotations
@@ -86,6 +89,16 @@ def split_rounds(
         if start < len(labels):
             into[labels[start]].add_round(accepted)
     return into
+
+
+def step_rounds(accepted: list[int]) -> list[tuple[int, int]]:
+    """One request's verify steps (accepted draft tokens of each, in order) as rounds `(index of its first new token,
+    accepted draft tokens)`, as the reference decoder records them."""
+    rounds, start = [], 1  # token 0 is the prefill's
+    for n in accepted:
+        rounds.append((start, n))
+        start += n + 1
+    return rounds
 
 
 def segment_report(stats: DecodeStats) -> SegmentReport:

@@ -25,20 +25,29 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
 from draftsmith.evaluate import gate, load, vllm_runner
-from draftsmith.evaluate.prompts import MTBENCH, Prompt, held_out_split, load_prompts, training_prompts
+from draftsmith.evaluate.prompts import (
+    HELD_OUT,
+    MTBENCH,
+    Domain,
+    Prompt,
+    held_out_split,
+    load_domains,
+    suite_domains,
+    training_prompts,
+)
 from draftsmith.evaluate.report import (
     CHARTS_HINT,
     ConcurrencySweep,
     DecodeReport,
+    DomainReport,
     EvaluationReport,
     GateReport,
     RunReport,
-    SegmentReport,
     several_segments,
     speedup_line,
     write_report,
 )
-from draftsmith.evaluate.segments import Segmenter, segment_report, split_rounds
+from draftsmith.evaluate.segments import Segmenter, segment_report, split_rounds, step_rounds
 from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice
@@ -47,7 +56,7 @@ from draftsmith.methods import method_of
 from draftsmith.methods.artefact import DraftSource, draft_module, load_draft, resolve_draft_target
 from draftsmith.methods.base import Draft
 
-__all__ = ["Measured", "run", "build_draft_module", "evaluate_reference"]
+__all__ = ["Measured", "merged", "run", "build_draft_module", "evaluate_reference"]
 
 CPU = torch.device("cpu")
 
@@ -68,15 +77,45 @@ def _say(line: str) -> None:
 
 @dataclass
 class Measured:
-    """One engine's runs: each k's stats (0: the target alone) and outputs, the dtype it ran in, and what only one
-    engine tells (the reference decoder: rounds by segment and losslessness; vLLM: its version)."""
+    """One engine's runs over one domain: each k's stats (0: the target alone) and outputs, the dtype it ran in, each
+    k's rounds by segment where the engine tells them (the reference decoder; vLLM with per-step counts), and what only
+    one engine tells (the reference decoder: losslessness; vLLM: its version, and why it gave no split)."""
 
     stats: dict[int, DecodeStats]
     outputs: dict[int, list[list[int]]]
     dtype: str
-    by_segment: dict[int, dict[str, SegmentReport]] = field(default_factory=dict)
+    by_segment: dict[int, dict[str, DecodeStats]] = field(default_factory=dict)
     lossless: dict[str, str] | None = None
     vllm_version: str | None = None
+    segments_note: str | None = None
+
+
+def _lossless(outputs: dict[int, list[list[int]]], ks: list[int]) -> dict[str, str]:
+    """Per k, how many greedy outputs are the target alone's."""
+    same = {k: sum(a == b for a, b in zip(outputs[k], outputs[0], strict=False)) for k in ks}
+    return {f"k={k}": f"{same[k]}/{len(outputs[0])} prompts" for k in ks}
+
+
+def merged(parts: list[Measured]) -> Measured:
+    """Several domains' runs as one (a suite's whole): each k's counts added, the outputs in the domains' order."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+
+    def total(k: int, counts: list[DecodeStats]) -> DecodeStats:
+        whole = DecodeStats(k=k)
+        for c in counts:
+            whole.add(c)
+        return whole
+
+    stats = {k: total(k, [p.stats[k] for p in parts]) for k in first.stats}
+    outputs = {k: [o for p in parts for o in p.outputs[k]] for k in first.outputs}
+    by_segment = {
+        k: {name: total(k, [p.by_segment[k][name] for p in parts]) for name in segments}
+        for k, segments in first.by_segment.items()
+    }
+    lossless = _lossless(outputs, [k for k in stats if k]) if first.lossless is not None else None
+    return Measured(stats, outputs, first.dtype, by_segment, lossless, first.vllm_version, first.segments_note)
 
 
 def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluation, as EvaluateConfig names them
@@ -130,12 +169,9 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
                 progress.advance(task)
             result.stats[k], result.outputs[k] = total, outputs
             if segments is not None:
-                result.by_segment[k] = {name: segment_report(c) for name, c in segments.items()}
+                result.by_segment[k] = segments
     if baseline and temperature == 0:
-        out = result.outputs
-        result.lossless = {
-            f"k={k}": f"{sum(a == b for a, b in zip(out[k], out[0], strict=False))}/{len(prompts)} prompts" for k in ks
-        }
+        result.lossless = _lossless(result.outputs, ks)
     return result
 
 
@@ -160,17 +196,29 @@ def _engine_context(prompts: list[Prompt], cfg: EvaluateConfig, context: int | N
     return context
 
 
-def _gate_prompts(cfg: EvaluateConfig, source: DraftSource) -> str:
-    """The prompt set: what was asked; else, for the gate, the held-out split of the draft's training data (the
-    traffic it was trained for) where it is on this machine; else mt-bench."""
-    if cfg.prompts is not None:
+def _prompt_set(cfg: EvaluateConfig, source: DraftSource) -> str:
+    """The prompt set: what was asked; else (and for `held-out`), for the gate, the held-out split of the draft's
+    training data (the traffic it was trained for) where it is on this machine; else mt-bench."""
+    if cfg.prompts is not None and cfg.prompts != HELD_OUT:
         return cfg.prompts
-    if cfg.gate:
+    if cfg.gate or cfg.prompts == HELD_OUT:
         prepared, why = training_prompts(source.training)
         said = why if prepared else f"mt-bench ({why}; --prompts FILE picks yours)"
-        _say(f"evaluate --gate: prompts: {said}")
+        _say(f"evaluate: prompts: {said}")
         return prepared or MTBENCH
     return MTBENCH
+
+
+def _engine(cfg: EvaluateConfig, source: DraftSource, target_path: Path) -> EvaluateConfig:
+    """--engine auto as vLLM where it can decode this draft here, else the reference decoder, saying which and why."""
+    if cfg.engine != "auto":
+        return cfg
+    verdict = vllm_runner.vllm_verdict(target_path, "--engine vllm", method=source.spec.method)
+    engine = "vllm" if verdict.refusal is None else "hf"
+    _say(
+        f"evaluate --engine auto: {f'vLLM {verdict.version}' if engine == 'vllm' else f'reference decoder ({verdict.why_not})'}"
+    )
+    return cfg.model_copy(update={"engine": engine})
 
 
 def _reference_run(
@@ -178,57 +226,75 @@ def _reference_run(
     source: DraftSource,
     target_path: Path,
     tokenizer: Any,
-    prompts: list[Prompt],
+    domains: list[Domain],
     dtype_name: str,
-    paths: dict[int, list[list[int]]] | None = None,
-) -> Measured:
-    """The reference decoder (transformers) on every k, and the target alone where cfg.baseline; along `paths`
-    (vLLM's outputs) for the gate."""
+    along: list[Measured] | None = None,
+) -> list[Measured]:
+    """The reference decoder (transformers) on every k, and the target alone where cfg.baseline, each domain apart
+    (the target loaded once); along `along`'s outputs (vLLM's, domain by domain) for the gate."""
     device = targets.resolve_device(cfg.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         dtype_name, torch.float32 if device.type == "cpu" else torch.bfloat16
     )
     target_model = targets.load_target(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     draft = build_draft_module(source, target_model, device, dtype)
-    measured = evaluate_reference(
-        target_model,
-        draft,
-        source.spec.aux_layer_ids,
-        prompts,
-        cfg.k,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        seed=cfg.seed,
-        eos_ids=targets.eos_ids(tokenizer, target_path),
-        baseline=cfg.baseline,
-        device=device,
-        show_progress=True,
-        segmenter=Segmenter(tokenizer),
-        paths=paths,
-    )
-    measured.dtype = str(dtype).removeprefix("torch.")  # the dtype the target was loaded in
-    return measured
+    parts = []
+    for i, domain in enumerate(domains):
+        measured = evaluate_reference(
+            target_model,
+            draft,
+            source.spec.aux_layer_ids,
+            domain.prompts,
+            cfg.k,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            eos_ids=targets.eos_ids(tokenizer, target_path),
+            baseline=cfg.baseline,
+            device=device,
+            show_progress=True,
+            segmenter=Segmenter(tokenizer),
+            paths=along[i].outputs if along else None,
+        )
+        measured.dtype = str(dtype).removeprefix("torch.")  # the dtype the target was loaded in
+        parts.append(measured)
+    return parts
 
 
-def _vllm_run(
+def _served_segments(
+    tokenizer: Any, prompts: list[Prompt], outputs: list[list[int]], steps: list[list[int]], k: int
+) -> dict[str, DecodeStats]:
+    """vLLM's rounds by segment: each request's verify steps mapped onto its generated tokens (segments.step_rounds)."""
+    segmenter, segments = Segmenter(tokenizer), None
+    for prompt, out, accepted in zip(prompts, outputs, steps, strict=True):
+        segments = split_rounds(segmenter.labels(prompt.token_ids, out), step_rounds(accepted), k, segments)
+    assert segments is not None  # a domain has prompts
+    return segments
+
+
+def _vllm_run(  # noqa: PLR0913 - one evaluation's settings and where it writes
     cfg: EvaluateConfig,
     source: DraftSource,
     identity: TargetIdentity,
     target_path: Path,
-    prompts: list[Prompt],
+    tokenizer: Any,
+    domains: list[Domain],
     choice: DtypeChoice,
     output: Path,
-) -> Measured:
-    """vLLM on every k (one engine each), and the target alone where cfg.baseline: each run's stats and outputs."""
+) -> list[Measured]:
+    """vLLM on every k, and the target alone where cfg.baseline: one engine each, every domain decoded in it (a
+    `generate` call of its own, timed and counted apart); each domain's stats, outputs and rounds by segment."""
     if cfg.dtype == "auto":
         _say(f"evaluate: vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})")
     workdir = output / "vllm"  # requests, results and engine logs of this run (replaced each run)
     shutil.rmtree(workdir, ignore_errors=True)
     draft_dir = export.vllm_loadable(cfg.draft, source, identity, workdir / "vllm-draft")
+    prompts = [p for d in domains for p in d.prompts]
     run_vllm = functools.partial(
         vllm_runner.run_vllm,
         target=target_path,
         prompts=[p.token_ids for p in prompts],
+        groups=[len(d.prompts) for d in domains],
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         seed=cfg.seed,
@@ -239,9 +305,7 @@ def _vllm_run(
         trust_remote_code=cfg.trust_remote_code,
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
-    stats: dict[int, DecodeStats] = {}
-    outputs: dict[int, list[list[int]]] = {}
-    version = None
+    results: dict[int, GenerationResult] = {}
     dtype = choice.dtype
 
     def decode(draft: Path | None, k: int, name: str) -> GenerationResult:
@@ -251,20 +315,39 @@ def _vllm_run(
         try:
             return run_vllm(draft=draft, k=k, name=name, dtype=dtype)
         except DraftsmithError as err:
-            if choice.fallback is None or stats:
+            if choice.fallback is None or results:
                 raise
             _say(f"evaluate: {choice.note(str(err))}")
             dtype = choice.fallback
             return run_vllm(draft=draft, k=k, name=f"{name}-{choice.fallback}", dtype=dtype)
 
-    if cfg.baseline:
-        res = decode(None, 0, "baseline")
-        stats[0] = vllm_runner.stats_from_vllm(res, 0, len(prompts))
-    for k in cfg.k:
-        res = decode(draft_dir, k, f"k{k}")
-        stats[k] = vllm_runner.stats_from_vllm(res, k, len(prompts))
-        outputs[k], version = res.outputs, res.vllm_version
-    return Measured(stats, outputs, dtype, vllm_version=version)
+    for k in ([0] if cfg.baseline else []) + list(cfg.k):
+        results[k] = decode(draft_dir if k else None, k, f"k{k}" if k else "baseline")
+    return [_served_domain(results, i, domain, tokenizer, dtype) for i, domain in enumerate(domains)]
+
+
+def _served_domain(
+    results: dict[int, GenerationResult], i: int, domain: Domain, tokenizer: Any, dtype: str
+) -> Measured:
+    """Domain `i` of vLLM's runs (each k's result holds every domain, in order)."""
+    first = sum(g.size for g in next(iter(results.values())).groups[:i])
+    end = first + len(domain.prompts)
+    measured = Measured({}, {}, dtype)
+    for k, res in results.items():
+        measured.stats[k] = vllm_runner.stats_from_vllm(res, k, group=i)
+        measured.vllm_version = res.vllm_version
+        if not k:
+            continue
+        measured.outputs[k] = res.outputs[first:end]
+        if res.per_step is not None:
+            steps = res.per_step[first:end]
+            measured.by_segment[k] = _served_segments(tokenizer, domain.prompts, measured.outputs[k], steps, k)
+        else:
+            measured.segments_note = (
+                f"vLLM {res.vllm_version} keeps no per-request verify steps (the probe's per-step spec metrics): "
+                "its rounds are not split by segment"
+            )
+    return measured
 
 
 def _gate(cfg: EvaluateConfig, source: DraftSource, served: Measured, reference: Measured) -> GateReport:
@@ -325,7 +408,7 @@ def _settled(cfg: EvaluateConfig, source: DraftSource) -> EvaluateConfig:
         cfg = cfg.model_copy(update={"k": rounds})
     if cfg.gate:  # the gate decodes greedily in the vLLM the user has, and with the reference decoder along it
         cfg = cfg.model_copy(update={"engine": "vllm", "temperature": 0.0})
-    return cfg.model_copy(update={"prompts": _gate_prompts(cfg, source)})
+    return cfg.model_copy(update={"prompts": _prompt_set(cfg, source)})
 
 
 def _vllm_choice(cfg: EvaluateConfig, source: DraftSource, target_path: Path) -> DtypeChoice | None:
@@ -343,43 +426,58 @@ def _vllm_choice(cfg: EvaluateConfig, source: DraftSource, target_path: Path) ->
     return choice
 
 
-def _report(
-    cfg: EvaluateConfig,
-    source: DraftSource,
-    target_path: Path,
-    num_prompts: int,
-    measured: Measured,
-    verdict: GateReport | None,
-    concurrency: ConcurrencySweep | None,
-) -> EvaluationReport:
-    stats = measured.stats
-    base = stats.get(0)
+def _runs(cfg: EvaluateConfig, measured: Measured) -> tuple[DecodeReport | None, list[RunReport]]:
+    """The target alone's run and each k's, as the report shows them."""
+    stats, base = measured.stats, measured.stats.get(0)
     runs = [
         RunReport(
             **stats[k].to_dict(),
             speedup=(stats[k].tokens_per_s / base.tokens_per_s) if base and base.tokens_per_s > 0 else None,
-            by_segment=measured.by_segment.get(k),  # the reference decoder's rounds by what the target was writing
+            by_segment={name: segment_report(c) for name, c in measured.by_segment[k].items()}
+            if k in measured.by_segment
+            else None,
         )
         for k in cfg.k
     ]
+    return (DecodeReport(**base.to_dict()) if base else None), runs
+
+
+def _report(  # noqa: PLR0913 - what one evaluation measured, as the report holds it
+    cfg: EvaluateConfig,
+    source: DraftSource,
+    target_path: Path,
+    domains: list[Domain],
+    parts: list[Measured],
+    verdict: GateReport | None,
+    concurrency: ConcurrencySweep | None,
+) -> EvaluationReport:
+    whole = merged(parts)
+    baseline, runs = _runs(cfg, whole)
     assert cfg.prompts is not None
     return EvaluationReport(
         engine=cfg.engine,
         target=str(target_path),
         draft=str(cfg.draft),
         prompts=cfg.prompts,
-        num_prompts=num_prompts,
+        num_prompts=sum(len(d.prompts) for d in domains),
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         aux_layer_ids=source.spec.aux_layer_ids,
         draft_vocab_size=source.spec.draft_vocab_size,
-        lossless=measured.lossless,
-        vllm_version=measured.vllm_version,
-        dtype=measured.dtype,
+        lossless=whole.lossless,
+        vllm_version=whole.vllm_version,
+        dtype=whole.dtype,
         gate=verdict,
         concurrency=concurrency,
-        baseline=DecodeReport(**base.to_dict()) if base else None,
+        baseline=baseline,
         runs=runs,
+        domains=[
+            DomainReport(name=d.name, prompts=d.source, num_prompts=len(d.prompts), baseline=b, runs=r)
+            for d, (b, r) in zip(domains, (_runs(cfg, p) for p in parts), strict=True)
+        ]
+        if suite_domains(cfg.prompts)
+        else [],
+        segments_note=whole.segments_note,
     )
 
 
@@ -401,6 +499,13 @@ def _summary(cfg: EvaluateConfig, report: EvaluationReport, paths: dict[str, Pat
             )
         if r.speedup is not None:
             summary[f"k={r.k} speed-up"] = round(r.speedup, 3)
+        if report.domains:
+            summary[f"k={r.k} τ by domain"] = ", ".join(
+                f"{d.name} {run.tau:.3f}" + (f" ({run.tau_95[0]:.2f}..{run.tau_95[1]:.2f})" if run.tau_95 else "")
+                for d in report.domains
+                for run in d.runs
+                if run.k == r.k
+            )
     if report.concurrency:
         summary["speed-up by concurrency"] = speedup_line(report.concurrency)
     summary["report"] = str(paths["markdown"])
@@ -414,12 +519,12 @@ def run(cfg: EvaluateConfig) -> StageResult[EvaluationReport]:
     """`draftsmith evaluate`: τ, per-position acceptance and speed-up for each k, plus the report; with --gate, the
     reference decoder against vLLM (gate.py), failing (GateFailed, after the report) where they disagree."""
     source = load_draft(cfg.draft)
-    cfg = _settled(cfg, source)
-    assert cfg.prompts is not None
     target_path, identity = resolve_draft_target(cfg.target, source, str(cfg.draft), "evaluate it")
+    cfg = _engine(_settled(cfg, source), source, target_path)
+    assert cfg.prompts is not None
     choice = _vllm_choice(cfg, source, target_path)
     tokenizer = targets.load_tokenizer(target_path, cfg.trust_remote_code)
-    prompts = load_prompts(
+    domains = load_domains(
         cfg.prompts,
         tokenizer,
         target=identity,
@@ -433,20 +538,21 @@ def run(cfg: EvaluateConfig) -> StageResult[EvaluationReport]:
     torch.manual_seed(cfg.seed)
     verdict = None
     if cfg.engine == "hf":
-        measured = _reference_run(cfg, source, target_path, tokenizer, prompts, cfg.dtype)
+        parts = _reference_run(cfg, source, target_path, tokenizer, domains, cfg.dtype)
     else:
         assert choice is not None
-        measured = _vllm_run(cfg, source, identity, target_path, prompts, choice, output)
+        parts = _vllm_run(cfg, source, identity, target_path, tokenizer, domains, choice, output)
         if cfg.gate:  # the reference decoder in the dtype vLLM ran, along vLLM's greedy outputs
             along = cfg.model_copy(update={"baseline": False})
-            reference = _reference_run(along, source, target_path, tokenizer, prompts, measured.dtype, measured.outputs)
-            verdict = _gate(cfg, source, measured, reference)
+            reference = _reference_run(along, source, target_path, tokenizer, domains, parts[0].dtype, parts)
+            verdict = _gate(cfg, source, merged(parts), merged(reference))
     concurrency = None
     if cfg.concurrency and (verdict is None or verdict.passed):  # a draft the gate failed is not worth timing
         assert choice is not None
-        dtype = measured.dtype if cfg.engine == "vllm" else choice.dtype  # the one vLLM ran above
+        dtype = parts[0].dtype if cfg.engine == "vllm" else choice.dtype  # the one vLLM ran above
+        prompts = [p for d in domains for p in d.prompts]
         concurrency = _concurrency(cfg, target_path, tokenizer, prompts, dtype, output)
-    report = _report(cfg, source, target_path, len(prompts), measured, verdict, concurrency)
+    report = _report(cfg, source, target_path, domains, parts, verdict, concurrency)
     paths = write_report(output, report)
     save_resolved_config(cfg, output)
     summary = _summary(cfg, report, paths)

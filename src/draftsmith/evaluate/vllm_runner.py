@@ -163,9 +163,11 @@ def run_vllm(  # noqa: PLR0913 - GenerationJob's fields, as the worker's request
     name: str = "vllm",
     max_num_seqs: int = 1,
     tensor_parallel_size: int = 1,
+    groups: list[int] | None = None,
 ) -> GenerationResult:
     """One vLLM generation job in a child process (`max_num_seqs` prompts decoded at once, on
-    `tensor_parallel_size` ranks); returns the worker's result."""
+    `tensor_parallel_size` ranks; `groups`: prompts per group, each group's `generate` timed and counted apart, in
+    the one engine); returns the worker's result."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     job = GenerationJob(
@@ -181,6 +183,7 @@ def run_vllm(  # noqa: PLR0913 - GenerationJob's fields, as the worker's request
         trust_remote_code=trust_remote_code,
         max_num_seqs=max_num_seqs,
         tensor_parallel_size=tensor_parallel_size,
+        groups=groups or [],
         result=str(workdir / f"{name}.result.json"),
     )
     request_file = workdir / f"{name}.request.json"
@@ -202,17 +205,25 @@ def run_vllm(  # noqa: PLR0913 - GenerationJob's fields, as the worker's request
     return GenerationResult.model_validate_json(result_file.read_text(encoding="utf-8"))
 
 
-def stats_from_vllm(result: GenerationResult, k: int, num_prompts: int) -> DecodeStats:
-    """DecodeStats from a worker result: acceptance from vLLM's counters, tokens and time from the timed call."""
-    spec = result.spec
+def stats_from_vllm(result: GenerationResult, k: int, group: int | None = None) -> DecodeStats:
+    """DecodeStats from a worker result (the whole job's, or one of its groups'): acceptance from vLLM's counters,
+    tokens and time from the timed call."""
+    spec, elapsed, first, end = result.spec, result.elapsed_s, 0, len(result.outputs)
+    if group is not None:
+        first = sum(g.size for g in result.groups[:group])
+        spec, elapsed, end = (
+            result.groups[group].spec,
+            result.groups[group].elapsed_s,
+            first + result.groups[group].size,
+        )
     return DecodeStats(
         k=k,
-        num_prompts=num_prompts,
-        num_new_tokens=sum(len(o) for o in result.outputs),
-        elapsed_s=result.elapsed_s,
+        num_prompts=end - first,
+        num_new_tokens=sum(len(o) for o in result.outputs[first:end]),
+        elapsed_s=elapsed,
         num_rounds=spec.num_drafts,
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted=spec.num_accepted_tokens,
         accepted_per_pos=spec.num_accepted_tokens_per_pos[:k],  # DecodeStats pads it to k
-        per_prompt=list(result.per_prompt or []),
+        per_prompt=list(result.per_prompt or [])[first:end],
     )

@@ -49,6 +49,7 @@ class GenerationJob(BaseModel):
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     ignore_eos: bool = False  # generate max_new_tokens whatever the target writes
+    groups: list[int] = []  # prompts per group (a suite's domains), each timed and counted apart; [] = one group
     result: str | None = None  # RESULT.json's path (`main`)
 
 
@@ -60,14 +61,25 @@ class SpecCounts(BaseModel):
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = []
 
-    def minus(self, before: SpecCounts) -> SpecCounts:
-        b = before.num_accepted_tokens_per_pos + [0] * len(self.num_accepted_tokens_per_pos)
+    def plus(self, other: SpecCounts, sign: int = 1) -> SpecCounts:
+        per_pos = zip_longest(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos, fillvalue=0)
         return SpecCounts(
-            num_drafts=self.num_drafts - before.num_drafts,
-            num_draft_tokens=self.num_draft_tokens - before.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens - before.num_accepted_tokens,
-            num_accepted_tokens_per_pos=[a - b[i] for i, a in enumerate(self.num_accepted_tokens_per_pos)],
+            num_drafts=self.num_drafts + sign * other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + sign * other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            num_accepted_tokens_per_pos=[a + sign * b for a, b in per_pos],
         )
+
+    def minus(self, before: SpecCounts) -> SpecCounts:
+        return self.plus(before, -1)
+
+
+class GroupResult(BaseModel):
+    """One group of a job's prompts, decoded by a `generate` call of its own: its wall time and counters."""
+
+    size: int
+    elapsed_s: float
+    spec: SpecCounts
 
 
 class GenerationResult(BaseModel):
@@ -78,6 +90,8 @@ class GenerationResult(BaseModel):
     outputs: list[list[int]]  # each prompt's output token ids
     spec: SpecCounts  # the counters' deltas over the timed call
     per_prompt: list[tuple[int, int]] | None = None  # [rounds, accepted draft tokens] of each prompt, where kept
+    per_step: list[list[int]] | None = None  # each prompt's accepted draft tokens at each verify step, where kept
+    groups: list[GroupResult] = []  # each of the job's groups: its own call's time and counters
 
 
 def read_spec_metrics(llm) -> SpecCounts:
@@ -116,8 +130,8 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, object], dict[str, str]
     kwargs.update(target_engine_kwargs(facts, mla=mla, multimodal=is_multimodal_wrapper(config), dtype=job.dtype))
     if job.draft:
         kwargs["speculative_config"] = vllm_speculative_config(job.draft, job.k)
-        if facts.per_request_spec_metrics:  # τ per prompt, for its interval over prompts
-            kwargs["per_request_spec_decode_metrics"] = "summary"
+        if facts.per_request_spec_metrics:  # τ per prompt (its interval), and each round (τ by segment) where kept
+            kwargs["per_request_spec_decode_metrics"] = "detailed" if facts.per_request_spec_steps else "summary"
     env = vllm_launch.engine_environment(
         cpu_workers=job.tensor_parallel_size if facts.platform == "cpu" else 1,  # one CPU group per rank
         target_env=target_engine_env(facts, mla=mla),
@@ -126,8 +140,8 @@ def engine_launch(job: GenerationJob) -> tuple[dict[str, object], dict[str, str]
 
 
 def run(job: GenerationJob) -> GenerationResult:
-    """One generation job in this process: start the engine, warm up, the timed `generate`, the counters' deltas;
-    the engine is shut down before returning."""
+    """One generation job in this process: start the engine, warm up, one timed `generate` per group, the counters'
+    deltas; the engine is shut down before returning."""
     import vllm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -142,33 +156,52 @@ def run(job: GenerationJob) -> GenerationResult:
         )
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job.prompts]
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-        before = read_spec_metrics(llm)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        after = read_spec_metrics(llm)
+        outputs, groups, start = [], [], 0
+        for size in job.groups or [len(prompts)]:
+            before = read_spec_metrics(llm)
+            began = time.perf_counter()
+            outputs += llm.generate(prompts[start : start + size], params, use_tqdm=False)
+            groups.append(
+                GroupResult(size=size, elapsed_s=time.perf_counter() - began, spec=read_spec_metrics(llm).minus(before))
+            )
+            start += size
+        spec = SpecCounts()
+        for group in groups:
+            spec = spec.plus(group.spec)
         return GenerationResult(
             vllm_version=vllm.__version__,
-            elapsed_s=elapsed,
+            elapsed_s=sum(g.elapsed_s for g in groups),
             outputs=[list(o.outputs[0].token_ids) for o in outputs],
-            spec=after.minus(before),
+            spec=spec,
             per_prompt=_per_prompt_counts(outputs),
+            per_step=_per_step_counts(outputs),
+            groups=groups,
         )
     finally:
         vllm_launch.shutdown(llm)
 
 
+def _request_metrics(outputs: list) -> list | None:
+    """Each prompt's per-request speculative-decoding metrics (`per_request_spec_decode_metrics`); None when vLLM
+    kept none (the baseline, or a vLLM without them)."""
+    metrics = [getattr(out.outputs[0], "spec_decode_metrics", None) for out in outputs]
+    return None if any(m is None for m in metrics) else metrics
+
+
 def _per_prompt_counts(outputs: list) -> list[tuple[int, int]] | None:
-    """[rounds, accepted draft tokens] of each prompt, from the per-request metrics vLLM keeps when asked
-    (`per_request_spec_decode_metrics`); None when it kept none (the baseline, or a vLLM without them)."""
-    counts = []
-    for out in outputs:
-        metrics = getattr(out.outputs[0], "spec_decode_metrics", None)
-        if metrics is None:
-            return None
-        histogram = list(metrics.histogram)
-        counts.append((sum(histogram), sum(j * n for j, n in enumerate(histogram))))
-    return counts
+    """[rounds, accepted draft tokens] of each prompt, from its acceptance histogram."""
+    metrics = _request_metrics(outputs)
+    if metrics is None:
+        return None
+    return [(sum(m.histogram), sum(j * n for j, n in enumerate(m.histogram))) for m in metrics]
+
+
+def _per_step_counts(outputs: list) -> list[list[int]] | None:
+    """Each prompt's accepted draft tokens at each verify step, in order (the `detailed` level); None without."""
+    metrics = _request_metrics(outputs)
+    if metrics is None or any(sum(m.histogram) and not m.per_step_accepted for m in metrics):
+        return None
+    return [list(m.per_step_accepted) for m in metrics]
 
 
 def main(request_file: str) -> None:

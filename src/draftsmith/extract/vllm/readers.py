@@ -39,6 +39,7 @@ WHERE = {
     "Request": ["vllm.v1.request"],
     "kv_cache_utils": ["vllm.v1.core.kv_cache_utils"],
     "EngineArgs": ["vllm.engine.arg_utils"],
+    "RequestSpecDecodeMetrics": ["vllm.v1.metrics.stats"],
     "AttentionBackendEnum": ["vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"],
     "ParallelConfig": ["vllm.config.parallel", *CONFIG],
     "LLM": ["vllm.entrypoints.llm", "vllm"],
@@ -399,10 +400,16 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     selector = tree.segment(_method(tree, platform, "get_attn_backend_cls"))
     refused = None if platform is None else "MLA is not supported on CPU" in selector
     switch = "VLLM_MLA_DISABLE" in tree.dict_keys("vllm.envs", "environment_variables")
+    per_request = None if engine_args is None else "per_request_spec_decode_metrics" in fields
+    request_metrics = _class(tree, "RequestSpecDecodeMetrics")
     reading = Reading(
         facts={
             "language_model_only": None if engine_args is None else "language_model_only" in fields,
-            "per_request_spec_metrics": (None if engine_args is None else "per_request_spec_decode_metrics" in fields),
+            "per_request_spec_metrics": per_request,
+            # each verify step's accepted count per request (its `detailed` level): rounds mapped onto the tokens
+            "per_request_spec_steps": per_request
+            and request_metrics is not None
+            and "per_step_accepted" in tree.fields(request_metrics),
             "cpu_mla_backend": cpu_mla,
             "cpu_mla_refused": refused,
             "mla_disable_switch": switch,
