@@ -293,3 +293,18 @@ def test_vllm_context_fits_the_targets_own_context():
     assert _engine_context(prompts, cfg, 2048) == 2048  # the target's whole context, no more
     with pytest.raises(DraftsmithError, match=r"prompts.jsonl: prompt 1 has 2000 tokens, no room .* context of 2000"):
         _engine_context(prompts, cfg, 2000)
+
+
+def test_engine_auto_is_vllm_where_it_decodes_the_draft_here_else_the_reference_decoder(exported, monkeypatch, capfd):
+    from pathlib import Path
+
+    from draftsmith.evaluate import stage, vllm_runner
+
+    source, cfg = load_draft(exported), EvaluateConfig(draft=exported, engine="auto")
+    monkeypatch.setattr(vllm_runner, "vllm_verdict", lambda *a, **k: vllm_runner.VllmVerdict("0.32.0", None, None))
+    assert stage._engine(cfg, source, Path("target")).engine == "vllm"
+    why = "vLLM 0.16.0 cannot run EAGLE-3 speculative decoding here: its CPU runner asserts"
+    monkeypatch.setattr(vllm_runner, "vllm_verdict", lambda *a, **k: vllm_runner.VllmVerdict("0.16.0", why, "no"))
+    assert stage._engine(cfg, source, Path("target")).engine == "hf"
+    assert f"evaluate --engine auto: reference decoder ({why})" in capfd.readouterr().err
+    assert stage._engine(cfg.model_copy(update={"engine": "vllm"}), source, Path("target")).engine == "vllm"

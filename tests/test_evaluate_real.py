@@ -60,30 +60,3 @@ def test_vllms_verify_steps_map_onto_the_reference_decoders_rounds(real):
         spec = speculative_generate(runner, drafter, torch.tensor(prompt.token_ids), 3, 32)
         assert any(a for _, a in spec.rounds) and len(spec.rounds) > 3
         assert step_rounds([a for _, a in spec.rounds]) == spec.rounds
-
-
-@pytest.mark.vllm
-def test_a_suite_runs_every_domain_in_one_vllm_engine_with_vllms_split(trained_run, tmp_path):
-    """`evaluate --prompts suite:...` through real vLLM: one engine for three domains, a row each, the whole their
-    sum, and vLLM's rounds split by segment where it keeps each request's steps."""
-    from draftsmith.config import EvaluateConfig
-    from draftsmith.evaluate.report import read_report
-    from draftsmith.extract.vllm.probe import probe
-
-    settings = dict(num_prompts=2, max_new_tokens=24, k=[3], baseline=False, dtype="float32", vllm_kv_cache_gb=1)
-    result = evaluate.run(
-        EvaluateConfig(draft=trained_run, prompts="suite:chat,code,math", engine="vllm", output=tmp_path, **settings)
-    )
-    report = read_report(tmp_path)
-    assert sorted(p.name for p in (tmp_path / "vllm").glob("*.log")) == ["k3.log"]  # one engine start
-    assert [(d.name, d.num_prompts) for d in report.domains] == [("chat", 2), ("code", 2), ("math", 2)]
-    [whole] = report.runs
-    parts = [d.runs[0] for d in report.domains]
-    assert all(p.num_rounds > 0 and p.tokens_per_s > 0 for p in parts) and whole.num_accepted > 0
-    assert whole.num_rounds == sum(p.num_rounds for p in parts)
-    assert whole.num_accepted == sum(p.num_accepted for p in parts)
-    assert whole.per_prompt == [c for p in parts for c in p.per_prompt]
-    assert "k=3 τ by domain" in result.summary
-    if probe().facts.per_request_spec_steps:  # SmolLM2 writes neither reasoning nor tool calls: all content
-        assert whole.by_segment is not None and whole.by_segment["content"].rounds == whole.num_rounds
-        assert whole.by_segment["content"].tau == pytest.approx(whole.tau)

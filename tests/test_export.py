@@ -74,6 +74,32 @@ def test_vllm_loads_the_vllm_files_names_into_the_modules_names(tmp_path, tiny_d
     assert {rename.map_name(name) for name in in_file} == set(tiny_draft[2])
 
 
+def test_a_draft_over_the_whole_target_vocabulary_carries_no_vocabulary_maps(tmp_path, tiny_target_dir):
+    """With the target's whole vocabulary d2t and t2d are the identity: not saved (vLLM's Eagle-3 model then has no
+    draft_id_to_target_id and refuses a d2t in the weights), read back as the identity; an older draft that saved them
+    reads back the same."""
+    from safetensors.torch import save_file
+
+    vocab = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    draft, spec = make_draft(tiny_target_dir, draft_vocab_size=vocab)
+    assert spec.draft_vocab_size == spec.vocab_size and torch.equal(draft.draft_to_target, torch.arange(vocab))
+    tensors = draft_tensors(draft.state_dict())
+    assert "d2t" not in tensors and "t2d" not in tensors and bool(draft.t2d.all())
+    identity = targets.target_identity(tiny_target_dir)
+    out = tmp_path / "whole"
+    export.write_export(out, tensors, spec, "vllm", target=identity, verifier_architectures=["LlamaForCausalLM"])
+    assert not {"d2t", "t2d"} & set(load_file(str(out / "model.safetensors")))
+    source = load_draft(out)
+    assert torch.equal(source.tensors["lm_head.weight"], tensors["lm_head.weight"].to(torch.bfloat16))
+    older = {**load_file(str(out / "model.safetensors")), "d2t": torch.zeros(vocab, dtype=torch.int64)}
+    older["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    save_file(older, str(out / "model.safetensors"), metadata={"format": "pt"})
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"] = {}  # as hand-copied: no checksum to hold it to
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert set(load_draft(out).tensors) == set(source.tensors)
+
+
 def test_vllm_format(tmp_path, tiny_draft):
     out = write(tmp_path, tiny_draft, "vllm")
     config = json.loads((out / "config.json").read_text())

@@ -143,6 +143,7 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
         "eval/report.json",
         "eval/report.md",
         "eval/acceptance_per_position.png",
+        "eval/tau_by_domain.png",
         "quickstart.json",
         "config.yaml",
     ):
@@ -151,6 +152,10 @@ def test_tiny_quickstart_end_to_end_and_resume(tiny_run):
     assert result.result == report  # the quickstart returns its evaluation's report
     taus = {r.k: r.tau for r in report.runs}
     assert set(taus) == {1, 3} and taus[3] > 1.0
+    assert [(d.name, d.num_prompts) for d in report.domains] == [("chat", 1), ("code", 1), ("math", 1), ("agentic", 1)]
+    assert (
+        result.summary["τ by domain (k=3)"].startswith("chat ") and ", agentic " in result.summary["τ by domain (k=3)"]
+    )
     served, gpu_only = result.commands.values()
     assert served.endswith(f"draftsmith serve {out / 'export'}") and gpu_only.startswith("vllm serve")
     state = json.loads((out / "quickstart.json").read_text())
@@ -181,6 +186,7 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
 
     from draftsmith.evaluate import gate
     from draftsmith.evaluate import run as evaluate
+    from draftsmith.extract.vllm.probe import probe
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in the worker process: most of a start on a CPU
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -189,8 +195,8 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
     assert gated.gate and gated.dtype == "auto"
 
     def gate_of(draft, name):
-        update = {"draft": draft, "output": tmp_path / name, "baseline": False, "k": [3], "num_prompts": 4}
-        return gated.model_copy(update=update)  # four of its prompts, not one: ~80 rounds to compare
+        update = {"draft": draft, "output": tmp_path / name, "baseline": False, "k": [3], "num_prompts": 1}
+        return gated.model_copy(update=update)  # one prompt of each of the suite's four domains: ~80 rounds
 
     result = evaluate(gate_of(cfg.output / "export", "gate"))
     report = read_report(tmp_path / "gate" / "report.json")
@@ -199,6 +205,16 @@ def test_quickstart_export_passes_its_gate_in_vllm_and_its_drifted_copy_fails(ti
     assert report.gate.passed and result.result.engine == "vllm" and report.runs[0].num_rounds > 40
     assert result.result.gate is not None and result.result.gate.checks[0].k == 3
     assert result.result.gate.checks[0].verdict.startswith("gate passed: vLLM 0.")
+    # the quickstart's suite: every domain decoded in one vLLM engine, a row each, the whole their sum
+    assert sorted(p.name for p in (tmp_path / "gate" / "vllm").glob("*.log")) == ["k3.log"]
+    assert [(d.name, d.num_prompts) for d in report.domains] == [("chat", 1), ("code", 1), ("math", 1), ("agentic", 1)]
+    whole, parts = report.runs[0], [d.runs[0] for d in report.domains]
+    assert all(p.num_rounds > 0 and p.tokens_per_s > 0 for p in parts) and whole.num_accepted > 0
+    assert whole.num_rounds == sum(p.num_rounds for p in parts)
+    assert whole.num_accepted == sum(p.num_accepted for p in parts)
+    assert whole.per_prompt == [c for p in parts for c in p.per_prompt]
+    if probe().facts.per_request_spec_steps:  # vLLM's rounds by segment; SmolLM2 writes neither reasoning nor calls
+        assert whole.by_segment is not None and whole.by_segment["content"].rounds == whole.num_rounds
     drifted = alter(cfg.output / "export", tmp_path / "drifted", shift_layer)
     with pytest.raises(
         gate.GateFailed, match="^gate failed: config.json changed since export: eagle_aux_hidden_st"

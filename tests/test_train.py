@@ -488,3 +488,45 @@ def test_draft_vocabulary_is_counted_on_the_training_split_only(sharp_target_dir
     in_vocab = set((torch.arange(64) + tensors["d2t"]).tolist())
     assert not in_vocab & set(range(300, 310))
     assert set(range(4, 60)) <= in_vocab  # the training split's tokens
+
+
+def test_probes_log_real_acceptance_and_the_last_equals_evaluate_of_the_final_draft(prepared_dir, tmp_path):
+    """train --probe-every: the current draft decoded in a real engine (the reference decoder here) at every probe
+    and at the end, logged beside the held-out evaluation; the last probe is `evaluate` of the final checkpoint."""
+    from draftsmith import evaluate
+    from draftsmith.config import EvaluateConfig
+
+    out = tmp_path / "run"
+    probing = dict(probe_every=3, probe_engine="hf", probe_num_prompts=3, probe_max_new_tokens=12)
+    trainer.run(_cfg(prepared_dir, out, max_steps=4, lr=1e-2, **probing))
+    probes = [m for m in _metrics(out) if m["type"] == "probe"]
+    assert [p["step"] for p in probes] == [3, 4]
+    for p in probes:
+        assert p["engine"] == "hf" and p["prompts"] == f"{prepared_dir} (3)" and p["k"] == 3
+        assert len(p["acc"]) == 3 and p["seconds"] > 0
+        assert (out / "probe" / f"step-{p['step']}" / "report.json").is_file()
+    assert probes[0]["acceptance_length"] != probes[1]["acceptance_length"]  # the draft changed between them
+    final = evaluate.run(
+        EvaluateConfig(
+            draft=artefact.latest_checkpoint(out),
+            prompts="held-out",
+            num_prompts=3,
+            max_new_tokens=12,
+            baseline=False,
+            device="cpu",
+            output=tmp_path / "eval",
+        )
+    ).result.runs[0]
+    assert final.num_rounds > 0
+    assert (final.tau, final.acceptance_per_pos) == (probes[-1]["acceptance_length"], probes[-1]["acc"])
+
+
+def test_a_probe_that_fails_is_one_line_and_training_goes_on(prepared_dir, tmp_path, capfd):
+    out = tmp_path / "run"
+    probing = dict(probe_every=2, probe_engine="hf", probe_prompts=str(tmp_path / "missing.jsonl"))
+    trainer.run(_cfg(prepared_dir, out, max_steps=2, **probing))
+    said = [line for line in capfd.readouterr().err.splitlines() if "probe" in line]
+    assert len(said) == 1 and "the probe at step 2 failed" in said[0] and "missing.jsonl" in said[0], said
+    assert "training goes on" in said[0] and str(out / "probe" / "step-2.log") in said[0]
+    assert not [m for m in _metrics(out) if m["type"] == "probe"]
+    assert artefact.latest_checkpoint(out).name.endswith("2")

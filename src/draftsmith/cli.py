@@ -56,6 +56,8 @@ PANELS = {
         "engine_tensor_parallel_size engine_data_parallel_size engine_devices vllm_strategy engine_dtype vllm_compile",
         "Distributed": "distributed num_workers device",
         "Logging and checkpoints": "output eval_every save_every keep_checkpoints log_every resume force",
+        "Probes (real acceptance while training)": "probe_every probe_prompts probe_num_prompts probe_max_new_tokens "
+        "probe_engine probe_device",
     },
     "evaluate": {
         "Draft, target and output": "draft target output engine device dtype trust_remote_code *",

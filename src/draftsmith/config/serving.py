@@ -113,7 +113,9 @@ class EvaluateConfig(StageConfig):
             "--chat-template-kwargs), e.g. '{\"thinking\": true}' for Kimi-K2.5."
         ),
     )
-    num_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the set.")
+    num_prompts: int | None = Field(
+        None, ge=1, description="Use only the first N prompts of the set (a suite: of each)."
+    )
     eval_fraction: float | None = Field(
         None,
         ge=0.0,
@@ -216,7 +218,11 @@ class QuickstartConfig(StageConfig):
             "too: a parallel round's first proposals do not depend on k)."
         ),
     )
-    num_prompts: int | None = Field(None, ge=1, description="MT-bench prompts to evaluate; default per budget.")
+    num_prompts: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts of each domain to evaluate (chat, code, math, agentic: the suite); default per budget.",
+    )
     max_new_tokens: int | None = Field(None, ge=1, description="Tokens generated per prompt; default per budget.")
     device: str = Field("auto", description="auto, cpu, cuda ...")
     online: bool = Field(

@@ -72,6 +72,27 @@ class TrainConfig(StageConfig):
         ),
     )
     eval_every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
+    probe_every: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Every N optimizer steps (and at the end) decode a few prompts with the current draft in a real engine "
+            "(`draftsmith evaluate` in a child process) and log its τ and acceptance per position beside the held-out "
+            "accuracy (metrics.jsonl, TensorBoard); training waits for it. A probe that fails is one line."
+        ),
+    )
+    probe_prompts: str = Field(
+        "held-out",
+        description="The probe's prompt set (any `evaluate --prompts`); held-out: the training data's held-out split.",
+    )
+    probe_num_prompts: int = Field(4, ge=1, description="Prompts each probe decodes.")
+    probe_max_new_tokens: int = Field(128, ge=1, description="Tokens each probe generates per prompt.")
+    probe_engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="The probe's engine: auto is vLLM where it can decode the draft here, else the reference."
+    )
+    probe_device: str | None = Field(
+        None, description="A device of the probe's own (e.g. cuda:7 beside the trainer's); default: as evaluate picks."
+    )
     save_every: int = Field(500, ge=1, description="Write a checkpoint every N optimizer steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Step checkpoints kept on disk (best/ is kept apart).")
     log_every: int = Field(10, ge=1, description="Write a metrics.jsonl line every N optimizer steps.")

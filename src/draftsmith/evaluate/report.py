@@ -292,6 +292,7 @@ def domain_chart(domains: list[DomainReport], title: str) -> bytes:
         ]
         ax.bar(xs, [r.tau for r in runs], width=width, yerr=errors, capsize=3, label=f"k={k}")
     ax.set_xticks(range(len(domains)), [f"{d.name}\n({d.prompts})" for d in domains])
+    ax.set_ylim(bottom=1.0)  # τ is at least 1: the target's own token each round
     ax.set_ylabel("τ (mean acceptance length)")
     ax.set_title(title)
     ax.legend()

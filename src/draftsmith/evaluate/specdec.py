@@ -112,6 +112,49 @@ class DecodeStats(DecodeCounts):
         }
 
 
+@dataclass
+class Measured:
+    """One engine's runs over one domain: each k's stats (0: the target alone) and outputs, the dtype it ran in, each
+    k's rounds by segment where the engine tells them (the reference decoder; vLLM with per-step counts), and what only
+    one engine tells (the reference decoder: losslessness; vLLM: its version, and why it gave no split)."""
+
+    stats: dict[int, DecodeStats]
+    outputs: dict[int, list[list[int]]]
+    dtype: str
+    by_segment: dict[int, dict[str, DecodeStats]] = field(default_factory=dict)
+    lossless: dict[str, str] | None = None
+    vllm_version: str | None = None
+    segments_note: str | None = None
+
+
+def lossless(outputs: dict[int, list[list[int]]], ks: list[int]) -> dict[str, str]:
+    """Per k, how many greedy outputs are the target alone's."""
+    same = {k: sum(a == b for a, b in zip(outputs[k], outputs[0], strict=False)) for k in ks}
+    return {f"k={k}": f"{same[k]}/{len(outputs[0])} prompts" for k in ks}
+
+
+def merged(parts: list[Measured]) -> Measured:
+    """Several domains' runs as one (a suite's whole): each k's counts added, the outputs in the domains' order."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+
+    def total(k: int, counts: list[DecodeStats]) -> DecodeStats:
+        whole = DecodeStats(k=k)
+        for c in counts:
+            whole.add(c)
+        return whole
+
+    stats = {k: total(k, [p.stats[k] for p in parts]) for k in first.stats}
+    outputs = {k: [o for p in parts for o in p.outputs[k]] for k in first.outputs}
+    by_segment = {
+        k: {name: total(k, [p.by_segment[k][name] for p in parts]) for name in segments}
+        for k, segments in first.by_segment.items()
+    }
+    same = lossless(outputs, [k for k in stats if k]) if first.lossless is not None else None
+    return Measured(stats, outputs, first.dtype, by_segment, same, first.vllm_version, first.segments_note)
+
+
 class TargetRunner:
     """A transformers causal LM with a KV cache that also returns the aux states (vLLM layer ids) it computed."""
 

@@ -11,7 +11,6 @@ import functools
 import random
 import shutil
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +46,17 @@ from draftsmith.evaluate.report import (
     speedup_line,
     write_report,
 )
-from draftsmith.evaluate.segments import Segmenter, segment_report, split_rounds, step_rounds
-from draftsmith.evaluate.specdec import DecodeStats, DraftRunner, TargetRunner, plain_generate, speculative_generate
+from draftsmith.evaluate.segments import Segmenter, segment_report, split_rounds
+from draftsmith.evaluate.specdec import (
+    DecodeStats,
+    DraftRunner,
+    Measured,
+    TargetRunner,
+    lossless,
+    merged,
+    plain_generate,
+    speculative_generate,
+)
 from draftsmith.evaluate.vllm_worker import GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice
 from draftsmith.extract.vllm.probe import probe
@@ -73,49 +81,6 @@ def build_draft_module(
 def _say(line: str) -> None:
     """One line to stderr, at once (what evaluate chose, and why)."""
     print(line, file=sys.stderr, flush=True)
-
-
-@dataclass
-class Measured:
-    """One engine's runs over one domain: each k's stats (0: the target alone) and outputs, the dtype it ran in, each
-    k's rounds by segment where the engine tells them (the reference decoder; vLLM with per-step counts), and what only
-    one engine tells (the reference decoder: losslessness; vLLM: its version, and why it gave no split)."""
-
-    stats: dict[int, DecodeStats]
-    outputs: dict[int, list[list[int]]]
-    dtype: str
-    by_segment: dict[int, dict[str, DecodeStats]] = field(default_factory=dict)
-    lossless: dict[str, str] | None = None
-    vllm_version: str | None = None
-    segments_note: str | None = None
-
-
-def _lossless(outputs: dict[int, list[list[int]]], ks: list[int]) -> dict[str, str]:
-    """Per k, how many greedy outputs are the target alone's."""
-    same = {k: sum(a == b for a, b in zip(outputs[k], outputs[0], strict=False)) for k in ks}
-    return {f"k={k}": f"{same[k]}/{len(outputs[0])} prompts" for k in ks}
-
-
-def merged(parts: list[Measured]) -> Measured:
-    """Several domains' runs as one (a suite's whole): each k's counts added, the outputs in the domains' order."""
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-
-    def total(k: int, counts: list[DecodeStats]) -> DecodeStats:
-        whole = DecodeStats(k=k)
-        for c in counts:
-            whole.add(c)
-        return whole
-
-    stats = {k: total(k, [p.stats[k] for p in parts]) for k in first.stats}
-    outputs = {k: [o for p in parts for o in p.outputs[k]] for k in first.outputs}
-    by_segment = {
-        k: {name: total(k, [p.by_segment[k][name] for p in parts]) for name in segments}
-        for k, segments in first.by_segment.items()
-    }
-    lossless = _lossless(outputs, [k for k in stats if k]) if first.lossless is not None else None
-    return Measured(stats, outputs, first.dtype, by_segment, lossless, first.vllm_version, first.segments_note)
 
 
 def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluation, as EvaluateConfig names them
@@ -171,7 +136,7 @@ def evaluate_reference(  # noqa: PLR0913 - the decoding settings of one evaluati
             if segments is not None:
                 result.by_segment[k] = segments
     if baseline and temperature == 0:
-        result.lossless = _lossless(result.outputs, ks)
+        result.lossless = lossless(result.outputs, ks)
     return result
 
 
@@ -261,17 +226,6 @@ def _reference_run(
     return parts
 
 
-def _served_segments(
-    tokenizer: Any, prompts: list[Prompt], outputs: list[list[int]], steps: list[list[int]], k: int
-) -> dict[str, DecodeStats]:
-    """vLLM's rounds by segment: each request's verify steps mapped onto its generated tokens (segments.step_rounds)."""
-    segmenter, segments = Segmenter(tokenizer), None
-    for prompt, out, accepted in zip(prompts, outputs, steps, strict=True):
-        segments = split_rounds(segmenter.labels(prompt.token_ids, out), step_rounds(accepted), k, segments)
-    assert segments is not None  # a domain has prompts
-    return segments
-
-
 def _vllm_run(  # noqa: PLR0913 - one evaluation's settings and where it writes
     cfg: EvaluateConfig,
     source: DraftSource,
@@ -323,31 +277,7 @@ def _vllm_run(  # noqa: PLR0913 - one evaluation's settings and where it writes
 
     for k in ([0] if cfg.baseline else []) + list(cfg.k):
         results[k] = decode(draft_dir if k else None, k, f"k{k}" if k else "baseline")
-    return [_served_domain(results, i, domain, tokenizer, dtype) for i, domain in enumerate(domains)]
-
-
-def _served_domain(
-    results: dict[int, GenerationResult], i: int, domain: Domain, tokenizer: Any, dtype: str
-) -> Measured:
-    """Domain `i` of vLLM's runs (each k's result holds every domain, in order)."""
-    first = sum(g.size for g in next(iter(results.values())).groups[:i])
-    end = first + len(domain.prompts)
-    measured = Measured({}, {}, dtype)
-    for k, res in results.items():
-        measured.stats[k] = vllm_runner.stats_from_vllm(res, k, group=i)
-        measured.vllm_version = res.vllm_version
-        if not k:
-            continue
-        measured.outputs[k] = res.outputs[first:end]
-        if res.per_step is not None:
-            steps = res.per_step[first:end]
-            measured.by_segment[k] = _served_segments(tokenizer, domain.prompts, measured.outputs[k], steps, k)
-        else:
-            measured.segments_note = (
-                f"vLLM {res.vllm_version} keeps no per-request verify steps (the probe's per-step spec metrics): "
-                "its rounds are not split by segment"
-            )
-    return measured
+    return [vllm_runner.served_domain(results, i, d.prompts, tokenizer, dtype) for i, d in enumerate(domains)]
 
 
 def _gate(cfg: EvaluateConfig, source: DraftSource, served: Measured, reference: Measured) -> GateReport:

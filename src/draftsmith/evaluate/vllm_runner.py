@@ -15,11 +15,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from draftsmith.core import processes, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import read_config
-from draftsmith.evaluate.specdec import DecodeStats
+from draftsmith.evaluate.prompts import Prompt
+from draftsmith.evaluate.segments import Segmenter, split_rounds, step_rounds
+from draftsmith.evaluate.specdec import DecodeStats, Measured
 from draftsmith.evaluate.vllm_worker import GenerationJob, GenerationResult
 from draftsmith.extract.vllm.dtypes import DtypeChoice, choose_dtype, dtype_refusal
 from draftsmith.extract.vllm.probe import EAGLE3_ROW, EAGLE3_SINCE, ProbeReport, probe
@@ -227,3 +230,39 @@ def stats_from_vllm(result: GenerationResult, k: int, group: int | None = None) 
         accepted_per_pos=spec.num_accepted_tokens_per_pos[:k],  # DecodeStats pads it to k
         per_prompt=list(result.per_prompt or [])[first:end],
     )
+
+
+def _served_segments(
+    tokenizer: Any, prompts: list[Prompt], outputs: list[list[int]], steps: list[list[int]], k: int
+) -> dict[str, DecodeStats]:
+    """vLLM's rounds by segment: each request's verify steps mapped onto its generated tokens (segments.step_rounds)."""
+    segmenter, segments = Segmenter(tokenizer), None
+    for prompt, out, accepted in zip(prompts, outputs, steps, strict=True):
+        segments = split_rounds(segmenter.labels(prompt.token_ids, out), step_rounds(accepted), k, segments)
+    assert segments is not None  # a domain has prompts
+    return segments
+
+
+def served_domain(
+    results: dict[int, GenerationResult], i: int, prompts: list[Prompt], tokenizer: Any, dtype: str
+) -> Measured:
+    """Domain `i` (its `prompts`) of vLLM's runs, each k's result holding every domain in order: its stats, outputs
+    and, where vLLM kept each request's verify steps, its rounds by segment."""
+    first = sum(g.size for g in next(iter(results.values())).groups[:i])
+    end = first + len(prompts)
+    measured = Measured({}, {}, dtype)
+    for k, res in results.items():
+        measured.stats[k] = stats_from_vllm(res, k, group=i)
+        measured.vllm_version = res.vllm_version
+        if not k:
+            continue
+        measured.outputs[k] = res.outputs[first:end]
+        if res.per_step is not None:
+            steps = res.per_step[first:end]
+            measured.by_segment[k] = _served_segments(tokenizer, prompts, measured.outputs[k], steps, k)
+        else:
+            measured.segments_note = (
+                f"vLLM {res.vllm_version} keeps no per-request verify steps (the probe's per-step spec metrics): "
+                "its rounds are not split by segment"
+            )
+    return measured

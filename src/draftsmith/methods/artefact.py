@@ -187,12 +187,19 @@ def resolve(path: Path) -> Path:
 
 def read_weights(directory: Path, manifest: DraftManifest, verify: bool = True) -> dict[str, torch.Tensor]:
     """The tensors of a draft directory's model.safetensors (checksum checked against its manifest), as written;
-    an embedding that older checkpoints carry is dropped (it is the target's)."""
+    an embedding that older checkpoints carry is dropped (it is the target's), and so are the identity vocabulary
+    maps older drafts over the target's whole vocabulary carry (d2t, t2d: the module no longer saves them)."""
     file = _checked_file(Path(directory), WEIGHTS_FILE, manifest, verify)
     try:
-        return draft_tensors(load_file(str(file)))
+        tensors = draft_tensors(load_file(str(file)))
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for damaged files
         raise DraftsmithError(f"{file}: cannot read ({err}); the {manifest.kind} is damaged") from None
+    if manifest.draft.draft_vocab_size == manifest.draft.vocab_size and not bool(
+        tensors.get("d2t", torch.zeros(1)).any()
+    ):
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
+    return tensors
 
 
 def load_checkpoint(path: Path, verify: bool = True) -> tuple[dict[str, torch.Tensor], CheckpointManifest]:

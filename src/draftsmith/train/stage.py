@@ -24,7 +24,7 @@ from draftsmith.core import hostmem
 from draftsmith.core import threads as openmp
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.methods import artefact
-from draftsmith.train import checkpoint, distributed
+from draftsmith.train import checkpoint, distributed, probe
 from draftsmith.train.batches import Batch
 from draftsmith.train.metrics import METRICS_FILE, SAMPLES_FILE, MetricsSink, Progress, StepStats
 from draftsmith.train.objective import TargetHead, TTTResult, summarise
@@ -49,7 +49,7 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
     ledger = MetricsSink(out / SAMPLES_FILE, info.is_main, state.step if r.resumed_from else -1, tensorboard=False)
     stats, progress = StepStats(cfg.method.depths, info.device), Progress(r.total_steps, info.is_main)
     completed = False
-    last_saved, last_train = str(r.resumed_from) if r.resumed_from else None, {}
+    last_saved, last_train, probed = str(r.resumed_from) if r.resumed_from else None, {}, -1
     t0, tokens_at_start = time.perf_counter(), state.tokens
     steps = r.data.steps(state.epoch, state.position, r.epochs)
     model.train()
@@ -87,10 +87,12 @@ def train(cfg: TrainConfig, info: distributed.DistInfo) -> StageResult:
                 evaluate(r, sink, micro[0].epoch)
             if save_now:
                 last_saved = save(r, last_saved)
+            probed = probe_draft(r, sink, probed, last=False)
         if stats.pending:
             state.tokens += stats.reduce(info, last_saved)[1]
         evaluate(r, sink, state.epoch)  # no-op when this step was just evaluated
         last_saved = save(r, last_saved)
+        probe_draft(r, sink, probed, last=True)
         completed = True
     finally:
         steps.close()  # the DataLoader's workers stop
@@ -215,6 +217,31 @@ def evaluate(r: Run, sink: MetricsSink, epoch: int) -> dict:
     return state.last_eval
 
 
+def _manifest(r: Run) -> artefact.CheckpointManifest:
+    """The checkpoint manifest of the draft as it is now."""
+    state = r.state
+    return artefact.CheckpointManifest(
+        **r.manifest,
+        step=state.step,
+        epoch=state.epoch,
+        tokens=state.tokens,
+        metrics=state.last_eval,
+        best_acceptance_length=state.best,
+    )
+
+
+def probe_draft(r: Run, sink: MetricsSink, probed: int, last: bool) -> int:
+    """A probe of the draft as it is now where one is due and this step was not probed yet (train/probe.py): every
+    rank gathers its weights (FSDP2), rank 0 decodes while the others wait at the next collective. Returns the last
+    step probed."""
+    if not probe.due(r.cfg, r.state.step, last) or probed == r.state.step:
+        return probed
+    weights = distributed.full_model_state(r.model, r.info)
+    if r.info.is_main:
+        probe.run(r.cfg, _manifest(r), weights, sink)
+    return r.state.step
+
+
 def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
     """A step checkpoint (or best/). Every rank gathers (FSDP2); rank 0 writes; a failed write stops every rank
     with rank 0's message. Returns the last step checkpoint's path (best/ leaves it as it was)."""
@@ -223,14 +250,7 @@ def save(r: Run, last_saved: str | None, best: bool = False) -> str | None:
     opt_state = None if best else distributed.full_optimizer_state(r.model, r.optimizer, info)
     error = None
     if info.is_main:
-        manifest = artefact.CheckpointManifest(
-            **r.manifest,
-            step=state.step,
-            epoch=state.epoch,
-            tokens=state.tokens,
-            metrics=state.last_eval,
-            best_acceptance_length=state.best,
-        )
+        manifest = _manifest(r)
         training = None if opt_state is None else checkpoint.training_state(state, opt_state, r.sampler_seed)
         try:
             checkpoint.save_checkpoint(r.cfg.output, manifest, weights, training, r.cfg.keep_checkpoints, best)

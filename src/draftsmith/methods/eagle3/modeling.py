@@ -110,9 +110,12 @@ class Eagle3Draft(DraftModule):
         self.rotary = RotaryEmbedding(spec)
         if spec.mask_token_id is not None:  # P-EAGLE: the aux features every parallel slot reads (vLLM's mask_hidden)
             self.mask_hidden = nn.Parameter(torch.zeros(1, len(spec.aux_layer_ids) * spec.target_hidden_size))
-        # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary.
-        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
+        # d2t[i] = target_id(i) - i (what vLLM reads); t2d: which target ids are in the draft vocabulary. Over the
+        # target's whole vocabulary both are the identity and not saved: vLLM's Eagle-3 model then has no d2t and
+        # refuses one in the weights.
+        whole = spec.draft_vocab_size == spec.vocab_size
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64), persistent=not whole)
+        self.register_buffer("t2d", torch.full((spec.vocab_size,), whole, dtype=torch.bool), persistent=not whole)
 
     @classmethod
     def from_target(
