@@ -401,15 +401,12 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     refused = None if platform is None else "MLA is not supported on CPU" in selector
     switch = "VLLM_MLA_DISABLE" in tree.dict_keys("vllm.envs", "environment_variables")
     per_request = None if engine_args is None else "per_request_spec_decode_metrics" in fields
-    request_metrics = _class(tree, "RequestSpecDecodeMetrics")
+    steps = _class(tree, "RequestSpecDecodeMetrics")  # its `detailed` level: each verify step's accepted tokens
     reading = Reading(
         facts={
             "language_model_only": None if engine_args is None else "language_model_only" in fields,
             "per_request_spec_metrics": per_request,
-            # each verify step's accepted count per request (its `detailed` level): rounds mapped onto the tokens
-            "per_request_spec_steps": per_request
-            and request_metrics is not None
-            and "per_step_accepted" in tree.fields(request_metrics),
+            "per_request_spec_steps": per_request and steps is not None and "per_step_accepted" in tree.fields(steps),
             "cpu_mla_backend": cpu_mla,
             "cpu_mla_refused": refused,
             "mla_disable_switch": switch,
@@ -420,21 +417,14 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
             dict.fromkeys(("language_model_only", "per_request_spec_metrics"), _not_found("EngineArgs"))
         )
     only = reading.facts["language_model_only"]
-    reading.rows.append(
-        _row(
-            "multimodal wrapper: language_model_only",
-            "yes (EngineArgs.language_model_only)"
-            if only
-            else "no"
-            if only is False
-            else f"unknown: {_not_found('EngineArgs')}",
-            None,
-            "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
-            if only
-            else "a multimodal wrapper's towers are loaded too",
-            unknown=only is None,
-        )
+    unknown = "unknown: " + _not_found("EngineArgs")
+    found = "yes (EngineArgs.language_model_only)" if only else "no" if only is False else unknown
+    meaning = (
+        "a target whose language model sits in a multimodal wrapper (Kimi-K2.5) starts without its vision tower"
+        if only
+        else "a multimodal wrapper's towers are loaded too"
     )
+    reading.rows.append(_row("multimodal wrapper: language_model_only", found, None, meaning, unknown=only is None))
     if cpu_mla:
         found, meaning = (
             f"{cpu_mla} backend, set with EngineArgs.attention_backend",
