@@ -49,7 +49,9 @@ def main() -> None:
         lines = [json.loads(x) for x in (Path(tmp) / "probed" / "metrics.jsonl").read_text().splitlines()]
     probes = [x for x in lines if x["type"] == "probe"]
     for p in probes:
-        print(f"step {p['step']:>5}: τ {p['acceptance_length']:.3f} ({p['engine']}, {p['prompts']}) in {p['seconds']} s")
+        print(
+            f"step {p['step']:>5}: τ {p['acceptance_length']:.3f} ({p['engine']}, {p['prompts']}) in {p['seconds']} s"
+        )
     per_probe = (probed - plain) / max(len(probes), 1)
     print(f"train alone {plain:.1f} s, with {len(probes)} probes {probed:.1f} s: {per_probe:.1f} s a probe")
     result = {
