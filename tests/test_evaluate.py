@@ -15,6 +15,7 @@ from draftsmith.core import targets
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.evaluate.prompts import load_prompts
 from draftsmith.evaluate.report import ACCEPTANCE_PNG, REPORT_JSON, REPORT_MD, TAU_PNG, read_report
+from draftsmith.evaluate.segments import SEGMENTS, Segmenter
 from draftsmith.methods.artefact import load_draft
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -308,3 +309,41 @@ def test_engine_auto_is_vllm_where_it_decodes_the_draft_here_else_the_reference_
     assert stage._engine(cfg, source, Path("target")).engine == "hf"
     assert f"evaluate --engine auto: reference decoder ({why})" in capfd.readouterr().err
     assert stage._engine(cfg.model_copy(update={"engine": "vllm"}), source, Path("target")).engine == "vllm"
+
+
+def test_vllms_domains_and_their_split_are_read_from_one_engines_result(tiny_target_dir):
+    """A worker result holding two domains (each its own `generate`): each domain's counters, outputs and per-prompt
+    counts; its rounds by segment from the verify steps where vLLM kept them, else the one line that says it did not."""
+    from draftsmith.evaluate import vllm_runner
+    from draftsmith.evaluate.prompts import Prompt
+    from draftsmith.evaluate.vllm_worker import GenerationResult, GroupResult, SpecCounts
+
+    tokenizer = targets.load_tokenizer(tiny_target_dir)
+    think = tokenizer("<think>a b</think> c d e f", add_special_tokens=False)["input_ids"]
+    prompts = [Prompt("a", [5, 6]), Prompt("b", [7]), Prompt("c", [8, 9])]
+    groups = [
+        GroupResult(size=1, elapsed_s=2.0, spec=SpecCounts(num_drafts=3, num_accepted_tokens=2)),
+        GroupResult(size=2, elapsed_s=4.0, spec=SpecCounts(num_drafts=5, num_accepted_tokens=4)),
+    ]
+    outputs = [think, [11, 12, 13], [14, 15]]
+    result = GenerationResult(
+        elapsed_s=6.0,
+        outputs=outputs,
+        spec=SpecCounts(num_drafts=8, num_accepted_tokens=6),
+        per_prompt=[(3, 2), (3, 3), (2, 1)],
+        per_step=[[1, 0, 1], [1, 1, 1], [1, 0]],
+        groups=groups,
+    )
+    first, second = (
+        vllm_runner.served_domain({2: result}, i, p, tokenizer, "float32")
+        for i, p in enumerate([prompts[:1], prompts[1:]])
+    )
+    assert (second.stats[2].num_rounds, second.stats[2].num_accepted, second.stats[2].elapsed_s) == (5, 4, 4.0)
+    assert second.outputs[2] == outputs[1:] and second.stats[2].per_prompt == [(3, 3), (2, 1)]
+    assert second.stats[2].num_new_tokens == 5 and first.stats[2].num_new_tokens == len(think)
+    labels = Segmenter(tokenizer).labels(prompts[0].token_ids, think)
+    expected = {name: sum(1 for start, _ in [(1, 1), (3, 0), (4, 1)] if labels[start] == name) for name in SEGMENTS}
+    assert {n: c.num_rounds for n, c in first.by_segment[2].items()} == expected and expected["reasoning"] > 0
+    none = result.model_copy(update={"per_step": None})
+    alone = vllm_runner.served_domain({2: none}, 0, prompts[:1], tokenizer, "float32")
+    assert alone.by_segment == {} and "keeps no per-request verify steps" in (alone.segments_note or "")

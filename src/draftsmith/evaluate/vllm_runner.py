@@ -213,12 +213,8 @@ def stats_from_vllm(result: GenerationResult, k: int, group: int | None = None) 
     tokens and time from the timed call."""
     spec, elapsed, first, end = result.spec, result.elapsed_s, 0, len(result.outputs)
     if group is not None:
-        first = sum(g.size for g in result.groups[:group])
-        spec, elapsed, end = (
-            result.groups[group].spec,
-            result.groups[group].elapsed_s,
-            first + result.groups[group].size,
-        )
+        one, first = result.groups[group], sum(g.size for g in result.groups[:group])
+        spec, elapsed, end = one.spec, one.elapsed_s, first + one.size
     return DecodeStats(
         k=k,
         num_prompts=end - first,
