@@ -212,6 +212,7 @@ def _target_alone(spec_request: Path, kv_cache_gb: int, timeout_s: int) -> Gener
             name="baseline",
             max_num_seqs=spec.max_num_seqs,
             tensor_parallel_size=spec.tensor_parallel_size,
+            groups=spec.groups,
         )
         ran = GenerationJob.model_validate_json((workdir / "baseline.request.json").read_text())
         assert ran.model_copy(update={"result": None}) == alone, (ran, alone)  # the draft's job, less the draft
