@@ -203,7 +203,7 @@ def _reference_run(
     )
     target_model = targets.load_target(target_path, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
     draft = build_draft_module(source, target_model, device, dtype)
-    parts = []
+    parts, eos_ids, segmenter = [], targets.eos_ids(tokenizer, target_path), Segmenter(tokenizer)
     for i, domain in enumerate(domains):
         measured = evaluate_reference(
             target_model,
@@ -214,11 +214,11 @@ def _reference_run(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             seed=cfg.seed,
-            eos_ids=targets.eos_ids(tokenizer, target_path),
+            eos_ids=eos_ids,
             baseline=cfg.baseline,
             device=device,
             show_progress=True,
-            segmenter=Segmenter(tokenizer),
+            segmenter=segmenter,
             paths=along[i].outputs if along else None,
         )
         measured.dtype = str(dtype).removeprefix("torch.")  # the dtype the target was loaded in

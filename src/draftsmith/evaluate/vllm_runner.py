@@ -211,20 +211,19 @@ def run_vllm(  # noqa: PLR0913 - GenerationJob's fields, as the worker's request
 def stats_from_vllm(result: GenerationResult, k: int, group: int | None = None) -> DecodeStats:
     """DecodeStats from a worker result (the whole job's, or one of its groups'): acceptance from vLLM's counters,
     tokens and time from the timed call."""
-    spec, elapsed, first, end = result.spec, result.elapsed_s, 0, len(result.outputs)
+    spec, elapsed, span = result.spec, result.elapsed_s, slice(0, len(result.outputs))
     if group is not None:
-        one, first = result.groups[group], sum(g.size for g in result.groups[:group])
-        spec, elapsed, end = one.spec, one.elapsed_s, first + one.size
+        spec, elapsed, span = result.groups[group].spec, result.groups[group].elapsed_s, result.span(group)
     return DecodeStats(
         k=k,
-        num_prompts=end - first,
-        num_new_tokens=sum(len(o) for o in result.outputs[first:end]),
+        num_prompts=len(result.outputs[span]),
+        num_new_tokens=sum(len(o) for o in result.outputs[span]),
         elapsed_s=elapsed,
         num_rounds=spec.num_drafts,
         num_draft_tokens=spec.num_draft_tokens,
         num_accepted=spec.num_accepted_tokens,
         accepted_per_pos=spec.num_accepted_tokens_per_pos[:k],  # DecodeStats pads it to k
-        per_prompt=list(result.per_prompt or [])[first:end],
+        per_prompt=list(result.per_prompt or [])[span],
     )
 
 
@@ -244,17 +243,15 @@ def served_domain(
 ) -> Measured:
     """Domain `i` (its `prompts`) of vLLM's runs, each k's result holding every domain in order: its stats, outputs
     and, where vLLM kept each request's verify steps, its rounds by segment."""
-    first = sum(g.size for g in next(iter(results.values())).groups[:i])
-    end = first + len(prompts)
     measured = Measured({}, {}, dtype)
     for k, res in results.items():
         measured.stats[k] = stats_from_vllm(res, k, group=i)
         measured.vllm_version = res.vllm_version
         if not k:
             continue
-        measured.outputs[k] = res.outputs[first:end]
+        measured.outputs[k] = res.outputs[res.span(i)]
         if res.per_step is not None:
-            steps = res.per_step[first:end]
+            steps = res.per_step[res.span(i)]
             measured.by_segment[k] = _served_segments(tokenizer, prompts, measured.outputs[k], steps, k)
         else:
             measured.segments_note = (

@@ -93,6 +93,11 @@ class GenerationResult(BaseModel):
     per_step: list[list[int]] | None = None  # each prompt's accepted draft tokens at each verify step, where kept
     groups: list[GroupResult] = []  # each of the job's groups: its own call's time and counters
 
+    def span(self, group: int) -> slice:
+        """Where group `group`'s prompts sit in `outputs`, `per_prompt` and `per_step`."""
+        first = sum(g.size for g in self.groups[:group])
+        return slice(first, first + self.groups[group].size)
+
 
 def read_spec_metrics(llm) -> SpecCounts:
     """Sum the counters `vllm:spec_decode_<field>` (over engines / label sets); per-position counts as a list."""
