@@ -67,7 +67,9 @@ def draftsmith(
     env = {**os.environ, **ENV}
     if log is not None:
         with open(log, "a") as err:
-            return subprocess.Popen(cmd, env=env, stdout=err, stderr=err, cwd=cwd)
+            proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err, cwd=cwd)
+        proc.log = log  # what wait_for shows when the process ends early
+        return proc
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=cwd)
     if check:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -128,7 +130,9 @@ def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 300.
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
-            raise AssertionError(f"the trainer ended before {what} (exit code {proc.returncode})")
+            log = getattr(proc, "log", None)
+            tail = log.read_text()[-3000:] if log is not None and log.is_file() else ""
+            raise AssertionError(f"the trainer ended before {what} (exit code {proc.returncode}):\n{tail}")
         if time.monotonic() > deadline:
             proc.kill()  # its engine process follows it
             proc.wait()

@@ -39,6 +39,7 @@ from draftsmith.extract.spool import (
     wait_for_space,
 )
 from draftsmith.extract.store.shards import shard_name
+from draftsmith.train import engine_supervisor
 from draftsmith.train.batches import TokenBudgetSampler
 from draftsmith.train.engine_source import plan_chunks
 
@@ -584,6 +585,36 @@ def test_plan_job_and_status_round_trip(tmp_path):
     )
     spool.write_job(job)
     assert spool.read_job() == job and spool.read_job().extract.prepared == tmp_path / "prepared"
+
+
+def test_the_stall_limit_runs_from_an_engine_process_first_report_its_imports_are_no_stall(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_supervisor, "FIRST_REPORT_S", 1.0)
+    spool = Spool(tmp_path / "spool")
+    spool.create()
+    spool.write_job(FeedJob(extract=ExtractConfig(prepared=tmp_path / "prepared", backend="vllm"), bound=5_000))
+    cfg = _cfg(remote_engines=True, stall_timeout_s=0.2)
+    supervisor = engine_supervisor.EngineSupervisor(cfg, spool, [], set(), [1, 2], 5_000, None, None, None)
+    chunk = Setup().plan()[0]
+    spool.write_status(FeedStatus(waiting="start"))  # the trainer's, before any engine process reported
+    supervisor.poll(chunk)
+    time.sleep(0.5)  # past the stall limit, inside the first report's
+    assert supervisor.poll(chunk) is engine_supervisor.Event.QUIET
+    spool.write_status(FeedStatus(pid=5, host="node", waiting="space"))  # its first report
+    assert supervisor.poll(chunk) is engine_supervisor.Event.PROGRESS
+    (spool.path / "status.json").unlink()  # a stopped engine's report gone with it (its Mooncake keys): it did report
+    supervisor.poll(chunk)
+    time.sleep(0.3)  # past the stall limit with no report
+    with pytest.raises(
+        DraftsmithError, match=r"pid 5 on node\) has made no progress for 0.2 s \(last waiting for space"
+    ):
+        supervisor.poll(chunk)
+    # a process that never reports is named once the first report's limit is over
+    spool.write_status(FeedStatus(waiting="start"))
+    fresh = engine_supervisor.EngineSupervisor(cfg, spool, [], set(), [1, 2], 5_000, None, None, None)
+    fresh.poll(chunk)
+    time.sleep(1.1)
+    with pytest.raises(DraftsmithError, match=r"the engine process has made no progress for 1 s \(with no report yet"):
+        fresh.poll(chunk)
 
 
 def test_fetch_copies_a_ready_chunk_out_and_the_copy_outlives_the_spools(tmp_path):

@@ -7,7 +7,8 @@ plan generation, starts the engine process on this node (with --remote-engines a
     process   restarted when it dies without the chunk, up to ENGINE_RESTARTS times; an error it reports before vLLM
               started, or a fatal one (a full disk), ends the run at once: the same would happen again
     plan      a plan the engine finished without the chunk the trainer waits for (lost): asked for again
-    progress  no report for --stall-timeout-s ends the run in one line naming the process and its log
+    progress  no report for --stall-timeout-s ends the run in one line naming the process and its log (before a
+              process's first report, at least FIRST_REPORT_S: importing vLLM is no stall)
 
 Each poll says what it saw (`Event`); what ends the run is raised as one DraftsmithError. Constructing a supervisor
 does no I/O: `start` takes the trainer's lock, cleans the spool, writes the job and starts the engine; `stop_engine`
@@ -30,6 +31,8 @@ from draftsmith.extract.spool import Chunk, ChunkInfo, FeedJob, FeedStatus, Plan
 from draftsmith.extract.spool.mooncake import MooncakeMaster
 from draftsmith.prepare.dataset import prepared_digest
 from draftsmith.train.engine_process import ENGINE_RESTARTS, EngineProcess
+
+FIRST_REPORT_S = 300.0  # the least time a (re)started engine process has for its first report (its imports)
 
 
 class Event(enum.Enum):
@@ -172,7 +175,7 @@ class EngineSupervisor:
     def _spawn(self) -> None:
         self.write_plan()
         self.spool.write_status(FeedStatus(waiting="start", generation=self.generation))
-        self._seen = (None, time.monotonic())
+        self._seen, self._engine_seen = (None, time.monotonic()), FeedStatus()
         assert self.engine is not None  # spawned on this node
         self.engine.start()
 
@@ -217,7 +220,9 @@ class EngineSupervisor:
                 f"--engine vllm: the engine process on {status.host or 'the engine node'} stopped "
                 f"before chunk {chunk.name} ({status.error}); see {self.where_logged()}"
             )
-        if time.monotonic() - self._seen[1] > self.cfg.stall_timeout_s:
+        reported = self._engine_seen.pid != 0  # by this process (a stopped one's keys may go with it: still reported)
+        limit = self.cfg.stall_timeout_s if reported else max(self.cfg.stall_timeout_s, FIRST_REPORT_S)
+        if time.monotonic() - self._seen[1] > limit:
             last = self._engine_seen
             who = f"the engine process (pid {last.pid} on {last.host})" if last.pid else "the engine process"
             doing = (
@@ -228,7 +233,7 @@ class EngineSupervisor:
                 else "with no report yet"
             )
             raise DraftsmithError(
-                f"--engine vllm: {who} has made no progress for {self.cfg.stall_timeout_s:g} s "
+                f"--engine vllm: {who} has made no progress for {limit:g} s "
                 f"({doing}) while the trainer waits for chunk {chunk.name}; see "
                 f"{self.where_logged()}; run the same command again to resume"
             )

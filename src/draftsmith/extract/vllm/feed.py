@@ -256,6 +256,13 @@ class Feeder:
 
     def run(self) -> None:
         job = self.wait_for_job()
+        beating = self.heartbeat()  # from here on, alive while it reads the target, probes vLLM, starts it, computes
+        try:
+            self._run(job)
+        finally:
+            beating.set()
+
+    def _run(self, job: FeedJob) -> None:
         if job.cpus:  # the cores the trainer left to the engine (it runs on the others)
             os.sched_setaffinity(0, job.cpus)
         cfg = self.extract_config(job)
@@ -282,12 +289,9 @@ class Feeder:
 
         self.status.extra = {"strategy": strategy, "vllm": report.facts.version, "platform": report.facts.platform}
         self._report("start")
-        beating = self.heartbeat()
-        with contextlib.ExitStack() as stack:
-            stack.callback(beating.set)
-            say_dtype("draftsmith engine process", choice, cfg.compute_dtype)
-            engine, _ = start_engine(choice, spec_for, say=_say)
-            stack.enter_context(engine)
+        say_dtype("draftsmith engine process", choice, cfg.compute_dtype)
+        engine, _ = start_engine(choice, spec_for, say=_say)
+        with engine:
             self.status.engine_started = True
             self.status.extra["engine start (s)"] = round(engine.start_seconds, 1)
             plan: Plan | None = first
