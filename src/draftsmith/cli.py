@@ -45,6 +45,7 @@ err_console = Console(stderr=True)
 # the page of docs/ that explains each stage command: its help ends with it
 DOCS = dict(regenerate="guides/agentic.md", feed="guides/online.md", train="guides/methods.md")
 DOCS |= dict(evaluate="guides/evaluation.md", serve="guides/serving.md", quickstart="getting-started/quickstart.md")
+DOCS |= dict(improve="guides/improve.md")
 # the help panels of the long commands, each with its options; "*": where any option not named goes
 PANELS = {
     "train": {
@@ -140,6 +141,8 @@ def _option(name: str, field: FieldInfo, positional: bool, panel: str | None = N
         decl = typer.Option(f"{flag}/--no-{name.replace('_', '-')}", **kwargs)
         return Optional[bool], decl  # noqa: UP045 - typer reads Optional[...]
     py_type = annotation if origin is Literal or annotation in (int, float, str, Path) else str
+    if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("repeatable"):
+        return Optional[list[str]], typer.Option(flag, **kwargs)  # noqa: UP045 - typer reads Optional[...]
     if origin in (list, tuple):
         kwargs["help"] = help_text + "  (comma-separated)"
     if positional:
@@ -205,6 +208,8 @@ def _runner(name: str) -> Callable[..., config.StageResult]:
         from draftsmith.serve import run
     elif name == "quickstart":
         from draftsmith.quickstart import run
+    elif name == "improve":
+        from draftsmith.improve import run
     else:
         raise AssertionError(name)
     return run
@@ -256,6 +261,13 @@ _stage_command(
     "\n\nListens on 127.0.0.1:8000 unless --host / --port say otherwise; Ctrl-C or SIGTERM stops it. "
     "Other `vllm serve` options go in --vllm-args.",
     positional=("draft",),
+)
+_stage_command(
+    "improve",
+    config.ImproveConfig,
+    "A better draft from what the target served (serve --record): hold out the newest requests, train from the "
+    "current draft on the rest, prove both on the held-out ones, and promote the new one only where it is better "
+    "beyond the intervals (OUT/vN, OUT/current).",
 )
 _stage_command(
     "quickstart",

@@ -15,7 +15,7 @@ from draftsmith.config.base import (
     validate_config,
 )
 from draftsmith.config.data import ExtractConfig, PrepareConfig, RegenerateConfig, parse_shard
-from draftsmith.config.serving import EvaluateConfig, ExportConfig, QuickstartConfig, ServeConfig
+from draftsmith.config.serving import EvaluateConfig, ExportConfig, ImproveConfig, QuickstartConfig, ServeConfig
 from draftsmith.config.training import FeedConfig, TrainConfig
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "ExtractConfig",
     "FeedConfig",
     "PrepareConfig",
+    "ImproveConfig",
     "QuickstartConfig",
     "RegenerateConfig",
     "ServeConfig",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -325,3 +326,80 @@ class ServeConfig(StageConfig):
             "--vllm-args '--enforce-eager --max-num-seqs 8' (--vllm-args --help=all lists them)."
         ),
     )
+    record: Path | None = Field(
+        None,
+        description=(
+            "Record every request the server answers, with the target's answer, into this directory (0700, files "
+            "0600): what `prepare --data DIR` and `draftsmith improve --recording DIR` train from."
+        ),
+    )
+    record_max_gb: float | None = Field(
+        None,
+        gt=0,
+        description="--record: the most GiB the recording may hold; reaching it stops recording, not serving.",
+    )
+    record_redact: list[str] = Field(
+        default_factory=list,
+        description="--record: replace what this regular expression matches before anything is written (repeatable).",
+        json_schema_extra={"repeatable": True},
+    )
+    record_sample: float = Field(1.0, gt=0, le=1, description="--record: the fraction of requests recorded.")
+
+    @field_validator("record_redact")
+    @classmethod
+    def _patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"--record-redact {pattern!r} is not a regular expression ({err})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _recording(self) -> ServeConfig:
+        if self.record is None and (self.record_max_gb is not None or self.record_redact or self.record_sample < 1):
+            raise ValueError("--record-max-gb, --record-redact and --record-sample need --record DIR")
+        return self
+
+
+class ImproveConfig(StageConfig):
+    draft: Path = Field(
+        Path("runs/improve/current"),
+        description="The draft serving now: an export, or an earlier improve's OUT/current.",
+    )
+    recording: Path = Field(Path("recording"), description="What the target served: `draftsmith serve --record DIR`.")
+    output: Path = Field(
+        Path("runs/improve"),
+        description=(
+            "Versions (v1 the draft given, v2 ...), `current` (a link to the one to serve) and one directory per round; "
+            "a second run of the same command continues an unfinished round."
+        ),
+    )
+    target: str | None = Field(None, description="Target model; default: the one the draft was trained for.")
+    held_out: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="The newest fraction of the recording, never trained on: both drafts are proven on it.",
+    )
+    select: str = Field(
+        "all",
+        pattern=r"^(all|worst:(0?\.\d+|1(\.0*)?))$",
+        description=(
+            "What to learn from: all, or worst:F, the fraction F of requests with the lowest recorded acceptance "
+            "(a recording with acceptance: vLLM 0.32 on)."
+        ),
+    )
+    backend: Literal["hf", "vllm"] = Field("hf", description="Extraction's engine for the target (extract --backend).")
+    engine: Literal["hf", "vllm", "auto"] = Field(
+        "auto", description="The engine both drafts are proven in (evaluate --engine); vLLM runs the gate."
+    )
+    max_steps: int = Field(200, ge=1, description="Training steps from the current draft (train --max-steps).")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (train --lr).")
+    token_budget: int = Field(4096, ge=1, description="Tokens per training batch (train --token-budget).")
+    max_length: int = Field(2048, ge=16, description="Longest conversation kept, in tokens (prepare --max-length).")
+    k: int | None = Field(None, ge=1, le=16, description="Draft length proven; default: the draft's export's, else 3.")
+    num_prompts: int | None = Field(None, ge=1, description="Held-out requests proven on; default: all of them.")
+    max_new_tokens: int = Field(128, ge=1, description="Tokens generated per held-out request.")
+    device: str = Field("auto", description="auto, cpu, cuda ...")
+    trust_remote_code: bool = Field(False, description="Allow the target's own modelling/tokenizer code to run.")

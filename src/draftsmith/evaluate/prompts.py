@@ -72,6 +72,8 @@ def _prompt_of(record: object) -> tuple[list[dict], list[dict] | None] | None:
     if not isinstance(turns, list):
         return None
     first = next((i for i, t in enumerate(turns) if role_of(t) == "assistant"), len(turns))
+    if isinstance(record.get("recorded"), dict) and turns and role_of(turns[-1]) == "assistant":
+        first = len(turns) - 1  # a recorded request (serve --record): its prompt is all the client sent
     try:  # only the turns before the first answer are read: what comes after does not make the prompt unusable
         chat = normalize_conversation({**record, key: turns[:first]}, leading_assistant="keep", keep_trailing=True)
     except Skip:
@@ -106,7 +108,9 @@ def _rendered(
         prompt = _prompt_of(data)
         if prompt is None:
             continue
-        prompts.append(Prompt(id=rid, token_ids=render(tokenizer, *prompt, template_kwargs)))
+        own = data.get("chat_template_kwargs") if isinstance(data, dict) else None  # a recorded request's
+        options = {**(template_kwargs or {}), **(own if isinstance(own, dict) else {})}
+        prompts.append(Prompt(id=rid, token_ids=render(tokenizer, *prompt, options)))
         if limit is not None and len(prompts) >= limit:
             break
     return prompts

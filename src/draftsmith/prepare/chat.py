@@ -116,9 +116,14 @@ class ChatEncoder:
 
     # ------------------------------------------------------------------ rendering
     def render(
-        self, messages: list[Message], add_generation_prompt: bool = False, tools: list[dict] | None = None
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
-        options = dict(self.template_kwargs, **({"tools": tools} if tools else {}))
+        """The template's text; `template_kwargs`: a conversation's own options, over the encoder's."""
+        options = {**self.template_kwargs, **(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -197,8 +202,9 @@ class ChatEncoder:
         for k, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            context = self.render(messages[:k], add_generation_prompt=True, tools=chat.tools) if k else ""
-            full = self.render(messages[: k + 1], tools=chat.tools)
+            options = chat.template_kwargs
+            context = self.render(messages[:k], True, chat.tools, options) if k else ""
+            full = self.render(messages[: k + 1], tools=chat.tools, template_kwargs=options)
             start = len(context) if full.startswith(context) else _common_prefix_len(full, context)
             end = len(full.rstrip())
             if end <= start:

@@ -62,6 +62,7 @@ class Chat:
     # `reasoning_content` is given the text as written), else None
     written: list[str | None] | None = None
     leading_dropped: int = 0  # assistant turns dropped before the first user turn (leading_assistant="drop")
+    template_kwargs: dict | None = None  # the request's own chat template options (a recorded request's)
 
     @property
     def agentic(self) -> bool:
@@ -327,4 +328,6 @@ def normalize_conversation(record: object, leading_assistant: str = "skip", keep
         written.pop()
     if not messages:
         raise Skip("no assistant turn", "no turn is from the assistant")
-    return Chat(messages, tools, written if any(w is not None for w in written) else None, leading_dropped)
+    options = record.get("chat_template_kwargs")
+    texts = written if any(w is not None for w in written) else None
+    return Chat(messages, tools, texts, leading_dropped, options if isinstance(options, dict) and options else None)

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from draftsmith.core import recording
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.prepare import bfcl
@@ -147,10 +148,15 @@ def expand_sources(specs: Sequence[str | Path]) -> list[Source]:
 
 
 def chats_after(
-    sources: list[Source], skip_records: int, leading_assistant: str, keep_trailing: bool = False
+    sources: list[Source],
+    skip_records: int,
+    leading_assistant: str,
+    keep_trailing: bool = False,
+    target: str | None = None,
 ) -> Iterator[tuple[Source, Record, Chat | Skip]]:
     """(source, record, its conversation normalised, or the Skip that counts it) for every record of every source,
-    in order, past the first `skip_records` (those already in the shards of an interrupted run)."""
+    in order, past the first `skip_records` (those already in the shards of an interrupted run). A recorded request
+    (`draftsmith serve --record`) that `target` (a fingerprint) did not answer is skipped, counted."""
     seen = 0
     for source in sources:
         for record in iter_source(source):
@@ -159,6 +165,9 @@ def chats_after(
                 continue
             if record.bad is not None:
                 yield source, record, Skip(record.bad, record.detail)
+                continue
+            if isinstance(record.data, dict) and (why := recording.skip_reason(record.data, target)):
+                yield source, record, Skip(*why)
                 continue
             try:
                 chat: Chat | Skip = normalize_conversation(record.data, leading_assistant, keep_trailing=keep_trailing)

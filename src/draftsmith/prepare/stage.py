@@ -37,7 +37,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.config import PrepareConfig, RegenerateConfig, StageResult
-from draftsmith.core import assets
+from draftsmith.core import assets, recording
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import sha256_bytes
 from draftsmith.core.manifest import TargetIdentity
@@ -332,6 +332,7 @@ class _Job:
     """One prepare run being written: its inputs, its tallies (from the resume point on) and its progress bar."""
 
     cfg: PrepareConfig
+    identity: TargetIdentity
     sources: list[Source]
     encoder: ChatEncoder
     workers: int
@@ -362,7 +363,9 @@ class _Job:
         batch: list[tuple] = []
         sizes = (s.size for s in self.sources)
         before = dict(zip(map(id, self.sources), itertools.accumulate(sizes, initial=0), strict=False))  # bytes ahead
-        for source, record, item in chats_after(self.sources, self.resumed[0], self.cfg.leading_assistant):
+        recorded_by = recording.fingerprint(self.identity.config_hash, self.identity.tokenizer_hash)
+        chats = chats_after(self.sources, self.resumed[0], self.cfg.leading_assistant, target=recorded_by)
+        for source, record, item in chats:
             batch.append(
                 ((str(source.path), record.index), item, item.leading_dropped if isinstance(item, Chat) else 0)
             )
@@ -478,7 +481,7 @@ def run(cfg: PrepareConfig) -> StageResult:
     if state:
         for key, value in state["tally"].items():
             setattr(tally, key, value)
-    job = _Job(cfg, sources, encoder, workers, tally)
+    job = _Job(cfg, identity, sources, encoder, workers, tally)
     with job.progress:
         manifest = write_prepared(
             cfg.output,

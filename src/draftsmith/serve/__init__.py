@@ -36,15 +36,17 @@ from pathlib import Path
 from rich.console import Console
 
 from draftsmith.config import ServeConfig, StageResult
-from draftsmith.core import processes, vllm_launch
+from draftsmith.core import processes, recording, vllm_launch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.manifest import TargetIdentity
+from draftsmith.core.recording import ServerInfo, fingerprint
 from draftsmith.core.targets import is_multimodal_wrapper, read_config, text_config
 from draftsmith.evaluate.vllm_runner import check_vllm_can_serve, engine_dtype
 from draftsmith.export import read_export_manifest, vllm_loadable
 from draftsmith.export.formats import vllm_speculative_config
-from draftsmith.extract.vllm.probe import probe, target_engine_env, target_engine_kwargs
+from draftsmith.extract.vllm.probe import ProbeFacts, probe, target_engine_env, target_engine_kwargs
 from draftsmith.methods.artefact import DraftSource, load_draft, resolve_draft_target
+from draftsmith.serve import record
 
 __all__ = ["run", "vllm_serve_args"]
 
@@ -65,6 +67,8 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
     k = cfg.num_speculative_tokens or (exported.speculative_tokens if exported else DEFAULT_K)
     if not cfg.target_alone:
         check_vllm_can_serve(target_path, "draftsmith serve", method=source.spec.method, instead=MEASURE_WITHOUT_VLLM)
+    if cfg.record is not None:  # refused before vLLM starts where it cannot hold a recording
+        cfg = cfg.model_copy(update={"record": recording.check_directory(cfg.record)})
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{host}:{cfg.port}/v1"
     started = time.perf_counter()
@@ -73,13 +77,15 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
         what = alone if cfg.target_alone else f"{draft} (k={k}) with {target_path.name}"
         say = f"serving {what} at {url} once vLLM has started; Ctrl-C stops it"
         console.print(say, highlight=False, soft_wrap=True)
+        if cfg.record is not None:
+            console.print(f"recording every request it answers into {cfg.record}", highlight=False, soft_wrap=True)
         if cfg.dtype == "auto":  # on a CPU, what this vLLM runs fastest and runs at all (vLLM's own auto is bf16)
             choice = engine_dtype(target_path, cfg.dtype)
             if choice.platform == "cpu":
                 say = f"vLLM runs the target in {choice.dtype} (--dtype auto: {choice.why})"
                 console.print(say, highlight=False, soft_wrap=True)
                 cfg = cfg.model_copy(update={"dtype": choice.dtype})
-        flags, launch_env = target_launch(target_path, cfg)
+        flags, launch_env = target_launch(target_path, cfg, identity, draft)
         env = dict(os.environ, **launch_env)  # vLLM's own log level: the user's server
         if cfg.api_key:
             env["VLLM_API_KEY"] = cfg.api_key  # vLLM reads it there: the key stays out of the process list
@@ -96,7 +102,9 @@ def run(cfg: ServeConfig, console: Console | None = None) -> StageResult:
             "speculative tokens": "none (--target-alone)" if cfg.target_alone else k,
             "address": url,
             "stopped": f"after {(time.perf_counter() - started) / 60:.1f} min",
-            "output": "none (a server keeps nothing)",
+            "output": "none (a server keeps nothing)"
+            if cfg.record is None
+            else f"{cfg.record} ({recording.records_in(cfg.record)} records)",
         },
     )
 
@@ -114,11 +122,14 @@ def _vllm_draft_dir(
         yield vllm_loadable(draft, source, identity, Path(tmp) / "draft", speculative_tokens=k)
 
 
-def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[str, str]]:
+def target_launch(
+    target_path: Path, cfg: ServeConfig, identity: TargetIdentity | None = None, draft: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
     """(the `vllm serve` flags, the variables its environment needs) for this target in the installed vLLM, as
     extraction and evaluation start it (core.vllm_launch with the probe's target_engine_kwargs / _env): a multimodal
     wrapper such as Kimi-K2.5 --language-model-only (no vision tower), an MLA target in float32 on a CPU
-    --attention-backend CPU_MLA; the KV cache; on a CPU, one group of cores per tensor-parallel worker."""
+    --attention-backend CPU_MLA; the KV cache; on a CPU, one group of cores per tensor-parallel worker. With
+    --record, the recording's middleware and its options (`_record_launch`)."""
     config = read_config(target_path)
     facts = probe(architecture=(config.get("architectures") or ["unknown"])[0], config=config).facts
     mla = "kv_lora_rank" in text_config(config)
@@ -132,7 +143,40 @@ def target_launch(target_path: Path, cfg: ServeConfig) -> tuple[list[str], dict[
         cpu_workers=cfg.tensor_parallel_size if facts.platform == "cpu" else 1,
         target_env=target_engine_env(facts, mla=mla),
     )
+    if cfg.record is not None and identity is not None:
+        more, env[record.ENV] = _record_launch(cfg, facts, identity, draft)
+        flags += more
     return flags, env
+
+
+def _record_launch(
+    cfg: ServeConfig, facts: ProbeFacts, identity: TargetIdentity, draft: Path | None
+) -> tuple[list[str], str]:
+    """(the `vllm serve` flags, DRAFTSMITH_RECORD) of --record: vLLM's API server loads the recording's middleware;
+    where this vLLM reports acceptance per request, it reports it (each verify step's, where it keeps them)."""
+    assert cfg.record is not None  # the caller's condition
+    flags = ["--middleware", "draftsmith.serve.record.RecordMiddleware"]
+    asked = "--per-request-spec-decode-metrics" in (cfg.vllm_args or "")
+    if cfg.target_alone:
+        acceptance = "none: --target-alone serves no draft"
+    elif not facts.per_request_spec_metrics:
+        acceptance = f"not recorded: vLLM {facts.version} does not report acceptance per request (0.32 does)"
+    else:
+        level = "detailed" if facts.per_request_spec_steps else "summary"
+        flags += [] if asked else ["--per-request-spec-decode-metrics", level]
+        acceptance = (
+            f"per request, vLLM {facts.version}'s speculative-decoding metrics ({level}); a stream's only where "
+            "the client asks for usage (stream_options.include_usage)"
+        )
+    server = ServerInfo(
+        target=fingerprint(identity.config_hash, identity.tokenizer_hash),
+        target_path=identity.path,
+        draft=None if cfg.target_alone else str(draft),
+        vllm=facts.version or "",
+        acceptance=acceptance,
+    )
+    directory = str(Path(cfg.record).expanduser().resolve())
+    return flags, record.options(directory, server, cfg.record_max_gb, cfg.record_redact, cfg.record_sample)
 
 
 def vllm_serve_args(
