@@ -168,6 +168,7 @@ class FakeServer:
         request = json.loads(body)
         status = 400 if request.get("bad") else 200
         pieces = _chat_stream() if request.get("stream") else self.answers[scope["path"]]()
+        pieces = [b"<html>not an answer</html>"] if request.get("garbage") else pieces
         await send({"type": "http.response.start", "status": status, "headers": []})
         for i, piece in enumerate(pieces):
             await send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
@@ -383,3 +384,12 @@ def test_serve_record_loads_the_middleware_and_asks_for_acceptance_where_vllm_re
     assert options["redact"] == ["x"]
     assert options["directory"] == str((tmp_path / "rec").resolve())
     assert stat.S_IMODE((tmp_path / "rec").stat().st_mode) == 0o700 and "0 records" in result.summary["output"]
+
+
+def test_an_answer_the_recorder_cannot_read_is_said_once_and_the_client_still_gets_it(recorded_app, capfd):
+    app, where = recorded_app()
+    assert _post(app, "/v1/completions", {"prompt": "Hi", "garbage": True}) == b"<html>not an answer</html>"
+    assert json.loads(_post(app, "/v1/completions", {"prompt": "Hi"}))["choices"][0]["text"] == " world"
+    _shutdown(app)
+    assert "a completions answer could not be recorded" in capfd.readouterr().err
+    assert recording.records_in(where) == 1

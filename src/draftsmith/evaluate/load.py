@@ -15,13 +15,14 @@ requests whose outputs are identical (batches of different sizes can round diffe
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from draftsmith.core.net import free_port
 from draftsmith.evaluate import loadgen
 from draftsmith.evaluate.report import ConcurrencyRow, ConcurrencySweep, ServedRun
 
-__all__ = ["ServerOptions", "sweep", "stops_paying_at"]
+__all__ = ["Load", "ServerOptions", "sweep", "stops_paying_at"]
 
 HOST = "127.0.0.1"
 STOP_S = 90.0  # draftsmith serve's own stop: SIGTERM to vLLM, again after 15 s, SIGKILL after 30 more
@@ -52,6 +53,7 @@ class ServerOptions:
     trust_remote_code: bool
     timeout_s: int
     vllm_args: str | None = None  # more `vllm serve` options, as `draftsmith serve --vllm-args` takes them
+    record: Path | None = None  # `draftsmith serve --record` (benchmarks/record.py: what recording costs)
 
     def argv(self, port: int, target_alone: bool) -> list[str]:
         argv = [sys.executable, "-m", "draftsmith", "serve", str(self.draft), "--host", HOST, "--port", str(port)]
@@ -65,6 +67,8 @@ class ServerOptions:
             argv += ["--vllm-args", self.vllm_args]
         if target_alone:
             argv.append("--target-alone")
+        if self.record is not None:
+            argv += ["--record", str(self.record)]
         return argv
 
 
@@ -84,16 +88,9 @@ def sweep(
     atomic_write_text(dataset, "".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     measured: dict[str, dict[int, ServedRun]] = {}
     texts: dict[str, dict[int, list[str]]] = {}
+    load = Load(dataset, len(prompts), concurrency, max_new_tokens, seed, options.timeout_s)
     for name, alone in (("draft", False), ("target_alone", True)):
-        port = free_port(HOST)
-        results = workdir / name
-        with _server(options.argv(port, alone), workdir / f"serve-{name}.log", port, options.timeout_s):
-            _load(port, dataset, len(prompts), concurrency, results, max_new_tokens, seed, options.timeout_s)
-        measured[name], texts[name] = {}, {}
-        for c in concurrency:
-            raw = json.loads((results / loadgen.result_name(c)).read_text(encoding="utf-8"))
-            measured[name][c] = ServedRun.model_validate({key: raw.get(key) for key in ServedRun.model_fields})
-            texts[name][c] = list(raw.get("generated_texts") or [])
+        measured[name], texts[name] = load.serve(functools.partial(options.argv, target_alone=alone), workdir / name)
     rows = []
     for c in concurrency:
         served, baseline = measured["draft"][c], measured["target_alone"][c]
@@ -119,6 +116,33 @@ def sweep(
     )
 
 
+@dataclass(frozen=True)
+class Load:
+    """What each server is loaded with: the prompts (a JSONL of {"prompt": ...}), at each concurrency."""
+
+    dataset: Path
+    num_prompts: int
+    concurrency: list[int]
+    max_new_tokens: int
+    seed: int
+    timeout_s: int
+
+    def serve(
+        self, argv: Callable[[int], list[str]], results: Path
+    ) -> tuple[dict[int, ServedRun], dict[int, list[str]]]:
+        """Start the server `argv(port)` on a free port, load it at every concurrency, stop it: what vLLM's load
+        generator measured and the texts it got back, by concurrency (its files under `results`)."""
+        port = free_port(HOST)
+        with _server(argv(port), results.with_name(f"serve-{results.name}.log"), port, self.timeout_s):
+            _load(port, self, results)
+        measured, texts = {}, {}
+        for c in self.concurrency:
+            raw = json.loads((results / loadgen.result_name(c)).read_text(encoding="utf-8"))
+            measured[c] = ServedRun.model_validate({key: raw.get(key) for key in ServedRun.model_fields})
+            texts[c] = list(raw.get("generated_texts") or [])
+        return measured, texts
+
+
 def stops_paying_at(rows: list[ConcurrencyRow]) -> int | None:
     """The first concurrency whose speed-up is at most 1 (None: the draft pays at every one measured)."""
     for row in sorted(rows, key=lambda r: r.concurrency):
@@ -131,30 +155,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _load(
-    port: int,
-    dataset: Path,
-    num_prompts: int,
-    concurrency: list[int],
-    results: Path,
-    max_new_tokens: int,
-    seed: int,
-    timeout_s: int,
-) -> None:
+def _load(port: int, load: Load, results: Path) -> None:
     """vLLM's load generator (loadgen.py) against the server at `port`, every concurrency in one process."""
-    argv = [sys.executable, "-m", "draftsmith.evaluate.loadgen", "--concurrency", ",".join(map(str, concurrency))]
-    argv += ["--result-dir", str(results), "--num-prompts", str(num_prompts), "--"]
+    argv = [sys.executable, "-m", "draftsmith.evaluate.loadgen", "--concurrency", ",".join(map(str, load.concurrency))]
+    argv += ["--result-dir", str(results), "--num-prompts", str(load.num_prompts), "--"]
     argv += ["--backend", "openai", "--base-url", f"http://{HOST}:{port}", "--endpoint", "/v1/completions"]
-    argv += ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template"]
-    argv += ["--custom-output-len", str(max_new_tokens), "--temperature", "0", "--seed", str(seed), "--save-detailed"]
+    argv += ["--dataset-name", "custom", "--dataset-path", str(load.dataset), "--skip-chat-template"]
+    argv += ["--custom-output-len", str(load.max_new_tokens), "--temperature", "0", "--seed", str(load.seed)]
+    argv.append("--save-detailed")
     log = results.with_suffix(".log")
     results.mkdir(parents=True, exist_ok=True)
     with processes.ChildProcess(argv, log=log) as loadgen:
         try:
-            code = loadgen.wait(timeout_s)
+            code = loadgen.wait(load.timeout_s)
         except subprocess.TimeoutExpired:
             raise DraftsmithError(
-                f"evaluate --concurrency: the load generator ran past {timeout_s} s; see {log}"
+                f"evaluate --concurrency: the load generator ran past {load.timeout_s} s; see {log}"
             ) from None
     if code != 0:
         raise DraftsmithError(f"evaluate --concurrency: the load generator failed:\n{_tail(log)}\n(all of it: {log})")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,50 +99,58 @@ def render(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _rendered(
-    records: Iterable[tuple[str, object]], tokenizer: Any, limit: int | None, template_kwargs: dict | None = None
-) -> list[Prompt]:
-    """The usable records' prompts, rendered, at most `limit` of them."""
-    prompts: list[Prompt] = []
-    for rid, data in records:
-        prompt = _prompt_of(data)
-        if prompt is None:
-            continue
-        own = data.get("chat_template_kwargs") if isinstance(data, dict) else None  # a recorded request's
-        options = {**(template_kwargs or {}), **(own if isinstance(own, dict) else {})}
-        prompts.append(Prompt(id=rid, token_ids=render(tokenizer, *prompt, options)))
-        if limit is not None and len(prompts) >= limit:
-            break
-    return prompts
-
-
-def _from_file(path: Path, tokenizer: Any, limit: int | None, template_kwargs: dict | None = None) -> list[Prompt]:
-    records = (
+def _file_records(path: Path) -> Iterator[tuple[str, object]]:
+    return (
         (str(record.data.get("question_id", record.data.get("id", record.index))), record.data)
         for source in expand_sources([path])
         for record in iter_source(source)
         if record.bad is None and isinstance(record.data, dict)
     )
-    prompts = _rendered(records, tokenizer, limit, template_kwargs)
-    if not prompts:
-        raise DraftsmithError(
-            f"{path}: no usable prompt (expected ShareGPT `conversations`, `messages`, MT-bench "
-            "`turns` or `prompt` records with a user turn)"
-        )
-    return prompts
 
 
-def _humaneval(tokenizer: Any, limit: int | None) -> list[Prompt]:
+def _humaneval() -> Iterator[tuple[str, object]]:
     with gzip.open(assets.fetch(assets.HUMANEVAL), "rt", encoding="utf-8") as lines:
         tasks = [json.loads(line) for line in lines if line.strip()]
-    records = ((t["task_id"], {"prompt": f"{CODE_ASK}```python\n{t['prompt']}```"}) for t in tasks)
-    return _rendered(records, tokenizer, limit)
+    return ((t["task_id"], {"prompt": f"{CODE_ASK}```python\n{t['prompt']}```"}) for t in tasks)
 
 
-def _jee_math(tokenizer: Any, limit: int | None) -> list[Prompt]:
+def _jee_math() -> Iterator[tuple[str, object]]:
     lines = assets.fetch(assets.JEE_MATH).read_text(encoding="utf-8").splitlines()
-    records = ((f"jee-{i}", {"messages": json.loads(line)["input"]}) for i, line in enumerate(lines) if line.strip())
-    return _rendered(records, tokenizer, limit)
+    return ((f"jee-{i}", {"messages": json.loads(line)["input"]}) for i, line in enumerate(lines) if line.strip())
+
+
+def _records(spec: str) -> Iterator[tuple[str, object]]:
+    """(id, record) of a named prompt set or a conversations file, as written."""
+    named = spec.strip()
+    if named.lower() in (MTBENCH, "mtbench", "mt_bench"):
+        return _file_records(assets.mtbench_path())
+    if named == HUMANEVAL:
+        return _humaneval()
+    if named == JEE_MATH:
+        return _jee_math()
+    if named == NAMED_BFCL:
+        return _file_records(bfcl.conversations_path())
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DraftsmithError(
+            f"--prompts {spec}: no such file or directory (use mt-bench, humaneval, jee-math, bfcl-multi-turn, "
+            "suite, a ShareGPT/JSONL file, or a prepared data set directory)"
+        )
+    return _file_records(path)
+
+
+def requests(spec: str, limit: int | None = None) -> list[tuple[str, list[dict], list[dict] | None, dict]]:
+    """A prompt set as the chat requests a client sends: (id, messages, tools, the record's own template options),
+    at most `limit` of them (benchmarks/improve.py sends them to a server)."""
+    out = []
+    for rid, data in _records(spec):
+        prompt = _prompt_of(data)
+        if prompt is not None:
+            own = data.get("chat_template_kwargs") if isinstance(data, dict) else None
+            out.append((rid, *prompt, own if isinstance(own, dict) else {}))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
 
 
 def _from_prepared(
@@ -214,24 +222,21 @@ def load_prompts(
     split_seed: int = 0,
     template_kwargs: dict | None = None,
 ) -> list[Prompt]:
-    """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them."""
-    if spec.strip().lower() in (MTBENCH, "mtbench", "mt_bench"):
-        return _from_file(assets.mtbench_path(), tokenizer, num_prompts)
-    if spec.strip() == HUMANEVAL:
-        return _humaneval(tokenizer, num_prompts)
-    if spec.strip() == JEE_MATH:
-        return _jee_math(tokenizer, num_prompts)
-    if spec.strip() == NAMED_BFCL:
-        return _from_file(bfcl.conversations_path(), tokenizer, num_prompts, template_kwargs)
+    """The prompt set named by `spec` (see the module docstring), at most `num_prompts` of them, each rendered with
+    the server's template options and its record's own (a recorded request's)."""
     path = Path(spec).expanduser()
     if path.is_dir() and (path / MANIFEST_NAME).is_file():
         return _from_prepared(path, target, num_prompts, eval_fraction, split_seed)
-    if not path.exists():
+    prompts = [
+        Prompt(id=rid, token_ids=render(tokenizer, messages, tools, {**(template_kwargs or {}), **own}))
+        for rid, messages, tools, own in requests(spec, num_prompts)
+    ]
+    if not prompts:
         raise DraftsmithError(
-            f"--prompts {spec}: no such file or directory (use mt-bench, humaneval, jee-math, bfcl-multi-turn, "
-            "suite, a ShareGPT/JSONL file, or a prepared data set directory)"
+            f"{spec}: no usable prompt (expected ShareGPT `conversations`, `messages`, MT-bench "
+            "`turns` or `prompt` records with a user turn)"
         )
-    return _from_file(path, tokenizer, num_prompts, template_kwargs)
+    return prompts
 
 
 def suite_domains(spec: str) -> list[str] | None:

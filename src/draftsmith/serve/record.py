@@ -10,12 +10,15 @@ reason, the usage and, where vLLM reports it per request, the request's speculat
 (`metrics.speculative_decoding`; a stream carries it only when the client asks for usage). `--record-redact` patterns
 replace what they match in every text before anything is written. The recording itself is core/recording.py.
 
-The server's event loop does no parsing and no I/O for the recording: a slow disk slows the writer thread, never a
-response. At shutdown (ASGI lifespan) the writer drains its queue and closes the open shard.
+The server's event loop does no parsing and no I/O for the recording: it waits (without blocking) for the writer
+thread to have written a request's records before it passes on the response's last piece, so an answer a client has
+whole is on disk, and a `kill -9` of the server loses only requests still in flight. At shutdown (ASGI lifespan) the
+writer drains its queue and closes the open shard.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import os
@@ -27,6 +30,7 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import Future
 from typing import Any
 
 from draftsmith.core.recording import FSYNC_S, RecordingWriter, ServerInfo
@@ -179,17 +183,23 @@ class Recorder:
         self.server = ServerInfo.model_validate({**config["server"], "sample": self.sample})
         self.server.redactions = len(self.patterns)
         self.writer = RecordingWriter(config["directory"], self.server, config.get("max_bytes"))
-        self.queue: queue.Queue[tuple[str, bytes, bytes, float] | None] = queue.Queue()
+        self.queue: queue.Queue[tuple[str, bytes, bytes, float, Future] | None] = queue.Queue()
+        self.closed = False
         self.thread = threading.Thread(target=self._run, name="draftsmith-record", daemon=True)
         self.thread.start()
-        self.closed = False
         atexit.register(self.close)
 
     def sampled(self) -> bool:
         return self.sample >= 1.0 or random.random() < self.sample
 
-    def submit(self, endpoint: str, request: bytes, response: bytes) -> None:
-        self.queue.put((endpoint, request, response, time.time()))
+    def submit(self, endpoint: str, request: bytes, response: bytes) -> Future:
+        """Hand one answered request to the writer; the future is done once its records are written (or refused)."""
+        done: Future = Future()
+        if self.closed or not self.thread.is_alive():  # shut down: the response is not held for it
+            done.set_result(0)
+        else:
+            self.queue.put((endpoint, request, response, time.time(), done))
+        return done
 
     def _run(self) -> None:
         while True:
@@ -200,15 +210,17 @@ class Recorder:
                 continue
             if item is None:
                 return
-            endpoint, request, response, when = item
+            endpoint, request, response, when, done = item
+            written = 0
             try:
-                made = records(endpoint, json.loads(request), response, when, self.server.target)
-            except (ValueError, TypeError, AttributeError):  # an answer this version cannot read: said, not fatal
+                for record in records(endpoint, json.loads(request), response, when, self.server.target):
+                    self._quietly(self.writer.append, redact(record, self.patterns) if self.patterns else record)
+                    written += 1
+            except Exception:  # noqa: BLE001 - an answer this version cannot read: said, and the server goes on
                 print(f"draftsmith serve --record: a {endpoint} answer could not be recorded:", file=sys.stderr)
                 traceback.print_exc()
-                continue
-            for record in made:
-                self._quietly(self.writer.append, redact(record, self.patterns) if self.patterns else record)
+            finally:
+                done.set_result(written)  # the response it holds goes on either way
 
     def _quietly(self, call, *args) -> None:
         try:
@@ -221,7 +233,7 @@ class Recorder:
         if self.closed:
             return
         self.closed = True
-        self.queue.put(None)
+        self.queue.put(None)  # after every request handed in: the writer drains them first
         self.thread.join(timeout=60)
         self._quietly(self.writer.close)
 
@@ -266,8 +278,8 @@ class RecordMiddleware:
                 status[0] = message["status"]
             elif message["type"] == "http.response.body" and status[0] == 200:
                 response.extend(message.get("body", b""))
-                if not message.get("more_body"):
-                    recorder.submit(endpoint, bytes(request), bytes(response))
+                if not message.get("more_body"):  # on disk before the client has the whole answer
+                    await asyncio.wrap_future(recorder.submit(endpoint, bytes(request), bytes(response)))
             await send(message)
 
         await self.app(scope, keep_request, keep_response)
