@@ -139,7 +139,8 @@ def _chat_stream() -> list[bytes]:
 
 
 def _chat_json() -> list[bytes]:
-    message = {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up.", "tool_calls": []}
+    message = {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up.", "reasoning_content": "Look it up."}
+    message["tool_calls"] = []
     body = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}], "usage": {"completion_tokens": 3}}
     return [json.dumps(body).encode()]
 

@@ -69,14 +69,13 @@ def options(directory: str, server: ServerInfo, max_gb: float | None, redact: li
 
 
 def _merge_delta(choice: dict, delta: dict) -> None:
-    """One streamed chunk's delta added to its choice's answer so far."""
-    for key, into in (
-        ("content", "content"),
-        ("reasoning_content", "reasoning_content"),
-        ("reasoning", "reasoning_content"),
-    ):
-        if isinstance(delta.get(key), str):
-            choice[into] = choice.get(into, "") + delta[key]
+    """One streamed chunk's delta (or a whole message) added to its choice's answer so far. vLLM names the reasoning
+    `reasoning`; 0.11 sends `reasoning_content` beside it with the same text: one of them is taken."""
+    if isinstance(delta.get("content"), str):
+        choice["content"] = choice.get("content", "") + delta["content"]
+    reasoning = next((delta[k] for k in ("reasoning", "reasoning_content") if isinstance(delta.get(k), str)), None)
+    if reasoning is not None:
+        choice["reasoning_content"] = choice.get("reasoning_content", "") + reasoning
     for call in delta.get("tool_calls") or []:
         calls = choice.setdefault("tool_calls", [])
         index = call.get("index", len(calls))
