@@ -175,7 +175,8 @@ class FakeServer:
             await send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
 
 
-def _post(app, path: str, payload: dict) -> bytes:
+def _post(app, path: str, payload: dict, seen=None) -> bytes:
+    """POST `payload` to `app`; `seen(piece)` is called with each piece of the answer as the client gets it."""
     data = json.dumps(payload).encode()
     halves = [data[: len(data) // 2], data[len(data) // 2 :]]  # a body in two messages
     got = bytearray()
@@ -186,6 +187,8 @@ def _post(app, path: str, payload: dict) -> bytes:
 
     async def send(message):
         got.extend(message.get("body", b""))
+        if seen is not None:
+            seen(message.get("body", b""))
 
     asyncio.run(app({"type": "http", "method": "POST", "path": path}, receive, send))
     return bytes(got)
@@ -394,3 +397,20 @@ def test_an_answer_the_recorder_cannot_read_is_said_once_and_the_client_still_ge
     _shutdown(app)
     assert "a completions answer could not be recorded" in capfd.readouterr().err
     assert recording.records_in(where) == 1
+
+
+def test_a_stream_is_on_disk_before_its_client_sees_done_and_a_client_gone_then_loses_nothing(recorded_app):
+    app, where = recorded_app()
+    on_disk_at_done = []
+
+    def seen(piece: bytes) -> None:
+        if b"[DONE]" in piece:
+            on_disk_at_done.append(recording.records_in(where))
+            raise asyncio.CancelledError  # the client has what it needs and goes away
+
+    with pytest.raises(asyncio.CancelledError):
+        _post(app, "/v1/chat/completions", {"messages": ASK, "stream": True}, seen)
+    assert on_disk_at_done == [1]
+    _post(app, "/v1/completions", {"prompt": "Hi"})  # the writer lives on
+    _shutdown(app)
+    assert recording.records_in(where) == 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -30,13 +31,14 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from draftsmith.core.recording import FSYNC_S, RecordingWriter, ServerInfo
 
 ENV = "DRAFTSMITH_RECORD"  # the options draftsmith serve hands the server process (JSON)
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+DONE = b"data: [DONE]"  # the last event of a stream
 REDACTED = "[redacted]"
 SAMPLING_KEYS = (
     "temperature",
@@ -219,7 +221,8 @@ class Recorder:
                 print(f"draftsmith serve --record: a {endpoint} answer could not be recorded:", file=sys.stderr)
                 traceback.print_exc()
             finally:
-                done.set_result(written)  # the response it holds goes on either way
+                with contextlib.suppress(InvalidStateError):  # the response it holds goes on either way
+                    done.set_result(written)
 
     def _quietly(self, call, *args) -> None:
         try:
@@ -264,7 +267,7 @@ class RecordMiddleware:
         if endpoint is None or scope.get("method") != "POST" or not recorder.sampled():
             await self.app(scope, receive, send)
             return
-        request, response, status = bytearray(), bytearray(), [0]
+        request, response, status, handed = bytearray(), bytearray(), [0], [False]
 
         async def keep_request() -> dict:
             message = await receive()
@@ -275,10 +278,15 @@ class RecordMiddleware:
         async def keep_response(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-            elif message["type"] == "http.response.body" and status[0] == 200:
-                response.extend(message.get("body", b""))
-                if not message.get("more_body"):  # on disk before the client has the whole answer
-                    await asyncio.wrap_future(recorder.submit(endpoint, bytes(request), bytes(response)))
+            elif message["type"] == "http.response.body" and status[0] == 200 and not handed[0]:
+                body = message.get("body", b"")
+                response.extend(body)
+                if not message.get("more_body") or body.rstrip().endswith(DONE):  # a stream's end: [DONE]
+                    handed[0] = True  # on disk before the client has the whole answer (shielded: a client that
+                    # goes away does not take the record with it)
+                    await asyncio.shield(
+                        asyncio.wrap_future(recorder.submit(endpoint, bytes(request), bytes(response)))
+                    )
             await send(message)
 
         await self.app(scope, keep_request, keep_response)
