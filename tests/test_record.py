@@ -365,6 +365,7 @@ def test_serve_record_loads_the_middleware_and_asks_for_acceptance_where_vllm_re
     real = serve.probe
     per_request = release == "0.32.0"
     facts = {"version": release, "per_request_spec_metrics": per_request, "per_request_spec_steps": per_request}
+    facts["api_middleware"] = True
 
     def probe(**kw):
         report = real(**kw)
@@ -388,6 +389,11 @@ def test_serve_record_loads_the_middleware_and_asks_for_acceptance_where_vllm_re
     assert options["redact"] == ["x"]
     assert options["directory"] == str((tmp_path / "rec").resolve())
     assert stat.S_IMODE((tmp_path / "rec").stat().st_mode) == 0o700 and "0 records" in result.summary["output"]
+    facts["api_middleware"] = False  # a release whose API server takes no middleware: one line, no server
+    seen.clear()
+    with pytest.raises(DraftsmithError, match=f"vLLM {release}'s API server takes no --middleware"):
+        serve.run(ServeConfig(draft=draft, record=tmp_path / "rec"))
+    assert not seen
 
 
 def test_an_answer_the_recorder_cannot_read_is_said_once_and_the_client_still_gets_it(recorded_app, capfd):

@@ -201,6 +201,7 @@ _GROUPS = {
         ("VLLM_MLA_DISABLE", "mla_disable_switch"),
         ("per-request spec metrics", "per_request_spec_metrics"),
         ("per-step spec metrics", "per_request_spec_steps"),
+        ("API server --middleware", "api_middleware"),
     ],
 }
 _ARCH_ROWS = [

@@ -42,6 +42,7 @@ from draftsmith.config import (
 from draftsmith.core import recording
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.fsio import atomic_write_json
+from draftsmith.core.manifest import MANIFEST_NAME
 from draftsmith.evaluate import vllm_runner
 from draftsmith.evaluate.gate import GateFailed
 from draftsmith.evaluate.report import REPORT_JSON, EvaluationReport, RunReport, read_report
@@ -74,8 +75,9 @@ def _point_current(out: Path, version: int) -> None:
 
 
 def _adopt(draft: Path, out: Path) -> Path:
-    """The version the draft given is: itself where it is OUT/current (or one of OUT's versions), else copied in as
-    the next version (v1 on a first run) and made current."""
+    """The version the draft given is: itself where it is OUT/current (or one of OUT's versions), the version with
+    the same manifest where it was adopted before, else copied in as the next version (v1 on a first run) and made
+    current."""
     draft = draft.resolve()
     if draft.parent == out.resolve() and draft.name[:1] == "v" and draft.name[1:].isdigit():
         return draft
@@ -83,6 +85,10 @@ def _adopt(draft: Path, out: Path) -> Path:
         raise DraftsmithError(
             f"--draft {draft}: is not an export (draftsmith export writes one); improve starts from one"
         )
+    manifest = (draft / MANIFEST_NAME).read_bytes()
+    for known in _versions(out):  # given again (the first round's command run for the next): that version
+        if (out / f"v{known}" / MANIFEST_NAME).read_bytes() == manifest:
+            return out / f"v{known}"
     version = max(_versions(out), default=0) + 1
     shutil.copytree(draft, out / f"v{version}")
     _point_current(out, version)
@@ -266,8 +272,10 @@ def run(cfg: ImproveConfig, console: Console | None = None) -> StageResult:  # n
     recording.read_recording(cfg.recording)  # a missing or damaged recording: one line before anything runs
     round_dir = _round(out, cfg)
     state = json.loads((round_dir / STATE).read_text())
-    current = Path(state.get("current") or _adopt(Path(cfg.draft), out))
-    state["current"] = str(current)
+    if "current" not in state:  # kept at once: an interrupted round does not adopt the draft twice
+        state["current"] = str(_adopt(Path(cfg.draft), out))
+        atomic_write_json(round_dir / STATE, state)
+    current = Path(state["current"])
     source = load_draft(current)
     target_path, identity = resolve_draft_target(cfg.target, source, str(current), "improve it")
     manifest = read_export_manifest(current)

