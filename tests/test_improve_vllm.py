@@ -21,7 +21,7 @@ _spec = importlib.util.spec_from_file_location("bench_improve", Path(__file__).p
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # type: ignore[union-attr]
 
-REQUESTS, KILL_AFTER, CONCURRENCY, MAX_TOKENS = 32, 10, 2, 48
+REQUESTS, KILL_AFTER, CONCURRENCY, MAX_TOKENS = 24, 8, 2, 40
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +81,8 @@ def test_a_recording_survives_kill_9_and_improve_promotes_a_draft_vllm_proves_be
         chat_draft,
         where,
         tmp_path / "improve",
-        [
-            "--held-out",
-            "0.25",
-            "--max-steps",
-            "120",
-            "--lr",
-            "1e-3",
-            "--token-budget",
-            "1024",
-            "--max-new-tokens",
-            "48",
-        ],
+        ["--held-out", "0.34", "--max-steps", "100", "--lr", "1e-3", "--token-budget", "1024"]
+        + ["--max-new-tokens", str(MAX_TOKENS)],
     )
     decided = state["finished"]["decide"]
     taus = bench.taus(round_dir, 3)
