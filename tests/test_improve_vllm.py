@@ -21,7 +21,7 @@ _spec = importlib.util.spec_from_file_location("bench_improve", Path(__file__).p
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # type: ignore[union-attr]
 
-REQUESTS, KILL_AFTER, CONCURRENCY, MAX_TOKENS = 24, 8, 2, 40
+REQUESTS, KILL_AFTER, CONCURRENCY, MAX_TOKENS = 28, 24, 2, 40
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +60,13 @@ def test_a_recording_survives_kill_9_and_improve_promotes_a_draft_vllm_proves_be
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-    recorded_first = recording.records_in(where)
+    recorded = recording.records_in(where)
     # every answer a client got is on disk; of the requests in flight, at most those
-    assert len(first) <= recorded_first <= len(first) + in_flight, (len(first), recorded_first, in_flight)
-    rest = [r for i, r in enumerate(code) if i not in set(first)]
-    server = bench.start_server(chat_draft, where, port, log)  # the next server closes the killed one's shard
-    try:
-        second, _ = bench.send(port, rest, CONCURRENCY, MAX_TOKENS)
-    finally:
-        assert bench.stop(server) == 0, log.read_text()[-3000:]
-    assert len(second) == len(rest)
-    manifest = recording.read_recording(where)
-    assert all(s.sha256 for s in manifest.shards) and "stopped without closing" in manifest.shards[0].note
-    assert recording.records_in(where) == recorded_first + len(rest)
-    assert "per request" in manifest.servers[0].acceptance  # vLLM 0.32 reports each request's acceptance
+    assert len(first) <= recorded <= len(first) + in_flight, (len(first), recorded, in_flight)
+    manifest = recording.read_recording(where)  # the shard the killed server left open: as it is, no checksum yet
+    assert [s.sha256 for s in manifest.shards] == [None] and "per request" in manifest.servers[0].acceptance
     read = [r for _, _, r, _ in recording.iter_records(where) if r is not None]
-    assert sum(r["recorded"]["acceptance"] is not None for r in read) >= len(read) // 2  # the streamed: with usage
+    assert len(read) == recorded and sum(r["recorded"]["acceptance"] is not None for r in read) >= len(read) // 2
 
     round_dir, state = bench.improve(
         chat_draft,
@@ -91,5 +82,7 @@ def test_a_recording_survives_kill_9_and_improve_promotes_a_draft_vllm_proves_be
     assert after["tau_95"][0] > before["tau_95"][1] and before["num_prompts"] >= 8, taus
     assert os.readlink(tmp_path / "improve" / "current") == "v2"
     for name in ("eval-current", "eval-candidate"):
-        gate = json.loads((round_dir / name / "report.json").read_text())["gate"]
-        assert gate["passed"], (name, gate)
+        report = json.loads((round_dir / name / "report.json").read_text())
+        assert report["gate"]["passed"], (name, report["gate"])
+        # the target alone decoded once, for both drafts' speed-up: in the current draft's proof
+        assert (report["baseline"] is not None) == (name == "eval-current"), name

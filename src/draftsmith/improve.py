@@ -204,8 +204,8 @@ def _stage_configs(cfg: ImproveConfig, current: Path, target: Path, round_dir: P
             checkpoint=round_dir / "train", format="vllm", output=round_dir / "candidate", speculative_tokens=k
         ),
         "prove current": EvaluateConfig(draft=current, output=round_dir / "eval-current", **proven, **common),
-        "prove candidate": EvaluateConfig(
-            draft=round_dir / "candidate", output=round_dir / "eval-candidate", **proven, **common
+        "prove candidate": EvaluateConfig(  # the target alone decoded once, for both: in the current's proof
+            draft=round_dir / "candidate", output=round_dir / "eval-candidate", baseline=False, **proven, **common
         ),
     }
 
@@ -313,11 +313,13 @@ def _decide(out: Path, round_dir: Path, state: dict[str, Any], k: int) -> dict[s
     return {"promoted": f"v{version}", "why": why}
 
 
-def _lines(name: str, run: RunReport) -> list[tuple[str, str]]:
-    """A draft's τ on the held-out requests: its interval, acceptance per position and split by segment."""
+def _lines(name: str, run: RunReport, alone: float | None) -> list[tuple[str, str]]:
+    """A draft's τ on the held-out requests: its interval, acceptance per position, speed-up over the target alone
+    (`alone` tokens/s, decoded in the current draft's proof) and split by segment."""
     interval = f" [{run.tau_95[0]:.3f}, {run.tau_95[1]:.3f}]" if run.tau_95 else ""
     per_pos = " ".join(f"{a:.2f}" for a in run.acceptance_per_pos)
-    lines = [(f"τ {name} (k={run.k})", f"{run.tau:.3f}{interval}; acceptance per position {per_pos}")]
+    speed = f"; {run.tokens_per_s / alone:.2f}x the target alone's tokens/s" if alone else ""
+    lines = [(f"τ {name} (k={run.k})", f"{run.tau:.3f}{interval}; acceptance per position {per_pos}{speed}")]
     split = [f"{seg} {s.tau:.2f} ({s.rounds} rounds)" for seg, s in (run.by_segment or {}).items() if s.tau is not None]
     return lines + ([(f"τ {name} by segment", ", ".join(split))] if split else [])
 
@@ -334,7 +336,7 @@ def _result(cfg: ImproveConfig, round_dir: Path, state: dict[str, Any], k: int) 
         **{
             key: line
             for name, run in zip(("current", "candidate"), taus, strict=True)
-            for key, line in _lines(name, run)
+            for key, line in _lines(name, run, reports[0].baseline.tokens_per_s if reports[0].baseline else None)
         },
         "decision": (f"promoted {decided['promoted']}: " if decided["promoted"] else "kept the current draft: ")
         + decided["why"],

@@ -40,23 +40,9 @@ ENV = "DRAFTSMITH_RECORD"  # the options draftsmith serve hands the server proce
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 DONE = b"data: [DONE]"  # the last event of a stream
 REDACTED = "[redacted]"
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "n",
-    "seed",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "response_format",
-    "stream",
-)
+SAMPLING_KEYS: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens")
+SAMPLING_KEYS += ("n", "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+SAMPLING_KEYS += ("response_format", "stream")
 CHAT_KEYS = ("tools", "tool_choice", "chat_template_kwargs", "chat_template", "add_generation_prompt")
 
 

@@ -392,11 +392,8 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
     engine_args = _class(tree, "EngineArgs")
     fields = tree.fields(engine_args) if engine_args is not None else {}
     backends = _class(tree, "AttentionBackendEnum")
-    cpu_mla = (
-        "CPU_MLA"
-        if backends is not None and "CPU_MLA" in tree.class_names(backends) and "attention_backend" in fields
-        else None
-    )
+    has_cpu_mla = backends is not None and "CPU_MLA" in tree.class_names(backends) and "attention_backend" in fields
+    cpu_mla = "CPU_MLA" if has_cpu_mla else None
     platform = _class(tree, "CpuPlatform")
     selector = tree.segment(_method(tree, platform, "get_attn_backend_cls"))
     refused = None if platform is None else "MLA is not supported on CPU" in selector
@@ -416,9 +413,7 @@ def read_engine_args(tree: SourceTree, ctx: Context) -> Reading:
         }
     )
     if engine_args is None:
-        reading.unknown.update(
-            dict.fromkeys(("language_model_only", "per_request_spec_metrics"), _not_found("EngineArgs"))
-        )
+        reading.unknown |= dict.fromkeys(("language_model_only", "per_request_spec_metrics"), _not_found("EngineArgs"))
     if frontend is None:
         reading.unknown["api_middleware"] = _not_found("FrontendArgs")
     only = reading.facts["language_model_only"]
