@@ -67,6 +67,8 @@ def test_only_a_candidate_above_the_current_drafts_interval_that_passed_its_gate
     assert not promote and "not better beyond the intervals" in why
     promote, why = improve.decide(now, _run(3, 1.9, (1.7, 2.1)), 3, {"prove candidate": "vLLM differs at position 2"})
     assert not promote and "failed the gate (vLLM differs at position 2)" in why
+    promote, why = improve.decide(now, _run(3, 1.9, (1.7, 2.1)), 3, {"prove current": "a config key differs"})
+    assert promote and why.endswith("; the current draft failed its gate (a config key differs)")  # said, not hidden
     promote, why = improve.decide(now, _run(3, 1.9, None), 3, {})
     assert not promote and "no per-request interval" in why
 

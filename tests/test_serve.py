@@ -356,7 +356,7 @@ def test_a_peagle_draft_on_a_vllm_without_parallel_drafting_is_refused_before_an
 def test_parallel_drafting_is_asked_of_vllm_for_a_peagle_draft_only(tmp_path, tiny_target_dir, monkeypatch, one_thread):
     """The same vLLM without parallel drafting serves an EAGLE-3 draft; one with it serves the P-EAGLE draft."""
     seen = {}
-    monkeypatch.setattr(serve, "target_launch", lambda target, cfg: ([], {}))
+    monkeypatch.setattr(serve, "target_launch", lambda target, cfg, identity, draft: ([], {}))
     monkeypatch.setattr(
         serve,
         "serve_until_stopped",

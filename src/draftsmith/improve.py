@@ -238,6 +238,8 @@ def decide(current: EvaluationReport, candidate: EvaluationReport, k: int, gates
         f"τ {new.tau:.3f} [{new.tau_95[0]:.3f}, {new.tau_95[1]:.3f}] against {now.tau:.3f} "
         f"[{now.tau_95[0]:.3f}, {now.tau_95[1]:.3f}] on {new.num_prompts} held-out requests (k={k})"
     )
+    if gates.get("prove current"):  # both τ are vLLM's, as served; the summary says the current draft's gate failed
+        said += f"; the current draft failed its gate ({gates['prove current']})"
     if new.tau_95[0] > now.tau_95[1]:
         return True, f"better beyond the intervals: {said}"
     return False, f"not better beyond the intervals: {said}"
