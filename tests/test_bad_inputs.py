@@ -415,6 +415,16 @@ STAGES = {
             "prepared": "is a 'prepared' artefact, expected 'store'",
         },
     ),
+    "improve": (
+        ["improve", "--draft", "never-read", "--recording", "{}"],  # the recording is read first
+        {
+            "missing": "no such recording",
+            "file": "is a file, not a recording",
+            "plain dir": "not a recording (no manifest.json",
+            "bad manifest": "manifest is not valid JSON",
+            "prepared": "is a 'prepared' artefact, expected 'recording'",
+        },
+    ),
     "regenerate": (
         ["regenerate", "--engine", "hf", "--data", "{}"],
         {

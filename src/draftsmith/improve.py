@@ -268,10 +268,10 @@ def _round(out: Path, cfg: ImproveConfig) -> Path:
 
 def run(cfg: ImproveConfig, console: Console | None = None) -> StageResult:  # noqa: C901 - one branch per step
     console = console or Console(stderr=True)
+    recording.read_recording(cfg.recording)  # a missing or damaged recording: one line before anything runs
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
-    recording.read_recording(cfg.recording)  # a missing or damaged recording: one line before anything runs
     round_dir = _round(out, cfg)
     state = json.loads((round_dir / STATE).read_text())
     if "current" not in state:  # kept at once: an interrupted round does not adopt the draft twice

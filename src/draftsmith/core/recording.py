@@ -130,7 +130,8 @@ def is_recording(directory: Path) -> bool:
 def read_recording(directory: Path) -> RecordingManifest:
     directory = Path(directory)
     if not directory.is_dir():
-        raise DraftsmithError(f"{directory}: no such recording (draftsmith serve --record DIR writes one)")
+        what = "is a file, not a recording" if directory.exists() else "no such recording"
+        raise DraftsmithError(f"{directory}: {what} (draftsmith serve --record DIR writes one)")
     if not (directory / MANIFEST_NAME).is_file():
         raise DraftsmithError(
             f"{directory}: not a recording (no {MANIFEST_NAME}; draftsmith serve --record writes one)"
