@@ -378,6 +378,7 @@ def test_serve_record_loads_the_middleware_and_asks_for_acceptance_where_vllm_re
     result = serve.run(ServeConfig(draft=draft, record=tmp_path / "rec", record_redact=["x"]))
     argv, options = seen["argv"], json.loads(seen["env"][record.ENV])
     assert argv[argv.index("--middleware") + 1] == "draftsmith.serve.record.RecordMiddleware"
+    assert argv[argv.index("--api-server-count") + 1] == "1"  # the recording's one writer, with data parallelism too
     assert ("--per-request-spec-decode-metrics" in argv) == per_request
     if per_request:
         assert argv[argv.index("--per-request-spec-decode-metrics") + 1] == "detailed"
@@ -389,6 +390,8 @@ def test_serve_record_loads_the_middleware_and_asks_for_acceptance_where_vllm_re
     assert options["redact"] == ["x"]
     assert options["directory"] == str((tmp_path / "rec").resolve())
     assert stat.S_IMODE((tmp_path / "rec").stat().st_mode) == 0o700 and "0 records" in result.summary["output"]
+    with pytest.raises(DraftsmithError, match="asks for 2 API server processes; one writes the recording"):
+        serve.run(ServeConfig(draft=draft, record=tmp_path / "rec", vllm_args="--api-server-count=2"))
     facts["api_middleware"] = False  # a release whose API server takes no middleware: one line, no server
     seen.clear()
     with pytest.raises(DraftsmithError, match=f"vLLM {release}'s API server takes no --middleware"):

@@ -161,8 +161,15 @@ def _record_launch(
             f"{'none' if facts.api_middleware is False else 'no FrontendArgs'}), where the recording plugs in; "
             "every vLLM from 0.11.1 to 0.33 has it"
         )
-    flags = ["--middleware", "draftsmith.serve.record.RecordMiddleware"]
-    asked = "--per-request-spec-decode-metrics" in (cfg.vllm_args or "")
+    servers = _given(cfg.vllm_args, "--api-server-count", "-asc")
+    if servers not in (None, "1"):
+        raise DraftsmithError(
+            f"--record: --vllm-args asks for {servers} API server processes; one writes the recording (--record "
+            "starts vLLM with one: leave --api-server-count out)"
+        )
+    # one API server process, the recording's one writer (vLLM starts one per data-parallel rank where not told)
+    flags = ["--middleware", "draftsmith.serve.record.RecordMiddleware", "--api-server-count", "1"]
+    asked = _given(cfg.vllm_args, "--per-request-spec-decode-metrics") is not None
     if cfg.target_alone:
         acceptance = "none: --target-alone serves no draft"
     elif not facts.per_request_spec_metrics:
@@ -183,6 +190,16 @@ def _record_launch(
     )
     directory = str(Path(cfg.record).expanduser().resolve())
     return flags, record.options(directory, server, cfg.record_max_gb, cfg.record_redact, cfg.record_sample)
+
+
+def _given(vllm_args: str | None, *names: str) -> str | None:
+    """The value --vllm-args gives the first of `names` (`--name V` or `--name=V`); None where none is given."""
+    given = shlex.split(vllm_args or "")
+    for i, arg in enumerate(given):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            return value if eq else (given[i + 1] if i + 1 < len(given) else "")
+    return None
 
 
 def vllm_serve_args(
