@@ -392,6 +392,10 @@ def test_serve_record_loads_the_middleware_and_asks_for_acceptance_where_vllm_re
     assert stat.S_IMODE((tmp_path / "rec").stat().st_mode) == 0o700 and "0 records" in result.summary["output"]
     with pytest.raises(DraftsmithError, match="asks for 2 API server processes; one writes the recording"):
         serve.run(ServeConfig(draft=draft, record=tmp_path / "rec", vllm_args="--api-server-count=2"))
+    monkeypatch.setenv("VLLM_USE_RUST_FRONTEND", "1")
+    with pytest.raises(DraftsmithError, match="Rust front end, which loads no --middleware"):
+        serve.run(ServeConfig(draft=draft, record=tmp_path / "rec"))
+    monkeypatch.delenv("VLLM_USE_RUST_FRONTEND")
     facts["api_middleware"] = False  # a release whose API server takes no middleware: one line, no server
     seen.clear()
     with pytest.raises(DraftsmithError, match=f"vLLM {release}'s API server takes no --middleware"):

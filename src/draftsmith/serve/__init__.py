@@ -161,6 +161,11 @@ def _record_launch(
             f"{'none' if facts.api_middleware is False else 'no FrontendArgs'}), where the recording plugs in; "
             "every vLLM from 0.11.1 to 0.33 has it"
         )
+    if os.environ.get("VLLM_USE_RUST_FRONTEND", "0") not in ("", "0"):  # vLLM 0.32's: it loads no ASGI middleware
+        raise DraftsmithError(
+            "--record: VLLM_USE_RUST_FRONTEND serves through vLLM's Rust front end, which loads "
+            "no --middleware; unset it to record"
+        )
     servers = _given(cfg.vllm_args, "--api-server-count", "-asc")
     if servers not in (None, "1"):
         raise DraftsmithError(
