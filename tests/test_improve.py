@@ -147,8 +147,9 @@ def test_a_round_on_a_tiny_target_resumes_proves_both_drafts_and_promotes_the_be
     assert os.readlink(out / improve.CURRENT) == "v2" and result.summary["decision"].startswith("promoted v2")
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
     assert (out / "v1" / "manifest.json").read_bytes() == (draft / "manifest.json").read_bytes()
-    # the first round's draft given again is the version it became, not a new copy
-    assert improve._adopt(draft, out) == out / "v1" and not (out / "v3").exists()
+    # the first round's draft given again (the same command, the next day) is the draft served now, not a new copy
+    assert improve._adopt(draft, out) == out / "v2" and not (out / "v3").exists()
+    assert improve._adopt(out / "v1", out) == out / "v1"  # a version given itself: that one
     assert os.readlink(out / improve.CURRENT) == "v2"
     # a next round starts from current
     monkeypatch.setattr(improve, "_prove", lambda config: {"gate failed": "vLLM differs"})

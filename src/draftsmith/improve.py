@@ -75,9 +75,9 @@ def _point_current(out: Path, version: int) -> None:
 
 
 def _adopt(draft: Path, out: Path) -> Path:
-    """The version the draft given is: itself where it is OUT/current (or one of OUT's versions), the version with
-    the same manifest where it was adopted before, else copied in as the next version (v1 on a first run) and made
-    current."""
+    """The version a round starts from: the draft given where it is OUT/current or one of OUT's versions; the one
+    OUT/current serves where the draft given was adopted before (the first round's command run for the next); else
+    the draft copied in as the next version (v1 on a first run) and made current."""
     draft = draft.resolve()
     if draft.parent == out.resolve() and draft.name[:1] == "v" and draft.name[1:].isdigit():
         return draft
@@ -86,9 +86,9 @@ def _adopt(draft: Path, out: Path) -> Path:
             f"--draft {draft}: is not an export (draftsmith export writes one); improve starts from one"
         )
     manifest = (draft / MANIFEST_NAME).read_bytes()
-    for known in _versions(out):  # given again (the first round's command run for the next): that version
+    for known in _versions(out):  # adopted before: the draft served now, never an older version
         if (out / f"v{known}" / MANIFEST_NAME).read_bytes() == manifest:
-            return out / f"v{known}"
+            return (out / CURRENT).resolve() if (out / CURRENT).exists() else out / f"v{known}"
     version = max(_versions(out), default=0) + 1
     shutil.copytree(draft, out / f"v{version}")
     _point_current(out, version)

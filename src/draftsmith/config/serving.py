@@ -365,7 +365,10 @@ class ServeConfig(StageConfig):
 class ImproveConfig(StageConfig):
     draft: Path = Field(
         Path("runs/improve/current"),
-        description="The draft serving now: an export, or an earlier improve's OUT/current.",
+        description=(
+            "The draft serving now: OUT/current, or an export (made OUT/v1 on a first round; given again, it stands "
+            "for OUT/current), or one of OUT's versions."
+        ),
     )
     recording: Path = Field(Path("recording"), description="What the target served: `draftsmith serve --record DIR`.")
     output: Path = Field(
